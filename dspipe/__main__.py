@@ -1,0 +1,3 @@
+from dspipe.cli import main
+
+main()

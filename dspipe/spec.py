@@ -1,0 +1,222 @@
+"""What the user asked for: model shape, cluster, training and parallel strategy.
+
+Plain frozen dataclasses, validated on construction. No torch, no deepspeed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from dspipe.errors import SpecError
+
+PRECISIONS = ("bf16", "fp16", "fp32")
+ZERO_STAGES = (0, 1, 2, 3)
+OFFLOADS = ("none", "cpu", "nvme")
+CHECKPOINTING = ("none", "full", "selective")
+PARTITION_METHODS = ("parameters", "uniform", "type:Block")
+
+MIB = 1024**2
+
+
+def _positive(owner: str, **values: int) -> None:
+    for name, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise SpecError(f"{owner}.{name} must be a positive integer, got {value!r}")
+
+
+def _one_of(owner: str, name: str, value, allowed) -> None:
+    if value not in allowed:
+        raise SpecError(f"{owner}.{name} {value!r} is not one of: {', '.join(map(str, allowed))}")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shape of a GPT-2 style decoder (pre-LayerNorm, learned positions, GELU MLP)."""
+
+    name: str
+    """Preset name, or 'custom'."""
+    layers: int
+    """Number of transformer blocks (L)."""
+    hidden: int
+    """Model width (h)."""
+    heads: int
+    """Attention heads (a); hidden must be divisible by it."""
+    vocab: int
+    """Vocabulary size (V), embedding rows."""
+    seq_len: int
+    """Context length in tokens (s); also the number of learned positions."""
+    ffn: int
+    """MLP inner width, 4·hidden for GPT-2/3."""
+    dropout: float = 0.0
+    """Dropout on embeddings, attention output and MLP output (0 for pretraining)."""
+    tied_embeddings: bool = True
+    """Share the token embedding with the output head."""
+
+    def __post_init__(self) -> None:
+        _positive("model", layers=self.layers, hidden=self.hidden, heads=self.heads, vocab=self.vocab,
+                  seq_len=self.seq_len, ffn=self.ffn)
+        if self.hidden % self.heads:
+            raise SpecError(f"hidden {self.hidden} is not divisible by heads {self.heads} "
+                            f"({self.hidden} / {self.heads} = {self.hidden / self.heads:g})")
+        if not 0.0 <= self.dropout < 1.0:
+            raise SpecError(f"dropout must be in [0, 1), got {self.dropout}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def params_per_block(self) -> int:
+        h, f = self.hidden, self.ffn
+        # ln_1 + qkv + proj + ln_2 + fc + proj, weights and biases
+        return 2 * h + (3 * h * h + 3 * h) + (h * h + h) + 2 * h + (h * f + f) + (f * h + h)
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden + self.seq_len * self.hidden
+
+    @property
+    def num_params(self) -> int:
+        """Total parameters, counting a tied embedding once."""
+        head = 0 if self.tied_embeddings else self.vocab * self.hidden
+        return self.embedding_params + self.layers * self.params_per_block + 2 * self.hidden + head
+
+
+@dataclass(frozen=True)
+class GpuType:
+    """One accelerator kind from the catalog."""
+
+    name: str
+    """Catalog key, e.g. 'h100-80g'."""
+    memory_bytes: int
+    """Device memory as the driver reports it."""
+    peak_bf16_tflops: float
+    """Dense bf16 tensor-core peak, TFLOP/s."""
+    peak_fp16_tflops: float
+    """Dense fp16 tensor-core peak, TFLOP/s."""
+    peak_fp32_tflops: float
+    """Dense fp32 (non-TF32) peak, TFLOP/s."""
+    intra_node_gbps: float
+    """Per-GPU unidirectional bandwidth to peers in the node (NVLink), GB/s."""
+    inter_node_gbps: float
+    """Per-GPU share of the node's network bandwidth (InfiniBand), GB/s."""
+    backend: str
+    """torch.distributed backend DeepSpeed uses on it."""
+
+    def peak_tflops(self, precision: str) -> float:
+        return {"bf16": self.peak_bf16_tflops, "fp16": self.peak_fp16_tflops, "fp32": self.peak_fp32_tflops}[precision]
+
+
+# Vendor datasheet figures. 'cpu' is a nominal entry for the 2-rank gloo path (not a performance model).
+GPU_CATALOG: dict[str, GpuType] = {g.name: g for g in (
+    GpuType("cpu", 16 * 1024 * MIB, 1.0, 0.0, 1.0, 10.0, 10.0, "gloo"),
+    GpuType("a100-40g", 40960 * MIB, 312.0, 312.0, 19.5, 300.0, 25.0, "nccl"),
+    GpuType("a100-80g", 81920 * MIB, 312.0, 312.0, 19.5, 300.0, 25.0, "nccl"),
+    GpuType("h100-80g", 81559 * MIB, 989.0, 989.0, 67.0, 450.0, 50.0, "nccl"),
+    GpuType("h200", 143771 * MIB, 989.0, 989.0, 67.0, 450.0, 50.0, "nccl"),
+)}
+
+
+def gpu_type(name: str) -> GpuType:
+    try:
+        return GPU_CATALOG[name]
+    except KeyError:
+        raise SpecError(f"unknown GPU type {name!r}; valid: {', '.join(GPU_CATALOG)}") from None
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """Where the job runs."""
+
+    nodes: int
+    """Number of machines."""
+    gpus_per_node: int
+    """Ranks per machine (GPUs, or CPU processes on the 'cpu' type)."""
+    gpu: str
+    """GPU type, a key of GPU_CATALOG."""
+
+    def __post_init__(self) -> None:
+        _positive("cluster", nodes=self.nodes, gpus_per_node=self.gpus_per_node)
+        gpu_type(self.gpu)
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def gpu_type(self) -> GpuType:
+        return GPU_CATALOG[self.gpu]
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    """How long and how hard to train."""
+
+    global_batch: int
+    """Sequences per optimizer step, across all data-parallel ranks."""
+    micro_batch: int
+    """Sequences per forward/backward on one rank."""
+    steps: int
+    """Optimizer steps to run."""
+    lr: float = 6e-4
+    """Peak learning rate reached after warmup."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate of the cosine decay, as a fraction of lr."""
+    warmup_steps: int = 100
+    """Linear warmup length in optimizer steps."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay (not applied to biases and norms)."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clipping threshold."""
+    precision: str = "bf16"
+    """bf16, fp16 or fp32 training."""
+    seed: int = 1234
+    """Seed for weights, data order and dropout."""
+    log_interval: int = 10
+    """Print and record metrics every this many steps."""
+
+    def __post_init__(self) -> None:
+        _positive("train", global_batch=self.global_batch, micro_batch=self.micro_batch, steps=self.steps,
+                  warmup_steps=self.warmup_steps, log_interval=self.log_interval)
+        _one_of("train", "precision", self.precision, PRECISIONS)
+        if not self.lr > 0:
+            raise SpecError(f"lr must be positive, got {self.lr}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise SpecError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.weight_decay < 0 or self.grad_clip < 0:
+            raise SpecError(f"weight_decay {self.weight_decay} and grad_clip {self.grad_clip} must be >= 0")
+
+
+@dataclass(frozen=True)
+class StrategySpec:
+    """How the work is split and where state lives."""
+
+    zero: int = 1
+    """ZeRO stage 0-3 (0: plain data parallel)."""
+    offload: str = "none"
+    """Where optimizer states live: none (GPU), cpu or nvme."""
+    offload_params: bool = False
+    """Also offload parameters to the offload device (ZeRO-3 only)."""
+    nvme_path: str | None = None
+    """Directory on a local NVMe drive, required for nvme offload."""
+    pp: int = 1
+    """Pipeline stages; data parallel size is world / pp."""
+    checkpointing: str = "none"
+    """Activation recomputation: none, full (per block) or selective (attention core)."""
+    partition_method: str = "parameters"
+    """How the pipeline splits layers into stages: parameters, uniform or type:Block."""
+
+    def __post_init__(self) -> None:
+        _one_of("strategy", "zero", self.zero, ZERO_STAGES)
+        _one_of("strategy", "offload", self.offload, OFFLOADS)
+        _one_of("strategy", "checkpointing", self.checkpointing, CHECKPOINTING)
+        _one_of("strategy", "partition_method", self.partition_method, PARTITION_METHODS)
+        _positive("strategy", pp=self.pp)
+
+
+def from_dict(cls, data: dict):
+    """Rebuild a spec from its asdict() form, rejecting unknown keys."""
+    names = {f.name for f in fields(cls)}
+    unknown = set(data) - names
+    if unknown:
+        raise SpecError(f"unknown {cls.__name__} keys: {', '.join(sorted(unknown))}")
+    return cls(**data)

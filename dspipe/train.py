@@ -1,0 +1,201 @@
+"""The runner behind `deepspeed run.py --run runs/NAME`: run dir -> model/pipeline -> deepspeed.initialize -> loop."""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import logging
+import os
+import sys
+import time
+
+from dspipe.data import BatchOrder, TokenWindows, micro_batches
+from dspipe.errors import SpecError
+from dspipe.rundir import Run, load_run
+
+ENGINE_FILE = "engine.json"
+
+
+def _param_groups(module, weight_decay: float) -> list[dict]:
+    """AdamW groups: decay matrices and embeddings, not biases or LayerNorm weights (1-d tensors)."""
+    decay, no_decay = [], []
+    for p in module.parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_module(run: Run):
+    """The plain GPT (pp=1) or its PipelineModule (pp>1), with recomputation wired to DeepSpeed's checkpointing."""
+    import deepspeed
+
+    plan, seed = run.plan, run.train.seed
+    checkpoint_fn = None
+    if plan.checkpointing != "none":
+        # The JSON's activation_checkpointing block, passed as values: configure(deepspeed_config=...) would
+        # re-check the batch equation against the whole world, which is wrong under a pipeline (dp = world / pp).
+        ac = json.loads(run.ds_config_path.read_text())["activation_checkpointing"]
+        deepspeed.checkpointing.configure(None, partition_activations=ac["partition_activations"],
+                                          contiguous_checkpointing=ac["contiguous_memory_optimization"],
+                                          num_checkpoints=ac["number_checkpoints"],
+                                          checkpoint_in_cpu=ac["cpu_checkpointing"],
+                                          synchronize=ac["synchronize_checkpoint_boundary"], profile=ac["profile"])
+        checkpoint_fn = deepspeed.checkpointing.checkpoint
+    if plan.pp > 1:
+        from dspipe.pipeline import build_pipeline
+        return build_pipeline(model=run.model, stages=plan.pp, partition_method=plan.partition_method,
+                              checkpointing=plan.checkpointing,
+                              activation_checkpoint_interval=plan.activation_checkpoint_interval,
+                              checkpoint_fn=checkpoint_fn or deepspeed.checkpointing.checkpoint, seed=seed)
+    from dspipe.model import GPT
+    model = GPT(run.model, seed=seed)
+    model.set_recomputation(plan.checkpointing, checkpoint_fn)
+    return model
+
+
+def engine_settings(engine) -> dict:
+    """What the live engine actually uses, read from the engine and its optimizer, not from our JSON."""
+    import torch.distributed as dist
+
+    module = engine.module
+    zero_opt = engine.optimizer
+    return {
+        "zero_stage": int(engine.zero_optimization_stage()),
+        "gradient_clipping": float(engine.gradient_clipping()),
+        "bf16": bool(engine.bfloat16_enabled()),
+        "fp16": bool(engine.fp16_enabled()),
+        "param_dtype": str(next(module.parameters()).dtype).replace("torch.", ""),
+        "grad_accum_dtype": str(engine.get_data_types()[1]).replace("torch.", ""),
+        "train_batch_size": int(engine.train_batch_size()),
+        "micro_batch": int(engine.train_micro_batch_size_per_gpu()),
+        "grad_accum": int(engine.gradient_accumulation_steps()),
+        "dp": int(engine.dp_world_size),
+        "pp": int(getattr(engine, "num_stages", 1)),
+        "wrapper_optimizer": type(zero_opt).__name__,
+        "base_optimizer": type(engine.basic_optimizer).__name__,
+        "offload_optimizer": bool(getattr(zero_opt, "cpu_offload", False) or getattr(zero_opt, "offload_optimizer", False)),
+        "offload_param": bool(getattr(zero_opt, "offload_param", False)),
+        "activation_checkpoint_interval": int(getattr(module, "activation_checkpoint_interval", 0)),
+        "scheduler": type(engine.lr_scheduler).__name__,
+        "backend": dist.get_backend(),
+        "world_size": dist.get_world_size(),
+    }
+
+
+def check_engine(settings: dict, run: Run) -> None:
+    """Refuse to train when a value we asked for did not reach the engine (silent config drift)."""
+    plan = run.plan
+    wanted = {"zero_stage": plan.zero_stage, "gradient_clipping": run.train.grad_clip,
+              "bf16": plan.precision == "bf16", "fp16": plan.precision == "fp16",
+              "train_batch_size": plan.global_batch, "micro_batch": plan.micro_batch, "grad_accum": plan.grad_accum,
+              "dp": plan.dp, "pp": plan.pp, "offload_optimizer": plan.offload != "none",
+              "offload_param": plan.offload_params,
+              "activation_checkpoint_interval": plan.activation_checkpoint_interval}
+    drift = {k: (v, settings[k]) for k, v in wanted.items() if settings[k] != v}
+    if drift:
+        raise RuntimeError("engine does not use the planned settings: " +
+                           ", ".join(f"{k} planned {a} live {b}" for k, (a, b) in drift.items()))
+
+
+def _dp_rank(engine) -> int:
+    import torch.distributed as dist
+    return engine.grid.get_data_parallel_rank() if hasattr(engine, "grid") else dist.get_rank()
+
+
+def _train_step(engine, batches, *, pp: int, grad_accum: int) -> float:
+    """One optimizer step; returns the loss averaged over micro-batches and data-parallel ranks."""
+    import torch
+    import torch.distributed as dist
+
+    if pp > 1:
+        return float(engine.train_batch(data_iter=batches))  # already averaged over dp and broadcast
+    total = torch.zeros((), device=engine.device)
+    for _ in range(grad_accum):
+        inputs, labels = next(batches)
+        loss = engine(inputs.to(engine.device), labels.to(engine.device))
+        engine.backward(loss)
+        engine.step()
+        total += loss.detach().float()
+    dist.all_reduce(total)
+    return float(total) / (grad_accum * dist.get_world_size())
+
+
+def train(run: Run) -> dict:
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+    from deepspeed.accelerator import get_accelerator
+
+    backend = get_accelerator().communication_backend_name()
+    deepspeed.init_distributed(dist_backend=backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world != run.plan.world_size:
+        raise SpecError(f"{run.path} was generated for world size {run.plan.world_size} "
+                        f"({run.cluster.nodes} nodes x {run.cluster.gpus_per_node}), launched with {world}; "
+                        f"regenerate with matching --nodes/--gpus-per-node")
+    torch.manual_seed(run.train.seed + rank)  # dropout streams; weights come from per-layer generators
+    windows = TokenWindows(run.data, seq_len=run.model.seq_len)
+    if windows.vocab_size > run.model.vocab:
+        raise SpecError(f"tokenizer vocab {windows.vocab_size} > model vocab {run.model.vocab} ({run.data})")
+
+    module = build_module(run)
+    engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=_param_groups(module, run.train.weight_decay),
+                                           config=str(run.ds_config_path))
+    settings = engine_settings(engine)
+    check_engine(settings, run)
+    if rank == 0:
+        (run.path / ENGINE_FILE).write_text(json.dumps(settings, indent=2) + "\n")
+    plan, steps = run.plan, run.train.steps
+    order = BatchOrder(num_samples=len(windows), seed=run.train.seed, dp=plan.dp, micro_batch=plan.micro_batch,
+                       grad_accum=plan.grad_accum)
+    batches = micro_batches(windows=windows, order=order, dp_rank=_dp_rank(engine))
+    say = print if rank == 0 else (lambda *a, **k: None)
+    say(f"dspipe: {run.model.name} {plan.num_params / 1e6:.2f}M params | world {world} = dp {plan.dp} x pp {plan.pp} "
+        f"| ZeRO-{plan.zero_stage} offload {plan.offload} | {plan.precision} | {backend} | recompute "
+        f"{plan.checkpointing} | batch {plan.micro_batch} x ga {plan.grad_accum} x dp {plan.dp} = "
+        f"{plan.global_batch} seq x {run.model.seq_len} tok", flush=True)
+
+    losses, start = [], time.perf_counter()
+    writer = None
+    if rank == 0:
+        metrics = open(run.metrics_path, "w", newline="")
+        writer = csv.writer(metrics)
+        writer.writerow(["step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"])
+    for step in range(1, steps + 1):
+        t0 = time.perf_counter()
+        loss = _train_step(engine, batches, pp=plan.pp, grad_accum=plan.grad_accum)
+        dt = time.perf_counter() - t0
+        losses.append(loss)
+        if writer:
+            norm = engine.get_global_grad_norm()
+            lr = engine.get_lr()[0]
+            writer.writerow([step, f"{loss:.6f}", f"{lr:.6e}", "" if norm is None else f"{float(norm):.6f}",
+                             f"{plan.tokens_per_step / dt:.1f}", f"{dt:.4f}"])
+            if step == 1 or step % run.train.log_interval == 0 or step == steps:
+                say(f"step {step:>5}/{steps} | loss {loss:.4f} | lr {lr:.2e} | "
+                    f"{plan.tokens_per_step / dt:,.0f} tokens/s | {dt * 1000:.0f} ms", flush=True)
+    if writer:
+        metrics.close()
+    tag = f"global_step{steps}"
+    engine.save_checkpoint(str(run.checkpoint_dir), tag=tag,
+                           client_state={"step": steps, "consumed_samples": steps * plan.global_batch})
+    summary = {"first_loss": losses[0], "last_loss": losses[-1], "steps": steps,
+               "seconds": time.perf_counter() - start, "checkpoint": str(run.checkpoint_dir / tag)}
+    say(f"done: loss {losses[0]:.3f} -> {losses[-1]:.3f} in {steps} steps ({summary['seconds']:.0f} s); "
+        f"checkpoint {summary['checkpoint']}; metrics {run.metrics_path}; run dir {run.path}", flush=True)
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Train a GPT from a dspipe run directory (start it with deepspeed).")
+    parser.add_argument("--run", required=True, help="run directory written by 'dspipe gen-config'")
+    parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
+    args = parser.parse_args(argv)
+    if not os.environ.get("DSPIPE_VERBOSE"):
+        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    try:
+        train(load_run(args.run))
+    except SpecError as e:
+        print(f"dspipe: error: {e}", file=sys.stderr)
+        return e.exit_code
+    return 0

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Install dspipe and its dependencies. Keeps an existing torch (e.g. a CUDA build on a GPU machine);
+# otherwise installs torch 2.13.0, which on the CPU machines resolves to the local CPU build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if ! "$PY" -c "import torch" 2>/dev/null; then
+  "$PY" -m pip install --quiet torch==2.13.0
+fi
+"$PY" -m pip install --quiet -e ".[test]"

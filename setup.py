@@ -1,0 +1,23 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="dspipe",
+    version="0.1.0",
+    description="DeepSpeed GPT pretraining with a config generator and planner",
+    packages=find_packages(include=["dspipe", "dspipe.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        # lower bounds = the versions the test suite ran with
+        "torch>=2.13.0",
+        "deepspeed>=0.19.8",
+        "transformers>=5.23.0",
+        "datasets>=5.2.0",
+        "tokenizers>=0.23.3",
+        "jinja2>=3.1.6",
+        "click>=8.4.0",
+        "numpy>=2.4",
+        "tensorboard>=2.21.0",
+    ],
+    extras_require={"test": ["pytest>=9.0"]},
+    entry_points={"console_scripts": ["dspipe=dspipe.cli:main"]},
+)

@@ -1,0 +1,91 @@
+"""gen-config end to end through the real command: outputs, printed command, one-line errors with exit code 2."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import dspipe
+
+CPU2 = ["--model", "tiny", "--gpus-per-node", "2", "--gpu", "cpu", "--global-batch", "16", "--micro-batch", "4",
+        "--steps", "20"]
+
+
+def test_gen_config_writes_the_run_and_prints_the_command(tmp_path, corpus):
+    r = dspipe("gen-config", *CPU2, "--zero", "2", "--data", corpus, "--out", "runs/a", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "run:  deepspeed --num_gpus 2 run.py --run runs/a" in r.stdout
+    assert "global 16 = micro 4 x grad_accum 2 x dp 2" in r.stdout
+    run = tmp_path / "runs/a"
+    spec = json.loads((run / "dspipe.json").read_text())
+    cfg = json.loads((run / "ds_config.json").read_text())
+    assert spec["plan"]["grad_accum"] == cfg["gradient_accumulation_steps"] == 2
+    assert spec["model"]["name"] == "tiny" and spec["cluster"]["gpu"] == "cpu"
+    assert spec["data"] == str(corpus)
+    assert cfg["zero_optimization"]["stage"] == 2 and cfg["gradient_clipping"] == 1.0
+    assert cfg["tensorboard"]["output_path"] == "runs/a/monitor"
+    assert sorted(p.name for p in run.iterdir()) == ["ds_config.json", "dspipe.json"]
+
+
+def test_multi_node_command_uses_a_hostfile(tmp_path):
+    r = dspipe("gen-config", "--model", "gpt2-124m", "--nodes", "2", "--gpus-per-node", "8", "--global-batch", "64",
+               "--hostfile", "hosts.txt", "--out", "runs/mn", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "deepspeed --hostfile hosts.txt --num_nodes 2 --num_gpus 8 run.py --run runs/mn" in r.stdout
+
+
+def test_existing_run_dir_is_kept_unless_forced(tmp_path):
+    assert dspipe("gen-config", *CPU2, "--out", "runs/a", cwd=tmp_path).returncode == 0
+    r = dspipe("gen-config", *CPU2, "--zero", "3", "--out", "runs/a", cwd=tmp_path)
+    assert r.returncode == 2 and "runs/a already exists (pass --force" in r.stderr
+    r = dspipe("gen-config", *CPU2, "--zero", "3", "--out", "runs/a", "--force", cwd=tmp_path)
+    assert r.returncode == 0
+    assert json.loads((tmp_path / "runs/a/ds_config.json").read_text())["zero_optimization"]["stage"] == 3
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["a"]  # no temp or .old leftovers
+
+
+BAD = [
+    (["--model", "gpt5"], "unknown model preset 'gpt5'; valid: tiny, gpt2-124m"),
+    (["--layers", "2", "--hidden", "100", "--heads", "3", "--vocab", "64"], "hidden 100 is not divisible by heads 3"),
+    (["--layers", "2"], "give --model NAME"),
+    (["--model", "tiny", "--global-batch", "512", "--micro-batch", "3", "--gpus-per-node", "8"],
+     "global batch 512 is not divisible by micro_batch 3 x dp 8 = 24"),
+    (["--model", "tiny", "--pp", "3"], "pipeline stages 3 > layers 2"),
+    (["--model", "gpt2-124m", "--gpus-per-node", "6", "--pp", "4"], "is not divisible by pipeline stages 4"),
+    (["--model", "tiny", "--pp", "2", "--zero", "2"], "supports ZeRO stages 0-1 only; use --zero 1"),
+    (["--model", "tiny", "--preset", "fp16-zero2", "--precision", "bf16", "--pp", "2"], "ZeRO-2 with pp 2"),
+    (["--model", "tiny", "--zero", "2", "--offload", "cpu", "--offload-params"], "--offload-params needs ZeRO-3"),
+    (["--model", "tiny", "--zero", "3", "--offload", "nvme"], "--offload nvme needs --nvme-path"),
+    (["--model", "tiny", "--micro-batch", "0"], "micro_batch must be a positive integer, got 0"),
+    (["--model", "tiny", "--gpu", "v100"], "unknown GPU type 'v100'; valid: cpu, a100-40g"),
+    (["--model", "tiny", "--precision", "fp8"], "precision 'fp8' is not one of: bf16, fp16, fp32"),
+    (["--model", "tiny", "--gpu", "cpu", "--precision", "fp16"], "fp16 is not supported by DeepSpeed's CPU accelerator"),
+    (["--model", "tiny", "--preset", "zero9"], "unknown DeepSpeed preset 'zero9'; valid: fp16-zero2"),
+    (["--model", "tiny", "--zero", "x"], "'x' is not a valid integer"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD, ids=[m[:40] for _, m in BAD])
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, args, message):
+    r = dspipe("gen-config", *args, "--out", "runs/bad", cwd=tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert message in r.stderr
+    assert r.stderr.startswith("dspipe: error: ") and r.stderr.count("\n") == 1, r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "runs").exists()
+
+
+def test_vocab_mismatch_with_prepared_data(tmp_path, corpus):
+    r = dspipe("gen-config", *CPU2, "--vocab", "512", "--data", corpus, "--out", "runs/v", cwd=tmp_path)
+    assert r.returncode == 2 and "tokenizer vocab 1024" in r.stderr and "model vocab 512" in r.stderr
+
+
+def test_planning_modules_import_without_torch_or_deepspeed():
+    code = ("import sys, dspipe.spec, dspipe.plan, dspipe.render, dspipe.presets, dspipe.rundir, dspipe.cli; "
+            "bad = [m for m in ('torch', 'deepspeed') if m in sys.modules]; print(bad); sys.exit(bool(bad))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_presets_command_lists_models_and_deepspeed_presets():
+    r = dspipe("presets")
+    assert r.returncode == 0 and "gpt3-175b" in r.stdout and "zero3-nvme-offload" in r.stdout

@@ -1,0 +1,90 @@
+"""Real DeepSpeed engines on 2 CPU ranks (gloo), started by DeepSpeed's own launcher."""
+import csv
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT, dspipe, free_port
+
+pytestmark = pytest.mark.distributed
+
+
+def launch(run_dir, num_gpus=2):
+    launcher = [shutil.which("deepspeed")] if shutil.which("deepspeed") else [sys.executable, "-m",
+                                                                              "deepspeed.launcher.runner"]
+    cmd = [*launcher, "--num_gpus", str(num_gpus), "--master_port", str(free_port()), "run.py", "--run", str(run_dir)]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+
+
+def make_run(tmp_path, corpus, *flags, steps=20, name="run"):
+    run_dir = tmp_path / name
+    r = dspipe("gen-config", "--model", "tiny", "--gpus-per-node", "2", "--gpu", "cpu", "--global-batch", "16",
+               "--micro-batch", "4", "--steps", steps, "--warmup", "2", "--lr", "3e-3", "--log-interval", "5",
+               "--data", corpus, "--out", run_dir, *flags)
+    assert r.returncode == 0, r.stderr
+    return run_dir
+
+
+def losses(run_dir):
+    with open(run_dir / "metrics.csv") as f:
+        return [float(row["loss"]) for row in csv.DictReader(f)]
+
+
+CONFIGS = {
+    "zero0": (["--zero", "0"], dict(wrapper_optimizer="FP16_Optimizer", grad_accum_dtype="bfloat16")),
+    "zero1": (["--zero", "1"], dict(wrapper_optimizer="BF16_Optimizer", grad_accum_dtype="float32")),
+    "zero2": (["--zero", "2"], dict(wrapper_optimizer="DeepSpeedZeroOptimizer")),
+    "zero3": (["--zero", "3"], dict(wrapper_optimizer="DeepSpeedZeroOptimizer_Stage3")),
+    "zero2-cpu-offload": (["--zero", "2", "--offload", "cpu"],
+                          dict(base_optimizer="DeepSpeedCPUAdam", offload_optimizer=True)),
+    "zero3-cpu-offload-params": (["--zero", "3", "--offload", "cpu", "--offload-params"],
+                                 dict(base_optimizer="DeepSpeedCPUAdam", offload_optimizer=True, offload_param=True)),
+    "pp2-zero1": (["--zero", "1", "--pp", "2"], dict(pp=2, dp=1, grad_accum=4)),
+    "zero1-full-recompute": (["--zero", "1", "--checkpointing", "full"], {}),
+    "pp2-zero1-full-recompute": (["--zero", "1", "--pp", "2", "--checkpointing", "full"],
+                                 dict(pp=2, activation_checkpoint_interval=1)),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_trains_and_engine_uses_the_planned_settings(tmp_path, corpus, name):
+    flags, expected = CONFIGS[name]
+    run_dir = make_run(tmp_path, corpus, *flags)
+    r = launch(run_dir)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    engine = json.loads((run_dir / "engine.json").read_text())
+    pp = expected.get("pp", 1)
+    live = {"zero_stage": int(flags[1]), "gradient_clipping": 1.0, "bf16": True, "fp16": False,
+            "param_dtype": "bfloat16", "train_batch_size": 16, "micro_batch": 4, "grad_accum": 16 // (4 * 2 // pp),
+            "dp": 2 // pp, "pp": pp, "backend": "gloo", "world_size": 2, "scheduler": "WarmupCosineLR"}
+    live.update(expected)
+    assert {k: engine[k] for k in live} == live
+    loss = losses(run_dir)
+    assert len(loss) == 20
+    assert sum(loss[-3:]) / 3 < loss[0] - 0.3, loss  # the loss falls
+    assert (run_dir / "checkpoints" / "global_step20").is_dir() and (run_dir / "checkpoints" / "latest").is_file()
+    assert "done: loss" in r.stdout
+
+
+def test_first_loss_of_pp1_and_pp2_agree(tmp_path, corpus):
+    """Same seed, same global batch: the first step's loss (before any update) is the same function of the same
+    weights. fp32 so that the only difference is summation order across ranks and micro-batches."""
+    first = {}
+    for pp in (1, 2):
+        run_dir = make_run(tmp_path, corpus, "--zero", "1", "--pp", str(pp), "--precision", "fp32", steps=3,
+                           name=f"pp{pp}")
+        r = launch(run_dir)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        first[pp] = losses(run_dir)[0]
+    assert abs(first[1] - first[2]) < 1e-5, first
+
+
+def test_world_size_mismatch_is_a_one_line_error(tmp_path, corpus):
+    run_dir = make_run(tmp_path, corpus, "--zero", "1", steps=3)
+    r = launch(run_dir, num_gpus=1)
+    assert r.returncode == 2
+    assert "was generated for world size 2 (1 nodes x 2), launched with 1" in r.stderr
+    assert "Traceback" not in r.stderr and not (run_dir / "checkpoints").exists()

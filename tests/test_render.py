@@ -1,0 +1,127 @@
+"""Rendering: every value explicit, parsed by DeepSpeed's own config class, presets reproducible."""
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+
+from dspipe.dscheck import parse_with_deepspeed
+from dspipe.plan import make_plan
+from dspipe.presets import MODEL_PRESETS
+from dspipe.render import DS_PRESETS, TEMPLATES, load_ds_preset, render_ds_config, render_template, strategy_from_ds_config
+from dspipe.spec import ClusterSpec, StrategySpec, TrainSpec
+from tests.conftest import dspipe
+
+STRATEGIES = [
+    StrategySpec(zero=0), StrategySpec(zero=1), StrategySpec(zero=2), StrategySpec(zero=3),
+    StrategySpec(zero=2, offload="cpu"), StrategySpec(zero=3, offload="cpu", offload_params=True),
+    StrategySpec(zero=3, offload="nvme", offload_params=True, nvme_path="/nvme"),
+    StrategySpec(zero=1, pp=2, checkpointing="full"), StrategySpec(zero=0, pp=2),
+    StrategySpec(zero=1, checkpointing="selective"),
+]
+
+
+def render(model_name, strategy, precision="bf16"):
+    model = MODEL_PRESETS[model_name]
+    train = TrainSpec(global_batch=64, micro_batch=2, steps=100, warmup_steps=10, precision=precision)
+    plan = make_plan(model=model, cluster=ClusterSpec(1, 8, "h100-80g"), train=train, strategy=strategy)
+    return plan, train, render_ds_config(plan=plan, train=train, monitor_dir="runs/x/monitor")
+
+
+def leaves(d, prefix=""):
+    for k, v in d.items():
+        if isinstance(v, dict):
+            yield from leaves(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}", v
+
+
+@pytest.mark.parametrize("model_name", list(MODEL_PRESETS))
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=lambda s: f"z{s.zero}-{s.offload}-pp{s.pp}-{s.checkpointing}")
+def test_every_preset_and_strategy_parses_in_deepspeed(model_name, strategy):
+    plan, train, cfg = render(model_name, strategy)
+    ds = parse_with_deepspeed(cfg, dp=plan.dp)
+    assert ds.train_batch_size == plan.global_batch == 64
+    assert ds.train_micro_batch_size_per_gpu * ds.gradient_accumulation_steps * plan.dp == 64
+    assert ds.zero_optimization_stage == strategy.zero
+    assert ds.gradient_clipping == 1.0
+    assert ds.bfloat16_config.enabled and not ds.float16_config.enabled
+    assert ds.zero_config.offload_optimizer.device == strategy.offload
+    assert ds.zero_config.offload_param.device == (strategy.offload if strategy.offload_params else "none")
+    assert ds.zero_config.reduce_bucket_size == plan.reduce_bucket_size
+    assert ds.pipeline["stages"] == plan.pp
+    assert ds.pipeline["activation_checkpoint_interval"] == plan.activation_checkpoint_interval
+    assert ds.grad_accum_dtype == plan.grad_accum_dtype
+    assert ds.scheduler_name == "WarmupCosineLR" and ds.scheduler_params["total_num_steps"] == 100
+    assert ds.optimizer_name == "adamw" and ds.optimizer_params["betas"] == [0.9, 0.95]
+    assert ds.optimizer_params["weight_decay"] == 0.1
+    assert ds.monitor_config.tensorboard.enabled and ds.monitor_config.csv_monitor.output_path == "runs/x/monitor"
+
+
+def test_fp16_renders_dynamic_loss_scaling():
+    plan, _, cfg = render("gpt2-124m", StrategySpec(zero=2), precision="fp16")
+    ds = parse_with_deepspeed(cfg, dp=plan.dp)
+    assert ds.float16_config.enabled and ds.float16_config.loss_scale == 0  # 0 = dynamic
+    assert cfg["fp16"]["initial_scale_power"] == 16 and cfg["data_types"]["grad_accum_dtype"] == "fp16"
+
+
+def test_the_same_keys_are_written_for_every_strategy():
+    """Nothing is left to DeepSpeed's defaults: the key set does not depend on the strategy."""
+    key_sets = {tuple(k for k, _ in leaves(render("tiny", s)[2])) for s in STRATEGIES}
+    assert len(key_sets) == 1
+    keys = key_sets.pop()
+    for required in ("gradient_clipping", "zero_optimization.overlap_comm", "zero_optimization.reduce_bucket_size",
+                     "zero_optimization.offload_optimizer.device", "zero_optimization.offload_param.device",
+                     "data_types.grad_accum_dtype", "wall_clock_breakdown", "steps_per_print",
+                     "pipeline.activation_checkpoint_interval", "activation_checkpointing.partition_activations"):
+        assert required in keys
+
+
+def test_template_has_no_logic_and_values_must_match_exactly():
+    text = (TEMPLATES / "ds_config.json.j2").read_text()
+    assert "{%" not in text  # values only: no if/for blocks
+    with pytest.raises(KeyError, match="missing values"):
+        render_template("ds_config.json.j2", {"global_batch": 1})
+
+
+RECIPES = json.loads((DS_PRESETS / "recipes.json").read_text())
+
+
+def test_every_shipped_preset_has_a_recipe():
+    assert sorted(p.stem for p in DS_PRESETS.glob("*.json") if p.stem != "recipes") == sorted(RECIPES["presets"])
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES["presets"]))
+def test_preset_rerenders_identically(name, tmp_path):
+    """--preset NAME with the reference model/cluster reproduces ds_configs/NAME.json byte for byte."""
+    shipped = (DS_PRESETS / f"{name}.json").read_text()
+    out = tmp_path / "runs" / name
+    r = dspipe("gen-config", *RECIPES["reference"], "--preset", name, "--out", f"runs/{name}", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert (out / "ds_config.json").read_text() == shipped
+    strategy = strategy_from_ds_config(load_ds_preset(name), source=name)
+    assert (out / "dspipe.json").exists() and json.loads((out / "dspipe.json").read_text())["strategy"]["zero"] == \
+        strategy["zero"]
+
+
+def test_flags_override_the_preset(tmp_path):
+    r = dspipe("gen-config", *RECIPES["reference"], "--preset", "zero3-cpu-offload", "--zero", "3", "--offload",
+               "none", "--offload-params", "--out", "runs/x", cwd=tmp_path)
+    assert r.returncode == 2 and "--offload-params needs an offload device" in r.stderr
+    r = dspipe("gen-config", *RECIPES["reference"], "--preset", "pipeline-zero1-bf16", "--pp", "4", "--out", "runs/x",
+               cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    cfg = json.loads((tmp_path / "runs/x/ds_config.json").read_text())
+    assert cfg["pipeline"]["stages"] == 4 and cfg["pipeline"]["activation_checkpoint_interval"] == 1
+    assert cfg["gradient_accumulation_steps"] == 512 // (4 * 2)
+
+
+def test_preset_with_both_precisions_is_rejected(tmp_path):
+    bad = json.loads((DS_PRESETS / "zero1-bf16.json").read_text())
+    bad["fp16"]["enabled"] = True
+    path = tmp_path / "both.json"
+    path.write_text(json.dumps(bad))
+    r = dspipe("gen-config", "--model", "tiny", "--preset", path, "--out", "runs/x", cwd=tmp_path)
+    assert r.returncode == 2
+    assert "fp16 and bf16 are both enabled" in r.stderr and r.stderr.count("\n") == 1
+    assert not (tmp_path / "runs").exists()

@@ -1,0 +1,74 @@
+import math
+
+import pytest
+
+from dspipe.errors import SpecError
+from dspipe.presets import MODEL_PRESETS, model_preset
+from dspipe.spec import GPU_CATALOG, ClusterSpec, ModelSpec, StrategySpec, TrainSpec, gpu_type
+
+
+def test_gpt2_small_parameter_count_matches_the_released_model():
+    # 124,439,808 is the parameter count of Hugging Face's gpt2 checkpoint (tied head).
+    assert model_preset("gpt2-124m").num_params == 124_439_808
+
+
+@pytest.mark.parametrize("name", list(MODEL_PRESETS))
+def test_every_preset_is_valid_and_near_its_nominal_size(name):
+    spec = MODEL_PRESETS[name]
+    assert spec.hidden % spec.heads == 0 and spec.ffn == 4 * spec.hidden
+    if name == "tiny":
+        return
+    nominal = name.split("-")[1]
+    value = float(nominal[:-1]) * (1e9 if nominal.endswith("b") else 1e6)
+    # GPT-3's names count ~12Lh^2 non-embedding params plus embeddings; allow 12% for rounding and GPT-2's vocab
+    assert abs(spec.num_params - value) / value < 0.12, (name, spec.num_params)
+
+
+def test_gpt3_175b_shape_from_the_paper():
+    m = MODEL_PRESETS["gpt3-175b"]
+    assert (m.layers, m.hidden, m.heads, m.seq_len) == (96, 12288, 96, 2048)
+    assert math.isclose(m.num_params, 175e9, rel_tol=0.01)
+
+
+def test_unknown_preset_lists_the_valid_names():
+    with pytest.raises(SpecError, match="unknown model preset 'gpt5'.*gpt2-124m.*gpt3-175b"):
+        model_preset("gpt5")
+
+
+def test_preset_overrides_rename_and_rescale_ffn():
+    m = model_preset("tiny", hidden=128, heads=8)
+    assert (m.name, m.hidden, m.ffn, m.layers) == ("tiny+custom", 128, 512, 2)
+    assert model_preset("tiny", layers=None) is MODEL_PRESETS["tiny"]
+
+
+def test_hidden_not_divisible_by_heads_shows_the_division():
+    with pytest.raises(SpecError, match=r"hidden 100 is not divisible by heads 3 \(100 / 3 = 33.3333\)"):
+        ModelSpec("x", 2, 100, 3, 64, 16, 400)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(global_batch=8, micro_batch=0, steps=10, warmup_steps=1), "micro_batch must be a positive integer, got 0"),
+    (dict(global_batch=-8, micro_batch=1, steps=10, warmup_steps=1), "global_batch must be a positive"),
+    (dict(global_batch=8, micro_batch=1, steps=10, warmup_steps=1, precision="fp8"), "precision 'fp8' is not one of"),
+])
+def test_train_spec_rejects(kwargs, match):
+    with pytest.raises(SpecError, match=match):
+        TrainSpec(**kwargs)
+
+
+def test_unknown_gpu_lists_the_catalog():
+    with pytest.raises(SpecError, match="unknown GPU type 'v100'; valid: cpu, a100-40g, a100-80g, h100-80g, h200"):
+        ClusterSpec(nodes=1, gpus_per_node=8, gpu="v100")
+
+
+def test_catalog_peaks():
+    assert gpu_type("a100-80g").peak_tflops("bf16") == 312.0
+    assert gpu_type("h100-80g").peak_tflops("bf16") == 989.0
+    assert all(g.memory_bytes > 0 for g in GPU_CATALOG.values())
+
+
+def test_strategy_rejects_unknown_values():
+    with pytest.raises(SpecError, match="zero 4 is not one of: 0, 1, 2, 3"):
+        StrategySpec(zero=4)
+    with pytest.raises(SpecError, match="offload 'disk'"):
+        StrategySpec(offload="disk")

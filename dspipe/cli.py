@@ -8,16 +8,14 @@ from pathlib import Path
 import click
 
 from dspipe.errors import SpecError
-from dspipe.plan import make_plan
+from dspipe.report import estimate_summary
+from dspipe.search import AUTO
 from dspipe.presets import MODEL_PRESETS, model_preset
 from dspipe.render import load_ds_preset, preset_names, render_ds_config, strategy_from_ds_config
 from dspipe.rundir import write_run
-from dspipe.spec import (CHECKPOINTING, OFFLOADS, PARTITION_METHODS, PRECISIONS, ClusterSpec, ModelSpec,
-                         StrategySpec, TrainSpec)
+from dspipe.spec import CHECKPOINTING, OFFLOADS, PARTITION_METHODS, PRECISIONS, ClusterSpec, ModelSpec, TrainSpec
 
 DEFAULT_DATA = "data/stdlib"
-STRATEGY_DEFAULTS = StrategySpec()
-TRAIN_DEFAULTS = dict(precision="bf16")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
@@ -39,11 +37,68 @@ def _model_from_options(o: dict) -> ModelSpec:
                      shape["ffn"] or 4 * hidden, shape["dropout"] or 0.0, shape["tied_embeddings"] is not False)
 
 
-def _resolve(flag, preset: dict, key: str, default):
-    """A flag given on the command line wins, then the --preset, then the default."""
-    if flag is not None:
-        return flag
-    return preset.get(key, default)
+class AutoInt(click.ParamType):
+    """An integer or 'auto' (None: let the planner choose)."""
+
+    name = "auto|N"
+
+    def convert(self, value, param, ctx):
+        if value is None or value == AUTO or isinstance(value, int):
+            return None if value == AUTO else value
+        try:
+            return int(value)
+        except ValueError:
+            self.fail(f"{value!r} is not 'auto' or an integer", param, ctx)
+
+
+class AutoChoice(click.ParamType):
+    """One of `choices` or 'auto'."""
+
+    def __init__(self, choices):
+        self.choices = tuple(choices)
+        self.name = "|".join(("auto", *self.choices))
+
+    def convert(self, value, param, ctx):
+        if value is None or value == AUTO:
+            return None
+        if value not in self.choices:
+            self.fail(f"{value!r} is not one of: auto, {', '.join(self.choices)}", param, ctx)
+        return value
+
+
+STRATEGY_KEYS = ("zero", "offload", "offload_params", "nvme_path", "pp", "checkpointing", "partition_method",
+                 "precision", "micro_batch")
+
+
+def request_from_options(o: dict) -> tuple[ModelSpec, ClusterSpec, TrainSpec, dict]:
+    """(model, cluster, train, fixed strategy choices): a flag given wins, then the --preset, else auto (None)."""
+    preset = strategy_from_ds_config(load_ds_preset(o["preset"]), source=o["preset"]) if o["preset"] else {}
+    fixed = {k: o[k] if o[k] is not None else preset.get(k) for k in STRATEGY_KEYS}
+    fixed["zero"] = None if fixed["zero"] is None else int(fixed["zero"])
+    model = _model_from_options(o)
+    if o.get("pad_vocab"):
+        model = _with_padded_vocab(model, o["data"])
+    cluster = cluster_from_options(o)  # --nodes/--gpus-per-node, or from --hostfile
+    steps = o["steps"]
+    train = TrainSpec(global_batch=o["global_batch"], micro_batch=fixed["micro_batch"] or 1, steps=steps, lr=o["lr"],
+                      min_lr_ratio=o["min_lr_ratio"],
+                      warmup_steps=o["warmup"] if o["warmup"] is not None else max(1, min(2000, steps // 10)),
+                      weight_decay=o["weight_decay"], grad_clip=o["grad_clip"],
+                      precision=fixed["precision"] or "bf16", seed=o["seed"], log_interval=o["log_interval"])
+    return model, cluster, train, fixed
+
+
+def choose(o: dict, *, check_model=None):
+    """Search the strategies the options leave open; one-line error when none is valid or none fits."""
+    from dspipe.search import nothing_fits_message, search
+
+    model, cluster, train, fixed = request_from_options(o)
+    if check_model:
+        check_model(model)
+    result = search(model=model, cluster=cluster, train=train, fixed=fixed)
+    if result.best is None:
+        raise SpecError(nothing_fits_message(result=result, model=model, cluster=cluster, train=train, fixed=fixed))
+    return model, cluster, result
 
 
 def _deepspeed_command(*, cluster: ClusterSpec, out: Path, hostfile: str | None) -> str:
@@ -70,65 +125,66 @@ def model_options(f):
     return f
 
 
+def spec_options(f):
+    """Model, cluster, training and strategy options shared by plan and gen-config."""
+    for opt in reversed([
+        click.option("--nodes", type=int, default=1, show_default=True, help="machines"),
+        click.option("--gpus-per-node", type=int, default=8, show_default=True, help="ranks per machine"),
+        click.option("--gpu", default="h100-80g", show_default=True,
+                     help="GPU type: cpu, a100-40g, a100-80g, h100-80g, h200"),
+        click.option("--hostfile", default=None, help="hostfile: sets --nodes/--gpus-per-node (validated)"),
+        click.option("--host-memory-gib", type=float, default=None,
+                     help="host RAM per node [default: a typical node for --gpu]"),
+        click.option("--global-batch", type=int, default=256, show_default=True, help="sequences per optimizer step"),
+        click.option("--micro-batch", type=AutoInt(), default=None, help="sequences per rank per forward [auto]"),
+        click.option("--steps", type=int, default=1000, show_default=True, help="optimizer steps"),
+        click.option("--lr", type=float, default=6e-4, show_default=True, help="peak learning rate"),
+        click.option("--min-lr-ratio", type=float, default=0.1, show_default=True, help="final lr / peak lr"),
+        click.option("--warmup", type=int, default=None, help="warmup steps [default: steps/10, at most 2000]"),
+        click.option("--weight-decay", type=float, default=0.1, show_default=True),
+        click.option("--grad-clip", type=float, default=1.0, show_default=True),
+        click.option("--seed", type=int, default=1234, show_default=True),
+        click.option("--log-interval", type=int, default=10, show_default=True, help="steps between log lines"),
+        click.option("--zero", type=AutoChoice(["0", "1", "2", "3"]), default=None, help="ZeRO stage [auto]"),
+        click.option("--offload", type=AutoChoice(OFFLOADS), default=None, help="optimizer state offload [auto]"),
+        click.option("--offload-params/--no-offload-params", default=None,
+                     help="offload parameters too (ZeRO-3) [auto]"),
+        click.option("--nvme-path", default=None, help="NVMe directory for --offload nvme (enables it in auto)"),
+        click.option("--precision", type=AutoChoice(PRECISIONS), default=None,
+                     help="[auto: bf16 on GPUs, fp32 on cpu]"),
+        click.option("--pp", type=AutoInt(), default=None, help="pipeline stages [auto]"),
+        click.option("--checkpointing", type=AutoChoice(CHECKPOINTING), default=None,
+                     help="activation recomputation [auto]"),
+        click.option("--partition-method", type=AutoChoice(PARTITION_METHODS), default=None,
+                     help="pipeline partition [parameters]"),
+        click.option("--preset", default=None, help="DeepSpeed preset from ds_configs/ (or a .json path) to start "
+                                                   "from; flags given override it"),
+    ]):
+        f = opt(f)
+    return model_options(f)
+
+
 @cli.command("gen-config")
-@model_options
-@click.option("--nodes", type=int, default=1, show_default=True, help="machines")
-@click.option("--gpus-per-node", type=int, default=8, show_default=True, help="ranks per machine")
-@click.option("--gpu", default="h100-80g", show_default=True, help="GPU type: cpu, a100-40g, a100-80g, h100-80g, h200")
-@click.option("--global-batch", type=int, default=256, show_default=True, help="sequences per optimizer step")
-@click.option("--micro-batch", type=int, default=4, show_default=True, help="sequences per rank per forward")
-@click.option("--steps", type=int, default=1000, show_default=True, help="optimizer steps")
-@click.option("--lr", type=float, default=6e-4, show_default=True, help="peak learning rate")
-@click.option("--min-lr-ratio", type=float, default=0.1, show_default=True, help="final lr / peak lr (cosine)")
-@click.option("--warmup", type=int, default=None, help="warmup steps [default: steps/10, at most 2000]")
-@click.option("--weight-decay", type=float, default=0.1, show_default=True)
-@click.option("--grad-clip", type=float, default=1.0, show_default=True)
-@click.option("--seed", type=int, default=1234, show_default=True)
-@click.option("--log-interval", type=int, default=10, show_default=True, help="steps between log lines")
-@click.option("--zero", type=int, default=None, help="ZeRO stage 0-3 [default: 1]")
-@click.option("--offload", default=None, help=f"optimizer offload: {'|'.join(OFFLOADS)} [default: none]")
-@click.option("--offload-params", is_flag=True, default=None, help="offload parameters too (ZeRO-3)")
-@click.option("--nvme-path", default=None, help="NVMe directory for --offload nvme")
-@click.option("--precision", default=None, help=f"{'|'.join(PRECISIONS)} [default: bf16]")
-@click.option("--pp", type=int, default=None, help="pipeline stages [default: 1]")
-@click.option("--checkpointing", default=None, help=f"activation recomputation: {'|'.join(CHECKPOINTING)} [default: none]")
-@click.option("--partition-method", default=None, help=f"pipeline partition: {'|'.join(PARTITION_METHODS)}")
-@click.option("--preset", default=None, help="DeepSpeed preset from ds_configs/ (or a .json path) to start from")
+@spec_options
 @click.option("--data", default=DEFAULT_DATA, show_default=True, help="prepared token directory")
+@click.option("--pad-vocab", is_flag=True, default=False,
+              help="model vocab = the data's tokenizer vocab rounded up to a multiple of 64")
 @click.option("--wall-clock-breakdown", is_flag=True, default=False, help="DeepSpeed per-phase timers")
-@click.option("--hostfile", default=None, help="hostfile for the printed multi-node command")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="run directory to write, e.g. runs/NAME")
 @click.option("--force", is_flag=True, default=False, help="replace an existing run directory")
 def gen_config(**o) -> None:
     """Write runs/NAME/ds_config.json and dspipe.json and print the deepspeed command."""
-    preset = strategy_from_ds_config(load_ds_preset(o["preset"]), source=o["preset"]) if o["preset"] else {}
-    model = _model_from_options(o)
-    cluster = ClusterSpec(nodes=o["nodes"], gpus_per_node=o["gpus_per_node"], gpu=o["gpu"])
-    steps = o["steps"]
-    train = TrainSpec(global_batch=o["global_batch"], micro_batch=o["micro_batch"], steps=steps, lr=o["lr"],
-                      min_lr_ratio=o["min_lr_ratio"],
-                      warmup_steps=o["warmup"] if o["warmup"] is not None else max(1, min(2000, steps // 10)),
-                      weight_decay=o["weight_decay"], grad_clip=o["grad_clip"],
-                      precision=_resolve(o["precision"], preset, "precision", "bf16"), seed=o["seed"],
-                      log_interval=o["log_interval"])
-    d = STRATEGY_DEFAULTS
-    strategy = StrategySpec(
-        zero=_resolve(o["zero"], preset, "zero", d.zero),
-        offload=_resolve(o["offload"], preset, "offload", d.offload),
-        offload_params=_resolve(o["offload_params"], preset, "offload_params", d.offload_params),
-        nvme_path=_resolve(o["nvme_path"], preset, "nvme_path", d.nvme_path),
-        pp=_resolve(o["pp"], preset, "pp", d.pp),
-        checkpointing=_resolve(o["checkpointing"], preset, "checkpointing", d.checkpointing),
-        partition_method=_resolve(o["partition_method"], preset, "partition_method", d.partition_method))
-    plan = make_plan(model=model, cluster=cluster, train=train, strategy=strategy)
-    _check_data(o["data"], model)
+    notes: list[str] = []
+    model, cluster, result = choose(o, check_model=lambda m: _check_data(o["data"], m, notes))
+    best = result.best
+    plan, train, strategy = best.plan, best.train, best.strategy
     out: Path = o["out"]
     ds_config = render_ds_config(plan=plan, train=train, monitor_dir=str(out / "monitor"),
                                  wall_clock_breakdown=o["wall_clock_breakdown"])
     _verify_with_deepspeed(ds_config, dp=plan.dp)
     command = _deepspeed_command(cluster=cluster, out=out, hostfile=o["hostfile"])
     write_run(out, model=model, cluster=cluster, train=train, strategy=strategy, plan=plan, data=o["data"],
-              ds_config=ds_config, command=command, force=o["force"])
+              ds_config=ds_config, command=command, estimate=estimate_summary(best), force=o["force"])
     click.echo(f"model {model.name}: {model.num_params / 1e6:,.2f}M params, L{model.layers} h{model.hidden} "
                f"a{model.heads} s{model.seq_len} V{model.vocab}")
     click.echo(f"world {plan.world_size} = dp {plan.dp} x pp {plan.pp} | ZeRO-{plan.zero_stage} offload {plan.offload}"
@@ -136,19 +192,70 @@ def gen_config(**o) -> None:
                f"recompute {plan.checkpointing}")
     click.echo(f"batch: global {plan.global_batch} = micro {plan.micro_batch} x grad_accum {plan.grad_accum} "
                f"x dp {plan.dp}  ({plan.tokens_per_step:,} tokens/step)")
+    est = best.est
+    click.echo(f"estimate: {est.memory.total / 2**30:.1f} of {est.gpu_memory_bytes / 2**30:.1f} GiB per GPU, "
+               f"{est.step_time_s:.3g} s/step, {best.tokens_per_s:,.0f} tokens/s, MFU {best.mfu * 100:.0f}% "
+               f"(chosen from {result.evaluated} candidates; 'dspipe plan' explains)")
     click.echo(f"wrote {out / 'ds_config.json'} and {out / 'dspipe.json'}")
     click.echo(f"run:  {command}")
+    for note in notes:
+        click.echo(note, err=True)
 
 
-def _check_data(data: str, model: ModelSpec) -> None:
-    from dspipe.data import META_FILE, read_meta
+def parse_tokens(text: str | None) -> float | None:
+    """'300B', '1.5T', '2e9', '500M' -> a token count."""
+    if text is None:
+        return None
+    scale = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
+    t = text.strip().upper()
+    try:
+        value = float(t[:-1]) * scale[t[-1]] if t and t[-1] in scale else float(t)
+    except ValueError:
+        value = -1
+    if not value > 0:
+        raise SpecError(f"token budget {text!r} does not parse: use a number like 300B, 1.5T or 2e9")
+    return value
+
+
+@cli.command("plan")
+@spec_options
+@click.option("--tokens", default=None, help="training budget in tokens (300B, 1.5T) for days and GPU-hours")
+@click.option("--json", "as_json", is_flag=True, default=False, help="print one JSON object")
+def plan_command(**o) -> None:
+    """Estimate memory, communication and time; choose ZeRO stage, offload, precision, pp, micro-batch and
+    recomputation for every option left at auto."""
+    import json
+
+    from dspipe.report import human_report
+
+    tokens = parse_tokens(o["tokens"])
+    model, cluster, result = choose(o)
+    if o["as_json"]:
+        click.echo(json.dumps(estimate_summary(result.best, tokens=tokens), indent=2))
+    else:
+        click.echo(human_report(result, tokens=tokens))
+
+
+def _with_padded_vocab(model: ModelSpec, data: str) -> ModelSpec:
+    from dataclasses import replace
+
+    from dspipe.data import META_FILE, padded_vocab, read_meta
+
+    vocab = read_meta(data)["vocab_size"] if (Path(data) / META_FILE).is_file() else model.vocab
+    return replace(model, vocab=padded_vocab(vocab))
+
+
+def _check_data(data: str, model: ModelSpec, notes: list[str]) -> None:
+    """Errors now (vocab, corpus length); notes are collected and printed once the run is written."""
+    from dspipe.data import META_FILE, check_data_for_model, padded_vocab
 
     if not (Path(data) / META_FILE).is_file():
-        click.echo(f"note: {data} is not prepared yet; run 'dspipe prepare-data --out {data}' before training", err=True)
+        notes.append(f"note: {data} is not prepared yet; run 'dspipe prepare-data --out {data}' before training")
         return
-    vocab = read_meta(data)["vocab_size"]
-    if vocab > model.vocab:
-        raise SpecError(f"tokenizer vocab {vocab} in {data} > model vocab {model.vocab}; pass --vocab {vocab} or more")
+    vocab = check_data_for_model(data, model_vocab=model.vocab, seq_len=model.seq_len)["vocab_size"]
+    if model.vocab > padded_vocab(vocab):
+        notes.append(f"note: model vocab {model.vocab} > tokenizer vocab {vocab} in {data}: {model.vocab - vocab} "
+                     f"embedding rows are never used (--pad-vocab gives {padded_vocab(vocab)})")
 
 
 def _verify_with_deepspeed(ds_config: dict, *, dp: int) -> None:
@@ -164,30 +271,6 @@ def _verify_with_deepspeed(ds_config: dict, *, dp: int) -> None:
         raise SpecError(f"DeepSpeed rejects the rendered config: {' '.join(str(e).split())}") from None
 
 
-@cli.command("prepare-data")
-@click.option("--out", default=DEFAULT_DATA, show_default=True, type=click.Path(path_type=Path))
-@click.option("--source", "sources", multiple=True, type=click.Path(path_type=Path),
-              help="text files or directories (default: the Python standard library's source)")
-@click.option("--vocab-size", type=int, default=4096, show_default=True, help="byte-level BPE vocabulary to train")
-@click.option("--max-mb", type=float, default=8.0, show_default=True, help="stop reading after this much text")
-@click.option("--force", is_flag=True, default=False, help="rebuild even if --out exists")
-def prepare_data(out: Path, sources, vocab_size: int, max_mb: float, force: bool) -> None:
-    """Train a byte-level BPE tokenizer and write memory-mapped token ids (offline, deterministic)."""
-    from dspipe.data import META_FILE, prepare_corpus, read_meta, stdlib_sources
-
-    if (out / META_FILE).is_file() and not force:
-        meta = read_meta(out)
-        click.echo(f"{out} already prepared: {meta['num_tokens']:,} tokens, vocab {meta['vocab_size']} (--force rebuilds)")
-        return
-    files = stdlib_sources() if not sources else sorted(
-        f for s in sources for f in ([s] if s.is_file() else s.rglob("*")) if f.is_file())
-    if not files:
-        raise SpecError(f"no input files under {', '.join(map(str, sources))}")
-    meta = prepare_corpus(out=out, sources=files, vocab_size=vocab_size, max_bytes=int(max_mb * 1024 * 1024))
-    click.echo(f"wrote {out}: {meta['num_documents']:,} documents, {meta['num_bytes'] / 2**20:.1f} MiB text -> "
-               f"{meta['num_tokens']:,} tokens, vocab {meta['vocab_size']}")
-
-
 @cli.command("presets")
 def presets() -> None:
     """List model presets and DeepSpeed presets."""
@@ -195,6 +278,15 @@ def presets() -> None:
         click.echo(f"{m.name:<11} {m.num_params / 1e6:>10,.1f}M  L{m.layers:<3} h{m.hidden:<6} a{m.heads:<3} "
                    f"s{m.seq_len:<5} V{m.vocab}")
     click.echo("deepspeed presets: " + ", ".join(preset_names()))
+
+
+from dspipe.cli_launch import cluster_from_options, doctor, launch, slurm_script  # noqa: E402
+from dspipe.cli_data import prepare_data  # noqa: E402
+
+cli.add_command(prepare_data)
+cli.add_command(launch)
+cli.add_command(doctor)
+cli.add_command(slurm_script)
 
 
 def main(argv: list[str] | None = None) -> None:

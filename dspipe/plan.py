@@ -65,35 +65,41 @@ class Plan:
     """torch.distributed backend for the GPU type (nccl or gloo)."""
 
 
+def _rule(rule: int, message: str) -> SpecError:
+    error = SpecError(message)
+    error.rule = rule  # rules are checked in order; a later rule number means the input got further
+    return error
+
+
 def check_rules(*, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strategy: StrategySpec) -> None:
     """DeepSpeed's rules (design notes section 5), each failing with a one-line message that shows the numbers."""
     world, pp, zero = cluster.world_size, strategy.pp, strategy.zero
     if pp > model.layers:
-        raise SpecError(f"pipeline stages {pp} > layers {model.layers}: every stage needs at least one block")
+        raise _rule(1, f"pipeline stages {pp} > layers {model.layers}: every stage needs at least one block")
     if world % pp:
-        raise SpecError(f"world size {world} ({cluster.nodes} nodes x {cluster.gpus_per_node} GPUs) "
-                        f"is not divisible by pipeline stages {pp}")
+        raise _rule(2, f"world size {world} ({cluster.nodes} nodes x {cluster.gpus_per_node} GPUs) "
+                       f"is not divisible by pipeline stages {pp}")
     if pp > 1 and zero >= 2:
-        raise SpecError(f"ZeRO-{zero} with pp {pp}: DeepSpeed's pipeline engine supports ZeRO stages 0-1 only; "
-                        f"use --zero 1 (optimizer states still sharded over dp {world // pp})")
+        raise _rule(3, f"ZeRO-{zero} with pp {pp}: DeepSpeed's pipeline engine supports ZeRO stages 0-1 only; "
+                       f"use --zero 1 (optimizer states still sharded over dp {world // pp})")
     dp = world // pp
     if train.global_batch % (train.micro_batch * dp):
-        raise SpecError(f"global batch {train.global_batch} is not divisible by micro_batch {train.micro_batch} "
-                        f"x dp {dp} = {train.micro_batch * dp}")
+        raise _rule(4, f"global batch {train.global_batch} is not divisible by micro_batch {train.micro_batch} "
+                       f"x dp {dp} = {train.micro_batch * dp}")
     if strategy.offload_params and zero != 3:
-        raise SpecError(f"--offload-params needs ZeRO-3 (got ZeRO-{zero}): only stage 3 partitions parameters")
+        raise _rule(5, f"--offload-params needs ZeRO-3 (got ZeRO-{zero}): only stage 3 partitions parameters")
     if strategy.offload_params and strategy.offload == "none":
-        raise SpecError("--offload-params needs an offload device: --offload cpu or --offload nvme")
+        raise _rule(6, "--offload-params needs an offload device: --offload cpu or --offload nvme")
     if strategy.offload != "none" and zero == 0:
-        raise SpecError(f"--offload {strategy.offload} needs ZeRO 1-3 (got ZeRO-0): offload moves ZeRO's partitions")
+        raise _rule(7, f"--offload {strategy.offload} needs ZeRO 1-3 (got ZeRO-0): offload moves ZeRO's partitions")
     if strategy.offload == "nvme" and zero != 3:
-        raise SpecError(f"--offload nvme needs ZeRO-3 (ZeRO-Infinity), got ZeRO-{zero}; use --offload cpu")
+        raise _rule(8, f"--offload nvme needs ZeRO-3 (ZeRO-Infinity), got ZeRO-{zero}; use --offload cpu")
     if strategy.offload == "nvme" and not strategy.nvme_path:
-        raise SpecError("--offload nvme needs --nvme-path DIR on a local NVMe drive")
+        raise _rule(9, "--offload nvme needs --nvme-path DIR on a local NVMe drive")
     if train.precision == "fp16" and cluster.gpu == "cpu":
-        raise SpecError("fp16 is not supported by DeepSpeed's CPU accelerator; use --precision bf16 or fp32")
+        raise _rule(10, "fp16 is not supported by DeepSpeed's CPU accelerator; use --precision bf16 or fp32")
     if train.warmup_steps >= train.steps:
-        raise SpecError(f"warmup_steps {train.warmup_steps} must be < steps {train.steps}")
+        raise _rule(11, f"warmup_steps {train.warmup_steps} must be < steps {train.steps}")
 
 
 def _grad_accum_dtype(*, precision: str, zero: int, pp: int) -> str:

@@ -44,14 +44,14 @@ class Run:
 
 
 def write_run(out: Path, *, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strategy: StrategySpec,
-              plan: Plan, data: str, ds_config: dict, command: str, force: bool = False) -> None:
+              plan: Plan, data: str, ds_config: dict, command: str, estimate: dict, force: bool = False) -> None:
     """Write into a sibling temp dir, then rename: a failure never leaves a half-written run directory."""
     out = Path(out)
     if out.exists() and not force:
         raise SpecError(f"run directory {out} already exists (pass --force to replace it)")
     out.parent.mkdir(parents=True, exist_ok=True)
     spec = {"format_version": FORMAT_VERSION, "model": asdict(model), "cluster": asdict(cluster),
-            "train": asdict(train), "strategy": asdict(strategy), "plan": asdict(plan), "data": data,
+            "train": asdict(train), "strategy": asdict(strategy), "plan": asdict(plan), "estimate": estimate, "data": data,
             "command": command}
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     tmp.chmod(0o755)

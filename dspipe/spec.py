@@ -101,6 +101,8 @@ class GpuType:
     """Per-GPU share of the node's network bandwidth (InfiniBand), GB/s."""
     backend: str
     """torch.distributed backend DeepSpeed uses on it."""
+    node_host_memory_bytes: int
+    """Host RAM of a typical node with 8 of these (DGX-class), for offload checks."""
 
     def peak_tflops(self, precision: str) -> float:
         return {"bf16": self.peak_bf16_tflops, "fp16": self.peak_fp16_tflops, "fp32": self.peak_fp32_tflops}[precision]
@@ -108,11 +110,11 @@ class GpuType:
 
 # Vendor datasheet figures. 'cpu' is a nominal entry for the 2-rank gloo path (not a performance model).
 GPU_CATALOG: dict[str, GpuType] = {g.name: g for g in (
-    GpuType("cpu", 16 * 1024 * MIB, 1.0, 0.0, 1.0, 10.0, 10.0, "gloo"),
-    GpuType("a100-40g", 40960 * MIB, 312.0, 312.0, 19.5, 300.0, 25.0, "nccl"),
-    GpuType("a100-80g", 81920 * MIB, 312.0, 312.0, 19.5, 300.0, 25.0, "nccl"),
-    GpuType("h100-80g", 81559 * MIB, 989.0, 989.0, 67.0, 450.0, 50.0, "nccl"),
-    GpuType("h200", 143771 * MIB, 989.0, 989.0, 67.0, 450.0, 50.0, "nccl"),
+    GpuType("cpu", 16 * 1024 * MIB, 1.0, 0.0, 1.0, 10.0, 10.0, "gloo", 24 * 1024 * MIB),
+    GpuType("a100-40g", 40960 * MIB, 312.0, 312.0, 19.5, 300.0, 25.0, "nccl", 1024 * 1024 * MIB),
+    GpuType("a100-80g", 81920 * MIB, 312.0, 312.0, 19.5, 300.0, 25.0, "nccl", 2048 * 1024 * MIB),
+    GpuType("h100-80g", 81559 * MIB, 989.0, 989.0, 67.0, 450.0, 50.0, "nccl", 2048 * 1024 * MIB),
+    GpuType("h200", 143771 * MIB, 989.0, 989.0, 67.0, 450.0, 50.0, "nccl", 2048 * 1024 * MIB),
 )}
 
 
@@ -133,10 +135,20 @@ class ClusterSpec:
     """Ranks per machine (GPUs, or CPU processes on the 'cpu' type)."""
     gpu: str
     """GPU type, a key of GPU_CATALOG."""
+    host_memory_gib: float | None = None
+    """Host RAM per node for offloaded state; None: the GPU type's typical node."""
 
     def __post_init__(self) -> None:
         _positive("cluster", nodes=self.nodes, gpus_per_node=self.gpus_per_node)
         gpu_type(self.gpu)
+        if self.host_memory_gib is not None and not self.host_memory_gib > 0:
+            raise SpecError(f"cluster.host_memory_gib must be positive, got {self.host_memory_gib}")
+
+    @property
+    def host_memory_bytes(self) -> int:
+        if self.host_memory_gib is None:
+            return self.gpu_type.node_host_memory_bytes
+        return int(self.host_memory_gib * 1024**3)
 
     @property
     def world_size(self) -> int:

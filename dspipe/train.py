@@ -9,7 +9,7 @@ import os
 import sys
 import time
 
-from dspipe.data import BatchOrder, TokenWindows, micro_batches
+from dspipe.data import TokenWindows, TrainLoader, check_data_for_model
 from dspipe.errors import SpecError
 from dspipe.rundir import Run, load_run
 
@@ -134,9 +134,8 @@ def train(run: Run) -> dict:
                         f"({run.cluster.nodes} nodes x {run.cluster.gpus_per_node}), launched with {world}; "
                         f"regenerate with matching --nodes/--gpus-per-node")
     torch.manual_seed(run.train.seed + rank)  # dropout streams; weights come from per-layer generators
-    windows = TokenWindows(run.data, seq_len=run.model.seq_len)
-    if windows.vocab_size > run.model.vocab:
-        raise SpecError(f"tokenizer vocab {windows.vocab_size} > model vocab {run.model.vocab} ({run.data})")
+    check_data_for_model(run.data, model_vocab=run.model.vocab, seq_len=run.model.seq_len)
+    windows = TokenWindows(run.data, seq_len=run.model.seq_len)  # memory maps, checked against meta.json
 
     module = build_module(run)
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=_param_groups(module, run.train.weight_decay),
@@ -146,9 +145,10 @@ def train(run: Run) -> dict:
     if rank == 0:
         (run.path / ENGINE_FILE).write_text(json.dumps(settings, indent=2) + "\n")
     plan, steps = run.plan, run.train.steps
-    order = BatchOrder(num_samples=len(windows), seed=run.train.seed, dp=plan.dp, micro_batch=plan.micro_batch,
-                       grad_accum=plan.grad_accum)
-    batches = micro_batches(windows=windows, order=order, dp_rank=_dp_rank(engine))
+    loader = TrainLoader(windows=windows, seed=run.train.seed, micro_batch=plan.micro_batch, dp=plan.dp,
+                         dp_rank=_dp_rank(engine))
+    # under a pipeline only the first (inputs) and last (labels) stages read data; the others skip along
+    reads_data = plan.pp == 1 or engine.is_first_stage() or engine.is_last_stage()
     say = print if rank == 0 else (lambda *a, **k: None)
     say(f"dspipe: {run.model.name} {plan.num_params / 1e6:.2f}M params | world {world} = dp {plan.dp} x pp {plan.pp} "
         f"| ZeRO-{plan.zero_stage} offload {plan.offload} | {plan.precision} | {backend} | recompute "
@@ -163,7 +163,9 @@ def train(run: Run) -> dict:
         writer.writerow(["step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"])
     for step in range(1, steps + 1):
         t0 = time.perf_counter()
-        loss = _train_step(engine, batches, pp=plan.pp, grad_accum=plan.grad_accum)
+        loss = _train_step(engine, loader if reads_data else None, pp=plan.pp, grad_accum=plan.grad_accum)
+        if not reads_data:
+            loader.skip(plan.grad_accum)
         dt = time.perf_counter() - t0
         losses.append(loss)
         if writer:
@@ -176,9 +178,12 @@ def train(run: Run) -> dict:
                     f"{plan.tokens_per_step / dt:,.0f} tokens/s | {dt * 1000:.0f} ms", flush=True)
     if writer:
         metrics.close()
+    if loader.consumed_samples != steps * plan.global_batch:  # every rank, reading or not, at the same position
+        raise RuntimeError(f"data position {loader.consumed_samples} != {steps} steps x {plan.global_batch}")
     tag = f"global_step{steps}"
     engine.save_checkpoint(str(run.checkpoint_dir), tag=tag,
-                           client_state={"step": steps, "consumed_samples": steps * plan.global_batch})
+                           client_state={"step": steps, "consumed_samples": loader.consumed_samples,
+                                         "data": loader.state_dict()})
     summary = {"first_loss": losses[0], "last_loss": losses[-1], "steps": steps,
                "seconds": time.perf_counter() - start, "checkpoint": str(run.checkpoint_dir / tag)}
     say(f"done: loss {losses[0]:.3f} -> {losses[-1]:.3f} in {steps} steps ({summary['seconds']:.0f} s); "

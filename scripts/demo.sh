@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 RUN=${RUN:-runs/demo}
 STEPS=${STEPS:-300}
-dspipe prepare-data --out data/stdlib --vocab-size 4096
+dspipe prepare-data --out data/stdlib --train-tokenizer 4096
 GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())")
 if [ "$GPUS" -gt 0 ]; then
   CLUSTER=(--gpus-per-node "$GPUS" --gpu "${GPU:-h100-80g}" --precision bf16 --micro-batch 8)

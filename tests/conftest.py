@@ -15,10 +15,11 @@ def pytest_configure(config):
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory) -> Path:
     """A small real corpus (standard-library source), tokenized with a freshly trained 1024-token BPE."""
-    from dspipe.data import prepare_corpus, stdlib_sources
+    from dspipe.data.prepare import prepare
+    from dspipe.data.sources import resolve_inputs
 
     out = tmp_path_factory.mktemp("data") / "stdlib"
-    prepare_corpus(out=out, sources=stdlib_sources(), vocab_size=1024, max_bytes=1_500_000)
+    prepare(inputs=resolve_inputs([]), out=out, train_tokenizer=1024, max_bytes=1_500_000, workers=1)
     return out
 
 

@@ -28,6 +28,7 @@ def test_gen_config_writes_the_run_and_prints_the_command(tmp_path, corpus):
 
 
 def test_multi_node_command_uses_a_hostfile(tmp_path):
+    (tmp_path / "hosts.txt").write_text("node-a slots=8\nnode-b slots=8\n")  # gen-config validates it
     r = dspipe("gen-config", "--model", "gpt2-124m", "--nodes", "2", "--gpus-per-node", "8", "--global-batch", "64",
                "--hostfile", "hosts.txt", "--out", "runs/mn", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
@@ -58,10 +59,10 @@ BAD = [
     (["--model", "tiny", "--zero", "3", "--offload", "nvme"], "--offload nvme needs --nvme-path"),
     (["--model", "tiny", "--micro-batch", "0"], "micro_batch must be a positive integer, got 0"),
     (["--model", "tiny", "--gpu", "v100"], "unknown GPU type 'v100'; valid: cpu, a100-40g"),
-    (["--model", "tiny", "--precision", "fp8"], "precision 'fp8' is not one of: bf16, fp16, fp32"),
+    (["--model", "tiny", "--precision", "fp8"], "'--precision': 'fp8' is not one of: auto, bf16, fp16, fp32"),
     (["--model", "tiny", "--gpu", "cpu", "--precision", "fp16"], "fp16 is not supported by DeepSpeed's CPU accelerator"),
     (["--model", "tiny", "--preset", "zero9"], "unknown DeepSpeed preset 'zero9'; valid: fp16-zero2"),
-    (["--model", "tiny", "--zero", "x"], "'x' is not a valid integer"),
+    (["--model", "tiny", "--zero", "x"], "'--zero': 'x' is not one of: auto, 0, 1, 2, 3"),
 ]
 
 
@@ -77,6 +78,20 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, args, message
 def test_vocab_mismatch_with_prepared_data(tmp_path, corpus):
     r = dspipe("gen-config", *CPU2, "--vocab", "512", "--data", corpus, "--out", "runs/v", cwd=tmp_path)
     assert r.returncode == 2 and "tokenizer vocab 1024" in r.stderr and "model vocab 512" in r.stderr
+    assert r.stderr.count("\n") == 1 and not (tmp_path / "runs").exists()
+
+
+def test_pad_vocab_takes_the_data_vocab_to_a_multiple_of_64(tmp_path, corpus):
+    r = dspipe("gen-config", *CPU2, "--vocab", "50257", "--pad-vocab", "--data", corpus, "--out", "runs/p",
+               cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "runs/p/dspipe.json").read_text())["model"]["vocab"] == 1024  # 1024 = 16 x 64
+    assert "V1024" in r.stdout
+
+
+def test_corpus_shorter_than_one_sequence_is_refused_at_gen_config(tmp_path, corpus):
+    r = dspipe("gen-config", *CPU2, "--seq-len", "1000000", "--data", corpus, "--out", "runs/s", cwd=tmp_path)
+    assert r.returncode == 2 and "is shorter than one sequence of 1000001 tokens" in r.stderr, r.stderr
 
 
 def test_planning_modules_import_without_torch_or_deepspeed():

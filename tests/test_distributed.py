@@ -23,7 +23,8 @@ def make_run(tmp_path, corpus, *flags, steps=20, name="run"):
     run_dir = tmp_path / name
     r = dspipe("gen-config", "--model", "tiny", "--gpus-per-node", "2", "--gpu", "cpu", "--global-batch", "16",
                "--micro-batch", "4", "--steps", steps, "--warmup", "2", "--lr", "3e-3", "--log-interval", "5",
-               "--data", corpus, "--out", run_dir, *flags)
+               "--data", corpus, "--out", run_dir, "--precision", "bf16", "--offload", "none", "--no-offload-params",
+               "--pp", "1", "--checkpointing", "none", *flags)  # explicit strategy; later flags override
     assert r.returncode == 0, r.stderr
     return run_dir
 

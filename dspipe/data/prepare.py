@@ -1,0 +1,284 @@
+"""prepare-data: documents -> tokenizer -> parallel batched encoding -> token shards, written whole or not at all.
+
+The output is built in a sibling temp directory `.NAME.tmp-PID-*` and renamed over `out` at the end, so `out` is
+either the previous complete result or the new one; meta.json is the last file written. An interrupted run leaves
+only the temp directory (no meta.json, never read by a loader), which the next run removes. Re-running with the
+same inputs and options (same fingerprint) is a no-op. The main process reads documents and writes shards; each
+worker process holds one single-threaded Rust tokenizer; at most 2 batches per worker are in flight, so memory
+does not grow with the corpus.
+"""
+from __future__ import annotations
+
+import hashlib
+import multiprocessing
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+
+from dspipe.data.shards import (FORMAT, FORMAT_VERSION, META_FILE, SPLITS, TOKENIZER_DIR, ShardWriter, dataset_id,
+                                read_meta, token_dtype, write_meta)
+from dspipe.data.sources import Inputs, documents, fingerprint
+from dspipe.errors import SpecError
+
+DEFAULT_VOCAB = 4096
+BATCH_CHARS = 1 << 20  # text per task sent to a worker
+BATCH_DOCS = 1024
+
+
+@dataclass(frozen=True)
+class Prepared:
+    meta: dict
+    reused: bool  # the output already matched the inputs: nothing was done
+    seconds: float = 0.0
+    encode_seconds: float = 0.0
+
+
+def _tokenizer_identity(tokenizer: str | None, train_tokenizer: int | None, sample_bytes: int) -> list:
+    if tokenizer is None:
+        return ["train-bpe", train_tokenizer, sample_bytes]
+    path = Path(tokenizer)
+    if path.is_dir():  # a local directory: its content, not its name
+        h = hashlib.sha256()
+        for f in sorted(p for p in path.rglob("*") if p.is_file()):
+            h.update(f.relative_to(path).as_posix().encode() + b"\0" + f.read_bytes())
+        return ["dir", h.hexdigest()]
+    return ["hub", tokenizer]
+
+
+def _validate(*, tokenizer, train_tokenizer, val_fraction, max_bytes, shard_tokens, workers, sample_bytes) -> None:
+    if tokenizer is not None and train_tokenizer is not None:
+        raise SpecError("give --tokenizer NAME_OR_DIR or --train-tokenizer VOCAB_SIZE, not both")
+    if not 0 <= val_fraction < 1:
+        raise SpecError(f"--val-fraction {val_fraction} must be in [0, 1)")
+    if max_bytes is not None and max_bytes <= 0:
+        raise SpecError(f"--max-mb must be positive, got {max_bytes / 2**20:g}")
+    if shard_tokens < 1:
+        raise SpecError(f"--shard-tokens must be positive, got {shard_tokens}")
+    if workers < 1:
+        raise SpecError(f"--workers must be at least 1, got {workers}")
+    if sample_bytes <= 0:
+        raise SpecError(f"--tokenizer-sample-mb must be positive, got {sample_bytes / 2**20:g}")
+
+
+def _remove_stale_temps(out: Path) -> None:
+    """Temp directories of runs that died (their process is gone)."""
+    for tmp in out.parent.glob(f".{out.name}.tmp-*"):
+        try:
+            pid = int(tmp.name.split(".tmp-")[1].split("-")[0])
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(tmp, ignore_errors=True)
+        except (ValueError, IndexError, PermissionError):
+            pass
+
+
+def _replace(tmp: Path, out: Path) -> None:
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(out, old)
+        os.rename(tmp, out)
+        shutil.rmtree(old)
+    else:
+        os.rename(tmp, out)
+
+
+def _batches(docs: Iterator[str]) -> Iterator[list[str]]:
+    batch, chars = [], 0
+    for doc in docs:
+        batch.append(doc)
+        chars += len(doc)
+        if chars >= BATCH_CHARS or len(batch) >= BATCH_DOCS:
+            yield batch
+            batch, chars = [], 0
+    if batch:
+        yield batch
+
+
+def is_val(doc_index: np.ndarray, fraction: float) -> np.ndarray:
+    """Document i goes to validation iff floor((i+1)f + 1/2) > floor(i f + 1/2): round(n f) of the first n
+    documents, evenly spread (the first at i = 1/(2f)), decided per document (streaming), whatever the batching."""
+    return np.floor((doc_index + 1) * fraction + 0.5) > np.floor(doc_index * fraction + 0.5)
+
+
+class _Workers:
+    """The tokenizer processes, started on first need: once the input proved readable (a bad input fails
+    without spawning anything), and while a BPE trains on it (the workers import meanwhile). Spawned, never
+    forked: the main process may hold Rust and Arrow threads. Each worker tokenizes on one thread."""
+
+    def __init__(self, count: int):
+        self.count, self._pool = count, None
+
+    def pool(self):
+        if self._pool is None:
+            from dspipe.data.tokenizer import warm_worker
+            self._pool = multiprocessing.get_context("spawn").Pool(self.count, initializer=warm_worker)
+        return self._pool
+
+    def stop(self) -> None:
+        if self._pool is not None:
+            self._pool.terminate()
+            self._pool.join()
+
+
+def _progress(enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(desc="tokenizing", unit="tok", unit_scale=True, disable=None if enabled else True, file=sys.stderr,
+                mininterval=0.5, smoothing=0.05, dynamic_ncols=True)
+
+
+def _encode(*, inputs: Inputs, max_bytes, tokenizer_json: Path, eos_id: int, dtype: str, workers: _Workers,
+            val_fraction: float, writers: dict, progress: bool) -> dict:
+    from dspipe.data.tokenizer import encode_batch
+
+    counts = {"num_documents": 0, "num_bytes": 0}
+    bar = _progress(progress)
+
+    def write(tokens: np.ndarray, lengths: np.ndarray) -> None:
+        first = counts["num_documents"]
+        val = is_val(np.arange(first, first + lengths.size, dtype=np.float64), val_fraction)
+        if val.any():
+            token_val = np.repeat(val, lengths)
+            writers["val"].add(tokens[token_val], lengths[val])
+            writers["train"].add(tokens[~token_val], lengths[~val])
+        else:
+            writers["train"].add(tokens, lengths)
+        counts["num_documents"] += lengths.size
+        bar.update(int(tokens.size))
+
+    task = (str(tokenizer_json), eos_id, dtype)
+    with bar:
+        pending: deque = deque()
+        for batch in _batches(documents(inputs, max_bytes=max_bytes)):
+            counts["num_bytes"] += sum(len(d.encode("utf-8")) for d in batch)
+            pending.append(workers.pool().apply_async(encode_batch, (*task, batch)))
+            if len(pending) >= 2 * workers.count:
+                write(*pending.popleft().get())
+        while pending:
+            write(*pending.popleft().get())
+    return counts
+
+
+def _load_tokenizer(*, inputs: Inputs, tokenizer, train_tokenizer, sample_bytes, max_bytes, workers, log):
+    from dspipe.data.tokenizer import load_hf, train_bpe
+
+    if tokenizer is not None:
+        if Path(tokenizer).is_dir():
+            workers.pool()  # starts while transformers imports and loads the tokenizer
+        return load_hf(tokenizer), tokenizer
+    limit = min(sample_bytes, max_bytes) if max_bytes else sample_bytes
+    log(f"training a {train_tokenizer}-token byte-level BPE on up to {limit / 2**20:.1f} MiB of the input")
+    seen = 0
+
+    def counted():
+        nonlocal seen
+        for doc in documents(inputs, max_bytes=limit):
+            seen += 1
+            if seen == 1:
+                workers.pool()
+            yield doc
+
+    tok = train_bpe(counted(), vocab_size=train_tokenizer)
+    if not seen:
+        raise _empty_input(inputs)
+    return tok, f"byte-level BPE trained on the input ({train_tokenizer} tokens)"
+
+
+def _empty_input(inputs: Inputs) -> SpecError:
+    skipped = inputs.stats
+    return SpecError(f"empty input: no documents with text in {inputs.label} ({skipped['empty']} empty documents, "
+                     f"{skipped['bad_utf8']} non-UTF-8 files skipped)")
+
+
+def _build(*, tmp: Path, workers: _Workers, inputs: Inputs, fp: str, tokenizer, train_tokenizer, sample_bytes,
+           val_fraction, max_bytes, shard_tokens, progress, log) -> tuple[dict, float]:
+    """Everything into tmp; returns (meta, seconds spent encoding)."""
+    from dspipe.data.tokenizer import save_hf
+
+    tok, source = _load_tokenizer(inputs=inputs, tokenizer=tokenizer, train_tokenizer=train_tokenizer,
+                                  sample_bytes=sample_bytes, max_bytes=max_bytes, workers=workers, log=log)
+    tokenizer_json = save_hf(tok, tmp / TOKENIZER_DIR)
+    vocab, eos_id = len(tok), int(tok.eos_token_id)
+    dtype = token_dtype(vocab)
+    writers = {s: ShardWriter(directory=tmp, split=s, dtype=dtype, shard_tokens=shard_tokens,
+                              ident=dataset_id(fp)) for s in SPLITS}
+    try:
+        t0 = time.perf_counter()
+        counts = _encode(inputs=inputs, max_bytes=max_bytes, tokenizer_json=tokenizer_json, eos_id=eos_id,
+                         dtype=dtype, workers=workers, val_fraction=val_fraction, writers=writers,
+                         progress=progress)
+        encode_seconds = time.perf_counter() - t0
+    except BaseException:
+        for w in writers.values():
+            w.abort()
+        raise
+    if counts["num_documents"] == 0:
+        raise _empty_input(inputs)
+    splits = {}
+    for s, w in writers.items():
+        shards = w.close()
+        splits[s] = {"num_documents": sum(x["num_documents"] for x in shards),
+                     "num_tokens": sum(x["num_tokens"] for x in shards), "shards": shards}
+    meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "fingerprint": fp,
+            "tokenizer": TOKENIZER_DIR, "tokenizer_source": source, "vocab_size": vocab, "eos_id": eos_id,
+            "eos_token": tok.eos_token, "dtype": dtype,
+            "num_documents": counts["num_documents"], "num_tokens": sum(v["num_tokens"] for v in splits.values()),
+            "num_bytes": counts["num_bytes"], "skipped": dict(inputs.stats), "val_fraction": val_fraction,
+            "input": {"source": inputs.label, "files": len(inputs.files), "hub": inputs.hub, "config": inputs.config,
+                      "split": inputs.split, "text_field": inputs.text_field, "txt_docs": inputs.txt_docs,
+                      "max_bytes": max_bytes},
+            "splits": splits}
+    write_meta(tmp, meta)  # last: a directory without meta.json is never read
+    return meta, encode_seconds
+
+
+def prepare(*, inputs: Inputs, out: Path, tokenizer: str | None = None, train_tokenizer: int | None = None,
+            tokenizer_sample_bytes: int = 64 << 20, val_fraction: float = 0.01, max_bytes: int | None = None,
+            shard_tokens: int = 500_000_000, workers: int = 1, force: bool = False, progress: bool = False,
+            log: Callable[[str], None] = lambda s: None) -> Prepared:
+    """Prepare `out` from `inputs`; a no-op (reused=True) when out already holds exactly this preparation."""
+    if tokenizer is None and train_tokenizer is None:
+        train_tokenizer = DEFAULT_VOCAB
+    _validate(tokenizer=tokenizer, train_tokenizer=train_tokenizer, val_fraction=val_fraction, max_bytes=max_bytes,
+              shard_tokens=shard_tokens, workers=workers, sample_bytes=tokenizer_sample_bytes)
+    out = Path(out)
+    fp = fingerprint([FORMAT, FORMAT_VERSION, inputs.fingerprint_items(),
+                      _tokenizer_identity(tokenizer, train_tokenizer, tokenizer_sample_bytes),
+                      val_fraction, max_bytes, shard_tokens])
+    if (out / META_FILE).is_file() and not force:
+        try:
+            meta = read_meta(out)
+        except SpecError:
+            meta = {}
+        if meta.get("fingerprint") == fp:
+            return Prepared(meta=meta, reused=True)
+        log(f"{out} holds another preparation (different inputs or options): rebuilding it")
+    if out.exists() and not (out / META_FILE).is_file() and any(out.iterdir()):
+        raise SpecError(f"{out} exists and is not a prepared data directory; choose another --out")
+    start = time.perf_counter()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temps(out)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=out.parent))
+    tmp.chmod(0o755)
+    pool = _Workers(workers)
+    try:
+        meta, encode_seconds = _build(tmp=tmp, workers=pool, inputs=inputs, fp=fp, tokenizer=tokenizer,
+                                      train_tokenizer=train_tokenizer, sample_bytes=tokenizer_sample_bytes,
+                                      val_fraction=val_fraction, max_bytes=max_bytes, shard_tokens=shard_tokens,
+                                      progress=progress, log=log)
+        _replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        pool.stop()
+    return Prepared(meta=meta, reused=False, seconds=time.perf_counter() - start, encode_seconds=encode_seconds)

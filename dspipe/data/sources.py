@@ -1,0 +1,283 @@
+"""Input documents for prepare-data: local files, globs, directories or a Hugging Face dataset, read by `datasets`.
+
+Local files by extension: .jsonl/.json (one record per document, text in --text-field), .parquet (same), anything
+else is UTF-8 text: one document per file, or one per blank-line-separated block (--txt-docs blank-line). Text is
+read in text mode, so line endings become "\\n". Documents that are empty or only whitespace are skipped (counted).
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+import re
+import socket
+import sysconfig
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+from urllib.parse import urlparse
+
+from dspipe.errors import SpecError
+
+TEXT_DOCS = ("file", "blank-line")
+STDLIB = "python-stdlib"
+GROUP_FILES = 256  # text files per datasets.load_dataset call: UTF-8 checks stay ahead of reading, lazily
+HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+_BATCH = 256
+
+
+def stdlib_sources() -> list[Path]:
+    """The standard library's .py files, sorted, so the corpus is the same on every run."""
+    return sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py"))
+
+
+def _builder(path: Path) -> str:
+    suffix = path.suffix.lower()
+    return {".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(suffix, "text")
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """What to read, resolved: local files in order, or one hub dataset."""
+
+    files: tuple[Path, ...] = ()
+    hub: str | None = None
+    config: str | None = None
+    split: str = "train"
+    text_field: str = "text"
+    txt_docs: str = "file"
+    streaming: bool = True
+    skip_bad: bool = False
+    label: str = ""
+    stats: dict = field(default_factory=lambda: {"empty": 0, "bad_utf8": 0})
+
+    def fingerprint_items(self) -> list:
+        """What identifies the input: hub name/config/split, or every file's path, size and mtime."""
+        opts = [self.text_field, self.txt_docs, self.skip_bad]
+        if self.hub:
+            return ["hub", self.hub, self.config, self.split, *opts]
+        items = ["files", *opts]
+        for f in self.files:
+            st = os.stat(f)
+            items.append([os.path.abspath(f), st.st_size, st.st_mtime_ns])
+        return items
+
+
+def resolve_inputs(specs: list[str], *, text_field: str = "text", txt_docs: str = "file", config: str | None = None,
+                   split: str = "train", streaming: bool = True, skip_bad: bool = False) -> Inputs:
+    """Expand globs and directories (sorted, hidden files skipped); a name that is no local path is a hub dataset."""
+    if txt_docs not in TEXT_DOCS:
+        raise SpecError(f"--txt-docs {txt_docs!r} is not one of: {', '.join(TEXT_DOCS)}")
+    common = dict(text_field=text_field, txt_docs=txt_docs, split=split, streaming=streaming, config=config)
+    if not specs:
+        files = tuple(stdlib_sources())
+        # a few stdlib test files are deliberately not UTF-8: the built-in corpus skips them
+        return Inputs(files=files, skip_bad=True, label=f"{STDLIB} ({len(files)} files)", **common)
+    files: list[Path] = []
+    hub = None
+    for spec in specs:
+        path = Path(spec)
+        if any(c in spec for c in "*?["):
+            matches = sorted(Path(m) for m in glob.glob(spec, recursive=True))
+            matches = [m for m in matches if m.is_file()]
+            if not matches:
+                raise SpecError(f"no files match {spec!r}")
+            files += matches
+        elif path.is_dir():
+            found = sorted(p for p in path.rglob("*") if p.is_file()
+                           and not any(part.startswith(".") for part in p.relative_to(path).parts))
+            if not found:
+                raise SpecError(f"empty input: no files under {spec}")
+            files += found
+        elif path.is_file():
+            files.append(path)
+        elif HUB_NAME.match(spec) and not spec.startswith("."):
+            hub = spec
+        else:
+            raise SpecError(f"no such file or directory: {spec}")
+    if hub and (files or len(specs) > 1):
+        raise SpecError(f"give local files or one dataset name, not both ({hub!r} is not a local path)")
+    label = hub or (specs[0] if len(specs) == 1 else f"{specs[0]} + {len(specs) - 1} more")
+    return Inputs(files=tuple(files), hub=hub, skip_bad=skip_bad, label=label, **common)
+
+
+def first_bad_utf8(path: Path, chunk: int = 1 << 24) -> tuple[int, int] | None:
+    """(byte offset, byte value) of the first invalid UTF-8 sequence in a file, or None. Reads in bounded chunks."""
+    offset, carry = 0, b""
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(chunk)
+            data = carry + block
+            if not block:
+                cut = len(data)
+            else:  # keep a possibly incomplete trailing sequence for the next block
+                cut = len(data)
+                for back in range(1, min(4, len(data)) + 1):
+                    if data[-back] & 0xC0 != 0x80:
+                        cut = len(data) - back
+                        break
+            try:
+                data[:cut].decode("utf-8")
+            except UnicodeDecodeError as e:
+                return offset + e.start, data[e.start]
+            if not block:
+                return None
+            offset += cut
+            carry = data[cut:]
+
+
+def hub_reachable() -> str | None:
+    """None if the Hugging Face hub can be reached (or a proxy is configured); else why not. Takes at most ~3 s.
+
+    Without this check, huggingface_hub retries for 25-50 s before failing offline."""
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
+        return "HF_HUB_OFFLINE is set"
+    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return None
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        socket.create_connection((url.hostname, url.port or 443), timeout=3).close()
+    except OSError as e:
+        return f"{url.hostname} is unreachable ({e.strerror or e})"
+    return None
+
+
+def go_offline_if_unreachable() -> str | None:
+    """Switch huggingface_hub/datasets/transformers to their offline mode (cache only) when the hub is unreachable.
+
+    Must run before those libraries are imported: they read the variables at import time."""
+    reason = hub_reachable()
+    if reason:
+        os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
+        try:  # already imported in this process (tests): flip their constants too
+            import sys
+            if "huggingface_hub" in sys.modules:
+                sys.modules["huggingface_hub"].constants.HF_HUB_OFFLINE = True
+            if "datasets" in sys.modules:
+                sys.modules["datasets"].config.HF_HUB_OFFLINE = True
+        except AttributeError:
+            pass
+    return reason
+
+
+def _quiet_datasets():
+    import datasets
+
+    datasets.disable_progress_bars()
+    datasets.utils.logging.set_verbosity_error()
+    return datasets
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if len(text) < 300 else text[:297] + "..."
+
+
+def _load(builder: str, inputs: Inputs, files: list[Path]):
+    datasets = _quiet_datasets()
+    kwargs = {}
+    if builder == "text":
+        kwargs["sample_by"] = "document" if inputs.txt_docs == "file" else "paragraph"
+    try:
+        return datasets.load_dataset(builder, data_files={"train": [str(f) for f in files]}, split="train",
+                                     streaming=inputs.streaming, **kwargs)
+    except Exception as e:  # datasets/pyarrow raise many types for unreadable files
+        raise SpecError(f"cannot read {files[0] if len(files) == 1 else f'{files[0]} ...'} as {builder}: "
+                        f"{_one_line(e)}") from None
+
+
+def _load_hub(inputs: Inputs):
+    offline = go_offline_if_unreachable()
+    datasets = _quiet_datasets()
+    try:
+        return datasets.load_dataset(inputs.hub, inputs.config, split=inputs.split, streaming=inputs.streaming)
+    except Exception as e:
+        where = f"{offline}; not in the local cache either" if offline else _one_line(e)
+        config = f"config {inputs.config}, " if inputs.config else ""
+        raise SpecError(f"cannot load dataset {inputs.hub!r} ({config}split {inputs.split}; not a local path "
+                        f"either): {where}") from None
+
+
+def _column_texts(ds, field_: str, source: str) -> Iterator[str]:
+    columns = ds.column_names
+    if columns is not None and field_ not in columns:
+        raise SpecError(f"no field {field_!r} in {source} (fields: {', '.join(columns)}); pass --text-field NAME")
+    try:
+        for batch in ds.select_columns([field_]).iter(batch_size=_BATCH):
+            for text in batch[field_]:
+                if text is not None and not isinstance(text, str):
+                    raise SpecError(f"field {field_!r} in {source} holds {type(text).__name__}, not text")
+                yield text
+    except SpecError:
+        raise
+    except ValueError as e:
+        if "not in the dataset" in str(e):
+            raise SpecError(f"no field {field_!r} in {source}; pass --text-field NAME") from None
+        raise SpecError(f"cannot read {source}: {_one_line(e)}") from None
+    except Exception as e:  # pyarrow parse errors, decoding errors from datasets' readers
+        raise SpecError(f"cannot read {source}: {_one_line(e)}") from None
+
+
+def _checked(files: list[Path], inputs: Inputs) -> list[Path]:
+    good = []
+    for f in files:
+        bad = first_bad_utf8(f) if _builder(f) != "parquet" else None
+        if bad is None:
+            good.append(f)
+        elif inputs.skip_bad:
+            inputs.stats["bad_utf8"] += 1
+        else:
+            raise SpecError(f"{f} is not UTF-8: byte 0x{bad[1]:02x} at offset {bad[0]} "
+                            f"(--skip-bad skips such files)")
+    return good
+
+
+def _file_groups(inputs: Inputs) -> Iterator[tuple[str, list[Path]]]:
+    """Consecutive text files in groups of GROUP_FILES; each json/parquet file alone (errors name the file)."""
+    group: list[Path] = []
+    for f in inputs.files:
+        if _builder(f) == "text":
+            group.append(f)
+            if len(group) == GROUP_FILES:
+                yield "text", group
+                group = []
+            continue
+        if group:
+            yield "text", group
+            group = []
+        yield _builder(f), [f]
+    if group:
+        yield "text", group
+
+
+def documents(inputs: Inputs, *, max_bytes: int | None = None) -> Iterator[str]:
+    """Non-empty documents in input order, stopping once max_bytes of UTF-8 text have been yielded.
+
+    inputs.stats counts what this pass skipped (empty documents, non-UTF-8 files under --skip-bad)."""
+    inputs.stats.update(empty=0, bad_utf8=0)
+    total = 0
+
+    def keep(text) -> bool:
+        if not text or text.isspace():
+            inputs.stats["empty"] += 1
+            return False
+        return True
+
+    if inputs.hub:
+        streams = [(_load_hub(inputs), inputs.text_field, inputs.hub)]
+    else:  # plain text files always have the column "text"
+        streams = ((_load(b, inputs, good), "text" if b == "text" else inputs.text_field,
+                    str(good[0]) if len(good) == 1 else f"{good[0]} ...")
+                   for b, group in _file_groups(inputs) if (good := _checked(group, inputs)))
+    for ds, field_, source in streams:
+        for text in _column_texts(ds, field_, source):
+            if keep(text):
+                yield text
+                if max_bytes is not None:
+                    total += len(text.encode("utf-8"))
+                    if total >= max_bytes:
+                        return
+
+
+def fingerprint(items: list) -> str:
+    return hashlib.sha256(repr(items).encode()).hexdigest()

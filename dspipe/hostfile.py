@@ -1,0 +1,149 @@
+"""MPI-style hostfiles (`host slots=N`) and DeepSpeed's --include/--exclude/--num_nodes/--num_gpus selection.
+
+Validated more strictly than DeepSpeed's runner parses them, so that anything accepted here is accepted there and
+resolves to the same hosts and slots (tests/test_hostfile.py checks this against DeepSpeed's own functions).
+No torch.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from dspipe.errors import SpecError
+
+HOST_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")  # no ':' or '@': they are the separators of --include/--exclude
+KEY_VALUE = re.compile(r"^(slots|max_slots)=(.*)$")
+
+
+@dataclass(frozen=True)
+class Host:
+    name: str
+    slots: int
+    line: int
+    """1-based line in the hostfile, for messages."""
+
+
+@dataclass(frozen=True)
+class Hostfile:
+    """The resource pool a hostfile declares, in file order (DeepSpeed numbers nodes in this order)."""
+
+    source: str
+    hosts: tuple[Host, ...]
+
+    @property
+    def world_size(self) -> int:
+        return sum(h.slots for h in self.hosts)
+
+    def host(self, name: str) -> Host:
+        for h in self.hosts:
+            if h.name == name:
+                return h
+        raise SpecError(f"host {name!r} is not in hostfile {self.source} "
+                        f"(hosts: {', '.join(h.name for h in self.hosts)})")
+
+    def equal_slots(self) -> int:
+        """GPUs per node, when every node has the same number (what a plan for `nodes x gpus_per_node` needs)."""
+        first = self.hosts[0]
+        for h in self.hosts[1:]:
+            if h.slots != first.slots:
+                raise SpecError(f"{self.source}:{h.line}: {h.name} has slots={h.slots} but {first.name} (line "
+                                f"{first.line}) has slots={first.slots}; dspipe plans nodes x gpus_per_node, "
+                                f"so every node needs the same slot count")
+        return first.slots
+
+
+def parse_hostfile(text: str, *, source: str) -> Hostfile:
+    """`host slots=N [max_slots=M]` per line; `#` starts a comment; blank lines are skipped."""
+    hosts: dict[str, Host] = {}
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        where = f"{source}:{number}: {line!r}"
+        name, *fields = line.split()
+        if not HOST_NAME.match(name):
+            raise SpecError(f"{where}: host name {name!r} may only hold letters, digits, '.', '_' and '-'")
+        values = {}
+        for field in fields:
+            m = KEY_VALUE.match(field)
+            if not m:
+                raise SpecError(f"{where}: unexpected {field!r}; a line is 'HOST slots=N'")
+            if not m.group(2).isdigit() or int(m.group(2)) < 1:
+                raise SpecError(f"{where}: {m.group(1)} must be a positive integer, got {m.group(2)!r}")
+            values[m.group(1)] = int(m.group(2))
+        if "slots" not in values:
+            raise SpecError(f"{where}: missing slots=N (the number of GPUs on {name})")
+        if name in hosts:
+            raise SpecError(f"{where}: duplicate host {name} (first on line {hosts[name].line})")
+        hosts[name] = Host(name=name, slots=values["slots"], line=number)
+    if not hosts:
+        raise SpecError(f"hostfile {source} lists no hosts; write one 'HOST slots=N' line per node")
+    return Hostfile(source=source, hosts=tuple(hosts.values()))
+
+
+def read_hostfile(path: str | Path) -> Hostfile:
+    path = Path(path)
+    if not path.is_file():
+        raise SpecError(f"hostfile {path} does not exist (one 'HOST slots=N' line per node)")
+    return parse_hostfile(path.read_text(), source=str(path))
+
+
+def _node_specs(hostfile: Hostfile, spec: str, flag: str) -> dict[str, list[int]]:
+    """NAME[:SLOT[,SLOT...]][@NAME...] -> {host: [slots]} (empty list: the whole host), checked against the file."""
+    out: dict[str, list[int]] = {}
+    for part in spec.split("@"):
+        name, colon, slots = part.partition(":")
+        if not name or (colon and not slots):
+            raise SpecError(f"{flag} {spec!r}: {part!r} is not NAME[:SLOT,...]; "
+                            f"the format is NAME[:SLOT,...][@NAME...]")
+        if name not in {h.name for h in hostfile.hosts}:
+            raise SpecError(f"{flag} {spec!r}: host {name!r} is not in hostfile {hostfile.source} "
+                            f"(hosts: {', '.join(h.name for h in hostfile.hosts)})")
+        host = hostfile.host(name)
+        ids = []
+        for s in (slots.split(",") if slots else []):
+            if not s.isdigit() or int(s) >= host.slots:
+                raise SpecError(f"{flag} {spec!r}: {name} has slots 0..{host.slots - 1} "
+                                f"({hostfile.source}:{host.line}), not {s!r}")
+            ids.append(int(s))
+        out.setdefault(name, []).extend(ids)
+    return out
+
+
+def select(hostfile: Hostfile, *, include: str = "", exclude: str = "", num_nodes: int | None = None,
+           num_gpus: int | None = None) -> dict[str, list[int]]:
+    """The hosts and slot ids a launch uses, in hostfile order, as DeepSpeed's runner resolves them."""
+    if include and exclude:
+        raise SpecError("--include and --exclude are mutually exclusive (DeepSpeed's runner takes one)")
+    if (include or exclude) and (num_nodes or num_gpus):
+        raise SpecError("--num-nodes/--num-gpus cannot be combined with --include/--exclude (DeepSpeed's rule)")
+    pool = {h.name: list(range(h.slots)) for h in hostfile.hosts}
+    if include:
+        wanted = _node_specs(hostfile, include, "--include")
+        pool = {n: sorted(set(wanted[n])) or slots for n, slots in pool.items() if n in wanted}
+    elif exclude:
+        dropped = _node_specs(hostfile, exclude, "--exclude")
+        pool = {n: [s for s in slots if dropped[n] and s not in dropped[n]] if n in dropped else slots
+                for n, slots in pool.items()}
+        pool = {n: slots for n, slots in pool.items() if slots}
+    if num_nodes:
+        if num_nodes > len(pool):
+            raise SpecError(f"--num-nodes {num_nodes} > {len(pool)} hosts in {hostfile.source}")
+        pool = dict(list(pool.items())[:num_nodes])
+    if num_gpus:
+        short = [f"{n} ({hostfile.host(n).slots})" for n in pool if hostfile.host(n).slots < num_gpus]
+        if short:
+            raise SpecError(f"--num-gpus {num_gpus} > slots of {', '.join(short)} in {hostfile.source}")
+        pool = {n: list(range(num_gpus)) for n in pool}
+    if not pool:
+        raise SpecError(f"--include/--exclude leave no hosts of {hostfile.source}")
+    return pool
+
+
+def describe(resources: dict[str, list[int]]) -> str:
+    """'node1:0-7 + node2:0-7' for messages."""
+    def ids(slots):
+        return f"{slots[0]}-{slots[-1]}" if slots == list(range(slots[0], slots[-1] + 1)) and len(slots) > 1 \
+            else ",".join(map(str, slots))
+    return " + ".join(f"{n}:{ids(s)}" for n, s in resources.items())

@@ -1,0 +1,155 @@
+"""Planner: seed figures, ranking, the plan command's contract and its one-line errors."""
+import json
+import math
+
+import pytest
+
+from dspipe.estimate import estimate, run_days, stage_params, stage_layer_weights, textbook_model_states
+from dspipe.plan import make_plan
+from dspipe.presets import MODEL_PRESETS, model_preset
+from dspipe.search import search
+from dspipe.spec import ClusterSpec, StrategySpec, TrainSpec
+from tests.conftest import dspipe
+
+
+def test_7b_with_mixed_precision_adam_is_112_gb():
+    assert textbook_model_states(num_params=7e9, zero=0, dp=1) == 112e9
+
+
+@pytest.mark.parametrize("n", [1, 8, 64, 1024])
+def test_zero_table(n):
+    phi = 1e9
+    assert textbook_model_states(num_params=phi, zero=1, dp=n) == 4 * phi + 12 * phi / n
+    assert textbook_model_states(num_params=phi, zero=2, dp=n) == 2 * phi + 14 * phi / n
+    assert textbook_model_states(num_params=phi, zero=3, dp=n) == 16 * phi / n
+
+
+def _estimate(model="gpt2-124m", nodes=1, gpus=8, gpu="a100-80g", gbs=256, mb=4, precision="bf16", **strategy):
+    m = model_preset(model)
+    cluster = ClusterSpec(nodes, gpus, gpu)
+    plan = make_plan(model=m, cluster=cluster, train=TrainSpec(global_batch=gbs, micro_batch=mb, steps=100,
+                                                               warmup_steps=10, precision=precision),
+                     strategy=StrategySpec(**strategy))
+    return plan, estimate(model=m, cluster=cluster, plan=plan)
+
+
+def test_mixed_precision_zero0_peak_is_16_bytes_per_param():
+    plan, est = _estimate(zero=0)
+    m = est.memory
+    assert m.params + m.grads + m.optimizer == 16 * plan.num_params
+
+
+@pytest.mark.parametrize("pp,gbs", [(2, 64), (4, 64), (8, 256)])
+def test_pipeline_bubble_fraction(pp, gbs):
+    plan, est = _estimate(gpus=8, pp=pp, zero=1, gbs=gbs, mb=1)
+    m = plan.grad_accum
+    assert math.isclose(est.bubble_s / (est.compute_s + est.bubble_s), (pp - 1) / (m + pp - 1))
+
+
+def test_gpt3_175b_on_1024_a100_at_150_tflops_takes_3_to_5_months():
+    m = MODEL_PRESETS["gpt3-175b"]
+    days = run_days(flops_per_token=6 * m.num_params, tokens=1.5e12, gpus=128 * 8, tflops_per_gpu=150)
+    assert 90 < days < 150, days
+
+
+def test_stage_params_cover_the_model_and_balance():
+    m = MODEL_PRESETS["gpt3-1.3b"]
+    for method in ("parameters", "uniform", "type:Block"):
+        parts = stage_params(model=m, pp=4, partition_method=method)
+        assert len(parts) == 4 and sum(parts) == sum(stage_layer_weights(m))
+    balanced = stage_params(model=m, pp=4, partition_method="parameters")
+    assert max(balanced) <= max(stage_params(model=m, pp=4, partition_method="uniform"))
+
+
+def test_more_recomputation_less_activation_memory_more_compute():
+    _, none = _estimate(checkpointing="none", mb=8)
+    _, sel = _estimate(checkpointing="selective", mb=8)
+    _, full = _estimate(checkpointing="full", mb=8)
+    assert full.memory.activations < sel.memory.activations <= none.memory.activations
+    assert none.compute_s < sel.compute_s < full.compute_s
+
+
+def test_offload_moves_optimizer_to_host():
+    _, on_gpu = _estimate(zero=2)
+    _, off = _estimate(zero=2, offload="cpu")
+    assert off.memory.optimizer == 0 < on_gpu.memory.optimizer and off.host_memory_bytes > 0 and off.offload_s > 0
+
+
+def test_search_175b_over_1024_gpus_keeps_the_batch_equation_and_ranks_by_time():
+    m = MODEL_PRESETS["gpt3-175b"]
+    r = search(model=m, cluster=ClusterSpec(128, 8, "a100-80g"),
+               train=TrainSpec(global_batch=1536, micro_batch=1, steps=1000, warmup_steps=10), fixed={})
+    assert r.best is not None and r.evaluated > 100
+    for c in r.ranked:
+        assert c.plan.global_batch == c.plan.micro_batch * c.plan.grad_accum * c.plan.dp == 1536
+        assert c.est.fits
+        assert not (c.plan.pp > 1 and c.plan.zero_stage >= 2)  # DeepSpeed's pipeline rule
+    times = [c.est.step_time_s for c in r.ranked[1:]]
+    assert times == sorted(times)
+    assert r.best.est.step_time_s <= 1.02 * min(c.est.step_time_s for c in r.ranked)
+
+
+def test_small_model_prefers_the_seed_recipe():
+    r = search(model=MODEL_PRESETS["gpt2-124m"], cluster=ClusterSpec(1, 8, "h100-80g"),
+               train=TrainSpec(global_batch=256, micro_batch=1, steps=1000, warmup_steps=10), fixed={})
+    p = r.best.plan
+    assert (p.precision, p.zero_stage, p.offload, p.pp, p.checkpointing) == ("bf16", 0, "none", 1, "none")
+    assert "ZeRO-3" in r.rejected and "slower by" in r.rejected["ZeRO-3"]
+
+
+def test_plan_json_has_the_promised_keys():
+    r = dspipe("plan", "--model", "gpt3-1.3b", "--nodes", "2", "--gpus-per-node", "8", "--gpu", "a100-40g",
+               "--global-batch", "512", "--tokens", "300B", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    for key in ("num_params", "zero_stage", "offload", "offload_params", "precision", "pp", "dp", "micro_batch",
+                "grad_accum", "checkpointing", "memory_per_gpu_bytes", "gpu_memory_bytes", "host_memory_bytes",
+                "step_time_s", "tokens_per_s", "mfu", "train_days", "fits"):
+        assert key in d
+    assert set(d["memory_per_gpu_bytes"]) == {"params", "grads", "optimizer", "activations", "buffers", "total"}
+    assert d["fits"] and d["memory_per_gpu_bytes"]["total"] <= d["gpu_memory_bytes"]
+    assert d["micro_batch"] * d["grad_accum"] * d["dp"] == 512 and d["dp"] * d["pp"] == 16
+    assert math.isclose(d["train_days"], 300e9 / d["tokens_per_s"] / 86400)
+    assert 0 < d["mfu"] < 1
+
+
+def test_plan_human_output_explains_the_choice():
+    r = dspipe("plan", "--model", "gpt2-355m", "--gpus-per-node", "8", "--gpu", "a100-40g", "--global-batch", "256",
+               "--tokens", "10B")
+    assert r.returncode == 0, r.stderr
+    for text in ("memory per GPU (GiB)", "optimizer", "activations", "step time", "tokens/s, MFU", "days",
+                 "GPU-hours", "runner-up plans", "not chosen", "candidates evaluated"):
+        assert text in r.stdout
+
+
+def test_gen_config_auto_writes_the_chosen_plan(tmp_path):
+    r = dspipe("gen-config", "--model", "gpt3-2.7b", "--gpus-per-node", "8", "--gpu", "a100-40g",
+               "--global-batch", "512", "--out", "runs/auto", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    spec = json.loads((tmp_path / "runs/auto/dspipe.json").read_text())
+    cfg = json.loads((tmp_path / "runs/auto/ds_config.json").read_text())
+    est, plan = spec["estimate"], spec["plan"]
+    assert est["zero_stage"] == plan["zero_stage"] == cfg["zero_optimization"]["stage"]
+    assert est["micro_batch"] == cfg["train_micro_batch_size_per_gpu"] and est["fits"]
+
+
+def test_nothing_fits_says_the_shortfall_and_the_way_out():
+    r = dspipe("plan", "--model", "gpt3-13b", "--nodes", "1", "--gpus-per-node", "1", "--gpu", "a100-40g",
+               "--global-batch", "8", "--offload", "none")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1
+    assert "nothing fits gpt3-13b on 1 x a100-40g" in r.stderr and "short by" in r.stderr
+    assert "--offload cpu" in r.stderr and "nodes x 1" in r.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--tokens", "lots"], "token budget 'lots' does not parse"),
+    (["--tokens", "-5B"], "token budget '-5B' does not parse"),
+    (["--gpu", "tpu"], "unknown GPU type 'tpu'"),
+    (["--global-batch", "0"], "global_batch must be a positive integer, got 0"),
+    (["--nodes", "-1"], "nodes must be a positive integer, got -1"),
+    (["--layers", "0"], "layers must be a positive integer, got 0"),
+    (["--hostfile", "missing-hosts"], "missing-hosts"),
+])
+def test_plan_bad_input(args, message):
+    r = dspipe("plan", "--model", "gpt2-124m", *args)
+    assert r.returncode == 2 and message in r.stderr and r.stderr.count("\n") == 1, r.stderr

@@ -9,7 +9,8 @@ size, and loader speed vs what a training step consumes. Corpora are generated u
 2. Tokenizer: the demo's 4096-token byte-level BPE (prepare-data on 8 MiB of the standard library), saved in Hugging
    Face format; every measurement below uses that same tokenizer.json.
 3. Raw: tokenizers.Tokenizer.encode_batch on the first corpus's documents in ~1 MiB batches, one thread
-   (TOKENIZERS_PARALLELISM=false), in this process, timing the encode calls only.
+   (TOKENIZERS_PARALLELISM=false), in this process, timing the encode calls only; and the same with
+   encode_batch_fast (same ids, no character offsets), which the prepare-data workers call.
 4. prepare-data as a subprocess (`dspipe prepare-data CORPUS --tokenizer DIR --workers N --force`), its process
    tree sampled every 20 ms for peak RSS (main process + workers, summed) and CPU time per process.
 5. Loader: TrainLoader micro-batches (seq_len 1024, micro-batch 8) from the 100 MB shards, vs the micro-batches/s
@@ -72,17 +73,19 @@ def demo_tokenizer(work: Path) -> Path:
     return out / "tokenizer"
 
 
-def raw_encode(corpus: Path, tokenizer_json: Path, *, max_bytes: int | None = None) -> dict:
+def raw_encode(corpus: Path, tokenizer_json: Path, *, method: str = "encode_batch") -> dict:
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(tokenizer_json))
-    tokens, seconds, size, batch, chars = 0, 0.0, 0, [], 0
+    encode = getattr(tok, method)
+    tokens, seconds, cpu, size, batch, chars = 0, 0.0, 0.0, 0, [], 0
 
     def run(batch):
-        nonlocal tokens, seconds
-        t0 = time.perf_counter()
-        encodings = tok.encode_batch(batch, add_special_tokens=False)
+        nonlocal tokens, seconds, cpu
+        t0, c0 = time.perf_counter(), time.thread_time()
+        encodings = encode(batch, add_special_tokens=False)
         seconds += time.perf_counter() - t0
+        cpu += time.thread_time() - c0
         tokens += sum(len(e) + 1 for e in encodings)  # + EOS, counted like prepare-data
 
     with open(corpus, encoding="utf-8") as f:
@@ -94,11 +97,10 @@ def raw_encode(corpus: Path, tokenizer_json: Path, *, max_bytes: int | None = No
             if chars >= 1 << 20:
                 run(batch)
                 batch, chars = [], 0
-            if max_bytes and size >= max_bytes:
-                break
     if batch:
         run(batch)
-    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "text_bytes": size}
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "text_bytes": size,
+            "cpu_s": cpu, "tokens_per_cpu_s": tokens / cpu}
 
 
 def watch_tree(pid: int, stop: threading.Event, result: dict) -> None:
@@ -201,6 +203,9 @@ def main() -> None:
     tokenizer = demo_tokenizer(args.work)
     res["raw"] = raw = raw_encode(Path(corpora[small]["path"]), tokenizer / "tokenizer.json")
     print(f"raw encode_batch, 1 thread: {raw['tokens_per_s']:,.0f} tokens/s", flush=True)
+    res["raw_fast"] = fast = raw_encode(Path(corpora[small]["path"]), tokenizer / "tokenizer.json",
+                                        method="encode_batch_fast")
+    print(f"raw encode_batch_fast, 1 thread: {fast['tokens_per_s']:,.0f} tokens/s", flush=True)
     runs = {}
     for mb, workers in ((small, 1), (small, 2), (large, 2)):
         r = run_prepare(Path(corpora[mb]["path"]), args.work / f"out-{mb}", tokenizer, workers=workers)
@@ -215,6 +220,7 @@ def main() -> None:
     w1, w2, big = runs[f"{small}MB-w1"], runs[f"{small}MB-w2"], runs[f"{large}MB-w2"]
     print("\n| measure | value |\n|---|---|")
     print(f"| raw `encode_batch`, 1 thread ({small} MB) | {raw['tokens_per_s']:,.0f} tokens/s |")
+    print(f"| raw `encode_batch_fast`, 1 thread ({small} MB) | {fast['tokens_per_s']:,.0f} tokens/s |")
     print(f"| prepare-data --workers 1 ({small} MB) | {w1['tokens_per_s']:,.0f} tokens/s "
           f"({w1['tokens_per_s'] / raw['tokens_per_s']:.2f}x raw) |")
     print(f"| prepare-data --workers 2 ({small} MB) | {w2['tokens_per_s']:,.0f} tokens/s "
@@ -225,6 +231,12 @@ def main() -> None:
     print(f"| peak RSS of the main process, {small} vs {large} MB | {w2['peak_rss_main'] / 2**20:.0f} vs "
           f"{big['peak_rss_main'] / 2**20:.0f} MiB |")
     print(f"| CPU seconds main / workers ({small} MB, 2 workers) | {w2['cpu_main']:.0f} / {w2['cpu_workers']:.0f} |")
+    print(f"| tokens per CPU-second: raw `encode_batch` / raw `encode_batch_fast` / prepare-data worker "
+          f"({small} MB, 2 workers) | {raw['tokens_per_cpu_s']:,.0f} / {fast['tokens_per_cpu_s']:,.0f} / "
+          f"{w2['tokens'] / w2['cpu_workers']:,.0f} |")
+    print(f"| CPU available to prepare-data (CPU-s / wall-s), 1 and 2 workers ({small} MB) | "
+          f"{(w1['cpu_main'] + w1['cpu_workers']) / w1['wall_s']:.2f} / "
+          f"{(w2['cpu_main'] + w2['cpu_workers']) / w2['wall_s']:.2f} cores |")
     print(f"| loader, micro-batch {loader['micro_batch']} x seq {loader['seq_len']} | "
           f"{loader['batches_per_s']:,.0f} batches/s ({loader['tokens_per_s'] / 1e6:,.1f}M tokens/s) |")
     print(f"| a training step of the demo model on this CPU (mb {need['micro_batch']} x seq {need['seq_len']}) | "

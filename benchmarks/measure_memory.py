@@ -16,7 +16,7 @@ from deepspeed.accelerator import get_accelerator  # noqa: E402
 
 from dspipe.census import tensor_census  # noqa: E402
 from dspipe.rundir import load_run  # noqa: E402
-from dspipe.train import _param_groups, _train_step, build_module  # noqa: E402
+from dspipe.train import param_groups, train_step, build_module  # noqa: E402
 
 
 def random_batches(*, vocab: int, seq_len: int, micro_batch: int, seed: int):
@@ -36,13 +36,13 @@ def main():
     run = load_run(args.run)
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
     module = build_module(run)
-    engine, *_ = deepspeed.initialize(model=module, model_parameters=_param_groups(module, run.train.weight_decay),
+    engine, *_ = deepspeed.initialize(model=module, model_parameters=param_groups(module, run.train.weight_decay),
                                       config=str(run.ds_config_path))
     plan = run.plan
     batches = random_batches(vocab=run.model.vocab, seq_len=run.model.seq_len, micro_batch=plan.micro_batch,
                              seed=dist.get_rank())
     for _ in range(2):
-        _train_step(engine, batches, pp=plan.pp, grad_accum=plan.grad_accum)
+        train_step(engine, batches, pp=plan.pp, grad_accum=plan.grad_accum)
     census = tensor_census(engine)
     census["stage"] = engine.stage_id if hasattr(engine, "stage_id") else 0
     out = Path(args.out_dir)

@@ -67,7 +67,7 @@ class AutoChoice(click.ParamType):
 
 
 STRATEGY_KEYS = ("zero", "offload", "offload_params", "nvme_path", "pp", "checkpointing", "partition_method",
-                 "precision", "micro_batch")
+                 "precision", "micro_batch", "reduce_bucket_size", "prefetch_bucket_size", "param_persistence_threshold")
 
 
 def request_from_options(o: dict) -> tuple[ModelSpec, ClusterSpec, TrainSpec, dict]:
@@ -84,7 +84,8 @@ def request_from_options(o: dict) -> tuple[ModelSpec, ClusterSpec, TrainSpec, di
                       min_lr_ratio=o["min_lr_ratio"],
                       warmup_steps=o["warmup"] if o["warmup"] is not None else max(1, min(2000, steps // 10)),
                       weight_decay=o["weight_decay"], grad_clip=o["grad_clip"],
-                      precision=fixed["precision"] or "bf16", seed=o["seed"], log_interval=o["log_interval"])
+                      precision=fixed["precision"] or "bf16", seed=o["seed"], log_interval=o["log_interval"],
+                      save_interval=o["save_interval"], keep_checkpoints=o["keep_checkpoints"])
     return model, cluster, train, fixed
 
 
@@ -145,6 +146,10 @@ def spec_options(f):
         click.option("--grad-clip", type=float, default=1.0, show_default=True),
         click.option("--seed", type=int, default=1234, show_default=True),
         click.option("--log-interval", type=int, default=10, show_default=True, help="steps between log lines"),
+        click.option("--save-interval", type=int, default=1000, show_default=True,
+                     help="steps between checkpoints (0: only at the end and on SIGTERM/SIGINT)"),
+        click.option("--keep-checkpoints", type=int, default=3, show_default=True,
+                     help="complete checkpoints to keep (older ones are deleted)"),
         click.option("--zero", type=AutoChoice(["0", "1", "2", "3"]), default=None, help="ZeRO stage [auto]"),
         click.option("--offload", type=AutoChoice(OFFLOADS), default=None, help="optimizer state offload [auto]"),
         click.option("--offload-params/--no-offload-params", default=None,
@@ -157,6 +162,12 @@ def spec_options(f):
                      help="activation recomputation [auto]"),
         click.option("--partition-method", type=AutoChoice(PARTITION_METHODS), default=None,
                      help="pipeline partition [parameters]"),
+        click.option("--reduce-bucket-size", type=int, default=None,
+                     help="gradient reduce / all-gather bucket, elements [hidden^2, at least 2^20]"),
+        click.option("--prefetch-bucket-size", type=int, default=None,
+                     help="ZeRO-3 prefetch bucket, elements [0.9 hidden^2, at least 2^20]"),
+        click.option("--param-persistence-threshold", type=int, default=None,
+                     help="ZeRO-3: keep parameters smaller than this whole [10 hidden]"),
         click.option("--preset", default=None, help="DeepSpeed preset from ds_configs/ (or a .json path) to start "
                                                    "from; flags given override it"),
     ]):

@@ -156,7 +156,7 @@ def stage_params(*, model: ModelSpec, pp: int, partition_method: str) -> list[in
 
 
 def activation_bytes_per_layer(*, model: ModelSpec, micro_batch: int, checkpointing: str, act_bytes: int) -> int:
-    s, b, h, a = model.seq_len, micro_batch, model.hidden, model.heads
+    s, b, h = model.seq_len, micro_batch, model.hidden
     scale = act_bytes / 2  # the paper's coefficients assume 2-byte activations
     if checkpointing == "full":
         return int(2 * s * b * h * scale)

@@ -44,7 +44,7 @@ class Plan:
     partition_method: str
     """PipelineModule partition_method."""
     reduce_bucket_size: int
-    """Elements per gradient reduce bucket (max(h^2, 2^20))."""
+    """Elements per gradient reduce bucket (given, or max(h^2, 2^20))."""
     allgather_bucket_size: int
     """Elements per ZeRO-1/2 parameter all-gather bucket."""
     prefetch_bucket_size: int
@@ -130,10 +130,10 @@ def make_plan(*, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
         checkpointing=strategy.checkpointing,
         activation_checkpoint_interval=1 if (pp > 1 and strategy.checkpointing == "full") else 0,
         partition_method=strategy.partition_method,
-        reduce_bucket_size=max(h * h, MIN_BUCKET),
-        allgather_bucket_size=max(h * h, MIN_BUCKET),
-        prefetch_bucket_size=max(int(0.9 * h * h), MIN_BUCKET),
-        param_persistence_threshold=10 * h,
+        reduce_bucket_size=strategy.reduce_bucket_size or max(h * h, MIN_BUCKET),
+        allgather_bucket_size=strategy.reduce_bucket_size or max(h * h, MIN_BUCKET),
+        prefetch_bucket_size=strategy.prefetch_bucket_size or max(int(0.9 * h * h), MIN_BUCKET),
+        param_persistence_threshold=strategy.param_persistence_threshold or 10 * h,
         overlap_comm=zero >= 2 and pp == 1,
         contiguous_gradients=zero >= 2,
         num_params=model.num_params,

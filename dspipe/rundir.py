@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from dspipe.atomic import replace_dir
 from dspipe.errors import SpecError
 from dspipe.plan import Plan
 from dspipe.spec import ClusterSpec, ModelSpec, StrategySpec, TrainSpec, from_dict
@@ -58,14 +58,7 @@ def write_run(out: Path, *, model: ModelSpec, cluster: ClusterSpec, train: Train
     try:
         (tmp / SPEC_FILE).write_text(json.dumps(spec, indent=2) + "\n")
         (tmp / DS_CONFIG_FILE).write_text(json.dumps(ds_config, indent=2) + "\n")
-        if out.exists():
-            old = out.with_name(f".{out.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(out, old)
-            os.rename(tmp, out)
-            shutil.rmtree(old)
-        else:
-            os.rename(tmp, out)
+        replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -87,7 +87,10 @@ def search(*, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, fixed: d
             try:
                 strategy = StrategySpec(zero=zero, offload=offload, offload_params=offload_params,
                                         nvme_path=fixed.get("nvme_path"), pp=pp, checkpointing=ckpt,
-                                        partition_method=fixed.get("partition_method") or "parameters")
+                                        partition_method=fixed.get("partition_method") or "parameters",
+                                        reduce_bucket_size=fixed.get("reduce_bucket_size"),
+                                        prefetch_bucket_size=fixed.get("prefetch_bucket_size"),
+                                        param_persistence_threshold=fixed.get("param_persistence_threshold"))
                 t = replace(train, precision=prec, micro_batch=mb)
                 plan = make_plan(model=model, cluster=cluster, train=t, strategy=strategy)
             except SpecError as e:

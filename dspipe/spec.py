@@ -185,10 +185,17 @@ class TrainSpec:
     """Seed for weights, data order and dropout."""
     log_interval: int = 10
     """Print and record metrics every this many steps."""
+    save_interval: int = 1000
+    """Save a DeepSpeed checkpoint every this many steps (0: only at the end and on SIGTERM/SIGINT)."""
+    keep_checkpoints: int = 3
+    """Keep the newest this many complete checkpoints; older ones are deleted."""
 
     def __post_init__(self) -> None:
         _positive("train", global_batch=self.global_batch, micro_batch=self.micro_batch, steps=self.steps,
-                  warmup_steps=self.warmup_steps, log_interval=self.log_interval)
+                  warmup_steps=self.warmup_steps, log_interval=self.log_interval,
+                  keep_checkpoints=self.keep_checkpoints)
+        if not isinstance(self.save_interval, int) or self.save_interval < 0:
+            raise SpecError(f"train.save_interval must be an integer >= 0, got {self.save_interval!r}")
         _one_of("train", "precision", self.precision, PRECISIONS)
         if not self.lr > 0:
             raise SpecError(f"lr must be positive, got {self.lr}")
@@ -216,6 +223,12 @@ class StrategySpec:
     """Activation recomputation: none, full (per block) or selective (attention core)."""
     partition_method: str = "parameters"
     """How the pipeline splits layers into stages: parameters, uniform or type:Block."""
+    reduce_bucket_size: int | None = None
+    """Elements per gradient reduce bucket; None: hidden^2 (at least 2^20)."""
+    prefetch_bucket_size: int | None = None
+    """ZeRO-3 parameter prefetch in elements; None: 0.9 hidden^2 (at least 2^20)."""
+    param_persistence_threshold: int | None = None
+    """ZeRO-3 keeps parameters smaller than this whole on every rank; None: 10 hidden."""
 
     def __post_init__(self) -> None:
         _one_of("strategy", "zero", self.zero, ZERO_STAGES)
@@ -223,6 +236,9 @@ class StrategySpec:
         _one_of("strategy", "checkpointing", self.checkpointing, CHECKPOINTING)
         _one_of("strategy", "partition_method", self.partition_method, PARTITION_METHODS)
         _positive("strategy", pp=self.pp)
+        for name in ("reduce_bucket_size", "prefetch_bucket_size", "param_persistence_threshold"):
+            if getattr(self, name) is not None:
+                _positive("strategy", **{name: getattr(self, name)})
 
 
 def from_dict(cls, data: dict):

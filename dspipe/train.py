@@ -9,6 +9,7 @@ import os
 import sys
 import time
 
+from dspipe import checkpoint as ckpt
 from dspipe.data import TokenWindows, TrainLoader, check_data_for_model
 from dspipe.errors import SpecError
 from dspipe.rundir import Run, load_run
@@ -16,7 +17,7 @@ from dspipe.rundir import Run, load_run
 ENGINE_FILE = "engine.json"
 
 
-def _param_groups(module, weight_decay: float) -> list[dict]:
+def param_groups(module, weight_decay: float) -> list[dict]:
     """AdamW groups: decay matrices and embeddings, not biases or LayerNorm weights (1-d tensors)."""
     decay, no_decay = [], []
     for p in module.parameters():
@@ -97,12 +98,12 @@ def check_engine(settings: dict, run: Run) -> None:
                            ", ".join(f"{k} planned {a} live {b}" for k, (a, b) in drift.items()))
 
 
-def _dp_rank(engine) -> int:
+def dp_rank(engine) -> int:
     import torch.distributed as dist
     return engine.grid.get_data_parallel_rank() if hasattr(engine, "grid") else dist.get_rank()
 
 
-def _train_step(engine, batches, *, pp: int, grad_accum: int) -> float:
+def train_step(engine, batches, *, pp: int, grad_accum: int) -> float:
     """One optimizer step; returns the loss averaged over micro-batches and data-parallel ranks."""
     import torch
     import torch.distributed as dist
@@ -120,7 +121,7 @@ def _train_step(engine, batches, *, pp: int, grad_accum: int) -> float:
     return float(total) / (grad_accum * dist.get_world_size())
 
 
-def train(run: Run) -> dict:
+def train(run: Run, resume: str | None = None) -> dict:
     import deepspeed
     import torch
     import torch.distributed as dist
@@ -136,9 +137,10 @@ def train(run: Run) -> dict:
     torch.manual_seed(run.train.seed + rank)  # dropout streams; weights come from per-layer generators
     check_data_for_model(run.data, model_vocab=run.model.vocab, seq_len=run.model.seq_len)
     windows = TokenWindows(run.data, seq_len=run.model.seq_len)  # memory maps, checked against meta.json
+    resume_from = ckpt.resume_point(run, resume)  # checked before building anything
 
     module = build_module(run)
-    engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=_param_groups(module, run.train.weight_decay),
+    engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=param_groups(module, run.train.weight_decay),
                                            config=str(run.ds_config_path))
     settings = engine_settings(engine)
     check_engine(settings, run)
@@ -146,7 +148,7 @@ def train(run: Run) -> dict:
         (run.path / ENGINE_FILE).write_text(json.dumps(settings, indent=2) + "\n")
     plan, steps = run.plan, run.train.steps
     loader = TrainLoader(windows=windows, seed=run.train.seed, micro_batch=plan.micro_batch, dp=plan.dp,
-                         dp_rank=_dp_rank(engine))
+                         dp_rank=dp_rank(engine))
     # under a pipeline only the first (inputs) and last (labels) stages read data; the others skip along
     reads_data = plan.pp == 1 or engine.is_first_stage() or engine.is_last_stage()
     say = print if rank == 0 else (lambda *a, **k: None)
@@ -155,15 +157,31 @@ def train(run: Run) -> dict:
         f"{plan.checkpointing} | batch {plan.micro_batch} x ga {plan.grad_accum} x dp {plan.dp} = "
         f"{plan.global_batch} seq x {run.model.seq_len} tok", flush=True)
 
+    start_step = 0
+    if resume_from is not None:
+        start_step = ckpt.load(engine, resume_from, loader)["step"]
+        say(f"dspipe: resumed from {resume_from} at step {start_step} ({loader.consumed_samples} samples)", flush=True)
+    elif resume is not None:
+        say(f"dspipe: no checkpoint in {run.checkpoint_dir}: starting fresh", flush=True)
+
+    def save(at: int) -> None:
+        ckpt.save(engine, run.checkpoint_dir, step=at, keep=run.train.keep_checkpoints,
+                  meta=ckpt.checkpoint_meta(run, step=at, loader=loader, world=world))
+
     losses, start = [], time.perf_counter()
     writer = None
     if rank == 0:
-        metrics = open(run.metrics_path, "w", newline="")
+        if start_step:
+            ckpt.trim_metrics(run.metrics_path, start_step)  # rows after the resumed step are rewritten
+        append = bool(start_step) and run.metrics_path.is_file()
+        metrics = open(run.metrics_path, "a" if append else "w", newline="")
         writer = csv.writer(metrics)
-        writer.writerow(["step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"])
-    for step in range(1, steps + 1):
+        if not append:
+            writer.writerow(["step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"])
+    stop, step, saved_at = ckpt.StopRequest(), start_step, start_step
+    for step in range(start_step + 1, steps + 1):
         t0 = time.perf_counter()
-        loss = _train_step(engine, loader if reads_data else None, pp=plan.pp, grad_accum=plan.grad_accum)
+        loss = train_step(engine, loader if reads_data else None, pp=plan.pp, grad_accum=plan.grad_accum)
         if not reads_data:
             loader.skip(plan.grad_accum)
         dt = time.perf_counter() - t0
@@ -171,36 +189,51 @@ def train(run: Run) -> dict:
         if writer:
             norm = engine.get_global_grad_norm()
             lr = engine.get_lr()[0]
-            writer.writerow([step, f"{loss:.6f}", f"{lr:.6e}", "" if norm is None else f"{float(norm):.6f}",
+            writer.writerow([step, repr(loss), f"{lr:.6e}", "" if norm is None else repr(float(norm)),
                              f"{plan.tokens_per_step / dt:.1f}", f"{dt:.4f}"])
+            metrics.flush()
             if step == 1 or step % run.train.log_interval == 0 or step == steps:
                 say(f"step {step:>5}/{steps} | loss {loss:.4f} | lr {lr:.2e} | "
                     f"{plan.tokens_per_step / dt:,.0f} tokens/s | {dt * 1000:.0f} ms", flush=True)
+        ckpt.maybe_test_kill(ckpt.TEST_KILL_AT_STEP, step)
+        stopping = stop.agreed()
+        if stopping or (run.train.save_interval and step % run.train.save_interval == 0 and step < steps):
+            save(step)
+            saved_at = step
+        if stopping:
+            say(f"dspipe: stopped by a signal after step {step}; checkpoint saved", flush=True)
+            break
     if writer:
         metrics.close()
-    if loader.consumed_samples != steps * plan.global_batch:  # every rank, reading or not, at the same position
-        raise RuntimeError(f"data position {loader.consumed_samples} != {steps} steps x {plan.global_batch}")
-    tag = f"global_step{steps}"
-    engine.save_checkpoint(str(run.checkpoint_dir), tag=tag,
-                           client_state={"step": steps, "consumed_samples": loader.consumed_samples,
-                                         "data": loader.state_dict()})
-    summary = {"first_loss": losses[0], "last_loss": losses[-1], "steps": steps,
-               "seconds": time.perf_counter() - start, "checkpoint": str(run.checkpoint_dir / tag)}
-    say(f"done: loss {losses[0]:.3f} -> {losses[-1]:.3f} in {steps} steps ({summary['seconds']:.0f} s); "
-        f"checkpoint {summary['checkpoint']}; metrics {run.metrics_path}; run dir {run.path}", flush=True)
+    if loader.consumed_samples != step * plan.global_batch:  # every rank, reading or not, at the same position
+        raise RuntimeError(f"data position {loader.consumed_samples} != {step} steps x {plan.global_batch}")
+    if step > saved_at:
+        save(step)
+    tag = ckpt.tag_for(step)
+    summary = {"first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
+               "steps": step, "seconds": time.perf_counter() - start, "checkpoint": str(run.checkpoint_dir / tag)}
+    if losses:
+        say(f"done: loss {losses[0]:.3f} -> {losses[-1]:.3f} in steps {start_step + 1}-{step} "
+            f"({summary['seconds']:.0f} s); checkpoint {summary['checkpoint']}; metrics {run.metrics_path}; "
+            f"run dir {run.path}", flush=True)
+    else:
+        say(f"done: nothing to do, the checkpoint is at step {step} of {steps}", flush=True)
     return summary
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Train a GPT from a dspipe run directory (start it with deepspeed).")
     parser.add_argument("--run", required=True, help="run directory written by 'dspipe gen-config'")
+    parser.add_argument("--resume", default=None, metavar="auto|TAG|PATH",
+                        help="continue from the newest complete checkpoint (auto), a tag under checkpoints/ or a path")
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     args = parser.parse_args(argv)
     if not os.environ.get("DSPIPE_VERBOSE"):
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     try:
-        train(load_run(args.run))
+        train(load_run(args.run), resume=args.resume)
     except SpecError as e:
-        print(f"dspipe: error: {e}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # every rank hits the same input error: say it once
+            print(f"dspipe: error: {e}", file=sys.stderr)
         return e.exit_code
     return 0

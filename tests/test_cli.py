@@ -27,6 +27,15 @@ def test_gen_config_writes_the_run_and_prints_the_command(tmp_path, corpus):
     assert sorted(p.name for p in run.iterdir()) == ["ds_config.json", "dspipe.json"]
 
 
+def test_bucket_size_flags_reach_the_json(tmp_path):
+    r = dspipe("gen-config", *CPU2, "--zero", "3", "--reduce-bucket-size", "123456", "--prefetch-bucket-size",
+               "65432", "--param-persistence-threshold", "999", "--out", "runs/b", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    z = json.loads((tmp_path / "runs/b/ds_config.json").read_text())["zero_optimization"]
+    assert (z["reduce_bucket_size"], z["allgather_bucket_size"], z["stage3_prefetch_bucket_size"],
+            z["stage3_param_persistence_threshold"]) == (123456, 123456, 65432, 999)
+
+
 def test_multi_node_command_uses_a_hostfile(tmp_path):
     (tmp_path / "hosts.txt").write_text("node-a slots=8\nnode-b slots=8\n")  # gen-config validates it
     r = dspipe("gen-config", "--model", "gpt2-124m", "--nodes", "2", "--gpus-per-node", "8", "--global-batch", "64",

@@ -26,6 +26,17 @@ def test_bucket_sizes_follow_hidden():
     assert p.reduce_bucket_size == max(768 * 768, 1 << 20)
     assert p.param_persistence_threshold == 7680
     assert p.overlap_comm and p.contiguous_gradients
+    big = make_plan(model=model_preset("gpt3-175b"), cluster=ClusterSpec(1, 8, "h100-80g"),
+                    train=TrainSpec(global_batch=8, micro_batch=1, steps=100, warmup_steps=10),
+                    strategy=StrategySpec(zero=3))
+    assert (big.reduce_bucket_size, big.prefetch_bucket_size, big.param_persistence_threshold) == \
+        (12288**2, int(0.9 * 12288**2), 122880)
+
+
+def test_given_bucket_sizes_win():
+    p = plan(zero=3, reduce_bucket_size=5 * 10**8, prefetch_bucket_size=5 * 10**7, param_persistence_threshold=10**5)
+    assert (p.reduce_bucket_size, p.allgather_bucket_size, p.prefetch_bucket_size, p.param_persistence_threshold) \
+        == (5 * 10**8, 5 * 10**8, 5 * 10**7, 10**5)
 
 
 def test_grad_accum_dtype_per_rule():

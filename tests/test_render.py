@@ -1,7 +1,5 @@
 """Rendering: every value explicit, parsed by DeepSpeed's own config class, presets reproducible."""
-import itertools
 import json
-from pathlib import Path
 
 import pytest
 

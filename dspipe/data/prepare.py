@@ -26,6 +26,7 @@ import numpy as np
 from dspipe.data.shards import (FORMAT, FORMAT_VERSION, META_FILE, SPLITS, TOKENIZER_DIR, ShardWriter, dataset_id,
                                 read_meta, token_dtype, write_meta)
 from dspipe.data.sources import Inputs, documents, fingerprint
+from dspipe.atomic import replace_dir
 from dspipe.errors import SpecError
 
 DEFAULT_VOCAB = 4096
@@ -80,16 +81,6 @@ def _remove_stale_temps(out: Path) -> None:
             pass
 
 
-def _replace(tmp: Path, out: Path) -> None:
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(out, old)
-        os.rename(tmp, out)
-        shutil.rmtree(old)
-    else:
-        os.rename(tmp, out)
-
 
 def _batches(docs: Iterator[str]) -> Iterator[list[str]]:
     batch, chars = [], 0
@@ -138,7 +129,7 @@ def _progress(enabled: bool):
 
 def _encode(*, inputs: Inputs, max_bytes, tokenizer_json: Path, eos_id: int, dtype: str, workers: _Workers,
             val_fraction: float, writers: dict, progress: bool) -> dict:
-    from dspipe.data.tokenizer import encode_batch
+    from dspipe.data.tokenizer import encode_batch, release_memory
 
     counts = {"num_documents": 0, "num_bytes": 0}
     bar = _progress(progress)
@@ -154,6 +145,7 @@ def _encode(*, inputs: Inputs, max_bytes, tokenizer_json: Path, eos_id: int, dty
             writers["train"].add(tokens, lengths)
         counts["num_documents"] += lengths.size
         bar.update(int(tokens.size))
+        release_memory()
 
     task = (str(tokenizer_json), eos_id, dtype)
     with bar:
@@ -275,7 +267,7 @@ def prepare(*, inputs: Inputs, out: Path, tokenizer: str | None = None, train_to
                                       train_tokenizer=train_tokenizer, sample_bytes=tokenizer_sample_bytes,
                                       val_fraction=val_fraction, max_bytes=max_bytes, shard_tokens=shard_tokens,
                                       progress=progress, log=log)
-        _replace(tmp, out)
+        replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -27,8 +27,10 @@ _BATCH = 256
 
 
 def stdlib_sources() -> list[Path]:
-    """The standard library's .py files, sorted, so the corpus is the same on every run."""
-    return sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py"))
+    """The standard library's .py files (not site-packages), sorted, so the corpus is the same on every run."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(p for p in root.rglob("*.py") if p.relative_to(root).parts[0] not in ("site-packages",
+                                                                                        "dist-packages"))
 
 
 def _builder(path: Path) -> str:

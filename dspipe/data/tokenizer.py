@@ -2,6 +2,8 @@
 byte-level BPE trained with `tokenizers`; saved in Hugging Face format; and the per-worker batch encoder."""
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 from pathlib import Path
 from typing import Iterable
@@ -78,6 +80,15 @@ def save_hf(tok, directory: Path) -> Path:
 # ---- worker side: one Rust tokenizer per process, single-threaded (parallelism comes from processes) ----
 
 _worker: dict = {}
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
+
+
+def release_memory() -> None:
+    """Hand freed heap back to the OS (glibc malloc_trim). Without it, the Rust tokenizer's per-batch allocations
+    fragment the heap and a worker's RSS creeps up with the corpus (150 -> 450 MiB over 400 MB of text)."""
+    trim = getattr(_libc, "malloc_trim", None)
+    if trim is not None:
+        trim(0)
 
 
 def warm_worker() -> None:
@@ -91,7 +102,9 @@ def encode_batch(tokenizer_json: str, eos_id: int, dtype: str, texts: list[str])
     if _worker.get("path") != tokenizer_json:
         from tokenizers import Tokenizer
         _worker.update(path=tokenizer_json, tok=Tokenizer.from_file(tokenizer_json))
-    encodings = _worker["tok"].encode_batch(texts, add_special_tokens=False)
+    tok = _worker["tok"]
+    # the same ids as encode_batch, without computing character offsets (~25% faster, less memory)
+    encodings = (getattr(tok, "encode_batch_fast", None) or tok.encode_batch)(texts, add_special_tokens=False)
     lengths = np.fromiter((len(e) + 1 for e in encodings), dtype=np.int64, count=len(encodings))
     out = np.empty(int(lengths.sum()), dtype=dtype)
     pos = 0
@@ -99,4 +112,6 @@ def encode_batch(tokenizer_json: str, eos_id: int, dtype: str, texts: list[str])
         out[pos:pos + n - 1] = e.ids
         out[pos + n - 1] = eos_id
         pos += n
+    del encodings
+    release_memory()
     return out, lengths

@@ -18,6 +18,7 @@ import signal
 from dataclasses import asdict
 from pathlib import Path
 
+from dspipe.atomic import replace_dir
 from dspipe.errors import SpecError
 
 META_FILE = "dspipe.json"
@@ -196,14 +197,7 @@ def save(engine, ckpt_dir: Path, *, step: int, meta: dict, keep: int) -> Path:
     dist.barrier()
     if rank == 0:
         write_atomic(partial / META_FILE, json.dumps(meta, indent=2) + "\n")
-        if final.exists():  # the same step saved before (e.g. resumed from an older checkpoint): replace it
-            old = ckpt_dir / f".old-{tag}"
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(final, old)
-            os.rename(partial, final)
-            shutil.rmtree(old)
-        else:
-            os.rename(partial, final)
+        replace_dir(partial, final)  # the same step may have been saved before (resumed from an older one)
         write_atomic(ckpt_dir / LATEST_FILE, tag)
         for p in to_delete(ckpt_dir, keep):
             shutil.rmtree(p, ignore_errors=True)

@@ -24,7 +24,8 @@ NETWORK_FLAGS = ("ifname", "ib_hca", "no_ib", "nccl_debug", "timeout_min", "env"
 def cluster_from_options(o: dict) -> ClusterSpec:
     """gen-config's cluster: --nodes/--gpus-per-node, or derived from --hostfile (and then checked against them)."""
     if not o.get("hostfile"):
-        return ClusterSpec(nodes=o["nodes"], gpus_per_node=o["gpus_per_node"], gpu=o["gpu"])
+        return ClusterSpec(nodes=o["nodes"], gpus_per_node=o["gpus_per_node"], gpu=o["gpu"],
+                           host_memory_gib=o.get("host_memory_gib"))
     hostfile = read_hostfile(o["hostfile"])
     derived = {"nodes": len(hostfile.hosts), "gpus_per_node": hostfile.equal_slots()}
     ctx = click.get_current_context()
@@ -32,7 +33,8 @@ def cluster_from_options(o: dict) -> ClusterSpec:
         if ctx.get_parameter_source(key) == click.core.ParameterSource.COMMANDLINE and o[key] != value:
             raise SpecError(f"--{key.replace('_', '-')} {o[key]} contradicts hostfile {hostfile.source} "
                             f"({derived['nodes']} nodes x {derived['gpus_per_node']} slots); drop one of them")
-    return ClusterSpec(nodes=derived["nodes"], gpus_per_node=derived["gpus_per_node"], gpu=o["gpu"])
+    return ClusterSpec(nodes=derived["nodes"], gpus_per_node=derived["gpus_per_node"], gpu=o["gpu"],
+                       host_memory_gib=o.get("host_memory_gib"))
 
 
 def launch_options(f):

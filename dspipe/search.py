@@ -80,7 +80,7 @@ def search(*, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, fixed: d
             precision, _options(fixed.get("zero"), [0, 1, 2, 3]), offloads,
             _options(fixed.get("offload_params"), [False, True]), pps,
             _options(fixed.get("checkpointing"), ["none", "selective", "full"])):
-        dp = world // pp if world % pp == 0 else 1
+        dp = world // pp if pp > 0 and world % pp == 0 else 1  # invalid pp is rejected by StrategySpec below
         micro = _options(fixed.get("micro_batch"), _divisors(train.global_batch // dp, MAX_MICRO_BATCH)
                          if train.global_batch % dp == 0 else [1])
         for mb in micro:

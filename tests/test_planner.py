@@ -69,6 +69,14 @@ def test_more_recomputation_less_activation_memory_more_compute():
     assert none.compute_s < sel.compute_s < full.compute_s
 
 
+def test_host_memory_option_limits_offload(tmp_path):
+    args = ["plan", "--model", "gpt3-13b", "--gpus-per-node", "1", "--gpu", "a100-40g", "--global-batch", "8",
+            "--zero", "3", "--offload", "cpu", "--json"]
+    assert json.loads(dspipe(*args).stdout)["host_memory_capacity_bytes"] == 1024**4
+    r = dspipe(*args, "--host-memory-gib", "64")
+    assert r.returncode == 2 and "host RAM per node, has 64" in r.stderr, r.stderr
+
+
 def test_offload_moves_optimizer_to_host():
     _, on_gpu = _estimate(zero=2)
     _, off = _estimate(zero=2, offload="cpu")
@@ -149,6 +157,8 @@ def test_nothing_fits_says_the_shortfall_and_the_way_out():
     (["--nodes", "-1"], "nodes must be a positive integer, got -1"),
     (["--layers", "0"], "layers must be a positive integer, got 0"),
     (["--hostfile", "missing-hosts"], "missing-hosts"),
+    (["--pp", "0"], "pp must be a positive integer, got 0"),
+    (["--host-memory-gib", "0"], "host_memory_gib must be positive, got 0.0"),
 ])
 def test_plan_bad_input(args, message):
     r = dspipe("plan", "--model", "gpt2-124m", *args)

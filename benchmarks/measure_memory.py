@@ -12,9 +12,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from deepspeed.accelerator import get_accelerator  # noqa: E402
 
 from dspipe.census import tensor_census  # noqa: E402
+from dspipe.comm import init_distributed  # noqa: E402
 from dspipe.rundir import load_run  # noqa: E402
 from dspipe.train import param_groups, train_step, build_module  # noqa: E402
 
@@ -34,7 +34,7 @@ def main():
     parser.add_argument("--local_rank", type=int, default=-1)
     args = parser.parse_args()
     run = load_run(args.run)
-    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+    init_distributed()
     module = build_module(run)
     engine, *_ = deepspeed.initialize(model=module, model_parameters=param_groups(module, run.train.weight_decay),
                                       config=str(run.ds_config_path))

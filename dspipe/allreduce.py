@@ -17,13 +17,14 @@ MARKER = "DSPIPE_ALLREDUCE"
 
 
 def measure(*, size_bytes: int, iters: int, warmup: int, env_keys: list[str]) -> dict | None:
-    import deepspeed
     import torch
     import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator
 
+    from dspipe.comm import init_distributed
+
     acc = get_accelerator()
-    deepspeed.init_distributed(dist_backend=acc.communication_backend_name(), verbose=False)
+    init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device(acc.device_name(int(os.environ.get("LOCAL_RANK", 0))))
     check = torch.full((4,), float(rank + 1), device=device)

@@ -10,6 +10,7 @@ import sys
 import time
 
 from dspipe import checkpoint as ckpt
+from dspipe.comm import init_distributed
 from dspipe.data import TokenWindows, TrainLoader, check_data_for_model
 from dspipe.errors import SpecError
 from dspipe.rundir import Run, load_run
@@ -125,10 +126,8 @@ def train(run: Run, resume: str | None = None) -> dict:
     import deepspeed
     import torch
     import torch.distributed as dist
-    from deepspeed.accelerator import get_accelerator
 
-    backend = get_accelerator().communication_backend_name()
-    deepspeed.init_distributed(dist_backend=backend)
+    backend = init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != run.plan.world_size:
         raise SpecError(f"{run.path} was generated for world size {run.plan.world_size} "

@@ -1,0 +1,35 @@
+"""Process-group start for every entry point that DeepSpeed's launcher runs (training, doctor, benchmarks).
+
+DeepSpeed's CPU all-reduce (its shm_comm op) creates one shared-memory segment per rank,
+/dev/shm/deepspeed_allreduce_buffer_{uid}_{MASTER_ADDR}_{MASTER_PORT}_{rank} (~66 MB), maps every peer's, and
+never unlinks them: each CPU launch leaks world x 66 MB of RAM-backed tmpfs until the machine reboots. Once
+every rank has mapped every peer's segment (true after init returns and a barrier passes), each rank unlinks its
+own name; the memory stays valid for the live mappings and is freed when the last rank exits, even on kill -9.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+SHM_DIR = Path("/dev/shm")
+SHM_PREFIX = "deepspeed_allreduce_buffer"
+
+
+def shm_segment(*, rank: int, env: dict | None = None) -> Path:
+    """The segment DeepSpeed's shm_comm creates for `rank` (named from MASTER_ADDR/MASTER_PORT)."""
+    env = os.environ if env is None else env
+    return SHM_DIR / f"{SHM_PREFIX}_{os.getuid()}_{env.get('MASTER_ADDR')}_{env.get('MASTER_PORT')}_{rank}"
+
+
+def init_distributed() -> str:
+    """Start torch.distributed through DeepSpeed with the accelerator's backend (nccl on GPUs, gloo on CPU) and
+    release this rank's shm_comm segment name. Returns the backend name."""
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.accelerator import get_accelerator
+
+    backend = get_accelerator().communication_backend_name()
+    deepspeed.init_distributed(dist_backend=backend, verbose=False)
+    dist.barrier()  # every peer has mapped every segment: the names are no longer needed
+    shm_segment(rank=dist.get_rank()).unlink(missing_ok=True)
+    return backend

@@ -17,6 +17,7 @@ setup(
         "click>=8.4.0",
         "numpy>=2.4",
         "tensorboard>=2.21.0",
+        "matplotlib>=3.11",
     ],
     extras_require={"test": ["pytest>=9.0"]},
     entry_points={"console_scripts": ["dspipe=dspipe.cli:main"]},

@@ -7,9 +7,14 @@ Layout of runs/NAME/checkpoints/:
     latest                  the newest complete tag, replaced atomically after the rename
 
 A process killed during a save leaves only a .partial-* directory (deleted by the next save or resume), so
-`latest` always names a complete checkpoint. The pure functions here import no torch."""
+`latest` always names a complete checkpoint. A save that fails to write (disk full, quota, I/O error) on any rank
+is agreed on by every rank: the partial directory is removed and every rank raises one SpecError naming the
+intact checkpoint.
+
+Resuming under another data-parallel size: dspipe/reshard.py. The pure functions here import no torch."""
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -20,6 +25,8 @@ from pathlib import Path
 
 from dspipe.atomic import replace_dir
 from dspipe.errors import SpecError
+from dspipe.reshard import UNIVERSAL_PREFIX, dp_change_refusal, load_resharded
+from dspipe.writefail import WriteFailures, free_mib
 
 META_FILE = "dspipe.json"
 LATEST_FILE = "latest"
@@ -27,6 +34,8 @@ PARTIAL_PREFIX = ".partial-"
 TAG_RE = re.compile(r"^global_step(\d+)$")
 TEST_KILL_AT_STEP = "DSPIPE_TEST_KILL_AT_STEP"  # test-only: SIGKILL every rank right after this step
 TEST_KILL_IN_SAVE = "DSPIPE_TEST_KILL_IN_SAVE"  # test-only: SIGKILL every rank inside the save at this step
+TEST_FAIL_WRITE = "DSPIPE_TEST_FAIL_WRITE"  # test-only: one rank's write fails with ENOSPC in the save at this step
+TEST_FAIL_WRITE_RANK = "DSPIPE_TEST_FAIL_WRITE_RANK"  # test-only: which rank (default 1)
 
 
 def tag_for(step: int) -> str:
@@ -47,10 +56,11 @@ def complete_checkpoints(ckpt_dir: Path) -> list[tuple[int, Path]]:
 
 
 def to_delete(ckpt_dir: Path, keep: int) -> list[Path]:
-    """Complete checkpoints beyond the newest `keep`, and leftovers of interrupted saves."""
+    """Complete checkpoints beyond the newest `keep`, and leftovers of interrupted saves and resharding."""
     ckpt_dir = Path(ckpt_dir)
     old = [p for _, p in complete_checkpoints(ckpt_dir)[:-keep]] if keep > 0 else []
-    partial = sorted(p for p in ckpt_dir.iterdir() if p.name.startswith(PARTIAL_PREFIX)) if ckpt_dir.is_dir() else []
+    partial = sorted(p for p in ckpt_dir.iterdir() if p.name.startswith((PARTIAL_PREFIX, UNIVERSAL_PREFIX))
+                     ) if ckpt_dir.is_dir() else []
     return old + partial
 
 
@@ -102,8 +112,8 @@ def read_meta(path: Path) -> dict:
 
 
 def check_compatible(meta: dict, run, path: Path) -> None:
-    """Refuse a checkpoint whose model shape, pipeline stages or ZeRO stage differ from this run's.
-    A different data-parallel size is fine: the loader keeps the global sample order."""
+    """Refuse a checkpoint whose model shape, pipeline stages or ZeRO stage differ from this run's, or whose
+    data-parallel size differs where DeepSpeed cannot re-partition the state (dp_change_refusal)."""
     saved, now = meta["model"], asdict(run.model)
     diff = [f"{k} {saved.get(k)} -> {now[k]}" for k in now if k != "name" and saved.get(k) != now[k]]
     if diff:
@@ -112,6 +122,11 @@ def check_compatible(meta: dict, run, path: Path) -> None:
         if meta[key] != value:
             raise SpecError(f"checkpoint {path} was saved with {key} {meta[key]}, this run has {key} {value}; "
                             f"resume with the same {key}")
+    why = dp_change_refusal(meta=meta, zero_stage=run.plan.zero_stage, pp=run.plan.pp, dp=run.plan.dp,
+                            offload=run.plan.offload, path=path)
+    if why:
+        raise SpecError(f"checkpoint {path} was saved with dp {meta['dp']}, this run has dp {run.plan.dp}: {why}; "
+                        f"resume with dp {meta['dp']} (world size {meta['dp'] * meta['pp']})")
 
 
 def trim_metrics(path: Path, step: int) -> None:
@@ -177,49 +192,121 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def save_failure_message(*, code: int, detail: str, ckpt_dir: Path, tag: str, free_before: float | None) -> str:
+    """One line: what failed, the free space, and which checkpoint is intact (read back from disk)."""
+    reason = os.strerror(code) if code != WriteFailures.GENERIC else (detail or "a write failed")
+    after = free_mib(ckpt_dir)
+    free = "free space unknown" if free_before is None or after is None else \
+        f"{free_before:.1f} MiB free, {after:.1f} MiB after removing the partial save"
+    latest = ckpt_dir / LATEST_FILE
+    intact = latest.read_text().strip() if latest.is_file() else ""
+    if intact and is_complete(ckpt_dir / intact):
+        kept = f"the last complete checkpoint {ckpt_dir / intact} is intact and {LATEST_FILE!r} names it"
+    else:
+        kept = "there is no earlier complete checkpoint"
+    return (f"saving checkpoint {tag} in {ckpt_dir} failed: {reason} ({free}); {kept}; "
+            f"free space there, then continue with --resume auto")
+
+
 def save(engine, ckpt_dir: Path, *, step: int, meta: dict, keep: int) -> Path:
-    """Collective: every rank calls it. Partial dir -> DeepSpeed files + per-rank RNG -> barrier -> rank 0 writes
-    the meta (complete mark), renames into place, replaces `latest` atomically, deletes beyond the last `keep`."""
+    """Collective: every rank calls it. Partial dir -> DeepSpeed files + per-rank RNG -> agree -> rank 0 writes
+    the meta (complete mark), renames into place, replaces `latest` atomically, deletes beyond the last `keep`.
+    A failed write on any rank: the partial dir is removed and every rank raises the same SpecError."""
     import torch
     import torch.distributed as dist
 
     rank = dist.get_rank()
     ckpt_dir, tag = Path(ckpt_dir), tag_for(step)
     partial, final = ckpt_dir / (PARTIAL_PREFIX + tag), ckpt_dir / tag
+    failures = WriteFailures()
     if rank == 0:
-        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        failures.call(ckpt_dir.mkdir, parents=True, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)
     dist.barrier()
     client = {"step": step, "consumed_samples": meta["consumed_samples"], "data": meta["data"]}
-    engine.save_checkpoint(str(ckpt_dir), tag=partial.name, client_state=client, save_latest=False)
-    torch.save(rng_state(), partial / f"rng-rank{rank}.pt")
+    with failures.deepspeed_writes(engine):
+        engine.save_checkpoint(str(ckpt_dir), tag=partial.name, client_state=client, save_latest=False)
+    failures.call(torch.save, rng_state(), partial / f"rng-rank{rank}.pt")
+    maybe_test_fail_write(failures, step)
     maybe_test_kill(TEST_KILL_IN_SAVE, step)
-    dist.barrier()
+    raise_if_failed(failures, ckpt_dir=ckpt_dir, partial=partial, tag=tag)
     if rank == 0:
-        write_atomic(partial / META_FILE, json.dumps(meta, indent=2) + "\n")
-        replace_dir(partial, final)  # the same step may have been saved before (resumed from an older one)
-        write_atomic(ckpt_dir / LATEST_FILE, tag)
-        for p in to_delete(ckpt_dir, keep):
-            shutil.rmtree(p, ignore_errors=True)
-    dist.barrier()
+        failures.call(write_atomic, partial / META_FILE, json.dumps(meta, indent=2) + "\n")
+        if not failures.code:  # the same step may have been saved before (resumed from an older one)
+            failures.call(replace_dir, partial, final)
+        if not failures.code:
+            failures.call(write_atomic, ckpt_dir / LATEST_FILE, tag)
+        if not failures.code:
+            for p in to_delete(ckpt_dir, keep):
+                shutil.rmtree(p, ignore_errors=True)
+    raise_if_failed(failures, ckpt_dir=ckpt_dir, partial=partial, tag=tag)
     return final
 
 
+def raise_if_failed(failures: WriteFailures, *, ckpt_dir: Path, partial: Path, tag: str) -> None:
+    """Collective: when any rank failed to write, rank 0 removes the partial save and every rank raises.
+    torch's zip writer reports a full disk as a RuntimeError without errno: counted as ENOSPC when under
+    1 MiB is left."""
+    import torch.distributed as dist
+
+    free_before = free_mib(ckpt_dir)
+    if failures.code == WriteFailures.GENERIC and free_before is not None and free_before < 1:
+        failures.code = errno.ENOSPC
+    code = failures.agreed()
+    if not code:
+        return
+    if dist.get_rank() == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+    dist.barrier()
+    raise SpecError(save_failure_message(code=code, detail=failures.detail if failures.code == code else "",
+                                         ckpt_dir=ckpt_dir, tag=tag, free_before=free_before))
+
+
+def maybe_test_fail_write(failures: WriteFailures, step: int) -> None:
+    """Test-only hook: on rank TEST_FAIL_WRITE_RANK (default 1) record ENOSPC when env var TEST_FAIL_WRITE
+    equals `step` (simulates a full disk where a tmpfs cannot be mounted)."""
+    import torch.distributed as dist
+
+    if os.environ.get(TEST_FAIL_WRITE) == str(step) and \
+            str(dist.get_rank()) == os.environ.get(TEST_FAIL_WRITE_RANK, "1"):
+        failures.record(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
+
+
 def load(engine, path: Path, loader) -> dict:
-    """Collective: DeepSpeed state, data position and this rank's RNG from a complete checkpoint; returns meta."""
-    import torch
+    """Collective: DeepSpeed state, data position and this rank's RNG from a complete checkpoint; returns meta.
+    Under another data-parallel size ZeRO-1/2 state is loaded through a universal checkpoint."""
     import torch.distributed as dist
 
     path = Path(path)
     meta = read_meta(path)
-    load_path, _ = engine.load_checkpoint(str(path.parent), tag=path.name)
+    dp = int(engine.dp_world_size)
+    if meta["dp"] != dp and engine.zero_optimization():
+        load_path = load_resharded(engine, path, saved_dp=meta["dp"], dp=dp)
+    else:
+        load_path, _ = engine.load_checkpoint(str(path.parent), tag=path.name)
     if load_path is None:
         raise SpecError(f"DeepSpeed could not load checkpoint {path}")
     loader.load_state_dict(meta["data"])
-    rng = path / f"rng-rank{dist.get_rank()}.pt"
-    if rng.is_file():
-        set_rng_state(torch.load(rng, weights_only=False))
+    restore_rng(path, meta=meta, seed=loader.seed, rank=dist.get_rank(), world=dist.get_world_size())
     return meta
+
+
+def restore_rng(path: Path, *, meta: dict, seed: int, rank: int, world: int) -> None:
+    """This rank's saved RNG streams at the same world size; under another world size the saved per-rank
+    streams mean nothing, so each rank starts new ones derived from (seed, step, rank)."""
+    import random
+
+    import numpy as np
+    import torch
+
+    rng = Path(path) / f"rng-rank{rank}.pt"
+    if meta.get("world_size") == world and rng.is_file():
+        set_rng_state(torch.load(rng, weights_only=False))
+        return
+    derived = (seed * 1_000_003 + meta["step"] * 4099 + rank) % 2**31
+    random.seed(derived)
+    np.random.seed(derived)
+    torch.manual_seed(derived)
 
 
 def checkpoint_meta(run, *, step: int, loader, world: int) -> dict:

@@ -85,7 +85,10 @@ def request_from_options(o: dict) -> tuple[ModelSpec, ClusterSpec, TrainSpec, di
                       warmup_steps=o["warmup"] if o["warmup"] is not None else max(1, min(2000, steps // 10)),
                       weight_decay=o["weight_decay"], grad_clip=o["grad_clip"],
                       precision=fixed["precision"] or "bf16", seed=o["seed"], log_interval=o["log_interval"],
-                      save_interval=o["save_interval"], keep_checkpoints=o["keep_checkpoints"])
+                      save_interval=o["save_interval"], keep_checkpoints=o["keep_checkpoints"],
+                      eval_interval=o["eval_interval"], eval_batches=o["eval_batches"],
+                      max_skipped_steps=o["max_skipped_steps"], spike_window=o["spike_window"],
+                      spike_sigma=o["spike_sigma"])
     return model, cluster, train, fixed
 
 
@@ -150,6 +153,16 @@ def spec_options(f):
                      help="steps between checkpoints (0: only at the end and on SIGTERM/SIGINT)"),
         click.option("--keep-checkpoints", type=int, default=3, show_default=True,
                      help="complete checkpoints to keep (older ones are deleted)"),
+        click.option("--eval-interval", type=int, default=100, show_default=True,
+                     help="steps between validation passes (0: none)"),
+        click.option("--eval-batches", type=int, default=10, show_default=True,
+                     help="micro-batches per data-parallel rank in one validation pass"),
+        click.option("--max-skipped-steps", type=int, default=10, show_default=True,
+                     help="consecutive non-finite steps before the run saves and stops (0: never)"),
+        click.option("--spike-window", type=int, default=100, show_default=True,
+                     help="steps of loss history for loss-spike detection"),
+        click.option("--spike-sigma", type=float, default=4.0, show_default=True,
+                     help="log a loss spike above mean + this many std of the window"),
         click.option("--zero", type=AutoChoice(["0", "1", "2", "3"]), default=None, help="ZeRO stage [auto]"),
         click.option("--offload", type=AutoChoice(OFFLOADS), default=None, help="optimizer state offload [auto]"),
         click.option("--offload-params/--no-offload-params", default=None,
@@ -190,6 +203,9 @@ def gen_config(**o) -> None:
     best = result.best
     plan, train, strategy = best.plan, best.train, best.strategy
     out: Path = o["out"]
+    if train.eval_interval and (Path(o["data"]) / "meta.json").is_file():
+        from dspipe.data.checks import check_val_for_eval
+        check_val_for_eval(o["data"], seq_len=model.seq_len, dp=plan.dp, micro_batch=plan.micro_batch)
     ds_config = render_ds_config(plan=plan, train=train, monitor_dir=str(out / "monitor"),
                                  wall_clock_breakdown=o["wall_clock_breakdown"])
     _verify_with_deepspeed(ds_config, dp=plan.dp)
@@ -293,11 +309,18 @@ def presets() -> None:
 
 from dspipe.cli_launch import cluster_from_options, doctor, launch, slurm_script  # noqa: E402
 from dspipe.cli_data import prepare_data  # noqa: E402
+from dspipe.cli_report import report  # noqa: E402
+from dspipe.cli_bench import bench  # noqa: E402
+from dspipe.cli_model import export_hf, generate  # noqa: E402
 
 cli.add_command(prepare_data)
 cli.add_command(launch)
 cli.add_command(doctor)
 cli.add_command(slurm_script)
+cli.add_command(report)
+cli.add_command(bench)
+cli.add_command(export_hf)
+cli.add_command(generate)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -21,14 +21,28 @@ def shm_segment(*, rank: int, env: dict | None = None) -> Path:
     return SHM_DIR / f"{SHM_PREFIX}_{os.getuid()}_{env.get('MASTER_ADDR')}_{env.get('MASTER_PORT')}_{rank}"
 
 
+def cpu_threads_per_rank(*, env: dict | None = None) -> int | None:
+    """Intra-op threads for one CPU rank: the cores this process may use / the ranks on this node (DeepSpeed's
+    launcher sets LOCAL_SIZE), unless OMP_NUM_THREADS says otherwise. Left alone, every rank starts one thread per
+    core and N ranks oversubscribe the cores N-fold."""
+    env = os.environ if env is None else env
+    if env.get("OMP_NUM_THREADS"):
+        return None
+    return max(1, len(os.sched_getaffinity(0)) // max(1, int(env.get("LOCAL_SIZE", "1"))))
+
+
 def init_distributed() -> str:
     """Start torch.distributed through DeepSpeed with the accelerator's backend (nccl on GPUs, gloo on CPU) and
     release this rank's shm_comm segment name. Returns the backend name."""
     import deepspeed
+    import torch
     import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator
 
     backend = get_accelerator().communication_backend_name()
+    threads = cpu_threads_per_rank() if get_accelerator().device_name() == "cpu" else None
+    if threads:
+        torch.set_num_threads(threads)
     deepspeed.init_distributed(dist_backend=backend, verbose=False)
     dist.barrier()  # every peer has mapped every segment: the names are no longer needed
     shm_segment(rank=dist.get_rank()).unlink(missing_ok=True)

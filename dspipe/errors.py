@@ -5,3 +5,9 @@ class SpecError(ValueError):
     """Bad user input. The message is one line and shows the numbers involved."""
 
     exit_code = 2
+
+
+class RunHalted(RuntimeError):
+    """A run that stopped itself (e.g. too many non-finite steps in a row) after saving; one line, exit code 3."""
+
+    exit_code = 3

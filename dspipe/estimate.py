@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from dspipe.metrics import model_flops_per_token
 from dspipe.plan import Plan
 from dspipe.spec import ClusterSpec, ModelSpec
 
@@ -236,7 +237,7 @@ def estimate(*, model: ModelSpec, cluster: ClusterSpec, plan: Plan) -> Estimate:
         host += cluster.gpus_per_node * 4 * plan.reduce_bucket_size * b  # pinned staging buffers
 
     # Time.
-    model_flops = 6 * model.num_params + 6 * model.layers * model.hidden * model.seq_len
+    model_flops = model_flops_per_token(model)
     extra = {"none": 0.0, "selective": 2 * model.layers * model.hidden * model.seq_len,
              "full": model_flops / 3}[plan.checkpointing]
     hw_flops = model_flops + extra

@@ -189,13 +189,28 @@ class TrainSpec:
     """Save a DeepSpeed checkpoint every this many steps (0: only at the end and on SIGTERM/SIGINT)."""
     keep_checkpoints: int = 3
     """Keep the newest this many complete checkpoints; older ones are deleted."""
+    eval_interval: int = 100
+    """Validation loss and perplexity every this many steps and at the end (0: never)."""
+    eval_batches: int = 10
+    """Micro-batches per data-parallel rank in one validation pass (capped by the validation split)."""
+    max_skipped_steps: int = 10
+    """Save and stop after this many consecutive steps skipped for a non-finite loss or gradient norm (0: never)."""
+    spike_window: int = 100
+    """Steps of recent loss that a loss spike is measured against."""
+    spike_sigma: float = 4.0
+    """A loss above mean + this many standard deviations of the window is logged as a spike."""
 
     def __post_init__(self) -> None:
         _positive("train", global_batch=self.global_batch, micro_batch=self.micro_batch, steps=self.steps,
                   warmup_steps=self.warmup_steps, log_interval=self.log_interval,
                   keep_checkpoints=self.keep_checkpoints)
-        if not isinstance(self.save_interval, int) or self.save_interval < 0:
-            raise SpecError(f"train.save_interval must be an integer >= 0, got {self.save_interval!r}")
+        for name in ("save_interval", "eval_interval", "max_skipped_steps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise SpecError(f"train.{name} must be an integer >= 0, got {value!r}")
+        _positive("train", eval_batches=self.eval_batches, spike_window=self.spike_window)
+        if not self.spike_sigma > 0:
+            raise SpecError(f"train.spike_sigma must be positive, got {self.spike_sigma}")
         _one_of("train", "precision", self.precision, PRECISIONS)
         if not self.lr > 0:
             raise SpecError(f"lr must be positive, got {self.lr}")

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import logging
 import os
@@ -12,8 +11,12 @@ import time
 from dspipe import checkpoint as ckpt
 from dspipe.comm import init_distributed
 from dspipe.data import TokenWindows, TrainLoader, check_data_for_model
-from dspipe.errors import SpecError
+from dspipe.errors import RunHalted, SpecError
+from dspipe.evaluate import check_val_split, evaluate
+from dspipe.metrics import gpu_for_device, model_flops_per_token, perplexity, step_rates
 from dspipe.rundir import Run, load_run
+from dspipe.runlog import GIB, RunLog
+from dspipe.stability import Health, PoisonedLoss, guard_base_optimizer, nan_test_steps
 
 ENGINE_FILE = "engine.json"
 
@@ -104,22 +107,42 @@ def dp_rank(engine) -> int:
     return engine.grid.get_data_parallel_rank() if hasattr(engine, "grid") else dist.get_rank()
 
 
-def train_step(engine, batches, *, pp: int, grad_accum: int) -> float:
-    """One optimizer step; returns the loss averaged over micro-batches and data-parallel ranks."""
+def train_step(engine, batches, *, pp: int, grad_accum: int, poison: bool = False) -> float:
+    """One optimizer step; returns the loss averaged over micro-batches and data-parallel ranks.
+    `poison` (test hook) makes the first micro-batch's loss NaN."""
     import torch
     import torch.distributed as dist
 
     if pp > 1:
         return float(engine.train_batch(data_iter=batches))  # already averaged over dp and broadcast
     total = torch.zeros((), device=engine.device)
-    for _ in range(grad_accum):
+    for micro in range(grad_accum):
         inputs, labels = next(batches)
         loss = engine(inputs.to(engine.device), labels.to(engine.device))
+        if poison and micro == 0:
+            loss = loss * float("nan")
         engine.backward(loss)
         engine.step()
         total += loss.detach().float()
     dist.all_reduce(total)
     return float(total) / (grad_accum * dist.get_world_size())
+
+
+def device_peak_tflops(*, precision: str) -> tuple[str, float | None]:
+    """(device name, its catalog peak for the precision); the peak is None on CPUs and unknown devices."""
+    import torch
+
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    gpu = gpu_for_device(name)
+    return name, (gpu.peak_tflops(precision) if gpu else None)
+
+
+def peak_memory_gib() -> tuple[float, float]:
+    """Peak memory allocated / reserved on this rank's device since start (host RSS on the CPU accelerator)."""
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    return acc.max_memory_allocated() / GIB, acc.max_memory_reserved() / GIB
 
 
 def train(run: Run, resume: str | None = None) -> dict:
@@ -136,23 +159,30 @@ def train(run: Run, resume: str | None = None) -> dict:
     torch.manual_seed(run.train.seed + rank)  # dropout streams; weights come from per-layer generators
     check_data_for_model(run.data, model_vocab=run.model.vocab, seq_len=run.model.seq_len)
     windows = TokenWindows(run.data, seq_len=run.model.seq_len)  # memory maps, checked against meta.json
+    plan, tr, steps = run.plan, run.train, run.train.steps
+    val_windows, eval_batches = None, 0
+    if tr.eval_interval:
+        val_windows = TokenWindows(run.data, seq_len=run.model.seq_len, split="val")
+        eval_batches = check_val_split(windows=val_windows, micro_batch=plan.micro_batch, dp=plan.dp,
+                                       batches=tr.eval_batches)
     resume_from = ckpt.resume_point(run, resume)  # checked before building anything
 
     module = build_module(run)
-    engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=param_groups(module, run.train.weight_decay),
+    engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=param_groups(module, tr.weight_decay),
                                            config=str(run.ds_config_path))
     settings = engine_settings(engine)
     check_engine(settings, run)
+    guarded = guard_base_optimizer(engine)
     if rank == 0:
-        (run.path / ENGINE_FILE).write_text(json.dumps(settings, indent=2) + "\n")
-    plan, steps = run.plan, run.train.steps
-    loader = TrainLoader(windows=windows, seed=run.train.seed, micro_batch=plan.micro_batch, dp=plan.dp,
+        (run.path / ENGINE_FILE).write_text(json.dumps({**settings, "nonfinite_guard": guarded}, indent=2) + "\n")
+    loader = TrainLoader(windows=windows, seed=tr.seed, micro_batch=plan.micro_batch, dp=plan.dp,
                          dp_rank=dp_rank(engine))
     # under a pipeline only the first (inputs) and last (labels) stages read data; the others skip along
     reads_data = plan.pp == 1 or engine.is_first_stage() or engine.is_last_stage()
+    device, peak = device_peak_tflops(precision=plan.precision)
     say = print if rank == 0 else (lambda *a, **k: None)
     say(f"dspipe: {run.model.name} {plan.num_params / 1e6:.2f}M params | world {world} = dp {plan.dp} x pp {plan.pp} "
-        f"| ZeRO-{plan.zero_stage} offload {plan.offload} | {plan.precision} | {backend} | recompute "
+        f"| ZeRO-{plan.zero_stage} offload {plan.offload} | {plan.precision} | {backend} on {device} | recompute "
         f"{plan.checkpointing} | batch {plan.micro_batch} x ga {plan.grad_accum} x dp {plan.dp} = "
         f"{plan.global_batch} seq x {run.model.seq_len} tok", flush=True)
 
@@ -164,57 +194,78 @@ def train(run: Run, resume: str | None = None) -> dict:
         say(f"dspipe: no checkpoint in {run.checkpoint_dir}: starting fresh", flush=True)
 
     def save(at: int) -> None:
-        ckpt.save(engine, run.checkpoint_dir, step=at, keep=run.train.keep_checkpoints,
+        ckpt.save(engine, run.checkpoint_dir, step=at, keep=tr.keep_checkpoints,
                   meta=ckpt.checkpoint_meta(run, step=at, loader=loader, world=world))
 
+    def validate(at: int) -> None:
+        loss = evaluate(engine, windows=val_windows, micro_batch=plan.micro_batch, dp=plan.dp,
+                        dp_rank=dp_rank(engine), pp=plan.pp, batches=eval_batches, reads_data=reads_data)
+        log.validation({"step": at, "tokens": at * plan.tokens_per_step, "val_loss": loss,
+                        "val_ppl": perplexity(loss)})
+
+    log = RunLog(run.path, monitor=engine.monitor, enabled=rank == 0, resumed_at=start_step,
+                 log_interval=tr.log_interval, steps=steps, validating=bool(tr.eval_interval))
+    health = Health(max_skips=tr.max_skipped_steps, window=tr.spike_window, sigma=tr.spike_sigma)
+    flops_per_token = model_flops_per_token(run.model)
+    poison_steps = nan_test_steps()
+    poisoned = None
+    if poison_steps and plan.pp > 1:
+        poisoned = engine.module.loss_fn = PoisonedLoss(engine.module.loss_fn)
     losses, start = [], time.perf_counter()
-    writer = None
-    if rank == 0:
-        if start_step:
-            ckpt.trim_metrics(run.metrics_path, start_step)  # rows after the resumed step are rewritten
-        append = bool(start_step) and run.metrics_path.is_file()
-        metrics = open(run.metrics_path, "a" if append else "w", newline="")
-        writer = csv.writer(metrics)
-        if not append:
-            writer.writerow(["step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"])
     stop, step, saved_at = ckpt.StopRequest(), start_step, start_step
     for step in range(start_step + 1, steps + 1):
+        skipped_before = engine.skipped_steps
+        if poisoned:
+            poisoned.on = step in poison_steps
         t0 = time.perf_counter()
-        loss = train_step(engine, loader if reads_data else None, pp=plan.pp, grad_accum=plan.grad_accum)
+        loss = train_step(engine, loader if reads_data else None, pp=plan.pp, grad_accum=plan.grad_accum,
+                          poison=step in poison_steps)
         if not reads_data:
             loader.skip(plan.grad_accum)
         dt = time.perf_counter() - t0
+        if poisoned:
+            poisoned.on = False
+        skipped = engine.skipped_steps > skipped_before
         losses.append(loss)
-        if writer:
+        note = health.record(step=step, loss=loss, skipped=skipped)
+        if note:
+            say(f"dspipe: {note}", flush=True)
+        if rank == 0:
             norm = engine.get_global_grad_norm()
-            lr = engine.get_lr()[0]
-            writer.writerow([step, repr(loss), f"{lr:.6e}", "" if norm is None else repr(float(norm)),
-                             f"{plan.tokens_per_step / dt:.1f}", f"{dt:.4f}"])
-            metrics.flush()
-            if step == 1 or step % run.train.log_interval == 0 or step == steps:
-                say(f"step {step:>5}/{steps} | loss {loss:.4f} | lr {lr:.2e} | "
-                    f"{plan.tokens_per_step / dt:,.0f} tokens/s | {dt * 1000:.0f} ms", flush=True)
+            alloc, reserved = peak_memory_gib()
+            log.step({"step": step, "tokens": step * plan.tokens_per_step, "loss": loss, "lr": engine.get_lr()[0],
+                      "grad_norm": None if norm is None else float(norm), "step_time_s": dt,
+                      **step_rates(tokens=plan.tokens_per_step, samples=plan.global_batch, seconds=dt,
+                                   flops_per_token=flops_per_token, world_size=world, peak_tflops=peak),
+                      "mem_allocated_gib": alloc, "mem_reserved_gib": reserved, "skipped": int(skipped)})
+        if tr.eval_interval and (step % tr.eval_interval == 0 or step == steps):
+            validate(step)
         ckpt.maybe_test_kill(ckpt.TEST_KILL_AT_STEP, step)
         stopping = stop.agreed()
-        if stopping or (run.train.save_interval and step % run.train.save_interval == 0 and step < steps):
+        if stopping or health.halted or (tr.save_interval and step % tr.save_interval == 0 and step < steps):
             save(step)
             saved_at = step
         if stopping:
             say(f"dspipe: stopped by a signal after step {step}; checkpoint saved", flush=True)
             break
-    if writer:
-        metrics.close()
+        if health.halted:
+            log.close()
+            raise RunHalted(f"{health.consecutive} consecutive steps skipped (non-finite loss or gradient norm), "
+                            f"the last at step {step}; saved {run.checkpoint_dir / ckpt.tag_for(step)} (weights from "
+                            f"before the first skipped step); lower the lr or check the data, then --resume auto")
+    log.close()
     if loader.consumed_samples != step * plan.global_batch:  # every rank, reading or not, at the same position
         raise RuntimeError(f"data position {loader.consumed_samples} != {step} steps x {plan.global_batch}")
     if step > saved_at:
         save(step)
     tag = ckpt.tag_for(step)
     summary = {"first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
-               "steps": step, "seconds": time.perf_counter() - start, "checkpoint": str(run.checkpoint_dir / tag)}
+               "steps": step, "seconds": time.perf_counter() - start, "checkpoint": str(run.checkpoint_dir / tag),
+               "skipped_steps": health.total_skipped}
     if losses:
         say(f"done: loss {losses[0]:.3f} -> {losses[-1]:.3f} in steps {start_step + 1}-{step} "
-            f"({summary['seconds']:.0f} s); checkpoint {summary['checkpoint']}; metrics {run.metrics_path}; "
-            f"run dir {run.path}", flush=True)
+            f"({summary['seconds']:.0f} s, {health.total_skipped} skipped, {health.spikes} loss spikes); checkpoint "
+            f"{summary['checkpoint']}; metrics {run.metrics_path}; run dir {run.path}", flush=True)
     else:
         say(f"done: nothing to do, the checkpoint is at step {step} of {steps}", flush=True)
     return summary
@@ -231,8 +282,8 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     try:
         train(load_run(args.run), resume=args.resume)
-    except SpecError as e:
-        if os.environ.get("RANK", "0") == "0":  # every rank hits the same input error: say it once
+    except (SpecError, RunHalted) as e:
+        if os.environ.get("RANK", "0") == "0":  # every rank hits the same error: say it once
             print(f"dspipe: error: {e}", file=sys.stderr)
         return e.exit_code
     return 0

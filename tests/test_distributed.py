@@ -1,6 +1,7 @@
 """Real DeepSpeed engines on 2 CPU ranks (gloo), started by DeepSpeed's own launcher."""
 import csv
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -13,10 +14,11 @@ from tests.conftest import ROOT, dspipe, free_port
 pytestmark = pytest.mark.distributed
 
 
-def launch(run_dir, num_gpus=2):
+def launch(run_dir, num_gpus=2, port=None):
     launcher = [shutil.which("deepspeed")] if shutil.which("deepspeed") else [sys.executable, "-m",
                                                                               "deepspeed.launcher.runner"]
-    cmd = [*launcher, "--num_gpus", str(num_gpus), "--master_port", str(free_port()), "run.py", "--run", str(run_dir)]
+    port = port or free_port()
+    cmd = [*launcher, "--num_gpus", str(num_gpus), "--master_port", str(port), "run.py", "--run", str(run_dir)]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
 
 
@@ -55,11 +57,11 @@ CONFIGS = {
 def test_trains_and_engine_uses_the_planned_settings(tmp_path, corpus, name):
     flags, expected = CONFIGS[name]
     run_dir = make_run(tmp_path, corpus, *flags)
-    shm_before = set(SHM_DIR.glob(SHM_PREFIX + "*"))
-    r = launch(run_dir)
+    port = free_port()
+    r = launch(run_dir, port=port)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    # DeepSpeed's CPU all-reduce segments (66 MB a rank) are released, not leaked into /dev/shm
-    assert set(SHM_DIR.glob(SHM_PREFIX + "*")) == shm_before
+    # DeepSpeed's CPU all-reduce segments of this launch (66 MB a rank) are released, not leaked into /dev/shm
+    assert list(SHM_DIR.glob(f"{SHM_PREFIX}_*_{port}_*")) == []
     engine = json.loads((run_dir / "engine.json").read_text())
     pp = expected.get("pp", 1)
     live = {"zero_stage": int(flags[1]), "gradient_clipping": 1.0, "bf16": True, "fp16": False,
@@ -70,8 +72,41 @@ def test_trains_and_engine_uses_the_planned_settings(tmp_path, corpus, name):
     loss = losses(run_dir)
     assert len(loss) == 20
     assert sum(loss[-3:]) / 3 < loss[0] - 0.3, loss  # the loss falls
+    check_metrics(run_dir, steps=20, tokens_per_step=16 * 64)
+    with open(run_dir / "val_metrics.csv") as f:  # eval_interval 100 > 20 steps: one pass, at the end
+        (val,) = list(csv.DictReader(f))
+    assert int(val["step"]) == 20 and float(val["val_loss"]) < loss[0] - 0.3
+    assert float(val["val_ppl"]) == pytest.approx(math.exp(float(val["val_loss"])))
     assert (run_dir / "checkpoints" / "global_step20").is_dir() and (run_dir / "checkpoints" / "latest").is_file()
     assert "done: loss" in r.stdout
+
+
+def check_metrics(run_dir, *, steps, tokens_per_step):
+    """metrics.csv has the documented columns and self-consistent rates; TensorBoard got the same scalars."""
+    from dspipe.metrics import STEP_COLUMNS, model_flops_per_token
+    from dspipe.rundir import load_run
+
+    with open(run_dir / "metrics.csv") as f:
+        reader = csv.DictReader(f)
+        rows = list(reader)
+    assert tuple(reader.fieldnames) == STEP_COLUMNS
+    assert [int(r["step"]) for r in rows] == list(range(1, steps + 1))
+    flops = model_flops_per_token(load_run(run_dir).model)
+    for r in rows:
+        assert int(r["tokens"]) == int(r["step"]) * tokens_per_step
+        t = float(r["step_time_s"])
+        assert float(r["tokens_per_s"]) == pytest.approx(tokens_per_step / t)
+        assert float(r["tflops_per_gpu"]) == pytest.approx(tokens_per_step / t * flops / 2 / 1e12)
+        assert r["mfu"] == "" and r["skipped"] == "0"  # CPU: no catalog peak, MFU n/a
+        assert 0.05 < float(r["mem_allocated_gib"]) <= float(r["mem_reserved_gib"]) < 16
+        assert float(r["grad_norm"]) > 0
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    (events,) = {p.parent for p in (run_dir / "monitor").rglob("events.out.tfevents.*")}
+    acc = EventAccumulator(str(events))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("Train/loss")][-steps:] == list(range(1, steps + 1))
+    tags = set(acc.Tags()["scalars"])
+    assert {"Train/tokens_per_s", "Train/grad_norm", "Validation/val_loss"} <= tags and "Train/mfu" not in tags
 
 
 def test_first_loss_of_pp1_and_pp2_agree(tmp_path, corpus):

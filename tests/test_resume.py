@@ -18,10 +18,11 @@ from tests.test_distributed import make_run
 STEPS, EVERY = 8, 3
 
 
-def launch(run_dir, *extra, env=None):
+def launch(run_dir, *extra, env=None, num_gpus=2):
     launcher = [shutil.which("deepspeed")] if shutil.which("deepspeed") else [sys.executable, "-m",
                                                                               "deepspeed.launcher.runner"]
-    cmd = [*launcher, "--num_gpus", "2", "--master_port", str(free_port()), "run.py", "--run", str(run_dir), *extra]
+    cmd = [*launcher, "--num_gpus", str(num_gpus), "--master_port", str(free_port()), "run.py", "--run", str(run_dir),
+           *extra]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env={**os.environ, **(env or {})})
 
 
@@ -93,6 +94,75 @@ def test_crash_inside_a_save_keeps_the_previous_checkpoint(tmp_path, corpus):
     assert "at step 3" in r.stdout
     assert tags(run) == ["global_step6", "global_step8", "latest"]  # the partial dir was cleaned up
     assert [int(s) for s, *_ in rows(run)] == list(range(1, STEPS + 1))
+
+
+DP_CHANGE = {"zero1": ["--zero", "1"]}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", list(DP_CHANGE))
+def test_resume_under_another_dp_size_continues_the_run(tmp_path, corpus, name):
+    """Saved by 2 ranks (dp 2), resumed by 1 (dp 1, twice the gradient accumulation, same global batch and sample
+    order): the losses after the resume follow the uninterrupted dp-2 run up to summation order, which holds only
+    if the weights and Adam's moments were restored (a fresh Adam diverges at the first update)."""
+    ref = fp32_run(tmp_path, corpus, "ref", *DP_CHANGE[name], steps=6)
+    ok(launch(ref))
+    run = fp32_run(tmp_path, corpus, "dp1", *DP_CHANGE[name], "--gpus-per-node", "1", steps=6)
+    shutil.copytree(ref / "checkpoints", run / "checkpoints", ignore=shutil.ignore_patterns("global_step6"))
+    (run / "checkpoints" / "latest").write_text("global_step3")
+    r = launch(run, "--resume", "auto", num_gpus=1)
+    ok(r)
+    assert "at step 3" in r.stdout and json.loads((run / "engine.json").read_text())["dp"] == 1
+    got, want = rows(run), rows(ref)[3:]  # the new run dir's metrics start at the resumed step
+    assert [(s, lr) for s, _, lr, _ in got] == [(s, lr) for s, _, lr, _ in want]  # same steps, same schedule
+    for (s, loss, _, norm), (_, loss_ref, _, norm_ref) in zip(got, want):
+        assert float(loss) == pytest.approx(float(loss_ref), rel=1e-4), s
+        assert float(norm) == pytest.approx(float(norm_ref), rel=1e-3), s
+    assert tags(run) == ["global_step3", "global_step6", "latest"]  # the universal copy was deleted
+    meta = ckpt.read_meta(run / "checkpoints" / "global_step6")
+    assert (meta["dp"], meta["world_size"], meta["consumed_samples"]) == (1, 1, 6 * 16)
+
+
+def mount_tmpfs(path, size):
+    """A tmpfs of `size` at `path` (we run as root in CI); False where mounting is not permitted."""
+    path.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
+    return r.returncode == 0
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("how", ["tmpfs", "hook"])
+def test_disk_full_during_a_save_keeps_the_previous_checkpoint(tmp_path, corpus, how):
+    """tmpfs: the checkpoints live on a 9 MiB tmpfs; one checkpoint of this run takes 5.9 MB, so step 3 fits and
+    step 6 does not (every rank's writes may fail). hook: only rank 1's write fails (ENOSPC) while rank 0 wrote
+    everything and waits for it: the ranks must still agree instead of hanging."""
+    run = fp32_run(tmp_path, corpus, "run", "--zero", "1", steps=6)
+    ckpts = run / "checkpoints"
+    env = {}
+    if how == "tmpfs":
+        if not mount_tmpfs(tmp_path / "small", "9M"):
+            pytest.skip("mounting a tmpfs is not permitted here (the hook variant covers the agreement)")
+        ckpts.symlink_to(tmp_path / "small")
+    else:
+        env = {ckpt.TEST_FAIL_WRITE: "6", ckpt.TEST_FAIL_WRITE_RANK: "1"}
+    try:
+        r = launch(run, env=env)
+        assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
+        assert "Traceback" not in r.stderr
+        errors = [line for line in r.stderr.splitlines() if "dspipe: error:" in line]
+        assert len(errors) == 1, r.stderr[-3000:]  # one line, from rank 0 only
+        assert errors[0].startswith(f"dspipe: error: saving checkpoint global_step6 in {ckpts} failed: No space "
+                                    f"left on device (")
+        assert (f"the last complete checkpoint {ckpts / 'global_step3'} is intact and 'latest' names it; free space "
+                f"there, then continue with --resume auto") in errors[0]
+        assert sorted(p.name for p in ckpts.iterdir() if p.name.startswith(("global", ".", "latest"))) == [
+            "global_step3", "latest"]  # the partial save was removed
+        assert (ckpts / "latest").read_text() == "global_step3" and ckpt.is_complete(ckpts / "global_step3")
+        assert ckpt.find_checkpoint(ckpts, "auto").name == "global_step3"
+        assert [int(s) for s, *_ in rows(run)] == list(range(1, 7))
+    finally:
+        if how == "tmpfs":
+            subprocess.run(["umount", str(tmp_path / "small")], check=True)
 
 
 @pytest.mark.distributed
@@ -184,3 +254,71 @@ def test_save_interval_and_keep_are_validated():
         TrainSpec(global_batch=8, micro_batch=1, steps=10, save_interval=-1)
     with pytest.raises(SpecError, match="keep_checkpoints"):
         TrainSpec(global_batch=8, micro_batch=1, steps=10, keep_checkpoints=0)
+
+
+def test_dp_change_refusals(tmp_path):
+    def refusal(**changed):
+        args = {"meta": {"dp": 2, "pp": 1, "zero_stage": 1}, "zero_stage": 1, "pp": 1, "dp": 1, "offload": "none",
+                "path": tmp_path}
+        return ckpt.dp_change_refusal(**{**args, **changed})
+
+    assert refusal() is None and refusal(zero_stage=2) is None and refusal(offload="cpu") is None
+    assert refusal(zero_stage=0, pp=2) is None  # ZeRO-0 state is not partitioned
+    assert refusal(dp=2, zero_stage=3, offload="nvme") is None  # same dp: always the plain load
+    assert "weight decay" in refusal(zero_stage=3)
+    assert "NVMe" in refusal(offload="nvme")
+    assert "pipeline" in refusal(pp=2)
+    (tmp_path / "offloaded_tensors").mkdir()
+    assert "NVMe" in refusal()
+
+
+def _raise(e):
+    raise e
+
+
+def test_write_failures_are_recorded_not_raised(tmp_path):
+    import errno
+
+    failures = ckpt.WriteFailures()
+    assert failures.call(lambda: 7) == 7 and failures.code == 0
+    failures.call(open, tmp_path / "missing" / "x", "w")
+    assert failures.code == errno.ENOENT
+    assert failures.call(lambda: 7) is None  # later writes are skipped once one failed
+    torch_like = ckpt.WriteFailures()
+    torch_like.call(_raise, RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"))
+    assert torch_like.code == ckpt.WriteFailures.GENERIC
+    with pytest.raises(RuntimeError, match="a bug"):  # not a write error: raised as before
+        ckpt.WriteFailures().call(_raise, RuntimeError("a bug"))
+
+
+def test_save_failure_message_names_the_intact_checkpoint(tmp_path):
+    import errno
+
+    _fake(tmp_path, 3)
+    (tmp_path / "latest").write_text("global_step3")
+    (tmp_path / ".universal-global_step3").mkdir()
+    assert [p.name for p in ckpt.to_delete(tmp_path, 3)] == [".universal-global_step3"]
+    msg = ckpt.save_failure_message(code=errno.ENOSPC, detail="", ckpt_dir=tmp_path, tag="global_step6",
+                                    free_before=0.2)
+    assert msg.startswith(f"saving checkpoint global_step6 in {tmp_path} failed: No space left on device (0.2 MiB "
+                          f"free, ")
+    assert msg.endswith(f"the last complete checkpoint {tmp_path / 'global_step3'} is intact and 'latest' names it; "
+                        f"free space there, then continue with --resume auto") and "\n" not in msg
+
+
+def test_check_compatible_refuses_zero3_under_another_dp(tmp_path):
+    from dataclasses import asdict
+    from types import SimpleNamespace
+
+    from dspipe.presets import model_preset
+
+    model = model_preset("tiny")
+    run = SimpleNamespace(model=model, plan=SimpleNamespace(pp=1, zero_stage=3, dp=1, offload="none"))
+    meta = {"model": asdict(model), "pp": 1, "zero_stage": 3, "dp": 2}
+    with pytest.raises(SpecError) as e:
+        ckpt.check_compatible(meta, run, tmp_path)
+    assert str(e.value).startswith(f"checkpoint {tmp_path} was saved with dp 2, this run has dp 1: DeepSpeed 0.19's")
+    assert str(e.value).endswith("; resume with dp 2 (world size 2)")
+    ckpt.check_compatible({**meta, "dp": 1}, run, tmp_path)  # same dp: fine
+    ckpt.check_compatible({**meta, "zero_stage": 1}, SimpleNamespace(model=model, plan=SimpleNamespace(
+        pp=1, zero_stage=1, dp=1, offload="none")), tmp_path)  # ZeRO-1 at another dp: resharded on load

@@ -26,3 +26,15 @@ def check_data_for_model(data_dir: str | Path, *, model_vocab: int, seq_len: int
         raise SpecError(f"the train split of {data_dir} ({train['num_tokens']} tokens) is shorter than one "
                         f"sequence of {seq_len + 1} tokens")
     return meta
+
+
+def check_val_for_eval(data_dir: str | Path, *, seq_len: int, dp: int, micro_batch: int) -> None:
+    """The validation split must hold one batch (dp x micro_batch windows) for --eval-interval to work."""
+    meta = read_meta(data_dir)
+    val = meta["splits"].get("val", {"shards": [], "num_tokens": 0})
+    windows = sum(max(0, (s["num_tokens"] - 1) // seq_len) for s in val["shards"])
+    if windows < dp * micro_batch:
+        raise SpecError(f"the val split of {data_dir} holds {windows} windows of {seq_len + 1} tokens, fewer than one "
+                        f"validation batch of dp {dp} x micro_batch {micro_batch} = {dp * micro_batch}; pass "
+                        f"--eval-interval 0 or prepare the data with a larger --val-fraction "
+                        f"(now {meta['val_fraction']})")

@@ -1,0 +1,102 @@
+"""dspipe bench: the arithmetic and report (fast), the input checks, and one real run beside the reference."""
+import re
+
+import pytest
+
+from dspipe import bench
+from tests.conftest import dspipe
+
+
+def _rank(seconds, *, loss=8.3, phases=(1.0, 2.0, 0.5), rss=2**30, allocated=None):
+    return {"seconds": seconds, "first_loss": loss, "phases": dict(zip(bench.PHASES, phases)), "peak_rss": rss,
+            "peak_allocated": allocated, "peak_reserved": allocated, "threads": 1,
+            "engine": {"wrapper_optimizer": "W", "base_optimizer": "B", "backend": "gloo"}}
+
+
+def test_summary_takes_the_slowest_rank_and_the_largest_memory():
+    ranks = [_rank(4.0, phases=(1.0, 2.0, 0.5), rss=2**30), _rank(5.0, phases=(1.5, 1.0, 0.5), rss=3 * 2**30)]
+    s = bench.summarize(ranks, tokens_per_step=1000, samples_per_step=4, steps=10, flops_per_token=6e9,
+                        world_size=2, peak_tflops=1.5)
+    assert s["tokens_per_s"] == pytest.approx(10 * 1000 / 5.0)
+    assert s["samples_per_s"] == pytest.approx(8.0)
+    assert s["tflops_per_gpu"] == pytest.approx(2000 * 6e9 / 2 / 1e12)  # 6 TFLOP/s each
+    assert s["mfu"] == pytest.approx(6.0 / 1.5)
+    assert s["step_time_s"] == pytest.approx(0.5)
+    assert s["phases_s"] == pytest.approx({"forward": 0.15, "backward": 0.2, "step": 0.05})
+    assert s["peak_rss"] == 3 * 2**30 and s["peak_allocated"] is None
+    no_peak = bench.summarize(ranks, tokens_per_step=1000, samples_per_step=4, steps=10, flops_per_token=6e9,
+                              world_size=2, peak_tflops=None)
+    assert no_peak["mfu"] is None
+
+
+def test_table_and_markdown_show_the_figures_ratio_and_command(tmp_path):
+    common = dict(samples_per_step=4, steps=2, flops_per_token=1e6, world_size=2, peak_tflops=None)
+    sides = {"dspipe": bench.summarize([_rank(1.0, loss=8.25)], tokens_per_step=900, **common),
+             "reference": bench.summarize([_rank(2.0, loss=8.2500001, phases=(2.0, 1.5, 0.5),
+                                                        allocated=3 * 2**29)], tokens_per_step=900,
+                                          **common)}
+    table = bench.format_table(sides, header="device: X")
+    assert re.search(r"tokens/s\s+1,800\s+900\b", table)
+    assert re.search(r"MFU\s+n/a\s+n/a", table)
+    assert re.search(r"forward \(ms\)\s+500\.0\s+1,000\.0", table)  # 1.0 s and 2.0 s over 2 steps
+    assert re.search(r"peak allocated \(GiB\)\s+n/a\s+1\.50", table)
+    assert "dspipe / reference tokens/s: 2.000" in table
+    assert "dspipe 8.25000000, reference 8.25000010, difference 1.00e-07" in table
+    assert bench.ratio(sides["dspipe"], sides["reference"]) == pytest.approx(2.0)
+
+    doc = tmp_path / "bench.md"
+    doc.write_text("# Benchmarks\n\nintro\n")
+    section = bench.markdown_section(sides, date="2026-01-02", device="CPU Y", versions="python 3",
+                                     command="dspipe bench", setup="tiny")
+    bench.append_section(doc, section)
+    text = doc.read_text()
+    assert text.startswith("# Benchmarks\n\nintro\n\n### 2026-01-02: CPU Y\n")
+    assert "- command: `dspipe bench`" in text and "| tokens/s | 1,800 | 900 |" in text
+    assert "dspipe / reference tokens/s: 2.000" in text
+    only = bench.format_table({"dspipe": sides["dspipe"]}, header="h")
+    assert "reference" not in only and "1,800" in only
+
+
+def test_cpu_ranks_share_the_cores():
+    assert bench.cpu_threads(ranks=2, cpus=2, env={}) == 1
+    assert bench.cpu_threads(ranks=2, cpus=16, env={}) == 8
+    assert bench.cpu_threads(ranks=4, cpus=2, env={}) == 1
+    assert bench.cpu_threads(ranks=2, cpus=16, env={"OMP_NUM_THREADS": "3"}) is None  # the user's choice stands
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--global-batch", "10", "--micro-batch", "3"], "global batch 10 is not divisible by micro_batch 3 x dp 2 = 6"),
+    (["--nodes", "2"], "dspipe bench runs on this machine only (--nodes 2)"),
+    (["--steps", "0"], "--warmup 3 --steps 0: both must be at least 1"),
+])
+def test_bad_input_is_one_line_exit_2(flags, message):
+    r = dspipe("bench", "--model", "tiny", "--gpu", "cpu", *flags)
+    assert r.returncode == 2, r.stderr
+    assert message in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+@pytest.mark.distributed
+def test_bench_with_compare_on_2_cpu_ranks(tmp_path):
+    doc = tmp_path / "benchmarks.md"
+    r = dspipe("bench", "--model", "tiny", "--global-batch", "8", "--micro-batch", "2", "--precision", "fp32",
+               "--zero", "1", "--warmup", "1", "--steps", "2", "--compare", "--append", doc)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    out = r.stdout
+    assert "world 2 = dp 2 x pp 1 | ZeRO-1 offload none | fp32" in out and "batch 2 x ga 2 x dp 2 = 8 seq" in out
+    tokens = re.search(r"^tokens/s\s+([\d,]+)\s+([\d,]+)$", out, re.M)
+    assert tokens, out
+    d_tps, r_tps = (float(t.replace(",", "")) for t in tokens.groups())
+    assert d_tps > 0 and r_tps > 0
+    assert re.search(r"MFU\s+n/a\s+n/a", out)  # no peak for a CPU
+    for label in ("forward", "backward \\+ grad reduction", "optimizer step", "peak RSS per rank \\(GiB\\)"):
+        assert re.search(label + r".*\s+[\d,.]+\s+[\d,.]+$", out, re.M), label
+    ratio = float(re.search(r"dspipe / reference tokens/s: ([\d.]+)", out).group(1))
+    assert ratio == pytest.approx(d_tps / r_tps, rel=0.01)
+    # same seed, same weights, same batches, fp32: the first step's loss (before any update) is the same function
+    d_loss, r_loss = map(float, re.search(r"first-step loss: dspipe ([\d.]+), reference ([\d.]+)", out).groups())
+    assert abs(d_loss - r_loss) < 1e-4 and abs(d_loss - 8.318) < 0.05, (d_loss, r_loss)  # ln(4096) = 8.318
+    text = doc.read_text()
+    assert "- command: `dspipe bench --model tiny --global-batch 8" in text and "--append " + str(doc) in text
+    assert f"| tokens/s | {tokens.group(1)} | {tokens.group(2)} |" in text
+    assert "torch 2" in text and "deepspeed" in text and re.search(r"\| \d+ torch thread\(s\) per rank", text)

@@ -1,0 +1,186 @@
+"""`dspipe report`: plots and report.md from synthetic metrics in a real gen-config run directory (no launches)."""
+import csv
+import json
+import math
+import shutil
+
+import pytest
+
+from dspipe.estimate import GIB
+from dspipe.metrics import STEP_COLUMNS, VAL_COLUMNS
+from dspipe.runreport import write_report
+from tests.conftest import dspipe
+
+CPU2 = ["--model", "tiny", "--gpus-per-node", "2", "--gpu", "cpu", "--global-batch", "16", "--micro-batch", "4",
+        "--steps", "20", "--zero", "1"]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def template(tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("gen")
+    r = dspipe("gen-config", *CPU2, "--out", "runs/t", cwd=cwd)
+    assert r.returncode == 0, r.stderr
+    return cwd / "runs/t"
+
+
+@pytest.fixture
+def run(template, tmp_path):
+    """A fresh copy of the gen-config run directory, at tmp_path/runs/t."""
+    path = tmp_path / "runs/t"
+    shutil.copytree(template, path)
+    return path
+
+
+def write_csv(path, columns, rows):
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(columns)
+        w.writerows(rows)
+
+
+def gpu_like_rows(steps=20):
+    """Steps 1-3 slow (warm-up); after them tokens/s = 10000 + 10 s, so the median of steps 4-20 is 10120 (s = 12);
+    loss = 10 - s/4 (mean of steps 11-20: 6.125); peak allocated 1.20 GiB at step 20; steps 7 and 13 skipped."""
+    rows = []
+    for s in range(1, steps + 1):
+        tps = 1000.0 if s <= 3 else 10000.0 + 10 * s
+        rows.append([s, s * 1024, 10 - s / 4, 6e-4 * min(1, s / 5), 1.5, tps, tps / 64, 0.3, 0.30 + 0.001 * s,
+                     1.0 + 0.01 * s, 1.5, 1024 / tps, int(s in (7, 13))])
+    return rows
+
+
+VAL_ROWS = [[5, 5120, 7.0, math.exp(7.0)], [10, 10240, 6.5, math.exp(6.5)], [15, 15360, 6.6, math.exp(6.6)],
+            [20, 20480, 6.8, math.exp(6.8)]]
+
+
+def assert_png(path):
+    import matplotlib.image
+
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC and len(data) > 10_000
+    image = matplotlib.image.imread(path)
+    assert image.shape[:2] == (495, 880) and image.std() > 0.01  # 8 x 4.5 in at 110 dpi, not a blank canvas
+
+
+def test_report_plots_and_plan_vs_measured(run):
+    write_csv(run / "metrics.csv", STEP_COLUMNS, gpu_like_rows())
+    write_csv(run / "val_metrics.csv", VAL_COLUMNS, VAL_ROWS)
+    (run / "engine.json").write_text(json.dumps({"zero_stage": 1, "dp": 2, "pp": 1, "backend": "gloo",
+                                                 "wrapper_optimizer": "DeepSpeedZeroOptimizer",
+                                                 "base_optimizer": "AdamW", "world_size": 2}))
+    r = dspipe("report", "runs/t", cwd=run.parent.parent)
+    assert r.returncode == 0, r.stderr
+    assert "wrote runs/t/report/report.md and loss.png, throughput.png, lr.png" in r.stdout
+    assert "steps 1-20: train loss 6.1250, val loss 6.8000, 10,120 tokens/s (median), 2 skipped" in r.stdout
+    out = run / "report"
+    assert sorted(p.name for p in out.iterdir()) == ["loss.png", "lr.png", "report.md", "throughput.png"]
+    for name in ("loss.png", "throughput.png", "lr.png"):
+        assert_png(out / name)
+
+    est = json.loads((run / "dspipe.json").read_text())["estimate"]
+    mem = est["memory_per_gpu_bytes"]["total"] / GIB
+    md = (out / "report.md").read_text()
+    assert "| model | tiny: 0.37M params (L2 h64 a4 s64 V4096) |" in md
+    assert "| world | 2 = dp 2 x pp 1 (1 node(s) x 2 cpu) |" in md
+    assert "| ZeRO | stage 1, offload none |" in md
+    assert "| precision | fp32 (gradient accumulation in fp32) |" in md
+    assert "| recomputation | none |" in md
+    assert "| batch | global 16 = micro 4 x GA 2 x dp 2 (1,024 tokens/step) |" in md
+    assert "| live engine | ZeRO-1, dp 2 x pp 1, gloo, DeepSpeedZeroOptimizer / AdamW, world 2 (engine.json) |" in md
+    assert (f"| peak memory per GPU (GiB) | {mem:.3f} | max allocated 1.200 (reserved 1.500) | {1.2 / mem:.2f} |"
+            in md)
+    assert (f"| tokens/s (job) | {est['tokens_per_s']:,.0f} | 10,120 (median of steps 4-20) | "
+            f"{10120 / est['tokens_per_s']:.2f} |") in md
+    assert f"| MFU | {est['mfu'] * 100:.1f}% | 31.2% | {0.312 / est['mfu']:.2f} |" in md
+    assert f"| step time (s) | {est['step_time_s']:.4g} | 0.1012 |" in md  # 1024 / 10120
+    assert f"- final train loss: 6.1250 (mean of the last 10 steps, ppl {math.exp(6.125):.2f})" in md
+    assert "- best validation loss: 6.5000 (ppl 665.14) at step 10, 10,240 tokens" in md
+    assert "- final validation loss: 6.8000 (ppl 897.85) at step 20" in md
+    assert "e.g. fp16 overflow): 2" in md
+    for name in ("loss.png", "throughput.png", "lr.png"):
+        assert f"]({name})" in md
+
+
+def test_cpu_run_without_validation_and_few_steps(run, tmp_path):
+    """CPU: mfu and memory columns empty (n/a); no val_metrics.csv; 3 steps are too few to drop a warm-up."""
+    rows = [[s, s * 1024, 8.0 - s, 1e-4 * s, "", tps, tps / 64, 0.001, "", "", "", 1024 / tps, 0]
+            for s, tps in ((1, 2000.0), (2, 4000.0), (3, 3000.0))]
+    write_csv(run / "metrics.csv", STEP_COLUMNS, rows)
+    out, m = write_report(run, out=tmp_path / "elsewhere")
+    assert (m.tokens_per_s, m.final_loss, m.final_val, m.mfu, m.mem_allocated_gib) == (3000.0, 6.0, None, None, None)
+    md = (out / "report.md").read_text()
+    assert "- validation: none (val_metrics.csv absent or empty)" in md
+    assert "| 3,000 (median of all 3 steps (too few to drop a warm-up)) |" in md
+    assert "| n/a (no peak FLOP/s for this device) | n/a |" in md
+    assert "| max allocated n/a | n/a |" in md
+    assert "- final train loss: 6.0000 (mean of the last 3 steps" in md
+    assert "| live engine | not written yet" in md
+    assert "the measured memory is the host RSS of rank 0" in md
+    for name in ("loss.png", "throughput.png", "lr.png"):
+        assert_png(out / name)
+    assert not (run / "report").exists()
+
+
+def test_resumed_rows_and_an_older_runner_format(run):
+    """A later row for a step wins (resume), rows are sorted, a half-written last line is ignored; a metrics.csv
+    without tokens (the runner before this column) gets tokens = step x tokens per step."""
+    lines = ["step,loss,lr,grad_norm,tokens_per_s,step_time_s",
+             *(f"{s},{9.0},1e-4,1.0,{1000 + s},0.5" for s in (1, 2, 3, 4, 5, 6)),
+             *(f"{s},{5.0},1e-4,1.0,{2000 + s},0.5" for s in (5, 6)),  # steps 5-6 again after a resume from 4
+             "7,4.0,1e-4,1.0,2007,0.5", "8,3.9"]  # step 8 is being written
+    (run / "metrics.csv").write_text("\n".join(lines) + "\n")
+    out, m = write_report(run)
+    assert (m.first_step, m.last_step, m.rows, m.tokens) == (1, 7, 7, 7 * 1024)
+    assert m.tokens_per_s == 2005.5  # median of steps 4-7: 1004, 2005, 2006, 2007
+    assert m.final_loss == pytest.approx((9.0 * 4 + 5.0 * 2 + 4.0) / 7)
+    assert out == run / "report" and "7 steps (1-7), 7,168 tokens" in (out / "report.md").read_text()
+
+
+def test_an_existing_report_is_replaced_and_nothing_else(run):
+    write_csv(run / "metrics.csv", STEP_COLUMNS, gpu_like_rows(steps=10))
+    write_report(run)
+    (run / "report" / "stale.txt").write_text("old")
+    write_csv(run / "metrics.csv", STEP_COLUMNS, gpu_like_rows(steps=20))
+    out, m = write_report(run)
+    assert m.last_step == 20 and not (out / "stale.txt").exists()
+    assert "20 steps (1-20)" in (out / "report.md").read_text()
+    assert sorted(p.name for p in run.iterdir()) == ["ds_config.json", "dspipe.json", "metrics.csv", "report"]
+
+    (run.parent / "notes").mkdir()
+    (run.parent / "notes" / "keep.txt").write_text("mine")
+    r = dspipe("report", "runs/t", "--out", "runs/notes", cwd=run.parent.parent)
+    assert r.returncode == 2 and r.stderr.strip() == ("dspipe: error: --out runs/notes exists and is not a report "
+                                                     "directory (no report.md); choose a new or empty directory")
+    assert (run.parent / "notes" / "keep.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("setup, message", [
+    ("not-a-run", "runs/t is not a run directory (no dspipe.json / ds_config.json)"),
+    ("no-metrics", "runs/t/metrics.csv does not exist: no step of runs/t has finished yet"),
+    ("empty", "runs/t/metrics.csv has no rows: no step of runs/t has finished yet"),
+    ("header-only", "runs/t/metrics.csv has no rows"),
+    ("bad-number", "runs/t/metrics.csv:3: loss 'abc' is not a number"),
+    ("no-loss-column", "runs/t/metrics.csv: no column loss in the header"),
+    ("not-utf8", "runs/t/metrics.csv is not a readable CSV file: 'utf-8' codec can't decode byte 0xff"),
+])
+def test_bad_inputs_are_one_line_exit_2(run, setup, message):
+    metrics = run / "metrics.csv"
+    if setup == "not-a-run":
+        (run / "dspipe.json").unlink()
+    elif setup == "empty":
+        metrics.write_text("")
+    elif setup == "header-only":
+        metrics.write_text(",".join(STEP_COLUMNS) + "\n")
+    elif setup == "bad-number":
+        metrics.write_text("step,loss\n1,2.0\n2,abc\n3,1.0\n")
+    elif setup == "no-loss-column":
+        metrics.write_text("step,tokens\n1,1024\n")
+    elif setup == "not-utf8":
+        metrics.write_bytes(b"step,loss\n1,\xff\n")
+    r = dspipe("report", "runs/t", cwd=run.parent.parent)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dspipe: error: ") and message in lines[0], r.stderr
+    assert not (run / "report").exists()
+    assert [p.name for p in run.parent.iterdir()] == ["t"]  # no temp directory left behind

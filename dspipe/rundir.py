@@ -15,6 +15,8 @@ from dspipe.spec import ClusterSpec, ModelSpec, StrategySpec, TrainSpec, from_di
 FORMAT_VERSION = 1
 SPEC_FILE = "dspipe.json"
 DS_CONFIG_FILE = "ds_config.json"
+ENGINE_FILE = "engine.json"  # the live engine's settings, written by the runner's rank 0
+VAL_FILE = "val_metrics.csv"  # validation rows (dspipe.metrics.VAL_COLUMNS)
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,14 @@ class Run:
     @property
     def metrics_path(self) -> Path:
         return self.path / "metrics.csv"
+
+    @property
+    def val_metrics_path(self) -> Path:
+        return self.path / VAL_FILE
+
+    @property
+    def engine_path(self) -> Path:
+        return self.path / ENGINE_FILE
 
 
 def write_run(out: Path, *, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strategy: StrategySpec,

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from dspipe import checkpoint as ckpt
 from dspipe.metrics import STEP_COLUMNS, VAL_COLUMNS
+from dspipe.rundir import VAL_FILE
 
-VAL_FILE = "val_metrics.csv"
 GIB = 2 ** 30
 
 

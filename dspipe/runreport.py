@@ -21,14 +21,12 @@ from dspipe.atomic import replace_dir
 from dspipe.errors import SpecError
 from dspipe.estimate import GIB
 from dspipe.metrics import STEP_COLUMNS, VAL_COLUMNS, perplexity
-from dspipe.rundir import SPEC_FILE, Run, load_run
+from dspipe.rundir import SPEC_FILE, VAL_FILE, Run, load_run
 
 WARMUP_STEPS = 3
 """Leading steps left out of the throughput, MFU and step-time medians (when more steps than that exist)."""
 FINAL_WINDOW = 10
 """Last steps averaged into the final training loss."""
-VAL_FILE = "val_metrics.csv"
-ENGINE_FILE = "engine.json"
 REPORT_FILE = "report.md"
 PLOTS = {"loss": "loss.png", "throughput": "throughput.png", "lr": "lr.png"}
 _INT_COLUMNS = {"step", "tokens", "skipped"}
@@ -104,7 +102,7 @@ def read_metrics(run: Run) -> tuple[list[dict], list[dict]]:
     for row in steps:  # a runner older than the tokens column: the global batch is fixed, so tokens = step x batch
         if row["tokens"] is None:
             row["tokens"] = row["step"] * run.plan.tokens_per_step
-    val_path = run.path / VAL_FILE
+    val_path = run.val_metrics_path
     val = read_csv(val_path, columns=VAL_COLUMNS, required=("step", "val_loss")) if val_path.is_file() else []
     for row in val:
         if row["tokens"] is None:
@@ -307,7 +305,7 @@ def write_report(run_path: str | Path, *, out: str | Path | None = None) -> tupl
     """Write report.md and the plots into `out` (default runs/NAME/report) atomically; returns (out, figures)."""
     run = load_run(run_path)
     estimate = json.loads((run.path / SPEC_FILE).read_text()).get("estimate") or {}
-    engine_path = run.path / ENGINE_FILE
+    engine_path = run.engine_path
     try:
         engine = json.loads(engine_path.read_text()) if engine_path.is_file() else None
     except ValueError:

@@ -18,9 +18,6 @@ from dspipe.rundir import Run, load_run
 from dspipe.runlog import GIB, RunLog
 from dspipe.stability import Health, PoisonedLoss, guard_base_optimizer, nan_test_steps
 
-ENGINE_FILE = "engine.json"
-
-
 def param_groups(module, weight_decay: float) -> list[dict]:
     """AdamW groups: decay matrices and embeddings, not biases or LayerNorm weights (1-d tensors)."""
     decay, no_decay = [], []
@@ -174,7 +171,7 @@ def train(run: Run, resume: str | None = None) -> dict:
     check_engine(settings, run)
     guarded = guard_base_optimizer(engine)
     if rank == 0:
-        (run.path / ENGINE_FILE).write_text(json.dumps({**settings, "nonfinite_guard": guarded}, indent=2) + "\n")
+        run.engine_path.write_text(json.dumps({**settings, "nonfinite_guard": guarded}, indent=2) + "\n")
     loader = TrainLoader(windows=windows, seed=tr.seed, micro_batch=plan.micro_batch, dp=plan.dp,
                          dp_rank=dp_rank(engine))
     # under a pipeline only the first (inputs) and last (labels) stages read data; the others skip along

@@ -107,19 +107,26 @@ def _mean_loss(total, *, count: int) -> float:
     return float(total) / (count * dist.get_world_size())
 
 
+def _start_window(dev: Device) -> float:
+    """Start of the measured window: the device idle and every rank at the same point."""
+    import torch.distributed as dist
+
+    dev.sync()
+    dist.barrier()
+    return time.perf_counter()
+
+
 def _loop(*, micro_step, optimizer_step, batches: list, grad_accum: int, warmup: int, steps: int, dev: Device,
           timer: Timer) -> dict:
     """warmup + steps optimizer steps of grad_accum micro-batches; the first step's loss, the measured seconds."""
     import torch
-    import torch.distributed as dist
 
     it = iter(batches)
     first_loss, t0 = None, 0.0
     for step in range(warmup + steps):
         if step == warmup:
-            dev.sync()
-            dist.barrier()
-            timer.on, t0 = True, time.perf_counter()
+            t0 = _start_window(dev)
+            timer.on = True
         total = torch.zeros((), device=dev.device)
         timer.start()
         for micro in range(grad_accum):
@@ -174,15 +181,11 @@ def run_dspipe(run: Run, *, dev: Device, batches: list, warmup: int, steps: int,
 def _pipeline_loop(engine, *, run: Run, dev: Device, batches: list, warmup: int, steps: int) -> dict:
     """pp > 1: whole steps through train_batch (its forward/backward/step interleave: no breakdown). Every
     stage consumes the same batch list; only the first and last stages read it."""
-    import torch.distributed as dist
-
     it = iter(batches)
     first_loss, t0 = None, 0.0
     for step in range(warmup + steps):
         if step == warmup:
-            dev.sync()
-            dist.barrier()
-            t0 = time.perf_counter()
+            t0 = _start_window(dev)
         loss = engine.train_batch(data_iter=it)  # averaged over micro-batches and dp, broadcast to every stage
         if step == 0:
             first_loss = float(loss)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import shlex
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 import click
@@ -14,6 +15,8 @@ from dspipe.presets import MODEL_PRESETS, model_preset
 from dspipe.render import load_ds_preset, preset_names, render_ds_config, strategy_from_ds_config
 from dspipe.rundir import write_run
 from dspipe.spec import CHECKPOINTING, OFFLOADS, PARTITION_METHODS, PRECISIONS, ClusterSpec, ModelSpec, TrainSpec
+
+TRAIN_DEFAULTS = {f.name: f.default for f in fields(TrainSpec)}  # one source for the options' defaults
 
 DEFAULT_DATA = "data/stdlib"
 
@@ -147,21 +150,21 @@ def spec_options(f):
         click.option("--warmup", type=int, default=None, help="warmup steps [default: steps/10, at most 2000]"),
         click.option("--weight-decay", type=float, default=0.1, show_default=True),
         click.option("--grad-clip", type=float, default=1.0, show_default=True),
-        click.option("--seed", type=int, default=1234, show_default=True),
-        click.option("--log-interval", type=int, default=10, show_default=True, help="steps between log lines"),
-        click.option("--save-interval", type=int, default=1000, show_default=True,
+        click.option("--seed", type=int, default=TRAIN_DEFAULTS["seed"], show_default=True),
+        click.option("--log-interval", type=int, default=TRAIN_DEFAULTS["log_interval"], show_default=True, help="steps between log lines"),
+        click.option("--save-interval", type=int, default=TRAIN_DEFAULTS["save_interval"], show_default=True,
                      help="steps between checkpoints (0: only at the end and on SIGTERM/SIGINT)"),
-        click.option("--keep-checkpoints", type=int, default=3, show_default=True,
+        click.option("--keep-checkpoints", type=int, default=TRAIN_DEFAULTS["keep_checkpoints"], show_default=True,
                      help="complete checkpoints to keep (older ones are deleted)"),
-        click.option("--eval-interval", type=int, default=100, show_default=True,
+        click.option("--eval-interval", type=int, default=TRAIN_DEFAULTS["eval_interval"], show_default=True,
                      help="steps between validation passes (0: none)"),
-        click.option("--eval-batches", type=int, default=10, show_default=True,
+        click.option("--eval-batches", type=int, default=TRAIN_DEFAULTS["eval_batches"], show_default=True,
                      help="micro-batches per data-parallel rank in one validation pass"),
-        click.option("--max-skipped-steps", type=int, default=10, show_default=True,
+        click.option("--max-skipped-steps", type=int, default=TRAIN_DEFAULTS["max_skipped_steps"], show_default=True,
                      help="consecutive non-finite steps before the run saves and stops (0: never)"),
-        click.option("--spike-window", type=int, default=100, show_default=True,
+        click.option("--spike-window", type=int, default=TRAIN_DEFAULTS["spike_window"], show_default=True,
                      help="steps of loss history for loss-spike detection"),
-        click.option("--spike-sigma", type=float, default=4.0, show_default=True,
+        click.option("--spike-sigma", type=float, default=TRAIN_DEFAULTS["spike_sigma"], show_default=True,
                      help="log a loss spike above mean + this many std of the window"),
         click.option("--zero", type=AutoChoice(["0", "1", "2", "3"]), default=None, help="ZeRO stage [auto]"),
         click.option("--offload", type=AutoChoice(OFFLOADS), default=None, help="optimizer state offload [auto]"),

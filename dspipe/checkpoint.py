@@ -25,6 +25,7 @@ from pathlib import Path
 
 from dspipe.atomic import replace_dir
 from dspipe.errors import SpecError
+from dspipe.rundir import SPEC_FILE
 from dspipe.reshard import UNIVERSAL_PREFIX, dp_change_refusal, load_resharded
 from dspipe.writefail import WriteFailures, free_mib
 
@@ -310,10 +311,11 @@ def restore_rng(path: Path, *, meta: dict, seed: int, rank: int, world: int) -> 
 
 
 def checkpoint_meta(run, *, step: int, loader, world: int) -> dict:
-    """What dspipe.json in a checkpoint holds: position, data state and the shape it was saved with."""
+    """What dspipe.json in a checkpoint holds: position, data state, the shape it was saved with, and the run's
+    whole resolved spec (the run directory's dspipe.json: model, cluster, train, strategy, plan, data)."""
     return {"step": step, "consumed_samples": loader.consumed_samples, "data": loader.state_dict(),
             "model": asdict(run.model), "pp": run.plan.pp, "zero_stage": run.plan.zero_stage, "dp": run.plan.dp,
-            "world_size": world}
+            "world_size": world, "run_spec": json.loads((run.path / SPEC_FILE).read_text())}
 
 
 def resume_point(run, resume: str | None) -> Path | None:

@@ -121,6 +121,8 @@ def test_resume_under_another_dp_size_continues_the_run(tmp_path, corpus, name):
     assert tags(run) == ["global_step3", "global_step6", "latest"]  # the universal copy was deleted
     meta = ckpt.read_meta(run / "checkpoints" / "global_step6")
     assert (meta["dp"], meta["world_size"], meta["consumed_samples"]) == (1, 1, 6 * 16)
+    assert meta["run_spec"] == json.loads((run / "dspipe.json").read_text())  # the resolved spec it was saved under
+    assert meta["run_spec"]["plan"]["dp"] == 1
 
 
 def mount_tmpfs(path, size):

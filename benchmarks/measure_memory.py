@@ -14,7 +14,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from dspipe.census import tensor_census  # noqa: E402
-from dspipe.comm import init_distributed  # noqa: E402
+from dspipe.comm import process_group  # noqa: E402
 from dspipe.rundir import load_run  # noqa: E402
 from dspipe.train import param_groups, train_step, build_module  # noqa: E402
 
@@ -34,20 +34,20 @@ def main():
     parser.add_argument("--local_rank", type=int, default=-1)
     args = parser.parse_args()
     run = load_run(args.run)
-    init_distributed()
-    module = build_module(run)
-    engine, *_ = deepspeed.initialize(model=module, model_parameters=param_groups(module, run.train.weight_decay),
-                                      config=str(run.ds_config_path))
-    plan = run.plan
-    batches = random_batches(vocab=run.model.vocab, seq_len=run.model.seq_len, micro_batch=plan.micro_batch,
-                             seed=dist.get_rank())
-    for _ in range(2):
-        train_step(engine, batches, pp=plan.pp, grad_accum=plan.grad_accum)
-    census = tensor_census(engine)
-    census["stage"] = engine.stage_id if hasattr(engine, "stage_id") else 0
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(census))
+    with process_group():
+        module = build_module(run)
+        engine, *_ = deepspeed.initialize(model=module, model_parameters=param_groups(module, run.train.weight_decay),
+                                          config=str(run.ds_config_path))
+        plan = run.plan
+        batches = random_batches(vocab=run.model.vocab, seq_len=run.model.seq_len, micro_batch=plan.micro_batch,
+                                 seed=dist.get_rank())
+        for _ in range(2):
+            train_step(engine, batches, pp=plan.pp, grad_accum=plan.grad_accum)
+        census = tensor_census(engine)
+        census["stage"] = engine.stage_id if hasattr(engine, "stage_id") else 0
+        out = Path(args.out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(census))
 
 
 if __name__ == "__main__":

@@ -21,10 +21,7 @@ def measure(*, size_bytes: int, iters: int, warmup: int, env_keys: list[str]) ->
     import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator
 
-    from dspipe.comm import init_distributed
-
     acc = get_accelerator()
-    init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device(acc.device_name(int(os.environ.get("LOCAL_RANK", 0))))
     check = torch.full((4,), float(rank + 1), device=device)
@@ -43,8 +40,6 @@ def measure(*, size_bytes: int, iters: int, warmup: int, env_keys: list[str]) ->
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
     seen = [None] * world
     dist.all_gather_object(seen, {"host": socket.gethostname(), "env": {k: os.environ.get(k) for k in env_keys}})
-    dist.barrier()
-    dist.destroy_process_group()
     if rank:
         return None
     t = float(seconds.item())
@@ -62,8 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--env-keys", default="", help="comma-separated variables to report from every rank")
     p.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     args = p.parse_args(argv)
-    result = measure(size_bytes=int(args.size_mb * 2**20) // 4 * 4, iters=args.iters, warmup=args.warmup,
-                     env_keys=[k for k in args.env_keys.split(",") if k])
+    from dspipe.comm import process_group
+
+    with process_group():
+        result = measure(size_bytes=int(args.size_mb * 2**20) // 4 * 4, iters=args.iters, warmup=args.warmup,
+                         env_keys=[k for k in args.env_keys.split(",") if k])
     if result is not None:
         print(f"{MARKER} {json.dumps(result)}", flush=True)
     return 0

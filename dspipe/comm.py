@@ -5,11 +5,19 @@ DeepSpeed's CPU all-reduce (its shm_comm op) creates one shared-memory segment p
 never unlinks them: each CPU launch leaks world x 66 MB of RAM-backed tmpfs until the machine reboots. Once
 every rank has mapped every peer's segment (true after init returns and a barrier passes), each rank unlinks its
 own name; the memory stays valid for the live mappings and is freed when the last rank exits, even on kill -9.
+
+Training, `dspipe doctor` and the memory census hold the group in `process_group()`, which destroys it before the
+interpreter exits (bench's worker destroys its own). Left to interpreter teardown, a gloo process group's worker
+threads can be destructed before they are joined, and a rank that finished its work dies with "terminate called
+without an active exception" (SIGABRT, exit -6; pytorch/pytorch#65513, #190489): 2 of ~100 CPU launches in one CI
+run, on runs that had completed and saved.
 """
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 SHM_DIR = Path("/dev/shm")
 SHM_PREFIX = "deepspeed_allreduce_buffer"
@@ -47,3 +55,20 @@ def init_distributed() -> str:
     dist.barrier()  # every peer has mapped every segment: the names are no longer needed
     shm_segment(rank=dist.get_rank()).unlink(missing_ok=True)
     return backend
+
+
+@contextmanager
+def process_group(*, agreed: tuple[type[BaseException], ...] = ()) -> Iterator[str]:
+    """init_distributed() for the length of a with-block, yielding the backend name. Every process group is
+    destroyed when the block ends normally or by one of the `agreed` exceptions: errors every rank raises at the same
+    point. Any other exception leaves the groups alone: a peer may be inside a collective, where destroying can hang
+    (NCCL), and the launcher tears the ranks down anyway."""
+    import torch.distributed as dist
+
+    backend = init_distributed()
+    try:
+        yield backend
+    except agreed:
+        dist.destroy_process_group()
+        raise
+    dist.destroy_process_group()

@@ -9,7 +9,7 @@ import sys
 import time
 
 from dspipe import checkpoint as ckpt
-from dspipe.comm import init_distributed
+from dspipe.comm import process_group
 from dspipe.data import TokenWindows, TrainLoader, check_data_for_model
 from dspipe.errors import RunHalted, SpecError
 from dspipe.evaluate import check_val_split, evaluate
@@ -143,11 +143,16 @@ def peak_memory_gib() -> tuple[float, float]:
 
 
 def train(run: Run, resume: str | None = None) -> dict:
+    """Train from a run directory; the process group lives exactly as long as the training (see dspipe.comm)."""
+    with process_group(agreed=(SpecError, RunHalted)) as backend:  # both are raised by every rank at once
+        return train_in_group(run, resume=resume, backend=backend)
+
+
+def train_in_group(run: Run, *, resume: str | None, backend: str) -> dict:
     import deepspeed
     import torch
     import torch.distributed as dist
 
-    backend = init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != run.plan.world_size:
         raise SpecError(f"{run.path} was generated for world size {run.plan.world_size} "

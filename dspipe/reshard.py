@@ -3,7 +3,9 @@
 ZeRO-0 state is not partitioned (DeepSpeed loads it as is); ZeRO-1/2 optimizer state is partitioned by dp, which
 DeepSpeed's plain load refuses, so rank 0 converts the checkpoint to a universal checkpoint
 (deepspeed.checkpoint.ds_to_universal) in .universal-TAG/ and every rank loads that with load_universal; the copy is
-deleted afterwards. ZeRO-3, NVMe-offloaded state and pipelines are refused at a changed dp (dp_change_refusal)."""
+deleted afterwards. ZeRO-3 takes the same path, and each optimizer group's hyper-parameters are then put back as
+saved (restore_group_hyperparameters). NVMe-offloaded state and pipelines are refused at a changed dp
+(dp_change_refusal)."""
 from __future__ import annotations
 
 import contextlib
@@ -18,17 +20,13 @@ UNIVERSAL_PREFIX = ".universal-"  # a resharding copy of a checkpoint, deleted o
 
 def dp_change_refusal(*, meta: dict, zero_stage: int, pp: int, dp: int, offload: str, path: Path) -> str | None:
     """Why this checkpoint cannot be resumed at data-parallel size `dp` (None: it can; same dp always can).
-    ZeRO-0 state is whole; ZeRO-1/2 go through a universal checkpoint. The rest DeepSpeed 0.19 cannot do:
-    ZeRO-3's universal load gives every parameter group the first group's hyper-parameters (weight decay on
-    biases and LayerNorms), NVMe-offloaded optimizer state is copied back per rank as it was saved, and dspipe
-    has not verified the universal conversion of a PipelineModule (tied embedding on two stages)."""
+    ZeRO-0 state is whole; ZeRO-1/2/3 go through a universal checkpoint. The rest DeepSpeed 0.19 cannot do:
+    NVMe-offloaded optimizer state is copied back per rank as it was saved, and dspipe has not verified the
+    universal conversion of a PipelineModule (tied embedding on two stages)."""
     if meta["dp"] == dp or zero_stage == 0:
         return None
     if offload == "nvme" or (Path(path) / "offloaded_tensors").is_dir():
         return "DeepSpeed restores NVMe-offloaded optimizer state only onto the ranks that saved it"
-    if zero_stage == 3:
-        return ("DeepSpeed 0.19's universal checkpoint load for ZeRO-3 gives every parameter group the first "
-                "group's weight decay, so the resumed run would drift from the saved one")
     if pp > 1:
         return "re-partitioning a pipeline checkpoint to another dp is not supported by dspipe"
     return None
@@ -78,7 +76,29 @@ def load_resharded(engine, path: Path, *, saved_dp: int, dp: int):
         load_path, _ = engine.load_checkpoint(str(root), tag=path.name)
     finally:
         config.load_universal_checkpoint = before
+    if engine.zero_optimization_stage() == 3:
+        restore_group_hyperparameters(engine.optimizer, saved_groups=saved_param_groups(root / path.name))
     dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(root, ignore_errors=True)
     return load_path
+
+
+def saved_param_groups(universal: Path) -> list[dict]:
+    """The optimizer's parameter groups (hyper-parameters) as a universal checkpoint holds them."""
+    import torch
+    from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT
+
+    state = torch.load(Path(universal) / "zero" / "optimizer_state.pt", weights_only=False)
+    return state[OPTIMIZER_STATE_DICT]["param_groups"]
+
+
+def restore_group_hyperparameters(optimizer, *, saved_groups: list[dict]) -> None:
+    """DeepSpeed 0.19's ZeRO-3 universal load copies the first saved group's hyper-parameters into every group
+    (stage3.py, load_hp_checkpoint_state_from_checkpoint_dir_stage3), which puts weight decay on biases and
+    LayerNorms; give each group back its own, as saved (`params` stays DeepSpeed's)."""
+    if len(saved_groups) != len(optimizer.param_groups):
+        raise SpecError(f"the checkpoint has {len(saved_groups)} optimizer parameter groups, this run has "
+                        f"{len(optimizer.param_groups)}: resume with the dp it was saved with")
+    for group, saved in zip(optimizer.param_groups, saved_groups):
+        group.update({k: v for k, v in saved.items() if k != "params"})

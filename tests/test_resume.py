@@ -96,7 +96,8 @@ def test_crash_inside_a_save_keeps_the_previous_checkpoint(tmp_path, corpus):
     assert [int(s) for s, *_ in rows(run)] == list(range(1, STEPS + 1))
 
 
-DP_CHANGE = {"zero1": ["--zero", "1"]}
+DP_CHANGE = {"zero1": ["--zero", "1"], "zero3": ["--zero", "3"],
+             "zero3-cpu-offload-params": ["--zero", "3", "--offload", "cpu", "--offload-params"]}
 
 
 @pytest.mark.distributed
@@ -116,8 +117,9 @@ def test_resume_under_another_dp_size_continues_the_run(tmp_path, corpus, name):
     got, want = rows(run), rows(ref)[3:]  # the new run dir's metrics start at the resumed step
     assert [(s, lr) for s, _, lr, _ in got] == [(s, lr) for s, _, lr, _ in want]  # same steps, same schedule
     for (s, loss, _, norm), (_, loss_ref, _, norm_ref) in zip(got, want):
-        assert float(loss) == pytest.approx(float(loss_ref), rel=1e-4), s
-        assert float(norm) == pytest.approx(float(norm_ref), rel=1e-3), s
+        assert float(loss) == pytest.approx(float(loss_ref), rel=1e-6), s  # measured 1.2e-7; ZeRO-3 without the
+        # per-group hyper-parameters restored drifts 1.6e-5
+        assert float(norm) == pytest.approx(float(norm_ref), rel=1e-4), s
     assert tags(run) == ["global_step3", "global_step6", "latest"]  # the universal copy was deleted
     meta = ckpt.read_meta(run / "checkpoints" / "global_step6")
     assert (meta["dp"], meta["world_size"], meta["consumed_samples"]) == (1, 1, 6 * 16)
@@ -267,7 +269,7 @@ def test_dp_change_refusals(tmp_path):
     assert refusal() is None and refusal(zero_stage=2) is None and refusal(offload="cpu") is None
     assert refusal(zero_stage=0, pp=2) is None  # ZeRO-0 state is not partitioned
     assert refusal(dp=2, zero_stage=3, offload="nvme") is None  # same dp: always the plain load
-    assert "weight decay" in refusal(zero_stage=3)
+    assert refusal(zero_stage=3) is None and refusal(zero_stage=3, offload="cpu") is None  # universal + groups fixed
     assert "NVMe" in refusal(offload="nvme")
     assert "pipeline" in refusal(pp=2)
     (tmp_path / "offloaded_tensors").mkdir()
@@ -308,19 +310,34 @@ def test_save_failure_message_names_the_intact_checkpoint(tmp_path):
                         f"free space there, then continue with --resume auto") and "\n" not in msg
 
 
-def test_check_compatible_refuses_zero3_under_another_dp(tmp_path):
+def test_check_compatible_refuses_a_pipeline_under_another_dp(tmp_path):
     from dataclasses import asdict
     from types import SimpleNamespace
 
     from dspipe.presets import model_preset
 
     model = model_preset("tiny")
-    run = SimpleNamespace(model=model, plan=SimpleNamespace(pp=1, zero_stage=3, dp=1, offload="none"))
-    meta = {"model": asdict(model), "pp": 1, "zero_stage": 3, "dp": 2}
+    run = SimpleNamespace(model=model, plan=SimpleNamespace(pp=2, zero_stage=1, dp=1, offload="none"))
+    meta = {"model": asdict(model), "pp": 2, "zero_stage": 1, "dp": 2}
     with pytest.raises(SpecError) as e:
         ckpt.check_compatible(meta, run, tmp_path)
-    assert str(e.value).startswith(f"checkpoint {tmp_path} was saved with dp 2, this run has dp 1: DeepSpeed 0.19's")
-    assert str(e.value).endswith("; resume with dp 2 (world size 2)")
+    assert str(e.value).startswith(f"checkpoint {tmp_path} was saved with dp 2, this run has dp 1: re-partitioning")
+    assert str(e.value).endswith("; resume with dp 2 (world size 4)")
     ckpt.check_compatible({**meta, "dp": 1}, run, tmp_path)  # same dp: fine
-    ckpt.check_compatible({**meta, "zero_stage": 1}, SimpleNamespace(model=model, plan=SimpleNamespace(
-        pp=1, zero_stage=1, dp=1, offload="none")), tmp_path)  # ZeRO-1 at another dp: resharded on load
+    ckpt.check_compatible({**meta, "pp": 1, "zero_stage": 3}, SimpleNamespace(model=model, plan=SimpleNamespace(
+        pp=1, zero_stage=3, dp=1, offload="none")), tmp_path)  # ZeRO-3 at another dp: resharded on load
+
+
+def test_each_optimizer_group_gets_its_saved_hyperparameters_back():
+    import torch
+
+    from dspipe.reshard import restore_group_hyperparameters
+
+    decay, no_decay = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.AdamW([{"params": [decay], "weight_decay": 0.1}, {"params": [no_decay], "weight_decay": 0.1}])
+    saved = [{"params": [0], "weight_decay": 0.1, "lr": 2e-3}, {"params": [1], "weight_decay": 0.0, "lr": 2e-3}]
+    restore_group_hyperparameters(opt, saved_groups=saved)  # as DeepSpeed 0.19's ZeRO-3 universal load leaves them
+    assert [(g["weight_decay"], g["lr"]) for g in opt.param_groups] == [(0.1, 2e-3), (0.0, 2e-3)]
+    assert opt.param_groups[1]["params"] == [no_decay]  # DeepSpeed's parameters stay
+    with pytest.raises(SpecError, match="checkpoint has 1 optimizer parameter groups, this run has 2"):
+        restore_group_hyperparameters(opt, saved_groups=saved[:1])

@@ -14,7 +14,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from dspipe.census import tensor_census  # noqa: E402
-from dspipe.comm import process_group  # noqa: E402
+from dspipe.comm import exit_rank, process_group  # noqa: E402
 from dspipe.rundir import load_run  # noqa: E402
 from dspipe.train import param_groups, train_step, build_module  # noqa: E402
 
@@ -52,3 +52,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    exit_rank(0)

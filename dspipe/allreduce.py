@@ -10,7 +10,6 @@ import argparse
 import json
 import os
 import socket
-import sys
 import time
 
 MARKER = "DSPIPE_ALLREDUCE"
@@ -68,4 +67,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from dspipe.comm import exit_rank
+
+    exit_rank(main())

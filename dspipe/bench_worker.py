@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import resource
-import sys
 import time
 from pathlib import Path
 
@@ -286,4 +285,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from dspipe.comm import exit_rank
+
+    exit_rank(main())

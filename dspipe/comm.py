@@ -6,18 +6,19 @@ never unlinks them: each CPU launch leaks world x 66 MB of RAM-backed tmpfs unti
 every rank has mapped every peer's segment (true after init returns and a barrier passes), each rank unlinks its
 own name; the memory stays valid for the live mappings and is freed when the last rank exits, even on kill -9.
 
-Training, `dspipe doctor` and the memory census hold the group in `process_group()`, which destroys it before the
-interpreter exits (bench's worker destroys its own). Left to interpreter teardown, a gloo process group's worker
-threads can be destructed before they are joined, and a rank that finished its work dies with "terminate called
-without an active exception" (SIGABRT, exit -6; pytorch/pytorch#65513, #190489): 2 of ~100 CPU launches in one CI
-run, on runs that had completed and saved.
+Training, `dspipe doctor` and the memory census hold the group in `process_group()`, which destroys it when the work
+is done (bench's worker destroys its own), and every rank then leaves through `exit_rank()`. Interpreter teardown
+in a rank that used gloo intermittently dies in C++ with "terminate called without an active exception" (SIGABRT,
+exit -6, a worker thread destructed before it was joined; pytorch/pytorch#65513, #190489) after the run had
+completed and saved: 2 of ~100 CPU launches in one CI run without the destroy, 1 of ~100 in another with it.
 """
 from __future__ import annotations
 
 import os
+import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, NoReturn
 
 SHM_DIR = Path("/dev/shm")
 SHM_PREFIX = "deepspeed_allreduce_buffer"
@@ -72,3 +73,12 @@ def process_group(*, agreed: tuple[type[BaseException], ...] = ()) -> Iterator[s
         dist.destroy_process_group()
         raise
     dist.destroy_process_group()
+
+
+def exit_rank(code: int) -> NoReturn:
+    """End a launched rank with `code` once its work is written: flush Python's streams, then os._exit, which skips
+    the interpreter and C++ teardown where the gloo abort above happens. Callers have closed their files (metrics,
+    TensorBoard, checkpoints are complete after their barrier); nothing is left that the OS does not release."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,5 +1,7 @@
 """Process-group helpers: CPU threads per rank, the shm segment name DeepSpeed's CPU all-reduce uses, the group's lifetime."""
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -7,7 +9,7 @@ import torch.distributed as dist
 
 from dspipe.comm import cpu_threads_per_rank, process_group, shm_segment
 from dspipe.errors import SpecError
-from tests.conftest import free_port
+from tests.conftest import ROOT, free_port
 
 
 def test_cpu_ranks_split_the_cores_instead_of_oversubscribing_them():
@@ -46,3 +48,10 @@ def test_process_group_is_destroyed_at_the_end_and_on_agreed_errors_only(monkeyp
             raise ZeroDivisionError
     assert dist.is_initialized()
     dist.destroy_process_group()
+
+
+def test_exit_rank_flushes_what_was_printed_and_keeps_the_exit_code():
+    code = ("import sys; from dspipe.comm import exit_rank; "
+            "print('done', end=''); sys.stderr.write('dspipe: error'); exit_rank(3)")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)  # pipes: buffered
+    assert (r.returncode, r.stdout, r.stderr) == (3, "done", "dspipe: error")

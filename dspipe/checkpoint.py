@@ -275,7 +275,7 @@ def maybe_test_fail_write(failures: WriteFailures, step: int) -> None:
 
 def load(engine, path: Path, loader) -> dict:
     """Collective: DeepSpeed state, data position and this rank's RNG from a complete checkpoint; returns meta.
-    Under another data-parallel size ZeRO-1/2 state is loaded through a universal checkpoint."""
+    Under another data-parallel size ZeRO-1/2/3 state is loaded through a universal checkpoint (dspipe.reshard)."""
     import torch.distributed as dist
 
     path = Path(path)

@@ -1,9 +1,9 @@
 """Resuming under another data-parallel size.
 
-ZeRO-0 state is not partitioned (DeepSpeed loads it as is); ZeRO-1/2 optimizer state is partitioned by dp, which
+ZeRO-0 state is not partitioned (DeepSpeed loads it as is); ZeRO-1/2/3 optimizer state is partitioned by dp, which
 DeepSpeed's plain load refuses, so rank 0 converts the checkpoint to a universal checkpoint
 (deepspeed.checkpoint.ds_to_universal) in .universal-TAG/ and every rank loads that with load_universal; the copy is
-deleted afterwards. ZeRO-3 takes the same path, and each optimizer group's hyper-parameters are then put back as
+deleted afterwards. Under ZeRO-3 each optimizer group's hyper-parameters are then put back as
 saved (restore_group_hyperparameters). NVMe-offloaded state and pipelines are refused at a changed dp
 (dp_change_refusal)."""
 from __future__ import annotations

@@ -246,13 +246,12 @@ def save(engine, ckpt_dir: Path, *, step: int, meta: dict, keep: int) -> Path:
 
 def raise_if_failed(failures: WriteFailures, *, ckpt_dir: Path, partial: Path, tag: str) -> None:
     """Collective: when any rank failed to write, rank 0 removes the partial save and every rank raises.
-    torch's zip writer reports a full disk as a RuntimeError without errno: counted as ENOSPC when under
-    1 MiB is left."""
+    torch's writers report a full disk as a RuntimeError without errno (its text depends on where the write
+    stopped): counted as ENOSPC when the target's free space confirms it, else named by type and first line."""
     import torch.distributed as dist
 
     free_before = free_mib(ckpt_dir)
-    if failures.code == WriteFailures.GENERIC and free_before is not None and free_before < 1:
-        failures.code = errno.ENOSPC
+    failures.confirm_full(free_before)
     code = failures.agreed()
     if not code:
         return

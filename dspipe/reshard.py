@@ -62,7 +62,6 @@ def load_resharded(engine, path: Path, *, saved_dp: int, dp: int):
             to_universal(path, root / path.name)
         except Exception as e:  # any failure: agreed on below, then one SpecError on every rank
             failures.record(e)
-            failures.detail = f"{type(e).__name__}: {failures.detail}"
     if failures.agreed():
         if dist.get_rank() == 0:
             shutil.rmtree(root, ignore_errors=True)

@@ -3,31 +3,43 @@ collective of a save (a rank that raised while its peers wait in a barrier would
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import shutil
 from pathlib import Path
+
+# Exceptions that mean a bug in the code doing the write, not a failed write: they propagate even from a routed
+# write. Everything else a routed write raises (OSError, and the RuntimeError torch's C++ writers raise for a
+# short write, a failed flush or a failed close, whatever their text) is recorded as a write failure.
+BUGS = (TypeError, AttributeError, NameError, KeyError, IndexError, AssertionError, ImportError,
+        NotImplementedError, RecursionError, ZeroDivisionError)
+
+FULL_MIB = 1.0  # under this much free space after a failed write without errno, the disk counts as full
 
 
 class WriteFailures:
     """Records the first failed write of this rank instead of raising, so that the rank still takes part in every
     collective of the save (a rank that raised while its peers wait in a barrier would hang them all).
     `call(fn, ...)` runs one of our writes; `deepspeed_writes(engine)` routes DeepSpeed's checkpoint file writes
-    (its checkpoint engine's save/makedirs and the recovery-script copy) through `call` while it is active."""
+    (its checkpoint engine's save/makedirs and the recovery-script copy) through `call` while it is active.
+    A failure is classified by what failed (a routed write), never by its message text."""
 
-    GENERIC = 1000  # code for a write failure without an errno (torch's zip writer raises RuntimeError)
+    GENERIC = 1000  # code for a write failure without an errno (torch's writers raise RuntimeError)
 
     def __init__(self):
         self.code, self.detail = 0, ""
 
     def record(self, e: BaseException) -> None:
         if not self.code:
-            self.code = getattr(e, "errno", None) or self.GENERIC
-            self.detail = str(e).splitlines()[0] if str(e) else type(e).__name__
+            code = getattr(e, "errno", None)
+            self.code = code if isinstance(code, int) and code > 0 else self.GENERIC
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            self.detail = f"{type(e).__name__}: {first}" if first else type(e).__name__
 
     @staticmethod
     def is_write_error(e: BaseException) -> bool:
-        return isinstance(e, OSError) or (isinstance(e, RuntimeError) and any(
-            s in str(e) for s in ("PytorchStreamWriter", "inline_container", "file write failed")))
+        """Any exception a routed write raises, except those that mean a programming error (BUGS)."""
+        return isinstance(e, Exception) and not isinstance(e, BUGS)
 
     def call(self, fn, *args, **kwargs):
         if self.code:
@@ -39,6 +51,11 @@ class WriteFailures:
                 raise
             self.record(e)
             return None
+
+    def confirm_full(self, free: float | None) -> None:
+        """A failure without errno counts as ENOSPC when the target's free space confirms the disk is full."""
+        if self.code == self.GENERIC and free is not None and free < FULL_MIB:
+            self.code = errno.ENOSPC
 
     @contextlib.contextmanager
     def deepspeed_writes(self, engine):

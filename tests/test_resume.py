@@ -127,46 +127,72 @@ def test_resume_under_another_dp_size_continues_the_run(tmp_path, corpus, name):
     assert meta["run_spec"]["plan"]["dp"] == 1
 
 
-def mount_tmpfs(path, size):
-    """A tmpfs of `size` at `path` (we run as root in CI); False where mounting is not permitted."""
-    path.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
-    return r.returncode == 0
+def mount_tmpfs(path, size_bytes):
+    """A tmpfs of `size_bytes` at `path` (we run as root in CI) whose size is enforced (a write one MiB past its
+    free space fails with ENOSPC); False where mounting is not permitted or the size is not enforced."""
+    import errno
+
+    path.mkdir(exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(path)], capture_output=True)
+    if r.returncode != 0:
+        return False
+    probe = path / "probe"
+    try:
+        with open(probe, "wb") as f:
+            f.write(b"\0" * (shutil.disk_usage(path).free + 2**20))
+            f.flush()
+            os.fsync(f.fileno())
+        enforced = False
+    except OSError as e:
+        enforced = e.errno == errno.ENOSPC
+    probe.unlink(missing_ok=True)
+    if not enforced:
+        subprocess.run(["umount", str(path)], check=True)
+    return enforced
+
+
+def disk_bytes(path):
+    """Bytes a directory tree takes on a tmpfs: every file rounded up to whole 4 KiB pages."""
+    return sum(-(-p.stat().st_size // 4096) * 4096 for p in path.rglob("*") if p.is_file())
+
+
+def check_disk_full_outcome(r, run, ckpts):
+    assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "Traceback" not in r.stderr
+    errors = [line for line in r.stderr.splitlines() if "dspipe: error:" in line]
+    assert len(errors) == 1, r.stderr[-3000:]  # one line, from rank 0 only
+    assert errors[0].startswith(f"dspipe: error: saving checkpoint global_step6 in {ckpts} failed: No space "
+                                f"left on device (")
+    assert (f"the last complete checkpoint {ckpts / 'global_step3'} is intact and 'latest' names it; free space "
+            f"there, then continue with --resume auto") in errors[0]
+    assert sorted(p.name for p in ckpts.iterdir() if p.name.startswith(("global", ".", "latest"))) == [
+        "global_step3", "latest"]  # the partial save was removed
+    assert (ckpts / "latest").read_text() == "global_step3" and ckpt.is_complete(ckpts / "global_step3")
+    assert ckpt.find_checkpoint(ckpts, "auto").name == "global_step3"
+    assert [int(s) for s, *_ in rows(run)] == list(range(1, 7))
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("how", ["tmpfs", "hook"])
-def test_disk_full_during_a_save_keeps_the_previous_checkpoint(tmp_path, corpus, how):
-    """tmpfs: the checkpoints live on a 9 MiB tmpfs; one checkpoint of this run takes 5.9 MB, so step 3 fits and
-    step 6 does not (every rank's writes may fail). hook: only rank 1's write fails (ENOSPC) while rank 0 wrote
-    everything and waits for it: the ranks must still agree instead of hanging."""
-    run = fp32_run(tmp_path, corpus, "run", "--zero", "1", steps=6)
-    ckpts = run / "checkpoints"
-    env = {}
-    if how == "tmpfs":
-        if not mount_tmpfs(tmp_path / "small", "9M"):
-            pytest.skip("mounting a tmpfs is not permitted here (the hook variant covers the agreement)")
-        ckpts.symlink_to(tmp_path / "small")
-    else:
-        env = {ckpt.TEST_FAIL_WRITE: "6", ckpt.TEST_FAIL_WRITE_RANK: "1"}
+def test_disk_full_during_a_save_keeps_the_previous_checkpoint(tmp_path, corpus):
+    """hook: only rank 1's write fails (ENOSPC) while rank 0 wrote everything and waits for it: the ranks must
+    still agree instead of hanging. tmpfs: the same run with its checkpoints on a real tmpfs sized from the step-3
+    checkpoint the hook run wrote (1.5 of it), so step 3 fits and step 6 runs out inside DeepSpeed's torch.save
+    of the model/optimizer files on every rank."""
+    hooked = fp32_run(tmp_path, corpus, "hooked", "--zero", "1", steps=6)
+    r = launch(hooked, env={ckpt.TEST_FAIL_WRITE: "6", ckpt.TEST_FAIL_WRITE_RANK: "1"})
+    check_disk_full_outcome(r, hooked, hooked / "checkpoints")
+
+    size = disk_bytes(hooked / "checkpoints" / "global_step3")
+    assert size > 2**20
+    small = tmp_path / "small"
+    if not mount_tmpfs(small, size + size // 2):
+        pytest.skip("no size-enforcing tmpfs can be mounted here (the hook run above covered the agreement)")
     try:
-        r = launch(run, env=env)
-        assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
-        assert "Traceback" not in r.stderr
-        errors = [line for line in r.stderr.splitlines() if "dspipe: error:" in line]
-        assert len(errors) == 1, r.stderr[-3000:]  # one line, from rank 0 only
-        assert errors[0].startswith(f"dspipe: error: saving checkpoint global_step6 in {ckpts} failed: No space "
-                                    f"left on device (")
-        assert (f"the last complete checkpoint {ckpts / 'global_step3'} is intact and 'latest' names it; free space "
-                f"there, then continue with --resume auto") in errors[0]
-        assert sorted(p.name for p in ckpts.iterdir() if p.name.startswith(("global", ".", "latest"))) == [
-            "global_step3", "latest"]  # the partial save was removed
-        assert (ckpts / "latest").read_text() == "global_step3" and ckpt.is_complete(ckpts / "global_step3")
-        assert ckpt.find_checkpoint(ckpts, "auto").name == "global_step3"
-        assert [int(s) for s, *_ in rows(run)] == list(range(1, 7))
+        run = fp32_run(tmp_path, corpus, "run", "--zero", "1", steps=6)
+        (run / "checkpoints").symlink_to(small)
+        check_disk_full_outcome(launch(run), run, run / "checkpoints")
     finally:
-        if how == "tmpfs":
-            subprocess.run(["umount", str(tmp_path / "small")], check=True)
+        subprocess.run(["umount", str(small)], check=True)
 
 
 @pytest.mark.distributed
@@ -288,11 +314,42 @@ def test_write_failures_are_recorded_not_raised(tmp_path):
     failures.call(open, tmp_path / "missing" / "x", "w")
     assert failures.code == errno.ENOENT
     assert failures.call(lambda: 7) is None  # later writes are skipped once one failed
-    torch_like = ckpt.WriteFailures()
-    torch_like.call(_raise, RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"))
-    assert torch_like.code == ckpt.WriteFailures.GENERIC
-    with pytest.raises(RuntimeError, match="a bug"):  # not a write error: raised as before
-        ckpt.WriteFailures().call(_raise, RuntimeError("a bug"))
+    enospc = ckpt.WriteFailures()
+    enospc.call(_raise, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
+    assert enospc.code == errno.ENOSPC
+    # torch's stream close on a full disk: classified by what failed (a routed write), not by the text
+    ios = ckpt.WriteFailures()
+    ios.call(_raise, RuntimeError("basic_ios::clear: iostream error"))
+    assert (ios.code, ios.detail) == (ckpt.WriteFailures.GENERIC, "RuntimeError: basic_ios::clear: iostream error")
+    ios.confirm_full(50.0)
+    assert ios.code == ckpt.WriteFailures.GENERIC  # plenty of space left: not called a full disk
+    ios.confirm_full(0.0)
+    assert ios.code == errno.ENOSPC  # the target's free space confirms it
+    for bug in (TypeError("save() got an unexpected keyword"), AttributeError("no attribute 'x'"), KeyError("k")):
+        with pytest.raises(type(bug)):  # a bug in the code doing the write, not a failed write: propagates
+            ckpt.WriteFailures().call(_raise, bug)
+
+
+def test_a_full_disk_inside_torch_save_is_a_write_failure(tmp_path):
+    """A real torch.save onto a 1 MiB tmpfs of a 4 MiB tensor: recorded (whatever torch's message), then
+    confirmed as ENOSPC by the free space."""
+    import errno
+
+    import torch
+
+    from dspipe.writefail import free_mib
+
+    small = tmp_path / "small"
+    if not mount_tmpfs(small, 2**20):
+        pytest.skip("no size-enforcing tmpfs can be mounted here")
+    try:
+        failures = ckpt.WriteFailures()
+        failures.call(torch.save, {"w": torch.zeros(2**20)}, small / "states.pt")
+        assert failures.code in (errno.ENOSPC, ckpt.WriteFailures.GENERIC), failures.detail
+        failures.confirm_full(free_mib(small))
+        assert failures.code == errno.ENOSPC
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
 
 
 def test_save_failure_message_names_the_intact_checkpoint(tmp_path):

@@ -1,6 +1,3 @@
-"""Entry point for DeepSpeed's launcher: deepspeed [--num_gpus N | --hostfile F] run.py --run runs/NAME"""
-from dspipe.comm import exit_rank
-from dspipe.train import main
-
-if __name__ == "__main__":
-    exit_rank(main())
+"""`deepspeed [--num_gpus N | --hostfile F] run.py --run runs/NAME`: a shim for dspipe.runtime.entry."""
+from dspipe.runtime.entry import run_rank
+run_rank()

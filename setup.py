@@ -20,5 +20,5 @@ setup(
         "matplotlib>=3.11",
     ],
     extras_require={"test": ["pytest>=9.0"]},
-    entry_points={"console_scripts": ["dspipe=dspipe.cli:main"]},
+    entry_points={"console_scripts": ["dspipe=dspipe.cli.app:main"]},
 )

@@ -170,8 +170,8 @@ def training_need(*, seq_len=128, micro_batch=8, steps=10) -> dict:
     """Micro-batches/s one fwd+bwd+AdamW step of the demo model (4 x 128, seq 128, vocab 4096) consumes here."""
     import torch
 
-    from dspipe.model import GPT
-    from dspipe.spec import ModelSpec
+    from dspipe.model.gpt import GPT
+    from dspipe.planner.spec import ModelSpec
 
     torch.set_num_threads(2)
     model = GPT(ModelSpec("demo", 4, 128, 4, 4096, seq_len, 512, 0.0, True), seed=0)

@@ -13,10 +13,10 @@ import deepspeed  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from dspipe.census import tensor_census  # noqa: E402
-from dspipe.comm import exit_rank, process_group  # noqa: E402
+from dspipe.runtime.census import tensor_census  # noqa: E402
+from dspipe.runtime.comm import exit_rank, process_group  # noqa: E402
 from dspipe.rundir import load_run  # noqa: E402
-from dspipe.train import param_groups, train_step, build_module  # noqa: E402
+from dspipe.runtime.train import param_groups, train_step, build_module  # noqa: E402
 
 
 def random_batches(*, vocab: int, seq_len: int, micro_batch: int, seed: int):

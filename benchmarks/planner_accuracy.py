@@ -1,5 +1,5 @@
 """Planner vs. live DeepSpeed engines on 2 CPU ranks: predicted model-state bytes per rank against the tensors
-the engine actually holds (dspipe.census), for ZeRO 0-3 and pp=2. Writes docs/planner-accuracy.md.
+the engine actually holds (dspipe.runtime.census), for ZeRO 0-3 and pp=2. Writes docs/planner-accuracy.md.
 
     python benchmarks/planner_accuracy.py [--write]
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from dspipe.estimate import estimate  # noqa: E402
+from dspipe.planner.estimate import estimate  # noqa: E402
 from dspipe.rundir import load_run  # noqa: E402
 
 # ~31.5M parameters: big enough that model states dominate everything else a rank holds.

@@ -1,3 +1,3 @@
-from dspipe.cli import main
+from dspipe.cli.app import main
 
 main()

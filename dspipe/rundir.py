@@ -9,8 +9,8 @@ from pathlib import Path
 
 from dspipe.atomic import replace_dir
 from dspipe.errors import SpecError
-from dspipe.plan import Plan
-from dspipe.spec import ClusterSpec, ModelSpec, StrategySpec, TrainSpec, from_dict
+from dspipe.planner.plan import Plan
+from dspipe.planner.spec import ClusterSpec, ModelSpec, StrategySpec, TrainSpec, from_dict
 
 FORMAT_VERSION = 1
 SPEC_FILE = "dspipe.json"

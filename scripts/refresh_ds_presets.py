@@ -4,7 +4,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from dspipe.cli import main
+from dspipe.cli.app import main
 
 ROOT = Path(__file__).resolve().parent.parent
 recipes = json.loads((ROOT / "ds_configs" / "recipes.json").read_text())

@@ -3,7 +3,7 @@ import re
 
 import pytest
 
-from dspipe import bench
+from dspipe.tools import bench
 from tests.conftest import dspipe
 
 

@@ -14,7 +14,7 @@ CPU2 = ["--model", "tiny", "--gpus-per-node", "2", "--gpu", "cpu", "--global-bat
 def test_gen_config_writes_the_run_and_prints_the_command(tmp_path, corpus):
     r = dspipe("gen-config", *CPU2, "--zero", "2", "--data", corpus, "--out", "runs/a", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    assert "run:  deepspeed --num_gpus 2 run.py --run runs/a" in r.stdout
+    assert f"run:  deepspeed --num_gpus 2 --module dspipe.runtime.entry --run {tmp_path / 'runs/a'}" in r.stdout
     assert "global 16 = micro 4 x grad_accum 2 x dp 2" in r.stdout
     run = tmp_path / "runs/a"
     spec = json.loads((run / "dspipe.json").read_text())
@@ -41,7 +41,8 @@ def test_multi_node_command_uses_a_hostfile(tmp_path):
     r = dspipe("gen-config", "--model", "gpt2-124m", "--nodes", "2", "--gpus-per-node", "8", "--global-batch", "64",
                "--hostfile", "hosts.txt", "--out", "runs/mn", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    assert "deepspeed --hostfile hosts.txt --num_nodes 2 --num_gpus 8 run.py --run runs/mn" in r.stdout
+    assert (f"deepspeed --hostfile {tmp_path / 'hosts.txt'} --num_nodes 2 --num_gpus 8 --module dspipe.runtime.entry "
+            f"--run {tmp_path / 'runs/mn'}") in r.stdout  # absolute: works from any directory
 
 
 def test_existing_run_dir_is_kept_unless_forced(tmp_path):
@@ -104,7 +105,7 @@ def test_corpus_shorter_than_one_sequence_is_refused_at_gen_config(tmp_path, cor
 
 
 def test_planning_modules_import_without_torch_or_deepspeed():
-    code = ("import sys, dspipe.spec, dspipe.plan, dspipe.render, dspipe.presets, dspipe.rundir, dspipe.cli; "
+    code = ("import sys, dspipe.planner.spec, dspipe.planner.plan, dspipe.planner.render, dspipe.planner.presets, dspipe.rundir, dspipe.cli.app; "
             "bad = [m for m in ('torch', 'deepspeed') if m in sys.modules]; print(bad); sys.exit(bool(bad))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dspipe.comm import cpu_threads_per_rank, process_group, shm_segment
+from dspipe.runtime.comm import cpu_threads_per_rank, process_group, shm_segment
 from dspipe.errors import SpecError
 from tests.conftest import ROOT, free_port
 
@@ -51,7 +51,7 @@ def test_process_group_is_destroyed_at_the_end_and_on_agreed_errors_only(monkeyp
 
 
 def test_exit_rank_flushes_what_was_printed_and_keeps_the_exit_code():
-    code = ("import sys; from dspipe.comm import exit_rank; "
+    code = ("import sys; from dspipe.runtime.comm import exit_rank; "
             "print('done', end=''); sys.stderr.write('dspipe: error'); exit_rank(3)")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)  # pipes: buffered
     assert (r.returncode, r.stdout, r.stderr) == (3, "done", "dspipe: error")

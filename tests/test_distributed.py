@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from dspipe.comm import SHM_DIR, SHM_PREFIX
+from dspipe.runtime.comm import SHM_DIR, SHM_PREFIX
 from tests.conftest import ROOT, dspipe, free_port
 
 pytestmark = pytest.mark.distributed
@@ -83,7 +83,7 @@ def test_trains_and_engine_uses_the_planned_settings(tmp_path, corpus, name):
 
 def check_metrics(run_dir, *, steps, tokens_per_step):
     """metrics.csv has the documented columns and self-consistent rates; TensorBoard got the same scalars."""
-    from dspipe.metrics import STEP_COLUMNS, model_flops_per_token
+    from dspipe.planner.throughput import STEP_COLUMNS, model_flops_per_token
     from dspipe.rundir import load_run
 
     with open(run_dir / "metrics.csv") as f:

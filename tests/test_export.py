@@ -9,9 +9,9 @@ import sys
 import pytest
 import torch
 
-from dspipe import checkpoint as ckpt
+from dspipe.runtime import checkpoint as ckpt
 from dspipe.errors import SpecError
-from dspipe.spec import ModelSpec
+from dspipe.planner.spec import ModelSpec
 from tests.conftest import ROOT, dspipe
 from tests.test_distributed import launch, make_run
 
@@ -35,8 +35,8 @@ def tokens(vocab, n=2, seq=16):
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_hf_model_computes_the_same_logits_as_dspipe_gpt(tied):
-    from dspipe.export import hf_model
-    from dspipe.model import GPT
+    from dspipe.tools.export import hf_model
+    from dspipe.model.gpt import GPT
 
     spec = ModelSpec("t", 2, 32, 4, 96, 24, 80, 0.0, tied)
     gpt = GPT(spec, seed=3).eval()
@@ -64,7 +64,7 @@ class FakeTokenizer:
 
 def fake_model(table, seen=None, context=4):
     """Logits depend on the last token only: row `table[last]`."""
-    from dspipe.generate import Model
+    from dspipe.tools.generate import Model
 
     def logits(ids):
         if seen is not None:
@@ -74,7 +74,7 @@ def fake_model(table, seen=None, context=4):
 
 
 def test_sampling_loop():
-    from dspipe.generate import Sampling, sample
+    from dspipe.tools.generate import Sampling, sample
 
     # greedy: 1 -> 2 -> 3 -> 1 ...; id 7 scores highest but lies beyond the tokenizer's vocabulary
     table = [[0, 0, 0, 0, 0, 0, 0, 9]] + [[0] * 8 for _ in range(7)]
@@ -96,7 +96,7 @@ def test_sampling_loop():
 
 
 def test_sampling_options_are_checked():
-    from dspipe.generate import Sampling
+    from dspipe.tools.generate import Sampling
 
     for kwargs, msg in (({"temperature": -1}, "--temperature must be >= 0"), ({"top_k": -2}, "--top-k must be >= 0"),
                         ({"max_tokens": 0}, "--max-tokens must be at least 1")):
@@ -129,7 +129,7 @@ def test_bad_sources_are_one_line_errors(tmp_path):
 
 def test_missing_tokenizer_is_a_one_line_error(tmp_path):
     """A complete checkpoint whose run's data directory (with the tokenizer) is gone."""
-    from dspipe.export import export_hf
+    from dspipe.tools.export import export_hf
 
     run = make_run(tmp_path, tmp_path / "gone", "--zero", "1", steps=4)
     tag = run / "checkpoints" / "global_step4"
@@ -154,9 +154,9 @@ def test_export_of_zero3_and_pipeline_checkpoints(tmp_path, corpus, monkeypatch)
     generation from a checkpoint and from its export prints the same text."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dspipe.export import consolidate, load_gpt
-    from dspipe.model import GPT
-    from dspipe.spec import from_dict
+    from dspipe.tools.export import consolidate, load_gpt
+    from dspipe.model.gpt import GPT
+    from dspipe.planner.spec import from_dict
 
     for k, v in OFFLINE.items():
         monkeypatch.setenv(k, v)

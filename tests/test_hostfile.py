@@ -4,7 +4,7 @@ import json
 import pytest
 
 from dspipe.errors import SpecError
-from dspipe.hostfile import describe, parse_hostfile, read_hostfile, select
+from dspipe.cluster.hostfile import describe, parse_hostfile, read_hostfile, select
 from tests.conftest import dspipe
 
 GOOD = """# two DGX nodes
@@ -117,7 +117,8 @@ def test_gen_config_derives_the_cluster_from_the_hostfile(tmp_path):
     spec = json.loads((tmp_path / "runs/a/dspipe.json").read_text())
     assert spec["cluster"]["nodes"] == 2 and spec["cluster"]["gpus_per_node"] == 2
     assert spec["plan"]["world_size"] == 4 and spec["plan"]["dp"] == 4  # the world size the config was made for
-    assert "deepspeed --hostfile hosts --num_nodes 2 --num_gpus 2 run.py --run runs/a" in r.stdout
+    assert (f"deepspeed --hostfile {tmp_path / 'hosts'} --num_nodes 2 --num_gpus 2 --module dspipe.runtime.entry "
+            f"--run {tmp_path / 'runs/a'}") in r.stdout
 
 
 @pytest.mark.parametrize("hosts,flags,message", [

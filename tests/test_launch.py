@@ -11,8 +11,8 @@ import types
 import pytest
 
 from dspipe.errors import SpecError
-from dspipe.netenv import NetworkSpec, parse_env_assignments, rank_environment, write_env_file
-from dspipe.spec import ClusterSpec
+from dspipe.cluster.netenv import NetworkSpec, parse_env_assignments, rank_environment, write_env_file
+from dspipe.planner.spec import ClusterSpec
 from tests.conftest import ROOT, dspipe, free_port
 
 TINY = ["gen-config", "--model", "tiny", "--global-batch", "16", "--micro-batch", "4", "--steps", "4"]
@@ -94,7 +94,7 @@ def test_dry_run_pdsh_is_what_deepspeeds_runner_accepts(runs, monkeypatch):
     a = parse_args(runner_args(argv))
     assert (a.hostfile, a.launcher, a.master_addr, a.master_port, a.no_ssh) == ("hosts", "pdsh", "127.0.0.1", port,
                                                                                 False)
-    assert (a.user_script, a.user_args) == (str(ROOT / "run.py"), ["--run", "runs/two"])  # cwd is not the repo
+    assert (a.module, a.user_script, a.user_args) == (True, "dspipe.runtime.entry", ["--run", "runs/two"])  # any cwd
     write_env(runs, "two", env)
     cmd, _ = deepspeed_main(argv, env, monkeypatch, runs)
     assert cmd[:6] == ["pdsh", "-S", "-f", "1024", "-w", "localhost,127.0.0.1"]
@@ -204,7 +204,7 @@ def test_no_ssh_launch_needs_the_node_rank(runs):
 
 def test_slurm_needs_even_nodes(tmp_path):
     """srun starts the same number of tasks per node: 1 + 2 slots cannot be `srun -n 3` over two nodes."""
-    from dspipe.launch import LaunchSpec, build
+    from dspipe.cluster.launch import LaunchSpec, build
     (tmp_path / "hosts").write_text("a slots=2\nb slots=2\n")
     spec = LaunchSpec(hostfile=str(tmp_path / "hosts"), exclude="a:1", launcher="slurm")
     with pytest.raises(SpecError, match=r"same number of ranks on every node .* a:0 \+ b:0-1"):

@@ -5,9 +5,9 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from dspipe.model import GPT
-from dspipe.pipeline import layer_specs
-from dspipe.presets import model_preset
+from dspipe.model.gpt import GPT
+from dspipe.model.pipeline import layer_specs
+from dspipe.planner.presets import model_preset
 
 SPEC = model_preset("tiny")
 

@@ -4,11 +4,11 @@ import math
 
 import pytest
 
-from dspipe.estimate import estimate, run_days, stage_params, stage_layer_weights, textbook_model_states
-from dspipe.plan import make_plan
-from dspipe.presets import MODEL_PRESETS, model_preset
-from dspipe.search import search
-from dspipe.spec import ClusterSpec, StrategySpec, TrainSpec
+from dspipe.planner.estimate import estimate, run_days, stage_params, stage_layer_weights, textbook_model_states
+from dspipe.planner.plan import make_plan
+from dspipe.planner.presets import MODEL_PRESETS, model_preset
+from dspipe.planner.search import search
+from dspipe.planner.spec import ClusterSpec, StrategySpec, TrainSpec
 from tests.conftest import dspipe
 
 

@@ -57,7 +57,7 @@ def prepared(tmp_path_factory, text_dir):
 
 def run_cli(*args):
     """The real command handler in this process: (exit code, stdout, stderr) via capsys by the caller."""
-    from dspipe.cli import main
+    from dspipe.cli.app import main
 
     try:
         main([str(a) for a in args])

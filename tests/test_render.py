@@ -3,11 +3,11 @@ import json
 
 import pytest
 
-from dspipe.dscheck import parse_with_deepspeed
-from dspipe.plan import make_plan
-from dspipe.presets import MODEL_PRESETS
-from dspipe.render import DS_PRESETS, TEMPLATES, load_ds_preset, render_ds_config, render_template, strategy_from_ds_config
-from dspipe.spec import ClusterSpec, StrategySpec, TrainSpec
+from dspipe.runtime.dscheck import parse_with_deepspeed
+from dspipe.planner.plan import make_plan
+from dspipe.planner.presets import MODEL_PRESETS
+from dspipe.planner.render import DS_PRESETS, TEMPLATES, load_ds_preset, render_ds_config, render_template, strategy_from_ds_config
+from dspipe.planner.spec import ClusterSpec, StrategySpec, TrainSpec
 from tests.conftest import dspipe
 
 STRATEGIES = [

@@ -6,9 +6,9 @@ import shutil
 
 import pytest
 
-from dspipe.estimate import GIB
-from dspipe.metrics import STEP_COLUMNS, VAL_COLUMNS
-from dspipe.runreport import write_report
+from dspipe.planner.estimate import GIB
+from dspipe.planner.throughput import STEP_COLUMNS, VAL_COLUMNS
+from dspipe.tools.report import write_report
 from tests.conftest import dspipe
 
 CPU2 = ["--model", "tiny", "--gpus-per-node", "2", "--gpu", "cpu", "--global-batch", "16", "--micro-batch", "4",

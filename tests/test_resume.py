@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from dspipe import checkpoint as ckpt
+from dspipe.runtime import checkpoint as ckpt
 from dspipe.errors import SpecError
 from tests.conftest import ROOT, free_port
 from tests.test_distributed import make_run
@@ -279,7 +279,7 @@ def test_trim_metrics_and_atomic_write(tmp_path):
 
 
 def test_save_interval_and_keep_are_validated():
-    from dspipe.spec import TrainSpec
+    from dspipe.planner.spec import TrainSpec
     with pytest.raises(SpecError, match="save_interval"):
         TrainSpec(global_batch=8, micro_batch=1, steps=10, save_interval=-1)
     with pytest.raises(SpecError, match="keep_checkpoints"):
@@ -337,7 +337,7 @@ def test_a_full_disk_inside_torch_save_is_a_write_failure(tmp_path):
 
     import torch
 
-    from dspipe.writefail import free_mib
+    from dspipe.runtime.writefail import free_mib
 
     small = tmp_path / "small"
     if not mount_tmpfs(small, 2**20):
@@ -371,7 +371,7 @@ def test_check_compatible_refuses_a_pipeline_under_another_dp(tmp_path):
     from dataclasses import asdict
     from types import SimpleNamespace
 
-    from dspipe.presets import model_preset
+    from dspipe.planner.presets import model_preset
 
     model = model_preset("tiny")
     run = SimpleNamespace(model=model, plan=SimpleNamespace(pp=2, zero_stage=1, dp=1, offload="none"))
@@ -388,7 +388,7 @@ def test_check_compatible_refuses_a_pipeline_under_another_dp(tmp_path):
 def test_each_optimizer_group_gets_its_saved_hyperparameters_back():
     import torch
 
-    from dspipe.reshard import restore_group_hyperparameters
+    from dspipe.runtime.reshard import restore_group_hyperparameters
 
     decay, no_decay = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
     opt = torch.optim.AdamW([{"params": [decay], "weight_decay": 0.1}, {"params": [no_decay], "weight_decay": 0.1}])

@@ -5,8 +5,8 @@ import math
 
 import pytest
 
-from dspipe import checkpoint as ckpt
-from dspipe.stability import TEST_NAN_AT_STEPS
+from dspipe.runtime import checkpoint as ckpt
+from dspipe.runtime.stability import TEST_NAN_AT_STEPS
 from tests.test_distributed import make_run
 from tests.test_resume import launch
 

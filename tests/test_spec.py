@@ -3,8 +3,9 @@ import math
 import pytest
 
 from dspipe.errors import SpecError
-from dspipe.presets import MODEL_PRESETS, model_preset
-from dspipe.spec import GPU_CATALOG, ClusterSpec, ModelSpec, StrategySpec, TrainSpec, gpu_type
+from dspipe.planner.presets import MODEL_PRESETS, model_preset
+from dspipe.planner.hardware import GPU_CATALOG, gpu_type
+from dspipe.planner.spec import ClusterSpec, ModelSpec, StrategySpec, TrainSpec
 
 
 def test_gpt2_small_parameter_count_matches_the_released_model():
@@ -72,3 +73,23 @@ def test_strategy_rejects_unknown_values():
         StrategySpec(zero=4)
     with pytest.raises(SpecError, match="offload 'disk'"):
         StrategySpec(offload="disk")
+
+
+@pytest.mark.parametrize("name, memory_gib, key", [
+    ("NVIDIA H200", 140, "h200"), ("NVIDIA H100 80GB HBM3", 79.6, "h100-80g"),
+    ("NVIDIA A100-SXM4-80GB", 79.2, "a100-80g"), ("NVIDIA A100-PCIE-40GB", 39.4, "a100-40g"),
+    ("NVIDIA A100-SXM4-80GB", None, "a100-80g"), ("NVIDIA A100-PCIE-40GB", None, "a100-40g"),
+    ("NVIDIA GeForce RTX 4090", 24, None), ("cpu", None, None)])
+def test_one_rule_maps_a_device_to_the_catalog(name, memory_gib, key):
+    from dspipe.planner.hardware import match_device
+
+    found = match_device(name, memory_bytes=None if memory_gib is None else int(memory_gib * 2**30))
+    assert (found.name if found else None) == key
+
+
+def test_help_and_errors_list_the_catalog():
+    from dspipe.planner.hardware import names_text
+
+    assert names_text() == ", ".join(GPU_CATALOG)
+    with pytest.raises(SpecError, match=f"valid: {names_text()}"):
+        gpu_type("v100")

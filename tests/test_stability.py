@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dspipe.stability import Health, guard_base_optimizer
+from dspipe.runtime.stability import Health, guard_base_optimizer
 from tests.conftest import free_port
 
 

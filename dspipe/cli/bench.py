@@ -1,0 +1,143 @@
+"""`dspipe bench`: gen-config's options and planner, then real steps on this machine, optionally beside a
+plain-PyTorch reference. torch is imported only when the command runs (to find the devices)."""
+from __future__ import annotations
+
+import shlex
+import sys
+import tempfile
+from pathlib import Path
+
+import click
+
+from dspipe.errors import SpecError
+from dspipe.planner.hardware import names_text
+
+CPU_RANKS = 2  # without GPUs: 2 CPU ranks on gloo, as the tests run
+
+
+def _set_option(command: click.Command, name: str, *, default, help: str) -> None:
+    """Give a shared spec option bench's own meaning (its --steps and --warmup count benchmark steps)."""
+    for param in command.params:
+        if param.name == name:
+            param.default, param.help, param.show_default = default, help, True
+            return
+    raise AssertionError(f"no option {name}")
+
+
+def _devices(o: dict) -> tuple[str, int]:
+    """(catalog GPU type, ranks) of this machine; --gpu / --gpus-per-node given must match what is here."""
+    import torch
+
+    from dspipe.cluster.doctor import detect_gpu
+
+    ctx = click.get_current_context()
+    given = {k: ctx.get_parameter_source(k) == click.core.ParameterSource.COMMANDLINE for k in ("gpu", "gpus_per_node")}
+    if o["hostfile"] or o["nodes"] != 1:
+        raise SpecError(f"dspipe bench runs on this machine only (--nodes {o['nodes']}"
+                        f"{', --hostfile ' + o['hostfile'] if o['hostfile'] else ''}); drop the multi-node options")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if not count:
+        if given["gpu"] and o["gpu"] != "cpu":
+            raise SpecError(f"--gpu {o['gpu']}: this machine has no CUDA GPU; use --gpu cpu (or leave it out)")
+        return "cpu", o["gpus_per_node"] if given["gpus_per_node"] else CPU_RANKS
+    found = detect_gpu()
+    if given["gpu"]:
+        if o["gpu"] == "cpu":
+            raise SpecError(f"--gpu cpu: this machine has {count} CUDA GPU(s), which the ranks would use; "
+                            f"leave --gpu out")
+        gpu = o["gpu"]
+    elif found is None:
+        raise SpecError(f"GPU {torch.cuda.get_device_name(0)!r} is not in the catalog: pass --gpu with the closest "
+                        f"type ({names_text(gpus_only=True)})")
+    else:
+        gpu = found
+    ranks = o["gpus_per_node"] if given["gpus_per_node"] else count
+    if ranks > count:
+        raise SpecError(f"--gpus-per-node {ranks}: this machine has {count} CUDA GPU(s)")
+    return gpu, ranks
+
+
+def bench_command(o: dict, *, command: str) -> dict:
+    """Plan as gen-config does, write the run dir in a temp directory, launch the side(s), report."""
+    from dspipe.tools import bench
+    from dspipe.cli.app import _verify_with_deepspeed, choose
+    from dspipe.planner.hardware import match_device
+    from dspipe.planner.throughput import model_flops_per_token
+    from dspipe.planner.render import render_ds_config
+    from dspipe.planner.summary import estimate_summary
+    from dspipe.rundir import write_run
+
+    warmup, steps = o["warmup"], o["steps"]
+    if warmup < 1 or steps < 1:
+        raise SpecError(f"--warmup {warmup} --steps {steps}: both must be at least 1 (the first step allocates "
+                        f"and is never measured)")
+    gpu, ranks = _devices(o)
+    # the run dir trains warmup + steps optimizer steps; its lr warmup is the usual default
+    o = {**o, "gpu": gpu, "gpus_per_node": ranks, "steps": warmup + steps, "warmup": None}
+    model, cluster, result = choose(o)
+    best = result.best
+    plan, train = best.plan, best.train
+    if o["compare"] and plan.pp > 1:
+        raise SpecError(f"--compare needs pp 1 (the reference is torch DDP), the plan has pp {plan.pp}; "
+                        f"pass --pp 1 or drop --compare")
+    sides_wanted = bench.SIDES if o["compare"] else bench.SIDES[:1]
+    threads = bench.cpu_threads(ranks=ranks) if gpu == "cpu" else None
+    say = click.echo
+    setup = (f"{model.name} {plan.num_params / 1e6:,.2f}M params (L{model.layers} h{model.hidden} a{model.heads} "
+             f"s{model.seq_len} V{model.vocab}) | world {plan.world_size} = dp {plan.dp} x pp {plan.pp} | "
+             f"ZeRO-{plan.zero_stage} offload {plan.offload} | {plan.precision} | recompute {plan.checkpointing} | "
+             f"batch {plan.micro_batch} x ga {plan.grad_accum} x dp {plan.dp} = {plan.global_batch} seq "
+             f"({plan.tokens_per_step:,} tokens/step) | {warmup} warm-up + {steps} measured steps"
+             f"{' | torch.compile' if o['compile'] else ''}")
+    say(f"bench: {setup}")
+    with tempfile.TemporaryDirectory(prefix="dspipe-bench-") as tmp:
+        run_dir = Path(tmp) / "run"
+        ds_config = render_ds_config(plan=plan, train=train, monitor_dir=str(run_dir / "monitor"))
+        _verify_with_deepspeed(ds_config, dp=plan.dp)
+        write_run(run_dir, model=model, cluster=cluster, train=train, strategy=best.strategy, plan=plan,
+                  data="synthetic", ds_config=ds_config, command=command, estimate=estimate_summary(best))
+        results = {}
+        for side in sides_wanted:
+            say(f"bench: {side} on {ranks} rank(s) ...")
+            results[side] = bench.run_side(ranks=ranks, run_dir=run_dir, side=side, warmup=warmup, steps=steps,
+                                           compile_=o["compile"], out=Path(tmp) / side, threads=threads)
+    device = results["dspipe"][0]["device_name"]
+    gpu_type = match_device(device)  # the ranks' device name; detected above by the same rule
+    peak = gpu_type.peak_tflops(plan.precision) if gpu_type else None
+    sides = {side: bench.summarize(ranks_, tokens_per_step=plan.tokens_per_step, samples_per_step=plan.global_batch,
+                                   steps=steps, flops_per_token=model_flops_per_token(model),
+                                   world_size=plan.world_size, peak_tflops=peak)
+             for side, ranks_ in results.items()}
+    engine = sides["dspipe"]["engine"]
+    threads = sides["dspipe"]["threads"]  # as the ranks saw it
+    setup += (f" | engine {engine['wrapper_optimizer']} + {engine['base_optimizer']}, {engine['backend']}"
+              f" | {threads} torch thread(s) per rank")
+    say(bench.format_table(sides, header=f"device: {device} | {bench.versions()}"))
+    if o["append"]:
+        section = bench.markdown_section(sides, date=bench.today(), device=device, versions=bench.versions(),
+                                         command=command, setup=setup)
+        bench.append_section(Path(o["append"]), section)
+        say(f"appended to {o['append']}")
+    return sides
+
+
+def _make_command() -> click.Command:
+    from dspipe.cli.app import spec_options
+
+    @click.command("bench")
+    @spec_options
+    @click.option("--compare", is_flag=True, default=False,
+                  help="also run the plain-PyTorch reference (DDP + AdamW) and print the tokens/s ratio")
+    @click.option("--compile", "compile", is_flag=True, default=False, help="torch.compile both sides")
+    @click.option("--append", default=None, type=click.Path(), help="append a markdown section to this file")
+    def bench(**o) -> None:
+        """Measure tokens/s, TFLOP/s, MFU, memory and a step-time breakdown of the plan gen-config would write,
+        on this machine's GPUs (or 2 CPU ranks), on random tokens; --compare runs plain PyTorch beside it."""
+        bench_command(o, command=shlex.join(["dspipe", *sys.argv[1:]]))
+
+    _set_option(bench, "steps", default=10, help="measured steps")
+    _set_option(bench, "warmup", default=3, help="warm-up steps before measuring (not timed)")
+    return bench
+
+
+bench = _make_command()

@@ -1,0 +1,211 @@
+"""`dspipe launch | doctor | slurm-script`: multi-node launches through DeepSpeed's own launcher. Registered on the
+`dspipe` group at the bottom of dspipe/cli.py; imports no torch until a command needs it."""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import click
+
+from dspipe.errors import SpecError
+from dspipe.cluster.hostfile import describe, read_hostfile
+from dspipe.cluster.launch import (LAUNCHERS, LaunchSpec, build, check_world, env_file_for, execute, preflight, resolve,
+                           run_program)
+from dspipe.cluster.netenv import (NCCL_DEBUG_LEVELS, NetworkSpec, parse_env_assignments, rank_environment,
+                           write_env_file)
+from dspipe.rundir import load_run
+from dspipe.planner.hardware import gpu_type, names_text
+from dspipe.planner.spec import ClusterSpec
+
+NETWORK_FLAGS = ("ifname", "ib_hca", "no_ib", "nccl_debug", "timeout_min", "env")
+
+
+def cluster_from_options(o: dict) -> ClusterSpec:
+    """gen-config's cluster: --nodes/--gpus-per-node, or derived from --hostfile (and then checked against them)."""
+    if not o.get("hostfile"):
+        return ClusterSpec(nodes=o["nodes"], gpus_per_node=o["gpus_per_node"], gpu=o["gpu"],
+                           host_memory_gib=o.get("host_memory_gib"))
+    hostfile = read_hostfile(o["hostfile"])
+    derived = {"nodes": len(hostfile.hosts), "gpus_per_node": hostfile.equal_slots()}
+    ctx = click.get_current_context()
+    for key, value in derived.items():
+        if ctx.get_parameter_source(key) == click.core.ParameterSource.COMMANDLINE and o[key] != value:
+            raise SpecError(f"--{key.replace('_', '-')} {o[key]} contradicts hostfile {hostfile.source} "
+                            f"({derived['nodes']} nodes x {derived['gpus_per_node']} slots); drop one of them")
+    return ClusterSpec(nodes=derived["nodes"], gpus_per_node=derived["gpus_per_node"], gpu=o["gpu"],
+                       host_memory_gib=o.get("host_memory_gib"))
+
+
+def launch_options(f):
+    for opt in reversed([
+        click.option("--hostfile", default=None, help="MPI-style hostfile ('HOST slots=N' per line)"),
+        click.option("--include", default="", help="hosts/slots to use: NAME[:SLOT,...][@NAME...]"),
+        click.option("--exclude", default="", help="hosts/slots to leave out, same format"),
+        click.option("--num-nodes", type=int, default=None, help="use the first N hosts of the hostfile"),
+        click.option("--num-gpus", type=int, default=None, help="ranks per node (slots 0..N-1)"),
+        click.option("--master-addr", default=None, help="address of node 0 [default: DeepSpeed's choice; with "
+                                                         "--no-ssh the first host]"),
+        click.option("--master-port", type=int, default=None, help="rendezvous port on node 0 [default: 29500]"),
+        click.option("--launcher", type=click.Choice(LAUNCHERS), default="pdsh", show_default=True,
+                     help="how DeepSpeed reaches the other nodes"),
+        click.option("--no-ssh", is_flag=True, default=False, help="this node starts only its own ranks"),
+        click.option("--node-rank", type=int, default=None, help="this node's index in the hostfile (--no-ssh)"),
+        click.option("--ssh-port", type=int, default=None, help="ssh port for pdsh"),
+    ]):
+        f = opt(f)
+    return f
+
+
+def network_options(f):
+    for opt in reversed([
+        click.option("--ifname", default=None, help="NCCL_SOCKET_IFNAME (GLOO_SOCKET_IFNAME on cpu), e.g. eth0"),
+        click.option("--ib-hca", default=None, help="NCCL_IB_HCA, e.g. mlx5_0,mlx5_1"),
+        click.option("--no-ib", is_flag=True, default=False, help="NCCL_IB_DISABLE=1 (no InfiniBand)"),
+        click.option("--nccl-debug", type=click.Choice(NCCL_DEBUG_LEVELS), default="WARN", show_default=True),
+        click.option("--timeout-min", type=int, default=30, show_default=True,
+                     help="collective timeout in minutes (DEEPSPEED_TIMEOUT)"),
+        click.option("--env", "env", multiple=True, help="KEY=VALUE for every rank (repeatable)"),
+    ]):
+        f = opt(f)
+    return f
+
+
+def _launch_spec(o: dict) -> LaunchSpec:
+    return LaunchSpec(hostfile=o["hostfile"], include=o["include"], exclude=o["exclude"], num_nodes=o["num_nodes"],
+                      num_gpus=o["num_gpus"], master_addr=o["master_addr"], master_port=o["master_port"],
+                      launcher=o["launcher"], no_ssh=o["no_ssh"], node_rank=o["node_rank"], ssh_port=o["ssh_port"])
+
+
+def _network(o: dict) -> NetworkSpec:
+    return NetworkSpec(socket_ifname=o["ifname"], ib_hca=o["ib_hca"], infiniband=not o["no_ib"],
+                       nccl_debug=o["nccl_debug"], timeout_minutes=o["timeout_min"],
+                       extra=parse_env_assignments(o["env"]))
+
+
+def _network_flags(o: dict) -> list[str]:
+    """The network options as given, to pass on to `dspipe launch` (slurm-script)."""
+    flags = [*(["--ifname", o["ifname"]] if o["ifname"] else []), *(["--ib-hca", o["ib_hca"]] if o["ib_hca"] else []),
+             *(["--no-ib"] if o["no_ib"] else []), "--nccl-debug", o["nccl_debug"], "--timeout-min",
+             str(o["timeout_min"])]
+    for item in o["env"]:
+        flags += ["--env", item]
+    return flags
+
+
+@click.command("launch")
+@click.argument("run_dir", type=click.Path(path_type=Path))
+@launch_options
+@network_options
+@click.option("--dry-run", is_flag=True, default=False, help="print the command(s) and environment, run nothing")
+def launch(run_dir: Path, dry_run: bool, **o) -> None:
+    """Start the run through DeepSpeed's launcher (pdsh, OpenMPI, Slurm, or --no-ssh per node)."""
+    run = load_run(run_dir)
+    spec = _launch_spec(o)
+    env = rank_environment(cluster=run.cluster, network=_network(o))
+    plan = build(spec, program=run_program(run.path), env=env, env_file=env_file_for(run.path),
+                 default_gpus=run.cluster.gpus_per_node)
+    check_world(plan, expected=run.plan.world_size, nodes=run.cluster.nodes, gpus_per_node=run.cluster.gpus_per_node,
+                run_path=run.path, spec=spec)
+    if dry_run:
+        click.echo(plan.shell_text(), nl=False)
+        return
+    preflight(plan, spec)
+    write_env_file(run.path, env)
+    click.echo(f"dspipe: {run.path}: {plan.world_size} ranks on {plan.nodes} node(s) ({describe(plan.resources)})",
+               err=True)
+    rc = execute(plan)
+    if rc:
+        raise SystemExit(rc)
+
+
+@click.command("doctor")
+@launch_options
+@network_options
+@click.option("--gpu", default=None, help="GPU type whose assumed bandwidth to compare with [default: detected]")
+@click.option("--size-mb", type=float, default=64.0, show_default=True, help="all-reduce message size")
+@click.option("--iters", type=int, default=10, show_default=True, help="timed all-reduces")
+@click.option("--skip-allreduce", is_flag=True, default=False, help="report only; start no ranks")
+@click.option("--timeout-s", type=int, default=600, show_default=True, help="give up on the all-reduce after this")
+def doctor(gpu: str | None, size_mb: float, iters: int, skip_allreduce: bool, timeout_s: int, **o) -> None:
+    """Preflight: versions, GPUs, DeepSpeed ops, ssh to every host, and an all-reduce across the whole cluster."""
+    from dspipe.cluster import doctor as d
+
+    spec = _launch_spec(o)
+    network = _network(o)
+    for line in (d.versions(), *d.devices(), *d.op_report()):
+        click.echo(line)
+    gpu = gpu or d.detect_gpu()
+    if gpu is None:
+        raise SpecError(f"GPU 0 is not in dspipe's catalog; pass --gpu ({names_text()})")
+    gpu_type(gpu)
+    default_gpus = 2 if gpu == "cpu" else max(1, _cuda_count())
+    hostfile, resources, _ = resolve(spec, default_gpus=default_gpus)
+    via = "--no-ssh" if spec.no_ssh else spec.launcher if hostfile else "local"
+    click.echo(f"ranks: {describe(resources)} via {via}")
+    if hostfile and spec.launcher == "pdsh" and not spec.no_ssh:
+        hosts = [hostfile.host(n) for n in resources]
+        bad = d.ssh_unreachable(hosts, source=hostfile.source, ssh_port=spec.ssh_port)
+        if bad:
+            raise SpecError(f"not reachable over passwordless ssh (pdsh needs every host): {'; '.join(bad)}; "
+                            f"fix ssh or launch with --no-ssh --node-rank R on each node")
+        click.echo(f"ssh: {len(hosts)} host(s) reachable ({', '.join(h.name for h in hosts)})")
+    if skip_allreduce:
+        return
+    cluster = ClusterSpec(nodes=len(resources), gpus_per_node=max(len(s) for s in resources.values()), gpu=gpu)
+    env = rank_environment(cluster=cluster, network=network)
+    tmp = Path(tempfile.mkdtemp(prefix="dspipe-doctor-"))
+    try:
+        program = ["--module", "dspipe.cluster.allreduce", "--size-mb", str(size_mb), "--iters", str(iters),
+                   "--env-keys", ",".join(env)]
+        plan = build(spec, program=program, env=env, env_file=tmp / ".deepspeed_env", default_gpus=default_gpus)
+        preflight(plan, spec)
+        write_env_file(tmp, env)
+        result = d.run_allreduce(plan, timeout_s=timeout_s)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    kind, assumed = (("inter-node", cluster.gpu_type.inter_node_gbps) if cluster.nodes > 1
+                     else ("intra-node", cluster.gpu_type.intra_node_gbps))
+    click.echo(f"all-reduce: {result['world_size']} ranks ({cluster.nodes} node(s)), {result['backend']}, "
+               f"{result['bytes'] / 2**20:g} MiB fp32 x {result['iters']}: {result['seconds'] * 1e3:.1f} ms each, "
+               f"bus bandwidth {result['busbw_gbps']:.2f} GB/s (algbw {result['algbw_gbps']:.2f}); planner assumes "
+               f"{assumed:g} GB/s ({kind}, {gpu})")
+    problems = ([] if result["correct"] else ["all-reduce returned a wrong sum"]) + d.env_mismatches(result, env)
+    if problems:
+        raise SpecError("; ".join(problems))
+    click.echo(f"environment on every rank: {', '.join(f'{k}={v}' for k, v in env.items())}")
+
+
+def _cuda_count() -> int:
+    import torch
+    return torch.cuda.device_count()
+
+
+@click.command("slurm-script")
+@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.option("--out", type=click.Path(path_type=Path), default=None, help="[default: RUN_DIR/slurm.sbatch]")
+@click.option("--time", "time_limit", default="24:00:00", show_default=True, help="job time limit")
+@click.option("--partition", default=None)
+@click.option("--account", default=None)
+@click.option("--sbatch", "extra_sbatch", multiple=True, help="extra '#SBATCH' option, e.g. --sbatch=--exclusive")
+@click.option("--master-port", type=int, default=None, help="rendezvous port on the first node [default: 29500]")
+@network_options
+def slurm_script(run_dir: Path, out: Path | None, time_limit: str, partition: str | None, account: str | None,
+                 extra_sbatch: tuple[str, ...], master_port: int | None, **o) -> None:
+    """Write an sbatch script that builds the hostfile from the job's nodes and launches the run on them."""
+    from dspipe.cluster.slurm import render_slurm_script
+
+    run = load_run(run_dir)
+    rank_environment(cluster=run.cluster, network=_network(o))  # reject bad network options now, not in the job
+    LaunchSpec(master_port=master_port)
+    out = out or run.path / "slurm.sbatch"
+    text = render_slurm_script(run=run, script_path=out, workdir=Path.cwd(), time=time_limit, partition=partition,
+                               account=account, extra_sbatch=extra_sbatch, master_port=master_port,
+                               launch_args=_network_flags(o))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text(text)
+    os.chmod(tmp, 0o755)
+    os.replace(tmp, out)
+    click.echo(f"wrote {out}: {run.cluster.nodes} nodes x {run.cluster.gpus_per_node}; submit with: sbatch {out}")

@@ -1,0 +1,34 @@
+"""`dspipe export-hf` and `dspipe generate`: a trained checkpoint as a Hugging Face model, and text from it."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+
+@click.command("export-hf")
+@click.argument("checkpoint", type=click.Path(path_type=Path))
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="directory to write (GPT-2, safetensors)")
+@click.option("--force", is_flag=True, default=False, help="replace an existing --out directory")
+def export_hf(checkpoint: Path, out: Path, force: bool) -> None:
+    """Export CHECKPOINT (runs/NAME/checkpoints/global_stepN, or runs/NAME for its newest complete checkpoint) of
+    any ZeRO stage and pipeline layout as a transformers GPT2LMHeadModel directory with the run's tokenizer."""
+    from dspipe.tools.export import export_hf as run_export
+
+    used = run_export(source=checkpoint, out=out, force=force)
+    click.echo(f"exported {used} -> {out} (AutoModelForCausalLM.from_pretrained({str(out)!r}))")
+
+
+@click.command("generate")
+@click.argument("source", type=click.Path(path_type=Path))
+@click.option("--prompt", required=True, help="text to continue")
+@click.option("--max-tokens", type=int, default=50, show_default=True, help="new tokens at most (stops at EOS)")
+@click.option("--temperature", type=float, default=1.0, show_default=True, help="0 = greedy")
+@click.option("--top-k", type=int, default=50, show_default=True, help="sample from the k likeliest (0: all)")
+@click.option("--seed", type=int, default=0, show_default=True, help="sampling seed")
+def generate(source: Path, prompt: str, max_tokens: int, temperature: float, top_k: int, seed: int) -> None:
+    """Continue --prompt with SOURCE: a checkpoint or run directory, or a directory written by export-hf."""
+    from dspipe.tools.generate import Sampling, generate as run_generate
+
+    sampling = Sampling(max_tokens=max_tokens, temperature=temperature, top_k=top_k, seed=seed)  # checked first
+    click.echo(run_generate(source=source, prompt=prompt, sampling=sampling))

@@ -1,0 +1,24 @@
+"""`dspipe report runs/NAME`: plots and report.md from a run's metrics, set against its plan. Imports no torch;
+matplotlib loads only when the command runs."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+
+@click.command("report")
+@click.argument("run", type=click.Path(path_type=Path))
+@click.option("--out", default=None, type=click.Path(path_type=Path),
+              help="directory to write (replaced if it holds a previous report) [default: RUN/report]")
+def report(run: Path, out: Path | None) -> None:
+    """Plot loss, throughput and learning rate of RUN (runs/NAME) and write report.md: the configuration, the
+    planner's predicted memory, tokens/s, MFU and step time against the measured ones, final and validation loss."""
+    from dspipe.tools.report import PLOTS, REPORT_FILE, write_report
+
+    out, m = write_report(run, out=out)
+    click.echo(f"wrote {out / REPORT_FILE} and {', '.join(PLOTS.values())}")
+    tps = "n/a" if m.tokens_per_s is None else f"{m.tokens_per_s:,.0f}"
+    val = "" if m.final_val is None else f", val loss {m.final_val['val_loss']:.4f}"
+    click.echo(f"steps {m.first_step}-{m.last_step}: train loss {m.final_loss:.4f}{val}, {tps} tokens/s (median), "
+               f"{m.skipped} skipped")

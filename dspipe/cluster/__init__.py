@@ -1,0 +1,1 @@
+"""Hostfiles, launches through DeepSpeed's launcher, rank environments, Slurm scripts and the preflight doctor."""

@@ -1,0 +1,284 @@
+"""Launch options -> the `deepspeed` command(s) and environment for a run, checked before anything starts. No torch.
+
+DeepSpeed's runner does all process start-up (pdsh, OpenMPI, Slurm, or one launcher per node with --no_ssh);
+this module only decides its arguments and refuses launches that cannot work.
+"""
+from __future__ import annotations
+
+import errno
+import importlib.util
+import os
+import re
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from dspipe.errors import SpecError
+from dspipe.cluster.hostfile import Host, Hostfile, describe, read_hostfile, select
+from dspipe.cluster.netenv import ENV_FILE
+
+LAUNCHERS = ("pdsh", "openmpi", "slurm")
+DEFAULT_PORT = 29500  # DeepSpeed's TORCH_DISTRIBUTED_DEFAULT_PORT
+# What each multi-node backend needs on this machine (DeepSpeed checks the first; we check before it starts).
+BACKEND_TOOLS = {"pdsh": ("pdsh",), "openmpi": ("ompi_info", "mpirun"), "slurm": ("sinfo", "srun")}
+# DeepSpeed quotes exported values outside this set; mpirun -x and srun --export then pass the quotes literally.
+PLAIN_VALUE = re.compile(r"^[\w@%+=:,./-]*$")
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """The launch options, as the user gave them (None / '' = not given)."""
+
+    hostfile: str | None = None
+    include: str = ""
+    exclude: str = ""
+    num_nodes: int | None = None
+    num_gpus: int | None = None
+    master_addr: str | None = None
+    master_port: int | None = None
+    launcher: str = "pdsh"
+    no_ssh: bool = False
+    node_rank: int | None = None
+    ssh_port: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.launcher not in LAUNCHERS:
+            raise SpecError(f"--launcher {self.launcher!r} is not one of: {', '.join(LAUNCHERS)}")
+        for flag, value in (("--num-nodes", self.num_nodes), ("--num-gpus", self.num_gpus)):
+            if value is not None and value < 1:
+                raise SpecError(f"{flag} must be a positive integer, got {value}")
+        for flag, port in (("--master-port", self.master_port), ("--ssh-port", self.ssh_port)):
+            if port is not None and not 0 < port < 65536:
+                raise SpecError(f"{flag} {port} is not a TCP port (1-65535)")
+        if self.node_rank is not None and not self.no_ssh:
+            raise SpecError("--node-rank only applies with --no-ssh (each node starts its own share)")
+        if self.no_ssh and not self.hostfile:
+            raise SpecError("--no-ssh needs --hostfile: every node must know the whole cluster and its own rank")
+        if self.launcher != "pdsh":
+            if not self.hostfile:
+                raise SpecError(f"--launcher {self.launcher} needs --hostfile (the nodes to start ranks on)")
+            if self.no_ssh:
+                raise SpecError(f"--no-ssh starts DeepSpeed's own launcher on each node; it does not combine with "
+                                f"--launcher {self.launcher}")
+            if self.master_addr or self.master_port:
+                raise SpecError(f"--launcher {self.launcher} does not pass --master-addr/--master-port to the ranks: "
+                                f"DeepSpeed finds rank 0 through mpi4py (hostname -I of rank 0, port {DEFAULT_PORT})")
+        if self.launcher == "openmpi" and (self.include or self.exclude or self.num_nodes or self.num_gpus):
+            raise SpecError("--launcher openmpi runs every slot of the hostfile: DeepSpeed's OpenMPI backend takes no "
+                            "--include/--exclude/--num-nodes/--num-gpus (edit the hostfile instead)")
+
+
+@dataclass(frozen=True)
+class Command:
+    node_rank: int | None
+    """The node this command is for (--no-ssh), or None: one command for the whole cluster."""
+    host: str
+    """The host it runs on (the first host when one command starts every node)."""
+    argv: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What runs where: resolved hosts and slots, the command(s) and the rank environment."""
+
+    hostfile: Hostfile | None
+    resources: dict[str, list[int]]
+    commands: tuple[Command, ...]
+    env: dict[str, str]
+    env_file: Path
+    multi_node_exec: bool
+    """True when DeepSpeed's runner itself reaches the other nodes (pdsh / mpirun / srun)."""
+
+    @property
+    def world_size(self) -> int:
+        return sum(len(s) for s in self.resources.values())
+
+    @property
+    def nodes(self) -> int:
+        return len(self.resources)
+
+    def child_env(self) -> dict[str, str]:
+        """Our environment plus the rank environment: on the local and --no-ssh paths DeepSpeed's runner does not
+        read .deepspeed_env, so the variables reach the ranks through the launcher's own environment."""
+        return {**os.environ, **self.env, "DS_ENV_FILE": str(self.env_file.resolve())}
+
+    def shell_text(self) -> str:
+        """The --dry-run output: the environment as exports, then the command(s), runnable as a shell script."""
+        lines = [f"# rank environment ({self.env_file}; DeepSpeed's launcher exports it on every node)",
+                 f"export DS_ENV_FILE={shlex.quote(str(self.env_file.resolve()))}"]
+        lines += [f"export {k}={shlex.quote(v)}" for k, v in self.env.items()]
+        for c in self.commands:
+            where = (f"node {c.node_rank} of {self.nodes}: run on {c.host}" if c.node_rank is not None
+                     else f"{self.nodes} node(s), {self.world_size} rank(s): {describe(self.resources)}")
+            lines += [f"# {where}", shlex.join(c.argv)]
+        return "\n".join(lines) + "\n"
+
+
+def deepspeed_prefix() -> list[str]:
+    """The `deepspeed` launcher of this Python environment."""
+    exe = shutil.which("deepspeed")
+    return ["deepspeed"] if exe and Path(exe).parent == Path(sys.executable).parent else \
+        [sys.executable, "-m", "deepspeed.launcher.runner"]
+
+
+def _local_pool(spec: LaunchSpec, *, default_gpus: int) -> tuple[dict[str, list[int]], list[str]]:
+    """Resources and flags on one machine without a hostfile (DeepSpeed's 'localhost' pool)."""
+    if spec.include or spec.exclude:
+        from deepspeed.accelerator import get_accelerator  # the pool DeepSpeed filters: every local device
+        pool = Hostfile(source="this machine", hosts=(Host("localhost", get_accelerator().device_count(), 0),))
+        flags = ["--include", spec.include] if spec.include else ["--exclude", spec.exclude]
+        return select(pool, include=spec.include, exclude=spec.exclude), flags
+    if spec.num_nodes and spec.num_nodes > 1:
+        raise SpecError(f"--num-nodes {spec.num_nodes} needs --hostfile listing the nodes")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    if visible and not spec.num_gpus:  # DeepSpeed turns it into --include localhost:<ids>
+        return {"localhost": [int(i) for i in visible.split(",") if i.strip().isdigit()]}, []
+    gpus = spec.num_gpus or default_gpus
+    return {"localhost": list(range(gpus))}, ["--num_gpus", str(gpus)]
+
+
+def resolve(spec: LaunchSpec, *, default_gpus: int) -> tuple[Hostfile | None, dict[str, list[int]], list[str]]:
+    """(hostfile, {host: slot ids}, deepspeed resource flags)."""
+    if not spec.hostfile:
+        return None, *_local_pool(spec, default_gpus=default_gpus)
+    hostfile = read_hostfile(spec.hostfile)
+    resources = select(hostfile, include=spec.include, exclude=spec.exclude, num_nodes=spec.num_nodes,
+                       num_gpus=spec.num_gpus)
+    if spec.launcher == "slurm":
+        counts = {len(s) for s in resources.values()}
+        if len(counts) > 1 or any(s != list(range(len(s))) for s in resources.values()):
+            raise SpecError(f"--launcher slurm starts the same number of ranks on every node (srun -n), from slot 0; "
+                            f"the selection is {describe(resources)}")
+    flags = ["--hostfile", spec.hostfile]
+    for flag, value in (("--include", spec.include), ("--exclude", spec.exclude), ("--num_nodes", spec.num_nodes),
+                        ("--num_gpus", spec.num_gpus)):
+        if value:
+            flags += [flag, str(value)]
+    return hostfile, resources, flags
+
+
+def build(spec: LaunchSpec, *, program: list[str], env: dict[str, str], env_file: Path, default_gpus: int,
+          prefix: list[str] | None = None) -> Launch:
+    """Resolve the hosts and build the deepspeed command(s) that start `program` (script and its arguments)."""
+    hostfile, resources, flags = resolve(spec, default_gpus=default_gpus)
+    nodes = len(resources)
+    prefix = prefix or deepspeed_prefix()
+    multi = hostfile is not None and nodes > 1 and not spec.no_ssh
+    if spec.launcher != "pdsh":
+        flags += ["--launcher", spec.launcher]
+        bad = {k: v for k, v in env.items() if not PLAIN_VALUE.match(v)}
+        if bad and multi:
+            raise SpecError(f"--launcher {spec.launcher} cannot export {', '.join(f'{k}={v}' for k, v in bad.items())}:"
+                            f" DeepSpeed quotes such values and {spec.launcher} passes the quotes on literally")
+    if spec.ssh_port:
+        flags += ["--ssh_port", str(spec.ssh_port)]
+    master_addr = spec.master_addr or (next(iter(resources)) if spec.no_ssh else None)
+    if master_addr:
+        flags += ["--master_addr", master_addr]
+    if spec.launcher == "pdsh":
+        flags += ["--master_port", str(spec.master_port or DEFAULT_PORT)]
+    if spec.no_ssh:
+        if spec.node_rank is not None and not 0 <= spec.node_rank < nodes:
+            raise SpecError(f"--node-rank {spec.node_rank} is outside 0..{nodes - 1} "
+                            f"({nodes} nodes: {describe(resources)})")
+        ranks = [spec.node_rank] if spec.node_rank is not None else list(range(nodes))
+        hosts = list(resources)
+        commands = tuple(Command(r, hosts[r], (*prefix, *flags, "--no_ssh", "--node_rank", str(r), *program))
+                         for r in ranks)
+    else:
+        commands = (Command(None, next(iter(resources)), (*prefix, *flags, *program)),)
+    return Launch(hostfile=hostfile, resources=resources, commands=commands, env=env, env_file=env_file,
+                  multi_node_exec=multi)
+
+
+def check_world(launch: Launch, *, expected: int, nodes: int, gpus_per_node: int, run_path: Path,
+                spec: LaunchSpec) -> None:
+    """Refuse a launch whose world size differs from the one the config was generated for."""
+    if nodes > 1 and not spec.hostfile:
+        raise SpecError(f"{run_path} was generated for {nodes} nodes x {gpus_per_node}; pass --hostfile listing them")
+    if launch.world_size == expected:
+        return
+    source = f"hostfile {spec.hostfile}" if spec.hostfile else (
+        f"--num-gpus {spec.num_gpus}" if spec.num_gpus else "this machine")
+    regen = f"--hostfile {spec.hostfile}" if spec.hostfile else f"--nodes 1 --gpus-per-node {launch.world_size}"
+    raise SpecError(f"{run_path} was generated for world size {expected} ({nodes} nodes x {gpus_per_node}), but "
+                    f"{source} gives {launch.world_size} ({describe(launch.resources)}); regenerate with "
+                    f"'dspipe gen-config ... {regen} --out {run_path} --force' or select {expected} slots "
+                    f"with --include/--exclude/--num-gpus")
+
+
+def _is_local(host: str) -> bool:
+    try:
+        addr = socket.gethostbyname(host)
+    except OSError:
+        return False
+    if addr.startswith("127.") or host == socket.gethostname():
+        return True
+    try:
+        return addr in {a[4][0] for a in socket.getaddrinfo(socket.gethostname(), None)}
+    except OSError:
+        return False
+
+
+def check_port_free(port: int) -> None:
+    """The rendezvous port must be free where rank 0 starts (torch's TCPStore listens on all interfaces)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a TIME_WAIT leftover is not "in use"
+        try:
+            s.bind(("", port))
+            s.listen(1)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise SpecError(f"port {port} is in use on this machine; pass --master-port with a free port") from None
+            raise SpecError(f"cannot listen on port {port}: {e.strerror}") from None
+
+
+def preflight(launch: Launch, spec: LaunchSpec) -> None:
+    """Checks for a real launch (not --dry-run): one command to run here, its tools, a free rendezvous port."""
+    if len(launch.commands) > 1:
+        raise SpecError(f"--no-ssh starts one node per command: run this with --node-rank R (0..{launch.nodes - 1})"
+                        f" on each node, or see them all with --dry-run")
+    if launch.multi_node_exec:
+        missing = [t for t in BACKEND_TOOLS[spec.launcher] if not shutil.which(t)]
+        if missing:
+            raise SpecError(f"--launcher {spec.launcher} needs {', '.join(missing)} on this machine (not on PATH)")
+        if spec.launcher != "pdsh" and importlib.util.find_spec("mpi4py") is None:
+            raise SpecError(f"--launcher {spec.launcher} starts run.py under {BACKEND_TOOLS[spec.launcher][1]}; "
+                            f"DeepSpeed finds each rank through mpi4py, which is not installed (pip install mpi4py)")
+    if spec.launcher != "pdsh":
+        return
+    command = launch.commands[0]
+    master = spec.master_addr or command.host
+    rank0_here = launch.hostfile is None or (command.node_rank in (None, 0) and _is_local(master))
+    if rank0_here:
+        check_port_free(spec.master_port or DEFAULT_PORT)
+
+
+def execute(launch: Launch) -> int:
+    """Run the one command (DeepSpeed's runner takes it from here); its exit code is ours."""
+    proc = subprocess.Popen(list(launch.commands[0].argv), env=launch.child_env())
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        # The runner got the same Ctrl-C (same process group) and stops its ranks, with pdsh on every node: let it.
+        try:
+            return proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+            return proc.wait()
+
+
+def env_file_for(run_path: Path) -> Path:
+    return Path(run_path) / ENV_FILE
+
+
+ENTRY_MODULE = "dspipe.runtime.entry"  # the rank entry point, shipped inside the package
+
+
+def run_program(run_path: Path) -> list[str]:
+    """The launcher's program for training: the packaged rank entry point, run by module from any directory."""
+    return ["--module", ENTRY_MODULE, "--run", str(run_path)]

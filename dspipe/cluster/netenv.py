@@ -1,0 +1,106 @@
+"""The environment every rank needs on a cluster, written to `.deepspeed_env` for DeepSpeed's launcher. No torch.
+
+DeepSpeed's runner reads `KEY=VALUE` lines from the file named by $DS_ENV_FILE (default `.deepspeed_env` in ~ and
+the working directory) and exports them on every node it starts through pdsh, mpirun or srun. It reads no comments
+and no blank lines, so the file holds nothing else.
+"""
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from dspipe.errors import SpecError
+from dspipe.planner.spec import ClusterSpec
+
+ENV_FILE = ".deepspeed_env"
+ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+NCCL_DEBUG_LEVELS = ("VERSION", "WARN", "INFO", "TRACE")
+# Set per rank or per launch by the launcher itself; a user value would be overwritten or break rank discovery.
+LAUNCHER_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT", "CROSS_RANK",
+                 "CROSS_SIZE", "DS_ENV_FILE", "CUDA_VISIBLE_DEVICES")
+
+
+@dataclass(frozen=True)
+class NetworkSpec:
+    """How ranks talk to each other, beyond what the plan says."""
+
+    socket_ifname: str | None = None
+    """NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME: interfaces for bootstrap and socket traffic (e.g. 'eth0', '^lo')."""
+    ib_hca: str | None = None
+    """NCCL_IB_HCA: InfiniBand adapters to use (e.g. 'mlx5_0,mlx5_1'); None lets NCCL pick."""
+    infiniband: bool = True
+    """False sets NCCL_IB_DISABLE=1 (sockets only)."""
+    nccl_debug: str = "WARN"
+    """NCCL_DEBUG level."""
+    timeout_minutes: int = 30
+    """Collective timeout (DEEPSPEED_TIMEOUT, DeepSpeed's default process-group timeout; its default is 10)."""
+    extra: tuple[tuple[str, str], ...] = ()
+    """User additions from --env KEY=VALUE; they win over the values above."""
+
+    def __post_init__(self) -> None:
+        if self.nccl_debug not in NCCL_DEBUG_LEVELS:
+            raise SpecError(f"--nccl-debug {self.nccl_debug!r} is not one of: {', '.join(NCCL_DEBUG_LEVELS)}")
+        if not isinstance(self.timeout_minutes, int) or self.timeout_minutes < 1:
+            raise SpecError(f"--timeout-min must be a positive number of minutes, got {self.timeout_minutes!r}")
+        if self.ib_hca and not self.infiniband:
+            raise SpecError(f"--ib-hca {self.ib_hca} and --no-ib contradict each other")
+        for key, value in self.extra:
+            if key in LAUNCHER_KEYS:
+                raise SpecError(f"--env {key}=...: {key} is set by DeepSpeed's launcher for each rank")
+            if any(c in value for c in "\n\r\"'`$\\"):
+                raise SpecError(f"--env {key}={value!r}: quotes, '$', '\\' and newlines do not survive the "
+                                f"launcher's export (DeepSpeed writes 'export {key}=VALUE' into a shell line)")
+
+
+def parse_env_assignments(items: tuple[str, ...] | list[str]) -> tuple[tuple[str, str], ...]:
+    """('KEY=VALUE', ...) from --env, validated."""
+    out = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq or not ENV_KEY.match(key):
+            raise SpecError(f"--env {item!r} is not KEY=VALUE with KEY made of letters, digits and '_'")
+        out[key] = value
+    return tuple(out.items())
+
+
+def rank_environment(*, cluster: ClusterSpec, network: NetworkSpec) -> dict[str, str]:
+    """What every rank gets: the collective timeout, the backend's interface/transport settings, user additions."""
+    env = {"DEEPSPEED_TIMEOUT": str(network.timeout_minutes)}
+    backend = cluster.gpu_type.backend
+    if backend == "nccl":
+        env["NCCL_DEBUG"] = network.nccl_debug
+        if network.socket_ifname:  # unset, NCCL prefers ib*, then any interface but lo and docker*
+            env["NCCL_SOCKET_IFNAME"] = network.socket_ifname
+        env["NCCL_IB_DISABLE"] = "0" if network.infiniband else "1"
+        if network.ib_hca:
+            env["NCCL_IB_HCA"] = network.ib_hca
+    else:
+        if network.ib_hca or not network.infiniband:
+            raise SpecError(f"--ib-hca/--no-ib set NCCL variables, but this run's cluster ({cluster.gpu}) "
+                            f"uses {backend}, not NCCL")
+        if network.socket_ifname:
+            env["GLOO_SOCKET_IFNAME"] = network.socket_ifname
+    env.update(network.extra)
+    return env
+
+
+def env_file_text(env: dict[str, str]) -> str:
+    return "".join(f"{k}={v}\n" for k, v in env.items())
+
+
+def write_env_file(run_path: Path, env: dict[str, str]) -> Path:
+    """runs/NAME/.deepspeed_env, replaced atomically (every node of a no-ssh launch writes the same file)."""
+    path = Path(run_path) / ENV_FILE
+    fd, tmp = tempfile.mkstemp(prefix=f".{ENV_FILE}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(env_file_text(env))
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path

@@ -1,0 +1,1 @@
+"""The models in plain PyTorch (no parallelism) and the pipeline wrapper that partitions them into stages."""

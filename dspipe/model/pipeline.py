@@ -1,0 +1,42 @@
+"""The same GPT blocks as a DeepSpeed PipelineModule: LayerSpecs, a tied embedding/head pair, the loss at the end."""
+from __future__ import annotations
+
+from typing import Callable
+
+from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+
+from dspipe.model.gpt import Attention, Block, Embedding, FinalNorm, LMHead, lm_loss
+from dspipe.planner.spec import ModelSpec
+
+TIED_KEY = "embed"
+
+
+def _tied_logits(embedding: Embedding, x):
+    return embedding.logits(x)
+
+
+def layer_specs(*, model: ModelSpec, seed: int) -> list[LayerSpec]:
+    """Embedding, one LayerSpec per block, final norm, head (tied to the embedding's wte when asked)."""
+    if model.tied_embeddings:
+        first = TiedLayerSpec(TIED_KEY, Embedding, model, seed=seed, tied_weight_attr="wte.weight")
+        last = TiedLayerSpec(TIED_KEY, Embedding, model, seed=seed, forward_fn=_tied_logits,
+                             tied_weight_attr="wte.weight")
+    else:
+        first, last = LayerSpec(Embedding, model, seed=seed), LayerSpec(LMHead, model, seed=seed)
+    blocks = [LayerSpec(Block, model, index=i, seed=seed) for i in range(model.layers)]
+    return [first, *blocks, LayerSpec(FinalNorm, model), last]
+
+
+def build_pipeline(*, model: ModelSpec, stages: int, partition_method: str, checkpointing: str,
+                   activation_checkpoint_interval: int, checkpoint_fn: Callable, seed: int) -> PipelineModule:
+    """Full recomputation goes through the pipeline's activation_checkpoint_interval (blocks only);
+    selective recomputation checkpoints the attention core inside each block this stage owns."""
+    pipe = PipelineModule(layers=layer_specs(model=model, seed=seed), num_stages=stages, loss_fn=lm_loss,
+                          partition_method=partition_method,
+                          activation_checkpoint_interval=activation_checkpoint_interval,
+                          activation_checkpoint_func=checkpoint_fn, checkpointable_layers=["Block"])
+    if checkpointing == "selective":
+        for module in pipe.modules():
+            if isinstance(module, Attention):
+                module.core_checkpoint = checkpoint_fn
+    return pipe

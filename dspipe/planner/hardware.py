@@ -1,0 +1,108 @@
+"""The hardware catalog and the one rule that maps a detected device to it. Every GPU figure, every list of GPU
+types in a help or error text, and every device -> type decision comes from here. Imports no torch at module
+level (`detect()` imports it when called)."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from dspipe.errors import SpecError
+
+MIB = 1024**2
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class GpuType:
+    """One accelerator kind from the catalog."""
+
+    name: str
+    """Catalog key, e.g. 'h100-80g'."""
+    memory_bytes: int
+    """Device memory as the driver reports it."""
+    peak_bf16_tflops: float
+    """Dense bf16 tensor-core peak, TFLOP/s."""
+    peak_fp16_tflops: float
+    """Dense fp16 tensor-core peak, TFLOP/s."""
+    peak_fp32_tflops: float
+    """Dense fp32 (non-TF32) peak, TFLOP/s."""
+    intra_node_gbps: float
+    """Per-GPU unidirectional bandwidth to peers in the node (NVLink), GB/s."""
+    inter_node_gbps: float
+    """Per-GPU share of the node's network bandwidth (InfiniBand), GB/s."""
+    backend: str
+    """torch.distributed backend DeepSpeed uses on it."""
+    node_host_memory_bytes: int
+    """Host RAM of a typical node with 8 of these (DGX-class), for offload checks."""
+    device_pattern: str
+    """Regex matched (case-insensitively) against the name the driver reports; '' for none."""
+    min_memory_bytes: int = 0
+    """The device must report at least this much memory to match (tells 40 GB from 80 GB parts)."""
+
+    def peak_tflops(self, precision: str) -> float:
+        return {"bf16": self.peak_bf16_tflops, "fp16": self.peak_fp16_tflops, "fp32": self.peak_fp32_tflops}[precision]
+
+
+# Vendor datasheet figures. 'cpu' is a nominal entry for the 2-rank gloo path (not a performance model).
+# Devices report e.g. "NVIDIA H200", "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB", "NVIDIA A100-PCIE-40GB";
+# where several entries match a name, the one with the larger memory floor is tried first.
+GPU_CATALOG: dict[str, GpuType] = {g.name: g for g in (
+    GpuType("cpu", 16 * 1024 * MIB, 1.0, 0.0, 1.0, 10.0, 10.0, "gloo", 24 * 1024 * MIB, ""),
+    GpuType("a100-40g", 40960 * MIB, 312.0, 312.0, 19.5, 300.0, 25.0, "nccl", 1024 * 1024 * MIB, r"A100"),
+    GpuType("a100-80g", 81920 * MIB, 312.0, 312.0, 19.5, 300.0, 25.0, "nccl", 2048 * 1024 * MIB, r"A100",
+            min_memory_bytes=50 * GIB),
+    GpuType("h100-80g", 81559 * MIB, 989.0, 989.0, 67.0, 450.0, 50.0, "nccl", 2048 * 1024 * MIB, r"H100"),
+    GpuType("h200", 143771 * MIB, 989.0, 989.0, 67.0, 450.0, 50.0, "nccl", 2048 * 1024 * MIB, r"H200"),
+)}
+
+
+def gpu_names(*, gpus_only: bool = False) -> tuple[str, ...]:
+    """Catalog keys in table order (without 'cpu' when `gpus_only`)."""
+    return tuple(n for n, g in GPU_CATALOG.items() if not (gpus_only and g.backend == "gloo"))
+
+
+def names_text(*, gpus_only: bool = False) -> str:
+    """The catalog keys as help and error texts list them: 'cpu, h200, ...'."""
+    return ", ".join(gpu_names(gpus_only=gpus_only))
+
+
+def gpu_type(name: str) -> GpuType:
+    try:
+        return GPU_CATALOG[name]
+    except KeyError:
+        raise SpecError(f"unknown GPU type {name!r}; valid: {names_text()}") from None
+
+
+def match_device(device_name: str, *, memory_bytes: int | None = None) -> GpuType | None:
+    """The catalog entry for a device's reported name (and memory, where the catalog needs it to decide);
+    None for a CPU or a device the catalog does not know. The one device -> type rule."""
+    for g in sorted(GPU_CATALOG.values(), key=lambda g: -g.min_memory_bytes):
+        if not g.device_pattern or not re.search(g.device_pattern, device_name, re.I):
+            continue
+        if g.min_memory_bytes and memory_bytes is None:
+            if re.search(rf"{g.memory_bytes // GIB}\s*GB", device_name, re.I):  # the size is in the name
+                return g
+            continue
+        if memory_bytes is None or memory_bytes >= g.min_memory_bytes:
+            return g
+    return None
+
+
+@dataclass(frozen=True)
+class Detected:
+    """What this process runs on."""
+
+    device_name: str
+    """The driver's name for device 0 ('cpu' without CUDA)."""
+    gpu: GpuType | None
+    """Its catalog entry ('cpu' without CUDA), None for a GPU the catalog does not know."""
+
+
+def detect() -> Detected:
+    """This machine's device 0 and its catalog entry (imports torch)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return Detected("cpu", GPU_CATALOG["cpu"])
+    p = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return Detected(p.name, match_device(p.name, memory_bytes=p.total_memory))

@@ -1,0 +1,143 @@
+"""Specs -> Plan: every derived value, after DeepSpeed's rules are checked. No torch, no deepspeed."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dspipe.errors import SpecError
+from dspipe.planner.spec import ClusterSpec, ModelSpec, StrategySpec, TrainSpec
+
+MIN_BUCKET = 1 << 20  # elements; h^2 buckets for tiny models would mean thousands of tiny collectives
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Resolved strategy and every number derived from the specs; downstream code reads, never recomputes."""
+
+    world_size: int
+    """Total ranks = nodes x gpus_per_node."""
+    dp: int
+    """Data-parallel replicas = world_size / pp."""
+    pp: int
+    """Pipeline stages."""
+    micro_batch: int
+    """Sequences per rank per forward/backward."""
+    grad_accum: int
+    """Micro-batches per optimizer step = global_batch / (micro_batch x dp)."""
+    global_batch: int
+    """Sequences per optimizer step."""
+    zero_stage: int
+    """ZeRO stage 0-3."""
+    offload: str
+    """Optimizer state device: none, cpu, nvme."""
+    offload_params: bool
+    """Parameters offloaded too (ZeRO-3)."""
+    nvme_path: str | None
+    """NVMe swap directory, or None."""
+    precision: str
+    """bf16, fp16 or fp32."""
+    grad_accum_dtype: str
+    """dtype DeepSpeed accumulates gradients in (data_types.grad_accum_dtype)."""
+    checkpointing: str
+    """none, full or selective activation recomputation."""
+    activation_checkpoint_interval: int
+    """Pipeline layers per checkpoint (0: off); full recomputation checkpoints every block."""
+    partition_method: str
+    """PipelineModule partition_method."""
+    reduce_bucket_size: int
+    """Elements per gradient reduce bucket (given, or max(h^2, 2^20))."""
+    allgather_bucket_size: int
+    """Elements per ZeRO-1/2 parameter all-gather bucket."""
+    prefetch_bucket_size: int
+    """ZeRO-3 parameter prefetch, elements (0.9 h^2)."""
+    param_persistence_threshold: int
+    """ZeRO-3 keeps parameters smaller than this gathered (10 h)."""
+    overlap_comm: bool
+    """Overlap gradient reduction with backward (off under a pipeline, as DeepSpeed forces)."""
+    contiguous_gradients: bool
+    """Copy gradients into one contiguous buffer as they are produced."""
+    num_params: int
+    """Model parameters, tied embedding counted once."""
+    tokens_per_step: int
+    """global_batch x seq_len."""
+    pin_memory: bool
+    """Pin host buffers of offloaded state (GPUs only; there is nothing to pin for on CPU)."""
+    backend: str
+    """torch.distributed backend for the GPU type (nccl or gloo)."""
+
+
+def _rule(rule: int, message: str) -> SpecError:
+    error = SpecError(message)
+    error.rule = rule  # rules are checked in order; a later rule number means the input got further
+    return error
+
+
+def check_rules(*, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strategy: StrategySpec) -> None:
+    """DeepSpeed's rules (design notes section 5), each failing with a one-line message that shows the numbers."""
+    world, pp, zero = cluster.world_size, strategy.pp, strategy.zero
+    if pp > model.layers:
+        raise _rule(1, f"pipeline stages {pp} > layers {model.layers}: every stage needs at least one block")
+    if world % pp:
+        raise _rule(2, f"world size {world} ({cluster.nodes} nodes x {cluster.gpus_per_node} GPUs) "
+                       f"is not divisible by pipeline stages {pp}")
+    if pp > 1 and zero >= 2:
+        raise _rule(3, f"ZeRO-{zero} with pp {pp}: DeepSpeed's pipeline engine supports ZeRO stages 0-1 only; "
+                       f"use --zero 1 (optimizer states still sharded over dp {world // pp})")
+    dp = world // pp
+    if train.global_batch % (train.micro_batch * dp):
+        raise _rule(4, f"global batch {train.global_batch} is not divisible by micro_batch {train.micro_batch} "
+                       f"x dp {dp} = {train.micro_batch * dp}")
+    if strategy.offload_params and zero != 3:
+        raise _rule(5, f"--offload-params needs ZeRO-3 (got ZeRO-{zero}): only stage 3 partitions parameters")
+    if strategy.offload_params and strategy.offload == "none":
+        raise _rule(6, "--offload-params needs an offload device: --offload cpu or --offload nvme")
+    if strategy.offload != "none" and zero == 0:
+        raise _rule(7, f"--offload {strategy.offload} needs ZeRO 1-3 (got ZeRO-0): offload moves ZeRO's partitions")
+    if strategy.offload == "nvme" and zero != 3:
+        raise _rule(8, f"--offload nvme needs ZeRO-3 (ZeRO-Infinity), got ZeRO-{zero}; use --offload cpu")
+    if strategy.offload == "nvme" and not strategy.nvme_path:
+        raise _rule(9, "--offload nvme needs --nvme-path DIR on a local NVMe drive")
+    if train.precision == "fp16" and cluster.gpu == "cpu":
+        raise _rule(10, "fp16 is not supported by DeepSpeed's CPU accelerator; use --precision bf16 or fp32")
+    if train.warmup_steps >= train.steps:
+        raise _rule(11, f"warmup_steps {train.warmup_steps} must be < steps {train.steps}")
+
+
+def _grad_accum_dtype(*, precision: str, zero: int, pp: int) -> str:
+    if precision == "bf16":
+        # ZeRO 1-3 (and the pipeline's bf16 optimizer) keep fp32 gradient partitions; plain DP in bf16
+        # must accumulate in the model dtype (DeepSpeed refuses the bf16/fp32 mix without ZeRO).
+        return "fp32" if zero >= 1 else "bf16"
+    return precision
+
+
+def make_plan(*, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strategy: StrategySpec) -> Plan:
+    check_rules(model=model, cluster=cluster, train=train, strategy=strategy)
+    world, pp, zero, h = cluster.world_size, strategy.pp, strategy.zero, model.hidden
+    dp = world // pp
+    return Plan(
+        world_size=world,
+        dp=dp,
+        pp=pp,
+        micro_batch=train.micro_batch,
+        grad_accum=train.global_batch // (train.micro_batch * dp),
+        global_batch=train.global_batch,
+        zero_stage=zero,
+        offload=strategy.offload,
+        offload_params=strategy.offload_params,
+        nvme_path=strategy.nvme_path if strategy.offload == "nvme" else None,
+        precision=train.precision,
+        grad_accum_dtype=_grad_accum_dtype(precision=train.precision, zero=zero, pp=pp),
+        checkpointing=strategy.checkpointing,
+        activation_checkpoint_interval=1 if (pp > 1 and strategy.checkpointing == "full") else 0,
+        partition_method=strategy.partition_method,
+        reduce_bucket_size=strategy.reduce_bucket_size or max(h * h, MIN_BUCKET),
+        allgather_bucket_size=strategy.reduce_bucket_size or max(h * h, MIN_BUCKET),
+        prefetch_bucket_size=strategy.prefetch_bucket_size or max(int(0.9 * h * h), MIN_BUCKET),
+        param_persistence_threshold=strategy.param_persistence_threshold or 10 * h,
+        overlap_comm=zero >= 2 and pp == 1,
+        contiguous_gradients=zero >= 2,
+        num_params=model.num_params,
+        tokens_per_step=train.global_batch * model.seq_len,
+        pin_memory=cluster.gpu_type.backend == "nccl",
+        backend=cluster.gpu_type.backend,
+    )

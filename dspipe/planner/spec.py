@@ -1,0 +1,220 @@
+"""What the user asked for: model shape, cluster, training and parallel strategy.
+
+Plain frozen dataclasses, validated on construction. No torch, no deepspeed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from dspipe.errors import SpecError
+from dspipe.planner.hardware import GPU_CATALOG, GpuType, gpu_type
+
+PRECISIONS = ("bf16", "fp16", "fp32")
+ZERO_STAGES = (0, 1, 2, 3)
+OFFLOADS = ("none", "cpu", "nvme")
+CHECKPOINTING = ("none", "full", "selective")
+PARTITION_METHODS = ("parameters", "uniform", "type:Block")
+
+
+def _positive(owner: str, **values: int) -> None:
+    for name, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise SpecError(f"{owner}.{name} must be a positive integer, got {value!r}")
+
+
+def _one_of(owner: str, name: str, value, allowed) -> None:
+    if value not in allowed:
+        raise SpecError(f"{owner}.{name} {value!r} is not one of: {', '.join(map(str, allowed))}")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shape of a GPT-2 style decoder (pre-LayerNorm, learned positions, GELU MLP)."""
+
+    name: str
+    """Preset name, or 'custom'."""
+    layers: int
+    """Number of transformer blocks (L)."""
+    hidden: int
+    """Model width (h)."""
+    heads: int
+    """Attention heads (a); hidden must be divisible by it."""
+    vocab: int
+    """Vocabulary size (V), embedding rows."""
+    seq_len: int
+    """Context length in tokens (s); also the number of learned positions."""
+    ffn: int
+    """MLP inner width, 4·hidden for GPT-2/3."""
+    dropout: float = 0.0
+    """Dropout on embeddings, attention output and MLP output (0 for pretraining)."""
+    tied_embeddings: bool = True
+    """Share the token embedding with the output head."""
+
+    def __post_init__(self) -> None:
+        _positive("model", layers=self.layers, hidden=self.hidden, heads=self.heads, vocab=self.vocab,
+                  seq_len=self.seq_len, ffn=self.ffn)
+        if self.hidden % self.heads:
+            raise SpecError(f"hidden {self.hidden} is not divisible by heads {self.heads} "
+                            f"({self.hidden} / {self.heads} = {self.hidden / self.heads:g})")
+        if not 0.0 <= self.dropout < 1.0:
+            raise SpecError(f"dropout must be in [0, 1), got {self.dropout}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def params_per_block(self) -> int:
+        h, f = self.hidden, self.ffn
+        # ln_1 + qkv + proj + ln_2 + fc + proj, weights and biases
+        return 2 * h + (3 * h * h + 3 * h) + (h * h + h) + 2 * h + (h * f + f) + (f * h + h)
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden + self.seq_len * self.hidden
+
+    @property
+    def num_params(self) -> int:
+        """Total parameters, counting a tied embedding once."""
+        head = 0 if self.tied_embeddings else self.vocab * self.hidden
+        return self.embedding_params + self.layers * self.params_per_block + 2 * self.hidden + head
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """Where the job runs."""
+
+    nodes: int
+    """Number of machines."""
+    gpus_per_node: int
+    """Ranks per machine (GPUs, or CPU processes on the 'cpu' type)."""
+    gpu: str
+    """GPU type, a key of the hardware catalog (dspipe.planner.hardware)."""
+    host_memory_gib: float | None = None
+    """Host RAM per node for offloaded state; None: the GPU type's typical node."""
+
+    def __post_init__(self) -> None:
+        _positive("cluster", nodes=self.nodes, gpus_per_node=self.gpus_per_node)
+        gpu_type(self.gpu)
+        if self.host_memory_gib is not None and not self.host_memory_gib > 0:
+            raise SpecError(f"cluster.host_memory_gib must be positive, got {self.host_memory_gib}")
+
+    @property
+    def host_memory_bytes(self) -> int:
+        if self.host_memory_gib is None:
+            return self.gpu_type.node_host_memory_bytes
+        return int(self.host_memory_gib * 1024**3)
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def gpu_type(self) -> GpuType:
+        return GPU_CATALOG[self.gpu]
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    """How long and how hard to train."""
+
+    global_batch: int
+    """Sequences per optimizer step, across all data-parallel ranks."""
+    micro_batch: int
+    """Sequences per forward/backward on one rank."""
+    steps: int
+    """Optimizer steps to run."""
+    lr: float = 6e-4
+    """Peak learning rate reached after warmup."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate of the cosine decay, as a fraction of lr."""
+    warmup_steps: int = 100
+    """Linear warmup length in optimizer steps."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay (not applied to biases and norms)."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clipping threshold."""
+    precision: str = "bf16"
+    """bf16, fp16 or fp32 training."""
+    seed: int = 1234
+    """Seed for weights, data order and dropout."""
+    log_interval: int = 10
+    """Print and record metrics every this many steps."""
+    save_interval: int = 1000
+    """Save a DeepSpeed checkpoint every this many steps (0: only at the end and on SIGTERM/SIGINT)."""
+    keep_checkpoints: int = 3
+    """Keep the newest this many complete checkpoints; older ones are deleted."""
+    eval_interval: int = 100
+    """Validation loss and perplexity every this many steps and at the end (0: never)."""
+    eval_batches: int = 10
+    """Micro-batches per data-parallel rank in one validation pass (capped by the validation split)."""
+    max_skipped_steps: int = 10
+    """Save and stop after this many consecutive steps skipped for a non-finite loss or gradient norm (0: never)."""
+    spike_window: int = 100
+    """Steps of recent loss that a loss spike is measured against."""
+    spike_sigma: float = 4.0
+    """A loss above mean + this many standard deviations of the window is logged as a spike."""
+
+    def __post_init__(self) -> None:
+        _positive("train", global_batch=self.global_batch, micro_batch=self.micro_batch, steps=self.steps,
+                  warmup_steps=self.warmup_steps, log_interval=self.log_interval,
+                  keep_checkpoints=self.keep_checkpoints)
+        for name in ("save_interval", "eval_interval", "max_skipped_steps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise SpecError(f"train.{name} must be an integer >= 0, got {value!r}")
+        _positive("train", eval_batches=self.eval_batches, spike_window=self.spike_window)
+        if not self.spike_sigma > 0:
+            raise SpecError(f"train.spike_sigma must be positive, got {self.spike_sigma}")
+        _one_of("train", "precision", self.precision, PRECISIONS)
+        if not self.lr > 0:
+            raise SpecError(f"lr must be positive, got {self.lr}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise SpecError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.weight_decay < 0 or self.grad_clip < 0:
+            raise SpecError(f"weight_decay {self.weight_decay} and grad_clip {self.grad_clip} must be >= 0")
+
+
+@dataclass(frozen=True)
+class StrategySpec:
+    """How the work is split and where state lives."""
+
+    zero: int = 1
+    """ZeRO stage 0-3 (0: plain data parallel)."""
+    offload: str = "none"
+    """Where optimizer states live: none (GPU), cpu or nvme."""
+    offload_params: bool = False
+    """Also offload parameters to the offload device (ZeRO-3 only)."""
+    nvme_path: str | None = None
+    """Directory on a local NVMe drive, required for nvme offload."""
+    pp: int = 1
+    """Pipeline stages; data parallel size is world / pp."""
+    checkpointing: str = "none"
+    """Activation recomputation: none, full (per block) or selective (attention core)."""
+    partition_method: str = "parameters"
+    """How the pipeline splits layers into stages: parameters, uniform or type:Block."""
+    reduce_bucket_size: int | None = None
+    """Elements per gradient reduce bucket; None: hidden^2 (at least 2^20)."""
+    prefetch_bucket_size: int | None = None
+    """ZeRO-3 parameter prefetch in elements; None: 0.9 hidden^2 (at least 2^20)."""
+    param_persistence_threshold: int | None = None
+    """ZeRO-3 keeps parameters smaller than this whole on every rank; None: 10 hidden."""
+
+    def __post_init__(self) -> None:
+        _one_of("strategy", "zero", self.zero, ZERO_STAGES)
+        _one_of("strategy", "offload", self.offload, OFFLOADS)
+        _one_of("strategy", "checkpointing", self.checkpointing, CHECKPOINTING)
+        _one_of("strategy", "partition_method", self.partition_method, PARTITION_METHODS)
+        _positive("strategy", pp=self.pp)
+        for name in ("reduce_bucket_size", "prefetch_bucket_size", "param_persistence_threshold"):
+            if getattr(self, name) is not None:
+                _positive("strategy", **{name: getattr(self, name)})
+
+
+def from_dict(cls, data: dict):
+    """Rebuild a spec from its asdict() form, rejecting unknown keys."""
+    names = {f.name for f in fields(cls)}
+    unknown = set(data) - names
+    if unknown:
+        raise SpecError(f"unknown {cls.__name__} keys: {', '.join(sorted(unknown))}")
+    return cls(**data)

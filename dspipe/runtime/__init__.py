@@ -1,0 +1,1 @@
+"""What runs on every rank: the engine, the training loop, evaluation, checkpoints, logs, process groups."""

@@ -1,0 +1,331 @@
+"""Checkpoints of a run: every N steps, at the end and on SIGTERM/SIGINT; keep the last K; resume exactly.
+
+Layout of runs/NAME/checkpoints/:
+
+    .partial-global_stepN/  a save in progress (DeepSpeed's files, then one rng-rankR.pt per rank)
+    global_stepN/           the same directory renamed once every rank finished; dspipe.json inside marks it complete
+    latest                  the newest complete tag, replaced atomically after the rename
+
+A process killed during a save leaves only a .partial-* directory (deleted by the next save or resume), so
+`latest` always names a complete checkpoint. A save that fails to write (disk full, quota, I/O error) on any rank
+is agreed on by every rank: the partial directory is removed and every rank raises one SpecError naming the
+intact checkpoint.
+
+Resuming under another data-parallel size: dspipe/reshard.py. The pure functions here import no torch."""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import shutil
+import signal
+from dataclasses import asdict
+from pathlib import Path
+
+from dspipe.atomic import replace_dir
+from dspipe.errors import SpecError
+from dspipe.rundir import SPEC_FILE
+from dspipe.runtime.reshard import UNIVERSAL_PREFIX, dp_change_refusal, load_resharded
+from dspipe.runtime.writefail import WriteFailures, free_mib
+
+META_FILE = "dspipe.json"
+LATEST_FILE = "latest"
+PARTIAL_PREFIX = ".partial-"
+TAG_RE = re.compile(r"^global_step(\d+)$")
+TEST_KILL_AT_STEP = "DSPIPE_TEST_KILL_AT_STEP"  # test-only: SIGKILL every rank right after this step
+TEST_KILL_IN_SAVE = "DSPIPE_TEST_KILL_IN_SAVE"  # test-only: SIGKILL every rank inside the save at this step
+TEST_FAIL_WRITE = "DSPIPE_TEST_FAIL_WRITE"  # test-only: one rank's write fails with ENOSPC in the save at this step
+TEST_FAIL_WRITE_RANK = "DSPIPE_TEST_FAIL_WRITE_RANK"  # test-only: which rank (default 1)
+
+
+def tag_for(step: int) -> str:
+    return f"global_step{step}"
+
+
+def is_complete(path: Path) -> bool:
+    return (Path(path) / META_FILE).is_file()
+
+
+def complete_checkpoints(ckpt_dir: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every complete checkpoint, oldest first."""
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in ckpt_dir.iterdir() if (m := TAG_RE.match(p.name)) and is_complete(p)]
+    return sorted(found)
+
+
+def to_delete(ckpt_dir: Path, keep: int) -> list[Path]:
+    """Complete checkpoints beyond the newest `keep`, and leftovers of interrupted saves and resharding."""
+    ckpt_dir = Path(ckpt_dir)
+    old = [p for _, p in complete_checkpoints(ckpt_dir)[:-keep]] if keep > 0 else []
+    partial = sorted(p for p in ckpt_dir.iterdir() if p.name.startswith((PARTIAL_PREFIX, UNIVERSAL_PREFIX))
+                     ) if ckpt_dir.is_dir() else []
+    return old + partial
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write a sibling temp file, fsync it, rename it over `path`: readers see the old or the new content."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def find_checkpoint(ckpt_dir: Path, resume: str) -> Path | None:
+    """The checkpoint `--resume` names: 'auto' = the newest complete one (None if there is none), else a tag
+    under ckpt_dir or a path. A missing or partial checkpoint is a SpecError."""
+    ckpt_dir = Path(ckpt_dir)
+    if resume == "auto":
+        latest = ckpt_dir / LATEST_FILE
+        if latest.is_file():
+            tag = latest.read_text().strip()
+            if not is_complete(ckpt_dir / tag):
+                raise SpecError(f"{latest} names {tag!r}, which is missing or incomplete; pass --resume "
+                                f"with a complete checkpoint under {ckpt_dir}")
+        complete = complete_checkpoints(ckpt_dir)
+        return complete[-1][1] if complete else None
+    path = Path(resume)
+    if not path.exists() and (ckpt_dir / resume).exists():
+        path = ckpt_dir / resume
+    if not path.is_dir():
+        raise SpecError(f"checkpoint {resume} not found (neither a directory nor a tag under {ckpt_dir})")
+    if not is_complete(path):
+        raise SpecError(f"checkpoint {path} is incomplete (no {META_FILE}: its save was interrupted); "
+                        f"resume from a complete one, e.g. --resume auto")
+    return path
+
+
+def read_meta(path: Path) -> dict:
+    try:
+        return json.loads((Path(path) / META_FILE).read_text())
+    except (OSError, ValueError) as e:
+        raise SpecError(f"checkpoint {path}: cannot read {META_FILE}: {e}") from None
+
+
+def check_compatible(meta: dict, run, path: Path) -> None:
+    """Refuse a checkpoint whose model shape, pipeline stages or ZeRO stage differ from this run's, or whose
+    data-parallel size differs where DeepSpeed cannot re-partition the state (dp_change_refusal)."""
+    saved, now = meta["model"], asdict(run.model)
+    diff = [f"{k} {saved.get(k)} -> {now[k]}" for k in now if k != "name" and saved.get(k) != now[k]]
+    if diff:
+        raise SpecError(f"checkpoint {path} holds a different model shape: {', '.join(diff)}")
+    for key, value in (("pp", run.plan.pp), ("zero_stage", run.plan.zero_stage)):
+        if meta[key] != value:
+            raise SpecError(f"checkpoint {path} was saved with {key} {meta[key]}, this run has {key} {value}; "
+                            f"resume with the same {key}")
+    why = dp_change_refusal(meta=meta, zero_stage=run.plan.zero_stage, pp=run.plan.pp, dp=run.plan.dp,
+                            offload=run.plan.offload, path=path)
+    if why:
+        raise SpecError(f"checkpoint {path} was saved with dp {meta['dp']}, this run has dp {run.plan.dp}: {why}; "
+                        f"resume with dp {meta['dp']} (world size {meta['dp'] * meta['pp']})")
+
+
+def trim_metrics(path: Path, step: int) -> None:
+    """Keep the header and the rows of steps <= `step` (rows after a resumed step are rewritten)."""
+    path = Path(path)
+    if not path.is_file():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    kept = lines[:1] + [line for line in lines[1:] if line.split(",", 1)[0].isdigit()
+                        and int(line.split(",", 1)[0]) <= step]
+    write_atomic(path, "".join(kept))
+
+
+def maybe_test_kill(var: str, step: int) -> None:
+    """Test-only hook: SIGKILL this process when env var `var` equals `step` (simulates a crash)."""
+    if os.environ.get(var) == str(step):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class StopRequest:
+    """Remembers SIGTERM/SIGINT; the loop finishes the current step, saves and exits 0."""
+
+    def __init__(self):
+        self.signum = None
+        for s in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(s, self._handle)
+
+    def _handle(self, signum, frame):
+        self.signum = signum
+
+    def agreed(self) -> bool:
+        """True on every rank when any rank got a signal (one tiny all-reduce)."""
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([0 if self.signum is None else 1], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+def rng_state() -> dict:
+    import random
+
+    import numpy as np
+    import torch
+
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    import random
+
+    import numpy as np
+    import torch
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_failure_message(*, code: int, detail: str, ckpt_dir: Path, tag: str, free_before: float | None) -> str:
+    """One line: what failed, the free space, and which checkpoint is intact (read back from disk)."""
+    reason = os.strerror(code) if code != WriteFailures.GENERIC else (detail or "a write failed")
+    after = free_mib(ckpt_dir)
+    free = "free space unknown" if free_before is None or after is None else \
+        f"{free_before:.1f} MiB free, {after:.1f} MiB after removing the partial save"
+    latest = ckpt_dir / LATEST_FILE
+    intact = latest.read_text().strip() if latest.is_file() else ""
+    if intact and is_complete(ckpt_dir / intact):
+        kept = f"the last complete checkpoint {ckpt_dir / intact} is intact and {LATEST_FILE!r} names it"
+    else:
+        kept = "there is no earlier complete checkpoint"
+    return (f"saving checkpoint {tag} in {ckpt_dir} failed: {reason} ({free}); {kept}; "
+            f"free space there, then continue with --resume auto")
+
+
+def save(engine, ckpt_dir: Path, *, step: int, meta: dict, keep: int) -> Path:
+    """Collective: every rank calls it. Partial dir -> DeepSpeed files + per-rank RNG -> agree -> rank 0 writes
+    the meta (complete mark), renames into place, replaces `latest` atomically, deletes beyond the last `keep`.
+    A failed write on any rank: the partial dir is removed and every rank raises the same SpecError."""
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    ckpt_dir, tag = Path(ckpt_dir), tag_for(step)
+    partial, final = ckpt_dir / (PARTIAL_PREFIX + tag), ckpt_dir / tag
+    failures = WriteFailures()
+    if rank == 0:
+        failures.call(ckpt_dir.mkdir, parents=True, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)
+    dist.barrier()
+    client = {"step": step, "consumed_samples": meta["consumed_samples"], "data": meta["data"]}
+    with failures.deepspeed_writes(engine):
+        engine.save_checkpoint(str(ckpt_dir), tag=partial.name, client_state=client, save_latest=False)
+    failures.call(torch.save, rng_state(), partial / f"rng-rank{rank}.pt")
+    maybe_test_fail_write(failures, step)
+    maybe_test_kill(TEST_KILL_IN_SAVE, step)
+    raise_if_failed(failures, ckpt_dir=ckpt_dir, partial=partial, tag=tag)
+    if rank == 0:
+        failures.call(write_atomic, partial / META_FILE, json.dumps(meta, indent=2) + "\n")
+        if not failures.code:  # the same step may have been saved before (resumed from an older one)
+            failures.call(replace_dir, partial, final)
+        if not failures.code:
+            failures.call(write_atomic, ckpt_dir / LATEST_FILE, tag)
+        if not failures.code:
+            for p in to_delete(ckpt_dir, keep):
+                shutil.rmtree(p, ignore_errors=True)
+    raise_if_failed(failures, ckpt_dir=ckpt_dir, partial=partial, tag=tag)
+    return final
+
+
+def raise_if_failed(failures: WriteFailures, *, ckpt_dir: Path, partial: Path, tag: str) -> None:
+    """Collective: when any rank failed to write, rank 0 removes the partial save and every rank raises.
+    torch's writers report a full disk as a RuntimeError without errno (its text depends on where the write
+    stopped): counted as ENOSPC when the target's free space confirms it, else named by type and first line."""
+    import torch.distributed as dist
+
+    free_before = free_mib(ckpt_dir)
+    failures.confirm_full(free_before)
+    code = failures.agreed()
+    if not code:
+        return
+    if dist.get_rank() == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+    dist.barrier()
+    raise SpecError(save_failure_message(code=code, detail=failures.detail if failures.code == code else "",
+                                         ckpt_dir=ckpt_dir, tag=tag, free_before=free_before))
+
+
+def maybe_test_fail_write(failures: WriteFailures, step: int) -> None:
+    """Test-only hook: on rank TEST_FAIL_WRITE_RANK (default 1) record ENOSPC when env var TEST_FAIL_WRITE
+    equals `step` (simulates a full disk where a tmpfs cannot be mounted)."""
+    import torch.distributed as dist
+
+    if os.environ.get(TEST_FAIL_WRITE) == str(step) and \
+            str(dist.get_rank()) == os.environ.get(TEST_FAIL_WRITE_RANK, "1"):
+        failures.record(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
+
+
+def load(engine, path: Path, loader) -> dict:
+    """Collective: DeepSpeed state, data position and this rank's RNG from a complete checkpoint; returns meta.
+    Under another data-parallel size ZeRO-1/2/3 state is loaded through a universal checkpoint (dspipe.runtime.reshard)."""
+    import torch.distributed as dist
+
+    path = Path(path)
+    meta = read_meta(path)
+    dp = int(engine.dp_world_size)
+    if meta["dp"] != dp and engine.zero_optimization():
+        load_path = load_resharded(engine, path, saved_dp=meta["dp"], dp=dp)
+    else:
+        load_path, _ = engine.load_checkpoint(str(path.parent), tag=path.name)
+    if load_path is None:
+        raise SpecError(f"DeepSpeed could not load checkpoint {path}")
+    loader.load_state_dict(meta["data"])
+    restore_rng(path, meta=meta, seed=loader.seed, rank=dist.get_rank(), world=dist.get_world_size())
+    return meta
+
+
+def restore_rng(path: Path, *, meta: dict, seed: int, rank: int, world: int) -> None:
+    """This rank's saved RNG streams at the same world size; under another world size the saved per-rank
+    streams mean nothing, so each rank starts new ones derived from (seed, step, rank)."""
+    import random
+
+    import numpy as np
+    import torch
+
+    rng = Path(path) / f"rng-rank{rank}.pt"
+    if meta.get("world_size") == world and rng.is_file():
+        set_rng_state(torch.load(rng, weights_only=False))
+        return
+    derived = (seed * 1_000_003 + meta["step"] * 4099 + rank) % 2**31
+    random.seed(derived)
+    np.random.seed(derived)
+    torch.manual_seed(derived)
+
+
+def checkpoint_meta(run, *, step: int, loader, world: int) -> dict:
+    """What dspipe.json in a checkpoint holds: position, data state, the shape it was saved with, and the run's
+    whole resolved spec (the run directory's dspipe.json: model, cluster, train, strategy, plan, data)."""
+    return {"step": step, "consumed_samples": loader.consumed_samples, "data": loader.state_dict(),
+            "model": asdict(run.model), "pp": run.plan.pp, "zero_stage": run.plan.zero_stage, "dp": run.plan.dp,
+            "world_size": world, "run_spec": json.loads((run.path / SPEC_FILE).read_text())}
+
+
+def resume_point(run, resume: str | None) -> Path | None:
+    """The checkpoint to resume from, checked against the run; without --resume, refuse to overwrite checkpoints."""
+    if resume is None:
+        existing = complete_checkpoints(run.checkpoint_dir)
+        if existing:
+            raise SpecError(f"{run.checkpoint_dir} already holds checkpoints up to step {existing[-1][0]}; pass "
+                            f"--resume auto to continue (or delete that directory to start over)")
+        return None
+    path = find_checkpoint(run.checkpoint_dir, resume)
+    if path is not None:
+        check_compatible(read_meta(path), run, path)
+    return path

@@ -1,0 +1,180 @@
+"""`dspipe bench`: the run directory gen-config would write, trained for a few steps on random tokens by
+DeepSpeed's launcher on this machine's devices, optionally beside a plain-PyTorch reference (DDP + AdamW).
+
+The arithmetic and the report (table, markdown section) are plain functions of the ranks' JSON results
+(`dspipe.tools.bench_worker` writes them); only `run_side` starts processes. Imports no torch.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+from dspipe.tools.bench_worker import PHASES
+from dspipe.errors import SpecError
+from dspipe.planner.throughput import step_rates
+
+SIDES = ("dspipe", "reference")
+GIB = 2**30
+
+
+def summarize(ranks: list[dict], *, tokens_per_step: int, samples_per_step: int, steps: int, flops_per_token: float,
+              world_size: int, peak_tflops: float | None) -> dict:
+    """One side's figures from its ranks' results: the slowest rank sets the pace and the largest the memory."""
+    seconds = max(r["seconds"] for r in ranks)
+    out = step_rates(tokens=tokens_per_step * steps, samples=samples_per_step * steps, seconds=seconds,
+                     flops_per_token=flops_per_token, world_size=world_size, peak_tflops=peak_tflops)
+    out["step_time_s"] = seconds / steps
+    phases = [r["phases"] for r in ranks if r.get("phases")]
+    out["phases_s"] = {p: max(ph[p] for ph in phases) / steps for p in PHASES} if phases else None
+    for key in ("peak_allocated", "peak_reserved", "peak_rss"):
+        values = [r[key] for r in ranks if r.get(key) is not None]
+        out[key] = max(values) if values else None
+    out["first_loss"] = ranks[0]["first_loss"]
+    out["threads"] = ranks[0].get("threads")
+    out["engine"] = ranks[0].get("engine")
+    return out
+
+
+def ratio(dspipe: dict, reference: dict) -> float:
+    """dspipe tokens/s ÷ reference tokens/s (> 1: dspipe is faster)."""
+    return dspipe["tokens_per_s"] / reference["tokens_per_s"]
+
+
+def _ms(seconds: float | None) -> str:
+    return "n/a" if seconds is None else f"{seconds * 1000:,.1f}"
+
+
+def _gib(n: int | None) -> str:
+    return "n/a" if n is None else f"{n / GIB:.2f}"
+
+
+def figure_rows(sides: dict[str, dict]) -> list[tuple[str, list[str]]]:
+    """(label, one cell per side) for the table and the markdown section, in order."""
+    def cells(fn):
+        return [fn(s) for s in sides.values()]
+
+    def phase(p):
+        return lambda s: _ms(s["phases_s"][p]) if s["phases_s"] else "n/a"
+
+    return [
+        ("tokens/s", cells(lambda s: f"{s['tokens_per_s']:,.0f}")),
+        ("samples/s", cells(lambda s: f"{s['samples_per_s']:,.2f}")),
+        ("TFLOP/s per GPU", cells(lambda s: f"{s['tflops_per_gpu']:.4g}")),
+        ("MFU", cells(lambda s: "n/a" if s["mfu"] is None else f"{s['mfu'] * 100:.1f}%")),
+        ("step time (ms)", cells(lambda s: _ms(s["step_time_s"]))),
+        ("  forward (ms)", cells(phase("forward"))),
+        ("  backward + grad reduction (ms)", cells(phase("backward"))),
+        ("  optimizer step (ms)", cells(phase("step"))),
+        ("peak allocated (GiB)", cells(lambda s: _gib(s["peak_allocated"]))),
+        ("peak reserved (GiB)", cells(lambda s: _gib(s["peak_reserved"]))),
+        ("peak RSS per rank (GiB)", cells(lambda s: _gib(s["peak_rss"]))),
+        ("first-step loss", cells(lambda s: f"{s['first_loss']:.8f}")),
+    ]
+
+
+def comparison_lines(sides: dict[str, dict]) -> list[str]:
+    if "reference" not in sides:
+        return []
+    d, r = sides["dspipe"], sides["reference"]
+    return [f"dspipe / reference tokens/s: {ratio(d, r):.3f}",
+            f"first-step loss: dspipe {d['first_loss']:.8f}, reference {r['first_loss']:.8f}, "
+            f"difference {abs(d['first_loss'] - r['first_loss']):.2e}"]
+
+
+def format_table(sides: dict[str, dict], *, header: str) -> str:
+    rows = figure_rows(sides)
+    width = max(len(label) for label, _ in rows) + 2
+    cols = [max(len(name), *(len(c[i]) for _, c in rows)) + 2 for i, name in enumerate(sides)]
+    lines = [header, " " * width + "".join(name.rjust(w) for name, w in zip(sides, cols))]
+    lines += [label.ljust(width) + "".join(c.rjust(w) for c, w in zip(cells, cols)) for label, cells in rows]
+    return "\n".join(lines + comparison_lines(sides))
+
+
+def markdown_section(sides: dict[str, dict], *, date: str, device: str, versions: str, command: str,
+                     setup: str) -> str:
+    rows = figure_rows(sides)
+    lines = [f"### {date}: {device}", "", f"- command: `{command}`", f"- setup: {setup}", f"- versions: {versions}", "",
+             "| | " + " | ".join(sides) + " |", "|---|" + "---:|" * len(sides)]
+    lines += [f"| {label.strip()} | " + " | ".join(cells) + " |" for label, cells in rows]
+    extra = comparison_lines(sides)
+    return "\n".join(lines + ([""] + [f"{line}  " for line in extra] if extra else []) + [""])
+
+
+def append_section(path: Path, section: str) -> None:
+    """Append after a blank line; create the file (with a title) if it does not exist."""
+    path = Path(path)
+    if path.parent and not path.parent.is_dir():
+        raise SpecError(f"--append {path}: directory {path.parent} does not exist")
+    existing = path.read_text() if path.is_file() else "# dspipe benchmarks\n"
+    path.write_text(existing.rstrip("\n") + "\n\n" + section)
+
+
+def versions() -> str:
+    def v(name):
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+    return f"python {platform.python_version()}, torch {v('torch')}, deepspeed {v('deepspeed')}"
+
+
+def today() -> str:
+    return datetime.date.today().isoformat()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launcher_argv(*, ranks: int, run_dir: Path, side: str, warmup: int, steps: int, compile_: bool, out: Path,
+                  master_port: int) -> list[str]:
+    """DeepSpeed's launcher on this machine's `ranks` devices, running the worker module for one side."""
+    exe = shutil.which("deepspeed")
+    launcher = [exe] if exe else [sys.executable, "-m", "deepspeed.launcher.runner"]
+    return [*launcher, "--num_gpus", str(ranks), "--master_port", str(master_port), "--module",
+            "dspipe.tools.bench_worker", "--run", str(run_dir), "--side", side, "--warmup", str(warmup), "--steps",
+            str(steps), *(["--compile"] if compile_ else []), "--out", str(out)]
+
+
+def cpu_threads(*, ranks: int, cpus: int | None = None, env: dict | None = None) -> int | None:
+    """Threads per CPU rank: the usable cores shared out (OMP_NUM_THREADS wins when set). Left to torch, every rank
+    starts one OpenMP thread per core: ranks x cores spinning threads on the same cores, which measured 30-50x
+    slower per step on this repository's shared 2-core machine."""
+    env = os.environ if env is None else env
+    if env.get("OMP_NUM_THREADS"):
+        return None
+    cpus = cpus if cpus is not None else len(os.sched_getaffinity(0))
+    return max(1, cpus // ranks)
+
+
+def run_side(*, ranks: int, run_dir: Path, side: str, warmup: int, steps: int, compile_: bool, out: Path,
+             threads: int | None = None) -> list[dict]:
+    """Launch one side and return its ranks' results (one-line error when a rank fails). `threads`: set
+    OMP_NUM_THREADS for the ranks (CPU runs)."""
+    import json
+
+    argv = launcher_argv(ranks=ranks, run_dir=run_dir, side=side, warmup=warmup, steps=steps, compile_=compile_,
+                         out=out, master_port=free_port())
+    root = str(Path(__file__).resolve().parents[2])  # the ranks import this dspipe, installed or not
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))}
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    r = subprocess.run(argv, env=env, capture_output=True, text=True)
+    if os.environ.get("DSPIPE_VERBOSE"):
+        print(r.stdout + r.stderr, file=sys.stderr)
+    results = sorted(out.glob("rank*.json"))
+    if r.returncode or len(results) != ranks:
+        lines = [ln.strip() for ln in (r.stderr + r.stdout).splitlines() if ln.strip()]
+        errors = [ln for ln in lines if "Error" in ln or "error:" in ln] or lines
+        raise SpecError(f"{side} ranks failed (exit {r.returncode}, {len(results)} of {ranks} results): "
+                        f"{errors[-1] if errors else 'no output'} (DSPIPE_VERBOSE=1 shows the whole output)")
+    return [json.loads(p.read_text()) for p in results]

@@ -1,0 +1,392 @@
+"""A dspipe checkpoint -> one fp32 state dict (dspipe GPT names) -> a Hugging Face GPT-2 directory.
+
+Where the weights come from, by layout:
+
+    pp = 1, ZeRO 1-3    the fp32 master partitions in *_optim_states.pt, merged by DeepSpeed's own
+                        deepspeed.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint
+    pp > 1, ZeRO 0-1    the module weights in layer_XX-model_states.pt (the tied embedding is stored once,
+                        by layer 0), then per stage the fp32 master partitions of that stage's optimizer files
+                        (DeepSpeed's zero_to_fp32 merge, applied to one stage's files at a time)
+    bf16 ZeRO-1         DeepSpeed's BF16_Optimizer: fp32 partitions located by its saved param_slice_mappings
+    pp = 1, ZeRO 0      bf16/fp16: FP16_Optimizer's flat fp32 groups; fp32: the module weights in
+                        mp_rank_00_model_states.pt (they are the master weights)
+
+Nothing is written until the whole export is complete: a sibling temp directory renamed into place."""
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from dspipe.runtime import checkpoint as ckpt
+from dspipe.atomic import replace_dir
+from dspipe.errors import SpecError
+from dspipe.rundir import DS_CONFIG_FILE
+from dspipe.planner.spec import ModelSpec, from_dict
+
+LAYER_FILE = re.compile(r"^layer_(\d+)(?:-model_\d+)?-model_states\.pt$")  # -model_XX: tensor parallel only
+OPTIM_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+TIED_PREFIX = "tied_modules.embed."
+CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+GELU_TANH = "gelu_new"  # HF's name for 0.5x(1 + tanh(sqrt(2/pi)(x + 0.044715x^3))) = F.gelu(approximate="tanh")
+LAYER_NORM_EPS = 1e-5  # torch.nn.LayerNorm's default, which model.py uses
+
+
+# ---- which checkpoint ---------------------------------------------------------------------------------------------
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A complete checkpoint directory, or a run directory meaning its newest complete checkpoint."""
+    path = Path(path)
+    if not path.exists():
+        raise SpecError(f"{path} does not exist (give a checkpoint runs/NAME/checkpoints/global_stepN or a run "
+                        f"directory runs/NAME)")
+    if (path / DS_CONFIG_FILE).is_file():  # a run directory: dspipe.json + ds_config.json
+        ckpt_dir = path / "checkpoints"
+        latest = ckpt_dir / ckpt.LATEST_FILE
+        if latest.is_file() and not ckpt.is_complete(ckpt_dir / latest.read_text().strip()):
+            raise SpecError(f"{latest} names {latest.read_text().strip()!r}, which is missing or incomplete; "
+                            f"give a complete checkpoint under {ckpt_dir}")
+        found = ckpt.complete_checkpoints(ckpt_dir)
+        if not found:
+            raise SpecError(f"run {path} has no complete checkpoint under {ckpt_dir}")
+        return found[-1][1]
+    if not path.is_dir():
+        raise SpecError(f"{path} is not a directory (give a checkpoint or a run directory)")
+    if ckpt.is_complete(path):
+        return path
+    if path.name.startswith(ckpt.PARTIAL_PREFIX) or any(path.glob("*model_states.pt")):
+        raise SpecError(f"checkpoint {path} is incomplete (no {ckpt.META_FILE}: its save was interrupted); "
+                        f"use a complete one")
+    raise SpecError(f"{path} is neither a dspipe checkpoint (no {ckpt.META_FILE}) nor a run directory "
+                    f"(no {DS_CONFIG_FILE})")
+
+
+def model_spec(meta: dict) -> ModelSpec:
+    return from_dict(ModelSpec, meta["model"])
+
+
+def tokenizer_dir(checkpoint: Path) -> Path:
+    """The run's prepared data holds the tokenizer (DATA/tokenizer); the run is runs/NAME/checkpoints/TAG/../.."""
+    from dspipe.data import TOKENIZER_DIR
+    from dspipe.rundir import load_run
+
+    run_dir = Path(checkpoint).resolve().parent.parent
+    if not (run_dir / DS_CONFIG_FILE).is_file():
+        raise SpecError(f"cannot find the tokenizer of checkpoint {checkpoint}: {run_dir} is not its run directory "
+                        f"(the run's dspipe.json names the data directory holding the tokenizer)")
+    data = load_run(run_dir).data
+    tok = Path(data) / TOKENIZER_DIR
+    if not (tok / "tokenizer.json").is_file() and not (tok / "tokenizer_config.json").is_file():
+        raise SpecError(f"tokenizer not found: {tok} (the data directory of run {run_dir} is {data}); "
+                        f"prepare it again with 'dspipe prepare-data --out {data}'")
+    return tok
+
+
+def load_tokenizer(path: Path):
+    """AutoTokenizer from a local directory, quietly (no progress bars or hub lookups)."""
+    from transformers import AutoTokenizer
+
+    quiet_transformers()
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError) as e:
+        raise SpecError(f"cannot load the tokenizer in {path}: {' '.join(str(e).split())[:300]}") from None
+
+
+def quiet_transformers() -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+# ---- consolidation ------------------------------------------------------------------------------------------------
+
+def _quiet():
+    """DeepSpeed's zero_to_fp32 prints its progress (and tqdm bars); keep the console for what dspipe prints."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(contextlib.redirect_stdout(io.StringIO()))
+    stack.enter_context(contextlib.redirect_stderr(io.StringIO()))
+    return stack
+
+
+def _import_deepspeed() -> None:
+    """DeepSpeed logs to stdout from import on (e.g. 'Setting accelerator to CPU'); `generate` prints only text."""
+    if "deepspeed" in sys.modules:
+        return
+    import logging
+
+    with _quiet():
+        import deepspeed.utils.zero_to_fp32  # noqa: F401
+        from deepspeed.utils import logger
+    for handler in logger.handlers:
+        if isinstance(handler, logging.StreamHandler):
+            handler.setStream(sys.stderr)
+
+
+def _load(path: Path, *, mmap: bool = False) -> dict:
+    import torch
+
+    return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
+
+
+def _pipeline_name(name: str, *, layers: int) -> str:
+    """PipelineModule parameter name ('3.ln_1.weight', 'tied_modules.embed.wte.weight') -> GPT name."""
+    if name.startswith(TIED_PREFIX):
+        return "embed." + name[len(TIED_PREFIX):]
+    index, rest = name.split(".", 1)
+    return _layer_prefix(int(index), layers=layers) + rest
+
+
+def _layer_prefix(index: int, *, layers: int) -> str:
+    """Pipeline layer index -> GPT module prefix: embedding, blocks 1..L, final norm, untied head."""
+    if index == 0:
+        return "embed."
+    if 1 <= index <= layers:
+        return f"h.{index - 1}."
+    if index == layers + 1:
+        return "final."
+    if index == layers + 2:
+        return "lm_head."
+    raise SpecError(f"pipeline layer {index} does not exist in a {layers}-layer model")
+
+
+def _optim_files(checkpoint: Path) -> dict[int, list[Path]]:
+    """Optimizer partition files per model-parallel (pipeline stage) rank, in data-parallel rank order."""
+    stages: dict[int, list[tuple[int, Path]]] = {}
+    for p in checkpoint.iterdir():
+        if m := OPTIM_FILE.match(p.name):
+            stages.setdefault(int(m.group(2)), []).append((int(m.group(1)), p))
+    return {s: [p for _, p in sorted(files)] for s, files in sorted(stages.items())}
+
+
+def _master_from_zero_files(*, model_file: Path, optim_files: list[Path], checkpoint: Path) -> dict:
+    """DeepSpeed's zero_to_fp32 merge applied to one pipeline stage's files (its public entry point reads every
+    file in the directory, and its parse_model_states expects the module weights in the file)."""
+    from deepspeed.utils import zero_to_fp32 as z
+
+    sd = _load(model_file)  # a pipeline stage's model states: no module (the layer files hold it), no buffers
+    states = [z.zero_model_state(buffers={}, param_shapes=sd["param_shapes"],
+                                 shared_params=[[k, v] for k, v in sd["shared_params"].items()],
+                                 ds_version=sd.get("ds_version"), frozen_param_shapes=sd.get("frozen_param_shapes"),
+                                 frozen_param_fragments=sd.get("frozen_param_fragments"))]
+    with _quiet():
+        stage, world, groups, paddings = z.parse_optim_states([str(p) for p in optim_files], str(checkpoint))
+        if stage <= 2:
+            sd = z._get_fp32_state_dict_from_zero2_checkpoint(world, groups, states, False, paddings)
+        else:
+            sd = z._get_fp32_state_dict_from_zero3_checkpoint(world, groups, states, False)
+    return z.to_torch_tensor(sd)
+
+
+def _master_from_bf16_optimizer(optim_files: list[Path]) -> dict:
+    """BF16_Optimizer (bf16 + ZeRO-1): each rank's fp32 partition per group, and where each parameter's fragment
+    lies in it (param_slice_mappings: name -> (numel, start)); a parameter is its fragments in rank order."""
+    from deepspeed.checkpoint.constants import (OPTIMIZER_STATE_DICT, PARAM_SLICE_MAPPINGS,
+                                                SINGLE_PARTITION_OF_FP32_GROUPS)
+    import torch
+
+    pieces: dict[str, list] = {}
+    for f in optim_files:
+        state = _load(f)[OPTIMIZER_STATE_DICT]
+        for flat, mapping in zip(state[SINGLE_PARTITION_OF_FP32_GROUPS], state[PARAM_SLICE_MAPPINGS]):
+            for name, frag in mapping.items():
+                pieces.setdefault(name, []).append(flat.narrow(0, frag.start, frag.numel).float())
+    return {name: torch.cat(parts) for name, parts in pieces.items()}  # flat; reshaped against the module weights
+
+
+def _master_from_fp16_optimizer(checkpoint: Path) -> dict:
+    """ZeRO-0 with bf16/fp16 (DeepSpeed's FP16_Optimizer): one flat fp32 copy per parameter group, in the model
+    states file. The groups are train.param_groups: matrices and embeddings, then 1-d tensors, in module order."""
+    path = checkpoint / "mp_rank_00_model_states.pt"
+    if not path.is_file():
+        return {}
+    sd = _load(path)
+    flats = (sd.get("optimizer") or {}).get("fp32_groups_flat")
+    module = sd.get("module") or {}
+    if not flats or not module:
+        return {}
+    groups = [[n for n, t in module.items() if t.dim() >= 2], [n for n, t in module.items() if t.dim() < 2]]
+    out = {}
+    for names, flat in zip(groups, flats):
+        offset = 0
+        for n in names:
+            out[n] = flat.narrow(0, offset, module[n].numel()).view(module[n].shape)
+            offset += module[n].numel()
+        if offset != flat.numel():
+            raise SpecError(f"checkpoint {checkpoint}: the fp32 copy holds {flat.numel()} values for parameters "
+                            f"of {offset}")
+    return out
+
+
+def _master(checkpoint: Path, *, pp: int, model_file_for_stage) -> dict:
+    """fp32 master weights (names as the engine's module has them) from the optimizer files, or {} if none."""
+    from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT, ZERO_STAGE
+
+    if pp == 1 and not _optim_files(checkpoint):
+        return _master_from_fp16_optimizer(checkpoint)
+    merged: dict = {}
+    for stage, files in _optim_files(checkpoint).items():
+        probe = _load(files[0], mmap=True)[OPTIMIZER_STATE_DICT]  # mapped: only its keys are read
+        if ZERO_STAGE in probe and pp == 1:
+            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+            with _quiet():
+                part = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint.parent), tag=checkpoint.name)
+        elif ZERO_STAGE in probe:
+            part = _master_from_zero_files(model_file=model_file_for_stage(stage), optim_files=files,
+                                           checkpoint=checkpoint)
+        else:
+            part = _master_from_bf16_optimizer(files)
+        for name, t in part.items():
+            merged.setdefault(name, t)  # a tied embedding appears in the first and the last stage: equal copies
+    return merged
+
+
+def _module_weights(checkpoint: Path, *, pp: int, layers: int) -> dict:
+    """The module's own weights (bf16 in bf16 runs; empty placeholders under ZeRO-3), GPT names."""
+    if pp == 1:
+        sd = _load(checkpoint / "mp_rank_00_model_states.pt") if (checkpoint / "mp_rank_00_model_states.pt").is_file() \
+            else {}
+        return dict(sd.get("module") or {})
+    out = {}
+    for p in sorted(checkpoint.iterdir()):
+        if m := LAYER_FILE.match(p.name):
+            prefix = _layer_prefix(int(m.group(1)), layers=layers)
+            out.update({prefix + k: v for k, v in _load(p).items()})
+    return out
+
+
+def consolidate(checkpoint: Path, *, meta: dict) -> dict:
+    """One fp32 state dict with dspipe GPT names: the fp32 master weights where the checkpoint has them, else the
+    module weights. Shapes and names are checked when the dict is loaded into a model (strict)."""
+    import torch
+
+    _import_deepspeed()
+    spec, pp = model_spec(meta), int(meta["pp"])
+    module = _module_weights(checkpoint, pp=pp, layers=spec.layers)
+
+    def model_file(stage: int) -> Path:  # pipelines run ZeRO 0-1: one model-states file per stage
+        return checkpoint / f"mp_rank_{stage:02d}_model_states.pt"
+
+    try:
+        raw = _master(checkpoint, pp=pp, model_file_for_stage=model_file)
+    except (OSError, KeyError, ValueError, RuntimeError) as e:
+        raise SpecError(f"checkpoint {checkpoint}: cannot merge the fp32 master weights: "
+                        f"{' '.join(str(e).split())[:300]}") from None
+    master = {(name if pp == 1 else _pipeline_name(name, layers=spec.layers)): t for name, t in raw.items()}
+    if not master and not module:
+        raise SpecError(f"checkpoint {checkpoint} holds no model weights (no mp_rank_00_model_states.pt, layer_*, "
+                        f"or *_optim_states.pt files)")
+    if not master and any(t.dtype != torch.float32 for t in module.values()):
+        print(f"note: {checkpoint} has no fp32 master weights; using its "
+              f"{next(iter(module.values())).dtype} module weights", file=sys.stderr)
+    out = {}
+    for name in sorted(set(module) | set(master)):
+        t = master.get(name)
+        if t is None:
+            t = module[name]
+        elif name in module and module[name].numel() == t.numel() and module[name].dim() > 0:
+            t = t.reshape(module[name].shape)  # BF16_Optimizer fragments are flat
+        out[name] = t.detach().float().contiguous()
+    if spec.tied_embeddings:
+        out.pop("lm_head.weight", None)
+    return out
+
+
+def load_gpt(checkpoint: Path, *, meta: dict):
+    """dspipe's GPT holding the consolidated weights, in eval mode."""
+    from dspipe.model.gpt import GPT
+
+    spec = model_spec(meta)
+    model = GPT(spec, seed=0)
+    _load_strict(model, consolidate(checkpoint, meta=meta), checkpoint)
+    return model.eval()
+
+
+def _load_strict(model, state: dict, source) -> None:
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as e:
+        raise SpecError(f"checkpoint {source} does not match its model shape: {' '.join(str(e).split())[:300]}") \
+            from None
+
+
+# ---- Hugging Face GPT-2 -------------------------------------------------------------------------------------------
+
+def hf_config(spec: ModelSpec, *, eos_id: int | None):
+    from transformers import GPT2Config
+
+    return GPT2Config(vocab_size=spec.vocab, n_positions=spec.seq_len, n_embd=spec.hidden, n_layer=spec.layers,
+                      n_head=spec.heads, n_inner=spec.ffn, activation_function=GELU_TANH,
+                      resid_pdrop=spec.dropout, embd_pdrop=spec.dropout, attn_pdrop=spec.dropout,
+                      layer_norm_epsilon=LAYER_NORM_EPS, tie_word_embeddings=spec.tied_embeddings,
+                      bos_token_id=eos_id, eos_token_id=eos_id, architectures=["GPT2LMHeadModel"])
+
+
+def to_hf_state_dict(state: dict, *, tied: bool) -> dict:
+    """dspipe GPT names -> GPT2LMHeadModel names; Linear (out, in) weights -> Conv1D (in, out)."""
+    out = {}
+    for name, t in state.items():
+        if name.startswith("embed."):
+            key = "transformer." + name[len("embed."):]
+        elif name.startswith("h."):
+            key = "transformer." + name
+            if name.split(".", 2)[2] in CONV1D:
+                t = t.t()
+        elif name.startswith("final."):
+            key = "transformer." + name[len("final."):]
+        elif name == "lm_head.weight":
+            key = name
+        else:
+            raise SpecError(f"unexpected parameter {name} in the consolidated checkpoint")
+        out[key] = t.contiguous()
+    if tied:
+        out["lm_head.weight"] = out["transformer.wte.weight"]
+    return out
+
+
+def hf_model(state: dict, spec: ModelSpec, *, eos_id: int | None, source):
+    """GPT2LMHeadModel holding `state` (dspipe names), every weight checked (strict)."""
+    import torch
+    from transformers import GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(hf_config(spec, eos_id=eos_id)).to(torch.float32)
+    converted = to_hf_state_dict(state, tied=spec.tied_embeddings)
+    missing, unexpected = model.load_state_dict(converted, strict=False)
+    missing = [k for k in missing if not k.endswith("attn.bias") and not k.endswith("attn.masked_bias")]
+    if missing or unexpected:
+        raise SpecError(f"checkpoint {source} does not map onto GPT-2: missing {missing[:5]}, unexpected "
+                        f"{unexpected[:5]}")
+    return model.eval()
+
+
+def export_hf(*, source: str | Path, out: str | Path, force: bool = False) -> Path:
+    """Write a GPT2LMHeadModel directory (safetensors) with the run's tokenizer; returns the checkpoint used."""
+    out = Path(out)
+    if out.exists() and not force:
+        raise SpecError(f"{out} already exists (pass --force to replace it)")
+    checkpoint = resolve_checkpoint(source)
+    meta = ckpt.read_meta(checkpoint)
+    tok_dir = tokenizer_dir(checkpoint)
+    tokenizer = load_tokenizer(tok_dir)
+    spec = model_spec(meta)
+    if len(tokenizer) > spec.vocab:
+        raise SpecError(f"tokenizer {tok_dir} has {len(tokenizer)} tokens, more than the model's vocab {spec.vocab}")
+    model = hf_model(consolidate(checkpoint, meta=meta), spec, eos_id=tokenizer.eos_token_id, source=checkpoint)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        tokenizer.save_pretrained(str(tmp))
+        for f in tmp.iterdir():
+            f.chmod(0o644)
+        tmp.chmod(0o755)
+        replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return checkpoint

@@ -1,0 +1,120 @@
+"""Text from a trained model: one sampling loop, fed by a dspipe checkpoint (its weights consolidated into dspipe's
+GPT, the tokenizer from the run's data) or by an exported Hugging Face directory (AutoModelForCausalLM)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from dspipe.errors import SpecError
+
+HF_CONFIG = "config.json"
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """temperature 0 = greedy; top_k 0 = the whole vocabulary; a seeded generator makes a run repeatable."""
+
+    max_tokens: int = 50
+    temperature: float = 1.0
+    top_k: int = 50
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.max_tokens < 1:
+            raise SpecError(f"--max-tokens must be at least 1, got {self.max_tokens}")
+        if not self.temperature >= 0:
+            raise SpecError(f"--temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise SpecError(f"--top-k must be >= 0 (0 = no limit), got {self.top_k}")
+
+
+@dataclass(frozen=True)
+class Model:
+    """What the loop needs: ids (1, t) -> logits (1, t, V), the context length, the tokenizer."""
+
+    logits: Callable
+    context: int
+    tokenizer: object
+
+
+def next_token(logits, *, sampling: Sampling, generator) -> int:
+    """One token from the last position's logits (1-d, float)."""
+    import torch
+
+    if sampling.temperature == 0:
+        return int(torch.argmax(logits))
+    logits = logits / sampling.temperature
+    if 0 < sampling.top_k < logits.numel():
+        kth = torch.topk(logits, sampling.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def sample(model: Model, prompt_ids: list[int], *, sampling: Sampling) -> list[int]:
+    """The new token ids: stop at EOS (not included) or after max_tokens; the context is cropped to its length."""
+    import torch
+
+    tok = model.tokenizer
+    eos, vocab = tok.eos_token_id, len(tok)  # never sample ids the tokenizer cannot decode (a padded vocab)
+    ids = list(prompt_ids) or [eos]  # an empty prompt starts from a document boundary
+    generator = torch.Generator().manual_seed(sampling.seed)
+    new: list[int] = []
+    with torch.inference_mode():
+        for _ in range(sampling.max_tokens):
+            window = torch.tensor([ids[-model.context:]], dtype=torch.long)
+            logits = model.logits(window)[0, -1, :vocab].float()
+            token = next_token(logits, sampling=sampling, generator=generator)
+            if token == eos:
+                break
+            ids.append(token)
+            new.append(token)
+    return new
+
+
+def is_hf_dir(path: Path) -> bool:
+    from dspipe.runtime.checkpoint import META_FILE
+
+    return (path / HF_CONFIG).is_file() and not (path / META_FILE).is_file()
+
+
+def load_model(source: str | Path) -> Model:
+    path = Path(source)
+    if path.is_dir() and is_hf_dir(path):
+        return _load_hf(path)
+    return _load_checkpoint(path)
+
+
+def _load_hf(path: Path) -> Model:
+    from transformers import AutoModelForCausalLM
+
+    from dspipe.tools.export import load_tokenizer, quiet_transformers
+
+    quiet_transformers()
+    tokenizer = load_tokenizer(path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path)).eval()
+    except (OSError, ValueError) as e:
+        raise SpecError(f"cannot load the Hugging Face model in {path}: {' '.join(str(e).split())[:300]}") from None
+    context = getattr(model.config, "n_positions", None) or model.config.max_position_embeddings
+    return Model(logits=lambda ids: model(ids).logits, context=context, tokenizer=tokenizer)
+
+
+def _load_checkpoint(path: Path) -> Model:
+    from dspipe.runtime import checkpoint as ckpt
+    from dspipe.tools.export import load_gpt, load_tokenizer, resolve_checkpoint, tokenizer_dir
+
+    checkpoint = resolve_checkpoint(path)
+    meta = ckpt.read_meta(checkpoint)
+    tokenizer = load_tokenizer(tokenizer_dir(checkpoint))
+    gpt = load_gpt(checkpoint, meta=meta)
+    return Model(logits=gpt, context=gpt.spec.seq_len, tokenizer=tokenizer)
+
+
+def generate(*, source: str | Path, prompt: str, sampling: Sampling) -> str:
+    """The prompt followed by the sampled continuation, decoded."""
+    model = load_model(source)
+    prompt_ids = model.tokenizer.encode(prompt, add_special_tokens=False)
+    new = sample(model, prompt_ids, sampling=sampling)
+    return prompt + model.tokenizer.decode(new)

@@ -1,0 +1,329 @@
+"""`dspipe report runs/NAME`: a trained (or training) run's metrics against its plan, as PNG plots and report.md.
+
+Reads runs/NAME/metrics.csv (dspipe.metrics.STEP_COLUMNS, one row per optimizer step, rank 0), val_metrics.csv
+(VAL_COLUMNS, optional) and the planner's estimate in dspipe.json. Measured throughput is the median over the steps
+after the first WARMUP_STEPS (compilation, allocator and communicator warm-up); peak memory is the largest
+mem_allocated_gib (a peak since start on rank 0). Plots go through matplotlib's Figure API (Agg canvas, no pyplot,
+no display). The report directory is written beside its destination, then renamed into place. Imports no torch.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import shutil
+import statistics
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from dspipe.atomic import replace_dir
+from dspipe.errors import SpecError
+from dspipe.planner.estimate import GIB
+from dspipe.planner.throughput import STEP_COLUMNS, VAL_COLUMNS, perplexity
+from dspipe.rundir import SPEC_FILE, VAL_FILE, Run, load_run
+
+WARMUP_STEPS = 3
+"""Leading steps left out of the throughput, MFU and step-time medians (when more steps than that exist)."""
+FINAL_WINDOW = 10
+"""Last steps averaged into the final training loss."""
+REPORT_FILE = "report.md"
+PLOTS = {"loss": "loss.png", "throughput": "throughput.png", "lr": "lr.png"}
+_INT_COLUMNS = {"step", "tokens", "skipped"}
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What the metrics say, reduced to the figures the report shows (None: not measured / n/a)."""
+
+    first_step: int
+    last_step: int
+    rows: int
+    tokens: int
+    warmup: int
+    """Rows left out of the medians."""
+    steady_from: int
+    """First step the medians count."""
+    final_loss: float
+    final_window: int
+    skipped: int
+    tokens_per_s: float | None
+    mfu: float | None
+    step_time_s: float | None
+    mem_allocated_gib: float | None
+    mem_reserved_gib: float | None
+    best_val: dict | None
+    final_val: dict | None
+
+
+def _parse(value: str | None, column: str, where: str):
+    if value is None or value.strip() == "":
+        return None
+    try:
+        return int(value) if column in _INT_COLUMNS else float(value)
+    except ValueError:
+        raise SpecError(f"{where}: {column} {value!r} is not a number") from None
+
+
+def read_csv(path: Path, *, columns: tuple[str, ...], required: tuple[str, ...]) -> list[dict]:
+    """Rows sorted by step, one per step (a later row for a step replaces an earlier one, as after a resume).
+    Columns of `columns` that the file lacks read as None; a truncated last line (a write in progress) is dropped."""
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            header = reader.fieldnames or []
+            missing = [c for c in required if c not in header]
+            if header and missing:
+                raise SpecError(f"{path}: no column {', '.join(missing)} in the header "
+                                f"(expected {','.join(columns)})")
+            raw = [(reader.line_num, row) for row in reader]
+    except (UnicodeDecodeError, csv.Error) as e:
+        raise SpecError(f"{path} is not a readable CSV file: {' '.join(str(e).split())}") from None
+    by_step: dict[int, dict] = {}
+    for i, (line, row) in enumerate(raw):
+        if None in row.values() and i == len(raw) - 1:
+            break  # fewer fields than the header: the runner is writing this line right now
+        parsed = {c: _parse(row.get(c), c, f"{path}:{line}") for c in columns}
+        if any(parsed[c] is None for c in required):
+            raise SpecError(f"{path}:{line}: empty {', '.join(c for c in required if parsed[c] is None)}")
+        by_step[parsed["step"]] = parsed
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def read_metrics(run: Run) -> tuple[list[dict], list[dict]]:
+    """(step rows, validation rows); one-line errors when there is nothing to report yet."""
+    path = run.metrics_path
+    if not path.is_file():
+        raise SpecError(f"{path} does not exist: no step of {run.path} has finished yet "
+                        f"(start it with 'deepspeed run.py --run {run.path}')")
+    steps = read_csv(path, columns=STEP_COLUMNS, required=("step", "loss"))
+    if not steps:
+        raise SpecError(f"{path} has no rows: no step of {run.path} has finished yet")
+    for row in steps:  # a runner older than the tokens column: the global batch is fixed, so tokens = step x batch
+        if row["tokens"] is None:
+            row["tokens"] = row["step"] * run.plan.tokens_per_step
+    val_path = run.val_metrics_path
+    val = read_csv(val_path, columns=VAL_COLUMNS, required=("step", "val_loss")) if val_path.is_file() else []
+    for row in val:
+        if row["tokens"] is None:
+            row["tokens"] = row["step"] * run.plan.tokens_per_step
+        if row["val_ppl"] is None:
+            row["val_ppl"] = perplexity(row["val_loss"])
+    return steps, val
+
+
+def _values(rows: list[dict], column: str) -> list[float]:
+    return [r[column] for r in rows if r[column] is not None and math.isfinite(r[column])]
+
+
+def _median(rows: list[dict], column: str) -> float | None:
+    values = _values(rows, column)
+    return statistics.median(values) if values else None
+
+
+def measure(steps: list[dict], val: list[dict]) -> Measured:
+    warmup = WARMUP_STEPS if len(steps) > WARMUP_STEPS else 0
+    steady = steps[warmup:]
+    last = steps[-FINAL_WINDOW:]
+    losses = _values(last, "loss")
+    allocated, reserved = _values(steps, "mem_allocated_gib"), _values(steps, "mem_reserved_gib")
+    finite_val = [r for r in val if math.isfinite(r["val_loss"])]
+    return Measured(
+        first_step=steps[0]["step"], last_step=steps[-1]["step"], rows=len(steps), tokens=steps[-1]["tokens"],
+        warmup=warmup, steady_from=steady[0]["step"],
+        final_loss=statistics.fmean(losses) if losses else float("nan"), final_window=len(last),
+        skipped=sum(r["skipped"] or 0 for r in steps), tokens_per_s=_median(steady, "tokens_per_s"),
+        mfu=_median(steady, "mfu"), step_time_s=_median(steady, "step_time_s"),
+        mem_allocated_gib=max(allocated) if allocated else None, mem_reserved_gib=max(reserved) if reserved else None,
+        best_val=min(finite_val, key=lambda r: r["val_loss"]) if finite_val else None,
+        final_val=val[-1] if val else None)
+
+
+# ---------------------------------------------------------------------------------------------------- plots
+
+
+def _figure():
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8, 4.5), dpi=110, layout="constrained")
+    return fig, fig.add_subplot()
+
+
+def plot_loss(steps: list[dict], val: list[dict], path: Path) -> None:
+    from matplotlib.ticker import EngFormatter
+
+    fig, ax = _figure()
+    train = [r for r in steps if r["loss"] is not None and math.isfinite(r["loss"])]
+    ax.plot([r["tokens"] for r in train], [r["loss"] for r in train], lw=1, color="tab:blue", label="train loss")
+    if val:
+        ax.plot([r["tokens"] for r in val], [r["val_loss"] for r in val], "o-", ms=4, color="tab:orange",
+                label="validation loss")
+    ax.xaxis.set_major_formatter(EngFormatter())
+    ax.set(xlabel="tokens trained", ylabel="loss (nats/token)", title="Loss vs. tokens")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.savefig(path)
+
+
+def plot_throughput(steps: list[dict], measured: Measured, predicted: float | None, path: Path) -> None:
+    from matplotlib.ticker import StrMethodFormatter
+
+    fig, ax = _figure()
+    rows = [r for r in steps if r["tokens_per_s"] is not None]
+    ax.plot([r["step"] for r in rows], [r["tokens_per_s"] for r in rows], lw=1, color="tab:blue", label="tokens/s")
+    if measured.tokens_per_s is not None:
+        ax.axhline(measured.tokens_per_s, ls=":", color="tab:blue",
+                   label=f"median after warm-up {measured.tokens_per_s:,.0f}")
+    title = "Throughput"
+    if predicted is not None:
+        top = max((r["tokens_per_s"] for r in rows), default=0.0)
+        if predicted <= 2 * top:  # a far-off prediction would flatten the measured curve: give it in the title
+            ax.axhline(predicted, ls="--", color="tab:gray", label=f"planner {predicted:,.0f}")
+        title += f" (planner predicts {predicted:,.0f} tokens/s)"
+    ax.set(xlabel="step", ylabel="tokens/s (whole job)", title=title)
+    ax.yaxis.set_major_formatter(StrMethodFormatter("{x:,.0f}"))
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    handles, labels = ax.get_legend_handles_labels()
+    mfu = [r for r in steps if r["mfu"] is not None]
+    if mfu:
+        ax2 = ax.twinx()
+        ax2.plot([r["step"] for r in mfu], [r["mfu"] * 100 for r in mfu], lw=1, color="tab:red", label="MFU")
+        ax2.set_ylabel("MFU (%)", color="tab:red")
+        ax2.set_ylim(bottom=0)
+        h2, l2 = ax2.get_legend_handles_labels()
+        handles, labels = handles + h2, labels + l2
+    ax.legend(handles, labels, loc="lower right")
+    fig.savefig(path)
+
+
+def plot_lr(steps: list[dict], path: Path) -> None:
+    fig, ax = _figure()
+    rows = [r for r in steps if r["lr"] is not None]
+    ax.plot([r["step"] for r in rows], [r["lr"] for r in rows], lw=1.5, color="tab:green")
+    ax.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
+    ax.set(xlabel="step", ylabel="learning rate", title="Learning rate schedule")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    fig.savefig(path)
+
+
+# ---------------------------------------------------------------------------------------------------- report.md
+
+
+def _or_na(value, fmt: str) -> str:
+    return "n/a" if value is None else format(value, fmt)
+
+
+def _percent(fraction: float | None) -> str:
+    return "n/a" if fraction is None else f"{fraction * 100:.1f}%"
+
+
+def _ratio(measured: float | None, predicted: float | None) -> str:
+    return f"{measured / predicted:.2f}" if measured is not None and predicted else "n/a"
+
+
+def render_markdown(run: Run, *, estimate: dict, engine: dict | None, m: Measured) -> str:
+    model, plan, cluster = run.model, run.plan, run.cluster
+    steady = (f"median of steps {m.steady_from}-{m.last_step}" if m.warmup
+              else f"median of all {m.rows} steps (too few to drop a warm-up)")
+    engine_line = ("not written yet (the runner writes engine.json once the engine is up)" if engine is None else
+                   f"ZeRO-{engine.get('zero_stage')}, dp {engine.get('dp')} x pp {engine.get('pp')}, "
+                   f"{engine.get('backend')}, {engine.get('wrapper_optimizer')} / {engine.get('base_optimizer')}, "
+                   f"world {engine.get('world_size')} (engine.json)")
+    lines = [
+        f"# Run report: {run.path.name}", "",
+        f"Run directory `{run.path}`: {m.rows} steps ({m.first_step}-{m.last_step}), {m.tokens:,} tokens.", "",
+        "## Configuration", "", "| | |", "|---|---|",
+        f"| model | {model.name}: {plan.num_params / 1e6:,.2f}M params (L{model.layers} h{model.hidden} "
+        f"a{model.heads} s{model.seq_len} V{model.vocab}) |",
+        f"| world | {plan.world_size} = dp {plan.dp} x pp {plan.pp} ({cluster.nodes} node(s) x "
+        f"{cluster.gpus_per_node} {cluster.gpu}) |",
+        f"| ZeRO | stage {plan.zero_stage}, offload {plan.offload}{' + parameters' if plan.offload_params else ''} |",
+        f"| precision | {plan.precision} (gradient accumulation in {plan.grad_accum_dtype}) |",
+        f"| recomputation | {plan.checkpointing} |",
+        f"| batch | global {plan.global_batch} = micro {plan.micro_batch} x GA {plan.grad_accum} x dp {plan.dp} "
+        f"({plan.tokens_per_step:,} tokens/step) |",
+        f"| schedule | {run.train.steps} steps, peak lr {run.train.lr:g}, warmup {run.train.warmup_steps} |",
+        f"| live engine | {engine_line} |",
+        "", "## Plan vs. measured", "",
+        "| per GPU / job | predicted | measured | measured / predicted |", "|---|---|---|---|",
+    ]
+    mem = estimate.get("memory_per_gpu_bytes", {}).get("total")
+    mem_gib = None if mem is None else mem / GIB
+    reserved = "" if m.mem_reserved_gib is None else f" (reserved {m.mem_reserved_gib:.3f})"
+    lines.append(f"| peak memory per GPU (GiB) | {_or_na(mem_gib, '.3f')} | max allocated "
+                 f"{_or_na(m.mem_allocated_gib, '.3f')}{reserved} | {_ratio(m.mem_allocated_gib, mem_gib)} |")
+    tps = estimate.get("tokens_per_s")
+    lines.append(f"| tokens/s (job) | {_or_na(tps, ',.0f')} | {_or_na(m.tokens_per_s, ',.0f')} ({steady}) | "
+                 f"{_ratio(m.tokens_per_s, tps)} |")
+    mfu = estimate.get("mfu")
+    lines.append(f"| MFU | {_percent(mfu)} | "
+                 f"{'n/a (no peak FLOP/s for this device)' if m.mfu is None else _percent(m.mfu)} | "
+                 f"{_ratio(m.mfu, mfu)} |")
+    step_time = estimate.get("step_time_s")
+    lines.append(f"| step time (s) | {_or_na(step_time, '.4g')} | {_or_na(m.step_time_s, '.4g')} | "
+                 f"{_ratio(m.step_time_s, step_time)} |")
+    if cluster.gpu == "cpu":
+        lines += ["", "On the `cpu` type the measured memory is the host RSS of rank 0 (DeepSpeed's CPU accelerator), "
+                      "Python and torch included, and the predictions use the catalog's nominal `cpu` figures: "
+                      "compare trends, not absolute values."]
+    lines += ["", "## Results", "",
+              f"- final train loss: {m.final_loss:.4f} (mean of the last {m.final_window} steps, "
+              f"ppl {perplexity(m.final_loss):.2f})" if math.isfinite(m.final_loss) else
+              "- final train loss: n/a (no finite loss in the last steps)"]
+    if m.best_val is None:
+        lines.append(f"- validation: none ({VAL_FILE} absent or empty)")
+    else:
+        b, f = m.best_val, m.final_val
+        lines.append(f"- best validation loss: {b['val_loss']:.4f} (ppl {b['val_ppl']:.2f}) at step {b['step']}, "
+                     f"{b['tokens']:,} tokens")
+        lines.append(f"- final validation loss: {f['val_loss']:.4f} (ppl {f['val_ppl']:.2f}) at step {f['step']}")
+    lines.append(f"- skipped steps (optimizer step skipped, e.g. fp16 overflow): {m.skipped}")
+    lines += ["", "## Plots", "",
+              f"![training and validation loss vs. tokens]({PLOTS['loss']})", "",
+              f"![tokens/s and MFU vs. step]({PLOTS['throughput']})", "",
+              f"![learning rate vs. step]({PLOTS['lr']})", ""]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------- writing
+
+
+def _check_out(out: Path) -> None:
+    """Only a previous report (or an empty directory) is replaced: never the run directory or anything else."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise SpecError(f"--out {out} is a file, not a report directory")
+    if any(out.iterdir()) and not (out / REPORT_FILE).is_file():
+        raise SpecError(f"--out {out} exists and is not a report directory (no {REPORT_FILE}); "
+                        f"choose a new or empty directory")
+
+
+def write_report(run_path: str | Path, *, out: str | Path | None = None) -> tuple[Path, Measured]:
+    """Write report.md and the plots into `out` (default runs/NAME/report) atomically; returns (out, figures)."""
+    run = load_run(run_path)
+    estimate = json.loads((run.path / SPEC_FILE).read_text()).get("estimate") or {}
+    engine_path = run.engine_path
+    try:
+        engine = json.loads(engine_path.read_text()) if engine_path.is_file() else None
+    except ValueError:
+        engine = None  # the runner is writing it right now
+    steps, val = read_metrics(run)
+    measured = measure(steps, val)
+    out = Path(out) if out is not None else run.path / "report"
+    _check_out(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    tmp.chmod(0o755)
+    try:
+        plot_loss(steps, val, tmp / PLOTS["loss"])
+        plot_throughput(steps, measured, estimate.get("tokens_per_s"), tmp / PLOTS["throughput"])
+        plot_lr(steps, tmp / PLOTS["lr"])
+        (tmp / REPORT_FILE).write_text(render_markdown(run, estimate=estimate, engine=engine, m=measured))
+        replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out, measured

@@ -5,6 +5,10 @@ setup(
     version="0.1.0",
     description="DeepSpeed GPT pretraining with a config generator and planner",
     packages=find_packages(include=["dspipe", "dspipe.*"]),
+    # Jinja templates and DeepSpeed presets are data inside the package (read with importlib.resources), so a
+    # wheel / non-editable install carries them; MANIFEST.in puts the same files into an sdist.
+    package_data={"dspipe": ["resources/templates/*.j2", "resources/ds_configs/*.json"]},
+    include_package_data=True,
     python_requires=">=3.10",
     install_requires=[
         # lower bounds = the versions the test suite ran with

@@ -9,14 +9,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import deepspeed  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from dspipe.runtime.census import tensor_census  # noqa: E402
 from dspipe.runtime.comm import exit_rank, process_group  # noqa: E402
 from dspipe.rundir import load_run  # noqa: E402
-from dspipe.runtime.train import param_groups, train_step, build_module  # noqa: E402
+from dspipe.runtime.engine import build_engine  # noqa: E402
 
 
 def random_batches(*, vocab: int, seq_len: int, micro_batch: int, seed: int):
@@ -35,14 +34,12 @@ def main():
     args = parser.parse_args()
     run = load_run(args.run)
     with process_group():
-        module = build_module(run)
-        engine, *_ = deepspeed.initialize(model=module, model_parameters=param_groups(module, run.train.weight_decay),
-                                          config=str(run.ds_config_path))
-        plan = run.plan
+        eng = build_engine(run)
+        engine, plan = eng.engine, run.plan
         batches = random_batches(vocab=run.model.vocab, seq_len=run.model.seq_len, micro_batch=plan.micro_batch,
                                  seed=dist.get_rank())
         for _ in range(2):
-            train_step(engine, batches, pp=plan.pp, grad_accum=plan.grad_accum)
+            eng.train_step(batches)
         census = tensor_census(engine)
         census["stage"] = engine.stage_id if hasattr(engine, "stage_id") else 0
         out = Path(args.out_dir)

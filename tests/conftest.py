@@ -1,15 +1,20 @@
-import socket
-import subprocess
-import sys
+"""Fixtures and markers only; shared helpers are in tests/helpers.py. Every test under tests/distributed/ is marked
+`distributed` (real DeepSpeed ranks, slow), so `-m "not distributed"` selects exactly the unit tests."""
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+DISTRIBUTED_DIR = Path(__file__).resolve().parent / "distributed"
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "distributed: launches real DeepSpeed ranks (slow); deselect with -m 'not distributed'")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if DISTRIBUTED_DIR in Path(str(item.path)).resolve().parents:
+            item.add_marker(pytest.mark.distributed)
 
 
 @pytest.fixture(scope="session")
@@ -21,13 +26,3 @@ def corpus(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("data") / "stdlib"
     prepare(inputs=resolve_inputs([]), out=out, train_tokenizer=1024, max_bytes=1_500_000, workers=1)
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def dspipe(*args, cwd=ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dspipe", *map(str, args)], cwd=cwd, capture_output=True, text=True)

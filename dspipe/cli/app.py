@@ -3,111 +3,28 @@ from __future__ import annotations
 
 import shlex
 import sys
-from dataclasses import fields
 from pathlib import Path
 
 import click
 
+from dspipe.cli.bench import bench
+from dspipe.cli.data import prepare_data
+from dspipe.cli.launch import doctor, launch, slurm_script
+from dspipe.cli.model import export_hf, generate
+from dspipe.cli.options import DEFAULT_DATA, choose, spec_options
+from dspipe.cli.prepare_run import prepare_run
+from dspipe.cli.report import report
 from dspipe.cluster.launch import run_program
 from dspipe.errors import SpecError
-from dspipe.planner.hardware import names_text
+from dspipe.planner.presets import MODEL_PRESETS
+from dspipe.planner.render import preset_names
+from dspipe.planner.spec import ClusterSpec, ModelSpec
 from dspipe.planner.summary import estimate_summary
-from dspipe.planner.search import AUTO
-from dspipe.planner.presets import MODEL_PRESETS, model_preset
-from dspipe.planner.render import load_ds_preset, preset_names, render_ds_config, strategy_from_ds_config
-from dspipe.rundir import write_run
-from dspipe.planner.spec import CHECKPOINTING, OFFLOADS, PARTITION_METHODS, PRECISIONS, ClusterSpec, ModelSpec, TrainSpec
-
-TRAIN_DEFAULTS = {f.name: f.default for f in fields(TrainSpec)}  # one source for the options' defaults
-
-DEFAULT_DATA = "data/stdlib"
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 def cli() -> None:
     """dspipe: from a model and cluster spec to a complete DeepSpeed config and a GPT training run."""
-
-
-def _model_from_options(o: dict) -> ModelSpec:
-    shape = dict(layers=o["layers"], hidden=o["hidden"], heads=o["heads"], vocab=o["vocab"], seq_len=o["seq_len"],
-                 ffn=o["ffn"], dropout=o["dropout"], tied_embeddings=False if o["untied"] else None)
-    if o["model"]:
-        return model_preset(o["model"], **shape)
-    missing = [f"--{k}" for k in ("layers", "hidden", "heads", "vocab") if shape[k] is None]
-    if missing:
-        raise SpecError(f"give --model NAME ({', '.join(MODEL_PRESETS)}) or all of --layers/--hidden/--heads/--vocab "
-                        f"(missing {' '.join(missing)})")
-    hidden = shape["hidden"]
-    return ModelSpec("custom", shape["layers"], hidden, shape["heads"], shape["vocab"], shape["seq_len"] or 1024,
-                     shape["ffn"] or 4 * hidden, shape["dropout"] or 0.0, shape["tied_embeddings"] is not False)
-
-
-class AutoInt(click.ParamType):
-    """An integer or 'auto' (None: let the planner choose)."""
-
-    name = "auto|N"
-
-    def convert(self, value, param, ctx):
-        if value is None or value == AUTO or isinstance(value, int):
-            return None if value == AUTO else value
-        try:
-            return int(value)
-        except ValueError:
-            self.fail(f"{value!r} is not 'auto' or an integer", param, ctx)
-
-
-class AutoChoice(click.ParamType):
-    """One of `choices` or 'auto'."""
-
-    def __init__(self, choices):
-        self.choices = tuple(choices)
-        self.name = "|".join(("auto", *self.choices))
-
-    def convert(self, value, param, ctx):
-        if value is None or value == AUTO:
-            return None
-        if value not in self.choices:
-            self.fail(f"{value!r} is not one of: auto, {', '.join(self.choices)}", param, ctx)
-        return value
-
-
-STRATEGY_KEYS = ("zero", "offload", "offload_params", "nvme_path", "pp", "checkpointing", "partition_method",
-                 "precision", "micro_batch", "reduce_bucket_size", "prefetch_bucket_size", "param_persistence_threshold")
-
-
-def request_from_options(o: dict) -> tuple[ModelSpec, ClusterSpec, TrainSpec, dict]:
-    """(model, cluster, train, fixed strategy choices): a flag given wins, then the --preset, else auto (None)."""
-    preset = strategy_from_ds_config(load_ds_preset(o["preset"]), source=o["preset"]) if o["preset"] else {}
-    fixed = {k: o[k] if o[k] is not None else preset.get(k) for k in STRATEGY_KEYS}
-    fixed["zero"] = None if fixed["zero"] is None else int(fixed["zero"])
-    model = _model_from_options(o)
-    if o.get("pad_vocab"):
-        model = _with_padded_vocab(model, o["data"])
-    cluster = cluster_from_options(o)  # --nodes/--gpus-per-node, or from --hostfile
-    steps = o["steps"]
-    train = TrainSpec(global_batch=o["global_batch"], micro_batch=fixed["micro_batch"] or 1, steps=steps, lr=o["lr"],
-                      min_lr_ratio=o["min_lr_ratio"],
-                      warmup_steps=o["warmup"] if o["warmup"] is not None else max(1, min(2000, steps // 10)),
-                      weight_decay=o["weight_decay"], grad_clip=o["grad_clip"],
-                      precision=fixed["precision"] or "bf16", seed=o["seed"], log_interval=o["log_interval"],
-                      save_interval=o["save_interval"], keep_checkpoints=o["keep_checkpoints"],
-                      eval_interval=o["eval_interval"], eval_batches=o["eval_batches"],
-                      max_skipped_steps=o["max_skipped_steps"], spike_window=o["spike_window"],
-                      spike_sigma=o["spike_sigma"])
-    return model, cluster, train, fixed
-
-
-def choose(o: dict, *, check_model=None):
-    """Search the strategies the options leave open; one-line error when none is valid or none fits."""
-    from dspipe.planner.search import nothing_fits_message, search
-
-    model, cluster, train, fixed = request_from_options(o)
-    if check_model:
-        check_model(model)
-    result = search(model=model, cluster=cluster, train=train, fixed=fixed)
-    if result.best is None:
-        raise SpecError(nothing_fits_message(result=result, model=model, cluster=cluster, train=train, fixed=fixed))
-    return model, cluster, result
 
 
 def _deepspeed_command(*, cluster: ClusterSpec, out: Path, hostfile: str | None) -> str:
@@ -116,81 +33,6 @@ def _deepspeed_command(*, cluster: ClusterSpec, out: Path, hostfile: str | None)
         launcher += ["--hostfile", str(Path(hostfile).resolve()) if hostfile else "HOSTFILE", "--num_nodes", str(cluster.nodes)]
     launcher += ["--num_gpus", str(cluster.gpus_per_node), *run_program(out.resolve())]
     return shlex.join(launcher)
-
-
-def model_options(f):
-    for opt in reversed([
-        click.option("--model", help=f"model preset: {', '.join(MODEL_PRESETS)}"),
-        click.option("--layers", type=int, help="transformer blocks (overrides the preset)"),
-        click.option("--hidden", type=int, help="model width"),
-        click.option("--heads", type=int, help="attention heads"),
-        click.option("--vocab", type=int, help="vocabulary size"),
-        click.option("--seq-len", type=int, help="context length"),
-        click.option("--ffn", type=int, help="MLP width (default 4 x hidden)"),
-        click.option("--dropout", type=float, help="dropout probability (default 0)"),
-        click.option("--untied", is_flag=True, default=False, help="separate output head (default: tied)"),
-    ]):
-        f = opt(f)
-    return f
-
-
-def spec_options(f):
-    """Model, cluster, training and strategy options shared by plan and gen-config."""
-    for opt in reversed([
-        click.option("--nodes", type=int, default=1, show_default=True, help="machines"),
-        click.option("--gpus-per-node", type=int, default=8, show_default=True, help="ranks per machine"),
-        click.option("--gpu", default="h100-80g", show_default=True,
-                     help=f"GPU type: {names_text()}"),
-        click.option("--hostfile", default=None, help="hostfile: sets --nodes/--gpus-per-node (validated)"),
-        click.option("--host-memory-gib", type=float, default=None,
-                     help="host RAM per node [default: a typical node for --gpu]"),
-        click.option("--global-batch", type=int, default=256, show_default=True, help="sequences per optimizer step"),
-        click.option("--micro-batch", type=AutoInt(), default=None, help="sequences per rank per forward [auto]"),
-        click.option("--steps", type=int, default=1000, show_default=True, help="optimizer steps"),
-        click.option("--lr", type=float, default=6e-4, show_default=True, help="peak learning rate"),
-        click.option("--min-lr-ratio", type=float, default=0.1, show_default=True, help="final lr / peak lr"),
-        click.option("--warmup", type=int, default=None, help="warmup steps [default: steps/10, at most 2000]"),
-        click.option("--weight-decay", type=float, default=0.1, show_default=True),
-        click.option("--grad-clip", type=float, default=1.0, show_default=True),
-        click.option("--seed", type=int, default=TRAIN_DEFAULTS["seed"], show_default=True),
-        click.option("--log-interval", type=int, default=TRAIN_DEFAULTS["log_interval"], show_default=True, help="steps between log lines"),
-        click.option("--save-interval", type=int, default=TRAIN_DEFAULTS["save_interval"], show_default=True,
-                     help="steps between checkpoints (0: only at the end and on SIGTERM/SIGINT)"),
-        click.option("--keep-checkpoints", type=int, default=TRAIN_DEFAULTS["keep_checkpoints"], show_default=True,
-                     help="complete checkpoints to keep (older ones are deleted)"),
-        click.option("--eval-interval", type=int, default=TRAIN_DEFAULTS["eval_interval"], show_default=True,
-                     help="steps between validation passes (0: none)"),
-        click.option("--eval-batches", type=int, default=TRAIN_DEFAULTS["eval_batches"], show_default=True,
-                     help="micro-batches per data-parallel rank in one validation pass"),
-        click.option("--max-skipped-steps", type=int, default=TRAIN_DEFAULTS["max_skipped_steps"], show_default=True,
-                     help="consecutive non-finite steps before the run saves and stops (0: never)"),
-        click.option("--spike-window", type=int, default=TRAIN_DEFAULTS["spike_window"], show_default=True,
-                     help="steps of loss history for loss-spike detection"),
-        click.option("--spike-sigma", type=float, default=TRAIN_DEFAULTS["spike_sigma"], show_default=True,
-                     help="log a loss spike above mean + this many std of the window"),
-        click.option("--zero", type=AutoChoice(["0", "1", "2", "3"]), default=None, help="ZeRO stage [auto]"),
-        click.option("--offload", type=AutoChoice(OFFLOADS), default=None, help="optimizer state offload [auto]"),
-        click.option("--offload-params/--no-offload-params", default=None,
-                     help="offload parameters too (ZeRO-3) [auto]"),
-        click.option("--nvme-path", default=None, help="NVMe directory for --offload nvme (enables it in auto)"),
-        click.option("--precision", type=AutoChoice(PRECISIONS), default=None,
-                     help="[auto: bf16 on GPUs, fp32 on cpu]"),
-        click.option("--pp", type=AutoInt(), default=None, help="pipeline stages [auto]"),
-        click.option("--checkpointing", type=AutoChoice(CHECKPOINTING), default=None,
-                     help="activation recomputation [auto]"),
-        click.option("--partition-method", type=AutoChoice(PARTITION_METHODS), default=None,
-                     help="pipeline partition [parameters]"),
-        click.option("--reduce-bucket-size", type=int, default=None,
-                     help="gradient reduce / all-gather bucket, elements [hidden^2, at least 2^20]"),
-        click.option("--prefetch-bucket-size", type=int, default=None,
-                     help="ZeRO-3 prefetch bucket, elements [0.9 hidden^2, at least 2^20]"),
-        click.option("--param-persistence-threshold", type=int, default=None,
-                     help="ZeRO-3: keep parameters smaller than this whole [10 hidden]"),
-        click.option("--preset", default=None, help="DeepSpeed preset from ds_configs/ (or a .json path) to start "
-                                                   "from; flags given override it"),
-    ]):
-        f = opt(f)
-    return model_options(f)
 
 
 @cli.command("gen-config")
@@ -206,17 +48,14 @@ def gen_config(**o) -> None:
     notes: list[str] = []
     model, cluster, result = choose(o, check_model=lambda m: _check_data(o["data"], m, notes))
     best = result.best
-    plan, train, strategy = best.plan, best.train, best.strategy
+    plan, train = best.plan, best.train
     out: Path = o["out"]
     if train.eval_interval and (Path(o["data"]) / "meta.json").is_file():
         from dspipe.data.checks import check_val_for_eval
         check_val_for_eval(o["data"], seq_len=model.seq_len, dp=plan.dp, micro_batch=plan.micro_batch)
-    ds_config = render_ds_config(plan=plan, train=train, monitor_dir=str(out / "monitor"),
-                                 wall_clock_breakdown=o["wall_clock_breakdown"])
-    _verify_with_deepspeed(ds_config, dp=plan.dp)
     command = _deepspeed_command(cluster=cluster, out=out, hostfile=o["hostfile"])
-    write_run(out, model=model, cluster=cluster, train=train, strategy=strategy, plan=plan, data=o["data"],
-              ds_config=ds_config, command=command, estimate=estimate_summary(best), force=o["force"])
+    prepare_run(out, model=model, cluster=cluster, best=best, data=o["data"], command=command,
+                wall_clock_breakdown=o["wall_clock_breakdown"], force=o["force"])
     click.echo(f"model {model.name}: {model.num_params / 1e6:,.2f}M params, L{model.layers} h{model.hidden} "
                f"a{model.heads} s{model.seq_len} V{model.vocab}")
     click.echo(f"world {plan.world_size} = dp {plan.dp} x pp {plan.pp} | ZeRO-{plan.zero_stage} offload {plan.offload}"
@@ -268,15 +107,6 @@ def plan_command(**o) -> None:
         click.echo(human_report(result, tokens=tokens))
 
 
-def _with_padded_vocab(model: ModelSpec, data: str) -> ModelSpec:
-    from dataclasses import replace
-
-    from dspipe.data import META_FILE, padded_vocab, read_meta
-
-    vocab = read_meta(data)["vocab_size"] if (Path(data) / META_FILE).is_file() else model.vocab
-    return replace(model, vocab=padded_vocab(vocab))
-
-
 def _check_data(data: str, model: ModelSpec, notes: list[str]) -> None:
     """Errors now (vocab, corpus length); notes are collected and printed once the run is written."""
     from dspipe.data import META_FILE, check_data_for_model, padded_vocab
@@ -290,19 +120,6 @@ def _check_data(data: str, model: ModelSpec, notes: list[str]) -> None:
                      f"embedding rows are never used (--pad-vocab gives {padded_vocab(vocab)})")
 
 
-def _verify_with_deepspeed(ds_config: dict, *, dp: int) -> None:
-    try:
-        import deepspeed  # noqa: F401  (optional here: planning works without it)
-    except ImportError:
-        click.echo("note: deepspeed is not installed; the config was not parsed by DeepSpeedConfig", err=True)
-        return
-    from dspipe.runtime.dscheck import parse_with_deepspeed
-    try:
-        parse_with_deepspeed(ds_config, dp=dp)
-    except Exception as e:  # DeepSpeed raises assertion, value and pydantic errors alike
-        raise SpecError(f"DeepSpeed rejects the rendered config: {' '.join(str(e).split())}") from None
-
-
 @cli.command("presets")
 def presets() -> None:
     """List model presets and DeepSpeed presets."""
@@ -311,12 +128,6 @@ def presets() -> None:
                    f"s{m.seq_len:<5} V{m.vocab}")
     click.echo("deepspeed presets: " + ", ".join(preset_names()))
 
-
-from dspipe.cli.launch import cluster_from_options, doctor, launch, slurm_script  # noqa: E402
-from dspipe.cli.data import prepare_data  # noqa: E402
-from dspipe.cli.report import report  # noqa: E402
-from dspipe.cli.bench import bench  # noqa: E402
-from dspipe.cli.model import export_hf, generate  # noqa: E402
 
 cli.add_command(prepare_data)
 cli.add_command(launch)

@@ -9,10 +9,15 @@ from pathlib import Path
 
 import click
 
+from dspipe.cli.options import choose, spec_options
+from dspipe.cli.prepare_run import prepare_run
 from dspipe.errors import SpecError
 from dspipe.planner.hardware import names_text
 
 CPU_RANKS = 2  # without GPUs: 2 CPU ranks on gloo, as the tests run
+BENCH_OPTIONS = {"steps": (10, "measured steps"), "warmup": (3, "warm-up steps before measuring (not timed)")}
+"""The shared options bench gives its own meaning: they count benchmark steps, not the run's optimizer steps and
+lr warmup (the run dir trains warmup + steps optimizer steps with the usual derived lr warmup)."""
 
 
 def _set_option(command: click.Command, name: str, *, default, help: str) -> None:
@@ -60,12 +65,8 @@ def _devices(o: dict) -> tuple[str, int]:
 def bench_command(o: dict, *, command: str) -> dict:
     """Plan as gen-config does, write the run dir in a temp directory, launch the side(s), report."""
     from dspipe.tools import bench
-    from dspipe.cli.app import _verify_with_deepspeed, choose
     from dspipe.planner.hardware import match_device
     from dspipe.planner.throughput import model_flops_per_token
-    from dspipe.planner.render import render_ds_config
-    from dspipe.planner.summary import estimate_summary
-    from dspipe.rundir import write_run
 
     warmup, steps = o["warmup"], o["steps"]
     if warmup < 1 or steps < 1:
@@ -76,7 +77,7 @@ def bench_command(o: dict, *, command: str) -> dict:
     o = {**o, "gpu": gpu, "gpus_per_node": ranks, "steps": warmup + steps, "warmup": None}
     model, cluster, result = choose(o)
     best = result.best
-    plan, train = best.plan, best.train
+    plan = best.plan
     if o["compare"] and plan.pp > 1:
         raise SpecError(f"--compare needs pp 1 (the reference is torch DDP), the plan has pp {plan.pp}; "
                         f"pass --pp 1 or drop --compare")
@@ -92,10 +93,7 @@ def bench_command(o: dict, *, command: str) -> dict:
     say(f"bench: {setup}")
     with tempfile.TemporaryDirectory(prefix="dspipe-bench-") as tmp:
         run_dir = Path(tmp) / "run"
-        ds_config = render_ds_config(plan=plan, train=train, monitor_dir=str(run_dir / "monitor"))
-        _verify_with_deepspeed(ds_config, dp=plan.dp)
-        write_run(run_dir, model=model, cluster=cluster, train=train, strategy=best.strategy, plan=plan,
-                  data="synthetic", ds_config=ds_config, command=command, estimate=estimate_summary(best))
+        prepare_run(run_dir, model=model, cluster=cluster, best=best, data="synthetic", command=command)
         results = {}
         for side in sides_wanted:
             say(f"bench: {side} on {ranks} rank(s) ...")
@@ -122,8 +120,6 @@ def bench_command(o: dict, *, command: str) -> dict:
 
 
 def _make_command() -> click.Command:
-    from dspipe.cli.app import spec_options
-
     @click.command("bench")
     @spec_options
     @click.option("--compare", is_flag=True, default=False,
@@ -135,8 +131,8 @@ def _make_command() -> click.Command:
         on this machine's GPUs (or 2 CPU ranks), on random tokens; --compare runs plain PyTorch beside it."""
         bench_command(o, command=shlex.join(["dspipe", *sys.argv[1:]]))
 
-    _set_option(bench, "steps", default=10, help="measured steps")
-    _set_option(bench, "warmup", default=3, help="warm-up steps before measuring (not timed)")
+    for name, (default, help_) in BENCH_OPTIONS.items():
+        _set_option(bench, name, default=default, help=help_)
     return bench
 
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import click
 
-DEFAULT_DATA = "data/stdlib"
+from dspipe.cli.options import DEFAULT_DATA
+
 BUILTIN_MAX_MB = 8.0
 
 

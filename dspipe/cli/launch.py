@@ -1,5 +1,5 @@
 """`dspipe launch | doctor | slurm-script`: multi-node launches through DeepSpeed's own launcher. Registered on the
-`dspipe` group at the bottom of dspipe/cli.py; imports no torch until a command needs it."""
+`dspipe` group by dspipe/cli/app.py; imports no torch until a command needs it."""
 from __future__ import annotations
 
 import os
@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from dspipe.errors import SpecError
-from dspipe.cluster.hostfile import describe, read_hostfile
+from dspipe.cluster.hostfile import describe
 from dspipe.cluster.launch import (LAUNCHERS, LaunchSpec, build, check_world, env_file_for, execute, preflight, resolve,
                            run_program)
 from dspipe.cluster.netenv import (NCCL_DEBUG_LEVELS, NetworkSpec, parse_env_assignments, rank_environment,
@@ -20,22 +20,6 @@ from dspipe.planner.hardware import gpu_type, names_text
 from dspipe.planner.spec import ClusterSpec
 
 NETWORK_FLAGS = ("ifname", "ib_hca", "no_ib", "nccl_debug", "timeout_min", "env")
-
-
-def cluster_from_options(o: dict) -> ClusterSpec:
-    """gen-config's cluster: --nodes/--gpus-per-node, or derived from --hostfile (and then checked against them)."""
-    if not o.get("hostfile"):
-        return ClusterSpec(nodes=o["nodes"], gpus_per_node=o["gpus_per_node"], gpu=o["gpu"],
-                           host_memory_gib=o.get("host_memory_gib"))
-    hostfile = read_hostfile(o["hostfile"])
-    derived = {"nodes": len(hostfile.hosts), "gpus_per_node": hostfile.equal_slots()}
-    ctx = click.get_current_context()
-    for key, value in derived.items():
-        if ctx.get_parameter_source(key) == click.core.ParameterSource.COMMANDLINE and o[key] != value:
-            raise SpecError(f"--{key.replace('_', '-')} {o[key]} contradicts hostfile {hostfile.source} "
-                            f"({derived['nodes']} nodes x {derived['gpus_per_node']} slots); drop one of them")
-    return ClusterSpec(nodes=derived["nodes"], gpus_per_node=derived["gpus_per_node"], gpu=o["gpu"],
-                       host_memory_gib=o.get("host_memory_gib"))
 
 
 def launch_options(f):

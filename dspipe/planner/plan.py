@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dspipe.errors import SpecError
+from dspipe.planner.layout import ParallelLayout
 from dspipe.planner.spec import ClusterSpec, ModelSpec, StrategySpec, TrainSpec
 
 MIN_BUCKET = 1 << 20  # elements; h^2 buckets for tiny models would mean thousands of tiny collectives
@@ -16,7 +17,7 @@ class Plan:
     world_size: int
     """Total ranks = nodes x gpus_per_node."""
     dp: int
-    """Data-parallel replicas = world_size / pp."""
+    """Data-parallel replicas = world_size / (pp x tp x sp)."""
     pp: int
     """Pipeline stages."""
     micro_batch: int
@@ -63,6 +64,19 @@ class Plan:
     """Pin host buffers of offloaded state (GPUs only; there is nothing to pin for on CPU)."""
     backend: str
     """torch.distributed backend for the GPU type (nccl or gloo)."""
+    tp: int = 1
+    """Tensor-parallel ranks per replica."""
+    sp: int = 1
+    """Sequence-parallel ranks per replica."""
+
+    def __post_init__(self) -> None:
+        if self.layout.dp != self.dp:
+            raise SpecError(f"plan dp {self.dp} disagrees with its layout: {self.layout.describe()}")
+
+    @property
+    def layout(self) -> ParallelLayout:
+        """Who is who among the world's ranks; the one place the world is divided."""
+        return ParallelLayout(world=self.world_size, pp=self.pp, tp=self.tp, sp=self.sp)
 
 
 def _rule(rule: int, message: str) -> SpecError:
@@ -81,8 +95,8 @@ def check_rules(*, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, str
                        f"is not divisible by pipeline stages {pp}")
     if pp > 1 and zero >= 2:
         raise _rule(3, f"ZeRO-{zero} with pp {pp}: DeepSpeed's pipeline engine supports ZeRO stages 0-1 only; "
-                       f"use --zero 1 (optimizer states still sharded over dp {world // pp})")
-    dp = world // pp
+                       f"use --zero 1 (optimizer states still sharded over dp {ParallelLayout(world=world, pp=pp).dp})")
+    dp = ParallelLayout(world=world, pp=pp).dp
     if train.global_batch % (train.micro_batch * dp):
         raise _rule(4, f"global batch {train.global_batch} is not divisible by micro_batch {train.micro_batch} "
                        f"x dp {dp} = {train.micro_batch * dp}")
@@ -113,7 +127,8 @@ def _grad_accum_dtype(*, precision: str, zero: int, pp: int) -> str:
 def make_plan(*, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strategy: StrategySpec) -> Plan:
     check_rules(model=model, cluster=cluster, train=train, strategy=strategy)
     world, pp, zero, h = cluster.world_size, strategy.pp, strategy.zero, model.hidden
-    dp = world // pp
+    layout = ParallelLayout(world=world, pp=pp)
+    dp = layout.dp
     return Plan(
         world_size=world,
         dp=dp,
@@ -140,4 +155,6 @@ def make_plan(*, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
         tokens_per_step=train.global_batch * model.seq_len,
         pin_memory=cluster.gpu_type.backend == "nccl",
         backend=cluster.gpu_type.backend,
+        tp=layout.tp,
+        sp=layout.sp,
     )

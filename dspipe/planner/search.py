@@ -5,6 +5,7 @@ import itertools
 from dataclasses import dataclass, replace
 
 from dspipe.errors import SpecError
+from dspipe.planner.layout import ParallelLayout
 from dspipe.planner.estimate import GIB, Estimate, estimate, throughput
 from dspipe.planner.plan import Plan, make_plan
 from dspipe.planner.spec import ClusterSpec, ModelSpec, StrategySpec, TrainSpec
@@ -80,7 +81,8 @@ def search(*, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, fixed: d
             precision, _options(fixed.get("zero"), [0, 1, 2, 3]), offloads,
             _options(fixed.get("offload_params"), [False, True]), pps,
             _options(fixed.get("checkpointing"), ["none", "selective", "full"])):
-        dp = world // pp if pp > 0 and world % pp == 0 else 1  # invalid pp is rejected by StrategySpec below
+        # an invalid pp is rejected by StrategySpec / the rules below; dp 1 only keeps the micro-batch list finite
+        dp = ParallelLayout(world=world, pp=pp).dp if isinstance(pp, int) and pp > 0 and world % pp == 0 else 1
         micro = _options(fixed.get("micro_batch"), _divisors(train.global_batch // dp, MAX_MICRO_BATCH)
                          if train.global_batch % dp == 0 else [1])
         for mb in micro:

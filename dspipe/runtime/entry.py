@@ -3,7 +3,7 @@
     deepspeed --num_gpus N --module dspipe.runtime.entry --run runs/NAME [--resume auto]
 """
 from dspipe.runtime.comm import exit_rank
-from dspipe.runtime.train import main
+from dspipe.runtime.loop import main
 
 
 def run_rank() -> None:

@@ -12,20 +12,9 @@ def check_val_split(*, windows: TokenWindows, micro_batch: int, dp: int, batches
     return min(batches, available)
 
 
-def evaluate(engine, *, windows: TokenWindows, micro_batch: int, dp: int, dp_rank: int, pp: int, batches: int,
-             reads_data: bool) -> float:
-    """Mean next-token loss over `batches` micro-batches per data-parallel rank (dropout off), on every rank."""
-    import torch
-    import torch.distributed as dist
-
-    it = val_batches(windows=windows, micro_batch=micro_batch, dp=dp, dp_rank=dp_rank, max_batches=batches)
-    if pp > 1:  # the pipeline runs the micro-batches through its stages and broadcasts the mean loss
-        return float(engine.eval_batch(it if reads_data else None, num_micro_batches=batches))
-    engine.eval()
-    total = torch.zeros((), device=engine.device)
-    with torch.no_grad():
-        for inputs, labels in it:
-            total += engine(inputs.to(engine.device), labels.to(engine.device)).float()
-    engine.train()
-    dist.all_reduce(total)
-    return float(total) / (batches * dist.get_world_size())
+def evaluate(eng, *, windows: TokenWindows, micro_batch: int, batches: int) -> float:
+    """Mean next-token loss over `batches` micro-batches per data-parallel rank (dropout off), on every rank.
+    `eng`: a dspipe.runtime.engine.Engine (plain or pipeline)."""
+    it = val_batches(windows=windows, micro_batch=micro_batch, dp=eng.layout.dp, dp_rank=eng.dp_rank,
+                     max_batches=batches)
+    return eng.eval_loss(it, count=batches)

@@ -142,23 +142,17 @@ def _loop(*, micro_step, optimizer_step, batches: list, grad_accum: int, warmup:
 
 
 def run_dspipe(run: Run, *, dev: Device, batches: list, warmup: int, steps: int, compile_: bool) -> dict:
-    import deepspeed
-
     from dspipe.runtime.comm import init_distributed
-    from dspipe.runtime.train import build_module, engine_settings, param_groups
+    from dspipe.runtime.engine import PipelineEngine, build_engine
 
     init_distributed()
-    module = build_module(run)
-    engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=param_groups(module, run.train.weight_decay),
-                                           config=str(run.ds_config_path))
-    if compile_:
-        engine.compile()
-    settings = engine_settings(engine)
+    eng = build_engine(run, compile_=compile_)  # built exactly as the runner builds it
     keys = ("zero_stage", "wrapper_optimizer", "base_optimizer", "grad_accum_dtype", "param_dtype", "backend")
-    engine_info = {k: settings[k] for k in keys}
-    if run.plan.pp > 1:
-        return {**_pipeline_loop(engine, run=run, dev=dev, batches=batches, warmup=warmup, steps=steps),
+    engine_info = {k: eng.settings[k] for k in keys}
+    if isinstance(eng, PipelineEngine):
+        return {**_pipeline_loop(eng, dev=dev, batches=batches, warmup=warmup, steps=steps),
                 "phases": None, "engine": engine_info}
+    engine = eng.engine
     timer = Timer(dev)
 
     def micro_step(batch, *, last: bool, timer: Timer):
@@ -177,7 +171,7 @@ def run_dspipe(run: Run, *, dev: Device, batches: list, warmup: int, steps: int,
     return {**result, "phases": timer.totals, "engine": engine_info}
 
 
-def _pipeline_loop(engine, *, run: Run, dev: Device, batches: list, warmup: int, steps: int) -> dict:
+def _pipeline_loop(eng, *, dev: Device, batches: list, warmup: int, steps: int) -> dict:
     """pp > 1: whole steps through train_batch (its forward/backward/step interleave: no breakdown). Every
     stage consumes the same batch list; only the first and last stages read it."""
     it = iter(batches)
@@ -185,9 +179,9 @@ def _pipeline_loop(engine, *, run: Run, dev: Device, batches: list, warmup: int,
     for step in range(warmup + steps):
         if step == warmup:
             t0 = _start_window(dev)
-        loss = engine.train_batch(data_iter=it)  # averaged over micro-batches and dp, broadcast to every stage
+        loss = eng.train_step(it)  # averaged over micro-batches and dp, broadcast to every stage
         if step == 0:
-            first_loss = float(loss)
+            first_loss = loss
     dev.sync()
     return {"first_loss": first_loss, "seconds": time.perf_counter() - t0}
 
@@ -201,7 +195,7 @@ def run_reference(run: Run, *, dev: Device, batches: list, warmup: int, steps: i
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from dspipe.model.gpt import GPT
-    from dspipe.runtime.train import param_groups
+    from dspipe.runtime.engine import param_groups
 
     dist.init_process_group("nccl" if dev.cuda else "gloo", device_id=dev.device if dev.cuda else None)
     plan, train = run.plan, run.train

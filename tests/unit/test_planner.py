@@ -9,7 +9,7 @@ from dspipe.planner.plan import make_plan
 from dspipe.planner.presets import MODEL_PRESETS, model_preset
 from dspipe.planner.search import search
 from dspipe.planner.spec import ClusterSpec, StrategySpec, TrainSpec
-from tests.conftest import dspipe
+from tests.helpers import dspipe
 
 
 def test_7b_with_mixed_precision_adam_is_112_gb():

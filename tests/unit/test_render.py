@@ -8,7 +8,7 @@ from dspipe.planner.plan import make_plan
 from dspipe.planner.presets import MODEL_PRESETS
 from dspipe.planner.render import DS_PRESETS, TEMPLATES, load_ds_preset, render_ds_config, render_template, strategy_from_ds_config
 from dspipe.planner.spec import ClusterSpec, StrategySpec, TrainSpec
-from tests.conftest import dspipe
+from tests.helpers import dspipe
 
 STRATEGIES = [
     StrategySpec(zero=0), StrategySpec(zero=1), StrategySpec(zero=2), StrategySpec(zero=3),

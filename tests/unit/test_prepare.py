@@ -14,7 +14,7 @@ from dspipe.data import TokenWindows, open_split, read_meta
 from dspipe.data.prepare import is_val, prepare
 from dspipe.data.sources import resolve_inputs, stdlib_sources
 from dspipe.errors import SpecError
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 VOCAB = 300
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT, dspipe, free_port
+from tests.helpers import ROOT, dspipe, free_port
 
 pytestmark = pytest.mark.distributed
 HOSTS = "localhost slots=1\n127.0.0.1 slots=1\n"  # two names for this machine: two "nodes", one CPU rank each

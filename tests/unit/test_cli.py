@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from tests.conftest import dspipe
+from tests.helpers import dspipe
 
 CPU2 = ["--model", "tiny", "--gpus-per-node", "2", "--gpu", "cpu", "--global-batch", "16", "--micro-batch", "4",
         "--steps", "20"]

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from dspipe.runtime.stability import Health, guard_base_optimizer
-from tests.conftest import free_port
+from tests.helpers import free_port
 
 
 @pytest.fixture(scope="module")

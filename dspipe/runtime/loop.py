@@ -1,4 +1,4 @@
-"""The runner behind `deepspeed run.py --run runs/NAME`: run dir -> model/pipeline -> deepspeed.initialize -> loop."""
+"""The training loop on every rank: run dir -> engine (dspipe.runtime.engine) -> steps, validation, checkpoints, logs."""
 from __future__ import annotations
 
 import argparse
@@ -10,6 +10,7 @@ import time
 
 from dspipe.runtime import checkpoint as ckpt
 from dspipe.runtime.comm import process_group
+from dspipe.runtime.engine import build_engine
 from dspipe.data import TokenWindows, TrainLoader, check_data_for_model
 from dspipe.errors import RunHalted, SpecError
 from dspipe.runtime.evaluate import check_val_split, evaluate
@@ -17,113 +18,6 @@ from dspipe.planner.throughput import model_flops_per_token, perplexity, step_ra
 from dspipe.rundir import Run, load_run
 from dspipe.runtime.metrics_log import GIB, RunLog
 from dspipe.runtime.stability import Health, PoisonedLoss, guard_base_optimizer, nan_test_steps
-
-def param_groups(module, weight_decay: float) -> list[dict]:
-    """AdamW groups: decay matrices and embeddings, not biases or LayerNorm weights (1-d tensors)."""
-    decay, no_decay = [], []
-    for p in module.parameters():
-        if p.requires_grad:
-            (decay if p.dim() >= 2 else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-def build_module(run: Run):
-    """The plain GPT (pp=1) or its PipelineModule (pp>1), with recomputation wired to DeepSpeed's checkpointing."""
-    import deepspeed
-
-    plan, seed = run.plan, run.train.seed
-    checkpoint_fn = None
-    if plan.checkpointing != "none":
-        # The JSON's activation_checkpointing block, passed as values: configure(deepspeed_config=...) would
-        # re-check the batch equation against the whole world, which is wrong under a pipeline (dp = world / pp).
-        ac = json.loads(run.ds_config_path.read_text())["activation_checkpointing"]
-        deepspeed.checkpointing.configure(None, partition_activations=ac["partition_activations"],
-                                          contiguous_checkpointing=ac["contiguous_memory_optimization"],
-                                          num_checkpoints=ac["number_checkpoints"],
-                                          checkpoint_in_cpu=ac["cpu_checkpointing"],
-                                          synchronize=ac["synchronize_checkpoint_boundary"], profile=ac["profile"])
-        checkpoint_fn = deepspeed.checkpointing.checkpoint
-    if plan.pp > 1:
-        from dspipe.model.pipeline import build_pipeline
-        return build_pipeline(model=run.model, stages=plan.pp, partition_method=plan.partition_method,
-                              checkpointing=plan.checkpointing,
-                              activation_checkpoint_interval=plan.activation_checkpoint_interval,
-                              checkpoint_fn=checkpoint_fn or deepspeed.checkpointing.checkpoint, seed=seed)
-    from dspipe.model.gpt import GPT
-    model = GPT(run.model, seed=seed)
-    model.set_recomputation(plan.checkpointing, checkpoint_fn)
-    return model
-
-
-def engine_settings(engine) -> dict:
-    """What the live engine actually uses, read from the engine and its optimizer, not from our JSON."""
-    import torch.distributed as dist
-
-    module = engine.module
-    zero_opt = engine.optimizer
-    return {
-        "zero_stage": int(engine.zero_optimization_stage()),
-        "gradient_clipping": float(engine.gradient_clipping()),
-        "bf16": bool(engine.bfloat16_enabled()),
-        "fp16": bool(engine.fp16_enabled()),
-        "param_dtype": str(next(module.parameters()).dtype).replace("torch.", ""),
-        "grad_accum_dtype": str(engine.get_data_types()[1]).replace("torch.", ""),
-        "train_batch_size": int(engine.train_batch_size()),
-        "micro_batch": int(engine.train_micro_batch_size_per_gpu()),
-        "grad_accum": int(engine.gradient_accumulation_steps()),
-        "dp": int(engine.dp_world_size),
-        "pp": int(getattr(engine, "num_stages", 1)),
-        "wrapper_optimizer": type(zero_opt).__name__,
-        "base_optimizer": type(engine.basic_optimizer).__name__,
-        "offload_optimizer": bool(getattr(zero_opt, "cpu_offload", False) or getattr(zero_opt, "offload_optimizer", False)),
-        "offload_param": bool(getattr(zero_opt, "offload_param", False)),
-        "activation_checkpoint_interval": int(getattr(module, "activation_checkpoint_interval", 0)),
-        "scheduler": type(engine.lr_scheduler).__name__,
-        "backend": dist.get_backend(),
-        "world_size": dist.get_world_size(),
-    }
-
-
-def check_engine(settings: dict, run: Run) -> None:
-    """Refuse to train when a value we asked for did not reach the engine (silent config drift)."""
-    plan = run.plan
-    wanted = {"zero_stage": plan.zero_stage, "gradient_clipping": run.train.grad_clip,
-              "bf16": plan.precision == "bf16", "fp16": plan.precision == "fp16",
-              "train_batch_size": plan.global_batch, "micro_batch": plan.micro_batch, "grad_accum": plan.grad_accum,
-              "dp": plan.dp, "pp": plan.pp, "offload_optimizer": plan.offload != "none",
-              "offload_param": plan.offload_params,
-              "activation_checkpoint_interval": plan.activation_checkpoint_interval}
-    drift = {k: (v, settings[k]) for k, v in wanted.items() if settings[k] != v}
-    if drift:
-        raise RuntimeError("engine does not use the planned settings: " +
-                           ", ".join(f"{k} planned {a} live {b}" for k, (a, b) in drift.items()))
-
-
-def dp_rank(engine) -> int:
-    import torch.distributed as dist
-    return engine.grid.get_data_parallel_rank() if hasattr(engine, "grid") else dist.get_rank()
-
-
-def train_step(engine, batches, *, pp: int, grad_accum: int, poison: bool = False) -> float:
-    """One optimizer step; returns the loss averaged over micro-batches and data-parallel ranks.
-    `poison` (test hook) makes the first micro-batch's loss NaN."""
-    import torch
-    import torch.distributed as dist
-
-    if pp > 1:
-        return float(engine.train_batch(data_iter=batches))  # already averaged over dp and broadcast
-    total = torch.zeros((), device=engine.device)
-    for micro in range(grad_accum):
-        inputs, labels = next(batches)
-        loss = engine(inputs.to(engine.device), labels.to(engine.device))
-        if poison and micro == 0:
-            loss = loss * float("nan")
-        engine.backward(loss)
-        engine.step()
-        total += loss.detach().float()
-    dist.all_reduce(total)
-    return float(total) / (grad_accum * dist.get_world_size())
-
 
 def device_peak_tflops(*, precision: str) -> tuple[str, float | None]:
     """(device name, its catalog peak for the precision); the peak is None on CPUs and unknown devices."""
@@ -149,12 +43,11 @@ def train(run: Run, resume: str | None = None) -> dict:
 
 
 def train_in_group(run: Run, *, resume: str | None, backend: str) -> dict:
-    import deepspeed
     import torch
     import torch.distributed as dist
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if world != run.plan.world_size:
+    rank, world, layout = dist.get_rank(), dist.get_world_size(), run.plan.layout
+    if world != layout.world:
         raise SpecError(f"{run.path} was generated for world size {run.plan.world_size} "
                         f"({run.cluster.nodes} nodes x {run.cluster.gpus_per_node}), launched with {world}; "
                         f"regenerate with matching --nodes/--gpus-per-node")
@@ -165,27 +58,23 @@ def train_in_group(run: Run, *, resume: str | None, backend: str) -> dict:
     val_windows, eval_batches = None, 0
     if tr.eval_interval:
         val_windows = TokenWindows(run.data, seq_len=run.model.seq_len, split="val")
-        eval_batches = check_val_split(windows=val_windows, micro_batch=plan.micro_batch, dp=plan.dp,
+        eval_batches = check_val_split(windows=val_windows, micro_batch=plan.micro_batch, dp=layout.dp,
                                        batches=tr.eval_batches)
     resume_from = ckpt.resume_point(run, resume)  # checked before building anything
 
-    module = build_module(run)
-    engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=param_groups(module, tr.weight_decay),
-                                           config=str(run.ds_config_path))
-    settings = engine_settings(engine)
-    check_engine(settings, run)
+    eng = build_engine(run)
+    engine = eng.engine
     guarded = guard_base_optimizer(engine)
     if rank == 0:
-        run.engine_path.write_text(json.dumps({**settings, "nonfinite_guard": guarded}, indent=2) + "\n")
-    loader = TrainLoader(windows=windows, seed=tr.seed, micro_batch=plan.micro_batch, dp=plan.dp,
-                         dp_rank=dp_rank(engine))
-    # under a pipeline only the first (inputs) and last (labels) stages read data; the others skip along
-    reads_data = plan.pp == 1 or engine.is_first_stage() or engine.is_last_stage()
+        run.engine_path.write_text(json.dumps({**eng.settings, "nonfinite_guard": guarded}, indent=2) + "\n")
+    loader = TrainLoader(windows=windows, seed=tr.seed, micro_batch=plan.micro_batch, dp=layout.dp,
+                         dp_rank=eng.dp_rank)
+    reads_data = eng.reads_data  # under a pipeline only the first and last stages read; the others skip along
     device, peak = device_peak_tflops(precision=plan.precision)
     say = print if rank == 0 else (lambda *a, **k: None)
-    say(f"dspipe: {run.model.name} {plan.num_params / 1e6:.2f}M params | world {world} = dp {plan.dp} x pp {plan.pp} "
+    say(f"dspipe: {run.model.name} {plan.num_params / 1e6:.2f}M params | {layout.describe()} "
         f"| ZeRO-{plan.zero_stage} offload {plan.offload} | {plan.precision} | {backend} on {device} | recompute "
-        f"{plan.checkpointing} | batch {plan.micro_batch} x ga {plan.grad_accum} x dp {plan.dp} = "
+        f"{plan.checkpointing} | batch {plan.micro_batch} x ga {plan.grad_accum} x dp {layout.dp} = "
         f"{plan.global_batch} seq x {run.model.seq_len} tok", flush=True)
 
     start_step = 0
@@ -200,8 +89,7 @@ def train_in_group(run: Run, *, resume: str | None, backend: str) -> dict:
                   meta=ckpt.checkpoint_meta(run, step=at, loader=loader, world=world))
 
     def validate(at: int) -> None:
-        loss = evaluate(engine, windows=val_windows, micro_batch=plan.micro_batch, dp=plan.dp,
-                        dp_rank=dp_rank(engine), pp=plan.pp, batches=eval_batches, reads_data=reads_data)
+        loss = evaluate(eng, windows=val_windows, micro_batch=plan.micro_batch, batches=eval_batches)
         log.validation({"step": at, "tokens": at * plan.tokens_per_step, "val_loss": loss,
                         "val_ppl": perplexity(loss)})
 
@@ -220,8 +108,7 @@ def train_in_group(run: Run, *, resume: str | None, backend: str) -> dict:
         if poisoned:
             poisoned.on = step in poison_steps
         t0 = time.perf_counter()
-        loss = train_step(engine, loader if reads_data else None, pp=plan.pp, grad_accum=plan.grad_accum,
-                          poison=step in poison_steps)
+        loss = eng.train_step(loader if reads_data else None, poison=step in poison_steps)
         if not reads_data:
             loader.skip(plan.grad_accum)
         dt = time.perf_counter() - t0

@@ -7,8 +7,7 @@ import pytest
 
 from dspipe.runtime import checkpoint as ckpt
 from dspipe.runtime.stability import TEST_NAN_AT_STEPS
-from tests.test_distributed import make_run
-from tests.test_resume import launch
+from tests.helpers import launch, make_run
 
 pytestmark = pytest.mark.distributed
 

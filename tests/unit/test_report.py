@@ -9,7 +9,7 @@ import pytest
 from dspipe.planner.estimate import GIB
 from dspipe.planner.throughput import STEP_COLUMNS, VAL_COLUMNS
 from dspipe.tools.report import write_report
-from tests.conftest import dspipe
+from tests.helpers import dspipe
 
 CPU2 = ["--model", "tiny", "--gpus-per-node", "2", "--gpu", "cpu", "--global-batch", "16", "--micro-batch", "4",
         "--steps", "20", "--zero", "1"]

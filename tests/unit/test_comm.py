@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from dspipe.runtime.comm import cpu_threads_per_rank, process_group, shm_segment
 from dspipe.errors import SpecError
-from tests.conftest import ROOT, free_port
+from tests.helpers import ROOT, free_port
 
 
 def test_cpu_ranks_split_the_cores_instead_of_oversubscribing_them():

@@ -5,7 +5,7 @@ import pytest
 
 from dspipe.errors import SpecError
 from dspipe.cluster.hostfile import describe, parse_hostfile, read_hostfile, select
-from tests.conftest import dspipe
+from tests.helpers import dspipe
 
 GOOD = """# two DGX nodes
 node-1 slots=8   # rack A

@@ -2,34 +2,13 @@
 import csv
 import json
 import math
-import shutil
-import subprocess
-import sys
 
 import pytest
 
 from dspipe.runtime.comm import SHM_DIR, SHM_PREFIX
-from tests.conftest import ROOT, dspipe, free_port
+from tests.helpers import free_port, launch, make_run
 
 pytestmark = pytest.mark.distributed
-
-
-def launch(run_dir, num_gpus=2, port=None):
-    launcher = [shutil.which("deepspeed")] if shutil.which("deepspeed") else [sys.executable, "-m",
-                                                                              "deepspeed.launcher.runner"]
-    port = port or free_port()
-    cmd = [*launcher, "--num_gpus", str(num_gpus), "--master_port", str(port), "run.py", "--run", str(run_dir)]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
-
-
-def make_run(tmp_path, corpus, *flags, steps=20, name="run"):
-    run_dir = tmp_path / name
-    r = dspipe("gen-config", "--model", "tiny", "--gpus-per-node", "2", "--gpu", "cpu", "--global-batch", "16",
-               "--micro-batch", "4", "--steps", steps, "--warmup", "2", "--lr", "3e-3", "--log-interval", "5",
-               "--data", corpus, "--out", run_dir, "--precision", "bf16", "--offload", "none", "--no-offload-params",
-               "--pp", "1", "--checkpointing", "none", *flags)  # explicit strategy; later flags override
-    assert r.returncode == 0, r.stderr
-    return run_dir
 
 
 def losses(run_dir):

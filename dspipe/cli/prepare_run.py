@@ -1,0 +1,40 @@
+"""Plan -> render -> verify -> write run: the one sequence by which gen-config and bench turn the planner's choice
+into a run directory. Imports no torch/deepspeed until the config is verified (deepspeed is optional there)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from dspipe.errors import SpecError
+from dspipe.planner.render import render_ds_config
+from dspipe.planner.spec import ClusterSpec, ModelSpec
+from dspipe.planner.summary import estimate_summary
+from dspipe.rundir import write_run
+
+
+def verify_with_deepspeed(ds_config: dict, *, dp: int) -> None:
+    """Parse the config with DeepSpeedConfig as rank 0 of `dp` would; a note (no error) without deepspeed."""
+    try:
+        import deepspeed  # noqa: F401  (optional here: planning works without it)
+    except ImportError:
+        click.echo("note: deepspeed is not installed; the config was not parsed by DeepSpeedConfig", err=True)
+        return
+    from dspipe.runtime.dscheck import parse_with_deepspeed
+    try:
+        parse_with_deepspeed(ds_config, dp=dp)
+    except Exception as e:  # DeepSpeed raises assertion, value and pydantic errors alike
+        raise SpecError(f"DeepSpeed rejects the rendered config: {' '.join(str(e).split())}") from None
+
+
+def prepare_run(out: Path, *, model: ModelSpec, cluster: ClusterSpec, best, data: str, command: str,
+                wall_clock_breakdown: bool = False, force: bool = False) -> dict:
+    """Render the DeepSpeed config of the search's `best` candidate (its plan, train and strategy), verify it with
+    DeepSpeed, and write the run directory `out` (ds_config.json, dspipe.json); returns the config."""
+    plan, train = best.plan, best.train
+    ds_config = render_ds_config(plan=plan, train=train, monitor_dir=str(Path(out) / "monitor"),
+                                 wall_clock_breakdown=wall_clock_breakdown)
+    verify_with_deepspeed(ds_config, dp=plan.dp)
+    write_run(out, model=model, cluster=cluster, train=train, strategy=best.strategy, plan=plan, data=data,
+              ds_config=ds_config, command=command, estimate=estimate_summary(best), force=force)
+    return ds_config

@@ -1,0 +1,193 @@
+"""The engine seam: build the module, its parameter groups and the DeepSpeed engine, check that the live engine
+uses the planned settings, and run train and eval steps. One small interface, two implementations: `PlainEngine`
+(pp = 1: the GPT module, micro-batch by micro-batch) and `PipelineEngine` (pp > 1: DeepSpeed's PipelineEngine,
+whole batches through its 1F1B schedule). The runner, `dspipe bench`, evaluation and the memory census use it.
+"""
+from __future__ import annotations
+
+import json
+
+from dspipe.planner.layout import ParallelLayout
+from dspipe.rundir import Run
+
+
+def param_groups(module, weight_decay: float) -> list[dict]:
+    """AdamW groups: decay matrices and embeddings, not biases or LayerNorm weights (1-d tensors)."""
+    decay, no_decay = [], []
+    for p in module.parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_module(run: Run):
+    """The plain GPT (pp=1) or its PipelineModule (pp>1), with recomputation wired to DeepSpeed's checkpointing."""
+    import deepspeed
+
+    plan, seed = run.plan, run.train.seed
+    checkpoint_fn = None
+    if plan.checkpointing != "none":
+        # The JSON's activation_checkpointing block, passed as values: configure(deepspeed_config=...) would
+        # re-check the batch equation against the whole world, which is wrong under a pipeline (dp = world / pp).
+        ac = json.loads(run.ds_config_path.read_text())["activation_checkpointing"]
+        deepspeed.checkpointing.configure(None, partition_activations=ac["partition_activations"],
+                                          contiguous_checkpointing=ac["contiguous_memory_optimization"],
+                                          num_checkpoints=ac["number_checkpoints"],
+                                          checkpoint_in_cpu=ac["cpu_checkpointing"],
+                                          synchronize=ac["synchronize_checkpoint_boundary"], profile=ac["profile"])
+        checkpoint_fn = deepspeed.checkpointing.checkpoint
+    if plan.pp > 1:
+        from dspipe.model.pipeline import build_pipeline
+        return build_pipeline(model=run.model, stages=plan.pp, partition_method=plan.partition_method,
+                              checkpointing=plan.checkpointing,
+                              activation_checkpoint_interval=plan.activation_checkpoint_interval,
+                              checkpoint_fn=checkpoint_fn or deepspeed.checkpointing.checkpoint, seed=seed)
+    from dspipe.model.gpt import GPT
+    model = GPT(run.model, seed=seed)
+    model.set_recomputation(plan.checkpointing, checkpoint_fn)
+    return model
+
+
+def engine_settings(engine) -> dict:
+    """What the live engine actually uses, read from the engine and its optimizer, not from our JSON."""
+    import torch.distributed as dist
+
+    module = engine.module
+    zero_opt = engine.optimizer
+    return {
+        "zero_stage": int(engine.zero_optimization_stage()),
+        "gradient_clipping": float(engine.gradient_clipping()),
+        "bf16": bool(engine.bfloat16_enabled()),
+        "fp16": bool(engine.fp16_enabled()),
+        "param_dtype": str(next(module.parameters()).dtype).replace("torch.", ""),
+        "grad_accum_dtype": str(engine.get_data_types()[1]).replace("torch.", ""),
+        "train_batch_size": int(engine.train_batch_size()),
+        "micro_batch": int(engine.train_micro_batch_size_per_gpu()),
+        "grad_accum": int(engine.gradient_accumulation_steps()),
+        "dp": int(engine.dp_world_size),
+        "pp": int(getattr(engine, "num_stages", 1)),
+        "wrapper_optimizer": type(zero_opt).__name__,
+        "base_optimizer": type(engine.basic_optimizer).__name__,
+        "offload_optimizer": bool(getattr(zero_opt, "cpu_offload", False) or getattr(zero_opt, "offload_optimizer", False)),
+        "offload_param": bool(getattr(zero_opt, "offload_param", False)),
+        "activation_checkpoint_interval": int(getattr(module, "activation_checkpoint_interval", 0)),
+        "scheduler": type(engine.lr_scheduler).__name__,
+        "backend": dist.get_backend(),
+        "world_size": dist.get_world_size(),
+    }
+
+
+def check_engine(settings: dict, run: Run) -> None:
+    """Refuse to train when a value we asked for did not reach the engine (silent config drift)."""
+    plan = run.plan
+    wanted = {"zero_stage": plan.zero_stage, "gradient_clipping": run.train.grad_clip,
+              "bf16": plan.precision == "bf16", "fp16": plan.precision == "fp16",
+              "train_batch_size": plan.global_batch, "micro_batch": plan.micro_batch, "grad_accum": plan.grad_accum,
+              "dp": plan.dp, "pp": plan.pp, "offload_optimizer": plan.offload != "none",
+              "offload_param": plan.offload_params,
+              "activation_checkpoint_interval": plan.activation_checkpoint_interval,
+              "world_size": plan.world_size}
+    drift = {k: (v, settings[k]) for k, v in wanted.items() if settings[k] != v}
+    if drift:
+        raise RuntimeError("engine does not use the planned settings: " +
+                           ", ".join(f"{k} planned {a} live {b}" for k, (a, b) in drift.items()))
+
+
+class Engine:
+    """A DeepSpeed engine built from a run directory, behind the few calls the loop needs."""
+
+    def __init__(self, engine, *, run: Run, layout: ParallelLayout, rank: int):
+        self.engine, self.run, self.layout, self.rank = engine, run, layout, rank
+        self.settings = engine_settings(engine)
+        check_engine(self.settings, run)
+        grid = getattr(engine, "grid", None)  # the pipeline's own topology must agree with the layout
+        if grid is not None and grid.get_data_parallel_rank() != self.dp_rank:
+            raise RuntimeError(f"rank {rank}: DeepSpeed's grid says dp rank {grid.get_data_parallel_rank()}, "
+                               f"the layout ({layout.describe()}) says {self.dp_rank}")
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel index: which slice of each global batch it reads."""
+        return self.layout.dp_rank(self.rank)
+
+    @property
+    def reads_data(self) -> bool:
+        """Whether this rank consumes batches (under a pipeline only the first and last stages do)."""
+        return True
+
+    @property
+    def device(self):
+        return self.engine.device
+
+    def train_step(self, batches, *, poison: bool = False) -> float:
+        """One optimizer step over grad_accum micro-batches from `batches`; the loss averaged over micro-batches
+        and data-parallel ranks, the same on every rank. `poison` (test hook): the first micro-batch's loss NaN."""
+        raise NotImplementedError
+
+    def eval_loss(self, batches, *, count: int) -> float:
+        """Mean loss over `count` micro-batches per data-parallel rank, dropout off, the same on every rank."""
+        raise NotImplementedError
+
+
+class PlainEngine(Engine):
+    """pp = 1: forward, backward and step per micro-batch; DeepSpeed steps the optimizer at the boundary."""
+
+    def train_step(self, batches, *, poison: bool = False) -> float:
+        import torch
+
+        engine, total = self.engine, torch.zeros((), device=self.device)
+        for micro in range(self.run.plan.grad_accum):
+            inputs, labels = next(batches)
+            loss = engine(inputs.to(self.device), labels.to(self.device))
+            if poison and micro == 0:
+                loss = loss * float("nan")
+            engine.backward(loss)
+            engine.step()
+            total += loss.detach().float()
+        return self._mean(total, count=self.run.plan.grad_accum)
+
+    def eval_loss(self, batches, *, count: int) -> float:
+        import torch
+
+        engine, total = self.engine, torch.zeros((), device=self.device)
+        engine.eval()
+        with torch.no_grad():
+            for inputs, labels in batches:
+                total += engine(inputs.to(self.device), labels.to(self.device)).float()
+        engine.train()
+        return self._mean(total, count=count)
+
+    def _mean(self, total, *, count: int) -> float:
+        """Sum over every rank / (count x replicas): each rank of a replica holds the replica's loss."""
+        import torch.distributed as dist
+
+        dist.all_reduce(total)
+        return float(total) / (count * self.layout.world)
+
+
+class PipelineEngine(Engine):
+    """pp > 1: DeepSpeed's PipelineEngine runs whole batches (1F1B) and broadcasts the mean loss to every stage."""
+
+    @property
+    def reads_data(self) -> bool:
+        return self.engine.is_first_stage() or self.engine.is_last_stage()
+
+    def train_step(self, batches, *, poison: bool = False) -> float:
+        return float(self.engine.train_batch(data_iter=batches if self.reads_data else None))
+
+    def eval_loss(self, batches, *, count: int) -> float:
+        return float(self.engine.eval_batch(batches if self.reads_data else None, num_micro_batches=count))
+
+
+def build_engine(run: Run, *, compile_: bool = False) -> Engine:
+    """Collective (the process group must be up): module -> deepspeed.initialize -> live-settings check."""
+    import deepspeed
+    import torch.distributed as dist
+
+    module = build_module(run)
+    engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=param_groups(module, run.train.weight_decay),
+                                           config=str(run.ds_config_path))
+    if compile_:
+        engine.compile()
+    cls = PipelineEngine if run.plan.pp > 1 else PlainEngine
+    return cls(engine, run=run, layout=run.plan.layout, rank=dist.get_rank())

@@ -1,0 +1,32 @@
+"""dspipe bench: the arithmetic and report (fast), the input checks, and one real run beside the reference."""
+import re
+
+import pytest
+
+from tests.helpers import dspipe
+
+
+@pytest.mark.distributed
+def test_bench_with_compare_on_2_cpu_ranks(tmp_path):
+    doc = tmp_path / "benchmarks.md"
+    r = dspipe("bench", "--model", "tiny", "--global-batch", "8", "--micro-batch", "2", "--precision", "fp32",
+               "--zero", "1", "--warmup", "1", "--steps", "2", "--compare", "--append", doc)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    out = r.stdout
+    assert "world 2 = dp 2 x pp 1 | ZeRO-1 offload none | fp32" in out and "batch 2 x ga 2 x dp 2 = 8 seq" in out
+    tokens = re.search(r"^tokens/s\s+([\d,]+)\s+([\d,]+)$", out, re.M)
+    assert tokens, out
+    d_tps, r_tps = (float(t.replace(",", "")) for t in tokens.groups())
+    assert d_tps > 0 and r_tps > 0
+    assert re.search(r"MFU\s+n/a\s+n/a", out)  # no peak for a CPU
+    for label in ("forward", "backward \\+ grad reduction", "optimizer step", "peak RSS per rank \\(GiB\\)"):
+        assert re.search(label + r".*\s+[\d,.]+\s+[\d,.]+$", out, re.M), label
+    ratio = float(re.search(r"dspipe / reference tokens/s: ([\d.]+)", out).group(1))
+    assert ratio == pytest.approx(d_tps / r_tps, rel=0.01)
+    # same seed, same weights, same batches, fp32: the first step's loss (before any update) is the same function
+    d_loss, r_loss = map(float, re.search(r"first-step loss: dspipe ([\d.]+), reference ([\d.]+)", out).groups())
+    assert abs(d_loss - r_loss) < 1e-4 and abs(d_loss - 8.318) < 0.05, (d_loss, r_loss)  # ln(4096) = 8.318
+    text = doc.read_text()
+    assert "- command: `dspipe bench --model tiny --global-batch 8" in text and "--append " + str(doc) in text
+    assert f"| tokens/s | {tokens.group(1)} | {tokens.group(2)} |" in text
+    assert "torch 2" in text and "deepspeed" in text and re.search(r"\| \d+ torch thread\(s\) per rank", text)

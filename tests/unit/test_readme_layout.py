@@ -1,0 +1,10 @@
+import subprocess
+import sys
+
+from tests.helpers import ROOT
+
+
+def test_readme_layout_block_is_generated_from_the_package():
+    r = subprocess.run([sys.executable, "scripts/readme_layout.py", "--check"], cwd=ROOT, capture_output=True,
+                       text=True)
+    assert r.returncode == 0, r.stdout + r.stderr

@@ -2,14 +2,17 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from dspipe.atomic import replace_dir
+from dspipe import outputs
+from dspipe.atomic import replace_dir, write_file
 from dspipe.errors import SpecError
-from dspipe.planner.plan import Plan
+from dspipe.jsonio import read_object, show
+from dspipe.planner.plan import Plan, check_plan
 from dspipe.planner.spec import ClusterSpec, ModelSpec, StrategySpec, TrainSpec, from_dict
 
 FORMAT_VERSION = 1
@@ -31,6 +34,10 @@ class Run:
     plan: Plan
     data: str
     """Prepared token directory the run trains on."""
+    estimate: dict = field(default_factory=dict)
+    """The planner's estimate as gen-config wrote it (dspipe.json's "estimate")."""
+    ds_config: dict = field(default_factory=dict)
+    """ds_config.json as read and checked against the plan."""
 
     @property
     def ds_config_path(self) -> Path:
@@ -55,34 +62,174 @@ class Run:
 
 def write_run(out: Path, *, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strategy: StrategySpec,
               plan: Plan, data: str, ds_config: dict, command: str, estimate: dict, force: bool = False) -> None:
-    """Write into a sibling temp dir, then rename: a failure never leaves a half-written run directory."""
-    out = Path(out)
-    if out.exists() and not force:
-        raise SpecError(f"run directory {out} already exists (pass --force to replace it)")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    """A new run directory is written into a sibling temp dir, then renamed: never half-written. An existing one
+    is rewritten only with `force` and only if it is a run directory: its two config files are replaced (each
+    whole), everything else (checkpoints, metrics, TensorBoard logs, the user's files) is kept. A run that has
+    trained is refused a config of another model, whose checkpoints it could not resume."""
+    out = outputs.target(out, flag="--out", expect="dir")
     spec = {"format_version": FORMAT_VERSION, "model": asdict(model), "cluster": asdict(cluster),
             "train": asdict(train), "strategy": asdict(strategy), "plan": asdict(plan), "estimate": estimate, "data": data,
             "command": command}
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    tmp.chmod(0o755)
+    texts = {DS_CONFIG_FILE: _json_text(ds_config, DS_CONFIG_FILE), SPEC_FILE: _json_text(spec, SPEC_FILE)}
+    if outputs.claim_run_dir(out, force=force):
+        _check_same_model(out, model=spec["model"])
+        with outputs.writing(out):
+            for name, text in texts.items():  # ds_config.json first: dspipe.json (what readers open first) last
+                write_file(out / name, text)
+        return
+    dest = Path(os.path.abspath(out))
+    with outputs.writing(out):
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+        tmp.chmod(0o755)
+        try:
+            for name, text in texts.items():
+                (tmp / name).write_text(text)
+            replace_dir(tmp, dest)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+
+def _json_text(value: dict, name: str) -> str:
+    from dspipe.jsonio import dumps  # a NaN or infinity is refused, naming its key
+
+    return dumps(value, what=name)
+
+
+def _check_same_model(out: Path, *, model: dict) -> None:
+    """A run that has trained keeps its outputs under --force, so its model must stay the one they belong to."""
+    kept = outputs.training_outputs(out)
+    if not kept:
+        return
     try:
-        (tmp / SPEC_FILE).write_text(json.dumps(spec, indent=2) + "\n")
-        (tmp / DS_CONFIG_FILE).write_text(json.dumps(ds_config, indent=2) + "\n")
-        replace_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        old = json.loads((out / SPEC_FILE).read_text()).get("model")
+    except (OSError, ValueError, AttributeError):
+        old = None
+    if old == model:
+        return
+    changed = ("its dspipe.json is unreadable" if not isinstance(old, dict) else ", ".join(
+        f"{k} {old.get(k)} -> {model.get(k)}" for k in sorted(set(old) | set(model)) if old.get(k) != model.get(k)))
+    raise SpecError(f"run directory {out} holds training outputs ({', '.join(kept)}) of another model ({changed}); "
+                    f"--force keeps them, so it cannot give this run a new model: choose another --out "
+                    f"(nothing was changed)")
 
 
 def load_run(path: str | Path) -> Run:
+    """The one validated reader of a run directory (every command that reads one comes here): dspipe.json and
+    ds_config.json must be UTF-8 JSON objects of finite numbers with every key, each spec valid, the plan equal
+    to what its specs derive, and ds_config.json's batch, ZeRO stage, precision and pipeline agreeing with the
+    plan. Anything else is one SpecError naming the file and the field."""
     path = Path(path)
-    spec_file = path / SPEC_FILE
-    if not spec_file.is_file() or not (path / DS_CONFIG_FILE).is_file():
+    spec_file, ds_file = path / SPEC_FILE, path / DS_CONFIG_FILE
+    if not spec_file.is_file() or not ds_file.is_file():
         raise SpecError(f"{path} is not a run directory (no {SPEC_FILE} / {DS_CONFIG_FILE}); "
                         f"create one with 'dspipe gen-config --out {path}'")
-    d = json.loads(spec_file.read_text())
+    d = read_object(spec_file)
     if d.get("format_version") != FORMAT_VERSION:
-        raise SpecError(f"{spec_file}: format_version {d.get('format_version')} != {FORMAT_VERSION}")
-    return Run(path=path, model=from_dict(ModelSpec, d["model"]), cluster=from_dict(ClusterSpec, d["cluster"]),
-               train=from_dict(TrainSpec, d["train"]), strategy=from_dict(StrategySpec, d["strategy"]),
-               plan=from_dict(Plan, d["plan"]), data=d["data"])
+        raise SpecError(f"{spec_file}: format_version {d.get('format_version')!r} != {FORMAT_VERSION}")
+    missing = [k for k in RUN_KEYS if k not in d]
+    if missing:
+        raise SpecError(f"{spec_file}: missing key {', '.join(missing)}")
+    specs = {key: _section(spec_file, key, cls, d[key]) for key, cls in
+             (("model", ModelSpec), ("cluster", ClusterSpec), ("train", TrainSpec), ("strategy", StrategySpec),
+              ("plan", Plan))}
+    data = d["data"]
+    if not isinstance(data, str) or not data or "\0" in data or "\n" in data:
+        raise SpecError(f"{spec_file}: data must be the prepared data directory (a one-line path), got "
+                        f"{show(data)}")
+    try:
+        check_plan(specs["plan"], model=specs["model"], cluster=specs["cluster"], train=specs["train"],
+                   strategy=specs["strategy"])
+    except SpecError as e:
+        raise SpecError(f"{spec_file}: {e}") from None
+    estimate = _estimate(spec_file, d.get("estimate", {}))
+    ds_config = read_object(ds_file)
+    check_ds_config(ds_config, plan=specs["plan"], source=ds_file)
+    return Run(path=path, **specs, data=data, estimate=estimate, ds_config=ds_config)
+
+
+RUN_KEYS = ("model", "cluster", "train", "strategy", "plan", "data")
+ESTIMATE_NUMBERS = ("tokens_per_s", "mfu", "step_time_s")
+"""Figures of dspipe.json's estimate that `dspipe report` reads (with memory_per_gpu_bytes.total)."""
+
+
+def _section(source: Path, key: str, cls, value):
+    try:
+        return from_dict(cls, value)
+    except SpecError as e:
+        text = str(e)
+        raise SpecError(f"{source}: {text}" if text.startswith(f"{key}.") else f"{source}: {key}: {text}") from None
+    except TypeError as e:  # a field the dataclass does not take as given (e.g. an unhashable value)
+        raise SpecError(f"{source}: {key}: {' '.join(str(e).split())}") from None
+
+
+def _estimate(source: Path, estimate) -> dict:
+    if not isinstance(estimate, dict):
+        raise SpecError(f"{source}: estimate must be an object, got {type(estimate).__name__}")
+    memory = estimate.get("memory_per_gpu_bytes", {})
+    if not isinstance(memory, dict):
+        raise SpecError(f"{source}: estimate.memory_per_gpu_bytes must be an object, got {type(memory).__name__}")
+    for name, value in [*((k, estimate.get(k)) for k in ESTIMATE_NUMBERS),
+                        ("memory_per_gpu_bytes.total", memory.get("total"))]:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
+            raise SpecError(f"{source}: estimate.{name} must be a number >= 0 or null, got {show(value)}")
+    return estimate
+
+
+def check_ds_config(ds: dict, *, plan: Plan, source: Path | str) -> None:
+    """ds_config.json against the plan: the batch equation, ZeRO stage, optimizer offload, precision, pipeline
+    stages and the activation-checkpointing block the engine reads. A key DeepSpeed defaults (zero stage 0,
+    bf16/fp16 off, no offload) may be absent; the batch keys may not (dspipe writes all three)."""
+    def lookup(dotted: str, default=KeyError):
+        node = ds
+        for part in dotted.split("."):
+            if not isinstance(node, dict):
+                raise SpecError(f"{source}: {dotted.rsplit('.', 1)[0]} must be an object, got {type(node).__name__}")
+            if part not in node:
+                if default is KeyError:
+                    raise SpecError(f"{source}: missing {dotted} (the plan in {SPEC_FILE} has {wanted[dotted]!r})")
+                return default
+            node = node[part]
+        return node
+
+    bf16 = "bfloat16" if "bfloat16" in ds and "bf16" not in ds else "bf16"  # DeepSpeed's alias
+    wanted = {"train_batch_size": plan.global_batch, "train_micro_batch_size_per_gpu": plan.micro_batch,
+              "gradient_accumulation_steps": plan.grad_accum, "zero_optimization.stage": plan.zero_stage,
+              f"{bf16}.enabled": plan.precision == "bf16", "fp16.enabled": plan.precision == "fp16",
+              "pipeline.stages": plan.pp}
+    defaults = {"zero_optimization.stage": 0, f"{bf16}.enabled": False, "fp16.enabled": False,
+                "pipeline.stages": plan.pp}
+    for key, want in wanted.items():
+        have = lookup(key, defaults.get(key, KeyError))
+        if type(have) is not type(want) or have != want:
+            raise SpecError(f"{source}: {key} is {show(have)} but the plan in {SPEC_FILE} has {want!r} "
+                            f"(global batch {plan.global_batch} = micro {plan.micro_batch} x grad_accum "
+                            f"{plan.grad_accum} x dp {plan.dp}, ZeRO-{plan.zero_stage}, {plan.precision}, "
+                            f"pp {plan.pp}); regenerate both with 'dspipe gen-config --force'")
+    if plan.zero_stage:
+        device = lookup("zero_optimization.offload_optimizer", {})
+        device = device.get("device", "none") if isinstance(device, dict) else device
+        if (device or "none") != plan.offload:
+            raise SpecError(f"{source}: zero_optimization.offload_optimizer.device is {show(device)} but the "
+                            f"plan in {SPEC_FILE} has {plan.offload!r}")
+    ac = lookup("activation_checkpointing", {})
+    if not isinstance(ac, dict):
+        raise SpecError(f"{source}: activation_checkpointing must be an object, got {type(ac).__name__}")
+    if plan.checkpointing != "none":  # the engine passes these to deepspeed.checkpointing.configure
+        for key in ("partition_activations", "contiguous_memory_optimization", "cpu_checkpointing",
+                    "synchronize_checkpoint_boundary", "profile"):
+            if not isinstance(ac.get(key), bool):
+                raise SpecError(f"{source}: activation_checkpointing.{key} must be true or false, got "
+                                f"{show(ac.get(key))}")
+        n = ac.get("number_checkpoints")
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise SpecError(f"{source}: activation_checkpointing.number_checkpoints must be a positive integer or "
+                            f"null, got {show(n)}")
+
+
+def load_engine(run: Run) -> dict | None:
+    """engine.json (the live engine's settings, written by the runner's rank 0): None while absent or being
+    written; anything but a JSON object is a SpecError naming the file."""
+    if not run.engine_path.is_file():
+        return None
+    return read_object(run.engine_path, partial_ok=True)

@@ -9,9 +9,10 @@ import click
 
 from dspipe.cli.bench import bench
 from dspipe.cli.data import prepare_data
+from dspipe.cli.extend import extend
 from dspipe.cli.launch import doctor, launch, slurm_script
 from dspipe.cli.model import export_hf, generate
-from dspipe.cli.options import DEFAULT_DATA, choose, spec_options
+from dspipe.cli.options import DEFAULT_DATA, choose, parse_tokens, preset_report_for, spec_options
 from dspipe.cli.prepare_run import prepare_run
 from dspipe.cli.report import report
 from dspipe.cluster.launch import run_program
@@ -41,10 +42,15 @@ def _deepspeed_command(*, cluster: ClusterSpec, out: Path, hostfile: str | None)
 @click.option("--pad-vocab", is_flag=True, default=False,
               help="model vocab = the data's tokenizer vocab rounded up to a multiple of 64")
 @click.option("--wall-clock-breakdown", is_flag=True, default=False, help="DeepSpeed per-phase timers")
-@click.option("--out", required=True, type=click.Path(path_type=Path), help="run directory to write, e.g. runs/NAME")
-@click.option("--force", is_flag=True, default=False, help="replace an existing run directory")
+@click.option("--out", required=True, metavar="DIR", help="run directory to write, e.g. runs/NAME")
+@click.option("--force", is_flag=True, default=False,
+              help="rewrite the config of an existing run directory (its checkpoints, metrics and logs are kept)")
 def gen_config(**o) -> None:
     """Write runs/NAME/ds_config.json and dspipe.json and print the deepspeed command."""
+    from dspipe.outputs import claim_run_dir, target, training_outputs
+
+    o["out"] = target(o["out"], flag="--out", expect="dir")  # before any planning: a bad --out is refused first
+    kept = training_outputs(o["out"]) if claim_run_dir(o["out"], force=o["force"]) else []
     notes: list[str] = []
     model, cluster, result = choose(o, check_model=lambda m: _check_data(o["data"], m, notes))
     best = result.best
@@ -69,23 +75,11 @@ def gen_config(**o) -> None:
                f"(chosen from {result.evaluated} candidates; 'dspipe plan' explains)")
     click.echo(f"wrote {out / 'ds_config.json'} and {out / 'dspipe.json'}")
     click.echo(f"run:  {command}")
+    if kept:
+        notes.append(f"note: kept {', '.join(kept)} in {out}: 'dspipe launch {out}' resumes from its newest "
+                     f"checkpoint ('--restart' starts over, moving the old outputs aside)")
     for note in notes:
         click.echo(note, err=True)
-
-
-def parse_tokens(text: str | None) -> float | None:
-    """'300B', '1.5T', '2e9', '500M' -> a token count."""
-    if text is None:
-        return None
-    scale = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
-    t = text.strip().upper()
-    try:
-        value = float(t[:-1]) * scale[t[-1]] if t and t[-1] in scale else float(t)
-    except ValueError:
-        value = -1
-    if not value > 0:
-        raise SpecError(f"token budget {text!r} does not parse: use a number like 300B, 1.5T or 2e9")
-    return value
 
 
 @cli.command("plan")
@@ -99,8 +93,10 @@ def plan_command(**o) -> None:
 
     from dspipe.planner.summary import human_report
 
-    tokens = parse_tokens(o["tokens"])
+    tokens = parse_tokens(o["tokens"], flag="--tokens")
     model, cluster, result = choose(o)
+    for line in preset_report_for(result.best, monitor_dir="RUN/monitor"):
+        click.echo(line, err=o["as_json"])  # --json: stdout stays one JSON object
     if o["as_json"]:
         click.echo(json.dumps(estimate_summary(result.best, tokens=tokens), indent=2))
     else:
@@ -137,6 +133,7 @@ cli.add_command(report)
 cli.add_command(bench)
 cli.add_command(export_hf)
 cli.add_command(generate)
+cli.add_command(extend)
 
 
 def main(argv: list[str] | None = None) -> None:

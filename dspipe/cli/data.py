@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from dspipe.cli.options import DEFAULT_DATA
+from dspipe.cli.options import DEFAULT_DATA, FLOAT, INT
 
 BUILTIN_MAX_MB = 8.0
 
@@ -16,8 +16,8 @@ BUILTIN_MAX_MB = 8.0
 @click.argument("inputs", nargs=-1)
 @click.option("--source", "sources", multiple=True,
               help="input (repeatable, same as INPUTS): file, glob, directory or Hugging Face dataset name")
-@click.option("--out", default=DEFAULT_DATA, show_default=True, type=click.Path(path_type=Path),
-              help="output directory")
+@click.option("--out", default=DEFAULT_DATA, show_default=True, metavar="DIR",
+              help="output directory (replaced only if dspipe prepared it and it holds nothing else)")
 @click.option("--text-field", default="text", show_default=True, help="text column of .jsonl/.json/.parquet/hub data")
 @click.option("--txt-docs", type=click.Choice(["file", "blank-line"]), default="file", show_default=True,
               help="plain-text files: one document per file, or per blank-line-separated block")
@@ -26,36 +26,41 @@ BUILTIN_MAX_MB = 8.0
 @click.option("--streaming/--no-streaming", default=True, show_default=True,
               help="read inputs as a stream (memory independent of size); --no-streaming builds datasets' Arrow cache")
 @click.option("--tokenizer", default=None, help="Hugging Face tokenizer name or local directory (transformers)")
-@click.option("--train-tokenizer", type=int, default=None, metavar="VOCAB_SIZE",
+@click.option("--train-tokenizer", type=INT, default=None, metavar="VOCAB_SIZE",
               help="train a byte-level BPE of this size on the input [default: 4096 unless --tokenizer]")
-@click.option("--tokenizer-sample-mb", type=float, default=64.0, show_default=True,
+@click.option("--tokenizer-sample-mb", type=FLOAT, default=64.0, show_default=True,
               help="text the BPE is trained on (the start of the input)")
-@click.option("--val-fraction", type=float, default=0.01, show_default=True,
+@click.option("--val-fraction", type=FLOAT, default=0.01, show_default=True,
               help="fraction of documents in the validation split")
-@click.option("--max-mb", type=float, default=None,
+@click.option("--max-mb", type=FLOAT, default=None,
               help=f"stop after this much text [default: all; {BUILTIN_MAX_MB:g} for the built-in corpus]")
-@click.option("--shard-tokens", type=int, default=500_000_000, show_default=True, help="tokens per shard file")
-@click.option("--workers", type=int, default=None, help="tokenizer processes [default: usable CPUs, at most 32]")
+@click.option("--shard-tokens", type=INT, default=500_000_000, show_default=True, help="tokens per shard file")
+@click.option("--workers", type=INT, default=None, help="tokenizer processes, 1-128 [default: usable CPUs, at most 32]")
 @click.option("--skip-bad", is_flag=True, default=False, help="skip non-UTF-8 files (counted) instead of failing")
-@click.option("--force", is_flag=True, default=False, help="rebuild even if --out already holds this preparation")
+@click.option("--force", is_flag=True, default=False,
+              help="rebuild even if --out already holds this preparation (only a directory dspipe prepared)")
 def prepare_data(inputs, sources, out: Path, text_field, txt_docs, hub_config, split, streaming, tokenizer,
                  train_tokenizer, tokenizer_sample_mb, val_fraction, max_mb, shard_tokens, workers, skip_bad,
                  force) -> None:
     """Tokenize INPUTS (files, globs, directories, or a Hugging Face dataset name; default: the Python standard
     library's source) into memory-mapped token shards with a train/validation split, in parallel. Re-running
     with the same inputs and options is a no-op."""
-    from dspipe.data.prepare import prepare
+    from dspipe.data.prepare import mib_to_bytes, prepare
     from dspipe.data.sources import resolve_inputs
+    from dspipe.outputs import target
 
+    out = target(out, flag="--out", expect="dir")  # before reading any input
     specs = list(inputs) + list(sources)
     resolved = resolve_inputs(specs, text_field=text_field, txt_docs=txt_docs, config=hub_config, split=split,
                               streaming=streaming, skip_bad=skip_bad)
     if max_mb is None and not specs:
         max_mb = BUILTIN_MAX_MB
-    workers = workers or min(32, len(os.sched_getaffinity(0)))
+    workers = min(32, len(os.sched_getaffinity(0))) if workers is None else workers  # 0 is refused, not "auto"
     result = prepare(inputs=resolved, out=out, tokenizer=tokenizer, train_tokenizer=train_tokenizer,
-                     tokenizer_sample_bytes=int(tokenizer_sample_mb * 2**20), val_fraction=val_fraction,
-                     max_bytes=None if max_mb is None else int(max_mb * 2**20), shard_tokens=shard_tokens,
+                     tokenizer_sample_bytes=mib_to_bytes(tokenizer_sample_mb, flag="--tokenizer-sample-mb"),
+                     val_fraction=val_fraction,
+                     max_bytes=None if max_mb is None else mib_to_bytes(max_mb, flag="--max-mb"),
+                     shard_tokens=shard_tokens,
                      workers=workers, force=force, progress=True, log=click.echo)
     m = result.meta
     train, val = m["splits"]["train"], m["splits"]["val"]

@@ -2,17 +2,18 @@
 `dspipe` group by dspipe/cli/app.py; imports no torch until a command needs it."""
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 from pathlib import Path
 
 import click
 
+from dspipe.cli.options import FLOAT, INT
+
 from dspipe.errors import SpecError
 from dspipe.cluster.hostfile import describe
 from dspipe.cluster.launch import (LAUNCHERS, LaunchSpec, build, check_world, env_file_for, execute, preflight, resolve,
-                           run_program)
+                           resume_args, run_program)
 from dspipe.cluster.netenv import (NCCL_DEBUG_LEVELS, NetworkSpec, parse_env_assignments, rank_environment,
                            write_env_file)
 from dspipe.rundir import load_run
@@ -27,16 +28,16 @@ def launch_options(f):
         click.option("--hostfile", default=None, help="MPI-style hostfile ('HOST slots=N' per line)"),
         click.option("--include", default="", help="hosts/slots to use: NAME[:SLOT,...][@NAME...]"),
         click.option("--exclude", default="", help="hosts/slots to leave out, same format"),
-        click.option("--num-nodes", type=int, default=None, help="use the first N hosts of the hostfile"),
-        click.option("--num-gpus", type=int, default=None, help="ranks per node (slots 0..N-1)"),
+        click.option("--num-nodes", type=INT, default=None, help="use the first N hosts of the hostfile"),
+        click.option("--num-gpus", type=INT, default=None, help="ranks per node (slots 0..N-1)"),
         click.option("--master-addr", default=None, help="address of node 0 [default: DeepSpeed's choice; with "
                                                          "--no-ssh the first host]"),
-        click.option("--master-port", type=int, default=None, help="rendezvous port on node 0 [default: 29500]"),
+        click.option("--master-port", type=INT, default=None, help="rendezvous port on node 0 [default: 29500]"),
         click.option("--launcher", type=click.Choice(LAUNCHERS), default="pdsh", show_default=True,
                      help="how DeepSpeed reaches the other nodes"),
         click.option("--no-ssh", is_flag=True, default=False, help="this node starts only its own ranks"),
-        click.option("--node-rank", type=int, default=None, help="this node's index in the hostfile (--no-ssh)"),
-        click.option("--ssh-port", type=int, default=None, help="ssh port for pdsh"),
+        click.option("--node-rank", type=INT, default=None, help="this node's index in the hostfile (--no-ssh)"),
+        click.option("--ssh-port", type=INT, default=None, help="ssh port for pdsh"),
     ]):
         f = opt(f)
     return f
@@ -48,7 +49,7 @@ def network_options(f):
         click.option("--ib-hca", default=None, help="NCCL_IB_HCA, e.g. mlx5_0,mlx5_1"),
         click.option("--no-ib", is_flag=True, default=False, help="NCCL_IB_DISABLE=1 (no InfiniBand)"),
         click.option("--nccl-debug", type=click.Choice(NCCL_DEBUG_LEVELS), default="WARN", show_default=True),
-        click.option("--timeout-min", type=int, default=30, show_default=True,
+        click.option("--timeout-min", type=INT, default=30, show_default=True,
                      help="collective timeout in minutes (DEEPSPEED_TIMEOUT)"),
         click.option("--env", "env", multiple=True, help="KEY=VALUE for every rank (repeatable)"),
     ]):
@@ -78,17 +79,32 @@ def _network_flags(o: dict) -> list[str]:
     return flags
 
 
+def resume_options(f):
+    for opt in reversed([
+        click.option("--resume", default=None, metavar="auto|TAG|PATH",
+                     help="checkpoint to start from [default: auto, the newest complete one, or a fresh start]"),
+        click.option("--restart", is_flag=True, default=False,
+                     help="start from step 0 (the run moves its earlier checkpoints and metrics aside, deleting "
+                          "nothing)"),
+    ]):
+        f = opt(f)
+    return f
+
+
 @click.command("launch")
 @click.argument("run_dir", type=click.Path(path_type=Path))
 @launch_options
 @network_options
+@resume_options
 @click.option("--dry-run", is_flag=True, default=False, help="print the command(s) and environment, run nothing")
-def launch(run_dir: Path, dry_run: bool, **o) -> None:
-    """Start the run through DeepSpeed's launcher (pdsh, OpenMPI, Slurm, or --no-ssh per node)."""
+def launch(run_dir: Path, dry_run: bool, resume: str | None, restart: bool, **o) -> None:
+    """Start the run through DeepSpeed's launcher (pdsh, OpenMPI, Slurm, or --no-ssh per node). A run directory with
+    checkpoints resumes from the newest complete one; --restart starts over, --resume picks one."""
+    program_args = resume_args(resume=resume, restart=restart)  # checked before the run directory is read
     run = load_run(run_dir)
     spec = _launch_spec(o)
     env = rank_environment(cluster=run.cluster, network=_network(o))
-    plan = build(spec, program=run_program(run.path), env=env, env_file=env_file_for(run.path),
+    plan = build(spec, program=[*run_program(run.path), *program_args], env=env, env_file=env_file_for(run.path),
                  default_gpus=run.cluster.gpus_per_node)
     check_world(plan, expected=run.plan.world_size, nodes=run.cluster.nodes, gpus_per_node=run.cluster.gpus_per_node,
                 run_path=run.path, spec=spec)
@@ -108,10 +124,10 @@ def launch(run_dir: Path, dry_run: bool, **o) -> None:
 @launch_options
 @network_options
 @click.option("--gpu", default=None, help="GPU type whose assumed bandwidth to compare with [default: detected]")
-@click.option("--size-mb", type=float, default=64.0, show_default=True, help="all-reduce message size")
-@click.option("--iters", type=int, default=10, show_default=True, help="timed all-reduces")
+@click.option("--size-mb", type=FLOAT, default=64.0, show_default=True, help="all-reduce message size")
+@click.option("--iters", type=INT, default=10, show_default=True, help="timed all-reduces")
 @click.option("--skip-allreduce", is_flag=True, default=False, help="report only; start no ranks")
-@click.option("--timeout-s", type=int, default=600, show_default=True, help="give up on the all-reduce after this")
+@click.option("--timeout-s", type=INT, default=600, show_default=True, help="give up on the all-reduce after this")
 def doctor(gpu: str | None, size_mb: float, iters: int, skip_allreduce: bool, timeout_s: int, **o) -> None:
     """Preflight: versions, GPUs, DeepSpeed ops, ssh to every host, and an all-reduce across the whole cluster."""
     from dspipe.cluster import doctor as d
@@ -168,28 +184,37 @@ def _cuda_count() -> int:
 
 @click.command("slurm-script")
 @click.argument("run_dir", type=click.Path(path_type=Path))
-@click.option("--out", type=click.Path(path_type=Path), default=None, help="[default: RUN_DIR/slurm.sbatch]")
+@click.option("--out", default=None, metavar="FILE",
+              help="[default: RUN_DIR/slurm.sbatch]; an existing file only with --force")
+@click.option("--force", is_flag=True, default=False, help="replace a script that slurm-script wrote (nothing else)")
 @click.option("--time", "time_limit", default="24:00:00", show_default=True, help="job time limit")
 @click.option("--partition", default=None)
 @click.option("--account", default=None)
 @click.option("--sbatch", "extra_sbatch", multiple=True, help="extra '#SBATCH' option, e.g. --sbatch=--exclusive")
-@click.option("--master-port", type=int, default=None, help="rendezvous port on the first node [default: 29500]")
+@click.option("--master-port", type=INT, default=None, help="rendezvous port on the first node [default: 29500]")
+@click.option("--stop-before", type=INT, default=300, show_default=True,
+              help="seconds before the time limit at which the run is told to save, and the job requeues")
 @network_options
-def slurm_script(run_dir: Path, out: Path | None, time_limit: str, partition: str | None, account: str | None,
-                 extra_sbatch: tuple[str, ...], master_port: int | None, **o) -> None:
-    """Write an sbatch script that builds the hostfile from the job's nodes and launches the run on them."""
-    from dspipe.cluster.slurm import render_slurm_script
+@resume_options
+def slurm_script(run_dir: Path, out: str | None, force: bool, time_limit: str, partition: str | None,
+                 account: str | None, extra_sbatch: tuple[str, ...], master_port: int | None, stop_before: int,
+                 resume: str | None, restart: bool, **o) -> None:
+    """Write an sbatch script that builds the hostfile from the job's nodes and launches the run on them. It resumes
+    from the newest checkpoint, and on the time limit or pre-emption stops the run (which saves) and requeues the
+    job; --resume/--restart apply to the job's first start only."""
+    from dspipe.atomic import write_file
+    from dspipe.cluster.slurm import is_slurm_script, render_slurm_script
+    from dspipe.outputs import claim_file, target, writing
 
+    first = resume_args(resume=resume, restart=restart)
     run = load_run(run_dir)
     rank_environment(cluster=run.cluster, network=_network(o))  # reject bad network options now, not in the job
     LaunchSpec(master_port=master_port)
-    out = out or run.path / "slurm.sbatch"
+    out = target(run.path / "slurm.sbatch" if out is None else out, flag="--out", expect="file")
     text = render_slurm_script(run=run, script_path=out, workdir=Path.cwd(), time=time_limit, partition=partition,
                                account=account, extra_sbatch=extra_sbatch, master_port=master_port,
-                               launch_args=_network_flags(o))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(text)
-    os.chmod(tmp, 0o755)
-    os.replace(tmp, out)
+                               launch_args=_network_flags(o), first_resume_args=first, stop_before=stop_before)
+    claim_file(out, replace=force, owned=is_slurm_script, label="sbatch script")  # only its own earlier script
+    with writing(out):
+        write_file(out, text, mode=0o755)
     click.echo(f"wrote {out}: {run.cluster.nodes} nodes x {run.cluster.gpus_per_node}; submit with: sbatch {out}")

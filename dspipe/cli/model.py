@@ -5,15 +5,21 @@ from pathlib import Path
 
 import click
 
+from dspipe.cli.options import FLOAT, INT
+
 
 @click.command("export-hf")
 @click.argument("checkpoint", type=click.Path(path_type=Path))
-@click.option("--out", required=True, type=click.Path(path_type=Path), help="directory to write (GPT-2, safetensors)")
-@click.option("--force", is_flag=True, default=False, help="replace an existing --out directory")
-def export_hf(checkpoint: Path, out: Path, force: bool) -> None:
+@click.option("--out", required=True, metavar="DIR", help="directory to write (GPT-2, safetensors)")
+@click.option("--force", is_flag=True, default=False,
+              help="replace an --out directory that an earlier export-hf wrote (nothing else)")
+def export_hf(checkpoint: Path, out: str, force: bool) -> None:
     """Export CHECKPOINT (runs/NAME/checkpoints/global_stepN, or runs/NAME for its newest complete checkpoint) of
     any ZeRO stage and pipeline layout as a transformers GPT2LMHeadModel directory with the run's tokenizer."""
+    from dspipe.outputs import target
     from dspipe.tools.export import export_hf as run_export
+
+    out = target(out, flag="--out", expect="dir")
 
     used = run_export(source=checkpoint, out=out, force=force)
     click.echo(f"exported {used} -> {out} (AutoModelForCausalLM.from_pretrained({str(out)!r}))")
@@ -22,10 +28,10 @@ def export_hf(checkpoint: Path, out: Path, force: bool) -> None:
 @click.command("generate")
 @click.argument("source", type=click.Path(path_type=Path))
 @click.option("--prompt", required=True, help="text to continue")
-@click.option("--max-tokens", type=int, default=50, show_default=True, help="new tokens at most (stops at EOS)")
-@click.option("--temperature", type=float, default=1.0, show_default=True, help="0 = greedy")
-@click.option("--top-k", type=int, default=50, show_default=True, help="sample from the k likeliest (0: all)")
-@click.option("--seed", type=int, default=0, show_default=True, help="sampling seed")
+@click.option("--max-tokens", type=INT, default=50, show_default=True, help="new tokens at most (stops at EOS)")
+@click.option("--temperature", type=FLOAT, default=1.0, show_default=True, help="0 = greedy")
+@click.option("--top-k", type=INT, default=50, show_default=True, help="sample from the k likeliest (0: all)")
+@click.option("--seed", type=INT, default=0, show_default=True, help="sampling seed")
 def generate(source: Path, prompt: str, max_tokens: int, temperature: float, top_k: int, seed: int) -> None:
     """Continue --prompt with SOURCE: a checkpoint or run directory, or a directory written by export-hf."""
     from dspipe.tools.generate import Sampling, generate as run_generate

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from dspipe.cli.options import applied_preset, preset_report
 from dspipe.errors import SpecError
 from dspipe.planner.render import render_ds_config
 from dspipe.planner.spec import ClusterSpec, ModelSpec
@@ -32,9 +33,13 @@ def prepare_run(out: Path, *, model: ModelSpec, cluster: ClusterSpec, best, data
     """Render the DeepSpeed config of the search's `best` candidate (its plan, train and strategy), verify it with
     DeepSpeed, and write the run directory `out` (ds_config.json, dspipe.json); returns the config."""
     plan, train = best.plan, best.train
+    preset, _ = applied_preset()
     ds_config = render_ds_config(plan=plan, train=train, monitor_dir=str(Path(out) / "monitor"),
-                                 wall_clock_breakdown=wall_clock_breakdown)
+                                 wall_clock_breakdown=wall_clock_breakdown, preset=preset)
+    report = preset_report(ds_config)  # what became of each --preset key; SpecError if the plan contradicts one
     verify_with_deepspeed(ds_config, dp=plan.dp)
     write_run(out, model=model, cluster=cluster, train=train, strategy=best.strategy, plan=plan, data=data,
               ds_config=ds_config, command=command, estimate=estimate_summary(best), force=force)
+    for line in report:
+        click.echo(line)
     return ds_config

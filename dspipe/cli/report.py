@@ -9,9 +9,10 @@ import click
 
 @click.command("report")
 @click.argument("run", type=click.Path(path_type=Path))
-@click.option("--out", default=None, type=click.Path(path_type=Path),
-              help="directory to write (replaced if it holds a previous report) [default: RUN/report]")
-def report(run: Path, out: Path | None) -> None:
+@click.option("--out", default=None, metavar="DIR",
+              help="directory to write (replaced only if it holds a previous report and nothing else) "
+                   "[default: RUN/report]")
+def report(run: Path, out: str | None) -> None:
     """Plot loss, throughput and learning rate of RUN (runs/NAME) and write report.md: the configuration, the
     planner's predicted memory, tokens/s, MFU and step time against the measured ones, final and validation loss."""
     from dspipe.tools.report import PLOTS, REPORT_FILE, write_report

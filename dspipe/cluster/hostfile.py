@@ -14,6 +14,11 @@ from dspipe.errors import SpecError
 
 HOST_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")  # no ':' or '@': they are the separators of --include/--exclude
 KEY_VALUE = re.compile(r"^(slots|max_slots)=(.*)$")
+SLOT_COUNT = re.compile(r"[0-9]+", re.ASCII)
+LINE_BREAK = re.compile(r"\r\n|\r|\n")  # what DeepSpeed's runner (a text-mode file) splits lines on
+MAX_SLOTS = 1024  # = the largest --gpus-per-node (dspipe.planner.spec.LIMITS)
+MAX_HOSTS = 2**16  # = the largest --nodes
+MAX_BYTES = 16 * 2**20
 
 
 @dataclass(frozen=True)
@@ -53,14 +58,31 @@ class Hostfile:
         return first.slots
 
 
+def _check_characters(line: str, *, where: str) -> None:
+    """Printable ASCII, spaces and tabs only (comments aside): DeepSpeed's runner reads Unicode digits and
+    whitespace its own way, so anything else could mean different hosts or slots there."""
+    for i, ch in enumerate(line):
+        if not (" " <= ch <= "~" or ch == "\t"):
+            raise SpecError(f"{where}: character {ch!r} (U+{ord(ch):04X}) at column {i + 1}: a hostfile line holds "
+                            f"ASCII 'HOST slots=N' only")
+
+
+def _count(text: str, *, what: str, where: str, high: int) -> int:
+    """An ASCII decimal count in 1..high ('٣', '８', '²', '+3', '3.0' are refused, not int()-parsed)."""
+    if not SLOT_COUNT.fullmatch(text) or len(text) > len(str(high)) + 2 or not 1 <= int(text) <= high:
+        raise SpecError(f"{where}: {what} must be a positive integer, got {text[:20]!r} (allowed range 1..{high})")
+    return int(text)
+
+
 def parse_hostfile(text: str, *, source: str) -> Hostfile:
     """`host slots=N [max_slots=M]` per line; `#` starts a comment; blank lines are skipped."""
     hosts: dict[str, Host] = {}
-    for number, raw in enumerate(text.splitlines(), start=1):
-        line = raw.split("#", 1)[0].strip()
+    for number, raw in enumerate(LINE_BREAK.split(text), start=1):
+        line = raw.split("#", 1)[0].strip(" \t")
         if not line:
             continue
-        where = f"{source}:{number}: {line!r}"
+        where = f"{source}:{number}: {line[:60]!r}"
+        _check_characters(line, where=f"{source}:{number}")
         name, *fields = line.split()
         if not HOST_NAME.match(name):
             raise SpecError(f"{where}: host name {name!r} may only hold letters, digits, '.', '_' and '-'")
@@ -69,24 +91,42 @@ def parse_hostfile(text: str, *, source: str) -> Hostfile:
             m = KEY_VALUE.match(field)
             if not m:
                 raise SpecError(f"{where}: unexpected {field!r}; a line is 'HOST slots=N'")
-            if not m.group(2).isdigit() or int(m.group(2)) < 1:
-                raise SpecError(f"{where}: {m.group(1)} must be a positive integer, got {m.group(2)!r}")
-            values[m.group(1)] = int(m.group(2))
+            values[m.group(1)] = _count(m.group(2), what=m.group(1), where=where, high=MAX_SLOTS)
         if "slots" not in values:
             raise SpecError(f"{where}: missing slots=N (the number of GPUs on {name})")
         if name in hosts:
             raise SpecError(f"{where}: duplicate host {name} (first on line {hosts[name].line})")
         hosts[name] = Host(name=name, slots=values["slots"], line=number)
+        if len(hosts) > MAX_HOSTS:
+            raise SpecError(f"hostfile {source} lists more than {MAX_HOSTS} hosts")
     if not hosts:
         raise SpecError(f"hostfile {source} lists no hosts; write one 'HOST slots=N' line per node")
     return Hostfile(source=source, hosts=tuple(hosts.values()))
 
 
 def read_hostfile(path: str | Path) -> Hostfile:
+    """Read and parse a hostfile: UTF-8 text without NUL bytes (any other bytes: one SpecError naming the
+    offset), at most MAX_BYTES."""
     path = Path(path)
     if not path.is_file():
         raise SpecError(f"hostfile {path} does not exist (one 'HOST slots=N' line per node)")
-    return parse_hostfile(path.read_text(), source=str(path))
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_BYTES + 1)
+    except OSError as e:
+        raise SpecError(f"hostfile {path}: cannot read it ({e.strerror or e})") from None
+    if len(raw) > MAX_BYTES:
+        raise SpecError(f"hostfile {path} is larger than {MAX_BYTES // 2**20} MiB; it lists one 'HOST slots=N' "
+                        f"line per node")
+    nul = raw.find(b"\0")
+    if nul >= 0:
+        raise SpecError(f"hostfile {path} holds a NUL byte at offset {nul}: not a text file")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise SpecError(f"hostfile {path} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start})"
+                        ) from None
+    return parse_hostfile(text.removeprefix("\ufeff"), source=str(path))
 
 
 def _node_specs(hostfile: Hostfile, spec: str, flag: str) -> dict[str, list[int]]:
@@ -103,7 +143,7 @@ def _node_specs(hostfile: Hostfile, spec: str, flag: str) -> dict[str, list[int]
         host = hostfile.host(name)
         ids = []
         for s in (slots.split(",") if slots else []):
-            if not s.isdigit() or int(s) >= host.slots:
+            if not SLOT_COUNT.fullmatch(s) or len(s) > 5 or int(s) >= host.slots:
                 raise SpecError(f"{flag} {spec!r}: {name} has slots 0..{host.slots - 1} "
                                 f"({hostfile.source}:{host.line}), not {s!r}")
             ids.append(int(s))

@@ -5,15 +5,18 @@ this module only decides its arguments and refuses launches that cannot work.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import importlib.util
 import os
 import re
 import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +26,7 @@ from dspipe.cluster.netenv import ENV_FILE
 
 LAUNCHERS = ("pdsh", "openmpi", "slurm")
 DEFAULT_PORT = 29500  # DeepSpeed's TORCH_DISTRIBUTED_DEFAULT_PORT
+MAX_NODES, MAX_SLOTS = 65536, 1024  # sanity bounds for --num-nodes / --num-gpus (ranks per node)
 # What each multi-node backend needs on this machine (DeepSpeed checks the first; we check before it starts).
 BACKEND_TOOLS = {"pdsh": ("pdsh",), "openmpi": ("ompi_info", "mpirun"), "slurm": ("sinfo", "srun")}
 # DeepSpeed quotes exported values outside this set; mpirun -x and srun --export then pass the quotes literally.
@@ -48,9 +52,9 @@ class LaunchSpec:
     def __post_init__(self) -> None:
         if self.launcher not in LAUNCHERS:
             raise SpecError(f"--launcher {self.launcher!r} is not one of: {', '.join(LAUNCHERS)}")
-        for flag, value in (("--num-nodes", self.num_nodes), ("--num-gpus", self.num_gpus)):
-            if value is not None and value < 1:
-                raise SpecError(f"{flag} must be a positive integer, got {value}")
+        for flag, value, most in (("--num-nodes", self.num_nodes, MAX_NODES), ("--num-gpus", self.num_gpus, MAX_SLOTS)):
+            if value is not None and not 1 <= value <= most:
+                raise SpecError(f"{flag} must be in 1..{most}, got {value}")
         for flag, port in (("--master-port", self.master_port), ("--ssh-port", self.ssh_port)):
             if port is not None and not 0 < port < 65536:
                 raise SpecError(f"{flag} {port} is not a TCP port (1-65535)")
@@ -207,7 +211,8 @@ def check_world(launch: Launch, *, expected: int, nodes: int, gpus_per_node: int
     regen = f"--hostfile {spec.hostfile}" if spec.hostfile else f"--nodes 1 --gpus-per-node {launch.world_size}"
     raise SpecError(f"{run_path} was generated for world size {expected} ({nodes} nodes x {gpus_per_node}), but "
                     f"{source} gives {launch.world_size} ({describe(launch.resources)}); regenerate with "
-                    f"'dspipe gen-config ... {regen} --out {run_path} --force' or select {expected} slots "
+                    f"'dspipe gen-config ... {regen} --out {run_path} --force' (same model flags: it rewrites only "
+                    f"the config and keeps the checkpoints and metrics) or select {expected} slots "
                     f"with --include/--exclude/--num-gpus")
 
 
@@ -259,8 +264,24 @@ def preflight(launch: Launch, spec: LaunchSpec) -> None:
 
 
 def execute(launch: Launch) -> int:
-    """Run the one command (DeepSpeed's runner takes it from here); its exit code is ours."""
+    """Run the one command (DeepSpeed's runner takes it from here); its exit code is ours. A SIGTERM (Slurm's
+    pre-emption, the sbatch script's stop) is passed on to the runner, and we wait for it: the ranks save and exit."""
     proc = subprocess.Popen(list(launch.commands[0].argv), env=launch.child_env())
+
+    def forward(signum, frame) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signum)
+
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may take signals
+        return _wait(proc)
+    previous = signal.signal(signal.SIGTERM, forward)
+    try:
+        return _wait(proc)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _wait(proc: subprocess.Popen) -> int:
     try:
         return proc.wait()
     except KeyboardInterrupt:
@@ -279,6 +300,18 @@ def env_file_for(run_path: Path) -> Path:
 ENTRY_MODULE = "dspipe.runtime.entry"  # the rank entry point, shipped inside the package
 
 
-def run_program(run_path: Path) -> list[str]:
+def resume_args(*, resume: str | None = None, restart: bool = False) -> list[str]:
+    """The rank entry point's start choice, as given (nothing: it resumes from the newest complete checkpoint):
+    --resume auto|TAG|PATH, or --restart (from step 0; the runner moves the old outputs aside, deleting nothing)."""
+    if resume is not None and restart:
+        raise SpecError(f"--resume {resume} and --restart contradict each other: give one")
+    if resume is None:
+        return ["--restart"] if restart else []
+    if resume.strip() == "" or re.search(r"[\x00-\x1f\x7f]", resume):
+        raise SpecError(f"--resume {ascii(resume)} is not auto, a checkpoint tag (global_stepN) or a checkpoint path")
+    return ["--resume", resume]
+
+
+def run_program(run_path: Path, *, resume: str | None = None, restart: bool = False) -> list[str]:
     """The launcher's program for training: the packaged rank entry point, run by module from any directory."""
-    return ["--module", ENTRY_MODULE, "--run", str(run_path)]
+    return ["--module", ENTRY_MODULE, "--run", str(run_path), *resume_args(resume=resume, restart=restart)]

@@ -1,4 +1,10 @@
-"""A run directory -> an sbatch script (templates/slurm.sbatch.j2) that launches it on the job's nodes. No torch."""
+"""A run directory -> an sbatch script (templates/slurm.sbatch.j2) that launches it on the job's nodes. No torch.
+
+The script resumes by default (a requeued start always resumes from the newest complete checkpoint), asks Slurm for
+USR1 `stop_before` seconds before the time limit, and on USR1 or TERM (pre-emption) stops the run through SIGTERM
+(the runner saves and exits) and requeues the job unless the run had saved its final step. Every value that reaches
+the script is validated (names, times, numbers) or shell-quoted (paths, launch arguments), and nothing with a control
+character gets in: a newline never becomes a command, on a `#SBATCH` line or anywhere else."""
 from __future__ import annotations
 
 import re
@@ -10,32 +16,106 @@ from dspipe.cluster.launch import DEFAULT_PORT
 from dspipe.planner.render import render_template
 from dspipe.rundir import Run
 
-TIME = re.compile(r"^(\d+-)?\d+(:\d{2}){0,2}$")  # Slurm's [D-]HH[:MM[:SS]] / MM forms
+TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d{2}))?(?::(\d{2}))?$")  # Slurm's [D-]HH[:MM[:SS]] / MM[:SS] forms
+SLURM_NAME = re.compile(r"^[A-Za-z0-9_.+-]+$")
+SLURM_NAMES = re.compile(r"^[A-Za-z0-9_.+-]+(,[A-Za-z0-9_.+-]+)*$")  # --partition takes a list
+CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+SCRIPT_MARKER = "# dspipe-output: slurm-script (written by 'dspipe slurm-script'; --force replaces it, edits are lost)"
+MAX_STOP_BEFORE = 65535  # Slurm's --signal time limit, seconds
+# Options the script sets itself and depends on: given again through --sbatch they would break it.
+OWN_OPTIONS = ("--nodes", "-N", "--ntasks-per-node", "--gpus-per-node", "--signal", "--no-requeue", "--open-mode")
+
+
+def time_limit_seconds(time: str) -> int | None:
+    """Slurm's --time forms in seconds (None: 0, no limit); a SpecError for anything else."""
+    m = TIME.match(time)
+    if not m:
+        raise SpecError(f"--time {time!r} is not a Slurm time limit such as 24:00:00 or 2-00:00:00")
+    days, first, second, third = m.groups()
+    if days is not None:  # D-H, D-H:M, D-H:M:S
+        seconds = int(days) * 86400 + int(first) * 3600 + int(second or 0) * 60 + int(third or 0)
+    elif third is not None:  # H:M:S
+        seconds = int(first) * 3600 + int(second) * 60 + int(third)
+    else:  # M, M:S
+        seconds = int(first) * 60 + int(second or 0)
+    return seconds or None
+
+
+def _plain(value: str, what: str) -> str:
+    """A value that goes into the script as is (quoted or not): no control characters."""
+    if CONTROL.search(value):
+        raise SpecError(f"{what} {ascii(value)} contains a control character (newline, tab...); it cannot go into "
+                        f"an sbatch script")
+    return value
+
+
+def _sbatch_path(path: str, what: str) -> str:
+    """A path on a '#SBATCH' line: sbatch splits at blanks unless double-quoted and knows no escape for '"'; '%'
+    starts a file-name pattern ('%%' is one '%'), and a backslash turns the patterns off."""
+    _plain(path, what)
+    if '"' in path or "\\" in path:
+        raise SpecError(f"{what} {path} contains '\"' or '\\', which an #SBATCH line cannot hold; rename it")
+    return f'"{path}"' if any(c.isspace() for c in path) else path
 
 
 def render_slurm_script(*, run: Run, script_path: Path, workdir: Path, time: str, partition: str | None,
                         account: str | None, extra_sbatch: tuple[str, ...], master_port: int | None,
-                        launch_args: list[str]) -> str:
-    """The sbatch script: hostfile from $SLURM_JOB_NODELIST, then one `dspipe launch --no-ssh` per node via srun."""
+                        launch_args: list[str], first_resume_args: list[str] = (), stop_before: int = 300) -> str:
+    """The sbatch script: hostfile from $SLURM_JOB_NODELIST, then one `dspipe launch --no-ssh` per node via srun
+    (in the background, so that the script can take Slurm's signals), then a requeue if the run was stopped."""
     cluster = run.cluster
-    if not TIME.match(time):
-        raise SpecError(f"--time {time!r} is not a Slurm time limit such as 24:00:00 or 2-00:00:00")
+    limit = time_limit_seconds(time)
+    if not 10 <= stop_before <= MAX_STOP_BEFORE:
+        raise SpecError(f"--stop-before {stop_before} must be in 10..{MAX_STOP_BEFORE} seconds")
+    if limit is not None and stop_before >= limit:
+        raise SpecError(f"--stop-before {stop_before} s must be shorter than the time limit --time {time} "
+                        f"({limit} s)")
+    for flag, value, pattern in (("--partition", partition, SLURM_NAMES), ("--account", account, SLURM_NAME)):
+        if value is not None and not pattern.match(value):
+            raise SpecError(f"{flag} {ascii(value)} is not a Slurm name (letters, digits, '_', '.', '+', '-'"
+                            f"{', comma-separated' if pattern is SLURM_NAMES else ''})")
     for option in extra_sbatch:
-        if not option.startswith("--") or any(c in option for c in "\n\r"):
+        _plain(option, "--sbatch")
+        if not option.startswith("--") or option.strip() != option:
             raise SpecError(f"--sbatch {option!r} must be one '--name=value' option line")
+        name = option.split("=", 1)[0].split()[0]
+        if name in OWN_OPTIONS:
+            raise SpecError(f"--sbatch {option!r}: the script sets {name} itself"
+                            + (" (use --stop-before SECONDS)" if name == "--signal" else ""))
+    for arg in [*launch_args, *first_resume_args]:
+        _plain(arg, "launch argument")
+    run_path, script, cwd = (_plain(str(p), what) for p, what in
+                             ((run.path, "run directory"), (script_path, "--out"), (workdir, "working directory")))
+    job_name = re.sub(r"[^A-Za-z0-9_.+-]", "_", run.path.name) or "run"
     gpus = [f"--gpus-per-node={cluster.gpus_per_node}"] if cluster.gpu_type.backend == "nccl" else []
-    sbatch = [f"--job-name=dspipe-{run.path.name}", f"--nodes={cluster.nodes}", "--ntasks-per-node=1", *gpus,
-              f"--time={time}", f"--output={run.path}/slurm-%j.out"]
+    sbatch = [f"--job-name=dspipe-{job_name}", f"--nodes={cluster.nodes}", "--ntasks-per-node=1", *gpus,
+              f"--time={time}", "--output=" + _sbatch_path(f"{run_path.replace('%', '%%')}/slurm-%j.out", "run directory"),
+              "--open-mode=append", "--requeue", f"--signal=B:USR1@{stop_before}"]
     sbatch += [f"--partition={partition}"] if partition else []
     sbatch += [f"--account={account}"] if account else []
     sbatch += list(extra_sbatch)
     srun = [f"--nodes={cluster.nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1", *gpus]
     values = dict(
-        run_dir=shlex.quote(str(run.path)), nodes=cluster.nodes, gpus_per_node=cluster.gpus_per_node,
-        world_size=run.plan.world_size, script_path=shlex.quote(str(script_path)),
-        sbatch_options=sbatch, workdir=shlex.quote(str(workdir)),
+        run_dir=shlex.quote(run_path), nodes=cluster.nodes, gpus_per_node=cluster.gpus_per_node,
+        world_size=run.plan.world_size, script_path=shlex.quote(script), marker=SCRIPT_MARKER,
+        sbatch_options=sbatch, workdir=shlex.quote(cwd),
         hostfile_prefix=shlex.quote(str(run.path / "hostfile.slurm")),
         srun_options=shlex.join(srun),
         launch_args=shlex.join(["--master-port", str(master_port or DEFAULT_PORT), *launch_args]),
+        first_resume_args=shlex.join(first_resume_args), stop_before=stop_before, steps=int(run.train.steps),
+        latest_file=shlex.quote(str(run.checkpoint_dir / "latest")),
+        checkpoint_dir=shlex.quote(str(run.checkpoint_dir)),
     )
     return render_template("slurm.sbatch.j2", values)
+
+
+def is_slurm_script(path: Path) -> bool:
+    """Whether `path` is a script slurm-script wrote (its marker line, or the first lines of an older one)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096).decode("utf-8", errors="replace").splitlines()[:3]
+    except OSError:
+        return False
+    if len(head) < 2 or head[0] != "#!/bin/bash" or not head[1].startswith("# dspipe run "):
+        return False
+    return len(head) > 2 and head[2].startswith((SCRIPT_MARKER.split(" (")[0], "#SBATCH --job-name=dspipe-"))

@@ -10,6 +10,7 @@ does not grow with the corpus.
 from __future__ import annotations
 
 import hashlib
+import math
 import multiprocessing
 import os
 import shutil
@@ -26,6 +27,7 @@ import numpy as np
 from dspipe.data.shards import (FORMAT, FORMAT_VERSION, META_FILE, SPLITS, TOKENIZER_DIR, ShardWriter, dataset_id,
                                 read_meta, token_dtype, write_meta)
 from dspipe.data.sources import Inputs, documents, fingerprint
+from dspipe import outputs
 from dspipe.atomic import replace_dir
 from dspipe.errors import SpecError
 
@@ -44,27 +46,59 @@ class Prepared:
 
 def _tokenizer_identity(tokenizer: str | None, train_tokenizer: int | None, sample_bytes: int) -> list:
     if tokenizer is None:
-        return ["train-bpe", train_tokenizer, sample_bytes]
+        from dspipe.data.tokenizer import MAX_WORD_CHARS
+
+        return ["train-bpe", train_tokenizer, sample_bytes, ["max-word", MAX_WORD_CHARS]]
     path = Path(tokenizer)
     if path.is_dir():  # a local directory: its content, not its name
         h = hashlib.sha256()
         for f in sorted(p for p in path.rglob("*") if p.is_file()):
             h.update(f.relative_to(path).as_posix().encode() + b"\0" + f.read_bytes())
         return ["dir", h.hexdigest()]
+    if path.is_file():  # a tokenizer.json file: its content
+        return ["file", hashlib.sha256(path.read_bytes()).hexdigest()]
     return ["hub", tokenizer]
 
 
+MAX_WORKERS = 128
+"""--workers at most: each worker is a process holding a tokenizer (~150 MiB)."""
+MAX_SHARD_TOKENS = 2**40
+MAX_MB = {"--max-mb": 2.0**24, "--tokenizer-sample-mb": 2.0**14}
+"""Largest text sizes in MiB: 16 TiB of input, 16 GiB of BPE training sample."""
+
+
+def mib_to_bytes(value, *, flag: str) -> int:
+    """A size flag in MiB (a finite number in (0, MAX_MB[flag]]) as bytes; NaN, inf, 0 and negatives are one
+    SpecError with the allowed range."""
+    high = MAX_MB[flag]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and
+                                                                             0 < value <= high):
+        raise SpecError(f"{flag} must be a positive number of MiB, got {str(value)[:40]} "
+                        f"(allowed: finite, (0, {high:,.0f}])")
+    return max(1, int(value * 2**20))
+
+
+def _int_flag(flag: str, value, *, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        shown = str(value) if len(str(value)) <= 40 else str(value)[:37] + "..."
+        what = f"{shown} is too large" if isinstance(value, int) and value > high else \
+            f"must be at least {low}, got {shown}"
+        raise SpecError(f"{flag} {what} (allowed range {low}..{high:,})")
+
+
 def _validate(*, tokenizer, train_tokenizer, val_fraction, max_bytes, shard_tokens, workers, sample_bytes) -> None:
+    from dspipe.data.tokenizer import check_vocab
+
     if tokenizer is not None and train_tokenizer is not None:
         raise SpecError("give --tokenizer NAME_OR_DIR or --train-tokenizer VOCAB_SIZE, not both")
-    if not 0 <= val_fraction < 1:
+    if train_tokenizer is not None:
+        check_vocab(train_tokenizer)
+    if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or not 0 <= val_fraction < 1:
         raise SpecError(f"--val-fraction {val_fraction} must be in [0, 1)")
     if max_bytes is not None and max_bytes <= 0:
         raise SpecError(f"--max-mb must be positive, got {max_bytes / 2**20:g}")
-    if shard_tokens < 1:
-        raise SpecError(f"--shard-tokens must be positive, got {shard_tokens}")
-    if workers < 1:
-        raise SpecError(f"--workers must be at least 1, got {workers}")
+    _int_flag("--shard-tokens", shard_tokens, low=1, high=MAX_SHARD_TOKENS)
+    _int_flag("--workers", workers, low=1, high=MAX_WORKERS)
     if sample_bytes <= 0:
         raise SpecError(f"--tokenizer-sample-mb must be positive, got {sample_bytes / 2**20:g}")
 
@@ -242,10 +276,11 @@ def prepare(*, inputs: Inputs, out: Path, tokenizer: str | None = None, train_to
         train_tokenizer = DEFAULT_VOCAB
     _validate(tokenizer=tokenizer, train_tokenizer=train_tokenizer, val_fraction=val_fraction, max_bytes=max_bytes,
               shard_tokens=shard_tokens, workers=workers, sample_bytes=tokenizer_sample_bytes)
-    out = Path(out)
+    out = outputs.target(out, flag="--out", expect="dir")
     fp = fingerprint([FORMAT, FORMAT_VERSION, inputs.fingerprint_items(),
                       _tokenizer_identity(tokenizer, train_tokenizer, tokenizer_sample_bytes),
                       val_fraction, max_bytes, shard_tokens])
+    rebuilding = False
     if (out / META_FILE).is_file() and not force:
         try:
             meta = read_meta(out)
@@ -253,24 +288,29 @@ def prepare(*, inputs: Inputs, out: Path, tokenizer: str | None = None, train_to
             meta = {}
         if meta.get("fingerprint") == fp:
             return Prepared(meta=meta, reused=True)
+        rebuilding = True
+    outputs.claim_dir(out, kind="data", replace=True)  # only a data directory dspipe wrote, holding nothing else
+    if rebuilding:
         log(f"{out} holds another preparation (different inputs or options): rebuilding it")
-    if out.exists() and not (out / META_FILE).is_file() and any(out.iterdir()):
-        raise SpecError(f"{out} exists and is not a prepared data directory; choose another --out")
     start = time.perf_counter()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temps(out)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=out.parent))
-    tmp.chmod(0o755)
+    dest = Path(os.path.abspath(out))
     pool = _Workers(workers)
-    try:
-        meta, encode_seconds = _build(tmp=tmp, workers=pool, inputs=inputs, fp=fp, tokenizer=tokenizer,
-                                      train_tokenizer=train_tokenizer, sample_bytes=tokenizer_sample_bytes,
-                                      val_fraction=val_fraction, max_bytes=max_bytes, shard_tokens=shard_tokens,
-                                      progress=progress, log=log)
-        replace_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    finally:
-        pool.stop()
+    with outputs.parents(out):
+        with outputs.write_errors(out):
+            _remove_stale_temps(dest)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-{os.getpid()}-", dir=dest.parent))
+            tmp.chmod(0o755)
+        try:
+            meta, encode_seconds = _build(tmp=tmp, workers=pool, inputs=inputs, fp=fp, tokenizer=tokenizer,
+                                          train_tokenizer=train_tokenizer, sample_bytes=tokenizer_sample_bytes,
+                                          val_fraction=val_fraction, max_bytes=max_bytes, shard_tokens=shard_tokens,
+                                          progress=progress, log=log)
+            with outputs.write_errors(out):
+                outputs.write_marker(tmp, kind="data")
+                replace_dir(tmp, dest)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        finally:
+            pool.stop()
     return Prepared(meta=meta, reused=False, seconds=time.perf_counter() - start, encode_seconds=encode_seconds)

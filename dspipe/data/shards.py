@@ -14,12 +14,14 @@ prepared dataset.
 from __future__ import annotations
 
 import json
+import re
 import struct
 from pathlib import Path
 
 import numpy as np
 
 from dspipe.errors import SpecError
+from dspipe.jsonio import dumps, show
 
 FORMAT = "dspipe-tokens"
 FORMAT_VERSION = 1
@@ -107,24 +109,99 @@ class ShardWriter:
 
 
 def write_meta(directory: Path, meta: dict) -> None:
-    (Path(directory) / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    """meta.json, checked as read_meta checks it (so a written one always reads back), nothing non-finite."""
+    check_meta(meta, source=Path(directory) / META_FILE)
+    (Path(directory) / META_FILE).write_text(dumps(meta, what=str(Path(directory) / META_FILE)))
 
 
 def read_meta(data_dir: str | Path) -> dict:
+    """meta.json of a prepared data directory, validated (check_meta): one SpecError naming the file and field."""
     path = Path(data_dir) / META_FILE
     if not path.is_file():
         raise SpecError(f"{data_dir} is not a prepared data directory (no {META_FILE}); "
                         f"run 'dspipe prepare-data --out {data_dir}'")
     try:
-        meta = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise SpecError(f"{path} is not valid JSON ({e}); re-run 'dspipe prepare-data --out {data_dir} --force'"
-                        ) from None
-    if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
-        raise SpecError(f"{data_dir} was not prepared by this dspipe (format {meta.get('format')!r} version "
-                        f"{meta.get('format_version')}, want {FORMAT!r} {FORMAT_VERSION}); "
+        meta = json.loads(path.read_bytes().decode("utf-8"), parse_constant=_no_constant)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:  # JSONDecodeError is a ValueError
+        raise SpecError(f"{path} is not valid JSON ({' '.join(str(e).split())[:120]}); "
+                        f"re-run 'dspipe prepare-data --out {data_dir} --force'") from None
+    if not isinstance(meta, dict):
+        raise SpecError(f"{path} must hold a JSON object, not {type(meta).__name__}; "
                         f"re-run 'dspipe prepare-data --out {data_dir} --force'")
+    if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
+        raise SpecError(f"{data_dir} was not prepared by this dspipe ({META_FILE}: format {show(meta.get('format'))} "
+                        f"version {str(meta.get('format_version'))[:20]}, want {FORMAT!r} {FORMAT_VERSION}); "
+                        f"re-run 'dspipe prepare-data --out {data_dir} --force'")
+    check_meta(meta, source=path)
     return meta
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a finite number")
+
+
+MAX_TOKENS = 2**62  # counts beyond this overflow the int64 offsets the loader computes
+
+
+def check_meta(meta: dict, *, source: Path) -> None:
+    """Every field a reader uses has its type and range, and the counts add up: vocab and dtype agree, EOS is a
+    token, shard names are this format's (never a path), each split's totals are the sum of its shards and the
+    file's totals the sum of its splits."""
+    where = f"{source}:"
+    fix = "re-run 'dspipe prepare-data --force' to rebuild it"
+
+    def fail(text: str):
+        raise SpecError(f"{where} {text}; {fix}")
+
+    def count(name: str, value, *, low: int = 0, high: int = MAX_TOKENS) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            fail(f"{name} must be an integer in {low}..{high}, got {show(value)}")
+        return value
+
+    for key in ("fingerprint", "vocab_size", "eos_id", "dtype", "num_documents", "num_tokens", "splits",
+                "val_fraction"):
+        if key not in meta:
+            fail(f"missing key {key}")
+    fp = meta["fingerprint"]
+    if not isinstance(fp, str) or not re.fullmatch(r"[0-9a-f]{16,128}", fp, re.ASCII):
+        fail(f"fingerprint must be a hex digest, got {show(fp)}")
+    vocab = count("vocab_size", meta["vocab_size"], low=1, high=2**32)
+    count("eos_id", meta["eos_id"], high=vocab - 1)
+    if meta["dtype"] != token_dtype(vocab):
+        fail(f"dtype {show(meta['dtype'])} does not hold vocab_size {vocab} the way this format stores it "
+             f"({token_dtype(vocab)!r})")
+    if "tokenizer" in meta and meta["tokenizer"] != TOKENIZER_DIR:
+        fail(f"tokenizer must be {TOKENIZER_DIR!r} (the directory beside meta.json), got "
+             f"{show(meta['tokenizer'])}")
+    vf = meta["val_fraction"]
+    if isinstance(vf, bool) or not isinstance(vf, (int, float)) or not 0 <= vf < 1:
+        fail(f"val_fraction must be a number in [0, 1), got {show(vf)}")
+    splits = meta["splits"]
+    if not isinstance(splits, dict) or "train" not in splits or set(splits) - set(SPLITS):
+        fail(f"splits must be an object with 'train' (and 'val'), got "
+             f"{sorted(map(str, splits)) if isinstance(splits, dict) else type(splits).__name__}")
+    totals = {"num_tokens": 0, "num_documents": 0}
+    for split, info in splits.items():
+        if not isinstance(info, dict) or not isinstance(info.get("shards"), list):
+            fail(f"splits.{split} must be an object with a list of shards")
+        sums = {"num_tokens": 0, "num_documents": 0}
+        for i, shard in enumerate(info["shards"]):
+            at = f"splits.{split}.shards[{i}]"
+            if not isinstance(shard, dict):
+                fail(f"{at} must be an object, got {type(shard).__name__}")
+            if shard.get("name") != shard_name(split, i):
+                fail(f"{at}.name must be {shard_name(split, i)!r}, got {show(shard.get('name'))}")
+            for key in sums:
+                sums[key] += count(f"{at}.{key}", shard.get(key))
+        for key, total in sums.items():
+            if count(f"splits.{split}.{key}", info.get(key)) != total:
+                fail(f"splits.{split}.{key} {info[key]} != {total}, the sum over its shards")
+            totals[key] += total
+    for key, total in totals.items():
+        if count(key, meta[key]) != total:
+            fail(f"{key} {meta[key]} != {total}, the sum over the splits")
+    if "skipped" in meta and not isinstance(meta["skipped"], dict):
+        fail(f"skipped must be an object, got {type(meta['skipped']).__name__}")
 
 
 def _open_array(path: Path, *, magic: bytes, dtype: np.dtype, count: int, ident: bytes, what: str) -> np.memmap:

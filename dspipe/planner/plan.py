@@ -1,7 +1,7 @@
 """Specs -> Plan: every derived value, after DeepSpeed's rules are checked. No torch, no deepspeed."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from dspipe.errors import SpecError
 from dspipe.planner.layout import ParallelLayout
@@ -158,3 +158,24 @@ def make_plan(*, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
         tp=layout.tp,
         sp=layout.sp,
     )
+
+
+def check_plan(plan: Plan, *, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strategy: StrategySpec) -> None:
+    """A plan read back from disk against the specs beside it: DeepSpeed's rules hold, and every field equals what
+    make_plan derives from those specs (a hand-edited or damaged plan is refused, naming the first field that
+    disagrees and both values)."""
+    expected = make_plan(model=model, cluster=cluster, train=train, strategy=strategy)
+    first = ("world_size", "pp", "tp", "sp", "zero_stage", "precision", "micro_batch", "global_batch")  # causes
+    for name in (*first, *(f.name for f in fields(Plan) if f.name not in first)):  # before consequences (dp)
+        have, want = getattr(plan, name), getattr(expected, name)
+        if have != want or type(have) is not type(want):
+            why = {"world_size": f"nodes {cluster.nodes} x gpus_per_node {cluster.gpus_per_node}",
+                   "dp": f"world {expected.world_size} / (pp {expected.pp} x tp {expected.tp} x sp {expected.sp})",
+                   "grad_accum": f"global_batch {train.global_batch} / (micro_batch {train.micro_batch} x dp "
+                                 f"{expected.dp})",
+                   "zero_stage": f"strategy.zero {strategy.zero}", "pp": f"strategy.pp {strategy.pp}",
+                   "precision": f"train.precision {train.precision!r}",
+                   "micro_batch": f"train.micro_batch {train.micro_batch}",
+                   "global_batch": f"train.global_batch {train.global_batch}"}.get(name, "model/cluster/train/strategy")
+            shown = repr(have) if len(repr(have)) <= 40 else repr(have)[:37] + "..."
+            raise SpecError(f"plan.{name} {shown} disagrees with {why}, which give {want!r}")

@@ -9,18 +9,22 @@ import jinja2
 import jinja2.meta
 
 from dspipe.errors import SpecError
+from dspipe.planner.ds_preset import PresetImport, import_preset, read_preset, scheduler_block
 from dspipe.planner.plan import Plan
 from dspipe.planner.spec import TrainSpec
 
 RESOURCES = Path(str(importlib.resources.files("dspipe") / "resources"))  # shipped inside the package
 TEMPLATES = RESOURCES / "templates"
 DS_PRESETS = RESOURCES / "ds_configs"
+RECIPES = "recipes"  # ds_configs/recipes.json: the flags each shipped preset is rendered from
 
 
 def render_template(name: str, values: dict) -> str:
-    """Render templates/NAME; the values given must be exactly the template's variables (no more, no fewer)."""
+    """Render templates/NAME; the values given must be exactly the template's variables (no more, no fewer).
+    Dict values keep their key order (tojson without sorting) so that a rendered config reads like the template."""
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), undefined=jinja2.StrictUndefined,
                              keep_trailing_newline=True, autoescape=False)
+    env.policies["json.dumps_kwargs"] = {"sort_keys": False}
     source = env.loader.get_source(env, name)[0]
     wanted = jinja2.meta.find_undeclared_variables(env.parse(source))
     if wanted != set(values):
@@ -28,13 +32,38 @@ def render_template(name: str, values: dict) -> str:
     return env.get_template(name).render(**values)
 
 
-def render_ds_config(*, plan: Plan, train: TrainSpec, monitor_dir: str, wall_clock_breakdown: bool = False) -> dict:
-    """The complete DeepSpeed config for `plan`: every key explicit, nothing left to DeepSpeed's defaults."""
+DS_DEFAULTS = dict(
+    prescale_gradients=False, gradient_predivide_factor=1.0, zero_allow_untested_optimizer=False,
+    optimizer_type="AdamW", betas=[0.9, 0.95], eps=1e-08,
+    bf16_immediate_grad_update=False, bf16_check_grad_overflow=True,
+    fp16_auto_cast=False, fp16_loss_scale=0, fp16_initial_scale_power=16, fp16_loss_scale_window=1000,
+    fp16_hysteresis=2, fp16_consecutive_hysteresis=False, fp16_min_loss_scale=1,
+    reduce_scatter=True, allgather_partitions=True, round_robin_gradients=False, load_from_fp32_weights=True,
+    elastic_checkpoint=False, ignore_unused_parameters=True, sub_group_size=1000000000,
+    max_live_parameters=1000000000, max_reuse_distance=1000000000, gather_16bit_weights_on_model_save=False,
+    offload_optimizer_buffer_count=4, offload_optimizer_fast_init=False, offload_optimizer_ratio=1.0,
+    offload_param_buffer_count=5, offload_param_buffer_size=100000000, offload_param_max_in_cpu=1000000000,
+    pipe_partitioned=True, grad_partitioned=True,
+    ac_partition_activations=False, ac_cpu_checkpointing=False, ac_contiguous_memory_optimization=False,
+    ac_number_checkpoints=None, ac_synchronize_checkpoint_boundary=False, ac_profile=False,
+    tensorboard_enabled=True, tensorboard_job_name="tensorboard", csv_monitor_enabled=True, csv_monitor_job_name="csv",
+    wandb_enabled=False, wandb_group=None, wandb_team=None, wandb_project="deepspeed",
+)
+"""dspipe's own value of every DeepSpeed setting the plan does not derive; a --preset may set each of them."""
+
+
+def render_ds_config(*, plan: Plan, train: TrainSpec, monitor_dir: str, wall_clock_breakdown: bool = False,
+                     preset: PresetImport | None = None) -> dict:
+    """The complete DeepSpeed config for `plan`: every key explicit, nothing left to DeepSpeed's defaults. `preset`:
+    the values a --preset sets (its import already checked them against the plan's options)."""
+    scheduler_type, scheduler_params = scheduler_block(preset, lr=train.lr, steps=train.steps,
+                                                       warmup=train.warmup_steps, min_lr_ratio=train.min_lr_ratio)
     values = dict(
+        DS_DEFAULTS,
         global_batch=plan.global_batch, micro_batch=plan.micro_batch, grad_accum=plan.grad_accum,
         steps_per_print=train.log_interval, wall_clock_breakdown=wall_clock_breakdown,
         grad_clip=train.grad_clip, lr=train.lr, weight_decay=train.weight_decay,
-        steps=train.steps, warmup_steps=train.warmup_steps, min_lr_ratio=train.min_lr_ratio,
+        scheduler_type=scheduler_type, scheduler_params=scheduler_params,
         bf16=plan.precision == "bf16", fp16=plan.precision == "fp16", grad_accum_dtype=plan.grad_accum_dtype,
         zero_stage=plan.zero_stage, contiguous_gradients=plan.contiguous_gradients, overlap_comm=plan.overlap_comm,
         reduce_bucket_size=plan.reduce_bucket_size, allgather_bucket_size=plan.allgather_bucket_size,
@@ -42,51 +71,49 @@ def render_ds_config(*, plan: Plan, train: TrainSpec, monitor_dir: str, wall_clo
         param_persistence_threshold=plan.param_persistence_threshold,
         offload_optimizer_device=plan.offload,
         offload_param_device=plan.offload if plan.offload_params else "none",
-        nvme_path=plan.nvme_path, pin_memory=plan.pin_memory,
+        offload_optimizer_nvme_path=plan.nvme_path, offload_param_nvme_path=plan.nvme_path,
+        offload_optimizer_pin_memory=plan.pin_memory, offload_param_pin_memory=plan.pin_memory,
         pp=plan.pp, partition_method=plan.partition_method,
         activation_checkpoint_interval=plan.activation_checkpoint_interval,
         monitor_dir=monitor_dir,
     )
+    if preset is not None:
+        unknown = set(preset.values) - set(values)
+        if unknown:
+            raise KeyError(f"preset values without a template variable: {sorted(unknown)}")
+        values.update(preset.values)
+        values["wall_clock_breakdown"] = wall_clock_breakdown or preset.values.get("wall_clock_breakdown", False)
     return json.loads(render_template("ds_config.json.j2", values))
 
 
 def preset_names() -> list[str]:
-    return sorted(p.stem for p in DS_PRESETS.glob("*.json"))
+    """The DeepSpeed presets shipped in ds_configs/ (recipes.json is how they are made, not a preset)."""
+    return sorted(p.stem for p in DS_PRESETS.glob("*.json") if p.stem != RECIPES)
+
+
+def preset_path(name_or_path: str) -> Path:
+    """ds_configs/NAME.json for a shipped preset's name, else the path given (any .json file)."""
+    if name_or_path in preset_names():
+        return DS_PRESETS / f"{name_or_path}.json"
+    path = Path(name_or_path)
+    if path.suffix != ".json" or not path.is_file():
+        raise SpecError(f"unknown DeepSpeed preset {name_or_path!r}; valid: {', '.join(preset_names())} "
+                        f"(or a path to a .json file)")
+    return path
 
 
 def load_ds_preset(name_or_path: str) -> dict:
-    """A preset from ds_configs/ by name, or any DeepSpeed JSON file by path."""
-    path = Path(name_or_path)
-    if not path.suffix == ".json":
-        path = DS_PRESETS / f"{name_or_path}.json"
-    if not path.is_file():
-        raise SpecError(f"unknown DeepSpeed preset {name_or_path!r}; valid: {', '.join(preset_names())} "
-                        f"(or a path to a .json file)")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise SpecError(f"preset {path} is not valid JSON: line {e.lineno} column {e.colno}: {e.msg}") from None
+    """A preset from ds_configs/ by name, or any DeepSpeed JSON file by path, as parsed (checked: a JSON object)."""
+    return read_preset(preset_path(name_or_path))
+
+
+def import_ds_preset(name_or_path: str) -> PresetImport:
+    """Load and import a preset: every key honoured, refused (SpecError) or noted; see dspipe.planner.ds_preset."""
+    return import_preset(load_ds_preset(name_or_path), source=name_or_path)
 
 
 def strategy_from_ds_config(cfg: dict, *, source: str) -> dict:
-    """The strategy choices a DeepSpeed JSON encodes, as gen-config option values (flags override them)."""
-    bf16 = bool(cfg.get("bf16", {}).get("enabled", False))
-    fp16 = bool(cfg.get("fp16", {}).get("enabled", False))
-    if bf16 and fp16:
-        raise SpecError(f"{source}: fp16 and bf16 are both enabled; DeepSpeed allows one (pick --precision)")
-    zero = cfg.get("zero_optimization", {})
-    opt_dev = zero.get("offload_optimizer", {}).get("device", "none") or "none"
-    par_dev = zero.get("offload_param", {}).get("device", "none") or "none"
-    nvme = zero.get("offload_optimizer", {}).get("nvme_path") or zero.get("offload_param", {}).get("nvme_path")
-    pipe = cfg.get("pipeline", {})
-    stages = pipe.get("stages", 1)
-    return dict(
-        zero=int(zero.get("stage", 0)),
-        offload=opt_dev if opt_dev != "none" else par_dev,
-        offload_params=par_dev != "none",
-        nvme_path=nvme,
-        precision="bf16" if bf16 else "fp16" if fp16 else "fp32",
-        pp=stages if isinstance(stages, int) else 1,
-        checkpointing="full" if pipe.get("activation_checkpoint_interval", 0) else "none",
-        partition_method=pipe.get("partition", "parameters") if pipe.get("partition") != "best" else "parameters",
-    )
+    """The strategy choices a DeepSpeed JSON encodes, as gen-config option values."""
+    options = import_preset(cfg, source=source).options
+    return {k: options[k] for k in ("zero", "offload", "offload_params", "nvme_path", "precision", "pp",
+                                    "checkpointing", "partition_method") if k in options}

@@ -4,7 +4,8 @@ Plain frozen dataclasses, validated on construction. No torch, no deepspeed.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import math
+from dataclasses import MISSING, dataclass, fields
 
 from dspipe.errors import SpecError
 from dspipe.planner.hardware import GPU_CATALOG, GpuType, gpu_type
@@ -16,15 +17,76 @@ CHECKPOINTING = ("none", "full", "selective")
 PARTITION_METHODS = ("parameters", "uniform", "type:Block")
 
 
+INT32_MAX = 2**31 - 1
+LIMITS = {
+    "layers": 4096, "hidden": 2**17, "heads": 2**17, "vocab": 2**24, "seq_len": 2**20, "ffn": 2**20,
+    "nodes": 2**16, "gpus_per_node": 1024, "host_memory_gib": 2.0**20,
+    "global_batch": 2**24, "micro_batch": 2**24, "steps": INT32_MAX, "warmup_steps": INT32_MAX,
+    "log_interval": INT32_MAX, "save_interval": INT32_MAX, "keep_checkpoints": 10**6, "eval_interval": INT32_MAX,
+    "eval_batches": INT32_MAX, "max_skipped_steps": INT32_MAX, "spike_window": 2**20, "spike_sigma": 1e6,
+    "seed": 2**32 - 1, "lr": 1.0, "weight_decay": 1.0, "grad_clip": 1e6,
+    "pp": 4096, "reduce_bucket_size": 2**40, "prefetch_bucket_size": 2**40, "param_persistence_threshold": 2**40,
+}
+"""Largest accepted value per field: beyond them a size is absurd (or overflows what DeepSpeed, torch or numpy
+accept: seeds feed numpy's and torch's generators, which take 0..2**32-1 everywhere dspipe derives streams)."""
+
+
+def _show(value) -> str:
+    """repr, cut short (a 400-digit number or a long string stays one readable line)."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _positive(owner: str, **values: int) -> None:
     for name, value in values.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise SpecError(f"{owner}.{name} must be a positive integer, got {value!r}")
+        _int_range(owner, name, value, low=1)
+
+
+def _int_range(owner: str, name: str, value, *, low: int) -> None:
+    """An int (not bool) in [low, LIMITS[name]]; the message names the field and the allowed range."""
+    high = LIMITS[name]
+    allowed = f"allowed range {low}..{high:,}"
+    if not _is_int(value) or value < low:
+        rule = "a positive integer" if low == 1 else f"an integer >= {low}"
+        raise SpecError(f"{owner}.{name} must be {rule}, got {_show(value)} ({allowed})")
+    if value > high:
+        raise SpecError(f"{owner}.{name} {_show(value)} is too large ({allowed})")
+
+
+def _number(owner: str, name: str, value, *, low: float, high: float, low_open: bool = False,
+            rule: str | None = None) -> None:
+    """A finite int or float in [low, high] (or (low, high] when low_open); NaN and +-inf are refused."""
+    interval = f"{'(' if low_open else '['}{low:g}, {high:g}]"
+    ok = _is_number(value) and math.isfinite(value) and (value > low if low_open else value >= low) and value <= high
+    if not ok:
+        raise SpecError(f"{owner}.{name} {rule or f'must be a finite number in {interval}'}, "
+                        f"got {_show(value)} (allowed: finite, {interval})")
 
 
 def _one_of(owner: str, name: str, value, allowed) -> None:
-    if value not in allowed:
-        raise SpecError(f"{owner}.{name} {value!r} is not one of: {', '.join(map(str, allowed))}")
+    if type(value) is not type(allowed[0]) or value not in allowed:
+        raise SpecError(f"{owner}.{name} {_show(value)} is not one of: {', '.join(map(str, allowed))}")
+
+
+def _flag(owner: str, name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise SpecError(f"{owner}.{name} must be true or false, got {_show(value)}")
+
+
+def _text(owner: str, name: str, value, *, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if not isinstance(value, str) or not value or "\0" in value or "\n" in value:
+        raise SpecError(f"{owner}.{name} must be a non-empty one-line string{' or null' if optional else ''}, "
+                        f"got {_show(value)}")
 
 
 @dataclass(frozen=True)
@@ -51,13 +113,15 @@ class ModelSpec:
     """Share the token embedding with the output head."""
 
     def __post_init__(self) -> None:
+        _text("model", "name", self.name)
         _positive("model", layers=self.layers, hidden=self.hidden, heads=self.heads, vocab=self.vocab,
                   seq_len=self.seq_len, ffn=self.ffn)
         if self.hidden % self.heads:
             raise SpecError(f"hidden {self.hidden} is not divisible by heads {self.heads} "
                             f"({self.hidden} / {self.heads} = {self.hidden / self.heads:g})")
-        if not 0.0 <= self.dropout < 1.0:
-            raise SpecError(f"dropout must be in [0, 1), got {self.dropout}")
+        if not (_is_number(self.dropout) and 0.0 <= self.dropout < 1.0):
+            raise SpecError(f"model.dropout must be in [0, 1), got {_show(self.dropout)} (allowed: finite, [0, 1))")
+        _flag("model", "tied_embeddings", self.tied_embeddings)
 
     @property
     def head_dim(self) -> int:
@@ -95,9 +159,12 @@ class ClusterSpec:
 
     def __post_init__(self) -> None:
         _positive("cluster", nodes=self.nodes, gpus_per_node=self.gpus_per_node)
+        if not isinstance(self.gpu, str):
+            raise SpecError(f"cluster.gpu must be a GPU type name, got {_show(self.gpu)}")
         gpu_type(self.gpu)
-        if self.host_memory_gib is not None and not self.host_memory_gib > 0:
-            raise SpecError(f"cluster.host_memory_gib must be positive, got {self.host_memory_gib}")
+        if self.host_memory_gib is not None:
+            _number("cluster", "host_memory_gib", self.host_memory_gib, low=0, high=LIMITS["host_memory_gib"],
+                    low_open=True, rule="must be positive")
 
     @property
     def host_memory_bytes(self) -> int:
@@ -160,19 +227,16 @@ class TrainSpec:
                   warmup_steps=self.warmup_steps, log_interval=self.log_interval,
                   keep_checkpoints=self.keep_checkpoints)
         for name in ("save_interval", "eval_interval", "max_skipped_steps"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 0:
-                raise SpecError(f"train.{name} must be an integer >= 0, got {value!r}")
+            _int_range("train", name, getattr(self, name), low=0)
         _positive("train", eval_batches=self.eval_batches, spike_window=self.spike_window)
-        if not self.spike_sigma > 0:
-            raise SpecError(f"train.spike_sigma must be positive, got {self.spike_sigma}")
+        _int_range("train", "seed", self.seed, low=0)
+        _number("train", "spike_sigma", self.spike_sigma, low=0, high=LIMITS["spike_sigma"], low_open=True,
+                rule="must be positive")
         _one_of("train", "precision", self.precision, PRECISIONS)
-        if not self.lr > 0:
-            raise SpecError(f"lr must be positive, got {self.lr}")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise SpecError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if self.weight_decay < 0 or self.grad_clip < 0:
-            raise SpecError(f"weight_decay {self.weight_decay} and grad_clip {self.grad_clip} must be >= 0")
+        _number("train", "lr", self.lr, low=0, high=LIMITS["lr"], low_open=True, rule="must be positive")
+        _number("train", "min_lr_ratio", self.min_lr_ratio, low=0, high=1, rule="must be in [0, 1]")
+        for name in ("weight_decay", "grad_clip"):
+            _number("train", name, getattr(self, name), low=0, high=LIMITS[name], rule="must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -205,6 +269,8 @@ class StrategySpec:
         _one_of("strategy", "offload", self.offload, OFFLOADS)
         _one_of("strategy", "checkpointing", self.checkpointing, CHECKPOINTING)
         _one_of("strategy", "partition_method", self.partition_method, PARTITION_METHODS)
+        _flag("strategy", "offload_params", self.offload_params)
+        _text("strategy", "nvme_path", self.nvme_path, optional=True)
         _positive("strategy", pp=self.pp)
         for name in ("reduce_bucket_size", "prefetch_bucket_size", "param_persistence_threshold"):
             if getattr(self, name) is not None:
@@ -212,9 +278,15 @@ class StrategySpec:
 
 
 def from_dict(cls, data: dict):
-    """Rebuild a spec from its asdict() form, rejecting unknown keys."""
+    """Rebuild a spec from its asdict() form, rejecting unknown and missing keys and anything that is not an object."""
+    if not isinstance(data, dict):
+        raise SpecError(f"{cls.__name__} must be a JSON object, got {type(data).__name__}")
     names = {f.name for f in fields(cls)}
     unknown = set(data) - names
     if unknown:
-        raise SpecError(f"unknown {cls.__name__} keys: {', '.join(sorted(unknown))}")
+        raise SpecError(f"unknown {cls.__name__} keys: {', '.join(sorted(map(str, unknown)))}")
+    required = [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING]
+    missing = [name for name in required if name not in data]
+    if missing:
+        raise SpecError(f"missing {cls.__name__} keys: {', '.join(missing)}")
     return cls(**data)

@@ -25,6 +25,8 @@ from pathlib import Path
 
 from dspipe.atomic import replace_dir
 from dspipe.errors import SpecError
+from dspipe.jsonio import read_object, show
+from dspipe.planner.spec import ZERO_STAGES, ModelSpec, from_dict
 from dspipe.rundir import SPEC_FILE
 from dspipe.runtime.reshard import UNIVERSAL_PREFIX, dp_change_refusal, load_resharded
 from dspipe.runtime.writefail import WriteFailures, free_mib
@@ -32,7 +34,7 @@ from dspipe.runtime.writefail import WriteFailures, free_mib
 META_FILE = "dspipe.json"
 LATEST_FILE = "latest"
 PARTIAL_PREFIX = ".partial-"
-TAG_RE = re.compile(r"^global_step(\d+)$")
+TAG_RE = re.compile(r"^global_step([0-9]+)\Z")
 TEST_KILL_AT_STEP = "DSPIPE_TEST_KILL_AT_STEP"  # test-only: SIGKILL every rank right after this step
 TEST_KILL_IN_SAVE = "DSPIPE_TEST_KILL_IN_SAVE"  # test-only: SIGKILL every rank inside the save at this step
 TEST_FAIL_WRITE = "DSPIPE_TEST_FAIL_WRITE"  # test-only: one rank's write fails with ENOSPC in the save at this step
@@ -88,7 +90,7 @@ def find_checkpoint(ckpt_dir: Path, resume: str) -> Path | None:
     if resume == "auto":
         latest = ckpt_dir / LATEST_FILE
         if latest.is_file():
-            tag = latest.read_text().strip()
+            tag = read_latest(ckpt_dir)
             if not is_complete(ckpt_dir / tag):
                 raise SpecError(f"{latest} names {tag!r}, which is missing or incomplete; pass --resume "
                                 f"with a complete checkpoint under {ckpt_dir}")
@@ -106,10 +108,68 @@ def find_checkpoint(ckpt_dir: Path, resume: str) -> Path | None:
 
 
 def read_meta(path: Path) -> dict:
+    """A checkpoint's dspipe.json, validated: the keys and types every reader uses (step, position, data state,
+    model shape, pp, ZeRO stage, dp x pp = world size). Anything else is one SpecError naming the file and field."""
+    source = Path(path) / META_FILE
+    meta = read_object(source)
+    missing = [k for k in CHECKPOINT_KEYS if k not in meta]
+    if missing:
+        raise SpecError(f"{source}: missing key {', '.join(missing)}")
+
+    def count(key: str, value, low: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise SpecError(f"{source}: {key} must be an integer >= {low}, got {show(value)}")
+
+    for key, low in (("step", 0), ("consumed_samples", 0), ("pp", 1), ("dp", 1), ("world_size", 1)):
+        count(key, meta[key], low)
+    if meta["zero_stage"] not in ZERO_STAGES or isinstance(meta["zero_stage"], bool):
+        raise SpecError(f"{source}: zero_stage {show(meta['zero_stage'])} is not one of: "
+                        f"{', '.join(map(str, ZERO_STAGES))}")
+    if meta["dp"] * meta["pp"] != meta["world_size"]:
+        raise SpecError(f"{source}: dp {meta['dp']} x pp {meta['pp']} = {meta['dp'] * meta['pp']} != world_size "
+                        f"{meta['world_size']}")
     try:
-        return json.loads((Path(path) / META_FILE).read_text())
-    except (OSError, ValueError) as e:
-        raise SpecError(f"checkpoint {path}: cannot read {META_FILE}: {e}") from None
+        model = from_dict(ModelSpec, meta["model"])
+    except (SpecError, TypeError) as e:
+        raise SpecError(f"{source}: model: {e}") from None
+    if meta["pp"] > model.layers:
+        raise SpecError(f"{source}: pp {meta['pp']} > model.layers {model.layers}")
+    data = meta["data"]
+    if not isinstance(data, dict):
+        raise SpecError(f"{source}: data must be an object (the loader's position), got {type(data).__name__}")
+    for key, low in (("consumed_samples", 0), ("seed", 0), ("seq_len", 1), ("num_samples", 1)):
+        if key not in data:
+            raise SpecError(f"{source}: missing data.{key}")
+        count(f"data.{key}", data[key], low)
+    for key in ("split", "fingerprint"):
+        if not isinstance(data.get(key), str):
+            raise SpecError(f"{source}: data.{key} must be a string, got {show(data.get(key))}")
+    if data["consumed_samples"] != meta["consumed_samples"]:
+        raise SpecError(f"{source}: data.consumed_samples {data['consumed_samples']} != consumed_samples "
+                        f"{meta['consumed_samples']}")
+    if "run_spec" in meta and not isinstance(meta["run_spec"], dict):
+        raise SpecError(f"{source}: run_spec must be an object, got {type(meta['run_spec']).__name__}")
+    return meta
+
+
+CHECKPOINT_KEYS = ("step", "consumed_samples", "data", "model", "pp", "zero_stage", "dp", "world_size")
+"""What a checkpoint's dspipe.json must hold (checkpoint_meta writes them, with run_spec)."""
+
+
+def read_latest(ckpt_dir: Path) -> str:
+    """The tag `latest` names: a global_stepN name (never a path), or a SpecError naming the file."""
+    latest = Path(ckpt_dir) / LATEST_FILE
+    try:
+        tag = latest.read_bytes().decode("utf-8").strip()
+    except UnicodeDecodeError:
+        tag = None
+    except OSError as e:
+        raise SpecError(f"{latest}: cannot read it ({e.strerror or e})") from None
+    if tag is None or not TAG_RE.match(tag):
+        shown = "bytes that are not UTF-8" if tag is None else repr(tag[:40])
+        raise SpecError(f"{latest} names {shown}, not a checkpoint tag global_stepN; give --resume a complete "
+                        f"checkpoint under {ckpt_dir}")
+    return tag
 
 
 def check_compatible(meta: dict, run, path: Path) -> None:
@@ -131,14 +191,11 @@ def check_compatible(meta: dict, run, path: Path) -> None:
 
 
 def trim_metrics(path: Path, step: int) -> None:
-    """Keep the header and the rows of steps <= `step` (rows after a resumed step are rewritten)."""
-    path = Path(path)
-    if not path.is_file():
-        return
-    lines = path.read_text().splitlines(keepends=True)
-    kept = lines[:1] + [line for line in lines[1:] if line.split(",", 1)[0].isdigit()
-                        and int(line.split(",", 1)[0]) <= step]
-    write_atomic(path, "".join(kept))
+    """Keep the header and one row per step <= `step` (rows after a resumed step are rewritten; torn lines go):
+    dspipe.runtime.metrics_log.repair_rows with the file's own header."""
+    from dspipe.runtime.metrics_log import repair_rows
+
+    repair_rows(Path(path), upto=step)
 
 
 def maybe_test_kill(var: str, step: int) -> None:
@@ -282,6 +339,8 @@ def load(engine, path: Path, loader) -> dict:
     dp = int(engine.dp_world_size)
     if meta["dp"] != dp and engine.zero_optimization():
         load_path = load_resharded(engine, path, saved_dp=meta["dp"], dp=dp)
+    elif bf16_optimizer_without_zero(engine):
+        load_path = load_bf16_without_zero(engine, path)
     else:
         load_path, _ = engine.load_checkpoint(str(path.parent), tag=path.name)
     if load_path is None:
@@ -289,6 +348,25 @@ def load(engine, path: Path, loader) -> dict:
     loader.load_state_dict(meta["data"])
     restore_rng(path, meta=meta, seed=loader.seed, rank=dist.get_rank(), world=dist.get_world_size())
     return meta
+
+
+def bf16_optimizer_without_zero(engine) -> bool:
+    """DeepSpeed's BF16_Optimizer at ZeRO stage 0 (bf16 under a pipeline): it keeps partitioned fp32 master weights
+    and Adam moments like ZeRO-1 and saves them in bf16_zero_pp_rank_* files, but DeepSpeed 0.19's load_checkpoint
+    reads those files only when ZeRO is on and otherwise hands the optimizer a single dict where it indexes a
+    per-rank list (KeyError 0): such a run could not resume at all."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+
+    return isinstance(engine.optimizer, BF16_Optimizer) and not engine.zero_optimization()
+
+
+def load_bf16_without_zero(engine, path: Path):
+    """Weights, lr schedule and counters through load_checkpoint without its optimizer step, then the optimizer
+    (fp32 master partitions, Adam moments) from its per-rank files through the engine's own ZeRO-file reader."""
+    load_path, _ = engine.load_checkpoint(str(path.parent), tag=path.name, load_optimizer_states=False)
+    if load_path is None or not engine._load_zero_checkpoint(str(path.parent), path.name, load_optimizer_states=True):
+        return None
+    return load_path
 
 
 def restore_rng(path: Path, *, meta: dict, seed: int, rank: int, world: int) -> None:
@@ -317,15 +395,46 @@ def checkpoint_meta(run, *, step: int, loader, world: int) -> dict:
             "world_size": world, "run_spec": json.loads((run.path / SPEC_FILE).read_text())}
 
 
-def resume_point(run, resume: str | None) -> Path | None:
-    """The checkpoint to resume from, checked against the run; without --resume, refuse to overwrite checkpoints."""
-    if resume is None:
-        existing = complete_checkpoints(run.checkpoint_dir)
-        if existing:
-            raise SpecError(f"{run.checkpoint_dir} already holds checkpoints up to step {existing[-1][0]}; pass "
-                            f"--resume auto to continue (or delete that directory to start over)")
-        return None
+def resume_point(run, resume: str = "auto") -> Path | None:
+    """The checkpoint to resume from, checked against the run: `resume` 'auto' (the default) = the newest complete
+    one, or None when the run has none (a fresh start); a tag under checkpoints/ or a path = that one."""
     path = find_checkpoint(run.checkpoint_dir, resume)
     if path is not None:
         check_compatible(read_meta(path), run, path)
     return path
+
+
+PREVIOUS_DIR = "previous"
+RUN_OUTPUTS = ("checkpoints", "metrics.csv", "val_metrics.csv", "engine.json", "monitor")
+"""What a run writes while training; `--restart` moves these into previous/<UTC timestamp>/."""
+
+
+def previous_slot(run_path: Path, *, now: str) -> Path:
+    """runs/NAME/previous/<now>/, or <now>-2, -3... when that name is taken (two restarts in one second)."""
+    base = Path(run_path) / PREVIOUS_DIR
+    slot, n = base / now, 1
+    while slot.exists():
+        n += 1
+        slot = base / f"{now}-{n}"
+    return slot
+
+
+def move_to_previous(run_path: Path, *, now: str) -> tuple[Path | None, list[str]]:
+    """Move the run's training outputs (RUN_OUTPUTS that exist) into previous/<now>/ by rename, deleting nothing;
+    returns (that directory, the names moved), or (None, []) when there was nothing to move. `now` is a UTC
+    timestamp such as 20261123T093012Z."""
+    run_path = Path(run_path)
+    present = [name for name in RUN_OUTPUTS if os.path.lexists(run_path / name)]
+    if not present:
+        return None, []
+    slot = previous_slot(run_path, now=now)
+    slot.mkdir(parents=True)
+    for name in present:
+        os.rename(run_path / name, slot / name)
+    return slot, present
+
+
+def utc_stamp() -> str:
+    import time
+
+    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())

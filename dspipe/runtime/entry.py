@@ -1,6 +1,6 @@
 """The rank entry point DeepSpeed's launcher starts (from any directory, the package installed or not):
 
-    deepspeed --num_gpus N --module dspipe.runtime.entry --run runs/NAME [--resume auto]
+    deepspeed --num_gpus N --module dspipe.runtime.entry --run runs/NAME [--resume auto|TAG|PATH | --restart]
 """
 from dspipe.runtime.comm import exit_rank
 from dspipe.runtime.loop import main

@@ -36,13 +36,38 @@ def peak_memory_gib() -> tuple[float, float]:
     return acc.max_memory_allocated() / GIB, acc.max_memory_reserved() / GIB
 
 
-def train(run: Run, resume: str | None = None) -> dict:
-    """Train from a run directory; the process group lives exactly as long as the training (see dspipe.runtime.comm)."""
+def train(run: Run, resume: str = "auto", *, restart: bool = False) -> dict:
+    """Train from a run directory; the process group lives exactly as long as the training (see dspipe.runtime.comm).
+    `resume`: 'auto' (the newest complete checkpoint, else a fresh start), a tag or a path; `restart`: move the
+    previous outputs into previous/<UTC timestamp>/ and start from step 0."""
     with process_group(agreed=(SpecError, RunHalted)) as backend:  # both are raised by every rank at once
-        return train_in_group(run, resume=resume, backend=backend)
+        return train_in_group(run, resume=resume, restart=restart, backend=backend)
 
 
-def train_in_group(run: Run, *, resume: str | None, backend: str) -> dict:
+def restart_run(run: Run, *, rank: int) -> None:
+    """Collective (--restart): rank 0 moves checkpoints/, the metrics, engine.json and monitor/ into
+    runs/NAME/previous/<UTC timestamp>/ (nothing is deleted) and says where; every rank waits for it and raises
+    the same SpecError when the move failed."""
+    import torch
+    import torch.distributed as dist
+
+    error = ""
+    if rank == 0:
+        try:
+            slot, moved = ckpt.move_to_previous(run.path, now=ckpt.utc_stamp())
+        except OSError as e:
+            error = (f"--restart: moving the previous outputs of {run.path} into {run.path / ckpt.PREVIOUS_DIR} "
+                     f"failed ({e}); nothing was deleted: what was moved is there, the rest is in place")
+        else:
+            print(f"dspipe: --restart: moved {', '.join(moved)} to {slot}; starting from step 0" if slot else
+                  f"dspipe: --restart: {run.path} holds no previous outputs; starting from step 0", flush=True)
+    failed = torch.tensor([1 if error else 0], dtype=torch.int32)
+    dist.broadcast(failed, src=0)
+    if failed.item():
+        raise SpecError(error or f"--restart: rank 0 could not move the previous outputs of {run.path}")
+
+
+def train_in_group(run: Run, *, resume: str, restart: bool, backend: str) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -60,7 +85,11 @@ def train_in_group(run: Run, *, resume: str | None, backend: str) -> dict:
         val_windows = TokenWindows(run.data, seq_len=run.model.seq_len, split="val")
         eval_batches = check_val_split(windows=val_windows, micro_batch=plan.micro_batch, dp=layout.dp,
                                        batches=tr.eval_batches)
-    resume_from = ckpt.resume_point(run, resume)  # checked before building anything
+    if restart:
+        restart_run(run, rank=rank)  # before the engine opens monitor/
+        resume_from = None
+    else:
+        resume_from = ckpt.resume_point(run, resume)  # checked before building anything
 
     eng = build_engine(run)
     engine = eng.engine
@@ -81,8 +110,8 @@ def train_in_group(run: Run, *, resume: str | None, backend: str) -> dict:
     if resume_from is not None:
         start_step = ckpt.load(engine, resume_from, loader)["step"]
         say(f"dspipe: resumed from {resume_from} at step {start_step} ({loader.consumed_samples} samples)", flush=True)
-    elif resume is not None:
-        say(f"dspipe: no checkpoint in {run.checkpoint_dir}: starting fresh", flush=True)
+    elif not restart:
+        say(f"dspipe: no checkpoint in {run.checkpoint_dir}: starting fresh from step 0", flush=True)
 
     def save(at: int) -> None:
         ckpt.save(engine, run.checkpoint_dir, step=at, keep=tr.keep_checkpoints,
@@ -141,7 +170,7 @@ def train_in_group(run: Run, *, resume: str | None, backend: str) -> dict:
             log.close()
             raise RunHalted(f"{health.consecutive} consecutive steps skipped (non-finite loss or gradient norm), "
                             f"the last at step {step}; saved {run.checkpoint_dir / ckpt.tag_for(step)} (weights from "
-                            f"before the first skipped step); lower the lr or check the data, then --resume auto")
+                            f"before the first skipped step); lower the lr or check the data, then relaunch to resume")
     log.close()
     if loader.consumed_samples != step * plan.global_batch:  # every rank, reading or not, at the same position
         raise RuntimeError(f"data position {loader.consumed_samples} != {step} steps x {plan.global_batch}")
@@ -156,7 +185,8 @@ def train_in_group(run: Run, *, resume: str | None, backend: str) -> dict:
             f"({summary['seconds']:.0f} s, {health.total_skipped} skipped, {health.spikes} loss spikes); checkpoint "
             f"{summary['checkpoint']}; metrics {run.metrics_path}; run dir {run.path}", flush=True)
     else:
-        say(f"done: nothing to do, the checkpoint is at step {step} of {steps}", flush=True)
+        say(f"done: nothing to do, the checkpoint is at step {step} of {steps}; to train longer: "
+            f"dspipe extend {run.path} --steps N (N > {steps}), then the same launch command", flush=True)
     return summary
 
 
@@ -164,13 +194,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Train a GPT from a dspipe run directory (start it with deepspeed).")
     parser.add_argument("--run", required=True, help="run directory written by 'dspipe gen-config'")
     parser.add_argument("--resume", default=None, metavar="auto|TAG|PATH",
-                        help="continue from the newest complete checkpoint (auto), a tag under checkpoints/ or a path")
+                        help="continue from the newest complete checkpoint (auto, the default: a run without one "
+                             "starts fresh), a tag under checkpoints/ or a path")
+    parser.add_argument("--restart", action="store_true",
+                        help="start from step 0; the previous checkpoints/, metrics, engine.json and monitor/ are "
+                             "moved into runs/NAME/previous/<UTC timestamp>/ (nothing is deleted)")
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     args = parser.parse_args(argv)
     if not os.environ.get("DSPIPE_VERBOSE"):
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     try:
-        train(load_run(args.run), resume=args.resume)
+        if args.restart and args.resume is not None:
+            raise SpecError(f"--restart (start over from step 0) and --resume {args.resume} (continue a checkpoint) "
+                            f"contradict each other: pass one of them")
+        train(load_run(args.run), resume=args.resume or "auto", restart=args.restart)
     except (SpecError, RunHalted) as e:
         if os.environ.get("RANK", "0") == "0":  # every rank hits the same error: say it once
             print(f"dspipe: error: {e}", file=sys.stderr)

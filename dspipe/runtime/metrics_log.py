@@ -1,15 +1,27 @@
 """Rank 0's record of a run: metrics.csv and val_metrics.csv (columns in dspipe.planner.throughput), TensorBoard events
-through the engine's monitor (runs/NAME/monitor/), and the console lines."""
+through the engine's monitor (runs/NAME/monitor/), and the console lines.
+
+Crash consistency (a `kill -9` may land anywhere): every file is opened with its header already on disk (written
+atomically), each row is one write + flush, and a start at step S first rewrites each CSV, atomically, as the
+header plus exactly one row per step <= S (a torn last line, rows of another shape, duplicates and the rows of
+steps after S, which the run replays, are dropped; the last complete row of a step wins). TensorBoard: every tag
+is keyed by the optimizer step (DeepSpeed's own sample-keyed `Train/Samples/*` events are switched off), and a
+start at step S writes a `SessionLog.START` event at step S + 1 (what torch's `SummaryWriter(purge_step=S + 1)`
+writes): TensorBoard then drops every earlier-written event at steps > S, so each step shows one value. DeepSpeed's
+csv monitor files (monitor/csv/) are trimmed the same way as metrics.csv."""
 from __future__ import annotations
 
 import csv
+import io
 from pathlib import Path
 
-from dspipe.runtime import checkpoint as ckpt
+from dspipe.atomic import write_file
+from dspipe.errors import SpecError
 from dspipe.planner.throughput import STEP_COLUMNS, VAL_COLUMNS
 from dspipe.rundir import VAL_FILE
 
 GIB = 2 ** 30
+SAMPLE_KEYED_PREFIX = "Train_Samples_"  # DeepSpeed's csv monitor files keyed by samples (written before dspipe 11)
 
 
 def _fmt(value) -> str:
@@ -20,25 +32,90 @@ def _fmt(value) -> str:
     return str(value)
 
 
+def _line(fields) -> str:
+    buf = io.StringIO()
+    csv.writer(buf, lineterminator="\n").writerow(fields)
+    return buf.getvalue()
+
+
+def complete_lines(text: str) -> list[list[str]]:
+    """The lines of a CSV written line by line, parsed; a last line without its newline (a write cut short) is
+    dropped, and so are blank lines."""
+    lines = text.split("\n")[:-1]  # the piece after the last newline is empty or torn
+    return [row for row in csv.reader(lines) if row]
+
+
+def _is_int(text: str) -> bool:
+    return text.strip().isdigit()
+
+
+def repair_rows(path: Path, *, upto: int, columns: tuple[str, ...] | None = None) -> int | None:
+    """Rewrite the CSV at `path` atomically as a header plus one row per step 1..`upto` that it holds (ascending;
+    the last complete row written for a step wins): torn lines, rows whose field count differs from the header's,
+    and rows after `upto` are dropped. The header is `columns` (old rows are mapped by column name; a file whose
+    header is missing is read as `columns`), or the file's own header when `columns` is None (then a file without
+    a header is left alone). A missing file is written with the header alone. Returns the rows kept, or None when
+    the file was left alone."""
+    path = Path(path)
+    rows = complete_lines(path.read_bytes().decode("utf-8", errors="replace")) if path.is_file() else []
+    if rows and not _is_int(rows[0][0]):
+        header, rows = tuple(rows[0]), rows[1:]
+    elif columns is None:
+        return None
+    else:
+        header = columns
+    out_columns = columns or header
+    if "step" not in header:
+        raise SpecError(f"{path}: no 'step' column in its header {','.join(header)} (expected "
+                        f"{','.join(out_columns)}); move the file away to let the run write a new one")
+    at = header.index("step")
+    by_step: dict[int, list[str]] = {}
+    for row in rows:
+        if len(row) == len(header) and _is_int(row[at]) and 1 <= int(row[at]) <= upto:
+            named = dict(zip(header, row))
+            by_step[int(row[at])] = [named.get(c, "") for c in out_columns]
+    write_file(path, _line(out_columns) + "".join(_line(by_step[s]) for s in sorted(by_step)))
+    return len(by_step)
+
+
 class _Csv:
-    """Append rows to a CSV; on resume keep the rows up to the resumed step and continue after them."""
+    """Append rows to a CSV whose header and earlier rows `repair_rows` has just put in order."""
 
     def __init__(self, path: Path, columns: tuple[str, ...], *, resumed_at: int):
-        if resumed_at:
-            ckpt.trim_metrics(path, resumed_at)
-        append = bool(resumed_at) and path.is_file()
-        self.file = open(path, "a" if append else "w", newline="")
-        self.writer = csv.writer(self.file)
-        self.columns = columns
-        if not append:
-            self.writer.writerow(columns)
+        self.path, self.columns = Path(path), columns
+        self.kept = repair_rows(self.path, upto=resumed_at, columns=columns)
+        self.file = open(self.path, "a", newline="")
 
     def write(self, row: dict) -> None:
-        self.writer.writerow([_fmt(row[c]) for c in self.columns])
+        self.file.write(_line([_fmt(row[c]) for c in self.columns]))  # one write of one whole line
         self.file.flush()
 
     def close(self) -> None:
         self.file.close()
+
+
+def purge_event(step: int):
+    """The event TensorBoard reads as "a run (re)started here": it drops every earlier-written event at >= step."""
+    from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+
+    return Event(step=step, session_log=SessionLog(status=SessionLog.START))
+
+
+def prepare_monitor(monitor, *, resumed_at: int) -> None:
+    """On rank 0's monitor (DeepSpeed's MonitorMaster): purge the TensorBoard steps after `resumed_at` and trim the
+    csv monitor files to the steps up to it."""
+    if monitor is None:
+        return
+    tb = getattr(monitor, "tb_monitor", None)
+    if tb is not None and tb.summary_writer is not None:
+        writer = tb.summary_writer
+        writer._get_file_writer().add_event(purge_event(resumed_at + 1))
+        writer.flush()
+    cm = getattr(monitor, "csv_monitor", None)
+    if cm is not None and cm.log_dir and Path(cm.log_dir).is_dir():
+        for f in sorted(Path(cm.log_dir).glob("*.csv")):
+            if not f.name.startswith(SAMPLE_KEYED_PREFIX) and repair_rows(f, upto=resumed_at) is not None:
+                cm.filenames.append(f.stem)  # it has its header: DeepSpeed must not write another one
 
 
 class RunLog:
@@ -48,17 +125,23 @@ class RunLog:
                  steps: int, validating: bool):
         self.enabled, self.monitor, self.log_interval, self.steps = enabled, monitor, log_interval, steps
         self.steps_csv = self.val_csv = None
+        if monitor is not None:
+            monitor.enabled = False  # DeepSpeed's engine writes its Train/Samples/* events only while this is set
         if enabled:
+            prepare_monitor(monitor, resumed_at=resumed_at)
             self.steps_csv = _Csv(Path(run_path) / "metrics.csv", STEP_COLUMNS, resumed_at=resumed_at)
             if validating:
                 self.val_csv = _Csv(Path(run_path) / VAL_FILE, VAL_COLUMNS, resumed_at=resumed_at)
+            if resumed_at and self.steps_csv.kept < resumed_at:
+                self.say(f"dspipe: note: {self.steps_csv.path} holds rows for {self.steps_csv.kept} of the "
+                         f"{resumed_at} steps before the resume (the others were lost with the file)")
 
     def say(self, line: str) -> None:
         if self.enabled:
             print(line, flush=True)
 
     def _events(self, prefix: str, row: dict, step: int) -> None:
-        if self.monitor is not None and self.monitor.enabled:
+        if self.monitor is not None:
             self.monitor.write_events([(f"{prefix}/{k}", float(v), step) for k, v in row.items()
                                        if k != "step" and v is not None and v != ""])
 

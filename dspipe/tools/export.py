@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import re
 import shutil
 import sys
@@ -23,8 +24,10 @@ import tempfile
 from pathlib import Path
 
 from dspipe.runtime import checkpoint as ckpt
+from dspipe import outputs
 from dspipe.atomic import replace_dir
 from dspipe.errors import SpecError
+from dspipe.jsonio import read_object
 from dspipe.rundir import DS_CONFIG_FILE
 from dspipe.planner.spec import ModelSpec, from_dict
 
@@ -45,10 +48,12 @@ def resolve_checkpoint(path: str | Path) -> Path:
         raise SpecError(f"{path} does not exist (give a checkpoint runs/NAME/checkpoints/global_stepN or a run "
                         f"directory runs/NAME)")
     if (path / DS_CONFIG_FILE).is_file():  # a run directory: dspipe.json + ds_config.json
-        ckpt_dir = path / "checkpoints"
+        from dspipe.rundir import load_run
+
+        ckpt_dir = load_run(path).checkpoint_dir  # validated like every run directory dspipe reads
         latest = ckpt_dir / ckpt.LATEST_FILE
-        if latest.is_file() and not ckpt.is_complete(ckpt_dir / latest.read_text().strip()):
-            raise SpecError(f"{latest} names {latest.read_text().strip()!r}, which is missing or incomplete; "
+        if latest.is_file() and not ckpt.is_complete(ckpt_dir / ckpt.read_latest(ckpt_dir)):
+            raise SpecError(f"{latest} names {ckpt.read_latest(ckpt_dir)!r}, which is missing or incomplete; "
                             f"give a complete checkpoint under {ckpt_dir}")
         found = ckpt.complete_checkpoints(ckpt_dir)
         if not found:
@@ -66,6 +71,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 
 def model_spec(meta: dict) -> ModelSpec:
+    """The model of a checkpoint meta that read_meta validated."""
     return from_dict(ModelSpec, meta["model"])
 
 
@@ -91,9 +97,12 @@ def load_tokenizer(path: Path):
     from transformers import AutoTokenizer
 
     quiet_transformers()
+    for name in ("tokenizer_config.json", "special_tokens_map.json", "config.json"):
+        if (Path(path) / name).is_file():
+            read_object(Path(path) / name)  # one line naming the file, not transformers' traceback
     try:
         return AutoTokenizer.from_pretrained(str(path))
-    except (OSError, ValueError) as e:
+    except Exception as e:  # OSError, ValueError, TypeError, AttributeError, ... on damaged tokenizer files
         raise SpecError(f"cannot load the tokenizer in {path}: {' '.join(str(e).split())[:300]}") from None
 
 
@@ -366,9 +375,8 @@ def hf_model(state: dict, spec: ModelSpec, *, eos_id: int | None, source):
 
 def export_hf(*, source: str | Path, out: str | Path, force: bool = False) -> Path:
     """Write a GPT2LMHeadModel directory (safetensors) with the run's tokenizer; returns the checkpoint used."""
-    out = Path(out)
-    if out.exists() and not force:
-        raise SpecError(f"{out} already exists (pass --force to replace it)")
+    out = outputs.target(out, flag="--out", expect="dir")
+    outputs.claim_dir(out, kind="export-hf", replace=force)  # only a previous export, never a run or other data
     checkpoint = resolve_checkpoint(source)
     meta = ckpt.read_meta(checkpoint)
     tok_dir = tokenizer_dir(checkpoint)
@@ -377,16 +385,18 @@ def export_hf(*, source: str | Path, out: str | Path, force: bool = False) -> Pa
     if len(tokenizer) > spec.vocab:
         raise SpecError(f"tokenizer {tok_dir} has {len(tokenizer)} tokens, more than the model's vocab {spec.vocab}")
     model = hf_model(consolidate(checkpoint, meta=meta), spec, eos_id=tokenizer.eos_token_id, source=checkpoint)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        model.save_pretrained(str(tmp), safe_serialization=True)
-        tokenizer.save_pretrained(str(tmp))
-        for f in tmp.iterdir():
-            f.chmod(0o644)
-        tmp.chmod(0o755)
-        replace_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    dest = Path(os.path.abspath(out))
+    with outputs.writing(out):
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+        try:
+            model.save_pretrained(str(tmp), safe_serialization=True)
+            tokenizer.save_pretrained(str(tmp))
+            for f in tmp.iterdir():
+                f.chmod(0o644)
+            tmp.chmod(0o755)
+            outputs.write_marker(tmp, kind="export-hf")
+            replace_dir(tmp, dest)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     return checkpoint

@@ -2,6 +2,7 @@
 GPT, the tokenizer from the run's data) or by an exported Hugging Face directory (AutoModelForCausalLM)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -21,12 +22,26 @@ class Sampling:
     seed: int = 0
 
     def __post_init__(self):
-        if self.max_tokens < 1:
-            raise SpecError(f"--max-tokens must be at least 1, got {self.max_tokens}")
-        if not self.temperature >= 0:
-            raise SpecError(f"--temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if self.top_k < 0:
-            raise SpecError(f"--top-k must be >= 0 (0 = no limit), got {self.top_k}")
+        _whole("--max-tokens", self.max_tokens, low=1, high=MAX_NEW_TOKENS, rule="must be at least 1")
+        t = self.temperature
+        finite = not isinstance(t, bool) and isinstance(t, (int, float)) and math.isfinite(t)
+        if not (finite and 0 <= t <= MAX_TEMPERATURE):
+            raise SpecError(f"--temperature must be >= 0 (0 = greedy), got {str(t)[:40]} "
+                            f"(allowed: finite, [0, {MAX_TEMPERATURE:g}])")
+        _whole("--top-k", self.top_k, low=0, high=2**31 - 1, rule="must be >= 0 (0 = no limit)")
+        _whole("--seed", self.seed, low=0, high=2**63 - 1, rule="must be >= 0")
+
+
+MAX_NEW_TOKENS = 100_000
+MAX_TEMPERATURE = 100.0
+
+
+def _whole(flag: str, value, *, low: int, high: int, rule: str) -> None:
+    """An int in [low, high] (torch.Generator.manual_seed takes seeds up to 2^63 - 1 here)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        shown = str(value) if len(str(value)) <= 40 else str(value)[:37] + "..."
+        what = f"{shown} is too large" if isinstance(value, int) and value > high else f"{rule}, got {shown}"
+        raise SpecError(f"{flag} {what} (allowed range {low}..{high:,})")
 
 
 @dataclass(frozen=True)
@@ -92,13 +107,30 @@ def _load_hf(path: Path) -> Model:
     from dspipe.tools.export import load_tokenizer, quiet_transformers
 
     quiet_transformers()
+    context = hf_context(path)
     tokenizer = load_tokenizer(path)
     try:
         model = AutoModelForCausalLM.from_pretrained(str(path)).eval()
-    except (OSError, ValueError) as e:
+    except Exception as e:  # OSError, ValueError, KeyError, safetensors errors, ... on a damaged directory
         raise SpecError(f"cannot load the Hugging Face model in {path}: {' '.join(str(e).split())[:300]}") from None
-    context = getattr(model.config, "n_positions", None) or model.config.max_position_embeddings
     return Model(logits=lambda ids: model(ids).logits, context=context, tokenizer=tokenizer)
+
+
+def hf_context(path: Path) -> int:
+    """The context length in config.json (n_positions, else max_position_embeddings), after checking the file:
+    a JSON object naming a model_type, the length a positive integer. One line naming the file otherwise."""
+    from dspipe.jsonio import read_object, show
+
+    source = path / HF_CONFIG
+    config = read_object(source)
+    if not isinstance(config.get("model_type"), str):
+        raise SpecError(f"{source}: model_type must name a transformers model, got "
+                        f"{show(config.get('model_type'))}")
+    key = "n_positions" if "n_positions" in config else "max_position_embeddings"
+    value = config.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 2**24:
+        raise SpecError(f"{source}: {key} must be a context length in 1..{2**24:,}, got {show(value)}")
+    return value
 
 
 def _load_checkpoint(path: Path) -> Model:

@@ -9,19 +9,21 @@ no display). The report directory is written beside its destination, then rename
 from __future__ import annotations
 
 import csv
-import json
 import math
+import os
+import re
 import shutil
 import statistics
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from dspipe import outputs
 from dspipe.atomic import replace_dir
 from dspipe.errors import SpecError
 from dspipe.planner.estimate import GIB
 from dspipe.planner.throughput import STEP_COLUMNS, VAL_COLUMNS, perplexity
-from dspipe.rundir import SPEC_FILE, VAL_FILE, Run, load_run
+from dspipe.rundir import VAL_FILE, Run, load_engine, load_run
 
 WARMUP_STEPS = 3
 """Leading steps left out of the throughput, MFU and step-time medians (when more steps than that exist)."""
@@ -56,13 +58,29 @@ class Measured:
     final_val: dict | None
 
 
+_INT = re.compile(r"[0-9]{1,18}", re.ASCII)
+_FLOAT = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?|[+-]?(nan|inf|infinity)",
+                    re.ASCII | re.IGNORECASE)
+NON_FINITE_OK = {"loss", "grad_norm", "val_loss", "val_ppl"}
+"""Columns where NaN/inf are real measurements (a skipped non-finite step, a diverged run); elsewhere they are
+damage."""
+
+
 def _parse(value: str | None, column: str, where: str):
+    """An ASCII decimal integer (step, tokens, skipped: 0 .. 10^18) or float; None for an empty field."""
     if value is None or value.strip() == "":
         return None
-    try:
-        return int(value) if column in _INT_COLUMNS else float(value)
-    except ValueError:
-        raise SpecError(f"{where}: {column} {value!r} is not a number") from None
+    text = value.strip()
+    if column in _INT_COLUMNS:
+        if not _INT.fullmatch(text):
+            raise SpecError(f"{where}: {column} {value[:40]!r} is not a whole number in 0..10^18")
+        return int(text)
+    if not _FLOAT.fullmatch(text):
+        raise SpecError(f"{where}: {column} {value[:40]!r} is not a number")
+    number = float(text)
+    if column not in NON_FINITE_OK and not (math.isfinite(number) and number >= 0):
+        raise SpecError(f"{where}: {column} {value[:40]!r} must be a finite number >= 0")
+    return number
 
 
 def read_csv(path: Path, *, columns: tuple[str, ...], required: tuple[str, ...]) -> list[dict]:
@@ -83,6 +101,8 @@ def read_csv(path: Path, *, columns: tuple[str, ...], required: tuple[str, ...])
     for i, (line, row) in enumerate(raw):
         if None in row.values() and i == len(raw) - 1:
             break  # fewer fields than the header: the runner is writing this line right now
+        if None in row:  # csv.DictReader's key for the fields beyond the header's
+            raise SpecError(f"{path}:{line}: {len(header) + len(row[None])} fields, the header has {len(header)}")
         parsed = {c: _parse(row.get(c), c, f"{path}:{line}") for c in columns}
         if any(parsed[c] is None for c in required):
             raise SpecError(f"{path}:{line}: empty {', '.join(c for c in required if parsed[c] is None)}")
@@ -290,40 +310,34 @@ def render_markdown(run: Run, *, estimate: dict, engine: dict | None, m: Measure
 # ---------------------------------------------------------------------------------------------------- writing
 
 
-def _check_out(out: Path) -> None:
-    """Only a previous report (or an empty directory) is replaced: never the run directory or anything else."""
-    if not out.exists():
-        return
-    if not out.is_dir():
-        raise SpecError(f"--out {out} is a file, not a report directory")
-    if any(out.iterdir()) and not (out / REPORT_FILE).is_file():
-        raise SpecError(f"--out {out} exists and is not a report directory (no {REPORT_FILE}); "
-                        f"choose a new or empty directory")
+def _check_out(out: str | Path) -> Path:
+    """Only a previous report dspipe wrote (or an empty directory) is replaced: never the run directory or
+    anything else, and not a report directory holding files the report did not write."""
+    out = outputs.target(out, flag="--out", expect="dir")
+    outputs.claim_dir(out, kind="report", replace=True)
+    return out
 
 
 def write_report(run_path: str | Path, *, out: str | Path | None = None) -> tuple[Path, Measured]:
     """Write report.md and the plots into `out` (default runs/NAME/report) atomically; returns (out, figures)."""
-    run = load_run(run_path)
-    estimate = json.loads((run.path / SPEC_FILE).read_text()).get("estimate") or {}
-    engine_path = run.engine_path
-    try:
-        engine = json.loads(engine_path.read_text()) if engine_path.is_file() else None
-    except ValueError:
-        engine = None  # the runner is writing it right now
+    run = load_run(run_path)  # the one validated reader: dspipe.json (estimate included), ds_config.json
+    estimate = run.estimate
+    engine = load_engine(run)  # None while absent or being written
     steps, val = read_metrics(run)
     measured = measure(steps, val)
-    out = Path(out) if out is not None else run.path / "report"
-    _check_out(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    tmp.chmod(0o755)
-    try:
-        plot_loss(steps, val, tmp / PLOTS["loss"])
-        plot_throughput(steps, measured, estimate.get("tokens_per_s"), tmp / PLOTS["throughput"])
-        plot_lr(steps, tmp / PLOTS["lr"])
-        (tmp / REPORT_FILE).write_text(render_markdown(run, estimate=estimate, engine=engine, m=measured))
-        replace_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    out = _check_out(out if out is not None else run.path / "report")
+    dest = Path(os.path.abspath(out))
+    with outputs.writing(out):
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+        tmp.chmod(0o755)
+        try:
+            plot_loss(steps, val, tmp / PLOTS["loss"])
+            plot_throughput(steps, measured, estimate.get("tokens_per_s"), tmp / PLOTS["throughput"])
+            plot_lr(steps, tmp / PLOTS["lr"])
+            (tmp / REPORT_FILE).write_text(render_markdown(run, estimate=estimate, engine=engine, m=measured))
+            outputs.write_marker(tmp, kind="report")
+            replace_dir(tmp, dest)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     return out, measured

@@ -185,9 +185,16 @@ def test_sigterm_finishes_the_step_saves_and_exits_0(tmp_path, corpus):
 def test_resume_refusals(tmp_path, corpus):
     run = fp32_run(tmp_path, corpus, "run", "--zero", "1", steps=3)
     ok(launch(run))
+    before = rows(run)
+    r = launch(run)  # no flag: resumes from the newest checkpoint by default; the run is finished
+    ok(r)
+    assert "at step 3" in r.stdout and "done: nothing to do, the checkpoint is at step 3 of 3" in r.stdout
+    assert f"dspipe extend {run} --steps N" in r.stdout and rows(run) == before
     before = sorted(str(p) for p in run.rglob("*")), rows(run)
-    r = launch(run)  # no --resume over existing checkpoints
-    assert r.returncode == 2 and "pass --resume auto" in r.stderr
+    r = launch(run, "--restart", "--resume", "auto")
+    assert r.returncode == 2 and [line for line in r.stderr.splitlines() if "dspipe: error:" in line] == [
+        "dspipe: error: --restart (start over from step 0) and --resume auto (continue a checkpoint) contradict "
+        "each other: pass one of them"]
     r = launch(run, "--resume", "global_step99")
     assert r.returncode == 2 and "checkpoint global_step99 not found" in r.stderr
     other = fp32_run(tmp_path, corpus, "other", "--zero", "1", "--hidden", "128", steps=3)
@@ -197,3 +204,88 @@ def test_resume_refusals(tmp_path, corpus):
     assert tags(other) == ["global_step3", "latest"]
     assert (sorted(str(p) for p in run.rglob("*")), rows(run)) == before  # no data lost
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()[-1]) < 300
+
+
+def tensors_equal(a, b) -> bool:
+    """Every tensor (and every other value) of two loaded checkpoint objects equal, bitwise."""
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(tensors_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(tensors_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def scalars(run_dir, tag="Train/loss"):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "monitor" / "tensorboard"))
+    acc.Reload()
+    return [(e.step, e.value) for e in acc.Scalars(tag)], set(acc.Tags()["scalars"])
+
+
+@pytest.mark.distributed
+def test_bf16_zero0_kill9_default_resume_restart_and_extend(tmp_path, corpus):
+    """bf16 without ZeRO (DeepSpeed's FP16_Optimizer wrapper holding fp32 master weights), one launch sequence:
+    killed with SIGKILL after step 5 with a torn metrics line, relaunched without any flag -> resumes from step 3;
+    every step's loss, lr and grad norm, the validation row, the final fp32 master weights and Adam moments equal
+    the uninterrupted run's bitwise; metrics.csv has its header and one row per step; TensorBoard one value per
+    step; `dspipe report` works. Then --restart moves the outputs to previous/<UTC>/ and retrains from 0 (again
+    bitwise), and `dspipe extend --steps 8` + the same launch continue to step 8."""
+    import torch
+
+    from dspipe.planner.throughput import STEP_COLUMNS
+    from tests.helpers import dspipe
+
+    flags = ("--precision", "bf16", "--zero", "0", "--save-interval", "3", "--keep-checkpoints", "2")
+    ref = make_run(tmp_path, corpus, *flags, steps=6, name="ref")
+    ok(launch(ref))
+    run = make_run(tmp_path, corpus, *flags, steps=6, name="run")
+    r = launch(run, env={ckpt.TEST_KILL_AT_STEP: "5"})
+    assert r.returncode != 0 and (run / "checkpoints" / "latest").read_text() == "global_step3"
+    with open(run / "metrics.csv", "a") as f:
+        f.write("6,8.0")  # a row cut short by the kill
+    r = launch(run)  # no --resume: auto is the default
+    ok(r)
+    assert f"resumed from {run / 'checkpoints' / 'global_step3'} at step 3" in r.stdout
+    assert json.loads((run / "engine.json").read_text())["wrapper_optimizer"] == "FP16_Optimizer"
+    assert rows(run) == rows(ref) and len(rows(run)) == 6  # bitwise, one row per step
+    assert (run / "metrics.csv").read_text().splitlines()[0] == ",".join(STEP_COLUMNS)
+    assert (run / "val_metrics.csv").read_text() == (ref / "val_metrics.csv").read_text().replace(str(ref), str(run))
+    final = [torch.load(d / "checkpoints" / "global_step6" / "mp_rank_00_model_states.pt", weights_only=False)
+             for d in (ref, run)]
+    assert "fp32_groups_flat" in final[0]["optimizer"]
+    assert tensors_equal(final[0]["optimizer"], final[1]["optimizer"])  # fp32 master weights + Adam moments
+    assert tensors_equal(final[0]["module"], final[1]["module"])
+    losses, tags = scalars(run)
+    assert [s for s, _ in losses] == list(range(1, 7))  # steps 4 and 5 were written twice, purged once
+    assert [v for _, v in losses] == [pytest.approx(float(loss), rel=1e-6) for _, loss, _, _ in rows(ref)]
+    assert not any(t.startswith("Train/Samples/") for t in tags)
+    report = dspipe("report", run)
+    assert report.returncode == 0, report.stderr
+
+    r = launch(run, "--restart")
+    ok(r)
+    (slot,) = (run / "previous").iterdir()
+    assert f"dspipe: --restart: moved checkpoints, metrics.csv, val_metrics.csv, engine.json, monitor to {slot}" \
+        in r.stdout
+    assert sorted(p.name for p in slot.iterdir()) == sorted(["checkpoints", "metrics.csv", "val_metrics.csv",
+                                                             "engine.json", "monitor"])
+    assert ckpt.is_complete(slot / "checkpoints" / "global_step6")
+    assert "resumed from" not in r.stdout and rows(run) == rows(ref)  # from step 0 again: the same run
+    assert [s for s, _ in scalars(run)[0]] == list(range(1, 7))
+
+    e = dspipe("extend", run, "--steps", "8")
+    assert e.returncode == 0, e.stderr
+    assert "6 -> 8 steps" in e.stdout and "total_num_steps 6 -> 8" in e.stdout
+    r = launch(run)
+    ok(r)
+    assert "at step 6" in r.stdout
+    got = rows(run)
+    assert [int(s) for s, *_ in got] == list(range(1, 9)) and got[:6] == rows(ref)
+    assert float(got[6][2]) > float(rows(ref)[5][2])  # the stretched cosine: lr back above the old run's end
+    assert (run / "checkpoints" / "latest").read_text() == "global_step8"
+    assert [s for s, _ in scalars(run)[0]] == list(range(1, 9))

@@ -64,7 +64,7 @@ BAD = [
     (["--model", "tiny", "--pp", "3"], "pipeline stages 3 > layers 2"),
     (["--model", "gpt2-124m", "--gpus-per-node", "6", "--pp", "4"], "is not divisible by pipeline stages 4"),
     (["--model", "tiny", "--pp", "2", "--zero", "2"], "supports ZeRO stages 0-1 only; use --zero 1"),
-    (["--model", "tiny", "--preset", "fp16-zero2", "--precision", "bf16", "--pp", "2"], "ZeRO-2 with pp 2"),
+    (["--model", "tiny", "--zero", "2", "--precision", "fp16", "--pp", "2"], "ZeRO-2 with pp 2"),
     (["--model", "tiny", "--zero", "2", "--offload", "cpu", "--offload-params"], "--offload-params needs ZeRO-3"),
     (["--model", "tiny", "--zero", "3", "--offload", "nvme"], "--offload nvme needs --nvme-path"),
     (["--model", "tiny", "--micro-batch", "0"], "micro_batch must be a positive integer, got 0"),

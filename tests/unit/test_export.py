@@ -99,7 +99,8 @@ def test_bad_sources_are_one_line_errors(tmp_path):
     cases = [
         (("export-hf", tmp_path / "nope", "--out", tmp_path / "o2"), f"{tmp_path / 'nope'} does not exist"),
         (("export-hf", partial, "--out", tmp_path / "o3"), f"checkpoint {partial} is incomplete"),
-        (("export-hf", partial, "--out", out), f"{out} already exists (pass --force to replace it)"),
+        (("export-hf", partial, "--out", out), f"--out {out} exists and is not an export-hf model directory "
+                                               f"written by dspipe"),
         (("generate", tmp_path / "nope", "--prompt", "x"), f"{tmp_path / 'nope'} does not exist"),
         (("generate", partial, "--prompt", "x", "--temperature", "-1"), "--temperature must be >= 0"),
     ]
@@ -119,7 +120,16 @@ def test_missing_tokenizer_is_a_one_line_error(tmp_path):
     run = make_run(tmp_path, tmp_path / "gone", "--zero", "1", steps=4)
     tag = run / "checkpoints" / "global_step4"
     tag.mkdir(parents=True)
-    (tag / ckpt.META_FILE).write_text(json.dumps({"step": 4}))
+    from dataclasses import asdict
+
+    from dspipe.rundir import load_run
+
+    spec = load_run(run)
+    data = {"consumed_samples": 64, "epoch": 0, "seed": spec.train.seed, "num_samples": 100,
+            "seq_len": spec.model.seq_len, "split": "train", "fingerprint": "ab" * 32}
+    (tag / ckpt.META_FILE).write_text(json.dumps({"step": 4, "consumed_samples": 64, "data": data,
+                                                  "model": asdict(spec.model), "pp": 1, "zero_stage": 1, "dp": 2,
+                                                  "world_size": 2}))
     with pytest.raises(SpecError, match=re.escape(f"tokenizer not found: {tmp_path / 'gone' / 'tokenizer'}")):
         export_hf(source=run, out=tmp_path / "hf")
     assert not (tmp_path / "hf").exists()

@@ -102,16 +102,21 @@ def test_preset_rerenders_identically(name, tmp_path):
         strategy["zero"]
 
 
-def test_flags_override_the_preset(tmp_path):
-    r = dspipe("gen-config", *RECIPES["reference"], "--preset", "zero3-cpu-offload", "--zero", "3", "--offload",
-               "none", "--offload-params", "--out", "runs/x", cwd=tmp_path)
-    assert r.returncode == 2 and "--offload-params needs an offload device" in r.stderr
+def test_flags_that_contradict_the_preset_are_one_line_errors(tmp_path):
+    """A value the preset sets is never silently replaced by a flag: the conflict is one line, nothing written."""
+    r = dspipe("gen-config", *RECIPES["reference"], "--preset", "zero3-cpu-offload", "--offload", "none",
+               "--out", "runs/x", cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert '--offload none contradicts zero_optimization.offload_optimizer.device "cpu"' in r.stderr
     r = dspipe("gen-config", *RECIPES["reference"], "--preset", "pipeline-zero1-bf16", "--pp", "4", "--out", "runs/x",
                cwd=tmp_path)
+    assert r.returncode == 2 and "--pp 4 contradicts pipeline.stages 2" in r.stderr, r.stderr
+    assert not (tmp_path / "runs").exists()
+    r = dspipe("gen-config", *RECIPES["reference"], "--preset", "pipeline-zero1-bf16", "--pp", "2", "--out", "runs/x",
+               cwd=tmp_path)  # a flag that agrees with the preset is fine
     assert r.returncode == 0, r.stderr
     cfg = json.loads((tmp_path / "runs/x/ds_config.json").read_text())
-    assert cfg["pipeline"]["stages"] == 4 and cfg["pipeline"]["activation_checkpoint_interval"] == 1
-    assert cfg["gradient_accumulation_steps"] == 512 // (4 * 2)
+    assert cfg["pipeline"]["stages"] == 2 and cfg["gradient_accumulation_steps"] == 512 // (4 * 4)
 
 
 def test_preset_with_both_precisions_is_rejected(tmp_path):

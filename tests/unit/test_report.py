@@ -74,7 +74,8 @@ def test_report_plots_and_plan_vs_measured(run):
     assert "wrote runs/t/report/report.md and loss.png, throughput.png, lr.png" in r.stdout
     assert "steps 1-20: train loss 6.1250, val loss 6.8000, 10,120 tokens/s (median), 2 skipped" in r.stdout
     out = run / "report"
-    assert sorted(p.name for p in out.iterdir()) == ["loss.png", "lr.png", "report.md", "throughput.png"]
+    assert sorted(p.name for p in out.iterdir()) == [".dspipe-output", "loss.png", "lr.png", "report.md",
+                                                     "throughput.png"]  # the marker: dspipe wrote this report
     for name in ("loss.png", "throughput.png", "lr.png"):
         assert_png(out / name)
 
@@ -140,18 +141,23 @@ def test_resumed_rows_and_an_older_runner_format(run):
 def test_an_existing_report_is_replaced_and_nothing_else(run):
     write_csv(run / "metrics.csv", STEP_COLUMNS, gpu_like_rows(steps=10))
     write_report(run)
-    (run / "report" / "stale.txt").write_text("old")
     write_csv(run / "metrics.csv", STEP_COLUMNS, gpu_like_rows(steps=20))
     out, m = write_report(run)
-    assert m.last_step == 20 and not (out / "stale.txt").exists()
-    assert "20 steps (1-20)" in (out / "report.md").read_text()
+    assert m.last_step == 20 and "20 steps (1-20)" in (out / "report.md").read_text()
     assert sorted(p.name for p in run.iterdir()) == ["ds_config.json", "dspipe.json", "metrics.csv", "report"]
+
+    (run / "report" / "mine.txt").write_text("notes")  # a file the report did not write: the report is kept
+    r = dspipe("report", "runs/t", cwd=run.parent.parent)
+    assert r.returncode == 2 and r.stderr.strip() == ("dspipe: error: --out runs/t/report holds files dspipe did not "
+                                                     "write there (mine.txt); move them out or choose another --out")
+    assert (run / "report" / "mine.txt").read_text() == "notes" and (out / "report.md").is_file()
 
     (run.parent / "notes").mkdir()
     (run.parent / "notes" / "keep.txt").write_text("mine")
     r = dspipe("report", "runs/t", "--out", "runs/notes", cwd=run.parent.parent)
-    assert r.returncode == 2 and r.stderr.strip() == ("dspipe: error: --out runs/notes exists and is not a report "
-                                                     "directory (no report.md); choose a new or empty directory")
+    assert r.returncode == 2 and r.stderr.strip() == (
+        "dspipe: error: --out runs/notes exists and is not a report directory written by dspipe (no .dspipe-output); "
+        "dspipe replaces only its own output: choose another --out")
     assert (run.parent / "notes" / "keep.txt").read_text() == "mine"
 
 

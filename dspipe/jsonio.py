@@ -1,0 +1,86 @@
+"""Strict JSON files: read only UTF-8 objects of finite numbers, write nothing non-finite. Standard library only.
+
+Python's json module reads NaN, Infinity and 1e999 (as inf) and writes them back as bare NaN/Infinity, which is not
+JSON; every file dspipe reads goes through read_object and every file it writes through dumps, so a non-finite
+number is refused with the file and the field named, in both directions.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from dspipe.errors import SpecError
+
+
+def read_object(path: str | Path, *, hint: str = "", partial_ok: bool = False) -> dict | None:
+    """The JSON object in `path`; any other content (unreadable, not UTF-8, not JSON, NaN/Infinity, a number
+    beyond float range, not an object) is one SpecError naming the file. `hint` is appended to the message.
+    partial_ok: an empty file or one that ends early (a writer is still at it) gives None instead."""
+    path = Path(path)
+    tail = f"; {hint}" if hint else ""
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise SpecError(f"{path}: cannot read it ({e.strerror or e}){tail}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise SpecError(f"{path} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}){tail}") from None
+
+    def constant(name: str):
+        raise SpecError(f"{path}: {name} is not a finite number (JSON has no NaN or Infinity){tail}")
+
+    def number(literal: str) -> float:
+        value = float(literal)
+        if not math.isfinite(value):
+            raise SpecError(f"{path}: {literal[:40]} is beyond the range of a float{tail}")
+        return value
+
+    try:
+        data = json.loads(text, parse_constant=constant, parse_float=number)
+    except json.JSONDecodeError as e:
+        ends_early = e.pos >= len(text.rstrip()) or e.msg.startswith("Unterminated string")  # runs to the end
+        if partial_ok and ends_early:
+            return None
+        where = "it ends early (truncated)" if ends_early else f"line {e.lineno} column {e.colno}"
+        raise SpecError(f"{path} is not valid JSON: {where}: {e.msg}{tail}") from None
+    except RecursionError:
+        raise SpecError(f"{path} is not valid JSON: nested too deeply{tail}") from None
+    except ValueError as e:  # an integer literal of more than 4300 digits
+        raise SpecError(f"{path} is not valid JSON: {' '.join(str(e).split())[:120]}{tail}") from None
+    if not isinstance(data, dict):
+        raise SpecError(f"{path} must hold a JSON object, not {type(data).__name__}{tail}")
+    return data
+
+
+def show(value, width: int = 40) -> str:
+    """repr of a value read from a file, cut to `width` characters (a 5000-digit number stays one short line)."""
+    text = repr(value)
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def non_finite(value, where: str = "") -> str | None:
+    """The key path ('a.b[2]') of the first NaN or infinite float in a JSON-like value, or None."""
+    if isinstance(value, float):
+        return None if math.isfinite(value) else (where or "(top level)")
+    if isinstance(value, dict):
+        items = ((f"{where}.{k}" if where else str(k), v) for k, v in value.items())
+    elif isinstance(value, (list, tuple)):
+        items = ((f"{where}[{i}]", v) for i, v in enumerate(value))
+    else:
+        return None
+    for key, v in items:
+        found = non_finite(v, key)
+        if found:
+            return found
+    return None
+
+
+def dumps(value, *, what: str) -> str:
+    """Indented JSON text with a final newline; a NaN or infinite number anywhere is a SpecError naming its key
+    (`what` names the file being written), never a bare NaN/Infinity in a file."""
+    bad = non_finite(value)
+    if bad:
+        raise SpecError(f"refusing to write {what}: {bad} is not a finite number")
+    return json.dumps(value, indent=2, allow_nan=False) + "\n"

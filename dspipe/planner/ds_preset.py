@@ -1,0 +1,710 @@
+"""A DeepSpeed JSON written by someone else (--preset) -> what dspipe does with every one of its keys. No torch, no
+deepspeed.
+
+`read_preset` parses the file (duplicate keys, NaN and non-objects refused, as DeepSpeed's own reader refuses
+duplicates). `import_preset` puts DeepSpeed's aliases under their canonical names (bfloat16 -> bf16, legacy
+zero_optimization.cpu_offload -> offload_optimizer.device cpu, stage3_gather_fp16_weights_on_model_save, pydantic
+field names such as prefetch_bucket_size), refuses what DeepSpeed 0.19 refuses (removed sections, unknown keys in its
+pydantic sections: zero_optimization, offload_*, fp16, bf16, monitors) and what dspipe cannot render, and splits the
+rest into gen-config option values (strategy and training), template values and "auto" keys. Unknown top-level keys
+and unknown keys of DeepSpeed's dict sections (pipeline, activation_checkpointing) are ignored by DeepSpeed; dspipe
+ignores them too and says so. `account` runs after planning and rendering: every key of the preset is the same value
+in the rendered config, or a report line ("auto" resolved, a monitor path moved into the run directory), or an error.
+"""
+from __future__ import annotations
+
+import difflib
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dspipe.errors import SpecError
+from dspipe.planner.spec import PARTITION_METHODS
+
+AUTO = "auto"
+SCHEDULERS = ("WarmupCosineLR", "WarmupLR", "WarmupDecayLR")
+OPTIMIZERS = ("adam", "adamw")  # DeepSpeed lower-cases its own optimizer names; Adam is decoupled (adam_w_mode) too
+
+# DeepSpeed 0.19 refuses these outright (runtime/config.py _REMOVED_*_CONFIG_KEYS).
+REMOVED_TOP = ("nebula", "compression_training", "amp", "quantize_training", "sparse_gradients", "eigenvalue",
+               "sparse_attention", "elasticity", "graph_harvesting", "curriculum_learning", "progressive_layer_drop")
+REMOVED_ZERO = ("mics_shard_size", "mics_hierarchical_params_gather", "zeropp_loco_param")
+
+# DeepSpeed settings dspipe does not render: accepted only at DeepSpeed's default (then DeepSpeed applies that very
+# value); sections only when disabled.
+UNRENDERED_TOP = {"zero_force_ds_cpu_optimizer": True, "managed_gradient_accumulation": True,
+                  "communication_data_type": None, "seq_parallel_communication_data_type": "fp32",
+                  "gradient_allreduce_op": "mean", "disable_allgather": False, "disable_python_gc": False,
+                  "dump_state": False, "memory_breakdown": False, "dataloader_drop_last": False,
+                  "use_data_before_expert_parallelism": False, "vocabulary_size": None, "log_level": None,
+                  "sequence_parallel_size": 1}
+UNRENDERED_SECTIONS = ("flops_profiler", "comms_logger", "autotuning", "checkpoint", "aio", "data_efficiency",
+                       "compile", "timers", "tensor_parallel", "expert_parallel", "weight_quantization",
+                       "hybrid_engine", "torch_autocast", "datastates", "comet", "optimizer.legacy_fusion")
+UNRENDERED_ZERO = {"use_multi_rank_bucket_allreduce": True, "compute_grad_norm": True, "zenflow": None,
+                   "stage3_model_persistence_threshold": None, "stage3_module_granularity_threshold": 0,
+                   "stage3_use_all_reduce_for_fetch_params": False, "stage3_allgather_sequential": False,
+                   "legacy_stage1": False, "parameter_alignment": False, "zero_hpz_partition_size": 1,
+                   "zero_quantized_weights": False, "zero_quantized_nontrainable_weights": False,
+                   "zero_quantized_gradients": False, "memory_efficient_linear": True,
+                   "pipeline_loading_checkpoint": False, "override_module_apply": True,
+                   "log_trace_cache_warnings": False, "enable_sanity_checks": False,
+                   "save_muon_momentum_buffer_in_memory": False}
+UNRENDERED_OFFLOAD = {"pipeline_read": False, "pipeline_write": False, "super_offload": False,
+                      "cpuadam_cores_perc": 0.8}
+UNRENDERED_PRECISION = {"fp16_master_weights_and_grads": False, "bf16_master_weights_and_grads": False,
+                        "bf16_optimizer_states": False}
+ZERO_FIELD_NAMES = {  # DeepSpeedZeroConfig populates by field name too: field name -> the alias dspipe renders
+    "prefetch_bucket_size": "stage3_prefetch_bucket_size",
+    "param_persistence_threshold": "stage3_param_persistence_threshold",
+    "model_persistence_threshold": "stage3_model_persistence_threshold",
+    "max_live_parameters": "stage3_max_live_parameters", "max_reuse_distance": "stage3_max_reuse_distance",
+    "gather_16bit_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+    "module_granularity_threshold": "stage3_module_granularity_threshold",
+    "use_all_reduce_for_fetch_params": "stage3_use_all_reduce_for_fetch_params",
+    "allgather_sequential": "stage3_allgather_sequential"}
+MONITOR_DIR_KEYS = ("tensorboard.output_path", "csv_monitor.output_path")
+"""Always the run directory's monitor/ (dspipe report and the metrics log read it there): reported when moved."""
+
+
+# ---- value checks: each returns the value as rendered or raises ValueError(what is allowed) -------------------------
+
+def _bool(v):
+    if not isinstance(v, bool):
+        raise ValueError("must be true or false")
+    return v
+
+
+def _int(lo: int, hi: int | None = None):
+    def check(v):
+        if isinstance(v, float) and math.isfinite(v) and v == int(v):
+            v = int(v)  # 1e9 in JSON is a float; DeepSpeed's pydantic fields take it as an integer
+        if not isinstance(v, int) or isinstance(v, bool) or v < lo or (hi is not None and v > hi):
+            raise ValueError(f"must be an integer >= {lo}" + (f" and <= {hi}" if hi is not None else ""))
+        return v
+    return check
+
+
+def _float(lo: float, hi: float | None = None, *, open_lo: bool = False):
+    def check(v):
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        if not ok or v < lo or (open_lo and v == lo) or (hi is not None and v > hi):
+            raise ValueError(f"must be a finite number {'>' if open_lo else '>='} {lo:g}"
+                             + (f" and <= {hi:g}" if hi is not None else ""))
+        return v
+    return check
+
+
+def _choice(*choices):
+    def check(v):
+        if v not in choices:
+            raise ValueError(f"must be one of: {', '.join(map(json.dumps, choices))}")
+        return v
+    return check
+
+
+def _str_or_null(v):
+    if v is not None and (not isinstance(v, str) or not v or "\n" in v):
+        raise ValueError("must be a one-line string or null")
+    return v
+
+
+def _betas(v):
+    if (not isinstance(v, list) or len(v) != 2
+            or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in v)):
+        raise ValueError("must be a list of two numbers in [0, 1)")
+    return v
+
+
+def _number_checkpoints(v):
+    return None if v is None else _int(1)(v)
+
+
+def _offload_device(v):
+    return _choice("none", "cpu", "nvme")(v if v is not None else "none")
+
+
+# ---- key tables: DeepSpeed key -> (target, check) --------------------------------------------------------------------
+# target: ("opt", NAME) a gen-config option; ("var", NAME) a template value; ("ga",) gradient_accumulation_steps;
+# ("plan",) a value the plan derives (compared after rendering); ("moved",) a monitor path.
+
+def _opt(name):
+    return ("opt", name)
+
+
+def _var(name):
+    return ("var", name)
+
+
+TOP = {
+    "train_batch_size": (_opt("global_batch"), _int(1)),
+    "train_micro_batch_size_per_gpu": (_opt("micro_batch"), _int(1)),
+    "gradient_accumulation_steps": (("ga",), _int(1)),
+    "steps_per_print": (_var("steps_per_print"), _int(1)),
+    "wall_clock_breakdown": (_var("wall_clock_breakdown"), _bool),
+    "gradient_clipping": (_opt("grad_clip"), _float(0)),
+    "prescale_gradients": (_var("prescale_gradients"), _bool),
+    "gradient_predivide_factor": (_var("gradient_predivide_factor"), _float(0, open_lo=True)),
+    "zero_allow_untested_optimizer": (_var("zero_allow_untested_optimizer"), _bool),
+}
+OPTIMIZER_PARAMS = {
+    "lr": (_opt("lr"), _float(0, open_lo=True)),
+    "betas": (_var("betas"), _betas),
+    "eps": (_var("eps"), _float(0, open_lo=True)),
+    "weight_decay": (_opt("weight_decay"), _float(0)),
+}
+OPTIMIZER_PARAM_DEFAULTS = {"adam_w_mode": True, "torch_adam": False, "bias_correction": True, "amsgrad": False}
+SCHEDULER_PARAMS = {  # type -> param -> (target, check); targets "opt" feed TrainSpec, "sched" stay scheduler params
+    "WarmupCosineLR": {
+        "total_num_steps": (_opt("steps"), _int(1)), "warmup_num_steps": (_opt("warmup"), _int(1)),
+        "cos_min_ratio": (_opt("min_lr_ratio"), _float(0, 1)),
+        "warmup_min_ratio": (("sched",), _float(0, 1)), "warmup_type": (("sched",), _choice("log", "linear")),
+    },
+    "WarmupDecayLR": {
+        "total_num_steps": (_opt("steps"), _int(1)), "warmup_num_steps": (_opt("warmup"), _int(1)),
+        "warmup_max_lr": (_opt("lr"), _float(0, open_lo=True)),
+        "warmup_min_lr": (("sched",), _float(0)), "warmup_type": (("sched",), _choice("log", "linear")),
+    },
+    "WarmupLR": {
+        "warmup_num_steps": (_opt("warmup"), _int(1)), "warmup_max_lr": (_opt("lr"), _float(0, open_lo=True)),
+        "warmup_min_lr": (("sched",), _float(0)), "warmup_type": (("sched",), _choice("log", "linear")),
+    },
+}
+SCHEDULER_DEFAULTS = {"warmup_min_ratio": 0.0, "warmup_type": "log", "warmup_min_lr": 0.0}
+"""DeepSpeed's defaults (runtime/lr_schedules.py) for the parameters dspipe does not derive from its own options."""
+FP16 = {
+    "enabled": (("precision",), _bool),
+    "auto_cast": (_var("fp16_auto_cast"), _bool), "loss_scale": (_var("fp16_loss_scale"), _float(0)),
+    "initial_scale_power": (_var("fp16_initial_scale_power"), _int(0, 64)),
+    "loss_scale_window": (_var("fp16_loss_scale_window"), _int(1)),
+    "hysteresis": (_var("fp16_hysteresis"), _int(1)),
+    "consecutive_hysteresis": (_var("fp16_consecutive_hysteresis"), _bool),
+    "min_loss_scale": (_var("fp16_min_loss_scale"), _int(1)),
+}
+BF16 = {
+    "enabled": (("precision",), _bool),
+    "immediate_grad_update": (_var("bf16_immediate_grad_update"), _bool),
+    "check_grad_overflow": (_var("bf16_check_grad_overflow"), _bool),
+}
+ZERO = {
+    "stage": (_opt("zero"), _int(0, 3)),
+    "contiguous_gradients": (_var("contiguous_gradients"), _bool), "overlap_comm": (_var("overlap_comm"), _bool),
+    "reduce_scatter": (_var("reduce_scatter"), _bool),
+    "reduce_bucket_size": (_opt("reduce_bucket_size"), _int(1)),
+    "allgather_partitions": (_var("allgather_partitions"), _bool),
+    "allgather_bucket_size": (_var("allgather_bucket_size"), _int(1)),
+    "round_robin_gradients": (_var("round_robin_gradients"), _bool),
+    "load_from_fp32_weights": (_var("load_from_fp32_weights"), _bool),
+    "elastic_checkpoint": (_var("elastic_checkpoint"), _bool),
+    "ignore_unused_parameters": (_var("ignore_unused_parameters"), _bool),
+    "sub_group_size": (_var("sub_group_size"), _int(1)),
+    "stage3_prefetch_bucket_size": (_opt("prefetch_bucket_size"), _int(1)),
+    "stage3_param_persistence_threshold": (_opt("param_persistence_threshold"), _int(1)),
+    "stage3_max_live_parameters": (_var("max_live_parameters"), _int(0)),
+    "stage3_max_reuse_distance": (_var("max_reuse_distance"), _int(0)),
+    "stage3_gather_16bit_weights_on_model_save": (_var("gather_16bit_weights_on_model_save"), _bool),
+}
+OFFLOAD_OPTIMIZER = {
+    "device": (("offload", "optimizer"), _offload_device),
+    "nvme_path": (_var("offload_optimizer_nvme_path"), _str_or_null),
+    "pin_memory": (_var("offload_optimizer_pin_memory"), _bool),
+    "buffer_count": (_var("offload_optimizer_buffer_count"), _int(0)),
+    "fast_init": (_var("offload_optimizer_fast_init"), _bool),
+    "ratio": (_var("offload_optimizer_ratio"), _float(0, 1)),
+}
+OFFLOAD_PARAM = {
+    "device": (("offload", "param"), _offload_device),
+    "nvme_path": (_var("offload_param_nvme_path"), _str_or_null),
+    "pin_memory": (_var("offload_param_pin_memory"), _bool),
+    "buffer_count": (_var("offload_param_buffer_count"), _int(0)),
+    "buffer_size": (_var("offload_param_buffer_size"), _int(0)),
+    "max_in_cpu": (_var("offload_param_max_in_cpu"), _int(0)),
+}
+PIPELINE = {
+    "stages": (_opt("pp"), _int(1)),
+    "partition": (_opt("partition_method"), _choice(*PARTITION_METHODS)),
+    "seed_layers": (("plan",), _bool),
+    "activation_checkpoint_interval": (("checkpointing",), _int(0, 1)),
+    "pipe_partitioned": (_var("pipe_partitioned"), _bool),
+    "grad_partitioned": (_var("grad_partitioned"), _bool),
+}
+ACTIVATION_CHECKPOINTING = {
+    "partition_activations": (_var("ac_partition_activations"), _bool),
+    "cpu_checkpointing": (_var("ac_cpu_checkpointing"), _bool),
+    "contiguous_memory_optimization": (_var("ac_contiguous_memory_optimization"), _bool),
+    "number_checkpoints": (_var("ac_number_checkpoints"), _number_checkpoints),
+    "synchronize_checkpoint_boundary": (_var("ac_synchronize_checkpoint_boundary"), _bool),
+    "profile": (_var("ac_profile"), _bool),
+}
+MONITORS = {
+    "tensorboard": {"enabled": (_var("tensorboard_enabled"), _bool), "output_path": (("moved",), _str_or_null),
+                    "job_name": (_var("tensorboard_job_name"), _str_or_null)},
+    "csv_monitor": {"enabled": (_var("csv_monitor_enabled"), _bool), "output_path": (("moved",), _str_or_null),
+                    "job_name": (_var("csv_monitor_job_name"), _str_or_null)},
+    "wandb": {"enabled": (_var("wandb_enabled"), _bool), "group": (_var("wandb_group"), _str_or_null),
+              "team": (_var("wandb_team"), _str_or_null), "project": (_var("wandb_project"), _str_or_null)},
+}
+OPTION_FLAGS = {"global_batch": "--global-batch", "micro_batch": "--micro-batch", "grad_clip": "--grad-clip",
+                "lr": "--lr", "weight_decay": "--weight-decay", "steps": "--steps", "warmup": "--warmup",
+                "min_lr_ratio": "--min-lr-ratio", "zero": "--zero", "offload": "--offload",
+                "offload_params": "--offload-params", "nvme_path": "--nvme-path", "pp": "--pp",
+                "checkpointing": "--checkpointing", "partition_method": "--partition-method",
+                "precision": "--precision", "reduce_bucket_size": "--reduce-bucket-size",
+                "prefetch_bucket_size": "--prefetch-bucket-size",
+                "param_persistence_threshold": "--param-persistence-threshold",
+                "wall_clock_breakdown": "--wall-clock-breakdown"}
+"""gen-config options a preset can set, and their flags (for conflict messages)."""
+
+
+@dataclass
+class PresetImport:
+    """What a preset asks for, in dspipe's terms."""
+
+    source: str
+    canon: dict
+    """The preset under DeepSpeed's canonical names, without the keys already reported (the keys account() checks)."""
+    options: dict = field(default_factory=dict)
+    """gen-config option -> the preset's value (strategy and training)."""
+    origins: dict = field(default_factory=dict)
+    """gen-config option -> the preset key it came from."""
+    grad_accum: int | None = None
+    values: dict = field(default_factory=dict)
+    """Template variable -> the preset's value."""
+    scheduler_type: str | None = None
+    scheduler_params: dict = field(default_factory=dict)
+    """The preset's own scheduler parameters that dspipe does not derive from its options (auto removed)."""
+    notes: list = field(default_factory=list)
+    """Report lines known before planning (aliases, ignored keys)."""
+
+    def error(self, path: str, value, why: str) -> SpecError:
+        return SpecError(f"preset {self.source}: {path} {_show(value)} {why}")
+
+    def shown(self, option: str) -> str:
+        """The preset's key(s) behind a gen-config option and their values, e.g. 'bf16.enabled true'."""
+        parts = []
+        for path in self.origins[option].split("/"):
+            value = _lookup(self.canon, path)
+            parts.append(f"{path} {_show(self.options[option] if value is KeyError else value)}")
+        return " and ".join(parts)
+
+    def note(self, text: str) -> None:
+        self.notes.append(f"preset: {text}")
+
+
+def _show(value) -> str:
+    return json.dumps(value) if not isinstance(value, float) or math.isfinite(value) else str(value)
+
+
+# ---- reading -----------------------------------------------------------------------------------------------------------
+
+def _no_duplicates(pairs):
+    seen = {}
+    for key, value in pairs:
+        if key in seen:
+            raise ValueError(f"duplicate key {key!r}")
+        seen[key] = value
+    return seen
+
+
+def _no_constant(name):
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def read_preset(path: Path) -> dict:
+    """The JSON object in `path`; one-line errors for unreadable files, invalid JSON, duplicate keys and NaN."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise SpecError(f"preset {path} cannot be read: {e.__class__.__name__}: {e}") from None
+    try:
+        cfg = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
+    except json.JSONDecodeError as e:
+        raise SpecError(f"preset {path} is not valid JSON: line {e.lineno} column {e.colno}: {e.msg}") from None
+    except (ValueError, RecursionError) as e:
+        raise SpecError(f"preset {path} is not valid JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise SpecError(f"preset {path} must hold a JSON object (a DeepSpeed config), got {type(cfg).__name__}")
+    return cfg
+
+
+# ---- import ------------------------------------------------------------------------------------------------------------
+
+def import_preset(cfg: dict, *, source: str) -> PresetImport:
+    """Refuse or normalise every key of `cfg`; see the module docstring."""
+    imp = PresetImport(source=source, canon={})
+    canon = imp.canon
+    cfg = dict(cfg)
+    for key in REMOVED_TOP:
+        if key in cfg:
+            raise imp.error(key, cfg[key], "was removed from DeepSpeed 0.19 (it refuses the key); remove it")
+    if "bfloat16" in cfg:
+        if "bf16" in cfg:
+            raise imp.error("bfloat16", cfg["bfloat16"], "and bf16 are both given; DeepSpeed reads bf16 only: "
+                                                        "keep one")
+        cfg["bf16"] = cfg.pop("bfloat16")
+        imp.note("bfloat16 is DeepSpeed's old name of bf16; read as bf16")
+    if isinstance(cfg.get("zero_optimization"), bool):  # DeepSpeed's oldest format: true = stage 1
+        flag = cfg.pop("zero_optimization")
+        cfg["zero_optimization"] = {"stage": 1 if flag else 0}
+        imp.note(f"zero_optimization {_show(flag)} is DeepSpeed's legacy format; read as stage {1 if flag else 0}")
+        if "allgather_size" in cfg:
+            cfg["zero_optimization"]["allgather_bucket_size"] = cfg.pop("allgather_size")
+    for key, value in cfg.items():
+        if key in TOP:
+            _take(imp, canon, key, key, value, TOP[key])
+        elif key in ("optimizer", "scheduler", "fp16", "bf16", "data_types", "zero_optimization", "pipeline",
+                     "activation_checkpointing", *MONITORS):
+            if not isinstance(value, dict):
+                raise imp.error(key, value, "must be a JSON object")
+            canon[key] = {}
+            SECTIONS[key](imp, value, canon[key])
+        elif key in UNRENDERED_TOP:
+            _unrendered(imp, key, value, UNRENDERED_TOP[key])
+        elif key in UNRENDERED_SECTIONS:
+            _unrendered_section(imp, key, value)
+        else:
+            close = difflib.get_close_matches(key, [*TOP, *SECTIONS, *UNRENDERED_TOP, *UNRENDERED_SECTIONS], n=1)
+            imp.note(f"{key} is not a DeepSpeed setting; ignored, as DeepSpeed ignores unknown top-level keys"
+                     + (f" (did you mean {close[0]}?)" if close else ""))
+    _precision(imp)
+    _lr_agreement(imp)
+    return imp
+
+
+def _take(imp: PresetImport, canon: dict, key: str, path: str, value, spec) -> None:
+    """Check one value and file it under its target; "auto" is kept in canon only (account() reports it)."""
+    target, check = spec
+    if value == AUTO:
+        canon[key] = AUTO
+        return
+    try:
+        value = check(value)
+    except ValueError as e:
+        raise imp.error(path, value, str(e)) from None
+    canon[key] = value
+    kind = target[0]
+    if kind == "opt":
+        imp.options[target[1]] = value
+        imp.origins[target[1]] = path
+    elif kind == "var":
+        imp.values[target[1]] = value
+    elif kind == "ga":
+        imp.grad_accum = value
+    elif kind == "sched":
+        imp.scheduler_params[key] = value
+    elif kind == "checkpointing":
+        imp.options["checkpointing"] = "full" if value else "none"
+        imp.origins["checkpointing"] = path
+
+
+def _unrendered(imp: PresetImport, path: str, value, default) -> None:
+    if value == default or value == AUTO:
+        imp.note(f"{path} {_show(value)} is DeepSpeed's default; not rendered (DeepSpeed applies the same)")
+        return
+    raise imp.error(path, value, f"is not supported by dspipe (only DeepSpeed's default {_show(default)}); "
+                                 "remove it")
+
+
+def _unrendered_section(imp: PresetImport, path: str, value) -> None:
+    """A DeepSpeed section dspipe does not render: accepted (and reported) only when it is disabled."""
+    if isinstance(value, dict) and value.get("enabled", AUTO) in (False, AUTO) and (
+            value.get("enabled") is False or set(value) <= {"enabled"}):
+        imp.note(f"{path} is disabled; not rendered (off in DeepSpeed without it too)")
+        return
+    raise imp.error(path, value if not isinstance(value, dict) else "{...}",
+                    "is not supported by dspipe; remove it (or set \"enabled\": false)")
+
+
+def _section(imp: PresetImport, prefix: str, value: dict, canon: dict, table: dict, *, unrendered: dict = (),
+             strict: bool = True) -> None:
+    """Keys of a DeepSpeed section. strict: DeepSpeed's pydantic model forbids unknown keys (so does dspipe);
+    otherwise DeepSpeed ignores them and dspipe reports them as ignored."""
+    for key, v in value.items():
+        path = f"{prefix}.{key}"
+        if key in table:
+            _take(imp, canon, key, path, v, table[key])
+        elif key in unrendered:
+            _unrendered(imp, path, v, unrendered[key])
+        elif strict:
+            close = difflib.get_close_matches(key, [*table, *unrendered], n=1)
+            raise imp.error(path, v, f"is not a key of DeepSpeed's {prefix} (it forbids unknown keys)"
+                                     + (f"; did you mean {close[0]}?" if close else ""))
+        else:
+            imp.note(f"{path} is not a DeepSpeed setting; ignored, as DeepSpeed ignores it")
+
+
+def _optimizer(imp: PresetImport, value: dict, canon: dict) -> None:
+    for key, v in value.items():
+        if key == "type":
+            if v != AUTO and (not isinstance(v, str) or v.lower() not in OPTIMIZERS):
+                raise imp.error("optimizer.type", v, "is not supported by dspipe: it trains with Adam or AdamW "
+                                                     "(decoupled weight decay)")
+            canon["type"] = v
+            if v != AUTO:
+                imp.values["optimizer_type"] = v
+        elif key == "params":
+            if not isinstance(v, dict):
+                raise imp.error("optimizer.params", v, "must be a JSON object")
+            canon["params"] = {}
+            _section(imp, "optimizer.params", v, canon["params"], OPTIMIZER_PARAMS,
+                     unrendered=OPTIMIZER_PARAM_DEFAULTS)
+        elif key == "legacy_fusion":
+            _unrendered(imp, "optimizer.legacy_fusion", v, False)
+        else:
+            raise imp.error(f"optimizer.{key}", v, "is not a key of DeepSpeed's optimizer (type, params)")
+
+
+def _scheduler(imp: PresetImport, value: dict, canon: dict) -> None:
+    kind = value.get("type", AUTO)
+    if kind != AUTO and kind not in SCHEDULERS:
+        raise imp.error("scheduler.type", kind, f"is not supported by dspipe (supported: {', '.join(SCHEDULERS)})")
+    for key in value:
+        if key not in ("type", "params"):
+            raise imp.error(f"scheduler.{key}", value[key], "is not a key of DeepSpeed's scheduler (type, params)")
+    canon["type"] = kind
+    imp.scheduler_type = None if kind == AUTO else kind
+    params = value.get("params", {})
+    if not isinstance(params, dict):
+        raise imp.error("scheduler.params", params, "must be a JSON object")
+    table = SCHEDULER_PARAMS[kind if kind != AUTO else "WarmupCosineLR"]
+    canon["params"] = {}
+    for key, v in params.items():
+        if key not in table:
+            if key == "last_batch_iteration" and v == -1:
+                imp.note("scheduler.params.last_batch_iteration -1 is DeepSpeed's default; not rendered")
+                continue
+            raise imp.error(f"scheduler.params.{key}", v, f"is not a parameter of {kind} that dspipe renders "
+                                                         f"({', '.join(table)})")
+        _take(imp, canon["params"], key, f"scheduler.params.{key}", v, table[key])
+
+
+def _fp16(imp, value, canon):
+    _section(imp, "fp16", value, canon, FP16, unrendered=UNRENDERED_PRECISION)
+
+
+def _bf16(imp, value, canon):
+    _section(imp, "bf16", value, canon, BF16, unrendered=UNRENDERED_PRECISION)
+
+
+def _data_types(imp, value, canon):
+    for key, v in value.items():
+        if key != "grad_accum_dtype":
+            raise imp.error(f"data_types.{key}", v, "is not supported by dspipe (only grad_accum_dtype, which the "
+                                                   "plan derives)")
+        if v != AUTO and v not in ("fp32", "bf16", "fp16"):
+            raise imp.error(f"data_types.{key}", v, 'must be one of: "fp32", "bf16", "fp16"')
+        canon[key] = v  # compared with the plan's grad_accum_dtype after rendering
+
+
+def _zero(imp: PresetImport, value: dict, canon: dict) -> None:
+    value = dict(value)
+    for key in REMOVED_ZERO:
+        if key in value:
+            raise imp.error(f"zero_optimization.{key}", value[key], "was removed from DeepSpeed 0.19 (it refuses "
+                                                                    "the key); remove it")
+    for name, alias in ZERO_FIELD_NAMES.items():  # field names DeepSpeed also accepts
+        if name in value:
+            if alias in value:
+                raise imp.error(f"zero_optimization.{name}", value[name], f"and {alias} are the same setting; "
+                                                                         "keep one")
+            value[alias] = value.pop(name)
+    legacy = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param"}
+    for old, new in legacy.items():
+        if old in value:
+            flag = value.pop(old)
+            if flag not in (True, False):
+                raise imp.error(f"zero_optimization.{old}", flag, "must be true or false")
+            if new in value:
+                raise imp.error(f"zero_optimization.{old}", flag, f"and {new} are both given; DeepSpeed refuses a "
+                                                                  "deprecated key next to its replacement")
+            if flag:
+                value[new] = {"device": "cpu"}
+            imp.note(f"zero_optimization.{old} {_show(flag)} is DeepSpeed's deprecated form; read as "
+                     f"{new}.device {'cpu' if flag else 'none (not given)'}")
+    if "cpu_offload_use_pin_memory" in value:
+        imp.note("zero_optimization.cpu_offload_use_pin_memory is deprecated and ignored by DeepSpeed; ignored "
+                 "(set pin_memory in offload_optimizer/offload_param)")
+        value.pop("cpu_offload_use_pin_memory")
+    old = "stage3_gather_fp16_weights_on_model_save"
+    if old in value:
+        new = "stage3_gather_16bit_weights_on_model_save"
+        if new in value:
+            raise imp.error(f"zero_optimization.{old}", value[old], f"and {new} are both given; DeepSpeed refuses "
+                                                                    "a deprecated key next to its replacement")
+        value[new] = value.pop(old)
+        imp.note(f"zero_optimization.{old} is DeepSpeed's deprecated name; read as {new}")
+    for sub, table in (("offload_optimizer", OFFLOAD_OPTIMIZER), ("offload_param", OFFLOAD_PARAM)):
+        if sub in value:
+            block = value.pop(sub)
+            if block is None:
+                continue
+            if not isinstance(block, dict):
+                raise imp.error(f"zero_optimization.{sub}", block, "must be a JSON object")
+            canon[sub] = {}
+            _section(imp, f"zero_optimization.{sub}", block, canon[sub], table, unrendered=UNRENDERED_OFFLOAD)
+    _section(imp, "zero_optimization", value, canon, ZERO, unrendered=UNRENDERED_ZERO)
+    opt_dev = canon.get("offload_optimizer", {}).get("device", "none")
+    par_dev = canon.get("offload_param", {}).get("device", "none")
+    if AUTO not in (opt_dev, par_dev):
+        if opt_dev != "none" or par_dev != "none" or "offload_optimizer" in canon or "offload_param" in canon:
+            imp.options["offload"] = opt_dev if opt_dev != "none" else par_dev
+            imp.options["offload_params"] = par_dev != "none"
+            imp.origins["offload"] = "zero_optimization.offload_optimizer.device"
+            imp.origins["offload_params"] = "zero_optimization.offload_param.device"
+        path = (canon.get("offload_optimizer", {}).get("nvme_path") if opt_dev == "nvme"
+                else canon.get("offload_param", {}).get("nvme_path") if par_dev == "nvme" else None)
+        if path and path != AUTO:
+            imp.options["nvme_path"] = path
+            imp.origins["nvme_path"] = f"zero_optimization.offload_{'optimizer' if opt_dev == 'nvme' else 'param'}" \
+                                       ".nvme_path"
+
+
+def _pipeline(imp, value, canon):
+    _section(imp, "pipeline", value, canon, PIPELINE, strict=False)
+
+
+def _activation_checkpointing(imp, value, canon):
+    _section(imp, "activation_checkpointing", value, canon, ACTIVATION_CHECKPOINTING, strict=False)
+
+
+def _monitor(name):
+    def read(imp, value, canon):
+        _section(imp, name, value, canon, MONITORS[name])
+    return read
+
+
+SECTIONS = {"optimizer": _optimizer, "scheduler": _scheduler, "fp16": _fp16, "bf16": _bf16,
+            "data_types": _data_types, "zero_optimization": _zero, "pipeline": _pipeline,
+            "activation_checkpointing": _activation_checkpointing,
+            **{name: _monitor(name) for name in MONITORS}}
+
+
+def _precision(imp: PresetImport) -> None:
+    """bf16/fp16 "enabled": true pins the precision; sections present with neither enabled nor "auto" mean fp32 (as in
+    DeepSpeed); "auto", or no section at all, leaves the precision to dspipe."""
+    present = [name for name in ("bf16", "fp16") if name in imp.canon]
+    enabled = {name: imp.canon[name].get("enabled", False) for name in present}
+    if enabled.get("bf16") is True and enabled.get("fp16") is True:
+        raise SpecError(f"preset {imp.source}: fp16 and bf16 are both enabled; DeepSpeed allows one "
+                        "(pick --precision)")
+    if True in enabled.values():
+        imp.options["precision"] = "bf16" if enabled.get("bf16") is True else "fp16"
+        imp.origins["precision"] = f"{imp.options['precision']}.enabled"
+    elif present and AUTO not in enabled.values():
+        imp.options["precision"] = "fp32"
+        imp.origins["precision"] = "/".join(f"{name}.enabled" for name in present)
+    elif not present:
+        imp.note("no bf16/fp16 section (DeepSpeed alone would train fp32); the precision is dspipe's choice")
+
+
+def _lr_agreement(imp: PresetImport) -> None:
+    lr = imp.canon.get("optimizer", {}).get("params", {}).get("lr")
+    peak = imp.canon.get("scheduler", {}).get("params", {}).get("warmup_max_lr")
+    number = (int, float)
+    if isinstance(lr, number) and isinstance(peak, number) and lr != peak:
+        raise SpecError(f"preset {imp.source}: optimizer.params.lr {lr:g} and scheduler.params.warmup_max_lr "
+                        f"{peak:g} disagree; DeepSpeed would train at {peak:g} after warmup: make them equal")
+    if isinstance(peak, number):
+        imp.options["lr"] = peak
+        imp.origins["lr"] = "scheduler.params.warmup_max_lr" if lr is None else "optimizer.params.lr"
+
+
+# ---- rendering and accounting -------------------------------------------------------------------------------------------
+
+def scheduler_block(imp: PresetImport | None, *, lr: float, steps: int, warmup: int, min_lr_ratio: float) -> tuple:
+    """(type, params) of the rendered scheduler: dspipe's cosine schedule unless the preset names another; every
+    parameter explicit (the preset's, dspipe's options, or DeepSpeed's default)."""
+    kind = (imp.scheduler_type if imp else None) or "WarmupCosineLR"
+    own = dict(imp.scheduler_params) if imp else {}
+    if kind == "WarmupCosineLR":
+        params = {"total_num_steps": steps, "warmup_num_steps": warmup,
+                  "warmup_min_ratio": own.get("warmup_min_ratio", 0.0),
+                  "warmup_type": own.get("warmup_type", "log" if imp and imp.scheduler_type else "linear"),
+                  "cos_min_ratio": min_lr_ratio}
+    else:
+        params = {"warmup_min_lr": own.get("warmup_min_lr", SCHEDULER_DEFAULTS["warmup_min_lr"]),
+                  "warmup_max_lr": lr, "warmup_num_steps": warmup,
+                  "warmup_type": own.get("warmup_type", SCHEDULER_DEFAULTS["warmup_type"])}
+        if kind == "WarmupDecayLR":
+            params["total_num_steps"] = steps
+    return kind, params
+
+
+def _leaves(d: dict, prefix: str = ""):
+    for key, value in d.items():
+        if isinstance(value, dict) and value:
+            yield from _leaves(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def _lookup(d: dict, path: str):
+    for part in path.split("."):
+        if not isinstance(d, dict) or part not in d:
+            return KeyError
+        d = d[part]
+    return d
+
+
+PLANNED = {"train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "bf16.enabled",
+           "fp16.enabled", "zero_optimization.stage", "zero_optimization.reduce_bucket_size",
+           "zero_optimization.allgather_bucket_size", "zero_optimization.stage3_prefetch_bucket_size",
+           "zero_optimization.stage3_param_persistence_threshold", "zero_optimization.overlap_comm",
+           "zero_optimization.contiguous_gradients", "zero_optimization.offload_optimizer.device",
+           "zero_optimization.offload_param.device", "pipeline.stages", "data_types.grad_accum_dtype"}
+"""Keys whose "auto" the planner resolves (the rest resolve to dspipe's options or defaults)."""
+AUTO_OPTIONS = {"train_batch_size": "global_batch", "train_micro_batch_size_per_gpu": "micro_batch",
+                "gradient_clipping": "grad_clip", "optimizer.params.lr": "lr", "scheduler.params.warmup_max_lr": "lr",
+                "optimizer.params.weight_decay": "weight_decay", "scheduler.params.total_num_steps": "steps",
+                "scheduler.params.warmup_num_steps": "warmup", "scheduler.params.cos_min_ratio": "min_lr_ratio",
+                "bf16.enabled": "precision", "fp16.enabled": "precision", "zero_optimization.stage": "zero",
+                "zero_optimization.reduce_bucket_size": "reduce_bucket_size",
+                "zero_optimization.stage3_prefetch_bucket_size": "prefetch_bucket_size",
+                "zero_optimization.stage3_param_persistence_threshold": "param_persistence_threshold",
+                "pipeline.stages": "pp", "wall_clock_breakdown": "wall_clock_breakdown"}
+"""Preset keys whose "auto" a gen-config option resolves (labelled with the flag when the user typed it)."""
+
+
+def account(imp: PresetImport, rendered: dict, *, given: dict) -> list[str]:
+    """Report lines for the preset's keys that the rendered config does not carry verbatim; a SpecError for a key
+    whose value the rendered config contradicts. `given`: preset key -> the flag that set it (for the labels)."""
+    lines = list(imp.notes)
+    if imp.values.get("overlap_comm") and rendered["pipeline"]["stages"] > 1:
+        raise imp.error("zero_optimization.overlap_comm", True, f"cannot be honoured with pp "
+                                                                f"{rendered['pipeline']['stages']}: DeepSpeed's "
+                                                                "pipeline engine runs without overlap_comm")
+    for path, value in _leaves(imp.canon):
+        if path in ("optimizer.params", "scheduler.params") or value == {}:
+            continue
+        got = _lookup(rendered, path)
+        if got is KeyError:
+            raise imp.error(path, value, "is not rendered by dspipe")
+        if value == AUTO:
+            label = given.get(path) or ("planner" if path in PLANNED else "dspipe default")
+            lines.append(f"preset: {path} \"auto\" -> {_show(got)} ({label})")
+        elif path in MONITOR_DIR_KEYS:
+            if value != got:
+                lines.append(f"preset: {path} {_show(value)} -> {_show(got)} (the run directory's monitor/)")
+        elif not _same(value, got):
+            raise imp.error(path, value, f"cannot be honoured: this plan renders {_show(got)}"
+                                         + _why(path, rendered))
+    return lines
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    return a == b
+
+
+def _why(path: str, rendered: dict) -> str:
+    if path == "gradient_accumulation_steps":
+        batch, micro, ga = (rendered[k] for k in ("train_batch_size", "train_micro_batch_size_per_gpu", path))
+        return (f" (= train_batch_size {batch} / (micro {micro} x dp {batch // (micro * ga)}); set it to \"auto\" "
+                "or change the batch)")
+    if path in ("bf16.enabled", "fp16.enabled"):
+        return " (give --precision)"
+    if path == "zero_optimization.overlap_comm":
+        return " (DeepSpeed's pipeline engine runs without overlap_comm)"
+    return ""

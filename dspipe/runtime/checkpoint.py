@@ -289,7 +289,8 @@ def save(engine, ckpt_dir: Path, *, step: int, meta: dict, keep: int) -> Path:
     maybe_test_kill(TEST_KILL_IN_SAVE, step)
     raise_if_failed(failures, ckpt_dir=ckpt_dir, partial=partial, tag=tag)
     if rank == 0:
-        failures.call(write_atomic, partial / META_FILE, json.dumps(meta, indent=2) + "\n")
+        # inside the routed call: a non-finite value (ValueError) is a failed save that every rank agrees on
+        failures.call(lambda: write_atomic(partial / META_FILE, json.dumps(meta, indent=2, allow_nan=False) + "\n"))
         if not failures.code:  # the same step may have been saved before (resumed from an older one)
             failures.call(replace_dir, partial, final)
         if not failures.code:

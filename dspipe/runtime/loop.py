@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -13,6 +12,7 @@ from dspipe.runtime.comm import process_group
 from dspipe.runtime.engine import build_engine
 from dspipe.data import TokenWindows, TrainLoader, check_data_for_model
 from dspipe.errors import RunHalted, SpecError
+from dspipe.jsonio import dumps
 from dspipe.runtime.evaluate import check_val_split, evaluate
 from dspipe.planner.throughput import model_flops_per_token, perplexity, step_rates
 from dspipe.rundir import Run, load_run
@@ -95,7 +95,7 @@ def train_in_group(run: Run, *, resume: str, restart: bool, backend: str) -> dic
     engine = eng.engine
     guarded = guard_base_optimizer(engine)
     if rank == 0:
-        run.engine_path.write_text(json.dumps({**eng.settings, "nonfinite_guard": guarded}, indent=2) + "\n")
+        run.engine_path.write_text(dumps({**eng.settings, "nonfinite_guard": guarded}, what=str(run.engine_path)))
     loader = TrainLoader(windows=windows, seed=tr.seed, micro_batch=plan.micro_batch, dp=layout.dp,
                          dp_rank=eng.dp_rank)
     reads_data = eng.reads_data  # under a pipeline only the first and last stages read; the others skip along

@@ -75,7 +75,7 @@ def figure_rows(sides: dict[str, dict]) -> list[tuple[str, list[str]]]:
         ("peak allocated (GiB)", cells(lambda s: _gib(s["peak_allocated"]))),
         ("peak reserved (GiB)", cells(lambda s: _gib(s["peak_reserved"]))),
         ("peak RSS per rank (GiB)", cells(lambda s: _gib(s["peak_rss"]))),
-        ("first-step loss", cells(lambda s: f"{s['first_loss']:.8f}")),
+        ("first-step loss", cells(lambda s: _loss(s["first_loss"]))),
     ]
 
 
@@ -83,9 +83,16 @@ def comparison_lines(sides: dict[str, dict]) -> list[str]:
     if "reference" not in sides:
         return []
     d, r = sides["dspipe"], sides["reference"]
+    both = d["first_loss"] is not None and r["first_loss"] is not None
+    diff = f"{abs(d['first_loss'] - r['first_loss']):.2e}" if both else "n/a"
     return [f"dspipe / reference tokens/s: {ratio(d, r):.3f}",
-            f"first-step loss: dspipe {d['first_loss']:.8f}, reference {r['first_loss']:.8f}, "
-            f"difference {abs(d['first_loss'] - r['first_loss']):.2e}"]
+            f"first-step loss: dspipe {_loss(d['first_loss'])}, reference {_loss(r['first_loss'])}, "
+            f"difference {diff}"]
+
+
+def _loss(value: float | None) -> str:
+    """A first-step loss, or n/a where the rank reported a non-finite one."""
+    return "n/a" if value is None else f"{value:.8f}"
 
 
 def format_table(sides: dict[str, dict], *, header: str) -> str:

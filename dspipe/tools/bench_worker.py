@@ -244,6 +244,19 @@ def run_reference(run: Run, *, dev: Device, batches: list, warmup: int, steps: i
     return {**result, "phases": timer.totals}
 
 
+def finite_or_none(value):
+    """The result with every NaN/infinite float replaced by None (a diverged first loss reads as n/a)."""
+    import math
+
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_none(v) for v in value]
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="one rank of dspipe bench (start it with deepspeed --module)")
     p.add_argument("--run", required=True)
@@ -272,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     result.update(dev.memory(), rank=rank, device_name=dev.name(), threads=torch.get_num_threads())
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"rank{rank}.json").write_text(json.dumps(result))
+    (out / f"rank{rank}.json").write_text(json.dumps(finite_or_none(result), allow_nan=False))
     dist.barrier()
     dist.destroy_process_group()
     return 0

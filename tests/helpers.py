@@ -66,3 +66,14 @@ def mount_tmpfs(path, size_bytes):
     if not enforced:
         subprocess.run(["umount", str(path)], check=True)
     return enforced
+
+
+def run_cli(*args) -> int:
+    """`dspipe ARGS` in this process (fast; capture output with capsys): the exit code, 0 when it returned."""
+    from dspipe.cli.app import main
+
+    try:
+        main([str(a) for a in args])
+    except SystemExit as e:
+        return e.code
+    return 0

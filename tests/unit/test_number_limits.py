@@ -7,6 +7,8 @@ import re
 
 import pytest
 
+from tests.helpers import run_cli
+
 from dspipe.planner.spec import LIMITS
 
 HUGE = "9" * 30
@@ -34,16 +36,6 @@ FLOAT_FLAGS = {
     "--host-memory-gib": ["nan", "inf", "-1", "1e300"],
 }
 SPEC_CASES = [(flag, v) for flags in (INT_FLAGS, FLOAT_FLAGS) for flag, values in flags.items() for v in values]
-
-
-def run_cli(*args):
-    from dspipe.cli.app import main
-
-    try:
-        main([str(a) for a in args])
-    except SystemExit as e:
-        return e.code
-    return 0
 
 
 def assert_one_line_with_range(code, err, flag):

@@ -14,7 +14,7 @@ from dspipe.data import TokenWindows, open_split, read_meta
 from dspipe.data.prepare import is_val, prepare
 from dspipe.data.sources import resolve_inputs, stdlib_sources
 from dspipe.errors import SpecError
-from tests.helpers import ROOT
+from tests.helpers import ROOT, run_cli
 
 VOCAB = 300
 
@@ -53,17 +53,6 @@ def prepared(tmp_path_factory, text_dir):
     prepare(inputs=resolve_inputs([str(text_dir)]), out=out, train_tokenizer=VOCAB, val_fraction=0.1,
             shard_tokens=4000, workers=2)
     return out
-
-
-def run_cli(*args):
-    """The real command handler in this process: (exit code, stdout, stderr) via capsys by the caller."""
-    from dspipe.cli.app import main
-
-    try:
-        main([str(a) for a in args])
-    except SystemExit as e:
-        return e.code
-    return 0
 
 
 def split_docs(tokens, eos):

@@ -13,21 +13,11 @@ from pathlib import Path
 import pytest
 
 from dspipe.errors import SpecError
-from tests.helpers import make_run
+from tests.helpers import make_run, run_cli
 
 GEN = ["--model", "tiny", "--gpu", "cpu", "--gpus-per-node", "2", "--global-batch", "16", "--micro-batch", "4",
        "--steps", "20", "--warmup", "2"]
 METRICS = "step,tokens,loss,lr,tokens_per_s\n1,1024,8.0,0.001,500.0\n2,2048,7.5,0.002,510.0\n"
-
-
-def run_cli(*args):
-    from dspipe.cli.app import main
-
-    try:
-        main([str(a) for a in args])
-    except SystemExit as e:
-        return e.code
-    return 0
 
 
 @pytest.fixture(scope="module")

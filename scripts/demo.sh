@@ -20,6 +20,6 @@ fi
 dspipe gen-config --model tiny --layers 4 --hidden 128 --heads 4 --seq-len 128 --vocab 4096 \
   "${CLUSTER[@]}" --global-batch $((16 * NPROC)) --steps "$STEPS" --warmup 20 --lr 2e-3 --zero 1 \
   --log-interval 25 --eval-interval 50 --data data/stdlib --out "$RUN" --force
-deepspeed --num_gpus "$NPROC" run.py --run "$RUN"
+deepspeed --num_gpus "$NPROC" run.py --run "$RUN" --restart  # a re-run trains afresh; earlier outputs move to previous/
 dspipe report "$RUN"
 echo "run directory: $RUN (ds_config.json, dspipe.json, engine.json, metrics.csv, val_metrics.csv, checkpoints/, monitor/, report/)"

@@ -26,7 +26,7 @@ def test_non_finite_steps_are_skipped_then_k_in_a_row_save_and_stop(tmp_path, co
     errors = [line for line in r.stderr.splitlines() if "dspipe: error:" in line]
     assert errors == [f"dspipe: error: 3 consecutive steps skipped (non-finite loss or gradient norm), the last at "
                       f"step 7; saved {run / 'checkpoints' / 'global_step7'} (weights from before the first skipped "
-                      f"step); lower the lr or check the data, then --resume auto"]
+                      f"step); lower the lr or check the data, then relaunch to resume"]
     assert "step 3 skipped: non-finite loss or gradient norm" in r.stdout
     m = rows(run)
     assert sorted(m) == list(range(1, 8))

@@ -84,3 +84,16 @@ def dumps(value, *, what: str) -> str:
     if bad:
         raise SpecError(f"refusing to write {what}: {bad} is not a finite number")
     return json.dumps(value, indent=2, allow_nan=False) + "\n"
+
+
+MISSING = object()
+"""What `dotted_get` returns for a key path that is not there."""
+
+
+def dotted_get(d, path: str):
+    """The value at a dotted key path ('zero_optimization.stage') of nested dicts, or MISSING."""
+    for part in path.split("."):
+        if not isinstance(d, dict) or part not in d:
+            return MISSING
+        d = d[part]
+    return d

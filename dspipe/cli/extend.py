@@ -19,11 +19,9 @@ import click
 from dspipe.atomic import write_file
 from dspipe.cli.options import INT, parse_tokens
 from dspipe.errors import SpecError
-from dspipe.jsonio import dumps, read_object
+from dspipe.jsonio import MISSING, dotted_get, dumps, read_object
 from dspipe.planner.render import render_ds_config
 from dspipe.rundir import DS_CONFIG_FILE, SPEC_FILE, Run, load_run
-
-_MISSING = object()
 
 
 def _leaves(d, prefix: str = ""):
@@ -37,16 +35,8 @@ def _leaves(d, prefix: str = ""):
 def changed_keys(old: dict, new: dict) -> dict[str, tuple]:
     """{dotted key: (old value, new value)} of the leaves that differ between two configs of the same shape."""
     before, after = dict(_leaves(old)), dict(_leaves(new))
-    return {k: (before.get(k, _MISSING), after.get(k, _MISSING)) for k in sorted(set(before) | set(after))
-            if before.get(k, _MISSING) != after.get(k, _MISSING)}
-
-
-def _get(d: dict, dotted: str):
-    for part in dotted.split("."):
-        if not isinstance(d, dict) or part not in d:
-            return _MISSING
-        d = d[part]
-    return d
+    return {k: (before.get(k, MISSING), after.get(k, MISSING)) for k in sorted(set(before) | set(after))
+            if before.get(k, MISSING) != after.get(k, MISSING)}
 
 
 def _set(d: dict, dotted: str, value) -> None:
@@ -74,8 +64,8 @@ def extended_ds_config(run: Run, ds_config: dict, *, steps: int) -> tuple[dict, 
     new = render_ds_config(plan=run.plan, train=replace(run.train, steps=steps), monitor_dir=monitor)
     out, changed = copy.deepcopy(ds_config), {}
     for key, (was, will) in changed_keys(old, new).items():
-        have = _get(out, key)
-        if have is _MISSING or will is _MISSING:
+        have = dotted_get(out, key)
+        if have is MISSING or will is MISSING:
             continue
         if have not in (was, will):
             raise SpecError(f"{run.path / DS_CONFIG_FILE}: {key} is {have!r}, not the {was!r} that dspipe renders for "

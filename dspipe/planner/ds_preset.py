@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dspipe.errors import SpecError
+from dspipe.jsonio import MISSING, dotted_get
 from dspipe.planner.spec import PARTITION_METHODS
 
 AUTO = "auto"
@@ -284,8 +285,8 @@ class PresetImport:
         """The preset's key(s) behind a gen-config option and their values, e.g. 'bf16.enabled true'."""
         parts = []
         for path in self.origins[option].split("/"):
-            value = _lookup(self.canon, path)
-            parts.append(f"{path} {_show(self.options[option] if value is KeyError else value)}")
+            value = dotted_get(self.canon, path)
+            parts.append(f"{path} {_show(self.options[option] if value is MISSING else value)}")
         return " and ".join(parts)
 
     def note(self, text: str) -> None:
@@ -639,14 +640,6 @@ def _leaves(d: dict, prefix: str = ""):
             yield f"{prefix}{key}", value
 
 
-def _lookup(d: dict, path: str):
-    for part in path.split("."):
-        if not isinstance(d, dict) or part not in d:
-            return KeyError
-        d = d[part]
-    return d
-
-
 PLANNED = {"train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "bf16.enabled",
            "fp16.enabled", "zero_optimization.stage", "zero_optimization.reduce_bucket_size",
            "zero_optimization.allgather_bucket_size", "zero_optimization.stage3_prefetch_bucket_size",
@@ -677,8 +670,8 @@ def account(imp: PresetImport, rendered: dict, *, given: dict) -> list[str]:
     for path, value in _leaves(imp.canon):
         if path in ("optimizer.params", "scheduler.params") or value == {}:
             continue
-        got = _lookup(rendered, path)
-        if got is KeyError:
+        got = dotted_get(rendered, path)
+        if got is MISSING:
             raise imp.error(path, value, "is not rendered by dspipe")
         if value == AUTO:
             label = given.get(path) or ("planner" if path in PLANNED else "dspipe default")

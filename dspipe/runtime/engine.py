@@ -5,7 +5,6 @@ whole batches through its 1F1B schedule). The runner, `dspipe bench`, evaluation
 """
 from __future__ import annotations
 
-import json
 
 from dspipe.planner.layout import ParallelLayout
 from dspipe.rundir import Run
@@ -29,7 +28,7 @@ def build_module(run: Run):
     if plan.checkpointing != "none":
         # The JSON's activation_checkpointing block, passed as values: configure(deepspeed_config=...) would
         # re-check the batch equation against the whole world, which is wrong under a pipeline (dp = world / pp).
-        ac = json.loads(run.ds_config_path.read_text())["activation_checkpointing"]
+        ac = run.ds_config["activation_checkpointing"]  # as read and checked by rundir.load_run
         deepspeed.checkpointing.configure(None, partition_activations=ac["partition_activations"],
                                           contiguous_checkpointing=ac["contiguous_memory_optimization"],
                                           num_checkpoints=ac["number_checkpoints"],

@@ -18,11 +18,15 @@ setup(
         "datasets>=5.2.0",
         "tokenizers>=0.23.3",
         "jinja2>=3.1.6",
+        "pyyaml>=6.0",
         "click>=8.4.0",
         "numpy>=2.4",
         "tensorboard>=2.21.0",
         "matplotlib>=3.11",
     ],
-    extras_require={"test": ["pytest>=9.0"]},
+    extras_require={
+        "monitor": ["wandb>=0.31", "comet_ml>=3.58"],  # --wandb-project / --comet-project (DeepSpeed's monitors)
+        "test": ["pytest>=9.0", "wandb>=0.31", "comet_ml>=3.58"],  # the offline W&B / Comet run is tested
+    },
     entry_points={"console_scripts": ["dspipe=dspipe.cli.app:main"]},
 )

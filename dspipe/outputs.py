@@ -33,7 +33,7 @@ KINDS = {"run": "run directory", "data": "prepared data directory", "export-hf":
 RUN_SPEC, RUN_DS_CONFIG = "dspipe.json", "ds_config.json"  # dspipe.rundir's names (no import: rundir imports us)
 TRAINING_OUTPUTS = ("checkpoints", "metrics.csv", "val_metrics.csv", "monitor", "engine.json")
 """What training writes into a run directory: never replaced or deleted by another command."""
-RUN_OWN = (RUN_SPEC, RUN_DS_CONFIG, ".deepspeed_env", *TRAINING_OUTPUTS)
+RUN_OWN = (RUN_SPEC, RUN_DS_CONFIG, "config.yaml", ".deepspeed_env", *TRAINING_OUTPUTS)
 """Names inside a run directory that no other output may take (or be written inside)."""
 LEGACY = {"data": re.compile(r"^(meta\.json|tokenizer/.+|(train|val)-\d{5}\.(bin|idx))$"),
           "report": re.compile(r"^(report\.md|loss\.png|throughput\.png|lr\.png)$")}

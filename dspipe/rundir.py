@@ -1,6 +1,8 @@
 """A run directory: resolved specs, plan and DeepSpeed JSON, written whole or not at all. No torch."""
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import json
 import os
 import shutil
@@ -20,6 +22,25 @@ SPEC_FILE = "dspipe.json"
 DS_CONFIG_FILE = "ds_config.json"
 ENGINE_FILE = "engine.json"  # the live engine's settings, written by the runner's rank 0
 VAL_FILE = "val_metrics.csv"  # validation rows (dspipe.metrics.VAL_COLUMNS)
+CONFIG_FILE = "config.yaml"  # gen-config's options as resolved (dspipe.cli.config_file): --config reproduces the run
+EXTRA_FILES = (CONFIG_FILE,)
+"""Files besides the two configs that gen-config may write into a run directory (with them, whole or not at all)."""
+_EXTRA: contextvars.ContextVar[dict[str, str]] = contextvars.ContextVar("dspipe_run_files", default={})
+
+
+@contextlib.contextmanager
+def also_writing(files: dict[str, str]):
+    """Run directories written inside the block (write_run) also get `files` (name -> text; names from
+    EXTRA_FILES), written with the two configs: into the temp directory of a new run, or each replaced whole under
+    --force. gen-config passes its config.yaml this way through the shared prepare_run."""
+    unknown = set(files) - set(EXTRA_FILES)
+    if unknown:
+        raise AssertionError(f"not a run directory file: {sorted(unknown)}")
+    token = _EXTRA.set(dict(files))
+    try:
+        yield
+    finally:
+        _EXTRA.reset(token)
 
 
 @dataclass(frozen=True)
@@ -63,18 +84,20 @@ class Run:
 def write_run(out: Path, *, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strategy: StrategySpec,
               plan: Plan, data: str, ds_config: dict, command: str, estimate: dict, force: bool = False) -> None:
     """A new run directory is written into a sibling temp dir, then renamed: never half-written. An existing one
-    is rewritten only with `force` and only if it is a run directory: its two config files are replaced (each
-    whole), everything else (checkpoints, metrics, TensorBoard logs, the user's files) is kept. A run that has
-    trained is refused a config of another model, whose checkpoints it could not resume."""
+    is rewritten only with `force` and only if it is a run directory: its config files (ds_config.json, dspipe.json
+    and the `also_writing` files) are replaced (each whole), everything else (checkpoints, metrics, TensorBoard
+    logs, the user's files) is kept. A run that has trained is refused a config of another model, whose checkpoints
+    it could not resume."""
     out = outputs.target(out, flag="--out", expect="dir")
     spec = {"format_version": FORMAT_VERSION, "model": asdict(model), "cluster": asdict(cluster),
             "train": asdict(train), "strategy": asdict(strategy), "plan": asdict(plan), "estimate": estimate, "data": data,
             "command": command}
-    texts = {DS_CONFIG_FILE: _json_text(ds_config, DS_CONFIG_FILE), SPEC_FILE: _json_text(spec, SPEC_FILE)}
+    texts = {**_EXTRA.get(), DS_CONFIG_FILE: _json_text(ds_config, DS_CONFIG_FILE),
+             SPEC_FILE: _json_text(spec, SPEC_FILE)}  # dspipe.json (what readers open first) last
     if outputs.claim_run_dir(out, force=force):
         _check_same_model(out, model=spec["model"])
         with outputs.writing(out):
-            for name, text in texts.items():  # ds_config.json first: dspipe.json (what readers open first) last
+            for name, text in texts.items():  # in order: dspipe.json (what readers open first) last
                 write_file(out / name, text)
         return
     dest = Path(os.path.abspath(out))
@@ -137,6 +160,12 @@ def load_run(path: str | Path) -> Run:
     if not isinstance(data, str) or not data or "\0" in data or "\n" in data:
         raise SpecError(f"{spec_file}: data must be the prepared data directory (a one-line path), got "
                         f"{show(data)}")
+    from dspipe.data.blend import parse as parse_data  # a path, or a blend a:0.7,b:0.3
+
+    try:
+        parse_data(data)
+    except SpecError as e:
+        raise SpecError(f"{spec_file}: data: {e}") from None
     try:
         check_plan(specs["plan"], model=specs["model"], cluster=specs["cluster"], train=specs["train"],
                    strategy=specs["strategy"])
@@ -193,7 +222,7 @@ def check_ds_config(ds: dict, *, plan: Plan, source: Path | str) -> None:
         return node
 
     bf16 = "bfloat16" if "bfloat16" in ds and "bf16" not in ds else "bf16"  # DeepSpeed's alias
-    wanted = {"train_batch_size": plan.global_batch, "train_micro_batch_size_per_gpu": plan.micro_batch,
+    wanted = {"train_batch_size": plan.ds_train_batch_size, "train_micro_batch_size_per_gpu": plan.micro_batch,
               "gradient_accumulation_steps": plan.grad_accum, "zero_optimization.stage": plan.zero_stage,
               f"{bf16}.enabled": plan.precision == "bf16", "fp16.enabled": plan.precision == "fp16",
               "pipeline.stages": plan.pp}
@@ -204,7 +233,7 @@ def check_ds_config(ds: dict, *, plan: Plan, source: Path | str) -> None:
         if type(have) is not type(want) or have != want:
             raise SpecError(f"{source}: {key} is {show(have)} but the plan in {SPEC_FILE} has {want!r} "
                             f"(global batch {plan.global_batch} = micro {plan.micro_batch} x grad_accum "
-                            f"{plan.grad_accum} x dp {plan.dp}, ZeRO-{plan.zero_stage}, {plan.precision}, "
+                            f"{plan.grad_accum} x dp {plan.dp}, tp {plan.tp}, ZeRO-{plan.zero_stage}, {plan.precision}, "
                             f"pp {plan.pp}); regenerate both with 'dspipe gen-config --force'")
     if plan.zero_stage:
         device = lookup("zero_optimization.offload_optimizer", {})

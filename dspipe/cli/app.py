@@ -12,13 +12,15 @@ from dspipe.cli.data import prepare_data
 from dspipe.cli.extend import extend
 from dspipe.cli.launch import doctor, launch, slurm_script
 from dspipe.cli.model import export_hf, generate
-from dspipe.cli.options import DEFAULT_DATA, choose, parse_tokens, preset_report_for, spec_options
+from dspipe.cli.config_file import resolved_text
+from dspipe.cli.options import (DEFAULT_DATA, INT, choose, monitor_options, parse_tokens, preset_report_for, spec_options,
+                                token_budget_line, tokens_option)
 from dspipe.cli.prepare_run import prepare_run
 from dspipe.cli.report import report
 from dspipe.cluster.launch import run_program
 from dspipe.errors import SpecError
 from dspipe.planner.presets import MODEL_PRESETS
-from dspipe.planner.render import preset_names
+from dspipe.planner.render import monitor_values, preset_names
 from dspipe.planner.spec import ClusterSpec, ModelSpec
 from dspipe.planner.summary import estimate_summary
 
@@ -38,16 +40,25 @@ def _deepspeed_command(*, cluster: ClusterSpec, out: Path, hostfile: str | None)
 
 @cli.command("gen-config")
 @spec_options
+@tokens_option("training length as a token budget (300B, 1.5T, 2e9) instead of --steps: "
+               "steps = ceil(tokens / (global batch x seq len))")
 @click.option("--data", default=DEFAULT_DATA, show_default=True, help="prepared token directory")
 @click.option("--pad-vocab", is_flag=True, default=False,
               help="model vocab = the data's tokenizer vocab rounded up to a multiple of 64")
 @click.option("--wall-clock-breakdown", is_flag=True, default=False, help="DeepSpeed per-phase timers")
-@click.option("--out", required=True, metavar="DIR", help="run directory to write, e.g. runs/NAME")
+@monitor_options
+@click.option("--out", metavar="DIR",
+              help="run directory to write, e.g. runs/NAME [required, but with --print-config]")
 @click.option("--force", is_flag=True, default=False,
               help="rewrite the config of an existing run directory (its checkpoints, metrics and logs are kept)")
 def gen_config(**o) -> None:
-    """Write runs/NAME/ds_config.json and dspipe.json and print the deepspeed command."""
+    """Write runs/NAME/ds_config.json, dspipe.json and config.yaml (the options: --config reproduces the run) and
+    print the deepspeed command."""
     from dspipe.outputs import claim_run_dir, target, training_outputs
+    from dspipe.rundir import CONFIG_FILE, also_writing
+
+    if o["out"] is None:  # not required by click: --print-config needs none
+        raise click.MissingParameter(ctx=click.get_current_context(), param_type="option", param_hint="'--out'")
 
     o["out"] = target(o["out"], flag="--out", expect="dir")  # before any planning: a bad --out is refused first
     kept = training_outputs(o["out"]) if claim_run_dir(o["out"], force=o["force"]) else []
@@ -60,20 +71,22 @@ def gen_config(**o) -> None:
         from dspipe.data.checks import check_val_for_eval
         check_val_for_eval(o["data"], seq_len=model.seq_len, dp=plan.dp, micro_batch=plan.micro_batch)
     command = _deepspeed_command(cluster=cluster, out=out, hostfile=o["hostfile"])
-    prepare_run(out, model=model, cluster=cluster, best=best, data=o["data"], command=command,
-                wall_clock_breakdown=o["wall_clock_breakdown"], force=o["force"])
-    click.echo(f"model {model.name}: {model.num_params / 1e6:,.2f}M params, L{model.layers} h{model.hidden} "
-               f"a{model.heads} s{model.seq_len} V{model.vocab}")
-    click.echo(f"world {plan.world_size} = dp {plan.dp} x pp {plan.pp} | ZeRO-{plan.zero_stage} offload {plan.offload}"
+    with also_writing({CONFIG_FILE: resolved_text()}):
+        prepare_run(out, model=model, cluster=cluster, best=best, data=o["data"], command=command,
+                    wall_clock_breakdown=o["wall_clock_breakdown"], force=o["force"], monitors=monitor_values(o))
+    click.echo(f"model {model.name}: {model.num_params / 1e6:,.2f}M params, {model.shape_text}")
+    click.echo(f"{plan.layout.describe()} | ZeRO-{plan.zero_stage} offload {plan.offload}"
                f"{' +params' if plan.offload_params else ''} | {plan.precision} (grad accum {plan.grad_accum_dtype}) | "
                f"recompute {plan.checkpointing}")
     click.echo(f"batch: global {plan.global_batch} = micro {plan.micro_batch} x grad_accum {plan.grad_accum} "
                f"x dp {plan.dp}  ({plan.tokens_per_step:,} tokens/step)")
+    if train.tokens is not None:
+        click.echo(token_budget_line(train, seq_len=model.seq_len))
     est = best.est
     click.echo(f"estimate: {est.memory.total / 2**30:.1f} of {est.gpu_memory_bytes / 2**30:.1f} GiB per GPU, "
                f"{est.step_time_s:.3g} s/step, {best.tokens_per_s:,.0f} tokens/s, MFU {best.mfu * 100:.0f}% "
                f"(chosen from {result.evaluated} candidates; 'dspipe plan' explains)")
-    click.echo(f"wrote {out / 'ds_config.json'} and {out / 'dspipe.json'}")
+    click.echo(f"wrote {out / 'ds_config.json'} and {out / 'dspipe.json'} (options: {out / CONFIG_FILE})")
     click.echo(f"run:  {command}")
     if kept:
         notes.append(f"note: kept {', '.join(kept)} in {out}: 'dspipe launch {out}' resumes from its newest "
@@ -84,8 +97,11 @@ def gen_config(**o) -> None:
 
 @cli.command("plan")
 @spec_options
-@click.option("--tokens", default=None, help="training budget in tokens (300B, 1.5T) for days and GPU-hours")
+@tokens_option("training budget in tokens (300B, 1.5T) for days and GPU-hours, and steps = ceil(tokens / "
+               "(global batch x seq len)) instead of --steps")
 @click.option("--json", "as_json", is_flag=True, default=False, help="print one JSON object")
+@click.option("--top", type=INT, default=5, show_default=True,
+              help="show the N fastest plans that fit (1: only the chosen one)")
 def plan_command(**o) -> None:
     """Estimate memory, communication and time; choose ZeRO stage, offload, precision, pp, micro-batch and
     recomputation for every option left at auto."""
@@ -94,13 +110,25 @@ def plan_command(**o) -> None:
     from dspipe.planner.summary import human_report
 
     tokens = parse_tokens(o["tokens"], flag="--tokens")
+    if not 1 <= o["top"] <= 1000:
+        raise SpecError(f"--top must be in [1, 1000], got {o['top']} (allowed: finite, [1, 1000])")
     model, cluster, result = choose(o)
-    for line in preset_report_for(result.best, monitor_dir="RUN/monitor"):
+    for line in preset_report_for(result.best, model=model, monitor_dir="RUN/monitor"):
         click.echo(line, err=o["as_json"])  # --json: stdout stays one JSON object
+    budget = token_budget_line(result.best.train, seq_len=model.seq_len)
     if o["as_json"]:
-        click.echo(json.dumps(estimate_summary(result.best, tokens=tokens), indent=2))
+        summary = estimate_summary(result.best, tokens=tokens)
+        if budget is not None:
+            train = result.best.train
+            summary["token_budget"] = {"tokens": train.tokens, "steps": train.steps,
+                                       "tokens_per_step": result.best.plan.tokens_per_step, "equation": budget}
+        summary["top"] = [{**estimate_summary(c, tokens=tokens), "plan": c.describe(every_axis=True)}
+                          for c in result.ranked[:o["top"]]]
+        click.echo(json.dumps(summary, indent=2))
     else:
-        click.echo(human_report(result, tokens=tokens))
+        click.echo(human_report(result, tokens=tokens, tokens_text=o["tokens"], top=o["top"]))
+        if budget is not None:
+            click.echo(f"token budget: {budget}")
 
 
 def _check_data(data: str, model: ModelSpec, notes: list[str]) -> None:
@@ -120,8 +148,7 @@ def _check_data(data: str, model: ModelSpec, notes: list[str]) -> None:
 def presets() -> None:
     """List model presets and DeepSpeed presets."""
     for m in MODEL_PRESETS.values():
-        click.echo(f"{m.name:<11} {m.num_params / 1e6:>10,.1f}M  L{m.layers:<3} h{m.hidden:<6} a{m.heads:<3} "
-                   f"s{m.seq_len:<5} V{m.vocab}")
+        click.echo(f"{m.name:<15} {m.num_params / 1e6:>10,.1f}M  {m.shape_text}")
     click.echo("deepspeed presets: " + ", ".join(preset_names()))
 
 

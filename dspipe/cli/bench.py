@@ -78,14 +78,13 @@ def bench_command(o: dict, *, command: str) -> dict:
     model, cluster, result = choose(o)
     best = result.best
     plan = best.plan
-    if o["compare"] and plan.pp > 1:
-        raise SpecError(f"--compare needs pp 1 (the reference is torch DDP), the plan has pp {plan.pp}; "
-                        f"pass --pp 1 or drop --compare")
+    if o["compare"] and plan.layout.model_ranks > 1:
+        raise SpecError(f"--compare needs pp 1, tp 1 and sp 1 (the reference is torch DDP), the plan has pp {plan.pp}, "
+                        f"tp {plan.tp}, sp {plan.sp}; pass --pp 1 --tp 1 --sp 1 or drop --compare")
     sides_wanted = bench.SIDES if o["compare"] else bench.SIDES[:1]
     threads = bench.cpu_threads(ranks=ranks) if gpu == "cpu" else None
     say = click.echo
-    setup = (f"{model.name} {plan.num_params / 1e6:,.2f}M params (L{model.layers} h{model.hidden} a{model.heads} "
-             f"s{model.seq_len} V{model.vocab}) | world {plan.world_size} = dp {plan.dp} x pp {plan.pp} | "
+    setup = (f"{model.name} {plan.num_params / 1e6:,.2f}M params ({model.shape_text}) | {plan.layout.describe()} | "
              f"ZeRO-{plan.zero_stage} offload {plan.offload} | {plan.precision} | recompute {plan.checkpointing} | "
              f"batch {plan.micro_batch} x ga {plan.grad_accum} x dp {plan.dp} = {plan.global_batch} seq "
              f"({plan.tokens_per_step:,} tokens/step) | {warmup} warm-up + {steps} measured steps"

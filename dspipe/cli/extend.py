@@ -21,7 +21,7 @@ from dspipe.cli.options import INT, parse_tokens
 from dspipe.errors import SpecError
 from dspipe.jsonio import MISSING, dotted_get, dumps, read_object
 from dspipe.planner.render import render_ds_config
-from dspipe.rundir import DS_CONFIG_FILE, SPEC_FILE, Run, load_run
+from dspipe.rundir import CONFIG_FILE, DS_CONFIG_FILE, SPEC_FILE, Run, load_run
 
 
 def _leaves(d, prefix: str = ""):
@@ -60,8 +60,8 @@ def extended_ds_config(run: Run, ds_config: dict, *, steps: int) -> tuple[dict, 
     value is not what dspipe renders for the run's current step count was edited by hand: refused (a SpecError)
     rather than overwritten; a key the config does not have (a scheduler without a total step count) is left out."""
     monitor = str(run.path / "monitor")
-    old = render_ds_config(plan=run.plan, train=run.train, monitor_dir=monitor)
-    new = render_ds_config(plan=run.plan, train=replace(run.train, steps=steps), monitor_dir=monitor)
+    old = render_ds_config(plan=run.plan, model=run.model, train=run.train, monitor_dir=monitor)
+    new = render_ds_config(plan=run.plan, model=run.model, train=replace(run.train, steps=steps), monitor_dir=monitor)
     out, changed = copy.deepcopy(ds_config), {}
     for key, (was, will) in changed_keys(old, new).items():
         have = dotted_get(out, key)
@@ -74,6 +74,22 @@ def extended_ds_config(run: Run, ds_config: dict, *, steps: int) -> tuple[dict, 
         _set(out, key, will)
         changed[key] = (have, will)
     return out, changed
+
+
+def _extended_config(path: Path, *, steps: int | None, tokens: str | None, warmup: int) -> str | None:
+    """The run's config.yaml (gen-config's resolved options) with the new run length and the warmup it keeps (no
+    longer derived from the length), so that --config still reproduces the run; None when the run has none (made
+    before config files)."""
+    from dspipe.cli.config_file import dump, read_yaml
+
+    if not path.is_file():
+        return None
+    doc = read_yaml(str(path))
+    train = doc.get("train")
+    if not isinstance(train, dict):
+        raise SpecError(f"{path}: train must be a mapping (edited by hand?); nothing was changed")
+    train["steps"], train["tokens"], train["warmup"] = steps, tokens, warmup
+    return dump(doc, command="gen-config")
 
 
 def verify(ds_config: dict, *, dp: int) -> None:
@@ -100,15 +116,22 @@ def extend(run_dir: Path, steps: int | None, tokens: str | None) -> None:
                  else f"--tokens {tokens} ({new_steps} steps x {per_step:,} tokens)")
         raise SpecError(f"{given} must be more than the run's {old_steps} steps ({old_steps * per_step:,} tokens): "
                         f"extend only lengthens a run (nothing was changed)")
-    train = replace(run.train, steps=new_steps)  # validated as gen-config validates it
+    budget = tokens if steps is None else None  # the run length as given: a token budget, or steps
+    train = replace(run.train, steps=new_steps, tokens=budget)  # validated as gen-config validates it
     spec = read_object(run.path / SPEC_FILE)
     spec["train"]["steps"] = train.steps
+    if "tokens" in spec["train"] or budget is not None:
+        spec["train"]["tokens"] = budget
+    config_text = _extended_config(run.path / CONFIG_FILE, steps=None if budget else new_steps, tokens=budget,
+                                   warmup=run.train.warmup_steps)
     ds_config, changed = extended_ds_config(run, run.ds_config, steps=new_steps)
-    verify(ds_config, dp=run.plan.dp)
+    verify(ds_config, dp=run.plan.ds_batch_ranks)
     spec_text = dumps(spec, what=str(run.path / SPEC_FILE))
     ds_text = dumps(ds_config, what=str(run.path / DS_CONFIG_FILE))
     write_file(run.path / DS_CONFIG_FILE, ds_text)  # first: a rerun after a crash between the two completes it
     write_file(run.path / SPEC_FILE, spec_text)
+    if config_text is not None:
+        write_file(run.path / CONFIG_FILE, config_text)
     done = complete_checkpoints(run.checkpoint_dir)
     click.echo(f"extended {run.path}: {old_steps} -> {new_steps} steps ({old_steps * per_step:,} -> "
                f"{new_steps * per_step:,} tokens); wrote {run.path / DS_CONFIG_FILE} and {run.path / SPEC_FILE}")

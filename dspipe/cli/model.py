@@ -10,12 +10,13 @@ from dspipe.cli.options import FLOAT, INT
 
 @click.command("export-hf")
 @click.argument("checkpoint", type=click.Path(path_type=Path))
-@click.option("--out", required=True, metavar="DIR", help="directory to write (GPT-2, safetensors)")
+@click.option("--out", required=True, metavar="DIR", help="directory to write (GPT-2 or Llama, safetensors)")
 @click.option("--force", is_flag=True, default=False,
               help="replace an --out directory that an earlier export-hf wrote (nothing else)")
 def export_hf(checkpoint: Path, out: str, force: bool) -> None:
     """Export CHECKPOINT (runs/NAME/checkpoints/global_stepN, or runs/NAME for its newest complete checkpoint) of
-    any ZeRO stage and pipeline layout as a transformers GPT2LMHeadModel directory with the run's tokenizer."""
+    any ZeRO stage and pipeline layout as a transformers directory with the run's tokenizer: GPT2LMHeadModel or
+    LlamaForCausalLM, as the run's model is (a run started with gen-config --init-from HF_DIR exports as HF_DIR's)."""
     from dspipe.outputs import target
     from dspipe.tools.export import export_hf as run_export
 

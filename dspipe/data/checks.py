@@ -1,4 +1,4 @@
-"""Checks between a prepared data directory and a model, from meta.json alone (no torch, no shard reads)."""
+"""Checks between prepared data directories and a model, from meta.json and tokenizer.json (no torch or shards)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -38,3 +38,57 @@ def check_val_for_eval(data_dir: str | Path, *, seq_len: int, dp: int, micro_bat
                         f"validation batch of dp {dp} x micro_batch {micro_batch} = {dp * micro_batch}; pass "
                         f"--eval-interval 0 or prepare the data with a larger --val-fraction "
                         f"(now {meta['val_fraction']})")
+
+
+TOKENIZER_KEYS = ("model", "added_tokens", "normalizer", "pre_tokenizer")
+"""What in tokenizer.json decides the token ids (vocab and merges, special tokens, text splitting)."""
+
+
+def _tokenizer_content(data_dir: str | Path):
+    """The parts of DIR/tokenizer/tokenizer.json that decide token ids, or None where there is no such file."""
+    import json
+
+    from dspipe.data.shards import TOKENIZER_DIR
+
+    path = Path(data_dir) / TOKENIZER_DIR / "tokenizer.json"
+    if not path.is_file():
+        return None
+    try:
+        content = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise SpecError(f"{path} is not readable JSON ({' '.join(str(e).split())[:120]}); re-run 'dspipe "
+                        f"prepare-data --out {data_dir} --force'") from None
+    return {k: content.get(k) for k in TOKENIZER_KEYS} if isinstance(content, dict) else content
+
+
+def check_blend_sources(paths) -> list[dict]:
+    """meta.json of every source of a blend, after checking that they can be mixed in one batch: each is prepared,
+    and all share the first one's tokenizer (vocab size, token dtype, EOS id, and tokenizer.json's vocabulary,
+    merges, special tokens and splitting). One SpecError naming the source and the difference."""
+    metas = []
+    for path in paths:
+        try:
+            metas.append(read_meta(path))
+        except SpecError as e:
+            raise SpecError(f"blend source {path}: {e}") from None
+    first, ref = paths[0], metas[0]
+    ref_tok = None
+    for path, meta in zip(paths[1:], metas[1:]):
+        fix = f"blended datasets must share one tokenizer (prepare it with --tokenizer {Path(first) / 'tokenizer'})"
+        if meta["vocab_size"] != ref["vocab_size"]:
+            raise SpecError(f"blend source {path}: tokenizer vocab {meta['vocab_size']} ({meta['dtype']} tokens) "
+                            f"differs from {first}'s {ref['vocab_size']} ({ref['dtype']}); {fix}")
+        if meta["dtype"] != ref["dtype"]:
+            raise SpecError(f"blend source {path}: token dtype {meta['dtype']} differs from {first}'s "
+                            f"{ref['dtype']}; {fix}")
+        if meta["eos_id"] != ref["eos_id"]:
+            raise SpecError(f"blend source {path}: EOS id {meta['eos_id']} differs from {first}'s {ref['eos_id']}; "
+                            f"{fix}")
+        if ref_tok is None:
+            ref_tok = _tokenizer_content(first) or {}
+        tok = _tokenizer_content(path)
+        if ref_tok and tok is not None and tok != ref_tok:
+            differs = next((k for k in TOKENIZER_KEYS if tok.get(k) != ref_tok.get(k)), "content")
+            raise SpecError(f"blend source {path}: its tokenizer differs from {first}'s ({differs} in "
+                            f"tokenizer/tokenizer.json); {fix}")
+    return metas

@@ -213,6 +213,11 @@ class TrainLoader:
 
     def load_state_dict(self, state: dict) -> None:
         mine = self.state_dict()
+        if "sources" in state:  # saved by a dspipe.data.blend.BlendLoader
+            saved = ",".join(f"{s.get('path')}:{s.get('weight')}" for s in state["sources"])
+            raise SpecError(f"the checkpoint's data position is of a blend of {len(state['sources'])} sources "
+                            f"({saved}), this run reads one data directory ({self.windows.data_dir}): the data "
+                            f"changed; resume with the --data it was saved with")
         for key in ("seed", "split", "seq_len", "fingerprint", "num_samples"):
             if state.get(key) != mine[key]:
                 raise SpecError(f"the checkpoint's data position does not fit this data: {key} "

@@ -1,7 +1,11 @@
-"""A GPT-2 style decoder in plain PyTorch. No distributed code here: the pipeline wrapper reuses these blocks.
+"""The decoder in plain PyTorch, GPT-2/3 or Llama-family as the ModelSpec declares it (norm, MLP, positions,
+grouped-query attention, biases, tied head). No distributed code here: the pipeline wrapper reuses these blocks,
+and tensor/sequence parallelism swap pieces from outside (dspipe.model.sequence, DeepSpeed AutoTP).
 
 Parameter names follow Hugging Face GPT-2 (wte, wpe, h.N.ln_1, attn.c_attn, attn.c_proj, ln_2, mlp.c_fc,
-mlp.c_proj, ln_f) so an export is a rename plus a transpose of the Linear weights (HF uses Conv1D).
+mlp.c_proj, ln_f) whatever the architecture: q/k/v are one fused projection ([q; k; v] rows) and a SwiGLU's gate
+and up projections one fused c_fc ([gate; up] rows), so an export is a rename, a split and (GPT-2's Conv1D) a
+transpose. Every parameter is listed by ModelSpec.model_tensors(), which the planner counts from.
 Every component initialises itself from (seed, its index), so the plain model and any pipeline layout
 start from identical weights.
 """
@@ -27,73 +31,124 @@ def _generator(seed: int, index: int) -> torch.Generator:
 def _init_linear(linear: nn.Linear, gen: torch.Generator, std: float) -> None:
     with torch.no_grad():
         linear.weight.copy_(torch.randn(linear.weight.shape, generator=gen) * std)
-        linear.bias.zero_()
+        if linear.bias is not None:
+            linear.bias.zero_()
+
+
+def norm_layer(spec: ModelSpec) -> nn.Module:
+    """LayerNorm (with a bias when the spec has biases) or RMSNorm, at the spec's epsilon."""
+    if spec.norm == "rmsnorm":
+        return nn.RMSNorm(spec.hidden, eps=spec.norm_eps)
+    return nn.LayerNorm(spec.hidden, eps=spec.norm_eps, bias=spec.bias)
+
+
+def rotary(x: torch.Tensor, *, offset: int, theta: float) -> torch.Tensor:
+    """Rotary position embedding of (batch, seq, heads, head_dim) at positions offset .. offset + seq - 1, in the
+    half-split layout (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) that Hugging Face's Llama uses; the angles
+    are computed in fp32."""
+    dim, seq = x.shape[-1], x.shape[1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=x.device).float() / dim))
+    pos = torch.arange(offset, offset + seq, device=x.device, dtype=torch.float32)
+    angles = torch.outer(pos, inv_freq)
+    cos = torch.cat([angles, angles], dim=-1).cos().to(x.dtype)[None, :, None, :]
+    sin = torch.cat([angles, angles], dim=-1).sin().to(x.dtype)[None, :, None, :]
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
 class Embedding(nn.Module):
-    """Token + learned position embeddings; `logits` reuses wte as the tied output head."""
+    """Token (+ learned position) embeddings; `logits` reuses wte as the tied output head."""
 
     def __init__(self, spec: ModelSpec, *, seed: int):
         super().__init__()
         self.wte = nn.Embedding(spec.vocab, spec.hidden)
-        self.wpe = nn.Embedding(spec.seq_len, spec.hidden)
+        self.wpe = nn.Embedding(spec.seq_len, spec.hidden) if spec.positions == "learned" else None
         self.drop = nn.Dropout(spec.dropout)
+        self.position_offset = 0
+        """Position of the input's first token (non-zero when the input is a later slice of a sequence)."""
         gen = _generator(seed, EMBED_INDEX)
         with torch.no_grad():
             self.wte.weight.copy_(torch.randn(self.wte.weight.shape, generator=gen) * INIT_STD)
-            self.wpe.weight.copy_(torch.randn(self.wpe.weight.shape, generator=gen) * INIT_STD)
+            if self.wpe is not None:
+                self.wpe.weight.copy_(torch.randn(self.wpe.weight.shape, generator=gen) * INIT_STD)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        return self.drop(self.wte(idx) + self.wpe(pos))
+        x = self.wte(idx)
+        if self.wpe is not None:
+            x = x + self.wpe(torch.arange(self.position_offset, self.position_offset + idx.shape[1],
+                                          device=idx.device))
+        return self.drop(x)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.wte.weight)
 
 
 class Attention(nn.Module):
-    """Causal multi-head self-attention through scaled_dot_product_attention (flash/memory-efficient kernels)."""
+    """Causal self-attention through scaled_dot_product_attention (flash/memory-efficient kernels); grouped-query
+    when kv_heads < heads (each key/value head serves heads / kv_heads query heads); rotary or none."""
 
     def __init__(self, spec: ModelSpec):
         super().__init__()
-        self.heads, self.dropout = spec.heads, spec.dropout
-        self.c_attn = nn.Linear(spec.hidden, 3 * spec.hidden)
-        self.c_proj = nn.Linear(spec.hidden, spec.hidden)
+        self.head_dim, self.dropout = spec.head_dim, spec.dropout
+        self.group = spec.heads // spec.kv_groups
+        self.rope_theta = spec.rope_theta if spec.positions == "rope" else None
+        self.position_offset = 0
+        """Position of the input's first token (rotary positions of a later sequence slice)."""
+        self.c_attn = nn.Linear(spec.hidden, spec.qkv_width, bias=spec.bias)
+        self.c_proj = nn.Linear(spec.hidden, spec.hidden, bias=spec.bias)
         self.resid_drop = nn.Dropout(spec.dropout)
+        self.core: Callable | None = None
+        """Set to replace local_core (same signature), e.g. by an attention that spans a split sequence."""
         self.core_checkpoint: Callable | None = None
         """Set to a checkpoint function to recompute the attention core in backward (selective recomputation)."""
 
-    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                              dropout_p=self.dropout if self.training else 0.0)
+    def local_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention over (batch, seq, heads, head_dim) tensors, returned in the same layout."""
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        return y.transpose(1, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, h = x.shape
-        q, k, v = (t.view(b, s, self.heads, h // self.heads).transpose(1, 2)
-                   for t in self.c_attn(x).split(h, dim=2))
-        y = self.core_checkpoint(self._core, q, k, v) if self.core_checkpoint else self._core(q, k, v)
-        return self.resid_drop(self.c_proj(y.transpose(1, 2).reshape(b, s, h)))
+        b, s, _ = x.shape
+        qkv = self.c_attn(x)
+        # the heads this module holds: a tensor-parallel shard holds heads / tp query and kv_heads / tp key/value heads
+        kv = qkv.shape[-1] // (self.head_dim * (self.group + 2))
+        q, k, v = (t.view(b, s, -1, self.head_dim) for t in qkv.split(
+            [self.group * kv * self.head_dim, kv * self.head_dim, kv * self.head_dim], dim=2))
+        if self.rope_theta is not None:
+            q, k = (rotary(t, offset=self.position_offset, theta=self.rope_theta) for t in (q, k))
+        if self.group > 1:  # every query head gets its key/value head (heads i*group .. share kv head i)
+            k, v = (t.repeat_interleave(self.group, dim=2) for t in (k, v))
+        core = self.core or self.local_core
+        y = self.core_checkpoint(core, q, k, v) if self.core_checkpoint else core(q, k, v)
+        return self.resid_drop(self.c_proj(y.reshape(b, s, -1)))
 
 
 class MLP(nn.Module):
+    """fc -> GELU (tanh) -> proj, or SwiGLU: silu(gate) x up -> proj with gate and up fused in c_fc."""
+
     def __init__(self, spec: ModelSpec):
         super().__init__()
-        self.c_fc = nn.Linear(spec.hidden, spec.ffn)
-        self.c_proj = nn.Linear(spec.ffn, spec.hidden)
+        self.swiglu = spec.mlp == "swiglu"
+        self.c_fc = nn.Linear(spec.hidden, 2 * spec.ffn if self.swiglu else spec.ffn, bias=spec.bias)
+        self.c_proj = nn.Linear(spec.ffn, spec.hidden, bias=spec.bias)
         self.drop = nn.Dropout(spec.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            gate, up = self.c_fc(x).chunk(2, dim=-1)  # a tensor-parallel shard holds [gate_r; up_r]
+            return self.drop(self.c_proj(F.silu(gate) * up))
         return self.drop(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))
 
 
 class Block(nn.Module):
-    """Pre-LayerNorm transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
+    """Pre-norm transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
 
     def __init__(self, spec: ModelSpec, *, index: int, seed: int):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(spec.hidden)
+        self.ln_1 = norm_layer(spec)
         self.attn = Attention(spec)
-        self.ln_2 = nn.LayerNorm(spec.hidden)
+        self.ln_2 = norm_layer(spec)
         self.mlp = MLP(spec)
         gen = _generator(seed, index + 1)
         resid_std = INIT_STD / math.sqrt(2 * spec.layers)  # GPT-2: scale residual projections by 1/sqrt(2L)
@@ -109,7 +164,7 @@ class Block(nn.Module):
 class FinalNorm(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
-        self.ln_f = nn.LayerNorm(spec.hidden)
+        self.ln_f = norm_layer(spec)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ln_f(x)

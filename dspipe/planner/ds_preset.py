@@ -38,11 +38,10 @@ UNRENDERED_TOP = {"zero_force_ds_cpu_optimizer": True, "managed_gradient_accumul
                   "communication_data_type": None, "seq_parallel_communication_data_type": "fp32",
                   "gradient_allreduce_op": "mean", "disable_allgather": False, "disable_python_gc": False,
                   "dump_state": False, "memory_breakdown": False, "dataloader_drop_last": False,
-                  "use_data_before_expert_parallelism": False, "vocabulary_size": None, "log_level": None,
-                  "sequence_parallel_size": 1}
+                  "use_data_before_expert_parallelism": False, "vocabulary_size": None, "log_level": None}
 UNRENDERED_SECTIONS = ("flops_profiler", "comms_logger", "autotuning", "checkpoint", "aio", "data_efficiency",
-                       "compile", "timers", "tensor_parallel", "expert_parallel", "weight_quantization",
-                       "hybrid_engine", "torch_autocast", "datastates", "comet", "optimizer.legacy_fusion")
+                       "compile", "timers", "expert_parallel", "weight_quantization",
+                       "hybrid_engine", "torch_autocast", "datastates", "optimizer.legacy_fusion")
 UNRENDERED_ZERO = {"use_multi_rank_bucket_allreduce": True, "compute_grad_norm": True, "zenflow": None,
                    "stage3_model_persistence_threshold": None, "stage3_module_granularity_threshold": 0,
                    "stage3_use_all_reduce_for_fetch_params": False, "stage3_allgather_sequential": False,
@@ -148,6 +147,7 @@ TOP = {
     "prescale_gradients": (_var("prescale_gradients"), _bool),
     "gradient_predivide_factor": (_var("gradient_predivide_factor"), _float(0, open_lo=True)),
     "zero_allow_untested_optimizer": (_var("zero_allow_untested_optimizer"), _bool),
+    "sequence_parallel_size": (_opt("sp"), _int(1)),
 }
 OPTIMIZER_PARAMS = {
     "lr": (_opt("lr"), _float(0, open_lo=True)),
@@ -238,6 +238,16 @@ ACTIVATION_CHECKPOINTING = {
     "synchronize_checkpoint_boundary": (_var("ac_synchronize_checkpoint_boundary"), _bool),
     "profile": (_var("ac_profile"), _bool),
 }
+TENSOR_PARALLEL = {
+    "autotp_size": (("tp",), _int(0)),  # 0: AutoTP off (tp 1)
+    "tp_overlap_comm": (_var("tp_overlap_comm"), _bool),
+    "vocab_parallel_lm_head": (_var("vocab_parallel_lm_head"), lambda v: _choice(False, None)(v) or False),
+    "vocab_parallel_ce_backend": (_var("vocab_parallel_ce_backend"), _choice("torch")),
+    "partition_config": (("plan",), lambda v: v),  # must equal dspipe's own layer specs (compared when rendered)
+}
+TENSOR_PARALLEL_TP = {"tp_size": (("plan",), _int(1)), "tp_grain_size": (_var("tp_grain_size"), _int(1))}
+UNRENDERED_TENSOR_PARALLEL = {"preset_model": None, "keep_module_on_host": False, "kernel_inject": False,
+                              "replace_with_kernel_inject": False, "injection_policy_tuple": None, "dtype": None}
 MONITORS = {
     "tensorboard": {"enabled": (_var("tensorboard_enabled"), _bool), "output_path": (("moved",), _str_or_null),
                     "job_name": (_var("tensorboard_job_name"), _str_or_null)},
@@ -245,6 +255,15 @@ MONITORS = {
                     "job_name": (_var("csv_monitor_job_name"), _str_or_null)},
     "wandb": {"enabled": (_var("wandb_enabled"), _bool), "group": (_var("wandb_group"), _str_or_null),
               "team": (_var("wandb_team"), _str_or_null), "project": (_var("wandb_project"), _str_or_null)},
+    "comet": {"enabled": (_var("comet_enabled"), _bool), "samples_log_interval": (_var("comet_samples_log_interval"),
+                                                                                   _int(1)),
+              "project": (_var("comet_project"), _str_or_null), "workspace": (_var("comet_workspace"), _str_or_null),
+              "api_key": (_var("comet_api_key"), _choice(None)),
+              "experiment_name": (_var("comet_experiment_name"), _str_or_null),
+              "experiment_key": (_var("comet_experiment_key"), _str_or_null),
+              "online": (_var("comet_online"), lambda v: True if v is None else _bool(v)),
+              "mode": (_var("comet_mode"), lambda v: "get_or_create" if v is None else
+                       _choice("get", "create", "get_or_create")(v))},
 }
 OPTION_FLAGS = {"global_batch": "--global-batch", "micro_batch": "--micro-batch", "grad_clip": "--grad-clip",
                 "lr": "--lr", "weight_decay": "--weight-decay", "steps": "--steps", "warmup": "--warmup",
@@ -252,7 +271,7 @@ OPTION_FLAGS = {"global_batch": "--global-batch", "micro_batch": "--micro-batch"
                 "offload_params": "--offload-params", "nvme_path": "--nvme-path", "pp": "--pp",
                 "checkpointing": "--checkpointing", "partition_method": "--partition-method",
                 "precision": "--precision", "reduce_bucket_size": "--reduce-bucket-size",
-                "prefetch_bucket_size": "--prefetch-bucket-size",
+                "prefetch_bucket_size": "--prefetch-bucket-size", "tp": "--tp", "sp": "--sp",
                 "param_persistence_threshold": "--param-persistence-threshold",
                 "wall_clock_breakdown": "--wall-clock-breakdown"}
 """gen-config options a preset can set, and their flags (for conflict messages)."""
@@ -355,7 +374,7 @@ def import_preset(cfg: dict, *, source: str) -> PresetImport:
         if key in TOP:
             _take(imp, canon, key, key, value, TOP[key])
         elif key in ("optimizer", "scheduler", "fp16", "bf16", "data_types", "zero_optimization", "pipeline",
-                     "activation_checkpointing", *MONITORS):
+                     "activation_checkpointing", "tensor_parallel", *MONITORS):
             if not isinstance(value, dict):
                 raise imp.error(key, value, "must be a JSON object")
             canon[key] = {}
@@ -370,7 +389,21 @@ def import_preset(cfg: dict, *, source: str) -> PresetImport:
                      + (f" (did you mean {close[0]}?)" if close else ""))
     _precision(imp)
     _lr_agreement(imp)
+    _tensor_parallel_batch(imp)
     return imp
+
+
+def _tensor_parallel_batch(imp: PresetImport) -> None:
+    """DeepSpeed 0.19.8 counts the AutoTP ranks of a replica in train_batch_size: the global batch is that / tp."""
+    tp, total = imp.options.get("tp", 1), imp.options.get("global_batch")
+    if tp > 1 and total is not None:
+        batch, rest = divmod(total, tp)
+        if rest:
+            raise imp.error("train_batch_size", total, f"is not divisible by tensor_parallel.autotp_size {tp} "
+                                                       f"(DeepSpeed counts the AutoTP ranks in it)")
+        imp.options["global_batch"] = batch
+        imp.note(f"train_batch_size {total} counts the {tp} AutoTP ranks of each replica (as DeepSpeed does): "
+                 f"global batch {batch} sequences")
 
 
 def _take(imp: PresetImport, canon: dict, key: str, path: str, value, spec) -> None:
@@ -394,6 +427,9 @@ def _take(imp: PresetImport, canon: dict, key: str, path: str, value, spec) -> N
         imp.grad_accum = value
     elif kind == "sched":
         imp.scheduler_params[key] = value
+    elif kind == "tp":
+        imp.options["tp"] = max(1, value)
+        imp.origins["tp"] = path
     elif kind == "checkpointing":
         imp.options["checkpointing"] = "full" if value else "none"
         imp.origins["checkpointing"] = path
@@ -569,6 +605,20 @@ def _activation_checkpointing(imp, value, canon):
     _section(imp, "activation_checkpointing", value, canon, ACTIVATION_CHECKPOINTING, strict=False)
 
 
+def _tensor_parallel(imp, value, canon):
+    value = dict(value)
+    if "tensor_parallel" in value:  # the pydantic field name of the "tp" alias
+        value.setdefault("tp", value.pop("tensor_parallel"))
+    sub = value.pop("tp", None)
+    _section(imp, "tensor_parallel", value, canon, TENSOR_PARALLEL, unrendered=UNRENDERED_TENSOR_PARALLEL)
+    if sub is not None:
+        if not isinstance(sub, dict):
+            raise imp.error("tensor_parallel.tp", sub, "must be a JSON object")
+        canon["tp"] = {}
+        _section(imp, "tensor_parallel.tp", sub, canon["tp"], TENSOR_PARALLEL_TP,
+                 unrendered={"mpu": None, "tp_group": None})
+
+
 def _monitor(name):
     def read(imp, value, canon):
         _section(imp, name, value, canon, MONITORS[name])
@@ -577,7 +627,7 @@ def _monitor(name):
 
 SECTIONS = {"optimizer": _optimizer, "scheduler": _scheduler, "fp16": _fp16, "bf16": _bf16,
             "data_types": _data_types, "zero_optimization": _zero, "pipeline": _pipeline,
-            "activation_checkpointing": _activation_checkpointing,
+            "activation_checkpointing": _activation_checkpointing, "tensor_parallel": _tensor_parallel,
             **{name: _monitor(name) for name in MONITORS}}
 
 

@@ -38,6 +38,14 @@ class GpuType:
     """Regex matched (case-insensitively) against the name the driver reports; '' for none."""
     min_memory_bytes: int = 0
     """The device must report at least this much memory to match (tells 40 GB from 80 GB parts)."""
+    matmul_efficiency: float = 0.5
+    """Achieved / peak FLOP/s of a training step's compute (communication excluded: the planner adds it on top).
+    Taken from published end-to-end runs, which include communication and every non-matmul kernel, so the compute
+    alone runs at least this fast: MosaicML llm-foundry, scripts/train/benchmarking/README.md (bf16, FSDP, flash
+    attention, 2k-8k tokens). A100 0.65: "A100 80GB"/"A100 40GB" tables, MFU 0.56-0.64 without activation
+    checkpointing (1B-13B), hardware FLOPs utilisation 0.65-0.77 with it (7B-70B). H100 0.48: "H100 80GB BF16" table,
+    MFU 0.40-0.46 without checkpointing, HFU 0.48-0.59 with it. H200: the H100's compute die, its figure assumed until
+    measured. 'cpu': nominal 0.5 (not a performance model). Not yet calibrated on this project's own GPU runs."""
 
     def peak_tflops(self, precision: str) -> float:
         return {"bf16": self.peak_bf16_tflops, "fp16": self.peak_fp16_tflops, "fp32": self.peak_fp32_tflops}[precision]
@@ -48,11 +56,14 @@ class GpuType:
 # where several entries match a name, the one with the larger memory floor is tried first.
 GPU_CATALOG: dict[str, GpuType] = {g.name: g for g in (
     GpuType("cpu", 16 * 1024 * MIB, 1.0, 0.0, 1.0, 10.0, 10.0, "gloo", 24 * 1024 * MIB, ""),
-    GpuType("a100-40g", 40960 * MIB, 312.0, 312.0, 19.5, 300.0, 25.0, "nccl", 1024 * 1024 * MIB, r"A100"),
+    GpuType("a100-40g", 40960 * MIB, 312.0, 312.0, 19.5, 300.0, 25.0, "nccl", 1024 * 1024 * MIB, r"A100",
+            matmul_efficiency=0.65),
     GpuType("a100-80g", 81920 * MIB, 312.0, 312.0, 19.5, 300.0, 25.0, "nccl", 2048 * 1024 * MIB, r"A100",
-            min_memory_bytes=50 * GIB),
-    GpuType("h100-80g", 81559 * MIB, 989.0, 989.0, 67.0, 450.0, 50.0, "nccl", 2048 * 1024 * MIB, r"H100"),
-    GpuType("h200", 143771 * MIB, 989.0, 989.0, 67.0, 450.0, 50.0, "nccl", 2048 * 1024 * MIB, r"H200"),
+            min_memory_bytes=50 * GIB, matmul_efficiency=0.65),
+    GpuType("h100-80g", 81559 * MIB, 989.0, 989.0, 67.0, 450.0, 50.0, "nccl", 2048 * 1024 * MIB, r"H100",
+            matmul_efficiency=0.48),
+    GpuType("h200", 143771 * MIB, 989.0, 989.0, 67.0, 450.0, 50.0, "nccl", 2048 * 1024 * MIB, r"H200",
+            matmul_efficiency=0.48),
 )}
 
 

@@ -87,6 +87,20 @@ class ParallelLayout:
             out.append(group)
         return out
 
+    @property
+    def loss_holders(self) -> int:
+        """Ranks whose losses add up to dp x tp x pp replica losses: every rank but the sp - 1 other sequence shares
+        of each replica (world / sp)."""
+        return self.world // self.sp
+
+    def sequence_slice(self, length: int, rank: int) -> tuple[int, int]:
+        """[start, stop) of the contiguous slice of a `length`-token sequence that `rank` holds (its sp coordinate)."""
+        if length % self.sp:
+            raise ValueError(f"sequence length {length} is not divisible by sp {self.sp}")
+        size = length // self.sp
+        start = self.coords(rank)["seq"] * size
+        return start, start + size
+
     def dp_rank(self, rank: int) -> int:
         return self.coords(rank)["data"]
 

@@ -68,10 +68,24 @@ class Plan:
     """Tensor-parallel ranks per replica."""
     sp: int = 1
     """Sequence-parallel ranks per replica."""
+    reduce_scatter: bool = True
+    """ZeRO reduces gradients by reduce-scatter (off for ZeRO-3 with sp > 1: stage 3's averaging lacks the sp
+    correction there and gradients come out 1/sp of their value)."""
 
     def __post_init__(self) -> None:
         if self.layout.dp != self.dp:
             raise SpecError(f"plan dp {self.dp} disagrees with its layout: {self.layout.describe()}")
+
+    @property
+    def ds_batch_ranks(self) -> int:
+        """Ranks DeepSpeed 0.19.8's batch check counts as data-parallel: dp x tp (AutoTP's ranks are counted,
+        the sequence-parallel ranks of the Ulysses mpu are not)."""
+        return self.dp * self.tp
+
+    @property
+    def ds_train_batch_size(self) -> int:
+        """train_batch_size as DeepSpeed checks it: micro_batch x grad_accum x ds_batch_ranks (= global_batch x tp)."""
+        return self.micro_batch * self.grad_accum * self.ds_batch_ranks
 
     @property
     def layout(self) -> ParallelLayout:
@@ -87,16 +101,18 @@ def _rule(rule: int, message: str) -> SpecError:
 
 def check_rules(*, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strategy: StrategySpec) -> None:
     """DeepSpeed's rules (design notes section 5), each failing with a one-line message that shows the numbers."""
-    world, pp, zero = cluster.world_size, strategy.pp, strategy.zero
+    world, pp, zero, tp, sp = cluster.world_size, strategy.pp, strategy.zero, strategy.tp, strategy.sp
     if pp > model.layers:
         raise _rule(1, f"pipeline stages {pp} > layers {model.layers}: every stage needs at least one block")
-    if world % pp:
-        raise _rule(2, f"world size {world} ({cluster.nodes} nodes x {cluster.gpus_per_node} GPUs) "
-                       f"is not divisible by pipeline stages {pp}")
+    if world % (pp * tp * sp):
+        raise _rule(2, f"world size {world} ({cluster.nodes} nodes x {cluster.gpus_per_node} GPUs) is not divisible "
+                       f"by pp {pp} x tp {tp} x sp {sp} = {pp * tp * sp}")
+    _check_tensor_sequence(model=model, cluster=cluster, train=train, strategy=strategy)
     if pp > 1 and zero >= 2:
         raise _rule(3, f"ZeRO-{zero} with pp {pp}: DeepSpeed's pipeline engine supports ZeRO stages 0-1 only; "
-                       f"use --zero 1 (optimizer states still sharded over dp {ParallelLayout(world=world, pp=pp).dp})")
-    dp = ParallelLayout(world=world, pp=pp).dp
+                       f"use --zero 1 (optimizer states still sharded over dp "
+                       f"{ParallelLayout(world=world, pp=pp, tp=tp, sp=sp).dp})")
+    dp = ParallelLayout(world=world, pp=pp, tp=tp, sp=sp).dp
     if train.global_batch % (train.micro_batch * dp):
         raise _rule(4, f"global batch {train.global_batch} is not divisible by micro_batch {train.micro_batch} "
                        f"x dp {dp} = {train.micro_batch * dp}")
@@ -116,6 +132,39 @@ def check_rules(*, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, str
         raise _rule(11, f"warmup_steps {train.warmup_steps} must be < steps {train.steps}")
 
 
+def _check_tensor_sequence(*, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strategy: StrategySpec) -> None:
+    """What DeepSpeed 0.19.8's AutoTP and Ulysses support (measured on CPU/gloo, design notes section 7)."""
+    tp, sp, pp, zero, g = strategy.tp, strategy.sp, strategy.pp, strategy.zero, cluster.gpus_per_node
+    if tp > 1:
+        if g % tp:
+            raise _rule(2, f"tp {tp} does not divide the {g} GPUs per node: tensor-parallel ranks exchange "
+                           f"activations in every layer and must share one node (tp across nodes is refused)")
+        for name, value in (("heads", model.heads), ("kv_heads", model.kv_groups), ("ffn", model.ffn)):
+            if value % tp:
+                raise _rule(2, f"model {name} {value} is not divisible by tp {tp} ({value} / {tp} = {value / tp:g})")
+        if pp > 1:
+            raise _rule(3, f"tp {tp} with pp {pp}: DeepSpeed's AutoTP does not compose with its pipeline engine (it "
+                           f"replaces the pipeline's process groups with a tensor x data mesh without the pipe axis, "
+                           f"and the model broadcast fails); use tp or pp, not both")
+        if zero == 3:
+            raise _rule(3, f"tp {tp} with ZeRO-3: DeepSpeed's AutoTP training supports ZeRO stages 0-2; "
+                           f"use --zero 1 or --zero 2")
+        if zero == 0 and train.precision != "fp32":
+            raise _rule(3, f"tp {tp} with ZeRO-0 in {train.precision}: DeepSpeed's ZeRO-0 {train.precision} optimizer "
+                           f"reports and clips by the gradient norm of rank 0's shards only; use --zero 1 or 2")
+    if sp > 1:
+        for name, value in (("heads", model.heads), ("seq_len", model.seq_len)):
+            if value % sp:
+                raise _rule(2, f"model {name} {value} is not divisible by sp {sp} ({value} / {sp} = {value / sp:g}): "
+                               f"Ulysses splits the sequence, then the heads, across the sp ranks")
+        if tp > 1:
+            raise _rule(3, f"sp {sp} with tp {tp}: AutoTP builds its own tensor x data process groups and cannot "
+                           f"take the Ulysses sequence groups as well; use tp or sp, not both")
+        if pp > 1:
+            raise _rule(3, f"sp {sp} with pp {pp}: DeepSpeed's pipeline engine cannot carry Ulysses sequence shards "
+                           f"(its partitioned pipe tensors and gradient reduction ignore the sp group); use sp or pp")
+
+
 def _grad_accum_dtype(*, precision: str, zero: int, pp: int) -> str:
     if precision == "bf16":
         # ZeRO 1-3 (and the pipeline's bf16 optimizer) keep fp32 gradient partitions; plain DP in bf16
@@ -127,7 +176,7 @@ def _grad_accum_dtype(*, precision: str, zero: int, pp: int) -> str:
 def make_plan(*, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strategy: StrategySpec) -> Plan:
     check_rules(model=model, cluster=cluster, train=train, strategy=strategy)
     world, pp, zero, h = cluster.world_size, strategy.pp, strategy.zero, model.hidden
-    layout = ParallelLayout(world=world, pp=pp)
+    layout = ParallelLayout(world=world, pp=pp, tp=strategy.tp, sp=strategy.sp)
     dp = layout.dp
     return Plan(
         world_size=world,
@@ -157,6 +206,7 @@ def make_plan(*, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
         backend=cluster.gpu_type.backend,
         tp=layout.tp,
         sp=layout.sp,
+        reduce_scatter=not (zero == 3 and layout.sp > 1),
     )
 
 
@@ -174,6 +224,7 @@ def check_plan(plan: Plan, *, model: ModelSpec, cluster: ClusterSpec, train: Tra
                    "grad_accum": f"global_batch {train.global_batch} / (micro_batch {train.micro_batch} x dp "
                                  f"{expected.dp})",
                    "zero_stage": f"strategy.zero {strategy.zero}", "pp": f"strategy.pp {strategy.pp}",
+                   "tp": f"strategy.tp {strategy.tp}", "sp": f"strategy.sp {strategy.sp}",
                    "precision": f"train.precision {train.precision!r}",
                    "micro_batch": f"train.micro_batch {train.micro_batch}",
                    "global_batch": f"train.global_batch {train.global_batch}"}.get(name, "model/cluster/train/strategy")

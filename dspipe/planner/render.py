@@ -10,8 +10,9 @@ import jinja2.meta
 
 from dspipe.errors import SpecError
 from dspipe.planner.ds_preset import PresetImport, import_preset, read_preset, scheduler_block
+from dspipe.planner import autotp
 from dspipe.planner.plan import Plan
-from dspipe.planner.spec import TrainSpec
+from dspipe.planner.spec import ModelSpec, TrainSpec
 
 RESOURCES = Path(str(importlib.resources.files("dspipe") / "resources"))  # shipped inside the package
 TEMPLATES = RESOURCES / "templates"
@@ -38,7 +39,7 @@ DS_DEFAULTS = dict(
     bf16_immediate_grad_update=False, bf16_check_grad_overflow=True,
     fp16_auto_cast=False, fp16_loss_scale=0, fp16_initial_scale_power=16, fp16_loss_scale_window=1000,
     fp16_hysteresis=2, fp16_consecutive_hysteresis=False, fp16_min_loss_scale=1,
-    reduce_scatter=True, allgather_partitions=True, round_robin_gradients=False, load_from_fp32_weights=True,
+    allgather_partitions=True, round_robin_gradients=False, load_from_fp32_weights=True,
     elastic_checkpoint=False, ignore_unused_parameters=True, sub_group_size=1000000000,
     max_live_parameters=1000000000, max_reuse_distance=1000000000, gather_16bit_weights_on_model_save=False,
     offload_optimizer_buffer_count=4, offload_optimizer_fast_init=False, offload_optimizer_ratio=1.0,
@@ -48,19 +49,45 @@ DS_DEFAULTS = dict(
     ac_number_checkpoints=None, ac_synchronize_checkpoint_boundary=False, ac_profile=False,
     tensorboard_enabled=True, tensorboard_job_name="tensorboard", csv_monitor_enabled=True, csv_monitor_job_name="csv",
     wandb_enabled=False, wandb_group=None, wandb_team=None, wandb_project="deepspeed",
+    comet_enabled=False, comet_samples_log_interval=100, comet_project=None, comet_workspace=None,
+    comet_api_key=None, comet_experiment_name=None, comet_experiment_key=None, comet_online=True,
+    comet_mode="get_or_create",
+    tp_overlap_comm=False, vocab_parallel_lm_head=False, vocab_parallel_ce_backend="torch", tp_grain_size=1,
 )
 """dspipe's own value of every DeepSpeed setting the plan does not derive; a --preset may set each of them."""
 
 
-def render_ds_config(*, plan: Plan, train: TrainSpec, monitor_dir: str, wall_clock_breakdown: bool = False,
-                     preset: PresetImport | None = None) -> dict:
+MONITOR_OPTIONS = {  # gen-config option -> template value; W&B and Comet through DeepSpeed's own monitor config
+    "wandb_project": "wandb_project", "wandb_group": "wandb_group", "wandb_team": "wandb_team",
+    "comet_project": "comet_project", "comet_workspace": "comet_workspace",
+    "comet_experiment": "comet_experiment_name"}
+
+
+def monitor_values(options: dict) -> dict:
+    """Template values for the monitors the options turn on: --wandb-project enables W&B, --comet-project Comet
+    (--comet-offline: an offline experiment). API keys are never written: W&B and Comet read them from their own
+    environment variables or login files."""
+    values = {MONITOR_OPTIONS[k]: v for k, v in options.items() if k in MONITOR_OPTIONS and v is not None}
+    if options.get("wandb_project"):
+        values["wandb_enabled"] = True
+    if options.get("comet_project"):
+        values["comet_enabled"] = True
+        values["comet_samples_log_interval"] = 1  # dspipe logs its own events once per step, indexed by step
+        values["comet_online"] = not options.get("comet_offline", False)
+    return values
+
+
+def render_ds_config(*, plan: Plan, model: ModelSpec, train: TrainSpec, monitor_dir: str,
+                     wall_clock_breakdown: bool = False, preset: PresetImport | None = None,
+                     monitors: dict | None = None) -> dict:
     """The complete DeepSpeed config for `plan`: every key explicit, nothing left to DeepSpeed's defaults. `preset`:
-    the values a --preset sets (its import already checked them against the plan's options)."""
+    the values a --preset sets (its import already checked them against the plan's options); `monitors`: template
+    values from monitor_values()."""
     scheduler_type, scheduler_params = scheduler_block(preset, lr=train.lr, steps=train.steps,
                                                        warmup=train.warmup_steps, min_lr_ratio=train.min_lr_ratio)
     values = dict(
         DS_DEFAULTS,
-        global_batch=plan.global_batch, micro_batch=plan.micro_batch, grad_accum=plan.grad_accum,
+        global_batch=plan.ds_train_batch_size, micro_batch=plan.micro_batch, grad_accum=plan.grad_accum,
         steps_per_print=train.log_interval, wall_clock_breakdown=wall_clock_breakdown,
         grad_clip=train.grad_clip, lr=train.lr, weight_decay=train.weight_decay,
         scheduler_type=scheduler_type, scheduler_params=scheduler_params,
@@ -75,14 +102,22 @@ def render_ds_config(*, plan: Plan, train: TrainSpec, monitor_dir: str, wall_clo
         offload_optimizer_pin_memory=plan.pin_memory, offload_param_pin_memory=plan.pin_memory,
         pp=plan.pp, partition_method=plan.partition_method,
         activation_checkpoint_interval=plan.activation_checkpoint_interval,
-        monitor_dir=monitor_dir,
+        monitor_dir=monitor_dir, reduce_scatter=plan.reduce_scatter,
+        autotp_size=plan.tp if plan.tp > 1 else 0, tp_size=plan.tp, tp_partition_config=autotp.partition_config(model),
+        sp=plan.sp,
     )
     if preset is not None:
         unknown = set(preset.values) - set(values)
         if unknown:
             raise KeyError(f"preset values without a template variable: {sorted(unknown)}")
         values.update(preset.values)
+        if values["reduce_scatter"] and not plan.reduce_scatter:
+            raise SpecError(f"{preset.source}: zero_optimization.reduce_scatter true with ZeRO-3 and sp {plan.sp}: "
+                            f"stage 3's reduce-scatter averaging lacks the sequence-parallel correction "
+                            f"(gradients 1/{plan.sp} of their value); set it to false")
         values["wall_clock_breakdown"] = wall_clock_breakdown or preset.values.get("wall_clock_breakdown", False)
+    if monitors:
+        values.update(monitors)  # flags win over a preset's monitor settings
     return json.loads(render_template("ds_config.json.j2", values))
 
 
@@ -115,5 +150,5 @@ def import_ds_preset(name_or_path: str) -> PresetImport:
 def strategy_from_ds_config(cfg: dict, *, source: str) -> dict:
     """The strategy choices a DeepSpeed JSON encodes, as gen-config option values."""
     options = import_preset(cfg, source=source).options
-    return {k: options[k] for k in ("zero", "offload", "offload_params", "nvme_path", "precision", "pp",
+    return {k: options[k] for k in ("zero", "offload", "offload_params", "nvme_path", "precision", "pp", "tp", "sp",
                                     "checkpointing", "partition_method") if k in options}

@@ -5,6 +5,7 @@ Plain frozen dataclasses, validated on construction. No torch, no deepspeed.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import MISSING, dataclass, fields
 
 from dspipe.errors import SpecError
@@ -15,20 +16,40 @@ ZERO_STAGES = (0, 1, 2, 3)
 OFFLOADS = ("none", "cpu", "nvme")
 CHECKPOINTING = ("none", "full", "selective")
 PARTITION_METHODS = ("parameters", "uniform", "type:Block")
+NORMS = ("layernorm", "rmsnorm")
+MLPS = ("gelu", "swiglu")
+POSITIONS = ("learned", "rope")
 
 
 INT32_MAX = 2**31 - 1
 LIMITS = {
-    "layers": 4096, "hidden": 2**17, "heads": 2**17, "vocab": 2**24, "seq_len": 2**20, "ffn": 2**20,
+    "layers": 4096, "hidden": 2**17, "heads": 2**17, "kv_heads": 2**17, "vocab": 2**24, "seq_len": 2**20, "ffn": 2**20,
     "nodes": 2**16, "gpus_per_node": 1024, "host_memory_gib": 2.0**20,
     "global_batch": 2**24, "micro_batch": 2**24, "steps": INT32_MAX, "warmup_steps": INT32_MAX,
     "log_interval": INT32_MAX, "save_interval": INT32_MAX, "keep_checkpoints": 10**6, "eval_interval": INT32_MAX,
     "eval_batches": INT32_MAX, "max_skipped_steps": INT32_MAX, "spike_window": 2**20, "spike_sigma": 1e6,
     "seed": 2**32 - 1, "lr": 1.0, "weight_decay": 1.0, "grad_clip": 1e6,
-    "pp": 4096, "reduce_bucket_size": 2**40, "prefetch_bucket_size": 2**40, "param_persistence_threshold": 2**40,
+    "tokens": 1e18, "pp": 4096, "tp": 4096, "sp": 4096, "reduce_bucket_size": 2**40, "prefetch_bucket_size": 2**40, "param_persistence_threshold": 2**40,
 }
 """Largest accepted value per field: beyond them a size is absurd (or overflows what DeepSpeed, torch or numpy
 accept: seeds feed numpy's and torch's generators, which take 0..2**32-1 everywhere dspipe derives streams)."""
+
+
+TOKEN_SCALE = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
+_TOKEN_NUMBER = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
+
+
+def token_count(text) -> float | None:
+    """A token budget as written ('300B', '1.5T', '2e9', '500M', '4096'; K/M/B(=G)/T suffixes, ASCII digits) ->
+    its count (finite, > 0); None when `text` is not such a string."""
+    if not isinstance(text, str):
+        return None
+    t = text.strip().upper()
+    number = t[:-1] if t and t[-1] in TOKEN_SCALE else t
+    if not _TOKEN_NUMBER.fullmatch(number):
+        return None
+    value = float(number) * TOKEN_SCALE.get(t[-1:], 1.0)
+    return value if 0 < value < float("inf") else None
 
 
 def _show(value) -> str:
@@ -91,7 +112,8 @@ def _text(owner: str, name: str, value, *, optional: bool = False) -> None:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Shape of a GPT-2 style decoder (pre-LayerNorm, learned positions, GELU MLP)."""
+    """Shape and architecture of a pre-norm decoder: GPT-2/3 (LayerNorm, learned positions, GELU MLP, biases) or
+    Llama-family (RMSNorm, rotary positions, SwiGLU MLP, grouped-query attention, no biases, untied head)."""
 
     name: str
     """Preset name, or 'custom'."""
@@ -111,6 +133,20 @@ class ModelSpec:
     """Dropout on embeddings, attention output and MLP output (0 for pretraining)."""
     tied_embeddings: bool = True
     """Share the token embedding with the output head."""
+    norm: str = "layernorm"
+    """Normalisation: layernorm (GPT) or rmsnorm (Llama)."""
+    mlp: str = "gelu"
+    """MLP: gelu (fc -> GELU -> proj) or swiglu (silu(gate) x up -> down; ffn is the gate/up width)."""
+    positions: str = "learned"
+    """Position encoding: learned (a table of seq_len rows) or rope (rotary, no parameters)."""
+    rope_theta: float = 10000.0
+    """Rotary base frequency (rope only): 10000 for Llama-2, 500000 for Llama-3."""
+    kv_heads: int | None = None
+    """Key/value heads for grouped-query attention (None: = heads, multi-head; 1: multi-query)."""
+    bias: bool = True
+    """Biases in the attention and MLP projections (and in LayerNorm)."""
+    norm_eps: float = 1e-5
+    """Epsilon of the normalisation layers."""
 
     def __post_init__(self) -> None:
         _text("model", "name", self.name)
@@ -122,26 +158,93 @@ class ModelSpec:
         if not (_is_number(self.dropout) and 0.0 <= self.dropout < 1.0):
             raise SpecError(f"model.dropout must be in [0, 1), got {_show(self.dropout)} (allowed: finite, [0, 1))")
         _flag("model", "tied_embeddings", self.tied_embeddings)
+        _one_of("model", "norm", self.norm, NORMS)
+        _one_of("model", "mlp", self.mlp, MLPS)
+        _one_of("model", "positions", self.positions, POSITIONS)
+        _flag("model", "bias", self.bias)
+        if not (_is_number(self.rope_theta) and 1.0 <= self.rope_theta <= 1e9):
+            raise SpecError(f"model.rope_theta must be in [1, 1e9], got {_show(self.rope_theta)}")
+        if not (_is_number(self.norm_eps) and 0.0 < self.norm_eps < 1.0):
+            raise SpecError(f"model.norm_eps must be in (0, 1), got {_show(self.norm_eps)}")
+        if self.kv_heads is not None:
+            _positive("model", kv_heads=self.kv_heads)
+            if self.heads % self.kv_heads:
+                raise SpecError(f"heads {self.heads} is not divisible by kv_heads {self.kv_heads} "
+                                f"({self.heads} / {self.kv_heads} = {self.heads / self.kv_heads:g})")
+        if self.positions == "rope" and self.head_dim % 2:
+            raise SpecError(f"rotary positions need an even head_dim, got hidden {self.hidden} / heads {self.heads} "
+                            f"= {self.head_dim}")
+
+    @property
+    def shape_text(self) -> str:
+        """'L12 h768 a12 s1024 V50257', with kv heads and the architecture when it is not GPT-2's:
+        'L32 h4096 a32 kv8 s8192 V128256 rmsnorm swiglu rope'."""
+        kv = f" kv{self.kv_heads}" if self.kv_heads not in (None, self.heads) else ""
+        arch = [v for v, gpt in ((self.norm, "layernorm"), (self.mlp, "gelu"), (self.positions, "learned")) if v != gpt]
+        arch += [] if self.bias else ["no-bias"]
+        return (f"L{self.layers} h{self.hidden} a{self.heads}{kv} s{self.seq_len} V{self.vocab}"
+                + "".join(f" {a}" for a in arch))
 
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
 
     @property
-    def params_per_block(self) -> int:
+    def kv_groups(self) -> int:
+        """Key/value heads (= heads without grouped-query attention)."""
+        return self.kv_heads or self.heads
+
+    @property
+    def qkv_width(self) -> int:
+        """Output features of the fused q/k/v projection: (heads + 2 kv_heads) x head_dim."""
+        return (self.heads + 2 * self.kv_groups) * self.head_dim
+
+    def norm_tensors(self, prefix: str) -> list[tuple[str, tuple[int, ...]]]:
+        with_bias = self.norm == "layernorm" and self.bias
+        return [(f"{prefix}.weight", (self.hidden,))] + ([(f"{prefix}.bias", (self.hidden,))] if with_bias else [])
+
+    def _linear(self, prefix: str, out: int, inp: int) -> list[tuple[str, tuple[int, ...]]]:
+        return [(f"{prefix}.weight", (out, inp))] + ([(f"{prefix}.bias", (out,))] if self.bias else [])
+
+    def block_tensors(self) -> list[tuple[str, tuple[int, ...]]]:
+        """Every parameter of one block, (name, shape), as dspipe.model.gpt builds it: the one declaration the
+        planner's counts and the model share (a test ties them for every preset)."""
         h, f = self.hidden, self.ffn
-        # ln_1 + qkv + proj + ln_2 + fc + proj, weights and biases
-        return 2 * h + (3 * h * h + 3 * h) + (h * h + h) + 2 * h + (h * f + f) + (f * h + h)
+        up = 2 * f if self.mlp == "swiglu" else f  # swiglu: gate and up fused in one projection
+        return [*self.norm_tensors("ln_1"), *self._linear("attn.c_attn", self.qkv_width, h),
+                *self._linear("attn.c_proj", h, h), *self.norm_tensors("ln_2"), *self._linear("mlp.c_fc", up, h),
+                *self._linear("mlp.c_proj", h, f)]
+
+    def model_tensors(self) -> list[tuple[str, tuple[int, ...]]]:
+        """Every parameter of the model (a tied head counted once), (name, shape), as the model names them."""
+        out = [("embed.wte.weight", (self.vocab, self.hidden))]
+        if self.positions == "learned":
+            out.append(("embed.wpe.weight", (self.seq_len, self.hidden)))
+        for i in range(self.layers):
+            out += [(f"h.{i}.{name}", shape) for name, shape in self.block_tensors()]
+        out += self.norm_tensors("final.ln_f")
+        if not self.tied_embeddings:
+            out.append(("lm_head.weight", (self.vocab, self.hidden)))
+        return out
+
+    @property
+    def params_per_block(self) -> int:
+        return sum(math.prod(shape) for _, shape in self.block_tensors())
 
     @property
     def embedding_params(self) -> int:
-        return self.vocab * self.hidden + self.seq_len * self.hidden
+        """Token embedding (+ learned positions)."""
+        return self.vocab * self.hidden + (self.seq_len * self.hidden if self.positions == "learned" else 0)
+
+    @property
+    def final_norm_params(self) -> int:
+        return sum(math.prod(shape) for _, shape in self.norm_tensors("final.ln_f"))
 
     @property
     def num_params(self) -> int:
         """Total parameters, counting a tied embedding once."""
         head = 0 if self.tied_embeddings else self.vocab * self.hidden
-        return self.embedding_params + self.layers * self.params_per_block + 2 * self.hidden + head
+        return self.embedding_params + self.layers * self.params_per_block + self.final_norm_params + head
 
 
 @dataclass(frozen=True)
@@ -221,6 +324,12 @@ class TrainSpec:
     """Steps of recent loss that a loss spike is measured against."""
     spike_sigma: float = 4.0
     """A loss above mean + this many standard deviations of the window is logged as a spike."""
+    tokens: str | None = None
+    """The token budget as the user gave it ('300B', '1.5T', '2e9'), from which gen-config derived steps =
+    ceil(tokens / (global_batch x seq_len)); None: steps was given directly. Kept as written (shown in plan,
+    gen-config and the runner's first line); `dspipe extend` may lengthen steps past it."""
+    init_from: str | None = None
+    """Hugging Face model directory whose weights initialise step 0 (None: dspipe's seeded initialisation)."""
 
     def __post_init__(self) -> None:
         _positive("train", global_batch=self.global_batch, micro_batch=self.micro_batch, steps=self.steps,
@@ -232,11 +341,21 @@ class TrainSpec:
         _int_range("train", "seed", self.seed, low=0)
         _number("train", "spike_sigma", self.spike_sigma, low=0, high=LIMITS["spike_sigma"], low_open=True,
                 rule="must be positive")
+        if self.tokens is not None:
+            _text("train", "tokens", self.tokens)
+            count = token_count(self.tokens)
+            if count is None:
+                raise SpecError(f"train.tokens {_show(self.tokens)} is not a token count like 300B, 1.5T or 2e9 "
+                                f"(allowed: finite, (0, {LIMITS['tokens']:g}])")
+            if count > LIMITS["tokens"]:
+                raise SpecError(f"train.tokens {_show(self.tokens)} is too large (allowed: finite, "
+                                f"(0, {LIMITS['tokens']:g}])")
         _one_of("train", "precision", self.precision, PRECISIONS)
         _number("train", "lr", self.lr, low=0, high=LIMITS["lr"], low_open=True, rule="must be positive")
         _number("train", "min_lr_ratio", self.min_lr_ratio, low=0, high=1, rule="must be in [0, 1]")
         for name in ("weight_decay", "grad_clip"):
             _number("train", name, getattr(self, name), low=0, high=LIMITS[name], rule="must be >= 0")
+        _text("train", "init_from", self.init_from, optional=True)
 
 
 @dataclass(frozen=True)
@@ -252,7 +371,11 @@ class StrategySpec:
     nvme_path: str | None = None
     """Directory on a local NVMe drive, required for nvme offload."""
     pp: int = 1
-    """Pipeline stages; data parallel size is world / pp."""
+    """Pipeline stages; data parallel size is world / (pp x tp x sp)."""
+    tp: int = 1
+    """Tensor-parallel ranks per replica (DeepSpeed AutoTP, inside a node)."""
+    sp: int = 1
+    """Sequence-parallel ranks per replica (DeepSpeed-Ulysses)."""
     checkpointing: str = "none"
     """Activation recomputation: none, full (per block) or selective (attention core)."""
     partition_method: str = "parameters"
@@ -271,7 +394,7 @@ class StrategySpec:
         _one_of("strategy", "partition_method", self.partition_method, PARTITION_METHODS)
         _flag("strategy", "offload_params", self.offload_params)
         _text("strategy", "nvme_path", self.nvme_path, optional=True)
-        _positive("strategy", pp=self.pp)
+        _positive("strategy", pp=self.pp, tp=self.tp, sp=self.sp)
         for name in ("reduce_bucket_size", "prefetch_bucket_size", "param_persistence_threshold"):
             if getattr(self, name) is not None:
                 _positive("strategy", **{name: getattr(self, name)})

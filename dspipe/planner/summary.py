@@ -13,16 +13,19 @@ def estimate_summary(c: Candidate, *, tokens: float | None = None) -> dict:
     days = None if tokens is None else tokens / c.tokens_per_s / SECONDS_PER_DAY
     return {
         "num_params": p.num_params, "zero_stage": p.zero_stage, "offload": p.offload,
-        "offload_params": p.offload_params, "precision": p.precision, "pp": p.pp, "dp": p.dp,
+        "offload_params": p.offload_params, "precision": p.precision, "pp": p.pp, "tp": p.tp, "sp": p.sp, "dp": p.dp,
         "micro_batch": p.micro_batch, "grad_accum": p.grad_accum, "checkpointing": p.checkpointing,
         "memory_per_gpu_bytes": {"params": m.params, "grads": m.grads, "optimizer": m.optimizer,
                                  "activations": m.activations, "buffers": m.buffers, "total": m.total},
         "model_states_bytes": m.model_states,
-        "gpu_memory_bytes": e.gpu_memory_bytes, "host_memory_bytes": e.host_memory_bytes,
+        "gpu_memory_bytes": e.gpu_memory_bytes, "memory_headroom": e.headroom,
+        "usable_gpu_memory_bytes": e.usable_gpu_memory_bytes, "host_memory_bytes": e.host_memory_bytes,
         "host_memory_capacity_bytes": e.host_memory_capacity,
         "step_time_s": e.step_time_s,
-        "step_time_breakdown_s": {"compute": e.compute_s, "dp_comm": e.dp_comm_s, "bubble": e.bubble_s,
-                                  "pp_comm": e.pp_comm_s, "offload": e.offload_s},
+        "step_time_breakdown_s": {"compute": e.compute_s, "dp_comm": e.dp_comm_s, "tp_comm": e.tp_comm_s,
+                                  "sp_comm": e.sp_comm_s, "bubble": e.bubble_s, "pp_comm": e.pp_comm_s,
+                                  "offload": e.offload_s},
+        "matmul_efficiency": e.matmul_efficiency,
         "tokens_per_s": c.tokens_per_s, "mfu": c.mfu, "train_days": days,
         "gpu_hours": None if days is None else days * 24 * p.world_size,
         "fits": e.fits,
@@ -33,31 +36,53 @@ def _gib(n: int) -> str:
     return f"{n / GIB:8.2f}"
 
 
-def human_report(result: SearchResult, *, tokens: float | None) -> str:
+def top_table(result: SearchResult, *, top: int) -> list[str]:
+    """The `top` fastest fitting plans, the chosen one first (ties reordered by the tie-break), one row each."""
+    rows = [f"  {'#':>2}  {'s/step':>8}  {'tokens/s':>11}  {'MFU':>6}  {'GiB/GPU':>7}  {'of GPU':>6}  plan"]
+    for i, c in enumerate(result.ranked[:top], start=1):
+        e = c.est
+        rows.append(f"  {i:>2}  {e.step_time_s:8.3g}  {c.tokens_per_s:11,.0f}  {c.mfu * 100:5.1f}%  "
+                    f"{e.memory.total / GIB:7.1f}  {e.memory.total / e.gpu_memory_bytes * 100:5.0f}%  "
+                    f"{c.describe(every_axis=True)}")
+    return rows
+
+
+def human_report(result: SearchResult, *, tokens: float | None, tokens_text: str | None = None, top: int = 5) -> str:
+    """`dspipe plan`'s text: the chosen plan, its memory and step time, the tie, the top plans, and why every other
+    family and tp/sp size lost. `tokens_text`: the budget as the user wrote it (300B)."""
     best = result.best
     s = estimate_summary(best, tokens=tokens)
     mem, p = s["memory_per_gpu_bytes"], best.plan
-    lines = [f"plan: {best.describe()}",
-             f"      {p.num_params / 1e6:,.1f}M params, world {p.world_size}, global batch {p.global_batch} "
-             f"= {p.micro_batch} x {p.grad_accum} x {p.dp}, {p.tokens_per_step:,} tokens/step",
+    lines = [f"plan: {best.describe(every_axis=True)}",
+             f"      world {p.world_size} = dp {p.dp} x pp {p.pp} x tp {p.tp} x sp {p.sp}, "
+             f"{p.num_params / 1e6:,.1f}M params",
+             f"      global batch {p.global_batch} = micro_batch {p.micro_batch} x grad_accum {p.grad_accum} "
+             f"x dp {p.dp}, {p.tokens_per_step:,} tokens/step",
              "", "memory per GPU (GiB)"]
     for key in ("params", "grads", "optimizer", "activations", "buffers"):
         lines.append(f"  {key:<12}{_gib(mem[key])}")
     lines.append(f"  {'total':<12}{_gib(mem['total'])}  of {s['gpu_memory_bytes'] / GIB:.2f} "
-                 f"({mem['total'] / s['gpu_memory_bytes'] * 100:.0f}%)")
+                 f"({mem['total'] / s['gpu_memory_bytes'] * 100:.0f}%; plans may use "
+                 f"{(1 - s['memory_headroom']) * 100:.0f}%, {s['usable_gpu_memory_bytes'] / GIB:.2f})")
     if p.offload != "none":
         lines.append(f"  host RAM per node {s['host_memory_bytes'] / GIB:.1f} GiB of "
                      f"{s['host_memory_capacity_bytes'] / GIB:.0f}")
     b = s["step_time_breakdown_s"]
-    lines += ["", f"step time {s['step_time_s']:.3g} s = compute {b['compute']:.3g} + dp comm {b['dp_comm']:.3g} "
-                  f"+ bubble {b['bubble']:.3g} + pp comm {b['pp_comm']:.3g} + offload {b['offload']:.3g}",
-              f"throughput {s['tokens_per_s']:,.0f} tokens/s, MFU {s['mfu'] * 100:.1f}%"]
+    shown = (("compute", "compute"), ("dp comm", "dp_comm"), ("tp comm", "tp_comm"), ("sp comm", "sp_comm"),
+             ("bubble", "bubble"), ("pp comm", "pp_comm"), ("offload", "offload"))
+    terms = " + ".join(f"{name} {b[key]:.3g}" for name, key in shown  # zero tp / sp terms left out
+                       if key in ("compute", "dp_comm", "bubble", "pp_comm", "offload") or b[key])
+    lines += ["", f"step time {s['step_time_s']:.3g} s = {terms}",
+              f"throughput {s['tokens_per_s']:,.0f} tokens/s, MFU {s['mfu'] * 100:.1f}% (compute assumed at "
+              f"{s['matmul_efficiency'] * 100:.0f}% of the {best.plan.precision} peak, the GPU type's catalog figure)"]
     if tokens is not None:
-        lines.append(f"training {tokens:.3g} tokens: {s['train_days']:.1f} days, {s['gpu_hours']:,.0f} GPU-hours")
-    if len(result.ranked) > 1:
-        lines += ["", "runner-up plans"]
-        for c in result.ranked[1:6]:
-            lines.append(f"  {c.est.step_time_s:8.3g} s/step  {c.est.memory.total / GIB:6.1f} GiB  {c.describe()}")
+        shown = tokens_text or f"{tokens:.3g}"
+        lines.append(f"training {shown} tokens: {s['train_days']:.1f} days, {s['gpu_hours']:,.0f} GPU-hours")
+    if result.tie:
+        lines += ["", f"tie: {result.tie}"]
+    if top > 1 and len(result.ranked) > 1:
+        lines += ["", f"top {min(top, len(result.ranked))} of {len(result.ranked)} plans that fit"]
+        lines += top_table(result, top=top)
     if result.rejected:
         lines += ["", "not chosen"]
         for family, why in sorted(result.rejected.items()):

@@ -125,9 +125,12 @@ def read_meta(path: Path) -> dict:
     if meta["zero_stage"] not in ZERO_STAGES or isinstance(meta["zero_stage"], bool):
         raise SpecError(f"{source}: zero_stage {show(meta['zero_stage'])} is not one of: "
                         f"{', '.join(map(str, ZERO_STAGES))}")
-    if meta["dp"] * meta["pp"] != meta["world_size"]:
-        raise SpecError(f"{source}: dp {meta['dp']} x pp {meta['pp']} = {meta['dp'] * meta['pp']} != world_size "
-                        f"{meta['world_size']}")
+    for key in ("tp", "sp"):  # absent in checkpoints saved before tensor/sequence parallelism: 1
+        count(key, meta.setdefault(key, 1), 1)
+    ranks = meta["dp"] * meta["pp"] * meta["tp"] * meta["sp"]
+    if ranks != meta["world_size"]:
+        raise SpecError(f"{source}: dp {meta['dp']} x pp {meta['pp']} x tp {meta['tp']} x sp {meta['sp']} = {ranks} "
+                        f"!= world_size {meta['world_size']}")
     try:
         model = from_dict(ModelSpec, meta["model"])
     except (SpecError, TypeError) as e:
@@ -137,19 +140,61 @@ def read_meta(path: Path) -> dict:
     data = meta["data"]
     if not isinstance(data, dict):
         raise SpecError(f"{source}: data must be an object (the loader's position), got {type(data).__name__}")
-    for key, low in (("consumed_samples", 0), ("seed", 0), ("seq_len", 1), ("num_samples", 1)):
+    blend = "sources" in data  # a blend of data directories (dspipe.data.blend.BlendLoader.state_dict)
+    counts = (("consumed_samples", 0), ("seed", 0), ("seq_len", 1), *(() if blend else (("num_samples", 1),)))
+    for key, low in counts:
         if key not in data:
             raise SpecError(f"{source}: missing data.{key}")
         count(f"data.{key}", data[key], low)
-    for key in ("split", "fingerprint"):
+    for key in ("split", *(() if blend else ("fingerprint",))):
         if not isinstance(data.get(key), str):
             raise SpecError(f"{source}: data.{key} must be a string, got {show(data.get(key))}")
+    if blend:
+        _check_blend_state(source, data, count)
     if data["consumed_samples"] != meta["consumed_samples"]:
         raise SpecError(f"{source}: data.consumed_samples {data['consumed_samples']} != consumed_samples "
                         f"{meta['consumed_samples']}")
     if "run_spec" in meta and not isinstance(meta["run_spec"], dict):
         raise SpecError(f"{source}: run_spec must be an object, got {type(meta['run_spec']).__name__}")
     return meta
+
+
+def _check_blend_state(source: Path, data: dict, count) -> None:
+    """data.sources of a blend: two or more objects with path, fingerprint, num_samples, weight (in (0, 1], summing
+    to 1), drawn and epoch (= drawn // num_samples); the drawn samples add up to data.consumed_samples and each is
+    within 1 of weight x consumed_samples, as the blend's rule keeps them."""
+    import math
+
+    sources = data["sources"]
+    if not isinstance(sources, list) or len(sources) < 2:
+        raise SpecError(f"{source}: data.sources must be a list of two or more blend sources, got {show(sources)}")
+    total_weight, drawn, consumed = 0.0, 0, data["consumed_samples"]
+    for i, s in enumerate(sources):
+        at = f"data.sources[{i}]"
+        if not isinstance(s, dict):
+            raise SpecError(f"{source}: {at} must be an object, got {type(s).__name__}")
+        for key in ("path", "fingerprint"):
+            if not isinstance(s.get(key), str) or not s[key]:
+                raise SpecError(f"{source}: {at}.{key} must be a non-empty string, got {show(s.get(key))}")
+        for key, low in (("num_samples", 1), ("drawn", 0), ("epoch", 0)):
+            if key not in s:
+                raise SpecError(f"{source}: missing {at}.{key}")
+            count(f"{at}.{key}", s[key], low)
+        w = s.get("weight")
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not (math.isfinite(w) and 0 < w <= 1):
+            raise SpecError(f"{source}: {at}.weight must be a number in (0, 1], got {show(w)}")
+        if s["epoch"] != s["drawn"] // s["num_samples"]:
+            raise SpecError(f"{source}: {at}.epoch {s['epoch']} != drawn {s['drawn']} // num_samples "
+                            f"{s['num_samples']}")
+        if abs(s["drawn"] - w * consumed) > 1:
+            raise SpecError(f"{source}: {at}.drawn {s['drawn']} is not the blend's share of data.consumed_samples "
+                            f"{consumed} at weight {w!r}")
+        total_weight += w
+        drawn += s["drawn"]
+    if abs(total_weight - 1) > 1e-9:
+        raise SpecError(f"{source}: data.sources weights sum to {total_weight!r}, not 1")
+    if drawn != consumed:
+        raise SpecError(f"{source}: data.sources drawn {drawn} in all != data.consumed_samples {consumed}")
 
 
 CHECKPOINT_KEYS = ("step", "consumed_samples", "data", "model", "pp", "zero_stage", "dp", "world_size")
@@ -179,15 +224,17 @@ def check_compatible(meta: dict, run, path: Path) -> None:
     diff = [f"{k} {saved.get(k)} -> {now[k]}" for k in now if k != "name" and saved.get(k) != now[k]]
     if diff:
         raise SpecError(f"checkpoint {path} holds a different model shape: {', '.join(diff)}")
-    for key, value in (("pp", run.plan.pp), ("zero_stage", run.plan.zero_stage)):
-        if meta[key] != value:
+    for key, value in (("pp", run.plan.pp), ("tp", run.plan.tp), ("sp", run.plan.sp),
+                       ("zero_stage", run.plan.zero_stage)):
+        if meta.get(key, 1) != value:  # tp/sp: absent (1) in checkpoints from before tensor/sequence parallelism
             raise SpecError(f"checkpoint {path} was saved with {key} {meta[key]}, this run has {key} {value}; "
                             f"resume with the same {key}")
     why = dp_change_refusal(meta=meta, zero_stage=run.plan.zero_stage, pp=run.plan.pp, dp=run.plan.dp,
                             offload=run.plan.offload, path=path)
     if why:
         raise SpecError(f"checkpoint {path} was saved with dp {meta['dp']}, this run has dp {run.plan.dp}: {why}; "
-                        f"resume with dp {meta['dp']} (world size {meta['dp'] * meta['pp']})")
+                        f"resume with dp {meta['dp']} (world size "
+                        f"{meta['dp'] * meta['pp'] * meta.get('tp', 1) * meta.get('sp', 1)})")
 
 
 def trim_metrics(path: Path, step: int) -> None:
@@ -337,7 +384,9 @@ def load(engine, path: Path, loader) -> dict:
 
     path = Path(path)
     meta = read_meta(path)
-    dp = int(engine.dp_world_size)
+    from dspipe.runtime.engine import dp_world_size
+
+    dp = dp_world_size(engine)
     if meta["dp"] != dp and engine.zero_optimization():
         load_path = load_resharded(engine, path, saved_dp=meta["dp"], dp=dp)
     elif bf16_optimizer_without_zero(engine):
@@ -392,7 +441,8 @@ def checkpoint_meta(run, *, step: int, loader, world: int) -> dict:
     """What dspipe.json in a checkpoint holds: position, data state, the shape it was saved with, and the run's
     whole resolved spec (the run directory's dspipe.json: model, cluster, train, strategy, plan, data)."""
     return {"step": step, "consumed_samples": loader.consumed_samples, "data": loader.state_dict(),
-            "model": asdict(run.model), "pp": run.plan.pp, "zero_stage": run.plan.zero_stage, "dp": run.plan.dp,
+            "model": asdict(run.model), "pp": run.plan.pp, "tp": run.plan.tp, "sp": run.plan.sp,
+            "zero_stage": run.plan.zero_stage, "dp": run.plan.dp,
             "world_size": world, "run_spec": json.loads((run.path / SPEC_FILE).read_text())}
 
 

@@ -2,6 +2,12 @@
 uses the planned settings, and run train and eval steps. One small interface, two implementations: `PlainEngine`
 (pp = 1: the GPT module, micro-batch by micro-batch) and `PipelineEngine` (pp > 1: DeepSpeed's PipelineEngine,
 whole batches through its 1F1B schedule). The runner, `dspipe bench`, evaluation and the memory census use it.
+
+Tensor parallelism is DeepSpeed AutoTP's: `deepspeed.initialize` shards the blocks as the rendered
+`tensor_parallel.partition_config` says. Sequence parallelism is DeepSpeed-Ulysses: the sequence groups of
+`parallel_state_sp` go to `deepspeed.initialize` as its mpu (so gradients are reduced over data x sequence ranks),
+each block's attention becomes a DistributedAttention (dspipe.model.sequence), and PlainEngine feeds every sp rank
+its slice of each sequence.
 """
 from __future__ import annotations
 
@@ -20,7 +26,8 @@ def param_groups(module, weight_decay: float) -> list[dict]:
 
 
 def build_module(run: Run):
-    """The plain GPT (pp=1) or its PipelineModule (pp>1), with recomputation wired to DeepSpeed's checkpointing."""
+    """The plain GPT (pp=1) or its PipelineModule (pp>1), with recomputation wired to DeepSpeed's checkpointing;
+    with train.init_from, holding that Hugging Face model's weights (each pipeline stage its own)."""
     import deepspeed
 
     plan, seed = run.plan, run.train.seed
@@ -37,13 +44,17 @@ def build_module(run: Run):
         checkpoint_fn = deepspeed.checkpointing.checkpoint
     if plan.pp > 1:
         from dspipe.model.pipeline import build_pipeline
-        return build_pipeline(model=run.model, stages=plan.pp, partition_method=plan.partition_method,
-                              checkpointing=plan.checkpointing,
-                              activation_checkpoint_interval=plan.activation_checkpoint_interval,
-                              checkpoint_fn=checkpoint_fn or deepspeed.checkpointing.checkpoint, seed=seed)
-    from dspipe.model.gpt import GPT
-    model = GPT(run.model, seed=seed)
-    model.set_recomputation(plan.checkpointing, checkpoint_fn)
+        model = build_pipeline(model=run.model, stages=plan.pp, partition_method=plan.partition_method,
+                               checkpointing=plan.checkpointing,
+                               activation_checkpoint_interval=plan.activation_checkpoint_interval,
+                               checkpoint_fn=checkpoint_fn or deepspeed.checkpointing.checkpoint, seed=seed)
+    else:
+        from dspipe.model.gpt import GPT
+        model = GPT(run.model, seed=seed)
+        model.set_recomputation(plan.checkpointing, checkpoint_fn)
+    if run.train.init_from:  # step 0 from a Hugging Face model, whole, before ZeRO-3/AutoTP partition it at
+        from dspipe.tools.hf_arch import load_into_module  # initialize; a resumed run's checkpoint loads after
+        load_into_module(model, run.train.init_from, run.model)
     return model
 
 
@@ -63,8 +74,11 @@ def engine_settings(engine) -> dict:
         "train_batch_size": int(engine.train_batch_size()),
         "micro_batch": int(engine.train_micro_batch_size_per_gpu()),
         "grad_accum": int(engine.gradient_accumulation_steps()),
-        "dp": int(engine.dp_world_size),
+        "dp": dp_world_size(engine),
         "pp": int(getattr(engine, "num_stages", 1)),
+        "tp": max(1, int(engine.autotp_size())),
+        "tp_sharded_params": _tp_sharded_params(module),
+        "sp": max(1, int(getattr(engine, "sequence_parallel_size", 1) or 1)),
         "wrapper_optimizer": type(zero_opt).__name__,
         "base_optimizer": type(engine.basic_optimizer).__name__,
         "offload_optimizer": bool(getattr(zero_opt, "cpu_offload", False) or getattr(zero_opt, "offload_optimizer", False)),
@@ -76,17 +90,35 @@ def engine_settings(engine) -> dict:
     }
 
 
+def dp_world_size(engine) -> int:
+    """Data-parallel replicas as the engine sees them (under the Ulysses mpu DeepSpeed keeps only the
+    sequence x data group: its size / sp)."""
+    if engine.dp_world_size is not None:
+        return int(engine.dp_world_size)
+    return int(engine.seq_dp_world_size) // int(engine.sequence_parallel_size)
+
+
+def _tp_sharded_params(module) -> int:
+    """How many parameters AutoTP replaced by shards (its layers mark them with ds_is_replaced_module or keep
+    them in LinearLayer/LinearAllreduce modules)."""
+    from deepspeed.module_inject.layers import TensorParallel_Layer
+
+    return sum(1 for m in module.modules() if isinstance(m, TensorParallel_Layer) for _ in m.parameters(recurse=False))
+
+
 def check_engine(settings: dict, run: Run) -> None:
     """Refuse to train when a value we asked for did not reach the engine (silent config drift)."""
     plan = run.plan
     wanted = {"zero_stage": plan.zero_stage, "gradient_clipping": run.train.grad_clip,
               "bf16": plan.precision == "bf16", "fp16": plan.precision == "fp16",
-              "train_batch_size": plan.global_batch, "micro_batch": plan.micro_batch, "grad_accum": plan.grad_accum,
-              "dp": plan.dp, "pp": plan.pp, "offload_optimizer": plan.offload != "none",
+              "train_batch_size": plan.ds_train_batch_size, "micro_batch": plan.micro_batch, "grad_accum": plan.grad_accum,
+              "dp": plan.dp, "pp": plan.pp, "tp": plan.tp, "sp": plan.sp, "offload_optimizer": plan.offload != "none",
               "offload_param": plan.offload_params,
               "activation_checkpoint_interval": plan.activation_checkpoint_interval,
               "world_size": plan.world_size}
     drift = {k: (v, settings[k]) for k, v in wanted.items() if settings[k] != v}
+    if plan.tp > 1 and settings["tp_sharded_params"] == 0:
+        drift["tp_sharded_params"] = ("> 0", 0)  # AutoTP matched none of the layer specs
     if drift:
         raise RuntimeError("engine does not use the planned settings: " +
                            ", ".join(f"{k} planned {a} live {b}" for k, (a, b) in drift.items()))
@@ -129,7 +161,20 @@ class Engine:
 
 
 class PlainEngine(Engine):
-    """pp = 1: forward, backward and step per micro-batch; DeepSpeed steps the optimizer at the boundary."""
+    """pp = 1: forward, backward and step per micro-batch; DeepSpeed steps the optimizer at the boundary.
+    With sp > 1 every rank of a replica gets the same whole sequences and keeps its slice; its loss is its share
+    of the replica's (dspipe.model.sequence.loss_share)."""
+
+    def micro_loss(self, inputs, labels):
+        """The loss of one micro-batch of whole sequences, as this rank contributes it (forward only)."""
+        sp = self.layout.sp
+        if sp == 1:
+            return self.engine(inputs.to(self.device), labels.to(self.device))
+        from dspipe.model.sequence import local_slice, loss_share
+
+        start, stop = self.layout.sequence_slice(inputs.shape[1], self.rank)
+        inputs, labels = (local_slice(t, start=start, stop=stop).to(self.device) for t in (inputs, labels))
+        return loss_share(self.engine(inputs, labels), sp=sp)
 
     def train_step(self, batches, *, poison: bool = False) -> float:
         import torch
@@ -137,7 +182,7 @@ class PlainEngine(Engine):
         engine, total = self.engine, torch.zeros((), device=self.device)
         for micro in range(self.run.plan.grad_accum):
             inputs, labels = next(batches)
-            loss = engine(inputs.to(self.device), labels.to(self.device))
+            loss = self.micro_loss(inputs, labels)
             if poison and micro == 0:
                 loss = loss * float("nan")
             engine.backward(loss)
@@ -152,16 +197,17 @@ class PlainEngine(Engine):
         engine.eval()
         with torch.no_grad():
             for inputs, labels in batches:
-                total += engine(inputs.to(self.device), labels.to(self.device)).float()
+                total += self.micro_loss(inputs, labels).float()
         engine.train()
         return self._mean(total, count=count)
 
     def _mean(self, total, *, count: int) -> float:
-        """Sum over every rank / (count x replicas): each rank of a replica holds the replica's loss."""
+        """Sum over every rank / (count x dp x tp): each tensor-parallel rank holds its replica's loss, the
+        sequence-parallel ranks' shares add up to it."""
         import torch.distributed as dist
 
         dist.all_reduce(total)
-        return float(total) / (count * self.layout.world)
+        return float(total) / (count * self.layout.loss_holders)
 
 
 class PipelineEngine(Engine):
@@ -184,9 +230,31 @@ def build_engine(run: Run, *, compile_: bool = False) -> Engine:
     import torch.distributed as dist
 
     module = build_module(run)
+    mpu = _sequence_parallel(module, layout=run.plan.layout, rank=dist.get_rank()) if run.plan.sp > 1 else None
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=param_groups(module, run.train.weight_decay),
-                                           config=str(run.ds_config_path))
+                                           config=str(run.ds_config_path), mpu=mpu)
     if compile_:
         engine.compile()
     cls = PipelineEngine if run.plan.pp > 1 else PlainEngine
     return cls(engine, run=run, layout=run.plan.layout, rank=dist.get_rank())
+
+
+def _sequence_parallel(module, *, layout: ParallelLayout, rank: int):
+    """Ulysses groups (DeepSpeed's parallel_state_sp, which must agree with the layout's sequence groups), the
+    model's attention made sequence-parallel; returns the mpu for deepspeed.initialize."""
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+
+    from dspipe.model.sequence import shard_sequence
+
+    if parallel_state_sp._SEQUENCE_PARALLEL_GROUP is None:  # once per process
+        parallel_state_sp.initialize_sequence_parallel(layout.sp)
+    mine = next(g for g in layout.groups("seq") if rank in g)
+    if parallel_state_sp.get_sequence_parallel_world_size() != layout.sp or \
+            parallel_state_sp.get_sequence_parallel_rank() != mine.index(rank):
+        raise RuntimeError(f"rank {rank}: DeepSpeed's sequence-parallel group disagrees with the layout's {mine}")
+    spec = module.spec
+    if spec.heads % layout.sp:
+        raise RuntimeError(f"heads {spec.heads} are not divisible by sp {layout.sp}")
+    shard_sequence(module, group=parallel_state_sp.get_sequence_parallel_group(),
+                   start=layout.sequence_slice(spec.seq_len, rank)[0])
+    return parallel_state_sp

@@ -10,11 +10,11 @@ import time
 from dspipe.runtime import checkpoint as ckpt
 from dspipe.runtime.comm import process_group
 from dspipe.runtime.engine import build_engine
-from dspipe.data import TokenWindows, TrainLoader, check_data_for_model
+from dspipe.data.blend import make_loader, open_sources, parse as parse_data
 from dspipe.errors import RunHalted, SpecError
 from dspipe.jsonio import dumps
-from dspipe.runtime.evaluate import check_val_split, evaluate
-from dspipe.planner.throughput import model_flops_per_token, perplexity, step_rates
+from dspipe.runtime.evaluate import evaluate_sets, val_columns, val_sets
+from dspipe.planner.throughput import model_flops_per_token, step_rates
 from dspipe.rundir import Run, load_run
 from dspipe.runtime.metrics_log import GIB, RunLog
 from dspipe.runtime.stability import Health, PoisonedLoss, guard_base_optimizer, nan_test_steps
@@ -76,15 +76,15 @@ def train_in_group(run: Run, *, resume: str, restart: bool, backend: str) -> dic
         raise SpecError(f"{run.path} was generated for world size {run.plan.world_size} "
                         f"({run.cluster.nodes} nodes x {run.cluster.gpus_per_node}), launched with {world}; "
                         f"regenerate with matching --nodes/--gpus-per-node")
-    torch.manual_seed(run.train.seed + rank)  # dropout streams; weights come from per-layer generators
-    check_data_for_model(run.data, model_vocab=run.model.vocab, seq_len=run.model.seq_len)
-    windows = TokenWindows(run.data, seq_len=run.model.seq_len)  # memory maps, checked against meta.json
+    # dropout streams (weights come from per-layer generators); tensor-parallel peers share one, so that the
+    # dropout after their all-reduce drops the same elements of the replicated activations on every peer
+    torch.manual_seed(run.train.seed + rank // layout.tp)
+    data = parse_data(run.data)  # one data directory, or a blend of several (dspipe.data.blend)
+    # every source checked against the model and the others (one tokenizer); memory maps checked against meta.json
+    windows = open_sources(data, model_vocab=run.model.vocab, seq_len=run.model.seq_len)
     plan, tr, steps = run.plan, run.train, run.train.steps
-    val_windows, eval_batches = None, 0
-    if tr.eval_interval:
-        val_windows = TokenWindows(run.data, seq_len=run.model.seq_len, split="val")
-        eval_batches = check_val_split(windows=val_windows, micro_batch=plan.micro_batch, dp=layout.dp,
-                                       batches=tr.eval_batches)
+    val = val_sets(data, seq_len=run.model.seq_len, micro_batch=plan.micro_batch, dp=layout.dp,
+                   batches=tr.eval_batches) if tr.eval_interval else []  # per source for a blend
     if restart:
         restart_run(run, rank=rank)  # before the engine opens monitor/
         resume_from = None
@@ -96,7 +96,7 @@ def train_in_group(run: Run, *, resume: str, restart: bool, backend: str) -> dic
     guarded = guard_base_optimizer(engine)
     if rank == 0:
         run.engine_path.write_text(dumps({**eng.settings, "nonfinite_guard": guarded}, what=str(run.engine_path)))
-    loader = TrainLoader(windows=windows, seed=tr.seed, micro_batch=plan.micro_batch, dp=layout.dp,
+    loader = make_loader(data, windows, seed=tr.seed, micro_batch=plan.micro_batch, dp=layout.dp,
                          dp_rank=eng.dp_rank)
     reads_data = eng.reads_data  # under a pipeline only the first and last stages read; the others skip along
     device, peak = device_peak_tflops(precision=plan.precision)
@@ -104,7 +104,8 @@ def train_in_group(run: Run, *, resume: str, restart: bool, backend: str) -> dic
     say(f"dspipe: {run.model.name} {plan.num_params / 1e6:.2f}M params | {layout.describe()} "
         f"| ZeRO-{plan.zero_stage} offload {plan.offload} | {plan.precision} | {backend} on {device} | recompute "
         f"{plan.checkpointing} | batch {plan.micro_batch} x ga {plan.grad_accum} x dp {layout.dp} = "
-        f"{plan.global_batch} seq x {run.model.seq_len} tok", flush=True)
+        f"{plan.global_batch} seq x {run.model.seq_len} tok"
+        f"{f' | {steps:,} steps (token budget {tr.tokens})' if tr.tokens else ''}", flush=True)
 
     start_step = 0
     if resume_from is not None:
@@ -118,12 +119,12 @@ def train_in_group(run: Run, *, resume: str, restart: bool, backend: str) -> dic
                   meta=ckpt.checkpoint_meta(run, step=at, loader=loader, world=world))
 
     def validate(at: int) -> None:
-        loss = evaluate(eng, windows=val_windows, micro_batch=plan.micro_batch, batches=eval_batches)
-        log.validation({"step": at, "tokens": at * plan.tokens_per_step, "val_loss": loss,
-                        "val_ppl": perplexity(loss)})
+        log.validation({"step": at, "tokens": at * plan.tokens_per_step,
+                        **evaluate_sets(eng, val, micro_batch=plan.micro_batch)})
 
     log = RunLog(run.path, monitor=engine.monitor, enabled=rank == 0, resumed_at=start_step,
-                 log_interval=tr.log_interval, steps=steps, validating=bool(tr.eval_interval))
+                 log_interval=tr.log_interval, steps=steps, validating=bool(tr.eval_interval),
+                 tokens_per_step=plan.tokens_per_step, val_columns=val_columns(val))
     health = Health(max_skips=tr.max_skipped_steps, window=tr.spike_window, sigma=tr.spike_sigma)
     flops_per_token = model_flops_per_token(run.model)
     poison_steps = nan_test_steps()

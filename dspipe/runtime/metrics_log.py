@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import csv
 import io
+import sys
 from pathlib import Path
 
 from dspipe.atomic import write_file
 from dspipe.errors import SpecError
 from dspipe.planner.throughput import STEP_COLUMNS, VAL_COLUMNS
 from dspipe.rundir import VAL_FILE
+from dspipe.runtime.progress import Progress
 
 GIB = 2 ** 30
 SAMPLE_KEYED_PREFIX = "Train_Samples_"  # DeepSpeed's csv monitor files keyed by samples (written before dspipe 11)
@@ -118,12 +120,30 @@ def prepare_monitor(monitor, *, resumed_at: int) -> None:
                 cm.filenames.append(f.stem)  # it has its header: DeepSpeed must not write another one
 
 
+def finish_monitors(monitor) -> None:
+    """End the W&B run and the Comet experiment DeepSpeed's monitor started, so that everything logged is written
+    (offline: to the local run directory) before the rank exits."""
+    wandb_monitor = getattr(monitor, "wandb_monitor", None)
+    if wandb_monitor is not None and wandb_monitor.enabled:
+        import wandb
+
+        wandb.finish()
+    comet_monitor = getattr(monitor, "comet_monitor", None)
+    experiment = getattr(comet_monitor, "experiment", None)
+    if experiment is not None:
+        experiment.end()
+
+
 class RunLog:
     """Everything rank 0 writes per step and per evaluation. Other ranks get a RunLog with `enabled=False`."""
 
     def __init__(self, run_path: Path, *, monitor, enabled: bool, resumed_at: int, log_interval: int,
-                 steps: int, validating: bool):
+                 steps: int, validating: bool, tokens_per_step: int = 0, terminal: bool | None = None,
+                 val_columns: tuple[str, ...] = ()):
         self.enabled, self.monitor, self.log_interval, self.steps = enabled, monitor, log_interval, steps
+        self.progress = Progress(total_steps=steps, tokens_per_step=tokens_per_step, start_step=resumed_at)
+        self.terminal = sys.stdout.isatty() if terminal is None else terminal
+        self._bar_shown = False
         self.steps_csv = self.val_csv = None
         if monitor is not None:
             monitor.enabled = False  # DeepSpeed's engine writes its Train/Samples/* events only while this is set
@@ -131,13 +151,18 @@ class RunLog:
             prepare_monitor(monitor, resumed_at=resumed_at)
             self.steps_csv = _Csv(Path(run_path) / "metrics.csv", STEP_COLUMNS, resumed_at=resumed_at)
             if validating:
-                self.val_csv = _Csv(Path(run_path) / VAL_FILE, VAL_COLUMNS, resumed_at=resumed_at)
+                # a blend adds one val_loss_NAME column per source (dspipe.runtime.evaluate.val_columns)
+                self.val_csv = _Csv(Path(run_path) / VAL_FILE, VAL_COLUMNS + tuple(val_columns),
+                                    resumed_at=resumed_at)
             if resumed_at and self.steps_csv.kept < resumed_at:
                 self.say(f"dspipe: note: {self.steps_csv.path} holds rows for {self.steps_csv.kept} of the "
                          f"{resumed_at} steps before the resume (the others were lost with the file)")
 
     def say(self, line: str) -> None:
         if self.enabled:
+            if self._bar_shown:  # a log line replaces the bar; the bar comes back after the next step
+                print("\r\033[K", end="")
+                self._bar_shown = False
             print(line, flush=True)
 
     def _events(self, prefix: str, row: dict, step: int) -> None:
@@ -152,6 +177,7 @@ class RunLog:
         self.steps_csv.write(row)
         self._events("Train", row, row["step"])
         s = row["step"]
+        self.progress.update(s, row["step_time_s"])
         if s == 1 or s % self.log_interval == 0 or s == self.steps:
             mfu = "n/a" if row["mfu"] is None else f"{100 * row['mfu']:.1f}%"
             norm = "-" if row["grad_norm"] is None else f"{row['grad_norm']:.3f}"
@@ -159,19 +185,29 @@ class RunLog:
                      f"{row['tokens_per_s']:,.0f} tok/s | {row['samples_per_s']:,.1f} samples/s | "
                      f"{row['tflops_per_gpu']:.3g} TFLOP/s/gpu | MFU {mfu} | mem {row['mem_allocated_gib']:.2f}/"
                      f"{row['mem_reserved_gib']:.2f} GiB | {1000 * row['step_time_s']:.0f} ms")
+            self.say(f"progress: {self.progress.fields()}")
+        if self.terminal and s < self.steps:  # a bar that rewrites itself between the log lines
+            print("\r\033[K" + self.progress.bar(), end="", flush=True)
+            self._bar_shown = True
 
     def validation(self, row: dict) -> None:
         if not self.enabled:
             return
         self.val_csv.write(row)  # validating=True whenever validation runs
         self._events("Validation", row, row["step"])
+        extra = self.val_csv.columns[len(VAL_COLUMNS):]  # a blend's per-source losses
+        per_source = "".join(f" | {c[len('val_loss_'):]} {row[c]:.4f}" for c in extra)
         self.say(f"step {row['step']:>5}/{self.steps} | validation loss {row['val_loss']:.4f} | "
-                 f"perplexity {row['val_ppl']:.2f}")
+                 f"perplexity {row['val_ppl']:.2f}{per_source}")
 
     def close(self) -> None:
         if self.enabled:
+            if self._bar_shown:
+                print("\r\033[K", end="", flush=True)
+                self._bar_shown = False
             self.steps_csv.close()
             if self.val_csv:
                 self.val_csv.close()
             if self.monitor is not None and getattr(self.monitor, "tb_monitor", None) is not None:
                 self.monitor.tb_monitor.summary_writer.flush()
+            finish_monitors(self.monitor)

@@ -29,6 +29,9 @@ def dp_change_refusal(*, meta: dict, zero_stage: int, pp: int, dp: int, offload:
         return "DeepSpeed restores NVMe-offloaded optimizer state only onto the ranks that saved it"
     if pp > 1:
         return "re-partitioning a pipeline checkpoint to another dp is not supported by dspipe"
+    if meta.get("tp", 1) > 1 or meta.get("sp", 1) > 1:
+        return ("re-partitioning a tensor- or sequence-parallel ZeRO checkpoint to another dp is not verified by "
+                "dspipe (each tp rank's shards are partitioned separately)")
     return None
 
 

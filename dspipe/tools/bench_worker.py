@@ -97,13 +97,14 @@ class Timer:
         self._t = now
 
 
-def _mean_loss(total, *, count: int) -> float:
-    """Loss averaged over this rank's micro-batches and every rank (what run.py logs for a step)."""
+def _mean_loss(total, *, count: int, replicas: int) -> float:
+    """Loss averaged over this rank's micro-batches and every replica (what the runner logs for a step): the sum
+    over every rank / (count x world / sp), sequence-parallel ranks holding shares of their replica's loss."""
     import torch.distributed as dist
 
     total = total.detach().float().cpu().reshape(1)
     dist.all_reduce(total)  # CPU tensor: gloo, or NCCL's device copy is not worth it for one number
-    return float(total) / (count * dist.get_world_size())
+    return float(total) / (count * replicas)
 
 
 def _start_window(dev: Device) -> float:
@@ -116,7 +117,7 @@ def _start_window(dev: Device) -> float:
 
 
 def _loop(*, micro_step, optimizer_step, batches: list, grad_accum: int, warmup: int, steps: int, dev: Device,
-          timer: Timer) -> dict:
+          timer: Timer, replicas: int) -> dict:
     """warmup + steps optimizer steps of grad_accum micro-batches; the first step's loss, the measured seconds."""
     import torch
 
@@ -135,7 +136,7 @@ def _loop(*, micro_step, optimizer_step, batches: list, grad_accum: int, warmup:
         optimizer_step()
         timer.lap("step")
         if step == 0:
-            first_loss = _mean_loss(total, count=grad_accum)
+            first_loss = _mean_loss(total, count=grad_accum, replicas=replicas)
     dev.sync()
     seconds = time.perf_counter() - t0
     return {"first_loss": first_loss, "seconds": seconds}
@@ -156,8 +157,7 @@ def run_dspipe(run: Run, *, dev: Device, batches: list, warmup: int, steps: int,
     timer = Timer(dev)
 
     def micro_step(batch, *, last: bool, timer: Timer):
-        inputs, labels = batch
-        loss = engine(inputs.to(dev.device), labels.to(dev.device))
+        loss = eng.micro_loss(*batch)
         timer.lap("forward")
         engine.backward(loss)  # DeepSpeed scales by 1/grad_accum and reduces gradients at the boundary
         timer.lap("backward")
@@ -166,8 +166,10 @@ def run_dspipe(run: Run, *, dev: Device, batches: list, warmup: int, steps: int,
             timer.lap("step")
         return loss
 
+    layout = run.plan.layout
     result = _loop(micro_step=micro_step, optimizer_step=lambda: None, batches=batches,
-                   grad_accum=run.plan.grad_accum, warmup=warmup, steps=steps, dev=dev, timer=timer)
+                   grad_accum=run.plan.grad_accum, warmup=warmup, steps=steps, dev=dev, timer=timer,
+                   replicas=layout.loss_holders)
     return {**result, "phases": timer.totals, "engine": engine_info}
 
 
@@ -240,7 +242,7 @@ def run_reference(run: Run, *, dev: Device, batches: list, warmup: int, steps: i
         optimizer.zero_grad(set_to_none=True)
 
     result = _loop(micro_step=micro_step, optimizer_step=optimizer_step, batches=batches, grad_accum=plan.grad_accum,
-                   warmup=warmup, steps=steps, dev=dev, timer=timer)
+                   warmup=warmup, steps=steps, dev=dev, timer=timer, replicas=plan.world_size)  # DDP: pp = tp = sp = 1
     return {**result, "phases": timer.totals}
 
 
@@ -276,9 +278,11 @@ def main(argv: list[str] | None = None) -> int:
     run = load_run(args.run)
     dev = Device()
     rank = int(os.environ.get("RANK", 0))
-    torch.manual_seed(run.train.seed + rank)  # dropout streams, as run.py seeds them
+    layout = run.plan.layout
+    torch.manual_seed(run.train.seed + rank // layout.tp)  # dropout streams, as the runner seeds them
+    # the batches of this rank's data-parallel replica: its tensor/sequence-parallel peers read the same ones
     batches = synthetic_batches(vocab=run.model.vocab, seq_len=run.model.seq_len, micro_batch=run.plan.micro_batch,
-                                seed=run.train.seed, rank=rank,
+                                seed=run.train.seed, rank=layout.dp_rank(rank),
                                 count=(args.warmup + args.steps) * run.plan.grad_accum)
     side = run_dspipe if args.side == "dspipe" else run_reference
     result = side(run, dev=dev, batches=batches, warmup=args.warmup, steps=args.steps, compile_=args.compile)

@@ -1,4 +1,5 @@
-"""A dspipe checkpoint -> one fp32 state dict (dspipe GPT names) -> a Hugging Face GPT-2 directory.
+"""A dspipe checkpoint -> one fp32 state dict (dspipe GPT names) -> a Hugging Face directory (GPT2LMHeadModel or
+LlamaForCausalLM, as the model's architecture is: dspipe.tools.hf_arch).
 
 Where the weights come from, by layout:
 
@@ -10,6 +11,8 @@ Where the weights come from, by layout:
     bf16 ZeRO-1         DeepSpeed's BF16_Optimizer: fp32 partitions located by its saved param_slice_mappings
     pp = 1, ZeRO 0      bf16/fp16: FP16_Optimizer's flat fp32 groups; fp32: the module weights in
                         mp_rank_00_model_states.pt (they are the master weights)
+    tp > 1 (AutoTP)     each tp rank's weights as above from its own mp_rank_RR files, then the shards
+                        concatenated back by the split AutoTP used (dspipe.planner.autotp.merge_shards)
 
 Nothing is written until the whole export is complete: a sibling temp directory renamed into place."""
 from __future__ import annotations
@@ -30,13 +33,11 @@ from dspipe.errors import SpecError
 from dspipe.jsonio import read_object
 from dspipe.rundir import DS_CONFIG_FILE
 from dspipe.planner.spec import ModelSpec, from_dict
+from dspipe.tools.hf_arch import architecture_of, hf_model  # the architectures (hf_model re-exported)
+from dspipe.tools.hf_arch import layer_prefix as _layer_prefix, pipeline_gpt_name as _pipeline_name
 
 LAYER_FILE = re.compile(r"^layer_(\d+)(?:-model_\d+)?-model_states\.pt$")  # -model_XX: tensor parallel only
 OPTIM_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
-TIED_PREFIX = "tied_modules.embed."
-CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-GELU_TANH = "gelu_new"  # HF's name for 0.5x(1 + tanh(sqrt(2/pi)(x + 0.044715x^3))) = F.gelu(approximate="tanh")
-LAYER_NORM_EPS = 1e-5  # torch.nn.LayerNorm's default, which model.py uses
 
 
 # ---- which checkpoint ---------------------------------------------------------------------------------------------
@@ -77,7 +78,7 @@ def model_spec(meta: dict) -> ModelSpec:
 
 def tokenizer_dir(checkpoint: Path) -> Path:
     """The run's prepared data holds the tokenizer (DATA/tokenizer); the run is runs/NAME/checkpoints/TAG/../.."""
-    from dspipe.data import TOKENIZER_DIR
+    from dspipe.data.blend import tokenizer_dir as data_tokenizer_dir
     from dspipe.rundir import load_run
 
     run_dir = Path(checkpoint).resolve().parent.parent
@@ -85,7 +86,7 @@ def tokenizer_dir(checkpoint: Path) -> Path:
         raise SpecError(f"cannot find the tokenizer of checkpoint {checkpoint}: {run_dir} is not its run directory "
                         f"(the run's dspipe.json names the data directory holding the tokenizer)")
     data = load_run(run_dir).data
-    tok = Path(data) / TOKENIZER_DIR
+    tok = data_tokenizer_dir(data)  # a blend's sources share one tokenizer
     if not (tok / "tokenizer.json").is_file() and not (tok / "tokenizer_config.json").is_file():
         raise SpecError(f"tokenizer not found: {tok} (the data directory of run {run_dir} is {data}); "
                         f"prepare it again with 'dspipe prepare-data --out {data}'")
@@ -141,27 +142,6 @@ def _load(path: Path, *, mmap: bool = False) -> dict:
     import torch
 
     return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
-
-
-def _pipeline_name(name: str, *, layers: int) -> str:
-    """PipelineModule parameter name ('3.ln_1.weight', 'tied_modules.embed.wte.weight') -> GPT name."""
-    if name.startswith(TIED_PREFIX):
-        return "embed." + name[len(TIED_PREFIX):]
-    index, rest = name.split(".", 1)
-    return _layer_prefix(int(index), layers=layers) + rest
-
-
-def _layer_prefix(index: int, *, layers: int) -> str:
-    """Pipeline layer index -> GPT module prefix: embedding, blocks 1..L, final norm, untied head."""
-    if index == 0:
-        return "embed."
-    if 1 <= index <= layers:
-        return f"h.{index - 1}."
-    if index == layers + 1:
-        return "final."
-    if index == layers + 2:
-        return "lm_head."
-    raise SpecError(f"pipeline layer {index} does not exist in a {layers}-layer model")
 
 
 def _optim_files(checkpoint: Path) -> dict[int, list[Path]]:
@@ -276,6 +256,8 @@ def consolidate(checkpoint: Path, *, meta: dict) -> dict:
 
     _import_deepspeed()
     spec, pp = model_spec(meta), int(meta["pp"])
+    if int(meta.get("tp", 1)) > 1:
+        return _consolidate_tensor_parallel(checkpoint, tp=int(meta["tp"]), spec=spec)
     module = _module_weights(checkpoint, pp=pp, layers=spec.layers)
 
     def model_file(stage: int) -> Path:  # pipelines run ZeRO 0-1: one model-states file per stage
@@ -287,6 +269,17 @@ def consolidate(checkpoint: Path, *, meta: dict) -> dict:
         raise SpecError(f"checkpoint {checkpoint}: cannot merge the fp32 master weights: "
                         f"{' '.join(str(e).split())[:300]}") from None
     master = {(name if pp == 1 else _pipeline_name(name, layers=spec.layers)): t for name, t in raw.items()}
+    out = _prefer_master(module=module, master=master, checkpoint=checkpoint)
+    if spec.tied_embeddings:
+        out.pop("lm_head.weight", None)
+    return out
+
+
+def _prefer_master(*, module: dict, master: dict, checkpoint: Path) -> dict:
+    """Every parameter in fp32: the master copy where there is one (reshaped like the module's tensor), else the
+    module weight."""
+    import torch
+
     if not master and not module:
         raise SpecError(f"checkpoint {checkpoint} holds no model weights (no mp_rank_00_model_states.pt, layer_*, "
                         f"or *_optim_states.pt files)")
@@ -301,6 +294,46 @@ def consolidate(checkpoint: Path, *, meta: dict) -> dict:
         elif name in module and module[name].numel() == t.numel() and module[name].dim() > 0:
             t = t.reshape(module[name].shape)  # BF16_Optimizer fragments are flat
         out[name] = t.detach().float().contiguous()
+    return out
+
+
+def _consolidate_tensor_parallel(checkpoint: Path, *, tp: int, spec: ModelSpec) -> dict:
+    """tp > 1 (AutoTP, pp = 1): every tp rank's weights as the single-rank path reads them (its model-states
+    file mp_rank_RR and its optimizer files ..._mp_rank_RR_...), then the shards put back together by the split
+    AutoTP used (dspipe.planner.autotp); replicated tensors must agree across the tp ranks."""
+    from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT, ZERO_STAGE
+
+    from dspipe.planner.autotp import merge_shards
+
+    optim = _optim_files(checkpoint)
+    if optim and sorted(optim) != list(range(tp)):
+        raise SpecError(f"checkpoint {checkpoint}: optimizer files for tp ranks {sorted(optim)}, expected 0-{tp - 1}")
+    ranks = []
+    for r in range(tp):
+        model_file = checkpoint / f"mp_rank_{r:02d}_model_states.pt"
+        if not model_file.is_file():
+            raise SpecError(f"checkpoint {checkpoint}: missing {model_file.name} (tp rank {r} of {tp})")
+        module = dict(_load(model_file).get("module") or {})
+        master = {}
+        if optim:
+            try:
+                if ZERO_STAGE in _load(optim[r][0], mmap=True)[OPTIMIZER_STATE_DICT]:
+                    master = _master_from_zero_files(model_file=model_file, optim_files=optim[r], checkpoint=checkpoint)
+                else:
+                    master = _master_from_bf16_optimizer(optim[r])
+            except (OSError, KeyError, ValueError, RuntimeError) as e:
+                raise SpecError(f"checkpoint {checkpoint}: cannot merge tp rank {r}'s fp32 master weights: "
+                                f"{' '.join(str(e).split())[:300]}") from None
+        ranks.append(_prefer_master(module=module, master=master, checkpoint=checkpoint))
+    names = set(ranks[0])
+    for r, state in enumerate(ranks[1:], start=1):
+        if set(state) != names:
+            raise SpecError(f"checkpoint {checkpoint}: tp rank {r} holds other parameters than tp rank 0: "
+                            f"{sorted(set(state) ^ names)[:3]}")
+    try:
+        out = {name: merge_shards(name, [state[name] for state in ranks], spec) for name in sorted(names)}
+    except (ValueError, RuntimeError) as e:
+        raise SpecError(f"checkpoint {checkpoint}: {e}") from None
     if spec.tied_embeddings:
         out.pop("lm_head.weight", None)
     return out
@@ -324,57 +357,11 @@ def _load_strict(model, state: dict, source) -> None:
             from None
 
 
-# ---- Hugging Face GPT-2 -------------------------------------------------------------------------------------------
-
-def hf_config(spec: ModelSpec, *, eos_id: int | None):
-    from transformers import GPT2Config
-
-    return GPT2Config(vocab_size=spec.vocab, n_positions=spec.seq_len, n_embd=spec.hidden, n_layer=spec.layers,
-                      n_head=spec.heads, n_inner=spec.ffn, activation_function=GELU_TANH,
-                      resid_pdrop=spec.dropout, embd_pdrop=spec.dropout, attn_pdrop=spec.dropout,
-                      layer_norm_epsilon=LAYER_NORM_EPS, tie_word_embeddings=spec.tied_embeddings,
-                      bos_token_id=eos_id, eos_token_id=eos_id, architectures=["GPT2LMHeadModel"])
-
-
-def to_hf_state_dict(state: dict, *, tied: bool) -> dict:
-    """dspipe GPT names -> GPT2LMHeadModel names; Linear (out, in) weights -> Conv1D (in, out)."""
-    out = {}
-    for name, t in state.items():
-        if name.startswith("embed."):
-            key = "transformer." + name[len("embed."):]
-        elif name.startswith("h."):
-            key = "transformer." + name
-            if name.split(".", 2)[2] in CONV1D:
-                t = t.t()
-        elif name.startswith("final."):
-            key = "transformer." + name[len("final."):]
-        elif name == "lm_head.weight":
-            key = name
-        else:
-            raise SpecError(f"unexpected parameter {name} in the consolidated checkpoint")
-        out[key] = t.contiguous()
-    if tied:
-        out["lm_head.weight"] = out["transformer.wte.weight"]
-    return out
-
-
-def hf_model(state: dict, spec: ModelSpec, *, eos_id: int | None, source):
-    """GPT2LMHeadModel holding `state` (dspipe names), every weight checked (strict)."""
-    import torch
-    from transformers import GPT2LMHeadModel
-
-    model = GPT2LMHeadModel(hf_config(spec, eos_id=eos_id)).to(torch.float32)
-    converted = to_hf_state_dict(state, tied=spec.tied_embeddings)
-    missing, unexpected = model.load_state_dict(converted, strict=False)
-    missing = [k for k in missing if not k.endswith("attn.bias") and not k.endswith("attn.masked_bias")]
-    if missing or unexpected:
-        raise SpecError(f"checkpoint {source} does not map onto GPT-2: missing {missing[:5]}, unexpected "
-                        f"{unexpected[:5]}")
-    return model.eval()
-
+# ---- Hugging Face ------------------------------------------------------------------------------------------------
 
 def export_hf(*, source: str | Path, out: str | Path, force: bool = False) -> Path:
-    """Write a GPT2LMHeadModel directory (safetensors) with the run's tokenizer; returns the checkpoint used."""
+    """Write a GPT2LMHeadModel or LlamaForCausalLM directory (safetensors) with the run's tokenizer; returns the
+    checkpoint used."""
     out = outputs.target(out, flag="--out", expect="dir")
     outputs.claim_dir(out, kind="export-hf", replace=force)  # only a previous export, never a run or other data
     checkpoint = resolve_checkpoint(source)
@@ -382,9 +369,11 @@ def export_hf(*, source: str | Path, out: str | Path, force: bool = False) -> Pa
     tok_dir = tokenizer_dir(checkpoint)
     tokenizer = load_tokenizer(tok_dir)
     spec = model_spec(meta)
+    architecture_of(spec)  # a model no supported architecture computes: refused before the weights are merged
     if len(tokenizer) > spec.vocab:
         raise SpecError(f"tokenizer {tok_dir} has {len(tokenizer)} tokens, more than the model's vocab {spec.vocab}")
-    model = hf_model(consolidate(checkpoint, meta=meta), spec, eos_id=tokenizer.eos_token_id, source=checkpoint)
+    model = hf_model(consolidate(checkpoint, meta=meta), spec, eos_id=tokenizer.eos_token_id,
+                     bos_id=tokenizer.bos_token_id, source=checkpoint)
     dest = Path(os.path.abspath(out))
     with outputs.writing(out):
         tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))

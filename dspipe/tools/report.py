@@ -248,16 +248,16 @@ def render_markdown(run: Run, *, estimate: dict, engine: dict | None, m: Measure
     steady = (f"median of steps {m.steady_from}-{m.last_step}" if m.warmup
               else f"median of all {m.rows} steps (too few to drop a warm-up)")
     engine_line = ("not written yet (the runner writes engine.json once the engine is up)" if engine is None else
-                   f"ZeRO-{engine.get('zero_stage')}, dp {engine.get('dp')} x pp {engine.get('pp')}, "
+                   f"ZeRO-{engine.get('zero_stage')}, dp {engine.get('dp')} x pp {engine.get('pp')}"
+                   + "".join(f" x {k} {engine[k]}" for k in ("tp", "sp") if engine.get(k, 1) != 1) + ", "
                    f"{engine.get('backend')}, {engine.get('wrapper_optimizer')} / {engine.get('base_optimizer')}, "
                    f"world {engine.get('world_size')} (engine.json)")
     lines = [
         f"# Run report: {run.path.name}", "",
         f"Run directory `{run.path}`: {m.rows} steps ({m.first_step}-{m.last_step}), {m.tokens:,} tokens.", "",
         "## Configuration", "", "| | |", "|---|---|",
-        f"| model | {model.name}: {plan.num_params / 1e6:,.2f}M params (L{model.layers} h{model.hidden} "
-        f"a{model.heads} s{model.seq_len} V{model.vocab}) |",
-        f"| world | {plan.world_size} = dp {plan.dp} x pp {plan.pp} ({cluster.nodes} node(s) x "
+        f"| model | {model.name}: {plan.num_params / 1e6:,.2f}M params ({model.shape_text}) |",
+        f"| world | {plan.layout.describe().removeprefix('world ')} ({cluster.nodes} node(s) x "
         f"{cluster.gpus_per_node} {cluster.gpu}) |",
         f"| ZeRO | stage {plan.zero_stage}, offload {plan.offload}{' + parameters' if plan.offload_params else ''} |",
         f"| precision | {plan.precision} (gradient accumulation in {plan.grad_accum_dtype}) |",

@@ -36,7 +36,8 @@ def ok(r):
 
 # ---- distributed: exactness after kill -9, crash inside a save -------------------------------------------------
 
-EXACT = {"zero1": ["--zero", "1"], "zero3": ["--zero", "3"], "pp2-zero1": ["--zero", "1", "--pp", "2"]}
+EXACT = {"zero1": ["--zero", "1"], "zero3": ["--zero", "3"], "pp2-zero1": ["--zero", "1", "--pp", "2"],
+         "tp2-zero1": ["--zero", "1", "--tp", "2"], "sp2-zero1": ["--zero", "1", "--sp", "2"]}
 
 
 @pytest.mark.distributed

@@ -24,7 +24,7 @@ def test_gen_config_writes_the_run_and_prints_the_command(tmp_path, corpus):
     assert spec["data"] == str(corpus)
     assert cfg["zero_optimization"]["stage"] == 2 and cfg["gradient_clipping"] == 1.0
     assert cfg["tensorboard"]["output_path"] == "runs/a/monitor"
-    assert sorted(p.name for p in run.iterdir()) == ["ds_config.json", "dspipe.json"]
+    assert sorted(p.name for p in run.iterdir()) == ["config.yaml", "ds_config.json", "dspipe.json"]
 
 
 def test_bucket_size_flags_reach_the_json(tmp_path):
@@ -62,7 +62,7 @@ BAD = [
     (["--model", "tiny", "--global-batch", "512", "--micro-batch", "3", "--gpus-per-node", "8"],
      "global batch 512 is not divisible by micro_batch 3 x dp 8 = 24"),
     (["--model", "tiny", "--pp", "3"], "pipeline stages 3 > layers 2"),
-    (["--model", "gpt2-124m", "--gpus-per-node", "6", "--pp", "4"], "is not divisible by pipeline stages 4"),
+    (["--model", "gpt2-124m", "--gpus-per-node", "6", "--pp", "4"], "is not divisible by pp 4 x tp 1 x sp 1 = 4"),
     (["--model", "tiny", "--pp", "2", "--zero", "2"], "supports ZeRO stages 0-1 only; use --zero 1"),
     (["--model", "tiny", "--zero", "2", "--precision", "fp16", "--pp", "2"], "ZeRO-2 with pp 2"),
     (["--model", "tiny", "--zero", "2", "--offload", "cpu", "--offload-params"], "--offload-params needs ZeRO-3"),

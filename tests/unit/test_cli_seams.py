@@ -158,7 +158,8 @@ def test_gen_config_and_bench_write_the_run_through_the_same_function(tmp_path, 
     r = CliRunner().invoke(app.cli, ["gen-config", *CPU2, "--zero", "1", "--out", "runs/a"])
     assert r.exit_code == 0, r.output
     out, kw, files = recorder.calls[-1]
-    assert out == Path("runs/a") and files == ["ds_config.json", "dspipe.json"] and kw["data"] == "data/stdlib"
+    assert out == Path("runs/a") and files == ["config.yaml", "ds_config.json", "dspipe.json"]
+    assert kw["data"] == "data/stdlib"
     spec = json.loads((tmp_path / "runs/a/dspipe.json").read_text())
     assert spec["train"]["lr"] == DEFAULTED["lr"] and spec["train"]["warmup_steps"] == 2  # 20 steps / 10
     assert f"wrote {Path('runs/a') / 'ds_config.json'} and" in r.output

@@ -55,7 +55,7 @@ def test_pipeline_forces_overlap_off_and_sets_checkpoint_interval():
 @pytest.mark.parametrize("kwargs,message", [
     (dict(gbs=512, mb=3), "global batch 512 is not divisible by micro_batch 3 x dp 8 = 24"),
     (dict(pp=16), "pipeline stages 16 > layers 12"),
-    (dict(gpus=6, pp=4), r"world size 6 \(1 nodes x 6 GPUs\) is not divisible by pipeline stages 4"),
+    (dict(gpus=6, pp=4), r"world size 6 \(1 nodes x 6 GPUs\) is not divisible by pp 4 x tp 1 x sp 1 = 4"),
     (dict(zero=2, pp=2), "ZeRO-2 with pp 2: DeepSpeed's pipeline engine supports ZeRO stages 0-1 only; use --zero 1"),
     (dict(zero=3, pp=4), "ZeRO-3 with pp 4"),
     (dict(zero=2, offload="cpu", offload_params=True), "--offload-params needs ZeRO-3 \\(got ZeRO-2\\)"),

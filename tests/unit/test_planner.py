@@ -102,7 +102,9 @@ def test_small_model_prefers_the_seed_recipe():
                train=TrainSpec(global_batch=256, micro_batch=1, steps=1000, warmup_steps=10), fixed={})
     p = r.best.plan
     assert (p.precision, p.zero_stage, p.offload, p.pp, p.checkpointing) == ("bf16", 0, "none", 1, "none")
-    assert "ZeRO-3" in r.rejected and "slower by" in r.rejected["ZeRO-3"]
+    # ZeRO-3's collectives hide behind compute on one node: it ties (within 2%) and loses on the recipe's order
+    why = r.rejected["ZeRO-3"]
+    assert "slower by" in why or ("a tie" in why and "the lower ZeRO stage" in why), why
 
 
 def test_plan_json_has_the_promised_keys():
@@ -126,7 +128,7 @@ def test_plan_human_output_explains_the_choice():
                "--tokens", "10B")
     assert r.returncode == 0, r.stderr
     for text in ("memory per GPU (GiB)", "optimizer", "activations", "step time", "tokens/s, MFU", "days",
-                 "GPU-hours", "runner-up plans", "not chosen", "candidates evaluated"):
+                 "GPU-hours", "top 5 of ", "not chosen", "training 10B tokens", "candidates evaluated"):
         assert text in r.stdout
 
 

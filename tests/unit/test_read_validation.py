@@ -258,7 +258,7 @@ CKPT_CASES = [
     ("truncated", raw(CKPT, lambda b: b[:40]), "ends early"),
     ("no-step", edit(CKPT, drop("step")), "missing key step"),
     ("step-str", edit(CKPT, put("step", "2")), "step must be an integer >= 0"),
-    ("dp-pp", edit(CKPT, put("dp", 3)), "dp 3 x pp 1 = 3 != world_size 2"),
+    ("dp-pp", edit(CKPT, put("dp", 3)), "dp 3 x pp 1 x tp 1 x sp 1 = 3 != world_size 2"),
     ("zero-7", edit(CKPT, put("zero_stage", 7)), "zero_stage 7 is not one of"),
     ("layers-0", edit(CKPT, put("model.layers", 0)), "model.layers must be a positive integer"),
     ("data-list", edit(CKPT, put("data", [])), "data must be an object"),

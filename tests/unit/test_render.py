@@ -23,7 +23,7 @@ def render(model_name, strategy, precision="bf16"):
     model = MODEL_PRESETS[model_name]
     train = TrainSpec(global_batch=64, micro_batch=2, steps=100, warmup_steps=10, precision=precision)
     plan = make_plan(model=model, cluster=ClusterSpec(1, 8, "h100-80g"), train=train, strategy=strategy)
-    return plan, train, render_ds_config(plan=plan, train=train, monitor_dir="runs/x/monitor")
+    return plan, train, render_ds_config(plan=plan, model=model, train=train, monitor_dir="runs/x/monitor")
 
 
 def leaves(d, prefix=""):

@@ -151,7 +151,7 @@ def test_check_compatible_refuses_a_pipeline_under_another_dp(tmp_path):
     from dspipe.planner.presets import model_preset
 
     model = model_preset("tiny")
-    run = SimpleNamespace(model=model, plan=SimpleNamespace(pp=2, zero_stage=1, dp=1, offload="none"))
+    run = SimpleNamespace(model=model, plan=SimpleNamespace(pp=2, tp=1, sp=1, zero_stage=1, dp=1, offload="none"))
     meta = {"model": asdict(model), "pp": 2, "zero_stage": 1, "dp": 2}
     with pytest.raises(SpecError) as e:
         ckpt.check_compatible(meta, run, tmp_path)
@@ -159,7 +159,9 @@ def test_check_compatible_refuses_a_pipeline_under_another_dp(tmp_path):
     assert str(e.value).endswith("; resume with dp 2 (world size 4)")
     ckpt.check_compatible({**meta, "dp": 1}, run, tmp_path)  # same dp: fine
     ckpt.check_compatible({**meta, "pp": 1, "zero_stage": 3}, SimpleNamespace(model=model, plan=SimpleNamespace(
-        pp=1, zero_stage=3, dp=1, offload="none")), tmp_path)  # ZeRO-3 at another dp: resharded on load
+        pp=1, tp=1, sp=1, zero_stage=3, dp=1, offload="none")), tmp_path)  # ZeRO-3 at another dp: resharded on load
+    with pytest.raises(SpecError, match="saved with tp 2, this run has tp 1; resume with the same tp"):
+        ckpt.check_compatible({**meta, "dp": 1, "tp": 2}, run, tmp_path)
 
 
 def test_each_optimizer_group_gets_its_saved_hyperparameters_back():

@@ -16,8 +16,10 @@ def test_gpt2_small_parameter_count_matches_the_released_model():
 @pytest.mark.parametrize("name", list(MODEL_PRESETS))
 def test_every_preset_is_valid_and_near_its_nominal_size(name):
     spec = MODEL_PRESETS[name]
-    assert spec.hidden % spec.heads == 0 and spec.ffn == 4 * spec.hidden
-    if name == "tiny":
+    assert spec.hidden % spec.heads == 0
+    if spec.mlp == "gelu":
+        assert spec.ffn == 4 * spec.hidden
+    if name.startswith("tiny"):
         return
     nominal = name.split("-")[1]
     value = float(nominal[:-1]) * (1e9 if nominal.endswith("b") else 1e6)

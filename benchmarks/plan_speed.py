@@ -1,0 +1,54 @@
+"""How long `dspipe plan`'s search takes over 1024 GPUs with the tensor- and sequence-parallel dimensions.
+
+    python benchmarks/plan_speed.py [--repeat N]
+
+Prints, per case, the wall time of one whole search (cold: the stage-partition cache cleared first; best and median
+of N), the candidates estimated, and the chosen plan. Goal: under 2 s per search on the 2-core CI machine.
+A benchmark that prints figures, not a test.
+"""
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from dspipe.planner import estimate as estimate_module  # noqa: E402
+from dspipe.planner.presets import MODEL_PRESETS, model_preset  # noqa: E402
+from dspipe.planner.search import search, sp_choices, tp_choices  # noqa: E402
+from dspipe.planner.spec import ClusterSpec, TrainSpec  # noqa: E402
+
+CASES = (
+    # (label, model, cluster, global batch, training tokens)
+    ("gpt3-175b, 128 x 8 a100-80g, batch 1536", MODEL_PRESETS["gpt3-175b"], ClusterSpec(128, 8, "a100-80g"), 1536,
+     1.5e12),
+    ("gpt3-6.7b at 32k tokens, 128 x 8 h100-80g, batch 512", model_preset("gpt3-6.7b", seq_len=32768),
+     ClusterSpec(128, 8, "h100-80g"), 512, 1e12),
+)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=5, help="searches per case (default 5)")
+    args = parser.parse_args()
+    for label, model, cluster, gbs, tokens in CASES:
+        train = TrainSpec(global_batch=gbs, micro_batch=1, steps=1000, warmup_steps=10)
+        times = []
+        for _ in range(args.repeat):
+            estimate_module._stage_params.cache_clear()
+            start = time.perf_counter()
+            result = search(model=model, cluster=cluster, train=train, fixed={})
+            times.append(time.perf_counter() - start)
+        best = result.best
+        e = best.est
+        print(f"{label}: tp {tp_choices(model, cluster)} x sp {sp_choices(model, cluster)}; "
+              f"{result.evaluated} candidates estimated (+ rule rejections) in {min(times):.3f} s best, "
+              f"{statistics.median(times):.3f} s median of {args.repeat}")
+        print(f"    chosen: {best.describe()}; {e.memory.total / e.gpu_memory_bytes * 100:.0f}% of GPU memory, "
+              f"bubble {e.bubble_s / e.step_time_s * 100:.0f}%, MFU {best.mfu * 100:.1f}%, "
+              f"{tokens / best.tokens_per_s / 86400:.1f} days for {tokens:.3g} tokens")
+
+
+if __name__ == "__main__":
+    main()

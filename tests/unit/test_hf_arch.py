@@ -1,0 +1,286 @@
+"""dspipe.tools.hf_arch: Hugging Face GPT-2 and Llama directories read as ModelSpec + weights (dspipe's forward equals
+transformers' in fp32), the exact inverse mapping back, parameter counts, the export of a Llama model, the
+pipeline-stage loader, `--init-from` on the command line, and the one-line refusals."""
+import json
+
+import pytest
+import torch
+
+from dspipe.errors import SpecError
+from dspipe.planner.spec import ModelSpec
+from tests.helpers import run_cli
+
+TOL = 1e-5
+CPU2 = ["--gpu", "cpu", "--gpus-per-node", "2", "--global-batch", "8", "--micro-batch", "2", "--steps", "10",
+        "--precision", "fp32"]
+
+
+def _perturb(model, seed=0):
+    """Non-trivial norms and biases (HF initialises them to 1 and 0), so a swapped or missed tensor cannot hide."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return model
+
+
+def gpt2_model(*, tied=True, seed=0):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    cfg = GPT2Config(vocab_size=96, n_positions=24, n_embd=32, n_layer=2, n_head=4, n_inner=80, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=tied)
+    return _perturb(GPT2LMHeadModel(cfg).float().eval(), seed)
+
+
+def llama_model(*, kv_heads=2, tied=False, seed=0, **extra):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=72, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=24,
+                      rope_theta=5000.0, rms_norm_eps=1e-5, tie_word_embeddings=tied, **extra)
+    return _perturb(LlamaForCausalLM(cfg).float().eval(), seed)
+
+
+CASES = {"gpt2-tied": lambda: gpt2_model(tied=True), "gpt2-untied": lambda: gpt2_model(tied=False),
+         "llama-gqa-untied": lambda: llama_model(kv_heads=2, tied=False),
+         "llama-mqa-tied": lambda: llama_model(kv_heads=1, tied=True),
+         "llama-mha-tied": lambda: llama_model(kv_heads=4, tied=True)}
+
+
+def ids(vocab=96, seq=24, n=2):
+    return torch.randint(0, vocab, (n, seq), generator=torch.Generator().manual_seed(5))
+
+
+def hf_state(model) -> dict:
+    return {k: v for k, v in model.state_dict().items() if not k.endswith((".attn.bias", ".attn.masked_bias"))}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_hf_directory_loads_into_dspipe_gpt_with_the_same_logits(case, tmp_path):
+    from dspipe.model.gpt import GPT
+    from dspipe.tools.hf_arch import from_hf_state, load_hf_weights, spec_from_hf_dir, to_hf_state
+
+    hf = CASES[case]()
+    hf.save_pretrained(tmp_path / "hf")
+    spec = spec_from_hf_dir(tmp_path / "hf")
+    llama = case.startswith("llama")
+    assert spec.name == "hf" and spec.tied_embeddings is hf.config.tie_word_embeddings
+    assert (spec.norm, spec.mlp, spec.positions, spec.bias) == (
+        ("rmsnorm", "swiglu", "rope", False) if llama else ("layernorm", "gelu", "learned", True))
+    if llama:
+        assert (spec.kv_groups, spec.rope_theta, spec.norm_eps) == (hf.config.num_key_value_heads, 5000.0, 1e-5)
+    assert spec.num_params == sum(p.numel() for p in hf.parameters())  # tied counted once on both sides
+
+    gpt = GPT(spec, seed=1).eval()
+    gpt.load_state_dict(load_hf_weights(tmp_path / "hf", spec), strict=True)
+    x = ids()
+    with torch.no_grad():
+        diff = (gpt(x) - hf(x).logits).abs().max().item()
+    assert diff < TOL, diff
+
+    hf_sd = hf_state(hf)
+    ours = from_hf_state(hf_sd, spec)
+    assert sorted(ours) == sorted(n for n, _ in spec.model_tensors())
+    back = to_hf_state(ours, spec)
+    assert sorted(back) == sorted(hf_sd)
+    assert all(torch.equal(back[k], hf_sd[k]) for k in hf_sd)  # exact inverse, both ways
+    again = from_hf_state(back, spec)
+    assert all(torch.equal(again[k], ours[k]) for k in ours)
+
+
+@pytest.mark.parametrize("kv_heads,tied", [(2, False), (4, True)])
+def test_dspipe_llama_exports_to_llama_for_causal_lm_with_the_same_logits(kv_heads, tied, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from dspipe.model.gpt import GPT
+    from dspipe.tools.hf_arch import hf_model
+
+    spec = ModelSpec("l", 2, 32, 4, 96, 24, 72, tied_embeddings=tied, norm="rmsnorm", mlp="swiglu", positions="rope",
+                     rope_theta=500000.0, kv_heads=kv_heads, bias=False, norm_eps=1e-5)
+    gpt = _perturb(GPT(spec, seed=3).eval(), seed=3)
+    model = hf_model(dict(gpt.state_dict()), spec, eos_id=0, source="test")
+    assert type(model).__name__ == "LlamaForCausalLM" and model.config.num_key_value_heads == kv_heads
+    model.save_pretrained(tmp_path / "out")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    x = ids()
+    with torch.no_grad():
+        diff = (loaded(x).logits - gpt(x)).abs().max().item()
+    assert diff < TOL, diff
+
+
+def test_pipeline_stage_loads_only_its_own_parameters_by_pipeline_name(tmp_path):
+    """A stand-in for one PipelineModule stage (layers 0-1 as DeepSpeed names them, and the tied embedding)."""
+    from dspipe.model.pipeline import layer_specs
+    from dspipe.tools.hf_arch import load_hf_weights, load_into_module, spec_from_hf_dir
+
+    hf = gpt2_model(tied=True)
+    hf.save_pretrained(tmp_path / "hf")
+    spec = spec_from_hf_dir(tmp_path / "hf")
+    specs = layer_specs(model=spec, seed=9)
+    stage = torch.nn.Module()
+    stage.add_module("1", specs[1].build())  # block 0
+    stage.add_module("2", specs[2].build())  # block 1
+    stage.tied_modules = torch.nn.ModuleDict({"embed": specs[0].build()})
+    load_into_module(stage, tmp_path / "hf", spec)
+    full = load_hf_weights(tmp_path / "hf", spec)
+    got = dict(stage.named_parameters())
+    assert torch.equal(got["1.attn.c_attn.weight"], full["h.0.attn.c_attn.weight"])
+    assert torch.equal(got["2.mlp.c_proj.bias"], full["h.1.mlp.c_proj.bias"])
+    assert torch.equal(got["tied_modules.embed.wte.weight"], full["embed.wte.weight"])
+    assert torch.equal(got["tied_modules.embed.wpe.weight"], full["embed.wpe.weight"])
+
+
+def test_base_model_checkpoint_names_and_a_shorter_context(tmp_path):
+    """A checkpoint saved from GPT2Model (no 'transformer.' prefix, no lm_head, like the original gpt2 on the hub)
+    loads; a run with a shorter context takes the first rows of the position table."""
+    from safetensors.torch import save_file
+
+    from dspipe.model.gpt import GPT
+    from dspipe.tools.hf_arch import load_hf_weights, spec_from_hf_dir
+
+    hf = gpt2_model(tied=True)
+    hf.save_pretrained(tmp_path / "hf")
+    bare = {k[len("transformer."):]: v.contiguous() for k, v in hf_state(hf).items() if k.startswith("transformer.")}
+    (tmp_path / "hf" / "model.safetensors").unlink()
+    save_file(bare, str(tmp_path / "hf" / "model.safetensors"), metadata={"format": "pt"})
+    spec = spec_from_hf_dir(tmp_path / "hf")
+    short = ModelSpec(**{**spec.__dict__, "seq_len": 16})
+    gpt = GPT(short, seed=0).eval()
+    gpt.load_state_dict(load_hf_weights(tmp_path / "hf", short), strict=True)
+    x = ids(seq=16)
+    with torch.no_grad():
+        assert (gpt(x) - hf(x).logits).abs().max().item() < TOL
+
+
+# ---- refusals: one line each, naming the directory and the field --------------------------------------------------
+
+def _config(tmp_path, model, **edits):
+    d = tmp_path / "hf"
+    model.save_pretrained(d)
+    cfg = json.loads((d / "config.json").read_text())
+    for k, v in edits.items():
+        if v is ...:
+            cfg.pop(k, None)
+        else:
+            cfg[k] = v
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def _refusal(fn, *args, **kwargs) -> str:
+    with pytest.raises(SpecError) as e:
+        fn(*args, **kwargs)
+    text = str(e.value)
+    assert "\n" not in text
+    return text
+
+
+@pytest.mark.parametrize("edit,expected", [
+    (dict(architectures=["MistralForCausalLM"], model_type="mistral"),
+     "config.json: architecture MistralForCausalLM is not supported (supported: GPT2LMHeadModel, LlamaForCausalLM)"),
+    (dict(architectures=..., model_type="mistral"), "config.json: model_type 'mistral' is not supported"),
+    (dict(rope_parameters=None, rope_theta=10000.0, rope_scaling={"rope_type": "linear", "factor": 2.0}),
+     "config.json: rope_scaling with rope_type linear is not supported"),
+    (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}),
+     "config.json: rope_parameters with rope_type llama3 is not supported"),
+    (dict(attention_bias=True), "config.json: attention_bias True is not supported"),
+    (dict(mlp_bias=True), "config.json: mlp_bias True is not supported"),
+    (dict(hidden_act="gelu"), "config.json: hidden_act 'gelu' is not supported"),
+    (dict(head_dim=16), "config.json: head_dim 16 is not supported"),
+    (dict(hidden_size=...), "config.json: missing hidden_size"),
+    (dict(num_key_value_heads=3), "config.json: heads 4 is not divisible by kv_heads 3"),
+])
+def test_llama_configs_dspipe_cannot_compute_are_refused(tmp_path, edit, expected):
+    from dspipe.tools.hf_arch import spec_from_hf_dir
+
+    d = _config(tmp_path, llama_model(), **edit)
+    text = _refusal(spec_from_hf_dir, d)
+    assert text.startswith(str(d)) and expected in text, text
+
+
+def test_other_refusals(tmp_path):
+    from safetensors.torch import save_file
+
+    from dspipe.tools.hf_arch import hf_config, load_hf_weights, spec_from_hf_dir
+
+    assert "no such Hugging Face model directory" in _refusal(spec_from_hf_dir, tmp_path / "absent")
+    (tmp_path / "file").write_text("x")
+    assert "not a directory" in _refusal(spec_from_hf_dir, tmp_path / "file")
+    (tmp_path / "empty").mkdir()
+    assert _refusal(spec_from_hf_dir, tmp_path / "empty") == f"{tmp_path / 'empty'}: no config.json (not a Hugging " \
+                                                             f"Face model directory)"
+    (tmp_path / "empty" / "config.json").write_text("{not json")
+    assert "config.json is not valid JSON" in _refusal(spec_from_hf_dir, tmp_path / "empty")
+    d = _config(tmp_path, gpt2_model(), activation_function="relu")
+    assert f"{d / 'config.json'}: activation_function 'relu' is not supported" in _refusal(spec_from_hf_dir, d)
+
+    # a tensor missing from the weights
+    hf = llama_model()
+    d = tmp_path / "missing"
+    hf.save_pretrained(d)
+    spec = spec_from_hf_dir(d)
+    sd = {k: v.contiguous() for k, v in hf_state(hf).items() if k != "model.layers.1.self_attn.k_proj.weight"}
+    save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})
+    assert _refusal(load_hf_weights, d, spec) == \
+        f"{d / 'model.safetensors'}: missing tensor model.layers.1.self_attn.k_proj.weight"
+    # a directory with a config but no weights; weights of another model
+    (d / "model.safetensors").unlink()
+    assert "no weights" in _refusal(load_hf_weights, d, spec)
+    other = ModelSpec(**{**spec.__dict__, "layers": 3})
+    assert "describes another model than the run's: layers 2 (run: 3)" in _refusal(load_hf_weights, d, other)
+    # a spec no supported architecture computes
+    odd = ModelSpec("odd", 2, 32, 4, 96, 24, 72, norm="rmsnorm", mlp="gelu")
+    assert "matches no Hugging Face architecture dspipe writes" in _refusal(hf_config, odd, eos_id=0)
+
+
+# ---- the command line ----------------------------------------------------------------------------------------------
+
+def test_init_from_on_the_command_line(tmp_path, capsys):
+    from dspipe.rundir import load_run
+
+    d = tmp_path / "tiny-llama-hf"
+    llama_model(kv_heads=2).save_pretrained(d)
+    capsys.readouterr()  # transformers' progress bar
+    cases = [(["--layers", "3"], f"--layers 3 contradicts --init-from {d} (layers 2 in its config.json)"),
+             (["--seq-len", "48"], f"--seq-len 48 exceeds the 24 positions of --init-from {d}"),
+             (["--model", "tiny"], f"--model tiny and --init-from {d} both name the model"),
+             (["--untied"], None)]
+    for flags, expected in cases:
+        code = run_cli("plan", *CPU2, "--init-from", d, *flags)
+        err = capsys.readouterr().err
+        if expected is None:
+            assert code == 0, err
+        else:
+            assert code == 2 and expected in err and len(err.strip().splitlines()) == 1, err
+    out = tmp_path / "run"
+    assert run_cli("gen-config", *CPU2, "--init-from", d, "--seq-len", "16", "--zero", "1", "--pp", "1",
+                   "--data", tmp_path / "nodata", "--out", out) == 0, capsys.readouterr().err
+    run = load_run(out)
+    assert run.train.init_from == str(d.resolve()) and run.model.name == "tiny-llama-hf"
+    assert (run.model.seq_len, run.model.kv_groups, run.model.norm) == (16, 2, "rmsnorm")
+    spec = json.loads((out / "dspipe.json").read_text())
+    del spec["train"]["init_from"]  # a run directory written before the field existed
+    (out / "dspipe.json").write_text(json.dumps(spec))
+    assert load_run(out).train.init_from is None
+
+
+def test_tokenizer_note(tmp_path):
+    from dspipe.tools.hf_arch import tokenizer_note
+
+    def tokenizer(path, vocab):
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "tokenizer.json").write_text(json.dumps({"model": {"vocab": vocab}, "added_tokens": []}))
+
+    hf, data = tmp_path / "hf", tmp_path / "data"
+    tokenizer(hf, {"a": 0, "b": 1, "c": 2})
+    tokenizer(data / "tokenizer", {"a": 0, "b": 1, "c": 2})
+    (data / "meta.json").write_text(json.dumps({"vocab_size": 3}))
+    assert tokenizer_note(str(hf), str(data)) == f"note: {data}'s tokenizer has the same vocab size as {hf}'s (3 tokens)"
+    tokenizer(data / "tokenizer", {"a": 0, "c": 1, "b": 2})
+    assert "same vocab size as" in tokenizer_note(str(hf), str(data)) and "but another vocabulary" in \
+        tokenizer_note(str(hf), str(data))
+    (data / "meta.json").write_text(json.dumps({"vocab_size": 1024}))
+    assert f"{data} was tokenized with a 1024-token tokenizer, {hf}'s has 3 tokens" in tokenizer_note(str(hf), str(data))
+    assert tokenizer_note(str(hf), str(tmp_path / "unprepared")) is None

@@ -1,0 +1,188 @@
+"""Tensor and sequence parallelism before launch: DeepSpeed's AutoTP/Ulysses limits as one-line errors (exit 2,
+nothing written), the rendered tensor_parallel block as DeepSpeed parses it, the AutoTP layer specs against the
+model's real parameter names, and the shard merge export uses."""
+import pytest
+
+from dspipe.planner.autotp import layer_specs, merge_shards, split_of
+from dspipe.planner.presets import MODEL_PRESETS, model_preset
+from tests.helpers import run_cli
+
+CPU = ["--model", "tiny", "--gpu", "cpu", "--global-batch", "16", "--micro-batch", "4"]
+BAD = [
+    (["--gpus-per-node", "6", "--tp", "3"], "model heads 4 is not divisible by tp 3"),
+    (["--gpus-per-node", "2", "--tp", "2", "--ffn", "257", "--layers", "2"], "model ffn 257 is not divisible by tp 2"),
+    (["--gpus-per-node", "2", "--tp", "4"], "world size 2 (1 nodes x 2 GPUs) is not divisible by pp 1 x tp 4 x sp 1"),
+    (["--gpus-per-node", "1", "--nodes", "2", "--tp", "2"], "tp 2 does not divide the 1 GPUs per node"),
+    (["--gpus-per-node", "2", "--tp", "2", "--zero", "3"], "tp 2 with ZeRO-3: DeepSpeed's AutoTP training supports"),
+    (["--gpus-per-node", "4", "--tp", "2", "--pp", "2"], "tp 2 with pp 2: DeepSpeed's AutoTP does not compose"),
+    (["--gpus-per-node", "2", "--tp", "2", "--zero", "0", "--precision", "bf16"], "tp 2 with ZeRO-0 in bf16"),
+    (["--gpus-per-node", "3", "--sp", "3"], "model heads 4 is not divisible by sp 3"),
+    (["--gpus-per-node", "2", "--sp", "2", "--seq-len", "63"], "model seq_len 63 is not divisible by sp 2"),
+    (["--gpus-per-node", "4", "--sp", "2", "--tp", "2"], "sp 2 with tp 2"),
+    (["--gpus-per-node", "4", "--sp", "2", "--pp", "2"], "sp 2 with pp 2"),
+    (["--gpus-per-node", "4", "--tp", "2", "--global-batch", "6", "--micro-batch", "4"],
+     "global batch 6 is not divisible by micro_batch 4 x dp 2 = 8"),
+]
+
+
+@pytest.mark.parametrize("flags,message", BAD, ids=[m[:30] for _, m in BAD])
+def test_bad_layouts_are_one_line_exit_2_nothing_written(flags, message, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for command in (["plan"], ["gen-config", "--out", tmp_path / "run"]):
+        code = run_cli(*command, *CPU, *flags)
+        err = capsys.readouterr().err
+        assert code == 2 and message in err and err.count("\n") == 1, (command, err)
+    assert list(tmp_path.iterdir()) == []
+
+
+def _render(**strategy):
+    from dspipe.planner.plan import make_plan
+    from dspipe.planner.presets import model_preset
+    from dspipe.planner.render import render_ds_config
+    from dspipe.planner.spec import ClusterSpec, StrategySpec, TrainSpec
+
+    model = model_preset("tiny")
+    cluster = ClusterSpec(nodes=1, gpus_per_node=4, gpu="cpu")
+    train = TrainSpec(global_batch=16, micro_batch=2, steps=10, warmup_steps=2, precision="fp32")
+    plan = make_plan(model=model, cluster=cluster, train=train, strategy=StrategySpec(**strategy))
+    return plan, render_ds_config(plan=plan, model=model_preset("tiny"), train=train, monitor_dir="/tmp/m")
+
+
+def test_tp_renders_autotp_and_deepspeed_parses_it():
+    from dspipe.runtime.dscheck import parse_with_deepspeed
+
+    plan, cfg = _render(zero=1, tp=2)
+    assert (plan.dp, plan.tp, plan.grad_accum) == (2, 2, 4)
+    tp = cfg["tensor_parallel"]
+    assert tp["autotp_size"] == 2 and tp["tp"]["tp_size"] == 2
+    assert tp["partition_config"] == {"use_default_specs": False, "layer_specs": layer_specs(model_preset("tiny"))}
+    assert tp["partition_config"]["layer_specs"][0]["shape"] == [3, -1]  # whole q, k and v heads on every rank
+    assert cfg["train_batch_size"] == 16 * 2  # DeepSpeed's batch check counts the AutoTP ranks
+    parsed = parse_with_deepspeed(cfg, dp=plan.ds_batch_ranks)
+    assert parsed.train_batch_size == 32 and parsed.gradient_accumulation_steps == 4
+    assert parsed.tensor_parallel_config.autotp_size == 2
+    assert parsed.tensor_parallel_config.get_partition_config_object().tp_size == 2
+
+
+def test_tp1_leaves_autotp_off_and_sp_with_zero3_turns_reduce_scatter_off():
+    _, cfg = _render(zero=1)
+    assert cfg["tensor_parallel"]["autotp_size"] == 0 and cfg["sequence_parallel_size"] == 1
+    assert cfg["zero_optimization"]["reduce_scatter"] is True
+    plan, cfg = _render(zero=3, sp=2)
+    assert (plan.dp, plan.sp, cfg["train_batch_size"], cfg["sequence_parallel_size"]) == (2, 2, 16, 2)
+    assert cfg["zero_optimization"]["reduce_scatter"] is False  # stage 3's averaging lacks the sp correction
+    _, cfg = _render(zero=2, sp=2)
+    assert cfg["zero_optimization"]["reduce_scatter"] is True
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-llama", "llama3-8b"])
+def test_layer_specs_match_exactly_the_block_projections_of_the_model(name):
+    import re
+
+    spec = MODEL_PRESETS[name]
+    names = [n for n, _ in spec.model_tensors()]  # the model's parameter names (tied to the module elsewhere)
+    split = {n: split_of(n, spec) for n in names if split_of(n, spec)}
+    hd, kv, f = spec.head_dim, spec.kv_groups, spec.ffn
+    qkv = (0, [spec.heads * hd, kv * hd, kv * hd])
+    up = (0, [f, f] if spec.mlp == "swiglu" else [f])
+    per_block = {"attn.c_attn.weight": qkv, "mlp.c_fc.weight": up, "attn.c_proj.weight": (1, [spec.hidden]),
+                 "mlp.c_proj.weight": (1, [f])}
+    if spec.bias:
+        per_block.update({"attn.c_attn.bias": qkv, "mlp.c_fc.bias": up})
+    assert split == {f"h.{i}.{k}": v for i in range(spec.layers) for k, v in per_block.items()}
+    matched = {n for n in names for s in layer_specs(spec) if any(re.match(p, n) for p in s["patterns"])}
+    assert matched == set(split)  # DeepSpeed matches exactly the tensors export knows how to merge
+
+
+def test_gqa_and_swiglu_render_unequal_and_paired_parts():
+    specs = layer_specs(MODEL_PRESETS["llama3-8b"])
+    assert specs[0]["shape"] == [[4096, 1024, 1024], -1] and specs[0]["partition_dim"] == 0
+    assert specs[1]["shape"] == [2, -1]
+
+
+@pytest.mark.parametrize("gqa", [False, True])
+def test_merge_shards_inverts_the_autotp_split(gqa):
+    torch = pytest.importorskip("torch")
+    spec = MODEL_PRESETS["tiny-llama" if gqa else "tiny"]
+    tp, h = 2, spec.hidden
+    parts = [spec.heads * spec.head_dim, spec.kv_groups * spec.head_dim, spec.kv_groups * spec.head_dim]
+    qkv = torch.randn(sum(parts), h)
+    q, k, v = qkv.split(parts)
+    shards = [torch.cat([q.chunk(tp)[r], k.chunk(tp)[r], v.chunk(tp)[r]]) for r in range(tp)]  # whole heads each
+    assert torch.equal(merge_shards("h.0.attn.c_attn.weight", shards, spec), qkv)
+    proj = torch.randn(h, spec.ffn)
+    assert torch.equal(merge_shards("h.1.mlp.c_proj.weight", list(proj.chunk(tp, dim=1)), spec), proj)
+    norm = torch.randn(h)
+    assert torch.equal(merge_shards("h.0.ln_1.weight", [norm, norm.clone()], spec), norm)
+    with pytest.raises(ValueError, match="differs between tp rank 0 and tp rank 1"):
+        merge_shards("h.0.ln_1.weight", [norm, norm + 1], spec)
+
+
+# ---- a third-party DeepSpeed config with AutoTP / Ulysses settings, and the monitor blocks ------------------------
+
+def _gen_from_preset(tmp_path, cfg, *flags):
+    import json
+
+    from tests.helpers import dspipe
+
+    path = tmp_path / "preset.json"
+    path.write_text(json.dumps(cfg))
+    return dspipe("gen-config", "--model", "tiny", "--gpu", "cpu", "--gpus-per-node", "4", "--preset", path, *flags,
+                  "--out", "runs/p", cwd=tmp_path)
+
+
+def test_preset_autotp_size_becomes_tp_and_its_batch_counts_the_tp_ranks(tmp_path):
+    import json
+
+    cfg = {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 1},
+           "tensor_parallel": {"autotp_size": 2, "tp": {"tp_size": 2}}, "sequence_parallel_size": 1}
+    r = _gen_from_preset(tmp_path, cfg, "--precision", "fp32")
+    assert r.returncode == 0, r.stderr
+    assert "train_batch_size 32 counts the 2 AutoTP ranks of each replica (as DeepSpeed does): global batch 16" \
+        in r.stdout
+    spec = json.loads((tmp_path / "runs/p/dspipe.json").read_text())
+    assert (spec["plan"]["tp"], spec["plan"]["dp"], spec["plan"]["global_batch"], spec["plan"]["grad_accum"]) == \
+        (2, 2, 16, 2)
+    ds = json.loads((tmp_path / "runs/p/ds_config.json").read_text())
+    assert ds["train_batch_size"] == 32 and ds["tensor_parallel"]["autotp_size"] == 2
+
+
+@pytest.mark.parametrize("tensor_parallel,key", [
+    ({"autotp_size": 2, "preset_model": "llama"}, "tensor_parallel.preset_model"),
+    ({"autotp_size": 2, "partition_config": {"use_default_specs": True, "layer_specs": []}},
+     "tensor_parallel.partition_config"),
+    ({"autotp_size": 2, "vocab_parallel_lm_head": True}, "tensor_parallel.vocab_parallel_lm_head"),
+    ({"autotp_size": 2, "injection_policy_tuple": [1]}, "tensor_parallel.injection_policy_tuple"),
+    ({"autotp_size": 2, "tp": {"tp_size": 4}}, "tensor_parallel.tp.tp_size"),
+    ({"autotp_size": 3}, "is not divisible by pp 1 x tp 3 x sp 1 = 3"),
+])
+def test_preset_tensor_parallel_settings_dspipe_cannot_honour_are_refused(tmp_path, tensor_parallel, key):
+    cfg = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 1}, "tensor_parallel": tensor_parallel}
+    r = _gen_from_preset(tmp_path, cfg, "--precision", "fp32", "--global-batch", "16")
+    assert r.returncode == 2 and key in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_monitor_values_render_wandb_and_comet_as_deepspeed_reads_them():
+    from deepspeed.monitor.config import get_monitor_config
+
+    from dspipe.planner.plan import make_plan
+    from dspipe.planner.presets import model_preset
+    from dspipe.planner.render import monitor_values, render_ds_config
+    from dspipe.planner.spec import ClusterSpec, StrategySpec, TrainSpec
+
+    train = TrainSpec(global_batch=16, micro_batch=2, steps=10, warmup_steps=2, precision="fp32")
+    plan = make_plan(model=model_preset("tiny"), cluster=ClusterSpec(nodes=1, gpus_per_node=2, gpu="cpu"),
+                     train=train, strategy=StrategySpec(zero=1))
+    off = get_monitor_config(render_ds_config(plan=plan, model=model_preset("tiny"), train=train, monitor_dir="/tmp/m"))
+    assert (off.wandb.enabled, off.comet.enabled, off.tensorboard.enabled, off.csv_monitor.enabled) == \
+        (False, False, True, True)
+    values = monitor_values({"wandb_project": "gpt", "wandb_group": "sweep", "wandb_team": None,
+                             "comet_project": "gpt-c", "comet_workspace": "lab", "comet_offline": True,
+                             "comet_experiment": "run-1"})
+    cfg = render_ds_config(plan=plan, model=model_preset("tiny"), train=train, monitor_dir="/tmp/m", monitors=values)
+    on = get_monitor_config(cfg)
+    assert (on.wandb.enabled, on.wandb.project, on.wandb.group, on.wandb.team) == (True, "gpt", "sweep", None)
+    assert (on.comet.enabled, on.comet.project, on.comet.workspace, on.comet.online, on.comet.experiment_name,
+            on.comet.api_key) == (True, "gpt-c", "lab", False, "run-1", None)
+    assert on.enabled

@@ -1,0 +1,302 @@
+"""Planner fidelity for tensor parallel (DeepSpeed AutoTP) and sequence parallel (Ulysses): memory divided as they
+really divide it, their communication, the 175B acceptance plan, the search's tp/sp explanations, memory headroom
+and the tie-break."""
+import json
+import math
+from dataclasses import replace
+
+import pytest
+
+from dspipe.planner.estimate import (MEMORY_HEADROOM, RING_BASE_LATENCY_S, RING_HOP_LATENCY_S,
+                                     activation_bytes_per_layer, block_params_per_rank, estimate, logits_bytes,
+                                     ring_latency_s, stage_params, tp_split_params_per_block)
+from dspipe.planner.hardware import GPU_CATALOG
+from dspipe.planner.plan import make_plan
+from dspipe.planner.presets import MODEL_PRESETS, model_preset
+from dspipe.planner.search import search, sp_choices, tp_choices
+from dspipe.planner.spec import ClusterSpec, StrategySpec, TrainSpec
+from dspipe.planner.summary import estimate_summary, human_report
+from tests.helpers import run_cli
+
+GIB = 1024**3
+SMALL = "gpt2-124m"  # L12 h768 a12 s1024 V50257, ffn 3072
+
+
+def _estimate(model=SMALL, nodes=1, gpus=8, gpu="h100-80g", gbs=256, mb=4, precision="bf16", **strategy):
+    m = model if not isinstance(model, str) else model_preset(model)
+    cluster = ClusterSpec(nodes, gpus, gpu)
+    plan = make_plan(model=m, cluster=cluster, train=TrainSpec(global_batch=gbs, micro_batch=mb, steps=100,
+                                                               warmup_steps=10, precision=precision),
+                     strategy=StrategySpec(**strategy))
+    return m, plan, estimate(model=m, cluster=cluster, plan=plan)
+
+
+@pytest.fixture(scope="module")
+def gpt3_175b():
+    """The issue's acceptance case: GPT-3 175B on 128 x 8 A100-80G, global batch 1536."""
+    m = MODEL_PRESETS["gpt3-175b"]
+    cluster = ClusterSpec(128, 8, "a100-80g")
+    return m, cluster, search(model=m, cluster=cluster, fixed={},
+                              train=TrainSpec(global_batch=1536, micro_batch=1, steps=1000, warmup_steps=10))
+
+
+# --- memory -----------------------------------------------------------------------------------------------------
+
+def test_tp_splits_the_block_matrices_and_keeps_embeddings_head_and_norms_whole():
+    m = model_preset(SMALL)
+    h, f, L = m.hidden, m.ffn, m.layers
+    split = tp_split_params_per_block(m)
+    assert split == 3 * h * h + 3 * h + h * f + f + h * h + f * h  # fused QKV w+b, MLP up w+b, both row weights
+    replicated = m.num_params - L * split  # embeddings, final norm, per-block LayerNorms and row-parallel biases
+    assert replicated == m.embedding_params + 2 * h + L * (4 * h + 2 * h)
+    assert block_params_per_rank(m, 2) == m.params_per_block - split // 2
+    assert stage_params(model=m, pp=1, partition_method="parameters", tp=2) == [replicated + L * split // 2]
+
+    _, p1, one = _estimate(zero=1, tp=1)
+    _, p2, two = _estimate(zero=1, tp=2)
+    assert (p1.dp, p2.dp) == (8, 4)
+    phi1, phi2 = replicated + L * split, replicated + L * split // 2
+    # bf16 ZeRO-1: bf16 params 2 Phi, fp32 accumulation 4 Phi + live bf16 grads 2 Phi, optimizer 12 Phi / dp
+    assert (one.memory.params, two.memory.params) == (2 * phi1, 2 * phi2)
+    assert (one.memory.grads, two.memory.grads) == (6 * phi1, 6 * phi2)
+    assert (one.memory.optimizer, two.memory.optimizer) == (12 * phi1 // 8, 12 * phi2 // 4)
+    # the blocks halve, the replicated part does not
+    assert one.memory.params - two.memory.params == 2 * L * split // 2
+    assert two.memory.params > one.memory.params / 2
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_tp_activations_follow_korthikanti_without_sequence_parallel(tp):
+    m = MODEL_PRESETS["gpt3-175b"]
+    sbh = m.seq_len * 2 * m.hidden  # micro-batch 2
+    for ckpt in ("none", "selective"):  # SDPA keeps no s x s scores: the 5as/(ht) term is gone in both
+        got = activation_bytes_per_layer(model=m, micro_batch=2, checkpointing=ckpt, act_bytes=2, tp=tp)
+        assert got == sbh * (10 + 24 // tp) if 24 % tp == 0 else math.isclose(got, sbh * (10 + 24 / tp))
+    # full recomputation keeps the layer input, whole on every tp rank
+    assert activation_bytes_per_layer(model=m, micro_batch=2, checkpointing="full", act_bytes=2, tp=tp) == 2 * sbh
+    assert activation_bytes_per_layer(model=m, micro_batch=2, checkpointing="none", act_bytes=2) == 34 * sbh
+
+
+def test_tp_activations_in_the_estimate():
+    m, plan, est = _estimate(zero=1, tp=2, mb=2, checkpointing="none")
+    sbh = m.seq_len * 2 * m.hidden
+    assert est.memory.activations == m.layers * sbh * (10 + 12) + 6 * m.seq_len * 2 * m.vocab  # logits stay whole
+    _, _, full = _estimate(zero=1, tp=2, mb=2, checkpointing="full")
+    assert full.memory.activations == m.layers * 2 * sbh + sbh * 22 + 6 * m.seq_len * 2 * m.vocab
+
+
+def test_sp_divides_activations_not_params_and_zero_shards_over_dp_times_sp():
+    m, p1, one = _estimate(zero=1, sp=1, mb=2)
+    _, p2, two = _estimate(zero=1, sp=2, mb=2)
+    assert (p1.dp, p2.dp) == (8, 4)
+    assert two.memory.activations * 2 == one.memory.activations
+    assert logits_bytes(model=m, micro_batch=2, sp=2) * 2 == logits_bytes(model=m, micro_batch=2)
+    for ckpt in ("none", "full"):
+        assert activation_bytes_per_layer(model=m, micro_batch=2, checkpointing=ckpt, act_bytes=2, sp=4) * 4 == \
+            activation_bytes_per_layer(model=m, micro_batch=2, checkpointing=ckpt, act_bytes=2)
+    assert two.memory.params == one.memory.params == 2 * m.num_params  # every sp rank holds the whole model
+    # DeepSpeed partitions ZeRO over the sequence-data-parallel group: dp 4 x sp 2 = the 8 ranks dp 8 uses
+    assert two.memory.optimizer == one.memory.optimizer == 12 * m.num_params // 8
+
+
+# --- time -------------------------------------------------------------------------------------------------------
+
+def test_tp_comm_is_zero_without_tp_and_follows_the_all_reduce_count():
+    m, plan, none1 = _estimate(zero=1, tp=1)
+    assert none1.tp_comm_s == 0 and none1.sp_comm_s == 0
+    _, plan, est = _estimate(zero=1, tp=2, checkpointing="none")
+    gpu = GPU_CATALOG["h100-80g"]
+    per_all_reduce = 2 * (2 - 1) / 2 * plan.micro_batch * m.seq_len * m.hidden * 2 / (gpu.intra_node_gbps * 1e9) \
+        + ring_latency_s(steps=2)  # a 2-rank ring all-reduce: 2 steps inside the node
+    assert est.tp_comm_s > 0
+    assert math.isclose(est.tp_comm_s, plan.grad_accum * m.layers * 4 * per_all_reduce)
+    _, _, full = _estimate(zero=1, tp=2, checkpointing="full")
+    assert math.isclose(full.tp_comm_s, est.tp_comm_s * 6 / 4)  # full recomputation re-runs 2 forward all-reduces
+    _, _, tp4 = _estimate(zero=1, tp=4, checkpointing="none")
+    assert tp4.tp_comm_s > est.tp_comm_s  # 2(t-1)/t of the bytes, and more micro-batches per replica
+
+
+def test_tp_divides_compute_except_the_replicated_head():
+    m, p1, one = _estimate(zero=1, tp=1)
+    _, p2, two = _estimate(zero=1, tp=2)
+    assert p2.grad_accum == 2 * p1.grad_accum  # half the replicas: each does twice the sequences
+    hw, head = one.hardware_flops_per_token, 6 * m.hidden * m.vocab
+    # every tp rank does half the block FLOPs but the whole head (AutoTP keeps it whole)
+    assert math.isclose(two.compute_s, one.compute_s * 2 * ((hw - head) / 2 + head) / hw)
+    assert one.compute_s < two.compute_s
+
+
+def test_sp_comm_counts_ulysses_all_to_alls_and_uses_the_network_across_nodes():
+    m = model_preset("gpt3-1.3b", seq_len=16384)
+    _, plan, est = _estimate(model=m, zero=1, sp=4, gbs=64, mb=1)
+    gpu = GPU_CATALOG["h100-80g"]
+    local = plan.micro_batch * (m.seq_len // 4) * m.hidden * 2
+    one = (3 / 4) * local / (gpu.intra_node_gbps * 1e9) + RING_BASE_LATENCY_S + 3 * RING_HOP_LATENCY_S["intra"]
+    assert math.isclose(est.sp_comm_s, plan.grad_accum * m.layers * 8 * one)
+    assert est.tp_comm_s == 0
+    # sp 16 spans two 8-GPU nodes: the all-to-alls go over the network
+    _, wide_plan, wide = _estimate(model=m, nodes=2, zero=1, sp=16, gbs=64, mb=1)
+    local16 = wide_plan.micro_batch * (m.seq_len // 16) * m.hidden * 2
+    one16 = (15 / 16) * local16 / (gpu.inter_node_gbps * 1e9) + ring_latency_s(steps=15, inter_steps=1)
+    assert math.isclose(wide.sp_comm_s, wide_plan.grad_accum * m.layers * 8 * one16)
+
+
+def test_zero2_reduces_every_micro_batch_zero1_only_at_the_boundary():
+    m, cluster = MODEL_PRESETS["gpt3-175b"], ClusterSpec(128, 8, "a100-80g")
+
+    def dp_comm(zero, mb):
+        plan = make_plan(model=m, cluster=cluster, strategy=StrategySpec(zero=zero, tp=8, checkpointing="full"),
+                         train=TrainSpec(global_batch=1536, micro_batch=mb, steps=1000, warmup_steps=10))
+        return estimate(model=m, cluster=cluster, plan=plan).dp_comm_s
+
+    assert dp_comm(1, 1) == dp_comm(1, 2)  # ZeRO-1: one reduction per step, whatever the accumulation
+    # ZeRO-2 at micro-batch 1: 12 reduce-scatters, each longer than the backward it overlaps; at 2, hidden
+    assert dp_comm(2, 1) > 3 * dp_comm(2, 2)
+
+
+def test_matmul_efficiency_comes_from_the_gpu_type():
+    assert GPU_CATALOG["a100-80g"].matmul_efficiency > GPU_CATALOG["h100-80g"].matmul_efficiency
+    assert GPU_CATALOG["cpu"].matmul_efficiency == 0.5
+    m, plan, est = _estimate(gpu="a100-80g", zero=1)
+    tokens = plan.micro_batch * m.seq_len * plan.grad_accum
+    assert math.isclose(est.compute_s, tokens * est.hardware_flops_per_token / (312e12 * 0.65))
+    assert est.matmul_efficiency == 0.65
+
+
+# --- headroom and the tie-break ---------------------------------------------------------------------------------
+
+def test_a_plan_must_leave_headroom():
+    _, _, est = _estimate(zero=1)
+    assert MEMORY_HEADROOM == 0.10 and est.headroom == MEMORY_HEADROOM
+    at_95 = replace(est, gpu_memory_bytes=int(est.memory.total / 0.95))
+    assert not at_95.fits and at_95.shortfall_bytes > 0
+    assert replace(at_95, headroom=0.0).fits
+    at_85 = replace(est, gpu_memory_bytes=int(est.memory.total / 0.85))
+    assert at_85.fits
+
+
+def test_search_headroom_is_configurable():
+    m, cluster = MODEL_PRESETS["gpt3-175b"], ClusterSpec(128, 8, "a100-80g")
+    train = TrainSpec(global_batch=1536, micro_batch=1, steps=1000, warmup_steps=10)
+    strict = search(model=m, cluster=cluster, train=train, fixed={"tp": 8, "zero": 2}, headroom=0.3)
+    loose = search(model=m, cluster=cluster, train=train, fixed={"tp": 8, "zero": 2}, headroom=0.0)
+    for r, room in ((strict, 0.3), (loose, 0.0)):
+        assert all(c.est.memory.total <= (1 - room) * c.est.gpu_memory_bytes for c in r.ranked)
+    assert len(loose.ranked) > len(strict.ranked)
+
+
+def test_tie_break_prefers_the_smaller_footprint(gpt3_175b):
+    _, _, r = gpt3_175b
+    best = r.best
+    same = [c for c in r.ranked if c.est.step_time_s <= 1.02 * min(x.est.step_time_s for x in r.ranked)
+            and c.family == best.family and c.plan.checkpointing == best.plan.checkpointing
+            and (c.plan.pp, c.plan.tp, c.plan.sp) == (best.plan.pp, best.plan.tp, best.plan.sp)]
+    assert len(same) > 1  # micro-batches 2, 3, 4 are equally fast here
+    assert best.est.memory.total == min(c.est.memory.total for c in same)
+    assert "smaller memory" in r.tie
+
+
+# --- the 175B acceptance test --------------------------------------------------------------------------------------
+
+def test_gpt3_175b_on_1024_a100_uses_tp_inside_the_node_and_lands_near_the_published_time(gpt3_175b):
+    m, cluster, r = gpt3_175b
+    best = r.best
+    p, e = best.plan, best.est
+    assert 1 < p.tp <= cluster.gpus_per_node and cluster.gpus_per_node % p.tp == 0
+    assert p.pp == 1 and p.zero_stage in (1, 2)  # AutoTP composes neither with the pipeline nor with ZeRO-3
+    assert p.global_batch == p.micro_batch * p.grad_accum * p.dp == 1536 and p.dp * p.tp == 1024
+    assert e.bubble_s < 0.15 * e.step_time_s
+    assert e.memory.total <= 0.9 * e.gpu_memory_bytes
+    days = 1.5e12 / best.tokens_per_s / 86400
+    assert 100 < days < 150, days  # published: ~120 days (Megatron-LM, TP 8)
+    assert 0.3 < best.mfu < 0.6
+
+
+def test_plan_command_reports_tp_and_sp(capsys):
+    code = run_cli("plan", "--model", "gpt3-175b", "--nodes", "128", "--gpus-per-node", "8", "--gpu", "a100-80g",
+                   "--global-batch", "1536", "--tokens", "1.5T", "--json")
+    assert code == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["tp"] > 1 and d["sp"] == 1 and d["pp"] == 1 and d["dp"] * d["tp"] == 1024
+    assert 100 < d["train_days"] < 150
+    assert d["step_time_breakdown_s"]["tp_comm"] > 0 and d["step_time_breakdown_s"]["sp_comm"] == 0
+    assert d["memory_per_gpu_bytes"]["total"] <= d["usable_gpu_memory_bytes"] == int(0.9 * d["gpu_memory_bytes"])
+
+
+# --- search ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("gpus_per_node", [2, 4, 8])
+def test_tp_never_leaves_the_node(gpus_per_node):
+    m = MODEL_PRESETS["gpt3-2.7b"]
+    cluster = ClusterSpec(16 // gpus_per_node, gpus_per_node, "a100-80g")
+    assert tp_choices(m, cluster) == [t for t in (1, 2, 4, 8) if t <= gpus_per_node]
+    r = search(model=m, cluster=cluster, train=TrainSpec(global_batch=64, micro_batch=1, steps=100, warmup_steps=10),
+               fixed={})
+    tps = {c.plan.tp for c in r.ranked}
+    assert max(tps) <= gpus_per_node and all(gpus_per_node % t == 0 for t in tps)
+    assert r.best.plan.tp <= gpus_per_node
+
+
+def test_auto_sp_only_for_long_context():
+    cluster = ClusterSpec(1, 8, "h100-80g")
+    assert sp_choices(MODEL_PRESETS["gpt3-6.7b"], cluster) == [1]
+    assert sp_choices(model_preset("gpt3-6.7b", seq_len=32768), cluster) == [1, 2, 4, 8]
+    assert sp_choices(model_preset("gpt3-2.7b", seq_len=16384, heads=20), cluster) == [1, 2, 4]  # 8 ∤ 20 heads
+
+
+def test_long_context_search_explains_every_sp():
+    m = model_preset("gpt3-1.3b", seq_len=16384)
+    r = search(model=m, cluster=ClusterSpec(1, 8, "h100-80g"), fixed={},
+               train=TrainSpec(global_batch=16, micro_batch=1, steps=100, warmup_steps=10))
+    chosen = r.best.plan.sp
+    assert {k for k in r.rejected if k.startswith("sp ")} == {f"sp {s}" for s in (1, 2, 4, 8) if s != chosen}
+    assert all(c.plan.tp == 1 or c.plan.sp == 1 for c in r.ranked)  # AutoTP and Ulysses do not combine
+    with_sp = [c for c in r.ranked if c.plan.sp > 1]
+    assert with_sp and all(c.est.sp_comm_s > 0 for c in with_sp)
+
+
+def test_rejected_explains_every_tp(gpt3_175b):
+    _, _, r = gpt3_175b
+    chosen = r.best.plan.tp
+    lines = {k: v for k, v in r.rejected.items() if k.startswith("tp ")}
+    assert set(lines) == {f"tp {t}" for t in (1, 2, 4, 8) if t != chosen}
+    assert all("\n" not in v for v in r.rejected.values())
+    assert "does not fit" in lines["tp 2"] and "tp 2" in lines["tp 2"]
+    assert "slower by" in lines["tp 1"]
+
+
+def test_rejected_names_the_rule_that_rules_a_tp_out():
+    r = search(model=MODEL_PRESETS[SMALL], cluster=ClusterSpec(1, 8, "h100-80g"),
+               train=TrainSpec(global_batch=256, micro_batch=1, steps=1000, warmup_steps=10), fixed={})
+    assert r.rejected["tp 8"] == "not considered: model heads 12 is not divisible by tp 8 (12 / 8 = 1.5)"
+    assert "tp 2" in r.rejected and "tp 4" in r.rejected
+    fixed3 = search(model=MODEL_PRESETS[SMALL], cluster=ClusterSpec(1, 8, "h100-80g"),
+                    train=TrainSpec(global_batch=256, micro_batch=1, steps=1000, warmup_steps=10), fixed={"zero": 3})
+    assert "tp 2 with ZeRO-3" in fixed3.rejected["tp 2"]
+
+
+def test_human_report_shows_tp_and_sp(gpt3_175b):
+    _, _, r = gpt3_175b
+    text = human_report(r, tokens=1.5e12)
+    p = r.best.plan
+    assert f"pp 1, tp {p.tp}, sp 1, dp {p.dp}" in text.splitlines()[0]  # the chosen plan names every axis
+    assert f"world 1024 = dp {p.dp} x pp 1 x tp {p.tp} x sp 1" in text.splitlines()[1]
+    assert "tp comm" in text and "tp 1:" in text and "headroom" not in text.splitlines()[0]
+    assert f"global batch 1536 = micro_batch {p.micro_batch} x grad_accum {p.grad_accum} x dp {p.dp}" in text
+    s = estimate_summary(r.best, tokens=1.5e12)
+    assert (s["tp"], s["sp"]) == (p.tp, p.sp)
+
+
+def test_ring_latency_makes_zero3_scale_sublinearly():
+    """NCCL's ring cost model: each all-gather / reduce-scatter takes n - 1 steps, so ZeRO-3's per-module gathers
+    cost more per GPU as the data-parallel group grows (published 175B ZeRO-3 runs stop scaling near 1,000 GPUs)."""
+    assert ring_latency_s(steps=1535, inter_steps=191) > ring_latency_s(steps=767, inter_steps=95)
+    m = MODEL_PRESETS["gpt3-175b"]
+    per_gpu = []
+    for nodes in (96, 192):
+        cluster = ClusterSpec(nodes, 8, "a100-80g")
+        plan = make_plan(model=m, cluster=cluster, strategy=StrategySpec(zero=3, checkpointing="full"),
+                         train=TrainSpec(global_batch=1536, micro_batch=1, steps=1000, warmup_steps=10))
+        est = estimate(model=m, cluster=cluster, plan=plan)
+        per_gpu.append(plan.tokens_per_step / est.step_time_s / cluster.world_size)
+    assert per_gpu[1] < 0.95 * per_gpu[0]

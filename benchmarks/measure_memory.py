@@ -37,7 +37,7 @@ def main():
         eng = build_engine(run)
         engine, plan = eng.engine, run.plan
         batches = random_batches(vocab=run.model.vocab, seq_len=run.model.seq_len, micro_batch=plan.micro_batch,
-                                 seed=dist.get_rank())
+                                 seed=eng.dp_rank)  # tensor/sequence-parallel peers read the same batches
         for _ in range(2):
             eng.train_step(batches)
         census = tensor_census(engine)

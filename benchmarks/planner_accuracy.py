@@ -22,12 +22,13 @@ from dspipe.rundir import load_run  # noqa: E402
 
 # ~31.5M parameters: big enough that model states dominate everything else a rank holds.
 MODEL = ["--model", "tiny", "--layers", "4", "--hidden", "768", "--heads", "12", "--seq-len", "64", "--vocab", "4096"]
-CONFIGS = {
-    "zero0": ["--zero", "0"],
-    "zero1": ["--zero", "1"],
-    "zero2": ["--zero", "2"],
-    "zero3": ["--zero", "3"],
-    "pp2-zero1": ["--zero", "1", "--pp", "2"],
+CONFIGS = {  # every layout pinned (the planner would pick tp 2 for some of these on 2 CPU ranks)
+    "zero0": ["--zero", "0", "--tp", "1", "--sp", "1"],
+    "zero1": ["--zero", "1", "--tp", "1", "--sp", "1"],
+    "zero2": ["--zero", "2", "--tp", "1", "--sp", "1"],
+    "zero3": ["--zero", "3", "--tp", "1", "--sp", "1"],
+    "pp2-zero1": ["--zero", "1", "--pp", "2", "--tp", "1", "--sp", "1"],
+    "tp2-zero1": ["--zero", "1", "--tp", "2", "--sp", "1"],
 }
 
 
@@ -84,8 +85,9 @@ def main() -> None:
     print(text)
     if args.write:
         doc = ROOT / "docs" / "planner-accuracy.md"
-        head, _, _ = doc.read_text().partition("<!-- table -->")
-        doc.write_text(f"{head}<!-- table -->\n{text}\n")
+        head, _, tail = doc.read_text().partition("<!-- table -->\n")
+        rest = tail.split("\n\n", 1)[1] if "\n\n" in tail else ""  # the text after the table stays
+        doc.write_text(f"{head}<!-- table -->\n{text}\n\n{rest}")
 
 
 if __name__ == "__main__":

@@ -99,8 +99,8 @@ def dp_world_size(engine) -> int:
 
 
 def _tp_sharded_params(module) -> int:
-    """How many parameters AutoTP replaced by shards (its layers mark them with ds_is_replaced_module or keep
-    them in LinearLayer/LinearAllreduce modules)."""
+    """How many parameters AutoTP's replaced layers hold (TensorParallel_Layer: its column- and row-parallel
+    linears); 0 means its layer specs matched nothing."""
     from deepspeed.module_inject.layers import TensorParallel_Layer
 
     return sum(1 for m in module.modules() if isinstance(m, TensorParallel_Layer) for _ in m.parameters(recurse=False))

@@ -24,7 +24,7 @@ from dspipe.planner.render import import_ds_preset, render_ds_config
 from dspipe.planner.search import AUTO
 from dspipe.planner.estimate import MEMORY_HEADROOM
 from dspipe.planner.spec import (CHECKPOINTING, LIMITS, MLPS, NORMS, OFFLOADS, PARTITION_METHODS, POSITIONS,
-                                 PRECISIONS, TOKEN_SCALE, ClusterSpec, ModelSpec, StrategySpec, TrainSpec, token_count)
+                                 PRECISIONS, ClusterSpec, ModelSpec, StrategySpec, TrainSpec, token_count)
 
 DEFAULT_DATA = "data/stdlib"
 """Prepared token directory of gen-config --data and prepare-data --out."""
@@ -94,7 +94,6 @@ class StrictFloat(click.ParamType):
 
 INT, FLOAT = StrictInt(), StrictFloat()
 TOKEN_HELP = "use a number like 300B, 1.5T or 2e9"
-assert TOKEN_SCALE  # re-exported: the suffixes parse_tokens reads (dspipe.planner.spec.token_count)
 
 
 def parse_tokens(text: str | None, *, flag: str) -> float | None:

@@ -100,7 +100,9 @@ def _rule(rule: int, message: str) -> SpecError:
 
 
 def check_rules(*, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strategy: StrategySpec) -> None:
-    """DeepSpeed's rules (design notes section 5), each failing with a one-line message that shows the numbers."""
+    """DeepSpeed's rules (design notes section 5), each failing with a one-line message that shows the numbers.
+    search() tries a refused strategy's other micro-batches only after rule 4 (the batch equation) and never its
+    other recomputation modes: a rule that reads train.micro_batch or strategy.checkpointing must change that."""
     world, pp, zero, tp, sp = cluster.world_size, strategy.pp, strategy.zero, strategy.tp, strategy.sp
     if pp > model.layers:
         raise _rule(1, f"pipeline stages {pp} > layers {model.layers}: every stage needs at least one block")

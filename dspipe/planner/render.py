@@ -67,7 +67,13 @@ def monitor_values(options: dict) -> dict:
     """Template values for the monitors the options turn on: --wandb-project enables W&B, --comet-project Comet
     (--comet-offline: an offline experiment). API keys are never written: W&B and Comet read them from their own
     environment variables or login files."""
-    values = {MONITOR_OPTIONS[k]: v for k, v in options.items() if k in MONITOR_OPTIONS and v is not None}
+    values = {}
+    for key, value in options.items():
+        if key not in MONITOR_OPTIONS or value is None:
+            continue
+        if not isinstance(value, str) or not value.strip() or not value.isprintable() or len(value) > 128:
+            raise SpecError(f"--{key.replace('_', '-')} {value!r} must be a name: 1-128 printable characters")
+        values[MONITOR_OPTIONS[key]] = value
     if options.get("wandb_project"):
         values["wandb_enabled"] = True
     if options.get("comet_project"):

@@ -6,6 +6,8 @@ from __future__ import annotations
 import time
 from collections import deque
 
+from dspipe.planner.spec import TOKEN_SCALE
+
 WINDOW = 20
 """Step times the ETA averages over (the first step of a session, with its warm-up, is left out once others exist)."""
 BAR = 24
@@ -25,7 +27,8 @@ def duration(seconds: float) -> str:
 
 def tokens(count: float) -> str:
     """'950', '12.3K', '4.19M', '1.5B', '300T'."""
-    for scale, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+    for unit in ("T", "B", "M", "K"):  # the suffixes --tokens reads
+        scale = TOKEN_SCALE[unit]
         if count >= scale:
             return f"{count / scale:.3g}{unit}"
     return f"{count:.0f}"

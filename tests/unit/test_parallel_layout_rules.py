@@ -186,3 +186,13 @@ def test_monitor_values_render_wandb_and_comet_as_deepspeed_reads_them():
     assert (on.comet.enabled, on.comet.project, on.comet.workspace, on.comet.online, on.comet.experiment_name,
             on.comet.api_key) == (True, "gpt-c", "lab", False, "run-1", None)
     assert on.enabled
+
+
+def test_monitor_names_must_be_printable_one_line_names(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for flag in ("--wandb-project", "--comet-project", "--wandb-group"):
+        for bad in ("", "a\nb"):
+            code = run_cli("gen-config", *CPU, "--gpus-per-node", "2", flag, bad, "--out", tmp_path / "run")
+            err = capsys.readouterr().err
+            assert code == 2 and "must be a name: 1-128 printable characters" in err and err.count("\n") == 1, err
+    assert list(tmp_path.iterdir()) == []

@@ -1,7 +1,9 @@
 """Planner vs. live DeepSpeed engines on 2 CPU ranks: predicted model-state bytes per rank against the tensors
-the engine actually holds (dspipe.runtime.census), for ZeRO 0-3 and pp=2. Writes docs/planner-accuracy.md.
+the engine actually holds (dspipe.runtime.census), on the device and the host, between steps and at the in-step
+peak, for ZeRO 0-3, CPU offload (optimizer, parameters), bf16 and fp32, two model sizes, pp 2 and tp 2. Writes the
+table of docs/planner-accuracy.md.
 
-    python benchmarks/planner_accuracy.py [--write]
+    python benchmarks/planner_accuracy.py [--write] [--only NAME ...]
 """
 from __future__ import annotations
 
@@ -17,19 +19,51 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from dspipe.planner.estimate import estimate  # noqa: E402
+from dspipe.planner.estimate import estimate, zero3_gathered_bound  # noqa: E402
 from dspipe.rundir import load_run  # noqa: E402
+from dspipe.runtime.census import CATEGORIES  # noqa: E402
 
-# ~31.5M parameters: big enough that model states dominate everything else a rank holds.
-MODEL = ["--model", "tiny", "--layers", "4", "--hidden", "768", "--heads", "12", "--seq-len", "64", "--vocab", "4096"]
-CONFIGS = {  # every layout pinned (the planner would pick tp 2 for some of these on 2 CPU ranks)
-    "zero0": ["--zero", "0", "--tp", "1", "--sp", "1"],
-    "zero1": ["--zero", "1", "--tp", "1", "--sp", "1"],
-    "zero2": ["--zero", "2", "--tp", "1", "--sp", "1"],
-    "zero3": ["--zero", "3", "--tp", "1", "--sp", "1"],
-    "pp2-zero1": ["--zero", "1", "--pp", "2", "--tp", "1", "--sp", "1"],
-    "tp2-zero1": ["--zero", "1", "--tp", "2", "--sp", "1"],
+# ~31.5M parameters: big enough that model states dominate everything else a rank holds. The second size has a
+# larger largest tensor (the 8192 x 1024 embedding) and fewer, wider blocks.
+MODELS = {
+    "31M": ["--model", "tiny", "--layers", "4", "--hidden", "768", "--heads", "12", "--seq-len", "64", "--vocab",
+            "4096"],
+    "34M": ["--model", "tiny", "--layers", "2", "--hidden", "1024", "--heads", "16", "--seq-len", "64", "--vocab",
+            "8192"],
 }
+BF16, FP32 = ["--precision", "bf16"], ["--precision", "fp32"]
+CPU_OFFLOAD = ["--offload", "cpu"]
+CONFIGS = {  # name: (model, options); every layout pinned (the planner would pick tp 2 for some on 2 CPU ranks)
+    "zero0": ("31M", ["--zero", "0", *BF16]),
+    "zero1": ("31M", ["--zero", "1", *BF16]),
+    "zero2": ("31M", ["--zero", "2", *BF16]),
+    "zero3": ("31M", ["--zero", "3", *BF16]),
+    "zero2-offload": ("31M", ["--zero", "2", *BF16, *CPU_OFFLOAD]),
+    "zero3-offload": ("31M", ["--zero", "3", *BF16, *CPU_OFFLOAD]),
+    "zero3-offload-params": ("31M", ["--zero", "3", *BF16, *CPU_OFFLOAD, "--offload-params"]),
+    "zero1-fp32": ("31M", ["--zero", "1", *FP32]),
+    "zero3-fp32": ("31M", ["--zero", "3", *FP32]),
+    "zero2-offload-fp32": ("31M", ["--zero", "2", *FP32, *CPU_OFFLOAD]),
+    "34M-zero2": ("34M", ["--zero", "2", *BF16]),
+    "34M-zero3": ("34M", ["--zero", "3", *BF16]),
+    "34M-zero2-offload": ("34M", ["--zero", "2", *BF16, *CPU_OFFLOAD]),
+    "34M-zero3-offload-params-fp32": ("34M", ["--zero", "3", *FP32, *CPU_OFFLOAD, "--offload-params"]),
+    "pp2-zero1": ("31M", ["--zero", "1", *BF16, "--pp", "2"]),
+    "tp2-zero1": ("31M", ["--zero", "1", *BF16, "--tp", "2"]),
+}
+LAUNCHES = [  # rows measured one after another by the same 2 ranks (a launch costs ~20 s before any engine)
+    [name for name in CONFIGS if not name.startswith(("pp2", "tp2"))],
+    ["pp2-zero1"],
+    ["tp2-zero1"],
+]
+"""Each launch's engines share one process group; pipeline and AutoTP engines get their own launch."""
+KNOWN_MISSES = {
+    "34M-zero3-offload-params-fp32": {"peak": "ZeRO-3's backward working set grows with the module being reduced "
+                                              "(4.2M-element MLP matrices here), not with the reduce bucket"},
+}
+"""Rows and metrics the planner does not yet hold within 5%, and why (the table shows them; the test reports them)."""
+METRICS = ("steady", "peak", "host_steady", "host_peak")
+"""What each row compares: device bytes between steps and at the in-step peak, host bytes between steps and peak."""
 
 
 def _port() -> int:
@@ -38,49 +72,110 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def measure(name: str, workdir: Path) -> dict:
-    """Generate the run, launch 2 ranks, return predicted and measured (largest rank) bytes by category."""
+def _generate(name: str, workdir: Path) -> Path:
+    model, options = CONFIGS[name]
     run_dir = workdir / name
-    gen = [sys.executable, "-m", "dspipe", "gen-config", *MODEL, "--gpus-per-node", "2", "--gpu", "cpu",
-           "--global-batch", "2", "--micro-batch", "1", "--steps", "10", "--warmup", "1", "--precision", "bf16",
-           "--offload", "none", "--no-offload-params", "--checkpointing", "none", "--pp", "1", *CONFIGS[name],
+    gen = [sys.executable, "-m", "dspipe", "gen-config", *MODELS[model], "--gpus-per-node", "2", "--gpu", "cpu",
+           "--global-batch", "2", "--micro-batch", "1", "--steps", "10", "--warmup", "1", "--offload", "none",
+           "--no-offload-params", "--checkpointing", "none", "--pp", "1", "--tp", "1", "--sp", "1", *options,
            "--data", str(workdir / "no-data"), "--out", str(run_dir), "--force"]
-    subprocess.run(gen, cwd=ROOT, check=True, capture_output=True)
-    launcher = [shutil.which("deepspeed")] if shutil.which("deepspeed") else [sys.executable, "-m",
-                                                                              "deepspeed.launcher.runner"]
-    out = workdir / f"census-{name}"
-    r = subprocess.run([*launcher, "--num_gpus", "2", "--master_port", str(_port()), "benchmarks/measure_memory.py",
-                        "--run", str(run_dir), "--out-dir", str(out)], cwd=ROOT, capture_output=True, text=True,
-                       timeout=900)
+    r = subprocess.run(gen, cwd=ROOT, capture_output=True, text=True)
     if r.returncode:
-        raise RuntimeError(f"{name}: launch failed\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
-    ranks = [json.loads((out / f"rank{i}.json").read_text()) for i in range(2)]
-    measured = max(ranks, key=lambda c: c["total"])
+        raise RuntimeError(f"{name}: gen-config failed\n{r.stderr[-2000:]}")
+    return run_dir
+
+
+def predicted(run_dir: Path) -> dict:
+    """The planner's bytes per rank: device between steps (Memory.model_states) and at the step's peak (every kind
+    but activations and the framework reserve), host between steps and at the peak."""
     run = load_run(run_dir)
     est = estimate(model=run.model, cluster=run.cluster, plan=run.plan)
-    return {"name": name, "num_params": run.plan.num_params, "predicted": est.memory.model_states,
-            "measured": measured["total"], "measured_by_kind": {k: measured[k] for k in
-                                                                ("params", "grads", "optimizer", "buffers")}}
+    mem = est.memory
+    return {"steady": mem.model_states, "peak": mem.total - mem.activations,  # the cpu type has no framework reserve
+            "host_steady": mem.host_model_states, "host_peak": mem.host_peak}
+
+
+def gathered_allowed(run_dir: Path) -> int:
+    """ZeRO-3 gathered parameter bytes the rendered knobs allow at most (estimate.zero3_gathered_bound); 0 below
+    ZeRO-3."""
+    run = load_run(run_dir)
+    b = 2 if run.plan.precision in ("bf16", "fp16") else 4
+    return b * zero3_gathered_bound(model=run.model, plan=run.plan) if run.plan.zero_stage == 3 else 0
+
+
+def measure_launch(names: list[str], workdir: Path) -> list[dict]:
+    """Generate the runs, launch 2 ranks once for all of them, return one row per run: predicted and measured
+    (largest rank) bytes for each of METRICS, and the measured bytes by category at the device peak."""
+    run_dirs = [_generate(name, workdir) for name in names]
+    launcher = [shutil.which("deepspeed")] if shutil.which("deepspeed") else [sys.executable, "-m",
+                                                                              "deepspeed.launcher.runner"]
+    out = workdir / "census"
+    r = subprocess.run([*launcher, "--num_gpus", "2", "--master_port", str(_port()), "benchmarks/measure_memory.py",
+                        "--run", *map(str, run_dirs), "--out-dir", str(out)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=1800)
+    if r.returncode:
+        raise RuntimeError(f"{names}: launch failed\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+    return collect(names, workdir)
+
+
+def collect(names: list[str], workdir: Path) -> list[dict]:
+    """Rows from the run dirs and the census files a launch left in workdir."""
+    run_dirs, out = [workdir / name for name in names], workdir / "census"
+    rows = []
+    for name, run_dir in zip(names, run_dirs):
+        ranks = [json.loads((out / name / f"rank{i}.json").read_text()) for i in range(2)]
+        measured = {"steady": max(c["steady"]["total"] for c in ranks),
+                    "peak": max(c["peak"]["total"] for c in ranks),
+                    "host_steady": max(c["steady"]["host"]["total"] for c in ranks),
+                    "host_peak": max(c["host_peak"]["total"] for c in ranks)}
+        worst = max(ranks, key=lambda c: c["peak"]["total"])
+        rows.append({"name": name, "num_params": load_run(run_dir).plan.num_params, "predicted": predicted(run_dir),
+                     "measured": measured, "peak_by_kind": {k: worst["peak"][k] for k in (*CATEGORIES, "total")},
+                     "peak_buffers": worst["peak"]["buffers_by_owner"],
+                     "peak_at": worst["peak_at"], "gathered": max(c["gathered_peak"] for c in ranks),
+                     "gathered_at": max(ranks, key=lambda c: c["gathered_peak"])["gathered_at"],
+                     "gathered_allowed": gathered_allowed(run_dir),
+                     "steady_by_kind": {k: max(ranks, key=lambda c: c["steady"]["total"])["steady"][k]
+                                        for k in (*CATEGORIES, "total")}})
+    return rows
+
+
+def error(row: dict, metric: str) -> float:
+    """(predicted - measured) / measured; 0 when both are 0."""
+    p, m = row["predicted"][metric], row["measured"][metric]
+    return (p - m) / m if m else (0.0 if p == 0 else float("inf"))
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| config | params | predicted MiB | measured MiB | error | measured params / grads / optimizer / "
-             "buffers MiB |", "|---|---|---|---|---|---|"]
+    mib = 2**20
+    lines = ["| config | params | device between steps MiB (pred / meas / err) | device in-step peak MiB (pred / "
+             "meas / err) | host between steps MiB | host peak MiB | at the peak: params / gathered / grads / "
+             "optimizer / buffers MiB | ZeRO-3 gathered MiB: most seen / allowed |",
+             "|---|---|---|---|---|---|---|---|"]
+
+    def cell(r, metric):
+        p, m = r["predicted"][metric] / mib, r["measured"][metric] / mib
+        return f"{p:.1f} / {m:.1f} / {error(r, metric) * 100:+.1f}%" if m or p else "0 / 0"
+
     for r in rows:
-        k = r["measured_by_kind"]
-        err = (r["predicted"] - r["measured"]) / r["measured"] * 100
-        lines.append(f"| {r['name']} | {r['num_params'] / 1e6:.1f}M | {r['predicted'] / 2**20:.1f} | "
-                     f"{r['measured'] / 2**20:.1f} | {err:+.2f}% | {k['params'] / 2**20:.1f} / {k['grads'] / 2**20:.1f}"
-                     f" / {k['optimizer'] / 2**20:.1f} / {k['buffers'] / 2**20:.1f} |")
+        k = r["peak_by_kind"]
+        gathered = f"{r['gathered'] / mib:.1f} / {r['gathered_allowed'] / mib:.1f}" if r["gathered_allowed"] else ""
+        kinds = " / ".join(f"{k[c] / mib:.1f}" for c in ("params", "gathered", "grads", "optimizer", "buffers"))
+        lines.append(f"| {r['name']} | {r['num_params'] / 1e6:.1f}M | {cell(r, 'steady')} | {cell(r, 'peak')} | "
+                     f"{cell(r, 'host_steady')} | {cell(r, 'host_peak')} | {kinds} | {gathered} |")
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--write", action="store_true", help="rewrite the table in docs/planner-accuracy.md")
+    parser.add_argument("--only", nargs="+", choices=list(CONFIGS), help="measure these rows only")
     args = parser.parse_args()
+    launches = [[n for n in names if n in args.only] for names in LAUNCHES] if args.only else LAUNCHES
+    rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        rows = [measure(name, Path(tmp)) for name in CONFIGS]
+        for i, names in enumerate(n for n in launches if n):
+            rows += measure_launch(names, Path(tmp) / str(i))
     text = table(rows)
     print(text)
     if args.write:

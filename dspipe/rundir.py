@@ -15,6 +15,7 @@ from dspipe.atomic import replace_dir, write_file
 from dspipe.errors import SpecError
 from dspipe.jsonio import read_object, show
 from dspipe.planner.plan import Plan, check_plan
+from dspipe.planner.profile import PROFILE_FILE, profile_to_dict
 from dspipe.planner.spec import ClusterSpec, ModelSpec, StrategySpec, TrainSpec, from_dict
 
 FORMAT_VERSION = 1
@@ -23,7 +24,7 @@ DS_CONFIG_FILE = "ds_config.json"
 ENGINE_FILE = "engine.json"  # the live engine's settings, written by the runner's rank 0
 VAL_FILE = "val_metrics.csv"  # validation rows (dspipe.metrics.VAL_COLUMNS)
 CONFIG_FILE = "config.yaml"  # gen-config's options as resolved (dspipe.cli.config_file): --config reproduces the run
-EXTRA_FILES = (CONFIG_FILE,)
+EXTRA_FILES = (CONFIG_FILE, PROFILE_FILE)
 """Files besides the two configs that gen-config may write into a run directory (with them, whole or not at all)."""
 _EXTRA: contextvars.ContextVar[dict[str, str]] = contextvars.ContextVar("dspipe_run_files", default={})
 
@@ -89,7 +90,7 @@ def write_run(out: Path, *, model: ModelSpec, cluster: ClusterSpec, train: Train
     logs, the user's files) is kept. A run that has trained is refused a config of another model, whose checkpoints
     it could not resume."""
     out = outputs.target(out, flag="--out", expect="dir")
-    spec = {"format_version": FORMAT_VERSION, "model": asdict(model), "cluster": asdict(cluster),
+    spec = {"format_version": FORMAT_VERSION, "model": asdict(model), "cluster": cluster_dict(cluster),
             "train": asdict(train), "strategy": asdict(strategy), "plan": asdict(plan), "estimate": estimate, "data": data,
             "command": command}
     texts = {**_EXTRA.get(), DS_CONFIG_FILE: _json_text(ds_config, DS_CONFIG_FILE),
@@ -111,6 +112,15 @@ def write_run(out: Path, *, model: ModelSpec, cluster: ClusterSpec, train: Train
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+
+
+def cluster_dict(cluster: ClusterSpec) -> dict:
+    """dspipe.json's cluster: its fields, the calibration profile (if any) in its file form (profile.json's), so that
+    load_run rebuilds the same time model from dspipe.json alone."""
+    d = asdict(cluster)
+    if cluster.profile is not None:
+        d["profile"] = profile_to_dict(cluster.profile)
+    return d
 
 
 def _json_text(value: dict, name: str) -> str:

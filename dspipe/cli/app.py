@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from dspipe.cli.bench import bench
+from dspipe.cli.calibrate import calibrate
 from dspipe.cli.data import prepare_data
 from dspipe.cli.extend import extend
 from dspipe.cli.launch import doctor, launch, slurm_script
@@ -71,9 +72,16 @@ def gen_config(**o) -> None:
         from dspipe.data.checks import check_val_for_eval
         check_val_for_eval(o["data"], seq_len=model.seq_len, dp=plan.dp, micro_batch=plan.micro_batch)
     command = _deepspeed_command(cluster=cluster, out=out, hostfile=o["hostfile"])
-    with also_writing({CONFIG_FILE: resolved_text()}):
+    extra = {CONFIG_FILE: resolved_text()}
+    if cluster.profile is not None:  # the profile travels with the run (dspipe.json's cluster.profile holds it too)
+        from dspipe.planner.profile import PROFILE_FILE, profile_text
+        extra[PROFILE_FILE] = profile_text(cluster.profile)
+    with also_writing(extra):
         prepare_run(out, model=model, cluster=cluster, best=best, data=o["data"], command=command,
                     wall_clock_breakdown=o["wall_clock_breakdown"], force=o["force"], monitors=monitor_values(o))
+    if cluster.profile is None:  # --force without --profile: an earlier run's profile.json no longer applies
+        from dspipe.planner.profile import PROFILE_FILE
+        (out / PROFILE_FILE).unlink(missing_ok=True)
     click.echo(f"model {model.name}: {model.num_params / 1e6:,.2f}M params, {model.shape_text}")
     click.echo(f"{plan.layout.describe()} | ZeRO-{plan.zero_stage} offload {plan.offload}"
                f"{' +params' if plan.offload_params else ''} | {plan.precision} (grad accum {plan.grad_accum_dtype}) | "
@@ -122,13 +130,28 @@ def plan_command(**o) -> None:
             train = result.best.train
             summary["token_budget"] = {"tokens": train.tokens, "steps": train.steps,
                                        "tokens_per_step": result.best.plan.tokens_per_step, "equation": budget}
+        summary["host_memory_source"] = cluster.host_memory_source
+        summary["time_figures"] = [{"figure": f, "value": v, "source": src} for f, v, src in
+                                   time_figure_sources(cluster, o, result.best.plan.precision)]
         summary["top"] = [{**estimate_summary(c, tokens=tokens), "plan": c.describe(every_axis=True)}
                           for c in result.ranked[:o["top"]]]
         click.echo(json.dumps(summary, indent=2))
     else:
-        click.echo(human_report(result, tokens=tokens, tokens_text=o["tokens"], top=o["top"]))
+        click.echo(human_report(result, tokens=tokens, tokens_text=o["tokens"], top=o["top"],
+                                host_memory_source=cluster.host_memory_source,
+                                figure_sources=time_figure_sources(cluster, o, result.best.plan.precision)))
         if budget is not None:
             click.echo(f"token budget: {budget}")
+
+
+def time_figure_sources(cluster: ClusterSpec, o: dict, precision: str) -> list[tuple[str, str, str]]:
+    """(figure, value, source) of the time model's inputs: the --profile, an override flag or the catalog."""
+    from dspipe.planner.hardware import GPU_CATALOG
+    from dspipe.planner.profile import figure_sources
+
+    return figure_sources(catalog=GPU_CATALOG[cluster.gpu], profile=cluster.profile, profile_name=o.get("profile"),
+                          overrides={k: getattr(cluster, k) for k in ("intra_node_gbps", "inter_node_gbps")},
+                          precision=precision)
 
 
 def _check_data(data: str, model: ModelSpec, notes: list[str]) -> None:
@@ -161,6 +184,7 @@ cli.add_command(bench)
 cli.add_command(export_hf)
 cli.add_command(generate)
 cli.add_command(extend)
+cli.add_command(calibrate)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -40,7 +40,8 @@ from dspipe.errors import SpecError
 SECTIONS: dict[str, tuple[str, ...]] = {
     "model": ("model", "init_from", "layers", "hidden", "heads", "vocab", "seq_len", "ffn", "dropout", "untied",
               "pad_vocab", "norm", "mlp", "positions", "rope_theta", "kv_heads", "bias", "norm_eps"),
-    "cluster": ("nodes", "gpus_per_node", "gpu", "hostfile", "host_memory_gib"),
+    "cluster": ("nodes", "gpus_per_node", "gpu", "hostfile", "host_memory_gib", "profile", "intra_node_gbps",
+                "inter_node_gbps"),
     "train": ("global_batch", "steps", "tokens", "lr", "min_lr_ratio", "warmup", "weight_decay", "grad_clip", "seed",
               "save_interval", "keep_checkpoints", "eval_interval", "eval_batches", "max_skipped_steps",
               "spike_window", "spike_sigma"),

@@ -233,7 +233,14 @@ def spec_options(f):
         click.option("--gpu", default=CLI_DEFAULTS["gpu"], show_default=True, help=f"GPU type: {names_text()}"),
         click.option("--hostfile", default=None, help="hostfile: sets --nodes/--gpus-per-node (validated)"),
         click.option("--host-memory-gib", type=FLOAT, default=spec_default(ClusterSpec, "host_memory_gib"),
-                     help="host RAM per node [default: a typical node for --gpu]"),
+                     help="host RAM per node [default: --gpu's reference RAM per GPU x --gpus-per-node]"),
+        click.option("--profile", default=None, metavar="FILE",
+                     help="calibration profile from 'dspipe calibrate': its measured compute, bandwidth, latency, "
+                          "copy and optimizer rates replace the catalog's (gen-config keeps it in the run directory)"),
+        click.option("--intra-node-gbps", type=FLOAT, default=None,
+                     help="bandwidth per GPU inside a node, GB/s [the catalog's or the profile's]"),
+        click.option("--inter-node-gbps", type=FLOAT, default=None,
+                     help="per-GPU share of the network bandwidth across nodes, GB/s [the catalog's]"),
         click.option("--global-batch", type=INT, default=CLI_DEFAULTS["global_batch"], show_default=True,
                      help="sequences per optimizer step"),
         click.option("--micro-batch", type=AutoInt(), default=None, help="sequences per rank per forward [auto]"),
@@ -304,9 +311,10 @@ def cluster_from_options(o: dict) -> ClusterSpec:
     """The cluster: --nodes/--gpus-per-node, or derived from --hostfile (and then checked against them)."""
     from dspipe.cluster.hostfile import read_hostfile
 
+    calibration = _calibration(o)
     if not o.get("hostfile"):
         return ClusterSpec(nodes=o["nodes"], gpus_per_node=o["gpus_per_node"], gpu=o["gpu"],
-                           host_memory_gib=o.get("host_memory_gib"))
+                           host_memory_gib=o.get("host_memory_gib"), **calibration)
     hostfile = read_hostfile(o["hostfile"])
     derived = {"nodes": len(hostfile.hosts), "gpus_per_node": hostfile.equal_slots()}
     given = _given_on_command_line(o)
@@ -315,7 +323,24 @@ def cluster_from_options(o: dict) -> ClusterSpec:
             raise SpecError(f"--{key.replace('_', '-')} {o[key]} contradicts hostfile {hostfile.source} "
                             f"({derived['nodes']} nodes x {derived['gpus_per_node']} slots); drop one of them")
     return ClusterSpec(nodes=derived["nodes"], gpus_per_node=derived["gpus_per_node"], gpu=o["gpu"],
-                       host_memory_gib=o.get("host_memory_gib"))
+                       host_memory_gib=o.get("host_memory_gib"), **calibration)
+
+
+def _calibration(o: dict) -> dict:
+    """ClusterSpec's time-model inputs from --profile FILE (read and checked against --gpu) and the bandwidth
+    overrides; a bad value is one line naming the flag."""
+    from dspipe.planner.profile import read_profile
+
+    for name in ("intra_node_gbps", "inter_node_gbps"):
+        value = o.get(name)
+        if value is not None and not (math.isfinite(value) and 0 < value <= LIMITS[name]):
+            raise SpecError(f"--{name.replace('_', '-')} must be a positive number of GB/s, got {value:g} "
+                            f"(allowed: finite, (0, {LIMITS[name]:g}])")
+    if o.get("gpu") is not None:
+        from dspipe.planner.hardware import gpu_type
+        gpu_type(o["gpu"])  # an unknown --gpu is named before its profile is judged
+    profile = read_profile(o["profile"], gpu=o.get("gpu")) if o.get("profile") else None
+    return dict(intra_node_gbps=o.get("intra_node_gbps"), inter_node_gbps=o.get("inter_node_gbps"), profile=profile)
 
 
 ARCHITECTURE_KEYS = ("norm", "mlp", "positions", "rope_theta", "kv_heads", "bias", "norm_eps")

@@ -21,19 +21,31 @@ class GpuType:
     memory_bytes: int
     """Device memory as the driver reports it."""
     peak_bf16_tflops: float
-    """Dense bf16 tensor-core peak, TFLOP/s."""
+    """Dense bf16 tensor-core peak, TFLOP/s (NVIDIA datasheets, without sparsity: A100 SXM 312, H100 SXM 989, H200
+    989)."""
     peak_fp16_tflops: float
-    """Dense fp16 tensor-core peak, TFLOP/s."""
+    """Dense fp16 tensor-core peak, TFLOP/s (same datasheets: equal to bf16)."""
     peak_fp32_tflops: float
-    """Dense fp32 (non-TF32) peak, TFLOP/s."""
+    """Dense fp32 (non-TF32) peak, TFLOP/s (datasheets: A100 19.5, H100 SXM 67, H200 67)."""
     intra_node_gbps: float
-    """Per-GPU unidirectional bandwidth to peers in the node (NVLink), GB/s."""
+    """Per-GPU bandwidth to peers in the node as NCCL achieves it (nccl-tests bus bandwidth of a large ring collective
+    on 8 GPUs), GB/s; what a ring reduce-scatter / all-gather moves per GPU per second. A100 (NVLink 3, 300 GB/s line
+    rate): 230, 8x A100-SXM4 all_reduce_perf busbw 232.5 GB/s (NVIDIA/nccl-tests#175). H100 (NVLink 4, 450 GB/s line
+    rate): 370, NCCL's effective NVLink bandwidth after ~20% protocol overhead, the ring busbw (NCCL maintainer in
+    NVIDIA/nccl-tests#212; NVLink SHARP all-reduces reach ~480 busbw, not modelled). H200: the same NVLink 4 switch
+    fabric, 370 (its NVLS all-reduce busbw 475 GB/s matches the H100's, NVIDIA/nccl-tests#272). See docs/hardware.md."""
     inter_node_gbps: float
-    """Per-GPU share of the node's network bandwidth (InfiniBand), GB/s."""
+    """Per-GPU share of the node's network bandwidth as NCCL achieves it, GB/s; DGX-class nodes have one NIC per GPU.
+    A100 (DGX A100: 8x ConnectX-6 HDR InfiniBand, 200 Gb/s = 25 GB/s line rate): 24, the busbw NCCL reaches per HDR
+    NIC (NCCL maintainer in NVIDIA/nccl#412; NVIDIA/nccl#1048 measured 24 GB/s on one HCA). H100 / H200 (DGX H100 /
+    H200: 8x ConnectX-7 NDR, 400 Gb/s = 50 GB/s): 46, the low end of the 46-48 GB/s per NDR NIC NCCL's developers quote
+    (NVIDIA/nccl-tests#290, #267)."""
     backend: str
     """torch.distributed backend DeepSpeed uses on it."""
-    node_host_memory_bytes: int
-    """Host RAM of a typical node with 8 of these (DGX-class), for offload checks."""
+    host_memory_per_gpu_bytes: int
+    """Host RAM per GPU of the reference system (x GPUs per node = the node's RAM for offload checks): DGX A100 320GB
+    1 TiB / 8 GPUs = 128 GiB; DGX A100 640GB 2 TiB / 8 = 256 GiB; DGX H100 and DGX H200 2 TiB / 8 = 256 GiB (NVIDIA
+    datasheets). 'cpu': 12 GiB per rank, the 24 GiB development machine split over its default 2 ranks."""
     device_pattern: str
     """Regex matched (case-insensitively) against the name the driver reports; '' for none."""
     min_memory_bytes: int = 0
@@ -46,23 +58,48 @@ class GpuType:
     checkpointing (1B-13B), hardware FLOPs utilisation 0.65-0.77 with it (7B-70B). H100 0.48: "H100 80GB BF16" table,
     MFU 0.40-0.46 without checkpointing, HFU 0.48-0.59 with it. H200: the H100's compute die, its figure assumed until
     measured. 'cpu': nominal 0.5 (not a performance model). Not yet calibrated on this project's own GPU runs."""
+    host_copy_gbps: float = 25.0
+    """Host <-> device bandwidth per GPU for offload traffic, GB/s (pinned copies over PCIe gen4 x16); a
+    `dspipe calibrate` profile replaces it with the measured rate."""
+    cpu_adam_params_per_s: float = 1.0e9
+    """DeepSpeedCPUAdam throughput per node, parameters per second (nominal); a profile replaces it."""
+    optimizer_params_per_s: float = 0.0
+    """The engine's own (device) Adam step, parameters per second per rank; 0: not modelled (a fused GPU Adam step is
+    small beside the compute). A profile measures it: on CPU ranks it is a visible part of the step."""
+    ring_base_latency_s: float = 8.4e-6
+    """Launch cost of one ring collective: NCCL's own model (src/graph/tuning.cc, Ring / Simple baseLat 8.4 us); a
+    profile replaces it with its measured small all-reduce less the per-hop cost."""
+    ring_hop_latency_s: float = 3.4e-6
+    """Cost of one ring step inside a node: NCCL's hwLat for NVLink, 3.4 us (steps across nodes: estimate's
+    RING_HOP_LATENCY_S['inter'])."""
+    calibrated_precision: str = ""
+    """Precision a profile measured the compute in ('' without a profile): calibrated_tflops applies to it."""
+    calibrated_tflops: float = 0.0
+    """Measured TFLOP/s per rank of the model's forward + backward at calibrated_precision (0: none)."""
 
     def peak_tflops(self, precision: str) -> float:
         return {"bf16": self.peak_bf16_tflops, "fp16": self.peak_fp16_tflops, "fp32": self.peak_fp32_tflops}[precision]
+
+    def compute_tflops(self, precision: str) -> float:
+        """TFLOP/s per rank the planner assumes for a step's compute: a profile's measured figure at its precision,
+        else peak x matmul_efficiency."""
+        if self.calibrated_tflops and precision == self.calibrated_precision:
+            return self.calibrated_tflops
+        return self.peak_tflops(precision) * self.matmul_efficiency
 
 
 # Vendor datasheet figures. 'cpu' is a nominal entry for the 2-rank gloo path (not a performance model).
 # Devices report e.g. "NVIDIA H200", "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB", "NVIDIA A100-PCIE-40GB";
 # where several entries match a name, the one with the larger memory floor is tried first.
 GPU_CATALOG: dict[str, GpuType] = {g.name: g for g in (
-    GpuType("cpu", 16 * 1024 * MIB, 1.0, 0.0, 1.0, 10.0, 10.0, "gloo", 24 * 1024 * MIB, ""),
-    GpuType("a100-40g", 40960 * MIB, 312.0, 312.0, 19.5, 300.0, 25.0, "nccl", 1024 * 1024 * MIB, r"A100",
+    GpuType("cpu", 16 * 1024 * MIB, 1.0, 0.0, 1.0, 10.0, 10.0, "gloo", 12 * GIB, ""),
+    GpuType("a100-40g", 40960 * MIB, 312.0, 312.0, 19.5, 230.0, 24.0, "nccl", 128 * GIB, r"A100",
             matmul_efficiency=0.65),
-    GpuType("a100-80g", 81920 * MIB, 312.0, 312.0, 19.5, 300.0, 25.0, "nccl", 2048 * 1024 * MIB, r"A100",
+    GpuType("a100-80g", 81920 * MIB, 312.0, 312.0, 19.5, 230.0, 24.0, "nccl", 256 * GIB, r"A100",
             min_memory_bytes=50 * GIB, matmul_efficiency=0.65),
-    GpuType("h100-80g", 81559 * MIB, 989.0, 989.0, 67.0, 450.0, 50.0, "nccl", 2048 * 1024 * MIB, r"H100",
+    GpuType("h100-80g", 81559 * MIB, 989.0, 989.0, 67.0, 370.0, 46.0, "nccl", 256 * GIB, r"H100",
             matmul_efficiency=0.48),
-    GpuType("h200", 143771 * MIB, 989.0, 989.0, 67.0, 450.0, 50.0, "nccl", 2048 * 1024 * MIB, r"H200",
+    GpuType("h200", 143771 * MIB, 989.0, 989.0, 67.0, 370.0, 46.0, "nccl", 256 * GIB, r"H200",
             matmul_efficiency=0.48),
 )}
 

@@ -1,6 +1,7 @@
 """Specs -> Plan: every derived value, after DeepSpeed's rules are checked. No torch, no deepspeed."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 from dspipe.errors import SpecError
@@ -52,6 +53,12 @@ class Plan:
     """ZeRO-3 parameter prefetch, elements (0.9 h^2)."""
     param_persistence_threshold: int
     """ZeRO-3 keeps parameters smaller than this gathered (10 h)."""
+    max_live_parameters: int
+    """stage3_max_live_parameters, elements: ZeRO-3 prefetches only while fewer are gathered (prefetch bucket + the
+    largest tensor, so the module computing and a full prefetch bucket always fit)."""
+    max_reuse_distance: int
+    """stage3_max_reuse_distance, elements: a module's parameters stay gathered after it runs only if the next this
+    many elements of the trace use them again (the prefetch bucket: the head at the forward/backward turn)."""
     overlap_comm: bool
     """Overlap gradient reduction with backward (off under a pipeline, as DeepSpeed forces)."""
     contiguous_gradients: bool
@@ -180,6 +187,7 @@ def make_plan(*, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
     world, pp, zero, h = cluster.world_size, strategy.pp, strategy.zero, model.hidden
     layout = ParallelLayout(world=world, pp=pp, tp=strategy.tp, sp=strategy.sp)
     dp = layout.dp
+    prefetch = strategy.prefetch_bucket_size or max(int(0.9 * h * h), MIN_BUCKET)
     return Plan(
         world_size=world,
         dp=dp,
@@ -198,8 +206,10 @@ def make_plan(*, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
         partition_method=strategy.partition_method,
         reduce_bucket_size=strategy.reduce_bucket_size or max(h * h, MIN_BUCKET),
         allgather_bucket_size=strategy.reduce_bucket_size or max(h * h, MIN_BUCKET),
-        prefetch_bucket_size=strategy.prefetch_bucket_size or max(int(0.9 * h * h), MIN_BUCKET),
+        prefetch_bucket_size=prefetch,
         param_persistence_threshold=strategy.param_persistence_threshold or 10 * h,
+        max_live_parameters=prefetch + max(math.prod(shape) for _, shape in model.model_tensors()),
+        max_reuse_distance=prefetch,
         overlap_comm=zero >= 2 and pp == 1,
         contiguous_gradients=zero >= 2,
         num_params=model.num_params,

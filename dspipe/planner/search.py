@@ -12,6 +12,10 @@ from dspipe.planner.plan import Plan, check_rules, make_plan
 from dspipe.planner.spec import ClusterSpec, ModelSpec, StrategySpec, TrainSpec
 
 AUTO = "auto"
+AUTO_CHECKPOINTING = ("none", "full")
+"""Recomputation the search chooses from. Not selective: with SDPA's fused kernels the attention core it recomputes
+keeps no s x s scores, so it saves only the kernel's log-sum-exp (estimate.activation_bytes_per_layer) and costs a
+recomputation; a pinned --checkpointing selective is still planned, with the memory it really uses."""
 TIE = 1.02
 """Plans within 2% of the fastest are ties, broken by the practitioners' order."""
 MAX_MICRO_BATCH = 64
@@ -59,8 +63,11 @@ class SearchResult:
     """When several plans tied (within 2% of the fastest): how many, and why the tie-break chose this one."""
 
 
-_PREFERENCE_WHY = ("bf16 before fp16 before fp32", "the lower ZeRO stage", "no offload", "optimizer-only offload",
-                   "less recomputation", "fewer pipeline stages", "less tensor parallelism",
+ROOMY = 0.80
+"""Fraction of the GPU's memory above which a plan loses every tie to one that stays under it: allocator
+fragmentation and what the model does not count bite first near the edge."""
+_PREFERENCE_WHY = ("the roomier plan", "bf16 before fp16 before fp32", "the lower ZeRO stage", "no offload",
+                   "optimizer-only offload", "less recomputation", "fewer pipeline stages", "less tensor parallelism",
                    "less sequence parallelism", "the larger micro-batch (up to 4,096 tokens per micro-batch)",
                    "the smaller memory footprint")
 GEMM_TOKENS = 4096
@@ -70,12 +77,14 @@ the time model does not charge small matrix multiplies their lower efficiency; b
 
 def _preference(c: Candidate) -> tuple:
     """The tie-break among plans within 2% of the fastest: the seed recipe (bf16, lowest ZeRO stage, no offload,
-    less recomputation (selective before full), fewer pipeline stages, less tensor then sequence parallelism), then a
+    less recomputation (full is the only kind it chooses), fewer pipeline stages, less tensor then sequence parallelism), then a
     larger micro-batch while it has fewer than GEMM_TOKENS tokens, then the smaller memory footprint (a roomier plan
-    over one near the edge of the GPU's memory)."""
+    over one near the edge of the GPU's memory). Before all of these: a plan over ROOMY of the GPU's memory loses to
+    one under it."""
     ckpt = {"none": 0, "selective": 1, "full": 2}[c.plan.checkpointing]
     seq_len = c.plan.tokens_per_step // c.plan.global_batch
-    return (_PREC_ORDER[c.plan.precision], c.plan.zero_stage, _OFFLOAD_ORDER[c.plan.offload], c.plan.offload_params,
+    return (c.est.memory.total > ROOMY * c.est.gpu_memory_bytes, _PREC_ORDER[c.plan.precision], c.plan.zero_stage,
+            _OFFLOAD_ORDER[c.plan.offload], c.plan.offload_params,
             ckpt, c.plan.pp, c.plan.tp, c.plan.sp, -min(c.plan.micro_batch * seq_len, GEMM_TOKENS),
             c.est.memory.total)
 
@@ -84,6 +93,10 @@ def _tie_reason(winner: Candidate, loser: Candidate) -> str:
     """Why the tie-break put `winner` before `loser`: the first preference they differ on."""
     for why, a, b in zip(_PREFERENCE_WHY, _preference(winner), _preference(loser)):
         if a != b:
+            if why == "the roomier plan":
+                return (f"{why} ({winner.est.memory.total / winner.est.gpu_memory_bytes:.0%} vs "
+                        f"{loser.est.memory.total / loser.est.gpu_memory_bytes:.0%} of GPU memory; over "
+                        f"{ROOMY:.0%} loses ties)")
             if why == "the smaller memory footprint":
                 return f"{why} ({winner.est.memory.total / GIB:.1f} vs {loser.est.memory.total / GIB:.1f} GiB)"
             return why
@@ -137,7 +150,7 @@ def search(*, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, fixed: d
     for prec, zero, offload, offload_params, pp, tp, sp, ckpt in itertools.product(
             precision, _options(fixed.get("zero"), [0, 1, 2, 3]), offloads,
             _options(fixed.get("offload_params"), [False, True]), pps, tp_list, sp_list,
-            _options(fixed.get("checkpointing"), ["none", "selective", "full"])):
+            _options(fixed.get("checkpointing"), AUTO_CHECKPOINTING)):
         # an invalid pp/tp/sp is rejected by StrategySpec / the rules below; dp 1 keeps the micro-batch list finite
         sizes = (pp, tp, sp)
         valid = all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in sizes) \
@@ -182,11 +195,13 @@ def search(*, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, fixed: d
         ties = [c for c in fitting if c.est.step_time_s <= fastest.est.step_time_s * TIE]
         best = min(ties, key=_preference)
         if len(ties) > 1:
-            other = min((c for c in ties if c is not best), key=_preference)
+            recipe = min(ties, key=lambda c: _preference(c)[1:])  # what the order alone would pick
+            other = recipe if recipe is not best else min((c for c in ties if c is not best), key=_preference)
             behind = best.est.step_time_s / fastest.est.step_time_s - 1
             tie = (f"{len(ties)} plans within {(TIE - 1) * 100:.0f}% of the fastest ({fastest.est.step_time_s:.3g} "
-                   f"s/step){f', this one {behind * 100:.1f}% slower' if behind > 0 else ''}; the tie-break (the "
-                   f"recipe's order, the larger micro-batch up to {GEMM_TOKENS:,} tokens, then the smaller memory) "
+                   f"s/step){f', this one {behind * 100:.1f}% slower' if behind > 0 else ''}; the tie-break (under "
+                   f"{ROOMY:.0%} of GPU memory first, the recipe's order, the larger micro-batch up to "
+                   f"{GEMM_TOKENS:,} tokens, then the smaller memory) "
                    f"preferred it for {_tie_reason(best, other)} over "
                    f"{other.describe()}")
         fitting.remove(best)

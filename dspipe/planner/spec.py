@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass, fields, replace
 
 from dspipe.errors import SpecError
 from dspipe.planner.hardware import GPU_CATALOG, GpuType, gpu_type
+from dspipe.planner.profile import Profile, apply_profile, check_profile_gpu, profile_from_dict
 
 PRECISIONS = ("bf16", "fp16", "fp32")
 ZERO_STAGES = (0, 1, 2, 3)
@@ -24,7 +25,7 @@ POSITIONS = ("learned", "rope")
 INT32_MAX = 2**31 - 1
 LIMITS = {
     "layers": 4096, "hidden": 2**17, "heads": 2**17, "kv_heads": 2**17, "vocab": 2**24, "seq_len": 2**20, "ffn": 2**20,
-    "nodes": 2**16, "gpus_per_node": 1024, "host_memory_gib": 2.0**20,
+    "nodes": 2**16, "gpus_per_node": 1024, "host_memory_gib": 2.0**20, "intra_node_gbps": 1e6, "inter_node_gbps": 1e6,
     "global_batch": 2**24, "micro_batch": 2**24, "steps": INT32_MAX, "warmup_steps": INT32_MAX,
     "log_interval": INT32_MAX, "save_interval": INT32_MAX, "keep_checkpoints": 10**6, "eval_interval": INT32_MAX,
     "eval_batches": INT32_MAX, "max_skipped_steps": INT32_MAX, "spike_window": 2**20, "spike_sigma": 1e6,
@@ -258,22 +259,48 @@ class ClusterSpec:
     gpu: str
     """GPU type, a key of the hardware catalog (dspipe.planner.hardware)."""
     host_memory_gib: float | None = None
-    """Host RAM per node for offloaded state; None: the GPU type's typical node."""
+    """Host RAM per node for offloaded state; None: the GPU type's reference figure per GPU x gpus_per_node
+    (hardware.GpuType.host_memory_per_gpu_bytes, e.g. DGX H100: 2 TiB / 8 GPUs)."""
+    intra_node_gbps: float | None = None
+    """Bandwidth per GPU to peers in the node, GB/s, overriding the catalog's and a profile's (--intra-node-gbps)."""
+    inter_node_gbps: float | None = None
+    """Per-GPU share of the network bandwidth, GB/s, overriding the catalog's (--inter-node-gbps)."""
+    profile: Profile | None = None
+    """A `dspipe calibrate` profile whose figures replace the catalog's in the time model (--profile; a run directory
+    keeps it here and in profile.json); from JSON, its profile_to_dict form."""
 
     def __post_init__(self) -> None:
         _positive("cluster", nodes=self.nodes, gpus_per_node=self.gpus_per_node)
         if not isinstance(self.gpu, str):
             raise SpecError(f"cluster.gpu must be a GPU type name, got {_show(self.gpu)}")
         gpu_type(self.gpu)
+        for name in ("intra_node_gbps", "inter_node_gbps"):
+            if getattr(self, name) is not None:
+                _number("cluster", name, getattr(self, name), low=0, high=LIMITS[name], low_open=True,
+                        rule="must be a positive number of GB/s")
+        if self.profile is not None:
+            if not isinstance(self.profile, Profile):  # read back from dspipe.json
+                object.__setattr__(self, "profile", profile_from_dict(self.profile, where="cluster.profile"))
+            check_profile_gpu(self.profile, gpu=self.gpu, where="cluster.profile")
         if self.host_memory_gib is not None:
             _number("cluster", "host_memory_gib", self.host_memory_gib, low=0, high=LIMITS["host_memory_gib"],
                     low_open=True, rule="must be positive")
 
     @property
     def host_memory_bytes(self) -> int:
+        """Host RAM per node: --host-memory-gib, else the GPU type's RAM per GPU x gpus_per_node."""
         if self.host_memory_gib is None:
-            return self.gpu_type.node_host_memory_bytes
+            return self.gpu_type.host_memory_per_gpu_bytes * self.gpus_per_node
         return int(self.host_memory_gib * 1024**3)
+
+    @property
+    def host_memory_source(self) -> str:
+        """Where host_memory_bytes comes from, for plan output: 'set by --host-memory-gib' or the catalog rule."""
+        if self.host_memory_gib is not None:
+            return "set by --host-memory-gib"
+        per_gpu = self.gpu_type.host_memory_per_gpu_bytes / 1024**3
+        return (f"{self.gpu} default: {per_gpu:g} GiB per GPU x {self.gpus_per_node} GPUs, docs/hardware.md; "
+                f"--host-memory-gib overrides")
 
     @property
     def world_size(self) -> int:
@@ -281,7 +308,12 @@ class ClusterSpec:
 
     @property
     def gpu_type(self) -> GpuType:
-        return GPU_CATALOG[self.gpu]
+        """The catalog's entry for `gpu`, with the profile's figures and the bandwidth overrides in place."""
+        g = GPU_CATALOG[self.gpu]
+        if self.profile is not None:
+            g = apply_profile(g, self.profile)
+        overrides = {k: v for k in ("intra_node_gbps", "inter_node_gbps") if (v := getattr(self, k)) is not None}
+        return replace(g, **overrides) if overrides else g
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ def estimate_summary(c: Candidate, *, tokens: float | None = None) -> dict:
         "step_time_s": e.step_time_s,
         "step_time_breakdown_s": {"compute": e.compute_s, "dp_comm": e.dp_comm_s, "tp_comm": e.tp_comm_s,
                                   "sp_comm": e.sp_comm_s, "bubble": e.bubble_s, "pp_comm": e.pp_comm_s,
-                                  "offload": e.offload_s},
+                                  "offload": e.offload_s, "optimizer": e.optimizer_s},
         "matmul_efficiency": e.matmul_efficiency,
         "tokens_per_s": c.tokens_per_s, "mfu": c.mfu, "train_days": days,
         "gpu_hours": None if days is None else days * 24 * p.world_size,
@@ -47,9 +47,13 @@ def top_table(result: SearchResult, *, top: int) -> list[str]:
     return rows
 
 
-def human_report(result: SearchResult, *, tokens: float | None, tokens_text: str | None = None, top: int = 5) -> str:
+def human_report(result: SearchResult, *, tokens: float | None, tokens_text: str | None = None, top: int = 5,
+                 host_memory_source: str | None = None,
+                 figure_sources: list[tuple[str, str, str]] | None = None) -> str:
     """`dspipe plan`'s text: the chosen plan, its memory and step time, the tie, the top plans, and why every other
-    family and tp/sp size lost. `tokens_text`: the budget as the user wrote it (300B)."""
+    family and tp/sp size lost. `tokens_text`: the budget as the user wrote it (300B); `host_memory_source`: where the
+    host RAM per node came from (ClusterSpec.host_memory_source); `figure_sources`: (figure, value, source) of the
+    time model's inputs (dspipe.planner.profile.figure_sources), listed when any is not the catalog's."""
     best = result.best
     s = estimate_summary(best, tokens=tokens)
     mem, p = s["memory_per_gpu_bytes"], best.plan
@@ -64,17 +68,25 @@ def human_report(result: SearchResult, *, tokens: float | None, tokens_text: str
     lines.append(f"  {'total':<12}{_gib(mem['total'])}  of {s['gpu_memory_bytes'] / GIB:.2f} "
                  f"({mem['total'] / s['gpu_memory_bytes'] * 100:.0f}%; plans may use "
                  f"{(1 - s['memory_headroom']) * 100:.0f}%, {s['usable_gpu_memory_bytes'] / GIB:.2f})")
+    source = f" ({host_memory_source})" if host_memory_source else ""
     if p.offload != "none":
         lines.append(f"  host RAM per node {s['host_memory_bytes'] / GIB:.1f} GiB of "
-                     f"{s['host_memory_capacity_bytes'] / GIB:.0f}")
+                     f"{s['host_memory_capacity_bytes'] / GIB:.0f}{source}")
+    else:
+        lines.append(f"  host RAM per node {s['host_memory_capacity_bytes'] / GIB:.0f} GiB assumed{source}; "
+                     f"unused without offload")
     b = s["step_time_breakdown_s"]
     shown = (("compute", "compute"), ("dp comm", "dp_comm"), ("tp comm", "tp_comm"), ("sp comm", "sp_comm"),
-             ("bubble", "bubble"), ("pp comm", "pp_comm"), ("offload", "offload"))
-    terms = " + ".join(f"{name} {b[key]:.3g}" for name, key in shown  # zero tp / sp terms left out
+             ("bubble", "bubble"), ("pp comm", "pp_comm"), ("offload", "offload"), ("optimizer", "optimizer"))
+    terms = " + ".join(f"{name} {b[key]:.3g}" for name, key in shown  # zero tp / sp / optimizer terms left out
                        if key in ("compute", "dp_comm", "bubble", "pp_comm", "offload") or b[key])
+    compute_source = dict((f, src) for f, _, src in figure_sources or ()).get("compute",
+                                                                            "the GPU type's catalog figure")
     lines += ["", f"step time {s['step_time_s']:.3g} s = {terms}",
               f"throughput {s['tokens_per_s']:,.0f} tokens/s, MFU {s['mfu'] * 100:.1f}% (compute assumed at "
-              f"{s['matmul_efficiency'] * 100:.0f}% of the {best.plan.precision} peak, the GPU type's catalog figure)"]
+              f"{s['matmul_efficiency'] * 100:.3g}% of the {best.plan.precision} peak, {compute_source})"]
+    if figure_sources and any(not src.startswith("catalog") for _, _, src in figure_sources):
+        lines.append("time-model figures: " + "; ".join(f"{f} {v} ({src})" for f, v, src in figure_sources))
     if tokens is not None:
         shown = tokens_text or f"{tokens:.3g}"
         lines.append(f"training {shown} tokens: {s['train_days']:.1f} days, {s['gpu_hours']:,.0f} GPU-hours")

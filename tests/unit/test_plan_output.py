@@ -17,8 +17,8 @@ def test_plan_text_shows_budget_as_given_top_table_and_reasons(capsys):
     table = out.split("top 3 of ")[1].split("\n\n")[0].splitlines()
     assert len(table) == 1 + 1 + 3  # title rest, header, 3 rows
     assert table[2].split()[0] == "1" and table[2].endswith("tp 8, sp 1, dp 128, micro 2 x ga 6, recompute full")
-    assert "tie: 3 plans within 2% of the fastest" in out and "for the smaller memory footprint" in out
-    assert "  tp 4: does not fit: needs 90.0 GiB per GPU" in out and "  tp 1: slower by" in out
+    assert "tie: 3 plans within 2% of the fastest" in out and "for the roomier plan (74% vs 80% of GPU memory" in out
+    assert "  tp 4: does not fit: needs 93.3 GiB per GPU" in out and "  tp 1: slower by" in out
 
 
 def test_plan_json_has_the_top_list_and_top_is_range_checked(capsys):

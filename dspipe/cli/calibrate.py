@@ -1,0 +1,74 @@
+"""`dspipe calibrate`: measure this machine at a model's shapes and write the profile `plan` and `gen-config` take
+with --profile. torch is imported only when the command runs."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from dspipe.cli.options import FLOAT, INT, _model_from_options, model_options
+from dspipe.errors import SpecError
+from dspipe.planner.spec import PRECISIONS
+
+
+@click.command("calibrate")
+@model_options
+@click.option("--precision", type=click.Choice(PRECISIONS), default=None,
+              help="dtype of the compute measurement [bf16 on GPUs, fp32 on a CPU]")
+@click.option("--micro-batch", type=INT, default=8, show_default=True, help="sequences per forward, as the plan's")
+@click.option("--ranks", type=INT, default=None, help="ranks measuring at once [every GPU; 2 CPU ranks]")
+@click.option("--threads", type=INT, default=None, help="torch threads per rank [CPU: the cores shared out]")
+@click.option("--repeats", type=INT, default=5, show_default=True, help="timed repetitions per figure (median)")
+@click.option("--min-seconds", type=FLOAT, default=5.0, show_default=True,
+              help="time the forward + backward at least this long (its mean: a training run's view)")
+@click.option("--allreduce-mib", type=INT, default=16, show_default=True, help="all-reduce size for bus bandwidth")
+@click.option("--cpu-adam/--no-cpu-adam", default=True, show_default=True,
+              help="measure DeepSpeedCPUAdam (builds the op if needed)")
+@click.option("--out", metavar="FILE", default=None, help="write the profile here [print it]")
+def calibrate(**o) -> None:
+    """Measure compute (the model's forward + backward and its GEMMs), all-reduce bandwidth and latency, host copy,
+    CPU-Adam and optimizer-step rates on this machine, and write a profile for --profile."""
+    from dspipe.planner.profile import profile_text
+    from dspipe.tools.calibrate import calibrate as measure
+
+    for name, low in (("micro_batch", 1), ("repeats", 1), ("allreduce_mib", 1)):
+        if o[name] < low:
+            raise SpecError(f"--{name.replace('_', '-')} must be at least {low}, got {o[name]}")
+    if not 0 <= o["min_seconds"] <= 3600:
+        raise SpecError(f"--min-seconds must be in [0, 3600], got {o['min_seconds']:g}")
+    for name in ("ranks", "threads"):
+        if o[name] is not None and o[name] < 1:
+            raise SpecError(f"--{name} must be a positive integer, got {o[name]}")
+    if o["init_from"]:
+        from dspipe.tools.hf_arch import init_from_spec
+        model = init_from_spec(o["init_from"], o)
+    else:
+        model = _model_from_options(o)
+    precision = o["precision"]
+    if precision is None:
+        import torch
+        precision = "bf16" if torch.cuda.is_available() else "fp32"
+    profile = measure(model=model, precision=precision, micro_batch=o["micro_batch"], ranks=o["ranks"],
+                      threads=o["threads"], repeats=o["repeats"], min_seconds=o["min_seconds"],
+                      allreduce_mib=o["allreduce_mib"],
+                      cpu_adam=o["cpu_adam"], say=lambda line: click.echo(line, err=True))
+    text = profile_text(profile)
+    if o["out"] is None:
+        click.echo(text, nl=False)
+        return
+    from dspipe.atomic import write_file
+
+    out = Path(o["out"])
+    write_file(out, text)
+    click.echo(f"device {profile.device} ({profile.gpu}), {profile.ranks} rank(s) x {profile.threads_per_rank} "
+               f"thread(s), {profile.dtype}, {profile.model}")
+    click.echo(f"compute {profile.compute_tflops:.4g} TFLOP/s per rank (GEMMs alone {profile.matmul_tflops:.4g})")
+    if profile.allreduce_busbw_gbps is not None:
+        click.echo(f"all-reduce busbw {profile.allreduce_busbw_gbps:.3g} GB/s, latency "
+                   f"{profile.allreduce_latency_s * 1e6:.0f} us")
+    copy = (f"host<->device {profile.host_copy_gbps:.3g} GB/s" if profile.host_copy_gbps is not None
+            else "host<->device n/a (no GPU)")
+    click.echo(f"{copy}, host memcpy {profile.host_memcpy_gbps:.3g} GB/s")
+    adam = "n/a" if profile.cpu_adam_params_per_s is None else f"{profile.cpu_adam_params_per_s:.3g} params/s per node"
+    click.echo(f"CPU-Adam {adam}, optimizer step {profile.optimizer_params_per_s:.3g} params/s per rank")
+    click.echo(f"wrote {out} (use: dspipe plan|gen-config ... --profile {out})")

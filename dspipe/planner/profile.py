@@ -1,0 +1,221 @@
+"""A calibration profile: what `dspipe calibrate` measured on one machine, and how the planner uses it instead of the
+catalog's figures. Reading, validating and applying a profile is pure (no torch); only dspipe.tools.calibrate
+measures.
+
+A profile is a JSON object, PROFILE_FORMAT / PROFILE_VERSION, with the machine it describes (device name, catalog
+type, dtype, ranks, threads per rank, the model shape and micro-batch it was measured at, date, versions) and its
+figures (PROFILE_FIGURES). `apply_profile` turns a catalog GpuType into the calibrated one: the step's compute rate
+at the profile's dtype, the all-reduce bus bandwidth inside a node, the collective latency, the host copy rate, the
+CPU-Adam rate and the optimizer step rate. Figures a profile leaves null (no pinned host copy without a GPU,
+DeepSpeedCPUAdam that did not build) keep the catalog's value; `figure_sources` says which came from where.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+
+from dspipe.errors import SpecError
+from dspipe.planner.hardware import GpuType
+
+PROFILE_FORMAT = "dspipe-profile"
+PROFILE_VERSION = 1
+PROFILE_FILE = "profile.json"
+"""Name of the profile gen-config copies into a run directory (dspipe.json's cluster.profile holds it too)."""
+
+PROFILE_FIGURES = {
+    "compute_tflops": "achieved model TFLOP/s per rank of the model's forward + backward (6N + 6Lhs per token)",
+    "matmul_tflops": "achieved TFLOP/s of the model's GEMMs alone (forward and both backward products)",
+    "allreduce_busbw_gbps": "all-reduce bus bandwidth inside the node, GB/s: bytes x 2(n-1)/n / time",
+    "allreduce_latency_s": "time of a small (4 KiB) all-reduce across the ranks, seconds",
+    "host_copy_gbps": "pinned host <-> device copy, GB/s (null without a GPU)",
+    "host_memcpy_gbps": "host memory copy, GB/s (what a CPU rank's 'offload' copies run at)",
+    "cpu_adam_params_per_s": "DeepSpeedCPUAdam parameters per second, all ranks of the node together (null: not built)",
+    "optimizer_params_per_s": "the engine's own (non-offloaded) Adam step, parameters per second per rank",
+}
+"""Figure -> meaning. Every figure is a finite number > 0, or null where the profile says so."""
+NULLABLE = ("host_copy_gbps", "cpu_adam_params_per_s", "allreduce_busbw_gbps", "allreduce_latency_s")
+"""Figures a profile may leave null (not measurable here: no GPU, CPU-Adam not built, a single rank)."""
+
+
+@dataclass(frozen=True)
+class Profile:
+    """What `dspipe calibrate` measured on one machine (PROFILE_FIGURES are its figures)."""
+
+    device: str
+    """The device name the driver (or /proc/cpuinfo) reports."""
+    gpu: str
+    """The catalog type it matched ('cpu' without CUDA): a plan for another --gpu refuses the profile."""
+    dtype: str
+    """Precision the compute was measured in (bf16, fp16, fp32): the compute figure applies to plans in it."""
+    ranks: int
+    """Ranks that ran at once (GPUs, or CPU processes), as the all-reduce was measured."""
+    threads_per_rank: int
+    """torch intra-op threads each rank had."""
+    model: str
+    """Shape the compute was measured at (ModelSpec.shape_text) and its micro-batch, e.g. 'L4 h128 ... micro 8'."""
+    created: str
+    """Date of the measurement, ISO 8601."""
+    versions: str
+    """dspipe, torch and deepspeed versions, one line."""
+    compute_tflops: float
+    """PROFILE_FIGURES['compute_tflops']."""
+    matmul_tflops: float
+    """PROFILE_FIGURES['matmul_tflops']."""
+    allreduce_busbw_gbps: float | None
+    """PROFILE_FIGURES['allreduce_busbw_gbps']."""
+    allreduce_latency_s: float | None
+    """PROFILE_FIGURES['allreduce_latency_s']."""
+    host_copy_gbps: float | None
+    """PROFILE_FIGURES['host_copy_gbps']."""
+    host_memcpy_gbps: float
+    """PROFILE_FIGURES['host_memcpy_gbps']."""
+    cpu_adam_params_per_s: float | None
+    """PROFILE_FIGURES['cpu_adam_params_per_s']."""
+    optimizer_params_per_s: float
+    """PROFILE_FIGURES['optimizer_params_per_s']."""
+
+
+TEXT_FIELDS = ("device", "gpu", "dtype", "model", "created", "versions")
+
+
+def profile_from_dict(data, *, where: str) -> Profile:
+    """A Profile from its JSON form (profile_to_dict's), every field checked; SpecError '<where>: <field> ...'."""
+    if not isinstance(data, dict):
+        raise SpecError(f"{where}: a profile must be a JSON object, got {type(data).__name__}")
+    if data.get("format") != PROFILE_FORMAT:
+        raise SpecError(f"{where}: not a dspipe profile (format {data.get('format')!r}, expected {PROFILE_FORMAT!r}); "
+                        f"write one with 'dspipe calibrate --out FILE'")
+    version = data.get("version")
+    if version != PROFILE_VERSION:
+        raise SpecError(f"{where}: profile version {version!r} is not {PROFILE_VERSION} (this dspipe's); "
+                        f"re-run 'dspipe calibrate'")
+    known = {f.name for f in fields(Profile)} | {"format", "version", "figures"}
+    unknown = sorted(set(data) - known)
+    figures = data.get("figures")
+    if unknown:
+        raise SpecError(f"{where}: unknown profile key {', '.join(map(str, unknown))}")
+    if not isinstance(figures, dict):
+        raise SpecError(f"{where}: figures must be an object, got {type(figures).__name__}")
+    extra = sorted(set(figures) - set(PROFILE_FIGURES))
+    if extra:
+        raise SpecError(f"{where}: unknown figure {', '.join(map(str, extra))} (known: {', '.join(PROFILE_FIGURES)})")
+    values = {}
+    for name in TEXT_FIELDS:
+        value = data.get(name)
+        if not isinstance(value, str) or not value or "\n" in value:
+            raise SpecError(f"{where}: {name} must be a one-line non-empty string, got {value!r}")
+        values[name] = value
+    for name in ("ranks", "threads_per_rank"):
+        value = data.get(name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise SpecError(f"{where}: {name} must be a positive integer, got {value!r}")
+        values[name] = value
+    for name in PROFILE_FIGURES:
+        if name not in figures:
+            raise SpecError(f"{where}: missing figure {name} ({PROFILE_FIGURES[name]})")
+        value = figures[name]
+        if value is None and name in NULLABLE:
+            values[name] = None
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            allowed = "a finite number > 0" + (" or null" if name in NULLABLE else "")
+            raise SpecError(f"{where}: figures.{name} must be {allowed}, got {value!r}")
+        values[name] = float(value)
+    if values["ranks"] > 1 and (values["allreduce_busbw_gbps"] is None or values["allreduce_latency_s"] is None):
+        raise SpecError(f"{where}: figures.allreduce_busbw_gbps and allreduce_latency_s may be null only for a "
+                        f"1-rank profile (ranks {values['ranks']})")
+    return Profile(**values)
+
+
+def profile_to_dict(profile: Profile) -> dict:
+    """The JSON form: the machine's description at the top level, the measured numbers under 'figures'."""
+    d = asdict(profile)
+    head = {k: d.pop(k) for k in ("device", "gpu", "dtype", "ranks", "threads_per_rank", "model", "created",
+                                  "versions")}
+    return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, **head, "figures": d}
+
+
+def read_profile(path: str | Path, *, gpu: str | None = None) -> Profile:
+    """The profile in `path`, validated; with `gpu`, it must have been measured on that catalog type. One-line
+    SpecError naming the file otherwise."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise SpecError(f"--profile {path}: cannot read it ({e.__class__.__name__}: "
+                        f"{getattr(e, 'strerror', None) or e})") from None
+    try:
+        data = json.loads(text)
+    except ValueError as e:
+        raise SpecError(f"--profile {path}: not JSON ({e})") from None
+    profile = profile_from_dict(data, where=f"--profile {path}")
+    if gpu is not None:
+        check_profile_gpu(profile, gpu=gpu, where=f"--profile {path}")
+    return profile
+
+
+def check_profile_gpu(profile: Profile, *, gpu: str, where: str) -> None:
+    """A profile measured on one catalog type says nothing about another."""
+    if profile.gpu != gpu:
+        raise SpecError(f"{where}: profile measured on {profile.gpu!r} ({profile.device}), but the cluster's GPU type "
+                        f"is {gpu!r}; calibrate on a {gpu} machine or pass --gpu {profile.gpu}")
+
+
+def profile_text(profile: Profile) -> str:
+    """The profile file's text (indented JSON, newline-terminated)."""
+    return json.dumps(profile_to_dict(profile), indent=2) + "\n"
+
+
+def apply_profile(gpu: GpuType, profile: Profile) -> GpuType:
+    """The catalog type with the profile's figures in place of its own: the compute rate at the profile's dtype,
+    the intra-node bandwidth (the all-reduce bus bandwidth, what a ring collective moves per rank per second: the
+    same meaning as the catalog's figure), the collective latency (the small all-reduce's time less its 2(n-1)
+    hops at the catalog's per-hop cost, never below 0), the host copy rate (pinned on a GPU; on the 'cpu' type the
+    memcpy rate an offload copy runs at), the CPU-Adam and optimizer-step rates."""
+    changes: dict = {"calibrated_precision": profile.dtype, "calibrated_tflops": profile.compute_tflops,
+                     "optimizer_params_per_s": profile.optimizer_params_per_s}
+    if profile.allreduce_busbw_gbps is not None:
+        changes["intra_node_gbps"] = profile.allreduce_busbw_gbps
+    if profile.allreduce_latency_s is not None:
+        hops = 2 * (profile.ranks - 1) * gpu.ring_hop_latency_s
+        changes["ring_base_latency_s"] = max(0.0, profile.allreduce_latency_s - hops)
+    copy = profile.host_copy_gbps if profile.host_copy_gbps is not None else (
+        profile.host_memcpy_gbps if gpu.backend == "gloo" else None)
+    if copy is not None:
+        changes["host_copy_gbps"] = copy
+    if profile.cpu_adam_params_per_s is not None:
+        changes["cpu_adam_params_per_s"] = profile.cpu_adam_params_per_s
+    return replace(gpu, **changes)
+
+
+def figure_sources(*, catalog: GpuType, profile: Profile | None, profile_name: str | None,
+                   overrides: dict[str, float | None], precision: str) -> list[tuple[str, str, str]]:
+    """(figure, value, source) for `plan`'s output: which time-model figures come from the profile, an override
+    flag or the catalog."""
+    calibrated = apply_profile(catalog, profile) if profile is not None else catalog
+    src_profile = f"profile {profile_name}" if profile_name else "profile"
+    rows = []
+    compute_from_profile = profile is not None and profile.dtype == precision
+    rows.append(("compute", f"{calibrated.compute_tflops(precision):.4g} TFLOP/s per rank",
+                 src_profile if compute_from_profile else
+                 (f"catalog ({catalog.matmul_efficiency:g} x {precision} peak)"
+                  + (f"; the profile measured {profile.dtype}" if profile is not None else ""))))
+    for name, label, flag, unit in (("intra_node_gbps", "intra-node bandwidth", "--intra-node-gbps", "GB/s"),
+                                    ("inter_node_gbps", "inter-node bandwidth", "--inter-node-gbps", "GB/s")):
+        value = overrides.get(name)
+        if value is not None:
+            rows.append((label, f"{value:g} {unit}", flag))
+        else:
+            changed = getattr(calibrated, name) != getattr(catalog, name)
+            rows.append((label, f"{getattr(calibrated, name):.4g} {unit}", src_profile if changed else "catalog"))
+    for name, label, unit in (("ring_base_latency_s", "collective latency", "s"),
+                              ("host_copy_gbps", "host copy", "GB/s"),
+                              ("cpu_adam_params_per_s", "CPU-Adam", "params/s"),
+                              ("optimizer_params_per_s", "optimizer step", "params/s per rank")):
+        value = getattr(calibrated, name)
+        changed = value != getattr(catalog, name)
+        shown = "not modelled" if name == "optimizer_params_per_s" and not value else f"{value:.4g} {unit}"
+        rows.append((label, shown, src_profile if changed else "catalog"))
+    return rows

@@ -98,41 +98,39 @@ def _megatron_rate(model: ModelSpec, tflops: float) -> float:
     return tflops * 1e12 / megatron_flops_per_token(model)
 
 
+def foundry(name: str, model: ModelSpec, gpu: str, gpus: int, global_batch: int, tokens_per_s: float, *,
+            table: str, micro_batch: int, checkpointing: str = "none") -> PublishedRun:
+    """One row of llm-foundry's benchmark tables: FSDP FULL_SHARD (ZeRO-3), the stated tokens/s per GPU."""
+    row = f"{model.name.removeprefix('mpt-')} / {model.seq_len} / {gpus} GPUs"
+    return PublishedRun(name, model, gpu, gpus, global_batch, tokens_per_s, "", FOUNDRY.format(table=table, row=row),
+                        zero=3, checkpointing=checkpointing, micro_batch=micro_batch)
+
+
+def megatron(name: str, model: ModelSpec, gpus: int, global_batch: int, tflops: float, *, tp: int) -> PublishedRun:
+    """One row of Megatron-LM's Table 1 (p 1, full recomputation), tokens/s per GPU derived from its TFLOP/s."""
+    row = f"{name.split()[1]} (t {tp}, p 1, {gpus} GPUs, batch {global_batch})"
+    return PublishedRun(f"{name}, {gpus}x A100, " + (f"tp {tp}" if tp > 1 else "dp only"), model, "a100-80g", gpus,
+                        global_batch, _megatron_rate(model, tflops),
+                        f"{tflops:g} TFLOP/s per GPU / the paper's 96.l.h^2(1 + s/6h + V/16lh) FLOPs per token",
+                        MEGATRON.format(row=row), zero=1, checkpointing="full", tp=tp)
+
+
 RUNS: tuple[PublishedRun, ...] = (
-    PublishedRun("MPT-1B, 64x H100", MPT_1B, "h100-80g", 64, 1280, 44402, "",
-                 FOUNDRY.format(table=H100_TABLE, row="1b / 2048 / 64 GPUs"), zero=3, checkpointing="none",
-                 micro_batch=20),
-    PublishedRun("MPT-7B, 8x H100", MPT_7B, "h100-80g", 8, 48, 10643, "",
-                 FOUNDRY.format(table=H100_TABLE, row="7b / 2048 / 8 GPUs"), zero=3, checkpointing="none",
-                 micro_batch=6),
-    PublishedRun("MPT-13B, 64x H100", MPT_13B, "h100-80g", 64, 128, 4800, "",
-                 FOUNDRY.format(table=H100_TABLE, row="13b / 2048 / 64 GPUs"), zero=3, checkpointing="none",
-                 micro_batch=2),
-    PublishedRun("MPT-7B, 8x A100-80GB", MPT_7B, "a100-80g", 8, 96, 4641, "",
-                 FOUNDRY.format(table=A100_80_TABLE, row="7b / 2048 / 8 GPUs"), zero=3, checkpointing="none",
-                 micro_batch=6),
-    PublishedRun("MPT-13B, 64x A100-40GB, recompute", MPT_13B, "a100-40g", 64, 1024, 1976, "",
-                 FOUNDRY.format(table=A100_40_TABLE, row="13b / 2048 / 64 GPUs"), zero=3, checkpointing="full",
-                 micro_batch=16),
-    PublishedRun("MPT-3B, 32x A100-40GB", MPT_3B, "a100-40g", 32, 192, 9914, "",
-                 FOUNDRY.format(table=A100_40_TABLE, row="3b / 2048 / 32 GPUs"), zero=3, checkpointing="none",
-                 micro_batch=6),
-    PublishedRun("MPT-3B, 128x A100-40GB", MPT_3B, "a100-40g", 128, 768, 9538, "",
-                 FOUNDRY.format(table=A100_40_TABLE, row="3b / 2048 / 128 GPUs"), zero=3, checkpointing="none",
-                 micro_batch=6),
+    foundry("MPT-1B, 64x H100", MPT_1B, "h100-80g", 64, 1280, 44402, table=H100_TABLE, micro_batch=20),
+    foundry("MPT-7B, 8x H100", MPT_7B, "h100-80g", 8, 48, 10643, table=H100_TABLE, micro_batch=6),
+    foundry("MPT-13B, 64x H100", MPT_13B, "h100-80g", 64, 128, 4800, table=H100_TABLE, micro_batch=2),
+    foundry("MPT-7B, 8x A100-80GB", MPT_7B, "a100-80g", 8, 96, 4641, table=A100_80_TABLE, micro_batch=6),
+    foundry("MPT-13B, 64x A100-40GB, recompute", MPT_13B, "a100-40g", 64, 1024, 1976, table=A100_40_TABLE,
+            micro_batch=16, checkpointing="full"),
+    foundry("MPT-3B, 32x A100-40GB", MPT_3B, "a100-40g", 32, 192, 9914, table=A100_40_TABLE, micro_batch=6),
+    foundry("MPT-3B, 128x A100-40GB", MPT_3B, "a100-40g", 128, 768, 9538, table=A100_40_TABLE, micro_batch=6),
     PublishedRun("TinyLlama 1.1B, 16x A100-40GB", MODEL_PRESETS["tinyllama-1.1b"], "a100-40g", 16, 1024, 24000, "",
                  "Zhang et al. 2024, 'TinyLlama: An Open-Source Small Language Model' (arXiv 2401.02385), section "
                  "2.3: 24,000 tokens/s per A100-40G, no activation checkpointing, FSDP; 3T tokens on 16 GPUs, "
                  "batch ~2M tokens (1024 x 2048)", zero=3, checkpointing="none", tokens=3e12),
-    PublishedRun("Megatron-LM 1.7B, 32x A100, dp only", MEG_1_7B, "a100-80g", 32, 512, _megatron_rate(MEG_1_7B, 137),
-                 "137 TFLOP/s per GPU / the paper's 96.l.h^2(1 + s/6h + V/16lh) FLOPs per token",
-                 MEGATRON.format(row="1.7B (t 1, p 1, 32 GPUs, batch 512)"), zero=1, checkpointing="full"),
-    PublishedRun("Megatron-LM 18.4B, 256x A100, tp 8", MEG_18B, "a100-80g", 256, 1024, _megatron_rate(MEG_18B, 135),
-                 "135 TFLOP/s per GPU / the paper's 96.l.h^2(1 + s/6h + V/16lh) FLOPs per token",
-                 MEGATRON.format(row="18.4B (t 8, p 1, 256 GPUs, batch 1024)"), zero=1, checkpointing="full", tp=8),
-    PublishedRun("Megatron-LM 7.5B, 128x A100, tp 4", MEG_7_5B, "a100-80g", 128, 512, _megatron_rate(MEG_7_5B, 142),
-                 "142 TFLOP/s per GPU / the paper's 96.l.h^2(1 + s/6h + V/16lh) FLOPs per token",
-                 MEGATRON.format(row="7.5B (t 4, p 1, 128 GPUs, batch 512)"), zero=1, checkpointing="full", tp=4),
+    megatron("Megatron-LM 1.7B", MEG_1_7B, 32, 512, 137, tp=1),
+    megatron("Megatron-LM 18.4B", MEG_18B, 256, 1024, 135, tp=8),
+    megatron("Megatron-LM 7.5B", MEG_7_5B, 128, 512, 142, tp=4),
 )
 DP_PAIR = ("MPT-3B, 32x A100-40GB", "MPT-3B, 128x A100-40GB")
 """The same ZeRO-3 model and micro-batch at 4x the data-parallel size: published tokens/s per GPU falls."""

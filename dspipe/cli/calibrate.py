@@ -11,6 +11,17 @@ from dspipe.errors import SpecError
 from dspipe.planner.spec import PRECISIONS
 
 
+def _is_profile(path: Path) -> bool:
+    """Whether `path` is a profile dspipe wrote (what --out may overwrite)."""
+    from dspipe.planner.profile import read_profile
+
+    try:
+        read_profile(path)
+    except SpecError:
+        return False
+    return True
+
+
 @click.command("calibrate")
 @model_options
 @click.option("--precision", type=click.Choice(PRECISIONS), default=None,
@@ -39,6 +50,13 @@ def calibrate(**o) -> None:
     for name in ("ranks", "threads"):
         if o[name] is not None and o[name] < 1:
             raise SpecError(f"--{name} must be a positive integer, got {o[name]}")
+    out = None
+    if o["out"] is not None:  # refused before minutes of measuring, not after
+        from dspipe.outputs import target
+
+        out = target(o["out"], flag="--out", expect="file")
+        if out.exists() and not _is_profile(out):  # an earlier profile is rewritten, nothing else
+            raise SpecError(f"--out {out} exists and is not a dspipe profile; choose another --out")
     if o["init_from"]:
         from dspipe.tools.hf_arch import init_from_spec
         model = init_from_spec(o["init_from"], o)
@@ -53,13 +71,14 @@ def calibrate(**o) -> None:
                       allreduce_mib=o["allreduce_mib"],
                       cpu_adam=o["cpu_adam"], say=lambda line: click.echo(line, err=True))
     text = profile_text(profile)
-    if o["out"] is None:
+    if out is None:
         click.echo(text, nl=False)
         return
     from dspipe.atomic import write_file
+    from dspipe.outputs import writing
 
-    out = Path(o["out"])
-    write_file(out, text)
+    with writing(out):
+        write_file(out, text)
     click.echo(f"device {profile.device} ({profile.gpu}), {profile.ranks} rank(s) x {profile.threads_per_rank} "
                f"thread(s), {profile.dtype}, {profile.model}")
     click.echo(f"compute {profile.compute_tflops:.4g} TFLOP/s per rank (GEMMs alone {profile.matmul_tflops:.4g})")

@@ -58,7 +58,7 @@ class Profile:
     created: str
     """Date of the measurement, ISO 8601."""
     versions: str
-    """dspipe, torch and deepspeed versions, one line."""
+    """python, torch and deepspeed versions, one line (dspipe.tools.bench.versions)."""
     compute_tflops: float
     """PROFILE_FIGURES['compute_tflops']."""
     matmul_tflops: float

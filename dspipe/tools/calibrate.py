@@ -30,26 +30,17 @@ import statistics
 import tempfile
 import time
 from dataclasses import replace
-from importlib import metadata
 from pathlib import Path
 
 from dspipe.errors import SpecError
 from dspipe.planner.profile import Profile
 from dspipe.planner.spec import ModelSpec
 from dspipe.planner.throughput import model_flops_per_token
+from dspipe.tools.bench import versions
 
 MAX_WHOLE_PARAMS = 400_000_000
 """A model above this many parameters is timed at 1 and 2 blocks and extrapolated, not built whole."""
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-
-
-def _versions() -> str:
-    def v(name):
-        try:
-            return metadata.version(name)
-        except metadata.PackageNotFoundError:
-            return "not installed"
-    return f"dspipe {v('dspipe')}, torch {v('torch')}, deepspeed {v('deepspeed')}"
 
 
 def _timed(fn, *, sync, repeats: int, warmup: int = 2, min_seconds: float = 0.0) -> float:
@@ -288,4 +279,4 @@ def calibrate(*, model: ModelSpec, precision: str, micro_batch: int, ranks: int 
     return Profile(device=results[0]["device"], gpu=found.gpu.name, dtype=precision, ranks=ranks,
                    threads_per_rank=results[0]["threads"],
                    model=f"{model.shape_text} micro {micro_batch}",
-                   created=datetime.datetime.now().isoformat(timespec="seconds"), versions=_versions(), **figures)
+                   created=datetime.datetime.now().isoformat(timespec="seconds"), versions=versions(), **figures)

@@ -215,6 +215,19 @@ def test_calibrate_refuses_bad_options(capsys, args, message):
     assert len(err) == 1 and message in err[0], err
 
 
+def test_calibrate_refuses_an_unwritable_or_foreign_out_before_measuring(tmp_path, capsys):
+    """A directory, or a file that is not a profile, is refused in one line before any measurement (the command
+    returns at once) and the file is left as it was."""
+    foreign = tmp_path / "notes.txt"
+    foreign.write_text("mine\n")
+    for out, message in ((tmp_path, f"--out {tmp_path} is a directory; give a file path"),
+                         (foreign, f"--out {foreign} exists and is not a dspipe profile; choose another --out")):
+        assert run_cli("calibrate", *DEMO, "--out", out) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], err
+    assert foreign.read_text() == "mine\n"
+
+
 def test_calibrate_runs_on_this_cpu(tmp_path, capsys):
     """Tiny shapes, 2 gloo ranks at once, no CPU-Adam build: every figure positive and sane, and plan accepts it."""
     out = tmp_path / "profile.json"

@@ -57,11 +57,6 @@ LAUNCHES = [  # rows measured one after another by the same 2 ranks (a launch co
     ["tp2-zero1"],
 ]
 """Each launch's engines share one process group; pipeline and AutoTP engines get their own launch."""
-KNOWN_MISSES = {
-    "34M-zero3-offload-params-fp32": {"peak": "ZeRO-3's backward working set grows with the module being reduced "
-                                              "(4.2M-element MLP matrices here), not with the reduce bucket"},
-}
-"""Rows and metrics the planner does not yet hold within 5%, and why (the table shows them; the test reports them)."""
 METRICS = ("steady", "peak", "host_steady", "host_peak")
 """What each row compares: device bytes between steps and at the in-step peak, host bytes between steps and peak."""
 

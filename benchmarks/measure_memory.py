@@ -7,7 +7,8 @@ what the earlier engines left alive is excluded from the later censuses).
 Each rank's JSON: 'steady' (the census after the second step: what the rank holds between steps), 'peak' (the census
 with the largest device total among the probes of the second step), 'peak_at' (that probe), 'host_peak' (the host
 census with the largest total among the probes), 'gathered_peak' / 'gathered_at' (the most ZeRO-3 gathered parameter
-bytes any probe saw, and where), 'stage' (pipeline stage). Probes: under ZeRO-3, before every parameterised module's
+bytes any probe saw, and where), 'trace' (every probe of the second step in order, with its device bytes by
+category), 'stage' (pipeline stage). Probes: under ZeRO-3, before every parameterised module's
 forward (after DeepSpeed's own pre-forward hook: the gathered and prefetched parameters are live); when each
 module's first parameter gradient is produced in backward; on entering the optimizer wrapper's step (all gradients
 reduced); on entering and leaving the base optimizer's step (the fp32 gradients built for it are live).
@@ -23,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from dspipe.runtime.census import tensor_census  # noqa: E402
+from dspipe.runtime.census import CATEGORIES, tensor_census  # noqa: E402
 from dspipe.runtime.comm import exit_rank, process_group  # noqa: E402
 from dspipe.rundir import load_run  # noqa: E402
 from dspipe.runtime.engine import build_engine  # noqa: E402
@@ -44,6 +45,7 @@ class Probes:
         self.engine, self.exclude, self.armed = engine, exclude, False
         self.peak, self.peak_at, self.host_peak = None, None, None
         self.gathered, self.gathered_at = 0, None
+        self.trace = []  # (probe, device bytes by category) at every probe: where the working set grows
         self.handles = []
         zero3 = any(hasattr(p, "ds_tensor") for p in engine.module.parameters())
         for name, module in engine.module.named_modules():
@@ -77,6 +79,7 @@ class Probes:
             return None
         census = tensor_census(self.engine, exclude=self.exclude, grads=(grad,) if grad is not None else (),
                                collect=False)
+        self.trace.append((label, {k: census[k] for k in (*CATEGORIES, "total")}))
         if self.peak is None or census["total"] > self.peak["total"]:
             self.peak, self.peak_at = census, label
         if census["gathered"] > self.gathered:
@@ -106,7 +109,7 @@ def measure_run(run_dir: str, out_dir: Path) -> None:
     probes.remove()
     steady = tensor_census(engine, exclude=before)
     record = {"steady": steady, "peak": probes.peak, "peak_at": probes.peak_at, "host_peak": probes.host_peak,
-              "gathered_peak": probes.gathered, "gathered_at": probes.gathered_at,
+              "gathered_peak": probes.gathered, "gathered_at": probes.gathered_at, "trace": probes.trace,
               "stage": engine.stage_id if hasattr(engine, "stage_id") else 0}
     out = out_dir / Path(run_dir).name
     out.mkdir(parents=True, exist_ok=True)

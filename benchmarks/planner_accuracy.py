@@ -24,12 +24,15 @@ from dspipe.rundir import load_run  # noqa: E402
 from dspipe.runtime.census import CATEGORIES  # noqa: E402
 
 # ~31.5M parameters: big enough that model states dominate everything else a rank holds. The second size has a
-# larger largest tensor (the 8192 x 1024 embedding) and fewer, wider blocks.
+# larger largest tensor (the 8192 x 1024 embedding) and fewer, wider blocks; the third is the Llama family (RMSNorm,
+# SwiGLU, grouped-query attention, untied head) at the second's width.
 MODELS = {
     "31M": ["--model", "tiny", "--layers", "4", "--hidden", "768", "--heads", "12", "--seq-len", "64", "--vocab",
             "4096"],
     "34M": ["--model", "tiny", "--layers", "2", "--hidden", "1024", "--heads", "16", "--seq-len", "64", "--vocab",
             "8192"],
+    "39M": ["--model", "tiny-llama", "--layers", "2", "--hidden", "1024", "--heads", "16", "--kv-heads", "4", "--ffn",
+            "2816", "--seq-len", "64", "--vocab", "8192"],
 }
 BF16, FP32 = ["--precision", "bf16"], ["--precision", "fp32"]
 CPU_OFFLOAD = ["--offload", "cpu"]
@@ -48,6 +51,9 @@ CONFIGS = {  # name: (model, options); every layout pinned (the planner would pi
     "34M-zero3": ("34M", ["--zero", "3", *BF16]),
     "34M-zero2-offload": ("34M", ["--zero", "2", *BF16, *CPU_OFFLOAD]),
     "34M-zero3-offload-params-fp32": ("34M", ["--zero", "3", *FP32, *CPU_OFFLOAD, "--offload-params"]),
+    "llama-zero2": ("39M", ["--zero", "2", *BF16]),
+    "llama-zero3-offload": ("39M", ["--zero", "3", *BF16, *CPU_OFFLOAD]),
+    "llama-zero3-offload-params-fp32": ("39M", ["--zero", "3", *FP32, *CPU_OFFLOAD, "--offload-params"]),
     "pp2-zero1": ("31M", ["--zero", "1", *BF16, "--pp", "2"]),
     "tp2-zero1": ("31M", ["--zero", "1", *BF16, "--tp", "2"]),
 }

@@ -16,8 +16,9 @@ docs/planner-accuracy.md), not only the textbook 16 bytes/param:
     CPU offload, ZeRO-3      params b.Phi/N (0 with offload_params; the persistent tensors stay), the reduce bucket
   transient at the peak (backward + optimizer step): the live gradients (b.Phi, or b.Phi/N + reduce buckets with
   ZeRO-2/3), the fp32 gradient partition built for the step (4Phi/N, ZeRO-0: 4Phi instead of the 16-bit gradients),
-  overlap_comm's 4.5 x bucket sizes; ZeRO-3: the larger of the backward (gathered parameters: max_live_parameters +
-  max_reuse_distance, the gradients and reduce-scatter copies of a bucket) and the step (4Phi/N fp32 gradients);
+  overlap_comm's 4.5 x bucket sizes; ZeRO-3: the larger of the backward (max_live_parameters gathered, overshot by
+  one module, the module gradient being produced and a tied head's embedding gradient: zero3_backward_working) and
+  the step (4Phi/N fp32 gradients);
   ZeRO-1/2 offload: the fp32 gradient partition (4Phi/N) on the device from the last backward to the step, the
   gradient being produced (L) and the bucket.
   host (per rank, offload cpu; _host_states): ZeRO-1/2 16Phi/N + b.Phi/N (16-bit partition copy) + b.L (staging);
@@ -392,13 +393,31 @@ def zero3_gathered_bound(*, model: ModelSpec, plan: Plan) -> int:
     return plan.max_live_parameters + largest_tensor(model)
 
 
-def zero3_gathered_params(plan: Plan) -> int:
-    """Elements ZeRO-3 may hold gathered at once under the plan's knobs: stage3_max_live_parameters (the module
-    computing and the prefetch, which stops once that many are gathered, overshooting by at most one tensor: the
-    cap is bucket + largest tensor) plus stage3_max_reuse_distance (a module's parameters kept after it ran because
-    the next that many elements of the trace reuse them, the head at the forward/backward turn). DeepSpeed's 1e9
-    defaults kept every gathered parameter from forward to backward: the whole model (measured)."""
-    return plan.max_live_parameters + plan.max_reuse_distance
+def _block_modules_backward(model: ModelSpec) -> list[int]:
+    """Elements of each parameterised module of one block, in the order backward reaches them (ZeRO-3 gathers,
+    releases and reduces a module's parameters together)."""
+    modules: dict[str, int] = {}
+    for name, shape in model.block_tensors():
+        owner = name.rsplit(".", 1)[0]
+        modules[owner] = modules.get(owner, 0) + math.prod(shape)
+    return list(reversed(modules.values()))
+
+
+def zero3_backward_working(*, model: ModelSpec, plan: Plan) -> int:
+    """Elements ZeRO-3 holds beyond the steady partitions at its backward peak (census of DeepSpeed 0.19.8 at every
+    gradient hook, tied GPT and untied Llama): the larger of
+      - the blocks: stage3_max_live_parameters gathered (the module whose gradient is produced included), overshot
+        by the module prefetched past the cap, plus that gradient: the largest two modules adjacent in backward
+        order; with a tied head, the head's share of the embedding gradient (vocab x hidden), held from the head's
+        backward to the embedding's;
+      - the head: its weight gathered with a prefetch bucket and the first block module past it, and its gradient.
+    The contiguous reduce bucket is a steady buffer; the gradients are reduced module by module and freed."""
+    order = _block_modules_backward(model)
+    pair = max(a + b for a, b in zip(order, order[1:] + order[:1]))
+    head = model.vocab * model.hidden
+    blocks = plan.max_live_parameters + pair + (head if model.tied_embeddings else 0)
+    at_head = head + plan.prefetch_bucket_size + order[0] + head
+    return max(blocks, at_head)
 
 
 def _model_states(*, model: ModelSpec, plan: Plan, phi: int) -> tuple[dict, dict]:
@@ -441,11 +460,7 @@ def _model_states(*, model: ModelSpec, plan: Plan, phi: int) -> tuple[dict, dict
         params = b * persistent if plan.offload_params else b * (phi // n + persistent * (n - 1) // n)
         steady = dict(params=params, grads=0 if offload else 4 * phi // n, optimizer=0 if offload else 12 * phi // n,
                       buffers=bucket)  # the contiguous-gradients reduce bucket stays allocated
-        gathered = b * zero3_gathered_params(plan)
-        # backward: the gathered parameters, the gradients being produced (a reduce bucket's worth) and the
-        # reduce-scatter's working copies of a bucket (flattened input, output partitions, fp32 copies: ~5 buckets,
-        # measured on the census)
-        backward = dict(grads=bucket, buffers=gathered + 5 * bucket)
+        backward = dict(grads=0, buffers=b * zero3_backward_working(model=model, plan=plan))
         step = dict(grads=0 if offload else 4 * phi // n, buffers=0)  # the fp32 gradients handed to the optimizer
         transient = max(backward, step, key=lambda t: sum(t.values()))
     return steady, transient

@@ -1,14 +1,16 @@
 """The planner's model-state bytes against the tensors live DeepSpeed engines hold (2 CPU ranks): device and host,
 between steps and at the in-step peak, for every ZeRO stage, offload variant, pipeline and AutoTP row of
 benchmarks/planner_accuracy.CONFIGS on the 31.5M model in bf16 and fp32 (one launch per LAUNCHES entry, several
-engines per launch). The benchmark also measures the second model size (BENCHMARK_ONLY, where its one known miss is),
-which CI's time budget leaves to `python benchmarks/planner_accuracy.py`."""
+engines per launch), and ZeRO-3's backward peak on the two models whose modules outgrow the reduce bucket (the tied
+33.6M GPT and the untied Llama). The other rows of those sizes (BENCHMARK_ONLY) are left to
+`python benchmarks/planner_accuracy.py` by CI's time budget."""
 import pytest
 
 from benchmarks.planner_accuracy import CONFIGS, LAUNCHES, METRICS, error, measure_launch
 
 pytestmark = pytest.mark.distributed
-BENCHMARK_ONLY = {name for name, (model, _) in CONFIGS.items() if model != "31M"} | {"zero1-fp32"}
+WIDE_ZERO3 = {"34M-zero3-offload-params-fp32", "llama-zero3-offload-params-fp32"}
+BENCHMARK_ONLY = {name for name, (model, _) in CONFIGS.items() if model != "31M"} - WIDE_ZERO3 | {"zero1-fp32"}
 TESTED = [[n for n in names if n not in BENCHMARK_ONLY] for names in LAUNCHES]
 
 
@@ -26,4 +28,4 @@ def test_predicted_model_states_within_5_percent_of_the_live_engine(names, tmp_p
             assert 0 < row["gathered"] <= row["gathered_allowed"] * 1.05, row
     assert {n for launch in TESTED for n in launch} >= {"zero0", "zero1", "zero2", "zero3", "zero2-offload",
                                                         "zero3-offload", "zero3-offload-params", "zero3-fp32",
-                                                        "zero2-offload-fp32", "pp2-zero1", "tp2-zero1"}
+                                                        "zero2-offload-fp32", "pp2-zero1", "tp2-zero1", *WIDE_ZERO3}

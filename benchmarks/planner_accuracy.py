@@ -44,6 +44,9 @@ CONFIGS = {  # name: (model, options); every layout pinned (the planner would pi
     "zero2-offload": ("31M", ["--zero", "2", *BF16, *CPU_OFFLOAD]),
     "zero3-offload": ("31M", ["--zero", "3", *BF16, *CPU_OFFLOAD]),
     "zero3-offload-params": ("31M", ["--zero", "3", *BF16, *CPU_OFFLOAD, "--offload-params"]),
+    "zero3-offload-params-reuse1e9": ("31M", ["--zero", "3", *BF16, *CPU_OFFLOAD, "--offload-params",
+                                              "--max-live-parameters", "1000000000", "--max-reuse-distance",
+                                              "1000000000"]),  # the knobs many published configs carry
     "zero1-fp32": ("31M", ["--zero", "1", *FP32]),
     "zero3-fp32": ("31M", ["--zero", "3", *FP32]),
     "zero2-offload-fp32": ("31M", ["--zero", "2", *FP32, *CPU_OFFLOAD]),

@@ -185,7 +185,8 @@ class AutoChoice(click.ParamType):
 
 
 STRATEGY_KEYS = ("zero", "offload", "offload_params", "nvme_path", "pp", "tp", "sp", "checkpointing", "partition_method",
-                 "precision", "micro_batch", "reduce_bucket_size", "prefetch_bucket_size", "param_persistence_threshold")
+                 "precision", "micro_batch", "reduce_bucket_size", "prefetch_bucket_size", "param_persistence_threshold",
+                 "max_live_parameters", "max_reuse_distance")
 
 
 def model_options(f):
@@ -225,7 +226,7 @@ def spec_options(f):
     """Model, cluster, training and strategy options shared by plan, gen-config and bench."""
     strategy = {name: spec_default(StrategySpec, name)
                 for name in ("nvme_path", "partition_method", "reduce_bucket_size", "prefetch_bucket_size",
-                             "param_persistence_threshold")}
+                             "param_persistence_threshold", "max_live_parameters", "max_reuse_distance")}
     for opt in reversed([
         click.option("--nodes", type=INT, default=CLI_DEFAULTS["nodes"], show_default=True, help="machines"),
         click.option("--gpus-per-node", type=INT, default=CLI_DEFAULTS["gpus_per_node"], show_default=True,
@@ -296,6 +297,10 @@ def spec_options(f):
                      help="ZeRO-3 prefetch bucket, elements [0.9 hidden^2, at least 2^20]"),
         click.option("--param-persistence-threshold", type=INT, default=strategy["param_persistence_threshold"],
                      help="ZeRO-3: keep parameters smaller than this whole [10 hidden]"),
+        click.option("--max-live-parameters", type=INT, default=strategy["max_live_parameters"],
+                     help="ZeRO-3: prefetch only while fewer elements are gathered [prefetch bucket + largest tensor]"),
+        click.option("--max-reuse-distance", type=INT, default=strategy["max_reuse_distance"],
+                     help="ZeRO-3: keep a module gathered if reused within this many elements [prefetch bucket]"),
         click.option("--preset", default=None,
                      help="DeepSpeed JSON to start from: a name from 'dspipe presets' or a .json path. Every key is "
                           "honoured in ds_config.json, or reported (\"auto\" resolved), or refused; a flag that "

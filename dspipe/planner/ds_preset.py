@@ -202,8 +202,8 @@ ZERO = {
     "sub_group_size": (_var("sub_group_size"), _int(1)),
     "stage3_prefetch_bucket_size": (_opt("prefetch_bucket_size"), _int(1)),
     "stage3_param_persistence_threshold": (_opt("param_persistence_threshold"), _int(1)),
-    "stage3_max_live_parameters": (_var("max_live_parameters"), _int(0)),
-    "stage3_max_reuse_distance": (_var("max_reuse_distance"), _int(0)),
+    "stage3_max_live_parameters": (_opt("max_live_parameters"), _int(0)),
+    "stage3_max_reuse_distance": (_opt("max_reuse_distance"), _int(0)),
     "stage3_gather_16bit_weights_on_model_save": (_var("gather_16bit_weights_on_model_save"), _bool),
 }
 OFFLOAD_OPTIMIZER = {
@@ -273,6 +273,7 @@ OPTION_FLAGS = {"global_batch": "--global-batch", "micro_batch": "--micro-batch"
                 "precision": "--precision", "reduce_bucket_size": "--reduce-bucket-size",
                 "prefetch_bucket_size": "--prefetch-bucket-size", "tp": "--tp", "sp": "--sp",
                 "param_persistence_threshold": "--param-persistence-threshold",
+                "max_live_parameters": "--max-live-parameters", "max_reuse_distance": "--max-reuse-distance",
                 "wall_clock_breakdown": "--wall-clock-breakdown"}
 """gen-config options a preset can set, and their flags (for conflict messages)."""
 
@@ -693,7 +694,8 @@ def _leaves(d: dict, prefix: str = ""):
 PLANNED = {"train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "bf16.enabled",
            "fp16.enabled", "zero_optimization.stage", "zero_optimization.reduce_bucket_size",
            "zero_optimization.allgather_bucket_size", "zero_optimization.stage3_prefetch_bucket_size",
-           "zero_optimization.stage3_param_persistence_threshold", "zero_optimization.overlap_comm",
+           "zero_optimization.stage3_param_persistence_threshold", "zero_optimization.stage3_max_live_parameters",
+           "zero_optimization.stage3_max_reuse_distance", "zero_optimization.overlap_comm",
            "zero_optimization.contiguous_gradients", "zero_optimization.offload_optimizer.device",
            "zero_optimization.offload_param.device", "pipeline.stages", "data_types.grad_accum_dtype"}
 """Keys whose "auto" the planner resolves (the rest resolve to dspipe's options or defaults)."""
@@ -705,6 +707,8 @@ AUTO_OPTIONS = {"train_batch_size": "global_batch", "train_micro_batch_size_per_
                 "zero_optimization.reduce_bucket_size": "reduce_bucket_size",
                 "zero_optimization.stage3_prefetch_bucket_size": "prefetch_bucket_size",
                 "zero_optimization.stage3_param_persistence_threshold": "param_persistence_threshold",
+                "zero_optimization.stage3_max_live_parameters": "max_live_parameters",
+                "zero_optimization.stage3_max_reuse_distance": "max_reuse_distance",
                 "pipeline.stages": "pp", "wall_clock_breakdown": "wall_clock_breakdown"}
 """Preset keys whose "auto" a gen-config option resolves (labelled with the flag when the user typed it)."""
 

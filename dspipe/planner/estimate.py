@@ -393,30 +393,60 @@ def zero3_gathered_bound(*, model: ModelSpec, plan: Plan) -> int:
     return plan.max_live_parameters + largest_tensor(model)
 
 
-def _block_modules_backward(model: ModelSpec) -> list[int]:
-    """Elements of each parameterised module of one block, in the order backward reaches them (ZeRO-3 gathers,
-    releases and reduces a module's parameters together)."""
+def _modules(tensors: list[tuple[str, tuple[int, ...]]]) -> list[int]:
+    """Elements of each parameterised module among `tensors`, in their order (ZeRO-3 gathers, releases and reduces a
+    module's parameters together)."""
     modules: dict[str, int] = {}
-    for name, shape in model.block_tensors():
+    for name, shape in tensors:
         owner = name.rsplit(".", 1)[0]
         modules[owner] = modules.get(owner, 0) + math.prod(shape)
-    return list(reversed(modules.values()))
+    return list(modules.values())
+
+
+@lru_cache(maxsize=256)
+def _forward_modules(model: ModelSpec) -> tuple[int, ...]:
+    """Elements of every parameterised module in forward order, the head (a tied one reuses the embedding) last."""
+    tensors = model.model_tensors()
+    return (*_modules([t for t in tensors if t[0].startswith("embed.")]),
+            *_modules(model.block_tensors()) * model.layers,
+            *_modules([t for t in tensors if t[0].startswith("final.")]), model.vocab * model.hidden)
+
+
+def zero3_kept_for_reuse(*, model: ModelSpec, plan: Plan) -> int:
+    """Elements ZeRO-3 keeps gathered from their forward to their backward: after a module runs, its parameters stay
+    gathered when the trace reuses them within stage3_max_reuse_distance elements; between a module's forward and
+    its backward the trace fetches every later module twice, so the kept ones are the model's tail (the head at the
+    forward/backward turn at least; DeepSpeed's 1e9 default keeps the whole model, measured)."""
+    kept, after = 0, 0
+    for size in reversed(_forward_modules(model)):
+        if 2 * after > plan.max_reuse_distance:
+            break
+        kept, after = kept + size, after + size
+    return min(kept, model.num_params)  # a tied head is the embedding: counted once
 
 
 def zero3_backward_working(*, model: ModelSpec, plan: Plan) -> int:
     """Elements ZeRO-3 holds beyond the steady partitions at its backward peak (census of DeepSpeed 0.19.8 at every
     gradient hook, tied GPT and untied Llama): the larger of
-      - the blocks: stage3_max_live_parameters gathered (the module whose gradient is produced included), overshot
-        by the module prefetched past the cap, plus that gradient: the largest two modules adjacent in backward
-        order; with a tied head, the head's share of the embedding gradient (vocab x hidden), held from the head's
-        backward to the embedding's;
-      - the head: its weight gathered with a prefetch bucket and the first block module past it, and its gradient.
+      - the blocks: the live parameters gathered (stage3_max_live_parameters, at most what a prefetch bucket past the
+        largest tensor brings; the module whose gradient is produced included), overshot by the module prefetched
+        past the cap, plus that gradient: the largest two modules adjacent in backward order; or, when
+        stage3_max_reuse_distance kept more gathered since the forward, that plus the largest module's gradient;
+        with a tied head, the head's share of the embedding gradient (vocab x hidden), held from the head's backward
+        to the embedding's;
+      - the head: its weight gathered with a prefetch bucket and the first block module past it (or what
+        stage3_max_reuse_distance kept gathered since the forward, if more), and its gradient.
     The contiguous reduce bucket is a steady buffer; the gradients are reduced module by module and freed."""
-    order = _block_modules_backward(model)
+    order = list(reversed(_modules(model.block_tensors())))
     pair = max(a + b for a, b in zip(order, order[1:] + order[:1]))
     head = model.vocab * model.hidden
-    blocks = plan.max_live_parameters + pair + (head if model.tied_embeddings else 0)
-    at_head = head + plan.prefetch_bucket_size + order[0] + head
+    kept = zero3_kept_for_reuse(model=model, plan=plan)
+    live = min(plan.max_live_parameters, plan.prefetch_bucket_size + largest_tensor(model))
+    tied = head if model.tied_embeddings else 0
+    # what stayed gathered since the forward, less the head (and final norm) released after their backward; a tied
+    # head is the embedding, needed again at the end
+    blocks = max(live + pair, kept - (head - tied) + max(order)) + tied
+    at_head = max(kept, head + plan.prefetch_bucket_size + order[0]) + head
     return max(blocks, at_head)
 
 

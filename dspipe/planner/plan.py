@@ -182,6 +182,11 @@ def _grad_accum_dtype(*, precision: str, zero: int, pp: int) -> str:
     return precision
 
 
+def _default(value: int | None, default: int) -> int:
+    """The strategy's value where it gives one (0 included), else the planner's default."""
+    return default if value is None else value
+
+
 def make_plan(*, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strategy: StrategySpec) -> Plan:
     check_rules(model=model, cluster=cluster, train=train, strategy=strategy)
     world, pp, zero, h = cluster.world_size, strategy.pp, strategy.zero, model.hidden
@@ -208,8 +213,9 @@ def make_plan(*, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
         allgather_bucket_size=strategy.reduce_bucket_size or max(h * h, MIN_BUCKET),
         prefetch_bucket_size=prefetch,
         param_persistence_threshold=strategy.param_persistence_threshold or 10 * h,
-        max_live_parameters=prefetch + max(math.prod(shape) for _, shape in model.model_tensors()),
-        max_reuse_distance=prefetch,
+        max_live_parameters=_default(strategy.max_live_parameters,
+                                     prefetch + max(math.prod(shape) for _, shape in model.model_tensors())),
+        max_reuse_distance=_default(strategy.max_reuse_distance, prefetch),
         overlap_comm=zero >= 2 and pp == 1,
         contiguous_gradients=zero >= 2,
         num_params=model.num_params,

@@ -168,7 +168,9 @@ def search(*, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, fixed: d
                                         partition_method=fixed.get("partition_method") or "parameters",
                                         reduce_bucket_size=fixed.get("reduce_bucket_size"),
                                         prefetch_bucket_size=fixed.get("prefetch_bucket_size"),
-                                        param_persistence_threshold=fixed.get("param_persistence_threshold"))
+                                        param_persistence_threshold=fixed.get("param_persistence_threshold"),
+                                        max_live_parameters=fixed.get("max_live_parameters"),
+                                        max_reuse_distance=fixed.get("max_reuse_distance"))
                 t = trains.get((prec, mb))
                 if t is None:
                     t = trains[prec, mb] = replace(train, precision=prec, micro_batch=mb)

@@ -31,6 +31,7 @@ LIMITS = {
     "eval_batches": INT32_MAX, "max_skipped_steps": INT32_MAX, "spike_window": 2**20, "spike_sigma": 1e6,
     "seed": 2**32 - 1, "lr": 1.0, "weight_decay": 1.0, "grad_clip": 1e6,
     "tokens": 1e18, "pp": 4096, "tp": 4096, "sp": 4096, "reduce_bucket_size": 2**40, "prefetch_bucket_size": 2**40, "param_persistence_threshold": 2**40,
+    "max_live_parameters": 2**40, "max_reuse_distance": 2**40,
 }
 """Largest accepted value per field: beyond them a size is absurd (or overflows what DeepSpeed, torch or numpy
 accept: seeds feed numpy's and torch's generators, which take 0..2**32-1 everywhere dspipe derives streams)."""
@@ -418,6 +419,10 @@ class StrategySpec:
     """ZeRO-3 parameter prefetch in elements; None: 0.9 hidden^2 (at least 2^20)."""
     param_persistence_threshold: int | None = None
     """ZeRO-3 keeps parameters smaller than this whole on every rank; None: 10 hidden."""
+    max_live_parameters: int | None = None
+    """ZeRO-3 prefetches only while fewer elements are gathered; None: the prefetch bucket + the largest tensor."""
+    max_reuse_distance: int | None = None
+    """ZeRO-3 keeps a module gathered if the trace reuses it within this many elements; None: the prefetch bucket."""
 
     def __post_init__(self) -> None:
         _one_of("strategy", "zero", self.zero, ZERO_STAGES)
@@ -430,6 +435,9 @@ class StrategySpec:
         for name in ("reduce_bucket_size", "prefetch_bucket_size", "param_persistence_threshold"):
             if getattr(self, name) is not None:
                 _positive("strategy", **{name: getattr(self, name)})
+        for name in ("max_live_parameters", "max_reuse_distance"):
+            if getattr(self, name) is not None:
+                _int_range("strategy", name, getattr(self, name), low=0)
 
 
 def from_dict(cls, data: dict):

@@ -36,6 +36,26 @@ def test_bucket_size_flags_reach_the_json(tmp_path):
             z["stage3_param_persistence_threshold"]) == (123456, 123456, 65432, 999)
 
 
+def test_zero3_live_parameter_flags_reach_the_json_and_the_estimate(tmp_path):
+    from dspipe.planner.estimate import estimate
+    from dspipe.rundir import load_run
+    sizes = {}
+    whole = ["--max-live-parameters", "1000000000", "--max-reuse-distance", "1000000000"]
+    for name, knobs in (("default", []), ("whole", whole), ("zero", ["--max-live-parameters", "0"])):
+        r = dspipe("gen-config", *CPU2, "--layers", "4", "--hidden", "768", "--heads", "12", "--zero", "3",
+                   "--offload", "cpu", "--offload-params", *knobs, "--out", f"runs/{name}", cwd=tmp_path)
+        # 31.5M parameters (the census row zero3-offload-params), offloaded: the backward is the peak
+        assert r.returncode == 0, r.stderr
+        z = json.loads((tmp_path / f"runs/{name}/ds_config.json").read_text())["zero_optimization"]
+        run = load_run(tmp_path / f"runs/{name}")
+        assert (z["stage3_max_live_parameters"], z["stage3_max_reuse_distance"]) == \
+            (run.plan.max_live_parameters, run.plan.max_reuse_distance)
+        sizes[name] = estimate(model=run.model, cluster=run.cluster, plan=run.plan).memory.total
+    assert (json.loads((tmp_path / "runs/zero/ds_config.json").read_text())["zero_optimization"]
+            ["stage3_max_live_parameters"]) == 0  # 0 is a value, not "unset"
+    assert sizes["whole"] > sizes["default"]  # 1e9 keeps the whole model gathered from forward to backward
+
+
 def test_multi_node_command_uses_a_hostfile(tmp_path):
     (tmp_path / "hosts.txt").write_text("node-a slots=8\nnode-b slots=8\n")  # gen-config validates it
     r = dspipe("gen-config", "--model", "gpt2-124m", "--nodes", "2", "--gpus-per-node", "8", "--global-batch", "64",

@@ -27,7 +27,8 @@ INT_FLAGS = {
     "--save-interval": ["-1", HUGE], "--keep-checkpoints": ["-1", HUGE], "--eval-interval": ["-1", HUGE],
     "--eval-batches": ["-1", HUGE], "--max-skipped-steps": ["-1", HUGE], "--spike-window": ["-1", HUGE],
     "--pp": ["-1", HUGE], "--reduce-bucket-size": ["-1", HUGE], "--prefetch-bucket-size": ["-1", HUGE],
-    "--param-persistence-threshold": ["-1", HUGE],
+    "--param-persistence-threshold": ["-1", HUGE], "--max-live-parameters": ["-1", HUGE],
+    "--max-reuse-distance": ["-1", HUGE],
 }
 FLOAT_FLAGS = {
     "--lr": ["nan", "inf", "-inf", "-1", "1e309", "2"], "--min-lr-ratio": ["nan", "inf", "-0.5", "1.5"],

@@ -165,6 +165,15 @@ def test_aliases_mean_what_deepspeed_says(tmp_path):
     zero = cfg["zero_optimization"]
     assert zero["stage3_gather_16bit_weights_on_model_save"] is True and zero["stage3_prefetch_bucket_size"] == 5e7
     assert zero["offload_param"]["device"] == "cpu" and zero["offload_optimizer"]["device"] == "cpu"
+    # the live-parameter knobs are the planner's: the plan (and its memory estimate) uses the preset's values
+    live = dict(bf, zero_optimization=dict(bf["zero_optimization"], stage3_max_live_parameters=1e9,
+                                           stage3_max_reuse_distance=1e9))
+    r = gen(tmp_path, write(tmp_path, live, "live.json"), out="runs/live")
+    assert r.returncode == 0, r.stderr
+    zero = json.loads((tmp_path / "runs/live/ds_config.json").read_text())["zero_optimization"]
+    plan = json.loads((tmp_path / "runs/live/dspipe.json").read_text())["plan"]
+    assert zero["stage3_max_live_parameters"] == plan["max_live_parameters"] == 10**9
+    assert zero["stage3_max_reuse_distance"] == plan["max_reuse_distance"] == 10**9
 
 
 def test_unknown_keys_are_handled_as_deepspeed_handles_them(tmp_path):
@@ -264,4 +273,4 @@ def test_import_is_torch_free_and_keeps_canonical_names():
                         source="x")
     assert imp.canon["bf16"] == {"enabled": True} and imp.options["precision"] == "bf16"
     assert imp.canon["zero_optimization"]["stage3_max_live_parameters"] == 1000000000
-    assert imp.values["max_live_parameters"] == 1000000000 and imp.options["zero"] == 3
+    assert imp.options["max_live_parameters"] == 1000000000 and imp.options["zero"] == 3

@@ -6,13 +6,15 @@ Parameter names follow Hugging Face GPT-2 (wte, wpe, h.N.ln_1, attn.c_attn, attn
 mlp.c_proj, ln_f) whatever the architecture: q/k/v are one fused projection ([q; k; v] rows) and a SwiGLU's gate
 and up projections one fused c_fc ([gate; up] rows), so an export is a rename, a split and (GPT-2's Conv1D) a
 transpose. Every parameter is listed by ModelSpec.model_tensors(), which the planner counts from.
-Every component initialises itself from (seed, its index), so the plain model and any pipeline layout
-start from identical weights.
+Every component declares its step-0 values as draws from (seed, its index) (`initial_values`), so the plain
+model, any pipeline layout and a model whose parameters were created elsewhere (on the meta device, or partitioned
+by ZeRO-3 as they were constructed) start from identical weights: whoever builds the model decides how a value
+reaches its parameter (`fill`'s `write`), one tensor at a time.
 """
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -28,11 +30,56 @@ def _generator(seed: int, index: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 100_003 + index)
 
 
-def _init_linear(linear: nn.Linear, gen: torch.Generator, std: float) -> None:
+Draw = Callable[[], torch.Tensor]
+"""A parameter's step-0 value, whole, fp32, on the CPU; called in declaration order (draws share a generator)."""
+
+
+def _normal(gen: torch.Generator, shape: tuple, std: float) -> Draw:
+    return lambda: torch.randn(shape, generator=gen, device="cpu", dtype=torch.float32) * std
+
+
+def _constant(shape: tuple, value: float) -> Draw:
+    return lambda: torch.full(shape, value, device="cpu", dtype=torch.float32)
+
+
+def _linear_values(linear: nn.Linear, gen: torch.Generator, std: float):
+    yield linear.weight, _normal(gen, (linear.out_features, linear.in_features), std)
+    if linear.bias is not None:
+        yield linear.bias, _constant((linear.out_features,), 0.0)
+
+
+def _norm_values(norm: nn.Module):
+    """LayerNorm/RMSNorm: weight 1, bias 0 (shapes from the module, not its tensors, which may be partitioned)."""
+    shape = tuple(norm.normalized_shape)
+    yield norm.weight, _constant(shape, 1.0)
+    if getattr(norm, "bias", None) is not None:
+        yield norm.bias, _constant(shape, 0.0)
+
+
+def initial_values(module: nn.Module, *, seed: int) -> Iterator[tuple[nn.Parameter, Draw]]:
+    """Every parameter of `module`'s components (Embedding, Block, FinalNorm, LMHead) with its step-0 draw, in
+    the order the draws must be made."""
+    for m in module.modules():
+        if isinstance(m, (Embedding, Block, FinalNorm, LMHead)):
+            yield from m.initial_values(seed=seed)
+
+
+def _copy(param: nn.Parameter, draw: Draw) -> None:
+    param.copy_(draw())
+
+
+def fill(module: nn.Module, *, seed: int, write: Callable[[nn.Parameter, Draw], None] = _copy) -> int:
+    """Give every parameter of `module` its step-0 value through `write(param, draw)` (default: copy in place);
+    a parameter that no component declares is an error. Returns the number of tensors written."""
+    done = set()
     with torch.no_grad():
-        linear.weight.copy_(torch.randn(linear.weight.shape, generator=gen) * std)
-        if linear.bias is not None:
-            linear.bias.zero_()
+        for param, draw in initial_values(module, seed=seed):
+            write(param, draw)
+            done.add(id(param))
+    missed = [name for name, p in module.named_parameters() if id(p) not in done]
+    if missed:
+        raise RuntimeError(f"no initial value declared for {missed[:3]}")
+    return len(done)
 
 
 def norm_layer(spec: ModelSpec) -> nn.Module:
@@ -59,18 +106,21 @@ def rotary(x: torch.Tensor, *, offset: int, theta: float) -> torch.Tensor:
 class Embedding(nn.Module):
     """Token (+ learned position) embeddings; `logits` reuses wte as the tied output head."""
 
-    def __init__(self, spec: ModelSpec, *, seed: int):
+    def __init__(self, spec: ModelSpec, *, seed: int | None):
         super().__init__()
         self.wte = nn.Embedding(spec.vocab, spec.hidden)
         self.wpe = nn.Embedding(spec.seq_len, spec.hidden) if spec.positions == "learned" else None
         self.drop = nn.Dropout(spec.dropout)
         self.position_offset = 0
         """Position of the input's first token (non-zero when the input is a later slice of a sequence)."""
+        if seed is not None:
+            fill(self, seed=seed)
+
+    def initial_values(self, *, seed: int):
         gen = _generator(seed, EMBED_INDEX)
-        with torch.no_grad():
-            self.wte.weight.copy_(torch.randn(self.wte.weight.shape, generator=gen) * INIT_STD)
-            if self.wpe is not None:
-                self.wpe.weight.copy_(torch.randn(self.wpe.weight.shape, generator=gen) * INIT_STD)
+        for table in (self.wte, self.wpe):
+            if table is not None:
+                yield table.weight, _normal(gen, (table.num_embeddings, table.embedding_dim), INIT_STD)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.wte(idx)
@@ -144,17 +194,24 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
 
-    def __init__(self, spec: ModelSpec, *, index: int, seed: int):
+    def __init__(self, spec: ModelSpec, *, index: int, seed: int | None):
         super().__init__()
+        self.index, self.layers = index, spec.layers
         self.ln_1 = norm_layer(spec)
         self.attn = Attention(spec)
         self.ln_2 = norm_layer(spec)
         self.mlp = MLP(spec)
-        gen = _generator(seed, index + 1)
-        resid_std = INIT_STD / math.sqrt(2 * spec.layers)  # GPT-2: scale residual projections by 1/sqrt(2L)
+        if seed is not None:
+            fill(self, seed=seed)
+
+    def initial_values(self, *, seed: int):
+        gen = _generator(seed, self.index + 1)
+        resid_std = INIT_STD / math.sqrt(2 * self.layers)  # GPT-2: scale residual projections by 1/sqrt(2L)
         for linear, std in ((self.attn.c_attn, INIT_STD), (self.attn.c_proj, resid_std),
                             (self.mlp.c_fc, INIT_STD), (self.mlp.c_proj, resid_std)):
-            _init_linear(linear, gen, std)
+            yield from _linear_values(linear, gen, std)
+        yield from _norm_values(self.ln_1)
+        yield from _norm_values(self.ln_2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -162,9 +219,14 @@ class Block(nn.Module):
 
 
 class FinalNorm(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, *, seed: int | None = None):
         super().__init__()
         self.ln_f = norm_layer(spec)
+        if seed is not None:
+            fill(self, seed=seed)
+
+    def initial_values(self, *, seed: int):
+        return _norm_values(self.ln_f)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ln_f(x)
@@ -173,10 +235,15 @@ class FinalNorm(nn.Module):
 class LMHead(nn.Module):
     """Untied output projection (only when tied_embeddings is off)."""
 
-    def __init__(self, spec: ModelSpec, *, seed: int):
+    def __init__(self, spec: ModelSpec, *, seed: int | None):
         super().__init__()
-        self.weight = nn.Parameter(torch.randn(spec.vocab, spec.hidden, generator=_generator(seed, spec.layers + 1))
-                                   * INIT_STD)
+        self.index, self.shape = spec.layers + 1, (spec.vocab, spec.hidden)
+        self.weight = nn.Parameter(torch.empty(self.shape))
+        if seed is not None:
+            fill(self, seed=seed)
+
+    def initial_values(self, *, seed: int):
+        yield self.weight, _normal(_generator(seed, self.index), self.shape, INIT_STD)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
@@ -188,13 +255,16 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 class GPT(nn.Module):
-    def __init__(self, spec: ModelSpec, *, seed: int):
+    def __init__(self, spec: ModelSpec, *, seed: int | None):
+        """`seed` None: the parameters are created but not given values (a builder fills them: `fill`)."""
         super().__init__()
         self.spec = spec
-        self.embed = Embedding(spec, seed=seed)
-        self.h = nn.ModuleList(Block(spec, index=i, seed=seed) for i in range(spec.layers))
+        self.embed = Embedding(spec, seed=None)
+        self.h = nn.ModuleList(Block(spec, index=i, seed=None) for i in range(spec.layers))
         self.final = FinalNorm(spec)
-        self.lm_head = None if spec.tied_embeddings else LMHead(spec, seed=seed)
+        self.lm_head = None if spec.tied_embeddings else LMHead(spec, seed=None)
+        if seed is not None:
+            fill(self, seed=seed)
         self.block_checkpoint: Callable | None = None
 
     def set_recomputation(self, mode: str, checkpoint_fn: Callable | None) -> None:

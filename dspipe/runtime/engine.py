@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dspipe.planner.layout import ParallelLayout
 from dspipe.rundir import Run
+from dspipe.runtime.build import build_module
 
 
 def param_groups(module, weight_decay: float) -> list[dict]:
@@ -23,39 +24,6 @@ def param_groups(module, weight_decay: float) -> list[dict]:
         if p.requires_grad:
             (decay if p.dim() >= 2 else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-def build_module(run: Run):
-    """The plain GPT (pp=1) or its PipelineModule (pp>1), with recomputation wired to DeepSpeed's checkpointing;
-    with train.init_from, holding that Hugging Face model's weights (each pipeline stage its own)."""
-    import deepspeed
-
-    plan, seed = run.plan, run.train.seed
-    checkpoint_fn = None
-    if plan.checkpointing != "none":
-        # The JSON's activation_checkpointing block, passed as values: configure(deepspeed_config=...) would
-        # re-check the batch equation against the whole world, which is wrong under a pipeline (dp = world / pp).
-        ac = run.ds_config["activation_checkpointing"]  # as read and checked by rundir.load_run
-        deepspeed.checkpointing.configure(None, partition_activations=ac["partition_activations"],
-                                          contiguous_checkpointing=ac["contiguous_memory_optimization"],
-                                          num_checkpoints=ac["number_checkpoints"],
-                                          checkpoint_in_cpu=ac["cpu_checkpointing"],
-                                          synchronize=ac["synchronize_checkpoint_boundary"], profile=ac["profile"])
-        checkpoint_fn = deepspeed.checkpointing.checkpoint
-    if plan.pp > 1:
-        from dspipe.model.pipeline import build_pipeline
-        model = build_pipeline(model=run.model, stages=plan.pp, partition_method=plan.partition_method,
-                               checkpointing=plan.checkpointing,
-                               activation_checkpoint_interval=plan.activation_checkpoint_interval,
-                               checkpoint_fn=checkpoint_fn or deepspeed.checkpointing.checkpoint, seed=seed)
-    else:
-        from dspipe.model.gpt import GPT
-        model = GPT(run.model, seed=seed)
-        model.set_recomputation(plan.checkpointing, checkpoint_fn)
-    if run.train.init_from:  # step 0 from a Hugging Face model, whole, before ZeRO-3/AutoTP partition it at
-        from dspipe.tools.hf_arch import load_into_module  # initialize; a resumed run's checkpoint loads after
-        load_into_module(model, run.train.init_from, run.model)
-    return model
 
 
 def engine_settings(engine) -> dict:
@@ -224,13 +192,20 @@ class PipelineEngine(Engine):
         return float(self.engine.eval_batch(batches if self.reads_data else None, num_micro_batches=count))
 
 
-def build_engine(run: Run, *, compile_: bool = False) -> Engine:
-    """Collective (the process group must be up): module -> deepspeed.initialize -> live-settings check."""
+def build_engine(run: Run, *, compile_: bool = False, clock=None) -> Engine:
+    """Collective (the process group must be up): module -> deepspeed.initialize -> live-settings check. `clock`
+    (a dspipe.runtime.startup.StartupClock) is marked before and after the module build."""
     import deepspeed
     import torch.distributed as dist
 
-    module = build_module(run)
-    mpu = _sequence_parallel(module, layout=run.plan.layout, rank=dist.get_rank()) if run.plan.sp > 1 else None
+    mpu = _sequence_groups(layout=run.plan.layout, rank=dist.get_rank()) if run.plan.sp > 1 else None
+    if clock:
+        clock.mark("before_build")
+    module = build_module(run, mpu=mpu)
+    if clock:
+        clock.mark("built")
+    if mpu is not None:
+        _sequence_parallel(module, layout=run.plan.layout, rank=dist.get_rank())
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=param_groups(module, run.train.weight_decay),
                                            config=str(run.ds_config_path), mpu=mpu)
     if compile_:
@@ -239,12 +214,10 @@ def build_engine(run: Run, *, compile_: bool = False) -> Engine:
     return cls(engine, run=run, layout=run.plan.layout, rank=dist.get_rank())
 
 
-def _sequence_parallel(module, *, layout: ParallelLayout, rank: int):
-    """Ulysses groups (DeepSpeed's parallel_state_sp, which must agree with the layout's sequence groups), the
-    model's attention made sequence-parallel; returns the mpu for deepspeed.initialize."""
+def _sequence_groups(*, layout: ParallelLayout, rank: int):
+    """Ulysses groups (DeepSpeed's parallel_state_sp, which must agree with the layout's sequence groups); the mpu
+    for zero.Init and deepspeed.initialize."""
     from deepspeed.runtime.sequence_parallel import parallel_state_sp
-
-    from dspipe.model.sequence import shard_sequence
 
     if parallel_state_sp._SEQUENCE_PARALLEL_GROUP is None:  # once per process
         parallel_state_sp.initialize_sequence_parallel(layout.sp)
@@ -252,9 +225,17 @@ def _sequence_parallel(module, *, layout: ParallelLayout, rank: int):
     if parallel_state_sp.get_sequence_parallel_world_size() != layout.sp or \
             parallel_state_sp.get_sequence_parallel_rank() != mine.index(rank):
         raise RuntimeError(f"rank {rank}: DeepSpeed's sequence-parallel group disagrees with the layout's {mine}")
+    return parallel_state_sp
+
+
+def _sequence_parallel(module, *, layout: ParallelLayout, rank: int) -> None:
+    """The model's attention made sequence-parallel over the Ulysses group."""
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+
+    from dspipe.model.sequence import shard_sequence
+
     spec = module.spec
     if spec.heads % layout.sp:
         raise RuntimeError(f"heads {spec.heads} are not divisible by sp {layout.sp}")
     shard_sequence(module, group=parallel_state_sp.get_sequence_parallel_group(),
                    start=layout.sequence_slice(spec.seq_len, rank)[0])
-    return parallel_state_sp

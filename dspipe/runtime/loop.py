@@ -17,6 +17,8 @@ from dspipe.runtime.evaluate import evaluate_sets, val_columns, val_sets
 from dspipe.planner.throughput import model_flops_per_token, step_rates
 from dspipe.rundir import Run, load_run
 from dspipe.runtime.metrics_log import GIB, RunLog
+from dspipe.planner.startup import build_mode
+from dspipe.runtime.startup import StartupClock
 from dspipe.runtime.stability import Health, PoisonedLoss, guard_base_optimizer, nan_test_steps
 
 def device_peak_tflops(*, precision: str) -> tuple[str, float | None]:
@@ -91,11 +93,10 @@ def train_in_group(run: Run, *, resume: str, restart: bool, backend: str) -> dic
     else:
         resume_from = ckpt.resume_point(run, resume)  # checked before building anything
 
-    eng = build_engine(run)
+    clock = StartupClock()
+    eng = build_engine(run, clock=clock)
     engine = eng.engine
     guarded = guard_base_optimizer(engine)
-    if rank == 0:
-        run.engine_path.write_text(dumps({**eng.settings, "nonfinite_guard": guarded}, what=str(run.engine_path)))
     loader = make_loader(data, windows, seed=tr.seed, micro_batch=plan.micro_batch, dp=layout.dp,
                          dp_rank=eng.dp_rank)
     reads_data = eng.reads_data  # under a pipeline only the first and last stages read; the others skip along
@@ -113,6 +114,15 @@ def train_in_group(run: Run, *, resume: str, restart: bool, backend: str) -> dic
         say(f"dspipe: resumed from {resume_from} at step {start_step} ({loader.consumed_samples} samples)", flush=True)
     elif not restart:
         say(f"dspipe: no checkpoint in {run.checkpoint_dir}: starting fresh from step 0", flush=True)
+    clock.mark("ready")
+    startup = clock.gathered(mode=build_mode(zero_stage=plan.zero_stage, tp=plan.tp, pp=plan.pp))
+    if rank == 0:
+        run.engine_path.write_text(dumps({**eng.settings, "nonfinite_guard": guarded, "startup": startup},
+                                         what=str(run.engine_path)))
+    say(f"dspipe: start-up ({startup['mode']} build): peak host RSS {max(startup['peak_rss_mib']):,.0f} MiB on the "
+        f"worst rank ({max(startup['build_rss_mib']):,.0f} MiB after the build, "
+        f"{max(startup['rss_before_build_mib']):,.0f} before it); first step {max(startup['seconds_to_first_step']):.1f} s "
+        f"after the process start", flush=True)
 
     def save(at: int) -> None:
         ckpt.save(engine, run.checkpoint_dir, step=at, keep=tr.keep_checkpoints,

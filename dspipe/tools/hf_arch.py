@@ -43,6 +43,8 @@ hub) lack it, and transformers adds it when loading: so does load_hf_weights."""
 WEIGHT_FILES = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json",
                 "pytorch_model.bin")
 _MISSING = object()
+SAFETENSORS_FLOAT_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2}
+"""The floating dtypes of a safetensors header that load as model weights, with their bytes per element."""
 
 
 # ---- config.json -> ModelSpec (JSON only) -------------------------------------------------------------------------
@@ -427,22 +429,37 @@ class CheckpointTensors(Mapping):
         return isinstance(key, str) and self._resolve(key) is not None
 
     def __getitem__(self, key: str):
-        stored = self._resolve(key)
-        if stored is None:
+        if self._resolve(key) is None:
             raise KeyError(key)
+        return self.read(key)
+
+    def read(self, key: str, *, rows: slice | None = None, cols: slice | None = None):
+        """Tensor `key`, or only its rows/columns: safetensors reads just those bytes (get_slice), a .bin file is
+        memory-mapped, so only the pages of the slice are touched."""
+        stored = self._resolve(key)
         handle = self._handle(self.files[stored])
+        index = (rows or slice(None),) if cols is None else (rows or slice(None), cols)
         try:
-            return handle.get_tensor(stored) if hasattr(handle, "get_tensor") else handle[stored]
+            if hasattr(handle, "get_slice"):
+                return handle.get_slice(stored)[index] if rows or cols else handle.get_tensor(stored)
+            return handle[stored][index] if rows or cols else handle[stored]
         except Exception as e:
             raise SpecError(f"{self.path / self.files[stored]}: cannot read tensor {stored}: "
                             f"{' '.join(str(e).split())[:200]}") from None
 
     def shape(self, key: str) -> tuple:
+        return self.header(key)[0]
+
+    def header(self, key: str) -> tuple[tuple, str, int]:
+        """(shape, dtype name, bytes per element) of tensor `key`, from the file's header only."""
         stored = self._resolve(key)
         handle = self._handle(self.files[stored])
         if hasattr(handle, "get_slice"):
-            return tuple(handle.get_slice(stored).get_shape())
-        return tuple(handle[stored].shape)
+            view = handle.get_slice(stored)
+            dtype = view.get_dtype()
+            return tuple(view.get_shape()), dtype, SAFETENSORS_FLOAT_BYTES.get(dtype, 0)
+        t = handle[stored]
+        return tuple(t.shape), str(t.dtype).replace("torch.", ""), t.element_size() if t.is_floating_point() else 0
 
     def __iter__(self):
         return iter(self.files)
@@ -462,21 +479,78 @@ def check_matches(path: str | Path, spec: ModelSpec) -> None:
         raise SpecError(f"{path}: its config.json describes another model than the run's: {', '.join(diff[:3])}")
 
 
-def load_hf_weights(path: str | Path, spec: ModelSpec, *, names=None) -> dict:
-    """The weights of Hugging Face directory `path` under dspipe names, fp32: all of spec.model_tensors(), or the
-    subset `names`. The config must describe `spec` and every tensor the spec needs must be stored with its shape
-    (checked for all of them, from the files' headers, before any is read); one line otherwise."""
-    path = Path(path)
+def _checked_tensors(path: Path, spec: ModelSpec) -> tuple[CheckpointTensors, int]:
+    """HF_DIR's tensors after checking, from the config and the files' headers only (no tensor data is read), that
+    they are the model `spec`: every tensor it needs present, with its shape and a floating dtype. Returns them and
+    the bytes those tensors take in the files."""
     check_matches(path, spec)
     tensors = CheckpointTensors(path, prefix=BASE_PREFIX[architecture_of(spec)])
+    total = 0
     for key, shape in hf_tensors(spec):
         if key not in tensors:
             raise SpecError(f"{tensors.source}: missing tensor {key}")
-        have = tensors.shape(key)
+        have, dtype, size = tensors.header(key)
         rows_ok = key.endswith("wpe.weight") and len(have) == 2 and have[0] >= shape[0] and have[1] == shape[1]
         if have != tuple(shape) and not rows_ok:
             raise SpecError(f"{tensors.source}: tensor {key} has shape {list(have)}, the model needs {list(shape)}")
+        if not size:
+            raise SpecError(f"{tensors.source}: tensor {key} has dtype {dtype}, not a floating-point type")
+        total += math.prod(shape) * size
+    return tensors, total
+
+
+def check_weights(path: str | Path, spec: ModelSpec) -> int:
+    """`gen-config --init-from` before it writes the run: the weights of HF_DIR are the model `spec`'s (files
+    present and readable, every tensor name, shape and dtype; headers only). Returns the bytes of those tensors."""
+    return _checked_tensors(Path(path), spec)[1]
+
+
+def load_hf_weights(path: str | Path, spec: ModelSpec, *, names=None) -> dict:
+    """The weights of Hugging Face directory `path` under dspipe names, fp32: all of spec.model_tensors(), or the
+    subset `names` (checked first as check_weights does); one line otherwise."""
+    tensors, _ = _checked_tensors(Path(path), spec)
     return from_hf_state(tensors, spec, names=names, source=tensors.source)
+
+
+class HFWeights:
+    """A Hugging Face model directory as the source of dspipe's parameters, read lazily: a whole tensor, some of
+    its rows, or a flat range of its elements (a ZeRO-3 partition), each read from the files' bytes for just that
+    part (safetensors get_slice) and converted to fp32. Checked like check_weights when opened."""
+
+    def __init__(self, path: str | Path, spec: ModelSpec):
+        self.path, self.spec = Path(path), spec
+        self.tensors, self.bytes = _checked_tensors(self.path, spec)
+        self.map = weight_map(spec)
+        self.shapes = dict(spec.model_tensors())
+
+    def rows(self, name: str, start: int, stop: int):
+        """Rows start..stop-1 (dim 0) of dspipe parameter `name`, fp32."""
+        import torch
+
+        parts, how = self.map[name]
+        if how == "t":  # dspipe's rows are the HF tensor's columns
+            t = self.tensors.read(parts[0][0], cols=slice(start, stop)).t()
+        elif how == "rows":  # stacked HF tensors: take each one's share of the range
+            pieces, offset = [], 0
+            for key, shape in parts:
+                lo, hi = max(start, offset), min(stop, offset + shape[0])
+                if lo < hi:
+                    pieces.append(self.tensors.read(key, rows=slice(lo - offset, hi - offset)))
+                offset += shape[0]
+            t = torch.cat(pieces, dim=0)
+        else:
+            t = self.tensors.read(parts[0][0], rows=slice(start, stop))
+        return t.to(torch.float32).contiguous()
+
+    def full(self, name: str):
+        return self.rows(name, 0, self.shapes[name][0])
+
+    def flat(self, name: str, start: int, stop: int):
+        """Elements start..stop-1 of parameter `name` flattened (row-major), reading only the rows they lie in."""
+        shape = self.shapes[name]
+        width = math.prod(shape[1:])
+        first, last = start // width, -(-stop // width)
+        return self.rows(name, first, last).reshape(-1)[start - first * width:stop - first * width]
 
 
 TIED_PREFIX = "tied_modules.embed."
@@ -505,29 +579,30 @@ def layer_prefix(index: int, *, layers: int) -> str:
     raise SpecError(f"pipeline layer {index} does not exist in a {layers}-layer model")
 
 
-def load_into_module(module, path: str | Path, spec: ModelSpec) -> int:
-    """Overwrite `module`'s parameters with HF_DIR's weights (the runner's step 0 under `--init-from`): the plain
-    GPT all of them (strict), a PipelineModule stage only its own, found by pipeline name ('3.attn.c_attn.weight',
-    'tied_modules.embed.wte.weight'). Before deepspeed.initialize, which partitions (ZeRO-3) or shards (AutoTP)
-    what it is given. Returns the number of values loaded."""
-    import torch
-
+def gpt_parameters(module, spec: ModelSpec):
+    """(GPT name, parameter) of every parameter `module` holds: the plain GPT's own names, a PipelineModule stage's
+    translated from pipeline names ('3.attn.c_attn.weight', 'tied_modules.embed.wte.weight')."""
     from dspipe.model.gpt import GPT
 
-    if isinstance(module, GPT):
-        state = load_hf_weights(path, spec)
-        module.load_state_dict(state, strict=True)
-        return sum(t.numel() for t in state.values())
-    own = {name: pipeline_gpt_name(name, layers=spec.layers) for name, _ in module.named_parameters()}
-    state = load_hf_weights(path, spec, names=set(own.values()))
+    for name, param in module.named_parameters():
+        yield (name if isinstance(module, GPT) else pipeline_gpt_name(name, layers=spec.layers)), param
+
+
+def load_into_module(module, weights: HFWeights, *, spec: ModelSpec, write=None) -> int:
+    """Overwrite `module`'s parameters with HF weights, one tensor at a time (the runner's step 0 under
+    `--init-from`): the plain GPT all of them, a PipelineModule stage only its own. `write(param, name)` puts
+    parameter `name`'s value into `param` (default: read it whole and copy). Returns the number of tensors."""
+    import torch
+
+    count = 0
     with torch.no_grad():
-        for name, p in module.named_parameters():
-            t = state[own[name]]
-            if t.shape != p.shape:
-                raise SpecError(f"{path}: {own[name]} has shape {list(t.shape)}, pipeline parameter {name} "
-                                f"{list(p.shape)}")
-            p.copy_(t)
-    return sum(p.numel() for p in module.parameters())
+        for name, param in gpt_parameters(module, spec):
+            if write is None:
+                param.copy_(weights.full(name))
+            else:
+                write(param, name)
+            count += 1
+    return count
 
 
 # ---- gen-config --init-from ---------------------------------------------------------------------------------------
@@ -537,8 +612,8 @@ SHAPE_FLAGS = ("layers", "hidden", "heads", "vocab", "ffn")
 
 def init_from_spec(path: str, o: dict) -> ModelSpec:
     """The model of `gen-config --init-from HF_DIR` (and plan/bench): HF_DIR's config; a shape flag must agree with
-    it, --seq-len may shorten the context (never beyond the model's positions), --dropout replaces the config's.
-    Prints a note comparing HF_DIR's tokenizer with the data's where both are known."""
+    it, --seq-len may shorten the context (never beyond the model's positions), --dropout replaces the config's;
+    its weights are checked (check_weights). Prints a note comparing HF_DIR's tokenizer with the data's where both are known."""
     flag = f"--init-from {path}"
     if o.get("model"):
         raise SpecError(f"--model {o['model']} and {flag} both name the model; give one of them")
@@ -558,6 +633,7 @@ def init_from_spec(path: str, o: dict) -> ModelSpec:
                    "a longer context needs rope scaling, which dspipe does not implement")
             raise SpecError(f"--seq-len {seq_len} exceeds the {spec.seq_len} positions of {flag} ({why})")
         spec = replace(spec, seq_len=seq_len)
+    check_weights(path, spec)  # before anything is written or launched: files, names, shapes, dtypes (headers)
     note = tokenizer_note(path, o.get("data"))
     if note:
         import click

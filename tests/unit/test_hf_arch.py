@@ -113,7 +113,7 @@ def test_dspipe_llama_exports_to_llama_for_causal_lm_with_the_same_logits(kv_hea
 def test_pipeline_stage_loads_only_its_own_parameters_by_pipeline_name(tmp_path):
     """A stand-in for one PipelineModule stage (layers 0-1 as DeepSpeed names them, and the tied embedding)."""
     from dspipe.model.pipeline import layer_specs
-    from dspipe.tools.hf_arch import load_hf_weights, load_into_module, spec_from_hf_dir
+    from dspipe.tools.hf_arch import HFWeights, load_hf_weights, load_into_module, spec_from_hf_dir
 
     hf = gpt2_model(tied=True)
     hf.save_pretrained(tmp_path / "hf")
@@ -123,7 +123,7 @@ def test_pipeline_stage_loads_only_its_own_parameters_by_pipeline_name(tmp_path)
     stage.add_module("1", specs[1].build())  # block 0
     stage.add_module("2", specs[2].build())  # block 1
     stage.tied_modules = torch.nn.ModuleDict({"embed": specs[0].build()})
-    load_into_module(stage, tmp_path / "hf", spec)
+    assert load_into_module(stage, HFWeights(tmp_path / "hf", spec), spec=spec) == 2 + 2 * 12  # wte, wpe, 12 per block
     full = load_hf_weights(tmp_path / "hf", spec)
     got = dict(stage.named_parameters())
     assert torch.equal(got["1.attn.c_attn.weight"], full["h.0.attn.c_attn.weight"])
@@ -284,3 +284,65 @@ def test_tokenizer_note(tmp_path):
     (data / "meta.json").write_text(json.dumps({"vocab_size": 1024}))
     assert f"{data} was tokenized with a 1024-token tokenizer, {hf}'s has 3 tokens" in tokenizer_note(str(hf), str(data))
     assert tokenizer_note(str(hf), str(tmp_path / "unprepared")) is None
+
+
+# ---- lazy reads and the weight check at gen-config ----------------------------------------------------------------
+
+@pytest.mark.parametrize("case", ["gpt2-untied", "llama-gqa-untied"])
+def test_lazy_reads_equal_the_whole_tensor(tmp_path, case):
+    """HFWeights.rows/flat (what a pipeline stage and a ZeRO-3 partition read) are slices of the whole tensor, for
+    GPT-2's transposed Conv1D weights and Llama's stacked q/k/v and gate/up alike, over a sharded checkpoint."""
+    from dspipe.tools.hf_arch import HFWeights, load_hf_weights, spec_from_hf_dir
+
+    CASES[case]().save_pretrained(tmp_path / "hf", max_shard_size="20KB")
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    spec = spec_from_hf_dir(tmp_path / "hf")
+    weights, full = HFWeights(tmp_path / "hf", spec), load_hf_weights(tmp_path / "hf", spec)
+    g = torch.Generator().manual_seed(0)
+    for name, t in full.items():
+        assert torch.equal(weights.full(name), t), name
+        flat = t.reshape(-1)
+        for _ in range(3):
+            a, b = sorted(torch.randint(0, flat.numel() + 1, (2,), generator=g).tolist())
+            assert torch.equal(weights.flat(name, a, b), flat[a:b]), (name, a, b)
+        if t.dim() == 2 and t.shape[0] > 3:
+            assert torch.equal(weights.rows(name, 1, 3), t[1:3]), name
+
+
+def test_gen_config_checks_the_weights_from_their_headers(tmp_path, capsys):
+    """A missing weights file, a tensor of the wrong shape or dtype, a truncated safetensors file or index: one
+    line at gen-config, exit 2, nothing written."""
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path / "hf"
+    llama_model(kv_heads=2).save_pretrained(d)
+    capsys.readouterr()
+    weights = d / "model.safetensors"
+    good = weights.read_bytes()
+    state = load_file(str(weights))
+
+    def refused(expected):
+        out = tmp_path / "run"
+        code = run_cli("gen-config", *CPU2, "--init-from", d, "--zero", "1", "--pp", "1", "--data",
+                       tmp_path / "nodata", "--out", out)
+        err = capsys.readouterr().err
+        assert code == 2 and expected in err and len(err.strip().splitlines()) == 1, err
+        assert not out.exists()
+
+    weights.unlink()
+    refused(f"{d}: no weights")
+    save_file({**state, "model.layers.0.mlp.gate_proj.weight": torch.zeros(70, 32)}, str(weights),
+              metadata={"format": "pt"})
+    refused(f"{weights}: tensor model.layers.0.mlp.gate_proj.weight has shape [70, 32], the model needs [72, 32]")
+    save_file({**state, "model.norm.weight": torch.zeros(32, dtype=torch.int32)}, str(weights),
+              metadata={"format": "pt"})
+    refused(f"{weights}: tensor model.norm.weight has dtype I32, not a floating-point type")
+    weights.write_bytes(good[:len(good) - 64])
+    refused(f"{weights}: cannot read the weights: Error while deserializing header")
+    weights.unlink()
+    llama_model(kv_heads=2).save_pretrained(d, max_shard_size="20KB")
+    capsys.readouterr()
+    index = d / "model.safetensors.index.json"
+    index.write_text(index.read_text()[:40])
+    refused(f"{index}")
+    capsys.readouterr()

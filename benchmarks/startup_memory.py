@@ -1,0 +1,89 @@
+"""Start-up cost per rank, measured on CPU ranks: the worst rank's peak host RSS once the engine is up, minus the
+same for a tiny model in the same set-up (the process, torch, DeepSpeed and gloo), against the whole fp32 model,
+and the seconds to the first step, beside the plan's prediction. Each run trains `--steps` steps, so the figures
+are those of a run that starts.
+
+    python benchmarks/startup_memory.py                         # 152M GPT, fp32, ZeRO-3, 8 ranks, seq 64
+    python benchmarks/startup_memory.py --layers 24 --ranks 8   # 303M
+    python benchmarks/startup_memory.py --init-from HF_DIR      # the same from a Hugging Face checkpoint
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MIB = 1024**2
+
+
+def dspipe(*args) -> None:
+    r = subprocess.run([sys.executable, "-m", "dspipe", *map(str, args)], cwd=ROOT, capture_output=True, text=True)
+    if r.returncode:
+        sys.exit(r.stderr)
+
+
+def launch(run: Path, *, ranks: int, port: int) -> dict:
+    launcher = shutil.which("deepspeed") or "deepspeed"
+    r = subprocess.run([launcher, "--num_gpus", str(ranks), "--master_port", str(port), "run.py", "--run", str(run)],
+                       cwd=ROOT, capture_output=True, text=True)
+    if r.returncode:
+        sys.exit(f"{run.name}: launch failed (exit {r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+    engine = json.loads((run / "engine.json").read_text())
+    plan = json.loads((run / "dspipe.json").read_text())
+    return {"startup": engine["startup"], "params": plan["plan"]["num_params"],
+            "predicted": plan.get("estimate", {}).get("startup")}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--vocab", type=int, default=1024)
+    ap.add_argument("--ranks", type=int, default=8)
+    ap.add_argument("--zero", default="3")
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--init-from", default=None, help="a Hugging Face directory instead of the shape flags")
+    ap.add_argument("--data", default=None, help="a prepared data directory (default: prepare a small one)")
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="dspipe-startup-"))
+    data = args.data
+    if data is None:
+        data = work / "data"
+        dspipe("prepare-data", "--out", data, "--max-mb", "1.5", "--train-tokenizer", "1024")
+    common = ["--gpus-per-node", args.ranks, "--gpu", "cpu", "--global-batch", args.ranks, "--micro-batch", 1,
+              "--seq-len", 64, "--precision", "fp32", "--zero", args.zero, "--offload", "none",
+              "--no-offload-params", "--pp", 1, "--tp", 1, "--checkpointing", "none", "--steps", args.steps,
+              "--warmup", 1, "--eval-interval", 0, "--log-interval", 1, "--data", data]
+    dspipe("gen-config", "--layers", 2, "--hidden", 64, "--heads", 4, "--vocab", args.vocab, *common,
+           "--out", work / "tiny")
+    model = ["--init-from", args.init_from] if args.init_from else [
+        "--layers", args.layers, "--hidden", args.hidden, "--heads", args.heads, "--vocab", args.vocab]
+    dspipe("gen-config", *model, *common, "--out", work / "big")
+    tiny = launch(work / "tiny", ranks=args.ranks, port=29641)
+    big = launch(work / "big", ranks=args.ranks, port=29642)
+    fp32_model = big["params"] * 4 / MIB
+    growth = max(big["startup"]["peak_rss_mib"]) - max(tiny["startup"]["peak_rss_mib"])
+    build = max(b - a for a, b in zip(big["startup"]["rss_before_build_mib"], big["startup"]["build_rss_mib"]))
+    print(f"model {big['params'] / 1e6:.1f}M params, whole fp32 model {fp32_model:,.0f} MiB; ZeRO-{args.zero}, "
+          f"{args.ranks} ranks, {big['startup']['mode']} build")
+    print(f"  worst rank's start-up peak RSS        {max(big['startup']['peak_rss_mib']):8,.0f} MiB "
+          f"(tiny model: {max(tiny['startup']['peak_rss_mib']):,.0f})")
+    print(f"  minus the tiny model's                {growth:8,.0f} MiB = {growth / fp32_model:.2f} x the fp32 model")
+    print(f"  the build alone (worst rank)          {build:8,.0f} MiB = {build / fp32_model:.2f} x")
+    print(f"  seconds to the first step (worst)     {max(big['startup']['seconds_to_first_step']):8.1f} "
+          f"(build {max(big['startup']['seconds_build']):.1f})")
+    if big["predicted"]:
+        p = big["predicted"]
+        print(f"  plan: host per rank {p.get('host_per_rank_bytes', 0) / MIB:,.0f} MiB, "
+              f"{p.get('seconds', 0):.1f} s to the first step (build + import)")
+    shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

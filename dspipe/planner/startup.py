@@ -1,0 +1,191 @@
+"""How each rank builds its model at start-up, and what that costs before the first step. No torch, no deepspeed.
+
+The runtime (dspipe.runtime.build) builds the way `build_mode` says, so the planner's start-up figures and the
+rank's start-up agree by construction:
+
+    partitioned   ZeRO-3, tp 1, pp 1: the module is constructed under deepspeed.zero.Init (every parameter
+                  partitioned as soon as its layer exists, in the training dtype, on the device or, with
+                  offload_param, on the host); each rank then writes only its partition of each tensor, drawing
+                  (or reading from --init-from) one whole tensor at a time.
+    device        tp 1, pp 1, ZeRO 0-2: constructed on the meta device, materialised in the training dtype on the
+                  accelerator; the host holds one tensor at a time. (ZeRO 0-2 keep the whole model on each device.)
+    host          tp > 1: AutoTP shards a whole module inside deepspeed.initialize, so the whole model is built in
+                  the training dtype on the host first (DeepSpeed 0.19.8's training AutoTP has no meta-device path).
+    stage         pp > 1: each rank builds only its own pipeline stage (DeepSpeed's LayerSpec), fp32 on the host,
+                  then PipelineModule moves it to the device.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+BUILD_MODES = ("partitioned", "device", "host", "stage")
+
+
+def build_mode(*, zero_stage: int, tp: int, pp: int) -> str:
+    """Which of BUILD_MODES a rank of this layout uses to build its model."""
+    if pp > 1:
+        return "stage"
+    if tp > 1:
+        return "host"
+    return "partitioned" if zero_stage == 3 else "device"
+
+
+DRAW_RATE = 60e6
+"""Elements per second one rank draws for a random initialisation (torch.randn into an fp32 tensor, then the scale
+and the cast to the training dtype), measured on one CPU rank of the 2-core development machine. Every rank draws
+every element its build covers (the whole model, or its stage), so that all ranks hold the same step-0 values."""
+DISK_GBPS = 2.0
+"""Distinct checkpoint bytes one node reads per second (GB/s) at start-up with --init-from: an assumption (a local
+NVMe drive or a node's share of a parallel file system), printed with every plan that imports. Ranks of a node that
+read the same bytes share the page cache: only the node's distinct bytes count."""
+NOT_COUNTED = "process start and deepspeed.initialize not counted"
+"""What the time to the first step leaves out (said wherever it is shown)."""
+
+MODE_TEXT = {"partitioned": "partitioned build (ZeRO-3 under zero.Init)",
+             "device": "device build (meta device, materialised on the GPU)",
+             "host": "host build (the whole model on the host, for AutoTP)",
+             "stage": "stage build (each rank its pipeline stage)"}
+"""How `plan` names each build mode."""
+
+
+@dataclass(frozen=True)
+class StartupEstimate:
+    """What one plan's start-up costs (per rank unless named per node). No torch."""
+
+    mode: str
+    """One of BUILD_MODES (build_mode)."""
+    host_build_per_rank_bytes: int
+    """Host bytes a rank holds while it builds its module (the mode's formula, startup_estimate)."""
+    host_offload_per_rank_bytes: int
+    """Host bytes a rank's offload holds at the step's peak (the estimate's steady host figure; 0 without offload)."""
+    host_per_rank_bytes: int
+    """The larger of the two: a rank's host peak from start-up on (the build comes first, then deepspeed.initialize
+    allocates the offload's states)."""
+    host_per_node_bytes: int
+    """ranks_per_node x host_per_rank_bytes: what the node's host RAM must hold."""
+    ranks_per_node: int
+    device_bytes: int
+    """Device bytes a rank holds while it builds (a transient the GPU must also hold)."""
+    seconds: float
+    """Time to the first step: the draws at DRAW_RATE, or the node's distinct checkpoint bytes at disk_gbps
+    (NOT_COUNTED: process start and deepspeed.initialize)."""
+    drawn_elements: int
+    """Elements one rank draws (0 with --init-from)."""
+    read_bytes: int
+    """Distinct checkpoint bytes one node reads (0 without --init-from)."""
+    import_bytes: int | None
+    """Bytes of the --init-from checkpoint's tensors (None: a random initialisation)."""
+    disk_gbps: float = DISK_GBPS
+    draw_rate: float = DRAW_RATE
+    precision: str = "bf16"
+    offload_params: bool = False
+
+    @property
+    def build_dominates(self) -> bool:
+        """Whether the build, not the offload, sets the host peak."""
+        return self.host_build_per_rank_bytes >= self.host_offload_per_rank_bytes
+
+    def holds(self) -> str:
+        """What the rank's host peak is made of, in words."""
+        if not self.build_dominates:
+            return "the offloaded optimizer states, after the build"
+        if self.mode == "partitioned":
+            own = f", and its {self.precision} partitions offloaded to the host" if self.offload_params else ""
+            return f"one fp32 tensor drawn or read whole, plus its slice{own}"
+        if self.mode == "device":
+            return "one fp32 tensor at a time on its way to the GPU"
+        if self.mode == "host":
+            return f"the whole model in {self.precision} on the host for AutoTP"
+        if self.mode == "stage":
+            return "the stage's layers in fp32 on the host before PipelineModule moves them"
+        return self.mode
+
+    def first_step_text(self) -> str:
+        """'~1,150 s (69.0B values drawn per rank at 60M/s; ... not counted)'."""
+        if self.import_bytes is None:
+            why = (f"{_count(self.drawn_elements)} values drawn per rank at {self.draw_rate / 1e6:.0f}M/s, measured "
+                   f"on one CPU rank")
+        else:
+            why = (f"{self.read_bytes / 1e9:,.1f} GB of the checkpoint read per node at an assumed "
+                   f"{self.disk_gbps:g} GB/s")
+        return f"~{_seconds(self.seconds)} ({why}; {NOT_COUNTED})"
+
+    def to_dict(self) -> dict:
+        """The keys `plan --json` and dspipe.json's estimate carry under "startup"."""
+        return {"mode": self.mode, "build": MODE_TEXT.get(self.mode, self.mode), "holds": self.holds(),
+                "host_build_per_rank_bytes": self.host_build_per_rank_bytes,
+                "host_offload_per_rank_bytes": self.host_offload_per_rank_bytes,
+                "host_per_rank_bytes": self.host_per_rank_bytes, "host_per_node_bytes": self.host_per_node_bytes,
+                "ranks_per_node": self.ranks_per_node, "device_bytes": self.device_bytes, "seconds": self.seconds,
+                "drawn_elements": self.drawn_elements, "draw_rate_per_s": self.draw_rate,
+                "import_bytes": self.import_bytes, "read_bytes_per_node": self.read_bytes,
+                "disk_gbps": self.disk_gbps, "not_counted": NOT_COUNTED}
+
+
+def size_text(n: float) -> str:
+    """Bytes for a reader: '1,056 GiB', '28.0 GiB', '3.50 GiB', '2.0 MiB'."""
+    gib = n / 1024**3
+    if gib >= 100:
+        return f"{gib:,.0f} GiB"
+    if gib >= 10:
+        return f"{gib:.1f} GiB"
+    if gib >= 1:
+        return f"{gib:.2f} GiB"
+    return f"{n / 1024**2:,.1f} MiB"
+
+
+def _count(n: float) -> str:
+    """69.0B, 152M, 4.1K."""
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}" if n / size < 100 else f"{n / size:,.0f}{unit}"
+    return f"{n:g}"
+
+
+def _seconds(s: float) -> str:
+    return f"{s:,.0f} s" if s >= 10 else f"{s:.2g} s"
+
+
+def startup_estimate(*, mode: str, num_params: int, stage_params: int, largest_tensor: int, precision: str,
+                     offload_params: bool, zero_ranks: int, tp: int, ranks_per_node: int,
+                     host_offload_per_rank: int, import_bytes: int | None = None) -> StartupEstimate:
+    """The start-up of one plan, rank by rank. Phi = num_params (the whole model), Phi_s = stage_params (the largest
+    pipeline stage, for `stage`), T = largest_tensor (elements), b = 2 for bf16/fp16 else 4, n = zero_ranks (the
+    ZeRO-3 partition count, dp x sp), g = ranks_per_node.
+
+      host bytes while building:   partitioned (b.Phi/n with offload_params, else 0) + 8T: one fp32 tensor drawn or
+                                                read whole, plus its slice
+                                   device      8T
+                                   host        b.Phi + 8T: the whole model in the training dtype for AutoTP
+                                   stage       max(4 Phi_s, 8T): the stage's layers in fp32
+      device bytes while building: partitioned (0 with offload_params, else b.Phi/n) + b.T; device b.Phi;
+                                   host b.Phi/tp; stage 4 Phi_s
+      host per node:               g x max(host while building, host_offload_per_rank)
+      seconds to the first step:   random: elements drawn per rank / DRAW_RATE (Phi; Phi_s for stage);
+                                   import: distinct bytes per node / DISK_GBPS, of import_bytes: partitioned
+                                   min(1, g/n), device and host all, stage min(1, g.Phi_s/Phi)."""
+    if mode not in BUILD_MODES:
+        raise ValueError(f"unknown build mode {mode!r}")
+    b = 2 if precision in ("bf16", "fp16") else 4
+    phi, phi_s, t, n, g = num_params, stage_params, largest_tensor, max(1, zero_ranks), ranks_per_node
+    if mode == "partitioned":
+        host = (b * phi // n if offload_params else 0) + 8 * t
+        device = (0 if offload_params else b * phi // n) + b * t
+        drawn, share = phi, min(1.0, g / n)
+    elif mode == "device":
+        host, device, drawn, share = 8 * t, b * phi, phi, 1.0
+    elif mode == "host":
+        host, device, drawn, share = b * phi + 8 * t, b * phi // max(1, tp), phi, 1.0
+    else:
+        host, device, drawn, share = max(4 * phi_s, 8 * t), 4 * phi_s, phi_s, min(1.0, g * phi_s / phi)
+    if import_bytes is None:
+        read, seconds = 0, drawn / DRAW_RATE
+    else:
+        drawn = 0
+        read = int(share * import_bytes)
+        seconds = read / (DISK_GBPS * 1e9)
+    per_rank = max(host, host_offload_per_rank)
+    return StartupEstimate(mode=mode, host_build_per_rank_bytes=host, host_offload_per_rank_bytes=host_offload_per_rank,
+                           host_per_rank_bytes=per_rank, host_per_node_bytes=g * per_rank, ranks_per_node=g,
+                           device_bytes=device, seconds=seconds, drawn_elements=drawn, read_bytes=read,
+                           import_bytes=import_bytes, precision=precision, offload_params=offload_params)

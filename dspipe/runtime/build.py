@@ -1,0 +1,158 @@
+"""Build this rank's module the way the plan's start-up says (dspipe.planner.startup.build_mode), so that no rank
+holds more of the model than its mode needs, and give it its step-0 weights: dspipe's seeded draws
+(dspipe.model.gpt.initial_values) or, with train.init_from, the Hugging Face weights read lazily
+(dspipe.tools.hf_arch.HFWeights). Every mode gives the same step-0 weights as GPT(spec, seed=seed).
+
+    partitioned  ZeRO-3, tp 1, pp 1: constructed under deepspeed.zero.Init (each parameter partitioned as soon
+                 as its layer exists, in the training dtype, where offload_param says), then each rank writes only
+                 its partition of each tensor (a draw makes the whole tensor, an import reads only the partition's
+                 rows); where a partition is not a plain tensor on this rank (NVMe, hpZ), the tensor is gathered,
+                 written by rank 0 and re-partitioned (GatheredParameters).
+    device/host  constructed on the meta device, materialised in the training dtype on the accelerator (device)
+                 or the host (host: AutoTP shards the whole module inside deepspeed.initialize), one tensor at a
+                 time.
+    stage        pp > 1: DeepSpeed's PipelineModule builds only this rank's LayerSpecs.
+"""
+from __future__ import annotations
+
+from dspipe.planner.startup import build_mode
+from dspipe.rundir import Run
+
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def training_dtype(precision: str):
+    import torch
+
+    return getattr(torch, DTYPES[precision])
+
+
+def recompute_fn(run: Run):
+    """DeepSpeed's activation checkpoint function configured from the run's JSON, or None without recomputation."""
+    import deepspeed
+
+    if run.plan.checkpointing == "none":
+        return None
+    # The JSON's activation_checkpointing block, passed as values: configure(deepspeed_config=...) would re-check
+    # the batch equation against the whole world, which is wrong under a pipeline (dp = world / pp).
+    ac = run.ds_config["activation_checkpointing"]  # as read and checked by rundir.load_run
+    deepspeed.checkpointing.configure(None, partition_activations=ac["partition_activations"],
+                                      contiguous_checkpointing=ac["contiguous_memory_optimization"],
+                                      num_checkpoints=ac["number_checkpoints"],
+                                      checkpoint_in_cpu=ac["cpu_checkpointing"],
+                                      synchronize=ac["synchronize_checkpoint_boundary"], profile=ac["profile"])
+    return deepspeed.checkpointing.checkpoint
+
+
+def build_module(run: Run, *, mpu=None):
+    """The plain GPT (pp=1) or its PipelineModule (pp>1) with its step-0 weights and recomputation wired to
+    DeepSpeed's checkpointing. `mpu`: the sequence-parallel groups (given to zero.Init's config check)."""
+    plan = run.plan
+    checkpoint_fn = recompute_fn(run)
+    mode = build_mode(zero_stage=plan.zero_stage, tp=plan.tp, pp=plan.pp)
+    weights = None
+    if run.train.init_from:  # a resumed run's checkpoint loads over these after deepspeed.initialize
+        from dspipe.tools.hf_arch import HFWeights
+
+        weights = HFWeights(run.train.init_from, run.model)
+    if mode == "stage":
+        model = _stage(run, checkpoint_fn=checkpoint_fn, weights=weights)
+    elif mode == "partitioned":
+        model = _partitioned(run, weights=weights, mpu=mpu)
+    else:
+        model = _materialised(run, weights=weights, on_device=mode == "device")
+    if plan.pp == 1:
+        model.set_recomputation(plan.checkpointing, checkpoint_fn)
+    return model
+
+
+def _stage(run: Run, *, checkpoint_fn, weights):
+    import deepspeed
+
+    from dspipe.model.pipeline import build_pipeline
+
+    plan = run.plan
+    model = build_pipeline(model=run.model, stages=plan.pp, partition_method=plan.partition_method,
+                           checkpointing=plan.checkpointing,
+                           activation_checkpoint_interval=plan.activation_checkpoint_interval,
+                           checkpoint_fn=checkpoint_fn or deepspeed.checkpointing.checkpoint, seed=run.train.seed)
+    if weights is not None:  # this stage's tensors only
+        from dspipe.tools.hf_arch import load_into_module
+
+        load_into_module(model, weights, spec=run.model)
+    return model
+
+
+def _materialised(run: Run, *, weights, on_device: bool):
+    """Constructed on the meta device (no memory, no default init), then each tensor allocated in the training
+    dtype on its device and written from one fp32 value at a time."""
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    from dspipe.model.gpt import GPT, fill
+
+    with torch.device("meta"):
+        model = GPT(run.model, seed=None)
+    device = get_accelerator().current_device_name() if on_device else "cpu"
+    model = model.to(dtype=training_dtype(run.plan.precision)).to_empty(device=device)
+    if weights is None:
+        fill(model, seed=run.train.seed)
+    else:
+        from dspipe.tools.hf_arch import load_into_module
+
+        load_into_module(model, weights, spec=run.model)
+    return model
+
+
+def _partitioned(run: Run, *, weights, mpu):
+    """Constructed under deepspeed.zero.Init with the run's config (dtype and offload_param device from it)."""
+    import deepspeed
+    import torch
+    import torch.nn.functional as F
+
+    from dspipe.model.gpt import GPT, fill
+
+    linear = F.linear  # zero.Init's memory_efficient_linear replaces F.linear for the whole process; dspipe's
+    try:               # models compute with torch's own (same numerics and memory as the other build modes)
+        with deepspeed.zero.Init(config_dict_or_path=run.ds_config, mpu=mpu):
+            model = GPT(run.model, seed=None)
+    finally:
+        F.linear = torch.nn.functional.linear = linear
+    with torch.no_grad():
+        if weights is None:
+            # every rank draws every tensor whole (the draws of a component share one generator), keeps its slice
+            fill(model, seed=run.train.seed,
+                 write=lambda p, draw: write_partition(p, read=_slices(draw().reshape(-1))))
+        else:
+            from dspipe.tools.hf_arch import load_into_module
+
+            load_into_module(model, weights, spec=run.model,
+                             write=lambda p, name: write_partition(p, read=lambda a, b: weights.flat(name, a, b)))
+    return model
+
+
+def _slices(flat):
+    return lambda start, stop: flat[start:stop]
+
+
+def write_partition(param, *, read) -> None:
+    """Write this rank's ZeRO-3 partition of `param`: elements [rank x size, (rank + 1) x size) of the flattened
+    tensor (DeepSpeed's layout; the tail past the tensor is padding) from `read(start, stop)`, which returns those
+    elements in fp32. A partition that is not a plain tensor here (NVMe-swapped, hpZ secondary) goes through
+    GatheredParameters: the whole tensor gathered, written by rank 0, broadcast and partitioned again."""
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.runtime.zero.partition_parameters import PartitionedParamStatus
+
+    part = param.ds_tensor
+    if getattr(param, "ds_secondary_tensor", None) is not None or part.final_location is not None or \
+            part.status != PartitionedParamStatus.AVAILABLE:
+        with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+            if dist.get_rank() == 0:
+                param.data.copy_(read(0, param.ds_numel).view(param.ds_shape))
+        return
+    size, total = part.ds_numel, param.ds_numel
+    start = size * dist.get_rank(group=param.ds_process_group)
+    stop = min(start + size, total)
+    if start < stop:
+        part.data[:stop - start].copy_(read(start, stop))

@@ -1,0 +1,87 @@
+"""What the start-up of a rank cost, measured: its peak host RSS before the model was built, right after, and once
+the engine was up, and the seconds from the process start to the build's end and to the first step. Rank 0 writes
+every rank's figures into engine.json ("startup"), beside which `dspipe report` shows the plan's prediction."""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import resource
+import time
+
+MIB = 1024**2
+M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+STARTUP_MMAP_THRESHOLD = 1 * MIB
+"""During start-up every allocation over 1 MiB is its own mapping, returned to the OS when freed. glibc's default
+(a threshold that rises to the largest block freed, up to 32 MiB) keeps each freed whole tensor of the build on the
+heap: measured on the 152M GPT, ZeRO-3, 2 CPU ranks: the build's RSS growth 543 MiB with the default, 330 MiB with
+this (its partition is 290 MiB)."""
+STEADY_MMAP_THRESHOLD = 32 * MIB
+"""After start-up: glibc's own ceiling for its dynamic threshold, so training's allocations reuse the heap as they
+would by default."""
+
+
+def _libc():
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
+    return libc if libc is not None and hasattr(libc, "mallopt") else None
+
+
+def malloc_threshold(nbytes: int) -> bool:
+    """Set glibc's mmap threshold (no-op elsewhere); True when it was set."""
+    libc = _libc()
+    return bool(libc and libc.mallopt(M_MMAP_THRESHOLD, int(nbytes)))
+
+
+def release_freed() -> None:
+    """Give the heap's free pages back to the OS (glibc's malloc_trim; no-op elsewhere)."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident set so far (getrusage's ru_maxrss, KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / MIB
+
+
+def process_start() -> float:
+    """The wall-clock time this process started (psutil, a DeepSpeed dependency)."""
+    import psutil
+
+    return psutil.Process().create_time()
+
+
+class StartupClock:
+    """Marks taken on one rank: `before_build`, `built`, `ready` (the engine up and data open, the first step next)."""
+
+    def __init__(self) -> None:
+        self.started = process_start()
+        self.marks: dict[str, tuple[float, float]] = {}
+        malloc_threshold(STARTUP_MMAP_THRESHOLD)
+
+    def mark(self, name: str) -> None:
+        self.marks[name] = (time.time() - self.started, peak_rss_mib())
+
+    def gathered(self, *, mode: str) -> dict:
+        """Collective, at the end of start-up: every rank's figures, rank by rank, as engine.json's "startup"
+        value; the allocator goes back to its training setting."""
+        import torch
+        import torch.distributed as dist
+
+        release_freed()
+        malloc_threshold(STEADY_MMAP_THRESHOLD)
+
+        names = ("before_build", "built", "ready")
+        mine = torch.tensor([v for n in names for v in self.marks[n]], dtype=torch.float64)
+        every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, mine)
+        rows = [t.tolist() for t in every]
+        return {"mode": mode,
+                "rss_before_build_mib": [round(r[1], 1) for r in rows],
+                "build_rss_mib": [round(r[3], 1) for r in rows],
+                "peak_rss_mib": [round(r[5], 1) for r in rows],
+                "seconds_build": [round(r[2] - r[0], 2) for r in rows],
+                "seconds_to_first_step": [round(r[4], 2) for r in rows]}

@@ -1,0 +1,32 @@
+"""Rank script (launched by tests/distributed/test_startup.py): for each run directory given, build its engine the
+way the runner does and save, from rank 0, the engine's step-0 weights gathered whole (ZeRO-3 partitions,
+AutoTP shards) under the GPT's own parameter names, to OUT/<run name>.pt."""
+import sys
+from pathlib import Path
+
+import torch
+
+
+def main(out: str, runs: list[str]) -> None:
+    import torch.distributed as dist
+
+    from dspipe.rundir import load_run
+    from dspipe.runtime.comm import process_group
+    from dspipe.runtime.engine import build_engine
+
+    with process_group(agreed=()):
+        for path in runs:
+            run = load_run(path)
+            eng = build_engine(run)
+            engine = eng.engine
+            partitioned = engine.zero_optimization_partition_weights() or engine.autotp_size() > 1
+            state = engine._consolidated_16bit_state_dict() if partitioned else engine.module.state_dict()
+            if dist.get_rank() == 0:
+                torch.save({k: v.detach().cpu().clone() for k, v in state.items()}, Path(out) / f"{run.path.name}.pt")
+            del eng, engine, state
+            dist.barrier()
+
+
+if __name__ == "__main__":
+    args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
+    main(args[0], args[1:])

@@ -115,7 +115,8 @@ def train_in_group(run: Run, *, resume: str, restart: bool, backend: str) -> dic
     elif not restart:
         say(f"dspipe: no checkpoint in {run.checkpoint_dir}: starting fresh from step 0", flush=True)
     clock.mark("ready")
-    startup = clock.gathered(mode=build_mode(zero_stage=plan.zero_stage, tp=plan.tp, pp=plan.pp))
+    startup = clock.gathered(mode=build_mode(zero_stage=plan.zero_stage, tp=plan.tp, pp=plan.pp),
+                             host_is_device=str(eng.device).startswith("cpu"))
     if rank == 0:
         run.engine_path.write_text(dumps({**eng.settings, "nonfinite_guard": guarded, "startup": startup},
                                          what=str(run.engine_path)))

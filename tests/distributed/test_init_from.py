@@ -1,7 +1,9 @@
 """Continued pretraining from a Hugging Face model (`gen-config --init-from HF_DIR`): the runner starts from HF_DIR's
-weights under ZeRO-3 (partitioned at initialize) and under a 2-stage pipeline (each stage its own layers), and the
-run exports back to a LlamaForCausalLM that computes what dspipe computes."""
+weights under ZeRO-3 (partitioned as it is built: each rank reads its partition of each tensor) and under a 2-stage
+pipeline (each stage its own layers), and the run exports back to a LlamaForCausalLM that computes what dspipe
+computes."""
 import csv
+import json
 import math
 import os
 import shutil
@@ -98,6 +100,10 @@ def test_continued_pretraining_from_a_hugging_face_llama(tmp_path, corpus, monke
                      "--weight-decay", "0")
     r = launch(run)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    startup = json.loads((run / "engine.json").read_text())["startup"]  # each rank read only its partitions
+    assert startup["mode"] == "partitioned" and len(startup["peak_rss_mib"]) == 2
+    assert all(0 < a <= b <= c for a, b, c in zip(startup["rss_before_build_mib"], startup["build_rss_mib"],
+                                                  startup["peak_rss_mib"]))
     expected = first_batch_loss(hf, corpus)
     assert abs(expected - math.log(VOCAB)) > 0.1  # not a loss any random initialisation would give
     found["zero3 step-1 loss - HF loss"] = abs(logged_losses(run)[1] - expected)

@@ -1,6 +1,8 @@
 """Rank script (launched by tests/distributed/test_startup.py): for each run directory given, build its engine the
 way the runner does and save, from rank 0, the engine's step-0 weights gathered whole (ZeRO-3 partitions,
-AutoTP shards) under the GPT's own parameter names, to OUT/<run name>.pt."""
+AutoTP shards) under the GPT's own parameter names, to OUT/<run name>.pt, and every rank's start-up figures
+(dspipe.runtime.startup; meaningful for the first run only, the process being fresh) to OUT/<run name>.json."""
+import json
 import sys
 from pathlib import Path
 
@@ -10,19 +12,28 @@ import torch
 def main(out: str, runs: list[str]) -> None:
     import torch.distributed as dist
 
+    from dspipe.planner.startup import build_mode
     from dspipe.rundir import load_run
     from dspipe.runtime.comm import process_group
     from dspipe.runtime.engine import build_engine
+    from dspipe.runtime.startup import StartupClock
 
     with process_group(agreed=()):
         for path in runs:
             run = load_run(path)
-            eng = build_engine(run)
+            print(f"building {run.path.name}", flush=True)
+            clock = StartupClock()
+            eng = build_engine(run, clock=clock)
+            clock.mark("ready")
+            plan = run.plan
+            figures = clock.gathered(mode=build_mode(zero_stage=plan.zero_stage, tp=plan.tp, pp=plan.pp),
+                                     host_is_device=True)
             engine = eng.engine
             partitioned = engine.zero_optimization_partition_weights() or engine.autotp_size() > 1
             state = engine._consolidated_16bit_state_dict() if partitioned else engine.module.state_dict()
             if dist.get_rank() == 0:
                 torch.save({k: v.detach().cpu().clone() for k, v in state.items()}, Path(out) / f"{run.path.name}.pt")
+                (Path(out) / f"{run.path.name}.json").write_text(json.dumps(figures))
             del eng, engine, state
             dist.barrier()
 

@@ -6,6 +6,9 @@ are those of a run that starts.
     python benchmarks/startup_memory.py                         # 152M GPT, fp32, ZeRO-3, 8 ranks, seq 64
     python benchmarks/startup_memory.py --layers 24 --ranks 8   # 303M
     python benchmarks/startup_memory.py --init-from HF_DIR      # the same from a Hugging Face checkpoint
+    python benchmarks/startup_memory.py --hf-llama              # from a random 147M LlamaForCausalLM it writes
+                                                                # (save_pretrained, safetensors); checks step 1's
+                                                                # loss against transformers' on the same batch
 """
 from __future__ import annotations
 
@@ -49,6 +52,7 @@ def main() -> None:
     ap.add_argument("--zero", default="3")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--init-from", default=None, help="a Hugging Face directory instead of the shape flags")
+    ap.add_argument("--hf-llama", action="store_true", help="write a random 147M Llama and start from it")
     ap.add_argument("--data", default=None, help="a prepared data directory (default: prepare a small one)")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="dspipe-startup-"))
@@ -62,6 +66,10 @@ def main() -> None:
               "--warmup", 1, "--eval-interval", 0, "--log-interval", 1, "--data", data]
     dspipe("gen-config", "--layers", 2, "--hidden", 64, "--heads", 4, "--vocab", args.vocab, *common,
            "--out", work / "tiny")
+    hf = None
+    if args.hf_llama:
+        hf = write_llama(work / "hf-llama", data=Path(data), vocab=args.vocab)
+        args.init_from = str(work / "hf-llama")
     model = ["--init-from", args.init_from] if args.init_from else [
         "--layers", args.layers, "--hidden", args.hidden, "--heads", args.heads, "--vocab", args.vocab]
     dspipe("gen-config", *model, *common, "--out", work / "big")
@@ -82,7 +90,49 @@ def main() -> None:
         p = big["predicted"]
         print(f"  plan: host per rank {p.get('host_per_rank_bytes', 0) / MIB:,.0f} MiB, "
               f"{p.get('seconds', 0):.1f} s to the first step (build + import)")
+    if hf is not None:
+        ours = step1_loss(work / "big")
+        theirs = first_batch_loss(hf, data=Path(data), windows=args.ranks)
+        print(f"  step-1 loss {ours:.7f}, transformers' on the same batch {theirs:.7f} (diff {abs(ours - theirs):.1e})")
     shutil.rmtree(work, ignore_errors=True)
+
+
+def write_llama(path: Path, *, data: Path, vocab: int):
+    """A random LlamaForCausalLM (12 layers, hidden 1024, 16 heads, 4 kv heads, ffn 2560: 147M parameters) with
+    the data's tokenizer, saved with save_pretrained (safetensors)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=1024, intermediate_size=2560, num_hidden_layers=12,
+                      num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=64,
+                      tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg).float().eval()
+    model.save_pretrained(path)
+    for f in (data / "tokenizer").iterdir():
+        shutil.copy(f, path / f.name)
+    return model
+
+
+def step1_loss(run: Path) -> float:
+    import csv
+
+    with open(run / "metrics.csv") as f:
+        return next(float(r["loss"]) for r in csv.DictReader(f) if r["step"] == "1")
+
+
+def first_batch_loss(model, *, data: Path, windows: int) -> float:
+    """transformers' loss on the run's first global batch (the runner's dp-invariant order, seed 1234)."""
+    import torch
+
+    from dspipe.data import TokenWindows, TrainLoader
+
+    loader = TrainLoader(windows=TokenWindows(str(data), seq_len=64), seed=1234, micro_batch=windows, dp=1,
+                         dp_rank=0)
+    inputs, labels = next(loader)
+    with torch.no_grad():
+        logits = model(inputs).logits
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)).item()
 
 
 if __name__ == "__main__":

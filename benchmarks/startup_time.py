@@ -1,7 +1,7 @@
-"""Time from the launch to the end of the first step, for the code at a git revision (before) and for this
+"""Time from the launch to the first step, for the code at a git revision (before) and for this
 checkout (after), on the same run: by default tinyllama-1.1b, ZeRO-3, bf16, 2 CPU ranks, seq 64, one step. The
-revision is checked out into a temporary git worktree and imported first (PYTHONPATH); every rank's peak RSS is
-read from the launcher's children.
+revision is checked out into a temporary git worktree and imported first (PYTHONPATH); the ranks are killed when
+rank 0 says the first step is next (on 2 cores and 24 GiB a tinyllama step does not fit, before or after).
 
     python benchmarks/startup_time.py --before afd062a
 """
@@ -25,9 +25,13 @@ def run(cmd, *, cwd, env=None) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env={**os.environ, **(env or {})})
 
 
+READY = "starting fresh from step 0"
+"""What rank 0 prints, in this checkout and before it, once the engine is up and the first step is next."""
+
+
 def timed_launch(*, code: Path, run_dir: Path, ranks: int, port: int) -> tuple[float, float | None, str]:
-    """(seconds from the launch to step 1's row in metrics.csv, the worst rank's start-up peak RSS in MiB if the
-    code records it, status); the ranks are then killed (no checkpoint is written)."""
+    """(seconds from the launch to rank 0's line that the first step is next, the worst rank's start-up peak RSS
+    in MiB if the code records it, status); the ranks are then killed (nothing trains, nothing is saved)."""
     import os
     import signal
 
@@ -35,17 +39,20 @@ def timed_launch(*, code: Path, run_dir: Path, ranks: int, port: int) -> tuple[f
     start = time.perf_counter()
     proc = subprocess.Popen([launcher, "--num_gpus", str(ranks), "--master_port", str(port), "run.py", "--run",
                              str(run_dir)], cwd=code, env={**os.environ, "PYTHONPATH": str(code)},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    metrics = run_dir / "metrics.csv"
-    while proc.poll() is None:
-        if metrics.is_file() and any(line.startswith("1,") for line in metrics.read_text().splitlines()):
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    tail = []
+    for line in proc.stdout:
+        tail = (tail + [line])[-5:]
+        if READY in line:
             seconds = time.perf_counter() - start
+            time.sleep(2)  # engine.json is written right after the line
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-            startup = json.loads((run_dir / "engine.json").read_text()).get("startup")
+            engine = run_dir / "engine.json"
+            startup = json.loads(engine.read_text()).get("startup") if engine.is_file() else None
             return seconds, max(startup["peak_rss_mib"]) if startup else None, "ok"
-        time.sleep(0.2)
-    return time.perf_counter() - start, None, f"failed (exit {proc.returncode}): {proc.stderr.read()[-300:]!r}"
+    proc.wait()
+    return time.perf_counter() - start, None, f"failed (exit {proc.returncode}): {''.join(tail)[-300:]!r}"
 
 
 def main() -> None:
@@ -83,7 +90,7 @@ def main() -> None:
                 sys.exit(f"{label}: gen-config: {r.stderr}")
             rows.append((label, *timed_launch(code=code, run_dir=run_dir, ranks=args.ranks, port=29651)))
         print(f"{args.model}, ZeRO-{args.zero}, {args.precision}, {args.ranks} CPU ranks, seq 64: seconds from the "
-              f"launch to the end of step 1")
+              f"launch to the first step")
         for label, seconds, rss, status in rows:
             print(f"  {label:7s} {seconds:7.1f} s   worst rank's start-up peak RSS "
                   f"{'not recorded' if rss is None else f'{rss:,.0f} MiB'}   {status}")

@@ -15,6 +15,8 @@ holds more of the model than its mode needs, and give it its step-0 weights: dsp
 """
 from __future__ import annotations
 
+import os
+
 from dspipe.planner.startup import build_mode
 from dspipe.rundir import Run
 
@@ -93,7 +95,7 @@ def _materialised(run: Run, *, weights, on_device: bool):
 
     with torch.device("meta"):
         model = GPT(run.model, seed=None)
-    device = get_accelerator().current_device_name() if on_device else "cpu"
+    device = get_accelerator().device_name(int(os.environ.get("LOCAL_RANK", "0"))) if on_device else "cpu"
     model = model.to(dtype=training_dtype(run.plan.precision)).to_empty(device=device)
     if weights is None:
         fill(model, seed=run.train.seed)

@@ -203,7 +203,7 @@ def build_engine(run: Run, *, compile_: bool = False, clock=None) -> Engine:
         clock.mark("before_build")
     module = build_module(run, mpu=mpu)
     if clock:
-        clock.mark("built")
+        clock.mark("built", module=module)
     if mpu is not None:
         _sequence_parallel(module, layout=run.plan.layout, rank=dist.get_rank())
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=param_groups(module, run.train.weight_decay),

@@ -1,5 +1,6 @@
 """What the start-up of a rank cost, measured: its peak host RSS before the model was built, right after, and once
-the engine was up, and the seconds from the process start to the build's end and to the first step. Rank 0 writes
+the engine was up, the seconds from the process start to the build's end and to the first step, and how many
+parameter values the rank built. Rank 0 writes
 every rank's figures into engine.json ("startup"), beside which `dspipe report` shows the plan's prediction."""
 from __future__ import annotations
 
@@ -61,10 +62,16 @@ class StartupClock:
     def __init__(self) -> None:
         self.started = process_start()
         self.marks: dict[str, tuple[float, float]] = {}
+        self.built_params = 0
         malloc_threshold(STARTUP_MMAP_THRESHOLD)
 
-    def mark(self, name: str) -> None:
+    def mark(self, name: str, *, module=None) -> None:
+        """`module` given: also count the parameter values this rank holds of it (a ZeRO-3 parameter: its
+        partition; a pipeline stage: its own layers)."""
         self.marks[name] = (time.time() - self.started, peak_rss_mib())
+        if module is not None:
+            self.built_params = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel()
+                                    for p in module.parameters())
 
     def gathered(self, *, mode: str, host_is_device: bool) -> dict:
         """Collective, at the end of start-up: every rank's figures, rank by rank, as engine.json's "startup"
@@ -77,7 +84,7 @@ class StartupClock:
             malloc_threshold(STEADY_MMAP_THRESHOLD)
 
         names = ("before_build", "built", "ready")
-        mine = torch.tensor([v for n in names for v in self.marks[n]], dtype=torch.float64)
+        mine = torch.tensor([v for n in names for v in self.marks[n]] + [self.built_params], dtype=torch.float64)
         every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(every, mine)
         rows = [t.tolist() for t in every]
@@ -86,4 +93,5 @@ class StartupClock:
                 "build_rss_mib": [round(r[3], 1) for r in rows],
                 "peak_rss_mib": [round(r[5], 1) for r in rows],
                 "seconds_build": [round(r[2] - r[0], 2) for r in rows],
-                "seconds_to_first_step": [round(r[4], 2) for r in rows]}
+                "seconds_to_first_step": [round(r[4], 2) for r in rows],
+                "built_params": [int(r[6]) for r in rows]}

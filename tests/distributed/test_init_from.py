@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 
+from dspipe.rundir import load_run
 from dspipe.runtime import checkpoint as ckpt
 from tests.helpers import ROOT, dspipe, launch
 
@@ -102,6 +103,7 @@ def test_continued_pretraining_from_a_hugging_face_llama(tmp_path, corpus, monke
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     startup = json.loads((run / "engine.json").read_text())["startup"]  # each rank read only its partitions
     assert startup["mode"] == "partitioned" and len(startup["peak_rss_mib"]) == 2
+    assert sum(startup["built_params"]) - load_run(run).model.num_params in range(0, 2 * 20)  # partitions (+padding)
     assert all(0 < a <= b <= c for a, b, c in zip(startup["rss_before_build_mib"], startup["build_rss_mib"],
                                                   startup["peak_rss_mib"]))
     expected = first_batch_loss(hf, corpus)
@@ -139,6 +141,10 @@ def test_continued_pretraining_from_a_hugging_face_llama(tmp_path, corpus, monke
     run = gen_config(tmp_path, corpus, hf_dir, "pp2", "--zero", "1", "--pp", "2", "--lr", "3e-3")
     r = launch(run)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    startup = json.loads((run / "engine.json").read_text())["startup"]  # each stage built its own layers only
+    total, embedding = load_run(run).model.num_params, VOCAB * 64
+    assert startup["mode"] == "stage" and sum(startup["built_params"]) == total + embedding  # tied: on both ends
+    assert max(startup["built_params"]) < 0.75 * total, startup["built_params"]
     expected = first_batch_loss(hf, corpus)
     losses = logged_losses(run)
     found["pp2 step-1 loss - HF loss"] = abs(losses[1] - expected)

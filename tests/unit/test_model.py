@@ -7,7 +7,7 @@ from torch.utils.checkpoint import checkpoint
 
 from dspipe.model.gpt import GPT
 from dspipe.model.pipeline import layer_specs
-from dspipe.planner.presets import model_preset
+from dspipe.planner.presets import MODEL_PRESETS, model_preset
 
 SPEC = model_preset("tiny")
 
@@ -78,3 +78,33 @@ def test_recomputation_changes_no_gradient(mode):
     assert len(calls) == 2 * SPEC.layers  # attention ran again in backward: recomputation really happened
     for (n, p), q in zip(ref.named_parameters(), ckpt.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=n)
+
+
+@pytest.mark.parametrize("name", sorted(MODEL_PRESETS))
+def test_every_parameter_of_every_preset_declares_its_initial_value(name):
+    """Built on the meta device (no memory), every parameter has exactly one declared step-0 draw of its shape."""
+    from dspipe.model.gpt import initial_values
+
+    with torch.device("meta"):
+        model = GPT(MODEL_PRESETS[name], seed=None)
+    declared = [p for p, _ in initial_values(model, seed=0)]
+    assert sorted(map(id, declared)) == sorted(id(p) for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-llama"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_meta_built_model_filled_in_its_dtype_equals_the_plain_build(name, dtype):
+    """The runner's device/host build (meta device, materialised in the training dtype, filled tensor by tensor)
+    gives the plain fp32 build's weights cast once, bitwise; a component left out of fill is an error."""
+    from dspipe.model.gpt import fill
+
+    spec = model_preset(name)
+    plain = GPT(spec, seed=5).state_dict()
+    with torch.device("meta"):
+        model = GPT(spec, seed=None)
+    model = model.to(dtype=dtype).to_empty(device="cpu")
+    assert fill(model, seed=5) == len(plain)
+    assert all(torch.equal(v, plain[k].to(dtype)) and v.dtype == dtype for k, v in model.state_dict().items())
+    model.extra = torch.nn.Linear(2, 2)
+    with pytest.raises(RuntimeError, match=r"no initial value declared for \['extra.weight'"):
+        fill(model, seed=5)

@@ -23,7 +23,7 @@ from dspipe.errors import SpecError
 from dspipe.planner.presets import MODEL_PRESETS
 from dspipe.planner.render import monitor_values, preset_names
 from dspipe.planner.spec import ClusterSpec, ModelSpec
-from dspipe.planner.summary import estimate_summary
+from dspipe.planner.summary import estimate_summary, startup_lines
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
@@ -94,6 +94,8 @@ def gen_config(**o) -> None:
     click.echo(f"estimate: {est.memory.total / 2**30:.1f} of {est.gpu_memory_bytes / 2**30:.1f} GiB per GPU, "
                f"{est.step_time_s:.3g} s/step, {best.tokens_per_s:,.0f} tokens/s, MFU {best.mfu * 100:.0f}% "
                f"(chosen from {result.evaluated} candidates; 'dspipe plan' explains)")
+    for line in startup_lines(est):
+        click.echo(line)
     click.echo(f"wrote {out / 'ds_config.json'} and {out / 'dspipe.json'} (options: {out / CONFIG_FILE})")
     click.echo(f"run:  {command}")
     if kept:

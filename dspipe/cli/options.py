@@ -536,10 +536,15 @@ def choose(o: dict, *, check_model=None):
         raise SpecError(f"--memory-headroom must be a percentage in [0, 100), got {headroom:g} "
                         f"(allowed: finite, [0, 100))")
     headroom = MEMORY_HEADROOM if headroom is None else headroom / 100
-    result = search(model=model, cluster=cluster, train=train, fixed=fixed, headroom=headroom)
+    import_bytes = None
+    if o.get("init_from"):  # the start-up reads these bytes instead of drawing (headers only: no tensor is read)
+        from dspipe.tools.hf_arch import check_weights
+        import_bytes = check_weights(o["init_from"], model)
+    result = search(model=model, cluster=cluster, train=train, fixed=fixed, headroom=headroom,
+                    import_bytes=import_bytes)
     if result.best is None:
         raise SpecError(nothing_fits_message(result=result, model=model, cluster=cluster, train=train, fixed=fixed,
-                                             headroom=headroom))
+                                             headroom=headroom, import_bytes=import_bytes))
     if blend is not None:
         best = result.best
         if best.train.eval_interval:

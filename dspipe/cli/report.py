@@ -14,7 +14,8 @@ import click
                    "[default: RUN/report]")
 def report(run: Path, out: str | None) -> None:
     """Plot loss, throughput and learning rate of RUN (runs/NAME) and write report.md: the configuration, the
-    planner's predicted memory, tokens/s, MFU and step time against the measured ones, final and validation loss."""
+    planner's predicted memory, tokens/s, MFU, step time and start-up (host RAM per rank, time to the first step) against
+    the measured ones, final and validation loss."""
     from dspipe.tools.report import PLOTS, REPORT_FILE, write_report
 
     out, m = write_report(run, out=out)
@@ -23,3 +24,5 @@ def report(run: Path, out: str | None) -> None:
     val = "" if m.final_val is None else f", val loss {m.final_val['val_loss']:.4f}"
     click.echo(f"steps {m.first_step}-{m.last_step}: train loss {m.final_loss:.4f}{val}, {tps} tokens/s (median), "
                f"{m.skipped} skipped")
+    if m.startup is not None:
+        click.echo(m.startup.line())

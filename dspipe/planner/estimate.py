@@ -30,6 +30,9 @@ docs/planner-accuracy.md), not only the textbook 16 bytes/param:
   the log-sum-exp, so the search never picks it; full keeps 2sbh per block and peaks at the larger of the head's
   tensors and one recomputed block (they never coincide); the head and loss keep log_softmax's fp32 output, ~4sbV;
   stage i holds the blocks of DeepSpeed's partition (stage_blocks) for min(p - i, m) micro-batches in flight (1F1B).
+  start-up (dspipe.planner.startup): host bytes per rank while the module is built in the plan's build mode (the
+  stage with the most parameters under a pipeline), or the offload's host peak where larger, times the ranks per
+  node, must fit the node's RAM; the build's device transient must fit the usable GPU memory (Estimate.fits).
   GPU (kernels="cuda") and CPU (the gloo runner) kernels differ in the norms' statistics dtype and RMSNorm's saved
   tensors (_norm_bytes_per_token); estimate() uses the GPU type's backend to choose.
 
@@ -61,6 +64,7 @@ from dspipe.planner.throughput import model_flops_per_token
 from dspipe.planner.hardware import GpuType
 from dspipe.planner.plan import Plan
 from dspipe.planner.spec import ClusterSpec, ModelSpec
+from dspipe.planner.startup import StartupEstimate, build_mode, startup_estimate
 
 GIB = 1024**3
 FRAMEWORK_RESERVE = int(1.5 * GIB)
@@ -133,6 +137,9 @@ class Estimate:
     matmul_efficiency: float = 0.5
     """Achieved / peak FLOP/s assumed for the compute (the GPU type's catalog figure, or a profile's measured rate
     over the peak)."""
+    startup: StartupEstimate | None = None
+    """What the start-up costs: host RAM per node while the ranks build their modules (or hold their offload),
+    the device transient of the build, the time to the first step (dspipe.planner.startup)."""
 
     @property
     def step_time_s(self) -> float:
@@ -146,7 +153,24 @@ class Estimate:
 
     @property
     def fits(self) -> bool:
-        return self.memory.total <= self.usable_gpu_memory_bytes and self.host_memory_bytes <= self.host_memory_capacity
+        """The step's peak within the usable GPU memory, the offload's host bytes within the node's RAM, and the
+        start-up too: the node's host peak from the build on, and the build's device transient."""
+        return (self.memory.total <= self.usable_gpu_memory_bytes and self.host_memory_bytes <= self.host_memory_capacity
+                and not self.startup_host_shortfall_bytes and not self.startup_device_shortfall_bytes)
+
+    @property
+    def startup_host_shortfall_bytes(self) -> int:
+        """Host bytes per node the start-up needs beyond the node's RAM (0: it fits)."""
+        if self.startup is None:
+            return 0
+        return max(0, self.startup.host_per_node_bytes - self.host_memory_capacity)
+
+    @property
+    def startup_device_shortfall_bytes(self) -> int:
+        """Device bytes the build's transient needs beyond the usable GPU memory (0: it fits)."""
+        if self.startup is None:
+            return 0
+        return max(0, self.startup.device_bytes - self.usable_gpu_memory_bytes)
 
     @property
     def shortfall_bytes(self) -> int:
@@ -600,7 +624,10 @@ def _dp_comm_s(*, model: ModelSpec, plan: Plan, cluster: ClusterSpec, phi: int, 
     return m * (first + hidden(module_gathers - first, fwd_s) + hidden(module_gathers + reduce, bwd_s))
 
 
-def estimate(*, model: ModelSpec, cluster: ClusterSpec, plan: Plan, headroom: float = MEMORY_HEADROOM) -> Estimate:
+def estimate(*, model: ModelSpec, cluster: ClusterSpec, plan: Plan, headroom: float = MEMORY_HEADROOM,
+             import_bytes: int | None = None) -> Estimate:
+    """The plan's memory, time and start-up. `import_bytes`: bytes of the --init-from checkpoint's tensors
+    (dspipe.tools.hf_arch.check_weights), None for a random initialisation."""
     gpu = cluster.gpu_type
     n, pp, m, tp, sp = zero_group_size(plan), plan.pp, plan.grad_accum, plan.tp, plan.sp
     b = 2 if plan.precision in ("bf16", "fp16") else 4
@@ -627,7 +654,14 @@ def estimate(*, model: ModelSpec, cluster: ClusterSpec, plan: Plan, headroom: fl
             worst, worst_phi = mem, phi
 
     # Host RAM per node: every GPU of the node offloads its rank's share (the stage with the most parameters).
-    host = cluster.gpus_per_node * max(_host_states(model=model, plan=plan, phi=phi)[1] for phi in stages)
+    host_per_rank = max(_host_states(model=model, plan=plan, phi=phi)[1] for phi in stages)
+    host = cluster.gpus_per_node * host_per_rank
+    # Start-up: what each rank builds (or imports) before its first step, on the stage with the most parameters.
+    startup = startup_estimate(mode=build_mode(zero_stage=plan.zero_stage, tp=tp, pp=pp), num_params=plan.num_params,
+                               stage_params=max(stages), largest_tensor=largest_tensor(model),
+                               precision=plan.precision, offload_params=plan.offload_params, zero_ranks=n, tp=tp,
+                               ranks_per_node=cluster.gpus_per_node, host_offload_per_rank=host_per_rank,
+                               import_bytes=import_bytes)
 
     # Compute: FLOPs per token, split across the tp ranks (block matmuls only: AutoTP keeps the head whole) and the
     # sp ranks (each holds s/sp tokens; after the all-to-all, attention runs on heads/sp over the whole sequence).
@@ -688,7 +722,7 @@ def estimate(*, model: ModelSpec, cluster: ClusterSpec, plan: Plan, headroom: fl
                     pp_comm_s=pp_comm, offload_s=offload, flops_per_token=model_flops,
                     hardware_flops_per_token=hw_flops, tp_comm_s=tp_comm, sp_comm_s=sp_comm, headroom=headroom,
                     matmul_efficiency=achieved / peak if (peak := gpu.peak_tflops(plan.precision) * 1e12) else 0.0,
-                    optimizer_s=optimizer)
+                    optimizer_s=optimizer, startup=startup)
 
 
 def throughput(*, est: Estimate, model: ModelSpec, cluster: ClusterSpec, plan: Plan) -> tuple[float, float]:

@@ -3,6 +3,7 @@ No torch."""
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, replace
 
 from dspipe.errors import SpecError
@@ -10,6 +11,7 @@ from dspipe.planner.layout import ParallelLayout
 from dspipe.planner.estimate import GIB, MEMORY_HEADROOM, Estimate, estimate, throughput
 from dspipe.planner.plan import Plan, check_rules, make_plan
 from dspipe.planner.spec import ClusterSpec, ModelSpec, StrategySpec, TrainSpec
+from dspipe.planner.startup import size_text
 
 AUTO = "auto"
 AUTO_CHECKPOINTING = ("none", "full")
@@ -132,10 +134,11 @@ def sp_choices(model: ModelSpec, cluster: ClusterSpec) -> list[int]:
 
 
 def search(*, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, fixed: dict,
-           headroom: float | None = None) -> SearchResult:
+           headroom: float | None = None, import_bytes: int | None = None) -> SearchResult:
     """`fixed` maps zero/offload/offload_params/nvme_path/pp/tp/sp/checkpointing/partition_method/precision/micro_batch
     to a value, or to None/'auto' to let the search choose. A plan fits when its peak is at most (1 - headroom) of
-    the GPU's memory (default estimate.MEMORY_HEADROOM)."""
+    the GPU's memory (default estimate.MEMORY_HEADROOM) and its start-up fits the node's host RAM (Estimate.fits).
+    `import_bytes`: bytes of the --init-from checkpoint's tensors (the start-up reads them instead of drawing)."""
     headroom = MEMORY_HEADROOM if headroom is None else headroom
     world = cluster.world_size
     precision = _options(fixed.get("precision"), ["fp32"] if cluster.gpu == "cpu" else ["bf16"])
@@ -185,7 +188,7 @@ def search(*, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, fixed: d
                     continue
                 refused.add(structure)  # no other rule reads the micro-batch or the recomputation
                 break
-            est = estimate(model=model, cluster=cluster, plan=plan, headroom=headroom)
+            est = estimate(model=model, cluster=cluster, plan=plan, headroom=headroom, import_bytes=import_bytes)
             tokens_per_s, mfu = throughput(est=est, model=model, cluster=cluster, plan=plan)
             candidates.append(Candidate(strategy, t, plan, est, tokens_per_s, mfu))
     if not candidates:
@@ -272,9 +275,21 @@ def _tp_refusal(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, tp: in
 
 
 def _over(c: Candidate) -> float:
-    """How far a candidate is from fitting: GPU bytes over the usable memory plus host bytes over capacity."""
+    """How far a candidate is from fitting: GPU bytes over the usable memory (in the step or while building) plus
+    host bytes over capacity (the start-up's host peak includes the offload's)."""
     e = c.est
-    return e.shortfall_bytes + max(0, e.host_memory_bytes - e.host_memory_capacity)
+    return (max(e.shortfall_bytes, e.startup_device_shortfall_bytes)
+            + max(e.startup_host_shortfall_bytes, e.host_memory_bytes - e.host_memory_capacity, 0))
+
+
+def startup_shortfall_text(e: Estimate) -> str:
+    """'start-up needs 1,056 GiB host RAM per node (8 ranks x 132 GiB: the whole model in bf16 on the host for
+    AutoTP), has 512 GiB'; '' when the start-up's host RAM fits."""
+    s = e.startup
+    if s is None or not e.startup_host_shortfall_bytes:
+        return ""
+    return (f"start-up needs {size_text(s.host_per_node_bytes)} host RAM per node ({s.ranks_per_node} ranks x "
+            f"{size_text(s.host_per_rank_bytes)}: {s.holds()}), has {size_text(e.host_memory_capacity)}")
 
 
 def _shortfall_text(c: Candidate) -> str:
@@ -284,15 +299,23 @@ def _shortfall_text(c: Candidate) -> str:
         parts.append(f"needs {e.memory.total / GIB:.1f} GiB per GPU, may use {e.usable_gpu_memory_bytes / GIB:.1f} "
                      f"of {e.gpu_memory_bytes / GIB:.1f} ({e.headroom * 100:.0f}% headroom; short by "
                      f"{e.shortfall_bytes / GIB:.1f} GiB)")
-    if e.host_memory_bytes > e.host_memory_capacity:
-        parts.append(f"needs {e.host_memory_bytes / GIB:.0f} GiB host RAM per node, has "
-                     f"{e.host_memory_capacity / GIB:.0f}")
+    if e.startup_device_shortfall_bytes and not e.shortfall_bytes:  # else the step's own shortfall says it
+        parts.append(f"start-up needs {size_text(e.startup.device_bytes)} per GPU while building "
+                     f"({e.startup.mode} build), may use {size_text(e.usable_gpu_memory_bytes)}")
+    if e.startup_host_shortfall_bytes and e.startup.build_dominates:
+        parts.append(startup_shortfall_text(e))
+    elif e.host_memory_bytes > e.host_memory_capacity or e.startup_host_shortfall_bytes:  # the offload's own peak
+        parts.append(f"needs {max(e.host_memory_bytes, e.startup.host_per_node_bytes if e.startup else 0) / GIB:.0f} "
+                     f"GiB host RAM per node, has {e.host_memory_capacity / GIB:.0f}")
     return "; ".join(parts)
 
 
 def nothing_fits_message(*, result: SearchResult, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec,
-                         fixed: dict, headroom: float | None = None) -> str:
-    """One line: the smallest shortfall and what would make it fit (more GPUs, offload, NVMe), each re-searched."""
+                         fixed: dict, headroom: float | None = None, import_bytes: int | None = None) -> str:
+    """One line: the smallest shortfall and what would make it fit (more GPUs, offload, NVMe; when the start-up's
+    host RAM is short, a pinned tp / pp / ZeRO stage left to the planner, or nodes with the RAM the start-up needs),
+    each re-searched."""
+    c = result.closest
     tries = [(f"{cluster.nodes * k} nodes x {cluster.gpus_per_node}", replace(cluster, nodes=cluster.nodes * k), fixed)
              for k in (2, 4, 8, 16, 32, 64)]
     if fixed.get("offload") == "none":
@@ -300,16 +323,28 @@ def nothing_fits_message(*, result: SearchResult, model: ModelSpec, cluster: Clu
     if not fixed.get("nvme_path"):
         tries.insert(1, ("--offload nvme --nvme-path DIR", cluster,
                          {**fixed, "offload": "nvme", "offload_params": None, "nvme_path": "/nvme"}))
+    if c.est.startup_host_shortfall_bytes:  # the build holds more than the node's RAM: another build mode may not
+        pinned = [k for k in ("tp", "pp", "zero") if fixed.get(k) not in (None, AUTO)]
+        relaxed = [(f"--{k} auto", cluster, {**fixed, k: None}) for k in pinned]
+        if len(pinned) > 1:
+            relaxed.append((" ".join(f"--{k} auto" for k in pinned), cluster, {**fixed, **{k: None for k in pinned}}))
+        needed = math.ceil(c.est.startup.host_per_node_bytes / GIB)
+        try:
+            relaxed.append((f"{needed:,} GiB host RAM per node (--host-memory-gib)",
+                            replace(cluster, host_memory_gib=float(needed)), fixed))
+        except SpecError:  # beyond any --host-memory-gib
+            pass
+        tries[:0] = relaxed
     fixes = []
     for label, bigger, options in tries:
         try:
-            r = search(model=model, cluster=bigger, train=train, fixed=options, headroom=headroom)
+            r = search(model=model, cluster=bigger, train=train, fixed=options, headroom=headroom,
+                       import_bytes=import_bytes)
         except SpecError:
             continue
         if r.best:
             fixes.append(f"{label} ({r.best.family})")
-            if bigger is not cluster:
+            if bigger.nodes != cluster.nodes:
                 break
-    c = result.closest
     return (f"nothing fits {model.name} on {cluster.world_size} x {cluster.gpu}: closest is {c.describe()}, which "
             f"{_shortfall_text(c)}; would fit with: {', or '.join(fixes) or 'nothing tried (64x the nodes)'}")

@@ -13,6 +13,12 @@ rank's start-up agree by construction:
                   the training dtype on the host first (DeepSpeed 0.19.8's training AutoTP has no meta-device path).
     stage         pp > 1: each rank builds only its own pipeline stage (DeepSpeed's LayerSpec), fp32 on the host,
                   then PipelineModule moves it to the device.
+
+What each mode costs (startup_estimate, called by dspipe.planner.estimate for every candidate): host bytes per rank
+while building, the build's device transient, and the seconds to the first step (the values a rank draws at
+DRAW_RATE, or with --init-from the node's distinct checkpoint bytes at DISK_GBPS; process start and
+deepspeed.initialize not counted). A plan fits only if ranks per node x max(the build's host bytes, the offload's host
+peak) is within the node's RAM and the transient within the usable GPU memory (Estimate.fits).
 """
 from __future__ import annotations
 
@@ -31,9 +37,11 @@ def build_mode(*, zero_stage: int, tp: int, pp: int) -> str:
 
 
 DRAW_RATE = 60e6
-"""Elements per second one rank draws for a random initialisation (torch.randn into an fp32 tensor, then the scale
-and the cast to the training dtype), measured on one CPU rank of the 2-core development machine. Every rank draws
-every element its build covers (the whole model, or its stage), so that all ranks hold the same step-0 values."""
+"""Elements per second one rank draws for a random initialisation: torch.randn into an fp32 tensor, measured on one
+CPU rank of the 2-core development machine (the figure issue 25 gives). A check on the same machine (2026-11-24, one
+thread, other jobs running) drew, scaled by the std and cast to bf16 at ~167M/s, so with a core to itself a rank may
+start ~2.8x sooner than this predicts. Every rank draws every element its build covers (the whole
+model, or its stage), so that all ranks hold the same step-0 values."""
 DISK_GBPS = 2.0
 """Distinct checkpoint bytes one node reads per second (GB/s) at start-up with --init-from: an assumption (a local
 NVMe drive or a node's share of a parallel file system), printed with every plan that imports. Ranks of a node that
@@ -43,7 +51,7 @@ NOT_COUNTED = "process start and deepspeed.initialize not counted"
 
 MODE_TEXT = {"partitioned": "partitioned build (ZeRO-3 under zero.Init)",
              "device": "device build (meta device, materialised on the GPU)",
-             "host": "host build (the whole model on the host, for AutoTP)",
+             "host": "host build (AutoTP shards it inside deepspeed.initialize)",
              "stage": "stage build (each rank its pipeline stage)"}
 """How `plan` names each build mode."""
 

@@ -1,8 +1,9 @@
 """Plan reports: the JSON object scripts rely on, and the human tables. No torch."""
 from __future__ import annotations
 
-from dspipe.planner.estimate import GIB
+from dspipe.planner.estimate import GIB, Estimate
 from dspipe.planner.search import Candidate, SearchResult
+from dspipe.planner.startup import MODE_TEXT, size_text
 
 SECONDS_PER_DAY = 86400
 
@@ -28,6 +29,7 @@ def estimate_summary(c: Candidate, *, tokens: float | None = None) -> dict:
         "matmul_efficiency": e.matmul_efficiency,
         "tokens_per_s": c.tokens_per_s, "mfu": c.mfu, "train_days": days,
         "gpu_hours": None if days is None else days * 24 * p.world_size,
+        "startup": None if e.startup is None else e.startup.to_dict(),
         "fits": e.fits,
     }
 
@@ -36,14 +38,31 @@ def _gib(n: int) -> str:
     return f"{n / GIB:8.2f}"
 
 
+def startup_lines(e: Estimate, *, indent: str = "") -> list[str]:
+    """`plan`'s start-up lines: the build mode, the host RAM per node (ranks x per rank: what it holds), the device
+    transient while building, and the time to the first step with its basis."""
+    s = e.startup
+    if s is None:
+        return []
+    over = f", over the node's {size_text(e.host_memory_capacity)}" if e.startup_host_shortfall_bytes else ""
+    return [f"{indent}start-up: {MODE_TEXT.get(s.mode, s.mode)}, host RAM {size_text(s.host_per_node_bytes)} per "
+            f"node{over} ({s.ranks_per_node} ranks x {size_text(s.host_per_rank_bytes)}: {s.holds()}), "
+            f"{size_text(s.device_bytes)} per GPU while building",
+            f"{indent}          first step after {s.first_step_text()}"]
+
+
 def top_table(result: SearchResult, *, top: int) -> list[str]:
-    """The `top` fastest fitting plans, the chosen one first (ties reordered by the tie-break), one row each."""
-    rows = [f"  {'#':>2}  {'s/step':>8}  {'tokens/s':>11}  {'MFU':>6}  {'GiB/GPU':>7}  {'of GPU':>6}  plan"]
+    """The `top` fastest fitting plans, the chosen one first (ties reordered by the tie-break), one row each, with
+    the start-up's host RAM per node and seconds to the first step."""
+    rows = [f"  {'#':>2}  {'s/step':>8}  {'tokens/s':>11}  {'MFU':>6}  {'GiB/GPU':>7}  {'of GPU':>6}  "
+            f"{'start GiB/node':>14}  {'start s':>7}  plan"]
     for i, c in enumerate(result.ranked[:top], start=1):
         e = c.est
+        st = e.startup
+        start = f"{st.host_per_node_bytes / GIB:14,.1f}  {st.seconds:7,.0f}" if st else f"{'n/a':>14}  {'n/a':>7}"
         rows.append(f"  {i:>2}  {e.step_time_s:8.3g}  {c.tokens_per_s:11,.0f}  {c.mfu * 100:5.1f}%  "
                     f"{e.memory.total / GIB:7.1f}  {e.memory.total / e.gpu_memory_bytes * 100:5.0f}%  "
-                    f"{c.describe(every_axis=True)}")
+                    f"{start}  {c.describe(every_axis=True)}")
     return rows
 
 
@@ -74,7 +93,8 @@ def human_report(result: SearchResult, *, tokens: float | None, tokens_text: str
                      f"{s['host_memory_capacity_bytes'] / GIB:.0f}{source}")
     else:
         lines.append(f"  host RAM per node {s['host_memory_capacity_bytes'] / GIB:.0f} GiB assumed{source}; "
-                     f"unused without offload")
+                     f"no offload (the start-up's use is below)")
+    lines += ["", *startup_lines(best.est)]
     b = s["step_time_breakdown_s"]
     shown = (("compute", "compute"), ("dp comm", "dp_comm"), ("tp comm", "tp_comm"), ("sp comm", "sp_comm"),
              ("bubble", "bubble"), ("pp comm", "pp_comm"), ("offload", "offload"), ("optimizer", "optimizer"))

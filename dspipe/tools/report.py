@@ -1,7 +1,8 @@
 """`dspipe report runs/NAME`: a trained (or training) run's metrics against its plan, as PNG plots and report.md.
 
 Reads runs/NAME/metrics.csv (dspipe.metrics.STEP_COLUMNS, one row per optimizer step, rank 0), val_metrics.csv
-(VAL_COLUMNS, optional) and the planner's estimate in dspipe.json. Measured throughput is the median over the steps
+(VAL_COLUMNS, optional), the start-up figures in engine.json (dspipe.runtime.startup: every rank's peak host RSS and
+seconds to the first step) and the planner's estimate in dspipe.json. Measured throughput is the median over the steps
 after the first WARMUP_STEPS (compilation, allocator and communicator warm-up); peak memory is the largest
 mem_allocated_gib (a peak since start on rank 0). Plots go through matplotlib's Figure API (Agg canvas, no pyplot,
 no display). The report directory is written beside its destination, then renamed into place. Imports no torch.
@@ -15,16 +16,18 @@ import re
 import shutil
 import statistics
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from dspipe import outputs
 from dspipe.atomic import replace_dir
 from dspipe.errors import SpecError
+from dspipe.jsonio import show
 from dspipe.planner.estimate import GIB
 from dspipe.planner.throughput import STEP_COLUMNS, VAL_COLUMNS, perplexity
 from dspipe.rundir import VAL_FILE, Run, load_engine, load_run
 
+MIB = 1024**2
 WARMUP_STEPS = 3
 """Leading steps left out of the throughput, MFU and step-time medians (when more steps than that exist)."""
 FINAL_WINDOW = 10
@@ -56,6 +59,8 @@ class Measured:
     mem_reserved_gib: float | None
     best_val: dict | None
     final_val: dict | None
+    startup: "Startup | None" = None
+    """engine.json's start-up figures beside the plan's (read_startup); None until write_report reads them."""
 
 
 _INT = re.compile(r"[0-9]{1,18}", re.ASCII)
@@ -157,6 +162,134 @@ def measure(steps: list[dict], val: list[dict]) -> Measured:
         mem_allocated_gib=max(allocated) if allocated else None, mem_reserved_gib=max(reserved) if reserved else None,
         best_val=min(finite_val, key=lambda r: r["val_loss"]) if finite_val else None,
         final_val=val[-1] if val else None)
+
+
+# ---------------------------------------------------------------------------------------------------- start-up
+
+STARTUP_LISTS = ("peak_rss_mib", "rss_before_build_mib", "build_rss_mib", "seconds_to_first_step", "seconds_build")
+"""engine.json's "startup" lists (one value per rank, dspipe.runtime.startup.StartupClock.gathered)."""
+
+
+@dataclass(frozen=True)
+class Startup:
+    """A run's start-up as engine.json records it (the worst rank), beside the plan's prediction (dspipe.json's
+    estimate.startup). Figures are None where not recorded or not predicted; `note` says why in one line."""
+
+    note: str = ""
+    mode: str | None = None
+    ranks: int = 0
+    worst_rank: int | None = None
+    peak_rss_mib: float | None = None
+    """The worst rank's peak host RSS up to its first step."""
+    before_build_mib: float | None = None
+    """That rank's peak RSS before the module build (the process, torch, DeepSpeed)."""
+    build_rss_mib: float | None = None
+    """That rank's peak RSS right after the module build."""
+    seconds_to_first_step: float | None = None
+    """The largest over the ranks."""
+    seconds_build: float | None = None
+    """The largest module build over the ranks."""
+    predicted_mode: str | None = None
+    predicted_host_per_rank_mib: float | None = None
+    predicted_seconds: float | None = None
+
+    @property
+    def recorded(self) -> bool:
+        return self.peak_rss_mib is not None
+
+    @property
+    def growth_mib(self) -> float | None:
+        """The worst rank's start-up peak less its RSS before the build: what the prediction counts."""
+        return None if not self.recorded else self.peak_rss_mib - self.before_build_mib
+
+    def line(self) -> str:
+        """One line for the console."""
+        plan_host = ("" if self.predicted_host_per_rank_mib is None
+                     else f"; plan {self.predicted_host_per_rank_mib:,.1f} MiB")
+        plan_s = "" if self.predicted_seconds is None else f" (plan {self.predicted_seconds:,.4g} s)"
+        if not self.recorded:
+            return f"start-up: not recorded{f' ({self.note})' if self.note else ''}"
+        return (f"start-up: worst rank {self.worst_rank} peak RSS {self.peak_rss_mib:,.1f} MiB "
+                f"(+{self.growth_mib:,.1f} over the {self.before_build_mib:,.1f} before the build{plan_host}), first "
+                f"step after "
+                f"{self.seconds_to_first_step:,.4g} s{plan_s}")
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+
+
+def _predicted(estimate: dict) -> dict:
+    """The plan's start-up figures from dspipe.json's estimate (each None where absent or not a number >= 0)."""
+    pred = estimate.get("startup") if isinstance(estimate, dict) else None
+    if not isinstance(pred, dict):
+        return {}
+    host, seconds, mode = pred.get("host_per_rank_bytes"), pred.get("seconds"), pred.get("mode")
+    return {"predicted_mode": mode if isinstance(mode, str) else None,
+            "predicted_host_per_rank_mib": host / MIB if _number(host) else None,
+            "predicted_seconds": float(seconds) if _number(seconds) else None}
+
+
+def read_startup(engine: dict | None, estimate: dict) -> Startup:
+    """engine.json's "startup" reduced to its worst rank, beside the plan's prediction; never raises: an absent
+    block is 'not recorded', a damaged one names its first bad value in `note`."""
+    pred = _predicted(estimate)
+    if engine is None:
+        return Startup(note="engine.json not written yet", **pred)
+    block = engine.get("startup")
+    if block is None:
+        return Startup(note="engine.json has no startup figures: its runner predates them", **pred)
+    if not isinstance(block, dict):
+        return Startup(note=f"engine.json's startup is damaged: an object expected, got {type(block).__name__}",
+                       **pred)
+    mode = block.get("mode")
+    if not isinstance(mode, str) or not mode or len(mode) > 40:
+        return Startup(note=f"engine.json's startup.mode is damaged: a build mode expected, got {show(mode)}",
+                       **pred)
+    lists, ranks = {}, None
+    for key in STARTUP_LISTS:
+        value = block.get(key)
+        if not (isinstance(value, list) and value and all(_number(v) for v in value)
+                and len(value) == (ranks or len(value))):
+            return Startup(note=f"engine.json's startup.{key} is damaged: one number >= 0 per rank expected, got "
+                                f"{show(value)}", mode=mode, **pred)
+        lists[key], ranks = [float(v) for v in value], len(value)
+    peaks = lists["peak_rss_mib"]
+    worst = max(range(len(peaks)), key=peaks.__getitem__)
+    return Startup(mode=mode, ranks=len(peaks), worst_rank=worst, peak_rss_mib=peaks[worst],
+                   before_build_mib=lists["rss_before_build_mib"][worst],
+                   build_rss_mib=lists["build_rss_mib"][worst],
+                   seconds_to_first_step=max(lists["seconds_to_first_step"]),
+                   seconds_build=max(lists["seconds_build"]), **pred)
+
+
+def startup_markdown(s: Startup) -> tuple[list[str], list[str]]:
+    """(rows of the plan-vs-measured table, notes below it) for the start-up."""
+    plan_mode = f" ({s.predicted_mode} build)" if s.predicted_mode else ""
+    if s.recorded:
+        host = (f"worst rank {s.worst_rank} of {s.ranks}: peak {s.peak_rss_mib:,.1f}, +{s.growth_mib:,.1f} over the "
+                f"{s.before_build_mib:,.1f} before the build (after the build {s.build_rss_mib:,.1f})")
+        seconds = f"{s.seconds_to_first_step:.4g} (slowest rank; module build {s.seconds_build:.4g})"
+    else:
+        host = seconds = "not recorded"
+    rows = [f"| start-up host RAM per rank (MiB) | {_or_na(s.predicted_host_per_rank_mib, ',.1f')}{plan_mode} | "
+            f"{host} | {_ratio(s.growth_mib, s.predicted_host_per_rank_mib)} (growth) |",
+            f"| time to first step (s) | {_or_na(s.predicted_seconds, '.4g')} | {seconds} | "
+            f"{_ratio(s.seconds_to_first_step, s.predicted_seconds)} |"]
+    notes = []
+    if not s.recorded:
+        notes.append(f"Start-up: not recorded ({s.note})." if s.note else "Start-up: not recorded.")
+    else:
+        notes.append("Start-up: the plan counts what the build (and the offload) hold on the host, not the process "
+                     "itself (Python, torch, DeepSpeed: the RSS before the build), so its ratio is the growth's; the "
+                     "measured time to the first step includes the process start and deepspeed.initialize, which "
+                     "the plan leaves out.")
+        if s.predicted_mode and s.mode != s.predicted_mode:
+            notes.append(f"The engine built its model as `{s.mode}`, the plan predicted `{s.predicted_mode}`.")
+    if s.predicted_host_per_rank_mib is None:
+        notes.append("The plan in dspipe.json has no start-up prediction (written before it; 'dspipe gen-config "
+                     "--force' adds it).")
+    return rows, notes
 
 
 # ---------------------------------------------------------------------------------------------------- plots
@@ -284,10 +417,14 @@ def render_markdown(run: Run, *, estimate: dict, engine: dict | None, m: Measure
     step_time = estimate.get("step_time_s")
     lines.append(f"| step time (s) | {_or_na(step_time, '.4g')} | {_or_na(m.step_time_s, '.4g')} | "
                  f"{_ratio(m.step_time_s, step_time)} |")
+    startup_rows, startup_notes = startup_markdown(m.startup or read_startup(engine, estimate))
+    lines += startup_rows
+    lines += [line for note in startup_notes for line in ("", note)]
     if cluster.gpu == "cpu":
         lines += ["", "On the `cpu` type the measured memory is the host RSS of rank 0 (DeepSpeed's CPU accelerator), "
                       "Python and torch included, and the predictions use the catalog's nominal `cpu` figures: "
-                      "compare trends, not absolute values."]
+                      "compare trends, not absolute values. The device is the host there, so a rank's start-up RSS "
+                      "also holds what the plan counts on the device."]
     lines += ["", "## Results", "",
               f"- final train loss: {m.final_loss:.4f} (mean of the last {m.final_window} steps, "
               f"ppl {perplexity(m.final_loss):.2f})" if math.isfinite(m.final_loss) else
@@ -324,7 +461,7 @@ def write_report(run_path: str | Path, *, out: str | Path | None = None) -> tupl
     estimate = run.estimate
     engine = load_engine(run)  # None while absent or being written
     steps, val = read_metrics(run)
-    measured = measure(steps, val)
+    measured = replace(measure(steps, val), startup=read_startup(engine, estimate))
     out = _check_out(out if out is not None else run.path / "report")
     dest = Path(os.path.abspath(out))
     with outputs.writing(out):

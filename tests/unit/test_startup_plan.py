@@ -236,3 +236,23 @@ def test_report_of_a_plan_without_a_start_up_prediction(run):
     stdout, md = _report(run)
     assert "| start-up host RAM per rank (MiB) | n/a | worst rank 1 of 2: peak 1,000.5" in md
     assert "has no start-up prediction" in md and "plan " not in stdout.splitlines()[-1]
+
+
+def test_init_from_reads_the_checkpoint_instead_of_drawing(tmp_path, capsys):
+    """With --init-from the plan's start-up reads check_weights' bytes at the stated disk bandwidth: nothing drawn."""
+    pytest.importorskip("transformers")
+    from dspipe.tools.hf_arch import check_weights, spec_from_hf_dir
+    from tests.unit.test_hf_arch import llama_model
+
+    d = tmp_path / "hf"
+    llama_model(kv_heads=2).save_pretrained(d)
+    capsys.readouterr()
+    size = check_weights(d, spec_from_hf_dir(d))
+    args = ["plan", "--gpu", "cpu", "--gpus-per-node", "2", "--global-batch", "8", "--micro-batch", "2",
+            "--precision", "fp32", "--zero", "3", "--init-from", str(d)]
+    s = _json(capsys, *args)["startup"]
+    assert (s["mode"], s["import_bytes"], s["drawn_elements"]) == ("partitioned", size, 0)
+    assert s["read_bytes_per_node"] == size  # 2 ranks per node, 2 partitions: the node reads it all
+    assert s["seconds"] == pytest.approx(size / (DISK_GBPS * 1e9))
+    assert run_cli(*args) == 0
+    assert "of the checkpoint read per node at an assumed 2 GB/s" in capsys.readouterr().out

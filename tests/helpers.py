@@ -77,3 +77,40 @@ def run_cli(*args) -> int:
     except SystemExit as e:
         return e.code
     return 0
+
+
+def hand_checkpoint(run_dir, *, step=6, seed=0):
+    """A complete checkpoint of a 2-rank fp32 ZeRO-0 run (pp 1), written the way DeepSpeed and dspipe write one but
+    without launching: mp_rank_00_model_states.pt holding the GPT's weights (seed `seed`), rng-rank0/1.pt, and
+    dspipe.json; `latest` names it. For readers (export-hf, generate, the resume check) on real file formats."""
+    import json
+    import random
+    from dataclasses import asdict
+
+    import numpy as np
+    import torch
+
+    from dspipe.model.gpt import GPT
+    from dspipe.rundir import SPEC_FILE, load_run
+    from dspipe.runtime import checkpoint as ckpt
+
+    run = load_run(run_dir)
+    assert (run.plan.zero_stage, run.plan.pp, run.plan.tp, run.plan.sp) == (0, 1, 1, 1), "a ZeRO-0 pp 1 run"
+    tag = run.checkpoint_dir / ckpt.tag_for(step)
+    tag.mkdir(parents=True)
+    consumed = step * run.plan.global_batch
+    data = {"consumed_samples": consumed, "epoch": 0, "seed": run.train.seed, "num_samples": 10_000,
+            "seq_len": run.model.seq_len, "split": "train", "fingerprint": "ab" * 32}
+    module = GPT(run.model, seed=seed).state_dict()
+    torch.save({"module": module, "buffer_names": [], "optimizer": None, "lr_scheduler": {}, "global_steps": step,
+                "ds_version": "0.19.8", "step": step, "consumed_samples": consumed, "data": data},
+               tag / "mp_rank_00_model_states.pt")
+    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    for rank in range(run.plan.world_size):
+        torch.save(rng, tag / f"rng-rank{rank}.pt")
+    meta = {"step": step, "consumed_samples": consumed, "data": data, "model": asdict(run.model), "pp": 1, "tp": 1,
+            "sp": 1, "zero_stage": 0, "dp": run.plan.dp, "world_size": run.plan.world_size,
+            "run_spec": json.loads((run.path / SPEC_FILE).read_text())}
+    (tag / ckpt.META_FILE).write_text(json.dumps(meta, indent=2))
+    (run.checkpoint_dir / ckpt.LATEST_FILE).write_text(tag.name)
+    return tag

@@ -28,7 +28,9 @@ from dspipe.errors import SpecError
 from dspipe.jsonio import read_object, show
 from dspipe.planner.spec import ZERO_STAGES, ModelSpec, from_dict
 from dspipe.rundir import SPEC_FILE
+from dspipe.runtime.ckptfiles import check_checkpoint
 from dspipe.runtime.reshard import UNIVERSAL_PREFIX, dp_change_refusal, load_resharded
+from dspipe.runtime.safeload import load as safe_load, weights_only_loads
 from dspipe.runtime.writefail import WriteFailures, free_mib
 
 META_FILE = "dspipe.json"
@@ -379,7 +381,8 @@ def maybe_test_fail_write(failures: WriteFailures, step: int) -> None:
 
 def load(engine, path: Path, loader) -> dict:
     """Collective: DeepSpeed state, data position and this rank's RNG from a complete checkpoint; returns meta.
-    Under another data-parallel size ZeRO-1/2/3 state is loaded through a universal checkpoint (dspipe.runtime.reshard)."""
+    Under another data-parallel size ZeRO-1/2/3 state is loaded through a universal checkpoint (dspipe.runtime.reshard).
+    Its files were checked by resume_point (dspipe.runtime.ckptfiles); every torch.load here is weights-only."""
     import torch.distributed as dist
 
     path = Path(path)
@@ -387,12 +390,13 @@ def load(engine, path: Path, loader) -> dict:
     from dspipe.runtime.engine import dp_world_size
 
     dp = dp_world_size(engine)
-    if meta["dp"] != dp and engine.zero_optimization():
-        load_path = load_resharded(engine, path, saved_dp=meta["dp"], dp=dp)
-    elif bf16_optimizer_without_zero(engine):
-        load_path = load_bf16_without_zero(engine, path)
-    else:
-        load_path, _ = engine.load_checkpoint(str(path.parent), tag=path.name)
+    with weights_only_loads():  # DeepSpeed's own torch.load calls (weights_only=False) run weights-only too
+        if meta["dp"] != dp and engine.zero_optimization():
+            load_path = load_resharded(engine, path, saved_dp=meta["dp"], dp=dp)
+        elif bf16_optimizer_without_zero(engine):
+            load_path = load_bf16_without_zero(engine, path)
+        else:
+            load_path, _ = engine.load_checkpoint(str(path.parent), tag=path.name)
     if load_path is None:
         raise SpecError(f"DeepSpeed could not load checkpoint {path}")
     loader.load_state_dict(meta["data"])
@@ -429,7 +433,7 @@ def restore_rng(path: Path, *, meta: dict, seed: int, rank: int, world: int) -> 
 
     rng = Path(path) / f"rng-rank{rank}.pt"
     if meta.get("world_size") == world and rng.is_file():
-        set_rng_state(torch.load(rng, weights_only=False))
+        set_rng_state(safe_load(rng))  # checked by resume_point (ckptfiles.check_rng_state)
         return
     derived = (seed * 1_000_003 + meta["step"] * 4099 + rank) % 2**31
     random.seed(derived)
@@ -448,10 +452,13 @@ def checkpoint_meta(run, *, step: int, loader, world: int) -> dict:
 
 def resume_point(run, resume: str = "auto") -> Path | None:
     """The checkpoint to resume from, checked against the run: `resume` 'auto' (the default) = the newest complete
-    one, or None when the run has none (a fresh start); a tag under checkpoints/ or a path = that one."""
+    one, or None when the run has none (a fresh start); a tag under checkpoints/ or a path = that one. Its files are
+    checked (dspipe.runtime.ckptfiles): a damaged or foreign checkpoint is one SpecError before anything is built."""
     path = find_checkpoint(run.checkpoint_dir, resume)
     if path is not None:
-        check_compatible(read_meta(path), run, path)
+        meta = read_meta(path)
+        check_compatible(meta, run, path)
+        check_checkpoint(path, meta=meta)  # every file, weights-only, before DeepSpeed reads any (same on every rank)
     return path
 
 

@@ -88,11 +88,15 @@ def load_resharded(engine, path: Path, *, saved_dp: int, dp: int):
 
 def saved_param_groups(universal: Path) -> list[dict]:
     """The optimizer's parameter groups (hyper-parameters) as a universal checkpoint holds them."""
-    import torch
     from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT
 
-    state = torch.load(Path(universal) / "zero" / "optimizer_state.pt", weights_only=False)
-    return state[OPTIMIZER_STATE_DICT]["param_groups"]
+    from dspipe.runtime.safeload import load
+
+    source = Path(universal) / "zero" / "optimizer_state.pt"
+    groups = (load(source).get(OPTIMIZER_STATE_DICT) or {}).get("param_groups")
+    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+        raise SpecError(f"{source}: no optimizer param_groups (a list of dicts) in {OPTIMIZER_STATE_DICT}")
+    return groups
 
 
 def restore_group_hyperparameters(optimizer, *, saved_groups: list[dict]) -> None:

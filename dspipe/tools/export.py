@@ -93,18 +93,29 @@ def tokenizer_dir(checkpoint: Path) -> Path:
     return tok
 
 
+VOCABULARY_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "vocab.txt", "spiece.model")
+"""A tokenizer directory holds its vocabulary in one of these (fast tokenizer, BPE, SentencePiece, WordPiece)."""
+
+
 def load_tokenizer(path: Path):
-    """AutoTokenizer from a local directory, quietly (no progress bars or hub lookups)."""
+    """AutoTokenizer from a local directory, quietly (no progress bars or hub lookups). Without a vocabulary file
+    transformers would build an empty tokenizer from config.json alone (every text encodes to nothing): refused."""
     from transformers import AutoTokenizer
 
     quiet_transformers()
+    if not any((Path(path) / name).is_file() for name in VOCABULARY_FILES):
+        raise SpecError(f"{path} holds no tokenizer (none of {', '.join(VOCABULARY_FILES)}); a directory written by "
+                        f"export-hf has its tokenizer.json: export it again")
     for name in ("tokenizer_config.json", "special_tokens_map.json", "config.json"):
         if (Path(path) / name).is_file():
             read_object(Path(path) / name)  # one line naming the file, not transformers' traceback
     try:
-        return AutoTokenizer.from_pretrained(str(path))
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
     except Exception as e:  # OSError, ValueError, TypeError, AttributeError, ... on damaged tokenizer files
         raise SpecError(f"cannot load the tokenizer in {path}: {' '.join(str(e).split())[:300]}") from None
+    if len(tokenizer) < 2:
+        raise SpecError(f"the tokenizer in {path} has {len(tokenizer)} token(s): its vocabulary files are damaged")
+    return tokenizer
 
 
 def quiet_transformers() -> None:
@@ -139,9 +150,14 @@ def _import_deepspeed() -> None:
 
 
 def _load(path: Path, *, mmap: bool = False) -> dict:
-    import torch
+    """A checkpoint file, weights-only (dspipe.runtime.safeload): never runs code a file names."""
+    from dspipe.runtime.safeload import load
 
-    return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
+    return load(path, mmap=mmap)
+
+
+MERGE_ERRORS = (OSError, KeyError, ValueError, RuntimeError, TypeError, AttributeError, IndexError, EOFError)
+"""What DeepSpeed's merge code raises on files whose content is not what it expects (one SpecError instead)."""
 
 
 def _optim_files(checkpoint: Path) -> dict[int, list[Path]]:
@@ -252,9 +268,16 @@ def _module_weights(checkpoint: Path, *, pp: int, layers: int) -> dict:
 def consolidate(checkpoint: Path, *, meta: dict) -> dict:
     """One fp32 state dict with dspipe GPT names: the fp32 master weights where the checkpoint has them, else the
     module weights. Shapes and names are checked when the dict is loaded into a model (strict)."""
-    import torch
+    from dspipe.runtime.ckptfiles import check_checkpoint
+    from dspipe.runtime.safeload import weights_only_loads
 
     _import_deepspeed()
+    check_checkpoint(checkpoint, meta=meta)  # every file: present, weights-only, keys, step, names and shapes
+    with weights_only_loads():  # DeepSpeed's zero_to_fp32 passes weights_only=False: forced weights-only here
+        return _consolidate(checkpoint, meta=meta)
+
+
+def _consolidate(checkpoint: Path, *, meta: dict) -> dict:
     spec, pp = model_spec(meta), int(meta["pp"])
     if int(meta.get("tp", 1)) > 1:
         return _consolidate_tensor_parallel(checkpoint, tp=int(meta["tp"]), spec=spec)
@@ -265,7 +288,7 @@ def consolidate(checkpoint: Path, *, meta: dict) -> dict:
 
     try:
         raw = _master(checkpoint, pp=pp, model_file_for_stage=model_file)
-    except (OSError, KeyError, ValueError, RuntimeError) as e:
+    except MERGE_ERRORS as e:
         raise SpecError(f"checkpoint {checkpoint}: cannot merge the fp32 master weights: "
                         f"{' '.join(str(e).split())[:300]}") from None
     master = {(name if pp == 1 else _pipeline_name(name, layers=spec.layers)): t for name, t in raw.items()}
@@ -321,7 +344,7 @@ def _consolidate_tensor_parallel(checkpoint: Path, *, tp: int, spec: ModelSpec) 
                     master = _master_from_zero_files(model_file=model_file, optim_files=optim[r], checkpoint=checkpoint)
                 else:
                     master = _master_from_bf16_optimizer(optim[r])
-            except (OSError, KeyError, ValueError, RuntimeError) as e:
+            except MERGE_ERRORS as e:
                 raise SpecError(f"checkpoint {checkpoint}: cannot merge tp rank {r}'s fp32 master weights: "
                                 f"{' '.join(str(e).split())[:300]}") from None
         ranks.append(_prefer_master(module=module, master=master, checkpoint=checkpoint))

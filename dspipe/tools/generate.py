@@ -54,12 +54,19 @@ class Model:
 
 
 def next_token(logits, *, sampling: Sampling, generator) -> int:
-    """One token from the last position's logits (1-d, float)."""
+    """One token from the last position's logits (1-d, float). Any temperature in range is exact: the logits are
+    shifted so that the largest is 0 before dividing, so a tiny temperature gives -inf (probability 0) to every
+    token below the largest instead of overflowing to inf - inf = nan; its limit, temperature 0, is greedy."""
     import torch
 
+    if not bool(torch.isfinite(logits).all()):
+        bad = int((~torch.isfinite(logits)).sum())
+        raise SpecError(f"the model computed {bad} non-finite logits (NaN or infinite) of {logits.numel()}: its "
+                        f"weights are damaged or overflow; nothing can be sampled")
     if sampling.temperature == 0:
         return int(torch.argmax(logits))
-    logits = logits / sampling.temperature
+    logits = logits.double()
+    logits = (logits - logits.max()) / sampling.temperature  # <= 0 everywhere, 0 at the largest: never nan
     if 0 < sampling.top_k < logits.numel():
         kth = torch.topk(logits, sampling.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -73,7 +80,9 @@ def sample(model: Model, prompt_ids: list[int], *, sampling: Sampling) -> list[i
 
     tok = model.tokenizer
     eos, vocab = tok.eos_token_id, len(tok)  # never sample ids the tokenizer cannot decode (a padded vocab)
-    ids = list(prompt_ids) or [eos]  # an empty prompt starts from a document boundary
+    ids = list(prompt_ids) or ([] if eos is None else [eos])  # an empty prompt starts from a document boundary
+    if not ids:
+        raise SpecError("--prompt is empty and the tokenizer has no end-of-text token to start from; give a prompt")
     generator = torch.Generator().manual_seed(sampling.seed)
     new: list[int] = []
     with torch.inference_mode():
@@ -144,8 +153,20 @@ def _load_checkpoint(path: Path) -> Model:
     return Model(logits=gpt, context=gpt.spec.seq_len, tokenizer=tokenizer)
 
 
+def check_prompt(prompt: str) -> str:
+    """--prompt as UTF-8 text: bytes that are not UTF-8 reach Python as lone surrogates (from the command line),
+    which no tokenizer encodes."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise SpecError(f"--prompt holds bytes that are not UTF-8 text (at character {e.start + 1}: "
+                        f"{ascii(prompt[e.start:e.end])}); give the prompt as UTF-8") from None
+    return prompt
+
+
 def generate(*, source: str | Path, prompt: str, sampling: Sampling) -> str:
     """The prompt followed by the sampled continuation, decoded."""
+    check_prompt(prompt)
     model = load_model(source)
     prompt_ids = model.tokenizer.encode(prompt, add_special_tokens=False)
     new = sample(model, prompt_ids, sampling=sampling)

@@ -182,6 +182,7 @@ def _run(tmp_path, with_ckpt=True):
 def test_resume_point_defaults_to_auto(tmp_path, monkeypatch):
     monkeypatch.setattr(ckpt, "check_compatible", lambda meta, run, path: None)
     monkeypatch.setattr(ckpt, "read_meta", lambda path: {})
+    monkeypatch.setattr(ckpt, "check_checkpoint", lambda path, meta: None)  # no files in these stand-ins
     assert ckpt.resume_point(_run(tmp_path)).name == "global_step3"  # no refusal over existing checkpoints
     assert ckpt.resume_point(_run(tmp_path / "b", with_ckpt=False)) is None  # none: a fresh start
 

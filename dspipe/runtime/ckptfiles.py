@@ -1,0 +1,173 @@
+"""The files of one checkpoint directory, checked before anything (DeepSpeed's load_checkpoint, export, generate)
+reads them: each file the checkpoint's layout needs is there, loads weights-only (dspipe.runtime.safeload), holds
+the object of its kind with the keys readers use, was saved at the step its dspipe.json names, and holds the model's
+parameters by name and shape. Anything else is one SpecError naming the file and what is wrong.
+
+Which files a layout writes (DeepSpeed 0.19; mp = tp, or the pipeline stages when pp > 1; z = dp x sp, the ranks
+ZeRO partitions over):
+
+    mp_rank_MM_model_states.pt                       ZeRO 0-2: module weights, lr schedule, counters (m < mp)
+    zero_pp_rank_D_mp_rank_MM_model_states.pt        ZeRO-3: the same per partition (d < z, m < mp)
+    [bf16_]zero_pp_rank_D_mp_rank_MM_optim_states.pt ZeRO 1-3, and bf16 pipelines at ZeRO-0 (d < z, m < mp)
+    layer_LL-model_states.pt                         pp > 1: each pipeline layer's weights
+    rng-rankR.pt                                     dspipe: every rank's RNG streams (r < world size)
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from dspipe.errors import SpecError
+from dspipe.runtime import safeload
+
+MODEL_FILE = re.compile(r"^(?:zero_pp_rank_\d+_)?mp_rank_\d+_model_states\.pt$")
+OPTIM_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+LAYER_FILE = re.compile(r"^layer_(\d+)(?:-model_\d+)?-model_states\.pt$")
+RNG_FILE = re.compile(r"^rng-rank(\d+)\.pt$")
+OPTIMIZER_KEY = "optimizer_state_dict"  # deepspeed.checkpoint.constants.OPTIMIZER_STATE_DICT
+
+
+def expected_files(meta: dict) -> list[str]:
+    """The model-states and RNG files a checkpoint of this layout must hold (optimizer files: optimizer_ranks)."""
+    mp, zero = _mp(meta), meta["dp"] * meta["sp"]
+    if meta["zero_stage"] == 3:
+        names = [f"zero_pp_rank_{d}_mp_rank_{m:02d}_model_states.pt" for d in range(zero) for m in range(mp)]
+    else:
+        names = [f"mp_rank_{m:02d}_model_states.pt" for m in range(mp)]
+    if meta["pp"] > 1:
+        names += [f"layer_{i:02d}-model_states.pt" for i in range(meta["model"]["layers"] + 2)]
+    return names + [f"rng-rank{r}.pt" for r in range(meta["world_size"])]
+
+
+def _mp(meta: dict) -> int:
+    return meta["pp"] if meta["pp"] > 1 else meta["tp"]
+
+
+def check_checkpoint(path: Path, *, meta: dict) -> None:
+    """Every file of checkpoint `path` (whose dspipe.json read_meta validated), as the module docstring says."""
+    from dspipe.planner.spec import ModelSpec, from_dict
+
+    path = Path(path)
+    present = {p.name for p in path.iterdir() if p.is_file()}
+    missing = [name for name in expected_files(meta) if name not in present]
+    missing += _missing_optimizer_files(present, meta)
+    if missing:
+        raise SpecError(f"checkpoint {path} is missing {', '.join(missing[:3])}"
+                        f"{f' and {len(missing) - 3} more' if len(missing) > 3 else ''} (dp {meta['dp']}, pp "
+                        f"{meta['pp']}, tp {meta['tp']}, sp {meta['sp']}, ZeRO-{meta['zero_stage']} writes them)")
+    expected = dict(from_dict(ModelSpec, meta["model"]).model_tensors())
+    seen: dict[str, tuple] = {}
+    for name in sorted(present):
+        file = path / name
+        if MODEL_FILE.match(name):
+            sd = _model_states(file, meta=meta)
+            if isinstance(sd.get("module"), dict):
+                _check_tensors(file, sd["module"], expected=expected, meta=meta, prefix="",
+                               extra=set(sd.get("buffer_names") or ()))
+                seen.update({k: tuple(v.shape) for k, v in sd["module"].items()})
+        elif OPTIM_FILE.match(name):
+            sd = safeload.load(file, mmap=True)
+            if not isinstance(sd.get(OPTIMIZER_KEY), dict):
+                raise SpecError(f"{file}: {OPTIMIZER_KEY} must be a dict (the optimizer's partition), got "
+                                f"{type(sd.get(OPTIMIZER_KEY)).__name__}")
+        elif m := LAYER_FILE.match(name):
+            layers = _layer_file(file, index=int(m.group(1)), meta=meta, expected=expected)
+            seen.update(layers)
+        elif RNG_FILE.match(name):
+            check_rng_state(safeload.load(file), source=file)
+    if meta["zero_stage"] != 3 or meta["pp"] > 1:
+        absent = [n for n in expected if n not in seen and n != "lm_head.weight"]
+        if absent:
+            raise SpecError(f"checkpoint {path} holds no weights for {', '.join(absent[:3])}"
+                            f"{' ...' if len(absent) > 3 else ''} of its model (dspipe.json model)")
+
+
+def _missing_optimizer_files(present: set[str], meta: dict) -> list[str]:
+    """ZeRO 1-3: every (partition, model-parallel rank) file; ZeRO-0 (a bf16 pipeline's BF16_Optimizer writes
+    them, fp32 and plain runs do not): all of them when there are any."""
+    ranks = {(int(m.group(1)), int(m.group(2))) for name in present if (m := OPTIM_FILE.match(name))}
+    if meta["zero_stage"] == 0 and not ranks:
+        return []
+    partitions = meta["dp"] * meta["sp"]
+    return [f"zero_pp_rank_{d}_mp_rank_{m:02d}_optim_states.pt" for d in range(partitions) for m in range(_mp(meta))
+            if (d, m) not in ranks]
+
+
+def _model_states(file: Path, *, meta: dict) -> dict:
+    """A model-states file: its module (None under a pipeline, whose layer files hold it) and, when it holds one,
+    the step dspipe saved with it."""
+    sd = safeload.load(file, mmap=True)
+    if "module" not in sd:
+        raise SpecError(f"{file}: no 'module' key (keys: {', '.join(map(str, list(sd)[:6]))}): not DeepSpeed's "
+                        f"model states")
+    if sd["module"] is not None and not isinstance(sd["module"], dict):
+        raise SpecError(f"{file}: module must be a dict of tensors, got {type(sd['module']).__name__}")
+    for key in ("optimizer", "lr_scheduler"):
+        if sd.get(key) is not None and not isinstance(sd[key], dict):
+            raise SpecError(f"{file}: {key} must be a dict, got {type(sd[key]).__name__}")
+    step = sd.get("step")
+    if isinstance(step, int) and not isinstance(step, bool) and step != meta["step"]:
+        raise SpecError(f"{file} was saved at step {step}, but the checkpoint's dspipe.json is at step "
+                        f"{meta['step']}: files of two checkpoints are mixed")
+    return sd
+
+
+def _layer_file(file: Path, *, index: int, meta: dict, expected: dict) -> dict[str, tuple]:
+    from dspipe.tools.hf_arch import layer_prefix
+
+    layers = meta["model"]["layers"]
+    if meta["pp"] == 1 or index > layers + 2:
+        raise SpecError(f"{file}: pipeline layer {index} does not belong to this checkpoint (pp {meta['pp']}, "
+                        f"{layers} layers)")
+    prefix = layer_prefix(index, layers=layers)
+    state = safeload.load(file, mmap=True)
+    _check_tensors(file, state, expected=expected, meta=meta, prefix=prefix, extra=set())
+    return {prefix + k: tuple(v.shape) for k, v in state.items()}
+
+
+def _check_tensors(file: Path, state: dict, *, expected: dict, meta: dict, prefix: str, extra: set) -> None:
+    """Names and shapes of a module's tensors against the model: every tensor a parameter of the model (or a
+    buffer the file declares), of the model's shape; under AutoTP a shard (one dimension divided by tp); ZeRO-3
+    keeps empty placeholders, so there only the names."""
+    import torch
+
+    tp, zero3 = meta["tp"], meta["zero_stage"] == 3
+    for key, t in state.items():
+        name = prefix + str(key)
+        if not isinstance(key, str) or not isinstance(t, torch.Tensor):
+            raise SpecError(f"{file}: {str(key)[:60]!r} holds a {type(t).__name__}, not a tensor")
+        if name not in expected:
+            if key in extra or name == "lm_head.weight":
+                continue
+            raise SpecError(f"{file}: {name[:80]!r} is not a parameter of the checkpoint's model (dspipe.json "
+                            f"model: {meta['model'].get('layers')} layers, hidden {meta['model'].get('hidden')})")
+        want, have = tuple(expected[name]), tuple(t.shape)
+        if zero3 or have == want:
+            continue
+        shard = tp > 1 and len(have) == len(want) and sum(h != w for h, w in zip(have, want)) == 1 and all(
+            h == w or h * tp == w for h, w in zip(have, want))
+        if not shard:
+            raise SpecError(f"{file}: {name} has shape {list(have)}, the checkpoint's model has {list(want)}"
+                            f"{f' (or a 1/{tp} shard)' if tp > 1 else ''}")
+
+
+def check_rng_state(state: dict, *, source: Path) -> None:
+    """An rng-rankR.pt state as dspipe.runtime.checkpoint.rng_state writes it, tried on throwaway generators (so
+    that restoring it cannot fail halfway)."""
+    import random
+
+    import numpy as np
+    import torch
+
+    for key in ("python", "numpy", "torch"):
+        if key not in state:
+            raise SpecError(f"{source}: missing {key!r} (the RNG streams dspipe saves per rank)")
+    try:
+        random.Random().setstate(state["python"])
+        np.random.RandomState().set_state(state["numpy"])
+        torch.Generator().set_state(state["torch"])
+        for t in state.get("cuda") or []:
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8:
+                raise TypeError("a CUDA generator state is a uint8 tensor")
+    except (TypeError, ValueError, RuntimeError, IndexError, KeyError) as e:
+        raise SpecError(f"{source}: not a valid RNG state: {' '.join(str(e).split())[:160]}") from None

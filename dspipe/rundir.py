@@ -182,6 +182,8 @@ def load_run(path: str | Path) -> Run:
     except SpecError as e:
         raise SpecError(f"{spec_file}: {e}") from None
     estimate = _estimate(spec_file, d.get("estimate", {}))
+    check_spec_agrees(spec_file, cluster=specs["cluster"], plan=specs["plan"], estimate=estimate,
+                      command=d.get("command"))
     ds_config = read_object(ds_file)
     check_ds_config(ds_config, plan=specs["plan"], source=ds_file)
     return Run(path=path, **specs, data=data, estimate=estimate, ds_config=ds_config)
@@ -213,6 +215,48 @@ def _estimate(source: Path, estimate) -> dict:
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
             raise SpecError(f"{source}: estimate.{name} must be a number >= 0 or null, got {show(value)}")
     return estimate
+
+
+ESTIMATE_LAYOUT = ("num_params", "zero_stage", "offload", "offload_params", "precision", "pp", "tp", "sp", "dp",
+                   "micro_batch", "grad_accum", "checkpointing")
+"""Figures of dspipe.json's estimate that repeat the plan (dspipe.planner.summary.estimate_summary)."""
+
+
+def check_spec_agrees(source: Path, *, cluster: ClusterSpec, plan: Plan, estimate: dict, command) -> None:
+    """The parts of dspipe.json that restate the cluster and the plan say the same: the estimate's layout figures
+    and ranks per node, and the deepspeed command gen-config printed (its --num_nodes and --num_gpus). A run
+    directory edited in one place only (cluster 2 x 1, command for 1 x 2) is refused instead of acted on."""
+    if command is not None:  # run directories from before the command was kept have none
+        _check_command(source, command=command, cluster=cluster, plan=plan)
+    for key in ESTIMATE_LAYOUT:
+        if key in estimate and (estimate[key] != getattr(plan, key) or
+                                type(estimate[key]) is not type(getattr(plan, key))):
+            raise SpecError(f"{source}: estimate.{key} {show(estimate[key])} disagrees with plan.{key} "
+                            f"{getattr(plan, key)!r}; regenerate with 'dspipe gen-config --force'")
+    startup = estimate.get("startup")
+    per_node = startup.get("ranks_per_node") if isinstance(startup, dict) else None
+    if per_node is not None and per_node != cluster.gpus_per_node:
+        raise SpecError(f"{source}: estimate.startup.ranks_per_node {show(per_node)} disagrees with "
+                        f"cluster.gpus_per_node {cluster.gpus_per_node}")
+
+
+def _check_command(source: Path, *, command, cluster: ClusterSpec, plan: Plan) -> None:
+    if not isinstance(command, str) or "\n" in command:
+        raise SpecError(f"{source}: command must be the one-line launch command, got {show(command)}")
+    import shlex
+
+    try:
+        argv = shlex.split(command)
+    except ValueError as e:
+        raise SpecError(f"{source}: command is not a shell command line ({e})") from None
+    if not argv or Path(argv[0]).name != "deepspeed":
+        return  # e.g. bench's own command line: no launch layout in it
+    given = {flag: argv[i + 1] for i, flag in enumerate(argv[:-1]) if flag in ("--num_nodes", "--num_gpus")}
+    nodes, gpus = given.get("--num_nodes", "1"), given.get("--num_gpus")
+    if (nodes, gpus) != (str(cluster.nodes), str(cluster.gpus_per_node)):
+        raise SpecError(f"{source}: command launches {nodes} node(s) x {gpus or '?'} rank(s) but cluster is "
+                        f"{cluster.nodes} node(s) x {cluster.gpus_per_node} GPU(s) (world size {plan.world_size}); "
+                        f"regenerate the run with 'dspipe gen-config --force'")
 
 
 def check_ds_config(ds: dict, *, plan: Plan, source: Path | str) -> None:

@@ -10,9 +10,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from dspipe.cluster.hostname import check_host  # RFC 1123 names and IPv4 (no ':' or '@': --include separators)
 from dspipe.errors import SpecError
 
-HOST_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")  # no ':' or '@': they are the separators of --include/--exclude
 KEY_VALUE = re.compile(r"^(slots|max_slots)=(.*)$")
 SLOT_COUNT = re.compile(r"[0-9]+", re.ASCII)
 LINE_BREAK = re.compile(r"\r\n|\r|\n")  # what DeepSpeed's runner (a text-mode file) splits lines on
@@ -84,8 +84,7 @@ def parse_hostfile(text: str, *, source: str) -> Hostfile:
         where = f"{source}:{number}: {line[:60]!r}"
         _check_characters(line, where=f"{source}:{number}")
         name, *fields = line.split()
-        if not HOST_NAME.match(name):
-            raise SpecError(f"{where}: host name {name!r} may only hold letters, digits, '.', '_' and '-'")
+        check_host(name, what=f"{where}: host", ipv6=False)
         values = {}
         for field in fields:
             m = KEY_VALUE.match(field)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from dspipe.errors import SpecError
 from dspipe.cluster.hostfile import Host, Hostfile, describe, read_hostfile, select
+from dspipe.cluster.hostname import check_host
 from dspipe.cluster.netenv import ENV_FILE
 
 LAUNCHERS = ("pdsh", "openmpi", "slurm")
@@ -58,6 +59,8 @@ class LaunchSpec:
         for flag, port in (("--master-port", self.master_port), ("--ssh-port", self.ssh_port)):
             if port is not None and not 0 < port < 65536:
                 raise SpecError(f"{flag} {port} is not a TCP port (1-65535)")
+        if self.master_addr is not None:  # it reaches the launcher's argv and every rank's MASTER_ADDR
+            check_host(self.master_addr, what="--master-addr")
         if self.node_rank is not None and not self.no_ssh:
             raise SpecError("--node-rank only applies with --no-ssh (each node starts its own share)")
         if self.no_ssh and not self.hostfile:

@@ -166,7 +166,9 @@ def _quiet_datasets():
     import datasets
 
     datasets.disable_progress_bars()
-    datasets.utils.logging.set_verbosity_error()
+    # CRITICAL, not ERROR: its JSON builder logs 'Failed to load JSON from file ...' at error level before raising,
+    # and every exception of a load is caught here and said in dspipe's one line
+    datasets.utils.logging.set_verbosity(datasets.utils.logging.CRITICAL)
     return datasets
 
 

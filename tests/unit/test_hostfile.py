@@ -28,7 +28,7 @@ BAD = [
     ("a slots=2.5\n", "slots must be a positive integer, got '2.5'"),
     ("a slots = 4\n", "hosts:1: 'a slots = 4': unexpected 'slots'; a line is 'HOST slots=N'"),
     ("a gpus=4\n", "unexpected 'gpus=4'"),
-    ("node:1 slots=4\n", "host name 'node:1' may only hold letters, digits"),
+    ("node:1 slots=4\n", "host 'node:1' is not a host name or address: ':' is neither in a host name"),
     ("# nothing\n\n", "hostfile hosts lists no hosts"),
 ]
 

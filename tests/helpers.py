@@ -105,7 +105,8 @@ def hand_checkpoint(run_dir, *, step=6, seed=0):
     torch.save({"module": module, "buffer_names": [], "optimizer": None, "lr_scheduler": {}, "global_steps": step,
                 "ds_version": "0.19.8", "step": step, "consumed_samples": consumed, "data": data},
                tag / "mp_rank_00_model_states.pt")
-    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    rng = {"python": random.Random(seed).getstate(), "numpy": np.random.RandomState(seed).get_state(),
+           "torch": torch.Generator().manual_seed(seed).get_state()}  # fixed: the same bytes in every process
     for rank in range(run.plan.world_size):
         torch.save(rng, tag / f"rng-rank{rank}.pt")
     meta = {"step": step, "consumed_samples": consumed, "data": data, "model": asdict(run.model), "pp": 1, "tp": 1,

@@ -169,5 +169,5 @@ def check_rng_state(state: dict, *, source: Path) -> None:
         for t in state.get("cuda") or []:
             if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8:
                 raise TypeError("a CUDA generator state is a uint8 tensor")
-    except (TypeError, ValueError, RuntimeError, IndexError, KeyError) as e:
+    except (TypeError, ValueError, OverflowError, RuntimeError, IndexError, KeyError) as e:
         raise SpecError(f"{source}: not a valid RNG state: {' '.join(str(e).split())[:160]}") from None

@@ -123,7 +123,7 @@ def why_not_loaded(e: BaseException, *, zip_file: bool) -> str:
                 f"since loading it could run code")
     if not zip_file:
         return "is not a torch checkpoint file (neither torch's zip format nor a torch pickle)"
-    if "central directory" in text or "not a ZIP archive" in text or isinstance(e, EOFError):
+    if "central directory" in text or "not a ZIP archive" in text or isinstance(e, (EOFError, OSError)):
         return "is truncated or damaged (torch's zip archive is incomplete)"
     detail = text.split("WeightsUnpickler error:")[-1].split(" Check the documentation")[0].strip()
     return f"is damaged: {detail[:200] or type(e).__name__}"

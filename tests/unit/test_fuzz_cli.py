@@ -165,6 +165,7 @@ DAMAGES = {
     "dspipe.json: empty": ("run/dspipe.json", b""),
     "dspipe.json: a list": ("run/dspipe.json", b"[1, 2]"),
     "dspipe.json: NaN lr": ("run/dspipe.json", None),
+    "dspipe.json: cluster 2 x 1, command 1 x 2": ("run/dspipe.json", "contradict"),
     "ds_config.json: truncated": ("run/ds_config.json", "truncate"),
     "ds_config.json: binary": ("run/ds_config.json", b"\xff\xfe\x00\x01"),
     "metrics.csv: torn": ("run/metrics.csv", b"step,tokens,loss\n1,2048,8.3\n2,40"),
@@ -178,6 +179,10 @@ def _damage(s: dict, target: str, how) -> None:
     path = s["keep"] / target
     if how == "truncate":
         path.write_bytes(path.read_bytes()[: len(path.read_bytes()) // 2])
+    elif how == "contradict":  # same world size: only the restated layout (command, estimate) can tell
+        d = json.loads(path.read_text())
+        d["cluster"].update(nodes=2, gpus_per_node=1)
+        path.write_text(json.dumps(d))
     elif how is None:  # a NaN where a number belongs
         d = json.loads(path.read_text())
         d["train"]["lr"] = float("nan")
@@ -266,5 +271,131 @@ def test_every_reader_survives_damaged_files(sandbox, no_launch, damage, tmp_pat
             continue  # they read none of the damaged files
         code, out, err = _call(argv)
         _check(code, out, err, label=f"{damage}: {name}")
+        if how == "contradict" and name != "gen-config":  # every reader of the run refuses it
+            assert code == 2 and "command launches 1 node(s) x 2 rank(s)" in err, f"{damage}: {name}: {err}"
         assert _snapshot(keep) == before, f"{damage}: {name} changed an existing file"
         _finite_json(s["scratch"], label=f"{damage}: {name}")
+
+
+# ---- checkpoint files and generate's numbers (issue 26) -----------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def ckpt_sandbox(tmp_path_factory, corpus):
+    """A ZeRO-0 run directory with a hand-built checkpoint (DeepSpeed's file formats, no launch) and its export."""
+    from tests.helpers import hand_checkpoint
+
+    root = tmp_path_factory.mktemp("fuzzckpt")
+    run = root / "run"
+    r = _call(["gen-config", "--model", "tiny", "--vocab", "1024", "--gpu", "cpu", "--gpus-per-node", "2",
+               "--global-batch", "16", "--micro-batch", "4", "--steps", "6", "--warmup", "1", "--precision", "fp32",
+               "--zero", "0", "--pp", "1", "--tp", "1", "--sp", "1", "--offload", "none", "--checkpointing", "none",
+               "--data", str(corpus), "--out", str(run)])
+    assert r[0] == 0, r
+    tag = hand_checkpoint(run)
+    assert _call(["export-hf", str(run), "--out", str(root / "hf")])[0] == 0
+    return {"root": root, "run": run, "tag": tag, "hf": root / "hf"}
+
+
+def _pickled(obj) -> bytes:
+    import io
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _flip(raw: bytes, at: float) -> bytes:
+    i = int(len(raw) * at)
+    return raw[:i] + bytes([raw[i] ^ 0xFF]) + raw[i + 1:]
+
+
+FILE_DAMAGES = {
+    "empty": lambda raw: b"",
+    "garbage": lambda raw: bytes(random.Random(7).randrange(256) for _ in range(777)),
+    "first 10 bytes": lambda raw: raw[:10],
+    "first half": lambda raw: raw[: len(raw) // 2],
+    "no end": lambda raw: raw[:-22],
+    "a byte flipped at 1%": lambda raw: _flip(raw, 0.01),
+    "a byte flipped at 50%": lambda raw: _flip(raw, 0.5),
+    "a byte flipped at 99%": lambda raw: _flip(raw, 0.99),
+    "a list": lambda raw: _pickled([1, 2, 3]),
+    "a string": lambda raw: _pickled("module"),
+    "an empty dict": lambda raw: _pickled({}),
+    "a tensor": lambda raw: _pickled(__import__("torch").zeros(3)),
+    "a legacy pickle": lambda raw: __import__("pickle").dumps({"module": {"x": 1}}),
+    "an unsafe global": lambda raw: _pickled({"module": os.getcwd}),  # a callable: refused, never called
+}
+CHECKPOINT_FILES = ("mp_rank_00_model_states.pt", "rng-rank0.pt", "rng-rank1.pt")
+
+
+def _resume_reader(run: Path) -> tuple[int, str, str]:
+    """The ranks' reader of a checkpoint (before DeepSpeed loads anything), as the CLI reports errors."""
+    from dspipe.errors import SpecError
+    from dspipe.rundir import load_run
+    from dspipe.runtime.checkpoint import resume_point
+
+    try:
+        resume_point(load_run(run))
+    except SpecError as e:
+        return 2, "", f"dspipe: error: {e}\n"
+    return 0, "", ""
+
+
+@pytest.mark.parametrize("damage", list(FILE_DAMAGES))
+def test_every_checkpoint_reader_survives_damaged_checkpoint_files(ckpt_sandbox, no_launch, damage, tmp_path,
+                                                                   monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for name in CHECKPOINT_FILES:
+        run = tmp_path / name / "run"
+        shutil.copytree(ckpt_sandbox["run"], run)
+        target = run / "checkpoints" / ckpt_sandbox["tag"].name / name
+        target.write_bytes(FILE_DAMAGES[damage](target.read_bytes()))
+        before = _snapshot(tmp_path / name)
+        outcomes = {"resume": _resume_reader(run),
+                    "export-hf": _call(["export-hf", str(run), "--out", str(tmp_path / name / "hf")]),
+                    "generate": _call(["generate", str(run), "--prompt", "def", "--max-tokens", "3"])}
+        for reader, (code, out, err) in outcomes.items():
+            label = f"{damage} in {name}: {reader}"
+            _check(code, out, err, label=label)
+            if code == 2:
+                assert str(target) in err or "checkpoint" in err, f"{label}: {err}"
+            if damage in ("empty", "garbage", "a list", "a string", "an unsafe global", "first half", "no end"):
+                assert code == 2, f"{label}: accepted"
+        (tmp_path / name / "hf").exists() and shutil.rmtree(tmp_path / name / "hf")  # a valid export may be written
+        assert _snapshot(tmp_path / name) == before, f"{damage} in {name}: a reader changed the run"
+
+
+GENERATE_NUMBERS = {
+    "--temperature": [*BAD["float"], "1e-45", "5e-324", "1e-300", "0.0", "100", "100.0000001", "1e2", "-0.0"],
+    "--top-k": [*BAD["int"], "1", "1023", "1024", "1025", "4096", "2147483647", "2147483648"],
+    "--max-tokens": [*BAD["int"], "1", "100001"],
+    "--seed": [*BAD["int"], "9223372036854775807", "9223372036854775808"],
+}
+
+
+@pytest.mark.parametrize("source", ["run", "hf"])
+def test_generate_survives_every_number(ckpt_sandbox, no_launch, source):
+    base = ["generate", str(ckpt_sandbox[source]), "--prompt", "def ", "--max-tokens", "3"]
+    before = _snapshot(ckpt_sandbox["root"])
+    outcomes, failures = {0: 0, 2: 0}, []
+    for flag, values in GENERATE_NUMBERS.items():
+        for value in values:
+            argv = list(base)
+            if flag in argv:
+                argv[argv.index(flag) + 1] = value
+            else:
+                argv += [flag, value]
+            label = f"generate {source} {flag}={value!r}"
+            try:
+                code, out, err = _call(argv)
+                _check(code, out, err, label=label)
+                outcomes[code] += 1
+                if code == 0:
+                    assert out.startswith("def "), f"{label}: {out!r}"
+            except Exception as e:  # noqa: BLE001 - collected, then reported together
+                failures.append(f"{label}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300])
+    assert failures == [], "\n".join(failures)
+    assert outcomes[0] >= 15 and outcomes[2] >= 30, outcomes
+    assert _snapshot(ckpt_sandbox["root"]) == before

@@ -150,8 +150,9 @@ def _check_same_model(out: Path, *, model: dict) -> None:
 def load_run(path: str | Path) -> Run:
     """The one validated reader of a run directory (every command that reads one comes here): dspipe.json and
     ds_config.json must be UTF-8 JSON objects of finite numbers with every key, each spec valid, the plan equal
-    to what its specs derive, and ds_config.json's batch, ZeRO stage, precision and pipeline agreeing with the
-    plan. Anything else is one SpecError naming the file and the field."""
+    to what its specs derive, what dspipe.json restates of the cluster and plan (its deepspeed command's nodes x
+    GPUs, the estimate's layout) agreeing with them (check_spec_agrees), and ds_config.json's batch, ZeRO stage,
+    precision and pipeline agreeing with the plan. Anything else is one SpecError naming the file and the field."""
     path = Path(path)
     spec_file, ds_file = path / SPEC_FILE, path / DS_CONFIG_FILE
     if not spec_file.is_file() or not ds_file.is_file():

@@ -206,6 +206,32 @@ def test_resume_refusals(tmp_path, corpus):
     assert (sorted(str(p) for p in run.rglob("*")), rows(run)) == before  # no data lost
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()[-1]) < 300
 
+    # a checkpoint someone hands you: its optimizer file would create a file if DeepSpeed unpickled it as it does
+    # (weights_only=False); every rank checks every file weights-only before building anything, and refuses it
+    import builtins
+
+    import torch
+
+    class CreatesFile:
+        def __reduce__(self):
+            return builtins.open, (str(tmp_path / "PWNED"), "w")
+
+    handed = fp32_run(tmp_path, corpus, "handed", "--zero", "1", steps=3)
+    shutil.copytree(run / "checkpoints", handed / "checkpoints")
+    optim = handed / "checkpoints" / "global_step3" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    state = torch.load(optim, weights_only=False)
+    state["optimizer_state_dict"]["loss_scaler"] = CreatesFile()
+    torch.save(state, optim)
+    before = {str(p): p.read_bytes() for p in handed.rglob("*") if p.is_file()}
+    r = launch(handed)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert [line for line in r.stderr.splitlines() if "dspipe: error:" in line] == [
+        f"dspipe: error: {optim}: names io.open, which is not a type a checkpoint holds (tensors, numbers, "
+        f"containers and dspipe.runtime.safeload.ALLOWED_GLOBALS): refused without loading it, since loading it "
+        f"could run code"]
+    assert not (tmp_path / "PWNED").exists()
+    assert {str(p): p.read_bytes() for p in handed.rglob("*") if p.is_file()} == before
+
 
 def tensors_equal(a, b) -> bool:
     """Every tensor (and every other value) of two loaded checkpoint objects equal, bitwise."""

@@ -46,7 +46,7 @@ def hf_llama(path):
 
 def test_every_build_mode_gives_the_plain_step0_weights(tmp_path, corpus):
     """Gathered step-0 weights equal GPT(spec, seed) in the training dtype, bitwise, in every mode; the ZeRO-3
-    import equals the checkpoint; the 38M model's partitioned build stays within its partition + 3 tensors."""
+    import equals the checkpoint; the 38M model's partitioned build stays within its partition + 4 tensors."""
     from dspipe.tools.hf_arch import load_hf_weights, spec_from_hf_dir
 
     hf = tmp_path / "hf"
@@ -93,6 +93,6 @@ def test_every_build_mode_gives_the_plain_step0_weights(tmp_path, corpus):
     whole = big.num_params * 4 / mib
     largest = max(torch.Size(shape).numel() for _, shape in big.model_tensors()) * 4 / mib
     growth = max(b - a for a, b in zip(figures["rss_before_build_mib"], figures["build_rss_mib"]))
-    assert growth <= whole / 2 + 3 * largest + 16, (growth, whole, largest)
+    assert growth <= whole / 2 + 4 * largest + 24 < whole, (growth, whole, largest)
     print(f"38M GPT ZeRO-3 dp 2: build grew {growth:.0f} MiB; whole fp32 model {whole:.0f} MiB, partition "
           f"{whole / 2:.0f}, largest tensor {largest:.0f}")

@@ -18,11 +18,13 @@ from dspipe.runtime.build import build_module
 
 
 def param_groups(module, weight_decay: float) -> list[dict]:
-    """AdamW groups: decay matrices and embeddings, not biases or LayerNorm weights (1-d tensors)."""
+    """AdamW groups: decay matrices and embeddings, not biases or LayerNorm weights (1-d tensors). The shape is
+    the tensor's own: a parameter built partitioned under zero.Init holds an empty 1-d placeholder (its ds_shape is
+    the real one), which would otherwise put every tensor in the no-decay group."""
     decay, no_decay = [], []
     for p in module.parameters():
         if p.requires_grad:
-            (decay if p.dim() >= 2 else no_decay).append(p)
+            (decay if len(getattr(p, "ds_shape", p.shape)) >= 2 else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 

@@ -70,11 +70,15 @@ def test_every_build_mode_gives_the_plain_step0_weights(tmp_path, corpus):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
 
     for name, (_, dtype) in {**RUNS, **SEQUENCE_PARALLEL}.items():
-        plain = GPT(load_run(tmp_path / name).model, seed=SEED).state_dict()
+        model = GPT(load_run(tmp_path / name).model, seed=SEED)
+        plain = model.state_dict()
         got = torch.load(out / f"{name}.pt")
         assert set(got) == set(plain), name
         for key, value in plain.items():
             assert got[key].dtype == dtype and torch.equal(got[key], value.to(dtype)), (name, key)
+        # the optimizer decays exactly the matrices and embeddings, whatever shape the build left on the tensor
+        wd = json.loads((out / f"{name}.json").read_text())["weight_decay"]
+        assert {n for n, d in wd.items() if d > 0} == {n for n, p in model.named_parameters() if p.dim() >= 2}, name
     modes = {name: json.loads((out / f"{name}.json").read_text())["mode"] for name in flags}
     assert modes == {"big-zero3": "partitioned", "zero3-fp32": "partitioned", "zero3-import": "partitioned",
                      "zero3-bf16-offload-params": "partitioned", "zero3-sp2": "partitioned",

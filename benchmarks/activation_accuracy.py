@@ -14,7 +14,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from dspipe.planner.presets import MODEL_PRESETS  # noqa: E402
+from dspipe.spec.presets import MODEL_PRESETS  # noqa: E402
 
 DOC = ROOT / "docs" / "planner-accuracy.md"
 BEGIN, END = "<!-- activations -->", "<!-- /activations -->"

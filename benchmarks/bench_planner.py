@@ -8,9 +8,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dspipe.planner.presets import MODEL_PRESETS  # noqa: E402
+from dspipe.spec.presets import MODEL_PRESETS  # noqa: E402
 from dspipe.planner.search import search  # noqa: E402
-from dspipe.planner.spec import ClusterSpec, TrainSpec  # noqa: E402
+from dspipe.spec.core import ClusterSpec, TrainSpec  # noqa: E402
 
 for gbs in (1536, 2048):
     start = time.perf_counter()

@@ -15,9 +15,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dspipe.planner import estimate as estimate_module  # noqa: E402
-from dspipe.planner.presets import MODEL_PRESETS, model_preset  # noqa: E402
+from dspipe.spec.presets import MODEL_PRESETS, model_preset  # noqa: E402
 from dspipe.planner.search import search, sp_choices, tp_choices  # noqa: E402
-from dspipe.planner.spec import ClusterSpec, TrainSpec  # noqa: E402
+from dspipe.spec.core import ClusterSpec, TrainSpec  # noqa: E402
 
 CASES = (
     # (label, model, cluster, global batch, training tokens)

@@ -15,8 +15,8 @@ from dspipe.atomic import replace_dir, write_file
 from dspipe.errors import SpecError
 from dspipe.jsonio import read_object, show
 from dspipe.planner.plan import Plan, check_plan
-from dspipe.planner.profile import PROFILE_FILE, profile_to_dict
-from dspipe.planner.spec import ClusterSpec, ModelSpec, StrategySpec, TrainSpec, from_dict
+from dspipe.spec.profile import PROFILE_FILE, profile_to_dict
+from dspipe.spec.core import ClusterSpec, ModelSpec, StrategySpec, TrainSpec, from_dict
 
 FORMAT_VERSION = 1
 SPEC_FILE = "dspipe.json"

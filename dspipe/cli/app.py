@@ -20,9 +20,9 @@ from dspipe.cli.prepare_run import prepare_run
 from dspipe.cli.report import report
 from dspipe.cluster.launch import run_program
 from dspipe.errors import SpecError
-from dspipe.planner.presets import MODEL_PRESETS
+from dspipe.spec.presets import MODEL_PRESETS
 from dspipe.planner.render import monitor_values, preset_names
-from dspipe.planner.spec import ClusterSpec, ModelSpec
+from dspipe.spec.core import ClusterSpec, ModelSpec
 from dspipe.planner.summary import estimate_summary, startup_lines
 
 
@@ -74,13 +74,13 @@ def gen_config(**o) -> None:
     command = _deepspeed_command(cluster=cluster, out=out, hostfile=o["hostfile"])
     extra = {CONFIG_FILE: resolved_text()}
     if cluster.profile is not None:  # the profile travels with the run (dspipe.json's cluster.profile holds it too)
-        from dspipe.planner.profile import PROFILE_FILE, profile_text
+        from dspipe.spec.profile import PROFILE_FILE, profile_text
         extra[PROFILE_FILE] = profile_text(cluster.profile)
     with also_writing(extra):
         prepare_run(out, model=model, cluster=cluster, best=best, data=o["data"], command=command,
                     wall_clock_breakdown=o["wall_clock_breakdown"], force=o["force"], monitors=monitor_values(o))
     if cluster.profile is None:  # --force without --profile: an earlier run's profile.json no longer applies
-        from dspipe.planner.profile import PROFILE_FILE
+        from dspipe.spec.profile import PROFILE_FILE
         (out / PROFILE_FILE).unlink(missing_ok=True)
     click.echo(f"model {model.name}: {model.num_params / 1e6:,.2f}M params, {model.shape_text}")
     click.echo(f"{plan.layout.describe()} | ZeRO-{plan.zero_stage} offload {plan.offload}"
@@ -148,8 +148,8 @@ def plan_command(**o) -> None:
 
 def time_figure_sources(cluster: ClusterSpec, o: dict, precision: str) -> list[tuple[str, str, str]]:
     """(figure, value, source) of the time model's inputs: the --profile, an override flag or the catalog."""
-    from dspipe.planner.hardware import GPU_CATALOG
-    from dspipe.planner.profile import figure_sources
+    from dspipe.spec.hardware import GPU_CATALOG
+    from dspipe.spec.profile import figure_sources
 
     return figure_sources(catalog=GPU_CATALOG[cluster.gpu], profile=cluster.profile, profile_name=o.get("profile"),
                           overrides={k: getattr(cluster, k) for k in ("intra_node_gbps", "inter_node_gbps")},

@@ -12,7 +12,7 @@ import click
 from dspipe.cli.options import choose, spec_options
 from dspipe.cli.prepare_run import prepare_run
 from dspipe.errors import SpecError
-from dspipe.planner.hardware import names_text
+from dspipe.spec.hardware import names_text
 
 CPU_RANKS = 2  # without GPUs: 2 CPU ranks on gloo, as the tests run
 BENCH_OPTIONS = {"steps": (10, "measured steps"), "warmup": (3, "warm-up steps before measuring (not timed)")}
@@ -65,7 +65,7 @@ def _devices(o: dict) -> tuple[str, int]:
 def bench_command(o: dict, *, command: str) -> dict:
     """Plan as gen-config does, write the run dir in a temp directory, launch the side(s), report."""
     from dspipe.tools import bench
-    from dspipe.planner.hardware import match_device
+    from dspipe.spec.hardware import match_device
     from dspipe.planner.throughput import model_flops_per_token
 
     warmup, steps = o["warmup"], o["steps"]

@@ -8,12 +8,12 @@ import click
 
 from dspipe.cli.options import FLOAT, INT, _model_from_options, model_options
 from dspipe.errors import SpecError
-from dspipe.planner.spec import PRECISIONS
+from dspipe.spec.core import PRECISIONS
 
 
 def _is_profile(path: Path) -> bool:
     """Whether `path` is a profile dspipe wrote (what --out may overwrite)."""
-    from dspipe.planner.profile import read_profile
+    from dspipe.spec.profile import read_profile
 
     try:
         read_profile(path)
@@ -39,7 +39,7 @@ def _is_profile(path: Path) -> bool:
 def calibrate(**o) -> None:
     """Measure compute (the model's forward + backward and its GEMMs), all-reduce bandwidth and latency, host copy,
     CPU-Adam and optimizer-step rates on this machine, and write a profile for --profile."""
-    from dspipe.planner.profile import profile_text
+    from dspipe.spec.profile import profile_text
     from dspipe.tools.calibrate import calibrate as measure
 
     for name, low in (("micro_batch", 1), ("repeats", 1), ("allreduce_mib", 1)):

@@ -17,8 +17,8 @@ from dspipe.cluster.launch import (LAUNCHERS, LaunchSpec, build, check_world, en
 from dspipe.cluster.netenv import (NCCL_DEBUG_LEVELS, NetworkSpec, parse_env_assignments, rank_environment,
                            write_env_file)
 from dspipe.rundir import load_run
-from dspipe.planner.hardware import gpu_type, names_text
-from dspipe.planner.spec import ClusterSpec
+from dspipe.spec.hardware import gpu_type, names_text
+from dspipe.spec.core import ClusterSpec
 
 NETWORK_FLAGS = ("ifname", "ib_hca", "no_ib", "nccl_debug", "timeout_min", "env")
 

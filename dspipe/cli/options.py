@@ -16,14 +16,14 @@ from pathlib import Path
 import click
 
 from dspipe.errors import SpecError
-from dspipe.planner.hardware import names_text
-from dspipe.planner.layout import ParallelLayout
-from dspipe.planner.presets import MODEL_PRESETS, model_preset
+from dspipe.spec.hardware import names_text
+from dspipe.spec.layout import ParallelLayout
+from dspipe.spec.presets import MODEL_PRESETS, model_preset
 from dspipe.planner.ds_preset import AUTO_OPTIONS, OPTION_FLAGS, PresetImport, account
 from dspipe.planner.render import import_ds_preset, render_ds_config
 from dspipe.planner.search import AUTO
 from dspipe.planner.estimate import MEMORY_HEADROOM
-from dspipe.planner.spec import (CHECKPOINTING, LIMITS, MLPS, NORMS, OFFLOADS, PARTITION_METHODS, POSITIONS,
+from dspipe.spec.core import (CHECKPOINTING, LIMITS, MLPS, NORMS, OFFLOADS, PARTITION_METHODS, POSITIONS,
                                  PRECISIONS, ClusterSpec, ModelSpec, StrategySpec, TrainSpec, token_count)
 
 DEFAULT_DATA = "data/stdlib"
@@ -334,7 +334,7 @@ def cluster_from_options(o: dict) -> ClusterSpec:
 def _calibration(o: dict) -> dict:
     """ClusterSpec's time-model inputs from --profile FILE (read and checked against --gpu) and the bandwidth
     overrides; a bad value is one line naming the flag."""
-    from dspipe.planner.profile import read_profile
+    from dspipe.spec.profile import read_profile
 
     for name in ("intra_node_gbps", "inter_node_gbps"):
         value = o.get(name)
@@ -342,7 +342,7 @@ def _calibration(o: dict) -> dict:
             raise SpecError(f"--{name.replace('_', '-')} must be a positive number of GB/s, got {value:g} "
                             f"(allowed: finite, (0, {LIMITS[name]:g}])")
     if o.get("gpu") is not None:
-        from dspipe.planner.hardware import gpu_type
+        from dspipe.spec.hardware import gpu_type
         gpu_type(o["gpu"])  # an unknown --gpu is named before its profile is judged
     profile = read_profile(o["profile"], gpu=o.get("gpu")) if o.get("profile") else None
     return dict(intra_node_gbps=o.get("intra_node_gbps"), inter_node_gbps=o.get("inter_node_gbps"), profile=profile)

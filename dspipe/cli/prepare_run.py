@@ -9,7 +9,7 @@ import click
 from dspipe.cli.options import applied_preset, preset_report
 from dspipe.errors import SpecError
 from dspipe.planner.render import render_ds_config
-from dspipe.planner.spec import ClusterSpec, ModelSpec
+from dspipe.spec.core import ClusterSpec, ModelSpec
 from dspipe.planner.summary import estimate_summary
 from dspipe.rundir import write_run
 

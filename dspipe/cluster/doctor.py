@@ -39,7 +39,7 @@ def devices() -> list[str]:
 
 def detect_gpu() -> str | None:
     """The catalog key for GPU 0 ('cpu' without CUDA), or None when the catalog has no such GPU."""
-    from dspipe.planner.hardware import detect
+    from dspipe.spec.hardware import detect
 
     gpu = detect().gpu
     return gpu.name if gpu else None

@@ -16,7 +16,7 @@ from dspipe.errors import SpecError
 KEY_VALUE = re.compile(r"^(slots|max_slots)=(.*)$")
 SLOT_COUNT = re.compile(r"[0-9]+", re.ASCII)
 LINE_BREAK = re.compile(r"\r\n|\r|\n")  # what DeepSpeed's runner (a text-mode file) splits lines on
-MAX_SLOTS = 1024  # = the largest --gpus-per-node (dspipe.planner.spec.LIMITS)
+MAX_SLOTS = 1024  # = the largest --gpus-per-node (dspipe.spec.core.LIMITS)
 MAX_HOSTS = 2**16  # = the largest --nodes
 MAX_BYTES = 16 * 2**20
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspipe.planner.spec import ModelSpec
+from dspipe.spec.core import ModelSpec
 
 INIT_STD = 0.02
 EMBED_INDEX = 0  # block i uses index i + 1; an untied head uses layers + 1

@@ -6,7 +6,7 @@ from typing import Callable
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
 from dspipe.model.gpt import Attention, Block, Embedding, FinalNorm, LMHead, lm_loss
-from dspipe.planner.spec import ModelSpec
+from dspipe.spec.core import ModelSpec
 
 TIED_KEY = "embed"
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 
-from dspipe.planner.spec import ModelSpec
+from dspipe.spec.core import ModelSpec
 
 _BLOCK = r"(?:^|.*\.)"  # any prefix: the plain model's h.N., or a wrapper's module. prefixes
 QKV = _BLOCK + r"attn\.c_attn\.(?:weight|bias)$"

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from dspipe.errors import SpecError
 from dspipe.jsonio import MISSING, dotted_get
-from dspipe.planner.spec import PARTITION_METHODS
+from dspipe.spec.core import PARTITION_METHODS
 
 AUTO = "auto"
 SCHEDULERS = ("WarmupCosineLR", "WarmupLR", "WarmupDecayLR")

@@ -61,9 +61,9 @@ from functools import lru_cache
 
 from dspipe.planner import autotp
 from dspipe.planner.throughput import model_flops_per_token
-from dspipe.planner.hardware import GpuType
+from dspipe.spec.hardware import GpuType
 from dspipe.planner.plan import Plan
-from dspipe.planner.spec import ClusterSpec, ModelSpec
+from dspipe.spec.core import ClusterSpec, ModelSpec
 from dspipe.planner.startup import StartupEstimate, build_mode, startup_estimate
 
 GIB = 1024**3
@@ -191,7 +191,7 @@ def run_days(*, flops_per_token: float, tokens: float, gpus: int, tflops_per_gpu
 
 def _share(count: int, ranks: int) -> int:
     """One rank's share of `count` split evenly over `ranks` (the rules make tp divide the split widths and sp the
-    sequence length; the world itself is divided only by planner/layout.py)."""
+    sequence length; the world itself is divided only by spec/layout.py)."""
     return count // ranks
 
 

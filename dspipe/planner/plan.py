@@ -5,8 +5,8 @@ import math
 from dataclasses import dataclass, fields
 
 from dspipe.errors import SpecError
-from dspipe.planner.layout import ParallelLayout
-from dspipe.planner.spec import ClusterSpec, ModelSpec, StrategySpec, TrainSpec
+from dspipe.spec.layout import ParallelLayout
+from dspipe.spec.core import ClusterSpec, ModelSpec, StrategySpec, TrainSpec
 
 MIN_BUCKET = 1 << 20  # elements; h^2 buckets for tiny models would mean thousands of tiny collectives
 

@@ -12,7 +12,7 @@ from dspipe.errors import SpecError
 from dspipe.planner.ds_preset import PresetImport, import_preset, read_preset, scheduler_block
 from dspipe.planner import autotp
 from dspipe.planner.plan import Plan
-from dspipe.planner.spec import ModelSpec, TrainSpec
+from dspipe.spec.core import ModelSpec, TrainSpec
 
 RESOURCES = Path(str(importlib.resources.files("dspipe") / "resources"))  # shipped inside the package
 TEMPLATES = RESOURCES / "templates"

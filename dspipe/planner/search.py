@@ -7,10 +7,10 @@ import math
 from dataclasses import dataclass, replace
 
 from dspipe.errors import SpecError
-from dspipe.planner.layout import ParallelLayout
+from dspipe.spec.layout import ParallelLayout
 from dspipe.planner.estimate import GIB, MEMORY_HEADROOM, Estimate, estimate, throughput
 from dspipe.planner.plan import Plan, check_rules, make_plan
-from dspipe.planner.spec import ClusterSpec, ModelSpec, StrategySpec, TrainSpec
+from dspipe.spec.core import ClusterSpec, ModelSpec, StrategySpec, TrainSpec
 from dspipe.planner.startup import size_text
 
 AUTO = "auto"

@@ -72,7 +72,7 @@ def human_report(result: SearchResult, *, tokens: float | None, tokens_text: str
     """`dspipe plan`'s text: the chosen plan, its memory and step time, the tie, the top plans, and why every other
     family and tp/sp size lost. `tokens_text`: the budget as the user wrote it (300B); `host_memory_source`: where the
     host RAM per node came from (ClusterSpec.host_memory_source); `figure_sources`: (figure, value, source) of the
-    time model's inputs (dspipe.planner.profile.figure_sources), listed when any is not the catalog's."""
+    time model's inputs (dspipe.spec.profile.figure_sources), listed when any is not the catalog's."""
     best = result.best
     s = estimate_summary(best, tokens=tokens)
     mem, p = s["memory_per_gpu_bytes"], best.plan

@@ -7,7 +7,7 @@ Imports no torch.
 """
 from __future__ import annotations
 
-from dspipe.planner.spec import ModelSpec
+from dspipe.spec.core import ModelSpec
 
 # metrics.csv (one row per optimizer step, rank 0) and val_metrics.csv columns, in order.
 STEP_COLUMNS = ("step", "tokens", "loss", "lr", "grad_norm", "tokens_per_s", "samples_per_s", "tflops_per_gpu",

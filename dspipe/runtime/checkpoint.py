@@ -26,7 +26,7 @@ from pathlib import Path
 from dspipe.atomic import replace_dir
 from dspipe.errors import SpecError
 from dspipe.jsonio import read_object, show
-from dspipe.planner.spec import ZERO_STAGES, ModelSpec, from_dict
+from dspipe.spec.core import ZERO_STAGES, ModelSpec, from_dict
 from dspipe.rundir import SPEC_FILE
 from dspipe.runtime.ckptfiles import check_checkpoint
 from dspipe.runtime.reshard import UNIVERSAL_PREFIX, dp_change_refusal, load_resharded

@@ -45,7 +45,7 @@ def _mp(meta: dict) -> int:
 
 def check_checkpoint(path: Path, *, meta: dict) -> None:
     """Every file of checkpoint `path` (whose dspipe.json read_meta validated), as the module docstring says."""
-    from dspipe.planner.spec import ModelSpec, from_dict
+    from dspipe.spec.core import ModelSpec, from_dict
 
     path = Path(path)
     present = {p.name for p in path.iterdir() if p.is_file()}

@@ -12,7 +12,7 @@ its slice of each sequence.
 from __future__ import annotations
 
 
-from dspipe.planner.layout import ParallelLayout
+from dspipe.spec.layout import ParallelLayout
 from dspipe.rundir import Run
 from dspipe.runtime.build import build_module
 

@@ -23,7 +23,7 @@ from dspipe.runtime.stability import Health, PoisonedLoss, guard_base_optimizer,
 
 def device_peak_tflops(*, precision: str) -> tuple[str, float | None]:
     """(device name, its catalog peak for the precision); the peak is None on CPUs and unknown devices."""
-    from dspipe.planner.hardware import detect
+    from dspipe.spec.hardware import detect
 
     found = detect()
     gpu = found.gpu if found.gpu and found.gpu.backend == "nccl" else None  # no MFU on CPU ranks

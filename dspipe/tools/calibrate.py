@@ -1,4 +1,4 @@
-"""`dspipe calibrate`: measure this machine at a model's shapes and write a profile (dspipe.planner.profile) that the
+"""`dspipe calibrate`: measure this machine at a model's shapes and write a profile (dspipe.spec.profile) that the
 planner uses instead of the catalog's figures.
 
 Ranks run as the training ranks would: one process per GPU (NCCL), or on a CPU machine `ranks` processes on gloo with
@@ -33,8 +33,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from dspipe.errors import SpecError
-from dspipe.planner.profile import Profile
-from dspipe.planner.spec import ModelSpec
+from dspipe.spec.profile import Profile
+from dspipe.spec.core import ModelSpec
 from dspipe.planner.throughput import model_flops_per_token
 from dspipe.tools.bench import versions
 
@@ -248,7 +248,7 @@ def calibrate(*, model: ModelSpec, precision: str, micro_batch: int, ranks: int 
     import torch
     import torch.multiprocessing as mp
 
-    from dspipe.planner.hardware import detect
+    from dspipe.spec.hardware import detect
     from dspipe.cli.bench import CPU_RANKS
     from dspipe.tools.bench import cpu_threads, free_port
 

@@ -32,7 +32,7 @@ from dspipe.atomic import replace_dir
 from dspipe.errors import SpecError
 from dspipe.jsonio import read_object
 from dspipe.rundir import DS_CONFIG_FILE
-from dspipe.planner.spec import ModelSpec, from_dict
+from dspipe.spec.core import ModelSpec, from_dict
 from dspipe.tools.hf_arch import architecture_of, hf_model  # the architectures (hf_model re-exported)
 from dspipe.tools.hf_arch import layer_prefix as _layer_prefix, pipeline_gpt_name as _pipeline_name
 

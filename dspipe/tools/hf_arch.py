@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Mapping
 
 from dspipe.errors import SpecError
-from dspipe.planner.spec import ModelSpec
+from dspipe.spec.core import ModelSpec
 
 GPT2, LLAMA = "GPT2LMHeadModel", "LlamaForCausalLM"
 SUPPORTED = (GPT2, LLAMA)

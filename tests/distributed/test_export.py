@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dspipe.runtime import checkpoint as ckpt
-from dspipe.planner.spec import ModelSpec
+from dspipe.spec.core import ModelSpec
 from tests.helpers import ROOT, error_lines, launch, make_run
 
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -35,7 +35,7 @@ def test_export_of_zero3_and_pipeline_checkpoints(tmp_path, corpus, monkeypatch)
 
     from dspipe.tools.export import consolidate, load_gpt
     from dspipe.model.gpt import GPT
-    from dspipe.planner.spec import from_dict
+    from dspipe.spec.core import from_dict
 
     for k, v in OFFLINE.items():
         monkeypatch.setenv(k, v)

@@ -5,9 +5,9 @@ from dataclasses import replace
 
 import pytest
 
-from dspipe.planner.presets import MODEL_PRESETS
+from dspipe.spec.presets import MODEL_PRESETS
 from dspipe.planner.search import search
-from dspipe.planner.spec import ClusterSpec, TrainSpec
+from dspipe.spec.core import ClusterSpec, TrainSpec
 
 TINY = MODEL_PRESETS["tiny"]
 SMALL = replace(TINY, name="small", layers=4, hidden=128, heads=4, seq_len=128, ffn=512, vocab=512)

@@ -385,7 +385,7 @@ def test_val_metrics_csv_gets_a_column_per_source(tmp_path):
 # ---- the checkpoint's data state ----------------------------------------------------------------------------------
 
 def checkpoint_with(tmp_path, data):
-    from dspipe.planner.presets import model_preset
+    from dspipe.spec.presets import model_preset
     from dataclasses import asdict
 
     ckpt = tmp_path / "global_step2"

@@ -8,11 +8,11 @@ import pytest
 
 from dspipe.errors import SpecError
 from dspipe.planner.estimate import estimate
-from dspipe.planner.hardware import GPU_CATALOG
+from dspipe.spec.hardware import GPU_CATALOG
 from dspipe.planner.plan import make_plan
-from dspipe.planner.presets import model_preset
-from dspipe.planner.profile import PROFILE_FILE, Profile, profile_text, profile_to_dict, read_profile
-from dspipe.planner.spec import ClusterSpec, StrategySpec, TrainSpec
+from dspipe.spec.presets import model_preset
+from dspipe.spec.profile import PROFILE_FILE, Profile, profile_text, profile_to_dict, read_profile
+from dspipe.spec.core import ClusterSpec, StrategySpec, TrainSpec
 from dspipe.planner.throughput import model_flops_per_token
 from tests.helpers import dspipe, run_cli
 

@@ -126,7 +126,7 @@ def test_corpus_shorter_than_one_sequence_is_refused_at_gen_config(tmp_path, cor
 
 
 def test_planning_modules_import_without_torch_or_deepspeed():
-    code = ("import sys, dspipe.planner.spec, dspipe.planner.plan, dspipe.planner.render, dspipe.planner.presets, dspipe.rundir, dspipe.cli.app; "
+    code = ("import sys, dspipe.spec.core, dspipe.planner.plan, dspipe.planner.render, dspipe.spec.presets, dspipe.rundir, dspipe.cli.app; "
             "bad = [m for m in ('torch', 'deepspeed') if m in sys.modules]; print(bad); sys.exit(bool(bad))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr

@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 import dspipe.cli
-from dspipe.planner.spec import ClusterSpec, ModelSpec, StrategySpec, TrainSpec
+from dspipe.spec.core import ClusterSpec, ModelSpec, StrategySpec, TrainSpec
 
 CLI_DIR = Path(dspipe.cli.__file__).resolve().parent
 SPECS = (ModelSpec, ClusterSpec, TrainSpec, StrategySpec)

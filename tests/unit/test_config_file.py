@@ -15,7 +15,7 @@ from tests.helpers import ROOT, run_cli
 from dspipe.cli import app, config_file
 from dspipe.cli.bench import BENCH_OPTIONS
 from dspipe.cli.config_file import COMMAND_LINE_ONLY, CONFIG_COMMANDS, OWN_MEANING, SECTIONS, file_key
-from dspipe.planner.presets import MODEL_PRESETS
+from dspipe.spec.presets import MODEL_PRESETS
 
 CPU2 = ["--model", "tiny", "--gpu", "cpu", "--gpus-per-node", "2", "--global-batch", "16", "--micro-batch", "4"]
 EXAMPLES = sorted((ROOT / "examples" / "configs").glob("*.yaml"))

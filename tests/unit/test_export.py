@@ -8,7 +8,7 @@ import torch
 
 from dspipe.runtime import checkpoint as ckpt
 from dspipe.errors import SpecError
-from dspipe.planner.spec import ModelSpec
+from dspipe.spec.core import ModelSpec
 from tests.helpers import dspipe, error_lines, make_run
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dspipe.errors import SpecError
-from dspipe.planner.spec import ModelSpec
+from dspipe.spec.core import ModelSpec
 from tests.helpers import run_cli
 
 TOL = 1e-5

@@ -2,7 +2,7 @@
 import pytest
 
 from dspipe.errors import SpecError
-from dspipe.planner.layout import ParallelLayout
+from dspipe.spec.layout import ParallelLayout
 
 
 @pytest.mark.parametrize("world, pp, tp, sp, dp", [(1, 1, 1, 1, 1), (8, 2, 1, 1, 4), (8, 1, 2, 1, 4),
@@ -48,8 +48,8 @@ def test_pipeline_only_layout_matches_the_pipeline_modules_topology():
 
 def test_the_plan_carries_the_layout():
     from dspipe.planner.plan import make_plan
-    from dspipe.planner.presets import model_preset
-    from dspipe.planner.spec import ClusterSpec, StrategySpec, TrainSpec
+    from dspipe.spec.presets import model_preset
+    from dspipe.spec.core import ClusterSpec, StrategySpec, TrainSpec
 
     plan = make_plan(model=model_preset("tiny"), cluster=ClusterSpec(2, 4, "cpu"),
                      train=TrainSpec(global_batch=16, micro_batch=2, steps=10, warmup_steps=1, precision="fp32"),

@@ -7,7 +7,7 @@ from torch.utils.checkpoint import checkpoint
 
 from dspipe.model.gpt import GPT
 from dspipe.model.pipeline import layer_specs
-from dspipe.planner.presets import MODEL_PRESETS, model_preset
+from dspipe.spec.presets import MODEL_PRESETS, model_preset
 
 SPEC = model_preset("tiny")
 

@@ -3,7 +3,7 @@ ModelSpec.model_tensors() lists (names and shapes), so the planner's parameter c
 FLOPs per token, model states, AutoTP splits) are the model's; Llama-family counts equal the published ones."""
 import pytest
 
-from dspipe.planner.presets import MODEL_PRESETS
+from dspipe.spec.presets import MODEL_PRESETS
 
 PUBLISHED = {  # parameter counts of the released checkpoints (sum of numel of the Hugging Face weights)
     "llama2-7b": 6_738_415_616, "llama2-13b": 13_015_864_320, "llama2-70b": 68_976_648_192,

@@ -9,7 +9,7 @@ import pytest
 
 from tests.helpers import run_cli
 
-from dspipe.planner.spec import LIMITS
+from dspipe.spec.core import LIMITS
 
 HUGE = "9" * 30
 CPU2 = ["--model", "tiny", "--gpu", "cpu", "--gpus-per-node", "2", "--global-batch", "16", "--micro-batch", "4",

@@ -4,7 +4,7 @@ model's real parameter names, and the shard merge export uses."""
 import pytest
 
 from dspipe.planner.autotp import layer_specs, merge_shards, split_of
-from dspipe.planner.presets import MODEL_PRESETS, model_preset
+from dspipe.spec.presets import MODEL_PRESETS, model_preset
 from tests.helpers import run_cli
 
 CPU = ["--model", "tiny", "--gpu", "cpu", "--global-batch", "16", "--micro-batch", "4"]
@@ -37,9 +37,9 @@ def test_bad_layouts_are_one_line_exit_2_nothing_written(flags, message, tmp_pat
 
 def _render(**strategy):
     from dspipe.planner.plan import make_plan
-    from dspipe.planner.presets import model_preset
+    from dspipe.spec.presets import model_preset
     from dspipe.planner.render import render_ds_config
-    from dspipe.planner.spec import ClusterSpec, StrategySpec, TrainSpec
+    from dspipe.spec.core import ClusterSpec, StrategySpec, TrainSpec
 
     model = model_preset("tiny")
     cluster = ClusterSpec(nodes=1, gpus_per_node=4, gpu="cpu")
@@ -167,9 +167,9 @@ def test_monitor_values_render_wandb_and_comet_as_deepspeed_reads_them():
     from deepspeed.monitor.config import get_monitor_config
 
     from dspipe.planner.plan import make_plan
-    from dspipe.planner.presets import model_preset
+    from dspipe.spec.presets import model_preset
     from dspipe.planner.render import monitor_values, render_ds_config
-    from dspipe.planner.spec import ClusterSpec, StrategySpec, TrainSpec
+    from dspipe.spec.core import ClusterSpec, StrategySpec, TrainSpec
 
     train = TrainSpec(global_batch=16, micro_batch=2, steps=10, warmup_steps=2, precision="fp32")
     plan = make_plan(model=model_preset("tiny"), cluster=ClusterSpec(nodes=1, gpus_per_node=2, gpu="cpu"),

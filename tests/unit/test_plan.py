@@ -2,8 +2,8 @@ import pytest
 
 from dspipe.errors import SpecError
 from dspipe.planner.plan import make_plan
-from dspipe.planner.presets import model_preset
-from dspipe.planner.spec import ClusterSpec, StrategySpec, TrainSpec
+from dspipe.spec.presets import model_preset
+from dspipe.spec.core import ClusterSpec, StrategySpec, TrainSpec
 
 
 def plan(*, nodes=1, gpus=8, gpu="h100-80g", gbs=256, mb=4, precision="bf16", steps=100, **strategy):

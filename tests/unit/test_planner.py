@@ -7,9 +7,9 @@ import pytest
 from dspipe.planner.estimate import (estimate, run_days, stage_params, stage_layer_weights, textbook_model_states,
                                      zero3_backward_working)
 from dspipe.planner.plan import make_plan
-from dspipe.planner.presets import MODEL_PRESETS, model_preset
+from dspipe.spec.presets import MODEL_PRESETS, model_preset
 from dspipe.planner.search import search
-from dspipe.planner.spec import ClusterSpec, StrategySpec, TrainSpec
+from dspipe.spec.core import ClusterSpec, StrategySpec, TrainSpec
 from tests.helpers import dspipe
 
 

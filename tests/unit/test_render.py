@@ -5,9 +5,9 @@ import pytest
 
 from dspipe.runtime.dscheck import parse_with_deepspeed
 from dspipe.planner.plan import make_plan
-from dspipe.planner.presets import MODEL_PRESETS
+from dspipe.spec.presets import MODEL_PRESETS
 from dspipe.planner.render import DS_PRESETS, TEMPLATES, load_ds_preset, render_ds_config, render_template, strategy_from_ds_config
-from dspipe.planner.spec import ClusterSpec, StrategySpec, TrainSpec
+from dspipe.spec.core import ClusterSpec, StrategySpec, TrainSpec
 from tests.helpers import dspipe
 
 STRATEGIES = [

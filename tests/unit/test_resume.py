@@ -56,7 +56,7 @@ def test_trim_metrics_and_atomic_write(tmp_path):
 
 
 def test_save_interval_and_keep_are_validated():
-    from dspipe.planner.spec import TrainSpec
+    from dspipe.spec.core import TrainSpec
     with pytest.raises(SpecError, match="save_interval"):
         TrainSpec(global_batch=8, micro_batch=1, steps=10, save_interval=-1)
     with pytest.raises(SpecError, match="keep_checkpoints"):
@@ -148,7 +148,7 @@ def test_check_compatible_refuses_a_pipeline_under_another_dp(tmp_path):
     from dataclasses import asdict
     from types import SimpleNamespace
 
-    from dspipe.planner.presets import model_preset
+    from dspipe.spec.presets import model_preset
 
     model = model_preset("tiny")
     run = SimpleNamespace(model=model, plan=SimpleNamespace(pp=2, tp=1, sp=1, zero_stage=1, dp=1, offload="none"))

@@ -3,9 +3,9 @@ import math
 import pytest
 
 from dspipe.errors import SpecError
-from dspipe.planner.presets import MODEL_PRESETS, model_preset
-from dspipe.planner.hardware import GPU_CATALOG, gpu_type
-from dspipe.planner.spec import ClusterSpec, ModelSpec, StrategySpec, TrainSpec
+from dspipe.spec.presets import MODEL_PRESETS, model_preset
+from dspipe.spec.hardware import GPU_CATALOG, gpu_type
+from dspipe.spec.core import ClusterSpec, ModelSpec, StrategySpec, TrainSpec
 
 
 def test_gpt2_small_parameter_count_matches_the_released_model():
@@ -83,14 +83,14 @@ def test_strategy_rejects_unknown_values():
     ("NVIDIA A100-SXM4-80GB", None, "a100-80g"), ("NVIDIA A100-PCIE-40GB", None, "a100-40g"),
     ("NVIDIA GeForce RTX 4090", 24, None), ("cpu", None, None)])
 def test_one_rule_maps_a_device_to_the_catalog(name, memory_gib, key):
-    from dspipe.planner.hardware import match_device
+    from dspipe.spec.hardware import match_device
 
     found = match_device(name, memory_bytes=None if memory_gib is None else int(memory_gib * 2**30))
     assert (found.name if found else None) == key
 
 
 def test_help_and_errors_list_the_catalog():
-    from dspipe.planner.hardware import names_text
+    from dspipe.spec.hardware import names_text
 
     assert names_text() == ", ".join(GPU_CATALOG)
     with pytest.raises(SpecError, match=f"valid: {names_text()}"):

@@ -8,8 +8,8 @@ import pytest
 
 from dspipe.planner.estimate import GIB, estimate, largest_tensor, stage_params
 from dspipe.planner.plan import make_plan
-from dspipe.planner.presets import MODEL_PRESETS
-from dspipe.planner.spec import ClusterSpec, StrategySpec, TrainSpec
+from dspipe.spec.presets import MODEL_PRESETS
+from dspipe.spec.core import ClusterSpec, StrategySpec, TrainSpec
 from dspipe.planner.startup import DISK_GBPS, DRAW_RATE, build_mode, startup_estimate
 from dspipe.planner.throughput import STEP_COLUMNS
 from tests.helpers import dspipe, run_cli

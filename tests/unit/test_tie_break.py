@@ -2,9 +2,9 @@
 roomier one, whatever the recipe's order says, and `plan` says so."""
 import pytest
 
-from dspipe.planner.presets import model_preset
+from dspipe.spec.presets import model_preset
 from dspipe.planner.search import ROOMY, TIE, _preference, search
-from dspipe.planner.spec import ClusterSpec, TrainSpec
+from dspipe.spec.core import ClusterSpec, TrainSpec
 
 CASES = [("gpt3-1.3b", 1, 8, "a100-40g", 256), ("gpt2-1.5b", 1, 8, "a100-40g", 256),
          ("gpt3-6.7b", 1, 8, "h100-80g", 256), ("gpt3-13b", 2, 8, "a100-80g", 256), ("gpt3-2.7b", 1, 8, "a100-40g", 256),

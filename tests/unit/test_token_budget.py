@@ -12,7 +12,7 @@ from tests.helpers import run_cli
 
 from dspipe.cli.options import steps_for_tokens
 from dspipe.errors import SpecError
-from dspipe.planner.spec import TrainSpec, token_count
+from dspipe.spec.core import TrainSpec, token_count
 
 CPU2 = ["--model", "tiny", "--gpu", "cpu", "--gpus-per-node", "2", "--global-batch", "16", "--micro-batch", "4"]
 

@@ -10,11 +10,11 @@ import pytest
 from dspipe.planner.estimate import (MEMORY_HEADROOM, RING_BASE_LATENCY_S, RING_HOP_LATENCY_S,
                                      activation_bytes_per_layer, block_params_per_rank, embedding_bytes, estimate,
                                      logits_bytes, ring_latency_s, stage_params, tp_split_params_per_block)
-from dspipe.planner.hardware import GPU_CATALOG
+from dspipe.spec.hardware import GPU_CATALOG
 from dspipe.planner.plan import make_plan
-from dspipe.planner.presets import MODEL_PRESETS, model_preset
+from dspipe.spec.presets import MODEL_PRESETS, model_preset
 from dspipe.planner.search import search, sp_choices, tp_choices
-from dspipe.planner.spec import ClusterSpec, StrategySpec, TrainSpec
+from dspipe.spec.core import ClusterSpec, StrategySpec, TrainSpec
 from dspipe.planner.summary import estimate_summary, human_report
 from tests.helpers import run_cli
 

@@ -9,8 +9,8 @@ import re
 from dataclasses import MISSING, dataclass, fields, replace
 
 from dspipe.errors import SpecError
-from dspipe.planner.hardware import GPU_CATALOG, GpuType, gpu_type
-from dspipe.planner.profile import Profile, apply_profile, check_profile_gpu, profile_from_dict
+from dspipe.spec.hardware import GPU_CATALOG, GpuType, gpu_type
+from dspipe.spec.profile import Profile, apply_profile, check_profile_gpu, profile_from_dict
 
 PRECISIONS = ("bf16", "fp16", "fp32")
 ZERO_STAGES = (0, 1, 2, 3)
@@ -258,7 +258,7 @@ class ClusterSpec:
     gpus_per_node: int
     """Ranks per machine (GPUs, or CPU processes on the 'cpu' type)."""
     gpu: str
-    """GPU type, a key of the hardware catalog (dspipe.planner.hardware)."""
+    """GPU type, a key of the hardware catalog (dspipe.spec.hardware)."""
     host_memory_gib: float | None = None
     """Host RAM per node for offloaded state; None: the GPU type's reference figure per GPU x gpus_per_node
     (hardware.GpuType.host_memory_per_gpu_bytes, e.g. DGX H100: 2 TiB / 8 GPUs)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from dspipe.errors import SpecError
-from dspipe.planner.spec import ModelSpec
+from dspipe.spec.core import ModelSpec
 
 GPT2_VOCAB = 50257
 

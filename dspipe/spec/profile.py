@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from dspipe.errors import SpecError
-from dspipe.planner.hardware import GpuType
+from dspipe.spec.hardware import GpuType
 
 PROFILE_FORMAT = "dspipe-profile"
 PROFILE_VERSION = 1

@@ -12,9 +12,8 @@ import click
 from dspipe.cli.options import choose, spec_options
 from dspipe.cli.prepare_run import prepare_run
 from dspipe.errors import SpecError
-from dspipe.spec.hardware import names_text
+from dspipe.spec.hardware import CPU_RANKS, names_text
 
-CPU_RANKS = 2  # without GPUs: 2 CPU ranks on gloo, as the tests run
 BENCH_OPTIONS = {"steps": (10, "measured steps"), "warmup": (3, "warm-up steps before measuring (not timed)")}
 """The shared options bench gives its own meaning: they count benchmark steps, not the run's optimizer steps and
 lr warmup (the run dir trains warmup + steps optimizer steps with the usual derived lr warmup)."""

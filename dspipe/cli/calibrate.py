@@ -58,7 +58,7 @@ def calibrate(**o) -> None:
         if out.exists() and not _is_profile(out):  # an earlier profile is rewritten, nothing else
             raise SpecError(f"--out {out} exists and is not a dspipe profile; choose another --out")
     if o["init_from"]:
-        from dspipe.tools.hf_arch import init_from_spec
+        from dspipe.cli.init_from import init_from_spec
         model = init_from_spec(o["init_from"], o)
     else:
         model = _model_from_options(o)

@@ -469,7 +469,7 @@ def request_from_options(o: dict) -> tuple[ModelSpec, ClusterSpec, TrainSpec, di
     fixed = {k: o[k] for k in STRATEGY_KEYS}
     fixed["zero"] = None if fixed["zero"] is None else int(fixed["zero"])
     if o.get("init_from"):  # the model is HF_DIR's (shape flags checked against its config.json)
-        from dspipe.tools.hf_arch import init_from_spec
+        from dspipe.cli.init_from import init_from_spec
         model = init_from_spec(o["init_from"], o)
     else:
         model = _model_from_options(o)
@@ -538,7 +538,7 @@ def choose(o: dict, *, check_model=None):
     headroom = MEMORY_HEADROOM if headroom is None else headroom / 100
     import_bytes = None
     if o.get("init_from"):  # the start-up reads these bytes instead of drawing (headers only: no tensor is read)
-        from dspipe.tools.hf_arch import check_weights
+        from dspipe.model.hf_weights import check_weights
         import_bytes = check_weights(o["init_from"], model)
     result = search(model=model, cluster=cluster, train=train, fixed=fixed, headroom=headroom,
                     import_bytes=import_bytes)

@@ -1,7 +1,7 @@
 """Build this rank's module the way the plan's start-up says (dspipe.planner.startup.build_mode), so that no rank
 holds more of the model than its mode needs, and give it its step-0 weights: dspipe's seeded draws
 (dspipe.model.gpt.initial_values) or, with train.init_from, the Hugging Face weights read lazily
-(dspipe.tools.hf_arch.HFWeights). Every mode gives the same step-0 weights as GPT(spec, seed=seed).
+(dspipe.model.hf_weights.HFWeights). Every mode gives the same step-0 weights as GPT(spec, seed=seed).
 
     partitioned  ZeRO-3, tp 1, pp 1: constructed under deepspeed.zero.Init (each parameter partitioned as soon
                  as its layer exists, in the training dtype, where offload_param says), then each rank writes only
@@ -54,7 +54,7 @@ def build_module(run: Run, *, mpu=None):
     mode = build_mode(zero_stage=plan.zero_stage, tp=plan.tp, pp=plan.pp)
     weights = None
     if run.train.init_from:  # a resumed run's checkpoint loads over these after deepspeed.initialize
-        from dspipe.tools.hf_arch import HFWeights
+        from dspipe.model.hf_weights import HFWeights
 
         weights = HFWeights(run.train.init_from, run.model)
     if mode == "stage":
@@ -79,7 +79,7 @@ def _stage(run: Run, *, checkpoint_fn, weights):
                            activation_checkpoint_interval=plan.activation_checkpoint_interval,
                            checkpoint_fn=checkpoint_fn or deepspeed.checkpointing.checkpoint, seed=run.train.seed)
     if weights is not None:  # this stage's tensors only
-        from dspipe.tools.hf_arch import load_into_module
+        from dspipe.model.hf_weights import load_into_module
 
         load_into_module(model, weights, spec=run.model)
     return model
@@ -100,7 +100,7 @@ def _materialised(run: Run, *, weights, on_device: bool):
     if weights is None:
         fill(model, seed=run.train.seed)
     else:
-        from dspipe.tools.hf_arch import load_into_module
+        from dspipe.model.hf_weights import load_into_module
 
         load_into_module(model, weights, spec=run.model)
     return model
@@ -126,7 +126,7 @@ def _partitioned(run: Run, *, weights, mpu):
             fill(model, seed=run.train.seed,
                  write=lambda p, draw: write_partition(p, read=_slices(draw().reshape(-1))))
         else:
-            from dspipe.tools.hf_arch import load_into_module
+            from dspipe.model.hf_weights import load_into_module
 
             load_into_module(model, weights, spec=run.model,
                              write=lambda p, name: write_partition(p, read=lambda a, b: weights.flat(name, a, b)))

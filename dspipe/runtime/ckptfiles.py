@@ -113,7 +113,7 @@ def _model_states(file: Path, *, meta: dict) -> dict:
 
 
 def _layer_file(file: Path, *, index: int, meta: dict, expected: dict) -> dict[str, tuple]:
-    from dspipe.tools.hf_arch import layer_prefix
+    from dspipe.model.names import layer_prefix
 
     layers = meta["model"]["layers"]
     if meta["pp"] == 1 or index > layers + 2:

@@ -10,6 +10,8 @@ from dspipe.errors import SpecError
 
 MIB = 1024**2
 GIB = 1024**3
+CPU_RANKS = 2
+"""Ranks on a machine without GPUs (bench, calibrate): 2 CPU ranks on gloo, as the tests run."""
 
 
 @dataclass(frozen=True)

@@ -248,8 +248,7 @@ def calibrate(*, model: ModelSpec, precision: str, micro_batch: int, ranks: int 
     import torch
     import torch.multiprocessing as mp
 
-    from dspipe.spec.hardware import detect
-    from dspipe.cli.bench import CPU_RANKS
+    from dspipe.spec.hardware import CPU_RANKS, detect
     from dspipe.tools.bench import cpu_threads, free_port
 
     cuda = torch.cuda.is_available()

@@ -1,5 +1,5 @@
 """A dspipe checkpoint -> one fp32 state dict (dspipe GPT names) -> a Hugging Face directory (GPT2LMHeadModel or
-LlamaForCausalLM, as the model's architecture is: dspipe.tools.hf_arch).
+LlamaForCausalLM, as the model's architecture is: dspipe.model.hf).
 
 Where the weights come from, by layout:
 
@@ -33,8 +33,8 @@ from dspipe.errors import SpecError
 from dspipe.jsonio import read_object
 from dspipe.rundir import DS_CONFIG_FILE
 from dspipe.spec.core import ModelSpec, from_dict
-from dspipe.tools.hf_arch import architecture_of, hf_model  # the architectures (hf_model re-exported)
-from dspipe.tools.hf_arch import layer_prefix as _layer_prefix, pipeline_gpt_name as _pipeline_name
+from dspipe.model.hf import architecture_of, hf_model  # the architectures (hf_model re-exported)
+from dspipe.model.names import layer_prefix as _layer_prefix, pipeline_gpt_name as _pipeline_name
 
 LAYER_FILE = re.compile(r"^layer_(\d+)(?:-model_\d+)?-model_states\.pt$")  # -model_XX: tensor parallel only
 OPTIM_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")

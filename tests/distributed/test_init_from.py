@@ -87,7 +87,7 @@ def test_continued_pretraining_from_a_hugging_face_llama(tmp_path, corpus, monke
     from transformers import AutoModelForCausalLM
 
     from dspipe.tools.export import consolidate, load_gpt
-    from dspipe.tools.hf_arch import from_hf_state, spec_from_hf_dir
+    from dspipe.model.hf import from_hf_state, spec_from_hf_dir
 
     for k, v in OFFLINE.items():
         monkeypatch.setenv(k, v)

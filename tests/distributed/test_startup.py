@@ -47,7 +47,8 @@ def hf_llama(path):
 def test_every_build_mode_gives_the_plain_step0_weights(tmp_path, corpus):
     """Gathered step-0 weights equal GPT(spec, seed) in the training dtype, bitwise, in every mode; the ZeRO-3
     import equals the checkpoint; the 38M model's partitioned build stays within its partition + 4 tensors."""
-    from dspipe.tools.hf_arch import load_hf_weights, spec_from_hf_dir
+    from dspipe.model.hf import spec_from_hf_dir
+    from dspipe.model.hf_weights import load_hf_weights
 
     hf = tmp_path / "hf"
     hf_llama(hf)

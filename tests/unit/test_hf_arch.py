@@ -1,4 +1,4 @@
-"""dspipe.tools.hf_arch: Hugging Face GPT-2 and Llama directories read as ModelSpec + weights (dspipe's forward equals
+"""dspipe.model.hf and hf_weights: Hugging Face GPT-2 and Llama directories read as ModelSpec + weights (dspipe's forward equals
 transformers' in fp32), the exact inverse mapping back, parameter counts, the export of a Llama model, the
 pipeline-stage loader, `--init-from` on the command line, and the one-line refusals."""
 import json
@@ -60,7 +60,8 @@ def hf_state(model) -> dict:
 @pytest.mark.parametrize("case", list(CASES))
 def test_hf_directory_loads_into_dspipe_gpt_with_the_same_logits(case, tmp_path):
     from dspipe.model.gpt import GPT
-    from dspipe.tools.hf_arch import from_hf_state, load_hf_weights, spec_from_hf_dir, to_hf_state
+    from dspipe.model.hf import from_hf_state, spec_from_hf_dir, to_hf_state
+    from dspipe.model.hf_weights import load_hf_weights
 
     hf = CASES[case]()
     hf.save_pretrained(tmp_path / "hf")
@@ -95,7 +96,7 @@ def test_dspipe_llama_exports_to_llama_for_causal_lm_with_the_same_logits(kv_hea
     from transformers import AutoModelForCausalLM
 
     from dspipe.model.gpt import GPT
-    from dspipe.tools.hf_arch import hf_model
+    from dspipe.model.hf import hf_model
 
     spec = ModelSpec("l", 2, 32, 4, 96, 24, 72, tied_embeddings=tied, norm="rmsnorm", mlp="swiglu", positions="rope",
                      rope_theta=500000.0, kv_heads=kv_heads, bias=False, norm_eps=1e-5)
@@ -113,7 +114,8 @@ def test_dspipe_llama_exports_to_llama_for_causal_lm_with_the_same_logits(kv_hea
 def test_pipeline_stage_loads_only_its_own_parameters_by_pipeline_name(tmp_path):
     """A stand-in for one PipelineModule stage (layers 0-1 as DeepSpeed names them, and the tied embedding)."""
     from dspipe.model.pipeline import layer_specs
-    from dspipe.tools.hf_arch import HFWeights, load_hf_weights, load_into_module, spec_from_hf_dir
+    from dspipe.model.hf import spec_from_hf_dir
+    from dspipe.model.hf_weights import HFWeights, load_hf_weights, load_into_module
 
     hf = gpt2_model(tied=True)
     hf.save_pretrained(tmp_path / "hf")
@@ -138,7 +140,8 @@ def test_base_model_checkpoint_names_and_a_shorter_context(tmp_path):
     from safetensors.torch import save_file
 
     from dspipe.model.gpt import GPT
-    from dspipe.tools.hf_arch import load_hf_weights, spec_from_hf_dir
+    from dspipe.model.hf import spec_from_hf_dir
+    from dspipe.model.hf_weights import load_hf_weights
 
     hf = gpt2_model(tied=True)
     hf.save_pretrained(tmp_path / "hf")
@@ -193,7 +196,7 @@ def _refusal(fn, *args, **kwargs) -> str:
     (dict(num_key_value_heads=3), "config.json: heads 4 is not divisible by kv_heads 3"),
 ])
 def test_llama_configs_dspipe_cannot_compute_are_refused(tmp_path, edit, expected):
-    from dspipe.tools.hf_arch import spec_from_hf_dir
+    from dspipe.model.hf import spec_from_hf_dir
 
     d = _config(tmp_path, llama_model(), **edit)
     text = _refusal(spec_from_hf_dir, d)
@@ -203,7 +206,8 @@ def test_llama_configs_dspipe_cannot_compute_are_refused(tmp_path, edit, expecte
 def test_other_refusals(tmp_path):
     from safetensors.torch import save_file
 
-    from dspipe.tools.hf_arch import hf_config, load_hf_weights, spec_from_hf_dir
+    from dspipe.model.hf import hf_config, spec_from_hf_dir
+    from dspipe.model.hf_weights import load_hf_weights
 
     assert "no such Hugging Face model directory" in _refusal(spec_from_hf_dir, tmp_path / "absent")
     (tmp_path / "file").write_text("x")
@@ -267,7 +271,7 @@ def test_init_from_on_the_command_line(tmp_path, capsys):
 
 
 def test_tokenizer_note(tmp_path):
-    from dspipe.tools.hf_arch import tokenizer_note
+    from dspipe.cli.init_from import tokenizer_note
 
     def tokenizer(path, vocab):
         path.mkdir(parents=True, exist_ok=True)
@@ -292,7 +296,8 @@ def test_tokenizer_note(tmp_path):
 def test_lazy_reads_equal_the_whole_tensor(tmp_path, case):
     """HFWeights.rows/flat (what a pipeline stage and a ZeRO-3 partition read) are slices of the whole tensor, for
     GPT-2's transposed Conv1D weights and Llama's stacked q/k/v and gate/up alike, over a sharded checkpoint."""
-    from dspipe.tools.hf_arch import HFWeights, load_hf_weights, spec_from_hf_dir
+    from dspipe.model.hf import spec_from_hf_dir
+    from dspipe.model.hf_weights import HFWeights, load_hf_weights
 
     CASES[case]().save_pretrained(tmp_path / "hf", max_shard_size="20KB")
     assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()

@@ -181,3 +181,13 @@ def test_import_graph_sees_function_level_and_submodule_imports():
 def test_the_import_graph_has_no_cycle():
     cycles = find_cycles(import_graph())
     assert not cycles, "import cycles:\n" + "\n".join("  " + " -> ".join(c) for c in cycles)
+
+
+def test_layers_import_downward_only():
+    """runtime/ and model/ import neither tools/ nor cli/; spec/ (the vocabulary) imports none of the layers above."""
+    rules = {("dspipe.runtime", "dspipe.model"): ("dspipe.tools", "dspipe.cli"),
+             ("dspipe.spec",): ("dspipe.planner", "dspipe.model", "dspipe.runtime", "dspipe.tools", "dspipe.cli")}
+    inside = lambda name, packages: any(name == p or name.startswith(p + ".") for p in packages)  # noqa: E731
+    wrong = [f"{module} -> {target}" for module, targets in sorted(import_graph().items()) for target in sorted(targets)
+             for sources, banned in rules.items() if inside(module, sources) and inside(target, banned)]
+    assert not wrong, "imports against the layers:\n  " + "\n  ".join(wrong)

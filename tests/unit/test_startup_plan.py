@@ -241,7 +241,8 @@ def test_report_of_a_plan_without_a_start_up_prediction(run):
 def test_init_from_reads_the_checkpoint_instead_of_drawing(tmp_path, capsys):
     """With --init-from the plan's start-up reads check_weights' bytes at the stated disk bandwidth: nothing drawn."""
     pytest.importorskip("transformers")
-    from dspipe.tools.hf_arch import check_weights, spec_from_hf_dir
+    from dspipe.model.hf import spec_from_hf_dir
+    from dspipe.model.hf_weights import check_weights
     from tests.unit.test_hf_arch import llama_model
 
     d = tmp_path / "hf"

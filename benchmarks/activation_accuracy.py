@@ -1,5 +1,5 @@
 """Planner vs. the real model's activations: predicted bytes per block, head/loss and peak for one micro-batch
-against a saved-tensor census (dspipe.runtime.actcensus) for two sizes x {bf16, fp32} x {none, selective, full},
+against a saved-tensor census (benchmarks/census/activations.py) for two sizes x {bf16, fp32} x {none, selective, full},
 tiny-llama, and the stages of an uneven pp = 2 partition. One process, CPU, a few seconds.
 
     python benchmarks/activation_accuracy.py [--write]    # --write replaces the activations section of the doc
@@ -33,7 +33,7 @@ def cases() -> list[tuple]:
 
 
 def table() -> str:
-    from dspipe.runtime.actcensus import compare
+    from benchmarks.census.activations import compare
 
     lines = ["| model, precision, recomputation, stage | per block predicted / measured | ratio | head + loss "
              "predicted / measured | peak predicted / measured | ratio |", "|---|---|---|---|---|---|"]

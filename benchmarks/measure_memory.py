@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from dspipe.runtime.census import CATEGORIES, tensor_census  # noqa: E402
+from benchmarks.census.tensors import CATEGORIES, tensor_census  # noqa: E402
 from dspipe.runtime.comm import exit_rank, process_group  # noqa: E402
 from dspipe.rundir import load_run  # noqa: E402
 from dspipe.runtime.engine import build_engine  # noqa: E402

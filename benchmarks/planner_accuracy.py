@@ -1,5 +1,5 @@
 """Planner vs. live DeepSpeed engines on 2 CPU ranks: predicted model-state bytes per rank against the tensors
-the engine actually holds (dspipe.runtime.census), on the device and the host, between steps and at the in-step
+the engine actually holds (benchmarks/census/tensors.py), on the device and the host, between steps and at the in-step
 peak, for ZeRO 0-3, CPU offload (optimizer, parameters), bf16 and fp32, two model sizes, pp 2 and tp 2. Writes the
 table of docs/planner-accuracy.md.
 
@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 
 from dspipe.planner.estimate import estimate, zero3_gathered_bound  # noqa: E402
 from dspipe.rundir import load_run  # noqa: E402
-from dspipe.runtime.census import CATEGORIES  # noqa: E402
+from benchmarks.census.tensors import CATEGORIES  # noqa: E402
 
 # ~31.5M parameters: big enough that model states dominate everything else a rank holds. The second size has a
 # larger largest tensor (the 8192 x 1024 embedding) and fewer, wider blocks; the third is the Llama family (RMSNorm,

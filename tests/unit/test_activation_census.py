@@ -1,6 +1,6 @@
-"""The planner's activation bytes against a census of the real model (dspipe.runtime.actcensus: saved-tensor hooks,
-by storage, parameters excluded; recomputation through DeepSpeed's checkpoint; pipeline stages from DeepSpeed's own
-partition), and the search never choosing selective recomputation to save memory."""
+"""The planner's activation bytes against a census of the real model (benchmarks/census/activations.py:
+saved-tensor hooks, by storage, parameters excluded; recomputation through DeepSpeed's checkpoint; pipeline
+stages from DeepSpeed's own partition), and the search never choosing selective recomputation to save memory."""
 from dataclasses import replace
 
 import pytest
@@ -26,7 +26,7 @@ def _close(predicted: float, measured: float) -> bool:
 @pytest.mark.parametrize("model,precision,checkpointing,pp,stage", CASES,
                          ids=[f"{m.name}-L{m.layers}-{p}-{c}-pp{pp}s{s}" for m, p, c, pp, s in CASES])
 def test_planner_activations_within_5_percent_of_the_census(model, precision, checkpointing, pp, stage):
-    from dspipe.runtime.actcensus import compare
+    from benchmarks.census.activations import compare
 
     r = compare(model=model, micro_batch=2, checkpointing=checkpointing, precision=precision, pp=pp, stage=stage)
     assert r.measured_block > 0 and r.measured_peak > 0
@@ -41,7 +41,7 @@ def test_planner_activations_within_5_percent_of_the_census(model, precision, ch
 def test_census_shows_what_the_issue_reported():
     """With SDPA selective keeps (almost) what none keeps; full keeps 2sbh per block and peaks at one recomputed
     block (SMALL), not at the head plus a block; the head saves ~4sbV (TINY, a large vocabulary)."""
-    from dspipe.runtime.actcensus import census_gpt
+    from benchmarks.census.activations import census_gpt
 
     m, sbh = SMALL, SMALL.seq_len * 2 * SMALL.hidden * 2  # micro-batch 2, bf16
     none, sel, full = (census_gpt(model=m, micro_batch=2, checkpointing=c, precision="bf16")

@@ -10,7 +10,7 @@ the master partitions, the bf16 optimizer's fp32 accumulation buffer, ZeRO-3's f
 reduce buckets, flat gradient partitions, pipeline buffers, the offload staging buffers).
 
 Activations are not model states: a tensor with a grad_fn (the output of a differentiable op: activations, logits,
-the loss) is skipped, so a census taken inside a step counts model states only (dspipe.runtime.census measures
+the loss) is skipped, so a census taken inside a step counts model states only (this census measures
 what the planner's Memory.params/grads/optimizer/buffers predict).
 
 Device or host. On a GPU DeepSpeed places the offloaded state on the host; on this CPU-only build every tensor is

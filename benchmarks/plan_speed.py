@@ -16,8 +16,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dspipe.planner import estimate as estimate_module  # noqa: E402
 from dspipe.spec.presets import MODEL_PRESETS, model_preset  # noqa: E402
-from dspipe.planner.search import search, sp_choices, tp_choices  # noqa: E402
-from dspipe.spec.core import ClusterSpec, TrainSpec  # noqa: E402
+from dspipe.planner.enumerate import sp_choices, tp_choices  # noqa: E402
+from dspipe.planner.search import search  # noqa: E402
+from dspipe.spec.core import ClusterSpec, TrainSpec, StrategyRequest  # noqa: E402
 
 CASES = (
     # (label, model, cluster, global batch, training tokens)
@@ -38,7 +39,7 @@ def main() -> None:
         for _ in range(args.repeat):
             estimate_module._stage_params.cache_clear()
             start = time.perf_counter()
-            result = search(model=model, cluster=cluster, train=train, fixed={})
+            result = search(model=model, cluster=cluster, train=train, request=StrategyRequest())
             times.append(time.perf_counter() - start)
         best = result.best
         e = best.est

@@ -17,7 +17,7 @@ sys.path.insert(0, str(ROOT))
 from dspipe.spec.hardware import gpu_type  # noqa: E402
 from dspipe.spec.presets import MODEL_PRESETS  # noqa: E402
 from dspipe.planner.search import search  # noqa: E402
-from dspipe.spec.core import ClusterSpec, ModelSpec, TrainSpec  # noqa: E402
+from dspipe.spec.core import ClusterSpec, ModelSpec, TrainSpec, StrategyRequest  # noqa: E402
 from dspipe.planner.throughput import model_flops_per_token  # noqa: E402
 
 DOC = ROOT / "docs" / "published-runs.md"
@@ -165,9 +165,9 @@ def evaluate(run: PublishedRun) -> Row:
     """The planner's estimate for the run with its published layout pinned (the closest plan when none fits)."""
     cluster = ClusterSpec(nodes=run.gpus // 8, gpus_per_node=8, gpu=run.gpu)
     train = TrainSpec(global_batch=run.global_batch, micro_batch=run.micro_batch or 1, steps=1000, warmup_steps=10)
-    fixed = {"zero": run.zero, "offload": "none", "offload_params": False, "tp": run.tp, "pp": run.pp, "sp": 1,
-             "checkpointing": run.checkpointing, "precision": "bf16", "micro_batch": run.micro_batch}
-    result = search(model=run.model, cluster=cluster, train=train, fixed=fixed)
+    request = StrategyRequest(zero=run.zero, offload="none", offload_params=False, tp=run.tp, pp=run.pp, sp=1,
+                              checkpointing=run.checkpointing, precision="bf16", micro_batch=run.micro_batch)
+    result = search(model=run.model, cluster=cluster, train=train, request=request)
     c = result.best or result.closest
     per_gpu = c.tokens_per_s / run.gpus
     peak = gpu_type(run.gpu).peak_bf16_tflops * 1e12

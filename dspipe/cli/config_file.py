@@ -10,7 +10,7 @@ The file has one section per spec, each a mapping of options named as their flag
     data:     {data: data/stdlib}
     logging:  {log_interval: 10}
 
-SECTIONS is the one table of which option lives where; a unit test fails when an option of gen-config, plan or
+SECTIONS (generated from the option table, dspipe.spec.options.TABLE) says which option lives where; a unit test fails when an option of gen-config, plan or
 bench is in no section (or in two). A flag given on the command line overrides the file's value (the file fills
 click's default map, so click's own parameter source tells them apart). Every value goes through the click type of
 its flag (StrictInt, StrictFloat, AutoInt, AutoChoice, ...), after a strict YAML type check (an integer must be a YAML
@@ -36,24 +36,11 @@ import click
 import yaml
 
 from dspipe.errors import SpecError
+from dspipe.spec.options import TABLE
 
-SECTIONS: dict[str, tuple[str, ...]] = {
-    "model": ("model", "init_from", "layers", "hidden", "heads", "vocab", "seq_len", "ffn", "dropout", "untied",
-              "pad_vocab", "norm", "mlp", "positions", "rope_theta", "kv_heads", "bias", "norm_eps"),
-    "cluster": ("nodes", "gpus_per_node", "gpu", "hostfile", "host_memory_gib", "profile", "intra_node_gbps",
-                "inter_node_gbps"),
-    "train": ("global_batch", "steps", "tokens", "lr", "min_lr_ratio", "warmup", "weight_decay", "grad_clip", "seed",
-              "save_interval", "keep_checkpoints", "eval_interval", "eval_batches", "max_skipped_steps",
-              "spike_window", "spike_sigma"),
-    "strategy": ("micro_batch", "zero", "offload", "offload_params", "nvme_path", "precision", "pp", "tp", "sp",
-                 "checkpointing", "partition_method", "reduce_bucket_size", "prefetch_bucket_size",
-                 "param_persistence_threshold", "max_live_parameters", "max_reuse_distance", "preset", "compile",
-                 "memory_headroom"),
-    "data": ("data",),
-    "logging": ("log_interval", "wall_clock_breakdown", "json", "top", "compare", "append", "wandb_project", "wandb_group",
-                "wandb_team", "comet_project", "comet_workspace", "comet_experiment", "comet_offline"),
-}
-"""Section -> the options it holds, by file key (the flag's long name with '_' for '-'). Each option of
+SECTIONS: dict[str, tuple[str, ...]] = {section: tuple(s.key for s in body) for section, body in TABLE.items()}
+"""Section -> the options it holds, by file key (the flag's long name with '_' for '-'), generated from the option
+table (dspipe.spec.options.TABLE: the settings declared on the spec fields, and its EXTRAS). Each option of
 CONFIG_COMMANDS is in exactly one section or in COMMAND_LINE_ONLY (tests/unit/test_config_file.py checks)."""
 
 COMMAND_LINE_ONLY = {

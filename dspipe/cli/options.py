@@ -1,8 +1,8 @@
 """Options shared by `dspipe plan`, `gen-config` and `bench`, and the request they describe.
 
-Every option that sets a field of ModelSpec, ClusterSpec, TrainSpec or StrategySpec takes its default from that
-dataclass field (spec_default); an option whose default is None means auto (the planner chooses) or derived (the
-rule is in its help text). Defaults the dataclasses do not have (cluster shape, batch, steps) live in CLI_DEFAULTS.
+The click options are generated from the option table (TABLE): the settings declared on the spec fields
+(dspipe.spec.settings, their flag, help, kind, limit and --config section) and EXTRAS, the few options that set no
+spec field. A flag whose default is None means auto (the planner chooses) or derived (the rule is in its help text).
 Imports no torch/deepspeed.
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from dataclasses import MISSING, fields, replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import click
@@ -21,39 +21,22 @@ from dspipe.spec.layout import ParallelLayout
 from dspipe.spec.presets import MODEL_PRESETS, model_preset
 from dspipe.planner.ds_preset import AUTO_OPTIONS, OPTION_FLAGS, PresetImport, account
 from dspipe.planner.render import import_ds_preset, render_ds_config
-from dspipe.planner.search import AUTO
+from dspipe.planner.enumerate import AUTO
 from dspipe.planner.estimate import MEMORY_HEADROOM
-from dspipe.spec.core import (CHECKPOINTING, LIMITS, MLPS, NORMS, OFFLOADS, PARTITION_METHODS, POSITIONS,
-                                 PRECISIONS, ClusterSpec, ModelSpec, StrategySpec, TrainSpec, token_count)
+from dspipe.spec.core import (LIMITS, SPEC_SETTINGS, ClusterSpec, ModelSpec, StrategyRequest, StrategySpec,
+                              TrainSpec, token_count)
+from dspipe.spec.options import BY_COMMAND, MONITOR, SETTINGS, TABLE
+from dspipe.spec.settings import Setting
 
 DEFAULT_DATA = "data/stdlib"
 """Prepared token directory of gen-config --data and prepare-data --out."""
 
-CLI_DEFAULTS = {"nodes": 1, "gpus_per_node": 8, "gpu": "h100-80g", "global_batch": 256, "steps": 1000,
-                "seq_len": 1024}
-"""Defaults for spec fields the dataclasses leave required (seq_len: a custom model's context length)."""
-
 WARMUP_FRACTION, WARMUP_MAX = 10, 2000
-WARMUP_HELP = f"lr warmup steps [default: steps/{WARMUP_FRACTION}, at least 1, at most {WARMUP_MAX}]"
 
 
 def default_warmup(steps: int) -> int:
-    """--warmup when not given (the rule WARMUP_HELP states)."""
+    """--warmup when not given (the rule its help states)."""
     return max(1, min(WARMUP_MAX, steps // WARMUP_FRACTION))
-
-
-def spec_default(cls, name: str):
-    """The default of dataclass field cls.name: the one source of an option's default."""
-    for f in fields(cls):
-        if f.name == name:
-            if f.default is MISSING:
-                raise AssertionError(f"{cls.__name__}.{name} has no default")
-            return f.default
-    raise AssertionError(f"{cls.__name__} has no field {name}")
-
-
-def _train(name: str):
-    return spec_default(TrainSpec, name)
 
 
 _ASCII_INT = re.compile(r"[+-]?[0-9]+")
@@ -184,129 +167,49 @@ class AutoChoice(click.ParamType):
         return value
 
 
-STRATEGY_KEYS = ("zero", "offload", "offload_params", "nvme_path", "pp", "tp", "sp", "checkpointing", "partition_method",
-                 "precision", "micro_batch", "reduce_bucket_size", "prefetch_bucket_size", "param_persistence_threshold",
-                 "max_live_parameters", "max_reuse_distance")
+WARMUP_HELP = SETTINGS["warmup"].help
 
 
-def model_options(f):
-    for opt in reversed([
-        click.option("--model", help=f"model preset: {', '.join(MODEL_PRESETS)}"),
-        click.option("--init-from", metavar="HF_DIR", default=None,
-                     help="continue pretraining a Hugging Face GPT2LMHeadModel/LlamaForCausalLM directory: its "
-                          "config is the model, its weights step 0 (prepare the data with --tokenizer HF_DIR)"),
-        click.option("--layers", type=INT, default=None, help="transformer blocks (overrides the preset)"),
-        click.option("--hidden", type=INT, default=None, help="model width"),
-        click.option("--heads", type=INT, default=None, help="attention heads"),
-        click.option("--vocab", type=INT, default=None, help="vocabulary size"),
-        click.option("--seq-len", type=INT, default=None,
-                     help=f"context length [the preset's; custom {CLI_DEFAULTS['seq_len']}]"),
-        click.option("--ffn", type=INT, default=None, help="MLP width (default 4 x hidden)"),
-        click.option("--dropout", type=FLOAT, default=None,
-                     help=f"dropout probability [the preset's; custom {spec_default(ModelSpec, 'dropout'):g}]"),
-        click.option("--untied", is_flag=True, default=False, help="separate output head (default: tied)"),
-        click.option("--norm", type=click.Choice(NORMS), default=None, help="layernorm (GPT) or rmsnorm (Llama)"),
-        click.option("--mlp", type=click.Choice(MLPS), default=None,
-                     help="gelu (GPT) or swiglu (Llama; --ffn is the gate/up width)"),
-        click.option("--positions", type=click.Choice(POSITIONS), default=None,
-                     help="learned (GPT) or rope (rotary, Llama)"),
-        click.option("--rope-theta", type=FLOAT, default=None,
-                     help=f"rotary base [{spec_default(ModelSpec, 'rope_theta'):g}; Llama-3 500000]"),
-        click.option("--kv-heads", type=INT, default=None,
-                     help="key/value heads for grouped-query attention [= heads; 1: multi-query]"),
-        click.option("--bias/--no-bias", default=None, help="biases in projections and LayerNorm [GPT: yes]"),
-        click.option("--norm-eps", type=FLOAT, default=None,
-                     help=f"normalisation epsilon [{spec_default(ModelSpec, 'norm_eps'):g}]"),
-    ]):
-        f = opt(f)
+def _help(s: Setting) -> str | None:
+    if s.help is None:
+        return None
+    field_default = {f.name: f.default for cls in (ModelSpec, ClusterSpec, TrainSpec, StrategySpec)
+                     for f in fields(cls)}.get(s.field)
+    return s.help.format(default=field_default, fallback=s.fallback, presets=", ".join(MODEL_PRESETS),
+                         gpus=names_text(), headroom=100 * MEMORY_HEADROOM)
+
+
+def click_option(s: Setting):
+    """The click option of setting `s`."""
+    kw = dict(default=s.cli_default, help=_help(s))
+    if s.metavar:
+        kw["metavar"] = s.metavar
+    if s.kind == "flag":
+        kw.update(is_flag=True, default=False)
+    elif s.kind != "bool":
+        kw["type"] = {"int": INT, "float": FLOAT, "str": None, "tokens": TokenBudget(), "auto_int": AutoInt(),
+                      "choice": click.Choice(s.choices), "auto_choice": AutoChoice(s.choices)}[s.kind]
+        kw["show_default"] = s.cli_default is not None
+    return click.option(s.flags, **kw)
+
+
+def _options(f, keys):
+    for key in reversed(keys):
+        f = click_option(SETTINGS[key])(f)
     return f
 
 
+def model_options(f):
+    """The model section's options (a preset, a Hugging Face directory, or the shape and architecture)."""
+    return _options(f, [s.key for s in TABLE["model"] if s.key not in BY_COMMAND])
+
+
 def spec_options(f):
-    """Model, cluster, training and strategy options shared by plan, gen-config and bench."""
-    strategy = {name: spec_default(StrategySpec, name)
-                for name in ("nvme_path", "partition_method", "reduce_bucket_size", "prefetch_bucket_size",
-                             "param_persistence_threshold", "max_live_parameters", "max_reuse_distance")}
-    for opt in reversed([
-        click.option("--nodes", type=INT, default=CLI_DEFAULTS["nodes"], show_default=True, help="machines"),
-        click.option("--gpus-per-node", type=INT, default=CLI_DEFAULTS["gpus_per_node"], show_default=True,
-                     help="ranks per machine"),
-        click.option("--gpu", default=CLI_DEFAULTS["gpu"], show_default=True, help=f"GPU type: {names_text()}"),
-        click.option("--hostfile", default=None, help="hostfile: sets --nodes/--gpus-per-node (validated)"),
-        click.option("--host-memory-gib", type=FLOAT, default=spec_default(ClusterSpec, "host_memory_gib"),
-                     help="host RAM per node [default: --gpu's reference RAM per GPU x --gpus-per-node]"),
-        click.option("--profile", default=None, metavar="FILE",
-                     help="calibration profile from 'dspipe calibrate': its measured compute, bandwidth, latency, "
-                          "copy and optimizer rates replace the catalog's (gen-config keeps it in the run directory)"),
-        click.option("--intra-node-gbps", type=FLOAT, default=None,
-                     help="bandwidth per GPU inside a node, GB/s [the catalog's or the profile's]"),
-        click.option("--inter-node-gbps", type=FLOAT, default=None,
-                     help="per-GPU share of the network bandwidth across nodes, GB/s [the catalog's]"),
-        click.option("--global-batch", type=INT, default=CLI_DEFAULTS["global_batch"], show_default=True,
-                     help="sequences per optimizer step"),
-        click.option("--micro-batch", type=AutoInt(), default=None, help="sequences per rank per forward [auto]"),
-        click.option("--steps", type=INT, default=None,
-                     help=f"optimizer steps [default: {CLI_DEFAULTS['steps']}; or from --tokens]"),
-        click.option("--lr", type=FLOAT, default=_train("lr"), show_default=True, help="peak learning rate"),
-        click.option("--min-lr-ratio", type=FLOAT, default=_train("min_lr_ratio"), show_default=True,
-                     help="final lr / peak lr"),
-        click.option("--warmup", type=INT, default=None, help=WARMUP_HELP),
-        click.option("--weight-decay", type=FLOAT, default=_train("weight_decay"), show_default=True,
-                     help="AdamW weight decay (not on biases and norms)"),
-        click.option("--grad-clip", type=FLOAT, default=_train("grad_clip"), show_default=True,
-                     help="global gradient-norm clipping"),
-        click.option("--seed", type=INT, default=_train("seed"), show_default=True),
-        click.option("--log-interval", type=INT, default=_train("log_interval"), show_default=True,
-                     help="steps between log lines"),
-        click.option("--save-interval", type=INT, default=_train("save_interval"), show_default=True,
-                     help="steps between checkpoints (0: only at the end and on SIGTERM/SIGINT)"),
-        click.option("--keep-checkpoints", type=INT, default=_train("keep_checkpoints"), show_default=True,
-                     help="complete checkpoints to keep (older ones are deleted)"),
-        click.option("--eval-interval", type=INT, default=_train("eval_interval"), show_default=True,
-                     help="steps between validation passes (0: none)"),
-        click.option("--eval-batches", type=INT, default=_train("eval_batches"), show_default=True,
-                     help="micro-batches per data-parallel rank in one validation pass"),
-        click.option("--max-skipped-steps", type=INT, default=_train("max_skipped_steps"), show_default=True,
-                     help="consecutive non-finite steps before the run saves and stops (0: never)"),
-        click.option("--spike-window", type=INT, default=_train("spike_window"), show_default=True,
-                     help="steps of loss history for loss-spike detection"),
-        click.option("--spike-sigma", type=FLOAT, default=_train("spike_sigma"), show_default=True,
-                     help="log a loss spike above mean + this many std of the window"),
-        click.option("--zero", type=AutoChoice(["0", "1", "2", "3"]), default=None, help="ZeRO stage [auto]"),
-        click.option("--offload", type=AutoChoice(OFFLOADS), default=None, help="optimizer state offload [auto]"),
-        click.option("--offload-params/--no-offload-params", default=None,
-                     help="offload parameters too (ZeRO-3) [auto]"),
-        click.option("--nvme-path", default=strategy["nvme_path"],
-                     help="NVMe directory for --offload nvme (enables it in auto)"),
-        click.option("--precision", type=AutoChoice(PRECISIONS), default=None,
-                     help="[auto: bf16 on GPUs, fp32 on cpu]"),
-        click.option("--pp", type=AutoInt(), default=None, help="pipeline stages [auto]"),
-        click.option("--memory-headroom", type=FLOAT, default=None, metavar="PCT",
-                     help=f"GPU memory a plan must leave free, percent [{100 * MEMORY_HEADROOM:g}]"),
-        click.option("--tp", type=AutoInt(), default=None,
-                     help="tensor-parallel ranks per replica, DeepSpeed AutoTP, inside a node [auto]"),
-        click.option("--sp", type=AutoInt(), default=None,
-                     help="sequence-parallel ranks per replica, DeepSpeed-Ulysses [auto: 1]"),
-        click.option("--checkpointing", type=AutoChoice(CHECKPOINTING), default=None,
-                     help="activation recomputation [auto]"),
-        click.option("--partition-method", type=AutoChoice(PARTITION_METHODS), default=None,
-                     help=f"pipeline partition [{strategy['partition_method']}]"),
-        click.option("--reduce-bucket-size", type=INT, default=strategy["reduce_bucket_size"],
-                     help="gradient reduce / all-gather bucket, elements [hidden^2, at least 2^20]"),
-        click.option("--prefetch-bucket-size", type=INT, default=strategy["prefetch_bucket_size"],
-                     help="ZeRO-3 prefetch bucket, elements [0.9 hidden^2, at least 2^20]"),
-        click.option("--param-persistence-threshold", type=INT, default=strategy["param_persistence_threshold"],
-                     help="ZeRO-3: keep parameters smaller than this whole [10 hidden]"),
-        click.option("--max-live-parameters", type=INT, default=strategy["max_live_parameters"],
-                     help="ZeRO-3: prefetch only while fewer elements are gathered [prefetch bucket + largest tensor]"),
-        click.option("--max-reuse-distance", type=INT, default=strategy["max_reuse_distance"],
-                     help="ZeRO-3: keep a module gathered if reused within this many elements [prefetch bucket]"),
-        click.option("--preset", default=None,
-                     help="DeepSpeed JSON to start from: a name from 'dspipe presets' or a .json path. Every key is "
-                          "honoured in ds_config.json, or reported (\"auto\" resolved), or refused; a flag that "
-                          "contradicts it is an error"),
-    ]):
-        f = opt(f)
+    """Model, cluster, training and strategy options shared by plan, gen-config and bench (and --config,
+    --print-config)."""
+    keys = [s.key for section in ("cluster", "train", "strategy", "logging") for s in TABLE[section]
+            if s.key not in BY_COMMAND and s.key not in MONITOR]
+    f = _options(f, keys)
     from dspipe.cli.config_file import config_options  # imports this module
 
     return config_options(model_options(f))
@@ -348,42 +251,27 @@ def _calibration(o: dict) -> dict:
     return dict(intra_node_gbps=o.get("intra_node_gbps"), inter_node_gbps=o.get("inter_node_gbps"), profile=profile)
 
 
-ARCHITECTURE_KEYS = ("norm", "mlp", "positions", "rope_theta", "kv_heads", "bias", "norm_eps")
-"""ModelSpec fields set by --norm --mlp --positions --rope-theta --kv-heads --bias/--no-bias --norm-eps."""
-
-
 def monitor_options(f):
     """W&B and Comet through DeepSpeed's own monitor config (off unless a project is given)."""
-    for opt in reversed([
-        click.option("--wandb-project", default=None, help="log to Weights & Biases under this project "
-                                                          "(WANDB_MODE=offline: no network, sync later)"),
-        click.option("--wandb-group", default=None, help="W&B run group"),
-        click.option("--wandb-team", default=None, help="W&B entity (team)"),
-        click.option("--comet-project", default=None, help="log to Comet under this project (COMET_API_KEY from the "
-                                                          "environment, never written)"),
-        click.option("--comet-workspace", default=None, help="Comet workspace"),
-        click.option("--comet-experiment", default=None, help="Comet experiment name"),
-        click.option("--comet-offline", is_flag=True, default=False, help="Comet offline experiment (no network)"),
-    ]):
-        f = opt(f)
-    return f
+    return _options(f, MONITOR)
 
 
 def _model_from_options(o: dict) -> ModelSpec:
-    shape = dict(layers=o["layers"], hidden=o["hidden"], heads=o["heads"], vocab=o["vocab"], seq_len=o["seq_len"],
-                 ffn=o["ffn"], dropout=o["dropout"], tied_embeddings=False if o["untied"] else None,
-                 **{k: o.get(k) for k in ARCHITECTURE_KEYS})
+    """The model: the --model preset with the shape and architecture flags given, or a custom shape (the layers,
+    hidden, heads and vocab flags required; each other field its fallback or ModelSpec's default)."""
+    names = {f.name for f in fields(ModelSpec)} - {"name"}
+    shape = {s.field: o.get(s.key) for s in TABLE["model"] if s.field in names}
+    shape["tied_embeddings"] = False if o.get("untied") else None
     if o["model"]:
         return model_preset(o["model"], **shape)
-    missing = [f"--{k}" for k in ("layers", "hidden", "heads", "vocab") if shape[k] is None]
+    required = ("layers", "hidden", "heads", "vocab")
+    missing = [f"--{k}" for k in required if shape[k] is None]
     if missing:
         raise SpecError(f"give --model NAME ({', '.join(MODEL_PRESETS)}) or all of --layers/--hidden/--heads/--vocab "
                         f"(missing {' '.join(missing)})")
-    hidden = shape["hidden"]
-    given = {k: shape[k] for k in ("dropout", "tied_embeddings", *ARCHITECTURE_KEYS)
-             if shape[k] is not None}  # else ModelSpec's default
-    return ModelSpec("custom", shape["layers"], hidden, shape["heads"], shape["vocab"],
-                     shape["seq_len"] or CLI_DEFAULTS["seq_len"], shape["ffn"] or 4 * hidden, **given)
+    derived = {"seq_len": SETTINGS["seq_len"].fallback, "ffn": 4 * shape["hidden"]}
+    given = {k: v for k, v in shape.items() if v is not None}  # else the fallback, or ModelSpec's default
+    return ModelSpec(name="custom", **{**derived, **given})
 
 
 def _with_padded_vocab(model: ModelSpec, data: str) -> ModelSpec:
@@ -449,8 +337,8 @@ PRESET_META = "dspipe.preset"
 """click context meta key: (PresetImport, labels) of the --preset in effect, for the report after planning."""
 
 
-def request_from_options(o: dict) -> tuple[ModelSpec, ClusterSpec, TrainSpec, dict]:
-    """(model, cluster, train, fixed strategy choices): a flag given, else the --preset's value, else auto (None)
+def request_from_options(o: dict) -> tuple[ModelSpec, ClusterSpec, TrainSpec, StrategyRequest]:
+    """(model, cluster, train, the strategy asked for): a flag given, else the --preset's value, else auto (None)
     or the option's default. A flag that contradicts the preset is an error."""
     cluster = cluster_from_options(o)  # --nodes/--gpus-per-node, or from --hostfile
     if o.get("preset") is not None:
@@ -466,8 +354,8 @@ def request_from_options(o: dict) -> tuple[ModelSpec, ClusterSpec, TrainSpec, di
         ctx = click.get_current_context(silent=True)
         if ctx is not None:
             ctx.meta[PRESET_META] = (imp, labels)
-    fixed = {k: o[k] for k in STRATEGY_KEYS}
-    fixed["zero"] = None if fixed["zero"] is None else int(fixed["zero"])
+    asked = {f.name: o.get(f.name) for f in fields(StrategyRequest)}
+    request = StrategyRequest(**{**asked, "zero": None if asked["zero"] is None else int(asked["zero"])})
     if o.get("init_from"):  # the model is HF_DIR's (shape flags checked against its config.json)
         from dspipe.cli.init_from import init_from_spec
         model = init_from_spec(o["init_from"], o)
@@ -484,18 +372,16 @@ def request_from_options(o: dict) -> tuple[ModelSpec, ClusterSpec, TrainSpec, di
                             f"preset")
         steps = derived
     elif steps is None:
-        steps = CLI_DEFAULTS["steps"]
-    train = TrainSpec(global_batch=o["global_batch"], micro_batch=fixed["micro_batch"] or 1, steps=steps, lr=o["lr"],
-                      min_lr_ratio=o["min_lr_ratio"],
-                      warmup_steps=o["warmup"] if o["warmup"] is not None else default_warmup(steps),
-                      weight_decay=o["weight_decay"], grad_clip=o["grad_clip"],
-                      precision=fixed["precision"] or _train("precision"), seed=o["seed"],
-                      log_interval=o["log_interval"], save_interval=o["save_interval"],
-                      keep_checkpoints=o["keep_checkpoints"], eval_interval=o["eval_interval"],
-                      eval_batches=o["eval_batches"], max_skipped_steps=o["max_skipped_steps"],
-                      spike_window=o["spike_window"], spike_sigma=o["spike_sigma"],
-                      init_from=os.path.abspath(o["init_from"]) if o.get("init_from") else None, tokens=tokens)
-    return model, cluster, train, fixed
+        steps = SETTINGS["steps"].fallback
+    derived = {"micro_batch": request.micro_batch or 1, "precision": request.precision or TrainSpec.precision,
+               "steps": steps, "tokens": tokens,
+               "warmup_steps": o["warmup"] if o["warmup"] is not None else default_warmup(steps),
+               "init_from": os.path.abspath(o["init_from"]) if o.get("init_from") else None}
+    given = {s.field: o[s.key] for s in SPEC_SETTINGS if s.field in TRAIN_FIELDS and s.field not in derived}
+    return model, cluster, TrainSpec(**given, **derived), request
+
+
+TRAIN_FIELDS = frozenset(f.name for f in fields(TrainSpec))
 
 
 def applied_preset() -> tuple[PresetImport | None, dict]:
@@ -526,7 +412,7 @@ def choose(o: dict, *, check_model=None):
     from dspipe.planner.search import nothing_fits_message, search
 
     blend = blend_option(o)  # gen-config --data a:0.7,b:0.3: normalised in o; None for one data directory
-    model, cluster, train, fixed = request_from_options(o)
+    model, cluster, train, request = request_from_options(o)
     if blend is not None:  # every source, instead of check_model's one directory
         check_blend_for_run(blend, model_vocab=model.vocab, seq_len=model.seq_len)
     elif check_model:
@@ -540,10 +426,10 @@ def choose(o: dict, *, check_model=None):
     if o.get("init_from"):  # the start-up reads these bytes instead of drawing (headers only: no tensor is read)
         from dspipe.model.hf_weights import check_weights
         import_bytes = check_weights(o["init_from"], model)
-    result = search(model=model, cluster=cluster, train=train, fixed=fixed, headroom=headroom,
+    result = search(model=model, cluster=cluster, train=train, request=request, headroom=headroom,
                     import_bytes=import_bytes)
     if result.best is None:
-        raise SpecError(nothing_fits_message(result=result, model=model, cluster=cluster, train=train, fixed=fixed,
+        raise SpecError(nothing_fits_message(result=result, model=model, cluster=cluster, train=train, request=request,
                                              headroom=headroom, import_bytes=import_bytes))
     if blend is not None:
         best = result.best

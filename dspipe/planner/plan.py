@@ -100,10 +100,13 @@ class Plan:
         return ParallelLayout(world=self.world_size, pp=self.pp, tp=self.tp, sp=self.sp)
 
 
-def _rule(rule: int, message: str) -> SpecError:
-    error = SpecError(message)
-    error.rule = rule  # rules are checked in order; a later rule number means the input got further
-    return error
+class RuleError(SpecError):
+    """A strategy one of DeepSpeed's rules refuses: the one-line message, and the rule's number (rules are checked in
+    order; a later number means the input got further)."""
+
+    def __init__(self, rule: int, message: str) -> None:
+        super().__init__(message)
+        self.rule = rule
 
 
 def check_rules(*, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strategy: StrategySpec) -> None:
@@ -112,33 +115,33 @@ def check_rules(*, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, str
     other recomputation modes: a rule that reads train.micro_batch or strategy.checkpointing must change that."""
     world, pp, zero, tp, sp = cluster.world_size, strategy.pp, strategy.zero, strategy.tp, strategy.sp
     if pp > model.layers:
-        raise _rule(1, f"pipeline stages {pp} > layers {model.layers}: every stage needs at least one block")
+        raise RuleError(1, f"pipeline stages {pp} > layers {model.layers}: every stage needs at least one block")
     if world % (pp * tp * sp):
-        raise _rule(2, f"world size {world} ({cluster.nodes} nodes x {cluster.gpus_per_node} GPUs) is not divisible "
+        raise RuleError(2, f"world size {world} ({cluster.nodes} nodes x {cluster.gpus_per_node} GPUs) is not divisible "
                        f"by pp {pp} x tp {tp} x sp {sp} = {pp * tp * sp}")
     _check_tensor_sequence(model=model, cluster=cluster, train=train, strategy=strategy)
     if pp > 1 and zero >= 2:
-        raise _rule(3, f"ZeRO-{zero} with pp {pp}: DeepSpeed's pipeline engine supports ZeRO stages 0-1 only; "
+        raise RuleError(3, f"ZeRO-{zero} with pp {pp}: DeepSpeed's pipeline engine supports ZeRO stages 0-1 only; "
                        f"use --zero 1 (optimizer states still sharded over dp "
                        f"{ParallelLayout(world=world, pp=pp, tp=tp, sp=sp).dp})")
     dp = ParallelLayout(world=world, pp=pp, tp=tp, sp=sp).dp
     if train.global_batch % (train.micro_batch * dp):
-        raise _rule(4, f"global batch {train.global_batch} is not divisible by micro_batch {train.micro_batch} "
+        raise RuleError(4, f"global batch {train.global_batch} is not divisible by micro_batch {train.micro_batch} "
                        f"x dp {dp} = {train.micro_batch * dp}")
     if strategy.offload_params and zero != 3:
-        raise _rule(5, f"--offload-params needs ZeRO-3 (got ZeRO-{zero}): only stage 3 partitions parameters")
+        raise RuleError(5, f"--offload-params needs ZeRO-3 (got ZeRO-{zero}): only stage 3 partitions parameters")
     if strategy.offload_params and strategy.offload == "none":
-        raise _rule(6, "--offload-params needs an offload device: --offload cpu or --offload nvme")
+        raise RuleError(6, "--offload-params needs an offload device: --offload cpu or --offload nvme")
     if strategy.offload != "none" and zero == 0:
-        raise _rule(7, f"--offload {strategy.offload} needs ZeRO 1-3 (got ZeRO-0): offload moves ZeRO's partitions")
+        raise RuleError(7, f"--offload {strategy.offload} needs ZeRO 1-3 (got ZeRO-0): offload moves ZeRO's partitions")
     if strategy.offload == "nvme" and zero != 3:
-        raise _rule(8, f"--offload nvme needs ZeRO-3 (ZeRO-Infinity), got ZeRO-{zero}; use --offload cpu")
+        raise RuleError(8, f"--offload nvme needs ZeRO-3 (ZeRO-Infinity), got ZeRO-{zero}; use --offload cpu")
     if strategy.offload == "nvme" and not strategy.nvme_path:
-        raise _rule(9, "--offload nvme needs --nvme-path DIR on a local NVMe drive")
+        raise RuleError(9, "--offload nvme needs --nvme-path DIR on a local NVMe drive")
     if train.precision == "fp16" and cluster.gpu == "cpu":
-        raise _rule(10, "fp16 is not supported by DeepSpeed's CPU accelerator; use --precision bf16 or fp32")
+        raise RuleError(10, "fp16 is not supported by DeepSpeed's CPU accelerator; use --precision bf16 or fp32")
     if train.warmup_steps >= train.steps:
-        raise _rule(11, f"warmup_steps {train.warmup_steps} must be < steps {train.steps}")
+        raise RuleError(11, f"warmup_steps {train.warmup_steps} must be < steps {train.steps}")
 
 
 def _check_tensor_sequence(*, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strategy: StrategySpec) -> None:
@@ -146,31 +149,31 @@ def _check_tensor_sequence(*, model: ModelSpec, cluster: ClusterSpec, train: Tra
     tp, sp, pp, zero, g = strategy.tp, strategy.sp, strategy.pp, strategy.zero, cluster.gpus_per_node
     if tp > 1:
         if g % tp:
-            raise _rule(2, f"tp {tp} does not divide the {g} GPUs per node: tensor-parallel ranks exchange "
+            raise RuleError(2, f"tp {tp} does not divide the {g} GPUs per node: tensor-parallel ranks exchange "
                            f"activations in every layer and must share one node (tp across nodes is refused)")
         for name, value in (("heads", model.heads), ("kv_heads", model.kv_groups), ("ffn", model.ffn)):
             if value % tp:
-                raise _rule(2, f"model {name} {value} is not divisible by tp {tp} ({value} / {tp} = {value / tp:g})")
+                raise RuleError(2, f"model {name} {value} is not divisible by tp {tp} ({value} / {tp} = {value / tp:g})")
         if pp > 1:
-            raise _rule(3, f"tp {tp} with pp {pp}: DeepSpeed's AutoTP does not compose with its pipeline engine (it "
+            raise RuleError(3, f"tp {tp} with pp {pp}: DeepSpeed's AutoTP does not compose with its pipeline engine (it "
                            f"replaces the pipeline's process groups with a tensor x data mesh without the pipe axis, "
                            f"and the model broadcast fails); use tp or pp, not both")
         if zero == 3:
-            raise _rule(3, f"tp {tp} with ZeRO-3: DeepSpeed's AutoTP training supports ZeRO stages 0-2; "
+            raise RuleError(3, f"tp {tp} with ZeRO-3: DeepSpeed's AutoTP training supports ZeRO stages 0-2; "
                            f"use --zero 1 or --zero 2")
         if zero == 0 and train.precision != "fp32":
-            raise _rule(3, f"tp {tp} with ZeRO-0 in {train.precision}: DeepSpeed's ZeRO-0 {train.precision} optimizer "
+            raise RuleError(3, f"tp {tp} with ZeRO-0 in {train.precision}: DeepSpeed's ZeRO-0 {train.precision} optimizer "
                            f"reports and clips by the gradient norm of rank 0's shards only; use --zero 1 or 2")
     if sp > 1:
         for name, value in (("heads", model.heads), ("seq_len", model.seq_len)):
             if value % sp:
-                raise _rule(2, f"model {name} {value} is not divisible by sp {sp} ({value} / {sp} = {value / sp:g}): "
+                raise RuleError(2, f"model {name} {value} is not divisible by sp {sp} ({value} / {sp} = {value / sp:g}): "
                                f"Ulysses splits the sequence, then the heads, across the sp ranks")
         if tp > 1:
-            raise _rule(3, f"sp {sp} with tp {tp}: AutoTP builds its own tensor x data process groups and cannot "
+            raise RuleError(3, f"sp {sp} with tp {tp}: AutoTP builds its own tensor x data process groups and cannot "
                            f"take the Ulysses sequence groups as well; use tp or sp, not both")
         if pp > 1:
-            raise _rule(3, f"sp {sp} with pp {pp}: DeepSpeed's pipeline engine cannot carry Ulysses sequence shards "
+            raise RuleError(3, f"sp {sp} with pp {pp}: DeepSpeed's pipeline engine cannot carry Ulysses sequence shards "
                            f"(its partitioned pipe tensors and gradient reduction ignore the sp group); use sp or pp")
 
 

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from dspipe.planner.estimate import GIB, Estimate
-from dspipe.planner.search import Candidate, SearchResult
+from dspipe.planner.enumerate import Candidate
+from dspipe.planner.search import SearchResult
 from dspipe.planner.startup import MODE_TEXT, size_text
 
 SECONDS_PER_DAY = 86400

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import MISSING, dataclass, fields, replace
+from dataclasses import MISSING, dataclass, field, fields, make_dataclass, replace
 
 from dspipe.errors import SpecError
 from dspipe.spec.hardware import GPU_CATALOG, GpuType, gpu_type
 from dspipe.spec.profile import Profile, apply_profile, check_profile_gpu, profile_from_dict
+from dspipe.spec.settings import FIELD_DEFAULT, declared, setting
 
 PRECISIONS = ("bf16", "fp16", "fp32")
 ZERO_STAGES = (0, 1, 2, 3)
@@ -23,18 +24,6 @@ POSITIONS = ("learned", "rope")
 
 
 INT32_MAX = 2**31 - 1
-LIMITS = {
-    "layers": 4096, "hidden": 2**17, "heads": 2**17, "kv_heads": 2**17, "vocab": 2**24, "seq_len": 2**20, "ffn": 2**20,
-    "nodes": 2**16, "gpus_per_node": 1024, "host_memory_gib": 2.0**20, "intra_node_gbps": 1e6, "inter_node_gbps": 1e6,
-    "global_batch": 2**24, "micro_batch": 2**24, "steps": INT32_MAX, "warmup_steps": INT32_MAX,
-    "log_interval": INT32_MAX, "save_interval": INT32_MAX, "keep_checkpoints": 10**6, "eval_interval": INT32_MAX,
-    "eval_batches": INT32_MAX, "max_skipped_steps": INT32_MAX, "spike_window": 2**20, "spike_sigma": 1e6,
-    "seed": 2**32 - 1, "lr": 1.0, "weight_decay": 1.0, "grad_clip": 1e6,
-    "tokens": 1e18, "pp": 4096, "tp": 4096, "sp": 4096, "reduce_bucket_size": 2**40, "prefetch_bucket_size": 2**40, "param_persistence_threshold": 2**40,
-    "max_live_parameters": 2**40, "max_reuse_distance": 2**40,
-}
-"""Largest accepted value per field: beyond them a size is absurd (or overflows what DeepSpeed, torch or numpy
-accept: seeds feed numpy's and torch's generators, which take 0..2**32-1 everywhere dspipe derives streams)."""
 
 
 TOKEN_SCALE = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
@@ -117,37 +106,39 @@ class ModelSpec:
     """Shape and architecture of a pre-norm decoder: GPT-2/3 (LayerNorm, learned positions, GELU MLP, biases) or
     Llama-family (RMSNorm, rotary positions, SwiGLU MLP, grouped-query attention, no biases, untied head)."""
 
-    name: str
+    name: str = setting(key="model", help="model preset: {presets}")
     """Preset name, or 'custom'."""
-    layers: int
+    layers: int = setting(kind="int", limit=4096, help="transformer blocks (overrides the preset)")
     """Number of transformer blocks (L)."""
-    hidden: int
+    hidden: int = setting(kind="int", limit=2**17, help="model width")
     """Model width (h)."""
-    heads: int
+    heads: int = setting(kind="int", limit=2**17, help="attention heads")
     """Attention heads (a); hidden must be divisible by it."""
-    vocab: int
+    vocab: int = setting(kind="int", limit=2**24, help="vocabulary size")
     """Vocabulary size (V), embedding rows."""
-    seq_len: int
+    seq_len: int = setting(kind="int", limit=2**20, fallback=1024,
+                           help="context length [the preset's; custom {fallback}]")
     """Context length in tokens (s); also the number of learned positions."""
-    ffn: int
+    ffn: int = setting(kind="int", limit=2**20, help="MLP width (default 4 x hidden)")
     """MLP inner width, 4·hidden for GPT-2/3."""
-    dropout: float = 0.0
+    dropout: float = setting(0.0, kind="float", help="dropout probability [the preset's; custom {default:g}]")
     """Dropout on embeddings, attention output and MLP output (0 for pretraining)."""
-    tied_embeddings: bool = True
+    tied_embeddings: bool = setting(True, key="untied", kind="flag", help="separate output head (default: tied)")
     """Share the token embedding with the output head."""
-    norm: str = "layernorm"
+    norm: str = setting("layernorm", kind="choice", choices=NORMS, help="layernorm (GPT) or rmsnorm (Llama)")
     """Normalisation: layernorm (GPT) or rmsnorm (Llama)."""
-    mlp: str = "gelu"
+    mlp: str = setting("gelu", kind="choice", choices=MLPS, help="gelu (GPT) or swiglu (Llama; --ffn is the gate/up width)")
     """MLP: gelu (fc -> GELU -> proj) or swiglu (silu(gate) x up -> down; ffn is the gate/up width)."""
-    positions: str = "learned"
+    positions: str = setting("learned", kind="choice", choices=POSITIONS, help="learned (GPT) or rope (rotary, Llama)")
     """Position encoding: learned (a table of seq_len rows) or rope (rotary, no parameters)."""
-    rope_theta: float = 10000.0
+    rope_theta: float = setting(10000.0, kind="float", help="rotary base [{default:g}; Llama-3 500000]")
     """Rotary base frequency (rope only): 10000 for Llama-2, 500000 for Llama-3."""
-    kv_heads: int | None = None
+    kv_heads: int | None = setting(None, kind="int", limit=2**17,
+                                   help="key/value heads for grouped-query attention [= heads; 1: multi-query]")
     """Key/value heads for grouped-query attention (None: = heads, multi-head; 1: multi-query)."""
-    bias: bool = True
+    bias: bool = setting(True, kind="bool", flag="--bias/--no-bias", help="biases in projections and LayerNorm [GPT: yes]")
     """Biases in the attention and MLP projections (and in LayerNorm)."""
-    norm_eps: float = 1e-5
+    norm_eps: float = setting(1e-5, kind="float", help="normalisation epsilon [{default:g}]")
     """Epsilon of the normalisation layers."""
 
     def __post_init__(self) -> None:
@@ -253,20 +244,26 @@ class ModelSpec:
 class ClusterSpec:
     """Where the job runs."""
 
-    nodes: int
+    nodes: int = setting(kind="int", limit=2**16, cli_default=1, help="machines")
     """Number of machines."""
-    gpus_per_node: int
+    gpus_per_node: int = setting(kind="int", limit=1024, cli_default=8, help="ranks per machine")
     """Ranks per machine (GPUs, or CPU processes on the 'cpu' type)."""
-    gpu: str
+    gpu: str = setting(cli_default="h100-80g", help="GPU type: {gpus}")
     """GPU type, a key of the hardware catalog (dspipe.spec.hardware)."""
-    host_memory_gib: float | None = None
+    host_memory_gib: float | None = setting(
+        None, kind="float", limit=2.0**20, help="host RAM per node [default: --gpu's reference RAM per GPU x --gpus-per-node]")
     """Host RAM per node for offloaded state; None: the GPU type's reference figure per GPU x gpus_per_node
     (hardware.GpuType.host_memory_per_gpu_bytes, e.g. DGX H100: 2 TiB / 8 GPUs)."""
-    intra_node_gbps: float | None = None
+    intra_node_gbps: float | None = setting(
+        None, kind="float", limit=1e6, help="bandwidth per GPU inside a node, GB/s [the catalog's or the profile's]")
     """Bandwidth per GPU to peers in the node, GB/s, overriding the catalog's and a profile's (--intra-node-gbps)."""
-    inter_node_gbps: float | None = None
+    inter_node_gbps: float | None = setting(
+        None, kind="float", limit=1e6, help="per-GPU share of the network bandwidth across nodes, GB/s [the catalog's]")
     """Per-GPU share of the network bandwidth, GB/s, overriding the catalog's (--inter-node-gbps)."""
-    profile: Profile | None = None
+    profile: Profile | None = setting(
+        None, after="host_memory_gib", metavar="FILE",
+        help="calibration profile from 'dspipe calibrate': its measured compute, bandwidth, latency, copy and optimizer "
+             "rates replace the catalog's (gen-config keeps it in the run directory)")
     """A `dspipe calibrate` profile whose figures replace the catalog's in the time model (--profile; a run directory
     keeps it here and in profile.json); from JSON, its profile_to_dict form."""
 
@@ -321,47 +318,65 @@ class ClusterSpec:
 class TrainSpec:
     """How long and how hard to train."""
 
-    global_batch: int
+    global_batch: int = setting(kind="int", limit=2**24, cli_default=256, help="sequences per optimizer step")
     """Sequences per optimizer step, across all data-parallel ranks."""
-    micro_batch: int
+    micro_batch: int = setting(kind="auto_int", limit=2**24, section="strategy", after="",
+                               help="sequences per rank per forward [auto]")
     """Sequences per forward/backward on one rank."""
-    steps: int
+    steps: int = setting(kind="int", limit=INT32_MAX, fallback=1000,
+                         help="optimizer steps [default: {fallback}; or from --tokens]")
     """Optimizer steps to run."""
-    lr: float = 6e-4
+    lr: float = setting(6e-4, kind="float", limit=1.0, cli_default=FIELD_DEFAULT, help="peak learning rate")
     """Peak learning rate reached after warmup."""
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: float = setting(0.1, kind="float", cli_default=FIELD_DEFAULT, help="final lr / peak lr")
     """Final learning rate of the cosine decay, as a fraction of lr."""
-    warmup_steps: int = 100
+    warmup_steps: int = setting(100, key="warmup", kind="int", limit=INT32_MAX,
+                                help="lr warmup steps [default: steps/10, at least 1, at most 2000]")
     """Linear warmup length in optimizer steps."""
-    weight_decay: float = 0.1
+    weight_decay: float = setting(0.1, kind="float", limit=1.0, cli_default=FIELD_DEFAULT,
+                                  help="AdamW weight decay (not on biases and norms)")
     """AdamW decoupled weight decay (not applied to biases and norms)."""
-    grad_clip: float = 1.0
+    grad_clip: float = setting(1.0, kind="float", limit=1e6, cli_default=FIELD_DEFAULT,
+                               help="global gradient-norm clipping")
     """Global gradient-norm clipping threshold."""
-    precision: str = "bf16"
+    precision: str = setting("bf16", kind="auto_choice", choices=PRECISIONS, section="strategy", after="nvme_path",
+                             help="[auto: bf16 on GPUs, fp32 on cpu]")
     """bf16, fp16 or fp32 training."""
-    seed: int = 1234
+    seed: int = setting(1234, kind="int", limit=2**32 - 1, cli_default=FIELD_DEFAULT, help=None)
     """Seed for weights, data order and dropout."""
-    log_interval: int = 10
+    log_interval: int = setting(10, kind="int", limit=INT32_MAX, cli_default=FIELD_DEFAULT, section="logging",
+                                help="steps between log lines")
     """Print and record metrics every this many steps."""
-    save_interval: int = 1000
+    save_interval: int = setting(1000, kind="int", limit=INT32_MAX, cli_default=FIELD_DEFAULT,
+                                 help="steps between checkpoints (0: only at the end and on SIGTERM/SIGINT)")
     """Save a DeepSpeed checkpoint every this many steps (0: only at the end and on SIGTERM/SIGINT)."""
-    keep_checkpoints: int = 3
+    keep_checkpoints: int = setting(3, kind="int", limit=10**6, cli_default=FIELD_DEFAULT,
+                                    help="complete checkpoints to keep (older ones are deleted)")
     """Keep the newest this many complete checkpoints; older ones are deleted."""
-    eval_interval: int = 100
+    eval_interval: int = setting(100, kind="int", limit=INT32_MAX, cli_default=FIELD_DEFAULT,
+                                 help="steps between validation passes (0: none)")
     """Validation loss and perplexity every this many steps and at the end (0: never)."""
-    eval_batches: int = 10
+    eval_batches: int = setting(10, kind="int", limit=INT32_MAX, cli_default=FIELD_DEFAULT,
+                                help="micro-batches per data-parallel rank in one validation pass")
     """Micro-batches per data-parallel rank in one validation pass (capped by the validation split)."""
-    max_skipped_steps: int = 10
+    max_skipped_steps: int = setting(10, kind="int", limit=INT32_MAX, cli_default=FIELD_DEFAULT,
+                                     help="consecutive non-finite steps before the run saves and stops (0: never)")
     """Save and stop after this many consecutive steps skipped for a non-finite loss or gradient norm (0: never)."""
-    spike_window: int = 100
+    spike_window: int = setting(100, kind="int", limit=2**20, cli_default=FIELD_DEFAULT,
+                                help="steps of loss history for loss-spike detection")
     """Steps of recent loss that a loss spike is measured against."""
-    spike_sigma: float = 4.0
+    spike_sigma: float = setting(4.0, kind="float", limit=1e6, cli_default=FIELD_DEFAULT,
+                                 help="log a loss spike above mean + this many std of the window")
     """A loss above mean + this many standard deviations of the window is logged as a spike."""
-    tokens: str | None = None
+    tokens: str | None = setting(None, kind="tokens", limit=1e18, after="steps",
+                                 help="the run's length as a token budget (300B, 1.5T, 2e9) instead of --steps")
     """The token budget as the user gave it ('300B', '1.5T', '2e9'), from which gen-config derived steps =
     ceil(tokens / (global_batch x seq_len)); None: steps was given directly. Kept as written (shown in plan,
     gen-config and the runner's first line); `dspipe extend` may lengthen steps past it."""
-    init_from: str | None = None
+    init_from: str | None = setting(
+        None, section="model", after="model", metavar="HF_DIR",
+        help="continue pretraining a Hugging Face GPT2LMHeadModel/LlamaForCausalLM directory: its config is the model, "
+             "its weights step 0 (prepare the data with --tokenizer HF_DIR)")
     """Hugging Face model directory whose weights initialise step 0 (None: dspipe's seeded initialisation)."""
 
     def __post_init__(self) -> None:
@@ -395,33 +410,43 @@ class TrainSpec:
 class StrategySpec:
     """How the work is split and where state lives."""
 
-    zero: int = 1
+    zero: int = setting(1, kind="auto_choice", choices=("0", "1", "2", "3"), help="ZeRO stage [auto]")
     """ZeRO stage 0-3 (0: plain data parallel)."""
-    offload: str = "none"
+    offload: str = setting("none", kind="auto_choice", choices=OFFLOADS, help="optimizer state offload [auto]")
     """Where optimizer states live: none (GPU), cpu or nvme."""
-    offload_params: bool = False
+    offload_params: bool = setting(False, kind="bool", flag="--offload-params/--no-offload-params",
+                                   help="offload parameters too (ZeRO-3) [auto]")
     """Also offload parameters to the offload device (ZeRO-3 only)."""
-    nvme_path: str | None = None
+    nvme_path: str | None = setting(None, help="NVMe directory for --offload nvme (enables it in auto)")
     """Directory on a local NVMe drive, required for nvme offload."""
-    pp: int = 1
+    pp: int = setting(1, kind="auto_int", limit=4096, help="pipeline stages [auto]")
     """Pipeline stages; data parallel size is world / (pp x tp x sp)."""
-    tp: int = 1
+    tp: int = setting(1, kind="auto_int", limit=4096,
+                      help="tensor-parallel ranks per replica, DeepSpeed AutoTP, inside a node [auto]")
     """Tensor-parallel ranks per replica (DeepSpeed AutoTP, inside a node)."""
-    sp: int = 1
+    sp: int = setting(1, kind="auto_int", limit=4096,
+                      help="sequence-parallel ranks per replica, DeepSpeed-Ulysses [auto: 1]")
     """Sequence-parallel ranks per replica (DeepSpeed-Ulysses)."""
-    checkpointing: str = "none"
+    checkpointing: str = setting("none", kind="auto_choice", choices=CHECKPOINTING, help="activation recomputation [auto]")
     """Activation recomputation: none, full (per block) or selective (attention core)."""
-    partition_method: str = "parameters"
+    partition_method: str = setting("parameters", kind="auto_choice", choices=PARTITION_METHODS,
+                                    help="pipeline partition [{default}]")
     """How the pipeline splits layers into stages: parameters, uniform or type:Block."""
-    reduce_bucket_size: int | None = None
+    reduce_bucket_size: int | None = setting(
+        None, kind="int", limit=2**40, help="gradient reduce / all-gather bucket, elements [hidden^2, at least 2^20]")
     """Elements per gradient reduce bucket; None: hidden^2 (at least 2^20)."""
-    prefetch_bucket_size: int | None = None
+    prefetch_bucket_size: int | None = setting(
+        None, kind="int", limit=2**40, help="ZeRO-3 prefetch bucket, elements [0.9 hidden^2, at least 2^20]")
     """ZeRO-3 parameter prefetch in elements; None: 0.9 hidden^2 (at least 2^20)."""
-    param_persistence_threshold: int | None = None
+    param_persistence_threshold: int | None = setting(
+        None, kind="int", limit=2**40, help="ZeRO-3: keep parameters smaller than this whole [10 hidden]")
     """ZeRO-3 keeps parameters smaller than this whole on every rank; None: 10 hidden."""
-    max_live_parameters: int | None = None
+    max_live_parameters: int | None = setting(
+        None, kind="int", limit=2**40,
+        help="ZeRO-3: prefetch only while fewer elements are gathered [prefetch bucket + largest tensor]")
     """ZeRO-3 prefetches only while fewer elements are gathered; None: the prefetch bucket + the largest tensor."""
-    max_reuse_distance: int | None = None
+    max_reuse_distance: int | None = setting(
+        None, kind="int", limit=2**40, help="ZeRO-3: keep a module gathered if reused within this many elements [prefetch bucket]")
     """ZeRO-3 keeps a module gathered if the trace reuses it within this many elements; None: the prefetch bucket."""
 
     def __post_init__(self) -> None:
@@ -438,6 +463,28 @@ class StrategySpec:
         for name in ("max_live_parameters", "max_reuse_distance"):
             if getattr(self, name) is not None:
                 _int_range("strategy", name, getattr(self, name), low=0)
+
+
+SPECS = ((ModelSpec, "model"), (ClusterSpec, "cluster"), (TrainSpec, "train"), (StrategySpec, "strategy"))
+"""Each spec and its --config section (a field may name another: precision and micro_batch are in strategy)."""
+SPEC_SETTINGS = tuple(s for cls, section in SPECS for s in declared(cls, section=section))
+"""Every setting declared on a spec field, in declaration order."""
+LIMITS = {s.field: s.limit for s in SPEC_SETTINGS if s.limit is not None}
+"""Largest accepted value per field, from its setting: beyond them a size is absurd (or overflows what DeepSpeed,
+torch or numpy accept: seeds feed numpy's and torch's generators, which take 0..2**32-1 everywhere dspipe derives
+streams)."""
+
+
+def _requested(section: str) -> list:
+    """(field, type or None, default None) for every spec field the `section` of the --config file holds."""
+    types = {f.name: f.type for cls, _ in SPECS for f in fields(cls)}
+    optional = {name: t if t.endswith("| None") else f"{t} | None" for name, t in types.items()}
+    return [(s.field, optional[s.field], field(default=None)) for s in SPEC_SETTINGS if s.section == section]
+
+
+StrategyRequest = make_dataclass("StrategyRequest", _requested("strategy"), frozen=True, kw_only=True)
+StrategyRequest.__doc__ = """The strategy as asked for: each field of the strategy section (StrategySpec's, and TrainSpec's
+micro_batch and precision), a value, or None to let the search choose (or take the spec's default)."""
 
 
 def from_dict(cls, data: dict):

@@ -7,7 +7,7 @@ import pytest
 
 from dspipe.spec.presets import MODEL_PRESETS
 from dspipe.planner.search import search
-from dspipe.spec.core import ClusterSpec, TrainSpec
+from dspipe.spec.core import ClusterSpec, TrainSpec, StrategyRequest
 
 TINY = MODEL_PRESETS["tiny"]
 SMALL = replace(TINY, name="small", layers=4, hidden=128, heads=4, seq_len=128, ffn=512, vocab=512)
@@ -57,11 +57,11 @@ def test_census_shows_what_the_issue_reported():
 def test_search_never_picks_selective_but_keeps_a_pinned_one():
     m, cluster = MODEL_PRESETS["gpt2-124m"], ClusterSpec(1, 8, "a100-40g")
     train = TrainSpec(global_batch=64, micro_batch=1, steps=1000, warmup_steps=10)
-    auto = search(model=m, cluster=cluster, train=train, fixed={})
+    auto = search(model=m, cluster=cluster, train=train, request=StrategyRequest())
     assert auto.best is not None and all(c.plan.checkpointing != "selective" for c in auto.ranked)
     none = [c for c in auto.ranked if c.plan.checkpointing == "none"]
     assert none, "none fits here, so nothing would justify selective"
-    pinned = search(model=m, cluster=cluster, train=train, fixed={"checkpointing": "selective"})
+    pinned = search(model=m, cluster=cluster, train=train, request=StrategyRequest(checkpointing="selective"))
     assert pinned.best.plan.checkpointing == "selective"
     twin = next(c for c in none if c.plan.micro_batch == pinned.best.plan.micro_batch
                 and c.strategy.zero == pinned.best.strategy.zero and c.plan.pp == pinned.best.plan.pp

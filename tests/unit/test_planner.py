@@ -9,7 +9,7 @@ from dspipe.planner.estimate import (estimate, run_days, stage_params, stage_lay
 from dspipe.planner.plan import make_plan
 from dspipe.spec.presets import MODEL_PRESETS, model_preset
 from dspipe.planner.search import search
-from dspipe.spec.core import ClusterSpec, StrategySpec, TrainSpec
+from dspipe.spec.core import ClusterSpec, StrategySpec, TrainSpec, StrategyRequest
 from tests.helpers import dspipe
 
 
@@ -121,7 +121,7 @@ def test_offload_moves_optimizer_to_host():
 def test_search_175b_over_1024_gpus_keeps_the_batch_equation_and_ranks_by_time():
     m = MODEL_PRESETS["gpt3-175b"]
     r = search(model=m, cluster=ClusterSpec(128, 8, "a100-80g"),
-               train=TrainSpec(global_batch=1536, micro_batch=1, steps=1000, warmup_steps=10), fixed={})
+               train=TrainSpec(global_batch=1536, micro_batch=1, steps=1000, warmup_steps=10), request=StrategyRequest())
     assert r.best is not None and r.evaluated > 100
     for c in r.ranked:
         assert c.plan.global_batch == c.plan.micro_batch * c.plan.grad_accum * c.plan.dp == 1536
@@ -134,7 +134,7 @@ def test_search_175b_over_1024_gpus_keeps_the_batch_equation_and_ranks_by_time()
 
 def test_small_model_prefers_the_seed_recipe():
     r = search(model=MODEL_PRESETS["gpt2-124m"], cluster=ClusterSpec(1, 8, "h100-80g"),
-               train=TrainSpec(global_batch=256, micro_batch=1, steps=1000, warmup_steps=10), fixed={})
+               train=TrainSpec(global_batch=256, micro_batch=1, steps=1000, warmup_steps=10), request=StrategyRequest())
     p = r.best.plan
     assert (p.precision, p.zero_stage, p.offload, p.pp, p.checkpointing) == ("bf16", 0, "none", 1, "none")
     # ZeRO-3's collectives hide behind compute on one node: it ties (within 2%) and loses on the recipe's order

@@ -3,8 +3,9 @@ roomier one, whatever the recipe's order says, and `plan` says so."""
 import pytest
 
 from dspipe.spec.presets import model_preset
-from dspipe.planner.search import ROOMY, TIE, _preference, search
-from dspipe.spec.core import ClusterSpec, TrainSpec
+from dspipe.planner.rank import ROOMY, TIE, preference
+from dspipe.planner.search import search
+from dspipe.spec.core import ClusterSpec, TrainSpec, StrategyRequest
 
 CASES = [("gpt3-1.3b", 1, 8, "a100-40g", 256), ("gpt2-1.5b", 1, 8, "a100-40g", 256),
          ("gpt3-6.7b", 1, 8, "h100-80g", 256), ("gpt3-13b", 2, 8, "a100-80g", 256), ("gpt3-2.7b", 1, 8, "a100-40g", 256),
@@ -17,7 +18,7 @@ def _share(c):
 
 @pytest.fixture(scope="module")
 def results():
-    return [search(model=model_preset(name), cluster=ClusterSpec(nodes, gpus, gpu), fixed={},
+    return [search(model=model_preset(name), cluster=ClusterSpec(nodes, gpus, gpu), request=StrategyRequest(),
                    train=TrainSpec(global_batch=gbs, micro_batch=1, steps=100, warmup_steps=10))
             for name, nodes, gpus, gpu, gbs in CASES]
 
@@ -33,14 +34,14 @@ def test_a_plan_over_the_roomy_share_never_wins_a_tie_against_one_under_it(resul
         ties = _ties(r)
         if any(_share(c) <= ROOMY for c in ties):
             assert _share(r.best) <= ROOMY, (r.best.describe(), _share(r.best))
-        recipe = min(ties, key=lambda c: _preference(c)[1:])
+        recipe = min(ties, key=lambda c: preference(c)[1:])
         decided += _share(recipe) > ROOMY >= _share(r.best)
     assert decided >= 2  # the rule changed the choice: the recipe alone would have picked a plan over ROOMY
 
 
 def test_the_tie_line_names_the_rule_and_both_shares_when_it_decides(results):
     for r in results:
-        recipe = min(_ties(r), key=lambda c: _preference(c)[1:])
+        recipe = min(_ties(r), key=lambda c: preference(c)[1:])
         if recipe is not r.best and _share(recipe) > ROOMY:
             assert (f"the roomier plan ({_share(r.best):.0%} vs {_share(recipe):.0%} of GPU memory; over {ROOMY:.0%} "
                     f"loses ties) over {recipe.describe()}") in r.tie

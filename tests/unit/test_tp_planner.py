@@ -13,8 +13,9 @@ from dspipe.planner.estimate import (MEMORY_HEADROOM, RING_BASE_LATENCY_S, RING_
 from dspipe.spec.hardware import GPU_CATALOG
 from dspipe.planner.plan import make_plan
 from dspipe.spec.presets import MODEL_PRESETS, model_preset
-from dspipe.planner.search import search, sp_choices, tp_choices
-from dspipe.spec.core import ClusterSpec, StrategySpec, TrainSpec
+from dspipe.planner.enumerate import sp_choices, tp_choices
+from dspipe.planner.search import search
+from dspipe.spec.core import ClusterSpec, StrategySpec, TrainSpec, StrategyRequest
 from dspipe.planner.summary import estimate_summary, human_report
 from tests.helpers import run_cli
 
@@ -43,7 +44,7 @@ def gpt3_175b():
     its AutoTP start-up needs (BIG_HOST)."""
     m = MODEL_PRESETS["gpt3-175b"]
     cluster = ClusterSpec(128, 8, "a100-80g", host_memory_gib=BIG_HOST)
-    return m, cluster, search(model=m, cluster=cluster, fixed={},
+    return m, cluster, search(model=m, cluster=cluster, request=StrategyRequest(),
                               train=TrainSpec(global_batch=1536, micro_batch=1, steps=1000, warmup_steps=10))
 
 
@@ -190,8 +191,8 @@ def test_a_plan_must_leave_headroom():
 def test_search_headroom_is_configurable():
     m, cluster = MODEL_PRESETS["gpt3-175b"], ClusterSpec(128, 8, "a100-80g", host_memory_gib=BIG_HOST)
     train = TrainSpec(global_batch=1536, micro_batch=1, steps=1000, warmup_steps=10)
-    strict = search(model=m, cluster=cluster, train=train, fixed={"tp": 8, "zero": 2}, headroom=0.3)
-    loose = search(model=m, cluster=cluster, train=train, fixed={"tp": 8, "zero": 2}, headroom=0.0)
+    strict = search(model=m, cluster=cluster, train=train, request=StrategyRequest(tp=8, zero=2), headroom=0.3)
+    loose = search(model=m, cluster=cluster, train=train, request=StrategyRequest(tp=8, zero=2), headroom=0.0)
     for r, room in ((strict, 0.3), (loose, 0.0)):
         assert all(c.est.memory.total <= (1 - room) * c.est.gpu_memory_bytes for c in r.ranked)
     assert len(loose.ranked) > len(strict.ranked)
@@ -243,7 +244,7 @@ def test_tp_never_leaves_the_node(gpus_per_node):
     cluster = ClusterSpec(16 // gpus_per_node, gpus_per_node, "a100-80g")
     assert tp_choices(m, cluster) == [t for t in (1, 2, 4, 8) if t <= gpus_per_node]
     r = search(model=m, cluster=cluster, train=TrainSpec(global_batch=64, micro_batch=1, steps=100, warmup_steps=10),
-               fixed={})
+               request=StrategyRequest())
     tps = {c.plan.tp for c in r.ranked}
     assert max(tps) <= gpus_per_node and all(gpus_per_node % t == 0 for t in tps)
     assert r.best.plan.tp <= gpus_per_node
@@ -258,7 +259,7 @@ def test_auto_sp_only_for_long_context():
 
 def test_long_context_search_explains_every_sp():
     m = model_preset("gpt3-1.3b", seq_len=16384)
-    r = search(model=m, cluster=ClusterSpec(1, 8, "h100-80g"), fixed={},
+    r = search(model=m, cluster=ClusterSpec(1, 8, "h100-80g"), request=StrategyRequest(),
                train=TrainSpec(global_batch=16, micro_batch=1, steps=100, warmup_steps=10))
     chosen = r.best.plan.sp
     assert {k for k in r.rejected if k.startswith("sp ")} == {f"sp {s}" for s in (1, 2, 4, 8) if s != chosen}
@@ -279,11 +280,11 @@ def test_rejected_explains_every_tp(gpt3_175b):
 
 def test_rejected_names_the_rule_that_rules_a_tp_out():
     r = search(model=MODEL_PRESETS[SMALL], cluster=ClusterSpec(1, 8, "h100-80g"),
-               train=TrainSpec(global_batch=256, micro_batch=1, steps=1000, warmup_steps=10), fixed={})
+               train=TrainSpec(global_batch=256, micro_batch=1, steps=1000, warmup_steps=10), request=StrategyRequest())
     assert r.rejected["tp 8"] == "not considered: model heads 12 is not divisible by tp 8 (12 / 8 = 1.5)"
     assert "tp 2" in r.rejected and "tp 4" in r.rejected
     fixed3 = search(model=MODEL_PRESETS[SMALL], cluster=ClusterSpec(1, 8, "h100-80g"),
-                    train=TrainSpec(global_batch=256, micro_batch=1, steps=1000, warmup_steps=10), fixed={"zero": 3})
+                    train=TrainSpec(global_batch=256, micro_batch=1, steps=1000, warmup_steps=10), request=StrategyRequest(zero=3))
     assert "tp 2 with ZeRO-3" in fixed3.rejected["tp 2"]
 
 

@@ -1,0 +1,149 @@
+"""The candidate strategies of a request: every valid ZeRO x offload x pp x tp x sp x recomputation x precision x
+micro-batch it leaves open, planned and estimated (the refusals kept, by family and axis, for the explanation).
+No torch."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field, fields, replace
+
+from dspipe.errors import SpecError
+from dspipe.planner.estimate import Estimate, estimate, throughput
+from dspipe.planner.plan import Plan, RuleError, make_plan
+from dspipe.spec.core import ClusterSpec, ModelSpec, StrategyRequest, StrategySpec, TrainSpec
+from dspipe.spec.layout import ParallelLayout
+
+AUTO = "auto"
+AUTO_CHECKPOINTING = ("none", "full")
+"""Recomputation the search chooses from. Not selective: with SDPA's fused kernels the attention core it recomputes
+keeps no s x s scores, so it saves only the kernel's log-sum-exp (estimate.activation_bytes_per_layer) and costs a
+recomputation; a pinned --checkpointing selective is still planned, with the memory it really uses."""
+MAX_MICRO_BATCH = 64
+LONG_CONTEXT = 16384
+"""Sequence length from which the search considers Ulysses sequence parallelism on its own."""
+SEARCHED = ("precision", "micro_batch", "zero", "offload", "offload_params", "pp", "tp", "sp", "checkpointing")
+"""The request's fields the search tries every value of when they are auto; every other field of the request is
+handed to StrategySpec as asked (None: the spec's default)."""
+BATCH_RULE = 4
+"""plan.check_rules' batch-divisibility rule: the only one that depends on the micro-batch."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One evaluated strategy."""
+
+    strategy: StrategySpec
+    train: TrainSpec
+    plan: Plan
+    est: Estimate
+    tokens_per_s: float
+    mfu: float
+
+    @property
+    def family(self) -> str:
+        s = self.strategy
+        off = "" if s.offload == "none" else f" + {s.offload} offload" + (" (params too)" if s.offload_params else "")
+        return f"ZeRO-{s.zero}{off}"
+
+    def describe(self, *, every_axis: bool = False) -> str:
+        """One line: family, precision, parallel sizes (tp and sp only when > 1 unless `every_axis`), batch split,
+        recomputation."""
+        p = self.plan
+        extra = "".join(f", {k} {v}" for k, v in (("tp", p.tp), ("sp", p.sp)) if v > 1 or every_axis)
+        return (f"{self.family}, {p.precision}, pp {p.pp}{extra}, dp {p.dp}, micro {p.micro_batch} x ga {p.grad_accum}, "
+                f"recompute {p.checkpointing}")
+
+
+@dataclass
+class Enumerated:
+    """What enumerate_candidates found."""
+
+    candidates: list[Candidate]
+    errors: list[SpecError]
+    """Every refusal, in the order met."""
+    tp_list: list[int]
+    sp_list: list[int]
+    by_family: dict = field(default_factory=dict)
+    """family -> {rule number: message} of its refused strategies (also by_tp, by_sp: tp / sp size -> ...)."""
+    by_tp: dict = field(default_factory=dict)
+    by_sp: dict = field(default_factory=dict)
+
+
+def options(value, choices) -> list:
+    """[value] when the request fixes it, else every choice."""
+    return list(choices) if value in (None, AUTO) else [value]
+
+
+def divisors(n: int, limit: int) -> list[int]:
+    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
+
+
+def tp_choices(model: ModelSpec, cluster: ClusterSpec) -> list[int]:
+    """Tensor-parallel sizes the search tries: divisors of the GPUs per node (tp stays inside a node) that divide the
+    heads and the MLP width."""
+    return [t for t in divisors(cluster.gpus_per_node, cluster.gpus_per_node)
+            if model.heads % t == 0 and model.ffn % t == 0]
+
+
+def sp_choices(model: ModelSpec, cluster: ClusterSpec) -> list[int]:
+    """Sequence-parallel sizes the search tries: 1, and from LONG_CONTEXT tokens on the divisors of the GPUs per node
+    that divide the heads and the sequence length (Ulysses' all-to-alls stay on NVLink)."""
+    if model.seq_len < LONG_CONTEXT:
+        return [1]
+    return [s for s in divisors(cluster.gpus_per_node, cluster.gpus_per_node)
+            if model.heads % s == 0 and model.seq_len % s == 0]
+
+
+def rule_of(error: SpecError) -> int:
+    """The number of the rule that refused (0: the strategy itself was invalid)."""
+    return error.rule if isinstance(error, RuleError) else 0
+
+
+def enumerate_candidates(*, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, request: StrategyRequest,
+                         headroom: float, import_bytes: int | None) -> Enumerated:
+    """Plan and estimate every strategy the request leaves open; a strategy a rule refuses whatever its micro-batch
+    and recomputation is tried once."""
+    world = cluster.world_size
+    r = request
+    precision = options(r.precision, ["fp32"] if cluster.gpu == "cpu" else ["bf16"])
+    offloads = options(r.offload, ["none", "cpu"] + (["nvme"] if r.nvme_path else []))
+    pps = options(r.pp, divisors(world, model.layers))
+    found = Enumerated(candidates=[], errors=[], tp_list=options(r.tp, tp_choices(model, cluster)),
+                       sp_list=options(r.sp, sp_choices(model, cluster)))
+    as_asked = {f.name: v for f in fields(StrategyRequest)
+                if f.name not in SEARCHED and (v := getattr(r, f.name)) is not None}
+    refused = set()  # strategies a rule refuses whatever the micro-batch and recomputation: tried once
+    trains = {}  # (precision, micro-batch) -> TrainSpec, validated once
+    for prec, zero, offload, offload_params, pp, tp, sp, ckpt in itertools.product(
+            precision, options(r.zero, [0, 1, 2, 3]), offloads, options(r.offload_params, [False, True]), pps,
+            found.tp_list, found.sp_list, options(r.checkpointing, AUTO_CHECKPOINTING)):
+        # an invalid pp/tp/sp is rejected by StrategySpec / the rules below; dp 1 keeps the micro-batch list finite
+        valid = all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (pp, tp, sp)) \
+            and world % (pp * tp * sp) == 0
+        dp = ParallelLayout(world=world, pp=pp, tp=tp, sp=sp).dp if valid else 1
+        micro = options(r.micro_batch, divisors(train.global_batch // dp, MAX_MICRO_BATCH)
+                        if train.global_batch % dp == 0 else [1])
+        structure = (prec, zero, offload, offload_params, pp, tp, sp)
+        if structure in refused:
+            continue
+        for mb in micro:
+            try:
+                strategy = StrategySpec(zero=zero, offload=offload, offload_params=offload_params, pp=pp, tp=tp, sp=sp,
+                                        checkpointing=ckpt, **as_asked)
+                t = trains.get((prec, mb))
+                if t is None:
+                    t = trains[prec, mb] = replace(train, precision=prec, micro_batch=mb)
+                plan = make_plan(model=model, cluster=cluster, train=t, strategy=strategy)
+            except SpecError as e:
+                found.errors.append(e)
+                rule = rule_of(e)
+                family = f"ZeRO-{zero}" + ("" if offload == "none" else f" + {offload} offload")
+                for table, key in ((found.by_family, family), (found.by_tp, tp), (found.by_sp, sp)):
+                    table.setdefault(key, {}).setdefault(rule, str(e))
+                if rule == BATCH_RULE:
+                    continue
+                refused.add(structure)  # no other rule reads the micro-batch or the recomputation
+                break
+            est = estimate(model=model, cluster=cluster, plan=plan, headroom=headroom, import_bytes=import_bytes)
+            tokens_per_s, mfu = throughput(est=est, model=model, cluster=cluster, plan=plan)
+            found.candidates.append(Candidate(strategy, t, plan, est, tokens_per_s, mfu))
+    return found

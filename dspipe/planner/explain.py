@@ -1,0 +1,110 @@
+"""Why not: one line per strategy family (and per tp / sp size) the search did not choose, and the shortfall of a
+plan that does not fit. No torch."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from dspipe.errors import SpecError
+from dspipe.planner.enumerate import AUTO, Candidate, Enumerated, divisors
+from dspipe.planner.estimate import GIB, Estimate
+from dspipe.planner.plan import check_rules
+from dspipe.planner.rank import TIE, tie_reason
+from dspipe.planner.startup import size_text
+from dspipe.spec.core import ClusterSpec, ModelSpec, StrategyRequest, StrategySpec, TrainSpec
+
+
+def rejected(*, found: Enumerated, best: Candidate | None, model: ModelSpec, cluster: ClusterSpec,
+             train: TrainSpec, request: StrategyRequest) -> dict[str, str]:
+    """family / 'tp N' / 'sp N' -> why it was not chosen, for everything the search tried (or, for tp, ruled out)."""
+    candidates = found.candidates
+    out = {}
+    families = sorted({c.family for c in candidates})
+    for family in families:
+        if best is not None and family == best.family:
+            continue
+        out[family] = why_not(best, [c for c in candidates if c.family == family])
+    for family, rules in found.by_family.items():
+        if family not in families:
+            out[family] = rules_text(rules)
+    for label, values, table, chosen in (("tp", found.tp_list, found.by_tp, best and best.plan.tp),
+                                         ("sp", found.sp_list, found.by_sp, best and best.plan.sp)):
+        if len(values) < 2 and getattr(request, label) in (None, AUTO):
+            continue  # nothing was chosen along this axis
+        for v in values:
+            if v == chosen:
+                continue
+            members = [c for c in candidates if getattr(c.plan, label) == v]
+            out[f"{label} {v}"] = why_not(best, members) if members else rules_text(table.get(v, {}))
+    if request.tp in (None, AUTO):
+        for t in divisors(cluster.gpus_per_node, cluster.gpus_per_node):
+            if t not in found.tp_list:  # never tried: say which rule rules it out
+                out[f"tp {t}"] = "not considered: " + tp_refusal(model, cluster, train, t)
+    return out
+
+
+def why_not(best: Candidate | None, members: list[Candidate]) -> str:
+    """One line: how the quickest fitting member compares with the chosen plan, or its smallest shortfall."""
+    fits = [c for c in members if c.est.fits]
+    if fits:
+        quickest = min(fits, key=lambda c: c.est.step_time_s)
+        slower = quickest.est.step_time_s / best.est.step_time_s - 1
+        if quickest.est.step_time_s <= best.est.step_time_s * TIE:  # lost the tie-break, not the race
+            pace = f"faster by {-slower * 100:.1f}%" if slower < 0 else f"slower by {slower * 100:.1f}%"
+            return (f"{pace} at best, a tie (within {(TIE - 1) * 100:.0f}%) that went to "
+                    f"{tie_reason(best, quickest)} ({quickest.describe()})")
+        return f"slower by {slower * 100:.0f}% at best ({quickest.describe()})"
+    near = min(members, key=over)
+    return f"does not fit: {shortfall_text(near)} at best ({near.describe()})"
+
+
+def rules_text(rules: dict) -> str:
+    """The rule that got furthest (the highest-numbered one: every earlier rule held for that combination)."""
+    if not rules:
+        return "violates DeepSpeed's rules"
+    return "violates DeepSpeed's rules: " + rules[max(rules)]
+
+
+def tp_refusal(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, tp: int) -> str:
+    """The rule that rules tp out whatever the rest of the strategy (its message from plan.check_rules)."""
+    try:
+        check_rules(model=model, cluster=cluster, train=replace(train, micro_batch=1),
+                    strategy=StrategySpec(zero=1, tp=tp))
+    except SpecError as e:
+        return str(e)
+    return f"tp {tp} does not divide the heads {model.heads} and ffn {model.ffn}"
+
+
+def over(c: Candidate) -> float:
+    """How far a candidate is from fitting: GPU bytes over the usable memory (in the step or while building) plus
+    host bytes over capacity (the start-up's host peak includes the offload's)."""
+    e = c.est
+    return (max(e.shortfall_bytes, e.startup_device_shortfall_bytes)
+            + max(e.startup_host_shortfall_bytes, e.host_memory_bytes - e.host_memory_capacity, 0))
+
+
+def startup_shortfall_text(e: Estimate) -> str:
+    """'start-up needs 1,056 GiB host RAM per node (8 ranks x 132 GiB: the whole model in bf16 on the host for
+    AutoTP), has 512 GiB'; '' when the start-up's host RAM fits."""
+    s = e.startup
+    if s is None or not e.startup_host_shortfall_bytes:
+        return ""
+    return (f"start-up needs {size_text(s.host_per_node_bytes)} host RAM per node ({s.ranks_per_node} ranks x "
+            f"{size_text(s.host_per_rank_bytes)}: {s.holds()}), has {size_text(e.host_memory_capacity)}")
+
+
+def shortfall_text(c: Candidate) -> str:
+    e = c.est
+    parts = []
+    if e.shortfall_bytes:
+        parts.append(f"needs {e.memory.total / GIB:.1f} GiB per GPU, may use {e.usable_gpu_memory_bytes / GIB:.1f} "
+                     f"of {e.gpu_memory_bytes / GIB:.1f} ({e.headroom * 100:.0f}% headroom; short by "
+                     f"{e.shortfall_bytes / GIB:.1f} GiB)")
+    if e.startup_device_shortfall_bytes and not e.shortfall_bytes:  # else the step's own shortfall says it
+        parts.append(f"start-up needs {size_text(e.startup.device_bytes)} per GPU while building "
+                     f"({e.startup.mode} build), may use {size_text(e.usable_gpu_memory_bytes)}")
+    if e.startup_host_shortfall_bytes and e.startup.build_dominates:
+        parts.append(startup_shortfall_text(e))
+    elif e.host_memory_bytes > e.host_memory_capacity or e.startup_host_shortfall_bytes:  # the offload's own peak
+        parts.append(f"needs {max(e.host_memory_bytes, e.startup.host_per_node_bytes if e.startup else 0) / GIB:.0f} "
+                     f"GiB host RAM per node, has {e.host_memory_capacity / GIB:.0f}")
+    return "; ".join(parts)

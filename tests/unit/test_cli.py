@@ -135,3 +135,25 @@ def test_planning_modules_import_without_torch_or_deepspeed():
 def test_presets_command_lists_models_and_deepspeed_presets():
     r = dspipe("presets")
     assert r.returncode == 0 and "gpt3-175b" in r.stdout and "zero3-nvme-offload" in r.stdout
+
+
+def test_a_click_option_is_generated_from_its_setting():
+    import click
+
+    from dspipe.cli.options import FLOAT, INT, AutoChoice, click_option
+    from dspipe.spec.options import SETTINGS
+
+    def param(key):
+        return click_option(SETTINGS[key])(lambda **o: None).__click_params__[0]
+
+    lr = param("lr")
+    assert (lr.opts, lr.type, lr.default, lr.show_default, lr.help) == (["--lr"], FLOAT, 6e-4, True, "peak learning rate")
+    zero = param("zero")
+    assert isinstance(zero.type, AutoChoice) and zero.type.choices == ("0", "1", "2", "3") and zero.default is None
+    bias = param("bias")
+    assert (bias.opts, bias.secondary_opts, bias.default) == (["--bias"], ["--no-bias"], None)
+    untied = param("untied")
+    assert untied.is_flag and untied.default is False and untied.help == "separate output head (default: tied)"
+    seq = param("seq_len")
+    assert seq.type is INT and seq.help == "context length [the preset's; custom 1024]"
+    assert isinstance(param("norm").type, click.Choice)

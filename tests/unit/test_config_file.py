@@ -61,6 +61,29 @@ def test_a_new_option_in_no_section_fails_the_check():
     assert unplaced([extended]) == ["gen-config --new-knob: in 0 sections []; add it to one of config_file.SECTIONS"]
 
 
+def test_every_option_is_declared_once_in_the_option_table():
+    """Each option of gen-config, plan and bench is a setting of the option table (declared on its spec field, or
+    one of its EXTRAS) or command-line only; a generated option's flag, help, default and type are its setting's."""
+    from dspipe.cli.options import click_option
+    from dspipe.spec.options import BY_COMMAND, SETTINGS
+
+    undeclared, differs = [], []
+    for cmd in _commands():
+        for p in cmd.params:
+            if not isinstance(p, click.Option) or p.name == "help":
+                continue
+            key = file_key(p)
+            if key not in SETTINGS and key not in COMMAND_LINE_ONLY:
+                undeclared.append(f"{cmd.name} {p.opts[0]}")
+            if key in SETTINGS and key not in BY_COMMAND and key not in OWN_MEANING.get(cmd.name, ()):
+                made = click_option(SETTINGS[key])(lambda **o: None).__click_params__[0]
+                same = (made.opts, made.secondary_opts, made.help, made.default, type(made.type), made.is_flag)
+                if same != (p.opts, p.secondary_opts, p.help, p.default, type(p.type), p.is_flag):
+                    differs.append(f"{cmd.name} {p.opts[0]}")
+    assert undeclared == [] and differs == []
+    assert SECTIONS == {section: tuple(s.key for s in body) for section, body in config_file.TABLE.items()}
+
+
 # ---- round trip --------------------------------------------------------------------------------------------------
 
 def _leaves(d, prefix=""):

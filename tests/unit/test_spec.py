@@ -5,7 +5,10 @@ import pytest
 from dspipe.errors import SpecError
 from dspipe.spec.presets import MODEL_PRESETS, model_preset
 from dspipe.spec.hardware import GPU_CATALOG, gpu_type
-from dspipe.spec.core import ClusterSpec, ModelSpec, StrategySpec, TrainSpec
+from dataclasses import dataclass, fields
+
+from dspipe.spec.core import LIMITS, SPECS, ClusterSpec, ModelSpec, StrategyRequest, StrategySpec, TrainSpec
+from dspipe.spec.settings import declared, setting
 
 
 def test_gpt2_small_parameter_count_matches_the_released_model():
@@ -95,3 +98,31 @@ def test_help_and_errors_list_the_catalog():
     assert names_text() == ", ".join(GPU_CATALOG)
     with pytest.raises(SpecError, match=f"valid: {names_text()}"):
         gpu_type("v100")
+
+
+def test_limits_and_sections_come_from_the_field_declarations():
+    """LIMITS is the `limit` of each declared field; a field's section is its spec's unless it names its own; the
+    strategy request has a field (None: auto) for each field of the strategy section."""
+    for cls, section in SPECS:
+        for f in fields(cls):
+            meta = f.metadata.get("setting")
+            assert meta is not None, f"{cls.__name__}.{f.name} is not declared with setting()"
+            assert LIMITS.get(f.name) == meta.get("limit"), f.name
+    assert {s.key: s.section for s in declared(TrainSpec, section="train") if s.section != "train"} == \
+        {"micro_batch": "strategy", "precision": "strategy", "log_interval": "logging", "init_from": "model"}
+    asked = {f.name for f in fields(StrategyRequest)}
+    assert asked == {f.name for f in fields(StrategySpec)} | {"micro_batch", "precision"}
+    assert StrategyRequest().zero is None
+
+
+def test_a_new_setting_is_one_declaration():
+    @dataclass(frozen=True)
+    class Knob:
+        size: int | None = setting(None, kind="int", limit=99, help="a knob [{default}]")
+        """A knob."""
+        ratio: float = setting(0.5, key="knob_ratio", kind="float", section="logging", help="a ratio")
+        """A ratio."""
+
+    size, ratio = declared(Knob, section="strategy")
+    assert (size.key, size.section, size.limit, size.flags, size.field) == ("size", "strategy", 99, "--size", "size")
+    assert (ratio.key, ratio.section, ratio.flags, ratio.field) == ("knob_ratio", "logging", "--knob-ratio", "ratio")

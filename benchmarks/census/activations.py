@@ -3,7 +3,7 @@
 One training micro-batch runs forward and backward on one process (no engine, no communication) through the model
 the runner builds: the plain GPT (dspipe.model.gpt) or one stage of the PipelineModule (dspipe.model.pipeline, with
 DeepSpeed's own partition; a fake two-rank process group lets one process build any stage), recomputation through
-DeepSpeed's checkpoint function as dspipe.runtime.engine wires it. What is counted:
+DeepSpeed's checkpoint function as dspipe.runtime.parallelize wires it. What is counted:
 
 - every tensor autograd saves (torch.autograd.graph.saved_tensors_hooks: the pack hook hands autograd a holder of
   the tensor, so the holder lives exactly as long as autograd keeps the tensor);
@@ -153,13 +153,14 @@ def _batch(model, micro_batch: int, seed: int):
 def census_gpt(*, model, micro_batch: int, checkpointing: str, precision: str, seed: int = 0) -> ActivationCensus:
     """One micro-batch through the plain GPT (pp = 1) as the runner builds it."""
     from dspipe.model.gpt import GPT
+    from dspipe.runtime.parallelize import recompute
 
     torch.manual_seed(seed)
     gpt = GPT(model, seed=seed).to(_dtype(precision)).train()
     inputs, labels = _batch(model, micro_batch, seed)
 
     def forward(counted):
-        gpt.set_recomputation(checkpointing, counted if checkpointing != "none" else None)
+        recompute(gpt, mode=checkpointing, checkpoint_fn=counted if checkpointing != "none" else None)
         return gpt(inputs, labels), None
 
     with _process_group(rank=0, world=1):  # DeepSpeed's checkpointing asks for the rank
@@ -195,6 +196,7 @@ def census_stage(*, model, pp: int, stage: int, micro_batch: int, checkpointing:
     census and DeepSpeed's stage bounds (indices into embedding, blocks, final norm, head)."""
     from dspipe.model.gpt import Block, Embedding, FinalNorm
     from dspipe.model.pipeline import build_pipeline
+    from dspipe.runtime.parallelize import recompute
 
     with _process_group(rank=stage, world=pp):
         checkpoint = _checkpoint_fn()
@@ -204,9 +206,10 @@ def census_stage(*, model, pp: int, stage: int, micro_batch: int, checkpointing:
             return holder["fn"](function, *args)
 
         torch.manual_seed(seed)
-        pipe = build_pipeline(model=model, stages=pp, partition_method=partition_method, checkpointing=checkpointing,
+        pipe = build_pipeline(model=model, stages=pp, partition_method=partition_method,
                               activation_checkpoint_interval=1 if checkpointing == "full" else 0,
                               checkpoint_fn=counted_proxy, seed=seed).to(_dtype(precision)).train()
+        recompute(pipe, mode=checkpointing, checkpoint_fn=counted_proxy)
         pipe._precompute_checkpointable_values()  # as PipelineEngine's __init__ does; forward checkpoints nothing without
         bounds = [int(x) for x in pipe.parts]
         layers = list(pipe.forward_funcs)

@@ -1,6 +1,7 @@
 """The decoder in plain PyTorch, GPT-2/3 or Llama-family as the ModelSpec declares it (norm, MLP, positions,
 grouped-query attention, biases, tied head). No distributed code here: the pipeline wrapper reuses these blocks,
-and tensor/sequence parallelism swap pieces from outside (dspipe.model.sequence, DeepSpeed AutoTP).
+and recomputation, tensor and sequence parallelism set its slots or swap pieces from outside
+(dspipe.runtime.parallelize, DeepSpeed AutoTP).
 
 Parameter names follow Hugging Face GPT-2 (wte, wpe, h.N.ln_1, attn.c_attn, attn.c_proj, ln_2, mlp.c_fc,
 mlp.c_proj, ln_f) whatever the architecture: q/k/v are one fused projection ([q; k; v] rows) and a SwiGLU's gate
@@ -266,12 +267,7 @@ class GPT(nn.Module):
         if seed is not None:
             fill(self, seed=seed)
         self.block_checkpoint: Callable | None = None
-
-    def set_recomputation(self, mode: str, checkpoint_fn: Callable | None) -> None:
-        """none; full: recompute each block in backward; selective: recompute only the attention core."""
-        self.block_checkpoint = checkpoint_fn if mode == "full" else None
-        for block in self.h:
-            block.attn.core_checkpoint = checkpoint_fn if mode == "selective" else None
+        """Set to a checkpoint function to recompute each block in backward (full recomputation)."""
 
     def forward(self, idx: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (b, s, V), or the mean loss when labels are given."""

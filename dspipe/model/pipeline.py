@@ -5,7 +5,7 @@ from typing import Callable
 
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
-from dspipe.model.gpt import Attention, Block, Embedding, FinalNorm, LMHead, lm_loss
+from dspipe.model.gpt import Block, Embedding, FinalNorm, LMHead, lm_loss
 from dspipe.spec.core import ModelSpec
 
 TIED_KEY = "embed"
@@ -27,16 +27,11 @@ def layer_specs(*, model: ModelSpec, seed: int) -> list[LayerSpec]:
     return [first, *blocks, LayerSpec(FinalNorm, model), last]
 
 
-def build_pipeline(*, model: ModelSpec, stages: int, partition_method: str, checkpointing: str,
-                   activation_checkpoint_interval: int, checkpoint_fn: Callable, seed: int) -> PipelineModule:
-    """Full recomputation goes through the pipeline's activation_checkpoint_interval (blocks only);
-    selective recomputation checkpoints the attention core inside each block this stage owns."""
-    pipe = PipelineModule(layers=layer_specs(model=model, seed=seed), num_stages=stages, loss_fn=lm_loss,
+def build_pipeline(*, model: ModelSpec, stages: int, partition_method: str, activation_checkpoint_interval: int,
+                   checkpoint_fn: Callable, seed: int) -> PipelineModule:
+    """Full recomputation goes through the pipeline's activation_checkpoint_interval (blocks only); selective
+    recomputation is wired into the blocks afterwards (dspipe.runtime.parallelize.recompute)."""
+    return PipelineModule(layers=layer_specs(model=model, seed=seed), num_stages=stages, loss_fn=lm_loss,
                           partition_method=partition_method,
                           activation_checkpoint_interval=activation_checkpoint_interval,
                           activation_checkpoint_func=checkpoint_fn, checkpointable_layers=["Block"])
-    if checkpointing == "selective":
-        for module in pipe.modules():
-            if isinstance(module, Attention):
-                module.core_checkpoint = checkpoint_fn
-    return pipe

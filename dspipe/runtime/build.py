@@ -29,28 +29,11 @@ def training_dtype(precision: str):
     return getattr(torch, DTYPES[precision])
 
 
-def recompute_fn(run: Run):
-    """DeepSpeed's activation checkpoint function configured from the run's JSON, or None without recomputation."""
-    import deepspeed
-
-    if run.plan.checkpointing == "none":
-        return None
-    # The JSON's activation_checkpointing block, passed as values: configure(deepspeed_config=...) would re-check
-    # the batch equation against the whole world, which is wrong under a pipeline (dp = world / pp).
-    ac = run.ds_config["activation_checkpointing"]  # as read and checked by rundir.load_run
-    deepspeed.checkpointing.configure(None, partition_activations=ac["partition_activations"],
-                                      contiguous_checkpointing=ac["contiguous_memory_optimization"],
-                                      num_checkpoints=ac["number_checkpoints"],
-                                      checkpoint_in_cpu=ac["cpu_checkpointing"],
-                                      synchronize=ac["synchronize_checkpoint_boundary"], profile=ac["profile"])
-    return deepspeed.checkpointing.checkpoint
-
-
-def build_module(run: Run, *, mpu=None):
-    """The plain GPT (pp=1) or its PipelineModule (pp>1) with its step-0 weights and recomputation wired to
-    DeepSpeed's checkpointing. `mpu`: the sequence-parallel groups (given to zero.Init's config check)."""
+def build_module(run: Run, *, mpu=None, checkpoint_fn=None):
+    """The plain GPT (pp=1) or its PipelineModule (pp>1) with its step-0 weights (dspipe.runtime.parallelize wires
+    recomputation and sequence parallelism afterwards). `mpu`: the sequence-parallel groups (given to zero.Init's
+    config check); `checkpoint_fn`: DeepSpeed's checkpoint function, a pipeline's for its full recomputation."""
     plan = run.plan
-    checkpoint_fn = recompute_fn(run)
     mode = build_mode(zero_stage=plan.zero_stage, tp=plan.tp, pp=plan.pp)
     weights = None
     if run.train.init_from:  # a resumed run's checkpoint loads over these after deepspeed.initialize
@@ -63,8 +46,6 @@ def build_module(run: Run, *, mpu=None):
         model = _partitioned(run, weights=weights, mpu=mpu)
     else:
         model = _materialised(run, weights=weights, on_device=mode == "device")
-    if plan.pp == 1:
-        model.set_recomputation(plan.checkpointing, checkpoint_fn)
     return model
 
 
@@ -75,7 +56,6 @@ def _stage(run: Run, *, checkpoint_fn, weights):
 
     plan = run.plan
     model = build_pipeline(model=run.model, stages=plan.pp, partition_method=plan.partition_method,
-                           checkpointing=plan.checkpointing,
                            activation_checkpoint_interval=plan.activation_checkpoint_interval,
                            checkpoint_fn=checkpoint_fn or deepspeed.checkpointing.checkpoint, seed=run.train.seed)
     if weights is not None:  # this stage's tensors only

@@ -6,8 +6,8 @@ whole batches through its 1F1B schedule). The runner, `dspipe bench`, evaluation
 Tensor parallelism is DeepSpeed AutoTP's: `deepspeed.initialize` shards the blocks as the rendered
 `tensor_parallel.partition_config` says. Sequence parallelism is DeepSpeed-Ulysses: the sequence groups of
 `parallel_state_sp` go to `deepspeed.initialize` as its mpu (so gradients are reduced over data x sequence ranks),
-each block's attention becomes a DistributedAttention (dspipe.model.sequence), and PlainEngine feeds every sp rank
-its slice of each sequence.
+each block's attention becomes a DistributedAttention (dspipe.runtime.parallelize), and PlainEngine feeds every sp
+rank its slice of each sequence.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 from dspipe.spec.layout import ParallelLayout
 from dspipe.rundir import Run
 from dspipe.runtime.build import build_module
+from dspipe.runtime.parallelize import checkpoint_function, parallelize
 
 
 def param_groups(module, weight_decay: float) -> list[dict]:
@@ -133,14 +134,14 @@ class Engine:
 class PlainEngine(Engine):
     """pp = 1: forward, backward and step per micro-batch; DeepSpeed steps the optimizer at the boundary.
     With sp > 1 every rank of a replica gets the same whole sequences and keeps its slice; its loss is its share
-    of the replica's (dspipe.model.sequence.loss_share)."""
+    of the replica's (dspipe.runtime.sequence.loss_share)."""
 
     def micro_loss(self, inputs, labels):
         """The loss of one micro-batch of whole sequences, as this rank contributes it (forward only)."""
         sp = self.layout.sp
         if sp == 1:
             return self.engine(inputs.to(self.device), labels.to(self.device))
-        from dspipe.model.sequence import local_slice, loss_share
+        from dspipe.runtime.sequence import local_slice, loss_share
 
         start, stop = self.layout.sequence_slice(inputs.shape[1], self.rank)
         inputs, labels = (local_slice(t, start=start, stop=stop).to(self.device) for t in (inputs, labels))
@@ -195,49 +196,24 @@ class PipelineEngine(Engine):
 
 
 def build_engine(run: Run, *, compile_: bool = False, clock=None) -> Engine:
-    """Collective (the process group must be up): module -> deepspeed.initialize -> live-settings check. `clock`
-    (a dspipe.runtime.startup.StartupClock) is marked before and after the module build."""
+    """Collective (the process group must be up): module -> parallelize -> deepspeed.initialize -> live-settings
+    check. `clock` (a dspipe.runtime.startup.StartupClock) is marked before and after the module build."""
     import deepspeed
     import torch.distributed as dist
 
-    mpu = _sequence_groups(layout=run.plan.layout, rank=dist.get_rank()) if run.plan.sp > 1 else None
+    from dspipe.runtime.sequence import sequence_groups
+
+    mpu = sequence_groups(layout=run.plan.layout, rank=dist.get_rank()) if run.plan.sp > 1 else None
+    checkpoint_fn = checkpoint_function(run)
     if clock:
         clock.mark("before_build")
-    module = build_module(run, mpu=mpu)
+    module = build_module(run, mpu=mpu, checkpoint_fn=checkpoint_fn)
     if clock:
         clock.mark("built", module=module)
-    if mpu is not None:
-        _sequence_parallel(module, layout=run.plan.layout, rank=dist.get_rank())
+    parallelize(module, plan=run.plan, rank=dist.get_rank(), checkpoint_fn=checkpoint_fn)
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=param_groups(module, run.train.weight_decay),
                                            config=str(run.ds_config_path), mpu=mpu)
     if compile_:
         engine.compile()
     cls = PipelineEngine if run.plan.pp > 1 else PlainEngine
     return cls(engine, run=run, layout=run.plan.layout, rank=dist.get_rank())
-
-
-def _sequence_groups(*, layout: ParallelLayout, rank: int):
-    """Ulysses groups (DeepSpeed's parallel_state_sp, which must agree with the layout's sequence groups); the mpu
-    for zero.Init and deepspeed.initialize."""
-    from deepspeed.runtime.sequence_parallel import parallel_state_sp
-
-    if parallel_state_sp._SEQUENCE_PARALLEL_GROUP is None:  # once per process
-        parallel_state_sp.initialize_sequence_parallel(layout.sp)
-    mine = next(g for g in layout.groups("seq") if rank in g)
-    if parallel_state_sp.get_sequence_parallel_world_size() != layout.sp or \
-            parallel_state_sp.get_sequence_parallel_rank() != mine.index(rank):
-        raise RuntimeError(f"rank {rank}: DeepSpeed's sequence-parallel group disagrees with the layout's {mine}")
-    return parallel_state_sp
-
-
-def _sequence_parallel(module, *, layout: ParallelLayout, rank: int) -> None:
-    """The model's attention made sequence-parallel over the Ulysses group."""
-    from deepspeed.runtime.sequence_parallel import parallel_state_sp
-
-    from dspipe.model.sequence import shard_sequence
-
-    spec = module.spec
-    if spec.heads % layout.sp:
-        raise RuntimeError(f"heads {spec.heads} are not divisible by sp {layout.sp}")
-    shard_sequence(module, group=parallel_state_sp.get_sequence_parallel_group(),
-                   start=layout.sequence_slice(spec.seq_len, rank)[0])

@@ -215,7 +215,9 @@ def run_reference(run: Run, *, dev: Device, batches: list, warmup: int, steps: i
         import functools
 
         from torch.utils.checkpoint import checkpoint
-        model.set_recomputation(plan.checkpointing, functools.partial(checkpoint, use_reentrant=False))
+
+        from dspipe.runtime.parallelize import recompute
+        recompute(model, mode=plan.checkpointing, checkpoint_fn=functools.partial(checkpoint, use_reentrant=False))
     timer = Timer(dev)
 
     def micro_step(batch, *, last: bool, timer: Timer):

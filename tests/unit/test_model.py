@@ -7,6 +7,7 @@ from torch.utils.checkpoint import checkpoint
 
 from dspipe.model.gpt import GPT
 from dspipe.model.pipeline import layer_specs
+from dspipe.runtime.parallelize import recompute
 from dspipe.spec.presets import MODEL_PRESETS, model_preset
 
 SPEC = model_preset("tiny")
@@ -61,7 +62,7 @@ def test_pipeline_layers_in_sequence_equal_the_plain_model(tied):
 def test_recomputation_changes_no_gradient(mode):
     x, y = batch()
     ref, ckpt = GPT(SPEC, seed=3), GPT(SPEC, seed=3)
-    ckpt.set_recomputation(mode, lambda fn, *args: checkpoint(fn, *args, use_reentrant=False))
+    recompute(ckpt, mode=mode, checkpoint_fn=lambda fn, *args: checkpoint(fn, *args, use_reentrant=False))
     calls = []
     original = torch.nn.functional.scaled_dot_product_attention
 

@@ -14,7 +14,7 @@ from dspipe.cli.extend import extend
 from dspipe.cli.launch import doctor, launch, slurm_script
 from dspipe.cli.model import export_hf, generate
 from dspipe.cli.config_file import resolved_text
-from dspipe.cli.options import (DEFAULT_DATA, INT, choose, monitor_options, parse_tokens, preset_report_for, spec_options,
+from dspipe.cli.options import (DEFAULT_DATA, INT, choose, monitor_options, parse_tokens, spec_options,
                                 token_budget_line, tokens_option)
 from dspipe.cli.prepare_run import prepare_run
 from dspipe.cli.report import report
@@ -64,7 +64,7 @@ def gen_config(**o) -> None:
     o["out"] = target(o["out"], flag="--out", expect="dir")  # before any planning: a bad --out is refused first
     kept = training_outputs(o["out"]) if claim_run_dir(o["out"], force=o["force"]) else []
     notes: list[str] = []
-    model, cluster, result = choose(o, check_model=lambda m: _check_data(o["data"], m, notes))
+    model, cluster, result, preset = choose(o, check_model=lambda m: _check_data(o["data"], m, notes))
     best = result.best
     plan, train = best.plan, best.train
     out: Path = o["out"]
@@ -78,7 +78,8 @@ def gen_config(**o) -> None:
         extra[PROFILE_FILE] = profile_text(cluster.profile)
     with also_writing(extra):
         prepare_run(out, model=model, cluster=cluster, best=best, data=o["data"], command=command,
-                    wall_clock_breakdown=o["wall_clock_breakdown"], force=o["force"], monitors=monitor_values(o))
+                    wall_clock_breakdown=o["wall_clock_breakdown"], force=o["force"], monitors=monitor_values(o),
+                    preset=preset)
     if cluster.profile is None:  # --force without --profile: an earlier run's profile.json no longer applies
         from dspipe.spec.profile import PROFILE_FILE
         (out / PROFILE_FILE).unlink(missing_ok=True)
@@ -122,8 +123,8 @@ def plan_command(**o) -> None:
     tokens = parse_tokens(o["tokens"], flag="--tokens")
     if not 1 <= o["top"] <= 1000:
         raise SpecError(f"--top must be in [1, 1000], got {o['top']} (allowed: finite, [1, 1000])")
-    model, cluster, result = choose(o)
-    for line in preset_report_for(result.best, model=model, monitor_dir="RUN/monitor"):
+    model, cluster, result, preset = choose(o)
+    for line in preset.report_for(result.best, model=model, monitor_dir="RUN/monitor") if preset else []:
         click.echo(line, err=o["as_json"])  # --json: stdout stays one JSON object
     budget = token_budget_line(result.best.train, seq_len=model.seq_len)
     if o["as_json"]:

@@ -74,7 +74,7 @@ def bench_command(o: dict, *, command: str) -> dict:
     gpu, ranks = _devices(o)
     # the run dir trains warmup + steps optimizer steps; its lr warmup is the usual default
     o = {**o, "gpu": gpu, "gpus_per_node": ranks, "steps": warmup + steps, "warmup": None}
-    model, cluster, result = choose(o)
+    model, cluster, result, preset = choose(o)
     best = result.best
     plan = best.plan
     if o["compare"] and plan.layout.model_ranks > 1:
@@ -91,7 +91,8 @@ def bench_command(o: dict, *, command: str) -> dict:
     say(f"bench: {setup}")
     with tempfile.TemporaryDirectory(prefix="dspipe-bench-") as tmp:
         run_dir = Path(tmp) / "run"
-        prepare_run(run_dir, model=model, cluster=cluster, best=best, data="synthetic", command=command)
+        prepare_run(run_dir, model=model, cluster=cluster, best=best, data="synthetic", command=command,
+                    preset=preset)
         results = {}
         for side in sides_wanted:
             say(f"bench: {side} on {ranks} rank(s) ...")

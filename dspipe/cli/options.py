@@ -10,7 +10,8 @@ from __future__ import annotations
 import math
 import os
 import re
-from dataclasses import fields, replace
+from dataclasses import dataclass, fields, replace
+from typing import NamedTuple
 from pathlib import Path
 
 import click
@@ -22,6 +23,7 @@ from dspipe.spec.presets import MODEL_PRESETS, model_preset
 from dspipe.planner.ds_preset import AUTO_OPTIONS, OPTION_FLAGS, PresetImport, account
 from dspipe.planner.render import import_ds_preset, render_ds_config
 from dspipe.planner.enumerate import AUTO
+from dspipe.planner.search import SearchResult
 from dspipe.planner.estimate import MEMORY_HEADROOM
 from dspipe.spec.core import (LIMITS, SPEC_SETTINGS, ClusterSpec, ModelSpec, StrategyRequest, StrategySpec,
                               TrainSpec, token_count)
@@ -333,27 +335,46 @@ def _merge_preset(o: dict, imp: PresetImport, given: set[str], cluster: ClusterS
     return o
 
 
-PRESET_META = "dspipe.preset"
-"""click context meta key: (PresetImport, labels) of the --preset in effect, for the report after planning."""
+@dataclass(frozen=True)
+class AppliedPreset:
+    """The --preset in effect: its import, and the flag that set each of its "auto" keys a typed option settled."""
+
+    imp: PresetImport
+    labels: dict[str, str]
+
+    def report(self, ds_config: dict) -> list[str]:
+        """What became of the preset's keys in `ds_config` (rendered with it): report lines; SpecError when the plan
+        contradicts one of them."""
+        return account(self.imp, ds_config, given=self.labels)
+
+    def report_for(self, best, *, model: ModelSpec, monitor_dir: str) -> list[str]:
+        """report() for a search's best candidate (plan: nothing is written)."""
+        return self.report(render_ds_config(plan=best.plan, model=model, train=best.train, monitor_dir=monitor_dir,
+                                            preset=self.imp))
 
 
-def request_from_options(o: dict) -> tuple[ModelSpec, ClusterSpec, TrainSpec, StrategyRequest]:
-    """(model, cluster, train, the strategy asked for): a flag given, else the --preset's value, else auto (None)
-    or the option's default. A flag that contradicts the preset is an error."""
-    cluster = cluster_from_options(o)  # --nodes/--gpus-per-node, or from --hostfile
-    if o.get("preset") is not None:
-        imp = import_ds_preset(o["preset"])
-        given = _given_on_command_line(o)
-        o = _merge_preset(o, imp, given, cluster)
-        for axis in ("tp", "sp"):  # a DeepSpeed config without tensor_parallel / sequence_parallel_size runs
-            if o.get(axis) is None:  # neither: the preset means 1, not "let the planner choose"
-                o = {**o, axis: 1}
-        labels = {path: OPTION_FLAGS[name] for path, name in AUTO_OPTIONS.items() if name in given}
-        if o.get("tokens") is not None:  # the run length comes from the token budget
-            labels.update({path: "--tokens" for path, name in AUTO_OPTIONS.items() if name == "steps"})
-        ctx = click.get_current_context(silent=True)
-        if ctx is not None:
-            ctx.meta[PRESET_META] = (imp, labels)
+def with_preset(o: dict, *, cluster: ClusterSpec) -> tuple[dict, AppliedPreset | None]:
+    """`o` with the --preset's values for the options not typed (a typed flag that contradicts it is an error), and
+    the preset applied; (o, None) without --preset."""
+    if o.get("preset") is None:
+        return o, None
+    imp = import_ds_preset(o["preset"])
+    given = _given_on_command_line(o)
+    o = _merge_preset(o, imp, given, cluster)
+    for axis in ("tp", "sp"):  # a DeepSpeed config without tensor_parallel / sequence_parallel_size runs
+        if o.get(axis) is None:  # neither: the preset means 1, not "let the planner choose"
+            o = {**o, axis: 1}
+    labels = {path: OPTION_FLAGS[name] for path, name in AUTO_OPTIONS.items() if name in given}
+    if o.get("tokens") is not None:  # the run length comes from the token budget
+        labels.update({path: "--tokens" for path, name in AUTO_OPTIONS.items() if name == "steps"})
+    return o, AppliedPreset(imp=imp, labels=labels)
+
+
+def request_from_options(o: dict, *, cluster: ClusterSpec | None = None
+                         ) -> tuple[ModelSpec, ClusterSpec, TrainSpec, StrategyRequest]:
+    """(model, cluster, train, the strategy asked for): a flag given, else (after with_preset) the --preset's value,
+    else auto (None) or the option's default. `cluster`: cluster_from_options(o) when already built."""
+    cluster = cluster or cluster_from_options(o)  # --nodes/--gpus-per-node, or from --hostfile
     asked = {f.name: o.get(f.name) for f in fields(StrategyRequest)}
     request = StrategyRequest(**{**asked, "zero": None if asked["zero"] is None else int(asked["zero"])})
     if o.get("init_from"):  # the model is HF_DIR's (shape flags checked against its config.json)
@@ -384,35 +405,24 @@ def request_from_options(o: dict) -> tuple[ModelSpec, ClusterSpec, TrainSpec, St
 TRAIN_FIELDS = frozenset(f.name for f in fields(TrainSpec))
 
 
-def applied_preset() -> tuple[PresetImport | None, dict]:
-    """The --preset of the running command (after request_from_options) and its flag labels; (None, {}) without."""
-    ctx = click.get_current_context(silent=True)
-    return ctx.meta.get(PRESET_META, (None, {})) if ctx is not None else (None, {})
+class Chosen(NamedTuple):
+    """What choose() found: the model and cluster asked for, the search's result, and the --preset applied."""
+
+    model: ModelSpec
+    cluster: ClusterSpec
+    result: SearchResult
+    preset: AppliedPreset | None
 
 
-def preset_report(ds_config: dict) -> list[str]:
-    """What became of the --preset's keys in `ds_config` (rendered with it): report lines; SpecError when the plan
-    contradicts one of them. Empty without --preset."""
-    imp, labels = applied_preset()
-    return account(imp, ds_config, given=labels) if imp is not None else []
-
-
-def preset_report_for(best, *, model: ModelSpec, monitor_dir: str) -> list[str]:
-    """preset_report for a search's best candidate (plan: nothing is written)."""
-    imp, _ = applied_preset()
-    if imp is None:
-        return []
-    return preset_report(render_ds_config(plan=best.plan, model=model, train=best.train, monitor_dir=monitor_dir,
-                                          preset=imp))
-
-
-def choose(o: dict, *, check_model=None):
+def choose(o: dict, *, check_model=None) -> Chosen:
     """Search the strategies the options leave open; one-line error when none is valid or none fits."""
     from dspipe.data.blend import blend_option, check_blend_for_run
     from dspipe.planner.search import nothing_fits_message, search
 
     blend = blend_option(o)  # gen-config --data a:0.7,b:0.3: normalised in o; None for one data directory
-    model, cluster, train, request = request_from_options(o)
+    cluster = cluster_from_options(o)  # --nodes/--gpus-per-node, or from --hostfile
+    o, preset = with_preset(o, cluster=cluster)
+    model, cluster, train, request = request_from_options(o, cluster=cluster)
     if blend is not None:  # every source, instead of check_model's one directory
         check_blend_for_run(blend, model_vocab=model.vocab, seq_len=model.seq_len)
     elif check_model:
@@ -437,4 +447,4 @@ def choose(o: dict, *, check_model=None):
             check_blend_for_run(blend, model_vocab=model.vocab, seq_len=model.seq_len, dp=best.plan.dp,
                                 micro_batch=best.plan.micro_batch)
         click.echo(f"{blend.describe()} (weights normalised to sum to 100%)")
-    return model, cluster, result
+    return Chosen(model=model, cluster=cluster, result=result, preset=preset)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from dspipe.cli.options import applied_preset, preset_report
+from dspipe.cli.options import AppliedPreset
 from dspipe.errors import SpecError
 from dspipe.planner.render import render_ds_config
 from dspipe.spec.core import ClusterSpec, ModelSpec
@@ -29,14 +29,16 @@ def verify_with_deepspeed(ds_config: dict, *, dp: int) -> None:
 
 
 def prepare_run(out: Path, *, model: ModelSpec, cluster: ClusterSpec, best, data: str, command: str,
-                wall_clock_breakdown: bool = False, force: bool = False, monitors: dict | None = None) -> dict:
+                wall_clock_breakdown: bool = False, force: bool = False, monitors: dict | None = None,
+                preset: AppliedPreset | None = None) -> dict:
     """Render the DeepSpeed config of the search's `best` candidate (its plan, train and strategy), verify it with
-    DeepSpeed, and write the run directory `out` (ds_config.json, dspipe.json); returns the config."""
+    DeepSpeed, and write the run directory `out` (ds_config.json, dspipe.json); returns the config. `preset`: the
+    --preset choose() applied (its keys rendered, then accounted for)."""
     plan, train = best.plan, best.train
-    preset, _ = applied_preset()
     ds_config = render_ds_config(plan=plan, model=model, train=train, monitor_dir=str(Path(out) / "monitor"),
-                                 wall_clock_breakdown=wall_clock_breakdown, preset=preset, monitors=monitors)
-    report = preset_report(ds_config)  # what became of each --preset key; SpecError if the plan contradicts one
+                                 wall_clock_breakdown=wall_clock_breakdown, preset=preset.imp if preset else None,
+                                 monitors=monitors)
+    report = preset.report(ds_config) if preset else []  # each --preset key's fate; SpecError if contradicted
     verify_with_deepspeed(ds_config, dp=plan.ds_batch_ranks)
     write_run(out, model=model, cluster=cluster, train=train, strategy=best.strategy, plan=plan, data=data,
               ds_config=ds_config, command=command, estimate=estimate_summary(best), force=force)

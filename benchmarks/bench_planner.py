@@ -15,7 +15,8 @@ from dspipe.spec.core import ClusterSpec, TrainSpec, StrategyRequest  # noqa: E4
 for gbs in (1536, 2048):
     start = time.perf_counter()
     result = search(model=MODEL_PRESETS["gpt3-175b"], cluster=ClusterSpec(128, 8, "a100-80g"),
-                    train=TrainSpec(global_batch=gbs, micro_batch=1, steps=1000, warmup_steps=10), request=StrategyRequest())
+                    train=TrainSpec(global_batch=gbs, micro_batch=1, steps=1000, warmup_steps=10),
+                    request=StrategyRequest())
     seconds = time.perf_counter() - start
     print(f"gpt3-175b, 1024 x a100-80g, global batch {gbs}: {result.evaluated} candidates estimated "
           f"(+ rule rejections) in {seconds:.3f} s; chosen: {result.best.describe()}")

@@ -10,15 +10,16 @@ The file has one section per spec, each a mapping of options named as their flag
     data:     {data: data/stdlib}
     logging:  {log_interval: 10}
 
-SECTIONS (generated from the option table, dspipe.spec.options.TABLE) says which option lives where; a unit test fails when an option of gen-config, plan or
-bench is in no section (or in two). A flag given on the command line overrides the file's value (the file fills
-click's default map, so click's own parameter source tells them apart). Every value goes through the click type of
-its flag (StrictInt, StrictFloat, AutoInt, AutoChoice, ...), after a strict YAML type check (an integer must be a YAML
-integer, not a string or a bool); ranges are the specs' checks, as for flags. A key the table knows but the command
-does not have (data.data for plan) is checked and kept, so one file serves plan, gen-config and bench. Every error is
-one line naming the file and the key (`config.yaml: strategy.zero: expected ...`), exit code 2, before anything is
-planned or written. Against a --preset or --hostfile, a file value counts as given (and must agree with them) only
-where it differs from the option's default: a printed file states every default.
+SECTIONS (from the option table, dspipe.spec.options.TABLE) says which option lives where; a unit test fails when an
+option of gen-config, plan or bench is in no section (or in two). A flag given on the command line overrides the
+file's value (the file fills click's default map, so click's own parameter source tells them apart). Every value goes
+through the click type of its flag (StrictInt, StrictFloat, AutoInt, AutoChoice, ...), after a strict YAML type check
+(an integer must be a YAML integer, not a string or a bool); ranges are the specs' checks, as for flags. A key the
+table knows but the command does not have (data.data for plan) is checked and kept, so one file serves plan,
+gen-config and bench. Every error is one line naming the file and the key (`config.yaml: strategy.zero: expected
+...`), exit code 2, before anything is planned or written. Against a --preset or --hostfile, a file value counts as
+given (and must agree with them) only where it differs from the option's default: a printed file states every
+default.
 
 `--print-config` writes the options as resolved (file, then flags, then defaults) as such a file, with `auto` and
 null where the planner chooses or the value is derived, so that re-running with it reproduces the same choice;

@@ -11,8 +11,8 @@ import math
 import os
 import re
 from dataclasses import dataclass, fields, replace
-from typing import NamedTuple
 from pathlib import Path
+from typing import NamedTuple
 
 import click
 
@@ -25,8 +25,7 @@ from dspipe.planner.render import import_ds_preset, render_ds_config
 from dspipe.planner.enumerate import AUTO
 from dspipe.planner.search import SearchResult
 from dspipe.planner.estimate import MEMORY_HEADROOM
-from dspipe.spec.core import (LIMITS, SPEC_SETTINGS, ClusterSpec, ModelSpec, StrategyRequest, StrategySpec,
-                              TrainSpec, token_count)
+from dspipe.spec.core import LIMITS, SPEC_SETTINGS, ClusterSpec, ModelSpec, StrategyRequest, TrainSpec, token_count
 from dspipe.spec.options import BY_COMMAND, MONITOR, SETTINGS, TABLE
 from dspipe.spec.settings import Setting
 
@@ -173,11 +172,10 @@ WARMUP_HELP = SETTINGS["warmup"].help
 
 
 def _help(s: Setting) -> str | None:
+    """The setting's help with its {default}, {fallback} and the catalogs' names filled in."""
     if s.help is None:
         return None
-    field_default = {f.name: f.default for cls in (ModelSpec, ClusterSpec, TrainSpec, StrategySpec)
-                     for f in fields(cls)}.get(s.field)
-    return s.help.format(default=field_default, fallback=s.fallback, presets=", ".join(MODEL_PRESETS),
+    return s.help.format(default=s.default, fallback=s.fallback, presets=", ".join(MODEL_PRESETS),
                          gpus=names_text(), headroom=100 * MEMORY_HEADROOM)
 
 

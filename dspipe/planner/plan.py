@@ -118,16 +118,16 @@ def check_rules(*, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, str
         raise RuleError(1, f"pipeline stages {pp} > layers {model.layers}: every stage needs at least one block")
     if world % (pp * tp * sp):
         raise RuleError(2, f"world size {world} ({cluster.nodes} nodes x {cluster.gpus_per_node} GPUs) is not divisible "
-                       f"by pp {pp} x tp {tp} x sp {sp} = {pp * tp * sp}")
+                        f"by pp {pp} x tp {tp} x sp {sp} = {pp * tp * sp}")
     _check_tensor_sequence(model=model, cluster=cluster, train=train, strategy=strategy)
     if pp > 1 and zero >= 2:
         raise RuleError(3, f"ZeRO-{zero} with pp {pp}: DeepSpeed's pipeline engine supports ZeRO stages 0-1 only; "
-                       f"use --zero 1 (optimizer states still sharded over dp "
-                       f"{ParallelLayout(world=world, pp=pp, tp=tp, sp=sp).dp})")
+                        f"use --zero 1 (optimizer states still sharded over dp "
+                        f"{ParallelLayout(world=world, pp=pp, tp=tp, sp=sp).dp})")
     dp = ParallelLayout(world=world, pp=pp, tp=tp, sp=sp).dp
     if train.global_batch % (train.micro_batch * dp):
         raise RuleError(4, f"global batch {train.global_batch} is not divisible by micro_batch {train.micro_batch} "
-                       f"x dp {dp} = {train.micro_batch * dp}")
+                        f"x dp {dp} = {train.micro_batch * dp}")
     if strategy.offload_params and zero != 3:
         raise RuleError(5, f"--offload-params needs ZeRO-3 (got ZeRO-{zero}): only stage 3 partitions parameters")
     if strategy.offload_params and strategy.offload == "none":
@@ -150,31 +150,31 @@ def _check_tensor_sequence(*, model: ModelSpec, cluster: ClusterSpec, train: Tra
     if tp > 1:
         if g % tp:
             raise RuleError(2, f"tp {tp} does not divide the {g} GPUs per node: tensor-parallel ranks exchange "
-                           f"activations in every layer and must share one node (tp across nodes is refused)")
+                            f"activations in every layer and must share one node (tp across nodes is refused)")
         for name, value in (("heads", model.heads), ("kv_heads", model.kv_groups), ("ffn", model.ffn)):
             if value % tp:
                 raise RuleError(2, f"model {name} {value} is not divisible by tp {tp} ({value} / {tp} = {value / tp:g})")
         if pp > 1:
             raise RuleError(3, f"tp {tp} with pp {pp}: DeepSpeed's AutoTP does not compose with its pipeline engine (it "
-                           f"replaces the pipeline's process groups with a tensor x data mesh without the pipe axis, "
-                           f"and the model broadcast fails); use tp or pp, not both")
+                            f"replaces the pipeline's process groups with a tensor x data mesh without the pipe axis, "
+                            f"and the model broadcast fails); use tp or pp, not both")
         if zero == 3:
             raise RuleError(3, f"tp {tp} with ZeRO-3: DeepSpeed's AutoTP training supports ZeRO stages 0-2; "
-                           f"use --zero 1 or --zero 2")
+                            f"use --zero 1 or --zero 2")
         if zero == 0 and train.precision != "fp32":
             raise RuleError(3, f"tp {tp} with ZeRO-0 in {train.precision}: DeepSpeed's ZeRO-0 {train.precision} optimizer "
-                           f"reports and clips by the gradient norm of rank 0's shards only; use --zero 1 or 2")
+                            f"reports and clips by the gradient norm of rank 0's shards only; use --zero 1 or 2")
     if sp > 1:
         for name, value in (("heads", model.heads), ("seq_len", model.seq_len)):
             if value % sp:
                 raise RuleError(2, f"model {name} {value} is not divisible by sp {sp} ({value} / {sp} = {value / sp:g}): "
-                               f"Ulysses splits the sequence, then the heads, across the sp ranks")
+                                f"Ulysses splits the sequence, then the heads, across the sp ranks")
         if tp > 1:
             raise RuleError(3, f"sp {sp} with tp {tp}: AutoTP builds its own tensor x data process groups and cannot "
-                           f"take the Ulysses sequence groups as well; use tp or sp, not both")
+                            f"take the Ulysses sequence groups as well; use tp or sp, not both")
         if pp > 1:
             raise RuleError(3, f"sp {sp} with pp {pp}: DeepSpeed's pipeline engine cannot carry Ulysses sequence shards "
-                           f"(its partitioned pipe tensors and gradient reduction ignore the sp group); use sp or pp")
+                            f"(its partitioned pipe tensors and gradient reduction ignore the sp group); use sp or pp")
 
 
 def _grad_accum_dtype(*, precision: str, zero: int, pp: int) -> str:

@@ -127,7 +127,8 @@ class ModelSpec:
     """Share the token embedding with the output head."""
     norm: str = setting("layernorm", kind="choice", choices=NORMS, help="layernorm (GPT) or rmsnorm (Llama)")
     """Normalisation: layernorm (GPT) or rmsnorm (Llama)."""
-    mlp: str = setting("gelu", kind="choice", choices=MLPS, help="gelu (GPT) or swiglu (Llama; --ffn is the gate/up width)")
+    mlp: str = setting("gelu", kind="choice", choices=MLPS,
+                       help="gelu (GPT) or swiglu (Llama; --ffn is the gate/up width)")
     """MLP: gelu (fc -> GELU -> proj) or swiglu (silu(gate) x up -> down; ffn is the gate/up width)."""
     positions: str = setting("learned", kind="choice", choices=POSITIONS, help="learned (GPT) or rope (rotary, Llama)")
     """Position encoding: learned (a table of seq_len rows) or rope (rotary, no parameters)."""
@@ -136,7 +137,8 @@ class ModelSpec:
     kv_heads: int | None = setting(None, kind="int", limit=2**17,
                                    help="key/value heads for grouped-query attention [= heads; 1: multi-query]")
     """Key/value heads for grouped-query attention (None: = heads, multi-head; 1: multi-query)."""
-    bias: bool = setting(True, kind="bool", flag="--bias/--no-bias", help="biases in projections and LayerNorm [GPT: yes]")
+    bias: bool = setting(True, kind="bool", flag="--bias/--no-bias",
+                         help="biases in projections and LayerNorm [GPT: yes]")
     """Biases in the attention and MLP projections (and in LayerNorm)."""
     norm_eps: float = setting(1e-5, kind="float", help="normalisation epsilon [{default:g}]")
     """Epsilon of the normalisation layers."""
@@ -251,7 +253,8 @@ class ClusterSpec:
     gpu: str = setting(cli_default="h100-80g", help="GPU type: {gpus}")
     """GPU type, a key of the hardware catalog (dspipe.spec.hardware)."""
     host_memory_gib: float | None = setting(
-        None, kind="float", limit=2.0**20, help="host RAM per node [default: --gpu's reference RAM per GPU x --gpus-per-node]")
+        None, kind="float", limit=2.0**20,
+        help="host RAM per node [default: --gpu's reference RAM per GPU x --gpus-per-node]")
     """Host RAM per node for offloaded state; None: the GPU type's reference figure per GPU x gpus_per_node
     (hardware.GpuType.host_memory_per_gpu_bytes, e.g. DGX H100: 2 TiB / 8 GPUs)."""
     intra_node_gbps: float | None = setting(
@@ -262,8 +265,8 @@ class ClusterSpec:
     """Per-GPU share of the network bandwidth, GB/s, overriding the catalog's (--inter-node-gbps)."""
     profile: Profile | None = setting(
         None, after="host_memory_gib", metavar="FILE",
-        help="calibration profile from 'dspipe calibrate': its measured compute, bandwidth, latency, copy and optimizer "
-             "rates replace the catalog's (gen-config keeps it in the run directory)")
+        help="calibration profile from 'dspipe calibrate': its measured compute, bandwidth, latency, copy and "
+             "optimizer rates replace the catalog's (gen-config keeps it in the run directory)")
     """A `dspipe calibrate` profile whose figures replace the catalog's in the time model (--profile; a run directory
     keeps it here and in profile.json); from JSON, its profile_to_dict form."""
 
@@ -427,7 +430,8 @@ class StrategySpec:
     sp: int = setting(1, kind="auto_int", limit=4096,
                       help="sequence-parallel ranks per replica, DeepSpeed-Ulysses [auto: 1]")
     """Sequence-parallel ranks per replica (DeepSpeed-Ulysses)."""
-    checkpointing: str = setting("none", kind="auto_choice", choices=CHECKPOINTING, help="activation recomputation [auto]")
+    checkpointing: str = setting("none", kind="auto_choice", choices=CHECKPOINTING,
+                                 help="activation recomputation [auto]")
     """Activation recomputation: none, full (per block) or selective (attention core)."""
     partition_method: str = setting("parameters", kind="auto_choice", choices=PARTITION_METHODS,
                                     help="pipeline partition [{default}]")
@@ -446,7 +450,8 @@ class StrategySpec:
         help="ZeRO-3: prefetch only while fewer elements are gathered [prefetch bucket + largest tensor]")
     """ZeRO-3 prefetches only while fewer elements are gathered; None: the prefetch bucket + the largest tensor."""
     max_reuse_distance: int | None = setting(
-        None, kind="int", limit=2**40, help="ZeRO-3: keep a module gathered if reused within this many elements [prefetch bucket]")
+        None, kind="int", limit=2**40,
+        help="ZeRO-3: keep a module gathered if reused within this many elements [prefetch bucket]")
     """ZeRO-3 keeps a module gathered if the trace reuses it within this many elements; None: the prefetch bucket."""
 
     def __post_init__(self) -> None:
@@ -483,8 +488,8 @@ def _requested(section: str) -> list:
 
 
 StrategyRequest = make_dataclass("StrategyRequest", _requested("strategy"), frozen=True, kw_only=True)
-StrategyRequest.__doc__ = """The strategy as asked for: each field of the strategy section (StrategySpec's, and TrainSpec's
-micro_batch and precision), a value, or None to let the search choose (or take the spec's default)."""
+StrategyRequest.__doc__ = """The strategy as asked for: each field of the strategy section (StrategySpec's, and
+TrainSpec's micro_batch and precision), a value, or None to let the search choose (or take the spec's default)."""
 
 
 def from_dict(cls, data: dict):

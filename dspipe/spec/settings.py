@@ -38,6 +38,8 @@ class Setting:
     """The value a derived option takes when neither a flag nor a preset sets it (steps: 1000)."""
     field: str | None = None
     """The spec field it sets (None: an option that sets no spec field, e.g. --hostfile)."""
+    default: object = None
+    """That field's default (MISSING: the spec requires it), for the help text's {default}."""
     after: str | None = None
     """The key it follows in its section, where the spec's field order is not the file's ('' = first)."""
     flag: str | None = None
@@ -69,7 +71,8 @@ def declared(cls, *, section: str) -> list[Setting]:
         cli_default = meta.pop("cli_default", None)
         if cli_default is FIELD_DEFAULT:
             cli_default = f.default
-        out.append(Setting(key=meta.pop("key", f.name), section=own, field=f.name, cli_default=cli_default, **meta))
+        out.append(Setting(key=meta.pop("key", f.name), section=own, field=f.name, default=f.default,
+                           cli_default=cli_default, **meta))
     return out
 
 

@@ -147,7 +147,8 @@ def test_a_click_option_is_generated_from_its_setting():
         return click_option(SETTINGS[key])(lambda **o: None).__click_params__[0]
 
     lr = param("lr")
-    assert (lr.opts, lr.type, lr.default, lr.show_default, lr.help) == (["--lr"], FLOAT, 6e-4, True, "peak learning rate")
+    assert (lr.opts, lr.type, lr.default, lr.show_default) == (["--lr"], FLOAT, 6e-4, True)
+    assert lr.help == "peak learning rate"
     zero = param("zero")
     assert isinstance(zero.type, AutoChoice) and zero.type.choices == ("0", "1", "2", "3") and zero.default is None
     bias = param("bias")

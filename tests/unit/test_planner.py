@@ -121,7 +121,8 @@ def test_offload_moves_optimizer_to_host():
 def test_search_175b_over_1024_gpus_keeps_the_batch_equation_and_ranks_by_time():
     m = MODEL_PRESETS["gpt3-175b"]
     r = search(model=m, cluster=ClusterSpec(128, 8, "a100-80g"),
-               train=TrainSpec(global_batch=1536, micro_batch=1, steps=1000, warmup_steps=10), request=StrategyRequest())
+               train=TrainSpec(global_batch=1536, micro_batch=1, steps=1000, warmup_steps=10),
+               request=StrategyRequest())
     assert r.best is not None and r.evaluated > 100
     for c in r.ranked:
         assert c.plan.global_batch == c.plan.micro_batch * c.plan.grad_accum * c.plan.dp == 1536

@@ -284,7 +284,8 @@ def test_rejected_names_the_rule_that_rules_a_tp_out():
     assert r.rejected["tp 8"] == "not considered: model heads 12 is not divisible by tp 8 (12 / 8 = 1.5)"
     assert "tp 2" in r.rejected and "tp 4" in r.rejected
     fixed3 = search(model=MODEL_PRESETS[SMALL], cluster=ClusterSpec(1, 8, "h100-80g"),
-                    train=TrainSpec(global_batch=256, micro_batch=1, steps=1000, warmup_steps=10), request=StrategyRequest(zero=3))
+                    train=TrainSpec(global_batch=256, micro_batch=1, steps=1000, warmup_steps=10),
+                    request=StrategyRequest(zero=3))
     assert "tp 2 with ZeRO-3" in fixed3.rejected["tp 2"]
 
 

@@ -20,7 +20,7 @@ from dspipe.errors import SpecError
 from dspipe.spec.hardware import names_text
 from dspipe.spec.layout import ParallelLayout
 from dspipe.spec.presets import MODEL_PRESETS, model_preset
-from dspipe.planner.ds_preset import AUTO_OPTIONS, OPTION_FLAGS, PresetImport, account
+from dspipe.planner.ds_preset import AUTO_OPTIONS, PresetImport, account
 from dspipe.planner.render import import_ds_preset, render_ds_config
 from dspipe.planner.enumerate import AUTO
 from dspipe.planner.search import SearchResult
@@ -300,7 +300,7 @@ def _merge_preset(o: dict, imp: PresetImport, given: set[str], cluster: ClusterS
     o = dict(o)
     for name, value in imp.options.items():
         if name in given and _normal(name, o[name]) != value:
-            raise SpecError(f"{OPTION_FLAGS[name]} {o[name]} contradicts {imp.shown(name)} in preset {imp.source}; "
+            raise SpecError(f"{SETTINGS[name].flag_name} {o[name]} contradicts {imp.shown(name)} in preset {imp.source}; "
                             "drop the flag or edit the preset")
         o[name] = value
     if "min_lr_ratio" in given and imp.scheduler_type not in (None, "WarmupCosineLR"):
@@ -362,7 +362,7 @@ def with_preset(o: dict, *, cluster: ClusterSpec) -> tuple[dict, AppliedPreset |
     for axis in ("tp", "sp"):  # a DeepSpeed config without tensor_parallel / sequence_parallel_size runs
         if o.get(axis) is None:  # neither: the preset means 1, not "let the planner choose"
             o = {**o, axis: 1}
-    labels = {path: OPTION_FLAGS[name] for path, name in AUTO_OPTIONS.items() if name in given}
+    labels = {path: SETTINGS[name].flag_name for path, name in AUTO_OPTIONS.items() if name in given}
     if o.get("tokens") is not None:  # the run length comes from the token budget
         labels.update({path: "--tokens" for path, name in AUTO_OPTIONS.items() if name == "steps"})
     return o, AppliedPreset(imp=imp, labels=labels)

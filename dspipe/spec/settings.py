@@ -49,7 +49,13 @@ class Setting:
 
     @property
     def flags(self) -> str:
+        """The click declaration: '--global-batch', '--bias/--no-bias'."""
         return self.flag or f"--{self.key.replace('_', '-')}"
+
+    @property
+    def flag_name(self) -> str:
+        """The flag as messages name it: '--global-batch', '--bias'."""
+        return self.flags.split("/")[0]
 
 
 def setting(default=MISSING, *, help: str, kind: str = "str", section: str | None = None, **more) -> Field:

@@ -37,7 +37,7 @@ import click
 import yaml
 
 from dspipe.errors import SpecError
-from dspipe.spec.options import TABLE
+from dspipe.spec.options import SETTINGS, TABLE
 
 SECTIONS: dict[str, tuple[str, ...]] = {section: tuple(s.key for s in body) for section, body in TABLE.items()}
 """Section -> the options it holds, by file key (the flag's long name with '_' for '-'), generated from the option
@@ -227,20 +227,10 @@ def read_yaml(path: str) -> dict:
 # ---- values ------------------------------------------------------------------------------------------------------
 
 def kind(param: click.Parameter) -> str:
-    """What the file holds for `param`: bool, int, float, auto_int, auto_choice, choice, tokens or str. dspipe's own
-    click types (dspipe.cli.options, which imports this module) say theirs in a `file_kind` attribute."""
-    if getattr(param, "is_flag", False) or isinstance(param.type, click.types.BoolParamType):
-        return "bool"
-    own = getattr(param.type, "file_kind", None)
-    if own:
-        return own
-    if isinstance(param.type, click.Choice):
-        return "choice"
-    if isinstance(param.type, click.types.IntParamType):
-        return "int"
-    if isinstance(param.type, click.types.FloatParamType):
-        return "float"
-    return "str"
+    """What the file holds for `param`: bool, int, float, auto_int, auto_choice, choice, tokens or str (its setting's
+    kind in the option table; a flag holds a bool)."""
+    k = SETTINGS[file_key(param)].kind
+    return "bool" if k == "flag" else k
 
 
 def _nullable(param: click.Parameter) -> bool:

@@ -49,7 +49,6 @@ class StrictInt(click.ParamType):
     """An integer written in ASCII digits (Python's int() also reads '\u0663' or fullwidth digits: refused)."""
 
     name = "integer"
-    file_kind = "int"  # what a --config file holds for it (dspipe.cli.config_file.kind)
 
     def convert(self, value, param, ctx):
         if value is None or (isinstance(value, int) and not isinstance(value, bool)):
@@ -65,7 +64,6 @@ class StrictFloat(click.ParamType):
     spec that owns the field refuses them with its allowed range."""
 
     name = "float"
-    file_kind = "float"
 
     def convert(self, value, param, ctx):
         if value is None or isinstance(value, float):
@@ -95,7 +93,6 @@ class TokenBudget(click.ParamType):
     --tokens. A flag that does not parse is parse_tokens' one-line error."""
 
     name = "tokens"
-    file_kind = "tokens"
 
     def convert(self, value, param, ctx):
         if value is None:
@@ -114,8 +111,8 @@ class TokenBudget(click.ParamType):
 
 
 def tokens_option(help: str):
-    """--tokens: the run's length as a token budget (instead of --steps)."""
-    return click.option("--tokens", type=TokenBudget(), default=None, help=help)
+    """--tokens: the run's length as a token budget (instead of --steps), with the command's own help."""
+    return click_option(replace(SETTINGS["tokens"], help=help))
 
 
 def steps_for_tokens(tokens: str, *, global_batch: int, seq_len: int) -> int:
@@ -143,7 +140,6 @@ class AutoInt(click.ParamType):
     """An integer or 'auto' (None: let the planner choose)."""
 
     name = "auto|N"
-    file_kind = "auto_int"
 
     def convert(self, value, param, ctx):
         if value is None or value == AUTO or isinstance(value, int):
@@ -153,8 +149,6 @@ class AutoInt(click.ParamType):
 
 class AutoChoice(click.ParamType):
     """One of `choices` or 'auto'."""
-
-    file_kind = "auto_choice"
 
     def __init__(self, choices):
         self.choices = tuple(choices)

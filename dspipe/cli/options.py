@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 import click
 
+from dspipe.cli.config_file import config_options
 from dspipe.errors import SpecError
 from dspipe.spec.hardware import names_text
 from dspipe.spec.layout import ParallelLayout
@@ -203,10 +204,7 @@ def spec_options(f):
     --print-config)."""
     keys = [s.key for section in ("cluster", "train", "strategy", "logging") for s in TABLE[section]
             if s.key not in BY_COMMAND and s.key not in MONITOR]
-    f = _options(f, keys)
-    from dspipe.cli.config_file import config_options  # imports this module
-
-    return config_options(model_options(f))
+    return config_options(model_options(_options(f, keys)))
 
 
 def cluster_from_options(o: dict) -> ClusterSpec:

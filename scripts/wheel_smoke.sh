@@ -128,7 +128,7 @@ case "$PKG" in
   "$REPO"/*) fail "the venv imports dspipe from the repository ($PKG), not from the wheel in $SITE" ;;
   *) fail "the venv imports dspipe from $PKG, not from the wheel in $SITE" ;;
 esac
-[ "$RES" = "$SITE/dspipe/resources" ] && [ -f "$RES/templates/ds_config.json.j2" ] \
+[ "$RES" = "$SITE/dspipe/resources" ] && [ -f "$RES/templates/slurm.sbatch.j2" ] \
   || fail "templates/presets resolve to $RES, not to the installed package"
 step "dspipe imports from $SITE (system-site editable install of dspipe: $EDITABLE)"
 export DSPIPE_SMOKE_TRACE=$TMP/trace.txt

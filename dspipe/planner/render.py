@@ -1,4 +1,5 @@
-"""Plan -> DeepSpeed JSON through the jinja2 template; DeepSpeed JSON preset -> strategy. No torch, no deepspeed."""
+"""Plan -> DeepSpeed JSON (the keys of planner/ds_schema.SCHEMA); DeepSpeed JSON preset -> strategy; the jinja2
+templates (the sbatch script). No torch, no deepspeed."""
 from __future__ import annotations
 
 import importlib.resources
@@ -11,6 +12,7 @@ import jinja2.meta
 from dspipe.errors import SpecError
 from dspipe.planner.ds_preset import PresetImport, import_preset, read_preset, scheduler_block
 from dspipe.planner import autotp
+from dspipe.planner.ds_schema import DEFAULTS, build
 from dspipe.planner.plan import Plan
 from dspipe.spec.core import ModelSpec, TrainSpec
 
@@ -22,7 +24,7 @@ RECIPES = "recipes"  # ds_configs/recipes.json: the flags each shipped preset is
 
 def render_template(name: str, values: dict) -> str:
     """Render templates/NAME; the values given must be exactly the template's variables (no more, no fewer).
-    Dict values keep their key order (tojson without sorting) so that a rendered config reads like the template."""
+    Dict values keep their key order (tojson without sorting)."""
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), undefined=jinja2.StrictUndefined,
                              keep_trailing_newline=True, autoescape=False)
     env.policies["json.dumps_kwargs"] = {"sort_keys": False}
@@ -33,38 +35,14 @@ def render_template(name: str, values: dict) -> str:
     return env.get_template(name).render(**values)
 
 
-DS_DEFAULTS = dict(
-    prescale_gradients=False, gradient_predivide_factor=1.0, zero_allow_untested_optimizer=False,
-    optimizer_type="AdamW", betas=[0.9, 0.95], eps=1e-08,
-    bf16_immediate_grad_update=False, bf16_check_grad_overflow=True,
-    fp16_auto_cast=False, fp16_loss_scale=0, fp16_initial_scale_power=16, fp16_loss_scale_window=1000,
-    fp16_hysteresis=2, fp16_consecutive_hysteresis=False, fp16_min_loss_scale=1,
-    allgather_partitions=True, round_robin_gradients=False, load_from_fp32_weights=True,
-    elastic_checkpoint=False, ignore_unused_parameters=True, sub_group_size=1000000000,
-    gather_16bit_weights_on_model_save=False,
-    offload_optimizer_buffer_count=4, offload_optimizer_fast_init=False, offload_optimizer_ratio=1.0,
-    offload_param_buffer_count=5, offload_param_buffer_size=100000000, offload_param_max_in_cpu=1000000000,
-    pipe_partitioned=True, grad_partitioned=True,
-    ac_partition_activations=False, ac_cpu_checkpointing=False, ac_contiguous_memory_optimization=False,
-    ac_number_checkpoints=None, ac_synchronize_checkpoint_boundary=False, ac_profile=False,
-    tensorboard_enabled=True, tensorboard_job_name="tensorboard", csv_monitor_enabled=True, csv_monitor_job_name="csv",
-    wandb_enabled=False, wandb_group=None, wandb_team=None, wandb_project="deepspeed",
-    comet_enabled=False, comet_samples_log_interval=100, comet_project=None, comet_workspace=None,
-    comet_api_key=None, comet_experiment_name=None, comet_experiment_key=None, comet_online=True,
-    comet_mode="get_or_create",
-    tp_overlap_comm=False, vocab_parallel_lm_head=False, vocab_parallel_ce_backend="torch", tp_grain_size=1,
-)
-"""dspipe's own value of every DeepSpeed setting the plan does not derive; a --preset may set each of them."""
-
-
-MONITOR_OPTIONS = {  # gen-config option -> template value; W&B and Comet through DeepSpeed's own monitor config
+MONITOR_OPTIONS = {  # gen-config option -> ds_schema value name; W&B and Comet through DeepSpeed's own monitor config
     "wandb_project": "wandb_project", "wandb_group": "wandb_group", "wandb_team": "wandb_team",
     "comet_project": "comet_project", "comet_workspace": "comet_workspace",
     "comet_experiment": "comet_experiment_name"}
 
 
 def monitor_values(options: dict) -> dict:
-    """Template values for the monitors the options turn on: --wandb-project enables W&B, --comet-project Comet
+    """ds_schema values for the monitors the options turn on: --wandb-project enables W&B, --comet-project Comet
     (--comet-offline: an offline experiment). API keys are never written: W&B and Comet read them from their own
     environment variables or login files."""
     values = {}
@@ -87,12 +65,12 @@ def render_ds_config(*, plan: Plan, model: ModelSpec, train: TrainSpec, monitor_
                      wall_clock_breakdown: bool = False, preset: PresetImport | None = None,
                      monitors: dict | None = None) -> dict:
     """The complete DeepSpeed config for `plan`: every key explicit, nothing left to DeepSpeed's defaults. `preset`:
-    the values a --preset sets (its import already checked them against the plan's options); `monitors`: template
+    the values a --preset sets (its import already checked them against the plan's options); `monitors`:
     values from monitor_values()."""
     scheduler_type, scheduler_params = scheduler_block(preset, lr=train.lr, steps=train.steps,
                                                        warmup=train.warmup_steps, min_lr_ratio=train.min_lr_ratio)
     values = dict(
-        DS_DEFAULTS,
+        DEFAULTS,
         global_batch=plan.ds_train_batch_size, micro_batch=plan.micro_batch, grad_accum=plan.grad_accum,
         steps_per_print=train.log_interval, wall_clock_breakdown=wall_clock_breakdown,
         grad_clip=train.grad_clip, lr=train.lr, weight_decay=train.weight_decay,
@@ -116,7 +94,7 @@ def render_ds_config(*, plan: Plan, model: ModelSpec, train: TrainSpec, monitor_
     if preset is not None:
         unknown = set(preset.values) - set(values)
         if unknown:
-            raise KeyError(f"preset values without a template variable: {sorted(unknown)}")
+            raise KeyError(f"preset values without a DeepSpeed key: {sorted(unknown)}")
         values.update(preset.values)
         if values["reduce_scatter"] and not plan.reduce_scatter:
             raise SpecError(f"{preset.source}: zero_optimization.reduce_scatter true with ZeRO-3 and sp {plan.sp}: "
@@ -125,7 +103,7 @@ def render_ds_config(*, plan: Plan, model: ModelSpec, train: TrainSpec, monitor_
         values["wall_clock_breakdown"] = wall_clock_breakdown or preset.values.get("wall_clock_breakdown", False)
     if monitors:
         values.update(monitors)  # flags win over a preset's monitor settings
-    return json.loads(render_template("ds_config.json.j2", values))
+    return json.loads(json.dumps(build(values)))  # a fresh copy: JSON types only, no shared defaults
 
 
 def preset_names() -> list[str]:

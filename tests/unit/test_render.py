@@ -6,7 +6,8 @@ import pytest
 from dspipe.runtime.dscheck import parse_with_deepspeed
 from dspipe.planner.plan import make_plan
 from dspipe.spec.presets import MODEL_PRESETS
-from dspipe.planner.render import DS_PRESETS, TEMPLATES, load_ds_preset, render_ds_config, render_template, strategy_from_ds_config
+from dspipe.planner import ds_schema
+from dspipe.planner.render import DS_PRESETS, load_ds_preset, render_ds_config, strategy_from_ds_config
 from dspipe.spec.core import ClusterSpec, StrategySpec, TrainSpec
 from tests.helpers import dspipe
 
@@ -75,11 +76,27 @@ def test_the_same_keys_are_written_for_every_strategy():
         assert required in keys
 
 
-def test_template_has_no_logic_and_values_must_match_exactly():
-    text = (TEMPLATES / "ds_config.json.j2").read_text()
-    assert "{%" not in text  # values only: no if/for blocks
+def _leaves(d: dict, prefix: str = "", *, whole: frozenset):
+    """Dotted keys of d; a dict whose key is in `whole` (a value of its own, e.g. scheduler.params) is one leaf."""
+    for key, value in d.items():
+        if isinstance(value, dict) and f"{prefix}{key}" not in whole:
+            yield from _leaves(value, f"{prefix}{key}.", whole=whole)
+        else:
+            yield f"{prefix}{key}"
+
+
+def test_schema_is_every_rendered_key_each_with_a_source_and_values_must_match_exactly():
+    paths = [key.path for key in ds_schema.SCHEMA]
+    assert len(paths) == len(set(paths))
+    assert all(key.name and (key.default is ds_schema.PLAN or key.name in ds_schema.DEFAULTS)
+               for key in ds_schema.SCHEMA)
+    train = TrainSpec(global_batch=16, micro_batch=2, steps=10, warmup_steps=2, precision="fp32")
+    plan = make_plan(model=MODEL_PRESETS["tiny"], cluster=ClusterSpec(nodes=1, gpus_per_node=2, gpu="cpu"),
+                     train=train, strategy=StrategySpec(zero=1))
+    cfg = render_ds_config(plan=plan, model=MODEL_PRESETS["tiny"], train=train, monitor_dir="/m")
+    assert list(_leaves(cfg, whole=frozenset(paths))) == paths  # every table key rendered, in the table's order, and nothing else
     with pytest.raises(KeyError, match="missing values"):
-        render_template("ds_config.json.j2", {"global_batch": 1})
+        ds_schema.build({"global_batch": 1})
 
 
 RECIPES = json.loads((DS_PRESETS / "recipes.json").read_text())

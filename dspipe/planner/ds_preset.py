@@ -6,10 +6,11 @@ duplicates). `import_preset` puts DeepSpeed's aliases under their canonical name
 zero_optimization.cpu_offload -> offload_optimizer.device cpu, stage3_gather_fp16_weights_on_model_save, pydantic
 field names such as prefetch_bucket_size), refuses what DeepSpeed 0.19 refuses (removed sections, unknown keys in its
 pydantic sections: zero_optimization, offload_*, fp16, bf16, monitors) and what dspipe cannot render, and splits the
-rest into gen-config option values (strategy and training), template values and "auto" keys. Unknown top-level keys
-and unknown keys of DeepSpeed's dict sections (pipeline, activation_checkpointing) are ignored by DeepSpeed; dspipe
-ignores them too and says so. `account` runs after planning and rendering: every key of the preset is the same value
-in the rendered config, or a report line ("auto" resolved, a monitor path moved into the run directory), or an error.
+rest into gen-config option values (strategy and training), rendered values and "auto" keys, as each key's row of
+planner/ds_schema.SCHEMA says (its import target and check). Unknown top-level keys and unknown keys of DeepSpeed's
+dict sections (pipeline, activation_checkpointing) are ignored by DeepSpeed; dspipe ignores
+them too and says so. `account` runs after planning and rendering: every key of the preset is the same value in the
+rendered config, or a report line ("auto" resolved, a monitor path moved into the run directory), or an error.
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from pathlib import Path
 
 from dspipe.errors import SpecError
 from dspipe.jsonio import MISSING, dotted_get
-from dspipe.spec.core import PARTITION_METHODS
+from dspipe.planner.ds_checks import choice, integer, number
+from dspipe.planner.ds_schema import option, section
 
 AUTO = "auto"
 SCHEDULERS = ("WarmupCosineLR", "WarmupLR", "WarmupDecayLR")
@@ -68,214 +70,41 @@ MONITOR_DIR_KEYS = ("tensorboard.output_path", "csv_monitor.output_path")
 """Always the run directory's monitor/ (dspipe report and the metrics log read it there): reported when moved."""
 
 
-# ---- value checks: each returns the value as rendered or raises ValueError(what is allowed) -------------------------
+# ---- key tables: DeepSpeed key -> (import target, check), from planner/ds_schema.SCHEMA -----------------------------
 
-def _bool(v):
-    if not isinstance(v, bool):
-        raise ValueError("must be true or false")
-    return v
-
-
-def _int(lo: int, hi: int | None = None):
-    def check(v):
-        if isinstance(v, float) and math.isfinite(v) and v == int(v):
-            v = int(v)  # 1e9 in JSON is a float; DeepSpeed's pydantic fields take it as an integer
-        if not isinstance(v, int) or isinstance(v, bool) or v < lo or (hi is not None and v > hi):
-            raise ValueError(f"must be an integer >= {lo}" + (f" and <= {hi}" if hi is not None else ""))
-        return v
-    return check
-
-
-def _float(lo: float, hi: float | None = None, *, open_lo: bool = False):
-    def check(v):
-        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-        if not ok or v < lo or (open_lo and v == lo) or (hi is not None and v > hi):
-            raise ValueError(f"must be a finite number {'>' if open_lo else '>='} {lo:g}"
-                             + (f" and <= {hi:g}" if hi is not None else ""))
-        return v
-    return check
-
-
-def _choice(*choices):
-    def check(v):
-        if v not in choices:
-            raise ValueError(f"must be one of: {', '.join(map(json.dumps, choices))}")
-        return v
-    return check
-
-
-def _str_or_null(v):
-    if v is not None and (not isinstance(v, str) or not v or "\n" in v):
-        raise ValueError("must be a one-line string or null")
-    return v
-
-
-def _betas(v):
-    if (not isinstance(v, list) or len(v) != 2
-            or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in v)):
-        raise ValueError("must be a list of two numbers in [0, 1)")
-    return v
-
-
-def _number_checkpoints(v):
-    return None if v is None else _int(1)(v)
-
-
-def _offload_device(v):
-    return _choice("none", "cpu", "nvme")(v if v is not None else "none")
-
-
-# ---- key tables: DeepSpeed key -> (target, check) --------------------------------------------------------------------
-# target: ("opt", NAME) a gen-config option; ("var", NAME) a template value; ("ga",) gradient_accumulation_steps;
-# ("plan",) a value the plan derives (compared after rendering); ("moved",) a monitor path.
-
-def _opt(name):
-    return ("opt", name)
-
-
-def _var(name):
-    return ("var", name)
-
-
-TOP = {
-    "train_batch_size": (_opt("global_batch"), _int(1)),
-    "train_micro_batch_size_per_gpu": (_opt("micro_batch"), _int(1)),
-    "gradient_accumulation_steps": (("ga",), _int(1)),
-    "steps_per_print": (_var("steps_per_print"), _int(1)),
-    "wall_clock_breakdown": (_var("wall_clock_breakdown"), _bool),
-    "gradient_clipping": (_opt("grad_clip"), _float(0)),
-    "prescale_gradients": (_var("prescale_gradients"), _bool),
-    "gradient_predivide_factor": (_var("gradient_predivide_factor"), _float(0, open_lo=True)),
-    "zero_allow_untested_optimizer": (_var("zero_allow_untested_optimizer"), _bool),
-    "sequence_parallel_size": (_opt("sp"), _int(1)),
-}
-OPTIMIZER_PARAMS = {
-    "lr": (_opt("lr"), _float(0, open_lo=True)),
-    "betas": (_var("betas"), _betas),
-    "eps": (_var("eps"), _float(0, open_lo=True)),
-    "weight_decay": (_opt("weight_decay"), _float(0)),
-}
+TOP = section("")
+OPTIMIZER_PARAMS = section("optimizer.params")
 OPTIMIZER_PARAM_DEFAULTS = {"adam_w_mode": True, "torch_adam": False, "bias_correction": True, "amsgrad": False}
 SCHEDULER_PARAMS = {  # type -> param -> (target, check); targets "opt" feed TrainSpec, "sched" stay scheduler params
     "WarmupCosineLR": {
-        "total_num_steps": (_opt("steps"), _int(1)), "warmup_num_steps": (_opt("warmup"), _int(1)),
-        "cos_min_ratio": (_opt("min_lr_ratio"), _float(0, 1)),
-        "warmup_min_ratio": (("sched",), _float(0, 1)), "warmup_type": (("sched",), _choice("log", "linear")),
+        "total_num_steps": (option("steps"), integer(1)), "warmup_num_steps": (option("warmup"), integer(1)),
+        "cos_min_ratio": (option("min_lr_ratio"), number(0, 1)),
+        "warmup_min_ratio": (("sched",), number(0, 1)), "warmup_type": (("sched",), choice("log", "linear")),
     },
     "WarmupDecayLR": {
-        "total_num_steps": (_opt("steps"), _int(1)), "warmup_num_steps": (_opt("warmup"), _int(1)),
-        "warmup_max_lr": (_opt("lr"), _float(0, open_lo=True)),
-        "warmup_min_lr": (("sched",), _float(0)), "warmup_type": (("sched",), _choice("log", "linear")),
+        "total_num_steps": (option("steps"), integer(1)), "warmup_num_steps": (option("warmup"), integer(1)),
+        "warmup_max_lr": (option("lr"), number(0, open_lo=True)),
+        "warmup_min_lr": (("sched",), number(0)), "warmup_type": (("sched",), choice("log", "linear")),
     },
     "WarmupLR": {
-        "warmup_num_steps": (_opt("warmup"), _int(1)), "warmup_max_lr": (_opt("lr"), _float(0, open_lo=True)),
-        "warmup_min_lr": (("sched",), _float(0)), "warmup_type": (("sched",), _choice("log", "linear")),
+        "warmup_num_steps": (option("warmup"), integer(1)), "warmup_max_lr": (option("lr"), number(0, open_lo=True)),
+        "warmup_min_lr": (("sched",), number(0)), "warmup_type": (("sched",), choice("log", "linear")),
     },
 }
 SCHEDULER_DEFAULTS = {"warmup_min_ratio": 0.0, "warmup_type": "log", "warmup_min_lr": 0.0}
 """DeepSpeed's defaults (runtime/lr_schedules.py) for the parameters dspipe does not derive from its own options."""
-FP16 = {
-    "enabled": (("precision",), _bool),
-    "auto_cast": (_var("fp16_auto_cast"), _bool), "loss_scale": (_var("fp16_loss_scale"), _float(0)),
-    "initial_scale_power": (_var("fp16_initial_scale_power"), _int(0, 64)),
-    "loss_scale_window": (_var("fp16_loss_scale_window"), _int(1)),
-    "hysteresis": (_var("fp16_hysteresis"), _int(1)),
-    "consecutive_hysteresis": (_var("fp16_consecutive_hysteresis"), _bool),
-    "min_loss_scale": (_var("fp16_min_loss_scale"), _int(1)),
-}
-BF16 = {
-    "enabled": (("precision",), _bool),
-    "immediate_grad_update": (_var("bf16_immediate_grad_update"), _bool),
-    "check_grad_overflow": (_var("bf16_check_grad_overflow"), _bool),
-}
-ZERO = {
-    "stage": (_opt("zero"), _int(0, 3)),
-    "contiguous_gradients": (_var("contiguous_gradients"), _bool), "overlap_comm": (_var("overlap_comm"), _bool),
-    "reduce_scatter": (_var("reduce_scatter"), _bool),
-    "reduce_bucket_size": (_opt("reduce_bucket_size"), _int(1)),
-    "allgather_partitions": (_var("allgather_partitions"), _bool),
-    "allgather_bucket_size": (_var("allgather_bucket_size"), _int(1)),
-    "round_robin_gradients": (_var("round_robin_gradients"), _bool),
-    "load_from_fp32_weights": (_var("load_from_fp32_weights"), _bool),
-    "elastic_checkpoint": (_var("elastic_checkpoint"), _bool),
-    "ignore_unused_parameters": (_var("ignore_unused_parameters"), _bool),
-    "sub_group_size": (_var("sub_group_size"), _int(1)),
-    "stage3_prefetch_bucket_size": (_opt("prefetch_bucket_size"), _int(1)),
-    "stage3_param_persistence_threshold": (_opt("param_persistence_threshold"), _int(1)),
-    "stage3_max_live_parameters": (_opt("max_live_parameters"), _int(0)),
-    "stage3_max_reuse_distance": (_opt("max_reuse_distance"), _int(0)),
-    "stage3_gather_16bit_weights_on_model_save": (_var("gather_16bit_weights_on_model_save"), _bool),
-}
-OFFLOAD_OPTIMIZER = {
-    "device": (("offload", "optimizer"), _offload_device),
-    "nvme_path": (_var("offload_optimizer_nvme_path"), _str_or_null),
-    "pin_memory": (_var("offload_optimizer_pin_memory"), _bool),
-    "buffer_count": (_var("offload_optimizer_buffer_count"), _int(0)),
-    "fast_init": (_var("offload_optimizer_fast_init"), _bool),
-    "ratio": (_var("offload_optimizer_ratio"), _float(0, 1)),
-}
-OFFLOAD_PARAM = {
-    "device": (("offload", "param"), _offload_device),
-    "nvme_path": (_var("offload_param_nvme_path"), _str_or_null),
-    "pin_memory": (_var("offload_param_pin_memory"), _bool),
-    "buffer_count": (_var("offload_param_buffer_count"), _int(0)),
-    "buffer_size": (_var("offload_param_buffer_size"), _int(0)),
-    "max_in_cpu": (_var("offload_param_max_in_cpu"), _int(0)),
-}
-PIPELINE = {
-    "stages": (_opt("pp"), _int(1)),
-    "partition": (_opt("partition_method"), _choice(*PARTITION_METHODS)),
-    "seed_layers": (("plan",), _bool),
-    "activation_checkpoint_interval": (("checkpointing",), _int(0, 1)),
-    "pipe_partitioned": (_var("pipe_partitioned"), _bool),
-    "grad_partitioned": (_var("grad_partitioned"), _bool),
-}
-ACTIVATION_CHECKPOINTING = {
-    "partition_activations": (_var("ac_partition_activations"), _bool),
-    "cpu_checkpointing": (_var("ac_cpu_checkpointing"), _bool),
-    "contiguous_memory_optimization": (_var("ac_contiguous_memory_optimization"), _bool),
-    "number_checkpoints": (_var("ac_number_checkpoints"), _number_checkpoints),
-    "synchronize_checkpoint_boundary": (_var("ac_synchronize_checkpoint_boundary"), _bool),
-    "profile": (_var("ac_profile"), _bool),
-}
-TENSOR_PARALLEL = {
-    "autotp_size": (("tp",), _int(0)),  # 0: AutoTP off (tp 1)
-    "tp_overlap_comm": (_var("tp_overlap_comm"), _bool),
-    "vocab_parallel_lm_head": (_var("vocab_parallel_lm_head"), lambda v: _choice(False, None)(v) or False),
-    "vocab_parallel_ce_backend": (_var("vocab_parallel_ce_backend"), _choice("torch")),
-    "partition_config": (("plan",), lambda v: v),  # must equal dspipe's own layer specs (compared when rendered)
-}
-TENSOR_PARALLEL_TP = {"tp_size": (("plan",), _int(1)), "tp_grain_size": (_var("tp_grain_size"), _int(1))}
+FP16 = section("fp16")
+BF16 = section("bf16")
+ZERO = section("zero_optimization")
+OFFLOAD_OPTIMIZER = section("zero_optimization.offload_optimizer")
+OFFLOAD_PARAM = section("zero_optimization.offload_param")
+PIPELINE = section("pipeline")
+ACTIVATION_CHECKPOINTING = section("activation_checkpointing")
+TENSOR_PARALLEL = section("tensor_parallel")
+TENSOR_PARALLEL_TP = section("tensor_parallel.tp")
 UNRENDERED_TENSOR_PARALLEL = {"preset_model": None, "keep_module_on_host": False, "kernel_inject": False,
                               "replace_with_kernel_inject": False, "injection_policy_tuple": None, "dtype": None}
-MONITORS = {
-    "tensorboard": {"enabled": (_var("tensorboard_enabled"), _bool), "output_path": (("moved",), _str_or_null),
-                    "job_name": (_var("tensorboard_job_name"), _str_or_null)},
-    "csv_monitor": {"enabled": (_var("csv_monitor_enabled"), _bool), "output_path": (("moved",), _str_or_null),
-                    "job_name": (_var("csv_monitor_job_name"), _str_or_null)},
-    "wandb": {"enabled": (_var("wandb_enabled"), _bool), "group": (_var("wandb_group"), _str_or_null),
-              "team": (_var("wandb_team"), _str_or_null), "project": (_var("wandb_project"), _str_or_null)},
-    "comet": {"enabled": (_var("comet_enabled"), _bool), "samples_log_interval": (_var("comet_samples_log_interval"),
-                                                                                   _int(1)),
-              "project": (_var("comet_project"), _str_or_null), "workspace": (_var("comet_workspace"), _str_or_null),
-              "api_key": (_var("comet_api_key"), _choice(None)),
-              "experiment_name": (_var("comet_experiment_name"), _str_or_null),
-              "experiment_key": (_var("comet_experiment_key"), _str_or_null),
-              "online": (_var("comet_online"), lambda v: True if v is None else _bool(v)),
-              "mode": (_var("comet_mode"), lambda v: "get_or_create" if v is None else
-                       _choice("get", "create", "get_or_create")(v))},
-}
-OPTION_FLAGS = {"global_batch": "--global-batch", "micro_batch": "--micro-batch", "grad_clip": "--grad-clip",
-                "lr": "--lr", "weight_decay": "--weight-decay", "steps": "--steps", "warmup": "--warmup",
-                "min_lr_ratio": "--min-lr-ratio", "zero": "--zero", "offload": "--offload",
-                "offload_params": "--offload-params", "nvme_path": "--nvme-path", "pp": "--pp",
-                "checkpointing": "--checkpointing", "partition_method": "--partition-method",
-                "precision": "--precision", "reduce_bucket_size": "--reduce-bucket-size",
-                "prefetch_bucket_size": "--prefetch-bucket-size", "tp": "--tp", "sp": "--sp",
-                "param_persistence_threshold": "--param-persistence-threshold",
-                "max_live_parameters": "--max-live-parameters", "max_reuse_distance": "--max-reuse-distance",
-                "wall_clock_breakdown": "--wall-clock-breakdown"}
-"""gen-config options a preset can set, and their flags (for conflict messages)."""
+MONITORS = {name: section(name) for name in ("tensorboard", "csv_monitor", "wandb", "comet")}
 
 
 @dataclass
@@ -291,7 +120,7 @@ class PresetImport:
     """gen-config option -> the preset key it came from."""
     grad_accum: int | None = None
     values: dict = field(default_factory=dict)
-    """Template variable -> the preset's value."""
+    """ds_schema value name -> the preset's value."""
     scheduler_type: str | None = None
     scheduler_params: dict = field(default_factory=dict)
     """The preset's own scheduler parameters that dspipe does not derive from its options (auto removed)."""

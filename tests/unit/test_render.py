@@ -94,9 +94,14 @@ def test_schema_is_every_rendered_key_each_with_a_source_and_values_must_match_e
     plan = make_plan(model=MODEL_PRESETS["tiny"], cluster=ClusterSpec(nodes=1, gpus_per_node=2, gpu="cpu"),
                      train=train, strategy=StrategySpec(zero=1))
     cfg = render_ds_config(plan=plan, model=MODEL_PRESETS["tiny"], train=train, monitor_dir="/m")
-    assert list(_leaves(cfg, whole=frozenset(paths))) == paths  # every table key rendered, in the table's order, and nothing else
+    # every table key rendered, in the table's order, and nothing else
+    assert list(_leaves(cfg, whole=frozenset(paths))) == paths
     with pytest.raises(KeyError, match="missing values"):
         ds_schema.build({"global_batch": 1})
+    # what a preset's value of each key does: a target and a check, except the sections with their own reader
+    assert all((key.take is None) == (key.check is None) for key in ds_schema.SCHEMA)
+    assert {key.path for key in ds_schema.SCHEMA if key.take is None} == {
+        "optimizer.type", "scheduler.type", "scheduler.params", "data_types.grad_accum_dtype"}
 
 
 RECIPES = json.loads((DS_PRESETS / "recipes.json").read_text())

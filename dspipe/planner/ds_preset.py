@@ -23,7 +23,7 @@ from pathlib import Path
 from dspipe.errors import SpecError
 from dspipe.jsonio import MISSING, dotted_get
 from dspipe.planner.ds_checks import choice, integer, number
-from dspipe.planner.ds_schema import option, section
+from dspipe.planner.ds_schema import PLANNER_AUTO, option, section
 
 AUTO = "auto"
 SCHEDULERS = ("WarmupCosineLR", "WarmupLR", "WarmupDecayLR")
@@ -520,14 +520,6 @@ def _leaves(d: dict, prefix: str = ""):
             yield f"{prefix}{key}", value
 
 
-PLANNED = {"train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "bf16.enabled",
-           "fp16.enabled", "zero_optimization.stage", "zero_optimization.reduce_bucket_size",
-           "zero_optimization.allgather_bucket_size", "zero_optimization.stage3_prefetch_bucket_size",
-           "zero_optimization.stage3_param_persistence_threshold", "zero_optimization.stage3_max_live_parameters",
-           "zero_optimization.stage3_max_reuse_distance", "zero_optimization.overlap_comm",
-           "zero_optimization.contiguous_gradients", "zero_optimization.offload_optimizer.device",
-           "zero_optimization.offload_param.device", "pipeline.stages", "data_types.grad_accum_dtype"}
-"""Keys whose "auto" the planner resolves (the rest resolve to dspipe's options or defaults)."""
 AUTO_OPTIONS = {"train_batch_size": "global_batch", "train_micro_batch_size_per_gpu": "micro_batch",
                 "gradient_clipping": "grad_clip", "optimizer.params.lr": "lr", "scheduler.params.warmup_max_lr": "lr",
                 "optimizer.params.weight_decay": "weight_decay", "scheduler.params.total_num_steps": "steps",
@@ -557,7 +549,7 @@ def account(imp: PresetImport, rendered: dict, *, given: dict) -> list[str]:
         if got is MISSING:
             raise imp.error(path, value, "is not rendered by dspipe")
         if value == AUTO:
-            label = given.get(path) or ("planner" if path in PLANNED else "dspipe default")
+            label = given.get(path) or ("planner" if path in PLANNER_AUTO else "dspipe default")
             lines.append(f"preset: {path} \"auto\" -> {_show(got)} ({label})")
         elif path in MONITOR_DIR_KEYS:
             if value != got:

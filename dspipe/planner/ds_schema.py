@@ -45,6 +45,8 @@ class DsKey:
     """What a preset's value does (see the import targets above); None: its section's reader handles it."""
     check: Callable | None = None
     """The preset value's check (planner/ds_checks): the value as rendered, or ValueError(what is allowed)."""
+    planner_auto: bool = False
+    """A preset's "auto" is resolved by the planner (reported so); otherwise by an option or dspipe's default."""
 
     @property
     def target(self) -> tuple:
@@ -52,14 +54,15 @@ class DsKey:
         return ("var", self.name) if self.take is SETS else self.take
 
 
-def _k(path: str, name: str, default: object = PLAN, take: tuple | None = None, check: Callable | None = None) -> DsKey:
-    return DsKey(path=path, name=name, default=default, take=take, check=check)
+def _k(path: str, name: str, default: object = PLAN, take: tuple | None = None, check: Callable | None = None, *,
+       planner_auto: bool = False) -> DsKey:
+    return DsKey(path=path, name=name, default=default, take=take, check=check, planner_auto=planner_auto)
 
 
 SCHEMA = (
     _k("train_batch_size", "global_batch", PLAN, option("global_batch"), c.integer(1)),
-    _k("train_micro_batch_size_per_gpu", "micro_batch", PLAN, option("micro_batch"), c.integer(1)),
-    _k("gradient_accumulation_steps", "grad_accum", PLAN, ("ga",), c.integer(1)),
+    _k("train_micro_batch_size_per_gpu", "micro_batch", PLAN, option("micro_batch"), c.integer(1), planner_auto=True),
+    _k("gradient_accumulation_steps", "grad_accum", PLAN, ("ga",), c.integer(1), planner_auto=True),
     _k("steps_per_print", "steps_per_print", PLAN, SETS, c.integer(1)),
     _k("wall_clock_breakdown", "wall_clock_breakdown", PLAN, SETS, c.boolean),
     _k("gradient_clipping", "grad_clip", PLAN, option("grad_clip"), c.number(0)),
@@ -73,10 +76,10 @@ SCHEMA = (
     _k("optimizer.params.weight_decay", "weight_decay", PLAN, option("weight_decay"), c.number(0)),
     _k("scheduler.type", "scheduler_type"),
     _k("scheduler.params", "scheduler_params"),
-    _k("bf16.enabled", "bf16", PLAN, ("precision",), c.boolean),
+    _k("bf16.enabled", "bf16", PLAN, ("precision",), c.boolean, planner_auto=True),
     _k("bf16.immediate_grad_update", "bf16_immediate_grad_update", False, SETS, c.boolean),
     _k("bf16.check_grad_overflow", "bf16_check_grad_overflow", True, SETS, c.boolean),
-    _k("fp16.enabled", "fp16", PLAN, ("precision",), c.boolean),
+    _k("fp16.enabled", "fp16", PLAN, ("precision",), c.boolean, planner_auto=True),
     _k("fp16.auto_cast", "fp16_auto_cast", False, SETS, c.boolean),
     _k("fp16.loss_scale", "fp16_loss_scale", 0, SETS, c.number(0)),
     _k("fp16.initial_scale_power", "fp16_initial_scale_power", 16, SETS, c.integer(0, 64)),
@@ -84,43 +87,45 @@ SCHEMA = (
     _k("fp16.hysteresis", "fp16_hysteresis", 2, SETS, c.integer(1)),
     _k("fp16.consecutive_hysteresis", "fp16_consecutive_hysteresis", False, SETS, c.boolean),
     _k("fp16.min_loss_scale", "fp16_min_loss_scale", 1, SETS, c.integer(1)),
-    _k("data_types.grad_accum_dtype", "grad_accum_dtype"),
-    _k("zero_optimization.stage", "zero_stage", PLAN, option("zero"), c.integer(0, 3)),
-    _k("zero_optimization.contiguous_gradients", "contiguous_gradients", PLAN, SETS, c.boolean),
-    _k("zero_optimization.overlap_comm", "overlap_comm", PLAN, SETS, c.boolean),
+    _k("data_types.grad_accum_dtype", "grad_accum_dtype", planner_auto=True),
+    _k("zero_optimization.stage", "zero_stage", PLAN, option("zero"), c.integer(0, 3), planner_auto=True),
+    _k("zero_optimization.contiguous_gradients", "contiguous_gradients", PLAN, SETS, c.boolean, planner_auto=True),
+    _k("zero_optimization.overlap_comm", "overlap_comm", PLAN, SETS, c.boolean, planner_auto=True),
     _k("zero_optimization.reduce_scatter", "reduce_scatter", PLAN, SETS, c.boolean),
-    _k("zero_optimization.reduce_bucket_size", "reduce_bucket_size", PLAN, option("reduce_bucket_size"), c.integer(1)),
+    _k("zero_optimization.reduce_bucket_size", "reduce_bucket_size", PLAN, option("reduce_bucket_size"), c.integer(1),
+       planner_auto=True),
     _k("zero_optimization.allgather_partitions", "allgather_partitions", True, SETS, c.boolean),
-    _k("zero_optimization.allgather_bucket_size", "allgather_bucket_size", PLAN, SETS, c.integer(1)),
+    _k("zero_optimization.allgather_bucket_size", "allgather_bucket_size", PLAN, SETS, c.integer(1), planner_auto=True),
     _k("zero_optimization.round_robin_gradients", "round_robin_gradients", False, SETS, c.boolean),
     _k("zero_optimization.load_from_fp32_weights", "load_from_fp32_weights", True, SETS, c.boolean),
     _k("zero_optimization.elastic_checkpoint", "elastic_checkpoint", False, SETS, c.boolean),
     _k("zero_optimization.ignore_unused_parameters", "ignore_unused_parameters", True, SETS, c.boolean),
     _k("zero_optimization.sub_group_size", "sub_group_size", 1000000000, SETS, c.integer(1)),
     _k("zero_optimization.stage3_prefetch_bucket_size", "prefetch_bucket_size", PLAN,
-       option("prefetch_bucket_size"), c.integer(1)),
+       option("prefetch_bucket_size"), c.integer(1), planner_auto=True),
     _k("zero_optimization.stage3_param_persistence_threshold", "param_persistence_threshold", PLAN,
-       option("param_persistence_threshold"), c.integer(1)),
+       option("param_persistence_threshold"), c.integer(1), planner_auto=True),
     _k("zero_optimization.stage3_max_live_parameters", "max_live_parameters", PLAN,
-       option("max_live_parameters"), c.integer(0)),
+       option("max_live_parameters"), c.integer(0), planner_auto=True),
     _k("zero_optimization.stage3_max_reuse_distance", "max_reuse_distance", PLAN,
-       option("max_reuse_distance"), c.integer(0)),
+       option("max_reuse_distance"), c.integer(0), planner_auto=True),
     _k("zero_optimization.stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save", False,
        SETS, c.boolean),
     _k("zero_optimization.offload_optimizer.device", "offload_optimizer_device", PLAN,
-       ("offload", "optimizer"), c.offload_device),
+       ("offload", "optimizer"), c.offload_device, planner_auto=True),
     _k("zero_optimization.offload_optimizer.nvme_path", "offload_optimizer_nvme_path", PLAN, SETS, c.str_or_null),
     _k("zero_optimization.offload_optimizer.pin_memory", "offload_optimizer_pin_memory", PLAN, SETS, c.boolean),
     _k("zero_optimization.offload_optimizer.buffer_count", "offload_optimizer_buffer_count", 4, SETS, c.integer(0)),
     _k("zero_optimization.offload_optimizer.fast_init", "offload_optimizer_fast_init", False, SETS, c.boolean),
     _k("zero_optimization.offload_optimizer.ratio", "offload_optimizer_ratio", 1.0, SETS, c.number(0, 1)),
-    _k("zero_optimization.offload_param.device", "offload_param_device", PLAN, ("offload", "param"), c.offload_device),
+    _k("zero_optimization.offload_param.device", "offload_param_device", PLAN, ("offload", "param"), c.offload_device,
+       planner_auto=True),
     _k("zero_optimization.offload_param.nvme_path", "offload_param_nvme_path", PLAN, SETS, c.str_or_null),
     _k("zero_optimization.offload_param.pin_memory", "offload_param_pin_memory", PLAN, SETS, c.boolean),
     _k("zero_optimization.offload_param.buffer_count", "offload_param_buffer_count", 5, SETS, c.integer(0)),
     _k("zero_optimization.offload_param.buffer_size", "offload_param_buffer_size", 100000000, SETS, c.integer(0)),
     _k("zero_optimization.offload_param.max_in_cpu", "offload_param_max_in_cpu", 1000000000, SETS, c.integer(0)),
-    _k("pipeline.stages", "pp", PLAN, option("pp"), c.integer(1)),
+    _k("pipeline.stages", "pp", PLAN, option("pp"), c.integer(1), planner_auto=True),
     _k("pipeline.partition", "partition_method", PLAN, option("partition_method"), c.choice(*PARTITION_METHODS)),
     _k("pipeline.seed_layers", "seed_layers", False, PLANNED, c.boolean),
     _k("pipeline.activation_checkpoint_interval", "activation_checkpoint_interval", PLAN,
@@ -170,6 +175,8 @@ SCHEMA = (
 DEFAULTS = {key.name: key.default for key in SCHEMA if key.default is not PLAN}
 """dspipe's own value of every DeepSpeed setting the plan does not derive; a --preset may set each of them."""
 NAMES = frozenset(key.name for key in SCHEMA)
+PLANNER_AUTO = frozenset(key.path for key in SCHEMA if key.planner_auto)
+"""Keys whose "auto" the planner resolves (the rest resolve to dspipe's options or defaults)."""
 
 
 def section(prefix: str) -> dict:

@@ -11,8 +11,7 @@ import jinja2.meta
 
 from dspipe.errors import SpecError
 from dspipe.planner.ds_preset import PresetImport, import_preset, read_preset, scheduler_block
-from dspipe.planner import autotp
-from dspipe.planner.ds_schema import DEFAULTS, build
+from dspipe.planner.ds_schema import DEFAULTS, Sources, build, derived
 from dspipe.planner.plan import Plan
 from dspipe.spec.core import ModelSpec, TrainSpec
 
@@ -67,30 +66,11 @@ def render_ds_config(*, plan: Plan, model: ModelSpec, train: TrainSpec, monitor_
     """The complete DeepSpeed config for `plan`: every key explicit, nothing left to DeepSpeed's defaults. `preset`:
     the values a --preset sets (its import already checked them against the plan's options); `monitors`:
     values from monitor_values()."""
-    scheduler_type, scheduler_params = scheduler_block(preset, lr=train.lr, steps=train.steps,
-                                                       warmup=train.warmup_steps, min_lr_ratio=train.min_lr_ratio)
-    values = dict(
-        DEFAULTS,
-        global_batch=plan.ds_train_batch_size, micro_batch=plan.micro_batch, grad_accum=plan.grad_accum,
-        steps_per_print=train.log_interval, wall_clock_breakdown=wall_clock_breakdown,
-        grad_clip=train.grad_clip, lr=train.lr, weight_decay=train.weight_decay,
-        scheduler_type=scheduler_type, scheduler_params=scheduler_params,
-        bf16=plan.precision == "bf16", fp16=plan.precision == "fp16", grad_accum_dtype=plan.grad_accum_dtype,
-        zero_stage=plan.zero_stage, contiguous_gradients=plan.contiguous_gradients, overlap_comm=plan.overlap_comm,
-        reduce_bucket_size=plan.reduce_bucket_size, allgather_bucket_size=plan.allgather_bucket_size,
-        prefetch_bucket_size=plan.prefetch_bucket_size,
-        param_persistence_threshold=plan.param_persistence_threshold,
-        max_live_parameters=plan.max_live_parameters, max_reuse_distance=plan.max_reuse_distance,
-        offload_optimizer_device=plan.offload,
-        offload_param_device=plan.offload if plan.offload_params else "none",
-        offload_optimizer_nvme_path=plan.nvme_path, offload_param_nvme_path=plan.nvme_path,
-        offload_optimizer_pin_memory=plan.pin_memory, offload_param_pin_memory=plan.pin_memory,
-        pp=plan.pp, partition_method=plan.partition_method,
-        activation_checkpoint_interval=plan.activation_checkpoint_interval,
-        monitor_dir=monitor_dir, reduce_scatter=plan.reduce_scatter,
-        autotp_size=plan.tp if plan.tp > 1 else 0, tp_size=plan.tp, tp_partition_config=autotp.partition_config(model),
-        sp=plan.sp,
-    )
+    scheduler = scheduler_block(preset, lr=train.lr, steps=train.steps, warmup=train.warmup_steps,
+                                min_lr_ratio=train.min_lr_ratio)
+    sources = Sources(plan=plan, model=model, train=train, monitor_dir=monitor_dir,
+                      wall_clock_breakdown=wall_clock_breakdown, scheduler=scheduler)
+    values = {**DEFAULTS, **derived(sources)}
     if preset is not None:
         unknown = set(preset.values) - set(values)
         if unknown:

@@ -88,7 +88,7 @@ def _leaves(d: dict, prefix: str = "", *, whole: frozenset):
 def test_schema_is_every_rendered_key_each_with_a_source_and_values_must_match_exactly():
     paths = [key.path for key in ds_schema.SCHEMA]
     assert len(paths) == len(set(paths))
-    assert all(key.name and (key.default is ds_schema.PLAN or key.name in ds_schema.DEFAULTS)
+    assert all(key.name and (isinstance(key.default, ds_schema.Derived) or key.name in ds_schema.DEFAULTS)
                for key in ds_schema.SCHEMA)
     train = TrainSpec(global_batch=16, micro_batch=2, steps=10, warmup_steps=2, precision="fp32")
     plan = make_plan(model=MODEL_PRESETS["tiny"], cluster=ClusterSpec(nodes=1, gpus_per_node=2, gpu="cpu"),

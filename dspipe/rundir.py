@@ -22,7 +22,7 @@ FORMAT_VERSION = 1
 SPEC_FILE = "dspipe.json"
 DS_CONFIG_FILE = "ds_config.json"
 ENGINE_FILE = "engine.json"  # the live engine's settings, written by the runner's rank 0
-VAL_FILE = "val_metrics.csv"  # validation rows (dspipe.metrics.VAL_COLUMNS)
+VAL_FILE = "val_metrics.csv"  # validation rows (dspipe.planner.throughput.VAL_COLUMNS)
 CONFIG_FILE = "config.yaml"  # gen-config's options as resolved (dspipe.cli.config_file): --config reproduces the run
 EXTRA_FILES = (CONFIG_FILE, PROFILE_FILE)
 """Files besides the two configs that gen-config may write into a run directory (with them, whole or not at all)."""

@@ -1,6 +1,6 @@
 """`dspipe report runs/NAME`: a trained (or training) run's metrics against its plan, as PNG plots and report.md.
 
-Reads runs/NAME/metrics.csv (dspipe.metrics.STEP_COLUMNS, one row per optimizer step, rank 0), val_metrics.csv
+Reads runs/NAME/metrics.csv (dspipe.planner.throughput.STEP_COLUMNS, one row per optimizer step, rank 0), val_metrics.csv
 (VAL_COLUMNS, optional), the start-up figures in engine.json (dspipe.runtime.startup: every rank's peak host RSS and
 seconds to the first step) and the planner's estimate in dspipe.json. Measured throughput is the median over the steps
 after the first WARMUP_STEPS (compilation, allocator and communicator warm-up); peak memory is the largest

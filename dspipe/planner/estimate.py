@@ -64,9 +64,9 @@ from dspipe.planner.throughput import model_flops_per_token
 from dspipe.spec.hardware import GpuType
 from dspipe.planner.plan import Plan
 from dspipe.spec.core import ClusterSpec, ModelSpec
+from dspipe.spec.hardware import GIB
 from dspipe.planner.startup import StartupEstimate, build_mode, startup_estimate
 
-GIB = 1024**3
 FRAMEWORK_RESERVE = int(1.5 * GIB)
 """CUDA context, NCCL buffers and allocator fragmentation (none on the nominal 'cpu' type)."""
 MEMORY_HEADROOM = 0.10

@@ -23,7 +23,7 @@ from dspipe import outputs
 from dspipe.atomic import replace_dir
 from dspipe.errors import SpecError
 from dspipe.jsonio import show
-from dspipe.planner.estimate import GIB
+from dspipe.spec.hardware import GIB
 from dspipe.planner.throughput import STEP_COLUMNS, VAL_COLUMNS, perplexity
 from dspipe.rundir import VAL_FILE, Run, load_engine, load_run
 

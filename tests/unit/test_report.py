@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from dspipe.planner.estimate import GIB
+from dspipe.spec.hardware import GIB
 from dspipe.planner.throughput import STEP_COLUMNS, VAL_COLUMNS
 from dspipe.tools.report import write_report
 from tests.helpers import dspipe

@@ -6,7 +6,8 @@ import shutil
 
 import pytest
 
-from dspipe.planner.estimate import GIB, estimate, largest_tensor, stage_params
+from dspipe.planner.estimate import estimate, largest_tensor, stage_params
+from dspipe.spec.hardware import GIB
 from dspipe.planner.plan import make_plan
 from dspipe.spec.presets import MODEL_PRESETS
 from dspipe.spec.core import ClusterSpec, StrategySpec, TrainSpec

@@ -14,7 +14,6 @@ intact checkpoint.
 Resuming under another data-parallel size: dspipe/reshard.py. The pure functions here import no torch."""
 from __future__ import annotations
 
-import errno
 import json
 import os
 import re
@@ -29,6 +28,7 @@ from dspipe.jsonio import read_object, show
 from dspipe.spec.core import ZERO_STAGES, ModelSpec, from_dict
 from dspipe.rundir import SPEC_FILE
 from dspipe.runtime.ckptfiles import check_checkpoint
+from dspipe.runtime.faults import NO_FAULTS, Faults
 from dspipe.runtime.reshard import UNIVERSAL_PREFIX, dp_change_refusal, load_resharded
 from dspipe.runtime.safeload import load as safe_load, weights_only_loads
 from dspipe.runtime.writefail import WriteFailures, free_mib
@@ -37,10 +37,6 @@ META_FILE = "dspipe.json"
 LATEST_FILE = "latest"
 PARTIAL_PREFIX = ".partial-"
 TAG_RE = re.compile(r"^global_step([0-9]+)\Z")
-TEST_KILL_AT_STEP = "DSPIPE_TEST_KILL_AT_STEP"  # test-only: SIGKILL every rank right after this step
-TEST_KILL_IN_SAVE = "DSPIPE_TEST_KILL_IN_SAVE"  # test-only: SIGKILL every rank inside the save at this step
-TEST_FAIL_WRITE = "DSPIPE_TEST_FAIL_WRITE"  # test-only: one rank's write fails with ENOSPC in the save at this step
-TEST_FAIL_WRITE_RANK = "DSPIPE_TEST_FAIL_WRITE_RANK"  # test-only: which rank (default 1)
 
 
 def tag_for(step: int) -> str:
@@ -247,12 +243,6 @@ def trim_metrics(path: Path, step: int) -> None:
     repair_rows(Path(path), upto=step)
 
 
-def maybe_test_kill(var: str, step: int) -> None:
-    """Test-only hook: SIGKILL this process when env var `var` equals `step` (simulates a crash)."""
-    if os.environ.get(var) == str(step):
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 class StopRequest:
     """Remembers SIGTERM/SIGINT; the loop finishes the current step, saves and exits 0."""
 
@@ -315,10 +305,11 @@ def save_failure_message(*, code: int, detail: str, ckpt_dir: Path, tag: str, fr
             f"free space there, then continue with --resume auto")
 
 
-def save(engine, ckpt_dir: Path, *, step: int, meta: dict, keep: int) -> Path:
+def save(engine, ckpt_dir: Path, *, step: int, meta: dict, keep: int, faults: Faults = NO_FAULTS) -> Path:
     """Collective: every rank calls it. Partial dir -> DeepSpeed files + per-rank RNG -> agree -> rank 0 writes
     the meta (complete mark), renames into place, replaces `latest` atomically, deletes beyond the last `keep`.
-    A failed write on any rank: the partial dir is removed and every rank raises the same SpecError."""
+    A failed write on any rank: the partial dir is removed and every rank raises the same SpecError. `faults`:
+    a test's failures (a write failing, a kill) injected after DeepSpeed's files are written."""
     import torch
     import torch.distributed as dist
 
@@ -334,8 +325,8 @@ def save(engine, ckpt_dir: Path, *, step: int, meta: dict, keep: int) -> Path:
     with failures.deepspeed_writes(engine):
         engine.save_checkpoint(str(ckpt_dir), tag=partial.name, client_state=client, save_latest=False)
     failures.call(torch.save, rng_state(), partial / f"rng-rank{rank}.pt")
-    maybe_test_fail_write(failures, step)
-    maybe_test_kill(TEST_KILL_IN_SAVE, step)
+    faults.fail_write(failures, step=step, rank=rank)
+    faults.kill_inside_save(step)
     raise_if_failed(failures, ckpt_dir=ckpt_dir, partial=partial, tag=tag)
     if rank == 0:
         # inside the routed call: a non-finite value (ValueError) is a failed save that every rank agrees on
@@ -367,16 +358,6 @@ def raise_if_failed(failures: WriteFailures, *, ckpt_dir: Path, partial: Path, t
     dist.barrier()
     raise SpecError(save_failure_message(code=code, detail=failures.detail if failures.code == code else "",
                                          ckpt_dir=ckpt_dir, tag=tag, free_before=free_before))
-
-
-def maybe_test_fail_write(failures: WriteFailures, step: int) -> None:
-    """Test-only hook: on rank TEST_FAIL_WRITE_RANK (default 1) record ENOSPC when env var TEST_FAIL_WRITE
-    equals `step` (simulates a full disk where a tmpfs cannot be mounted)."""
-    import torch.distributed as dist
-
-    if os.environ.get(TEST_FAIL_WRITE) == str(step) and \
-            str(dist.get_rank()) == os.environ.get(TEST_FAIL_WRITE_RANK, "1"):
-        failures.record(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
 
 
 def load(engine, path: Path, loader) -> dict:

@@ -121,9 +121,9 @@ class Engine:
     def device(self):
         return self.engine.device
 
-    def train_step(self, batches, *, poison: bool = False) -> float:
+    def train_step(self, batches) -> float:
         """One optimizer step over grad_accum micro-batches from `batches`; the loss averaged over micro-batches
-        and data-parallel ranks, the same on every rank. `poison` (test hook): the first micro-batch's loss NaN."""
+        and data-parallel ranks, the same on every rank."""
         raise NotImplementedError
 
     def eval_loss(self, batches, *, count: int) -> float:
@@ -147,15 +147,13 @@ class PlainEngine(Engine):
         inputs, labels = (local_slice(t, start=start, stop=stop).to(self.device) for t in (inputs, labels))
         return loss_share(self.engine(inputs, labels), sp=sp)
 
-    def train_step(self, batches, *, poison: bool = False) -> float:
+    def train_step(self, batches) -> float:
         import torch
 
         engine, total = self.engine, torch.zeros((), device=self.device)
-        for micro in range(self.run.plan.grad_accum):
+        for _ in range(self.run.plan.grad_accum):
             inputs, labels = next(batches)
             loss = self.micro_loss(inputs, labels)
-            if poison and micro == 0:
-                loss = loss * float("nan")
             engine.backward(loss)
             engine.step()
             total += loss.detach().float()
@@ -188,7 +186,7 @@ class PipelineEngine(Engine):
     def reads_data(self) -> bool:
         return self.engine.is_first_stage() or self.engine.is_last_stage()
 
-    def train_step(self, batches, *, poison: bool = False) -> float:
+    def train_step(self, batches) -> float:
         return float(self.engine.train_batch(data_iter=batches if self.reads_data else None))
 
     def eval_loss(self, batches, *, count: int) -> float:

@@ -1,9 +1,48 @@
 """The rank entry point DeepSpeed's launcher starts (from any directory, the package installed or not):
 
     deepspeed --num_gpus N --module dspipe.runtime.entry --run runs/NAME [--resume auto|TAG|PATH | --restart]
+
+The hidden `--test-faults JSON` option is the tests' only way to inject failures (dspipe.runtime.faults).
 """
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from dspipe.errors import RunHalted, SpecError
+from dspipe.rundir import load_run
 from dspipe.runtime.comm import exit_rank
-from dspipe.runtime.loop import main
+from dspipe.runtime.faults import NO_FAULTS, Faults
+from dspipe.runtime.loop import train
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Train a GPT from a dspipe run directory (start it with deepspeed).")
+    parser.add_argument("--run", required=True, help="run directory written by 'dspipe gen-config'")
+    parser.add_argument("--resume", default=None, metavar="auto|TAG|PATH",
+                        help="continue from the newest complete checkpoint (auto, the default: a run without one "
+                             "starts fresh), a tag under checkpoints/ or a path")
+    parser.add_argument("--restart", action="store_true",
+                        help="start from step 0; the previous checkpoints/, metrics, engine.json and monitor/ are "
+                             "moved into runs/NAME/previous/<UTC timestamp>/ (nothing is deleted)")
+    parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
+    parser.add_argument("--test-faults", default=None, help=argparse.SUPPRESS)  # tests only: dspipe.runtime.faults
+    args = parser.parse_args(argv)
+    if not os.environ.get("DSPIPE_VERBOSE"):
+        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    try:
+        if args.restart and args.resume is not None:
+            raise SpecError(f"--restart (start over from step 0) and --resume {args.resume} (continue a checkpoint) "
+                            f"contradict each other: pass one of them")
+        faults = Faults.from_json(args.test_faults) if args.test_faults is not None else NO_FAULTS
+        train(load_run(args.run), resume=args.resume or "auto", restart=args.restart, faults=faults)
+    except (SpecError, RunHalted) as e:
+        if os.environ.get("RANK", "0") == "0":  # every rank hits the same error: say it once
+            print(f"dspipe: error: {e}", file=sys.stderr)
+        return e.exit_code
+    return 0
 
 
 def run_rank() -> None:

@@ -9,10 +9,7 @@ off the engine, the same way for every configuration, and `Health` decides when 
 from __future__ import annotations
 
 import math
-import os
 from collections import deque
-
-TEST_NAN_AT_STEPS = "DSPIPE_TEST_NAN_AT_STEPS"  # test-only: comma-separated steps whose loss is made NaN
 
 
 def guard_base_optimizer(engine) -> bool:
@@ -89,20 +86,3 @@ class Health:
                         f"of the last {len(self.recent)} steps")
         self.recent.append(loss)
         return line
-
-
-def nan_test_steps() -> set[int]:
-    """Steps the test hook poisons (empty unless DSPIPE_TEST_NAN_AT_STEPS is set)."""
-    value = os.environ.get(TEST_NAN_AT_STEPS, "")
-    return {int(s) for s in value.split(",") if s.strip()}
-
-
-class PoisonedLoss:
-    """Test hook for pipelines: wraps the PipelineModule's loss_fn; while `on`, the loss is NaN."""
-
-    def __init__(self, loss_fn):
-        self.loss_fn, self.on = loss_fn, False
-
-    def __call__(self, outputs, labels):
-        loss = self.loss_fn(outputs, labels)
-        return loss * float("nan") if self.on else loss

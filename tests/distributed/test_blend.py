@@ -50,7 +50,7 @@ def test_a_blend_resumes_exactly_after_kill_and_validates_per_source(tmp_path, c
     assert "| stdlib " in r.stdout and "| small " in r.stdout  # the validation line names each source
 
     run = make_run(tmp_path, blend, *flags, steps=STEPS, name="run")
-    r = launch(run, env={ckpt.TEST_KILL_AT_STEP: "5"})
+    r = launch(run, "--test-faults", '{"kill_at_step": 5}')
     assert r.returncode != 0  # killed after step 5, checkpoint at 3
     assert (run / "checkpoints" / "latest").read_text() == "global_step3"
     r = launch(run)

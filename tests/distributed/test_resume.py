@@ -51,7 +51,7 @@ def test_kill_and_resume_reproduces_the_uninterrupted_run(tmp_path, corpus, name
     assert (ref / "checkpoints" / "latest").read_text() == "global_step8"
 
     run = fp32_run(tmp_path, corpus, "run", *EXACT[name])
-    r = launch(run, env={ckpt.TEST_KILL_AT_STEP: "5"})
+    r = launch(run, "--test-faults", '{"kill_at_step": 5}')
     assert r.returncode != 0  # killed with SIGKILL after step 5, checkpoint at 3
     assert [s for s, *_ in rows(run)][-1] in ("4", "5")
     assert (run / "checkpoints" / "latest").read_text() == "global_step3"
@@ -65,7 +65,7 @@ def test_kill_and_resume_reproduces_the_uninterrupted_run(tmp_path, corpus, name
 @pytest.mark.distributed
 def test_crash_inside_a_save_keeps_the_previous_checkpoint(tmp_path, corpus):
     run = fp32_run(tmp_path, corpus, "run", "--zero", "1")
-    r = launch(run, env={ckpt.TEST_KILL_IN_SAVE: "6"})  # killed after DeepSpeed wrote step 6, before `latest`
+    r = launch(run, "--test-faults", '{"kill_in_save": 6}')  # killed after DeepSpeed wrote step 6, before `latest`
     assert r.returncode != 0
     ckpts = run / "checkpoints"
     assert (ckpts / "latest").read_text() == "global_step3" and ckpt.is_complete(ckpts / "global_step3")
@@ -145,7 +145,7 @@ def test_disk_full_during_a_save_keeps_the_previous_checkpoint(tmp_path, corpus)
     checkpoint the hook run wrote (1.5 of it), so step 3 fits and step 6 runs out inside DeepSpeed's torch.save
     of the model/optimizer files on every rank."""
     hooked = fp32_run(tmp_path, corpus, "hooked", "--zero", "1", steps=6)
-    r = launch(hooked, env={ckpt.TEST_FAIL_WRITE: "6", ckpt.TEST_FAIL_WRITE_RANK: "1"})
+    r = launch(hooked, "--test-faults", '{"fail_write_at": 6, "fail_write_rank": 1}')
     check_disk_full_outcome(r, hooked, hooked / "checkpoints")
 
     size = disk_bytes(hooked / "checkpoints" / "global_step3")
@@ -271,7 +271,7 @@ def test_bf16_zero0_kill9_default_resume_restart_and_extend(tmp_path, corpus):
     ref = make_run(tmp_path, corpus, *flags, steps=6, name="ref")
     ok(launch(ref))
     run = make_run(tmp_path, corpus, *flags, steps=6, name="run")
-    r = launch(run, env={ckpt.TEST_KILL_AT_STEP: "5"})
+    r = launch(run, "--test-faults", '{"kill_at_step": 5}')
     assert r.returncode != 0 and (run / "checkpoints" / "latest").read_text() == "global_step3"
     with open(run / "metrics.csv", "a") as f:
         f.write("6,8.0")  # a row cut short by the kill

@@ -6,7 +6,6 @@ import math
 import pytest
 
 from dspipe.runtime import checkpoint as ckpt
-from dspipe.runtime.stability import TEST_NAN_AT_STEPS
 from tests.helpers import launch, make_run
 
 pytestmark = pytest.mark.distributed
@@ -21,7 +20,7 @@ def rows(run_dir):
                          ids=["fp32-zero0-guard", "bf16-pp2-deepspeed"])
 def test_non_finite_steps_are_skipped_then_k_in_a_row_save_and_stop(tmp_path, corpus, flags):
     run = make_run(tmp_path, corpus, *flags, "--max-skipped-steps", "3", "--eval-interval", "0", steps=10)
-    r = launch(run, env={TEST_NAN_AT_STEPS: "3,5,6,7"})
+    r = launch(run, "--test-faults", '{"nan_at_steps": [3, 5, 6, 7]}')
     assert r.returncode == 3, r.stdout[-3000:] + r.stderr[-3000:]
     errors = [line for line in r.stderr.splitlines() if "dspipe: error:" in line]
     assert errors == [f"dspipe: error: 3 consecutive steps skipped (non-finite loss or gradient norm), the last at "

@@ -209,7 +209,7 @@ def test_restart_moves_every_output_and_deletes_nothing(tmp_path):
 
 
 def test_restart_and_resume_together_are_one_line_error(capsys):
-    from dspipe.runtime.loop import main
+    from dspipe.runtime.entry import main
 
     assert main(["--run", "runs/none", "--restart", "--resume", "auto"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

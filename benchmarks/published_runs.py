@@ -22,7 +22,7 @@ from dspipe.planner.throughput import model_flops_per_token  # noqa: E402
 
 DOC = ROOT / "docs" / "published-runs.md"
 BAND = (0.67, 1.5)
-"""Planner / published tokens/s per GPU every run must lie in (tests/unit/test_published_runs.py)."""
+"""Planner / published tokens/s per GPU every run must lie in (tests/unit/planner/test_published_runs.py)."""
 
 FOUNDRY = ("MosaicML llm-foundry, scripts/train/benchmarking/README.md, table '{table}', row {row} "
            "(FSDP FULL_SHARD, bf16, flash attention)")

@@ -42,7 +42,7 @@ from dspipe.spec.options import SETTINGS, TABLE
 SECTIONS: dict[str, tuple[str, ...]] = {section: tuple(s.key for s in body) for section, body in TABLE.items()}
 """Section -> the options it holds, by file key (the flag's long name with '_' for '-'), generated from the option
 table (dspipe.spec.options.TABLE: the settings declared on the spec fields, and its EXTRAS). Each option of
-CONFIG_COMMANDS is in exactly one section or in COMMAND_LINE_ONLY (tests/unit/test_config_file.py checks)."""
+CONFIG_COMMANDS is in exactly one section or in COMMAND_LINE_ONLY (tests/unit/cli/test_config_file.py checks)."""
 
 COMMAND_LINE_ONLY = {
     "config": "the file itself",

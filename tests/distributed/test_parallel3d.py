@@ -100,7 +100,7 @@ def test_wandb_and_comet_offline_runs_hold_every_step(runs):
 
     if not _monitors_installed():
         pytest.skip("wandb / comet_ml not installed: the monitor block is checked through DeepSpeed's config class "
-                    "in tests/unit/test_parallel_layout_rules.py")
+                    "in tests/unit/planner/test_parallel_layout_rules.py")
     tmp = runs["tp1"].parent
     ds = json.loads((runs["tp1"] / "ds_config.json").read_text())
     assert ds["wandb"]["enabled"] and ds["comet"]["enabled"] and ds["comet"]["online"] is False

@@ -35,7 +35,7 @@ def _estimate(model=SMALL, nodes=1, gpus=8, gpu="h100-80g", gbs=256, mb=4, preci
 BIG_HOST = 3072
 """GiB of host RAM per node for the 175B tp cases: AutoTP builds the whole bf16 model on the host of every rank
 (dspipe.planner.startup's `host` mode, 8 x 330 GiB = 2,639 GiB per node), more than a DGX A100's 2 TiB, where the
-planner now chooses a pipeline instead (tests/unit/test_startup_plan.py)."""
+planner now chooses a pipeline instead (tests/unit/planner/test_startup_plan.py)."""
 
 
 @pytest.fixture(scope="module")

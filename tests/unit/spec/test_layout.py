@@ -63,7 +63,7 @@ def test_no_other_code_divides_the_world():
     import re
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[2] / "dspipe"
+    root = Path(__file__).resolve().parents[3] / "dspipe"
     pattern = re.compile(r"\bworld(_size)?\s*//|//\s*\(?\s*(pp|plan\.pp|tp|sp)\b")
     offenders = [f"{p.relative_to(root)}:{i}: {line.strip()}" for p in root.rglob("*.py") if p.name != "layout.py"
                  for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]

@@ -7,7 +7,7 @@ from tests.helpers import run_cli
 GPT3 = ["plan", "--model", "gpt3-175b", "--gpu", "a100-80g", "--nodes", "128", "--gpus-per-node", "8",
         "--global-batch", "1536", "--tokens", "1.5T", "--host-memory-gib", "3072"]
 """On nodes with the 2,639 GiB host RAM the tp 8 plan's AutoTP start-up needs (a DGX A100's 2 TiB plans a pipeline:
-tests/unit/test_startup_plan.py)."""
+tests/unit/planner/test_startup_plan.py)."""
 
 
 def test_plan_text_shows_budget_as_given_top_table_and_reasons(capsys):

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 _spec = importlib.util.spec_from_file_location("published_runs", ROOT / "benchmarks" / "published_runs.py")
 published_runs = importlib.util.module_from_spec(_spec)
 sys.modules["published_runs"] = published_runs  # dataclasses look their module up while the file executes

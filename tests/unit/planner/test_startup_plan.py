@@ -244,7 +244,7 @@ def test_init_from_reads_the_checkpoint_instead_of_drawing(tmp_path, capsys):
     pytest.importorskip("transformers")
     from dspipe.model.hf import spec_from_hf_dir
     from dspipe.model.hf_weights import check_weights
-    from tests.unit.test_hf_arch import llama_model
+    from tests.unit.model.test_hf import llama_model
 
     d = tmp_path / "hf"
     llama_model(kv_heads=2).save_pretrained(d)

@@ -6,22 +6,34 @@ import json
 import platform
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
+from importlib import metadata
 
 from dspipe.cluster.allreduce import MARKER
 from dspipe.errors import SpecError
 from dspipe.cluster.hostfile import Host
 from dspipe.cluster.launch import Launch
+from dspipe.spec.hardware import GIB
 
 OPS = ("fused_adam", "cpu_adam", "async_io")  # FusedAdam (GPU), CPUAdam (ZeRO-Offload), AIO (NVMe offload)
 
 
 def versions() -> str:
-    import deepspeed
+    """python, torch and deepspeed as installed, read from the package metadata (imports neither): the line doctor
+    prints and bench and calibrate record."""
+    def version(name):
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+    return f"python {platform.python_version()}, torch {version('torch')}, deepspeed {version('deepspeed')}"
+
+
+def cuda_versions() -> str:
+    """CUDA and NCCL as torch sees them ("none" without CUDA)."""
     import torch
     cuda = torch.version.cuda or "none"
     nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else "none"
-    return (f"python {platform.python_version()} | torch {torch.__version__} | deepspeed {deepspeed.__version__} | "
-            f"CUDA {cuda} | NCCL {nccl}")
+    return f"CUDA {cuda}, NCCL {nccl}"
 
 
 def devices() -> list[str]:
@@ -33,7 +45,7 @@ def devices() -> list[str]:
     out = []
     for i in range(torch.cuda.device_count()):
         p = torch.cuda.get_device_properties(i)
-        out.append(f"GPU {i}: {p.name}, {p.total_memory / 2**30:.1f} GiB, compute {p.major}.{p.minor}")
+        out.append(f"GPU {i}: {p.name}, {p.total_memory / GIB:.1f} GiB, compute {p.major}.{p.minor}")
     return out
 
 

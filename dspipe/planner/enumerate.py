@@ -11,8 +11,8 @@ from dspipe.planner.estimate import Estimate, estimate, throughput
 from dspipe.planner.plan import Plan, RuleError, make_plan
 from dspipe.spec.core import ClusterSpec, ModelSpec, StrategyRequest, StrategySpec, TrainSpec
 from dspipe.spec.layout import ParallelLayout
+from dspipe.spec.settings import AUTO
 
-AUTO = "auto"
 AUTO_CHECKPOINTING = ("none", "full")
 """Recomputation the search chooses from. Not selective: with SDPA's fused kernels the attention core it recomputes
 keeps no s x s scores, so it saves only the kernel's log-sum-exp (estimate.activation_bytes_per_layer) and costs a

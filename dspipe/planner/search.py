@@ -6,11 +6,12 @@ import math
 from dataclasses import dataclass, replace
 
 from dspipe.errors import SpecError
-from dspipe.planner.enumerate import AUTO, Candidate, enumerate_candidates, rule_of
+from dspipe.planner.enumerate import Candidate, enumerate_candidates, rule_of
 from dspipe.planner.estimate import GIB, MEMORY_HEADROOM
 from dspipe.planner.explain import over, rejected, shortfall_text
 from dspipe.planner.rank import rank
 from dspipe.spec.core import ClusterSpec, ModelSpec, StrategyRequest, TrainSpec
+from dspipe.spec.settings import AUTO
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from dspipe.spec.presets import MODEL_PRESETS, model_preset
 from dspipe.planner.ds_preset import AUTO_OPTIONS, PresetImport, account
 from dspipe.planner.render import import_ds_preset, render_ds_config
 from dspipe.planner.search import SearchResult
-from dspipe.planner.estimate import MEMORY_HEADROOM
+from dspipe.planner.memory import MEMORY_HEADROOM
 from dspipe.spec.core import LIMITS, SPEC_SETTINGS, ClusterSpec, ModelSpec, StrategyRequest, TrainSpec, token_count
 from dspipe.spec.options import BY_COMMAND, MONITOR, SETTINGS, TABLE
 from dspipe.spec.settings import AUTO, Setting

@@ -17,23 +17,24 @@ from dspipe.spec.hardware import GIB
 OPS = ("fused_adam", "cpu_adam", "async_io")  # FusedAdam (GPU), CPUAdam (ZeRO-Offload), AIO (NVMe offload)
 
 
-def versions() -> str:
-    """python, torch and deepspeed as installed, read from the package metadata (imports neither): the line doctor
-    prints and bench and calibrate record."""
+def versions(*, sep: str = ", ") -> str:
+    """python, torch and deepspeed as installed, read from the package metadata (imports neither): what bench and
+    calibrate record, and the start of doctor's environment line."""
     def version(name):
         try:
             return metadata.version(name)
         except metadata.PackageNotFoundError:
             return "not installed"
-    return f"python {platform.python_version()}, torch {version('torch')}, deepspeed {version('deepspeed')}"
+    return sep.join((f"python {platform.python_version()}", f"torch {version('torch')}",
+                     f"deepspeed {version('deepspeed')}"))
 
 
-def cuda_versions() -> str:
-    """CUDA and NCCL as torch sees them ("none" without CUDA)."""
+def environment() -> str:
+    """doctor's first line: the versions, then CUDA and NCCL as torch sees them ("none" without CUDA)."""
     import torch
     cuda = torch.version.cuda or "none"
     nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else "none"
-    return f"CUDA {cuda}, NCCL {nccl}"
+    return f"{versions(sep=' | ')} | CUDA {cuda} | NCCL {nccl}"
 
 
 def devices() -> list[str]:

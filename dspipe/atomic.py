@@ -30,10 +30,10 @@ def replace_dir(tmp: Path, out: Path) -> None:
 @contextlib.contextmanager
 def staged_dir(out: Path, *, tag: str = "",
                errors: Callable[[], ContextManager] = contextlib.nullcontext) -> Iterator[Path]:
-    """Yield a new temp directory (mode 0o755, named `.{out's name}.{tag}...`, beside `out`) for the block to fill; when the block
-    ends, put it in place with replace_dir. If the block or the replace fails, the temp directory is removed and `out`
-    is as it was. `errors` wraps the filesystem steps of its own (making the directory, putting it in place), not the
-    block: e.g. outputs.write_errors for `out`."""
+    """Yield a new temp directory (mode 0o755, named `.{out's name}.{tag}...`, beside `out`) for the block to fill;
+    when the block ends, put it in place with replace_dir. If the block or the replace fails, the temp directory is
+    removed and `out` is as it was. `errors` wraps the filesystem steps of its own (making the directory, putting it
+    in place), not the block: e.g. outputs.write_errors for `out`."""
     dest = Path(os.path.abspath(out))
     with errors():
         tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.{tag}", dir=dest.parent))

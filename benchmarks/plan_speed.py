@@ -14,10 +14,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dspipe.planner import estimate as estimate_module  # noqa: E402
 from dspipe.spec.presets import MODEL_PRESETS, model_preset  # noqa: E402
 from dspipe.planner.enumerate import sp_choices, tp_choices  # noqa: E402
 from dspipe.planner.search import search  # noqa: E402
+from dspipe.planner.stages import stage_params  # noqa: E402
 from dspipe.spec.core import ClusterSpec, TrainSpec, StrategyRequest  # noqa: E402
 
 CASES = (
@@ -37,7 +37,7 @@ def main() -> None:
         train = TrainSpec(global_batch=gbs, micro_batch=1, steps=1000, warmup_steps=10)
         times = []
         for _ in range(args.repeat):
-            estimate_module._stage_params.cache_clear()
+            stage_params.cache_clear()
             start = time.perf_counter()
             result = search(model=model, cluster=cluster, train=train, request=StrategyRequest())
             times.append(time.perf_counter() - start)

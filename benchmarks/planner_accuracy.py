@@ -19,7 +19,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from dspipe.planner.estimate import estimate, zero3_gathered_bound  # noqa: E402
+from dspipe.planner.cost import estimate  # noqa: E402
+from dspipe.planner.memory import zero3_gathered_bound  # noqa: E402
 from dspipe.rundir import load_run  # noqa: E402
 from benchmarks.census.tensors import CATEGORIES  # noqa: E402
 
@@ -100,7 +101,7 @@ def predicted(run_dir: Path) -> dict:
 
 
 def gathered_allowed(run_dir: Path) -> int:
-    """ZeRO-3 gathered parameter bytes the rendered knobs allow at most (estimate.zero3_gathered_bound); 0 below
+    """ZeRO-3 gathered parameter bytes the rendered knobs allow at most (memory.zero3_gathered_bound); 0 below
     ZeRO-3."""
     run = load_run(run_dir)
     b = 2 if run.plan.precision in ("bf16", "fp16") else 4

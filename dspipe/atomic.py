@@ -1,10 +1,12 @@
 """Put fully written outputs into place: readers see the old directory/file or the new one, never half of one."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Callable, ContextManager, Iterator
 
 
 def replace_dir(tmp: Path, out: Path) -> None:
@@ -23,6 +25,27 @@ def replace_dir(tmp: Path, out: Path) -> None:
         os.rename(old, out)
         raise
     shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def staged_dir(out: Path, *, tag: str = "",
+               errors: Callable[[], ContextManager] = contextlib.nullcontext) -> Iterator[Path]:
+    """Yield a new temp directory (mode 0o755, named `.{out's name}.{tag}...`, beside `out`) for the block to fill;
+    when the block ends, put it in place with replace_dir. If the block or the replace fails, the temp directory is
+    removed and `out` is as it was. `errors` wraps the filesystem steps of its own (making the directory, putting it
+    in place), not the block: e.g. outputs.write_errors for `out`."""
+    dest = Path(os.path.abspath(out))
+    with errors():
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.{tag}", dir=dest.parent))
+    try:
+        with errors():
+            tmp.chmod(0o755)
+        yield tmp
+        with errors():
+            replace_dir(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def write_file(out: Path, data: str | bytes, *, mode: int = 0o644) -> None:

@@ -4,14 +4,11 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import json
-import os
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from dspipe import outputs
-from dspipe.atomic import replace_dir, write_file
+from dspipe.atomic import staged_dir, write_file
 from dspipe.errors import SpecError
 from dspipe.jsonio import read_object, show
 from dspipe.planner.plan import Plan, check_plan
@@ -101,17 +98,9 @@ def write_run(out: Path, *, model: ModelSpec, cluster: ClusterSpec, train: Train
             for name, text in texts.items():  # in order: dspipe.json (what readers open first) last
                 write_file(out / name, text)
         return
-    dest = Path(os.path.abspath(out))
-    with outputs.writing(out):
-        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
-        tmp.chmod(0o755)
-        try:
-            for name, text in texts.items():
-                (tmp / name).write_text(text)
-            replace_dir(tmp, dest)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+    with outputs.writing(out), staged_dir(out) as tmp:
+        for name, text in texts.items():
+            (tmp / name).write_text(text)
 
 
 def cluster_dict(cluster: ClusterSpec) -> dict:

@@ -1,6 +1,7 @@
 """The one module of helpers shared by the tests (unit and distributed): paths, the CLI, DeepSpeed launches, run
 directories. Test modules import from here (`from tests.helpers import ...`), never from each other; fixtures live in
 tests/conftest.py."""
+import csv
 import os
 import shutil
 import socket
@@ -9,6 +10,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}  # transformers reads only local files
 
 
 def free_port() -> int:
@@ -17,8 +19,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def dspipe(*args, cwd=ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dspipe", *map(str, args)], cwd=cwd, capture_output=True, text=True)
+def dspipe(*args, cwd=ROOT, env=None) -> subprocess.CompletedProcess:
+    """`dspipe ARGS` in a subprocess; `env` adds to this process's environment."""
+    return subprocess.run([sys.executable, "-m", "dspipe", *map(str, args)], cwd=cwd, capture_output=True, text=True,
+                          env={**os.environ, **(env or {})})
+
+
+def dspipe_offline(*args) -> subprocess.CompletedProcess:
+    return dspipe(*args, env=OFFLINE)
 
 
 def error_lines(r):
@@ -32,6 +40,34 @@ def launch(run_dir, *extra, env=None, num_gpus=2, port=None):
     port = port or free_port()
     cmd = [*launcher, "--num_gpus", str(num_gpus), "--master_port", str(port), "run.py", "--run", str(run_dir), *extra]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env={**os.environ, **(env or {})})
+
+
+def ok(r):
+    """A launch exited 0; else the assertion shows the tails of its output."""
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+
+
+def csv_rows(path) -> list:
+    """The rows of a CSV file a run writes (metrics.csv, val_metrics.csv), as dicts of the strings written."""
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def metrics(run_dir, *columns) -> list:
+    """metrics.csv's `columns` as floats, one entry a logged step: the value for one column, a tuple for several."""
+    rows = [tuple(float(r[c]) for c in columns) for r in csv_rows(Path(run_dir) / "metrics.csv")]
+    return [row[0] for row in rows] if len(columns) == 1 else rows
+
+
+def written_metrics(run_dir) -> list:
+    """(step, loss, lr, grad_norm) per step of metrics.csv as written (full precision): for bitwise comparisons."""
+    return [(r["step"], r["loss"], r["lr"], r["grad_norm"]) for r in csv_rows(Path(run_dir) / "metrics.csv")]
+
+
+def max_diff(a: dict, b: dict) -> float:
+    """The largest absolute difference between two state dicts of tensors with the same keys."""
+    assert sorted(a) == sorted(b)
+    return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
 def make_run(tmp_path, corpus, *flags, steps=20, name="run"):

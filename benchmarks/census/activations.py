@@ -244,7 +244,7 @@ class Comparison:
     blocks: int
     """Transformer blocks on the stage (DeepSpeed's partition)."""
     predicted_block: int
-    """dspipe.planner.estimate.activation_bytes_per_layer."""
+    """dspipe.planner.memory.activation_bytes_per_layer."""
     measured_block: float
     """Mean census bytes per block."""
     predicted_head: int
@@ -260,7 +260,8 @@ class Comparison:
 def compare(*, model, micro_batch: int, checkpointing: str, precision: str, pp: int = 1, stage: int = 0,
             partition_method: str = "parameters") -> Comparison:
     """Census of the real model (or pipeline stage) and the planner's figures for it, with PyTorch's CPU kernels."""
-    from dspipe.planner import estimate as est
+    from dspipe.planner.memory import activation_bytes_per_layer, logits_bytes, micro_batch_activations
+    from dspipe.planner.stages import stage_blocks, stage_bounds
 
     act_bytes = 4 if precision == "fp32" else 2
     if pp == 1:
@@ -269,23 +270,22 @@ def compare(*, model, micro_batch: int, checkpointing: str, precision: str, pp: 
         census, bounds = census_stage(model=model, pp=pp, stage=stage, micro_batch=micro_batch,
                                       checkpointing=checkpointing, precision=precision,
                                       partition_method=partition_method)
-        if tuple(bounds) != est._stage_bounds(model, pp, partition_method):
+        if tuple(bounds) != stage_bounds(model, pp, partition_method):
             raise RuntimeError(f"DeepSpeed's stage bounds {bounds} differ from the planner's "
-                               f"{list(est._stage_bounds(model, pp, partition_method))}")
-    blocks = est.stage_blocks(model=model, pp=pp, partition_method=partition_method)[stage]
+                               f"{list(stage_bounds(model, pp, partition_method))}")
+    blocks = stage_blocks(model=model, pp=pp, partition_method=partition_method)[stage]
     if blocks != len(census.blocks):
         raise RuntimeError(f"stage {stage}: planner counts {blocks} blocks, the module holds {len(census.blocks)}")
     last = stage == pp - 1
-    held, working = est.micro_batch_activations(model=model, micro_batch=micro_batch, checkpointing=checkpointing,
-                                                act_bytes=act_bytes, blocks=blocks, first=stage == 0, last=last,
-                                                kernels="cpu")
+    held, working = micro_batch_activations(model=model, micro_batch=micro_batch, checkpointing=checkpointing,
+                                            act_bytes=act_bytes, blocks=blocks, first=stage == 0, last=last,
+                                            kernels="cpu")
     where = f", stage {stage}/{pp} ({blocks} blocks)" if pp > 1 else ""
     return Comparison(
         label=f"{model.name} L{model.layers} h{model.hidden}, {precision}, {checkpointing}{where}", blocks=blocks,
-        predicted_block=est.activation_bytes_per_layer(model=model, micro_batch=micro_batch,
-                                                       checkpointing=checkpointing, act_bytes=act_bytes,
-                                                       kernels="cpu"),
+        predicted_block=activation_bytes_per_layer(model=model, micro_batch=micro_batch, checkpointing=checkpointing,
+                                                   act_bytes=act_bytes, kernels="cpu"),
         measured_block=sum(census.blocks) / max(1, blocks),
-        predicted_head=est.logits_bytes(model=model, micro_batch=micro_batch, act_bytes=act_bytes,
-                                        kernels="cpu") if last else 0,
+        predicted_head=logits_bytes(model=model, micro_batch=micro_batch, act_bytes=act_bytes,
+                                    kernels="cpu") if last else 0,
         measured_head=census.head, predicted_peak=held + working, measured_peak=census.peak)

@@ -23,6 +23,7 @@ from dspipe.errors import SpecError
 from dspipe.spec.presets import MODEL_PRESETS
 from dspipe.planner.render import monitor_values, preset_names
 from dspipe.spec.core import ClusterSpec, ModelSpec
+from dspipe.spec.hardware import GIB
 from dspipe.planner.summary import estimate_summary, startup_lines
 
 
@@ -92,7 +93,7 @@ def gen_config(**o) -> None:
     if train.tokens is not None:
         click.echo(token_budget_line(train, seq_len=model.seq_len))
     est = best.est
-    click.echo(f"estimate: {est.memory.total / 2**30:.1f} of {est.gpu_memory_bytes / 2**30:.1f} GiB per GPU, "
+    click.echo(f"estimate: {est.memory.total / GIB:.1f} of {est.gpu_memory_bytes / GIB:.1f} GiB per GPU, "
                f"{est.step_time_s:.3g} s/step, {best.tokens_per_s:,.0f} tokens/s, MFU {best.mfu * 100:.0f}% "
                f"(chosen from {result.evaluated} candidates; 'dspipe plan' explains)")
     for line in startup_lines(est):

@@ -63,6 +63,7 @@ def _devices(o: dict) -> tuple[str, int]:
 
 def bench_command(o: dict, *, command: str) -> dict:
     """Plan as gen-config does, write the run dir in a temp directory, launch the side(s), report."""
+    from dspipe.cluster.doctor import versions
     from dspipe.tools import bench
     from dspipe.spec.hardware import match_device
     from dspipe.planner.throughput import model_flops_per_token
@@ -109,9 +110,9 @@ def bench_command(o: dict, *, command: str) -> dict:
     threads = sides["dspipe"]["threads"]  # as the ranks saw it
     setup += (f" | engine {engine['wrapper_optimizer']} + {engine['base_optimizer']}, {engine['backend']}"
               f" | {threads} torch thread(s) per rank")
-    say(bench.format_table(sides, header=f"device: {device} | {bench.versions()}"))
+    say(bench.format_table(sides, header=f"device: {device} | {versions()}"))
     if o["append"]:
-        section = bench.markdown_section(sides, date=bench.today(), device=device, versions=bench.versions(),
+        section = bench.markdown_section(sides, date=bench.today(), device=device, versions=versions(),
                                          command=command, setup=setup)
         bench.append_section(Path(o["append"]), section)
         say(f"appended to {o['append']}")

@@ -38,6 +38,7 @@ import yaml
 
 from dspipe.errors import SpecError
 from dspipe.spec.options import SETTINGS, TABLE
+from dspipe.spec.settings import AUTO
 
 SECTIONS: dict[str, tuple[str, ...]] = {section: tuple(s.key for s in body) for section, body in TABLE.items()}
 """Section -> the options it holds, by file key (the flag's long name with '_' for '-'), generated from the option
@@ -278,15 +279,15 @@ def convert(param: click.Parameter, value, ctx: click.Context | None):
     if k == "bool":
         if isinstance(value, bool):
             return value
-        if value == "auto" and _nullable(param):
+        if value == AUTO and _nullable(param):
             return None
         fail()
     if isinstance(value, bool):
         fail()
-    ok = {"int": _int(value), "auto_int": _int(value) or value == "auto",
+    ok = {"int": _int(value), "auto_int": _int(value) or value == AUTO,
           "float": isinstance(value, (int, float)), "tokens": True, "str": isinstance(value, str),
           "choice": isinstance(value, str),
-          "auto_choice": (str(value) if _int(value) else value) in ("auto", *getattr(param.type, "choices", ()))}
+          "auto_choice": (str(value) if _int(value) else value) in (AUTO, *getattr(param.type, "choices", ()))}
     if not ok[k]:
         fail()
     return param.type.convert(str(value) if k == "auto_choice" else value, None, ctx)
@@ -295,7 +296,7 @@ def convert(param: click.Parameter, value, ctx: click.Context | None):
 def file_value(param: click.Parameter, value):
     """An option's resolved value as the file writes it: None -> auto for auto options, ZeRO stages as integers."""
     if value is None:
-        return "auto" if _auto(param) else None
+        return AUTO if _auto(param) else None
     if kind(param) == "auto_choice" and isinstance(value, str) and value.isdigit():
         return int(value)
     if isinstance(value, Path):

@@ -134,7 +134,7 @@ def doctor(gpu: str | None, size_mb: float, iters: int, skip_allreduce: bool, ti
 
     spec = _launch_spec(o)
     network = _network(o)
-    for line in (d.versions(), *d.devices(), *d.op_report()):
+    for line in (d.environment(), *d.devices(), *d.op_report()):
         click.echo(line)
     gpu = gpu or d.detect_gpu()
     if gpu is None:

@@ -23,12 +23,11 @@ from dspipe.spec.layout import ParallelLayout
 from dspipe.spec.presets import MODEL_PRESETS, model_preset
 from dspipe.planner.ds_preset import AUTO_OPTIONS, PresetImport, account
 from dspipe.planner.render import import_ds_preset, render_ds_config
-from dspipe.planner.enumerate import AUTO
 from dspipe.planner.search import SearchResult
-from dspipe.planner.estimate import MEMORY_HEADROOM
+from dspipe.planner.memory import MEMORY_HEADROOM
 from dspipe.spec.core import LIMITS, SPEC_SETTINGS, ClusterSpec, ModelSpec, StrategyRequest, TrainSpec, token_count
 from dspipe.spec.options import BY_COMMAND, MONITOR, SETTINGS, TABLE
-from dspipe.spec.settings import Setting
+from dspipe.spec.settings import AUTO, Setting
 
 DEFAULT_DATA = "data/stdlib"
 """Prepared token directory of gen-config --data and prepare-data --out."""
@@ -153,7 +152,7 @@ class AutoChoice(click.ParamType):
 
     def __init__(self, choices):
         self.choices = tuple(choices)
-        self.name = "|".join(("auto", *self.choices))
+        self.name = "|".join((AUTO, *self.choices))
 
     def convert(self, value, param, ctx):
         if value is None or value == AUTO:

@@ -6,22 +6,35 @@ import json
 import platform
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
+from importlib import metadata
 
 from dspipe.cluster.allreduce import MARKER
 from dspipe.errors import SpecError
 from dspipe.cluster.hostfile import Host
 from dspipe.cluster.launch import Launch
+from dspipe.spec.hardware import GIB
 
 OPS = ("fused_adam", "cpu_adam", "async_io")  # FusedAdam (GPU), CPUAdam (ZeRO-Offload), AIO (NVMe offload)
 
 
-def versions() -> str:
-    import deepspeed
+def versions(*, sep: str = ", ") -> str:
+    """python, torch and deepspeed as installed, read from the package metadata (imports neither): what bench and
+    calibrate record, and the start of doctor's environment line."""
+    def version(name):
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+    return sep.join((f"python {platform.python_version()}", f"torch {version('torch')}",
+                     f"deepspeed {version('deepspeed')}"))
+
+
+def environment() -> str:
+    """doctor's first line: the versions, then CUDA and NCCL as torch sees them ("none" without CUDA)."""
     import torch
     cuda = torch.version.cuda or "none"
     nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else "none"
-    return (f"python {platform.python_version()} | torch {torch.__version__} | deepspeed {deepspeed.__version__} | "
-            f"CUDA {cuda} | NCCL {nccl}")
+    return f"{versions(sep=' | ')} | CUDA {cuda} | NCCL {nccl}"
 
 
 def devices() -> list[str]:
@@ -33,7 +46,7 @@ def devices() -> list[str]:
     out = []
     for i in range(torch.cuda.device_count()):
         p = torch.cuda.get_device_properties(i)
-        out.append(f"GPU {i}: {p.name}, {p.total_memory / 2**30:.1f} GiB, compute {p.major}.{p.minor}")
+        out.append(f"GPU {i}: {p.name}, {p.total_memory / GIB:.1f} GiB, compute {p.major}.{p.minor}")
     return out
 
 

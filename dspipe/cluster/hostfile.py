@@ -1,7 +1,7 @@
 """MPI-style hostfiles (`host slots=N`) and DeepSpeed's --include/--exclude/--num_nodes/--num_gpus selection.
 
 Validated more strictly than DeepSpeed's runner parses them, so that anything accepted here is accepted there and
-resolves to the same hosts and slots (tests/test_hostfile.py checks this against DeepSpeed's own functions).
+resolves to the same hosts and slots (tests/unit/cluster/test_hostfile.py checks it against DeepSpeed's own functions).
 No torch.
 """
 from __future__ import annotations

@@ -15,7 +15,6 @@ import multiprocessing
 import os
 import shutil
 import sys
-import tempfile
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ from dspipe.data.shards import (FORMAT, FORMAT_VERSION, META_FILE, SPLITS, TOKEN
                                 read_meta, token_dtype, write_meta)
 from dspipe.data.sources import Inputs, documents, fingerprint
 from dspipe import outputs
-from dspipe.atomic import replace_dir
+from dspipe.atomic import staged_dir
 from dspipe.errors import SpecError
 
 DEFAULT_VOCAB = 4096
@@ -298,19 +297,16 @@ def prepare(*, inputs: Inputs, out: Path, tokenizer: str | None = None, train_to
     with outputs.parents(out):
         with outputs.write_errors(out):
             _remove_stale_temps(dest)
-            tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-{os.getpid()}-", dir=dest.parent))
-            tmp.chmod(0o755)
         try:
-            meta, encode_seconds = _build(tmp=tmp, workers=pool, inputs=inputs, fp=fp, tokenizer=tokenizer,
-                                          train_tokenizer=train_tokenizer, sample_bytes=tokenizer_sample_bytes,
-                                          val_fraction=val_fraction, max_bytes=max_bytes, shard_tokens=shard_tokens,
-                                          progress=progress, log=log)
-            with outputs.write_errors(out):
-                outputs.write_marker(tmp, kind="data")
-                replace_dir(tmp, dest)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+            # the temp's name carries the pid: _remove_stale_temps tells a dead run's temp from a live one's
+            with staged_dir(dest, tag=f"tmp-{os.getpid()}-",
+                            errors=lambda: outputs.write_errors(out)) as tmp:
+                meta, encode_seconds = _build(tmp=tmp, workers=pool, inputs=inputs, fp=fp, tokenizer=tokenizer,
+                                              train_tokenizer=train_tokenizer, sample_bytes=tokenizer_sample_bytes,
+                                              val_fraction=val_fraction, max_bytes=max_bytes,
+                                              shard_tokens=shard_tokens, progress=progress, log=log)
+                with outputs.write_errors(out):
+                    outputs.write_marker(tmp, kind="data")
         finally:
             pool.stop()
     return Prepared(meta=meta, reused=False, seconds=time.perf_counter() - start, encode_seconds=encode_seconds)

@@ -24,8 +24,8 @@ from dspipe.errors import SpecError
 from dspipe.jsonio import MISSING, dotted_get
 from dspipe.planner.ds_checks import choice, integer, number
 from dspipe.planner.ds_schema import PLANNER_AUTO, option, section
+from dspipe.spec.settings import AUTO
 
-AUTO = "auto"
 SCHEDULERS = ("WarmupCosineLR", "WarmupLR", "WarmupDecayLR")
 OPTIMIZERS = ("adam", "adamw")  # DeepSpeed lower-cases its own optimizer names; Adam is decoupled (adam_w_mode) too
 

@@ -7,15 +7,15 @@ import itertools
 from dataclasses import dataclass, field, fields, replace
 
 from dspipe.errors import SpecError
-from dspipe.planner.estimate import Estimate, estimate, throughput
+from dspipe.planner.cost import Estimate, estimate, throughput
 from dspipe.planner.plan import Plan, RuleError, make_plan
 from dspipe.spec.core import ClusterSpec, ModelSpec, StrategyRequest, StrategySpec, TrainSpec
 from dspipe.spec.layout import ParallelLayout
+from dspipe.spec.settings import AUTO
 
-AUTO = "auto"
 AUTO_CHECKPOINTING = ("none", "full")
 """Recomputation the search chooses from. Not selective: with SDPA's fused kernels the attention core it recomputes
-keeps no s x s scores, so it saves only the kernel's log-sum-exp (estimate.activation_bytes_per_layer) and costs a
+keeps no s x s scores, so it saves only the kernel's log-sum-exp (memory.activation_bytes_per_layer) and costs a
 recomputation; a pinned --checkpointing selective is still planned, with the memory it really uses."""
 MAX_MICRO_BATCH = 64
 LONG_CONTEXT = 16384

@@ -5,12 +5,14 @@ from __future__ import annotations
 from dataclasses import replace
 
 from dspipe.errors import SpecError
-from dspipe.planner.enumerate import AUTO, Candidate, Enumerated, divisors
-from dspipe.planner.estimate import GIB, Estimate
+from dspipe.planner.cost import Estimate
+from dspipe.planner.enumerate import Candidate, Enumerated, divisors
 from dspipe.planner.plan import check_rules
 from dspipe.planner.rank import TIE, tie_reason
 from dspipe.planner.startup import size_text
 from dspipe.spec.core import ClusterSpec, ModelSpec, StrategyRequest, StrategySpec, TrainSpec
+from dspipe.spec.hardware import GIB
+from dspipe.spec.settings import AUTO
 
 
 def rejected(*, found: Enumerated, best: Candidate | None, model: ModelSpec, cluster: ClusterSpec,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dspipe.planner.enumerate import Candidate
-from dspipe.planner.estimate import GIB
+from dspipe.spec.hardware import GIB
 
 TIE = 1.02
 """Plans within 2% of the fastest are ties, broken by the practitioners' order."""

@@ -112,8 +112,3 @@ def import_ds_preset(name_or_path: str) -> PresetImport:
     return import_preset(load_ds_preset(name_or_path), source=name_or_path)
 
 
-def strategy_from_ds_config(cfg: dict, *, source: str) -> dict:
-    """The strategy choices a DeepSpeed JSON encodes, as gen-config option values."""
-    options = import_preset(cfg, source=source).options
-    return {k: options[k] for k in ("zero", "offload", "offload_params", "nvme_path", "precision", "pp", "tp", "sp",
-                                    "checkpointing", "partition_method") if k in options}

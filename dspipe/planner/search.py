@@ -6,11 +6,13 @@ import math
 from dataclasses import dataclass, replace
 
 from dspipe.errors import SpecError
-from dspipe.planner.enumerate import AUTO, Candidate, enumerate_candidates, rule_of
-from dspipe.planner.estimate import GIB, MEMORY_HEADROOM
+from dspipe.planner.enumerate import Candidate, enumerate_candidates, rule_of
 from dspipe.planner.explain import over, rejected, shortfall_text
+from dspipe.planner.memory import MEMORY_HEADROOM
 from dspipe.planner.rank import rank
 from dspipe.spec.core import ClusterSpec, ModelSpec, StrategyRequest, TrainSpec
+from dspipe.spec.hardware import GIB
+from dspipe.spec.settings import AUTO
 
 
 @dataclass(frozen=True)
@@ -30,7 +32,7 @@ class SearchResult:
 def search(*, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, request: StrategyRequest,
            headroom: float | None = None, import_bytes: int | None = None) -> SearchResult:
     """The best strategy for `request` (each field a value, or None to let the search choose). A plan fits when its
-    peak is at most (1 - headroom) of the GPU's memory (default estimate.MEMORY_HEADROOM) and its start-up fits the
+    peak is at most (1 - headroom) of the GPU's memory (default memory.MEMORY_HEADROOM) and its start-up fits the
     node's host RAM (Estimate.fits). `import_bytes`: bytes of the --init-from checkpoint's tensors (the start-up
     reads them instead of drawing). Nothing valid: the refusal that got furthest through the rules."""
     headroom = MEMORY_HEADROOM if headroom is None else headroom

@@ -14,7 +14,7 @@ rank's start-up agree by construction:
     stage         pp > 1: each rank builds only its own pipeline stage (DeepSpeed's LayerSpec), fp32 on the host,
                   then PipelineModule moves it to the device.
 
-What each mode costs (startup_estimate, called by dspipe.planner.estimate for every candidate): host bytes per rank
+What each mode costs (startup_estimate, called by dspipe.planner.cost.estimate for every candidate): host bytes per rank
 while building, the build's device transient, and the seconds to the first step (the values a rank draws at
 DRAW_RATE, or with --init-from the node's distinct checkpoint bytes at DISK_GBPS; process start and
 deepspeed.initialize not counted). A plan fits only if ranks per node x max(the build's host bytes, the offload's host

@@ -1,10 +1,11 @@
 """Plan reports: the JSON object scripts rely on, and the human tables. No torch."""
 from __future__ import annotations
 
-from dspipe.planner.estimate import GIB, Estimate
+from dspipe.planner.cost import Estimate
 from dspipe.planner.enumerate import Candidate
 from dspipe.planner.search import SearchResult
 from dspipe.planner.startup import MODE_TEXT, size_text
+from dspipe.spec.hardware import GIB
 
 SECONDS_PER_DAY = 86400
 

@@ -235,14 +235,6 @@ def check_compatible(meta: dict, run, path: Path) -> None:
                         f"{meta['dp'] * meta['pp'] * meta.get('tp', 1) * meta.get('sp', 1)})")
 
 
-def trim_metrics(path: Path, step: int) -> None:
-    """Keep the header and one row per step <= `step` (rows after a resumed step are rewritten; torn lines go):
-    dspipe.runtime.metrics_log.repair_rows with the file's own header."""
-    from dspipe.runtime.metrics_log import repair_rows
-
-    repair_rows(Path(path), upto=step)
-
-
 class StopRequest:
     """Remembers SIGTERM/SIGINT; the loop finishes the current step, saves and exits 0."""
 

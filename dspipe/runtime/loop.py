@@ -20,9 +20,10 @@ from dspipe.runtime.comm import process_group
 from dspipe.runtime.engine import build_engine
 from dspipe.runtime.evaluate import evaluate_sets, val_columns, val_sets
 from dspipe.runtime.faults import NO_FAULTS, Faults
-from dspipe.runtime.metrics_log import GIB, RunLog
+from dspipe.runtime.metrics_log import RunLog
 from dspipe.runtime.stability import Health, guard_base_optimizer
 from dspipe.runtime.startup import StartupClock
+from dspipe.spec.hardware import GIB
 
 
 def device_peak_tflops(*, precision: str) -> tuple[str, float | None]:

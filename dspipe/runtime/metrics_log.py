@@ -22,7 +22,6 @@ from dspipe.planner.throughput import STEP_COLUMNS, VAL_COLUMNS
 from dspipe.rundir import VAL_FILE
 from dspipe.runtime.progress import Progress
 
-GIB = 2 ** 30
 SAMPLE_KEYED_PREFIX = "Train_Samples_"  # DeepSpeed's csv monitor files keyed by samples (written before dspipe 11)
 
 

@@ -51,10 +51,6 @@ def allowed_globals() -> list:
     return found
 
 
-def allowed_names() -> list[str]:
-    return [f"{module}.{name}" for module, name, _ in ALLOWED_GLOBALS]
-
-
 @contextlib.contextmanager
 def weights_only_loads():
     """Every torch.load inside the block is weights-only with ALLOWED_GLOBALS (torch honours FORCE_ENV even where the

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import MISSING, Field, dataclass, field, fields
 
+AUTO = "auto"
+"""The word that leaves a setting to the planner (an auto_* option, a preset's DeepSpeed key)."""
 KINDS = ("int", "float", "str", "choice", "auto_int", "auto_choice", "flag", "bool", "tokens")
 """What the flag takes: int/float/str; choice (one of `choices`); auto_int/auto_choice (or 'auto': the planner
 chooses); flag (--x, off by default); bool (--x/--no-x, unset: auto); tokens (a token budget, '300B')."""

@@ -8,20 +8,18 @@ from __future__ import annotations
 
 import datetime
 import os
-import platform
 import shutil
 import socket
 import subprocess
 import sys
-from importlib import metadata
 from pathlib import Path
 
 from dspipe.tools.bench_worker import PHASES
 from dspipe.errors import SpecError
 from dspipe.planner.throughput import step_rates
+from dspipe.spec.hardware import GIB
 
 SIDES = ("dspipe", "reference")
-GIB = 2**30
 
 
 def summarize(ranks: list[dict], *, tokens_per_step: int, samples_per_step: int, steps: int, flops_per_token: float,
@@ -121,15 +119,6 @@ def append_section(path: Path, section: str) -> None:
         raise SpecError(f"--append {path}: directory {path.parent} does not exist")
     existing = path.read_text() if path.is_file() else "# dspipe benchmarks\n"
     path.write_text(existing.rstrip("\n") + "\n\n" + section)
-
-
-def versions() -> str:
-    def v(name):
-        try:
-            return metadata.version(name)
-        except metadata.PackageNotFoundError:
-            return "not installed"
-    return f"python {platform.python_version()}, torch {v('torch')}, deepspeed {v('deepspeed')}"
 
 
 def today() -> str:

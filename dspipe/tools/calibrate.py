@@ -36,7 +36,7 @@ from dspipe.errors import SpecError
 from dspipe.spec.profile import Profile
 from dspipe.spec.core import ModelSpec
 from dspipe.planner.throughput import model_flops_per_token
-from dspipe.tools.bench import versions
+from dspipe.cluster.doctor import versions
 
 MAX_WHOLE_PARAMS = 400_000_000
 """A model above this many parameters is timed at 1 and 2 blocks and extrapolated, not built whole."""

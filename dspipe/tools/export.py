@@ -19,16 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
 import re
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 from dspipe.runtime import checkpoint as ckpt
 from dspipe import outputs
-from dspipe.atomic import replace_dir
+from dspipe.atomic import staged_dir
 from dspipe.errors import SpecError
 from dspipe.jsonio import read_object
 from dspipe.rundir import DS_CONFIG_FILE
@@ -397,18 +394,10 @@ def export_hf(*, source: str | Path, out: str | Path, force: bool = False) -> Pa
         raise SpecError(f"tokenizer {tok_dir} has {len(tokenizer)} tokens, more than the model's vocab {spec.vocab}")
     model = hf_model(consolidate(checkpoint, meta=meta), spec, eos_id=tokenizer.eos_token_id,
                      bos_id=tokenizer.bos_token_id, source=checkpoint)
-    dest = Path(os.path.abspath(out))
-    with outputs.writing(out):
-        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
-        try:
-            model.save_pretrained(str(tmp), safe_serialization=True)
-            tokenizer.save_pretrained(str(tmp))
-            for f in tmp.iterdir():
-                f.chmod(0o644)
-            tmp.chmod(0o755)
-            outputs.write_marker(tmp, kind="export-hf")
-            replace_dir(tmp, dest)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+    with outputs.writing(out), staged_dir(out) as tmp:
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        tokenizer.save_pretrained(str(tmp))
+        for f in tmp.iterdir():
+            f.chmod(0o644)
+        outputs.write_marker(tmp, kind="export-hf")
     return checkpoint

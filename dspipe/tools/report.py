@@ -11,16 +11,13 @@ from __future__ import annotations
 
 import csv
 import math
-import os
 import re
-import shutil
 import statistics
-import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from dspipe import outputs
-from dspipe.atomic import replace_dir
+from dspipe.atomic import staged_dir
 from dspipe.errors import SpecError
 from dspipe.jsonio import show
 from dspipe.spec.hardware import GIB
@@ -463,18 +460,10 @@ def write_report(run_path: str | Path, *, out: str | Path | None = None) -> tupl
     steps, val = read_metrics(run)
     measured = replace(measure(steps, val), startup=read_startup(engine, estimate))
     out = _check_out(out if out is not None else run.path / "report")
-    dest = Path(os.path.abspath(out))
-    with outputs.writing(out):
-        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
-        tmp.chmod(0o755)
-        try:
-            plot_loss(steps, val, tmp / PLOTS["loss"])
-            plot_throughput(steps, measured, estimate.get("tokens_per_s"), tmp / PLOTS["throughput"])
-            plot_lr(steps, tmp / PLOTS["lr"])
-            (tmp / REPORT_FILE).write_text(render_markdown(run, estimate=estimate, engine=engine, m=measured))
-            outputs.write_marker(tmp, kind="report")
-            replace_dir(tmp, dest)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+    with outputs.writing(out), staged_dir(out, tag="tmp-") as tmp:
+        plot_loss(steps, val, tmp / PLOTS["loss"])
+        plot_throughput(steps, measured, estimate.get("tokens_per_s"), tmp / PLOTS["throughput"])
+        plot_lr(steps, tmp / PLOTS["lr"])
+        (tmp / REPORT_FILE).write_text(render_markdown(run, estimate=estimate, engine=engine, m=measured))
+        outputs.write_marker(tmp, kind="report")
     return out, measured

@@ -1,24 +1,14 @@
 """A blend of two prepared datasets trained on 2 CPU ranks: killed with kill -9 between checkpoints and resumed, it
 reproduces the uninterrupted run's per-step metrics and per-source validation losses bitwise, across an epoch of
 the small source."""
-import csv
 import random
 
 import pytest
 
 from dspipe.runtime import checkpoint as ckpt
-from tests.helpers import launch, make_run
+from tests.helpers import csv_rows, launch, make_run, ok, written_metrics
 
 STEPS, EVERY = 8, 3
-
-
-def rows(path):
-    with open(path) as f:
-        return list(csv.DictReader(f))
-
-
-def ok(r):
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
 
 
 def small_dataset(root, tokenizer):
@@ -57,11 +47,9 @@ def test_a_blend_resumes_exactly_after_kill_and_validates_per_source(tmp_path, c
     ok(r)
     assert "resumed from" in r.stdout and "at step 3 (48 samples)" in r.stdout
 
-    def steps(d):
-        return [(x["step"], x["loss"], x["lr"], x["grad_norm"]) for x in rows(d / "metrics.csv")]
-
-    assert len(steps(ref)) == STEPS and steps(run) == steps(ref)  # loss, lr and grad norm bitwise
-    val, val_ref = rows(run / "val_metrics.csv"), rows(ref / "val_metrics.csv")
+    ref_steps = written_metrics(ref)
+    assert len(ref_steps) == STEPS and written_metrics(run) == ref_steps  # loss, lr and grad norm bitwise
+    val, val_ref = csv_rows(run / "val_metrics.csv"), csv_rows(ref / "val_metrics.csv")
     assert list(val[0]) == ["step", "tokens", "val_loss", "val_ppl", "val_loss_stdlib", "val_loss_small"]
     assert val == val_ref and [v["step"] for v in val] == ["4", "8"]
     for v in val:

@@ -1,19 +1,13 @@
 """Real DeepSpeed engines on 2 CPU ranks (gloo), started by DeepSpeed's own launcher."""
-import csv
 import json
 import math
 
 import pytest
 
 from dspipe.runtime.comm import SHM_DIR, SHM_PREFIX
-from tests.helpers import free_port, launch, make_run
+from tests.helpers import csv_rows, free_port, launch, make_run, metrics
 
 pytestmark = pytest.mark.distributed
-
-
-def losses(run_dir):
-    with open(run_dir / "metrics.csv") as f:
-        return [float(row["loss"]) for row in csv.DictReader(f)]
 
 
 CONFIGS = {
@@ -48,12 +42,11 @@ def test_trains_and_engine_uses_the_planned_settings(tmp_path, corpus, name):
             "dp": 2 // pp, "pp": pp, "backend": "gloo", "world_size": 2, "scheduler": "WarmupCosineLR"}
     live.update(expected)
     assert {k: engine[k] for k in live} == live
-    loss = losses(run_dir)
+    loss = metrics(run_dir, "loss")
     assert len(loss) == 20
     assert sum(loss[-3:]) / 3 < loss[0] - 0.3, loss  # the loss falls
     check_metrics(run_dir, steps=20, tokens_per_step=16 * 64)
-    with open(run_dir / "val_metrics.csv") as f:  # eval_interval 100 > 20 steps: one pass, at the end
-        (val,) = list(csv.DictReader(f))
+    (val,) = csv_rows(run_dir / "val_metrics.csv")  # eval_interval 100 > 20 steps: one pass, at the end
     assert int(val["step"]) == 20 and float(val["val_loss"]) < loss[0] - 0.3
     assert float(val["val_ppl"]) == pytest.approx(math.exp(float(val["val_loss"])))
     assert (run_dir / "checkpoints" / "global_step20").is_dir() and (run_dir / "checkpoints" / "latest").is_file()
@@ -65,10 +58,8 @@ def check_metrics(run_dir, *, steps, tokens_per_step):
     from dspipe.planner.throughput import STEP_COLUMNS, model_flops_per_token
     from dspipe.rundir import load_run
 
-    with open(run_dir / "metrics.csv") as f:
-        reader = csv.DictReader(f)
-        rows = list(reader)
-    assert tuple(reader.fieldnames) == STEP_COLUMNS
+    rows = csv_rows(run_dir / "metrics.csv")
+    assert tuple(rows[0]) == STEP_COLUMNS
     assert [int(r["step"]) for r in rows] == list(range(1, steps + 1))
     flops = model_flops_per_token(load_run(run_dir).model)
     for r in rows:
@@ -97,7 +88,7 @@ def test_first_loss_of_pp1_and_pp2_agree(tmp_path, corpus):
                            name=f"pp{pp}")
         r = launch(run_dir)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-        first[pp] = losses(run_dir)[0]
+        first[pp] = metrics(run_dir, "loss")[0]
     assert abs(first[1] - first[2]) < 1e-5, first
 
 

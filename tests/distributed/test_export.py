@@ -1,30 +1,14 @@
 """dspipe export-hf and dspipe generate: consolidation of ZeRO-1/ZeRO-3/pipeline checkpoints, the GPT-2 export
 loaded back with transformers (logits equal to dspipe's GPT), the shared sampling loop, and the refusals."""
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from dspipe.runtime import checkpoint as ckpt
 from dspipe.spec.core import ModelSpec
-from tests.helpers import ROOT, error_lines, launch, make_run
-
-OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-
-
-def dspipe_offline(*args):
-    return subprocess.run([sys.executable, "-m", "dspipe", *map(str, args)], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, **OFFLINE})
+from tests.helpers import OFFLINE, dspipe_offline, error_lines, launch, make_run, max_diff
 
 
 # ---- distributed: real checkpoints ------------------------------------------------------------------------------
-
-def max_diff(a: dict, b: dict) -> float:
-    assert sorted(a) == sorted(b)
-    return max((a[k] - b[k]).abs().max().item() for k in a)
-
 
 @pytest.mark.distributed
 def test_export_of_zero3_and_pipeline_checkpoints(tmp_path, corpus, monkeypatch):

@@ -2,28 +2,18 @@
 weights under ZeRO-3 (partitioned as it is built: each rank reads its partition of each tensor) and under a 2-stage
 pipeline (each stage its own layers), and the run exports back to a LlamaForCausalLM that computes what dspipe
 computes."""
-import csv
 import json
 import math
-import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from dspipe.rundir import load_run
 from dspipe.runtime import checkpoint as ckpt
-from tests.helpers import ROOT, dspipe, launch
+from tests.helpers import OFFLINE, dspipe, dspipe_offline, launch, max_diff, metrics
 
-OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 VOCAB = 1024  # the corpus fixture's BPE
-
-
-def dspipe_offline(*args):
-    return subprocess.run([sys.executable, "-m", "dspipe", *map(str, args)], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, **OFFLINE})
 
 
 def llama_dir(path, *, tied: bool, corpus):
@@ -69,16 +59,6 @@ def first_batch_loss(model, corpus) -> float:
     return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1)).item()
 
 
-def logged_losses(run) -> dict:
-    with open(run / "metrics.csv") as f:
-        return {int(r["step"]): float(r["loss"]) for r in csv.DictReader(f)}
-
-
-def max_diff(a: dict, b: dict) -> float:
-    assert sorted(a) == sorted(b)
-    return max((a[k] - b[k]).abs().max().item() for k in a)
-
-
 @pytest.mark.distributed
 def test_continued_pretraining_from_a_hugging_face_llama(tmp_path, corpus, monkeypatch):
     """ZeRO-3 (2 ranks, dp 2) at lr 1e-12: the first step's loss is the HF model's on the same batch, and the
@@ -108,7 +88,7 @@ def test_continued_pretraining_from_a_hugging_face_llama(tmp_path, corpus, monke
                                                   startup["peak_rss_mib"]))
     expected = first_batch_loss(hf, corpus)
     assert abs(expected - math.log(VOCAB)) > 0.1  # not a loss any random initialisation would give
-    found["zero3 step-1 loss - HF loss"] = abs(logged_losses(run)[1] - expected)
+    found["zero3 step-1 loss - HF loss"] = abs(metrics(run, "loss")[0] - expected)
     tag = run / "checkpoints" / "global_step3"
     spec = spec_from_hf_dir(hf_dir)
     found["zero3 consolidated - HF weights"] = max_diff(consolidate(tag, meta=ckpt.read_meta(tag)),
@@ -127,7 +107,7 @@ def test_continued_pretraining_from_a_hugging_face_llama(tmp_path, corpus, monke
                      "--weight-decay", "0")
     r = launch(run)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    found["tp2 step-1 loss - HF loss"] = abs(logged_losses(run)[1] - expected)
+    found["tp2 step-1 loss - HF loss"] = abs(metrics(run, "loss")[0] - expected)
     out = tmp_path / "export-tp2"
     r = dspipe_offline("export-hf", run, "--out", out)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -146,8 +126,8 @@ def test_continued_pretraining_from_a_hugging_face_llama(tmp_path, corpus, monke
     assert startup["mode"] == "stage" and sum(startup["built_params"]) == total + embedding  # tied: on both ends
     assert max(startup["built_params"]) < 0.75 * total, startup["built_params"]
     expected = first_batch_loss(hf, corpus)
-    losses = logged_losses(run)
-    found["pp2 step-1 loss - HF loss"] = abs(losses[1] - expected)
+    losses = metrics(run, "loss")
+    found["pp2 step-1 loss - HF loss"] = abs(losses[0] - expected)
     tag = run / "checkpoints" / "global_step3"
     trained = consolidate(tag, meta=ckpt.read_meta(tag))
     moved = max_diff(trained, from_hf_state(hf.state_dict(), spec_from_hf_dir(hf_dir)))

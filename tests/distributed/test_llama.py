@@ -3,12 +3,11 @@ real CPU ranks: ZeRO-1, ZeRO-3, a 2-stage pipeline, selective recomputation and 
 recomputation train (the loss falls), and ZeRO-3, tensor parallelism (AutoTP with the unequal q/k/v and paired
 gate/up splits), sequence parallelism (rotary angles offset per slice), recomputation and offload give the ZeRO-1
 losses and gradient norms at every step. One launch per layout."""
-import csv
 import json
 
 import pytest
 
-from tests.helpers import free_port, launch, make_run
+from tests.helpers import free_port, launch, make_run, metrics
 
 pytestmark = pytest.mark.distributed
 
@@ -17,11 +16,6 @@ LAYOUTS = {"zero1": ["--zero", "1"], "zero3": ["--zero", "3"], "pp2": ["--zero",
            "tp2": ["--zero", "1", "--tp", "2"], "sp2": ["--zero", "1", "--sp", "2"],
            "selective": ["--zero", "1", "--checkpointing", "selective"],
            "zero2-offload-full": ["--zero", "2", "--offload", "cpu", "--checkpointing", "full"]}
-
-
-def metrics(run_dir):
-    with open(run_dir / "metrics.csv") as f:
-        return [(float(r["loss"]), float(r["grad_norm"])) for r in csv.DictReader(f)]
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +32,7 @@ def runs(tmp_path_factory, corpus):
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_tiny_llama_trains(runs, name):
-    got = metrics(runs[name])
+    got = metrics(runs[name], "loss", "grad_norm")
     assert len(got) == STEPS
     assert sum(loss for loss, _ in got[-3:]) / 3 < got[0][0] - 0.3, got  # the loss falls
     live = json.loads((runs[name] / "engine.json").read_text())
@@ -50,14 +44,14 @@ def test_tiny_llama_trains(runs, name):
 
 @pytest.mark.parametrize("name", ["zero3", "tp2", "sp2", "selective", "zero2-offload-full"])
 def test_same_losses_and_grad_norms_as_zero1(runs, name):
-    ref, got = metrics(runs["zero1"]), metrics(runs[name])
+    ref, got = metrics(runs["zero1"], "loss", "grad_norm"), metrics(runs[name], "loss", "grad_norm")
     for step, ((loss_a, norm_a), (loss_b, norm_b)) in enumerate(zip(ref, got), start=1):
         assert loss_b == pytest.approx(loss_a, rel=1e-5, abs=1e-5), (name, step, loss_a, loss_b)
         assert norm_b == pytest.approx(norm_a, rel=1e-4, abs=1e-6), (name, step, norm_a, norm_b)
 
 
 def test_pipeline_starts_from_the_same_loss_and_tp_shards_every_projection(runs):
-    assert metrics(runs["pp2"])[0][0] == pytest.approx(metrics(runs["zero1"])[0][0], rel=1e-6)
+    assert metrics(runs["pp2"], "loss")[0] == pytest.approx(metrics(runs["zero1"], "loss")[0], rel=1e-6)
     live = json.loads((runs["tp2"] / "engine.json").read_text())
     assert live["tp_sharded_params"] == 2 * 4  # 2 blocks x (qkv, out, gate/up, down), no biases
     specs = json.loads((runs["tp2"] / "ds_config.json").read_text())["tensor_parallel"]["partition_config"]

@@ -1,7 +1,6 @@
 """Two "nodes" on one machine, started by DeepSpeed's launcher through `dspipe launch`: --no-ssh per node, pdsh over
 a real sshd on localhost, and the sbatch script under a stand-in for Slurm. Each trains the tiny GPT to the same
 per-step losses as the single-node 2-rank run of the same config. Plus the doctor's all-reduce."""
-import csv
 import os
 import re
 import shutil
@@ -10,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.helpers import ROOT, dspipe, free_port
+from tests.helpers import ROOT, dspipe, free_port, metrics
 
 pytestmark = pytest.mark.distributed
 HOSTS = "localhost slots=1\n127.0.0.1 slots=1\n"  # two names for this machine: two "nodes", one CPU rank each
@@ -23,11 +22,6 @@ def gen(tmp, corpus, name, *flags):
                "--out", f"runs/{name}", *flags, cwd=tmp)
     assert r.returncode == 0, r.stderr
     return tmp / "runs" / name
-
-
-def losses(run_dir):
-    with open(run_dir / "metrics.csv") as f:
-        return [float(row["loss"]) for row in csv.DictReader(f)]
 
 
 def env_with(**extra):
@@ -43,7 +37,7 @@ def cluster(tmp_path_factory, corpus):
     single = gen(tmp, corpus, "single", "--gpus-per-node", "2")
     r = dspipe("launch", "runs/single", "--master-port", free_port(), cwd=tmp)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    reference = losses(single)
+    reference = metrics(single, "loss")
     assert len(reference) == 6 and len(set(reference)) > 1
     return tmp, corpus, reference
 
@@ -60,7 +54,7 @@ def test_two_nodes_no_ssh_train_like_one_node(cluster):
     assert [p.returncode for p in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
     assert "--node_rank=1" in outputs[1] and "done: loss" in outputs[0]  # each node ran its own DeepSpeed launch
     assert (run / ".deepspeed_env").read_text() == "DEEPSPEED_TIMEOUT=30\n"
-    assert losses(run) == pytest.approx(reference, abs=1e-5)
+    assert metrics(run, "loss") == pytest.approx(reference, abs=1e-5)
 
 
 def test_doctor_all_reduce_on_this_machine(tmp_path):
@@ -133,7 +127,7 @@ def test_pdsh_over_ssh_on_localhost(cluster, sshd):
                        capture_output=True, text=True, timeout=TIMEOUT)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "pdsh -S -f 1024 -w localhost,127.0.0.1" in r.stdout + r.stderr
-    assert losses(run) == pytest.approx(reference, abs=1e-5)
+    assert metrics(run, "loss") == pytest.approx(reference, abs=1e-5)
 
 
 def test_slurm_script_on_a_stand_in_for_slurm(cluster):
@@ -159,4 +153,4 @@ def test_slurm_script_on_a_stand_in_for_slurm(cluster):
                          timeout=TIMEOUT)
     assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
     assert (run / "hostfile.slurm-42").read_text() == HOSTS
-    assert losses(run) == pytest.approx(reference, abs=1e-5)
+    assert metrics(run, "loss") == pytest.approx(reference, abs=1e-5)

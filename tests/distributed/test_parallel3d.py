@@ -2,12 +2,11 @@
 seed and batches give the tp = 1 losses and gradient norms at tp = 2, at sp = 2 (ZeRO-3, reduce_scatter off) and at
 tp 2 x dp 2 on 4 ranks; the live engines report the sizes asked for; a tp = 2 checkpoint exports to the same
 Hugging Face logits as the tp = 1 run's. One launch per layout, shared by the assertions."""
-import csv
 import json
 
 import pytest
 
-from tests.helpers import dspipe, free_port, launch, make_run
+from tests.helpers import dspipe, free_port, launch, make_run, metrics
 
 pytestmark = pytest.mark.distributed
 
@@ -18,11 +17,6 @@ LAYOUTS = {  # name: (gen-config flags, ranks)
     "sp2-zero3": (["--zero", "3", "--sp", "2"], 2),
     "tp2xdp2-zero2": (["--zero", "2", "--tp", "2", "--gpus-per-node", "4"], 4),
 }
-
-
-def metrics(run_dir):
-    with open(run_dir / "metrics.csv") as f:
-        return [(float(r["loss"]), float(r["grad_norm"])) for r in csv.DictReader(f)]
 
 
 def _monitors_installed() -> bool:
@@ -52,7 +46,7 @@ def runs(tmp_path_factory, corpus):
 
 @pytest.mark.parametrize("name", ["tp2", "sp2-zero3", "tp2xdp2-zero2"])
 def test_same_losses_and_grad_norms_as_tp1(runs, name):
-    ref, got = metrics(runs["tp1"]), metrics(runs[name])
+    ref, got = metrics(runs["tp1"], "loss", "grad_norm"), metrics(runs[name], "loss", "grad_norm")
     assert len(got) == len(ref) == STEPS
     for step, ((loss_a, norm_a), (loss_b, norm_b)) in enumerate(zip(ref, got), start=1):
         # fp32: only the summation order differs (measured differences <= 1e-6)
@@ -104,7 +98,7 @@ def test_wandb_and_comet_offline_runs_hold_every_step(runs):
     tmp = runs["tp1"].parent
     ds = json.loads((runs["tp1"] / "ds_config.json").read_text())
     assert ds["wandb"]["enabled"] and ds["comet"]["enabled"] and ds["comet"]["online"] is False
-    losses = [repr(loss).encode() for loss, _ in metrics(runs["tp1"])]  # each step's loss, as metrics.csv has it
+    losses = [repr(loss).encode() for loss in metrics(runs["tp1"], "loss")]  # each step's loss, as metrics.csv has it
     (wandb_file,) = glob.glob(str(tmp / "wandb" / "offline-run-*" / "run-*.wandb"))
     data = open(wandb_file, "rb").read()
     assert b"Train/loss" in data and b"Validation/val_loss" in data

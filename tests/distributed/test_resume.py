@@ -1,6 +1,5 @@
 """Checkpoints every N steps, keep-K, crash-safe saves and exact resume, with real DeepSpeed launches on 2 CPU
 ranks; plus unit tests of the pure checkpoint logic."""
-import csv
 import json
 import os
 import shutil
@@ -10,15 +9,9 @@ import time
 import pytest
 
 from dspipe.runtime import checkpoint as ckpt
-from tests.helpers import ROOT, free_port, launch, make_run, mount_tmpfs
+from tests.helpers import ROOT, free_port, launch, make_run, mount_tmpfs, ok, written_metrics
 
 STEPS, EVERY = 8, 3
-
-
-def rows(run_dir):
-    """(step, loss, lr, grad_norm) per step, as written (losses and norms at full precision)."""
-    with open(run_dir / "metrics.csv") as f:
-        return [(r["step"], r["loss"], r["lr"], r["grad_norm"]) for r in csv.DictReader(f)]
 
 
 def tags(run_dir):
@@ -28,10 +21,6 @@ def tags(run_dir):
 def fp32_run(tmp_path, corpus, name, *flags, steps=STEPS):
     return make_run(tmp_path, corpus, "--precision", "fp32", "--save-interval", str(EVERY), "--keep-checkpoints", "2",
                     *flags, steps=steps, name=name)
-
-
-def ok(r):
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
 
 
 # ---- distributed: exactness after kill -9, crash inside a save -------------------------------------------------
@@ -45,7 +34,7 @@ EXACT = {"zero1": ["--zero", "1"], "zero3": ["--zero", "3"], "pp2-zero1": ["--ze
 def test_kill_and_resume_reproduces_the_uninterrupted_run(tmp_path, corpus, name):
     ref = fp32_run(tmp_path, corpus, "ref", *EXACT[name])
     ok(launch(ref))
-    assert len(rows(ref)) == STEPS
+    assert len(written_metrics(ref)) == STEPS
     # checkpoints at 3 and 6 and the end (8); keep 2
     assert tags(ref) == ["global_step6", "global_step8", "latest"]
     assert (ref / "checkpoints" / "latest").read_text() == "global_step8"
@@ -53,12 +42,12 @@ def test_kill_and_resume_reproduces_the_uninterrupted_run(tmp_path, corpus, name
     run = fp32_run(tmp_path, corpus, "run", *EXACT[name])
     r = launch(run, "--test-faults", '{"kill_at_step": 5}')
     assert r.returncode != 0  # killed with SIGKILL after step 5, checkpoint at 3
-    assert [s for s, *_ in rows(run)][-1] in ("4", "5")
+    assert [s for s, *_ in written_metrics(run)][-1] in ("4", "5")
     assert (run / "checkpoints" / "latest").read_text() == "global_step3"
     r = launch(run, "--resume", "auto")
     ok(r)
     assert "resumed from" in r.stdout and "at step 3" in r.stdout
-    assert rows(run) == rows(ref)  # every step: loss, lr and grad norm bitwise equal (fp32 on CPU)
+    assert written_metrics(run) == written_metrics(ref)  # every step: loss, lr, grad norm bitwise equal (fp32, CPU)
     assert tags(run) == ["global_step6", "global_step8", "latest"]
 
 
@@ -83,7 +72,7 @@ def test_crash_inside_a_save_keeps_the_previous_checkpoint(tmp_path, corpus):
     ok(r)
     assert "at step 3" in r.stdout
     assert tags(run) == ["global_step6", "global_step8", "latest"]  # the partial dir was cleaned up
-    assert [int(s) for s, *_ in rows(run)] == list(range(1, STEPS + 1))
+    assert [int(s) for s, *_ in written_metrics(run)] == list(range(1, STEPS + 1))
 
 
 DP_CHANGE = {"zero1": ["--zero", "1"], "zero3": ["--zero", "3"],
@@ -104,7 +93,7 @@ def test_resume_under_another_dp_size_continues_the_run(tmp_path, corpus, name):
     r = launch(run, "--resume", "auto", num_gpus=1)
     ok(r)
     assert "at step 3" in r.stdout and json.loads((run / "engine.json").read_text())["dp"] == 1
-    got, want = rows(run), rows(ref)[3:]  # the new run dir's metrics start at the resumed step
+    got, want = written_metrics(run), written_metrics(ref)[3:]  # the new run dir's metrics start at the resumed step
     assert [(s, lr) for s, _, lr, _ in got] == [(s, lr) for s, _, lr, _ in want]  # same steps, same schedule
     for (s, loss, _, norm), (_, loss_ref, _, norm_ref) in zip(got, want):
         assert float(loss) == pytest.approx(float(loss_ref), rel=1e-6), s  # measured 1.2e-7; ZeRO-3 without the
@@ -135,7 +124,7 @@ def check_disk_full_outcome(r, run, ckpts):
         "global_step3", "latest"]  # the partial save was removed
     assert (ckpts / "latest").read_text() == "global_step3" and ckpt.is_complete(ckpts / "global_step3")
     assert ckpt.find_checkpoint(ckpts, "auto").name == "global_step3"
-    assert [int(s) for s, *_ in rows(run)] == list(range(1, 7))
+    assert [int(s) for s, *_ in written_metrics(run)] == list(range(1, 7))
 
 
 @pytest.mark.distributed
@@ -168,7 +157,7 @@ def test_sigterm_finishes_the_step_saves_and_exits_0(tmp_path, corpus):
            "run.py", "--run", str(run)]
     p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 300
-    while time.time() < deadline and not ((run / "metrics.csv").is_file() and len(rows(run)) >= 2):
+    while time.time() < deadline and not ((run / "metrics.csv").is_file() and len(written_metrics(run)) >= 2):
         time.sleep(0.5)
     # the rank processes (DeepSpeed's launcher starts them as 'python -u run.py --local_rank=R --run DIR')
     ranks = subprocess.run(["pgrep", "-f", f"run.py --local_rank=.* --run {run}"], capture_output=True, text=True)
@@ -179,19 +168,19 @@ def test_sigterm_finishes_the_step_saves_and_exits_0(tmp_path, corpus):
     assert p.returncode == 0, out[-3000:]
     assert "stopped by a signal" in out
     done = ckpt.complete_checkpoints(run / "checkpoints")
-    assert done and done[-1][0] == len(rows(run)) < 400
+    assert done and done[-1][0] == len(written_metrics(run)) < 400
 
 
 @pytest.mark.distributed
 def test_resume_refusals(tmp_path, corpus):
     run = fp32_run(tmp_path, corpus, "run", "--zero", "1", steps=3)
     ok(launch(run))
-    before = rows(run)
+    before = written_metrics(run)
     r = launch(run)  # no flag: resumes from the newest checkpoint by default; the run is finished
     ok(r)
     assert "at step 3" in r.stdout and "done: nothing to do, the checkpoint is at step 3 of 3" in r.stdout
-    assert f"dspipe extend {run} --steps N" in r.stdout and rows(run) == before
-    before = sorted(str(p) for p in run.rglob("*")), rows(run)
+    assert f"dspipe extend {run} --steps N" in r.stdout and written_metrics(run) == before
+    before = sorted(str(p) for p in run.rglob("*")), written_metrics(run)
     r = launch(run, "--restart", "--resume", "auto")
     assert r.returncode == 2 and [line for line in r.stderr.splitlines() if "dspipe: error:" in line] == [
         "dspipe: error: --restart (start over from step 0) and --resume auto (continue a checkpoint) contradict "
@@ -203,7 +192,7 @@ def test_resume_refusals(tmp_path, corpus):
     r = launch(other, "--resume", "auto")
     assert r.returncode == 2 and "different model shape: hidden 64 -> 128" in r.stderr
     assert tags(other) == ["global_step3", "latest"]
-    assert (sorted(str(p) for p in run.rglob("*")), rows(run)) == before  # no data lost
+    assert (sorted(str(p) for p in run.rglob("*")), written_metrics(run)) == before  # no data lost
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()[-1]) < 300
 
     # a checkpoint someone hands you: its optimizer file would create a file if DeepSpeed unpickled it as it does
@@ -279,7 +268,7 @@ def test_bf16_zero0_kill9_default_resume_restart_and_extend(tmp_path, corpus):
     ok(r)
     assert f"resumed from {run / 'checkpoints' / 'global_step3'} at step 3" in r.stdout
     assert json.loads((run / "engine.json").read_text())["wrapper_optimizer"] == "FP16_Optimizer"
-    assert rows(run) == rows(ref) and len(rows(run)) == 6  # bitwise, one row per step
+    assert written_metrics(run) == written_metrics(ref) and len(written_metrics(run)) == 6  # bitwise, one row per step
     assert (run / "metrics.csv").read_text().splitlines()[0] == ",".join(STEP_COLUMNS)
     assert (run / "val_metrics.csv").read_text() == (ref / "val_metrics.csv").read_text().replace(str(ref), str(run))
     final = [torch.load(d / "checkpoints" / "global_step6" / "mp_rank_00_model_states.pt", weights_only=False)
@@ -289,7 +278,7 @@ def test_bf16_zero0_kill9_default_resume_restart_and_extend(tmp_path, corpus):
     assert tensors_equal(final[0]["module"], final[1]["module"])
     losses, tags = scalars(run)
     assert [s for s, _ in losses] == list(range(1, 7))  # steps 4 and 5 were written twice, purged once
-    assert [v for _, v in losses] == [pytest.approx(float(loss), rel=1e-6) for _, loss, _, _ in rows(ref)]
+    assert [v for _, v in losses] == [pytest.approx(float(loss), rel=1e-6) for _, loss, _, _ in written_metrics(ref)]
     assert not any(t.startswith("Train/Samples/") for t in tags)
     report = dspipe("report", run)
     assert report.returncode == 0, report.stderr
@@ -302,7 +291,8 @@ def test_bf16_zero0_kill9_default_resume_restart_and_extend(tmp_path, corpus):
     assert sorted(p.name for p in slot.iterdir()) == sorted(["checkpoints", "metrics.csv", "val_metrics.csv",
                                                              "engine.json", "monitor"])
     assert ckpt.is_complete(slot / "checkpoints" / "global_step6")
-    assert "resumed from" not in r.stdout and rows(run) == rows(ref)  # from step 0 again: the same run
+    assert "resumed from" not in r.stdout  # from step 0 again: the same run
+    assert written_metrics(run) == written_metrics(ref)
     assert [s for s, _ in scalars(run)[0]] == list(range(1, 7))
 
     e = dspipe("extend", run, "--steps", "8")
@@ -311,8 +301,8 @@ def test_bf16_zero0_kill9_default_resume_restart_and_extend(tmp_path, corpus):
     r = launch(run)
     ok(r)
     assert "at step 6" in r.stdout
-    got = rows(run)
-    assert [int(s) for s, *_ in got] == list(range(1, 9)) and got[:6] == rows(ref)
-    assert float(got[6][2]) > float(rows(ref)[5][2])  # the stretched cosine: lr back above the old run's end
+    got = written_metrics(run)
+    assert [int(s) for s, *_ in got] == list(range(1, 9)) and got[:6] == written_metrics(ref)
+    assert float(got[6][2]) > float(written_metrics(ref)[5][2])  # the stretched cosine: lr back above the old run's end
     assert (run / "checkpoints" / "latest").read_text() == "global_step8"
     assert [s for s, _ in scalars(run)[0]] == list(range(1, 9))

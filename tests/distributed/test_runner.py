@@ -1,19 +1,17 @@
 """The runner's stability handling on 2 real CPU ranks: non-finite steps are skipped and counted (dspipe's guard for
 fp32 without ZeRO, DeepSpeed's own checks for the BF16 pipeline path), K in a row save and stop, resume goes on."""
-import csv
 import math
 
 import pytest
 
 from dspipe.runtime import checkpoint as ckpt
-from tests.helpers import launch, make_run
+from tests.helpers import csv_rows, launch, make_run
 
 pytestmark = pytest.mark.distributed
 
 
 def rows(run_dir):
-    with open(run_dir / "metrics.csv") as f:
-        return {int(r["step"]): r for r in csv.DictReader(f)}
+    return {int(r["step"]): r for r in csv_rows(run_dir / "metrics.csv")}
 
 
 @pytest.mark.parametrize("flags", [["--zero", "0", "--precision", "fp32"], ["--zero", "1", "--pp", "2"]],

@@ -296,3 +296,34 @@ def test_replace_dir_puts_the_old_directory_back_when_the_new_one_cannot_go_in(t
     with pytest.raises(OSError):
         atomic.replace_dir(tmp, out)
     assert (out / "f").read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == [".new", "out"]
+
+
+def test_staged_dir_puts_a_filled_directory_in_place_or_leaves_the_old_one(tmp_path):
+    from dspipe.atomic import staged_dir
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "f").write_text("old")
+    with pytest.raises(RuntimeError):
+        with staged_dir(out, tag="tmp-") as tmp:
+            assert tmp.parent == tmp_path and tmp.name.startswith(".out.tmp-")
+            (tmp / "f").write_text("half")
+            raise RuntimeError("killed while filling")
+    assert (out / "f").read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["out"]
+    with staged_dir(out) as tmp:
+        (tmp / "f").write_text("new")
+    assert (out / "f").read_text() == "new" and [p.name for p in tmp_path.iterdir()] == ["out"]
+    assert out.stat().st_mode & 0o777 == 0o755
+
+
+def test_staged_dir_errors_wrap_its_own_filesystem_steps_not_the_block(tmp_path):
+    from dspipe.atomic import staged_dir
+
+    out = tmp_path / "out"
+    with pytest.raises(OSError):  # the block's own OSError is not turned into the --out line
+        with staged_dir(out, errors=lambda: outputs.write_errors(out)):
+            raise OSError(5, "Input/output error")
+    with pytest.raises(SpecError, match=f"cannot write --out {tmp_path / 'absent' / 'out'}"):
+        with staged_dir(tmp_path / "absent" / "out", errors=lambda: outputs.write_errors(tmp_path / "absent" / "out")):
+            pass
+    assert [p.name for p in tmp_path.iterdir()] == []

@@ -37,7 +37,7 @@ def test_bucket_size_flags_reach_the_json(tmp_path):
 
 
 def test_zero3_live_parameter_flags_reach_the_json_and_the_estimate(tmp_path):
-    from dspipe.planner.estimate import estimate
+    from dspipe.planner.cost import estimate
     from dspipe.rundir import load_run
     sizes = {}
     whole = ["--max-live-parameters", "1000000000", "--max-reuse-distance", "1000000000"]

@@ -2,7 +2,6 @@
 every prefix within 1 of its share, determinism), the blend loader over real prepared data (the same global order at
 any dp, each source's own per-epoch order, exact resume, refusal of a changed blend), a single directory read exactly
 as before, the checks between sources, per-source validation columns, the checkpoint's data state and gen-config."""
-import csv
 import json
 import random
 from fractions import Fraction
@@ -17,7 +16,7 @@ from dspipe.data.blend import (BlendLoader, BlendOrder, blend_change, make_loade
                                source_seed)
 from dspipe.data.checks import check_blend_sources
 from dspipe.errors import SpecError
-from tests.helpers import make_run, run_cli
+from tests.helpers import csv_rows, make_run, run_cli
 
 SEQ = 16
 
@@ -376,8 +375,7 @@ def test_val_metrics_csv_gets_a_column_per_source(tmp_path):
     log.validation({"step": 2, "tokens": 64, "val_loss": 4.5, "val_ppl": 90.0, "val_loss_web": 4.0,
                     "val_loss_books": 5.0})
     log.close()
-    with open(tmp_path / "val_metrics.csv") as f:
-        rows = list(csv.DictReader(f))
+    rows = csv_rows(tmp_path / "val_metrics.csv")
     assert list(rows[0]) == ["step", "tokens", "val_loss", "val_ppl", "val_loss_web", "val_loss_books"]
     assert rows[0]["val_loss_books"] == "5.0"
 

@@ -61,7 +61,7 @@ def hf_state(model) -> dict:
 def test_hf_directory_loads_into_dspipe_gpt_with_the_same_logits(case, tmp_path):
     from dspipe.model.gpt import GPT
     from dspipe.model.hf import from_hf_state, spec_from_hf_dir, to_hf_state
-    from dspipe.model.hf_weights import load_hf_weights
+    from dspipe.model.hf_weights import HFWeights, load_into_module
 
     hf = CASES[case]()
     hf.save_pretrained(tmp_path / "hf")
@@ -75,7 +75,7 @@ def test_hf_directory_loads_into_dspipe_gpt_with_the_same_logits(case, tmp_path)
     assert spec.num_params == sum(p.numel() for p in hf.parameters())  # tied counted once on both sides
 
     gpt = GPT(spec, seed=1).eval()
-    gpt.load_state_dict(load_hf_weights(tmp_path / "hf", spec), strict=True)
+    assert load_into_module(gpt, HFWeights(tmp_path / "hf", spec), spec=spec) == len(spec.model_tensors())
     x = ids()
     with torch.no_grad():
         diff = (gpt(x) - hf(x).logits).abs().max().item()
@@ -114,8 +114,8 @@ def test_dspipe_llama_exports_to_llama_for_causal_lm_with_the_same_logits(kv_hea
 def test_pipeline_stage_loads_only_its_own_parameters_by_pipeline_name(tmp_path):
     """A stand-in for one PipelineModule stage (layers 0-1 as DeepSpeed names them, and the tied embedding)."""
     from dspipe.model.pipeline import layer_specs
-    from dspipe.model.hf import spec_from_hf_dir
-    from dspipe.model.hf_weights import HFWeights, load_hf_weights, load_into_module
+    from dspipe.model.hf import from_hf_state, spec_from_hf_dir
+    from dspipe.model.hf_weights import HFWeights, load_into_module
 
     hf = gpt2_model(tied=True)
     hf.save_pretrained(tmp_path / "hf")
@@ -126,7 +126,7 @@ def test_pipeline_stage_loads_only_its_own_parameters_by_pipeline_name(tmp_path)
     stage.add_module("2", specs[2].build())  # block 1
     stage.tied_modules = torch.nn.ModuleDict({"embed": specs[0].build()})
     assert load_into_module(stage, HFWeights(tmp_path / "hf", spec), spec=spec) == 2 + 2 * 12  # wte, wpe, 12 per block
-    full = load_hf_weights(tmp_path / "hf", spec)
+    full = from_hf_state(hf_state(hf), spec)
     got = dict(stage.named_parameters())
     assert torch.equal(got["1.attn.c_attn.weight"], full["h.0.attn.c_attn.weight"])
     assert torch.equal(got["2.mlp.c_proj.bias"], full["h.1.mlp.c_proj.bias"])
@@ -141,7 +141,7 @@ def test_base_model_checkpoint_names_and_a_shorter_context(tmp_path):
 
     from dspipe.model.gpt import GPT
     from dspipe.model.hf import spec_from_hf_dir
-    from dspipe.model.hf_weights import load_hf_weights
+    from dspipe.model.hf_weights import HFWeights, load_into_module
 
     hf = gpt2_model(tied=True)
     hf.save_pretrained(tmp_path / "hf")
@@ -151,7 +151,7 @@ def test_base_model_checkpoint_names_and_a_shorter_context(tmp_path):
     spec = spec_from_hf_dir(tmp_path / "hf")
     short = ModelSpec(**{**spec.__dict__, "seq_len": 16})
     gpt = GPT(short, seed=0).eval()
-    gpt.load_state_dict(load_hf_weights(tmp_path / "hf", short), strict=True)
+    assert load_into_module(gpt, HFWeights(tmp_path / "hf", short), spec=short) == len(short.model_tensors())
     x = ids(seq=16)
     with torch.no_grad():
         assert (gpt(x) - hf(x).logits).abs().max().item() < TOL
@@ -207,7 +207,7 @@ def test_other_refusals(tmp_path):
     from safetensors.torch import save_file
 
     from dspipe.model.hf import hf_config, spec_from_hf_dir
-    from dspipe.model.hf_weights import load_hf_weights
+    from dspipe.model.hf_weights import HFWeights
 
     assert "no such Hugging Face model directory" in _refusal(spec_from_hf_dir, tmp_path / "absent")
     (tmp_path / "file").write_text("x")
@@ -227,13 +227,13 @@ def test_other_refusals(tmp_path):
     spec = spec_from_hf_dir(d)
     sd = {k: v.contiguous() for k, v in hf_state(hf).items() if k != "model.layers.1.self_attn.k_proj.weight"}
     save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})
-    assert _refusal(load_hf_weights, d, spec) == \
+    assert _refusal(HFWeights, d, spec) == \
         f"{d / 'model.safetensors'}: missing tensor model.layers.1.self_attn.k_proj.weight"
     # a directory with a config but no weights; weights of another model
     (d / "model.safetensors").unlink()
-    assert "no weights" in _refusal(load_hf_weights, d, spec)
+    assert "no weights" in _refusal(HFWeights, d, spec)
     other = ModelSpec(**{**spec.__dict__, "layers": 3})
-    assert "describes another model than the run's: layers 2 (run: 3)" in _refusal(load_hf_weights, d, other)
+    assert "describes another model than the run's: layers 2 (run: 3)" in _refusal(HFWeights, d, other)
     # a spec no supported architecture computes
     odd = ModelSpec("odd", 2, 32, 4, 96, 24, 72, norm="rmsnorm", mlp="gelu")
     assert "matches no Hugging Face architecture dspipe writes" in _refusal(hf_config, odd, eos_id=0)
@@ -296,13 +296,14 @@ def test_tokenizer_note(tmp_path):
 def test_lazy_reads_equal_the_whole_tensor(tmp_path, case):
     """HFWeights.rows/flat (what a pipeline stage and a ZeRO-3 partition read) are slices of the whole tensor, for
     GPT-2's transposed Conv1D weights and Llama's stacked q/k/v and gate/up alike, over a sharded checkpoint."""
-    from dspipe.model.hf import spec_from_hf_dir
-    from dspipe.model.hf_weights import HFWeights, load_hf_weights
+    from dspipe.model.hf import from_hf_state, spec_from_hf_dir
+    from dspipe.model.hf_weights import HFWeights
 
-    CASES[case]().save_pretrained(tmp_path / "hf", max_shard_size="20KB")
+    hf = CASES[case]()
+    hf.save_pretrained(tmp_path / "hf", max_shard_size="20KB")
     assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
     spec = spec_from_hf_dir(tmp_path / "hf")
-    weights, full = HFWeights(tmp_path / "hf", spec), load_hf_weights(tmp_path / "hf", spec)
+    weights, full = HFWeights(tmp_path / "hf", spec), from_hf_state(hf_state(hf), spec)
     g = torch.Generator().manual_seed(0)
     for name, t in full.items():
         assert torch.equal(weights.full(name), t), name

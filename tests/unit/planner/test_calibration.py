@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from dspipe.errors import SpecError
-from dspipe.planner.estimate import estimate
+from dspipe.planner.cost import estimate
 from dspipe.spec.hardware import GPU_CATALOG
 from dspipe.planner.plan import make_plan
 from dspipe.spec.presets import model_preset

@@ -6,7 +6,8 @@ import shutil
 
 import pytest
 
-from dspipe.planner.estimate import estimate, largest_tensor, stage_params
+from dspipe.planner.cost import estimate
+from dspipe.planner.stages import largest_tensor, stage_params
 from dspipe.spec.hardware import GIB
 from dspipe.planner.plan import make_plan
 from dspipe.spec.presets import MODEL_PRESETS

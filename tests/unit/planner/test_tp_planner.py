@@ -7,10 +7,11 @@ from dataclasses import replace
 
 import pytest
 
-from dspipe.planner.estimate import (MEMORY_HEADROOM, RING_BASE_LATENCY_S, RING_HOP_LATENCY_S,
-                                     activation_bytes_per_layer, block_params_per_rank, embedding_bytes, estimate,
-                                     logits_bytes, ring_latency_s, stage_params, tp_split_params_per_block)
-from dspipe.spec.hardware import GPU_CATALOG
+from dspipe.planner.cost import estimate
+from dspipe.planner.memory import MEMORY_HEADROOM, activation_bytes_per_layer, embedding_bytes, logits_bytes
+from dspipe.planner.stages import block_params_per_rank, stage_params, tp_split_params_per_block
+from dspipe.planner.timing import RING_BASE_LATENCY_S, RING_HOP_LATENCY_S, ring_latency_s
+from dspipe.spec.hardware import GIB, GPU_CATALOG
 from dspipe.planner.plan import make_plan
 from dspipe.spec.presets import MODEL_PRESETS, model_preset
 from dspipe.planner.enumerate import sp_choices, tp_choices
@@ -19,7 +20,6 @@ from dspipe.spec.core import ClusterSpec, StrategySpec, TrainSpec, StrategyReque
 from dspipe.planner.summary import estimate_summary, human_report
 from tests.helpers import run_cli
 
-GIB = 1024**3
 SMALL = "gpt2-124m"  # L12 h768 a12 s1024 V50257, ffn 3072
 
 
@@ -58,7 +58,7 @@ def test_tp_splits_the_block_matrices_and_keeps_embeddings_head_and_norms_whole(
     replicated = m.num_params - L * split  # embeddings, final norm, per-block LayerNorms and row-parallel biases
     assert replicated == m.embedding_params + 2 * h + L * (4 * h + 2 * h)
     assert block_params_per_rank(m, 2) == m.params_per_block - split // 2
-    assert stage_params(model=m, pp=1, partition_method="parameters", tp=2) == [replicated + L * split // 2]
+    assert stage_params(model=m, pp=1, partition_method="parameters", tp=2) == (replicated + L * split // 2,)
 
     _, p1, one = _estimate(zero=1, tp=1)
     _, p2, two = _estimate(zero=1, tp=2)

@@ -80,7 +80,6 @@ def test_the_allowlist_loads_what_deepspeed_and_dspipe_write(tmp_path):
     assert loaded["dynamic"].cur_scale == 2.0**16 and loaded["dynamic"].scale_window == 1000
     assert loaded["param_slice_mappings"][0]["w"] == fragment_address(numel=6, start=2)
     assert torch.equal(loaded["t"], torch.arange(4.0)) and loaded["rng"]["python"] == state["rng"]["python"]
-    assert all("." in name for name in safeload.allowed_names())
     # nothing of the table leaks out of a read, and the forcing variable is restored
     assert os.environ.get(safeload.FORCE_ENV) is None
     assert not {id(g) for g in safeload.allowed_globals()} & {id(g) for g in torch.serialization.get_safe_globals()}

@@ -10,6 +10,7 @@ from dspipe.errors import SpecError
 from dspipe.planner.throughput import STEP_COLUMNS
 from dspipe.runtime import checkpoint as ckpt
 from dspipe.runtime import metrics_log as ml
+from dspipe.runtime.metrics_log import repair_rows
 from tests.helpers import dspipe
 
 COLS = ("step", "loss", "lr")
@@ -92,10 +93,10 @@ def test_csv_writer_has_its_header_on_disk_before_any_row_and_writes_whole_lines
     assert m.read_text() == "step,loss,lr\n1,9.5,\n2,9.25,0.5\n"
 
 
-def test_trim_metrics_keeps_its_contract(tmp_path):
+def test_repair_rows_keeps_the_rows_up_to_the_step(tmp_path):
     m = tmp_path / "metrics.csv"
     m.write_text("step,loss\n1,9.0\n2,8.0\n3,7.0\n4,6.")
-    ckpt.trim_metrics(m, 2)
+    repair_rows(m, upto=2)
     assert m.read_text() == "step,loss\n1,9.0\n2,8.0\n"
 
 

@@ -7,6 +7,7 @@ import subprocess
 import pytest
 
 from dspipe.runtime import checkpoint as ckpt
+from dspipe.runtime.metrics_log import repair_rows
 from dspipe.errors import SpecError
 from tests.helpers import mount_tmpfs
 
@@ -45,10 +46,10 @@ def test_find_checkpoint(tmp_path):
         ckpt.find_checkpoint(tmp_path, "auto")
 
 
-def test_trim_metrics_and_atomic_write(tmp_path):
+def test_repair_rows_and_atomic_write(tmp_path):
     m = tmp_path / "metrics.csv"
     m.write_text("step,loss\n1,9.0\n2,8.0\n3,7.0\n4,6.5\n")
-    ckpt.trim_metrics(m, 2)
+    repair_rows(m, upto=2)
     assert m.read_text() == "step,loss\n1,9.0\n2,8.0\n"
     ckpt.write_atomic(tmp_path / "latest", "global_step2")
     assert (tmp_path / "latest").read_text() == "global_step2" and [p.name for p in tmp_path.iterdir()

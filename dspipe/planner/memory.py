@@ -1,0 +1,364 @@
+"""Memory per rank for one Plan: model states, activations, host offload.
+
+Pure arithmetic: no torch, no deepspeed.
+
+Memory counts what DeepSpeed 0.19 actually allocates per rank (measured with benchmarks/census/tensors.py on live
+engines, see docs/planner-accuracy.md), not only the textbook 16 bytes/param:
+
+  steady state after a step (what a rank holds between steps), Phi = params of the rank's pipeline stage,
+  N = ZeRO group size (dp x sp), b = bytes of the training dtype (2 for bf16/fp16, 4 for fp32):
+    ZeRO-0, mixed precision  params 2Phi            optimizer 12Phi (fp32 master + Adam m, v)
+    ZeRO-0, fp32             params 4Phi            optimizer 8Phi
+    ZeRO-1, bf16             params 2Phi  grads 4Phi (BF16_Optimizer's fp32 accumulation buffer)  optimizer 12Phi/N
+    ZeRO-1/2, fp16 or fp32;  params b.Phi           optimizer 12Phi/N (an fp32 master copy is kept even in fp32)
+    ZeRO-2, bf16
+    ZeRO-3                   params b.Phi/N  grads 4Phi/N (fp32 gradient partitions stay allocated) optimizer 12Phi/N
+                             buffers: the reduce bucket
+    CPU offload, ZeRO-1/2    params b.Phi, buffers: a gradient staging buffer of the largest tensor (L)
+    CPU offload, ZeRO-3      params b.Phi/N (0 with offload_params; the persistent tensors stay), the reduce bucket
+  transient at the peak (backward + optimizer step): the live gradients (b.Phi, or b.Phi/N + reduce buckets with
+  ZeRO-2/3), the fp32 gradient partition built for the step (4Phi/N, ZeRO-0: 4Phi instead of the 16-bit gradients),
+  overlap_comm's 4.5 x bucket sizes; ZeRO-3: the larger of the backward (max_live_parameters gathered, overshot by
+  one module, the module gradient being produced and a tied head's embedding gradient: zero3_backward_working) and
+  the step (4Phi/N fp32 gradients);
+  ZeRO-1/2 offload: the fp32 gradient partition (4Phi/N) on the device from the last backward to the step, the
+  gradient being produced (L) and the bucket.
+  host (per rank, offload cpu; _host_states): ZeRO-1/2 16Phi/N + b.Phi/N (16-bit partition copy) + b.L (staging);
+  ZeRO-3 20Phi/N (two fp32 gradient partitions) + b.Phi/N with offload_params.
+  activations (measured with saved-tensor hooks on the real model: benchmarks/census/activations.py): Korthikanti et al.
+  2022's s.b.h(34 + 5as/h) without the s x s scores (SDPA's fused kernels keep q, k, v, the output and an fp32
+  log-sum-exp) and without dropout masks at dropout 0: 32sbh per GPT block at 2-byte activations plus fp32 statistics
+  (activation_bytes_per_layer, from the ModelSpec: SwiGLU, RMSNorm, rotary, GQA); selective recomputation saves only
+  the log-sum-exp, so the search never picks it; full keeps 2sbh per block and peaks at the larger of the head's
+  tensors and one recomputed block (they never coincide); the head and loss keep log_softmax's fp32 output, ~4sbV;
+  stage i holds the blocks of DeepSpeed's partition (stage_blocks) for min(p - i, m) micro-batches in flight (1F1B).
+  start-up (dspipe.planner.startup): host bytes per rank while the module is built in the plan's build mode (the
+  stage with the most parameters under a pipeline), or the offload's host peak where larger, times the ranks per
+  node, must fit the node's RAM; the build's device transient must fit the usable GPU memory (Estimate.fits).
+  GPU (kernels="cuda") and CPU (the gloo runner) kernels differ in the norms' statistics dtype and RMSNorm's saved
+  tensors (_norm_bytes_per_token); stage_memory uses the GPU type's backend to choose.
+
+Tensor parallel (DeepSpeed AutoTP, t ranks, no Megatron sequence parallelism): a rank holds 1/t of the four block
+matrices and of the column-parallel biases (planner/autotp.py's layer specs); embeddings, the head, LayerNorms and the
+row-parallel biases stay whole, so Phi above is the per-rank count and ZeRO shards it over dp. Activations per layer
+s.b.h(8 + 24/t) plus statistics (Korthikanti et al. eq. 2 without SP, the 5as/(ht) term gone with SDPA, no dropout
+masks); full recomputation keeps the
+block input 2sbh, replicated on every tp rank; the logits stay whole (the head is not split).
+Ulysses sequence parallel (sp ranks): every activation, the recomputation inputs and the logits divide by sp (a rank
+holds s/sp tokens); parameters do not, but DeepSpeed partitions ZeRO over its sequence-data-parallel group
+(engine.seq_data_parallel_group: dp x sp ranks), so N above is dp x sp.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from dspipe.planner.plan import Plan
+from dspipe.planner.stages import largest_tensor, share, stage_blocks, stage_params, zero_group_size
+from dspipe.spec.core import ClusterSpec, ModelSpec
+from dspipe.spec.hardware import GIB
+
+FRAMEWORK_RESERVE = int(1.5 * GIB)
+"""CUDA context, NCCL buffers and allocator fragmentation (none on the nominal 'cpu' type)."""
+MEMORY_HEADROOM = 0.10
+"""Fraction of GPU memory a plan leaves free (allocator fragmentation, spikes, what the model does not count):
+a plan fits when its peak is at most (1 - headroom) x the GPU's memory."""
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Per-GPU bytes at the peak of a step, by kind."""
+
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    buffers: int
+    model_states: int
+    """Bytes held between steps in params, grads, optimizer and DeepSpeed's buffers (what benchmarks/census/tensors.py
+    counts)."""
+    host_model_states: int = 0
+    """Host bytes this rank's offload holds between steps (census 'host')."""
+    host_peak: int = 0
+    """Host bytes this rank's offload holds at the step's peak; Estimate.host_memory_bytes is gpus_per_node x this."""
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations + self.buffers
+
+
+def _norm_bytes_per_token(model: ModelSpec, *, act_bytes: int, kernels: str) -> int:
+    """Bytes one normalisation layer saves per token. CUDA: its input and fp32 statistics (LayerNorm's mean and
+    rstd, the fused RMSNorm's rstd). CPU: LayerNorm's statistics are in the activation dtype; RMSNorm is composite
+    (torch.rms_norm decomposes off CUDA): it saves the input upcast to fp32, the fp32 normalised tensor and rstd."""
+    h = model.hidden
+    if model.norm == "rmsnorm":
+        return 8 * h + 4 if kernels == "cpu" else act_bytes * h + 4
+    return act_bytes * h + 2 * (act_bytes if kernels == "cpu" else 4)
+
+
+def activation_coefficients(model: ModelSpec) -> tuple[float, float]:
+    """(whole on every tp rank, divided by tp) elements per token that one block saves besides its norms, in units of h,
+    from the model's declaration (measured by benchmarks/census/activations.py): whole, the inputs of the fused q/k/v
+    and the MLP's up projection (2); split, the attention's saved q, k and v (a storage each when rotary rewrites it or
+    grouped-query attention expands it to every query head, otherwise views of the fused q/k/v output, which then stays
+    whole: qkv_width / h), its output (1, which the out-projection saves as its input: a view), and the MLP's hidden
+    activations: GELU's input and output (2 ffn / h), SwiGLU's fused gate/up output, SiLU's output and the product (4
+    ffn / h). GPT-2/3: 2 + 3 + 1 + 8 = 14, with the two norm inputs 16 elements = 32sbh at 2 bytes."""
+    h, grouped, rope = model.hidden, model.kv_groups < model.heads, model.positions == "rope"
+    fresh = int(rope) + 2 * int(grouped) + int(rope and not grouped)  # of q, k, v: tensors of their own
+    views = 3 - fresh  # q, k, v that are views of the fused projection's output
+    qkv = fresh + (model.qkv_width / h if views else 0)
+    mlp = (4 if model.mlp == "swiglu" else 2) * model.ffn / h
+    return 2.0, qkv + 1 + mlp
+
+
+def activation_bytes_per_layer(*, model: ModelSpec, micro_batch: int, checkpointing: str, act_bytes: int,
+                               tp: int = 1, sp: int = 1, kernels: str = "cuda") -> int:
+    """Bytes one transformer block keeps for backward on one rank (measured on the real model: see
+    benchmarks/census/activations.py and docs/planner-accuracy.md). With SDPA's fused kernels no s x s scores are kept:
+    the kernel saves q, k, v, its output and the fp32 log-sum-exp (4 bytes per token and head), so Korthikanti et al.'s
+    34sbh is 32sbh for GPT (no dropout masks: dropout 0), plus the norms' statistics.
+      none: two norms (_norm_bytes_per_token), activation_coefficients' elements at act_bytes (whole + split / t),
+        the log-sum-exp (heads / t), rotary's cos and sin tables (4 x s x head_dim, not per sequence), one-byte
+        dropout masks (attention and MLP outputs) when dropout > 0.
+      selective (the attention core recomputed, as dspipe wires it): DeepSpeed's checkpoint keeps q, k and v, the
+        out-projection still saves the core's output: only the log-sum-exp is not kept, so it saves what 'none' does
+        (less 4 bytes per token and head) and costs a recomputation.
+      full: the block input (act_bytes x h per token), whole on every tp rank; see recompute_working_bytes.
+    Ulysses: s is the rank's s/sp tokens. `kernels`: 'cuda' (flash / memory-efficient SDPA, fused norms with fp32
+    statistics; the GPU runner) or 'cpu' (PyTorch's CPU kernels: the gloo runner; the CPU SDPA also saves the
+    log-sum-exp)."""
+    s, b, h = share(model.seq_len, sp), micro_batch, model.hidden
+    tokens = s * b
+    if checkpointing == "full":
+        return tokens * h * act_bytes
+    whole, split = activation_coefficients(model)
+    per_token = 2 * _norm_bytes_per_token(model, act_bytes=act_bytes, kernels=kernels) \
+        + act_bytes * h * (whole + split / tp)
+    if checkpointing == "none":
+        per_token += 4 * share(model.heads, tp)  # the kernel's fp32 log-sum-exp
+    if model.dropout > 0:
+        per_token += 2 * h
+    rotary = 4 * s * model.head_dim * act_bytes if model.positions == "rope" else 0
+    return int(tokens * per_token + rotary)
+
+
+def recompute_working_bytes(*, model: ModelSpec, micro_batch: int, act_bytes: int, tp: int = 1, sp: int = 1,
+                            kernels: str = "cuda") -> int:
+    """Full recomputation: what one block's recomputed forward saves during its backward, beyond the block input
+    the checkpoint already holds. Only one block is rebuilt at a time."""
+    none = activation_bytes_per_layer(model=model, micro_batch=micro_batch, checkpointing="none",
+                                      act_bytes=act_bytes, tp=tp, sp=sp, kernels=kernels)
+    return none - activation_bytes_per_layer(model=model, micro_batch=micro_batch, checkpointing="full",
+                                             act_bytes=act_bytes, tp=tp, sp=sp, kernels=kernels)
+
+
+def logits_bytes(*, model: ModelSpec, micro_batch: int, sp: int = 1, act_bytes: int = 2, kernels: str = "cuda") -> int:
+    """What the last stage's final norm, head and loss save: log_softmax's fp32 output (4 bytes x V per token: the
+    loss upcasts the logits, which themselves are not kept), the final norm's input and statistics, the head's input
+    and the int64 labels. The head is whole on every tp rank; s is s/sp under Ulysses."""
+    per_token = 4 * model.vocab + _norm_bytes_per_token(model, act_bytes=act_bytes, kernels=kernels) \
+        + act_bytes * model.hidden + 8
+    return share(model.seq_len, sp) * micro_batch * per_token
+
+
+def embedding_bytes(*, model: ModelSpec, micro_batch: int, sp: int = 1) -> int:
+    """What the first stage's embedding saves: the int64 token ids (and learned positions' ids, per position)."""
+    s = share(model.seq_len, sp)
+    return 8 * s * micro_batch + (8 * s if model.positions == "learned" else 0)
+
+
+def micro_batch_activations(*, model: ModelSpec, micro_batch: int, checkpointing: str, act_bytes: int, blocks: int,
+                            first: bool, last: bool, tp: int = 1, sp: int = 1,
+                            kernels: str = "cuda") -> tuple[int, int]:
+    """(held, working): activation bytes one micro-batch keeps on a stage of `blocks` blocks from its forward to its
+    backward, and what its backward adds at the moment of its peak. none / selective: every block's saved tensors,
+    the embedding's ids on the first stage, the head and loss on the last; nothing added. full: the block inputs (and
+    ids) held; at the peak either the head and loss (alive at the end of the forward, freed by the head's backward)
+    or one recomputed block (rebuilt after the head's tensors are gone), whichever is larger: they never coincide."""
+    per_layer = activation_bytes_per_layer(model=model, micro_batch=micro_batch, checkpointing=checkpointing,
+                                           act_bytes=act_bytes, tp=tp, sp=sp, kernels=kernels)
+    ids = embedding_bytes(model=model, micro_batch=micro_batch, sp=sp) if first else 0
+    head = logits_bytes(model=model, micro_batch=micro_batch, sp=sp, act_bytes=act_bytes, kernels=kernels) \
+        if last else 0
+    if checkpointing != "full":
+        return blocks * per_layer + ids + head, 0
+    working = recompute_working_bytes(model=model, micro_batch=micro_batch, act_bytes=act_bytes, tp=tp, sp=sp,
+                                      kernels=kernels) if blocks else 0
+    return blocks * per_layer + ids, max(head, working)
+
+
+def persistent_params(*, model: ModelSpec, threshold: int) -> int:
+    """Parameters ZeRO-3 keeps whole on every rank: tensors smaller than stage3_param_persistence_threshold."""
+    sizes = (math.prod(shape) for _, shape in model.model_tensors())
+    return sum(n for n in sizes if n < threshold)
+
+
+
+def zero3_gathered_bound(*, model: ModelSpec, plan: Plan) -> int:
+    """Elements ZeRO-3 can hold gathered at most under the plan's knobs: the coordinator prefetches only while fewer
+    than stage3_max_live_parameters are gathered (parameters kept for reuse count too) and its last prefetched
+    tensor can overshoot that by one tensor."""
+    return plan.max_live_parameters + largest_tensor(model)
+
+
+def _modules(tensors: list[tuple[str, tuple[int, ...]]]) -> list[int]:
+    """Elements of each parameterised module among `tensors`, in their order (ZeRO-3 gathers, releases and reduces a
+    module's parameters together)."""
+    modules: dict[str, int] = {}
+    for name, shape in tensors:
+        owner = name.rsplit(".", 1)[0]
+        modules[owner] = modules.get(owner, 0) + math.prod(shape)
+    return list(modules.values())
+
+
+@lru_cache(maxsize=256)
+def _forward_modules(model: ModelSpec) -> tuple[int, ...]:
+    """Elements of every parameterised module in forward order, the head (a tied one reuses the embedding) last."""
+    tensors = model.model_tensors()
+    return (*_modules([t for t in tensors if t[0].startswith("embed.")]),
+            *_modules(model.block_tensors()) * model.layers,
+            *_modules([t for t in tensors if t[0].startswith("final.")]), model.vocab * model.hidden)
+
+
+def zero3_kept_for_reuse(*, model: ModelSpec, plan: Plan) -> int:
+    """Elements ZeRO-3 keeps gathered from their forward to their backward: after a module runs, its parameters stay
+    gathered when the trace reuses them within stage3_max_reuse_distance elements; between a module's forward and
+    its backward the trace fetches every later module twice, so the kept ones are the model's tail (the head at the
+    forward/backward turn at least; DeepSpeed's 1e9 default keeps the whole model, measured)."""
+    kept, after = 0, 0
+    for size in reversed(_forward_modules(model)):
+        if 2 * after > plan.max_reuse_distance:
+            break
+        kept, after = kept + size, after + size
+    return min(kept, model.num_params)  # a tied head is the embedding: counted once
+
+
+def zero3_backward_working(*, model: ModelSpec, plan: Plan) -> int:
+    """Elements ZeRO-3 holds beyond the steady partitions at its backward peak (census of DeepSpeed 0.19.8 at every
+    gradient hook, tied GPT and untied Llama): the larger of
+      - the blocks: the live parameters gathered (stage3_max_live_parameters, at most what a prefetch bucket past the
+        largest tensor brings; the module whose gradient is produced included), overshot by the module prefetched
+        past the cap, plus that gradient: the largest two modules adjacent in backward order; or, when
+        stage3_max_reuse_distance kept more gathered since the forward, that plus the largest module's gradient;
+        with a tied head, the head's share of the embedding gradient (vocab x hidden), held from the head's backward
+        to the embedding's;
+      - the head: its weight gathered with a prefetch bucket and the first block module past it (or what
+        stage3_max_reuse_distance kept gathered since the forward, if more), and its gradient.
+    The contiguous reduce bucket is a steady buffer; the gradients are reduced module by module and freed."""
+    order = list(reversed(_modules(model.block_tensors())))
+    pair = max(a + b for a, b in zip(order, order[1:] + order[:1]))
+    head = model.vocab * model.hidden
+    kept = zero3_kept_for_reuse(model=model, plan=plan)
+    live = min(plan.max_live_parameters, plan.prefetch_bucket_size + largest_tensor(model))
+    tied = head if model.tied_embeddings else 0
+    # what stayed gathered since the forward, less the head (and final norm) released after their backward; a tied
+    # head is the embedding, needed again at the end
+    blocks = max(live + pair, kept - (head - tied) + max(order)) + tied
+    at_head = max(kept, head + plan.prefetch_bucket_size + order[0]) + head
+    return max(blocks, at_head)
+
+
+def _model_states(*, model: ModelSpec, plan: Plan, phi: int) -> tuple[dict, dict]:
+    """(steady, transient) device bytes per rank for params/grads/optimizer/buffers on a stage of phi parameters
+    per rank; the host's are _host_states'."""
+    n, z, b = zero_group_size(plan), plan.zero_stage, 2 if plan.precision in ("bf16", "fp16") else 4
+    mixed = b == 2
+    master = 4 * phi if mixed else 0
+    adam = 8 * phi
+    bucket = plan.reduce_bucket_size * b
+    offload = plan.offload != "none"
+    largest = b * largest_tensor(model)
+    if z == 0:
+        steady = dict(params=b * phi, grads=0, optimizer=master + adam, buffers=0)
+        # the peak is the optimizer step's fp32 gradients (4Phi); mixed precision frees the 16-bit ones first (census)
+        transient = dict(grads=4 * phi, buffers=0)
+    elif z == 1 and plan.precision == "bf16" and not offload:
+        steady = dict(params=2 * phi, grads=4 * phi, optimizer=12 * phi // n, buffers=0)
+        transient = dict(grads=2 * phi, buffers=0)
+    elif z in (1, 2) and offload:
+        # Device: the 16-bit params, a gradient staging buffer of the largest tensor (temp_grad_buffer_for_gpu_offload);
+        # from the last backward to the step the rank's fp32 gradient partition (averaged_gradients, 4Phi/N) and,
+        # while a gradient is produced, that gradient (up to the largest tensor; ZeRO-1 keeps every 16-bit gradient
+        # until the boundary's reduction, b.Phi) and the reduce bucket.
+        # In fp32 the partition is the gradients themselves; a copy of the largest gradient is made on the way out.
+        steady = dict(params=b * phi, grads=0, optimizer=0, buffers=largest)
+        transient = dict(grads=(b * phi if z == 1 else largest) + bucket,
+                         buffers=(4 * phi // n if mixed else 0) + largest + bucket)
+    elif z in (1, 2):
+        steady = dict(params=b * phi, grads=0, optimizer=12 * phi // n, buffers=0)
+        live_grads = b * phi if z == 1 else b * phi // n + 2 * bucket
+        # mixed precision: the fp32 gradient partition built for the step (4Phi/N); ZeRO-2 also copies the largest
+        # gradient on its way into the partition (census: an unnamed buffer of that size)
+        fp32_partition = 4 * phi // n if mixed else 0
+        transient = dict(grads=live_grads + fp32_partition,
+                         buffers=(int(4.5 * bucket) if plan.overlap_comm else 0) + (largest if z == 2 else 0))
+    else:
+        persistent = persistent_params(model=model, threshold=plan.param_persistence_threshold)
+        # the partitions (moved to the host with offload_params) and the persistent tensors, whole on every rank
+        params = b * persistent if plan.offload_params else b * (phi // n + persistent * (n - 1) // n)
+        steady = dict(params=params, grads=0 if offload else 4 * phi // n, optimizer=0 if offload else 12 * phi // n,
+                      buffers=bucket)  # the contiguous-gradients reduce bucket stays allocated
+        backward = dict(grads=0, buffers=b * zero3_backward_working(model=model, plan=plan))
+        step = dict(grads=0 if offload else 4 * phi // n, buffers=0)  # the fp32 gradients handed to the optimizer
+        transient = max(backward, step, key=lambda t: sum(t.values()))
+    return steady, transient
+
+
+def _host_states(*, model: ModelSpec, plan: Plan, phi: int) -> tuple[int, int]:
+    """(between steps, peak) host bytes one rank's offload holds, as DeepSpeed 0.19.8 allocates them (measured:
+    benchmarks/census/tensors.py's host rule). ZeRO-1/2 + cpu: fp32 master, fp32 gradient partition and Adam m, v
+    (16Phi/N), a 16-bit copy of the partition (b.Phi/N), a host gradient staging buffer of the largest tensor, and
+    with gradient accumulation a b.Phi/N accumulation buffer. ZeRO-3 + cpu: fp32 master and Adam (12Phi/N), two fp32
+    gradient partitions (grad_partitions_flat_buffer and the master's .grad, 8Phi/N), with offload_params the 16-bit
+    partitions (b.Phi/N). NVMe (not measured: no NVMe here): swap buffers of 2 fp32 and 4 training-dtype reduce
+    buckets and, with offload_params, the partitions."""
+    n, z, b = zero_group_size(plan), plan.zero_stage, 2 if plan.precision in ("bf16", "fp16") else 4
+    if plan.offload == "none":
+        return 0, 0
+    params = b * phi // n if plan.offload_params else 0
+    if plan.offload == "nvme":
+        host = 2 * plan.reduce_bucket_size * 4 + 4 * plan.reduce_bucket_size * b + params
+        return host, host
+    if z in (1, 2):
+        host = 16 * phi // n + b * phi // n + b * largest_tensor(model)
+        host += b * phi // n if plan.grad_accum > 1 else 0
+    else:
+        host = 20 * phi // n + params
+    return host, host
+
+
+def stage_memory(*, model: ModelSpec, cluster: ClusterSpec, plan: Plan) -> tuple[Memory, int]:
+    """(memory, parameters per rank) of the pipeline stage with the largest peak. Stage 0 holds the embedding and
+    pp micro-batches in flight; the last holds the logits."""
+    gpu = cluster.gpu_type
+    pp, m, tp, sp = plan.pp, plan.grad_accum, plan.tp, plan.sp
+    b = 2 if plan.precision in ("bf16", "fp16") else 4
+    stages = stage_params(model=model, pp=pp, partition_method=plan.partition_method, tp=tp)
+    blocks = stage_blocks(model=model, pp=pp, partition_method=plan.partition_method)
+    kernels = "cuda" if gpu.backend == "nccl" else "cpu"
+    reserve = FRAMEWORK_RESERVE if gpu.backend == "nccl" else 0
+    worst = None
+    for i, phi in enumerate(stages):
+        steady, transient = _model_states(model=model, plan=plan, phi=phi)
+        held, working = micro_batch_activations(model=model, micro_batch=plan.micro_batch,
+                                                checkpointing=plan.checkpointing, act_bytes=b, blocks=blocks[i],
+                                                first=i == 0, last=i == pp - 1, tp=tp, sp=sp, kernels=kernels)
+        acts = min(pp - i, m) * held + working  # 1F1B: stage i has up to pp - i micro-batches in flight
+        host_steady, host_peak = _host_states(model=model, plan=plan, phi=phi)
+        mem = Memory(params=steady["params"], grads=steady["grads"] + transient["grads"],
+                     optimizer=steady["optimizer"], activations=acts,
+                     buffers=steady["buffers"] + transient["buffers"] + reserve,
+                     model_states=sum(steady.values()), host_model_states=host_steady, host_peak=host_peak)
+        if worst is None or mem.total > worst.total:
+            worst, worst_phi = mem, phi
+    return worst, worst_phi
+
+
+def host_offload_per_rank(*, model: ModelSpec, plan: Plan) -> int:
+    """Host bytes at the peak of one rank's offload on the stage with the most (every GPU of a node offloads its
+    rank's share)."""
+    stages = stage_params(model=model, pp=plan.pp, partition_method=plan.partition_method, tp=plan.tp)
+    return max(_host_states(model=model, plan=plan, phi=phi)[1] for phi in stages)

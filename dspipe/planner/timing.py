@@ -1,0 +1,206 @@
+"""Seconds of one step: compute, communication, pipeline bubble, offload, optimizer step.
+
+Pure arithmetic: no torch, no deepspeed.
+
+Time (per step, the slowest pipeline stage): compute at the GPU type's matmul_efficiency (or the rate a
+`dspipe calibrate` profile measured for the model's forward + backward: GpuType.compute_tflops), divided by tp (block
+matmuls; the replicated head is not) and by sp; TP all-reduces and Ulysses all-to-alls, synchronous; the data-parallel
+collectives DeepSpeed 0.19.8 issues (see _dp_comm_s); the 1F1B bubble; pipeline p2p; offload (GpuType's CPU-Adam and
+host copy rates); the engine's own optimizer step where the GPU type (a profile) gives its rate. Every collective costs
+its bytes over the link's bandwidth plus the ring latency (RING_BASE_LATENCY_S, or a profile's measured launch cost).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from dspipe.planner.plan import Plan
+from dspipe.planner.stages import share, zero_group_size
+from dspipe.planner.throughput import model_flops_per_token
+from dspipe.spec.core import ClusterSpec, ModelSpec
+from dspipe.spec.hardware import GpuType
+
+NVME_GBPS = 3.0
+"""NVMe read + write bandwidth per node, GB/s."""
+RING_BASE_LATENCY_S = 8.4e-6
+RING_HOP_LATENCY_S = {"intra": 3.4e-6, "inter": 14e-6}
+"""Latency of one ring collective: a launch cost plus one per ring step, inside a node (NVLink) or across nodes
+(network); NCCL's own cost model for Ring / Simple (src/graph/tuning.cc: baseLat 8.4 us, hwLat NVLink 3.4 us,
+Net 14 us). A ring reduce-scatter or all-gather over n ranks takes n - 1 steps, an all-reduce 2(n - 1). Applied to
+gloo's 'cpu' type too, nominally. This is why many small collectives (ZeRO-3's per-module gathers, small buckets)
+and very large rings cost more than their bytes."""
+ENGINE_ALLREDUCE_BUCKET = 500_000_000
+"""Elements per all-reduce when the engine reduces gradients itself (ZeRO-0, BF16_Optimizer):
+deepspeed.runtime.engine.MEMORY_OPT_ALLREDUCE_SIZE."""
+
+
+def _inside_node(span: int, gpus_per_node: int) -> bool:
+    """Whether a group of `span` consecutive ranks (aligned to span) sits inside one node."""
+    return span <= gpus_per_node and gpus_per_node % span == 0
+
+
+def ring_latency_s(*, steps: int, inter_steps: int = 0, gpu: GpuType | None = None) -> float:
+    """Latency of one ring collective of `steps` steps, `inter_steps` of them across nodes (RING_BASE_LATENCY_S);
+    with `gpu`, its launch and intra-node hop costs (a calibration profile measures the launch cost)."""
+    if gpu is not None:
+        return gpu.ring_base_latency_s + (steps - inter_steps) * gpu.ring_hop_latency_s \
+            + inter_steps * RING_HOP_LATENCY_S["inter"]
+    return RING_BASE_LATENCY_S + (steps - inter_steps) * RING_HOP_LATENCY_S["intra"] \
+        + inter_steps * RING_HOP_LATENCY_S["inter"]
+
+
+def zero3_gathers_per_pass(model: ModelSpec) -> int:
+    """All-gathers ZeRO-3 issues in one forward (or backward) pass: one per module whose parameters are partitioned
+    (tensors under stage3_param_persistence_threshold = 10h stay whole): per block the QKV, attention-out, MLP-up
+    and MLP-down linears; the token and position embeddings; the (tied) head."""
+    return 4 * model.layers + 3
+
+
+def _dp_comm_s(*, model: ModelSpec, plan: Plan, cluster: ClusterSpec, phi: int, fwd_s: float,
+               bwd_s: float) -> float:
+    """Seconds per step of data-parallel (ZeRO) collectives not hidden behind compute, as DeepSpeed 0.19.8 issues them
+    over the sequence-data-parallel group of N = dp x sp ranks: (N-1)/N of the bytes per rank for a reduce-scatter or
+    all-gather, twice that for an all-reduce, at the inter-node bandwidth when the group leaves a node, plus a ring
+    latency per bucket (ring_latency_s). fwd_s / bwd_s: one micro-batch's forward and backward (recomputation
+    included) compute, what overlap_comm can hide communication behind.
+      ZeRO-0: all-reduces of the gradients at the accumulation boundary (engine.allreduce_gradients), not overlapped.
+      bf16 ZeRO-1 without offload (and bf16 ZeRO-0 under a pipeline): BF16_Optimizer; the fp32 accumulated gradients
+        are all-reduced at the boundary in the communication dtype, then the updated bf16 params all-gathered.
+      ZeRO-1 otherwise: reduce-scatter at the boundary (stage_1_and_2 reduces only there), all-gather after the step.
+      ZeRO-2: gradients reduce-scattered in every micro-batch's backward (stage_1_and_2 reduces whenever
+        partition_gradients), hidden behind that backward with overlap_comm; params all-gathered after the step.
+      ZeRO-3: per micro-batch a forward all-gather, a backward all-gather (one per module) and a reduce-scatter,
+        prefetched / overlapped with the forward and the backward, except the forward's first gather (the token
+        embedding); no all-gather after the step.
+    Gradients travel in the training dtype, in fp32 under Ulysses (DeepSpeed sets the communication dtype to
+    seq_parallel_communication_data_type, fp32 by default, when sp > 1); parameters in the training dtype."""
+    n, z, m = zero_group_size(plan), plan.zero_stage, plan.grad_accum
+    if n == 1:
+        return 0.0
+    b = 2 if plan.precision in ("bf16", "fp16") else 4
+    grad_b = 4 if plan.sp > 1 else b
+    span, g = plan.dp * plan.sp * plan.tp, cluster.gpus_per_node  # the group's ranks: consecutive, tp apart
+    inside = _inside_node(span, g)
+    gpu = cluster.gpu_type
+    # Across nodes NCCL runs one ring per NIC, each leaving a node once: the group's g / tp ranks in a node share its
+    # g / tp NICs (one per GPU on DGX-class nodes), so the bus bandwidth is their sum, capped by NVLink (nccl-tests
+    # busbw across nodes ~ the node's NIC total: NVIDIA/nccl-tests#119, NVIDIA/nccl#1048; docs/hardware.md).
+    across = min(gpu.intra_node_gbps, gpu.inter_node_gbps * max(1, g // plan.tp))
+    bw = (gpu.intra_node_gbps if inside else across) * 1e9
+    hops = 0 if inside else math.ceil(span / g) - 1  # ring steps that cross a node boundary
+    ring = ring_latency_s(steps=n - 1, inter_steps=hops, gpu=gpu)
+    shard = (n - 1) / n * phi  # elements one reduce-scatter or all-gather moves per rank
+    gather = shard * b / bw + math.ceil(phi / plan.allgather_bucket_size) * ring
+    reduce = shard * grad_b / bw + math.ceil(phi / plan.reduce_bucket_size) * ring
+    all_reduce = 2 * shard * grad_b / bw + math.ceil(phi / ENGINE_ALLREDUCE_BUCKET) * \
+        ring_latency_s(steps=2 * (n - 1), inter_steps=2 * hops, gpu=gpu)
+
+    def hidden(comm: float, window: float) -> float:
+        return max(0.0, comm - window) if plan.overlap_comm else comm
+
+    bf16_optimizer = plan.precision == "bf16" and plan.offload == "none" and (z == 1 or (z == 0 and plan.pp > 1))
+    if bf16_optimizer:
+        return all_reduce + gather
+    if z == 0:
+        return all_reduce
+    if z == 1:
+        return hidden(reduce, bwd_s) + gather
+    if z == 2:
+        return m * hidden(reduce, bwd_s) + gather
+    module_gathers = shard * b / bw + zero3_gathers_per_pass(model) * ring
+    # The forward's first gather, the token embedding, has no earlier compute to hide behind (the prefetch looks one
+    # module ahead of the one computing); every later one overlaps the module before it.
+    first = (n - 1) / n * model.vocab * model.hidden * b / bw + ring
+    return m * (first + hidden(module_gathers - first, fwd_s) + hidden(module_gathers + reduce, bwd_s))
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds of one step by cause, and the FLOPs behind its compute."""
+
+    compute_s: float
+    dp_comm_s: float
+    """Data-parallel (ZeRO) collectives not hidden behind the backward pass."""
+    bubble_s: float
+    pp_comm_s: float
+    offload_s: float
+    tp_comm_s: float
+    """Tensor-parallel activation all-reduces (synchronous in AutoTP)."""
+    sp_comm_s: float
+    """Ulysses all-to-alls (synchronous)."""
+    optimizer_s: float
+    """The engine's own optimizer step over the rank's shard (GpuType.optimizer_params_per_s; 0 where not modelled)."""
+    flops_per_token: float
+    """Model FLOPs per token (6N + 6Lhs), recomputation excluded: the MFU numerator."""
+    hardware_flops_per_token: float
+    """FLOPs actually executed per token, recomputation included."""
+    matmul_efficiency: float
+    """Achieved / peak FLOP/s assumed for the compute (the GPU type's catalog figure, or a profile's measured rate
+    over the peak)."""
+
+
+def step_time(*, model: ModelSpec, cluster: ClusterSpec, plan: Plan, phi: int) -> StepTime:
+    """The step's seconds on the slowest stage, whose ranks hold `phi` parameters each."""
+    gpu = cluster.gpu_type
+    n, pp, m, tp, sp = zero_group_size(plan), plan.pp, plan.grad_accum, plan.tp, plan.sp
+    b = 2 if plan.precision in ("bf16", "fp16") else 4
+    layers_per_stage = math.ceil(model.layers / pp)
+
+    # Compute: FLOPs per token, split across the tp ranks (block matmuls only: AutoTP keeps the head whole) and the
+    # sp ranks (each holds s/sp tokens; after the all-to-all, attention runs on heads/sp over the whole sequence).
+    model_flops = model_flops_per_token(model)
+    extra = {"none": 0.0, "selective": 2 * model.layers * model.hidden * model.seq_len,
+             "full": model_flops / 3}[plan.checkpointing]
+    hw_flops = model_flops + extra
+    rank_flops = hw_flops
+    if tp > 1:
+        head = 6.0 * model.hidden * model.vocab  # forward 2hV + backward 4hV, never recomputed
+        rank_flops = (hw_flops - head) / tp + head
+    rank_flops /= sp
+    achieved = gpu.compute_tflops(plan.precision) * 1e12  # a profile's measured rate, or peak x efficiency
+    tokens_per_replica = plan.micro_batch * model.seq_len * m  # per pipeline stage, per step
+    compute = tokens_per_replica * rank_flops / pp / achieved
+    bubble = compute * (pp - 1) / m
+    fwd_share = model_flops / 3 / hw_flops  # forward: 2N + 2Lhs of the 6N + 6Lhs; the rest (recompute too) is backward
+    fwd_micro, bwd_micro = compute / m * fwd_share, compute / m * (1 - fwd_share)
+
+    # Tensor parallel: per layer and micro-batch, 2 all-reduces of the b.s.h activations in forward (attention and
+    # MLP outputs), 2 in backward (their input gradients), 2 more when full recomputation re-runs the forward.
+    # Ring all-reduce moves 2(t-1)/t of the bytes per rank, over NVLink (tp never leaves a node), plus its ring
+    # latency. Not overlapped.
+    tokens_micro = plan.micro_batch * share(model.seq_len, sp)
+    tp_comm = 0.0
+    if tp > 1:
+        per_layer_ops = 6 if plan.checkpointing == "full" else 4
+        volume = 2 * (tp - 1) / tp * tokens_micro * model.hidden * b
+        one = volume / (gpu.intra_node_gbps * 1e9) + ring_latency_s(steps=2 * (tp - 1), gpu=gpu)
+        tp_comm = m * layers_per_stage * per_layer_ops * one
+    # Ulysses: per layer and micro-batch, 4 all-to-alls in forward (q, k, v to head-sharded, the output back), 4 in
+    # backward, 4 more with full recomputation; each sends (sp-1)/sp of the rank's b.(s/sp).h activations (plus sp - 1
+    # steps of latency), over NVLink while the sp group stays inside a node.
+    sp_comm = 0.0
+    if sp > 1:
+        per_layer_ops = 12 if plan.checkpointing == "full" else 8
+        volume = (sp - 1) / sp * tokens_micro * model.hidden * b
+        inside = _inside_node(sp * tp, cluster.gpus_per_node)
+        bw = gpu.intra_node_gbps if inside else gpu.inter_node_gbps
+        hops = 0 if inside else math.ceil(sp * tp / cluster.gpus_per_node) - 1
+        one = volume / (bw * 1e9) + ring_latency_s(steps=sp - 1, inter_steps=hops, gpu=gpu)
+        sp_comm = m * layers_per_stage * per_layer_ops * one
+
+    dp_comm = _dp_comm_s(model=model, plan=plan, cluster=cluster, phi=phi, fwd_s=fwd_micro, bwd_s=bwd_micro)
+    stages_span_nodes = pp > 1 and cluster.nodes > 1
+    p2p_bw = (gpu.inter_node_gbps if stages_span_nodes else gpu.intra_node_gbps) * 1e9
+    pp_comm = 0.0 if pp == 1 else 2 * m * tokens_micro * model.hidden * b / p2p_bw
+    offload = optimizer = 0.0
+    if plan.offload == "none" and gpu.optimizer_params_per_s:  # the device's Adam over the params this rank updates
+        optimizer = (phi if plan.zero_stage == 0 else phi / n) / gpu.optimizer_params_per_s
+    if plan.offload != "none":
+        shard = phi / n
+        offload = cluster.gpus_per_node * shard / gpu.cpu_adam_params_per_s + 2 * shard * b / (gpu.host_copy_gbps * 1e9)
+        if plan.offload == "nvme":
+            offload += cluster.gpus_per_node * 2 * 12 * shard / (NVME_GBPS * 1e9)
+    peak = gpu.peak_tflops(plan.precision) * 1e12
+    return StepTime(compute_s=compute, dp_comm_s=dp_comm, bubble_s=bubble, pp_comm_s=pp_comm, offload_s=offload,
+                    tp_comm_s=tp_comm, sp_comm_s=sp_comm, optimizer_s=optimizer, flops_per_token=model_flops,
+                    hardware_flops_per_token=hw_flops, matmul_efficiency=achieved / peak if peak else 0.0)

@@ -48,7 +48,7 @@ def test_preset_overrides_rename_and_rescale_ffn():
 
 
 def test_hidden_not_divisible_by_heads_shows_the_division():
-    with pytest.raises(SpecError, match=r"hidden 100 is not divisible by heads 3 \(100 / 3 = 33.3333\)"):
+    with pytest.raises(SpecError, match=r"hidden 100 is not divisible by heads 3 \(100 / 3 = 33.3333; or give head_dim\)"):
         ModelSpec("x", 2, 100, 3, 64, 16, 400)
 
 

@@ -1,4 +1,5 @@
-"""`dspipe export-hf` and `dspipe generate`: a trained checkpoint as a Hugging Face model, and text from it."""
+"""`dspipe presets`, `dspipe export-hf` and `dspipe generate`: the named model shapes, a trained checkpoint as a
+Hugging Face model, and text from it."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -6,6 +7,17 @@ from pathlib import Path
 import click
 
 from dspipe.cli.options import FLOAT, INT
+
+
+@click.command("presets")
+def presets() -> None:
+    """List model presets (parameters, shape, source: the released checkpoint or paper) and DeepSpeed presets."""
+    from dspipe.planner.render import preset_names
+    from dspipe.spec.presets import preset_lines
+
+    for line in preset_lines():
+        click.echo(line)
+    click.echo("deepspeed presets: " + ", ".join(preset_names()))
 
 
 @click.command("export-hf")

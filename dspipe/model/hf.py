@@ -185,11 +185,22 @@ def _windows(cfg: dict, arch: str, *, layers: int, source) -> tuple[int | None, 
                 + (f"the window to layers {start} and up" if SLIDING in types else "full attention on every layer"))
     given = cfg.get("layer_types")
     if given is not None and given != types:
-        raise SpecError(f"{source}: layer_types {_show(given)} is not supported (dspipe builds {_show(types)}: "
-                        f"{rule})")
+        shown = _runs(given) if isinstance(given, list) and all(isinstance(t, str) for t in given) else _show(given)
+        raise SpecError(f"{source}: layer_types {shown} is not supported (dspipe builds {_runs(types)}: {rule})")
     if SLIDING not in types:
         return None, 0
     return window, types.index(SLIDING)
+
+
+def _runs(types: list[str]) -> str:
+    """A layer_types list as its runs: [full_attention x1, sliding_attention x2]."""
+    runs: list[list] = []
+    for t in types:
+        if runs and runs[-1][0] == t:
+            runs[-1][1] += 1
+        else:
+            runs.append([t, 1])
+    return "[" + ", ".join(f"{t[:40]} x{n}" for t, n in runs) + "]"
 
 
 def _rope(cfg: dict, *, source, positions: int) -> dict:

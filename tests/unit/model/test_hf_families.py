@@ -436,3 +436,51 @@ def test_a_qwen2_export_notes_that_auto_tokenizer_substitutes_qwen2s_tokenizer(t
         else:
             assert note is None
         assert load_tokenizer(d).encode(PROBE_TEXT) == bpe.encode(PROBE_TEXT)
+
+
+FAMILY_FLAGS = {  # gen-config flags of a custom model of each family (3 blocks, 32 wide, 4 heads, 2 kv heads)
+    "LlamaForCausalLM": ["--head-dim", "12", "--bias", "--rope-scaling", "llama3", "--rope-factor", "4",
+                         "--rope-original-context", "8"],
+    "Qwen2ForCausalLM": ["--qkv-bias", "--sliding-window", "5", "--window-start-layer", "1", "--rope-scaling", "yarn",
+                         "--rope-factor", "4", "--rope-original-context", "8"],
+    "Qwen3ForCausalLM": ["--qk-norm", "--head-dim", "16", "--sliding-window", "6", "--untied"],
+    "MistralForCausalLM": ["--sliding-window", "7", "--head-dim", "16", "--untied"],
+}
+
+
+@pytest.mark.parametrize("arch", list(FAMILY_FLAGS))
+def test_export_hf_and_generate_from_a_dspipe_checkpoint(arch, tmp_path, corpus, capsys):
+    """`dspipe export-hf` of a run of each family (a checkpoint in DeepSpeed's formats, built without a launch)
+    writes the class that computes it, and `dspipe generate` continues a prompt the same from the checkpoint and
+    from the export."""
+    from transformers import AutoModelForCausalLM
+
+    from dspipe.runtime import checkpoint as ckpt
+    from dspipe.tools.export import load_gpt
+    from tests.helpers import hand_checkpoint
+
+    run, out = tmp_path / "run", tmp_path / "hf"
+    assert run_cli("gen-config", "--layers", "3", "--hidden", "32", "--heads", "4", "--kv-heads", "2", "--ffn", "48",
+                   "--vocab", "1024", "--seq-len", "32", "--norm", "rmsnorm", "--mlp", "swiglu", "--positions", "rope",
+                   "--no-bias", *FAMILY_FLAGS[arch], "--gpu", "cpu", "--gpus-per-node", "2", "--global-batch", "16",
+                   "--micro-batch", "4", "--steps", "6", "--warmup", "1", "--precision", "fp32", "--zero", "0",
+                   "--pp", "1", "--tp", "1", "--sp", "1", "--offload", "none", "--checkpointing", "none", "--data",
+                   corpus, "--out", run) == 0, capsys.readouterr().err
+    tag = hand_checkpoint(run, seed=3)
+    capsys.readouterr()
+    assert run_cli("export-hf", run, "--out", out) == 0
+    err = capsys.readouterr().err
+    assert ("AutoTokenizer loads" in err) == (arch == "Qwen2ForCausalLM"), err  # the run's BPE, not Qwen2's
+    hf = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(hf).__name__ == arch
+    gpt = load_gpt(tag, meta=ckpt.read_meta(tag))
+    x = torch.randint(0, 1024, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (gpt(x) - hf(x).logits).abs().max().item() < TOL
+    texts = []
+    for source in (run, out):
+        capsys.readouterr()
+        assert run_cli("generate", source, "--prompt", "def main(argv):\n    return 12345", "--temperature", "0",
+                       "--max-tokens", "40") == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1] and len(texts[0]) > len("def main(argv):\n    return 12345") + 5, texts

@@ -172,13 +172,15 @@ def _windows(cfg: dict, arch: str, *, layers: int, source) -> tuple[int | None, 
     get = _Reader(cfg, source)
     if arch == LLAMA:
         return None, 0
+    # sliding_window: absent means the config class's default, 4096; null means none
+    window = get.int("sliding_window", default=None) if "sliding_window" in cfg else 4096
     if arch == MISTRAL:
-        window, start = get.int("sliding_window", default=None), 0
+        start = 0
         types = [SLIDING if window is not None else FULL] * layers
         rule = "sliding_window applies to every layer of MistralForCausalLM"
     else:
         use = get.flag("use_sliding_window", default=False)
-        window = get.int("sliding_window", default=None) if use else None
+        window = window if use else None
         start = get.count("max_window_layers", default=28)  # Qwen2Config's and Qwen3Config's default
         types = [SLIDING if window is not None and i >= start else FULL for i in range(layers)]
         rule = ("use_sliding_window, sliding_window and max_window_layers give "

@@ -159,11 +159,13 @@ def test_sliding_window_and_rope_scaling_change_the_logits(tmp_path):
 
 
 def test_qwen3_without_head_dim_has_qwen3s_default_and_defaults_are_read_as_transformers_reads_them(tmp_path):
+    from transformers import AutoConfig
+
     from dspipe.model.hf import spec_from_hf_dir
 
     d, _ = family_dir(tmp_path, "qwen3-biases")
     _edit(d, {"head_dim": ...})
-    assert spec_from_hf_dir(d).head_dim == 128  # Qwen3Config's default, not hidden / heads
+    assert spec_from_hf_dir(d).head_dim == AutoConfig.from_pretrained(d).head_dim == 128  # not hidden / heads
     d, _ = family_dir(tmp_path, "mistral-window-hd16")
     _edit(d, {"sliding_window": None, "head_dim": ..., "rope_parameters": ..., "rope_theta": ...})
     spec = spec_from_hf_dir(d)
@@ -173,6 +175,14 @@ def test_qwen3_without_head_dim_has_qwen3s_default_and_defaults_are_read_as_tran
     assert spec_from_hf_dir(d).sliding_window is None
     _edit(d, {"use_sliding_window": True, "max_window_layers": 3})  # from layer 3 of 3: no window either
     assert spec_from_hf_dir(d).sliding_window is None
+    _edit(d, {"max_window_layers": ..., "sliding_window": ...})  # absent: Qwen2Config's defaults, 28 and 4096
+    assert spec_from_hf_dir(d).sliding_window is None
+    _edit(d, {"max_window_layers": 2})
+    assert (spec_from_hf_dir(d).sliding_window, spec_from_hf_dir(d).window_start_layer) == (4096, 2)
+    assert AutoConfig.from_pretrained(d).layer_types == ["full_attention"] * 2 + ["sliding_attention"]
+    d, _ = family_dir(tmp_path, "mistral-window-hd16")
+    _edit(d, {"sliding_window": ...})  # absent: MistralConfig's default 4096 (null: none, above)
+    assert spec_from_hf_dir(d).sliding_window == AutoConfig.from_pretrained(d).sliding_window == 4096
 
 
 @pytest.mark.parametrize("family", ["qwen2-window-yarn-tied", "qwen3-biases", "llama3-biases-hd12"])

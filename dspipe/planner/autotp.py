@@ -4,7 +4,8 @@ Imports no torch at module level.
 
 Megatron's split: the fused q/k/v projection and the MLP up-projection are column-parallel (output features split),
 the attention out-projection and the MLP down-projection row-parallel (input features split, outputs all-reduced,
-bias added once). Fused projections are split part by part so that every rank gets whole heads: q/k/v as 3 equal
+bias added once). Fused projections are split part by part so that every rank gets whole heads (q/k/v biases
+with them; Qwen3's per-head q/k norm weights are shared by all heads and stay whole): q/k/v as 3 equal
 parts (`shape [3, -1]`), or under grouped-query attention as unequal parts (`shape [[q, k, v], -1]` in rows); a
 SwiGLU's fused gate/up as 2 parts. Norms, embeddings and the head stay replicated.
 """
@@ -21,7 +22,8 @@ DOWN = (_BLOCK + r"attn\.c_proj\.weight$", _BLOCK + r"mlp\.c_proj\.weight$")
 
 
 def fused_parts(model: ModelSpec) -> dict[str, list[int]]:
-    """Rows of each part of the fused column-parallel projections: c_attn [q, k, v], c_fc [gate, up] or [fc]."""
+    """Rows of each part of the fused column-parallel projections: c_attn [q, k, v] (heads x head_dim and twice
+    kv_heads x head_dim, head_dim being the spec's, not necessarily hidden / heads), c_fc [gate, up] or [fc]."""
     hd = model.head_dim
     up = [model.ffn, model.ffn] if model.mlp == "swiglu" else [model.ffn]
     return {QKV: [model.heads * hd, model.kv_groups * hd, model.kv_groups * hd], UP: up}
@@ -52,7 +54,7 @@ def split_of(name: str, model: ModelSpec) -> tuple[int, list[int]] | None:
         if re.match(pattern, name):
             return 0, parts
     if any(re.match(p, name) for p in DOWN):
-        return 1, [model.hidden if "attn" in name.rsplit(".", 3)[-3] else model.ffn]
+        return 1, [model.q_width if "attn" in name.rsplit(".", 3)[-3] else model.ffn]  # the input features
     return None
 
 

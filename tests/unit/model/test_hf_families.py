@@ -494,3 +494,25 @@ def test_export_hf_and_generate_from_a_dspipe_checkpoint(arch, tmp_path, corpus,
                        "--max-tokens", "40") == 0
         texts.append(capsys.readouterr().out)
     assert texts[0] == texts[1] and len(texts[0]) > len("def main(argv):\n    return 12345") + 5, texts
+
+
+def test_weight_headers_of_biases_and_qk_norms_are_checked(tmp_path):
+    """check_weights (gen-config --init-from) knows the new tensors: a missing q bias, a k norm of the wrong width."""
+    from safetensors.torch import load_file, save_file
+
+    from dspipe.model.hf import spec_from_hf_dir
+    from dspipe.model.hf_weights import check_weights
+
+    for family, key, value, expected in (
+            ("qwen2-window-yarn-tied", "model.layers.1.self_attn.q_proj.bias", None,
+             "missing tensor model.layers.1.self_attn.q_proj.bias"),
+            ("qwen3-biases", "model.layers.2.self_attn.k_norm.weight", torch.ones(16),
+             "tensor model.layers.2.self_attn.k_norm.weight has shape [16], the model needs [8]"),
+            ("llama3-biases-hd12", "model.layers.0.mlp.down_proj.bias", torch.ones(32, dtype=torch.int64),
+             "tensor model.layers.0.mlp.down_proj.bias has dtype I64, not a floating-point type")):
+        d, _ = family_dir(tmp_path, family)
+        weights = d / "model.safetensors"
+        state = load_file(str(weights))
+        state.pop(key) if value is None else state.update({key: value})
+        save_file(state, str(weights), metadata={"format": "pt"})
+        assert _refusal(check_weights, d, spec_from_hf_dir(d)) == f"{weights}: {expected}"

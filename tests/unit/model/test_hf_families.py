@@ -11,7 +11,6 @@ from dataclasses import replace
 import pytest
 import torch
 
-from dspipe.errors import SpecError
 from dspipe.spec.core import ModelSpec
 from tests.helpers import run_cli
 from tests.unit.model.test_hf import CPU2, _perturb, _refusal
@@ -516,3 +515,43 @@ def test_weight_headers_of_biases_and_qk_norms_are_checked(tmp_path):
         state.pop(key) if value is None else state.update({key: value})
         save_file(state, str(weights), metadata={"format": "pt"})
         assert _refusal(check_weights, d, spec_from_hf_dir(d)) == f"{weights}: {expected}"
+
+
+PUBLISHED = {  # config.json as released (transformers 4 layouts), the keys that matter
+    "llama3.1-8b": dict(architectures=["LlamaForCausalLM"], model_type="llama", attention_bias=False, mlp_bias=False,
+                        hidden_act="silu", hidden_size=4096, intermediate_size=14336, max_position_embeddings=131072,
+                        num_attention_heads=32, num_hidden_layers=32, num_key_value_heads=8, pretraining_tp=1,
+                        rms_norm_eps=1e-05, rope_theta=500000.0, tie_word_embeddings=False, vocab_size=128256,
+                        rope_scaling=dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                          original_max_position_embeddings=8192, rope_type="llama3")),
+    "qwen2.5-7b": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_act="silu", hidden_size=3584,
+                       intermediate_size=18944, max_position_embeddings=131072, max_window_layers=28,
+                       num_attention_heads=28, num_hidden_layers=28, num_key_value_heads=4, rms_norm_eps=1e-06,
+                       rope_theta=1000000.0, sliding_window=131072, tie_word_embeddings=False,
+                       use_sliding_window=False, vocab_size=152064),
+    "qwen3-0.6b": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", attention_bias=False, head_dim=128,
+                       hidden_act="silu", hidden_size=1024, intermediate_size=3072, max_position_embeddings=40960,
+                       max_window_layers=28, num_attention_heads=16, num_hidden_layers=28, num_key_value_heads=8,
+                       rms_norm_eps=1e-06, rope_scaling=None, rope_theta=1000000, sliding_window=None,
+                       tie_word_embeddings=True, use_sliding_window=False, vocab_size=151936),
+    "mistral-7b-v0.1": dict(architectures=["MistralForCausalLM"], model_type="mistral", hidden_act="silu",
+                            hidden_size=4096, intermediate_size=14336, max_position_embeddings=32768,
+                            num_attention_heads=32, num_hidden_layers=32, num_key_value_heads=8, rms_norm_eps=1e-05,
+                            rope_theta=10000.0, sliding_window=4096, tie_word_embeddings=False, vocab_size=32000),
+}
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_published_configs_read_as_the_presets_of_the_same_name(name, tmp_path):
+    """A released config.json is the preset of that name (up to the context the preset trains), and the preset
+    exports to the released class."""
+    from transformers import AutoConfig
+
+    from dspipe.model.hf import architecture_of, function_of, spec_from_hf_dir
+    from dspipe.spec.presets import model_preset
+
+    (tmp_path / "config.json").write_text(json.dumps(PUBLISHED[name]))
+    spec, preset = spec_from_hf_dir(tmp_path), model_preset(name)
+    assert function_of(spec) == function_of(preset) and spec.num_params == preset.num_params
+    assert architecture_of(preset) == PUBLISHED[name]["architectures"][0] == \
+        type(AutoConfig.from_pretrained(tmp_path)).__name__.replace("Config", "ForCausalLM")

@@ -155,7 +155,8 @@ class ModelSpec:
     mlp_bias: bool | None = setting(None, kind="bool", flag="--mlp-bias/--no-mlp-bias",
                                     help="biases in the MLP projections [= --bias]")
     """Biases in the MLP projections (None: as `bias`)."""
-    qk_norm: bool = setting(False, kind="flag", help="RMSNorm over each head of q and k before rotary (Qwen3)")
+    qk_norm: bool = setting(False, kind="bool", flag="--qk-norm/--no-qk-norm",
+                           help="RMSNorm over each head of q and k before rotary [Qwen3: yes]")
     """RMSNorm (weight of head_dim, the model's epsilon) on every query and key head, before rotary (Qwen3)."""
     rope_scaling: str = setting("none", kind="choice", choices=ROPE_SCALINGS,
                                 help="rotary frequency scaling: none, linear, llama3 (Llama 3.1+), yarn")
@@ -188,7 +189,7 @@ class ModelSpec:
         _positive("model", layers=self.layers, hidden=self.hidden, heads=self.heads, vocab=self.vocab,
                   seq_len=self.seq_len, ffn=self.ffn)
         if self.head_width is not None:
-            _positive("model", head_dim=self.head_width)
+            _positive("model", head_width=self.head_width)
         elif self.hidden % self.heads:
             raise SpecError(f"hidden {self.hidden} is not divisible by heads {self.heads} "
                             f"({self.hidden} / {self.heads} = {self.hidden / self.heads:g}; or give head_dim)")

@@ -69,9 +69,10 @@ def _check_architecture_flags(spec: ModelSpec, o: dict, *, flag: str) -> None:
         if not same:
             field = "head_dim" if s.field == "head_width" else s.field  # function_of's names
             shown = function_of(spec).get(field, getattr(spec, s.field))
-            raise SpecError(f"{s.flag_name} {_flag_value(value)} contradicts {flag} ({s.key} {_flag_value(shown)} "
-                            f"from its {CONFIG_FILE}); the architecture comes from the Hugging Face model: drop "
-                            f"{s.flag_name}")
+            typed = (s.flags.split("/")[0 if value else -1] if isinstance(value, bool)
+                     else f"{s.flag_name} {_flag_value(value)}")  # as typed: --qk-norm, --no-qkv-bias, --head-dim 8
+            raise SpecError(f"{typed} contradicts {flag} ({s.key} {_flag_value(shown)} from its {CONFIG_FILE}); the "
+                            f"architecture comes from the Hugging Face model: drop {typed.split()[0]}")
 
 
 def _flag_value(value) -> str:

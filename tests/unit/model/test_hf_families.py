@@ -372,8 +372,10 @@ def test_init_from_reads_each_family_and_refuses_contradicting_architecture_flag
         assert load_run(out).model == replace(expected_spec(family, family), seq_len=16)
     q2, q3, llama = dirs["qwen2-window-yarn-tied"], dirs["qwen3-hd16-window"], dirs["llama3-biases-hd12"]
     cases = [(q3, ["--head-dim", "8"], f"--head-dim 8 contradicts --init-from {q3} (head_dim 16 from its config.json)"),
-             (llama, ["--qk-norm"], f"--qk-norm true contradicts --init-from {llama} (qk_norm false from its "),
-             (q2, ["--no-qkv-bias"], f"--qkv-bias false contradicts --init-from {q2} (qkv_bias true from its "),
+             (llama, ["--qk-norm"], f"--qk-norm contradicts --init-from {llama} (qk_norm false from its "),
+             (q3, ["--no-qk-norm"], f"--no-qk-norm contradicts --init-from {q3} (qk_norm true from its config.json); "
+                                    f"the architecture comes from the Hugging Face model: drop --no-qk-norm"),
+             (q2, ["--no-qkv-bias"], f"--no-qkv-bias contradicts --init-from {q2} (qkv_bias true from its "),
              (q2, ["--rope-scaling", "none"], "--rope-scaling none contradicts"),
              (q2, ["--sliding-window", "6"], "--sliding-window 6 contradicts"),
              (llama, ["--norm", "layernorm"], "--norm layernorm contradicts"),

@@ -44,25 +44,9 @@ def _llama(name: str, layers: int, hidden: int, heads: int, kv_heads: int, ffn: 
     """RMSNorm, SwiGLU, rotary positions, grouped-query attention, no biases, untied head unless `arch` says
     otherwise (tied_embeddings, qkv_bias, head_width, qk_norm, rope scaling, sliding window)."""
     arch.setdefault("tied_embeddings", False)
-    width = arch.pop("head_width", None)
     spec = ModelSpec(name, layers, hidden, heads, vocab, seq_len, ffn, norm="rmsnorm", mlp="swiglu", positions="rope",
                      rope_theta=theta, kv_heads=kv_heads, bias=False, norm_eps=eps, **arch)
-    if width is not None:
-        spec = _with_head_width(spec, width)
     return Preset(spec, source, params)
-
-
-def _with_head_width(spec: ModelSpec, width: int) -> ModelSpec:
-    """`spec` with head_width set. TEMPORARY: ModelSpec's own check of head_width looks its limit up under the wrong
-    key (core.py: _positive("model", head_dim=...) needs LIMITS["head_width"]), so the field is set after
-    construction, with the checks it would get (a positive even int within the limit); replace(spec,
-    head_width=width) once core.py is fixed."""
-    from dspipe.spec.core import LIMITS
-
-    if not (isinstance(width, int) and 0 < width <= LIMITS["head_width"] and width % 2 == 0):
-        raise SpecError(f"preset {spec.name}: bad head_width {width!r}")
-    object.__setattr__(spec, "head_width", width)
-    return spec
 
 
 LLAMA31_ROPE = dict(rope_scaling="llama3", rope_factor=8.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,

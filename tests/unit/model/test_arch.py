@@ -4,6 +4,7 @@ max_window_layers). Tiny random models, fp32, weights copied by hand from the Hu
 own, independent of dspipe.model.hf), logits compared within 1e-5. Also: the window under Ulysses (the all-to-all
 emulated in one process) and a tensor-parallel split by whole heads (emulated) equal the plain attention, and the
 built parameters are the spec's declaration."""
+import dataclasses
 import math
 
 import pytest
@@ -309,3 +310,21 @@ def test_tensor_parallel_shards_by_whole_heads(tp, kv_heads):
             shard.c_proj.weight.copy_(full.c_proj.weight.chunk(tp, dim=1)[r])
             total = total + shard(x)
         torch.testing.assert_close(total + full.c_proj.bias, full(x), rtol=0, atol=TOL)
+
+
+def test_pipeline_blocks_keep_their_window_and_norms():
+    """The pipeline's LayerSpecs build each Block with its index: the same window per block, the same function."""
+    from dspipe.model.pipeline import layer_specs
+
+    spec = dataclasses.replace(SPECS["qwen2-window"], qk_norm=True, head_width=12)
+    x = tokens(spec.seq_len)
+    expected = GPT(spec, seed=7)(x)
+    h = x
+    windows = []
+    for layer_spec in layer_specs(model=spec, seed=7):
+        module = layer_spec.build()
+        windows += [module.attn.window] if hasattr(module, "attn") else []
+        forward_fn = getattr(layer_spec, "forward_fn", None)
+        h = forward_fn(module, h) if forward_fn else module(h)
+    assert windows == [None, None, 8, 8]
+    assert torch.equal(h, expected)

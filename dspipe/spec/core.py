@@ -480,8 +480,9 @@ class TrainSpec:
     gen-config and the runner's first line); `dspipe extend` may lengthen steps past it."""
     init_from: str | None = setting(
         None, section="model", after="model", metavar="HF_DIR",
-        help="continue pretraining a Hugging Face GPT2LMHeadModel/LlamaForCausalLM directory: its config is the model, "
-             "its weights step 0 (prepare the data with --tokenizer HF_DIR)")
+        help="continue pretraining a Hugging Face directory (GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM, "
+             "Qwen3ForCausalLM, MistralForCausalLM): its config is the model, its weights step 0 (prepare the data "
+             "with --tokenizer HF_DIR)")
     """Hugging Face model directory whose weights initialise step 0 (None: dspipe's seeded initialisation)."""
 
     def __post_init__(self) -> None:

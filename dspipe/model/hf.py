@@ -46,7 +46,7 @@ GELU_TANH = "gelu_new"  # HF's name for 0.5x(1 + tanh(sqrt(2/pi)(x + 0.044715x^3
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 BASE_PREFIX = {GPT2: "transformer.", LLAMA: "model.", QWEN2: "model.", QWEN3: "model.", MISTRAL: "model."}
 """The base model's prefix in the CausalLM's names; checkpoints saved from the base model (the original GPT-2 on the
-hub) lack it, and transformers adds it when loading: so does load_hf_weights."""
+hub) lack it, and transformers adds it when loading: so does CheckpointTensors."""
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 """The rope_type values dspipe computes (rope_scaling none, linear, llama3, yarn)."""
 ROPE_KEYS = {"default": (), "linear": ("factor",),

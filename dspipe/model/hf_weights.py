@@ -1,7 +1,7 @@
 """Reading a Hugging Face model directory's weights (safetensors or PyTorch files, sharded or not) as dspipe's
-parameters, fp32: check_weights (headers only, `gen-config --init-from HF_DIR`), load_hf_weights (a state dict),
-HFWeights and load_into_module (the runner's step 0, one tensor or partition at a time). The names' mapping is
-dspipe.model.hf's. Every refusal is one SpecError line naming the directory (or file) and the field."""
+parameters, fp32: check_weights (headers only, `gen-config --init-from HF_DIR`), HFWeights and load_into_module
+(the runner's step 0, one tensor or partition at a time). The names' mapping is dspipe.model.hf's. Every refusal
+is one SpecError line naming the directory (or file) and the field."""
 from __future__ import annotations
 
 import math
@@ -10,8 +10,7 @@ from pathlib import Path
 from typing import Mapping
 
 from dspipe.errors import SpecError
-from dspipe.model.hf import (BASE_PREFIX, architecture_of, from_hf_state, function_of, hf_tensors, spec_from_hf_dir,
-                             weight_map)
+from dspipe.model.hf import BASE_PREFIX, architecture_of, function_of, hf_tensors, spec_from_hf_dir, weight_map
 from dspipe.model.names import pipeline_gpt_name
 from dspipe.spec.core import ModelSpec
 
@@ -156,13 +155,6 @@ def check_weights(path: str | Path, spec: ModelSpec) -> int:
     """`gen-config --init-from` before it writes the run: the weights of HF_DIR are the model `spec`'s (files
     present and readable, every tensor name, shape and dtype; headers only). Returns the bytes of those tensors."""
     return _checked_tensors(Path(path), spec)[1]
-
-
-def load_hf_weights(path: str | Path, spec: ModelSpec, *, names=None) -> dict:
-    """The weights of Hugging Face directory `path` under dspipe names, fp32: all of spec.model_tensors(), or the
-    subset `names` (checked first as check_weights does); one line otherwise."""
-    tensors, _ = _checked_tensors(Path(path), spec)
-    return from_hf_state(tensors, spec, names=names, source=tensors.source)
 
 
 class HFWeights:

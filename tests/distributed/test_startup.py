@@ -47,8 +47,9 @@ def hf_llama(path):
 def test_every_build_mode_gives_the_plain_step0_weights(tmp_path, corpus):
     """Gathered step-0 weights equal GPT(spec, seed) in the training dtype, bitwise, in every mode; the ZeRO-3
     import equals the checkpoint; the 38M model's partitioned build stays within its partition + 4 tensors."""
-    from dspipe.model.hf import spec_from_hf_dir
-    from dspipe.model.hf_weights import load_hf_weights
+    from safetensors.torch import load_file
+
+    from dspipe.model.hf import from_hf_state, spec_from_hf_dir
 
     hf = tmp_path / "hf"
     hf_llama(hf)
@@ -87,7 +88,8 @@ def test_every_build_mode_gives_the_plain_step0_weights(tmp_path, corpus):
 
     # the Hugging Face import: each rank read its partition of each tensor; gathered, they are the checkpoint's
     got = torch.load(out / "zero3-import.pt")
-    want = load_hf_weights(hf, spec_from_hf_dir(hf))
+    shards = {k: v for f in sorted(hf.glob("*.safetensors")) for k, v in load_file(f).items()}  # read whole
+    want = from_hf_state(shards, spec_from_hf_dir(hf))
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
 
     # the 38M GPT's build, fresh process: each rank grew by its partition (half the fp32 model) and at most a few

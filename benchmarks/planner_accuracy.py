@@ -1,7 +1,7 @@
 """Planner vs. live DeepSpeed engines on 2 CPU ranks: predicted model-state bytes per rank against the tensors
 the engine actually holds (benchmarks/census/tensors.py), on the device and the host, between steps and at the in-step
-peak, for ZeRO 0-3, CPU offload (optimizer, parameters), bf16 and fp32, two model sizes, pp 2 and tp 2. Writes the
-table of docs/planner-accuracy.md.
+peak, for ZeRO 0-3, CPU offload (optimizer, parameters), bf16 and fp32, GPT, Llama, Qwen2 and Qwen3 shapes, pp 2 and
+tp 2. Writes the table of docs/planner-accuracy.md.
 
     python benchmarks/planner_accuracy.py [--write] [--only NAME ...]
 """
@@ -34,6 +34,13 @@ MODELS = {
             "8192"],
     "39M": ["--model", "tiny-llama", "--layers", "2", "--hidden", "1024", "--heads", "16", "--kv-heads", "4", "--ffn",
             "2816", "--seq-len", "64", "--vocab", "8192"],
+    # Qwen2/2.5 (q/k/v biases only, tied head like the 0.5B/1.5B) and Qwen3 (per-head q/k RMSNorm, heads 128 wide:
+    # twice hidden / heads, so q is 2048 wide and the out-projection 2048 -> 1024) at the Llama row's width
+    "qwen2-31M": ["--model", "tiny", "--layers", "2", "--hidden", "1024", "--heads", "16", "--kv-heads", "4", "--ffn",
+                  "2816", "--seq-len", "64", "--vocab", "8192", "--norm", "rmsnorm", "--mlp", "swiglu", "--positions",
+                  "rope", "--no-bias", "--qkv-bias"],
+    "qwen3-45M": ["--model", "tiny-llama", "--layers", "2", "--hidden", "1024", "--heads", "16", "--kv-heads", "4",
+                  "--head-dim", "128", "--qk-norm", "--ffn", "2816", "--seq-len", "64", "--vocab", "8192"],
 }
 BF16, FP32 = ["--precision", "bf16"], ["--precision", "fp32"]
 CPU_OFFLOAD = ["--offload", "cpu"]
@@ -58,13 +65,17 @@ CONFIGS = {  # name: (model, options); every layout pinned (the planner would pi
     "llama-zero2": ("39M", ["--zero", "2", *BF16]),
     "llama-zero3-offload": ("39M", ["--zero", "3", *BF16, *CPU_OFFLOAD]),
     "llama-zero3-offload-params-fp32": ("39M", ["--zero", "3", *FP32, *CPU_OFFLOAD, "--offload-params"]),
+    "qwen2-zero2": ("qwen2-31M", ["--zero", "2", *BF16]),
+    "qwen3-zero3": ("qwen3-45M", ["--zero", "3", *BF16]),
     "pp2-zero1": ("31M", ["--zero", "1", *BF16, "--pp", "2"]),
     "tp2-zero1": ("31M", ["--zero", "1", *BF16, "--tp", "2"]),
+    "tp2-qwen3-zero1": ("qwen3-45M", ["--zero", "1", *BF16, "--tp", "2"]),  # AutoTP's split of 128-wide heads
 }
 LAUNCHES = [  # rows measured one after another by the same 2 ranks (a launch costs ~20 s before any engine)
     [name for name in CONFIGS if not name.startswith(("pp2", "tp2"))],
     ["pp2-zero1"],
     ["tp2-zero1"],
+    ["tp2-qwen3-zero1"],
 ]
 """Each launch's engines share one process group; pipeline and AutoTP engines get their own launch."""
 METRICS = ("steady", "peak", "host_steady", "host_peak")

@@ -12,7 +12,7 @@ from dspipe.cli.calibrate import calibrate
 from dspipe.cli.data import prepare_data
 from dspipe.cli.extend import extend
 from dspipe.cli.launch import doctor, launch, slurm_script
-from dspipe.cli.model import export_hf, generate
+from dspipe.cli.model import export_hf, generate, presets
 from dspipe.cli.config_file import resolved_text
 from dspipe.cli.options import (DEFAULT_DATA, INT, choose, monitor_options, parse_tokens, spec_options,
                                 token_budget_line, tokens_option)
@@ -20,8 +20,7 @@ from dspipe.cli.prepare_run import prepare_run
 from dspipe.cli.report import report
 from dspipe.cluster.launch import run_program
 from dspipe.errors import SpecError
-from dspipe.spec.presets import MODEL_PRESETS
-from dspipe.planner.render import monitor_values, preset_names
+from dspipe.planner.render import monitor_values
 from dspipe.spec.core import ClusterSpec, ModelSpec
 from dspipe.spec.hardware import GIB
 from dspipe.planner.summary import estimate_summary, startup_lines
@@ -171,15 +170,8 @@ def _check_data(data: str, model: ModelSpec, notes: list[str]) -> None:
                      f"embedding rows are never used (--pad-vocab gives {padded_vocab(vocab)})")
 
 
-@cli.command("presets")
-def presets() -> None:
-    """List model presets and DeepSpeed presets."""
-    for m in MODEL_PRESETS.values():
-        click.echo(f"{m.name:<15} {m.num_params / 1e6:>10,.1f}M  {m.shape_text}")
-    click.echo("deepspeed presets: " + ", ".join(preset_names()))
-
-
 cli.add_command(prepare_data)
+cli.add_command(presets)
 cli.add_command(launch)
 cli.add_command(doctor)
 cli.add_command(slurm_script)

@@ -14,9 +14,10 @@ SHAPE_FLAGS = ("layers", "hidden", "heads", "vocab", "ffn")
 
 
 def init_from_spec(path: str, o: dict) -> ModelSpec:
-    """The model of `gen-config --init-from HF_DIR` (and plan/bench): HF_DIR's config; a shape flag must agree with
-    it, --seq-len may shorten the context (never beyond the model's positions), --dropout replaces the config's;
-    its weights are checked (check_weights). Prints a note comparing HF_DIR's tokenizer with the data's where both are known."""
+    """The model of `gen-config --init-from HF_DIR` (and plan/bench): HF_DIR's config; a shape or architecture flag
+    must agree with it, --seq-len may shorten the context (never beyond the model's positions), --dropout replaces
+    the config's; its weights are checked (check_weights). Prints a note comparing HF_DIR's tokenizer with the
+    data's where both are known."""
     flag = f"--init-from {path}"
     if o.get("model"):
         raise SpecError(f"--model {o['model']} and {flag} both name the model; give one of them")
@@ -29,11 +30,12 @@ def init_from_spec(path: str, o: dict) -> ModelSpec:
                             f"{CONFIG_FILE}); the shape comes from the Hugging Face model: drop --{key}")
     if o.get("untied") and spec.tied_embeddings:
         raise SpecError(f"--untied contradicts {flag} (tie_word_embeddings true in its {CONFIG_FILE})")
+    _check_architecture_flags(spec, o, flag=flag)
     seq_len = o.get("seq_len")
     if seq_len is not None and seq_len != spec.seq_len:
         if isinstance(seq_len, int) and seq_len > spec.seq_len:
             why = ("learned positions: there are no weights for more" if spec.positions == "learned" else
-                   "a longer context needs rope scaling, which dspipe does not implement")
+                   "the context its rotary embedding and rope scaling were trained for, max_position_embeddings")
             raise SpecError(f"--seq-len {seq_len} exceeds the {spec.seq_len} positions of {flag} ({why})")
         spec = replace(spec, seq_len=seq_len)
     check_weights(path, spec)  # before anything is written or launched: files, names, shapes, dtypes (headers)
@@ -43,6 +45,39 @@ def init_from_spec(path: str, o: dict) -> ModelSpec:
 
         click.echo(note, err=True)
     return spec
+
+
+ARCHITECTURE_SKIP = ("name", "init_from", "seq_len", "dropout", "untied", *SHAPE_FLAGS)
+"""Model options init_from_spec checks on their own (or that are not the model's architecture)."""
+
+
+def _check_architecture_flags(spec: ModelSpec, o: dict, *, flag: str) -> None:
+    """An architecture option given with --init-from (--norm, --head-dim, --qkv-bias, --rope-scaling, ...) must
+    describe the Hugging Face model: it is the config's, so a flag can only agree with it (compared by what the model
+    computes: --no-qkv-bias agrees with a config without biases)."""
+    from dspipe.model.hf import function_of
+    from dspipe.spec.options import TABLE
+
+    for s in TABLE["model"]:
+        value = o.get(s.key)
+        if s.field is None or s.key in ARCHITECTURE_SKIP or value is None or (s.kind == "flag" and not value):
+            continue
+        try:
+            same = function_of(replace(spec, **{s.field: value})) == function_of(spec)
+        except SpecError:
+            same = False
+        if not same:
+            field = "head_dim" if s.field == "head_width" else s.field  # function_of's names
+            shown = function_of(spec).get(field, getattr(spec, s.field))
+            typed = (s.flags.split("/")[0 if value else -1] if isinstance(value, bool)
+                     else f"{s.flag_name} {_flag_value(value)}")  # as typed: --qk-norm, --no-qkv-bias, --head-dim 8
+            raise SpecError(f"{typed} contradicts {flag} ({s.key} {_flag_value(shown)} from its {CONFIG_FILE}); the "
+                            f"architecture comes from the Hugging Face model: drop {typed.split()[0]}")
+
+
+def _flag_value(value) -> str:
+    return str(value).lower() if isinstance(value, bool) or value is None else f"{value:g}" \
+        if isinstance(value, float) else str(value)
 
 
 def tokenizer_vocab(tokenizer_json: Path) -> tuple[int, dict] | None:

@@ -1,4 +1,5 @@
-"""`dspipe export-hf` and `dspipe generate`: a trained checkpoint as a Hugging Face model, and text from it."""
+"""`dspipe presets`, `dspipe export-hf` and `dspipe generate`: the named model shapes, a trained checkpoint as a
+Hugging Face model, and text from it."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,15 +9,27 @@ import click
 from dspipe.cli.options import FLOAT, INT
 
 
+@click.command("presets")
+def presets() -> None:
+    """List model presets (parameters, shape, source: the released checkpoint or paper) and DeepSpeed presets."""
+    from dspipe.planner.render import preset_names
+    from dspipe.spec.presets import preset_lines
+
+    for line in preset_lines():
+        click.echo(line)
+    click.echo("deepspeed presets: " + ", ".join(preset_names()))
+
+
 @click.command("export-hf")
 @click.argument("checkpoint", type=click.Path(path_type=Path))
-@click.option("--out", required=True, metavar="DIR", help="directory to write (GPT-2 or Llama, safetensors)")
+@click.option("--out", required=True, metavar="DIR", help="directory to write (a transformers model directory, safetensors)")
 @click.option("--force", is_flag=True, default=False,
               help="replace an --out directory that an earlier export-hf wrote (nothing else)")
 def export_hf(checkpoint: Path, out: str, force: bool) -> None:
     """Export CHECKPOINT (runs/NAME/checkpoints/global_stepN, or runs/NAME for its newest complete checkpoint) of
-    any ZeRO stage and pipeline layout as a transformers directory with the run's tokenizer: GPT2LMHeadModel or
-    LlamaForCausalLM, as the run's model is (a run started with gen-config --init-from HF_DIR exports as HF_DIR's)."""
+    any ZeRO stage and pipeline layout as a transformers directory with the run's tokenizer, in the class that computes
+    the run's model: GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM (q/k/v biases only), Qwen3ForCausalLM (q/k
+    norm) or MistralForCausalLM (a window on every layer); a run started with --init-from HF_DIR exports as HF_DIR's."""
     from dspipe.outputs import target
     from dspipe.tools.export import export_hf as run_export
 

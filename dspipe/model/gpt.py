@@ -1,12 +1,13 @@
-"""The decoder in plain PyTorch, GPT-2/3 or Llama-family as the ModelSpec declares it (norm, MLP, positions,
-grouped-query attention, biases, tied head). No distributed code here: the pipeline wrapper reuses these blocks,
-and recomputation, tensor and sequence parallelism set its slots or swap pieces from outside
-(dspipe.runtime.parallelize, DeepSpeed AutoTP).
+"""The decoder in plain PyTorch, GPT-2/3 or Llama-family as the ModelSpec declares it (norm, MLP, positions and
+rotary scaling, grouped-query attention, head width, q/k norm, sliding window, biases, tied head). No distributed
+code here: the pipeline wrapper reuses these blocks, and recomputation, tensor and sequence parallelism set its slots
+or swap pieces from outside (dspipe.runtime.parallelize, DeepSpeed AutoTP).
 
-Parameter names follow Hugging Face GPT-2 (wte, wpe, h.N.ln_1, attn.c_attn, attn.c_proj, ln_2, mlp.c_fc,
-mlp.c_proj, ln_f) whatever the architecture: q/k/v are one fused projection ([q; k; v] rows) and a SwiGLU's gate
-and up projections one fused c_fc ([gate; up] rows), so an export is a rename, a split and (GPT-2's Conv1D) a
-transpose. Every parameter is listed by ModelSpec.model_tensors(), which the planner counts from.
+Parameter names follow Hugging Face GPT-2 (wte, wpe, h.N.ln_1, attn.c_attn, [attn.q_norm, attn.k_norm,]
+attn.c_proj, ln_2, mlp.c_fc, mlp.c_proj, ln_f) whatever the architecture: q/k/v are one fused projection
+([q; k; v] rows) and a SwiGLU's gate and up projections one fused c_fc ([gate; up] rows), so an export is a rename,
+a split and (GPT-2's Conv1D) a transpose. Every parameter is listed by ModelSpec.model_tensors(), which the planner
+counts from.
 Every component declares its step-0 values as draws from (seed, its index) (`initial_values`), so the plain
 model, any pipeline layout and a model whose parameters were created elsewhere (on the meta device, or partitioned
 by ZeRO-3 as they were constructed) start from identical weights: whoever builds the model decides how a value
@@ -90,18 +91,69 @@ def norm_layer(spec: ModelSpec) -> nn.Module:
     return nn.LayerNorm(spec.hidden, eps=spec.norm_eps, bias=spec.bias)
 
 
-def rotary(x: torch.Tensor, *, offset: int, theta: float) -> torch.Tensor:
+def rope_frequencies(spec: ModelSpec, *, device: torch.device | str | None = None) -> tuple[torch.Tensor, float]:
+    """The rotary inverse frequencies (head_dim / 2 of them, fp32) and the factor on cos and sin, with the spec's
+    scaling, as transformers computes them:
+    none: theta^(-2i/d); linear: divided by the factor;
+    llama3: wavelengths 2 pi / f above original_context / low_freq_factor divided by the factor, below
+    original_context / high_freq_factor kept, in between (1 - t) f / factor + t f with
+    t = (original_context / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor);
+    yarn: a linear ramp between the dimensions that make beta_fast and beta_slow rotations over original_context
+    (floor / ceil, clamped to [0, d - 1]) blends kept (fast) and divided (slow) frequencies; cos and sin are
+    multiplied by 0.1 ln(factor) + 1."""
+    dim, base, factor = spec.head_dim, spec.rope_theta, spec.rope_factor
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
+    inv_freq = 1.0 / (base ** exponents)
+    if spec.rope_scaling == "none":
+        return inv_freq, 1.0
+    if spec.rope_scaling == "linear":
+        return inv_freq / factor, 1.0
+    context = spec.rope_original_context
+    if spec.rope_scaling == "llama3":
+        low, high = spec.rope_low_freq_factor, spec.rope_high_freq_factor
+        wavelength = 2 * math.pi / inv_freq
+        long = wavelength > context / low  # low frequencies: interpolated
+        short = wavelength < context / high  # high frequencies: kept
+        base_freq = torch.where(long, inv_freq / factor, inv_freq)
+        t = (context / wavelength - low) / (high - low)
+        blended = (1 - t) * base_freq / factor + t * base_freq
+        return torch.where(~short & ~long, blended, base_freq), 1.0
+    if spec.rope_scaling == "yarn":
+        def dim_of(rotations: float) -> float:  # the dimension that turns `rotations` times over the context
+            return dim * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        first = max(math.floor(dim_of(spec.rope_beta_fast)), 0)
+        last = min(math.ceil(dim_of(spec.rope_beta_slow)), dim - 1)
+        span = (last if last != first else last + 0.001) - first  # equal ends: a step instead of a ramp
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - first) / span).clamp(0, 1).to(device)
+        kept = 1 - ramp  # share of the unscaled frequency
+        slow = 1.0 / (factor * base ** exponents)
+        scale = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+        return slow * (1 - kept) + inv_freq * kept, scale
+    raise ValueError(f"unknown rope_scaling {spec.rope_scaling!r}")
+
+
+def rotary(x: torch.Tensor, *, offset: int, inv_freq: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     """Rotary position embedding of (batch, seq, heads, head_dim) at positions offset .. offset + seq - 1, in the
-    half-split layout (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) that Hugging Face's Llama uses; the angles
-    are computed in fp32."""
-    dim, seq = x.shape[-1], x.shape[1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=x.device).float() / dim))
+    half-split layout (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) that Hugging Face's Llama uses, with
+    `inv_freq` and `scale` from rope_frequencies; the angles are computed in fp32."""
+    seq = x.shape[1]
     pos = torch.arange(offset, offset + seq, device=x.device, dtype=torch.float32)
-    angles = torch.outer(pos, inv_freq)
-    cos = torch.cat([angles, angles], dim=-1).cos().to(x.dtype)[None, :, None, :]
-    sin = torch.cat([angles, angles], dim=-1).sin().to(x.dtype)[None, :, None, :]
+    angles = torch.outer(pos, inv_freq.to(x.device))
+    both = torch.cat([angles, angles], dim=-1)
+    cos, sin = both.cos(), both.sin()
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    cos, sin = cos.to(x.dtype)[None, :, None, :], sin.to(x.dtype)[None, :, None, :]
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+def window_mask(seq: int, window: int, *, device=None) -> torch.Tensor:
+    """Sliding-window causal mask (seq, seq), True where query q may see key k: q - window < k <= q."""
+    pos = torch.arange(seq, device=device)
+    back = pos[:, None] - pos[None, :]
+    return (back >= 0) & (back < window)
 
 
 class Embedding(nn.Module):
@@ -136,17 +188,23 @@ class Embedding(nn.Module):
 
 class Attention(nn.Module):
     """Causal self-attention through scaled_dot_product_attention (flash/memory-efficient kernels); grouped-query
-    when kv_heads < heads (each key/value head serves heads / kv_heads query heads); rotary or none."""
+    when kv_heads < heads (each key/value head serves heads / kv_heads query heads); heads head_dim wide (not
+    necessarily hidden / heads); optional RMSNorm of every q and k head (qk_norm); rotary (scaled or not) or none;
+    a sliding window (`window` tokens: query q sees keys q - window < k <= q) or the whole causal prefix."""
 
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, *, window: int | None = None):
         super().__init__()
-        self.head_dim, self.dropout = spec.head_dim, spec.dropout
+        self.head_dim, self.dropout, self.window = spec.head_dim, spec.dropout, window
         self.group = spec.heads // spec.kv_groups
-        self.rope_theta = spec.rope_theta if spec.positions == "rope" else None
+        self.rope = spec if spec.positions == "rope" else None
+        self._frequencies: dict[str, tuple[torch.Tensor, float]] = {}  # rope_frequencies per device
         self.position_offset = 0
         """Position of the input's first token (rotary positions of a later sequence slice)."""
-        self.c_attn = nn.Linear(spec.hidden, spec.qkv_width, bias=spec.bias)
-        self.c_proj = nn.Linear(spec.hidden, spec.hidden, bias=spec.bias)
+        qkv_bias, out_bias, _ = spec.biases
+        self.c_attn = nn.Linear(spec.hidden, spec.qkv_width, bias=qkv_bias)
+        self.q_norm = nn.RMSNorm(spec.head_dim, eps=spec.norm_eps) if spec.qk_norm else None
+        self.k_norm = nn.RMSNorm(spec.head_dim, eps=spec.norm_eps) if spec.qk_norm else None
+        self.c_proj = nn.Linear(spec.q_width, spec.hidden, bias=out_bias)
         self.resid_drop = nn.Dropout(spec.dropout)
         self.core: Callable | None = None
         """Set to replace local_core (same signature), e.g. by an attention that spans a split sequence."""
@@ -154,22 +212,47 @@ class Attention(nn.Module):
         """Set to a checkpoint function to recompute the attention core in backward (selective recomputation)."""
 
     def local_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal attention over (batch, seq, heads, head_dim) tensors, returned in the same layout."""
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        """Causal attention over (batch, seq, heads, head_dim) tensors, returned in the same layout. q, k and v
+        hold the same positions (under Ulysses the whole sequence: this runs after the all-to-all), so the window
+        counts whole-sequence positions. A window at least the sequence long is plain causal attention."""
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        dropout = self.dropout if self.training else 0.0
+        seq = q.shape[2]
+        if self.window is None or self.window >= seq:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=window_mask(seq, self.window, device=q.device),
+                                               dropout_p=dropout)
         return y.transpose(1, 2)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def frequencies(self, device: torch.device) -> tuple[torch.Tensor, float]:
+        """rope_frequencies of the spec on `device`, computed once per device."""
+        key = str(device)
+        if key not in self._frequencies:
+            self._frequencies[key] = rope_frequencies(self.rope, device=device)
+        return self._frequencies[key]
+
+    def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v of (batch, seq, hidden) input as (batch, seq, local heads, head_dim), normalised (qk_norm) and
+        rotated at this module's positions, k and v repeated to one per query head."""
         b, s, _ = x.shape
         qkv = self.c_attn(x)
         # the heads this module holds: a tensor-parallel shard holds heads / tp query and kv_heads / tp key/value heads
         kv = qkv.shape[-1] // (self.head_dim * (self.group + 2))
         q, k, v = (t.view(b, s, -1, self.head_dim) for t in qkv.split(
             [self.group * kv * self.head_dim, kv * self.head_dim, kv * self.head_dim], dim=2))
-        if self.rope_theta is not None:
-            q, k = (rotary(t, offset=self.position_offset, theta=self.rope_theta) for t in (q, k))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rope is not None:
+            inv_freq, scale = self.frequencies(x.device)
+            q, k = (rotary(t, offset=self.position_offset, inv_freq=inv_freq, scale=scale) for t in (q, k))
         if self.group > 1:  # every query head gets its key/value head (heads i*group .. share kv head i)
             k, v = (t.repeat_interleave(self.group, dim=2) for t in (k, v))
+        return q, k, v
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = self.heads(x)
         core = self.core or self.local_core
         y = self.core_checkpoint(core, q, k, v) if self.core_checkpoint else core(q, k, v)
         return self.resid_drop(self.c_proj(y.reshape(b, s, -1)))
@@ -181,8 +264,9 @@ class MLP(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
         self.swiglu = spec.mlp == "swiglu"
-        self.c_fc = nn.Linear(spec.hidden, 2 * spec.ffn if self.swiglu else spec.ffn, bias=spec.bias)
-        self.c_proj = nn.Linear(spec.ffn, spec.hidden, bias=spec.bias)
+        bias = spec.biases[2]
+        self.c_fc = nn.Linear(spec.hidden, 2 * spec.ffn if self.swiglu else spec.ffn, bias=bias)
+        self.c_proj = nn.Linear(spec.ffn, spec.hidden, bias=bias)
         self.drop = nn.Dropout(spec.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -199,7 +283,7 @@ class Block(nn.Module):
         super().__init__()
         self.index, self.layers = index, spec.layers
         self.ln_1 = norm_layer(spec)
-        self.attn = Attention(spec)
+        self.attn = Attention(spec, window=spec.window_of(index))
         self.ln_2 = norm_layer(spec)
         self.mlp = MLP(spec)
         if seed is not None:
@@ -213,6 +297,9 @@ class Block(nn.Module):
             yield from _linear_values(linear, gen, std)
         yield from _norm_values(self.ln_1)
         yield from _norm_values(self.ln_2)
+        for norm in (self.attn.q_norm, self.attn.k_norm):  # after the draws: other models' values do not move
+            if norm is not None:
+                yield from _norm_values(norm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Mapping
 
 from dspipe.errors import SpecError
-from dspipe.model.hf import BASE_PREFIX, architecture_of, hf_tensors, spec_from_hf_dir, weight_map
+from dspipe.model.hf import BASE_PREFIX, architecture_of, function_of, hf_tensors, spec_from_hf_dir, weight_map
 from dspipe.model.names import pipeline_gpt_name
 from dspipe.spec.core import ModelSpec
 
@@ -119,12 +119,14 @@ class CheckpointTensors(Mapping):
 
 
 def check_matches(path: str | Path, spec: ModelSpec) -> None:
-    """HF_DIR's config describes `spec` (up to its name, dropout and a shorter context); one line otherwise."""
+    """HF_DIR's config describes `spec` (up to its name, dropout and a shorter context; compared by what they
+    compute, function_of); one line otherwise."""
     hf = spec_from_hf_dir(path, name=spec.name, dropout=spec.dropout)
     if spec.seq_len > hf.seq_len:
         raise SpecError(f"{path}: the model has {hf.seq_len} positions, the run's seq_len is {spec.seq_len}")
-    diff = [f"{k} {getattr(hf, k)!r} (run: {getattr(spec, k)!r})" for k in ModelSpec.__dataclass_fields__
-            if k not in ("name", "dropout", "seq_len") and getattr(hf, k) != getattr(spec, k)]
+    theirs, ours = function_of(hf), function_of(spec)
+    diff = [f"{k} {theirs.get(k)!r} (run: {ours.get(k)!r})" for k in {**theirs, **ours}
+            if theirs.get(k) != ours.get(k)]
     if diff:
         raise SpecError(f"{path}: its config.json describes another model than the run's: {', '.join(diff[:3])}")
 

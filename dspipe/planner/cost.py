@@ -30,7 +30,7 @@ class Estimate:
     pp_comm_s: float
     offload_s: float
     flops_per_token: float
-    """Model FLOPs per token (6N + 6Lhs), recomputation excluded: the MFU numerator."""
+    """Model FLOPs per token (6N + 6Lhs; throughput.py), recomputation excluded: the MFU numerator."""
     hardware_flops_per_token: float
     """FLOPs actually executed per token, recomputation included."""
     tp_comm_s: float = 0.0

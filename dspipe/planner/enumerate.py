@@ -79,9 +79,9 @@ def divisors(n: int, limit: int) -> list[int]:
 
 def tp_choices(model: ModelSpec, cluster: ClusterSpec) -> list[int]:
     """Tensor-parallel sizes the search tries: divisors of the GPUs per node (tp stays inside a node) that divide the
-    heads and the MLP width."""
+    heads, the key/value heads and the MLP width (plan.check_rules)."""
     return [t for t in divisors(cluster.gpus_per_node, cluster.gpus_per_node)
-            if model.heads % t == 0 and model.ffn % t == 0]
+            if model.heads % t == 0 and model.kv_groups % t == 0 and model.ffn % t == 0]
 
 
 def sp_choices(model: ModelSpec, cluster: ClusterSpec) -> list[int]:

@@ -73,7 +73,7 @@ def tp_refusal(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, tp: int
                     strategy=StrategySpec(zero=1, tp=tp))
     except SpecError as e:
         return str(e)
-    return f"tp {tp} does not divide the heads {model.heads} and ffn {model.ffn}"
+    return f"tp {tp} does not divide the heads {model.heads}, kv_heads {model.kv_groups} and ffn {model.ffn}"
 
 
 def over(c: Candidate) -> float:

@@ -98,34 +98,71 @@ def _norm_bytes_per_token(model: ModelSpec, *, act_bytes: int, kernels: str) -> 
     return act_bytes * h + 2 * (act_bytes if kernels == "cpu" else 4)
 
 
+def _fused_qkv_views(model: ModelSpec) -> int:
+    """How many of the attention core's q, k, v are views of the fused q/k/v output (the rest are tensors of their
+    own: q and k when rotary or the q/k norm rewrites them, k and v when grouped-query attention repeats them)."""
+    grouped, rewritten = model.kv_groups < model.heads, model.positions == "rope" or model.qk_norm
+    return 3 - (int(rewritten) + 2 * int(grouped) + int(rewritten and not grouped))
+
+
 def activation_coefficients(model: ModelSpec) -> tuple[float, float]:
     """(whole on every tp rank, divided by tp) elements per token that one block saves besides its norms, in units of h,
     from the model's declaration (measured by benchmarks/census/activations.py): whole, the inputs of the fused q/k/v
-    and the MLP's up projection (2); split, the attention's saved q, k and v (a storage each when rotary rewrites it or
-    grouped-query attention expands it to every query head, otherwise views of the fused q/k/v output, which then stays
-    whole: qkv_width / h), its output (1, which the out-projection saves as its input: a view), and the MLP's hidden
-    activations: GELU's input and output (2 ffn / h), SwiGLU's fused gate/up output, SiLU's output and the product (4
-    ffn / h). GPT-2/3: 2 + 3 + 1 + 8 = 14, with the two norm inputs 16 elements = 32sbh at 2 bytes."""
-    h, grouped, rope = model.hidden, model.kv_groups < model.heads, model.positions == "rope"
-    fresh = int(rope) + 2 * int(grouped) + int(rope and not grouped)  # of q, k, v: tensors of their own
-    views = 3 - fresh  # q, k, v that are views of the fused projection's output
-    qkv = fresh + (model.qkv_width / h if views else 0)
+    and the MLP's up projection (2); split, the attention's saved q, k and v (heads x head_dim = q_width each when
+    rotary or the q/k norm rewrites it or grouped-query attention expands it to every query head, otherwise views of
+    the fused q/k/v output, which then stays whole: qkv_width / h), its output (q_width / h, which the out-projection
+    saves as its input: a view), and the MLP's hidden activations: GELU's input and output (2 ffn / h), SwiGLU's fused
+    gate/up output, SiLU's output and the product (4 ffn / h). GPT-2/3: 2 + 3 + 1 + 8 = 14, with the two norm inputs
+    16 elements = 32sbh at 2 bytes. The q/k norm's own tensors are _qk_norm_bytes_per_token's."""
+    h, q = model.hidden, model.q_width / model.hidden
+    views = _fused_qkv_views(model)
+    qkv = (3 - views) * q + (model.qkv_width / h if views else 0)
     mlp = (4 if model.mlp == "swiglu" else 2) * model.ffn / h
-    return 2.0, qkv + 1 + mlp
+    return 2.0, qkv + q + mlp
+
+
+def _qk_norm_bytes_per_token(model: ModelSpec, *, act_bytes: int, kernels: str) -> int:
+    """Bytes per token the per-head RMSNorm of q and k (Qwen3) saves, all divided by tp (the heads are): per norm
+    its input and fp32 statistics (one per head). The input is a view of the fused q/k/v output, whose storage is
+    then kept whole unless q, k or v already keeps it; CPU (composite RMSNorm) also saves the fp32 normalised
+    tensor, and in 16-bit the fp32 copy of the input instead of the input (as _norm_bytes_per_token)."""
+    if not model.qk_norm:
+        return 0
+    width = model.q_width + model.kv_groups * model.head_dim
+    stats = 4 * (model.heads + model.kv_groups)
+    if kernels == "cpu" and act_bytes != 4:
+        return 8 * width + stats
+    fused = 0 if _fused_qkv_views(model) else act_bytes * model.qkv_width
+    return fused + (4 * width if kernels == "cpu" else 0) + stats
+
+
+def window_mask_bytes(model: ModelSpec, *, act_bytes: int) -> int:
+    """Bytes a block with a sliding window shorter than the sequence saves for its attention: SDPA converts the
+    (s, s) boolean window mask to an additive one in the activation dtype and keeps it for backward, one per block
+    and micro-batch, whatever the batch, heads or tp (the whole sequence's under Ulysses: the core runs after the
+    all-to-all). 0 for causal attention (SDPA's is_causal needs no mask)."""
+    return act_bytes * model.seq_len ** 2
+
+
+def windowed_blocks(model: ModelSpec, layers: range) -> int:
+    """Blocks among `layers` whose sliding window is shorter than the sequence (they run the masked kernel)."""
+    return sum(1 for i in layers if (w := model.window_of(i)) is not None and w < model.seq_len)
 
 
 def activation_bytes_per_layer(*, model: ModelSpec, micro_batch: int, checkpointing: str, act_bytes: int,
-                               tp: int = 1, sp: int = 1, kernels: str = "cuda") -> int:
+                               tp: int = 1, sp: int = 1, kernels: str = "cuda", windowed: bool | None = None) -> int:
     """Bytes one transformer block keeps for backward on one rank (measured on the real model: see
     benchmarks/census/activations.py and docs/planner-accuracy.md). With SDPA's fused kernels no s x s scores are kept:
     the kernel saves q, k, v, its output and the fp32 log-sum-exp (4 bytes per token and head), so Korthikanti et al.'s
     34sbh is 32sbh for GPT (no dropout masks: dropout 0), plus the norms' statistics.
       none: two norms (_norm_bytes_per_token), activation_coefficients' elements at act_bytes (whole + split / t),
-        the log-sum-exp (heads / t), rotary's cos and sin tables (4 x s x head_dim, not per sequence), one-byte
-        dropout masks (attention and MLP outputs) when dropout > 0.
+        the q/k norm's (_qk_norm_bytes_per_token / t), the log-sum-exp (heads / t), rotary's cos and sin tables
+        (4 x s x head_dim, not per sequence), one-byte dropout masks (attention and MLP outputs) when dropout > 0,
+        and for a `windowed` block (sliding window shorter than the sequence; None: as the model's last block) the
+        attention's (s, s) mask (window_mask_bytes, not per sequence).
       selective (the attention core recomputed, as dspipe wires it): DeepSpeed's checkpoint keeps q, k and v, the
-        out-projection still saves the core's output: only the log-sum-exp is not kept, so it saves what 'none' does
-        (less 4 bytes per token and head) and costs a recomputation.
+        out-projection still saves the core's output: only the log-sum-exp (and a window's mask, built inside the
+        core) is not kept, so it saves what 'none' does (less 4 bytes per token and head) and costs a recomputation.
       full: the block input (act_bytes x h per token), whole on every tp rank; see recompute_working_bytes.
     Ulysses: s is the rank's s/sp tokens. `kernels`: 'cuda' (flash / memory-efficient SDPA, fused norms with fp32
     statistics; the GPU runner) or 'cpu' (PyTorch's CPU kernels: the gloo runner; the CPU SDPA also saves the
@@ -136,21 +173,26 @@ def activation_bytes_per_layer(*, model: ModelSpec, micro_batch: int, checkpoint
         return tokens * h * act_bytes
     whole, split = activation_coefficients(model)
     per_token = 2 * _norm_bytes_per_token(model, act_bytes=act_bytes, kernels=kernels) \
-        + act_bytes * h * (whole + split / tp)
+        + act_bytes * h * (whole + split / tp) \
+        + _qk_norm_bytes_per_token(model, act_bytes=act_bytes, kernels=kernels) / tp
+    mask = 0
     if checkpointing == "none":
         per_token += 4 * share(model.heads, tp)  # the kernel's fp32 log-sum-exp
+        if windowed is None:
+            windowed = windowed_blocks(model, range(model.layers - 1, model.layers)) > 0
+        mask = window_mask_bytes(model, act_bytes=act_bytes) if windowed else 0
     if model.dropout > 0:
         per_token += 2 * h
     rotary = 4 * s * model.head_dim * act_bytes if model.positions == "rope" else 0
-    return int(tokens * per_token + rotary)
+    return int(tokens * per_token + rotary + mask)
 
 
 def recompute_working_bytes(*, model: ModelSpec, micro_batch: int, act_bytes: int, tp: int = 1, sp: int = 1,
-                            kernels: str = "cuda") -> int:
+                            kernels: str = "cuda", windowed: bool | None = None) -> int:
     """Full recomputation: what one block's recomputed forward saves during its backward, beyond the block input
-    the checkpoint already holds. Only one block is rebuilt at a time."""
+    the checkpoint already holds. Only one block is rebuilt at a time (`windowed`: one with a window's mask)."""
     none = activation_bytes_per_layer(model=model, micro_batch=micro_batch, checkpointing="none",
-                                      act_bytes=act_bytes, tp=tp, sp=sp, kernels=kernels)
+                                      act_bytes=act_bytes, tp=tp, sp=sp, kernels=kernels, windowed=windowed)
     return none - activation_bytes_per_layer(model=model, micro_batch=micro_batch, checkpointing="full",
                                              act_bytes=act_bytes, tp=tp, sp=sp, kernels=kernels)
 
@@ -171,23 +213,31 @@ def embedding_bytes(*, model: ModelSpec, micro_batch: int, sp: int = 1) -> int:
 
 
 def micro_batch_activations(*, model: ModelSpec, micro_batch: int, checkpointing: str, act_bytes: int, blocks: int,
-                            first: bool, last: bool, tp: int = 1, sp: int = 1,
-                            kernels: str = "cuda") -> tuple[int, int]:
+                            first: bool, last: bool, tp: int = 1, sp: int = 1, kernels: str = "cuda",
+                            windowed: int | None = None) -> tuple[int, int]:
     """(held, working): activation bytes one micro-batch keeps on a stage of `blocks` blocks from its forward to its
     backward, and what its backward adds at the moment of its peak. none / selective: every block's saved tensors,
     the embedding's ids on the first stage, the head and loss on the last; nothing added. full: the block inputs (and
     ids) held; at the peak either the head and loss (alive at the end of the forward, freed by the head's backward)
-    or one recomputed block (rebuilt after the head's tensors are gone), whichever is larger: they never coincide."""
-    per_layer = activation_bytes_per_layer(model=model, micro_batch=micro_batch, checkpointing=checkpointing,
-                                           act_bytes=act_bytes, tp=tp, sp=sp, kernels=kernels)
+    or one recomputed block (rebuilt after the head's tensors are gone), whichever is larger: they never coincide.
+    `windowed`: how many of the blocks have a sliding window shorter than the sequence (None: the last `blocks`
+    blocks of the model, the most a stage can hold, as windowed_blocks counts them)."""
+    if windowed is None:
+        windowed = windowed_blocks(model, range(model.layers - blocks, model.layers))
+
+    def per_layer(masked: bool) -> int:
+        return activation_bytes_per_layer(model=model, micro_batch=micro_batch, checkpointing=checkpointing,
+                                          act_bytes=act_bytes, tp=tp, sp=sp, kernels=kernels, windowed=masked)
+
+    saved = (blocks - windowed) * per_layer(False) + windowed * per_layer(True)
     ids = embedding_bytes(model=model, micro_batch=micro_batch, sp=sp) if first else 0
     head = logits_bytes(model=model, micro_batch=micro_batch, sp=sp, act_bytes=act_bytes, kernels=kernels) \
         if last else 0
     if checkpointing != "full":
-        return blocks * per_layer + ids + head, 0
+        return saved + ids + head, 0
     working = recompute_working_bytes(model=model, micro_batch=micro_batch, act_bytes=act_bytes, tp=tp, sp=sp,
-                                      kernels=kernels) if blocks else 0
-    return blocks * per_layer + ids, max(head, working)
+                                      kernels=kernels, windowed=windowed > 0) if blocks else 0
+    return saved + ids, max(head, working)
 
 
 def persistent_params(*, model: ModelSpec, threshold: int) -> int:
@@ -338,6 +388,7 @@ def stage_memory(*, model: ModelSpec, cluster: ClusterSpec, plan: Plan) -> tuple
     b = 2 if plan.precision in ("bf16", "fp16") else 4
     stages = stage_params(model=model, pp=pp, partition_method=plan.partition_method, tp=tp)
     blocks = stage_blocks(model=model, pp=pp, partition_method=plan.partition_method)
+    first_block = [sum(blocks[:i]) for i in range(pp)]
     kernels = "cuda" if gpu.backend == "nccl" else "cpu"
     reserve = FRAMEWORK_RESERVE if gpu.backend == "nccl" else 0
     worst = None
@@ -345,7 +396,9 @@ def stage_memory(*, model: ModelSpec, cluster: ClusterSpec, plan: Plan) -> tuple
         steady, transient = _model_states(model=model, plan=plan, phi=phi)
         held, working = micro_batch_activations(model=model, micro_batch=plan.micro_batch,
                                                 checkpointing=plan.checkpointing, act_bytes=b, blocks=blocks[i],
-                                                first=i == 0, last=i == pp - 1, tp=tp, sp=sp, kernels=kernels)
+                                                first=i == 0, last=i == pp - 1, tp=tp, sp=sp, kernels=kernels,
+                                                windowed=windowed_blocks(model, range(first_block[i],
+                                                                                      first_block[i] + blocks[i])))
         acts = min(pp - i, m) * held + working  # 1F1B: stage i has up to pp - i micro-batches in flight
         host_steady, host_peak = _host_states(model=model, plan=plan, phi=phi)
         mem = Memory(params=steady["params"], grads=steady["grads"] + transient["grads"],

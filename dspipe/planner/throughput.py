@@ -1,8 +1,9 @@
 """Throughput arithmetic shared by the runner, `dspipe bench` and `dspipe report`: model FLOPs per token and
 one step's tokens/s, samples/s, TFLOP/s per GPU and MFU.
 
-MFU counts model FLOPs only (6N + 6·L·h·s per token: weights forward+backward, causal attention scores), never
-the recomputation a checkpointing strategy adds, so it compares across strategies (PaLM's definition).
+MFU counts model FLOPs only (6N + 6·L·h·s per token: weights forward+backward, causal attention scores, with
+heads x head_dim for h and a sliding window's keys for s/2), never the recomputation a checkpointing strategy adds,
+so it compares across strategies (PaLM's definition).
 Imports no torch.
 """
 from __future__ import annotations
@@ -14,9 +15,30 @@ STEP_COLUMNS = ("step", "tokens", "loss", "lr", "grad_norm", "tokens_per_s", "sa
                 "mfu", "mem_allocated_gib", "mem_reserved_gib", "step_time_s", "skipped")
 VAL_COLUMNS = ("step", "tokens", "val_loss", "val_ppl")
 
+def attention_keys_per_query(model: ModelSpec, layer: int, *, executed: bool = False) -> float:
+    """Keys one query attends to in block `layer`, on average over the sequence: s/2 under causal attention; with a
+    sliding window w < s, min(i, w) averaged over positions i, w - w^2/(2s) (s/2 again at w = s). `executed`: what
+    the kernel computes instead of what the model needs: dspipe's windowed blocks run SDPA with a dense (s, s) mask
+    (dspipe.model.gpt.window_mask), which skips nothing, so every query meets all s keys there."""
+    s, w = model.seq_len, model.window_of(layer)
+    if w is None or w >= s:
+        return s / 2
+    return float(s) if executed else w - w * w / (2 * s)
+
+
+def attention_flops_per_token(model: ModelSpec, *, executed: bool = False) -> float:
+    """Training FLOPs per token of the attention scores and their weighted sum over all blocks: q.k^T and
+    softmax.v each 2 x heads x head_dim per key, forward, twice that backward: 12 x q_width x keys per query
+    (attention_keys_per_query; 6·L·h·s for GPT's causal attention)."""
+    keys = sum(attention_keys_per_query(model, layer, executed=executed) for layer in range(model.layers))
+    return 12.0 * model.q_width * keys
+
+
 def model_flops_per_token(model: ModelSpec) -> float:
-    """Training FLOPs per token: 6N for the weights (2 forward + 4 backward) + 6·L·h·s for causal attention."""
-    return 6.0 * model.num_params + 6.0 * model.layers * model.hidden * model.seq_len
+    """Training FLOPs per token: 6N for the weights (2 forward + 4 backward) + the attention's
+    (attention_flops_per_token: 6·L·h·s for causal attention over heads x head_dim = h, bounded by a sliding
+    window)."""
+    return 6.0 * model.num_params + attention_flops_per_token(model)
 
 
 def step_rates(*, tokens: int, samples: int, seconds: float, flops_per_token: float, world_size: int,

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from dspipe.planner.plan import Plan
 from dspipe.planner.stages import share, zero_group_size
-from dspipe.planner.throughput import model_flops_per_token
+from dspipe.planner.throughput import attention_flops_per_token, model_flops_per_token
 from dspipe.spec.core import ClusterSpec, ModelSpec
 from dspipe.spec.hardware import GpuType
 
@@ -131,7 +131,7 @@ class StepTime:
     optimizer_s: float
     """The engine's own optimizer step over the rank's shard (GpuType.optimizer_params_per_s; 0 where not modelled)."""
     flops_per_token: float
-    """Model FLOPs per token (6N + 6Lhs), recomputation excluded: the MFU numerator."""
+    """Model FLOPs per token (6N + 6Lhs; throughput.py), recomputation excluded: the MFU numerator."""
     hardware_flops_per_token: float
     """FLOPs actually executed per token, recomputation included."""
     matmul_efficiency: float
@@ -148,10 +148,13 @@ def step_time(*, model: ModelSpec, cluster: ClusterSpec, plan: Plan, phi: int) -
 
     # Compute: FLOPs per token, split across the tp ranks (block matmuls only: AutoTP keeps the head whole) and the
     # sp ranks (each holds s/sp tokens; after the all-to-all, attention runs on heads/sp over the whole sequence).
+    # Executed: the model's FLOPs with the attention the kernels run (a windowed block's dense mask computes every
+    # score); recomputation adds the attention core's forward (selective) or the whole forward (full).
     model_flops = model_flops_per_token(model)
-    extra = {"none": 0.0, "selective": 2 * model.layers * model.hidden * model.seq_len,
-             "full": model_flops / 3}[plan.checkpointing]
-    hw_flops = model_flops + extra
+    executed = model_flops - attention_flops_per_token(model) + attention_flops_per_token(model, executed=True)
+    extra = {"none": 0.0, "selective": attention_flops_per_token(model, executed=True) / 3,
+             "full": executed / 3}[plan.checkpointing]
+    hw_flops = executed + extra
     rank_flops = hw_flops
     if tp > 1:
         head = 6.0 * model.hidden * model.vocab  # forward 2hV + backward 4hV, never recomputed
@@ -161,7 +164,7 @@ def step_time(*, model: ModelSpec, cluster: ClusterSpec, plan: Plan, phi: int) -
     tokens_per_replica = plan.micro_batch * model.seq_len * m  # per pipeline stage, per step
     compute = tokens_per_replica * rank_flops / pp / achieved
     bubble = compute * (pp - 1) / m
-    fwd_share = model_flops / 3 / hw_flops  # forward: 2N + 2Lhs of the 6N + 6Lhs; the rest (recompute too) is backward
+    fwd_share = executed / 3 / hw_flops  # forward: 2N + 2Lhs of the 6N + 6Lhs; the rest (recompute too) is backward
     fwd_micro, bwd_micro = compute / m * fwd_share, compute / m * (1 - fwd_share)
 
     # Tensor parallel: per layer and micro-batch, 2 all-reduces of the b.s.h activations in forward (attention and
@@ -176,12 +179,13 @@ def step_time(*, model: ModelSpec, cluster: ClusterSpec, plan: Plan, phi: int) -
         one = volume / (gpu.intra_node_gbps * 1e9) + ring_latency_s(steps=2 * (tp - 1), gpu=gpu)
         tp_comm = m * layers_per_stage * per_layer_ops * one
     # Ulysses: per layer and micro-batch, 4 all-to-alls in forward (q, k, v to head-sharded, the output back), 4 in
-    # backward, 4 more with full recomputation; each sends (sp-1)/sp of the rank's b.(s/sp).h activations (plus sp - 1
-    # steps of latency), over NVLink while the sp group stays inside a node.
+    # backward, 4 more with full recomputation; each sends (sp-1)/sp of the rank's b.(s/sp).(heads x head_dim)
+    # activations (k and v are repeated to every query head before the attention core: dspipe.model.gpt), plus
+    # sp - 1 steps of latency, over NVLink while the sp group stays inside a node.
     sp_comm = 0.0
     if sp > 1:
         per_layer_ops = 12 if plan.checkpointing == "full" else 8
-        volume = (sp - 1) / sp * tokens_micro * model.hidden * b
+        volume = (sp - 1) / sp * tokens_micro * model.q_width * b
         inside = _inside_node(sp * tp, cluster.gpus_per_node)
         bw = gpu.intra_node_gbps if inside else gpu.inter_node_gbps
         hops = 0 if inside else math.ceil(sp * tp / cluster.gpus_per_node) - 1

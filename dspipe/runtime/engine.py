@@ -49,6 +49,7 @@ def engine_settings(engine) -> dict:
         "pp": int(getattr(engine, "num_stages", 1)),
         "tp": max(1, int(engine.autotp_size())),
         "tp_sharded_params": _tp_sharded_params(module),
+        "tp_unreduced_params": len(tp_unreduced_params(module)),
         "sp": max(1, int(getattr(engine, "sequence_parallel_size", 1) or 1)),
         "wrapper_optimizer": type(zero_opt).__name__,
         "base_optimizer": type(engine.basic_optimizer).__name__,
@@ -77,6 +78,15 @@ def _tp_sharded_params(module) -> int:
     return sum(1 for m in module.modules() if isinstance(m, TensorParallel_Layer) for _ in m.parameters(recurse=False))
 
 
+def tp_unreduced_params(module) -> list[str]:
+    """The q/k norm weights (replicated, but applied to this rank's heads only) whose gradient AutoTP does not sum
+    over the tensor-parallel group (no layer spec with grad_allreduce matched them): every tp rank would step them
+    with its own heads' share of the gradient and the replicas drift apart (measured: 0.1 apart after 6 steps)."""
+    return [name for name, p in module.named_parameters()
+            if name.endswith(("attn.q_norm.weight", "attn.k_norm.weight"))
+            and not getattr(p, "_ds_grad_allreduce_registered", False)]
+
+
 def check_engine(settings: dict, run: Run) -> None:
     """Refuse to train when a value we asked for did not reach the engine (silent config drift)."""
     plan = run.plan
@@ -90,6 +100,8 @@ def check_engine(settings: dict, run: Run) -> None:
     drift = {k: (v, settings[k]) for k, v in wanted.items() if settings[k] != v}
     if plan.tp > 1 and settings["tp_sharded_params"] == 0:
         drift["tp_sharded_params"] = ("> 0", 0)  # AutoTP matched none of the layer specs
+    if plan.tp > 1 and settings["tp_unreduced_params"]:
+        drift["tp_unreduced_params"] = (0, settings["tp_unreduced_params"])  # q/k norms without grad_allreduce
     if drift:
         raise RuntimeError("engine does not use the planned settings: " +
                            ", ".join(f"{k} planned {a} live {b}" for k, (a, b) in drift.items()))

@@ -25,7 +25,9 @@ def sequence_groups(*, layout: ParallelLayout, rank: int):
 
 
 class _UlyssesCore:
-    """Attention.core replacement: (batch, seq/sp, heads, head_dim) in and out, whole-sequence attention inside."""
+    """Attention.core replacement: (batch, seq/sp, heads, head_dim) in and out, whole-sequence attention inside.
+    The inner core is the block's own local_core, which therefore sees the whole sequence (for heads / sp heads):
+    a sliding window counts whole-sequence positions, as without sp."""
 
     def __init__(self, attention: Attention, group):
         from deepspeed.sequence.layer import DistributedAttention

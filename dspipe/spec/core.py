@@ -21,6 +21,7 @@ PARTITION_METHODS = ("parameters", "uniform", "type:Block")
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "swiglu")
 POSITIONS = ("learned", "rope")
+ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
 
 
 INT32_MAX = 2**31 - 1
@@ -142,14 +143,56 @@ class ModelSpec:
     """Biases in the attention and MLP projections (and in LayerNorm)."""
     norm_eps: float = setting(1e-5, kind="float", help="normalisation epsilon [{default:g}]")
     """Epsilon of the normalisation layers."""
+    head_width: int | None = setting(None, key="head_dim", kind="int", limit=2**14,
+                                     help="attention head width [hidden / heads; Qwen3, Mistral-Nemo: 128]")
+    """Width of one attention head (None: hidden / heads); q is heads x head_dim wide, k and v kv_heads x head_dim."""
+    qkv_bias: bool | None = setting(None, kind="bool", flag="--qkv-bias/--no-qkv-bias",
+                                    help="biases on the q/k/v projections [= --bias; Qwen2: yes]")
+    """Biases on the q, k and v projections (None: as `bias`)."""
+    out_bias: bool | None = setting(None, kind="bool", flag="--out-bias/--no-out-bias",
+                                    help="bias on the attention output projection [= --bias]")
+    """Bias on the attention output projection (None: as `bias`)."""
+    mlp_bias: bool | None = setting(None, kind="bool", flag="--mlp-bias/--no-mlp-bias",
+                                    help="biases in the MLP projections [= --bias]")
+    """Biases in the MLP projections (None: as `bias`)."""
+    qk_norm: bool = setting(False, kind="bool", flag="--qk-norm/--no-qk-norm",
+                           help="RMSNorm over each head of q and k before rotary [Qwen3: yes]")
+    """RMSNorm (weight of head_dim, the model's epsilon) on every query and key head, before rotary (Qwen3)."""
+    rope_scaling: str = setting("none", kind="choice", choices=ROPE_SCALINGS,
+                                help="rotary frequency scaling: none, linear, llama3 (Llama 3.1+), yarn")
+    """Rotary frequency scaling: none; linear (positions / factor); llama3 (low frequencies / factor, a smooth band
+    between low_freq_factor and high_freq_factor); yarn (NTK-by-parts with beta_fast/beta_slow, attention factor
+    0.1 ln(factor) + 1)."""
+    rope_factor: float = setting(1.0, kind="float", help="rotary scaling factor [{default:g}; Llama 3.1: 8]")
+    """Scaling factor of rope_scaling (1: none)."""
+    rope_original_context: int | None = setting(None, kind="int", limit=2**20,
+                                                help="context the rotary scaling extends from [Llama 3.1: 8192]")
+    """Pre-training context that llama3/yarn scaling extends from (original_max_position_embeddings)."""
+    rope_low_freq_factor: float = setting(1.0, kind="float", help="llama3 scaling: low-frequency factor [{default:g}]")
+    """llama3 scaling: wavelengths above original_context / low_freq_factor are divided by the factor."""
+    rope_high_freq_factor: float = setting(4.0, kind="float",
+                                           help="llama3 scaling: high-frequency factor [{default:g}]")
+    """llama3 scaling: wavelengths below original_context / high_freq_factor are kept."""
+    rope_beta_fast: float = setting(32.0, kind="float", help="yarn scaling: beta_fast [{default:g}]")
+    """yarn scaling: rotations per context above which a dimension is extrapolated (kept)."""
+    rope_beta_slow: float = setting(1.0, kind="float", help="yarn scaling: beta_slow [{default:g}]")
+    """yarn scaling: rotations per context below which a dimension is interpolated (divided by the factor)."""
+    sliding_window: int | None = setting(None, kind="int", limit=2**20,
+                                         help="attention window in tokens [none; Mistral v0.1: 4096]")
+    """Sliding-window attention: query i sees keys i - window + 1 .. i (None: the whole causal prefix)."""
+    window_start_layer: int = setting(0, kind="int", limit=4096,
+                                      help="first block with the sliding window [{default}; Qwen2 max_window_layers]")
+    """Blocks window_start_layer .. layers - 1 use the sliding window, earlier blocks full causal attention."""
 
     def __post_init__(self) -> None:
         _text("model", "name", self.name)
         _positive("model", layers=self.layers, hidden=self.hidden, heads=self.heads, vocab=self.vocab,
                   seq_len=self.seq_len, ffn=self.ffn)
-        if self.hidden % self.heads:
+        if self.head_width is not None:
+            _positive("model", head_width=self.head_width)
+        elif self.hidden % self.heads:
             raise SpecError(f"hidden {self.hidden} is not divisible by heads {self.heads} "
-                            f"({self.hidden} / {self.heads} = {self.hidden / self.heads:g})")
+                            f"({self.hidden} / {self.heads} = {self.hidden / self.heads:g}; or give head_dim)")
         if not (_is_number(self.dropout) and 0.0 <= self.dropout < 1.0):
             raise SpecError(f"model.dropout must be in [0, 1), got {_show(self.dropout)} (allowed: finite, [0, 1))")
         _flag("model", "tied_embeddings", self.tied_embeddings)
@@ -167,8 +210,38 @@ class ModelSpec:
                 raise SpecError(f"heads {self.heads} is not divisible by kv_heads {self.kv_heads} "
                                 f"({self.heads} / {self.kv_heads} = {self.heads / self.kv_heads:g})")
         if self.positions == "rope" and self.head_dim % 2:
-            raise SpecError(f"rotary positions need an even head_dim, got hidden {self.hidden} / heads {self.heads} "
-                            f"= {self.head_dim}")
+            raise SpecError(f"rotary positions need an even head_dim, got {self.head_dim}")
+        for name in ("qkv_bias", "out_bias", "mlp_bias"):
+            if getattr(self, name) is not None:
+                _flag("model", name, getattr(self, name))
+        _flag("model", "qk_norm", self.qk_norm)
+        self._check_rope_scaling()
+        if self.sliding_window is not None:
+            _positive("model", sliding_window=self.sliding_window)
+        _int_range("model", "window_start_layer", self.window_start_layer, low=0)
+        if self.sliding_window is not None and self.window_start_layer >= self.layers:
+            raise SpecError(f"model.window_start_layer {self.window_start_layer} leaves no block with the sliding "
+                            f"window (layers {self.layers}: it must be < {self.layers})")
+
+    def _check_rope_scaling(self) -> None:
+        _one_of("model", "rope_scaling", self.rope_scaling, ROPE_SCALINGS)
+        if self.rope_scaling != "none" and self.positions != "rope":
+            raise SpecError(f"model.rope_scaling {self.rope_scaling} needs rotary positions (positions rope, got "
+                            f"{self.positions})")
+        _number("model", "rope_factor", self.rope_factor, low=1.0, high=1e6)
+        for name in ("rope_low_freq_factor", "rope_high_freq_factor", "rope_beta_fast", "rope_beta_slow"):
+            _number("model", name, getattr(self, name), low=0.0, high=1e6, low_open=True)
+        if self.rope_original_context is not None:
+            _positive("model", rope_original_context=self.rope_original_context)
+        if self.rope_scaling in ("llama3", "yarn") and self.rope_original_context is None:
+            raise SpecError(f"model.rope_scaling {self.rope_scaling} needs rope_original_context (the context it "
+                            f"extends from, e.g. 8192 for Llama 3.1)")
+        if self.rope_scaling == "llama3" and not self.rope_low_freq_factor < self.rope_high_freq_factor:
+            raise SpecError(f"model.rope_low_freq_factor {self.rope_low_freq_factor:g} must be below "
+                            f"rope_high_freq_factor {self.rope_high_freq_factor:g}")
+        if self.rope_scaling == "yarn" and not self.rope_beta_slow < self.rope_beta_fast:
+            raise SpecError(f"model.rope_beta_slow {self.rope_beta_slow:g} must be below rope_beta_fast "
+                            f"{self.rope_beta_fast:g}")
 
     @property
     def shape_text(self) -> str:
@@ -177,12 +250,37 @@ class ModelSpec:
         kv = f" kv{self.kv_heads}" if self.kv_heads not in (None, self.heads) else ""
         arch = [v for v, gpt in ((self.norm, "layernorm"), (self.mlp, "gelu"), (self.positions, "learned")) if v != gpt]
         arch += [] if self.bias else ["no-bias"]
+        arch += [f"{name}-bias" for name, on, base in (("qkv", self.qkv_bias, self.bias), ("out", self.out_bias, self.bias),
+                                                       ("mlp", self.mlp_bias, self.bias)) if on is not None and on != base]
+        arch += [f"hd{self.head_width}"] if self.head_width not in (None, self.hidden // self.heads) else []
+        arch += ["qk-norm"] if self.qk_norm else []
+        arch += [f"rope-{self.rope_scaling}x{self.rope_factor:g}"] if self.rope_scaling != "none" else []
+        arch += [f"window{self.sliding_window}"] if self.sliding_window else []
         return (f"L{self.layers} h{self.hidden} a{self.heads}{kv} s{self.seq_len} V{self.vocab}"
                 + "".join(f" {a}" for a in arch))
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        """Width of one attention head: head_width, else hidden / heads."""
+        return self.head_width or self.hidden // self.heads
+
+    @property
+    def q_width(self) -> int:
+        """Output features of the query projection (= input features of the attention output): heads x head_dim."""
+        return self.heads * self.head_dim
+
+    def _bias(self, name: str) -> bool:
+        value = getattr(self, name)
+        return self.bias if value is None else value
+
+    @property
+    def biases(self) -> tuple[bool, bool, bool]:
+        """(q/k/v, attention output, MLP): whether each projection has a bias."""
+        return self._bias("qkv_bias"), self._bias("out_bias"), self._bias("mlp_bias")
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of block `layer` (None: full causal attention)."""
+        return self.sliding_window if layer >= self.window_start_layer else None
 
     @property
     def kv_groups(self) -> int:
@@ -198,17 +296,21 @@ class ModelSpec:
         with_bias = self.norm == "layernorm" and self.bias
         return [(f"{prefix}.weight", (self.hidden,))] + ([(f"{prefix}.bias", (self.hidden,))] if with_bias else [])
 
-    def _linear(self, prefix: str, out: int, inp: int) -> list[tuple[str, tuple[int, ...]]]:
-        return [(f"{prefix}.weight", (out, inp))] + ([(f"{prefix}.bias", (out,))] if self.bias else [])
+    @staticmethod
+    def _linear(prefix: str, out: int, inp: int, bias: bool) -> list[tuple[str, tuple[int, ...]]]:
+        return [(f"{prefix}.weight", (out, inp))] + ([(f"{prefix}.bias", (out,))] if bias else [])
 
     def block_tensors(self) -> list[tuple[str, tuple[int, ...]]]:
         """Every parameter of one block, (name, shape), as dspipe.model.gpt builds it: the one declaration the
         planner's counts and the model share (a test ties them for every preset)."""
         h, f = self.hidden, self.ffn
         up = 2 * f if self.mlp == "swiglu" else f  # swiglu: gate and up fused in one projection
-        return [*self.norm_tensors("ln_1"), *self._linear("attn.c_attn", self.qkv_width, h),
-                *self._linear("attn.c_proj", h, h), *self.norm_tensors("ln_2"), *self._linear("mlp.c_fc", up, h),
-                *self._linear("mlp.c_proj", h, f)]
+        qkv_bias, out_bias, mlp_bias = self.biases
+        qk = [("attn.q_norm.weight", (self.head_dim,)), ("attn.k_norm.weight", (self.head_dim,))] \
+            if self.qk_norm else []
+        return [*self.norm_tensors("ln_1"), *self._linear("attn.c_attn", self.qkv_width, h, qkv_bias), *qk,
+                *self._linear("attn.c_proj", h, self.q_width, out_bias), *self.norm_tensors("ln_2"),
+                *self._linear("mlp.c_fc", up, h, mlp_bias), *self._linear("mlp.c_proj", h, f, mlp_bias)]
 
     def model_tensors(self) -> list[tuple[str, tuple[int, ...]]]:
         """Every parameter of the model (a tied head counted once), (name, shape), as the model names them."""
@@ -378,8 +480,9 @@ class TrainSpec:
     gen-config and the runner's first line); `dspipe extend` may lengthen steps past it."""
     init_from: str | None = setting(
         None, section="model", after="model", metavar="HF_DIR",
-        help="continue pretraining a Hugging Face GPT2LMHeadModel/LlamaForCausalLM directory: its config is the model, "
-             "its weights step 0 (prepare the data with --tokenizer HF_DIR)")
+        help="continue pretraining a Hugging Face directory (GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM, "
+             "Qwen3ForCausalLM, MistralForCausalLM): its config is the model, its weights step 0 (prepare the data "
+             "with --tokenizer HF_DIR)")
     """Hugging Face model directory whose weights initialise step 0 (None: dspipe's seeded initialisation)."""
 
     def __post_init__(self) -> None:

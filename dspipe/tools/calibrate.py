@@ -86,10 +86,9 @@ def _step_seconds(model: ModelSpec, *, micro_batch: int, dtype, device, sync, re
 def _gemm_shapes(model: ModelSpec) -> list[tuple[int, int, int]]:
     """(k, n, count) of the model's matrix products per step: x(T, k) @ W(k, n), `count` times (blocks, head)."""
     h, f, L = model.hidden, model.ffn, model.layers
-    head_dim = h // model.heads
-    qkv = h + 2 * (model.kv_heads or model.heads) * head_dim
     up = 2 * f if model.mlp == "swiglu" else f
-    return [(h, qkv, L), (h, h, L), (h, up, L), (f, h, L), (h, model.vocab, 1)]
+    # q/k/v: hidden -> (heads + 2 kv_heads) x head_dim; attention output: heads x head_dim -> hidden
+    return [(h, model.qkv_width, L), (model.q_width, h, L), (h, up, L), (f, h, L), (h, model.vocab, 1)]
 
 
 def _matmul_tflops(model: ModelSpec, *, micro_batch: int, dtype, device, sync, repeats: int) -> float:

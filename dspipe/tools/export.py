@@ -1,5 +1,6 @@
-"""A dspipe checkpoint -> one fp32 state dict (dspipe GPT names) -> a Hugging Face directory (GPT2LMHeadModel or
-LlamaForCausalLM, as the model's architecture is: dspipe.model.hf).
+"""A dspipe checkpoint -> one fp32 state dict (dspipe GPT names) -> a Hugging Face directory (GPT2LMHeadModel,
+LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM or MistralForCausalLM: the class that computes the model,
+dspipe.model.hf.architecture_of).
 
 Where the weights come from, by layout:
 
@@ -108,11 +109,51 @@ def load_tokenizer(path: Path):
             read_object(Path(path) / name)  # one line naming the file, not transformers' traceback
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path))
+        if _substituted(tokenizer, path):
+            from transformers import PreTrainedTokenizerFast
+
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path))
     except Exception as e:  # OSError, ValueError, TypeError, AttributeError, ... on damaged tokenizer files
         raise SpecError(f"cannot load the tokenizer in {path}: {' '.join(str(e).split())[:300]}") from None
     if len(tokenizer) < 2:
         raise SpecError(f"the tokenizer in {path} has {len(tokenizer)} token(s): its vocabulary files are damaged")
     return tokenizer
+
+
+GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+"""tokenizer_config.json's tokenizer_class of a tokenizer saved from its tokenizer.json alone (dspipe's BPE)."""
+
+
+def _substituted(tokenizer, path: Path) -> bool:
+    """Whether AutoTokenizer put a model type's own class in place of the generic tokenizer the directory saved:
+    transformers 5 does so for model_type qwen2 (Qwen2Tokenizer, which splits text with Qwen's pre-tokenizer, not
+    with the one in tokenizer.json)."""
+    config = Path(path) / "tokenizer_config.json"
+    if not config.is_file() or not (Path(path) / "tokenizer.json").is_file():
+        return False
+    declared = read_object(config).get("tokenizer_class")
+    return declared in GENERIC_TOKENIZERS and type(tokenizer).__name__ not in GENERIC_TOKENIZERS
+
+
+PROBE_TEXT = "Hello world! It's 2024-11-26: 12345 tokens,\n\n    indented\tline; don't STOP... naïve 漢字 🙂"
+"""Text whose tokenization shows a different pre-tokenizer (digits, contractions, spaces, newlines, non-ASCII)."""
+
+
+def auto_tokenizer_note(directory: Path, tokenizer) -> str | None:
+    """A note when transformers' AutoTokenizer, loading `directory` as other programs will, splits text otherwise
+    than `tokenizer` (the run's, saved there): for model_type qwen2 it substitutes Qwen2Tokenizer."""
+    from transformers import AutoTokenizer
+
+    try:
+        auto = AutoTokenizer.from_pretrained(str(directory))
+    except Exception:  # noqa: BLE001 - a note, not a refusal: dspipe generate loads it as saved
+        return None
+    ours = tokenizer.encode(PROBE_TEXT, add_special_tokens=False)
+    if auto.encode(PROBE_TEXT, add_special_tokens=False) == ours:
+        return None
+    return (f"note: transformers' AutoTokenizer loads {directory}'s tokenizer as {type(auto).__name__} (its choice "
+            f"for this model type), which splits text differently from the run's tokenizer saved there; load it with "
+            f"PreTrainedTokenizerFast.from_pretrained (dspipe generate does)")
 
 
 def quiet_transformers() -> None:
@@ -380,8 +421,8 @@ def _load_strict(model, state: dict, source) -> None:
 # ---- Hugging Face ------------------------------------------------------------------------------------------------
 
 def export_hf(*, source: str | Path, out: str | Path, force: bool = False) -> Path:
-    """Write a GPT2LMHeadModel or LlamaForCausalLM directory (safetensors) with the run's tokenizer; returns the
-    checkpoint used."""
+    """Write the Hugging Face directory (safetensors) of the class that computes the model, with the run's tokenizer;
+    returns the checkpoint used. A note when transformers' AutoTokenizer would read that tokenizer otherwise."""
     out = outputs.target(out, flag="--out", expect="dir")
     outputs.claim_dir(out, kind="export-hf", replace=force)  # only a previous export, never a run or other data
     checkpoint = resolve_checkpoint(source)
@@ -400,4 +441,7 @@ def export_hf(*, source: str | Path, out: str | Path, force: bool = False) -> Pa
         for f in tmp.iterdir():
             f.chmod(0o644)
         outputs.write_marker(tmp, kind="export-hf")
+        note = auto_tokenizer_note(tmp, tokenizer)
+    if note:
+        print(note.replace(str(tmp), str(out)), file=sys.stderr)
     return checkpoint

@@ -14,7 +14,14 @@ SMALL = replace(TINY, name="small", layers=4, hidden=128, heads=4, seq_len=128, 
 """A second size whose recomputed block outweighs its head (the full-recomputation peak is the block's)."""
 FIVE = replace(TINY, layers=5)
 """5 blocks over 2 stages: DeepSpeed's parameter partition gives stage 0 (with the embedding) 3, stage 1 2."""
-CASES = [(m, prec, ck, 1, 0) for m in (TINY, SMALL, MODEL_PRESETS["tiny-llama"]) for prec in ("bf16", "fp32")
+TINY_LLAMA = MODEL_PRESETS["tiny-llama"]
+QWEN2 = replace(TINY_LLAMA, name="tiny-qwen2", qkv_bias=True, tied_embeddings=True)
+"""Qwen2/2.5's shape: q/k/v biases only, a tied head."""
+QWEN3 = replace(TINY_LLAMA, name="tiny-qwen3", qk_norm=True, head_width=32)
+"""Qwen3's: per-head q/k RMSNorm, heads twice hidden / heads wide (q is 2h wide, the out-projection 2h -> h)."""
+MISTRAL = replace(TINY_LLAMA, name="tiny-mistral", sliding_window=16)
+"""Mistral 7B v0.1's: a sliding window (16 tokens of 64) in every block, so each block keeps the (s, s) mask."""
+CASES = [(m, prec, ck, 1, 0) for m in (TINY, SMALL, TINY_LLAMA, QWEN2, QWEN3, MISTRAL) for prec in ("bf16", "fp32")
          for ck in ("none", "selective", "full")]
 CASES += [(FIVE, "bf16", ck, 2, stage) for ck in ("none", "full") for stage in (0, 1)]
 

@@ -1,0 +1,127 @@
+"""The planner on issue 28's architectures: FLOPs over heads x head_dim and bounded by a sliding window, AutoTP's
+split widths from head_dim, a window's mask counted per windowed block on each stage, and the largest new presets
+planned on their clusters (no launch)."""
+import math
+from dataclasses import replace
+
+import pytest
+
+from dspipe.planner.autotp import fused_parts, split_of
+from dspipe.planner.enumerate import tp_choices
+from dspipe.planner.memory import activation_bytes_per_layer, micro_batch_activations, window_mask_bytes
+from dspipe.planner.search import search
+from dspipe.planner.summary import estimate_summary
+from dspipe.planner.throughput import attention_flops_per_token, attention_keys_per_query, model_flops_per_token
+from dspipe.spec.core import ClusterSpec, StrategyRequest, TrainSpec
+from dspipe.spec.presets import MODEL_PRESETS
+
+
+def test_attention_flops_use_heads_times_head_dim():
+    """Qwen3-32B's 64 heads of 128 are 8192 wide against a 5120 model: the attention term is 12 x 8192 x L x s/2,
+    not 6Lhs with h = 5120."""
+    m = MODEL_PRESETS["qwen3-32b"]
+    assert m.q_width == 8192 != m.hidden
+    assert attention_flops_per_token(m) == 12 * 8192 * m.layers * m.seq_len / 2
+    assert model_flops_per_token(m) == 6 * 32_762_123_264 + 6 * m.layers * 8192 * m.seq_len
+    gpt = MODEL_PRESETS["gpt3-175b"]  # heads x head_dim = h: the formula before head_dim existed
+    assert model_flops_per_token(gpt) == 6 * gpt.num_params + 6 * gpt.layers * gpt.hidden * gpt.seq_len
+
+
+def test_a_sliding_window_bounds_the_keys_per_query():
+    """Mistral 7B v0.1, s 8192, window 4096: position i sees min(i, 4096) keys, 4096 - 4096^2 / (2 x 8192) = 3072 on
+    average instead of causal 4096; the dense-mask kernel still computes all 8192; v0.3 has no window."""
+    v1, v3 = MODEL_PRESETS["mistral-7b-v0.1"], MODEL_PRESETS["mistral-7b-v0.3"]
+    assert attention_keys_per_query(v1, 0) == 3072 and attention_keys_per_query(v1, 0, executed=True) == 8192
+    assert attention_keys_per_query(v3, 0) == attention_keys_per_query(v3, 0, executed=True) == 4096
+    assert attention_flops_per_token(v1) == 12 * 4096 * 32 * 3072
+    exact = sum(min(i, 4096) for i in range(1, 8193)) / 8192  # the discrete mean: within 0.02%
+    assert math.isclose(attention_keys_per_query(v1, 0), exact, rel_tol=2e-4)
+    # a window at least the sequence is causal attention; only blocks from window_start_layer on are windowed
+    assert attention_keys_per_query(replace(v1, sliding_window=8192), 0) == 4096
+    later = replace(v1, window_start_layer=24)
+    assert attention_flops_per_token(later) == 12 * 4096 * (24 * 4096 + 8 * 3072)
+
+
+def test_step_time_counts_the_masked_kernels_work_and_mfu_the_models():
+    from dspipe.planner.cost import estimate
+    from dspipe.planner.plan import make_plan
+    from dspipe.spec.core import StrategySpec
+
+    cluster = ClusterSpec(1, 8, "h100-80g")
+    train = TrainSpec(global_batch=64, micro_batch=1, steps=10, warmup_steps=1)
+    est = {}
+    for name in ("mistral-7b-v0.1", "mistral-7b-v0.3"):
+        m = replace(MODEL_PRESETS[name], vocab=32000, rope_theta=10000.0)  # differ only by the window
+        plan = make_plan(model=m, cluster=cluster, train=train, strategy=StrategySpec(zero=3, checkpointing="full"))
+        est[name] = estimate(model=m, cluster=cluster, plan=plan)
+    v1, v3 = est["mistral-7b-v0.1"], est["mistral-7b-v0.3"]
+    assert v1.flops_per_token < v3.flops_per_token  # the window needs fewer scores
+    attn = 12 * 4096 * 32
+    assert math.isclose(v3.flops_per_token - v1.flops_per_token, attn * (4096 - 3072))
+    # what runs: the windowed blocks' dense (s, s) mask, twice the causal scores; full recomputation 4/3 of it
+    assert math.isclose(v1.hardware_flops_per_token - v3.hardware_flops_per_token, 4 / 3 * attn * (8192 - 4096))
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-0.5b", "qwen3-32b", "llama3.2-3b"])
+def test_autotp_splits_whole_heads_of_head_dim(name):
+    """The fused q/k/v splits into heads x head_dim and 2 x kv_heads x head_dim rows (with Qwen2's biases), the
+    out-projection along its heads x head_dim input features; Qwen3's q/k norm weights stay whole."""
+    m = MODEL_PRESETS[name]
+    hd, kv = m.head_dim, m.kv_groups
+    qkv = (0, [m.heads * hd, kv * hd, kv * hd])
+    assert fused_parts(m)[next(iter(fused_parts(m)))] == qkv[1] and sum(qkv[1]) == m.qkv_width
+    assert split_of("h.3.attn.c_attn.weight", m) == qkv
+    assert split_of("h.3.attn.c_attn.bias", m) == qkv  # a q/k/v bias, where there is one, splits with its rows
+    assert split_of("h.3.attn.c_proj.weight", m) == (1, [m.q_width])
+    assert split_of("h.3.attn.q_norm.weight", m) is None and split_of("h.3.attn.k_norm.weight", m) is None
+    assert ("h.3.attn.c_attn.bias" in dict(m.model_tensors())) == (name == "qwen2.5-0.5b")
+
+
+def test_tp_choices_divide_the_kv_heads_too():
+    """Qwen2.5-0.5B: 14 heads, 2 kv heads: only tp 2 keeps whole kv heads (plan.check_rules refuses the rest)."""
+    assert tp_choices(MODEL_PRESETS["qwen2.5-0.5b"], ClusterSpec(1, 8, "h100-80g")) == [1, 2]
+    assert tp_choices(MODEL_PRESETS["qwen2.5-72b"], ClusterSpec(1, 8, "h100-80g")) == [1, 2, 4, 8]
+
+
+def test_a_window_mask_is_counted_once_per_windowed_block_on_its_stage():
+    """The (s, s) mask in the activation dtype, per windowed block and micro-batch, only without recomputation
+    (selective rebuilds it inside the core); blocks before window_start_layer keep none."""
+    m = replace(MODEL_PRESETS["tiny-llama"], sliding_window=16, window_start_layer=1)  # 2 blocks, s 64
+    kw = dict(model=m, micro_batch=2, act_bytes=2, kernels="cpu")
+    plain = activation_bytes_per_layer(checkpointing="none", windowed=False, **kw)
+    masked = activation_bytes_per_layer(checkpointing="none", windowed=True, **kw)
+    assert masked - plain == window_mask_bytes(m, act_bytes=2) == 2 * 64 * 64
+    assert activation_bytes_per_layer(checkpointing="selective", windowed=True, **kw) == \
+        activation_bytes_per_layer(checkpointing="selective", windowed=False, **kw)
+    both, _ = micro_batch_activations(checkpointing="none", blocks=2, first=True, last=False, **kw)
+    assert both == plain + masked + 8 * 64 * 2  # block 0 unmasked, block 1 masked, the token ids
+    first, _ = micro_batch_activations(checkpointing="none", blocks=1, first=True, last=False, windowed=0, **kw)
+    assert first == plain + 8 * 64 * 2
+    long_window = replace(m, sliding_window=64)  # as long as the sequence: plain causal attention, no mask
+    assert activation_bytes_per_layer(checkpointing="none", **{**kw, "model": long_window}) == plain
+
+
+def _best(name, nodes, gbs):
+    cluster = ClusterSpec(nodes, 8, "h100-80g")
+    result = search(model=MODEL_PRESETS[name], cluster=cluster, request=StrategyRequest(),
+                    train=TrainSpec(global_batch=gbs, micro_batch=1, steps=1000, warmup_steps=10))
+    return result.best, estimate_summary(result.best, tokens=1e12)
+
+
+def test_qwen2_5_72b_plans_on_64_h100():
+    """dspipe plan --model qwen2.5-72b --nodes 8 --gpus-per-node 8 --gpu h100-80g --global-batch 512: ZeRO-3 with
+    full recomputation, ~33 GiB per GPU, ~230 days for 1T tokens at ~36% MFU (6N alone: 4.4e23 FLOPs)."""
+    best, s = _best("qwen2.5-72b", 8, 512)
+    assert best.est.fits and best.plan.world_size == 64 and best.plan.num_params == 72_706_203_648
+    assert best.est.memory.total < 0.8 * best.est.gpu_memory_bytes
+    assert 0.3 < s["mfu"] < 0.5 and 150 < s["train_days"] < 350, s
+
+
+def test_llama3_1_405b_plans_on_256_h100():
+    """dspipe plan --model llama3.1-405b --nodes 32 --gpus-per-node 8 --gpu h100-80g --global-batch 512: 405.9B
+    parameters' states need ZeRO-3 over all 256 GPUs with the optimizer offloaded to the host; ~360 days for 1T
+    tokens."""
+    best, s = _best("llama3.1-405b", 32, 512)
+    assert best.est.fits and best.plan.world_size == 256 and best.plan.num_params == 405_853_388_800
+    assert best.plan.zero_stage == 3 and best.est.host_memory_bytes <= best.est.host_memory_capacity
+    assert 0.25 < s["mfu"] < 0.5 and 200 < s["train_days"] < 600, s

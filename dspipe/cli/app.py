@@ -68,6 +68,9 @@ def gen_config(**o) -> None:
     best = result.best
     plan, train = best.plan, best.train
     out: Path = o["out"]
+    if train.warmup_steps < 2:  # DeepSpeed's WarmupLR and WarmupCosineLR take max(2, warmup_num_steps)
+        notes.append(f"note: --warmup {train.warmup_steps} runs as 2 warmup steps (DeepSpeed's WarmupLR and "
+                     f"WarmupCosineLR warm up over at least 2)")
     if train.eval_interval and (Path(o["data"]) / "meta.json").is_file():
         from dspipe.data.checks import check_val_for_eval
         check_val_for_eval(o["data"], seq_len=model.seq_len, dp=plan.dp, micro_batch=plan.micro_batch)

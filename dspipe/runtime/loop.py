@@ -215,6 +215,7 @@ def step_loop(t: Training) -> None:
         skipped_before = engine.skipped_steps
         if nan_loss:
             nan_loss.arm(step)
+        lr = engine.get_lr()[0]  # the lr this step applies (the scheduler moves it on at the step's end)
         t0 = time.perf_counter()
         loss = eng.train_step(t.loader if reads_data else None)
         if not reads_data:  # the others skip along
@@ -228,7 +229,7 @@ def step_loop(t: Training) -> None:
         if note:
             t.say(f"dspipe: {note}", flush=True)
         if t.rank == 0:
-            _log_step(t, step=step, loss=loss, seconds=dt, skipped=skipped, flops_per_token=flops_per_token)
+            _log_step(t, step=step, loss=loss, lr=lr, seconds=dt, skipped=skipped, flops_per_token=flops_per_token)
         if tr.eval_interval and (step % tr.eval_interval == 0 or step == tr.steps):
             t.log.validation({"step": step, "tokens": step * plan.tokens_per_step,
                               **evaluate_sets(eng, t.val, micro_batch=plan.micro_batch)})
@@ -246,12 +247,13 @@ def step_loop(t: Training) -> None:
                             f"before the first skipped step); lower the lr or check the data, then relaunch to resume")
 
 
-def _log_step(t: Training, *, step: int, loss: float, seconds: float, skipped: bool, flops_per_token: float) -> None:
-    """One metrics row (rank 0)."""
+def _log_step(t: Training, *, step: int, loss: float, lr: float, seconds: float, skipped: bool,
+              flops_per_token: float) -> None:
+    """One metrics row (rank 0); `lr` is the one the step applied."""
     engine, plan = t.eng.engine, t.run.plan
     norm = engine.get_global_grad_norm()
     alloc, reserved = peak_memory_gib()
-    t.log.step({"step": step, "tokens": step * plan.tokens_per_step, "loss": loss, "lr": engine.get_lr()[0],
+    t.log.step({"step": step, "tokens": step * plan.tokens_per_step, "loss": loss, "lr": lr,
                 "grad_norm": None if norm is None else float(norm), "step_time_s": seconds,
                 **step_rates(tokens=plan.tokens_per_step, samples=plan.global_batch, seconds=seconds,
                              flops_per_token=flops_per_token, world_size=t.world, peak_tflops=t.peak_tflops),

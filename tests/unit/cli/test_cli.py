@@ -158,3 +158,22 @@ def test_a_click_option_is_generated_from_its_setting():
     seq = param("seq_len")
     assert seq.type is INT and seq.help == "context length [the preset's; custom 1024]"
     assert isinstance(param("norm").type, click.Choice)
+
+
+def test_a_warmup_of_one_step_is_noted_as_the_two_deepspeed_runs(tmp_path):
+    """DeepSpeed's WarmupCosineLR takes max(2, warmup_num_steps): gen-config says so rather than change it silently."""
+    from deepspeed.runtime.lr_schedules import WarmupCosineLR
+    import torch
+
+    common = ("gen-config", "--model", "tiny", "--gpus-per-node", "1", "--gpu", "cpu", "--global-batch", "4",
+              "--steps", "10")
+    r = dspipe(*common, "--warmup", "1", "--out", tmp_path / "w1")
+    assert r.returncode == 0, r.stderr
+    assert ("note: --warmup 1 runs as 2 warmup steps (DeepSpeed's WarmupLR and WarmupCosineLR warm up over at "
+            "least 2)") in r.stderr
+    params = json.loads((tmp_path / "w1" / "ds_config.json").read_text())["scheduler"]["params"]
+    assert params["warmup_num_steps"] == 1  # the value asked for is written; DeepSpeed clamps it
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    assert WarmupCosineLR(opt, **params).warmup_num_steps == 2
+    r = dspipe(*common, "--warmup", "2", "--out", tmp_path / "w2")
+    assert r.returncode == 0 and "warmup steps" not in r.stderr, r.stderr

@@ -372,9 +372,21 @@ def load(engine, path: Path, loader) -> dict:
             load_path, _ = engine.load_checkpoint(str(path.parent), tag=path.name)
     if load_path is None:
         raise SpecError(f"DeepSpeed could not load checkpoint {path}")
+    reapply_schedule(engine)
     loader.load_state_dict(meta["data"])
     restore_rng(path, meta=meta, seed=loader.seed, rank=dist.get_rank(), world=dist.get_world_size())
     return meta
+
+
+def reapply_schedule(engine) -> None:
+    """Set the optimizer's lr from the loaded schedule at its loaded position. DeepSpeed restores the optimizer's
+    saved lr and the scheduler's position separately; after `dspipe extend` (a longer total_num_steps) the saved
+    lr is the old schedule's, and the first resumed step would apply it. At an unchanged schedule this writes the
+    same value."""
+    sched = engine.lr_scheduler
+    at = getattr(sched, "last_batch_iteration", None)
+    if isinstance(at, int) and at >= 0:
+        sched.step(at)
 
 
 def bf16_optimizer_without_zero(engine) -> bool:

@@ -304,5 +304,15 @@ def test_bf16_zero0_kill9_default_resume_restart_and_extend(tmp_path, corpus):
     got = written_metrics(run)
     assert [int(s) for s, *_ in got] == list(range(1, 9)) and got[:6] == written_metrics(ref)
     assert float(got[6][2]) > float(written_metrics(ref)[5][2])  # the stretched cosine: lr back above the old run's end
+    # each resumed step applies the extended schedule's lr (not the one the old schedule left in the optimizer)
+    import torch
+    from deepspeed.runtime.lr_schedules import WarmupCosineLR
+
+    ds = json.loads((run / "ds_config.json").read_text())
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=ds["optimizer"]["params"]["lr"])
+    sched = WarmupCosineLR(opt, **ds["scheduler"]["params"])
+    for step in (7, 8):
+        sched.step(step - 2)  # step k applies iteration k - 2 (DeepSpeed's schedule starts at iteration -1)
+        assert float(got[step - 1][2]) == pytest.approx(opt.param_groups[0]["lr"], rel=1e-12), (step, got)
     assert (run / "checkpoints" / "latest").read_text() == "global_step8"
     assert [s for s, _ in scalars(run)[0]] == list(range(1, 9))

@@ -2,6 +2,7 @@
 directories. Test modules import from here (`from tests.helpers import ...`), never from each other; fixtures live in
 tests/conftest.py."""
 import csv
+import json
 import os
 import shutil
 import socket
@@ -151,3 +152,15 @@ def hand_checkpoint(run_dir, *, step=6, seed=0):
     (tag / ckpt.META_FILE).write_text(json.dumps(meta, indent=2))
     (run.checkpoint_dir / ckpt.LATEST_FILE).write_text(tag.name)
     return tag
+
+
+def edit_hf_config(directory, **edits) -> None:
+    """Rewrite DIRECTORY/config.json with `edits` applied (a value of ... removes the key)."""
+    path = Path(directory) / "config.json"
+    cfg = json.loads(path.read_text())
+    for key, value in edits.items():
+        if value is ...:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
+    path.write_text(json.dumps(cfg))

@@ -219,6 +219,9 @@ class ModelSpec:
         if self.sliding_window is not None:
             _positive("model", sliding_window=self.sliding_window)
         _int_range("model", "window_start_layer", self.window_start_layer, low=0)
+        if self.sliding_window is None and self.window_start_layer:
+            raise SpecError(f"model.window_start_layer {self.window_start_layer} has no effect without sliding_window "
+                            f"(give the window in tokens, or leave window_start_layer at 0)")
         if self.sliding_window is not None and self.window_start_layer >= self.layers:
             raise SpecError(f"model.window_start_layer {self.window_start_layer} leaves no block with the sliding "
                             f"window (layers {self.layers}: it must be < {self.layers})")
@@ -233,6 +236,12 @@ class ModelSpec:
             _number("model", name, getattr(self, name), low=0.0, high=1e6, low_open=True)
         if self.rope_original_context is not None:
             _positive("model", rope_original_context=self.rope_original_context)
+        if self.rope_scaling == "none" and self.rope_factor != 1:
+            raise SpecError(f"model.rope_factor {self.rope_factor:g} has no effect without rope_scaling (give "
+                            f"rope_scaling linear, llama3 or yarn, or leave the factor at 1)")
+        if self.rope_scaling in ("none", "linear") and self.rope_original_context is not None:
+            raise SpecError(f"model.rope_original_context {self.rope_original_context} has no effect with rope_scaling "
+                            f"{self.rope_scaling} (only llama3 and yarn extend from an original context)")
         if self.rope_scaling in ("llama3", "yarn") and self.rope_original_context is None:
             raise SpecError(f"model.rope_scaling {self.rope_scaling} needs rope_original_context (the context it "
                             f"extends from, e.g. 8192 for Llama 3.1)")

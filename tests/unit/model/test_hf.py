@@ -8,7 +8,7 @@ import torch
 
 from dspipe.errors import SpecError
 from dspipe.spec.core import ModelSpec
-from tests.helpers import run_cli
+from tests.helpers import edit_hf_config, run_cli
 
 TOL = 1e-5
 CPU2 = ["--gpu", "cpu", "--gpus-per-node", "2", "--global-batch", "8", "--micro-batch", "2", "--steps", "10",
@@ -162,13 +162,7 @@ def test_base_model_checkpoint_names_and_a_shorter_context(tmp_path):
 def _config(tmp_path, model, **edits):
     d = tmp_path / "hf"
     model.save_pretrained(d)
-    cfg = json.loads((d / "config.json").read_text())
-    for k, v in edits.items():
-        if v is ...:
-            cfg.pop(k, None)
-        else:
-            cfg[k] = v
-    (d / "config.json").write_text(json.dumps(cfg))
+    edit_hf_config(d, **edits)
     return d
 
 

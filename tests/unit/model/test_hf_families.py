@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dspipe.spec.core import ModelSpec
-from tests.helpers import run_cli
+from tests.helpers import edit_hf_config, run_cli
 from tests.unit.model.test_hf import CPU2, _perturb, _refusal
 
 TOL = 1e-5
@@ -68,16 +68,6 @@ ARCH = {"LlamaConfig": "LlamaForCausalLM", "Qwen2Config": "Qwen2ForCausalLM", "Q
         "MistralConfig": "MistralForCausalLM"}
 
 
-def _edit(d, edits: dict) -> None:
-    cfg = json.loads((d / "config.json").read_text())
-    for k, v in edits.items():
-        if v is ...:
-            cfg.pop(k, None)
-        else:
-            cfg[k] = v
-    (d / "config.json").write_text(json.dumps(cfg))
-
-
 def family_dir(tmp_path, family: str, *, seed=0, **save):
     """(directory, transformers model) of a tiny random checkpoint of `family`: saved by save_pretrained, its
     config.json edited as the family says, and the model loaded back from it (so it computes what the file says)."""
@@ -89,7 +79,7 @@ def family_dir(tmp_path, family: str, *, seed=0, **save):
     model = _perturb(getattr(transformers, ARCH[cls])(config).float().eval(), seed)
     d = tmp_path / family
     model.save_pretrained(d, **save)
-    _edit(d, edits)
+    edit_hf_config(d, **edits)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(d).float().eval()
     assert type(loaded).__name__ == ARCH[cls]
     return d, loaded
@@ -138,6 +128,9 @@ def test_checkpoint_reads_as_its_spec_and_computes_transformers_logits(family, t
     assert diff < TOL, diff
 
 
+NO_SCALING = dict(rope_scaling="none", rope_factor=1.0, rope_original_context=None)
+
+
 def test_sliding_window_and_rope_scaling_change_the_logits(tmp_path):
     """The checkpoints above test something: without its window or its rope scaling a model computes other logits
     (so matching transformers' is not a coincidence of short sequences)."""
@@ -147,8 +140,8 @@ def test_sliding_window_and_rope_scaling_change_the_logits(tmp_path):
     x = ids()
     for family, plain in (("mistral-window-hd16", dict(sliding_window=None)),
                           ("qwen2-window-yarn-tied", dict(sliding_window=None, window_start_layer=0)),
-                          ("llama3-biases-hd12", dict(rope_scaling="none")),
-                          ("llama-yarn", dict(rope_scaling="none"))):
+                          ("llama3-biases-hd12", dict(NO_SCALING)),
+                          ("llama-yarn", dict(NO_SCALING))):
         d, hf = family_dir(tmp_path, family)
         spec = replace(spec_from_hf_dir(d), **plain)
         gpt = GPT(spec, seed=1).eval()
@@ -163,24 +156,24 @@ def test_qwen3_without_head_dim_has_qwen3s_default_and_defaults_are_read_as_tran
     from dspipe.model.hf import spec_from_hf_dir
 
     d, _ = family_dir(tmp_path, "qwen3-biases")
-    _edit(d, {"head_dim": ...})
+    edit_hf_config(d, head_dim=...)
     assert spec_from_hf_dir(d).head_dim == AutoConfig.from_pretrained(d).head_dim == 128  # not hidden / heads
     d, _ = family_dir(tmp_path, "mistral-window-hd16")
-    _edit(d, {"sliding_window": None, "head_dim": ..., "rope_parameters": ..., "rope_theta": ...})
+    edit_hf_config(d, sliding_window=None, head_dim=..., rope_parameters=..., rope_theta=...)
     spec = spec_from_hf_dir(d)
     assert (spec.sliding_window, spec.head_width, spec.rope_theta) == (None, None, 10000.0)
     d, _ = family_dir(tmp_path, "qwen2-window-yarn-tied")
-    _edit(d, {"use_sliding_window": False, "layer_types": ...})  # the window is off: no window anywhere
+    edit_hf_config(d, use_sliding_window=False, layer_types=...)  # the window is off: no window anywhere
     assert spec_from_hf_dir(d).sliding_window is None
-    _edit(d, {"use_sliding_window": True, "max_window_layers": 3})  # from layer 3 of 3: no window either
+    edit_hf_config(d, use_sliding_window=True, max_window_layers=3)  # from layer 3 of 3: no window either
     assert spec_from_hf_dir(d).sliding_window is None
-    _edit(d, {"max_window_layers": ..., "sliding_window": ...})  # absent: Qwen2Config's defaults, 28 and 4096
+    edit_hf_config(d, max_window_layers=..., sliding_window=...)  # absent: Qwen2Config's defaults, 28 and 4096
     assert spec_from_hf_dir(d).sliding_window is None
-    _edit(d, {"max_window_layers": 2})
+    edit_hf_config(d, max_window_layers=2)
     assert (spec_from_hf_dir(d).sliding_window, spec_from_hf_dir(d).window_start_layer) == (4096, 2)
     assert AutoConfig.from_pretrained(d).layer_types == ["full_attention"] * 2 + ["sliding_attention"]
     d, _ = family_dir(tmp_path, "mistral-window-hd16")
-    _edit(d, {"sliding_window": ...})  # absent: MistralConfig's default 4096 (null: none, above)
+    edit_hf_config(d, sliding_window=...)  # absent: MistralConfig's default 4096 (null: none, above)
     assert spec_from_hf_dir(d).sliding_window == AutoConfig.from_pretrained(d).sliding_window == 4096
 
 
@@ -335,7 +328,7 @@ def test_configs_no_class_dspipe_computes_are_refused(family, edit, expected, tm
     from dspipe.model.hf import spec_from_hf_dir
 
     d, _ = family_dir(tmp_path, family)
-    _edit(d, edit)
+    edit_hf_config(d, **edit)
     text = _refusal(spec_from_hf_dir, d)
     assert text.startswith(str(d)) and expected in text, text
 
@@ -347,7 +340,7 @@ def test_yarn_values_that_change_nothing_are_accepted(tmp_path):
     want = spec_from_hf_dir(d)
     for extra in (dict(truncate=True), dict(mscale=1.0), dict(mscale_all_dim=1.0), dict(mscale=1.0, mscale_all_dim=0),
                   dict(attention_factor=YARN4, mscale=3.0, mscale_all_dim=1.0), dict(beta_fast=None, beta_slow=0)):
-        _edit(d, dict(rope_parameters={**YARN, "beta_fast": 8.0, "beta_slow": 2.0, **extra}))
+        edit_hf_config(d, rope_parameters={**YARN, "beta_fast": 8.0, "beta_slow": 2.0, **extra})
         got = spec_from_hf_dir(d)
         if "beta_fast" in extra:  # null and 0 mean transformers' defaults, 32 and 1
             assert (got.rope_beta_fast, got.rope_beta_slow) == (32.0, 1.0)

@@ -126,3 +126,15 @@ def test_a_new_setting_is_one_declaration():
     size, ratio = declared(Knob, section="strategy")
     assert (size.key, size.section, size.limit, size.flags, size.field) == ("size", "strategy", 99, "--size", "size")
     assert (ratio.key, ratio.section, ratio.flags, ratio.field) == ("knob_ratio", "logging", "--knob-ratio", "ratio")
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(rope_factor=8.0), "model.rope_factor 8 has no effect without rope_scaling"),
+    (dict(rope_scaling="linear", rope_factor=2.0, rope_original_context=16),
+     "model.rope_original_context 16 has no effect with rope_scaling linear"),
+    (dict(window_start_layer=1), "model.window_start_layer 1 has no effect without sliding_window"),
+])
+def test_a_setting_that_would_be_ignored_is_refused(settings, message):
+    base = MODEL_PRESETS["tiny-llama"]
+    with pytest.raises(SpecError, match=message):
+        ModelSpec(**{**{f.name: getattr(base, f.name) for f in fields(ModelSpec)}, **settings})

@@ -251,7 +251,9 @@ class StopRequest:
         import torch
         import torch.distributed as dist
 
-        flag = torch.tensor([0 if self.signum is None else 1], dtype=torch.int32)
+        from dspipe.runtime.comm import collective_tensor
+
+        flag = collective_tensor([0 if self.signum is None else 1], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 

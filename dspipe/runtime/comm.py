@@ -18,7 +18,10 @@ import os
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, NoReturn
+from typing import TYPE_CHECKING, Iterator, NoReturn
+
+if TYPE_CHECKING:
+    import torch
 
 SHM_DIR = Path("/dev/shm")
 SHM_PREFIX = "deepspeed_allreduce_buffer"
@@ -49,13 +52,30 @@ def init_distributed() -> str:
     from deepspeed.accelerator import get_accelerator
 
     backend = get_accelerator().communication_backend_name()
-    threads = cpu_threads_per_rank() if get_accelerator().device_name() == "cpu" else None
-    if threads:
-        torch.set_num_threads(threads)
+    if get_accelerator().device_name() == "cpu":
+        threads = cpu_threads_per_rank()
+        if threads:
+            torch.set_num_threads(threads)
+    else:  # each rank's own GPU before the first collective (else NCCL guesses it from the global rank)
+        get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))
     deepspeed.init_distributed(dist_backend=backend, verbose=False)
     dist.barrier()  # every peer has mapped every segment: the names are no longer needed
     shm_segment(rank=dist.get_rank()).unlink(missing_ok=True)
     return backend
+
+
+def collective_tensor(values, *, dtype) -> "torch.Tensor":
+    """A small tensor (a flag, a figure) for a collective, on the device the process group's backend takes: the
+    rank's GPU under NCCL, which refuses host tensors ("No backend type associated with device type cpu"), the CPU
+    under gloo. `.item()` / `.tolist()` bring the result back."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_backend() == "gloo":
+        return torch.tensor(values, dtype=dtype)
+    from deepspeed.accelerator import get_accelerator
+
+    return torch.tensor(values, dtype=dtype, device=get_accelerator().current_device_name())
 
 
 @contextmanager

@@ -16,7 +16,7 @@ from dspipe.planner.startup import build_mode
 from dspipe.planner.throughput import model_flops_per_token, step_rates
 from dspipe.rundir import Run
 from dspipe.runtime import checkpoint as ckpt
-from dspipe.runtime.comm import process_group
+from dspipe.runtime.comm import collective_tensor, process_group
 from dspipe.runtime.engine import build_engine
 from dspipe.runtime.evaluate import evaluate_sets, val_columns, val_sets
 from dspipe.runtime.faults import NO_FAULTS, Faults
@@ -68,7 +68,7 @@ def restart_run(run: Run, *, rank: int) -> None:
         else:
             print(f"dspipe: --restart: moved {', '.join(moved)} to {slot}; starting from step 0" if slot else
                   f"dspipe: --restart: {run.path} holds no previous outputs; starting from step 0", flush=True)
-    failed = torch.tensor([1 if error else 0], dtype=torch.int32)
+    failed = collective_tensor([1 if error else 0], dtype=torch.int32)
     dist.broadcast(failed, src=0)
     if failed.item():
         raise SpecError(error or f"--restart: rank 0 could not move the previous outputs of {run.path}")

@@ -21,6 +21,8 @@ def guard_base_optimizer(engine) -> bool:
     import torch.distributed as dist
     from deepspeed.runtime.utils import clip_grad_norm_
 
+    from dspipe.runtime.comm import collective_tensor
+
     opt = engine.optimizer
     if hasattr(opt, "overflow"):
         return False
@@ -32,7 +34,7 @@ def guard_base_optimizer(engine) -> bool:
 
     def local_norm():  # no clipping configured: the norm of this rank's gradients, summed over pipeline stages
         grads = [p.grad for group in opt.param_groups for p in group["params"] if p.grad is not None]
-        sq = torch.stack(torch._foreach_norm(grads)).double().pow(2).sum() if grads else torch.zeros((), dtype=torch.float64)
+        sq = torch.stack(torch._foreach_norm(grads)).double().pow(2).sum() if grads else collective_tensor(0.0, dtype=torch.float64)
         if getattr(engine, "num_stages", 1) > 1:
             dist.all_reduce(sq, group=engine.grid.get_pipe_parallel_group())
         return sq.sqrt()
@@ -40,7 +42,7 @@ def guard_base_optimizer(engine) -> bool:
     def step(closure=None):
         norm = seen.pop("norm", None)
         norm = float(local_norm() if norm is None else norm)
-        bad = torch.tensor([0.0 if math.isfinite(norm) else 1.0])
+        bad = collective_tensor([0.0 if math.isfinite(norm) else 1.0], dtype=torch.float32)
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)  # every rank takes the same decision
         opt.overflow, opt._global_grad_norm = bool(bad.item()), norm
         if opt.overflow:

@@ -79,12 +79,14 @@ class StartupClock:
         import torch
         import torch.distributed as dist
 
+        from dspipe.runtime.comm import collective_tensor
+
         release_freed()
         if not host_is_device:
             malloc_threshold(STEADY_MMAP_THRESHOLD)
 
         names = ("before_build", "built", "ready")
-        mine = torch.tensor([v for n in names for v in self.marks[n]] + [self.built_params], dtype=torch.float64)
+        mine = collective_tensor([v for n in names for v in self.marks[n]] + [self.built_params], dtype=torch.float64)
         every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(every, mine)
         rows = [t.tolist() for t in every]

@@ -78,7 +78,9 @@ class WriteFailures:
         import torch
         import torch.distributed as dist
 
-        flag = torch.tensor([self.code], dtype=torch.int64)
+        from dspipe.runtime.comm import collective_tensor
+
+        flag = collective_tensor([self.code], dtype=torch.int64)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return int(flag.item())
 

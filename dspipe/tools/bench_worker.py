@@ -102,8 +102,8 @@ def _mean_loss(total, *, count: int, replicas: int) -> float:
     over every rank / (count x world / sp), sequence-parallel ranks holding shares of their replica's loss."""
     import torch.distributed as dist
 
-    total = total.detach().float().cpu().reshape(1)
-    dist.all_reduce(total)  # CPU tensor: gloo, or NCCL's device copy is not worth it for one number
+    total = total.detach().float().reshape(1)  # on the rank's device: NCCL takes no host tensor
+    dist.all_reduce(total)
     return float(total) / (count * replicas)
 
 

@@ -55,3 +55,23 @@ def test_exit_rank_flushes_what_was_printed_and_keeps_the_exit_code():
             "print('done', end=''); sys.stderr.write('dspipe: error'); exit_rank(3)")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)  # pipes: buffered
     assert (r.returncode, r.stdout, r.stderr) == (3, "done", "dspipe: error")
+
+
+def test_collective_tensors_live_where_the_backend_takes_them(monkeypatch):
+    """NCCL refuses host tensors ("No backend type associated with device type cpu": the runner's flags and
+    start-up figures failed so on an H200 before collective_tensor); gloo takes only host tensors."""
+    from deepspeed.accelerator import get_accelerator
+
+    from dspipe.runtime.comm import collective_tensor
+
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_SIZE": "1",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+                       "OMP_NUM_THREADS": str(torch.get_num_threads())}.items():
+        monkeypatch.setenv(key, value)
+    with process_group():
+        t = collective_tensor([3], dtype=torch.int32)
+        assert t.device.type == "cpu" and t.dtype == torch.int32 and t.tolist() == [3]
+        monkeypatch.setattr(dist, "get_backend", lambda *a, **k: "nccl")
+        monkeypatch.setattr(type(get_accelerator()), "current_device_name", lambda self: "meta")
+        t = collective_tensor([0.0, 1.0], dtype=torch.float64)
+        assert t.device.type == "meta" and t.shape == (2,)

@@ -183,6 +183,31 @@ class ModelSpec:
     window_start_layer: int = setting(0, kind="int", limit=4096,
                                       help="first block with the sliding window [{default}; Qwen2 max_window_layers]")
     """Blocks window_start_layer .. layers - 1 use the sliding window, earlier blocks full causal attention."""
+    experts: int = setting(0, kind="int", limit=4096, help="routed experts per MoE block [{default}: dense; Mixtral 8]")
+    """Routed experts in each sparse (mixture-of-experts) block; 0: every block is dense."""
+    experts_per_token: int = setting(2, kind="int", limit=4096,
+                                     help="experts each token is routed to (top-k) [{default}; Qwen3-MoE 8]")
+    """Experts each token is sent to (top-k of the router's softmax)."""
+    expert_ffn: int | None = setting(None, kind="int", limit=2**20,
+                                     help="width of one expert's MLP [= --ffn; Qwen3-MoE moe_intermediate_size]")
+    """Inner width of one expert's MLP (None: ffn); ffn stays the width of the dense blocks' MLP."""
+    shared_experts: int = setting(0, kind="int", limit=64,
+                                  help="always-on shared experts per MoE block, each expert_ffn wide [{default}]")
+    """Shared experts every token passes through besides its routed ones (one MLP shared_experts x expert_ffn wide)."""
+    router_norm_topk: bool = setting(True, kind="bool", flag="--router-norm-topk/--no-router-norm-topk",
+                                     help="renormalise the top-k router probabilities to sum to 1 [Mixtral: yes]")
+    """Divide the chosen experts' softmax probabilities by their sum (Mixtral; Qwen3-MoE norm_topk_prob)."""
+    moe_every: int = setting(1, kind="int", limit=4096,
+                             help="every k-th block is sparse [{default}; HF decoder_sparse_step]")
+    """Block i (from 0) is sparse when (i + 1) is a multiple of moe_every and i >= moe_first_dense."""
+    moe_first_dense: int = setting(0, kind="int", limit=4096, help="the first k blocks stay dense [{default}]")
+    """The first moe_first_dense blocks are dense whatever moe_every says (DeepSeek's first_k_dense_replace)."""
+    aux_loss_coef: float = setting(0.001, kind="float",
+                                   help="load-balancing loss coefficient [{default:g}; Mixtral, Qwen3-MoE]")
+    """Weight of each sparse block's load-balancing loss E x sum_e f_e P_e added to the training loss."""
+    capacity_factor: float | None = setting(None, kind="float", limit=64.0,
+                                            help="expert capacity factor, tokens over it dropped [none: dropless]")
+    """Expert capacity = factor x k x tokens / experts, routes beyond it dropped (None: dropless, every route kept)."""
 
     def __post_init__(self) -> None:
         _text("model", "name", self.name)
@@ -225,6 +250,33 @@ class ModelSpec:
         if self.sliding_window is not None and self.window_start_layer >= self.layers:
             raise SpecError(f"model.window_start_layer {self.window_start_layer} leaves no block with the sliding "
                             f"window (layers {self.layers}: it must be < {self.layers})")
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        _int_range("model", "experts", self.experts, low=0)
+        _positive("model", experts_per_token=self.experts_per_token, moe_every=self.moe_every)
+        _int_range("model", "shared_experts", self.shared_experts, low=0)
+        _int_range("model", "moe_first_dense", self.moe_first_dense, low=0)
+        _flag("model", "router_norm_topk", self.router_norm_topk)
+        _number("model", "aux_loss_coef", self.aux_loss_coef, low=0.0, high=1e3)
+        if self.expert_ffn is not None:
+            _positive("model", expert_ffn=self.expert_ffn)
+        if self.capacity_factor is not None:
+            _number("model", "capacity_factor", self.capacity_factor, low=0.0, high=64.0, low_open=True)
+        if not self.experts:
+            moe_only = {"expert_ffn": None, "shared_experts": 0, "moe_every": 1, "moe_first_dense": 0,
+                        "capacity_factor": None}
+            set_ = [f"{k} {getattr(self, k)}" for k, v in moe_only.items() if getattr(self, k) != v]
+            if set_:
+                raise SpecError(f"model.{', '.join(set_)} has no effect without experts (give experts, e.g. 8)")
+            return
+        if self.experts_per_token > self.experts:
+            raise SpecError(f"model.experts_per_token {self.experts_per_token} exceeds experts {self.experts} "
+                            f"(top-k picks k of the experts: k <= {self.experts})")
+        if not self.sparse_layers:
+            raise SpecError(f"model: no block is sparse (layers {self.layers}, moe_every {self.moe_every}, "
+                            f"moe_first_dense {self.moe_first_dense}): block i is sparse when (i + 1) % moe_every == 0 "
+                            f"and i >= moe_first_dense")
 
     def _check_rope_scaling(self) -> None:
         _one_of("model", "rope_scaling", self.rope_scaling, ROPE_SCALINGS)
@@ -265,6 +317,14 @@ class ModelSpec:
         arch += ["qk-norm"] if self.qk_norm else []
         arch += [f"rope-{self.rope_scaling}x{self.rope_factor:g}"] if self.rope_scaling != "none" else []
         arch += [f"window{self.sliding_window}"] if self.sliding_window else []
+        if self.experts:
+            moe = f"moe{self.experts}x{self.expert_width}-top{self.experts_per_token}"
+            moe += f"+{self.shared_experts}shared" if self.shared_experts else ""
+            moe += "" if self.router_norm_topk else "-unnorm"
+            moe += f"-every{self.moe_every}" if self.moe_every > 1 else ""
+            moe += f"-dense{self.moe_first_dense}" if self.moe_first_dense else ""
+            moe += f"-cf{self.capacity_factor:g}" if self.capacity_factor is not None else ""
+            arch.append(moe)
         return (f"L{self.layers} h{self.hidden} a{self.heads}{kv} s{self.seq_len} V{self.vocab}"
                 + "".join(f" {a}" for a in arch))
 
@@ -309,17 +369,49 @@ class ModelSpec:
     def _linear(prefix: str, out: int, inp: int, bias: bool) -> list[tuple[str, tuple[int, ...]]]:
         return [(f"{prefix}.weight", (out, inp))] + ([(f"{prefix}.bias", (out,))] if bias else [])
 
-    def block_tensors(self) -> list[tuple[str, tuple[int, ...]]]:
-        """Every parameter of one block, (name, shape), as dspipe.model.gpt builds it: the one declaration the
-        planner's counts and the model share (a test ties them for every preset)."""
-        h, f = self.hidden, self.ffn
-        up = 2 * f if self.mlp == "swiglu" else f  # swiglu: gate and up fused in one projection
-        qkv_bias, out_bias, mlp_bias = self.biases
+    @property
+    def expert_width(self) -> int:
+        """Inner width of one routed expert's MLP: expert_ffn, else ffn."""
+        return self.expert_ffn or self.ffn
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether block `layer` (from 0) is a mixture-of-experts block."""
+        return bool(self.experts) and layer >= self.moe_first_dense and (layer + 1) % self.moe_every == 0
+
+    @property
+    def sparse_layers(self) -> tuple[int, ...]:
+        """The mixture-of-experts blocks, in order."""
+        return tuple(i for i in range(self.layers) if self.is_sparse(i))
+
+    def mlp_tensors(self, prefix: str, width: int) -> list[tuple[str, tuple[int, ...]]]:
+        """One MLP `width` wide: c_fc (gate and up fused for swiglu) and c_proj."""
+        up = 2 * width if self.mlp == "swiglu" else width
+        bias = self.biases[2]
+        return [*self._linear(f"{prefix}.c_fc", up, self.hidden, bias),
+                *self._linear(f"{prefix}.c_proj", self.hidden, width, bias)]
+
+    def expert_tensors(self) -> list[tuple[str, tuple[int, ...]]]:
+        """One routed expert's parameters, relative to the expert (c_fc, c_proj)."""
+        return self.mlp_tensors("", self.expert_width)
+
+    def block_tensors(self, layer: int | None = None) -> list[tuple[str, tuple[int, ...]]]:
+        """Every parameter of block `layer` (None: a dense block), (name, shape), as dspipe.model.gpt builds it: the
+        one declaration the planner's counts and the model share (a test ties them for every preset). A sparse block's
+        MLP is mlp.router (experts x hidden), mlp.experts.E.{c_fc,c_proj} and, with shared experts, mlp.shared."""
+        h = self.hidden
+        qkv_bias, out_bias, _ = self.biases
         qk = [("attn.q_norm.weight", (self.head_dim,)), ("attn.k_norm.weight", (self.head_dim,))] \
             if self.qk_norm else []
+        if layer is not None and self.is_sparse(layer):
+            mlp = [("mlp.router.weight", (self.experts, h))]
+            for e in range(self.experts):
+                mlp += [(f"mlp.experts.{e}{name}", shape) for name, shape in self.expert_tensors()]
+            if self.shared_experts:
+                mlp += self.mlp_tensors("mlp.shared", self.shared_experts * self.expert_width)
+        else:
+            mlp = self.mlp_tensors("mlp", self.ffn)
         return [*self.norm_tensors("ln_1"), *self._linear("attn.c_attn", self.qkv_width, h, qkv_bias), *qk,
-                *self._linear("attn.c_proj", h, self.q_width, out_bias), *self.norm_tensors("ln_2"),
-                *self._linear("mlp.c_fc", up, h, mlp_bias), *self._linear("mlp.c_proj", h, f, mlp_bias)]
+                *self._linear("attn.c_proj", h, self.q_width, out_bias), *self.norm_tensors("ln_2"), *mlp]
 
     def model_tensors(self) -> list[tuple[str, tuple[int, ...]]]:
         """Every parameter of the model (a tied head counted once), (name, shape), as the model names them."""
@@ -327,7 +419,7 @@ class ModelSpec:
         if self.positions == "learned":
             out.append(("embed.wpe.weight", (self.seq_len, self.hidden)))
         for i in range(self.layers):
-            out += [(f"h.{i}.{name}", shape) for name, shape in self.block_tensors()]
+            out += [(f"h.{i}.{name}", shape) for name, shape in self.block_tensors(i)]
         out += self.norm_tensors("final.ln_f")
         if not self.tied_embeddings:
             out.append(("lm_head.weight", (self.vocab, self.hidden)))
@@ -335,7 +427,41 @@ class ModelSpec:
 
     @property
     def params_per_block(self) -> int:
+        """Parameters of a dense block (see layer_params for a model with sparse blocks)."""
         return sum(math.prod(shape) for _, shape in self.block_tensors())
+
+    def layer_params(self, layer: int) -> int:
+        """Parameters of block `layer`, every expert counted."""
+        if not self.is_sparse(layer):
+            return self.params_per_block
+        return self.params_per_block - self.moe_dense_mlp_params + self.sparse_mlp_params
+
+    @property
+    def moe_dense_mlp_params(self) -> int:
+        """The dense MLP's parameters (what a sparse block replaces)."""
+        return sum(math.prod(shape) for _, shape in self.mlp_tensors("", self.ffn))
+
+    @property
+    def expert_params(self) -> int:
+        """Parameters of one routed expert."""
+        return sum(math.prod(shape) for _, shape in self.expert_tensors())
+
+    @property
+    def sparse_mlp_params(self) -> int:
+        """A sparse block's MLP: router + every routed expert + the shared experts."""
+        shared = sum(math.prod(s) for _, s in self.mlp_tensors("", self.shared_experts * self.expert_width)) \
+            if self.shared_experts else 0
+        return self.experts * self.hidden + self.experts * self.expert_params + shared
+
+    @property
+    def routed_expert_params(self) -> int:
+        """Every routed expert of every sparse block: the parameters expert parallelism divides over ep."""
+        return len(self.sparse_layers) * self.experts * self.expert_params
+
+    @property
+    def blocks_params(self) -> int:
+        """All blocks together."""
+        return sum(self.layer_params(i) for i in range(self.layers))
 
     @property
     def embedding_params(self) -> int:
@@ -350,7 +476,14 @@ class ModelSpec:
     def num_params(self) -> int:
         """Total parameters, counting a tied embedding once."""
         head = 0 if self.tied_embeddings else self.vocab * self.hidden
-        return self.embedding_params + self.layers * self.params_per_block + self.final_norm_params + head
+        return self.embedding_params + self.blocks_params + self.final_norm_params + head
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token passes through: every routed expert but its experts_per_token left out (the
+        count MoE papers publish as 'active'; = num_params for a dense model)."""
+        idle = (self.experts - self.experts_per_token) * self.expert_params if self.experts else 0
+        return self.num_params - len(self.sparse_layers) * idle
 
 
 @dataclass(frozen=True)
@@ -542,6 +675,11 @@ class StrategySpec:
     sp: int = setting(1, kind="auto_int", limit=4096,
                       help="sequence-parallel ranks per replica, DeepSpeed-Ulysses [auto: 1]")
     """Sequence-parallel ranks per replica (DeepSpeed-Ulysses)."""
+    ep: int = setting(1, kind="auto_int", limit=4096,
+                      help="expert-parallel ranks: each holds experts / ep of every MoE block, inside the "
+                           "data-parallel ranks [auto]")
+    """Expert-parallel ranks (DeepSpeed MoE): the routed experts split over ep data-parallel ranks, which exchange
+    tokens by all-to-all; ep divides dp and the experts."""
     checkpointing: str = setting("none", kind="auto_choice", choices=CHECKPOINTING,
                                  help="activation recomputation [auto]")
     """Activation recomputation: none, full (per block) or selective (attention core)."""
@@ -573,7 +711,7 @@ class StrategySpec:
         _one_of("strategy", "partition_method", self.partition_method, PARTITION_METHODS)
         _flag("strategy", "offload_params", self.offload_params)
         _text("strategy", "nvme_path", self.nvme_path, optional=True)
-        _positive("strategy", pp=self.pp, tp=self.tp, sp=self.sp)
+        _positive("strategy", pp=self.pp, tp=self.tp, sp=self.sp, ep=self.ep)
         for name in ("reduce_bucket_size", "prefetch_bucket_size", "param_persistence_threshold"):
             if getattr(self, name) is not None:
                 _positive("strategy", **{name: getattr(self, name)})

@@ -28,6 +28,9 @@ class Preset:
     copies, or the paper."""
     published_params: int | None = None
     """Sum of numel over the released checkpoint's tensors (a tied head counted once); None: no checkpoint."""
+    published_active: int | None = None
+    """Mixture of experts: the parameters one token passes through, as the model's release states them exactly
+    (total minus the experts a token is not routed to); None: dense or not published."""
 
 
 def _gpt2(name: str, layers: int, hidden: int, heads: int, repo: str, params: int) -> Preset:
@@ -40,13 +43,14 @@ def _gpt3(name: str, layers: int, hidden: int, heads: int) -> Preset:
 
 
 def _llama(name: str, layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, *, vocab: int, seq_len: int,
-           theta: float, source: str, params: int | None, eps: float = 1e-5, **arch) -> Preset:
+           theta: float, source: str, params: int | None, eps: float = 1e-5, active: int | None = None,
+           **arch) -> Preset:
     """RMSNorm, SwiGLU, rotary positions, grouped-query attention, no biases, untied head unless `arch` says
     otherwise (tied_embeddings, qkv_bias, head_width, qk_norm, rope scaling, sliding window)."""
     arch.setdefault("tied_embeddings", False)
     spec = ModelSpec(name, layers, hidden, heads, vocab, seq_len, ffn, norm="rmsnorm", mlp="swiglu", positions="rope",
                      rope_theta=theta, kv_heads=kv_heads, bias=False, norm_eps=eps, **arch)
-    return Preset(spec, source, params)
+    return Preset(spec, source, params, active)
 
 
 LLAMA31_ROPE = dict(rope_scaling="llama3", rope_factor=8.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
@@ -59,6 +63,12 @@ QWEN2 = dict(qkv_bias=True, eps=1e-6)
 14B, 32B and 72B base configs)."""
 QWEN3 = dict(qk_norm=True, head_width=128, eps=1e-6)
 """Qwen3: per-head RMSNorm of q and k, head_dim 128 whatever the width, no biases."""
+MIXTRAL = dict(experts=8, experts_per_token=2)
+"""Mixtral: 8 SwiGLU experts as wide as the dense ffn, top-2 with the two probabilities renormalised, every block
+sparse, no shared expert, router_aux_loss_coef 0.001."""
+QWEN3_MOE = dict(**QWEN3, experts=128, experts_per_token=8)
+"""Qwen3-MoE: 128 experts, top-8, norm_topk_prob true in the released configs, every block sparse
+(decoder_sparse_step 1, no mlp_only_layers), no shared expert."""
 
 PRESETS: dict[str, Preset] = {p.spec.name: p for p in (
     Preset(ModelSpec("tiny", 2, 64, 4, 4096, 64, 256), "dspipe's test shape"),
@@ -129,6 +139,18 @@ PRESETS: dict[str, Preset] = {p.spec.name: p for p in (
            sliding_window=4096, source="mistralai/Mistral-7B-v0.1", params=7_241_732_096),
     _llama("mistral-7b-v0.3", 32, 4096, 32, 8, 14336, vocab=32768, seq_len=8192, theta=1e6,
            source="mistralai/Mistral-7B-v0.3", params=7_248_023_552),
+    # mixtures of experts: published total and active counts (Mixtral 8x7B: 46.7B / 12.9B; 8x22B: 141B / 39B;
+    # Qwen3-MoE: 30.5B / 3.3B and 235B / 22B), exact
+    _llama("mixtral-8x7b", 32, 4096, 32, 8, 14336, vocab=32000, seq_len=32768, theta=1e6, **MIXTRAL,
+           source="mistralai/Mixtral-8x7B-v0.1", params=46_702_792_704, active=12_879_925_248),
+    _llama("mixtral-8x22b", 56, 6144, 48, 8, 16384, vocab=32768, seq_len=65536, theta=1e6, **MIXTRAL,
+           source="mistralai/Mixtral-8x22B-v0.1", params=140_630_071_296, active=39_161_468_928),
+    # ffn is the released config's intermediate_size (the width of a dense block, which these shapes do not have)
+    _llama("qwen3-30b-a3b", 48, 2048, 32, 4, 6144, vocab=151936, seq_len=4096, theta=1e6, **QWEN3_MOE,
+           expert_ffn=768, source="Qwen/Qwen3-30B-A3B-Base", params=30_532_122_624, active=3_353_032_704),
+    # no base checkpoint of the 235B was released; the post-trained one has the same shape
+    _llama("qwen3-235b-a22b", 94, 4096, 64, 4, 12288, vocab=151936, seq_len=4096, theta=1e6, **QWEN3_MOE,
+           expert_ffn=1536, source="Qwen/Qwen3-235B-A22B", params=235_093_634_560, active=22_190_763_520),
 )}
 
 MODEL_PRESETS: dict[str, ModelSpec] = {name: p.spec for name, p in PRESETS.items()}
@@ -144,6 +166,8 @@ def preset_lines() -> list[str]:
         line = f"{m.name:<16} {m.num_params / 1e6:>10,.1f}M  {m.shape_text}  [{p.source}]"
         if p.published_params not in (None, m.num_params):
             line += f" (published {p.published_params:,})"
+        if m.experts:
+            line += f" (active {m.active_params / 1e6:,.1f}M)"
         out.append(line)
     return out
 

@@ -329,7 +329,8 @@ class SparseMLP(nn.Module):
 
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x)); the MLP a SparseMLP in the spec's
-    sparse blocks (`sparse`), whose load-balancing loss the block keeps in `aux` after each forward."""
+    sparse blocks (`sparse`), whose load-balancing loss the block keeps in `aux` after each forward (read from
+    mlp.aux: a module that replaces the SparseMLP leaves its loss there too)."""
 
     def __init__(self, spec: ModelSpec, *, index: int, seed: int | None):
         super().__init__()

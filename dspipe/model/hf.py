@@ -211,10 +211,10 @@ def _moe(cfg: dict, arch: str, *, layers: int, source) -> dict:
     only = [] if only is None else only
     if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
         raise SpecError(f"{source}: mlp_only_layers must be a list of layer numbers, got {_show(only)}")
-    if not experts:
-        return {}  # every block dense: Qwen3's MLP, intermediate_size wide
     sparse = [i for i in range(layers) if i not in only and (i + 1) % step == 0]
-    first = 0 if sparse == [i for i in range(layers) if (i + 1) % step == 0] else sparse[0] if sparse else 0
+    if not experts or not sparse:
+        return {}  # every block dense: Qwen3's MLP, intermediate_size wide
+    first = 0 if sparse == [i for i in range(layers) if (i + 1) % step == 0] else sparse[0]
     if sparse != [i for i in range(first, layers) if (i + 1) % step == 0]:
         raise SpecError(f"{source}: mlp_only_layers {_show(only)} is not supported (dspipe keeps dense only the first "
                         f"k blocks besides decoder_sparse_step {step}'s: mlp_only_layers [0, ..., k - 1])")

@@ -230,6 +230,8 @@ def test_configs_dspipe_cannot_compute_are_refused(tmp_path):
     (d / "config.json").write_text(json.dumps({**config, "mlp_only_layers": [0, 1], "num_experts": 8}))
     spec = spec_from_hf_dir(d)  # the first k layers dense: moe_first_dense
     assert (spec.moe_first_dense, spec.sparse_layers, spec.experts) == (2, (2,), 8)
+    (d / "config.json").write_text(json.dumps({**config, "mlp_only_layers": [0, 1, 2], "num_experts": 8}))
+    assert spec_from_hf_dir(d).experts == 0  # no sparse block: Qwen3's dense MLP everywhere
     m, _ = _family_dir(tmp_path, "mixtral")
     mixtral = json.loads((m / "config.json").read_text())
     (m / "config.json").write_text(json.dumps({**mixtral, "router_jitter_noise": 0.1}))

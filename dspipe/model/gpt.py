@@ -7,8 +7,8 @@ Parameter names follow Hugging Face GPT-2 (wte, wpe, h.N.ln_1, attn.c_attn, [att
 attn.c_proj, ln_2, mlp.c_fc, mlp.c_proj, ln_f) whatever the architecture: q/k/v are one fused projection
 ([q; k; v] rows) and a SwiGLU's gate and up projections one fused c_fc ([gate; up] rows), so an export is a rename,
 a split and (GPT-2's Conv1D) a transpose. A mixture-of-experts block's MLP is a SparseMLP: mlp.router,
-mlp.experts.E.{c_fc,c_proj} (each an MLP expert_width wide) and, with shared experts, mlp.shared. Every parameter is listed by ModelSpec.model_tensors(), which the planner
-counts from.
+mlp.experts.E.{c_fc,c_proj} (each an MLP expert_width wide) and, with shared experts, mlp.shared. Every
+parameter is listed by ModelSpec.model_tensors(), which the planner counts from.
 Every component declares its step-0 values as draws from (seed, its index) (`initial_values`), so the plain
 model, any pipeline layout and a model whose parameters were created elsewhere (on the meta device, or partitioned
 by ZeRO-3 as they were constructed) start from identical weights: whoever builds the model decides how a value

@@ -494,7 +494,8 @@ def _moe_architecture(spec: ModelSpec) -> str:
         why = (f"{MIXTRAL} has every block sparse (sparse blocks here: {len(spec.sparse_layers)} of {spec.layers}; "
                f"{QWEN3_MOE}, with dense blocks, has q/k norm)")
     elif spec.expert_width != spec.ffn:
-        why = f"{MIXTRAL}'s experts are intermediate_size wide: expert_ffn {spec.expert_width} must equal ffn {spec.ffn}"
+        why = (f"{MIXTRAL}'s experts are intermediate_size wide: expert_ffn {spec.expert_width} must equal ffn "
+               f"{spec.ffn}")
     else:
         return MIXTRAL
     raise SpecError(f"model {spec.name} ({spec.experts} experts, top-{spec.experts_per_token}"

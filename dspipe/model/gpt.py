@@ -6,8 +6,9 @@ or swap pieces from outside (dspipe.runtime.parallelize, DeepSpeed AutoTP).
 Parameter names follow Hugging Face GPT-2 (wte, wpe, h.N.ln_1, attn.c_attn, [attn.q_norm, attn.k_norm,]
 attn.c_proj, ln_2, mlp.c_fc, mlp.c_proj, ln_f) whatever the architecture: q/k/v are one fused projection
 ([q; k; v] rows) and a SwiGLU's gate and up projections one fused c_fc ([gate; up] rows), so an export is a rename,
-a split and (GPT-2's Conv1D) a transpose. Every parameter is listed by ModelSpec.model_tensors(), which the planner
-counts from.
+a split and (GPT-2's Conv1D) a transpose. A mixture-of-experts block's MLP is a SparseMLP: mlp.router,
+mlp.experts.E.{c_fc,c_proj} (each an MLP expert_width wide) and, with shared experts, mlp.shared. Every
+parameter is listed by ModelSpec.model_tensors(), which the planner counts from.
 Every component declares its step-0 values as draws from (seed, its index) (`initial_values`), so the plain
 model, any pipeline layout and a model whose parameters were created elsewhere (on the meta device, or partitioned
 by ZeRO-3 as they were constructed) start from identical weights: whoever builds the model decides how a value
@@ -259,14 +260,15 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """fc -> GELU (tanh) -> proj, or SwiGLU: silu(gate) x up -> proj with gate and up fused in c_fc."""
+    """fc -> GELU (tanh) -> proj, or SwiGLU: silu(gate) x up -> proj with gate and up fused in c_fc; `width` wide
+    inside (None: the spec's ffn; an expert: expert_width)."""
 
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, *, width: int | None = None):
         super().__init__()
         self.swiglu = spec.mlp == "swiglu"
-        bias = spec.biases[2]
-        self.c_fc = nn.Linear(spec.hidden, 2 * spec.ffn if self.swiglu else spec.ffn, bias=bias)
-        self.c_proj = nn.Linear(spec.ffn, spec.hidden, bias=bias)
+        bias, width = spec.biases[2], width or spec.ffn
+        self.c_fc = nn.Linear(spec.hidden, 2 * width if self.swiglu else width, bias=bias)
+        self.c_proj = nn.Linear(width, spec.hidden, bias=bias)
         self.drop = nn.Dropout(spec.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -276,24 +278,86 @@ class MLP(nn.Module):
         return self.drop(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))
 
 
+def route(logits: torch.Tensor, *, k: int, norm_topk: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Router logits (tokens, E) -> softmax probabilities over all experts (fp32), the top-k weights (renormalised
+    to sum to 1 when `norm_topk`) and the chosen experts (tokens, k), as Mixtral and Qwen3-MoE route."""
+    probs = logits.float().softmax(dim=-1)
+    weights, chosen = probs.topk(k, dim=-1)
+    if norm_topk:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return probs, weights, chosen
+
+
+def balance_loss(probs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """Load-balancing loss of one sparse block, E x sum_e f_e P_e: f_e the top-k routes to expert e per token
+    (sum_e f_e = k), P_e the mean router probability of e (transformers' load_balancing_loss_func, one layer)."""
+    experts = probs.shape[-1]
+    routes = torch.zeros(experts, device=probs.device, dtype=probs.dtype)
+    routes.index_add_(0, chosen.reshape(-1), torch.ones(chosen.numel(), device=probs.device, dtype=probs.dtype))
+    return experts * (routes / probs.shape[0] * probs.mean(dim=0)).sum()
+
+
+class SparseMLP(nn.Module):
+    """Mixture of experts, dropless, as transformers' Mixtral / Qwen3-MoE compute it: the router's logits (fp32)
+    -> softmax over every expert -> top-k (renormalised when router_norm_topk) -> each token's output is the
+    weighted sum of its k experts (each an MLP expert_width wide) plus the shared experts' MLP (no gate). The
+    block's load-balancing loss (balance_loss, with its graph) is left in `self.aux` by every forward."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.k, self.norm_topk = spec.experts_per_token, spec.router_norm_topk
+        self.router = nn.Linear(spec.hidden, spec.experts, bias=False)
+        self.experts = nn.ModuleList(MLP(spec, width=spec.expert_width) for _ in range(spec.experts))
+        self.shared = MLP(spec, width=spec.shared_experts * spec.expert_width) if spec.shared_experts else None
+        self.aux: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        logits = F.linear(flat.float(), self.router.weight.float())
+        probs, weights, chosen = route(logits, k=self.k, norm_topk=self.norm_topk)
+        self.aux = balance_loss(probs, chosen)
+        weights = weights.to(flat.dtype)  # the activations' dtype, as transformers and DeepSpeed weigh the outputs
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            token, slot = (chosen == e).nonzero(as_tuple=True)
+            y = expert(flat.index_select(0, token)) * weights[token, slot, None]
+            out.index_add_(0, token, y)
+        if self.shared is not None:
+            out = out + self.shared(flat)
+        return out.view_as(x)
+
+
 class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
+    """Pre-norm transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x)); the MLP a SparseMLP in the spec's
+    sparse blocks (`sparse`), whose load-balancing loss the block keeps in `aux` after each forward (read from
+    mlp.aux: a module that replaces the SparseMLP leaves its loss there too)."""
 
     def __init__(self, spec: ModelSpec, *, index: int, seed: int | None):
         super().__init__()
         self.index, self.layers = index, spec.layers
+        self.sparse = spec.is_sparse(index)
         self.ln_1 = norm_layer(spec)
         self.attn = Attention(spec, window=spec.window_of(index))
         self.ln_2 = norm_layer(spec)
-        self.mlp = MLP(spec)
+        self.mlp = SparseMLP(spec) if self.sparse else MLP(spec)
+        self.aux: torch.Tensor | None = None
+        """A sparse block's load-balancing loss of its last forward (with its graph); None for a dense block."""
         if seed is not None:
             fill(self, seed=seed)
+
+    def _mlp_linears(self, std: float, resid_std: float):
+        if not self.sparse:
+            yield from ((self.mlp.c_fc, std), (self.mlp.c_proj, resid_std))
+            return
+        yield self.mlp.router, std
+        for mlp in (*self.mlp.experts, *([self.mlp.shared] if self.mlp.shared is not None else [])):
+            yield from ((mlp.c_fc, std), (mlp.c_proj, resid_std))  # every expert its own draws
 
     def initial_values(self, *, seed: int):
         gen = _generator(seed, self.index + 1)
         resid_std = INIT_STD / math.sqrt(2 * self.layers)  # GPT-2: scale residual projections by 1/sqrt(2L)
         for linear, std in ((self.attn.c_attn, INIT_STD), (self.attn.c_proj, resid_std),
-                            (self.mlp.c_fc, INIT_STD), (self.mlp.c_proj, resid_std)):
+                            *self._mlp_linears(INIT_STD, resid_std)):
             yield from _linear_values(linear, gen, std)
         yield from _norm_values(self.ln_1)
         yield from _norm_values(self.ln_2)
@@ -303,7 +367,16 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
+        x = x + self.mlp(self.ln_2(x))
+        if self.sparse:
+            self.aux = self.mlp.aux
+        return x
+
+    def forward_aux(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(output, load-balancing loss) of a sparse block: what a checkpoint function recomputes, so the aux loss
+        leaves it as an output and the router gets its gradient."""
+        x = self(x)
+        return x, self.aux
 
 
 class FinalNorm(nn.Module):
@@ -355,12 +428,35 @@ class GPT(nn.Module):
             fill(self, seed=seed)
         self.block_checkpoint: Callable | None = None
         """Set to a checkpoint function to recompute each block in backward (full recomputation)."""
+        self.last_lm_loss: torch.Tensor | None = None
+        """The language-model loss of the last forward with labels (detached)."""
+        self.last_aux_loss: torch.Tensor | None = None
+        """The mean load-balancing loss over the sparse blocks of the last forward with labels (detached; None for
+        a dense model)."""
 
     def forward(self, idx: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits (b, s, V), or the mean loss when labels are given."""
+        """Logits (b, s, V), or the mean loss when labels are given: the LM loss, plus aux_loss_coef x the mean of
+        the sparse blocks' load-balancing losses for a mixture-of-experts model."""
         x = self.embed(idx)
+        aux = []
         for block in self.h:
-            x = self.block_checkpoint(block, x) if self.block_checkpoint and self.training else block(x)
+            if self.block_checkpoint and self.training:
+                if block.sparse:  # the aux loss leaves the checkpoint as an output: it keeps its gradient
+                    x, block.aux = self.block_checkpoint(block.forward_aux, x)
+                else:
+                    x = self.block_checkpoint(block, x)
+            else:
+                x = block(x)
+            if block.sparse:
+                aux.append(block.aux)
         x = self.final(x)
         logits = self.embed.logits(x) if self.lm_head is None else self.lm_head(x)
-        return logits if labels is None else lm_loss(logits, labels)
+        if labels is None:
+            return logits
+        loss = lm_loss(logits, labels)
+        self.last_lm_loss = loss.detach()
+        if not aux:
+            return loss
+        aux_loss = torch.stack(aux).mean()
+        self.last_aux_loss = aux_loss.detach()
+        return loss + self.spec.aux_loss_coef * aux_loss

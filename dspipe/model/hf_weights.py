@@ -1,7 +1,8 @@
 """Reading a Hugging Face model directory's weights (safetensors or PyTorch files, sharded or not) as dspipe's
 parameters, fp32: check_weights (headers only, `gen-config --init-from HF_DIR`), HFWeights and load_into_module
-(the runner's step 0, one tensor or partition at a time). The names' mapping is dspipe.model.hf's. Every refusal
-is one SpecError line naming the directory (or file) and the field."""
+(the runner's step 0, one tensor or partition at a time). The names' mapping is dspipe.model.hf's (weight_map: a
+mixture of experts' tensors as the files hold them, one per expert). Every refusal is one SpecError line naming the
+directory (or file) and the field."""
 from __future__ import annotations
 
 import math

@@ -5,6 +5,7 @@ from typing import Callable
 
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
+from dspipe.errors import SpecError
 from dspipe.model.gpt import Block, Embedding, FinalNorm, LMHead, lm_loss
 from dspipe.spec.core import ModelSpec
 
@@ -17,6 +18,9 @@ def _tied_logits(embedding: Embedding, x):
 
 def layer_specs(*, model: ModelSpec, seed: int) -> list[LayerSpec]:
     """Embedding, one LayerSpec per block, final norm, head (tied to the embedding's wte when asked)."""
+    if model.experts:
+        raise SpecError(f"model.experts {model.experts}: a mixture-of-experts model does not run as a pipeline "
+                        f"(pp 1 only: the stages would drop the load-balancing loss)")
     if model.tied_embeddings:
         first = TiedLayerSpec(TIED_KEY, Embedding, model, seed=seed, tied_weight_attr="wte.weight")
         last = TiedLayerSpec(TIED_KEY, Embedding, model, seed=seed, forward_fn=_tied_logits,

@@ -47,6 +47,15 @@ block input 2sbh, replicated on every tp rank; the logits stay whole (the head i
 Ulysses sequence parallel (sp ranks): every activation, the recomputation inputs and the logits divide by sp (a rank
 holds s/sp tokens); parameters do not, but DeepSpeed partitions ZeRO over its sequence-data-parallel group
 (engine.seq_data_parallel_group: dp x sp ranks), so N above is dp x sp.
+Mixture of experts (DeepSpeed's native MoE layer, ep expert-parallel ranks inside dp; ZeRO 0-2, pp = tp = sp = 1):
+a rank holds the dense parameters Phi_d (attention, norms, embeddings, routers, shared experts) and experts / ep of
+every sparse block's routed experts, Phi_e = routed_expert_params / ep, so Phi = Phi_d + Phi_e; DeepSpeed puts the
+experts in their own optimizer groups, partitioned by ZeRO over the expert-data-parallel group (dp / ep ranks), so
+every X.Phi/N above is X.Phi_d/dp + X.Phi_e/(dp/ep) (stages.param_groups). A sparse block's MLP saves
+moe_mlp_activation_bytes instead of the dense MLP's hidden activations: the router's fp32 logits and probabilities,
+the einsum dispatch's (tokens, E, C) dispatch mask and combine weights, the capacity-padded experts' inputs, hidden
+activations and outputs (the all-to-alls' buffers); dropless capacity C is planned at MOE_LOAD_HEADROOM x the mean
+expert load. Its backward adds the all-to-alls' gradient buffers of one block (moe_working_bytes).
 """
 from __future__ import annotations
 

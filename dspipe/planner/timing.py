@@ -8,6 +8,11 @@ matmuls; the replicated head is not) and by sp; TP all-reduces and Ulysses all-t
 collectives DeepSpeed 0.19.8 issues (see _dp_comm_s); the 1F1B bubble; pipeline p2p; offload (GpuType's CPU-Adam and
 host copy rates); the engine's own optimizer step where the GPU type (a profile) gives its rate. Every collective costs
 its bytes over the link's bandwidth plus the ring latency (RING_BASE_LATENCY_S, or a profile's measured launch cost).
+Mixture of experts: model FLOPs count the active parameters (6 x active + attention per token); executed FLOPs add
+DeepSpeed's einsum dispatch and combine and the experts' capacity padding (moe_dispatch_flops_per_token); per sparse
+block and micro-batch 4 all-to-alls (dispatch and combine, forward and backward; 6 with full recomputation) of the
+capacity-padded tokens x hidden, (ep-1)/ep of them leaving the rank, on NVLink while the ep group stays in a node;
+dense gradients reduced over dp, expert gradients over the dp / ep expert-data-parallel ranks.
 """
 from __future__ import annotations
 

@@ -210,3 +210,10 @@ def test_dense_presets_search_only_ep_1():
                train=TrainSpec(global_batch=64, micro_batch=1, steps=100, warmup_steps=10), request=StrategyRequest())
     assert r.best.plan.ep == 1 and r.best.plan.experts == 0 and not any(k.startswith("ep ") for k in r.rejected)
     assert "ep" not in r.best.describe(every_axis=True).replace("step", "")
+
+
+def test_nothing_fits_at_a_pinned_ep_suggests_ep_auto():
+    r = dspipe("plan", "--model", "qwen3-235b-a22b", "--nodes", "128", "--global-batch", "2048", "--ep", "8")
+    assert r.returncode == 2 and len(error_lines(r)) == 1, r.stderr
+    line = error_lines(r)[0]
+    assert "closest is ZeRO-2 + cpu offload, bf16, pp 1, ep 8, dp 1024" in line and "would fit with: --ep auto" in line

@@ -95,7 +95,7 @@ def _dp_comm_s(*, model: ModelSpec, plan: Plan, cluster: ClusterSpec, phi: int, 
         if n == 1 or p == 0:
             continue
         stride = plan.tp * (plan.ep if n != zero_group_size(plan) else 1)
-        span = n * plan.sp * stride  # the group's ranks: consecutive (dense), tp apart; experts ep x tp apart
+        span = n * stride  # ranks the group spans (n = dp x sp: consecutive, tp apart; experts dp / ep, ep x tp apart)
         inside = _inside_node(span, g)
         # Across nodes NCCL runs one ring per NIC, each leaving a node once: the group's g / tp ranks in a node share
         # its g / tp NICs (one per GPU on DGX-class nodes), so the bus bandwidth is their sum, capped by NVLink

@@ -1,4 +1,4 @@
-"""How long `dspipe plan`'s search takes over 1024 GPUs with the tensor- and sequence-parallel dimensions.
+"""How long `dspipe plan`'s search takes over 1024 GPUs with the tensor-, sequence- and expert-parallel dimensions.
 
     python benchmarks/plan_speed.py [--repeat N]
 
@@ -15,9 +15,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dspipe.spec.presets import MODEL_PRESETS, model_preset  # noqa: E402
-from dspipe.planner.enumerate import sp_choices, tp_choices  # noqa: E402
+from dspipe.planner.enumerate import ep_choices, sp_choices, tp_choices  # noqa: E402
 from dspipe.planner.search import search  # noqa: E402
-from dspipe.planner.stages import stage_params  # noqa: E402
+from dspipe.planner.plan import _largest_tensor  # noqa: E402
+from dspipe.planner.stages import largest_tensor, stage_params  # noqa: E402
 from dspipe.spec.core import ClusterSpec, TrainSpec, StrategyRequest  # noqa: E402
 
 CASES = (
@@ -26,6 +27,8 @@ CASES = (
      1.5e12),
     ("gpt3-6.7b at 32k tokens, 128 x 8 h100-80g, batch 512", model_preset("gpt3-6.7b", seq_len=32768),
      ClusterSpec(128, 8, "h100-80g"), 512, 1e12),
+    ("qwen3-235b-a22b (MoE, 128 experts), 128 x 8 h100-80g, batch 2048", MODEL_PRESETS["qwen3-235b-a22b"],
+     ClusterSpec(128, 8, "h100-80g"), 2048, 1e12),
 )
 
 
@@ -37,16 +40,18 @@ def main() -> None:
         train = TrainSpec(global_batch=gbs, micro_batch=1, steps=1000, warmup_steps=10)
         times = []
         for _ in range(args.repeat):
-            stage_params.cache_clear()
+            for cached in (stage_params, largest_tensor, _largest_tensor):
+                cached.cache_clear()
             start = time.perf_counter()
             result = search(model=model, cluster=cluster, train=train, request=StrategyRequest())
             times.append(time.perf_counter() - start)
         best = result.best
         e = best.est
-        print(f"{label}: tp {tp_choices(model, cluster)} x sp {sp_choices(model, cluster)}; "
+        eps = f" x ep {ep_choices(model, cluster.world_size)} (at dp {cluster.world_size})" if model.experts else ""
+        print(f"{label}: tp {tp_choices(model, cluster)} x sp {sp_choices(model, cluster)}{eps}; "
               f"{result.evaluated} candidates estimated (+ rule rejections) in {min(times):.3f} s best, "
               f"{statistics.median(times):.3f} s median of {args.repeat}")
-        print(f"    chosen: {best.describe()}; {e.memory.total / e.gpu_memory_bytes * 100:.0f}% of GPU memory, "
+        print(f"    chosen: {best.describe(every_axis=True)}; {e.memory.total / e.gpu_memory_bytes * 100:.0f}% of GPU memory, "
               f"bubble {e.bubble_s / e.step_time_s * 100:.0f}%, MFU {best.mfu * 100:.1f}%, "
               f"{tokens / best.tokens_per_s / 86400:.1f} days for {tokens:.3g} tokens")
 

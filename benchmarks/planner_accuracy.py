@@ -1,7 +1,7 @@
 """Planner vs. live DeepSpeed engines on 2 CPU ranks: predicted model-state bytes per rank against the tensors
 the engine actually holds (benchmarks/census/tensors.py), on the device and the host, between steps and at the in-step
-peak, for ZeRO 0-3, CPU offload (optimizer, parameters), bf16 and fp32, GPT, Llama, Qwen2 and Qwen3 shapes, pp 2 and
-tp 2. Writes the table of docs/planner-accuracy.md.
+peak, for ZeRO 0-3, CPU offload (optimizer, parameters), bf16 and fp32, GPT, Llama, Qwen2 and Qwen3 shapes, pp 2,
+tp 2 and a mixture of experts at ep 1 and 2. Writes the table of docs/planner-accuracy.md.
 
     python benchmarks/planner_accuracy.py [--write] [--only NAME ...]
 """
@@ -39,6 +39,11 @@ MODELS = {
     "qwen2-31M": ["--model", "tiny", "--layers", "2", "--hidden", "1024", "--heads", "16", "--kv-heads", "4", "--ffn",
                   "2816", "--seq-len", "64", "--vocab", "8192", "--norm", "rmsnorm", "--mlp", "swiglu", "--positions",
                   "rope", "--no-bias", "--qkv-bias"],
+    # a mixture of experts: 8 routed experts (top-2, 1024 wide) in each of 2 blocks, Llama attention at 512 wide;
+    # 35.1M parameters, 25.2M of them routed experts (split over ep)
+    "moe-35M": ["--model", "tiny-llama", "--layers", "2", "--hidden", "512", "--heads", "8", "--kv-heads", "4", "--ffn",
+                "1408", "--experts", "8", "--experts-per-token", "2", "--expert-ffn", "1024", "--seq-len", "64",
+                "--vocab", "8192"],
     "qwen3-45M": ["--model", "tiny-llama", "--layers", "2", "--hidden", "1024", "--heads", "16", "--kv-heads", "4",
                   "--head-dim", "128", "--qk-norm", "--ffn", "2816", "--seq-len", "64", "--vocab", "8192"],
 }
@@ -70,12 +75,20 @@ CONFIGS = {  # name: (model, options); every layout pinned (the planner would pi
     "pp2-zero1": ("31M", ["--zero", "1", *BF16, "--pp", "2"]),
     "tp2-zero1": ("31M", ["--zero", "1", *BF16, "--tp", "2"]),
     "tp2-qwen3-zero1": ("qwen3-45M", ["--zero", "1", *BF16, "--tp", "2"]),  # AutoTP's split of 128-wide heads
+    # DeepSpeed's native MoE (the runtime's expert-parallel wrapper): experts over ep, their ZeRO states over dp / ep
+    "moe-zero1-ep2": ("moe-35M", ["--zero", "1", *BF16, "--ep", "2"]),
+    "moe-zero2-ep2": ("moe-35M", ["--zero", "2", *BF16, "--ep", "2"]),
+    "moe-zero2-ep1": ("moe-35M", ["--zero", "2", *BF16, "--ep", "1"]),
+    "moe-zero2-ep2-fp32": ("moe-35M", ["--zero", "2", *FP32, "--ep", "2"]),
 }
+MOE_ROWS = [name for name in CONFIGS if name.startswith("moe-")]
+"""Rows that need the runtime's mixture-of-experts support (dspipe.runtime.moe); left out where it is missing."""
 LAUNCHES = [  # rows measured one after another by the same 2 ranks (a launch costs ~20 s before any engine)
-    [name for name in CONFIGS if not name.startswith(("pp2", "tp2"))],
+    [name for name in CONFIGS if not name.startswith(("pp2", "tp2", "moe-"))],
     ["pp2-zero1"],
     ["tp2-zero1"],
     ["tp2-qwen3-zero1"],
+    MOE_ROWS,
 ]
 """Each launch's engines share one process group; pipeline and AutoTP engines get their own launch."""
 METRICS = ("steady", "peak", "host_steady", "host_peak")
@@ -188,6 +201,11 @@ def main() -> None:
     parser.add_argument("--only", nargs="+", choices=list(CONFIGS), help="measure these rows only")
     args = parser.parse_args()
     launches = [[n for n in names if n in args.only] for names in LAUNCHES] if args.only else LAUNCHES
+    try:
+        import dspipe.runtime.moe  # noqa: F401
+    except ImportError:  # a runtime without expert parallelism: the MoE rows cannot be measured
+        print("(no dspipe.runtime.moe: the MoE rows are left out)")
+        launches = [[n for n in names if n not in MOE_ROWS] for names in launches]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for i, names in enumerate(n for n in launches if n):

@@ -86,8 +86,11 @@ def gen_config(**o) -> None:
     if cluster.profile is None:  # --force without --profile: an earlier run's profile.json no longer applies
         from dspipe.spec.profile import PROFILE_FILE
         (out / PROFILE_FILE).unlink(missing_ok=True)
-    click.echo(f"model {model.name}: {model.num_params / 1e6:,.2f}M params, {model.shape_text}")
-    click.echo(f"{plan.layout.describe()} | ZeRO-{plan.zero_stage} offload {plan.offload}"
+    active = f" ({model.active_params / 1e6:,.2f}M active)" if model.experts else ""
+    click.echo(f"model {model.name}: {model.num_params / 1e6:,.2f}M params{active}, {model.shape_text}")
+    experts = (f" | ep {plan.ep} (experts {plan.experts} / ep {plan.ep} = {plan.experts // plan.ep} per rank, expert "
+               f"dp {plan.expert_dp})" if plan.experts else "")
+    click.echo(f"{plan.layout.describe()}{experts} | ZeRO-{plan.zero_stage} offload {plan.offload}"
                f"{' +params' if plan.offload_params else ''} | {plan.precision} (grad accum {plan.grad_accum_dtype}) | "
                f"recompute {plan.checkpointing}")
     click.echo(f"batch: global {plan.global_batch} = micro {plan.micro_batch} x grad_accum {plan.grad_accum} "

@@ -37,6 +37,10 @@ class Estimate:
     """Tensor-parallel activation all-reduces (synchronous in AutoTP)."""
     sp_comm_s: float = 0.0
     """Ulysses all-to-alls (synchronous)."""
+    ep_comm_s: float = 0.0
+    """Expert-parallel all-to-alls (MoE dispatch and combine, synchronous)."""
+    active_params: int = 0
+    """Parameters one token passes through (ModelSpec.active_params; the MFU's N)."""
     optimizer_s: float = 0.0
     """The engine's own optimizer step over the rank's shard (GpuType.optimizer_params_per_s; 0 where not modelled)."""
     headroom: float = MEMORY_HEADROOM
@@ -51,7 +55,7 @@ class Estimate:
     @property
     def step_time_s(self) -> float:
         return (self.compute_s + self.dp_comm_s + self.bubble_s + self.pp_comm_s + self.offload_s + self.tp_comm_s
-                + self.sp_comm_s + self.optimizer_s)
+                + self.sp_comm_s + self.ep_comm_s + self.optimizer_s)
 
     @property
     def usable_gpu_memory_bytes(self) -> int:
@@ -92,9 +96,13 @@ def estimate(*, model: ModelSpec, cluster: ClusterSpec, plan: Plan, headroom: fl
     memory, phi = stage_memory(model=model, cluster=cluster, plan=plan)
     host_per_rank = host_offload_per_rank(model=model, plan=plan)
     # Start-up: what each rank builds (or imports) before its first step, on the stage with the most parameters.
-    stages = stage_params(model=model, pp=plan.pp, partition_method=plan.partition_method, tp=plan.tp)
+    stages = stage_params(model=model, pp=plan.pp, partition_method=plan.partition_method, tp=plan.tp, ep=plan.ep)
+    # MoE (pp 1, tp 1, ZeRO 0-2: the device build): a rank materialises the dense parameters and its own experts /
+    # ep of every sparse block, which the expert-parallel wrapper keeps (an assumption on the build: materialising
+    # every expert first would need b x num_params on the device)
+    built = max(stages) if model.experts else plan.num_params
     startup = startup_estimate(mode=build_mode(zero_stage=plan.zero_stage, tp=plan.tp, pp=plan.pp),
-                               num_params=plan.num_params, stage_params=max(stages),
+                               num_params=built, stage_params=max(stages),
                                largest_tensor=largest_tensor(model), precision=plan.precision,
                                offload_params=plan.offload_params, zero_ranks=zero_group_size(plan), tp=plan.tp,
                                ranks_per_node=cluster.gpus_per_node, host_offload_per_rank=host_per_rank,
@@ -105,7 +113,8 @@ def estimate(*, model: ModelSpec, cluster: ClusterSpec, plan: Plan, headroom: fl
                     host_memory_capacity=cluster.host_memory_bytes, compute_s=t.compute_s, dp_comm_s=t.dp_comm_s,
                     bubble_s=t.bubble_s, pp_comm_s=t.pp_comm_s, offload_s=t.offload_s,
                     flops_per_token=t.flops_per_token, hardware_flops_per_token=t.hardware_flops_per_token,
-                    tp_comm_s=t.tp_comm_s, sp_comm_s=t.sp_comm_s, headroom=headroom,
+                    tp_comm_s=t.tp_comm_s, sp_comm_s=t.sp_comm_s, ep_comm_s=t.ep_comm_s,
+                    active_params=model.active_params, headroom=headroom,
                     matmul_efficiency=t.matmul_efficiency, optimizer_s=t.optimizer_s, startup=startup)
 
 

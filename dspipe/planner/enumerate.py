@@ -1,9 +1,10 @@
-"""The candidate strategies of a request: every valid ZeRO x offload x pp x tp x sp x recomputation x precision x
+"""The candidate strategies of a request: every valid ZeRO x offload x pp x tp x sp x ep x recomputation x precision x
 micro-batch it leaves open, planned and estimated (the refusals kept, by family and axis, for the explanation).
 No torch."""
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, field, fields, replace
 
 from dspipe.errors import SpecError
@@ -20,7 +21,7 @@ recomputation; a pinned --checkpointing selective is still planned, with the mem
 MAX_MICRO_BATCH = 64
 LONG_CONTEXT = 16384
 """Sequence length from which the search considers Ulysses sequence parallelism on its own."""
-SEARCHED = ("precision", "micro_batch", "zero", "offload", "offload_params", "pp", "tp", "sp", "checkpointing")
+SEARCHED = ("precision", "micro_batch", "zero", "offload", "offload_params", "pp", "tp", "sp", "ep", "checkpointing")
 """The request's fields the search tries every value of when they are auto; every other field of the request is
 handed to StrategySpec as asked (None: the spec's default)."""
 BATCH_RULE = 4
@@ -49,6 +50,7 @@ class Candidate:
         recomputation."""
         p = self.plan
         extra = "".join(f", {k} {v}" for k, v in (("tp", p.tp), ("sp", p.sp)) if v > 1 or every_axis)
+        extra += f", ep {p.ep}" if p.experts or p.ep > 1 else ""  # a mixture of experts always names its ep
         return (f"{self.family}, {p.precision}, pp {p.pp}{extra}, dp {p.dp}, micro {p.micro_batch} x ga {p.grad_accum}, "
                 f"recompute {p.checkpointing}")
 
@@ -66,6 +68,10 @@ class Enumerated:
     """family -> {rule number: message} of its refused strategies (also by_tp, by_sp: tp / sp size -> ...)."""
     by_tp: dict = field(default_factory=dict)
     by_sp: dict = field(default_factory=dict)
+    by_ep: dict = field(default_factory=dict)
+    by_pp: dict = field(default_factory=dict)
+    ep_list: list = field(default_factory=list)
+    """Every ep the search tried (a mixture of experts: divisors of gcd(experts, dp) over the layouts tried)."""
 
 
 def options(value, choices) -> list:
@@ -91,6 +97,14 @@ def sp_choices(model: ModelSpec, cluster: ClusterSpec) -> list[int]:
         return [1]
     return [s for s in divisors(cluster.gpus_per_node, cluster.gpus_per_node)
             if model.heads % s == 0 and model.seq_len % s == 0]
+
+
+def ep_choices(model: ModelSpec, dp: int) -> list[int]:
+    """Expert-parallel sizes the search tries for `dp` data-parallel ranks: the divisors of gcd(experts, dp) (ep
+    divides both: plan.check_rules); 1 for a dense model."""
+    if not model.experts:
+        return [1]
+    return divisors(math.gcd(model.experts, dp), model.experts)
 
 
 def rule_of(error: SpecError) -> int:
@@ -122,28 +136,32 @@ def enumerate_candidates(*, model: ModelSpec, cluster: ClusterSpec, train: Train
         dp = ParallelLayout(world=world, pp=pp, tp=tp, sp=sp).dp if valid else 1
         micro = options(r.micro_batch, divisors(train.global_batch // dp, MAX_MICRO_BATCH)
                         if train.global_batch % dp == 0 else [1])
-        structure = (prec, zero, offload, offload_params, pp, tp, sp)
-        if structure in refused:
-            continue
-        for mb in micro:
-            try:
-                strategy = StrategySpec(zero=zero, offload=offload, offload_params=offload_params, pp=pp, tp=tp, sp=sp,
-                                        checkpointing=ckpt, **as_asked)
-                t = trains.get((prec, mb))
-                if t is None:
-                    t = trains[prec, mb] = replace(train, precision=prec, micro_batch=mb)
-                plan = make_plan(model=model, cluster=cluster, train=t, strategy=strategy)
-            except SpecError as e:
-                found.errors.append(e)
-                rule = rule_of(e)
-                family = f"ZeRO-{zero}" + ("" if offload == "none" else f" + {offload} offload")
-                for table, key in ((found.by_family, family), (found.by_tp, tp), (found.by_sp, sp)):
-                    table.setdefault(key, {}).setdefault(rule, str(e))
-                if rule == BATCH_RULE:
-                    continue
-                refused.add(structure)  # no other rule reads the micro-batch or the recomputation
-                break
-            est = estimate(model=model, cluster=cluster, plan=plan, headroom=headroom, import_bytes=import_bytes)
-            tokens_per_s, mfu = throughput(est=est, model=model, cluster=cluster, plan=plan)
-            found.candidates.append(Candidate(strategy, t, plan, est, tokens_per_s, mfu))
+        for ep in options(r.ep, ep_choices(model, dp)):
+            if ep not in found.ep_list:
+                found.ep_list.append(ep)
+            structure = (prec, zero, offload, offload_params, pp, tp, sp, ep)
+            if structure in refused:
+                continue
+            for mb in micro:
+                try:
+                    strategy = StrategySpec(zero=zero, offload=offload, offload_params=offload_params, pp=pp, tp=tp,
+                                            sp=sp, ep=ep, checkpointing=ckpt, **as_asked)
+                    t = trains.get((prec, mb))
+                    if t is None:
+                        t = trains[prec, mb] = replace(train, precision=prec, micro_batch=mb)
+                    plan = make_plan(model=model, cluster=cluster, train=t, strategy=strategy)
+                except SpecError as e:
+                    found.errors.append(e)
+                    rule = rule_of(e)
+                    family = f"ZeRO-{zero}" + ("" if offload == "none" else f" + {offload} offload")
+                    for table, key in ((found.by_family, family), (found.by_tp, tp), (found.by_sp, sp),
+                                       (found.by_ep, ep), (found.by_pp, pp)):
+                        table.setdefault(key, {}).setdefault(rule, str(e))
+                    if rule == BATCH_RULE:
+                        continue
+                    refused.add(structure)  # no other rule reads the micro-batch or the recomputation
+                    break
+                est = estimate(model=model, cluster=cluster, plan=plan, headroom=headroom, import_bytes=import_bytes)
+                tokens_per_s, mfu = throughput(est=est, model=model, cluster=cluster, plan=plan)
+                found.candidates.append(Candidate(strategy, t, plan, est, tokens_per_s, mfu))
     return found

@@ -17,7 +17,8 @@ from dspipe.spec.settings import AUTO
 
 def rejected(*, found: Enumerated, best: Candidate | None, model: ModelSpec, cluster: ClusterSpec,
              train: TrainSpec, request: StrategyRequest) -> dict[str, str]:
-    """family / 'tp N' / 'sp N' -> why it was not chosen, for everything the search tried (or, for tp, ruled out)."""
+    """family / 'tp N' / 'sp N' / 'ep N' (and a mixture of experts' 'pp N') -> why it was not chosen, for everything the
+    search tried (or, for tp, ruled out)."""
     candidates = found.candidates
     out = {}
     families = sorted({c.family for c in candidates})
@@ -28,8 +29,12 @@ def rejected(*, found: Enumerated, best: Candidate | None, model: ModelSpec, clu
     for family, rules in found.by_family.items():
         if family not in families:
             out[family] = rules_text(rules)
-    for label, values, table, chosen in (("tp", found.tp_list, found.by_tp, best and best.plan.tp),
-                                         ("sp", found.sp_list, found.by_sp, best and best.plan.sp)):
+    axes = [("tp", found.tp_list, found.by_tp, best and best.plan.tp),
+            ("sp", found.sp_list, found.by_sp, best and best.plan.sp),
+            ("ep", found.ep_list, found.by_ep, best and best.plan.ep)]
+    if model.experts:  # a mixture of experts trains at pp 1 only: say why the others were not candidates
+        axes.append(("pp", sorted(set(found.by_pp) | {1}), found.by_pp, best and best.plan.pp))
+    for label, values, table, chosen in axes:
         if len(values) < 2 and getattr(request, label) in (None, AUTO):
             continue  # nothing was chosen along this axis
         for v in values:

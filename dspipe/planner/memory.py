@@ -47,6 +47,15 @@ block input 2sbh, replicated on every tp rank; the logits stay whole (the head i
 Ulysses sequence parallel (sp ranks): every activation, the recomputation inputs and the logits divide by sp (a rank
 holds s/sp tokens); parameters do not, but DeepSpeed partitions ZeRO over its sequence-data-parallel group
 (engine.seq_data_parallel_group: dp x sp ranks), so N above is dp x sp.
+Mixture of experts (DeepSpeed's native MoE layer, ep expert-parallel ranks inside dp; ZeRO 0-2, pp = tp = sp = 1):
+a rank holds the dense parameters Phi_d (attention, norms, embeddings, routers, shared experts) and experts / ep of
+every sparse block's routed experts, Phi_e = routed_expert_params / ep, so Phi = Phi_d + Phi_e; DeepSpeed puts the
+experts in their own optimizer groups, partitioned by ZeRO over the expert-data-parallel group (dp / ep ranks), so
+every X.Phi/N above is X.Phi_d/dp + X.Phi_e/(dp/ep) (stages.param_groups). A sparse block's MLP saves
+moe_mlp_activation_bytes instead of the dense MLP's hidden activations: the router's fp32 logits and probabilities,
+the einsum dispatch's (tokens, E, C) dispatch mask and combine weights, the capacity-padded experts' inputs, hidden
+activations and outputs (the all-to-alls' buffers); dropless capacity C is planned at MOE_LOAD_HEADROOM x the mean
+expert load. Its backward adds the all-to-alls' gradient buffers of one block (moe_working_bytes).
 """
 from __future__ import annotations
 
@@ -55,7 +64,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from dspipe.planner.plan import Plan
-from dspipe.planner.stages import largest_tensor, share, stage_blocks, stage_params, zero_group_size
+from dspipe.planner.stages import (largest_tensor, param_groups, share, stage_blocks, stage_params,
+                                   zero_group_size)
 from dspipe.spec.core import ClusterSpec, ModelSpec
 from dspipe.spec.hardware import GIB
 
@@ -150,7 +160,8 @@ def windowed_blocks(model: ModelSpec, layers: range) -> int:
 
 
 def activation_bytes_per_layer(*, model: ModelSpec, micro_batch: int, checkpointing: str, act_bytes: int,
-                               tp: int = 1, sp: int = 1, kernels: str = "cuda", windowed: bool | None = None) -> int:
+                               tp: int = 1, sp: int = 1, kernels: str = "cuda", windowed: bool | None = None,
+                               sparse: bool = False) -> int:
     """Bytes one transformer block keeps for backward on one rank (measured on the real model: see
     benchmarks/census/activations.py and docs/planner-accuracy.md). With SDPA's fused kernels no s x s scores are kept:
     the kernel saves q, k, v, its output and the fp32 log-sum-exp (4 bytes per token and head), so Korthikanti et al.'s
@@ -166,7 +177,8 @@ def activation_bytes_per_layer(*, model: ModelSpec, micro_batch: int, checkpoint
       full: the block input (act_bytes x h per token), whole on every tp rank; see recompute_working_bytes.
     Ulysses: s is the rank's s/sp tokens. `kernels`: 'cuda' (flash / memory-efficient SDPA, fused norms with fp32
     statistics; the GPU runner) or 'cpu' (PyTorch's CPU kernels: the gloo runner; the CPU SDPA also saves the
-    log-sum-exp)."""
+    log-sum-exp). `sparse`: a mixture-of-experts block, whose MLP saves moe_mlp_activation_bytes instead of the
+    dense MLP's hidden activations (none / selective; full keeps the block input as a dense block)."""
     s, b, h = share(model.seq_len, sp), micro_batch, model.hidden
     tokens = s * b
     if checkpointing == "full":
@@ -184,15 +196,69 @@ def activation_bytes_per_layer(*, model: ModelSpec, micro_batch: int, checkpoint
     if model.dropout > 0:
         per_token += 2 * h
     rotary = 4 * s * model.head_dim * act_bytes if model.positions == "rope" else 0
-    return int(tokens * per_token + rotary + mask)
+    moe = 0
+    if sparse and model.experts:  # the dense MLP's hidden activations replaced by the MoE layer's
+        dense_mlp = act_bytes * (4 if model.mlp == "swiglu" else 2) * model.ffn / tp
+        moe = moe_mlp_activation_bytes(model=model, tokens=tokens, act_bytes=act_bytes) - tokens * dense_mlp
+    return int(tokens * per_token + rotary + mask + moe)
+
+
+MOE_LOAD_HEADROOM = 1.25
+"""Dropless MoE: DeepSpeed's gating pads every expert to the largest expert load in the expert-parallel group
+(capacity = max count, all-reduced), which the planner cannot know; it plans that load at 1.25 x the mean,
+k x tokens / experts (a moderately imbalanced router; a perfectly balanced one needs 1.0x, a collapsed one E / k x)."""
+
+
+def expert_capacity(*, model: ModelSpec, tokens: int) -> int:
+    """Token slots per expert in DeepSpeed's dispatch for `tokens` tokens on a rank: with capacity_factor cf,
+    ceil(tokens / E x cf x k) (DeepSpeed's capacity when dropping, min_capacity 0); dropless (capacity_factor None),
+    the largest expert's load, planned at MOE_LOAD_HEADROOM x k x tokens / E."""
+    factor = MOE_LOAD_HEADROOM if model.capacity_factor is None else model.capacity_factor
+    return math.ceil(tokens / model.experts * factor * model.experts_per_token)
+
+
+def moe_mlp_activation_bytes(*, model: ModelSpec, tokens: int, act_bytes: int) -> int:
+    """Bytes one sparse block's MoE layer (deepspeed.moe.layer.MoE, einsum dispatch) saves for backward for `tokens`
+    tokens on a rank, beyond the block's norm output (a dense block's MLP input, counted in activation_coefficients).
+    With T tokens, E experts, k routes per token, C = expert_capacity slots per expert, h hidden, f expert_width,
+    c = 4 for SwiGLU (fused gate/up output, SiLU output, product) or 2 for GELU, b = act_bytes:
+      router      8 T E: the fp32 logits and softmax probabilities (tokens x E), plus 4 T h for the gate's fp32 copy
+                  of its input in 16-bit training (TopKGate upcasts before its matmul; in fp32 it is the input itself)
+      dispatch    2 b T E C: the dispatch mask and the combine weights, both (tokens, E, C) in the activation dtype
+                  (the einsums 'sec,sm->ecm' and 'sec,ecm->sm' keep them): quadratic in the tokens, as DeepSpeed's
+                  einsum dispatch is
+      experts     b E C (2 h + c f): the experts' inputs (the dispatch all-to-all's output), hidden activations and
+                  outputs (the combine all-to-all's input), capacity-padded: E C ~ 1.25 k T slots on every rank
+      shared      b T c (shared_experts x f): the always-on shared expert's hidden activations
+    The all-to-all buffers are the experts' inputs and outputs above (its backward's two gradient buffers are
+    moe_working_bytes)."""
+    e, h, f = model.experts, model.hidden, model.expert_width
+    c = 4 if model.mlp == "swiglu" else 2
+    slots = e * expert_capacity(model=model, tokens=tokens)
+    router = 8 * tokens * e + (4 * tokens * h if act_bytes != 4 else 0)
+    dispatch = 2 * act_bytes * tokens * slots
+    experts = act_bytes * slots * (2 * h + c * f)
+    shared = act_bytes * tokens * c * model.shared_experts * f
+    return router + dispatch + experts + shared
+
+
+def moe_working_bytes(*, model: ModelSpec, tokens: int, act_bytes: int) -> int:
+    """What one sparse block's backward adds at its peak: the gradients of the dispatched and combined tensors that
+    its two all-to-alls exchange (2 x b x E x C x h: the send and the receive buffer of the one in flight); 0 for a
+    dense model."""
+    if not model.experts:
+        return 0
+    return 2 * act_bytes * model.experts * expert_capacity(model=model, tokens=tokens) * model.hidden
 
 
 def recompute_working_bytes(*, model: ModelSpec, micro_batch: int, act_bytes: int, tp: int = 1, sp: int = 1,
-                            kernels: str = "cuda", windowed: bool | None = None) -> int:
+                            kernels: str = "cuda", windowed: bool | None = None, sparse: bool = False) -> int:
     """Full recomputation: what one block's recomputed forward saves during its backward, beyond the block input
-    the checkpoint already holds. Only one block is rebuilt at a time (`windowed`: one with a window's mask)."""
+    the checkpoint already holds. Only one block is rebuilt at a time (`windowed`: one with a window's mask;
+    `sparse`: a mixture-of-experts block)."""
     none = activation_bytes_per_layer(model=model, micro_batch=micro_batch, checkpointing="none",
-                                      act_bytes=act_bytes, tp=tp, sp=sp, kernels=kernels, windowed=windowed)
+                                      act_bytes=act_bytes, tp=tp, sp=sp, kernels=kernels, windowed=windowed,
+                                      sparse=sparse)
     return none - activation_bytes_per_layer(model=model, micro_batch=micro_batch, checkpointing="full",
                                              act_bytes=act_bytes, tp=tp, sp=sp, kernels=kernels)
 
@@ -214,14 +280,16 @@ def embedding_bytes(*, model: ModelSpec, micro_batch: int, sp: int = 1) -> int:
 
 def micro_batch_activations(*, model: ModelSpec, micro_batch: int, checkpointing: str, act_bytes: int, blocks: int,
                             first: bool, last: bool, tp: int = 1, sp: int = 1, kernels: str = "cuda",
-                            windowed: int | None = None) -> tuple[int, int]:
+                            windowed: int | None = None, sparse: int = 0) -> tuple[int, int]:
     """(held, working): activation bytes one micro-batch keeps on a stage of `blocks` blocks from its forward to its
     backward, and what its backward adds at the moment of its peak. none / selective: every block's saved tensors,
     the embedding's ids on the first stage, the head and loss on the last; nothing added. full: the block inputs (and
     ids) held; at the peak either the head and loss (alive at the end of the forward, freed by the head's backward)
     or one recomputed block (rebuilt after the head's tensors are gone), whichever is larger: they never coincide.
     `windowed`: how many of the blocks have a sliding window shorter than the sequence (None: the last `blocks`
-    blocks of the model, the most a stage can hold, as windowed_blocks counts them)."""
+    blocks of the model, the most a stage can hold, as windowed_blocks counts them). `sparse`: how many of the
+    blocks are mixture-of-experts blocks (their MoE layers' saved tensors; one's all-to-all gradient buffers,
+    moe_working_bytes, add to the peak)."""
     if windowed is None:
         windowed = windowed_blocks(model, range(model.layers - blocks, model.layers))
 
@@ -233,11 +301,20 @@ def micro_batch_activations(*, model: ModelSpec, micro_batch: int, checkpointing
     ids = embedding_bytes(model=model, micro_batch=micro_batch, sp=sp) if first else 0
     head = logits_bytes(model=model, micro_batch=micro_batch, sp=sp, act_bytes=act_bytes, kernels=kernels) \
         if last else 0
+    moe_working = 0
+    if sparse:
+        tokens = share(model.seq_len, sp) * micro_batch
+        dense = activation_bytes_per_layer(model=model, micro_batch=micro_batch, checkpointing=checkpointing,
+                                           act_bytes=act_bytes, tp=tp, sp=sp, kernels=kernels, windowed=False)
+        saved += sparse * (activation_bytes_per_layer(model=model, micro_batch=micro_batch,
+                                                      checkpointing=checkpointing, act_bytes=act_bytes, tp=tp, sp=sp,
+                                                      kernels=kernels, windowed=False, sparse=True) - dense)
+        moe_working = moe_working_bytes(model=model, tokens=tokens, act_bytes=act_bytes)
     if checkpointing != "full":
-        return saved + ids + head, 0
+        return saved + ids + head, moe_working
     working = recompute_working_bytes(model=model, micro_batch=micro_batch, act_bytes=act_bytes, tp=tp, sp=sp,
-                                      kernels=kernels, windowed=windowed > 0) if blocks else 0
-    return saved + ids, max(head, working)
+                                      kernels=kernels, windowed=windowed > 0, sparse=sparse > 0) if blocks else 0
+    return saved + ids, max(head, working + moe_working)
 
 
 def persistent_params(*, model: ModelSpec, threshold: int) -> int:
@@ -313,8 +390,15 @@ def zero3_backward_working(*, model: ModelSpec, plan: Plan) -> int:
 
 def _model_states(*, model: ModelSpec, plan: Plan, phi: int) -> tuple[dict, dict]:
     """(steady, transient) device bytes per rank for params/grads/optimizer/buffers on a stage of phi parameters
-    per rank; the host's are _host_states'."""
+    per rank; the host's are _host_states'. What is partitioned (Phi/N below) is summed over stages.param_groups:
+    under MoE the dense parameters over N = dp x sp and the rank's experts over the dp / ep expert-data-parallel
+    ranks (12 Phi_d / dp + 12 Phi_e / (dp / ep) of optimizer state, Phi_e = routed experts / ep)."""
     n, z, b = zero_group_size(plan), plan.zero_stage, 2 if plan.precision in ("bf16", "fp16") else 4
+    groups = param_groups(model=model, plan=plan, phi=phi)
+
+    def part(k: int) -> int:  # k bytes per parameter, each kind partitioned over its ZeRO group
+        return sum(k * p // g for p, g in groups)
+
     mixed = b == 2
     master = 4 * phi if mixed else 0
     adam = 8 * phi
@@ -326,7 +410,7 @@ def _model_states(*, model: ModelSpec, plan: Plan, phi: int) -> tuple[dict, dict
         # the peak is the optimizer step's fp32 gradients (4Phi); mixed precision frees the 16-bit ones first (census)
         transient = dict(grads=4 * phi, buffers=0)
     elif z == 1 and plan.precision == "bf16" and not offload:
-        steady = dict(params=2 * phi, grads=4 * phi, optimizer=12 * phi // n, buffers=0)
+        steady = dict(params=2 * phi, grads=4 * phi, optimizer=part(12), buffers=0)
         transient = dict(grads=2 * phi, buffers=0)
     elif z in (1, 2) and offload:
         # Device: the 16-bit params, a gradient staging buffer of the largest tensor (temp_grad_buffer_for_gpu_offload);
@@ -336,13 +420,13 @@ def _model_states(*, model: ModelSpec, plan: Plan, phi: int) -> tuple[dict, dict
         # In fp32 the partition is the gradients themselves; a copy of the largest gradient is made on the way out.
         steady = dict(params=b * phi, grads=0, optimizer=0, buffers=largest)
         transient = dict(grads=(b * phi if z == 1 else largest) + bucket,
-                         buffers=(4 * phi // n if mixed else 0) + largest + bucket)
+                         buffers=(part(4) if mixed else 0) + largest + bucket)
     elif z in (1, 2):
-        steady = dict(params=b * phi, grads=0, optimizer=12 * phi // n, buffers=0)
-        live_grads = b * phi if z == 1 else b * phi // n + 2 * bucket
+        steady = dict(params=b * phi, grads=0, optimizer=part(12), buffers=0)
+        live_grads = b * phi if z == 1 else part(b) + 2 * bucket
         # mixed precision: the fp32 gradient partition built for the step (4Phi/N); ZeRO-2 also copies the largest
         # gradient on its way into the partition (census: an unnamed buffer of that size)
-        fp32_partition = 4 * phi // n if mixed else 0
+        fp32_partition = part(4) if mixed else 0
         transient = dict(grads=live_grads + fp32_partition,
                          buffers=(int(4.5 * bucket) if plan.overlap_comm else 0) + (largest if z == 2 else 0))
     else:
@@ -368,13 +452,18 @@ def _host_states(*, model: ModelSpec, plan: Plan, phi: int) -> tuple[int, int]:
     n, z, b = zero_group_size(plan), plan.zero_stage, 2 if plan.precision in ("bf16", "fp16") else 4
     if plan.offload == "none":
         return 0, 0
-    params = b * phi // n if plan.offload_params else 0
+    groups = param_groups(model=model, plan=plan, phi=phi)
+
+    def part(k: int) -> int:  # as _model_states: each kind of parameter over its ZeRO group
+        return sum(k * p // g for p, g in groups)
+
+    params = part(b) if plan.offload_params else 0
     if plan.offload == "nvme":
         host = 2 * plan.reduce_bucket_size * 4 + 4 * plan.reduce_bucket_size * b + params
         return host, host
     if z in (1, 2):
-        host = 16 * phi // n + b * phi // n + b * largest_tensor(model)
-        host += b * phi // n if plan.grad_accum > 1 else 0
+        host = part(16) + part(b) + b * largest_tensor(model)
+        host += part(b) if plan.grad_accum > 1 else 0
     else:
         host = 20 * phi // n + params
     return host, host
@@ -386,7 +475,7 @@ def stage_memory(*, model: ModelSpec, cluster: ClusterSpec, plan: Plan) -> tuple
     gpu = cluster.gpu_type
     pp, m, tp, sp = plan.pp, plan.grad_accum, plan.tp, plan.sp
     b = 2 if plan.precision in ("bf16", "fp16") else 4
-    stages = stage_params(model=model, pp=pp, partition_method=plan.partition_method, tp=tp)
+    stages = stage_params(model=model, pp=pp, partition_method=plan.partition_method, tp=tp, ep=plan.ep)
     blocks = stage_blocks(model=model, pp=pp, partition_method=plan.partition_method)
     first_block = [sum(blocks[:i]) for i in range(pp)]
     kernels = "cuda" if gpu.backend == "nccl" else "cpu"
@@ -398,7 +487,9 @@ def stage_memory(*, model: ModelSpec, cluster: ClusterSpec, plan: Plan) -> tuple
                                                 checkpointing=plan.checkpointing, act_bytes=b, blocks=blocks[i],
                                                 first=i == 0, last=i == pp - 1, tp=tp, sp=sp, kernels=kernels,
                                                 windowed=windowed_blocks(model, range(first_block[i],
-                                                                                      first_block[i] + blocks[i])))
+                                                                                      first_block[i] + blocks[i])),
+                                                sparse=sum(1 for j in model.sparse_layers
+                                                           if first_block[i] <= j < first_block[i] + blocks[i]))
         acts = min(pp - i, m) * held + working  # 1F1B: stage i has up to pp - i micro-batches in flight
         host_steady, host_peak = _host_states(model=model, plan=plan, phi=phi)
         mem = Memory(params=steady["params"], grads=steady["grads"] + transient["grads"],
@@ -413,5 +504,5 @@ def stage_memory(*, model: ModelSpec, cluster: ClusterSpec, plan: Plan) -> tuple
 def host_offload_per_rank(*, model: ModelSpec, plan: Plan) -> int:
     """Host bytes at the peak of one rank's offload on the stage with the most (every GPU of a node offloads its
     rank's share)."""
-    stages = stage_params(model=model, pp=plan.pp, partition_method=plan.partition_method, tp=plan.tp)
+    stages = stage_params(model=model, pp=plan.pp, partition_method=plan.partition_method, tp=plan.tp, ep=plan.ep)
     return max(_host_states(model=model, plan=plan, phi=phi)[1] for phi in stages)

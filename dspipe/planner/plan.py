@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 from dataclasses import dataclass, fields
 
 from dspipe.errors import SpecError
@@ -78,6 +79,11 @@ class Plan:
     reduce_scatter: bool = True
     """ZeRO reduces gradients by reduce-scatter (off for ZeRO-3 with sp > 1: stage 3's averaging lacks the sp
     correction there and gradients come out 1/sp of their value)."""
+    ep: int = 1
+    """Expert-parallel ranks (DeepSpeed MoE's ep_size): each holds experts / ep of every sparse block; 1 for a dense
+    model."""
+    experts: int = 0
+    """Routed experts per sparse block (0: a dense model)."""
 
     def __post_init__(self) -> None:
         if self.layout.dp != self.dp:
@@ -93,6 +99,12 @@ class Plan:
     def ds_train_batch_size(self) -> int:
         """train_batch_size as DeepSpeed checks it: micro_batch x grad_accum x ds_batch_ranks (= global_batch x tp)."""
         return self.micro_batch * self.grad_accum * self.ds_batch_ranks
+
+    @property
+    def expert_dp(self) -> int:
+        """Expert-data-parallel ranks (DeepSpeed's expert data parallel group): dp / ep ranks hold the same experts,
+        and ZeRO partitions their gradients and optimizer states over them."""
+        return self.dp // self.ep
 
     @property
     def layout(self) -> ParallelLayout:
@@ -119,6 +131,7 @@ def check_rules(*, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, str
     if world % (pp * tp * sp):
         raise RuleError(2, f"world size {world} ({cluster.nodes} nodes x {cluster.gpus_per_node} GPUs) is not divisible "
                         f"by pp {pp} x tp {tp} x sp {sp} = {pp * tp * sp}")
+    _check_experts(model=model, train=train, strategy=strategy, world=world)
     _check_tensor_sequence(model=model, cluster=cluster, train=train, strategy=strategy)
     if pp > 1 and zero >= 2:
         raise RuleError(3, f"ZeRO-{zero} with pp {pp}: DeepSpeed's pipeline engine supports ZeRO stages 0-1 only; "
@@ -177,6 +190,35 @@ def _check_tensor_sequence(*, model: ModelSpec, cluster: ClusterSpec, train: Tra
                             f"(its partitioned pipe tensors and gradient reduction ignore the sp group); use sp or pp")
 
 
+def _check_experts(*, model: ModelSpec, train: TrainSpec, strategy: StrategySpec, world: int) -> None:
+    """What dspipe's mixture-of-experts training (DeepSpeed 0.19.8's native MoE layer, deepspeed.moe.layer.MoE)
+    supports: ZeRO 0-2, bf16 or fp32, pp 1, tp 1, sp 1, ep dividing the experts and dp; ep 1 for a dense model."""
+    e, ep, pp, tp, sp, zero = model.experts, strategy.ep, strategy.pp, strategy.tp, strategy.sp, strategy.zero
+    dp = ParallelLayout(world=world, pp=pp, tp=tp, sp=sp).dp  # rule 2 held: pp x tp x sp divides the world
+    if not e:
+        if ep > 1:
+            raise RuleError(3, f"ep {ep} needs a mixture-of-experts model: {model.name} is dense (experts 0)")
+        return
+    if zero == 3:
+        raise RuleError(3, f"ZeRO-3 with experts {e}: Native DeepSpeed MoE is not supported with ZeRO Stage 3. "
+                        f"Use AutoEP or choose ZeRO stage 1/2")
+    for name, value, why in (("pp", pp, "the stages would have to carry the load-balancing loss; not built"),
+                             ("tp", tp, "AutoTP is not combined with DeepSpeed's MoE layer"),
+                             ("sp", sp, "DeepSpeed's MoE layer is not wired to the Ulysses sequence groups")):
+        if value > 1:
+            raise RuleError(3, f"{name} {value} with experts {e}: dspipe trains mixture-of-experts models with "
+                            f"{name} 1 only ({why}); use --{name} 1 and expert parallelism (--ep)")
+    if train.precision == "fp16":
+        raise RuleError(3, f"fp16 with experts {e}: dspipe trains mixture-of-experts models in bf16 or fp32 only "
+                        f"(not tested with fp16 loss scaling); use --precision bf16")
+    if e % ep:
+        raise RuleError(3, f"ep {ep} does not divide experts {e}: each expert-parallel rank holds experts / ep of "
+                        f"every MoE block ({e} / {ep} = {e / ep:g})")
+    if dp % ep:
+        raise RuleError(3, f"ep {ep} does not divide dp {dp} = world {world} / (pp {pp} x tp {tp} x sp {sp}): the "
+                        f"expert-parallel groups are made of data-parallel ranks")
+
+
 def _grad_accum_dtype(*, precision: str, zero: int, pp: int) -> str:
     if precision == "bf16":
         # ZeRO 1-3 (and the pipeline's bf16 optimizer) keep fp32 gradient partitions; plain DP in bf16
@@ -188,6 +230,12 @@ def _grad_accum_dtype(*, precision: str, zero: int, pp: int) -> str:
 def _default(value: int | None, default: int) -> int:
     """The strategy's value where it gives one (0 included), else the planner's default."""
     return default if value is None else value
+
+
+@lru_cache(maxsize=256)
+def _largest_tensor(model: ModelSpec) -> int:
+    """Elements of the model's largest parameter tensor (cached: a large MoE model declares tens of thousands)."""
+    return max(math.prod(shape) for _, shape in model.model_tensors())
 
 
 def make_plan(*, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strategy: StrategySpec) -> Plan:
@@ -217,7 +265,7 @@ def make_plan(*, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
         prefetch_bucket_size=prefetch,
         param_persistence_threshold=strategy.param_persistence_threshold or 10 * h,
         max_live_parameters=_default(strategy.max_live_parameters,
-                                     prefetch + max(math.prod(shape) for _, shape in model.model_tensors())),
+                                     prefetch + _largest_tensor(model)),
         max_reuse_distance=_default(strategy.max_reuse_distance, prefetch),
         overlap_comm=zero >= 2 and pp == 1,
         contiguous_gradients=zero >= 2,
@@ -228,6 +276,8 @@ def make_plan(*, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
         tp=layout.tp,
         sp=layout.sp,
         reduce_scatter=not (zero == 3 and layout.sp > 1),
+        ep=strategy.ep,
+        experts=model.experts,
     )
 
 
@@ -236,7 +286,7 @@ def check_plan(plan: Plan, *, model: ModelSpec, cluster: ClusterSpec, train: Tra
     make_plan derives from those specs (a hand-edited or damaged plan is refused, naming the first field that
     disagrees and both values)."""
     expected = make_plan(model=model, cluster=cluster, train=train, strategy=strategy)
-    first = ("world_size", "pp", "tp", "sp", "zero_stage", "precision", "micro_batch", "global_batch")  # causes
+    first = ("world_size", "pp", "tp", "sp", "ep", "experts", "zero_stage", "precision", "micro_batch", "global_batch")  # causes
     for name in (*first, *(f.name for f in fields(Plan) if f.name not in first)):  # before consequences (dp)
         have, want = getattr(plan, name), getattr(expected, name)
         if have != want or type(have) is not type(want):
@@ -246,6 +296,7 @@ def check_plan(plan: Plan, *, model: ModelSpec, cluster: ClusterSpec, train: Tra
                                  f"{expected.dp})",
                    "zero_stage": f"strategy.zero {strategy.zero}", "pp": f"strategy.pp {strategy.pp}",
                    "tp": f"strategy.tp {strategy.tp}", "sp": f"strategy.sp {strategy.sp}",
+                   "ep": f"strategy.ep {strategy.ep}", "experts": f"model.experts {model.experts}",
                    "precision": f"train.precision {train.precision!r}",
                    "micro_batch": f"train.micro_batch {train.micro_batch}",
                    "global_batch": f"train.global_batch {train.global_batch}"}.get(name, "model/cluster/train/strategy")

@@ -61,6 +61,8 @@ def nothing_fits_message(*, result: SearchResult, model: ModelSpec, cluster: Clu
     if not request.nvme_path:
         tries.insert(1, ("--offload nvme --nvme-path DIR", cluster,
                          replace(request, offload="nvme", offload_params=None, nvme_path="/nvme")))
+    if model.experts and request.ep not in (None, AUTO):  # a pinned ep fixes the experts a rank holds
+        tries.insert(0, ("--ep auto", cluster, replace(request, ep=None)))
     if c.est.startup_host_shortfall_bytes:  # the build holds more than the node's RAM: another build mode may not
         pinned = [k for k in ("tp", "pp", "zero") if getattr(request, k) not in (None, AUTO)]
         relaxed = [(f"--{k} auto", cluster, replace(request, **{k: None})) for k in pinned]

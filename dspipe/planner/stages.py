@@ -25,17 +25,24 @@ def tp_split_params_per_block(model: ModelSpec) -> int:
     return sum(math.prod(shape) for name, shape in model.block_tensors() if autotp.split_of(f"h.0.{name}", model))
 
 
-def block_params_per_rank(model: ModelSpec, tp: int = 1) -> int:
-    """Parameters of one block on one tp rank."""
+def block_params_per_rank(model: ModelSpec, tp: int = 1, layer: int | None = None) -> int:
+    """Parameters of block `layer` (None: a dense block) on one tp rank (ModelSpec.layer_params: a sparse block
+    counts every expert; the rules keep tp 1 with experts)."""
     split = tp_split_params_per_block(model)
-    return model.params_per_block - split + share(split, tp)
+    whole = model.params_per_block if layer is None else model.layer_params(layer)
+    return whole - split + share(split, tp)
 
 
 def stage_layer_weights(model: ModelSpec, tp: int = 1) -> list[int]:
-    """Parameters of each PipelineModule layer on one tp rank: embedding, blocks, final norm, head (a tied head is a
-    whole copy of the embedding module, as DeepSpeed's TiedLayerSpec builds it). Only the blocks are split by tp."""
+    """Parameters of each PipelineModule layer on one tp rank: embedding, blocks (each its own count: a sparse block
+    holds every expert), final norm, head (a tied head is a whole copy of the embedding module, as DeepSpeed's
+    TiedLayerSpec builds it). Only the blocks are split by tp."""
     head = model.embedding_params if model.tied_embeddings else model.vocab * model.hidden
-    return [model.embedding_params, *([block_params_per_rank(model, tp)] * model.layers), model.final_norm_params, head]
+    if not model.experts:
+        blocks = [block_params_per_rank(model, tp)] * model.layers
+    else:
+        blocks = [block_params_per_rank(model, tp, i) for i in range(model.layers)]
+    return [model.embedding_params, *blocks, model.final_norm_params, head]
 
 
 def _uniform_bounds(items: int, parts: int) -> list[int]:
@@ -95,15 +102,35 @@ def stage_blocks(*, model: ModelSpec, pp: int, partition_method: str) -> list[in
 
 
 @lru_cache(maxsize=1024)
-def stage_params(*, model: ModelSpec, pp: int, partition_method: str, tp: int = 1) -> tuple[int, ...]:
+def stage_params(*, model: ModelSpec, pp: int, partition_method: str, tp: int = 1, ep: int = 1) -> tuple[int, ...]:
     """Parameters held by one rank of each pipeline stage under DeepSpeed's partition methods (stage bounds are
-    chosen on the whole layers; a rank holds its tp share of the blocks)."""
+    chosen on the whole layers; a rank holds its tp share of the blocks and experts / ep of every sparse block's
+    routed experts)."""
     if pp == 1:  # the plain model: a tied head is the embedding itself, not a copy
         split = tp_split_params_per_block(model)
-        return (model.num_params - model.layers * (split - share(split, tp)),)
+        return (model.num_params - model.layers * (split - share(split, tp)) - expert_params_off_rank(model, ep),)
     bounds = stage_bounds(model, pp, partition_method)
     local = stage_layer_weights(model, tp)
     return tuple(sum(local[a:b]) for a, b in zip(bounds, bounds[1:]))
+
+
+def expert_params_off_rank(model: ModelSpec, ep: int) -> int:
+    """Routed-expert parameters a rank does not hold: (ep - 1) / ep of them (DeepSpeed MoE gives each expert-parallel
+    rank experts / ep of every sparse block; 0 for a dense model)."""
+    return model.routed_expert_params - share(model.routed_expert_params, ep) if model.experts else 0
+
+
+def param_groups(*, model: ModelSpec, plan: Plan, phi: int) -> list[tuple[int, int]]:
+    """(parameters, ZeRO group size) of each kind of parameter a rank holds on a stage of `phi` parameters: the dense
+    ones partitioned over zero_group_size (dp x sp), and under MoE the rank's routed experts (routed_expert_params /
+    ep) over the expert-data-parallel group of dp / ep ranks (DeepSpeed puts the expert parameters in their own
+    optimizer groups whose ZeRO partitions and gradient reductions use the expert data parallel group). One group
+    for a dense model."""
+    n = zero_group_size(plan)
+    if not model.experts:
+        return [(phi, n)]
+    experts = share(model.routed_expert_params, plan.ep)
+    return [(phi - experts, n), (experts, max(1, n // plan.ep))]
 
 
 def zero_group_size(plan: Plan) -> int:

@@ -14,7 +14,7 @@ def estimate_summary(c: Candidate, *, tokens: float | None = None) -> dict:
     """The keys `dspipe plan --json` promises (and gen-config writes into dspipe.json under 'estimate')."""
     p, e, m = c.plan, c.est, c.est.memory
     days = None if tokens is None else tokens / c.tokens_per_s / SECONDS_PER_DAY
-    return {
+    summary = {
         "num_params": p.num_params, "zero_stage": p.zero_stage, "offload": p.offload,
         "offload_params": p.offload_params, "precision": p.precision, "pp": p.pp, "tp": p.tp, "sp": p.sp, "dp": p.dp,
         "micro_batch": p.micro_batch, "grad_accum": p.grad_accum, "checkpointing": p.checkpointing,
@@ -34,6 +34,17 @@ def estimate_summary(c: Candidate, *, tokens: float | None = None) -> dict:
         "startup": None if e.startup is None else e.startup.to_dict(),
         "fits": e.fits,
     }
+    if p.experts:  # a mixture of experts: its expert parallelism and the parameters a token passes through
+        out = {}
+        for key, value in summary.items():
+            out[key] = value
+            if key == "num_params":
+                out["active_params"] = e.active_params
+            if key == "sp":
+                out.update(ep=p.ep, expert_dp=p.expert_dp, experts=p.experts)
+        out["step_time_breakdown_s"]["ep_comm"] = e.ep_comm_s
+        summary = out
+    return summary
 
 
 def _gib(n: int) -> str:
@@ -78,9 +89,13 @@ def human_report(result: SearchResult, *, tokens: float | None, tokens_text: str
     best = result.best
     s = estimate_summary(best, tokens=tokens)
     mem, p = s["memory_per_gpu_bytes"], best.plan
+    params = f"{p.num_params / 1e6:,.1f}M params"
+    if p.experts:
+        params = (f"ep {p.ep} inside dp (experts {p.experts} / ep {p.ep} = {p.experts // p.ep} per rank and sparse "
+                  f"block, expert dp {p.expert_dp}), {p.num_params / 1e6:,.1f}M params, "
+                  f"{s['active_params'] / 1e6:,.1f}M active")
     lines = [f"plan: {best.describe(every_axis=True)}",
-             f"      world {p.world_size} = dp {p.dp} x pp {p.pp} x tp {p.tp} x sp {p.sp}, "
-             f"{p.num_params / 1e6:,.1f}M params",
+             f"      world {p.world_size} = dp {p.dp} x pp {p.pp} x tp {p.tp} x sp {p.sp}, {params}",
              f"      global batch {p.global_batch} = micro_batch {p.micro_batch} x grad_accum {p.grad_accum} "
              f"x dp {p.dp}, {p.tokens_per_step:,} tokens/step",
              "", "memory per GPU (GiB)"]
@@ -99,9 +114,10 @@ def human_report(result: SearchResult, *, tokens: float | None, tokens_text: str
     lines += ["", *startup_lines(best.est)]
     b = s["step_time_breakdown_s"]
     shown = (("compute", "compute"), ("dp comm", "dp_comm"), ("tp comm", "tp_comm"), ("sp comm", "sp_comm"),
-             ("bubble", "bubble"), ("pp comm", "pp_comm"), ("offload", "offload"), ("optimizer", "optimizer"))
-    terms = " + ".join(f"{name} {b[key]:.3g}" for name, key in shown  # zero tp / sp / optimizer terms left out
-                       if key in ("compute", "dp_comm", "bubble", "pp_comm", "offload") or b[key])
+             ("ep comm", "ep_comm"), ("bubble", "bubble"), ("pp comm", "pp_comm"), ("offload", "offload"),
+             ("optimizer", "optimizer"))
+    terms = " + ".join(f"{name} {b[key]:.3g}" for name, key in shown  # zero tp / sp / ep / optimizer terms left out
+                       if key in ("compute", "dp_comm", "bubble", "pp_comm", "offload") or b.get(key))
     compute_source = dict((f, src) for f, _, src in figure_sources or ()).get("compute",
                                                                             "the GPU type's catalog figure")
     lines += ["", f"step time {s['step_time_s']:.3g} s = {terms}",

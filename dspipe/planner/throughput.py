@@ -1,7 +1,7 @@
 """Throughput arithmetic shared by the runner, `dspipe bench` and `dspipe report`: model FLOPs per token and
 one step's tokens/s, samples/s, TFLOP/s per GPU and MFU.
 
-MFU counts model FLOPs only (6N + 6·L·h·s per token: weights forward+backward, causal attention scores, with
+MFU counts model FLOPs only (6N + 6·L·h·s per token, N the active parameters of a mixture of experts: weights forward+backward, causal attention scores, with
 heads x head_dim for h and a sliding window's keys for s/2), never the recomputation a checkpointing strategy adds,
 so it compares across strategies (PaLM's definition).
 Imports no torch.
@@ -37,8 +37,10 @@ def attention_flops_per_token(model: ModelSpec, *, executed: bool = False) -> fl
 def model_flops_per_token(model: ModelSpec) -> float:
     """Training FLOPs per token: 6N for the weights (2 forward + 4 backward) + the attention's
     (attention_flops_per_token: 6·L·h·s for causal attention over heads x head_dim = h, bounded by a sliding
-    window)."""
-    return 6.0 * model.num_params + attention_flops_per_token(model)
+    window). N is the active parameters (ModelSpec.active_params: a mixture-of-experts token passes through its
+    experts_per_token experts of each sparse block, the router and the shared experts; every parameter for a dense
+    model)."""
+    return 6.0 * model.active_params + attention_flops_per_token(model)
 
 
 def step_rates(*, tokens: int, samples: int, seconds: float, flops_per_token: float, world_size: int,

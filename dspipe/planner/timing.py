@@ -8,14 +8,20 @@ matmuls; the replicated head is not) and by sp; TP all-reduces and Ulysses all-t
 collectives DeepSpeed 0.19.8 issues (see _dp_comm_s); the 1F1B bubble; pipeline p2p; offload (GpuType's CPU-Adam and
 host copy rates); the engine's own optimizer step where the GPU type (a profile) gives its rate. Every collective costs
 its bytes over the link's bandwidth plus the ring latency (RING_BASE_LATENCY_S, or a profile's measured launch cost).
+Mixture of experts: model FLOPs count the active parameters (6 x active + attention per token); executed FLOPs add
+DeepSpeed's einsum dispatch and combine and the experts' capacity padding (moe_dispatch_flops_per_token); per sparse
+block and micro-batch 4 all-to-alls (dispatch and combine, forward and backward; 6 with full recomputation) of the
+capacity-padded tokens x hidden, (ep-1)/ep of them leaving the rank, on NVLink while the ep group stays in a node;
+dense gradients reduced over dp, expert gradients over the dp / ep expert-data-parallel ranks.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
+from dspipe.planner.memory import expert_capacity
 from dspipe.planner.plan import Plan
-from dspipe.planner.stages import share, zero_group_size
+from dspipe.planner.stages import param_groups, share, zero_group_size
 from dspipe.planner.throughput import attention_flops_per_token, model_flops_per_token
 from dspipe.spec.core import ClusterSpec, ModelSpec
 from dspipe.spec.hardware import GpuType
@@ -73,27 +79,47 @@ def _dp_comm_s(*, model: ModelSpec, plan: Plan, cluster: ClusterSpec, phi: int, 
         prefetched / overlapped with the forward and the backward, except the forward's first gather (the token
         embedding); no all-gather after the step.
     Gradients travel in the training dtype, in fp32 under Ulysses (DeepSpeed sets the communication dtype to
-    seq_parallel_communication_data_type, fp32 by default, when sp > 1); parameters in the training dtype."""
-    n, z, m = zero_group_size(plan), plan.zero_stage, plan.grad_accum
-    if n == 1:
-        return 0.0
+    seq_parallel_communication_data_type, fp32 by default, when sp > 1); parameters in the training dtype.
+    Mixture of experts: each collective is issued per parameter group (stages.param_groups), the dense parameters
+    over dp, the rank's experts over their dp / ep expert-data-parallel ranks (ep apart; fewer bytes, their own
+    ring latency); their times add, and overlap_comm hides the sum."""
+    z, m = plan.zero_stage, plan.grad_accum
     b = 2 if plan.precision in ("bf16", "fp16") else 4
     grad_b = 4 if plan.sp > 1 else b
-    span, g = plan.dp * plan.sp * plan.tp, cluster.gpus_per_node  # the group's ranks: consecutive, tp apart
-    inside = _inside_node(span, g)
+    g = cluster.gpus_per_node
     gpu = cluster.gpu_type
-    # Across nodes NCCL runs one ring per NIC, each leaving a node once: the group's g / tp ranks in a node share its
-    # g / tp NICs (one per GPU on DGX-class nodes), so the bus bandwidth is their sum, capped by NVLink (nccl-tests
-    # busbw across nodes ~ the node's NIC total: NVIDIA/nccl-tests#119, NVIDIA/nccl#1048; docs/hardware.md).
-    across = min(gpu.intra_node_gbps, gpu.inter_node_gbps * max(1, g // plan.tp))
-    bw = (gpu.intra_node_gbps if inside else across) * 1e9
-    hops = 0 if inside else math.ceil(span / g) - 1  # ring steps that cross a node boundary
+    gather = reduce = all_reduce = shard = 0.0
+    # Under MoE the dense parameters are reduced over dp and the rank's experts over the dp / ep expert-data-parallel
+    # group (ranks ep apart): stages.param_groups; one group for a dense model.
+    for p, n in param_groups(model=model, plan=plan, phi=phi):
+        if n == 1 or p == 0:
+            continue
+        stride = plan.tp * (plan.ep if n != zero_group_size(plan) else 1)
+        span = n * stride  # ranks the group spans (n = dp x sp: consecutive, tp apart; experts dp / ep, ep x tp apart)
+        inside = _inside_node(span, g)
+        # Across nodes NCCL runs one ring per NIC, each leaving a node once: the group's g / tp ranks in a node share
+        # its g / tp NICs (one per GPU on DGX-class nodes), so the bus bandwidth is their sum, capped by NVLink
+        # (nccl-tests busbw across nodes ~ the node's NIC total: NVIDIA/nccl-tests#119, NVIDIA/nccl#1048;
+        # docs/hardware.md).
+        across = min(gpu.intra_node_gbps, gpu.inter_node_gbps * max(1, g // stride))
+        bw = (gpu.intra_node_gbps if inside else across) * 1e9
+        hops = 0 if inside else math.ceil(span / g) - 1  # ring steps that cross a node boundary
+        ring = ring_latency_s(steps=n - 1, inter_steps=hops, gpu=gpu)
+        moved = (n - 1) / n * p  # elements one reduce-scatter or all-gather moves per rank
+        shard += moved * b / bw  # the ZeRO-3 module gathers' bytes (one group: ZeRO-3 has no experts)
+        gather += moved * b / bw + math.ceil(p / plan.allgather_bucket_size) * ring
+        reduce += moved * grad_b / bw + math.ceil(p / plan.reduce_bucket_size) * ring
+        all_reduce += 2 * moved * grad_b / bw + math.ceil(p / ENGINE_ALLREDUCE_BUCKET) * \
+            ring_latency_s(steps=2 * (n - 1), inter_steps=2 * hops, gpu=gpu)
+    if not (gather or reduce or all_reduce):
+        return 0.0
+    n = zero_group_size(plan)
+    span = plan.dp * plan.sp * plan.tp
+    inside = _inside_node(span, g)
+    bw = (gpu.intra_node_gbps if inside else min(gpu.intra_node_gbps, gpu.inter_node_gbps * max(1, g // plan.tp))) \
+        * 1e9
+    hops = 0 if inside else math.ceil(span / g) - 1
     ring = ring_latency_s(steps=n - 1, inter_steps=hops, gpu=gpu)
-    shard = (n - 1) / n * phi  # elements one reduce-scatter or all-gather moves per rank
-    gather = shard * b / bw + math.ceil(phi / plan.allgather_bucket_size) * ring
-    reduce = shard * grad_b / bw + math.ceil(phi / plan.reduce_bucket_size) * ring
-    all_reduce = 2 * shard * grad_b / bw + math.ceil(phi / ENGINE_ALLREDUCE_BUCKET) * \
-        ring_latency_s(steps=2 * (n - 1), inter_steps=2 * hops, gpu=gpu)
 
     def hidden(comm: float, window: float) -> float:
         return max(0.0, comm - window) if plan.overlap_comm else comm
@@ -107,7 +133,7 @@ def _dp_comm_s(*, model: ModelSpec, plan: Plan, cluster: ClusterSpec, phi: int, 
         return hidden(reduce, bwd_s) + gather
     if z == 2:
         return m * hidden(reduce, bwd_s) + gather
-    module_gathers = shard * b / bw + zero3_gathers_per_pass(model) * ring
+    module_gathers = shard + zero3_gathers_per_pass(model) * ring
     # The forward's first gather, the token embedding, has no earlier compute to hide behind (the prefetch looks one
     # module ahead of the one computing); every later one overlaps the module before it.
     first = (n - 1) / n * model.vocab * model.hidden * b / bw + ring
@@ -128,6 +154,8 @@ class StepTime:
     """Tensor-parallel activation all-reduces (synchronous in AutoTP)."""
     sp_comm_s: float
     """Ulysses all-to-alls (synchronous)."""
+    ep_comm_s: float
+    """Expert-parallel all-to-alls (dispatch and combine, synchronous)."""
     optimizer_s: float
     """The engine's own optimizer step over the rank's shard (GpuType.optimizer_params_per_s; 0 where not modelled)."""
     flops_per_token: float
@@ -137,6 +165,26 @@ class StepTime:
     matmul_efficiency: float
     """Achieved / peak FLOP/s assumed for the compute (the GPU type's catalog figure, or a profile's measured rate
     over the peak)."""
+
+
+def _partition(model: ModelSpec, plan: Plan, phi: int) -> float:
+    """Parameters of the rank's ZeRO partitions (phi / N; under MoE the dense ones over dp, its experts over
+    dp / ep: stages.param_groups)."""
+    groups = param_groups(model=model, plan=plan, phi=phi)
+    return phi / groups[0][1] if len(groups) == 1 else sum(p / n for p, n in groups)
+
+
+def moe_dispatch_flops_per_token(model: ModelSpec, *, tokens: int) -> float:
+    """FLOPs per token DeepSpeed's MoE layer executes beyond the active parameters' 6N, for `tokens` tokens per
+    micro-batch on a rank: the einsum dispatch and combine ('sec,sm->ecm', 'sec,ecm->sm': 2 x T x E C x h each,
+    forward, twice that backward: 12 E C h per token, E C = expert_capacity slots ~ 1.25 k T, quadratic in the
+    tokens) and the experts' work on the capacity padding (6 x (E C / T - k) x expert parameters per token). 0 for
+    a dense model."""
+    if not model.experts:
+        return 0.0
+    slots = model.experts * expert_capacity(model=model, tokens=tokens)
+    per_block = 12.0 * slots * model.hidden + 6.0 * (slots / tokens - model.experts_per_token) * model.expert_params
+    return len(model.sparse_layers) * per_block
 
 
 def step_time(*, model: ModelSpec, cluster: ClusterSpec, plan: Plan, phi: int) -> StepTime:
@@ -151,7 +199,8 @@ def step_time(*, model: ModelSpec, cluster: ClusterSpec, plan: Plan, phi: int) -
     # Executed: the model's FLOPs with the attention the kernels run (a windowed block's dense mask computes every
     # score); recomputation adds the attention core's forward (selective) or the whole forward (full).
     model_flops = model_flops_per_token(model)
-    executed = model_flops - attention_flops_per_token(model) + attention_flops_per_token(model, executed=True)
+    executed = model_flops - attention_flops_per_token(model) + attention_flops_per_token(model, executed=True) \
+        + moe_dispatch_flops_per_token(model, tokens=plan.micro_batch * share(model.seq_len, sp))
     extra = {"none": 0.0, "selective": attention_flops_per_token(model, executed=True) / 3,
              "full": executed / 3}[plan.checkpointing]
     hw_flops = executed + extra
@@ -192,19 +241,38 @@ def step_time(*, model: ModelSpec, cluster: ClusterSpec, plan: Plan, phi: int) -
         one = volume / (bw * 1e9) + ring_latency_s(steps=sp - 1, inter_steps=hops, gpu=gpu)
         sp_comm = m * layers_per_stage * per_layer_ops * one
 
+    # Expert parallelism: per sparse block and micro-batch, an all-to-all to dispatch the tokens to their experts and
+    # one to combine them, forward and backward (4; 6 with full recomputation), each sending (ep-1)/ep of the rank's
+    # capacity-padded E x C x h activations (memory.expert_capacity), over NVLink while the ep group (ep consecutive
+    # data-parallel ranks) stays inside a node, else the network; plus the dropless capacity's all-reduce (MAX of
+    # the expert counts over the ep group: latency only) per forward. Not overlapped.
+    ep_comm = 0.0
+    if plan.ep > 1 and model.experts:
+        ops, forwards = (6, 2) if plan.checkpointing == "full" else (4, 1)
+        slots = model.experts * expert_capacity(model=model, tokens=tokens_micro)
+        volume = (plan.ep - 1) / plan.ep * slots * model.hidden * b
+        span = plan.ep * tp * sp
+        inside = _inside_node(span, cluster.gpus_per_node)
+        bw = gpu.intra_node_gbps if inside else gpu.inter_node_gbps
+        hops = 0 if inside else math.ceil(span / cluster.gpus_per_node) - 1
+        one = volume / (bw * 1e9) + ring_latency_s(steps=plan.ep - 1, inter_steps=hops, gpu=gpu)
+        count_max = ring_latency_s(steps=2 * (plan.ep - 1), inter_steps=2 * hops, gpu=gpu)
+        ep_comm = m * len(model.sparse_layers) * (ops * one + forwards * count_max)
+
     dp_comm = _dp_comm_s(model=model, plan=plan, cluster=cluster, phi=phi, fwd_s=fwd_micro, bwd_s=bwd_micro)
     stages_span_nodes = pp > 1 and cluster.nodes > 1
     p2p_bw = (gpu.inter_node_gbps if stages_span_nodes else gpu.intra_node_gbps) * 1e9
     pp_comm = 0.0 if pp == 1 else 2 * m * tokens_micro * model.hidden * b / p2p_bw
     offload = optimizer = 0.0
     if plan.offload == "none" and gpu.optimizer_params_per_s:  # the device's Adam over the params this rank updates
-        optimizer = (phi if plan.zero_stage == 0 else phi / n) / gpu.optimizer_params_per_s
+        optimizer = (phi if plan.zero_stage == 0 else _partition(model, plan, phi)) / gpu.optimizer_params_per_s
     if plan.offload != "none":
-        shard = phi / n
+        shard = _partition(model, plan, phi)
         offload = cluster.gpus_per_node * shard / gpu.cpu_adam_params_per_s + 2 * shard * b / (gpu.host_copy_gbps * 1e9)
         if plan.offload == "nvme":
             offload += cluster.gpus_per_node * 2 * 12 * shard / (NVME_GBPS * 1e9)
     peak = gpu.peak_tflops(plan.precision) * 1e12
     return StepTime(compute_s=compute, dp_comm_s=dp_comm, bubble_s=bubble, pp_comm_s=pp_comm, offload_s=offload,
-                    tp_comm_s=tp_comm, sp_comm_s=sp_comm, optimizer_s=optimizer, flops_per_token=model_flops,
+                    tp_comm_s=tp_comm, sp_comm_s=sp_comm, ep_comm_s=ep_comm, optimizer_s=optimizer,
+                    flops_per_token=model_flops,
                     hardware_flops_per_token=hw_flops, matmul_efficiency=achieved / peak if peak else 0.0)

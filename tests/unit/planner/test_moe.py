@@ -1,0 +1,219 @@
+"""Planner, mixture of experts: active-parameter FLOPs, expert parameters split over ep and their ZeRO states over
+dp / ep, the MoE layer's activations and all-to-alls, the ep axis of the search, the refusals before launch."""
+import json
+import time
+
+import pytest
+
+from dspipe.errors import SpecError
+from dspipe.planner.cost import estimate
+from dspipe.planner.memory import (MOE_LOAD_HEADROOM, activation_bytes_per_layer, expert_capacity,
+                                   moe_mlp_activation_bytes)
+from dspipe.planner.plan import make_plan
+from dspipe.planner.search import search
+from dspipe.planner.stages import stage_layer_weights, stage_params
+from dspipe.planner.throughput import attention_flops_per_token, model_flops_per_token
+from dspipe.planner.timing import moe_dispatch_flops_per_token
+from dspipe.spec.core import ClusterSpec, StrategyRequest, StrategySpec, TrainSpec
+from dspipe.spec.presets import MODEL_PRESETS, PRESETS, model_preset
+from tests.helpers import dspipe, error_lines
+
+MOE = [name for name, m in MODEL_PRESETS.items() if m.experts]
+
+
+def _plan(model, *, nodes=1, gpus=8, gbs=64, mb=1, precision="bf16", **strategy):
+    cluster = ClusterSpec(nodes, gpus, "h100-80g")
+    train = TrainSpec(global_batch=gbs, micro_batch=mb, steps=100, warmup_steps=10, precision=precision)
+    plan = make_plan(model=model, cluster=cluster, train=train, strategy=StrategySpec(**strategy))
+    return plan, estimate(model=model, cluster=cluster, plan=plan)
+
+
+def test_the_four_moe_presets_are_planned():
+    assert sorted(MOE) == ["mixtral-8x22b", "mixtral-8x7b", "qwen3-235b-a22b", "qwen3-30b-a3b"]
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_flops_count_the_active_parameters(name):
+    m = MODEL_PRESETS[name]
+    published = PRESETS[name].published_active
+    assert m.active_params == published < m.num_params
+    assert model_flops_per_token(m) == 6 * published + attention_flops_per_token(m)
+    plan, est = _plan(m, gpus=8, zero=1, ep=8)
+    assert est.flops_per_token == 6 * published + attention_flops_per_token(m)  # the MFU numerator
+    assert est.active_params == published and plan.num_params == m.num_params
+    # executed: the einsum dispatch/combine and the capacity padding on top, recomputation on top of that
+    extra = moe_dispatch_flops_per_token(m, tokens=m.seq_len)
+    assert extra > 0 and est.hardware_flops_per_token == pytest.approx(est.flops_per_token + extra)
+
+
+def test_dense_flops_and_dispatch_unchanged():
+    m = MODEL_PRESETS["llama2-7b"]
+    assert m.active_params == m.num_params
+    assert model_flops_per_token(m) == 6 * m.num_params + attention_flops_per_token(m)
+    assert moe_dispatch_flops_per_token(m, tokens=4096) == 0.0
+
+
+def test_pipeline_layer_weights_count_each_blocks_own_parameters():
+    m = MODEL_PRESETS["mixtral-8x7b"]
+    weights = stage_layer_weights(m)
+    assert weights[1:-2] == [m.layer_params(i) for i in range(m.layers)]
+    assert sum(weights) == m.num_params  # untied head
+    assert stage_params(model=m, pp=1, partition_method="parameters") == (m.num_params,)
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_memory_falls_with_ep_as_the_formula_says(zero):
+    # Phi_d = dense parameters (over dp), Phi_e = routed experts / ep (over dp / ep): params b(Phi_d + Phi_e),
+    # optimizer 12 Phi_d / dp + 12 Phi_e / (dp / ep)
+    m = model_preset("mixtral-8x7b", seq_len=4096)
+    dp, routed = 8, m.routed_expert_params
+    dense = m.num_params - routed
+    totals = []
+    for ep in (1, 2, 4, 8):
+        plan, est = _plan(m, gpus=dp, zero=zero, ep=ep, checkpointing="full")
+        mine = routed // ep
+        assert plan.ep == ep and plan.expert_dp == dp // ep
+        assert est.memory.params == 2 * (dense + mine)
+        assert est.memory.optimizer == 12 * dense // dp + 12 * mine // (dp // ep)
+        assert est.memory.model_states == (2 * (dense + mine) + (4 * (dense + mine) if zero == 1 else 0)
+                                           + 12 * dense // dp + 12 * mine // (dp // ep))
+        totals.append(est.memory.total)
+    assert totals == sorted(totals, reverse=True) and totals[0] > 1.5 * totals[-1]
+
+
+def test_moe_activations_follow_the_documented_formula():
+    m = model_preset("qwen3-30b-a3b", seq_len=1024)
+    tokens, b = 1024, 2
+    cap = expert_capacity(model=m, tokens=tokens)
+    assert cap == -(-int(tokens * MOE_LOAD_HEADROOM * m.experts_per_token) // m.experts)  # 1.25 x k T / E
+    slots = m.experts * cap
+    want = (8 * tokens * m.experts + 4 * tokens * m.hidden + 2 * b * tokens * slots
+            + b * slots * (2 * m.hidden + 4 * m.expert_width))
+    assert moe_mlp_activation_bytes(model=m, tokens=tokens, act_bytes=b) == want
+    dense = activation_bytes_per_layer(model=m, micro_batch=1, checkpointing="none", act_bytes=b)
+    sparse = activation_bytes_per_layer(model=m, micro_batch=1, checkpointing="none", act_bytes=b, sparse=True)
+    assert sparse - dense == want - tokens * b * 4 * m.ffn  # the dense MLP's hidden activations replaced
+    # the dispatch masks are (tokens, E, C): quadratic in the tokens, the rest linear
+    twice = moe_mlp_activation_bytes(model=m, tokens=2 * tokens, act_bytes=b)
+    masks = 2 * b * tokens * slots
+    assert expert_capacity(model=m, tokens=2 * tokens) == 2 * cap
+    assert twice - 4 * masks == 2 * (want - masks)
+    # a dropping capacity factor sets C = ceil(T / E x cf x k)
+    dropping = model_preset("qwen3-30b-a3b", seq_len=1024, capacity_factor=1.0)
+    assert expert_capacity(model=dropping, tokens=tokens) == tokens * 8 // 128
+
+
+def test_all_to_alls_cost_nothing_at_ep_1_and_leave_nvlink_beyond_a_node():
+    m = model_preset("mixtral-8x7b", seq_len=4096)
+    _, one = _plan(m, nodes=2, gpus=8, zero=2, ep=1, checkpointing="full")
+    _, inside = _plan(m, nodes=2, gpus=8, zero=2, ep=8, checkpointing="full")
+    _, dense = _plan(MODEL_PRESETS["llama2-7b"], nodes=2, gpus=8, zero=2)
+    assert one.ep_comm_s == 0 == dense.ep_comm_s and inside.ep_comm_s > 0
+    q = model_preset("qwen3-30b-a3b", seq_len=4096)
+    _, near = _plan(q, nodes=4, gpus=8, zero=2, ep=8, checkpointing="full")
+    _, far = _plan(q, nodes=4, gpus=8, zero=2, ep=16, checkpointing="full")
+    assert far.ep_comm_s > 3 * near.ep_comm_s  # the ep 16 group spans two nodes: the network, not NVLink
+
+
+@pytest.mark.parametrize("strategy, precision, message", [
+    (dict(zero=3), "bf16", "ZeRO-3 with experts 8: Native DeepSpeed MoE is not supported with ZeRO Stage 3. "
+                           "Use AutoEP or choose ZeRO stage 1/2"),
+    (dict(zero=1, pp=2), "bf16", "pp 2 with experts 8: dspipe trains mixture-of-experts models with pp 1 only"),
+    (dict(zero=1, tp=2), "bf16", "tp 2 with experts 8: dspipe trains mixture-of-experts models with tp 1 only"),
+    (dict(zero=1, sp=2), "bf16", "sp 2 with experts 8: dspipe trains mixture-of-experts models with sp 1 only"),
+    (dict(zero=1), "fp16", "fp16 with experts 8: dspipe trains mixture-of-experts models in bf16 or fp32 only"),
+    (dict(zero=1, ep=3), "bf16", "ep 3 does not divide experts 8"),
+    (dict(zero=1, ep=4), "bf16", "ep 4 does not divide dp 2 = world 2 / (pp 1 x tp 1 x sp 1)"),
+])
+def test_unsupported_moe_layouts_are_refused(strategy, precision, message):
+    with pytest.raises(SpecError) as e:
+        _plan(MODEL_PRESETS["mixtral-8x7b"], gpus=2, precision=precision, **strategy)
+    assert message in str(e.value)
+
+
+def test_ep_on_a_dense_model_is_refused():
+    with pytest.raises(SpecError, match=r"ep 2 needs a mixture-of-experts model: gpt2-124m is dense \(experts 0\)"):
+        _plan(MODEL_PRESETS["gpt2-124m"], gpus=2, zero=1, ep=2)
+
+
+def test_refusals_are_one_line_exit_2_nothing_written(tmp_path):
+    out = tmp_path / "run"
+    for flags, message in ((("--ep", "3"), "ep 3 does not divide experts 8"),
+                           (("--zero", "3"), "Native DeepSpeed MoE is not supported with ZeRO Stage 3")):
+        r = dspipe("gen-config", "--model", "mixtral-8x7b", "--data", "none", "--nodes", "1", "--gpus-per-node", "2",
+                   "--global-batch", "64", "--out", out, *flags)
+        assert r.returncode == 2 and len(error_lines(r)) == 1 and message in error_lines(r)[0], r.stderr
+        assert not out.exists()
+
+
+def test_qwen3_235b_on_1024_gpus_answers_quickly_and_names_its_axes():
+    m = MODEL_PRESETS["qwen3-235b-a22b"]
+    start = time.perf_counter()
+    r = search(model=m, cluster=ClusterSpec(128, 8, "h100-80g"),
+               train=TrainSpec(global_batch=2048, micro_batch=1, steps=100, warmup_steps=10),
+               request=StrategyRequest())
+    seconds = time.perf_counter() - start
+    assert seconds < 6, seconds  # ~0.5 s on the 2-core machine (benchmarks/plan_speed.py); loose for CI noise
+    best = r.best
+    assert best is not None and best.plan.pp == best.plan.tp == best.plan.sp == 1 and best.plan.dp == 1024
+    assert best.plan.ep > 1 and m.experts % best.plan.ep == 0 and best.plan.zero_stage in (1, 2)
+    line = best.describe(every_axis=True)
+    for axis in (f"ep {best.plan.ep}", "tp 1", "pp 1", "dp 1024"):
+        assert axis in line
+    # every ep not chosen, ZeRO-3 and pp > 1 are explained
+    for ep in (1, 2, 4, 8, 16, 32, 64, 128):
+        assert ep == best.plan.ep or f"ep {ep}" in r.rejected
+    assert "Native DeepSpeed MoE is not supported with ZeRO Stage 3" in r.rejected["ZeRO-3"]
+    assert "with pp 1 only" in r.rejected["pp 2"] and "with tp 1 only" in r.rejected["tp 2"]
+
+
+@pytest.mark.parametrize("name, nodes, seq_len", [("mixtral-8x7b", 2, None), ("mixtral-8x22b", 8, 4096),
+                                                  ("qwen3-30b-a3b", 1, None), ("qwen3-235b-a22b", 16, None)])
+def test_each_moe_preset_plans_on_a_sensible_cluster(name, nodes, seq_len):
+    # mixtral-8x22b's 65,536-token context does not fit: DeepSpeed's einsum dispatch keeps (tokens, E, C) masks
+    m = MODEL_PRESETS[name] if seq_len is None else model_preset(name, seq_len=seq_len)
+    r = search(model=m, cluster=ClusterSpec(nodes, 8, "h100-80g"),
+               train=TrainSpec(global_batch=64 * nodes * 8 // 8, micro_batch=1, steps=100, warmup_steps=10),
+               request=StrategyRequest())
+    p = r.best.plan
+    assert r.best.est.fits and p.ep > 1 and p.experts == m.experts and m.experts % p.ep == 0 and p.dp % p.ep == 0
+    assert 0 < r.best.mfu < 0.6
+
+
+def test_ep_is_pinned_by_the_flag_and_carried_in_the_json(tmp_path):
+    r = dspipe("plan", "--model", "mixtral-8x7b", "--seq-len", "4096", "--nodes", "1", "--gpus-per-node", "8",
+               "--global-batch", "64", "--ep", "4", "--json")
+    assert r.returncode == 0, r.stderr
+    s = json.loads(r.stdout)
+    m = model_preset("mixtral-8x7b", seq_len=4096)
+    assert (s["ep"], s["expert_dp"], s["experts"], s["dp"]) == (4, 2, 8, 8)
+    assert (s["num_params"], s["active_params"]) == (m.num_params, m.active_params)
+    assert s["step_time_breakdown_s"]["ep_comm"] > 0
+    out = tmp_path / "run"
+    r = dspipe("gen-config", "--model", "mixtral-8x7b", "--seq-len", "4096", "--data", "none", "--nodes", "1",
+               "--gpus-per-node", "8", "--global-batch", "64", "--ep", "4", "--out", out)
+    assert r.returncode == 0, r.stderr
+    assert "| ep 4 (experts 8 / ep 4 = 2 per rank, expert dp 2) |" in r.stdout
+    spec = json.loads((out / "dspipe.json").read_text())
+    assert spec["plan"]["ep"] == 4 and spec["plan"]["experts"] == 8 and spec["estimate"]["ep"] == 4
+    from dspipe.rundir import load_run
+    run = load_run(out)  # the plan's ep and experts check against the specs beside them
+    assert run.plan.ep == 4 and run.plan.expert_dp == 2
+    spec["plan"]["ep"] = 2
+    (out / "dspipe.json").write_text(json.dumps(spec))
+    with pytest.raises(SpecError, match="plan.ep 2 disagrees with strategy.ep 4"):
+        load_run(out)
+
+
+def test_dense_presets_search_only_ep_1():
+    r = search(model=MODEL_PRESETS["gpt2-124m"], cluster=ClusterSpec(1, 8, "h100-80g"),
+               train=TrainSpec(global_batch=64, micro_batch=1, steps=100, warmup_steps=10), request=StrategyRequest())
+    assert r.best.plan.ep == 1 and r.best.plan.experts == 0 and not any(k.startswith("ep ") for k in r.rejected)
+    assert "ep" not in r.best.describe(every_axis=True).replace("step", "")
+
+
+def test_nothing_fits_at_a_pinned_ep_suggests_ep_auto():
+    r = dspipe("plan", "--model", "qwen3-235b-a22b", "--nodes", "128", "--global-batch", "2048", "--ep", "8")
+    assert r.returncode == 2 and len(error_lines(r)) == 1, r.stderr
+    line = error_lines(r)[0]
+    assert "closest is ZeRO-2 + cpu offload, bf16, pp 1, ep 8, dp 1024" in line and "would fit with: --ep auto" in line

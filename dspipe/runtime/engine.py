@@ -11,6 +11,7 @@ rank its slice of each sequence.
 """
 from __future__ import annotations
 
+import math
 
 from dspipe.spec.layout import ParallelLayout
 from dspipe.rundir import Run
@@ -112,6 +113,9 @@ class Engine:
 
     def __init__(self, engine, *, run: Run, layout: ParallelLayout, rank: int):
         self.engine, self.run, self.layout, self.rank = engine, run, layout, rank
+        self.aux_loss: float | None = None
+        """A mixture-of-experts model's load-balancing loss of the last train step (mean over micro-batches and
+        data-parallel ranks, before aux_loss_coef); None for a dense model."""
         self.settings = engine_settings(engine)
         check_engine(self.settings, run)
         grid = getattr(engine, "grid", None)  # the pipeline's own topology must agree with the layout
@@ -162,33 +166,54 @@ class PlainEngine(Engine):
     def train_step(self, batches) -> float:
         import torch
 
-        engine, total = self.engine, torch.zeros((), device=self.device)
+        engine, total = self.engine, torch.zeros(3, device=self.device)
         for _ in range(self.run.plan.grad_accum):
             inputs, labels = next(batches)
             loss = self.micro_loss(inputs, labels)
             engine.backward(loss)
             engine.step()
-            total += loss.detach().float()
-        return self._mean(total, count=self.run.plan.grad_accum)
+            total += self._parts(loss)
+        return self._reported(self._mean(total, count=self.run.plan.grad_accum))
 
     def eval_loss(self, batches, *, count: int) -> float:
         import torch
 
-        engine, total = self.engine, torch.zeros((), device=self.device)
+        engine, total = self.engine, torch.zeros(3, device=self.device)
         engine.eval()
         with torch.no_grad():
             for inputs, labels in batches:
-                total += self.micro_loss(inputs, labels).float()
+                total += self._parts(self.micro_loss(inputs, labels))
         engine.train()
-        return self._mean(total, count=count)
+        aux_loss = self.aux_loss
+        try:
+            return self._reported(self._mean(total, count=count))
+        finally:
+            self.aux_loss = aux_loss  # the training step's stays the one reported
 
-    def _mean(self, total, *, count: int) -> float:
+    def _parts(self, loss):
+        """(loss, LM loss, aux loss) of one micro-batch: a mixture-of-experts model's loss adds aux_loss_coef x its
+        load-balancing loss to the LM loss, which the model records (GPT.last_lm_loss, last_aux_loss)."""
+        import torch
+
+        loss = loss.detach().float()
+        if not self.run.model.experts:
+            return torch.stack([loss, loss, torch.zeros_like(loss)])
+        module = self.engine.module
+        return torch.stack([loss, module.last_lm_loss.float(), module.last_aux_loss.float()])
+
+    def _reported(self, means: list[float]) -> float:
+        """The LM loss (NaN when the whole loss is not finite), the aux loss kept in `aux_loss`."""
+        loss, lm, aux = means
+        self.aux_loss = aux if self.run.model.experts else None
+        return lm if math.isfinite(loss) else loss
+
+    def _mean(self, total, *, count: int) -> list[float]:
         """Sum over every rank / (count x dp x tp): each tensor-parallel rank holds its replica's loss, the
         sequence-parallel ranks' shares add up to it."""
         import torch.distributed as dist
 
         dist.all_reduce(total)
-        return float(total) / (count * self.layout.loss_holders)
+        return [float(v) / (count * self.layout.loss_holders) for v in total.tolist()]
 
 
 class PipelineEngine(Engine):
@@ -211,6 +236,7 @@ def build_engine(run: Run, *, compile_: bool = False, clock=None) -> Engine:
     import deepspeed
     import torch.distributed as dist
 
+    from dspipe.runtime.moe import expert_parallel, install_for_run, param_groups as moe_param_groups
     from dspipe.runtime.sequence import sequence_groups
 
     mpu = sequence_groups(layout=run.plan.layout, rank=dist.get_rank()) if run.plan.sp > 1 else None
@@ -221,8 +247,12 @@ def build_engine(run: Run, *, compile_: bool = False, clock=None) -> Engine:
     if clock:
         clock.mark("built", module=module)
     parallelize(module, plan=run.plan, rank=dist.get_rank(), checkpoint_fn=checkpoint_fn)
-    engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=param_groups(module, run.train.weight_decay),
-                                           config=str(run.ds_config_path), mpu=mpu)
+    groups = param_groups(module, run.train.weight_decay)
+    if run.model.experts or expert_parallel(run) > 1:  # sparse blocks onto DeepSpeed's MoE layer (or the refusal)
+        install_for_run(module, run=run, rank=dist.get_rank())
+        groups = moe_param_groups(param_groups(module, run.train.weight_decay))  # experts: groups of their own
+    engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=groups, config=str(run.ds_config_path),
+                                           mpu=mpu)
     if compile_:
         engine.compile()
     cls = PipelineEngine if run.plan.pp > 1 else PlainEngine

@@ -11,47 +11,16 @@ model's (dspipe.model.gpt.balance_loss), kept as `.aux` for GPT.forward; DeepSpe
 
 Names: the block's `mlp.router.weight` lives at `mlp.moe.deepspeed_moe.gate.wg.weight`, expert e at
 `mlp.moe.deepspeed_moe.experts.deepspeed_experts.{e - ep_rank x E/ep}` (DeepSpeed's checkpoint files name it by its
-global id e: layer_L_expert_e_mp_rank_00_model_states.pt); `model_name` maps those back.
+global id e: layer_L_expert_e_mp_rank_00_model_states.pt); dspipe.runtime.experts.model_name maps those back.
 """
 from __future__ import annotations
-
-import re
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from dspipe.errors import SpecError
-
-GATE = "moe.deepspeed_moe.gate.wg.weight"
-EXPERTS = "moe.deepspeed_moe.experts.deepspeed_experts."
-EXPERT_FILE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
-ZERO3_REFUSAL = "Native DeepSpeed MoE is not supported with ZeRO Stage 3"
-
-
-def expert_parallel(run) -> int:
-    """The run's ep: the plan's, else the strategy's (a plan from before expert parallelism), else 1."""
-    ep = getattr(run.plan, "ep", None)
-    if ep is None:
-        ep = getattr(run.strategy, "ep", 1)
-    return ep if isinstance(ep, int) and not isinstance(ep, bool) else 1
-
-
-def refusal(*, spec, plan, ep: int) -> str | None:
-    """Why this layout cannot train with DeepSpeed's native MoE (None: it can)."""
-    if not spec.experts:
-        return f"ep {ep} > 1 needs a mixture-of-experts model (experts 0)" if ep > 1 else None
-    why = []
-    if plan.zero_stage == 3:
-        why.append(f"ZeRO-3 ({ZERO3_REFUSAL}; use ZeRO 0-2)")
-    why += [f"{k} {getattr(plan, k)} > 1" for k in ("pp", "tp", "sp") if getattr(plan, k) > 1]
-    if plan.precision == "fp16":
-        why.append("fp16 (use bf16 or fp32)")
-    if spec.experts % ep:
-        why.append(f"experts {spec.experts} % ep {ep} = {spec.experts % ep}")
-    if plan.dp % ep:
-        why.append(f"dp {plan.dp} % ep {ep} = {plan.dp % ep}")
-    return "; ".join(why) or None
+from dspipe.runtime.experts import expert_parallel, refusal
 
 
 class NativeMoE(nn.Module):
@@ -139,13 +108,3 @@ def param_groups(groups: list[dict]) -> list[dict]:
 
     named = [{**g, "name": g.get("name", f"group{i}")} for i, g in enumerate(groups)]
     return [g for g in split_params_into_different_moe_groups_for_optimizer(named) if g["params"]]
-
-
-def model_name(name: str, *, local: int = 0, ep_rank: int = 0) -> str:
-    """The model's name of a NativeMoE tensor name (DeepSpeed's, with a local expert id, or with the global id as
-    the expert files hold it: local = 0); other names unchanged."""
-    name = name.replace(GATE, "router.weight")
-    m = re.search(re.escape(EXPERTS) + r"(\d+)\.", name)
-    if m:
-        name = name[:m.start()] + f"experts.{ep_rank * local + int(m.group(1))}." + name[m.end():]
-    return name

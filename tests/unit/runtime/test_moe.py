@@ -131,7 +131,7 @@ def test_param_groups_split_experts(group):
 
 
 def test_model_names():
-    from dspipe.runtime.moe import model_name
+    from dspipe.runtime.experts import model_name
 
     assert model_name("h.1.mlp.moe.deepspeed_moe.gate.wg.weight") == "h.1.mlp.router.weight"
     name = "h.1.mlp.moe.deepspeed_moe.experts.deepspeed_experts.1.c_fc.weight"
@@ -153,7 +153,7 @@ def plan(**fields):
     (dict(dp=2), 4, "dp 2 % ep 4 = 2"),
 ])
 def test_refusals(fields, ep, says):
-    from dspipe.runtime.moe import refusal
+    from dspipe.runtime.experts import refusal
 
     assert says in refusal(spec=spec(), plan=plan(**fields), ep=ep)
 

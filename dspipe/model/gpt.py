@@ -316,11 +316,12 @@ class SparseMLP(nn.Module):
         logits = F.linear(flat.float(), self.router.weight.float())
         probs, weights, chosen = route(logits, k=self.k, norm_topk=self.norm_topk)
         self.aux = balance_loss(probs, chosen)
+        weights = weights.to(flat.dtype)  # the activations' dtype, as transformers and DeepSpeed weigh the outputs
         out = torch.zeros_like(flat)
         for e, expert in enumerate(self.experts):
             token, slot = (chosen == e).nonzero(as_tuple=True)
             y = expert(flat.index_select(0, token)) * weights[token, slot, None]
-            out.index_add_(0, token, y.to(out.dtype))
+            out.index_add_(0, token, y)
         if self.shared is not None:
             out = out + self.shared(flat)
         return out.view_as(x)

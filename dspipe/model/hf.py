@@ -1,6 +1,7 @@
 """The Hugging Face architectures dspipe reads and writes, GPT2LMHeadModel and the Llama family (LlamaForCausalLM,
-Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM): their configs and their weights' names, both ways (reading
-a model directory's files: dspipe.model.hf_weights).
+Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, and the mixtures of experts MixtralForCausalLM and
+Qwen3MoeForCausalLM): their configs and their weights' names, both ways (reading a model directory's files:
+dspipe.model.hf_weights).
 
     config.json -> ModelSpec      spec_from_hf_dir (reads JSON only: no torch, no transformers)
     ModelSpec -> config           hf_config (the config class of architecture_of(spec), the one that computes it)
@@ -14,6 +15,13 @@ type default, linear, llama3 or yarn, grouped-query attention, an explicit head_
     Qwen2ForCausalLM     q, k, v biases (always), no o or MLP bias; sliding window from max_window_layers on
     Qwen3ForCausalLM     q/k RMSNorm per head; attention_bias as Llama's, no MLP bias; sliding window as Qwen2's
     MistralForCausalLM   no biases; sliding_window on every layer (null: none)
+    MixtralForCausalLM   Mistral's attention; every block sparse: num_local_experts experts intermediate_size wide,
+                         top num_experts_per_tok renormalised; router_jitter_noise 0 only
+    Qwen3MoeForCausalLM  Qwen3's attention (q/k norm, attention_bias), sliding_window on every layer with
+                         use_sliding_window; num_experts experts moe_intermediate_size wide, top num_experts_per_tok
+                         (renormalised with norm_topk_prob), block i sparse when (i + 1) % decoder_sparse_step == 0
+                         and i not in mlp_only_layers (the first k layers only: moe_first_dense), the other blocks'
+                         MLP intermediate_size wide
 
 Weight mapping (dspipe name <- Hugging Face name; i is the block):
 
@@ -25,6 +33,12 @@ Weight mapping (dspipe name <- Hugging Face name; i is the block):
             self_attn.q_norm/k_norm; h.i.attn.c_proj <- o_proj; h.i.ln_2 <- post_attention_layernorm;
             h.i.mlp.c_fc = [gate_proj; up_proj] (weight and bias); h.i.mlp.c_proj <- down_proj; final.ln_f <-
             model.norm; lm_head.weight <- lm_head.weight (untied only)
+    MoE     h.i.mlp.router <- block_sparse_moe.gate (Mixtral) / mlp.gate (Qwen3-MoE); h.i.mlp.experts.e.c_fc =
+            [w1; w3] / [gate_proj; up_proj] of block_sparse_moe.experts.e / mlp.experts.e; its c_proj <- w2 /
+            down_proj: the files' per-expert tensors (what save_pretrained writes). In memory transformers 5 holds
+            them fused, mlp.gate and mlp.experts.gate_up_proj (E, 2 x width, hidden) = the experts' c_fc stacked and
+            mlp.experts.down_proj (E, hidden, width) = their c_proj stacked: to_hf_state gives that form,
+            from_hf_state reads either.
 
 Every refusal is one SpecError line naming the directory (or file) and the field."""
 from __future__ import annotations
@@ -39,12 +53,16 @@ from dspipe.spec.core import ModelSpec
 
 GPT2, LLAMA, QWEN2, QWEN3, MISTRAL = ("GPT2LMHeadModel", "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                                       "MistralForCausalLM")
-SUPPORTED = (GPT2, LLAMA, QWEN2, QWEN3, MISTRAL)
-MODEL_TYPES = {"gpt2": GPT2, "llama": LLAMA, "qwen2": QWEN2, "qwen3": QWEN3, "mistral": MISTRAL}
+MIXTRAL, QWEN3_MOE = "MixtralForCausalLM", "Qwen3MoeForCausalLM"
+SUPPORTED = (GPT2, LLAMA, QWEN2, QWEN3, MISTRAL, MIXTRAL, QWEN3_MOE)
+MOE_ARCHITECTURES = (MIXTRAL, QWEN3_MOE)
+MODEL_TYPES = {"gpt2": GPT2, "llama": LLAMA, "qwen2": QWEN2, "qwen3": QWEN3, "mistral": MISTRAL, "mixtral": MIXTRAL,
+               "qwen3_moe": QWEN3_MOE}
 CONFIG_FILE = "config.json"
 GELU_TANH = "gelu_new"  # HF's name for 0.5x(1 + tanh(sqrt(2/pi)(x + 0.044715x^3))) = F.gelu(approximate="tanh")
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-BASE_PREFIX = {GPT2: "transformer.", LLAMA: "model.", QWEN2: "model.", QWEN3: "model.", MISTRAL: "model."}
+BASE_PREFIX = {GPT2: "transformer.", LLAMA: "model.", QWEN2: "model.", QWEN3: "model.", MISTRAL: "model.",
+               MIXTRAL: "model.", QWEN3_MOE: "model."}
 """The base model's prefix in the CausalLM's names; checkpoints saved from the base model (the original GPT-2 on the
 hub) lack it, and transformers adds it when loading: so does CheckpointTensors."""
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -131,8 +149,9 @@ def _gpt2_spec(cfg: dict, *, source, name: str, dropout) -> ModelSpec:
 
 
 def _decoder_spec(cfg: dict, arch: str, *, source, name: str, dropout) -> ModelSpec:
-    """A Llama-family config (Llama, Qwen2, Qwen3, Mistral) as the ModelSpec that computes what its class does: the
-    biases, q/k norm and windows the class builds from the config (as transformers 5 reads it)."""
+    """A Llama-family config (Llama, Qwen2, Qwen3, Mistral, Mixtral, Qwen3-MoE) as the ModelSpec that computes what
+    its class does: the biases, q/k norm, windows and experts the class builds from the config (as transformers 5
+    reads it)."""
     get = _Reader(cfg, source)
     hidden, heads, layers = get.int("hidden_size"), get.int("num_attention_heads"), get.int("num_hidden_layers")
     seq_len = get.int("max_position_embeddings")
@@ -146,9 +165,10 @@ def _decoder_spec(cfg: dict, arch: str, *, source, name: str, dropout) -> ModelS
         mlp = get.flag("mlp_bias", default=False)
     elif arch == QWEN2:
         qkv = True  # Qwen2Attention: q/k/v biases always, o_proj none, MLP none
-    elif arch == QWEN3:
+    elif arch in (QWEN3, QWEN3_MOE):
         qkv = out = get.flag("attention_bias", default=False)
     window, start = _windows(cfg, arch, layers=layers, source=source)
+    moe = _moe(cfg, arch, layers=layers, source=source)
     if dropout is None:
         dropout = get.number("attention_dropout", default=0.0)
         if dropout:
@@ -158,8 +178,49 @@ def _decoder_spec(cfg: dict, arch: str, *, source, name: str, dropout) -> ModelS
                      dropout=dropout, tied_embeddings=get.flag("tie_word_embeddings", default=False), norm="rmsnorm",
                      mlp="swiglu", positions="rope", kv_heads=get.int("num_key_value_heads", default=heads),
                      bias=False, norm_eps=get.number("rms_norm_eps", default=1e-6), head_width=head_dim,
-                     qkv_bias=qkv or None, out_bias=out or None, mlp_bias=mlp or None, qk_norm=arch == QWEN3,
-                     sliding_window=window, window_start_layer=start, **_rope(cfg, source=source, positions=seq_len))
+                     qkv_bias=qkv or None, out_bias=out or None, mlp_bias=mlp or None,
+                     qk_norm=arch in (QWEN3, QWEN3_MOE), sliding_window=window, window_start_layer=start,
+                     **moe, **_rope(cfg, source=source, positions=seq_len))
+
+
+def _moe(cfg: dict, arch: str, *, layers: int, source) -> dict:
+    """The mixture-of-experts fields of ModelSpec from a Mixtral or Qwen3-MoE config (empty for the others);
+    output_router_logits only switches transformers' own aux loss on (dspipe's is always on): ignored."""
+    if arch not in MOE_ARCHITECTURES:
+        return {}
+    get = _Reader(cfg, source)
+    k = get.int("num_experts_per_tok", default=2 if arch == MIXTRAL else 8)
+    # both classes map num_experts onto num_local_experts (transformers 5 writes the latter, the hub's Qwen3-MoE the
+    # former)
+    given = [key for key in ("num_local_experts", "num_experts") if cfg.get(key) is not None]
+    if len(given) == 2 and cfg["num_experts"] != cfg["num_local_experts"]:
+        raise SpecError(f"{source}: num_experts {_show(cfg['num_experts'])} and num_local_experts "
+                        f"{_show(cfg['num_local_experts'])} differ (they are one setting)")
+    experts = get.count(given[0]) if given else 8 if arch == MIXTRAL else 128
+    coef = get.number("router_aux_loss_coef", default=0.001)
+    if arch == MIXTRAL:
+        jitter = get.number("router_jitter_noise", default=0.0)
+        if jitter:
+            raise SpecError(f"{source}: router_jitter_noise {jitter:g} is not supported (dspipe's router scales no "
+                            f"input by random noise: 0 only)")
+        if not experts:
+            raise SpecError(f"{source}: {given[0]} 0 is not supported ({MIXTRAL} needs experts: at least 1)")
+        return dict(experts=experts, experts_per_token=k, aux_loss_coef=coef)
+    step = get.int("decoder_sparse_step", default=1)
+    only = cfg.get("mlp_only_layers")
+    only = [] if only is None else only
+    if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
+        raise SpecError(f"{source}: mlp_only_layers must be a list of layer numbers, got {_show(only)}")
+    if not experts:
+        return {}  # every block dense: Qwen3's MLP, intermediate_size wide
+    sparse = [i for i in range(layers) if i not in only and (i + 1) % step == 0]
+    first = 0 if sparse == [i for i in range(layers) if (i + 1) % step == 0] else sparse[0] if sparse else 0
+    if sparse != [i for i in range(first, layers) if (i + 1) % step == 0]:
+        raise SpecError(f"{source}: mlp_only_layers {_show(only)} is not supported (dspipe keeps dense only the first "
+                        f"k blocks besides decoder_sparse_step {step}'s: mlp_only_layers [0, ..., k - 1])")
+    return dict(experts=experts, experts_per_token=k, expert_ffn=get.int("moe_intermediate_size", default=768),
+                router_norm_topk=get.flag("norm_topk_prob", default=False), moe_every=step, moe_first_dense=first,
+                aux_loss_coef=coef)
 
 
 FULL, SLIDING = "full_attention", "sliding_attention"
@@ -172,12 +233,14 @@ def _windows(cfg: dict, arch: str, *, layers: int, source) -> tuple[int | None, 
     get = _Reader(cfg, source)
     if arch == LLAMA:
         return None, 0
-    # sliding_window: absent means the config class's default, 4096; null means none
-    window = get.int("sliding_window", default=None) if "sliding_window" in cfg else 4096
-    if arch == MISTRAL:
+    # sliding_window: absent means the config class's default (4096, Mixtral's none); null means none
+    window = get.int("sliding_window", default=None) if "sliding_window" in cfg else None if arch == MIXTRAL else 4096
+    if arch == QWEN3_MOE and not get.flag("use_sliding_window", default=False):
+        window = None
+    if arch in (MISTRAL, MIXTRAL, QWEN3_MOE):
         start = 0
         types = [SLIDING if window is not None else FULL] * layers
-        rule = "sliding_window applies to every layer of MistralForCausalLM"
+        rule = f"sliding_window applies to every layer of {arch}"
     else:
         use = get.flag("use_sliding_window", default=False)
         window = window if use else None
@@ -351,6 +414,14 @@ def function_of(spec: ModelSpec) -> dict:
         out.update({k: getattr(spec, k) for k in wanted.get(spec.rope_scaling, ())})
     if spec.sliding_window is not None:
         out.update(sliding_window=spec.sliding_window, window_start_layer=spec.window_start_layer)
+    moe = ("experts", "experts_per_token", "expert_ffn", "shared_experts", "router_norm_topk", "moe_every",
+           "moe_first_dense", "aux_loss_coef", "capacity_factor")
+    if not spec.experts:
+        return {k: v for k, v in out.items() if k not in moe}
+    out.update(expert_ffn=spec.expert_width, sparse_layers=spec.sparse_layers)
+    del out["moe_every"], out["moe_first_dense"]
+    if len(spec.sparse_layers) == spec.layers:
+        out["ffn"] = None  # no dense block: the dense MLP's width computes nothing
     return out
 
 
@@ -359,7 +430,10 @@ def function_of(spec: ModelSpec) -> dict:
 def architecture_of(spec: ModelSpec) -> str:
     """The Hugging Face architecture that computes `spec`'s function exactly; one line when there is none.
     Qwen3 for q/k norm; Qwen2 for q/k/v biases without o and MLP biases; Mistral for a window on every layer (and a
-    head width Llama's config refuses); Llama otherwise (q/k/v/o biases all or none, MLP biases either way)."""
+    head width Llama's config refuses); Llama otherwise (q/k/v/o biases all or none, MLP biases either way).
+    With experts: Qwen3-MoE for q/k norm, else Mixtral (_moe_architecture)."""
+    if spec.experts:
+        return _moe_architecture(spec)
     if spec.norm == "layernorm" and spec.mlp == "gelu" and spec.positions == "learned":
         if spec.bias and spec.biases == (True, True, True) and spec.kv_groups == spec.heads \
                 and spec.head_dim * spec.heads == spec.hidden and not spec.qk_norm and spec.sliding_window is None:
@@ -392,6 +466,41 @@ def architecture_of(spec: ModelSpec) -> str:
         raise _no_architecture(spec, f"{LLAMA}'s config needs hidden divisible by heads, and {MISTRAL} has no "
                                      f"biases")
     return LLAMA
+
+
+def _moe_architecture(spec: ModelSpec) -> str:
+    """Qwen3MoeForCausalLM (q/k norm; q/k/v/o biases all or none; any top-k normalisation, dense blocks, expert
+    width) or MixtralForCausalLM (no q/k norm, no biases, top-k renormalised, every block sparse, experts ffn wide);
+    both: rmsnorm, swiglu, rope, no MLP biases, no shared experts, a window on every layer or none. Training-only
+    fields (capacity_factor) do not matter: the exported model is dropless, as dspipe's plain model."""
+    qkv, out, mlp = spec.biases
+    if (spec.norm, spec.mlp, spec.positions) != ("rmsnorm", "swiglu", "rope"):
+        why = f"{MIXTRAL} and {QWEN3_MOE} are rmsnorm, swiglu, rope"
+    elif spec.shared_experts:
+        why = f"shared_experts {spec.shared_experts}: neither {MIXTRAL} nor {QWEN3_MOE} has shared experts"
+    elif mlp:
+        why = f"neither {MIXTRAL} nor {QWEN3_MOE} has MLP (expert) biases"
+    elif spec.sliding_window is not None and spec.window_start_layer:
+        why = f"{MIXTRAL}'s and {QWEN3_MOE}'s sliding window is on every layer (window_start_layer 0)"
+    elif spec.qk_norm:
+        if qkv == out:
+            return QWEN3_MOE
+        why = f"q/k norm is {QWEN3_MOE}'s, whose q/k/v/o biases are all or none"
+    elif qkv or out:
+        why = f"{MIXTRAL} has no attention biases ({QWEN3_MOE}, with them, has q/k norm)"
+    elif not spec.router_norm_topk:
+        why = f"{MIXTRAL} renormalises the top-k probabilities ({QWEN3_MOE}, which may not, has q/k norm)"
+    elif len(spec.sparse_layers) != spec.layers:
+        why = (f"{MIXTRAL} has every block sparse (sparse blocks here: {len(spec.sparse_layers)} of {spec.layers}; "
+               f"{QWEN3_MOE}, with dense blocks, has q/k norm)")
+    elif spec.expert_width != spec.ffn:
+        why = f"{MIXTRAL}'s experts are intermediate_size wide: expert_ffn {spec.expert_width} must equal ffn {spec.ffn}"
+    else:
+        return MIXTRAL
+    raise SpecError(f"model {spec.name} ({spec.experts} experts, top-{spec.experts_per_token}"
+                    f"{'' if spec.router_norm_topk else ' unnormalised'}, q/k norm {_yes(spec.qk_norm)}, biases q/k/v "
+                    f"{_yes(qkv)}, o {_yes(out)}, MLP {_yes(mlp)}) matches no Hugging Face architecture dspipe writes: "
+                    f"{why}")
 
 
 def _no_architecture(spec: ModelSpec, why: str) -> SpecError:
@@ -447,6 +556,17 @@ def hf_config(spec: ModelSpec, *, eos_id: int | None, bos_id: int | None = None)
         return transformers.LlamaConfig(**common, attention_bias=qkv, mlp_bias=mlp)
     if arch == MISTRAL:
         return transformers.MistralConfig(**common, sliding_window=window)
+    moe = dict(num_experts_per_tok=spec.experts_per_token, router_aux_loss_coef=spec.aux_loss_coef,
+               output_router_logits=False)
+    if arch == MIXTRAL:
+        common["intermediate_size"] = spec.expert_width
+        return transformers.MixtralConfig(**common, **moe, sliding_window=window, num_local_experts=spec.experts,
+                                          router_jitter_noise=0.0)
+    if arch == QWEN3_MOE:
+        return transformers.Qwen3MoeConfig(
+            **common, **moe, attention_bias=qkv, use_sliding_window=window is not None, sliding_window=window,
+            num_experts=spec.experts, moe_intermediate_size=spec.expert_width, norm_topk_prob=spec.router_norm_topk,
+            decoder_sparse_step=spec.moe_every, mlp_only_layers=list(range(spec.moe_first_dense)))
     qwen = dict(use_sliding_window=window is not None, sliding_window=window,
                 max_window_layers=spec.window_start_layer if window is not None else spec.layers)
     if arch == QWEN2:
@@ -499,6 +619,15 @@ def _parts(name: str, shape: tuple, spec: ModelSpec, arch: str) -> tuple[list[tu
     layer, h = f"model.layers.{i}.", spec.hidden
     module, _, kind = rest.rpartition(".")  # kind: weight or bias
     cols = (h,) if kind == "weight" else ()
+    if module.startswith(("mlp.router", "mlp.experts.")) and arch in MOE_ARCHITECTURES:
+        moe = f"{layer}{'block_sparse_moe' if arch == MIXTRAL else 'mlp'}."
+        if module == "mlp.router":
+            return [(f"{moe}gate.weight", shape)], "same"
+        _, _, e, proj = module.split(".")
+        gate, up, down = ("w1", "w3", "w2") if arch == MIXTRAL else ("gate_proj", "up_proj", "down_proj")
+        if proj == "c_fc":
+            return [(f"{moe}experts.{e}.{p}.weight", (spec.expert_width, h)) for p in (gate, up)], "rows"
+        return [(f"{moe}experts.{e}.{down}.weight", shape)], "same"
     if module == "attn.c_attn":
         q, kv = spec.q_width, spec.kv_groups * spec.head_dim
         return [(f"{layer}self_attn.{p}_proj.{kind}", (rows, *cols)) for p, rows in (("q", q), ("k", kv), ("v", kv))
@@ -514,7 +643,8 @@ def _parts(name: str, shape: tuple, spec: ModelSpec, arch: str) -> tuple[list[tu
 
 def weight_map(spec: ModelSpec) -> dict[str, tuple[list[tuple[str, tuple]], str]]:
     """dspipe name -> (its Hugging Face tensors with their shapes, how they combine), for every parameter of
-    spec.model_tensors() (a tied head is the embedding: no HF tensor of its own)."""
+    spec.model_tensors() (a tied head is the embedding: no HF tensor of its own); a mixture of experts' as the files
+    hold them (per expert)."""
     arch = architecture_of(spec)
     return {name: _parts(name, shape, spec, arch) for name, shape in spec.model_tensors()}
 
@@ -524,19 +654,42 @@ def hf_tensors(spec: ModelSpec) -> list[tuple[str, tuple]]:
     return [part for parts, _ in weight_map(spec).values() for part in parts]
 
 
+def fused_source(name: str, spec: ModelSpec) -> tuple[str, int | None] | None:
+    """Where a mixture of experts' parameter `name` lies in transformers 5's in-memory (fused) state dict: (key,
+    expert index into its first dimension, or None: the whole tensor); None for any other parameter."""
+    parts = name.split(".")
+    if not spec.experts or len(parts) < 4 or parts[2] != "mlp" or parts[3] not in ("router", "experts"):
+        return None
+    layer = f"model.layers.{parts[1]}.mlp."
+    if parts[3] == "router":
+        return f"{layer}gate.weight", None
+    return f"{layer}experts.{'gate_up_proj' if parts[5] == 'c_fc' else 'down_proj'}", int(parts[4])
+
+
 def to_hf_state(state: Mapping, spec: ModelSpec) -> dict:
     """dspipe names (exactly spec.model_tensors(); a tied lm_head.weight may be present) -> Hugging Face names, as
-    the model's state_dict() has them (a tied lm_head.weight is the embedding tensor)."""
+    the model's state_dict() has them (a tied lm_head.weight is the embedding tensor; a mixture of experts' fused:
+    fused_source)."""
+    import torch
+
     mapping = weight_map(spec)
     extra = sorted(set(state) - set(mapping) - ({"lm_head.weight"} if spec.tied_embeddings else set()))
     if extra:
         raise SpecError(f"unexpected parameter {extra[0]} for model {spec.name}"
                         + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""))
-    out = {}
+    out, stacks = {}, {}
     for name, (parts, how) in mapping.items():
         if name not in state:
             raise SpecError(f"missing parameter {name} for model {spec.name}")
         t = state[name]
+        fused = fused_source(name, spec)
+        if fused is not None:
+            key, expert = fused
+            if expert is None:
+                out[key] = t.contiguous()
+            else:
+                stacks.setdefault(key, []).append(t)  # experts in order: weight_map lists them so
+            continue
         if how == "t":
             out[parts[0][0]] = t.t().contiguous()
         elif how == "rows":
@@ -544,6 +697,7 @@ def to_hf_state(state: Mapping, spec: ModelSpec) -> dict:
                 out[key] = piece.contiguous()
         else:
             out[parts[0][0]] = t.contiguous()
+    out.update({key: torch.stack(pieces).contiguous() for key, pieces in stacks.items()})
     if spec.tied_embeddings:
         out["lm_head.weight"] = out[mapping["embed.wte.weight"][0][0][0]]
     return out
@@ -553,12 +707,23 @@ def from_hf_state(hf_state: Mapping, spec: ModelSpec, *, names=None, source="sta
     """Hugging Face names -> dspipe names (all of spec.model_tensors(), or only `names`), the inverse of
     to_hf_state. Every needed tensor must be there with its shape (one line otherwise); other keys (buffers, a tied
     lm_head) are ignored. A learned position table with more rows than spec.seq_len gives its first rows (a run
-    may train a shorter context)."""
+    may train a shorter context). A mixture of experts' tensors are read per expert (the files' form) or fused (the
+    in-memory form, fused_source)."""
     import torch
 
-    out = {}
+    out, shapes = {}, dict(spec.model_tensors())
     for name, (parts, how) in weight_map(spec).items():
         if names is not None and name not in names:
+            continue
+        fused = fused_source(name, spec)
+        if fused is not None and parts[0][0] not in hf_state and fused[0] in hf_state:
+            key, expert = fused
+            t = hf_state[key] if expert is None else hf_state[key][expert]
+            if tuple(t.shape) != tuple(shapes[name]):
+                shown = list(hf_state[key].shape)
+                raise SpecError(f"{source}: tensor {key} has shape {shown}, model {spec.name} needs "
+                                f"{list(shapes[name]) if expert is None else [spec.experts, *shapes[name]]}")
+            out[name] = t.detach().to(torch.float32).contiguous()
             continue
         pieces = []
         for key, shape in parts:

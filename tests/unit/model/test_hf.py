@@ -177,7 +177,7 @@ def _refusal(fn, *args, **kwargs) -> str:
 @pytest.mark.parametrize("edit,expected", [
     (dict(architectures=["Gemma2ForCausalLM"], model_type="gemma2"),
      "config.json: architecture Gemma2ForCausalLM is not supported (supported: GPT2LMHeadModel, LlamaForCausalLM, "
-     "Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM)"),
+     "Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM)"),
     (dict(architectures=..., model_type="gemma2"), "config.json: model_type 'gemma2' is not supported"),
     (dict(architectures=["LlamaForCausalLM"], model_type="mistral"),
      "config.json: model_type 'mistral' does not match architecture LlamaForCausalLM"),

@@ -1,6 +1,7 @@
 """One declaration of the architecture: for every shipped preset the module dspipe builds has exactly the tensors
 ModelSpec.model_tensors() lists (names and shapes), so the planner's parameter counts (and everything derived:
-FLOPs per token, model states, AutoTP splits) are the model's; Llama-family counts equal the published ones."""
+FLOPs per token, model states, AutoTP splits) are the model's, the mixtures of experts' sparse blocks included;
+Llama-family counts equal the published ones."""
 import pytest
 
 from dspipe.spec.presets import MODEL_PRESETS
@@ -23,6 +24,10 @@ def test_built_module_is_the_declared_tensors(name):
     built = {n: tuple(p.shape) for n, p in model.named_parameters()}
     assert built == dict(spec.model_tensors())
     assert sum(p.numel() for p in model.parameters()) == spec.num_params
+    if spec.experts:  # the routed experts (what expert parallelism divides) and the blocks that hold them
+        routed = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
+        assert routed == spec.routed_expert_params
+        assert [i for i, b in enumerate(model.h) if type(b.mlp).__name__ == "SparseMLP"] == list(spec.sparse_layers)
 
 
 @pytest.mark.parametrize("name", list(PUBLISHED))

@@ -19,11 +19,42 @@ PUBLISHED = {
     "qwen3-0.6b": 596_049_920, "qwen3-1.7b": 1_720_574_976, "qwen3-4b": 4_022_468_096, "qwen3-8b": 8_190_735_360,
     "qwen3-14b": 14_768_307_200, "qwen3-32b": 32_762_123_264,
     "mistral-7b-v0.1": 7_241_732_096, "mistral-7b-v0.3": 7_248_023_552,
+    "mixtral-8x7b": 46_702_792_704, "mixtral-8x22b": 140_630_071_296, "qwen3-30b-a3b": 30_532_122_624,
+    "qwen3-235b-a22b": 235_093_634_560,
     # the shapes shipped before issue 28
     "llama2-7b": 6_738_415_616, "llama2-13b": 13_015_864_320, "llama2-70b": 68_976_648_192,
     "llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496, "tinyllama-1.1b": 1_100_048_384,
     "gpt2-124m": 124_439_808, "gpt2-355m": 354_823_168, "gpt2-774m": 774_030_080, "gpt2-1.5b": 1_557_611_200,
 }
+
+ACTIVE = {  # the active parameters the releases publish (total minus the experts each token skips)
+    "mixtral-8x7b": 12_879_925_248, "mixtral-8x22b": 39_161_468_928, "qwen3-30b-a3b": 3_353_032_704,
+    "qwen3-235b-a22b": 22_190_763_520,
+}
+MOE_SHAPES = {  # vocab, hidden, layers, heads, kv heads, head_dim, expert width, experts, top-k, q/k norm (config.json)
+    "mixtral-8x7b": (32000, 4096, 32, 32, 8, 128, 14336, 8, 2, False),
+    "mixtral-8x22b": (32768, 6144, 56, 48, 8, 128, 16384, 8, 2, False),
+    "qwen3-30b-a3b": (151936, 2048, 48, 32, 4, 128, 768, 128, 8, True),
+    "qwen3-235b-a22b": (151936, 4096, 94, 64, 4, 128, 1536, 128, 8, True),
+}
+
+
+def _moe_counts(vocab, hidden, layers, heads, kv, hd, width, experts, k, qk_norm) -> tuple[int, int]:
+    """(total, active) by hand: untied embedding and head, per layer q/k/v/o (+ two per-head norms), two RMSNorms,
+    the router (experts x hidden) and the experts' three SwiGLU projections; active leaves out experts - k of them."""
+    attn = hidden * (heads + 2 * kv) * hd + heads * hd * hidden + (2 * hd if qk_norm else 0)
+    expert = 3 * hidden * width
+    total = 2 * vocab * hidden + layers * (attn + 2 * hidden + experts * hidden + experts * expert) + hidden
+    return total, total - layers * (experts - k) * expert
+
+
+@pytest.mark.parametrize("name", list(ACTIVE))
+def test_moe_total_and_active_counts_are_the_published_ones(name):
+    assert _moe_counts(*MOE_SHAPES[name]) == (PUBLISHED[name], ACTIVE[name])
+    spec = MODEL_PRESETS[name]
+    assert (spec.num_params, spec.active_params) == (PUBLISHED[name], ACTIVE[name])
+    assert PRESETS[name].published_active == ACTIVE[name]
+    assert spec.sparse_layers == tuple(range(spec.layers)) and spec.router_norm_topk and not spec.shared_experts
 
 
 @pytest.mark.parametrize("name", list(PUBLISHED))

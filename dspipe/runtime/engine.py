@@ -16,6 +16,7 @@ import math
 from dspipe.spec.layout import ParallelLayout
 from dspipe.rundir import Run
 from dspipe.runtime.build import build_module
+from dspipe.runtime.experts import expert_parallel
 from dspipe.runtime.parallelize import checkpoint_function, parallelize
 
 
@@ -52,6 +53,7 @@ def engine_settings(engine) -> dict:
         "tp_sharded_params": _tp_sharded_params(module),
         "tp_unreduced_params": len(tp_unreduced_params(module)),
         "sp": max(1, int(getattr(engine, "sequence_parallel_size", 1) or 1)),
+        "ep": _expert_parallel_size(module),
         "wrapper_optimizer": type(zero_opt).__name__,
         "base_optimizer": type(engine.basic_optimizer).__name__,
         "offload_optimizer": bool(getattr(zero_opt, "cpu_offload", False) or getattr(zero_opt, "offload_optimizer", False)),
@@ -69,6 +71,13 @@ def dp_world_size(engine) -> int:
     if engine.dp_world_size is not None:
         return int(engine.dp_world_size)
     return int(engine.seq_dp_world_size) // int(engine.sequence_parallel_size)
+
+
+def _expert_parallel_size(module) -> int:
+    """The expert-parallel size of the module's DeepSpeed MoE layers (1 without any)."""
+    from deepspeed.moe.layer import MoE
+
+    return max((int(m.ep_size) for m in module.modules() if isinstance(m, MoE)), default=1)
 
 
 def _tp_sharded_params(module) -> int:
@@ -94,7 +103,8 @@ def check_engine(settings: dict, run: Run) -> None:
     wanted = {"zero_stage": plan.zero_stage, "gradient_clipping": run.train.grad_clip,
               "bf16": plan.precision == "bf16", "fp16": plan.precision == "fp16",
               "train_batch_size": plan.ds_train_batch_size, "micro_batch": plan.micro_batch, "grad_accum": plan.grad_accum,
-              "dp": plan.dp, "pp": plan.pp, "tp": plan.tp, "sp": plan.sp, "offload_optimizer": plan.offload != "none",
+              "dp": plan.dp, "pp": plan.pp, "tp": plan.tp, "sp": plan.sp, "ep": expert_parallel(run),
+              "offload_optimizer": plan.offload != "none",
               "offload_param": plan.offload_params,
               "activation_checkpoint_interval": plan.activation_checkpoint_interval,
               "world_size": plan.world_size}

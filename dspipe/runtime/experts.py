@@ -14,6 +14,9 @@ GATE = "moe.deepspeed_moe.gate.wg.weight"
 EXPERTS = "moe.deepspeed_moe.experts.deepspeed_experts."
 EXPERT_FILE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 ZERO3_REFUSAL = "Native DeepSpeed MoE is not supported with ZeRO Stage 3"
+EP_ZERO_REFUSAL = ("measured with DeepSpeed 0.19.8: its ZeRO-0/1 gradient norm of expert-parallel experts is not "
+                   "the whole model's (ep 2: 0.6813 / 0.6841 where ep 1 and ZeRO-2 give 0.6823) and ZeRO-1 then "
+                   "trains off ep 1's losses")
 
 
 def expert_parallel(run) -> int:
@@ -32,6 +35,8 @@ def refusal(*, spec, plan, ep: int) -> str | None:
     if plan.zero_stage == 3:
         why.append(f"ZeRO-3 ({ZERO3_REFUSAL}; use ZeRO 0-2)")
     why += [f"{k} {getattr(plan, k)} > 1" for k in ("pp", "tp", "sp") if getattr(plan, k) > 1]
+    if ep > 1 and plan.zero_stage in (0, 1):
+        why.append(f"ep {ep} > 1 under ZeRO-{plan.zero_stage} ({EP_ZERO_REFUSAL}; use ZeRO-2, or ep 1)")
     if plan.precision == "fp16":
         why.append("fp16 (use bf16 or fp32)")
     if spec.experts % ep:

@@ -6,7 +6,7 @@ save_pretrained with the corpus's tokenizer, trained with `--init-from` on DeepS
                              transformers'; the resumed steps 4-5 are bitwise the ones before the kill; the
                              checkpoint holds DeepSpeed's expert files; export-hf computes dspipe's logits
     Mixtral ep 1, ZeRO-1     the same global batches: every step's loss within 1e-5 of ep 2's, aux_loss logged
-    Qwen3-MoE ep 2, ZeRO-1   lr 1e-12: step 1's LM loss is transformers', export-hf computes transformers' logits
+    Qwen3-MoE ep 2, ZeRO-2   lr 1e-12: step 1's LM loss is transformers', export-hf computes transformers' logits
 
 A resume at another ep or dp is refused by name (checked in this process, no launch)."""
 import math
@@ -151,7 +151,7 @@ def test_qwen3_moe_expert_parallel_starts_from_transformers_and_exports_its_logi
     hf = family_dir(hf_dir, "qwen3-moe", corpus)
     expected = first_loss(hf, corpus)
     run = tmp_path / "run"
-    gen_config(run, corpus, hf_dir, "--steps", "2", "--lr", "1e-12", "--weight-decay", "0", "--zero", "1", "--ep", "2")
+    gen_config(run, corpus, hf_dir, "--steps", "2", "--lr", "1e-12", "--weight-decay", "0", "--zero", "2", "--ep", "2")
     ok(launch(run))
     rows = csv_rows(run / "metrics.csv")
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))

@@ -149,8 +149,10 @@ def plan(**fields):
     (dict(pp=2, dp=2), 1, "pp 2 > 1"),
     (dict(tp=2, dp=2), 1, "tp 2 > 1"),
     (dict(precision="fp16"), 1, "fp16"),
-    (dict(), 3, "experts 4 % ep 3 = 1; dp 4 % ep 3 = 1"),
-    (dict(dp=2), 4, "dp 2 % ep 4 = 2"),
+    (dict(zero_stage=2), 3, "experts 4 % ep 3 = 1; dp 4 % ep 3 = 1"),
+    (dict(zero_stage=2, dp=2), 4, "dp 2 % ep 4 = 2"),
+    (dict(zero_stage=1), 2, "ep 2 > 1 under ZeRO-1 (measured with DeepSpeed 0.19.8"),
+    (dict(zero_stage=0), 2, "ep 2 > 1 under ZeRO-0"),
 ])
 def test_refusals(fields, ep, says):
     from dspipe.runtime.experts import refusal

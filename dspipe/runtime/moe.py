@@ -45,7 +45,7 @@ class NativeMoE(nn.Module):
             self.gate_weight.copy_(weight)
             for i, expert in enumerate(self.moe.deepspeed_moe.experts.deepspeed_experts):
                 source = sparse.experts[ep_rank * local + i]
-                for (name, dst), (_, src) in zip(expert.named_parameters(), source.named_parameters(), strict=True):
+                for dst, src in zip(expert.parameters(), source.parameters(), strict=True):
                     dst.copy_(src)
         self.shared = getattr(sparse, "shared", None)
         self.aux: torch.Tensor | None = None
@@ -90,8 +90,9 @@ def install(module: nn.Module, *, spec, ep: int, ep_rank: int) -> int:
 
 
 def install_for_run(module: nn.Module, *, run, rank: int) -> None:
-    """The runtime step (dspipe.runtime.parallelize): a MoE model's sparse blocks onto DeepSpeed's MoE layer;
-    a layout native MoE cannot train is one SpecError."""
+    """The runtime step before deepspeed.initialize (dspipe.runtime.engine.build_engine, after the build and
+    parallelize): a MoE model's sparse blocks onto DeepSpeed's MoE layer; a layout native MoE cannot train (or ep > 1
+    on a dense model) is one SpecError on every rank."""
     ep = expert_parallel(run)
     why = refusal(spec=run.model, plan=run.plan, ep=ep)
     if why:

@@ -124,13 +124,15 @@ def test_mixtral_expert_parallel_equals_ep1_resumes_exactly_and_exports(tmp_path
     aux = [float(row["aux_loss"]) for row in rows2]
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
     cls, logits, ours = exported_logits(ep2, tmp_path / "export", ids)
+    with torch.no_grad():
+        moved = (logits - hf(ids).logits).abs().max().item()
     print(f"mixtral: HF loss {expected:.6f}, step 1 {rows2[0]['loss']}; ep1 - ep2 loss per step {loss_diffs}; "
-          f"aux {aux}; export - dspipe logits {(logits - ours).abs().max().item():.3g}")
+          f"aux {aux}; export - dspipe logits {(logits - ours).abs().max().item():.3g}, moved by training {moved:.3g}")
     assert abs(float(rows2[0]["loss"]) - expected) < LOSS_TOL  # the LM loss, not LM + coef x aux
     assert len(loss_diffs) == 6 and max(loss_diffs) < LOSS_TOL
     assert float(rows2[-1]["loss"]) < float(rows2[0]["loss"]) - 0.01  # it trained
     assert all(0 < a < 2 * EXPERTS for a in aux) and all(float(row["aux_loss"]) > 0 for row in rows1)
-    assert cls == "MixtralForCausalLM" and (logits - ours).abs().max().item() < LOGITS_TOL
+    assert cls == "MixtralForCausalLM" and (logits - ours).abs().max().item() < LOGITS_TOL and moved > 1e-2
 
     # a resume at another ep or dp: refused by name before anything is built
     other = {"ep1-zero2": (2, "1"), "dp4-zero2": (4, "2")}  # the same ZeRO stage: (gpus, ep)

@@ -14,9 +14,11 @@ GATE = "moe.deepspeed_moe.gate.wg.weight"
 EXPERTS = "moe.deepspeed_moe.experts.deepspeed_experts."
 EXPERT_FILE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 ZERO3_REFUSAL = "Native DeepSpeed MoE is not supported with ZeRO Stage 3"
-EP_ZERO_REFUSAL = ("measured with DeepSpeed 0.19.8: its ZeRO-0/1 gradient norm of expert-parallel experts is not "
-                   "the whole model's (ep 2: 0.6813 / 0.6841 where ep 1 and ZeRO-2 give 0.6823) and ZeRO-1 then "
-                   "trains off ep 1's losses")
+EP_ZERO0_REFUSAL = ("measured with DeepSpeed 0.19.8 on 2 ranks: the gradient norm it clips by is not the "
+                    "model's under expert parallelism (0.6813 where ep 1 gives 0.6823)")
+EP_ZERO1_REFUSAL = ("measured with DeepSpeed 0.19.8 on 2 ranks: that path trains off ep 1 (gradient norm 0.6841 "
+                    "where ep 1 gives 0.6823, loss 2.3e-3 off after 6 steps); with contiguous_gradients true it "
+                    "is bitwise ep 1's")
 
 
 def expert_parallel(run) -> int:
@@ -27,16 +29,20 @@ def expert_parallel(run) -> int:
     return ep if isinstance(ep, int) and not isinstance(ep, bool) else 1
 
 
-def refusal(*, spec, plan, ep: int) -> str | None:
-    """Why this layout cannot train with DeepSpeed's native MoE (None: it can)."""
+def refusal(*, spec, plan, ep: int, contiguous_gradients: bool = True) -> str | None:
+    """Why this layout cannot train with DeepSpeed's native MoE (None: it can); `contiguous_gradients`: the
+    rendered ds_config.json's zero_optimization.contiguous_gradients."""
     if not spec.experts:
         return f"ep {ep} > 1 needs a mixture-of-experts model (experts 0)" if ep > 1 else None
     why = []
     if plan.zero_stage == 3:
         why.append(f"ZeRO-3 ({ZERO3_REFUSAL}; use ZeRO 0-2)")
     why += [f"{k} {getattr(plan, k)} > 1" for k in ("pp", "tp", "sp") if getattr(plan, k) > 1]
-    if ep > 1 and plan.zero_stage in (0, 1):
-        why.append(f"ep {ep} > 1 under ZeRO-{plan.zero_stage} ({EP_ZERO_REFUSAL}; use ZeRO-2, or ep 1)")
+    if ep > 1 and plan.zero_stage == 0:
+        why.append(f"ep {ep} > 1 under ZeRO-0 ({EP_ZERO0_REFUSAL}; use ZeRO-1 or 2, or ep 1)")
+    if ep > 1 and plan.zero_stage == 1 and not contiguous_gradients:
+        why.append(f"ep {ep} > 1 under ZeRO-1 with contiguous_gradients false in ds_config.json "
+                   f"({EP_ZERO1_REFUSAL}; set it true, or use ZeRO-2)")
     if plan.precision == "fp16":
         why.append("fp16 (use bf16 or fp32)")
     if spec.experts % ep:

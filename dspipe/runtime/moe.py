@@ -94,7 +94,8 @@ def install_for_run(module: nn.Module, *, run, rank: int) -> None:
     parallelize): a MoE model's sparse blocks onto DeepSpeed's MoE layer; a layout native MoE cannot train (or ep > 1
     on a dense model) is one SpecError on every rank."""
     ep = expert_parallel(run)
-    why = refusal(spec=run.model, plan=run.plan, ep=ep)
+    zero = run.ds_config.get("zero_optimization") or {}
+    why = refusal(spec=run.model, plan=run.plan, ep=ep, contiguous_gradients=bool(zero.get("contiguous_gradients")))
     if why:
         raise SpecError(f"cannot train {run.model.name} with experts {run.model.experts}, ep {ep}: {why}")
     if run.model.experts:

@@ -151,20 +151,22 @@ def plan(**fields):
     (dict(precision="fp16"), 1, "fp16"),
     (dict(zero_stage=2), 3, "experts 4 % ep 3 = 1; dp 4 % ep 3 = 1"),
     (dict(zero_stage=2, dp=2), 4, "dp 2 % ep 4 = 2"),
-    (dict(zero_stage=1), 2, "ep 2 > 1 under ZeRO-1 (measured with DeepSpeed 0.19.8"),
-    (dict(zero_stage=0), 2, "ep 2 > 1 under ZeRO-0"),
+    (dict(zero_stage=1), 2, "ep 2 > 1 under ZeRO-1 with contiguous_gradients false in ds_config.json (measured"),
+    (dict(zero_stage=0), 2, "ep 2 > 1 under ZeRO-0 (measured with DeepSpeed 0.19.8"),
 ])
 def test_refusals(fields, ep, says):
     from dspipe.runtime.experts import refusal
 
-    assert says in refusal(spec=spec(), plan=plan(**fields), ep=ep)
+    assert says in refusal(spec=spec(), plan=plan(**fields), ep=ep, contiguous_gradients=False)
 
 
 def test_refusal_dense_and_supported():
     from dspipe.runtime.moe import install_for_run, refusal
 
     assert refusal(spec=spec(), plan=plan(zero_stage=2, precision="bf16"), ep=2) is None
+    assert refusal(spec=spec(), plan=plan(zero_stage=1), ep=2, contiguous_gradients=True) is None
+    assert refusal(spec=spec(), plan=plan(zero_stage=0), ep=1, contiguous_gradients=False) is None
     assert refusal(spec=spec(experts=0, expert_ffn=None), plan=plan(), ep=1) is None
-    run = SimpleNamespace(model=spec(experts=0, expert_ffn=None), plan=plan(ep=2), strategy=None)
+    run = SimpleNamespace(model=spec(experts=0, expert_ffn=None), plan=plan(ep=2), strategy=None, ds_config={})
     with pytest.raises(SpecError, match="ep 2 > 1 needs a mixture-of-experts model"):
         install_for_run(None, run=run, rank=0)

@@ -29,7 +29,8 @@ from dspipe.spec.core import ZERO_STAGES, ModelSpec, from_dict
 from dspipe.rundir import SPEC_FILE
 from dspipe.runtime.ckptfiles import check_checkpoint
 from dspipe.runtime.faults import NO_FAULTS, Faults
-from dspipe.runtime.reshard import UNIVERSAL_PREFIX, dp_change_refusal, load_resharded
+from dspipe.runtime.experts import expert_parallel
+from dspipe.runtime.reshard import MOE_RESHARD, UNIVERSAL_PREFIX, dp_change_refusal, load_resharded
 from dspipe.runtime.safeload import load as safe_load, weights_only_loads
 from dspipe.runtime.writefail import WriteFailures, free_mib
 
@@ -123,7 +124,7 @@ def read_meta(path: Path) -> dict:
     if meta["zero_stage"] not in ZERO_STAGES or isinstance(meta["zero_stage"], bool):
         raise SpecError(f"{source}: zero_stage {show(meta['zero_stage'])} is not one of: "
                         f"{', '.join(map(str, ZERO_STAGES))}")
-    for key in ("tp", "sp"):  # absent in checkpoints saved before tensor/sequence parallelism: 1
+    for key in ("tp", "sp", "ep"):  # absent in checkpoints saved before tensor/sequence/expert parallelism: 1
         count(key, meta.setdefault(key, 1), 1)
     ranks = meta["dp"] * meta["pp"] * meta["tp"] * meta["sp"]
     if ranks != meta["world_size"]:
@@ -227,6 +228,10 @@ def check_compatible(meta: dict, run, path: Path) -> None:
         if meta.get(key, 1) != value:  # tp/sp: absent (1) in checkpoints from before tensor/sequence parallelism
             raise SpecError(f"checkpoint {path} was saved with {key} {meta[key]}, this run has {key} {value}; "
                             f"resume with the same {key}")
+    ep = expert_parallel(run) if run.model.experts else 1
+    if ep != meta.get("ep", 1) and run.model.experts:
+        raise SpecError(f"checkpoint {path} was saved with ep {meta['ep']}, this run has ep {ep}: {MOE_RESHARD}; "
+                        f"resume with ep {meta['ep']}")
     why = dp_change_refusal(meta=meta, zero_stage=run.plan.zero_stage, pp=run.plan.pp, dp=run.plan.dp,
                             offload=run.plan.offload, path=path)
     if why:
@@ -433,7 +438,7 @@ def checkpoint_meta(run, *, step: int, loader, world: int) -> dict:
     whole resolved spec (the run directory's dspipe.json: model, cluster, train, strategy, plan, data)."""
     return {"step": step, "consumed_samples": loader.consumed_samples, "data": loader.state_dict(),
             "model": asdict(run.model), "pp": run.plan.pp, "tp": run.plan.tp, "sp": run.plan.sp,
-            "zero_stage": run.plan.zero_stage, "dp": run.plan.dp,
+            "zero_stage": run.plan.zero_stage, "dp": run.plan.dp, "ep": expert_parallel(run),
             "world_size": world, "run_spec": json.loads((run.path / SPEC_FILE).read_text())}
 
 

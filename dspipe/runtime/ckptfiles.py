@@ -10,6 +10,8 @@ ZeRO partitions over):
     zero_pp_rank_D_mp_rank_MM_model_states.pt        ZeRO-3: the same per partition (d < z, m < mp)
     [bf16_]zero_pp_rank_D_mp_rank_MM_optim_states.pt ZeRO 1-3, and bf16 pipelines at ZeRO-0 (d < z, m < mp)
     layer_LL-model_states.pt                         pp > 1: each pipeline layer's weights
+    layer_L_expert_E_mp_rank_00_model_states.pt      experts: routed expert E of sparse block L (from 0 among the
+                                                     sparse blocks), by the expert-parallel rank that holds it
     rng-rankR.pt                                     dspipe: every rank's RNG streams (r < world size)
 """
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 
 from dspipe.errors import SpecError
 from dspipe.runtime import safeload
+from dspipe.runtime.experts import EXPERT_FILE, expert_files, model_name
 
 MODEL_FILE = re.compile(r"^(?:zero_pp_rank_\d+_)?mp_rank_\d+_model_states\.pt$")
 OPTIM_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
@@ -36,6 +39,8 @@ def expected_files(meta: dict) -> list[str]:
         names = [f"mp_rank_{m:02d}_model_states.pt" for m in range(mp)]
     if meta["pp"] > 1:
         names += [f"layer_{i:02d}-model_states.pt" for i in range(meta["model"]["layers"] + 2)]
+    if meta["model"].get("experts"):
+        names += expert_files(meta["model"])
     return names + [f"rng-rank{r}.pt" for r in range(meta["world_size"])]
 
 
@@ -62,9 +67,12 @@ def check_checkpoint(path: Path, *, meta: dict) -> None:
         if MODEL_FILE.match(name):
             sd = _model_states(file, meta=meta)
             if isinstance(sd.get("module"), dict):
-                _check_tensors(file, sd["module"], expected=expected, meta=meta, prefix="",
+                module = {model_name(str(k)): v for k, v in sd["module"].items()}  # a MoE router: DeepSpeed's gate
+                _check_tensors(file, module, expected=expected, meta=meta, prefix="",
                                extra=set(sd.get("buffer_names") or ()))
-                seen.update({k: tuple(v.shape) for k, v in sd["module"].items()})
+                seen.update({k: tuple(v.shape) for k, v in module.items()})
+        elif m := EXPERT_FILE.match(name):
+            seen.update(_expert_file(file, expert=int(m.group(2)), meta=meta, expected=expected))
         elif OPTIM_FILE.match(name):
             sd = safeload.load(file, mmap=True)
             if not isinstance(sd.get(OPTIMIZER_KEY), dict):
@@ -110,6 +118,19 @@ def _model_states(file: Path, *, meta: dict) -> dict:
         raise SpecError(f"{file} was saved at step {step}, but the checkpoint's dspipe.json is at step "
                         f"{meta['step']}: files of two checkpoints are mixed")
     return sd
+
+
+def _expert_file(file: Path, *, expert: int, meta: dict, expected: dict) -> dict[str, tuple]:
+    """An expert file: expert `expert`'s tensors of one sparse block, under DeepSpeed's names with the global id."""
+    state = safeload.load(file, mmap=True)
+    if not isinstance(state, dict):
+        raise SpecError(f"{file}: not a dict of tensors (DeepSpeed's expert file), got {type(state).__name__}")
+    named = {model_name(str(k)): v for k, v in state.items()}
+    other = [k for k in named if f".mlp.experts.{expert}." not in k]
+    if other:
+        raise SpecError(f"{file}: holds {other[0][:80]!r}, not expert {expert}'s tensors")
+    _check_tensors(file, named, expected=expected, meta=meta, prefix="", extra=set())
+    return {k: tuple(v.shape) for k, v in named.items()}
 
 
 def _layer_file(file: Path, *, index: int, meta: dict, expected: dict) -> dict[str, tuple]:

@@ -11,10 +11,12 @@ rank its slice of each sequence.
 """
 from __future__ import annotations
 
+import math
 
 from dspipe.spec.layout import ParallelLayout
 from dspipe.rundir import Run
 from dspipe.runtime.build import build_module
+from dspipe.runtime.experts import expert_parallel
 from dspipe.runtime.parallelize import checkpoint_function, parallelize
 
 
@@ -51,6 +53,7 @@ def engine_settings(engine) -> dict:
         "tp_sharded_params": _tp_sharded_params(module),
         "tp_unreduced_params": len(tp_unreduced_params(module)),
         "sp": max(1, int(getattr(engine, "sequence_parallel_size", 1) or 1)),
+        "ep": _expert_parallel_size(module),
         "wrapper_optimizer": type(zero_opt).__name__,
         "base_optimizer": type(engine.basic_optimizer).__name__,
         "offload_optimizer": bool(getattr(zero_opt, "cpu_offload", False) or getattr(zero_opt, "offload_optimizer", False)),
@@ -68,6 +71,13 @@ def dp_world_size(engine) -> int:
     if engine.dp_world_size is not None:
         return int(engine.dp_world_size)
     return int(engine.seq_dp_world_size) // int(engine.sequence_parallel_size)
+
+
+def _expert_parallel_size(module) -> int:
+    """The expert-parallel size of the module's DeepSpeed MoE layers (1 without any)."""
+    from deepspeed.moe.layer import MoE
+
+    return max((int(m.ep_size) for m in module.modules() if isinstance(m, MoE)), default=1)
 
 
 def _tp_sharded_params(module) -> int:
@@ -93,7 +103,8 @@ def check_engine(settings: dict, run: Run) -> None:
     wanted = {"zero_stage": plan.zero_stage, "gradient_clipping": run.train.grad_clip,
               "bf16": plan.precision == "bf16", "fp16": plan.precision == "fp16",
               "train_batch_size": plan.ds_train_batch_size, "micro_batch": plan.micro_batch, "grad_accum": plan.grad_accum,
-              "dp": plan.dp, "pp": plan.pp, "tp": plan.tp, "sp": plan.sp, "offload_optimizer": plan.offload != "none",
+              "dp": plan.dp, "pp": plan.pp, "tp": plan.tp, "sp": plan.sp, "ep": expert_parallel(run),
+              "offload_optimizer": plan.offload != "none",
               "offload_param": plan.offload_params,
               "activation_checkpoint_interval": plan.activation_checkpoint_interval,
               "world_size": plan.world_size}
@@ -112,6 +123,9 @@ class Engine:
 
     def __init__(self, engine, *, run: Run, layout: ParallelLayout, rank: int):
         self.engine, self.run, self.layout, self.rank = engine, run, layout, rank
+        self.aux_loss: float | None = None
+        """A mixture-of-experts model's load-balancing loss of the last train step (mean over micro-batches and
+        data-parallel ranks, before aux_loss_coef); None for a dense model."""
         self.settings = engine_settings(engine)
         check_engine(self.settings, run)
         grid = getattr(engine, "grid", None)  # the pipeline's own topology must agree with the layout
@@ -162,33 +176,54 @@ class PlainEngine(Engine):
     def train_step(self, batches) -> float:
         import torch
 
-        engine, total = self.engine, torch.zeros((), device=self.device)
+        engine, total = self.engine, torch.zeros(3, device=self.device)
         for _ in range(self.run.plan.grad_accum):
             inputs, labels = next(batches)
             loss = self.micro_loss(inputs, labels)
             engine.backward(loss)
             engine.step()
-            total += loss.detach().float()
-        return self._mean(total, count=self.run.plan.grad_accum)
+            total += self._parts(loss)
+        return self._reported(self._mean(total, count=self.run.plan.grad_accum))
 
     def eval_loss(self, batches, *, count: int) -> float:
         import torch
 
-        engine, total = self.engine, torch.zeros((), device=self.device)
+        engine, total = self.engine, torch.zeros(3, device=self.device)
         engine.eval()
         with torch.no_grad():
             for inputs, labels in batches:
-                total += self.micro_loss(inputs, labels).float()
+                total += self._parts(self.micro_loss(inputs, labels))
         engine.train()
-        return self._mean(total, count=count)
+        aux_loss = self.aux_loss
+        try:
+            return self._reported(self._mean(total, count=count))
+        finally:
+            self.aux_loss = aux_loss  # the training step's stays the one reported
 
-    def _mean(self, total, *, count: int) -> float:
+    def _parts(self, loss):
+        """(loss, LM loss, aux loss) of one micro-batch: a mixture-of-experts model's loss adds aux_loss_coef x its
+        load-balancing loss to the LM loss, which the model records (GPT.last_lm_loss, last_aux_loss)."""
+        import torch
+
+        loss = loss.detach().float()
+        if not self.run.model.experts:
+            return torch.stack([loss, loss, torch.zeros_like(loss)])
+        module = self.engine.module
+        return torch.stack([loss, module.last_lm_loss.float(), module.last_aux_loss.float()])
+
+    def _reported(self, means: list[float]) -> float:
+        """The LM loss (NaN when the whole loss is not finite), the aux loss kept in `aux_loss`."""
+        loss, lm, aux = means
+        self.aux_loss = aux if self.run.model.experts else None
+        return lm if math.isfinite(loss) else loss
+
+    def _mean(self, total, *, count: int) -> list[float]:
         """Sum over every rank / (count x dp x tp): each tensor-parallel rank holds its replica's loss, the
         sequence-parallel ranks' shares add up to it."""
         import torch.distributed as dist
 
         dist.all_reduce(total)
-        return float(total) / (count * self.layout.loss_holders)
+        return [float(v) / (count * self.layout.loss_holders) for v in total.tolist()]
 
 
 class PipelineEngine(Engine):
@@ -211,6 +246,7 @@ def build_engine(run: Run, *, compile_: bool = False, clock=None) -> Engine:
     import deepspeed
     import torch.distributed as dist
 
+    from dspipe.runtime.moe import expert_parallel, install_for_run, param_groups as moe_param_groups
     from dspipe.runtime.sequence import sequence_groups
 
     mpu = sequence_groups(layout=run.plan.layout, rank=dist.get_rank()) if run.plan.sp > 1 else None
@@ -221,8 +257,12 @@ def build_engine(run: Run, *, compile_: bool = False, clock=None) -> Engine:
     if clock:
         clock.mark("built", module=module)
     parallelize(module, plan=run.plan, rank=dist.get_rank(), checkpoint_fn=checkpoint_fn)
-    engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=param_groups(module, run.train.weight_decay),
-                                           config=str(run.ds_config_path), mpu=mpu)
+    groups = param_groups(module, run.train.weight_decay)
+    if run.model.experts or expert_parallel(run) > 1:  # sparse blocks onto DeepSpeed's MoE layer (or the refusal)
+        install_for_run(module, run=run, rank=dist.get_rank())
+        groups = moe_param_groups(param_groups(module, run.train.weight_decay))  # experts: groups of their own
+    engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=groups, config=str(run.ds_config_path),
+                                           mpu=mpu)
     if compile_:
         engine.compile()
     cls = PipelineEngine if run.plan.pp > 1 else PlainEngine

@@ -25,6 +25,10 @@ from dspipe.runtime.stability import Health, guard_base_optimizer
 from dspipe.runtime.startup import StartupClock
 from dspipe.spec.hardware import GIB
 
+STEP_MOE_COLUMNS = ("aux_loss",)
+"""metrics.csv's columns after dspipe.planner.throughput.STEP_COLUMNS for a mixture-of-experts model: the mean
+load-balancing loss over its sparse blocks (before aux_loss_coef); `loss` is the LM loss."""
+
 
 def device_peak_tflops(*, precision: str) -> tuple[str, float | None]:
     """(device name, its catalog peak for the precision); the peak is None on CPUs and unknown devices."""
@@ -157,7 +161,8 @@ def setup(run: Run, *, resume: str, restart: bool, backend: str, faults: Faults)
 
     log = RunLog(run.path, monitor=eng.engine.monitor, enabled=rank == 0, resumed_at=start_step,
                  log_interval=tr.log_interval, steps=tr.steps, validating=bool(tr.eval_interval),
-                 tokens_per_step=plan.tokens_per_step, val_columns=val_columns(val))
+                 tokens_per_step=plan.tokens_per_step, val_columns=val_columns(val),
+                 step_columns=STEP_MOE_COLUMNS if run.model.experts else ())
     health = Health(max_skips=tr.max_skipped_steps, window=tr.spike_window, sigma=tr.spike_sigma)
     return Training(run=run, rank=rank, world=world, eng=eng, loader=loader, val=val, log=log, health=health,
                     say=say, peak_tflops=peak, faults=faults, start_step=start_step, step=start_step,
@@ -257,7 +262,8 @@ def _log_step(t: Training, *, step: int, loss: float, lr: float, seconds: float,
                 "grad_norm": None if norm is None else float(norm), "step_time_s": seconds,
                 **step_rates(tokens=plan.tokens_per_step, samples=plan.global_batch, seconds=seconds,
                              flops_per_token=flops_per_token, world_size=t.world, peak_tflops=t.peak_tflops),
-                "mem_allocated_gib": alloc, "mem_reserved_gib": reserved, "skipped": int(skipped)})
+                "mem_allocated_gib": alloc, "mem_reserved_gib": reserved, "skipped": int(skipped),
+                "aux_loss": t.eng.aux_loss})
 
 
 def finish(t: Training) -> dict:

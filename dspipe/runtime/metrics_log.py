@@ -138,7 +138,7 @@ class RunLog:
 
     def __init__(self, run_path: Path, *, monitor, enabled: bool, resumed_at: int, log_interval: int,
                  steps: int, validating: bool, tokens_per_step: int = 0, terminal: bool | None = None,
-                 val_columns: tuple[str, ...] = ()):
+                 val_columns: tuple[str, ...] = (), step_columns: tuple[str, ...] = ()):
         self.enabled, self.monitor, self.log_interval, self.steps = enabled, monitor, log_interval, steps
         self.progress = Progress(total_steps=steps, tokens_per_step=tokens_per_step, start_step=resumed_at)
         self.terminal = sys.stdout.isatty() if terminal is None else terminal
@@ -148,7 +148,9 @@ class RunLog:
             monitor.enabled = False  # DeepSpeed's engine writes its Train/Samples/* events only while this is set
         if enabled:
             prepare_monitor(monitor, resumed_at=resumed_at)
-            self.steps_csv = _Csv(Path(run_path) / "metrics.csv", STEP_COLUMNS, resumed_at=resumed_at)
+            # a mixture-of-experts model adds aux_loss (its load-balancing loss; `loss` stays the LM loss)
+            self.steps_csv = _Csv(Path(run_path) / "metrics.csv", STEP_COLUMNS + tuple(step_columns),
+                                  resumed_at=resumed_at)
             if validating:
                 # a blend adds one val_loss_NAME column per source (dspipe.runtime.evaluate.val_columns)
                 self.val_csv = _Csv(Path(run_path) / VAL_FILE, VAL_COLUMNS + tuple(val_columns),
@@ -180,7 +182,8 @@ class RunLog:
         if s == 1 or s % self.log_interval == 0 or s == self.steps:
             mfu = "n/a" if row["mfu"] is None else f"{100 * row['mfu']:.1f}%"
             norm = "-" if row["grad_norm"] is None else f"{row['grad_norm']:.3f}"
-            self.say(f"step {s:>5}/{self.steps} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | gnorm {norm} | "
+            aux = f" | aux {row['aux_loss']:.4f}" if row.get("aux_loss") is not None else ""
+            self.say(f"step {s:>5}/{self.steps} | loss {row['loss']:.4f}{aux} | lr {row['lr']:.2e} | gnorm {norm} | "
                      f"{row['tokens_per_s']:,.0f} tok/s | {row['samples_per_s']:,.1f} samples/s | "
                      f"{row['tflops_per_gpu']:.3g} TFLOP/s/gpu | MFU {mfu} | mem {row['mem_allocated_gib']:.2f}/"
                      f"{row['mem_reserved_gib']:.2f} GiB | {1000 * row['step_time_s']:.0f} ms")

@@ -16,14 +16,21 @@ from dspipe.errors import SpecError
 from dspipe.runtime.writefail import WriteFailures
 
 UNIVERSAL_PREFIX = ".universal-"  # a resharding copy of a checkpoint, deleted once loaded
+MOE_RESHARD = ("DeepSpeed's native MoE checkpoint cannot be re-partitioned (its expert files are per expert-parallel "
+               "rank and ds_to_universal cannot convert them)")
 
 
 def dp_change_refusal(*, meta: dict, zero_stage: int, pp: int, dp: int, offload: str, path: Path) -> str | None:
     """Why this checkpoint cannot be resumed at data-parallel size `dp` (None: it can; same dp always can).
     ZeRO-0 state is whole; ZeRO-1/2/3 go through a universal checkpoint. The rest DeepSpeed 0.19 cannot do:
     NVMe-offloaded optimizer state is copied back per rank as it was saved, and dspipe has not verified the
-    universal conversion of a PipelineModule (tied embedding on two stages)."""
-    if meta["dp"] == dp or zero_stage == 0:
+    universal conversion of a PipelineModule (tied embedding on two stages). A mixture-of-experts checkpoint (DeepSpeed's
+native MoE) is refused at any other dp."""
+    if meta["dp"] == dp:
+        return None
+    if (meta.get("model") or {}).get("experts"):
+        return MOE_RESHARD
+    if zero_stage == 0:
         return None
     if offload == "nvme" or (Path(path) / "offloaded_tensors").is_dir():
         return "DeepSpeed restores NVMe-offloaded optimizer state only onto the ranks that saved it"

@@ -14,6 +14,8 @@ Where the weights come from, by layout:
                         mp_rank_00_model_states.pt (they are the master weights)
     tp > 1 (AutoTP)     each tp rank's weights as above from its own mp_rank_RR files, then the shards
                         concatenated back by the split AutoTP used (dspipe.planner.autotp.merge_shards)
+    experts (MoE)       the module weights in mp_rank_00_model_states.pt and the expert files
+                        layer_L_expert_E_..., DeepSpeed's MoE names mapped back to the model's (_consolidate_experts)
 
 Nothing is written until the whole export is complete: a sibling temp directory renamed into place."""
 from __future__ import annotations
@@ -319,6 +321,8 @@ def _consolidate(checkpoint: Path, *, meta: dict) -> dict:
     spec, pp = model_spec(meta), int(meta["pp"])
     if int(meta.get("tp", 1)) > 1:
         return _consolidate_tensor_parallel(checkpoint, tp=int(meta["tp"]), spec=spec)
+    if spec.experts:
+        return _consolidate_experts(checkpoint, spec=spec)
     module = _module_weights(checkpoint, pp=pp, layers=spec.layers)
 
     def model_file(stage: int) -> Path:  # pipelines run ZeRO 0-1: one model-states file per stage
@@ -331,6 +335,24 @@ def _consolidate(checkpoint: Path, *, meta: dict) -> dict:
                         f"{' '.join(str(e).split())[:300]}") from None
     master = {(name if pp == 1 else _pipeline_name(name, layers=spec.layers)): t for name, t in raw.items()}
     out = _prefer_master(module=module, master=master, checkpoint=checkpoint)
+    if spec.tied_embeddings:
+        out.pop("lm_head.weight", None)
+    return out
+
+
+def _consolidate_experts(checkpoint: Path, *, spec: ModelSpec) -> dict:
+    """A mixture-of-experts checkpoint (DeepSpeed's native MoE, pp 1, ZeRO 0-2): the module weights of
+    mp_rank_00_model_states.pt (the router under DeepSpeed's gate name) and each expert's file (its global id),
+    under the model's names (dspipe.runtime.experts.model_name). They are the module's weights: fp32 runs' are the
+    master weights; bf16 runs' are bf16 (DeepSpeed's zero_to_fp32 cannot merge expert-parallel optimizer
+    partitions: each rank's experts would be read as data-parallel shards of one tensor)."""
+    from dspipe.runtime.experts import EXPERT_FILE, model_name
+
+    module = {model_name(k): v for k, v in _module_weights(checkpoint, pp=1, layers=spec.layers).items()}
+    for p in sorted(checkpoint.iterdir()):
+        if EXPERT_FILE.match(p.name):
+            module.update({model_name(k): v for k, v in _load(p).items()})
+    out = _prefer_master(module=module, master={}, checkpoint=checkpoint)
     if spec.tied_embeddings:
         out.pop("lm_head.weight", None)
     return out

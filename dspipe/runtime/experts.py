@@ -1,0 +1,71 @@
+"""Expert parallelism without torch: the run's ep, what DeepSpeed's native MoE cannot train, and the names and
+files of its checkpoints (dspipe.runtime.moe builds the layers).
+
+A sparse block's tensors as DeepSpeed names them (NativeMoE at h.N.mlp): the router at
+`h.N.mlp.moe.deepspeed_moe.gate.wg.weight` (in mp_rank_00_model_states.pt), expert e at
+`h.N.mlp.moe.deepspeed_moe.experts.deepspeed_experts.{local id}` in memory and with its global id e in its own file
+layer_L_expert_e_mp_rank_00_model_states.pt (L: the sparse block's index among the sparse blocks, from 0).
+"""
+from __future__ import annotations
+
+import re
+
+GATE = "moe.deepspeed_moe.gate.wg.weight"
+EXPERTS = "moe.deepspeed_moe.experts.deepspeed_experts."
+EXPERT_FILE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+ZERO3_REFUSAL = "Native DeepSpeed MoE is not supported with ZeRO Stage 3"
+EP_ZERO0_REFUSAL = ("measured with DeepSpeed 0.19.8 on 2 ranks: the gradient norm it clips by is not the "
+                    "model's under expert parallelism (0.6813 where ep 1 gives 0.6823)")
+EP_ZERO1_REFUSAL = ("measured with DeepSpeed 0.19.8 on 2 ranks: that path trains off ep 1 (gradient norm 0.6841 "
+                    "where ep 1 gives 0.6823, loss 2.3e-3 off after 6 steps); with contiguous_gradients true it "
+                    "is bitwise ep 1's")
+
+
+def expert_parallel(run) -> int:
+    """The run's ep: the plan's, else the strategy's (a plan from before expert parallelism), else 1."""
+    ep = getattr(run.plan, "ep", None)
+    if ep is None:
+        ep = getattr(getattr(run, "strategy", None), "ep", 1)
+    return ep if isinstance(ep, int) and not isinstance(ep, bool) else 1
+
+
+def refusal(*, spec, plan, ep: int, contiguous_gradients: bool = True) -> str | None:
+    """Why this layout cannot train with DeepSpeed's native MoE (None: it can); `contiguous_gradients`: the
+    rendered ds_config.json's zero_optimization.contiguous_gradients."""
+    if not spec.experts:
+        return f"ep {ep} > 1 needs a mixture-of-experts model (experts 0)" if ep > 1 else None
+    why = []
+    if plan.zero_stage == 3:
+        why.append(f"ZeRO-3 ({ZERO3_REFUSAL}; use ZeRO 0-2)")
+    why += [f"{k} {getattr(plan, k)} > 1" for k in ("pp", "tp", "sp") if getattr(plan, k) > 1]
+    if ep > 1 and plan.zero_stage == 0:
+        why.append(f"ep {ep} > 1 under ZeRO-0 ({EP_ZERO0_REFUSAL}; use ZeRO-1 or 2, or ep 1)")
+    if ep > 1 and plan.zero_stage == 1 and not contiguous_gradients:
+        why.append(f"ep {ep} > 1 under ZeRO-1 with contiguous_gradients false in ds_config.json "
+                   f"({EP_ZERO1_REFUSAL}; set it true, or use ZeRO-2)")
+    if plan.precision == "fp16":
+        why.append("fp16 (use bf16 or fp32)")
+    if spec.experts % ep:
+        why.append(f"experts {spec.experts} % ep {ep} = {spec.experts % ep}")
+    if plan.dp % ep:
+        why.append(f"dp {plan.dp} % ep {ep} = {plan.dp % ep}")
+    return "; ".join(why) or None
+
+
+def model_name(name: str, *, local: int = 0, ep_rank: int = 0) -> str:
+    """The model's name of a NativeMoE tensor name (DeepSpeed's, with a local expert id, or with the global id as
+    the expert files hold it: local = 0); other names unchanged."""
+    name = name.replace(GATE, "router.weight")
+    m = re.search(re.escape(EXPERTS) + r"(\d+)\.", name)
+    if m:
+        name = name[:m.start()] + f"experts.{ep_rank * local + int(m.group(1))}." + name[m.end():]
+    return name
+
+
+def expert_files(model: dict) -> list[str]:
+    """The expert files a checkpoint of the model (its dspipe.json model) holds: one per sparse block and expert."""
+    from dspipe.spec.core import ModelSpec, from_dict
+
+    spec = from_dict(ModelSpec, model)
+    return [f"layer_{layer}_expert_{e}_mp_rank_00_model_states.pt"
+            for layer in range(len(spec.sparse_layers)) for e in range(spec.experts)]

@@ -1,0 +1,112 @@
+"""Expert parallelism: every sparse block's SparseMLP (dspipe.model.gpt) is replaced, before deepspeed.initialize,
+by a `NativeMoE` backed by DeepSpeed's native `deepspeed.moe.layer.MoE` (at every ep, 1 included), holding the
+model's router as its gate and this rank's experts [ep_rank x E/ep, (ep_rank + 1) x E/ep) as its local experts.
+
+The output equals the plain SparseMLP's (dropless, no noise, no random token selection): DeepSpeed's gate only
+routes (which experts, which capacity slots); the weights its combine applies are replaced (a forward hook on the
+gate) by the model's own (dspipe.model.gpt.route: the top-k softmax probabilities, renormalised only when
+router_norm_topk, where DeepSpeed always renormalises for k >= 2 and never for k = 1), computed from the same
+router weight with their graph, so the router's gradient is the plain model's too. The load-balancing loss is the
+model's (dspipe.model.gpt.balance_loss), kept as `.aux` for GPT.forward; DeepSpeed's l_aux is not used.
+
+Names: the block's `mlp.router.weight` lives at `mlp.moe.deepspeed_moe.gate.wg.weight`, expert e at
+`mlp.moe.deepspeed_moe.experts.deepspeed_experts.{e - ep_rank x E/ep}` (DeepSpeed's checkpoint files name it by its
+global id e: layer_L_expert_e_mp_rank_00_model_states.pt); dspipe.runtime.experts.model_name maps those back.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from dspipe.errors import SpecError
+from dspipe.runtime.experts import expert_parallel, refusal
+
+
+class NativeMoE(nn.Module):
+    """A sparse block's MLP on DeepSpeed's MoE layer; same output and aux as the SparseMLP it was built from."""
+
+    def __init__(self, sparse: nn.Module, *, spec, ep: int, ep_rank: int):
+        super().__init__()
+        from deepspeed.moe.layer import MoE
+
+        self.k, self.norm_topk = spec.experts_per_token, spec.router_norm_topk
+        cf = spec.capacity_factor
+        template = sparse.experts[0]
+        weight = sparse.router.weight
+        with torch.random.fork_rng(devices=[]):  # the gate's throwaway default init must not move the seed streams
+            moe = MoE(spec.hidden, expert=template, num_experts=spec.experts, ep_size=ep, k=self.k,
+                      capacity_factor=cf or 1.0, eval_capacity_factor=cf or 1.0, min_capacity=0,
+                      noisy_gate_policy=None, drop_tokens=cf is not None, use_rts=False,
+                      top2_2nd_expert_sampling=False)
+        self.moe = moe.to(device=weight.device, dtype=weight.dtype)
+        local = spec.experts // ep
+        with torch.no_grad():
+            self.gate_weight.copy_(weight)
+            for i, expert in enumerate(self.moe.deepspeed_moe.experts.deepspeed_experts):
+                source = sparse.experts[ep_rank * local + i]
+                for dst, src in zip(expert.parameters(), source.parameters(), strict=True):
+                    dst.copy_(src)
+        self.shared = getattr(sparse, "shared", None)
+        self.aux: torch.Tensor | None = None
+        """The load-balancing loss of the last forward (with its graph)."""
+        self._weights: torch.Tensor | None = None  # (tokens, E): each token's routing weights, this forward's
+        self.moe.deepspeed_moe.gate.register_forward_hook(self._model_weights)
+
+    @property
+    def gate_weight(self) -> torch.Tensor:
+        return self.moe.deepspeed_moe.gate.wg.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from dspipe.model.gpt import balance_loss, route
+
+        logits = F.linear(x.reshape(-1, x.shape[-1]).float(), self.gate_weight.float())
+        probs, weights, chosen = route(logits, k=self.k, norm_topk=self.norm_topk)
+        self.aux = balance_loss(probs, chosen)
+        self._weights = torch.zeros_like(probs).scatter(1, chosen, weights)
+        try:
+            out, _, _ = self.moe(x)
+        finally:
+            self._weights = None
+        return out if self.shared is None else out + self.shared(x)
+
+    def _model_weights(self, _gate, _inputs, routes):
+        """DeepSpeed's sparse routes (l_aux, capacity, E, experts (k, S), slots (k, S), weights (k, S), counts)
+        with the model's weights of the experts its gate chose (a route dropped by capacity has expert -1 and is
+        not combined)."""
+        l_aux, capacity, experts, chosen, slots, weights, counts = routes
+        if chosen.shape[-1] != self._weights.shape[0]:
+            raise RuntimeError(f"DeepSpeed routed {chosen.shape[-1]} tokens, the model {self._weights.shape[0]}")
+        ours = self._weights.gather(1, chosen.long().clamp(min=0).t()).t()
+        return l_aux, capacity, experts, chosen, slots, ours.to(weights.dtype), counts
+
+
+def install(module: nn.Module, *, spec, ep: int, ep_rank: int) -> int:
+    """Replace every sparse block's mlp of the plain GPT `module` by a NativeMoE; returns how many."""
+    for i in spec.sparse_layers:
+        block = module.h[i]
+        block.mlp = NativeMoE(block.mlp, spec=spec, ep=ep, ep_rank=ep_rank)
+    return len(spec.sparse_layers)
+
+
+def install_for_run(module: nn.Module, *, run, rank: int) -> None:
+    """The runtime step before deepspeed.initialize (dspipe.runtime.engine.build_engine, after the build and
+    parallelize): a MoE model's sparse blocks onto DeepSpeed's MoE layer; a layout native MoE cannot train (or ep > 1
+    on a dense model) is one SpecError on every rank."""
+    ep = expert_parallel(run)
+    zero = run.ds_config.get("zero_optimization") or {}
+    why = refusal(spec=run.model, plan=run.plan, ep=ep, contiguous_gradients=bool(zero.get("contiguous_gradients")))
+    if why:
+        raise SpecError(f"cannot train {run.model.name} with experts {run.model.experts}, ep {ep}: {why}")
+    if run.model.experts:
+        install(module, spec=run.model, ep=ep, ep_rank=rank % ep)
+
+
+def param_groups(groups: list[dict]) -> list[dict]:
+    """dspipe's AdamW groups split by DeepSpeed (split_params_into_different_moe_groups_for_optimizer): each
+    group's experts go to a group of their own (moe=True, same hyper-parameters) reduced over the expert data
+    parallel ranks only."""
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    named = [{**g, "name": g.get("name", f"group{i}")} for i, g in enumerate(groups)]
+    return [g for g in split_params_into_different_moe_groups_for_optimizer(named) if g["params"]]

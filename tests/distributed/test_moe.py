@@ -1,0 +1,168 @@
+"""Mixtures of experts on real CPU ranks (2 ranks, fp32, dropout 0), four launches in all: a tiny random
+MixtralForCausalLM (4 experts, top 2) and Qwen3MoeForCausalLM (4 experts, top 2, norm_topk_prob off) written by
+save_pretrained with the corpus's tokenizer, trained with `--init-from` on DeepSpeed's native MoE layer.
+
+    Mixtral ep 2, ZeRO-2     killed after step 5 (checkpoint at 3), then resumed: step 1's LM loss is
+                             transformers'; the resumed steps 4-5 are bitwise the ones before the kill; the
+                             checkpoint holds DeepSpeed's expert files; export-hf computes dspipe's logits
+    Mixtral ep 1, ZeRO-1     the same global batches: every step's loss within 1e-5 of ep 2's, aux_loss logged
+    Qwen3-MoE ep 2, ZeRO-2   lr 1e-12: step 1's LM loss is transformers', export-hf computes transformers' logits
+
+A resume at another ep or dp is refused by name (checked in this process, no launch)."""
+import math
+import shutil
+
+import pytest
+import torch
+
+from dspipe.errors import SpecError
+from dspipe.runtime import checkpoint as ckpt
+from tests.helpers import OFFLINE, csv_rows, dspipe, dspipe_offline, launch, ok, written_metrics
+
+pytestmark = pytest.mark.distributed
+
+VOCAB, SEQ, EXPERTS = 1024, 64, 4
+LOSS_TOL, LOGITS_TOL = 1e-5, 1e-4
+BASE = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=SEQ, rms_norm_eps=1e-5, initializer_range=0.2, num_experts_per_tok=2)
+FAMILIES = {
+    "mixtral": ("MixtralForCausalLM", "MixtralConfig",
+                dict(intermediate_size=48, num_local_experts=EXPERTS, rope_parameters=dict(rope_type="default",
+                                                                                            rope_theta=1e6))),
+    "qwen3-moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig",
+                  dict(intermediate_size=96, moe_intermediate_size=48, num_experts=EXPERTS, head_dim=32,
+                       norm_topk_prob=False, rope_parameters=dict(rope_type="default", rope_theta=1e6))),
+}
+
+
+def family_dir(path, family: str, corpus):
+    """A random tiny checkpoint (save_pretrained; norm weights moved off 1) with the corpus's tokenizer beside it;
+    returns the model transformers loads back from it."""
+    import transformers
+
+    cls, config_cls, kwargs = FAMILIES[family]
+    torch.manual_seed(sorted(FAMILIES).index(family) + 31)
+    model = getattr(transformers, cls)(getattr(transformers, config_cls)(**{**BASE, **kwargs})).float().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn(p.shape) * 0.2)
+    model.save_pretrained(path)
+    for f in (corpus / "tokenizer").iterdir():
+        shutil.copy(f, path / f.name)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(path).float().eval()
+    assert type(loaded).__name__ == cls
+    return loaded
+
+
+def gen_config(run, corpus, hf_dir, *flags, gpus=2):
+    r = dspipe("gen-config", "--init-from", hf_dir, "--gpus-per-node", gpus, "--gpu", "cpu", "--global-batch", "16",
+               "--micro-batch", "4", "--warmup", "1", "--log-interval", "1", "--eval-interval", "0", "--data", corpus,
+               "--out", run, "--precision", "fp32", "--offload", "none", "--no-offload-params", "--checkpointing",
+               "none", "--pp", "1", *flags)
+    assert r.returncode == 0, r.stderr
+
+
+def first_loss(model, corpus) -> float:
+    """transformers' LM loss on the run's first global batch (the runner's dp-invariant order, seed 1234)."""
+    from dspipe.data import TokenWindows, TrainLoader
+
+    loader = TrainLoader(windows=TokenWindows(str(corpus), seq_len=SEQ), seed=1234, micro_batch=16, dp=1, dp_rank=0)
+    inputs, labels = next(loader)
+    with torch.no_grad():
+        logits = model(inputs).logits
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1)).item()
+
+
+def exported_logits(run, out, ids):
+    """export-hf of the run's last checkpoint: (its class name, its logits, dspipe's logits from the checkpoint)."""
+    from transformers import AutoModelForCausalLM
+
+    from dspipe.tools.export import load_gpt
+
+    r = dspipe_offline("export-hf", run, "--out", out)
+    assert r.returncode == 0, r.stderr[-3000:]
+    exported = AutoModelForCausalLM.from_pretrained(out).float().eval()
+    tag = ckpt.complete_checkpoints(run / "checkpoints")[-1][1]
+    with torch.no_grad():
+        return type(exported).__name__, exported(ids).logits, load_gpt(tag, meta=ckpt.read_meta(tag))(ids)
+
+
+def test_mixtral_expert_parallel_equals_ep1_resumes_exactly_and_exports(tmp_path, corpus, monkeypatch):
+    from dspipe.rundir import load_run
+
+    for k, v in OFFLINE.items():
+        monkeypatch.setenv(k, v)
+    hf_dir = tmp_path / "hf"
+    hf = family_dir(hf_dir, "mixtral", corpus)
+    expected = first_loss(hf, corpus)
+    assert abs(expected - math.log(VOCAB)) > 0.3, expected
+    train = ["--steps", "6", "--lr", "3e-3", "--save-interval", "3"]
+
+    ep2 = tmp_path / "ep2"
+    gen_config(ep2, corpus, hf_dir, *train, "--zero", "2", "--ep", "2")
+    r = launch(ep2, "--test-faults", '{"kill_at_step": 5}')
+    assert r.returncode != 0  # SIGKILL after step 5, checkpoint at 3
+    before = written_metrics(ep2)
+    assert [s for s, *_ in before] == ["1", "2", "3", "4", "5"]
+    assert (ep2 / "checkpoints" / "latest").read_text() == "global_step3"
+    r = launch(ep2, "--resume", "auto")
+    ok(r)
+    assert "resumed from" in r.stdout and "at step 3" in r.stdout
+    after = written_metrics(ep2)
+    assert after[:5] == before  # steps 4 and 5 replayed after the kill: loss, lr, grad norm bitwise
+    last = ep2 / "checkpoints" / "global_step6"
+    assert sorted(p.name for p in last.glob("layer_*_expert_*")) == sorted(
+        f"layer_{layer}_expert_{e}_mp_rank_00_model_states.pt" for layer in range(2) for e in range(EXPERTS))
+    assert ckpt.read_meta(last)["ep"] == 2
+
+    ep1 = tmp_path / "ep1"
+    gen_config(ep1, corpus, hf_dir, *train, "--zero", "1", "--ep", "1")
+    ok(launch(ep1))
+    rows1, rows2 = csv_rows(ep1 / "metrics.csv"), csv_rows(ep2 / "metrics.csv")
+    loss_diffs = [abs(float(a["loss"]) - float(b["loss"])) for a, b in zip(rows1, rows2, strict=True)]
+    aux = [float(row["aux_loss"]) for row in rows2]
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    cls, logits, ours = exported_logits(ep2, tmp_path / "export", ids)
+    with torch.no_grad():
+        moved = (logits - hf(ids).logits).abs().max().item()
+    print(f"mixtral: HF loss {expected:.6f}, step 1 {rows2[0]['loss']}; ep1 - ep2 loss per step {loss_diffs}; "
+          f"aux {aux}; export - dspipe logits {(logits - ours).abs().max().item():.3g}, moved by training {moved:.3g}")
+    assert abs(float(rows2[0]["loss"]) - expected) < LOSS_TOL  # the LM loss, not LM + coef x aux
+    assert len(loss_diffs) == 6 and max(loss_diffs) < LOSS_TOL
+    assert float(rows2[-1]["loss"]) < float(rows2[0]["loss"]) - 0.01  # it trained
+    assert all(0 < a < 2 * EXPERTS for a in aux) and all(float(row["aux_loss"]) > 0 for row in rows1)
+    assert cls == "MixtralForCausalLM" and (logits - ours).abs().max().item() < LOGITS_TOL and moved > 1e-2
+
+    # a resume at another ep or dp: refused by name before anything is built
+    other = {"ep1-zero2": (2, "1"), "dp4-zero2": (4, "2")}  # the same ZeRO stage: (gpus, ep)
+    for name, (gpus, ep) in other.items():
+        gen_config(tmp_path / name, corpus, hf_dir, *train, "--zero", "2", "--ep", ep, gpus=gpus)
+    with pytest.raises(SpecError, match=r"saved with ep 2, this run has ep 1: DeepSpeed's native MoE checkpoint "
+                                        r"cannot be re-partitioned .*; resume with ep 2$"):
+        ckpt.resume_point(load_run(tmp_path / "ep1-zero2"), str(last))
+    with pytest.raises(SpecError, match=r"saved with dp 2, this run has dp 4: DeepSpeed's native MoE checkpoint "
+                                        r"cannot be re-partitioned .*; resume with dp 2 \(world size 2\)$"):
+        ckpt.resume_point(load_run(tmp_path / "dp4-zero2"), str(last))
+
+
+def test_qwen3_moe_expert_parallel_starts_from_transformers_and_exports_its_logits(tmp_path, corpus, monkeypatch):
+    for k, v in OFFLINE.items():
+        monkeypatch.setenv(k, v)
+    hf_dir = tmp_path / "hf"
+    hf = family_dir(hf_dir, "qwen3-moe", corpus)
+    expected = first_loss(hf, corpus)
+    run = tmp_path / "run"
+    gen_config(run, corpus, hf_dir, "--steps", "2", "--lr", "1e-12", "--weight-decay", "0", "--zero", "2", "--ep", "2")
+    ok(launch(run))
+    rows = csv_rows(run / "metrics.csv")
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        hf_logits = hf(ids).logits
+    cls, logits, ours = exported_logits(run, tmp_path / "export", ids)
+    print(f"qwen3-moe: HF loss {expected:.6f}, step 1 {rows[0]['loss']} aux {rows[0]['aux_loss']}; export - HF "
+          f"logits {(logits - hf_logits).abs().max().item():.3g}")
+    assert abs(float(rows[0]["loss"]) - expected) < LOSS_TOL
+    assert float(rows[0]["aux_loss"]) > 0
+    assert cls == "Qwen3MoeForCausalLM"
+    assert (logits - hf_logits).abs().max().item() < LOGITS_TOL and (logits - ours).abs().max().item() < LOGITS_TOL

@@ -1,0 +1,172 @@
+"""dspipe.runtime.moe in one process (ep 1, a one-rank gloo group): DeepSpeed's native MoE layer built from a
+SparseMLP computes the same output, load-balancing loss and gradients as the SparseMLP, for k = 1, 2 and 3 with and
+without router_norm_topk and with shared experts; the whole GPT's loss too; the optimizer groups, the names and the
+refusals."""
+import copy
+from types import SimpleNamespace
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("deepspeed")
+
+from dspipe.errors import SpecError  # noqa: E402
+from dspipe.spec.core import ModelSpec  # noqa: E402
+
+
+def spec(**fields) -> ModelSpec:
+    base = dict(name="moe", layers=2, hidden=32, heads=4, vocab=64, seq_len=16, ffn=48, norm="rmsnorm",
+                mlp="swiglu", positions="rope", bias=False, experts=4, experts_per_token=2, expert_ffn=24)
+    return ModelSpec(**{**base, **fields})
+
+
+@pytest.fixture(scope="module")
+def group():
+    """A one-rank gloo process group, DeepSpeed's comm on it (its MoE layer builds expert-parallel groups)."""
+    import os
+
+    import deepspeed
+    import deepspeed.comm.comm as ds_comm
+    import torch.distributed as dist
+    from deepspeed.utils import groups
+
+    from tests.helpers import free_port
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    yield
+    for table in (groups._EXPERT_PARALLEL_GROUP, groups._EXPERT_DATA_PARALLEL_GROUP,
+                  groups._EXPERT_PARALLEL_GROUP_RANKS, groups._EXPERT_DATA_PARALLEL_GROUP_RANKS):
+        table.clear()
+    dist.destroy_process_group()
+    ds_comm.cdb = None
+
+
+def native(sparse, s):
+    from dspipe.runtime.moe import NativeMoE
+
+    layer = NativeMoE(sparse, spec=s, ep=1, ep_rank=0)
+    layer.moe.set_deepspeed_parallelism()
+    return layer
+
+
+def sparse_mlp(s):
+    from dspipe.model.gpt import SparseMLP
+
+    torch.manual_seed(0)
+    mlp = SparseMLP(s)
+    with torch.no_grad():
+        for p in mlp.parameters():  # every expert distinct (DeepSpeed's own experts are copies of one)
+            p.normal_(0, 0.5)
+    return mlp
+
+
+CASES = [dict(experts_per_token=k, router_norm_topk=norm) for k in (1, 2, 3) for norm in (True, False)]
+CASES += [dict(experts_per_token=2, shared_experts=1, router_norm_topk=False)]
+
+
+@pytest.mark.parametrize("fields", CASES, ids=lambda f: "-".join(f"{k}={v}" for k, v in f.items()))
+def test_native_layer_equals_sparse_mlp(group, fields):
+    s = spec(**fields)
+    plain = sparse_mlp(s)
+    layer = native(copy.deepcopy(plain), s)
+    x = torch.randn(2, 16, s.hidden, generator=torch.Generator().manual_seed(1))
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    want, got = plain(xa), layer(xb)
+    assert got.shape == want.shape
+    assert relative(got, want) < 1e-6
+    assert abs(layer.aux.item() - plain.aux.item()) < 1e-6
+    assert layer.aux.item() > 0
+    ((want ** 2).sum() + plain.aux).backward()
+    ((got ** 2).sum() + layer.aux).backward()
+    assert relative(xb.grad, xa.grad) < 1e-5
+    assert relative(layer.gate_weight.grad, plain.router.weight.grad) < 1e-5  # the routing weights' gradient
+    for e, expert in enumerate(layer.moe.deepspeed_moe.experts.deepspeed_experts):
+        for a, b in zip(expert.parameters(), plain.experts[e].parameters(), strict=True):
+            assert relative(a.grad, b.grad) < 1e-5
+
+
+def relative(got, want) -> float:
+    """Largest difference over the largest magnitude (fp32 rounding: ~1e-7)."""
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+def test_gpt_loss_and_aux_unchanged(group):
+    """The whole GPT: installed on DeepSpeed's layer, the same loss, LM loss and aux loss (sparse blocks 1 and 3)."""
+    from dspipe.model.gpt import GPT
+    from dspipe.runtime.moe import NativeMoE, install
+
+    s = spec(layers=4, moe_every=2, experts_per_token=2, router_norm_topk=False)
+    plain = GPT(s, seed=3)
+    moe = copy.deepcopy(plain)
+    assert install(moe, spec=s, ep=1, ep_rank=0) == 2
+    assert [type(b.mlp) is NativeMoE for b in moe.h] == [False, True, False, True]
+    for b in moe.h:
+        if isinstance(b.mlp, NativeMoE):
+            b.mlp.moe.set_deepspeed_parallelism()
+    idx = torch.randint(0, s.vocab, (2, 16), generator=torch.Generator().manual_seed(2))
+    labels = torch.randint(0, s.vocab, (2, 16), generator=torch.Generator().manual_seed(3))
+    want, got = plain(idx, labels), moe(idx, labels)
+    assert abs(got.item() - want.item()) < 1e-5
+    assert abs(moe.last_lm_loss.item() - plain.last_lm_loss.item()) < 1e-5
+    assert abs(moe.last_aux_loss.item() - plain.last_aux_loss.item()) < 1e-6
+    assert got.item() > moe.last_lm_loss.item()  # aux_loss_coef x aux is in the loss
+
+
+def test_param_groups_split_experts(group):
+    from dspipe.runtime.engine import param_groups
+    from dspipe.runtime.moe import param_groups as moe_groups
+
+    s = spec(shared_experts=1)
+    layer = native(sparse_mlp(s), s)
+    groups = moe_groups(param_groups(layer, 0.1))
+    experts = {id(p) for p in layer.moe.deepspeed_moe.experts.parameters()}
+    moe = [g for g in groups if g.get("moe")]
+    assert [g["name"] for g in moe] == ["ep_size_1"] and moe[0]["weight_decay"] == 0.1
+    assert {id(p) for p in moe[0]["params"]} == experts
+    dense = [g for g in groups if not g.get("moe")]
+    assert [g["weight_decay"] for g in dense] == [0.1]  # the gate and the shared MLP (no biases, no 1-d tensors)
+    assert {id(p) for g in dense for p in g["params"]} == {id(p) for p in layer.parameters()} - experts
+
+
+def test_model_names():
+    from dspipe.runtime.experts import model_name
+
+    assert model_name("h.1.mlp.moe.deepspeed_moe.gate.wg.weight") == "h.1.mlp.router.weight"
+    name = "h.1.mlp.moe.deepspeed_moe.experts.deepspeed_experts.1.c_fc.weight"
+    assert model_name(name) == "h.1.mlp.experts.1.c_fc.weight"
+    assert model_name(name, local=2, ep_rank=1) == "h.1.mlp.experts.3.c_fc.weight"
+    assert model_name("h.1.mlp.shared.c_proj.weight") == "h.1.mlp.shared.c_proj.weight"
+
+
+def plan(**fields):
+    return SimpleNamespace(**{**dict(zero_stage=1, pp=1, tp=1, sp=1, precision="fp32", dp=4), **fields})
+
+
+@pytest.mark.parametrize("fields,ep,says", [
+    (dict(zero_stage=3), 1, "ZeRO-3 (Native DeepSpeed MoE is not supported with ZeRO Stage 3"),
+    (dict(pp=2, dp=2), 1, "pp 2 > 1"),
+    (dict(tp=2, dp=2), 1, "tp 2 > 1"),
+    (dict(precision="fp16"), 1, "fp16"),
+    (dict(zero_stage=2), 3, "experts 4 % ep 3 = 1; dp 4 % ep 3 = 1"),
+    (dict(zero_stage=2, dp=2), 4, "dp 2 % ep 4 = 2"),
+    (dict(zero_stage=1), 2, "ep 2 > 1 under ZeRO-1 with contiguous_gradients false in ds_config.json (measured"),
+    (dict(zero_stage=0), 2, "ep 2 > 1 under ZeRO-0 (measured with DeepSpeed 0.19.8"),
+])
+def test_refusals(fields, ep, says):
+    from dspipe.runtime.experts import refusal
+
+    assert says in refusal(spec=spec(), plan=plan(**fields), ep=ep, contiguous_gradients=False)
+
+
+def test_refusal_dense_and_supported():
+    from dspipe.runtime.moe import install_for_run, refusal
+
+    assert refusal(spec=spec(), plan=plan(zero_stage=2, precision="bf16"), ep=2) is None
+    assert refusal(spec=spec(), plan=plan(zero_stage=1), ep=2, contiguous_gradients=True) is None
+    assert refusal(spec=spec(), plan=plan(zero_stage=0), ep=1, contiguous_gradients=False) is None
+    assert refusal(spec=spec(experts=0, expert_ffn=None), plan=plan(), ep=1) is None
+    run = SimpleNamespace(model=spec(experts=0, expert_ffn=None), plan=plan(ep=2), strategy=None, ds_config={})
+    with pytest.raises(SpecError, match="ep 2 > 1 needs a mixture-of-experts model"):
+        install_for_run(None, run=run, rank=0)

@@ -192,7 +192,8 @@ def _check_tensor_sequence(*, model: ModelSpec, cluster: ClusterSpec, train: Tra
 
 def _check_experts(*, model: ModelSpec, train: TrainSpec, strategy: StrategySpec, world: int) -> None:
     """What dspipe's mixture-of-experts training (DeepSpeed 0.19.8's native MoE layer, deepspeed.moe.layer.MoE)
-    supports: ZeRO 0-2, bf16 or fp32, pp 1, tp 1, sp 1, ep dividing the experts and dp; ep 1 for a dense model."""
+    supports: ZeRO 0-2 (ep > 1: ZeRO 1-2, ZeRO-1 with contiguous gradients), bf16 or fp32, pp 1, tp 1, sp 1, ep
+    dividing the experts and dp; ep 1 for a dense model."""
     e, ep, pp, tp, sp, zero = model.experts, strategy.ep, strategy.pp, strategy.tp, strategy.sp, strategy.zero
     dp = ParallelLayout(world=world, pp=pp, tp=tp, sp=sp).dp  # rule 2 held: pp x tp x sp divides the world
     if not e:
@@ -217,6 +218,10 @@ def _check_experts(*, model: ModelSpec, train: TrainSpec, strategy: StrategySpec
     if dp % ep:
         raise RuleError(3, f"ep {ep} does not divide dp {dp} = world {world} / (pp {pp} x tp {tp} x sp {sp}): the "
                         f"expert-parallel groups are made of data-parallel ranks")
+    if zero == 0 and ep > 1:
+        raise RuleError(3, f"ep {ep} under ZeRO-0 with experts {e}: DeepSpeed 0.19.8 clips by a gradient norm that is "
+                        f"not the model's under expert parallelism (measured 0.6813 where ep 1 gives 0.6823); use "
+                        f"ZeRO-1 or 2, or ep 1")
 
 
 def _grad_accum_dtype(*, precision: str, zero: int, pp: int) -> str:
@@ -268,7 +273,9 @@ def make_plan(*, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
                                      prefetch + _largest_tensor(model)),
         max_reuse_distance=_default(strategy.max_reuse_distance, prefetch),
         overlap_comm=zero >= 2 and pp == 1,
-        contiguous_gradients=zero >= 2,
+        # ZeRO-1 with ep > 1 trains off ep 1 in DeepSpeed 0.19.8 unless its gradients are contiguous (measured:
+        # dspipe.runtime.experts.EP_ZERO1_REFUSAL)
+        contiguous_gradients=zero >= 2 or (zero == 1 and strategy.ep > 1),
         num_params=model.num_params,
         tokens_per_step=train.global_batch * model.seq_len,
         pin_memory=cluster.gpu_type.backend == "nccl",

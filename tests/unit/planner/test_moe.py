@@ -124,6 +124,8 @@ def test_all_to_alls_cost_nothing_at_ep_1_and_leave_nvlink_beyond_a_node():
     (dict(zero=1), "fp16", "fp16 with experts 8: dspipe trains mixture-of-experts models in bf16 or fp32 only"),
     (dict(zero=1, ep=3), "bf16", "ep 3 does not divide experts 8"),
     (dict(zero=1, ep=4), "bf16", "ep 4 does not divide dp 2 = world 2 / (pp 1 x tp 1 x sp 1)"),
+    (dict(zero=0, ep=2), "bf16", "ep 2 under ZeRO-0 with experts 8: DeepSpeed 0.19.8 clips by a gradient norm that is "
+                                 "not the model's"),
 ])
 def test_unsupported_moe_layouts_are_refused(strategy, precision, message):
     with pytest.raises(SpecError) as e:
@@ -217,3 +219,12 @@ def test_nothing_fits_at_a_pinned_ep_suggests_ep_auto():
     assert r.returncode == 2 and len(error_lines(r)) == 1, r.stderr
     line = error_lines(r)[0]
     assert "closest is ZeRO-2 + cpu offload, bf16, pp 1, ep 8, dp 1024" in line and "would fit with: --ep auto" in line
+
+
+@pytest.mark.parametrize("zero, ep, contiguous", [(0, 1, False), (1, 1, False), (1, 2, True), (2, 1, True),
+                                                   (2, 2, True)])
+def test_zero1_with_ep_renders_contiguous_gradients(zero, ep, contiguous):
+    """DeepSpeed 0.19.8's ZeRO-1 trains an expert-parallel model off ep 1 unless its gradients are contiguous
+    (measured on 2 ranks; the runner refuses the other setting): the plan turns it on there and nowhere else new."""
+    plan, _ = _plan(model_preset("tiny", experts=8), gpus=2, gbs=8, zero=zero, ep=ep)
+    assert plan.contiguous_gradients is contiguous

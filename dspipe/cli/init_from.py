@@ -6,7 +6,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from dspipe.errors import SpecError
-from dspipe.model.hf import CONFIG_FILE, spec_from_hf_dir
+from dspipe.model.hf import CONFIG_FILE, TRAINING_ONLY, spec_from_hf_dir
 from dspipe.model.hf_weights import check_weights
 from dspipe.spec.core import ModelSpec
 
@@ -15,8 +15,8 @@ SHAPE_FLAGS = ("layers", "hidden", "heads", "vocab", "ffn")
 
 def init_from_spec(path: str, o: dict) -> ModelSpec:
     """The model of `gen-config --init-from HF_DIR` (and plan/bench): HF_DIR's config; a shape or architecture flag
-    must agree with it, --seq-len may shorten the context (never beyond the model's positions), --dropout replaces
-    the config's; its weights are checked (check_weights). Prints a note comparing HF_DIR's tokenizer with the
+    must agree with it, --seq-len may shorten the context (never beyond the model's positions), --dropout,
+    --aux-loss-coef and --capacity-factor replace the config's; its weights are checked (check_weights). Prints a note comparing HF_DIR's tokenizer with the
     data's where both are known."""
     flag = f"--init-from {path}"
     if o.get("model"):
@@ -31,6 +31,9 @@ def init_from_spec(path: str, o: dict) -> ModelSpec:
     if o.get("untied") and spec.tied_embeddings:
         raise SpecError(f"--untied contradicts {flag} (tie_word_embeddings true in its {CONFIG_FILE})")
     _check_architecture_flags(spec, o, flag=flag)
+    training = {k: o[k] for k in TRAINING_ONLY if o.get(k) is not None}
+    if training:  # how a mixture of experts trains (aux loss weight, capacity), not what it computes: like --dropout
+        spec = replace(spec, **training)
     seq_len = o.get("seq_len")
     if seq_len is not None and seq_len != spec.seq_len:
         if isinstance(seq_len, int) and seq_len > spec.seq_len:
@@ -47,7 +50,7 @@ def init_from_spec(path: str, o: dict) -> ModelSpec:
     return spec
 
 
-ARCHITECTURE_SKIP = ("name", "init_from", "seq_len", "dropout", "untied", *SHAPE_FLAGS)
+ARCHITECTURE_SKIP = ("name", "init_from", "seq_len", "dropout", "untied", *TRAINING_ONLY, *SHAPE_FLAGS)
 """Model options init_from_spec checks on their own (or that are not the model's architecture)."""
 
 

@@ -395,12 +395,18 @@ def _show(value) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
+TRAINING_ONLY = ("aux_loss_coef", "capacity_factor")
+"""MoE settings that change how a model trains, not what it computes (inference is dropless and has no aux loss):
+--init-from takes them from the flags like --dropout."""
+
+
 def function_of(spec: ModelSpec) -> dict:
-    """What `spec` computes, field by field, without its name, dropout and context: two specs with equal
+    """What `spec` computes, field by field, without its name, dropout, context and training-only MoE settings
+    (TRAINING_ONLY): two specs with equal
     function_of are the same model however their fields spell it (bias with qkv_bias None or qkv_bias given,
     head_dim default or explicit, the parameters of a rope scaling not chosen, a window's start without a window)."""
     skip = {"name", "dropout", "seq_len", "bias", "qkv_bias", "out_bias", "mlp_bias", "head_width", "sliding_window",
-            "window_start_layer"} | {k for k in ModelSpec.__dataclass_fields__ if k.startswith("rope_")}
+            "window_start_layer", *TRAINING_ONLY} | {k for k in ModelSpec.__dataclass_fields__ if k.startswith("rope_")}
     out = {k: getattr(spec, k) for k in ModelSpec.__dataclass_fields__ if k not in skip}
     qkv, o, mlp = spec.biases
     out.update(kv_heads=spec.kv_groups, head_dim=spec.head_dim, qkv_bias=qkv, out_bias=o, mlp_bias=mlp)
@@ -415,7 +421,7 @@ def function_of(spec: ModelSpec) -> dict:
     if spec.sliding_window is not None:
         out.update(sliding_window=spec.sliding_window, window_start_layer=spec.window_start_layer)
     moe = ("experts", "experts_per_token", "expert_ffn", "shared_experts", "router_norm_topk", "moe_every",
-           "moe_first_dense", "aux_loss_coef", "capacity_factor")
+           "moe_first_dense")
     if not spec.experts:
         return {k: v for k, v in out.items() if k not in moe}
     out.update(expert_ffn=spec.expert_width, sparse_layers=spec.sparse_layers)

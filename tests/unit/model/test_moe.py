@@ -365,3 +365,24 @@ def test_bf16_sparse_block_routes_in_fp32():
     assert a.dtype == torch.bfloat16 and low.aux.dtype == torch.float32
     assert low.aux.item() == high.aux.item()  # the same routes and probabilities
     assert (a.float() - b).abs().max().item() <= 0.02 * b.abs().max().item()
+
+
+def test_init_from_takes_the_training_only_settings_and_refuses_architecture_ones(tmp_path, capsys):
+    """--aux-loss-coef and --capacity-factor change how a mixture of experts trains, not what it computes: with
+    --init-from they replace the config's (as --dropout does); --experts-per-token is the architecture's."""
+    from dspipe.rundir import load_run
+    from tests.helpers import run_cli
+
+    d, _ = _family_dir(tmp_path, "mixtral")
+    cpu2 = ["--nodes", "1", "--gpus-per-node", "2", "--gpu", "cpu"]
+    out = tmp_path / "run"
+    code = run_cli("gen-config", *cpu2, "--init-from", d, "--aux-loss-coef", "0.01", "--capacity-factor", "1.5",
+                   "--zero", "2", "--ep", "2", "--data", tmp_path / "nodata", "--out", out)
+    assert code == 0, capsys.readouterr().err
+    model = load_run(out).model
+    assert (model.aux_loss_coef, model.capacity_factor, model.experts, model.experts_per_token) == (0.01, 1.5, 4, 2)
+    capsys.readouterr()
+    assert run_cli("plan", *cpu2, "--init-from", d, "--experts-per-token", "1") == 2
+    err = capsys.readouterr().err
+    assert f"--experts-per-token 1 contradicts --init-from {d} (experts_per_token 2 from its config.json)" in err
+    assert len(err.strip().splitlines()) == 1

@@ -15,20 +15,13 @@ from torch.utils.checkpoint import checkpoint
 from dspipe.errors import SpecError
 from dspipe.model.gpt import GPT, INIT_STD, MLP, Block, SparseMLP, lm_loss
 from dspipe.spec.core import ModelSpec
+from tests.unit.model.test_hf import _perturb
 
 TOL = 1e-5
 V, S, H = 96, 32, 32
 MOE = ModelSpec("moe", 3, H, 4, V, S, 48, dropout=0.0, tied_embeddings=False, norm="rmsnorm", mlp="swiglu",
                 positions="rope", kv_heads=2, bias=False, norm_eps=1e-5, experts=4, experts_per_token=2)
 
-
-def _perturb(model, seed=0):
-    """Non-trivial norms (HF initialises them to 1), so a swapped or missed tensor cannot hide."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    return model
 
 
 def _tokens(n=2, seq=S):

@@ -9,6 +9,10 @@ are those of a run that starts.
     python benchmarks/startup_memory.py --hf-llama              # from a random 147M LlamaForCausalLM it writes
                                                                 # (save_pretrained, safetensors); checks step 1's
                                                                 # loss against transformers' on the same batch
+    python benchmarks/startup_memory.py --experts 8 --ep 1 2 --layers 4 --ranks 2 --zero 2
+                                                                # a mixture of experts (ffn 4 x hidden per
+                                                                # expert, top 2) at each ep: a rank builds the
+                                                                # dense parameters and experts / ep per block
 """
 from __future__ import annotations
 
@@ -54,6 +58,8 @@ def main() -> None:
     ap.add_argument("--init-from", default=None, help="a Hugging Face directory instead of the shape flags")
     ap.add_argument("--hf-llama", action="store_true", help="write a random 147M Llama and start from it")
     ap.add_argument("--data", default=None, help="a prepared data directory (default: prepare a small one)")
+    ap.add_argument("--experts", type=int, default=0, help="routed experts per block (0: dense)")
+    ap.add_argument("--ep", type=int, nargs="+", default=[1], help="expert-parallel sizes, one launch each")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="dspipe-startup-"))
     data = args.data
@@ -72,9 +78,23 @@ def main() -> None:
         args.init_from = str(work / "hf-llama")
     model = ["--init-from", args.init_from] if args.init_from else [
         "--layers", args.layers, "--hidden", args.hidden, "--heads", args.heads, "--vocab", args.vocab]
-    dspipe("gen-config", *model, *common, "--out", work / "big")
-    tiny = launch(work / "tiny", ranks=args.ranks, port=29641)
-    big = launch(work / "big", ranks=args.ranks, port=29642)
+    tiny = None
+    for i, ep in enumerate(args.ep):
+        moe = ["--experts", args.experts, "--ep", ep] if args.experts else []
+        dspipe("gen-config", *model, *moe, *common, "--out", work / f"big-ep{ep}")
+        tiny = tiny or launch(work / "tiny", ranks=args.ranks, port=29641)
+        big = launch(work / f"big-ep{ep}", ranks=args.ranks, port=29642 + i)
+        if args.experts:
+            print(f"ep {ep}: parameters built per rank {big['startup']['built_params']}")
+        report(big, tiny=tiny, args=args)
+    if hf is not None:
+        ours = step1_loss(work / "big-ep1")
+        theirs = first_batch_loss(hf, data=Path(data), windows=args.ranks)
+        print(f"  step-1 loss {ours:.7f}, transformers' on the same batch {theirs:.7f} (diff {abs(ours - theirs):.1e})")
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def report(big: dict, *, tiny: dict, args) -> None:
     fp32_model = big["params"] * 4 / MIB
     growth = max(big["startup"]["peak_rss_mib"]) - max(tiny["startup"]["peak_rss_mib"])
     build = max(b - a for a, b in zip(big["startup"]["rss_before_build_mib"], big["startup"]["build_rss_mib"]))
@@ -90,11 +110,6 @@ def main() -> None:
         p = big["predicted"]
         print(f"  plan: host per rank {p.get('host_per_rank_bytes', 0) / MIB:,.0f} MiB, "
               f"{p.get('seconds', 0):.1f} s to the first step (build + import)")
-    if hf is not None:
-        ours = step1_loss(work / "big")
-        theirs = first_batch_loss(hf, data=Path(data), windows=args.ranks)
-        print(f"  step-1 loss {ours:.7f}, transformers' on the same batch {theirs:.7f} (diff {abs(ours - theirs):.1e})")
-    shutil.rmtree(work, ignore_errors=True)
 
 
 def write_llama(path: Path, *, data: Path, vocab: int):

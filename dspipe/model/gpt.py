@@ -34,15 +34,49 @@ def _generator(seed: int, index: int) -> torch.Generator:
 
 
 Draw = Callable[[], torch.Tensor]
-"""A parameter's step-0 value, whole, fp32, on the CPU; called in declaration order (draws share a generator)."""
+"""A parameter's step-0 value, whole, fp32, on the CPU; called in declaration order (draws share a generator).
+Each also has `skip()`: what a parameter this rank does not hold calls instead, so the draws after it are unchanged
+(a normal draw advances its generator exactly as the whole draw would, in bounded chunks, allocating no tensor of
+the parameter's size)."""
+
+SKIP_CHUNK = 1 << 16
+"""Elements per chunk of a skipped normal draw (a multiple of 16: torch's CPU normal fills 16-element blocks and
+redraws a last partial block, so chunks of 16k elements and a whole tail consume the generator as one draw)."""
+
+
+class _Normal:
+    def __init__(self, gen: torch.Generator, shape: tuple, std: float):
+        self.gen, self.shape, self.std = gen, shape, std
+
+    def __call__(self) -> torch.Tensor:
+        return torch.randn(self.shape, generator=self.gen, device="cpu", dtype=torch.float32) * self.std
+
+    def skip(self) -> None:
+        left = math.prod(self.shape)
+        chunk = torch.empty(SKIP_CHUNK, dtype=torch.float32) if left > SKIP_CHUNK + 16 else None
+        while left > SKIP_CHUNK + 16:  # the tail (over 16 elements whenever a chunk was drawn) is drawn whole
+            torch.randn(SKIP_CHUNK, generator=self.gen, out=chunk)
+            left -= SKIP_CHUNK
+        torch.randn(left, generator=self.gen, dtype=torch.float32)
+
+
+class _Constant:
+    def __init__(self, shape: tuple, value: float):
+        self.shape, self.value = shape, value
+
+    def __call__(self) -> torch.Tensor:
+        return torch.full(self.shape, self.value, device="cpu", dtype=torch.float32)
+
+    def skip(self) -> None:
+        pass
 
 
 def _normal(gen: torch.Generator, shape: tuple, std: float) -> Draw:
-    return lambda: torch.randn(shape, generator=gen, device="cpu", dtype=torch.float32) * std
+    return _Normal(gen, shape, std)
 
 
 def _constant(shape: tuple, value: float) -> Draw:
-    return lambda: torch.full(shape, value, device="cpu", dtype=torch.float32)
+    return _Constant(shape, value)
 
 
 def _linear_values(linear: nn.Linear, gen: torch.Generator, std: float):

@@ -10,7 +10,10 @@ holds more of the model than its mode needs, and give it its step-0 weights: dsp
                  written by rank 0 and re-partitioned (GatheredParameters).
     device/host  constructed on the meta device, materialised in the training dtype on the accelerator (device)
                  or the host (host: AutoTP shards the whole module inside deepspeed.initialize), one tensor at a
-                 time.
+                 time. A mixture of experts under expert parallelism (ep > 1): only the dense parameters and this
+                 rank's experts [ep_rank x E/ep, (ep_rank + 1) x E/ep) of each sparse block; the other experts stay
+                 on the meta device, never drawn (their draws skipped: dspipe.model.gpt's Draw.skip) nor read,
+                 until dspipe.runtime.moe replaces the SparseMLP by this rank's experts.
     stage        pp > 1: DeepSpeed's PipelineModule builds only this rank's LayerSpecs.
 """
 from __future__ import annotations
@@ -29,10 +32,11 @@ def training_dtype(precision: str):
     return getattr(torch, DTYPES[precision])
 
 
-def build_module(run: Run, *, mpu=None, checkpoint_fn=None):
+def build_module(run: Run, *, mpu=None, checkpoint_fn=None, rank: int | None = None):
     """The plain GPT (pp=1) or its PipelineModule (pp>1) with its step-0 weights (dspipe.runtime.parallelize wires
     recomputation and sequence parallelism afterwards). `mpu`: the sequence-parallel groups (given to zero.Init's
-    config check); `checkpoint_fn`: DeepSpeed's checkpoint function, a pipeline's for its full recomputation."""
+    config check); `checkpoint_fn`: DeepSpeed's checkpoint function, a pipeline's for its full recomputation;
+    `rank`: this process's global rank (None: torch.distributed's, else 0), whose ep rank is rank % ep."""
     plan = run.plan
     mode = build_mode(zero_stage=plan.zero_stage, tp=plan.tp, pp=plan.pp)
     weights = None
@@ -45,8 +49,24 @@ def build_module(run: Run, *, mpu=None, checkpoint_fn=None):
     elif mode == "partitioned":
         model = _partitioned(run, weights=weights, mpu=mpu)
     else:
-        model = _materialised(run, weights=weights, on_device=mode == "device")
+        model = _materialised(run, weights=weights, on_device=mode == "device", local=local_experts(run, rank=rank))
     return model
+
+
+def local_experts(run: Run, *, rank: int | None) -> range | None:
+    """The experts of each sparse block this rank holds under expert parallelism (None: every expert; a layout
+    dspipe.runtime.moe refuses builds whole and is refused there)."""
+    from dspipe.runtime.experts import expert_parallel
+
+    ep, experts = expert_parallel(run), run.model.experts
+    if ep <= 1 or not experts or experts % ep:
+        return None
+    if rank is None:
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    per = experts // ep
+    return range(rank % ep * per, (rank % ep + 1) * per)
 
 
 def _stage(run: Run, *, checkpoint_fn, weights):
@@ -65,9 +85,10 @@ def _stage(run: Run, *, checkpoint_fn, weights):
     return model
 
 
-def _materialised(run: Run, *, weights, on_device: bool):
+def _materialised(run: Run, *, weights, on_device: bool, local: range | None = None):
     """Constructed on the meta device (no memory, no default init), then each tensor allocated in the training
-    dtype on its device and written from one fp32 value at a time."""
+    dtype on its device and written from one fp32 value at a time. `local`: the experts of each sparse block to
+    materialise (None: all); the others' parameters stay meta, their draws skipped, their weights not read."""
     import torch
     from deepspeed.accelerator import get_accelerator
 
@@ -76,14 +97,36 @@ def _materialised(run: Run, *, weights, on_device: bool):
     with torch.device("meta"):
         model = GPT(run.model, seed=None)
     device = get_accelerator().device_name(int(os.environ.get("LOCAL_RANK", "0"))) if on_device else "cpu"
-    model = model.to(dtype=training_dtype(run.plan.precision)).to_empty(device=device)
+    model = model.to(dtype=training_dtype(run.plan.precision))
+    if local is None:
+        model = model.to_empty(device=device)
+    else:
+        remote = {id(m) for i in run.model.sparse_layers for e, expert in enumerate(model.h[i].mlp.experts)
+                  if e not in local for m in expert.modules()}
+        for m in model.modules():
+            if id(m) not in remote:
+                m.to_empty(device=device, recurse=False)
     if weights is None:
-        fill(model, seed=run.train.seed)
+        if local is None:
+            fill(model, seed=run.train.seed)
+        else:
+            fill(model, seed=run.train.seed, write=_draw_or_skip)
     else:
         from dspipe.model.hf_weights import load_into_module
 
-        load_into_module(model, weights, spec=run.model)
+        load_into_module(model, weights, spec=run.model, write=None if local is None else _read_or_skip(weights))
     return model
+
+
+def _draw_or_skip(param, draw) -> None:
+    if param.is_meta:
+        draw.skip()
+    else:
+        param.copy_(draw())
+
+
+def _read_or_skip(weights):
+    return lambda param, name: None if param.is_meta else param.copy_(weights.full(name))
 
 
 def _partitioned(run: Run, *, weights, mpu):

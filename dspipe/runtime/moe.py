@@ -32,7 +32,8 @@ class NativeMoE(nn.Module):
 
         self.k, self.norm_topk = spec.experts_per_token, spec.router_norm_topk
         cf = spec.capacity_factor
-        template = sparse.experts[0]
+        local = spec.experts // ep
+        template = sparse.experts[ep_rank * local]  # a local expert: the others may be meta (dspipe.runtime.build)
         weight = sparse.router.weight
         with torch.random.fork_rng(devices=[]):  # the gate's throwaway default init must not move the seed streams
             moe = MoE(spec.hidden, expert=template, num_experts=spec.experts, ep_size=ep, k=self.k,
@@ -40,7 +41,6 @@ class NativeMoE(nn.Module):
                       noisy_gate_policy=None, drop_tokens=cf is not None, use_rts=False,
                       top2_2nd_expert_sampling=False)
         self.moe = moe.to(device=weight.device, dtype=weight.dtype)
-        local = spec.experts // ep
         with torch.no_grad():
             self.gate_weight.copy_(weight)
             for i, expert in enumerate(self.moe.deepspeed_moe.experts.deepspeed_experts):

@@ -67,11 +67,12 @@ class StartupClock:
 
     def mark(self, name: str, *, module=None) -> None:
         """`module` given: also count the parameter values this rank holds of it (a ZeRO-3 parameter: its
-        partition; a pipeline stage: its own layers)."""
+        partition; a pipeline stage: its own layers; under expert parallelism: not the meta experts of other
+        ranks)."""
         self.marks[name] = (time.time() - self.started, peak_rss_mib())
         if module is not None:
             self.built_params = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel()
-                                    for p in module.parameters())
+                                    for p in module.parameters() if not p.is_meta)
 
     def gathered(self, *, mode: str, host_is_device: bool) -> dict:
         """Collective, at the end of start-up: every rank's figures, rank by rank, as engine.json's "startup"

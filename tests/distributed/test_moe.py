@@ -8,7 +8,8 @@ save_pretrained with the corpus's tokenizer, trained with `--init-from` on DeepS
     Mixtral ep 1, ZeRO-1     the same global batches: every step's loss within 1e-5 of ep 2's, aux_loss logged
     Qwen3-MoE ep 2, ZeRO-2   lr 1e-12: step 1's LM loss is transformers', export-hf computes transformers' logits
 
-A resume at another ep or dp is refused by name (checked in this process, no launch)."""
+A resume at another ep or dp is refused by name (checked in this process, no launch). Each launch's start-up
+(engine.json) records what each rank built: at ep 2 the dense parameters and its own experts, the planner's count."""
 import math
 import shutil
 
@@ -88,6 +89,23 @@ def exported_logits(run, out, ids):
         return type(exported).__name__, exported(ids).logits, load_gpt(tag, meta=ckpt.read_meta(tag))(ids)
 
 
+def built_params(run) -> list[int]:
+    """The parameter values each rank built at start-up (engine.json's "startup")."""
+    import json
+
+    return json.loads((run / "engine.json").read_text())["startup"]["built_params"]
+
+
+def planned_params(run, *, ep: int) -> int:
+    """The planner's parameters per rank at start-up (dense + experts / ep of each sparse block)."""
+    from dspipe.planner.stages import stage_params
+    from dspipe.rundir import load_run
+
+    r = load_run(run)
+    assert r.plan.ep == ep
+    return stage_params(model=r.model, pp=1, partition_method=r.plan.partition_method, tp=1, ep=ep)[0]
+
+
 def test_mixtral_expert_parallel_equals_ep1_resumes_exactly_and_exports(tmp_path, corpus, monkeypatch):
     from dspipe.rundir import load_run
 
@@ -133,6 +151,10 @@ def test_mixtral_expert_parallel_equals_ep1_resumes_exactly_and_exports(tmp_path
     assert float(rows2[-1]["loss"]) < float(rows2[0]["loss"]) - 0.01  # it trained
     assert all(0 < a < 2 * EXPERTS for a in aux) and all(float(row["aux_loss"]) > 0 for row in rows1)
     assert cls == "MixtralForCausalLM" and (logits - ours).abs().max().item() < LOGITS_TOL and moved > 1e-2
+    # start-up: each ep 2 rank built (read) the dense parameters and its own experts, the planner's count
+    for run, ep in ((ep2, 2), (ep1, 1)):
+        assert built_params(run) == [planned_params(run, ep=ep)] * 2, (run.name, built_params(run))
+    assert built_params(ep1)[0] - built_params(ep2)[0] == 2 * (EXPERTS // 2) * 3 * 64 * 48  # 2 layers' 2 experts
 
     # a resume at another ep or dp: refused by name before anything is built
     other = {"ep1-zero2": (2, "1"), "dp4-zero2": (4, "2")}  # the same ZeRO stage: (gpus, ep)
@@ -164,5 +186,6 @@ def test_qwen3_moe_expert_parallel_starts_from_transformers_and_exports_its_logi
           f"logits {(logits - hf_logits).abs().max().item():.3g}")
     assert abs(float(rows[0]["loss"]) - expected) < LOSS_TOL
     assert float(rows[0]["aux_loss"]) > 0
+    assert built_params(run) == [planned_params(run, ep=2)] * 2  # dense + this rank's experts, read lazily
     assert cls == "Qwen3MoeForCausalLM"
     assert (logits - hf_logits).abs().max().item() < LOGITS_TOL and (logits - ours).abs().max().item() < LOGITS_TOL

@@ -71,8 +71,21 @@ class _Constant:
         pass
 
 
+class _OwnNormal(_Normal):
+    """A normal draw from a generator of its own: skipping it leaves every other draw unchanged at no cost."""
+
+    def skip(self) -> None:
+        pass
+
+
 def _normal(gen: torch.Generator, shape: tuple, std: float) -> Draw:
     return _Normal(gen, shape, std)
+
+
+def expert_generator(seed: int, *, block: int, expert: int) -> torch.Generator:
+    """Routed expert `expert` of block `block`'s own stream (distinct from every block's and from each other for
+    experts < 8191): a rank that does not hold an expert (expert parallelism) neither draws nor skips its values."""
+    return torch.Generator().manual_seed((seed * 100_003 + block + 1) * 8_191 + 1 + expert)
 
 
 def _constant(shape: tuple, value: float) -> Draw:
@@ -384,8 +397,18 @@ class Block(nn.Module):
             yield from ((self.mlp.c_fc, std), (self.mlp.c_proj, resid_std))
             return
         yield self.mlp.router, std
-        for mlp in (*self.mlp.experts, *([self.mlp.shared] if self.mlp.shared is not None else [])):
-            yield from ((mlp.c_fc, std), (mlp.c_proj, resid_std))  # every expert its own draws
+        if self.mlp.shared is not None:
+            yield from ((self.mlp.shared.c_fc, std), (self.mlp.shared.c_proj, resid_std))
+
+    def _expert_values(self, *, seed: int, std: float, resid_std: float):
+        """Each routed expert from its own generator (expert_generator)."""
+        for e, mlp in enumerate(self.mlp.experts if self.sparse else ()):
+            gen = expert_generator(seed, block=self.index, expert=e)
+            yield mlp.c_fc.weight, _OwnNormal(gen, (mlp.c_fc.out_features, mlp.c_fc.in_features), std)
+            yield mlp.c_proj.weight, _OwnNormal(gen, (mlp.c_proj.out_features, mlp.c_proj.in_features), resid_std)
+            for linear in (mlp.c_fc, mlp.c_proj):
+                if linear.bias is not None:
+                    yield linear.bias, _constant((linear.out_features,), 0.0)
 
     def initial_values(self, *, seed: int):
         gen = _generator(seed, self.index + 1)
@@ -393,6 +416,7 @@ class Block(nn.Module):
         for linear, std in ((self.attn.c_attn, INIT_STD), (self.attn.c_proj, resid_std),
                             *self._mlp_linears(INIT_STD, resid_std)):
             yield from _linear_values(linear, gen, std)
+        yield from self._expert_values(seed=seed, std=INIT_STD, resid_std=resid_std)
         yield from _norm_values(self.ln_1)
         yield from _norm_values(self.ln_2)
         for norm in (self.attn.q_norm, self.attn.k_norm):  # after the draws: other models' values do not move

@@ -12,7 +12,8 @@ holds more of the model than its mode needs, and give it its step-0 weights: dsp
                  or the host (host: AutoTP shards the whole module inside deepspeed.initialize), one tensor at a
                  time. A mixture of experts under expert parallelism (ep > 1): only the dense parameters and this
                  rank's experts [ep_rank x E/ep, (ep_rank + 1) x E/ep) of each sparse block; the other experts stay
-                 on the meta device, never drawn (their draws skipped: dspipe.model.gpt's Draw.skip) nor read,
+                 on the meta device, never drawn (each expert has its own seeded stream,
+                 dspipe.model.gpt.expert_generator, so skipping one costs nothing) nor read,
                  until dspipe.runtime.moe replaces the SparseMLP by this rank's experts.
     stage        pp > 1: DeepSpeed's PipelineModule builds only this rank's LayerSpecs.
 """

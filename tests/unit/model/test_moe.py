@@ -379,3 +379,21 @@ def test_init_from_takes_the_training_only_settings_and_refuses_architecture_one
     err = capsys.readouterr().err
     assert f"--experts-per-token 1 contradicts --init-from {d} (experts_per_token 2 from its config.json)" in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_each_expert_draws_from_its_own_stream():
+    """A rank that holds experts 2-3 only (ep 2) builds them without drawing experts 0-1: each expert's values come
+    from expert_generator(seed, block, expert), the same whether the others are drawn or not, and all differ."""
+    from dspipe.model.gpt import expert_generator
+
+    gpt = GPT(MOE, seed=7)
+    resid_std = INIT_STD / (2 * MOE.layers) ** 0.5
+    for block in MOE.sparse_layers:
+        experts = gpt.h[block].mlp.experts
+        for e, mlp in enumerate(experts):
+            gen = expert_generator(7, block=block, expert=e)
+            fc = torch.randn(mlp.c_fc.weight.shape, generator=gen) * INIT_STD
+            proj = torch.randn(mlp.c_proj.weight.shape, generator=gen) * resid_std
+            assert torch.equal(mlp.c_fc.weight, fc) and torch.equal(mlp.c_proj.weight, proj)
+        assert not torch.equal(experts[0].c_fc.weight, experts[1].c_fc.weight)
+    assert not torch.equal(gpt.h[0].mlp.experts[0].c_fc.weight, gpt.h[1].mlp.experts[0].c_fc.weight)

@@ -164,3 +164,25 @@ def edit_hf_config(directory, **edits) -> None:
         else:
             cfg[key] = value
     path.write_text(json.dumps(cfg))
+
+
+def save_hf_checkpoint(path, *, cls: str, config_cls: str, config: dict, seed: int, tokenizer_dir):
+    """A random tiny transformers `cls` model (built from `config_cls(**config)` under `seed`) with its 1-d weights
+    (norms, biases) moved off their initial ones and zeros, written by save_pretrained with the tokenizer files of
+    `tokenizer_dir` beside it; returns the model transformers loads back from `path` (it computes what the files
+    say)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    model = getattr(transformers, cls)(getattr(transformers, config_cls)(**config)).float().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn(p.shape) * 0.2)
+    model.save_pretrained(path)
+    for f in Path(tokenizer_dir).iterdir():
+        shutil.copy(f, Path(path) / f.name)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(path).float().eval()
+    assert type(loaded).__name__ == cls
+    return loaded

@@ -190,7 +190,7 @@ def moe_dispatch_flops_per_token(model: ModelSpec, *, tokens: int) -> float:
 def step_time(*, model: ModelSpec, cluster: ClusterSpec, plan: Plan, phi: int) -> StepTime:
     """The step's seconds on the slowest stage, whose ranks hold `phi` parameters each."""
     gpu = cluster.gpu_type
-    n, pp, m, tp, sp = zero_group_size(plan), plan.pp, plan.grad_accum, plan.tp, plan.sp
+    pp, m, tp, sp = plan.pp, plan.grad_accum, plan.tp, plan.sp
     b = 2 if plan.precision in ("bf16", "fp16") else 4
     layers_per_stage = math.ceil(model.layers / pp)
 

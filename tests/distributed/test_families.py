@@ -10,13 +10,12 @@ transformers' too (every gradient reduced where the layout splits it: q/k norms 
 Every family runs every layout (none is refused). One test a family, one launch a layout (20 in all)."""
 import json
 import math
-import shutil
 
 import pytest
 import torch
 
 from dspipe.runtime import checkpoint as ckpt
-from tests.helpers import OFFLINE, dspipe, dspipe_offline, launch, metrics
+from tests.helpers import OFFLINE, dspipe, dspipe_offline, launch, metrics, save_hf_checkpoint
 
 pytestmark = pytest.mark.distributed
 
@@ -58,21 +57,9 @@ def family_dir(path, family: str, corpus):
     """A random tiny checkpoint of `family` (save_pretrained) with weights large enough that its loss is far from
     ln(vocab), RMSNorm weights (q/k norms included) and biases not at their initial ones and zeros, and the corpus's
     tokenizer beside it; returns the model transformers loads back from it (it computes what the files say)."""
-    import transformers
-
     cls, config_cls, kwargs, _ = FAMILIES[family]
-    torch.manual_seed(sorted(FAMILIES).index(family) + 21)
-    model = getattr(transformers, cls)(getattr(transformers, config_cls)(**{**BASE, **kwargs})).float().eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:  # norm weights and biases
-                p.add_(torch.randn(p.shape) * 0.2)
-    model.save_pretrained(path)
-    for f in (corpus / "tokenizer").iterdir():
-        shutil.copy(f, path / f.name)
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(path).float().eval()
-    assert type(loaded).__name__ == cls
-    return loaded
+    return save_hf_checkpoint(path, cls=cls, config_cls=config_cls, config={**BASE, **kwargs},
+                              seed=sorted(FAMILIES).index(family) + 21, tokenizer_dir=corpus / "tokenizer")
 
 
 def gen_config(run, corpus, hf_dir, steps, *flags):

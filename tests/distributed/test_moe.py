@@ -11,14 +11,13 @@ save_pretrained with the corpus's tokenizer, trained with `--init-from` on DeepS
 A resume at another ep or dp is refused by name (checked in this process, no launch). Each launch's start-up
 (engine.json) records what each rank built: at ep 2 the dense parameters and its own experts, the planner's count."""
 import math
-import shutil
 
 import pytest
 import torch
 
 from dspipe.errors import SpecError
 from dspipe.runtime import checkpoint as ckpt
-from tests.helpers import OFFLINE, csv_rows, dspipe, dspipe_offline, launch, ok, written_metrics
+from tests.helpers import OFFLINE, csv_rows, dspipe, dspipe_offline, launch, ok, save_hf_checkpoint, written_metrics
 
 pytestmark = pytest.mark.distributed
 
@@ -39,21 +38,9 @@ FAMILIES = {
 def family_dir(path, family: str, corpus):
     """A random tiny checkpoint (save_pretrained; norm weights moved off 1) with the corpus's tokenizer beside it;
     returns the model transformers loads back from it."""
-    import transformers
-
     cls, config_cls, kwargs = FAMILIES[family]
-    torch.manual_seed(sorted(FAMILIES).index(family) + 31)
-    model = getattr(transformers, cls)(getattr(transformers, config_cls)(**{**BASE, **kwargs})).float().eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.add_(torch.randn(p.shape) * 0.2)
-    model.save_pretrained(path)
-    for f in (corpus / "tokenizer").iterdir():
-        shutil.copy(f, path / f.name)
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(path).float().eval()
-    assert type(loaded).__name__ == cls
-    return loaded
+    return save_hf_checkpoint(path, cls=cls, config_cls=config_cls, config={**BASE, **kwargs},
+                              seed=sorted(FAMILIES).index(family) + 31, tokenizer_dir=corpus / "tokenizer")
 
 
 def gen_config(run, corpus, hf_dir, *flags, gpus=2):

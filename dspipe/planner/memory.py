@@ -51,7 +51,11 @@ Mixture of experts (DeepSpeed's native MoE layer, ep expert-parallel ranks insid
 a rank holds the dense parameters Phi_d (attention, norms, embeddings, routers, shared experts) and experts / ep of
 every sparse block's routed experts, Phi_e = routed_expert_params / ep, so Phi = Phi_d + Phi_e; DeepSpeed puts the
 experts in their own optimizer groups, partitioned by ZeRO over the expert-data-parallel group (dp / ep ranks), so
-every X.Phi/N above is X.Phi_d/dp + X.Phi_e/(dp/ep) (stages.param_groups). A sparse block's MLP saves
+every X.Phi/N above is X.Phi_d/dp + X.Phi_e/(dp/ep) (stages.param_groups), except ZeRO-2's live 16-bit gradients
+in bf16 (fp32 gradient accumulation): b.Phi_d/dp as a dense model's, but of the experts only b.Phi_e/(dp/ep) x the
+share of an expert's parameters in tensors larger than the reduce bucket (expert_grads_kept; DeepSpeed reduces a
+bucketed gradient straight into the fp32 partition and keeps no 16-bit copy: 0 for most MoE shapes, whose expert
+matrices fit the h x h bucket; fp16 and fp32 keep every gradient of the partition). A sparse block's MLP saves
 moe_mlp_activation_bytes instead of the dense MLP's hidden activations: the router's fp32 logits and probabilities,
 the einsum dispatch's (tokens, E, C) dispatch mask and combine weights, the capacity-padded experts' inputs, hidden
 activations and outputs (the all-to-alls' buffers); dropless capacity C is planned at MOE_LOAD_HEADROOM x the mean
@@ -388,6 +392,16 @@ def zero3_backward_working(*, model: ModelSpec, plan: Plan) -> int:
     return max(blocks, at_head)
 
 
+def expert_grads_kept(*, model: ModelSpec, reduce_bucket_size: int) -> tuple[int, int]:
+    """(elements, of) one routed expert's parameters whose 16-bit gradients ZeRO-2 keeps in bf16 with fp32 gradient
+    accumulation (DeepSpeed 0.19.8's compact gradient partition): a tensor of at most reduce_bucket_size elements is
+    copied into the reduce (ipg) bucket, reduced into the fp32 partition and its gradient left a view of the bucket;
+    only a larger one is reduced on its own and keeps its gradient until the end of the backward (census of the moe-*
+    rows: none of the 0.5M-1M-element experts' gradients is live at the peak)."""
+    sizes = [math.prod(shape) for _, shape in model.expert_tensors()]
+    return sum(n for n in sizes if n > reduce_bucket_size), sum(sizes)
+
+
 def _model_states(*, model: ModelSpec, plan: Plan, phi: int) -> tuple[dict, dict]:
     """(steady, transient) device bytes per rank for params/grads/optimizer/buffers on a stage of phi parameters
     per rank; the host's are _host_states'. What is partitioned (Phi/N below) is summed over stages.param_groups:
@@ -424,6 +438,12 @@ def _model_states(*, model: ModelSpec, plan: Plan, phi: int) -> tuple[dict, dict
     elif z in (1, 2):
         steady = dict(params=b * phi, grads=0, optimizer=part(12), buffers=0)
         live_grads = b * phi if z == 1 else part(b) + 2 * bucket
+        if z == 2 and mixed and plan.grad_accum_dtype == "fp32" and model.experts:
+            # the rank's expert gradients that the reduce buckets carry are reduced straight into the fp32 partition
+            # and never kept in 16 bits: only the expert tensors larger than the bucket keep theirs (census)
+            (_, _), (experts, g) = groups
+            kept, whole = expert_grads_kept(model=model, reduce_bucket_size=plan.reduce_bucket_size)
+            live_grads += b * experts * kept // (whole * g) - b * experts // g
         # mixed precision: the fp32 gradient partition built for the step (4Phi/N); ZeRO-2 also copies the largest
         # gradient on its way into the partition (census: an unnamed buffer of that size)
         fp32_partition = part(4) if mixed else 0

@@ -8,7 +8,7 @@ import pytest
 from dspipe.errors import SpecError
 from dspipe.planner.cost import estimate
 from dspipe.planner.memory import (MOE_LOAD_HEADROOM, activation_bytes_per_layer, expert_capacity,
-                                   moe_mlp_activation_bytes)
+                                   expert_grads_kept, moe_mlp_activation_bytes)
 from dspipe.planner.plan import make_plan
 from dspipe.planner.search import search
 from dspipe.planner.stages import stage_layer_weights, stage_params
@@ -79,6 +79,25 @@ def test_memory_falls_with_ep_as_the_formula_says(zero):
                                            + 12 * dense // dp + 12 * mine // (dp // ep))
         totals.append(est.memory.total)
     assert totals == sorted(totals, reverse=True) and totals[0] > 1.5 * totals[-1]
+
+
+@pytest.mark.parametrize("name, kept", [("qwen3-30b-a3b", False), ("mixtral-8x7b", True)])
+def test_zero2_live_expert_gradients_only_for_tensors_past_the_bucket(name, kept):
+    # bf16 (fp32 gradient accumulation): a bucketed expert gradient is reduced into the fp32 partition and not kept
+    # in 16 bits (Qwen3-30B's 2048 x 1536 experts fit the h x h bucket, Mixtral's 4096 x 28672 do not); fp32 keeps
+    # every gradient of the partition. The dense ones are charged as a dense model's.
+    m = model_preset(name, seq_len=4096)
+    dp, ep = 8, 8
+    routed = m.routed_expert_params
+    dense, mine = m.num_params - routed, routed // ep
+    plan, est = _plan(m, gpus=dp, zero=2, ep=ep, checkpointing="full")
+    grads_kept, whole = expert_grads_kept(model=m, reduce_bucket_size=plan.reduce_bucket_size)
+    assert grads_kept == (whole if kept else 0)
+    experts = 2 * mine // (dp // ep) if kept else 0
+    assert est.memory.grads == (2 * dense // dp + experts + 2 * 2 * plan.reduce_bucket_size
+                                + 4 * dense // dp + 4 * mine // (dp // ep))
+    plan, est = _plan(m, gpus=dp, zero=2, ep=ep, checkpointing="full", precision="fp32")
+    assert est.memory.grads == 4 * dense // dp + 4 * mine // (dp // ep) + 2 * 4 * plan.reduce_bucket_size
 
 
 def test_moe_activations_follow_the_documented_formula():

@@ -4,7 +4,8 @@ benchmarks/planner_accuracy.CONFIGS on the 31.5M model in bf16 and fp32 (one lau
 engines per launch), and ZeRO-3's backward peak on the two models whose modules outgrow the reduce bucket (the tied
 33.6M GPT and the untied Llama), and the issue-28 shapes (NEW_FAMILIES): a tied Qwen2-style model (q/k/v biases
 only) under ZeRO-2 and an untied Qwen3-style one (per-head q/k norm, heads twice hidden / heads wide) under ZeRO-3
-in the plain launch and at tp 2 (AutoTP splits the 128-wide heads; one launch of its own). The other rows of those
+in the plain launch and at tp 2 (AutoTP splits the 128-wide heads; one launch of its own), and a mixture of experts
+(DeepSpeed's native MoE layer) under ZeRO-1/2 at ep 1 and 2, bf16 and fp32 (one launch). The other rows of those
 sizes (BENCHMARK_ONLY) are left to `python benchmarks/planner_accuracy.py` by CI's time budget."""
 import pytest
 
@@ -13,12 +14,14 @@ from benchmarks.planner_accuracy import CONFIGS, LAUNCHES, METRICS, error, measu
 pytestmark = pytest.mark.distributed
 WIDE_ZERO3 = {"34M-zero3-offload-params-fp32", "llama-zero3-offload-params-fp32"}
 NEW_FAMILIES = {"qwen2-zero2", "qwen3-zero3", "tp2-qwen3-zero1"}
-BENCHMARK_ONLY = {name for name, (model, _) in CONFIGS.items() if model != "31M"} - WIDE_ZERO3 - NEW_FAMILIES \
+MOE = {name for name in CONFIGS if name.startswith("moe-")}
+BENCHMARK_ONLY = {name for name, (model, _) in CONFIGS.items() if model != "31M"} - WIDE_ZERO3 - NEW_FAMILIES - MOE \
     | {"zero1-fp32"}
-TESTED = [[n for n in names if n not in BENCHMARK_ONLY] for names in LAUNCHES]
+TESTED = [launch for launch in ([n for n in names if n not in BENCHMARK_ONLY] for names in LAUNCHES) if launch]
 PEAK_OVERESTIMATE = {"zero2-offload": 0.08, "zero3-offload": 0.18, "zero3-offload-params": 0.42,
                      "zero3-offload-params-reuse1e9": 0.11, "zero2-offload-fp32": 0.11,
-                     "34M-zero3-offload-params-fp32": 0.58, "llama-zero3-offload-params-fp32": 0.08}
+                     "34M-zero3-offload-params-fp32": 0.58, "llama-zero3-offload-params-fp32": 0.08,
+                     "moe-zero2-ep2-fp32": 0.07}
 """Open (issue 25's note): since ranks build their modules partitioned (zero.Init) or on the meta device, these
 offload rows' measured in-step device peaks came out lower than the planner's estimate (measured +4.4%, +13.9%,
 +37.1%, +7.3%, +7.9%, +52.3%, +4.9%; steady and host figures unchanged, within 0.2%). Diagnosed for the tied ZeRO-3
@@ -28,10 +31,16 @@ planner holds from the head's backward to the embedding's (zero3_backward_workin
 share is no longer a Python-reachable tensor; autograd may still hold it in its input buffer, which a gc census
 cannot see, so the planner keeps it (erring high on the device). The ZeRO-1/2 offload rows move by a few MiB from run
 to run (which probe is the peak). Until that is settled, these peaks may be over-estimated by at most this much,
-never under-estimated beyond 5%."""
+never under-estimated beyond 5%. moe-zero2-ep2-fp32 (+4.8% measured): the 4.5 x reduce bucket charged for
+overlap_comm, which CPU engines never allocate (the dense ZeRO-2 rows carry the same charge, against larger totals);
+the margin keeps run-to-run noise from failing it."""
 
 
-@pytest.mark.parametrize("names", TESTED, ids=[names[0] if len(names) == 1 else "plain" for names in TESTED])
+def _launch_id(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else "moe" if set(names) <= MOE else "plain"
+
+
+@pytest.mark.parametrize("names", TESTED, ids=[_launch_id(names) for names in TESTED])
 def test_predicted_model_states_within_5_percent_of_the_live_engine(names, tmp_path):
     rows = measure_launch(names, tmp_path)
     assert [r["name"] for r in rows] == names
@@ -47,4 +56,4 @@ def test_predicted_model_states_within_5_percent_of_the_live_engine(names, tmp_p
     assert {n for launch in TESTED for n in launch} >= {"zero0", "zero1", "zero2", "zero3", "zero2-offload",
                                                         "zero3-offload", "zero3-offload-params", "zero3-fp32",
                                                         "zero2-offload-fp32", "pp2-zero1", "tp2-zero1", *WIDE_ZERO3,
-                                                        *NEW_FAMILIES}
+                                                        *NEW_FAMILIES, *MOE}

@@ -186,3 +186,15 @@ def save_hf_checkpoint(path, *, cls: str, config_cls: str, config: dict, seed: i
     loaded = transformers.AutoModelForCausalLM.from_pretrained(path).float().eval()
     assert type(loaded).__name__ == cls
     return loaded
+
+
+def perturb(model, seed=0):
+    """Every weight moved by N(0, 0.05^2): non-trivial norms and biases (HF initialises them to 1 and 0), so a
+    swapped or missed tensor cannot hide."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return model

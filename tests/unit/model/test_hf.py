@@ -8,20 +8,13 @@ import torch
 
 from dspipe.errors import SpecError
 from dspipe.spec.core import ModelSpec
-from tests.helpers import edit_hf_config, run_cli
+from tests.helpers import edit_hf_config, perturb, run_cli
 
 TOL = 1e-5
 CPU2 = ["--gpu", "cpu", "--gpus-per-node", "2", "--global-batch", "8", "--micro-batch", "2", "--steps", "10",
         "--precision", "fp32"]
 
 
-def _perturb(model, seed=0):
-    """Non-trivial norms and biases (HF initialises them to 1 and 0), so a swapped or missed tensor cannot hide."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    return model
 
 
 def gpt2_model(*, tied=True, seed=0):
@@ -30,7 +23,7 @@ def gpt2_model(*, tied=True, seed=0):
     torch.manual_seed(seed)
     cfg = GPT2Config(vocab_size=96, n_positions=24, n_embd=32, n_layer=2, n_head=4, n_inner=80, resid_pdrop=0.0,
                      embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=tied)
-    return _perturb(GPT2LMHeadModel(cfg).float().eval(), seed)
+    return perturb(GPT2LMHeadModel(cfg).float().eval(), seed)
 
 
 def llama_model(*, kv_heads=2, tied=False, seed=0, **extra):
@@ -40,7 +33,7 @@ def llama_model(*, kv_heads=2, tied=False, seed=0, **extra):
     cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=72, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=24,
                       rope_theta=5000.0, rms_norm_eps=1e-5, tie_word_embeddings=tied, **extra)
-    return _perturb(LlamaForCausalLM(cfg).float().eval(), seed)
+    return perturb(LlamaForCausalLM(cfg).float().eval(), seed)
 
 
 CASES = {"gpt2-tied": lambda: gpt2_model(tied=True), "gpt2-untied": lambda: gpt2_model(tied=False),
@@ -100,7 +93,7 @@ def test_dspipe_llama_exports_to_llama_for_causal_lm_with_the_same_logits(kv_hea
 
     spec = ModelSpec("l", 2, 32, 4, 96, 24, 72, tied_embeddings=tied, norm="rmsnorm", mlp="swiglu", positions="rope",
                      rope_theta=500000.0, kv_heads=kv_heads, bias=False, norm_eps=1e-5)
-    gpt = _perturb(GPT(spec, seed=3).eval(), seed=3)
+    gpt = perturb(GPT(spec, seed=3).eval(), seed=3)
     model = hf_model(dict(gpt.state_dict()), spec, eos_id=0, source="test")
     assert type(model).__name__ == "LlamaForCausalLM" and model.config.num_key_value_heads == kv_heads
     model.save_pretrained(tmp_path / "out")

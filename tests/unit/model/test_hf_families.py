@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from dspipe.spec.core import ModelSpec
-from tests.helpers import edit_hf_config, run_cli
-from tests.unit.model.test_hf import CPU2, _perturb, _refusal
+from tests.helpers import edit_hf_config, perturb, run_cli
+from tests.unit.model.test_hf import CPU2, _refusal
 
 TOL = 1e-5
 V, S = 96, 32
@@ -76,7 +76,7 @@ def family_dir(tmp_path, family: str, *, seed=0, **save):
     cls, kwargs, edits, _ = FAMILIES[family]
     torch.manual_seed(seed)
     config = getattr(transformers, cls)(**{**BASE, **kwargs})
-    model = _perturb(getattr(transformers, ARCH[cls])(config).float().eval(), seed)
+    model = perturb(getattr(transformers, ARCH[cls])(config).float().eval(), seed)
     d = tmp_path / family
     model.save_pretrained(d, **save)
     edit_hf_config(d, **edits)
@@ -212,7 +212,7 @@ def test_dspipe_model_exports_to_the_class_that_computes_it(family, tmp_path):
     spec = expected_spec(family, "m")
     arch = ARCH[FAMILIES[family][0]]
     assert architecture_of(spec) == arch
-    gpt = _perturb(GPT(spec, seed=3).eval(), seed=3)
+    gpt = perturb(GPT(spec, seed=3).eval(), seed=3)
     model = hf_model(dict(gpt.state_dict()), spec, eos_id=0, source="test")
     model.save_pretrained(tmp_path / "out")
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
@@ -404,7 +404,7 @@ def test_generate_on_an_exported_directory(family, tmp_path, capsys):
     from dspipe.tools.generate import Model, Sampling, sample
 
     spec = expected_spec(family, "m")
-    gpt = _perturb(GPT(spec, seed=4).eval(), seed=4)
+    gpt = perturb(GPT(spec, seed=4).eval(), seed=4)
     tokenizer = _tokenizer()
     d = tmp_path / "export"
     hf_model(dict(gpt.state_dict()), spec, eos_id=0, source="test").save_pretrained(d)

@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 from dspipe.errors import SpecError
 from dspipe.model.gpt import GPT, INIT_STD, MLP, Block, SparseMLP, lm_loss
 from dspipe.spec.core import ModelSpec
-from tests.unit.model.test_hf import _perturb
+from tests.helpers import perturb
 
 TOL = 1e-5
 V, S, H = 96, 32, 32
@@ -46,7 +46,7 @@ def _sparse_pair(family: str, *, experts: int, k: int, norm: bool):
     spec = replace(MOE, hidden=16, heads=2, kv_heads=2, experts=experts, experts_per_token=k, expert_ffn=24,
                    router_norm_topk=norm)
     torch.manual_seed(1)
-    ours = _perturb(SparseMLP(spec), seed=2)
+    ours = perturb(SparseMLP(spec), seed=2)
     if family == "mixtral":
         cfg = transformers.MixtralConfig(hidden_size=16, intermediate_size=24, num_local_experts=experts,
                                          num_experts_per_tok=k)
@@ -125,7 +125,7 @@ def _family_dir(tmp_path, family: str):
 
     cls, kwargs, _ = FAMILIES[family]
     torch.manual_seed(0)
-    model = _perturb(getattr(transformers, ARCH[cls])(getattr(transformers, cls)(**{**BASE, **kwargs})).float())
+    model = perturb(getattr(transformers, ARCH[cls])(getattr(transformers, cls)(**{**BASE, **kwargs})).float())
     d = tmp_path / family
     model.save_pretrained(d)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(d).float().eval()
@@ -170,7 +170,7 @@ def test_loss_with_router_logits_is_transformers_for_one_sparse_layer(tmp_path, 
     config = getattr(transformers, cls)(**{**BASE, **kwargs, "num_hidden_layers": layers, "output_router_logits": True,
                                            "router_aux_loss_coef": 0.3})
     torch.manual_seed(0)
-    hf = _perturb(getattr(transformers, ARCH[cls])(config).float()).eval()
+    hf = perturb(getattr(transformers, ARCH[cls])(config).float()).eval()
     spec = replace(MOE, **fields, layers=layers, aux_loss_coef=0.3)
     assert len(spec.sparse_layers) == 1
     gpt = GPT(spec, seed=None).eval()
@@ -192,7 +192,7 @@ def test_export_reads_back_with_from_pretrained(tmp_path, family):
     from dspipe.model.hf import architecture_of, from_hf_state, function_of, hf_model, spec_from_hf_dir
 
     spec = replace(MOE, **FAMILIES[family][2], capacity_factor=1.25)  # training-only: the export is dropless
-    gpt = _perturb(GPT(spec, seed=3), seed=4).eval()
+    gpt = perturb(GPT(spec, seed=3), seed=4).eval()
     hf_model(dict(gpt.state_dict()), spec, eos_id=0, source="test").save_pretrained(tmp_path / "out")
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").float().eval()
     assert type(back).__name__ == architecture_of(spec) == ARCH[FAMILIES[family][0]]

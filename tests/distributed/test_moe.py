@@ -93,14 +93,19 @@ def planned_params(run, *, ep: int) -> int:
     return stage_params(model=r.model, pp=1, partition_method=r.plan.partition_method, tp=1, ep=ep)[0]
 
 
-def test_mixtral_expert_parallel_equals_ep1_resumes_exactly_and_exports(tmp_path, corpus, monkeypatch):
-    from dspipe.rundir import load_run
-
+def start_from_hf(tmp_path, family: str, corpus, monkeypatch):
+    """(checkpoint directory, the model transformers loads from it, its first-batch loss), offline."""
     for k, v in OFFLINE.items():
         monkeypatch.setenv(k, v)
     hf_dir = tmp_path / "hf"
-    hf = family_dir(hf_dir, "mixtral", corpus)
-    expected = first_loss(hf, corpus)
+    hf = family_dir(hf_dir, family, corpus)
+    return hf_dir, hf, first_loss(hf, corpus)
+
+
+def test_mixtral_expert_parallel_equals_ep1_resumes_exactly_and_exports(tmp_path, corpus, monkeypatch):
+    from dspipe.rundir import load_run
+
+    hf_dir, hf, expected = start_from_hf(tmp_path, "mixtral", corpus, monkeypatch)
     assert abs(expected - math.log(VOCAB)) > 0.3, expected
     train = ["--steps", "6", "--lr", "3e-3", "--save-interval", "3"]
 
@@ -156,11 +161,7 @@ def test_mixtral_expert_parallel_equals_ep1_resumes_exactly_and_exports(tmp_path
 
 
 def test_qwen3_moe_expert_parallel_starts_from_transformers_and_exports_its_logits(tmp_path, corpus, monkeypatch):
-    for k, v in OFFLINE.items():
-        monkeypatch.setenv(k, v)
-    hf_dir = tmp_path / "hf"
-    hf = family_dir(hf_dir, "qwen3-moe", corpus)
-    expected = first_loss(hf, corpus)
+    hf_dir, hf, expected = start_from_hf(tmp_path, "qwen3-moe", corpus, monkeypatch)
     run = tmp_path / "run"
     gen_config(run, corpus, hf_dir, "--steps", "2", "--lr", "1e-12", "--weight-decay", "0", "--zero", "2", "--ep", "2")
     ok(launch(run))

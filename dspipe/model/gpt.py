@@ -325,19 +325,41 @@ class MLP(nn.Module):
         return self.drop(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))
 
 
-def route(logits: torch.Tensor, *, k: int, norm_topk: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Router logits (tokens, E) -> softmax probabilities over all experts (fp32), the top-k weights (renormalised
-    to sum to 1 when `norm_topk`) and the chosen experts (tokens, k), as Mixtral and Qwen3-MoE route."""
+def route(logits: torch.Tensor, *, k: int, norm_topk: bool, score: str = "softmax",
+          scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Router logits (tokens, E) -> (each token's expert probabilities for the balance loss (tokens, E), its top-k
+    combine weights, its chosen experts (tokens, k)), in fp32.
+
+    softmax (Mixtral, Qwen3-MoE): the scores are the softmax over all experts, and also the probabilities.
+    sigmoid (DeepSeek-V3): the scores are each expert's own sigmoid; the probabilities are the scores divided by
+    their sum over the experts (DeepSeek-V3's normalised affinities).
+    Either way the chosen experts are the k largest softmax probabilities, the order sigmoid gives too (both rise
+    with the logit), ranked exactly as DeepSpeed's gate ranks them. Their weights are their scores, divided by their
+    sum when `norm_topk` (+ 1e-20 for sigmoid, as DeepSeek-V3), then times `scale` (its routed_scaling_factor).
+    DeepSeek-V3's expert-bias and group-limited selection are not computed (DeepSpeed's gate cannot rank by them)."""
     probs = logits.float().softmax(dim=-1)
-    weights, chosen = probs.topk(k, dim=-1)
-    if norm_topk:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return probs, weights, chosen
+    _, chosen = probs.topk(k, dim=-1)
+    if score == "softmax":
+        scores = probs
+    else:
+        scores = logits.float().sigmoid()
+        probs = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+    weights = scores.gather(1, chosen)
+    if norm_topk:  # sigmoid scores of very negative logits may all be ~0: DeepSeek-V3's 1e-20 keeps the sum finite
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if score == "sigmoid" else 0.0))
+    return probs, weights * scale if scale != 1 else weights, chosen
+
+
+def routing_of(spec: ModelSpec) -> dict:
+    """route's keywords for `spec`'s sparse blocks."""
+    return dict(k=spec.experts_per_token, norm_topk=spec.router_norm_topk, score=spec.router_score,
+                scale=spec.router_scale)
 
 
 def balance_loss(probs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
     """Load-balancing loss of one sparse block, E x sum_e f_e P_e: f_e the top-k routes to expert e per token
-    (sum_e f_e = k), P_e the mean router probability of e (transformers' load_balancing_loss_func, one layer)."""
+    (sum_e f_e = k), P_e the mean router probability of e (route's probabilities: transformers'
+    load_balancing_loss_func for one layer under softmax; DeepSeek-V3's normalised affinities under sigmoid)."""
     experts = probs.shape[-1]
     routes = torch.zeros(experts, device=probs.device, dtype=probs.dtype)
     routes.index_add_(0, chosen.reshape(-1), torch.ones(chosen.numel(), device=probs.device, dtype=probs.dtype))
@@ -346,13 +368,14 @@ def balance_loss(probs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
 
 class SparseMLP(nn.Module):
     """Mixture of experts, dropless, as transformers' Mixtral / Qwen3-MoE compute it: the router's logits (fp32)
-    -> softmax over every expert -> top-k (renormalised when router_norm_topk) -> each token's output is the
-    weighted sum of its k experts (each an MLP expert_width wide) plus the shared experts' MLP (no gate). The
-    block's load-balancing loss (balance_loss, with its graph) is left in `self.aux` by every forward."""
+    -> softmax (or DeepSeek-V3's sigmoid) scores -> top-k (renormalised when router_norm_topk, times router_scale)
+    -> each token's output is the weighted sum of its k experts (each an MLP expert_width wide) plus the shared
+    experts' MLP (no gate). The block's load-balancing loss (balance_loss, with its graph) is left in `self.aux` by
+    every forward."""
 
     def __init__(self, spec: ModelSpec):
         super().__init__()
-        self.k, self.norm_topk = spec.experts_per_token, spec.router_norm_topk
+        self.routing = routing_of(spec)
         self.router = nn.Linear(spec.hidden, spec.experts, bias=False)
         self.experts = nn.ModuleList(MLP(spec, width=spec.expert_width) for _ in range(spec.experts))
         self.shared = MLP(spec, width=spec.shared_experts * spec.expert_width) if spec.shared_experts else None
@@ -361,7 +384,7 @@ class SparseMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         logits = F.linear(flat.float(), self.router.weight.float())
-        probs, weights, chosen = route(logits, k=self.k, norm_topk=self.norm_topk)
+        probs, weights, chosen = route(logits, **self.routing)
         self.aux = balance_loss(probs, chosen)
         weights = weights.to(flat.dtype)  # the activations' dtype, as transformers and DeepSpeed weigh the outputs
         out = torch.zeros_like(flat)

@@ -420,8 +420,8 @@ def function_of(spec: ModelSpec) -> dict:
         out.update({k: getattr(spec, k) for k in wanted.get(spec.rope_scaling, ())})
     if spec.sliding_window is not None:
         out.update(sliding_window=spec.sliding_window, window_start_layer=spec.window_start_layer)
-    moe = ("experts", "experts_per_token", "expert_ffn", "shared_experts", "router_norm_topk", "moe_every",
-           "moe_first_dense")
+    moe = ("experts", "experts_per_token", "expert_ffn", "shared_experts", "router_norm_topk", "router_score",
+           "router_scale", "moe_every", "moe_first_dense")
     if not spec.experts:
         return {k: v for k, v in out.items() if k not in moe}
     out.update(expert_ffn=spec.expert_width, sparse_layers=spec.sparse_layers)
@@ -477,13 +477,18 @@ def architecture_of(spec: ModelSpec) -> str:
 def _moe_architecture(spec: ModelSpec) -> str:
     """Qwen3MoeForCausalLM (q/k norm; q/k/v/o biases all or none; any top-k normalisation, dense blocks, expert
     width) or MixtralForCausalLM (no q/k norm, no biases, top-k renormalised, every block sparse, experts ffn wide);
-    both: rmsnorm, swiglu, rope, no MLP biases, no shared experts, a window on every layer or none. Training-only
+    both: rmsnorm, swiglu, rope, no MLP biases, no shared experts, softmax routing unscaled, a window on every layer
+    or none. Training-only
     fields (capacity_factor) do not matter: the exported model is dropless, as dspipe's plain model."""
     qkv, out, mlp = spec.biases
     if (spec.norm, spec.mlp, spec.positions) != ("rmsnorm", "swiglu", "rope"):
         why = f"{MIXTRAL} and {QWEN3_MOE} are rmsnorm, swiglu, rope"
     elif spec.shared_experts:
         why = f"shared_experts {spec.shared_experts}: neither {MIXTRAL} nor {QWEN3_MOE} has shared experts"
+    elif spec.router_score != "softmax":
+        why = f"router_score {spec.router_score}: {MIXTRAL} and {QWEN3_MOE} route by softmax (sigmoid is DeepSeek-V3's)"
+    elif spec.router_scale != 1:
+        why = f"router_scale {spec.router_scale:g}: {MIXTRAL} and {QWEN3_MOE} do not scale the combine weights"
     elif mlp:
         why = f"neither {MIXTRAL} nor {QWEN3_MOE} has MLP (expert) biases"
     elif spec.sliding_window is not None and spec.window_start_layer:

@@ -4,10 +4,12 @@ model's router as its gate and this rank's experts [ep_rank x E/ep, (ep_rank + 1
 
 The output equals the plain SparseMLP's (dropless, no noise, no random token selection): DeepSpeed's gate only
 routes (which experts, which capacity slots); the weights its combine applies are replaced (a forward hook on the
-gate) by the model's own (dspipe.model.gpt.route: the top-k softmax probabilities, renormalised only when
-router_norm_topk, where DeepSpeed always renormalises for k >= 2 and never for k = 1), computed from the same
-router weight with their graph, so the router's gradient is the plain model's too. The load-balancing loss is the
-model's (dspipe.model.gpt.balance_loss), kept as `.aux` for GPT.forward; DeepSpeed's l_aux is not used.
+gate) by the model's own (dspipe.model.gpt.route: the top-k softmax or sigmoid scores, renormalised only when
+router_norm_topk, times router_scale, where DeepSpeed always renormalises softmax probabilities for k >= 2 and never
+for k = 1), computed from the same router weight with their graph, so the router's gradient is the plain model's too.
+The experts chosen are the same: the model ranks by the same softmax DeepSpeed's gate ranks by, for either score.
+The load-balancing loss is the model's (dspipe.model.gpt.balance_loss), kept as `.aux` for GPT.forward; DeepSpeed's
+l_aux is not used.
 
 Names: the block's `mlp.router.weight` lives at `mlp.moe.deepspeed_moe.gate.wg.weight`, expert e at
 `mlp.moe.deepspeed_moe.experts.deepspeed_experts.{e - ep_rank x E/ep}` (DeepSpeed's checkpoint files name it by its
@@ -30,13 +32,15 @@ class NativeMoE(nn.Module):
         super().__init__()
         from deepspeed.moe.layer import MoE
 
-        self.k, self.norm_topk = spec.experts_per_token, spec.router_norm_topk
+        from dspipe.model.gpt import routing_of
+
+        self.routing = routing_of(spec)
         cf = spec.capacity_factor
         local = spec.experts // ep
         template = sparse.experts[ep_rank * local]  # a local expert: the others may be meta (dspipe.runtime.build)
         weight = sparse.router.weight
         with torch.random.fork_rng(devices=[]):  # the gate's throwaway default init must not move the seed streams
-            moe = MoE(spec.hidden, expert=template, num_experts=spec.experts, ep_size=ep, k=self.k,
+            moe = MoE(spec.hidden, expert=template, num_experts=spec.experts, ep_size=ep, k=spec.experts_per_token,
                       capacity_factor=cf or 1.0, eval_capacity_factor=cf or 1.0, min_capacity=0,
                       noisy_gate_policy=None, drop_tokens=cf is not None, use_rts=False,
                       top2_2nd_expert_sampling=False)
@@ -61,7 +65,7 @@ class NativeMoE(nn.Module):
         from dspipe.model.gpt import balance_loss, route
 
         logits = F.linear(x.reshape(-1, x.shape[-1]).float(), self.gate_weight.float())
-        probs, weights, chosen = route(logits, k=self.k, norm_topk=self.norm_topk)
+        probs, weights, chosen = route(logits, **self.routing)
         self.aux = balance_loss(probs, chosen)
         self._weights = torch.zeros_like(probs).scatter(1, chosen, weights)
         try:

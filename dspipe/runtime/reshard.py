@@ -24,8 +24,8 @@ def dp_change_refusal(*, meta: dict, zero_stage: int, pp: int, dp: int, offload:
     """Why this checkpoint cannot be resumed at data-parallel size `dp` (None: it can; same dp always can).
     ZeRO-0 state is whole; ZeRO-1/2/3 go through a universal checkpoint. The rest DeepSpeed 0.19 cannot do:
     NVMe-offloaded optimizer state is copied back per rank as it was saved, and dspipe has not verified the
-    universal conversion of a PipelineModule (tied embedding on two stages). A mixture-of-experts checkpoint (DeepSpeed's
-native MoE) is refused at any other dp."""
+    universal conversion of a PipelineModule (tied embedding on two stages). A mixture-of-experts checkpoint
+    (DeepSpeed's native MoE) is refused at any other dp."""
     if meta["dp"] == dp:
         return None
     if (meta.get("model") or {}).get("experts"):

@@ -22,6 +22,7 @@ NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "swiglu")
 POSITIONS = ("learned", "rope")
 ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
+ROUTER_SCORES = ("softmax", "sigmoid")
 
 
 INT32_MAX = 2**31 - 1
@@ -187,7 +188,7 @@ class ModelSpec:
     """Routed experts in each sparse (mixture-of-experts) block; 0: every block is dense."""
     experts_per_token: int = setting(2, kind="int", limit=4096,
                                      help="experts each token is routed to (top-k) [{default}; Qwen3-MoE 8]")
-    """Experts each token is sent to (top-k of the router's softmax)."""
+    """Experts each token is sent to (top-k of the router's scores)."""
     expert_ffn: int | None = setting(None, kind="int", limit=2**20,
                                      help="width of one expert's MLP [= --ffn; Qwen3-MoE moe_intermediate_size]")
     """Inner width of one expert's MLP (None: ffn); ffn stays the width of the dense blocks' MLP."""
@@ -196,7 +197,15 @@ class ModelSpec:
     """Shared experts every token passes through besides its routed ones (one MLP shared_experts x expert_ffn wide)."""
     router_norm_topk: bool = setting(True, kind="bool", flag="--router-norm-topk/--no-router-norm-topk",
                                      help="renormalise the top-k router probabilities to sum to 1 [Mixtral: yes]")
-    """Divide the chosen experts' softmax probabilities by their sum (Mixtral; Qwen3-MoE norm_topk_prob)."""
+    """Divide the chosen experts' scores by their sum (Mixtral; Qwen3-MoE norm_topk_prob; DeepSeek-V3)."""
+    router_score: str = setting("softmax", kind="choice", choices=ROUTER_SCORES,
+                                help="router score: softmax over the experts, or sigmoid of each expert's logit "
+                                     "[{default}; DeepSeek-V3: sigmoid]")
+    """Score of expert e for a token: softmax over all experts' logits (Mixtral, Qwen3-MoE) or sigmoid of e's own
+    logit (DeepSeek-V3); either way a token's top-k experts are its k largest logits."""
+    router_scale: float = setting(1.0, kind="float",
+                                  help="factor on the routed experts' combine weights [{default:g}; DeepSeek-V3: 2.5]")
+    """Multiplies each token's top-k combine weights, after any renormalisation (DeepSeek routed_scaling_factor)."""
     moe_every: int = setting(1, kind="int", limit=4096,
                              help="every k-th block is sparse [{default}; HF decoder_sparse_step]")
     """Block i (from 0) is sparse when (i + 1) is a multiple of moe_every and i >= moe_first_dense."""
@@ -258,14 +267,16 @@ class ModelSpec:
         _int_range("model", "shared_experts", self.shared_experts, low=0)
         _int_range("model", "moe_first_dense", self.moe_first_dense, low=0)
         _flag("model", "router_norm_topk", self.router_norm_topk)
+        _one_of("model", "router_score", self.router_score, ROUTER_SCORES)
+        _number("model", "router_scale", self.router_scale, low=0.0, high=1e3, low_open=True)
         _number("model", "aux_loss_coef", self.aux_loss_coef, low=0.0, high=1e3)
         if self.expert_ffn is not None:
             _positive("model", expert_ffn=self.expert_ffn)
         if self.capacity_factor is not None:
             _number("model", "capacity_factor", self.capacity_factor, low=0.0, high=64.0, low_open=True)
         if not self.experts:
-            moe_only = {"expert_ffn": None, "shared_experts": 0, "moe_every": 1, "moe_first_dense": 0,
-                        "capacity_factor": None}
+            moe_only = {"expert_ffn": None, "shared_experts": 0, "router_score": "softmax", "router_scale": 1.0,
+                        "moe_every": 1, "moe_first_dense": 0, "capacity_factor": None}
             set_ = [f"{k} {getattr(self, k)}" for k, v in moe_only.items() if getattr(self, k) != v]
             if set_:
                 raise SpecError(f"model.{', '.join(set_)} has no effect without experts (give experts, e.g. 8)")
@@ -321,6 +332,8 @@ class ModelSpec:
             moe = f"moe{self.experts}x{self.expert_width}-top{self.experts_per_token}"
             moe += f"+{self.shared_experts}shared" if self.shared_experts else ""
             moe += "" if self.router_norm_topk else "-unnorm"
+            moe += "-sigmoid" if self.router_score == "sigmoid" else ""
+            moe += f"-scale{self.router_scale:g}" if self.router_scale != 1 else ""
             moe += f"-every{self.moe_every}" if self.moe_every > 1 else ""
             moe += f"-dense{self.moe_first_dense}" if self.moe_first_dense else ""
             moe += f"-cf{self.capacity_factor:g}" if self.capacity_factor is not None else ""

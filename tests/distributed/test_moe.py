@@ -1,12 +1,14 @@
-"""Mixtures of experts on real CPU ranks (2 ranks, fp32, dropout 0), four launches in all: a tiny random
+"""Mixtures of experts on real CPU ranks (2 ranks, fp32, dropout 0), six launches in all: a tiny random
 MixtralForCausalLM (4 experts, top 2) and Qwen3MoeForCausalLM (4 experts, top 2, norm_topk_prob off) written by
-save_pretrained with the corpus's tokenizer, trained with `--init-from` on DeepSpeed's native MoE layer.
+save_pretrained with the corpus's tokenizer, trained with `--init-from` on DeepSpeed's native MoE layer; and a
+DeepSeek-V3-routed model from dspipe's own draws (sigmoid scores, routed scale 2.5) at ep 2 and ep 1.
 
     Mixtral ep 2, ZeRO-2     killed after step 5 (checkpoint at 3), then resumed: step 1's LM loss is
                              transformers'; the resumed steps 4-5 are bitwise the ones before the kill; the
                              checkpoint holds DeepSpeed's expert files; export-hf computes dspipe's logits
     Mixtral ep 1, ZeRO-1     the same global batches: every step's loss within 1e-5 of ep 2's, aux_loss logged
     Qwen3-MoE ep 2, ZeRO-2   lr 1e-12: step 1's LM loss is transformers', export-hf computes transformers' logits
+    sigmoid ep 2 / ep 1      step 1's LM loss is the plain model's; every step's loss within 1e-5 of each other
 
 A resume at another ep or dp is refused by name (checked in this process, no launch). Each launch's start-up
 (engine.json) records what each rank built: at ep 2 the dense parameters and its own experts, the planner's count."""
@@ -177,3 +179,37 @@ def test_qwen3_moe_expert_parallel_starts_from_transformers_and_exports_its_logi
     assert built_params(run) == [planned_params(run, ep=2)] * 2  # dense + this rank's experts, read lazily
     assert cls == "Qwen3MoeForCausalLM"
     assert (logits - hf_logits).abs().max().item() < LOGITS_TOL and (logits - ours).abs().max().item() < LOGITS_TOL
+
+
+def test_sigmoid_routing_expert_parallel_equals_ep1_and_the_plain_model(tmp_path, corpus):
+    """Sigmoid scores (DeepSeek-V3) with routed scale 2.5 on DeepSpeed's layer: ep 2 under ZeRO-2 trains as ep 1 under
+    ZeRO-1, and its first LM loss is the plain model's (GPT with the run's seed) on the first global batch."""
+    from dspipe.data import TokenWindows, TrainLoader
+    from dspipe.model.gpt import GPT
+    from dspipe.rundir import load_run
+
+    model = ["--model", "tiny-llama", "--layers", "2", "--hidden", "64", "--heads", "4", "--seq-len", str(SEQ),
+             "--experts", str(EXPERTS), "--expert-ffn", "48", "--router-score", "sigmoid", "--router-scale", "2.5",
+             "--dropout", "0"]
+    rows = {}
+    for name, flags in (("ep2", ("--zero", "2", "--ep", "2")), ("ep1", ("--zero", "1", "--ep", "1"))):
+        r = dspipe("gen-config", *model, "--gpus-per-node", 2, "--gpu", "cpu", "--global-batch", "16",
+                   "--micro-batch", "4", "--warmup", "1", "--log-interval", "1", "--eval-interval", "0", "--data",
+                   corpus, "--out", tmp_path / name, "--precision", "fp32", "--offload", "none", "--no-offload-params",
+                   "--checkpointing", "none", "--pp", "1", "--steps", "6", "--lr", "3e-3", *flags)
+        assert r.returncode == 0, r.stderr
+        ok(launch(tmp_path / name))
+        rows[name] = csv_rows(tmp_path / name / "metrics.csv")
+    run = load_run(tmp_path / "ep2")
+    assert (run.model.router_score, run.model.router_scale, run.plan.ep) == ("sigmoid", 2.5, 2)
+    plain = GPT(run.model, seed=run.train.seed).eval()
+    loader = TrainLoader(windows=TokenWindows(str(corpus), seq_len=SEQ), seed=1234, micro_batch=16, dp=1, dp_rank=0)
+    with torch.no_grad():
+        plain(*next(loader))
+    losses = {name: [float(row["loss"]) for row in r] for name, r in rows.items()}
+    diffs = [abs(a - b) for a, b in zip(losses["ep1"], losses["ep2"], strict=True)]
+    print(f"sigmoid: plain step-1 LM loss {plain.last_lm_loss.item():.6f}, ep 2 {losses['ep2']}, ep1 - ep2 {diffs}")
+    assert abs(losses["ep2"][0] - plain.last_lm_loss.item()) < LOSS_TOL
+    assert len(diffs) == 6 and max(diffs) < LOSS_TOL
+    assert losses["ep2"][-1] < losses["ep2"][0] - 0.05  # it trained
+    assert all(float(row["aux_loss"]) > 0 for row in rows["ep2"])

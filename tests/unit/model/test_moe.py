@@ -1,10 +1,11 @@
 """The mixture-of-experts model (dspipe.model.gpt.SparseMLP) against transformers, fp32 on the CPU: one sparse
 block equals MixtralSparseMoeBlock and Qwen3MoeSparseMoeBlock (top-1, 2, 8; renormalised or not) with the same
-weights, its load-balancing loss equals load_balancing_loss_func, a whole tiny MixtralForCausalLM /
-Qwen3MoeForCausalLM written by save_pretrained computes dspipe's logits (and loss + aux) after import and the export
-reads back exactly; the router gets the aux loss's gradient with and without full recomputation; shared experts,
-moe_every and moe_first_dense build the blocks the spec declares; step-0 values: every expert its own draws, the
-dense blocks' values those of the dense model; what neither class computes is one line."""
+weights, and with sigmoid scores DeepseekV3MoE (one group, no expert bias, scaled or not); its load-balancing loss
+equals load_balancing_loss_func, a whole tiny MixtralForCausalLM / Qwen3MoeForCausalLM written by save_pretrained
+computes dspipe's logits (and loss + aux) after import and the export reads back exactly; the router gets the aux
+loss's gradient with and without full recomputation; shared experts, moe_every and moe_first_dense build the blocks
+the spec declares; step-0 values: every expert its own draws, the dense blocks' values those of the dense model;
+what neither class computes is one line."""
 import json
 from dataclasses import replace
 
@@ -55,11 +56,16 @@ def _sparse_pair(family: str, *, experts: int, k: int, norm: bool):
         cfg = transformers.Qwen3MoeConfig(hidden_size=16, moe_intermediate_size=24, num_experts=experts,
                                           num_experts_per_tok=k, norm_topk_prob=norm)
         theirs = Qwen3MoeSparseMoeBlock(cfg)
+    _copy_routed(ours, theirs)
+    return ours.eval(), theirs.float().eval()
+
+
+def _copy_routed(ours, theirs) -> None:
+    """The router and the routed experts of SparseMLP `ours` into transformers' block `theirs` (fused experts)."""
     with torch.no_grad():
         theirs.gate.weight.copy_(ours.router.weight)
         theirs.experts.gate_up_proj.copy_(torch.stack([e.c_fc.weight for e in ours.experts]))
         theirs.experts.down_proj.copy_(torch.stack([e.c_proj.weight for e in ours.experts]))
-    return ours.eval(), theirs.float().eval()
 
 
 @pytest.mark.parametrize("family,experts,k,norm", [
@@ -91,6 +97,67 @@ def test_aux_loss_equals_transformers_load_balancing_loss(k):
     want = load_balancing_loss_func((logits,), 16, k)
     assert abs(ours.aux.item() - want.item()) < 1e-6 and ours.aux.requires_grad
     assert ours.aux.item() >= k - 1e-5  # E sum f P >= k, equal only when perfectly balanced
+
+
+# ---- sigmoid scores (DeepSeek-V3) -----------------------------------------------------------------------------------
+
+def _deepseek_pair(*, experts: int, k: int, norm: bool, scale: float):
+    """(dspipe SparseMLP with sigmoid scores and one shared expert, transformers' DeepseekV3MoE with one group and no
+    expert bias: the routing dspipe computes) holding the same random weights."""
+    import transformers
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
+    spec = replace(MOE, hidden=16, heads=2, kv_heads=2, experts=experts, experts_per_token=k, expert_ffn=24,
+                   shared_experts=1, router_norm_topk=norm, router_score="sigmoid", router_scale=scale)
+    torch.manual_seed(1)
+    ours = perturb(SparseMLP(spec), seed=2)
+    cfg = transformers.DeepseekV3Config(hidden_size=16, moe_intermediate_size=24, n_routed_experts=experts,
+                                        num_experts_per_tok=k, n_group=1, topk_group=1, n_shared_experts=1,
+                                        norm_topk_prob=norm, routed_scaling_factor=scale)
+    theirs = DeepseekV3MoE(cfg)
+    _copy_routed(ours, theirs)
+    with torch.no_grad():
+        gate, up = ours.shared.c_fc.weight.chunk(2)
+        theirs.shared_experts.gate_proj.weight.copy_(gate)
+        theirs.shared_experts.up_proj.weight.copy_(up)
+        theirs.shared_experts.down_proj.weight.copy_(ours.shared.c_proj.weight)
+    assert not theirs.gate.e_score_correction_bias.any()
+    return ours.eval(), theirs.float().eval()
+
+
+@pytest.mark.parametrize("experts,k,norm,scale", [(8, 1, True, 1.0), (8, 2, True, 2.5), (16, 6, True, 2.5),
+                                                  (16, 4, False, 1.0), (16, 1, False, 2.5)])
+def test_sigmoid_sparse_mlp_equals_deepseek_v3_block(experts, k, norm, scale):
+    ours, theirs = _deepseek_pair(experts=experts, k=k, norm=norm, scale=scale)
+    x = torch.randn(4, 64, 16, generator=torch.Generator().manual_seed(3)) * 3
+    with torch.no_grad():
+        a, b = ours(x), theirs(x)
+    assert a.abs().max() > 0.1
+    assert (a - b).abs().max().item() < 1e-5 * b.abs().max().item()
+    if k == 1 and norm:  # one expert renormalised weighs `scale` under either score function
+        return
+    with torch.no_grad():  # otherwise softmax scores give another output: the score function is in use
+        softmax = SparseMLP(replace(MOE, hidden=16, heads=2, kv_heads=2, experts=experts, experts_per_token=k,
+                                    expert_ffn=24, shared_experts=1, router_norm_topk=norm, router_scale=scale))
+        softmax.load_state_dict(ours.state_dict())
+        assert (softmax(x) - a).abs().max() > 1e-3
+
+
+def test_route_sigmoid_formula_and_ranking_past_saturation():
+    from dspipe.model.gpt import balance_loss, route
+
+    logits = torch.tensor([[0.0, 2.0, -1.0, 1.0], [20.0, 30.0, -5.0, 25.0]])
+    probs, weights, chosen = route(logits, k=2, norm_topk=False, score="sigmoid", scale=2.5)
+    assert chosen.tolist() == [[1, 3], [1, 3]]  # row 2: sigmoid is 1.0 for all three in fp32; the logits still rank
+    s = torch.sigmoid(logits)
+    assert torch.allclose(weights, 2.5 * s.gather(1, chosen), rtol=0, atol=1e-7)
+    assert torch.allclose(probs, s / s.sum(-1, keepdim=True), rtol=0, atol=1e-7)
+    _, normed, _ = route(logits, k=2, norm_topk=True, score="sigmoid", scale=1.0)
+    assert torch.allclose(normed[0], s[0, [1, 3]] / s[0, [1, 3]].sum(), rtol=0, atol=1e-7)
+    assert torch.isfinite(route(torch.full((1, 4), -200.0), k=2, norm_topk=True, score="sigmoid")[1]).all()
+    # the balance loss reads the normalised scores: E x sum_e f_e P_e by hand
+    f = torch.tensor([0.0, 2.0, 0.0, 2.0]) / 2
+    assert abs(balance_loss(probs, chosen).item() - 4 * (f * probs.mean(0)).sum().item()) < 1e-6
 
 
 # ---- whole models: import, export ------------------------------------------------------------------------------------
@@ -242,6 +309,9 @@ def test_configs_dspipe_cannot_compute_are_refused(tmp_path):
     (dict(mlp_bias=True), "neither MixtralForCausalLM nor Qwen3MoeForCausalLM has MLP (expert) biases"),
     (dict(qk_norm=True, qkv_bias=True), "q/k norm is Qwen3MoeForCausalLM's, whose q/k/v/o biases are all or none"),
     (dict(mlp="gelu", norm="layernorm", positions="learned"), "are rmsnorm, swiglu, rope"),
+    (dict(router_score="sigmoid"),
+     "router_score sigmoid: MixtralForCausalLM and Qwen3MoeForCausalLM route by softmax"),
+    (dict(router_scale=2.5, qk_norm=True), "router_scale 2.5: MixtralForCausalLM and Qwen3MoeForCausalLM do not"),
 ])
 def test_specs_no_class_computes_are_refused_on_export(fields, message):
     from dspipe.model.hf import architecture_of
@@ -379,6 +449,9 @@ def test_init_from_takes_the_training_only_settings_and_refuses_architecture_one
     err = capsys.readouterr().err
     assert f"--experts-per-token 1 contradicts --init-from {d} (experts_per_token 2 from its config.json)" in err
     assert len(err.strip().splitlines()) == 1
+    assert run_cli("plan", *cpu2, "--init-from", d, "--router-score", "sigmoid") == 2
+    err = capsys.readouterr().err
+    assert f"--router-score sigmoid contradicts --init-from {d}" in err and len(err.strip().splitlines()) == 1
 
 
 def test_each_expert_draws_from_its_own_stream():

@@ -1,6 +1,6 @@
 """dspipe.runtime.moe in one process (ep 1, a one-rank gloo group): DeepSpeed's native MoE layer built from a
 SparseMLP computes the same output, load-balancing loss and gradients as the SparseMLP, for k = 1, 2 and 3 with and
-without router_norm_topk and with shared experts; the whole GPT's loss too; the optimizer groups, the names and the
+without router_norm_topk, with shared experts, and with sigmoid scores (scaled or not); the whole GPT's loss too; the optimizer groups, the names and the
 refusals."""
 import copy
 from types import SimpleNamespace
@@ -64,6 +64,8 @@ def sparse_mlp(s):
 
 CASES = [dict(experts_per_token=k, router_norm_topk=norm) for k in (1, 2, 3) for norm in (True, False)]
 CASES += [dict(experts_per_token=2, shared_experts=1, router_norm_topk=False)]
+CASES += [dict(experts_per_token=k, router_norm_topk=norm, router_score="sigmoid", router_scale=scale)
+          for k, norm, scale in ((1, True, 1.0), (1, False, 2.5), (2, True, 2.5), (3, False, 1.0))]
 
 
 @pytest.mark.parametrize("fields", CASES, ids=lambda f: "-".join(f"{k}={v}" for k, v in f.items()))

@@ -5,7 +5,7 @@ import pytest
 from dspipe.errors import SpecError
 from dspipe.spec.presets import MODEL_PRESETS, PRESETS, model_preset
 from dspipe.spec.hardware import GPU_CATALOG, gpu_type
-from dataclasses import dataclass, fields
+from dataclasses import replace, dataclass, fields
 
 from dspipe.spec.core import LIMITS, SPECS, ClusterSpec, ModelSpec, StrategyRequest, StrategySpec, TrainSpec
 from dspipe.spec.settings import declared, setting
@@ -133,8 +133,28 @@ def test_a_new_setting_is_one_declaration():
     (dict(rope_scaling="linear", rope_factor=2.0, rope_original_context=16),
      "model.rope_original_context 16 has no effect with rope_scaling linear"),
     (dict(window_start_layer=1), "model.window_start_layer 1 has no effect without sliding_window"),
+    (dict(router_score="sigmoid", router_scale=2.5),
+     r"model.router_score sigmoid, router_scale 2.5 has no effect without experts"),
 ])
 def test_a_setting_that_would_be_ignored_is_refused(settings, message):
     base = MODEL_PRESETS["tiny-llama"]
     with pytest.raises(SpecError, match=message):
         ModelSpec(**{**{f.name: getattr(base, f.name) for f in fields(ModelSpec)}, **settings})
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(router_score="tanh"), "model.router_score 'tanh' is not one of: softmax, sigmoid"),
+    (dict(router_score=True), "model.router_score True is not one of: softmax, sigmoid"),
+    (dict(router_scale=0.0), r"model.router_scale must be a finite number in \(0, 1000\], got 0.0"),
+    (dict(router_scale=float("nan")), r"model.router_scale must be a finite number in \(0, 1000\]"),
+])
+def test_bad_router_settings_are_refused(settings, message):
+    base = MODEL_PRESETS["qwen3-30b-a3b"]
+    with pytest.raises(SpecError, match=message):
+        ModelSpec(**{**{f.name: getattr(base, f.name) for f in fields(ModelSpec)}, **settings})
+
+
+def test_router_settings_show_in_the_shape():
+    base = MODEL_PRESETS["qwen3-30b-a3b"]
+    assert "-sigmoid-scale2.5" in replace(base, router_score="sigmoid", router_scale=2.5).shape_text
+    assert "sigmoid" not in base.shape_text and "scale" not in base.shape_text

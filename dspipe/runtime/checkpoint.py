@@ -219,7 +219,7 @@ def read_latest(ckpt_dir: Path) -> str:
 def check_compatible(meta: dict, run, path: Path) -> None:
     """Refuse a checkpoint whose model shape, pipeline stages or ZeRO stage differ from this run's, or whose
     data-parallel size differs where DeepSpeed cannot re-partition the state (dp_change_refusal)."""
-    saved, now = meta["model"], asdict(run.model)
+    saved, now = asdict(from_dict(ModelSpec, meta["model"])), asdict(run.model)  # keys added since: their defaults
     diff = [f"{k} {saved.get(k)} -> {now[k]}" for k in now if k != "name" and saved.get(k) != now[k]]
     if diff:
         raise SpecError(f"checkpoint {path} holds a different model shape: {', '.join(diff)}")

@@ -25,13 +25,11 @@ def dp_change_refusal(*, meta: dict, zero_stage: int, pp: int, dp: int, offload:
     ZeRO-0 state is whole; ZeRO-1/2/3 go through a universal checkpoint. The rest DeepSpeed 0.19 cannot do:
     NVMe-offloaded optimizer state is copied back per rank as it was saved, and dspipe has not verified the
     universal conversion of a PipelineModule (tied embedding on two stages). A mixture-of-experts checkpoint
-    (DeepSpeed's native MoE) is refused at any other dp."""
-    if meta["dp"] == dp:
+    (DeepSpeed's native MoE) under ZeRO-1/2 is refused at any other dp; under ZeRO-0 (ep 1) its state is whole too."""
+    if meta["dp"] == dp or zero_stage == 0:
         return None
     if (meta.get("model") or {}).get("experts"):
         return MOE_RESHARD
-    if zero_stage == 0:
-        return None
     if offload == "nvme" or (Path(path) / "offloaded_tensors").is_dir():
         return "DeepSpeed restores NVMe-offloaded optimizer state only onto the ranks that saved it"
     if pp > 1:

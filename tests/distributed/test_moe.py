@@ -1,4 +1,4 @@
-"""Mixtures of experts on real CPU ranks (2 ranks, fp32, dropout 0), six launches in all: a tiny random
+"""Mixtures of experts on real CPU ranks (2 ranks, fp32, dropout 0), seven launches in all: a tiny random
 MixtralForCausalLM (4 experts, top 2) and Qwen3MoeForCausalLM (4 experts, top 2, norm_topk_prob off) written by
 save_pretrained with the corpus's tokenizer, trained with `--init-from` on DeepSpeed's native MoE layer; and a
 DeepSeek-V3-routed model from dspipe's own draws (sigmoid scores, routed scale 2.5) at ep 2 and ep 1.
@@ -8,10 +8,12 @@ DeepSeek-V3-routed model from dspipe's own draws (sigmoid scores, routed scale 2
                              checkpoint holds DeepSpeed's expert files; export-hf computes dspipe's logits
     Mixtral ep 1, ZeRO-1     the same global batches: every step's loss within 1e-5 of ep 2's, aux_loss logged
     Qwen3-MoE ep 2, ZeRO-2   lr 1e-12: step 1's LM loss is transformers', export-hf computes transformers' logits
-    sigmoid ep 2 / ep 1      step 1's LM loss is the plain model's; every step's loss within 1e-5 of each other
+    sigmoid ep 2 / ep 1      step 1's LM loss is the plain model's; every step's loss within 1e-5 of each other;
+                             ep 1 (ZeRO-0) resumed at dp 1 from its step-3 checkpoint: steps 4-6 bitwise
 
-A resume at another ep or dp is refused by name (checked in this process, no launch). Each launch's start-up
-(engine.json) records what each rank built: at ep 2 the dense parameters and its own experts, the planner's count."""
+A resume at another ep, or at another dp under ZeRO-1/2, is refused by name (checked in this process, no launch).
+Each launch's start-up (engine.json) records what each rank built: at ep 2 the dense parameters and its own experts,
+the planner's count."""
 import math
 
 import pytest
@@ -183,23 +185,36 @@ def test_qwen3_moe_expert_parallel_starts_from_transformers_and_exports_its_logi
 
 def test_sigmoid_routing_expert_parallel_equals_ep1_and_the_plain_model(tmp_path, corpus):
     """Sigmoid scores (DeepSeek-V3) with routed scale 2.5 on DeepSpeed's layer: ep 2 under ZeRO-2 trains as ep 1 under
-    ZeRO-1, and its first LM loss is the plain model's (GPT with the run's seed) on the first global batch."""
+    ZeRO-0, and its first LM loss is the plain model's (GPT with the run's seed) on the first global batch. The ZeRO-0
+    run's step-3 checkpoint resumed by one rank (dp 1, whole state) continues it exactly."""
+    import shutil
+
     from dspipe.data import TokenWindows, TrainLoader
     from dspipe.model.gpt import GPT
     from dspipe.rundir import load_run
 
     model = ["--model", "tiny-llama", "--layers", "2", "--hidden", "64", "--heads", "4", "--seq-len", str(SEQ),
              "--experts", str(EXPERTS), "--expert-ffn", "48", "--router-score", "sigmoid", "--router-scale", "2.5",
-             "--dropout", "0"]
+             "--dropout", "0", "--steps", "6", "--lr", "3e-3", "--save-interval", "3"]
     rows = {}
-    for name, flags in (("ep2", ("--zero", "2", "--ep", "2")), ("ep1", ("--zero", "1", "--ep", "1"))):
-        r = dspipe("gen-config", *model, "--gpus-per-node", 2, "--gpu", "cpu", "--global-batch", "16",
+    for name, gpus, flags in (("ep2", 2, ("--zero", "2", "--ep", "2")), ("ep1", 2, ("--zero", "0", "--ep", "1")),
+                              ("dp1", 1, ("--zero", "0", "--ep", "1"))):
+        r = dspipe("gen-config", *model, "--gpus-per-node", gpus, "--gpu", "cpu", "--global-batch", "16",
                    "--micro-batch", "4", "--warmup", "1", "--log-interval", "1", "--eval-interval", "0", "--data",
                    corpus, "--out", tmp_path / name, "--precision", "fp32", "--offload", "none", "--no-offload-params",
-                   "--checkpointing", "none", "--pp", "1", "--steps", "6", "--lr", "3e-3", *flags)
+                   "--checkpointing", "none", "--pp", "1", *flags)
         assert r.returncode == 0, r.stderr
-        ok(launch(tmp_path / name))
+        if name == "dp1":  # the ep 1 run's checkpoint at step 3, resumed by one rank
+            shutil.copytree(tmp_path / "ep1" / "checkpoints", tmp_path / name / "checkpoints",
+                            ignore=shutil.ignore_patterns("global_step6"))
+            (tmp_path / name / "checkpoints" / "latest").write_text("global_step3")
+            r = launch(tmp_path / name, "--resume", "auto", num_gpus=1)
+            ok(r)
+            assert "at step 3" in r.stdout
+        else:
+            ok(launch(tmp_path / name))
         rows[name] = csv_rows(tmp_path / name / "metrics.csv")
+    assert [row["loss"] for row in rows["dp1"]] == [row["loss"] for row in rows["ep1"][3:]]  # steps 4-6, bitwise
     run = load_run(tmp_path / "ep2")
     assert (run.model.router_score, run.model.router_scale, run.plan.ep) == ("sigmoid", 2.5, 2)
     plain = GPT(run.model, seed=run.train.seed).eval()

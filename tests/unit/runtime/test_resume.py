@@ -76,6 +76,10 @@ def test_dp_change_refusals(tmp_path):
     assert refusal(zero_stage=3) is None and refusal(zero_stage=3, offload="cpu") is None  # universal + groups fixed
     assert "NVMe" in refusal(offload="nvme")
     assert "pipeline" in refusal(pp=2)
+    moe = {"dp": 2, "pp": 1, "zero_stage": 1, "model": {"experts": 4}}
+    assert "native MoE checkpoint cannot be re-partitioned" in refusal(meta=moe)
+    assert "native MoE checkpoint cannot be re-partitioned" in refusal(meta={**moe, "zero_stage": 2}, zero_stage=2)
+    assert refusal(meta={**moe, "zero_stage": 0}, zero_stage=0) is None  # ep 1, whole state: DeepSpeed loads it
     (tmp_path / "offloaded_tensors").mkdir()
     assert "NVMe" in refusal()
 
@@ -178,3 +182,21 @@ def test_each_optimizer_group_gets_its_saved_hyperparameters_back():
     assert opt.param_groups[1]["params"] == [no_decay]  # DeepSpeed's parameters stay
     with pytest.raises(SpecError, match="checkpoint has 1 optimizer parameter groups, this run has 2"):
         restore_group_hyperparameters(opt, saved_groups=saved[:1])
+
+
+def test_a_checkpoint_from_before_newer_model_fields_is_compatible(tmp_path):
+    """A checkpoint's model holds the ModelSpec keys of its day: a key added since (the router's score function, the
+    MoE fields) reads as its default, not as a changed shape; a key that really differs is still refused."""
+    from dataclasses import asdict, replace
+    from types import SimpleNamespace
+
+    from dspipe.spec.presets import model_preset
+
+    model = model_preset("tiny")
+    run = SimpleNamespace(model=model, plan=SimpleNamespace(pp=1, tp=1, sp=1, zero_stage=1, dp=1, offload="none"))
+    old = {k: v for k, v in asdict(model).items() if k not in ("router_score", "router_scale", "experts",
+                                                                "experts_per_token", "aux_loss_coef")}
+    ckpt.check_compatible({"model": old, "pp": 1, "zero_stage": 1, "dp": 1}, run, tmp_path)
+    with pytest.raises(SpecError, match=r"different model shape: layers 2 -> 1$"):
+        ckpt.check_compatible({"model": {**old, "layers": 2}, "pp": 1, "zero_stage": 1, "dp": 1},
+                              SimpleNamespace(model=replace(model, layers=1), plan=run.plan), tmp_path)

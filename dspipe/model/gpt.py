@@ -325,25 +325,29 @@ class MLP(nn.Module):
         return self.drop(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))
 
 
-def route(logits: torch.Tensor, *, k: int, norm_topk: bool, score: str = "softmax",
-          scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, *, k: int, norm_topk: bool, score: str = "softmax", scale: float = 1.0,
+          bias: torch.Tensor | None = None, groups: int = 1,
+          group_limit: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Router logits (tokens, E) -> (each token's expert probabilities for the balance loss (tokens, E), its top-k
-    combine weights, its chosen experts (tokens, k)), in fp32.
+    combine weights, its chosen experts (tokens, k), best first), in fp32.
 
     softmax (Mixtral, Qwen3-MoE): the scores are the softmax over all experts, and also the probabilities.
     sigmoid (DeepSeek-V3): the scores are each expert's own sigmoid; the probabilities are the scores divided by
     their sum over the experts (DeepSeek-V3's normalised affinities).
-    Either way the chosen experts are the k largest softmax probabilities, the order sigmoid gives too (both rise
-    with the logit), ranked exactly as DeepSpeed's gate ranks them. Their weights are their scores, divided by their
-    sum when `norm_topk` (+ 1e-20 for sigmoid, as DeepSeek-V3), then times `scale` (its routed_scaling_factor).
-    DeepSeek-V3's expert-bias and group-limited selection are not computed (DeepSpeed's gate cannot rank by them)."""
-    probs = logits.float().softmax(dim=-1)
-    _, chosen = probs.topk(k, dim=-1)
-    if score == "softmax":
-        scores = probs
-    else:
-        scores = logits.float().sigmoid()
-        probs = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+    The chosen experts are the k highest selection scores: the scores + `bias` (aux-loss-free balancing), among the
+    `group_limit` of the `groups` expert groups whose two best selection scores sum highest (DeepSeek-V3's
+    group-limited routing). Their weights are their scores (never the bias), divided by their sum when `norm_topk`
+    (+ 1e-20 for sigmoid, as DeepSeek-V3), then times `scale` (its routed_scaling_factor)."""
+    logits = logits.float()
+    scores = logits.softmax(dim=-1) if score == "softmax" else logits.sigmoid()
+    probs = scores if score == "softmax" else scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+    choice = scores.detach() if bias is None else scores.detach() + bias.float()
+    if group_limit is not None and group_limit < groups:
+        grouped = choice.view(choice.shape[0], groups, -1)
+        best = grouped.topk(2, dim=-1).values.sum(dim=-1)  # (tokens, groups)
+        keep = torch.zeros_like(best, dtype=torch.bool).scatter(1, best.topk(group_limit, dim=-1).indices, True)
+        choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(choice)
+    chosen = choice.topk(k, dim=-1).indices
     weights = scores.gather(1, chosen)
     if norm_topk:  # sigmoid scores of very negative logits may all be ~0: DeepSeek-V3's 1e-20 keeps the sum finite
         weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if score == "sigmoid" else 0.0))
@@ -351,9 +355,45 @@ def route(logits: torch.Tensor, *, k: int, norm_topk: bool, score: str = "softma
 
 
 def routing_of(spec: ModelSpec) -> dict:
-    """route's keywords for `spec`'s sparse blocks."""
+    """route's keywords for `spec`'s sparse blocks (the bias is the block's own)."""
     return dict(k=spec.experts_per_token, norm_topk=spec.router_norm_topk, score=spec.router_score,
-                scale=spec.router_scale)
+                scale=spec.router_scale, groups=spec.router_groups, group_limit=spec.router_group_limit)
+
+
+class RouterBias(nn.Module):
+    """What a sparse block keeps for aux-loss-free balancing (router_bias_rate > 0): `router_bias`, the experts'
+    selection bias (an fp32 buffer in the module's state: checkpoints hold it, a cast of the model leaves it fp32),
+    and the tokens each expert was sent by the training forwards. A micro-batch counts once however often its block
+    runs: a recomputation (reentrant or not) replaces the last forward's count with the same one, and GPT.forward
+    adds the last count to the total before the next micro-batch (commit_routed)."""
+
+    def _init_bias(self, spec: ModelSpec) -> None:
+        self.register_buffer("router_bias", torch.zeros(spec.experts) if spec.router_bias_rate else None)
+        self._routed_last: torch.Tensor | None = None  # the last training forward's tokens per expert
+        self._routed: torch.Tensor | None = None  # the committed micro-batches' since take_routed
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        bias = self._buffers.get("router_bias")
+        if bias is not None and bias.dtype != torch.float32:  # set up at zero: nothing is lost
+            self._buffers["router_bias"] = bias.float()
+        return self
+
+    def _count(self, chosen: torch.Tensor) -> None:
+        if self.router_bias is not None and self.training:
+            self._routed_last = torch.bincount(chosen.reshape(-1), minlength=self.router_bias.numel())
+
+    def commit_routed(self) -> None:
+        """The last micro-batch's count into the total (GPT.forward, before the next micro-batch's blocks run)."""
+        if self._routed_last is not None:
+            last, self._routed_last = self._routed_last, None
+            self._routed = last if self._routed is None else self._routed + last
+
+    def take_routed(self) -> torch.Tensor:
+        """Tokens per expert of the training micro-batches since the last call (int64, zeros if none); restarts."""
+        self.commit_routed()
+        routed, self._routed = self._routed, None
+        return routed if routed is not None else torch.zeros_like(self.router_bias, dtype=torch.int64)
 
 
 def balance_loss(probs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
@@ -366,16 +406,17 @@ def balance_loss(probs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
     return experts * (routes / probs.shape[0] * probs.mean(dim=0)).sum()
 
 
-class SparseMLP(nn.Module):
-    """Mixture of experts, dropless, as transformers' Mixtral / Qwen3-MoE compute it: the router's logits (fp32)
-    -> softmax (or DeepSeek-V3's sigmoid) scores -> top-k (renormalised when router_norm_topk, times router_scale)
-    -> each token's output is the weighted sum of its k experts (each an MLP expert_width wide) plus the shared
-    experts' MLP (no gate). The block's load-balancing loss (balance_loss, with its graph) is left in `self.aux` by
-    every forward."""
+class SparseMLP(RouterBias):
+    """Mixture of experts, dropless, as transformers' Mixtral / Qwen3-MoE / DeepSeek-V3 compute it: the router's
+    logits (fp32) -> softmax (or sigmoid) scores -> top-k (route: selection bias and expert groups; renormalised when
+    router_norm_topk, times router_scale) -> each token's output is the weighted sum of its k experts (each an MLP
+    expert_width wide) plus the shared experts' MLP (no gate). The block's load-balancing loss (balance_loss, with
+    its graph) is left in `self.aux` by every forward."""
 
     def __init__(self, spec: ModelSpec):
         super().__init__()
         self.routing = routing_of(spec)
+        self._init_bias(spec)
         self.router = nn.Linear(spec.hidden, spec.experts, bias=False)
         self.experts = nn.ModuleList(MLP(spec, width=spec.expert_width) for _ in range(spec.experts))
         self.shared = MLP(spec, width=spec.shared_experts * spec.expert_width) if spec.shared_experts else None
@@ -384,8 +425,9 @@ class SparseMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         logits = F.linear(flat.float(), self.router.weight.float())
-        probs, weights, chosen = route(logits, **self.routing)
+        probs, weights, chosen = route(logits, bias=self.router_bias, **self.routing)
         self.aux = balance_loss(probs, chosen)
+        self._count(chosen)
         weights = weights.to(flat.dtype)  # the activations' dtype, as transformers and DeepSpeed weigh the outputs
         out = torch.zeros_like(flat)
         for e, expert in enumerate(self.experts):
@@ -440,6 +482,8 @@ class Block(nn.Module):
                             *self._mlp_linears(INIT_STD, resid_std)):
             yield from _linear_values(linear, gen, std)
         yield from self._expert_values(seed=seed, std=INIT_STD, resid_std=resid_std)
+        if self.sparse and self.mlp.router_bias is not None:  # aux-loss-free balancing starts unbiased
+            yield self.mlp.router_bias, _constant(tuple(self.mlp.router_bias.shape), 0.0)
         yield from _norm_values(self.ln_1)
         yield from _norm_values(self.ln_2)
         for norm in (self.attn.q_norm, self.attn.k_norm):  # after the draws: other models' values do not move
@@ -521,6 +565,8 @@ class GPT(nn.Module):
         x = self.embed(idx)
         aux = []
         for block in self.h:
+            if block.sparse and self.training:
+                block.mlp.commit_routed()  # the previous micro-batch's expert loads, counted once
             if self.block_checkpoint and self.training:
                 if block.sparse:  # the aux loss leaves the checkpoint as an output: it keeps its gradient
                     x, block.aux = self.block_checkpoint(block.forward_aux, x)

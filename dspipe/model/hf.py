@@ -421,7 +421,7 @@ def function_of(spec: ModelSpec) -> dict:
     if spec.sliding_window is not None:
         out.update(sliding_window=spec.sliding_window, window_start_layer=spec.window_start_layer)
     moe = ("experts", "experts_per_token", "expert_ffn", "shared_experts", "router_norm_topk", "router_score",
-           "router_scale", "moe_every", "moe_first_dense")
+           "router_scale", "router_groups", "router_group_limit", "router_bias_rate", "moe_every", "moe_first_dense")
     if not spec.experts:
         return {k: v for k, v in out.items() if k not in moe}
     out.update(expert_ffn=spec.expert_width, sparse_layers=spec.sparse_layers)
@@ -477,8 +477,8 @@ def architecture_of(spec: ModelSpec) -> str:
 def _moe_architecture(spec: ModelSpec) -> str:
     """Qwen3MoeForCausalLM (q/k norm; q/k/v/o biases all or none; any top-k normalisation, dense blocks, expert
     width) or MixtralForCausalLM (no q/k norm, no biases, top-k renormalised, every block sparse, experts ffn wide);
-    both: rmsnorm, swiglu, rope, no MLP biases, no shared experts, softmax routing unscaled, a window on every layer
-    or none. Training-only
+    both: rmsnorm, swiglu, rope, no MLP biases, no shared experts, softmax routing unscaled over every expert without
+    a selection bias, a window on every layer or none. Training-only
     fields (capacity_factor) do not matter: the exported model is dropless, as dspipe's plain model."""
     qkv, out, mlp = spec.biases
     if (spec.norm, spec.mlp, spec.positions) != ("rmsnorm", "swiglu", "rope"):
@@ -489,6 +489,11 @@ def _moe_architecture(spec: ModelSpec) -> str:
         why = f"router_score {spec.router_score}: {MIXTRAL} and {QWEN3_MOE} route by softmax (sigmoid is DeepSeek-V3's)"
     elif spec.router_scale != 1:
         why = f"router_scale {spec.router_scale:g}: {MIXTRAL} and {QWEN3_MOE} do not scale the combine weights"
+    elif spec.router_group_limit is not None:
+        why = f"router_group_limit {spec.router_group_limit}: {MIXTRAL} and {QWEN3_MOE} route over every expert"
+    elif spec.router_bias_rate:
+        why = (f"router_bias_rate {spec.router_bias_rate:g}: {MIXTRAL} and {QWEN3_MOE} have no expert selection "
+               f"bias")
     elif mlp:
         why = f"neither {MIXTRAL} nor {QWEN3_MOE} has MLP (expert) biases"
     elif spec.sliding_window is not None and spec.window_start_layer:

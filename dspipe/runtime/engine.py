@@ -183,6 +183,10 @@ class PlainEngine(Engine):
             engine.backward(loss)
             engine.step()
             total += self._parts(loss)
+        if self.run.model.router_bias_rate:  # aux-loss-free balancing: the selection biases after the step
+            from dspipe.runtime.moe import update_router_bias
+
+            update_router_bias(engine.module, rate=self.run.model.router_bias_rate)
         return self._reported(self._mean(total, count=self.run.plan.grad_accum))
 
     def eval_loss(self, batches, *, count: int) -> float:

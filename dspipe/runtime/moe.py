@@ -22,19 +22,21 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dspipe.errors import SpecError
+from dspipe.model.gpt import RouterBias, balance_loss, route, routing_of
 from dspipe.runtime.experts import expert_parallel, refusal
 
 
-class NativeMoE(nn.Module):
+class NativeMoE(RouterBias):
     """A sparse block's MLP on DeepSpeed's MoE layer; same output and aux as the SparseMLP it was built from."""
 
     def __init__(self, sparse: nn.Module, *, spec, ep: int, ep_rank: int):
         super().__init__()
         from deepspeed.moe.layer import MoE
 
-        from dspipe.model.gpt import routing_of
-
         self.routing = routing_of(spec)
+        self._init_bias(spec)
+        if self.router_bias is not None:
+            self.router_bias = sparse.router_bias.detach().float().clone()
         cf = spec.capacity_factor
         local = spec.experts // ep
         template = sparse.experts[ep_rank * local]  # a local expert: the others may be meta (dspipe.runtime.build)
@@ -55,24 +57,45 @@ class NativeMoE(nn.Module):
         self.aux: torch.Tensor | None = None
         """The load-balancing loss of the last forward (with its graph)."""
         self._weights: torch.Tensor | None = None  # (tokens, E): each token's routing weights, this forward's
-        self.moe.deepspeed_moe.gate.register_forward_hook(self._model_weights)
+        self._ranking: torch.Tensor | None = None  # (tokens, E): the chosen experts' weights, -inf elsewhere
+        gate = self.moe.deepspeed_moe.gate
+        gate.forward = self._gate_routes
+        gate.register_forward_hook(self._model_weights)
 
     @property
     def gate_weight(self) -> torch.Tensor:
         return self.moe.deepspeed_moe.gate.wg.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from dspipe.model.gpt import balance_loss, route
-
         logits = F.linear(x.reshape(-1, x.shape[-1]).float(), self.gate_weight.float())
-        probs, weights, chosen = route(logits, **self.routing)
+        probs, weights, chosen = route(logits, bias=self.router_bias, **self.routing)
         self.aux = balance_loss(probs, chosen)
+        self._count(chosen)
         self._weights = torch.zeros_like(probs).scatter(1, chosen, weights)
+        self._ranking = torch.full_like(probs, float("-inf")).scatter(1, chosen, weights.detach())
         try:
             out, _, _ = self.moe(x)
         finally:
-            self._weights = None
+            self._weights = self._ranking = None
         return out if self.shared is None else out + self.shared(x)
+
+    def _gate_routes(self, _input, used_token=None, sparse_routes=False, use_tutel=False):
+        """DeepSpeed's TopKGate.forward, ranking by the model's choice: its gating function (top1/top2/topkgating:
+        capacity, slots, drops) gets as logits each token's combine weights on the experts the model chose and -inf
+        on the others, so it picks exactly those, whatever the score function, bias or expert groups (a capacity
+        gives priority by weight)."""
+        from deepspeed.moe import sharded_moe
+
+        gate, ranks = self.moe.deepspeed_moe.gate, self._ranking
+        cf = gate.capacity_factor if gate.training else gate.eval_capacity_factor
+        if gate.k == 1:
+            return sharded_moe.top1gating(ranks, cf, gate.min_capacity, used_token, None, gate.drop_tokens,
+                                          gate.use_rts, gate.ep_group, sparse_routes, use_tutel)
+        if gate.k == 2:
+            return sharded_moe.top2gating(ranks, cf, gate.min_capacity, gate.drop_tokens, gate.ep_group,
+                                          gate.top2_2nd_expert_sampling, sparse_routes)
+        return sharded_moe.topkgating(ranks, gate.k, cf, gate.min_capacity, gate.drop_tokens, gate.ep_group,
+                                      sparse_routes=sparse_routes)
 
     def _model_weights(self, _gate, _inputs, routes):
         """DeepSpeed's sparse routes (l_aux, capacity, E, experts (k, S), slots (k, S), weights (k, S), counts)
@@ -114,3 +137,20 @@ def param_groups(groups: list[dict]) -> list[dict]:
 
     named = [{**g, "name": g.get("name", f"group{i}")} for i, g in enumerate(groups)]
     return [g for g in split_params_into_different_moe_groups_for_optimizer(named) if g["params"]]
+
+
+def update_router_bias(module: nn.Module, *, rate: float) -> None:
+    """Collective, after each optimizer step of a model with router_bias_rate > 0 (DeepSeek-V3's auxiliary-loss-free
+    balancing): the tokens each expert of each sparse block got over the step (every micro-batch, summed over all
+    ranks in one all_reduce), then every expert's selection bias += rate x sign(mean tokens - its tokens)."""
+    import torch.distributed as dist
+
+    blocks = [m for m in module.modules() if isinstance(m, RouterBias) and m.router_bias is not None]
+    if not blocks:
+        return
+    routed = torch.stack([m.take_routed() for m in blocks])  # (blocks, E), on the model's device
+    dist.all_reduce(routed)
+    step = rate * torch.sign(routed.double().mean(dim=1, keepdim=True) - routed.double()).float()
+    with torch.no_grad():
+        for m, delta in zip(blocks, step, strict=True):
+            m.router_bias.add_(delta)

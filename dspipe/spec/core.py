@@ -206,6 +206,20 @@ class ModelSpec:
     router_scale: float = setting(1.0, kind="float",
                                   help="factor on the routed experts' combine weights [{default:g}; DeepSeek-V3: 2.5]")
     """Multiplies each token's top-k combine weights, after any renormalisation (DeepSeek routed_scaling_factor)."""
+    router_groups: int = setting(1, kind="int", limit=4096,
+                                 help="expert groups for group-limited routing [{default}; DeepSeek-V3: 8]")
+    """The experts form this many equal groups, in order (DeepSeek-V3 n_group); see router_group_limit."""
+    router_group_limit: int | None = setting(None, kind="int", limit=4096,
+                                             help="groups a token may route into, those whose two best selection "
+                                                  "scores sum highest [all; DeepSeek-V3: 4]")
+    """A token's experts come from its router_group_limit groups with the highest sum of their two best selection
+    scores (DeepSeek-V3 topk_group; None: every group)."""
+    router_bias_rate: float = setting(0.0, kind="float",
+                                      help="aux-loss-free balancing: each expert's selection bias moves this much "
+                                           "towards balance after every step [{default:g}: off; DeepSeek-V3: 0.001]")
+    """DeepSeek-V3's auxiliary-loss-free balancing: experts are chosen by score + a per-expert bias (weighted by the
+    score alone), and after each optimizer step the bias of an expert that got fewer tokens than the mean over the
+    step (all ranks) rises by this rate, of one that got more falls by it (0: no bias)."""
     moe_every: int = setting(1, kind="int", limit=4096,
                              help="every k-th block is sparse [{default}; HF decoder_sparse_step]")
     """Block i (from 0) is sparse when (i + 1) is a multiple of moe_every and i >= moe_first_dense."""
@@ -269,6 +283,10 @@ class ModelSpec:
         _flag("model", "router_norm_topk", self.router_norm_topk)
         _one_of("model", "router_score", self.router_score, ROUTER_SCORES)
         _number("model", "router_scale", self.router_scale, low=0.0, high=1e3, low_open=True)
+        _positive("model", router_groups=self.router_groups)
+        if self.router_group_limit is not None:
+            _positive("model", router_group_limit=self.router_group_limit)
+        _number("model", "router_bias_rate", self.router_bias_rate, low=0.0, high=1.0)
         _number("model", "aux_loss_coef", self.aux_loss_coef, low=0.0, high=1e3)
         if self.expert_ffn is not None:
             _positive("model", expert_ffn=self.expert_ffn)
@@ -276,7 +294,8 @@ class ModelSpec:
             _number("model", "capacity_factor", self.capacity_factor, low=0.0, high=64.0, low_open=True)
         if not self.experts:
             moe_only = {"expert_ffn": None, "shared_experts": 0, "router_score": "softmax", "router_scale": 1.0,
-                        "moe_every": 1, "moe_first_dense": 0, "capacity_factor": None}
+                        "router_groups": 1, "router_group_limit": None, "router_bias_rate": 0.0, "moe_every": 1,
+                        "moe_first_dense": 0, "capacity_factor": None}
             set_ = [f"{k} {getattr(self, k)}" for k, v in moe_only.items() if getattr(self, k) != v]
             if set_:
                 raise SpecError(f"model.{', '.join(set_)} has no effect without experts (give experts, e.g. 8)")
@@ -284,10 +303,34 @@ class ModelSpec:
         if self.experts_per_token > self.experts:
             raise SpecError(f"model.experts_per_token {self.experts_per_token} exceeds experts {self.experts} "
                             f"(top-k picks k of the experts: k <= {self.experts})")
+        self._check_router_groups()
         if not self.sparse_layers:
             raise SpecError(f"model: no block is sparse (layers {self.layers}, moe_every {self.moe_every}, "
                             f"moe_first_dense {self.moe_first_dense}): block i is sparse when (i + 1) % moe_every == 0 "
                             f"and i >= moe_first_dense")
+
+    def _check_router_groups(self) -> None:
+        groups, limit, k = self.router_groups, self.router_group_limit, self.experts_per_token
+        if self.experts % groups:
+            raise SpecError(f"model.experts {self.experts} is not divisible by router_groups {groups} "
+                            f"({self.experts} / {groups} = {self.experts / groups:g})")
+        if limit is None:
+            if groups > 1:
+                raise SpecError(f"model.router_groups {groups} has no effect without router_group_limit (the groups "
+                                f"a token may route into, e.g. {max(1, groups // 2)})")
+            return
+        if groups == 1:
+            raise SpecError(f"model.router_group_limit {limit} has no effect without router_groups > 1 (give the "
+                            f"expert groups, e.g. 8, or leave the limit out)")
+        if limit > groups:
+            raise SpecError(f"model.router_group_limit {limit} exceeds router_groups {groups}")
+        if self.experts // groups < 2:
+            raise SpecError(f"model.router_groups {groups} leaves {self.experts // groups} expert per group: a group's "
+                            f"score is the sum of its two best experts' (experts {self.experts} / groups {groups} "
+                            f">= 2)")
+        if k > limit * (self.experts // groups):
+            raise SpecError(f"model.experts_per_token {k} exceeds the experts of router_group_limit {limit} groups "
+                            f"({limit} x {self.experts} / {groups} = {limit * (self.experts // groups)})")
 
     def _check_rope_scaling(self) -> None:
         _one_of("model", "rope_scaling", self.rope_scaling, ROPE_SCALINGS)
@@ -334,6 +377,8 @@ class ModelSpec:
             moe += "" if self.router_norm_topk else "-unnorm"
             moe += "-sigmoid" if self.router_score == "sigmoid" else ""
             moe += f"-scale{self.router_scale:g}" if self.router_scale != 1 else ""
+            moe += f"-groups{self.router_group_limit}of{self.router_groups}" if self.router_group_limit else ""
+            moe += f"-bias{self.router_bias_rate:g}" if self.router_bias_rate else ""
             moe += f"-every{self.moe_every}" if self.moe_every > 1 else ""
             moe += f"-dense{self.moe_first_dense}" if self.moe_first_dense else ""
             moe += f"-cf{self.capacity_factor:g}" if self.capacity_factor is not None else ""

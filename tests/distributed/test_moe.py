@@ -1,7 +1,8 @@
 """Mixtures of experts on real CPU ranks (2 ranks, fp32, dropout 0), seven launches in all: a tiny random
 MixtralForCausalLM (4 experts, top 2) and Qwen3MoeForCausalLM (4 experts, top 2, norm_topk_prob off) written by
 save_pretrained with the corpus's tokenizer, trained with `--init-from` on DeepSpeed's native MoE layer; and a
-DeepSeek-V3-routed model from dspipe's own draws (sigmoid scores, routed scale 2.5) at ep 2 and ep 1.
+DeepSeek-V3-routed model from dspipe's own draws (sigmoid scores, routed scale 2.5, 2 expert groups of which a
+token uses 1, aux-loss-free bias balancing) at ep 2 and ep 1.
 
     Mixtral ep 2, ZeRO-2     killed after step 5 (checkpoint at 3), then resumed: step 1's LM loss is
                              transformers'; the resumed steps 4-5 are bitwise the ones before the kill; the
@@ -9,7 +10,8 @@ DeepSeek-V3-routed model from dspipe's own draws (sigmoid scores, routed scale 2
     Mixtral ep 1, ZeRO-1     the same global batches: every step's loss within 1e-5 of ep 2's, aux_loss logged
     Qwen3-MoE ep 2, ZeRO-2   lr 1e-12: step 1's LM loss is transformers', export-hf computes transformers' logits
     sigmoid ep 2 / ep 1      step 1's LM loss is the plain model's; every step's loss within 1e-5 of each other;
-                             ep 1 (ZeRO-0) resumed at dp 1 from its step-3 checkpoint: steps 4-6 bitwise
+                             ep 1 (ZeRO-0) resumed at dp 1 from its step-3 checkpoint: steps 4-6 bitwise; the
+                             selection biases after step 6 equal in all three
 
 A resume at another ep, or at another dp under ZeRO-1/2, is refused by name (checked in this process, no launch).
 Each launch's start-up (engine.json) records what each rank built: at ep 2 the dense parameters and its own experts,
@@ -184,9 +186,10 @@ def test_qwen3_moe_expert_parallel_starts_from_transformers_and_exports_its_logi
 
 
 def test_sigmoid_routing_expert_parallel_equals_ep1_and_the_plain_model(tmp_path, corpus):
-    """Sigmoid scores (DeepSeek-V3) with routed scale 2.5 on DeepSpeed's layer: ep 2 under ZeRO-2 trains as ep 1 under
-    ZeRO-0, and its first LM loss is the plain model's (GPT with the run's seed) on the first global batch. The ZeRO-0
-    run's step-3 checkpoint resumed by one rank (dp 1, whole state) continues it exactly."""
+    """DeepSeek-V3's routing (sigmoid scores, routed scale 2.5, group-limited, aux-loss-free bias) on DeepSpeed's
+    layer: ep 2 under ZeRO-2 trains as ep 1 under ZeRO-0, and its first LM loss is the plain model's (GPT with the
+    run's seed) on the first global batch. The ZeRO-0 run's step-3 checkpoint resumed by one rank (dp 1, whole
+    state, the biases from the checkpoint) continues it exactly."""
     import shutil
 
     from dspipe.data import TokenWindows, TrainLoader
@@ -195,6 +198,7 @@ def test_sigmoid_routing_expert_parallel_equals_ep1_and_the_plain_model(tmp_path
 
     model = ["--model", "tiny-llama", "--layers", "2", "--hidden", "64", "--heads", "4", "--seq-len", str(SEQ),
              "--experts", str(EXPERTS), "--expert-ffn", "48", "--router-score", "sigmoid", "--router-scale", "2.5",
+             "--router-groups", "2", "--router-group-limit", "1", "--router-bias-rate", "0.01",
              "--dropout", "0", "--steps", "6", "--lr", "3e-3", "--save-interval", "3"]
     rows = {}
     for name, gpus, flags in (("ep2", 2, ("--zero", "2", "--ep", "2")), ("ep1", 2, ("--zero", "0", "--ep", "1")),
@@ -217,6 +221,14 @@ def test_sigmoid_routing_expert_parallel_equals_ep1_and_the_plain_model(tmp_path
     assert [row["loss"] for row in rows["dp1"]] == [row["loss"] for row in rows["ep1"][3:]]  # steps 4-6, bitwise
     run = load_run(tmp_path / "ep2")
     assert (run.model.router_score, run.model.router_scale, run.plan.ep) == ("sigmoid", 2.5, 2)
+    from dspipe.tools.export import load_gpt
+
+    biases = {}  # the selection biases after 6 steps: moved by 0.01 steps, the same whichever ranks held the experts
+    for name in ("ep2", "ep1", "dp1"):
+        tag = ckpt.complete_checkpoints(tmp_path / name / "checkpoints")[-1][1]
+        biases[name] = torch.stack([b.mlp.router_bias for b in load_gpt(tag, meta=ckpt.read_meta(tag)).h])
+    assert torch.equal(biases["ep2"], biases["ep1"]) and torch.equal(biases["ep1"], biases["dp1"])
+    assert biases["ep2"].abs().max() > 0.005 and biases["ep2"].abs().max() <= 0.06 + 1e-6  # at most 6 x 0.01
     plain = GPT(run.model, seed=run.train.seed).eval()
     loader = TrainLoader(windows=TokenWindows(str(corpus), seq_len=SEQ), seed=1234, micro_batch=16, dp=1, dp_rank=0)
     with torch.no_grad():

@@ -101,19 +101,21 @@ def test_aux_loss_equals_transformers_load_balancing_loss(k):
 
 # ---- sigmoid scores (DeepSeek-V3) -----------------------------------------------------------------------------------
 
-def _deepseek_pair(*, experts: int, k: int, norm: bool, scale: float):
-    """(dspipe SparseMLP with sigmoid scores and one shared expert, transformers' DeepseekV3MoE with one group and no
-    expert bias: the routing dspipe computes) holding the same random weights."""
+def _deepseek_pair(*, experts: int, k: int, norm: bool, scale: float, groups: int = 1, limit: int | None = None,
+                   biased: bool = False):
+    """(dspipe SparseMLP with sigmoid scores and one shared expert, transformers' DeepseekV3MoE) holding the same
+    random weights, the same expert groups and, when `biased`, the same random selection bias."""
     import transformers
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 
     spec = replace(MOE, hidden=16, heads=2, kv_heads=2, experts=experts, experts_per_token=k, expert_ffn=24,
-                   shared_experts=1, router_norm_topk=norm, router_score="sigmoid", router_scale=scale)
+                   shared_experts=1, router_norm_topk=norm, router_score="sigmoid", router_scale=scale,
+                   router_groups=groups, router_group_limit=limit, router_bias_rate=0.001 if biased else 0.0)
     torch.manual_seed(1)
     ours = perturb(SparseMLP(spec), seed=2)
     cfg = transformers.DeepseekV3Config(hidden_size=16, moe_intermediate_size=24, n_routed_experts=experts,
-                                        num_experts_per_tok=k, n_group=1, topk_group=1, n_shared_experts=1,
-                                        norm_topk_prob=norm, routed_scaling_factor=scale)
+                                        num_experts_per_tok=k, n_group=groups, topk_group=limit or groups,
+                                        n_shared_experts=1, norm_topk_prob=norm, routed_scaling_factor=scale)
     theirs = DeepseekV3MoE(cfg)
     _copy_routed(ours, theirs)
     with torch.no_grad():
@@ -121,20 +123,29 @@ def _deepseek_pair(*, experts: int, k: int, norm: bool, scale: float):
         theirs.shared_experts.gate_proj.weight.copy_(gate)
         theirs.shared_experts.up_proj.weight.copy_(up)
         theirs.shared_experts.down_proj.weight.copy_(ours.shared.c_proj.weight)
-    assert not theirs.gate.e_score_correction_bias.any()
+        if biased:
+            ours.router_bias.copy_(torch.randn(experts, generator=torch.Generator().manual_seed(7)) * 0.3)
+            theirs.gate.e_score_correction_bias.copy_(ours.router_bias)
+    assert ours.router_bias is None or ours.router_bias.dtype == torch.float32
     return ours.eval(), theirs.float().eval()
 
 
-@pytest.mark.parametrize("experts,k,norm,scale", [(8, 1, True, 1.0), (8, 2, True, 2.5), (16, 6, True, 2.5),
-                                                  (16, 4, False, 1.0), (16, 1, False, 2.5)])
-def test_sigmoid_sparse_mlp_equals_deepseek_v3_block(experts, k, norm, scale):
-    ours, theirs = _deepseek_pair(experts=experts, k=k, norm=norm, scale=scale)
+@pytest.mark.parametrize("experts,k,norm,scale,groups,limit,biased", [
+    (8, 1, True, 1.0, 1, None, False), (8, 2, True, 2.5, 1, None, False), (16, 6, True, 2.5, 1, None, False),
+    (16, 4, False, 1.0, 1, None, False), (16, 1, False, 2.5, 1, None, False),
+    (16, 4, True, 2.5, 4, 2, False), (16, 4, True, 2.5, 1, None, True), (32, 8, True, 2.5, 8, 4, True),
+    (16, 3, False, 1.0, 4, 1, True)])
+def test_sigmoid_sparse_mlp_equals_deepseek_v3_block(experts, k, norm, scale, groups, limit, biased):
+    """DeepSeek-V3's routing: sigmoid scores, then (as the parameters say) group-limited selection and a selection
+    bias; dspipe's block computes transformers' DeepseekV3MoE."""
+    ours, theirs = _deepseek_pair(experts=experts, k=k, norm=norm, scale=scale, groups=groups, limit=limit,
+                                  biased=biased)
     x = torch.randn(4, 64, 16, generator=torch.Generator().manual_seed(3)) * 3
     with torch.no_grad():
         a, b = ours(x), theirs(x)
     assert a.abs().max() > 0.1
     assert (a - b).abs().max().item() < 1e-5 * b.abs().max().item()
-    if k == 1 and norm:  # one expert renormalised weighs `scale` under either score function
+    if k == 1 and norm or groups > 1 or biased:  # one expert renormalised weighs `scale` under either score
         return
     with torch.no_grad():  # otherwise softmax scores give another output: the score function is in use
         softmax = SparseMLP(replace(MOE, hidden=16, heads=2, kv_heads=2, experts=experts, experts_per_token=k,
@@ -143,12 +154,29 @@ def test_sigmoid_sparse_mlp_equals_deepseek_v3_block(experts, k, norm, scale):
         assert (softmax(x) - a).abs().max() > 1e-3
 
 
-def test_route_sigmoid_formula_and_ranking_past_saturation():
+def test_selection_bias_and_groups_change_the_choice_not_the_weights():
+    """The selection bias and the group limit pick other experts (what they are for), and a chosen expert still weighs
+    its own score: without them the same block gives another output."""
+    from dspipe.model.gpt import route
+
+    logits = torch.randn(256, 16, generator=torch.Generator().manual_seed(9))
+    plain = route(logits, k=4, norm_topk=False, score="sigmoid")
+    bias = torch.zeros(16).index_fill(0, torch.tensor([0, 1]), 10.0)  # experts 0 and 1 always win the selection
+    _, weights, chosen = route(logits, k=4, norm_topk=False, score="sigmoid", bias=bias)
+    assert (chosen[:, :2].sort(dim=1).values == torch.tensor([0, 1])).all()
+    assert torch.equal(weights, torch.sigmoid(logits).gather(1, chosen))  # weighed by the score, not score + bias
+    assert not torch.equal(chosen, plain[2])
+    _, _, grouped = route(logits, k=4, norm_topk=False, score="sigmoid", groups=4, group_limit=1)
+    assert (grouped // 4 == grouped[:, :1] // 4).all()  # all four experts from one group of four
+    assert not torch.equal(grouped.sort(dim=1).values, plain[2].sort(dim=1).values)
+
+
+def test_route_sigmoid_formula():
     from dspipe.model.gpt import balance_loss, route
 
-    logits = torch.tensor([[0.0, 2.0, -1.0, 1.0], [20.0, 30.0, -5.0, 25.0]])
+    logits = torch.tensor([[0.0, 2.0, -1.0, 1.0], [3.0, 4.0, -5.0, 3.5]])
     probs, weights, chosen = route(logits, k=2, norm_topk=False, score="sigmoid", scale=2.5)
-    assert chosen.tolist() == [[1, 3], [1, 3]]  # row 2: sigmoid is 1.0 for all three in fp32; the logits still rank
+    assert chosen.tolist() == [[1, 3], [1, 3]]
     s = torch.sigmoid(logits)
     assert torch.allclose(weights, 2.5 * s.gather(1, chosen), rtol=0, atol=1e-7)
     assert torch.allclose(probs, s / s.sum(-1, keepdim=True), rtol=0, atol=1e-7)
@@ -312,6 +340,9 @@ def test_configs_dspipe_cannot_compute_are_refused(tmp_path):
     (dict(router_score="sigmoid"),
      "router_score sigmoid: MixtralForCausalLM and Qwen3MoeForCausalLM route by softmax"),
     (dict(router_scale=2.5, qk_norm=True), "router_scale 2.5: MixtralForCausalLM and Qwen3MoeForCausalLM do not"),
+    (dict(router_groups=2, router_group_limit=1),
+     "router_group_limit 1: MixtralForCausalLM and Qwen3MoeForCausalLM route over every expert"),
+    (dict(router_bias_rate=0.001), "router_bias_rate 0.001: MixtralForCausalLM and Qwen3MoeForCausalLM have no"),
 ])
 def test_specs_no_class_computes_are_refused_on_export(fields, message):
     from dspipe.model.hf import architecture_of

@@ -1,6 +1,8 @@
 """dspipe.runtime.moe in one process (ep 1, a one-rank gloo group): DeepSpeed's native MoE layer built from a
 SparseMLP computes the same output, load-balancing loss and gradients as the SparseMLP, for k = 1, 2 and 3 with and
-without router_norm_topk, with shared experts, and with sigmoid scores (scaled or not); the whole GPT's loss too; the optimizer groups, the names and the
+without router_norm_topk, with shared experts, with sigmoid scores (scaled or not) and with expert groups and a
+selection bias (DeepSpeed's gate follows the model's choice); aux-loss-free balancing counts each micro-batch once
+and moves the bias by the rule; the whole GPT's loss too; the optimizer groups, the names and the
 refusals."""
 import copy
 from types import SimpleNamespace
@@ -66,12 +68,18 @@ CASES = [dict(experts_per_token=k, router_norm_topk=norm) for k in (1, 2, 3) for
 CASES += [dict(experts_per_token=2, shared_experts=1, router_norm_topk=False)]
 CASES += [dict(experts_per_token=k, router_norm_topk=norm, router_score="sigmoid", router_scale=scale)
           for k, norm, scale in ((1, True, 1.0), (1, False, 2.5), (2, True, 2.5), (3, False, 1.0))]
+CASES += [dict(experts=8, experts_per_token=k, router_score=score, router_groups=4, router_group_limit=limit,
+               router_bias_rate=0.01, router_norm_topk=k > 1)  # (top-1 renormalised weighs 1: no router gradient
+          for k, score, limit in ((1, "sigmoid", 1), (2, "softmax", 2), (3, "sigmoid", 2))]  # but the aux loss's)
 
 
 @pytest.mark.parametrize("fields", CASES, ids=lambda f: "-".join(f"{k}={v}" for k, v in f.items()))
 def test_native_layer_equals_sparse_mlp(group, fields):
     s = spec(**fields)
     plain = sparse_mlp(s)
+    if plain.router_bias is not None:  # a selection bias that changes the choice (DeepSpeed must follow it)
+        with torch.no_grad():
+            plain.router_bias.copy_(torch.randn(s.experts, generator=torch.Generator().manual_seed(4)) * 0.5)
     layer = native(copy.deepcopy(plain), s)
     x = torch.randn(2, 16, s.hidden, generator=torch.Generator().manual_seed(1))
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
@@ -86,7 +94,10 @@ def test_native_layer_equals_sparse_mlp(group, fields):
     assert relative(layer.gate_weight.grad, plain.router.weight.grad) < 1e-5  # the routing weights' gradient
     for e, expert in enumerate(layer.moe.deepspeed_moe.experts.deepspeed_experts):
         for a, b in zip(expert.parameters(), plain.experts[e].parameters(), strict=True):
-            assert relative(a.grad, b.grad) < 1e-5
+            if b.grad is None or not b.grad.any():  # an expert no token chose (the bias or the groups kept it out)
+                assert a.grad is None or not a.grad.any()
+            else:
+                assert relative(a.grad, b.grad) < 1e-5
 
 
 def relative(got, want) -> float:
@@ -172,3 +183,59 @@ def test_refusal_dense_and_supported():
     run = SimpleNamespace(model=spec(experts=0, expert_ffn=None), plan=plan(ep=2), strategy=None, ds_config={})
     with pytest.raises(SpecError, match="ep 2 > 1 needs a mixture-of-experts model"):
         install_for_run(None, run=run, rank=0)
+
+
+@pytest.mark.parametrize("reentrant", [None, True, False])
+def test_router_bias_counts_each_micro_batch_once_and_moves_by_the_rule(group, reentrant):
+    """Two training micro-batches, with full recomputation (reentrant or not) or without: each sparse block counts
+    every token's k routes once (no recomputation counted twice), eval forwards count nothing, and the update moves
+    each expert's bias by rate x sign(mean load - its load)."""
+    from torch.utils.checkpoint import checkpoint
+
+    from dspipe.model.gpt import GPT
+    from dspipe.runtime.moe import install, update_router_bias
+
+    s = spec(layers=2, experts_per_token=2, router_score="sigmoid", router_bias_rate=0.1)
+    model = GPT(s, seed=3)
+    install(model, spec=s, ep=1, ep_rank=0)
+    for b in model.h:
+        b.mlp.moe.set_deepspeed_parallelism()
+    if reentrant is not None:
+        model.block_checkpoint = lambda fn, *args: checkpoint(fn, *args, use_reentrant=reentrant)
+    gen = torch.Generator().manual_seed(5)
+    batches = [(torch.randint(0, s.vocab, (2, 16), generator=gen), torch.randint(0, s.vocab, (2, 16), generator=gen))
+               for _ in range(2)]
+    model.eval()
+    with torch.no_grad():
+        model(*batches[0])
+    model.train()
+    for idx, labels in batches:
+        model(idx, labels).backward()
+    routed = [b.mlp.take_routed() for b in model.h]
+    assert [int(r.sum()) for r in routed] == [2 * 2 * 16 * 2] * 2  # micro-batches x tokens x k, nothing else
+    for b, r in zip(model.h, routed):
+        b.mlp._routed = r.clone()  # the counts again, for the update
+    update_router_bias(model, rate=0.1)
+    for b, r in zip(model.h, routed):
+        want = 0.1 * torch.sign(r.double().mean() - r.double()).float()
+        assert torch.equal(b.mlp.router_bias, want) and want.abs().sum() > 0
+        assert b.mlp.router_bias.dtype == torch.float32
+    assert all(int(b.mlp.take_routed().sum()) == 0 for b in model.h)  # restarted
+
+
+def test_router_bias_stays_fp32_and_is_in_the_state():
+    from dspipe.model.gpt import GPT
+
+    s = spec(layers=2, router_bias_rate=0.001)
+    model = GPT(s, seed=1).to(torch.bfloat16)
+    assert all(b.mlp.router_bias.dtype == torch.float32 for b in model.h)
+    assert [k for k in model.state_dict() if "router_bias" in k] == ["h.0.mlp.router_bias", "h.1.mlp.router_bias"]
+    assert not any("router_bias" in k for k in GPT(spec(layers=2), seed=1).state_dict())  # off: no buffer at all
+    with torch.device("meta"):
+        meta = GPT(s, seed=None)
+    from dspipe.model.gpt import fill
+
+    meta = meta.to_empty(device="cpu")
+    meta.h[0].mlp.router_bias.fill_(float("nan"))
+    fill(meta, seed=1)
+    assert all(torch.equal(b.mlp.router_bias, torch.zeros(s.experts)) for b in meta.h)  # step 0: unbiased

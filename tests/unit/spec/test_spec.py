@@ -135,6 +135,8 @@ def test_a_new_setting_is_one_declaration():
     (dict(window_start_layer=1), "model.window_start_layer 1 has no effect without sliding_window"),
     (dict(router_score="sigmoid", router_scale=2.5),
      r"model.router_score sigmoid, router_scale 2.5 has no effect without experts"),
+    (dict(router_groups=2, router_group_limit=1, router_bias_rate=0.001),
+     r"model.router_groups 2, router_group_limit 1, router_bias_rate 0.001 has no effect without experts"),
 ])
 def test_a_setting_that_would_be_ignored_is_refused(settings, message):
     base = MODEL_PRESETS["tiny-llama"]
@@ -147,6 +149,16 @@ def test_a_setting_that_would_be_ignored_is_refused(settings, message):
     (dict(router_score=True), "model.router_score True is not one of: softmax, sigmoid"),
     (dict(router_scale=0.0), r"model.router_scale must be a finite number in \(0, 1000\], got 0.0"),
     (dict(router_scale=float("nan")), r"model.router_scale must be a finite number in \(0, 1000\]"),
+    (dict(router_groups=3), r"model.experts 128 is not divisible by router_groups 3 \(128 / 3 = 42.6667\)"),
+    (dict(router_groups=8), "model.router_groups 8 has no effect without router_group_limit"),
+    (dict(router_group_limit=2), "model.router_group_limit 2 has no effect without router_groups > 1"),
+    (dict(router_groups=8, router_group_limit=9), "model.router_group_limit 9 exceeds router_groups 8"),
+    (dict(router_groups=128, router_group_limit=4), "model.router_groups 128 leaves 1 expert per group"),
+    (dict(router_groups=32, router_group_limit=1),
+     r"model.experts_per_token 8 exceeds the experts of router_group_limit 1 groups \(1 x 128 / 32 = 4\)"),
+    (dict(router_groups=0), "router_groups"),
+    (dict(router_bias_rate=-0.1), r"model.router_bias_rate must be a finite number in \[0, 1\], got -0.1"),
+    (dict(router_bias_rate=float("inf")), r"model.router_bias_rate must be a finite number in \[0, 1\]"),
 ])
 def test_bad_router_settings_are_refused(settings, message):
     base = MODEL_PRESETS["qwen3-30b-a3b"]
@@ -157,4 +169,6 @@ def test_bad_router_settings_are_refused(settings, message):
 def test_router_settings_show_in_the_shape():
     base = MODEL_PRESETS["qwen3-30b-a3b"]
     assert "-sigmoid-scale2.5" in replace(base, router_score="sigmoid", router_scale=2.5).shape_text
+    assert replace(base, router_groups=8, router_group_limit=4, router_bias_rate=0.001).shape_text.endswith(
+        "-groups4of8-bias0.001")
     assert "sigmoid" not in base.shape_text and "scale" not in base.shape_text

@@ -2,14 +2,14 @@
 by a `NativeMoE` backed by DeepSpeed's native `deepspeed.moe.layer.MoE` (at every ep, 1 included), holding the
 model's router as its gate and this rank's experts [ep_rank x E/ep, (ep_rank + 1) x E/ep) as its local experts.
 
-The output equals the plain SparseMLP's (dropless, no noise, no random token selection): DeepSpeed's gate only
-routes (which experts, which capacity slots); the weights its combine applies are replaced (a forward hook on the
-gate) by the model's own (dspipe.model.gpt.route: the top-k softmax or sigmoid scores, renormalised only when
-router_norm_topk, times router_scale, where DeepSpeed always renormalises softmax probabilities for k >= 2 and never
-for k = 1), computed from the same router weight with their graph, so the router's gradient is the plain model's too.
-The experts chosen are the same: the model ranks by the same softmax DeepSpeed's gate ranks by, for either score.
-The load-balancing loss is the model's (dspipe.model.gpt.balance_loss), kept as `.aux` for GPT.forward; DeepSpeed's
-l_aux is not used.
+The output equals the plain SparseMLP's (dropless, no noise, no random token selection): the model routes
+(dspipe.model.gpt.route: the experts chosen by score, selection bias and expert groups; their weights, the top-k
+softmax or sigmoid scores renormalised only when router_norm_topk, times router_scale), computed from the gate's
+weight with their graph, so the router's gradient is the plain model's too. DeepSpeed's gate only places the
+tokens: its gating function is handed logits on which exactly the model's experts rank (NativeMoE._gate_routes),
+and the weights its combine applies are replaced by the model's (a forward hook on the gate; DeepSpeed's own always
+renormalise for k >= 2 and never for k = 1). The load-balancing loss is the model's (dspipe.model.gpt.balance_loss),
+kept as `.aux` for GPT.forward; DeepSpeed's l_aux is not used. Aux-loss-free balancing: update_router_bias.
 
 Names: the block's `mlp.router.weight` lives at `mlp.moe.deepspeed_moe.gate.wg.weight`, expert e at
 `mlp.moe.deepspeed_moe.experts.deepspeed_experts.{e - ep_rank x E/ep}` (DeepSpeed's checkpoint files name it by its

@@ -202,7 +202,8 @@ class ModelSpec:
                                 help="router score: softmax over the experts, or sigmoid of each expert's logit "
                                      "[{default}; DeepSeek-V3: sigmoid]")
     """Score of expert e for a token: softmax over all experts' logits (Mixtral, Qwen3-MoE) or sigmoid of e's own
-    logit (DeepSeek-V3); either way a token's top-k experts are its k largest logits."""
+    logit (DeepSeek-V3); without a selection bias or expert groups a token's top-k experts are its k largest logits
+    either way."""
     router_scale: float = setting(1.0, kind="float",
                                   help="factor on the routed experts' combine weights [{default:g}; DeepSeek-V3: 2.5]")
     """Multiplies each token's top-k combine weights, after any renormalisation (DeepSeek routed_scaling_factor)."""
@@ -326,8 +327,8 @@ class ModelSpec:
             raise SpecError(f"model.router_group_limit {limit} exceeds router_groups {groups}")
         if self.experts // groups < 2:
             raise SpecError(f"model.router_groups {groups} leaves {self.experts // groups} expert per group: a group's "
-                            f"score is the sum of its two best experts' (experts {self.experts} / groups {groups} "
-                            f">= 2)")
+                            f"score is the sum of its two best experts' (experts {self.experts} / router_groups must "
+                            f"be >= 2)")
         if k > limit * (self.experts // groups):
             raise SpecError(f"model.experts_per_token {k} exceeds the experts of router_group_limit {limit} groups "
                             f"({limit} x {self.experts} / {groups} = {limit * (self.experts // groups)})")

@@ -360,15 +360,17 @@ def routing_of(spec: ModelSpec) -> dict:
                 scale=spec.router_scale, groups=spec.router_groups, group_limit=spec.router_group_limit)
 
 
-class RouterBias(nn.Module):
-    """What a sparse block keeps for aux-loss-free balancing (router_bias_rate > 0): `router_bias`, the experts'
-    selection bias (an fp32 buffer in the module's state: checkpoints hold it, a cast of the model leaves it fp32),
-    and the tokens each expert was sent by the training forwards. A micro-batch counts once however often its block
-    runs: a recomputation (reentrant or not) replaces the last forward's count with the same one, and GPT.forward
-    adds the last count to the total before the next micro-batch (commit_routed)."""
+class RouterState(nn.Module):
+    """What a sparse block keeps across forwards: `router_bias`, the experts' selection bias for aux-loss-free
+    balancing (router_bias_rate > 0; an fp32 buffer in the module's state: checkpoints hold it, a cast of the model
+    leaves it fp32), and the tokens each expert was sent by the training forwards (the step's expert loads). A
+    micro-batch counts once however often its block runs: a recomputation (reentrant or not) replaces the last
+    forward's count with the same one, and GPT.forward adds the last count to the total before the next micro-batch
+    (commit_routed)."""
 
-    def _init_bias(self, spec: ModelSpec) -> None:
+    def _init_router_state(self, spec: ModelSpec) -> None:
         self.register_buffer("router_bias", torch.zeros(spec.experts) if spec.router_bias_rate else None)
+        self.num_experts = spec.experts
         self._routed_last: torch.Tensor | None = None  # the last training forward's tokens per expert
         self._routed: torch.Tensor | None = None  # the committed micro-batches' since take_routed
 
@@ -380,8 +382,8 @@ class RouterBias(nn.Module):
         return self
 
     def _count(self, chosen: torch.Tensor) -> None:
-        if self.router_bias is not None and self.training:
-            self._routed_last = torch.bincount(chosen.reshape(-1), minlength=self.router_bias.numel())
+        if self.training:
+            self._routed_last = torch.bincount(chosen.reshape(-1), minlength=self.num_experts)
 
     def commit_routed(self) -> None:
         """The last micro-batch's count into the total (GPT.forward, before the next micro-batch's blocks run)."""
@@ -389,11 +391,12 @@ class RouterBias(nn.Module):
             last, self._routed_last = self._routed_last, None
             self._routed = last if self._routed is None else self._routed + last
 
-    def take_routed(self) -> torch.Tensor:
-        """Tokens per expert of the training micro-batches since the last call (int64, zeros if none); restarts."""
+    def take_routed(self, *, device) -> torch.Tensor:
+        """Tokens per expert of the training micro-batches since the last call (int64; zeros on `device` if none);
+        the count restarts."""
         self.commit_routed()
         routed, self._routed = self._routed, None
-        return routed if routed is not None else torch.zeros_like(self.router_bias, dtype=torch.int64)
+        return routed if routed is not None else torch.zeros(self.num_experts, dtype=torch.int64, device=device)
 
 
 def balance_loss(probs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
@@ -406,7 +409,7 @@ def balance_loss(probs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
     return experts * (routes / probs.shape[0] * probs.mean(dim=0)).sum()
 
 
-class SparseMLP(RouterBias):
+class SparseMLP(RouterState):
     """Mixture of experts, dropless, as transformers' Mixtral / Qwen3-MoE / DeepSeek-V3 compute it: the router's
     logits (fp32) -> softmax (or sigmoid) scores -> top-k (route: selection bias and expert groups; renormalised when
     router_norm_topk, times router_scale) -> each token's output is the weighted sum of its k experts (each an MLP
@@ -416,7 +419,7 @@ class SparseMLP(RouterBias):
     def __init__(self, spec: ModelSpec):
         super().__init__()
         self.routing = routing_of(spec)
-        self._init_bias(spec)
+        self._init_router_state(spec)
         self.router = nn.Linear(spec.hidden, spec.experts, bias=False)
         self.experts = nn.ModuleList(MLP(spec, width=spec.expert_width) for _ in range(spec.experts))
         self.shared = MLP(spec, width=spec.shared_experts * spec.expert_width) if spec.shared_experts else None

@@ -126,6 +126,9 @@ class Engine:
         self.aux_loss: float | None = None
         """A mixture-of-experts model's load-balancing loss of the last train step (mean over micro-batches and
         data-parallel ranks, before aux_loss_coef); None for a dense model."""
+        self.expert_load: float | None = None
+        """A mixture-of-experts model's load imbalance of the last train step (dspipe.runtime.moe.load_ratio: the
+        busiest expert's tokens over the mean, worst sparse block; 1 is balanced); None for a dense model."""
         self.settings = engine_settings(engine)
         check_engine(self.settings, run)
         grid = getattr(engine, "grid", None)  # the pipeline's own topology must agree with the layout
@@ -183,11 +186,19 @@ class PlainEngine(Engine):
             engine.backward(loss)
             engine.step()
             total += self._parts(loss)
-        if self.run.model.router_bias_rate:  # aux-loss-free balancing: the selection biases after the step
-            from dspipe.runtime.moe import update_router_bias
-
-            update_router_bias(engine.module, rate=self.run.model.router_bias_rate)
+        if self.run.model.experts:
+            self._after_moe_step()
         return self._reported(self._mean(total, count=self.run.plan.grad_accum))
+
+    def _after_moe_step(self) -> None:
+        """The step's expert loads (one all_reduce): their imbalance into `expert_load`, and with
+        router_bias_rate the selection biases moved (aux-loss-free balancing)."""
+        from dspipe.runtime.moe import load_ratio, step_loads, update_router_bias
+
+        loads = step_loads(self.engine.module, device=self.device)
+        self.expert_load = load_ratio(loads)
+        if self.run.model.router_bias_rate:
+            update_router_bias(self.engine.module, loads=loads, rate=self.run.model.router_bias_rate)
 
     def eval_loss(self, batches, *, count: int) -> float:
         import torch

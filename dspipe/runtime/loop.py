@@ -25,9 +25,10 @@ from dspipe.runtime.stability import Health, guard_base_optimizer
 from dspipe.runtime.startup import StartupClock
 from dspipe.spec.hardware import GIB
 
-STEP_MOE_COLUMNS = ("aux_loss",)
+STEP_MOE_COLUMNS = ("aux_loss", "expert_load")
 """metrics.csv's columns after dspipe.planner.throughput.STEP_COLUMNS for a mixture-of-experts model: the mean
-load-balancing loss over its sparse blocks (before aux_loss_coef); `loss` is the LM loss."""
+load-balancing loss over its sparse blocks (before aux_loss_coef; `loss` is the LM loss), and the step's load
+imbalance (the busiest expert's tokens over the mean, worst sparse block, all ranks; 1 is balanced)."""
 
 
 def device_peak_tflops(*, precision: str) -> tuple[str, float | None]:
@@ -263,7 +264,7 @@ def _log_step(t: Training, *, step: int, loss: float, lr: float, seconds: float,
                 **step_rates(tokens=plan.tokens_per_step, samples=plan.global_batch, seconds=seconds,
                              flops_per_token=flops_per_token, world_size=t.world, peak_tflops=t.peak_tflops),
                 "mem_allocated_gib": alloc, "mem_reserved_gib": reserved, "skipped": int(skipped),
-                "aux_loss": t.eng.aux_loss})
+                "aux_loss": t.eng.aux_loss, "expert_load": t.eng.expert_load})
 
 
 def finish(t: Training) -> dict:

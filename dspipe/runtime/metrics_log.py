@@ -148,7 +148,8 @@ class RunLog:
             monitor.enabled = False  # DeepSpeed's engine writes its Train/Samples/* events only while this is set
         if enabled:
             prepare_monitor(monitor, resumed_at=resumed_at)
-            # a mixture-of-experts model adds aux_loss (its load-balancing loss; `loss` stays the LM loss)
+            # a mixture-of-experts model adds aux_loss (its load-balancing loss; `loss` stays the LM loss) and
+            # expert_load (the step's load imbalance)
             self.steps_csv = _Csv(Path(run_path) / "metrics.csv", STEP_COLUMNS + tuple(step_columns),
                                   resumed_at=resumed_at)
             if validating:
@@ -183,6 +184,7 @@ class RunLog:
             mfu = "n/a" if row["mfu"] is None else f"{100 * row['mfu']:.1f}%"
             norm = "-" if row["grad_norm"] is None else f"{row['grad_norm']:.3f}"
             aux = f" | aux {row['aux_loss']:.4f}" if row.get("aux_loss") is not None else ""
+            aux += f" | load {row['expert_load']:.2f}" if row.get("expert_load") is not None else ""
             self.say(f"step {s:>5}/{self.steps} | loss {row['loss']:.4f}{aux} | lr {row['lr']:.2e} | gnorm {norm} | "
                      f"{row['tokens_per_s']:,.0f} tok/s | {row['samples_per_s']:,.1f} samples/s | "
                      f"{row['tflops_per_gpu']:.3g} TFLOP/s/gpu | MFU {mfu} | mem {row['mem_allocated_gib']:.2f}/"

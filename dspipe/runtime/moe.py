@@ -9,7 +9,8 @@ weight with their graph, so the router's gradient is the plain model's too. Deep
 tokens: its gating function is handed logits on which exactly the model's experts rank (NativeMoE._gate_routes),
 and the weights its combine applies are replaced by the model's (a forward hook on the gate; DeepSpeed's own always
 renormalise for k >= 2 and never for k = 1). The load-balancing loss is the model's (dspipe.model.gpt.balance_loss),
-kept as `.aux` for GPT.forward; DeepSpeed's l_aux is not used. Aux-loss-free balancing: update_router_bias.
+kept as `.aux` for GPT.forward; DeepSpeed's l_aux is not used. After each step: step_loads, load_ratio and
+update_router_bias.
 
 Names: the block's `mlp.router.weight` lives at `mlp.moe.deepspeed_moe.gate.wg.weight`, expert e at
 `mlp.moe.deepspeed_moe.experts.deepspeed_experts.{e - ep_rank x E/ep}` (DeepSpeed's checkpoint files name it by its
@@ -22,11 +23,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dspipe.errors import SpecError
-from dspipe.model.gpt import RouterBias, balance_loss, route, routing_of
+from dspipe.model.gpt import RouterState, balance_loss, route, routing_of
 from dspipe.runtime.experts import expert_parallel, refusal
 
 
-class NativeMoE(RouterBias):
+class NativeMoE(RouterState):
     """A sparse block's MLP on DeepSpeed's MoE layer; same output and aux as the SparseMLP it was built from."""
 
     def __init__(self, sparse: nn.Module, *, spec, ep: int, ep_rank: int):
@@ -34,7 +35,7 @@ class NativeMoE(RouterBias):
         from deepspeed.moe.layer import MoE
 
         self.routing = routing_of(spec)
-        self._init_bias(spec)
+        self._init_router_state(spec)
         if self.router_bias is not None:
             self.router_bias = sparse.router_bias.detach().float().clone()
         cf = spec.capacity_factor
@@ -139,18 +140,29 @@ def param_groups(groups: list[dict]) -> list[dict]:
     return [g for g in split_params_into_different_moe_groups_for_optimizer(named) if g["params"]]
 
 
-def update_router_bias(module: nn.Module, *, rate: float) -> None:
-    """Collective, after each optimizer step of a model with router_bias_rate > 0 (DeepSeek-V3's auxiliary-loss-free
-    balancing): the tokens each expert of each sparse block got over the step (every micro-batch, summed over all
-    ranks in one all_reduce), then every expert's selection bias += rate x sign(mean tokens - its tokens)."""
+def step_loads(module: nn.Module, *, device) -> torch.Tensor:
+    """Collective, after each optimizer step of a mixture of experts: the tokens each expert of each sparse block got
+    over the step (every training micro-batch, summed over all ranks in one all_reduce), (sparse blocks, E) int64."""
     import torch.distributed as dist
 
-    blocks = [m for m in module.modules() if isinstance(m, RouterBias) and m.router_bias is not None]
-    if not blocks:
-        return
-    routed = torch.stack([m.take_routed() for m in blocks])  # (blocks, E), on the model's device
+    routed = torch.stack([m.take_routed(device=device) for m in module.modules() if isinstance(m, RouterState)])
     dist.all_reduce(routed)
-    step = rate * torch.sign(routed.double().mean(dim=1, keepdim=True) - routed.double()).float()
+    return routed
+
+
+def load_ratio(loads: torch.Tensor) -> float:
+    """The step's worst imbalance: the busiest expert's tokens over the mean tokens per expert, in the sparse block
+    where that is highest (1: balanced; DeepSeek-V3's MaxVio + 1)."""
+    loads = loads.double()
+    return float((loads.max(dim=1).values / loads.mean(dim=1)).max())
+
+
+def update_router_bias(module: nn.Module, *, loads: torch.Tensor, rate: float) -> None:
+    """DeepSeek-V3's auxiliary-loss-free balancing, after each optimizer step, from the step's `loads` (step_loads):
+    every expert's selection bias += rate x sign(mean tokens - its tokens) (up for an expert below the mean, down
+    above it). The same on every rank: the loads are summed over all of them."""
+    blocks = [m for m in module.modules() if isinstance(m, RouterState)]
+    step = rate * torch.sign(loads.double().mean(dim=1, keepdim=True) - loads.double()).float()
     with torch.no_grad():
         for m, delta in zip(blocks, step, strict=True):
-            m.router_bias.add_(delta)
+            m.router_bias.add_(delta.to(m.router_bias.device))

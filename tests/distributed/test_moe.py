@@ -7,11 +7,12 @@ token uses 1, aux-loss-free bias balancing) at ep 2 and ep 1.
     Mixtral ep 2, ZeRO-2     killed after step 5 (checkpoint at 3), then resumed: step 1's LM loss is
                              transformers'; the resumed steps 4-5 are bitwise the ones before the kill; the
                              checkpoint holds DeepSpeed's expert files; export-hf computes dspipe's logits
-    Mixtral ep 1, ZeRO-1     the same global batches: every step's loss within 1e-5 of ep 2's, aux_loss logged
+    Mixtral ep 1, ZeRO-1     the same global batches: every step's loss within 1e-5 of ep 2's, aux_loss and
+                             expert_load logged
     Qwen3-MoE ep 2, ZeRO-2   lr 1e-12: step 1's LM loss is transformers', export-hf computes transformers' logits
     sigmoid ep 2 / ep 1      step 1's LM loss is the plain model's; every step's loss within 1e-5 of each other;
                              ep 1 (ZeRO-0) resumed at dp 1 from its step-3 checkpoint: steps 4-6 bitwise; the
-                             selection biases after step 6 equal in all three
+                             selection biases after step 6 and every step's expert_load equal in all three
 
 A resume at another ep, or at another dp under ZeRO-1/2, is refused by name (checked in this process, no launch).
 Each launch's start-up (engine.json) records what each rank built: at ep 2 the dense parameters and its own experts,
@@ -148,6 +149,7 @@ def test_mixtral_expert_parallel_equals_ep1_resumes_exactly_and_exports(tmp_path
     assert len(loss_diffs) == 6 and max(loss_diffs) < LOSS_TOL
     assert float(rows2[-1]["loss"]) < float(rows2[0]["loss"]) - 0.01  # it trained
     assert all(0 < a < 2 * EXPERTS for a in aux) and all(float(row["aux_loss"]) > 0 for row in rows1)
+    assert all(1 <= float(row["expert_load"]) <= EXPERTS / 2 for row in rows1 + rows2)  # busiest / mean, top-2 of 4
     assert cls == "MixtralForCausalLM" and (logits - ours).abs().max().item() < LOGITS_TOL and moved > 1e-2
     # start-up: each ep 2 rank built (read) the dense parameters and its own experts, the planner's count
     for run, ep in ((ep2, 2), (ep1, 1)):
@@ -240,3 +242,6 @@ def test_sigmoid_routing_expert_parallel_equals_ep1_and_the_plain_model(tmp_path
     assert len(diffs) == 6 and max(diffs) < LOSS_TOL
     assert losses["ep2"][-1] < losses["ep2"][0] - 0.05  # it trained
     assert all(float(row["aux_loss"]) > 0 for row in rows["ep2"])
+    loads = {name: [float(row["expert_load"]) for row in r] for name, r in rows.items()}
+    assert loads["ep2"] == loads["ep1"] and loads["dp1"] == loads["ep1"][3:]  # every rank's tokens counted
+    assert all(1 <= x <= EXPERTS / 2 for x in loads["ep2"])

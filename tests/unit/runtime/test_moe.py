@@ -1,8 +1,8 @@
 """dspipe.runtime.moe in one process (ep 1, a one-rank gloo group): DeepSpeed's native MoE layer built from a
 SparseMLP computes the same output, load-balancing loss and gradients as the SparseMLP, for k = 1, 2 and 3 with and
 without router_norm_topk, with shared experts, with sigmoid scores (scaled or not) and with expert groups and a
-selection bias (DeepSpeed's gate follows the model's choice); aux-loss-free balancing counts each micro-batch once
-and moves the bias by the rule; the whole GPT's loss too; the optimizer groups, the names and the
+selection bias (DeepSpeed's gate follows the model's choice); the expert loads count each micro-batch once, and
+aux-loss-free balancing moves the bias by the rule; the whole GPT's loss too; the optimizer groups, the names and the
 refusals."""
 import copy
 from types import SimpleNamespace
@@ -186,14 +186,14 @@ def test_refusal_dense_and_supported():
 
 
 @pytest.mark.parametrize("reentrant", [None, True, False])
-def test_router_bias_counts_each_micro_batch_once_and_moves_by_the_rule(group, reentrant):
+def test_expert_loads_count_each_micro_batch_once_and_the_bias_moves_by_the_rule(group, reentrant):
     """Two training micro-batches, with full recomputation (reentrant or not) or without: each sparse block counts
-    every token's k routes once (no recomputation counted twice), eval forwards count nothing, and the update moves
-    each expert's bias by rate x sign(mean load - its load)."""
+    every token's k routes once (no recomputation counted twice), eval forwards count nothing, the imbalance is the
+    busiest expert over the mean, and the update moves each expert's bias by rate x sign(mean load - its load)."""
     from torch.utils.checkpoint import checkpoint
 
     from dspipe.model.gpt import GPT
-    from dspipe.runtime.moe import install, update_router_bias
+    from dspipe.runtime.moe import install, load_ratio, step_loads, update_router_bias
 
     s = spec(layers=2, experts_per_token=2, router_score="sigmoid", router_bias_rate=0.1)
     model = GPT(s, seed=3)
@@ -211,16 +211,16 @@ def test_router_bias_counts_each_micro_batch_once_and_moves_by_the_rule(group, r
     model.train()
     for idx, labels in batches:
         model(idx, labels).backward()
-    routed = [b.mlp.take_routed() for b in model.h]
-    assert [int(r.sum()) for r in routed] == [2 * 2 * 16 * 2] * 2  # micro-batches x tokens x k, nothing else
-    for idx, labels in batches:  # the same step again (the bias still 0: the same routes), then the update
-        model(idx, labels).backward()
-    update_router_bias(model, rate=0.1)
-    for b, r in zip(model.h, routed):
+    loads = step_loads(model, device="cpu")
+    assert loads.shape == (2, s.experts) and loads.sum(dim=1).tolist() == [2 * 2 * 16 * 2] * 2  # micro x tokens x k
+    assert load_ratio(loads) == max(float(r.max()) / float(r.double().mean()) for r in loads) and load_ratio(loads) > 1
+    assert load_ratio(torch.full((2, 4), 8)) == 1.0
+    update_router_bias(model, loads=loads, rate=0.1)
+    for b, r in zip(model.h, loads):
         want = 0.1 * torch.sign(r.double().mean() - r.double()).float()
         assert torch.equal(b.mlp.router_bias, want) and want.abs().sum() > 0
         assert b.mlp.router_bias.dtype == torch.float32
-    assert all(int(b.mlp.take_routed().sum()) == 0 for b in model.h)  # restarted
+    assert int(step_loads(model, device="cpu").sum()) == 0  # restarted
 
 
 def test_router_bias_stays_fp32_and_is_in_the_state():

@@ -60,7 +60,8 @@ def check_checkpoint(path: Path, *, meta: dict) -> None:
         raise SpecError(f"checkpoint {path} is missing {', '.join(missing[:3])}"
                         f"{f' and {len(missing) - 3} more' if len(missing) > 3 else ''} (dp {meta['dp']}, pp "
                         f"{meta['pp']}, tp {meta['tp']}, sp {meta['sp']}, ZeRO-{meta['zero_stage']} writes them)")
-    expected = dict(from_dict(ModelSpec, meta["model"]).model_tensors())
+    spec = from_dict(ModelSpec, meta["model"])
+    expected = dict(spec.model_tensors()) | dict(spec.model_buffers())
     seen: dict[str, tuple] = {}
     for name in sorted(present):
         file = path / name

@@ -484,6 +484,13 @@ class ModelSpec:
             out.append(("lm_head.weight", (self.vocab, self.hidden)))
         return out
 
+    def model_buffers(self) -> list[tuple[str, tuple[int, ...]]]:
+        """The model's state that is not a parameter, (name, shape): each sparse block's expert selection bias when
+        router_bias_rate > 0."""
+        if not self.router_bias_rate:
+            return []
+        return [(f"h.{i}.mlp.router_bias", (self.experts,)) for i in self.sparse_layers]
+
     @property
     def params_per_block(self) -> int:
         """Parameters of a dense block (see layer_params for a model with sparse blocks)."""

@@ -231,6 +231,20 @@ def test_sigmoid_routing_expert_parallel_equals_ep1_and_the_plain_model(tmp_path
         biases[name] = torch.stack([b.mlp.router_bias for b in load_gpt(tag, meta=ckpt.read_meta(tag)).h])
     assert torch.equal(biases["ep2"], biases["ep1"]) and torch.equal(biases["ep1"], biases["dp1"])
     assert biases["ep2"].abs().max() > 0.005 and biases["ep2"].abs().max() <= 0.06 + 1e-6  # at most 6 x 0.01
+    # a bias of the wrong shape (or none) in a checkpoint: one line before anything loads, not DeepSpeed's traceback
+    from dspipe.runtime.ckptfiles import check_checkpoint
+
+    tag = tmp_path / "ep1" / "checkpoints" / "global_step6"
+    states = tag / "mp_rank_00_model_states.pt"
+    sd = torch.load(states, weights_only=False)
+    for edit, says in ((lambda m: m.update({"h.1.mlp.router_bias": torch.zeros(3)}),
+                        r"h.1.mlp.router_bias has shape \[3\], the checkpoint's model has \[4\]"),
+                       (lambda m: m.pop("h.1.mlp.router_bias"), r"holds no weights for h.1.mlp.router_bias")):
+        module = dict(sd["module"])
+        edit(module)
+        torch.save({**sd, "module": module}, states)
+        with pytest.raises(SpecError, match=says):
+            check_checkpoint(tag, meta=ckpt.read_meta(tag))
     plain = GPT(run.model, seed=run.train.seed).eval()
     loader = TrainLoader(windows=TokenWindows(str(corpus), seq_len=SEQ), seed=1234, micro_batch=16, dp=1, dp_rank=0)
     with torch.no_grad():

@@ -224,7 +224,7 @@ def test_expert_loads_count_each_micro_batch_once_and_the_bias_moves_by_the_rule
 
 
 def test_router_bias_stays_fp32_and_is_in_the_state():
-    from dspipe.model.gpt import GPT
+    from dspipe.model.gpt import GPT, fill
 
     s = spec(layers=2, router_bias_rate=0.001)
     model = GPT(s, seed=1).to(torch.bfloat16)
@@ -233,8 +233,6 @@ def test_router_bias_stays_fp32_and_is_in_the_state():
     assert not any("router_bias" in k for k in GPT(spec(layers=2), seed=1).state_dict())  # off: no buffer at all
     with torch.device("meta"):
         meta = GPT(s, seed=None)
-    from dspipe.model.gpt import fill
-
     meta = meta.to_empty(device="cpu")
     meta.h[0].mlp.router_bias.fill_(float("nan"))
     fill(meta, seed=1)

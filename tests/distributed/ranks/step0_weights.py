@@ -51,5 +51,8 @@ def decays(engine) -> dict[str, float]:
 
 
 if __name__ == "__main__":
+    from dspipe.runtime.comm import exit_rank
+
     args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
     main(args[0], args[1:])
+    exit_rank(0)  # past the gloo teardown abort (dspipe.runtime.comm), as every launched entry point

@@ -354,21 +354,17 @@ def route(logits: torch.Tensor, *, k: int, norm_topk: bool, score: str = "softma
     return probs, weights * scale if scale != 1 else weights, chosen
 
 
-def routing_of(spec: ModelSpec) -> dict:
-    """route's keywords for `spec`'s sparse blocks (the bias is the block's own)."""
-    return dict(k=spec.experts_per_token, norm_topk=spec.router_norm_topk, score=spec.router_score,
-                scale=spec.router_scale, groups=spec.router_groups, group_limit=spec.router_group_limit)
-
-
 class RouterState(nn.Module):
-    """What a sparse block keeps across forwards: `router_bias`, the experts' selection bias for aux-loss-free
-    balancing (router_bias_rate > 0; an fp32 buffer in the module's state: checkpoints hold it, a cast of the model
-    leaves it fp32), and the tokens each expert was sent by the training forwards (the step's expert loads). A
-    micro-batch counts once however often its block runs: a recomputation (reentrant or not) replaces the last
-    forward's count with the same one, and GPT.forward adds the last count to the total before the next micro-batch
-    (commit_routed)."""
+    """What a sparse block keeps across forwards: `routing` (route's keywords but the bias), `router_bias`, the
+    experts' selection bias for aux-loss-free balancing (router_bias_rate > 0; an fp32 buffer in the module's state:
+    checkpoints hold it, a cast of the model leaves it fp32), and the tokens each expert was sent by the training
+    forwards (the step's expert loads). A micro-batch counts once however often its block runs: a recomputation
+    (reentrant or not) replaces the last forward's count with the same one, and GPT.forward adds the last count to
+    the total before the next micro-batch (commit_routed)."""
 
     def _init_router_state(self, spec: ModelSpec) -> None:
+        self.routing = dict(k=spec.experts_per_token, norm_topk=spec.router_norm_topk, score=spec.router_score,
+                            scale=spec.router_scale, groups=spec.router_groups, group_limit=spec.router_group_limit)
         self.register_buffer("router_bias", torch.zeros(spec.experts) if spec.router_bias_rate else None)
         self.num_experts = spec.experts
         self._routed_last: torch.Tensor | None = None  # the last training forward's tokens per expert
@@ -418,7 +414,6 @@ class SparseMLP(RouterState):
 
     def __init__(self, spec: ModelSpec):
         super().__init__()
-        self.routing = routing_of(spec)
         self._init_router_state(spec)
         self.router = nn.Linear(spec.hidden, spec.experts, bias=False)
         self.experts = nn.ModuleList(MLP(spec, width=spec.expert_width) for _ in range(spec.experts))

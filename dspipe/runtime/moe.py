@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dspipe.errors import SpecError
-from dspipe.model.gpt import RouterState, balance_loss, route, routing_of
+from dspipe.model.gpt import RouterState, balance_loss, route
 from dspipe.runtime.experts import expert_parallel, refusal
 
 
@@ -34,7 +34,6 @@ class NativeMoE(RouterState):
         super().__init__()
         from deepspeed.moe.layer import MoE
 
-        self.routing = routing_of(spec)
         self._init_router_state(spec)
         if self.router_bias is not None:
             self.router_bias = sparse.router_bias.detach().float().clone()

@@ -23,6 +23,9 @@ MLPS = ("gelu", "swiglu")
 POSITIONS = ("learned", "rope")
 ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
 ROUTER_SCORES = ("softmax", "sigmoid")
+MOE_ONLY = ("expert_ffn", "shared_experts", "router_score", "router_scale", "router_groups",
+            "router_group_limit", "router_bias_rate", "moe_every", "moe_first_dense", "capacity_factor")
+"""ModelSpec fields that do nothing without experts: a dense model must leave them at their defaults."""
 
 
 INT32_MAX = 2**31 - 1
@@ -294,10 +297,8 @@ class ModelSpec:
         if self.capacity_factor is not None:
             _number("model", "capacity_factor", self.capacity_factor, low=0.0, high=64.0, low_open=True)
         if not self.experts:
-            moe_only = {"expert_ffn": None, "shared_experts": 0, "router_score": "softmax", "router_scale": 1.0,
-                        "router_groups": 1, "router_group_limit": None, "router_bias_rate": 0.0, "moe_every": 1,
-                        "moe_first_dense": 0, "capacity_factor": None}
-            set_ = [f"{k} {getattr(self, k)}" for k, v in moe_only.items() if getattr(self, k) != v]
+            set_ = [f"{f.name} {getattr(self, f.name)}" for f in fields(self)
+                    if f.name in MOE_ONLY and getattr(self, f.name) != f.default]
             if set_:
                 raise SpecError(f"model.{', '.join(set_)} has no effect without experts (give experts, e.g. 8)")
             return

@@ -10,7 +10,11 @@ import json
 import math
 from pathlib import Path
 
-from dspipe.errors import SpecError
+from dspipe.digits import digits_text
+from dspipe.errors import SpecError, cannot_read
+
+FLOAT_DIGITS = 308
+"""Integers of more digits are beyond a float's range (1.8e308): refused as such, like 1e999."""
 
 
 def read_object(path: str | Path, *, hint: str = "", partial_ok: bool = False) -> dict | None:
@@ -22,23 +26,14 @@ def read_object(path: str | Path, *, hint: str = "", partial_ok: bool = False) -
     try:
         raw = path.read_bytes()
     except OSError as e:
-        raise SpecError(f"{path}: cannot read it ({e.strerror or e}){tail}") from None
+        raise cannot_read(path, e, tail=tail) from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise SpecError(f"{path} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}){tail}") from None
 
-    def constant(name: str):
-        raise SpecError(f"{path}: {name} is not a finite number (JSON has no NaN or Infinity){tail}")
-
-    def number(literal: str) -> float:
-        value = float(literal)
-        if not math.isfinite(value):
-            raise SpecError(f"{path}: {literal[:40]} is beyond the range of a float{tail}")
-        return value
-
     try:
-        data = json.loads(text, parse_constant=constant, parse_float=number)
+        data = json.loads(text, **number_hooks(str(path), tail=tail))
     except json.JSONDecodeError as e:
         ends_early = e.pos >= len(text.rstrip()) or e.msg.startswith("Unterminated string")  # runs to the end
         if partial_ok and ends_early:
@@ -47,11 +42,31 @@ def read_object(path: str | Path, *, hint: str = "", partial_ok: bool = False) -
         raise SpecError(f"{path} is not valid JSON: {where}: {e.msg}{tail}") from None
     except RecursionError:
         raise SpecError(f"{path} is not valid JSON: nested too deeply{tail}") from None
-    except ValueError as e:  # an integer literal of more than 4300 digits
-        raise SpecError(f"{path} is not valid JSON: {' '.join(str(e).split())[:120]}{tail}") from None
     if not isinstance(data, dict):
         raise SpecError(f"{path} must hold a JSON object, not {type(data).__name__}{tail}")
     return data
+
+
+def number_hooks(where: str, *, tail: str = "") -> dict:
+    """json.loads keywords that refuse, in one SpecError naming `where`: NaN and Infinity, a float literal beyond
+    float range (1e999), and an integer of more than FLOAT_DIGITS digits (math on it overflows; int() refuses
+    beyond 4,300 digits)."""
+
+    def constant(name: str):
+        raise SpecError(f"{where}: {name} is not a finite number (JSON has no NaN or Infinity){tail}")
+
+    def number(literal: str) -> float:
+        value = float(literal)
+        if not math.isfinite(value):
+            raise SpecError(f"{where}: {literal[:40]} is beyond the range of a float{tail}")
+        return value
+
+    def integer(literal: str) -> int:
+        if len(literal.lstrip("-").lstrip("0")) > FLOAT_DIGITS:
+            raise SpecError(f"{where}: {digits_text(literal)} is beyond the range of a float{tail}")
+        return int(literal)
+
+    return dict(parse_constant=constant, parse_float=number, parse_int=integer)
 
 
 def show(value, width: int = 40) -> str:

@@ -201,3 +201,7 @@ def main(argv: list[str] | None = None) -> None:
     except click.ClickException as e:
         click.echo(f"dspipe: error: {e.format_message()}", err=True)
         sys.exit(2)
+    except OSError as e:  # a read or write that failed where no reader named it (each reader should): still one line
+        where = f"{e.filename}: " if e.filename else ""
+        click.echo(f"dspipe: error: {where}{e.strerror or ' '.join(str(e).split())}", err=True)
+        sys.exit(2)

@@ -72,6 +72,8 @@ def bench_command(o: dict, *, command: str) -> dict:
     if warmup < 1 or steps < 1:
         raise SpecError(f"--warmup {warmup} --steps {steps}: both must be at least 1 (the first step allocates "
                         f"and is never measured)")
+    if o["append"]:
+        bench.existing_text(Path(o["append"]))  # before minutes of measuring
     gpu, ranks = _devices(o)
     # the run dir trains warmup + steps optimizer steps; its lr warmup is the usual default
     o = {**o, "gpu": gpu, "gpus_per_node": ranks, "steps": warmup + steps, "warmup": None}

@@ -36,7 +36,8 @@ from pathlib import Path
 import click
 import yaml
 
-from dspipe.errors import SpecError
+from dspipe.digits import digits_text, too_many_digits
+from dspipe.errors import SpecError, cannot_read
 from dspipe.spec.options import SETTINGS, TABLE
 from dspipe.spec.settings import AUTO
 
@@ -100,7 +101,13 @@ class _Loader(yaml.reader.Reader, yaml.scanner.Scanner, yaml.parser.Parser, yaml
         _Resolver.__init__(self)
 
     def construct_yaml_int(self, node):
-        return int(self.construct_scalar(node), 10)
+        text = self.construct_scalar(node)
+        return LongInt(text) if too_many_digits(text) else int(text, 10)
+
+
+class LongInt(str):
+    """A YAML integer of more than MAX_DIGITS digits, kept as its text (int() refuses beyond 4,300 digits): an
+    integer option's StrictInt refuses it in one line with the option's limit; anything else, as not its type."""
 
 
 _Loader.add_constructor("tag:yaml.org,2002:int", _Loader.construct_yaml_int)
@@ -172,11 +179,15 @@ def _shown(value) -> str:
     """A YAML value as the message shows it."""
     if value is None:
         return "null"
+    if isinstance(value, LongInt):
+        return digits_text(value)
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):
         text = repr(value)
         return (text if len(text) <= 40 else text[:37] + "...") + " (a string)"
+    if isinstance(value, LongInt):
+        return digits_text(value)
     if isinstance(value, (int, float)):
         text = repr(value)
         return text if len(text) <= 40 else text[:37] + "..."
@@ -198,7 +209,7 @@ def read_yaml(path: str) -> dict:
         with open(p, "rb") as f:
             data = f.read(MAX_BYTES + 1)
     except OSError as e:
-        raise SpecError(f"{path}: cannot read it: {e.strerror or e} (--config)") from None
+        raise cannot_read(path, e, tail=" (--config)") from None
     if len(data) > MAX_BYTES:
         raise SpecError(f"{path}: larger than {MAX_BYTES >> 20} MiB: not a config file (--config)")
     try:
@@ -259,7 +270,8 @@ def expected(param: click.Parameter) -> str:
 
 
 def _int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    """A YAML integer (one too long for int() included: StrictInt names its limit)."""
+    return (isinstance(value, int) and not isinstance(value, bool)) or isinstance(value, LongInt)
 
 
 def convert(param: click.Parameter, value, ctx: click.Context | None):
@@ -284,9 +296,9 @@ def convert(param: click.Parameter, value, ctx: click.Context | None):
         fail()
     if isinstance(value, bool):
         fail()
+    text = isinstance(value, str) and not isinstance(value, LongInt)
     ok = {"int": _int(value), "auto_int": _int(value) or value == AUTO,
-          "float": isinstance(value, (int, float)), "tokens": True, "str": isinstance(value, str),
-          "choice": isinstance(value, str),
+          "float": isinstance(value, (int, float, LongInt)), "tokens": True, "str": text, "choice": text,
           "auto_choice": (str(value) if _int(value) else value) in (AUTO, *getattr(param.type, "choices", ()))}
     if not ok[k]:
         fail()

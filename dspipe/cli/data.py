@@ -29,14 +29,15 @@ BUILTIN_MAX_MB = 8.0
 @click.option("--train-tokenizer", type=INT, default=None, metavar="VOCAB_SIZE",
               help="train a byte-level BPE of this size on the input [default: 4096 unless --tokenizer]")
 @click.option("--tokenizer-sample-mb", type=FLOAT, default=64.0, show_default=True,
-              help="text the BPE is trained on (the start of the input)")
+              help="text the BPE is trained on (the start of the input, in pieces of at most 64Ki characters)")
 @click.option("--val-fraction", type=FLOAT, default=0.01, show_default=True,
               help="fraction of documents in the validation split")
 @click.option("--max-mb", type=FLOAT, default=None,
               help=f"stop after this much text [default: all; {BUILTIN_MAX_MB:g} for the built-in corpus]")
 @click.option("--shard-tokens", type=INT, default=500_000_000, show_default=True, help="tokens per shard file")
 @click.option("--workers", type=INT, default=None, help="tokenizer processes, 1-128 [default: usable CPUs, at most 32]")
-@click.option("--skip-bad", is_flag=True, default=False, help="skip non-UTF-8 files (counted) instead of failing")
+@click.option("--skip-bad", is_flag=True, default=False,
+              help="skip non-UTF-8 files and files that fail to read (an I/O error), counted, instead of failing")
 @click.option("--force", is_flag=True, default=False,
               help="rebuild even if --out already holds this preparation (only a directory dspipe prepared)")
 def prepare_data(inputs, sources, out: Path, text_field, txt_docs, hub_config, split, streaming, tokenizer,
@@ -45,7 +46,8 @@ def prepare_data(inputs, sources, out: Path, text_field, txt_docs, hub_config, s
     """Tokenize INPUTS (files, globs, directories, or a Hugging Face dataset name; default: the Python standard
     library's source) into memory-mapped token shards with a train/validation split, in parallel. Re-running
     with the same inputs and options is a no-op."""
-    from dspipe.data.prepare import mib_to_bytes, prepare
+    from dspipe.data.limits import mib_to_bytes
+    from dspipe.data.prepare import prepare
     from dspipe.data.sources import resolve_inputs
     from dspipe.outputs import target
 
@@ -73,7 +75,7 @@ def prepare_data(inputs, sources, out: Path, text_field, txt_docs, hub_config, s
                f"{m['num_tokens']:,} {m['dtype']} tokens (train {train['num_tokens']:,} in "
                f"{len(train['shards'])} shards / val {val['num_tokens']:,}, {val['num_documents']} documents), "
                f"vocab {m['vocab_size']}"
-               + (f", skipped {skipped['empty']} empty and {skipped['bad_utf8']} non-UTF-8"
-                  if any(skipped.values()) else ""))
+               + (f", skipped {skipped['empty']} empty, {skipped['bad_utf8']} non-UTF-8 and "
+                  f"{skipped['unreadable']} unreadable" if any(skipped.values()) else ""))
     click.echo(f"tokenized at {m['num_tokens'] / result.encode_seconds:,.0f} tokens/s with {workers} workers "
                f"({result.seconds:.1f} s in all)")

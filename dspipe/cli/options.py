@@ -18,6 +18,8 @@ import click
 
 from dspipe.cli.config_file import config_options
 from dspipe.errors import SpecError
+from dspipe.digits import MAX_DIGITS, digits_text, too_many_digits
+from dspipe.jsonio import show
 from dspipe.spec.hardware import names_text
 from dspipe.spec.layout import ParallelLayout
 from dspipe.spec.presets import MODEL_PRESETS, model_preset
@@ -25,7 +27,7 @@ from dspipe.planner.ds_preset import AUTO_OPTIONS, PresetImport, account
 from dspipe.planner.render import import_ds_preset, render_ds_config
 from dspipe.planner.search import SearchResult
 from dspipe.planner.memory import MEMORY_HEADROOM
-from dspipe.spec.core import LIMITS, SPEC_SETTINGS, ClusterSpec, ModelSpec, StrategyRequest, TrainSpec, token_count
+from dspipe.spec.core import LIMITS, SPEC_SETTINGS, TOKEN_SCALE, ClusterSpec, ModelSpec, StrategyRequest, TrainSpec, token_count
 from dspipe.spec.options import BY_COMMAND, MONITOR, SETTINGS, TABLE
 from dspipe.spec.settings import AUTO, Setting
 
@@ -46,32 +48,39 @@ _ASCII_FLOAT = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
 
 
 class StrictInt(click.ParamType):
-    """An integer written in ASCII digits (Python's int() also reads '\u0663' or fullwidth digits: refused)."""
+    """An integer written in ASCII digits (Python's int() also reads '\u0663' or fullwidth digits: refused), of at
+    most MAX_DIGITS digits. `limit`: the largest the option takes, named when a value has more digits than that."""
 
     name = "integer"
+
+    def __init__(self, limit: int | None = None):
+        self.limit = limit
 
     def convert(self, value, param, ctx):
         if value is None or (isinstance(value, int) and not isinstance(value, bool)):
             return value
         text = str(value).strip()
         if not _ASCII_INT.fullmatch(text):
-            self.fail(f"{value!r} is not an integer (ASCII digits)", param, ctx)
+            self.fail(f"{show(value)} is not an integer (ASCII digits)", param, ctx)
+        if too_many_digits(text):
+            most = f" (at most {self.limit:,})" if self.limit is not None else f" (at most {MAX_DIGITS:,} digits)"
+            self.fail(f"{digits_text(text)} is too large{most}", param, ctx)
         return int(text)
 
 
 class StrictFloat(click.ParamType):
-    """A number written in ASCII ('\u0663' or fullwidth digits are refused). nan and inf convert, so that the
-    spec that owns the field refuses them with its allowed range."""
+    """A number written in ASCII ('\u0663', fullwidth digits, '1_000' and hex are refused). nan and inf convert, so
+    that the spec that owns the field refuses them with its allowed range; -0 is 0.0 (a file never shows -0.0)."""
 
     name = "float"
 
     def convert(self, value, param, ctx):
         if value is None or isinstance(value, float):
-            return value
+            return None if value is None else value + 0.0
         text = str(value).strip()
         if not (_ASCII_FLOAT.fullmatch(text) or _NON_FINITE.fullmatch(text)):
-            self.fail(f"{value!r} is not a number", param, ctx)
-        return float(text)
+            self.fail(f"{show(value)} is not a number", param, ctx)
+        return float(text) + 0.0
 
 
 INT, FLOAT = StrictInt(), StrictFloat()
@@ -84,8 +93,23 @@ def parse_tokens(text: str | None, *, flag: str) -> float | None:
         return None
     value = token_count(text)
     if value is None:
-        raise SpecError(f"{flag} {text!r} does not parse as a token count: {TOKEN_HELP}")
+        raise SpecError(f"{flag} {_token_text(text)} {_token_problem(text)}")
     return value
+
+
+def _token_text(text: str) -> str:
+    return digits_text(text) if len(text) > 40 and text.strip().isdigit() else show(text)
+
+
+def _token_problem(text: str) -> str:
+    """Why `text` is no token count: not positive, beyond a number's range, or not a count at all."""
+    t = text.strip().upper()
+    number = t[:-1] if t and t[-1] in TOKEN_SCALE else t
+    if not _ASCII_FLOAT.fullmatch(number):
+        return f"does not parse as a token count: {TOKEN_HELP}"
+    if number.startswith("-") or float(number) == 0:
+        return f"is not a positive number of tokens: {TOKEN_HELP}"
+    return f"is beyond the range of a number (at most {LIMITS['tokens']:.0e} tokens)"
 
 
 class TokenBudget(click.ParamType):
@@ -98,7 +122,7 @@ class TokenBudget(click.ParamType):
         if value is None:
             return None
         if isinstance(value, bool):
-            self.fail(f"{value!r} is not a token count: {TOKEN_HELP}", param, ctx)
+            self.fail(f"{show(value)} is not a token count: {TOKEN_HELP}", param, ctx)
         if isinstance(value, float):
             text = str(int(value)) if value.is_integer() else repr(value)
         else:
@@ -106,7 +130,7 @@ class TokenBudget(click.ParamType):
         if token_count(text) is None:
             if param is not None:
                 parse_tokens(str(value), flag=max(param.opts, key=len))
-            self.fail(f"{value!r} does not parse as a token count: {TOKEN_HELP}", param, ctx)
+            self.fail(f"{_token_text(text)} {_token_problem(text)}", param, ctx)
         return text
 
 
@@ -120,7 +144,7 @@ def steps_for_tokens(tokens: str, *, global_batch: int, seq_len: int) -> int:
     steps than a run may have."""
     count = token_count(tokens)
     if count is None:
-        raise SpecError(f"--tokens {tokens!r} does not parse as a token count: {TOKEN_HELP}")
+        raise SpecError(f"--tokens {show(tokens)} does not parse as a token count: {TOKEN_HELP}")
     steps = math.ceil(count / (global_batch * seq_len))
     if steps > LIMITS["steps"]:
         raise SpecError(f"--tokens {tokens} is {steps:,} steps of {global_batch} x {seq_len} tokens: more than the "
@@ -137,14 +161,17 @@ def token_budget_line(train: TrainSpec, *, seq_len: int) -> str | None:
 
 
 class AutoInt(click.ParamType):
-    """An integer or 'auto' (None: let the planner choose)."""
+    """An integer or 'auto' (None: let the planner choose); `limit` as StrictInt's."""
 
     name = "auto|N"
+
+    def __init__(self, limit: int | None = None):
+        self.integer = StrictInt(limit)
 
     def convert(self, value, param, ctx):
         if value is None or value == AUTO or isinstance(value, int):
             return None if value == AUTO else value
-        return INT.convert(value, param, ctx)
+        return self.integer.convert(value, param, ctx)
 
 
 class AutoChoice(click.ParamType):
@@ -158,7 +185,7 @@ class AutoChoice(click.ParamType):
         if value is None or value == AUTO:
             return None
         if value not in self.choices:
-            self.fail(f"{value!r} is not one of: auto, {', '.join(self.choices)}", param, ctx)
+            self.fail(f"{show(value)} is not one of: auto, {', '.join(self.choices)}", param, ctx)
         return value
 
 
@@ -181,7 +208,7 @@ def click_option(s: Setting):
     if s.kind == "flag":
         kw.update(is_flag=True, default=False)
     elif s.kind != "bool":
-        kw["type"] = {"int": INT, "float": FLOAT, "str": None, "tokens": TokenBudget(), "auto_int": AutoInt(),
+        kw["type"] = {"int": StrictInt(s.limit), "float": FLOAT, "str": None, "tokens": TokenBudget(), "auto_int": AutoInt(s.limit),
                       "choice": click.Choice(s.choices), "auto_choice": AutoChoice(s.choices)}[s.kind]
         kw["show_default"] = s.cli_default is not None
     return click.option(s.flags, **kw)
@@ -334,7 +361,9 @@ class AppliedPreset:
     def report(self, ds_config: dict) -> list[str]:
         """What became of the preset's keys in `ds_config` (rendered with it): report lines; SpecError when the plan
         contradicts one of them."""
-        return account(self.imp, ds_config, given=self.labels)
+        from dspipe.planner.render import preset_names
+
+        return account(self.imp, ds_config, given=self.labels, shipped=self.imp.source in preset_names())
 
     def report_for(self, best, *, model: ModelSpec, monitor_dir: str) -> list[str]:
         """report() for a search's best candidate (plan: nothing is written)."""

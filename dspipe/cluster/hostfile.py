@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dspipe.cluster.hostname import check_host  # RFC 1123 names and IPv4 (no ':' or '@': --include separators)
-from dspipe.errors import SpecError
+from dspipe.errors import SpecError, cannot_read
 
 KEY_VALUE = re.compile(r"^(slots|max_slots)=(.*)$")
 SLOT_COUNT = re.compile(r"[0-9]+", re.ASCII)
@@ -113,7 +113,7 @@ def read_hostfile(path: str | Path) -> Hostfile:
         with open(path, "rb") as f:
             raw = f.read(MAX_BYTES + 1)
     except OSError as e:
-        raise SpecError(f"hostfile {path}: cannot read it ({e.strerror or e})") from None
+        raise cannot_read(f"hostfile {path}", e) from None
     if len(raw) > MAX_BYTES:
         raise SpecError(f"hostfile {path} is larger than {MAX_BYTES // 2**20} MiB; it lists one 'HOST slots=N' "
                         f"line per node")

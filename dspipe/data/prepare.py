@@ -5,12 +5,13 @@ either the previous complete result or the new one; meta.json is the last file w
 only the temp directory (no meta.json, never read by a loader), which the next run removes. Re-running with the
 same inputs and options (same fingerprint) is a no-op. The main process reads documents and writes shards; each
 worker process holds one single-threaded Rust tokenizer; at most 2 batches per worker are in flight, so memory
-does not grow with the corpus.
+does not grow with the corpus. A long document (one 40 MB line) is cut into pieces where the pre-tokenizer cuts
+anyway (tokenizer.pieces): the BPE trains on pieces, and a tokenizer that splits_exactly encodes it in parts on
+several workers into exactly the ids of the whole.
 """
 from __future__ import annotations
 
 import hashlib
-import math
 import multiprocessing
 import os
 import shutil
@@ -25,10 +26,11 @@ import numpy as np
 
 from dspipe.data.shards import (FORMAT, FORMAT_VERSION, META_FILE, SPLITS, TOKENIZER_DIR, ShardWriter, dataset_id,
                                 read_meta, token_dtype, write_meta)
+from dspipe.data.limits import too_small
 from dspipe.data.sources import Inputs, documents, fingerprint
 from dspipe import outputs
 from dspipe.atomic import staged_dir
-from dspipe.errors import SpecError
+from dspipe.errors import SpecError, cannot_read
 
 DEFAULT_VOCAB = 4096
 BATCH_CHARS = 1 << 20  # text per task sent to a worker
@@ -45,36 +47,31 @@ class Prepared:
 
 def _tokenizer_identity(tokenizer: str | None, train_tokenizer: int | None, sample_bytes: int) -> list:
     if tokenizer is None:
-        from dspipe.data.tokenizer import MAX_WORD_CHARS
+        from dspipe.data.tokenizer import MAX_WORD_CHARS, PIECE_CHARS
 
-        return ["train-bpe", train_tokenizer, sample_bytes, ["max-word", MAX_WORD_CHARS]]
+        return ["train-bpe", train_tokenizer, sample_bytes, ["max-word", MAX_WORD_CHARS],
+                ["sample-pieces", PIECE_CHARS]]
     path = Path(tokenizer)
     if path.is_dir():  # a local directory: its content, not its name
         h = hashlib.sha256()
         for f in sorted(p for p in path.rglob("*") if p.is_file()):
-            h.update(f.relative_to(path).as_posix().encode() + b"\0" + f.read_bytes())
+            h.update(f.relative_to(path).as_posix().encode() + b"\0" + _read_bytes(f))
         return ["dir", h.hexdigest()]
     if path.is_file():  # a tokenizer.json file: its content
-        return ["file", hashlib.sha256(path.read_bytes()).hexdigest()]
+        return ["file", hashlib.sha256(_read_bytes(path)).hexdigest()]
     return ["hub", tokenizer]
+
+
+def _read_bytes(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise cannot_read(path, e) from None
 
 
 MAX_WORKERS = 128
 """--workers at most: each worker is a process holding a tokenizer (~150 MiB)."""
 MAX_SHARD_TOKENS = 2**40
-MAX_MB = {"--max-mb": 2.0**24, "--tokenizer-sample-mb": 2.0**14}
-"""Largest text sizes in MiB: 16 TiB of input, 16 GiB of BPE training sample."""
-
-
-def mib_to_bytes(value, *, flag: str) -> int:
-    """A size flag in MiB (a finite number in (0, MAX_MB[flag]]) as bytes; NaN, inf, 0 and negatives are one
-    SpecError with the allowed range."""
-    high = MAX_MB[flag]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and
-                                                                             0 < value <= high):
-        raise SpecError(f"{flag} must be a positive number of MiB, got {str(value)[:40]} "
-                        f"(allowed: finite, (0, {high:,.0f}])")
-    return max(1, int(value * 2**20))
 
 
 def _int_flag(flag: str, value, *, low: int, high: int) -> None:
@@ -115,16 +112,32 @@ def _remove_stale_temps(out: Path) -> None:
 
 
 
-def _batches(docs: Iterator[str]) -> Iterator[list[str]]:
+def _batches(docs: Iterator[str], *, cut: bool = False) -> Iterator[tuple[list[str], bool]]:
+    """(texts, continued): documents in batches of about BATCH_CHARS characters or BATCH_DOCS documents. With
+    `cut` (a tokenizer that splits_exactly), a longer document goes in parts of about BATCH_CHARS, a batch each
+    (so several workers share it): continued=True but for its last part."""
+    from dspipe.data.tokenizer import pieces
+
     batch, chars = [], 0
     for doc in docs:
+        if cut and len(doc) > BATCH_CHARS:
+            if batch:
+                yield batch, False
+                batch, chars = [], 0
+            previous = None
+            for part in pieces(doc, size=BATCH_CHARS, exact=True):
+                if previous is not None:
+                    yield [previous], True
+                previous = part
+            yield [previous], False
+            continue
         batch.append(doc)
         chars += len(doc)
         if chars >= BATCH_CHARS or len(batch) >= BATCH_DOCS:
-            yield batch
+            yield batch, False
             batch, chars = [], 0
     if batch:
-        yield batch
+        yield batch, False
 
 
 def is_val(doc_index: np.ndarray, fraction: float) -> np.ndarray:
@@ -162,12 +175,22 @@ def _progress(enabled: bool):
 
 def _encode(*, inputs: Inputs, max_bytes, tokenizer_json: Path, eos_id: int, dtype: str, workers: _Workers,
             val_fraction: float, writers: dict, progress: bool) -> dict:
-    from dspipe.data.tokenizer import encode_batch, release_memory
+    from dspipe.data.tokenizer import PIECE_CHARS, encode_batch, release_memory, splits_exactly
 
     counts = {"num_documents": 0, "num_bytes": 0}
     bar = _progress(progress)
+    held: list[np.ndarray] = []  # the parts so far of a document sent in parts, without their EOS
 
-    def write(tokens: np.ndarray, lengths: np.ndarray) -> None:
+    def write(tokens: np.ndarray, lengths: np.ndarray, continued: bool) -> None:
+        if continued:
+            held.append(tokens[:-1])
+            bar.update(int(held[-1].size))
+            return
+        bar.update(int(tokens.size))
+        if held:  # the last part: the whole document
+            tokens = np.concatenate([*held, tokens])
+            lengths = np.array([tokens.size], dtype=lengths.dtype)
+            held.clear()
         first = counts["num_documents"]
         val = is_val(np.arange(first, first + lengths.size, dtype=np.float64), val_fraction)
         if val.any():
@@ -177,19 +200,23 @@ def _encode(*, inputs: Inputs, max_bytes, tokenizer_json: Path, eos_id: int, dty
         else:
             writers["train"].add(tokens, lengths)
         counts["num_documents"] += lengths.size
-        bar.update(int(tokens.size))
         release_memory()
 
-    task = (str(tokenizer_json), eos_id, dtype)
+    exact = splits_exactly(tokenizer_json)
+    task = dict(tokenizer_json=str(tokenizer_json), eos_id=eos_id, dtype=dtype,
+                piece_chars=PIECE_CHARS if exact else 0)
     with bar:
         pending: deque = deque()
-        for batch in _batches(documents(inputs, max_bytes=max_bytes)):
+        docs = documents(inputs, max_bytes=max_bytes, first_within=max_bytes)
+        for batch, continued in _batches(docs, cut=exact):
             counts["num_bytes"] += sum(len(d.encode("utf-8")) for d in batch)
-            pending.append(workers.pool().apply_async(encode_batch, (*task, batch)))
+            pending.append((workers.pool().apply_async(encode_batch, (batch,), task), continued))
             if len(pending) >= 2 * workers.count:
-                write(*pending.popleft().get())
+                result, more = pending.popleft()
+                write(*result.get(), more)
         while pending:
-            write(*pending.popleft().get())
+            result, more = pending.popleft()
+            write(*result.get(), more)
     return counts
 
 
@@ -206,22 +233,42 @@ def _load_tokenizer(*, inputs: Inputs, tokenizer, train_tokenizer, sample_bytes,
 
     def counted():
         nonlocal seen
-        for doc in documents(inputs, max_bytes=limit):
+        for doc in documents(inputs, max_bytes=limit, first_within=max_bytes):
             seen += 1
             if seen == 1:
                 workers.pool()
             yield doc
 
-    tok = train_bpe(counted(), vocab_size=train_tokenizer)
+    tok = train_bpe(_sample(counted(), sample_bytes=sample_bytes), vocab_size=train_tokenizer)
     if not seen:
         raise _empty_input(inputs)
     return tok, f"byte-level BPE trained on the input ({train_tokenizer} tokens)"
 
 
+def _sample(docs: Iterator[str], *, sample_bytes: int) -> Iterator[str]:
+    """The BPE's training text: the documents in pieces (tokenizer.pieces, at most PIECE_CHARS characters: the
+    trainer's time and memory grow with the length of one text), up to the piece that reaches sample_bytes of
+    UTF-8. A sample smaller than the first piece is refused: it would hold nothing."""
+    from dspipe.data.tokenizer import PIECE_CHARS, pieces
+
+    total = 0
+    for doc in docs:
+        for piece in pieces(doc, size=PIECE_CHARS, exact=False):
+            size = len(piece.encode("utf-8"))
+            if not total and size > sample_bytes:
+                raise too_small(flag="--tokenizer-sample-mb", limit=sample_bytes, size=size,
+                                what=f"the first piece of the BPE's training text ({size:,} bytes: the first "
+                                     f"document, or its first {PIECE_CHARS:,} characters at most)")
+            yield piece
+            total += size
+            if total >= sample_bytes:
+                return
+
+
 def _empty_input(inputs: Inputs) -> SpecError:
     skipped = inputs.stats
     return SpecError(f"empty input: no documents with text in {inputs.label} ({skipped['empty']} empty documents, "
-                     f"{skipped['bad_utf8']} non-UTF-8 files skipped)")
+                     f"{skipped['bad_utf8']} non-UTF-8 and {skipped['unreadable']} unreadable files skipped)")
 
 
 def _build(*, tmp: Path, workers: _Workers, inputs: Inputs, fp: str, tokenizer, train_tokenizer, sample_bytes,

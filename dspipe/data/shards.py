@@ -13,7 +13,6 @@ prepared dataset.
 """
 from __future__ import annotations
 
-import json
 import re
 import struct
 from pathlib import Path
@@ -21,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from dspipe.errors import SpecError
-from dspipe.jsonio import dumps, show
+from dspipe.jsonio import dumps, read_object, show
 
 FORMAT = "dspipe-tokens"
 FORMAT_VERSION = 1
@@ -120,24 +119,13 @@ def read_meta(data_dir: str | Path) -> dict:
     if not path.is_file():
         raise SpecError(f"{data_dir} is not a prepared data directory (no {META_FILE}); "
                         f"run 'dspipe prepare-data --out {data_dir}'")
-    try:
-        meta = json.loads(path.read_bytes().decode("utf-8"), parse_constant=_no_constant)
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:  # JSONDecodeError is a ValueError
-        raise SpecError(f"{path} is not valid JSON ({' '.join(str(e).split())[:120]}); "
-                        f"re-run 'dspipe prepare-data --out {data_dir} --force'") from None
-    if not isinstance(meta, dict):
-        raise SpecError(f"{path} must hold a JSON object, not {type(meta).__name__}; "
-                        f"re-run 'dspipe prepare-data --out {data_dir} --force'")
+    meta = read_object(path, hint=f"re-run 'dspipe prepare-data --out {data_dir} --force'")
     if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
         raise SpecError(f"{data_dir} was not prepared by this dspipe ({META_FILE}: format {show(meta.get('format'))} "
                         f"version {str(meta.get('format_version'))[:20]}, want {FORMAT!r} {FORMAT_VERSION}); "
                         f"re-run 'dspipe prepare-data --out {data_dir} --force'")
     check_meta(meta, source=path)
     return meta
-
-
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not a finite number")
 
 
 MAX_TOKENS = 2**62  # counts beyond this overflow the int64 offsets the loader computes

@@ -3,6 +3,8 @@
 Local files by extension: .jsonl/.json (one record per document, text in --text-field), .parquet (same), anything
 else is UTF-8 text: one document per file, or one per blank-line-separated block (--txt-docs blank-line). Text is
 read in text mode, so line endings become "\\n". Documents that are empty or only whitespace are skipped (counted).
+A file that fails to read (an I/O error) is one line naming it, or under --skip-bad skipped and counted, like a file
+that is not UTF-8.
 """
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ from pathlib import Path
 from typing import Iterator
 from urllib.parse import urlparse
 
-from dspipe.errors import SpecError
+from dspipe.errors import SpecError, cannot_read
+from dspipe.data.limits import too_small
 
 TEXT_DOCS = ("file", "blank-line")
 STDLIB = "python-stdlib"
@@ -51,7 +54,7 @@ class Inputs:
     streaming: bool = True
     skip_bad: bool = False
     label: str = ""
-    stats: dict = field(default_factory=lambda: {"empty": 0, "bad_utf8": 0})
+    stats: dict = field(default_factory=lambda: {"empty": 0, "bad_utf8": 0, "unreadable": 0})
 
     def fingerprint_items(self) -> list:
         """What identifies the input: hub name/config/split, or every file's path, size and mtime."""
@@ -60,7 +63,10 @@ class Inputs:
             return ["hub", self.hub, self.config, self.split, *opts]
         items = ["files", *opts]
         for f in self.files:
-            st = os.stat(f)
+            try:
+                st = os.stat(f)
+            except OSError as e:
+                raise cannot_read(f, e) from None
             items.append([os.path.abspath(f), st.st_size, st.st_mtime_ns])
         return items
 
@@ -101,6 +107,13 @@ def resolve_inputs(specs: list[str], *, text_field: str = "text", txt_docs: str 
         raise SpecError(f"give local files or one dataset name, not both ({hub!r} is not a local path)")
     label = hub or (specs[0] if len(specs) == 1 else f"{specs[0]} + {len(specs) - 1} more")
     return Inputs(files=tuple(files), hub=hub, skip_bad=skip_bad, label=label, **common)
+
+
+def read_through(path: Path, chunk: int = 1 << 24) -> None:
+    """Read a file to its end in bounded chunks: an OSError (an I/O error) before a library reads it."""
+    with open(path, "rb") as f:
+        while f.read(chunk):
+            pass
 
 
 def first_bad_utf8(path: Path, chunk: int = 1 << 24) -> tuple[int, int] | None:
@@ -214,6 +227,8 @@ def _column_texts(ds, field_: str, source: str) -> Iterator[str]:
                 yield text
     except SpecError:
         raise
+    except OSError as e:  # an I/O error under datasets' reader
+        raise cannot_read(source, e) from None
     except ValueError as e:
         if "not in the dataset" in str(e):
             raise SpecError(f"no field {field_!r} in {source}; pass --text-field NAME") from None
@@ -223,9 +238,17 @@ def _column_texts(ds, field_: str, source: str) -> Iterator[str]:
 
 
 def _checked(files: list[Path], inputs: Inputs) -> list[Path]:
+    """The files that read to their end (and, but parquet, are UTF-8); the others are one SpecError naming the
+    file, or under --skip-bad skipped and counted (inputs.stats bad_utf8, unreadable)."""
     good = []
     for f in files:
-        bad = first_bad_utf8(f) if _builder(f) != "parquet" else None
+        try:
+            bad = first_bad_utf8(f) if _builder(f) != "parquet" else read_through(f)
+        except OSError as e:
+            if not inputs.skip_bad:
+                raise cannot_read(f, e, tail=" (--skip-bad skips such files)") from None
+            inputs.stats["unreadable"] += 1
+            continue
         if bad is None:
             good.append(f)
         elif inputs.skip_bad:
@@ -254,11 +277,28 @@ def _file_groups(inputs: Inputs) -> Iterator[tuple[str, list[Path]]]:
         yield "text", group
 
 
-def documents(inputs: Inputs, *, max_bytes: int | None = None) -> Iterator[str]:
-    """Non-empty documents in input order, stopping once max_bytes of UTF-8 text have been yielded.
+def _first_with_text(files: list[Path], source: str) -> str:
+    """Where a stream's first document comes from: its one file, or the first of a group of text files that holds
+    any non-whitespace text (files are read in order; empty documents are skipped); else `source`."""
+    if len(files) == 1:
+        return str(files[0])
+    for f in files:
+        try:
+            with open(f, encoding="utf-8") as text:
+                if any(not chunk.isspace() for chunk in iter(lambda: text.read(1 << 20), "")):
+                    return str(f)
+        except (OSError, UnicodeDecodeError):
+            break
+    return source
 
-    inputs.stats counts what this pass skipped (empty documents, non-UTF-8 files under --skip-bad)."""
-    inputs.stats.update(empty=0, bad_utf8=0)
+
+def documents(inputs: Inputs, *, max_bytes: int | None = None, first_within: int | None = None) -> Iterator[str]:
+    """Non-empty documents in input order, stopping once max_bytes of UTF-8 text have been yielded (documents are
+    never cut: the one that reaches max_bytes is the last). first_within: the --max-mb limit, which must hold the
+    first document (else one SpecError with its size and the smallest --max-mb that holds it).
+
+    inputs.stats counts what this pass skipped (empty documents, non-UTF-8 and unreadable files under --skip-bad)."""
+    inputs.stats.update(empty=0, bad_utf8=0, unreadable=0)
     total = 0
 
     def keep(text) -> bool:
@@ -268,17 +308,23 @@ def documents(inputs: Inputs, *, max_bytes: int | None = None) -> Iterator[str]:
         return True
 
     if inputs.hub:
-        streams = [(_load_hub(inputs), inputs.text_field, inputs.hub)]
+        streams = [(_load_hub(inputs), inputs.text_field, inputs.hub, [])]
     else:  # plain text files always have the column "text"
         streams = ((_load(b, inputs, good), "text" if b == "text" else inputs.text_field,
-                    str(good[0]) if len(good) == 1 else f"{good[0]} ...")
+                    str(good[0]) if len(good) == 1 else f"{good[0]} ...", good)
                    for b, group in _file_groups(inputs) if (good := _checked(group, inputs)))
-    for ds, field_, source in streams:
+    for ds, field_, source, files in streams:
         for text in _column_texts(ds, field_, source):
             if keep(text):
+                size = len(text.encode("utf-8")) if max_bytes is not None or first_within is not None else 0
+                if first_within is not None and size > first_within:
+                    where = _first_with_text(files, source)
+                    raise too_small(flag="--max-mb", limit=first_within, size=size,
+                                    what=f"the first document ({where}: {size:,} bytes; documents are never cut)")
+                first_within = None
                 yield text
                 if max_bytes is not None:
-                    total += len(text.encode("utf-8"))
+                    total += size
                     if total >= max_bytes:
                         return
 

@@ -20,8 +20,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dspipe.errors import SpecError
-from dspipe.jsonio import MISSING, dotted_get
+from dspipe.errors import SpecError, cannot_read
+from dspipe.jsonio import MISSING, dotted_get, number_hooks
 from dspipe.planner.ds_checks import choice, integer, number
 from dspipe.planner.ds_schema import PLANNER_AUTO, option, section
 from dspipe.spec.settings import AUTO
@@ -157,18 +157,18 @@ def _no_duplicates(pairs):
     return seen
 
 
-def _no_constant(name):
-    raise ValueError(f"{name} is not a number JSON allows")
-
-
 def read_preset(path: Path) -> dict:
     """The JSON object in `path`; one-line errors for unreadable files, invalid JSON, duplicate keys and NaN."""
     try:
         text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise SpecError(f"preset {path} cannot be read: {e.__class__.__name__}: {e}") from None
+    except OSError as e:
+        raise cannot_read(f"preset {path}", e) from None
+    except UnicodeDecodeError as e:
+        raise SpecError(f"preset {path}: not UTF-8 text (byte offset {e.start})") from None
     try:
-        cfg = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
+        cfg = json.loads(text, object_pairs_hook=_no_duplicates, **number_hooks(f"preset {path}"))
+    except SpecError:
+        raise
     except json.JSONDecodeError as e:
         raise SpecError(f"preset {path} is not valid JSON: line {e.lineno} column {e.colno}: {e.msg}") from None
     except (ValueError, RecursionError) as e:
@@ -530,13 +530,41 @@ AUTO_OPTIONS = {"train_batch_size": "global_batch", "train_micro_batch_size_per_
                 "zero_optimization.stage3_param_persistence_threshold": "param_persistence_threshold",
                 "zero_optimization.stage3_max_live_parameters": "max_live_parameters",
                 "zero_optimization.stage3_max_reuse_distance": "max_reuse_distance",
-                "pipeline.stages": "pp", "wall_clock_breakdown": "wall_clock_breakdown"}
+                "pipeline.stages": "pp", "wall_clock_breakdown": "wall_clock_breakdown",
+                "steps_per_print": "log_interval", "pipeline.partition": "partition_method",
+                "pipeline.activation_checkpoint_interval": "checkpointing",
+                "zero_optimization.offload_optimizer.nvme_path": "nvme_path",
+                "zero_optimization.offload_param.nvme_path": "nvme_path",
+                "wandb.enabled": "wandb_project", "wandb.project": "wandb_project", "wandb.group": "wandb_group",
+                "wandb.team": "wandb_team", "comet.enabled": "comet_project", "comet.project": "comet_project",
+                "comet.samples_log_interval": "comet_project", "comet.workspace": "comet_workspace",
+                "comet.experiment_name": "comet_experiment", "comet.online": "comet_offline"}
 """Preset keys whose "auto" a gen-config option resolves (labelled with the flag when the user typed it)."""
+PLAN_DERIVED = frozenset({"pipeline.activation_checkpoint_interval", "pipeline.partition",
+                          "zero_optimization.reduce_scatter", "zero_optimization.offload_optimizer.pin_memory",
+                          "zero_optimization.offload_param.pin_memory"})
+"""Keys outside ds_schema.PLANNER_AUTO whose "auto" the plan resolves too (labelled "planner")."""
 
 
-def account(imp: PresetImport, rendered: dict, *, given: dict) -> list[str]:
+def account(imp: PresetImport, rendered: dict, *, given: dict, shipped: bool = False) -> list[str]:
     """Report lines for the preset's keys that the rendered config does not carry verbatim; a SpecError for a key
-    whose value the rendered config contradicts. `given`: preset key -> the flag that set it (for the labels)."""
+    whose value the rendered config contradicts. `given`: preset key -> the flag that set it (for the labels).
+    `shipped`: a preset of dspipe's own, whose "auto" keys are the run's by design: only those a typed flag set get
+    a line each, the rest one line that counts them (ds_config.json holds every value)."""
+    lines = account_lines(imp, rendered, given=given)
+    if not shipped:
+        return lines
+    quiet = [line for line in lines if line.startswith("preset: ") and '"auto" ->' in line
+             and not any(line.endswith(f"({flag})") for flag in set(given.values()))]
+    if not quiet:
+        return lines
+    return [line for line in lines if line not in quiet] + [
+        f"preset {imp.source}: {len(quiet)} more keys it leaves to the run (\"auto\") took the planner's or dspipe's "
+        f"values (ds_config.json holds each)"]
+
+
+def account_lines(imp: PresetImport, rendered: dict, *, given: dict) -> list[str]:
+    """account()'s lines, one for every key."""
     lines = list(imp.notes)
     if imp.values.get("overlap_comm") and rendered["pipeline"]["stages"] > 1:
         raise imp.error("zero_optimization.overlap_comm", True, f"cannot be honoured with pp "
@@ -549,8 +577,10 @@ def account(imp: PresetImport, rendered: dict, *, given: dict) -> list[str]:
         if got is MISSING:
             raise imp.error(path, value, "is not rendered by dspipe")
         if value == AUTO:
-            label = given.get(path) or ("planner" if path in PLANNER_AUTO else "dspipe default")
-            lines.append(f"preset: {path} \"auto\" -> {_show(got)} ({label})")
+            label = (given.get(path) or ("the run directory's monitor/" if path in MONITOR_DIR_KEYS else None)
+                     or ("planner" if path in PLANNER_AUTO | PLAN_DERIVED else "dspipe default"))
+            shown = _show(got) if not isinstance(got, dict) else "the object gen-config writes"
+            lines.append(f"preset: {path} \"auto\" -> {shown} ({label})")
         elif path in MONITOR_DIR_KEYS:
             if value != got:
                 lines.append(f"preset: {path} {_show(value)} -> {_show(got)} (the run directory's monitor/)")

@@ -91,6 +91,36 @@ def preset_names() -> list[str]:
     return sorted(p.stem for p in DS_PRESETS.glob("*.json") if p.stem != RECIPES)
 
 
+def recipes() -> dict:
+    """ds_configs/recipes.json: the reference run ("reference"), the flags each shipped preset is rendered with
+    ("presets"), the keys every shipped preset leaves to the run, grouped by why ("auto"), and the ones a preset keeps
+    all the same because its recipe names them ("keep")."""
+    return json.loads((DS_PRESETS / f"{RECIPES}.json").read_text(encoding="utf-8"))
+
+
+def left_to_the_run(name: str) -> list[str]:
+    """The keys of shipped preset `name` that are "auto" (its recipe's run length, batch, hyperparameters, model- and
+    machine-sized values...): a preset is its ZeRO stage, precision, offload and layout, not one run's numbers."""
+    book = recipes()
+    keep = set(book.get("keep", {}).get(name, ()))
+    return [path for paths in book["auto"].values() for path in paths if path not in keep]
+
+
+def shipped_preset(name: str, rendered: dict) -> dict:
+    """ds_configs/NAME.json made from the ds_config.json its recipe renders: every key of left_to_the_run(name) set
+    to "auto" (KeyError for a key the config does not have)."""
+    cfg = json.loads(json.dumps(rendered))
+    for path in left_to_the_run(name):
+        *sections, leaf = path.split(".")
+        node = cfg
+        for part in sections:
+            node = node[part]
+        if leaf not in node:
+            raise KeyError(f"recipes.json: {path} is not a key of the rendered {name}")
+        node[leaf] = "auto"
+    return cfg
+
+
 def preset_path(name_or_path: str) -> Path:
     """ds_configs/NAME.json for a shipped preset's name, else the path given (any .json file)."""
     if name_or_path in preset_names():

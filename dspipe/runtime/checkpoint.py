@@ -23,7 +23,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from dspipe.atomic import replace_dir
-from dspipe.errors import SpecError
+from dspipe.errors import SpecError, cannot_read
 from dspipe.jsonio import read_object, show
 from dspipe.spec.core import ZERO_STAGES, ModelSpec, from_dict
 from dspipe.rundir import SPEC_FILE
@@ -208,7 +208,7 @@ def read_latest(ckpt_dir: Path) -> str:
     except UnicodeDecodeError:
         tag = None
     except OSError as e:
-        raise SpecError(f"{latest}: cannot read it ({e.strerror or e})") from None
+        raise cannot_read(latest, e) from None
     if tag is None or not TAG_RE.match(tag):
         shown = "bytes that are not UTF-8" if tag is None else repr(tag[:40])
         raise SpecError(f"{latest} names {shown}, not a checkpoint tag global_stepN; give --resume a complete "
@@ -295,7 +295,10 @@ def save_failure_message(*, code: int, detail: str, ckpt_dir: Path, tag: str, fr
     free = "free space unknown" if free_before is None or after is None else \
         f"{free_before:.1f} MiB free, {after:.1f} MiB after removing the partial save"
     latest = ckpt_dir / LATEST_FILE
-    intact = latest.read_text().strip() if latest.is_file() else ""
+    try:
+        intact = latest.read_text().strip() if latest.is_file() else ""
+    except (OSError, UnicodeDecodeError):
+        intact = ""
     if intact and is_complete(ckpt_dir / intact):
         kept = f"the last complete checkpoint {ckpt_dir / intact} is intact and {LATEST_FILE!r} names it"
     else:

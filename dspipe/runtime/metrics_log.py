@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import csv
 import io
+import re
 import sys
 from pathlib import Path
 
 from dspipe.atomic import write_file
-from dspipe.errors import SpecError
+from dspipe.errors import SpecError, cannot_read
 from dspipe.planner.throughput import STEP_COLUMNS, VAL_COLUMNS
 from dspipe.rundir import VAL_FILE
 from dspipe.runtime.progress import Progress
@@ -46,8 +47,12 @@ def complete_lines(text: str) -> list[list[str]]:
     return [row for row in csv.reader(lines) if row]
 
 
+_STEP = re.compile(r"[0-9]{1,18}", re.ASCII)
+
+
 def _is_int(text: str) -> bool:
-    return text.strip().isdigit()
+    """A step number: ASCII digits, at most 18 ('\u0663'.isdigit() is True; int() refuses 4,301 digits)."""
+    return _STEP.fullmatch(text.strip()) is not None
 
 
 def repair_rows(path: Path, *, upto: int, columns: tuple[str, ...] | None = None) -> int | None:
@@ -58,7 +63,10 @@ def repair_rows(path: Path, *, upto: int, columns: tuple[str, ...] | None = None
     a header is left alone). A missing file is written with the header alone. Returns the rows kept, or None when
     the file was left alone."""
     path = Path(path)
-    rows = complete_lines(path.read_bytes().decode("utf-8", errors="replace")) if path.is_file() else []
+    try:
+        rows = complete_lines(path.read_bytes().decode("utf-8", errors="replace")) if path.is_file() else []
+    except OSError as e:
+        raise cannot_read(path, e, tail="; move the file away to let the run write a new one") from None
     if rows and not _is_int(rows[0][0]):
         header, rows = tuple(rows[0]), rows[1:]
     elif columns is None:

@@ -19,7 +19,7 @@ import re
 import warnings
 from pathlib import Path
 
-from dspipe.errors import SpecError
+from dspipe.errors import SpecError, cannot_read
 
 ALLOWED_GLOBALS: tuple[tuple[str, str, str], ...] = (
     ("deepspeed.runtime.fp16.loss_scaler", "LossScaler", "ZeRO optimizer states: the static loss scaler"),
@@ -91,7 +91,7 @@ def load(path: str | Path, *, mmap: bool = False, expect: type | None = dict):
             head = f.read(4)
         size = path.stat().st_size
     except OSError as e:
-        raise SpecError(f"{path}: cannot read it ({e.strerror or e})") from None
+        raise cannot_read(path, e) from None
     if size == 0:
         raise SpecError(f"{path} is empty (0 bytes): a damaged checkpoint file")
     try:

@@ -5,6 +5,7 @@ Plain frozen dataclasses, validated on construction. No torch, no deepspeed.
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import MISSING, dataclass, field, fields, make_dataclass, replace
 
@@ -104,6 +105,21 @@ def _text(owner: str, name: str, value, *, optional: bool = False) -> None:
     if not isinstance(value, str) or not value or "\0" in value or "\n" in value:
         raise SpecError(f"{owner}.{name} must be a non-empty one-line string{' or null' if optional else ''}, "
                         f"got {_show(value)}")
+
+
+def _absolute_dir(owner: str, name: str, value: str) -> None:
+    """A directory every rank reaches by the same name: not blank, no space at either end, absolute (a relative
+    one resolves against each rank's own working directory, wherever the launcher started it)."""
+    if not value.strip():
+        raise SpecError(f"{owner}.{name} is blank ({value!r}): give an absolute directory, e.g. /local_nvme")
+    if value != value.strip():
+        raise SpecError(f"{owner}.{name} {_show(value)} starts or ends with white space: give the directory's exact "
+                        f"absolute path")
+    if not value.startswith("/"):
+        absolute = os.path.abspath(value)
+        here = f" (from here: {absolute})" if len(absolute) <= 200 else ""
+        raise SpecError(f"{owner}.{name} {_show(value)} is relative: each rank would resolve it against its own "
+                        f"working directory; give an absolute path{here}")
 
 
 @dataclass(frozen=True)
@@ -778,6 +794,8 @@ class StrategySpec:
         _one_of("strategy", "partition_method", self.partition_method, PARTITION_METHODS)
         _flag("strategy", "offload_params", self.offload_params)
         _text("strategy", "nvme_path", self.nvme_path, optional=True)
+        if self.nvme_path is not None:
+            _absolute_dir("strategy", "nvme_path", self.nvme_path)
         _positive("strategy", pp=self.pp, tp=self.tp, sp=self.sp, ep=self.ep)
         for name in ("reduce_bucket_size", "prefetch_bucket_size", "param_persistence_threshold"):
             if getattr(self, name) is not None:

@@ -16,7 +16,8 @@ import math
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
-from dspipe.errors import SpecError
+from dspipe.errors import SpecError, cannot_read
+from dspipe.jsonio import number_hooks
 from dspipe.spec.hardware import GpuType
 
 PROFILE_FORMAT = "dspipe-profile"
@@ -143,11 +144,14 @@ def read_profile(path: str | Path, *, gpu: str | None = None) -> Profile:
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise SpecError(f"--profile {path}: cannot read it ({e.__class__.__name__}: "
-                        f"{getattr(e, 'strerror', None) or e})") from None
+    except OSError as e:
+        raise cannot_read(f"--profile {path}", e) from None
+    except UnicodeDecodeError as e:
+        raise SpecError(f"--profile {path}: not UTF-8 text (byte offset {e.start})") from None
     try:
-        data = json.loads(text)
+        data = json.loads(text, **number_hooks(f"--profile {path}"))
+    except SpecError:
+        raise
     except ValueError as e:
         raise SpecError(f"--profile {path}: not JSON ({e})") from None
     profile = profile_from_dict(data, where=f"--profile {path}")

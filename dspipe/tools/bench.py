@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from dspipe.tools.bench_worker import PHASES
-from dspipe.errors import SpecError
+from dspipe.errors import SpecError, cannot_read
 from dspipe.planner.throughput import step_rates
 from dspipe.spec.hardware import GIB
 
@@ -112,13 +112,32 @@ def markdown_section(sides: dict[str, dict], *, date: str, device: str, versions
     return "\n".join(lines + ([""] + [f"{line}  " for line in extra] if extra else []) + [""])
 
 
-def append_section(path: Path, section: str) -> None:
-    """Append after a blank line; create the file (with a title) if it does not exist."""
+def existing_text(path: Path) -> str:
+    """The --append file's text (a title for a new file); one line when it cannot be appended to. Checked before
+    anything is measured, and again when the section is written."""
     path = Path(path)
     if path.parent and not path.parent.is_dir():
         raise SpecError(f"--append {path}: directory {path.parent} does not exist")
-    existing = path.read_text() if path.is_file() else "# dspipe benchmarks\n"
-    path.write_text(existing.rstrip("\n") + "\n\n" + section)
+    if path.exists() and not path.is_file():
+        raise SpecError(f"--append {path}: not a regular file")
+    if not path.exists():
+        return "# dspipe benchmarks\n"
+    try:
+        return path.read_bytes().decode("utf-8")
+    except OSError as e:
+        raise cannot_read(f"--append {path}", e) from None
+    except UnicodeDecodeError as e:
+        raise SpecError(f"--append {path}: not UTF-8 text (byte offset {e.start}): not a markdown file") from None
+
+
+def append_section(path: Path, section: str) -> None:
+    """Append after a blank line; create the file (with a title) if it does not exist. The file is replaced whole
+    (a failed write leaves it as it was)."""
+    from dspipe.atomic import write_file
+
+    path = Path(path)
+    text = existing_text(path).rstrip("\n") + "\n\n" + section
+    write_file(path, text, mode=path.stat().st_mode & 0o777 if path.is_file() else 0o644)
 
 
 def today() -> str:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from dspipe import outputs
 from dspipe.atomic import staged_dir
-from dspipe.errors import SpecError
+from dspipe.errors import SpecError, cannot_read
 from dspipe.jsonio import show
 from dspipe.spec.hardware import GIB
 from dspipe.planner.throughput import STEP_COLUMNS, VAL_COLUMNS, perplexity
@@ -99,6 +99,8 @@ def read_csv(path: Path, *, columns: tuple[str, ...], required: tuple[str, ...])
             raw = [(reader.line_num, row) for row in reader]
     except (UnicodeDecodeError, csv.Error) as e:
         raise SpecError(f"{path} is not a readable CSV file: {' '.join(str(e).split())}") from None
+    except OSError as e:
+        raise cannot_read(path, e) from None
     by_step: dict[int, dict] = {}
     for i, (line, row) in enumerate(raw):
         if None in row.values() and i == len(raw) - 1:

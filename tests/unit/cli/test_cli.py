@@ -156,7 +156,8 @@ def test_a_click_option_is_generated_from_its_setting():
     untied = param("untied")
     assert untied.is_flag and untied.default is False and untied.help == "separate output head (default: tied)"
     seq = param("seq_len")
-    assert seq.type is INT and seq.help == "context length [the preset's; custom 1024]"
+    assert isinstance(seq.type, type(INT)) and seq.type.limit == 2**20  # names its limit to a 5,000-digit value
+    assert seq.help == "context length [the preset's; custom 1024]"
     assert isinstance(param("norm").type, click.Choice)
 
 

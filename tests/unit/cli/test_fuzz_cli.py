@@ -20,8 +20,9 @@ from dspipe.cli import app
 # One family of bad values per parameter type; every option of every command gets all of its family's values.
 BAD = {
     "int": ["nan", "inf", "-1", "0", "99999999999999999999999", "1e3", "1.5", "\u0663", "\uff18", "", " ", "0x10",
-            "-0", "9" * 400],
-    "float": ["nan", "inf", "-inf", "-1", "0", "1e309", "-1e309", "", "1e-320", "\u0663", "abc", "NaN"],
+            "-0", "9" * 400, "1" * 5000, "1_000"],
+    "float": ["nan", "inf", "-inf", "-1", "0", "1e309", "-1e309", "", "1e-320", "\u0663", "abc", "NaN", "1e999", "-0",
+              "0x10", "1_000", "\uff11", "1" * 5000],
     "choice": ["bogus", "", "AUTO", "\n"],
     "text": ["", " ", "a\nb", "x;rm -rf /", "$(touch pwned)", "\x00", "../../..", "\u202e", "%s%n", "-"],
     "path": ["", "/nonexistent/dir/x", "@FILE", "@DIR", "/proc/version", "a\nb", "@RUN/dspipe.json", "@READONLY/x"],

@@ -99,7 +99,9 @@ def test_steps_and_tokens_together_are_refused(command, tmp_path, capsys, monkey
 
 @pytest.mark.parametrize("value,message", [
     ("lots", "--tokens 'lots' does not parse as a token count: use a number like 300B, 1.5T or 2e9"),
-    ("-5B", "--tokens '-5B' does not parse as a token count: use a number like 300B, 1.5T or 2e9"),
+    ("-5B", "--tokens '-5B' is not a positive number of tokens: use a number like 300B, 1.5T or 2e9"),
+    ("1e999", "--tokens '1e999' is beyond the range of a number (at most 1e+18 tokens)"),
+    ("1" * 5000, "--tokens 1111111111111111... (5,000 digits) is beyond the range of a number (at most 1e+18 tokens)"),
     ("1e17", "--tokens 1e17 is 97,656,250,000,000 steps of 16 x 64 tokens: more than the 2,147,483,647 steps a run "
              "may have"),
 ])

@@ -194,7 +194,7 @@ def test_nothing_fits_says_the_shortfall_and_the_way_out():
 
 @pytest.mark.parametrize("args,message", [
     (["--tokens", "lots"], "--tokens 'lots' does not parse as a token count"),
-    (["--tokens", "-5B"], "--tokens '-5B' does not parse as a token count"),
+    (["--tokens", "-5B"], "--tokens '-5B' is not a positive number of tokens"),
     (["--tokens", "inf"], "--tokens 'inf' does not parse as a token count"),
     (["--gpu", "tpu"], "unknown GPU type 'tpu'"),
     (["--global-batch", "0"], "global_batch must be a positive integer, got 0"),

@@ -7,9 +7,10 @@ from dspipe.runtime.dscheck import parse_with_deepspeed
 from dspipe.planner.plan import RuleError, make_plan
 from dspipe.spec.presets import MODEL_PRESETS
 from dspipe.planner import ds_schema
-from dspipe.planner.render import DS_PRESETS, import_ds_preset, render_ds_config
+from dspipe.jsonio import dumps
+from dspipe.planner.render import DS_PRESETS, import_ds_preset, render_ds_config, shipped_preset
 from dspipe.spec.core import ClusterSpec, StrategySpec, TrainSpec
-from tests.helpers import dspipe
+from tests.helpers import dspipe, run_cli
 
 STRATEGIES = [
     StrategySpec(zero=0), StrategySpec(zero=1), StrategySpec(zero=2), StrategySpec(zero=3),
@@ -117,15 +118,34 @@ def test_every_shipped_preset_has_a_recipe():
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES["presets"]))
-def test_preset_rerenders_identically(name, tmp_path):
-    """--preset NAME with the reference model/cluster reproduces ds_configs/NAME.json byte for byte."""
+def test_preset_rerenders_identically(name, tmp_path, monkeypatch, capsys):
+    """ds_configs/NAME.json is, byte for byte, what its recipe (the reference model/cluster + the preset's flags)
+    renders with the keys recipes.json leaves to the run set to "auto" (scripts/refresh_ds_presets.py); and --preset
+    NAME with the reference flags renders that same ds_config.json: every "auto" resolves to the reference's value."""
     shipped = (DS_PRESETS / f"{name}.json").read_text()
-    out = tmp_path / "runs" / name
-    r = dspipe("gen-config", *RECIPES["reference"], "--preset", name, "--out", f"runs/{name}", cwd=tmp_path)
-    assert r.returncode == 0, r.stderr
-    assert (out / "ds_config.json").read_text() == shipped
+    recipe = RECIPES["presets"][name]
+    drive = recipe[recipe.index("--nvme-path"):][:2] if "--nvme-path" in recipe else []  # the machine's: not pinned
+    rendered = {}
+    for how, flags in (("recipe", recipe), ("preset", ["--preset", name, *drive])):
+        (tmp_path / how).mkdir()
+        monkeypatch.chdir(tmp_path / how)
+        assert run_cli("gen-config", *RECIPES["reference"], *flags, "--out", f"runs/{name}") == 0, \
+            capsys.readouterr().err
+        rendered[how] = json.loads((tmp_path / how / "runs" / name / "ds_config.json").read_text())
+    assert dumps(shipped_preset(name, rendered["recipe"]), what=name) == shipped
+    assert rendered["preset"] == rendered["recipe"]
+    assert rendered["recipe"]["scheduler"]["params"]["total_num_steps"] == 20000  # the reference's --steps
+    out = tmp_path / "preset" / "runs" / name
     zero = import_ds_preset(name).options["zero"]
-    assert (out / "dspipe.json").exists() and json.loads((out / "dspipe.json").read_text())["strategy"]["zero"] == zero
+    assert json.loads((out / "dspipe.json").read_text())["strategy"]["zero"] == zero
+
+
+def test_recipes_leave_only_keys_the_presets_have():
+    """recipes.json's "keep" names shipped presets and keys of its "auto" lists; no key is listed twice."""
+    listed = [path for paths in RECIPES["auto"].values() for path in paths]
+    assert len(listed) == len(set(listed))
+    assert set(RECIPES["keep"]) <= set(RECIPES["presets"])
+    assert all(set(keys) <= set(listed) for keys in RECIPES["keep"].values())
 
 
 def test_flags_that_contradict_the_preset_are_one_line_errors(tmp_path):

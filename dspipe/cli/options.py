@@ -62,6 +62,8 @@ class StrictInt(click.ParamType):
         text = str(value).strip()
         if not _ASCII_INT.fullmatch(text):
             self.fail(f"{show(value)} is not an integer (ASCII digits)", param, ctx)
+        if too_many_digits(text) and text.startswith("-"):
+            self.fail(f"{digits_text(text)} is negative, out of every allowed range", param, ctx)
         if too_many_digits(text):
             most = f" (at most {self.limit:,})" if self.limit is not None else f" (at most {MAX_DIGITS:,} digits)"
             self.fail(f"{digits_text(text)} is too large{most}", param, ctx)

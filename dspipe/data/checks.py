@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dspipe.data.shards import read_meta
-from dspipe.errors import SpecError
+from dspipe.errors import SpecError, cannot_read
 
 VOCAB_MULTIPLE = 64
 
@@ -53,9 +53,14 @@ def _tokenizer_content(data_dir: str | Path):
     path = Path(data_dir) / TOKENIZER_DIR / "tokenizer.json"
     if not path.is_file():
         return None
+    hint = f"; re-run 'dspipe prepare-data --out {data_dir} --force'"
     try:
-        content = json.loads(path.read_bytes().decode("utf-8"))
-    except (OSError, ValueError, UnicodeDecodeError, RecursionError) as e:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise cannot_read(path, e, tail=hint) from None
+    try:
+        content = json.loads(raw.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise SpecError(f"{path} is not readable JSON ({' '.join(str(e).split())[:120]}); re-run 'dspipe "
                         f"prepare-data --out {data_dir} --force'") from None
     return {k: content.get(k) for k in TOKENIZER_KEYS} if isinstance(content, dict) else content

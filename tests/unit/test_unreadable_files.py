@@ -31,6 +31,7 @@ def pristine(tmp_path_factory, corpus):
     root = tmp_path_factory.mktemp("eio")
     data = root / "data"
     shutil.copytree(corpus, data)
+    shutil.copytree(corpus, root / "other")  # the first source of a blend with data
     run = root / "run"
     assert run_cli("gen-config", *CPU2, "--data", data, "--out", run) == 0
     (run / "metrics.csv").write_text("step,tokens,loss\n1,2048,8.3\n2,4096,8.1\n")
@@ -50,6 +51,8 @@ def _commands(run: Path, data: Path, out: Path) -> dict[str, list]:
         "generate": ["generate", ckpt, "--prompt", "def", "--max-tokens", "2"],
         "gen-config": ["gen-config", *CPU2, "--data", data, "--out", out / "run2"],
         "gen-config --config": ["gen-config", "--config", run / "config.yaml", "--data", data, "--out", out / "run3"],
+        "gen-config blend": ["gen-config", *CPU2, "--data", f"{data.parent / 'other'}:1,{data}:1", "--out",
+                             out / "run4"],
     }
 
 
@@ -61,6 +64,7 @@ READS = {  # (command, file) pairs that must be the one-line 'cannot read it' er
     ("export-hf", "run/checkpoints/global_step6/dspipe.json"),
     ("generate", "run/checkpoints/global_step6/mp_rank_00_model_states.pt"),
     ("gen-config", "data/meta.json"), ("gen-config --config", "run/config.yaml"),
+    ("gen-config blend", "data/meta.json"), ("gen-config blend", "data/tokenizer/tokenizer.json"),
 }
 
 
@@ -75,7 +79,7 @@ def _snapshot(root: Path) -> dict:
 
 def _cases(root_files):
     return [(command, f) for command in ("report", "launch", "slurm-script", "extend", "export-hf", "generate",
-                                         "gen-config", "gen-config --config")
+                                         "gen-config", "gen-config --config", "gen-config blend")
             for f in root_files if f.startswith("run/") or f.startswith("data/meta") or f.startswith("data/tok")]
 
 

@@ -83,14 +83,14 @@ def test_limits_match_the_table():
     assert all(SETTINGS[k].limit == v for k, v in LIMITS.items() if k in SETTINGS)
 
 
-@pytest.mark.parametrize("value", NOT_NUMBERS)
 @pytest.mark.parametrize("command,flag", [(c, f) for c, f, _ in NUMERIC], ids=[f"{c} {f}" for c, f, _ in NUMERIC])
-def test_text_that_is_no_number_is_refused_at_parse_time(command, flag, value, tmp_path, capsys, monkeypatch):
+def test_text_that_is_no_number_is_refused_at_parse_time(command, flag, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    code = run_cli(command, flag, value)
-    err = capsys.readouterr().err
-    _one_short_line(code, err, flag=flag)
-    assert flag in err, err
+    for value in NOT_NUMBERS:
+        code = run_cli(command, flag, value)
+        err = capsys.readouterr().err
+        _one_short_line(code, err, flag=f"{flag} {value!r}")
+        assert flag in err, err
     assert list(tmp_path.iterdir()) == []
 
 
@@ -122,3 +122,12 @@ def test_minus_zero_is_zero_in_every_written_file(tmp_path, capsys, corpus):
 
     spec = json.loads((out / "dspipe.json").read_text())
     assert spec["model"]["dropout"] == 0.0 and spec["train"]["weight_decay"] == 0.0 and spec["train"]["seed"] == 0
+
+
+@pytest.mark.parametrize("flag", ["--layers", "--seed", "--pp", "--global-batch"])
+def test_a_5000_digit_negative_integer_is_out_of_range(flag, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code = run_cli("plan", *CPU2, flag, "-" + HUGE)
+    err = capsys.readouterr().err
+    _one_short_line(code, err, flag=flag)
+    assert "-111111111111111... (5,000 digits) is negative, out of every allowed range" in err, err

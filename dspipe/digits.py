@@ -10,12 +10,16 @@ MAX_DIGITS = 1000
 """Longest integer dspipe reads (leading zeros aside): far beyond every limit, within int()'s 4,300 digits."""
 
 
+def significant_digits(text: str) -> int:
+    """Digits of the integer `text` (an optional sign, then digits) less its leading zeros."""
+    return len(text.strip().lstrip("+-").lstrip("0"))
+
+
 def too_many_digits(text: str) -> bool:
-    """Whether the integer `text` (digits after an optional sign) has more than MAX_DIGITS significant digits."""
-    return len(text.strip().lstrip("+-").lstrip("0")) > MAX_DIGITS
+    """Whether the integer `text` has more than MAX_DIGITS significant digits."""
+    return significant_digits(text) > MAX_DIGITS
 
 
 def digits_text(text: str) -> str:
     """'1111111111111111... (5,000 digits)': a long run of digits as a message shows it."""
-    text = text.strip()
-    return f"{text[:16]}... ({len(text.lstrip('+-').lstrip('0')):,} digits)"
+    return f"{text.strip()[:16]}... ({significant_digits(text):,} digits)"

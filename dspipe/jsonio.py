@@ -10,7 +10,7 @@ import json
 import math
 from pathlib import Path
 
-from dspipe.digits import digits_text
+from dspipe.digits import digits_text, significant_digits
 from dspipe.errors import SpecError, cannot_read
 
 FLOAT_DIGITS = 308
@@ -62,7 +62,7 @@ def number_hooks(where: str, *, tail: str = "") -> dict:
         return value
 
     def integer(literal: str) -> int:
-        if len(literal.lstrip("-").lstrip("0")) > FLOAT_DIGITS:
+        if significant_digits(literal) > FLOAT_DIGITS:
             raise SpecError(f"{where}: {digits_text(literal)} is beyond the range of a float{tail}")
         return int(literal)
 

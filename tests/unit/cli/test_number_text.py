@@ -11,7 +11,6 @@ from tests.helpers import run_cli
 
 from dspipe.cli.app import cli
 from dspipe.cli.options import AutoInt, StrictFloat, StrictInt, TokenBudget
-from dspipe.spec.core import LIMITS
 from dspipe.spec.options import TABLE
 
 HUGE = "1" * 5000
@@ -75,12 +74,6 @@ def test_the_option_table_states_each_integer_limit(section, key, tmp_path, caps
         if "--config" in argv:
             assert f"c.yaml: {section}.{key}: " in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.yaml"]
-
-
-def test_limits_match_the_table():
-    from dspipe.spec.options import SETTINGS
-
-    assert all(SETTINGS[k].limit == v for k, v in LIMITS.items() if k in SETTINGS)
 
 
 @pytest.mark.parametrize("command,flag", [(c, f) for c, f, _ in NUMERIC], ids=[f"{c} {f}" for c, f, _ in NUMERIC])

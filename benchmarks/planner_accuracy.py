@@ -74,7 +74,7 @@ CONFIGS = {  # name: (model, options); every layout pinned (the planner would pi
     "qwen3-zero3": ("qwen3-45M", ["--zero", "3", *BF16]),
     "pp2-zero1": ("31M", ["--zero", "1", *BF16, "--pp", "2"]),
     "tp2-zero1": ("31M", ["--zero", "1", *BF16, "--tp", "2"]),
-    "tp2-qwen3-zero1": ("qwen3-45M", ["--zero", "1", *BF16, "--tp", "2"]),  # AutoTP's split of 128-wide heads
+    "tp2-qwen3-zero1": ("qwen3-45M", ["--zero", "1", *BF16, "--tp", "2"]),  # the tensor-parallel split of 128-wide heads
     # DeepSpeed's native MoE (the runtime's expert-parallel wrapper): experts over ep, their ZeRO states over dp / ep
     "moe-zero1-ep2": ("moe-35M", ["--zero", "1", *BF16, "--ep", "2"]),
     "moe-zero2-ep2": ("moe-35M", ["--zero", "2", *BF16, "--ep", "2"]),
@@ -90,7 +90,7 @@ LAUNCHES = [  # rows measured one after another by the same 2 ranks (a launch co
     ["tp2-qwen3-zero1"],
     MOE_ROWS,
 ]
-"""Each launch's engines share one process group; pipeline and AutoTP engines get their own launch."""
+"""Each launch's engines share one process group; pipeline and tensor-parallel engines get their own launch."""
 METRICS = ("steady", "peak", "host_steady", "host_peak")
 """What each row compares: device bytes between steps and at the in-step peak, host bytes between steps and peak."""
 

@@ -9,6 +9,9 @@ are those of a run that starts.
     python benchmarks/startup_memory.py --hf-llama              # from a random 147M LlamaForCausalLM it writes
                                                                 # (save_pretrained, safetensors); checks step 1's
                                                                 # loss against transformers' on the same batch
+    python benchmarks/startup_memory.py --ranks 4 --tp 2 --pp 2 --zero 1
+                                                                # 152M at tp 2 x pp 2: each rank builds only
+                                                                # its stage's tp shard (a quarter of the model)
     python benchmarks/startup_memory.py --experts 8 --ep 1 2 --layers 4 --ranks 2 --zero 2
                                                                 # a mixture of experts (ffn 4 x hidden per
                                                                 # expert, top 2) at each ep: a rank builds the
@@ -54,6 +57,8 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=1024)
     ap.add_argument("--ranks", type=int, default=8)
     ap.add_argument("--zero", default="3")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
+    ap.add_argument("--pp", type=int, default=1, help="pipeline stages")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--init-from", default=None, help="a Hugging Face directory instead of the shape flags")
     ap.add_argument("--hf-llama", action="store_true", help="write a random 147M Llama and start from it")
@@ -68,7 +73,7 @@ def main() -> None:
         dspipe("prepare-data", "--out", data, "--max-mb", "1.5", "--train-tokenizer", "1024")
     common = ["--gpus-per-node", args.ranks, "--gpu", "cpu", "--global-batch", args.ranks, "--micro-batch", 1,
               "--seq-len", 64, "--precision", "fp32", "--zero", args.zero, "--offload", "none",
-              "--no-offload-params", "--pp", 1, "--tp", 1, "--checkpointing", "none", "--steps", args.steps,
+              "--no-offload-params", "--pp", args.pp, "--tp", args.tp, "--checkpointing", "none", "--steps", args.steps,
               "--warmup", 1, "--eval-interval", 0, "--log-interval", 1, "--data", data]
     dspipe("gen-config", "--layers", 2, "--hidden", 64, "--heads", 4, "--vocab", args.vocab, *common,
            "--out", work / "tiny")
@@ -97,13 +102,19 @@ def main() -> None:
 def report(big: dict, *, tiny: dict, args) -> None:
     fp32_model = big["params"] * 4 / MIB
     growth = max(big["startup"]["peak_rss_mib"]) - max(tiny["startup"]["peak_rss_mib"])
-    build = max(b - a for a, b in zip(big["startup"]["rss_before_build_mib"], big["startup"]["build_rss_mib"]))
+    def build_growth(run: dict) -> float:
+        return max(b - a for a, b in zip(run["startup"]["rss_before_build_mib"], run["startup"]["build_rss_mib"]))
+
+    build = build_growth(big)
+    net = build - build_growth(tiny)  # what building the tiny model costs too: first use of the allocator, kernels
     print(f"model {big['params'] / 1e6:.1f}M params, whole fp32 model {fp32_model:,.0f} MiB; ZeRO-{args.zero}, "
-          f"{args.ranks} ranks, {big['startup']['mode']} build")
+          f"{args.ranks} ranks (tp {args.tp}, pp {args.pp}), {big['startup']['mode']} build")
     print(f"  worst rank's start-up peak RSS        {max(big['startup']['peak_rss_mib']):8,.0f} MiB "
           f"(tiny model: {max(tiny['startup']['peak_rss_mib']):,.0f})")
     print(f"  minus the tiny model's                {growth:8,.0f} MiB = {growth / fp32_model:.2f} x the fp32 model")
     print(f"  the build alone (worst rank)          {build:8,.0f} MiB = {build / fp32_model:.2f} x")
+    print(f"  minus the tiny model's build          {net:8,.0f} MiB = {net / fp32_model:.2f} x "
+          f"(the rest of the start-up peak is deepspeed.initialize's: ZeRO's flat buffers and fp32 copies)")
     print(f"  seconds to the first step (worst)     {max(big['startup']['seconds_to_first_step']):8.1f} "
           f"(build {max(big['startup']['seconds_build']):.1f})")
     if big["predicted"]:

@@ -1,7 +1,7 @@
 """The decoder in plain PyTorch, GPT-2/3 or Llama-family as the ModelSpec declares it (norm, MLP, positions and
 rotary scaling, grouped-query attention, head width, q/k norm, sliding window, biases, tied head). No distributed
 code here: the pipeline wrapper reuses these blocks, and recomputation, tensor and sequence parallelism set its slots
-or swap pieces from outside (dspipe.runtime.parallelize, DeepSpeed AutoTP).
+or swap pieces from outside (dspipe.runtime.parallelize).
 
 Parameter names follow Hugging Face GPT-2 (wte, wpe, h.N.ln_1, attn.c_attn, [attn.q_norm, attn.k_norm,]
 attn.c_proj, ln_2, mlp.c_fc, mlp.c_proj, ln_f) whatever the architecture: q/k/v are one fused projection
@@ -214,6 +214,8 @@ class Embedding(nn.Module):
         self.drop = nn.Dropout(spec.dropout)
         self.position_offset = 0
         """Position of the input's first token (non-zero when the input is a later slice of a sequence)."""
+        self.head_linear: Callable | None = None
+        """Set to replace F.linear(x, wte.weight) as the tied head (tensor parallelism: a column-parallel product)."""
         if seed is not None:
             fill(self, seed=seed)
 
@@ -231,7 +233,7 @@ class Embedding(nn.Module):
         return self.drop(x)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.wte.weight)
+        return (self.head_linear or F.linear)(x, self.wte.weight)
 
 
 class Attention(nn.Module):
@@ -283,8 +285,8 @@ class Attention(nn.Module):
     def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v of (batch, seq, hidden) input as (batch, seq, local heads, head_dim), normalised (qk_norm) and
         rotated at this module's positions, k and v repeated to one per query head."""
-        b, s, _ = x.shape
         qkv = self.c_attn(x)
+        b, s, _ = qkv.shape  # under Megatron's sequence parallelism x holds a slice, qkv the whole sequence
         # the heads this module holds: a tensor-parallel shard holds heads / tp query and kv_heads / tp key/value heads
         kv = qkv.shape[-1] // (self.head_dim * (self.group + 2))
         q, k, v = (t.view(b, s, -1, self.head_dim) for t in qkv.split(
@@ -299,8 +301,8 @@ class Attention(nn.Module):
         return q, k, v
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
         q, k, v = self.heads(x)
+        b, s = q.shape[:2]
         core = self.core or self.local_core
         y = self.core_checkpoint(core, q, k, v) if self.core_checkpoint else core(q, k, v)
         return self.resid_drop(self.c_proj(y.reshape(b, s, -1)))
@@ -523,6 +525,8 @@ class LMHead(nn.Module):
         super().__init__()
         self.index, self.shape = spec.layers + 1, (spec.vocab, spec.hidden)
         self.weight = nn.Parameter(torch.empty(self.shape))
+        self.head_linear: Callable | None = None
+        """Set to replace F.linear(x, weight) (tensor parallelism: a column-parallel product)."""
         if seed is not None:
             fill(self, seed=seed)
 
@@ -530,7 +534,7 @@ class LMHead(nn.Module):
         yield self.weight, _normal(_generator(seed, self.index), self.shape, INIT_STD)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return (self.head_linear or F.linear)(x, self.weight)
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -551,6 +555,8 @@ class GPT(nn.Module):
             fill(self, seed=seed)
         self.block_checkpoint: Callable | None = None
         """Set to a checkpoint function to recompute each block in backward (full recomputation)."""
+        self.loss_fn: Callable = lm_loss
+        """(logits, labels) -> mean loss; tensor parallelism sets one that takes a vocabulary slice of the logits."""
         self.last_lm_loss: torch.Tensor | None = None
         """The language-model loss of the last forward with labels (detached)."""
         self.last_aux_loss: torch.Tensor | None = None
@@ -578,7 +584,7 @@ class GPT(nn.Module):
         logits = self.embed.logits(x) if self.lm_head is None else self.lm_head(x)
         if labels is None:
             return logits
-        loss = lm_loss(logits, labels)
+        loss = self.loss_fn(logits, labels)
         self.last_lm_loss = loss.detach()
         if not aux:
             return loss

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 from dspipe.planner.memory import MEMORY_HEADROOM, Memory, host_offload_per_rank, stage_memory
 from dspipe.planner.plan import Plan
-from dspipe.planner.stages import largest_tensor, stage_params, zero_group_size
+from dspipe.planner.stages import (largest_tensor, stage_elements, stage_largest_tensors, stage_params,
+                                   zero_group_size)
 from dspipe.planner.startup import StartupEstimate, build_mode, startup_estimate
 from dspipe.planner.timing import step_time
 from dspipe.spec.core import ClusterSpec, ModelSpec
@@ -34,7 +35,7 @@ class Estimate:
     hardware_flops_per_token: float
     """FLOPs actually executed per token, recomputation included."""
     tp_comm_s: float = 0.0
-    """Tensor-parallel activation all-reduces (synchronous in AutoTP)."""
+    """Tensor-parallel activation all-reduces (synchronous)."""
     sp_comm_s: float = 0.0
     """Ulysses all-to-alls (synchronous)."""
     ep_comm_s: float = 0.0
@@ -101,9 +102,17 @@ def estimate(*, model: ModelSpec, cluster: ClusterSpec, plan: Plan, headroom: fl
     # ep of every sparse block, which the expert-parallel wrapper keeps (an assumption on the build: materialising
     # every expert first would need b x num_params on the device)
     built = max(stages) if model.experts else plan.num_params
+    worst = max(range(len(stages)), key=lambda i: stages[i])
+    largest = largest_tensor(model)
+    if plan.pp > 1 and plan.tp > 1:  # the stage whose shard plus one whole fp32 tensor is the most
+        tensors = stage_largest_tensors(model, plan.pp, plan.partition_method, plan.tp)
+        worst = max(range(len(stages)), key=lambda i: stages[i] + tensors[i])
+        largest = tensors[worst]
+    whole = stage_elements(model, plan.pp, plan.partition_method, plan.tp)  # what a stage's rank draws
     startup = startup_estimate(mode=build_mode(zero_stage=plan.zero_stage, tp=plan.tp, pp=plan.pp),
-                               num_params=built, stage_params=max(stages),
-                               largest_tensor=largest_tensor(model), precision=plan.precision,
+                               num_params=built, rank_params=max(stages) if plan.pp == 1 else None,
+                               stage_params=stages[worst], stage_elements=max(whole),
+                               largest_tensor=largest, precision=plan.precision,
                                offload_params=plan.offload_params, zero_ranks=zero_group_size(plan), tp=plan.tp,
                                ranks_per_node=cluster.gpus_per_node, host_offload_per_rank=host_per_rank,
                                import_bytes=import_bytes)

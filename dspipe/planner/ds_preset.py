@@ -224,16 +224,34 @@ def import_preset(cfg: dict, *, source: str) -> PresetImport:
 
 
 def _tensor_parallel_batch(imp: PresetImport) -> None:
-    """DeepSpeed 0.19.8 counts the AutoTP ranks of a replica in train_batch_size: the global batch is that / tp."""
+    """A preset's tensor_parallel.autotp_size N > 1 was written for DeepSpeed 0.19.8's AutoTP, which counts the tp
+    ranks of a replica in train_batch_size: it imports as --tp N with the global batch train_batch_size / N. dspipe
+    runs tp with its own tensor-parallel layers (AutoTP off: autotp_size 0, tp.tp_size 1) and renders
+    train_batch_size as the global batch, so these keys are translated here (and said so), not compared after
+    rendering; a tp.tp_size other than N is refused."""
     tp, total = imp.options.get("tp", 1), imp.options.get("global_batch")
-    if tp > 1 and total is not None:
+    if tp <= 1:
+        return
+    section = imp.canon.get("tensor_parallel", {})
+    inner = section.get("tp", {})
+    if inner.get("tp_size", AUTO) not in (AUTO, tp, 1):
+        raise imp.error("tensor_parallel.tp.tp_size", inner["tp_size"], f"disagrees with tensor_parallel.autotp_size "
+                                                                         f"{tp}; give both the same tp, or tp_size 1")
+    section.pop("autotp_size", None)
+    if inner.get("tp_size") == tp:
+        inner.pop("tp_size")
+    imp.note(f"tensor_parallel.autotp_size {tp} -> --tp {tp}: dspipe runs tp with its own tensor-parallel layers "
+             f"(Megatron layout) and renders DeepSpeed's AutoTP off (autotp_size 0, tp.tp_size 1)")
+    if total is not None:
         batch, rest = divmod(total, tp)
         if rest:
             raise imp.error("train_batch_size", total, f"is not divisible by tensor_parallel.autotp_size {tp} "
-                                                       f"(DeepSpeed counts the AutoTP ranks in it)")
+                                                       f"(DeepSpeed's AutoTP counts the tp ranks in it)")
         imp.options["global_batch"] = batch
-        imp.note(f"train_batch_size {total} counts the {tp} AutoTP ranks of each replica (as DeepSpeed does): "
-                 f"global batch {batch} sequences")
+        imp.canon.pop("train_batch_size", None)
+        imp.note(f"train_batch_size {total} counts the {tp} AutoTP ranks of each replica (DeepSpeed 0.19.8's AutoTP "
+                 f"semantics): global batch {batch} sequences, which dspipe renders as train_batch_size {batch} "
+                 f"(its tensor-parallel layers' ranks are not data-parallel)")
 
 
 def _take(imp: PresetImport, canon: dict, key: str, path: str, value, spec) -> None:

@@ -21,7 +21,7 @@ class Sources:
     plan: object
     """The Plan."""
     model: object
-    """The ModelSpec (AutoTP's partition config)."""
+    """The ModelSpec (the tensor_parallel block's partition config)."""
     train: object
     """The TrainSpec."""
     monitor_dir: str
@@ -60,9 +60,9 @@ def option(name: str) -> tuple:
 
 
 # Other import targets: ("ga",) gradient_accumulation_steps; ("precision",) bf16/fp16.enabled; ("offload", which) an
-# offload device; ("tp",) autotp_size -> --tp; ("checkpointing",) the pipeline's activation_checkpoint_interval;
-# ("moved",) a monitor path (always the run directory's monitor/). None: imported by its section's own reader
-# (optimizer.type, scheduler, data_types).
+# offload device; ("tp",) a preset's AutoTP autotp_size -> --tp; ("checkpointing",) the pipeline's
+# activation_checkpoint_interval; ("moved",) a monitor path (always the run directory's monitor/). None: imported by
+# its section's own reader (optimizer.type, scheduler, data_types).
 
 
 @dataclass(frozen=True)
@@ -174,15 +174,18 @@ SCHEMA = (
     _k("pipeline.seed_layers", "seed_layers", False, PLANNED, c.boolean),
     _k("pipeline.activation_checkpoint_interval", "activation_checkpoint_interval",
        _plan("activation_checkpoint_interval"), ("checkpointing",), c.integer(0, 1)),
-    _k("pipeline.pipe_partitioned", "pipe_partitioned", True, SETS, c.boolean),
-    _k("pipeline.grad_partitioned", "grad_partitioned", True, SETS, c.boolean),
-    _k("tensor_parallel.autotp_size", "autotp_size", Derived(lambda r: r.plan.tp if r.plan.tp > 1 else 0), ("tp",),
-       c.integer(0)),
+    # under Megatron sequence parallelism the tp ranks' stage outputs differ (each its sequence slice): each sends its
+    # own whole, which is what the partitioned send would carry (1/tp of the activation)
+    _k("pipeline.pipe_partitioned", "pipe_partitioned", Derived(lambda r: not r.plan.tp_sp), PLANNED, c.boolean),
+    _k("pipeline.grad_partitioned", "grad_partitioned", Derived(lambda r: not r.plan.tp_sp), PLANNED, c.boolean),
+    # DeepSpeed's AutoTP stays off at every tp (0, as at tp 1): dspipe's own tensor-parallel layers split the model
+    # before deepspeed.initialize; a preset's autotp_size N imports as --tp N (planner/ds_preset.py)
+    _k("tensor_parallel.autotp_size", "autotp_size", Derived(lambda r: 0), ("tp",), c.integer(0)),
     _k("tensor_parallel.tp_overlap_comm", "tp_overlap_comm", False, SETS, c.boolean),
     _k("tensor_parallel.vocab_parallel_lm_head", "vocab_parallel_lm_head", False, SETS,
        lambda v: c.choice(False, None)(v) or False),
     _k("tensor_parallel.vocab_parallel_ce_backend", "vocab_parallel_ce_backend", "torch", SETS, c.choice("torch")),
-    _k("tensor_parallel.tp.tp_size", "tp_size", _plan("tp"), PLANNED, c.integer(1)),
+    _k("tensor_parallel.tp.tp_size", "tp_size", Derived(lambda r: 1), PLANNED, c.integer(1)),
     _k("tensor_parallel.tp.tp_grain_size", "tp_grain_size", 1, SETS, c.integer(1)),
     _k("tensor_parallel.partition_config", "tp_partition_config", Derived(lambda r: autotp.partition_config(r.model)),
        PLANNED, lambda v: v),

@@ -90,8 +90,8 @@ def over(c: Candidate) -> float:
 
 
 def startup_shortfall_text(e: Estimate) -> str:
-    """'start-up needs 1,056 GiB host RAM per node (8 ranks x 132 GiB: the whole model in bf16 on the host for
-    AutoTP), has 512 GiB'; '' when the start-up's host RAM fits."""
+    """'start-up needs 2,154 GiB host RAM per node (8 ranks x 269 GiB: the stage's tp shard in fp32 on the host,
+    one full tensor drawn at a time), has 2,048 GiB'; '' when the start-up's host RAM fits."""
     s = e.startup
     if s is None or not e.startup_host_shortfall_bytes:
         return ""

@@ -38,12 +38,17 @@ engines, see docs/planner-accuracy.md), not only the textbook 16 bytes/param:
   GPU (kernels="cuda") and CPU (the gloo runner) kernels differ in the norms' statistics dtype and RMSNorm's saved
   tensors (_norm_bytes_per_token); stage_memory uses the GPU type's backend to choose.
 
-Tensor parallel (DeepSpeed AutoTP, t ranks, no Megatron sequence parallelism): a rank holds 1/t of the four block
-matrices and of the column-parallel biases (planner/autotp.py's layer specs); embeddings, the head, LayerNorms and the
-row-parallel biases stay whole, so Phi above is the per-rank count and ZeRO shards it over dp. Activations per layer
-s.b.h(8 + 24/t) plus statistics (Korthikanti et al. eq. 2 without SP, the 5as/(ht) term gone with SDPA, no dropout
-masks); full recomputation keeps the
-block input 2sbh, replicated on every tp rank; the logits stay whole (the head is not split).
+Tensor parallel (dspipe's tensor-parallel layers, Megatron layout, t ranks): a
+rank holds 1/t of the four block matrices and of the column-parallel biases, and ceil(V / t) rows of the token
+embedding and of an untied head (vocab-parallel; a tied head shares the embedding's shard) (dspipe/model/tp_split.py,
+planner/stages.py); learned positions, norms and the row-parallel biases stay whole, so Phi above is the per-rank
+count and ZeRO shards it over dp. Activations per layer s.b.h(8 + 24/t) plus statistics (Korthikanti et al. eq. 2
+without SP, the 5as/(ht) term gone with SDPA, no dropout masks): the regions outside the split GEMMs (norms, residual
+adds, the block input) stay whole on every tp rank; full recomputation keeps the block input 2sbh, whole. With
+Megatron sequence parallelism (plan.tp_sp, on by default) those hold the rank's s/t tokens instead: 34sbh/t (eq. 4). The
+cross-entropy is vocab-parallel (the full logits are never gathered): the head's fp32 softmax is ceil(V / t) wide.
+ZeRO-3 at t > 1 counts the rank's shard as Phi but the whole model's modules in its gathered working set
+(zero3_backward_working: an overestimate).
 Ulysses sequence parallel (sp ranks): every activation, the recomputation inputs and the logits divide by sp (a rank
 holds s/sp tokens); parameters do not, but DeepSpeed partitions ZeRO over its sequence-data-parallel group
 (engine.seq_data_parallel_group: dp x sp ranks), so N above is dp x sp.
@@ -67,9 +72,10 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
+from dspipe.model.tp_split import vocab_split as vocab_rows
 from dspipe.planner.plan import Plan
-from dspipe.planner.stages import (largest_tensor, param_groups, share, stage_blocks, stage_params,
-                                   zero_group_size)
+from dspipe.planner.stages import (largest_tensor, largest_tensor_per_rank, param_groups, share, stage_blocks,
+                                   stage_params, zero_group_size)
 from dspipe.spec.core import ClusterSpec, ModelSpec
 from dspipe.spec.hardware import GIB
 
@@ -165,7 +171,7 @@ def windowed_blocks(model: ModelSpec, layers: range) -> int:
 
 def activation_bytes_per_layer(*, model: ModelSpec, micro_batch: int, checkpointing: str, act_bytes: int,
                                tp: int = 1, sp: int = 1, kernels: str = "cuda", windowed: bool | None = None,
-                               sparse: bool = False) -> int:
+                               sparse: bool = False, tp_sp: bool = False) -> int:
     """Bytes one transformer block keeps for backward on one rank (measured on the real model: see
     benchmarks/census/activations.py and docs/planner-accuracy.md). With SDPA's fused kernels no s x s scores are kept:
     the kernel saves q, k, v, its output and the fp32 log-sum-exp (4 bytes per token and head), so Korthikanti et al.'s
@@ -182,14 +188,18 @@ def activation_bytes_per_layer(*, model: ModelSpec, micro_batch: int, checkpoint
     Ulysses: s is the rank's s/sp tokens. `kernels`: 'cuda' (flash / memory-efficient SDPA, fused norms with fp32
     statistics; the GPU runner) or 'cpu' (PyTorch's CPU kernels: the gloo runner; the CPU SDPA also saves the
     log-sum-exp). `sparse`: a mixture-of-experts block, whose MLP saves moe_mlp_activation_bytes instead of the
-    dense MLP's hidden activations (none / selective; full keeps the block input as a dense block)."""
+    dense MLP's hidden activations (none / selective; full keeps the block input as a dense block). `tp_sp`: Megatron
+    sequence parallelism, where what stays whole on every tp rank without it (the norms' tensors, the inputs of the
+    column-parallel projections, the block input, the dropout masks) holds the rank's s/tp tokens (Korthikanti et al.
+    eq. 4: every term / t)."""
     s, b, h = share(model.seq_len, sp), micro_batch, model.hidden
     tokens = s * b
+    cut = tp if tp_sp else 1  # what divides the regions outside the tensor-parallel ones
     if checkpointing == "full":
-        return tokens * h * act_bytes
+        return tokens * h * act_bytes // cut
     whole, split = activation_coefficients(model)
-    per_token = 2 * _norm_bytes_per_token(model, act_bytes=act_bytes, kernels=kernels) \
-        + act_bytes * h * (whole + split / tp) \
+    per_token = 2 * _norm_bytes_per_token(model, act_bytes=act_bytes, kernels=kernels) / cut \
+        + act_bytes * h * (whole / cut + split / tp) \
         + _qk_norm_bytes_per_token(model, act_bytes=act_bytes, kernels=kernels) / tp
     mask = 0
     if checkpointing == "none":
@@ -198,7 +208,7 @@ def activation_bytes_per_layer(*, model: ModelSpec, micro_batch: int, checkpoint
             windowed = windowed_blocks(model, range(model.layers - 1, model.layers)) > 0
         mask = window_mask_bytes(model, act_bytes=act_bytes) if windowed else 0
     if model.dropout > 0:
-        per_token += 2 * h
+        per_token += 2 * h / cut
     rotary = 4 * s * model.head_dim * act_bytes if model.positions == "rope" else 0
     moe = 0
     if sparse and model.experts:  # the dense MLP's hidden activations replaced by the MoE layer's
@@ -256,24 +266,29 @@ def moe_working_bytes(*, model: ModelSpec, tokens: int, act_bytes: int) -> int:
 
 
 def recompute_working_bytes(*, model: ModelSpec, micro_batch: int, act_bytes: int, tp: int = 1, sp: int = 1,
-                            kernels: str = "cuda", windowed: bool | None = None, sparse: bool = False) -> int:
+                            kernels: str = "cuda", windowed: bool | None = None, sparse: bool = False,
+                            tp_sp: bool = False) -> int:
     """Full recomputation: what one block's recomputed forward saves during its backward, beyond the block input
     the checkpoint already holds. Only one block is rebuilt at a time (`windowed`: one with a window's mask;
     `sparse`: a mixture-of-experts block)."""
     none = activation_bytes_per_layer(model=model, micro_batch=micro_batch, checkpointing="none",
                                       act_bytes=act_bytes, tp=tp, sp=sp, kernels=kernels, windowed=windowed,
-                                      sparse=sparse)
+                                      sparse=sparse, tp_sp=tp_sp)
     return none - activation_bytes_per_layer(model=model, micro_batch=micro_batch, checkpointing="full",
-                                             act_bytes=act_bytes, tp=tp, sp=sp, kernels=kernels)
+                                             act_bytes=act_bytes, tp=tp, sp=sp, kernels=kernels, tp_sp=tp_sp)
 
 
-def logits_bytes(*, model: ModelSpec, micro_batch: int, sp: int = 1, act_bytes: int = 2, kernels: str = "cuda") -> int:
+def logits_bytes(*, model: ModelSpec, micro_batch: int, sp: int = 1, act_bytes: int = 2, kernels: str = "cuda",
+                 tp: int = 1, tp_sp: bool = False) -> int:
     """What the last stage's final norm, head and loss save: log_softmax's fp32 output (4 bytes x V per token: the
-    loss upcasts the logits, which themselves are not kept), the final norm's input and statistics, the head's input
-    and the int64 labels. The head is whole on every tp rank; s is s/sp under Ulysses."""
-    per_token = 4 * model.vocab + _norm_bytes_per_token(model, act_bytes=act_bytes, kernels=kernels) \
-        + act_bytes * model.hidden + 8
-    return share(model.seq_len, sp) * micro_batch * per_token
+    loss upcasts the logits, which themselves are not kept; at tp > 1 the vocab-parallel cross-entropy's fp32 softmax
+    of the rank's ceil(V / tp) columns, the full logits never gathered), the final norm's input and statistics, the
+    head's input (whole on every tp rank; the norm's and the head's inputs / tp under Megatron sequence parallelism,
+    whose head gathers its input again in backward) and the int64 labels; s is s/sp under Ulysses."""
+    cut = tp if tp_sp else 1
+    per_token = 4 * vocab_rows(model.vocab, tp)[0] \
+        + (_norm_bytes_per_token(model, act_bytes=act_bytes, kernels=kernels) + act_bytes * model.hidden) / cut + 8
+    return int(share(model.seq_len, sp) * micro_batch * per_token)
 
 
 def embedding_bytes(*, model: ModelSpec, micro_batch: int, sp: int = 1) -> int:
@@ -284,7 +299,7 @@ def embedding_bytes(*, model: ModelSpec, micro_batch: int, sp: int = 1) -> int:
 
 def micro_batch_activations(*, model: ModelSpec, micro_batch: int, checkpointing: str, act_bytes: int, blocks: int,
                             first: bool, last: bool, tp: int = 1, sp: int = 1, kernels: str = "cuda",
-                            windowed: int | None = None, sparse: int = 0) -> tuple[int, int]:
+                            windowed: int | None = None, sparse: int = 0, tp_sp: bool = False) -> tuple[int, int]:
     """(held, working): activation bytes one micro-batch keeps on a stage of `blocks` blocks from its forward to its
     backward, and what its backward adds at the moment of its peak. none / selective: every block's saved tensors,
     the embedding's ids on the first stage, the head and loss on the last; nothing added. full: the block inputs (and
@@ -299,12 +314,13 @@ def micro_batch_activations(*, model: ModelSpec, micro_batch: int, checkpointing
 
     def per_layer(masked: bool) -> int:
         return activation_bytes_per_layer(model=model, micro_batch=micro_batch, checkpointing=checkpointing,
-                                          act_bytes=act_bytes, tp=tp, sp=sp, kernels=kernels, windowed=masked)
+                                          act_bytes=act_bytes, tp=tp, sp=sp, kernels=kernels, windowed=masked,
+                                          tp_sp=tp_sp)
 
     saved = (blocks - windowed) * per_layer(False) + windowed * per_layer(True)
     ids = embedding_bytes(model=model, micro_batch=micro_batch, sp=sp) if first else 0
-    head = logits_bytes(model=model, micro_batch=micro_batch, sp=sp, act_bytes=act_bytes, kernels=kernels) \
-        if last else 0
+    head = logits_bytes(model=model, micro_batch=micro_batch, sp=sp, act_bytes=act_bytes, kernels=kernels, tp=tp,
+                        tp_sp=tp_sp) if last else 0
     moe_working = 0
     if sparse:
         tokens = share(model.seq_len, sp) * micro_batch
@@ -317,7 +333,8 @@ def micro_batch_activations(*, model: ModelSpec, micro_batch: int, checkpointing
     if checkpointing != "full":
         return saved + ids + head, moe_working
     working = recompute_working_bytes(model=model, micro_batch=micro_batch, act_bytes=act_bytes, tp=tp, sp=sp,
-                                      kernels=kernels, windowed=windowed > 0, sparse=sparse > 0) if blocks else 0
+                                      kernels=kernels, windowed=windowed > 0, sparse=sparse > 0,
+                                      tp_sp=tp_sp) if blocks else 0
     return saved + ids, max(head, working + moe_working)
 
 
@@ -418,7 +435,7 @@ def _model_states(*, model: ModelSpec, plan: Plan, phi: int) -> tuple[dict, dict
     adam = 8 * phi
     bucket = plan.reduce_bucket_size * b
     offload = plan.offload != "none"
-    largest = b * largest_tensor(model)
+    largest = b * largest_tensor_per_rank(model, plan.tp)
     if z == 0:
         steady = dict(params=b * phi, grads=0, optimizer=master + adam, buffers=0)
         # the peak is the optimizer step's fp32 gradients (4Phi); mixed precision frees the 16-bit ones first (census)
@@ -482,7 +499,7 @@ def _host_states(*, model: ModelSpec, plan: Plan, phi: int) -> tuple[int, int]:
         host = 2 * plan.reduce_bucket_size * 4 + 4 * plan.reduce_bucket_size * b + params
         return host, host
     if z in (1, 2):
-        host = part(16) + part(b) + b * largest_tensor(model)
+        host = part(16) + part(b) + b * largest_tensor_per_rank(model, plan.tp)
         host += part(b) if plan.grad_accum > 1 else 0
     else:
         host = 20 * phi // n + params
@@ -496,7 +513,7 @@ def stage_memory(*, model: ModelSpec, cluster: ClusterSpec, plan: Plan) -> tuple
     pp, m, tp, sp = plan.pp, plan.grad_accum, plan.tp, plan.sp
     b = 2 if plan.precision in ("bf16", "fp16") else 4
     stages = stage_params(model=model, pp=pp, partition_method=plan.partition_method, tp=tp, ep=plan.ep)
-    blocks = stage_blocks(model=model, pp=pp, partition_method=plan.partition_method)
+    blocks = stage_blocks(model=model, pp=pp, partition_method=plan.partition_method, tp=tp)
     first_block = [sum(blocks[:i]) for i in range(pp)]
     kernels = "cuda" if gpu.backend == "nccl" else "cpu"
     reserve = FRAMEWORK_RESERVE if gpu.backend == "nccl" else 0
@@ -509,7 +526,8 @@ def stage_memory(*, model: ModelSpec, cluster: ClusterSpec, plan: Plan) -> tuple
                                                 windowed=windowed_blocks(model, range(first_block[i],
                                                                                       first_block[i] + blocks[i])),
                                                 sparse=sum(1 for j in model.sparse_layers
-                                                           if first_block[i] <= j < first_block[i] + blocks[i]))
+                                                           if first_block[i] <= j < first_block[i] + blocks[i]),
+                                                tp_sp=plan.tp_sp)
         acts = min(pp - i, m) * held + working  # 1F1B: stage i has up to pp - i micro-batches in flight
         host_steady, host_peak = _host_states(model=model, plan=plan, phi=phi)
         mem = Memory(params=steady["params"], grads=steady["grads"] + transient["grads"],

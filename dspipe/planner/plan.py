@@ -6,6 +6,7 @@ from functools import lru_cache
 from dataclasses import dataclass, fields
 
 from dspipe.errors import SpecError
+from dspipe.model.tp_split import vocab_split as vocab_rows
 from dspipe.spec.layout import ParallelLayout
 from dspipe.spec.core import ClusterSpec, ModelSpec, StrategySpec, TrainSpec
 
@@ -84,6 +85,9 @@ class Plan:
     model."""
     experts: int = 0
     """Routed experts per sparse block (0: a dense model)."""
+    tp_sp: bool = False
+    """Megatron sequence parallelism with tp > 1: the activations outside the tensor-parallel regions split along
+    the sequence over the tp ranks (all-gather / reduce-scatter instead of all-reduce)."""
 
     def __post_init__(self) -> None:
         if self.layout.dp != self.dp:
@@ -91,13 +95,14 @@ class Plan:
 
     @property
     def ds_batch_ranks(self) -> int:
-        """Ranks DeepSpeed 0.19.8's batch check counts as data-parallel: dp x tp (AutoTP's ranks are counted,
-        the sequence-parallel ranks of the Ulysses mpu are not)."""
-        return self.dp * self.tp
+        """Ranks DeepSpeed 0.19.8's batch check counts as data-parallel: dp (the mpu's data-parallel group holds
+        neither the tp ranks of dspipe's tensor-parallel layers nor the sequence-parallel ranks of the Ulysses
+        mpu)."""
+        return self.dp
 
     @property
     def ds_train_batch_size(self) -> int:
-        """train_batch_size as DeepSpeed checks it: micro_batch x grad_accum x ds_batch_ranks (= global_batch x tp)."""
+        """train_batch_size as DeepSpeed checks it: micro_batch x grad_accum x ds_batch_ranks (= global_batch)."""
         return self.micro_batch * self.grad_accum * self.ds_batch_ranks
 
     @property
@@ -157,8 +162,17 @@ def check_rules(*, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, str
         raise RuleError(11, f"warmup_steps {train.warmup_steps} must be < steps {train.steps}")
 
 
+TP_SP_ZERO3_REFUSAL = ("DeepSpeed 0.19.8 partitions a module built outside zero.Init over the mpu's data-parallel "
+                       "group (parameter_offload.py _convert_to_zero_parameters) but reduces its gradients over the "
+                       "sequence-data-parallel group: measured, the losses leave the plain model's at step 4; use "
+                       "--zero 1 or --zero 2")
+"""Why ZeRO-3 with tp > 1 and Ulysses sp > 1 together is refused (ZeRO-3 with tp alone, and ZeRO 1-2 with tp x sp,
+train the plain model's losses: tests/distributed/test_tp_pp.py, test_startup.py)."""
+
+
 def _check_tensor_sequence(*, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strategy: StrategySpec) -> None:
-    """What DeepSpeed 0.19.8's AutoTP and Ulysses support (measured on CPU/gloo, design notes section 7)."""
+    """What dspipe's tensor-parallel layers (Megatron layout: tp inside a node, composed with the pipeline, ZeRO
+    0-3 and Ulysses) and DeepSpeed 0.19.8's Ulysses support (design notes sections 7 and 8)."""
     tp, sp, pp, zero, g = strategy.tp, strategy.sp, strategy.pp, strategy.zero, cluster.gpus_per_node
     if tp > 1:
         if g % tp:
@@ -167,13 +181,16 @@ def _check_tensor_sequence(*, model: ModelSpec, cluster: ClusterSpec, train: Tra
         for name, value in (("heads", model.heads), ("kv_heads", model.kv_groups), ("ffn", model.ffn)):
             if value % tp:
                 raise RuleError(2, f"model {name} {value} is not divisible by tp {tp} ({value} / {tp} = {value / tp:g})")
-        if pp > 1:
-            raise RuleError(3, f"tp {tp} with pp {pp}: DeepSpeed's AutoTP does not compose with its pipeline engine (it "
-                            f"replaces the pipeline's process groups with a tensor x data mesh without the pipe axis, "
-                            f"and the model broadcast fails); use tp or pp, not both")
-        if zero == 3:
-            raise RuleError(3, f"tp {tp} with ZeRO-3: DeepSpeed's AutoTP training supports ZeRO stages 0-2; "
-                            f"use --zero 1 or --zero 2")
+        per, last = vocab_rows(model.vocab, tp)
+        if last < 1:
+            raise RuleError(2, f"model vocab {model.vocab} over tp {tp}: ceil({model.vocab} / {tp}) = {per} rows per "
+                            f"rank leaves the last rank {last} (vocab - {tp - 1} x {per}); the vocab-parallel "
+                            f"embedding and head need at least 1 row on every rank")
+        tokens = model.seq_len // sp if model.seq_len % sp == 0 else model.seq_len
+        if strategy.tp_sp and tokens % tp:
+            raise RuleError(2, f"model seq_len {model.seq_len} / sp {sp} = {tokens} tokens per rank are not divisible "
+                            f"by tp {tp}: Megatron sequence parallelism splits them over the tp ranks; use --no-tp-sp "
+                            f"or a seq_len divisible by {sp * tp}")
         if zero == 0 and train.precision != "fp32":
             raise RuleError(3, f"tp {tp} with ZeRO-0 in {train.precision}: DeepSpeed's ZeRO-0 {train.precision} optimizer "
                             f"reports and clips by the gradient norm of rank 0's shards only; use --zero 1 or 2")
@@ -182,9 +199,11 @@ def _check_tensor_sequence(*, model: ModelSpec, cluster: ClusterSpec, train: Tra
             if value % sp:
                 raise RuleError(2, f"model {name} {value} is not divisible by sp {sp} ({value} / {sp} = {value / sp:g}): "
                                 f"Ulysses splits the sequence, then the heads, across the sp ranks")
-        if tp > 1:
-            raise RuleError(3, f"sp {sp} with tp {tp}: AutoTP builds its own tensor x data process groups and cannot "
-                            f"take the Ulysses sequence groups as well; use tp or sp, not both")
+        if tp > 1 and (model.heads // tp) % sp:
+            raise RuleError(2, f"model heads {model.heads} / tp {tp} = {model.heads // tp} heads per tp rank are not "
+                            f"divisible by sp {sp}: Ulysses spreads each tp rank's heads over the sp ranks")
+        if tp > 1 and zero == 3:
+            raise RuleError(3, f"ZeRO-3 with tp {tp} x sp {sp}: {TP_SP_ZERO3_REFUSAL}")
         if pp > 1:
             raise RuleError(3, f"sp {sp} with pp {pp}: DeepSpeed's pipeline engine cannot carry Ulysses sequence shards "
                             f"(its partitioned pipe tensors and gradient reduction ignore the sp group); use sp or pp")
@@ -204,7 +223,7 @@ def _check_experts(*, model: ModelSpec, train: TrainSpec, strategy: StrategySpec
         raise RuleError(3, f"ZeRO-3 with experts {e}: Native DeepSpeed MoE is not supported with ZeRO Stage 3. "
                         f"Use AutoEP or choose ZeRO stage 1/2")
     for name, value, why in (("pp", pp, "the stages would have to carry the load-balancing loss; not built"),
-                             ("tp", tp, "AutoTP is not combined with DeepSpeed's MoE layer"),
+                             ("tp", tp, "dspipe's tensor-parallel layers are not combined with DeepSpeed's MoE layer"),
                              ("sp", sp, "DeepSpeed's MoE layer is not wired to the Ulysses sequence groups")):
         if value > 1:
             raise RuleError(3, f"{name} {value} with experts {e}: dspipe trains mixture-of-experts models with "
@@ -285,6 +304,7 @@ def make_plan(*, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
         reduce_scatter=not (zero == 3 and layout.sp > 1),
         ep=strategy.ep,
         experts=model.experts,
+        tp_sp=strategy.tp_sp and layout.tp > 1,
     )
 
 

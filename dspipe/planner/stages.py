@@ -1,13 +1,14 @@
-"""Parameters per rank: pipeline stages, AutoTP's split, ZeRO group, largest tensor.
+"""Parameters per rank: pipeline stages, the tensor-parallel split, ZeRO group, largest tensor.
 
-DeepSpeed's stage partition of the PipelineModule layers, AutoTP's share of the blocks, the group ZeRO partitions
-over. Pure arithmetic, shared by planner/memory.py and planner/timing.py."""
+DeepSpeed's stage partition of the PipelineModule layers, a tp rank's share of the blocks, the embedding and the head
+(dspipe's tensor-parallel layers, Megatron layout: dspipe/model/tp_split.py), the group ZeRO partitions over. Pure
+arithmetic, shared by planner/memory.py, planner/timing.py and planner/cost.py."""
 from __future__ import annotations
 
 import math
 from functools import lru_cache
 
-from dspipe.planner import autotp
+from dspipe.model.tp_split import split_of, vocab_split as vocab_rows
 from dspipe.planner.plan import Plan
 from dspipe.spec.core import ModelSpec
 
@@ -19,10 +20,10 @@ def share(count: int, ranks: int) -> int:
 
 
 def tp_split_params_per_block(model: ModelSpec) -> int:
-    """Parameters of one block that AutoTP splits across the tp ranks (dspipe.planner.autotp's layer specs: the
-    fused q/k/v and the MLP up-projection, weights and biases, column-parallel; the attention out- and MLP
+    """Parameters of one block that the tensor-parallel layers split across the tp ranks (dspipe.model.tp_split:
+    the fused q/k/v and the MLP up-projection, weights and biases, column-parallel; the attention out- and MLP
     down-projection weights, row-parallel). The norms and the row-parallel biases stay whole."""
-    return sum(math.prod(shape) for name, shape in model.block_tensors() if autotp.split_of(f"h.0.{name}", model))
+    return sum(math.prod(shape) for name, shape in model.block_tensors() if split_of(f"h.0.{name}", model))
 
 
 def block_params_per_rank(model: ModelSpec, tp: int = 1, layer: int | None = None) -> int:
@@ -33,16 +34,28 @@ def block_params_per_rank(model: ModelSpec, tp: int = 1, layer: int | None = Non
     return whole - split + share(split, tp)
 
 
+def vocab_table_per_rank(model: ModelSpec, tp: int = 1) -> int:
+    """Parameters of a (vocab, hidden) table on the tp rank with the most rows: ceil(V / tp) x h (vocab-parallel
+    embedding and head; the last rank holds the rest, fewer)."""
+    return vocab_rows(model.vocab, tp)[0] * model.hidden
+
+
+def embedding_params_per_rank(model: ModelSpec, tp: int = 1) -> int:
+    """The embedding module on one tp rank: its vocab-parallel wte shard and the whole learned positions."""
+    return model.embedding_params - model.vocab * model.hidden + vocab_table_per_rank(model, tp)
+
+
 def stage_layer_weights(model: ModelSpec, tp: int = 1) -> list[int]:
     """Parameters of each PipelineModule layer on one tp rank: embedding, blocks (each its own count: a sparse block
-    holds every expert), final norm, head (a tied head is a whole copy of the embedding module, as DeepSpeed's
-    TiedLayerSpec builds it). Only the blocks are split by tp."""
-    head = model.embedding_params if model.tied_embeddings else model.vocab * model.hidden
+    holds every expert), final norm, head (a tied head is a copy of the embedding module, as DeepSpeed's
+    TiedLayerSpec builds it). The blocks' projections, the token embedding and the head are split by tp (the
+    vocabulary tables by rows: the rank with the most, ceil(V / tp)); norms and positions are not."""
+    head = embedding_params_per_rank(model, tp) if model.tied_embeddings else vocab_table_per_rank(model, tp)
     if not model.experts:
         blocks = [block_params_per_rank(model, tp)] * model.layers
     else:
         blocks = [block_params_per_rank(model, tp, i) for i in range(model.layers)]
-    return [model.embedding_params, *blocks, model.final_norm_params, head]
+    return [embedding_params_per_rank(model, tp), *blocks, model.final_norm_params, head]
 
 
 def _uniform_bounds(items: int, parts: int) -> list[int]:
@@ -81,8 +94,11 @@ def _balanced_bounds(weights: list[int], parts: int) -> list[int]:
 
 
 @lru_cache(maxsize=1024)
-def stage_bounds(model: ModelSpec, pp: int, partition_method: str) -> tuple[int, ...]:
-    """DeepSpeed's stage bounds over the PipelineModule layers (embedding, blocks, final norm, head)."""
+def stage_bounds(model: ModelSpec, pp: int, partition_method: str, tp: int = 1) -> tuple[int, ...]:
+    """DeepSpeed's stage bounds over the PipelineModule layers (embedding, blocks, final norm, head). 'parameters'
+    weighs each layer by its whole parameter count at every tp (dspipe.model.pipeline.GPTPipeline counts a
+    meta-device build of the whole layer, so every tp rank agrees on the bounds even where its shards differ in
+    size); `tp` is kept in the signature for the callers' cache keys."""
     weights = stage_layer_weights(model)
     if partition_method == "uniform":
         return tuple(_uniform_bounds(len(weights), pp))
@@ -91,27 +107,41 @@ def stage_bounds(model: ModelSpec, pp: int, partition_method: str) -> tuple[int,
     return tuple(_balanced_bounds(weights, pp))
 
 
-def stage_blocks(*, model: ModelSpec, pp: int, partition_method: str) -> list[int]:
+def stage_blocks(*, model: ModelSpec, pp: int, partition_method: str, tp: int = 1) -> list[int]:
     """Transformer blocks on each pipeline stage under DeepSpeed's partition (a stage that holds the embedding or
     the head may get fewer than ceil(L / pp))."""
     if pp == 1:
         return [model.layers]
-    bounds = stage_bounds(model, pp, partition_method)
+    bounds = stage_bounds(model, pp, partition_method, tp)
     return [max(0, min(b, model.layers + 1) - max(a, 1)) for a, b in zip(bounds, bounds[1:])]
 
 
 
 @lru_cache(maxsize=1024)
 def stage_params(*, model: ModelSpec, pp: int, partition_method: str, tp: int = 1, ep: int = 1) -> tuple[int, ...]:
-    """Parameters held by one rank of each pipeline stage under DeepSpeed's partition methods (stage bounds are
-    chosen on the whole layers; a rank holds its tp share of the blocks and experts / ep of every sparse block's
-    routed experts)."""
+    """Parameters held by one rank of each pipeline stage under DeepSpeed's partition methods (stage bounds as
+    stage_bounds; a rank holds its tp share of the blocks, of the embedding and of the head, and experts / ep of
+    every sparse block's routed experts)."""
     if pp == 1:  # the plain model: a tied head is the embedding itself, not a copy
         split = tp_split_params_per_block(model)
-        return (model.num_params - model.layers * (split - share(split, tp)) - expert_params_off_rank(model, ep),)
-    bounds = stage_bounds(model, pp, partition_method)
+        tables = 1 if model.tied_embeddings else 2
+        vocab_off = tables * (model.vocab * model.hidden - vocab_table_per_rank(model, tp))
+        return (model.num_params - model.layers * (split - share(split, tp)) - vocab_off
+                - expert_params_off_rank(model, ep),)
+    bounds = stage_bounds(model, pp, partition_method, tp)
     local = stage_layer_weights(model, tp)
     return tuple(sum(local[a:b]) for a, b in zip(bounds, bounds[1:]))
+
+
+@lru_cache(maxsize=1024)
+def stage_elements(model: ModelSpec, pp: int, partition_method: str, tp: int = 1) -> tuple[int, ...]:
+    """Whole (unsplit) parameters of each pipeline stage's layers under the stage bounds: what a rank of the stage
+    draws at start-up (whole tensors, then sliced to its tp shard). (num_params,) without a pipeline."""
+    if pp == 1:
+        return (model.num_params,)
+    bounds = stage_bounds(model, pp, partition_method, tp)
+    whole = stage_layer_weights(model)
+    return tuple(sum(whole[a:b]) for a, b in zip(bounds, bounds[1:]))
 
 
 def expert_params_off_rank(model: ModelSpec, ep: int) -> int:
@@ -135,7 +165,8 @@ def param_groups(*, model: ModelSpec, plan: Plan, phi: int) -> list[tuple[int, i
 
 def zero_group_size(plan: Plan) -> int:
     """Ranks ZeRO partitions over and reduces gradients across: DeepSpeed's sequence-data-parallel group, dp x sp
-    (engine.seq_data_parallel_group; the plain data-parallel group when sp = 1). AutoTP's tp ranks are not in it."""
+    (engine.seq_data_parallel_group; the plain data-parallel group when sp = 1). The tp ranks are not in it (the
+    mpu's data-parallel group excludes them)."""
     return plan.dp * plan.sp
 
 
@@ -144,3 +175,35 @@ def largest_tensor(model: ModelSpec) -> int:
     """Elements of the model's largest parameter tensor (the token embedding, or an MLP matrix): the size of ZeRO-1/2
     offload's gradient staging buffers and of the one tensor a ZeRO-3 prefetch may overshoot its bucket by."""
     return max(math.prod(shape) for _, shape in model.model_tensors())
+
+
+@lru_cache(maxsize=256)
+def largest_tensor_per_rank(model: ModelSpec, tp: int = 1) -> int:
+    """Elements of the largest parameter tensor one tp rank holds (its shard of a split tensor: a block projection
+    / tp, a vocabulary table's ceil(V / tp) rows; a whole replicated one); largest_tensor at tp 1."""
+    if tp == 1:
+        return largest_tensor(model)
+    sizes = [vocab_table_per_rank(model, tp), _positions(model)]
+    for name, shape in model.block_tensors():  # a dense block: the rules keep tp 1 with experts
+        n = math.prod(shape)
+        sizes.append(share(n, tp) if split_of(f"h.0.{name}", model) else n)
+    return max(sizes)
+
+
+def _positions(model: ModelSpec) -> int:
+    """Elements of the learned position table (0 with rotary positions)."""
+    return model.seq_len * model.hidden if model.positions == "learned" else 0
+
+
+@lru_cache(maxsize=1024)
+def stage_largest_tensors(model: ModelSpec, pp: int, partition_method: str, tp: int = 1) -> tuple[int, ...]:
+    """Elements of the largest whole (unsplit) parameter tensor of each pipeline stage's layers: what a tp rank's
+    stage build draws at once before it keeps its slice (the vocabulary tables on the first and last stages)."""
+    if pp == 1:
+        return (largest_tensor(model),)
+    table = model.vocab * model.hidden
+    per_layer = [max(table, _positions(model)),
+                 *(max(math.prod(s) for _, s in model.block_tensors(i)) for i in range(model.layers)),
+                 model.hidden, table]
+    bounds = stage_bounds(model, pp, partition_method, tp)
+    return tuple(max(per_layer[a:b]) for a, b in zip(bounds, bounds[1:]))

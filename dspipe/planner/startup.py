@@ -7,12 +7,16 @@ rank's start-up agree by construction:
                   partitioned as soon as its layer exists, in the training dtype, on the device or, with
                   offload_param, on the host); each rank then writes only its partition of each tensor, drawing
                   (or reading from --init-from) one whole tensor at a time.
-    device        tp 1, pp 1, ZeRO 0-2: constructed on the meta device, materialised in the training dtype on the
-                  accelerator; the host holds one tensor at a time. (ZeRO 0-2 keep the whole model on each device.)
-    host          tp > 1: AutoTP shards a whole module inside deepspeed.initialize, so the whole model is built in
-                  the training dtype on the host first (DeepSpeed 0.19.8's training AutoTP has no meta-device path).
+    device        pp 1, otherwise: constructed on the meta device (at tp > 1 its layers swapped for dspipe's
+                  tensor-parallel layers, Megatron layout), then the rank's share (the whole model at tp 1, its tp
+                  shard at tp > 1) materialised in the training dtype on the accelerator one tensor at a time; the
+                  host holds one whole fp32 tensor at a time, cut to the shard. (ZeRO 0-2 keep the rank's share
+                  whole on its device; with ZeRO-3 at tp > 1 the shard is built whole on the device and ZeRO-3
+                  partitions it inside deepspeed.initialize.)
     stage         pp > 1: each rank builds only its own pipeline stage (DeepSpeed's LayerSpec), fp32 on the host,
-                  then PipelineModule moves it to the device.
+                  then PipelineModule moves it to the device; at tp > 1 each layer is constructed on the meta
+                  device and only the rank's tp shard materialised on the host, one whole fp32 tensor drawn at a
+                  time and sliced.
 
 What each mode costs (startup_estimate, called by dspipe.planner.cost.estimate for every candidate): host bytes per rank
 while building, the build's device transient, and the seconds to the first step (the values a rank draws at
@@ -24,16 +28,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-BUILD_MODES = ("partitioned", "device", "host", "stage")
+BUILD_MODES = ("partitioned", "device", "stage")
+"""The build modes (the "host" mode of DeepSpeed's AutoTP, the whole model on the host, is retired: dspipe's own
+tensor-parallel layers build only the rank's shard)."""
 
 
 def build_mode(*, zero_stage: int, tp: int, pp: int) -> str:
     """Which of BUILD_MODES a rank of this layout uses to build its model."""
     if pp > 1:
         return "stage"
-    if tp > 1:
-        return "host"
-    return "partitioned" if zero_stage == 3 else "device"
+    return "partitioned" if zero_stage == 3 and tp == 1 else "device"
 
 
 DRAW_RATE = 60e6
@@ -41,7 +45,8 @@ DRAW_RATE = 60e6
 CPU rank of the 2-core development machine (the figure issue 25 gives). A check on the same machine (2026-11-24, one
 thread, other jobs running) drew, scaled by the std and cast to bf16 at ~167M/s, so with a core to itself a rank may
 start ~2.8x sooner than this predicts. Every rank draws every element its build covers (the whole
-model, or its stage), so that all ranks hold the same step-0 values."""
+model, or its stage), so that all ranks hold the same step-0 values: at tp > 1 too (the draws are whole tensors, then
+sliced), so the draws do not divide by tp."""
 DISK_GBPS = 2.0
 """Distinct checkpoint bytes one node reads per second (GB/s) at start-up with --init-from: an assumption (a local
 NVMe drive or a node's share of a parallel file system), printed with every plan that imports. Ranks of a node that
@@ -51,7 +56,6 @@ NOT_COUNTED = "process start and deepspeed.initialize not counted"
 
 MODE_TEXT = {"partitioned": "partitioned build (ZeRO-3 under zero.Init)",
              "device": "device build (meta device, materialised on the GPU)",
-             "host": "host build (AutoTP shards it inside deepspeed.initialize)",
              "stage": "stage build (each rank its pipeline stage)"}
 """How `plan` names each build mode."""
 
@@ -87,6 +91,8 @@ class StartupEstimate:
     draw_rate: float = DRAW_RATE
     precision: str = "bf16"
     offload_params: bool = False
+    tp: int = 1
+    """Tensor-parallel ranks: at tp > 1 a rank builds only its shard (holds() says so)."""
 
     @property
     def build_dominates(self) -> bool:
@@ -101,10 +107,13 @@ class StartupEstimate:
             own = f", and its {self.precision} partitions offloaded to the host" if self.offload_params else ""
             return f"one fp32 tensor drawn or read whole, plus its slice{own}"
         if self.mode == "device":
+            if self.tp > 1:
+                return f"one whole fp32 tensor at a time, cut to the rank's tp {self.tp} shard on the GPU"
             return "one fp32 tensor at a time on its way to the GPU"
-        if self.mode == "host":
-            return f"the whole model in {self.precision} on the host for AutoTP"
         if self.mode == "stage":
+            if self.tp > 1:
+                return (f"the stage's tp {self.tp} shard in fp32 on the host, plus one whole fp32 tensor drawn at a "
+                        f"time")
             return "the stage's layers in fp32 on the host before PipelineModule moves them"
         return self.mode
 
@@ -156,36 +165,44 @@ def _seconds(s: float) -> str:
 
 def startup_estimate(*, mode: str, num_params: int, stage_params: int, largest_tensor: int, precision: str,
                      offload_params: bool, zero_ranks: int, tp: int, ranks_per_node: int,
-                     host_offload_per_rank: int, import_bytes: int | None = None) -> StartupEstimate:
-    """The start-up of one plan, rank by rank. Phi = num_params (the whole model), Phi_s = stage_params (the largest
-    pipeline stage, for `stage`), T = largest_tensor (elements), b = 2 for bf16/fp16 else 4, n = zero_ranks (the
-    ZeRO-3 partition count, dp x sp), g = ranks_per_node.
+                     host_offload_per_rank: int, import_bytes: int | None = None, rank_params: int | None = None,
+                     stage_elements: int | None = None) -> StartupEstimate:
+    """The start-up of one plan, rank by rank. Phi = num_params (the whole model, every element a rank's build
+    draws without a pipeline), Phi_r = rank_params (the rank's tp shard of it; Phi at tp 1), Phi_s = stage_params
+    (the rank's tp shard of its pipeline stage, for `stage`), E_s = stage_elements (that stage's whole elements, which
+    the rank draws: Phi_s at tp 1), T = largest_tensor (elements of the largest whole tensor the build draws: the
+    stage's for `stage`), b = 2 for bf16/fp16 else 4, n = zero_ranks (the ZeRO-3 partition count, dp x sp),
+    t = tp, g = ranks_per_node.
 
       host bytes while building:   partitioned (b.Phi/n with offload_params, else 0) + 8T: one fp32 tensor drawn or
                                                 read whole, plus its slice
-                                   device      8T
-                                   host        b.Phi + 8T: the whole model in the training dtype for AutoTP
-                                   stage       max(4 Phi_s, 8T): the stage's layers in fp32
-      device bytes while building: partitioned (0 with offload_params, else b.Phi/n) + b.T; device b.Phi;
-                                   host b.Phi/tp; stage 4 Phi_s
+                                   device      8T: one whole fp32 tensor at a time (cut to the shard at tp > 1)
+                                   stage       tp 1: max(4 Phi_s, 8T), the stage's layers in fp32;
+                                               tp > 1: 4 Phi_s + 4T, the stage's shard in fp32 and one whole
+                                               fp32 tensor drawn before it is sliced
+      device bytes while building: partitioned (0 with offload_params, else b.Phi/n) + b.T; device b.Phi_r;
+                                   stage 4 Phi_s
       host per node:               g x max(host while building, host_offload_per_rank)
-      seconds to the first step:   random: elements drawn per rank / DRAW_RATE (Phi; Phi_s for stage);
-                                   import: distinct bytes per node / DISK_GBPS, of import_bytes: partitioned
-                                   min(1, g/n), device and host all, stage min(1, g.Phi_s/Phi)."""
+      seconds to the first step:   random: elements drawn per rank / DRAW_RATE (Phi; E_s for stage: whole tensors
+                                   are drawn, so not divided by tp); import: distinct bytes per node / DISK_GBPS,
+                                   of import_bytes: partitioned min(1, g/n), device all, stage
+                                   min(1, max(1, g/t) x E_s/Phi) (a node's tp ranks read one stage's tensors)."""
     if mode not in BUILD_MODES:
         raise ValueError(f"unknown build mode {mode!r}")
     b = 2 if precision in ("bf16", "fp16") else 4
     phi, phi_s, t, n, g = num_params, stage_params, largest_tensor, max(1, zero_ranks), ranks_per_node
+    phi_r = phi if rank_params is None else rank_params
+    whole_s = phi_s if stage_elements is None else stage_elements
     if mode == "partitioned":
         host = (b * phi // n if offload_params else 0) + 8 * t
         device = (0 if offload_params else b * phi // n) + b * t
         drawn, share = phi, min(1.0, g / n)
     elif mode == "device":
-        host, device, drawn, share = 8 * t, b * phi, phi, 1.0
-    elif mode == "host":
-        host, device, drawn, share = b * phi + 8 * t, b * phi // max(1, tp), phi, 1.0
+        host, device, drawn, share = 8 * t, b * phi_r, phi, 1.0
     else:
-        host, device, drawn, share = max(4 * phi_s, 8 * t), 4 * phi_s, phi_s, min(1.0, g * phi_s / phi)
+        host = max(4 * phi_s, 8 * t) if tp == 1 else 4 * phi_s + 4 * t
+        groups = max(1, divmod(g, tp)[0])  # tp groups in the node: a group's ranks read one stage's tensors
+        device, drawn, share = 4 * phi_s, whole_s, min(1.0, groups * whole_s / phi)
     if import_bytes is None:
         read, seconds = 0, drawn / DRAW_RATE
     else:
@@ -196,4 +213,4 @@ def startup_estimate(*, mode: str, num_params: int, stage_params: int, largest_t
     return StartupEstimate(mode=mode, host_build_per_rank_bytes=host, host_offload_per_rank_bytes=host_offload_per_rank,
                            host_per_rank_bytes=per_rank, host_per_node_bytes=g * per_rank, ranks_per_node=g,
                            device_bytes=device, seconds=seconds, drawn_elements=drawn, read_bytes=read,
-                           import_bytes=import_bytes, precision=precision, offload_params=offload_params)
+                           import_bytes=import_bytes, precision=precision, offload_params=offload_params, tp=tp)

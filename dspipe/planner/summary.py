@@ -16,7 +16,8 @@ def estimate_summary(c: Candidate, *, tokens: float | None = None) -> dict:
     days = None if tokens is None else tokens / c.tokens_per_s / SECONDS_PER_DAY
     summary = {
         "num_params": p.num_params, "zero_stage": p.zero_stage, "offload": p.offload,
-        "offload_params": p.offload_params, "precision": p.precision, "pp": p.pp, "tp": p.tp, "sp": p.sp, "dp": p.dp,
+        "offload_params": p.offload_params, "precision": p.precision, "pp": p.pp, "tp": p.tp, "tp_sp": p.tp_sp,
+        "sp": p.sp, "dp": p.dp,
         "micro_batch": p.micro_batch, "grad_accum": p.grad_accum, "checkpointing": p.checkpointing,
         "memory_per_gpu_bytes": {"params": m.params, "grads": m.grads, "optimizer": m.optimizer,
                                  "activations": m.activations, "buffers": m.buffers, "total": m.total},

@@ -3,9 +3,11 @@
 Pure arithmetic: no torch, no deepspeed.
 
 Time (per step, the slowest pipeline stage): compute at the GPU type's matmul_efficiency (or the rate a
-`dspipe calibrate` profile measured for the model's forward + backward: GpuType.compute_tflops), divided by tp (block
-matmuls; the replicated head is not) and by sp; TP all-reduces and Ulysses all-to-alls, synchronous; the data-parallel
-collectives DeepSpeed 0.19.8 issues (see _dp_comm_s); the 1F1B bubble; pipeline p2p; offload (GpuType's CPU-Adam and
+`dspipe calibrate` profile measured for the model's forward + backward: GpuType.compute_tflops), divided by tp (dspipe's
+tensor-parallel layers split every matmul: the blocks' by heads and MLP width, the head's by vocabulary) and by sp; TP
+all-reduces and Ulysses all-to-alls, synchronous; the data-parallel collectives DeepSpeed 0.19.8 issues (see
+_dp_comm_s); the 1F1B bubble; pipeline p2p (partitioned over the tp ranks, then all-gathered: DeepSpeed's
+pipe_partitioned / grad_partitioned); offload (GpuType's CPU-Adam and
 host copy rates); the engine's own optimizer step where the GPU type (a profile) gives its rate. Every collective costs
 its bytes over the link's bandwidth plus the ring latency (RING_BASE_LATENCY_S, or a profile's measured launch cost).
 Mixture of experts: model FLOPs count the active parameters (6 x active + attention per token); executed FLOPs add
@@ -140,6 +142,38 @@ def _dp_comm_s(*, model: ModelSpec, plan: Plan, cluster: ClusterSpec, phi: int, 
     return m * (first + hidden(module_gathers - first, fwd_s) + hidden(module_gathers + reduce, bwd_s))
 
 
+def _tp_comm_s(*, model: ModelSpec, plan: Plan, gpu: GpuType, tokens: int, layers: int) -> float:
+    """Seconds per step of the tensor-parallel all-reduces on the slowest stage, `layers` blocks of `tokens` tokens
+    per micro-batch: per block and micro-batch, 2 all-reduces of the b.s.h activations in forward (the row-parallel
+    attention and MLP outputs), 2 in backward (the column-parallel inputs' gradients), 2 more when full recomputation
+    re-runs the forward; with per-head q/k norms (Qwen3) 2 more in backward, of their head_dim-wide weight gradients
+    (latency only). Per micro-batch, the vocab-parallel embedding's output all-reduce in forward and the head's input
+    gradient all-reduce in backward: both on one stage without a pipeline, one on the first and the last stage with
+    one (the vocab-parallel cross-entropy's per-token max, sum and target all-reduces are not counted: 12 bytes per
+    token against the head's 2h). Ring all-reduce moves 2(t-1)/t of the bytes per rank, over NVLink (tp never leaves a
+    node), plus its ring latency. Not overlapped.
+    Megatron sequence parallelism (plan.tp_sp): each all-reduce becomes an all-gather and a reduce-scatter, (t-1)/t
+    each: per block 4 in forward, 6 in backward (the column-parallel inputs are kept as sequence slices and gathered
+    again: Megatron overlaps that gather with the weight gradient, dspipe does not), 4 more with full recomputation;
+    the embedding's reduce-scatter and the head's gather, re-gather and reduce-scatter (3) on the slowest stage."""
+    tp = plan.tp
+    if tp == 1:
+        return 0.0
+    b = 2 if plan.precision in ("bf16", "fp16") else 4
+    latency = ring_latency_s(steps=2 * (tp - 1), gpu=gpu)
+    qk_norms = 2 * layers * latency if model.qk_norm else 0.0
+    volume = tokens * model.hidden * b / (gpu.intra_node_gbps * 1e9)
+    if plan.tp_sp:
+        half = (tp - 1) / tp * volume + ring_latency_s(steps=tp - 1, gpu=gpu)
+        per_block = 14 if plan.checkpointing == "full" else 10
+        ends = 4 if plan.pp == 1 else 3
+        return plan.grad_accum * ((layers * per_block + ends) * half + qk_norms)
+    one = 2 * (tp - 1) / tp * volume + latency
+    per_block = 6 if plan.checkpointing == "full" else 4
+    ends = 2 if plan.pp == 1 else 1  # the embedding's and the head's: the slowest stage holds one of them
+    return plan.grad_accum * ((layers * per_block + ends) * one + qk_norms)
+
+
 @dataclass(frozen=True)
 class StepTime:
     """Seconds of one step by cause, and the FLOPs behind its compute."""
@@ -151,7 +185,7 @@ class StepTime:
     pp_comm_s: float
     offload_s: float
     tp_comm_s: float
-    """Tensor-parallel activation all-reduces (synchronous in AutoTP)."""
+    """Tensor-parallel activation all-reduces (synchronous)."""
     sp_comm_s: float
     """Ulysses all-to-alls (synchronous)."""
     ep_comm_s: float
@@ -194,8 +228,9 @@ def step_time(*, model: ModelSpec, cluster: ClusterSpec, plan: Plan, phi: int) -
     b = 2 if plan.precision in ("bf16", "fp16") else 4
     layers_per_stage = math.ceil(model.layers / pp)
 
-    # Compute: FLOPs per token, split across the tp ranks (block matmuls only: AutoTP keeps the head whole) and the
-    # sp ranks (each holds s/sp tokens; after the all-to-all, attention runs on heads/sp over the whole sequence).
+    # Compute: FLOPs per token, split across the tp ranks (every matmul: the blocks' projections and attention by
+    # heads and MLP width, the vocab-parallel head by vocabulary) and the sp ranks (each holds s/sp tokens; after the
+    # all-to-all, attention runs on heads/sp over the whole sequence).
     # Executed: the model's FLOPs with the attention the kernels run (a windowed block's dense mask computes every
     # score); recomputation adds the attention core's forward (selective) or the whole forward (full).
     model_flops = model_flops_per_token(model)
@@ -204,11 +239,7 @@ def step_time(*, model: ModelSpec, cluster: ClusterSpec, plan: Plan, phi: int) -
     extra = {"none": 0.0, "selective": attention_flops_per_token(model, executed=True) / 3,
              "full": executed / 3}[plan.checkpointing]
     hw_flops = executed + extra
-    rank_flops = hw_flops
-    if tp > 1:
-        head = 6.0 * model.hidden * model.vocab  # forward 2hV + backward 4hV, never recomputed
-        rank_flops = (hw_flops - head) / tp + head
-    rank_flops /= sp
+    rank_flops = hw_flops / tp / sp
     achieved = gpu.compute_tflops(plan.precision) * 1e12  # a profile's measured rate, or peak x efficiency
     tokens_per_replica = plan.micro_batch * model.seq_len * m  # per pipeline stage, per step
     compute = tokens_per_replica * rank_flops / pp / achieved
@@ -216,17 +247,8 @@ def step_time(*, model: ModelSpec, cluster: ClusterSpec, plan: Plan, phi: int) -
     fwd_share = executed / 3 / hw_flops  # forward: 2N + 2Lhs of the 6N + 6Lhs; the rest (recompute too) is backward
     fwd_micro, bwd_micro = compute / m * fwd_share, compute / m * (1 - fwd_share)
 
-    # Tensor parallel: per layer and micro-batch, 2 all-reduces of the b.s.h activations in forward (attention and
-    # MLP outputs), 2 in backward (their input gradients), 2 more when full recomputation re-runs the forward.
-    # Ring all-reduce moves 2(t-1)/t of the bytes per rank, over NVLink (tp never leaves a node), plus its ring
-    # latency. Not overlapped.
     tokens_micro = plan.micro_batch * share(model.seq_len, sp)
-    tp_comm = 0.0
-    if tp > 1:
-        per_layer_ops = 6 if plan.checkpointing == "full" else 4
-        volume = 2 * (tp - 1) / tp * tokens_micro * model.hidden * b
-        one = volume / (gpu.intra_node_gbps * 1e9) + ring_latency_s(steps=2 * (tp - 1), gpu=gpu)
-        tp_comm = m * layers_per_stage * per_layer_ops * one
+    tp_comm = _tp_comm_s(model=model, plan=plan, gpu=gpu, tokens=tokens_micro, layers=layers_per_stage)
     # Ulysses: per layer and micro-batch, 4 all-to-alls in forward (q, k, v to head-sharded, the output back), 4 in
     # backward, 4 more with full recomputation; each sends (sp-1)/sp of the rank's b.(s/sp).(heads x head_dim)
     # activations (k and v are repeated to every query head before the attention core: dspipe.model.gpt), plus
@@ -262,7 +284,13 @@ def step_time(*, model: ModelSpec, cluster: ClusterSpec, plan: Plan, phi: int) -
     dp_comm = _dp_comm_s(model=model, plan=plan, cluster=cluster, phi=phi, fwd_s=fwd_micro, bwd_s=bwd_micro)
     stages_span_nodes = pp > 1 and cluster.nodes > 1
     p2p_bw = (gpu.inter_node_gbps if stages_span_nodes else gpu.intra_node_gbps) * 1e9
-    pp_comm = 0.0 if pp == 1 else 2 * m * tokens_micro * model.hidden * b / p2p_bw
+    pp_comm = 0.0
+    if pp > 1:  # an activation forward and its gradient backward per micro-batch
+        sent = tokens_micro * model.hidden * b
+        one = sent / tp / p2p_bw  # pipe_partitioned / grad_partitioned, or tp_sp: each tp rank sends its 1/tp
+        if tp > 1 and not plan.tp_sp:  # the receiver all-gathers the tp partitions over NVLink
+            one += (tp - 1) / tp * sent / (gpu.intra_node_gbps * 1e9) + ring_latency_s(steps=tp - 1, gpu=gpu)
+        pp_comm = 2 * m * one
     offload = optimizer = 0.0
     if plan.offload == "none" and gpu.optimizer_params_per_s:  # the device's Adam over the params this rank updates
         optimizer = (phi if plan.zero_stage == 0 else _partition(model, plan, phi)) / gpu.optimizer_params_per_s

@@ -8,14 +8,17 @@ holds more of the model than its mode needs, and give it its step-0 weights: dsp
                  its partition of each tensor (a draw makes the whole tensor, an import reads only the partition's
                  rows); where a partition is not a plain tensor on this rank (NVMe, hpZ), the tensor is gathered,
                  written by rank 0 and re-partitioned (GatheredParameters).
-    device/host  constructed on the meta device, materialised in the training dtype on the accelerator (device)
-                 or the host (host: AutoTP shards the whole module inside deepspeed.initialize), one tensor at a
-                 time. A mixture of experts under expert parallelism (ep > 1): only the dense parameters and this
-                 rank's experts [ep_rank x E/ep, (ep_rank + 1) x E/ep) of each sparse block; the other experts stay
-                 on the meta device, never drawn (each expert has its own seeded stream,
-                 dspipe.model.gpt.expert_generator, so skipping one costs nothing) nor read,
-                 until dspipe.runtime.moe replaces the SparseMLP by this rank's experts.
-    stage        pp > 1: DeepSpeed's PipelineModule builds only this rank's LayerSpecs.
+    device       constructed on the meta device, materialised in the training dtype on the accelerator, one
+                 tensor at a time; with tp > 1 the layers are first swapped for this rank's tp shards
+                 (dspipe.runtime.parallelize.shard_tensor_parallel), so only the shards are materialised, each
+                 written from the whole value cut to it (ZeRO-3 then partitions the shard inside
+                 deepspeed.initialize). A mixture of experts under expert parallelism (ep > 1): only the dense
+                 parameters and this rank's experts [ep_rank x E/ep, (ep_rank + 1) x E/ep) of each sparse block;
+                 the other experts stay on the meta device, never drawn (each expert has its own seeded stream,
+                 dspipe.model.gpt.expert_generator, so skipping one costs nothing) nor read, until
+                 dspipe.runtime.moe replaces the SparseMLP by this rank's experts.
+    stage        pp > 1: DeepSpeed's PipelineModule builds only this rank's LayerSpecs (with tp > 1 each layer made
+                 on the meta device, swapped for its tp shards, materialised in fp32 and given its slice).
 """
 from __future__ import annotations
 
@@ -33,11 +36,13 @@ def training_dtype(precision: str):
     return getattr(torch, DTYPES[precision])
 
 
-def build_module(run: Run, *, mpu=None, checkpoint_fn=None, rank: int | None = None):
+def build_module(run: Run, *, mpu=None, checkpoint_fn=None, rank: int | None = None, tp=None):
     """The plain GPT (pp=1) or its PipelineModule (pp>1) with its step-0 weights (dspipe.runtime.parallelize wires
     recomputation and sequence parallelism afterwards). `mpu`: the sequence-parallel groups (given to zero.Init's
-    config check); `checkpoint_fn`: DeepSpeed's checkpoint function, a pipeline's for its full recomputation;
-    `rank`: this process's global rank (None: torch.distributed's, else 0), whose ep rank is rank % ep."""
+    config check) or the tensor-parallel grid (a pipeline takes its topology); `checkpoint_fn`: DeepSpeed's
+    checkpoint function, a pipeline's for its full recomputation; `rank`: this process's global rank (None:
+    torch.distributed's, else 0), whose ep rank is rank % ep; `tp`: this rank's TensorGroup when tp > 1 (the layers
+    are swapped for its shards on the meta device, and only the shards are materialised and given values)."""
     plan = run.plan
     mode = build_mode(zero_stage=plan.zero_stage, tp=plan.tp, pp=plan.pp)
     weights = None
@@ -46,11 +51,12 @@ def build_module(run: Run, *, mpu=None, checkpoint_fn=None, rank: int | None = N
 
         weights = HFWeights(run.train.init_from, run.model)
     if mode == "stage":
-        model = _stage(run, checkpoint_fn=checkpoint_fn, weights=weights)
+        model = _stage(run, checkpoint_fn=checkpoint_fn, weights=weights, tp=tp)
     elif mode == "partitioned":
         model = _partitioned(run, weights=weights, mpu=mpu)
     else:
-        model = _materialised(run, weights=weights, on_device=mode == "device", local=local_experts(run, rank=rank))
+        model = _materialised(run, weights=weights, on_device=mode == "device", local=local_experts(run, rank=rank),
+                              tp=tp)
     return model
 
 
@@ -70,26 +76,78 @@ def local_experts(run: Run, *, rank: int | None) -> range | None:
     return range(rank % ep * per, (rank % ep + 1) * per)
 
 
-def _stage(run: Run, *, checkpoint_fn, weights):
+def _stage(run: Run, *, checkpoint_fn, weights, tp=None):
+    """This rank's pipeline stage; with `tp`, each layer is made on the meta device, swapped for its tp shards,
+    materialised in fp32 on the host and given its shard's values (the stage's tp shard is all the rank holds)."""
     import deepspeed
 
     from dspipe.model.pipeline import build_pipeline
 
     plan = run.plan
+    kwargs = {}
+    if tp is not None:
+        from dspipe.runtime.mesh import topology
+        from dspipe.runtime.parallelize import vocab_parallel_loss
+
+        kwargs = dict(topology=topology(plan.layout), make=_shard_maker(run, tp=tp, weights=weights),
+                      loss_fn=vocab_parallel_loss(spec=run.model, tp=tp))
     model = build_pipeline(model=run.model, stages=plan.pp, partition_method=plan.partition_method,
                            activation_checkpoint_interval=plan.activation_checkpoint_interval,
-                           checkpoint_fn=checkpoint_fn or deepspeed.checkpointing.checkpoint, seed=run.train.seed)
-    if weights is not None:  # this stage's tensors only
+                           checkpoint_fn=checkpoint_fn or deepspeed.checkpointing.checkpoint, seed=run.train.seed,
+                           **kwargs)
+    if tp is not None:
+        tp.group = model.mpu().get_slice_parallel_group()
+    elif weights is not None:  # this stage's tensors only
         from dspipe.model.hf_weights import load_into_module
 
         load_into_module(model, weights, spec=run.model)
     return model
 
 
-def _materialised(run: Run, *, weights, on_device: bool, local: range | None = None):
+def _shard_maker(run: Run, *, tp, weights):
+    """make(cls, model, **kwargs) for layer_specs: the layer on the meta device, its tp shards in fp32 on the
+    host, their values drawn whole and cut (or read: only the shard's rows where it is a row range)."""
+    def make(cls, model, **kwargs):
+        import torch
+
+        from dspipe.model.gpt import fill
+        from dspipe.runtime.parallelize import shard_tensor_parallel
+        from dspipe.runtime.tensor_parallel import mark_shards
+
+        seed = kwargs.pop("seed", None)
+        with torch.device("meta"):
+            layer = cls(model, seed=None, **kwargs)
+        shard_tensor_parallel(layer, spec=model, tp=tp)
+        layer = layer.to_empty(device="cpu")
+        mark_shards(layer)
+        if weights is None:
+            fill(layer, seed=seed, write=_write_shard)
+        else:
+            from dspipe.model.hf_weights import load_into_module
+
+            load_into_module(layer, weights, spec=model, write=_read_shard(weights))
+        return layer
+    return make
+
+
+def _write_shard(param, draw) -> None:
+    from dspipe.runtime.tensor_parallel import shard_of
+
+    param.copy_(shard_of(param, draw()))
+
+
+def _read_shard(weights):
+    from dspipe.runtime.tensor_parallel import read_shard
+
+    return lambda param, name: param.copy_(read_shard(param, read_rows=lambda a, b: weights.rows(name, a, b),
+                                                      whole=lambda: weights.full(name)))
+
+
+def _materialised(run: Run, *, weights, on_device: bool, local: range | None = None, tp=None):
     """Constructed on the meta device (no memory, no default init), then each tensor allocated in the training
     dtype on its device and written from one fp32 value at a time. `local`: the experts of each sparse block to
-    materialise (None: all); the others' parameters stay meta, their draws skipped, their weights not read."""
+    materialise (None: all); the others' parameters stay meta, their draws skipped, their weights not read. `tp`:
+    the layers swapped for this rank's tp shards first, each written from the whole value cut to its shard."""
     import torch
     from deepspeed.accelerator import get_accelerator
 
@@ -97,6 +155,10 @@ def _materialised(run: Run, *, weights, on_device: bool, local: range | None = N
 
     with torch.device("meta"):
         model = GPT(run.model, seed=None)
+    if tp is not None:
+        from dspipe.runtime.parallelize import shard_tensor_parallel
+
+        shard_tensor_parallel(model, spec=run.model, tp=tp)
     device = get_accelerator().device_name(int(os.environ.get("LOCAL_RANK", "0"))) if on_device else "cpu"
     model = model.to(dtype=training_dtype(run.plan.precision))
     if local is None:
@@ -107,15 +169,22 @@ def _materialised(run: Run, *, weights, on_device: bool, local: range | None = N
         for m in model.modules():
             if id(m) not in remote:
                 m.to_empty(device=device, recurse=False)
+    if tp is not None:
+        from dspipe.runtime.tensor_parallel import mark_shards
+
+        mark_shards(model)
     if weights is None:
-        if local is None:
+        if tp is not None:
+            fill(model, seed=run.train.seed, write=_write_shard)
+        elif local is None:
             fill(model, seed=run.train.seed)
         else:
             fill(model, seed=run.train.seed, write=_draw_or_skip)
     else:
         from dspipe.model.hf_weights import load_into_module
 
-        load_into_module(model, weights, spec=run.model, write=None if local is None else _read_or_skip(weights))
+        write = _read_shard(weights) if tp is not None else None if local is None else _read_or_skip(weights)
+        load_into_module(model, weights, spec=run.model, write=write)
     return model
 
 

@@ -11,7 +11,7 @@ A process killed during a save leaves only a .partial-* directory (deleted by th
 is agreed on by every rank: the partial directory is removed and every rank raises one SpecError naming the
 intact checkpoint.
 
-Resuming under another data-parallel size: dspipe/reshard.py. The pure functions here import no torch."""
+Resuming under another layout (dp, tp, pp): dspipe/runtime/reshard.py. The pure functions here import no torch."""
 from __future__ import annotations
 
 import json
@@ -30,7 +30,8 @@ from dspipe.rundir import SPEC_FILE
 from dspipe.runtime.ckptfiles import check_checkpoint
 from dspipe.runtime.faults import NO_FAULTS, Faults
 from dspipe.runtime.experts import expert_parallel
-from dspipe.runtime.reshard import MOE_RESHARD, UNIVERSAL_PREFIX, dp_change_refusal, load_resharded
+from dspipe.runtime.reshard import (MOE_RESHARD, UNIVERSAL_PREFIX, layout_change_refusal, load_resharded,
+                                    pipeline_names)
 from dspipe.runtime.safeload import load as safe_load, weights_only_loads
 from dspipe.runtime.writefail import WriteFailures, free_mib
 
@@ -217,27 +218,49 @@ def read_latest(ckpt_dir: Path) -> str:
 
 
 def check_compatible(meta: dict, run, path: Path) -> None:
-    """Refuse a checkpoint whose model shape, pipeline stages or ZeRO stage differ from this run's, or whose
-    data-parallel size differs where DeepSpeed cannot re-partition the state (dp_change_refusal)."""
+    """Refuse a checkpoint whose model shape or ZeRO stage differ from this run's, or whose layout (dp, tp, pp,
+    sp) differs where DeepSpeed cannot re-partition the state (layout_change_refusal)."""
     saved, now = asdict(from_dict(ModelSpec, meta["model"])), asdict(run.model)  # keys added since: their defaults
     diff = [f"{k} {saved.get(k)} -> {now[k]}" for k in now if k != "name" and saved.get(k) != now[k]]
     if diff:
         raise SpecError(f"checkpoint {path} holds a different model shape: {', '.join(diff)}")
-    for key, value in (("pp", run.plan.pp), ("tp", run.plan.tp), ("sp", run.plan.sp),
-                       ("zero_stage", run.plan.zero_stage)):
-        if meta.get(key, 1) != value:  # tp/sp: absent (1) in checkpoints from before tensor/sequence parallelism
-            raise SpecError(f"checkpoint {path} was saved with {key} {meta[key]}, this run has {key} {value}; "
-                            f"resume with the same {key}")
+    if meta["zero_stage"] != run.plan.zero_stage:
+        raise SpecError(f"checkpoint {path} was saved with zero_stage {meta['zero_stage']}, this run has zero_stage "
+                        f"{run.plan.zero_stage}; resume with the same zero_stage")
     ep = expert_parallel(run) if run.model.experts else 1
     if ep != meta.get("ep", 1) and run.model.experts:
         raise SpecError(f"checkpoint {path} was saved with ep {meta['ep']}, this run has ep {ep}: {MOE_RESHARD}; "
                         f"resume with ep {meta['ep']}")
-    why = dp_change_refusal(meta=meta, zero_stage=run.plan.zero_stage, pp=run.plan.pp, dp=run.plan.dp,
-                            offload=run.plan.offload, path=path)
+    plan = run.plan
+    why = layout_change_refusal(meta=meta, zero_stage=plan.zero_stage, dp=plan.dp, tp=plan.tp, pp=plan.pp,
+                                sp=plan.sp, offload=plan.offload, path=path)
     if why:
-        raise SpecError(f"checkpoint {path} was saved with dp {meta['dp']}, this run has dp {run.plan.dp}: {why}; "
-                        f"resume with dp {meta['dp']} (world size "
+        saved_layout = layout_text(meta)
+        now_layout = layout_text({"dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "sp": plan.sp})
+        raise SpecError(f"checkpoint {path} was saved with {saved_layout}, this run has {now_layout}: {why}; resume "
+                        f"with {saved_layout} (world size "
                         f"{meta['dp'] * meta['pp'] * meta.get('tp', 1) * meta.get('sp', 1)})")
+
+
+def layout_text(layout: dict) -> str:
+    """'dp 2' or 'dp 1 x tp 2 x pp 2': the data-parallel size and every other dimension that is not 1 (tp/sp
+    absent: 1, checkpoints from before tensor/sequence parallelism)."""
+    parts = [f"dp {layout['dp']}"] + [f"{k} {layout.get(k, 1)}" for k in ("tp", "pp", "sp") if layout.get(k, 1) > 1]
+    return " x ".join(parts)
+
+
+def layout_of(meta: dict) -> tuple[int, int, int]:
+    """(dp, tp, pp) a checkpoint was saved with."""
+    return meta["dp"], meta.get("tp", 1), meta["pp"]
+
+
+def engine_layout(engine) -> tuple[int, int, int]:
+    """(dp, tp, pp) of a live DeepSpeed engine: its data-parallel size, its grid's (mpu's) tp group, its stages."""
+    from dspipe.runtime.engine import dp_world_size
+
+    grid = getattr(engine, "grid", None) or getattr(engine, "mpu", None)
+    tp = getattr(grid, "get_slice_parallel_world_size", None)
+    return dp_world_size(engine), int(tp()) if tp is not None else 1, int(getattr(engine, "num_stages", 1) or 1)
 
 
 class StopRequest:
@@ -364,18 +387,21 @@ def raise_if_failed(failures: WriteFailures, *, ckpt_dir: Path, partial: Path, t
 
 def load(engine, path: Path, loader) -> dict:
     """Collective: DeepSpeed state, data position and this rank's RNG from a complete checkpoint; returns meta.
-    Under another data-parallel size ZeRO-1/2/3 state is loaded through a universal checkpoint (dspipe.runtime.reshard).
+    Under another layout (dp, tp, pp) ZeRO-1/2/3 state is loaded through a universal checkpoint
+    (dspipe.runtime.reshard).
     Its files were checked by resume_point (dspipe.runtime.ckptfiles); every torch.load here is weights-only."""
     import torch.distributed as dist
 
     path = Path(path)
     meta = read_meta(path)
-    from dspipe.runtime.engine import dp_world_size
-
-    dp = dp_world_size(engine)
+    now = engine_layout(engine)
     with weights_only_loads():  # DeepSpeed's own torch.load calls (weights_only=False) run weights-only too
-        if meta["dp"] != dp and engine.zero_optimization():
-            load_path = load_resharded(engine, path, saved_dp=meta["dp"], dp=dp)
+        if layout_of(meta) != now and engine.zero_optimization():
+            rename = None
+            if (meta["pp"] > 1) != (now[2] > 1):  # a pipeline <-> the plain model: other parameter names
+                rename = pipeline_names(from_dict(ModelSpec, meta["model"]), to_pipeline=now[2] > 1)
+            load_path = load_resharded(engine, path, saved=layout_text(meta),
+                                       now=layout_text(dict(zip(("dp", "tp", "pp"), now))), rename=rename)
         elif bf16_optimizer_without_zero(engine):
             load_path = load_bf16_without_zero(engine, path)
         else:
@@ -384,7 +410,8 @@ def load(engine, path: Path, loader) -> dict:
         raise SpecError(f"DeepSpeed could not load checkpoint {path}")
     reapply_schedule(engine)
     loader.load_state_dict(meta["data"])
-    restore_rng(path, meta=meta, seed=loader.seed, rank=dist.get_rank(), world=dist.get_world_size())
+    restore_rng(path, meta=meta, seed=loader.seed, rank=dist.get_rank(), world=dist.get_world_size(),
+                same_layout=layout_of(meta) == now, tp=now[1])
     return meta
 
 
@@ -418,19 +445,24 @@ def load_bf16_without_zero(engine, path: Path):
     return load_path
 
 
-def restore_rng(path: Path, *, meta: dict, seed: int, rank: int, world: int) -> None:
-    """This rank's saved RNG streams at the same world size; under another world size the saved per-rank
-    streams mean nothing, so each rank starts new ones derived from (seed, step, rank)."""
+def restore_rng(path: Path, *, meta: dict, seed: int, rank: int, world: int, same_layout: bool = True,
+                tp: int = 1) -> None:
+    """This rank's saved RNG streams at the same world size and layout; under another one the saved per-rank
+    streams mean nothing, so each rank starts new ones derived from (seed, step, the index of its tensor-parallel
+    group in the layout's rank order): tensor-parallel peers
+    share one stream, as at the start of a run (dspipe.runtime.loop), so that their dropout on the replicated
+    activations agrees."""
     import random
 
     import numpy as np
     import torch
 
     rng = Path(path) / f"rng-rank{rank}.pt"
-    if meta.get("world_size") == world and rng.is_file():
+    if meta.get("world_size") == world and same_layout and rng.is_file():
         set_rng_state(safe_load(rng))  # checked by resume_point (ckptfiles.check_rng_state)
         return
-    derived = (seed * 1_000_003 + meta["step"] * 4099 + rank) % 2**31
+    group, _ = divmod(rank, tp)  # the layout's rank order: tensor fastest (dspipe.spec.layout)
+    derived = (seed * 1_000_003 + meta["step"] * 4099 + group) % 2**31
     random.seed(derived)
     np.random.seed(derived)
     torch.manual_seed(derived)

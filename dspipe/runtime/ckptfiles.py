@@ -3,13 +3,15 @@ reads them: each file the checkpoint's layout needs is there, loads weights-only
 the object of its kind with the keys readers use, was saved at the step its dspipe.json names, and holds the model's
 parameters by name and shape. Anything else is one SpecError naming the file and what is wrong.
 
-Which files a layout writes (DeepSpeed 0.19; mp = tp, or the pipeline stages when pp > 1; z = dp x sp, the ranks
-ZeRO partitions over):
+Which files a layout writes (DeepSpeed 0.19; mp, the model-parallel ranks: tp at pp 1, pp x tp under a pipeline,
+whose rank m is stage m // tp, tp rank m % tp; z = dp x sp, the ranks ZeRO partitions over):
 
     mp_rank_MM_model_states.pt                       ZeRO 0-2: module weights, lr schedule, counters (m < mp)
     zero_pp_rank_D_mp_rank_MM_model_states.pt        ZeRO-3: the same per partition (d < z, m < mp)
     [bf16_]zero_pp_rank_D_mp_rank_MM_optim_states.pt ZeRO 1-3, and bf16 pipelines at ZeRO-0 (d < z, m < mp)
-    layer_LL-model_states.pt                         pp > 1: each pipeline layer's weights
+    layer_LL-model_states.pt                         pp > 1: each pipeline layer's weights (L = 0 .. layers + 1,
+                                                     and the untied head layers + 2)
+    layer_LL-model_RR-model_states.pt                pp > 1, tp > 1: the same, tp rank RR's shards
     layer_L_expert_E_mp_rank_00_model_states.pt      experts: routed expert E of sparse block L (from 0 among the
                                                      sparse blocks), by the expert-parallel rank that holds it
     rng-rankR.pt                                     dspipe: every rank's RNG streams (r < world size)
@@ -25,7 +27,8 @@ from dspipe.runtime.experts import EXPERT_FILE, expert_files, model_name
 
 MODEL_FILE = re.compile(r"^(?:zero_pp_rank_\d+_)?mp_rank_\d+_model_states\.pt$")
 OPTIM_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
-LAYER_FILE = re.compile(r"^layer_(\d+)(?:-model_\d+)?-model_states\.pt$")
+LAYER_FILE = re.compile(r"^layer_(\d+)(?:-model_(\d+))?-model_states\.pt$")
+MP_RANK = re.compile(r"mp_rank_(\d+)_model_states\.pt$")
 RNG_FILE = re.compile(r"^rng-rank(\d+)\.pt$")
 OPTIMIZER_KEY = "optimizer_state_dict"  # deepspeed.checkpoint.constants.OPTIMIZER_STATE_DICT
 
@@ -38,14 +41,35 @@ def expected_files(meta: dict) -> list[str]:
     else:
         names = [f"mp_rank_{m:02d}_model_states.pt" for m in range(mp)]
     if meta["pp"] > 1:
-        names += [f"layer_{i:02d}-model_states.pt" for i in range(meta["model"]["layers"] + 2)]
+        names += layer_files(meta)
     if meta["model"].get("experts"):
         names += expert_files(meta["model"])
     return names + [f"rng-rank{r}.pt" for r in range(meta["world_size"])]
 
 
+def layer_files(meta: dict) -> list[str]:
+    """A pipeline checkpoint's layer files: every layer (embedding, blocks, final norm, an untied head; a tied head is
+    the embedding, saved once) per tp rank."""
+    model = meta["model"]
+    count = model["layers"] + (2 if model.get("tied_embeddings", True) else 3)
+    ranks = [""] if meta["tp"] == 1 else [f"-model_{r:02d}" for r in range(meta["tp"])]
+    return [f"layer_{i:02d}{rank}-model_states.pt" for i in range(count) for rank in ranks]
+
+
 def _mp(meta: dict) -> int:
-    return meta["pp"] if meta["pp"] > 1 else meta["tp"]
+    """Model-parallel ranks: DeepSpeed's mp_rank files (pipeline stages x tp ranks, or tp ranks at pp 1)."""
+    return meta["pp"] * meta["tp"]
+
+
+def _tp_rank_of(name: str, meta: dict) -> int | None:
+    """The tp rank whose shards file `name` holds (None: not a per-rank file, or tp 1)."""
+    if meta["tp"] == 1:
+        return None
+    if m := LAYER_FILE.match(name):
+        return None if m.group(2) is None else int(m.group(2))
+    if m := MP_RANK.search(name):
+        return int(m.group(1)) % meta["tp"]
+    return None
 
 
 def check_checkpoint(path: Path, *, meta: dict) -> None:
@@ -70,7 +94,7 @@ def check_checkpoint(path: Path, *, meta: dict) -> None:
             if isinstance(sd.get("module"), dict):
                 module = {model_name(str(k)): v for k, v in sd["module"].items()}  # a MoE router: DeepSpeed's gate
                 _check_tensors(file, module, expected=expected, meta=meta, prefix="",
-                               extra=set(sd.get("buffer_names") or ()))
+                               extra=set(sd.get("buffer_names") or ()), spec=spec, tp_rank=_tp_rank_of(name, meta))
                 seen.update({k: tuple(v.shape) for k, v in module.items()})
         elif m := EXPERT_FILE.match(name):
             seen.update(_expert_file(file, expert=int(m.group(2)), meta=meta, expected=expected))
@@ -80,7 +104,7 @@ def check_checkpoint(path: Path, *, meta: dict) -> None:
                 raise SpecError(f"{file}: {OPTIMIZER_KEY} must be a dict (the optimizer's partition), got "
                                 f"{type(sd.get(OPTIMIZER_KEY)).__name__}")
         elif m := LAYER_FILE.match(name):
-            layers = _layer_file(file, index=int(m.group(1)), meta=meta, expected=expected)
+            layers = _layer_file(file, index=int(m.group(1)), meta=meta, expected=expected, spec=spec)
             seen.update(layers)
         elif RNG_FILE.match(name):
             check_rng_state(safeload.load(file), source=file)
@@ -134,24 +158,32 @@ def _expert_file(file: Path, *, expert: int, meta: dict, expected: dict) -> dict
     return {k: tuple(v.shape) for k, v in named.items()}
 
 
-def _layer_file(file: Path, *, index: int, meta: dict, expected: dict) -> dict[str, tuple]:
+def _layer_file(file: Path, *, index: int, meta: dict, expected: dict, spec) -> dict[str, tuple]:
     from dspipe.model.names import layer_prefix
 
-    layers = meta["model"]["layers"]
+    layers, tp_rank = meta["model"]["layers"], _tp_rank_of(file.name, meta)
     if meta["pp"] == 1 or index > layers + 2:
         raise SpecError(f"{file}: pipeline layer {index} does not belong to this checkpoint (pp {meta['pp']}, "
                         f"{layers} layers)")
+    if (meta["tp"] > 1) != (tp_rank is not None) or (tp_rank is not None and tp_rank >= meta["tp"]):
+        writes = "layer_LL-model_RR-model_states.pt, RR < tp" if meta["tp"] > 1 else "layer_LL-model_states.pt"
+        raise SpecError(f"{file}: a layer file of {'no tp rank' if tp_rank is None else f'tp rank {tp_rank}'} "
+                        f"does not belong to this checkpoint (tp {meta['tp']} writes {writes})")
     prefix = layer_prefix(index, layers=layers)
     state = safeload.load(file, mmap=True)
-    _check_tensors(file, state, expected=expected, meta=meta, prefix=prefix, extra=set())
+    _check_tensors(file, state, expected=expected, meta=meta, prefix=prefix, extra=set(), spec=spec, tp_rank=tp_rank)
     return {prefix + k: tuple(v.shape) for k, v in state.items()}
 
 
-def _check_tensors(file: Path, state: dict, *, expected: dict, meta: dict, prefix: str, extra: set) -> None:
+def _check_tensors(file: Path, state: dict, *, expected: dict, meta: dict, prefix: str, extra: set, spec=None,
+                   tp_rank: int | None = None) -> None:
     """Names and shapes of a module's tensors against the model: every tensor a parameter of the model (or a
-    buffer the file declares), of the model's shape; under AutoTP a shard (one dimension divided by tp); ZeRO-3
-    keeps empty placeholders, so there only the names."""
+    buffer the file declares), of the model's shape; at tp > 1 the shape tp rank `tp_rank` holds
+    (dspipe.model.tp_split: a sharded dimension cut by the layout, vocabulary rows possibly uneven); ZeRO-3 keeps
+    empty placeholders, so there only the names."""
     import torch
+
+    from dspipe.model.tp_split import shard_shape
 
     tp, zero3 = meta["tp"], meta["zero_stage"] == 3
     for key, t in state.items():
@@ -163,14 +195,17 @@ def _check_tensors(file: Path, state: dict, *, expected: dict, meta: dict, prefi
                 continue
             raise SpecError(f"{file}: {name[:80]!r} is not a parameter of the checkpoint's model (dspipe.json "
                             f"model: {meta['model'].get('layers')} layers, hidden {meta['model'].get('hidden')})")
-        want, have = tuple(expected[name]), tuple(t.shape)
+        whole, have = tuple(expected[name]), tuple(t.shape)
+        want = whole
+        if tp > 1 and tp_rank is not None and spec is not None:
+            try:
+                want = shard_shape(name, whole, spec, rank=tp_rank, size=tp)
+            except ValueError as e:
+                raise SpecError(f"{file}: {e}") from None
         if zero3 or have == want:
             continue
-        shard = tp > 1 and len(have) == len(want) and sum(h != w for h, w in zip(have, want)) == 1 and all(
-            h == w or h * tp == w for h, w in zip(have, want))
-        if not shard:
-            raise SpecError(f"{file}: {name} has shape {list(have)}, the checkpoint's model has {list(want)}"
-                            f"{f' (or a 1/{tp} shard)' if tp > 1 else ''}")
+        held = f", tp rank {tp_rank} of {tp} holds {list(want)} of it" if want != whole else ""
+        raise SpecError(f"{file}: {name} has shape {list(have)}, the checkpoint's model has {list(whole)}{held}")
 
 
 def check_rng_state(state: dict, *, source: Path) -> None:

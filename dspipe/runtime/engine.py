@@ -3,9 +3,11 @@ uses the planned settings, and run train and eval steps. One small interface, tw
 (pp = 1: the GPT module, micro-batch by micro-batch) and `PipelineEngine` (pp > 1: DeepSpeed's PipelineEngine,
 whole batches through its 1F1B schedule). The runner, `dspipe bench`, evaluation and the memory census use it.
 
-Tensor parallelism is DeepSpeed AutoTP's: `deepspeed.initialize` shards the blocks as the rendered
-`tensor_parallel.partition_config` says. Sequence parallelism is DeepSpeed-Ulysses: the sequence groups of
-`parallel_state_sp` go to `deepspeed.initialize` as its mpu (so gradients are reduced over data x sequence ranks),
+Tensor parallelism is dspipe's own Megatron-layout layers (dspipe.runtime.tensor_parallel), swapped in before the
+module is materialised (each rank builds only its shard); DeepSpeed gets the process groups as its mpu
+(dspipe.runtime.mesh: a PipelineModule's own grid, else a data x sequence x tensor Mesh). Sequence parallelism is
+DeepSpeed-Ulysses: the sequence groups (`parallel_state_sp`'s, or the Mesh's with tp) go to `deepspeed.initialize`
+as its mpu (so gradients are reduced over data x sequence ranks),
 each block's attention becomes a DistributedAttention (dspipe.runtime.parallelize), and PlainEngine feeds every sp
 rank its slice of each sequence.
 """
@@ -49,8 +51,9 @@ def engine_settings(engine) -> dict:
         "grad_accum": int(engine.gradient_accumulation_steps()),
         "dp": dp_world_size(engine),
         "pp": int(getattr(engine, "num_stages", 1)),
-        "tp": max(1, int(engine.autotp_size())),
+        "tp": _tensor_parallel_size(engine),
         "tp_sharded_params": _tp_sharded_params(module),
+        "tp_sequence_parallel": _tp_sequence_parallel(module),
         "tp_unreduced_params": len(tp_unreduced_params(module)),
         "sp": max(1, int(getattr(engine, "sequence_parallel_size", 1) or 1)),
         "ep": _expert_parallel_size(module),
@@ -80,21 +83,36 @@ def _expert_parallel_size(module) -> int:
     return max((int(m.ep_size) for m in module.modules() if isinstance(m, MoE)), default=1)
 
 
-def _tp_sharded_params(module) -> int:
-    """How many parameters AutoTP's replaced layers hold (TensorParallel_Layer: its column- and row-parallel
-    linears); 0 means its layer specs matched nothing."""
-    from deepspeed.module_inject.layers import TensorParallel_Layer
+def _tensor_parallel_size(engine) -> int:
+    """The tp group size of the engine's mpu (a pipeline's grid), 1 without one."""
+    mpu = getattr(engine, "grid", None) or getattr(engine, "mpu", None)
+    size = getattr(mpu, "get_slice_parallel_world_size", None)
+    return int(size()) if size is not None else 1
 
-    return sum(1 for m in module.modules() if isinstance(m, TensorParallel_Layer) for _ in m.parameters(recurse=False))
+
+def _tp_sequence_parallel(module) -> bool:
+    """Whether the module's tensor-parallel layers run Megatron's sequence parallelism."""
+    from dspipe.runtime.tensor_parallel import TensorGroup
+
+    return any(isinstance(getattr(m, "tp", None), TensorGroup) and m.tp.sequence_parallel for m in module.modules())
+
+
+def _tp_sharded_params(module) -> int:
+    """How many of the module's parameters are tensor-parallel shards (dspipe.runtime.tensor_parallel marks them
+    tensor_model_parallel); 0 means no layer was swapped."""
+    return sum(1 for p in module.parameters() if getattr(p, "tensor_model_parallel", False))
 
 
 def tp_unreduced_params(module) -> list[str]:
-    """The q/k norm weights (replicated, but applied to this rank's heads only) whose gradient AutoTP does not sum
-    over the tensor-parallel group (no layer spec with grad_allreduce matched them): every tp rank would step them
-    with its own heads' share of the gradient and the replicas drift apart (measured: 0.1 apart after 6 steps)."""
-    return [name for name, p in module.named_parameters()
-            if name.endswith(("attn.q_norm.weight", "attn.k_norm.weight"))
-            and not getattr(p, "_ds_grad_allreduce_registered", False)]
+    """The q/k norm weights (replicated, but applied to this rank's heads only) whose gradient is not summed over
+    the tensor-parallel group (not a ReducedRMSNorm) in a tensor-parallel module: every tp rank would step them with
+    its own heads' share of the gradient and the replicas drift apart (measured: 0.1 apart after 6 steps)."""
+    from dspipe.runtime.tensor_parallel import ReducedRMSNorm
+
+    if not _tp_sharded_params(module):
+        return []
+    return [f"{name}.weight" for name, m in module.named_modules()
+            if name.endswith(("attn.q_norm", "attn.k_norm")) and not isinstance(m, ReducedRMSNorm)]
 
 
 def check_engine(settings: dict, run: Run) -> None:
@@ -107,12 +125,12 @@ def check_engine(settings: dict, run: Run) -> None:
               "offload_optimizer": plan.offload != "none",
               "offload_param": plan.offload_params,
               "activation_checkpoint_interval": plan.activation_checkpoint_interval,
-              "world_size": plan.world_size}
+              "world_size": plan.world_size, "tp_sequence_parallel": plan.tp > 1 and plan.tp_sp}
     drift = {k: (v, settings[k]) for k, v in wanted.items() if settings[k] != v}
     if plan.tp > 1 and settings["tp_sharded_params"] == 0:
-        drift["tp_sharded_params"] = ("> 0", 0)  # AutoTP matched none of the layer specs
+        drift["tp_sharded_params"] = ("> 0", 0)  # no layer was swapped for its shards
     if plan.tp > 1 and settings["tp_unreduced_params"]:
-        drift["tp_unreduced_params"] = (0, settings["tp_unreduced_params"])  # q/k norms without grad_allreduce
+        drift["tp_unreduced_params"] = (0, settings["tp_unreduced_params"])  # q/k norms whose gradient is not summed
     if drift:
         raise RuntimeError("engine does not use the planned settings: " +
                            ", ".join(f"{k} planned {a} live {b}" for k, (a, b) in drift.items()))
@@ -262,16 +280,29 @@ def build_engine(run: Run, *, compile_: bool = False, clock=None) -> Engine:
     import torch.distributed as dist
 
     from dspipe.runtime.moe import expert_parallel, install_for_run, param_groups as moe_param_groups
+    from dspipe.runtime.reshard import universal_checkpoint_info
     from dspipe.runtime.sequence import sequence_groups
 
-    mpu = sequence_groups(layout=run.plan.layout, rank=dist.get_rank()) if run.plan.sp > 1 else None
+    plan, rank = run.plan, dist.get_rank()
+    mpu, tp = None, None
+    if plan.tp > 1:
+        from dspipe.runtime.mesh import Mesh, tensor_group
+
+        tp = tensor_group(plan.layout, rank=rank, sequence_parallel=plan.tp_sp)
+        if plan.pp == 1:  # a PipelineModule builds its grid (and sets tp.group) itself
+            mpu = Mesh(plan.layout, rank=rank)
+            tp.group = mpu.get_tensor_model_parallel_group()
+    elif plan.sp > 1:
+        mpu = sequence_groups(layout=plan.layout, rank=rank)
     checkpoint_fn = checkpoint_function(run)
     if clock:
         clock.mark("before_build")
-    module = build_module(run, mpu=mpu, checkpoint_fn=checkpoint_fn)
+    module = build_module(run, mpu=mpu, checkpoint_fn=checkpoint_fn, tp=tp)
     if clock:
         clock.mark("built", module=module)
-    parallelize(module, plan=run.plan, rank=dist.get_rank(), checkpoint_fn=checkpoint_fn)
+    # how DeepSpeed's universal checkpoint re-cuts the tp shards (saved with every checkpoint: resume at another layout)
+    module.universal_checkpoint_info = universal_checkpoint_info(run.model)
+    parallelize(module, plan=run.plan, rank=dist.get_rank(), checkpoint_fn=checkpoint_fn, mpu=mpu)
     groups = param_groups(module, run.train.weight_decay)
     if run.model.experts or expert_parallel(run) > 1:  # sparse blocks onto DeepSpeed's MoE layer (or the refusal)
         install_for_run(module, run=run, rank=dist.get_rank())

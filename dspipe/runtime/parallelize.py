@@ -1,6 +1,8 @@
 """The one step that makes a built module (the plain GPT or a PipelineModule stage) run as the plan says, before
-deepspeed.initialize: recomputation wired to DeepSpeed's checkpoint function and, under sp > 1, Ulysses attention
-(dspipe.runtime.sequence). Tensor parallelism is AutoTP's, inside deepspeed.initialize.
+deepspeed.initialize: tensor parallelism (dspipe.runtime.tensor_parallel's Megatron-layout layers swapped in while
+the module is still on the meta device, so each rank materialises only its shard: `shard_tensor_parallel`),
+recomputation wired to DeepSpeed's checkpoint function and, under sp > 1, Ulysses attention
+(dspipe.runtime.sequence).
 
 The model code stays generic: it exposes its blocks and attention modules and their slots (GPT.block_checkpoint,
 Attention.core_checkpoint, Attention.core, the position offsets); this module fills them. A pipeline stage's
@@ -8,6 +10,7 @@ full recomputation is PipelineModule's own (activation_checkpoint_interval, give
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 from dspipe.planner.plan import Plan
@@ -31,12 +34,13 @@ def checkpoint_function(run: Run):
     return deepspeed.checkpointing.checkpoint
 
 
-def parallelize(module, *, plan: Plan, rank: int, checkpoint_fn: Callable | None) -> None:
+def parallelize(module, *, plan: Plan, rank: int, checkpoint_fn: Callable | None, mpu=None) -> None:
     """Wire `module` for this rank: recomputation as plan.checkpointing says, and with sp > 1 its attention made
-    sequence-parallel over the Ulysses group (sequence_groups must have been set up) on this rank's slice."""
+    sequence-parallel over the Ulysses group of `mpu` (sequence_groups or dspipe.runtime.mesh.Mesh) on this
+    rank's slice. (Its tensor-parallel shards were swapped in when it was built: shard_tensor_parallel.)"""
     recompute(module, mode=plan.checkpointing, checkpoint_fn=checkpoint_fn)
     if plan.sp > 1:
-        _sequence_parallel(module, plan=plan, rank=rank)
+        _sequence_parallel(module, plan=plan, rank=rank, group=mpu.get_sequence_parallel_group())
 
 
 def recompute(module, *, mode: str, checkpoint_fn: Callable | None) -> None:
@@ -51,14 +55,66 @@ def recompute(module, *, mode: str, checkpoint_fn: Callable | None) -> None:
             part.core_checkpoint = checkpoint_fn if mode == "selective" else None
 
 
-def _sequence_parallel(module, *, plan: Plan, rank: int) -> None:
-    """The model's attention made sequence-parallel over the Ulysses group."""
-    from deepspeed.runtime.sequence_parallel import parallel_state_sp
-
+def _sequence_parallel(module, *, plan: Plan, rank: int, group) -> None:
+    """The model's attention made sequence-parallel over the Ulysses group (each tp rank's heads / tp heads
+    spread over the sp ranks)."""
     from dspipe.runtime.sequence import shard_sequence
 
     spec, layout = module.spec, plan.layout
-    if spec.heads % layout.sp:
-        raise RuntimeError(f"heads {spec.heads} are not divisible by sp {layout.sp}")
-    shard_sequence(module, group=parallel_state_sp.get_sequence_parallel_group(),
-                   start=layout.sequence_slice(spec.seq_len, rank)[0])
+    if (spec.heads // layout.tp) % layout.sp:
+        raise RuntimeError(f"heads {spec.heads} / tp {layout.tp} are not divisible by sp {layout.sp}")
+    shard_sequence(module, group=group, start=layout.sequence_slice(spec.seq_len, rank)[0])
+
+
+def shard_tensor_parallel(module, *, spec, tp) -> None:
+    """Swap `module`'s layers for this tp rank's shards (`tp`: a dspipe.runtime.tensor_parallel.TensorGroup), in
+    Megatron's layout: q/k/v and the MLP's up (gate/up) projections column-parallel with whole heads per rank, the
+    attention and MLP output projections row-parallel, the token embedding and an untied head vocabulary-parallel
+    (a tied head uses the embedding's shard), q/k norms replicated with their gradients summed over the group;
+    positions and the other norms replicated. Call it on the meta device: the new parameters are empty, to be
+    given their step-0 values through their `tp_shard` (dspipe.runtime.build). A GPT gets the vocabulary-parallel
+    loss; a pipeline's loss is set by the caller (vocab_parallel_loss).
+    With tp.sequence_parallel (Megatron's sequence parallelism) the activations between the tensor-parallel regions
+    hold this rank's slice of the sequence: the regions are entered by an all-gather and left by a reduce-scatter,
+    the embedding's rows are reduce-scattered, and the norms, learned positions and row-parallel biases, applied
+    to a slice, have their gradients summed over the group."""
+    from dspipe.model.gpt import GPT, MLP, Attention, Block, Embedding, FinalNorm, LMHead
+    from dspipe.runtime import tensor_parallel as T
+
+    if spec.experts:
+        raise RuntimeError(f"experts {spec.experts} with tp {tp.size}: not built")
+    hd = spec.head_dim
+    qkv = [spec.heads * hd, spec.kv_groups * hd, spec.kv_groups * hd]
+    head = functools.partial(T.column_linear, tp=tp)
+    seq = tp.sequence_parallel
+    for part in list(module.modules()):
+        if isinstance(part, Attention):
+            part.c_attn = T.ColumnParallelLinear(part.c_attn, parts=qkv, tp=tp)
+            part.c_proj = T.RowParallelLinear(part.c_proj, tp=tp)
+            if part.q_norm is not None:
+                part.q_norm, part.k_norm = (T.ReducedRMSNorm.like(n, tp=tp) for n in (part.q_norm, part.k_norm))
+        elif isinstance(part, MLP):
+            width = part.c_proj.in_features
+            part.c_fc = T.ColumnParallelLinear(part.c_fc, parts=[width, width] if part.swiglu else [width], tp=tp)
+            part.c_proj = T.RowParallelLinear(part.c_proj, tp=tp)
+        elif isinstance(part, Embedding):
+            part.wte = T.VocabParallelEmbedding(part.wte, tp=tp)
+            part.head_linear = head
+            if seq and part.wpe is not None:
+                part.wpe = T.SlicedPositions.like(part.wpe, tp=tp)
+        elif isinstance(part, Block) and seq:
+            part.ln_1, part.ln_2 = (T.reduced_norm(n, tp=tp) for n in (part.ln_1, part.ln_2))
+        elif isinstance(part, FinalNorm) and seq:
+            part.ln_f = T.reduced_norm(part.ln_f, tp=tp)
+        elif isinstance(part, LMHead):
+            T.shard_vocab_rows(part, "weight", part.weight, vocab=spec.vocab, tp=tp)
+            part.head_linear = head
+    if isinstance(module, GPT):
+        module.loss_fn = vocab_parallel_loss(spec=spec, tp=tp)
+
+
+def vocab_parallel_loss(*, spec, tp):
+    """The loss of a tensor-parallel model: cross-entropy from each rank's vocabulary slice of the logits."""
+    from dspipe.runtime.tensor_parallel import VocabParallelLoss
+
+    return VocabParallelLoss(tp=tp, vocab=spec.vocab)

@@ -1,11 +1,15 @@
-"""Resuming under another data-parallel size.
+"""Resuming under another layout: another data-parallel size, tensor-parallel size or pipeline depth.
 
-ZeRO-0 state is not partitioned (DeepSpeed loads it as is); ZeRO-1/2/3 optimizer state is partitioned by dp, which
-DeepSpeed's plain load refuses, so rank 0 converts the checkpoint to a universal checkpoint
-(deepspeed.checkpoint.ds_to_universal) in .universal-TAG/ and every rank loads that with load_universal; the copy is
-deleted afterwards. Under ZeRO-3 each optimizer group's hyper-parameters are then put back as
-saved (restore_group_hyperparameters). NVMe-offloaded state and pipelines are refused at a changed dp
-(dp_change_refusal)."""
+ZeRO-0 state is not partitioned (DeepSpeed loads it as is at another dp); ZeRO-1/2/3 optimizer state is partitioned
+by dp, and tp shards and pipeline stages are cut by the layout, which DeepSpeed's plain load refuses, so rank 0
+converts the checkpoint to a universal checkpoint (deepspeed.checkpoint.ds_to_universal: every parameter whole,
+tp shards merged as the module's universal_checkpoint_info says) in .universal-TAG/ and every rank loads that with
+load_universal; the copy is deleted afterwards. Under ZeRO-3 each optimizer group's hyper-parameters are then put
+back as saved (restore_group_hyperparameters). What DeepSpeed 0.19.8 cannot do is refused before anything is built
+(layout_change_refusal).
+
+universal_checkpoint_info(spec) is what the build attaches to the module (module.universal_checkpoint_info) so that
+the conversion knows dspipe's tensor-parallel layout (dspipe.model.tp_split)."""
 from __future__ import annotations
 
 import contextlib
@@ -20,24 +24,103 @@ MOE_RESHARD = ("DeepSpeed's native MoE checkpoint cannot be re-partitioned (its 
                "rank and ds_to_universal cannot convert them)")
 
 
-def dp_change_refusal(*, meta: dict, zero_stage: int, pp: int, dp: int, offload: str, path: Path) -> str | None:
-    """Why this checkpoint cannot be resumed at data-parallel size `dp` (None: it can; same dp always can).
-    ZeRO-0 state is whole; ZeRO-1/2/3 go through a universal checkpoint. The rest DeepSpeed 0.19 cannot do:
-    NVMe-offloaded optimizer state is copied back per rank as it was saved, and dspipe has not verified the
-    universal conversion of a PipelineModule (tied embedding on two stages). A mixture-of-experts checkpoint
-    (DeepSpeed's native MoE) under ZeRO-1/2 is refused at any other dp; under ZeRO-0 (ep 1) its state is whole too."""
-    if meta["dp"] == dp or zero_stage == 0:
+def layout_change_refusal(*, meta: dict, zero_stage: int, dp: int, tp: int = 1, pp: int = 1, sp: int = 1,
+                          offload: str, path: Path) -> str | None:
+    """Why this checkpoint cannot be resumed at (dp, tp, pp, sp) (None: it can; the saved layout always can).
+    A changed dp alone at ZeRO-0 loads as is (the state is whole); any other change goes through a universal
+    checkpoint (load_resharded; a pipeline <-> the plain model with its parameters renamed), measured to continue
+    the run (fp32: the next losses equal to 1.2e-7) for dp, tp (1 <-> 2, GPT-2 and Llama/GQA/untied) and pp
+    (1 <-> 2) changes, alone and together. Refused, because DeepSpeed 0.19.8 cannot do it: ZeRO-0 at another tp or
+    pp (no optimizer partitions to convert), DeepSpeed's native MoE, NVMe-offloaded optimizer state, a vocabulary
+    that does not divide by tp > 1 (its universal load pads every rank's rows to rows x tp: the last rank's
+    assertion fails), a tp- or pipeline-sharded checkpoint saved without the module's universal_checkpoint_info;
+    because dspipe has not verified it: sequence-parallel checkpoints, pipeline depths beyond 2 (a change between
+    pp 2 and pp 3 or 4)."""
+    saved = (meta["dp"], meta.get("tp", 1), meta["pp"], meta.get("sp", 1))
+    if saved == (dp, tp, pp, sp):
         return None
-    if (meta.get("model") or {}).get("experts"):
+    model = meta.get("model") or {}
+    if zero_stage == 0:
+        if saved[1:] == (tp, pp, sp):
+            return None
+        return ("ZeRO-0 keeps no optimizer partitions (*_optim_states.pt), which DeepSpeed's universal checkpoint "
+                "conversion needs to re-cut tensor-parallel shards or pipeline stages")
+    if model.get("experts"):
         return MOE_RESHARD
     if offload == "nvme" or (Path(path) / "offloaded_tensors").is_dir():
         return "DeepSpeed restores NVMe-offloaded optimizer state only onto the ranks that saved it"
-    if pp > 1:
-        return "re-partitioning a pipeline checkpoint to another dp is not supported by dspipe"
-    if meta.get("tp", 1) > 1 or meta.get("sp", 1) > 1:
-        return ("re-partitioning a tensor- or sequence-parallel ZeRO checkpoint to another dp is not verified by "
-                "dspipe (each tp rank's shards are partitioned separately)")
+    if saved[3] > 1 or sp > 1:
+        return ("re-partitioning a sequence-parallel ZeRO checkpoint is not verified by dspipe (each rank's "
+                "partition covers its sequence group)")
+    if saved[2] != pp and max(saved[2], pp) > 2:
+        return (f"re-cutting a pipeline into another number of stages is verified by dspipe between pp 1 and pp 2 "
+                f"only (pp {saved[2]} -> pp {pp})")
+    vocab = model.get("vocab")
+    if tp > 1 and isinstance(vocab, int) and vocab % tp:
+        per = -(-vocab // tp)
+        return (f"vocab {vocab} over tp {tp} is uneven ({per} rows per rank, the last {vocab - (tp - 1) * per}): "
+                f"DeepSpeed 0.19.8's universal load pads each rank's vocabulary rows to rows x tp and cannot give "
+                f"the last rank fewer")
+    if max(saved[1], saved[2], tp, pp) > 1 and not saved_universal_info(path):
+        return ("the checkpoint was saved without universal_checkpoint_info (by a dspipe before tensor-parallel "
+                "resharding), which DeepSpeed's universal conversion needs to merge tp shards and pipeline stages")
     return None
+
+
+def saved_universal_info(path: Path) -> bool:
+    """Whether checkpoint `path`'s model states carry DeepSpeed's universal_checkpoint_info (a non-empty dict)."""
+    from dspipe.runtime.safeload import load
+
+    files = sorted(Path(path).glob("mp_rank_*_model_states.pt"))
+    return bool(files) and bool(load(files[0], mmap=True).get("universal_checkpoint_info"))
+
+
+_ANY = r"(?:^|.*\.)"  # the plain GPT's h.N. / embed. / final., a PipelineModule's N. / tied_modules.embed.
+
+
+def universal_checkpoint_info(spec) -> dict:
+    """What DeepSpeed's universal checkpoint conversion (deepspeed.checkpoint.ds_to_universal) needs to know about
+    dspipe's tensor-parallel layout (dspipe.model.tp_split), for the model's module attribute
+    `universal_checkpoint_info` (DeepSpeed saves it into every mp_rank_*_model_states.pt). Pure data, for the plain
+    GPT and its PipelineModule alike (the patterns match both naming schemes); only patterns that match a parameter
+    of `spec` (ds_to_universal's strict mode refuses unused ones). A mixture-of-experts model gets {} (its
+    conversion is refused: MOE_RESHARD).
+
+    replicated          wpe, every norm, q/k norms, the row-parallel biases: equal on every tp rank, kept whole
+    row parallelism     attn.c_proj.weight, mlp.c_proj.weight: concatenated along dim 1, cut along dim 1
+    vocabulary          wte, an untied head: rows concatenated, cut to original_vocab_size
+    sub-parameters      c_attn [q; k; v] and a SwiGLU c_fc [gate; up]: each part merged and re-cut on its own
+                        (shape ((q, k, v), -1), partition_dim 0), so that another tp gives whole heads again
+    pipeline replicated the tied embedding module, held by the first and the last stage: read from the first"""
+    if spec.experts:
+        return {}
+    qkv_bias, out_bias, mlp_bias = spec.biases
+    replicated = [_ANY + r"ln_(?:1|2|f)\.(?:weight|bias)$"]
+    if spec.positions == "learned":
+        replicated.append(_ANY + r"wpe\.weight$")
+    if out_bias or mlp_bias:
+        replicated.append(_ANY + r"(?:attn|mlp)\.c_proj\.bias$")
+    if spec.qk_norm:
+        replicated.append(_ANY + r"attn\.[qk]_norm\.weight$")
+    vocab = [_ANY + r"wte\.weight$"]
+    if not spec.tied_embeddings:
+        vocab.append(rf"^(?:lm_head|{spec.layers + 2})\.weight$")  # the plain GPT's, the pipeline's last layer
+    hd = spec.head_dim
+    qkv = (spec.heads * hd, spec.kv_groups * hd, spec.kv_groups * hd)
+    sub = [dict(patterns=[_ANY + r"attn\.c_attn\.weight$"], shape=(qkv, -1), partition_dim=0)]
+    if qkv_bias:
+        sub.append(dict(patterns=[_ANY + r"attn\.c_attn\.bias$"], shape=(qkv,), partition_dim=0))
+    if spec.mlp == "swiglu":
+        sub.append(dict(patterns=[_ANY + r"mlp\.c_fc\.weight$"], shape=((spec.ffn, spec.ffn), -1), partition_dim=0))
+        if mlp_bias:
+            sub.append(dict(patterns=[_ANY + r"mlp\.c_fc\.bias$"], shape=((spec.ffn, spec.ffn),), partition_dim=0))
+    return {"tp_replicated_parameter_patterns": replicated,
+            "parameter_with_row_parallelism_patterns": [_ANY + r"attn\.c_proj\.weight$",
+                                                        _ANY + r"mlp\.c_proj\.weight$"],
+            "vocabulary_parameter_patterns": vocab, "original_vocab_size": spec.vocab,
+            "parameter_with_sub_params": sub,
+            "pipeline_replicated_parameter_patterns": [r"^tied_modules\."]}
+    # the keys: deepspeed.checkpoint.constants' TP_REPLICATED_PARAMETER_PATTERNS, ... (a unit test ties them)
 
 
 def to_universal(src: Path, out: Path) -> None:
@@ -55,10 +138,12 @@ def to_universal(src: Path, out: Path) -> None:
         ds_to_universal.main(args)
 
 
-def load_resharded(engine, path: Path, *, saved_dp: int, dp: int):
+def load_resharded(engine, path: Path, *, saved: str, now: str, rename=None):
     """Collective: rank 0 converts `path` to .universal-TAG/TAG next to it, every rank loads that with
-    DeepSpeed's load_universal (its optimizer re-partitions the fp32 weights and Adam moments for this dp),
-    then the copy is deleted. Returns DeepSpeed's load path."""
+    DeepSpeed's load_universal (its optimizer cuts the whole fp32 weights and Adam moments to this rank's tp shard
+    and re-partitions them for this dp), then the copy is deleted. `saved`, `now`: the layouts, for messages;
+    `rename`: a function of a parameter name, when this run names its parameters otherwise than the checkpoint
+    (a pipeline <-> the plain model: pipeline_names). Returns DeepSpeed's load path."""
     import torch.distributed as dist
 
     path = Path(path)
@@ -68,14 +153,16 @@ def load_resharded(engine, path: Path, *, saved_dp: int, dp: int):
         shutil.rmtree(root, ignore_errors=True)
         try:
             to_universal(path, root / path.name)
+            if rename is not None:
+                rename_parameters(root / path.name / "zero", rename)
         except Exception as e:  # any failure: agreed on below, then one SpecError on every rank
             failures.record(e)
     if failures.agreed():
         if dist.get_rank() == 0:
             shutil.rmtree(root, ignore_errors=True)
-        raise SpecError(f"cannot re-partition checkpoint {path} from dp {saved_dp} to dp {dp}: converting it to "
+        raise SpecError(f"cannot re-partition checkpoint {path} from {saved} to {now}: converting it to "
                         f"a universal checkpoint in {root} failed ({failures.detail or 'on rank 0'}); "
-                        f"resume with dp {saved_dp}")
+                        f"resume with {saved}")
     config = engine._config  # what engine.load_universal_checkpoint() reads; only for this load
     before = config.load_universal_checkpoint
     config.load_universal_checkpoint = True
@@ -89,6 +176,34 @@ def load_resharded(engine, path: Path, *, saved_dp: int, dp: int):
     if dist.get_rank() == 0:
         shutil.rmtree(root, ignore_errors=True)
     return load_path
+
+
+def rename_parameters(zero: Path, rename) -> None:
+    """A universal checkpoint's parameter directories (zero/NAME/) renamed to rename(NAME)."""
+    for d in sorted(p for p in Path(zero).iterdir() if p.is_dir()):
+        new = rename(d.name)
+        if new != d.name:
+            d.rename(d.with_name(new))
+
+
+def pipeline_names(spec, *, to_pipeline: bool):
+    """The parameter renaming between the plain GPT (embed.wte.weight, h.0.ln_1.weight, final.ln_f.weight,
+    lm_head.weight) and its PipelineModule (tied_modules.embed.wte.weight or 0.wte.weight, 1.ln_1.weight,
+    L+1.ln_f.weight, L+2.weight), in the direction asked."""
+    from dspipe.model.names import TIED_PREFIX, pipeline_gpt_name
+
+    if not to_pipeline:
+        return lambda name: pipeline_gpt_name(name, layers=spec.layers)
+
+    def to_stage(name: str) -> str:
+        head, rest = name.split(".", 1)
+        if head == "embed":
+            return (TIED_PREFIX + rest) if spec.tied_embeddings else f"0.{rest}"
+        if head == "h":
+            index, rest = rest.split(".", 1)
+            return f"{int(index) + 1}.{rest}"
+        return {"final": f"{spec.layers + 1}.{rest}", "lm_head": f"{spec.layers + 2}.{rest}"}.get(head, name)
+    return to_stage
 
 
 def saved_param_groups(universal: Path) -> list[dict]:

@@ -27,6 +27,8 @@ ALLOWED_GLOBALS: tuple[tuple[str, str, str], ...] = (
                                                                 "source: zero/stage_1_and_2.py, stage3.py)"),
     ("deepspeed.runtime.zero.config", "ZeroStageEnum", "ZeRO optimizer states: zero_stage"),
     ("deepspeed.utils.tensor_fragment", "fragment_address", "BF16_Optimizer states: param_slice_mappings"),
+    ("deepspeed.checkpoint.universal_checkpoint", "SubparamShape", "universal checkpoints: the sub-parameter shape "
+                                                                    "of a fused tensor (q/k/v, gate/up)"),
     ("numpy._core.multiarray", "_reconstruct", "rng-rankR.pt: numpy's generator state (numpy 2)"),
     ("numpy.core.multiarray", "_reconstruct", "rng-rankR.pt: numpy's generator state (numpy 1)"),
     ("numpy", "ndarray", "rng-rankR.pt: numpy's generator key"),

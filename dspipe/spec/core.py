@@ -753,8 +753,13 @@ class StrategySpec:
     pp: int = setting(1, kind="auto_int", limit=4096, help="pipeline stages [auto]")
     """Pipeline stages; data parallel size is world / (pp x tp x sp)."""
     tp: int = setting(1, kind="auto_int", limit=4096,
-                      help="tensor-parallel ranks per replica, DeepSpeed AutoTP, inside a node [auto]")
-    """Tensor-parallel ranks per replica (DeepSpeed AutoTP, inside a node)."""
+                      help="tensor-parallel ranks per replica (dspipe's Megatron-layout layers), inside a node [auto]")
+    """Tensor-parallel ranks per replica (dspipe's tensor-parallel layers, Megatron layout, inside a node)."""
+    tp_sp: bool = setting(True, kind="bool", flag="--tp-sp/--no-tp-sp",
+                          help="Megatron sequence parallelism with tp > 1: activations between the tensor-parallel "
+                               "regions split along the sequence [on]")
+    """Megatron sequence parallelism with tp > 1 (all-gather / reduce-scatter instead of all-reduce; the activations
+    outside the tensor-parallel regions divide by tp). Never worse: the same traffic, less memory and compute."""
     sp: int = setting(1, kind="auto_int", limit=4096,
                       help="sequence-parallel ranks per replica, DeepSpeed-Ulysses [auto: 1]")
     """Sequence-parallel ranks per replica (DeepSpeed-Ulysses)."""
@@ -793,6 +798,7 @@ class StrategySpec:
         _one_of("strategy", "checkpointing", self.checkpointing, CHECKPOINTING)
         _one_of("strategy", "partition_method", self.partition_method, PARTITION_METHODS)
         _flag("strategy", "offload_params", self.offload_params)
+        _flag("strategy", "tp_sp", self.tp_sp)
         _text("strategy", "nvme_path", self.nvme_path, optional=True)
         if self.nvme_path is not None:
             _absolute_dir("strategy", "nvme_path", self.nvme_path)

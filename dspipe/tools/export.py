@@ -12,8 +12,11 @@ Where the weights come from, by layout:
     bf16 ZeRO-1         DeepSpeed's BF16_Optimizer: fp32 partitions located by its saved param_slice_mappings
     pp = 1, ZeRO 0      bf16/fp16: FP16_Optimizer's flat fp32 groups; fp32: the module weights in
                         mp_rank_00_model_states.pt (they are the master weights)
-    tp > 1 (AutoTP)     each tp rank's weights as above from its own mp_rank_RR files, then the shards
-                        concatenated back by the split AutoTP used (dspipe.planner.autotp.merge_shards)
+    tp > 1              each tp rank's weights as above from its own files (pp 1: mp_rank_RR and the optimizer
+                        files of mp rank RR; pp > 1: layer_LL-model_RR and the optimizer files of mp rank
+                        stage x tp + RR), then the shards put back together by dspipe's tensor-parallel layout
+                        (dspipe.model.tp_split.merge_shards: fused q/k/v and gate/up interleaved, row-parallel
+                        along dim 1, vocabulary rows along dim 0; replicated tensors equal on every tp rank)
     experts (MoE)       the module weights in mp_rank_00_model_states.pt and the expert files
                         layer_L_expert_E_..., DeepSpeed's MoE names mapped back to the model's (_consolidate_experts)
 
@@ -36,7 +39,7 @@ from dspipe.spec.core import ModelSpec, from_dict
 from dspipe.model.hf import architecture_of, hf_model  # the architectures (hf_model re-exported)
 from dspipe.model.names import layer_prefix as _layer_prefix, pipeline_gpt_name as _pipeline_name
 
-LAYER_FILE = re.compile(r"^layer_(\d+)(?:-model_\d+)?-model_states\.pt$")  # -model_XX: tensor parallel only
+LAYER_FILE = re.compile(r"^layer_(\d+)(?:-model_(\d+))?-model_states\.pt$")  # -model_RR: tp rank RR (tp > 1)
 OPTIM_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 
 
@@ -244,10 +247,11 @@ def _master_from_bf16_optimizer(optim_files: list[Path]) -> dict:
     return {name: torch.cat(parts) for name, parts in pieces.items()}  # flat; reshaped against the module weights
 
 
-def _master_from_fp16_optimizer(checkpoint: Path) -> dict:
+def _master_from_fp16_optimizer(checkpoint: Path, *, name: str = "mp_rank_00_model_states.pt") -> dict:
     """ZeRO-0 with bf16/fp16 (DeepSpeed's FP16_Optimizer): one flat fp32 copy per parameter group, in the model
-    states file. The groups are train.param_groups: matrices and embeddings, then 1-d tensors, in module order."""
-    path = checkpoint / "mp_rank_00_model_states.pt"
+    states file `name`. The groups are train.param_groups: matrices and embeddings, then 1-d tensors, in module
+    order."""
+    path = checkpoint / name
     if not path.is_file():
         return {}
     sd = _load(path)
@@ -320,7 +324,7 @@ def consolidate(checkpoint: Path, *, meta: dict) -> dict:
 def _consolidate(checkpoint: Path, *, meta: dict) -> dict:
     spec, pp = model_spec(meta), int(meta["pp"])
     if int(meta.get("tp", 1)) > 1:
-        return _consolidate_tensor_parallel(checkpoint, tp=int(meta["tp"]), spec=spec)
+        return _consolidate_tensor_parallel(checkpoint, meta=meta, spec=spec)
     if spec.experts:
         return _consolidate_experts(checkpoint, spec=spec)
     module = _module_weights(checkpoint, pp=pp, layers=spec.layers)
@@ -380,34 +384,16 @@ def _prefer_master(*, module: dict, master: dict, checkpoint: Path) -> dict:
     return out
 
 
-def _consolidate_tensor_parallel(checkpoint: Path, *, tp: int, spec: ModelSpec) -> dict:
-    """tp > 1 (AutoTP, pp = 1): every tp rank's weights as the single-rank path reads them (its model-states
-    file mp_rank_RR and its optimizer files ..._mp_rank_RR_...), then the shards put back together by the split
-    AutoTP used (dspipe.planner.autotp); replicated tensors must agree across the tp ranks."""
-    from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT, ZERO_STAGE
+def _consolidate_tensor_parallel(checkpoint: Path, *, meta: dict, spec: ModelSpec) -> dict:
+    """tp > 1 (dspipe's Megatron-layout layers, pp >= 1): every tp rank's fp32 weights read as the single-rank path
+    reads them, from that rank's own files (its module weights: mp_rank_RR, or under a pipeline the layer files
+    layer_LL-model_RR; its master weights: the optimizer files of model-parallel rank stage x tp + RR of every
+    stage), then the shards put back together by the layout (dspipe.model.tp_split.merge_shards); replicated
+    tensors must agree across the tp ranks."""
+    from dspipe.model.tp_split import merge_shards
 
-    from dspipe.planner.autotp import merge_shards
-
-    optim = _optim_files(checkpoint)
-    if optim and sorted(optim) != list(range(tp)):
-        raise SpecError(f"checkpoint {checkpoint}: optimizer files for tp ranks {sorted(optim)}, expected 0-{tp - 1}")
-    ranks = []
-    for r in range(tp):
-        model_file = checkpoint / f"mp_rank_{r:02d}_model_states.pt"
-        if not model_file.is_file():
-            raise SpecError(f"checkpoint {checkpoint}: missing {model_file.name} (tp rank {r} of {tp})")
-        module = dict(_load(model_file).get("module") or {})
-        master = {}
-        if optim:
-            try:
-                if ZERO_STAGE in _load(optim[r][0], mmap=True)[OPTIMIZER_STATE_DICT]:
-                    master = _master_from_zero_files(model_file=model_file, optim_files=optim[r], checkpoint=checkpoint)
-                else:
-                    master = _master_from_bf16_optimizer(optim[r])
-            except MERGE_ERRORS as e:
-                raise SpecError(f"checkpoint {checkpoint}: cannot merge tp rank {r}'s fp32 master weights: "
-                                f"{' '.join(str(e).split())[:300]}") from None
-        ranks.append(_prefer_master(module=module, master=master, checkpoint=checkpoint))
+    tp, pp = int(meta["tp"]), int(meta["pp"])
+    ranks = [_tp_rank_weights(checkpoint, rank=r, tp=tp, pp=pp, spec=spec) for r in range(tp)]
     names = set(ranks[0])
     for r, state in enumerate(ranks[1:], start=1):
         if set(state) != names:
@@ -416,10 +402,45 @@ def _consolidate_tensor_parallel(checkpoint: Path, *, tp: int, spec: ModelSpec) 
     try:
         out = {name: merge_shards(name, [state[name] for state in ranks], spec) for name in sorted(names)}
     except (ValueError, RuntimeError) as e:
-        raise SpecError(f"checkpoint {checkpoint}: {e}") from None
+        raise SpecError(f"checkpoint {checkpoint}: {' '.join(str(e).split())[:300]}") from None
     if spec.tied_embeddings:
         out.pop("lm_head.weight", None)
     return out
+
+
+def _tp_rank_weights(checkpoint: Path, *, rank: int, tp: int, pp: int, spec: ModelSpec) -> dict:
+    """Tp rank `rank`'s shards in fp32, GPT names: the master copy where the checkpoint has one, else the module's."""
+    from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT, ZERO_STAGE
+
+    optim = _optim_files(checkpoint)
+    mp_ranks = [stage * tp + rank for stage in range(pp)]  # DeepSpeed's model-parallel ranks (pp 1: rank)
+    if pp == 1:
+        model_file = checkpoint / f"mp_rank_{rank:02d}_model_states.pt"
+        module = dict(_load(model_file).get("module") or {})
+    else:
+        module = {}
+        for p in sorted(checkpoint.iterdir()):
+            if (m := LAYER_FILE.match(p.name)) and m.group(2) is not None and int(m.group(2)) == rank:
+                prefix = _layer_prefix(int(m.group(1)), layers=spec.layers)
+                module.update({prefix + k: v for k, v in _load(p).items()})
+    master: dict = {}
+    try:
+        if not optim and pp == 1:
+            master = _master_from_fp16_optimizer(checkpoint, name=f"mp_rank_{rank:02d}_model_states.pt")
+        for mp in mp_ranks:
+            if mp not in optim:
+                continue
+            model_file = checkpoint / f"mp_rank_{mp:02d}_model_states.pt"
+            if ZERO_STAGE in _load(optim[mp][0], mmap=True)[OPTIMIZER_STATE_DICT]:
+                part = _master_from_zero_files(model_file=model_file, optim_files=optim[mp], checkpoint=checkpoint)
+            else:
+                part = _master_from_bf16_optimizer(optim[mp])
+            for name, t in part.items():  # a tied embedding is on the first and the last stage: equal copies
+                master.setdefault(name if pp == 1 else _pipeline_name(name, layers=spec.layers), t)
+    except MERGE_ERRORS as e:
+        raise SpecError(f"checkpoint {checkpoint}: cannot merge tp rank {rank}'s fp32 master weights: "
+                        f"{' '.join(str(e).split())[:300]}") from None
+    return _prefer_master(module=module, master=master, checkpoint=checkpoint)
 
 
 def load_gpt(checkpoint: Path, *, meta: dict):

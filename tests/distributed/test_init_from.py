@@ -101,8 +101,8 @@ def test_continued_pretraining_from_a_hugging_face_llama(tmp_path, corpus, monke
     with torch.no_grad():
         found["zero3 export logits - HF logits"] = (exported(ids).logits - hf(ids).logits).abs().max().item()
 
-    # tp = 2 (AutoTP shards the loaded weights at deepspeed.initialize), ZeRO-1, lr 1e-12: the same loss, and the
-    # export merges the shards back into the HF model's logits
+    # tp = 2 (dspipe's tensor-parallel layers: each rank reads only its shards' rows of the checkpoint), ZeRO-1,
+    # lr 1e-12: the same loss, and the export merges the shards back into the HF model's logits
     run = gen_config(tmp_path, corpus, hf_dir, "tp2", "--zero", "1", "--pp", "1", "--tp", "2", "--lr", "1e-12",
                      "--weight-decay", "0")
     r = launch(run)

@@ -2,7 +2,8 @@
 never holds more than its partition plus one tensor while it builds. One launch builds eight engines in turn
 (tests/distributed/ranks/step0_weights.py): a 38M GPT first (its build's RSS is the fresh process's), then tiny
 models under ZeRO-3 (fp32; bf16 with parameters offloaded to the host; sequence parallel 2; a Llama with an
-untied head; a Hugging Face import), ZeRO-1 (meta-device build in bf16) and AutoTP tp 2 (whole on the host)."""
+untied head; a Hugging Face import), ZeRO-1 (meta-device build in bf16) and tp 2 with dspipe's tensor-parallel
+layers under ZeRO-1 (each rank materialises only its shards) and under ZeRO-3."""
 import json
 import shutil
 import subprocess
@@ -28,6 +29,8 @@ RUNS = {  # name: (flags, dtype of the module's parameters)
     "zero1-bf16": (("--model", "tiny", "--precision", "bf16", "--zero", "1", "--no-offload-params"), torch.bfloat16),
     "tp2-fp32": (("--model", "tiny", "--precision", "fp32", "--zero", "1", "--tp", "2", "--no-offload-params"),
                  torch.float32),
+    "tp2-zero3-llama-bf16": (("--model", "tiny-llama", "--precision", "bf16", "--zero", "3", "--tp", "2",
+                              "--no-offload-params"), torch.bfloat16),
 }
 SEQUENCE_PARALLEL = {"zero3-sp2": (("--model", "tiny", "--precision", "fp32", "--zero", "3", "--sp", "2",
                                     "--no-offload-params"), torch.float32)}
@@ -53,9 +56,11 @@ def test_every_build_mode_gives_the_plain_step0_weights(tmp_path, corpus):
 
     hf = tmp_path / "hf"
     hf_llama(hf)
-    flags = {name: flags for name, (flags, _) in RUNS.items() if name != "tp2-fp32"}
+    flags = {name: flags for name, (flags, _) in RUNS.items() if not name.startswith("tp2")}
     flags["zero3-import"] = ("--init-from", hf, "--precision", "fp32", "--zero", "3", "--no-offload-params")
-    flags["tp2-fp32"] = RUNS["tp2-fp32"][0]  # AutoTP's groups, like Ulysses', are process-wide once made
+    # after every tp 1 engine: DeepSpeed keeps the last mpu it was given process-wide (deepspeed.utils.groups.mpu),
+    # and an engine built later without one would read it (the runner builds one engine per process)
+    flags.update((name, f) for name, (f, _) in RUNS.items() if name.startswith("tp2"))
     flags.update((name, f) for name, (f, _) in SEQUENCE_PARALLEL.items())
     runs = []
     for name, args in flags.items():
@@ -84,7 +89,8 @@ def test_every_build_mode_gives_the_plain_step0_weights(tmp_path, corpus):
     modes = {name: json.loads((out / f"{name}.json").read_text())["mode"] for name in flags}
     assert modes == {"big-zero3": "partitioned", "zero3-fp32": "partitioned", "zero3-import": "partitioned",
                      "zero3-bf16-offload-params": "partitioned", "zero3-sp2": "partitioned",
-                     "zero3-llama-bf16": "partitioned", "zero1-bf16": "device", "tp2-fp32": "host"}
+                     "zero3-llama-bf16": "partitioned", "zero1-bf16": "device", "tp2-fp32": "device",
+                     "tp2-zero3-llama-bf16": "device"}
 
     # the Hugging Face import: each rank read its partition of each tensor; gathered, they are the checkpoint's
     got = torch.load(out / "zero3-import.pt")

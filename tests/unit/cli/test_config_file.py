@@ -269,7 +269,7 @@ BAD_FILES = {
                         "unknown section 'foo' (the sections: model, cluster, train, strategy, data, logging)"),
     "unknown key": ("strategy:\n  zeroo: 1\n",
                     "strategy.zeroo: unknown option (the strategy options: micro_batch, zero, offload, "
-                    "offload_params, nvme_path, precision, pp, tp, sp, ep, checkpointing, partition_method, "
+                    "offload_params, nvme_path, precision, pp, tp, tp_sp, sp, ep, checkpointing, partition_method, "
                     "reduce_bucket_size, prefetch_bucket_size, param_persistence_threshold, max_live_parameters, "
                     "max_reuse_distance, preset, compile, memory_headroom)"),
     "key in another section": ("strategy:\n  steps: 5\n",

@@ -286,7 +286,7 @@ def test_tensor_parallel_shards_by_whole_heads(tp, kv_heads):
     columns in tp blocks (q_width = heads x head_dim, not hidden), the q/k norms replicated. Every shard is an
     Attention of its own (local heads from the shard width); the row-parallel sum plus the bias once is the
     whole attention."""
-    from dspipe.planner.autotp import QKV, fused_parts
+    from dspipe.model.tp_split import QKV, fused_parts
 
     spec = model_spec(head_width=12, qk_norm=True, bias=True, kv_heads=kv_heads, sliding_window=8,
                       **LLAMA_ROPE["llama3"][0])
@@ -331,14 +331,20 @@ def test_pipeline_blocks_keep_their_window_and_norms():
 
 
 def test_the_engine_check_names_q_k_norms_whose_gradient_tp_does_not_sum():
-    """Under AutoTP every tp rank normalises its own heads with the whole q/k norm weight: without a grad_allreduce
-    layer spec the ranks step it with different gradients (measured on gloo: 0.1 apart after 6 steps)."""
+    """Every tp rank normalises its own heads with the whole q/k norm weight: unless the norm sums its weight's
+    gradient over the tp group (ReducedRMSNorm, which shard_tensor_parallel puts in) the ranks step it with
+    different gradients (measured on gloo: 0.1 apart after 6 steps), and the engine check names it."""
     pytest.importorskip("deepspeed")
     from dspipe.runtime.engine import tp_unreduced_params
+    from dspipe.runtime.parallelize import shard_tensor_parallel
+    from dspipe.runtime.tensor_parallel import TensorGroup
 
-    model = GPT(model_spec(qk_norm=True), seed=1)
-    assert tp_unreduced_params(model) == [f"h.{i}.attn.{n}.weight" for i in range(2) for n in ("q_norm", "k_norm")]
-    for i in range(2):
-        model.h[i].attn.q_norm.weight._ds_grad_allreduce_registered = True  # as DeepSpeed marks what it reduces
+    spec = model_spec(qk_norm=True)
+    with torch.device("meta"):
+        model = GPT(spec, seed=None)
+    shard_tensor_parallel(model, spec=spec, tp=TensorGroup(rank=0, size=2))
+    assert tp_unreduced_params(model) == []
+    for i in range(2):  # a plain norm: its gradient would be this rank's heads' share only
+        model.h[i].attn.k_norm = torch.nn.RMSNorm(spec.head_dim, device="meta")
     assert tp_unreduced_params(model) == [f"h.{i}.attn.k_norm.weight" for i in range(2)]
-    assert tp_unreduced_params(GPT(model_spec(), seed=1)) == []
+    assert tp_unreduced_params(GPT(spec, seed=1)) == []  # no tensor-parallel shards: nothing to sum

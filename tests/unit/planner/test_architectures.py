@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from dspipe.planner.autotp import fused_parts, split_of
+from dspipe.model.tp_split import fused_parts, split_of
 from dspipe.planner.enumerate import tp_choices
 from dspipe.planner.memory import activation_bytes_per_layer, micro_batch_activations, window_mask_bytes
 from dspipe.planner.search import search

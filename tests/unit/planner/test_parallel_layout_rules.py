@@ -1,9 +1,11 @@
-"""Tensor and sequence parallelism before launch: DeepSpeed's AutoTP/Ulysses limits as one-line errors (exit 2,
-nothing written), the rendered tensor_parallel block as DeepSpeed parses it, the AutoTP layer specs against the
-model's real parameter names, and the shard merge export uses."""
+"""Tensor and sequence parallelism before launch: the limits of dspipe's tensor-parallel layers and of Ulysses as
+one-line errors (exit 2, nothing written), the rendered tensor_parallel block (DeepSpeed's AutoTP off at every tp) as
+DeepSpeed parses it, the split's layer specs against the model's real parameter names, and the shard merge export
+uses."""
 import pytest
 
-from dspipe.planner.autotp import layer_specs, merge_shards, split_of
+from dspipe.model.tp_split import merge_shards, split_of
+from dspipe.planner.autotp import layer_specs
 from dspipe.spec.presets import MODEL_PRESETS, model_preset
 from tests.helpers import run_cli
 
@@ -13,12 +15,17 @@ BAD = [
     (["--gpus-per-node", "2", "--tp", "2", "--ffn", "257", "--layers", "2"], "model ffn 257 is not divisible by tp 2"),
     (["--gpus-per-node", "2", "--tp", "4"], "world size 2 (1 nodes x 2 GPUs) is not divisible by pp 1 x tp 4 x sp 1"),
     (["--gpus-per-node", "1", "--nodes", "2", "--tp", "2"], "tp 2 does not divide the 1 GPUs per node"),
-    (["--gpus-per-node", "2", "--tp", "2", "--zero", "3"], "tp 2 with ZeRO-3: DeepSpeed's AutoTP training supports"),
-    (["--gpus-per-node", "4", "--tp", "2", "--pp", "2"], "tp 2 with pp 2: DeepSpeed's AutoTP does not compose"),
+    (["--gpus-per-node", "4", "--tp", "2", "--sp", "2", "--zero", "3"],
+     "ZeRO-3 with tp 2 x sp 2: DeepSpeed 0.19.8 partitions a module built outside zero.Init over the mpu's "
+     "data-parallel group"),
+    (["--gpus-per-node", "4", "--tp", "4", "--vocab", "6"],
+     "model vocab 6 over tp 4: ceil(6 / 4) = 2 rows per rank leaves the last rank 0 (vocab - 3 x 2)"),
     (["--gpus-per-node", "2", "--tp", "2", "--zero", "0", "--precision", "bf16"], "tp 2 with ZeRO-0 in bf16"),
     (["--gpus-per-node", "3", "--sp", "3"], "model heads 4 is not divisible by sp 3"),
     (["--gpus-per-node", "2", "--sp", "2", "--seq-len", "63"], "model seq_len 63 is not divisible by sp 2"),
-    (["--gpus-per-node", "4", "--sp", "2", "--tp", "2"], "sp 2 with tp 2"),
+    (["--gpus-per-node", "8", "--sp", "4", "--tp", "2", "--zero", "1"],
+     "model heads 4 / tp 2 = 2 heads per tp rank are not divisible by sp 4: Ulysses spreads each tp rank's heads over "
+     "the sp ranks"),
     (["--gpus-per-node", "4", "--sp", "2", "--pp", "2"], "sp 2 with pp 2"),
     (["--gpus-per-node", "4", "--tp", "2", "--global-batch", "6", "--micro-batch", "4"],
      "global batch 6 is not divisible by micro_batch 4 x dp 2 = 8"),
@@ -35,6 +42,28 @@ def test_bad_layouts_are_one_line_exit_2_nothing_written(flags, message, tmp_pat
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("flags,layout", [
+    (["--gpus-per-node", "2", "--tp", "2", "--zero", "3"], (3, 2, 1, 1)),  # ZeRO-3 with tp alone
+    (["--gpus-per-node", "4", "--sp", "2", "--tp", "2", "--zero", "1"], (1, 2, 2, 1)),  # tp x Ulysses, ZeRO 1-2
+])
+def test_layouts_the_rules_no_longer_refuse_plan_and_write(flags, layout, tmp_path, capsys, monkeypatch):
+    """ZeRO-3 with tp, and tp x sp under ZeRO-1, were refused while dspipe's tp was DeepSpeed's AutoTP: they plan,
+    and gen-config writes them with Megatron sequence parallelism on (no partitioned pipe tensors to render)."""
+    import json
+
+    monkeypatch.chdir(tmp_path)
+    assert run_cli("plan", *CPU, *flags, "--json") == 0
+    d = json.loads(capsys.readouterr().out)
+    assert (d["zero_stage"], d["tp"], d["sp"], d["dp"]) == layout and d["fits"]
+    assert run_cli("gen-config", *CPU, *flags, "--out", tmp_path / "run") == 0
+    spec = json.loads((tmp_path / "run" / "dspipe.json").read_text())
+    assert (spec["plan"]["zero_stage"], spec["plan"]["tp"], spec["plan"]["sp"], spec["plan"]["tp_sp"]) == \
+        (*layout[:3], True)
+    ds = json.loads((tmp_path / "run" / "ds_config.json").read_text())
+    assert ds["zero_optimization"]["stage"] == layout[0] and ds["sequence_parallel_size"] == layout[2]
+    assert ds["tensor_parallel"]["autotp_size"] == 0
+
+
 def _render(**strategy):
     from dspipe.planner.plan import make_plan
     from dspipe.spec.presets import model_preset
@@ -48,20 +77,22 @@ def _render(**strategy):
     return plan, render_ds_config(plan=plan, model=model_preset("tiny"), train=train, monitor_dir="/tmp/m")
 
 
-def test_tp_renders_autotp_and_deepspeed_parses_it():
+def test_tp_renders_autotp_off_and_deepspeed_parses_it():
+    """dspipe's own tensor-parallel layers split the model: the tensor_parallel block is rendered as at tp 1 (AutoTP
+    off), and train_batch_size is the global batch (the mpu's data-parallel group excludes the tp ranks)."""
     from dspipe.runtime.dscheck import parse_with_deepspeed
 
+    _, at_tp1 = _render(zero=1)
     plan, cfg = _render(zero=1, tp=2)
-    assert (plan.dp, plan.tp, plan.grad_accum) == (2, 2, 4)
+    assert (plan.dp, plan.tp, plan.grad_accum, plan.ds_batch_ranks) == (2, 2, 4, 2)
+    assert cfg["tensor_parallel"] == at_tp1["tensor_parallel"]
     tp = cfg["tensor_parallel"]
-    assert tp["autotp_size"] == 2 and tp["tp"]["tp_size"] == 2
+    assert tp["autotp_size"] == 0 and tp["tp"]["tp_size"] == 1
     assert tp["partition_config"] == {"use_default_specs": False, "layer_specs": layer_specs(model_preset("tiny"))}
-    assert tp["partition_config"]["layer_specs"][0]["shape"] == [3, -1]  # whole q, k and v heads on every rank
-    assert cfg["train_batch_size"] == 16 * 2  # DeepSpeed's batch check counts the AutoTP ranks
+    assert cfg["train_batch_size"] == plan.global_batch == 16
     parsed = parse_with_deepspeed(cfg, dp=plan.ds_batch_ranks)
-    assert parsed.train_batch_size == 32 and parsed.gradient_accumulation_steps == 4
-    assert parsed.tensor_parallel_config.autotp_size == 2
-    assert parsed.tensor_parallel_config.get_partition_config_object().tp_size == 2
+    assert parsed.train_batch_size == 16 and parsed.gradient_accumulation_steps == 4
+    assert parsed.tensor_parallel_config.autotp_size == 0
 
 
 def test_tp1_leaves_autotp_off_and_sp_with_zero3_turns_reduce_scatter_off():
@@ -82,6 +113,8 @@ def test_layer_specs_match_exactly_the_block_projections_of_the_model(name):
     spec = MODEL_PRESETS[name]
     names = [n for n, _ in spec.model_tensors()]  # the model's parameter names (tied to the module elsewhere)
     split = {n: split_of(n, spec) for n in names if split_of(n, spec)}
+    vocab = {n: split.pop(n) for n in list(split) if split[n][0] == "vocab"}  # the vocabulary-parallel tables
+    assert vocab == {n: ("vocab", spec.vocab) for n in ("embed.wte.weight", "lm_head.weight") if n in names}
     hd, kv, f = spec.head_dim, spec.kv_groups, spec.ffn
     qkv = (0, [spec.heads * hd, kv * hd, kv * hd])
     up = (0, [f, f] if spec.mlp == "swiglu" else [f])
@@ -101,7 +134,7 @@ def test_gqa_and_swiglu_render_unequal_and_paired_parts():
 
 
 @pytest.mark.parametrize("gqa", [False, True])
-def test_merge_shards_inverts_the_autotp_split(gqa):
+def test_merge_shards_inverts_the_tensor_parallel_split(gqa):
     torch = pytest.importorskip("torch")
     spec = MODEL_PRESETS["tiny-llama" if gqa else "tiny"]
     tp, h = 2, spec.hidden
@@ -132,19 +165,24 @@ def _gen_from_preset(tmp_path, cfg, *flags):
 
 
 def test_preset_autotp_size_becomes_tp_and_its_batch_counts_the_tp_ranks(tmp_path):
+    """A third-party JSON written for DeepSpeed's AutoTP counts the tp ranks in train_batch_size: it imports as --tp 2
+    with the global batch 32 / 2; dspipe renders AutoTP off and train_batch_size as the global batch, and says so."""
     import json
 
     cfg = {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 1},
            "tensor_parallel": {"autotp_size": 2, "tp": {"tp_size": 2}}, "sequence_parallel_size": 1}
     r = _gen_from_preset(tmp_path, cfg, "--precision", "fp32")
     assert r.returncode == 0, r.stderr
-    assert "train_batch_size 32 counts the 2 AutoTP ranks of each replica (as DeepSpeed does): global batch 16" \
-        in r.stdout
+    assert ("train_batch_size 32 counts the 2 AutoTP ranks of each replica (DeepSpeed 0.19.8's AutoTP semantics): "
+            "global batch 16 sequences, which dspipe renders as train_batch_size 16") in r.stdout
+    assert ("tensor_parallel.autotp_size 2 -> --tp 2: dspipe runs tp with its own tensor-parallel layers (Megatron "
+            "layout) and renders DeepSpeed's AutoTP off (autotp_size 0, tp.tp_size 1)") in r.stdout
     spec = json.loads((tmp_path / "runs/p/dspipe.json").read_text())
     assert (spec["plan"]["tp"], spec["plan"]["dp"], spec["plan"]["global_batch"], spec["plan"]["grad_accum"]) == \
         (2, 2, 16, 2)
     ds = json.loads((tmp_path / "runs/p/ds_config.json").read_text())
-    assert ds["train_batch_size"] == 32 and ds["tensor_parallel"]["autotp_size"] == 2
+    assert ds["train_batch_size"] == 16 and ds["tensor_parallel"]["autotp_size"] == 0
+    assert ds["tensor_parallel"]["tp"]["tp_size"] == 1
 
 
 @pytest.mark.parametrize("tensor_parallel,key", [
@@ -153,7 +191,9 @@ def test_preset_autotp_size_becomes_tp_and_its_batch_counts_the_tp_ranks(tmp_pat
      "tensor_parallel.partition_config"),
     ({"autotp_size": 2, "vocab_parallel_lm_head": True}, "tensor_parallel.vocab_parallel_lm_head"),
     ({"autotp_size": 2, "injection_policy_tuple": [1]}, "tensor_parallel.injection_policy_tuple"),
-    ({"autotp_size": 2, "tp": {"tp_size": 4}}, "tensor_parallel.tp.tp_size"),
+    ({"autotp_size": 2, "tp": {"tp_size": 4}}, "tensor_parallel.tp.tp_size 4 disagrees with "
+                                               "tensor_parallel.autotp_size 2"),
+    ({"tp": {"tp_size": 2}}, "tensor_parallel.tp.tp_size 2 cannot be honoured: this plan renders 1"),
     ({"autotp_size": 3}, "is not divisible by pp 1 x tp 3 x sp 1 = 3"),
 ])
 def test_preset_tensor_parallel_settings_dspipe_cannot_honour_are_refused(tmp_path, tensor_parallel, key):

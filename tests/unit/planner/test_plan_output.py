@@ -5,28 +5,50 @@ import json
 from tests.helpers import run_cli
 
 GPT3 = ["plan", "--model", "gpt3-175b", "--gpu", "a100-80g", "--nodes", "128", "--gpus-per-node", "8",
-        "--global-batch", "1536", "--tokens", "1.5T", "--host-memory-gib", "3072"]
-"""On nodes with the 2,639 GiB host RAM the tp 8 plan's AutoTP start-up needs (a DGX A100's 2 TiB plans a pipeline:
-tests/unit/planner/test_startup_plan.py)."""
+        "--global-batch", "1536", "--tokens", "1.5T"]
+"""The published GPT-3 175B request: the search's pick is tp 8 inside the node with ZeRO-3 over dp 128; pinned to
+ZeRO-1, tp inside the node x pp across nodes x dp."""
 
 
 def test_plan_text_shows_budget_as_given_top_table_and_reasons(capsys):
     assert run_cli(*GPT3, "--top", "3") == 0
     out = capsys.readouterr().out
-    assert "global batch 1536 = micro_batch 2 x grad_accum 6 x dp 128" in out
+    assert out.startswith("plan: ZeRO-3, bf16, pp 1, tp 8, sp 1, dp 128, micro 6 x ga 2, recompute none\n")
+    assert "global batch 1536 = micro_batch 6 x grad_accum 2 x dp 128" in out
     assert "training 1.5T tokens: " in out and "e+12" not in out
     assert "token budget: steps 476,838 = ceil(1.5T tokens / (1536 x 2048 tokens per step))" in out
     table = out.split("top 3 of ")[1].split("\n\n")[0].splitlines()
     assert len(table) == 1 + 1 + 3  # title rest, header, 3 rows
-    assert table[2].split()[0] == "1" and table[2].endswith("tp 8, sp 1, dp 128, micro 2 x ga 6, recompute full")
-    assert "tie: 3 plans within 2% of the fastest" in out and "for the roomier plan (74% vs 80% of GPU memory" in out
-    assert "  tp 4: does not fit: needs 93.3 GiB per GPU" in out and "  tp 1: slower by" in out
+    assert table[2].split()[0] == "1" and table[2].endswith("pp 1, tp 8, sp 1, dp 128, micro 6 x ga 2, recompute none")
+    assert table[3].endswith("ZeRO-3 + cpu offload, bf16, pp 1, tp 8, sp 1, dp 128, micro 6 x ga 2, recompute none")
+    assert "tie:" not in out  # the fastest plan is more than 2% ahead of the next
+    assert "  ZeRO-1: slower by 9% at best (ZeRO-1, bf16, pp 16, tp 4, dp 16, micro 1 x ga 96, recompute none)" in out
+    assert "  ZeRO-2: slower by 20% at best (ZeRO-2, bf16, pp 1, tp 8, dp 128" in out
+    assert "  tp 4: slower by 9% at best (ZeRO-1, bf16, pp 16, tp 4" in out
+    assert "  tp 2: slower by" in out and "  tp 1: slower by" in out
+
+
+def test_plan_text_shows_the_tie_and_its_reason(capsys):
+    """Pinned to ZeRO-1: tp 4 x pp 8 is 0.5% behind tp 4 x pp 16, a tie the recipe's order gives to fewer pipeline
+    stages; tp 8's best is such a tie lost too."""
+    assert run_cli(*GPT3, "--zero", "1", "--top", "3") == 0
+    out = capsys.readouterr().out
+    assert out.startswith("plan: ZeRO-1, bf16, pp 8, tp 4, sp 1, dp 32, micro 1 x ga 48, recompute none\n")
+    assert ("tie: 4 plans within 2% of the fastest (20.2 s/step), this one 0.5% slower; the tie-break (under 80% of "
+            "GPU memory first, the recipe's order, the larger micro-batch up to 4,096 tokens, then the smaller memory) "
+            "preferred it for fewer pipeline stages over ZeRO-1, bf16, pp 16, tp 4, dp 16, micro 1 x ga 96, "
+            "recompute none") in out
+    assert ("  tp 8: slower by 1.0% at best, a tie (within 2%) that went to fewer pipeline stages (ZeRO-1, bf16, "
+            "pp 16, tp 8, dp 8, micro 1 x ga 192, recompute none)") in out
+    assert "  tp 2: slower by" in out and "  tp 1: slower by" in out
 
 
 def test_plan_json_has_the_top_list_and_top_is_range_checked(capsys):
     assert run_cli(*GPT3, "--json", "--top", "2") == 0
     out = json.loads(capsys.readouterr().out)
-    assert [c["tp"] for c in out["top"]] == [8, 8] and out["top"][0]["plan"].startswith("ZeRO-2, bf16, pp 1, tp 8")
+    assert [(c["zero_stage"], c["tp"], c["pp"], c["dp"]) for c in out["top"]] == [(3, 8, 1, 128), (3, 8, 1, 128)]
+    assert out["top"][0]["plan"].startswith("ZeRO-3, bf16, pp 1, tp 8")
+    assert out["top"][1]["plan"].startswith("ZeRO-3 + cpu offload, bf16, pp 1, tp 8")
     assert out["top"][0]["step_time_s"] == out["step_time_s"]
     code = run_cli(*GPT3, "--top", "0")
     err = capsys.readouterr().err

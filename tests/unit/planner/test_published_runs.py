@@ -44,3 +44,18 @@ def test_inter_node_collectives_use_the_nodes_nic_total():
     64-GPU MPT-13B H100 run would be communication-bound at 46 GB/s."""
     r = published_runs.evaluate(next(r for r in published_runs.RUNS if r.name == "MPT-13B, 64x H100"))
     assert r.ratio > 0.67
+
+
+def test_the_megatron_tp_rows_pin_sequence_parallelism_off(rows):
+    """Megatron-LM's Table 1 ran without sequence parallelism (Korthikanti et al. 2022 came later): its tp rows pin
+    tp_sp off, whereas the planner's default (on) re-gathers each column-parallel input in backward, synchronous in
+    dspipe, and would predict a lower throughput for the same layout (its micro-batch free to grow: SP's activations
+    are smaller)."""
+    from dataclasses import replace
+
+    tp_rows = [r for r in rows if r.run.tp > 1]
+    assert tp_rows and not any(r.run.tp_sp for r in tp_rows)
+    for r in tp_rows:
+        on = published_runs.evaluate(replace(r.run, tp_sp=True))
+        assert on.plan.split(", micro")[0] == r.plan.split(", micro")[0], r.run.name  # the pinned layout
+        assert on.tokens_per_s_per_gpu < r.tokens_per_s_per_gpu, r.run.name

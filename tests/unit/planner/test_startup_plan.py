@@ -41,17 +41,36 @@ def test_build_host_device_and_time_per_mode():
     assert (off.host_build_per_rank_bytes, off.device_bytes) == (2 * 10**9 // 16 + 8 * 10**7, 2 * 10**7)
     dev = startup_estimate(mode="device", **{**common, "precision": "fp32"})
     assert (dev.host_build_per_rank_bytes, dev.device_bytes) == (8 * 10**7, 4 * 10**9)
-    host = startup_estimate(mode="host", **{**common, "tp": 8})
-    assert (host.host_build_per_rank_bytes, host.device_bytes) == (2 * 10**9 + 8 * 10**7, 2 * 10**9 // 8)
-    assert "the whole model in bf16 on the host for AutoTP" == host.holds()
+    assert dev.holds() == "one fp32 tensor at a time on its way to the GPU"
+    # tp 8 without a pipeline: the rank's shard (Phi_r) in bf16 on the device, one whole fp32 tensor on the host at a
+    # time; every element is still drawn (whole tensors, then sliced)
+    shard = startup_estimate(mode="device", **{**common, "tp": 8, "rank_params": 10**9 // 8})
+    assert (shard.host_build_per_rank_bytes, shard.device_bytes, shard.drawn_elements) == \
+        (8 * 10**7, 2 * 10**9 // 8, 10**9)
+    assert shard.holds() == "one whole fp32 tensor at a time, cut to the rank's tp 8 shard on the GPU"
     stage = startup_estimate(mode="stage", **common)
     assert (stage.host_build_per_rank_bytes, stage.device_bytes, stage.drawn_elements) == (10**9, 10**9, 25 * 10**7)
     assert startup_estimate(mode="stage", **{**common, "stage_params": 10**6}).host_build_per_rank_bytes == 8 * 10**7
+    # a stage at tp 4: its shard in fp32 plus one whole fp32 tensor; the whole stage (E_s) drawn
+    tp_stage = startup_estimate(mode="stage", **{**common, "tp": 4, "stage_params": 25 * 10**7 // 4,
+                                                 "stage_elements": 25 * 10**7})
+    assert (tp_stage.host_build_per_rank_bytes, tp_stage.device_bytes, tp_stage.drawn_elements) == \
+        (25 * 10**7 + 4 * 10**7, 25 * 10**7, 25 * 10**7)
+    assert tp_stage.holds() == ("the stage's tp 4 shard in fp32 on the host, plus one whole fp32 tensor drawn at a "
+                                "time")
+    with pytest.raises(ValueError, match="unknown build mode 'host'"):  # AutoTP's whole-model host build is retired
+        startup_estimate(mode="host", **common)
     # the offload's host peak, when larger, is the rank's host figure; the build's stays beside it
     held = startup_estimate(mode="partitioned", **{**common, "host_offload_per_rank": 10**9})
     assert (held.host_per_rank_bytes, held.host_build_per_rank_bytes, held.host_per_node_bytes) == \
         (10**9, 8 * 10**7, 8 * 10**9)
     assert held.holds() == "the offloaded optimizer states, after the build"
+
+
+def test_build_modes_by_layout():
+    assert [build_mode(zero_stage=z, tp=t, pp=p) for z, t, p in
+            ((3, 1, 1), (1, 1, 1), (2, 8, 1), (3, 8, 1), (1, 1, 4), (1, 8, 4), (0, 8, 16))] == \
+        ["partitioned", "device", "device", "device", "stage", "stage", "stage"]
 
 
 def test_import_reads_the_nodes_distinct_bytes_at_the_stated_disk_bandwidth():
@@ -61,10 +80,13 @@ def test_import_reads_the_nodes_distinct_bytes_at_the_stated_disk_bandwidth():
     part = startup_estimate(mode="partitioned", **common)  # a node holds 8 of 64 partitions: 1/8 of the bytes
     assert (part.drawn_elements, part.read_bytes) == (0, 2 * 10**9 // 8)
     assert part.seconds == pytest.approx(2 * 10**9 / 8 / (DISK_GBPS * 1e9))
-    assert startup_estimate(mode="host", **{**common, "tp": 8}).read_bytes == 2 * 10**9
+    assert startup_estimate(mode="device", **{**common, "tp": 8, "rank_params": 10**9 // 8}).read_bytes == 2 * 10**9
     assert startup_estimate(mode="device", **common).read_bytes == 2 * 10**9
     assert startup_estimate(mode="stage", **common).read_bytes == 2 * 10**9  # 8 ranks x 1/4 of the model: all of it
     assert startup_estimate(mode="stage", **{**common, "ranks_per_node": 2}).read_bytes == 10**9
+    # tp 4: the node's 8 ranks are 2 tp groups, each reading one stage's tensors (a quarter of the model)
+    assert startup_estimate(mode="stage", **{**common, "tp": 4, "stage_params": 25 * 10**7 // 4,
+                                             "stage_elements": 25 * 10**7}).read_bytes == 10**9
     text = part.first_step_text()
     assert "0.2 GB of the checkpoint read per node at an assumed 2 GB/s" in text
     assert "deepspeed.initialize not counted" in text
@@ -85,7 +107,7 @@ def test_the_stage_figure_is_the_largest_pipeline_stage():
 # ---- the plan: llama2-70b on 8 x 8 H100 --------------------------------------------------------------------------
 
 def test_llama2_70b_zero3_plan_shows_the_partitioned_start_up(capsys):
-    assert run_cli(*LLAMA70) == 0
+    assert run_cli(*LLAMA70, "--zero", "3") == 0
     out = capsys.readouterr().out
     model = MODEL_PRESETS["llama2-70b"]
     t = largest_tensor(model)
@@ -98,7 +120,7 @@ def test_llama2_70b_zero3_plan_shows_the_partitioned_start_up(capsys):
     assert (f"first step after ~{seconds:,.0f} s (69B values drawn per rank at 60M/s, measured on one CPU rank; "
             f"process start and deepspeed.initialize not counted)") in out
     assert "start GiB/node" in out  # the --top table
-    s = _json(capsys, *LLAMA70)["startup"]
+    s = _json(capsys, *LLAMA70, "--zero", "3")["startup"]
     assert s["mode"] == "partitioned" and s["host_build_per_rank_bytes"] == 8 * t == s["host_per_rank_bytes"]
     assert s["host_per_node_bytes"] == 64 * t < 2 * model.num_params  # far below one whole bf16 model
     assert s["device_bytes"] == 2 * model.num_params // 64 + 2 * t
@@ -107,50 +129,47 @@ def test_llama2_70b_zero3_plan_shows_the_partitioned_start_up(capsys):
     assert "deepspeed.initialize" in s["not_counted"]
 
 
-def test_a_tp_plan_counts_the_whole_model_on_the_host(capsys):
+def test_a_tp_plan_builds_only_its_shard(capsys):
+    """tp 8 without a pipeline: the device build of the rank's tp shard (dspipe's tensor-parallel layers), not
+    AutoTP's whole model on the host: one whole fp32 tensor on the host at a time, the shard on the GPU, every element
+    drawn."""
     model = MODEL_PRESETS["llama2-70b"]
-    out = _json(capsys, *LLAMA70, "--tp", "8", "--zero", "2", "--offload", "none", "--top", "2")
+    out = _json(capsys, *LLAMA70, "--tp", "8", "--pp", "1", "--zero", "2", "--offload", "none", "--top", "2")
     s = out["startup"]
-    assert (out["tp"], s["mode"]) == (8, "host")
-    assert s["host_build_per_rank_bytes"] == 2 * model.num_params + 8 * largest_tensor(model)
+    assert (out["tp"], out["pp"], s["mode"]) == (8, 1, "device")
+    assert s["host_build_per_rank_bytes"] == 8 * largest_tensor(model)
+    shard = stage_params(model=model, pp=1, partition_method="parameters", tp=8)[0]
+    assert s["device_bytes"] == 2 * shard and shard < model.num_params / 7  # the blocks, embedding and head / 8
+    assert s["drawn_elements"] == model.num_params
     assert s["host_per_node_bytes"] == 8 * s["host_per_rank_bytes"] <= out["host_memory_capacity_bytes"]
-    assert s["device_bytes"] == 2 * model.num_params // 8
-    assert all(c["startup"]["mode"] == "host" for c in out["top"])
+    assert all(c["startup"]["mode"] == "device" for c in out["top"])
 
 
 def test_a_start_up_over_the_host_ram_does_not_fit(capsys):
-    """--tp 8 pins the AutoTP build (the whole bf16 model per rank): with 512 GiB per node it cannot start; the
-    one line names the start-up, its numbers and what would fit."""
-    code = run_cli(*LLAMA70, "--tp", "8", "--host-memory-gib", "512")
+    """--tp 2 --pp 4 pins a stage build whose fp32 shards (8 ranks x 34 GiB) are over 256 GiB per node: the one line
+    names the start-up, its numbers and what would fit (with --pp auto, tp 2 without a pipeline under ZeRO-3 with
+    the optimizer offloaded: its device build holds only the rank's shard)."""
+    code = run_cli(*LLAMA70, "--tp", "2", "--pp", "4", "--host-memory-gib", "256")
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1, err
-    assert ("start-up needs 1,056 GiB host RAM per node (8 ranks x 132 GiB: the whole model in bf16 on the host for "
-            "AutoTP), has 512 GiB") in err
-    assert "would fit with: --tp auto (ZeRO-3), or 1,056 GiB host RAM per node (--host-memory-gib) (ZeRO-2)" in err
+    assert ("start-up needs 273 GiB host RAM per node (8 ranks x 34.1 GiB: the stage's tp 2 shard in fp32 on the "
+            "host, plus one whole fp32 tensor drawn at a time), has 256 GiB") in err
+    assert ("would fit with: --tp auto (ZeRO-1), or --pp auto (ZeRO-3 + cpu offload), or --tp auto --pp auto "
+            "(ZeRO-1), or 273 GiB host RAM per node (--host-memory-gib) (ZeRO-1 + cpu offload)") in err
 
 
 def test_start_up_shortfall_in_the_reasons_and_the_fit():
     """The fit refuses a plan whose start-up host peak is over the node's RAM even when its step fits."""
     model = MODEL_PRESETS["llama2-70b"]
-    cluster = ClusterSpec(8, 8, "h100-80g", host_memory_gib=512)
+    cluster = ClusterSpec(8, 8, "h100-80g", host_memory_gib=128)
     train = TrainSpec(global_batch=512, micro_batch=1, steps=10, warmup_steps=1)
-    plan = make_plan(model=model, cluster=cluster, train=train, strategy=StrategySpec(zero=2, tp=8))
+    plan = make_plan(model=model, cluster=cluster, train=train,
+                     strategy=StrategySpec(zero=1, tp=4, pp=4, checkpointing="full"))
     e = estimate(model=model, cluster=cluster, plan=plan)
     assert e.memory.total <= e.usable_gpu_memory_bytes and e.host_memory_bytes == 0  # the step itself fits
-    assert not e.fits and e.startup_host_shortfall_bytes == e.startup.host_per_node_bytes - 512 * GIB
+    assert not e.fits and e.startup_host_shortfall_bytes == e.startup.host_per_node_bytes - 128 * GIB
     roomy = estimate(model=model, cluster=ClusterSpec(8, 8, "h100-80g"), plan=plan)
     assert roomy.fits and roomy.startup_host_shortfall_bytes == 0
-
-
-def test_gpt3_175b_tp8_is_refused_by_its_start_up(capsys):
-    """The published GPT-3 175B request (128 x 8 A100-80G, 2 TiB per node): AutoTP's host build of the 175B model
-    needs 2,639 GiB per node, so tp 8 no longer fits; the plan says so in its reasons."""
-    assert run_cli("plan", "--model", "gpt3-175b", "--gpu", "a100-80g", "--nodes", "128", "--gpus-per-node", "8",
-                   "--global-batch", "1536") == 0
-    out = capsys.readouterr().out
-    assert out.startswith("plan: ZeRO-1, bf16, pp 32, tp 1")
-    assert ("  tp 8: does not fit: start-up needs 2,639 GiB host RAM per node (8 ranks x 330 GiB: the whole model in "
-            "bf16 on the host for AutoTP), has 2,048 GiB at best") in out
 
 
 # ---- dspipe.json and the report ------------------------------------------------------------------------------------

@@ -68,14 +68,14 @@ def test_dp_change_refusals(tmp_path):
     def refusal(**changed):
         args = {"meta": {"dp": 2, "pp": 1, "zero_stage": 1}, "zero_stage": 1, "pp": 1, "dp": 1, "offload": "none",
                 "path": tmp_path}
-        return ckpt.dp_change_refusal(**{**args, **changed})
+        return ckpt.layout_change_refusal(**{**args, **changed})
 
     assert refusal() is None and refusal(zero_stage=2) is None and refusal(offload="cpu") is None
-    assert refusal(zero_stage=0, pp=2) is None  # ZeRO-0 state is not partitioned
+    assert refusal(zero_stage=0, meta={"dp": 2, "pp": 2}, pp=2) is None  # ZeRO-0 state is not partitioned
     assert refusal(dp=2, zero_stage=3, offload="nvme") is None  # same dp: always the plain load
     assert refusal(zero_stage=3) is None and refusal(zero_stage=3, offload="cpu") is None  # universal + groups fixed
     assert "NVMe" in refusal(offload="nvme")
-    assert "pipeline" in refusal(pp=2)
+    assert "universal_checkpoint_info" in refusal(meta={"dp": 2, "pp": 2}, pp=2)  # a pipeline needs the info saved
     moe = {"dp": 2, "pp": 1, "zero_stage": 1, "model": {"experts": 4}}
     assert "native MoE checkpoint cannot be re-partitioned" in refusal(meta=moe)
     assert "native MoE checkpoint cannot be re-partitioned" in refusal(meta={**moe, "zero_stage": 2}, zero_stage=2)
@@ -149,24 +149,30 @@ def test_save_failure_message_names_the_intact_checkpoint(tmp_path):
                         f"free space there, then continue with --resume auto") and "\n" not in msg
 
 
-def test_check_compatible_refuses_a_pipeline_under_another_dp(tmp_path):
+def test_check_compatible_refuses_a_pipeline_saved_without_universal_info_under_another_dp(tmp_path):
     from dataclasses import asdict
     from types import SimpleNamespace
+
+    import torch
 
     from dspipe.spec.presets import model_preset
 
     model = model_preset("tiny")
     run = SimpleNamespace(model=model, plan=SimpleNamespace(pp=2, tp=1, sp=1, zero_stage=1, dp=1, offload="none"))
     meta = {"model": asdict(model), "pp": 2, "zero_stage": 1, "dp": 2}
+    torch.save({"module": None}, tmp_path / "mp_rank_00_model_states.pt")  # saved before the module carried it
     with pytest.raises(SpecError) as e:
         ckpt.check_compatible(meta, run, tmp_path)
-    assert str(e.value).startswith(f"checkpoint {tmp_path} was saved with dp 2, this run has dp 1: re-partitioning")
-    assert str(e.value).endswith("; resume with dp 2 (world size 4)")
+    assert str(e.value).startswith(f"checkpoint {tmp_path} was saved with dp 2 x pp 2, this run has dp 1 x pp 2: "
+                                   f"the checkpoint was saved without universal_checkpoint_info")
+    assert str(e.value).endswith("; resume with dp 2 x pp 2 (world size 4)")
     ckpt.check_compatible({**meta, "dp": 1}, run, tmp_path)  # same dp: fine
     ckpt.check_compatible({**meta, "pp": 1, "zero_stage": 3}, SimpleNamespace(model=model, plan=SimpleNamespace(
         pp=1, tp=1, sp=1, zero_stage=3, dp=1, offload="none")), tmp_path)  # ZeRO-3 at another dp: resharded on load
-    with pytest.raises(SpecError, match="saved with tp 2, this run has tp 1; resume with the same tp"):
-        ckpt.check_compatible({**meta, "dp": 1, "tp": 2}, run, tmp_path)
+    torch.save({"module": None, "universal_checkpoint_info": {"original_vocab_size": 4096}},
+               tmp_path / "mp_rank_00_model_states.pt")
+    ckpt.check_compatible(meta, run, tmp_path)  # saved with it: converted on load
+    ckpt.check_compatible({**meta, "dp": 1, "tp": 2}, run, tmp_path)  # tp 2 -> 1 likewise
 
 
 def test_each_optimizer_group_gets_its_saved_hyperparameters_back():

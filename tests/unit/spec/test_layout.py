@@ -59,12 +59,13 @@ def test_the_plan_carries_the_layout():
 
 
 def test_no_other_code_divides_the_world():
-    """dp comes from the layout only: no module computes world // pp (or world_size / ...) itself."""
+    """dp and every rank's coordinates come from the layout only: no module computes world // pp, rank // tp (or
+    world_size / ...) itself. (Tensor shapes divided by tp, a shard's rows, are the tensor-parallel layers' own.)"""
     import re
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[3] / "dspipe"
-    pattern = re.compile(r"\bworld(_size)?\s*//|//\s*\(?\s*(pp|plan\.pp|tp|sp)\b")
+    pattern = re.compile(r"\bworld(_size)?\s*//|\b(rank|world)\s*//\s*\(?\s*(pp|plan\.pp|tp|sp)\b")
     offenders = [f"{p.relative_to(root)}:{i}: {line.strip()}" for p in root.rglob("*.py") if p.name != "layout.py"
                  for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
     assert offenders == []

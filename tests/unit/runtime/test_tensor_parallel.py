@@ -1,0 +1,105 @@
+"""dspipe's tensor-parallel layers on 2 gloo CPU processes (no DeepSpeed engine): every model family, swapped for
+its tp shards on the meta device and given its step-0 values shard by shard, holds exactly (bitwise) its slice of
+the plain model's weights, and gives the plain model's loss and, on each shard, its slice of the plain gradients,
+with Megatron sequence parallelism off and on. One spawn of 2 processes for every case."""
+import os
+import socket
+
+import pytest
+
+CASES = {  # name: (preset, overrides)
+    "gpt2-tied-biases": ("tiny", {}),
+    "gpt2-uneven-vocab": ("tiny", {"vocab": 4097}),
+    "llama-gqa": ("tiny-llama", {}),
+    "qwen3-qk-norm-untied-uneven": ("tiny-llama", {"qk_norm": True, "vocab": 4095, "tied_embeddings": False}),
+    "mistral-window": ("tiny-llama", {"sliding_window": 24}),
+}
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(rank, world, port, out):
+    import torch.distributed as dist
+
+    from dspipe.spec.presets import model_preset
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        group = dist.new_group(list(range(world)))
+        for case, (preset, overrides) in CASES.items():
+            spec = model_preset(preset, dropout=0.0, **overrides)
+            for seq_parallel in (False, True):
+                out[(case, seq_parallel, rank)] = _compare(spec, rank=rank, world=world, group=group,
+                                                           seq_parallel=seq_parallel)
+    finally:
+        dist.destroy_process_group()
+
+
+def _compare(spec, *, rank, world, group, seq_parallel) -> dict:
+    import torch
+
+    from dspipe.model.gpt import GPT, fill
+    from dspipe.runtime.parallelize import shard_tensor_parallel
+    from dspipe.runtime.tensor_parallel import TensorGroup, mark_shards, shard_of
+
+    plain = GPT(spec, seed=7)
+    tp = TensorGroup(rank=rank, size=world, sequence_parallel=seq_parallel, group=group)
+    with torch.device("meta"):
+        model = GPT(spec, seed=None)
+    shard_tensor_parallel(model, spec=spec, tp=tp)
+    model = model.to_empty(device="cpu")
+    mark_shards(model)
+    fill(model, seed=7, write=lambda p, draw: p.copy_(shard_of(p, draw())))
+    gen = torch.Generator().manual_seed(3)
+    idx = torch.randint(0, spec.vocab, (2, spec.seq_len), generator=gen)
+    labels = torch.randint(0, spec.vocab, (2, spec.seq_len), generator=gen)
+    want, got = plain(idx, labels), model(idx, labels)
+    want.backward()
+    got.backward()
+    whole = dict(plain.named_parameters())
+    sharded, weights_equal, worst = 0, True, 0.0
+    for name, p in model.named_parameters():
+        sharded += bool(getattr(p, "tensor_model_parallel", False))
+        weights_equal &= torch.equal(shard_of(p, whole[name].detach()), p.detach())
+        ref = shard_of(p, whole[name].grad)
+        worst = max(worst, ((p.grad - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item())
+    return dict(loss=(want.item(), got.item()), weights_equal=weights_equal, grad_rel=worst, sharded=sharded,
+                names=sorted(n for n, _ in model.named_parameters()) == sorted(whole))
+
+
+@pytest.fixture(scope="module")
+def compared():
+    import torch.multiprocessing as mp
+
+    out = mp.Manager().dict()
+    mp.spawn(_rank, args=(2, _port(), out), nprocs=2)
+    return dict(out)
+
+
+@pytest.mark.parametrize("seq_parallel", [False, True], ids=["tp", "tp-sp"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_shards_hold_the_plain_weights_and_give_its_loss_and_gradients(compared, case, seq_parallel):
+    for rank in (0, 1):
+        r = compared[(case, seq_parallel, rank)]
+        want, got = r["loss"]
+        assert got == pytest.approx(want, rel=1e-6), (rank, want, got)
+        assert r["weights_equal"], rank  # step 0: bitwise the plain model's slice
+        assert r["grad_rel"] < 1e-5, (rank, r["grad_rel"])
+        assert r["names"], rank  # the same parameter names as the plain model (checkpoints, export)
+        assert r["sharded"] >= 2 * 4 + 1  # every block's 4 projections and the embedding at least
+
+
+def test_vocab_rows_cover_the_vocabulary_once():
+    from dspipe.runtime.tensor_parallel import vocab_rows
+
+    for vocab, tp in ((50257, 8), (4096, 2), (4097, 4), (7, 7)):
+        rows = [vocab_rows(vocab, rank=r, size=tp) for r in range(tp)]
+        assert rows[0][0] == 0 and rows[-1][1] == vocab
+        assert all(a[1] == b[0] for a, b in zip(rows, rows[1:]))
+    with pytest.raises(ValueError, match=r"vocab 5 over tp 4: rank 3 would hold no rows \(ceil\(5 / 4\) = 2"):
+        vocab_rows(5, rank=3, size=4)

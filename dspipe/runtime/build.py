@@ -55,8 +55,7 @@ def build_module(run: Run, *, mpu=None, checkpoint_fn=None, rank: int | None = N
     elif mode == "partitioned":
         model = _partitioned(run, weights=weights, mpu=mpu)
     else:
-        model = _materialised(run, weights=weights, on_device=mode == "device", local=local_experts(run, rank=rank),
-                              tp=tp)
+        model = _materialised(run, weights=weights, local=local_experts(run, rank=rank), tp=tp)
     return model
 
 
@@ -143,7 +142,7 @@ def _read_shard(weights):
                                                       whole=lambda: weights.full(name)))
 
 
-def _materialised(run: Run, *, weights, on_device: bool, local: range | None = None, tp=None):
+def _materialised(run: Run, *, weights, local: range | None = None, tp=None):
     """Constructed on the meta device (no memory, no default init), then each tensor allocated in the training
     dtype on its device and written from one fp32 value at a time. `local`: the experts of each sparse block to
     materialise (None: all); the others' parameters stay meta, their draws skipped, their weights not read. `tp`:
@@ -159,7 +158,7 @@ def _materialised(run: Run, *, weights, on_device: bool, local: range | None = N
         from dspipe.runtime.parallelize import shard_tensor_parallel
 
         shard_tensor_parallel(model, spec=run.model, tp=tp)
-    device = get_accelerator().device_name(int(os.environ.get("LOCAL_RANK", "0"))) if on_device else "cpu"
+    device = get_accelerator().device_name(int(os.environ.get("LOCAL_RANK", "0")))
     model = model.to(dtype=training_dtype(run.plan.precision))
     if local is None:
         model = model.to_empty(device=device)

@@ -80,7 +80,7 @@ def test_an_import_reads_only_this_ranks_experts():
             self.read.append(name)
             return source[name].float() + 1
 
-    model = _materialised(run, weights=Weights(), on_device=False, local=range(0, 2))
+    model = _materialised(run, weights=Weights(), local=range(0, 2))  # the CPU accelerator: the host
     remote = {n for n in source if is_remote(n, range(0, 2))}
     assert set(Weights.read) == source.keys() - remote and remote
     for n, p in model.named_parameters():

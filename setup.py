@@ -26,7 +26,8 @@ setup(
     ],
     extras_require={
         "monitor": ["wandb>=0.31", "comet_ml>=3.58"],  # --wandb-project / --comet-project (DeepSpeed's monitors)
-        "test": ["pytest>=9.0", "wandb>=0.31", "comet_ml>=3.58"],  # the offline W&B / Comet run is tested
+        # the offline W&B / Comet run is tested; Megatron datasets are written and read back by megatron-core's own code
+        "test": ["pytest>=9.0", "wandb>=0.31", "comet_ml>=3.58", "megatron-core>=0.16.1"],
     },
     entry_points={"console_scripts": ["dspipe=dspipe.cli.app:main"]},
 )

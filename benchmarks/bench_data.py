@@ -73,7 +73,20 @@ def demo_tokenizer(work: Path) -> Path:
     return out / "tokenizer"
 
 
-def raw_encode(corpus: Path, tokenizer_json: Path, *, method: str = "encode_batch") -> dict:
+def documents(corpus: Path, limit: int | None = None):
+    """The texts of a JSON-lines corpus (or the lines of a text file), up to `limit` bytes of UTF-8."""
+    size = 0
+    with open(corpus, encoding="utf-8") as f:
+        for line in f:
+            text = json.loads(line)["text"] if corpus.suffix in (".jsonl", ".json") else line
+            yield text
+            size += len(text.encode("utf-8"))
+            if limit is not None and size >= limit:
+                return
+
+
+def raw_encode(corpus: Path, tokenizer_json: Path, *, method: str = "encode_batch", limit: int | None = None) -> dict:
+    """The tokenizer alone on the corpus (its first `limit` bytes), ~1 MiB batches, timing the encode calls."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(tokenizer_json))
@@ -88,15 +101,13 @@ def raw_encode(corpus: Path, tokenizer_json: Path, *, method: str = "encode_batc
         cpu += time.thread_time() - c0
         tokens += sum(len(e) + 1 for e in encodings)  # + EOS, counted like prepare-data
 
-    with open(corpus, encoding="utf-8") as f:
-        for line in f:
-            d = json.loads(line)["text"]
-            batch.append(d)
-            chars += len(d)
-            size += len(d.encode("utf-8"))
-            if chars >= 1 << 20:
-                run(batch)
-                batch, chars = [], 0
+    for d in documents(corpus, limit):
+        batch.append(d)
+        chars += len(d)
+        size += len(d.encode("utf-8"))
+        if chars >= 1 << 20:
+            run(batch)
+            batch, chars = [], 0
     if batch:
         run(batch)
     return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "text_bytes": size,

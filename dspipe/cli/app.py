@@ -1,6 +1,7 @@
 """`dspipe` command line. Planning commands import no torch/deepspeed; errors are one line with exit code 2."""
 from __future__ import annotations
 
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -9,7 +10,7 @@ import click
 
 from dspipe.cli.bench import bench
 from dspipe.cli.calibrate import calibrate
-from dspipe.cli.data import prepare_data
+from dspipe.cli.data import convert_data, prepare_data
 from dspipe.cli.extend import extend
 from dspipe.cli.launch import doctor, launch, slurm_script
 from dspipe.cli.model import export_hf, generate, presets
@@ -71,7 +72,9 @@ def gen_config(**o) -> None:
     if train.warmup_steps < 2:  # DeepSpeed's WarmupLR and WarmupCosineLR take max(2, warmup_num_steps)
         notes.append(f"note: --warmup {train.warmup_steps} runs as 2 warmup steps (DeepSpeed's WarmupLR and "
                      f"WarmupCosineLR warm up over at least 2)")
-    if train.eval_interval and (Path(o["data"]) / "meta.json").is_file():
+    from dspipe.data.shards import is_prepared
+
+    if train.eval_interval and is_prepared(o["data"]):
         from dspipe.data.checks import check_val_for_eval
         check_val_for_eval(o["data"], seq_len=model.seq_len, dp=plan.dp, micro_batch=plan.micro_batch)
     command = _deepspeed_command(cluster=cluster, out=out, hostfile=o["hostfile"])
@@ -83,6 +86,7 @@ def gen_config(**o) -> None:
         prepare_run(out, model=model, cluster=cluster, best=best, data=o["data"], command=command,
                     wall_clock_breakdown=o["wall_clock_breakdown"], force=o["force"], monitors=monitor_values(o),
                     preset=preset)
+    keep_tokenizer(out, o["data"])
     if cluster.profile is None:  # --force without --profile: an earlier run's profile.json no longer applies
         from dspipe.spec.profile import PROFILE_FILE
         (out / PROFILE_FILE).unlink(missing_ok=True)
@@ -163,20 +167,53 @@ def time_figure_sources(cluster: ClusterSpec, o: dict, precision: str) -> list[t
                           precision=precision)
 
 
+def keep_tokenizer(out: Path, data: str) -> None:
+    """A Megatron prefix's tokenizer (beside it) is copied into the run directory, RUN/tokenizer, for generate and
+    export-hf: a prepared directory carries its own, a Megatron corpus usually sits elsewhere than its tokenizer."""
+    import shutil
+
+    from dspipe.atomic import replace_dir
+    from dspipe.data.blend import parse as parse_data, tokenizer_dir
+    from dspipe.data.megatron import is_prefix
+    from dspipe.outputs import write_errors
+
+    source = tokenizer_dir(data)
+    if not is_prefix(parse_data(data).sources[0].path) or not (source / "tokenizer.json").is_file():
+        return
+    tmp = out / f".tokenizer.tmp-{os.getpid()}"
+    with write_errors(out):
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(source, tmp)
+        replace_dir(tmp, out / "tokenizer")
+
+
 def _check_data(data: str, model: ModelSpec, notes: list[str]) -> None:
     """Errors now (vocab, corpus length); notes are collected and printed once the run is written."""
-    from dspipe.data import META_FILE, check_data_for_model, padded_vocab
+    from dspipe.data import check_data_for_model, padded_vocab
+    from dspipe.data.shards import is_prepared
 
-    if not (Path(data) / META_FILE).is_file():
+    if not is_prepared(data):
         notes.append(f"note: {data} is not prepared yet; run 'dspipe prepare-data --out {data}' before training")
         return
-    vocab = check_data_for_model(data, model_vocab=model.vocab, seq_len=model.seq_len)["vocab_size"]
+    meta = check_data_for_model(data, model_vocab=model.vocab, seq_len=model.seq_len)
+    vocab = meta["vocab_size"]
+    what = f"tokenizer vocab {vocab}" if meta.get("format") != "megatron-mmidx" or meta["tokenizer_dir"] else \
+        f"its largest token id + 1 = {vocab} (no tokenizer beside the Megatron prefix)"
+    if meta.get("format") == "megatron-mmidx":
+        eod = f"every document ends in EOD {meta['eos_id']}" if meta["eos_id"] is not None else \
+            "documents do not end in one EOD token (they run together in a window)"
+        tok = f"tokenizer {meta['tokenizer_dir']}" if meta["tokenizer_dir"] else \
+            f"no tokenizer beside it (generate/export-hf need {Path(data).parent / 'tokenizer'})"
+        notes.append(f"note: Megatron dataset {data}: {meta['num_documents']:,} documents, {meta['num_tokens']:,} "
+                     f"{meta['dtype']} tokens, ids 0..{meta['max_id']:,}, {eod}; {tok}; validation: its last "
+                     f"{meta['splits']['val']['num_documents']:,} documents")
     if model.vocab > padded_vocab(vocab):
-        notes.append(f"note: model vocab {model.vocab} > tokenizer vocab {vocab} in {data}: {model.vocab - vocab} "
+        notes.append(f"note: model vocab {model.vocab} > {what} in {data}: {model.vocab - vocab} "
                      f"embedding rows are never used (--pad-vocab gives {padded_vocab(vocab)})")
 
 
 cli.add_command(prepare_data)
+cli.add_command(convert_data)
 cli.add_command(presets)
 cli.add_command(launch)
 cli.add_command(doctor)

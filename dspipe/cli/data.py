@@ -38,11 +38,15 @@ BUILTIN_MAX_MB = 8.0
 @click.option("--workers", type=INT, default=None, help="tokenizer processes, 1-128 [default: usable CPUs, at most 32]")
 @click.option("--skip-bad", is_flag=True, default=False,
               help="skip non-UTF-8 files and files that fail to read (an I/O error), counted, instead of failing")
+@click.option("--format", "out_format", type=click.Choice(["dspipe", "megatron"]), default="dspipe",
+              show_default=True,
+              help="dspipe: token shards + meta.json; megatron: OUT/text_document.bin/.idx (Megatron / GPT-NeoX "
+                   "indexed dataset, --data-path OUT/text_document) and OUT/tokenizer")
 @click.option("--force", is_flag=True, default=False,
               help="rebuild even if --out already holds this preparation (only a directory dspipe prepared)")
 def prepare_data(inputs, sources, out: Path, text_field, txt_docs, hub_config, split, streaming, tokenizer,
                  train_tokenizer, tokenizer_sample_mb, val_fraction, max_mb, shard_tokens, workers, skip_bad,
-                 force) -> None:
+                 out_format, force) -> None:
     """Tokenize INPUTS (files, globs, directories, or a Hugging Face dataset name; default: the Python standard
     library's source) into memory-mapped token shards with a train/validation split, in parallel. Re-running
     with the same inputs and options is a no-op."""
@@ -52,6 +56,12 @@ def prepare_data(inputs, sources, out: Path, text_field, txt_docs, hub_config, s
     from dspipe.outputs import target
 
     out = target(out, flag="--out", expect="dir")  # before reading any input
+    final = out
+    if out_format == "megatron":  # tokens prepared beside it (resumable), then written in Megatron's format
+        from dspipe.outputs import claim_dir
+
+        claim_dir(out, kind="data", replace=force)  # refused before any tokenizing
+        out = out.with_name(f".{out.name}.tokens")
     specs = list(inputs) + list(sources)
     resolved = resolve_inputs(specs, text_field=text_field, txt_docs=txt_docs, config=hub_config, split=split,
                               streaming=streaming, skip_bad=skip_bad)
@@ -66,6 +76,17 @@ def prepare_data(inputs, sources, out: Path, text_field, txt_docs, hub_config, s
                      workers=workers, force=force, progress=True, log=click.echo)
     m = result.meta
     train, val = m["splits"]["train"], m["splits"]["val"]
+    if out_format == "megatron":
+        import shutil
+
+        from dspipe.data.convert import to_megatron
+
+        done = to_megatron(source=out, out=final, force=True)
+        shutil.rmtree(out, ignore_errors=True)
+        click.echo(f"wrote {done['prefix']}.bin/.idx: {done['num_documents']:,} documents, {done['num_tokens']:,} "
+                   f"{done['dtype']} tokens (train then validation documents), vocab {m['vocab_size']}, tokenizer in "
+                   f"{final / 'tokenizer'}; Megatron: --data-path {done['prefix']}")
+        return
     if result.reused:
         click.echo(f"{out} already prepared from the same inputs: {m['num_tokens']:,} tokens, vocab "
                    f"{m['vocab_size']} (--force rebuilds)")
@@ -77,5 +98,30 @@ def prepare_data(inputs, sources, out: Path, text_field, txt_docs, hub_config, s
                f"vocab {m['vocab_size']}"
                + (f", skipped {skipped['empty']} empty, {skipped['bad_utf8']} non-UTF-8 and "
                   f"{skipped['unreadable']} unreadable" if any(skipped.values()) else ""))
-    click.echo(f"tokenized at {m['num_tokens'] / result.encode_seconds:,.0f} tokens/s with {workers} workers "
-               f"({result.seconds:.1f} s in all)")
+    resumed = f", {result.resumed_documents:,} documents resumed" if result.resumed_documents else ""
+    click.echo(f"tokenized at {result.encoded_tokens / max(result.encode_seconds, 1e-9):,.0f} tokens/s with "
+               f"{workers} workers ({result.seconds:.1f} s in all{resumed})")
+
+
+@click.command("convert-data")
+@click.argument("source")
+@click.option("--out", required=True, metavar="DIR",
+              help="output directory: a prepared directory (from a Megatron PREFIX) or a Megatron dataset "
+                   "DIR/text_document.bin/.idx with DIR/tokenizer (from a prepared directory)")
+@click.option("--tokenizer", default=None, metavar="DIR",
+              help="Hugging Face tokenizer directory of a Megatron SOURCE [default: PREFIX's sibling tokenizer/]")
+@click.option("--force", is_flag=True, default=False, help="replace an earlier output of convert-data/prepare-data")
+def convert_data(source: str, out: str, tokenizer: str | None, force: bool) -> None:
+    """Convert SOURCE between dspipe's format and Megatron's / GPT-NeoX's indexed dataset: a Megatron PREFIX
+    (PREFIX.bin + PREFIX.idx) becomes a prepared directory, a prepared directory a Megatron dataset. Token-exact."""
+    from dspipe.data.convert import convert
+
+    direction, done = convert(source=source, out=out, tokenizer=tokenizer, force=force)
+    if direction == "to-megatron":
+        click.echo(f"wrote {done['prefix']}.bin/.idx: {done['num_documents']:,} documents, {done['num_tokens']:,} "
+                   f"{done['dtype']} tokens; Megatron: --data-path {done['prefix']}")
+    else:
+        click.echo(f"wrote {out}: {done['num_documents']:,} documents, {done['num_tokens']:,} {done['dtype']} tokens "
+                   f"(train {done['splits']['train']['num_documents']:,} / val "
+                   f"{done['splits']['val']['num_documents']:,} documents), vocab {done['vocab_size']}, EOS "
+                   f"{done['eos_id']}")

@@ -99,18 +99,18 @@ def tokenizer_vocab(tokenizer_json: Path) -> tuple[int, dict] | None:
 def tokenizer_note(hf_dir: str, data: str | None) -> str | None:
     """Whether the prepared data's tokenizer is HF_DIR's (its vocabulary size, and whether the vocabulary is
     the same), as one note line; None when either side is unknown."""
-    from dspipe.data.shards import META_FILE, TOKENIZER_DIR
-    from dspipe.jsonio import read_object
+    from dspipe.data.checks import tokenizer_path
+    from dspipe.data.shards import is_prepared, read_meta
 
-    if not data or not (Path(data) / META_FILE).is_file():
+    if not data or not is_prepared(data):
         return None
     hint = f"prepare the data with the model's tokenizer: 'dspipe prepare-data --tokenizer {hf_dir} --out {data}'"
-    data_vocab = read_object(Path(data) / META_FILE).get("vocab_size")
+    data_vocab = read_meta(data)["vocab_size"]
     if not (Path(hf_dir) / "tokenizer.json").is_file():
         return (f"note: {hf_dir} has no tokenizer.json, so its tokenizer was not compared with {data}'s "
                 f"({data_vocab} tokens); {hint}")
     theirs = tokenizer_vocab(Path(hf_dir) / "tokenizer.json")
-    ours = tokenizer_vocab(Path(data) / TOKENIZER_DIR / "tokenizer.json")
+    ours = tokenizer_vocab(tokenizer_path(data) / "tokenizer.json")
     if theirs is None:
         return f"note: cannot read {Path(hf_dir) / 'tokenizer.json'}; {hint}"
     if theirs[0] != data_vocab:

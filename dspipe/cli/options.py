@@ -295,11 +295,13 @@ def _model_from_options(o: dict) -> ModelSpec:
 
 
 def _with_padded_vocab(model: ModelSpec, data: str) -> ModelSpec:
-    from dspipe.data import META_FILE, padded_vocab, read_meta
+    from dspipe.data import padded_vocab, read_meta
     from dspipe.data.blend import parse as parse_data
+    from dspipe.data.shards import is_prepared
 
-    data = parse_data(data).sources[0].path  # the sources of a blend share one tokenizer
-    vocab = read_meta(data)["vocab_size"] if (Path(data) / META_FILE).is_file() else model.vocab
+    # the sources of a blend share one tokenizer (Megatron prefixes without one: the largest id + 1 of them all)
+    vocab = max((read_meta(s.path)["vocab_size"] if is_prepared(s.path) else model.vocab)
+                for s in parse_data(data).sources)
     return replace(model, vocab=padded_vocab(vocab))
 
 

@@ -7,6 +7,8 @@
     loader.py     windows over the memory map, the dp-invariant seeded order, resumable per-rank micro-batches
     checks.py     data vs model (vocab, sequence length) from meta.json alone; blend sources share one tokenizer
     blend.py      --data a:0.7,b:0.3: the parser, the exact greedy blend order, the blend's loader and state
+    megatron.py   Megatron / GPT-NeoX indexed datasets (PREFIX.bin + .idx): read as they are, checked, written
+    convert.py    convert-data: a prepared directory <-> a Megatron dataset, token for token
 
 Importing this package loads numpy only (no torch, datasets or transformers).
 """

@@ -95,7 +95,36 @@ def source_names(paths) -> tuple[str, ...]:
 
 
 def _is_single_path(text: str) -> bool:
-    return ("," not in text and ":" not in text) or os.path.isdir(text)
+    from dspipe.data.megatron import is_prefix
+
+    if os.path.isdir(text) or is_prefix(text):
+        return True
+    return "," not in text and ":" not in text and len(text.split()) < 2
+
+
+def _megatron_list(text: str) -> str:
+    """Megatron's blend syntax (--data-path "0.3 PREFIX_A 0.7 PREFIX_B", or prefixes alone) as dspipe's
+    PATH:WEIGHT,... text. Megatron reads an even-length list whose every other item is a number as weights and
+    prefixes, anything else as prefixes alone, and weighs prefixes alone by their sizes: here their train tokens."""
+    items = text.split()
+    weights = items[0::2]
+    if len(items) % 2 == 0 and all(_WEIGHT.match(w) or _NON_FINITE.match(w) for w in weights):
+        return ",".join(f"{p}:{w}" for w, p in zip(weights, items[1::2]))
+    if len(items) % 2 == 0 and any(_WEIGHT.match(w) for w in weights):
+        raise SpecError(f"--data {text[:80]!r}: Megatron's blend is WEIGHT PREFIX WEIGHT PREFIX ... (or prefixes "
+                        f"alone); {weights[[bool(_WEIGHT.match(w)) for w in weights].index(False)]!r} stands where "
+                        f"a weight goes")
+    from dspipe.data.shards import is_prepared, read_meta
+
+    sizes = []
+    for path in items:
+        if not is_prepared(path):
+            raise SpecError(f"--data source {path}: not a Megatron dataset or prepared directory (a blend of "
+                            f"prefixes without weights weighs each by its size, as Megatron does)")
+        sizes.append(read_meta(path, deep=False)["splits"]["train"]["num_tokens"])
+        if sizes[-1] == 0:
+            raise SpecError(f"--data source {path}: its train split is empty, so its size-proportional weight is 0")
+    return ",".join(f"{p}:{n}" for p, n in zip(items, sizes))
 
 
 def _weight(path: str, text: str) -> Fraction:
@@ -122,6 +151,8 @@ def parse(text: str) -> BlendSpec:
         raise SpecError(f"--data is empty: give a prepared data directory ({EXAMPLE})")
     if _is_single_path(text):
         return BlendSpec(sources=(BlendSource(path=text, share=Fraction(1)),), text=text)
+    if "," not in text and ":" not in text:
+        text = _megatron_list(text)
     items = text.split(",")
     if len(items) > MAX_SOURCES:
         raise SpecError(f"--data names {len(items)} sources, at most {MAX_SOURCES}")
@@ -442,6 +473,6 @@ def check_blend_for_run(spec: BlendSpec, *, model_vocab: int, seq_len: int, dp: 
 
 def tokenizer_dir(text: str) -> Path:
     """The directory holding the tokenizer of a --data value (every source of a blend shares one)."""
-    from dspipe.data.shards import TOKENIZER_DIR
+    from dspipe.data.checks import tokenizer_path
 
-    return Path(parse(text).sources[0].path) / TOKENIZER_DIR
+    return tokenizer_path(parse(text).sources[0].path)

@@ -18,6 +18,10 @@ def check_data_for_model(data_dir: str | Path, *, model_vocab: int, seq_len: int
     """meta.json of data_dir, after checking that every token id fits the model and one sequence fits the data."""
     meta = read_meta(data_dir)
     vocab = meta["vocab_size"]
+    if meta.get("format") == "megatron-mmidx" and meta["max_id"] >= model_vocab:
+        tok = f" (its tokenizer has {vocab})" if meta["tokenizer_dir"] else ""
+        raise SpecError(f"token id {meta['max_id']:,} in {data_dir}.bin does not fit model vocab {model_vocab:,}"
+                        f"{tok}: pass --vocab {vocab} or --pad-vocab ({padded_vocab(vocab)})")
     if vocab > model_vocab:
         raise SpecError(f"tokenizer vocab {vocab} in {data_dir} > model vocab {model_vocab}: token ids would "
                         f"overflow the embedding; pass --vocab {vocab} or --pad-vocab ({padded_vocab(vocab)})")
@@ -36,21 +40,29 @@ def check_val_for_eval(data_dir: str | Path, *, seq_len: int, dp: int, micro_bat
     if windows < dp * micro_batch:
         raise SpecError(f"the val split of {data_dir} holds {windows} windows of {seq_len + 1} tokens, fewer than one "
                         f"validation batch of dp {dp} x micro_batch {micro_batch} = {dp * micro_batch}; pass "
-                        f"--eval-interval 0 or prepare the data with a larger --val-fraction "
-                        f"(now {meta['val_fraction']})")
+                        f"--eval-interval 0 or " + (
+                            f"give a larger Megatron dataset (its last {meta['val_fraction']:.0%} of documents are "
+                            f"the validation split)" if meta.get("format") == "megatron-mmidx" else
+                            f"prepare the data with a larger --val-fraction (now {meta['val_fraction']})"))
 
 
 TOKENIZER_KEYS = ("model", "added_tokens", "normalizer", "pre_tokenizer")
 """What in tokenizer.json decides the token ids (vocab and merges, special tokens, text splitting)."""
 
 
+def tokenizer_path(data: str | Path) -> Path:
+    """The tokenizer directory of one data source: DATA/tokenizer, or the `tokenizer/` beside a Megatron prefix."""
+    from dspipe.data import megatron
+    from dspipe.data.shards import TOKENIZER_DIR
+
+    return megatron.tokenizer_beside(str(data)) if megatron.is_prefix(data) else Path(data) / TOKENIZER_DIR
+
+
 def _tokenizer_content(data_dir: str | Path):
     """The parts of DIR/tokenizer/tokenizer.json that decide token ids, or None where there is no such file."""
     import json
 
-    from dspipe.data.shards import TOKENIZER_DIR
-
-    path = Path(data_dir) / TOKENIZER_DIR / "tokenizer.json"
+    path = tokenizer_path(data_dir) / "tokenizer.json"
     if not path.is_file():
         return None
     hint = f"; re-run 'dspipe prepare-data --out {data_dir} --force'"
@@ -80,13 +92,16 @@ def check_blend_sources(paths) -> list[dict]:
     ref_tok = None
     for path, meta in zip(paths[1:], metas[1:]):
         fix = f"blended datasets must share one tokenizer (prepare it with --tokenizer {Path(first) / 'tokenizer'})"
-        if meta["vocab_size"] != ref["vocab_size"]:
+        # a Megatron prefix without a tokenizer has no vocabulary of its own (its largest id + 1 stands in)
+        told = all(m.get("format") != "megatron-mmidx" or m.get("tokenizer_dir") for m in (meta, ref))
+        if meta["vocab_size"] != ref["vocab_size"] and told:
             raise SpecError(f"blend source {path}: tokenizer vocab {meta['vocab_size']} ({meta['dtype']} tokens) "
                             f"differs from {first}'s {ref['vocab_size']} ({ref['dtype']}); {fix}")
-        if meta["dtype"] != ref["dtype"]:
+        megatron = "megatron-mmidx" in (meta.get("format"), ref.get("format"))
+        if meta["dtype"] != ref["dtype"] and not megatron:  # a loader reads every Megatron dtype into int64
             raise SpecError(f"blend source {path}: token dtype {meta['dtype']} differs from {first}'s "
                             f"{ref['dtype']}; {fix}")
-        if meta["eos_id"] != ref["eos_id"]:
+        if meta["eos_id"] != ref["eos_id"] and None not in (meta["eos_id"], ref["eos_id"]):
             raise SpecError(f"blend source {path}: EOS id {meta['eos_id']} differs from {first}'s {ref['eos_id']}; "
                             f"{fix}")
         if ref_tok is None:

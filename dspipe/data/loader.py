@@ -23,7 +23,7 @@ class TokenWindows:
         if seq_len < 1:
             raise SpecError(f"seq_len must be positive, got {seq_len}")
         self.data_dir, self.seq_len, self.split = Path(data_dir), seq_len, split
-        self.meta = read_meta(data_dir)
+        self.meta = read_meta(data_dir, deep=False)
         self.shards = [tokens for tokens, _ in open_split(data_dir, split, self.meta)]
         counts = np.array([max(0, (t.size - 1) // seq_len) for t in self.shards], dtype=np.int64)
         self._starts = np.concatenate([[0], np.cumsum(counts)])

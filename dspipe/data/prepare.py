@@ -1,20 +1,28 @@
 """prepare-data: documents -> tokenizer -> parallel batched encoding -> token shards, written whole or not at all.
 
-The output is built in a sibling temp directory `.NAME.tmp-PID-*` and renamed over `out` at the end, so `out` is
-either the previous complete result or the new one; meta.json is the last file written. An interrupted run leaves
-only the temp directory (no meta.json, never read by a loader), which the next run removes. Re-running with the
-same inputs and options (same fingerprint) is a no-op. The main process reads documents and writes shards; each
-worker process holds one single-threaded Rust tokenizer; at most 2 batches per worker are in flight, so memory
-does not grow with the corpus. A long document (one 40 MB line) is cut into pieces where the pre-tokenizer cuts
-anyway (tokenizer.pieces): the BPE trains on pieces, and a tokenizer that splits_exactly encodes it in parts on
-several workers into exactly the ids of the whole.
+The output is built in a work directory `.NAME.tmp-partial-<fingerprint[:16]>` beside `out` and renamed over `out`
+at the end, so `out` is either the previous complete result or the new one; meta.json is the last file written.
+Re-running with the same inputs and options (same fingerprint) is a no-op. The main process reads documents and
+writes shards; each worker process holds one single-threaded Rust tokenizer; at most 2 batches per worker are in
+flight, so memory does not grow with the corpus. A long document (one 40 MB line) is cut into pieces where the
+pre-tokenizer cuts anyway (tokenizer.pieces): the BPE trains on pieces, and a tokenizer that splits_exactly encodes
+it in parts on several workers into exactly the ids of the whole.
+
+Resume: every JOURNAL_SECONDS, and whenever a shard closed, at a document boundary, the work directory's journal is
+rewritten (atomically, the files it names synced first): documents and bytes consumed, the tokenizer's facts and
+both split writers' states (ShardWriter.state). A run that dies (kill -9, out of memory, a lost node) leaves the
+work directory; the next run with the same fingerprint takes its tokenizer as it is (a trained BPE is not trained
+again), restores the writers, reads past the documents already prepared without tokenizing them and goes on: the
+output is byte for byte an uninterrupted run's. A Ctrl-C keeps the work directory too once it holds documents. The
+directory is locked (flock, released by the kernel when its process dies): a second run with the same fingerprint
+is refused while the first lives; a work directory of another fingerprint, or with an unusable journal, is removed
+once no live run holds it.
 """
 from __future__ import annotations
 
 import hashlib
 import multiprocessing
 import os
-import shutil
 import sys
 import time
 from collections import deque
@@ -25,16 +33,19 @@ from typing import Callable, Iterator
 import numpy as np
 
 from dspipe.data.shards import (FORMAT, FORMAT_VERSION, META_FILE, SPLITS, TOKENIZER_DIR, ShardWriter, dataset_id,
-                                read_meta, token_dtype, write_meta)
+                                fsync_path, read_meta, token_dtype, write_meta)
 from dspipe.data.limits import too_small
 from dspipe.data.sources import Inputs, documents, fingerprint
+from dspipe.data.workdir import JOURNAL_FILE, LOCK_FILE, WorkDir, remove_stale_temps
 from dspipe import outputs
-from dspipe.atomic import staged_dir
+from dspipe.atomic import replace_dir
 from dspipe.errors import SpecError, cannot_read
 
 DEFAULT_VOCAB = 4096
 BATCH_CHARS = 1 << 20  # text per task sent to a worker
 BATCH_DOCS = 1024
+JOURNAL_SECONDS = 5.0
+"""The journal is rewritten at least this often (at the next document boundary), and whenever a shard closed."""
 
 
 @dataclass(frozen=True)
@@ -43,6 +54,9 @@ class Prepared:
     reused: bool  # the output already matched the inputs: nothing was done
     seconds: float = 0.0
     encode_seconds: float = 0.0
+    resumed_documents: int = 0  # documents an interrupted run had prepared, taken as they were
+    encoded_documents: int = 0  # documents this run sent to the tokenizer
+    encoded_tokens: int = 0  # their tokens (meta's num_tokens less the resumed ones: a rate is this / encode_seconds)
 
 
 def _tokenizer_identity(tokenizer: str | None, train_tokenizer: int | None, sample_bytes: int) -> list:
@@ -99,17 +113,8 @@ def _validate(*, tokenizer, train_tokenizer, val_fraction, max_bytes, shard_toke
         raise SpecError(f"--tokenizer-sample-mb must be positive, got {sample_bytes / 2**20:g}")
 
 
-def _remove_stale_temps(out: Path) -> None:
-    """Temp directories of runs that died (their process is gone)."""
-    for tmp in out.parent.glob(f".{out.name}.tmp-*"):
-        try:
-            pid = int(tmp.name.split(".tmp-")[1].split("-")[0])
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            shutil.rmtree(tmp, ignore_errors=True)
-        except (ValueError, IndexError, PermissionError):
-            pass
-
+class _InputChanged(Exception):
+    """The documents an interrupted run prepared are not what the input holds now (a hub dataset changed)."""
 
 
 def _batches(docs: Iterator[str], *, cut: bool = False) -> Iterator[tuple[list[str], bool]]:
@@ -166,27 +171,68 @@ class _Workers:
             self._pool.join()
 
 
-def _progress(enabled: bool):
+def _progress(enabled: bool, *, desc: str = "tokenizing", total: int | None = None, initial: int = 0):
+    """A bar of input bytes (rate, and an ETA when `total` is known) on stderr, shown only on a terminal."""
     from tqdm import tqdm
 
-    return tqdm(desc="tokenizing", unit="tok", unit_scale=True, disable=None if enabled else True, file=sys.stderr,
-                mininterval=0.5, smoothing=0.05, dynamic_ncols=True)
+    return tqdm(desc=desc, unit="B", unit_scale=True, unit_divisor=1024, total=total, initial=initial,
+                disable=None if enabled else True, file=sys.stderr, mininterval=0.5, smoothing=0.05,
+                dynamic_ncols=True)
+
+
+def _input_size(inputs: Inputs, max_bytes: int | None) -> int | None:
+    """The input's size for the ETA: its local files' sizes (a text file holds about its text, a JSON line a little
+    more), at most --max-mb; None for a hub dataset and for parquet (compressed: its size says little)."""
+    if inputs.hub or any(f.suffix.lower() == ".parquet" for f in inputs.files):
+        return None
+    try:
+        size = sum(os.stat(f).st_size for f in inputs.files)
+    except OSError:
+        return None
+    return min(size, max_bytes) if max_bytes else size
+
+
+def _skip(docs: Iterator[str], *, count: int, nbytes: int, progress: bool) -> None:
+    """Read past the first `count` documents (an interrupted run prepared them) without tokenizing them; they must
+    hold the `nbytes` bytes of UTF-8 that run counted, else _InputChanged."""
+    seen, size = 0, 0
+    with _progress(progress, desc="skipping prepared documents", total=nbytes) as bar:
+        for doc in docs:
+            n = len(doc.encode("utf-8"))
+            seen, size = seen + 1, size + n
+            bar.update(n)
+            if seen == count:
+                break
+    if (seen, size) != (count, nbytes):
+        raise _InputChanged(f"its first {seen:,} documents hold {size:,} bytes, the interrupted run prepared "
+                            f"{count:,} documents of {nbytes:,} bytes")
 
 
 def _encode(*, inputs: Inputs, max_bytes, tokenizer_json: Path, eos_id: int, dtype: str, workers: _Workers,
-            val_fraction: float, writers: dict, progress: bool) -> dict:
+            val_fraction: float, writers: dict, progress: bool, done: dict,
+            journal: Callable[[dict], None]) -> dict:
+    """Tokenize the documents after the `done` ones (num_documents, num_bytes: 0 but on a resume) into `writers`;
+    `journal` gets the counts and the writers' states at document boundaries (JOURNAL_SECONDS, a shard closed).
+    Returns the counts: num_documents, num_bytes (all of them, done included)."""
     from dspipe.data.tokenizer import PIECE_CHARS, encode_batch, release_memory, splits_exactly
 
-    counts = {"num_documents": 0, "num_bytes": 0}
-    bar = _progress(progress)
+    counts = {"num_documents": done["num_documents"], "num_bytes": done["num_bytes"]}
+    clock = {"journal": time.monotonic(), "closed": sum(len(w.shards) for w in writers.values()),
+             "tokens": sum(w.num_tokens for w in writers.values())}
     held: list[np.ndarray] = []  # the parts so far of a document sent in parts, without their EOS
 
-    def write(tokens: np.ndarray, lengths: np.ndarray, continued: bool) -> None:
+    def checkpoint() -> None:
+        journal({**counts, "writers": {s: w.state() for s, w in writers.items()}})
+        clock["journal"] = time.monotonic()
+        clock["closed"] = sum(len(w.shards) for w in writers.values())
+
+    def write(tokens: np.ndarray, lengths: np.ndarray, continued: bool, nbytes: int) -> None:
+        counts["num_bytes"] += nbytes
+        clock["tokens"] += int(tokens.size) - continued
         if continued:
             held.append(tokens[:-1])
-            bar.update(int(held[-1].size))
+            bar.update(nbytes)
             return
-        bar.update(int(tokens.size))
         if held:  # the last part: the whole document
             tokens = np.concatenate([*held, tokens])
             lengths = np.array([tokens.size], dtype=lengths.dtype)
@@ -200,23 +246,34 @@ def _encode(*, inputs: Inputs, max_bytes, tokenizer_json: Path, eos_id: int, dty
         else:
             writers["train"].add(tokens, lengths)
         counts["num_documents"] += lengths.size
+        if not bar.disable:
+            bar.set_postfix_str(f"{counts['num_documents']:,} docs, {bar.format_sizeof(clock['tokens'])} tokens",
+                                refresh=False)
+        bar.update(nbytes)
+        if (time.monotonic() - clock["journal"] >= JOURNAL_SECONDS
+                or sum(len(w.shards) for w in writers.values()) != clock["closed"]):
+            checkpoint()
         release_memory()
 
     exact = splits_exactly(tokenizer_json)
     task = dict(tokenizer_json=str(tokenizer_json), eos_id=eos_id, dtype=dtype,
                 piece_chars=PIECE_CHARS if exact else 0)
+    docs = documents(inputs, max_bytes=max_bytes, first_within=max_bytes)
+    if done["num_documents"]:
+        workers.pool()  # starts while the prepared documents are read past
+        _skip(docs, count=done["num_documents"], nbytes=done["num_bytes"], progress=progress)
+    bar = _progress(progress, total=_input_size(inputs, max_bytes), initial=done["num_bytes"])
     with bar:
         pending: deque = deque()
-        docs = documents(inputs, max_bytes=max_bytes, first_within=max_bytes)
         for batch, continued in _batches(docs, cut=exact):
-            counts["num_bytes"] += sum(len(d.encode("utf-8")) for d in batch)
-            pending.append((workers.pool().apply_async(encode_batch, (batch,), task), continued))
+            nbytes = sum(len(d.encode("utf-8")) for d in batch)
+            pending.append((workers.pool().apply_async(encode_batch, (batch,), task), continued, nbytes))
             if len(pending) >= 2 * workers.count:
-                result, more = pending.popleft()
-                write(*result.get(), more)
+                result, more, size = pending.popleft()
+                write(*result.get(), more, size)
         while pending:
-            result, more = pending.popleft()
-            write(*result.get(), more)
+            result, more, size = pending.popleft()
+            write(*result.get(), more, size)
     return counts
 
 
@@ -271,23 +328,85 @@ def _empty_input(inputs: Inputs) -> SpecError:
                      f"{skipped['bad_utf8']} non-UTF-8 and {skipped['unreadable']} unreadable files skipped)")
 
 
-def _build(*, tmp: Path, workers: _Workers, inputs: Inputs, fp: str, tokenizer, train_tokenizer, sample_bytes,
-           val_fraction, max_bytes, shard_tokens, progress, log) -> tuple[dict, float]:
-    """Everything into tmp; returns (meta, seconds spent encoding)."""
+def _new_tokenizer(*, work: WorkDir, inputs: Inputs, tokenizer, train_tokenizer, sample_bytes, max_bytes, workers,
+                   log) -> dict:
+    """Load or train the tokenizer, save it in the work directory (synced: a resume takes it as it is); its facts
+    for meta.json (source, vocab_size, eos_id, eos_token)."""
     from dspipe.data.tokenizer import save_hf
 
     tok, source = _load_tokenizer(inputs=inputs, tokenizer=tokenizer, train_tokenizer=train_tokenizer,
                                   sample_bytes=sample_bytes, max_bytes=max_bytes, workers=workers, log=log)
-    tokenizer_json = save_hf(tok, tmp / TOKENIZER_DIR)
-    vocab, eos_id = len(tok), int(tok.eos_token_id)
-    dtype = token_dtype(vocab)
-    writers = {s: ShardWriter(directory=tmp, split=s, dtype=dtype, shard_tokens=shard_tokens,
-                              ident=dataset_id(fp)) for s in SPLITS}
+    saved = save_hf(tok, work.path / TOKENIZER_DIR).parent
+    for f in (*saved.iterdir(), saved):
+        fsync_path(f)
+    return {"source": source, "vocab_size": len(tok), "eos_id": int(tok.eos_token_id), "eos_token": tok.eos_token}
+
+
+def _resume(work: WorkDir, *, fp: str, shard_tokens: int, log) -> tuple[dict, dict, dict] | None:
+    """(tokenizer facts, split writers, documents, bytes and tokens done) from the journal of a run of this fingerprint
+    that died, or None: there is none, or it does not hold (the directory is emptied for a fresh build)."""
+    journal = work.journal()
+    if journal is None:
+        if any(p.name != LOCK_FILE for p in work.path.iterdir()):
+            log(f"discarding {work.path}: an interrupted run left no usable journal there")
+        work.clear()
+        return None
+    facts, writers = journal["tokenizer"], {}
+    try:
+        vocab, eos_id = facts.get("vocab_size"), facts.get("eos_id")
+        if (type(vocab) is not int or type(eos_id) is not int or not 0 <= eos_id < vocab
+                or not isinstance(facts.get("source"), str) or not isinstance(facts.get("eos_token"), str)):
+            raise ValueError("its tokenizer facts are not valid")
+        if not (work.path / TOKENIZER_DIR / "tokenizer.json").is_file():
+            raise ValueError(f"{TOKENIZER_DIR}/tokenizer.json is missing")
+        for s in SPLITS:
+            writers[s] = ShardWriter(directory=work.path, split=s, dtype=token_dtype(vocab),
+                                     shard_tokens=shard_tokens, ident=dataset_id(fp))
+            state = journal["writers"].get(s)
+            if not isinstance(state, dict):
+                raise ValueError(f"the journal has no {s} writer state")
+            writers[s].restore(state)
+    except (ValueError, TypeError, KeyError, OSError) as e:  # the journal or the files are not as a run left them
+        for w in writers.values():
+            w.abort()
+        log(f"cannot resume from {work.path} ({e}): starting over")
+        work.clear()
+        return None
+    keep = {TOKENIZER_DIR, JOURNAL_FILE}  # and the shards of the journal; the shards past it are gone (restore)
+    for s in SPLITS:
+        state = journal["writers"][s]
+        for shard in state["shards"] + ([state["open"]] if state["open"] else []):
+            keep |= {f"{shard['name']}.bin", f"{shard['name']}.idx"}
+    work.clear(keep=keep)  # a journal's temp file or a meta.json the run was writing when it died
+    done = {"num_documents": journal["num_documents"], "num_bytes": journal["num_bytes"],
+            "num_tokens": sum(w.num_tokens for w in writers.values())}
+    log(f"resuming {work.shown}: {done['num_documents']:,} documents ({done['num_tokens']:,} tokens) already "
+        f"prepared")
+    return facts, writers, done
+
+
+def _build(*, work: WorkDir, workers: _Workers, inputs: Inputs, fp: str, tokenizer, train_tokenizer, sample_bytes,
+           val_fraction, max_bytes, shard_tokens, progress, log) -> tuple[dict, float, dict]:
+    """Everything into the work directory, from where a run of this fingerprint that died stopped (its journal),
+    else from the start; returns (meta, seconds spent encoding, the documents done before this run)."""
+    resumed = _resume(work, fp=fp, shard_tokens=shard_tokens, log=log)
+    if resumed is None:
+        facts = _new_tokenizer(work=work, inputs=inputs, tokenizer=tokenizer, train_tokenizer=train_tokenizer,
+                               sample_bytes=sample_bytes, max_bytes=max_bytes, workers=workers, log=log)
+        writers = {s: ShardWriter(directory=work.path, split=s, dtype=token_dtype(facts["vocab_size"]),
+                                  shard_tokens=shard_tokens, ident=dataset_id(fp)) for s in SPLITS}
+        done = {"num_documents": 0, "num_bytes": 0, "num_tokens": 0}
+        work.write_journal({"num_documents": 0, "num_bytes": 0, "tokenizer": facts,
+                            "writers": {s: w.state() for s, w in writers.items()}})
+    else:
+        facts, writers, done = resumed
+    vocab, eos_id, dtype = facts["vocab_size"], facts["eos_id"], token_dtype(facts["vocab_size"])
     try:
         t0 = time.perf_counter()
-        counts = _encode(inputs=inputs, max_bytes=max_bytes, tokenizer_json=tokenizer_json, eos_id=eos_id,
-                         dtype=dtype, workers=workers, val_fraction=val_fraction, writers=writers,
-                         progress=progress)
+        counts = _encode(inputs=inputs, max_bytes=max_bytes, tokenizer_json=work.path / TOKENIZER_DIR /
+                         "tokenizer.json", eos_id=eos_id, dtype=dtype, workers=workers, val_fraction=val_fraction,
+                         writers=writers, progress=progress, done=done,
+                         journal=lambda j: work.write_journal({**j, "tokenizer": facts}))
         encode_seconds = time.perf_counter() - t0
     except BaseException:
         for w in writers.values():
@@ -301,23 +420,24 @@ def _build(*, tmp: Path, workers: _Workers, inputs: Inputs, fp: str, tokenizer, 
         splits[s] = {"num_documents": sum(x["num_documents"] for x in shards),
                      "num_tokens": sum(x["num_tokens"] for x in shards), "shards": shards}
     meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "fingerprint": fp,
-            "tokenizer": TOKENIZER_DIR, "tokenizer_source": source, "vocab_size": vocab, "eos_id": eos_id,
-            "eos_token": tok.eos_token, "dtype": dtype,
+            "tokenizer": TOKENIZER_DIR, "tokenizer_source": facts["source"], "vocab_size": vocab, "eos_id": eos_id,
+            "eos_token": facts["eos_token"], "dtype": dtype,
             "num_documents": counts["num_documents"], "num_tokens": sum(v["num_tokens"] for v in splits.values()),
             "num_bytes": counts["num_bytes"], "skipped": dict(inputs.stats), "val_fraction": val_fraction,
             "input": {"source": inputs.label, "files": len(inputs.files), "hub": inputs.hub, "config": inputs.config,
                       "split": inputs.split, "text_field": inputs.text_field, "txt_docs": inputs.txt_docs,
                       "max_bytes": max_bytes},
             "splits": splits}
-    write_meta(tmp, meta)  # last: a directory without meta.json is never read
-    return meta, encode_seconds
+    write_meta(work.path, meta)  # last: a directory without meta.json is never read
+    return meta, encode_seconds, done
 
 
 def prepare(*, inputs: Inputs, out: Path, tokenizer: str | None = None, train_tokenizer: int | None = None,
             tokenizer_sample_bytes: int = 64 << 20, val_fraction: float = 0.01, max_bytes: int | None = None,
             shard_tokens: int = 500_000_000, workers: int = 1, force: bool = False, progress: bool = False,
             log: Callable[[str], None] = lambda s: None) -> Prepared:
-    """Prepare `out` from `inputs`; a no-op (reused=True) when out already holds exactly this preparation."""
+    """Prepare `out` from `inputs`; a no-op (reused=True) when out already holds exactly this preparation. A run of
+    the same inputs and options that died is resumed where it stopped (module docstring)."""
     if tokenizer is None and train_tokenizer is None:
         train_tokenizer = DEFAULT_VOCAB
     _validate(tokenizer=tokenizer, train_tokenizer=train_tokenizer, val_fraction=val_fraction, max_bytes=max_bytes,
@@ -340,20 +460,39 @@ def prepare(*, inputs: Inputs, out: Path, tokenizer: str | None = None, train_to
         log(f"{out} holds another preparation (different inputs or options): rebuilding it")
     start = time.perf_counter()
     dest = Path(os.path.abspath(out))
-    pool = _Workers(workers)
+    work, pool = WorkDir(dest, fp, shown=out), _Workers(workers)
+    kw = dict(work=work, workers=pool, inputs=inputs, fp=fp, tokenizer=tokenizer, train_tokenizer=train_tokenizer,
+              sample_bytes=tokenizer_sample_bytes, val_fraction=val_fraction, max_bytes=max_bytes,
+              shard_tokens=shard_tokens, progress=progress, log=log)
     with outputs.parents(out):
         with outputs.write_errors(out):
-            _remove_stale_temps(dest)
+            remove_stale_temps(dest, keep=work.path)
+            work.acquire()
         try:
-            # the temp's name carries the pid: _remove_stale_temps tells a dead run's temp from a live one's
-            with staged_dir(dest, tag=f"tmp-{os.getpid()}-",
-                            errors=lambda: outputs.write_errors(out)) as tmp:
-                meta, encode_seconds = _build(tmp=tmp, workers=pool, inputs=inputs, fp=fp, tokenizer=tokenizer,
-                                              train_tokenizer=train_tokenizer, sample_bytes=tokenizer_sample_bytes,
-                                              val_fraction=val_fraction, max_bytes=max_bytes,
-                                              shard_tokens=shard_tokens, progress=progress, log=log)
-                with outputs.write_errors(out):
-                    outputs.write_marker(tmp, kind="data")
+            try:
+                meta, encode_seconds, done = _build(**kw)
+            except _InputChanged as e:
+                log(f"the input changed since the interrupted run of {out} ({e}): starting over")
+                work.clear()
+                meta, encode_seconds, done = _build(**kw)
+            with outputs.write_errors(out):
+                staged = work.finish()
+                outputs.write_marker(staged, kind="data")
+                replace_dir(staged, dest)
+        except KeyboardInterrupt:
+            if not work.documents:
+                work.discard()
+            else:
+                log(f"interrupted: the {work.documents:,} documents prepared so far are kept in {work.path}; run "
+                    f"the same command again to resume")
+            raise
+        except BaseException:
+            work.discard()
+            raise
         finally:
+            work.release()
             pool.stop()
-    return Prepared(meta=meta, reused=False, seconds=time.perf_counter() - start, encode_seconds=encode_seconds)
+    return Prepared(meta=meta, reused=False, seconds=time.perf_counter() - start, encode_seconds=encode_seconds,
+                    resumed_documents=done["num_documents"],
+                    encoded_documents=meta["num_documents"] - done["num_documents"],
+                    encoded_tokens=meta["num_tokens"] - done["num_tokens"])

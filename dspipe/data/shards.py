@@ -13,6 +13,7 @@ prepared dataset.
 """
 from __future__ import annotations
 
+import os
 import re
 import struct
 from pathlib import Path
@@ -44,13 +45,18 @@ def shard_name(split: str, number: int) -> str:
 
 
 class ShardWriter:
-    """Appends whole documents to the numbered shards of one split; a shard closes once it holds shard_tokens."""
+    """Appends whole documents to the numbered shards of one split; a shard closes once it holds shard_tokens.
+
+    A writer whose process died resumes from its last state(): restore() keeps the shards closed by then, cuts the
+    open shard's files back to the sizes it had and goes on appending, so the files come out byte for byte as an
+    uninterrupted writer's (the headers are written when a shard closes)."""
 
     def __init__(self, *, directory: Path, split: str, dtype: str, shard_tokens: int, ident: bytes):
         self.directory, self.split, self.dtype = Path(directory), split, np.dtype(dtype)
         self.shard_tokens, self.ident = shard_tokens, ident
         self.shards: list[dict] = []
         self._tokens = self._index = None
+        self._unsynced: list[Path] = []  # files of shards closed since the last state()
 
     def add(self, tokens: np.ndarray, doc_lengths: np.ndarray) -> None:
         """tokens: whole documents back to back (EOS included); doc_lengths: their lengths, in order."""
@@ -81,6 +87,95 @@ class ShardWriter:
             self._close_shard()
         return self.shards
 
+    @property
+    def num_tokens(self) -> int:
+        """Tokens written so far, the open shard's included."""
+        return sum(s["num_tokens"] for s in self.shards) + (self._count if self._tokens is not None else 0)
+
+    def state(self) -> dict:
+        """Where the writer stands, as JSON-ready data for restore(): its closed shards, and the open shard's name,
+        token and document counts and file sizes (None when no shard is open). Every file it names is on disk
+        first (flushed and fsynced), so the state holds after a crash, a power cut included."""
+        for path in self._unsynced:
+            fsync_path(path)
+        self._unsynced.clear()
+        current = None
+        if self._tokens is not None:
+            for f in (self._tokens, self._index):
+                f.flush()
+                os.fsync(f.fileno())
+            current = {"name": self._name, "num_tokens": self._count, "num_documents": self._docs,
+                       "bin_bytes": self._tokens.tell(), "idx_bytes": self._index.tell()}
+        return {"shards": [dict(s) for s in self.shards], "open": current}
+
+    def restore(self, state: dict) -> None:
+        """Go on from `state` (state() of a writer of this split, directory, dtype, shard size and dataset id whose
+        process died): the closed shards are kept as they are (their headers checked), the open shard's files are
+        cut back to the sizes the state gives and reopened for appending, and shard files of this split past them
+        (written after the state) are removed. ValueError, saying what differs, when the files do not match it."""
+        closed, current = state.get("shards"), state.get("open")
+        if not isinstance(closed, list) or not (current is None or isinstance(current, dict)):
+            raise ValueError(f"bad {self.split} writer state")
+        for i, shard in enumerate(closed):
+            self._check_closed(i, shard)
+        self.shards = [{k: s[k] for k in ("name", "num_tokens", "num_documents")} for s in closed]
+        following = len(closed)
+        if current is not None:
+            self._reopen(current)
+            following += 1
+        for path in self.directory.glob(f"{self.split}-*"):
+            found = re.fullmatch(rf"{re.escape(self.split)}-(\d{{5,}})\.(bin|idx)", path.name)
+            if found and int(found[1]) >= following:
+                path.unlink()
+
+    def _files(self, name: str) -> tuple[Path, Path]:
+        return self.directory / f"{name}.bin", self.directory / f"{name}.idx"
+
+    def _check_closed(self, number: int, shard) -> None:
+        """A closed shard of the state: its name, counts, file sizes and headers as _close_shard left them."""
+        name = shard_name(self.split, number)
+        tokens, docs = _state_count(shard, "num_tokens"), _state_count(shard, "num_documents")
+        if shard.get("name") != name:
+            raise ValueError(f"shard {number} of the {self.split} split is named {show(shard.get('name'))}, "
+                             f"not {name!r}")
+        for path, magic, size, count in zip(self._files(name), (TOKENS_MAGIC, INDEX_MAGIC),
+                                            (self.dtype.itemsize, 8), (tokens, docs + 1)):
+            expected = HEADER.size + count * size
+            if not path.is_file() or path.stat().st_size != expected:
+                raise ValueError(f"{path.name} has {path.stat().st_size if path.is_file() else 'no'} bytes, "
+                                 f"the state says {expected}")
+            with open(path, "rb") as f:
+                if f.read(HEADER.size) != HEADER.pack(magic, FORMAT_VERSION, size, count, self.ident):
+                    raise ValueError(f"{path.name} has another header than the state's")
+
+    def _reopen(self, current: dict) -> None:
+        """The open shard of a state, cut back to the state's sizes and opened for appending."""
+        name = shard_name(self.split, len(self.shards))
+        tokens, docs = _state_count(current, "num_tokens"), _state_count(current, "num_documents")
+        sizes = (HEADER.size + tokens * self.dtype.itemsize, HEADER.size + 8 * (docs + 1))
+        if (current.get("name") != name or (current.get("bin_bytes"), current.get("idx_bytes")) != sizes
+                or not 0 < tokens < self.shard_tokens or not 0 < docs <= tokens):
+            raise ValueError(f"the open {self.split} shard of the state ({show(current.get('name'))}, {tokens} "
+                             f"tokens, {docs} documents) is not one this writer could have written")
+        paths = self._files(name)
+        for path, size in zip(paths, sizes):
+            if not path.is_file() or path.stat().st_size < size:
+                raise ValueError(f"{path.name} has {path.stat().st_size if path.is_file() else 'no'} bytes, the "
+                                 f"state says at least {size}")
+        with open(paths[1], "rb") as f:
+            f.seek(sizes[1] - 8)
+            last = int(np.frombuffer(f.read(8), "<u8")[0])
+        if last != tokens:
+            raise ValueError(f"{paths[1].name} ends its document {docs} at token {last}, the state says {tokens}")
+        files = []
+        for path, size in zip(paths, sizes):
+            f = open(path, "r+b")
+            f.truncate(size)
+            f.seek(size)
+            files.append(f)
+        self._tokens, self._index = files
+        self._name, self._count, self._docs = name, tokens, docs
+
     def _open(self) -> None:
         name = shard_name(self.split, len(self.shards))
         self._name, self._count, self._docs = name, 0, 0
@@ -97,14 +192,32 @@ class ShardWriter:
             f.write(HEADER.pack(magic, FORMAT_VERSION, size, count, self.ident))
             f.close()
         self.shards.append({"name": self._name, "num_tokens": self._count, "num_documents": self._docs})
+        self._unsynced += self._files(self._name)
         self._tokens = self._index = None
 
     def abort(self) -> None:
-        """Close the open shard without completing its header (its directory is being thrown away)."""
+        """Close the open shard without completing its header (its directory is being thrown away, or kept for a
+        resume, which goes on from the last state())."""
         for f in (self._tokens, self._index):
             if f is not None:
                 f.close()
         self._tokens = self._index = None
+
+
+def _state_count(entry, key: str) -> int:
+    value = entry.get(key) if isinstance(entry, dict) else None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOKENS:
+        raise ValueError(f"{key} in a writer state must be a count, got {show(value)}")
+    return value
+
+
+def fsync_path(path: str | Path) -> None:
+    """Flush a file (or a directory's entries) to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def write_meta(directory: Path, meta: dict) -> None:
@@ -113,8 +226,21 @@ def write_meta(directory: Path, meta: dict) -> None:
     (Path(directory) / META_FILE).write_text(dumps(meta, what=str(Path(directory) / META_FILE)))
 
 
-def read_meta(data_dir: str | Path) -> dict:
-    """meta.json of a prepared data directory, validated (check_meta): one SpecError naming the file and field."""
+def is_prepared(path: str | Path) -> bool:
+    """Whether `path` is data a loader reads: a prepared directory (meta.json) or a Megatron prefix."""
+    from dspipe.data import megatron
+
+    return (Path(path) / META_FILE).is_file() or megatron.is_prefix(path)
+
+
+def read_meta(data_dir: str | Path, *, deep: bool = True) -> dict:
+    """meta.json of a prepared data directory, validated (check_meta): one SpecError naming the file and field. For
+    a Megatron prefix, the same fields from its index (dspipe.data.megatron.read_meta; deep: every check and the
+    token scan)."""
+    from dspipe.data import megatron
+
+    if megatron.is_prefix(data_dir):
+        return megatron.read_meta(data_dir, deep=deep)
     path = Path(data_dir) / META_FILE
     if not path.is_file():
         raise SpecError(f"{data_dir} is not a prepared data directory (no {META_FILE}); "
@@ -217,8 +343,12 @@ def _open_array(path: Path, *, magic: bytes, dtype: np.dtype, count: int, ident:
 
 def open_split(data_dir: str | Path, split: str, meta: dict | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
     """(tokens, document offsets) memory maps of every shard of a split, each checked against meta.json."""
+    meta = meta or read_meta(data_dir, deep=False)
+    if meta.get("format") == "megatron-mmidx":
+        from dspipe.data import megatron
+
+        return megatron.open_split(str(data_dir), split, meta)
     data_dir = Path(data_dir)
-    meta = meta or read_meta(data_dir)
     if split not in meta["splits"]:
         raise SpecError(f"{data_dir} has no split {split!r} (splits: {', '.join(meta['splits'])})")
     ident, dtype = dataset_id(meta["fingerprint"]), np.dtype(meta["dtype"])

@@ -7,6 +7,7 @@ import ctypes.util
 import json
 import os
 import re
+import signal
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -222,7 +223,9 @@ def release_memory() -> None:
 
 
 def warm_worker() -> None:
-    """Pool initializer: import while the main process is still loading or training the tokenizer."""
+    """Pool initializer: import while the main process is still loading or training the tokenizer. A Ctrl-C is the
+    main process's to handle (it stops the workers): a worker ignores it rather than print a traceback."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     import tokenizers  # noqa: F401
 

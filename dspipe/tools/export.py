@@ -89,7 +89,8 @@ def tokenizer_dir(checkpoint: Path) -> Path:
         raise SpecError(f"cannot find the tokenizer of checkpoint {checkpoint}: {run_dir} is not its run directory "
                         f"(the run's dspipe.json names the data directory holding the tokenizer)")
     data = load_run(run_dir).data
-    tok = data_tokenizer_dir(data)  # a blend's sources share one tokenizer
+    kept = run_dir / "tokenizer"  # a Megatron prefix's, copied by gen-config (cli.app.keep_tokenizer)
+    tok = kept if (kept / "tokenizer.json").is_file() else data_tokenizer_dir(data)  # a blend's sources share one
     if not (tok / "tokenizer.json").is_file() and not (tok / "tokenizer_config.json").is_file():
         raise SpecError(f"tokenizer not found: {tok} (the data directory of run {run_dir} is {data}); "
                         f"prepare it again with 'dspipe prepare-data --out {data}'")

@@ -1,8 +1,10 @@
-"""A blend of two prepared datasets trained on 2 CPU ranks: killed with kill -9 between checkpoints and resumed, it
-reproduces the uninterrupted run's per-step metrics and per-source validation losses bitwise, across an epoch of
-the small source."""
+"""A blend of a prepared dataset and a Megatron dataset written by megatron-core's own builder, trained on 2 CPU
+ranks: killed with kill -9 between checkpoints and resumed, it reproduces the uninterrupted run's per-step metrics
+and per-source validation losses bitwise, across an epoch of the small source."""
 import random
+import shutil
 
+import numpy as np
 import pytest
 
 from dspipe.runtime import checkpoint as ckpt
@@ -12,20 +14,35 @@ STEPS, EVERY = 8, 3
 
 
 def small_dataset(root, tokenizer):
-    """4 documents, one of them validation (~13 windows of 65 tokens), the train split ~40 windows: the blend's
-    0.4 share (51 of 128 samples in 8 steps) runs through it more than once."""
+    """33 short documents and a long last one, tokenized by dspipe, then written as a Megatron dataset by
+    megatron-core's IndexedDatasetBuilder with the tokenizer beside it: the last 3% of its documents (the long
+    one, ~18 windows of 65 tokens) are the validation split, the train split ~37 windows, so the blend's 0.4
+    share (51 of 128 samples in 8 steps) runs through it more than once."""
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    from dspipe.data import read_meta
     from dspipe.data.prepare import prepare
+    from dspipe.data.shards import open_split
     from dspipe.data.sources import resolve_inputs
 
     rng = random.Random(7)
     words = "alpha beta gamma delta lambda return def class import yield while print".split()
     docs = root / "txt"
     docs.mkdir()
-    for i in range(4):
-        (docs / f"doc{i}.txt").write_text(" ".join(rng.choice(words) for _ in range(350)) + "\n")
-    prepare(inputs=resolve_inputs([str(docs)]), out=root / "small", tokenizer=str(tokenizer), val_fraction=0.25,
+    for i in range(34):
+        (docs / f"doc{i:02d}.txt").write_text(" ".join(rng.choice(words) for _ in range(30 if i < 33 else 500))
+                                              + "\n")
+    prepare(inputs=resolve_inputs([str(docs)]), out=root / "tokens", tokenizer=str(tokenizer), val_fraction=0.0,
             workers=1)
-    return root / "small"
+    (toks, offsets), = open_split(root / "tokens", "train", read_meta(root / "tokens"))
+    (root / "mg").mkdir()
+    shutil.copytree(root / "tokens" / "tokenizer", root / "mg" / "tokenizer")
+    builder = IndexedDatasetBuilder(str(root / "mg" / "small.bin"), dtype=np.uint16)
+    for a, b in zip(offsets[:-1], offsets[1:]):
+        builder.add_document(torch.from_numpy(np.asarray(toks[a:b], dtype=np.int64)), [int(b - a)])
+    builder.finalize(str(root / "mg" / "small.idx"))
+    return root / "mg" / "small"
 
 
 @pytest.mark.distributed

@@ -100,12 +100,16 @@ def tokenizer_note(hf_dir: str, data: str | None) -> str | None:
     """Whether the prepared data's tokenizer is HF_DIR's (its vocabulary size, and whether the vocabulary is
     the same), as one note line; None when either side is unknown."""
     from dspipe.data.checks import tokenizer_path
-    from dspipe.data.shards import is_prepared, read_meta
+    from dspipe.data.megatron import is_prefix
+    from dspipe.data.shards import META_FILE, is_prepared, read_meta
+    from dspipe.jsonio import read_object
 
     if not data or not is_prepared(data):
         return None
     hint = f"prepare the data with the model's tokenizer: 'dspipe prepare-data --tokenizer {hf_dir} --out {data}'"
-    data_vocab = read_meta(data)["vocab_size"]
+    # a Megatron prefix: its tokenizer's vocab (or its largest id + 1); a directory: meta.json's, read as it is
+    data_vocab = read_meta(data)["vocab_size"] if is_prefix(data) else \
+        read_object(Path(data) / META_FILE).get("vocab_size")
     if not (Path(hf_dir) / "tokenizer.json").is_file():
         return (f"note: {hf_dir} has no tokenizer.json, so its tokenizer was not compared with {data}'s "
                 f"({data_vocab} tokens); {hint}")

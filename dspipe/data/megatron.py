@@ -108,12 +108,13 @@ def read_index(prefix: str | os.PathLike, *, deep: bool = True) -> Index:
         if not path.is_file():
             raise _fail(prefix, f"{path} is missing (a Megatron dataset is PREFIX.idx + PREFIX.bin; the {what} "
                                 f"is not there)")
-    try:
-        with open(ip, "rb") as f:
-            head = f.read(HEAD.size)
-        idx_size, bin_size = ip.stat().st_size, bp.stat().st_size
-    except OSError as e:
-        raise cannot_read(ip, e) from None
+    for path in (bp, ip):  # both readable, or one line naming the one that is not; the index's header last
+        try:
+            with open(path, "rb") as f:
+                head = f.read(HEAD.size)
+        except OSError as e:
+            raise cannot_read(path, e) from None
+    idx_size, bin_size = ip.stat().st_size, bp.stat().st_size
     if len(head) < HEAD.size or head[:9] != MAGIC:
         raise _fail(prefix, f"{ip} is not a Megatron index (its first bytes are {head[:9]!r}, want {MAGIC!r}): "
                             f"another format, or truncated")

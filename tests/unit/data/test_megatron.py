@@ -292,3 +292,19 @@ def test_gen_config_keeps_a_prefixs_tokenizer_with_the_run(tmp_path, corpus):
     assert run_cli("gen-config", "--model", "tiny", "--gpus-per-node", "2", "--gpu", "cpu", "--global-batch", "8",
                    "--data", d / "text_document", "--out", run, "--pad-vocab", "--micro-batch", "1", "--force") == 0
     assert kept.is_file()  # a prefix without a tokenizer beside it now: the run's stays
+
+
+def test_an_unreadable_bin_is_one_line(tmp_path, mdata, monkeypatch):
+    p = tmp_path / "locked"
+    for ext in (".bin", ".idx"):
+        shutil.copy(f"{mdata}{ext}", f"{p}{ext}")
+    real_open = open
+
+    def failing(path, *a, **k):
+        if str(path) == f"{p}.bin":
+            raise PermissionError(13, "Permission denied")
+        return real_open(path, *a, **k)
+
+    monkeypatch.setattr("builtins.open", failing)
+    with pytest.raises(SpecError, match=r"locked\.bin: cannot read it \(Permission denied\)"):
+        read_meta(p)

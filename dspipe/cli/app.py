@@ -15,8 +15,8 @@ from dspipe.cli.extend import extend
 from dspipe.cli.launch import doctor, launch, slurm_script
 from dspipe.cli.model import export_hf, generate, presets
 from dspipe.cli.config_file import resolved_text
-from dspipe.cli.options import (DEFAULT_DATA, INT, choose, monitor_options, parse_tokens, spec_options,
-                                token_budget_line, tokens_option)
+from dspipe.cli.options import (DEFAULT_DATA, INT, choose, data_options, monitor_options, parse_tokens,
+                                spec_options, token_budget_line, tokens_option)
 from dspipe.cli.prepare_run import prepare_run
 from dspipe.cli.report import report
 from dspipe.cluster.launch import run_program
@@ -45,6 +45,7 @@ def _deepspeed_command(*, cluster: ClusterSpec, out: Path, hostfile: str | None)
 @tokens_option("training length as a token budget (300B, 1.5T, 2e9) instead of --steps: "
                "steps = ceil(tokens / (global batch x seq len))")
 @click.option("--data", default=DEFAULT_DATA, show_default=True, help="prepared token directory")
+@data_options
 @click.option("--pad-vocab", is_flag=True, default=False,
               help="model vocab = the data's tokenizer vocab rounded up to a multiple of 64")
 @click.option("--wall-clock-breakdown", is_flag=True, default=False, help="DeepSpeed per-phase timers")
@@ -63,17 +64,34 @@ def gen_config(**o) -> None:
         raise click.MissingParameter(ctx=click.get_current_context(), param_type="option", param_hint="'--out'")
 
     o["out"] = target(o["out"], flag="--out", expect="dir")  # before any planning: a bad --out is refused first
+    if o["data_order"] == "megatron":  # before the data's own checks: what this order cannot read at all
+        from dspipe.data.blend import parse as parse_data
+        from dspipe.data.megatron_order import check_prefixes
+        check_prefixes(parse_data(o["data"]))
+    if o["tokenizer"] is not None:  # Megatron prefixes only, every id inside it
+        from dspipe.data.blend import parse as parse_data
+        from dspipe.data.checks import check_tokenizer
+        check_tokenizer(parse_data(o["data"]).paths, o["tokenizer"])
     kept = training_outputs(o["out"]) if claim_run_dir(o["out"], force=o["force"]) else []
     notes: list[str] = []
-    model, cluster, result, preset = choose(o, check_model=lambda m: _check_data(o["data"], m, notes))
+    model, cluster, result, preset = choose(o, check_model=lambda m: _check_data(o["data"], m, notes,
+                                                                                tokenizer=o["tokenizer"]))
     best = result.best
     plan, train = best.plan, best.train
     out: Path = o["out"]
+    if o["tokenizer"] is not None:  # its vocab must fit the model (generate, export-hf), a blend's too
+        from dspipe.data.blend import parse as parse_data
+        from dspipe.data.checks import check_tokenizer
+        check_tokenizer(parse_data(o["data"]).paths, o["tokenizer"], model_vocab=model.vocab)
     if train.warmup_steps < 2:  # DeepSpeed's WarmupLR and WarmupCosineLR take max(2, warmup_num_steps)
         notes.append(f"note: --warmup {train.warmup_steps} runs as 2 warmup steps (DeepSpeed's WarmupLR and "
                      f"WarmupCosineLR warm up over at least 2)")
     from dspipe.data.shards import is_prepared
 
+    if train.data_order == "megatron":  # every source a Megatron prefix, each long enough for one sample
+        from dspipe.data.blend import parse as parse_data
+        from dspipe.data.megatron_order import check_for_run
+        check_for_run(parse_data(o["data"]), seq_len=model.seq_len, num_samples=train.steps * plan.global_batch)
     if train.eval_interval and is_prepared(o["data"]):
         from dspipe.data.checks import check_val_for_eval
         check_val_for_eval(o["data"], seq_len=model.seq_len, dp=plan.dp, micro_batch=plan.micro_batch)
@@ -86,7 +104,7 @@ def gen_config(**o) -> None:
         prepare_run(out, model=model, cluster=cluster, best=best, data=o["data"], command=command,
                     wall_clock_breakdown=o["wall_clock_breakdown"], force=o["force"], monitors=monitor_values(o),
                     preset=preset)
-    keep_tokenizer(out, o["data"])
+    keep_tokenizer(out, o["data"], tokenizer=o["tokenizer"])
     if cluster.profile is None:  # --force without --profile: an earlier run's profile.json no longer applies
         from dspipe.spec.profile import PROFILE_FILE
         (out / PROFILE_FILE).unlink(missing_ok=True)
@@ -167,9 +185,10 @@ def time_figure_sources(cluster: ClusterSpec, o: dict, precision: str) -> list[t
                           precision=precision)
 
 
-def keep_tokenizer(out: Path, data: str) -> None:
-    """A Megatron prefix's tokenizer (beside it) is copied into the run directory, RUN/tokenizer, for generate and
-    export-hf: a prepared directory carries its own, a Megatron corpus usually sits elsewhere than its tokenizer."""
+def keep_tokenizer(out: Path, data: str, *, tokenizer: str | None = None) -> None:
+    """A Megatron prefix's tokenizer (--tokenizer, else the one beside it) is copied into the run directory,
+    RUN/tokenizer, for generate and export-hf: a prepared directory carries its own, a Megatron corpus usually sits
+    elsewhere than its tokenizer."""
     import shutil
 
     from dspipe.atomic import replace_dir
@@ -177,7 +196,7 @@ def keep_tokenizer(out: Path, data: str) -> None:
     from dspipe.data.megatron import is_prefix
     from dspipe.outputs import write_errors
 
-    source = tokenizer_dir(data)
+    source = Path(tokenizer) if tokenizer is not None else tokenizer_dir(data)
     if not is_prefix(parse_data(data).sources[0].path) or not (source / "tokenizer.json").is_file():
         return
     tmp = out / f".tokenizer.tmp-{os.getpid()}"
@@ -187,8 +206,9 @@ def keep_tokenizer(out: Path, data: str) -> None:
         replace_dir(tmp, out / "tokenizer")
 
 
-def _check_data(data: str, model: ModelSpec, notes: list[str]) -> None:
-    """Errors now (vocab, corpus length); notes are collected and printed once the run is written."""
+def _check_data(data: str, model: ModelSpec, notes: list[str], *, tokenizer: str | None = None) -> None:
+    """Errors now (vocab, corpus length); notes are collected and printed once the run is written. tokenizer: the
+    --tokenizer of Megatron prefixes, named in the note."""
     from dspipe.data import check_data_for_model, padded_vocab
     from dspipe.data.shards import is_prepared
 
@@ -197,6 +217,10 @@ def _check_data(data: str, model: ModelSpec, notes: list[str]) -> None:
         return
     meta = check_data_for_model(data, model_vocab=model.vocab, seq_len=model.seq_len)
     vocab = meta["vocab_size"]
+    if tokenizer is not None:  # checked against the data before, against the model after the search
+        from dspipe.data.megatron import tokenizer_vocab_size
+        vocab = tokenizer_vocab_size(Path(tokenizer))
+        meta = {**meta, "tokenizer_dir": f"{tokenizer} (--tokenizer)"}
     what = f"tokenizer vocab {vocab}" if meta.get("format") != "megatron-mmidx" or meta["tokenizer_dir"] else \
         f"its largest token id + 1 = {vocab} (no tokenizer beside the Megatron prefix)"
     if meta.get("format") == "megatron-mmidx":

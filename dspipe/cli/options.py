@@ -271,6 +271,11 @@ def _calibration(o: dict) -> dict:
     return dict(intra_node_gbps=o.get("intra_node_gbps"), inter_node_gbps=o.get("inter_node_gbps"), profile=profile)
 
 
+def data_options(f):
+    """gen-config's --data-order (the run's training sample order) and --tokenizer (of Megatron prefixes)."""
+    return _options(f, ["data_order", "tokenizer"])
+
+
 def monitor_options(f):
     """W&B and Comet through DeepSpeed's own monitor config (off unless a project is given)."""
     return _options(f, MONITOR)
@@ -294,14 +299,17 @@ def _model_from_options(o: dict) -> ModelSpec:
     return ModelSpec(name="custom", **{**derived, **given})
 
 
-def _with_padded_vocab(model: ModelSpec, data: str) -> ModelSpec:
+def _with_padded_vocab(model: ModelSpec, data: str, *, tokenizer: str | None = None) -> ModelSpec:
     from dspipe.data import padded_vocab, read_meta
     from dspipe.data.blend import parse as parse_data
     from dspipe.data.shards import is_prepared
 
     # the sources of a blend share one tokenizer (Megatron prefixes without one: the largest id + 1 of them all)
-    vocab = max((read_meta(s.path)["vocab_size"] if is_prepared(s.path) else model.vocab)
-                for s in parse_data(data).sources)
+    sources = parse_data(data).sources
+    vocab = max((read_meta(s.path)["vocab_size"] if is_prepared(s.path) else model.vocab) for s in sources)
+    if tokenizer is not None:  # Megatron prefixes' --tokenizer: checked against them, its vocab held too
+        from dspipe.data.checks import check_tokenizer
+        vocab = max(vocab, check_tokenizer([s.path for s in sources], tokenizer))
     return replace(model, vocab=padded_vocab(vocab))
 
 
@@ -405,7 +413,7 @@ def request_from_options(o: dict, *, cluster: ClusterSpec | None = None
     else:
         model = _model_from_options(o)
     if o.get("pad_vocab"):
-        model = _with_padded_vocab(model, o["data"])
+        model = _with_padded_vocab(model, o["data"], tokenizer=o.get("tokenizer"))
     steps, tokens = o["steps"], o.get("tokens")
     if tokens is not None and isinstance(o["global_batch"], int) and o["global_batch"] >= 1:
         derived = steps_for_tokens(tokens, global_batch=o["global_batch"], seq_len=model.seq_len)
@@ -420,7 +428,8 @@ def request_from_options(o: dict, *, cluster: ClusterSpec | None = None
                "steps": steps, "tokens": tokens,
                "warmup_steps": o["warmup"] if o["warmup"] is not None else default_warmup(steps),
                "init_from": os.path.abspath(o["init_from"]) if o.get("init_from") else None}
-    given = {s.field: o[s.key] for s in SPEC_SETTINGS if s.field in TRAIN_FIELDS and s.field not in derived}
+    given = {s.field: o[s.key] for s in SPEC_SETTINGS if s.field in TRAIN_FIELDS and s.field not in derived
+             and (s.key in o or s.key not in BY_COMMAND)}  # a command's own option (gen-config's --data-order)
     return model, cluster, TrainSpec(**given, **derived), request
 
 

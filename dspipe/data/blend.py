@@ -57,7 +57,10 @@ class BlendSource:
 class BlendSpec:
     sources: tuple[BlendSource, ...]
     text: str
-    """The --data value, normalised (spaces around items dropped; a single path exactly as given)."""
+    """The --data value, normalised (spaces around items dropped; a single path exactly as given; a Megatron list
+    of prefixes alone as its prefixes, space-separated)."""
+    sized: bool = False
+    """Weighed by size: a Megatron list of prefixes without weights (Megatron's order reads such a blend once)."""
 
     @property
     def is_blend(self) -> bool:
@@ -102,14 +105,15 @@ def _is_single_path(text: str) -> bool:
     return "," not in text and ":" not in text and len(text.split()) < 2
 
 
-def _megatron_list(text: str) -> str:
+def _megatron_list(text: str) -> tuple[str, bool]:
     """Megatron's blend syntax (--data-path "0.3 PREFIX_A 0.7 PREFIX_B", or prefixes alone) as dspipe's
-    PATH:WEIGHT,... text. Megatron reads an even-length list whose every other item is a number as weights and
-    prefixes, anything else as prefixes alone, and weighs prefixes alone by their sizes: here their train tokens."""
+    PATH:WEIGHT,... text, and whether the weights are sizes. Megatron reads an even-length list whose every other
+    item is a number as weights and prefixes, anything else as prefixes alone, and weighs prefixes alone by their
+    sizes: here their train tokens (in Megatron's order, dspipe.data.megatron_order, its samples of one pass)."""
     items = text.split()
     weights = items[0::2]
     if len(items) % 2 == 0 and all(_WEIGHT.match(w) or _NON_FINITE.match(w) for w in weights):
-        return ",".join(f"{p}:{w}" for w, p in zip(weights, items[1::2]))
+        return ",".join(f"{p}:{w}" for w, p in zip(weights, items[1::2])), False
     if len(items) % 2 == 0 and any(_WEIGHT.match(w) for w in weights):
         raise SpecError(f"--data {text[:80]!r}: Megatron's blend is WEIGHT PREFIX WEIGHT PREFIX ... (or prefixes "
                         f"alone); {weights[[bool(_WEIGHT.match(w)) for w in weights].index(False)]!r} stands where "
@@ -124,7 +128,7 @@ def _megatron_list(text: str) -> str:
         sizes.append(read_meta(path, deep=False)["splits"]["train"]["num_tokens"])
         if sizes[-1] == 0:
             raise SpecError(f"--data source {path}: its train split is empty, so its size-proportional weight is 0")
-    return ",".join(f"{p}:{n}" for p, n in zip(items, sizes))
+    return ",".join(f"{p}:{n}" for p, n in zip(items, sizes)), True
 
 
 def _weight(path: str, text: str) -> Fraction:
@@ -151,8 +155,10 @@ def parse(text: str) -> BlendSpec:
         raise SpecError(f"--data is empty: give a prepared data directory ({EXAMPLE})")
     if _is_single_path(text):
         return BlendSpec(sources=(BlendSource(path=text, share=Fraction(1)),), text=text)
+    megatron_text = None
     if "," not in text and ":" not in text:
-        text = _megatron_list(text)
+        text, sized = _megatron_list(text)
+        megatron_text = " ".join(p for p, _ in (item.rsplit(":", 1) for item in text.split(","))) if sized else None
     items = text.split(",")
     if len(items) > MAX_SOURCES:
         raise SpecError(f"--data names {len(items)} sources, at most {MAX_SOURCES}")
@@ -186,6 +192,8 @@ def parse(text: str) -> BlendSpec:
                         f"for equal shares")
     total = sum(w for _, _, w in parsed)
     sources = tuple(BlendSource(path=p, share=w / total, given=g) for p, g, w in parsed)
+    if megatron_text is not None:
+        return BlendSpec(sources=sources, text=megatron_text, sized=True)
     return BlendSpec(sources=sources, text=",".join(f"{p}:{g}" for p, g, _ in parsed))
 
 
@@ -285,6 +293,33 @@ class BlendOrder:
         return chunk[2][offset:offset + count].copy(), chunk[3][offset:offset + count].copy()
 
 
+class MegatronBlendOrder(BlendOrder):
+    """BlendOrder drawing by Megatron's max-error rule (build_blending_indices) in float64: sample i goes to the
+    first source j maximising w_j x max(i, 1) - c_j. Same interface: assign, counts_at, anchor."""
+
+    def __init__(self, weights):
+        self.k, self.weights = len(weights), [float(x) for x in weights]
+        self._anchors = {0: (0,) * self.k}
+        self._chunk = None
+
+    def _simulate(self, start: int, counts: list[int], n: int, record: bool):
+        out = [] if record else None
+        w, k, stride = self.weights, self.k, self.ANCHOR_STRIDE
+        for i in range(start, start + n):
+            x = float(max(i, 1))
+            best, best_err = 0, w[0] * x - float(counts[0])
+            for j in range(1, k):
+                err = w[j] * x - float(counts[j])
+                if err > best_err:
+                    best, best_err = j, err
+            counts[best] += 1
+            if record:
+                out.append(best)
+            if (i + 1) % stride == 0:
+                self._anchors[i + 1] = tuple(counts)
+        return out
+
+
 def source_seed(seed: int, j: int) -> int:
     """The seed of source j's own per-epoch order: the run's seed for the first source, far apart for the others."""
     return (seed + j * 0x9E3779B97F4A7C15) % 2**64
@@ -292,19 +327,34 @@ def source_seed(seed: int, j: int) -> int:
 
 # ---- the sources, checked and opened ----------------------------------------------------------------------------
 
-def open_sources(spec: BlendSpec, *, model_vocab: int, seq_len: int, split: str = "train") -> list:
-    """TokenWindows of every source of `spec` (memory maps checked against meta.json), after checking each one
-    against the model (vocab, one sequence of data) and against the others (one tokenizer)."""
+def open_sources(spec: BlendSpec, *, model_vocab: int, seq_len: int, split: str = "train", order: str = "dspipe",
+                 seed: int = 0, num_samples: int | None = None) -> list:
+    """The loader sources of `spec` (memory maps checked against meta.json), after checking each one against the
+    model (vocab, one sequence of data) and against the others (one tokenizer): TokenWindows, or for the train split
+    in Megatron's order (order "megatron": Megatron prefixes only; num_samples = the run's steps x global batch)
+    dspipe.data.megatron_order.MegatronSamples, each built for its share of num_samples as Megatron builds it."""
     from dspipe.data.checks import check_blend_sources, check_data_for_model
     from dspipe.data.loader import TokenWindows
 
+    megatron = order == "megatron" and split == "train"
+    if megatron:
+        from dspipe.data.megatron_order import check_megatron_order
+
+        sizes = check_megatron_order(spec, num_samples=num_samples, seq_len=seq_len)
     if spec.is_blend:
         check_blend_sources(spec.paths)
     out = []
-    for path in spec.paths:
+    for j, path in enumerate(spec.paths):
         try:
             check_data_for_model(path, model_vocab=model_vocab, seq_len=seq_len)
-            out.append(TokenWindows(path, seq_len=seq_len, split=split))
+            if megatron:
+                from dspipe.data.megatron_order import MegatronSamples
+                from dspipe.data.shards import read_meta
+
+                out.append(MegatronSamples(path, seq_len=seq_len, seed=seed, num_samples=sizes[j],
+                                           meta=read_meta(path, deep=False)))
+            else:
+                out.append(TokenWindows(path, seq_len=seq_len, split=split))
         except SpecError as e:
             if not spec.is_blend:
                 raise
@@ -314,13 +364,19 @@ def open_sources(spec: BlendSpec, *, model_vocab: int, seq_len: int, split: str 
 
 def make_loader(spec: BlendSpec, windows: list, *, seed: int, micro_batch: int, dp: int, dp_rank: int):
     """The train loader of `spec`: TrainLoader for one source (the order and state of a single data directory),
-    BlendLoader for a blend."""
+    BlendLoader for a blend (Megatron's blending rule when the sources are in Megatron's order)."""
     from dspipe.data.loader import TrainLoader
 
     if not spec.is_blend:
         return TrainLoader(windows=windows[0], seed=seed, micro_batch=micro_batch, dp=dp, dp_rank=dp_rank)
+    blend_order = None
+    if getattr(windows[0], "ordered", False):
+        from dspipe.data.megatron_order import blend_weights
+
+        weights = [len(w) for w in windows] if spec.sized else [s.given for s in spec.sources]
+        blend_order = MegatronBlendOrder(blend_weights(weights))
     return BlendLoader(windows=windows, shares=spec.shares, seed=seed, micro_batch=micro_batch, dp=dp,
-                       dp_rank=dp_rank)
+                       dp_rank=dp_rank, blend_order=blend_order)
 
 
 # ---- the loader ---------------------------------------------------------------------------------------------------
@@ -334,8 +390,8 @@ class BlendLoader:
     and continues with exactly the next micro-batch (under any dp size whose global batch divides the position)."""
 
     def __init__(self, *, windows: list, shares, seed: int, micro_batch: int, dp: int, dp_rank: int,
-                 consumed_samples: int = 0):
-        from dspipe.data.loader import SampleOrder
+                 consumed_samples: int = 0, blend_order: BlendOrder | None = None):
+        from dspipe.data.loader import order_of
 
         if not 0 <= dp_rank < dp:
             raise ValueError(f"dp_rank {dp_rank} outside [0, {dp})")
@@ -344,8 +400,9 @@ class BlendLoader:
                              f"sources and {len(shares)} shares")
         self.sources, self.shares, self.seed = list(windows), tuple(Fraction(s) for s in shares), seed
         self.micro_batch, self.dp, self.dp_rank = micro_batch, dp, dp_rank
-        self.blend = BlendOrder(self.shares)
-        self.orders = [SampleOrder(num_samples=len(w), seed=source_seed(seed, j)) for j, w in enumerate(windows)]
+        self.blend = blend_order if blend_order is not None else BlendOrder(self.shares)
+        self.orders = [order_of(w, seed=source_seed(seed, j)) for j, w in enumerate(windows)]
+        self.order = getattr(windows[0], "order", "dspipe")
         self.consumed_samples = consumed_samples
 
     def __iter__(self):
@@ -387,11 +444,12 @@ class BlendLoader:
     def state_dict(self) -> dict:
         counts = self.blend.counts_at(self.consumed_samples)
         first = self.sources[0]
+        weights = getattr(self.blend, "weights", None) or [float(s) for s in self.shares]  # the ones drawn by
         return {"consumed_samples": self.consumed_samples, "seed": self.seed, "seq_len": first.seq_len,
-                "split": first.split,
+                "split": first.split, "order": self.order,
                 "sources": [{"path": str(w.data_dir), "fingerprint": w.fingerprint, "num_samples": len(w),
-                             "weight": float(share), "drawn": drawn, "epoch": drawn // len(w)}
-                            for w, share, drawn in zip(self.sources, self.shares, counts)]}
+                             "weight": weight, "drawn": drawn, "epoch": drawn // len(w)}
+                            for w, weight, drawn in zip(self.sources, weights, counts)]}
 
     def load_state_dict(self, state: dict) -> None:
         mine = self.state_dict()
@@ -400,6 +458,9 @@ class BlendLoader:
                             f"{str(state.get('fingerprint'))[:16]}), this run's --data is a blend of "
                             f"{len(self.sources)} ({describe_sources(mine['sources'])}): the data changed; resume "
                             f"with the --data it was saved with")
+        if state.get("order", "dspipe") != self.order:
+            raise SpecError(f"the checkpoint's data position is in {state.get('order', 'dspipe')}'s sample order, this "
+                            f"run reads in {self.order}'s (--data-order): resume with the order it was saved with")
         for key in ("seed", "split", "seq_len"):
             if state.get(key) != mine[key]:
                 raise SpecError(f"the checkpoint's data position does not fit this data: {key} "

@@ -112,3 +112,26 @@ def check_blend_sources(paths) -> list[dict]:
             raise SpecError(f"blend source {path}: its tokenizer differs from {first}'s ({differs} in "
                             f"tokenizer/tokenizer.json); {fix}")
     return metas
+
+
+def check_tokenizer(paths, tokenizer: str | Path, *, model_vocab: int | None = None) -> int:
+    """gen-config --tokenizer DIR: a Hugging Face tokenizer directory for Megatron prefixes that have none beside
+    them. Every source must be a prefix, every id of each within the tokenizer, its dtype able to hold it, and the
+    model's vocab must hold the tokenizer's; returns the tokenizer's vocab. One SpecError otherwise."""
+    from dspipe.data import megatron
+
+    for path in paths:
+        if not megatron.is_prefix(path):
+            raise SpecError(f"--tokenizer {tokenizer} is for Megatron prefixes; {path} is not one (a prepared "
+                            f"directory carries its own tokenizer/): drop --tokenizer")
+    vocab = megatron.tokenizer_vocab_size(Path(tokenizer)) if Path(tokenizer).is_dir() else None
+    if vocab is None:
+        raise SpecError(f"--tokenizer {tokenizer}: no tokenizer.json with a vocabulary there (a Hugging Face "
+                        f"tokenizer directory written by save_pretrained)")
+    for path in paths:
+        megatron.read_meta(path, tokenizer=tokenizer)
+    if model_vocab is not None and vocab > model_vocab:
+        raise SpecError(f"tokenizer vocab {vocab:,} in --tokenizer {tokenizer} > model vocab {model_vocab:,}: "
+                        f"generate and export-hf would meet ids the model cannot hold; pass --vocab {vocab} or "
+                        f"--pad-vocab ({padded_vocab(vocab)})")
+    return vocab

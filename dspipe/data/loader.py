@@ -15,7 +15,25 @@ from dspipe.data.shards import open_split, read_meta
 from dspipe.errors import SpecError
 
 
-class TokenWindows:
+class Source:
+    """What loaders and checkpoints read of a source's meta (meta.json, or a Megatron prefix's equivalent)."""
+
+    meta: dict
+
+    @property
+    def vocab_size(self) -> int:
+        return self.meta["vocab_size"]
+
+    @property
+    def eos_id(self) -> int:
+        return self.meta["eos_id"]
+
+    @property
+    def fingerprint(self) -> str:
+        return self.meta["fingerprint"]
+
+
+class TokenWindows(Source):
     """Windows of seq_len + 1 tokens over one split (stride seq_len: a window's last token is the next one's first),
     random access straight from the memory map. Windows do not cross shard boundaries."""
 
@@ -34,18 +52,6 @@ class TokenWindows:
                                 f"{self.meta['val_fraction']} from {self.meta['num_documents']} documents)")
             raise SpecError(f"the {split} split of {data_dir} ({n} tokens) is shorter than one sequence of "
                             f"{seq_len + 1} tokens")
-
-    @property
-    def vocab_size(self) -> int:
-        return self.meta["vocab_size"]
-
-    @property
-    def eos_id(self) -> int:
-        return self.meta["eos_id"]
-
-    @property
-    def fingerprint(self) -> str:
-        return self.meta["fingerprint"]
 
     def __len__(self) -> int:
         return int(self._starts[-1])
@@ -150,6 +156,25 @@ class SampleOrder:
         return self._perm
 
 
+class IdentityOrder:
+    """Global sample index -> the same index (mod n): for sources that shuffle inside themselves
+    (dspipe.data.megatron_order.MegatronSamples)."""
+
+    def __init__(self, *, num_samples: int):
+        self.num_samples = num_samples
+
+    def windows(self, start: int, count: int) -> np.ndarray:
+        return np.arange(start, start + count, dtype=np.int64) % self.num_samples
+
+
+def order_of(windows, *, seed: int):
+    """The order a loader reads `windows` in: as given when the source orders itself (Megatron's order), else a
+    fresh seeded permutation every epoch (SampleOrder)."""
+    if getattr(windows, "ordered", False):
+        return IdentityOrder(num_samples=len(windows))
+    return SampleOrder(num_samples=len(windows), seed=seed)
+
+
 class BatchOrder:
     """Which windows a rank reads at (step, micro-batch): global samples step*global_batch + micro*dp*mb +
     rank*mb + [0, mb). Kept for callers that think in steps; TrainLoader uses the same mapping."""
@@ -182,7 +207,7 @@ class TrainLoader:
             raise ValueError(f"dp_rank {dp_rank} outside [0, {dp})")
         self.windows, self.seed = windows, seed
         self.micro_batch, self.dp, self.dp_rank = micro_batch, dp, dp_rank
-        self.order = SampleOrder(num_samples=len(windows), seed=seed)
+        self.order = order_of(windows, seed=seed)
         self.consumed_samples = consumed_samples
 
     @property
@@ -209,7 +234,8 @@ class TrainLoader:
     def state_dict(self) -> dict:
         return {"consumed_samples": self.consumed_samples, "epoch": self.epoch, "seed": self.seed,
                 "num_samples": len(self.windows), "seq_len": self.windows.seq_len,
-                "split": self.windows.split, "fingerprint": self.windows.fingerprint}
+                "split": self.windows.split, "fingerprint": self.windows.fingerprint,
+                "order": getattr(self.windows, "order", "dspipe"), "layout": getattr(self.windows, "layout", None)}
 
     def load_state_dict(self, state: dict) -> None:
         mine = self.state_dict()
@@ -218,6 +244,16 @@ class TrainLoader:
             raise SpecError(f"the checkpoint's data position is of a blend of {len(state['sources'])} sources "
                             f"({saved}), this run reads one data directory ({self.windows.data_dir}): the data "
                             f"changed; resume with the --data it was saved with")
+        if state.get("order", "dspipe") != mine["order"]:
+            raise SpecError(f"the checkpoint's data position is in {state.get('order', 'dspipe')}'s sample order, this "
+                            f"run reads in {mine['order']}'s (--data-order): resume with the order it was saved with")
+        if mine["order"] == "megatron" and (state.get("num_samples"), state.get("layout")) != \
+                (mine["num_samples"], mine["layout"]):
+            raise SpecError(f"the checkpoint's data position is in Megatron's order built for another run length "
+                            f"({state.get('num_samples')} samples in {state.get('layout')} of "
+                            f"{self.windows.data_dir} then, {mine['num_samples']} in {mine['layout']} now: the order "
+                            f"depends on steps x global batch, as Megatron's does); resume with the steps and batch "
+                            f"it was saved with")
         for key in ("seed", "split", "seq_len", "fingerprint", "num_samples"):
             if state.get(key) != mine[key]:
                 raise SpecError(f"the checkpoint's data position does not fit this data: {key} "

@@ -53,9 +53,11 @@ CHUNK = 1 << 24  # tokens (or index entries) handled per pass: memory stays flat
 
 
 def is_prefix(path: str | os.PathLike) -> bool:
-    """Whether `path` names a Megatron dataset: PREFIX.idx or PREFIX.bin exists (and PREFIX is no directory)."""
+    """Whether `path` names a Megatron dataset: PREFIX.idx or PREFIX.bin exists, and PREFIX is not a prepared dspipe
+    directory. PREFIX may be a directory too: megatron-core keeps its index cache in PREFIX/cache by default."""
     p = str(path)
-    return not os.path.isdir(p) and (os.path.isfile(p + ".idx") or os.path.isfile(p + ".bin"))
+    return not os.path.isfile(os.path.join(p, "meta.json")) and (os.path.isfile(p + ".idx")
+                                                                 or os.path.isfile(p + ".bin"))
 
 
 def idx_path(prefix) -> Path:
@@ -209,7 +211,9 @@ def _identity(index: Index) -> str:
     return _content(index, located=True)
 
 
-def _cache_dir() -> Path:
+def cache_dir() -> Path:
+    """dspipe's cache of Megatron scans (XDG_CACHE_HOME, else ~/.cache)/dspipe/megatron; its parent holds dspipe's other
+    caches (dspipe.data.megatron_order's indices)."""
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(root) / "dspipe" / "megatron"
 
@@ -219,7 +223,7 @@ def scan(index: Index) -> dict:
     where documents end differently, or there are none). Cached per file version (_identity); a pass over the
     .bin otherwise."""
     key = _identity(index)
-    cache = _cache_dir() / f"{key[:32]}.json"
+    cache = cache_dir() / f"{key[:32]}.json"
     try:
         got = json.loads(cache.read_text())
         if got.get("identity") == key:

@@ -176,7 +176,8 @@ def _open_data(run: Run) -> tuple:
     maps against its meta.json."""
     plan, tr = run.plan, run.train
     data = parse_data(run.data)  # one data directory, or a blend of several (dspipe.data.blend)
-    windows = open_sources(data, model_vocab=run.model.vocab, seq_len=run.model.seq_len)
+    windows = open_sources(data, model_vocab=run.model.vocab, seq_len=run.model.seq_len, order=tr.data_order,
+                           seed=tr.seed, num_samples=tr.steps * plan.global_batch)
     val = val_sets(data, seq_len=run.model.seq_len, micro_batch=plan.micro_batch, dp=plan.layout.dp,
                    batches=tr.eval_batches) if tr.eval_interval else []
     return data, windows, val

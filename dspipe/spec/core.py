@@ -15,6 +15,7 @@ from dspipe.spec.profile import Profile, apply_profile, check_profile_gpu, profi
 from dspipe.spec.settings import FIELD_DEFAULT, declared, setting
 
 PRECISIONS = ("bf16", "fp16", "fp32")
+DATA_ORDERS = ("dspipe", "megatron")
 ZERO_STAGES = (0, 1, 2, 3)
 OFFLOADS = ("none", "cpu", "nvme")
 CHECKPOINTING = ("none", "full", "selective")
@@ -698,6 +699,12 @@ class TrainSpec:
     spike_sigma: float = setting(4.0, kind="float", limit=1e6, cli_default=FIELD_DEFAULT,
                                  help="log a loss spike above mean + this many std of the window")
     """A loss above mean + this many standard deviations of the window is logged as a spike."""
+    data_order: str = setting("dspipe", kind="choice", choices=DATA_ORDERS, section="data", after="data",
+                              cli_default=FIELD_DEFAULT,
+                              help="dspipe: fixed windows per source, a seeded permutation every epoch; megatron: "
+                                   "Megatron-LM's GPTDataset/BlendedDataset order for the same seed (Megatron "
+                                   "prefixes only)")
+    """The training sample order: dspipe's (dspipe.data.loader) or Megatron-LM's (dspipe.data.megatron_order)."""
     tokens: str | None = setting(None, kind="tokens", limit=1e18, after="steps",
                                  help="the run's length as a token budget (300B, 1.5T, 2e9) instead of --steps")
     """The token budget as the user gave it ('300B', '1.5T', '2e9'), from which gen-config derived steps =
@@ -730,6 +737,7 @@ class TrainSpec:
                 raise SpecError(f"train.tokens {_show(self.tokens)} is too large (allowed: finite, "
                                 f"(0, {LIMITS['tokens']:g}])")
         _one_of("train", "precision", self.precision, PRECISIONS)
+        _one_of("train", "data_order", self.data_order, DATA_ORDERS)
         _number("train", "lr", self.lr, low=0, high=LIMITS["lr"], low_open=True, rule="must be positive")
         _number("train", "min_lr_ratio", self.min_lr_ratio, low=0, high=1, rule="must be in [0, 1]")
         for name in ("weight_decay", "grad_clip"):

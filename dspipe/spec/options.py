@@ -16,6 +16,9 @@ EXTRAS = (
     Setting("memory_headroom", "strategy", "GPU memory a plan must leave free, percent [{headroom:g}]",
             kind="float", metavar="PCT"),
     Setting("data", "data", ""),
+    Setting("tokenizer", "data", "Hugging Face tokenizer directory of Megatron prefixes in --data that have no "
+            "tokenizer/ beside them: checked against their ids, kept as RUN/tokenizer for generate and export-hf",
+            metavar="DIR"),
     *(Setting(key, "logging", "", kind=kind) for key, kind in (
         ("wall_clock_breakdown", "flag"), ("json", "flag"), ("top", "int"), ("compare", "flag"), ("append", "str"))),
     Setting("wandb_project", "logging", "log to Weights & Biases under this project (WANDB_MODE=offline: no network, "
@@ -29,8 +32,8 @@ EXTRAS = (
     Setting("comet_offline", "logging", "Comet offline experiment (no network)", kind="flag"),
 )
 """The options that set no spec field, in their --config section."""
-BY_COMMAND = frozenset({"tokens", "pad_vocab", "compile", "data", "wall_clock_breakdown", "json", "top", "compare",
-                        "append"})
+BY_COMMAND = frozenset({"tokens", "pad_vocab", "compile", "data", "data_order", "tokenizer", "wall_clock_breakdown",
+                        "json", "top", "compare", "append"})
 """Options of the table whose flag a command declares itself (its own help or default): --tokens, gen-config's
 --data, plan's --json, bench's --compare, ..."""
 MONITOR = ("wandb_project", "wandb_group", "wandb_team", "comet_project", "comet_workspace", "comet_experiment",

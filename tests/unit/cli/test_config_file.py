@@ -114,7 +114,7 @@ def test_gen_config_from_the_printed_config_reproduces_the_run(tmp_path, capsys,
     assert doc["train"]["tokens"] == "1M" and doc["train"]["steps"] is None and doc["train"]["warmup"] is None
     assert doc["strategy"]["zero"] == 2 and doc["strategy"]["micro_batch"] == 4
     assert doc["strategy"]["pp"] == "auto" and doc["strategy"]["offload_params"] == "auto"  # left auto: kept auto
-    assert doc["data"] == {"data": str(corpus)} and doc["train"]["lr"] == 3e-4
+    assert doc["data"] == {"data": str(corpus), "data_order": "dspipe", "tokenizer": None} and doc["train"]["lr"] == 3e-4
 
     assert run_cli("gen-config", *FLAGS, "--data", corpus, "--out", "runs/a") == 0
     capsys.readouterr()

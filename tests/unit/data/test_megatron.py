@@ -308,3 +308,34 @@ def test_an_unreadable_bin_is_one_line(tmp_path, mdata, monkeypatch):
     monkeypatch.setattr("builtins.open", failing)
     with pytest.raises(SpecError, match=r"locked\.bin: cannot read it \(Permission denied\)"):
         read_meta(p)
+
+
+def test_gen_config_tokenizer_is_checked_and_kept_with_the_run(tmp_path, mdata, corpus):
+    """--tokenizer DIR for a prefix without tokenizer/ beside it: --pad-vocab sizes the model to its vocab, the note
+    names it, RUN/tokenizer is a copy, config.yaml keeps it; a prepared directory, a directory without
+    tokenizer.json, ids outside it and a model vocab below it are one line each, nothing written."""
+    tok = corpus / "tokenizer"
+    flags = ["--model", "tiny", "--seq-len", str(SEQ), "--gpus-per-node", "2", "--gpu", "cpu", "--global-batch", "8",
+             "--eval-interval", "0"]
+    out = tmp_path / "run"
+    r = dspipe("gen-config", *flags, "--data", mdata, "--tokenizer", tok, "--pad-vocab", "--out", out)
+    assert r.returncode == 0, r.stderr
+    assert json.loads((out / "dspipe.json").read_text())["model"]["vocab"] == 1024  # the tokenizer's 1024, not 1000
+    assert f"tokenizer {tok} (--tokenizer)" in r.stderr
+    assert (out / "tokenizer" / "tokenizer.json").read_bytes() == (tok / "tokenizer.json").read_bytes()
+    assert f"tokenizer: {tok}" in (out / "config.yaml").read_text()
+    small = build(tmp_path / "small_ids", random_docs(50, vocab=200, seed=3, eod=199))
+    wide = build(tmp_path / "wide_ids", random_docs(50, vocab=5000, seed=3, eod=4999))
+    cases = [
+        (["--data", corpus, "--tokenizer", tok], f"--tokenizer {tok} is for Megatron prefixes; {corpus} is not "
+                                                 f"one"),
+        (["--data", mdata, "--tokenizer", tmp_path], f"--tokenizer {tmp_path}: no tokenizer.json"),
+        (["--data", wide, "--tokenizer", tok, "--vocab", "8192"], "token id 4,999 in"),
+        (["--data", small, "--tokenizer", tok, "--vocab", "512"], f"tokenizer vocab 1,024 in --tokenizer {tok} > "
+                                                                  f"model vocab 512"),
+    ]
+    for extra, message in cases:
+        bad = tmp_path / "bad"
+        r = dspipe("gen-config", *flags, *extra, "--out", bad)
+        assert r.returncode == 2 and len(error_lines(r)) == 1, r.stderr
+        assert message in r.stderr and not bad.exists(), r.stderr

@@ -109,7 +109,8 @@ def test_limits_and_sections_come_from_the_field_declarations():
             assert meta is not None, f"{cls.__name__}.{f.name} is not declared with setting()"
             assert LIMITS.get(f.name) == meta.get("limit"), f.name
     assert {s.key: s.section for s in declared(TrainSpec, section="train") if s.section != "train"} == \
-        {"micro_batch": "strategy", "precision": "strategy", "log_interval": "logging", "init_from": "model"}
+        {"micro_batch": "strategy", "precision": "strategy", "log_interval": "logging", "init_from": "model",
+         "data_order": "data"}
     asked = {f.name for f in fields(StrategyRequest)}
     assert asked == {f.name for f in fields(StrategySpec)} | {"micro_batch", "precision"}
     assert StrategyRequest().zero is None

@@ -68,10 +68,6 @@ def gen_config(**o) -> None:
         from dspipe.data.blend import parse as parse_data
         from dspipe.data.megatron_order import check_prefixes
         check_prefixes(parse_data(o["data"]))
-    if o["tokenizer"] is not None:  # Megatron prefixes only, every id inside it
-        from dspipe.data.blend import parse as parse_data
-        from dspipe.data.checks import check_tokenizer
-        check_tokenizer(parse_data(o["data"]).paths, o["tokenizer"])
     kept = training_outputs(o["out"]) if claim_run_dir(o["out"], force=o["force"]) else []
     notes: list[str] = []
     model, cluster, result, preset = choose(o, check_model=lambda m: _check_data(o["data"], m, notes,
@@ -217,9 +213,9 @@ def _check_data(data: str, model: ModelSpec, notes: list[str], *, tokenizer: str
         return
     meta = check_data_for_model(data, model_vocab=model.vocab, seq_len=model.seq_len)
     vocab = meta["vocab_size"]
-    if tokenizer is not None:  # checked against the data before, against the model after the search
-        from dspipe.data.megatron import tokenizer_vocab_size
-        vocab = tokenizer_vocab_size(Path(tokenizer))
+    if tokenizer is not None:  # checked against the data here, against the model after the search
+        from dspipe.data.checks import check_tokenizer
+        vocab = check_tokenizer([data], tokenizer)
         meta = {**meta, "tokenizer_dir": f"{tokenizer} (--tokenizer)"}
     what = f"tokenizer vocab {vocab}" if meta.get("format") != "megatron-mmidx" or meta["tokenizer_dir"] else \
         f"its largest token id + 1 = {vocab} (no tokenizer beside the Megatron prefix)"

@@ -452,15 +452,15 @@ class BlendLoader:
                             for w, weight, drawn in zip(self.sources, weights, counts)]}
 
     def load_state_dict(self, state: dict) -> None:
+        from dspipe.data.loader import check_same_order
+
         mine = self.state_dict()
         if "sources" not in state:
             raise SpecError(f"the checkpoint's data position is of one data directory (fingerprint "
                             f"{str(state.get('fingerprint'))[:16]}), this run's --data is a blend of "
                             f"{len(self.sources)} ({describe_sources(mine['sources'])}): the data changed; resume "
                             f"with the --data it was saved with")
-        if state.get("order", "dspipe") != self.order:
-            raise SpecError(f"the checkpoint's data position is in {state.get('order', 'dspipe')}'s sample order, this "
-                            f"run reads in {self.order}'s (--data-order): resume with the order it was saved with")
+        check_same_order(state, self.order)
         for key in ("seed", "split", "seq_len"):
             if state.get(key) != mine[key]:
                 raise SpecError(f"the checkpoint's data position does not fit this data: {key} "

@@ -167,6 +167,14 @@ class IdentityOrder:
         return np.arange(start, start + count, dtype=np.int64) % self.num_samples
 
 
+def check_same_order(state: dict, order: str) -> None:
+    """A checkpoint's data position continues only in the sample order it was saved in (absent: dspipe's)."""
+    saved = state.get("order", "dspipe")
+    if saved != order:
+        raise SpecError(f"the checkpoint's data position is in {saved}'s sample order, this run reads in {order}'s "
+                        f"(--data-order): resume with the order it was saved with")
+
+
 def order_of(windows, *, seed: int):
     """The order a loader reads `windows` in: as given when the source orders itself (Megatron's order), else a
     fresh seeded permutation every epoch (SampleOrder)."""
@@ -244,9 +252,7 @@ class TrainLoader:
             raise SpecError(f"the checkpoint's data position is of a blend of {len(state['sources'])} sources "
                             f"({saved}), this run reads one data directory ({self.windows.data_dir}): the data "
                             f"changed; resume with the --data it was saved with")
-        if state.get("order", "dspipe") != mine["order"]:
-            raise SpecError(f"the checkpoint's data position is in {state.get('order', 'dspipe')}'s sample order, this "
-                            f"run reads in {mine['order']}'s (--data-order): resume with the order it was saved with")
+        check_same_order(state, mine["order"])
         if mine["order"] == "megatron" and (state.get("num_samples"), state.get("layout")) != \
                 (mine["num_samples"], mine["layout"]):
             raise SpecError(f"the checkpoint's data position is in Megatron's order built for another run length "

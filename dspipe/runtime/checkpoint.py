@@ -1,4 +1,5 @@
-"""Checkpoints of a run: every N steps, at the end and on SIGTERM/SIGINT; keep the last K; resume exactly.
+"""Checkpoints of a run: every N steps, at the end and on SIGTERM/SIGINT; keep the last K and every M-th step's;
+resume exactly.
 
 Layout of runs/NAME/checkpoints/:
 
@@ -6,20 +7,23 @@ Layout of runs/NAME/checkpoints/:
     global_stepN/           the same directory renamed once every rank finished; dspipe.json inside marks it complete
     latest                  the newest complete tag, replaced atomically after the rename
 
-A process killed during a save leaves only a .partial-* directory (deleted by the next save or resume), so
-`latest` always names a complete checkpoint. A save that fails to write (disk full, quota, I/O error) on any rank
+`save` writes the files in the step, or hands them to the rank's background writer (dspipe.runtime.async_save);
+`complete` (at a step's end) agrees that every rank's files are written before the complete mark, the rename and
+`latest`. A process killed during a save or its background write leaves only a .partial-* directory (deleted by
+the next save or resume), so `latest` always names a complete checkpoint. A save that fails to write (disk full, quota, I/O error) on any rank
 is agreed on by every rank: the partial directory is removed and every rank raises one SpecError naming the
 intact checkpoint.
 
 Resuming under another layout (dp, tp, pp): dspipe/runtime/reshard.py. The pure functions here import no torch."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
 import signal
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from dspipe.atomic import replace_dir
@@ -58,10 +62,31 @@ def complete_checkpoints(ckpt_dir: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def to_delete(ckpt_dir: Path, keep: int) -> list[Path]:
-    """Complete checkpoints beyond the newest `keep`, and leftovers of interrupted saves and resharding."""
+@dataclass(frozen=True)
+class Retention:
+    """Which complete checkpoints a save keeps: the newest `last` (--keep-checkpoints), every one at a multiple of
+    `every` steps for good (--keep-every, milestones; 0: none), and those `protect` names (the one this launch
+    resumed from), besides the one `latest` names."""
+
+    last: int
+    every: int = 0
+    protect: frozenset = field(default_factory=frozenset)
+    """Checkpoint directory names never deleted."""
+
+
+def to_delete(ckpt_dir: Path, keep: Retention | int) -> list[Path]:
+    """Complete checkpoints `keep` (a Retention, or an int: the newest that many) does not keep, and leftovers of
+    interrupted saves and resharding."""
     ckpt_dir = Path(ckpt_dir)
-    old = [p for _, p in complete_checkpoints(ckpt_dir)[:-keep]] if keep > 0 else []
+    keep = keep if isinstance(keep, Retention) else Retention(last=keep)
+    complete = complete_checkpoints(ckpt_dir)
+    kept = {p.name for _, p in complete[-keep.last:]} if keep.last > 0 else set()
+    kept |= {p.name for step, p in complete if keep.every and step % keep.every == 0} | set(keep.protect)
+    try:
+        kept.add(read_latest(ckpt_dir))
+    except SpecError:
+        pass
+    old = [p for _, p in complete if p.name not in kept]
     partial = sorted(p for p in ckpt_dir.iterdir() if p.name.startswith((PARTIAL_PREFIX, UNIVERSAL_PREFIX))
                      ) if ckpt_dir.is_dir() else []
     return old + partial
@@ -334,41 +359,145 @@ def save_failure_message(*, code: int, detail: str, ckpt_dir: Path, tag: str, fr
             f"free space there, then continue with --resume auto")
 
 
-def save(engine, ckpt_dir: Path, *, step: int, meta: dict, keep: int, faults: Faults = NO_FAULTS) -> Path:
-    """Collective: every rank calls it. Partial dir -> DeepSpeed files + per-rank RNG -> agree -> rank 0 writes
-    the meta (complete mark), renames into place, replaces `latest` atomically, deletes beyond the last `keep`.
-    A failed write on any rank: the partial dir is removed and every rank raises the same SpecError. `faults`:
-    a test's failures (a write failing, a kill) injected after DeepSpeed's files are written."""
+@dataclass
+class PendingSave:
+    """A checkpoint whose files are written (or being written in the background); `complete` marks it complete."""
+
+    ckpt_dir: Path
+    step: int
+    meta: dict
+    keep: Retention
+    failures: WriteFailures
+    """This rank's failed writes of the part written in the step (directories, and every file when synchronous)."""
+    writer: object | None
+    """The rank's dspipe.runtime.async_save.BackgroundWriter writing the files, None when they were written in
+    the step."""
+    blocking_s: float
+    """Seconds the step waited for the save (the whole write when synchronous, the snapshot when not)."""
+
+    @property
+    def tag(self) -> str:
+        return tag_for(self.step)
+
+    @property
+    def partial(self) -> Path:
+        return self.ckpt_dir / (PARTIAL_PREFIX + self.tag)
+
+    @property
+    def final(self) -> Path:
+        return self.ckpt_dir / self.tag
+
+
+def save(engine, ckpt_dir: Path, *, step: int, meta: dict, keep: Retention, writer=None) -> PendingSave:
+    """Collective: every rank calls it. Partial dir -> DeepSpeed files + per-rank RNG, through `writer` (a
+    BackgroundWriter: snapshot now, written in the background) or written here (None). Returns the pending save;
+    `complete` then agrees that every rank's files are written and marks it complete."""
+    import time
+
     import torch
     import torch.distributed as dist
 
+    t0 = time.perf_counter()
     rank = dist.get_rank()
-    ckpt_dir, tag = Path(ckpt_dir), tag_for(step)
-    partial, final = ckpt_dir / (PARTIAL_PREFIX + tag), ckpt_dir / tag
-    failures = WriteFailures()
+    ckpt_dir = Path(ckpt_dir)
+    pending = PendingSave(ckpt_dir=ckpt_dir, step=step, meta=meta, keep=keep,
+                          failures=WriteFailures(), writer=writer, blocking_s=0.0)
+    failures, partial = pending.failures, pending.partial
     if rank == 0:
         failures.call(ckpt_dir.mkdir, parents=True, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)
     dist.barrier()
     client = {"step": step, "consumed_samples": meta["consumed_samples"], "data": meta["data"]}
-    with failures.deepspeed_writes(engine):
+    with writing_through(engine, writer), failures.deepspeed_writes(engine):
         engine.save_checkpoint(str(ckpt_dir), tag=partial.name, client_state=client, save_latest=False)
-    failures.call(torch.save, rng_state(), partial / f"rng-rank{rank}.pt")
-    faults.fail_write(failures, step=step, rank=rank)
-    faults.kill_inside_save(step)
+    failures.call(torch.save if writer is None else writer.save, rng_state(), str(partial / f"rng-rank{rank}.pt"))
+    if writer is not None:
+        writer.release()
+    pending.blocking_s = time.perf_counter() - t0
+    return pending
+
+
+@contextlib.contextmanager
+def writing_through(engine, writer):
+    """DeepSpeed writes the checkpoint's files through `writer` (its checkpoint engine) while active."""
+    if writer is None:
+        yield
+        return
+    own, engine.checkpoint_engine = engine.checkpoint_engine, writer
+    writer.begin()
+    try:
+        yield
+    finally:
+        engine.checkpoint_engine = own
+
+
+def complete(pending: PendingSave, *, wait: bool, now: int, faults: Faults = NO_FAULTS) -> dict | None:
+    """Collective: once every rank's files of `pending` are written (waiting for them with `wait`, else None at
+    once while any rank's background writer is busy), rank 0 writes the meta (the complete mark, with the save's
+    figures), renames the partial dir into place, replaces `latest` atomically and applies the retention; returns
+    the figures (meta "save": mode, completed_after_step (`now`, the last step done), blocking_s, write_s and
+    writer_cpu_s of the slowest rank, rank_max_bytes, bytes on rank 0's disk or None elsewhere). A failed write on
+    any rank: the partial dir is removed and every rank raises the same SpecError. `faults`: a test's failures (a
+    write failing, a kill) injected once the files are written."""
+    import torch
+    import torch.distributed as dist
+
+    from dspipe.runtime.comm import collective_tensor
+
+    writer, failures = pending.writer, pending.failures
+    if writer is not None and wait:
+        writer.wait()
+    busy = writer is not None and not writer.drained()
+    written = (writer.bytes, writer.write_s, writer.write_cpu_s) if writer is not None else (0, pending.blocking_s, 0)
+    agreed = collective_tensor([float(busy), *written, pending.blocking_s], dtype=torch.float64)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    if agreed[0].item():
+        return None
+    if writer is not None and writer.failures.code and not failures.code:
+        failures.code, failures.detail = writer.failures.code, writer.failures.detail
+    rank, ckpt_dir, partial, tag = dist.get_rank(), pending.ckpt_dir, pending.partial, pending.tag
+    faults.fail_write(failures, step=pending.step, rank=rank)
+    faults.kill_inside_save(pending.step)
     raise_if_failed(failures, ckpt_dir=ckpt_dir, partial=partial, tag=tag)
+    figures = {"mode": "sync" if writer is None else "async", "completed_after_step": now,
+               "blocking_s": round(agreed[4].item(), 6),
+               "write_s": round(agreed[2].item(), 6), "writer_cpu_s": round(agreed[3].item(), 6),
+               "rank_max_bytes": int(agreed[1].item()),
+               "bytes": directory_bytes(partial) if rank == 0 else None}
     if rank == 0:
+        meta = {**pending.meta, "save": figures}
         # inside the routed call: a non-finite value (ValueError) is a failed save that every rank agrees on
         failures.call(lambda: write_atomic(partial / META_FILE, json.dumps(meta, indent=2, allow_nan=False) + "\n"))
         if not failures.code:  # the same step may have been saved before (resumed from an older one)
-            failures.call(replace_dir, partial, final)
+            failures.call(replace_dir, partial, ckpt_dir / tag)
         if not failures.code:
             failures.call(write_atomic, ckpt_dir / LATEST_FILE, tag)
         if not failures.code:
-            for p in to_delete(ckpt_dir, keep):
+            for p in to_delete(ckpt_dir, pending.keep):
                 shutil.rmtree(p, ignore_errors=True)
     raise_if_failed(failures, ckpt_dir=ckpt_dir, partial=partial, tag=tag)
-    return final
+    return figures
+
+
+def saved_line(pending: PendingSave, figures: dict) -> str:
+    """The runner's line for a completed checkpoint (rank 0's figures)."""
+    size = f"{figures['bytes'] / 2**30:,.2f} GiB" if figures["bytes"] is not None else "size unknown"
+    if figures["mode"] == "sync":
+        return f"checkpoint {pending.final} saved: {size}, written in {figures['blocking_s']:.2f} s (the step waited)"
+    return (f"checkpoint {pending.final} saved: {size}, written in {figures['write_s']:.2f} s in the background "
+            f"(the step waited {figures['blocking_s']:.2f} s for the copy)")
+
+
+def directory_bytes(path: Path) -> int:
+    """Bytes of the files under `path` (their sizes; what the checkpoint adds to its disk)."""
+    total = 0
+    for p in Path(path).rglob("*"):
+        try:
+            if p.is_file():
+                total += p.stat().st_size
+        except OSError:
+            continue
+    return total
 
 
 def raise_if_failed(failures: WriteFailures, *, ckpt_dir: Path, partial: Path, tag: str) -> None:

@@ -1,5 +1,6 @@
 """Failures a test injects into a training run to exercise the recovery paths: a NaN loss (skipped steps, halting),
-a rank killed after a step or inside a save (resume), a full disk on one rank (a failed save).
+a rank killed after a step, inside a save or during a background write (resume), a full disk on one rank (a failed
+save).
 
 One object carries them all. Production runs hold the empty one (`Faults()`, nothing happens); the only way in is
 the rank entry point's hidden `--test-faults JSON` option (dspipe.runtime.entry), which the tests' launches pass
@@ -26,6 +27,8 @@ class Faults:
     """SIGKILL every rank right after this step (a crash between checkpoints)."""
     kill_in_save: int | None = None
     """SIGKILL every rank inside the save at this step, after DeepSpeed wrote its files, before `latest` moves."""
+    kill_in_async_write: int | None = None
+    """SIGKILL every rank while its background writer writes the save at this step (after its first file)."""
     fail_write_at: int | None = None
     """The save at this step fails with ENOSPC on rank `fail_write_rank` (a full disk where no tmpfs can be mounted)."""
     fail_write_rank: int = 1
@@ -46,10 +49,18 @@ class Faults:
             given["nan_at_steps"] = frozenset(given["nan_at_steps"])
         return cls(**given)
 
-    def kill_after_step(self, step: int) -> None:
-        """The crash after a step (kill_at_step)."""
+    def kill_after_step(self, step: int, *, drain=None) -> None:
+        """The crash after a step (kill_at_step), between checkpoints: `drain` first completes a checkpoint still
+        being written in the background (a kill during that write is kill_in_async_write's)."""
         if self.kill_at_step == step:
+            if drain is not None:
+                drain()
             os.kill(os.getpid(), signal.SIGKILL)
+
+    @property
+    def async_write_kill_tag(self) -> str | None:
+        """The checkpoint tag whose background write kills the rank after its first file (kill_in_async_write)."""
+        return None if self.kill_in_async_write is None else f"global_step{self.kill_in_async_write}"
 
     def kill_inside_save(self, step: int) -> None:
         """The crash inside a save (kill_in_save)."""

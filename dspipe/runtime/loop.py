@@ -113,12 +113,28 @@ class Training:
     losses: list[float] = field(default_factory=list)
     started: float = field(default_factory=time.perf_counter)
 
-    def save(self, at: int) -> None:
-        tr = self.run.train
-        ckpt.save(self.eng.engine, self.run.checkpoint_dir, step=at, keep=tr.keep_checkpoints,
-                  meta=ckpt.checkpoint_meta(self.run, step=at, loader=self.loader, world=self.world),
-                  faults=self.faults)
+    writer: object | None = None
+    """The rank's background checkpoint writer (dspipe.runtime.async_save), None under --sync-save."""
+    pending: object | None = None
+    """The checkpoint being written in the background (dspipe.runtime.checkpoint.PendingSave), None when none is."""
+    retention: ckpt.Retention | None = None
+
+    def save(self, at: int, *, wait: bool = False) -> None:
+        """Checkpoint step `at`: the previous background save completes first; with `wait` this one too."""
+        self.settle(wait=True)
+        self.pending = ckpt.save(self.eng.engine, self.run.checkpoint_dir, step=at, keep=self.retention,
+                                 meta=ckpt.checkpoint_meta(self.run, step=at, loader=self.loader, world=self.world),
+                                 writer=self.writer)
+        if wait or self.writer is None:
+            self.settle(wait=True)
         self.saved_at = at
+
+    def settle(self, *, wait: bool) -> None:
+        """Collective: complete the background save once every rank's files are written (`wait`: wait for them)."""
+        if self.pending is not None and (figures := ckpt.complete(self.pending, wait=wait, now=self.step,
+                                                                          faults=self.faults)):
+            self.say(f"dspipe: {ckpt.saved_line(self.pending, figures)}", flush=True)
+            self.pending = None
 
 
 def setup(run: Run, *, resume: str, restart: bool, backend: str, faults: Faults) -> Training:
@@ -165,9 +181,25 @@ def setup(run: Run, *, resume: str, restart: bool, backend: str, faults: Faults)
                  tokens_per_step=plan.tokens_per_step, val_columns=val_columns(val),
                  step_columns=STEP_MOE_COLUMNS if run.model.experts else ())
     health = Health(max_skips=tr.max_skipped_steps, window=tr.spike_window, sigma=tr.spike_sigma)
+    retention = ckpt.Retention(last=tr.keep_checkpoints, every=tr.keep_every,
+                               protect=frozenset({resume_from.name} if resume_from is not None else ()))
     return Training(run=run, rank=rank, world=world, eng=eng, loader=loader, val=val, log=log, health=health,
                     say=say, peak_tflops=peak, faults=faults, start_step=start_step, step=start_step,
-                    saved_at=start_step)
+                    saved_at=start_step, writer=_writer(eng.engine, async_save=tr.async_save, faults=faults),
+                    retention=retention)
+
+
+def _writer(engine, *, async_save: bool, faults: Faults):
+    """The rank's background checkpoint writer (None: checkpoints written in the step), in the serialization
+    format DeepSpeed's own writer was configured with."""
+    if not async_save:
+        return None
+    from dspipe.runtime.async_save import BackgroundWriter
+
+    writer = BackgroundWriter(zipfile_serialization=getattr(engine.checkpoint_engine, "zipfile_serialization", True),
+                              kill_tag=faults.async_write_kill_tag)
+    writer.start()
+    return writer
 
 
 def _open_data(run: Run) -> tuple:
@@ -240,10 +272,11 @@ def step_loop(t: Training) -> None:
         if tr.eval_interval and (step % tr.eval_interval == 0 or step == tr.steps):
             t.log.validation({"step": step, "tokens": step * plan.tokens_per_step,
                               **evaluate_sets(eng, t.val, micro_batch=plan.micro_batch)})
-        t.faults.kill_after_step(step)
+        t.settle(wait=False)  # a background save completes at the first step end after its files are written
+        t.faults.kill_after_step(step, drain=lambda: t.settle(wait=True))
         stopping = stop.agreed()
         if stopping or t.health.halted or (tr.save_interval and step % tr.save_interval == 0 and step < tr.steps):
-            t.save(step)
+            t.save(step, wait=stopping or t.health.halted)
         if stopping:
             t.say(f"dspipe: stopped by a signal after step {step}; checkpoint saved", flush=True)
             return
@@ -276,6 +309,7 @@ def finish(t: Training) -> dict:
         raise RuntimeError(f"data position {t.loader.consumed_samples} != {step} steps x {plan.global_batch}")
     if step > t.saved_at:
         t.save(step)
+    t.settle(wait=True)
     tag = ckpt.tag_for(step)
     losses = t.losses
     summary = {"first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,

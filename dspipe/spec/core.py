@@ -684,6 +684,13 @@ class TrainSpec:
     keep_checkpoints: int = setting(3, kind="int", limit=10**6, cli_default=FIELD_DEFAULT,
                                     help="complete checkpoints to keep (older ones are deleted)")
     """Keep the newest this many complete checkpoints; older ones are deleted."""
+    keep_every: int = setting(0, kind="int", limit=INT32_MAX, cli_default=FIELD_DEFAULT,
+                              help="also keep, for good, every checkpoint at a multiple of this many steps (0: none)")
+    """Milestones: a checkpoint at a multiple of this many steps is never deleted by keep_checkpoints (0: none)."""
+    async_save: bool = setting(True, kind="bool", flag="--async-save/--sync-save", cli_default=FIELD_DEFAULT,
+                               help="write checkpoints in the background: the step waits only for a copy of the "
+                                    "rank's state in host memory")
+    """Checkpoint files written by a background thread per rank (dspipe.runtime.async_save); False: in the step."""
     eval_interval: int = setting(100, kind="int", limit=INT32_MAX, cli_default=FIELD_DEFAULT,
                                  help="steps between validation passes (0: none)")
     """Validation loss and perplexity every this many steps and at the end (0: never)."""
@@ -721,8 +728,12 @@ class TrainSpec:
         _positive("train", global_batch=self.global_batch, micro_batch=self.micro_batch, steps=self.steps,
                   warmup_steps=self.warmup_steps, log_interval=self.log_interval,
                   keep_checkpoints=self.keep_checkpoints)
-        for name in ("save_interval", "eval_interval", "max_skipped_steps"):
+        for name in ("save_interval", "eval_interval", "max_skipped_steps", "keep_every"):
             _int_range("train", name, getattr(self, name), low=0)
+        if self.keep_every and self.save_interval and self.keep_every % self.save_interval:
+            raise SpecError(f"train.keep_every {self.keep_every} is not a multiple of save_interval "
+                            f"{self.save_interval} ({self.keep_every} % {self.save_interval} = "
+                            f"{self.keep_every % self.save_interval}): no checkpoint would be saved at a multiple of it")
         _positive("train", eval_batches=self.eval_batches, spike_window=self.spike_window)
         _int_range("train", "seed", self.seed, low=0)
         _number("train", "spike_sigma", self.spike_sigma, low=0, high=LIMITS["spike_sigma"], low_open=True,

@@ -48,12 +48,12 @@ def test_kill_and_resume_reproduces_the_uninterrupted_run(tmp_path, corpus, name
     ok(r)
     assert "resumed from" in r.stdout and "at step 3" in r.stdout
     assert written_metrics(run) == written_metrics(ref)  # every step: loss, lr, grad norm bitwise equal (fp32, CPU)
-    assert tags(run) == ["global_step6", "global_step8", "latest"]
+    assert tags(run) == ["global_step3", "global_step6", "global_step8", "latest"]  # 3: resumed from, kept
 
 
 @pytest.mark.distributed
 def test_crash_inside_a_save_keeps_the_previous_checkpoint(tmp_path, corpus):
-    run = fp32_run(tmp_path, corpus, "run", "--zero", "1")
+    run = fp32_run(tmp_path, corpus, "run", "--zero", "1", "--sync-save")  # written in the step
     r = launch(run, "--test-faults", '{"kill_in_save": 6}')  # killed after DeepSpeed wrote step 6, before `latest`
     assert r.returncode != 0
     ckpts = run / "checkpoints"
@@ -71,8 +71,38 @@ def test_crash_inside_a_save_keeps_the_previous_checkpoint(tmp_path, corpus):
     r = launch(run, "--resume", "auto")
     ok(r)
     assert "at step 3" in r.stdout
-    assert tags(run) == ["global_step6", "global_step8", "latest"]  # the partial dir was cleaned up
+    assert tags(run) == ["global_step3", "global_step6", "global_step8", "latest"]  # the partial dir was cleaned up
     assert [int(s) for s, *_ in written_metrics(run)] == list(range(1, STEPS + 1))
+    assert ckpt.read_meta(run / "checkpoints" / "global_step8")["save"]["mode"] == "sync"
+
+
+@pytest.mark.distributed
+def test_a_kill_during_a_background_write_keeps_the_previous_checkpoint(tmp_path, corpus):
+    """Every rank killed while its background writer writes step 6 (after its first file): the step loop had gone
+    on, `latest` still names step 3 and no complete mark exists for 6; the resume reproduces the uninterrupted
+    run, each step once in metrics.csv, and the completed saves record that they were written in the background."""
+    ref = fp32_run(tmp_path, corpus, "ref", "--zero", "1", "--sync-save", "--keep-every", "3")
+    ok(launch(ref))
+    # --keep-checkpoints 2 --keep-every 3: the newest two (6, 8) and every multiple of 3 (3, 6) for good
+    assert tags(ref) == ["global_step3", "global_step6", "global_step8", "latest"]
+    run = fp32_run(tmp_path, corpus, "run", "--zero", "1")
+    r = launch(run, "--test-faults", '{"kill_in_async_write": 6}')
+    assert r.returncode != 0
+    ckpts = run / "checkpoints"
+    assert (ckpts / "latest").read_text() == "global_step3" and ckpt.is_complete(ckpts / "global_step3")
+    partial = ckpts / ".partial-global_step6"
+    assert partial.is_dir() and any(partial.iterdir()) and not (partial / ckpt.META_FILE).exists()
+    assert not (ckpts / "global_step6").exists()
+    meta = ckpt.read_meta(ckpts / "global_step3")["save"]
+    assert meta["mode"] == "async" and meta["bytes"] > 0 and meta["rank_max_bytes"] > 0
+    assert 0 < meta["blocking_s"] and 0 < meta["write_s"]
+
+    r = launch(run, "--resume", "auto")
+    ok(r)
+    assert "at step 3" in r.stdout and "saved: " in r.stdout and "in the background" in r.stdout
+    assert [int(s) for s, *_ in written_metrics(run)] == list(range(1, STEPS + 1))
+    assert written_metrics(run) == written_metrics(ref)  # bitwise: the files written in the background are exact
+    assert tags(run) == ["global_step3", "global_step6", "global_step8", "latest"]  # 3: resumed from, kept
 
 
 DP_CHANGE = {"zero1": ["--zero", "1"], "zero3": ["--zero", "3"],

@@ -31,16 +31,16 @@ WRITER_NICE = 10
 """The writer process's niceness: below the training ranks, which keep the cores while both want them."""
 
 
-def snapshot(item, memo: dict | None = None, *, stage=None):
-    """`item` with every tensor in it (nested in dicts, lists, tuples) replaced by `stage(tensor)`: by default a copy
-    in host memory, which the training step may go on changing the original of. A tensor that appears twice is
-    staged once (torch.save then stores it once, as it would the original)."""
+def snapshot(item, memo: dict | None = None, *, stage):
+    """`item` with every tensor in it (nested in dicts, lists, tuples) replaced by `stage(tensor)`, a copy the
+    training step may go on changing the original of. A tensor that appears twice is staged once (torch.save then
+    stores it once, as it would the original)."""
     import torch
 
     memo = {} if memo is None else memo
     if torch.is_tensor(item):
         if id(item) not in memo:
-            memo[id(item)] = item.detach().to("cpu", copy=True) if stage is None else stage(item)
+            memo[id(item)] = stage(item)
         return memo[id(item)]
     if isinstance(item, dict):
         copied = copy.copy(item)
@@ -341,7 +341,7 @@ class BackgroundWriter(_torch_checkpoint_engine()):
         if not self._held:
             return
         t0 = time.perf_counter()
-        self._start()
+        self.start()
         for arenas, staged, path in self._held:
             self._jobs.send((arenas, staged, path, self.zipfile_serialization))
             self._outstanding += 1
@@ -377,10 +377,7 @@ class BackgroundWriter(_torch_checkpoint_engine()):
             self._outstanding = 0
 
     def start(self) -> None:
-        """Spawn the writer process (at start-up: its imports then do not compete with training steps)."""
-        self._start()
-
-    def _start(self) -> None:
+        """Spawn the writer process unless it runs (at start-up: its imports then do not compete with steps)."""
         import torch.multiprocessing as mp
 
         if self._process is not None and self._process.is_alive():

@@ -11,7 +11,7 @@ import torch
 
 from dspipe.errors import SpecError
 from dspipe.runtime import checkpoint as ckpt
-from dspipe.runtime.async_save import ArenaPool, BackgroundWriter, rebuild, snapshot, stage_into
+from dspipe.runtime.async_save import ArenaPool, BackgroundWriter, rebuild, stage_into
 from dspipe.runtime.faults import Faults
 from dspipe.spec.core import TrainSpec
 from tests.helpers import mount_tmpfs
@@ -65,18 +65,6 @@ def test_keep_every_is_validated_against_the_save_interval():
     assert TrainSpec(global_batch=8, micro_batch=1, steps=10, save_interval=250, keep_every=1000).keep_every == 1000
     assert TrainSpec(global_batch=8, micro_batch=1, steps=10, save_interval=0, keep_every=7).keep_every == 7
     assert TrainSpec(global_batch=8, micro_batch=1, steps=10).async_save is True
-
-
-def test_snapshot_is_a_copy_the_step_may_change_and_shares_what_the_original_shared():
-    w = torch.arange(6.0)
-    view = w[2:4]
-    state = {"module": {"w": w, "tied": w, "view": view}, "opt": [torch.ones(2)], "meta": ("x", 3), "n": 5}
-    copied = snapshot(state)
-    w.add_(100.0)  # the optimizer step after the save
-    assert copied["module"]["w"].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
-    assert copied["module"]["tied"] is copied["module"]["w"]  # stored once, as torch.save stores the original
-    assert copied["module"]["view"].untyped_storage().nbytes() == 8  # the view alone, not its base's 24 bytes
-    assert copied["meta"] == ("x", 3) and copied["n"] == 5 and copied["opt"][0].tolist() == [1.0, 1.0]
 
 
 def test_staged_into_one_arena_per_file_and_dtype_and_rebuilt_exactly(tmp_path):

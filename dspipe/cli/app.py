@@ -110,7 +110,8 @@ def gen_config(**o) -> None:
                f"dp {plan.expert_dp})" if plan.experts else "")
     click.echo(f"{plan.layout.describe()}{experts} | ZeRO-{plan.zero_stage} offload {plan.offload}"
                f"{' +params' if plan.offload_params else ''} | {plan.precision} (grad accum {plan.grad_accum_dtype}) | "
-               f"recompute {plan.checkpointing}")
+               f"recompute {plan.checkpointing}"
+               f"{f' | loss in chunks of {plan.loss_chunk:,} tokens' if plan.loss_chunk else ''}")
     click.echo(f"batch: global {plan.global_batch} = micro {plan.micro_batch} x grad_accum {plan.grad_accum} "
                f"x dp {plan.dp}  ({plan.tokens_per_step:,} tokens/step)")
     if train.tokens is not None:

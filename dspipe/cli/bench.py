@@ -13,6 +13,7 @@ from dspipe.cli.options import choose, spec_options
 from dspipe.cli.prepare_run import prepare_run
 from dspipe.errors import SpecError
 from dspipe.spec.hardware import CPU_RANKS, names_text
+from dspipe.tools.bench import REFERENCES
 
 BENCH_OPTIONS = {"steps": (10, "measured steps"), "warmup": (3, "warm-up steps before measuring (not timed)")}
 """The shared options bench gives its own meaning: they count benchmark steps, not the run's optimizer steps and
@@ -83,14 +84,14 @@ def bench_command(o: dict, *, command: str) -> dict:
     if o["compare"] and plan.layout.model_ranks > 1:
         raise SpecError(f"--compare needs pp 1, tp 1 and sp 1 (the reference is torch DDP), the plan has pp {plan.pp}, "
                         f"tp {plan.tp}, sp {plan.sp}; pass --pp 1 --tp 1 --sp 1 or drop --compare")
-    sides_wanted = bench.SIDES if o["compare"] else bench.SIDES[:1]
+    sides_wanted = ("dspipe", *bench.REFERENCES[o["reference"]]) if o["compare"] else ("dspipe",)
     threads = bench.cpu_threads(ranks=ranks) if gpu == "cpu" else None
     say = click.echo
     setup = (f"{model.name} {plan.num_params / 1e6:,.2f}M params ({model.shape_text}) | {plan.layout.describe()} | "
              f"ZeRO-{plan.zero_stage} offload {plan.offload} | {plan.precision} | recompute {plan.checkpointing} | "
              f"batch {plan.micro_batch} x ga {plan.grad_accum} x dp {plan.dp} = {plan.global_batch} seq "
              f"({plan.tokens_per_step:,} tokens/step) | {warmup} warm-up + {steps} measured steps"
-             f"{' | torch.compile' if o['compile'] else ''}")
+             f"{' | blocks compiled' if o['compile'] else ''}")
     say(f"bench: {setup}")
     with tempfile.TemporaryDirectory(prefix="dspipe-bench-") as tmp:
         run_dir = Path(tmp) / "run"
@@ -100,7 +101,7 @@ def bench_command(o: dict, *, command: str) -> dict:
         for side in sides_wanted:
             say(f"bench: {side} on {ranks} rank(s) ...")
             results[side] = bench.run_side(ranks=ranks, run_dir=run_dir, side=side, warmup=warmup, steps=steps,
-                                           compile_=o["compile"], out=Path(tmp) / side, threads=threads)
+                                           out=Path(tmp) / side, threads=threads)
     device = results["dspipe"][0]["device_name"]
     gpu_type = match_device(device)  # the ranks' device name; detected above by the same rule
     peak = gpu_type.peak_tflops(plan.precision) if gpu_type else None
@@ -125,8 +126,11 @@ def _make_command() -> click.Command:
     @click.command("bench")
     @spec_options
     @click.option("--compare", is_flag=True, default=False,
-                  help="also run the plain-PyTorch reference (DDP + AdamW) and print the tokens/s ratio")
-    @click.option("--compile", "compile", is_flag=True, default=False, help="torch.compile both sides")
+                  help="also run the plain-PyTorch reference (DDP + fused AdamW + autocast + SDPA) and print the "
+                       "tokens/s ratio")
+    @click.option("--reference", type=click.Choice(tuple(REFERENCES)), default="compiled", show_default=True,
+                  help="with --compare: the reference torch.compile'd (the strong step one would write), eager "
+                       "(no compile), or both (two columns)")
     @click.option("--append", default=None, type=click.Path(), help="append a markdown section to this file")
     def bench(**o) -> None:
         """Measure tokens/s, TFLOP/s, MFU, memory and a step-time breakdown of the plan gen-config would write,

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dspipe.model.window import choose_kernel, flex_window_attention
 from dspipe.spec.core import ModelSpec
 
 INIT_STD = 0.02
@@ -240,7 +241,9 @@ class Attention(nn.Module):
     """Causal self-attention through scaled_dot_product_attention (flash/memory-efficient kernels); grouped-query
     when kv_heads < heads (each key/value head serves heads / kv_heads query heads); heads head_dim wide (not
     necessarily hidden / heads); optional RMSNorm of every q and k head (qk_norm); rotary (scaled or not) or none;
-    a sliding window (`window` tokens: query q sees keys q - window < k <= q) or the whole causal prefix."""
+    a sliding window (`window` tokens: query q sees keys q - window < k <= q) or the whole causal prefix; a
+    window shorter than the sequence runs flex_attention with a block mask on CUDA, SDPA with the (s, s) window_mask
+    elsewhere and under attention dropout (dspipe.model.window)."""
 
     def __init__(self, spec: ModelSpec, *, window: int | None = None):
         super().__init__()
@@ -260,16 +263,23 @@ class Attention(nn.Module):
         """Set to replace local_core (same signature), e.g. by an attention that spans a split sequence."""
         self.core_checkpoint: Callable | None = None
         """Set to a checkpoint function to recompute the attention core in backward (selective recomputation)."""
+        self.window_kernel: str | None = None
+        """Set to 'mask' or 'flex' to force a windowed core's kernel (tests, benchmarks); None: by device."""
 
     def local_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention over (batch, seq, heads, head_dim) tensors, returned in the same layout. q, k and v
         hold the same positions (under Ulysses the whole sequence: this runs after the all-to-all), so the window
-        counts whole-sequence positions. A window at least the sequence long is plain causal attention."""
+        counts whole-sequence positions. A window at least the sequence long is plain causal attention; a shorter
+        one runs the kernel choose_kernel picks (flex_attention on CUDA without dropout, else the masked SDPA)."""
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         dropout = self.dropout if self.training else 0.0
         seq = q.shape[2]
-        if self.window is None or self.window >= seq:
+        kernel = choose_kernel(device_type=q.device.type, seq=seq, window=self.window, dropout=dropout,
+                               override=self.window_kernel)
+        if kernel == "causal":
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+        elif kernel == "flex":
+            y = flex_window_attention(q, k, v, window=self.window)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=window_mask(seq, self.window, device=q.device),
                                                dropout_p=dropout)
@@ -557,11 +567,19 @@ class GPT(nn.Module):
         """Set to a checkpoint function to recompute each block in backward (full recomputation)."""
         self.loss_fn: Callable = lm_loss
         """(logits, labels) -> mean loss; tensor parallelism sets one that takes a vocabulary slice of the logits."""
+        self.head_loss: Callable | None = None
+        """Set to (hidden, head weight, labels) -> mean loss to compute the loss without the full logits
+        (strategy.loss_chunk: dspipe.model.loss.HeadLoss); replaces the head and loss_fn when labels are given."""
         self.last_lm_loss: torch.Tensor | None = None
         """The language-model loss of the last forward with labels (detached)."""
         self.last_aux_loss: torch.Tensor | None = None
         """The mean load-balancing loss over the sparse blocks of the last forward with labels (detached; None for
         a dense model)."""
+
+    @property
+    def head_weight(self) -> nn.Parameter:
+        """The output head's (V, h) weight: the token embedding's when tied, else the untied head's."""
+        return self.embed.wte.weight if self.lm_head is None else self.lm_head.weight
 
     def forward(self, idx: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (b, s, V), or the mean loss when labels are given: the LM loss, plus aux_loss_coef x the mean of
@@ -581,10 +599,13 @@ class GPT(nn.Module):
             if block.sparse:
                 aux.append(block.aux)
         x = self.final(x)
-        logits = self.embed.logits(x) if self.lm_head is None else self.lm_head(x)
-        if labels is None:
-            return logits
-        loss = self.loss_fn(logits, labels)
+        if labels is not None and self.head_loss is not None:
+            loss = self.head_loss(x, self.head_weight, labels)
+        else:
+            logits = self.embed.logits(x) if self.lm_head is None else self.lm_head(x)
+            if labels is None:
+                return logits
+            loss = self.loss_fn(logits, labels)
         self.last_lm_loss = loss.detach()
         if not aux:
             return loss

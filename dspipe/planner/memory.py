@@ -30,13 +30,16 @@ engines, see docs/planner-accuracy.md), not only the textbook 16 bytes/param:
   log-sum-exp) and without dropout masks at dropout 0: 32sbh per GPT block at 2-byte activations plus fp32 statistics
   (activation_bytes_per_layer, from the ModelSpec: SwiGLU, RMSNorm, rotary, GQA); selective recomputation saves only
   the log-sum-exp, so the search never picks it; full keeps 2sbh per block and peaks at the larger of the head's
-  tensors and one recomputed block (they never coincide); the head and loss keep log_softmax's fp32 output, ~4sbV;
+  tensors and one recomputed block (they never coincide); the head and loss keep log_softmax's fp32 output, ~4sbV
+  (with strategy.loss_chunk = c > 0, the chunked cross-entropy: a 4sb log-sum-exp, and one chunk's cV fp32 logits
+  (+ cV at b in 16-bit) during the loss's backward);
   stage i holds the blocks of DeepSpeed's partition (stage_blocks) for min(p - i, m) micro-batches in flight (1F1B).
   start-up (dspipe.planner.startup): host bytes per rank while the module is built in the plan's build mode (the
   stage with the most parameters under a pipeline), or the offload's host peak where larger, times the ranks per
   node, must fit the node's RAM; the build's device transient must fit the usable GPU memory (Estimate.fits).
   GPU (kernels="cuda") and CPU (the gloo runner) kernels differ in the norms' statistics dtype and RMSNorm's saved
-  tensors (_norm_bytes_per_token); stage_memory uses the GPU type's backend to choose.
+  tensors (_norm_bytes_per_token) and in a windowed block's (s, s) mask, kept by the CPU's masked SDPA but not by
+  the GPU's flex_attention (window_mask_bytes); stage_memory uses the GPU type's backend to choose.
 
 Tensor parallel (dspipe's tensor-parallel layers, Megatron layout, t ranks): a
 rank holds 1/t of the four block matrices and of the column-parallel biases, and ceil(V / t) rows of the token
@@ -76,6 +79,7 @@ from dspipe.model.tp_split import vocab_split as vocab_rows
 from dspipe.planner.plan import Plan
 from dspipe.planner.stages import (largest_tensor, largest_tensor_per_rank, param_groups, share, stage_blocks,
                                    stage_params, zero_group_size)
+from dspipe.planner.throughput import window_kernel
 from dspipe.spec.core import ClusterSpec, ModelSpec
 from dspipe.spec.hardware import GIB
 
@@ -157,15 +161,18 @@ def _qk_norm_bytes_per_token(model: ModelSpec, *, act_bytes: int, kernels: str) 
 
 
 def window_mask_bytes(model: ModelSpec, *, act_bytes: int) -> int:
-    """Bytes a block with a sliding window shorter than the sequence saves for its attention: SDPA converts the
-    (s, s) boolean window mask to an additive one in the activation dtype and keeps it for backward, one per block
-    and micro-batch, whatever the batch, heads or tp (the whole sequence's under Ulysses: the core runs after the
-    all-to-all). 0 for causal attention (SDPA's is_causal needs no mask)."""
+    """Bytes a block with a sliding window shorter than the sequence saves for its attention where it runs the
+    masked kernel (throughput.window_kernel: the CPU kernels, or attention dropout): SDPA converts the (s, s)
+    boolean window mask to an additive one in the activation dtype and keeps it for backward, one per block and
+    micro-batch, whatever the batch, heads or tp (the whole sequence's under Ulysses: the core runs after the
+    all-to-all). Causal attention (SDPA's is_causal) and flex_attention's block mask (per-tile indices, built once
+    and shared) keep none."""
     return act_bytes * model.seq_len ** 2
 
 
 def windowed_blocks(model: ModelSpec, layers: range) -> int:
-    """Blocks among `layers` whose sliding window is shorter than the sequence (they run the masked kernel)."""
+    """Blocks among `layers` whose sliding window is shorter than the sequence (they run a window kernel:
+    throughput.window_kernel)."""
     return sum(1 for i in layers if (w := model.window_of(i)) is not None and w < model.seq_len)
 
 
@@ -179,8 +186,9 @@ def activation_bytes_per_layer(*, model: ModelSpec, micro_batch: int, checkpoint
       none: two norms (_norm_bytes_per_token), activation_coefficients' elements at act_bytes (whole + split / t),
         the q/k norm's (_qk_norm_bytes_per_token / t), the log-sum-exp (heads / t), rotary's cos and sin tables
         (4 x s x head_dim, not per sequence), one-byte dropout masks (attention and MLP outputs) when dropout > 0,
-        and for a `windowed` block (sliding window shorter than the sequence; None: as the model's last block) the
-        attention's (s, s) mask (window_mask_bytes, not per sequence).
+        and for a `windowed` block (sliding window shorter than the sequence; None: as the model's last block) on
+        the masked kernel (throughput.window_kernel: 'cpu', or dropout > 0) the attention's (s, s) mask
+        (window_mask_bytes, not per sequence); flex_attention (the 'cuda' kernel) saves what the causal kernel does.
       selective (the attention core recomputed, as dspipe wires it): DeepSpeed's checkpoint keeps q, k and v, the
         out-projection still saves the core's output: only the log-sum-exp (and a window's mask, built inside the
         core) is not kept, so it saves what 'none' does (less 4 bytes per token and head) and costs a recomputation.
@@ -206,7 +214,8 @@ def activation_bytes_per_layer(*, model: ModelSpec, micro_batch: int, checkpoint
         per_token += 4 * share(model.heads, tp)  # the kernel's fp32 log-sum-exp
         if windowed is None:
             windowed = windowed_blocks(model, range(model.layers - 1, model.layers)) > 0
-        mask = window_mask_bytes(model, act_bytes=act_bytes) if windowed else 0
+        masked = windowed and window_kernel(model, kernels=kernels) == "mask"
+        mask = window_mask_bytes(model, act_bytes=act_bytes) if masked else 0
     if model.dropout > 0:
         per_token += 2 * h / cut
     rotary = 4 * s * model.head_dim * act_bytes if model.positions == "rope" else 0
@@ -279,16 +288,32 @@ def recompute_working_bytes(*, model: ModelSpec, micro_batch: int, act_bytes: in
 
 
 def logits_bytes(*, model: ModelSpec, micro_batch: int, sp: int = 1, act_bytes: int = 2, kernels: str = "cuda",
-                 tp: int = 1, tp_sp: bool = False) -> int:
+                 tp: int = 1, tp_sp: bool = False, loss_chunk: int = 0) -> int:
     """What the last stage's final norm, head and loss save: log_softmax's fp32 output (4 bytes x V per token: the
     loss upcasts the logits, which themselves are not kept; at tp > 1 the vocab-parallel cross-entropy's fp32 softmax
-    of the rank's ceil(V / tp) columns, the full logits never gathered), the final norm's input and statistics, the
-    head's input (whole on every tp rank; the norm's and the head's inputs / tp under Megatron sequence parallelism,
-    whose head gathers its input again in backward) and the int64 labels; s is s/sp under Ulysses."""
+    of the rank's ceil(V / tp) columns, the full logits never gathered; with `loss_chunk` (dspipe.model.loss, tp 1)
+    only the fp32 log-sum-exp, 4 bytes per token, the chunk's logits being loss_chunk_working_bytes), the final norm's
+    input and statistics, the head's input (whole on every tp rank; the norm's and the head's inputs / tp under
+    Megatron sequence parallelism, whose head gathers its input again in backward) and the int64 labels; s is s/sp
+    under Ulysses."""
     cut = tp if tp_sp else 1
-    per_token = 4 * vocab_rows(model.vocab, tp)[0] \
+    per_token = (4 if loss_chunk else 4 * vocab_rows(model.vocab, tp)[0]) \
         + (_norm_bytes_per_token(model, act_bytes=act_bytes, kernels=kernels) + act_bytes * model.hidden) / cut + 8
     return int(share(model.seq_len, sp) * micro_batch * per_token)
+
+
+def loss_chunk_working_bytes(*, model: ModelSpec, micro_batch: int, loss_chunk: int, sp: int = 1,
+                             act_bytes: int = 2) -> int:
+    """What the chunked cross-entropy (dspipe.model.loss, loss_chunk > 0) adds while its backward runs: one chunk's
+    logits (min(loss_chunk, the rank's s/sp x b tokens) x V) in fp32, plus in 16-bit training the chunk's logits
+    in the activation dtype while they are upcast (the same size again at act_bytes: the gradient cast back); 0
+    without chunks. liger-kernel's fused loss on CUDA picks its own chunk (a power of two, at most loss_chunk where
+    its rule allows) and computes the head's weight and input gradients in the forward, holding them until the
+    backward instead of creating them there (not counted apart: the model's gradients are)."""
+    if not loss_chunk:
+        return 0
+    rows = min(loss_chunk, share(model.seq_len, sp) * micro_batch)
+    return rows * model.vocab * (4 + (act_bytes if act_bytes != 4 else 0))
 
 
 def embedding_bytes(*, model: ModelSpec, micro_batch: int, sp: int = 1) -> int:
@@ -299,12 +324,15 @@ def embedding_bytes(*, model: ModelSpec, micro_batch: int, sp: int = 1) -> int:
 
 def micro_batch_activations(*, model: ModelSpec, micro_batch: int, checkpointing: str, act_bytes: int, blocks: int,
                             first: bool, last: bool, tp: int = 1, sp: int = 1, kernels: str = "cuda",
-                            windowed: int | None = None, sparse: int = 0, tp_sp: bool = False) -> tuple[int, int]:
+                            windowed: int | None = None, sparse: int = 0, tp_sp: bool = False,
+                            loss_chunk: int = 0) -> tuple[int, int]:
     """(held, working): activation bytes one micro-batch keeps on a stage of `blocks` blocks from its forward to its
     backward, and what its backward adds at the moment of its peak. none / selective: every block's saved tensors,
-    the embedding's ids on the first stage, the head and loss on the last; nothing added. full: the block inputs (and
-    ids) held; at the peak either the head and loss (alive at the end of the forward, freed by the head's backward)
-    or one recomputed block (rebuilt after the head's tensors are gone), whichever is larger: they never coincide.
+    the embedding's ids on the first stage, the head and loss on the last; added, a chunked loss's one chunk of
+    logits (loss_chunk_working_bytes, in the loss's backward, before any block's). full: the block inputs (and
+    ids) held; at the peak either the head and loss (alive at the end of the forward, freed by the head's backward;
+    with a chunked loss's chunk) or one recomputed block (rebuilt after the head's tensors are gone), whichever is
+    larger: they never coincide.
     `windowed`: how many of the blocks have a sliding window shorter than the sequence (None: the last `blocks`
     blocks of the model, the most a stage can hold, as windowed_blocks counts them). `sparse`: how many of the
     blocks are mixture-of-experts blocks (their MoE layers' saved tensors; one's all-to-all gradient buffers,
@@ -320,7 +348,9 @@ def micro_batch_activations(*, model: ModelSpec, micro_batch: int, checkpointing
     saved = (blocks - windowed) * per_layer(False) + windowed * per_layer(True)
     ids = embedding_bytes(model=model, micro_batch=micro_batch, sp=sp) if first else 0
     head = logits_bytes(model=model, micro_batch=micro_batch, sp=sp, act_bytes=act_bytes, kernels=kernels, tp=tp,
-                        tp_sp=tp_sp) if last else 0
+                        tp_sp=tp_sp, loss_chunk=loss_chunk) if last else 0
+    chunk = loss_chunk_working_bytes(model=model, micro_batch=micro_batch, loss_chunk=loss_chunk, sp=sp,
+                                     act_bytes=act_bytes) if last else 0
     moe_working = 0
     if sparse:
         tokens = share(model.seq_len, sp) * micro_batch
@@ -331,11 +361,11 @@ def micro_batch_activations(*, model: ModelSpec, micro_batch: int, checkpointing
                                                       kernels=kernels, windowed=False, sparse=True) - dense)
         moe_working = moe_working_bytes(model=model, tokens=tokens, act_bytes=act_bytes)
     if checkpointing != "full":
-        return saved + ids + head, moe_working
+        return saved + ids + head, max(moe_working, chunk)
     working = recompute_working_bytes(model=model, micro_batch=micro_batch, act_bytes=act_bytes, tp=tp, sp=sp,
                                       kernels=kernels, windowed=windowed > 0, sparse=sparse > 0,
                                       tp_sp=tp_sp) if blocks else 0
-    return saved + ids, max(head, working + moe_working)
+    return saved + ids, max(head + chunk, working + moe_working)
 
 
 def persistent_params(*, model: ModelSpec, threshold: int) -> int:
@@ -527,7 +557,7 @@ def stage_memory(*, model: ModelSpec, cluster: ClusterSpec, plan: Plan) -> tuple
                                                                                       first_block[i] + blocks[i])),
                                                 sparse=sum(1 for j in model.sparse_layers
                                                            if first_block[i] <= j < first_block[i] + blocks[i]),
-                                                tp_sp=plan.tp_sp)
+                                                tp_sp=plan.tp_sp, loss_chunk=plan.loss_chunk)
         acts = min(pp - i, m) * held + working  # 1F1B: stage i has up to pp - i micro-batches in flight
         host_steady, host_peak = _host_states(model=model, plan=plan, phi=phi)
         mem = Memory(params=steady["params"], grads=steady["grads"] + transient["grads"],

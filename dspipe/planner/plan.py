@@ -88,6 +88,8 @@ class Plan:
     tp_sp: bool = False
     """Megatron sequence parallelism with tp > 1: the activations outside the tensor-parallel regions split along
     the sequence over the tp ranks (all-gather / reduce-scatter instead of all-reduce)."""
+    loss_chunk: int = 0
+    """Tokens per chunk of the cross-entropy (dspipe.model.loss): one chunk's logits at a time; 0: the full logits."""
 
     def __post_init__(self) -> None:
         if self.layout.dp != self.dp:
@@ -191,6 +193,10 @@ def _check_tensor_sequence(*, model: ModelSpec, cluster: ClusterSpec, train: Tra
             raise RuleError(2, f"model seq_len {model.seq_len} / sp {sp} = {tokens} tokens per rank are not divisible "
                             f"by tp {tp}: Megatron sequence parallelism splits them over the tp ranks; use --no-tp-sp "
                             f"or a seq_len divisible by {sp * tp}")
+        if strategy.loss_chunk:
+            raise RuleError(3, f"loss_chunk {strategy.loss_chunk} with tp {tp}: the tensor-parallel head computes a "
+                            f"vocab-parallel cross-entropy of its ceil({model.vocab} / {tp}) = {per} vocabulary rows "
+                            f"(no chunked loss there); use --loss-chunk 0 or --tp 1")
         if zero == 0 and train.precision != "fp32":
             raise RuleError(3, f"tp {tp} with ZeRO-0 in {train.precision}: DeepSpeed's ZeRO-0 {train.precision} optimizer "
                             f"reports and clips by the gradient norm of rank 0's shards only; use --zero 1 or 2")
@@ -305,6 +311,7 @@ def make_plan(*, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
         ep=strategy.ep,
         experts=model.experts,
         tp_sp=strategy.tp_sp and layout.tp > 1,
+        loss_chunk=strategy.loss_chunk,
     )
 
 

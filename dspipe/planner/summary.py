@@ -19,6 +19,7 @@ def estimate_summary(c: Candidate, *, tokens: float | None = None) -> dict:
         "offload_params": p.offload_params, "precision": p.precision, "pp": p.pp, "tp": p.tp, "tp_sp": p.tp_sp,
         "sp": p.sp, "dp": p.dp,
         "micro_batch": p.micro_batch, "grad_accum": p.grad_accum, "checkpointing": p.checkpointing,
+        "loss_chunk": p.loss_chunk,
         "memory_per_gpu_bytes": {"params": m.params, "grads": m.grads, "optimizer": m.optimizer,
                                  "activations": m.activations, "buffers": m.buffers, "total": m.total},
         "model_states_bytes": m.model_states,

@@ -15,22 +15,50 @@ STEP_COLUMNS = ("step", "tokens", "loss", "lr", "grad_norm", "tokens_per_s", "sa
                 "mfu", "mem_allocated_gib", "mem_reserved_gib", "step_time_s", "skipped")
 VAL_COLUMNS = ("step", "tokens", "val_loss", "val_ppl")
 
-def attention_keys_per_query(model: ModelSpec, layer: int, *, executed: bool = False) -> float:
+FLEX_TILE = 128
+"""Queries and keys per tile of flex_attention's block mask (create_block_mask's default BLOCK_SIZE): the kernel
+computes or skips whole tiles."""
+
+
+def window_kernel(model: ModelSpec, *, kernels: str) -> str:
+    """The kernel of dspipe's windowed blocks (dspipe.model.window.choose_kernel) in training under `kernels`:
+    'flex' (flex_attention with a block mask) on the GPU ('cuda') without attention dropout; 'mask' (SDPA with a
+    dense (s, s) boolean mask) on the CPU kernels ('cpu') or with dropout (flex_attention has none)."""
+    return "flex" if kernels == "cuda" and model.dropout == 0 else "mask"
+
+
+def flex_window_tiles(*, seq: int, window: int, tile: int = FLEX_TILE) -> int:
+    """Tiles (tile x tile queries x keys) a sliding-window block mask keeps over `seq` positions: query tile i
+    meets key tiles i - d .. i with d the largest whose nearest pair is inside the window (d x tile - tile + 1 <
+    window), so min(i, d) + 1 tiles; the partial tiles on both edges of the band are computed whole."""
+    tiles = -(-seq // tile)
+    reach = (window + tile - 2) // tile  # d
+    inside = min(tiles - 1, reach)  # query tiles 0 .. inside meet every earlier key tile
+    return (inside + 1) * (inside + 2) // 2 + max(0, tiles - 1 - reach) * (reach + 1)
+
+
+def attention_keys_per_query(model: ModelSpec, layer: int, *, kernels: str | None = None) -> float:
     """Keys one query attends to in block `layer`, on average over the sequence: s/2 under causal attention; with a
-    sliding window w < s, min(i, w) averaged over positions i, w - w^2/(2s) (s/2 again at w = s). `executed`: what
-    the kernel computes instead of what the model needs: dspipe's windowed blocks run SDPA with a dense (s, s) mask
-    (dspipe.model.gpt.window_mask), which skips nothing, so every query meets all s keys there."""
+    sliding window w < s, min(i, w) averaged over positions i, w - w^2/(2s) (s/2 again at w = s). `kernels`
+    ('cuda' or 'cpu'; None: what the model needs): what the kernel computes in a windowed block instead
+    (window_kernel): flex_attention computes the tiles its block mask keeps and skips the rest,
+    flex_window_tiles x 128^2 / s keys per query (~w + 128 at w << s); the masked SDPA skips nothing, s keys."""
     s, w = model.seq_len, model.window_of(layer)
     if w is None or w >= s:
         return s / 2
-    return float(s) if executed else w - w * w / (2 * s)
+    if kernels is None:
+        return w - w * w / (2 * s)
+    if window_kernel(model, kernels=kernels) == "flex":
+        return flex_window_tiles(seq=s, window=w) * FLEX_TILE ** 2 / s
+    return float(s)
 
 
-def attention_flops_per_token(model: ModelSpec, *, executed: bool = False) -> float:
+def attention_flops_per_token(model: ModelSpec, *, kernels: str | None = None) -> float:
     """Training FLOPs per token of the attention scores and their weighted sum over all blocks: q.k^T and
     softmax.v each 2 x heads x head_dim per key, forward, twice that backward: 12 x q_width x keys per query
-    (attention_keys_per_query; 6·L·h·s for GPT's causal attention)."""
-    keys = sum(attention_keys_per_query(model, layer, executed=executed) for layer in range(model.layers))
+    (attention_keys_per_query, what the model needs or, under `kernels`, what the kernels compute; 6·L·h·s for
+    GPT's causal attention)."""
+    keys = sum(attention_keys_per_query(model, layer, kernels=kernels) for layer in range(model.layers))
     return 12.0 * model.q_width * keys
 
 

@@ -231,12 +231,15 @@ def step_time(*, model: ModelSpec, cluster: ClusterSpec, plan: Plan, phi: int) -
     # Compute: FLOPs per token, split across the tp ranks (every matmul: the blocks' projections and attention by
     # heads and MLP width, the vocab-parallel head by vocabulary) and the sp ranks (each holds s/sp tokens; after the
     # all-to-all, attention runs on heads/sp over the whole sequence).
-    # Executed: the model's FLOPs with the attention the kernels run (a windowed block's dense mask computes every
-    # score); recomputation adds the attention core's forward (selective) or the whole forward (full).
+    # Executed: the model's FLOPs with the attention the kernels run (a windowed block: flex_attention's tiles on
+    # the GPU, every score under the CPU's dense mask or with dropout: throughput.window_kernel); recomputation adds
+    # the attention core's forward (selective) or the whole forward (full).
+    kernels = "cuda" if gpu.backend == "nccl" else "cpu"
     model_flops = model_flops_per_token(model)
-    executed = model_flops - attention_flops_per_token(model) + attention_flops_per_token(model, executed=True) \
+    run_attention = attention_flops_per_token(model, kernels=kernels)
+    executed = model_flops - attention_flops_per_token(model) + run_attention \
         + moe_dispatch_flops_per_token(model, tokens=plan.micro_batch * share(model.seq_len, sp))
-    extra = {"none": 0.0, "selective": attention_flops_per_token(model, executed=True) / 3,
+    extra = {"none": 0.0, "selective": run_attention / 3,
              "full": executed / 3}[plan.checkpointing]
     hw_flops = executed + extra
     rank_flops = hw_flops / tp / sp

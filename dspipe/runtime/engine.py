@@ -62,10 +62,32 @@ def engine_settings(engine) -> dict:
         "offload_optimizer": bool(getattr(zero_opt, "cpu_offload", False) or getattr(zero_opt, "offload_optimizer", False)),
         "offload_param": bool(getattr(zero_opt, "offload_param", False)),
         "activation_checkpoint_interval": int(getattr(module, "activation_checkpoint_interval", 0)),
+        "compiled_blocks": compiled_modules(module),
+        **loss_settings(engine),
         "scheduler": type(engine.lr_scheduler).__name__,
         "backend": dist.get_backend(),
         "world_size": dist.get_world_size(),
     }
+
+
+def compiled_modules(module) -> int:
+    """Submodules of `module` that run through torch.compile (nn.Module.compile set their compiled call)."""
+    return sum(1 for part in module.modules() if getattr(part, "_compiled_call_impl", None) is not None)
+
+
+def loss_settings(engine) -> dict:
+    """How the module computes its loss: 'loss' in words ('full logits', or the chunked loss and its kernel on
+    this engine's device: liger-kernel's on CUDA where installed) and 'loss_chunk' (0: the full logits; None on a
+    pipeline stage without the head)."""
+    from dspipe.model.loss import HeadLoss
+
+    module = engine.module
+    loss = getattr(module, "head_loss", None) or getattr(getattr(module, "loss_fn", None), "loss", None)
+    if isinstance(loss, HeadLoss):
+        return {"loss": loss.describe(str(engine.device).split(":")[0]), "loss_chunk": loss.chunk}
+    if int(getattr(engine, "num_stages", 1)) > 1 and not engine.is_last_stage():
+        return {"loss": "none on this stage", "loss_chunk": None}
+    return {"loss": "full logits", "loss_chunk": 0}
 
 
 def dp_world_size(engine) -> int:
@@ -131,6 +153,10 @@ def check_engine(settings: dict, run: Run) -> None:
         drift["tp_sharded_params"] = ("> 0", 0)  # no layer was swapped for its shards
     if plan.tp > 1 and settings["tp_unreduced_params"]:
         drift["tp_unreduced_params"] = (0, settings["tp_unreduced_params"])  # q/k norms whose gradient is not summed
+    if run.train.compile != bool(settings["compiled_blocks"]):  # asked and nothing compiled, or the reverse
+        drift["compiled_blocks"] = ("> 0" if run.train.compile else 0, settings["compiled_blocks"])
+    if settings["loss_chunk"] is not None and settings["loss_chunk"] != plan.loss_chunk:
+        drift["loss_chunk"] = (plan.loss_chunk, settings["loss_chunk"])  # the loss in chunks, or not, unasked
     if drift:
         raise RuntimeError("engine does not use the planned settings: " +
                            ", ".join(f"{k} planned {a} live {b}" for k, (a, b) in drift.items()))
@@ -273,7 +299,7 @@ class PipelineEngine(Engine):
         return float(self.engine.eval_batch(batches if self.reads_data else None, num_micro_batches=count))
 
 
-def build_engine(run: Run, *, compile_: bool = False, clock=None) -> Engine:
+def build_engine(run: Run, *, clock=None) -> Engine:
     """Collective (the process group must be up): module -> parallelize -> deepspeed.initialize -> live-settings
     check. `clock` (a dspipe.runtime.startup.StartupClock) is marked before and after the module build."""
     import deepspeed
@@ -302,14 +328,13 @@ def build_engine(run: Run, *, compile_: bool = False, clock=None) -> Engine:
         clock.mark("built", module=module)
     # how DeepSpeed's universal checkpoint re-cuts the tp shards (saved with every checkpoint: resume at another layout)
     module.universal_checkpoint_info = universal_checkpoint_info(run.model)
-    parallelize(module, plan=run.plan, rank=dist.get_rank(), checkpoint_fn=checkpoint_fn, mpu=mpu)
+    parallelize(module, plan=run.plan, rank=dist.get_rank(), checkpoint_fn=checkpoint_fn, mpu=mpu,
+                compile_=run.train.compile)
     groups = param_groups(module, run.train.weight_decay)
     if run.model.experts or expert_parallel(run) > 1:  # sparse blocks onto DeepSpeed's MoE layer (or the refusal)
         install_for_run(module, run=run, rank=dist.get_rank())
         groups = moe_param_groups(param_groups(module, run.train.weight_decay))  # experts: groups of their own
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=groups, config=str(run.ds_config_path),
                                            mpu=mpu)
-    if compile_:
-        engine.compile()
     cls = PipelineEngine if run.plan.pp > 1 else PlainEngine
     return cls(engine, run=run, layout=run.plan.layout, rank=dist.get_rank())

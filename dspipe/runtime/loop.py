@@ -167,6 +167,11 @@ def setup(run: Run, *, resume: str, restart: bool, backend: str, faults: Faults)
     device, peak = device_peak_tflops(precision=plan.precision)
     say = print if rank == 0 else (lambda *a, **k: None)
     say(_banner(run, backend=backend, device=device), flush=True)
+    if plan.loss_chunk:  # which kernel computes it here: liger-kernel's on CUDA where installed, else dspipe's
+        from dspipe.model.loss import HeadLoss
+
+        kernel = HeadLoss(chunk=plan.loss_chunk).describe(str(eng.device).split(":")[0])
+        say(f"dspipe: loss without the full logits: {kernel}", flush=True)
 
     start_step = 0
     if resume_from is not None:
@@ -222,7 +227,8 @@ def _banner(run: Run, *, backend: str, device: str) -> str:
             f"| ZeRO-{plan.zero_stage} offload {plan.offload} | {plan.precision} | {backend} on {device} | recompute "
             f"{plan.checkpointing} | batch {plan.micro_batch} x ga {plan.grad_accum} x dp {layout.dp} = "
             f"{plan.global_batch} seq x {run.model.seq_len} tok"
-            f"{f' | {tr.steps:,} steps (token budget {tr.tokens})' if tr.tokens else ''}")
+            f"{f' | {tr.steps:,} steps (token budget {tr.tokens})' if tr.tokens else ''}"
+            f"{' | blocks compiled' if tr.compile else ''}")
 
 
 def _startup_report(run: Run, *, eng, clock: StartupClock, guarded: bool, rank: int, say: Callable) -> None:

@@ -5,8 +5,8 @@ recomputation wired to DeepSpeed's checkpoint function and, under sp > 1, Ulysse
 (dspipe.runtime.sequence).
 
 The model code stays generic: it exposes its blocks and attention modules and their slots (GPT.block_checkpoint,
-Attention.core_checkpoint, Attention.core, the position offsets); this module fills them. A pipeline stage's
-full recomputation is PipelineModule's own (activation_checkpoint_interval, given when the stage is built).
+GPT.head_loss, Attention.core_checkpoint, Attention.core, the position offsets); this module fills them. A pipeline
+stage's full recomputation is PipelineModule's own (activation_checkpoint_interval, given when the stage is built).
 """
 from __future__ import annotations
 
@@ -34,13 +34,36 @@ def checkpoint_function(run: Run):
     return deepspeed.checkpointing.checkpoint
 
 
-def parallelize(module, *, plan: Plan, rank: int, checkpoint_fn: Callable | None, mpu=None) -> None:
-    """Wire `module` for this rank: recomputation as plan.checkpointing says, and with sp > 1 its attention made
-    sequence-parallel over the Ulysses group of `mpu` (sequence_groups or dspipe.runtime.mesh.Mesh) on this
-    rank's slice. (Its tensor-parallel shards were swapped in when it was built: shard_tensor_parallel.)"""
+def parallelize(module, *, plan: Plan, rank: int, checkpoint_fn: Callable | None, mpu=None,
+                compile_: bool = False) -> None:
+    """Wire `module` for this rank: recomputation as plan.checkpointing says, the loss in chunks as plan.loss_chunk
+    says (chunked_loss), and with sp > 1 its attention made sequence-parallel over the Ulysses group of `mpu`
+    (sequence_groups or dspipe.runtime.mesh.Mesh) on this rank's slice; then, with `compile_`, every block compiled
+    (compile_blocks: last, so the compiled graphs hold the wired attention). (Its tensor-parallel shards were
+    swapped in when it was built: shard_tensor_parallel.)"""
     recompute(module, mode=plan.checkpointing, checkpoint_fn=checkpoint_fn)
+    if plan.loss_chunk:
+        chunked_loss(module, chunk=plan.loss_chunk)
     if plan.sp > 1:
         _sequence_parallel(module, plan=plan, rank=rank, group=mpu.get_sequence_parallel_group())
+    if compile_:
+        compile_blocks(module)
+
+
+def compile_blocks(module) -> int:
+    """torch.compile every transformer block `module` holds (the plain GPT's or a pipeline stage's), in place
+    (nn.Module.compile: the module stays itself, its parameters and hooks DeepSpeed's to manage), and return how
+    many. As torchtitan does, per block rather than the whole model: the blocks share one code object, so the graph
+    compiled for the first serves the others (one more per kind: a windowed or sparse block, a different shard),
+    and the embedding, head and loss stay outside, where DeepSpeed's pipeline and tied-weight code run. Full
+    recomputation checkpoints the compiled block; selective recomputation's checkpoint of the attention core runs
+    inside it."""
+    from dspipe.model.gpt import Block
+
+    blocks = [part for part in module.modules() if isinstance(part, Block)]
+    for block in blocks:
+        block.compile()
+    return len(blocks)
 
 
 def recompute(module, *, mode: str, checkpoint_fn: Callable | None) -> None:
@@ -53,6 +76,48 @@ def recompute(module, *, mode: str, checkpoint_fn: Callable | None) -> None:
     for part in module.modules():
         if isinstance(part, Attention):
             part.core_checkpoint = checkpoint_fn if mode == "selective" else None
+
+
+def chunked_loss(module, *, chunk: int):
+    """The loss computed without the full logits, `chunk` tokens at a time (strategy.loss_chunk;
+    dspipe.model.loss.HeadLoss): the plain GPT's head_loss slot, or on a pipeline's last stage the head made a pass-
+    through and the stage's loss_fn the chunked loss of its hidden states and the head's weight. Returns the HeadLoss
+    (None on a stage without the head). A tensor-parallel head (the plan refuses tp > 1 with loss_chunk) is refused
+    here too: its vocab-parallel loss is not chunked."""
+    from dspipe.model.gpt import GPT, Embedding, LMHead
+    from dspipe.model.loss import HeadLoss
+
+    if any(getattr(m, "head_linear", None) is not None for m in module.modules() if isinstance(m, (Embedding, LMHead))):
+        raise RuntimeError(f"loss_chunk {chunk} with a tensor-parallel head: its vocab-parallel loss is not chunked")
+    loss = HeadLoss(chunk=chunk)
+    if isinstance(module, GPT):
+        module.head_loss = loss
+        return loss
+    if module._local_stop != len(module._layer_specs):  # not the last stage: no head, no loss
+        return None
+    head = module.forward_funcs[-1]
+    owner = head.args[0] if isinstance(head, functools.partial) else head  # the tied Embedding, or the LMHead
+    if not isinstance(owner, (Embedding, LMHead)):
+        raise RuntimeError(f"the pipeline's last layer is {type(owner).__name__}, not the head: cannot chunk its loss")
+    module.forward_funcs[-1] = _hidden  # the stage now returns the final norm's output
+    module.loss_fn = _StageHeadLoss(loss, owner=owner, tied=isinstance(owner, Embedding))
+    return loss
+
+
+def _hidden(x):
+    """A pipeline's head replaced by the chunked loss: its input goes to the loss unchanged."""
+    return x
+
+
+class _StageHeadLoss:
+    """A pipeline's loss_fn(hidden, labels) -> HeadLoss(hidden, the head's weight, labels); the weight is read at
+    each call (the tied embedding's wte.weight or the LMHead's weight)."""
+
+    def __init__(self, loss, *, owner, tied: bool):
+        self.loss, self.owner, self.tied = loss, owner, tied
+
+    def __call__(self, hidden, labels):
+        return self.loss(hidden, self.owner.wte.weight if self.tied else self.owner.weight, labels)
 
 
 def _sequence_parallel(module, *, plan: Plan, rank: int, group) -> None:

@@ -690,7 +690,12 @@ class TrainSpec:
     async_save: bool = setting(True, kind="bool", flag="--async-save/--sync-save", cli_default=FIELD_DEFAULT,
                                help="write checkpoints in the background: the step waits only for a copy of the "
                                     "rank's state in host memory")
-    """Checkpoint files written by a background thread per rank (dspipe.runtime.async_save); False: in the step."""
+    """Checkpoint files written by a background process per rank (dspipe.runtime.async_save); False: in the step."""
+    compile: bool = setting(False, kind="bool", flag="--compile/--no-compile", cli_default=FIELD_DEFAULT,
+                            help="torch.compile every transformer block (one compiled graph serves all the blocks "
+                                 "of a kind; the first steps pay the compilation)")
+    """torch.compile each transformer block in place (dspipe.runtime.parallelize.compile_blocks), as torchtitan does:
+    the norms, activations, residual adds and rotary fuse into few kernels; the attention and GEMMs stay the same."""
     eval_interval: int = setting(100, kind="int", limit=INT32_MAX, cli_default=FIELD_DEFAULT,
                                  help="steps between validation passes (0: none)")
     """Validation loss and perplexity every this many steps and at the end (0: never)."""
@@ -754,6 +759,8 @@ class TrainSpec:
         for name in ("weight_decay", "grad_clip"):
             _number("train", name, getattr(self, name), low=0, high=LIMITS[name], rule="must be >= 0")
         _text("train", "init_from", self.init_from, optional=True)
+        _flag("train", "async_save", self.async_save)
+        _flag("train", "compile", self.compile)
 
 
 @dataclass(frozen=True)
@@ -790,6 +797,12 @@ class StrategySpec:
     checkpointing: str = setting("none", kind="auto_choice", choices=CHECKPOINTING,
                                  help="activation recomputation [auto]")
     """Activation recomputation: none, full (per block) or selective (attention core)."""
+    loss_chunk: int = setting(0, kind="int", limit=2**24,
+                              help="tokens per chunk of the cross-entropy: the head's logits are made one chunk at a "
+                                   "time, never whole (0: the full logits) [0]")
+    """Tokens per chunk of the loss (dspipe.model.loss): only one chunk's logits exist at a time, liger-kernel's
+    fused linear cross-entropy on CUDA where installed; 0: the full logits and lm_loss. Plain GPT and the pipeline's
+    last stage, tp 1 (tensor parallelism has its own vocab-parallel loss)."""
     partition_method: str = setting("parameters", kind="auto_choice", choices=PARTITION_METHODS,
                                     help="pipeline partition [{default}]")
     """How the pipeline splits layers into stages: parameters, uniform or type:Block."""
@@ -828,6 +841,7 @@ class StrategySpec:
         for name in ("max_live_parameters", "max_reuse_distance"):
             if getattr(self, name) is not None:
                 _int_range("strategy", name, getattr(self, name), low=0)
+        _int_range("strategy", "loss_chunk", self.loss_chunk, low=0)
 
 
 SPECS = ((ModelSpec, "model"), (ClusterSpec, "cluster"), (TrainSpec, "train"), (StrategySpec, "strategy"))

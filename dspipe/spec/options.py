@@ -12,7 +12,6 @@ EXTRAS = (
     Setting("preset", "strategy", "DeepSpeed JSON to start from: a name from 'dspipe presets' or a .json path. Every "
             "key is honoured in ds_config.json, or reported (\"auto\" resolved), or refused; a flag that contradicts "
             "it is an error"),
-    Setting("compile", "strategy", "", kind="flag"),
     Setting("memory_headroom", "strategy", "GPU memory a plan must leave free, percent [{headroom:g}]",
             kind="float", metavar="PCT"),
     Setting("data", "data", ""),
@@ -21,6 +20,7 @@ EXTRAS = (
             metavar="DIR"),
     *(Setting(key, "logging", "", kind=kind) for key, kind in (
         ("wall_clock_breakdown", "flag"), ("json", "flag"), ("top", "int"), ("compare", "flag"), ("append", "str"))),
+    Setting("reference", "logging", "", kind="choice", choices=("compiled", "eager", "both"), after="compare"),
     Setting("wandb_project", "logging", "log to Weights & Biases under this project (WANDB_MODE=offline: no network, "
             "sync later)"),
     Setting("wandb_group", "logging", "W&B run group"),
@@ -32,8 +32,8 @@ EXTRAS = (
     Setting("comet_offline", "logging", "Comet offline experiment (no network)", kind="flag"),
 )
 """The options that set no spec field, in their --config section."""
-BY_COMMAND = frozenset({"tokens", "pad_vocab", "compile", "data", "data_order", "tokenizer", "wall_clock_breakdown",
-                        "json", "top", "compare", "append"})
+BY_COMMAND = frozenset({"tokens", "pad_vocab", "data", "data_order", "tokenizer", "wall_clock_breakdown",
+                        "json", "top", "compare", "reference", "append"})
 """Options of the table whose flag a command declares itself (its own help or default): --tokens, gen-config's
 --data, plan's --json, bench's --compare, ..."""
 MONITOR = ("wandb_project", "wandb_group", "wandb_team", "comet_project", "comet_workspace", "comet_experiment",

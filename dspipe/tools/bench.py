@@ -19,7 +19,10 @@ from dspipe.errors import SpecError, cannot_read
 from dspipe.planner.throughput import step_rates
 from dspipe.spec.hardware import GIB
 
-SIDES = ("dspipe", "reference")
+REFERENCES = {"compiled": ("reference",), "eager": ("eager",), "both": ("reference", "eager")}
+"""--reference: which plain-PyTorch sides --compare runs beside dspipe."""
+COLUMN = {"dspipe": "dspipe", "reference": "reference", "eager": "eager reference"}
+"""Each side's column in the table."""
 
 
 def summarize(ranks: list[dict], *, tokens_per_step: int, samples_per_step: int, steps: int, flops_per_token: float,
@@ -78,14 +81,18 @@ def figure_rows(sides: dict[str, dict]) -> list[tuple[str, list[str]]]:
 
 
 def comparison_lines(sides: dict[str, dict]) -> list[str]:
-    if "reference" not in sides:
-        return []
-    d, r = sides["dspipe"], sides["reference"]
-    both = d["first_loss"] is not None and r["first_loss"] is not None
-    diff = f"{abs(d['first_loss'] - r['first_loss']):.2e}" if both else "n/a"
-    return [f"dspipe / reference tokens/s: {ratio(d, r):.3f}",
-            f"first-step loss: dspipe {_loss(d['first_loss'])}, reference {_loss(r['first_loss'])}, "
-            f"difference {diff}"]
+    """dspipe's tokens/s ratio and first-step loss against each reference side present."""
+    d, lines = sides["dspipe"], []
+    for side in ("reference", "eager"):
+        if side not in sides:
+            continue
+        r, name = sides[side], COLUMN[side]
+        both = d["first_loss"] is not None and r["first_loss"] is not None
+        diff = f"{abs(d['first_loss'] - r['first_loss']):.2e}" if both else "n/a"
+        lines += [f"dspipe / {name} tokens/s: {ratio(d, r):.3f}",
+                  f"first-step loss: dspipe {_loss(d['first_loss'])}, {name} {_loss(r['first_loss'])}, "
+                  f"difference {diff}"]
+    return lines
 
 
 def _loss(value: float | None) -> str:
@@ -96,8 +103,9 @@ def _loss(value: float | None) -> str:
 def format_table(sides: dict[str, dict], *, header: str) -> str:
     rows = figure_rows(sides)
     width = max(len(label) for label, _ in rows) + 2
-    cols = [max(len(name), *(len(c[i]) for _, c in rows)) + 2 for i, name in enumerate(sides)]
-    lines = [header, " " * width + "".join(name.rjust(w) for name, w in zip(sides, cols))]
+    names = [COLUMN[side] for side in sides]
+    cols = [max(len(name), *(len(c[i]) for _, c in rows)) + 2 for i, name in enumerate(names)]
+    lines = [header, " " * width + "".join(name.rjust(w) for name, w in zip(names, cols))]
     lines += [label.ljust(width) + "".join(c.rjust(w) for c, w in zip(cells, cols)) for label, cells in rows]
     return "\n".join(lines + comparison_lines(sides))
 
@@ -106,7 +114,7 @@ def markdown_section(sides: dict[str, dict], *, date: str, device: str, versions
                      setup: str) -> str:
     rows = figure_rows(sides)
     lines = [f"### {date}: {device}", "", f"- command: `{command}`", f"- setup: {setup}", f"- versions: {versions}", "",
-             "| | " + " | ".join(sides) + " |", "|---|" + "---:|" * len(sides)]
+             "| | " + " | ".join(COLUMN[side] for side in sides) + " |", "|---|" + "---:|" * len(sides)]
     lines += [f"| {label.strip()} | " + " | ".join(cells) + " |" for label, cells in rows]
     extra = comparison_lines(sides)
     return "\n".join(lines + ([""] + [f"{line}  " for line in extra] if extra else []) + [""])
@@ -150,14 +158,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launcher_argv(*, ranks: int, run_dir: Path, side: str, warmup: int, steps: int, compile_: bool, out: Path,
+def launcher_argv(*, ranks: int, run_dir: Path, side: str, warmup: int, steps: int, out: Path,
                   master_port: int) -> list[str]:
     """DeepSpeed's launcher on this machine's `ranks` devices, running the worker module for one side."""
     exe = shutil.which("deepspeed")
     launcher = [exe] if exe else [sys.executable, "-m", "deepspeed.launcher.runner"]
     return [*launcher, "--num_gpus", str(ranks), "--master_port", str(master_port), "--module",
             "dspipe.tools.bench_worker", "--run", str(run_dir), "--side", side, "--warmup", str(warmup), "--steps",
-            str(steps), *(["--compile"] if compile_ else []), "--out", str(out)]
+            str(steps), "--out", str(out)]
 
 
 def cpu_threads(*, ranks: int, cpus: int | None = None, env: dict | None = None) -> int | None:
@@ -171,14 +179,14 @@ def cpu_threads(*, ranks: int, cpus: int | None = None, env: dict | None = None)
     return max(1, cpus // ranks)
 
 
-def run_side(*, ranks: int, run_dir: Path, side: str, warmup: int, steps: int, compile_: bool, out: Path,
+def run_side(*, ranks: int, run_dir: Path, side: str, warmup: int, steps: int, out: Path,
              threads: int | None = None) -> list[dict]:
     """Launch one side and return its ranks' results (one-line error when a rank fails). `threads`: set
     OMP_NUM_THREADS for the ranks (CPU runs)."""
     import json
 
-    argv = launcher_argv(ranks=ranks, run_dir=run_dir, side=side, warmup=warmup, steps=steps, compile_=compile_,
-                         out=out, master_port=free_port())
+    argv = launcher_argv(ranks=ranks, run_dir=run_dir, side=side, warmup=warmup, steps=steps, out=out,
+                         master_port=free_port())
     root = str(Path(__file__).resolve().parents[2])  # the ranks import this dspipe, installed or not
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))}
     if threads:

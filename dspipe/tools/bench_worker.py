@@ -20,6 +20,9 @@ from pathlib import Path
 from dspipe.rundir import Run, load_run
 
 PHASES = ("forward", "backward", "step")
+SIDES = ("dspipe", "reference", "eager")
+"""What one launch measures: dspipe's engine, the plain-PyTorch reference (torch.compile) or the same without
+compile (the eager reference)."""
 
 
 def synthetic_batches(*, vocab: int, seq_len: int, micro_batch: int, seed: int, rank: int, count: int) -> list:
@@ -142,12 +145,12 @@ def _loop(*, micro_step, optimizer_step, batches: list, grad_accum: int, warmup:
     return {"first_loss": first_loss, "seconds": seconds}
 
 
-def run_dspipe(run: Run, *, dev: Device, batches: list, warmup: int, steps: int, compile_: bool) -> dict:
+def run_dspipe(run: Run, *, dev: Device, batches: list, warmup: int, steps: int) -> dict:
     from dspipe.runtime.comm import init_distributed
     from dspipe.runtime.engine import PipelineEngine, build_engine
 
     init_distributed()
-    eng = build_engine(run, compile_=compile_)  # built exactly as the runner builds it
+    eng = build_engine(run)  # built exactly as the runner builds it (train.compile: its blocks compiled)
     keys = ("zero_stage", "wrapper_optimizer", "base_optimizer", "grad_accum_dtype", "param_dtype", "backend")
     engine_info = {k: eng.settings[k] for k in keys}
     if isinstance(eng, PipelineEngine):
@@ -188,8 +191,10 @@ def _pipeline_loop(eng, *, dev: Device, batches: list, warmup: int, steps: int) 
     return {"first_loss": first_loss, "seconds": time.perf_counter() - t0}
 
 
-def run_reference(run: Run, *, dev: Device, batches: list, warmup: int, steps: int, compile_: bool) -> dict:
-    """The same model, batches and optimizer settings in plain PyTorch (DDP, AdamW, autocast)."""
+def run_reference(run: Run, *, dev: Device, batches: list, warmup: int, steps: int, compile_: bool = True) -> dict:
+    """The same model, batches and optimizer settings in plain PyTorch, as one would write the step: DDP, AdamW
+    (fused on CUDA), autocast, SDPA's flash kernel (the model's attention), the same loss path, and with
+    `compile_` (the reference; the eager reference without) every block torch.compile'd."""
     import contextlib
 
     import torch
@@ -206,7 +211,12 @@ def run_reference(run: Run, *, dev: Device, batches: list, warmup: int, steps: i
     fused = {"fused": True} if dev.cuda else {"foreach": True}
     optimizer = torch.optim.AdamW(groups, lr=train.lr, betas=(0.9, 0.95), eps=1e-8, **fused)
     ddp = DDP(model, device_ids=[dev.device.index] if dev.cuda else None, gradient_as_bucket_view=True)
-    net = torch.compile(ddp) if compile_ else ddp
+    if plan.loss_chunk:  # the same loss path: without the full logits (liger's kernel on CUDA where installed)
+        from dspipe.runtime.parallelize import chunked_loss
+        chunked_loss(model, chunk=plan.loss_chunk)
+    if compile_:  # per block, as torchtitan compiles: one graph serves every block, the compile stays short
+        for block in model.h:
+            block.compile()
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(plan.precision)
     scaler = torch.amp.GradScaler(dev.device.type) if plan.precision == "fp16" else None
     autocast = (lambda: torch.autocast(dev.device.type, dtype=amp_dtype)) if amp_dtype else contextlib.nullcontext
@@ -223,7 +233,7 @@ def run_reference(run: Run, *, dev: Device, batches: list, warmup: int, steps: i
     def micro_step(batch, *, last: bool, timer: Timer):
         inputs, labels = batch
         with autocast():
-            loss = net(inputs.to(dev.device), labels.to(dev.device))
+            loss = ddp(inputs.to(dev.device), labels.to(dev.device))
         timer.lap("forward")
         scaled = loss / plan.grad_accum
         with contextlib.nullcontext() if last else ddp.no_sync():  # all-reduce once, at the last micro-batch
@@ -264,10 +274,9 @@ def finite_or_none(value):
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="one rank of dspipe bench (start it with deepspeed --module)")
     p.add_argument("--run", required=True)
-    p.add_argument("--side", choices=("dspipe", "reference"), required=True)
+    p.add_argument("--side", choices=SIDES, required=True)
     p.add_argument("--warmup", type=int, required=True)
     p.add_argument("--steps", type=int, required=True)
-    p.add_argument("--compile", action="store_true")
     p.add_argument("--out", required=True)
     p.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     args = p.parse_args(argv)
@@ -286,8 +295,11 @@ def main(argv: list[str] | None = None) -> int:
     batches = synthetic_batches(vocab=run.model.vocab, seq_len=run.model.seq_len, micro_batch=run.plan.micro_batch,
                                 seed=run.train.seed, rank=layout.dp_rank(rank),
                                 count=(args.warmup + args.steps) * run.plan.grad_accum)
-    side = run_dspipe if args.side == "dspipe" else run_reference
-    result = side(run, dev=dev, batches=batches, warmup=args.warmup, steps=args.steps, compile_=args.compile)
+    steps = dict(dev=dev, batches=batches, warmup=args.warmup, steps=args.steps)
+    if args.side == "dspipe":
+        result = run_dspipe(run, **steps)
+    else:
+        result = run_reference(run, compile_=args.side == "reference", **steps)
     result.update(dev.memory(), rank=rank, device_name=dev.name(), threads=torch.get_num_threads())
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

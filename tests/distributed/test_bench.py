@@ -10,10 +10,12 @@ from tests.helpers import dspipe
 def test_bench_with_compare_on_2_cpu_ranks(tmp_path):
     doc = tmp_path / "benchmarks.md"
     r = dspipe("bench", "--model", "tiny", "--global-batch", "8", "--micro-batch", "2", "--precision", "fp32",
-               "--zero", "1", "--warmup", "1", "--steps", "2", "--compare", "--append", doc)
+               "--zero", "1", "--warmup", "1", "--steps", "2", "--compare", "--compile", "--append", doc)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     out = r.stdout
     assert "world 2 = dp 2 x pp 1 | ZeRO-1 offload none | fp32" in out and "batch 2 x ga 2 x dp 2 = 8 seq" in out
+    # dspipe's blocks compiled (check_engine refuses a run whose compiled_blocks disagree), the reference compiled too
+    assert "| blocks compiled\n" in out
     tokens = re.search(r"^tokens/s\s+([\d,]+)\s+([\d,]+)$", out, re.M)
     assert tokens, out
     d_tps, r_tps = (float(t.replace(",", "")) for t in tokens.groups())
@@ -23,7 +25,8 @@ def test_bench_with_compare_on_2_cpu_ranks(tmp_path):
         assert re.search(label + r".*\s+[\d,.]+\s+[\d,.]+$", out, re.M), label
     ratio = float(re.search(r"dspipe / reference tokens/s: ([\d.]+)", out).group(1))
     assert ratio == pytest.approx(d_tps / r_tps, rel=0.01)
-    # same seed, same weights, same batches, fp32: the first step's loss (before any update) is the same function
+    # same seed, same weights, same batches, fp32, both compiled: the first step's loss (before any update) is the
+    # same function
     d_loss, r_loss = map(float, re.search(r"first-step loss: dspipe ([\d.]+), reference ([\d.]+)", out).groups())
     assert abs(d_loss - r_loss) < 1e-4 and abs(d_loss - 8.318) < 0.05, (d_loss, r_loss)  # ln(4096) = 8.318
     text = doc.read_text()

@@ -44,10 +44,10 @@ FAMILIES = {
 # layout: (flags, steps). lr 1e-12 without weight decay keeps the weights the HF model's, so the export computes
 # transformers' logits too; 2 steps, the fewest gen-config accepts (warmup 1 < steps). pp 2 trains at a normal lr
 # for 3 steps: with warmup 1 the first two steps apply lr 0 (metrics.csv logs the lr of the step after), the third
-# moves the weights
+# moves the weights; its blocks are compiled (--compile: transformers' loss and gradients through compiled stages)
 FROZEN = ["--lr", "1e-12", "--weight-decay", "0"]
 LAYOUTS = {"zero1": (["--zero", "1", *FROZEN], 2), "zero3": (["--zero", "3", *FROZEN], 2),
-           "tp2": (["--zero", "1", "--tp", "2", *FROZEN], 2), "pp2": (["--zero", "1", "--pp", "2", "--lr", "3e-3"], 3),
+           "tp2": (["--zero", "1", "--tp", "2", *FROZEN], 2), "pp2": (["--zero", "1", "--pp", "2", "--lr", "3e-3", "--compile"], 3),
            "sp2": (["--zero", "1", "--sp", "2", *FROZEN], 2)}
 EXPORTED = ("zero3", "tp2", "pp2")  # the layouts whose checkpoint is exported and reloaded in transformers
 MOVED = "pp2"  # the layout whose weights train (its export is compared with dspipe only)

@@ -269,9 +269,9 @@ BAD_FILES = {
                         "unknown section 'foo' (the sections: model, cluster, train, strategy, data, logging)"),
     "unknown key": ("strategy:\n  zeroo: 1\n",
                     "strategy.zeroo: unknown option (the strategy options: micro_batch, zero, offload, "
-                    "offload_params, nvme_path, precision, pp, tp, tp_sp, sp, ep, checkpointing, partition_method, "
-                    "reduce_bucket_size, prefetch_bucket_size, param_persistence_threshold, max_live_parameters, "
-                    "max_reuse_distance, preset, compile, memory_headroom)"),
+                    "offload_params, nvme_path, precision, pp, tp, tp_sp, sp, ep, checkpointing, loss_chunk, "
+                    "partition_method, reduce_bucket_size, prefetch_bucket_size, param_persistence_threshold, "
+                    "max_live_parameters, max_reuse_distance, preset, memory_headroom)"),
     "key in another section": ("strategy:\n  steps: 5\n",
                                "strategy.steps: unknown option in strategy (steps belongs in train)"),
     "command-line only": ("logging:\n  force: true\n", "logging.force: --force is given on the command line only "

@@ -1,5 +1,6 @@
 """The planner on issue 28's architectures: FLOPs over heads x head_dim and bounded by a sliding window, AutoTP's
-split widths from head_dim, a window's mask counted per windowed block on each stage, and the largest new presets
+split widths from head_dim, a window's mask counted per windowed block on each stage where the masked kernel runs
+(the CPU's; flex_attention's tiles on the GPU), and the largest new presets
 planned on their clusters (no launch)."""
 import math
 from dataclasses import replace
@@ -11,7 +12,8 @@ from dspipe.planner.enumerate import tp_choices
 from dspipe.planner.memory import activation_bytes_per_layer, micro_batch_activations, window_mask_bytes
 from dspipe.planner.search import search
 from dspipe.planner.summary import estimate_summary
-from dspipe.planner.throughput import attention_flops_per_token, attention_keys_per_query, model_flops_per_token
+from dspipe.planner.throughput import (attention_flops_per_token, attention_keys_per_query, flex_window_tiles,
+                                       model_flops_per_token)
 from dspipe.spec.core import ClusterSpec, StrategyRequest, TrainSpec
 from dspipe.spec.presets import MODEL_PRESETS
 
@@ -29,10 +31,17 @@ def test_attention_flops_use_heads_times_head_dim():
 
 def test_a_sliding_window_bounds_the_keys_per_query():
     """Mistral 7B v0.1, s 8192, window 4096: position i sees min(i, 4096) keys, 4096 - 4096^2 / (2 x 8192) = 3072 on
-    average instead of causal 4096; the dense-mask kernel still computes all 8192; v0.3 has no window."""
+    average instead of causal 4096; on the GPU flex_attention computes the 128 x 128 tiles the window touches, 1584
+    of them (query tile i meets min(i, 32) + 1 key tiles): 1584 x 128^2 / 8192 = 3168 keys per query; the CPU's
+    dense-mask kernel (and the GPU's with attention dropout) computes all 8192; v0.3 has no window."""
     v1, v3 = MODEL_PRESETS["mistral-7b-v0.1"], MODEL_PRESETS["mistral-7b-v0.3"]
-    assert attention_keys_per_query(v1, 0) == 3072 and attention_keys_per_query(v1, 0, executed=True) == 8192
-    assert attention_keys_per_query(v3, 0) == attention_keys_per_query(v3, 0, executed=True) == 4096
+    assert attention_keys_per_query(v1, 0) == 3072
+    assert flex_window_tiles(seq=8192, window=4096) == 33 * 34 // 2 + 31 * 33 == 1584
+    assert attention_keys_per_query(v1, 0, kernels="cuda") == 3168
+    assert attention_keys_per_query(v1, 0, kernels="cpu") == 8192
+    assert attention_keys_per_query(replace(v1, dropout=0.1), 0, kernels="cuda") == 8192
+    for kernels in (None, "cuda", "cpu"):
+        assert attention_keys_per_query(v3, 0, kernels=kernels) == 4096
     assert attention_flops_per_token(v1) == 12 * 4096 * 32 * 3072
     exact = sum(min(i, 4096) for i in range(1, 8193)) / 8192  # the discrete mean: within 0.02%
     assert math.isclose(attention_keys_per_query(v1, 0), exact, rel_tol=2e-4)
@@ -42,7 +51,25 @@ def test_a_sliding_window_bounds_the_keys_per_query():
     assert attention_flops_per_token(later) == 12 * 4096 * (24 * 4096 + 8 * 3072)
 
 
-def test_step_time_counts_the_masked_kernels_work_and_mfu_the_models():
+@pytest.mark.parametrize("seq,window", [(8192, 4096), (8192, 4095), (8192, 4097), (8192, 1), (8192, 128),
+                                        (8192, 129), (4096, 4095), (1000, 200), (64, 16), (131072, 4096)])
+def test_flex_tiles_are_the_tiles_the_window_touches(seq, window):
+    """The closed form against a count tile by tile: query tile i (rows i x 128 ..) meets key tile j iff j <= i and
+    its nearest pair, first row of i and last column of j, is inside the window."""
+    t, tiles = 128, -(-seq // 128)
+    touched = sum(1 for i in range(tiles) for j in range(i + 1) if i * t - (j * t + t - 1) < window)
+    assert flex_window_tiles(seq=seq, window=window) == touched
+
+
+def test_the_gpu_runs_fewer_window_scores_than_causal_ones():
+    """Flex's tiles approach the window's own keys as the window shrinks against the sequence (w + 128 at most, the
+    band's partial edge tiles computed whole): Mistral's window at s 32768 costs ~0.24 of causal attention."""
+    v1 = replace(MODEL_PRESETS["mistral-7b-v0.1"], seq_len=32768)
+    need, run = attention_keys_per_query(v1, 0), attention_keys_per_query(v1, 0, kernels="cuda")
+    assert need < run <= need + 128 and 0.23 < run / (32768 / 2) < 0.26
+
+
+def test_step_time_counts_the_kernels_work_and_mfu_the_models():
     from dspipe.planner.cost import estimate
     from dspipe.planner.plan import make_plan
     from dspipe.spec.core import StrategySpec
@@ -58,8 +85,18 @@ def test_step_time_counts_the_masked_kernels_work_and_mfu_the_models():
     assert v1.flops_per_token < v3.flops_per_token  # the window needs fewer scores
     attn = 12 * 4096 * 32
     assert math.isclose(v3.flops_per_token - v1.flops_per_token, attn * (4096 - 3072))
-    # what runs: the windowed blocks' dense (s, s) mask, twice the causal scores; full recomputation 4/3 of it
-    assert math.isclose(v1.hardware_flops_per_token - v3.hardware_flops_per_token, 4 / 3 * attn * (8192 - 4096))
+    # what runs on the GPU: flex_attention's 3168 keys per query against causal's 4096; full recomputation 4/3 of it
+    assert math.isclose(v1.hardware_flops_per_token - v3.hardware_flops_per_token, 4 / 3 * attn * (3168 - 4096))
+    assert v1.compute_s < v3.compute_s
+    # the CPU's kernels (the gloo runner) run the windowed blocks' dense (s, s) mask, twice the causal scores
+    cpu = ClusterSpec(1, 2, "cpu")
+    for name in ("mistral-7b-v0.1", "mistral-7b-v0.3"):
+        m = replace(MODEL_PRESETS[name], vocab=32000, rope_theta=10000.0, layers=2)
+        small = TrainSpec(global_batch=2, micro_batch=1, steps=2, warmup_steps=1)
+        plan = make_plan(model=m, cluster=cpu, train=small, strategy=StrategySpec(zero=0, checkpointing="none"))
+        est[name] = estimate(model=m, cluster=cpu, plan=plan)
+    v1, v3 = est["mistral-7b-v0.1"], est["mistral-7b-v0.3"]
+    assert math.isclose(v1.hardware_flops_per_token - v3.hardware_flops_per_token, 12 * 4096 * 2 * (8192 - 4096))
 
 
 @pytest.mark.parametrize("name", ["qwen2.5-0.5b", "qwen3-32b", "llama3.2-3b"])
@@ -84,8 +121,8 @@ def test_tp_choices_divide_the_kv_heads_too():
 
 
 def test_a_window_mask_is_counted_once_per_windowed_block_on_its_stage():
-    """The (s, s) mask in the activation dtype, per windowed block and micro-batch, only without recomputation
-    (selective rebuilds it inside the core); blocks before window_start_layer keep none."""
+    """The CPU's masked kernel: the (s, s) mask in the activation dtype, per windowed block and micro-batch, only
+    without recomputation (selective rebuilds it inside the core); blocks before window_start_layer keep none."""
     m = replace(MODEL_PRESETS["tiny-llama"], sliding_window=16, window_start_layer=1)  # 2 blocks, s 64
     kw = dict(model=m, micro_batch=2, act_bytes=2, kernels="cpu")
     plain = activation_bytes_per_layer(checkpointing="none", windowed=False, **kw)
@@ -99,6 +136,19 @@ def test_a_window_mask_is_counted_once_per_windowed_block_on_its_stage():
     assert first == plain + 8 * 64 * 2
     long_window = replace(m, sliding_window=64)  # as long as the sequence: plain causal attention, no mask
     assert activation_bytes_per_layer(checkpointing="none", **{**kw, "model": long_window}) == plain
+
+
+def test_flex_attention_keeps_no_window_mask_on_the_gpu():
+    """kernels 'cuda': a windowed block runs flex_attention, which saves what the causal kernel saves (no (s, s)
+    mask); with attention dropout it runs the masked SDPA again (flex_attention has no dropout) and keeps the mask."""
+    m = replace(MODEL_PRESETS["tiny-llama"], sliding_window=16)  # s 64
+    kw = dict(model=m, micro_batch=2, act_bytes=2, kernels="cuda", checkpointing="none")
+    assert activation_bytes_per_layer(windowed=True, **kw) == activation_bytes_per_layer(windowed=False, **kw)
+    held, _ = micro_batch_activations(blocks=2, first=False, last=False, **{**kw, "windowed": 2})
+    assert held == 2 * activation_bytes_per_layer(windowed=False, **kw)
+    dropout = {**kw, "model": replace(m, dropout=0.1)}
+    kept = activation_bytes_per_layer(windowed=True, **dropout) - activation_bytes_per_layer(windowed=False, **dropout)
+    assert kept == window_mask_bytes(m, act_bytes=2)
 
 
 def _best(name, nodes, gbs):

@@ -55,6 +55,14 @@ def test_table_and_markdown_show_the_figures_ratio_and_command(tmp_path):
     assert "dspipe / reference tokens/s: 2.000" in text
     only = bench.format_table({"dspipe": sides["dspipe"]}, header="h")
     assert "reference" not in only and "1,800" in only
+    # --reference both: the eager reference is a third column with its own ratio and loss line
+    three = {**sides, "eager": bench.summarize([_rank(4.0, loss=8.25)], tokens_per_step=900, **common)}
+    table = bench.format_table(three, header="h")
+    assert re.search(r"^\s+dspipe\s+reference\s+eager reference$", table, re.M)
+    assert re.search(r"tokens/s\s+1,800\s+900\s+450\b", table)
+    assert "dspipe / reference tokens/s: 2.000" in table and "dspipe / eager reference tokens/s: 4.000" in table
+    assert "| | dspipe | reference | eager reference |" in bench.markdown_section(
+        three, date="d", device="D", versions="v", command="c", setup="s")
 
 
 def test_cpu_ranks_share_the_cores():

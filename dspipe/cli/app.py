@@ -24,7 +24,8 @@ from dspipe.errors import SpecError
 from dspipe.planner.render import monitor_values
 from dspipe.spec.core import ClusterSpec, ModelSpec
 from dspipe.spec.hardware import GIB
-from dspipe.planner.summary import estimate_summary, startup_lines
+from dspipe.planner.checkpoint_size import milestones
+from dspipe.planner.summary import checkpoint_line, estimate_summary, save_interval_note, startup_lines
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
@@ -122,6 +123,12 @@ def gen_config(**o) -> None:
                f"(chosen from {result.evaluated} candidates; 'dspipe plan' explains)")
     for line in startup_lines(est):
         click.echo(line)
+    kept_for_good = milestones(steps=train.steps, keep_every=train.keep_every)
+    for line in checkpoint_line(est, keep=train.keep_checkpoints, kept_for_good=kept_for_good):
+        click.echo(line)
+    slow_save = save_interval_note(est, save_interval=train.save_interval, async_save=train.async_save)
+    if slow_save:
+        notes.append(slow_save)
     click.echo(f"wrote {out / 'ds_config.json'} and {out / 'dspipe.json'} (options: {out / CONFIG_FILE})")
     click.echo(f"run:  {command}")
     if kept:

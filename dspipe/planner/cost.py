@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dspipe.planner.checkpoint_size import CheckpointSize, checkpoint_size
 from dspipe.planner.memory import MEMORY_HEADROOM, Memory, host_offload_per_rank, stage_memory
 from dspipe.planner.plan import Plan
 from dspipe.planner.stages import (largest_tensor, stage_elements, stage_largest_tensors, stage_params,
@@ -52,6 +53,8 @@ class Estimate:
     startup: StartupEstimate | None = None
     """What the start-up costs: host RAM per node while the ranks build their modules (or hold their offload),
     the device transient of the build, the time to the first step (dspipe.planner.startup)."""
+    checkpoint: CheckpointSize | None = None
+    """One checkpoint on disk: every rank's files, and the most one rank writes (dspipe.planner.checkpoint_size)."""
 
     @property
     def step_time_s(self) -> float:
@@ -124,7 +127,8 @@ def estimate(*, model: ModelSpec, cluster: ClusterSpec, plan: Plan, headroom: fl
                     flops_per_token=t.flops_per_token, hardware_flops_per_token=t.hardware_flops_per_token,
                     tp_comm_s=t.tp_comm_s, sp_comm_s=t.sp_comm_s, ep_comm_s=t.ep_comm_s,
                     active_params=model.active_params, headroom=headroom,
-                    matmul_efficiency=t.matmul_efficiency, optimizer_s=t.optimizer_s, startup=startup)
+                    matmul_efficiency=t.matmul_efficiency, optimizer_s=t.optimizer_s, startup=startup,
+                    checkpoint=checkpoint_size(model=model, plan=plan, ranks_per_node=cluster.gpus_per_node))
 
 
 def throughput(*, est: Estimate, model: ModelSpec, cluster: ClusterSpec, plan: Plan) -> tuple[float, float]:

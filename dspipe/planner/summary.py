@@ -1,6 +1,9 @@
 """Plan reports: the JSON object scripts rely on, and the human tables. No torch."""
 from __future__ import annotations
 
+import math
+
+from dspipe.planner.checkpoint_size import disk_text
 from dspipe.planner.cost import Estimate
 from dspipe.planner.enumerate import Candidate
 from dspipe.planner.search import SearchResult
@@ -34,6 +37,7 @@ def estimate_summary(c: Candidate, *, tokens: float | None = None) -> dict:
         "tokens_per_s": c.tokens_per_s, "mfu": c.mfu, "train_days": days,
         "gpu_hours": None if days is None else days * 24 * p.world_size,
         "startup": None if e.startup is None else e.startup.to_dict(),
+        "checkpoint": None if e.checkpoint is None else e.checkpoint.to_dict(),
         "fits": e.fits,
     }
     if p.experts:  # a mixture of experts: its expert parallelism and the parameters a token passes through
@@ -64,6 +68,30 @@ def startup_lines(e: Estimate, *, indent: str = "") -> list[str]:
             f"node{over} ({s.ranks_per_node} ranks x {size_text(s.host_per_rank_bytes)}: {s.holds()}), "
             f"{size_text(s.device_bytes)} per GPU while building",
             f"{indent}          first step after {s.first_step_text()}"]
+
+
+def checkpoint_line(e: Estimate, *, keep: int | None = None, kept_for_good: int = 0) -> list[str]:
+    """The checkpoint's size (every rank's files, the largest rank's share) and, given the run's retention, the
+    most its directory holds."""
+    c = e.checkpoint
+    if c is None:
+        return []
+    disk = f"; on disk at most {disk_text(size=c, keep=keep, kept_for_good=kept_for_good)}" if keep else ""
+    return [f"checkpoint: {size_text(c.bytes)} per save, the largest rank writes {size_text(c.rank_max_bytes)}, "
+            f"~{c.write_s:.3g} s at {c.disk_gbps:g} GB/s per node{disk}"]
+
+
+def save_interval_note(e: Estimate, *, save_interval: int, async_save: bool) -> str | None:
+    """A note when a checkpoint's write outlasts the steps between saves (the next save, or with --sync-save each
+    save's step, waits for the disk), None otherwise."""
+    c = e.checkpoint
+    if c is None or not save_interval or c.write_s <= save_interval * e.step_time_s:
+        return None
+    between = save_interval * e.step_time_s
+    waits = "the next save waits for the last one" if async_save else "every save stops training while it writes"
+    return (f"note: a checkpoint takes ~{c.write_s:.3g} s to write ({size_text(c.node_max_bytes)} from the busiest "
+            f"node at {c.disk_gbps:g} GB/s), more than --save-interval {save_interval} x {e.step_time_s:.3g} s/step "
+            f"= {between:.3g} s: {waits}; --save-interval {math.ceil(c.write_s / e.step_time_s)} or more keeps up")
 
 
 def top_table(result: SearchResult, *, top: int) -> list[str]:
@@ -113,7 +141,7 @@ def human_report(result: SearchResult, *, tokens: float | None, tokens_text: str
     else:
         lines.append(f"  host RAM per node {s['host_memory_capacity_bytes'] / GIB:.0f} GiB assumed{source}; "
                      f"no offload (the start-up's use is below)")
-    lines += ["", *startup_lines(best.est)]
+    lines += ["", *startup_lines(best.est), *checkpoint_line(best.est)]
     b = s["step_time_breakdown_s"]
     shown = (("compute", "compute"), ("dp comm", "dp_comm"), ("tp comm", "tp_comm"), ("sp comm", "sp_comm"),
              ("ep comm", "ep_comm"), ("bubble", "bubble"), ("pp comm", "pp_comm"), ("offload", "offload"),

@@ -656,3 +656,21 @@ def utc_stamp() -> str:
     import time
 
     return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+
+
+def check_disk_space(run) -> None:
+    """Refuse the launch (one line, before anything is built) when the run's checkpoints cannot fit the disk of its
+    checkpoint directory: keep_checkpoints of them, the one being written and the --keep-every milestones, at the
+    planner's size (dspipe.planner.checkpoint_size), against the filesystem's free space plus the checkpoints
+    already there (they rotate out). The directory is taken as one filesystem for every rank (shared storage)."""
+    from dspipe.planner.checkpoint_size import check_disk, checkpoint_size, milestones
+
+    ckpt_dir, tr = run.checkpoint_dir, run.train
+    probe = ckpt_dir
+    while not probe.exists():  # not made yet: the filesystem it will be made on
+        probe = probe.parent
+    held = directory_bytes(ckpt_dir) if ckpt_dir.exists() else 0
+    size = checkpoint_size(model=run.model, plan=run.plan, ranks_per_node=run.cluster.gpus_per_node)
+    check_disk(size=size, keep=tr.keep_checkpoints,
+               kept_for_good=milestones(steps=tr.steps, keep_every=tr.keep_every),
+               free=shutil.disk_usage(probe).free, held=held, where=str(ckpt_dir))

@@ -33,6 +33,9 @@ class Faults:
     """The save at this step fails with ENOSPC on rank `fail_write_rank` (a full disk where no tmpfs can be mounted)."""
     fail_write_rank: int = 1
     """The rank whose write fails (fail_write_at)."""
+    disk_fills_later: bool = False
+    """Skip the launch's check that the checkpoints fit their disk: the disk fills during the run (another job's
+    files), which is the path the test drives (a save failing on a full disk)."""
 
     @classmethod
     def from_json(cls, text: str) -> Faults:

@@ -158,6 +158,8 @@ def setup(run: Run, *, resume: str, restart: bool, backend: str, faults: Faults)
         resume_from = None
     else:
         resume_from = ckpt.resume_point(run, resume)  # checked before building anything
+    if not faults.disk_fills_later:
+        ckpt.check_disk_space(run)  # the checkpoints to come fit their disk
 
     clock = StartupClock()
     eng = build_engine(run, clock=clock)

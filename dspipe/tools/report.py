@@ -10,6 +10,7 @@ no display). The report directory is written beside its destination, then rename
 from __future__ import annotations
 
 import csv
+import json
 import math
 import re
 import statistics
@@ -375,6 +376,38 @@ def _ratio(measured: float | None, predicted: float | None) -> str:
     return f"{measured / predicted:.2f}" if measured is not None and predicted else "n/a"
 
 
+def latest_save(run: Run) -> dict | None:
+    """The `save` record (bytes, rank_max_bytes, write_s, ...) of the checkpoint `latest` names, None before the
+    first complete save or where it has none (a checkpoint written before the record existed)."""
+    try:
+        tag = (run.checkpoint_dir / "latest").read_text().strip()
+        meta = json.loads((run.checkpoint_dir / tag / "dspipe.json").read_text())
+    except (OSError, ValueError):
+        return None
+    save = meta.get("save") if isinstance(meta, dict) else None
+    return save if isinstance(save, dict) else None
+
+
+def checkpoint_rows(run: Run, *, estimate: dict) -> list[str]:
+    """Plan vs. measured for one checkpoint: every rank's files and the largest rank's (the plan's estimate, or
+    dspipe.planner.checkpoint_size for a run directory written before the estimate held it)."""
+    from dspipe.planner.checkpoint_size import checkpoint_size
+
+    planned = estimate.get("checkpoint") or checkpoint_size(model=run.model, plan=run.plan,
+                                                            ranks_per_node=run.cluster.gpus_per_node).to_dict()
+    save = latest_save(run) or {}
+    rows = []
+    for label, key in (("checkpoint per save (MiB)", "bytes"), ("checkpoint, largest rank (MiB)", "rank_max_bytes")):
+        want, got = planned.get(key), save.get(key)
+        if key == "rank_max_bytes" and save.get("mode") == "sync":
+            got = None  # a synchronous save does not count a rank's bytes
+        want_mib = None if want is None else want / 2**20
+        got_mib = None if got is None else got / 2**20
+        rows.append(f"| {label} | {_or_na(want_mib, ',.1f')} | {_or_na(got_mib, ',.1f')} | "
+                    f"{_ratio(got_mib, want_mib)} |")
+    return rows
+
+
 def render_markdown(run: Run, *, estimate: dict, engine: dict | None, m: Measured) -> str:
     model, plan, cluster = run.model, run.plan, run.cluster
     steady = (f"median of steps {m.steady_from}-{m.last_step}" if m.warmup
@@ -416,6 +449,7 @@ def render_markdown(run: Run, *, estimate: dict, engine: dict | None, m: Measure
     step_time = estimate.get("step_time_s")
     lines.append(f"| step time (s) | {_or_na(step_time, '.4g')} | {_or_na(m.step_time_s, '.4g')} | "
                  f"{_ratio(m.step_time_s, step_time)} |")
+    lines += checkpoint_rows(run, estimate=estimate)
     startup_rows, startup_notes = startup_markdown(m.startup or read_startup(engine, estimate))
     lines += startup_rows
     lines += [line for note in startup_notes for line in ("", note)]

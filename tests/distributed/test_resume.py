@@ -161,8 +161,9 @@ def check_disk_full_outcome(r, run, ckpts):
 def test_disk_full_during_a_save_keeps_the_previous_checkpoint(tmp_path, corpus):
     """hook: only rank 1's write fails (ENOSPC) while rank 0 wrote everything and waits for it: the ranks must
     still agree instead of hanging. tmpfs: the same run with its checkpoints on a real tmpfs sized from the step-3
-    checkpoint the hook run wrote (1.5 of it), so step 3 fits and step 6 runs out inside DeepSpeed's torch.save
-    of the model/optimizer files on every rank."""
+    checkpoint the hook run wrote (1.5 of it): the launch is refused (the retention's 3 checkpoints cannot fit);
+    with the check skipped (the disk filling during the run) step 3 fits and step 6 runs out inside DeepSpeed's
+    torch.save of the model/optimizer files on every rank."""
     hooked = fp32_run(tmp_path, corpus, "hooked", "--zero", "1", steps=6)
     r = launch(hooked, "--test-faults", '{"fail_write_at": 6, "fail_write_rank": 1}')
     check_disk_full_outcome(r, hooked, hooked / "checkpoints")
@@ -175,7 +176,17 @@ def test_disk_full_during_a_save_keeps_the_previous_checkpoint(tmp_path, corpus)
     try:
         run = fp32_run(tmp_path, corpus, "run", "--zero", "1", steps=6)
         (run / "checkpoints").symlink_to(small)
-        check_disk_full_outcome(launch(run), run, run / "checkpoints")
+        # as launched, the run is refused before it builds anything: keep 2 + 1 checkpoints need 3 of them
+        r = launch(run)
+        assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+        errors = [line for line in r.stderr.splitlines() if "dspipe: error:" in line]
+        assert errors and errors[0].startswith("dspipe: error: checkpoints need (keep 2 + 1 being written) x "), \
+            r.stderr[-2000:]
+        assert "lower --keep-checkpoints / --keep-every, or free space" in errors[0] and "Traceback" not in r.stderr
+        assert not list(small.iterdir()) and not (run / "metrics.csv").exists()
+        # a disk that fills during the run (the check passes at launch): the save that runs out fails cleanly
+        check_disk_full_outcome(launch(run, "--test-faults", '{"disk_fills_later": true}'), run,
+                                run / "checkpoints")
     finally:
         subprocess.run(["umount", str(small)], check=True)
 

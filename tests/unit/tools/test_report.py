@@ -190,3 +190,24 @@ def test_bad_inputs_are_one_line_exit_2(run, setup, message):
     assert len(lines) == 1 and lines[0].startswith("dspipe: error: ") and message in lines[0], r.stderr
     assert not (run / "report").exists()
     assert [p.name for p in run.parent.iterdir()] == ["t"]  # no temp directory left behind
+
+
+def test_checkpoint_rows_compare_the_plan_with_the_latest_save(run):
+    write_csv(run / "metrics.csv", STEP_COLUMNS, gpu_like_rows())
+    planned = json.loads((run / "dspipe.json").read_text())["estimate"]["checkpoint"]
+    mib = planned["bytes"] / 2**20
+    out, _ = write_report(run)
+    md = (out / "report.md").read_text()
+    assert f"| checkpoint per save (MiB) | {mib:,.1f} | n/a | n/a |" in md  # no checkpoint yet
+    tag = run / "checkpoints" / "global_step20"
+    tag.mkdir(parents=True)
+    (run / "checkpoints" / "latest").write_text("global_step20")
+    save = {"mode": "async", "bytes": int(planned["bytes"] * 1.01), "rank_max_bytes": planned["rank_max_bytes"]}
+    (tag / "dspipe.json").write_text(json.dumps({"global_step": 20, "save": save}))
+    md = (write_report(run)[0] / "report.md").read_text()
+    assert f"| checkpoint per save (MiB) | {mib:,.1f} | {save['bytes'] / 2**20:,.1f} | 1.01 |" in md
+    assert (f"| checkpoint, largest rank (MiB) | {planned['rank_max_bytes'] / 2**20:,.1f} | "
+            f"{planned['rank_max_bytes'] / 2**20:,.1f} | 1.00 |") in md
+    (tag / "dspipe.json").write_text(json.dumps({"save": {**save, "mode": "sync", "rank_max_bytes": 0}}))
+    md = (write_report(run)[0] / "report.md").read_text()
+    assert f"| checkpoint, largest rank (MiB) | {planned['rank_max_bytes'] / 2**20:,.1f} | n/a | n/a |" in md

@@ -1,0 +1,110 @@
+"""What one DeepSpeed checkpoint of a plan takes on disk: every rank's files together, and the most one rank writes
+(its save time is the checkpoint's: every rank waits for the slowest). No torch.
+
+DeepSpeed 0.19.8's files (dspipe.runtime.ckptfiles names them), per tensor-parallel x pipeline position (mp rank),
+each of its ranks holding P parameters (planner.stages.stage_params), weights of w bytes (2 in bf16/fp16, 4 in fp32),
+Z ranks in its ZeRO group (dp x sp; planner.stages.param_groups: the experts' own, smaller group under MoE):
+  ZeRO 0     one model-states file, written by the group's first rank: the weights and the optimizer's whole
+             state, w P + 8 P in fp32 (Adam's two moments) or w P + 12 P in 16-bit (the fp32 master copy too)
+  ZeRO 1-2   the model-states file (w P, the group's first rank) and one optimizer file per rank: the rank's
+             fp32 partition of the master copy and both moments, 12 P / Z
+  ZeRO 3     the optimizer files alone (12 P / Z each; the model-states files hold no weights: ~18 KB)
+A pipeline saves its weights as one file per layer, a tied embedding once, but the optimizer of both stages that
+hold the tie (first and last) keeps its state: stage_params counts it on both, as the files do. Measured
+(2026-11-27, 2 CPU ranks, a 2.64M-parameter GPT, every layout above: ZeRO 0-3 in fp32 and bf16, pp 2, tp 2): each
+file within 12 KB of these sizes (pickle headers and the lr schedule's counters); the per-rank RNG state (~14 KB)
+and dspipe.json (~7 KB) are left out. The write time assumes startup.DISK_GBPS per node (a local NVMe drive or a
+node's share of a parallel file system), as the start-up's read of an imported checkpoint does.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from dspipe.planner.plan import Plan
+from dspipe.planner.startup import DISK_GBPS
+from dspipe.planner.stages import param_groups, stage_params, vocab_table_per_rank, zero_group_size
+from dspipe.spec.core import ModelSpec
+
+OPTIMIZER_BYTES = 12
+"""Adam in mixed precision, per parameter: the fp32 master copy and the two fp32 moments."""
+
+
+@dataclass(frozen=True)
+class CheckpointSize:
+    bytes: int
+    """One checkpoint: every rank's files."""
+    rank_max_bytes: int
+    """The most one rank writes (the group's first rank: the weights and its optimizer partition)."""
+    files_per_rank_max: int
+    """Files that rank writes (model states, optimizer partition), without its RNG state."""
+    node_max_bytes: int = 0
+    """The most one node writes, bounded by its ranks x rank_max_bytes (and by the whole checkpoint)."""
+    write_s: float = 0.0
+    """node_max_bytes at DISK_GBPS: the seconds a save's files take to reach the disk (the step waits for them
+    with --sync-save; with background writes the next save does, if it comes sooner)."""
+    disk_gbps: float = DISK_GBPS
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def checkpoint_size(*, model: ModelSpec, plan: Plan, ranks_per_node: int) -> CheckpointSize:
+    """The plan's checkpoint on disk (module docstring: DeepSpeed 0.19.8's files), and its write time on a node of
+    `ranks_per_node` ranks."""
+    weight = 4 if plan.precision == "fp32" else 2
+    groups = zero_group_size(plan)
+    total = rank_max = 0
+    files = 0
+    held_by_stage = stage_params(model=model, pp=plan.pp, partition_method=plan.partition_method, tp=plan.tp,
+                                 ep=plan.ep)
+    for stage, held in enumerate(held_by_stage):
+        # a pipeline's tied embedding: its weights saved once (the first stage's layer file), its state on both
+        stored = held - (vocab_table_per_rank(model, plan.tp) if plan.pp > 1 and model.tied_embeddings
+                         and stage == len(held_by_stage) - 1 else 0)
+        if plan.zero_stage == 0:  # one file on the group's first rank: weights and the whole optimizer state
+            first = stored * weight + held * (8 if plan.precision == "fp32" else OPTIMIZER_BYTES)
+            per_rank, count = 0, 1
+        else:
+            first = 0 if plan.zero_stage == 3 else stored * weight
+            parts = param_groups(model=model, plan=plan, phi=held)  # (parameters, ranks they are split over)
+            per_rank = sum(-(-p * OPTIMIZER_BYTES // n) for p, n in parts)
+            count = 1 if plan.zero_stage == 3 else 2
+        total += plan.tp * (first + groups * per_rank)
+        if first + per_rank > rank_max:
+            rank_max, files = first + per_rank, count
+    node = min(total, rank_max * min(ranks_per_node, plan.world_size))
+    return CheckpointSize(bytes=total, rank_max_bytes=rank_max, files_per_rank_max=files, node_max_bytes=node,
+                          write_s=node / (DISK_GBPS * 1e9))
+
+
+def milestones(*, steps: int, keep_every: int) -> int:
+    """Checkpoints --keep-every keeps for good over `steps` (every multiple of keep_every; 0 without)."""
+    return steps // keep_every if keep_every else 0
+
+
+def disk_bytes(*, size: CheckpointSize, keep: int, kept_for_good: int) -> int:
+    """The most the checkpoint directory holds: the newest `keep`, the one being written, and the milestones (an
+    upper bound: a milestone among the newest counts twice)."""
+    return (keep + 1 + kept_for_good) * size.bytes
+
+
+def disk_text(*, size: CheckpointSize, keep: int, kept_for_good: int) -> str:
+    """'(keep 3 + 1 being written + 2 milestones) x 2.4 GiB = 14.6 GiB'."""
+    from dspipe.planner.startup import size_text
+
+    more = f" + {kept_for_good} milestones" if kept_for_good else ""
+    return (f"(keep {keep} + 1 being written{more}) x {size_text(size.bytes)} = "
+            f"{size_text(disk_bytes(size=size, keep=keep, kept_for_good=kept_for_good))}")
+
+
+def check_disk(*, size: CheckpointSize, keep: int, kept_for_good: int, free: int, held: int, where: str) -> None:
+    """Refuse (SpecError, one line) when the checkpoints still to come cannot fit: `free` bytes on the directory's
+    filesystem plus the `held` bytes of the checkpoints already there (they rotate out)."""
+    from dspipe.errors import SpecError
+    from dspipe.planner.startup import size_text
+
+    need = disk_bytes(size=size, keep=keep, kept_for_good=kept_for_good)
+    if need > free + held:
+        raise SpecError(f"checkpoints need {disk_text(size=size, keep=keep, kept_for_good=kept_for_good)} in "
+                        f"{where}, which has {size_text(free)} free + {size_text(held)} of checkpoints already = "
+                        f"{size_text(free + held)}: lower --keep-checkpoints / --keep-every, or free space")

@@ -62,12 +62,20 @@ def engine_settings(engine) -> dict:
         "offload_optimizer": bool(getattr(zero_opt, "cpu_offload", False) or getattr(zero_opt, "offload_optimizer", False)),
         "offload_param": bool(getattr(zero_opt, "offload_param", False)),
         "activation_checkpoint_interval": int(getattr(module, "activation_checkpoint_interval", 0)),
+        "blocks": held_blocks(module),
         "compiled_blocks": compiled_modules(module),
         **loss_settings(engine),
         "scheduler": type(engine.lr_scheduler).__name__,
         "backend": dist.get_backend(),
         "world_size": dist.get_world_size(),
     }
+
+
+def held_blocks(module) -> int:
+    """Transformer blocks `module` holds (the plain GPT's, or this pipeline stage's)."""
+    from dspipe.model.gpt import Block
+
+    return sum(1 for part in module.modules() if isinstance(part, Block))
 
 
 def compiled_modules(module) -> int:
@@ -153,8 +161,9 @@ def check_engine(settings: dict, run: Run) -> None:
         drift["tp_sharded_params"] = ("> 0", 0)  # no layer was swapped for its shards
     if plan.tp > 1 and settings["tp_unreduced_params"]:
         drift["tp_unreduced_params"] = (0, settings["tp_unreduced_params"])  # q/k norms whose gradient is not summed
-    if run.train.compile != bool(settings["compiled_blocks"]):  # asked and nothing compiled, or the reverse
-        drift["compiled_blocks"] = ("> 0" if run.train.compile else 0, settings["compiled_blocks"])
+    compiled = settings["blocks"] if run.train.compile else 0  # every block the rank holds, or none
+    if settings["compiled_blocks"] != compiled:
+        drift["compiled_blocks"] = (compiled, settings["compiled_blocks"])
     if settings["loss_chunk"] is not None and settings["loss_chunk"] != plan.loss_chunk:
         drift["loss_chunk"] = (plan.loss_chunk, settings["loss_chunk"])  # the loss in chunks, or not, unasked
     if drift:

@@ -249,7 +249,9 @@ def main(argv: list[str] | None = None) -> int:
         import torch
         if torch.cuda.is_available():  # build DeepSpeed's ops for this GPU only (minutes less than every arch)
             major, minor = torch.cuda.get_device_capability(0)
-            env_arch = {"TORCH_CUDA_ARCH_LIST": os.environ.get("TORCH_CUDA_ARCH_LIST", f"{major}.{minor}")}
+            # always the plain "9.0": DeepSpeed 0.19.8's op builder parses each entry as int.int and raised
+            # ValueError on the H200 image's own TORCH_CUDA_ARCH_LIST "9.0a" (2026-11-27), failing every launch
+            env_arch = {"TORCH_CUDA_ARCH_LIST": f"{major}.{minor}"}
     except ImportError:
         pass
     with open(out / "suite.log", "a") as log:

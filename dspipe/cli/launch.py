@@ -12,11 +12,12 @@ from dspipe.cli.options import FLOAT, INT
 
 from dspipe.errors import SpecError
 from dspipe.cluster.hostfile import describe
-from dspipe.cluster.launch import (LAUNCHERS, LaunchSpec, build, check_world, env_file_for, execute, preflight, resolve,
-                           resume_args, run_program)
+from dspipe.cluster.launch import (LAUNCHERS, Elastic, LaunchSpec, build, build_elastic, check_world, env_file_for,
+                                   execute, preflight, resolve, resume_args, run_program)
 from dspipe.cluster.netenv import (NCCL_DEBUG_LEVELS, NetworkSpec, parse_env_assignments, rank_environment,
                            write_env_file)
 from dspipe.rundir import load_run
+from dspipe.runtime.watchdog import check_hang_timeout, events_text, read_events, utc_now
 from dspipe.spec.hardware import gpu_type, names_text
 from dspipe.spec.core import ClusterSpec
 
@@ -91,21 +92,66 @@ def resume_options(f):
     return f
 
 
+def elastic_options(f):
+    for opt in reversed([
+        click.option("--max-restarts", type=INT, default=None,
+                     help="start the ranks under torch's elastic agent, which restarts the whole job from the newest "
+                          "complete checkpoint, up to N times, when a rank dies or hangs or a node is lost "
+                          "[default: DeepSpeed's launcher, no restart]"),
+        click.option("--min-nodes", type=INT, default=None,
+                     help="with --max-restarts: continue on as few as M nodes after a node is lost, at the smaller dp "
+                          "with the same global batch [default: every node]"),
+        click.option("--hang-timeout", type=FLOAT, default=None, metavar="SECONDS",
+                     help="end the job when a rank waits this long inside one collective during the steps, "
+                          "naming the rank and the operation (0: never) [default: 600 with --max-restarts, else 0]"),
+        click.option("--rejoin-wait", type=INT, default=None, metavar="SECONDS",
+                     help="with --max-restarts on several nodes: how long a restart waits for lost nodes to come "
+                          "back once --min-nodes are there [default: 30]"),
+    ]):
+        f = opt(f)
+    return f
+
+
+def _elastic(o: dict) -> Elastic | None:
+    """The --max-restarts options as an Elastic, or None (DeepSpeed's launcher) when --max-restarts is not given."""
+    if o["max_restarts"] is None:
+        for flag in ("min_nodes", "rejoin_wait"):
+            if o[flag] is not None:
+                raise SpecError(f"--{flag.replace('_', '-')} only applies with --max-restarts N")
+        return None
+    given = {k: v for k, v in (("hang_timeout_s", o["hang_timeout"]), ("rejoin_wait_s", o["rejoin_wait"]))
+             if v is not None}
+    return Elastic(max_restarts=o["max_restarts"], min_nodes=o["min_nodes"], **given)
+
+
 @click.command("launch")
 @click.argument("run_dir", type=click.Path(path_type=Path))
 @launch_options
 @network_options
 @resume_options
+@elastic_options
 @click.option("--dry-run", is_flag=True, default=False, help="print the command(s) and environment, run nothing")
-def launch(run_dir: Path, dry_run: bool, resume: str | None, restart: bool, **o) -> None:
-    """Start the run through DeepSpeed's launcher (pdsh, OpenMPI, Slurm, or --no-ssh per node). A run directory with
-    checkpoints resumes from the newest complete one; --restart starts over, --resume picks one."""
+@click.option("--test-faults", default=None, hidden=True)  # tests only: passed to the ranks (dspipe.runtime.faults)
+def launch(run_dir: Path, dry_run: bool, resume: str | None, restart: bool, test_faults: str | None, **o) -> None:
+    """Start the run through DeepSpeed's launcher (pdsh, OpenMPI, Slurm, or --no-ssh per node), or with
+    --max-restarts under torch's elastic agent, which restarts it by itself. A run directory with checkpoints resumes
+    from the newest complete one; --restart starts over, --resume picks one."""
     program_args = resume_args(resume=resume, restart=restart)  # checked before the run directory is read
+    elastic = _elastic(o)
+    hang = o.pop("hang_timeout")
+    if elastic is None and hang:  # under DeepSpeed's launcher a hang ends the job (no restart)
+        program_args += ["--hang-timeout", f"{check_hang_timeout(hang):g}"]
     run = load_run(run_dir)
     spec = _launch_spec(o)
     env = rank_environment(cluster=run.cluster, network=_network(o))
-    plan = build(spec, program=[*run_program(run.path), *program_args], env=env, env_file=env_file_for(run.path),
-                 default_gpus=run.cluster.gpus_per_node)
+    program = [*run_program(run.path), *program_args, *(["--test-faults", test_faults] if test_faults else [])]
+    if elastic is None:
+        plan = build(spec, program=program, env=env, env_file=env_file_for(run.path),
+                     default_gpus=run.cluster.gpus_per_node)
+    else:
+        plan = build_elastic(spec, elastic, program=program, env=env, env_file=env_file_for(run.path),
+                             default_gpus=run.cluster.gpus_per_node, nodes=run.cluster.nodes,
+                             run_id=_run_id(run.path))
     check_world(plan, expected=run.plan.world_size, nodes=run.cluster.nodes, gpus_per_node=run.cluster.gpus_per_node,
                 run_path=run.path, spec=spec)
     if dry_run:
@@ -113,11 +159,26 @@ def launch(run_dir: Path, dry_run: bool, resume: str | None, restart: bool, **o)
         return
     preflight(plan, spec)
     write_env_file(run.path, env)
-    click.echo(f"dspipe: {run.path}: {plan.world_size} ranks on {plan.nodes} node(s) ({describe(plan.resources)})",
-               err=True)
+    via = "" if elastic is None else f" under torch's elastic agent (up to {elastic.max_restarts} restarts)"
+    click.echo(f"dspipe: {run.path}: {plan.world_size} ranks on {plan.nodes} node(s) ({describe(plan.resources)})"
+               f"{via}", err=True)
+    started = utc_now()
     rc = execute(plan)
+    happened = [e for e in read_events(run.path) if str(e.get("time", "")) >= started]
+    if happened:
+        click.echo(f"dspipe: {run.path}: {events_text(happened)}", err=True)
     if rc:
         raise SystemExit(rc)
+
+
+def _run_id(path: Path) -> str:
+    """The rendezvous id of a run's elastic agents: the same on every node (the run directory's name and a hash of
+    its resolved path, which every node sees alike on a shared file system)."""
+    import hashlib
+    import re
+
+    name = re.sub(r"[^A-Za-z0-9_-]", "_", path.resolve().name)[:40] or "run"
+    return f"dspipe-{name}-{hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:8]}"
 
 
 @click.command("doctor")
@@ -194,11 +255,17 @@ def _cuda_count() -> int:
 @click.option("--master-port", type=INT, default=None, help="rendezvous port on the first node [default: 29500]")
 @click.option("--stop-before", type=INT, default=300, show_default=True,
               help="seconds before the time limit at which the run is told to save, and the job requeues")
+@click.option("--max-restarts", type=INT, default=0, show_default=True,
+              help="each node's launch restarts the job by itself up to N times (torch's elastic agent: a dead or "
+                   "hung rank), and a run step that still fails (a node lost) is requeued, up to N times")
+@click.option("--min-nodes", type=INT, default=None,
+              help="with --max-restarts: a node failure does not end the job (--no-kill); the other nodes continue "
+                   "on as few as M nodes at the smaller dp, same global batch [default: every node]")
 @network_options
 @resume_options
 def slurm_script(run_dir: Path, out: str | None, force: bool, time_limit: str, partition: str | None,
                  account: str | None, extra_sbatch: tuple[str, ...], master_port: int | None, stop_before: int,
-                 resume: str | None, restart: bool, **o) -> None:
+                 max_restarts: int, min_nodes: int | None, resume: str | None, restart: bool, **o) -> None:
     """Write an sbatch script that builds the hostfile from the job's nodes and launches the run on them. It resumes
     from the newest checkpoint, and on the time limit or pre-emption stops the run (which saves) and requeues the
     job; --resume/--restart apply to the job's first start only."""
@@ -213,7 +280,8 @@ def slurm_script(run_dir: Path, out: str | None, force: bool, time_limit: str, p
     out = target(run.path / "slurm.sbatch" if out is None else out, flag="--out", expect="file")
     text = render_slurm_script(run=run, script_path=out, workdir=Path.cwd(), time=time_limit, partition=partition,
                                account=account, extra_sbatch=extra_sbatch, master_port=master_port,
-                               launch_args=_network_flags(o), first_resume_args=first, stop_before=stop_before)
+                               launch_args=_network_flags(o), first_resume_args=first, stop_before=stop_before,
+                               max_restarts=max_restarts, min_nodes=min_nodes)
     claim_file(out, replace=force, owned=is_slurm_script, label="sbatch script")  # only its own earlier script
     with writing(out):
         write_file(out, text, mode=0o755)

@@ -24,6 +24,8 @@ from dspipe.errors import SpecError
 from dspipe.cluster.hostfile import Host, Hostfile, describe, read_hostfile, select
 from dspipe.cluster.hostname import check_host
 from dspipe.cluster.netenv import ENV_FILE
+from dspipe.runtime.elastic import NODE_RANK_ENV
+from dspipe.runtime.watchdog import check_hang_timeout
 
 LAUNCHERS = ("pdsh", "openmpi", "slurm")
 DEFAULT_PORT = 29500  # DeepSpeed's TORCH_DISTRIBUTED_DEFAULT_PORT
@@ -99,6 +101,8 @@ class Launch:
     env_file: Path
     multi_node_exec: bool
     """True when DeepSpeed's runner itself reaches the other nodes (pdsh / mpirun / srun)."""
+    rendezvous_port: int | None = DEFAULT_PORT
+    """The port rank 0's node must have free (None: the launcher picks its own, torch's --standalone)."""
 
     @property
     def world_size(self) -> int:
@@ -219,6 +223,77 @@ def check_world(launch: Launch, *, expected: int, nodes: int, gpus_per_node: int
                     f"with --include/--exclude/--num-gpus")
 
 
+@dataclass(frozen=True)
+class Elastic:
+    """`dspipe launch --max-restarts N`: torch's elastic agent (torch.distributed.run) starts the ranks instead of
+    DeepSpeed's launcher, and restarts all of them, up to N times, when one fails or hangs (the rank's watchdog ends
+    it) or a node is lost; a restart on fewer nodes (down to min_nodes) continues at the smaller dp."""
+
+    max_restarts: int
+    min_nodes: int | None = None
+    """The fewest nodes a restart continues on (None: every node of the run)."""
+    hang_timeout_s: float = 600.0
+    """Seconds a rank may wait inside one collective during the steps before the job is restarted (0: no limit)."""
+    rejoin_wait_s: int = 30
+    """After a failure, how long the agents wait for more nodes once min_nodes are back (the rendezvous' last call)."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_restarts <= 1000:
+            raise SpecError(f"--max-restarts must be in 1..1000, got {self.max_restarts}")
+        if self.min_nodes is not None and not 1 <= self.min_nodes <= MAX_NODES:
+            raise SpecError(f"--min-nodes must be in 1..{MAX_NODES}, got {self.min_nodes}")
+        check_hang_timeout(self.hang_timeout_s)
+        if not 1 <= self.rejoin_wait_s <= 86400:
+            raise SpecError(f"--rejoin-wait must be in 1..86400 seconds, got {self.rejoin_wait_s}")
+
+
+def build_elastic(spec: LaunchSpec, elastic: Elastic, *, program: list[str], env: dict[str, str], env_file: Path,
+                  default_gpus: int, nodes: int, run_id: str) -> Launch:
+    """The torch elastic agent's command for this node: --standalone on one machine; on several, one agent per node
+    (--no-ssh --node-rank R, as slurm-script launches), meeting through a c10d rendezvous on the master's port."""
+    hostfile, resources, _ = resolve(spec, default_gpus=default_gpus)
+    min_nodes = nodes if elastic.min_nodes is None else elastic.min_nodes
+    if min_nodes > nodes:
+        raise SpecError(f"--min-nodes {min_nodes} is more than the run's {nodes} node(s)")
+    if spec.launcher != "pdsh":
+        raise SpecError(f"--max-restarts starts torch's elastic agent on each node itself; it does not combine with "
+                        f"--launcher {spec.launcher} (use --no-ssh --node-rank R on every node, as slurm-script does)")
+    if hostfile is not None and not spec.no_ssh:
+        raise SpecError("--max-restarts with --hostfile needs --no-ssh --node-rank R on every node (one elastic agent "
+                        "per node, as slurm-script launches): pdsh would not restart a lost node's ranks")
+    hosts = list(resources)
+    if spec.no_ssh and spec.node_rank is None and len(hosts) > 1:
+        raise SpecError(f"--no-ssh starts one node per command: run this with --node-rank R (0..{len(hosts) - 1}) on "
+                        f"each node")
+    node = spec.node_rank or 0
+    slots = resources[hosts[node]]
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(len(slots)), "--max-restarts",
+            str(elastic.max_restarts), "--monitor-interval", "1"]
+    if hostfile is None:
+        argv += ["--standalone"]
+        port = None
+    else:
+        master = spec.master_addr or hosts[0]
+        port = spec.master_port or DEFAULT_PORT
+        argv += ["--nnodes", f"{min_nodes}:{nodes}", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{master}:{port}",
+                 "--rdzv-id", run_id, "--rdzv-conf", f"last_call_timeout={elastic.rejoin_wait_s}"]
+    # a fresh rendezvous store on a new port for every start: the agent's shared store keeps the keys of the start
+    # before, and the new ranks' gloo mesh may read a dead peer's address from it (connection refused at init)
+    env = {**env, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    if spec.node_rank is not None:
+        env[NODE_RANK_ENV] = str(spec.node_rank)
+    if slots != list(range(len(slots))):  # DeepSpeed's launcher would pass the slots: the agent does not
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slots))
+    if "OMP_NUM_THREADS" not in os.environ and "OMP_NUM_THREADS" not in env:  # else the agent sets 1 per rank
+        env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // len(slots)))
+    module = program[program.index("--module") + 1:] if "--module" in program else program
+    module = ["--run-dir" if a == "--run" else a for a in module]  # torch.distributed.run reads --run as --run-path
+    argv += ["-m", *module, "--hang-timeout", f"{elastic.hang_timeout_s:g}"]
+    command = Command(spec.node_rank if spec.no_ssh else None, hosts[node], tuple(argv))
+    return Launch(hostfile=hostfile, resources=resources, commands=(command,), env=env, env_file=env_file,
+                  multi_node_exec=False, rendezvous_port=port)
+
+
 def _is_local(host: str) -> bool:
     try:
         addr = socket.gethostbyname(host)
@@ -262,7 +337,7 @@ def preflight(launch: Launch, spec: LaunchSpec) -> None:
     command = launch.commands[0]
     master = spec.master_addr or command.host
     rank0_here = launch.hostfile is None or (command.node_rank in (None, 0) and _is_local(master))
-    if rank0_here:
+    if rank0_here and launch.rendezvous_port is not None:
         check_port_free(spec.master_port or DEFAULT_PORT)
 
 

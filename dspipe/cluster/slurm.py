@@ -23,7 +23,8 @@ CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 SCRIPT_MARKER = "# dspipe-output: slurm-script (written by 'dspipe slurm-script'; --force replaces it, edits are lost)"
 MAX_STOP_BEFORE = 65535  # Slurm's --signal time limit, seconds
 # Options the script sets itself and depends on: given again through --sbatch they would break it.
-OWN_OPTIONS = ("--nodes", "-N", "--ntasks-per-node", "--gpus-per-node", "--signal", "--no-requeue", "--open-mode")
+OWN_OPTIONS = ("--nodes", "-N", "--ntasks-per-node", "--gpus-per-node", "--signal", "--no-requeue", "--open-mode",
+               "--no-kill", "-k")
 
 
 def time_limit_seconds(time: str) -> int | None:
@@ -60,9 +61,14 @@ def _sbatch_path(path: str, what: str) -> str:
 
 def render_slurm_script(*, run: Run, script_path: Path, workdir: Path, time: str, partition: str | None,
                         account: str | None, extra_sbatch: tuple[str, ...], master_port: int | None,
-                        launch_args: list[str], first_resume_args: list[str] = (), stop_before: int = 300) -> str:
+                        launch_args: list[str], first_resume_args: list[str] = (), stop_before: int = 300,
+                        max_restarts: int = 0, min_nodes: int | None = None) -> str:
     """The sbatch script: hostfile from $SLURM_JOB_NODELIST, then one `dspipe launch --no-ssh` per node via srun
-    (in the background, so that the script can take Slurm's signals), then a requeue if the run was stopped."""
+    (in the background, so that the script can take Slurm's signals), then a requeue if the run was stopped.
+    `max_restarts` > 0: each node's launch runs under torch's elastic agent with --max-restarts (a dead or hung rank
+    restarts the job inside the allocation), and a run step that still fails (a node lost, the restarts used up) is
+    requeued, up to `max_restarts` requeues; `min_nodes` below the run's nodes keeps the job alive when a node fails
+    (--no-kill) so that the other nodes continue at the smaller dp."""
     cluster = run.cluster
     limit = time_limit_seconds(time)
     if not 10 <= stop_before <= MAX_STOP_BEFORE:
@@ -82,6 +88,14 @@ def render_slurm_script(*, run: Run, script_path: Path, workdir: Path, time: str
         if name in OWN_OPTIONS:
             raise SpecError(f"--sbatch {option!r}: the script sets {name} itself"
                             + (" (use --stop-before SECONDS)" if name == "--signal" else ""))
+    if not 0 <= max_restarts <= 1000:
+        raise SpecError(f"--max-restarts must be in 0..1000, got {max_restarts}")
+    if min_nodes is not None and (not max_restarts or not 1 <= min_nodes <= cluster.nodes):
+        raise SpecError(f"--min-nodes {min_nodes} needs --max-restarts N and must be in 1..{cluster.nodes} (the "
+                        f"run's nodes)")
+    elastic = ["--max-restarts", str(max_restarts)] if max_restarts else []
+    elastic += ["--min-nodes", str(min_nodes)] if min_nodes is not None else []
+    shrinks = min_nodes is not None and min_nodes < cluster.nodes
     for arg in [*launch_args, *first_resume_args]:
         _plain(arg, "launch argument")
     run_path, script, cwd = (_plain(str(p), what) for p, what in
@@ -93,15 +107,17 @@ def render_slurm_script(*, run: Run, script_path: Path, workdir: Path, time: str
               "--open-mode=append", "--requeue", f"--signal=B:USR1@{stop_before}"]
     sbatch += [f"--partition={partition}"] if partition else []
     sbatch += [f"--account={account}"] if account else []
+    sbatch += ["--no-kill"] if shrinks else []  # a failed node does not end the job: the others continue
     sbatch += list(extra_sbatch)
-    srun = [f"--nodes={cluster.nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1", *gpus]
+    srun = [f"--nodes={cluster.nodes}", "--ntasks-per-node=1", f"--kill-on-bad-exit={0 if shrinks else 1}", *gpus]
     values = dict(
         run_dir=shlex.quote(run_path), nodes=cluster.nodes, gpus_per_node=cluster.gpus_per_node,
         world_size=run.plan.world_size, script_path=shlex.quote(script), marker=SCRIPT_MARKER,
         sbatch_options=sbatch, workdir=shlex.quote(cwd),
         hostfile_prefix=shlex.quote(str(run.path / "hostfile.slurm")),
         srun_options=shlex.join(srun),
-        launch_args=shlex.join(["--master-port", str(master_port or DEFAULT_PORT), *launch_args]),
+        launch_args=shlex.join(["--master-port", str(master_port or DEFAULT_PORT), *elastic, *launch_args]),
+        max_requeues=max_restarts,
         first_resume_args=shlex.join(first_resume_args), stop_before=stop_before, steps=int(run.train.steps),
         latest_file=shlex.quote(str(run.checkpoint_dir / "latest")),
         checkpoint_dir=shlex.quote(str(run.checkpoint_dir)),

@@ -623,7 +623,8 @@ def resume_point(run, resume: str = "auto") -> Path | None:
 
 
 PREVIOUS_DIR = "previous"
-RUN_OUTPUTS = ("checkpoints", "metrics.csv", "val_metrics.csv", "engine.json", "monitor")
+RUN_OUTPUTS = ("checkpoints", "metrics.csv", "metrics.rewound.csv", "val_metrics.csv", "engine.json", "monitor",
+               "events.jsonl")
 """What a run writes while training; `--restart` moves these into previous/<UTC timestamp>/."""
 
 

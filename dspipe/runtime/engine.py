@@ -13,6 +13,8 @@ rank its slice of each sequence.
 """
 from __future__ import annotations
 
+import copy
+
 import math
 
 from dspipe.spec.layout import ParallelLayout
@@ -343,7 +345,8 @@ def build_engine(run: Run, *, clock=None) -> Engine:
     if run.model.experts or expert_parallel(run) > 1:  # sparse blocks onto DeepSpeed's MoE layer (or the refusal)
         install_for_run(module, run=run, rank=dist.get_rank())
         groups = moe_param_groups(param_groups(module, run.train.weight_decay))  # experts: groups of their own
-    engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=groups, config=str(run.ds_config_path),
+    # the config as read and checked (an elastic restart's smaller dp changed its gradient accumulation in memory)
+    engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=groups, config=copy.deepcopy(run.ds_config),
                                            mpu=mpu)
     cls = PipelineEngine if run.plan.pp > 1 else PlainEngine
     return cls(engine, run=run, layout=run.plan.layout, rank=dist.get_rank())

@@ -23,6 +23,7 @@ from dspipe.runtime.faults import NO_FAULTS, Faults
 from dspipe.runtime.metrics_log import RunLog
 from dspipe.runtime.stability import Health, guard_base_optimizer
 from dspipe.runtime.startup import StartupClock
+from dspipe.runtime.watchdog import Watchdog, record_event
 from dspipe.spec.hardware import GIB
 
 STEP_MOE_COLUMNS = ("aux_loss", "expert_load")
@@ -48,12 +49,17 @@ def peak_memory_gib() -> tuple[float, float]:
     return acc.max_memory_allocated() / GIB, acc.max_memory_reserved() / GIB
 
 
-def train(run: Run, resume: str = "auto", *, restart: bool = False, faults: Faults = NO_FAULTS) -> dict:
+def train(run: Run, resume: str = "auto", *, restart: bool = False, faults: Faults = NO_FAULTS,
+          hang_timeout: float = 0.0, attempt: int | None = None, resized: str | None = None) -> dict:
     """Train from a run directory; the process group lives exactly as long as the training (see dspipe.runtime.comm).
     `resume`: 'auto' (the newest complete checkpoint, else a fresh start), a tag or a path; `restart`: move the
-    previous outputs into previous/<UTC timestamp>/ and start from step 0; `faults`: a test's injected failures."""
+    previous outputs into previous/<UTC timestamp>/ and start from step 0; `faults`: a test's injected failures;
+    `hang_timeout`: seconds a rank may wait inside one collective during the steps (0: no limit); `attempt`: the
+    elastic agent's restart count (None: not started by it); `resized`: the line saying how this start's layout
+    differs from the plan (dspipe.runtime.elastic), None when it does not."""
     with process_group(agreed=(SpecError, RunHalted)) as backend:  # both are raised by every rank at once
-        return train_in_group(run, resume=resume, restart=restart, backend=backend, faults=faults)
+        return train_in_group(run, resume=resume, restart=restart, backend=backend, faults=faults,
+                              hang_timeout=hang_timeout, attempt=attempt, resized=resized)
 
 
 def restart_run(run: Run, *, rank: int) -> None:
@@ -79,11 +85,24 @@ def restart_run(run: Run, *, rank: int) -> None:
         raise SpecError(error or f"--restart: rank 0 could not move the previous outputs of {run.path}")
 
 
-def train_in_group(run: Run, *, resume: str, restart: bool, backend: str, faults: Faults) -> dict:
+def train_in_group(run: Run, *, resume: str, restart: bool, backend: str, faults: Faults,
+                   hang_timeout: float = 0.0, attempt: int | None = None, resized: str | None = None) -> dict:
     """Setup -> the step loop -> finish, inside the process group."""
     state = setup(run, resume=resume, restart=restart, backend=backend, faults=faults)
+    if state.rank == 0 and attempt:
+        _restarted(state, attempt=attempt, resized=resized)
+    state.watchdog = Watchdog(timeout_s=hang_timeout, rank=state.rank, world=state.world, run_path=run.path,
+                              hang_step=faults.hang_step(state.rank))
+    if hang_timeout > 0:  # else nothing is watched: torch.distributed stays as it is
+        state.watchdog.install()
     step_loop(state)
     return finish(state)
+
+
+def _restarted(t: "Training", *, attempt: int, resized: str | None) -> None:
+    """Rank 0 of a restarted job: the restart (and what changed, which the entry point said) in events.jsonl."""
+    record_event(t.run.path, {"event": "restart", "attempt": attempt, "world": t.world, "step": t.start_step,
+                              **({"resized": resized} if resized else {})})
 
 
 @dataclass
@@ -118,6 +137,8 @@ class Training:
     pending: object | None = None
     """The checkpoint being written in the background (dspipe.runtime.checkpoint.PendingSave), None when none is."""
     retention: ckpt.Retention | None = None
+    watchdog: Watchdog | None = None
+    """Hang detection around the steps (dspipe.runtime.watchdog); set after setup."""
 
     def save(self, at: int, *, wait: bool = False) -> None:
         """Checkpoint step `at`: the previous background save completes first; with `wait` this one too."""
@@ -251,14 +272,21 @@ def _startup_report(run: Run, *, eng, clock: StartupClock, guarded: bool, rank: 
 def step_loop(t: Training) -> None:
     """Steps start_step + 1 .. steps: train, log, validate, checkpoint; stops early on a signal (saved, returns) or
     after too many skipped steps in a row (saved, RunHalted)."""
-    run, eng, plan, tr = t.run, t.eng, t.run.plan, t.run.train
-    engine, reads_data = eng.engine, eng.reads_data  # under a pipeline only the first and last stages read
+    run = t.run
     flops_per_token = model_flops_per_token(run.model)
-    nan_loss = t.faults.nan_loss(engine, pipeline=plan.pp > 1)
+    nan_loss = t.faults.nan_loss(t.eng.engine, pipeline=run.plan.pp > 1)
     t.started = time.perf_counter()
     stop = ckpt.StopRequest()
+    watchdog = t.watchdog or Watchdog(timeout_s=0, rank=t.rank, run_path=run.path)
+    with watchdog.armed():
+        _steps(t, stop=stop, watchdog=watchdog, nan_loss=nan_loss, flops_per_token=flops_per_token)
+
+
+def _steps(t: Training, *, stop, watchdog: Watchdog, nan_loss, flops_per_token: float) -> None:
+    run, eng, plan, tr = t.run, t.eng, t.run.plan, t.run.train
+    engine, reads_data = eng.engine, eng.reads_data  # under a pipeline only the first and last stages read
     for step in range(t.start_step + 1, tr.steps + 1):
-        t.step = step
+        t.step = watchdog.step = step
         skipped_before = engine.skipped_steps
         if nan_loss:
             nan_loss.arm(step)
@@ -281,10 +309,11 @@ def step_loop(t: Training) -> None:
             t.log.validation({"step": step, "tokens": step * plan.tokens_per_step,
                               **evaluate_sets(eng, t.val, micro_batch=plan.micro_batch)})
         t.settle(wait=False)  # a background save completes at the first step end after its files are written
-        t.faults.kill_after_step(step, drain=lambda: t.settle(wait=True))
+        t.faults.kill_after_step(step, rank=t.rank, drain=lambda: t.settle(wait=True))
         stopping = stop.agreed()
         if stopping or t.health.halted or (tr.save_interval and step % tr.save_interval == 0 and step < tr.steps):
-            t.save(step, wait=stopping or t.health.halted)
+            with watchdog.paused():  # a sync save keeps peers in a barrier for the length of the write
+                t.save(step, wait=stopping or t.health.halted)
         if stopping:
             t.say(f"dspipe: stopped by a signal after step {step}; checkpoint saved", flush=True)
             return

@@ -8,7 +8,9 @@ steps after S, which the run replays, are dropped; the last complete row of a st
 is keyed by the optimizer step (DeepSpeed's own sample-keyed `Train/Samples/*` events are switched off), and a
 start at step S writes a `SessionLog.START` event at step S + 1 (what torch's `SummaryWriter(purge_step=S + 1)`
 writes): TensorBoard then drops every earlier-written event at steps > S, so each step shows one value. DeepSpeed's
-csv monitor files (monitor/csv/) are trimmed the same way as metrics.csv."""
+csv monitor files (monitor/csv/) are trimmed the same way as metrics.csv. The rows of metrics.csv that a resume
+replays are not lost: they are appended to metrics.rewound.csv (header, then each row as it was), which shows what
+the steps looked like before the crash, and lets a test compare them with their replay."""
 from __future__ import annotations
 
 import csv
@@ -23,6 +25,8 @@ from dspipe.planner.throughput import STEP_COLUMNS, VAL_COLUMNS
 from dspipe.rundir import VAL_FILE
 from dspipe.runtime.progress import Progress
 
+REWOUND_FILE = "metrics.rewound.csv"
+"""metrics.csv's rows of the steps a resume replayed, as first written."""
 SAMPLE_KEYED_PREFIX = "Train_Samples_"  # DeepSpeed's csv monitor files keyed by samples (written before dspipe 11)
 
 
@@ -55,13 +59,15 @@ def _is_int(text: str) -> bool:
     return _STEP.fullmatch(text.strip()) is not None
 
 
-def repair_rows(path: Path, *, upto: int, columns: tuple[str, ...] | None = None) -> int | None:
+def repair_rows(path: Path, *, upto: int, columns: tuple[str, ...] | None = None,
+                rewound: Path | None = None) -> int | None:
     """Rewrite the CSV at `path` atomically as a header plus one row per step 1..`upto` that it holds (ascending;
     the last complete row written for a step wins): torn lines, rows whose field count differs from the header's,
     and rows after `upto` are dropped. The header is `columns` (old rows are mapped by column name; a file whose
     header is missing is read as `columns`), or the file's own header when `columns` is None (then a file without
     a header is left alone). A missing file is written with the header alone. Returns the rows kept, or None when
-    the file was left alone."""
+    the file was left alone. `rewound`: a CSV the complete rows after `upto` are appended to (with the header when
+    it is new), before the rewrite."""
     path = Path(path)
     try:
         rows = complete_lines(path.read_bytes().decode("utf-8", errors="replace")) if path.is_file() else []
@@ -79,6 +85,9 @@ def repair_rows(path: Path, *, upto: int, columns: tuple[str, ...] | None = None
                         f"{','.join(out_columns)}); move the file away to let the run write a new one")
     at = header.index("step")
     by_step: dict[int, list[str]] = {}
+    later = [row for row in rows if len(row) == len(header) and _is_int(row[at]) and int(row[at]) > upto]
+    if rewound is not None and later:
+        _append_rows(Path(rewound), header=header, rows=later)
     for row in rows:
         if len(row) == len(header) and _is_int(row[at]) and 1 <= int(row[at]) <= upto:
             named = dict(zip(header, row))
@@ -87,12 +96,19 @@ def repair_rows(path: Path, *, upto: int, columns: tuple[str, ...] | None = None
     return len(by_step)
 
 
+def _append_rows(path: Path, *, header: tuple[str, ...], rows: list[list[str]]) -> None:
+    """Append `rows` to the CSV at `path` (the header first when the file is new or empty); one write."""
+    fresh = not path.is_file() or path.stat().st_size == 0
+    with open(path, "a", newline="") as f:
+        f.write((_line(header) if fresh else "") + "".join(_line(r) for r in rows))
+
+
 class _Csv:
     """Append rows to a CSV whose header and earlier rows `repair_rows` has just put in order."""
 
-    def __init__(self, path: Path, columns: tuple[str, ...], *, resumed_at: int):
+    def __init__(self, path: Path, columns: tuple[str, ...], *, resumed_at: int, rewound: Path | None = None):
         self.path, self.columns = Path(path), columns
-        self.kept = repair_rows(self.path, upto=resumed_at, columns=columns)
+        self.kept = repair_rows(self.path, upto=resumed_at, columns=columns, rewound=rewound)
         self.file = open(self.path, "a", newline="")
 
     def write(self, row: dict) -> None:
@@ -159,7 +175,7 @@ class RunLog:
             # a mixture-of-experts model adds aux_loss (its load-balancing loss; `loss` stays the LM loss) and
             # expert_load (the step's load imbalance)
             self.steps_csv = _Csv(Path(run_path) / "metrics.csv", STEP_COLUMNS + tuple(step_columns),
-                                  resumed_at=resumed_at)
+                                  resumed_at=resumed_at, rewound=Path(run_path) / REWOUND_FILE)
             if validating:
                 # a blend adds one val_loss_NAME column per source (dspipe.runtime.evaluate.val_columns)
                 self.val_csv = _Csv(Path(run_path) / VAL_FILE, VAL_COLUMNS + tuple(val_columns),

@@ -270,3 +270,60 @@ def test_doctor_names_unreachable_hosts(tmp_path):
     line = fails(tmp_path, "doctor", "--hostfile", "hosts", "--gpu", "cpu",
                  message="not reachable over passwordless ssh (pdsh needs every host): no-such-host.invalid (hosts:1)")
     assert "; other-host.invalid (hosts:2): " in line and "--no-ssh --node-rank R" in line
+
+
+def test_max_restarts_starts_torchs_elastic_agent(runs):
+    env, (argv,) = dry_run(runs, "runs/single", "--max-restarts", "3", "--hang-timeout", "120")
+    from torch.distributed.run import get_args_parser
+
+    args = get_args_parser().parse_args(argv[argv.index("torch.distributed.run") + 1:])
+    assert (args.standalone, args.nproc_per_node, args.max_restarts, args.module) == (True, "2", 3, True)
+    assert args.training_script == "dspipe.runtime.entry"
+    assert args.training_script_args == ["--run-dir", "runs/single", "--hang-timeout", "120"]
+    assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"  # a fresh store per start (no stale gloo addresses)
+    _, (default,) = dry_run(runs, "runs/single", "--max-restarts", "1")
+    assert default[-2:] == ["--hang-timeout", "600"]  # hangs are watched by default under restarts
+
+
+def test_elastic_nodes_meet_at_the_master(runs):
+    _, (argv,) = dry_run(runs, "runs/two", "--hostfile", "hosts", "--no-ssh", "--node-rank", "1", "--master-addr",
+                         "127.0.0.1", "--master-port", "29611", "--max-restarts", "2", "--min-nodes", "1",
+                         "--rejoin-wait", "5", "--resume", "auto")
+    from torch.distributed.run import get_args_parser
+
+    args = get_args_parser().parse_args(argv[argv.index("torch.distributed.run") + 1:])
+    assert (args.nnodes, args.nproc_per_node, args.rdzv_backend, args.rdzv_endpoint) == ("1:2", "1", "c10d",
+                                                                                         "127.0.0.1:29611")
+    assert args.rdzv_conf == "last_call_timeout=5" and args.rdzv_id.startswith("dspipe-two-")
+    assert args.training_script_args[:4] == ["--run-dir", "runs/two", "--resume", "auto"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["runs/two", "--hostfile", "hosts", "--max-restarts", "2"], "--max-restarts with --hostfile needs --no-ssh"),
+    (["runs/two", "--hostfile", "hosts", "--no-ssh", "--node-rank", "0", "--max-restarts", "2", "--min-nodes", "3"],
+     "--min-nodes 3 is more than the run's 2 node(s)"),
+    (["runs/two", "--hostfile", "hosts", "--launcher", "openmpi", "--max-restarts", "2"],
+     "does not combine with --launcher openmpi"),
+    (["runs/single", "--min-nodes", "1"], "--min-nodes only applies with --max-restarts N"),
+    (["runs/single", "--max-restarts", "0"], "--max-restarts must be in 1..1000, got 0"),
+    (["runs/single", "--max-restarts", "2", "--hang-timeout", "-1"], "--hang-timeout -1 must be in 0..604800"),
+    (["runs/single", "--hang-timeout", "1e9"], "--hang-timeout 1e+09 must be in 0..604800"),
+])
+def test_bad_elastic_launches_are_one_line_errors(runs, args, message):
+    fails(runs, "launch", *args, "--dry-run", message=message)
+
+
+def test_slurm_script_requeues_a_failed_step(runs):
+    r = dspipe("slurm-script", "runs/h100", "--max-restarts", "3", "--min-nodes", "1", "--out", "elastic.sbatch",
+               cwd=runs)
+    assert r.returncode == 0, r.stderr
+    text = (runs / "elastic.sbatch").read_text()
+    for expected in ["#SBATCH --no-kill", "--kill-on-bad-exit=0", "--master-port 29500 --max-restarts 3 --min-nodes 1",
+                     '[ "$RC" -ne 0 ] && [ "${SLURM_RESTART_COUNT:-0}" -lt 3 ] && ! run_finished']:
+        assert expected in text
+    assert subprocess.run(["bash", "-n", str(runs / "elastic.sbatch")]).returncode == 0
+    plain = dspipe("slurm-script", "runs/h100", "--out", "plain.sbatch", cwd=runs)
+    assert plain.returncode == 0 and "--no-kill" not in (runs / "plain.sbatch").read_text()
+    assert '-lt 0 ]' in (runs / "plain.sbatch").read_text()  # no requeue after a failure unless asked
+    fails(runs, "slurm-script", "runs/h100", "--min-nodes", "1", message="--min-nodes 1 needs --max-restarts N")
+    fails(runs, "slurm-script", "runs/h100", "--sbatch=--no-kill", message="the script sets --no-kill itself")

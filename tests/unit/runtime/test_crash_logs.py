@@ -29,6 +29,18 @@ def test_torn_last_line_and_rows_after_the_resumed_step_are_dropped(tmp_path):
     assert m.read_text() == "step,loss,lr\n" + "".join(row(s) for s in range(1, 5))
 
 
+def test_rows_a_resume_replays_are_kept_in_the_rewound_file(tmp_path):
+    m, rewound = tmp_path / "metrics.csv", tmp_path / "metrics.rewound.csv"
+    m.write_text("step,loss,lr\n" + "".join(row(s) for s in range(1, 7)) + "7,9")  # killed after step 6
+    assert ml.repair_rows(m, upto=4, columns=COLS, rewound=rewound) == 4
+    assert rewound.read_text() == "step,loss,lr\n" + row(5) + row(6)  # as first written; the torn line left out
+    m.write_text(m.read_text() + row(5, 1.0) + row(6, 1.0))  # the replay, then another crash
+    ml.repair_rows(m, upto=4, columns=COLS, rewound=rewound)
+    assert rewound.read_text() == "step,loss,lr\n" + row(5) + row(6) + row(5, 1.0) + row(6, 1.0)  # appended
+    ml.repair_rows(m, upto=4, columns=COLS, rewound=tmp_path / "none.csv")
+    assert not (tmp_path / "none.csv").exists()  # nothing after the resumed step: no file
+
+
 def test_torn_line_followed_by_appended_rows_is_not_glued_into_a_row(tmp_path):
     """The old runner appended after a torn line: '5,9.5,0.0' + '4,...' became one line of 5 fields."""
     m = tmp_path / "metrics.csv"

@@ -1,0 +1,56 @@
+"""A run restarted by torch's elastic agent on fewer ranks than it was planned for (a node lost for good): the same
+model layout (pp, tp, sp, ep) and the same global batch, at the smaller data-parallel size with more gradient
+accumulation. The run directory is not rewritten: the resized plan and ds_config live for this start only, and a
+restart with every node back runs the planned layout again. Resuming from a checkpoint saved at the other dp goes
+through the existing dp-change path (dspipe.runtime.reshard). No torch."""
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+
+from dspipe.errors import SpecError
+from dspipe.rundir import Run
+
+
+NODE_RANK_ENV = "DSPIPE_NODE_RANK"
+"""Set by `dspipe launch --max-restarts --no-ssh --node-rank R` for its ranks: the node they run on, as the hostfile
+numbers it (torch's agent numbers nodes by the order of the rendezvous instead: GROUP_RANK)."""
+
+
+def elastic_restart(env: dict) -> int | None:
+    """The restart count of a rank started by torch's elastic agent (0: its first start), None without the agent."""
+    if "TORCHELASTIC_RUN_ID" not in env:
+        return None
+    count = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return int(count) if count.isdigit() else 0
+
+
+def resized(run: Run, *, world: int, ranks_per_node: int) -> tuple[Run, str | None]:
+    """(`run` at `world` ranks on `nodes` nodes, a one-line account of what changed), or (`run`, None) at its planned
+    world. Refused in one line when the world cannot hold the layout or the global batch."""
+    plan = run.plan
+    nodes = max(1, divmod(world, max(1, ranks_per_node))[0])
+    if world == plan.world_size:
+        return run, None
+    if world > plan.world_size:
+        raise SpecError(f"{run.path} was planned for {plan.world_size} ranks but {world} started; an elastic restart "
+                        f"only continues on fewer ranks")
+    try:
+        dp = replace(plan.layout, world=world).dp  # the layout divides the world (dspipe.spec.layout)
+    except SpecError as e:
+        raise SpecError(f"{world} ranks left cannot hold the run's model layout: {e}") from None
+    if dp % plan.ep:
+        raise SpecError(f"{world} ranks left give dp {dp}, which is not divisible by the experts' ep {plan.ep}")
+    per_step = plan.micro_batch * dp
+    if plan.global_batch % per_step:
+        raise SpecError(f"{world} ranks left give dp {dp}: global batch {plan.global_batch} is not divisible by "
+                        f"micro_batch {plan.micro_batch} x dp {dp} = {per_step}; the run cannot keep its batch")
+    grad_accum = plan.global_batch // per_step
+    new_plan = replace(plan, world_size=world, dp=dp, grad_accum=grad_accum)
+    ds = copy.deepcopy(run.ds_config)
+    ds["gradient_accumulation_steps"] = grad_accum  # train_batch_size and the micro batch stay
+    cluster = replace(run.cluster, nodes=nodes, gpus_per_node=ranks_per_node)
+    line = (f"continuing on {world} of {plan.world_size} ranks ({nodes} of {run.cluster.nodes} node(s)): dp "
+            f"{plan.dp} -> {dp}, gradient accumulation {plan.grad_accum} -> {grad_accum}, global batch "
+            f"{plan.global_batch} = {plan.micro_batch} x {grad_accum} x {dp} unchanged")
+    return replace(run, plan=new_plan, ds_config=ds, cluster=cluster), line

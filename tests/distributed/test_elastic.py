@@ -1,0 +1,100 @@
+"""Runs that restart themselves (`dspipe launch --max-restarts`, torch's elastic agent): on 4 CPU ranks a rank killed
+with SIGKILL and then a rank hung inside a collective each restart the job from the newest checkpoint, and it
+finishes by itself with every step once and the replayed steps bitwise equal to their first run (fp32); two local
+"nodes" of 2 ranks, one lost for good, continue on 2 ranks at the same global batch. One launch per test."""
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.helpers import ROOT, csv_rows, dspipe, free_port, make_run
+
+pytestmark = pytest.mark.distributed
+TIMEOUT = 600
+HOSTS = "localhost slots=2\n127.0.0.1 slots=2\n"  # two names for this machine: two "nodes" of 2 CPU ranks
+FLAGS = ("--precision", "fp32", "--zero", "1", "--sync-save", "--save-interval", "3", "--log-interval", "1",
+         "--global-batch", "16", "--micro-batch", "4")
+
+
+def env_with():
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+
+
+def wait_for_port(port, timeout=60):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.2)
+    raise AssertionError(f"nothing listens on port {port} after {timeout} s")
+
+
+def by_step(path):
+    return {int(r["step"]): r for r in csv_rows(path)}
+
+
+def events(run):
+    import json
+    return [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+
+
+def test_a_killed_rank_and_a_hung_rank_restart_the_job(tmp_path, corpus):
+    run = make_run(tmp_path, corpus, *FLAGS, "--gpus-per-node", "4", steps=8)
+    faults = '[{"kill_at_step": 5, "kill_rank": 2}, {"hang_at_step": 7, "hang_rank": 1}]'
+    r = dspipe("launch", run, "--max-restarts", "2", "--hang-timeout", "5", "--test-faults", faults,
+               env={"PYTHONPATH": env_with()["PYTHONPATH"]})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = csv_rows(run / "metrics.csv")
+    assert [int(x["step"]) for x in rows] == list(range(1, 9))  # each step once
+    first, replay = by_step(run / "metrics.rewound.csv"), by_step(run / "metrics.csv")
+    assert sorted(first) == [4, 5]  # killed after step 5, resumed from 3: steps 4 and 5 ran twice
+    for step in (4, 5):
+        assert [first[step][c] for c in ("loss", "lr", "grad_norm")] == \
+               [replay[step][c] for c in ("loss", "lr", "grad_norm")]  # bitwise (their text is repr(float))
+    hangs = [e for e in events(run) if e["event"] == "hang"]
+    assert hangs and {e["step"] for e in hangs} == {7} and all(e["seconds"] < 5 + 3 for e in hangs)
+    assert any(e["rank"] == 1 for e in hangs)  # the rank that hung names itself, with its operation
+    assert [(e["attempt"], e["step"], e["world"]) for e in events(run) if e["event"] == "restart"] == [(1, 3, 4),
+                                                                                                       (2, 6, 4)]
+    assert "dspipe: hang: rank 1 has been inside " in r.stderr and " at step 7 (hang timeout 5 s)" in r.stderr
+    summary = [ln for ln in r.stderr.splitlines() if ln.startswith(f"dspipe: {run}: hang at step 7")]
+    assert summary and "restart 1 resumed at step 3 on 4 ranks; restart 2 resumed at step 6 on 4 ranks" in summary[0]
+    assert (run / "checkpoints" / "latest").read_text() == "global_step8"
+
+
+def test_a_lost_node_continues_on_the_others_at_the_same_global_batch(tmp_path, corpus):
+    (tmp_path / "hosts").write_text(HOSTS)
+    run = make_run(tmp_path, corpus, *FLAGS, "--hostfile", str(tmp_path / "hosts"), steps=8)
+    port = str(free_port())
+    faults = '[{"kill_at_step": 5, "kill_node": 1}]'  # node 1's agent and ranks: gone for good after step 5
+
+    def node(rank):
+        return subprocess.Popen([sys.executable, "-m", "dspipe", "launch", str(run), "--hostfile", "hosts", "--no-ssh",
+                                 "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", port,
+                                 "--max-restarts", "2", "--min-nodes", "1", "--rejoin-wait", "2", "--test-faults",
+                                 faults], cwd=tmp_path, env=env_with(), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+
+    first = node(0)
+    wait_for_port(int(port))  # node 0's agent holds the rendezvous store (the node lost is not the one holding it)
+    nodes = [first, node(1)]
+    outputs = [p.communicate(timeout=TIMEOUT)[0] for p in nodes]
+    codes = [p.returncode for p in nodes]
+    assert codes[0] == 0 and codes[1] != 0, outputs[0][-3000:] + outputs[1][-3000:]
+    survivor = outputs[0]
+    assert ("dspipe: continuing on 2 of 4 ranks (1 of 2 node(s)): dp 4 -> 2, gradient accumulation 1 -> 2, global "
+            "batch 16 = 4 x 2 x 2 unchanged") in survivor
+    assert "world 2 = dp 2 x pp 1 | ZeRO-1" in survivor
+    rows = csv_rows(run / "metrics.csv")
+    assert [int(x["step"]) for x in rows] == list(range(1, 9))
+    first, replay = by_step(run / "metrics.rewound.csv"), by_step(run / "metrics.csv")
+    assert sorted(first) == [4, 5]
+    for step in (4, 5):  # 4 ranks x 1 micro-batch then 2 ranks x 2: the same samples, summed in another order
+        assert float(replay[step]["loss"]) == pytest.approx(float(first[step]["loss"]), rel=1e-5)
+    losses = [float(x["loss"]) for x in rows]
+    assert losses[-1] < losses[0]
+    assert [(e["attempt"], e["step"], e["world"]) for e in events(run) if e["event"] == "restart"] == [(1, 3, 2)]

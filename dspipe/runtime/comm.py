@@ -15,10 +15,13 @@ completed and saved: 2 of ~100 CPU launches in one CI run without the destroy, 1
 from __future__ import annotations
 
 import os
+import re
 import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, NoReturn
+
+from dspipe.errors import SpecError
 
 if TYPE_CHECKING:
     import torch
@@ -43,6 +46,27 @@ def cpu_threads_per_rank(*, env: dict | None = None) -> int | None:
     return max(1, len(os.sched_getaffinity(0)) // max(1, int(env.get("LOCAL_SIZE", "1"))))
 
 
+ARCH_ENTRY = re.compile(r"^[0-9]+\.[0-9]+(\+PTX)?$")
+"""An entry of TORCH_CUDA_ARCH_LIST that DeepSpeed 0.19.8's op builder can read (CUDAOpBuilder.compute_capability_args
+turns each into int major, int minor)."""
+
+
+def check_cuda_arch_list(env: dict | None = None) -> None:
+    """Refuse, in one line, a TORCH_CUDA_ARCH_LIST that DeepSpeed's JIT op builds would die on with a ValueError deep
+    inside the first build (torch's arch-specific '9.0a' form; some container images set it)."""
+    value = (os.environ if env is None else env).get("TORCH_CUDA_ARCH_LIST", "")
+    bad = [cc for cc in value.replace(" ", ";").split(";") if cc.strip() and not ARCH_ENTRY.match(cc.strip())]
+    if bad:
+        raise SpecError(f"TORCH_CUDA_ARCH_LIST={value!r}: DeepSpeed 0.19.8 builds its ops only for MAJOR.MINOR or "
+                        f"MAJOR.MINOR+PTX entries, not {', '.join(map(repr, bad))}; set e.g. "
+                        f"TORCH_CUDA_ARCH_LIST={_plain_arch(bad[0])} (or unset it: the GPUs' own are used)")
+
+
+def _plain_arch(cc: str) -> str:
+    m = re.match(r"^\s*([0-9]+)\.([0-9]+)", cc)
+    return f"{m.group(1)}.{m.group(2)}" if m else "9.0"
+
+
 def init_distributed() -> str:
     """Start torch.distributed through DeepSpeed with the accelerator's backend (nccl on GPUs, gloo on CPU) and
     release this rank's shm_comm segment name. Returns the backend name."""
@@ -57,6 +81,7 @@ def init_distributed() -> str:
         if threads:
             torch.set_num_threads(threads)
     else:  # each rank's own GPU before the first collective (else NCCL guesses it from the global rank)
+        check_cuda_arch_list()  # before any op is built
         get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))
     deepspeed.init_distributed(dist_backend=backend, verbose=False)
     dist.barrier()  # every peer has mapped every segment: the names are no longer needed

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dspipe.runtime.comm import cpu_threads_per_rank, process_group, shm_segment
+from dspipe.runtime.comm import check_cuda_arch_list, cpu_threads_per_rank, process_group, shm_segment
 from dspipe.errors import SpecError
 from tests.helpers import ROOT, free_port
 
@@ -75,3 +75,50 @@ def test_collective_tensors_live_where_the_backend_takes_them(monkeypatch):
         monkeypatch.setattr(type(get_accelerator()), "current_device_name", lambda self: "meta")
         t = collective_tensor([0.0, 1.0], dtype=torch.float64)
         assert t.device.type == "meta" and t.shape == (2,)
+
+
+@pytest.mark.parametrize("value", ["", "9.0", "8.0;9.0", "8.0 8.6 9.0+PTX", " 9.0 "])
+def test_cuda_arch_lists_deepspeed_reads_pass(value):
+    check_cuda_arch_list({"TORCH_CUDA_ARCH_LIST": value})
+    check_cuda_arch_list({})
+
+
+@pytest.mark.parametrize("value,bad,fix", [("9.0a", "'9.0a'", "9.0"), ("8.0;10.0a", "'10.0a'", "10.0"),
+                                           ("sm_90", "'sm_90'", "9.0")])
+def test_cuda_arch_lists_deepspeed_dies_on_are_one_line(value, bad, fix):
+    with pytest.raises(SpecError) as e:
+        check_cuda_arch_list({"TORCH_CUDA_ARCH_LIST": value})
+    assert f"not {bad}; set e.g. TORCH_CUDA_ARCH_LIST={fix} " in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("value", ["9.0", "8.0;9.0", "8.0 8.6 9.0+PTX", "9.0a", "8.0;10.0a", "sm_90", "10.0+PTX"])
+def test_the_check_agrees_with_deepspeeds_op_builder(value):
+    """DeepSpeed's own parse of the list (CUDAOpBuilder.compute_capability_args, JIT mode): it raises exactly where
+    the check refuses."""
+    from deepspeed.ops.op_builder.builder import CUDAOpBuilder
+
+    class Builder(CUDAOpBuilder):
+        BUILD_VAR, NAME = "DS_BUILD_DSPIPE_TEST", "dspipe_test"
+
+        def __init__(self):
+            super().__init__(name=self.NAME)
+
+        def absolute_name(self):
+            return self.NAME
+
+        def sources(self):
+            return []
+
+    builder = Builder()
+    builder.jit_mode, builder._jit_arch_list = True, value
+    try:
+        builder.compute_capability_args()
+        deepspeed_reads = True
+    except ValueError:
+        deepspeed_reads = False
+    try:
+        check_cuda_arch_list({"TORCH_CUDA_ARCH_LIST": value})
+        we_pass = True
+    except SpecError:
+        we_pass = False
+    assert we_pass == deepspeed_reads

@@ -74,6 +74,9 @@ def gen_config(**o) -> None:
     model, cluster, result, preset = choose(o, check_model=lambda m: _check_data(o["data"], m, notes,
                                                                                 tokenizer=o["tokenizer"]))
     best = result.best
+    if o["save_interval"] == "auto":  # --save-interval auto: from the chosen plan's checkpoint and step time
+        best, auto_line = _auto_save_interval(best, cluster=cluster)
+        notes.append(f"note: {auto_line}")
     plan, train = best.plan, best.train
     out: Path = o["out"]
     if o["tokenizer"] is not None:  # its vocab must fit the model (generate, export-hf), a blend's too
@@ -136,6 +139,19 @@ def gen_config(**o) -> None:
                      f"checkpoint ('--restart' starts over, moving the old outputs aside)")
     for note in notes:
         click.echo(note, err=True)
+
+
+def _auto_save_interval(best, *, cluster):
+    """(`best` with --save-interval auto resolved, the line that explains the interval)."""
+    from dataclasses import replace
+
+    from dspipe.planner.checkpoint_size import auto_save_interval
+
+    est, train = best.est, best.train
+    n, line = auto_save_interval(checkpoint=est.checkpoint, step_time_s=est.step_time_s, world=cluster.world_size,
+                                 steps=train.steps, async_save=train.async_save,
+                                 host_copy_gbps=cluster.gpu_type.host_copy_gbps)
+    return replace(best, train=replace(train, save_interval=n)), line
 
 
 @cli.command("plan")

@@ -163,16 +163,18 @@ def token_budget_line(train: TrainSpec, *, seq_len: int) -> str | None:
 
 
 class AutoInt(click.ParamType):
-    """An integer or 'auto' (None: let the planner choose); `limit` as StrictInt's."""
+    """An integer or 'auto' (None: let the planner choose); `limit` as StrictInt's. `keep_auto`: 'auto' stays the
+    string 'auto', for an option whose default is a number (None would read as "not given", i.e. the default)."""
 
     name = "auto|N"
 
-    def __init__(self, limit: int | None = None):
+    def __init__(self, limit: int | None = None, *, keep_auto: bool = False):
         self.integer = StrictInt(limit)
+        self.keep_auto = keep_auto
 
     def convert(self, value, param, ctx):
         if value is None or value == AUTO or isinstance(value, int):
-            return None if value == AUTO else value
+            return (AUTO if self.keep_auto else None) if value == AUTO else value
         return self.integer.convert(value, param, ctx)
 
 
@@ -210,7 +212,7 @@ def click_option(s: Setting):
     if s.kind == "flag":
         kw.update(is_flag=True, default=False)
     elif s.kind != "bool":
-        kw["type"] = {"int": StrictInt(s.limit), "float": FLOAT, "str": None, "tokens": TokenBudget(), "auto_int": AutoInt(s.limit),
+        kw["type"] = {"int": StrictInt(s.limit), "float": FLOAT, "str": None, "tokens": TokenBudget(), "auto_int": AutoInt(s.limit, keep_auto=s.cli_default is not None),
                       "choice": click.Choice(s.choices), "auto_choice": AutoChoice(s.choices)}[s.kind]
         kw["show_default"] = s.cli_default is not None
     return click.option(s.flags, **kw)
@@ -424,7 +426,12 @@ def request_from_options(o: dict, *, cluster: ClusterSpec | None = None
         steps = derived
     elif steps is None:
         steps = SETTINGS["steps"].fallback
+    auto_save = o.get("save_interval") == AUTO  # chosen after the search, from the plan (gen-config)
+    if auto_save and o.get("keep_every"):
+        raise SpecError(f"--save-interval auto with --keep-every {o['keep_every']}: milestones need a fixed interval "
+                        f"(they are kept at multiples of it); give --save-interval N")
     derived = {"micro_batch": request.micro_batch or 1, "precision": request.precision or TrainSpec.precision,
+               **({"save_interval": 0} if auto_save else {}),
                "steps": steps, "tokens": tokens,
                "warmup_steps": o["warmup"] if o["warmup"] is not None else default_warmup(steps),
                "init_from": os.path.abspath(o["init_from"]) if o.get("init_from") else None}

@@ -18,6 +18,7 @@ node's share of a parallel file system), as the start-up's read of an imported c
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 from dspipe.planner.plan import Plan
@@ -108,3 +109,42 @@ def check_disk(*, size: CheckpointSize, keep: int, kept_for_good: int, free: int
         raise SpecError(f"checkpoints need {disk_text(size=size, keep=keep, kept_for_good=kept_for_good)} in "
                         f"{where}, which has {size_text(free)} free + {size_text(held)} of checkpoints already = "
                         f"{size_text(free + held)}: lower --keep-checkpoints / --keep-every, or free space")
+
+
+GPU_MTBF_HOURS = 50_700
+"""Hours between job-interrupting failures per GPU: Llama 3's 405B pre-training saw 419 unexpected interruptions in
+54 days on 16,384 H100s (Dubey et al. 2024, section 3.3.4): 54 x 24 x 16,384 / 419 = 50,700 GPU-hours."""
+
+
+ASYNC_DRAG = 0.15
+"""The share of a background write's duration that the steps it overlaps lose (the writer process competes for the
+host's memory bandwidth and cores): an assumption of the order benchmarks/async_checkpoint.py measured on CPU ranks
+(a step during a save 1.09-1.19x a clean one, README)."""
+
+
+def auto_save_interval(*, checkpoint: CheckpointSize, step_time_s: float, world: int, steps: int, async_save: bool,
+                       host_copy_gbps: float) -> tuple[int, str]:
+    """(--save-interval auto's steps, the line that explains them). Young's optimal checkpoint interval
+    sqrt(2 x C x M) for C, the training time one save costs (the write with --sync-save; with background writes the
+    copy of the largest rank's state to host memory, plus ASYNC_DRAG of the write), and M, the job's mean time between failures (GPU_MTBF_HOURS /
+    world); with background writes never shorter than a write (the next save would wait for it); at most `steps`."""
+    mtbf_s = GPU_MTBF_HOURS * 3600 / max(1, world)
+    cost_s = (checkpoint.write_s if not async_save else
+              checkpoint.rank_max_bytes / (host_copy_gbps * 1e9) + ASYNC_DRAG * checkpoint.write_s)
+    young_s = math.sqrt(2 * max(cost_s, 1e-6) * mtbf_s)
+    floor = math.ceil(checkpoint.write_s / step_time_s) if async_save else 1
+    n = min(max(1, steps), max(floor, round(young_s / step_time_s)))
+    what = "the write" if not async_save else f"the copy to host memory + {ASYNC_DRAG:g} x the background write"
+    line = (f"--save-interval auto: {n:,} steps ({_hours(n * step_time_s)}): Young's sqrt(2 x {cost_s:.3g} s per "
+            f"save ({what}) x {_hours(mtbf_s)} between failures) = {_hours(young_s)}; failures at "
+            f"{GPU_MTBF_HOURS:,} GPU-hours per GPU (Llama 3's rate) over {world:,} GPUs")
+    if n == floor and floor > 1 and async_save:
+        line += f"; no shorter than a write ({checkpoint.write_s:.3g} s)"
+    if n == steps:
+        line += "; the run is shorter: checkpoints at the end (and on SIGTERM) only"
+    return n, line
+
+
+def _hours(seconds: float) -> str:
+    return f"{seconds / 3600:.3g} h" if seconds >= 3600 else f"{seconds / 60:.3g} min" if seconds >= 60 else \
+        f"{seconds:.3g} s"

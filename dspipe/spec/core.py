@@ -678,8 +678,9 @@ class TrainSpec:
     log_interval: int = setting(10, kind="int", limit=INT32_MAX, cli_default=FIELD_DEFAULT, section="logging",
                                 help="steps between log lines")
     """Print and record metrics every this many steps."""
-    save_interval: int = setting(1000, kind="int", limit=INT32_MAX, cli_default=FIELD_DEFAULT,
-                                 help="steps between checkpoints (0: only at the end and on SIGTERM/SIGINT)")
+    save_interval: int = setting(1000, kind="auto_int", limit=INT32_MAX, cli_default=FIELD_DEFAULT,
+                                 help="steps between checkpoints (0: only at the end and on SIGTERM/SIGINT; auto: "
+                                      "gen-config's Young interval from the write time and the failure rate)")
     """Save a DeepSpeed checkpoint every this many steps (0: only at the end and on SIGTERM/SIGINT)."""
     keep_checkpoints: int = setting(3, kind="int", limit=10**6, cli_default=FIELD_DEFAULT,
                                     help="complete checkpoints to keep (older ones are deleted)")

@@ -82,3 +82,46 @@ def test_gen_config_and_plan_show_the_checkpoint(tmp_path, capsys):
     assert run_cli("plan", *SHAPE[:-2], "--zero", "1", "--precision", "fp32") == 0
     assert "checkpoint: 40.4 MiB per save, the largest rank writes 25.2 MiB, ~0.0212 s at 2 GB/s per node\n" in \
         capsys.readouterr().out
+
+
+def test_auto_save_interval_is_youngs_interval():
+    from dspipe.planner.checkpoint_size import ASYNC_DRAG, GPU_MTBF_HOURS, auto_save_interval
+
+    c = CheckpointSize(bytes=2 * 10**12, rank_max_bytes=2 * 10**9, files_per_rank_max=2, node_max_bytes=16 * 10**9,
+                       write_s=8.0)
+    mtbf_s = GPU_MTBF_HOURS * 3600 / 1024
+    n, line = auto_save_interval(checkpoint=c, step_time_s=20.0, world=1024, steps=100_000, async_save=False,
+                                 host_copy_gbps=25)
+    assert n == round((2 * 8.0 * mtbf_s) ** 0.5 / 20.0) == 84  # sqrt(2 x 8 s x 49.5 h) = 28.1 min
+    assert line.startswith("--save-interval auto: 84 steps (28 min): Young's sqrt(2 x 8 s per save (the write) x "
+                           "49.5 h between failures) = 28.1 min; failures at 50,700 GPU-hours per GPU")
+    n_async, line = auto_save_interval(checkpoint=c, step_time_s=20.0, world=1024, steps=100_000, async_save=True,
+                                       host_copy_gbps=25)
+    cost = 2e9 / 25e9 + ASYNC_DRAG * 8.0  # the copy to host memory, and the write's drag on the steps
+    assert n_async == round((2 * cost * mtbf_s) ** 0.5 / 20.0) < n  # background writes cost less: save more often
+    # never shorter than a background write (the next save would wait), never longer than the run
+    slow = CheckpointSize(bytes=1, rank_max_bytes=1, files_per_rank_max=1, node_max_bytes=1, write_s=600.0)
+    assert auto_save_interval(checkpoint=slow, step_time_s=1.0, world=8, steps=10**6, async_save=True,
+                              host_copy_gbps=25)[0] >= 600
+    n, line = auto_save_interval(checkpoint=c, step_time_s=20.0, world=1024, steps=10, async_save=False,
+                                 host_copy_gbps=25)
+    assert n == 10 and line.endswith("the run is shorter: checkpoints at the end (and on SIGTERM) only")
+
+
+def test_gen_config_resolves_save_interval_auto(tmp_path, capsys):
+    assert run_cli("gen-config", *SHAPE, "--zero", "1", "--save-interval", "auto", "--steps", "100000", "--out",
+                   str(tmp_path / "run")) == 0
+    err = capsys.readouterr().err
+    (line,) = [ln for ln in err.splitlines() if ln.startswith("note: --save-interval auto: ")]
+    run = load_run(tmp_path / "run")
+    assert line.startswith(f"note: --save-interval auto: {run.train.save_interval:,} steps")
+    assert 1 < run.train.save_interval < 100_000  # a number in dspipe.json: the runner reads no 'auto'
+    assert "save_interval: auto" in (tmp_path / "run" / "config.yaml").read_text()  # --config reproduces the choice
+    assert run_cli("gen-config", "--config", str(tmp_path / "run" / "config.yaml"), "--out", str(tmp_path / "again")
+                   ) == 0
+    assert load_run(tmp_path / "again").train.save_interval == run.train.save_interval
+    assert run_cli("gen-config", *SHAPE, "--save-interval", "auto", "--keep-every", "10", "--out",
+                   str(tmp_path / "no")) == 2
+    assert capsys.readouterr().err.strip().endswith("--save-interval auto with --keep-every 10: milestones need a "
+                                                    "fixed interval (they are kept at multiples of it); give "
+                                                    "--save-interval N")

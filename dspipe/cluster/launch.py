@@ -266,6 +266,8 @@ def build_elastic(spec: LaunchSpec, elastic: Elastic, *, program: list[str], env
         raise SpecError(f"--no-ssh starts one node per command: run this with --node-rank R (0..{len(hosts) - 1}) on "
                         f"each node")
     node = spec.node_rank or 0
+    if not 0 <= node < len(hosts):
+        raise SpecError(f"--node-rank {node} is outside 0..{len(hosts) - 1} ({len(hosts)} nodes: {describe(resources)})")
     slots = resources[hosts[node]]
     argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(len(slots)), "--max-restarts",
             str(elastic.max_restarts), "--monitor-interval", "1"]

@@ -304,6 +304,8 @@ def test_elastic_nodes_meet_at_the_master(runs):
      "--min-nodes 3 is more than the run's 2 node(s)"),
     (["runs/two", "--hostfile", "hosts", "--launcher", "openmpi", "--max-restarts", "2"],
      "does not combine with --launcher openmpi"),
+    (["runs/two", "--hostfile", "hosts", "--no-ssh", "--node-rank", "5", "--max-restarts", "2"],
+     "--node-rank 5 is outside 0..1"),
     (["runs/single", "--min-nodes", "1"], "--min-nodes only applies with --max-restarts N"),
     (["runs/single", "--max-restarts", "0"], "--max-restarts must be in 1..1000, got 0"),
     (["runs/single", "--max-restarts", "2", "--hang-timeout", "-1"], "--hang-timeout -1 must be in 0..604800"),

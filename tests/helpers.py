@@ -60,9 +60,10 @@ def metrics(run_dir, *columns) -> list:
     return [row[0] for row in rows] if len(columns) == 1 else rows
 
 
-def written_metrics(run_dir) -> list:
-    """(step, loss, lr, grad_norm) per step of metrics.csv as written (full precision): for bitwise comparisons."""
-    return [(r["step"], r["loss"], r["lr"], r["grad_norm"]) for r in csv_rows(Path(run_dir) / "metrics.csv")]
+def written_metrics(run_dir, *, name="metrics.csv") -> list:
+    """(step, loss, lr, grad_norm) per step of metrics.csv (or `name`) as written (full precision): for bitwise
+    comparisons."""
+    return [(r["step"], r["loss"], r["lr"], r["grad_norm"]) for r in csv_rows(Path(run_dir) / name)]
 
 
 def max_diff(a: dict, b: dict) -> float:

@@ -327,10 +327,12 @@ def test_bf16_zero0_kill9_default_resume_restart_and_extend(tmp_path, corpus):
     r = launch(run, "--restart")
     ok(r)
     (slot,) = (run / "previous").iterdir()
-    assert f"dspipe: --restart: moved checkpoints, metrics.csv, val_metrics.csv, engine.json, monitor to {slot}" \
-        in r.stdout
-    assert sorted(p.name for p in slot.iterdir()) == sorted(["checkpoints", "metrics.csv", "val_metrics.csv",
-                                                             "engine.json", "monitor"])
+    assert (f"dspipe: --restart: moved checkpoints, metrics.csv, metrics.rewound.csv, val_metrics.csv, engine.json, "
+            f"monitor to {slot}") in r.stdout
+    assert sorted(p.name for p in slot.iterdir()) == sorted(["checkpoints", "metrics.csv", "metrics.rewound.csv",
+                                                             "val_metrics.csv", "engine.json", "monitor"])
+    # the rows the resume replayed (steps 4 and 5; the torn '6,8.0' is no row), as the killed run wrote them
+    assert written_metrics(slot, name="metrics.rewound.csv") == written_metrics(ref)[3:5]  # bitwise
     assert ckpt.is_complete(slot / "checkpoints" / "global_step6")
     assert "resumed from" not in r.stdout  # from step 0 again: the same run
     assert written_metrics(run) == written_metrics(ref)

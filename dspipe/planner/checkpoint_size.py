@@ -22,6 +22,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from dspipe.planner.plan import Plan
+from dspipe.runtime.progress import duration
 from dspipe.planner.startup import DISK_GBPS
 from dspipe.planner.stages import param_groups, stage_params, vocab_table_per_rank, zero_group_size
 from dspipe.spec.core import ModelSpec
@@ -135,8 +136,8 @@ def auto_save_interval(*, checkpoint: CheckpointSize, step_time_s: float, world:
     floor = math.ceil(checkpoint.write_s / step_time_s) if async_save else 1
     n = min(max(1, steps), max(floor, round(young_s / step_time_s)))
     what = "the write" if not async_save else f"the copy to host memory + {ASYNC_DRAG:g} x the background write"
-    line = (f"--save-interval auto: {n:,} steps ({_hours(n * step_time_s)}): Young's sqrt(2 x {cost_s:.3g} s per "
-            f"save ({what}) x {_hours(mtbf_s)} between failures) = {_hours(young_s)}; failures at "
+    line = (f"--save-interval auto: {n:,} steps ({duration(n * step_time_s)}): Young's sqrt(2 x {cost_s:.3g} s per "
+            f"save ({what}) x {duration(mtbf_s)} between failures) = {duration(young_s)}; failures at "
             f"{GPU_MTBF_HOURS:,} GPU-hours per GPU (Llama 3's rate) over {world:,} GPUs")
     if n == floor and floor > 1 and async_save:
         line += f"; no shorter than a write ({checkpoint.write_s:.3g} s)"
@@ -144,7 +145,3 @@ def auto_save_interval(*, checkpoint: CheckpointSize, step_time_s: float, world:
         line += "; the run is shorter: checkpoints at the end (and on SIGTERM) only"
     return n, line
 
-
-def _hours(seconds: float) -> str:
-    return f"{seconds / 3600:.3g} h" if seconds >= 3600 else f"{seconds / 60:.3g} min" if seconds >= 60 else \
-        f"{seconds:.3g} s"

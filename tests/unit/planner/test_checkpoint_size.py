@@ -92,9 +92,9 @@ def test_auto_save_interval_is_youngs_interval():
     mtbf_s = GPU_MTBF_HOURS * 3600 / 1024
     n, line = auto_save_interval(checkpoint=c, step_time_s=20.0, world=1024, steps=100_000, async_save=False,
                                  host_copy_gbps=25)
-    assert n == round((2 * 8.0 * mtbf_s) ** 0.5 / 20.0) == 84  # sqrt(2 x 8 s x 49.5 h) = 28.1 min
-    assert line.startswith("--save-interval auto: 84 steps (28 min): Young's sqrt(2 x 8 s per save (the write) x "
-                           "49.5 h between failures) = 28.1 min; failures at 50,700 GPU-hours per GPU")
+    assert n == round((2 * 8.0 * mtbf_s) ** 0.5 / 20.0) == 84  # sqrt(2 x 8 s x 49.5 h) = 28m09s
+    assert line.startswith("--save-interval auto: 84 steps (28m00s): Young's sqrt(2 x 8 s per save (the write) x "
+                           "2d01h between failures) = 28m09s; failures at 50,700 GPU-hours per GPU")
     n_async, line = auto_save_interval(checkpoint=c, step_time_s=20.0, world=1024, steps=100_000, async_save=True,
                                        host_copy_gbps=25)
     cost = 2e9 / 25e9 + ASYNC_DRAG * 8.0  # the copy to host memory, and the write's drag on the steps

@@ -78,7 +78,7 @@ def main() -> None:
                   "--gpus-per-node", 2, "--gpu", "cpu", "--global-batch", args.global_batch, "--micro-batch", 1,
                   "--seq-len", args.seq_len, "--precision", "fp32", "--zero", 1, "--offload", "none", "--pp", 1,
                   "--checkpointing", "none", "--steps", args.steps, "--warmup", 1, "--eval-interval", 0,
-                  "--log-interval", 1, "--keep-checkpoints", 1000, "--data", data]
+                  "--log-interval", 1, "--keep-checkpoints", args.steps // args.every + 1, "--data", data]
         runs = {"sync": ["--save-interval", args.every, "--sync-save"],
                 "async": ["--save-interval", args.every, "--async-save"]}
         for i, (name, flags) in enumerate(runs.items()):

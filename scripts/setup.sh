@@ -8,3 +8,7 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   "$PY" -m pip install --quiet torch==2.13.0
 fi
 "$PY" -m pip install --quiet -e ".[test]"
+# DeepSpeed's compiled ops that runs load here (FusedAdam, DeepSpeedCPUAdam, the CPU collectives), built once now
+# rather than before a launch's first step (1-2 minutes each on 2 cores; nothing to do when built). A failure is
+# one line, and the launch builds them as it would without this.
+"$PY" -m dspipe build-ops || true

@@ -12,7 +12,7 @@ from dspipe.cli.bench import bench
 from dspipe.cli.calibrate import calibrate
 from dspipe.cli.data import convert_data, prepare_data
 from dspipe.cli.extend import extend
-from dspipe.cli.launch import doctor, launch, slurm_script
+from dspipe.cli.launch import build_ops, doctor, launch, slurm_script
 from dspipe.cli.model import export_hf, generate, presets
 from dspipe.cli.config_file import resolved_text
 from dspipe.cli.options import (DEFAULT_DATA, INT, choose, data_options, monitor_options, parse_tokens,
@@ -74,9 +74,11 @@ def gen_config(**o) -> None:
     model, cluster, result, preset = choose(o, check_model=lambda m: _check_data(o["data"], m, notes,
                                                                                 tokenizer=o["tokenizer"]))
     best = result.best
+    auto_interval = None
     if o["save_interval"] == "auto":  # --save-interval auto: from the chosen plan's checkpoint and step time
         best, auto_line = _auto_save_interval(best, cluster=cluster)
         notes.append(f"note: {auto_line}")
+        auto_interval = {"steps": best.train.save_interval, "gpu_mtbf_hours": cluster.gpu_mtbf_hours}
     plan, train = best.plan, best.train
     out: Path = o["out"]
     if o["tokenizer"] is not None:  # its vocab must fit the model (generate, export-hf), a blend's too
@@ -103,7 +105,7 @@ def gen_config(**o) -> None:
     with also_writing(extra):
         prepare_run(out, model=model, cluster=cluster, best=best, data=o["data"], command=command,
                     wall_clock_breakdown=o["wall_clock_breakdown"], force=o["force"], monitors=monitor_values(o),
-                    preset=preset)
+                    preset=preset, auto_interval=auto_interval)
     keep_tokenizer(out, o["data"], tokenizer=o["tokenizer"])
     if cluster.profile is None:  # --force without --profile: an earlier run's profile.json no longer applies
         from dspipe.spec.profile import PROFILE_FILE
@@ -149,6 +151,7 @@ def _auto_save_interval(best, *, cluster):
 
     est, train = best.est, best.train
     n, line = auto_save_interval(checkpoint=est.checkpoint, step_time_s=est.step_time_s, world=cluster.world_size,
+                                 mtbf_hours=cluster.gpu_mtbf_hours,
                                  steps=train.steps, async_save=train.async_save,
                                  host_copy_gbps=cluster.gpu_type.host_copy_gbps)
     return replace(best, train=replace(train, save_interval=n)), line
@@ -193,6 +196,8 @@ def plan_command(**o) -> None:
                                 figure_sources=time_figure_sources(cluster, o, result.best.plan.precision)))
         if budget is not None:
             click.echo(f"token budget: {budget}")
+    if o["save_interval"] == "auto":  # what gen-config would write (--json: stdout stays one JSON object)
+        click.echo(f"note: {_auto_save_interval(result.best, cluster=cluster)[1]}", err=True)
 
 
 def time_figure_sources(cluster: ClusterSpec, o: dict, precision: str) -> list[tuple[str, str, str]]:
@@ -261,6 +266,7 @@ cli.add_command(convert_data)
 cli.add_command(presets)
 cli.add_command(launch)
 cli.add_command(doctor)
+cli.add_command(build_ops)
 cli.add_command(slurm_script)
 cli.add_command(report)
 cli.add_command(bench)

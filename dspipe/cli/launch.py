@@ -1,4 +1,4 @@
-"""`dspipe launch | doctor | slurm-script`: multi-node launches through DeepSpeed's own launcher. Registered on the
+"""`dspipe launch | doctor | build-ops | slurm-script`: multi-node launches through DeepSpeed's own launcher. Registered on the
 `dspipe` group by dspipe/cli/app.py; imports no torch until a command needs it."""
 from __future__ import annotations
 
@@ -241,6 +241,33 @@ def doctor(gpu: str | None, size_mb: float, iters: int, skip_allreduce: bool, ti
 def _cuda_count() -> int:
     import torch
     return torch.cuda.device_count()
+
+
+@click.command("build-ops")
+@click.option("--offload", type=click.Choice(["none", "cpu", "nvme"]), default=None,
+              help="only the ops of runs with this optimizer offload (none: FusedAdam; cpu: DeepSpeedCPUAdam; nvme: "
+                   "that and async I/O) [default: every offload's]")
+def build_ops(offload: str | None) -> None:
+    """Compile DeepSpeed's ops a run loads on this machine (its AdamW; the shared-memory collectives on CPU) into
+    torch's extension cache, once, so that the first launch starts without a build (scripts/setup.sh runs it)."""
+    import logging
+
+    # DeepSpeed's import logs its accelerator choice to stdout: this command's lines are the ops alone
+    logging.getLogger("DeepSpeed").addFilter(lambda record: record.levelno >= logging.ERROR)
+    from dspipe.runtime.ops import build, runner_ops
+
+    for op in runner_ops(offload=offload):
+        if op.built:
+            click.echo(f"{op.name}: built ({op.where})")
+            continue
+        click.echo(f"{op.name}: building ...")
+        try:
+            seconds = build(op)
+        except Exception as e:  # a compiler missing, a build error: the launch builds it (JIT), as without this
+            detail = " ".join(str(e).split())[-300:] or type(e).__name__
+            raise click.ClickException(f"building DeepSpeed's {op.name} op failed ({detail}); a launch builds it "
+                                       f"before its first step instead") from None
+        click.echo(f"{op.name}: built in {seconds:.0f} s ({op.where})")
 
 
 @click.command("slurm-script")

@@ -244,7 +244,7 @@ def cluster_from_options(o: dict) -> ClusterSpec:
     calibration = _calibration(o)
     if not o.get("hostfile"):
         return ClusterSpec(nodes=o["nodes"], gpus_per_node=o["gpus_per_node"], gpu=o["gpu"],
-                           host_memory_gib=o.get("host_memory_gib"), **calibration)
+                           host_memory_gib=o.get("host_memory_gib"), **_failure_rate(o), **calibration)
     hostfile = read_hostfile(o["hostfile"])
     derived = {"nodes": len(hostfile.hosts), "gpus_per_node": hostfile.equal_slots()}
     given = _given_on_command_line(o)
@@ -253,7 +253,12 @@ def cluster_from_options(o: dict) -> ClusterSpec:
             raise SpecError(f"--{key.replace('_', '-')} {o[key]} contradicts hostfile {hostfile.source} "
                             f"({derived['nodes']} nodes x {derived['gpus_per_node']} slots); drop one of them")
     return ClusterSpec(nodes=derived["nodes"], gpus_per_node=derived["gpus_per_node"], gpu=o["gpu"],
-                       host_memory_gib=o.get("host_memory_gib"), **calibration)
+                       host_memory_gib=o.get("host_memory_gib"), **_failure_rate(o), **calibration)
+
+
+def _failure_rate(o: dict) -> dict:
+    """ClusterSpec's gpu_mtbf_hours from --gpu-mtbf-hours (a command without the option: the default)."""
+    return {} if o.get("gpu_mtbf_hours") is None else {"gpu_mtbf_hours": o["gpu_mtbf_hours"]}
 
 
 def _calibration(o: dict) -> dict:

@@ -11,7 +11,7 @@ from dspipe.errors import SpecError
 from dspipe.planner.render import render_ds_config
 from dspipe.spec.core import ClusterSpec, ModelSpec
 from dspipe.planner.summary import estimate_summary
-from dspipe.rundir import write_run
+from dspipe.rundir import AUTO_INTERVAL, write_run
 
 
 def verify_with_deepspeed(ds_config: dict, *, dp: int) -> None:
@@ -30,10 +30,11 @@ def verify_with_deepspeed(ds_config: dict, *, dp: int) -> None:
 
 def prepare_run(out: Path, *, model: ModelSpec, cluster: ClusterSpec, best, data: str, command: str,
                 wall_clock_breakdown: bool = False, force: bool = False, monitors: dict | None = None,
-                preset: AppliedPreset | None = None) -> dict:
+                preset: AppliedPreset | None = None, auto_interval: dict | None = None) -> dict:
     """Render the DeepSpeed config of the search's `best` candidate (its plan, train and strategy), verify it with
     DeepSpeed, and write the run directory `out` (ds_config.json, dspipe.json); returns the config. `preset`: the
-    --preset choose() applied (its keys rendered, then accounted for)."""
+    --preset choose() applied (its keys rendered, then accounted for); `auto_interval`: --save-interval auto's
+    planned interval, kept as the estimate's save_interval_auto (the runner re-plans it: dspipe.runtime.loop)."""
     plan, train = best.plan, best.train
     ds_config = render_ds_config(plan=plan, model=model, train=train, monitor_dir=str(Path(out) / "monitor"),
                                  wall_clock_breakdown=wall_clock_breakdown, preset=preset.imp if preset else None,
@@ -41,7 +42,8 @@ def prepare_run(out: Path, *, model: ModelSpec, cluster: ClusterSpec, best, data
     report = preset.report(ds_config) if preset else []  # each --preset key's fate; SpecError if contradicted
     verify_with_deepspeed(ds_config, dp=plan.ds_batch_ranks)
     write_run(out, model=model, cluster=cluster, train=train, strategy=best.strategy, plan=plan, data=data,
-              ds_config=ds_config, command=command, estimate=estimate_summary(best), force=force)
+              ds_config=ds_config, command=command, force=force,
+              estimate={**estimate_summary(best), **({AUTO_INTERVAL: auto_interval} if auto_interval else {})})
     for line in report:
         click.echo(line)
     return ds_config

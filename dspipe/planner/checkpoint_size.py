@@ -26,6 +26,7 @@ from dspipe.runtime.progress import duration
 from dspipe.planner.startup import DISK_GBPS
 from dspipe.planner.stages import param_groups, stage_params, vocab_table_per_rank, zero_group_size
 from dspipe.spec.core import ModelSpec
+from dspipe.spec.hardware import GPU_MTBF_HOURS  # noqa: F401 (re-exported: the planner's default rate)
 
 OPTIMIZER_BYTES = 12
 """Adam in mixed precision, per parameter: the fp32 master copy and the two fp32 moments."""
@@ -112,36 +113,74 @@ def check_disk(*, size: CheckpointSize, keep: int, kept_for_good: int, free: int
                         f"{size_text(free + held)}: lower --keep-checkpoints / --keep-every, or free space")
 
 
-GPU_MTBF_HOURS = 50_700
-"""Hours between job-interrupting failures per GPU: Llama 3's 405B pre-training saw 419 unexpected interruptions in
-54 days on 16,384 H100s (Dubey et al. 2024, section 3.3.4): 54 x 24 x 16,384 / 419 = 50,700 GPU-hours."""
-
-
 ASYNC_DRAG = 0.15
 """The share of a background write's duration that the steps it overlaps lose (the writer process competes for the
 host's memory bandwidth and cores): an assumption of the order benchmarks/async_checkpoint.py measured on CPU ranks
 (a step during a save 1.09-1.19x a clean one, README)."""
 
 
-def auto_save_interval(*, checkpoint: CheckpointSize, step_time_s: float, world: int, steps: int, async_save: bool,
-                       host_copy_gbps: float) -> tuple[int, str]:
-    """(--save-interval auto's steps, the line that explains them). Young's optimal checkpoint interval
-    sqrt(2 x C x M) for C, the training time one save costs (the write with --sync-save; with background writes the
-    copy of the largest rank's state to host memory, plus ASYNC_DRAG of the write), and M, the job's mean time between failures (GPU_MTBF_HOURS /
-    world); with background writes never shorter than a write (the next save would wait for it); at most `steps`."""
-    mtbf_s = GPU_MTBF_HOURS * 3600 / max(1, world)
-    cost_s = (checkpoint.write_s if not async_save else
-              checkpoint.rank_max_bytes / (host_copy_gbps * 1e9) + ASYNC_DRAG * checkpoint.write_s)
+@dataclass(frozen=True)
+class SaveInterval:
+    """Young's optimal checkpoint interval for one save's cost and the job's failure rate, in steps."""
+
+    steps: int
+    cost_s: float
+    """The training time one save costs (the write with --sync-save; with background writes the copy of the
+    largest rank's state to host memory, plus ASYNC_DRAG of the write)."""
+    young_s: float
+    """sqrt(2 x cost_s x mtbf_s)."""
+    mtbf_s: float
+    """The job's mean time between failures: gpu_mtbf_hours x 3600 / world."""
+    floor: int
+    """The fewest steps between saves: with background writes a write's length in steps (the next save would wait
+    for it), else 1."""
+
+
+def save_interval(*, cost_s: float, write_s: float, step_time_s: float, world: int, steps: int, async_save: bool,
+                  mtbf_hours: float) -> SaveInterval:
+    """Young's interval sqrt(2 x C x M) (C: `cost_s`, the training time one save costs; M: `mtbf_hours` x 3600 /
+    `world`) in steps of `step_time_s`: with background writes never shorter than a write (`write_s`), always in
+    1..`steps`. The planner calls it with the planned figures, the runner with each save's measured ones."""
+    mtbf_s = mtbf_hours * 3600 / max(1, world)
     young_s = math.sqrt(2 * max(cost_s, 1e-6) * mtbf_s)
-    floor = math.ceil(checkpoint.write_s / step_time_s) if async_save else 1
-    n = min(max(1, steps), max(floor, round(young_s / step_time_s)))
+    step_s = max(step_time_s, 1e-9)
+    floor = max(1, math.ceil(write_s / step_s)) if async_save else 1
+    n = min(max(1, steps), max(floor, round(young_s / step_s)))
+    return SaveInterval(steps=n, cost_s=cost_s, young_s=young_s, mtbf_s=mtbf_s, floor=floor)
+
+
+def save_cost_s(*, blocking_s: float, write_s: float, async_save: bool) -> float:
+    """The training time one save costs: the time the step waited for it (the whole write with --sync-save; the
+    copy to host memory with background writes) plus, with background writes, ASYNC_DRAG of the write."""
+    return blocking_s + (ASYNC_DRAG * write_s if async_save else 0.0)
+
+
+def auto_save_interval(*, checkpoint: CheckpointSize, step_time_s: float, world: int, steps: int, async_save: bool,
+                       host_copy_gbps: float, mtbf_hours: float = GPU_MTBF_HOURS) -> tuple[int, str]:
+    """(--save-interval auto's steps, the line that explains them): save_interval on the plan's figures (the
+    planned write at DISK_GBPS; with background writes the copy of the largest rank's state at `host_copy_gbps`)."""
+    blocking = checkpoint.rank_max_bytes / (host_copy_gbps * 1e9) if async_save else checkpoint.write_s
+    cost_s = save_cost_s(blocking_s=blocking, write_s=checkpoint.write_s, async_save=async_save)
+    got = save_interval(cost_s=cost_s, write_s=checkpoint.write_s, step_time_s=step_time_s, world=world, steps=steps,
+                        async_save=async_save, mtbf_hours=mtbf_hours)
+    n = got.steps
     what = "the write" if not async_save else f"the copy to host memory + {ASYNC_DRAG:g} x the background write"
-    line = (f"--save-interval auto: {n:,} steps ({duration(n * step_time_s)}): Young's sqrt(2 x {cost_s:.3g} s per "
-            f"save ({what}) x {duration(mtbf_s)} between failures) = {duration(young_s)}; failures at "
-            f"{GPU_MTBF_HOURS:,} GPU-hours per GPU (Llama 3's rate) over {world:,} GPUs")
-    if n == floor and floor > 1 and async_save:
+    line = (f"--save-interval auto: {n:,} steps ({span(n * step_time_s)}): Young's sqrt(2 x {cost_s:.3g} s per "
+            f"save ({what}) x {span(got.mtbf_s)} between failures) = {span(got.young_s)}; failures at "
+            f"{mtbf_hours:,g} GPU-hours per GPU{RATE_SOURCE if mtbf_hours == GPU_MTBF_HOURS else ''} over "
+            f"{world:,} GPUs")
+    if n == got.floor and got.floor > 1:
         line += f"; no shorter than a write ({checkpoint.write_s:.3g} s)"
     if n == steps:
         line += "; the run is shorter: checkpoints at the end (and on SIGTERM) only"
-    return n, line
+    return n, line + ("; the run re-plans it from each save's measured time" if n < steps else "")
+
+
+def span(seconds: float) -> str:
+    """'0.0461 s', '42.4 s', '28m09s', '2d01h': a time for the interval lines (seconds to 3 digits below a
+    minute, where progress.duration would round a small one to 0s)."""
+    return f"{seconds:.3g} s" if seconds < 60 else duration(seconds)
+
+
+RATE_SOURCE = " (Llama 3's rate; --gpu-mtbf-hours sets yours)"
 

@@ -150,6 +150,8 @@ def read_meta(path: Path) -> dict:
     if meta["zero_stage"] not in ZERO_STAGES or isinstance(meta["zero_stage"], bool):
         raise SpecError(f"{source}: zero_stage {show(meta['zero_stage'])} is not one of: "
                         f"{', '.join(map(str, ZERO_STAGES))}")
+    if "save_interval" in meta:  # the interval in force when saved (absent before --save-interval auto re-planned)
+        count("save_interval", meta["save_interval"], 0)
     for key in ("tp", "sp", "ep"):  # absent in checkpoints saved before tensor/sequence/expert parallelism: 1
         count(key, meta.setdefault(key, 1), 1)
     ranks = meta["dp"] * meta["pp"] * meta["tp"] * meta["sp"]

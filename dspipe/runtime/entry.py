@@ -57,6 +57,12 @@ def main(argv: list[str] | None = None) -> int:
                                   ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
             if change and os.environ.get("RANK", "0") == "0":
                 print(f"dspipe: {change}", flush=True)
+        if os.environ.get("RANK", "0") == "0" and not attempt:  # the first step waits for a compile: say so, once
+            from dspipe.runtime.ops import notice
+
+            building = notice(offload=run.plan.offload)
+            if building:
+                print(f"dspipe: {building}", flush=True)
         if attempt:  # --restart / --resume TAG are the first start's choice; a restart continues from the newest
             args.restart, args.resume = False, "auto"
         train(run, resume=args.resume or "auto", restart=args.restart, faults=faults,

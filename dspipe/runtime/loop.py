@@ -6,6 +6,7 @@ dspipe.runtime.entry's."""
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -14,13 +15,14 @@ from dspipe.errors import RunHalted, SpecError
 from dspipe.jsonio import dumps
 from dspipe.planner.startup import build_mode
 from dspipe.planner.throughput import model_flops_per_token, step_rates
-from dspipe.rundir import Run
+from dspipe.rundir import AUTO_INTERVAL, Run
 from dspipe.runtime import checkpoint as ckpt
 from dspipe.runtime.comm import collective_tensor, process_group
 from dspipe.runtime.engine import build_engine
 from dspipe.runtime.evaluate import evaluate_sets, val_columns, val_sets
 from dspipe.runtime.faults import NO_FAULTS, Faults
 from dspipe.runtime.metrics_log import RunLog
+from dspipe.runtime.save_schedule import STEP_WINDOW, SaveSchedule, replan, resumed_schedule, step_time
 from dspipe.runtime.stability import Health, guard_base_optimizer
 from dspipe.runtime.startup import StartupClock
 from dspipe.runtime.watchdog import Watchdog, record_event
@@ -139,12 +141,17 @@ class Training:
     retention: ckpt.Retention | None = None
     watchdog: Watchdog | None = None
     """Hang detection around the steps (dspipe.runtime.watchdog); set after setup."""
+    schedule: SaveSchedule | None = None
+    """When the loop saves (dspipe.runtime.save_schedule)."""
+    step_times: deque = field(default_factory=lambda: deque(maxlen=STEP_WINDOW))
+    """This rank's latest step times, for --save-interval auto's re-planning."""
 
     def save(self, at: int, *, wait: bool = False) -> None:
         """Checkpoint step `at`: the previous background save completes first; with `wait` this one too."""
         self.settle(wait=True)
-        self.pending = ckpt.save(self.eng.engine, self.run.checkpoint_dir, step=at, keep=self.retention,
-                                 meta=ckpt.checkpoint_meta(self.run, step=at, loader=self.loader, world=self.world),
+        meta = {**ckpt.checkpoint_meta(self.run, step=at, loader=self.loader, world=self.world),
+                "save_interval": self.schedule.every}
+        self.pending = ckpt.save(self.eng.engine, self.run.checkpoint_dir, step=at, keep=self.retention, meta=meta,
                                  writer=self.writer)
         if wait or self.writer is None:
             self.settle(wait=True)
@@ -155,7 +162,26 @@ class Training:
         if self.pending is not None and (figures := ckpt.complete(self.pending, wait=wait, now=self.step,
                                                                           faults=self.faults)):
             self.say(f"dspipe: {ckpt.saved_line(self.pending, figures)}", flush=True)
+            if self.schedule.auto and self.step < self.run.train.steps:
+                self._replan(figures)
             self.pending = None
+
+    def _replan(self, figures: dict) -> None:
+        """Collective (--save-interval auto): the interval re-planned from the save just completed and the slowest
+        rank's step time; an event in events.jsonl, and a line when the interval changed."""
+        import torch
+        import torch.distributed as dist
+
+        slowest = collective_tensor([step_time(self.step_times)], dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        if slowest.item() <= 0:
+            return
+        event, line = replan(self.schedule, figures=figures, saved_step=self.pending.step, step_s=slowest.item(),
+                             world=self.world, mtbf_hours=self.run.cluster.gpu_mtbf_hours)
+        if self.rank == 0:
+            record_event(self.run.path, event)
+        if line:
+            self.say(f"dspipe: {line}", flush=True)
 
 
 def setup(run: Run, *, resume: str, restart: bool, backend: str, faults: Faults) -> Training:
@@ -196,9 +222,10 @@ def setup(run: Run, *, resume: str, restart: bool, backend: str, faults: Faults)
         kernel = HeadLoss(chunk=plan.loss_chunk).describe(str(eng.device).split(":")[0])
         say(f"dspipe: loss without the full logits: {kernel}", flush=True)
 
-    start_step = 0
+    start_step, meta = 0, None
     if resume_from is not None:
-        start_step = ckpt.load(eng.engine, resume_from, loader)["step"]
+        meta = ckpt.load(eng.engine, resume_from, loader)
+        start_step = meta["step"]
         say(f"dspipe: resumed from {resume_from} at step {start_step} ({loader.consumed_samples} samples)", flush=True)
     elif not restart:
         say(f"dspipe: no checkpoint in {run.checkpoint_dir}: starting fresh from step 0", flush=True)
@@ -214,7 +241,8 @@ def setup(run: Run, *, resume: str, restart: bool, backend: str, faults: Faults)
     return Training(run=run, rank=rank, world=world, eng=eng, loader=loader, val=val, log=log, health=health,
                     say=say, peak_tflops=peak, faults=faults, start_step=start_step, step=start_step,
                     saved_at=start_step, writer=_writer(eng.engine, async_save=tr.async_save, faults=faults),
-                    retention=retention)
+                    retention=retention, schedule=resumed_schedule(every=tr.save_interval, steps=tr.steps, meta=meta,
+                                                                   auto=AUTO_INTERVAL in run.estimate))
 
 
 def _writer(engine, *, async_save: bool, faults: Faults):
@@ -296,6 +324,7 @@ def _steps(t: Training, *, stop, watchdog: Watchdog, nan_loss, flops_per_token: 
         if not reads_data:  # the others skip along
             t.loader.skip(plan.grad_accum)
         dt = time.perf_counter() - t0
+        t.step_times.append(dt)
         if nan_loss:
             nan_loss.disarm()
         skipped = engine.skipped_steps > skipped_before
@@ -311,7 +340,7 @@ def _steps(t: Training, *, stop, watchdog: Watchdog, nan_loss, flops_per_token: 
         t.settle(wait=False)  # a background save completes at the first step end after its files are written
         t.faults.kill_after_step(step, rank=t.rank, drain=lambda: t.settle(wait=True))
         stopping = stop.agreed()
-        if stopping or t.health.halted or (tr.save_interval and step % tr.save_interval == 0 and step < tr.steps):
+        if stopping or t.health.halted or t.schedule.due(step, saved_at=t.saved_at):
             with watchdog.paused():  # a sync save keeps peers in a barrier for the length of the write
                 t.save(step, wait=stopping or t.health.halted)
         if stopping:

@@ -186,7 +186,7 @@ def _wrapped(fn, name: str, watchdog: Watchdog):
 
 def events_text(events: list[dict]) -> str:
     """One line on what happened to a job, from its events: each hang (the ranks, the operation, the step) and each
-    restart (the step it resumed from, the ranks it ran on, a changed layout)."""
+    restart (the step it resumed from, the ranks it ran on, a changed layout), the save interval's re-planning."""
     parts = []
     hangs: dict[tuple, list[int]] = {}
     for e in events:
@@ -201,4 +201,8 @@ def events_text(events: list[dict]) -> str:
         others = sorted(set(range(world)) - set(waited)) if isinstance(world, int) and world <= 64 else []
         found.append(f"hang at step {step}: rank(s) {', '.join(map(str, waited))} waited inside {op}"
                      + (f" (not rank(s) {', '.join(map(str, others))})" if others else ""))
+    planned = [e for e in events if e.get("event") == "save_interval"]
+    if planned:  # dspipe.runtime.save_schedule
+        parts.append(f"--save-interval auto re-planned after {len(planned)} save(s): {planned[0].get('was')} -> "
+                     f"{planned[-1].get('interval')} steps")
     return "; ".join(found + parts) or "no events"

@@ -10,7 +10,7 @@ import re
 from dataclasses import MISSING, dataclass, field, fields, make_dataclass, replace
 
 from dspipe.errors import SpecError
-from dspipe.spec.hardware import GPU_CATALOG, GpuType, gpu_type
+from dspipe.spec.hardware import GPU_CATALOG, GPU_MTBF_HOURS, GpuType, gpu_type
 from dspipe.spec.profile import Profile, apply_profile, check_profile_gpu, profile_from_dict
 from dspipe.spec.settings import FIELD_DEFAULT, declared, setting
 
@@ -591,6 +591,11 @@ class ClusterSpec:
     inter_node_gbps: float | None = setting(
         None, kind="float", limit=1e6, help="per-GPU share of the network bandwidth across nodes, GB/s [the catalog's]")
     """Per-GPU share of the network bandwidth, GB/s, overriding the catalog's (--inter-node-gbps)."""
+    gpu_mtbf_hours: float = setting(
+        GPU_MTBF_HOURS, kind="float", limit=1e9, cli_default=FIELD_DEFAULT,
+        help="GPU-hours between job-interrupting failures per GPU, for --save-interval auto (Llama 3's rate: 50,700)")
+    """Mean time between job-interrupting failures of one GPU, in hours (the job's: this / world size): the failure
+    rate --save-interval auto plans against, and the runner re-plans against from each save's measured time."""
     profile: Profile | None = setting(
         None, after="host_memory_gib", metavar="FILE",
         help="calibration profile from 'dspipe calibrate': its measured compute, bandwidth, latency, copy and "
@@ -611,6 +616,8 @@ class ClusterSpec:
             if not isinstance(self.profile, Profile):  # read back from dspipe.json
                 object.__setattr__(self, "profile", profile_from_dict(self.profile, where="cluster.profile"))
             check_profile_gpu(self.profile, gpu=self.gpu, where="cluster.profile")
+        _number("cluster", "gpu_mtbf_hours", self.gpu_mtbf_hours, low=0, high=LIMITS["gpu_mtbf_hours"],
+                low_open=True, rule="must be a positive number of hours")
         if self.host_memory_gib is not None:
             _number("cluster", "host_memory_gib", self.host_memory_gib, low=0, high=LIMITS["host_memory_gib"],
                     low_open=True, rule="must be positive")

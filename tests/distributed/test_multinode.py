@@ -1,6 +1,7 @@
-"""Two "nodes" on one machine, started by DeepSpeed's launcher through `dspipe launch`: --no-ssh per node, pdsh over
-a real sshd on localhost, and the sbatch script under a stand-in for Slurm. Each trains the tiny GPT to the same
-per-step losses as the single-node 2-rank run of the same config. Plus the doctor's all-reduce."""
+"""Two "nodes" on one machine through `dspipe launch`: DeepSpeed's launcher with --no-ssh per node, pdsh over a real
+sshd on localhost, and the sbatch script (torch's elastic agent per node, a failed run step requeued) under a
+stand-in for Slurm. Each trains the tiny GPT to the same per-step losses as the single-node 2-rank run of the same
+config. Plus the doctor's all-reduce."""
 import os
 import re
 import shutil
@@ -9,7 +10,8 @@ import sys
 
 import pytest
 
-from tests.helpers import ROOT, dspipe, free_port, metrics
+from dspipe.runtime.watchdog import read_events
+from tests.helpers import ROOT, dspipe, free_port, metrics, written_metrics
 
 pytestmark = pytest.mark.distributed
 HOSTS = "localhost slots=1\n127.0.0.1 slots=1\n"  # two names for this machine: two "nodes", one CPU rank each
@@ -131,20 +133,38 @@ def test_pdsh_over_ssh_on_localhost(cluster, sshd):
 
 
 def test_slurm_script_on_a_stand_in_for_slurm(cluster):
-    """The generated sbatch script, run by bash with `scontrol` and `srun` stand-ins for a 2-node allocation:
-    it must build the hostfile from the node list and start one `dspipe launch --no-ssh` per node."""
+    """The generated sbatch script (--max-restarts 1), run by bash with `scontrol` and `srun` stand-ins for a
+    2-node allocation: it builds the hostfile from the node list and starts one `dspipe launch --no-ssh` per node
+    under torch's elastic agent. Rank 1 is killed twice: the agents restart the job once, then the run step fails
+    (srun's --kill-on-bad-exit ends the other node) and the script requeues the job; the requeued start
+    (SLURM_RESTART_COUNT=1, as Slurm sets it) resumes from the newest checkpoint and finishes with the losses of the
+    single-node run, each step once."""
     tmp, corpus, reference = cluster
-    run = gen(tmp, corpus, "slurm", "--hostfile", "hosts")
-    r = dspipe("slurm-script", "runs/slurm", "--master-port", free_port(), cwd=tmp)
+    run = gen(tmp, corpus, "slurm", "--hostfile", "hosts", "--save-interval", "2", "--sync-save")
+    r = dspipe("slurm-script", "runs/slurm", "--master-port", free_port(), "--max-restarts", "1", cwd=tmp)
     assert r.returncode == 0, r.stderr
     fake = tmp / "fake-slurm"
     fake.mkdir()
-    (fake / "scontrol").write_text('#!/bin/sh\n[ "$1 $2" = "show hostnames" ] && printf "localhost\\n127.0.0.1\\n"\n')
-    (fake / "srun").write_text(  # one task per node, SLURM_NODEID set, like srun --ntasks-per-node=1
-        '#!/bin/bash\nwhile [[ "$1" == --* ]]; do shift; done\npids=()\n'
-        'for id in 0 1; do SLURM_NODEID=$id "$@" & pids+=($!); done\n'
-        'rc=0; for p in "${pids[@]}"; do wait "$p" || rc=$?; done; exit $rc\n')
-    (fake / "dspipe").write_text(f'#!/bin/sh\nexec {sys.executable} -m dspipe "$@"\n')
+    (fake / "scontrol").write_text(  # the node list; a requeue is recorded (the test plays Slurm's second start)
+        '#!/bin/sh\n[ "$1 $2" = "show hostnames" ] && printf "localhost\\n127.0.0.1\\n" && exit 0\n'
+        f'[ "$1" = requeue ] && echo "$@" >> {tmp}/requeued && exit 0\nexit 1\n')
+    (fake / "srun").write_text(  # one task per node, SLURM_NODEID set; --kill-on-bad-exit=1: a task failing ends all
+        '#!/bin/bash\nkill_on_bad=0\n'
+        'while [[ "$1" == --* ]]; do [ "$1" = --kill-on-bad-exit=1 ] && kill_on_bad=1; shift; done\n'
+        'pids=()\nfor id in 0 1; do SLURM_NODEID=$id setsid "$@" & pids+=($!); done\n'
+        'rc=0; left=${#pids[@]}\n'
+        'while [ "$left" -gt 0 ]; do\n'
+        '  wait -n; code=$?; left=$((left - 1))\n'
+        '  if [ "$code" -ne 0 ]; then\n'
+        '    rc=$code\n'
+        '    if [ "$kill_on_bad" = 1 ]; then for p in "${pids[@]}"; do kill -TERM -- "-$p" 2>/dev/null; done; fi\n'
+        '  fi\n'
+        'done\nexit $rc\n')
+    faults = '[{"kill_at_step": 3, "kill_rank": 1}, {"kill_at_step": 5, "kill_rank": 1}]'
+    (fake / "dspipe").write_text(  # the job's first start is the one whose rank 1 dies (twice)
+        '#!/bin/bash\n'
+        f'if [ "${{SLURM_RESTART_COUNT:-0}}" = 0 ]; then set -- "$@" --test-faults \'{faults}\'; fi\n'
+        f'exec {sys.executable} -m dspipe "$@"\n')
     for f in fake.iterdir():
         f.chmod(0o755)
     env = env_with(PATH=f"{fake}{os.pathsep}{os.environ['PATH']}", SLURM_JOB_ID="42",
@@ -152,5 +172,17 @@ def test_slurm_script_on_a_stand_in_for_slurm(cluster):
     job = subprocess.run(["bash", "runs/slurm/slurm.sbatch"], cwd=tmp, env=env, capture_output=True, text=True,
                          timeout=TIMEOUT)
     assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
+    assert (tmp / "requeued").read_text() == "requeue 42\n"
+    assert "dspipe: the run step failed (exit code" in job.stderr and "job 42 requeued (requeue 1 of 1)" in job.stderr
     assert (run / "hostfile.slurm-42").read_text() == HOSTS
+    latest = (run / "checkpoints" / "latest").read_text()
+    assert latest == "global_step4"  # the agents' restart resumed from 2 and saved 4; then rank 1 died after 5
+    restarts = [(e["attempt"], e["step"], e["world"]) for e in read_events(run) if e["event"] == "restart"]
+    assert restarts == [(1, 2, 2)]  # inside the allocation, the agents restarted the job once, from step 2
+    again = subprocess.run(["bash", "runs/slurm/slurm.sbatch"], cwd=tmp, env={**env, "SLURM_RESTART_COUNT": "1"},
+                           capture_output=True, text=True, timeout=TIMEOUT)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "resumed from" in again.stdout + again.stderr and "at step 4" in again.stdout + again.stderr
+    assert (tmp / "requeued").read_text() == "requeue 42\n"  # finished: not requeued again
+    assert [int(s) for s, *_ in written_metrics(run)] == list(range(1, 7))  # each step once
     assert metrics(run, "loss") == pytest.approx(reference, abs=1e-5)

@@ -3,13 +3,14 @@ ranks; plus unit tests of the pure checkpoint logic."""
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import time
 
 import pytest
 
 from dspipe.runtime import checkpoint as ckpt
-from tests.helpers import ROOT, free_port, launch, make_run, mount_tmpfs, ok, written_metrics
+from tests.helpers import ROOT, csv_rows, free_port, launch, make_run, mount_tmpfs, ok, written_metrics
 
 STEPS, EVERY = 8, 3
 
@@ -74,6 +75,43 @@ def test_crash_inside_a_save_keeps_the_previous_checkpoint(tmp_path, corpus):
     assert tags(run) == ["global_step3", "global_step6", "global_step8", "latest"]  # the partial dir was cleaned up
     assert [int(s) for s, *_ in written_metrics(run)] == list(range(1, STEPS + 1))
     assert ckpt.read_meta(run / "checkpoints" / "global_step8")["save"]["mode"] == "sync"
+
+
+@pytest.mark.distributed
+def test_save_interval_auto_follows_each_saves_measured_time(tmp_path, corpus):
+    """--save-interval auto on a cluster that fails every 0.09 s (--gpu-mtbf-hours 5e-5 over 2 ranks): gen-config
+    plans the first save from the planned write time; after each save the run re-plans the interval from that
+    save's measured cost and the slowest rank's step time, by the planner's formula, and saves that many steps
+    later; the checkpoints record the interval in force, for a resume."""
+    from dspipe.planner.checkpoint_size import save_interval
+    from dspipe.rundir import load_run
+    from dspipe.runtime.watchdog import read_events
+
+    run = make_run(tmp_path, corpus, "--precision", "fp32", "--zero", "1", "--sync-save", "--save-interval", "auto",
+                   "--gpu-mtbf-hours", "5e-5", "--keep-checkpoints", "100", "--log-interval", "1", steps=14)
+    planned = load_run(run).train.save_interval
+    assert 1 < planned < 14
+    r = launch(run)
+    ok(r)
+    saved = [step for step, _ in ckpt.complete_checkpoints(run / "checkpoints")]
+    assert saved[0] == planned and saved[-1] == 14
+    events = [e for e in read_events(run) if e["event"] == "save_interval"]
+    assert [e["step"] for e in events] == saved[:-1] and events[0]["was"] == planned  # after each save but the last
+    rank0 = {int(row["step"]): float(row["step_time_s"]) for row in csv_rows(run / "metrics.csv")}
+    for e, following in zip(events, saved[1:]):
+        meta = ckpt.read_meta(run / "checkpoints" / ckpt.tag_for(e["step"]))
+        assert e["cost_s"] == e["blocking_s"] == meta["save"]["blocking_s"] > 0  # measured: the step waited for it
+        assert e["interval"] == save_interval(cost_s=e["cost_s"], write_s=e["write_s"], step_time_s=e["step_time_s"],
+                                              world=2, steps=14, async_save=False, mtbf_hours=5e-5).steps
+        assert following == min(e["step"] + e["interval"], 14)  # the next save: that many steps later
+        assert meta["save_interval"] == e["was"]  # the interval in force when it was saved
+        window = [rank0[s] for s in range(max(1, e["step"] - 19), e["step"] + 1)]
+        assert e["step_time_s"] >= statistics.median(window)  # the slowest rank's median: at least rank 0's
+    out = r.stdout + r.stderr
+    for e in events:
+        every = "every step" if e["interval"] == 1 else f"every {e['interval']} steps"
+        said = f"dspipe: --save-interval auto: {every} from step {e['step']} (was {e['was']}): the save cost "
+        assert (said in out) == (e["interval"] != e["was"]), e
 
 
 @pytest.mark.distributed

@@ -63,8 +63,6 @@ def main(argv: list[str] | None = None) -> int:
             building = notice(offload=run.plan.offload)
             if building:
                 print(f"dspipe: {building}", flush=True)
-        if attempt:  # --restart / --resume TAG are the first start's choice; a restart continues from the newest
-            args.restart, args.resume = False, "auto"
         train(run, resume=args.resume or "auto", restart=args.restart, faults=faults,
               hang_timeout=args.hang_timeout, attempt=attempt, resized=change)
     except (SpecError, RunHalted) as e:

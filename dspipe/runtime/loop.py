@@ -89,7 +89,12 @@ def restart_run(run: Run, *, rank: int) -> None:
 
 def train_in_group(run: Run, *, resume: str, restart: bool, backend: str, faults: Faults,
                    hang_timeout: float = 0.0, attempt: int | None = None, resized: str | None = None) -> dict:
-    """Setup -> the step loop -> finish, inside the process group."""
+    """Setup -> the step loop -> finish, inside the process group. Under torch's elastic agent a restart (any
+    rank's agent counted one) continues from the newest checkpoint: --restart / --resume TAG were the first start's."""
+    if attempt is not None:
+        attempt = _agreed_attempt(attempt)
+        if attempt:
+            restart, resume = False, "auto"
     state = setup(run, resume=resume, restart=restart, backend=backend, faults=faults)
     if state.rank == 0 and attempt:
         _restarted(state, attempt=attempt, resized=resized)
@@ -99,6 +104,18 @@ def train_in_group(run: Run, *, resume: str, restart: bool, backend: str, faults
         state.watchdog.install()
     step_loop(state)
     return finish(state)
+
+
+def _agreed_attempt(attempt: int) -> int:
+    """Collective: the job's restart count. Each node's agent counts only the restarts it caused (its own ranks
+    failed); a node whose ranks were stopped because another node's failed restarts them without counting, so its
+    ranks read 0. The ranks agree on the largest."""
+    import torch
+    import torch.distributed as dist
+
+    count = collective_tensor([attempt], dtype=torch.int64)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return int(count.item())
 
 
 def _restarted(t: "Training", *, attempt: int, resized: str | None) -> None:

@@ -204,17 +204,15 @@ def _estimate(source: Path, estimate) -> dict:
                         ("memory_per_gpu_bytes.total", memory.get("total"))]:
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
             raise SpecError(f"{source}: estimate.{name} must be a number >= 0 or null, got {show(value)}")
-    auto = estimate.get(AUTO_INTERVAL)
-    if auto is not None and not (isinstance(auto, dict) and isinstance(auto.get("steps"), int)
-                                 and not isinstance(auto["steps"], bool) and auto["steps"] >= 1):
-        raise SpecError(f"{source}: estimate.{AUTO_INTERVAL} must be an object with the planned steps (an integer "
-                        f">= 1), got {show(auto)}")
+    if AUTO_INTERVAL in estimate and estimate[AUTO_INTERVAL] is not True:
+        raise SpecError(f"{source}: estimate.{AUTO_INTERVAL} must be true when present, got "
+                        f"{show(estimate[AUTO_INTERVAL])}")
     return estimate
 
 
 AUTO_INTERVAL = "save_interval_auto"
-"""dspipe.json's estimate key present when train.save_interval came from --save-interval auto ({"steps": the planned
-interval, "gpu_mtbf_hours": the failure rate}): the runner then re-plans it from each save's measured time."""
+"""dspipe.json's estimate key, true when train.save_interval came from --save-interval auto: the runner then
+re-plans it from each save's measured time (dspipe.runtime.save_schedule)."""
 
 
 ESTIMATE_LAYOUT = ("num_params", "zero_stage", "offload", "offload_params", "precision", "pp", "tp", "sp", "dp",

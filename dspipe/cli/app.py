@@ -74,11 +74,10 @@ def gen_config(**o) -> None:
     model, cluster, result, preset = choose(o, check_model=lambda m: _check_data(o["data"], m, notes,
                                                                                 tokenizer=o["tokenizer"]))
     best = result.best
-    auto_interval = None
-    if o["save_interval"] == "auto":  # --save-interval auto: from the chosen plan's checkpoint and step time
+    auto_interval = o["save_interval"] == "auto"
+    if auto_interval:  # --save-interval auto: from the chosen plan's checkpoint and step time
         best, auto_line = _auto_save_interval(best, cluster=cluster)
         notes.append(f"note: {auto_line}")
-        auto_interval = {"steps": best.train.save_interval, "gpu_mtbf_hours": cluster.gpu_mtbf_hours}
     plan, train = best.plan, best.train
     out: Path = o["out"]
     if o["tokenizer"] is not None:  # its vocab must fit the model (generate, export-hf), a blend's too

@@ -265,8 +265,8 @@ def build_ops(offload: str | None) -> None:
             seconds = build(op)
         except Exception as e:  # a compiler missing, a build error: the launch builds it (JIT), as without this
             detail = " ".join(str(e).split())[-300:] or type(e).__name__
-            raise click.ClickException(f"building DeepSpeed's {op.name} op failed ({detail}); a launch builds it "
-                                       f"before its first step instead") from None
+            raise click.ClickException(f"building DeepSpeed's {op.name} op failed ({detail}); a launch tries "
+                                       f"again before its first step") from None
         click.echo(f"{op.name}: built in {seconds:.0f} s ({op.where})")
 
 

@@ -30,11 +30,11 @@ def verify_with_deepspeed(ds_config: dict, *, dp: int) -> None:
 
 def prepare_run(out: Path, *, model: ModelSpec, cluster: ClusterSpec, best, data: str, command: str,
                 wall_clock_breakdown: bool = False, force: bool = False, monitors: dict | None = None,
-                preset: AppliedPreset | None = None, auto_interval: dict | None = None) -> dict:
+                preset: AppliedPreset | None = None, auto_interval: bool = False) -> dict:
     """Render the DeepSpeed config of the search's `best` candidate (its plan, train and strategy), verify it with
     DeepSpeed, and write the run directory `out` (ds_config.json, dspipe.json); returns the config. `preset`: the
-    --preset choose() applied (its keys rendered, then accounted for); `auto_interval`: --save-interval auto's
-    planned interval, kept as the estimate's save_interval_auto (the runner re-plans it: dspipe.runtime.loop)."""
+    --preset choose() applied (its keys rendered, then accounted for); `auto_interval`: train.save_interval came
+    from --save-interval auto, marked by the estimate's save_interval_auto (the runner re-plans it)."""
     plan, train = best.plan, best.train
     ds_config = render_ds_config(plan=plan, model=model, train=train, monitor_dir=str(Path(out) / "monitor"),
                                  wall_clock_breakdown=wall_clock_breakdown, preset=preset.imp if preset else None,
@@ -43,7 +43,7 @@ def prepare_run(out: Path, *, model: ModelSpec, cluster: ClusterSpec, best, data
     verify_with_deepspeed(ds_config, dp=plan.ds_batch_ranks)
     write_run(out, model=model, cluster=cluster, train=train, strategy=best.strategy, plan=plan, data=data,
               ds_config=ds_config, command=command, force=force,
-              estimate={**estimate_summary(best), **({AUTO_INTERVAL: auto_interval} if auto_interval else {})})
+              estimate={**estimate_summary(best), **({AUTO_INTERVAL: True} if auto_interval else {})})
     for line in report:
         click.echo(line)
     return ds_config

@@ -26,7 +26,7 @@ from dspipe.runtime.progress import duration
 from dspipe.planner.startup import DISK_GBPS
 from dspipe.planner.stages import param_groups, stage_params, vocab_table_per_rank, zero_group_size
 from dspipe.spec.core import ModelSpec
-from dspipe.spec.hardware import GPU_MTBF_HOURS  # noqa: F401 (re-exported: the planner's default rate)
+from dspipe.spec.hardware import GPU_MTBF_HOURS
 
 OPTIMIZER_BYTES = 12
 """Adam in mixed precision, per parameter: the fp32 master copy and the two fp32 moments."""
@@ -121,12 +121,10 @@ host's memory bandwidth and cores): an assumption of the order benchmarks/async_
 
 @dataclass(frozen=True)
 class SaveInterval:
-    """Young's optimal checkpoint interval for one save's cost and the job's failure rate, in steps."""
+    """Young's optimal checkpoint interval for one save's cost (the training time it costs: save_cost_s) and the
+    job's failure rate, in steps."""
 
     steps: int
-    cost_s: float
-    """The training time one save costs (the write with --sync-save; with background writes the copy of the
-    largest rank's state to host memory, plus ASYNC_DRAG of the write)."""
     young_s: float
     """sqrt(2 x cost_s x mtbf_s)."""
     mtbf_s: float
@@ -146,7 +144,7 @@ def save_interval(*, cost_s: float, write_s: float, step_time_s: float, world: i
     step_s = max(step_time_s, 1e-9)
     floor = max(1, math.ceil(write_s / step_s)) if async_save else 1
     n = min(max(1, steps), max(floor, round(young_s / step_s)))
-    return SaveInterval(steps=n, cost_s=cost_s, young_s=young_s, mtbf_s=mtbf_s, floor=floor)
+    return SaveInterval(steps=n, young_s=young_s, mtbf_s=mtbf_s, floor=floor)
 
 
 def save_cost_s(*, blocking_s: float, write_s: float, async_save: bool) -> float:

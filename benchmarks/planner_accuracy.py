@@ -8,6 +8,8 @@ tp 2 and a mixture of experts at ep 1 and 2. Writes the table of docs/planner-ac
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import shutil
 import socket
@@ -102,15 +104,25 @@ def _port() -> int:
 
 
 def _generate(name: str, workdir: Path) -> Path:
+    """gen-config for row `name`, by the CLI's main in this process (a fresh interpreter spends ~5 s importing
+    DeepSpeed to parse each config; this process imports it once)."""
+    from dspipe.cli.app import main as dspipe_main
+
     model, options = CONFIGS[name]
     run_dir = workdir / name
-    gen = [sys.executable, "-m", "dspipe", "gen-config", *MODELS[model], "--gpus-per-node", "2", "--gpu", "cpu",
-           "--global-batch", "2", "--micro-batch", "1", "--steps", "10", "--warmup", "1", "--offload", "none",
-           "--no-offload-params", "--checkpointing", "none", "--pp", "1", "--tp", "1", "--sp", "1", *options,
-           "--data", str(workdir / "no-data"), "--out", str(run_dir), "--force"]
-    r = subprocess.run(gen, cwd=ROOT, capture_output=True, text=True)
-    if r.returncode:
-        raise RuntimeError(f"{name}: gen-config failed\n{r.stderr[-2000:]}")
+    gen = ["gen-config", *MODELS[model], "--gpus-per-node", "2", "--gpu", "cpu", "--global-batch", "2",
+           "--micro-batch", "1", "--steps", "10", "--warmup", "1", "--offload", "none", "--no-offload-params",
+           "--checkpointing", "none", "--pp", "1", "--tp", "1", "--sp", "1", *options, "--data",
+           str(workdir / "no-data"), "--out", str(run_dir), "--force"]
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+            dspipe_main(gen)
+        code = 0
+    except SystemExit as e:
+        code = e.code or 0
+    if code:
+        raise RuntimeError(f"{name}: gen-config failed\n{err.getvalue()[-2000:]}")
     return run_dir
 
 

@@ -1,6 +1,7 @@
 """The one module of helpers shared by the tests (unit and distributed): paths, the CLI, DeepSpeed launches, run
 directories. Test modules import from here (`from tests.helpers import ...`), never from each other; fixtures live in
 tests/conftest.py."""
+import base64
 import csv
 import json
 import os
@@ -26,8 +27,43 @@ def dspipe(*args, cwd=ROOT, env=None) -> subprocess.CompletedProcess:
                           env={**os.environ, **(env or {})})
 
 
+def dspipe_here(*args, cwd=None, env=None) -> subprocess.CompletedProcess:
+    """`dspipe ARGS` run by the CLI's own main in this process, reported as dspipe() reports it (exit code, stdout,
+    stderr); `env` is set for the call only. A fresh interpreter spends ~5 s importing torch and DeepSpeed, this
+    process once: for the distributed tests, which generate, export and read many runs. The CLI's own tests run it
+    in a subprocess (dspipe())."""
+    import contextlib
+    import io
+
+    out, err = io.StringIO(), io.StringIO()
+    saved, here = {k: os.environ.get(k) for k in env or {}}, os.getcwd()
+    os.environ.update({k: str(v) for k, v in (env or {}).items()})
+    try:
+        os.chdir(cwd or here)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = run_cli(*args)
+    finally:
+        os.chdir(here)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return subprocess.CompletedProcess(["dspipe", *map(str, args)], code or 0, out.getvalue(), err.getvalue())
+
+
+def gen_config(*args, cwd=None) -> subprocess.CompletedProcess:
+    """`dspipe gen-config ARGS` in this process (dspipe_here)."""
+    return dspipe_here("gen-config", *args, cwd=cwd)
+
+
 def dspipe_offline(*args) -> subprocess.CompletedProcess:
     return dspipe(*args, env=OFFLINE)
+
+
+def offline_here(*args) -> subprocess.CompletedProcess:
+    """`dspipe ARGS` in this process (dspipe_here), transformers reading local files only."""
+    return dspipe_here(*args, env=OFFLINE)
 
 
 def error_lines(r):
@@ -35,12 +71,18 @@ def error_lines(r):
 
 
 def launch(run_dir, *extra, env=None, num_gpus=2, port=None):
-    """`deepspeed --num_gpus N run.py --run RUN_DIR [extra...]` from the repository root (2 CPU ranks by default)."""
-    launcher = [shutil.which("deepspeed")] if shutil.which("deepspeed") else [sys.executable, "-m",
-                                                                              "deepspeed.launcher.runner"]
+    """`deepspeed --num_gpus N run.py --run RUN_DIR [extra...]` from the repository root (2 CPU ranks by default),
+    as the command DeepSpeed's runner itself starts on one node: `python -u -m deepspeed.launcher.launch
+    --world_info=... run.py ...` with the repository on PYTHONPATH. Calling that directly saves the runner's own
+    interpreter and DeepSpeed import (~2-4 s a launch); the `deepspeed` command itself is run by
+    scripts/wheel_smoke.sh, the README's demo and tests/distributed/test_multinode.py."""
     port = port or free_port()
-    cmd = [*launcher, "--num_gpus", str(num_gpus), "--master_port", str(port), "run.py", "--run", str(run_dir), *extra]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env={**os.environ, **(env or {})})
+    world = base64.urlsafe_b64encode(json.dumps({"localhost": list(range(num_gpus))}).encode()).decode()
+    cmd = [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world}", "--master_addr=127.0.0.1",
+           f"--master_port={port}", "run.py", "--run", str(run_dir), *extra]
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "PYTHONPATH": path, **(env or {})})
 
 
 def ok(r):
@@ -74,10 +116,11 @@ def max_diff(a: dict, b: dict) -> float:
 
 def make_run(tmp_path, corpus, *flags, steps=20, name="run"):
     run_dir = tmp_path / name
-    r = dspipe("gen-config", "--model", "tiny", "--gpus-per-node", "2", "--gpu", "cpu", "--global-batch", "16",
-               "--micro-batch", "4", "--steps", steps, "--warmup", "2", "--lr", "3e-3", "--log-interval", "5",
-               "--data", corpus, "--out", run_dir, "--precision", "bf16", "--offload", "none", "--no-offload-params",
-               "--pp", "1", "--checkpointing", "none", *flags)  # explicit strategy; later flags override
+    # an explicit strategy; later flags override
+    r = gen_config("--model", "tiny", "--gpus-per-node", "2", "--gpu", "cpu", "--global-batch", "16",
+                   "--micro-batch", "4", "--steps", steps, "--warmup", "2", "--lr", "3e-3", "--log-interval", "5",
+                   "--data", corpus, "--out", run_dir, "--precision", "bf16", "--offload", "none",
+                   "--no-offload-params", "--pp", "1", "--checkpointing", "none", *flags)
     assert r.returncode == 0, r.stderr
     return run_dir
 

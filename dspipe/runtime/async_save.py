@@ -1,7 +1,7 @@
 """Checkpoint files written in the background (`--async-save`, the default).
 
 DeepSpeed's `save_checkpoint` hands every file it writes (model states, ZeRO partitions, pipeline layers, the
-experts) to its checkpoint engine. `BackgroundWriter` is one (DeepSpeed's CheckpointEngine interface): `save` copies
+experts) to its checkpoint engine. `BackgroundWriter` (dspipe.runtime.async_engine) is one: `save` copies
 the file's tensors into shared-memory arenas (the snapshot, the only part the step waits for); a writer process per
 rank then writes the files with torch.save, in the format the engine's own writer uses, through O_DIRECT, and fsyncs
 each. The training step goes on meanwhile. Whether every rank's files are written, and written without a failure,
@@ -236,12 +236,6 @@ def fsync_file(path: str) -> None:
         os.close(fd)
 
 
-def _torch_checkpoint_engine():
-    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
-
-    return TorchCheckpointEngine
-
-
 def _die_with_parent() -> None:
     """Linux: this process gets SIGKILL when the rank that started it dies, so that no file is written into a
     checkpoint directory after its rank is gone (a relaunch may be writing the same step there)."""
@@ -260,7 +254,7 @@ def _failure(e: BaseException) -> tuple[int, str]:
             f"{type(e).__name__}: {first}" if first else type(e).__name__)
 
 
-def _writer_process(jobs, results, parent: int, kill_tag: str | None) -> None:
+def writer_process(jobs, results, parent: int, kill_tag: str | None) -> None:
     """The writer process: torch.save each (staged state, path, zip format) it receives, fsync, answer
     (path, 0 or a failure code, detail, seconds). Its own interpreter: the rank's training thread never waits for
     the GIL while a file is written. `kill_tag`: a test's fault (Faults.kill_in_async_write)."""
@@ -303,95 +297,3 @@ def _writer_process(jobs, results, parent: int, kill_tag: str | None) -> None:
             os.kill(parent, signal.SIGKILL)
             os._exit(1)
         results.send((path, code, detail, time.perf_counter() - t0, time.process_time() - c0))
-
-
-class BackgroundWriter(_torch_checkpoint_engine()):
-    """A DeepSpeed checkpoint engine whose `save` snapshots into shared host buffers; a process of its own (spawned
-    by `start`, or at the first checkpoint; kept for the run) writes the files. Loads are TorchCheckpointEngine's.
-    One per rank."""
-
-    def __init__(self, *, zipfile_serialization: bool, kill_tag: str | None = None):
-        super().__init__(None)
-        self.name = "dspipe.BackgroundWriter"
-        self.zipfile_serialization = zipfile_serialization  # the format the engine's own writer was configured with
-        self.kill_tag = kill_tag
-        self.failures = WriteFailures()  # the current checkpoint's first failed write
-        self.blocking_s = self.write_s = self.write_cpu_s = 0.0
-        self.bytes = 0
-        self.pool = ArenaPool()
-        self._held: list = []
-        self._outstanding = 0
-        self._process = self._jobs = self._results = None
-
-    def begin(self) -> None:
-        """A new checkpoint (the previous one is drained): reset its failure and figures, reuse its buffers."""
-        self.failures = WriteFailures()
-        self.blocking_s = self.write_s = self.write_cpu_s = 0.0
-        self.bytes = 0
-        self._held = []
-
-    def preserves_storage_sharing(self) -> bool:
-        return False  # DeepSpeed then hands the live state over without its own clone: `save` copies it once
-
-    def save(self, state_dict, path: str) -> None:
-        """Snapshot now; the file is written once `release` hands the checkpoint's files to the writer process."""
-        t0 = time.perf_counter()
-        arenas, staged, nbytes = stage_into(state_dict, pool=self.pool, name=Path(path).name)
-        self.bytes += nbytes
-        self._held.append((arenas, staged, str(path)))
-        self.blocking_s += time.perf_counter() - t0
-
-    def release(self) -> None:
-        """Every file of the checkpoint is snapshot: the writer process writes them (tensors pass by handle)."""
-        if not self._held:
-            return
-        t0 = time.perf_counter()
-        self.start()
-        for arenas, staged, path in self._held:
-            self._jobs.send((arenas, staged, path, self.zipfile_serialization))
-            self._outstanding += 1
-        self._held = []
-        self.blocking_s += time.perf_counter() - t0
-
-    def drained(self) -> bool:
-        """Every file of the checkpoint written (or failed); a dead writer process fails what it had."""
-        self._collect(timeout=0.0)
-        return not self._held and not self._outstanding
-
-    def wait(self) -> None:
-        self.release()
-        while self._outstanding:
-            self._collect(timeout=0.5)
-
-    def _collect(self, *, timeout: float) -> None:
-        while self._outstanding and self._results.poll(timeout):
-            try:
-                _path, code, detail, seconds, cpu = self._results.recv()
-            except (EOFError, OSError):  # the writer process is gone
-                break
-            self._outstanding -= 1
-            self.write_s += seconds
-            self.write_cpu_s += cpu
-            if code and not self.failures.code:
-                self.failures.code, self.failures.detail = code, detail
-            timeout = 0.0
-        if self._outstanding and not self._process.is_alive():
-            if not self.failures.code:
-                self.failures.code = WriteFailures.GENERIC
-                self.failures.detail = f"the checkpoint writer process died (exit code {self._process.exitcode})"
-            self._outstanding = 0
-
-    def start(self) -> None:
-        """Spawn the writer process unless it runs (at start-up: its imports then do not compete with steps)."""
-        import torch.multiprocessing as mp
-
-        if self._process is not None and self._process.is_alive():
-            return
-        ctx = mp.get_context("spawn")
-        self._jobs, jobs = ctx.Pipe()
-        results, self._results = ctx.Pipe()
-        self._process = ctx.Process(target=_writer_process, args=(jobs, results, os.getpid(), self.kill_tag),
-                                    name="dspipe-checkpoint-writer", daemon=True)
-        self._process.start()
-        jobs.close()
-        results.close()

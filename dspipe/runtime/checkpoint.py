@@ -372,7 +372,7 @@ class PendingSave:
     failures: WriteFailures
     """This rank's failed writes of the part written in the step (directories, and every file when synchronous)."""
     writer: object | None
-    """The rank's dspipe.runtime.async_save.BackgroundWriter writing the files, None when they were written in
+    """The rank's dspipe.runtime.async_engine.BackgroundWriter writing the files, None when they were written in
     the step."""
     blocking_s: float
     """Seconds the step waited for the save (the whole write when synchronous, the snapshot when not)."""

@@ -267,7 +267,7 @@ def _writer(engine, *, async_save: bool, faults: Faults):
     format DeepSpeed's own writer was configured with."""
     if not async_save:
         return None
-    from dspipe.runtime.async_save import BackgroundWriter
+    from dspipe.runtime.async_engine import BackgroundWriter
 
     writer = BackgroundWriter(zipfile_serialization=getattr(engine.checkpoint_engine, "zipfile_serialization", True),
                               kill_tag=faults.async_write_kill_tag)

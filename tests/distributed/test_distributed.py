@@ -8,6 +8,7 @@ from dspipe.runtime.comm import SHM_DIR, SHM_PREFIX
 from tests.helpers import csv_rows, free_port, launch, make_run, metrics
 
 pytestmark = pytest.mark.distributed
+STEPS = 10
 
 
 CONFIGS = {
@@ -29,7 +30,7 @@ CONFIGS = {
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_trains_and_engine_uses_the_planned_settings(tmp_path, corpus, name):
     flags, expected = CONFIGS[name]
-    run_dir = make_run(tmp_path, corpus, *flags)
+    run_dir = make_run(tmp_path, corpus, *flags, "--pad-vocab", steps=STEPS)  # vocab 1024: the corpus's tokenizer
     port = free_port()
     r = launch(run_dir, port=port)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -43,13 +44,13 @@ def test_trains_and_engine_uses_the_planned_settings(tmp_path, corpus, name):
     live.update(expected)
     assert {k: engine[k] for k in live} == live
     loss = metrics(run_dir, "loss")
-    assert len(loss) == 20
+    assert len(loss) == STEPS
     assert sum(loss[-3:]) / 3 < loss[0] - 0.3, loss  # the loss falls
-    check_metrics(run_dir, steps=20, tokens_per_step=16 * 64)
-    (val,) = csv_rows(run_dir / "val_metrics.csv")  # eval_interval 100 > 20 steps: one pass, at the end
-    assert int(val["step"]) == 20 and float(val["val_loss"]) < loss[0] - 0.3
+    check_metrics(run_dir, steps=STEPS, tokens_per_step=16 * 64)
+    (val,) = csv_rows(run_dir / "val_metrics.csv")  # eval_interval 100 > the steps: one pass, at the end
+    assert int(val["step"]) == STEPS and float(val["val_loss"]) < loss[0] - 0.3
     assert float(val["val_ppl"]) == pytest.approx(math.exp(float(val["val_loss"])))
-    assert (run_dir / "checkpoints" / "global_step20").is_dir() and (run_dir / "checkpoints" / "latest").is_file()
+    assert (run_dir / "checkpoints" / f"global_step{STEPS}").is_dir() and (run_dir / "checkpoints" / "latest").is_file()
     assert "done: loss" in r.stdout
 
 

@@ -5,7 +5,7 @@ import torch
 
 from dspipe.runtime import checkpoint as ckpt
 from dspipe.spec.core import ModelSpec
-from tests.helpers import OFFLINE, dspipe_offline, error_lines, launch, make_run, max_diff
+from tests.helpers import OFFLINE, error_lines, launch, make_run, max_diff, offline_here
 
 
 # ---- distributed: real checkpoints ------------------------------------------------------------------------------
@@ -43,7 +43,7 @@ def test_export_of_zero3_and_pipeline_checkpoints(tmp_path, corpus, monkeypatch)
     for name in ("zero3", "pp2"):
         out = tmp_path / f"hf-{name}"
         src = runs[name] if name == "zero3" else tags[name]  # a run directory means its newest checkpoint
-        r = dspipe_offline("export-hf", src, "--out", out)
+        r = offline_here("export-hf", src, "--out", out)
         assert r.returncode == 0, r.stderr[-3000:]
         assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
         assert not [p for p in tmp_path.iterdir() if p.name.startswith(f".hf-{name}")]  # no temp leftovers
@@ -57,14 +57,14 @@ def test_export_of_zero3_and_pipeline_checkpoints(tmp_path, corpus, monkeypatch)
 
     out = tmp_path / "hf-pp2"
     before = (out / "model.safetensors").read_bytes()
-    r = dspipe_offline("export-hf", tags["pp2"], "--out", out)  # exists: refused, untouched
+    r = offline_here("export-hf", tags["pp2"], "--out", out)  # exists: refused, untouched
     assert r.returncode == 2 and error_lines(r) == [f"dspipe: error: {out} already exists (pass --force to replace it)"]
     assert (out / "model.safetensors").read_bytes() == before
-    r = dspipe_offline("export-hf", tags["zero1"], "--out", out, "--force")  # replaced by another checkpoint's
+    r = offline_here("export-hf", tags["zero1"], "--out", out, "--force")  # replaced by another checkpoint's
     assert r.returncode == 0, r.stderr[-3000:]
     assert (out / "model.safetensors").read_bytes() != before
 
-    texts = [dspipe_offline("generate", src, "--prompt", "def ", "--temperature", "0", "--max-tokens", "12")
+    texts = [offline_here("generate", src, "--prompt", "def ", "--temperature", "0", "--max-tokens", "12")
              for src in (tags["zero1"], out)]
     assert [t.returncode for t in texts] == [0, 0], [t.stderr[-2000:] for t in texts]
     assert texts[0].stdout == texts[1].stdout and texts[0].stdout.startswith("def ")

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dspipe.runtime import checkpoint as ckpt
-from tests.helpers import OFFLINE, dspipe, dspipe_offline, launch, metrics, save_hf_checkpoint
+from tests.helpers import OFFLINE, gen_config, launch, metrics, offline_here, save_hf_checkpoint
 
 pytestmark = pytest.mark.distributed
 
@@ -62,11 +62,11 @@ def family_dir(path, family: str, corpus):
                               seed=sorted(FAMILIES).index(family) + 21, tokenizer_dir=corpus / "tokenizer")
 
 
-def gen_config(run, corpus, hf_dir, steps, *flags):
-    return dspipe("gen-config", "--init-from", hf_dir, "--gpus-per-node", "2", "--gpu", "cpu", "--global-batch", "16",
-                  "--micro-batch", "4", "--steps", steps, "--warmup", "1", "--log-interval", "1",
-                  "--eval-interval", "0", "--data", corpus, "--out", run, "--precision", "fp32", "--offload", "none",
-                  "--no-offload-params", "--checkpointing", "none", "--pp", "1", *flags)
+def configure(run, corpus, hf_dir, steps, *flags):
+    return gen_config("--init-from", hf_dir, "--gpus-per-node", "2", "--gpu", "cpu", "--global-batch", "16",
+                      "--micro-batch", "4", "--steps", steps, "--warmup", "1", "--log-interval", "1",
+                      "--eval-interval", "0", "--data", corpus, "--out", run, "--precision", "fp32", "--offload",
+                      "none", "--no-offload-params", "--checkpointing", "none", "--pp", "1", *flags)
 
 
 def first_batch(model, corpus) -> tuple:
@@ -127,7 +127,7 @@ def test_family_starts_from_transformers_loss_and_exports_its_class(family, tmp_
     found, failed, moved = {}, {}, None
     for layout, (flags, steps) in LAYOUTS.items():
         run = tmp_path / layout
-        r = gen_config(run, corpus, hf_dir, steps, *flags)
+        r = configure(run, corpus, hf_dir, steps, *flags)
         assert r.returncode == 0, f"{layout}: {r.stderr}"
         assert f"note: {corpus}'s tokenizer has the same vocab size as {hf_dir}'s ({VOCAB} tokens)" in r.stderr
         r = launch(run)
@@ -141,7 +141,7 @@ def test_family_starts_from_transformers_loss_and_exports_its_class(family, tmp_
             continue
         tag = run / "checkpoints" / f"global_step{steps}"
         out = tmp_path / f"export-{layout}"
-        r = dspipe_offline("export-hf", run, "--out", out)
+        r = offline_here("export-hf", run, "--out", out)
         if r.returncode != 0:
             failed[f"{layout} export-hf"] = r.stderr[-2000:]
             continue

@@ -11,7 +11,7 @@ import torch
 
 from dspipe.rundir import load_run
 from dspipe.runtime import checkpoint as ckpt
-from tests.helpers import OFFLINE, dspipe, dspipe_offline, launch, max_diff, metrics
+from tests.helpers import OFFLINE, gen_config, launch, max_diff, metrics, offline_here
 
 VOCAB = 1024  # the corpus fixture's BPE
 
@@ -36,12 +36,12 @@ def llama_dir(path, *, tied: bool, corpus):
     return model
 
 
-def gen_config(tmp_path, corpus, hf, name, *flags):
+def configure(tmp_path, corpus, hf, name, *flags):
     run = tmp_path / name
-    r = dspipe("gen-config", "--init-from", hf, "--gpus-per-node", "2", "--gpu", "cpu", "--global-batch", "16",
-               "--micro-batch", "4", "--steps", "3", "--warmup", "1", "--log-interval", "1", "--eval-interval", "0",
-               "--data", corpus, "--out", run, "--precision", "fp32", "--offload", "none", "--no-offload-params",
-               "--checkpointing", "none", *flags)
+    r = gen_config("--init-from", hf, "--gpus-per-node", "2", "--gpu", "cpu", "--global-batch", "16",
+                   "--micro-batch", "4", "--steps", "3", "--warmup", "1", "--log-interval", "1", "--eval-interval", "0",
+                   "--data", corpus, "--out", run, "--precision", "fp32", "--offload", "none", "--no-offload-params",
+                   "--checkpointing", "none", *flags)
     assert r.returncode == 0, r.stderr
     assert f"note: {corpus}'s tokenizer has the same vocab size as {hf}'s ({VOCAB} tokens)" in r.stderr
     return run
@@ -77,8 +77,8 @@ def test_continued_pretraining_from_a_hugging_face_llama(tmp_path, corpus, monke
     # ZeRO-3, untied head, lr 1e-12 (no weight decay): the weights stay the HF model's to ~1e-11
     hf_dir = tmp_path / "hf-untied"
     hf = llama_dir(hf_dir, tied=False, corpus=corpus)
-    run = gen_config(tmp_path, corpus, hf_dir, "zero3", "--zero", "3", "--pp", "1", "--lr", "1e-12",
-                     "--weight-decay", "0")
+    run = configure(tmp_path, corpus, hf_dir, "zero3", "--zero", "3", "--pp", "1", "--lr", "1e-12",
+                    "--weight-decay", "0")
     r = launch(run)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     startup = json.loads((run / "engine.json").read_text())["startup"]  # each rank read only its partitions
@@ -94,7 +94,7 @@ def test_continued_pretraining_from_a_hugging_face_llama(tmp_path, corpus, monke
     found["zero3 consolidated - HF weights"] = max_diff(consolidate(tag, meta=ckpt.read_meta(tag)),
                                                         from_hf_state(hf.state_dict(), spec))
     out = tmp_path / "export-zero3"
-    r = dspipe_offline("export-hf", run, "--out", out)
+    r = offline_here("export-hf", run, "--out", out)
     assert r.returncode == 0, r.stderr[-3000:]
     exported = AutoModelForCausalLM.from_pretrained(out).eval()
     assert type(exported).__name__ == "LlamaForCausalLM" and exported.config.num_key_value_heads == 2
@@ -103,13 +103,13 @@ def test_continued_pretraining_from_a_hugging_face_llama(tmp_path, corpus, monke
 
     # tp = 2 (dspipe's tensor-parallel layers: each rank reads only its shards' rows of the checkpoint), ZeRO-1,
     # lr 1e-12: the same loss, and the export merges the shards back into the HF model's logits
-    run = gen_config(tmp_path, corpus, hf_dir, "tp2", "--zero", "1", "--pp", "1", "--tp", "2", "--lr", "1e-12",
-                     "--weight-decay", "0")
+    run = configure(tmp_path, corpus, hf_dir, "tp2", "--zero", "1", "--pp", "1", "--tp", "2", "--lr", "1e-12",
+                    "--weight-decay", "0")
     r = launch(run)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     found["tp2 step-1 loss - HF loss"] = abs(metrics(run, "loss")[0] - expected)
     out = tmp_path / "export-tp2"
-    r = dspipe_offline("export-hf", run, "--out", out)
+    r = offline_here("export-hf", run, "--out", out)
     assert r.returncode == 0, r.stderr[-3000:]
     with torch.no_grad():
         found["tp2 export logits - HF logits"] = (AutoModelForCausalLM.from_pretrained(out).eval()(ids).logits
@@ -118,7 +118,7 @@ def test_continued_pretraining_from_a_hugging_face_llama(tmp_path, corpus, monke
     # pp = 2 (each stage loads its own layers; the tied embedding/head on both), ZeRO-1, lr 3e-3
     hf_dir = tmp_path / "hf-tied"
     hf = llama_dir(hf_dir, tied=True, corpus=corpus)
-    run = gen_config(tmp_path, corpus, hf_dir, "pp2", "--zero", "1", "--pp", "2", "--lr", "3e-3")
+    run = configure(tmp_path, corpus, hf_dir, "pp2", "--zero", "1", "--pp", "2", "--lr", "3e-3")
     r = launch(run)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     startup = json.loads((run / "engine.json").read_text())["startup"]  # each stage built its own layers only
@@ -132,7 +132,7 @@ def test_continued_pretraining_from_a_hugging_face_llama(tmp_path, corpus, monke
     trained = consolidate(tag, meta=ckpt.read_meta(tag))
     moved = max_diff(trained, from_hf_state(hf.state_dict(), spec_from_hf_dir(hf_dir)))
     out = tmp_path / "export-pp2"
-    r = dspipe_offline("export-hf", tag, "--out", out)
+    r = offline_here("export-hf", tag, "--out", out)
     assert r.returncode == 0, r.stderr[-3000:]
     exported = AutoModelForCausalLM.from_pretrained(out).eval()
     assert exported.config.tie_word_embeddings and type(exported).__name__ == "LlamaForCausalLM"

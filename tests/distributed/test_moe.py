@@ -24,7 +24,7 @@ import torch
 
 from dspipe.errors import SpecError
 from dspipe.runtime import checkpoint as ckpt
-from tests.helpers import OFFLINE, csv_rows, dspipe, dspipe_offline, launch, ok, save_hf_checkpoint, written_metrics
+from tests.helpers import OFFLINE, csv_rows, gen_config, launch, offline_here, ok, save_hf_checkpoint, written_metrics
 
 pytestmark = pytest.mark.distributed
 
@@ -50,11 +50,11 @@ def family_dir(path, family: str, corpus):
                               seed=sorted(FAMILIES).index(family) + 31, tokenizer_dir=corpus / "tokenizer")
 
 
-def gen_config(run, corpus, hf_dir, *flags, gpus=2):
-    r = dspipe("gen-config", "--init-from", hf_dir, "--gpus-per-node", gpus, "--gpu", "cpu", "--global-batch", "16",
-               "--micro-batch", "4", "--warmup", "1", "--log-interval", "1", "--eval-interval", "0", "--data", corpus,
-               "--out", run, "--precision", "fp32", "--offload", "none", "--no-offload-params", "--checkpointing",
-               "none", "--pp", "1", *flags)
+def configure(run, corpus, hf_dir, *flags, gpus=2):
+    r = gen_config("--init-from", hf_dir, "--gpus-per-node", gpus, "--gpu", "cpu", "--global-batch", "16",
+                   "--micro-batch", "4", "--warmup", "1", "--log-interval", "1", "--eval-interval", "0", "--data",
+                   corpus, "--out", run, "--precision", "fp32", "--offload", "none", "--no-offload-params",
+                   "--checkpointing", "none", "--pp", "1", *flags)
     assert r.returncode == 0, r.stderr
 
 
@@ -75,7 +75,7 @@ def exported_logits(run, out, ids):
 
     from dspipe.tools.export import load_gpt
 
-    r = dspipe_offline("export-hf", run, "--out", out)
+    r = offline_here("export-hf", run, "--out", out)
     assert r.returncode == 0, r.stderr[-3000:]
     exported = AutoModelForCausalLM.from_pretrained(out).float().eval()
     tag = ckpt.complete_checkpoints(run / "checkpoints")[-1][1]
@@ -117,7 +117,7 @@ def test_mixtral_expert_parallel_equals_ep1_resumes_exactly_and_exports(tmp_path
     train = ["--steps", "6", "--lr", "3e-3", "--save-interval", "3"]
 
     ep2 = tmp_path / "ep2"
-    gen_config(ep2, corpus, hf_dir, *train, "--zero", "2", "--ep", "2")
+    configure(ep2, corpus, hf_dir, *train, "--zero", "2", "--ep", "2")
     r = launch(ep2, "--test-faults", '{"kill_at_step": 5}')
     assert r.returncode != 0  # SIGKILL after step 5, checkpoint at 3
     before = written_metrics(ep2)
@@ -134,7 +134,7 @@ def test_mixtral_expert_parallel_equals_ep1_resumes_exactly_and_exports(tmp_path
     assert ckpt.read_meta(last)["ep"] == 2
 
     ep1 = tmp_path / "ep1"
-    gen_config(ep1, corpus, hf_dir, *train, "--zero", "1", "--ep", "1")
+    configure(ep1, corpus, hf_dir, *train, "--zero", "1", "--ep", "1")
     ok(launch(ep1))
     rows1, rows2 = csv_rows(ep1 / "metrics.csv"), csv_rows(ep2 / "metrics.csv")
     loss_diffs = [abs(float(a["loss"]) - float(b["loss"])) for a, b in zip(rows1, rows2, strict=True)]
@@ -159,7 +159,7 @@ def test_mixtral_expert_parallel_equals_ep1_resumes_exactly_and_exports(tmp_path
     # a resume at another ep or dp: refused by name before anything is built
     other = {"ep1-zero2": (2, "1"), "dp4-zero2": (4, "2")}  # the same ZeRO stage: (gpus, ep)
     for name, (gpus, ep) in other.items():
-        gen_config(tmp_path / name, corpus, hf_dir, *train, "--zero", "2", "--ep", ep, gpus=gpus)
+        configure(tmp_path / name, corpus, hf_dir, *train, "--zero", "2", "--ep", ep, gpus=gpus)
     with pytest.raises(SpecError, match=r"saved with ep 2, this run has ep 1: DeepSpeed's native MoE checkpoint "
                                         r"cannot be re-partitioned .*; resume with ep 2$"):
         ckpt.resume_point(load_run(tmp_path / "ep1-zero2"), str(last))
@@ -171,7 +171,7 @@ def test_mixtral_expert_parallel_equals_ep1_resumes_exactly_and_exports(tmp_path
 def test_qwen3_moe_expert_parallel_starts_from_transformers_and_exports_its_logits(tmp_path, corpus, monkeypatch):
     hf_dir, hf, expected = start_from_hf(tmp_path, "qwen3-moe", corpus, monkeypatch)
     run = tmp_path / "run"
-    gen_config(run, corpus, hf_dir, "--steps", "2", "--lr", "1e-12", "--weight-decay", "0", "--zero", "2", "--ep", "2")
+    configure(run, corpus, hf_dir, "--steps", "2", "--lr", "1e-12", "--weight-decay", "0", "--zero", "2", "--ep", "2")
     ok(launch(run))
     rows = csv_rows(run / "metrics.csv")
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
@@ -205,10 +205,10 @@ def test_sigmoid_routing_expert_parallel_equals_ep1_and_the_plain_model(tmp_path
     rows = {}
     for name, gpus, flags in (("ep2", 2, ("--zero", "2", "--ep", "2")), ("ep1", 2, ("--zero", "0", "--ep", "1")),
                               ("dp1", 1, ("--zero", "0", "--ep", "1"))):
-        r = dspipe("gen-config", *model, "--gpus-per-node", gpus, "--gpu", "cpu", "--global-batch", "16",
-                   "--micro-batch", "4", "--warmup", "1", "--log-interval", "1", "--eval-interval", "0", "--data",
-                   corpus, "--out", tmp_path / name, "--precision", "fp32", "--offload", "none", "--no-offload-params",
-                   "--checkpointing", "none", "--pp", "1", *flags)
+        r = gen_config(*model, "--gpus-per-node", gpus, "--gpu", "cpu", "--global-batch", "16",
+                       "--micro-batch", "4", "--warmup", "1", "--log-interval", "1", "--eval-interval", "0", "--data",
+                       corpus, "--out", tmp_path / name, "--precision", "fp32", "--offload", "none",
+                       "--no-offload-params", "--checkpointing", "none", "--pp", "1", *flags)
         assert r.returncode == 0, r.stderr
         if name == "dp1":  # the ep 1 run's checkpoint at step 3, resumed by one rank
             shutil.copytree(tmp_path / "ep1" / "checkpoints", tmp_path / name / "checkpoints",

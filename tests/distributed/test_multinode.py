@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from dspipe.runtime.watchdog import read_events
-from tests.helpers import ROOT, dspipe, free_port, metrics, written_metrics
+from tests.helpers import ROOT, dspipe, free_port, gen_config, metrics, written_metrics
 
 pytestmark = pytest.mark.distributed
 HOSTS = "localhost slots=1\n127.0.0.1 slots=1\n"  # two names for this machine: two "nodes", one CPU rank each
@@ -19,9 +19,9 @@ TIMEOUT = 900
 
 
 def gen(tmp, corpus, name, *flags):
-    r = dspipe("gen-config", "--model", "tiny", "--gpu", "cpu", "--global-batch", "16", "--micro-batch", "4",
-               "--steps", "6", "--warmup", "2", "--lr", "3e-3", "--precision", "fp32", "--data", corpus,
-               "--out", f"runs/{name}", *flags, cwd=tmp)
+    r = gen_config("--model", "tiny", "--gpu", "cpu", "--global-batch", "16", "--micro-batch", "4",
+                   "--steps", "6", "--warmup", "2", "--lr", "3e-3", "--precision", "fp32", "--data", corpus,
+                   "--out", f"runs/{name}", *flags, cwd=tmp)
     assert r.returncode == 0, r.stderr
     return tmp / "runs" / name
 

@@ -13,7 +13,7 @@ import torch
 
 from dspipe.model.gpt import GPT
 from dspipe.rundir import load_run
-from tests.helpers import ROOT, dspipe, free_port
+from tests.helpers import ROOT, free_port, gen_config
 
 SEED = 1234  # gen-config's default
 COMMON = ("--gpus-per-node", "2", "--gpu", "cpu", "--global-batch", "8", "--micro-batch", "2", "--steps", "3",
@@ -64,7 +64,7 @@ def test_every_build_mode_gives_the_plain_step0_weights(tmp_path, corpus):
     flags.update((name, f) for name, (f, _) in SEQUENCE_PARALLEL.items())
     runs = []
     for name, args in flags.items():
-        r = dspipe("gen-config", *COMMON, *args, "--data", corpus, "--out", tmp_path / name)
+        r = gen_config(*COMMON, *args, "--data", corpus, "--out", tmp_path / name)
         assert r.returncode == 0, r.stderr
         runs.append(tmp_path / name)
     out = tmp_path / "out"

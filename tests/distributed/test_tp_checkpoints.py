@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dspipe.runtime import checkpoint as ckpt
-from tests.helpers import OFFLINE, dspipe_offline, launch, make_run, max_diff, ok, written_metrics
+from tests.helpers import OFFLINE, launch, make_run, max_diff, offline_here, ok, written_metrics
 
 pytestmark = pytest.mark.distributed
 
@@ -125,7 +125,7 @@ def test_export_and_generate_from_tp_checkpoints(request, work, monkeypatch, nam
     meta = ckpt.read_meta(tag(run))
     assert (meta["tp"], meta["pp"]) == ((2, 2) if name.endswith("pp2") else (2, 1))
     out = work / f"hf-{name}"
-    r = dspipe_offline("export-hf", tag(run), "--out", out)
+    r = offline_here("export-hf", tag(run), "--out", out)
     assert r.returncode == 0, r.stderr[-3000:]
     hf = AutoModelForCausalLM.from_pretrained(out).eval()
     assert hf.config.tie_word_embeddings is name.startswith("tiny")
@@ -133,7 +133,7 @@ def test_export_and_generate_from_tp_checkpoints(request, work, monkeypatch, nam
     ids = torch.tensor([AutoTokenizer.from_pretrained(out).encode("def f(x):\n    return x + 1\n")[:64]])
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits, gpt(ids), atol=1e-5, rtol=0)
-    texts = [dspipe_offline("generate", src, "--prompt", "def ", "--temperature", "0", "--max-tokens", "8")
+    texts = [offline_here("generate", src, "--prompt", "def ", "--temperature", "0", "--max-tokens", "8")
              for src in (tag(run), out)]
     assert [t.returncode for t in texts] == [0, 0], [t.stderr[-2000:] for t in texts]
     assert texts[0].stdout == texts[1].stdout and texts[0].stdout.startswith("def ")

@@ -77,6 +77,16 @@ def test_gen_config_works_where_torch_and_deepspeed_are_absent(tmp_path):
     assert (tmp_path / "run" / "ds_config.json").is_file() and (tmp_path / "run" / "dspipe.json").is_file()
 
 
+def test_the_checkpoint_writer_process_starts_without_deepspeed(tmp_path):
+    """The spawned writer (async_save.writer_process) imports its module and the rank's main module (run.py, whose
+    imports wait for __main__): neither pulls in DeepSpeed, whose import would compete with the ranks' start-up."""
+    code = ("import runpy, sys; runpy.run_path(sys.argv[1], run_name='__mp_main__'); "
+            "import dspipe.runtime.async_save; print('LOADED:', sorted(m for m in sys.modules if m.startswith('deepspeed')))")
+    r = python(code, ROOT / "run.py", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "LOADED: []" in r.stdout
+
+
 def module_name(path) -> str:
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
     if parts[-1] == "__init__":

@@ -11,7 +11,7 @@ from dspipe.planner.cost import estimate
 from dspipe.planner.memory import MEMORY_HEADROOM, activation_bytes_per_layer, embedding_bytes, logits_bytes
 from dspipe.planner.stages import block_params_per_rank, stage_layer_weights, stage_params, tp_split_params_per_block
 from dspipe.planner.timing import RING_BASE_LATENCY_S, RING_HOP_LATENCY_S, ring_latency_s
-from dspipe.spec.hardware import GIB, GPU_CATALOG
+from dspipe.spec.hardware import GPU_CATALOG
 from dspipe.planner.plan import TP_SP_ZERO3_REFUSAL, make_plan
 from dspipe.spec.presets import MODEL_PRESETS, model_preset
 from dspipe.planner.enumerate import sp_choices, tp_choices

@@ -11,7 +11,8 @@ import torch
 
 from dspipe.errors import SpecError
 from dspipe.runtime import checkpoint as ckpt
-from dspipe.runtime.async_save import ArenaPool, BackgroundWriter, rebuild, stage_into
+from dspipe.runtime.async_engine import BackgroundWriter
+from dspipe.runtime.async_save import ArenaPool, rebuild, stage_into
 from dspipe.runtime.faults import Faults
 from dspipe.spec.core import TrainSpec
 from tests.helpers import mount_tmpfs

@@ -3,7 +3,6 @@ operation and the step, recorded in events.jsonl, and ends the rank with HANG_EX
 watched. Driven by a fake clock and a fake exit: no ranks start."""
 import json
 import threading
-import time
 
 import pytest
 import torch.distributed as dist

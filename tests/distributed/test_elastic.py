@@ -14,7 +14,7 @@ import pytest
 from dspipe.runtime.watchdog import COLLECTIVES
 from tests.helpers import ROOT, csv_rows, dspipe, free_port, make_run
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.solo]  # 4+ ranks, or a time it measures
 TIMEOUT = 600
 HOSTS = "localhost slots=2\n127.0.0.1 slots=2\n"  # two names for this machine: two "nodes" of 2 CPU ranks
 FLAGS = ("--precision", "fp32", "--zero", "1", "--sync-save", "--save-interval", "3", "--log-interval", "1",

@@ -13,7 +13,7 @@ import pytest
 from dspipe.runtime.watchdog import read_events
 from tests.helpers import ROOT, dspipe, free_port, gen_config, metrics, written_metrics
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.solo]  # 4+ ranks, or a time it measures
 HOSTS = "localhost slots=1\n127.0.0.1 slots=1\n"  # two names for this machine: two "nodes", one CPU rank each
 TIMEOUT = 900
 

@@ -78,6 +78,7 @@ def test_crash_inside_a_save_keeps_the_previous_checkpoint(tmp_path, corpus):
 
 
 @pytest.mark.distributed
+@pytest.mark.solo  # the interval follows the measured step and save times
 def test_save_interval_auto_follows_each_saves_measured_time(tmp_path, corpus):
     """--save-interval auto on a cluster that fails every 0.09 s (--gpu-mtbf-hours 5e-5 over 2 ranks): gen-config
     plans the first save from the planned write time; after each save the run re-plans the interval from that

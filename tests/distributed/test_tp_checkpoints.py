@@ -13,7 +13,7 @@ import torch
 from dspipe.runtime import checkpoint as ckpt
 from tests.helpers import OFFLINE, launch, make_run, max_diff, offline_here, ok, written_metrics
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.solo]  # 4+ ranks, or a time it measures
 
 STEPS, EVERY = 6, 3
 

@@ -9,7 +9,7 @@ import pytest
 
 from tests.helpers import free_port, launch, make_run, metrics
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.solo]  # 4+ ranks, or a time it measures
 
 STEPS = 6
 MODELS = {"gpt": "tiny", "llama": "tiny-llama"}

@@ -7,17 +7,13 @@ import os
 import time
 from pathlib import Path
 
+from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
 from dspipe.runtime.async_save import ArenaPool, stage_into, writer_process
 from dspipe.runtime.writefail import WriteFailures
 
 
-def _torch_checkpoint_engine():
-    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
-
-    return TorchCheckpointEngine
-
-
-class BackgroundWriter(_torch_checkpoint_engine()):
+class BackgroundWriter(TorchCheckpointEngine):
     """A DeepSpeed checkpoint engine whose `save` snapshots into shared host buffers; a process of its own (spawned
     by `start`, or at the first checkpoint; kept for the run) writes the files. Loads are TorchCheckpointEngine's.
     One per rank."""

@@ -118,7 +118,7 @@ def check(*, device: str, dtype, variants: list[str], tokens: int = 1000, hidden
         loss = loss_of(variant)(x, w, y)
         got = (loss, *torch.autograd.grad(loss, (x, w)))
         rows.append((variant, *(((g.double() - e.double()).abs().max() / e.double().abs().max()).item()
-                                for g, e in zip(got, want))))
+                                for g, e in zip(got, want, strict=True))))
     return rows
 
 

@@ -51,7 +51,8 @@ def main() -> None:
         print(f"{label}: tp {tp_choices(model, cluster)} x sp {sp_choices(model, cluster)}{eps}; "
               f"{result.evaluated} candidates estimated (+ rule rejections) in {min(times):.3f} s best, "
               f"{statistics.median(times):.3f} s median of {args.repeat}")
-        print(f"    chosen: {best.describe(every_axis=True)}; {e.memory.total / e.gpu_memory_bytes * 100:.0f}% of GPU memory, "
+        print(f"    chosen: {best.describe(every_axis=True)}; "
+              f"{e.memory.total / e.gpu_memory_bytes * 100:.0f}% of GPU memory, "
               f"bubble {e.bubble_s / e.step_time_s * 100:.0f}%, MFU {best.mfu * 100:.1f}%, "
               f"{tokens / best.tokens_per_s / 86400:.1f} days for {tokens:.3g} tokens")
 

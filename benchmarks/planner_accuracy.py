@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 from dspipe.planner.cost import estimate  # noqa: E402
 from dspipe.planner.memory import zero3_gathered_bound  # noqa: E402
 from dspipe.rundir import load_run  # noqa: E402
+from dspipe.spec.dtypes import dtype_bytes  # noqa: E402
 from benchmarks.census.tensors import CATEGORIES  # noqa: E402
 
 # ~31.5M parameters: big enough that model states dominate everything else a rank holds. The second size has a
@@ -76,7 +77,8 @@ CONFIGS = {  # name: (model, options); every layout pinned (the planner would pi
     "qwen3-zero3": ("qwen3-45M", ["--zero", "3", *BF16]),
     "pp2-zero1": ("31M", ["--zero", "1", *BF16, "--pp", "2"]),
     "tp2-zero1": ("31M", ["--zero", "1", *BF16, "--tp", "2"]),
-    "tp2-qwen3-zero1": ("qwen3-45M", ["--zero", "1", *BF16, "--tp", "2"]),  # the tensor-parallel split of 128-wide heads
+    # the tensor-parallel split of 128-wide heads
+    "tp2-qwen3-zero1": ("qwen3-45M", ["--zero", "1", *BF16, "--tp", "2"]),
     # DeepSpeed's native MoE (the runtime's expert-parallel wrapper): experts over ep, their ZeRO states over dp / ep
     "moe-zero1-ep2": ("moe-35M", ["--zero", "1", *BF16, "--ep", "2"]),
     "moe-zero2-ep2": ("moe-35M", ["--zero", "2", *BF16, "--ep", "2"]),
@@ -140,7 +142,7 @@ def gathered_allowed(run_dir: Path) -> int:
     """ZeRO-3 gathered parameter bytes the rendered knobs allow at most (memory.zero3_gathered_bound); 0 below
     ZeRO-3."""
     run = load_run(run_dir)
-    b = 2 if run.plan.precision in ("bf16", "fp16") else 4
+    b = dtype_bytes(run.plan.precision)
     return b * zero3_gathered_bound(model=run.model, plan=run.plan) if run.plan.zero_stage == 3 else 0
 
 
@@ -163,7 +165,7 @@ def collect(names: list[str], workdir: Path) -> list[dict]:
     """Rows from the run dirs and the census files a launch left in workdir."""
     run_dirs, out = [workdir / name for name in names], workdir / "census"
     rows = []
-    for name, run_dir in zip(names, run_dirs):
+    for name, run_dir in zip(names, run_dirs, strict=True):
         ranks = [json.loads((out / name / f"rank{i}.json").read_text()) for i in range(2)]
         measured = {"steady": max(c["steady"]["total"] for c in ranks),
                     "peak": max(c["peak"]["total"] for c in ranks),

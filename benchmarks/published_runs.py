@@ -44,8 +44,8 @@ def megatron_gpt(name: str, layers: int, hidden: int, heads: int) -> ModelSpec:
 def megatron_flops_per_token(m: ModelSpec) -> float:
     """The FLOPs per token Narayanan et al. count (their eq. 3 / (B.s), full recomputation included):
     96.l.h^2 (1 + s/6h + V/16lh)."""
-    l, h, s, v = m.layers, m.hidden, m.seq_len, m.vocab
-    return 96 * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
+    layers, h, s, v = m.layers, m.hidden, m.seq_len, m.vocab
+    return 96 * layers * h * h * (1 + s / (6 * h) + v / (16 * layers * h))
 
 
 @dataclass(frozen=True)

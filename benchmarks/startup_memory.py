@@ -103,7 +103,8 @@ def report(big: dict, *, tiny: dict, args) -> None:
     fp32_model = big["params"] * 4 / MIB
     growth = max(big["startup"]["peak_rss_mib"]) - max(tiny["startup"]["peak_rss_mib"])
     def build_growth(run: dict) -> float:
-        return max(b - a for a, b in zip(run["startup"]["rss_before_build_mib"], run["startup"]["build_rss_mib"]))
+        return max(b - a for a, b in zip(run["startup"]["rss_before_build_mib"], run["startup"]["build_rss_mib"],
+                                               strict=True))
 
     build = build_growth(big)
     net = build - build_growth(tiny)  # what building the tiny model costs too: first use of the allocator, kernels

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from dspipe.errors import SpecError
+from dspipe.jsonio import read_object
 
 MARKER = ".dspipe-output"
 """JSON {"dspipe": KIND, "format_version": 1, "files": [relative paths]} in every directory output but a run's."""
@@ -116,16 +117,16 @@ def is_run_dir(path: Path) -> bool:
     if not spec.is_file() or not (Path(path) / RUN_DS_CONFIG).is_file():
         return False
     try:
-        return "format_version" in json.loads(spec.read_text(encoding="utf-8"))
-    except (OSError, ValueError, TypeError):
+        return "format_version" in read_object(spec)
+    except SpecError:
         return False
 
 
 def read_marker(path: Path) -> dict | None:
     """The marker of a directory output, or None when there is none (or it is not dspipe's)."""
     try:
-        marker = json.loads((Path(path) / MARKER).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        marker = read_object(Path(path) / MARKER)
+    except SpecError:
         return None
     if (not isinstance(marker, dict) or marker.get("dspipe") not in KINDS or not isinstance(marker.get("files"), list)
             or not all(isinstance(f, str) for f in marker["files"])):
@@ -151,8 +152,8 @@ def owner(path: Path) -> str | None:
 
 def _legacy_meta(path: Path) -> bool:
     try:
-        return json.loads((path / "meta.json").read_text(encoding="utf-8")).get("format") == "dspipe-tokens"
-    except (OSError, ValueError, AttributeError):
+        return read_object(path / "meta.json").get("format") == "dspipe-tokens"
+    except SpecError:
         return False
 
 

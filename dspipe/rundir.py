@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -12,8 +11,10 @@ from dspipe.atomic import staged_dir, write_file
 from dspipe.errors import SpecError
 from dspipe.jsonio import read_object, show
 from dspipe.planner.plan import Plan, check_plan
+from dspipe.run_estimate import RunEstimate
 from dspipe.spec.profile import PROFILE_FILE, profile_to_dict
 from dspipe.spec.core import ClusterSpec, ModelSpec, StrategySpec, TrainSpec, from_dict
+from dspipe.spec.kinds import Checkpointing, Precision
 
 FORMAT_VERSION = 1
 SPEC_FILE = "dspipe.json"
@@ -23,7 +24,7 @@ VAL_FILE = "val_metrics.csv"  # validation rows (dspipe.planner.throughput.VAL_C
 CONFIG_FILE = "config.yaml"  # gen-config's options as resolved (dspipe.cli.config_file): --config reproduces the run
 EXTRA_FILES = (CONFIG_FILE, PROFILE_FILE)
 """Files besides the two configs that gen-config may write into a run directory (with them, whole or not at all)."""
-_EXTRA: contextvars.ContextVar[dict[str, str]] = contextvars.ContextVar("dspipe_run_files", default={})
+_EXTRA: contextvars.ContextVar[dict[str, str]] = contextvars.ContextVar("dspipe_run_files")
 
 
 @contextlib.contextmanager
@@ -53,7 +54,7 @@ class Run:
     plan: Plan
     data: str
     """Prepared token directory the run trains on."""
-    estimate: dict = field(default_factory=dict)
+    estimate: RunEstimate = field(default_factory=RunEstimate)
     """The planner's estimate as gen-config wrote it (dspipe.json's "estimate")."""
     ds_config: dict = field(default_factory=dict)
     """ds_config.json as read and checked against the plan."""
@@ -80,7 +81,8 @@ class Run:
 
 
 def write_run(out: Path, *, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strategy: StrategySpec,
-              plan: Plan, data: str, ds_config: dict, command: str, estimate: dict, force: bool = False) -> None:
+              plan: Plan, data: str, ds_config: dict, command: str, estimate: RunEstimate,
+              force: bool = False) -> None:
     """A new run directory is written into a sibling temp dir, then renamed: never half-written. An existing one
     is rewritten only with `force` and only if it is a run directory: its config files (ds_config.json, dspipe.json
     and the `also_writing` files) are replaced (each whole), everything else (checkpoints, metrics, TensorBoard
@@ -88,9 +90,9 @@ def write_run(out: Path, *, model: ModelSpec, cluster: ClusterSpec, train: Train
     it could not resume."""
     out = outputs.target(out, flag="--out", expect="dir")
     spec = {"format_version": FORMAT_VERSION, "model": asdict(model), "cluster": cluster_dict(cluster),
-            "train": asdict(train), "strategy": asdict(strategy), "plan": asdict(plan), "estimate": estimate, "data": data,
-            "command": command}
-    texts = {**_EXTRA.get(), DS_CONFIG_FILE: _json_text(ds_config, DS_CONFIG_FILE),
+            "train": asdict(train), "strategy": asdict(strategy), "plan": asdict(plan), "estimate": estimate.to_dict(),
+            "data": data, "command": command}
+    texts = {**_EXTRA.get({}), DS_CONFIG_FILE: _json_text(ds_config, DS_CONFIG_FILE),
              SPEC_FILE: _json_text(spec, SPEC_FILE)}  # dspipe.json (what readers open first) last
     if outputs.claim_run_dir(out, force=force):
         _check_same_model(out, model=spec["model"])
@@ -124,8 +126,8 @@ def _check_same_model(out: Path, *, model: dict) -> None:
     if not kept:
         return
     try:
-        old = json.loads((out / SPEC_FILE).read_text()).get("model")
-    except (OSError, ValueError, AttributeError):
+        old = read_object(out / SPEC_FILE).get("model")
+    except SpecError:
         old = None
     if old == model:
         return
@@ -171,7 +173,7 @@ def load_run(path: str | Path) -> Run:
                    strategy=specs["strategy"])
     except SpecError as e:
         raise SpecError(f"{spec_file}: {e}") from None
-    estimate = _estimate(spec_file, d.get("estimate", {}))
+    estimate = RunEstimate.from_dict(d.get("estimate", {}), source=spec_file)
     check_spec_agrees(spec_file, cluster=specs["cluster"], plan=specs["plan"], estimate=estimate,
                       command=d.get("command"))
     ds_config = read_object(ds_file)
@@ -180,8 +182,6 @@ def load_run(path: str | Path) -> Run:
 
 
 RUN_KEYS = ("model", "cluster", "train", "strategy", "plan", "data")
-ESTIMATE_NUMBERS = ("tokens_per_s", "mfu", "step_time_s")
-"""Figures of dspipe.json's estimate that `dspipe report` reads (with memory_per_gpu_bytes.total)."""
 
 
 def _section(source: Path, key: str, cls, value):
@@ -194,45 +194,19 @@ def _section(source: Path, key: str, cls, value):
         raise SpecError(f"{source}: {key}: {' '.join(str(e).split())}") from None
 
 
-def _estimate(source: Path, estimate) -> dict:
-    if not isinstance(estimate, dict):
-        raise SpecError(f"{source}: estimate must be an object, got {type(estimate).__name__}")
-    memory = estimate.get("memory_per_gpu_bytes", {})
-    if not isinstance(memory, dict):
-        raise SpecError(f"{source}: estimate.memory_per_gpu_bytes must be an object, got {type(memory).__name__}")
-    for name, value in [*((k, estimate.get(k)) for k in ESTIMATE_NUMBERS),
-                        ("memory_per_gpu_bytes.total", memory.get("total"))]:
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
-            raise SpecError(f"{source}: estimate.{name} must be a number >= 0 or null, got {show(value)}")
-    if AUTO_INTERVAL in estimate and estimate[AUTO_INTERVAL] is not True:
-        raise SpecError(f"{source}: estimate.{AUTO_INTERVAL} must be true when present, got "
-                        f"{show(estimate[AUTO_INTERVAL])}")
-    return estimate
-
-
-AUTO_INTERVAL = "save_interval_auto"
-"""dspipe.json's estimate key, true when train.save_interval came from --save-interval auto: the runner then
-re-plans it from each save's measured time (dspipe.runtime.save_schedule)."""
-
-
-ESTIMATE_LAYOUT = ("num_params", "zero_stage", "offload", "offload_params", "precision", "pp", "tp", "sp", "dp",
-                   "micro_batch", "grad_accum", "checkpointing")
-"""Figures of dspipe.json's estimate that repeat the plan (dspipe.planner.summary.estimate_summary)."""
-
-
-def check_spec_agrees(source: Path, *, cluster: ClusterSpec, plan: Plan, estimate: dict, command) -> None:
+def check_spec_agrees(source: Path, *, cluster: ClusterSpec, plan: Plan, estimate: RunEstimate,
+                      command) -> None:
     """The parts of dspipe.json that restate the cluster and the plan say the same: the estimate's layout figures
     and ranks per node, and the deepspeed command gen-config printed (its --num_nodes and --num_gpus). A run
     directory edited in one place only (cluster 2 x 1, command for 1 x 2) is refused instead of acted on."""
     if command is not None:  # run directories from before the command was kept have none
         _check_command(source, command=command, cluster=cluster, plan=plan)
-    for key in ESTIMATE_LAYOUT:
-        if key in estimate and (estimate[key] != getattr(plan, key) or
-                                type(estimate[key]) is not type(getattr(plan, key))):
-            raise SpecError(f"{source}: estimate.{key} {show(estimate[key])} disagrees with plan.{key} "
+    for key, value in estimate.layout().items():
+        if value != getattr(plan, key) or type(value) is not type(getattr(plan, key)):
+            raise SpecError(f"{source}: estimate.{key} {show(value)} disagrees with plan.{key} "
                             f"{getattr(plan, key)!r}; regenerate with 'dspipe gen-config --force'")
-    startup = estimate.get("startup")
-    per_node = startup.get("ranks_per_node") if isinstance(startup, dict) else None
+    startup = estimate.startup
+    per_node = startup.get("ranks_per_node") if startup is not None else None
     if per_node is not None and per_node != cluster.gpus_per_node:
         raise SpecError(f"{source}: estimate.startup.ranks_per_node {show(per_node)} disagrees with "
                         f"cluster.gpus_per_node {cluster.gpus_per_node}")
@@ -276,7 +250,7 @@ def check_ds_config(ds: dict, *, plan: Plan, source: Path | str) -> None:
     bf16 = "bfloat16" if "bfloat16" in ds and "bf16" not in ds else "bf16"  # DeepSpeed's alias
     wanted = {"train_batch_size": plan.ds_train_batch_size, "train_micro_batch_size_per_gpu": plan.micro_batch,
               "gradient_accumulation_steps": plan.grad_accum, "zero_optimization.stage": plan.zero_stage,
-              f"{bf16}.enabled": plan.precision == "bf16", "fp16.enabled": plan.precision == "fp16",
+              f"{bf16}.enabled": plan.precision == Precision.BF16, "fp16.enabled": plan.precision == Precision.FP16,
               "pipeline.stages": plan.pp}
     defaults = {"zero_optimization.stage": 0, f"{bf16}.enabled": False, "fp16.enabled": False,
                 "pipeline.stages": plan.pp}
@@ -285,7 +259,8 @@ def check_ds_config(ds: dict, *, plan: Plan, source: Path | str) -> None:
         if type(have) is not type(want) or have != want:
             raise SpecError(f"{source}: {key} is {show(have)} but the plan in {SPEC_FILE} has {want!r} "
                             f"(global batch {plan.global_batch} = micro {plan.micro_batch} x grad_accum "
-                            f"{plan.grad_accum} x dp {plan.dp}, tp {plan.tp}, ZeRO-{plan.zero_stage}, {plan.precision}, "
+                            f"{plan.grad_accum} x dp {plan.dp}, tp {plan.tp}, ZeRO-{plan.zero_stage}, "
+                            f"{plan.precision}, "
                             f"pp {plan.pp}); regenerate both with 'dspipe gen-config --force'")
     if plan.zero_stage:
         device = lookup("zero_optimization.offload_optimizer", {})
@@ -296,7 +271,7 @@ def check_ds_config(ds: dict, *, plan: Plan, source: Path | str) -> None:
     ac = lookup("activation_checkpointing", {})
     if not isinstance(ac, dict):
         raise SpecError(f"{source}: activation_checkpointing must be an object, got {type(ac).__name__}")
-    if plan.checkpointing != "none":  # the engine passes these to deepspeed.checkpointing.configure
+    if plan.checkpointing != Checkpointing.NONE:  # the engine passes these to deepspeed.checkpointing.configure
         for key in ("partition_activations", "contiguous_memory_optimization", "cpu_checkpointing",
                     "synchronize_checkpoint_boundary", "profile"):
             if not isinstance(ac.get(key), bool):

@@ -10,7 +10,8 @@ DISTRIBUTED_DIR = Path(__file__).resolve().parent / "distributed"
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "distributed: launches real DeepSpeed ranks (slow); deselect with -m 'not distributed'")
+    config.addinivalue_line("markers", "distributed: launches real DeepSpeed ranks (slow); "
+                                       "deselect with -m 'not distributed'")
     config.addinivalue_line("markers", "solo: a distributed test that needs the machine to itself (4+ ranks, or a time "
                                        "it measures); scripts/test.sh runs these one at a time")
 

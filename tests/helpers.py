@@ -173,11 +173,11 @@ def hand_checkpoint(run_dir, *, step=6, seed=0):
 
     from dspipe.model.gpt import GPT
     from dspipe.rundir import SPEC_FILE, load_run
-    from dspipe.runtime import checkpoint as ckpt
+    from dspipe.runtime import ckpt_tags
 
     run = load_run(run_dir)
     assert (run.plan.zero_stage, run.plan.pp, run.plan.tp, run.plan.sp) == (0, 1, 1, 1), "a ZeRO-0 pp 1 run"
-    tag = run.checkpoint_dir / ckpt.tag_for(step)
+    tag = run.checkpoint_dir / ckpt_tags.tag_for(step)
     tag.mkdir(parents=True)
     consumed = step * run.plan.global_batch
     data = {"consumed_samples": consumed, "epoch": 0, "seed": run.train.seed, "num_samples": 10_000,
@@ -193,9 +193,19 @@ def hand_checkpoint(run_dir, *, step=6, seed=0):
     meta = {"step": step, "consumed_samples": consumed, "data": data, "model": asdict(run.model), "pp": 1, "tp": 1,
             "sp": 1, "zero_stage": 0, "dp": run.plan.dp, "world_size": run.plan.world_size,
             "run_spec": json.loads((run.path / SPEC_FILE).read_text())}
-    (tag / ckpt.META_FILE).write_text(json.dumps(meta, indent=2))
-    (run.checkpoint_dir / ckpt.LATEST_FILE).write_text(tag.name)
+    (tag / ckpt_tags.META_FILE).write_text(json.dumps(meta, indent=2))
+    (run.checkpoint_dir / ckpt_tags.LATEST_FILE).write_text(tag.name)
     return tag
+
+
+def meta_of(**fields):
+    """A CheckpointMeta from the fields a test cares about: position 0, empty data and model, world size dp x pp x tp
+    x sp unless given."""
+    from dspipe.runtime.ckpt_meta import CheckpointMeta
+
+    dims = {"dp": 1, "pp": 1, "tp": 1, "sp": 1, "zero_stage": 1, **fields}
+    world = dims["dp"] * dims["pp"] * dims["tp"] * dims["sp"]
+    return CheckpointMeta(**{"step": 0, "consumed_samples": 0, "data": {}, "model": {}, "world_size": world, **dims})
 
 
 def edit_hf_config(directory, **edits) -> None:

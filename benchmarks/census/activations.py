@@ -210,7 +210,8 @@ def census_stage(*, model, pp: int, stage: int, micro_batch: int, checkpointing:
                               activation_checkpoint_interval=1 if checkpointing == "full" else 0,
                               checkpoint_fn=counted_proxy, seed=seed).to(_dtype(precision)).train()
         recompute(pipe, mode=checkpointing, checkpoint_fn=counted_proxy)
-        pipe._precompute_checkpointable_values()  # as PipelineEngine's __init__ does; forward checkpoints nothing without
+        # as PipelineEngine's __init__ does; forward checkpoints nothing without
+        pipe._precompute_checkpointable_values()
         bounds = [int(x) for x in pipe.parts]
         layers = list(pipe.forward_funcs)
         blocks = [m for m in layers if isinstance(m, Block)]
@@ -262,8 +263,9 @@ def compare(*, model, micro_batch: int, checkpointing: str, precision: str, pp: 
     """Census of the real model (or pipeline stage) and the planner's figures for it, with PyTorch's CPU kernels."""
     from dspipe.planner.memory import activation_bytes_per_layer, logits_bytes, micro_batch_activations
     from dspipe.planner.stages import stage_blocks, stage_bounds
+    from dspipe.spec.dtypes import dtype_bytes
 
-    act_bytes = 4 if precision == "fp32" else 2
+    act_bytes = dtype_bytes(precision)
     if pp == 1:
         census = census_gpt(model=model, micro_batch=micro_batch, checkpointing=checkpointing, precision=precision)
     else:

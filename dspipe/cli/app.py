@@ -21,6 +21,7 @@ from dspipe.cli.prepare_run import prepare_run
 from dspipe.cli.report import report
 from dspipe.cluster.launch import run_program
 from dspipe.errors import SpecError
+from dspipe.log import get_logger, setup_logging
 from dspipe.planner.render import monitor_values
 from dspipe.spec.core import ClusterSpec, ModelSpec
 from dspipe.spec.hardware import GIB
@@ -36,7 +37,8 @@ def cli() -> None:
 def _deepspeed_command(*, cluster: ClusterSpec, out: Path, hostfile: str | None) -> str:
     launcher = ["deepspeed"]
     if hostfile or cluster.nodes > 1:
-        launcher += ["--hostfile", str(Path(hostfile).resolve()) if hostfile else "HOSTFILE", "--num_nodes", str(cluster.nodes)]
+        launcher += ["--hostfile", str(Path(hostfile).resolve()) if hostfile else "HOSTFILE",
+                     "--num_nodes", str(cluster.nodes)]
     launcher += ["--num_gpus", str(cluster.gpus_per_node), *run_program(out.resolve())]
     return shlex.join(launcher)
 
@@ -139,7 +141,7 @@ def gen_config(**o) -> None:
         notes.append(f"note: kept {', '.join(kept)} in {out}: 'dspipe launch {out}' resumes from its newest "
                      f"checkpoint ('--restart' starts over, moving the old outputs aside)")
     for note in notes:
-        click.echo(note, err=True)
+        get_logger(__name__).info(note)
 
 
 def _auto_save_interval(best, *, cluster):
@@ -196,7 +198,7 @@ def plan_command(**o) -> None:
         if budget is not None:
             click.echo(f"token budget: {budget}")
     if o["save_interval"] == "auto":  # what gen-config would write (--json: stdout stays one JSON object)
-        click.echo(f"note: {_auto_save_interval(result.best, cluster=cluster)[1]}", err=True)
+        get_logger(__name__).info(f"note: {_auto_save_interval(result.best, cluster=cluster)[1]}")
 
 
 def time_figure_sources(cluster: ClusterSpec, o: dict, precision: str) -> list[tuple[str, str, str]]:
@@ -277,17 +279,19 @@ cli.add_command(calibrate)
 
 def main(argv: list[str] | None = None) -> None:
     """Run the CLI; every user error becomes one line on stderr and exit code 2."""
+    setup_logging(rank=0)  # one process, not a rank: its diagnostics are never filtered out
+    log = get_logger(__name__)
     try:
         cli.main(args=argv, prog_name="dspipe", standalone_mode=False)
     except SpecError as e:
-        click.echo(f"dspipe: error: {e}", err=True)
+        log.error(f"dspipe: error: {e}")
         sys.exit(e.exit_code)
     except click.exceptions.Abort:
         sys.exit(130)
     except click.ClickException as e:
-        click.echo(f"dspipe: error: {e.format_message()}", err=True)
+        log.error(f"dspipe: error: {e.format_message()}")
         sys.exit(2)
     except OSError as e:  # a read or write that failed where no reader named it (each reader should): still one line
         where = f"{e.filename}: " if e.filename else ""
-        click.echo(f"dspipe: error: {where}{e.strerror or ' '.join(str(e).split())}", err=True)
+        log.error(f"dspipe: error: {where}{e.strerror or ' '.join(str(e).split())}")
         sys.exit(2)

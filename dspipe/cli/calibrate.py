@@ -8,6 +8,7 @@ import click
 
 from dspipe.cli.options import FLOAT, INT, _model_from_options, model_options
 from dspipe.errors import SpecError
+from dspipe.log import get_logger
 from dspipe.spec.core import PRECISIONS
 
 
@@ -69,7 +70,7 @@ def calibrate(**o) -> None:
     profile = measure(model=model, precision=precision, micro_batch=o["micro_batch"], ranks=o["ranks"],
                       threads=o["threads"], repeats=o["repeats"], min_seconds=o["min_seconds"],
                       allreduce_mib=o["allreduce_mib"],
-                      cpu_adam=o["cpu_adam"], say=lambda line: click.echo(line, err=True))
+                      cpu_adam=o["cpu_adam"], say=get_logger(__name__).info)
     text = profile_text(profile)
     if out is None:
         click.echo(text, nl=False)

@@ -80,7 +80,8 @@ def _extended_config(path: Path, *, steps: int | None, tokens: str | None, warmu
     """The run's config.yaml (gen-config's resolved options) with the new run length and the warmup it keeps (no
     longer derived from the length), so that --config still reproduces the run; None when the run has none (made
     before config files)."""
-    from dspipe.cli.config_file import dump, read_yaml
+    from dspipe.cli.config_file import dump
+    from dspipe.cli.yaml_dialect import read_yaml
 
     if not path.is_file():
         return None
@@ -106,7 +107,7 @@ def verify(ds_config: dict, *, dp: int) -> None:
 def extend(run_dir: Path, steps: int | None, tokens: str | None) -> None:
     """Continue RUN to more steps: rewrite its dspipe.json and ds_config.json for the new length (the lr schedule's
     total steps included), keeping its checkpoints and metrics; the same launch command then resumes and trains on."""
-    from dspipe.runtime.checkpoint import complete_checkpoints
+    from dspipe.runtime.ckpt_tags import complete_checkpoints
 
     run = load_run(run_dir)
     old_steps, per_step = run.train.steps, run.plan.tokens_per_step

@@ -6,6 +6,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from dspipe.errors import SpecError
+from dspipe.log import get_logger
 from dspipe.model.hf import CONFIG_FILE, TRAINING_ONLY, spec_from_hf_dir
 from dspipe.model.hf_weights import check_weights
 from dspipe.spec.core import ModelSpec
@@ -16,8 +17,8 @@ SHAPE_FLAGS = ("layers", "hidden", "heads", "vocab", "ffn")
 def init_from_spec(path: str, o: dict) -> ModelSpec:
     """The model of `gen-config --init-from HF_DIR` (and plan/bench): HF_DIR's config; a shape or architecture flag
     must agree with it, --seq-len may shorten the context (never beyond the model's positions), --dropout,
-    --aux-loss-coef and --capacity-factor replace the config's; its weights are checked (check_weights). Prints a note comparing HF_DIR's tokenizer with the
-    data's where both are known."""
+    --aux-loss-coef and --capacity-factor replace the config's; its weights are checked (check_weights). Prints a note
+    comparing HF_DIR's tokenizer with the data's where both are known."""
     flag = f"--init-from {path}"
     if o.get("model"):
         raise SpecError(f"--model {o['model']} and {flag} both name the model; give one of them")
@@ -44,9 +45,7 @@ def init_from_spec(path: str, o: dict) -> ModelSpec:
     check_weights(path, spec)  # before anything is written or launched: files, names, shapes, dtypes (headers)
     note = tokenizer_note(path, o.get("data"))
     if note:
-        import click
-
-        click.echo(note, err=True)
+        get_logger(__name__).info(note)
     return spec
 
 
@@ -85,10 +84,10 @@ def _flag_value(value) -> str:
 
 def tokenizer_vocab(tokenizer_json: Path) -> tuple[int, dict] | None:
     """(size, vocabulary) of a tokenizer.json: its model's vocab and its added tokens; None if unreadable."""
-    import json
+    from dspipe.jsonio import read_object
 
     try:
-        tok = json.loads(Path(tokenizer_json).read_text(encoding="utf-8"))
+        tok = read_object(tokenizer_json)
         vocab = dict(tok["model"]["vocab"]) if isinstance(tok["model"].get("vocab"), dict) else {}
         vocab.update({t["content"]: t["id"] for t in tok.get("added_tokens") or []})
         return len(set(vocab.values())), vocab

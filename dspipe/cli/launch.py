@@ -1,5 +1,5 @@
-"""`dspipe launch | doctor | build-ops | slurm-script`: multi-node launches through DeepSpeed's own launcher. Registered on the
-`dspipe` group by dspipe/cli/app.py; imports no torch until a command needs it."""
+"""`dspipe launch | doctor | build-ops | slurm-script`: multi-node launches through DeepSpeed's own launcher. Registered
+on the `dspipe` group by dspipe/cli/app.py; imports no torch until a command needs it."""
 from __future__ import annotations
 
 import shutil
@@ -11,6 +11,7 @@ import click
 from dspipe.cli.options import FLOAT, INT
 
 from dspipe.errors import SpecError
+from dspipe.log import get_logger
 from dspipe.cluster.hostfile import describe
 from dspipe.cluster.launch import (LAUNCHERS, Elastic, LaunchSpec, build, build_elastic, check_world, env_file_for,
                                    execute, preflight, resolve, resume_args, run_program)
@@ -160,13 +161,13 @@ def launch(run_dir: Path, dry_run: bool, resume: str | None, restart: bool, test
     preflight(plan, spec)
     write_env_file(run.path, env)
     via = "" if elastic is None else f" under torch's elastic agent (up to {elastic.max_restarts} restarts)"
-    click.echo(f"dspipe: {run.path}: {plan.world_size} ranks on {plan.nodes} node(s) ({describe(plan.resources)})"
-               f"{via}", err=True)
+    get_logger(__name__).info(f"dspipe: {run.path}: {plan.world_size} ranks on {plan.nodes} node(s) "
+                              f"({describe(plan.resources)}){via}")
     started = utc_now()
     rc = execute(plan)
     happened = [e for e in read_events(run.path) if str(e.get("time", "")) >= started]
     if happened:
-        click.echo(f"dspipe: {run.path}: {events_text(happened)}", err=True)
+        get_logger(__name__).warning(f"dspipe: {run.path}: {events_text(happened)}")
     if rc:
         raise SystemExit(rc)
 

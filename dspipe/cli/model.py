@@ -22,7 +22,8 @@ def presets() -> None:
 
 @click.command("export-hf")
 @click.argument("checkpoint", type=click.Path(path_type=Path))
-@click.option("--out", required=True, metavar="DIR", help="directory to write (a transformers model directory, safetensors)")
+@click.option("--out", required=True, metavar="DIR",
+              help="directory to write (a transformers model directory, safetensors)")
 @click.option("--force", is_flag=True, default=False,
               help="replace an --out directory that an earlier export-hf wrote (nothing else)")
 def export_hf(checkpoint: Path, out: str, force: bool) -> None:

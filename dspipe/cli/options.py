@@ -11,7 +11,6 @@ import math
 import os
 import re
 from dataclasses import dataclass, fields, replace
-from pathlib import Path
 from typing import NamedTuple
 
 import click
@@ -27,7 +26,8 @@ from dspipe.planner.ds_preset import AUTO_OPTIONS, PresetImport, account
 from dspipe.planner.render import import_ds_preset, render_ds_config
 from dspipe.planner.search import SearchResult
 from dspipe.planner.memory import MEMORY_HEADROOM
-from dspipe.spec.core import LIMITS, SPEC_SETTINGS, TOKEN_SCALE, ClusterSpec, ModelSpec, StrategyRequest, TrainSpec, token_count
+from dspipe.spec.core import (LIMITS, SPEC_SETTINGS, TOKEN_SCALE, ClusterSpec, ModelSpec, StrategyRequest, TrainSpec,
+                              token_count)
 from dspipe.spec.options import BY_COMMAND, MONITOR, SETTINGS, TABLE
 from dspipe.spec.settings import AUTO, Setting
 
@@ -212,7 +212,8 @@ def click_option(s: Setting):
     if s.kind == "flag":
         kw.update(is_flag=True, default=False)
     elif s.kind != "bool":
-        kw["type"] = {"int": StrictInt(s.limit), "float": FLOAT, "str": None, "tokens": TokenBudget(), "auto_int": AutoInt(s.limit, keep_auto=s.cli_default is not None),
+        kw["type"] = {"int": StrictInt(s.limit), "float": FLOAT, "str": None, "tokens": TokenBudget(),
+                      "auto_int": AutoInt(s.limit, keep_auto=s.cli_default is not None),
                       "choice": click.Choice(s.choices), "auto_choice": AutoChoice(s.choices)}[s.kind]
         kw["show_default"] = s.cli_default is not None
     return click.option(s.flags, **kw)
@@ -337,8 +338,8 @@ def _merge_preset(o: dict, imp: PresetImport, given: set[str], cluster: ClusterS
     o = dict(o)
     for name, value in imp.options.items():
         if name in given and _normal(name, o[name]) != value:
-            raise SpecError(f"{SETTINGS[name].flag_name} {o[name]} contradicts {imp.shown(name)} in preset {imp.source}; "
-                            "drop the flag or edit the preset")
+            raise SpecError(f"{SETTINGS[name].flag_name} {o[name]} contradicts {imp.shown(name)} in preset "
+                            f"{imp.source}; drop the flag or edit the preset")
         o[name] = value
     if "min_lr_ratio" in given and imp.scheduler_type not in (None, "WarmupCosineLR"):
         raise SpecError(f"--min-lr-ratio applies to WarmupCosineLR; preset {imp.source} schedules {imp.scheduler_type}"
@@ -354,7 +355,8 @@ def _merge_preset(o: dict, imp: PresetImport, given: set[str], cluster: ClusterS
         if o["global_batch"] != o["micro_batch"] * ga * dp:
             raise SpecError(f"preset {imp.source}: train_batch_size {o['global_batch']} != micro "
                             f"{o['micro_batch']} x gradient_accumulation_steps {ga} x dp {dp} (world "
-                            f"{cluster.world_size} / (pp {pp} x tp {tp} x sp {sp})) = {o['micro_batch'] * ga * dp}: this cluster needs "
+                            f"{cluster.world_size} / (pp {pp} x tp {tp} x sp {sp})) = {o['micro_batch'] * ga * dp}: "
+                            "this cluster needs "
                             f"gradient_accumulation_steps {o['global_batch'] / (o['micro_batch'] * dp):g}; set it "
                             "(or \"auto\") in the preset")
     if ga is not None and divides:  # DeepSpeed derives the missing one of the batch triple

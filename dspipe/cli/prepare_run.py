@@ -8,10 +8,12 @@ import click
 
 from dspipe.cli.options import AppliedPreset
 from dspipe.errors import SpecError
+from dspipe.log import get_logger
 from dspipe.planner.render import render_ds_config
 from dspipe.spec.core import ClusterSpec, ModelSpec
 from dspipe.planner.summary import estimate_summary
-from dspipe.rundir import AUTO_INTERVAL, write_run
+from dspipe.rundir import write_run
+from dspipe.run_estimate import RunEstimate
 
 
 def verify_with_deepspeed(ds_config: dict, *, dp: int) -> None:
@@ -19,7 +21,7 @@ def verify_with_deepspeed(ds_config: dict, *, dp: int) -> None:
     try:
         import deepspeed  # noqa: F401  (optional here: planning works without it)
     except ImportError:
-        click.echo("note: deepspeed is not installed; the config was not parsed by DeepSpeedConfig", err=True)
+        get_logger(__name__).info("note: deepspeed is not installed; the config was not parsed by DeepSpeedConfig")
         return
     from dspipe.runtime.dscheck import parse_with_deepspeed
     try:
@@ -43,7 +45,7 @@ def prepare_run(out: Path, *, model: ModelSpec, cluster: ClusterSpec, best, data
     verify_with_deepspeed(ds_config, dp=plan.ds_batch_ranks)
     write_run(out, model=model, cluster=cluster, train=train, strategy=best.strategy, plan=plan, data=data,
               ds_config=ds_config, command=command, force=force,
-              estimate={**estimate_summary(best), **({AUTO_INTERVAL: True} if auto_interval else {})})
+              estimate=RunEstimate.written(estimate_summary(best), auto_interval=auto_interval))
     for line in report:
         click.echo(line)
     return ds_config

@@ -14,8 +14,8 @@ import click
                    "[default: RUN/report]")
 def report(run: Path, out: str | None) -> None:
     """Plot loss, throughput and learning rate of RUN (runs/NAME) and write report.md: the configuration, the
-    planner's predicted memory, tokens/s, MFU, step time and start-up (host RAM per rank, time to the first step) against
-    the measured ones, final and validation loss."""
+    planner's predicted memory, tokens/s, MFU, step time and start-up (host RAM per rank, time to the first step)
+    against the measured ones, final and validation loss."""
     from dspipe.tools.report import PLOTS, REPORT_FILE, write_report
 
     out, m = write_report(run, out=out)

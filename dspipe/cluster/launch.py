@@ -267,7 +267,8 @@ def build_elastic(spec: LaunchSpec, elastic: Elastic, *, program: list[str], env
                         f"each node")
     node = spec.node_rank or 0
     if not 0 <= node < len(hosts):
-        raise SpecError(f"--node-rank {node} is outside 0..{len(hosts) - 1} ({len(hosts)} nodes: {describe(resources)})")
+        raise SpecError(f"--node-rank {node} is outside 0..{len(hosts) - 1} "
+                        f"({len(hosts)} nodes: {describe(resources)})")
     slots = resources[hosts[node]]
     argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(len(slots)), "--max-restarts",
             str(elastic.max_restarts), "--monitor-interval", "1"]

@@ -103,7 +103,8 @@ def render_slurm_script(*, run: Run, script_path: Path, workdir: Path, time: str
     job_name = re.sub(r"[^A-Za-z0-9_.+-]", "_", run.path.name) or "run"
     gpus = [f"--gpus-per-node={cluster.gpus_per_node}"] if cluster.gpu_type.backend == "nccl" else []
     sbatch = [f"--job-name=dspipe-{job_name}", f"--nodes={cluster.nodes}", "--ntasks-per-node=1", *gpus,
-              f"--time={time}", "--output=" + _sbatch_path(f"{run_path.replace('%', '%%')}/slurm-%j.out", "run directory"),
+              f"--time={time}",
+              "--output=" + _sbatch_path(f"{run_path.replace('%', '%%')}/slurm-%j.out", "run directory"),
               "--open-mode=append", "--requeue", f"--signal=B:USR1@{stop_before}"]
     sbatch += [f"--partition={partition}"] if partition else []
     sbatch += [f"--account={account}"] if account else []

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dspipe.data.shards import read_meta
-from dspipe.errors import SpecError, cannot_read
+from dspipe.errors import SpecError
 
 VOCAB_MULTIPLE = 64
 
@@ -60,22 +60,14 @@ def tokenizer_path(data: str | Path) -> Path:
 
 def _tokenizer_content(data_dir: str | Path):
     """The parts of DIR/tokenizer/tokenizer.json that decide token ids, or None where there is no such file."""
-    import json
+    from dspipe.jsonio import read_object
 
     path = tokenizer_path(data_dir) / "tokenizer.json"
     if not path.is_file():
         return None
     hint = f"; re-run 'dspipe prepare-data --out {data_dir} --force'"
-    try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise cannot_read(path, e, tail=hint) from None
-    try:
-        content = json.loads(raw.decode("utf-8"))
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        raise SpecError(f"{path} is not readable JSON ({' '.join(str(e).split())[:120]}); re-run 'dspipe "
-                        f"prepare-data --out {data_dir} --force'") from None
-    return {k: content.get(k) for k in TOKENIZER_KEYS} if isinstance(content, dict) else content
+    content = read_object(path, hint=hint[2:])
+    return {k: content.get(k) for k in TOKENIZER_KEYS}
 
 
 def check_blend_sources(paths) -> list[dict]:

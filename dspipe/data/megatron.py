@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from dspipe.errors import SpecError, cannot_read
+from dspipe.jsonio import read_object
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -225,10 +226,10 @@ def scan(index: Index) -> dict:
     key = _identity(index)
     cache = cache_dir() / f"{key[:32]}.json"
     try:
-        got = json.loads(cache.read_text())
+        got = read_object(cache)
         if got.get("identity") == key:
             return {k: got[k] for k in ("max_id", "min_id", "eod")}
-    except (OSError, ValueError, KeyError, AttributeError):
+    except (SpecError, KeyError):
         pass
     toks = tokens(index)
     hi, lo = -1, 0
@@ -272,13 +273,8 @@ def tokenizer_vocab_size(directory: Path) -> int | None:
     path = Path(directory) / "tokenizer.json"
     if not path.is_file():
         return None
-    try:
-        content = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise cannot_read(path, e) from None
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        raise SpecError(f"{path} is not readable JSON ({' '.join(str(e).split())[:120]})") from None
-    model = content.get("model") if isinstance(content, dict) else None
+    content = read_object(path)
+    model = content.get("model")
     vocab = model.get("vocab") if isinstance(model, dict) else None
     if not isinstance(vocab, (dict, list)):
         return None

@@ -14,6 +14,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from dspipe.errors import SpecError
+from dspipe.jsonio import read_object
 
 EOS = "<|endoftext|>"
 MIN_VOCAB, MAX_VOCAB = 257, 2**18  # 256 bytes + EOS .. a sane trained vocabulary
@@ -93,7 +94,7 @@ def splits_exactly(tokenizer_json: Path) -> bool:
     """Whether the tokenizer encodes pieces (exact=True) of a text into exactly the ids of the whole text: no
     normalizer, a BPE model without dropout, GPT-2's byte-level pre-tokenizer without a prefix space (alone, or
     after pre_tokenizer's long-word cut), and no added token holding whitespace (one could span a cut)."""
-    spec = json.loads(Path(tokenizer_json).read_text(encoding="utf-8"))
+    spec = read_object(tokenizer_json)
     model = spec.get("model") or {}
     bpe = model.get("type") == "BPE" and not model.get("dropout")
     spaced = any(re.search(r"\s", t.get("content", " ")) for t in spec.get("added_tokens") or [])

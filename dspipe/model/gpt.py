@@ -9,10 +9,7 @@ attn.c_proj, ln_2, mlp.c_fc, mlp.c_proj, ln_f) whatever the architecture: q/k/v 
 a split and (GPT-2's Conv1D) a transpose. A mixture-of-experts block's MLP is a SparseMLP: mlp.router,
 mlp.experts.E.{c_fc,c_proj} (each an MLP expert_width wide) and, with shared experts, mlp.shared. Every
 parameter is listed by ModelSpec.model_tensors(), which the planner counts from.
-Every component declares its step-0 values as draws from (seed, its index) (`initial_values`), so the plain
-model, any pipeline layout and a model whose parameters were created elsewhere (on the meta device, or partitioned
-by ZeRO-3 as they were constructed) start from identical weights: whoever builds the model decides how a value
-reaches its parameter (`fill`'s `write`), one tensor at a time.
+Step-0 values: dspipe.model.initial (each component's `initial_values`, `fill`).
 """
 from __future__ import annotations
 
@@ -23,88 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dspipe.model.initial import (EMBED_INDEX, INIT_STD, Draw, _constant, _generator, _linear_values,
+                                   _norm_values, _normal, _OwnNormal, expert_generator)
 from dspipe.model.window import choose_kernel, flex_window_attention
 from dspipe.spec.core import ModelSpec
-
-INIT_STD = 0.02
-EMBED_INDEX = 0  # block i uses index i + 1; an untied head uses layers + 1
-
-
-def _generator(seed: int, index: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed * 100_003 + index)
-
-
-Draw = Callable[[], torch.Tensor]
-"""A parameter's step-0 value, whole, fp32, on the CPU; called in declaration order (draws share a generator).
-Each also has `skip()`: what a parameter this rank does not hold calls instead, so the draws after it are unchanged
-(a normal draw advances its generator exactly as the whole draw would, in bounded chunks, allocating no tensor of
-the parameter's size)."""
-
-SKIP_CHUNK = 1 << 16
-"""Elements per chunk of a skipped normal draw (a multiple of 16: torch's CPU normal fills 16-element blocks and
-redraws a last partial block, so chunks of 16k elements and a whole tail consume the generator as one draw)."""
-
-
-class _Normal:
-    def __init__(self, gen: torch.Generator, shape: tuple, std: float):
-        self.gen, self.shape, self.std = gen, shape, std
-
-    def __call__(self) -> torch.Tensor:
-        return torch.randn(self.shape, generator=self.gen, device="cpu", dtype=torch.float32) * self.std
-
-    def skip(self) -> None:
-        left = math.prod(self.shape)
-        chunk = torch.empty(SKIP_CHUNK, dtype=torch.float32) if left > SKIP_CHUNK + 16 else None
-        while left > SKIP_CHUNK + 16:  # the tail (over 16 elements whenever a chunk was drawn) is drawn whole
-            torch.randn(SKIP_CHUNK, generator=self.gen, out=chunk)
-            left -= SKIP_CHUNK
-        torch.randn(left, generator=self.gen, dtype=torch.float32)
-
-
-class _Constant:
-    def __init__(self, shape: tuple, value: float):
-        self.shape, self.value = shape, value
-
-    def __call__(self) -> torch.Tensor:
-        return torch.full(self.shape, self.value, device="cpu", dtype=torch.float32)
-
-    def skip(self) -> None:
-        pass
-
-
-class _OwnNormal(_Normal):
-    """A normal draw from a generator of its own: skipping it leaves every other draw unchanged at no cost."""
-
-    def skip(self) -> None:
-        pass
-
-
-def _normal(gen: torch.Generator, shape: tuple, std: float) -> Draw:
-    return _Normal(gen, shape, std)
-
-
-def expert_generator(seed: int, *, block: int, expert: int) -> torch.Generator:
-    """Routed expert `expert` of block `block`'s own stream (distinct from every block's and from each other for
-    experts < 8191): a rank that does not hold an expert (expert parallelism) neither draws nor skips its values."""
-    return torch.Generator().manual_seed((seed * 100_003 + block + 1) * 8_191 + 1 + expert)
-
-
-def _constant(shape: tuple, value: float) -> Draw:
-    return _Constant(shape, value)
-
-
-def _linear_values(linear: nn.Linear, gen: torch.Generator, std: float):
-    yield linear.weight, _normal(gen, (linear.out_features, linear.in_features), std)
-    if linear.bias is not None:
-        yield linear.bias, _constant((linear.out_features,), 0.0)
-
-
-def _norm_values(norm: nn.Module):
-    """LayerNorm/RMSNorm: weight 1, bias 0 (shapes from the module, not its tensors, which may be partitioned)."""
-    shape = tuple(norm.normalized_shape)
-    yield norm.weight, _constant(shape, 1.0)
-    if getattr(norm, "bias", None) is not None:
-        yield norm.bias, _constant(shape, 0.0)
 
 
 def initial_values(module: nn.Module, *, seed: int) -> Iterator[tuple[nn.Parameter, Draw]]:

@@ -4,9 +4,11 @@ Qwen3MoeForCausalLM): their configs and their weights' names, both ways (reading
 dspipe.model.hf_weights).
 
     config.json -> ModelSpec      spec_from_hf_dir (reads JSON only: no torch, no transformers)
-    ModelSpec -> config           hf_config (the config class of architecture_of(spec), the one that computes it)
-    weights, dspipe <-> HF names  to_hf_state / from_hf_state, exact inverses (a rename, GPT-2's Conv1D transpose,
-                                  the Llama family's q/k/v and gate/up split out of dspipe's fused projections)
+    ModelSpec -> config           dspipe.model.hf_arch.hf_config (the config class of architecture_of(spec), the
+                                  one that computes it)
+    weights, dspipe <-> HF names  dspipe.model.hf_state.to_hf_state / from_hf_state, exact inverses (a rename,
+                                  GPT-2's Conv1D transpose, the Llama family's q/k/v and gate/up split out of
+                                  dspipe's fused projections), and hf_model, the CausalLM holding dspipe's weights
 
 What each Llama-family class computes (all: RMSNorm, SwiGLU with silu, rotary positions with rope_parameters of
 type default, linear, llama3 or yarn, grouped-query attention, an explicit head_dim):
@@ -23,33 +25,15 @@ type default, linear, llama3 or yarn, grouped-query attention, an explicit head_
                          and i not in mlp_only_layers (the first k layers only: moe_first_dense), the other blocks'
                          MLP intermediate_size wide
 
-Weight mapping (dspipe name <- Hugging Face name; i is the block):
-
-    GPT-2   embed.wte/wpe <- transformer.wte/wpe; h.i.* <- transformer.h.i.* (attn.c_attn, attn.c_proj, mlp.c_fc,
-            mlp.c_proj weights transposed: HF's Conv1D stores (in, out)); final.ln_f <- transformer.ln_f;
-            lm_head.weight <- lm_head.weight (untied only)
-    Llama   embed.wte <- model.embed_tokens; h.i.ln_1 <- input_layernorm; h.i.attn.c_attn = [q_proj; k_proj; v_proj]
-    family  (rows heads x hd, kv x hd, kv x hd; its bias likewise from the three biases); h.i.attn.q_norm/k_norm <-
-            self_attn.q_norm/k_norm; h.i.attn.c_proj <- o_proj; h.i.ln_2 <- post_attention_layernorm;
-            h.i.mlp.c_fc = [gate_proj; up_proj] (weight and bias); h.i.mlp.c_proj <- down_proj; final.ln_f <-
-            model.norm; lm_head.weight <- lm_head.weight (untied only)
-    MoE     h.i.mlp.router <- block_sparse_moe.gate (Mixtral) / mlp.gate (Qwen3-MoE); h.i.mlp.experts.e.c_fc =
-            [w1; w3] / [gate_proj; up_proj] of block_sparse_moe.experts.e / mlp.experts.e; its c_proj <- w2 /
-            down_proj: the files' per-expert tensors (what save_pretrained writes). In memory transformers 5 holds
-            them fused, mlp.gate and mlp.experts.gate_up_proj (E, 2 x width, hidden) = the experts' c_fc stacked and
-            mlp.experts.down_proj (E, hidden, width) = their c_proj stacked: to_hf_state gives that form,
-            from_hf_state reads either.
-
 Every refusal is one SpecError line naming the directory (or file) and the field."""
 from __future__ import annotations
 
 import math
 import os
 from pathlib import Path
-from typing import Mapping
 
 from dspipe.errors import SpecError
-from dspipe.spec.core import ModelSpec
+from dspipe.spec.core import MOE_ONLY, ModelSpec
 
 GPT2, LLAMA, QWEN2, QWEN3, MISTRAL = ("GPT2LMHeadModel", "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                                       "MistralForCausalLM")
@@ -420,339 +404,11 @@ def function_of(spec: ModelSpec) -> dict:
         out.update({k: getattr(spec, k) for k in wanted.get(spec.rope_scaling, ())})
     if spec.sliding_window is not None:
         out.update(sliding_window=spec.sliding_window, window_start_layer=spec.window_start_layer)
-    moe = ("experts", "experts_per_token", "expert_ffn", "shared_experts", "router_norm_topk", "router_score",
-           "router_scale", "router_groups", "router_group_limit", "router_bias_rate", "moe_every", "moe_first_dense")
+    moe = ("experts", "experts_per_token", "router_norm_topk", *MOE_ONLY)  # MOE_ONLY's capacity_factor: skipped above
     if not spec.experts:
         return {k: v for k, v in out.items() if k not in moe}
     out.update(expert_ffn=spec.expert_width, sparse_layers=spec.sparse_layers)
     del out["moe_every"], out["moe_first_dense"]
     if len(spec.sparse_layers) == spec.layers:
         out["ffn"] = None  # no dense block: the dense MLP's width computes nothing
-    return out
-
-
-# ---- ModelSpec -> Hugging Face config ------------------------------------------------------------------------------
-
-def architecture_of(spec: ModelSpec) -> str:
-    """The Hugging Face architecture that computes `spec`'s function exactly; one line when there is none.
-    Qwen3 for q/k norm; Qwen2 for q/k/v biases without o and MLP biases; Mistral for a window on every layer (and a
-    head width Llama's config refuses); Llama otherwise (q/k/v/o biases all or none, MLP biases either way).
-    With experts: Qwen3-MoE for q/k norm, else Mixtral (_moe_architecture)."""
-    if spec.experts:
-        return _moe_architecture(spec)
-    if spec.norm == "layernorm" and spec.mlp == "gelu" and spec.positions == "learned":
-        if spec.bias and spec.biases == (True, True, True) and spec.kv_groups == spec.heads \
-                and spec.head_dim * spec.heads == spec.hidden and not spec.qk_norm and spec.sliding_window is None:
-            return GPT2
-        raise _no_architecture(spec, f"{GPT2} has biases everywhere, no grouped-query attention, head_dim hidden / "
-                                     f"heads, no q/k norm and no sliding window")
-    if (spec.norm, spec.mlp, spec.positions) != ("rmsnorm", "swiglu", "rope"):
-        raise _no_architecture(spec, f"{GPT2} is layernorm, gelu, learned positions; {', '.join(SUPPORTED[1:])} "
-                                     f"are rmsnorm, swiglu, rope")
-    qkv, out, mlp = spec.biases
-    windowed = spec.sliding_window is not None
-    if spec.qk_norm:
-        if qkv == out and not mlp:
-            return QWEN3
-        raise _no_architecture(spec, f"q/k norm is {QWEN3}'s, whose q/k/v/o biases are all or none and whose MLP "
-                                     f"has none")
-    if qkv and not out and not mlp:
-        return QWEN2
-    if windowed:
-        if spec.window_start_layer == 0 and not (qkv or out or mlp):
-            return MISTRAL
-        raise _no_architecture(spec, f"a sliding window is {MISTRAL}'s (every layer, no biases), {QWEN2}'s (q/k/v "
-                                     f"biases only) or {QWEN3}'s (q/k norm)")
-    if qkv != out:
-        raise _no_architecture(spec, f"{LLAMA}'s attention_bias gives q, k, v and o biases together; q/k/v biases "
-                                     f"alone are {QWEN2}'s (no o or MLP bias)")
-    if spec.hidden % spec.heads:  # LlamaConfig refuses it; Mistral's config (window null) computes the same
-        if not (qkv or mlp):
-            return MISTRAL
-        raise _no_architecture(spec, f"{LLAMA}'s config needs hidden divisible by heads, and {MISTRAL} has no "
-                                     f"biases")
-    return LLAMA
-
-
-def _moe_architecture(spec: ModelSpec) -> str:
-    """Qwen3MoeForCausalLM (q/k norm; q/k/v/o biases all or none; any top-k normalisation, dense blocks, expert
-    width) or MixtralForCausalLM (no q/k norm, no biases, top-k renormalised, every block sparse, experts ffn wide);
-    both: rmsnorm, swiglu, rope, no MLP biases, no shared experts, softmax routing unscaled over every expert without
-    a selection bias, a window on every layer or none. Training-only
-    fields (capacity_factor) do not matter: the exported model is dropless, as dspipe's plain model."""
-    qkv, out, mlp = spec.biases
-    if (spec.norm, spec.mlp, spec.positions) != ("rmsnorm", "swiglu", "rope"):
-        why = f"{MIXTRAL} and {QWEN3_MOE} are rmsnorm, swiglu, rope"
-    elif spec.shared_experts:
-        why = f"shared_experts {spec.shared_experts}: neither {MIXTRAL} nor {QWEN3_MOE} has shared experts"
-    elif spec.router_score != "softmax":
-        why = f"router_score {spec.router_score}: {MIXTRAL} and {QWEN3_MOE} route by softmax (sigmoid is DeepSeek-V3's)"
-    elif spec.router_scale != 1:
-        why = f"router_scale {spec.router_scale:g}: {MIXTRAL} and {QWEN3_MOE} do not scale the combine weights"
-    elif spec.router_group_limit is not None:
-        why = f"router_group_limit {spec.router_group_limit}: {MIXTRAL} and {QWEN3_MOE} route over every expert"
-    elif spec.router_bias_rate:
-        why = (f"router_bias_rate {spec.router_bias_rate:g}: {MIXTRAL} and {QWEN3_MOE} have no expert selection "
-               f"bias")
-    elif mlp:
-        why = f"neither {MIXTRAL} nor {QWEN3_MOE} has MLP (expert) biases"
-    elif spec.sliding_window is not None and spec.window_start_layer:
-        why = f"{MIXTRAL}'s and {QWEN3_MOE}'s sliding window is on every layer (window_start_layer 0)"
-    elif spec.qk_norm:
-        if qkv == out:
-            return QWEN3_MOE
-        why = f"q/k norm is {QWEN3_MOE}'s, whose q/k/v/o biases are all or none"
-    elif qkv or out:
-        why = f"{MIXTRAL} has no attention biases ({QWEN3_MOE}, with them, has q/k norm)"
-    elif not spec.router_norm_topk:
-        why = f"{MIXTRAL} renormalises the top-k probabilities ({QWEN3_MOE}, which may not, has q/k norm)"
-    elif len(spec.sparse_layers) != spec.layers:
-        why = (f"{MIXTRAL} has every block sparse (sparse blocks here: {len(spec.sparse_layers)} of {spec.layers}; "
-               f"{QWEN3_MOE}, with dense blocks, has q/k norm)")
-    elif spec.expert_width != spec.ffn:
-        why = (f"{MIXTRAL}'s experts are intermediate_size wide: expert_ffn {spec.expert_width} must equal ffn "
-               f"{spec.ffn}")
-    else:
-        return MIXTRAL
-    raise SpecError(f"model {spec.name} ({spec.experts} experts, top-{spec.experts_per_token}"
-                    f"{'' if spec.router_norm_topk else ' unnormalised'}, q/k norm {_yes(spec.qk_norm)}, biases q/k/v "
-                    f"{_yes(qkv)}, o {_yes(out)}, MLP {_yes(mlp)}) matches no Hugging Face architecture dspipe writes: "
-                    f"{why}")
-
-
-def _no_architecture(spec: ModelSpec, why: str) -> SpecError:
-    qkv, out, mlp = spec.biases
-    window = spec.sliding_window
-    extras = [f"head_dim {spec.head_dim}"] + (["q/k norm"] if spec.qk_norm else []) \
-        + ([f"sliding window {window} from block {spec.window_start_layer}"] if window is not None else [])
-    return SpecError(f"model {spec.name} ({spec.norm}, {spec.mlp} MLP, {spec.positions} positions, biases q/k/v "
-                     f"{_yes(qkv)}, o {_yes(out)}, MLP {_yes(mlp)}, kv_heads {spec.kv_groups} of {spec.heads} heads, "
-                     f"{', '.join(extras)}) matches no Hugging Face architecture dspipe writes: {why}")
-
-
-def _yes(flag: bool) -> str:
-    return "yes" if flag else "no"
-
-
-def rope_parameters(spec: ModelSpec) -> dict:
-    """`spec`'s rotary embedding as transformers 5 writes rope_parameters (rope_theta inside)."""
-    kind = "default" if spec.rope_scaling == "none" else spec.rope_scaling
-    out = {"rope_type": kind, "rope_theta": float(spec.rope_theta)}
-    if kind != "default":
-        out["factor"] = float(spec.rope_factor)
-    if kind in ("llama3", "yarn"):
-        out["original_max_position_embeddings"] = spec.rope_original_context
-    if kind == "llama3":
-        out.update(low_freq_factor=float(spec.rope_low_freq_factor), high_freq_factor=float(spec.rope_high_freq_factor))
-    if kind == "yarn":
-        out.update(beta_fast=float(spec.rope_beta_fast), beta_slow=float(spec.rope_beta_slow))
-    return out
-
-
-def hf_config(spec: ModelSpec, *, eos_id: int | None, bos_id: int | None = None):
-    """The transformers config of architecture_of(spec) for `spec` (bos defaults to eos)."""
-    import transformers
-
-    arch = architecture_of(spec)
-    bos_id = eos_id if bos_id is None else bos_id
-    if arch == GPT2:
-        return transformers.GPT2Config(
-            vocab_size=spec.vocab, n_positions=spec.seq_len, n_embd=spec.hidden, n_layer=spec.layers,
-            n_head=spec.heads, n_inner=spec.ffn, activation_function=GELU_TANH, resid_pdrop=spec.dropout,
-            embd_pdrop=spec.dropout, attn_pdrop=spec.dropout, layer_norm_epsilon=spec.norm_eps,
-            tie_word_embeddings=spec.tied_embeddings, bos_token_id=bos_id, eos_token_id=eos_id, architectures=[GPT2])
-    qkv, _, mlp = spec.biases
-    common = dict(vocab_size=spec.vocab, hidden_size=spec.hidden, intermediate_size=spec.ffn,
-                  num_hidden_layers=spec.layers, num_attention_heads=spec.heads, num_key_value_heads=spec.kv_groups,
-                  head_dim=spec.head_dim, hidden_act="silu", max_position_embeddings=spec.seq_len,
-                  rms_norm_eps=spec.norm_eps, tie_word_embeddings=spec.tied_embeddings,
-                  rope_parameters=rope_parameters(spec), attention_dropout=0.0, bos_token_id=bos_id,
-                  eos_token_id=eos_id, architectures=[arch])
-    window = spec.sliding_window
-    if arch == LLAMA:
-        return transformers.LlamaConfig(**common, attention_bias=qkv, mlp_bias=mlp)
-    if arch == MISTRAL:
-        return transformers.MistralConfig(**common, sliding_window=window)
-    moe = dict(num_experts_per_tok=spec.experts_per_token, router_aux_loss_coef=spec.aux_loss_coef,
-               output_router_logits=False)
-    if arch == MIXTRAL:
-        common["intermediate_size"] = spec.expert_width
-        return transformers.MixtralConfig(**common, **moe, sliding_window=window, num_local_experts=spec.experts,
-                                          router_jitter_noise=0.0)
-    if arch == QWEN3_MOE:
-        return transformers.Qwen3MoeConfig(
-            **common, **moe, attention_bias=qkv, use_sliding_window=window is not None, sliding_window=window,
-            num_experts=spec.experts, moe_intermediate_size=spec.expert_width, norm_topk_prob=spec.router_norm_topk,
-            decoder_sparse_step=spec.moe_every, mlp_only_layers=list(range(spec.moe_first_dense)))
-    qwen = dict(use_sliding_window=window is not None, sliding_window=window,
-                max_window_layers=spec.window_start_layer if window is not None else spec.layers)
-    if arch == QWEN2:
-        return transformers.Qwen2Config(**common, **qwen)
-    return transformers.Qwen3Config(**common, **qwen, attention_bias=qkv)
-
-
-def hf_model(state: dict, spec: ModelSpec, *, eos_id: int | None, bos_id: int | None = None, source):
-    """The architecture_of(spec) CausalLM holding `state` (dspipe names), fp32, every weight checked."""
-    import torch
-    import transformers
-
-    config = hf_config(spec, eos_id=eos_id, bos_id=bos_id)
-    cls = getattr(transformers, architecture_of(spec))
-    model = cls(config).to(torch.float32)
-    try:
-        converted = to_hf_state(state, spec)
-    except SpecError as e:
-        raise SpecError(f"checkpoint {source}: {e}") from None
-    missing, unexpected = model.load_state_dict(converted, strict=False)
-    missing = [k for k in missing if not k.endswith((".attn.bias", ".attn.masked_bias"))]  # GPT-2's mask buffers
-    if missing or unexpected:
-        raise SpecError(f"checkpoint {source} does not map onto {cls.__name__}: missing {missing[:5]}, unexpected "
-                        f"{unexpected[:5]}")
-    return model.eval()
-
-
-# ---- weights: dspipe names <-> Hugging Face names ------------------------------------------------------------------
-
-def _parts(name: str, shape: tuple, spec: ModelSpec, arch: str) -> tuple[list[tuple[str, tuple]], str]:
-    """The Hugging Face tensors (name, shape) that dspipe's `name` is made of, and how: 'same', 't' (transpose) or
-    'rows' (the HF tensors stacked along dim 0)."""
-    if arch == GPT2:
-        if name.startswith("embed."):
-            return [("transformer." + name[len("embed."):], shape)], "same"
-        if name.startswith("h."):
-            if name.split(".", 2)[2] in CONV1D:
-                return [("transformer." + name, tuple(reversed(shape)))], "t"
-            return [("transformer." + name, shape)], "same"
-        if name.startswith("final."):
-            return [("transformer." + name[len("final."):], shape)], "same"
-        return [(name, shape)], "same"  # lm_head.weight
-    if name == "embed.wte.weight":
-        return [("model.embed_tokens.weight", shape)], "same"
-    if name == "final.ln_f.weight":
-        return [("model.norm.weight", shape)], "same"
-    if name == "lm_head.weight":
-        return [(name, shape)], "same"
-    _, i, rest = name.split(".", 2)
-    layer, h = f"model.layers.{i}.", spec.hidden
-    module, _, kind = rest.rpartition(".")  # kind: weight or bias
-    cols = (h,) if kind == "weight" else ()
-    if module.startswith(("mlp.router", "mlp.experts.")) and arch in MOE_ARCHITECTURES:
-        moe = f"{layer}{'block_sparse_moe' if arch == MIXTRAL else 'mlp'}."
-        if module == "mlp.router":
-            return [(f"{moe}gate.weight", shape)], "same"
-        _, _, e, proj = module.split(".")
-        gate, up, down = ("w1", "w3", "w2") if arch == MIXTRAL else ("gate_proj", "up_proj", "down_proj")
-        if proj == "c_fc":
-            return [(f"{moe}experts.{e}.{p}.weight", (spec.expert_width, h)) for p in (gate, up)], "rows"
-        return [(f"{moe}experts.{e}.{down}.weight", shape)], "same"
-    if module == "attn.c_attn":
-        q, kv = spec.q_width, spec.kv_groups * spec.head_dim
-        return [(f"{layer}self_attn.{p}_proj.{kind}", (rows, *cols)) for p, rows in (("q", q), ("k", kv), ("v", kv))
-                ], "rows"
-    if module == "mlp.c_fc":
-        return [(f"{layer}mlp.{p}_proj.{kind}", (spec.ffn, *cols)) for p in ("gate", "up")], "rows"
-    simple = {"ln_1": "input_layernorm", "ln_2": "post_attention_layernorm", "attn.c_proj": "self_attn.o_proj",
-              "mlp.c_proj": "mlp.down_proj", "attn.q_norm": "self_attn.q_norm", "attn.k_norm": "self_attn.k_norm"}
-    if module not in simple:
-        raise SpecError(f"parameter {name} has no {arch} counterpart")
-    return [(f"{layer}{simple[module]}.{kind}", shape)], "same"
-
-
-def weight_map(spec: ModelSpec) -> dict[str, tuple[list[tuple[str, tuple]], str]]:
-    """dspipe name -> (its Hugging Face tensors with their shapes, how they combine), for every parameter of
-    spec.model_tensors() (a tied head is the embedding: no HF tensor of its own); a mixture of experts' as the files
-    hold them (per expert)."""
-    arch = architecture_of(spec)
-    return {name: _parts(name, shape, spec, arch) for name, shape in spec.model_tensors()}
-
-
-def hf_tensors(spec: ModelSpec) -> list[tuple[str, tuple]]:
-    """Every tensor (name, shape) a Hugging Face checkpoint of `spec` stores (a tied lm_head is not stored)."""
-    return [part for parts, _ in weight_map(spec).values() for part in parts]
-
-
-def fused_source(name: str, spec: ModelSpec) -> tuple[str, int | None] | None:
-    """Where a mixture of experts' parameter `name` lies in transformers 5's in-memory (fused) state dict: (key,
-    expert index into its first dimension, or None: the whole tensor); None for any other parameter."""
-    parts = name.split(".")
-    if not spec.experts or len(parts) < 4 or parts[2] != "mlp" or parts[3] not in ("router", "experts"):
-        return None
-    layer = f"model.layers.{parts[1]}.mlp."
-    if parts[3] == "router":
-        return f"{layer}gate.weight", None
-    return f"{layer}experts.{'gate_up_proj' if parts[5] == 'c_fc' else 'down_proj'}", int(parts[4])
-
-
-def to_hf_state(state: Mapping, spec: ModelSpec) -> dict:
-    """dspipe names (exactly spec.model_tensors(); a tied lm_head.weight may be present) -> Hugging Face names, as
-    the model's state_dict() has them (a tied lm_head.weight is the embedding tensor; a mixture of experts' fused:
-    fused_source)."""
-    import torch
-
-    mapping = weight_map(spec)
-    extra = sorted(set(state) - set(mapping) - ({"lm_head.weight"} if spec.tied_embeddings else set()))
-    if extra:
-        raise SpecError(f"unexpected parameter {extra[0]} for model {spec.name}"
-                        + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""))
-    out, stacks = {}, {}
-    for name, (parts, how) in mapping.items():
-        if name not in state:
-            raise SpecError(f"missing parameter {name} for model {spec.name}")
-        t = state[name]
-        fused = fused_source(name, spec)
-        if fused is not None:
-            key, expert = fused
-            if expert is None:
-                out[key] = t.contiguous()
-            else:
-                stacks.setdefault(key, []).append(t)  # experts in order: weight_map lists them so
-            continue
-        if how == "t":
-            out[parts[0][0]] = t.t().contiguous()
-        elif how == "rows":
-            for (key, _), piece in zip(parts, t.split([shape[0] for _, shape in parts], dim=0)):
-                out[key] = piece.contiguous()
-        else:
-            out[parts[0][0]] = t.contiguous()
-    out.update({key: torch.stack(pieces).contiguous() for key, pieces in stacks.items()})
-    if spec.tied_embeddings:
-        out["lm_head.weight"] = out[mapping["embed.wte.weight"][0][0][0]]
-    return out
-
-
-def from_hf_state(hf_state: Mapping, spec: ModelSpec, *, names=None, source="state dict") -> dict:
-    """Hugging Face names -> dspipe names (all of spec.model_tensors(), or only `names`), the inverse of
-    to_hf_state. Every needed tensor must be there with its shape (one line otherwise); other keys (buffers, a tied
-    lm_head) are ignored. A learned position table with more rows than spec.seq_len gives its first rows (a run
-    may train a shorter context). A mixture of experts' tensors are read per expert (the files' form) or fused (the
-    in-memory form, fused_source)."""
-    import torch
-
-    out, shapes = {}, dict(spec.model_tensors())
-    for name, (parts, how) in weight_map(spec).items():
-        if names is not None and name not in names:
-            continue
-        fused = fused_source(name, spec)
-        if fused is not None and parts[0][0] not in hf_state and fused[0] in hf_state:
-            key, expert = fused
-            t = hf_state[key] if expert is None else hf_state[key][expert]
-            if tuple(t.shape) != tuple(shapes[name]):
-                shown = list(hf_state[key].shape)
-                raise SpecError(f"{source}: tensor {key} has shape {shown}, model {spec.name} needs "
-                                f"{list(shapes[name]) if expert is None else [spec.experts, *shapes[name]]}")
-            out[name] = t.detach().to(torch.float32).contiguous()
-            continue
-        pieces = []
-        for key, shape in parts:
-            if key not in hf_state:
-                raise SpecError(f"{source}: missing tensor {key} (model {spec.name} needs it for {name})")
-            t = hf_state[key]
-            if name == "embed.wpe.weight" and t.dim() == 2 and t.shape[0] > shape[0] and t.shape[1] == shape[1]:
-                t = t[:shape[0]]
-            if tuple(t.shape) != tuple(shape):
-                raise SpecError(f"{source}: tensor {key} has shape {list(t.shape)}, model {spec.name} needs "
-                                f"{list(shape)}")
-            pieces.append(t)
-        t = pieces[0].t() if how == "t" else torch.cat(pieces, dim=0) if how == "rows" else pieces[0]
-        out[name] = t.detach().to(torch.float32).contiguous()
     return out

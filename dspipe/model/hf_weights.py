@@ -1,6 +1,6 @@
 """Reading a Hugging Face model directory's weights (safetensors or PyTorch files, sharded or not) as dspipe's
 parameters, fp32: check_weights (headers only, `gen-config --init-from HF_DIR`), HFWeights and load_into_module
-(the runner's step 0, one tensor or partition at a time). The names' mapping is dspipe.model.hf's (weight_map: a
+(the runner's step 0, one tensor or partition at a time). The names' mapping is dspipe.model.hf_state's (weight_map: a
 mixture of experts' tensors as the files hold them, one per expert). Every refusal is one SpecError line naming the
 directory (or file) and the field."""
 from __future__ import annotations
@@ -11,7 +11,9 @@ from pathlib import Path
 from typing import Mapping
 
 from dspipe.errors import SpecError
-from dspipe.model.hf import BASE_PREFIX, architecture_of, function_of, hf_tensors, spec_from_hf_dir, weight_map
+from dspipe.model.hf import BASE_PREFIX, function_of, spec_from_hf_dir
+from dspipe.model.hf_arch import architecture_of
+from dspipe.model.hf_state import hf_tensors, weight_map
 from dspipe.model.names import pipeline_gpt_name
 from dspipe.spec.core import ModelSpec
 

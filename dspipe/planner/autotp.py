@@ -11,13 +11,13 @@ from dspipe.spec.core import ModelSpec
 QK_NORM = _ANY + r"attn\.[qk]_norm\.weight$"
 
 
-def layer_specs(model: ModelSpec) -> list[dict]:
+def layer_specs(model: ModelSpec) -> list[dict[str, object]]:
     """DeepSpeed TPLayerSpec dicts (tensor_parallel.partition_config.layer_specs) for `model`'s blocks: the split
     in DeepSpeed's AutoTP terms (q/k/v and gate/up as parts, whole heads per rank; q/k norms replicated with their
     gradients summed over the tp group)."""
-    out = []
+    out: list[dict[str, object]] = []
     for pattern, parts in fused_parts(model).items():
-        spec = {"patterns": [pattern], "partition_type": "column"}
+        spec: dict[str, object] = {"patterns": [pattern], "partition_type": "column"}
         if len(parts) > 1:
             spec["shape"] = [len(parts) if len(set(parts)) == 1 else parts, -1]
             spec["partition_dim"] = 0
@@ -28,7 +28,7 @@ def layer_specs(model: ModelSpec) -> list[dict]:
     return out
 
 
-def partition_config(model: ModelSpec) -> dict:
+def partition_config(model: ModelSpec) -> dict[str, object]:
     """tensor_parallel.partition_config for `model`: only these specs, none of DeepSpeed's model presets (inert
     while autotp_size is 0)."""
     return {"use_default_specs": False, "layer_specs": layer_specs(model)}

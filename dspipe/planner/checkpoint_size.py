@@ -26,7 +26,9 @@ from dspipe.runtime.progress import duration
 from dspipe.planner.startup import DISK_GBPS
 from dspipe.planner.stages import param_groups, stage_params, vocab_table_per_rank, zero_group_size
 from dspipe.spec.core import ModelSpec
+from dspipe.spec.dtypes import dtype_bytes
 from dspipe.spec.hardware import GPU_MTBF_HOURS
+from dspipe.spec.kinds import Precision
 
 OPTIMIZER_BYTES = 12
 """Adam in mixed precision, per parameter: the fp32 master copy and the two fp32 moments."""
@@ -47,14 +49,14 @@ class CheckpointSize:
     with --sync-save; with background writes the next save does, if it comes sooner)."""
     disk_gbps: float = DISK_GBPS
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, object]:
         return asdict(self)
 
 
 def checkpoint_size(*, model: ModelSpec, plan: Plan, ranks_per_node: int) -> CheckpointSize:
     """The plan's checkpoint on disk (module docstring: DeepSpeed 0.19.8's files), and its write time on a node of
     `ranks_per_node` ranks."""
-    weight = 4 if plan.precision == "fp32" else 2
+    weight = dtype_bytes(plan.precision)
     groups = zero_group_size(plan)
     total = rank_max = 0
     files = 0
@@ -65,7 +67,7 @@ def checkpoint_size(*, model: ModelSpec, plan: Plan, ranks_per_node: int) -> Che
         stored = held - (vocab_table_per_rank(model, plan.tp) if plan.pp > 1 and model.tied_embeddings
                          and stage == len(held_by_stage) - 1 else 0)
         if plan.zero_stage == 0:  # one file on the group's first rank: weights and the whole optimizer state
-            first = stored * weight + held * (8 if plan.precision == "fp32" else OPTIMIZER_BYTES)
+            first = stored * weight + held * (8 if plan.precision == Precision.FP32 else OPTIMIZER_BYTES)
             per_rank, count = 0, 1
         else:
             first = 0 if plan.zero_stage == 3 else stored * weight

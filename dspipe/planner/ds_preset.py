@@ -17,14 +17,18 @@ from __future__ import annotations
 import difflib
 import json
 import math
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
+from typing import Any
 
 from dspipe.errors import SpecError, cannot_read
 from dspipe.jsonio import MISSING, dotted_get, number_hooks
-from dspipe.planner.ds_checks import choice, integer, number
+from dspipe.planner.ds_checks import Check, choice, integer, number
 from dspipe.planner.ds_schema import PLANNER_AUTO, option, section
 from dspipe.spec.settings import AUTO
+from dspipe.spec.kinds import Offload
 
 SCHEDULERS = ("WarmupCosineLR", "WarmupLR", "WarmupDecayLR")
 OPTIMIZERS = ("adam", "adamw")  # DeepSpeed lower-cases its own optimizer names; Adam is decoupled (adam_w_mode) too
@@ -72,6 +76,11 @@ MONITOR_DIR_KEYS = ("tensorboard.output_path", "csv_monitor.output_path")
 
 # ---- key tables: DeepSpeed key -> (import target, check), from planner/ds_schema.SCHEMA -----------------------------
 
+Table = dict[str, tuple[tuple[str, ...] | None, Check | None]]
+"""A section's keys -> (import target, check): ds_schema.section()."""
+Reader = Callable[["PresetImport", dict[str, Any], dict[str, Any]], None]
+"""A section's reader: (the import, the preset's section, its canonical copy)."""
+_NOTHING: Mapping[str, object] = MappingProxyType({})
 TOP = section("")
 OPTIMIZER_PARAMS = section("optimizer.params")
 OPTIMIZER_PARAM_DEFAULTS = {"adam_w_mode": True, "torch_adam": False, "bias_correction": True, "amsgrad": False}
@@ -112,22 +121,22 @@ class PresetImport:
     """What a preset asks for, in dspipe's terms."""
 
     source: str
-    canon: dict
+    canon: dict[str, Any]
     """The preset under DeepSpeed's canonical names, without the keys already reported (the keys account() checks)."""
-    options: dict = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)
     """gen-config option -> the preset's value (strategy and training)."""
-    origins: dict = field(default_factory=dict)
+    origins: dict[str, str] = field(default_factory=dict)
     """gen-config option -> the preset key it came from."""
     grad_accum: int | None = None
-    values: dict = field(default_factory=dict)
+    values: dict[str, Any] = field(default_factory=dict)
     """ds_schema value name -> the preset's value."""
     scheduler_type: str | None = None
-    scheduler_params: dict = field(default_factory=dict)
+    scheduler_params: dict[str, Any] = field(default_factory=dict)
     """The preset's own scheduler parameters that dspipe does not derive from its options (auto removed)."""
-    notes: list = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
     """Report lines known before planning (aliases, ignored keys)."""
 
-    def error(self, path: str, value, why: str) -> SpecError:
+    def error(self, path: str, value: object, why: str) -> SpecError:
         return SpecError(f"preset {self.source}: {path} {_show(value)} {why}")
 
     def shown(self, option: str) -> str:
@@ -142,14 +151,14 @@ class PresetImport:
         self.notes.append(f"preset: {text}")
 
 
-def _show(value) -> str:
+def _show(value: object) -> str:
     return json.dumps(value) if not isinstance(value, float) or math.isfinite(value) else str(value)
 
 
-# ---- reading -----------------------------------------------------------------------------------------------------------
+# ---- reading ---------------------------------------------------------------------------------------------------------
 
-def _no_duplicates(pairs):
-    seen = {}
+def _no_duplicates(pairs: Iterable[tuple[str, Any]]) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
     for key, value in pairs:
         if key in seen:
             raise ValueError(f"duplicate key {key!r}")
@@ -157,7 +166,7 @@ def _no_duplicates(pairs):
     return seen
 
 
-def read_preset(path: Path) -> dict:
+def read_preset(path: Path) -> dict[str, Any]:
     """The JSON object in `path`; one-line errors for unreadable files, invalid JSON, duplicate keys and NaN."""
     try:
         text = path.read_text(encoding="utf-8")
@@ -178,9 +187,9 @@ def read_preset(path: Path) -> dict:
     return cfg
 
 
-# ---- import ------------------------------------------------------------------------------------------------------------
+# ---- import ----------------------------------------------------------------------------------------------------------
 
-def import_preset(cfg: dict, *, source: str) -> PresetImport:
+def import_preset(cfg: dict[str, Any], *, source: str) -> PresetImport:
     """Refuse or normalise every key of `cfg`; see the module docstring."""
     imp = PresetImport(source=source, canon={})
     canon = imp.canon
@@ -254,9 +263,11 @@ def _tensor_parallel_batch(imp: PresetImport) -> None:
                  f"(its tensor-parallel layers' ranks are not data-parallel)")
 
 
-def _take(imp: PresetImport, canon: dict, key: str, path: str, value, spec) -> None:
+def _take(imp: PresetImport, canon: dict[str, Any], key: str, path: str, value: Any,
+          spec: tuple[tuple[str, ...] | None, Check | None]) -> None:
     """Check one value and file it under its target; "auto" is kept in canon only (account() reports it)."""
     target, check = spec
+    assert target is not None and check is not None  # a row a preset sets has both (ds_schema.section)
     if value == AUTO:
         canon[key] = AUTO
         return
@@ -283,7 +294,7 @@ def _take(imp: PresetImport, canon: dict, key: str, path: str, value, spec) -> N
         imp.origins["checkpointing"] = path
 
 
-def _unrendered(imp: PresetImport, path: str, value, default) -> None:
+def _unrendered(imp: PresetImport, path: str, value: object, default: object) -> None:
     if value == default or value == AUTO:
         imp.note(f"{path} {_show(value)} is DeepSpeed's default; not rendered (DeepSpeed applies the same)")
         return
@@ -291,7 +302,7 @@ def _unrendered(imp: PresetImport, path: str, value, default) -> None:
                                  "remove it")
 
 
-def _unrendered_section(imp: PresetImport, path: str, value) -> None:
+def _unrendered_section(imp: PresetImport, path: str, value: object) -> None:
     """A DeepSpeed section dspipe does not render: accepted (and reported) only when it is disabled."""
     if isinstance(value, dict) and value.get("enabled", AUTO) in (False, AUTO) and (
             value.get("enabled") is False or set(value) <= {"enabled"}):
@@ -301,8 +312,8 @@ def _unrendered_section(imp: PresetImport, path: str, value) -> None:
                     "is not supported by dspipe; remove it (or set \"enabled\": false)")
 
 
-def _section(imp: PresetImport, prefix: str, value: dict, canon: dict, table: dict, *, unrendered: dict = (),
-             strict: bool = True) -> None:
+def _section(imp: PresetImport, prefix: str, value: dict[str, Any], canon: dict[str, Any], table: Table, *,
+             unrendered: Mapping[str, object] = _NOTHING, strict: bool = True) -> None:
     """Keys of a DeepSpeed section. strict: DeepSpeed's pydantic model forbids unknown keys (so does dspipe);
     otherwise DeepSpeed ignores them and dspipe reports them as ignored."""
     for key, v in value.items():
@@ -319,7 +330,7 @@ def _section(imp: PresetImport, prefix: str, value: dict, canon: dict, table: di
             imp.note(f"{path} is not a DeepSpeed setting; ignored, as DeepSpeed ignores it")
 
 
-def _optimizer(imp: PresetImport, value: dict, canon: dict) -> None:
+def _optimizer(imp: PresetImport, value: dict[str, Any], canon: dict[str, Any]) -> None:
     for key, v in value.items():
         if key == "type":
             if v != AUTO and (not isinstance(v, str) or v.lower() not in OPTIMIZERS):
@@ -340,7 +351,7 @@ def _optimizer(imp: PresetImport, value: dict, canon: dict) -> None:
             raise imp.error(f"optimizer.{key}", v, "is not a key of DeepSpeed's optimizer (type, params)")
 
 
-def _scheduler(imp: PresetImport, value: dict, canon: dict) -> None:
+def _scheduler(imp: PresetImport, value: dict[str, Any], canon: dict[str, Any]) -> None:
     kind = value.get("type", AUTO)
     if kind != AUTO and kind not in SCHEDULERS:
         raise imp.error("scheduler.type", kind, f"is not supported by dspipe (supported: {', '.join(SCHEDULERS)})")
@@ -364,15 +375,15 @@ def _scheduler(imp: PresetImport, value: dict, canon: dict) -> None:
         _take(imp, canon["params"], key, f"scheduler.params.{key}", v, table[key])
 
 
-def _fp16(imp, value, canon):
+def _fp16(imp: PresetImport, value: dict[str, Any], canon: dict[str, Any]) -> None:
     _section(imp, "fp16", value, canon, FP16, unrendered=UNRENDERED_PRECISION)
 
 
-def _bf16(imp, value, canon):
+def _bf16(imp: PresetImport, value: dict[str, Any], canon: dict[str, Any]) -> None:
     _section(imp, "bf16", value, canon, BF16, unrendered=UNRENDERED_PRECISION)
 
 
-def _data_types(imp, value, canon):
+def _data_types(imp: PresetImport, value: dict[str, Any], canon: dict[str, Any]) -> None:
     for key, v in value.items():
         if key != "grad_accum_dtype":
             raise imp.error(f"data_types.{key}", v, "is not supported by dspipe (only grad_accum_dtype, which the "
@@ -382,7 +393,7 @@ def _data_types(imp, value, canon):
         canon[key] = v  # compared with the plan's grad_accum_dtype after rendering
 
 
-def _zero(imp: PresetImport, value: dict, canon: dict) -> None:
+def _zero(imp: PresetImport, value: dict[str, Any], canon: dict[str, Any]) -> None:
     value = dict(value)
     for key in REMOVED_ZERO:
         if key in value:
@@ -432,28 +443,29 @@ def _zero(imp: PresetImport, value: dict, canon: dict) -> None:
     opt_dev = canon.get("offload_optimizer", {}).get("device", "none")
     par_dev = canon.get("offload_param", {}).get("device", "none")
     if AUTO not in (opt_dev, par_dev):
-        if opt_dev != "none" or par_dev != "none" or "offload_optimizer" in canon or "offload_param" in canon:
-            imp.options["offload"] = opt_dev if opt_dev != "none" else par_dev
-            imp.options["offload_params"] = par_dev != "none"
+        if (opt_dev != Offload.NONE or par_dev != Offload.NONE or "offload_optimizer" in canon
+                or "offload_param" in canon):
+            imp.options["offload"] = opt_dev if opt_dev != Offload.NONE else par_dev
+            imp.options["offload_params"] = par_dev != Offload.NONE
             imp.origins["offload"] = "zero_optimization.offload_optimizer.device"
             imp.origins["offload_params"] = "zero_optimization.offload_param.device"
-        path = (canon.get("offload_optimizer", {}).get("nvme_path") if opt_dev == "nvme"
-                else canon.get("offload_param", {}).get("nvme_path") if par_dev == "nvme" else None)
+        path = (canon.get("offload_optimizer", {}).get("nvme_path") if opt_dev == Offload.NVME
+                else canon.get("offload_param", {}).get("nvme_path") if par_dev == Offload.NVME else None)
         if path and path != AUTO:
             imp.options["nvme_path"] = path
             imp.origins["nvme_path"] = f"zero_optimization.offload_{'optimizer' if opt_dev == 'nvme' else 'param'}" \
                                        ".nvme_path"
 
 
-def _pipeline(imp, value, canon):
+def _pipeline(imp: PresetImport, value: dict[str, Any], canon: dict[str, Any]) -> None:
     _section(imp, "pipeline", value, canon, PIPELINE, strict=False)
 
 
-def _activation_checkpointing(imp, value, canon):
+def _activation_checkpointing(imp: PresetImport, value: dict[str, Any], canon: dict[str, Any]) -> None:
     _section(imp, "activation_checkpointing", value, canon, ACTIVATION_CHECKPOINTING, strict=False)
 
 
-def _tensor_parallel(imp, value, canon):
+def _tensor_parallel(imp: PresetImport, value: dict[str, Any], canon: dict[str, Any]) -> None:
     value = dict(value)
     if "tensor_parallel" in value:  # the pydantic field name of the "tp" alias
         value.setdefault("tp", value.pop("tensor_parallel"))
@@ -467,13 +479,13 @@ def _tensor_parallel(imp, value, canon):
                  unrendered={"mpu": None, "tp_group": None})
 
 
-def _monitor(name):
-    def read(imp, value, canon):
+def _monitor(name: str) -> Reader:
+    def read(imp: PresetImport, value: dict[str, Any], canon: dict[str, Any]) -> None:
         _section(imp, name, value, canon, MONITORS[name])
     return read
 
 
-SECTIONS = {"optimizer": _optimizer, "scheduler": _scheduler, "fp16": _fp16, "bf16": _bf16,
+SECTIONS: dict[str, Reader] = {"optimizer": _optimizer, "scheduler": _scheduler, "fp16": _fp16, "bf16": _bf16,
             "data_types": _data_types, "zero_optimization": _zero, "pipeline": _pipeline,
             "activation_checkpointing": _activation_checkpointing, "tensor_parallel": _tensor_parallel,
             **{name: _monitor(name) for name in MONITORS}}
@@ -509,9 +521,10 @@ def _lr_agreement(imp: PresetImport) -> None:
         imp.origins["lr"] = "scheduler.params.warmup_max_lr" if lr is None else "optimizer.params.lr"
 
 
-# ---- rendering and accounting -------------------------------------------------------------------------------------------
+# ---- rendering and accounting ----------------------------------------------------------------------------------------
 
-def scheduler_block(imp: PresetImport | None, *, lr: float, steps: int, warmup: int, min_lr_ratio: float) -> tuple:
+def scheduler_block(imp: PresetImport | None, *, lr: float, steps: int, warmup: int, min_lr_ratio: float
+                    ) -> tuple[str, dict[str, object]]:
     """(type, params) of the rendered scheduler: dspipe's cosine schedule unless the preset names another; every
     parameter explicit (the preset's, dspipe's options, or DeepSpeed's default)."""
     kind = (imp.scheduler_type if imp else None) or "WarmupCosineLR"
@@ -530,7 +543,7 @@ def scheduler_block(imp: PresetImport | None, *, lr: float, steps: int, warmup: 
     return kind, params
 
 
-def _leaves(d: dict, prefix: str = ""):
+def _leaves(d: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
     for key, value in d.items():
         if isinstance(value, dict) and value:
             yield from _leaves(value, f"{prefix}{key}.")
@@ -564,7 +577,8 @@ PLAN_DERIVED = frozenset({"pipeline.activation_checkpoint_interval", "pipeline.p
 """Keys outside ds_schema.PLANNER_AUTO whose "auto" the plan resolves too (labelled "planner")."""
 
 
-def account(imp: PresetImport, rendered: dict, *, given: dict, shipped: bool = False) -> list[str]:
+def account(imp: PresetImport, rendered: dict[str, Any], *, given: dict[str, str], shipped: bool = False
+            ) -> list[str]:
     """Report lines for the preset's keys that the rendered config does not carry verbatim; a SpecError for a key
     whose value the rendered config contradicts. `given`: preset key -> the flag that set it (for the labels).
     `shipped`: a preset of dspipe's own, whose "auto" keys are the run's by design: only those a typed flag set get
@@ -581,7 +595,7 @@ def account(imp: PresetImport, rendered: dict, *, given: dict, shipped: bool = F
         f"values (ds_config.json holds each)"]
 
 
-def account_lines(imp: PresetImport, rendered: dict, *, given: dict) -> list[str]:
+def account_lines(imp: PresetImport, rendered: dict[str, Any], *, given: dict[str, str]) -> list[str]:
     """account()'s lines, one for every key."""
     lines = list(imp.notes)
     if imp.values.get("overlap_comm") and rendered["pipeline"]["stages"] > 1:
@@ -608,13 +622,13 @@ def account_lines(imp: PresetImport, rendered: dict, *, given: dict) -> list[str
     return lines
 
 
-def _same(a, b) -> bool:
+def _same(a: object, b: object) -> bool:
     if isinstance(a, bool) or isinstance(b, bool):
         return a is b
     return a == b
 
 
-def _why(path: str, rendered: dict) -> str:
+def _why(path: str, rendered: dict[str, Any]) -> str:
     if path == "gradient_accumulation_steps":
         batch, micro, ga = (rendered[k] for k in ("train_batch_size", "train_micro_batch_size_per_gpu", path))
         return (f" (= train_batch_size {batch} / (micro {micro} x dp {batch // (micro * ga)}); set it to \"auto\" "

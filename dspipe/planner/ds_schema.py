@@ -8,27 +8,34 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from dspipe.planner import autotp
 from dspipe.planner import ds_checks as c
+from dspipe.planner.ds_checks import Check
 from dspipe.spec.core import PARTITION_METHODS
+from dspipe.spec.kinds import Precision
+
+if TYPE_CHECKING:
+    from dspipe.planner.plan import Plan
+    from dspipe.spec.core import ModelSpec, TrainSpec
 
 
 @dataclass(frozen=True)
 class Sources:
     """What a rendered value may be derived from."""
 
-    plan: object
+    plan: Plan
     """The Plan."""
-    model: object
+    model: ModelSpec
     """The ModelSpec (the tensor_parallel block's partition config)."""
-    train: object
+    train: TrainSpec
     """The TrainSpec."""
     monitor_dir: str
     """The run directory's monitor/ (tensorboard and csv_monitor output)."""
     wall_clock_breakdown: bool
     """--wall-clock-breakdown."""
-    scheduler: tuple
+    scheduler: tuple[str, dict[str, object]]
     """(type, params) of the rendered scheduler (ds_preset.scheduler_block)."""
 
 
@@ -36,7 +43,7 @@ class Sources:
 class Derived:
     """A value derived when rendering (not a fixed default)."""
 
-    of: Callable
+    of: Callable[[Sources], object]
     """Sources -> the value."""
 
 
@@ -54,7 +61,7 @@ PLANNED = ("plan",)
 """Import target: the plan derives the value; a preset's value must equal it (account() compares after rendering)."""
 
 
-def option(name: str) -> tuple:
+def option(name: str) -> tuple[str, str]:
     """Import target: the preset's value becomes gen-config option `name` (planned with it, conflicts refused)."""
     return ("opt", name)
 
@@ -75,20 +82,20 @@ class DsKey:
     """Value name it is rendered from (a preset's values and the monitor flags use the same names)."""
     default: object
     """dspipe's own value, or Derived: from the plan, the options and the run."""
-    take: tuple | None = None
+    take: tuple[str, ...] | None = None
     """What a preset's value does (see the import targets above); None: its section's reader handles it."""
-    check: Callable | None = None
+    check: Check | None = None
     """The preset value's check (planner/ds_checks): the value as rendered, or ValueError(what is allowed)."""
     planner_auto: bool = False
     """A preset's "auto" is resolved by the planner (reported so); otherwise by an option or dspipe's default."""
 
     @property
-    def target(self) -> tuple:
+    def target(self) -> tuple[str, ...] | None:
         """The import target with SETS resolved to this row's value name."""
         return ("var", self.name) if self.take is SETS else self.take
 
 
-def _k(path: str, name: str, default: object, take: tuple | None = None, check: Callable | None = None, *,
+def _k(path: str, name: str, default: object, take: tuple[str, ...] | None = None, check: Check | None = None, *,
        planner_auto: bool = False) -> DsKey:
     return DsKey(path=path, name=name, default=default, take=take, check=check, planner_auto=planner_auto)
 
@@ -111,11 +118,11 @@ SCHEMA = (
     _k("optimizer.params.weight_decay", "weight_decay", _train("weight_decay"), option("weight_decay"), c.number(0)),
     _k("scheduler.type", "scheduler_type", Derived(lambda r: r.scheduler[0])),
     _k("scheduler.params", "scheduler_params", Derived(lambda r: r.scheduler[1])),
-    _k("bf16.enabled", "bf16", Derived(lambda r: r.plan.precision == "bf16"), ("precision",), c.boolean,
+    _k("bf16.enabled", "bf16", Derived(lambda r: r.plan.precision == Precision.BF16), ("precision",), c.boolean,
        planner_auto=True),
     _k("bf16.immediate_grad_update", "bf16_immediate_grad_update", False, SETS, c.boolean),
     _k("bf16.check_grad_overflow", "bf16_check_grad_overflow", True, SETS, c.boolean),
-    _k("fp16.enabled", "fp16", Derived(lambda r: r.plan.precision == "fp16"), ("precision",), c.boolean,
+    _k("fp16.enabled", "fp16", Derived(lambda r: r.plan.precision == Precision.FP16), ("precision",), c.boolean,
        planner_auto=True),
     _k("fp16.auto_cast", "fp16_auto_cast", False, SETS, c.boolean),
     _k("fp16.loss_scale", "fp16_loss_scale", 0, SETS, c.number(0)),
@@ -228,7 +235,7 @@ PLANNER_AUTO = frozenset(key.path for key in SCHEMA if key.planner_auto)
 """Keys whose "auto" the planner resolves (the rest resolve to dspipe's options or defaults)."""
 
 
-def section(prefix: str) -> dict:
+def section(prefix: str) -> dict[str, tuple[tuple[str, ...] | None, Check | None]]:
     """A preset section's keys (prefix "": the top level) -> (import target, check), for the rows a preset sets."""
     depth = prefix.count(".") + 1 if prefix else 0
     return {key.path.split(".")[-1]: (key.target, key.check) for key in SCHEMA
@@ -236,17 +243,17 @@ def section(prefix: str) -> dict:
             and key.path.count(".") == depth}
 
 
-def derived(sources: Sources) -> dict:
+def derived(sources: Sources) -> dict[str, object]:
     """Value name -> value of every Derived row."""
     return {key.name: key.default.of(sources) for key in SCHEMA if isinstance(key.default, Derived)}
 
 
-def build(values: dict) -> dict:
+def build(values: dict[str, object]) -> dict[str, Any]:  # the JSON object
     """The DeepSpeed config from a value for every name of SCHEMA (no more, no fewer), nested in SCHEMA's order."""
     missing, unused = NAMES - set(values), set(values) - NAMES
     if missing or unused:
         raise KeyError(f"ds_config: missing values {sorted(missing)}, unused {sorted(unused)}")
-    config: dict = {}
+    config: dict[str, Any] = {}
     for key in SCHEMA:
         *sections, leaf = key.path.split(".")
         node = config

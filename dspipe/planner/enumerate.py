@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields, replace
+from typing import TypeVar
 
 from dspipe.errors import SpecError
 from dspipe.planner.cost import Estimate, estimate, throughput
@@ -13,6 +15,7 @@ from dspipe.planner.plan import Plan, RuleError, make_plan
 from dspipe.spec.core import ClusterSpec, ModelSpec, StrategyRequest, StrategySpec, TrainSpec
 from dspipe.spec.layout import ParallelLayout
 from dspipe.spec.settings import AUTO
+from dspipe.spec.kinds import Offload
 
 AUTO_CHECKPOINTING = ("none", "full")
 """Recomputation the search chooses from. Not selective: with SDPA's fused kernels the attention core it recomputes
@@ -21,6 +24,8 @@ recomputation; a pinned --checkpointing selective is still planned, with the mem
 MAX_MICRO_BATCH = 64
 LONG_CONTEXT = 16384
 """Sequence length from which the search considers Ulysses sequence parallelism on its own."""
+_T = TypeVar("_T")
+
 SEARCHED = ("precision", "micro_batch", "zero", "offload", "offload_params", "pp", "tp", "sp", "ep", "checkpointing")
 """The request's fields the search tries every value of when they are auto; every other field of the request is
 handed to StrategySpec as asked (None: the spec's default)."""
@@ -42,7 +47,8 @@ class Candidate:
     @property
     def family(self) -> str:
         s = self.strategy
-        off = "" if s.offload == "none" else f" + {s.offload} offload" + (" (params too)" if s.offload_params else "")
+        off = ("" if s.offload == Offload.NONE
+               else f" + {s.offload} offload" + (" (params too)" if s.offload_params else ""))
         return f"ZeRO-{s.zero}{off}"
 
     def describe(self, *, every_axis: bool = False) -> str:
@@ -51,8 +57,8 @@ class Candidate:
         p = self.plan
         extra = "".join(f", {k} {v}" for k, v in (("tp", p.tp), ("sp", p.sp)) if v > 1 or every_axis)
         extra += f", ep {p.ep}" if p.experts or p.ep > 1 else ""  # a mixture of experts always names its ep
-        return (f"{self.family}, {p.precision}, pp {p.pp}{extra}, dp {p.dp}, micro {p.micro_batch} x ga {p.grad_accum}, "
-                f"recompute {p.checkpointing}")
+        return (f"{self.family}, {p.precision}, pp {p.pp}{extra}, dp {p.dp}, micro {p.micro_batch} x ga {p.grad_accum}"
+                f", recompute {p.checkpointing}")
 
 
 @dataclass
@@ -64,19 +70,19 @@ class Enumerated:
     """Every refusal, in the order met."""
     tp_list: list[int]
     sp_list: list[int]
-    by_family: dict = field(default_factory=dict)
+    by_family: dict[str, dict[int, str]] = field(default_factory=dict)
     """family -> {rule number: message} of its refused strategies (also by_tp, by_sp: tp / sp size -> ...)."""
-    by_tp: dict = field(default_factory=dict)
-    by_sp: dict = field(default_factory=dict)
-    by_ep: dict = field(default_factory=dict)
-    by_pp: dict = field(default_factory=dict)
-    ep_list: list = field(default_factory=list)
+    by_tp: dict[int, dict[int, str]] = field(default_factory=dict)
+    by_sp: dict[int, dict[int, str]] = field(default_factory=dict)
+    by_ep: dict[int, dict[int, str]] = field(default_factory=dict)
+    by_pp: dict[int, dict[int, str]] = field(default_factory=dict)
+    ep_list: list[int] = field(default_factory=list)
     """Every ep the search tried (a mixture of experts: divisors of gcd(experts, dp) over the layouts tried)."""
 
 
-def options(value, choices) -> list:
+def options(value: _T | None, choices: Iterable[_T]) -> list[_T]:
     """[value] when the request fixes it, else every choice."""
-    return list(choices) if value in (None, AUTO) else [value]
+    return list(choices) if value is None or value == AUTO else [value]
 
 
 def divisors(n: int, limit: int) -> list[int]:
@@ -125,8 +131,9 @@ def enumerate_candidates(*, model: ModelSpec, cluster: ClusterSpec, train: Train
                        sp_list=options(r.sp, sp_choices(model, cluster)))
     as_asked = {f.name: v for f in fields(StrategyRequest)
                 if f.name not in SEARCHED and (v := getattr(r, f.name)) is not None}
-    refused = set()  # strategies a rule refuses whatever the micro-batch and recomputation: tried once
-    trains = {}  # (precision, micro-batch) -> TrainSpec, validated once
+    # strategies a rule refuses whatever the micro-batch and recomputation: tried once
+    refused: set[tuple[str, int, str, bool, int, int, int, int]] = set()
+    trains: dict[tuple[str, int], TrainSpec] = {}  # (precision, micro-batch) -> TrainSpec, validated once
     for prec, zero, offload, offload_params, pp, tp, sp, ckpt in itertools.product(
             precision, options(r.zero, [0, 1, 2, 3]), offloads, options(r.offload_params, [False, True]), pps,
             found.tp_list, found.sp_list, options(r.checkpointing, AUTO_CHECKPOINTING)):
@@ -153,9 +160,9 @@ def enumerate_candidates(*, model: ModelSpec, cluster: ClusterSpec, train: Train
                 except SpecError as e:
                     found.errors.append(e)
                     rule = rule_of(e)
-                    family = f"ZeRO-{zero}" + ("" if offload == "none" else f" + {offload} offload")
-                    for table, key in ((found.by_family, family), (found.by_tp, tp), (found.by_sp, sp),
-                                       (found.by_ep, ep), (found.by_pp, pp)):
+                    family = f"ZeRO-{zero}" + ("" if offload == Offload.NONE else f" + {offload} offload")
+                    found.by_family.setdefault(family, {}).setdefault(rule, str(e))
+                    for table, key in ((found.by_tp, tp), (found.by_sp, sp), (found.by_ep, ep), (found.by_pp, pp)):
                         table.setdefault(key, {}).setdefault(rule, str(e))
                     if rule == BATCH_RULE:
                         continue

@@ -12,7 +12,7 @@ from dspipe.planner.rank import TIE, tie_reason
 from dspipe.planner.startup import size_text
 from dspipe.spec.core import ClusterSpec, ModelSpec, StrategyRequest, StrategySpec, TrainSpec
 from dspipe.spec.hardware import GIB
-from dspipe.spec.settings import AUTO
+from dspipe.spec.settings import is_auto
 
 
 def rejected(*, found: Enumerated, best: Candidate | None, model: ModelSpec, cluster: ClusterSpec,
@@ -35,14 +35,14 @@ def rejected(*, found: Enumerated, best: Candidate | None, model: ModelSpec, clu
     if model.experts:  # a mixture of experts trains at pp 1 only: say why the others were not candidates
         axes.append(("pp", sorted(set(found.by_pp) | {1}), found.by_pp, best and best.plan.pp))
     for label, values, table, chosen in axes:
-        if len(values) < 2 and getattr(request, label) in (None, AUTO):
+        if len(values) < 2 and is_auto(getattr(request, label)):
             continue  # nothing was chosen along this axis
         for v in values:
             if v == chosen:
                 continue
             members = [c for c in candidates if getattr(c.plan, label) == v]
             out[f"{label} {v}"] = why_not(best, members) if members else rules_text(table.get(v, {}))
-    if request.tp in (None, AUTO):
+    if is_auto(request.tp):
         for t in divisors(cluster.gpus_per_node, cluster.gpus_per_node):
             if t not in found.tp_list:  # never tried: say which rule rules it out
                 out[f"tp {t}"] = "not considered: " + tp_refusal(model, cluster, train, t)
@@ -53,6 +53,7 @@ def why_not(best: Candidate | None, members: list[Candidate]) -> str:
     """One line: how the quickest fitting member compares with the chosen plan, or its smallest shortfall."""
     fits = [c for c in members if c.est.fits]
     if fits:
+        assert best is not None  # a plan fits: the search chose one
         quickest = min(fits, key=lambda c: c.est.step_time_s)
         slower = quickest.est.step_time_s / best.est.step_time_s - 1
         if quickest.est.step_time_s <= best.est.step_time_s * TIE:  # lost the tie-break, not the race
@@ -64,7 +65,7 @@ def why_not(best: Candidate | None, members: list[Candidate]) -> str:
     return f"does not fit: {shortfall_text(near)} at best ({near.describe()})"
 
 
-def rules_text(rules: dict) -> str:
+def rules_text(rules: dict[int, str]) -> str:
     """The rule that got furthest (the highest-numbered one: every earlier rule held for that combination)."""
     if not rules:
         return "violates DeepSpeed's rules"
@@ -100,16 +101,17 @@ def startup_shortfall_text(e: Estimate) -> str:
 
 
 def shortfall_text(c: Candidate) -> str:
-    e = c.est
+    e, s = c.est, c.est.startup
     parts = []
     if e.shortfall_bytes:
         parts.append(f"needs {e.memory.total / GIB:.1f} GiB per GPU, may use {e.usable_gpu_memory_bytes / GIB:.1f} "
                      f"of {e.gpu_memory_bytes / GIB:.1f} ({e.headroom * 100:.0f}% headroom; short by "
                      f"{e.shortfall_bytes / GIB:.1f} GiB)")
-    if e.startup_device_shortfall_bytes and not e.shortfall_bytes:  # else the step's own shortfall says it
-        parts.append(f"start-up needs {size_text(e.startup.device_bytes)} per GPU while building "
-                     f"({e.startup.mode} build), may use {size_text(e.usable_gpu_memory_bytes)}")
-    if e.startup_host_shortfall_bytes and e.startup.build_dominates:
+    # (a start-up shortfall implies a start-up estimate: s is not None)
+    if s is not None and e.startup_device_shortfall_bytes and not e.shortfall_bytes:  # else the step's says it
+        parts.append(f"start-up needs {size_text(s.device_bytes)} per GPU while building "
+                     f"({s.mode} build), may use {size_text(e.usable_gpu_memory_bytes)}")
+    if s is not None and e.startup_host_shortfall_bytes and s.build_dominates:
         parts.append(startup_shortfall_text(e))
     elif e.host_memory_bytes > e.host_memory_capacity or e.startup_host_shortfall_bytes:  # the offload's own peak
         parts.append(f"needs {max(e.host_memory_bytes, e.startup.host_per_node_bytes if e.startup else 0) / GIB:.0f} "

@@ -81,7 +81,9 @@ from dspipe.planner.stages import (largest_tensor, largest_tensor_per_rank, para
                                    stage_params, zero_group_size)
 from dspipe.planner.throughput import window_kernel
 from dspipe.spec.core import ClusterSpec, ModelSpec
+from dspipe.spec.dtypes import dtype_bytes
 from dspipe.spec.hardware import GIB
+from dspipe.spec.kinds import Checkpointing, Offload, Precision
 
 FRAMEWORK_RESERVE = int(1.5 * GIB)
 """CUDA context, NCCL buffers and allocator fragmentation (none on the nominal 'cpu' type)."""
@@ -203,14 +205,14 @@ def activation_bytes_per_layer(*, model: ModelSpec, micro_batch: int, checkpoint
     s, b, h = share(model.seq_len, sp), micro_batch, model.hidden
     tokens = s * b
     cut = tp if tp_sp else 1  # what divides the regions outside the tensor-parallel ones
-    if checkpointing == "full":
+    if checkpointing == Checkpointing.FULL:
         return tokens * h * act_bytes // cut
     whole, split = activation_coefficients(model)
     per_token = 2 * _norm_bytes_per_token(model, act_bytes=act_bytes, kernels=kernels) / cut \
         + act_bytes * h * (whole / cut + split / tp) \
         + _qk_norm_bytes_per_token(model, act_bytes=act_bytes, kernels=kernels) / tp
     mask = 0
-    if checkpointing == "none":
+    if checkpointing == Checkpointing.NONE:
         per_token += 4 * share(model.heads, tp)  # the kernel's fp32 log-sum-exp
         if windowed is None:
             windowed = windowed_blocks(model, range(model.layers - 1, model.layers)) > 0
@@ -219,7 +221,7 @@ def activation_bytes_per_layer(*, model: ModelSpec, micro_batch: int, checkpoint
     if model.dropout > 0:
         per_token += 2 * h / cut
     rotary = 4 * s * model.head_dim * act_bytes if model.positions == "rope" else 0
-    moe = 0
+    moe: float = 0
     if sparse and model.experts:  # the dense MLP's hidden activations replaced by the MoE layer's
         dense_mlp = act_bytes * (4 if model.mlp == "swiglu" else 2) * model.ffn / tp
         moe = moe_mlp_activation_bytes(model=model, tokens=tokens, act_bytes=act_bytes) - tokens * dense_mlp
@@ -360,7 +362,7 @@ def micro_batch_activations(*, model: ModelSpec, micro_batch: int, checkpointing
                                                       checkpointing=checkpointing, act_bytes=act_bytes, tp=tp, sp=sp,
                                                       kernels=kernels, windowed=False, sparse=True) - dense)
         moe_working = moe_working_bytes(model=model, tokens=tokens, act_bytes=act_bytes)
-    if checkpointing != "full":
+    if checkpointing != Checkpointing.FULL:
         return saved + ids + head, max(moe_working, chunk)
     working = recompute_working_bytes(model=model, micro_batch=micro_batch, act_bytes=act_bytes, tp=tp, sp=sp,
                                       kernels=kernels, windowed=windowed > 0, sparse=sparse > 0,
@@ -427,7 +429,7 @@ def zero3_backward_working(*, model: ModelSpec, plan: Plan) -> int:
         stage3_max_reuse_distance kept gathered since the forward, if more), and its gradient.
     The contiguous reduce bucket is a steady buffer; the gradients are reduced module by module and freed."""
     order = list(reversed(_modules(model.block_tensors())))
-    pair = max(a + b for a, b in zip(order, order[1:] + order[:1]))
+    pair = max(a + b for a, b in zip(order, order[1:] + order[:1], strict=True))
     head = model.vocab * model.hidden
     kept = zero3_kept_for_reuse(model=model, plan=plan)
     live = min(plan.max_live_parameters, plan.prefetch_bucket_size + largest_tensor(model))
@@ -449,12 +451,12 @@ def expert_grads_kept(*, model: ModelSpec, reduce_bucket_size: int) -> tuple[int
     return sum(n for n in sizes if n > reduce_bucket_size), sum(sizes)
 
 
-def _model_states(*, model: ModelSpec, plan: Plan, phi: int) -> tuple[dict, dict]:
+def _model_states(*, model: ModelSpec, plan: Plan, phi: int) -> tuple[dict[str, int], dict[str, int]]:
     """(steady, transient) device bytes per rank for params/grads/optimizer/buffers on a stage of phi parameters
     per rank; the host's are _host_states'. What is partitioned (Phi/N below) is summed over stages.param_groups:
     under MoE the dense parameters over N = dp x sp and the rank's experts over the dp / ep expert-data-parallel
     ranks (12 Phi_d / dp + 12 Phi_e / (dp / ep) of optimizer state, Phi_e = routed experts / ep)."""
-    n, z, b = zero_group_size(plan), plan.zero_stage, 2 if plan.precision in ("bf16", "fp16") else 4
+    n, z, b = zero_group_size(plan), plan.zero_stage, dtype_bytes(plan.precision)
     groups = param_groups(model=model, plan=plan, phi=phi)
 
     def part(k: int) -> int:  # k bytes per parameter, each kind partitioned over its ZeRO group
@@ -464,13 +466,13 @@ def _model_states(*, model: ModelSpec, plan: Plan, phi: int) -> tuple[dict, dict
     master = 4 * phi if mixed else 0
     adam = 8 * phi
     bucket = plan.reduce_bucket_size * b
-    offload = plan.offload != "none"
+    offload = plan.offload != Offload.NONE
     largest = b * largest_tensor_per_rank(model, plan.tp)
     if z == 0:
         steady = dict(params=b * phi, grads=0, optimizer=master + adam, buffers=0)
         # the peak is the optimizer step's fp32 gradients (4Phi); mixed precision frees the 16-bit ones first (census)
         transient = dict(grads=4 * phi, buffers=0)
-    elif z == 1 and plan.precision == "bf16" and not offload:
+    elif z == 1 and plan.precision == Precision.BF16 and not offload:
         steady = dict(params=2 * phi, grads=4 * phi, optimizer=part(12), buffers=0)
         transient = dict(grads=2 * phi, buffers=0)
     elif z in (1, 2) and offload:
@@ -516,8 +518,8 @@ def _host_states(*, model: ModelSpec, plan: Plan, phi: int) -> tuple[int, int]:
     gradient partitions (grad_partitions_flat_buffer and the master's .grad, 8Phi/N), with offload_params the 16-bit
     partitions (b.Phi/N). NVMe (not measured: no NVMe here): swap buffers of 2 fp32 and 4 training-dtype reduce
     buckets and, with offload_params, the partitions."""
-    n, z, b = zero_group_size(plan), plan.zero_stage, 2 if plan.precision in ("bf16", "fp16") else 4
-    if plan.offload == "none":
+    n, z, b = zero_group_size(plan), plan.zero_stage, dtype_bytes(plan.precision)
+    if plan.offload == Offload.NONE:
         return 0, 0
     groups = param_groups(model=model, plan=plan, phi=phi)
 
@@ -525,7 +527,7 @@ def _host_states(*, model: ModelSpec, plan: Plan, phi: int) -> tuple[int, int]:
         return sum(k * p // g for p, g in groups)
 
     params = part(b) if plan.offload_params else 0
-    if plan.offload == "nvme":
+    if plan.offload == Offload.NVME:
         host = 2 * plan.reduce_bucket_size * 4 + 4 * plan.reduce_bucket_size * b + params
         return host, host
     if z in (1, 2):
@@ -541,7 +543,7 @@ def stage_memory(*, model: ModelSpec, cluster: ClusterSpec, plan: Plan) -> tuple
     pp micro-batches in flight; the last holds the logits."""
     gpu = cluster.gpu_type
     pp, m, tp, sp = plan.pp, plan.grad_accum, plan.tp, plan.sp
-    b = 2 if plan.precision in ("bf16", "fp16") else 4
+    b = dtype_bytes(plan.precision)
     stages = stage_params(model=model, pp=pp, partition_method=plan.partition_method, tp=tp, ep=plan.ep)
     blocks = stage_blocks(model=model, pp=pp, partition_method=plan.partition_method, tp=tp)
     first_block = [sum(blocks[:i]) for i in range(pp)]
@@ -566,6 +568,7 @@ def stage_memory(*, model: ModelSpec, cluster: ClusterSpec, plan: Plan) -> tuple
                      model_states=sum(steady.values()), host_model_states=host_steady, host_peak=host_peak)
         if worst is None or mem.total > worst.total:
             worst, worst_phi = mem, phi
+    assert worst is not None  # pp >= 1 stages: the loop ran
     return worst, worst_phi
 
 

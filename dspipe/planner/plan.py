@@ -9,6 +9,7 @@ from dspipe.errors import SpecError
 from dspipe.model.tp_split import vocab_split as vocab_rows
 from dspipe.spec.layout import ParallelLayout
 from dspipe.spec.core import ClusterSpec, ModelSpec, StrategySpec, TrainSpec
+from dspipe.spec.kinds import Checkpointing, Offload, Precision
 
 MIN_BUCKET = 1 << 20  # elements; h^2 buckets for tiny models would mean thousands of tiny collectives
 
@@ -136,8 +137,8 @@ def check_rules(*, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, str
     if pp > model.layers:
         raise RuleError(1, f"pipeline stages {pp} > layers {model.layers}: every stage needs at least one block")
     if world % (pp * tp * sp):
-        raise RuleError(2, f"world size {world} ({cluster.nodes} nodes x {cluster.gpus_per_node} GPUs) is not divisible "
-                        f"by pp {pp} x tp {tp} x sp {sp} = {pp * tp * sp}")
+        raise RuleError(2, f"world size {world} ({cluster.nodes} nodes x {cluster.gpus_per_node} GPUs) is not "
+                        f"divisible by pp {pp} x tp {tp} x sp {sp} = {pp * tp * sp}")
     _check_experts(model=model, train=train, strategy=strategy, world=world)
     _check_tensor_sequence(model=model, cluster=cluster, train=train, strategy=strategy)
     if pp > 1 and zero >= 2:
@@ -150,15 +151,15 @@ def check_rules(*, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, str
                         f"x dp {dp} = {train.micro_batch * dp}")
     if strategy.offload_params and zero != 3:
         raise RuleError(5, f"--offload-params needs ZeRO-3 (got ZeRO-{zero}): only stage 3 partitions parameters")
-    if strategy.offload_params and strategy.offload == "none":
+    if strategy.offload_params and strategy.offload == Offload.NONE:
         raise RuleError(6, "--offload-params needs an offload device: --offload cpu or --offload nvme")
-    if strategy.offload != "none" and zero == 0:
+    if strategy.offload != Offload.NONE and zero == 0:
         raise RuleError(7, f"--offload {strategy.offload} needs ZeRO 1-3 (got ZeRO-0): offload moves ZeRO's partitions")
-    if strategy.offload == "nvme" and zero != 3:
+    if strategy.offload == Offload.NVME and zero != 3:
         raise RuleError(8, f"--offload nvme needs ZeRO-3 (ZeRO-Infinity), got ZeRO-{zero}; use --offload cpu")
-    if strategy.offload == "nvme" and not strategy.nvme_path:
+    if strategy.offload == Offload.NVME and not strategy.nvme_path:
         raise RuleError(9, "--offload nvme needs --nvme-path DIR on a local NVMe drive")
-    if train.precision == "fp16" and cluster.gpu == "cpu":
+    if train.precision == Precision.FP16 and cluster.gpu == "cpu":
         raise RuleError(10, "fp16 is not supported by DeepSpeed's CPU accelerator; use --precision bf16 or fp32")
     if train.warmup_steps >= train.steps:
         raise RuleError(11, f"warmup_steps {train.warmup_steps} must be < steps {train.steps}")
@@ -182,7 +183,8 @@ def _check_tensor_sequence(*, model: ModelSpec, cluster: ClusterSpec, train: Tra
                             f"activations in every layer and must share one node (tp across nodes is refused)")
         for name, value in (("heads", model.heads), ("kv_heads", model.kv_groups), ("ffn", model.ffn)):
             if value % tp:
-                raise RuleError(2, f"model {name} {value} is not divisible by tp {tp} ({value} / {tp} = {value / tp:g})")
+                raise RuleError(2, f"model {name} {value} is not divisible by tp {tp} "
+                                   f"({value} / {tp} = {value / tp:g})")
         per, last = vocab_rows(model.vocab, tp)
         if last < 1:
             raise RuleError(2, f"model vocab {model.vocab} over tp {tp}: ceil({model.vocab} / {tp}) = {per} rows per "
@@ -197,13 +199,15 @@ def _check_tensor_sequence(*, model: ModelSpec, cluster: ClusterSpec, train: Tra
             raise RuleError(3, f"loss_chunk {strategy.loss_chunk} with tp {tp}: the tensor-parallel head computes a "
                             f"vocab-parallel cross-entropy of its ceil({model.vocab} / {tp}) = {per} vocabulary rows "
                             f"(no chunked loss there); use --loss-chunk 0 or --tp 1")
-        if zero == 0 and train.precision != "fp32":
-            raise RuleError(3, f"tp {tp} with ZeRO-0 in {train.precision}: DeepSpeed's ZeRO-0 {train.precision} optimizer "
-                            f"reports and clips by the gradient norm of rank 0's shards only; use --zero 1 or 2")
+        if zero == 0 and train.precision != Precision.FP32:
+            raise RuleError(3, f"tp {tp} with ZeRO-0 in {train.precision}: DeepSpeed's ZeRO-0 {train.precision} "
+                            f"optimizer reports and clips by the gradient norm of rank 0's shards only; "
+                            "use --zero 1 or 2")
     if sp > 1:
         for name, value in (("heads", model.heads), ("seq_len", model.seq_len)):
             if value % sp:
-                raise RuleError(2, f"model {name} {value} is not divisible by sp {sp} ({value} / {sp} = {value / sp:g}): "
+                raise RuleError(2, f"model {name} {value} is not divisible by sp {sp} "
+                                   f"({value} / {sp} = {value / sp:g}): "
                                 f"Ulysses splits the sequence, then the heads, across the sp ranks")
         if tp > 1 and (model.heads // tp) % sp:
             raise RuleError(2, f"model heads {model.heads} / tp {tp} = {model.heads // tp} heads per tp rank are not "
@@ -211,8 +215,9 @@ def _check_tensor_sequence(*, model: ModelSpec, cluster: ClusterSpec, train: Tra
         if tp > 1 and zero == 3:
             raise RuleError(3, f"ZeRO-3 with tp {tp} x sp {sp}: {TP_SP_ZERO3_REFUSAL}")
         if pp > 1:
-            raise RuleError(3, f"sp {sp} with pp {pp}: DeepSpeed's pipeline engine cannot carry Ulysses sequence shards "
-                            f"(its partitioned pipe tensors and gradient reduction ignore the sp group); use sp or pp")
+            raise RuleError(3, f"sp {sp} with pp {pp}: DeepSpeed's pipeline engine cannot carry Ulysses sequence "
+                            f"shards (its partitioned pipe tensors and gradient reduction ignore the sp group); "
+                            "use sp or pp")
 
 
 def _check_experts(*, model: ModelSpec, train: TrainSpec, strategy: StrategySpec, world: int) -> None:
@@ -234,7 +239,7 @@ def _check_experts(*, model: ModelSpec, train: TrainSpec, strategy: StrategySpec
         if value > 1:
             raise RuleError(3, f"{name} {value} with experts {e}: dspipe trains mixture-of-experts models with "
                             f"{name} 1 only ({why}); use --{name} 1 and expert parallelism (--ep)")
-    if train.precision == "fp16":
+    if train.precision == Precision.FP16:
         raise RuleError(3, f"fp16 with experts {e}: dspipe trains mixture-of-experts models in bf16 or fp32 only "
                         f"(not tested with fp16 loss scaling); use --precision bf16")
     if e % ep:
@@ -250,7 +255,7 @@ def _check_experts(*, model: ModelSpec, train: TrainSpec, strategy: StrategySpec
 
 
 def _grad_accum_dtype(*, precision: str, zero: int, pp: int) -> str:
-    if precision == "bf16":
+    if precision == Precision.BF16:
         # ZeRO 1-3 (and the pipeline's bf16 optimizer) keep fp32 gradient partitions; plain DP in bf16
         # must accumulate in the model dtype (DeepSpeed refuses the bf16/fp32 mix without ZeRO).
         return "fp32" if zero >= 1 else "bf16"
@@ -284,11 +289,11 @@ def make_plan(*, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
         zero_stage=zero,
         offload=strategy.offload,
         offload_params=strategy.offload_params,
-        nvme_path=strategy.nvme_path if strategy.offload == "nvme" else None,
+        nvme_path=strategy.nvme_path if strategy.offload == Offload.NVME else None,
         precision=train.precision,
         grad_accum_dtype=_grad_accum_dtype(precision=train.precision, zero=zero, pp=pp),
         checkpointing=strategy.checkpointing,
-        activation_checkpoint_interval=1 if (pp > 1 and strategy.checkpointing == "full") else 0,
+        activation_checkpoint_interval=1 if (pp > 1 and strategy.checkpointing == Checkpointing.FULL) else 0,
         partition_method=strategy.partition_method,
         reduce_bucket_size=strategy.reduce_bucket_size or max(h * h, MIN_BUCKET),
         allgather_bucket_size=strategy.reduce_bucket_size or max(h * h, MIN_BUCKET),
@@ -320,7 +325,8 @@ def check_plan(plan: Plan, *, model: ModelSpec, cluster: ClusterSpec, train: Tra
     make_plan derives from those specs (a hand-edited or damaged plan is refused, naming the first field that
     disagrees and both values)."""
     expected = make_plan(model=model, cluster=cluster, train=train, strategy=strategy)
-    first = ("world_size", "pp", "tp", "sp", "ep", "experts", "zero_stage", "precision", "micro_batch", "global_batch")  # causes
+    # causes
+    first = ("world_size", "pp", "tp", "sp", "ep", "experts", "zero_stage", "precision", "micro_batch", "global_batch")
     for name in (*first, *(f.name for f in fields(Plan) if f.name not in first)):  # before consequences (dp)
         have, want = getattr(plan, name), getattr(expected, name)
         if have != want or type(have) is not type(want):

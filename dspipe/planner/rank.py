@@ -32,7 +32,7 @@ class Ranking:
     """When several plans tied (within 2% of the fastest): how many, and why the tie-break chose this one."""
 
 
-def preference(c: Candidate) -> tuple:
+def preference(c: Candidate) -> tuple[bool, int, int, int, bool, int, int, int, int, int, int]:
     """The tie-break among plans within 2% of the fastest: the seed recipe (bf16, lowest ZeRO stage, no offload,
     less recomputation (full is the only kind it chooses), fewer pipeline stages, less tensor then sequence
     parallelism), then a larger micro-batch while it has fewer than GEMM_TOKENS tokens, then the smaller memory
@@ -48,7 +48,7 @@ def preference(c: Candidate) -> tuple:
 
 def tie_reason(winner: Candidate, loser: Candidate) -> str:
     """Why the tie-break put `winner` before `loser`: the first preference they differ on."""
-    for why, a, b in zip(_PREFERENCE_WHY, preference(winner), preference(loser)):
+    for why, a, b in zip(_PREFERENCE_WHY, preference(winner), preference(loser), strict=True):
         if a != b:
             if why == "the roomier plan":
                 return (f"{why} ({winner.est.memory.total / winner.est.gpu_memory_bytes:.0%} vs "

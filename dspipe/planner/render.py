@@ -5,11 +5,13 @@ from __future__ import annotations
 import importlib.resources
 import json
 from pathlib import Path
+from typing import Any
 
 import jinja2
 import jinja2.meta
 
 from dspipe.errors import SpecError
+from dspipe.jsonio import read_object
 from dspipe.planner.ds_preset import PresetImport, import_preset, read_preset, scheduler_block
 from dspipe.planner.ds_schema import DEFAULTS, Sources, build, derived
 from dspipe.planner.plan import Plan
@@ -21,13 +23,14 @@ DS_PRESETS = RESOURCES / "ds_configs"
 RECIPES = "recipes"  # ds_configs/recipes.json: the flags each shipped preset is rendered from
 
 
-def render_template(name: str, values: dict) -> str:
+def render_template(name: str, values: dict[str, object]) -> str:
     """Render templates/NAME; the values given must be exactly the template's variables (no more, no fewer).
     Dict values keep their key order (tojson without sorting)."""
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), undefined=jinja2.StrictUndefined,
-                             keep_trailing_newline=True, autoescape=False)
+    loader = jinja2.FileSystemLoader(str(TEMPLATES))
+    env = jinja2.Environment(loader=loader, undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
+                             autoescape=False)
     env.policies["json.dumps_kwargs"] = {"sort_keys": False}
-    source = env.loader.get_source(env, name)[0]
+    source = loader.get_source(env, name)[0]
     wanted = jinja2.meta.find_undeclared_variables(env.parse(source))
     if wanted != set(values):
         raise KeyError(f"{name}: missing values {sorted(wanted - set(values))}, unused {sorted(set(values) - wanted)}")
@@ -40,11 +43,11 @@ MONITOR_OPTIONS = {  # gen-config option -> ds_schema value name; W&B and Comet 
     "comet_experiment": "comet_experiment_name"}
 
 
-def monitor_values(options: dict) -> dict:
+def monitor_values(options: dict[str, object]) -> dict[str, object]:
     """ds_schema values for the monitors the options turn on: --wandb-project enables W&B, --comet-project Comet
     (--comet-offline: an offline experiment). API keys are never written: W&B and Comet read them from their own
     environment variables or login files."""
-    values = {}
+    values: dict[str, object] = {}
     for key, value in options.items():
         if key not in MONITOR_OPTIONS or value is None:
             continue
@@ -62,7 +65,7 @@ def monitor_values(options: dict) -> dict:
 
 def render_ds_config(*, plan: Plan, model: ModelSpec, train: TrainSpec, monitor_dir: str,
                      wall_clock_breakdown: bool = False, preset: PresetImport | None = None,
-                     monitors: dict | None = None) -> dict:
+                     monitors: dict[str, object] | None = None) -> dict[str, Any]:
     """The complete DeepSpeed config for `plan`: every key explicit, nothing left to DeepSpeed's defaults. `preset`:
     the values a --preset sets (its import already checked them against the plan's options); `monitors`:
     values from monitor_values()."""
@@ -83,7 +86,8 @@ def render_ds_config(*, plan: Plan, model: ModelSpec, train: TrainSpec, monitor_
         values["wall_clock_breakdown"] = wall_clock_breakdown or preset.values.get("wall_clock_breakdown", False)
     if monitors:
         values.update(monitors)  # flags win over a preset's monitor settings
-    return json.loads(json.dumps(build(values)))  # a fresh copy: JSON types only, no shared defaults
+    config: dict[str, Any] = json.loads(json.dumps(build(values)))  # a fresh copy: JSON types only, no shared defaults
+    return config
 
 
 def preset_names() -> list[str]:
@@ -91,11 +95,13 @@ def preset_names() -> list[str]:
     return sorted(p.stem for p in DS_PRESETS.glob("*.json") if p.stem != RECIPES)
 
 
-def recipes() -> dict:
+def recipes() -> dict[str, Any]:
     """ds_configs/recipes.json: the reference run ("reference"), the flags each shipped preset is rendered with
     ("presets"), the keys every shipped preset leaves to the run, grouped by why ("auto"), and the ones a preset keeps
     all the same because its recipe names them ("keep")."""
-    return json.loads((DS_PRESETS / f"{RECIPES}.json").read_text(encoding="utf-8"))
+    book = read_object(DS_PRESETS / f"{RECIPES}.json")
+    assert book is not None  # None only with partial_ok
+    return book
 
 
 def left_to_the_run(name: str) -> list[str]:
@@ -106,10 +112,10 @@ def left_to_the_run(name: str) -> list[str]:
     return [path for paths in book["auto"].values() for path in paths if path not in keep]
 
 
-def shipped_preset(name: str, rendered: dict) -> dict:
+def shipped_preset(name: str, rendered: dict[str, Any]) -> dict[str, Any]:
     """ds_configs/NAME.json made from the ds_config.json its recipe renders: every key of left_to_the_run(name) set
     to "auto" (KeyError for a key the config does not have)."""
-    cfg = json.loads(json.dumps(rendered))
+    cfg: dict[str, Any] = json.loads(json.dumps(rendered))
     for path in left_to_the_run(name):
         *sections, leaf = path.split(".")
         node = cfg
@@ -132,7 +138,7 @@ def preset_path(name_or_path: str) -> Path:
     return path
 
 
-def load_ds_preset(name_or_path: str) -> dict:
+def load_ds_preset(name_or_path: str) -> dict[str, Any]:
     """A preset from ds_configs/ by name, or any DeepSpeed JSON file by path, as parsed (checked: a JSON object)."""
     return read_preset(preset_path(name_or_path))
 

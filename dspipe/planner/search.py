@@ -12,7 +12,8 @@ from dspipe.planner.memory import MEMORY_HEADROOM
 from dspipe.planner.rank import rank
 from dspipe.spec.core import ClusterSpec, ModelSpec, StrategyRequest, TrainSpec
 from dspipe.spec.hardware import GIB
-from dspipe.spec.settings import AUTO
+from dspipe.spec.settings import is_auto
+from dspipe.spec.kinds import Offload
 
 
 @dataclass(frozen=True)
@@ -54,17 +55,19 @@ def nothing_fits_message(*, result: SearchResult, model: ModelSpec, cluster: Clu
     host RAM is short, a pinned tp / pp / ZeRO stage left to the planner, or nodes with the RAM the start-up needs),
     each re-searched."""
     c = result.closest
+    assert c is not None  # nothing fits: the closest candidate is set
     tries = [(f"{cluster.nodes * k} nodes x {cluster.gpus_per_node}", replace(cluster, nodes=cluster.nodes * k),
               request) for k in (2, 4, 8, 16, 32, 64)]
-    if request.offload == "none":
+    if request.offload == Offload.NONE:
         tries.insert(0, ("--offload cpu", cluster, replace(request, offload="cpu", offload_params=None)))
     if not request.nvme_path:
         tries.insert(1, ("--offload nvme --nvme-path DIR", cluster,
                          replace(request, offload="nvme", offload_params=None, nvme_path="/nvme")))
-    if model.experts and request.ep not in (None, AUTO):  # a pinned ep fixes the experts a rank holds
+    if model.experts and not is_auto(request.ep):  # a pinned ep fixes the experts a rank holds
         tries.insert(0, ("--ep auto", cluster, replace(request, ep=None)))
-    if c.est.startup_host_shortfall_bytes:  # the build holds more than the node's RAM: another build mode may not
-        pinned = [k for k in ("tp", "pp", "zero") if getattr(request, k) not in (None, AUTO)]
+    # the build holds more than the node's RAM (so there is a start-up estimate): another build mode may not
+    if c.est.startup is not None and c.est.startup_host_shortfall_bytes:
+        pinned = [k for k in ("tp", "pp", "zero") if not is_auto(getattr(request, k))]
         relaxed = [(f"--{k} auto", cluster, replace(request, **{k: None})) for k in pinned]
         if len(pinned) > 1:
             relaxed.append((" ".join(f"--{k} auto" for k in pinned), cluster,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
+from itertools import pairwise
 
 from dspipe.model.tp_split import split_of, vocab_split as vocab_rows
 from dspipe.planner.plan import Plan
@@ -113,7 +114,7 @@ def stage_blocks(*, model: ModelSpec, pp: int, partition_method: str, tp: int = 
     if pp == 1:
         return [model.layers]
     bounds = stage_bounds(model, pp, partition_method, tp)
-    return [max(0, min(b, model.layers + 1) - max(a, 1)) for a, b in zip(bounds, bounds[1:])]
+    return [max(0, min(b, model.layers + 1) - max(a, 1)) for a, b in pairwise(bounds)]
 
 
 
@@ -130,7 +131,7 @@ def stage_params(*, model: ModelSpec, pp: int, partition_method: str, tp: int = 
                 - expert_params_off_rank(model, ep),)
     bounds = stage_bounds(model, pp, partition_method, tp)
     local = stage_layer_weights(model, tp)
-    return tuple(sum(local[a:b]) for a, b in zip(bounds, bounds[1:]))
+    return tuple(sum(local[a:b]) for a, b in pairwise(bounds))
 
 
 @lru_cache(maxsize=1024)
@@ -141,7 +142,7 @@ def stage_elements(model: ModelSpec, pp: int, partition_method: str, tp: int = 1
         return (model.num_params,)
     bounds = stage_bounds(model, pp, partition_method, tp)
     whole = stage_layer_weights(model)
-    return tuple(sum(whole[a:b]) for a, b in zip(bounds, bounds[1:]))
+    return tuple(sum(whole[a:b]) for a, b in pairwise(bounds))
 
 
 def expert_params_off_rank(model: ModelSpec, ep: int) -> int:
@@ -206,4 +207,4 @@ def stage_largest_tensors(model: ModelSpec, pp: int, partition_method: str, tp: 
                  *(max(math.prod(s) for _, s in model.block_tensors(i)) for i in range(model.layers)),
                  model.hidden, table]
     bounds = stage_bounds(model, pp, partition_method, tp)
-    return tuple(max(per_layer[a:b]) for a, b in zip(bounds, bounds[1:]))
+    return tuple(max(per_layer[a:b]) for a, b in pairwise(bounds))

@@ -28,6 +28,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dspipe.spec.dtypes import dtype_bytes
+from dspipe.spec.kinds import BuildMode
+
 BUILD_MODES = ("partitioned", "device", "stage")
 """The build modes (the "host" mode of DeepSpeed's AutoTP, the whole model on the host, is retired: dspipe's own
 tensor-parallel layers build only the rank's shard)."""
@@ -103,14 +106,14 @@ class StartupEstimate:
         """What the rank's host peak is made of, in words."""
         if not self.build_dominates:
             return "the offloaded optimizer states, after the build"
-        if self.mode == "partitioned":
+        if self.mode == BuildMode.PARTITIONED:
             own = f", and its {self.precision} partitions offloaded to the host" if self.offload_params else ""
             return f"one fp32 tensor drawn or read whole, plus its slice{own}"
-        if self.mode == "device":
+        if self.mode == BuildMode.DEVICE:
             if self.tp > 1:
                 return f"one whole fp32 tensor at a time, cut to the rank's tp {self.tp} shard on the GPU"
             return "one fp32 tensor at a time on its way to the GPU"
-        if self.mode == "stage":
+        if self.mode == BuildMode.STAGE:
             if self.tp > 1:
                 return (f"the stage's tp {self.tp} shard in fp32 on the host, plus one whole fp32 tensor drawn at a "
                         f"time")
@@ -127,7 +130,7 @@ class StartupEstimate:
                    f"{self.disk_gbps:g} GB/s")
         return f"~{_seconds(self.seconds)} ({why}; {NOT_COUNTED})"
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, object]:
         """The keys `plan --json` and dspipe.json's estimate carry under "startup"."""
         return {"mode": self.mode, "build": MODE_TEXT.get(self.mode, self.mode), "holds": self.holds(),
                 "host_build_per_rank_bytes": self.host_build_per_rank_bytes,
@@ -189,15 +192,15 @@ def startup_estimate(*, mode: str, num_params: int, stage_params: int, largest_t
                                    min(1, max(1, g/t) x E_s/Phi) (a node's tp ranks read one stage's tensors)."""
     if mode not in BUILD_MODES:
         raise ValueError(f"unknown build mode {mode!r}")
-    b = 2 if precision in ("bf16", "fp16") else 4
+    b = dtype_bytes(precision)
     phi, phi_s, t, n, g = num_params, stage_params, largest_tensor, max(1, zero_ranks), ranks_per_node
     phi_r = phi if rank_params is None else rank_params
     whole_s = phi_s if stage_elements is None else stage_elements
-    if mode == "partitioned":
+    if mode == BuildMode.PARTITIONED:
         host = (b * phi // n if offload_params else 0) + 8 * t
         device = (0 if offload_params else b * phi // n) + b * t
         drawn, share = phi, min(1.0, g / n)
-    elif mode == "device":
+    elif mode == BuildMode.DEVICE:
         host, device, drawn, share = 8 * t, b * phi_r, phi, 1.0
     else:
         host = max(4 * phi_s, 8 * t) if tp == 1 else 4 * phi_s + 4 * t

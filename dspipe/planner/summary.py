@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from dspipe.planner.checkpoint_size import disk_text
 from dspipe.planner.cost import Estimate
@@ -9,11 +10,12 @@ from dspipe.planner.enumerate import Candidate
 from dspipe.planner.search import SearchResult
 from dspipe.planner.startup import MODE_TEXT, size_text
 from dspipe.spec.hardware import GIB
+from dspipe.spec.kinds import Offload
 
 SECONDS_PER_DAY = 86400
 
 
-def estimate_summary(c: Candidate, *, tokens: float | None = None) -> dict:
+def estimate_summary(c: Candidate, *, tokens: float | None = None) -> dict[str, Any]:  # JSON: numbers, text, objects
     """The keys `dspipe plan --json` promises (and gen-config writes into dspipe.json under 'estimate')."""
     p, e, m = c.plan, c.est, c.est.memory
     days = None if tokens is None else tokens / c.tokens_per_s / SECONDS_PER_DAY
@@ -41,7 +43,7 @@ def estimate_summary(c: Candidate, *, tokens: float | None = None) -> dict:
         "fits": e.fits,
     }
     if p.experts:  # a mixture of experts: its expert parallelism and the parameters a token passes through
-        out = {}
+        out: dict[str, Any] = {}
         for key, value in summary.items():
             out[key] = value
             if key == "num_params":
@@ -117,6 +119,7 @@ def human_report(result: SearchResult, *, tokens: float | None, tokens_text: str
     host RAM per node came from (ClusterSpec.host_memory_source); `figure_sources`: (figure, value, source) of the
     time model's inputs (dspipe.spec.profile.figure_sources), listed when any is not the catalog's."""
     best = result.best
+    assert best is not None  # a report of the plan chosen
     s = estimate_summary(best, tokens=tokens)
     mem, p = s["memory_per_gpu_bytes"], best.plan
     params = f"{p.num_params / 1e6:,.1f}M params"
@@ -135,7 +138,7 @@ def human_report(result: SearchResult, *, tokens: float | None, tokens_text: str
                  f"({mem['total'] / s['gpu_memory_bytes'] * 100:.0f}%; plans may use "
                  f"{(1 - s['memory_headroom']) * 100:.0f}%, {s['usable_gpu_memory_bytes'] / GIB:.2f})")
     source = f" ({host_memory_source})" if host_memory_source else ""
-    if p.offload != "none":
+    if p.offload != Offload.NONE:
         lines.append(f"  host RAM per node {s['host_memory_bytes'] / GIB:.1f} GiB of "
                      f"{s['host_memory_capacity_bytes'] / GIB:.0f}{source}")
     else:
@@ -156,8 +159,8 @@ def human_report(result: SearchResult, *, tokens: float | None, tokens_text: str
     if figure_sources and any(not src.startswith("catalog") for _, _, src in figure_sources):
         lines.append("time-model figures: " + "; ".join(f"{f} {v} ({src})" for f, v, src in figure_sources))
     if tokens is not None:
-        shown = tokens_text or f"{tokens:.3g}"
-        lines.append(f"training {shown} tokens: {s['train_days']:.1f} days, {s['gpu_hours']:,.0f} GPU-hours")
+        budget = tokens_text or f"{tokens:.3g}"
+        lines.append(f"training {budget} tokens: {s['train_days']:.1f} days, {s['gpu_hours']:,.0f} GPU-hours")
     if result.tie:
         lines += ["", f"tie: {result.tie}"]
     if top > 1 and len(result.ranked) > 1:

@@ -1,9 +1,9 @@
 """Throughput arithmetic shared by the runner, `dspipe bench` and `dspipe report`: model FLOPs per token and
 one step's tokens/s, samples/s, TFLOP/s per GPU and MFU.
 
-MFU counts model FLOPs only (6N + 6·L·h·s per token, N the active parameters of a mixture of experts: weights forward+backward, causal attention scores, with
-heads x head_dim for h and a sliding window's keys for s/2), never the recomputation a checkpointing strategy adds,
-so it compares across strategies (PaLM's definition).
+MFU counts model FLOPs only (6N + 6·L·h·s per token, N the active parameters of a mixture of experts: weights
+forward+backward, causal attention scores, with heads x head_dim for h and a sliding window's keys for s/2), never the
+recomputation a checkpointing strategy adds, so it compares across strategies (PaLM's definition).
 Imports no torch.
 """
 from __future__ import annotations
@@ -72,7 +72,7 @@ def model_flops_per_token(model: ModelSpec) -> float:
 
 
 def step_rates(*, tokens: int, samples: int, seconds: float, flops_per_token: float, world_size: int,
-               peak_tflops: float | None) -> dict:
+               peak_tflops: float | None) -> dict[str, float | None]:
     """tokens/s and samples/s of the whole job, achieved model TFLOP/s per GPU, and MFU (None without a peak)."""
     tflops = tokens * flops_per_token / seconds / world_size / 1e12
     return {"tokens_per_s": tokens / seconds, "samples_per_s": samples / seconds, "tflops_per_gpu": tflops,

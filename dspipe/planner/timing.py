@@ -26,7 +26,9 @@ from dspipe.planner.plan import Plan
 from dspipe.planner.stages import param_groups, share, zero_group_size
 from dspipe.planner.throughput import attention_flops_per_token, model_flops_per_token
 from dspipe.spec.core import ClusterSpec, ModelSpec
+from dspipe.spec.dtypes import dtype_bytes
 from dspipe.spec.hardware import GpuType
+from dspipe.spec.kinds import Checkpointing, Offload, Precision
 
 NVME_GBPS = 3.0
 """NVMe read + write bandwidth per node, GB/s."""
@@ -86,7 +88,7 @@ def _dp_comm_s(*, model: ModelSpec, plan: Plan, cluster: ClusterSpec, phi: int, 
     over dp, the rank's experts over their dp / ep expert-data-parallel ranks (ep apart; fewer bytes, their own
     ring latency); their times add, and overlap_comm hides the sum."""
     z, m = plan.zero_stage, plan.grad_accum
-    b = 2 if plan.precision in ("bf16", "fp16") else 4
+    b = dtype_bytes(plan.precision)
     grad_b = 4 if plan.sp > 1 else b
     g = cluster.gpus_per_node
     gpu = cluster.gpu_type
@@ -126,7 +128,8 @@ def _dp_comm_s(*, model: ModelSpec, plan: Plan, cluster: ClusterSpec, phi: int, 
     def hidden(comm: float, window: float) -> float:
         return max(0.0, comm - window) if plan.overlap_comm else comm
 
-    bf16_optimizer = plan.precision == "bf16" and plan.offload == "none" and (z == 1 or (z == 0 and plan.pp > 1))
+    bf16_optimizer = (plan.precision == Precision.BF16 and plan.offload == Offload.NONE
+                      and (z == 1 or (z == 0 and plan.pp > 1)))
     if bf16_optimizer:
         return all_reduce + gather
     if z == 0:
@@ -159,17 +162,17 @@ def _tp_comm_s(*, model: ModelSpec, plan: Plan, gpu: GpuType, tokens: int, layer
     tp = plan.tp
     if tp == 1:
         return 0.0
-    b = 2 if plan.precision in ("bf16", "fp16") else 4
+    b = dtype_bytes(plan.precision)
     latency = ring_latency_s(steps=2 * (tp - 1), gpu=gpu)
     qk_norms = 2 * layers * latency if model.qk_norm else 0.0
     volume = tokens * model.hidden * b / (gpu.intra_node_gbps * 1e9)
     if plan.tp_sp:
         half = (tp - 1) / tp * volume + ring_latency_s(steps=tp - 1, gpu=gpu)
-        per_block = 14 if plan.checkpointing == "full" else 10
+        per_block = 14 if plan.checkpointing == Checkpointing.FULL else 10
         ends = 4 if plan.pp == 1 else 3
         return plan.grad_accum * ((layers * per_block + ends) * half + qk_norms)
     one = 2 * (tp - 1) / tp * volume + latency
-    per_block = 6 if plan.checkpointing == "full" else 4
+    per_block = 6 if plan.checkpointing == Checkpointing.FULL else 4
     ends = 2 if plan.pp == 1 else 1  # the embedding's and the head's: the slowest stage holds one of them
     return plan.grad_accum * ((layers * per_block + ends) * one + qk_norms)
 
@@ -225,7 +228,7 @@ def step_time(*, model: ModelSpec, cluster: ClusterSpec, plan: Plan, phi: int) -
     """The step's seconds on the slowest stage, whose ranks hold `phi` parameters each."""
     gpu = cluster.gpu_type
     pp, m, tp, sp = plan.pp, plan.grad_accum, plan.tp, plan.sp
-    b = 2 if plan.precision in ("bf16", "fp16") else 4
+    b = dtype_bytes(plan.precision)
     layers_per_stage = math.ceil(model.layers / pp)
 
     # Compute: FLOPs per token, split across the tp ranks (every matmul: the blocks' projections and attention by
@@ -258,7 +261,7 @@ def step_time(*, model: ModelSpec, cluster: ClusterSpec, plan: Plan, phi: int) -
     # sp - 1 steps of latency, over NVLink while the sp group stays inside a node.
     sp_comm = 0.0
     if sp > 1:
-        per_layer_ops = 12 if plan.checkpointing == "full" else 8
+        per_layer_ops = 12 if plan.checkpointing == Checkpointing.FULL else 8
         volume = (sp - 1) / sp * tokens_micro * model.q_width * b
         inside = _inside_node(sp * tp, cluster.gpus_per_node)
         bw = gpu.intra_node_gbps if inside else gpu.inter_node_gbps
@@ -273,7 +276,7 @@ def step_time(*, model: ModelSpec, cluster: ClusterSpec, plan: Plan, phi: int) -
     # the expert counts over the ep group: latency only) per forward. Not overlapped.
     ep_comm = 0.0
     if plan.ep > 1 and model.experts:
-        ops, forwards = (6, 2) if plan.checkpointing == "full" else (4, 1)
+        ops, forwards = (6, 2) if plan.checkpointing == Checkpointing.FULL else (4, 1)
         slots = model.experts * expert_capacity(model=model, tokens=tokens_micro)
         volume = (plan.ep - 1) / plan.ep * slots * model.hidden * b
         span = plan.ep * tp * sp
@@ -295,12 +298,12 @@ def step_time(*, model: ModelSpec, cluster: ClusterSpec, plan: Plan, phi: int) -
             one += (tp - 1) / tp * sent / (gpu.intra_node_gbps * 1e9) + ring_latency_s(steps=tp - 1, gpu=gpu)
         pp_comm = 2 * m * one
     offload = optimizer = 0.0
-    if plan.offload == "none" and gpu.optimizer_params_per_s:  # the device's Adam over the params this rank updates
+    if plan.offload == Offload.NONE and gpu.optimizer_params_per_s:  # the device's Adam over the params it updates
         optimizer = (phi if plan.zero_stage == 0 else _partition(model, plan, phi)) / gpu.optimizer_params_per_s
-    if plan.offload != "none":
+    if plan.offload != Offload.NONE:
         shard = _partition(model, plan, phi)
         offload = cluster.gpus_per_node * shard / gpu.cpu_adam_params_per_s + 2 * shard * b / (gpu.host_copy_gbps * 1e9)
-        if plan.offload == "nvme":
+        if plan.offload == Offload.NVME:
             offload += cluster.gpus_per_node * 2 * 12 * shard / (NVME_GBPS * 1e9)
     peak = gpu.peak_tflops(plan.precision) * 1e12
     return StepTime(compute_s=compute, dp_comm_s=dp_comm, bubble_s=bubble, pp_comm_s=pp_comm, offload_s=offload,

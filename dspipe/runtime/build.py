@@ -15,7 +15,7 @@ holds more of the model than its mode needs, and give it its step-0 weights: dsp
                  deepspeed.initialize). A mixture of experts under expert parallelism (ep > 1): only the dense
                  parameters and this rank's experts [ep_rank x E/ep, (ep_rank + 1) x E/ep) of each sparse block;
                  the other experts stay on the meta device, never drawn (each expert has its own seeded stream,
-                 dspipe.model.gpt.expert_generator, so skipping one costs nothing) nor read, until
+                 dspipe.model.initial.expert_generator, so skipping one costs nothing) nor read, until
                  dspipe.runtime.moe replaces the SparseMLP by this rank's experts.
     stage        pp > 1: DeepSpeed's PipelineModule builds only this rank's LayerSpecs (with tp > 1 each layer made
                  on the meta device, swapped for its tp shards, materialised in fp32 and given its slice).
@@ -26,6 +26,7 @@ import os
 
 from dspipe.planner.startup import build_mode
 from dspipe.rundir import Run
+from dspipe.spec.kinds import BuildMode
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
@@ -50,9 +51,9 @@ def build_module(run: Run, *, mpu=None, checkpoint_fn=None, rank: int | None = N
         from dspipe.model.hf_weights import HFWeights
 
         weights = HFWeights(run.train.init_from, run.model)
-    if mode == "stage":
+    if mode == BuildMode.STAGE:
         model = _stage(run, checkpoint_fn=checkpoint_fn, weights=weights, tp=tp)
-    elif mode == "partitioned":
+    elif mode == BuildMode.PARTITIONED:
         model = _partitioned(run, weights=weights, mpu=mpu)
     else:
         model = _materialised(run, weights=weights, local=local_experts(run, rank=rank), tp=tp)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from dspipe.errors import SpecError
 from dspipe.runtime import safeload
+from dspipe.runtime.ckpt_meta import CheckpointMeta
 from dspipe.runtime.experts import EXPERT_FILE, expert_files, model_name
 
 MODEL_FILE = re.compile(r"^(?:zero_pp_rank_\d+_)?mp_rank_\d+_model_states\.pt$")
@@ -33,46 +34,46 @@ RNG_FILE = re.compile(r"^rng-rank(\d+)\.pt$")
 OPTIMIZER_KEY = "optimizer_state_dict"  # deepspeed.checkpoint.constants.OPTIMIZER_STATE_DICT
 
 
-def expected_files(meta: dict) -> list[str]:
+def expected_files(meta: CheckpointMeta) -> list[str]:
     """The model-states and RNG files a checkpoint of this layout must hold (optimizer files: optimizer_ranks)."""
-    mp, zero = _mp(meta), meta["dp"] * meta["sp"]
-    if meta["zero_stage"] == 3:
+    mp, zero = _mp(meta), meta.dp * meta.sp
+    if meta.zero_stage == 3:
         names = [f"zero_pp_rank_{d}_mp_rank_{m:02d}_model_states.pt" for d in range(zero) for m in range(mp)]
     else:
         names = [f"mp_rank_{m:02d}_model_states.pt" for m in range(mp)]
-    if meta["pp"] > 1:
+    if meta.pp > 1:
         names += layer_files(meta)
-    if meta["model"].get("experts"):
-        names += expert_files(meta["model"])
-    return names + [f"rng-rank{r}.pt" for r in range(meta["world_size"])]
+    if meta.model.get("experts"):
+        names += expert_files(meta.model)
+    return names + [f"rng-rank{r}.pt" for r in range(meta.world_size)]
 
 
-def layer_files(meta: dict) -> list[str]:
+def layer_files(meta: CheckpointMeta) -> list[str]:
     """A pipeline checkpoint's layer files: every layer (embedding, blocks, final norm, an untied head; a tied head is
     the embedding, saved once) per tp rank."""
-    model = meta["model"]
+    model = meta.model
     count = model["layers"] + (2 if model.get("tied_embeddings", True) else 3)
-    ranks = [""] if meta["tp"] == 1 else [f"-model_{r:02d}" for r in range(meta["tp"])]
+    ranks = [""] if meta.tp == 1 else [f"-model_{r:02d}" for r in range(meta.tp)]
     return [f"layer_{i:02d}{rank}-model_states.pt" for i in range(count) for rank in ranks]
 
 
-def _mp(meta: dict) -> int:
+def _mp(meta: CheckpointMeta) -> int:
     """Model-parallel ranks: DeepSpeed's mp_rank files (pipeline stages x tp ranks, or tp ranks at pp 1)."""
-    return meta["pp"] * meta["tp"]
+    return meta.pp * meta.tp
 
 
-def _tp_rank_of(name: str, meta: dict) -> int | None:
+def _tp_rank_of(name: str, meta: CheckpointMeta) -> int | None:
     """The tp rank whose shards file `name` holds (None: not a per-rank file, or tp 1)."""
-    if meta["tp"] == 1:
+    if meta.tp == 1:
         return None
     if m := LAYER_FILE.match(name):
         return None if m.group(2) is None else int(m.group(2))
     if m := MP_RANK.search(name):
-        return int(m.group(1)) % meta["tp"]
+        return int(m.group(1)) % meta.tp
     return None
 
 
-def check_checkpoint(path: Path, *, meta: dict) -> None:
+def check_checkpoint(path: Path, *, meta: CheckpointMeta) -> None:
     """Every file of checkpoint `path` (whose dspipe.json read_meta validated), as the module docstring says."""
     from dspipe.spec.core import ModelSpec, from_dict
 
@@ -82,9 +83,9 @@ def check_checkpoint(path: Path, *, meta: dict) -> None:
     missing += _missing_optimizer_files(present, meta)
     if missing:
         raise SpecError(f"checkpoint {path} is missing {', '.join(missing[:3])}"
-                        f"{f' and {len(missing) - 3} more' if len(missing) > 3 else ''} (dp {meta['dp']}, pp "
-                        f"{meta['pp']}, tp {meta['tp']}, sp {meta['sp']}, ZeRO-{meta['zero_stage']} writes them)")
-    spec = from_dict(ModelSpec, meta["model"])
+                        f"{f' and {len(missing) - 3} more' if len(missing) > 3 else ''} (dp {meta.dp}, pp "
+                        f"{meta.pp}, tp {meta.tp}, sp {meta.sp}, ZeRO-{meta.zero_stage} writes them)")
+    spec = from_dict(ModelSpec, meta.model)
     expected = dict(spec.model_tensors()) | dict(spec.model_buffers())
     seen: dict[str, tuple] = {}
     for name in sorted(present):
@@ -108,25 +109,25 @@ def check_checkpoint(path: Path, *, meta: dict) -> None:
             seen.update(layers)
         elif RNG_FILE.match(name):
             check_rng_state(safeload.load(file), source=file)
-    if meta["zero_stage"] != 3 or meta["pp"] > 1:
+    if meta.zero_stage != 3 or meta.pp > 1:
         absent = [n for n in expected if n not in seen and n != "lm_head.weight"]
         if absent:
             raise SpecError(f"checkpoint {path} holds no weights for {', '.join(absent[:3])}"
                             f"{' ...' if len(absent) > 3 else ''} of its model (dspipe.json model)")
 
 
-def _missing_optimizer_files(present: set[str], meta: dict) -> list[str]:
+def _missing_optimizer_files(present: set[str], meta: CheckpointMeta) -> list[str]:
     """ZeRO 1-3: every (partition, model-parallel rank) file; ZeRO-0 (a bf16 pipeline's BF16_Optimizer writes
     them, fp32 and plain runs do not): all of them when there are any."""
     ranks = {(int(m.group(1)), int(m.group(2))) for name in present if (m := OPTIM_FILE.match(name))}
-    if meta["zero_stage"] == 0 and not ranks:
+    if meta.zero_stage == 0 and not ranks:
         return []
-    partitions = meta["dp"] * meta["sp"]
+    partitions = meta.dp * meta.sp
     return [f"zero_pp_rank_{d}_mp_rank_{m:02d}_optim_states.pt" for d in range(partitions) for m in range(_mp(meta))
             if (d, m) not in ranks]
 
 
-def _model_states(file: Path, *, meta: dict) -> dict:
+def _model_states(file: Path, *, meta: CheckpointMeta) -> dict:
     """A model-states file: its module (None under a pipeline, whose layer files hold it) and, when it holds one,
     the step dspipe saved with it."""
     sd = safeload.load(file, mmap=True)
@@ -139,13 +140,13 @@ def _model_states(file: Path, *, meta: dict) -> dict:
         if sd.get(key) is not None and not isinstance(sd[key], dict):
             raise SpecError(f"{file}: {key} must be a dict, got {type(sd[key]).__name__}")
     step = sd.get("step")
-    if isinstance(step, int) and not isinstance(step, bool) and step != meta["step"]:
+    if isinstance(step, int) and not isinstance(step, bool) and step != meta.step:
         raise SpecError(f"{file} was saved at step {step}, but the checkpoint's dspipe.json is at step "
-                        f"{meta['step']}: files of two checkpoints are mixed")
+                        f"{meta.step}: files of two checkpoints are mixed")
     return sd
 
 
-def _expert_file(file: Path, *, expert: int, meta: dict, expected: dict) -> dict[str, tuple]:
+def _expert_file(file: Path, *, expert: int, meta: CheckpointMeta, expected: dict) -> dict[str, tuple]:
     """An expert file: expert `expert`'s tensors of one sparse block, under DeepSpeed's names with the global id."""
     state = safeload.load(file, mmap=True)
     if not isinstance(state, dict):
@@ -158,24 +159,24 @@ def _expert_file(file: Path, *, expert: int, meta: dict, expected: dict) -> dict
     return {k: tuple(v.shape) for k, v in named.items()}
 
 
-def _layer_file(file: Path, *, index: int, meta: dict, expected: dict, spec) -> dict[str, tuple]:
+def _layer_file(file: Path, *, index: int, meta: CheckpointMeta, expected: dict, spec) -> dict[str, tuple]:
     from dspipe.model.names import layer_prefix
 
-    layers, tp_rank = meta["model"]["layers"], _tp_rank_of(file.name, meta)
-    if meta["pp"] == 1 or index > layers + 2:
-        raise SpecError(f"{file}: pipeline layer {index} does not belong to this checkpoint (pp {meta['pp']}, "
+    layers, tp_rank = meta.model["layers"], _tp_rank_of(file.name, meta)
+    if meta.pp == 1 or index > layers + 2:
+        raise SpecError(f"{file}: pipeline layer {index} does not belong to this checkpoint (pp {meta.pp}, "
                         f"{layers} layers)")
-    if (meta["tp"] > 1) != (tp_rank is not None) or (tp_rank is not None and tp_rank >= meta["tp"]):
-        writes = "layer_LL-model_RR-model_states.pt, RR < tp" if meta["tp"] > 1 else "layer_LL-model_states.pt"
+    if (meta.tp > 1) != (tp_rank is not None) or (tp_rank is not None and tp_rank >= meta.tp):
+        writes = "layer_LL-model_RR-model_states.pt, RR < tp" if meta.tp > 1 else "layer_LL-model_states.pt"
         raise SpecError(f"{file}: a layer file of {'no tp rank' if tp_rank is None else f'tp rank {tp_rank}'} "
-                        f"does not belong to this checkpoint (tp {meta['tp']} writes {writes})")
+                        f"does not belong to this checkpoint (tp {meta.tp} writes {writes})")
     prefix = layer_prefix(index, layers=layers)
     state = safeload.load(file, mmap=True)
     _check_tensors(file, state, expected=expected, meta=meta, prefix=prefix, extra=set(), spec=spec, tp_rank=tp_rank)
     return {prefix + k: tuple(v.shape) for k, v in state.items()}
 
 
-def _check_tensors(file: Path, state: dict, *, expected: dict, meta: dict, prefix: str, extra: set, spec=None,
+def _check_tensors(file: Path, state: dict, *, expected: dict, meta: CheckpointMeta, prefix: str, extra: set, spec=None,
                    tp_rank: int | None = None) -> None:
     """Names and shapes of a module's tensors against the model: every tensor a parameter of the model (or a
     buffer the file declares), of the model's shape; at tp > 1 the shape tp rank `tp_rank` holds
@@ -185,7 +186,7 @@ def _check_tensors(file: Path, state: dict, *, expected: dict, meta: dict, prefi
 
     from dspipe.model.tp_split import shard_shape
 
-    tp, zero3 = meta["tp"], meta["zero_stage"] == 3
+    tp, zero3 = meta.tp, meta.zero_stage == 3
     for key, t in state.items():
         name = prefix + str(key)
         if not isinstance(key, str) or not isinstance(t, torch.Tensor):
@@ -194,7 +195,7 @@ def _check_tensors(file: Path, state: dict, *, expected: dict, meta: dict, prefi
             if key in extra or name == "lm_head.weight":
                 continue
             raise SpecError(f"{file}: {name[:80]!r} is not a parameter of the checkpoint's model (dspipe.json "
-                            f"model: {meta['model'].get('layers')} layers, hidden {meta['model'].get('hidden')})")
+                            f"model: {meta.model.get('layers')} layers, hidden {meta.model.get('hidden')})")
         whole, have = tuple(expected[name]), tuple(t.shape)
         want = whole
         if tp > 1 and tp_rank is not None and spec is not None:
@@ -209,7 +210,7 @@ def _check_tensors(file: Path, state: dict, *, expected: dict, meta: dict, prefi
 
 
 def check_rng_state(state: dict, *, source: Path) -> None:
-    """An rng-rankR.pt state as dspipe.runtime.checkpoint.rng_state writes it, tried on throwaway generators (so
+    """An rng-rankR.pt state as dspipe.runtime.rng.rng_state writes it, tried on throwaway generators (so
     that restoring it cannot fail halfway)."""
     import random
 

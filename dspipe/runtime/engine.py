@@ -22,6 +22,7 @@ from dspipe.rundir import Run
 from dspipe.runtime.build import build_module
 from dspipe.runtime.experts import expert_parallel
 from dspipe.runtime.parallelize import checkpoint_function, parallelize
+from dspipe.spec.kinds import Offload, Precision
 
 
 def param_groups(module, weight_decay: float) -> list[dict]:
@@ -61,7 +62,8 @@ def engine_settings(engine) -> dict:
         "ep": _expert_parallel_size(module),
         "wrapper_optimizer": type(zero_opt).__name__,
         "base_optimizer": type(engine.basic_optimizer).__name__,
-        "offload_optimizer": bool(getattr(zero_opt, "cpu_offload", False) or getattr(zero_opt, "offload_optimizer", False)),
+        "offload_optimizer": bool(getattr(zero_opt, "cpu_offload", False)
+                                  or getattr(zero_opt, "offload_optimizer", False)),
         "offload_param": bool(getattr(zero_opt, "offload_param", False)),
         "activation_checkpoint_interval": int(getattr(module, "activation_checkpoint_interval", 0)),
         "blocks": held_blocks(module),
@@ -151,10 +153,11 @@ def check_engine(settings: dict, run: Run) -> None:
     """Refuse to train when a value we asked for did not reach the engine (silent config drift)."""
     plan = run.plan
     wanted = {"zero_stage": plan.zero_stage, "gradient_clipping": run.train.grad_clip,
-              "bf16": plan.precision == "bf16", "fp16": plan.precision == "fp16",
-              "train_batch_size": plan.ds_train_batch_size, "micro_batch": plan.micro_batch, "grad_accum": plan.grad_accum,
+              "bf16": plan.precision == Precision.BF16, "fp16": plan.precision == Precision.FP16,
+              "train_batch_size": plan.ds_train_batch_size, "micro_batch": plan.micro_batch,
+              "grad_accum": plan.grad_accum,
               "dp": plan.dp, "pp": plan.pp, "tp": plan.tp, "sp": plan.sp, "ep": expert_parallel(run),
-              "offload_optimizer": plan.offload != "none",
+              "offload_optimizer": plan.offload != Offload.NONE,
               "offload_param": plan.offload_params,
               "activation_checkpoint_interval": plan.activation_checkpoint_interval,
               "world_size": plan.world_size, "tp_sequence_parallel": plan.tp > 1 and plan.tp_sp}

@@ -12,9 +12,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import sys
 
 from dspipe.errors import RunHalted, SpecError
+from dspipe.log import get_logger, setup_logging
 from dspipe.rundir import load_run
 from dspipe.runtime.comm import exit_rank
 from dspipe.runtime.elastic import NODE_RANK_ENV, elastic_restart, resized
@@ -40,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     parser.add_argument("--test-faults", default=None, help=argparse.SUPPRESS)  # tests only: dspipe.runtime.faults
     args = parser.parse_args(argv)
+    setup_logging()  # rank 0 speaks for the job (DSPIPE_LOG_ALL_RANKS=1: every rank)
+    log = get_logger(__name__)
     if not os.environ.get("DSPIPE_VERBOSE"):
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     try:
@@ -55,19 +57,18 @@ def main(argv: list[str] | None = None) -> int:
         if attempt is not None:  # torch's elastic agent: this start may have fewer ranks than the plan
             run, change = resized(run, world=int(os.environ["WORLD_SIZE"]),
                                   ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-            if change and os.environ.get("RANK", "0") == "0":
-                print(f"dspipe: {change}", flush=True)
+            if change:
+                log.info(f"dspipe: {change}")
         if os.environ.get("RANK", "0") == "0" and not attempt:  # the first step waits for a compile: say so, once
             from dspipe.runtime.ops import notice
 
             building = notice(offload=run.plan.offload)
             if building:
-                print(f"dspipe: {building}", flush=True)
+                log.info(f"dspipe: {building}")
         train(run, resume=args.resume or "auto", restart=args.restart, faults=faults,
               hang_timeout=args.hang_timeout, attempt=attempt, resized=change)
     except (SpecError, RunHalted) as e:
-        if os.environ.get("RANK", "0") == "0":  # every rank hits the same error: say it once
-            print(f"dspipe: error: {e}", file=sys.stderr)
+        log.error(f"dspipe: error: {e}")  # every rank hits the same error: rank 0 says it once
         return e.exit_code
     return 0
 

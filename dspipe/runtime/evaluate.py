@@ -41,7 +41,7 @@ class ValSet:
 def val_sets(spec, *, seq_len: int, micro_batch: int, dp: int, batches: int) -> list[ValSet]:
     """The validation sets of a --data BlendSpec, each checked to hold one batch (an error names the source)."""
     out = []
-    for source, name in zip(spec.sources, spec.names):
+    for source, name in zip(spec.sources, spec.names, strict=True):
         try:
             windows = TokenWindows(source.path, seq_len=seq_len, split="val")
             count = check_val_split(windows=windows, micro_batch=micro_batch, dp=dp, batches=batches)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import re
 
+from dspipe.spec.kinds import Precision
+
 GATE = "moe.deepspeed_moe.gate.wg.weight"
 EXPERTS = "moe.deepspeed_moe.experts.deepspeed_experts."
 EXPERT_FILE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
@@ -43,7 +45,7 @@ def refusal(*, spec, plan, ep: int, contiguous_gradients: bool = True) -> str | 
     if ep > 1 and plan.zero_stage == 1 and not contiguous_gradients:
         why.append(f"ep {ep} > 1 under ZeRO-1 with contiguous_gradients false in ds_config.json "
                    f"({EP_ZERO1_REFUSAL}; set it true, or use ZeRO-2)")
-    if plan.precision == "fp16":
+    if plan.precision == Precision.FP16:
         why.append("fp16 (use bf16 or fp32)")
     if spec.experts % ep:
         why.append(f"experts {spec.experts} % ep {ep} = {spec.experts % ep}")

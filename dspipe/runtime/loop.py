@@ -12,13 +12,16 @@ from typing import Callable
 
 from dspipe.data.blend import make_loader, open_sources, parse as parse_data
 from dspipe.errors import RunHalted, SpecError
-from dspipe.jsonio import dumps
+from dspipe.log import get_logger
 from dspipe.planner.startup import build_mode
 from dspipe.planner.throughput import model_flops_per_token, step_rates
-from dspipe.rundir import AUTO_INTERVAL, Run
+from dspipe.rundir import Run
 from dspipe.runtime import checkpoint as ckpt
+from dspipe.runtime import ckpt_meta, ckpt_tags, signals
+from dspipe.runtime import restart as outputs
 from dspipe.runtime.comm import collective_tensor, process_group
 from dspipe.runtime.engine import build_engine
+from dspipe.runtime.engine_file import engine_text
 from dspipe.runtime.evaluate import evaluate_sets, val_columns, val_sets
 from dspipe.runtime.faults import NO_FAULTS, Faults
 from dspipe.runtime.metrics_log import RunLog
@@ -74,13 +77,14 @@ def restart_run(run: Run, *, rank: int) -> None:
     error = ""
     if rank == 0:
         try:
-            slot, moved = ckpt.move_to_previous(run.path, now=ckpt.utc_stamp())
+            slot, moved = outputs.move_to_previous(run.path, now=outputs.utc_stamp())
         except OSError as e:
-            error = (f"--restart: moving the previous outputs of {run.path} into {run.path / ckpt.PREVIOUS_DIR} "
+            error = (f"--restart: moving the previous outputs of {run.path} into {run.path / outputs.PREVIOUS_DIR} "
                      f"failed ({e}); nothing was deleted: what was moved is there, the rest is in place")
         else:
-            print(f"dspipe: --restart: moved {', '.join(moved)} to {slot}; starting from step 0" if slot else
-                  f"dspipe: --restart: {run.path} holds no previous outputs; starting from step 0", flush=True)
+            get_logger(__name__).info(f"dspipe: --restart: moved {', '.join(moved)} to {slot}; starting from step 0"
+                                      if slot else
+                                      f"dspipe: --restart: {run.path} holds no previous outputs; starting from step 0")
     failed = collective_tensor([1 if error else 0], dtype=torch.int32)
     dist.broadcast(failed, src=0)
     if failed.item():
@@ -155,7 +159,7 @@ class Training:
     """The rank's background checkpoint writer (dspipe.runtime.async_save), None under --sync-save."""
     pending: object | None = None
     """The checkpoint being written in the background (dspipe.runtime.checkpoint.PendingSave), None when none is."""
-    retention: ckpt.Retention | None = None
+    retention: ckpt_tags.Retention | None = None
     watchdog: Watchdog | None = None
     """Hang detection around the steps (dspipe.runtime.watchdog); set after setup."""
     schedule: SaveSchedule | None = None
@@ -166,8 +170,8 @@ class Training:
     def save(self, at: int, *, wait: bool = False) -> None:
         """Checkpoint step `at`: the previous background save completes first; with `wait` this one too."""
         self.settle(wait=True)
-        meta = {**ckpt.checkpoint_meta(self.run, step=at, loader=self.loader, world=self.world),
-                "save_interval": self.schedule.every}
+        meta = ckpt_meta.checkpoint_meta(self.run, step=at, loader=self.loader, world=self.world,
+                                         save_interval=self.schedule.every)
         self.pending = ckpt.save(self.eng.engine, self.run.checkpoint_dir, step=at, keep=self.retention, meta=meta,
                                  writer=self.writer)
         if wait or self.writer is None:
@@ -242,7 +246,7 @@ def setup(run: Run, *, resume: str, restart: bool, backend: str, faults: Faults)
     start_step, meta = 0, None
     if resume_from is not None:
         meta = ckpt.load(eng.engine, resume_from, loader)
-        start_step = meta["step"]
+        start_step = meta.step
         say(f"dspipe: resumed from {resume_from} at step {start_step} ({loader.consumed_samples} samples)", flush=True)
     elif not restart:
         say(f"dspipe: no checkpoint in {run.checkpoint_dir}: starting fresh from step 0", flush=True)
@@ -253,13 +257,13 @@ def setup(run: Run, *, resume: str, restart: bool, backend: str, faults: Faults)
                  tokens_per_step=plan.tokens_per_step, val_columns=val_columns(val),
                  step_columns=STEP_MOE_COLUMNS if run.model.experts else ())
     health = Health(max_skips=tr.max_skipped_steps, window=tr.spike_window, sigma=tr.spike_sigma)
-    retention = ckpt.Retention(last=tr.keep_checkpoints, every=tr.keep_every,
+    retention = ckpt_tags.Retention(last=tr.keep_checkpoints, every=tr.keep_every,
                                protect=frozenset({resume_from.name} if resume_from is not None else ()))
     return Training(run=run, rank=rank, world=world, eng=eng, loader=loader, val=val, log=log, health=health,
                     say=say, peak_tflops=peak, faults=faults, start_step=start_step, step=start_step,
                     saved_at=start_step, writer=_writer(eng.engine, async_save=tr.async_save, faults=faults),
                     retention=retention, schedule=resumed_schedule(every=tr.save_interval, steps=tr.steps, meta=meta,
-                                                                   auto=AUTO_INTERVAL in run.estimate))
+                                                                   auto=run.estimate.save_interval_auto))
 
 
 def _writer(engine, *, async_save: bool, faults: Faults):
@@ -306,11 +310,12 @@ def _startup_report(run: Run, *, eng, clock: StartupClock, guarded: bool, rank: 
     startup = clock.gathered(mode=build_mode(zero_stage=plan.zero_stage, tp=plan.tp, pp=plan.pp),
                              host_is_device=str(eng.device).startswith("cpu"))
     if rank == 0:
-        run.engine_path.write_text(dumps({**eng.settings, "nonfinite_guard": guarded, "startup": startup},
-                                         what=str(run.engine_path)))
-    say(f"dspipe: start-up ({startup['mode']} build): peak host RSS {max(startup['peak_rss_mib']):,.0f} MiB on the "
-        f"worst rank ({max(startup['build_rss_mib']):,.0f} MiB after the build, "
-        f"{max(startup['rss_before_build_mib']):,.0f} before it); first step {max(startup['seconds_to_first_step']):.1f} s "
+        run.engine_path.write_text(engine_text(eng.settings, guarded=guarded, startup=startup,
+                                               what=str(run.engine_path)))
+    say(f"dspipe: start-up ({startup.mode} build): peak host RSS {max(startup.peak_rss_mib):,.0f} MiB on the "
+        f"worst rank ({max(startup.build_rss_mib):,.0f} MiB after the build, "
+        f"{max(startup.rss_before_build_mib):,.0f} before it); "
+        f"first step {max(startup.seconds_to_first_step):.1f} s "
         f"after the process start", flush=True)
 
 
@@ -321,7 +326,7 @@ def step_loop(t: Training) -> None:
     flops_per_token = model_flops_per_token(run.model)
     nan_loss = t.faults.nan_loss(t.eng.engine, pipeline=run.plan.pp > 1)
     t.started = time.perf_counter()
-    stop = ckpt.StopRequest()
+    stop = signals.StopRequest()
     watchdog = t.watchdog or Watchdog(timeout_s=0, rank=t.rank, run_path=run.path)
     with watchdog.armed():
         _steps(t, stop=stop, watchdog=watchdog, nan_loss=nan_loss, flops_per_token=flops_per_token)
@@ -366,8 +371,9 @@ def _steps(t: Training, *, stop, watchdog: Watchdog, nan_loss, flops_per_token: 
         if t.health.halted:
             t.log.close()
             raise RunHalted(f"{t.health.consecutive} consecutive steps skipped (non-finite loss or gradient norm), "
-                            f"the last at step {step}; saved {run.checkpoint_dir / ckpt.tag_for(step)} (weights from "
-                            f"before the first skipped step); lower the lr or check the data, then relaunch to resume")
+                            f"the last at step {step}; saved {run.checkpoint_dir / ckpt_tags.tag_for(step)} (weights "
+                            f"from before the first skipped step); lower the lr or check the data, then relaunch to "
+                            f"resume")
 
 
 def _log_step(t: Training, *, step: int, loss: float, lr: float, seconds: float, skipped: bool,
@@ -393,7 +399,7 @@ def finish(t: Training) -> dict:
     if step > t.saved_at:
         t.save(step)
     t.settle(wait=True)
-    tag = ckpt.tag_for(step)
+    tag = ckpt_tags.tag_for(step)
     losses = t.losses
     summary = {"first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
                "steps": step, "seconds": time.perf_counter() - t.started, "checkpoint": str(run.checkpoint_dir / tag),

@@ -34,7 +34,8 @@ def _groups(layout: ParallelLayout, rank: int, *axes: str):
         if r in seen:
             continue
         c = layout.coords(r)
-        ranks = sorted({layout.rank_of(**{**c, **dict(zip(axes, point))}) for point in _points(layout, axes)})
+        ranks = sorted({layout.rank_of(**{**c, **dict(zip(axes, point, strict=True))})
+                        for point in _points(layout, axes)})
         seen.update(ranks)
         group = dist.new_group(ranks=ranks)
         if rank in ranks:

@@ -90,7 +90,7 @@ def repair_rows(path: Path, *, upto: int, columns: tuple[str, ...] | None = None
         _append_rows(Path(rewound), header=header, rows=later)
     for row in rows:
         if len(row) == len(header) and _is_int(row[at]) and 1 <= int(row[at]) <= upto:
-            named = dict(zip(header, row))
+            named = dict(zip(header, row, strict=True))
             by_step[int(row[at])] = [named.get(c, "") for c in out_columns]
     write_file(path, _line(out_columns) + "".join(_line(by_step[s]) for s in sorted(by_step)))
     return len(by_step)

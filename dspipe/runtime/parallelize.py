@@ -15,13 +15,14 @@ from typing import Callable
 
 from dspipe.planner.plan import Plan
 from dspipe.rundir import Run
+from dspipe.spec.kinds import Checkpointing
 
 
 def checkpoint_function(run: Run):
     """DeepSpeed's activation checkpoint function configured from the run's JSON, or None without recomputation."""
     import deepspeed
 
-    if run.plan.checkpointing == "none":
+    if run.plan.checkpointing == Checkpointing.NONE:
         return None
     # The JSON's activation_checkpointing block, passed as values: configure(deepspeed_config=...) would re-check
     # the batch equation against the whole world, which is wrong under a pipeline (dp = world / pp).
@@ -72,10 +73,10 @@ def recompute(module, *, mode: str, checkpoint_fn: Callable | None) -> None:
     from dspipe.model.gpt import GPT, Attention
 
     if isinstance(module, GPT):
-        module.block_checkpoint = checkpoint_fn if mode == "full" else None
+        module.block_checkpoint = checkpoint_fn if mode == Checkpointing.FULL else None
     for part in module.modules():
         if isinstance(part, Attention):
-            part.core_checkpoint = checkpoint_fn if mode == "selective" else None
+            part.core_checkpoint = checkpoint_fn if mode == Checkpointing.SELECTIVE else None
 
 
 def chunked_loss(module, *, chunk: int):

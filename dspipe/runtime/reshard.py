@@ -18,13 +18,14 @@ from pathlib import Path
 
 from dspipe.errors import SpecError
 from dspipe.runtime.writefail import WriteFailures
+from dspipe.spec.kinds import Offload
 
 UNIVERSAL_PREFIX = ".universal-"  # a resharding copy of a checkpoint, deleted once loaded
 MOE_RESHARD = ("DeepSpeed's native MoE checkpoint cannot be re-partitioned (its expert files are per expert-parallel "
                "rank and ds_to_universal cannot convert them)")
 
 
-def layout_change_refusal(*, meta: dict, zero_stage: int, dp: int, tp: int = 1, pp: int = 1, sp: int = 1,
+def layout_change_refusal(*, meta, zero_stage: int, dp: int, tp: int = 1, pp: int = 1, sp: int = 1,
                           offload: str, path: Path) -> str | None:
     """Why this checkpoint cannot be resumed at (dp, tp, pp, sp) (None: it can; the saved layout always can).
     A changed dp alone at ZeRO-0 loads as is (the state is whole); any other change goes through a universal
@@ -35,11 +36,12 @@ def layout_change_refusal(*, meta: dict, zero_stage: int, dp: int, tp: int = 1, 
     that does not divide by tp > 1 (its universal load pads every rank's rows to rows x tp: the last rank's
     assertion fails), a tp- or pipeline-sharded checkpoint saved without the module's universal_checkpoint_info;
     because dspipe has not verified it: sequence-parallel checkpoints, pipeline depths beyond 2 (a change between
-    pp 2 and pp 3 or 4)."""
-    saved = (meta["dp"], meta.get("tp", 1), meta["pp"], meta.get("sp", 1))
+    pp 2 and pp 3 or 4). `meta`: the checkpoint's dspipe.runtime.ckpt_meta.CheckpointMeta (not imported here: it
+    imports this module)."""
+    saved = (meta.dp, meta.tp, meta.pp, meta.sp)
     if saved == (dp, tp, pp, sp):
         return None
-    model = meta.get("model") or {}
+    model = meta.model or {}
     if zero_stage == 0:
         if saved[1:] == (tp, pp, sp):
             return None
@@ -47,7 +49,7 @@ def layout_change_refusal(*, meta: dict, zero_stage: int, dp: int, tp: int = 1, 
                 "conversion needs to re-cut tensor-parallel shards or pipeline stages")
     if model.get("experts"):
         return MOE_RESHARD
-    if offload == "nvme" or (Path(path) / "offloaded_tensors").is_dir():
+    if offload == Offload.NVME or (Path(path) / "offloaded_tensors").is_dir():
         return "DeepSpeed restores NVMe-offloaded optimizer state only onto the ranks that saved it"
     if saved[3] > 1 or sp > 1:
         return ("re-partitioning a sequence-parallel ZeRO checkpoint is not verified by dspipe (each rank's "
@@ -226,5 +228,5 @@ def restore_group_hyperparameters(optimizer, *, saved_groups: list[dict]) -> Non
     if len(saved_groups) != len(optimizer.param_groups):
         raise SpecError(f"the checkpoint has {len(saved_groups)} optimizer parameter groups, this run has "
                         f"{len(optimizer.param_groups)}: resume with the dp it was saved with")
-    for group, saved in zip(optimizer.param_groups, saved_groups):
+    for group, saved in zip(optimizer.param_groups, saved_groups, strict=True):
         group.update({k: v for k, v in saved.items() if k != "params"})

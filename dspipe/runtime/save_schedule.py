@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from dspipe.planner.checkpoint_size import ASYNC_DRAG, save_cost_s, save_interval, span
+
+if TYPE_CHECKING:
+    from dspipe.runtime.ckpt_meta import CheckpointMeta
 
 STEP_WINDOW = 20
 """The step time an interval is planned with: the median of this many latest steps (a compiled run's first steps
@@ -32,9 +36,9 @@ class SaveSchedule:
         return step >= saved_at + self.every if self.auto else step % self.every == 0
 
 
-def resumed_schedule(*, every: int, auto: bool, steps: int, meta: dict | None) -> SaveSchedule:
+def resumed_schedule(*, every: int, auto: bool, steps: int, meta: CheckpointMeta | None) -> SaveSchedule:
     """The schedule of a launch; auto and resumed: the interval in force when its checkpoint was saved."""
-    kept = (meta or {}).get("save_interval", 0)  # checked by checkpoint.read_meta: an int >= 0
+    kept = meta.save_interval if meta is not None and meta.save_interval is not None else 0  # validated: an int >= 0
     if auto and kept:
         every = min(kept, max(1, steps))
     return SaveSchedule(every=every, auto=auto, steps=steps)

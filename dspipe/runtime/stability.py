@@ -34,7 +34,8 @@ def guard_base_optimizer(engine) -> bool:
 
     def local_norm():  # no clipping configured: the norm of this rank's gradients, summed over pipeline stages
         grads = [p.grad for group in opt.param_groups for p in group["params"] if p.grad is not None]
-        sq = torch.stack(torch._foreach_norm(grads)).double().pow(2).sum() if grads else collective_tensor(0.0, dtype=torch.float64)
+        sq = (torch.stack(torch._foreach_norm(grads)).double().pow(2).sum() if grads
+              else collective_tensor(0.0, dtype=torch.float64))
         if getattr(engine, "num_stages", 1) > 1:
             dist.all_reduce(sq, group=engine.grid.get_pipe_parallel_group())
         return sq.sqrt()

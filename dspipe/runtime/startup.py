@@ -9,6 +9,8 @@ import ctypes.util
 import resource
 import time
 
+from dspipe.runtime.engine_file import StartupRecord
+
 MIB = 1024**2
 M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
 STARTUP_MMAP_THRESHOLD = 1 * MIB
@@ -74,7 +76,7 @@ class StartupClock:
             self.built_params = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel()
                                     for p in module.parameters() if not p.is_meta)
 
-    def gathered(self, *, mode: str, host_is_device: bool) -> dict:
+    def gathered(self, *, mode: str, host_is_device: bool) -> StartupRecord:
         """Collective, at the end of start-up: every rank's figures, rank by rank, as engine.json's "startup"
         value; on a GPU the allocator goes back to its training setting."""
         import torch
@@ -91,10 +93,10 @@ class StartupClock:
         every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(every, mine)
         rows = [t.tolist() for t in every]
-        return {"mode": mode,
-                "rss_before_build_mib": [round(r[1], 1) for r in rows],
-                "build_rss_mib": [round(r[3], 1) for r in rows],
-                "peak_rss_mib": [round(r[5], 1) for r in rows],
-                "seconds_build": [round(r[2] - r[0], 2) for r in rows],
-                "seconds_to_first_step": [round(r[4], 2) for r in rows],
-                "built_params": [int(r[6]) for r in rows]}
+        return StartupRecord(mode=mode,
+                             rss_before_build_mib=tuple(round(r[1], 1) for r in rows),
+                             build_rss_mib=tuple(round(r[3], 1) for r in rows),
+                             peak_rss_mib=tuple(round(r[5], 1) for r in rows),
+                             seconds_build=tuple(round(r[2] - r[0], 2) for r in rows),
+                             seconds_to_first_step=tuple(round(r[4], 2) for r in rows),
+                             built_params=tuple(int(r[6]) for r in rows))

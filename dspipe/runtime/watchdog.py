@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from dspipe.errors import SpecError
+from dspipe.log import get_logger
 
 MAX_HANG_TIMEOUT_S = 7 * 86400
 HANG_EXIT = 75
@@ -166,7 +167,8 @@ class Watchdog:
                                          "step": self.step,
                                          "seconds": round(waited, 1), "timeout_s": self.timeout_s})
         except OSError as e:
-            print(f"dspipe: could not record the hang in {self.run_path / EVENTS_FILE}: {e}", file=sys.stderr)
+            get_logger(__name__).warning(f"dspipe: could not record the hang in {self.run_path / EVENTS_FILE}: {e}",
+                                         extra={"all_ranks": True})  # this rank's own failure
         sys.stdout.flush()
         self.exit(HANG_EXIT)
 

@@ -7,18 +7,24 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import MISSING, dataclass, field, fields, make_dataclass, replace
+from typing import TYPE_CHECKING, TypeGuard, TypeVar
 
 from dspipe.errors import SpecError
 from dspipe.spec.hardware import GPU_CATALOG, GPU_MTBF_HOURS, GpuType, gpu_type
+from dspipe.spec.kinds import Checkpointing, Offload, Precision
 from dspipe.spec.profile import Profile, apply_profile, check_profile_gpu, profile_from_dict
 from dspipe.spec.settings import FIELD_DEFAULT, declared, setting
 
-PRECISIONS = ("bf16", "fp16", "fp32")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+PRECISIONS = tuple(k.value for k in Precision)  # ("bf16", "fp16", "fp32")
 DATA_ORDERS = ("dspipe", "megatron")
 ZERO_STAGES = (0, 1, 2, 3)
-OFFLOADS = ("none", "cpu", "nvme")
-CHECKPOINTING = ("none", "full", "selective")
+OFFLOADS = tuple(k.value for k in Offload)  # ("none", "cpu", "nvme")
+CHECKPOINTING = tuple(k.value for k in Checkpointing)  # ("none", "full", "selective")
 PARTITION_METHODS = ("parameters", "uniform", "type:Block")
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "swiglu")
@@ -37,7 +43,7 @@ TOKEN_SCALE = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
 _TOKEN_NUMBER = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
 
 
-def token_count(text) -> float | None:
+def token_count(text: object) -> float | None:
     """A token budget as written ('300B', '1.5T', '2e9', '500M', '4096'; K/M/B(=G)/T suffixes, ASCII digits) ->
     its count (finite, > 0); None when `text` is not such a string."""
     if not isinstance(text, str):
@@ -50,17 +56,17 @@ def token_count(text) -> float | None:
     return value if 0 < value < float("inf") else None
 
 
-def _show(value) -> str:
+def _show(value: object) -> str:
     """repr, cut short (a 400-digit number or a long string stays one readable line)."""
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _is_int(value) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_number(value) -> bool:
+def _is_number(value: object) -> TypeGuard[int | float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
@@ -69,7 +75,7 @@ def _positive(owner: str, **values: int) -> None:
         _int_range(owner, name, value, low=1)
 
 
-def _int_range(owner: str, name: str, value, *, low: int) -> None:
+def _int_range(owner: str, name: str, value: object, *, low: int) -> None:
     """An int (not bool) in [low, LIMITS[name]]; the message names the field and the allowed range."""
     high = LIMITS[name]
     allowed = f"allowed range {low}..{high:,}"
@@ -80,7 +86,7 @@ def _int_range(owner: str, name: str, value, *, low: int) -> None:
         raise SpecError(f"{owner}.{name} {_show(value)} is too large ({allowed})")
 
 
-def _number(owner: str, name: str, value, *, low: float, high: float, low_open: bool = False,
+def _number(owner: str, name: str, value: object, *, low: float, high: float, low_open: bool = False,
             rule: str | None = None) -> None:
     """A finite int or float in [low, high] (or (low, high] when low_open); NaN and +-inf are refused."""
     interval = f"{'(' if low_open else '['}{low:g}, {high:g}]"
@@ -90,17 +96,17 @@ def _number(owner: str, name: str, value, *, low: float, high: float, low_open: 
                         f"got {_show(value)} (allowed: finite, {interval})")
 
 
-def _one_of(owner: str, name: str, value, allowed) -> None:
+def _one_of(owner: str, name: str, value: object, allowed: Sequence[object]) -> None:
     if type(value) is not type(allowed[0]) or value not in allowed:
         raise SpecError(f"{owner}.{name} {_show(value)} is not one of: {', '.join(map(str, allowed))}")
 
 
-def _flag(owner: str, name: str, value) -> None:
+def _flag(owner: str, name: str, value: object) -> None:
     if not isinstance(value, bool):
         raise SpecError(f"{owner}.{name} must be true or false, got {_show(value)}")
 
 
-def _text(owner: str, name: str, value, *, optional: bool = False) -> None:
+def _text(owner: str, name: str, value: object, *, optional: bool = False) -> None:
     if optional and value is None:
         return
     if not isinstance(value, str) or not value or "\0" in value or "\n" in value:
@@ -384,8 +390,9 @@ class ModelSpec:
         kv = f" kv{self.kv_heads}" if self.kv_heads not in (None, self.heads) else ""
         arch = [v for v, gpt in ((self.norm, "layernorm"), (self.mlp, "gelu"), (self.positions, "learned")) if v != gpt]
         arch += [] if self.bias else ["no-bias"]
-        arch += [f"{name}-bias" for name, on, base in (("qkv", self.qkv_bias, self.bias), ("out", self.out_bias, self.bias),
-                                                       ("mlp", self.mlp_bias, self.bias)) if on is not None and on != base]
+        biases = (("qkv", self.qkv_bias, self.bias), ("out", self.out_bias, self.bias),
+                  ("mlp", self.mlp_bias, self.bias))
+        arch += [f"{name}-bias" for name, on, base in biases if on is not None and on != base]
         arch += [f"hd{self.head_width}"] if self.head_width not in (None, self.hidden // self.heads) else []
         arch += ["qk-norm"] if self.qk_norm else []
         arch += [f"rope-{self.rope_scaling}x{self.rope_factor:g}"] if self.rope_scaling != "none" else []
@@ -440,11 +447,13 @@ class ModelSpec:
 
     def norm_tensors(self, prefix: str) -> list[tuple[str, tuple[int, ...]]]:
         with_bias = self.norm == "layernorm" and self.bias
-        return [(f"{prefix}.weight", (self.hidden,))] + ([(f"{prefix}.bias", (self.hidden,))] if with_bias else [])
+        weight: list[tuple[str, tuple[int, ...]]] = [(f"{prefix}.weight", (self.hidden,))]
+        return weight + ([(f"{prefix}.bias", (self.hidden,))] if with_bias else [])
 
     @staticmethod
     def _linear(prefix: str, out: int, inp: int, bias: bool) -> list[tuple[str, tuple[int, ...]]]:
-        return [(f"{prefix}.weight", (out, inp))] + ([(f"{prefix}.bias", (out,))] if bias else [])
+        weight: list[tuple[str, tuple[int, ...]]] = [(f"{prefix}.weight", (out, inp))]
+        return weight + ([(f"{prefix}.bias", (out,))] if bias else [])
 
     @property
     def expert_width(self) -> int:
@@ -480,7 +489,7 @@ class ModelSpec:
         qk = [("attn.q_norm.weight", (self.head_dim,)), ("attn.k_norm.weight", (self.head_dim,))] \
             if self.qk_norm else []
         if layer is not None and self.is_sparse(layer):
-            mlp = [("mlp.router.weight", (self.experts, h))]
+            mlp: list[tuple[str, tuple[int, ...]]] = [("mlp.router.weight", (self.experts, h))]
             for e in range(self.experts):
                 mlp += [(f"mlp.experts.{e}{name}", shape) for name, shape in self.expert_tensors()]
             if self.shared_experts:
@@ -492,7 +501,7 @@ class ModelSpec:
 
     def model_tensors(self) -> list[tuple[str, tuple[int, ...]]]:
         """Every parameter of the model (a tied head counted once), (name, shape), as the model names them."""
-        out = [("embed.wte.weight", (self.vocab, self.hidden))]
+        out: list[tuple[str, tuple[int, ...]]] = [("embed.wte.weight", (self.vocab, self.hidden))]
         if self.positions == "learned":
             out.append(("embed.wpe.weight", (self.seq_len, self.hidden)))
         for i in range(self.layers):
@@ -746,7 +755,8 @@ class TrainSpec:
         if self.keep_every and self.save_interval and self.keep_every % self.save_interval:
             raise SpecError(f"train.keep_every {self.keep_every} is not a multiple of save_interval "
                             f"{self.save_interval} ({self.keep_every} % {self.save_interval} = "
-                            f"{self.keep_every % self.save_interval}): no checkpoint would be saved at a multiple of it")
+                            f"{self.keep_every % self.save_interval}): "
+                            "no checkpoint would be saved at a multiple of it")
         _positive("train", eval_batches=self.eval_batches, spike_window=self.spike_window)
         _int_range("train", "seed", self.seed, low=0)
         _number("train", "spike_sigma", self.spike_sigma, low=0, high=LIMITS["spike_sigma"], low_open=True,
@@ -862,19 +872,47 @@ torch or numpy accept: seeds feed numpy's and torch's generators, which take 0..
 streams)."""
 
 
-def _requested(section: str) -> list:
+def _requested(section: str) -> list[tuple[str, str, object]]:
     """(field, type or None, default None) for every spec field the `section` of the --config file holds."""
-    types = {f.name: f.type for cls, _ in SPECS for f in fields(cls)}
+    types = {f.name: str(f.type) for cls, _ in SPECS for f in fields(cls)}  # str already: postponed annotations
     optional = {name: t if t.endswith("| None") else f"{t} | None" for name, t in types.items()}
-    return [(s.field, optional[s.field], field(default=None)) for s in SPEC_SETTINGS if s.section == section]
+    return [(s.field, optional[s.field], field(default=None))
+            for s in SPEC_SETTINGS if s.section == section and s.field is not None]  # every spec setting has a field
 
 
-StrategyRequest = make_dataclass("StrategyRequest", _requested("strategy"), frozen=True, kw_only=True)
+if TYPE_CHECKING:
+    @dataclass(frozen=True, kw_only=True)
+    class StrategyRequest:
+        """What the type checker sees of the class make_dataclass builds below (a unit test keeps them equal)."""
+        micro_batch: int | None = None
+        precision: str | None = None
+        zero: int | None = None
+        offload: str | None = None
+        offload_params: bool | None = None
+        nvme_path: str | None = None
+        pp: int | None = None
+        tp: int | None = None
+        tp_sp: bool | None = None
+        sp: int | None = None
+        ep: int | None = None
+        checkpointing: str | None = None
+        loss_chunk: int | None = None
+        partition_method: str | None = None
+        reduce_bucket_size: int | None = None
+        prefetch_bucket_size: int | None = None
+        param_persistence_threshold: int | None = None
+        max_live_parameters: int | None = None
+        max_reuse_distance: int | None = None
+else:
+    StrategyRequest = make_dataclass("StrategyRequest", _requested("strategy"), frozen=True, kw_only=True)
 StrategyRequest.__doc__ = """The strategy as asked for: each field of the strategy section (StrategySpec's, and
 TrainSpec's micro_batch and precision), a value, or None to let the search choose (or take the spec's default)."""
 
 
-def from_dict(cls, data: dict):
+_Spec = TypeVar("_Spec", bound="DataclassInstance")
+
+
+def from_dict(cls: type[_Spec], data: object) -> _Spec:
     """Rebuild a spec from its asdict() form, rejecting unknown and missing keys and anything that is not an object."""
     if not isinstance(data, dict):
         raise SpecError(f"{cls.__name__} must be a JSON object, got {type(data).__name__}")

@@ -11,6 +11,7 @@ window). Parameter counts do not depend on it under rotary positions; --seq-len 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any, TypedDict
 
 from dspipe.errors import SpecError
 from dspipe.spec.core import ModelSpec
@@ -44,7 +45,7 @@ def _gpt3(name: str, layers: int, hidden: int, heads: int) -> Preset:
 
 def _llama(name: str, layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, *, vocab: int, seq_len: int,
            theta: float, source: str, params: int | None, eps: float = 1e-5, active: int | None = None,
-           **arch) -> Preset:
+           **arch: Any) -> Preset:  # ModelSpec's keywords (it checks them)
     """RMSNorm, SwiGLU, rotary positions, grouped-query attention, no biases, untied head unless `arch` says
     otherwise (tied_embeddings, qkv_bias, head_width, qk_norm, rope scaling, sliding window)."""
     arch.setdefault("tied_embeddings", False)
@@ -53,20 +54,38 @@ def _llama(name: str, layers: int, hidden: int, heads: int, kv_heads: int, ffn: 
     return Preset(spec, source, params, active)
 
 
-LLAMA31_ROPE = dict(rope_scaling="llama3", rope_factor=8.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
+class Arch(TypedDict, total=False):
+    """Architecture keywords a family of presets shares (ModelSpec fields, and _llama's eps)."""
+
+    rope_scaling: str
+    rope_factor: float
+    rope_low_freq_factor: float
+    rope_high_freq_factor: float
+    rope_original_context: int
+    qkv_bias: bool
+    eps: float
+    qk_norm: bool
+    head_width: int
+    experts: int
+    experts_per_token: int
+
+
+LLAMA31_ROPE: Arch = dict(rope_scaling="llama3", rope_factor=8.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
                     rope_original_context=8192)
 """Llama 3.1's rope_scaling (config.json: rope_type llama3, factor 8, low/high_freq_factor 1/4,
 original_max_position_embeddings 8192); Llama 3.2 has factor 32."""
-LLAMA32_ROPE = {**LLAMA31_ROPE, "rope_factor": 32.0}
-QWEN2 = dict(qkv_bias=True, eps=1e-6)
+LLAMA32_ROPE: Arch = {**LLAMA31_ROPE, "rope_factor": 32.0}
+QWEN2: Arch = dict(qkv_bias=True, eps=1e-6)
 """Qwen2/2.5: biases on the q/k/v projections only (no attention-output or MLP bias); rms_norm_eps 1e-6 (1e-5 in the
 14B, 32B and 72B base configs)."""
-QWEN3 = dict(qk_norm=True, head_width=128, eps=1e-6)
+QWEN25_LARGE: Arch = {**QWEN2, "eps": 1e-5}
+"""Qwen2.5 14B, 32B and 72B: rms_norm_eps 1e-5 in their base configs."""
+QWEN3: Arch = dict(qk_norm=True, head_width=128, eps=1e-6)
 """Qwen3: per-head RMSNorm of q and k, head_dim 128 whatever the width, no biases."""
-MIXTRAL = dict(experts=8, experts_per_token=2)
+MIXTRAL: Arch = dict(experts=8, experts_per_token=2)
 """Mixtral: 8 SwiGLU experts as wide as the dense ffn, top-2 with the two probabilities renormalised, every block
 sparse, no shared expert, router_aux_loss_coef 0.001."""
-QWEN3_MOE = dict(**QWEN3, experts=128, experts_per_token=8)
+QWEN3_MOE: Arch = dict(**QWEN3, experts=128, experts_per_token=8)
 """Qwen3-MoE: 128 experts, top-8, norm_topk_prob true in the released configs, every block sparse
 (decoder_sparse_step 1, no mlp_only_layers), no shared expert."""
 
@@ -116,11 +135,11 @@ PRESETS: dict[str, Preset] = {p.spec.name: p for p in (
            tied_embeddings=True, source="Qwen/Qwen2.5-1.5B", params=1_543_714_304),
     _llama("qwen2.5-7b", 28, 3584, 28, 4, 18944, vocab=152064, seq_len=4096, theta=1e6, **QWEN2,
            source="Qwen/Qwen2.5-7B", params=7_615_616_512),
-    _llama("qwen2.5-14b", 48, 5120, 40, 8, 13824, vocab=152064, seq_len=4096, theta=1e6, **{**QWEN2, "eps": 1e-5},
+    _llama("qwen2.5-14b", 48, 5120, 40, 8, 13824, vocab=152064, seq_len=4096, theta=1e6, **QWEN25_LARGE,
            source="Qwen/Qwen2.5-14B", params=14_770_033_664),
-    _llama("qwen2.5-32b", 64, 5120, 40, 8, 27648, vocab=152064, seq_len=4096, theta=1e6, **{**QWEN2, "eps": 1e-5},
+    _llama("qwen2.5-32b", 64, 5120, 40, 8, 27648, vocab=152064, seq_len=4096, theta=1e6, **QWEN25_LARGE,
            source="Qwen/Qwen2.5-32B", params=32_763_876_352),
-    _llama("qwen2.5-72b", 80, 8192, 64, 8, 29568, vocab=152064, seq_len=4096, theta=1e6, **{**QWEN2, "eps": 1e-5},
+    _llama("qwen2.5-72b", 80, 8192, 64, 8, 29568, vocab=152064, seq_len=4096, theta=1e6, **QWEN25_LARGE,
            source="Qwen/Qwen2.5-72B", params=72_706_203_648),
     _llama("qwen3-0.6b", 28, 1024, 16, 8, 3072, vocab=151936, seq_len=4096, theta=1e6, **QWEN3,
            tied_embeddings=True, source="Qwen/Qwen3-0.6B-Base", params=596_049_920),
@@ -172,7 +191,7 @@ def preset_lines() -> list[str]:
     return out
 
 
-def model_preset(name: str, **overrides) -> ModelSpec:
+def model_preset(name: str, **overrides: Any) -> ModelSpec:  # ModelSpec field values (it checks them)
     """The preset called `name`, with any non-None field replaced (name becomes 'NAME+custom' then)."""
     try:
         base = MODEL_PRESETS[name]

@@ -15,9 +15,10 @@ import json
 import math
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
+from typing import Any
 
-from dspipe.errors import SpecError, cannot_read
-from dspipe.jsonio import number_hooks
+from dspipe.errors import SpecError
+from dspipe.jsonio import read_object
 from dspipe.spec.hardware import GpuType
 
 PROFILE_FORMAT = "dspipe-profile"
@@ -81,7 +82,7 @@ class Profile:
 TEXT_FIELDS = ("device", "gpu", "dtype", "model", "created", "versions")
 
 
-def profile_from_dict(data, *, where: str) -> Profile:
+def profile_from_dict(data: object, *, where: str) -> Profile:
     """A Profile from its JSON form (profile_to_dict's), every field checked; SpecError '<where>: <field> ...'."""
     if not isinstance(data, dict):
         raise SpecError(f"{where}: a profile must be a JSON object, got {type(data).__name__}")
@@ -102,7 +103,7 @@ def profile_from_dict(data, *, where: str) -> Profile:
     extra = sorted(set(figures) - set(PROFILE_FIGURES))
     if extra:
         raise SpecError(f"{where}: unknown figure {', '.join(map(str, extra))} (known: {', '.join(PROFILE_FIGURES)})")
-    values = {}
+    values: dict[str, Any] = {}  # Profile's keywords, each checked below: str, int, float or None
     for name in TEXT_FIELDS:
         value = data.get(name)
         if not isinstance(value, str) or not value or "\n" in value:
@@ -130,7 +131,7 @@ def profile_from_dict(data, *, where: str) -> Profile:
     return Profile(**values)
 
 
-def profile_to_dict(profile: Profile) -> dict:
+def profile_to_dict(profile: Profile) -> dict[str, object]:
     """The JSON form: the machine's description at the top level, the measured numbers under 'figures'."""
     d = asdict(profile)
     head = {k: d.pop(k) for k in ("device", "gpu", "dtype", "ranks", "threads_per_rank", "model", "created",
@@ -143,17 +144,9 @@ def read_profile(path: str | Path, *, gpu: str | None = None) -> Profile:
     SpecError naming the file otherwise."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as e:
-        raise cannot_read(f"--profile {path}", e) from None
-    except UnicodeDecodeError as e:
-        raise SpecError(f"--profile {path}: not UTF-8 text (byte offset {e.start})") from None
-    try:
-        data = json.loads(text, **number_hooks(f"--profile {path}"))
-    except SpecError:
-        raise
-    except ValueError as e:
-        raise SpecError(f"--profile {path}: not JSON ({e})") from None
+        data = read_object(path)
+    except SpecError as e:  # read_object's line begins with the path
+        raise SpecError(f"--profile {e}") from None
     profile = profile_from_dict(data, where=f"--profile {path}")
     if gpu is not None:
         check_profile_gpu(profile, gpu=gpu, where=f"--profile {path}")
@@ -178,7 +171,7 @@ def apply_profile(gpu: GpuType, profile: Profile) -> GpuType:
     same meaning as the catalog's figure), the collective latency (the small all-reduce's time less its 2(n-1)
     hops at the catalog's per-hop cost, never below 0), the host copy rate (pinned on a GPU; on the 'cpu' type the
     memcpy rate an offload copy runs at), the CPU-Adam and optimizer-step rates."""
-    changes: dict = {"calibrated_precision": profile.dtype, "calibrated_tflops": profile.compute_tflops,
+    changes: dict[str, Any] = {"calibrated_precision": profile.dtype, "calibrated_tflops": profile.compute_tflops,
                      "optimizer_params_per_s": profile.optimizer_params_per_s}
     if profile.allreduce_busbw_gbps is not None:
         changes["intra_node_gbps"] = profile.allreduce_busbw_gbps

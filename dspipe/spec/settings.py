@@ -6,13 +6,23 @@ options that are no spec field) into the option table that the click options, th
 """
 from __future__ import annotations
 
-from dataclasses import MISSING, Field, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, TypeVar, overload
+
+_T = TypeVar("_T")
 
 AUTO = "auto"
 """The word that leaves a setting to the planner (an auto_* option, a preset's DeepSpeed key)."""
 KINDS = ("int", "float", "str", "choice", "auto_int", "auto_choice", "flag", "bool", "tokens")
 """What the flag takes: int/float/str; choice (one of `choices`); auto_int/auto_choice (or 'auto': the planner
 chooses); flag (--x, off by default); bool (--x/--no-x, unset: auto); tokens (a token budget, '300B')."""
+
+
+
+def is_auto(value: object) -> bool:
+    """Whether an asked-for value leaves the choice to the planner: None (not given) or 'auto'."""
+    return value in (None, AUTO)
+
 
 FIELD_DEFAULT = object()
 """Setting.cli_default: the flag's default is the spec field's default."""
@@ -26,11 +36,11 @@ class Setting:
     """Its name in the file and in the command's options ('global_batch' for --global-batch)."""
     section: str
     """The --config section that holds it (the spec it sets: model, cluster, train, strategy; or data, logging)."""
-    help: str
-    """The flag's help text."""
+    help: str | None
+    """The flag's help text (None: none)."""
     kind: str = "str"
     """One of KINDS."""
-    choices: tuple = ()
+    choices: tuple[object, ...] = ()
     """The values of a choice / auto_choice."""
     limit: int | float | None = None
     """Largest accepted value (LIMITS), None: no limit of its own."""
@@ -60,7 +70,16 @@ class Setting:
         return self.flags.split("/")[0]
 
 
-def setting(default=MISSING, *, help: str, kind: str = "str", section: str | None = None, **more) -> Field:
+@overload
+def setting(default: _T, *, help: str | None, kind: str = "str", section: str | None = None, **more: object) -> _T: ...
+
+
+@overload
+def setting(*, help: str | None, kind: str = "str", section: str | None = None, **more: object) -> Any: ...
+
+
+def setting(default: object = MISSING, *, help: str | None, kind: str = "str", section: str | None = None,
+            **more: object) -> Any:
     """A spec field declared with its option (keywords of Setting; the key is the field name unless given)."""
     if kind not in KINDS:
         raise AssertionError(f"unknown setting kind {kind!r}")
@@ -68,7 +87,7 @@ def setting(default=MISSING, *, help: str, kind: str = "str", section: str | Non
     return field(default=default, metadata=meta)
 
 
-def declared(cls, *, section: str) -> list[Setting]:
+def declared(cls: type, *, section: str) -> list[Setting]:
     """The settings of spec class `cls`, in field order; a field's section is `section` unless it names its own."""
     out = []
     for f in fields(cls):

@@ -16,6 +16,8 @@ from pathlib import Path
 
 from dspipe.tools.bench_worker import PHASES
 from dspipe.errors import SpecError, cannot_read
+from dspipe.log import get_logger
+from dspipe.jsonio import read_object
 from dspipe.planner.throughput import step_rates
 from dspipe.spec.hardware import GIB
 
@@ -105,8 +107,9 @@ def format_table(sides: dict[str, dict], *, header: str) -> str:
     width = max(len(label) for label, _ in rows) + 2
     names = [COLUMN[side] for side in sides]
     cols = [max(len(name), *(len(c[i]) for _, c in rows)) + 2 for i, name in enumerate(names)]
-    lines = [header, " " * width + "".join(name.rjust(w) for name, w in zip(names, cols))]
-    lines += [label.ljust(width) + "".join(c.rjust(w) for c, w in zip(cells, cols)) for label, cells in rows]
+    lines = [header, " " * width + "".join(name.rjust(w) for name, w in zip(names, cols, strict=True))]
+    lines += [label.ljust(width) + "".join(c.rjust(w) for c, w in zip(cells, cols, strict=True))
+              for label, cells in rows]
     return "\n".join(lines + comparison_lines(sides))
 
 
@@ -183,8 +186,6 @@ def run_side(*, ranks: int, run_dir: Path, side: str, warmup: int, steps: int, o
              threads: int | None = None) -> list[dict]:
     """Launch one side and return its ranks' results (one-line error when a rank fails). `threads`: set
     OMP_NUM_THREADS for the ranks (CPU runs)."""
-    import json
-
     argv = launcher_argv(ranks=ranks, run_dir=run_dir, side=side, warmup=warmup, steps=steps, out=out,
                          master_port=free_port())
     root = str(Path(__file__).resolve().parents[2])  # the ranks import this dspipe, installed or not
@@ -193,11 +194,11 @@ def run_side(*, ranks: int, run_dir: Path, side: str, warmup: int, steps: int, o
         env["OMP_NUM_THREADS"] = str(threads)
     r = subprocess.run(argv, env=env, capture_output=True, text=True)
     if os.environ.get("DSPIPE_VERBOSE"):
-        print(r.stdout + r.stderr, file=sys.stderr)
+        get_logger(__name__).info(r.stdout + r.stderr)
     results = sorted(out.glob("rank*.json"))
     if r.returncode or len(results) != ranks:
         lines = [ln.strip() for ln in (r.stderr + r.stdout).splitlines() if ln.strip()]
         errors = [ln for ln in lines if "Error" in ln or "error:" in ln] or lines
         raise SpecError(f"{side} ranks failed (exit {r.returncode}, {len(results)} of {ranks} results): "
                         f"{errors[-1] if errors else 'no output'} (DSPIPE_VERBOSE=1 shows the whole output)")
-    return [json.loads(p.read_text()) for p in results]
+    return [read_object(p) for p in results]

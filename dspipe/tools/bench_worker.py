@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from dspipe.rundir import Run, load_run
+from dspipe.spec.kinds import Checkpointing, Precision
 
 PHASES = ("forward", "backward", "step")
 SIDES = ("dspipe", "reference", "eager")
@@ -218,10 +219,10 @@ def run_reference(run: Run, *, dev: Device, batches: list, warmup: int, steps: i
         for block in model.h:
             block.compile()
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(plan.precision)
-    scaler = torch.amp.GradScaler(dev.device.type) if plan.precision == "fp16" else None
+    scaler = torch.amp.GradScaler(dev.device.type) if plan.precision == Precision.FP16 else None
     autocast = (lambda: torch.autocast(dev.device.type, dtype=amp_dtype)) if amp_dtype else contextlib.nullcontext
     params = [p for g in groups for p in g["params"]]
-    if plan.checkpointing != "none":  # the same recomputation, through torch's own checkpoint
+    if plan.checkpointing != Checkpointing.NONE:  # the same recomputation, through torch's own checkpoint
         import functools
 
         from torch.utils.checkpoint import checkpoint

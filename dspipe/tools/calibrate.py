@@ -33,10 +33,12 @@ from dataclasses import replace
 from pathlib import Path
 
 from dspipe.errors import SpecError
+from dspipe.jsonio import read_object
 from dspipe.spec.profile import Profile
 from dspipe.spec.core import ModelSpec
 from dspipe.planner.throughput import model_flops_per_token
 from dspipe.cluster.doctor import versions
+from dspipe.spec.kinds import Precision
 
 MAX_WHOLE_PARAMS = 400_000_000
 """A model above this many parameters is timed at 1 and 2 blocks and extrapolated, not built whole."""
@@ -102,7 +104,7 @@ def _matmul_tflops(model: ModelSpec, *, micro_batch: int, dtype, device, sync, r
         w = torch.randn(k, n, device=device).to(dtype)
         dy = torch.randn(tokens, n, device=device).to(dtype)
 
-        def three():
+        def three(x=x, w=w, dy=dy):  # bound now: the loop rebinds them
             x @ w
             dy @ w.t()
             x.t() @ dy
@@ -258,7 +260,7 @@ def calibrate(*, model: ModelSpec, precision: str, micro_batch: int, ranks: int 
     ranks = ranks or (count if cuda else CPU_RANKS)
     if cuda and ranks > count:
         raise SpecError(f"--ranks {ranks}: this machine has {count} CUDA GPU(s)")
-    if not cuda and precision != "fp32":
+    if not cuda and precision != Precision.FP32:
         say(f"note: {precision} on a CPU runs without tensor cores; the demo trains in fp32")
     found = detect()
     if found.gpu is None:
@@ -272,7 +274,7 @@ def calibrate(*, model: ModelSpec, precision: str, micro_batch: int, ranks: int 
                "allreduce_mib": allreduce_mib,
                "cpu_adam": cpu_adam}
         mp.start_processes(_worker, args=(ranks, cfg), nprocs=ranks, join=True, start_method="spawn")
-        results = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(ranks)]
+        results = [read_object(Path(tmp, f"rank{r}.json")) for r in range(ranks)]
     figures = _gather(results)
     note = results[0]["cpu_adam_note"]
     if figures["cpu_adam_params_per_s"] is None:

@@ -98,7 +98,7 @@ def sample(model: Model, prompt_ids: list[int], *, sampling: Sampling) -> list[i
 
 
 def is_hf_dir(path: Path) -> bool:
-    from dspipe.runtime.checkpoint import META_FILE
+    from dspipe.runtime.ckpt_tags import META_FILE
 
     return (path / HF_CONFIG).is_file() and not (path / META_FILE).is_file()
 
@@ -143,11 +143,12 @@ def hf_context(path: Path) -> int:
 
 
 def _load_checkpoint(path: Path) -> Model:
-    from dspipe.runtime import checkpoint as ckpt
-    from dspipe.tools.export import load_gpt, load_tokenizer, resolve_checkpoint, tokenizer_dir
+    from dspipe.runtime import ckpt_meta
+    from dspipe.tools.consolidate import load_gpt
+    from dspipe.tools.export import load_tokenizer, resolve_checkpoint, tokenizer_dir
 
     checkpoint = resolve_checkpoint(path)
-    meta = ckpt.read_meta(checkpoint)
+    meta = ckpt_meta.read_meta(checkpoint)
     tokenizer = load_tokenizer(tokenizer_dir(checkpoint))
     gpt = load_gpt(checkpoint, meta=meta)
     return Model(logits=gpt, context=gpt.spec.seq_len, tokenizer=tokenizer)

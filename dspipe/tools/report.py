@@ -1,16 +1,16 @@
 """`dspipe report runs/NAME`: a trained (or training) run's metrics against its plan, as PNG plots and report.md.
 
-Reads runs/NAME/metrics.csv (dspipe.planner.throughput.STEP_COLUMNS, one row per optimizer step, rank 0), val_metrics.csv
-(VAL_COLUMNS, optional), the start-up figures in engine.json (dspipe.runtime.startup: every rank's peak host RSS and
-seconds to the first step) and the planner's estimate in dspipe.json. Measured throughput is the median over the steps
-after the first WARMUP_STEPS (compilation, allocator and communicator warm-up); peak memory is the largest
+Reads runs/NAME/metrics.csv (dspipe.planner.throughput.STEP_COLUMNS, one row per optimizer step, rank 0),
+val_metrics.csv (VAL_COLUMNS, optional), the start-up figures in engine.json (dspipe.runtime.startup: every rank's peak
+host RSS and seconds to the first step) and the planner's estimate in dspipe.json. Measured throughput is the median
+over the steps after the first WARMUP_STEPS (compilation, allocator and communicator warm-up); peak memory is the
+largest
 mem_allocated_gib (a peak since start on rank 0). Plots go through matplotlib's Figure API (Agg canvas, no pyplot,
 no display). The report directory is written beside its destination, then renamed into place. Imports no torch.
 """
 from __future__ import annotations
 
 import csv
-import json
 import math
 import re
 import statistics
@@ -20,10 +20,12 @@ from pathlib import Path
 from dspipe import outputs
 from dspipe.atomic import staged_dir
 from dspipe.errors import SpecError, cannot_read
-from dspipe.jsonio import show
+from dspipe.jsonio import read_object
 from dspipe.spec.hardware import GIB
 from dspipe.planner.throughput import STEP_COLUMNS, VAL_COLUMNS, perplexity
-from dspipe.rundir import VAL_FILE, Run, load_engine, load_run
+from dspipe.rundir import ENGINE_FILE, VAL_FILE, Run, load_engine, load_run
+from dspipe.run_estimate import RunEstimate
+from dspipe.runtime.engine_file import StartupRecord
 
 MIB = 1024**2
 WARMUP_STEPS = 3
@@ -166,10 +168,6 @@ def measure(steps: list[dict], val: list[dict]) -> Measured:
 
 # ---------------------------------------------------------------------------------------------------- start-up
 
-STARTUP_LISTS = ("peak_rss_mib", "rss_before_build_mib", "build_rss_mib", "seconds_to_first_step", "seconds_build")
-"""engine.json's "startup" lists (one value per rank, dspipe.runtime.startup.StartupClock.gathered)."""
-
-
 @dataclass(frozen=True)
 class Startup:
     """A run's start-up as engine.json records it (the worst rank), beside the plan's prediction (dspipe.json's
@@ -219,10 +217,10 @@ def _number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
 
 
-def _predicted(estimate: dict) -> dict:
+def _predicted(estimate: RunEstimate) -> dict:
     """The plan's start-up figures from dspipe.json's estimate (each None where absent or not a number >= 0)."""
-    pred = estimate.get("startup") if isinstance(estimate, dict) else None
-    if not isinstance(pred, dict):
+    pred = estimate.startup
+    if pred is None:
         return {}
     host, seconds, mode = pred.get("host_per_rank_bytes"), pred.get("seconds"), pred.get("mode")
     return {"predicted_mode": mode if isinstance(mode, str) else None,
@@ -230,37 +228,25 @@ def _predicted(estimate: dict) -> dict:
             "predicted_seconds": float(seconds) if _number(seconds) else None}
 
 
-def read_startup(engine: dict | None, estimate: dict) -> Startup:
-    """engine.json's "startup" reduced to its worst rank, beside the plan's prediction; never raises: an absent
-    block is 'not recorded', a damaged one names its first bad value in `note`."""
+def read_startup(engine: dict | None, estimate: RunEstimate) -> Startup:
+    """engine.json's "startup" (StartupRecord) reduced to its worst rank, beside the plan's prediction; never
+    raises: an absent block is 'not recorded', a damaged one names its first bad value in `note`."""
     pred = _predicted(estimate)
     if engine is None:
         return Startup(note="engine.json not written yet", **pred)
-    block = engine.get("startup")
-    if block is None:
+    try:
+        record = StartupRecord.from_engine(engine, source=ENGINE_FILE)
+    except SpecError as e:  # one line naming the key
+        return Startup(note=str(e), **pred)
+    if record is None:
         return Startup(note="engine.json has no startup figures: its runner predates them", **pred)
-    if not isinstance(block, dict):
-        return Startup(note=f"engine.json's startup is damaged: an object expected, got {type(block).__name__}",
-                       **pred)
-    mode = block.get("mode")
-    if not isinstance(mode, str) or not mode or len(mode) > 40:
-        return Startup(note=f"engine.json's startup.mode is damaged: a build mode expected, got {show(mode)}",
-                       **pred)
-    lists, ranks = {}, None
-    for key in STARTUP_LISTS:
-        value = block.get(key)
-        if not (isinstance(value, list) and value and all(_number(v) for v in value)
-                and len(value) == (ranks or len(value))):
-            return Startup(note=f"engine.json's startup.{key} is damaged: one number >= 0 per rank expected, got "
-                                f"{show(value)}", mode=mode, **pred)
-        lists[key], ranks = [float(v) for v in value], len(value)
-    peaks = lists["peak_rss_mib"]
-    worst = max(range(len(peaks)), key=peaks.__getitem__)
-    return Startup(mode=mode, ranks=len(peaks), worst_rank=worst, peak_rss_mib=peaks[worst],
-                   before_build_mib=lists["rss_before_build_mib"][worst],
-                   build_rss_mib=lists["build_rss_mib"][worst],
-                   seconds_to_first_step=max(lists["seconds_to_first_step"]),
-                   seconds_build=max(lists["seconds_build"]), **pred)
+    worst = record.worst_rank
+    return Startup(mode=record.mode, ranks=record.ranks, worst_rank=worst,
+                   peak_rss_mib=float(record.peak_rss_mib[worst]),
+                   before_build_mib=float(record.rss_before_build_mib[worst]),
+                   build_rss_mib=float(record.build_rss_mib[worst]),
+                   seconds_to_first_step=float(max(record.seconds_to_first_step)),
+                   seconds_build=float(max(record.seconds_build)), **pred)
 
 
 def startup_markdown(s: Startup) -> tuple[list[str], list[str]]:
@@ -381,19 +367,19 @@ def latest_save(run: Run) -> dict | None:
     first complete save or where it has none (a checkpoint written before the record existed)."""
     try:
         tag = (run.checkpoint_dir / "latest").read_text().strip()
-        meta = json.loads((run.checkpoint_dir / tag / "dspipe.json").read_text())
-    except (OSError, ValueError):
+        meta = read_object(run.checkpoint_dir / tag / "dspipe.json")
+    except (OSError, SpecError):
         return None
     save = meta.get("save") if isinstance(meta, dict) else None
     return save if isinstance(save, dict) else None
 
 
-def checkpoint_rows(run: Run, *, estimate: dict) -> list[str]:
+def checkpoint_rows(run: Run, *, estimate: RunEstimate) -> list[str]:
     """Plan vs. measured for one checkpoint: every rank's files and the largest rank's (the plan's estimate, or
     dspipe.planner.checkpoint_size for a run directory written before the estimate held it)."""
     from dspipe.planner.checkpoint_size import checkpoint_size
 
-    planned = estimate.get("checkpoint") or checkpoint_size(model=run.model, plan=run.plan,
+    planned = estimate.checkpoint or checkpoint_size(model=run.model, plan=run.plan,
                                                             ranks_per_node=run.cluster.gpus_per_node).to_dict()
     save = latest_save(run) or {}
     rows = []
@@ -408,7 +394,7 @@ def checkpoint_rows(run: Run, *, estimate: dict) -> list[str]:
     return rows
 
 
-def render_markdown(run: Run, *, estimate: dict, engine: dict | None, m: Measured) -> str:
+def render_markdown(run: Run, *, estimate: RunEstimate, engine: dict | None, m: Measured) -> str:
     model, plan, cluster = run.model, run.plan, run.cluster
     steady = (f"median of steps {m.steady_from}-{m.last_step}" if m.warmup
               else f"median of all {m.rows} steps (too few to drop a warm-up)")
@@ -434,19 +420,19 @@ def render_markdown(run: Run, *, estimate: dict, engine: dict | None, m: Measure
         "", "## Plan vs. measured", "",
         "| per GPU / job | predicted | measured | measured / predicted |", "|---|---|---|---|",
     ]
-    mem = estimate.get("memory_per_gpu_bytes", {}).get("total")
+    mem = estimate.memory_total_bytes
     mem_gib = None if mem is None else mem / GIB
     reserved = "" if m.mem_reserved_gib is None else f" (reserved {m.mem_reserved_gib:.3f})"
     lines.append(f"| peak memory per GPU (GiB) | {_or_na(mem_gib, '.3f')} | max allocated "
                  f"{_or_na(m.mem_allocated_gib, '.3f')}{reserved} | {_ratio(m.mem_allocated_gib, mem_gib)} |")
-    tps = estimate.get("tokens_per_s")
+    tps = estimate.tokens_per_s
     lines.append(f"| tokens/s (job) | {_or_na(tps, ',.0f')} | {_or_na(m.tokens_per_s, ',.0f')} ({steady}) | "
                  f"{_ratio(m.tokens_per_s, tps)} |")
-    mfu = estimate.get("mfu")
+    mfu = estimate.mfu
     lines.append(f"| MFU | {_percent(mfu)} | "
                  f"{'n/a (no peak FLOP/s for this device)' if m.mfu is None else _percent(m.mfu)} | "
                  f"{_ratio(m.mfu, mfu)} |")
-    step_time = estimate.get("step_time_s")
+    step_time = estimate.step_time_s
     lines.append(f"| step time (s) | {_or_na(step_time, '.4g')} | {_or_na(m.step_time_s, '.4g')} | "
                  f"{_ratio(m.step_time_s, step_time)} |")
     lines += checkpoint_rows(run, estimate=estimate)
@@ -498,7 +484,7 @@ def write_report(run_path: str | Path, *, out: str | Path | None = None) -> tupl
     out = _check_out(out if out is not None else run.path / "report")
     with outputs.writing(out), staged_dir(out, tag="tmp-") as tmp:
         plot_loss(steps, val, tmp / PLOTS["loss"])
-        plot_throughput(steps, measured, estimate.get("tokens_per_s"), tmp / PLOTS["throughput"])
+        plot_throughput(steps, measured, estimate.tokens_per_s, tmp / PLOTS["throughput"])
         plot_lr(steps, tmp / PLOTS["lr"])
         (tmp / REPORT_FILE).write_text(render_markdown(run, estimate=estimate, engine=engine, m=measured))
         outputs.write_marker(tmp, kind="report")

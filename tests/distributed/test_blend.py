@@ -7,7 +7,7 @@ import shutil
 import numpy as np
 import pytest
 
-from dspipe.runtime import checkpoint as ckpt
+from dspipe.runtime import ckpt_meta
 from tests.helpers import csv_rows, launch, make_run, ok, written_metrics
 
 STEPS, EVERY = 8, 3
@@ -39,7 +39,7 @@ def small_dataset(root, tokenizer):
     (root / "mg").mkdir()
     shutil.copytree(root / "tokens" / "tokenizer", root / "mg" / "tokenizer")
     builder = IndexedDatasetBuilder(str(root / "mg" / "small.bin"), dtype=np.uint16)
-    for a, b in zip(offsets[:-1], offsets[1:]):
+    for a, b in zip(offsets[:-1], offsets[1:], strict=True):
         builder.add_document(torch.from_numpy(np.asarray(toks[a:b], dtype=np.int64)), [int(b - a)])
     builder.finalize(str(root / "mg" / "small.idx"))
     return root / "mg" / "small"
@@ -72,8 +72,8 @@ def test_a_blend_resumes_exactly_after_kill_and_validates_per_source(tmp_path, c
     for v in val:
         assert float(v["val_loss"]) == pytest.approx(0.6 * float(v["val_loss_stdlib"]) +
                                                      0.4 * float(v["val_loss_small"]), rel=1e-12)
-    data = ckpt.read_meta(run / "checkpoints" / "global_step8")["data"]  # validated
-    assert data == ckpt.read_meta(ref / "checkpoints" / "global_step8")["data"]
+    data = ckpt_meta.read_meta(run / "checkpoints" / "global_step8").data  # validated
+    assert data == ckpt_meta.read_meta(ref / "checkpoints" / "global_step8").data
     assert [s["fingerprint"] for s in data["sources"]] != [] and data["consumed_samples"] == STEPS * 16
     small = data["sources"][1]
     assert (small["weight"], small["drawn"]) == (0.4, 51) and small["epoch"] >= 1  # the small source repeated

@@ -3,7 +3,7 @@ loaded back with transformers (logits equal to dspipe's GPT), the shared samplin
 import pytest
 import torch
 
-from dspipe.runtime import checkpoint as ckpt
+from dspipe.runtime import ckpt_meta
 from dspipe.spec.core import ModelSpec
 from tests.helpers import OFFLINE, error_lines, launch, make_run, max_diff, offline_here
 
@@ -17,7 +17,7 @@ def test_export_of_zero3_and_pipeline_checkpoints(tmp_path, corpus, monkeypatch)
     generation from a checkpoint and from its export prints the same text."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dspipe.tools.export import consolidate, load_gpt
+    from dspipe.tools.consolidate import consolidate, load_gpt
     from dspipe.model.gpt import GPT
     from dspipe.spec.core import from_dict
 
@@ -33,8 +33,8 @@ def test_export_of_zero3_and_pipeline_checkpoints(tmp_path, corpus, monkeypatch)
     assert sorted(p.name for p in tags["pp2"].glob("layer_*")) == [  # tied embedding stored once, no head file
         "layer_00-model_states.pt", "layer_01-model_states.pt", "layer_02-model_states.pt",
         "layer_03-model_states.pt"]  # embedding, 2 blocks, final norm
-    weights = {name: consolidate(tag, meta=ckpt.read_meta(tag)) for name, tag in tags.items()}
-    spec = from_dict(ModelSpec, ckpt.read_meta(tags["zero1"])["model"])
+    weights = {name: consolidate(tag, meta=ckpt_meta.read_meta(tag)) for name, tag in tags.items()}
+    spec = from_dict(ModelSpec, ckpt_meta.read_meta(tags["zero1"]).model)
     initial = GPT(spec, seed=1234).state_dict()  # gen-config's default seed
     assert max_diff(weights["zero1"], initial) > 1e-3  # trained: the weights moved
     assert max_diff(weights["zero3"], weights["zero1"]) < 1e-5
@@ -50,7 +50,7 @@ def test_export_of_zero3_and_pipeline_checkpoints(tmp_path, corpus, monkeypatch)
         hf = AutoModelForCausalLM.from_pretrained(out).eval()
         tok = AutoTokenizer.from_pretrained(out)
         assert tok.eos_token_id == 0 and hf.config.eos_token_id == 0 and hf.config.tie_word_embeddings
-        gpt = load_gpt(tags[name], meta=ckpt.read_meta(tags[name]))
+        gpt = load_gpt(tags[name], meta=ckpt_meta.read_meta(tags[name]))
         ids = torch.tensor([tok.encode("def f(x):\n    return x + 1\n")[:64]])
         with torch.no_grad():
             torch.testing.assert_close(hf(ids).logits, gpt(ids), atol=1e-5, rtol=0)

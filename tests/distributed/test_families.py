@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from dspipe.runtime import checkpoint as ckpt
+from dspipe.runtime import ckpt_meta
 from tests.helpers import OFFLINE, gen_config, launch, metrics, offline_here, save_hf_checkpoint
 
 pytestmark = pytest.mark.distributed
@@ -47,7 +47,8 @@ FAMILIES = {
 # moves the weights; its blocks are compiled (--compile: transformers' loss and gradients through compiled stages)
 FROZEN = ["--lr", "1e-12", "--weight-decay", "0"]
 LAYOUTS = {"zero1": (["--zero", "1", *FROZEN], 2), "zero3": (["--zero", "3", *FROZEN], 2),
-           "tp2": (["--zero", "1", "--tp", "2", *FROZEN], 2), "pp2": (["--zero", "1", "--pp", "2", "--lr", "3e-3", "--compile"], 3),
+           "tp2": (["--zero", "1", "--tp", "2", *FROZEN], 2),
+           "pp2": (["--zero", "1", "--pp", "2", "--lr", "3e-3", "--compile"], 3),
            "sp2": (["--zero", "1", "--sp", "2", *FROZEN], 2)}
 EXPORTED = ("zero3", "tp2", "pp2")  # the layouts whose checkpoint is exported and reloaded in transformers
 MOVED = "pp2"  # the layout whose weights train (its export is compared with dspipe only)
@@ -109,7 +110,7 @@ def without_feature(hf_dir, family: str):
 def test_family_starts_from_transformers_loss_and_exports_its_class(family, tmp_path, corpus, monkeypatch):
     from transformers import AutoModelForCausalLM
 
-    from dspipe.tools.export import load_gpt
+    from dspipe.tools.consolidate import load_gpt
 
     for k, v in OFFLINE.items():
         monkeypatch.setenv(k, v)
@@ -151,7 +152,7 @@ def test_family_starts_from_transformers_loss_and_exports_its_class(family, tmp_
         if family == "llama3.1":
             rope = exported.config.rope_parameters
             assert (rope["rope_type"], rope["factor"], rope["original_max_position_embeddings"]) == ("llama3", 8.0, 16)
-        gpt = load_gpt(tag, meta=ckpt.read_meta(tag)).eval()
+        gpt = load_gpt(tag, meta=ckpt_meta.read_meta(tag)).eval()
         with torch.no_grad():
             logits = exported(ids).logits
             found[f"{layout} export logits - dspipe logits"] = (logits - gpt(ids)).abs().max().item()

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dspipe.rundir import load_run
-from dspipe.runtime import checkpoint as ckpt
+from dspipe.runtime import ckpt_meta
 from tests.helpers import OFFLINE, gen_config, launch, max_diff, metrics, offline_here
 
 VOCAB = 1024  # the corpus fixture's BPE
@@ -27,7 +27,7 @@ def llama_dir(path, *, tied: bool, corpus):
                       rms_norm_eps=1e-5, tie_word_embeddings=tied, initializer_range=0.2)
     model = LlamaForCausalLM(cfg).float().eval()
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.dim() == 1:  # RMSNorm weights: not all ones
                 p.add_(torch.randn(p.shape) * 0.2)
     model.save_pretrained(path)
@@ -66,8 +66,9 @@ def test_continued_pretraining_from_a_hugging_face_llama(tmp_path, corpus, monke
     is the HF model's again (both stages loaded), the weights then move, and the export computes dspipe's logits."""
     from transformers import AutoModelForCausalLM
 
-    from dspipe.tools.export import consolidate, load_gpt
-    from dspipe.model.hf import from_hf_state, spec_from_hf_dir
+    from dspipe.tools.consolidate import consolidate, load_gpt
+    from dspipe.model.hf import spec_from_hf_dir
+    from dspipe.model.hf_state import from_hf_state
 
     for k, v in OFFLINE.items():
         monkeypatch.setenv(k, v)
@@ -85,13 +86,13 @@ def test_continued_pretraining_from_a_hugging_face_llama(tmp_path, corpus, monke
     assert startup["mode"] == "partitioned" and len(startup["peak_rss_mib"]) == 2
     assert sum(startup["built_params"]) - load_run(run).model.num_params in range(0, 2 * 20)  # partitions (+padding)
     assert all(0 < a <= b <= c for a, b, c in zip(startup["rss_before_build_mib"], startup["build_rss_mib"],
-                                                  startup["peak_rss_mib"]))
+                                                  startup["peak_rss_mib"], strict=True))
     expected = first_batch_loss(hf, corpus)
     assert abs(expected - math.log(VOCAB)) > 0.1  # not a loss any random initialisation would give
     found["zero3 step-1 loss - HF loss"] = abs(metrics(run, "loss")[0] - expected)
     tag = run / "checkpoints" / "global_step3"
     spec = spec_from_hf_dir(hf_dir)
-    found["zero3 consolidated - HF weights"] = max_diff(consolidate(tag, meta=ckpt.read_meta(tag)),
+    found["zero3 consolidated - HF weights"] = max_diff(consolidate(tag, meta=ckpt_meta.read_meta(tag)),
                                                         from_hf_state(hf.state_dict(), spec))
     out = tmp_path / "export-zero3"
     r = offline_here("export-hf", run, "--out", out)
@@ -129,14 +130,14 @@ def test_continued_pretraining_from_a_hugging_face_llama(tmp_path, corpus, monke
     losses = metrics(run, "loss")
     found["pp2 step-1 loss - HF loss"] = abs(losses[0] - expected)
     tag = run / "checkpoints" / "global_step3"
-    trained = consolidate(tag, meta=ckpt.read_meta(tag))
+    trained = consolidate(tag, meta=ckpt_meta.read_meta(tag))
     moved = max_diff(trained, from_hf_state(hf.state_dict(), spec_from_hf_dir(hf_dir)))
     out = tmp_path / "export-pp2"
     r = offline_here("export-hf", tag, "--out", out)
     assert r.returncode == 0, r.stderr[-3000:]
     exported = AutoModelForCausalLM.from_pretrained(out).eval()
     assert exported.config.tie_word_embeddings and type(exported).__name__ == "LlamaForCausalLM"
-    gpt = load_gpt(tag, meta=ckpt.read_meta(tag))
+    gpt = load_gpt(tag, meta=ckpt_meta.read_meta(tag))
     with torch.no_grad():
         found["pp2 export logits - dspipe logits"] = (exported(ids).logits - gpt(ids)).abs().max().item()
     print(found, f"pp2 weights moved by {moved:.3g}, losses {losses}")

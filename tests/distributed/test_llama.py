@@ -1,8 +1,8 @@
 """The Llama-family decoder (RMSNorm, SwiGLU, rotary positions, grouped-query attention, no biases, untied head) on
 real CPU ranks: ZeRO-1, ZeRO-3, a 2-stage pipeline, selective recomputation and ZeRO-2 with CPU offload and full
 recomputation train (the loss falls), and ZeRO-3, tensor parallelism (dspipe's layers with the unequal q/k/v and
-paired gate/up splits, vocabulary-parallel embedding and head), sequence parallelism (rotary angles offset per slice), recomputation and offload give the ZeRO-1
-losses and gradient norms at every step. One launch per layout."""
+paired gate/up splits, vocabulary-parallel embedding and head), sequence parallelism (rotary angles offset per slice),
+recomputation and offload give the ZeRO-1 losses and gradient norms at every step. One launch per layout."""
 import json
 
 import pytest
@@ -45,7 +45,7 @@ def test_tiny_llama_trains(runs, name):
 @pytest.mark.parametrize("name", ["zero3", "tp2", "sp2", "selective", "zero2-offload-full"])
 def test_same_losses_and_grad_norms_as_zero1(runs, name):
     ref, got = metrics(runs["zero1"], "loss", "grad_norm"), metrics(runs[name], "loss", "grad_norm")
-    for step, ((loss_a, norm_a), (loss_b, norm_b)) in enumerate(zip(ref, got), start=1):
+    for step, ((loss_a, norm_a), (loss_b, norm_b)) in enumerate(zip(ref, got, strict=True), start=1):
         assert loss_b == pytest.approx(loss_a, rel=1e-5, abs=1e-5), (name, step, loss_a, loss_b)
         assert norm_b == pytest.approx(norm_a, rel=1e-4, abs=1e-6), (name, step, norm_a, norm_b)
 

@@ -24,6 +24,8 @@ import torch
 
 from dspipe.errors import SpecError
 from dspipe.runtime import checkpoint as ckpt
+from dspipe.runtime import ckpt_meta
+from dspipe.runtime import ckpt_tags
 from tests.helpers import OFFLINE, csv_rows, gen_config, launch, offline_here, ok, save_hf_checkpoint, written_metrics
 
 pytestmark = pytest.mark.distributed
@@ -73,14 +75,14 @@ def exported_logits(run, out, ids):
     """export-hf of the run's last checkpoint: (its class name, its logits, dspipe's logits from the checkpoint)."""
     from transformers import AutoModelForCausalLM
 
-    from dspipe.tools.export import load_gpt
+    from dspipe.tools.consolidate import load_gpt
 
     r = offline_here("export-hf", run, "--out", out)
     assert r.returncode == 0, r.stderr[-3000:]
     exported = AutoModelForCausalLM.from_pretrained(out).float().eval()
-    tag = ckpt.complete_checkpoints(run / "checkpoints")[-1][1]
+    tag = ckpt_tags.complete_checkpoints(run / "checkpoints")[-1][1]
     with torch.no_grad():
-        return type(exported).__name__, exported(ids).logits, load_gpt(tag, meta=ckpt.read_meta(tag))(ids)
+        return type(exported).__name__, exported(ids).logits, load_gpt(tag, meta=ckpt_meta.read_meta(tag))(ids)
 
 
 def built_params(run) -> list[int]:
@@ -131,7 +133,7 @@ def test_mixtral_expert_parallel_equals_ep1_resumes_exactly_and_exports(tmp_path
     last = ep2 / "checkpoints" / "global_step6"
     assert sorted(p.name for p in last.glob("layer_*_expert_*")) == sorted(
         f"layer_{layer}_expert_{e}_mp_rank_00_model_states.pt" for layer in range(2) for e in range(EXPERTS))
-    assert ckpt.read_meta(last)["ep"] == 2
+    assert ckpt_meta.read_meta(last).ep == 2
 
     ep1 = tmp_path / "ep1"
     configure(ep1, corpus, hf_dir, *train, "--zero", "1", "--ep", "1")
@@ -223,12 +225,12 @@ def test_sigmoid_routing_expert_parallel_equals_ep1_and_the_plain_model(tmp_path
     assert [row["loss"] for row in rows["dp1"]] == [row["loss"] for row in rows["ep1"][3:]]  # steps 4-6, bitwise
     run = load_run(tmp_path / "ep2")
     assert (run.model.router_score, run.model.router_scale, run.plan.ep) == ("sigmoid", 2.5, 2)
-    from dspipe.tools.export import load_gpt
+    from dspipe.tools.consolidate import load_gpt
 
     biases = {}  # the selection biases after 6 steps: moved by 0.01 steps, the same whichever ranks held the experts
     for name in ("ep2", "ep1", "dp1"):
-        tag = ckpt.complete_checkpoints(tmp_path / name / "checkpoints")[-1][1]
-        biases[name] = torch.stack([b.mlp.router_bias for b in load_gpt(tag, meta=ckpt.read_meta(tag)).h])
+        tag = ckpt_tags.complete_checkpoints(tmp_path / name / "checkpoints")[-1][1]
+        biases[name] = torch.stack([b.mlp.router_bias for b in load_gpt(tag, meta=ckpt_meta.read_meta(tag)).h])
     assert torch.equal(biases["ep2"], biases["ep1"]) and torch.equal(biases["ep1"], biases["dp1"])
     assert biases["ep2"].abs().max() > 0.005 and biases["ep2"].abs().max() <= 0.06 + 1e-6  # at most 6 x 0.01
     # a bias of the wrong shape (or none) in a checkpoint: one line before anything loads, not DeepSpeed's traceback
@@ -244,7 +246,7 @@ def test_sigmoid_routing_expert_parallel_equals_ep1_and_the_plain_model(tmp_path
         edit(module)
         torch.save({**sd, "module": module}, states)
         with pytest.raises(SpecError, match=says):
-            check_checkpoint(tag, meta=ckpt.read_meta(tag))
+            check_checkpoint(tag, meta=ckpt_meta.read_meta(tag))
     plain = GPT(run.model, seed=run.train.seed).eval()
     loader = TrainLoader(windows=TokenWindows(str(corpus), seq_len=SEQ), seed=1234, micro_batch=16, dp=1, dp_rank=0)
     with torch.no_grad():

@@ -48,7 +48,7 @@ def runs(tmp_path_factory, corpus):
 def test_same_losses_and_grad_norms_as_tp1(runs, name):
     ref, got = metrics(runs["tp1"], "loss", "grad_norm"), metrics(runs[name], "loss", "grad_norm")
     assert len(got) == len(ref) == STEPS
-    for step, ((loss_a, norm_a), (loss_b, norm_b)) in enumerate(zip(ref, got), start=1):
+    for step, ((loss_a, norm_a), (loss_b, norm_b)) in enumerate(zip(ref, got, strict=True), start=1):
         # fp32: only the summation order differs (measured differences <= 1e-6)
         assert loss_b == pytest.approx(loss_a, rel=1e-5, abs=1e-5), (step, loss_a, loss_b)
         assert norm_b == pytest.approx(norm_a, rel=1e-4, abs=1e-6), (step, norm_a, norm_b)

@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from dspipe.runtime import checkpoint as ckpt
+from dspipe.runtime import ckpt_meta
+from dspipe.runtime import ckpt_tags
 from tests.helpers import ROOT, csv_rows, free_port, launch, make_run, mount_tmpfs, ok, written_metrics
 
 STEPS, EVERY = 8, 3
@@ -58,7 +59,7 @@ def test_crash_inside_a_save_keeps_the_previous_checkpoint(tmp_path, corpus):
     r = launch(run, "--test-faults", '{"kill_in_save": 6}')  # killed after DeepSpeed wrote step 6, before `latest`
     assert r.returncode != 0
     ckpts = run / "checkpoints"
-    assert (ckpts / "latest").read_text() == "global_step3" and ckpt.is_complete(ckpts / "global_step3")
+    assert (ckpts / "latest").read_text() == "global_step3" and ckpt_tags.is_complete(ckpts / "global_step3")
     assert (ckpts / ".partial-global_step6").is_dir() and not (ckpts / "global_step6").exists()
     assert any(p.name.endswith("optim_states.pt") for p in (ckpts / ".partial-global_step6").iterdir())
 
@@ -74,7 +75,7 @@ def test_crash_inside_a_save_keeps_the_previous_checkpoint(tmp_path, corpus):
     assert "at step 3" in r.stdout
     assert tags(run) == ["global_step3", "global_step6", "global_step8", "latest"]  # the partial dir was cleaned up
     assert [int(s) for s, *_ in written_metrics(run)] == list(range(1, STEPS + 1))
-    assert ckpt.read_meta(run / "checkpoints" / "global_step8")["save"]["mode"] == "sync"
+    assert ckpt_meta.read_meta(run / "checkpoints" / "global_step8").save["mode"] == "sync"
 
 
 @pytest.mark.distributed
@@ -94,18 +95,18 @@ def test_save_interval_auto_follows_each_saves_measured_time(tmp_path, corpus):
     assert 1 < planned < 14
     r = launch(run)
     ok(r)
-    saved = [step for step, _ in ckpt.complete_checkpoints(run / "checkpoints")]
+    saved = [step for step, _ in ckpt_tags.complete_checkpoints(run / "checkpoints")]
     assert saved[0] == planned and saved[-1] == 14
     events = [e for e in read_events(run) if e["event"] == "save_interval"]
     assert [e["step"] for e in events] == saved[:-1] and events[0]["was"] == planned  # after each save but the last
     rank0 = {int(row["step"]): float(row["step_time_s"]) for row in csv_rows(run / "metrics.csv")}
-    for e, following in zip(events, saved[1:]):
-        meta = ckpt.read_meta(run / "checkpoints" / ckpt.tag_for(e["step"]))
-        assert e["cost_s"] == e["blocking_s"] == meta["save"]["blocking_s"] > 0  # measured: the step waited for it
+    for e, following in zip(events, saved[1:], strict=True):
+        meta = ckpt_meta.read_meta(run / "checkpoints" / ckpt_tags.tag_for(e["step"]))
+        assert e["cost_s"] == e["blocking_s"] == meta.save["blocking_s"] > 0  # measured: the step waited for it
         assert e["interval"] == save_interval(cost_s=e["cost_s"], write_s=e["write_s"], step_time_s=e["step_time_s"],
                                               world=2, steps=14, async_save=False, mtbf_hours=5e-5).steps
         assert following == min(e["step"] + e["interval"], 14)  # the next save: that many steps later
-        assert meta["save_interval"] == e["was"]  # the interval in force when it was saved
+        assert meta.save_interval == e["was"]  # the interval in force when it was saved
         window = [rank0[s] for s in range(max(1, e["step"] - 19), e["step"] + 1)]
         assert e["step_time_s"] >= statistics.median(window)  # the slowest rank's median: at least rank 0's
     out = r.stdout + r.stderr
@@ -128,11 +129,11 @@ def test_a_kill_during_a_background_write_keeps_the_previous_checkpoint(tmp_path
     r = launch(run, "--test-faults", '{"kill_in_async_write": 6}')
     assert r.returncode != 0
     ckpts = run / "checkpoints"
-    assert (ckpts / "latest").read_text() == "global_step3" and ckpt.is_complete(ckpts / "global_step3")
+    assert (ckpts / "latest").read_text() == "global_step3" and ckpt_tags.is_complete(ckpts / "global_step3")
     partial = ckpts / ".partial-global_step6"
-    assert partial.is_dir() and any(partial.iterdir()) and not (partial / ckpt.META_FILE).exists()
+    assert partial.is_dir() and any(partial.iterdir()) and not (partial / ckpt_tags.META_FILE).exists()
     assert not (ckpts / "global_step6").exists()
-    meta = ckpt.read_meta(ckpts / "global_step3")["save"]
+    meta = ckpt_meta.read_meta(ckpts / "global_step3").save
     assert meta["mode"] == "async" and meta["bytes"] > 0 and meta["rank_max_bytes"] > 0
     assert 0 < meta["blocking_s"] and 0 < meta["write_s"]
 
@@ -164,12 +165,12 @@ def test_resume_under_another_dp_size_continues_the_run(tmp_path, corpus, name):
     assert "at step 3" in r.stdout and json.loads((run / "engine.json").read_text())["dp"] == 1
     got, want = written_metrics(run), written_metrics(ref)[3:]  # the new run dir's metrics start at the resumed step
     assert [(s, lr) for s, _, lr, _ in got] == [(s, lr) for s, _, lr, _ in want]  # same steps, same schedule
-    for (s, loss, _, norm), (_, loss_ref, _, norm_ref) in zip(got, want):
+    for (s, loss, _, norm), (_, loss_ref, _, norm_ref) in zip(got, want, strict=True):
         assert float(loss) == pytest.approx(float(loss_ref), rel=1e-6), s  # measured 1.2e-7; ZeRO-3 without the
         # per-group hyper-parameters restored drifts 1.6e-5
         assert float(norm) == pytest.approx(float(norm_ref), rel=1e-4), s
     assert tags(run) == ["global_step3", "global_step6", "latest"]  # the universal copy was deleted
-    meta = ckpt.read_meta(run / "checkpoints" / "global_step6")
+    meta = ckpt_meta.read_meta(run / "checkpoints" / "global_step6")
     assert (meta["dp"], meta["world_size"], meta["consumed_samples"]) == (1, 1, 6 * 16)
     assert meta["run_spec"] == json.loads((run / "dspipe.json").read_text())  # the resolved spec it was saved under
     assert meta["run_spec"]["plan"]["dp"] == 1
@@ -191,8 +192,8 @@ def check_disk_full_outcome(r, run, ckpts):
             f"there, then continue with --resume auto") in errors[0]
     assert sorted(p.name for p in ckpts.iterdir() if p.name.startswith(("global", ".", "latest"))) == [
         "global_step3", "latest"]  # the partial save was removed
-    assert (ckpts / "latest").read_text() == "global_step3" and ckpt.is_complete(ckpts / "global_step3")
-    assert ckpt.find_checkpoint(ckpts, "auto").name == "global_step3"
+    assert (ckpts / "latest").read_text() == "global_step3" and ckpt_tags.is_complete(ckpts / "global_step3")
+    assert ckpt_tags.find_checkpoint(ckpts, "auto").name == "global_step3"
     assert [int(s) for s, *_ in written_metrics(run)] == list(range(1, 7))
 
 
@@ -247,7 +248,7 @@ def test_sigterm_finishes_the_step_saves_and_exits_0(tmp_path, corpus):
     out, _ = p.communicate(timeout=300)
     assert p.returncode == 0, out[-3000:]
     assert "stopped by a signal" in out
-    done = ckpt.complete_checkpoints(run / "checkpoints")
+    done = ckpt_tags.complete_checkpoints(run / "checkpoints")
     assert done and done[-1][0] == len(written_metrics(run)) < 400
 
 
@@ -311,7 +312,7 @@ def tensors_equal(a, b) -> bool:
     if isinstance(a, dict):
         return isinstance(b, dict) and a.keys() == b.keys() and all(tensors_equal(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(tensors_equal(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(tensors_equal(x, y) for x, y in zip(a, b, strict=True))
     return a == b
 
 
@@ -367,12 +368,12 @@ def test_bf16_zero0_kill9_default_resume_restart_and_extend(tmp_path, corpus):
     ok(r)
     (slot,) = (run / "previous").iterdir()
     assert (f"dspipe: --restart: moved checkpoints, metrics.csv, metrics.rewound.csv, val_metrics.csv, engine.json, "
-            f"monitor to {slot}") in r.stdout
+            f"monitor to {slot}") in r.stdout + r.stderr  # a note: dspipe.log, on stderr
     assert sorted(p.name for p in slot.iterdir()) == sorted(["checkpoints", "metrics.csv", "metrics.rewound.csv",
                                                              "val_metrics.csv", "engine.json", "monitor"])
     # the rows the resume replayed (steps 4 and 5; the torn '6,8.0' is no row), as the killed run wrote them
     assert written_metrics(slot, name="metrics.rewound.csv") == written_metrics(ref)[3:5]  # bitwise
-    assert ckpt.is_complete(slot / "checkpoints" / "global_step6")
+    assert ckpt_tags.is_complete(slot / "checkpoints" / "global_step6")
     assert "resumed from" not in r.stdout  # from step 0 again: the same run
     assert written_metrics(run) == written_metrics(ref)
     assert [s for s, _ in scalars(run)[0]] == list(range(1, 7))

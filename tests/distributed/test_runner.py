@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from dspipe.runtime import checkpoint as ckpt
+from dspipe.runtime import ckpt_tags
 from tests.helpers import csv_rows, launch, make_run
 
 pytestmark = pytest.mark.distributed
@@ -36,7 +36,7 @@ def test_non_finite_steps_are_skipped_then_k_in_a_row_save_and_stop(tmp_path, co
     assert lr[4] == lr[3] and lr[5] != lr[4] and lr[7] == lr[6] == lr[5], lr
     assert math.isfinite(float(m[4]["loss"])) and math.isfinite(float(m[4]["grad_norm"]))  # the weights stayed finite
     assert (run / "checkpoints" / "latest").read_text() == "global_step7"
-    assert ckpt.is_complete(run / "checkpoints" / "global_step7")
+    assert ckpt_tags.is_complete(run / "checkpoints" / "global_step7")
     if flags[1] != "0":
         return  # one resume is enough to show the saved weights are finite
     r = launch(run, "--resume", "auto")

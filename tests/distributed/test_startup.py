@@ -52,7 +52,9 @@ def test_every_build_mode_gives_the_plain_step0_weights(tmp_path, corpus):
     import equals the checkpoint; the 38M model's partitioned build stays within its partition + 4 tensors."""
     from safetensors.torch import load_file
 
-    from dspipe.model.hf import from_hf_state, spec_from_hf_dir
+    from dspipe.model.hf import spec_from_hf_dir
+
+    from dspipe.model.hf_state import from_hf_state
 
     hf = tmp_path / "hf"
     hf_llama(hf)
@@ -105,7 +107,7 @@ def test_every_build_mode_gives_the_plain_step0_weights(tmp_path, corpus):
     mib = 1024**2
     whole = big.num_params * 4 / mib
     largest = max(torch.Size(shape).numel() for _, shape in big.model_tensors()) * 4 / mib
-    growth = max(b - a for a, b in zip(figures["rss_before_build_mib"], figures["build_rss_mib"]))
+    growth = max(b - a for a, b in zip(figures["rss_before_build_mib"], figures["build_rss_mib"], strict=True))
     assert growth <= whole / 2 + 4 * largest + 24 < whole, (growth, whole, largest)
     print(f"38M GPT ZeRO-3 dp 2: build grew {growth:.0f} MiB; whole fp32 model {whole:.0f} MiB, partition "
           f"{whole / 2:.0f}, largest tensor {largest:.0f}")

@@ -10,7 +10,8 @@ import shutil
 import pytest
 import torch
 
-from dspipe.runtime import checkpoint as ckpt
+from dspipe.runtime import ckpt_meta
+from dspipe.runtime import ckpt_tags
 from tests.helpers import OFFLINE, launch, make_run, max_diff, offline_here, ok, written_metrics
 
 pytestmark = [pytest.mark.distributed, pytest.mark.solo]  # 4+ ranks, or a time it measures
@@ -32,7 +33,7 @@ def trained(tmp_path, corpus, name, *flags, model="tiny", gpus):
 
 
 def tag(run, step=STEPS):
-    return run / "checkpoints" / ckpt.tag_for(step)
+    return run / "checkpoints" / ckpt_tags.tag_for(step)
 
 
 def resumed_at(tmp_path, corpus, source, name, *flags, model="tiny", gpus):
@@ -40,7 +41,7 @@ def resumed_at(tmp_path, corpus, source, name, *flags, model="tiny", gpus):
     run = tp_run(tmp_path, corpus, name, *flags, model=model, gpus=gpus)
     (run / "checkpoints").mkdir()
     shutil.copytree(tag(source, EVERY), tag(run, EVERY))
-    (run / "checkpoints" / ckpt.LATEST_FILE).write_text(ckpt.tag_for(EVERY))
+    (run / "checkpoints" / ckpt_tags.LATEST_FILE).write_text(ckpt_tags.tag_for(EVERY))
     r = launch(run, "--resume", "auto", num_gpus=gpus)
     return run, r
 
@@ -89,7 +90,7 @@ def test_tp2pp2_checkpoint_files(tiny_tp2pp2, llama_tp2pp2):
         assert [n for n in names if n.startswith(("mp_rank", "zero_pp"))] == [
             *(f"mp_rank_{m:02d}_model_states.pt" for m in range(4)),
             *(f"zero_pp_rank_0_mp_rank_{m:02d}_optim_states.pt" for m in range(4))]
-        meta = ckpt.read_meta(tag(run))
+        meta = ckpt_meta.read_meta(tag(run))
         assert set(expected_files(meta)) <= set(names)
         check_checkpoint(tag(run), meta=meta)
 
@@ -97,9 +98,9 @@ def test_tp2pp2_checkpoint_files(tiny_tp2pp2, llama_tp2pp2):
 def test_merged_tp2pp2_weights_equal_the_tp1_run(tiny_tp1, tiny_tp2pp2):
     """Same seed, data and steps: the tp 2 x pp 2 shards merged (vocabulary rows, interleaved q/k/v, row-parallel
     columns) are the tp 1 run's weights up to summation order (measured 1.5e-6)."""
-    from dspipe.tools.export import consolidate
+    from dspipe.tools.consolidate import consolidate
 
-    tp1, tp2pp2 = (consolidate(tag(r), meta=ckpt.read_meta(tag(r))) for r in (tiny_tp1, tiny_tp2pp2))
+    tp1, tp2pp2 = (consolidate(tag(r), meta=ckpt_meta.read_meta(tag(r))) for r in (tiny_tp1, tiny_tp2pp2))
     assert max_diff(tp2pp2, tp1) < 1e-5
     assert tp1["embed.wte.weight"].shape == (4096, 64)
 
@@ -112,7 +113,7 @@ def test_export_and_generate_from_tp_checkpoints(request, work, monkeypatch, nam
     merged weights (1e-5); greedy generation from the checkpoint and from the export prints the same text."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dspipe.tools.export import load_gpt
+    from dspipe.tools.consolidate import load_gpt
 
     fixture = {"tiny-tp2pp2": "tiny_tp2pp2", "tiny-tp2": "tiny_tp2", "llama-tp2pp2": "llama_tp2pp2",
                "llama-tp2": "llama_tp2"}[name]
@@ -122,8 +123,8 @@ def test_export_and_generate_from_tp_checkpoints(request, work, monkeypatch, nam
         ok(r)
     for k, v in OFFLINE.items():
         monkeypatch.setenv(k, v)
-    meta = ckpt.read_meta(tag(run))
-    assert (meta["tp"], meta["pp"]) == ((2, 2) if name.endswith("pp2") else (2, 1))
+    meta = ckpt_meta.read_meta(tag(run))
+    assert (meta.tp, meta.pp) == ((2, 2) if name.endswith("pp2") else (2, 1))
     out = work / f"hf-{name}"
     r = offline_here("export-hf", tag(run), "--out", out)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -159,7 +160,7 @@ def same_continuation(run, ref, *, rel=1e-6):
     gradient norms within `rel` (measured <= 1.2e-7: only the summation order differs)."""
     got, want = written_metrics(run), written_metrics(ref)[EVERY:]
     assert [(s, lr) for s, _, lr, _ in got] == [(s, lr) for s, _, lr, _ in want]
-    for (s, loss, _, norm), (_, loss_ref, _, norm_ref) in zip(got, want):
+    for (s, loss, _, norm), (_, loss_ref, _, norm_ref) in zip(got, want, strict=True):
         assert float(loss) == pytest.approx(float(loss_ref), rel=rel), s
         assert float(norm) == pytest.approx(float(norm_ref), rel=rel), s
     assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith(("global", ".", "latest"))) \

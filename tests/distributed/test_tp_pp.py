@@ -42,7 +42,7 @@ def test_same_losses_and_grad_norms_as_the_plain_model(runs, name):
     model = LAYOUTS[name][0]
     ref, got = metrics(runs[f"{model}-plain"], "loss", "grad_norm"), metrics(runs[name], "loss", "grad_norm")
     assert len(got) == len(ref) == STEPS
-    for step, ((loss_a, norm_a), (loss_b, norm_b)) in enumerate(zip(ref, got), start=1):
+    for step, ((loss_a, norm_a), (loss_b, norm_b)) in enumerate(zip(ref, got, strict=True), start=1):
         assert loss_b == pytest.approx(loss_a, rel=1e-5), (name, step, loss_a, loss_b)
         assert norm_b == pytest.approx(norm_a, rel=1e-4), (name, step, norm_a, norm_b)
     assert got[-1][0] < got[0][0] - 0.1  # and it trains

@@ -50,8 +50,8 @@ WITHOUT_TORCH = textwrap.dedent("""
 
     run = Path(sys.argv[1])
     try:
-        main(["gen-config", "--model", "tiny", "--gpu", "cpu", "--gpus-per-node", "2", "--data", str(run.parent / "data"),
-              "--out", str(run)])
+        main(["gen-config", "--model", "tiny", "--gpu", "cpu", "--gpus-per-node", "2",
+              "--data", str(run.parent / "data"), "--out", str(run)])
     except SystemExit as e:
         assert not e.code, e.code
     load_run(run)
@@ -81,7 +81,8 @@ def test_the_checkpoint_writer_process_starts_without_deepspeed(tmp_path):
     """The spawned writer (async_save.writer_process) imports its module and the rank's main module (run.py, whose
     imports wait for __main__): neither pulls in DeepSpeed, whose import would compete with the ranks' start-up."""
     code = ("import runpy, sys; runpy.run_path(sys.argv[1], run_name='__mp_main__'); "
-            "import dspipe.runtime.async_save; print('LOADED:', sorted(m for m in sys.modules if m.startswith('deepspeed')))")
+            "import dspipe.runtime.async_save; "
+            "print('LOADED:', sorted(m for m in sys.modules if m.startswith('deepspeed')))")
     r = python(code, ROOT / "run.py", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "LOADED: []" in r.stdout

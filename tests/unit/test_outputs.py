@@ -216,7 +216,8 @@ def test_gen_config_force_keeps_training_outputs(world):
 
 def test_gen_config_force_refuses_another_model_over_training_outputs(world):
     cpu = [("gpt2-124m" if a == "tiny" else a) for a in CPU]
-    refused(world, ["gen-config", *cpu, "--eval-interval", "0", "--out", str(world / "run"), "--force"], "holds training outputs (checkpoints/, metrics.csv) of another model (")
+    refused(world, ["gen-config", *cpu, "--eval-interval", "0", "--out", str(world / "run"), "--force"],
+            "holds training outputs (checkpoints/, metrics.csv) of another model (")
 
 
 def test_bad_path_before_planning(world):

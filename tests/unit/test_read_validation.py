@@ -176,7 +176,7 @@ def test_the_undamaged_run_reads_back(root):
     from dspipe.rundir import load_engine, load_run
 
     run = load_run(root / "run")
-    assert run.plan.dp * run.plan.pp == run.plan.world_size == 2 and run.estimate["tokens_per_s"] > 0
+    assert run.plan.dp * run.plan.pp == run.plan.world_size == 2 and run.estimate.tokens_per_s > 0
     assert run.ds_config["train_batch_size"] == 16 and load_engine(run) is None
 
 
@@ -289,13 +289,13 @@ def test_a_damaged_checkpoint_meta_is_one_line(case, root, capsys):
                                            (b"global_step2\x00", "not a checkpoint tag"),
                                            (b"global_step\xd9\xa3", "not a checkpoint tag")])
 def test_a_damaged_latest_is_one_line(root, capsys, content, words):
-    from dspipe.runtime import checkpoint as ckpt
+    from dspipe.runtime import ckpt_tags
 
     (root / "run" / "checkpoints" / "latest").write_bytes(content)
     before = snapshot(root)
     check(root, capsys, ["export-hf", "@/run", "--out", "@/out"], "latest", words)
     with pytest.raises(SpecError, match="latest"):
-        ckpt.find_checkpoint(root / "run" / "checkpoints", "auto")
+        ckpt_tags.find_checkpoint(root / "run" / "checkpoints", "auto")
     assert snapshot(root) == before
 
 

@@ -1,8 +1,9 @@
 """Rank script (launched by tests/distributed/test_startup.py): for each run directory given, build its engine the
 way the runner does and save, from rank 0, the engine's step-0 weights gathered whole (ZeRO-3 partitions, then
-the tensor-parallel shards put together by dspipe.model.tp_split) under the GPT's own parameter names, to OUT/<run name>.pt, and every rank's start-up figures
-(dspipe.runtime.startup; meaningful for the first run only, the process being fresh) and the weight decay the
-engine's optimizer applies to each parameter (read from its groups) to OUT/<run name>.json."""
+the tensor-parallel shards put together by dspipe.model.tp_split) under the GPT's own parameter names, to OUT/<run
+name>.pt, and every rank's start-up figures (dspipe.runtime.startup; meaningful for the first run only, the process
+being fresh) and the weight decay the engine's optimizer applies to each parameter (read from its groups) to OUT/<run
+name>.json."""
 import json
 import sys
 from pathlib import Path
@@ -69,12 +70,13 @@ def merged_tensor_parallel(state: dict, *, run) -> dict:
 
 def decays(engine) -> dict[str, float]:
     """{parameter name: the weight decay of the optimizer group that holds it}, from the engine's own groups
-    (ZeRO-3: fp16_groups, ZeRO-1/2: bit16_groups, BF16_Optimizer: bf16_groups, each beside the wrapped optimizer's param_groups)."""
+    (ZeRO-3: fp16_groups, ZeRO-1/2: bit16_groups, BF16_Optimizer: bf16_groups, each beside the wrapped optimizer's
+    param_groups)."""
     opt = engine.optimizer
     groups = next(getattr(opt, a) for a in ("fp16_groups", "bit16_groups", "bf16_groups") if getattr(opt, a, None))
     inner = opt.optimizer.param_groups
     names = {id(p): n for n, p in engine.module.named_parameters()}
-    return {names[id(p)]: g["weight_decay"] for params, g in zip(groups, inner) for p in params}
+    return {names[id(p)]: g["weight_decay"] for params, g in zip(groups, inner, strict=True) for p in params}
 
 
 if __name__ == "__main__":

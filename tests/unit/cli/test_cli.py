@@ -48,7 +48,7 @@ def test_zero3_live_parameter_flags_reach_the_json_and_the_estimate(tmp_path):
         assert r.returncode == 0, r.stderr
         z = json.loads((tmp_path / f"runs/{name}/ds_config.json").read_text())["zero_optimization"]
         run = load_run(tmp_path / f"runs/{name}")
-        knob = dict(zip(knobs[::2], map(int, knobs[1::2])))
+        knob = dict(zip(knobs[::2], map(int, knobs[1::2]), strict=True))
         expected = (knob.get("--max-live-parameters", run.plan.prefetch_bucket_size + 4096 * 768),  # + the embedding
                     knob.get("--max-reuse-distance", run.plan.prefetch_bucket_size))  # 0 is a value, not "unset"
         assert (z["stage3_max_live_parameters"], z["stage3_max_reuse_distance"]) == expected
@@ -91,7 +91,8 @@ BAD = [
     (["--model", "tiny", "--micro-batch", "0"], "micro_batch must be a positive integer, got 0"),
     (["--model", "tiny", "--gpu", "v100"], "unknown GPU type 'v100'; valid: cpu, a100-40g"),
     (["--model", "tiny", "--precision", "fp8"], "'--precision': 'fp8' is not one of: auto, bf16, fp16, fp32"),
-    (["--model", "tiny", "--gpu", "cpu", "--precision", "fp16"], "fp16 is not supported by DeepSpeed's CPU accelerator"),
+    (["--model", "tiny", "--gpu", "cpu", "--precision", "fp16"],
+     "fp16 is not supported by DeepSpeed's CPU accelerator"),
     (["--model", "tiny", "--preset", "zero9"], "unknown DeepSpeed preset 'zero9'; valid: fp16-zero2"),
     (["--model", "tiny", "--zero", "x"], "'--zero': 'x' is not one of: auto, 0, 1, 2, 3"),
 ]
@@ -126,7 +127,8 @@ def test_corpus_shorter_than_one_sequence_is_refused_at_gen_config(tmp_path, cor
 
 
 def test_planning_modules_import_without_torch_or_deepspeed():
-    code = ("import sys, dspipe.spec.core, dspipe.planner.plan, dspipe.planner.render, dspipe.spec.presets, dspipe.rundir, dspipe.cli.app; "
+    code = ("import sys, dspipe.spec.core, dspipe.planner.plan, dspipe.planner.render, dspipe.spec.presets, "
+            "dspipe.rundir, dspipe.cli.app; "
             "bad = [m for m in ('torch', 'deepspeed') if m in sys.modules]; print(bad); sys.exit(bool(bad))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr

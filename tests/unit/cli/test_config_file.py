@@ -12,7 +12,7 @@ import yaml
 
 from tests.helpers import ROOT, run_cli
 
-from dspipe.cli import app, config_file
+from dspipe.cli import app, config_file, yaml_dialect
 from dspipe.cli.bench import BENCH_OPTIONS
 from dspipe.cli.config_file import COMMAND_LINE_ONLY, CONFIG_COMMANDS, OWN_MEANING, SECTIONS, file_key
 from dspipe.spec.presets import MODEL_PRESETS
@@ -114,7 +114,8 @@ def test_gen_config_from_the_printed_config_reproduces_the_run(tmp_path, capsys,
     assert doc["train"]["tokens"] == "1M" and doc["train"]["steps"] is None and doc["train"]["warmup"] is None
     assert doc["strategy"]["zero"] == 2 and doc["strategy"]["micro_batch"] == 4
     assert doc["strategy"]["pp"] == "auto" and doc["strategy"]["offload_params"] == "auto"  # left auto: kept auto
-    assert doc["data"] == {"data": str(corpus), "data_order": "dspipe", "tokenizer": None} and doc["train"]["lr"] == 3e-4
+    assert doc["data"] == {"data": str(corpus), "data_order": "dspipe", "tokenizer": None}
+    assert doc["train"]["lr"] == 3e-4
 
     assert run_cli("gen-config", *FLAGS, "--data", corpus, "--out", "runs/a") == 0
     capsys.readouterr()
@@ -304,7 +305,8 @@ BAD_FILES = {
                   "(an empty file)"),
     "duplicate key": ("train:\n  steps: 5\n  lr: 1e-4\n  steps: 6\n",
                       "train.steps: duplicate key (line 4; first on line 2)"),
-    "duplicate section": ("train:\n  steps: 5\ntrain:\n  lr: 1e-4\n", "train: duplicate section (line 3; first on line 1)"),
+    "duplicate section": ("train:\n  steps: 5\ntrain:\n  lr: 1e-4\n",
+                          "train: duplicate section (line 3; first on line 1)"),
     "recursive alias": ("train: &x {steps: *x}\n", "train.steps: expected an integer or null, got a mapping"),
     "does not parse": ("train:\n  steps: [5\n", "not valid YAML: expected ',' or ']', but got '<stream end>' (line 3, "
                                                "column 1)"),
@@ -342,7 +344,7 @@ def test_a_bad_file_is_one_line_naming_the_key_and_nothing_is_written(case, tmp_
     ("missing", None, "nope.yaml: no such file (--config)"),
     ("directory", "dir", "nope.yaml: is a directory, not a YAML file (--config)"),
     ("not UTF-8", b"train:\n  steps: \xff\n", "nope.yaml: not UTF-8 text (byte 0xff at offset 16)"),
-    ("huge", b"#" * (config_file.MAX_BYTES + 1), "nope.yaml: larger than 1 MiB: not a config file (--config)"),
+    ("huge", b"#" * (yaml_dialect.MAX_BYTES + 1), "nope.yaml: larger than 1 MiB: not a config file (--config)"),
 ])
 def test_a_file_that_cannot_be_read_is_one_line(case, make, message, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)

@@ -422,12 +422,12 @@ def damaged(change):
     (lambda s: s.pop("split"), "data.split must be a string, got None"),
 ])
 def test_checkpoint_meta_validates_the_blend_state(tmp_path, change, message):
-    from dspipe.runtime.checkpoint import read_meta as read_checkpoint
+    from dspipe.runtime.ckpt_meta import read_meta as read_checkpoint
 
-    assert read_checkpoint(checkpoint_with(tmp_path, BLEND_STATE))["data"] == BLEND_STATE
+    assert read_checkpoint(checkpoint_with(tmp_path, BLEND_STATE)).data == BLEND_STATE
     single = {"consumed_samples": 10, "epoch": 0, "seed": 0, "num_samples": 100, "seq_len": 16, "split": "train",
               "fingerprint": "ab" * 32}
-    assert read_checkpoint(checkpoint_with(tmp_path, single))["data"] == single  # the single-source form
+    assert read_checkpoint(checkpoint_with(tmp_path, single)).data == single  # the single-source form
     bad = damaged(change)
     path = checkpoint_with(tmp_path, bad)
     with pytest.raises(SpecError) as e:
@@ -436,13 +436,13 @@ def test_checkpoint_meta_validates_the_blend_state(tmp_path, change, message):
 
 
 def test_a_real_blend_state_passes_the_checkpoint_validation(corpus, second, tmp_path):
-    from dspipe.runtime.checkpoint import read_meta as read_checkpoint
+    from dspipe.runtime.ckpt_meta import read_meta as read_checkpoint
 
     spec = spec_of(corpus, second)
     ld = blend_loader(spec, open_sources(spec, model_vocab=1024, seq_len=SEQ), mb=8)
     for _ in range(37):
         ld.next_indices()
-    assert read_checkpoint(checkpoint_with(tmp_path, ld.state_dict()))["data"]["consumed_samples"] == 296
+    assert read_checkpoint(checkpoint_with(tmp_path, ld.state_dict())).data["consumed_samples"] == 296
 
 
 # ---- gen-config and the run directory ---------------------------------------------------------------------------

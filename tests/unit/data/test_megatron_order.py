@@ -137,9 +137,9 @@ def test_prefixes_without_weights_are_megatrons_one_pass_blend(sources, tmp_path
     assert all(np.array_equal(rows[i], sample(theirs, i)) for i in range(0, n, 7))
     state = loader.state_dict()  # the weights drawn by (samples of one pass), which the checkpoint check holds to
     assert [s["weight"] for s in state["sources"]] == blend_weights([len(w) for w in windows])
-    from dspipe.runtime.checkpoint import read_meta as read_checkpoint
+    from dspipe.runtime.ckpt_meta import read_meta as read_checkpoint
     from tests.unit.data.test_blend import checkpoint_with
-    assert read_checkpoint(checkpoint_with(tmp_path, state))["data"]["consumed_samples"] == n
+    assert read_checkpoint(checkpoint_with(tmp_path, state)).data["consumed_samples"] == n
     one_pass = sum(len(w) for w in windows)
     out = tmp_path / "run"
     r = dspipe("gen-config", "--model", "tiny", "--seq-len", str(SEQ), "--vocab", "1024", "--gpus-per-node", "2",
@@ -262,7 +262,7 @@ def test_a_train_split_shorter_than_one_sample_is_one_line(tmp_path):
 def test_a_megatron_blend_state_passes_the_checkpoint_validation(tmp_path, sources):
     """Megatron's max-error rule strays further than dspipe's (here 1.4 samples from a share, 3 skewed weights): the
     checkpoint check allows it in Megatron's order, and refuses an unknown order."""
-    from dspipe.runtime.checkpoint import read_meta as read_checkpoint
+    from dspipe.runtime.ckpt_meta import read_meta as read_checkpoint
     from tests.unit.data.test_blend import checkpoint_with
 
     a, b = sources
@@ -282,6 +282,6 @@ def test_a_megatron_blend_state_passes_the_checkpoint_validation(tmp_path, sourc
     assert worst > 1  # beyond dspipe's own bound
     loader.consumed_samples = at
     state = loader.state_dict()
-    assert read_checkpoint(checkpoint_with(tmp_path, state))["data"]["order"] == "megatron"
+    assert read_checkpoint(checkpoint_with(tmp_path, state)).data["order"] == "megatron"
     with pytest.raises(SpecError, match="data.order 'random' is not one of: dspipe, megatron"):
         read_checkpoint(checkpoint_with(tmp_path, {**state, "order": "random"}))

@@ -52,7 +52,7 @@ def test_chunked_loss_and_gradients_equal_the_plain_path(spec, chunk):
     hidden, weight, labels = _head_inputs(spec)
     assert hidden.shape[:2].numel() == 128
     want, got = _both(hidden, weight, labels, chunk=chunk, grad_scale=3.0)  # a grad_output other than 1
-    for name, a, b in zip(("loss", "d hidden", "d weight"), got, want):
+    for name, a, b in zip(("loss", "d hidden", "d weight"), got, want, strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape, name
         assert _rel(a, b) <= TOL, (name, _rel(a, b))
 
@@ -63,7 +63,7 @@ def test_ignored_labels_count_neither_in_the_loss_nor_in_its_mean():
     labels[0, :10] = IGNORE_INDEX
     labels[1, -3:] = IGNORE_INDEX
     want, got = _both(hidden, weight, labels, chunk=24)
-    assert all(_rel(a, b) <= TOL for a, b in zip(got, want))
+    assert all(_rel(a, b) <= TOL for a, b in zip(got, want, strict=True))
     assert got[1][0, :10].abs().max() == 0  # no gradient from an ignored position
 
 
@@ -88,7 +88,7 @@ def test_whole_gpt_with_loss_chunk_gives_the_same_loss_and_parameter_gradients(s
     assert chunked.head_loss.last_kernel == "chunked"
     assert _rel(b.detach(), a.detach()) <= TOL
     assert torch.equal(chunked.last_lm_loss, b.detach())
-    for (name, p), q in zip(plain.named_parameters(), chunked.parameters()):
+    for (name, p), q in zip(plain.named_parameters(), chunked.parameters(), strict=True):
         assert _rel(q.grad, p.grad) <= TOL, name
     assert torch.equal(chunked(idx), plain(idx))  # without labels: the logits, as before
 
@@ -167,7 +167,8 @@ def test_peak_memory_holds_one_chunk_of_logits_measured(dtype):
     plain, plain_held = _peak_of_step(lambda: lm_loss(F.linear(hidden, weight), labels), hidden, weight)
     assert plain >= 3 * tokens * v * 4 and plain_held >= tokens * v * 4
     for chunk in (32, 128):
-        peak, held = _peak_of_step(lambda: chunked_cross_entropy(hidden, weight, labels, chunk=chunk), hidden, weight)
+        peak, held = _peak_of_step(lambda chunk=chunk: chunked_cross_entropy(hidden, weight, labels, chunk=chunk),
+                                   hidden, weight)
         one_chunk = chunk * v * (4 + (b if b != 4 else 0))
         assert held < 4 * tokens + 64  # the fp32 log-sum-exp (and scalars): no logits kept
         assert abs(peak - grads - one_chunk) <= 0.05 * one_chunk, (chunk, peak, grads, one_chunk)
@@ -186,7 +187,8 @@ def test_the_graph_keeps_no_logits_measured_by_saved_tensor_hooks():
     plain = _saved_bytes(lambda: lm_loss(F.linear(hidden, weight), labels), inputs=inputs)
     assert tokens * v * 4 <= plain <= tokens * v * 4 + 64
     for chunk in (64, 500):
-        chunked = _saved_bytes(lambda: chunked_cross_entropy(hidden, weight, labels, chunk=chunk), inputs=inputs)
+        chunked = _saved_bytes(lambda chunk=chunk: chunked_cross_entropy(hidden, weight, labels, chunk=chunk),
+                               inputs=inputs)
         assert chunked == tokens * 4 + 8  # the fp32 log-sum-exp per token and the label count
 
 
@@ -234,5 +236,5 @@ def test_on_cuda_each_kernel_gives_the_plain_loss_and_gradients(kernel):
         want = lm_loss(F.linear(hidden, weight), labels)
         want_grads = torch.autograd.grad(want * 2.0, (hidden, weight))
         assert _rel(got.detach(), want.detach()) <= (TOL if dtype == torch.float32 else 1e-3), dtype
-        for a, b in zip(got_grads, want_grads):
+        for a, b in zip(got_grads, want_grads, strict=True):
             assert a.dtype == b.dtype and _rel(a, b) <= tol, (dtype, _rel(a, b))

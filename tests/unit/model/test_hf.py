@@ -1,5 +1,6 @@
-"""dspipe.model.hf and hf_weights: Hugging Face GPT-2 and Llama directories read as ModelSpec + weights (dspipe's forward equals
-transformers' in fp32), the exact inverse mapping back, parameter counts, the export of a Llama model, the
+"""dspipe.model.hf and hf_weights: Hugging Face GPT-2 and Llama directories read as ModelSpec + weights (dspipe's
+forward equals transformers' in fp32), the exact inverse mapping back, parameter counts, the export of a Llama model,
+the
 pipeline-stage loader, `--init-from` on the command line, and the one-line refusals."""
 import json
 
@@ -53,7 +54,8 @@ def hf_state(model) -> dict:
 @pytest.mark.parametrize("case", list(CASES))
 def test_hf_directory_loads_into_dspipe_gpt_with_the_same_logits(case, tmp_path):
     from dspipe.model.gpt import GPT
-    from dspipe.model.hf import from_hf_state, spec_from_hf_dir, to_hf_state
+    from dspipe.model.hf import spec_from_hf_dir
+    from dspipe.model.hf_state import from_hf_state, to_hf_state
     from dspipe.model.hf_weights import HFWeights, load_into_module
 
     hf = CASES[case]()
@@ -89,7 +91,7 @@ def test_dspipe_llama_exports_to_llama_for_causal_lm_with_the_same_logits(kv_hea
     from transformers import AutoModelForCausalLM
 
     from dspipe.model.gpt import GPT
-    from dspipe.model.hf import hf_model
+    from dspipe.model.hf_state import hf_model
 
     spec = ModelSpec("l", 2, 32, 4, 96, 24, 72, tied_embeddings=tied, norm="rmsnorm", mlp="swiglu", positions="rope",
                      rope_theta=500000.0, kv_heads=kv_heads, bias=False, norm_eps=1e-5)
@@ -107,7 +109,8 @@ def test_dspipe_llama_exports_to_llama_for_causal_lm_with_the_same_logits(kv_hea
 def test_pipeline_stage_loads_only_its_own_parameters_by_pipeline_name(tmp_path):
     """A stand-in for one PipelineModule stage (layers 0-1 as DeepSpeed names them, and the tied embedding)."""
     from dspipe.model.pipeline import layer_specs
-    from dspipe.model.hf import from_hf_state, spec_from_hf_dir
+    from dspipe.model.hf import spec_from_hf_dir
+    from dspipe.model.hf_state import from_hf_state
     from dspipe.model.hf_weights import HFWeights, load_into_module
 
     hf = gpt2_model(tied=True)
@@ -200,7 +203,9 @@ def test_llama_configs_dspipe_cannot_compute_are_refused(tmp_path, edit, expecte
 def test_other_refusals(tmp_path):
     from safetensors.torch import save_file
 
-    from dspipe.model.hf import hf_config, spec_from_hf_dir
+    from dspipe.model.hf import spec_from_hf_dir
+
+    from dspipe.model.hf_arch import hf_config
     from dspipe.model.hf_weights import HFWeights
 
     assert "no such Hugging Face model directory" in _refusal(spec_from_hf_dir, tmp_path / "absent")
@@ -275,12 +280,14 @@ def test_tokenizer_note(tmp_path):
     tokenizer(hf, {"a": 0, "b": 1, "c": 2})
     tokenizer(data / "tokenizer", {"a": 0, "b": 1, "c": 2})
     (data / "meta.json").write_text(json.dumps({"vocab_size": 3}))
-    assert tokenizer_note(str(hf), str(data)) == f"note: {data}'s tokenizer has the same vocab size as {hf}'s (3 tokens)"
+    assert tokenizer_note(str(hf), str(data)) == (f"note: {data}'s tokenizer has the same vocab size as {hf}'s "
+                                                  "(3 tokens)")
     tokenizer(data / "tokenizer", {"a": 0, "c": 1, "b": 2})
     assert "same vocab size as" in tokenizer_note(str(hf), str(data)) and "but another vocabulary" in \
         tokenizer_note(str(hf), str(data))
     (data / "meta.json").write_text(json.dumps({"vocab_size": 1024}))
-    assert f"{data} was tokenized with a 1024-token tokenizer, {hf}'s has 3 tokens" in tokenizer_note(str(hf), str(data))
+    note = tokenizer_note(str(hf), str(data))
+    assert f"{data} was tokenized with a 1024-token tokenizer, {hf}'s has 3 tokens" in note
     assert tokenizer_note(str(hf), str(tmp_path / "unprepared")) is None
 
 
@@ -290,7 +297,8 @@ def test_tokenizer_note(tmp_path):
 def test_lazy_reads_equal_the_whole_tensor(tmp_path, case):
     """HFWeights.rows/flat (what a pipeline stage and a ZeRO-3 partition read) are slices of the whole tensor, for
     GPT-2's transposed Conv1D weights and Llama's stacked q/k/v and gate/up alike, over a sharded checkpoint."""
-    from dspipe.model.hf import from_hf_state, spec_from_hf_dir
+    from dspipe.model.hf import spec_from_hf_dir
+    from dspipe.model.hf_state import from_hf_state
     from dspipe.model.hf_weights import HFWeights
 
     hf = CASES[case]()

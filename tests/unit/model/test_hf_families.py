@@ -103,7 +103,8 @@ def hf_logits(model, x):
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_checkpoint_reads_as_its_spec_and_computes_transformers_logits(family, tmp_path):
     from dspipe.model.gpt import GPT
-    from dspipe.model.hf import from_hf_state, spec_from_hf_dir, to_hf_state
+    from dspipe.model.hf import spec_from_hf_dir
+    from dspipe.model.hf_state import from_hf_state, to_hf_state
     from dspipe.model.hf_weights import HFWeights, check_weights, load_into_module
 
     d, hf = family_dir(tmp_path, family)
@@ -135,7 +136,8 @@ def test_sliding_window_and_rope_scaling_change_the_logits(tmp_path):
     """The checkpoints above test something: without its window or its rope scaling a model computes other logits
     (so matching transformers' is not a coincidence of short sequences)."""
     from dspipe.model.gpt import GPT
-    from dspipe.model.hf import from_hf_state, spec_from_hf_dir
+    from dspipe.model.hf import spec_from_hf_dir
+    from dspipe.model.hf_state import from_hf_state
 
     x = ids()
     for family, plain in (("mistral-window-hd16", dict(sliding_window=None)),
@@ -181,7 +183,8 @@ def test_qwen3_without_head_dim_has_qwen3s_default_and_defaults_are_read_as_tran
 def test_lazy_reads_of_biases_and_qk_norms_equal_the_whole_tensor(family, tmp_path):
     """HFWeights (a pipeline stage's and a ZeRO-3 partition's reads) over a sharded checkpoint: the fused q/k/v and
     gate/up biases are slices of the stacked HF biases, the q/k norms read as they are."""
-    from dspipe.model.hf import from_hf_state, spec_from_hf_dir
+    from dspipe.model.hf import spec_from_hf_dir
+    from dspipe.model.hf_state import from_hf_state
     from dspipe.model.hf_weights import HFWeights
 
     d, hf = family_dir(tmp_path, family, max_shard_size="20KB")
@@ -207,7 +210,9 @@ def test_dspipe_model_exports_to_the_class_that_computes_it(family, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from dspipe.model.gpt import GPT
-    from dspipe.model.hf import architecture_of, hf_model, rope_parameters, spec_from_hf_dir
+    from dspipe.model.hf import spec_from_hf_dir
+    from dspipe.model.hf_arch import architecture_of, rope_parameters
+    from dspipe.model.hf_state import hf_model
 
     spec = expected_spec(family, "m")
     arch = ARCH[FAMILIES[family][0]]
@@ -273,7 +278,7 @@ def _spec(**fields) -> ModelSpec:
     (dict(mlp="gelu"), "GPT2LMHeadModel is layernorm, gelu, learned positions"),
 ])
 def test_the_architecture_that_computes_a_spec(fields, expected):
-    from dspipe.model.hf import architecture_of, hf_config
+    from dspipe.model.hf_arch import architecture_of, hf_config
 
     spec = _spec(**fields)
     if expected.endswith(("CausalLM", "LMHeadModel")):
@@ -400,7 +405,7 @@ def test_generate_on_an_exported_directory(family, tmp_path, capsys):
     """`dspipe generate` loads an exported directory of each family with AutoModelForCausalLM and samples what
     dspipe's own model samples (greedy; a prompt longer than the window, a continuation past the context)."""
     from dspipe.model.gpt import GPT
-    from dspipe.model.hf import hf_model
+    from dspipe.model.hf_state import hf_model
     from dspipe.tools.generate import Model, Sampling, sample
 
     spec = expected_spec(family, "m")
@@ -424,7 +429,7 @@ def test_a_qwen2_export_notes_that_auto_tokenizer_substitutes_qwen2s_tokenizer(t
     load_tokenizer (generate) reads the tokenizer as saved. Other model types keep the saved tokenizer."""
     from dspipe.data.tokenizer import train_bpe
     from dspipe.model.gpt import GPT
-    from dspipe.model.hf import hf_model
+    from dspipe.model.hf_state import hf_model
     from dspipe.tools.export import PROBE_TEXT, auto_tokenizer_note, load_tokenizer
 
     docs = ["hello world, this is a tiny corpus of text with numbers 123 and 4567"] * 40
@@ -459,8 +464,8 @@ def test_export_hf_and_generate_from_a_dspipe_checkpoint(arch, tmp_path, corpus,
     from the export."""
     from transformers import AutoModelForCausalLM
 
-    from dspipe.runtime import checkpoint as ckpt
-    from dspipe.tools.export import load_gpt
+    from dspipe.runtime import ckpt_meta
+    from dspipe.tools.consolidate import load_gpt
     from tests.helpers import hand_checkpoint
 
     run, out = tmp_path / "run", tmp_path / "hf"
@@ -477,7 +482,7 @@ def test_export_hf_and_generate_from_a_dspipe_checkpoint(arch, tmp_path, corpus,
     assert ("AutoTokenizer loads" in err) == (arch == "Qwen2ForCausalLM"), err  # the run's BPE, not Qwen2's
     hf = AutoModelForCausalLM.from_pretrained(out).eval()
     assert type(hf).__name__ == arch
-    gpt = load_gpt(tag, meta=ckpt.read_meta(tag))
+    gpt = load_gpt(tag, meta=ckpt_meta.read_meta(tag))
     x = torch.randint(0, 1024, (2, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert (gpt(x) - hf(x).logits).abs().max().item() < TOL
@@ -542,7 +547,9 @@ def test_published_configs_read_as_the_presets_of_the_same_name(name, tmp_path):
     exports to the released class."""
     from transformers import AutoConfig
 
-    from dspipe.model.hf import architecture_of, function_of, spec_from_hf_dir
+    from dspipe.model.hf import function_of, spec_from_hf_dir
+
+    from dspipe.model.hf_arch import architecture_of
     from dspipe.spec.presets import model_preset
 
     (tmp_path / "config.json").write_text(json.dumps(PUBLISHED[name]))

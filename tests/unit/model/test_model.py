@@ -33,7 +33,7 @@ def test_initial_loss_is_about_ln_vocab():
 
 def test_same_seed_same_weights_different_seed_different():
     a, b, c = GPT(SPEC, seed=1), GPT(SPEC, seed=1), GPT(SPEC, seed=2)
-    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
     assert not torch.equal(a.h[0].attn.c_attn.weight, c.h[0].attn.c_attn.weight)
 
 
@@ -77,7 +77,7 @@ def test_recomputation_changes_no_gradient(mode):
     finally:
         torch.nn.functional.scaled_dot_product_attention = original
     assert len(calls) == 2 * SPEC.layers  # attention ran again in backward: recomputation really happened
-    for (n, p), q in zip(ref.named_parameters(), ckpt.parameters()):
+    for (n, p), q in zip(ref.named_parameters(), ckpt.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=n)
 
 

@@ -14,7 +14,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from dspipe.errors import SpecError
-from dspipe.model.gpt import GPT, INIT_STD, MLP, Block, SparseMLP, lm_loss
+from dspipe.model.gpt import GPT, MLP, Block, SparseMLP, lm_loss
+from dspipe.model.initial import INIT_STD
 from dspipe.spec.core import ModelSpec
 from tests.helpers import perturb
 
@@ -232,7 +233,11 @@ def _family_dir(tmp_path, family: str):
 def test_import_of_a_saved_checkpoint_computes_transformers_logits(tmp_path, family):
     from safetensors import safe_open
 
-    from dspipe.model.hf import architecture_of, from_hf_state, function_of, spec_from_hf_dir
+    from dspipe.model.hf import function_of, spec_from_hf_dir
+
+    from dspipe.model.hf_arch import architecture_of
+
+    from dspipe.model.hf_state import from_hf_state
     from dspipe.model.hf_weights import HFWeights, check_weights, load_into_module
 
     d, hf = _family_dir(tmp_path, family)
@@ -258,7 +263,7 @@ def test_loss_with_router_logits_is_transformers_for_one_sparse_layer(tmp_path, 
     with one sparse layer that is dspipe's lm + aux_loss_coef x the block's aux."""
     import transformers
 
-    from dspipe.model.hf import from_hf_state
+    from dspipe.model.hf_state import from_hf_state
 
     cls, kwargs, fields = FAMILIES[family]
     layers = 2 if "dense-first" in family else 1
@@ -284,7 +289,11 @@ def test_loss_with_router_logits_is_transformers_for_one_sparse_layer(tmp_path, 
 def test_export_reads_back_with_from_pretrained(tmp_path, family):
     import transformers
 
-    from dspipe.model.hf import architecture_of, from_hf_state, function_of, hf_model, spec_from_hf_dir
+    from dspipe.model.hf import function_of, spec_from_hf_dir
+
+    from dspipe.model.hf_arch import architecture_of
+
+    from dspipe.model.hf_state import from_hf_state, hf_model
 
     spec = replace(MOE, **FAMILIES[family][2], capacity_factor=1.25)  # training-only: the export is dropless
     gpt = perturb(GPT(spec, seed=3), seed=4).eval()
@@ -345,7 +354,7 @@ def test_configs_dspipe_cannot_compute_are_refused(tmp_path):
     (dict(router_bias_rate=0.001), "router_bias_rate 0.001: MixtralForCausalLM and Qwen3MoeForCausalLM have no"),
 ])
 def test_specs_no_class_computes_are_refused_on_export(fields, message):
-    from dspipe.model.hf import architecture_of
+    from dspipe.model.hf_arch import architecture_of
 
     text = _refusal(architecture_of, replace(MOE, **fields))
     assert message in text and "matches no Hugging Face architecture dspipe writes" in text
@@ -373,13 +382,13 @@ def test_the_router_gets_the_aux_gradient_with_and_without_recomputation(reentra
     with_aux = [r.grad.clone() for r in routers]
     without = GPT(replace(spec, aux_loss_coef=0.0), seed=1).train()
     lm_only = _router_grads(without, x, labels)
-    for a, b, g in zip(with_aux, lm_only, aux_grads):
+    for a, b, g in zip(with_aux, lm_only, aux_grads, strict=True):
         assert (a - b - g).abs().max() < 1e-7 and g.abs().max() > 1e-4
     if reentrant is None:
         return
     plain.block_checkpoint = lambda fn, *args: checkpoint(fn, *args, use_reentrant=reentrant)
     again = _router_grads(plain, x, labels)
-    assert all((a - b).abs().max() < 1e-7 for a, b in zip(again, with_aux))
+    assert all((a - b).abs().max() < 1e-7 for a, b in zip(again, with_aux, strict=True))
     assert plain.last_aux_loss.item() == pytest.approx(torch.stack([b.aux for b in plain.h]).mean().item())
 
 
@@ -488,7 +497,7 @@ def test_init_from_takes_the_training_only_settings_and_refuses_architecture_one
 def test_each_expert_draws_from_its_own_stream():
     """A rank that holds experts 2-3 only (ep 2) builds them without drawing experts 0-1: each expert's values come
     from expert_generator(seed, block, expert), the same whether the others are drawn or not, and all differ."""
-    from dspipe.model.gpt import expert_generator
+    from dspipe.model.initial import expert_generator
 
     gpt = GPT(MOE, seed=7)
     resid_std = INIT_STD / (2 * MOE.layers) ** 0.5

@@ -160,7 +160,7 @@ def test_flex_core_is_the_masked_core(name, cpu_flex_backward):
         (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
         outs[kernel], grads[kernel] = y.detach(), [t.grad for t in (q, k, v)]
     assert_rel(outs["flex"], outs["mask"], what=f"{name} output")
-    for which, got, want in zip("qkv", grads["flex"], grads["mask"]):
+    for which, got, want in zip("qkv", grads["flex"], grads["mask"], strict=True):
         assert_rel(got, want, what=f"{name} d{which}")
 
 

@@ -74,12 +74,27 @@ def test_profile_not_json_missing_or_for_another_gpu(tmp_path, capsys):
     bad.write_text("{not json")
     good = tmp_path / "good.json"
     good.write_text(profile_text(a_profile()))
-    for args, message in ((["--profile", bad], "not JSON"), (["--profile", tmp_path / "none.json"], "cannot read it"),
+    for args, message in ((["--profile", bad], "is not valid JSON"),
+                          (["--profile", tmp_path / "none.json"], "cannot read it"),
                           (["--profile", good, "--gpu", "h100-80g", "--gpus-per-node", "8", "--precision", "bf16"],
                            "profile measured on 'cpu' (AMD EPYC), but the cluster's GPU type is 'h100-80g'")):
         assert run_cli("plan", *DEMO, *CPU2, *args) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0], err
+
+
+def test_a_profile_holding_nan_is_refused_in_one_line(tmp_path, capsys):
+    path = tmp_path / "nan.json"
+    d = profile_to_dict(a_profile())
+    name = next(k for k, v in d["figures"].items() if isinstance(v, float))
+    d["figures"][name] = math.nan
+    path.write_text(json.dumps(d))  # Python's json writes a bare NaN
+    assert "NaN" in path.read_text()
+    with pytest.raises(SpecError, match="NaN is not a finite number"):
+        read_profile(path)
+    assert run_cli("plan", *DEMO, *CPU2, "--profile", path) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "NaN is not a finite number" in err[0] and str(path) in err[0], err
 
 
 @pytest.mark.parametrize("flag, value", [("--intra-node-gbps", "0"), ("--inter-node-gbps", "-3"),
@@ -182,7 +197,7 @@ def test_gen_config_keeps_the_profile_and_load_run_reproduces_the_estimate(tmp_p
     run = load_run(out)
     assert run.cluster.profile == a_profile() and run.cluster.intra_node_gbps == 0.5
     est = estimate(model=run.model, cluster=run.cluster, plan=run.plan)
-    assert est.step_time_s == run.estimate["step_time_s"]
+    assert est.step_time_s == run.estimate.step_time_s
     assert math.isclose(est.compute_s, run.plan.micro_batch * 128 * run.plan.grad_accum
                         * model_flops_per_token(run.model) / 0.015e12)
     spec = json.loads((out / "dspipe.json").read_text())

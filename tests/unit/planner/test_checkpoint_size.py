@@ -120,7 +120,7 @@ def test_gen_config_resolves_save_interval_auto(tmp_path, capsys):
     assert run_cli("gen-config", "--config", str(tmp_path / "run" / "config.yaml"), "--out", str(tmp_path / "again")
                    ) == 0
     assert load_run(tmp_path / "again").train.save_interval == run.train.save_interval
-    assert run.estimate["save_interval_auto"] is True
+    assert run.estimate.save_interval_auto is True
     assert run.cluster.gpu_mtbf_hours == 50_700  # the estimate's key: the runner re-plans it
     assert line.endswith("; the run re-plans it from each save's measured time")
     # a less reliable cluster (--gpu-mtbf-hours): failures 100x as often, checkpoints sqrt(100) = 10x as often

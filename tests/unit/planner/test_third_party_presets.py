@@ -149,7 +149,8 @@ def test_aliases_mean_what_deepspeed_says(tmp_path):
            "offload_optimizer.device cpu" in r.stdout
     assert cfg["optimizer"]["type"] == "Adam" and cfg["optimizer"]["params"]["betas"] == [0.8, 0.999]
     assert cfg["optimizer"]["params"]["eps"] == 1e-8 and cfg["optimizer"]["params"]["weight_decay"] == 3e-7
-    assert cfg["fp16"]["enabled"] and cfg["fp16"]["initial_scale_power"] == 15 and cfg["fp16"]["loss_scale_window"] == 500
+    assert cfg["fp16"]["enabled"] and cfg["fp16"]["initial_scale_power"] == 15
+    assert cfg["fp16"]["loss_scale_window"] == 500
     assert cfg["scheduler"] == {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 0.001,
                                                                "warmup_num_steps": 1000, "warmup_type": "log"}}
     spec = json.loads((tmp_path / "runs/p/dspipe.json").read_text())

@@ -8,8 +8,8 @@ from dspipe.planner.search import search
 from dspipe.spec.core import ClusterSpec, TrainSpec, StrategyRequest
 
 CASES = [("gpt3-1.3b", 1, 8, "a100-40g", 256), ("gpt2-1.5b", 1, 8, "a100-40g", 256),
-         ("gpt3-6.7b", 1, 8, "h100-80g", 256), ("gpt3-13b", 2, 8, "a100-80g", 256), ("gpt3-2.7b", 1, 8, "a100-40g", 256),
-         ("llama2-7b", 2, 8, "h100-80g", 1024)]
+         ("gpt3-6.7b", 1, 8, "h100-80g", 256), ("gpt3-13b", 2, 8, "a100-80g", 256),
+         ("gpt3-2.7b", 1, 8, "a100-40g", 256), ("llama2-7b", 2, 8, "h100-80g", 1024)]
 
 
 def _share(c):

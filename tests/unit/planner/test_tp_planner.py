@@ -92,7 +92,8 @@ def test_tp_activations_follow_the_census_formula(tp):
     sel = activation_bytes_per_layer(model=m, micro_batch=2, checkpointing="selective", act_bytes=2, tp=tp)
     assert sel == none - tokens * 4 * a // tp
     # full recomputation keeps the layer input, whole on every tp rank
-    assert activation_bytes_per_layer(model=m, micro_batch=2, checkpointing="full", act_bytes=2, tp=tp) == 2 * tokens * h
+    full = activation_bytes_per_layer(model=m, micro_batch=2, checkpointing="full", act_bytes=2, tp=tp)
+    assert full == 2 * tokens * h
 
 
 @pytest.mark.parametrize("tp_sp", [True, False])
@@ -119,7 +120,8 @@ def test_tp_sp_is_off_without_tp():
 def test_sequence_parallelism_divides_gpt3_activations_by_tp(tp):
     """GPT-3 (learned positions, no q/k norm, dropout 0): with Megatron sequence parallelism every saved tensor of a
     block is the rank's share, so a block keeps exactly 1/t of what it keeps without tp, s.b(32h + 16 + 4a) / t
-    (Korthikanti et al. eq. 4 as the census measures it); full recomputation keeps the rank's s/t tokens of the input."""
+    (Korthikanti et al. eq. 4 as the census measures it); full recomputation keeps the rank's s/t tokens of the
+    input."""
     m = MODEL_PRESETS["gpt3-175b"]
     tokens, h, a = m.seq_len * 2, m.hidden, m.heads  # micro-batch 2
 

@@ -11,6 +11,7 @@ import torch
 
 from dspipe.errors import SpecError
 from dspipe.runtime import checkpoint as ckpt
+from dspipe.runtime import ckpt_tags
 from dspipe.runtime.async_engine import BackgroundWriter
 from dspipe.runtime.async_save import ArenaPool, rebuild, stage_into
 from dspipe.runtime.faults import Faults
@@ -19,24 +20,24 @@ from tests.helpers import mount_tmpfs
 
 
 def _fake(ckpt_dir, step):
-    d = ckpt_dir / ckpt.tag_for(step)
+    d = ckpt_dir / ckpt_tags.tag_for(step)
     d.mkdir(parents=True)
-    (d / ckpt.META_FILE).write_text(json.dumps({"step": step}))
-    ckpt.write_atomic(ckpt_dir / ckpt.LATEST_FILE, d.name)
+    (d / ckpt_tags.META_FILE).write_text(json.dumps({"step": step}))
+    ckpt_tags.write_atomic(ckpt_dir / ckpt_tags.LATEST_FILE, d.name)
     return d
 
 
 def _apply(ckpt_dir, keep):
-    for p in ckpt.to_delete(ckpt_dir, keep):
+    for p in ckpt_tags.to_delete(ckpt_dir, keep):
         shutil.rmtree(p)
 
 
 def _left(ckpt_dir):
-    return [s for s, _ in ckpt.complete_checkpoints(ckpt_dir)]
+    return [s for s, _ in ckpt_tags.complete_checkpoints(ckpt_dir)]
 
 
 def test_retention_over_20_saves_keeps_exactly_the_newest_k_and_the_milestones(tmp_path):
-    keep = ckpt.Retention(last=3, every=50)
+    keep = ckpt_tags.Retention(last=3, every=50)
     for step in range(10, 201, 10):  # 20 saves, every 10 steps
         _fake(tmp_path, step)
         _apply(tmp_path, keep)
@@ -49,12 +50,13 @@ def test_retention_never_deletes_the_resumed_one_nor_the_one_latest_names(tmp_pa
     for step in (3, 6, 9, 12):
         _fake(tmp_path, step)
     # resumed from 3 (an older one, by name): the saves after it never delete it while this launch runs
-    keep = ckpt.Retention(last=1, protect=frozenset({"global_step3"}))
-    assert [p.name for p in ckpt.to_delete(tmp_path, keep)] == ["global_step6", "global_step9"]
+    keep = ckpt_tags.Retention(last=1, protect=frozenset({"global_step3"}))
+    assert [p.name for p in ckpt_tags.to_delete(tmp_path, keep)] == ["global_step6", "global_step9"]
     # `latest` names 6 (a save at step 6 replaced an older timeline's): 6 stays though 12 is the newest by step
-    ckpt.write_atomic(tmp_path / ckpt.LATEST_FILE, "global_step6")
-    assert [p.name for p in ckpt.to_delete(tmp_path, ckpt.Retention(last=1))] == ["global_step3", "global_step9"]
-    assert [p.name for p in ckpt.to_delete(tmp_path, 2)] == ["global_step3"]  # an int: the newest that many
+    ckpt_tags.write_atomic(tmp_path / ckpt_tags.LATEST_FILE, "global_step6")
+    kept = ckpt_tags.Retention(last=1)
+    assert [p.name for p in ckpt_tags.to_delete(tmp_path, kept)] == ["global_step3", "global_step9"]
+    assert [p.name for p in ckpt_tags.to_delete(tmp_path, 2)] == ["global_step3"]  # an int: the newest that many
 
 
 def test_keep_every_is_validated_against_the_save_interval():

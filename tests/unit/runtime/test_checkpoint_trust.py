@@ -7,13 +7,14 @@ import hashlib
 import json
 import os
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
 
 from dspipe.errors import SpecError
 from dspipe.runtime import checkpoint as ckpt
-from dspipe.runtime import safeload
+from dspipe.runtime import ckpt_meta, rng, safeload
 from tests.helpers import hand_checkpoint, run_cli
 
 MODEL_FILE = "mp_rank_00_model_states.pt"
@@ -70,10 +71,11 @@ def test_the_allowlist_loads_what_deepspeed_and_dspipe_write(tmp_path):
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
 
-    state = {"loss_scaler": LossScaler(1.0), "dynamic": DynamicLossScaler(init_scale=2.0**16, scale_window=1000, min_scale=1,
-                                                                   delayed_shift=2, consecutive_hysteresis=False),
+    state = {"loss_scaler": LossScaler(1.0),
+             "dynamic": DynamicLossScaler(init_scale=2.0**16, scale_window=1000, min_scale=1, delayed_shift=2,
+                                          consecutive_hysteresis=False),
              "zero_stage": ZeroStageEnum.gradients, "param_slice_mappings": [{"w": fragment_address(numel=6, start=2)}],
-             "rng": ckpt.rng_state(), "t": torch.arange(4.0)}
+             "rng": rng.rng_state(), "t": torch.arange(4.0)}
     torch.save(state, tmp_path / "f.pt")
     loaded = safeload.load(tmp_path / "f.pt")
     assert loaded["zero_stage"] is ZeroStageEnum.gradients and loaded["loss_scaler"].cur_scale == 1.0
@@ -209,14 +211,14 @@ def test_the_healthy_checkpoint_passes_every_check(trained):
     from dspipe.rundir import load_run
 
     assert ckpt.resume_point(load_run(trained["run"])) == trained["tag"]
-    meta = ckpt.read_meta(trained["tag"])
+    meta = ckpt_meta.read_meta(trained["tag"])
     from dspipe.runtime.ckptfiles import expected_files
 
     assert expected_files(meta) == [MODEL_FILE, "rng-rank0.pt", "rng-rank1.pt"]
-    assert expected_files({**meta, "zero_stage": 3}) == [
+    assert expected_files(replace(meta, zero_stage=3)) == [
         "zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_model_states.pt", "rng-rank0.pt",
         "rng-rank1.pt"]
-    assert expected_files({**meta, "pp": 2, "dp": 1})[:2] == ["mp_rank_00_model_states.pt",
+    assert expected_files(replace(meta, pp=2, dp=1))[:2] == ["mp_rank_00_model_states.pt",
                                                               "mp_rank_01_model_states.pt"]
 
 

@@ -60,7 +60,7 @@ def test_the_plain_gpt_gets_the_chunked_loss(name):
     loss = model(idx, labels)
     loss.backward()
     assert _rel(loss.detach(), plain.last_lm_loss) <= TOL
-    for (n, p), q in zip(plain.named_parameters(), model.parameters()):
+    for (n, p), q in zip(plain.named_parameters(), model.parameters(), strict=True):
         assert _rel(q.grad, p.grad) <= TOL, n
 
 

@@ -1,4 +1,5 @@
-"""Process-group helpers: CPU threads per rank, the shm segment name DeepSpeed's CPU all-reduce uses, the group's lifetime."""
+"""Process-group helpers: CPU threads per rank, the shm segment name DeepSpeed's CPU all-reduce uses, the group's
+lifetime."""
 import os
 import subprocess
 import sys
@@ -21,7 +22,8 @@ def test_cpu_ranks_split_the_cores_instead_of_oversubscribing_them():
 
 
 def test_shm_segment_name_matches_deepspeeds():
-    # deepspeed/ops/csrc/cpu/comm/shm.cpp: "%s_%d_%s_%s" (SHM_BUFFER_NAME, getuid(), MASTER_ADDR, MASTER_PORT) + "_%d" rank
+    # deepspeed/ops/csrc/cpu/comm/shm.cpp: "%s_%d_%s_%s" (SHM_BUFFER_NAME, getuid(), MASTER_ADDR, MASTER_PORT) + "_%d"
+    # rank
     path = shm_segment(rank=1, env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"})
     assert str(path) == f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_29500_1"
 

@@ -52,6 +52,6 @@ def test_compiled_blocks_train_as_the_eager_model(preset, recomputation):
     got_losses, got_grads = _train(compiled, batches)
     assert got_losses == pytest.approx(want_losses, rel=REL)
     assert want_losses[-1] < want_losses[0]  # it trains
-    for (name, _), want, got in zip(eager.named_parameters(), want_grads, got_grads):
+    for (name, _), want, got in zip(eager.named_parameters(), want_grads, got_grads, strict=True):
         scale = want.abs().max().item()
         assert (got - want).abs().max().item() <= REL * scale + 1e-12, name

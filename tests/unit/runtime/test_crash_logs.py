@@ -9,6 +9,8 @@ import pytest
 from dspipe.errors import SpecError
 from dspipe.planner.throughput import STEP_COLUMNS
 from dspipe.runtime import checkpoint as ckpt
+from dspipe.runtime import ckpt_tags
+from dspipe.runtime import restart
 from dspipe.runtime import metrics_log as ml
 from dspipe.runtime.metrics_log import repair_rows
 from tests.helpers import dspipe
@@ -188,7 +190,7 @@ def _run(tmp_path, with_ckpt=True):
     if with_ckpt:
         c = d / "checkpoints" / "global_step3"
         c.mkdir()
-        (c / ckpt.META_FILE).write_text(json.dumps({"step": 3}))
+        (c / ckpt_tags.META_FILE).write_text(json.dumps({"step": 3}))
     return types.SimpleNamespace(path=d, checkpoint_dir=d / "checkpoints")
 
 
@@ -208,17 +210,17 @@ def test_restart_moves_every_output_and_deletes_nothing(tmp_path):
     (d / "monitor" / "tensorboard").mkdir(parents=True)
     (d / "dspipe.json").write_text("{}")
     (d / "report").mkdir()
-    slot, moved = ckpt.move_to_previous(d, now="20261123T093012Z")
+    slot, moved = restart.move_to_previous(d, now="20261123T093012Z")
     assert slot == d / "previous" / "20261123T093012Z"
     assert moved == ["checkpoints", "metrics.csv", "val_metrics.csv", "engine.json", "monitor"]
     assert sorted(p.name for p in slot.iterdir()) == sorted(moved)
-    assert (slot / "checkpoints" / "global_step3" / ckpt.META_FILE).is_file()
+    assert (slot / "checkpoints" / "global_step3" / ckpt_tags.META_FILE).is_file()
     assert (slot / "metrics.csv").read_text() == "step\n1\n"
     assert sorted(p.name for p in d.iterdir()) == ["dspipe.json", "previous", "report"]
     (d / "metrics.csv").write_text("x")  # a second restart in the same second gets its own directory
-    slot2, moved2 = ckpt.move_to_previous(d, now="20261123T093012Z")
+    slot2, moved2 = restart.move_to_previous(d, now="20261123T093012Z")
     assert slot2.name == "20261123T093012Z-2" and moved2 == ["metrics.csv"]
-    assert ckpt.move_to_previous(d, now="20261123T093013Z") == (None, [])
+    assert restart.move_to_previous(d, now="20261123T093013Z") == (None, [])
 
 
 def test_restart_and_resume_together_are_one_line_error(capsys):

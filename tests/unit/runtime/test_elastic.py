@@ -46,7 +46,8 @@ def test_tensor_parallel_layout_is_kept(runs):
 
 
 @pytest.mark.parametrize("name,world,message", [
-    ("tp2", 5, "5 ranks left cannot hold the run's model layout: world size 5 is not divisible by pp 1 x tp 2 x sp 1 = 2"),
+    ("tp2", 5, "5 ranks left cannot hold the run's model layout: world size 5 is not divisible by "
+               "pp 1 x tp 2 x sp 1 = 2"),
     ("dp8", 3, "3 ranks left give dp 3: global batch 32 is not divisible by micro_batch 2 x dp 3 = 6"),
     ("dp8", 16, "was planned for 8 ranks but 16 started"),
 ])

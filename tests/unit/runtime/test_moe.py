@@ -216,7 +216,7 @@ def test_expert_loads_count_each_micro_batch_once_and_the_bias_moves_by_the_rule
     assert load_ratio(loads) == max(float(r.max()) / float(r.double().mean()) for r in loads) and load_ratio(loads) > 1
     assert load_ratio(torch.full((2, 4), 8)) == 1.0
     update_router_bias(model, loads=loads, rate=0.1)
-    for b, r in zip(model.h, loads):
+    for b, r in zip(model.h, loads, strict=True):
         want = 0.1 * torch.sign(r.double().mean() - r.double()).float()
         assert torch.equal(b.mlp.router_bias, want) and want.abs().sum() > 0
         assert b.mlp.router_bias.dtype == torch.float32

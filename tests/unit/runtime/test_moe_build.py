@@ -34,7 +34,7 @@ def is_remote(name: str, local: range) -> bool:
 
 @pytest.mark.parametrize("shape", [(5,), (16,), (3, 7), (24, 32), (1 << 16,), (3, (1 << 16) + 5), (17, 1 << 14)])
 def test_a_skipped_draw_moves_the_generator_as_the_draw(shape):
-    from dspipe.model.gpt import _generator, _normal
+    from dspipe.model.initial import _generator, _normal
 
     drawn, skipped = _generator(7, 1), _generator(7, 1)
     _normal(drawn, shape, 0.02)()

@@ -3,7 +3,7 @@ checked against the shard layout (dspipe.model.tp_split) and run through DeepSpe
 merge (ds_to_universal.merge_tp_slices) and restore (universal_checkpoint.load_hp_checkpoint_state) on synthetic
 shards; the renaming between a pipeline and the plain model; the refusals, one line each."""
 import re
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -13,9 +13,10 @@ import torch
 from dspipe.errors import SpecError
 from dspipe.model import tp_split
 from dspipe.model.names import pipeline_gpt_name
-from dspipe.runtime import checkpoint as ckpt
+from dspipe.runtime import ckpt_meta
 from dspipe.runtime.reshard import layout_change_refusal, pipeline_names, universal_checkpoint_info
 from dspipe.spec.presets import model_preset
+from tests.helpers import meta_of
 
 SPECS = {"gpt2": model_preset("tiny"), "llama": model_preset("tiny-llama"),
          "qwen3-like": model_preset("tiny-llama", qk_norm=True, qkv_bias=True, tied_embeddings=True),
@@ -173,7 +174,7 @@ def test_layout_change_refusals(tmp_path):
     with_info, without = fake_checkpoint(tmp_path / "a", info=True), fake_checkpoint(tmp_path / "b", info=False)
 
     def refusal(meta=None, path=with_info, **now):
-        saved = {"dp": 1, "tp": 2, "pp": 2, "sp": 1, "model": tiny, **(meta or {})}
+        saved = meta_of(**{"dp": 1, "tp": 2, "pp": 2, "sp": 1, "model": tiny, **(meta or {})})
         return layout_change_refusal(**{"meta": saved, "zero_stage": 1, "dp": 1, "tp": 2, "pp": 2, "sp": 1,
                                         "offload": "none", "path": path, **now})
 
@@ -198,15 +199,15 @@ def test_layout_change_refusals(tmp_path):
 def test_check_compatible_names_both_layouts_in_one_line(tmp_path):
     model = model_preset("tiny", vocab=4097)
     run = SimpleNamespace(model=model, plan=SimpleNamespace(pp=2, tp=2, sp=1, zero_stage=1, dp=2, offload="none"))
-    meta = {"model": asdict(model), "pp": 2, "tp": 2, "sp": 1, "zero_stage": 1, "dp": 1}
+    meta = meta_of(model=asdict(model), pp=2, tp=2, sp=1, zero_stage=1, dp=1)
     path = fake_checkpoint(tmp_path / "c", info=True)
     with pytest.raises(SpecError) as e:
-        ckpt.check_compatible(meta, run, path)
+        ckpt_meta.check_compatible(meta, run, path)
     assert str(e.value) == (
         f"checkpoint {path} was saved with dp 1 x tp 2 x pp 2, this run has dp 2 x tp 2 x pp 2: vocab 4097 over tp 2 "
         f"is uneven (2049 rows per rank, the last 2048): DeepSpeed 0.19.8's universal load pads each rank's "
         f"vocabulary rows to rows x tp and cannot give the last rank fewer; resume with dp 1 x tp 2 x pp 2 (world "
         f"size 4)")
-    ckpt.check_compatible({**meta, "dp": 2}, run, path)  # the same layout
+    ckpt_meta.check_compatible(replace(meta, dp=2), run, path)  # the same layout
     with pytest.raises(SpecError, match=r"saved with zero_stage 2, this run has zero_stage 1; resume with the same"):
-        ckpt.check_compatible({**meta, "zero_stage": 2}, run, path)
+        ckpt_meta.check_compatible(replace(meta, zero_stage=2), run, path)

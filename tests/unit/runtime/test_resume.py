@@ -7,18 +7,20 @@ import subprocess
 import pytest
 
 from dspipe.runtime import checkpoint as ckpt
+from dspipe.runtime import ckpt_meta, ckpt_tags
 from dspipe.runtime.metrics_log import repair_rows
+from dspipe.runtime.reshard import layout_change_refusal
 from dspipe.errors import SpecError
-from tests.helpers import mount_tmpfs
+from tests.helpers import meta_of, mount_tmpfs
 
 
 # ---- unit: pure logic ------------------------------------------------------------------------------------------
 
 def _fake(ckpt_dir, step, complete=True):
-    d = ckpt_dir / ckpt.tag_for(step)
+    d = ckpt_dir / ckpt_tags.tag_for(step)
     d.mkdir(parents=True)
     if complete:
-        (d / ckpt.META_FILE).write_text(json.dumps({"step": step}))
+        (d / ckpt_tags.META_FILE).write_text(json.dumps({"step": step}))
     return d
 
 
@@ -27,23 +29,24 @@ def test_keep_k_and_partial_leftovers(tmp_path):
         _fake(tmp_path, s)
     _fake(tmp_path, 15, complete=False)
     (tmp_path / ".partial-global_step15").mkdir()
-    assert [s for s, _ in ckpt.complete_checkpoints(tmp_path)] == [3, 6, 9, 12]
-    assert [p.name for p in ckpt.to_delete(tmp_path, 2)] == ["global_step3", "global_step6", ".partial-global_step15"]
+    assert [s for s, _ in ckpt_tags.complete_checkpoints(tmp_path)] == [3, 6, 9, 12]
+    assert [p.name for p in ckpt_tags.to_delete(tmp_path, 2)] == ["global_step3", "global_step6",
+                                                                 ".partial-global_step15"]
 
 
 def test_find_checkpoint(tmp_path):
-    assert ckpt.find_checkpoint(tmp_path / "none", "auto") is None
+    assert ckpt_tags.find_checkpoint(tmp_path / "none", "auto") is None
     _fake(tmp_path, 3)
     _fake(tmp_path, 6, complete=False)
-    assert ckpt.find_checkpoint(tmp_path, "auto").name == "global_step3"
-    assert ckpt.find_checkpoint(tmp_path, "global_step3").name == "global_step3"
+    assert ckpt_tags.find_checkpoint(tmp_path, "auto").name == "global_step3"
+    assert ckpt_tags.find_checkpoint(tmp_path, "global_step3").name == "global_step3"
     with pytest.raises(SpecError, match="is incomplete"):
-        ckpt.find_checkpoint(tmp_path, "global_step6")
+        ckpt_tags.find_checkpoint(tmp_path, "global_step6")
     with pytest.raises(SpecError, match="not found"):
-        ckpt.find_checkpoint(tmp_path, "global_step7")
+        ckpt_tags.find_checkpoint(tmp_path, "global_step7")
     (tmp_path / "latest").write_text("global_step6")
     with pytest.raises(SpecError, match="missing or incomplete"):
-        ckpt.find_checkpoint(tmp_path, "auto")
+        ckpt_tags.find_checkpoint(tmp_path, "auto")
 
 
 def test_repair_rows_and_atomic_write(tmp_path):
@@ -51,7 +54,7 @@ def test_repair_rows_and_atomic_write(tmp_path):
     m.write_text("step,loss\n1,9.0\n2,8.0\n3,7.0\n4,6.5\n")
     repair_rows(m, upto=2)
     assert m.read_text() == "step,loss\n1,9.0\n2,8.0\n"
-    ckpt.write_atomic(tmp_path / "latest", "global_step2")
+    ckpt_tags.write_atomic(tmp_path / "latest", "global_step2")
     assert (tmp_path / "latest").read_text() == "global_step2" and [p.name for p in tmp_path.iterdir()
                                                                      if p.name.startswith(".")] == []
 
@@ -66,9 +69,11 @@ def test_save_interval_and_keep_are_validated():
 
 def test_dp_change_refusals(tmp_path):
     def refusal(**changed):
-        args = {"meta": {"dp": 2, "pp": 1, "zero_stage": 1}, "zero_stage": 1, "pp": 1, "dp": 1, "offload": "none",
+        args = {"meta": meta_of(dp=2, pp=1, zero_stage=1), "zero_stage": 1, "pp": 1, "dp": 1, "offload": "none",
                 "path": tmp_path}
-        return ckpt.layout_change_refusal(**{**args, **changed})
+        if isinstance(changed.get("meta"), dict):
+            changed["meta"] = meta_of(**changed["meta"])
+        return layout_change_refusal(**{**args, **changed})
 
     assert refusal() is None and refusal(zero_stage=2) is None and refusal(offload="cpu") is None
     assert refusal(zero_stage=0, meta={"dp": 2, "pp": 2}, pp=2) is None  # ZeRO-0 state is not partitioned
@@ -140,7 +145,7 @@ def test_save_failure_message_names_the_intact_checkpoint(tmp_path):
     _fake(tmp_path, 3)
     (tmp_path / "latest").write_text("global_step3")
     (tmp_path / ".universal-global_step3").mkdir()
-    assert [p.name for p in ckpt.to_delete(tmp_path, 3)] == [".universal-global_step3"]
+    assert [p.name for p in ckpt_tags.to_delete(tmp_path, 3)] == [".universal-global_step3"]
     msg = ckpt.save_failure_message(code=errno.ENOSPC, detail="", ckpt_dir=tmp_path, tag="global_step6",
                                     free_before=0.2)
     assert msg.startswith(f"saving checkpoint global_step6 in {tmp_path} failed: No space left on device (0.2 MiB "
@@ -150,7 +155,7 @@ def test_save_failure_message_names_the_intact_checkpoint(tmp_path):
 
 
 def test_check_compatible_refuses_a_pipeline_saved_without_universal_info_under_another_dp(tmp_path):
-    from dataclasses import asdict
+    from dataclasses import asdict, replace
     from types import SimpleNamespace
 
     import torch
@@ -159,20 +164,20 @@ def test_check_compatible_refuses_a_pipeline_saved_without_universal_info_under_
 
     model = model_preset("tiny")
     run = SimpleNamespace(model=model, plan=SimpleNamespace(pp=2, tp=1, sp=1, zero_stage=1, dp=1, offload="none"))
-    meta = {"model": asdict(model), "pp": 2, "zero_stage": 1, "dp": 2}
+    meta = meta_of(model=asdict(model), pp=2, zero_stage=1, dp=2)
     torch.save({"module": None}, tmp_path / "mp_rank_00_model_states.pt")  # saved before the module carried it
     with pytest.raises(SpecError) as e:
-        ckpt.check_compatible(meta, run, tmp_path)
+        ckpt_meta.check_compatible(meta, run, tmp_path)
     assert str(e.value).startswith(f"checkpoint {tmp_path} was saved with dp 2 x pp 2, this run has dp 1 x pp 2: "
                                    f"the checkpoint was saved without universal_checkpoint_info")
     assert str(e.value).endswith("; resume with dp 2 x pp 2 (world size 4)")
-    ckpt.check_compatible({**meta, "dp": 1}, run, tmp_path)  # same dp: fine
-    ckpt.check_compatible({**meta, "pp": 1, "zero_stage": 3}, SimpleNamespace(model=model, plan=SimpleNamespace(
+    ckpt_meta.check_compatible(replace(meta, dp=1), run, tmp_path)  # same dp: fine
+    ckpt_meta.check_compatible(replace(meta, pp=1, zero_stage=3), SimpleNamespace(model=model, plan=SimpleNamespace(
         pp=1, tp=1, sp=1, zero_stage=3, dp=1, offload="none")), tmp_path)  # ZeRO-3 at another dp: resharded on load
     torch.save({"module": None, "universal_checkpoint_info": {"original_vocab_size": 4096}},
                tmp_path / "mp_rank_00_model_states.pt")
-    ckpt.check_compatible(meta, run, tmp_path)  # saved with it: converted on load
-    ckpt.check_compatible({**meta, "dp": 1, "tp": 2}, run, tmp_path)  # tp 2 -> 1 likewise
+    ckpt_meta.check_compatible(meta, run, tmp_path)  # saved with it: converted on load
+    ckpt_meta.check_compatible(replace(meta, dp=1, tp=2), run, tmp_path)  # tp 2 -> 1 likewise
 
 
 def test_each_optimizer_group_gets_its_saved_hyperparameters_back():
@@ -202,7 +207,7 @@ def test_a_checkpoint_from_before_newer_model_fields_is_compatible(tmp_path):
     run = SimpleNamespace(model=model, plan=SimpleNamespace(pp=1, tp=1, sp=1, zero_stage=1, dp=1, offload="none"))
     old = {k: v for k, v in asdict(model).items() if k not in ("router_score", "router_scale", "experts",
                                                                 "experts_per_token", "aux_loss_coef")}
-    ckpt.check_compatible({"model": old, "pp": 1, "zero_stage": 1, "dp": 1}, run, tmp_path)
+    ckpt_meta.check_compatible(meta_of(model=old), run, tmp_path)
     with pytest.raises(SpecError, match=r"different model shape: layers 2 -> 1$"):
-        ckpt.check_compatible({"model": {**old, "layers": 2}, "pp": 1, "zero_stage": 1, "dp": 1},
-                              SimpleNamespace(model=replace(model, layers=1), plan=run.plan), tmp_path)
+        ckpt_meta.check_compatible(meta_of(model={**old, "layers": 2}),
+                                   SimpleNamespace(model=replace(model, layers=1), plan=run.plan), tmp_path)

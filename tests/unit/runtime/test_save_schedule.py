@@ -7,9 +7,10 @@ import pytest
 
 from dspipe.errors import SpecError
 from dspipe.planner.checkpoint_size import ASYNC_DRAG, save_interval
-from dspipe.runtime import checkpoint as ckpt
+from dspipe.runtime import ckpt_meta, ckpt_tags
 from dspipe.runtime.save_schedule import SaveSchedule, replan, resumed_schedule, step_time
 from dspipe.runtime.watchdog import events_text
+from tests.helpers import meta_of
 
 
 def test_a_fixed_interval_saves_at_its_multiples_and_never_at_the_last_step():
@@ -25,20 +26,20 @@ def test_auto_counts_from_the_newest_save():
 
 
 def test_resumed_auto_keeps_the_interval_in_force_when_the_checkpoint_was_saved():
-    assert resumed_schedule(every=9, auto=True, steps=50, meta={"save_interval": 4}).every == 4
-    assert resumed_schedule(every=9, auto=False, steps=50, meta={"save_interval": 4}).every == 9  # fixed: as given
-    assert resumed_schedule(every=9, auto=True, steps=50, meta={"step": 3}).every == 9  # saved before: planned
-    assert resumed_schedule(every=9, auto=True, steps=3, meta={"save_interval": 4}).every == 3  # never past the end
+    assert resumed_schedule(every=9, auto=True, steps=50, meta=meta_of(save_interval=4)).every == 4
+    assert resumed_schedule(every=9, auto=False, steps=50, meta=meta_of(save_interval=4)).every == 9  # fixed: as given
+    assert resumed_schedule(every=9, auto=True, steps=50, meta=meta_of(step=3)).every == 9  # saved before: planned
+    assert resumed_schedule(every=9, auto=True, steps=3, meta=meta_of(save_interval=4)).every == 3  # never past the end
     assert resumed_schedule(every=9, auto=True, steps=50, meta=None).every == 9
 
 
 def test_a_checkpoints_save_interval_is_validated(tmp_path):
     d = tmp_path / "global_step3"
     d.mkdir()
-    (d / ckpt.META_FILE).write_text('{"step": 3, "consumed_samples": 48, "data": {}, "model": {}, "pp": 1, "dp": 2, '
-                                    '"zero_stage": 1, "world_size": 2, "save_interval": "soon"}')
+    (d / ckpt_tags.META_FILE).write_text('{"step": 3, "consumed_samples": 48, "data": {}, "model": {}, "pp": 1, '
+                                         '"dp": 2, "zero_stage": 1, "world_size": 2, "save_interval": "soon"}')
     with pytest.raises(SpecError, match=r"dspipe.json: save_interval must be an integer >= 0, got 'soon'"):
-        ckpt.read_meta(d)
+        ckpt_meta.read_meta(d)
 
 
 def test_step_time_is_the_median_of_the_latest_steps():
@@ -65,5 +66,6 @@ def test_replan_uses_the_measured_cost_and_says_when_it_changes():
     assert event["cost_s"] == pytest.approx(cost) and round(math.sqrt(2 * cost * mtbf_s) / 0.5) == 329
     assert event["interval"] == save_interval(cost_s=cost, write_s=200.0, step_time_s=0.5, world=8, steps=1000,
                                               async_save=True, mtbf_hours=1.0).steps == 400  # 200 s / 0.5 s
-    assert line.endswith("; no shorter than a write (200 s)") and "the step waited 0.1 s + 0.15 x the 200 s write" in line
+    assert line.endswith("; no shorter than a write (200 s)")
+    assert "the step waited 0.1 s + 0.15 x the 200 s write" in line
     assert events_text([event]) == "--save-interval auto re-planned after 1 save(s): 85 -> 400 steps"

@@ -100,6 +100,6 @@ def test_vocab_rows_cover_the_vocabulary_once():
     for vocab, tp in ((50257, 8), (4096, 2), (4097, 4), (7, 7)):
         rows = [vocab_rows(vocab, rank=r, size=tp) for r in range(tp)]
         assert rows[0][0] == 0 and rows[-1][1] == vocab
-        assert all(a[1] == b[0] for a, b in zip(rows, rows[1:]))
+        assert all(a[1] == b[0] for a, b in zip(rows[:-1], rows[1:], strict=True))
     with pytest.raises(ValueError, match=r"vocab 5 over tp 4: rank 3 would hold no rows \(ceil\(5 / 4\) = 2"):
         vocab_rows(5, rank=3, size=4)

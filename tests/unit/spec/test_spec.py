@@ -48,7 +48,8 @@ def test_preset_overrides_rename_and_rescale_ffn():
 
 
 def test_hidden_not_divisible_by_heads_shows_the_division():
-    with pytest.raises(SpecError, match=r"hidden 100 is not divisible by heads 3 \(100 / 3 = 33.3333; or give head_dim\)"):
+    with pytest.raises(SpecError,
+                       match=r"hidden 100 is not divisible by heads 3 \(100 / 3 = 33.3333; or give head_dim\)"):
         ModelSpec("x", 2, 100, 3, 64, 16, 400)
 
 
@@ -103,7 +104,7 @@ def test_help_and_errors_list_the_catalog():
 def test_limits_and_sections_come_from_the_field_declarations():
     """LIMITS is the `limit` of each declared field; a field's section is its spec's unless it names its own; the
     strategy request has a field (None: auto) for each field of the strategy section."""
-    for cls, section in SPECS:
+    for cls, _section in SPECS:
         for f in fields(cls):
             meta = f.metadata.get("setting")
             assert meta is not None, f"{cls.__name__}.{f.name} is not declared with setting()"
@@ -114,6 +115,20 @@ def test_limits_and_sections_come_from_the_field_declarations():
     asked = {f.name for f in fields(StrategyRequest)}
     assert asked == {f.name for f in fields(StrategySpec)} | {"micro_batch", "precision"}
     assert StrategyRequest().zero is None
+
+
+def test_the_type_checkers_strategy_request_is_the_built_one():
+    """core.py declares StrategyRequest's fields for the type checker (under TYPE_CHECKING) next to the
+    make_dataclass that builds it: both must list the same fields, types and defaults, in the same order."""
+    import ast
+    import inspect
+
+    import dspipe.spec.core as core
+    tree = ast.parse(inspect.getsource(core))
+    stub = next(node for node in ast.walk(tree) if isinstance(node, ast.ClassDef) and node.name == "StrategyRequest")
+    declared_fields = [(n.target.id, ast.unparse(n.annotation), ast.unparse(n.value))
+                       for n in stub.body if isinstance(n, ast.AnnAssign)]
+    assert declared_fields == [(f.name, f.type, repr(f.default)) for f in fields(StrategyRequest)]
 
 
 def test_a_new_setting_is_one_declaration():

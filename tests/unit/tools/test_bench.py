@@ -8,7 +8,8 @@ from tests.helpers import dspipe
 
 
 def _rank(seconds, *, loss=8.3, phases=(1.0, 2.0, 0.5), rss=2**30, allocated=None):
-    return {"seconds": seconds, "first_loss": loss, "phases": dict(zip(bench.PHASES, phases)), "peak_rss": rss,
+    return {"seconds": seconds, "first_loss": loss, "phases": dict(zip(bench.PHASES, phases, strict=True)),
+            "peak_rss": rss,
             "peak_allocated": allocated, "peak_reserved": allocated, "threads": 1,
             "engine": {"wrapper_optimizer": "W", "base_optimizer": "B", "backend": "gloo"}}
 

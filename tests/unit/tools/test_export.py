@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from dspipe.runtime import checkpoint as ckpt
+from dspipe.runtime import ckpt_tags
 from dspipe.errors import SpecError
 from dspipe.spec.core import ModelSpec
 from tests.helpers import dspipe, error_lines, make_run
@@ -20,7 +20,7 @@ def tokens(vocab, n=2, seq=16):
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_hf_model_computes_the_same_logits_as_dspipe_gpt(tied):
-    from dspipe.tools.export import hf_model
+    from dspipe.model.hf_state import hf_model
     from dspipe.model.gpt import GPT
 
     spec = ModelSpec("t", 2, 32, 4, 96, 24, 80, 0.0, tied)
@@ -127,7 +127,7 @@ def test_missing_tokenizer_is_a_one_line_error(tmp_path):
     spec = load_run(run)
     data = {"consumed_samples": 64, "epoch": 0, "seed": spec.train.seed, "num_samples": 100,
             "seq_len": spec.model.seq_len, "split": "train", "fingerprint": "ab" * 32}
-    (tag / ckpt.META_FILE).write_text(json.dumps({"step": 4, "consumed_samples": 64, "data": data,
+    (tag / ckpt_tags.META_FILE).write_text(json.dumps({"step": 4, "consumed_samples": 64, "data": data,
                                                   "model": asdict(spec.model), "pp": 1, "zero_stage": 1, "dp": 2,
                                                   "world_size": 2}))
     with pytest.raises(SpecError, match=re.escape(f"tokenizer not found: {tmp_path / 'gone' / 'tokenizer'}")):

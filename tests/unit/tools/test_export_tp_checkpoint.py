@@ -4,7 +4,7 @@ module weights are the master weights. The checks of their files (ckptfiles), an
 into the whole model (an uneven vocabulary, a tied GPT-2-style and an untied Llama/GQA model); damage is one line."""
 import json
 import random
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import numpy as np
 import pytest
@@ -13,9 +13,10 @@ import torch
 from dspipe.errors import SpecError
 from dspipe.model import tp_split
 from dspipe.model.gpt import GPT
-from dspipe.runtime import checkpoint as ckpt
+from dspipe.runtime import ckpt_meta, ckpt_tags
 from dspipe.runtime.ckptfiles import check_checkpoint, expected_files
 from dspipe.spec.presets import model_preset
+from tests.helpers import meta_of
 
 STEP = 6
 
@@ -64,7 +65,7 @@ def tp_checkpoint(path, spec, *, tp, pp, seed=0):
         torch.save(rng, path / f"rng-rank{rank}.pt")
     meta = {"step": STEP, "consumed_samples": STEP * 16, "data": data, "model": asdict(spec), "pp": pp, "tp": tp,
             "sp": 1, "zero_stage": 0, "dp": 1, "world_size": tp * pp}
-    (path / ckpt.META_FILE).write_text(json.dumps(meta))
+    (path / ckpt_tags.META_FILE).write_text(json.dumps(meta))
     return path, state
 
 
@@ -76,13 +77,13 @@ CASES = {"gpt2-uneven-vocab-tp2": (model_preset("tiny", vocab=4097), 2, 1),
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_checked_and_merged_back_into_the_whole_model(tmp_path, case):
-    from dspipe.tools.export import consolidate, load_gpt
+    from dspipe.tools.consolidate import consolidate, load_gpt
 
     spec, tp, pp = CASES[case]
     path, state = tp_checkpoint(tmp_path / "global_step6", spec, tp=tp, pp=pp)
-    meta = ckpt.read_meta(path)
+    meta = ckpt_meta.read_meta(path)
     names = sorted(p.name for p in path.iterdir())
-    assert set(expected_files(meta)) == {n for n in names if n != ckpt.META_FILE}
+    assert set(expected_files(meta)) == {n for n in names if n != ckpt_tags.META_FILE}
     check_checkpoint(path, meta=meta)
     merged = consolidate(path, meta=meta)
     assert sorted(merged) == sorted(state)
@@ -92,24 +93,24 @@ def test_checked_and_merged_back_into_the_whole_model(tmp_path, case):
 
 
 def test_layer_file_names_of_tp_pipelines():
-    meta = {"dp": 1, "sp": 1, "zero_stage": 1, "world_size": 4, "pp": 2, "tp": 2}
-    tied = expected_files({**meta, "model": asdict(model_preset("tiny"))})
-    untied = expected_files({**meta, "model": asdict(model_preset("tiny-llama"))})
+    meta = meta_of(dp=1, sp=1, zero_stage=1, world_size=4, pp=2, tp=2)
+    tied = expected_files(replace(meta, model=asdict(model_preset("tiny"))))
+    untied = expected_files(replace(meta, model=asdict(model_preset("tiny-llama"))))
     assert [n for n in tied if n.startswith("layer_")] == [
         f"layer_{i:02d}-model_{r:02d}-model_states.pt" for i in range(4) for r in range(2)]
     assert [n for n in untied if n.startswith("layer_")][-2:] == ["layer_04-model_00-model_states.pt",
                                                                     "layer_04-model_01-model_states.pt"]
     assert [n for n in tied if n.startswith("mp_rank")] == [f"mp_rank_{m:02d}_model_states.pt" for m in range(4)]
-    plain = expected_files({**meta, "pp": 1, "world_size": 2, "model": asdict(model_preset("tiny"))})
+    plain = expected_files(replace(meta, pp=1, world_size=2, model=asdict(model_preset("tiny"))))
     assert plain == ["mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt", "rng-rank0.pt", "rng-rank1.pt"]
 
 
 def test_damaged_tp_checkpoints_are_one_line_errors(tmp_path):
-    from dspipe.tools.export import consolidate
+    from dspipe.tools.consolidate import consolidate
 
     spec = model_preset("tiny", vocab=4097)
     path, _ = tp_checkpoint(tmp_path / "pp2" / "global_step6", spec, tp=2, pp=2)
-    meta = ckpt.read_meta(path)
+    meta = ckpt_meta.read_meta(path)
     layer = path / "layer_01-model_01-model_states.pt"
     saved = layer.read_bytes()
     layer.unlink()
@@ -145,4 +146,4 @@ def test_damaged_tp_checkpoints_are_one_line_errors(tmp_path):
     with pytest.raises(SpecError, match=r"mp_rank_00_model_states.pt: h.0.attn.c_attn.weight has shape \[192, 64\], "
                                         r"the checkpoint's model has \[192, 64\], tp rank 0 of 2 holds \[96, 64\] of "
                                         r"it$"):
-        check_checkpoint(flat, meta=ckpt.read_meta(flat))
+        check_checkpoint(flat, meta=ckpt_meta.read_meta(flat))

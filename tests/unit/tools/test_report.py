@@ -144,7 +144,8 @@ def test_an_existing_report_is_replaced_and_nothing_else(run):
     write_csv(run / "metrics.csv", STEP_COLUMNS, gpu_like_rows(steps=20))
     out, m = write_report(run)
     assert m.last_step == 20 and "20 steps (1-20)" in (out / "report.md").read_text()
-    assert sorted(p.name for p in run.iterdir()) == ["config.yaml", "ds_config.json", "dspipe.json", "metrics.csv", "report"]
+    assert sorted(p.name for p in run.iterdir()) == ["config.yaml", "ds_config.json", "dspipe.json", "metrics.csv",
+                                                     "report"]
 
     (run / "report" / "mine.txt").write_text("notes")  # a file the report did not write: the report is kept
     r = dspipe("report", "runs/t", cwd=run.parent.parent)

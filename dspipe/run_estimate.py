@@ -1,0 +1,101 @@
+"""dspipe.json's "estimate": RunEstimate, read (RunEstimate.from_dict, validated, by dspipe.rundir.load_run) and
+written (RunEstimate.written, gen-config's; to_dict, dspipe.rundir.write_run) here only. Its on-disk format is
+dspipe.planner.summary.estimate_summary's (what `dspipe plan --json` prints) plus save_interval_auto, unchanged: the
+section is kept whole as written and the figures its readers use are typed properties. Imports no torch."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dspipe.errors import SpecError
+from dspipe.jsonio import show
+
+ESTIMATE_NUMBERS = ("tokens_per_s", "mfu", "step_time_s")
+"""Figures of dspipe.json's estimate that `dspipe report` reads (with memory_per_gpu_bytes.total)."""
+AUTO_INTERVAL = "save_interval_auto"
+"""dspipe.json's estimate key, true when train.save_interval came from --save-interval auto: the runner then
+re-plans it from each save's measured time (dspipe.runtime.save_schedule)."""
+ESTIMATE_LAYOUT = ("num_params", "zero_stage", "offload", "offload_params", "precision", "pp", "tp", "sp", "dp",
+                   "micro_batch", "grad_accum", "checkpointing")
+"""Figures of dspipe.json's estimate that repeat the plan (dspipe.planner.summary.estimate_summary)."""
+
+
+def _figure(value) -> float | None:
+    return None if value is None else float(value)
+
+
+@dataclass(frozen=True)
+class RunEstimate:
+    """The planner's estimate of a run as gen-config wrote it. `figures` is the section itself (its keys in the
+    written order; to_dict gives it back unchanged); the properties are the validated figures readers use. An
+    older run directory may lack any of them: None (or False / {})."""
+
+    figures: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return _figure(self.figures.get("tokens_per_s"))
+
+    @property
+    def mfu(self) -> float | None:
+        return _figure(self.figures.get("mfu"))
+
+    @property
+    def step_time_s(self) -> float | None:
+        return _figure(self.figures.get("step_time_s"))
+
+    @property
+    def memory_total_bytes(self) -> float | None:
+        """memory_per_gpu_bytes.total: the predicted peak per GPU."""
+        return _figure(self.figures.get("memory_per_gpu_bytes", {}).get("total"))
+
+    @property
+    def save_interval_auto(self) -> bool:
+        """train.save_interval came from --save-interval auto (the runner re-plans it)."""
+        return self.figures.get(AUTO_INTERVAL) is True
+
+    @property
+    def checkpoint(self) -> dict | None:
+        """The predicted checkpoint (dspipe.planner.checkpoint_size's to_dict), None where not written."""
+        value = self.figures.get("checkpoint")
+        return value if isinstance(value, dict) else None
+
+    @property
+    def startup(self) -> dict | None:
+        """The predicted start-up (dspipe.planner.startup's to_dict), None where not written."""
+        value = self.figures.get("startup")
+        return value if isinstance(value, dict) else None
+
+    def layout(self) -> dict[str, Any]:
+        """The ESTIMATE_LAYOUT figures it holds (they repeat the plan's)."""
+        return {key: self.figures[key] for key in ESTIMATE_LAYOUT if key in self.figures}
+
+    def to_dict(self) -> dict[str, Any]:
+        """dspipe.json's "estimate" object, as written."""
+        return self.figures
+
+    @classmethod
+    def written(cls, summary: dict[str, Any], *, auto_interval: bool = False) -> RunEstimate:
+        """What gen-config writes: the search's estimate_summary, marked save_interval_auto when the save interval
+        came from --save-interval auto."""
+        return cls({**summary, **({AUTO_INTERVAL: True} if auto_interval else {})})
+
+    @classmethod
+    def from_dict(cls, estimate, *, source: Path | str) -> RunEstimate:
+        """The section validated (the figures readers use: numbers >= 0 or null, memory_per_gpu_bytes an object,
+        save_interval_auto true when present); anything else is one SpecError naming `source` and the key."""
+        if not isinstance(estimate, dict):
+            raise SpecError(f"{source}: estimate must be an object, got {type(estimate).__name__}")
+        memory = estimate.get("memory_per_gpu_bytes", {})
+        if not isinstance(memory, dict):
+            raise SpecError(f"{source}: estimate.memory_per_gpu_bytes must be an object, got "
+                            f"{type(memory).__name__}")
+        for name, value in [*((k, estimate.get(k)) for k in ESTIMATE_NUMBERS),
+                            ("memory_per_gpu_bytes.total", memory.get("total"))]:
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
+                raise SpecError(f"{source}: estimate.{name} must be a number >= 0 or null, got {show(value)}")
+        if AUTO_INTERVAL in estimate and estimate[AUTO_INTERVAL] is not True:
+            raise SpecError(f"{source}: estimate.{AUTO_INTERVAL} must be true when present, got "
+                            f"{show(estimate[AUTO_INTERVAL])}")
+        return cls(estimate)

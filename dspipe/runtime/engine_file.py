@@ -1,0 +1,90 @@
+"""engine.json's start-up block: StartupRecord, read (StartupRecord.from_engine, validated) and written (engine_text,
+rank 0 once the engine is up) here only. The on-disk format is the one runners have always written: the engine's
+settings, "nonfinite_guard", then "startup" with its keys in STARTUP_KEYS order, one value per rank. Imports no
+torch."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from dspipe.errors import SpecError
+from dspipe.jsonio import dumps, show
+
+STARTUP_LISTS = ("peak_rss_mib", "rss_before_build_mib", "build_rss_mib", "seconds_to_first_step", "seconds_build")
+"""The start-up lists every reader needs (one number >= 0 per rank)."""
+STARTUP_KEYS = ("mode", "rss_before_build_mib", "build_rss_mib", "peak_rss_mib", "seconds_build",
+                "seconds_to_first_step", "built_params")
+"""engine.json's "startup" keys in the order runners write them (dspipe.runtime.startup.StartupClock.gathered)."""
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+
+
+@dataclass(frozen=True)
+class StartupRecord:
+    """What each rank's start-up cost, rank by rank (engine.json's "startup"): its build mode, its peak host RSS
+    before the model build, right after it and up to the first step (MiB), the seconds of the build and from the
+    process start to the first step, and the parameter values it built (absent in files from before they were
+    counted: None)."""
+
+    mode: str
+    rss_before_build_mib: tuple[float, ...]
+    build_rss_mib: tuple[float, ...]
+    peak_rss_mib: tuple[float, ...]
+    seconds_build: tuple[float, ...]
+    seconds_to_first_step: tuple[float, ...]
+    built_params: tuple[int, ...] | None = None
+
+    @property
+    def ranks(self) -> int:
+        return len(self.peak_rss_mib)
+
+    @property
+    def worst_rank(self) -> int:
+        """The rank of the highest start-up peak RSS."""
+        return max(range(self.ranks), key=self.peak_rss_mib.__getitem__)
+
+    def to_dict(self) -> dict:
+        """The JSON object of engine.json's "startup": STARTUP_KEYS order, lists; built_params when counted."""
+        out = {key: getattr(self, key) for key in STARTUP_KEYS}
+        return {key: value if key == "mode" else list(value) for key, value in out.items() if value is not None}
+
+    @classmethod
+    def from_dict(cls, block, *, source: Path | str) -> StartupRecord:
+        """The block validated: a build mode and, per STARTUP_LISTS key, one number >= 0 per rank (built_params,
+        when present: one integer >= 0 per rank); anything else is one SpecError naming `source` and the key.
+        Keys it does not know are ignored."""
+        if not isinstance(block, dict):
+            raise SpecError(f"{source}'s startup is damaged: an object expected, got {type(block).__name__}")
+        mode = block.get("mode")
+        if not isinstance(mode, str) or not mode or len(mode) > 40:
+            raise SpecError(f"{source}'s startup.mode is damaged: a build mode expected, got {show(mode)}")
+        lists: dict[str, tuple] = {}
+        ranks = None
+        for key in STARTUP_LISTS:
+            value = block.get(key)
+            if not (isinstance(value, list) and value and all(_number(v) for v in value)
+                    and len(value) == (ranks or len(value))):
+                raise SpecError(f"{source}'s startup.{key} is damaged: one number >= 0 per rank expected, got "
+                                f"{show(value)}")
+            lists[key], ranks = tuple(value), len(value)
+        built = block.get("built_params")
+        if built is not None and not (isinstance(built, list) and len(built) == ranks and all(
+                isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in built)):
+            raise SpecError(f"{source}'s startup.built_params is damaged: one integer >= 0 per rank expected, got "
+                            f"{show(built)}")
+        return cls(mode=mode, **lists, built_params=None if built is None else tuple(built))
+
+    @classmethod
+    def from_engine(cls, engine: dict, *, source: Path | str) -> StartupRecord | None:
+        """engine.json's start-up block (engine: the file's object, dspipe.rundir.load_engine); None where its
+        runner predates it; damaged: one SpecError naming `source` and the key."""
+        block = engine.get("startup")
+        return None if block is None else cls.from_dict(block, source=source)
+
+
+def engine_text(settings: dict, *, guarded: bool, startup: StartupRecord, what: str) -> str:
+    """engine.json's text: the live engine's settings, whether the non-finite guard is on, the start-up block."""
+    return dumps({**settings, "nonfinite_guard": guarded, "startup": startup.to_dict()}, what=what)

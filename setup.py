@@ -27,9 +27,18 @@ setup(
     extras_require={
         "monitor": ["wandb>=0.31", "comet_ml>=3.58"],  # --wandb-project / --comet-project (DeepSpeed's monitors)
         # the offline W&B / Comet run is tested; Megatron datasets are written and read back by megatron-core's own code
-        "test": ["pytest>=9.0", "pytest-xdist>=3.8", "ruff==0.17.6", "mypy==2.4.1", "mkdocs==1.6.1",
-                 "mkdocs-material==9.8.2", "types-PyYAML>=6.0",
-                 "wandb>=0.31", "comet_ml>=3.58", "megatron-core>=0.16.1"],
+        "test": [
+            "pytest>=9.0",
+            "pytest-xdist>=3.8",
+            "ruff==0.17.6",
+            "mypy==2.4.1",
+            "mkdocs==1.6.1",
+            "mkdocs-material==9.8.2",
+            "types-PyYAML>=6.0",
+            "wandb>=0.31",
+            "comet_ml>=3.58",
+            "megatron-core>=0.16.1",
+        ],
         # --loss-chunk on CUDA: liger-kernel's fused linear cross-entropy (Triton; its chunk_mem_const is 0.8.5's)
         "gpu": ["liger-kernel>=0.8.5"],
     },

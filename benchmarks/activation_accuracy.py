@@ -4,6 +4,7 @@ tiny-llama, and the stages of an uneven pp = 2 partition. One process, CPU, a fe
 
     python benchmarks/activation_accuracy.py [--write]    # --write replaces the activations section of the doc
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,14 +36,19 @@ def cases() -> list[tuple]:
 def table() -> str:
     from benchmarks.census.activations import compare
 
-    lines = ["| model, precision, recomputation, stage | per block predicted / measured | ratio | head + loss "
-             "predicted / measured | peak predicted / measured | ratio |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| model, precision, recomputation, stage | per block predicted / measured | ratio | head + loss "
+        "predicted / measured | peak predicted / measured | ratio |",
+        "|---|---|---|---|---|---|",
+    ]
     for model, precision, ckpt, pp, stage in cases():
         r = compare(model=model, micro_batch=MICRO_BATCH, checkpointing=ckpt, precision=precision, pp=pp, stage=stage)
         head = f"{r.predicted_head:,} / {r.measured_head:,}" if r.measured_head or r.predicted_head else "-"
-        lines.append(f"| {r.label} | {r.predicted_block:,} / {r.measured_block:,.0f} | "
-                     f"{r.predicted_block / r.measured_block:.3f} | {head} | {r.predicted_peak:,} / "
-                     f"{r.measured_peak:,} | {r.predicted_peak / r.measured_peak:.3f} |")
+        lines.append(
+            f"| {r.label} | {r.predicted_block:,} / {r.measured_block:,.0f} | "
+            f"{r.predicted_block / r.measured_block:.3f} | {head} | {r.predicted_peak:,} / "
+            f"{r.measured_peak:,} | {r.predicted_peak / r.measured_peak:.3f} |"
+        )
     return "\n".join(lines)
 
 

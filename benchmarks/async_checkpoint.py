@@ -11,6 +11,7 @@ background writer shares the cores, so its cost shows in the steps it overlaps. 
 save over a clean step's, per save (the first also allocates the host buffers the later ones reuse), with the
 checkpoint's size and write time.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,12 @@ def dspipe(*args) -> None:
 
 def launch(run: Path, *, port: int) -> None:
     launcher = shutil.which("deepspeed") or "deepspeed"
-    r = subprocess.run([launcher, "--num_gpus", "2", "--master_port", str(port), "run.py", "--run", str(run)],
-                       cwd=ROOT, capture_output=True, text=True)
+    r = subprocess.run(
+        [launcher, "--num_gpus", "2", "--master_port", str(port), "run.py", "--run", str(run)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     if r.returncode:
         sys.exit(f"{run.name}: launch failed (exit {r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
 
@@ -74,18 +79,59 @@ def main() -> None:
     try:
         data = work / "data"
         dspipe("prepare-data", "--out", data, "--max-mb", "1.5", "--train-tokenizer", args.vocab)
-        common = ["--layers", args.layers, "--hidden", args.hidden, "--heads", args.heads, "--vocab", args.vocab,
-                  "--gpus-per-node", 2, "--gpu", "cpu", "--global-batch", args.global_batch, "--micro-batch", 1,
-                  "--seq-len", args.seq_len, "--precision", "fp32", "--zero", 1, "--offload", "none", "--pp", 1,
-                  "--checkpointing", "none", "--steps", args.steps, "--warmup", 1, "--eval-interval", 0,
-                  "--log-interval", 1, "--keep-checkpoints", args.steps // args.every + 1, "--data", data]
-        runs = {"sync": ["--save-interval", args.every, "--sync-save"],
-                "async": ["--save-interval", args.every, "--async-save"]}
+        common = [
+            "--layers",
+            args.layers,
+            "--hidden",
+            args.hidden,
+            "--heads",
+            args.heads,
+            "--vocab",
+            args.vocab,
+            "--gpus-per-node",
+            2,
+            "--gpu",
+            "cpu",
+            "--global-batch",
+            args.global_batch,
+            "--micro-batch",
+            1,
+            "--seq-len",
+            args.seq_len,
+            "--precision",
+            "fp32",
+            "--zero",
+            1,
+            "--offload",
+            "none",
+            "--pp",
+            1,
+            "--checkpointing",
+            "none",
+            "--steps",
+            args.steps,
+            "--warmup",
+            1,
+            "--eval-interval",
+            0,
+            "--log-interval",
+            1,
+            "--keep-checkpoints",
+            args.steps // args.every + 1,
+            "--data",
+            data,
+        ]
+        runs = {
+            "sync": ["--save-interval", args.every, "--sync-save"],
+            "async": ["--save-interval", args.every, "--async-save"],
+        }
         for i, (name, flags) in enumerate(runs.items()):
             dspipe("gen-config", *common, *flags, "--out", work / name)
             launch(work / name, port=29711 + i)
-        print(f"{args.layers} layers x hidden {args.hidden}, global batch {args.global_batch} x seq {args.seq_len}, "
-              f"fp32 ZeRO-1 on 2 CPU ranks, a checkpoint every {args.every} steps:")
+        print(
+            f"{args.layers} layers x hidden {args.hidden}, global batch {args.global_batch} x seq {args.seq_len}, "
+            f"fp32 ZeRO-1 on 2 CPU ranks, a checkpoint every {args.every} steps:"
+        )
         for name in runs:
             times, figures = step_times(work / name), saves(work / name)
             busy = {j for s, f in figures.items() for j in range(s, max(s, f["completed_after_step"]) + 1)}
@@ -93,13 +139,14 @@ def main() -> None:
             measured = {s: f for s, f in figures.items() if s < args.steps}  # the run's end waits for its last
             ratios = [cost_ratio(times=times, save=f, step=s, clean=clean) for s, f in measured.items()]
             last = list(measured.values())[-1]
-            held = (f", {last['rank_max_bytes'] / 2**30:.2f} GiB per rank held in host memory"
-                    if name == "async" else "")
-            print(f"  {name:5s}: a clean step {clean:.2f} s; step during a save / clean = "
-                  f"{', '.join(f'{r:.3f}' for r in ratios)} (saves at {', '.join(map(str, measured))}; "
-                  f"the later ones: mean {statistics.mean(ratios[1:] or ratios):.3f}); checkpoint "
-                  f"{last['bytes'] / 2**30:.2f} GiB{held}, written in {last['write_s']:.2f} s, the step waited "
-                  f"{last['blocking_s']:.2f} s")
+            held = f", {last['rank_max_bytes'] / 2**30:.2f} GiB per rank held in host memory" if name == "async" else ""
+            print(
+                f"  {name:5s}: a clean step {clean:.2f} s; step during a save / clean = "
+                f"{', '.join(f'{r:.3f}' for r in ratios)} (saves at {', '.join(map(str, measured))}; "
+                f"the later ones: mean {statistics.mean(ratios[1:] or ratios):.3f}); checkpoint "
+                f"{last['bytes'] / 2**30:.2f} GiB{held}, written in {last['write_s']:.2f} s, the step waited "
+                f"{last['blocking_s']:.2f} s"
+            )
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

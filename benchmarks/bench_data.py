@@ -16,6 +16,7 @@ size, and loader speed vs what a training step consumes. Corpora are generated u
 5. Loader: TrainLoader micro-batches (seq_len 1024, micro-batch 8) from the 100 MB shards, vs the micro-batches/s
    one training step of the demo model consumes on this CPU.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,8 +62,13 @@ def make_corpus(path: Path, *, megabytes: int, seed: int = 0) -> dict:
 
 
 def dspipe(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dspipe", *map(str, args)], cwd=ROOT, capture_output=True,
-                          text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return subprocess.run(
+        [sys.executable, "-m", "dspipe", *map(str, args)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
 
 
 def demo_tokenizer(work: Path) -> Path:
@@ -110,8 +116,14 @@ def raw_encode(corpus: Path, tokenizer_json: Path, *, method: str = "encode_batc
             batch, chars = [], 0
     if batch:
         run(batch)
-    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "text_bytes": size,
-            "cpu_s": cpu, "tokens_per_cpu_s": tokens / cpu}
+    return {
+        "tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+        "text_bytes": size,
+        "cpu_s": cpu,
+        "tokens_per_cpu_s": tokens / cpu,
+    }
 
 
 def watch_tree(pid: int, stop: threading.Event, result: dict) -> None:
@@ -139,16 +151,40 @@ def watch_tree(pid: int, stop: threading.Event, result: dict) -> None:
                 peak_main = max(peak_main, rss)
         peak_total = max(peak_total, total)
         time.sleep(0.02)
-    result.update(peak_rss_tree=peak_total, peak_rss_main=peak_main, cpu_main=cpu.get(pid, 0.0),
-                  cpu_workers=sum(v for k, v in cpu.items() if k != pid))
+    result.update(
+        peak_rss_tree=peak_total,
+        peak_rss_main=peak_main,
+        cpu_main=cpu.get(pid, 0.0),
+        cpu_workers=sum(v for k, v in cpu.items() if k != pid),
+    )
 
 
 def run_prepare(corpus: Path, out: Path, tokenizer: Path, *, workers: int) -> dict:
-    cmd = [sys.executable, "-m", "dspipe", "prepare-data", str(corpus), "--out", str(out), "--tokenizer",
-           str(tokenizer), "--workers", str(workers), "--force", "--val-fraction", "0.01"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dspipe",
+        "prepare-data",
+        str(corpus),
+        "--out",
+        str(out),
+        "--tokenizer",
+        str(tokenizer),
+        "--workers",
+        str(workers),
+        "--force",
+        "--val-fraction",
+        "0.01",
+    ]
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     stop, result = threading.Event(), {}
     watcher = threading.Thread(target=watch_tree, args=(proc.pid, stop, result))
     watcher.start()
@@ -159,8 +195,14 @@ def run_prepare(corpus: Path, out: Path, tokenizer: Path, *, workers: int) -> di
         sys.exit(f"prepare-data failed: {stderr[-2000:]}")
     rate = float(re.search(r"tokenized at ([\d,]+) tokens/s", stdout).group(1).replace(",", ""))
     meta = json.loads((out / "meta.json").read_text())
-    return {"workers": workers, "tokens": meta["num_tokens"], "text_bytes": meta["num_bytes"],
-            "tokens_per_s": rate, "wall_s": time.perf_counter() - t0, **result}
+    return {
+        "workers": workers,
+        "tokens": meta["num_tokens"],
+        "text_bytes": meta["num_bytes"],
+        "tokens_per_s": rate,
+        "wall_s": time.perf_counter() - t0,
+        **result,
+    }
 
 
 def loader_speed(data: Path, *, seq_len=1024, micro_batch=8, batches=3000) -> dict:
@@ -173,8 +215,12 @@ def loader_speed(data: Path, *, seq_len=1024, micro_batch=8, batches=3000) -> di
     for _ in range(batches):
         inputs, labels = next(ld)
     dt = time.perf_counter() - t0
-    return {"seq_len": seq_len, "micro_batch": micro_batch, "batches_per_s": batches / dt,
-            "tokens_per_s": batches * micro_batch * seq_len / dt}
+    return {
+        "seq_len": seq_len,
+        "micro_batch": micro_batch,
+        "batches_per_s": batches / dt,
+        "tokens_per_s": batches * micro_batch * seq_len / dt,
+    }
 
 
 def training_need(*, seq_len=128, micro_batch=8, steps=10) -> dict:
@@ -214,16 +260,20 @@ def main() -> None:
     tokenizer = demo_tokenizer(args.work)
     res["raw"] = raw = raw_encode(Path(corpora[small]["path"]), tokenizer / "tokenizer.json")
     print(f"raw encode_batch, 1 thread: {raw['tokens_per_s']:,.0f} tokens/s", flush=True)
-    res["raw_fast"] = fast = raw_encode(Path(corpora[small]["path"]), tokenizer / "tokenizer.json",
-                                        method="encode_batch_fast")
+    res["raw_fast"] = fast = raw_encode(
+        Path(corpora[small]["path"]), tokenizer / "tokenizer.json", method="encode_batch_fast"
+    )
     print(f"raw encode_batch_fast, 1 thread: {fast['tokens_per_s']:,.0f} tokens/s", flush=True)
     runs = {}
     for mb, workers in ((small, 1), (small, 2), (large, 2)):
         r = run_prepare(Path(corpora[mb]["path"]), args.work / f"out-{mb}", tokenizer, workers=workers)
         runs[f"{mb}MB-w{workers}"] = r
-        print(f"prepare-data {mb} MB, {workers} worker(s): {r['tokens_per_s']:,.0f} tokens/s, peak RSS "
-              f"{r['peak_rss_tree'] / 2**20:.0f} MiB (main {r['peak_rss_main'] / 2**20:.0f} MiB), "
-              f"{r['wall_s']:.0f} s", flush=True)
+        print(
+            f"prepare-data {mb} MB, {workers} worker(s): {r['tokens_per_s']:,.0f} tokens/s, peak RSS "
+            f"{r['peak_rss_tree'] / 2**20:.0f} MiB (main {r['peak_rss_main'] / 2**20:.0f} MiB), "
+            f"{r['wall_s']:.0f} s",
+            flush=True,
+        )
     res["prepare"] = runs
     res["loader"] = loader = loader_speed(args.work / f"out-{small}")
     res["training_need"] = need = training_need()
@@ -232,26 +282,42 @@ def main() -> None:
     print("\n| measure | value |\n|---|---|")
     print(f"| raw `encode_batch`, 1 thread ({small} MB) | {raw['tokens_per_s']:,.0f} tokens/s |")
     print(f"| raw `encode_batch_fast`, 1 thread ({small} MB) | {fast['tokens_per_s']:,.0f} tokens/s |")
-    print(f"| prepare-data --workers 1 ({small} MB) | {w1['tokens_per_s']:,.0f} tokens/s "
-          f"({w1['tokens_per_s'] / raw['tokens_per_s']:.2f}x raw) |")
-    print(f"| prepare-data --workers 2 ({small} MB) | {w2['tokens_per_s']:,.0f} tokens/s "
-          f"({w2['tokens_per_s'] / w1['tokens_per_s']:.2f}x 1 worker, "
-          f"{w2['tokens_per_s'] / 2 / raw['tokens_per_s']:.2f}x raw per worker) |")
-    print(f"| peak RSS, {small} MB vs {large} MB (--workers 2, all processes) | {w2['peak_rss_tree'] / 2**20:.0f} "
-          f"vs {big['peak_rss_tree'] / 2**20:.0f} MiB ({big['peak_rss_tree'] / w2['peak_rss_tree'] - 1:+.1%}) |")
-    print(f"| peak RSS of the main process, {small} vs {large} MB | {w2['peak_rss_main'] / 2**20:.0f} vs "
-          f"{big['peak_rss_main'] / 2**20:.0f} MiB |")
+    print(
+        f"| prepare-data --workers 1 ({small} MB) | {w1['tokens_per_s']:,.0f} tokens/s "
+        f"({w1['tokens_per_s'] / raw['tokens_per_s']:.2f}x raw) |"
+    )
+    print(
+        f"| prepare-data --workers 2 ({small} MB) | {w2['tokens_per_s']:,.0f} tokens/s "
+        f"({w2['tokens_per_s'] / w1['tokens_per_s']:.2f}x 1 worker, "
+        f"{w2['tokens_per_s'] / 2 / raw['tokens_per_s']:.2f}x raw per worker) |"
+    )
+    print(
+        f"| peak RSS, {small} MB vs {large} MB (--workers 2, all processes) | {w2['peak_rss_tree'] / 2**20:.0f} "
+        f"vs {big['peak_rss_tree'] / 2**20:.0f} MiB ({big['peak_rss_tree'] / w2['peak_rss_tree'] - 1:+.1%}) |"
+    )
+    print(
+        f"| peak RSS of the main process, {small} vs {large} MB | {w2['peak_rss_main'] / 2**20:.0f} vs "
+        f"{big['peak_rss_main'] / 2**20:.0f} MiB |"
+    )
     print(f"| CPU seconds main / workers ({small} MB, 2 workers) | {w2['cpu_main']:.0f} / {w2['cpu_workers']:.0f} |")
-    print(f"| tokens per CPU-second: raw `encode_batch` / raw `encode_batch_fast` / prepare-data worker "
-          f"({small} MB, 2 workers) | {raw['tokens_per_cpu_s']:,.0f} / {fast['tokens_per_cpu_s']:,.0f} / "
-          f"{w2['tokens'] / w2['cpu_workers']:,.0f} |")
-    print(f"| CPU available to prepare-data (CPU-s / wall-s), 1 and 2 workers ({small} MB) | "
-          f"{(w1['cpu_main'] + w1['cpu_workers']) / w1['wall_s']:.2f} / "
-          f"{(w2['cpu_main'] + w2['cpu_workers']) / w2['wall_s']:.2f} cores |")
-    print(f"| loader, micro-batch {loader['micro_batch']} x seq {loader['seq_len']} | "
-          f"{loader['batches_per_s']:,.0f} batches/s ({loader['tokens_per_s'] / 1e6:,.1f}M tokens/s) |")
-    print(f"| a training step of the demo model on this CPU (mb {need['micro_batch']} x seq {need['seq_len']}) | "
-          f"needs {need['batches_per_s']:.1f} batches/s |")
+    print(
+        f"| tokens per CPU-second: raw `encode_batch` / raw `encode_batch_fast` / prepare-data worker "
+        f"({small} MB, 2 workers) | {raw['tokens_per_cpu_s']:,.0f} / {fast['tokens_per_cpu_s']:,.0f} / "
+        f"{w2['tokens'] / w2['cpu_workers']:,.0f} |"
+    )
+    print(
+        f"| CPU available to prepare-data (CPU-s / wall-s), 1 and 2 workers ({small} MB) | "
+        f"{(w1['cpu_main'] + w1['cpu_workers']) / w1['wall_s']:.2f} / "
+        f"{(w2['cpu_main'] + w2['cpu_workers']) / w2['wall_s']:.2f} cores |"
+    )
+    print(
+        f"| loader, micro-batch {loader['micro_batch']} x seq {loader['seq_len']} | "
+        f"{loader['batches_per_s']:,.0f} batches/s ({loader['tokens_per_s'] / 1e6:,.1f}M tokens/s) |"
+    )
+    print(
+        f"| a training step of the demo model on this CPU (mb {need['micro_batch']} x seq {need['seq_len']}) | "
+        f"needs {need['batches_per_s']:.1f} batches/s |"
+    )
     print(f"| load average at start / end | {res['load_avg_start'][0]:.1f} / {res['load_avg_end'][0]:.1f} |")
     if args.json:
         args.json.write_text(json.dumps(res, indent=2) + "\n")

@@ -11,6 +11,7 @@ docs/planner-accuracy.md.
 The machine is shared: figures move with the load on it. Each round calibrates and benches back to back, so that
 both see the same machine.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,20 @@ DOC = ROOT / "docs" / "planner-accuracy.md"
 BEGIN, END = "<!-- calibration -->", "<!-- /calibration -->"
 MODEL = ["--model", "tiny", "--layers", "4", "--hidden", "128", "--heads", "4", "--seq-len", "128", "--vocab", "4096"]
 """scripts/demo.sh's model."""
-CLUSTER = ["--gpus-per-node", "2", "--gpu", "cpu", "--precision", "fp32", "--micro-batch", "8", "--global-batch", "32",
-           "--zero", "1"]
+CLUSTER = [
+    "--gpus-per-node",
+    "2",
+    "--gpu",
+    "cpu",
+    "--precision",
+    "fp32",
+    "--micro-batch",
+    "8",
+    "--global-batch",
+    "32",
+    "--zero",
+    "1",
+]
 """scripts/demo.sh's CPU configuration (2 ranks, fp32, micro 8, global batch 16 x 2 ranks, ZeRO-1)."""
 
 
@@ -58,8 +71,12 @@ def one_round(tmp: str, i: int) -> dict:
     """Calibrate, predict (catalog and profile), then measure: back to back, so both see the same machine."""
     profile = str(Path(tmp) / f"profile{i}.json")
     dspipe("calibrate", *MODEL, "--micro-batch", "8", "--precision", "fp32", "--out", profile)
-    return {"profile": json.loads(Path(profile).read_text()), "catalog": predicted(None),
-            "calibrated": predicted(profile), "measured": measured()}
+    return {
+        "profile": json.loads(Path(profile).read_text()),
+        "catalog": predicted(None),
+        "calibrated": predicted(profile),
+        "measured": measured(),
+    }
 
 
 def main() -> None:
@@ -71,9 +88,17 @@ def main() -> None:
         rounds = [one_round(tmp, i) for i in range(args.rounds)]
     med = statistics.median
     prof = rounds[0]["profile"]
-    f = {k: med(r["profile"]["figures"][k] for r in rounds) for k in ("compute_tflops", "matmul_tflops",
-                                                                      "allreduce_busbw_gbps", "allreduce_latency_s",
-                                                                      "host_memcpy_gbps", "optimizer_params_per_s")}
+    f = {
+        k: med(r["profile"]["figures"][k] for r in rounds)
+        for k in (
+            "compute_tflops",
+            "matmul_tflops",
+            "allreduce_busbw_gbps",
+            "allreduce_latency_s",
+            "host_memcpy_gbps",
+            "optimizer_params_per_s",
+        )
+    }
     adam = [r["profile"]["figures"]["cpu_adam_params_per_s"] for r in rounds]
     lines = [
         f"Machine: {prof['device']}, {prof['ranks']} ranks x {prof['threads_per_rank']} thread, {prof['versions']}; "
@@ -93,21 +118,26 @@ def main() -> None:
     for i, r in enumerate(rounds, start=1):
         cat, cal, m = r["catalog"], r["calibrated"], r["measured"]
         b = cal["breakdown"]
-        lines.append(f"| {i} | {cat['step_time_s']:.3f} | {cal['step_time_s']:.3f} ({b['compute']:.3f} + "
-                     f"{b['dp_comm']:.4f} + {b.get('optimizer', 0.0):.4f}) | {m['step time']:.3f} "
-                     f"({m['forward']:.3f} + {m['backward + grad reduction']:.3f} + {m['optimizer step']:.3f}) | "
-                     f"{m['step time'] / cat['step_time_s']:.1f} | {m['step time'] / cal['step_time_s']:.2f} |")
+        lines.append(
+            f"| {i} | {cat['step_time_s']:.3f} | {cal['step_time_s']:.3f} ({b['compute']:.3f} + "
+            f"{b['dp_comm']:.4f} + {b.get('optimizer', 0.0):.4f}) | {m['step time']:.3f} "
+            f"({m['forward']:.3f} + {m['backward + grad reduction']:.3f} + {m['optimizer step']:.3f}) | "
+            f"{m['step time'] / cat['step_time_s']:.1f} | {m['step time'] / cal['step_time_s']:.2f} |"
+        )
     ratios = [r["measured"]["step time"] / r["calibrated"]["step_time_s"] for r in rounds]
     before = [r["measured"]["step time"] / r["catalog"]["step_time_s"] for r in rounds]
-    lines += ["", f"Median measured / predicted: {med(before):.1f} with the catalog, {med(ratios):.2f} with the "
-                  f"profile (range {min(ratios):.2f}-{max(ratios):.2f}; goal within 1.5x either way)."]
+    lines += [
+        "",
+        f"Median measured / predicted: {med(before):.1f} with the catalog, {med(ratios):.2f} with the "
+        f"profile (range {min(ratios):.2f}-{max(ratios):.2f}; goal within 1.5x either way).",
+    ]
     table = "\n".join(lines)
     print(table)
     if args.write:
         doc = DOC.read_text()
         section = f"{BEGIN}\n{table}\n{END}"
         if BEGIN in doc and END in doc:
-            doc = doc[:doc.index(BEGIN)] + section + doc[doc.index(END) + len(END):]
+            doc = doc[: doc.index(BEGIN)] + section + doc[doc.index(END) + len(END) :]
         else:
             doc = doc.rstrip("\n") + "\n\n## Calibrated step time on CPU\n\n" + section + "\n"
         DOC.write_text(doc)

@@ -13,6 +13,7 @@ gradients (hidden, weight) with the plain path's, in fp32 and in the run's dtype
     python benchmarks/chunked_loss.py [--device cpu|cuda] [--vocab 32768] [--hidden 2048] [--seq 2048]
                                       [--batch 1] [--chunk 256 1024] [--dtype fp32|bf16] [--repeats 3] [--check]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -117,8 +118,15 @@ def check(*, device: str, dtype, variants: list[str], tokens: int = 1000, hidden
     for variant in variants:
         loss = loss_of(variant)(x, w, y)
         got = (loss, *torch.autograd.grad(loss, (x, w)))
-        rows.append((variant, *(((g.double() - e.double()).abs().max() / e.double().abs().max()).item()
-                                for g, e in zip(got, want, strict=True))))
+        rows.append(
+            (
+                variant,
+                *(
+                    ((g.double() - e.double()).abs().max() / e.double().abs().max()).item()
+                    for g, e in zip(got, want, strict=True)
+                ),
+            )
+        )
     return rows
 
 
@@ -144,28 +152,41 @@ def main(argv=None) -> None:
     liger = a.device == "cuda" and liger_available()
     variants = ["plain", *map(str, a.chunk), *(f"liger:{c}" for c in a.chunk if liger)]
     where = torch.cuda.get_device_name() if a.device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
-    print(f"{where}, torch {torch.__version__}, {a.dtype}, tokens {a.batch} x {a.seq}, hidden {a.hidden}, "
-          f"vocab {a.vocab:,}; liger {'in use' if liger else 'not installed or no CUDA'}")
+    print(
+        f"{where}, torch {torch.__version__}, {a.dtype}, tokens {a.batch} x {a.seq}, hidden {a.hidden}, "
+        f"vocab {a.vocab:,}; liger {'in use' if liger else 'not installed or no CUDA'}"
+    )
     if a.check:
         for dtype in dict.fromkeys((torch.float32, DTYPES[a.dtype])):
             for variant, *rel in check(device=a.device, dtype=dtype, variants=variants[1:]):
-                print(f"check {str(dtype).replace('torch.', '')} {name_of(variant):24s} vs plain: "
-                      f"loss rel {rel[0]:.1e}, d hidden rel {rel[1]:.1e}, d weight rel {rel[2]:.1e}")
+                print(
+                    f"check {str(dtype).replace('torch.', '')} {name_of(variant):24s} vs plain: "
+                    f"loss rel {rel[0]:.1e}, d hidden rel {rel[1]:.1e}, d weight rel {rel[2]:.1e}"
+                )
     rows = []
     for variant in variants:
         if a.device == "cuda":
             r = measure_cuda(variant, a)
         else:
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--child", variant, "--device", "cpu",
-                   *(f"--{k}={getattr(a, k)}" for k in ("vocab", "hidden", "seq", "batch", "dtype", "repeats"))]
+            cmd = [
+                sys.executable,
+                str(Path(__file__).resolve()),
+                "--child",
+                variant,
+                "--device",
+                "cpu",
+                *(f"--{k}={getattr(a, k)}" for k in ("vocab", "hidden", "seq", "batch", "dtype", "repeats")),
+            ]
             r = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
         rows.append((name_of(variant), r))
     logits = a.batch * a.seq * a.vocab * 4
     print(f"fp32 logits of the micro-batch: {logits / 2**20:,.0f} MiB")
     plain_peak, plain_s = max(rows[0][1]["peak_bytes"], 1), rows[0][1]["seconds"]
     for name, r in rows:
-        print(f"{name:24s} peak {r['peak_bytes'] / 2**20:8,.0f} MiB ({r['peak_bytes'] / plain_peak:5.2f}x)  "
-              f"{r['seconds'] * 1e3:9,.0f} ms ({r['seconds'] / plain_s:4.2f}x)  loss {r['loss']:.6f}")
+        print(
+            f"{name:24s} peak {r['peak_bytes'] / 2**20:8,.0f} MiB ({r['peak_bytes'] / plain_peak:5.2f}x)  "
+            f"{r['seconds'] * 1e3:9,.0f} ms ({r['seconds'] / plain_s:4.2f}x)  loss {r['loss']:.6f}"
+        )
 
 
 if __name__ == "__main__":

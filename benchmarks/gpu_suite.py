@@ -12,6 +12,7 @@ appended to `--append` (docs/benchmarks.md).
 
 Run it from the repository root after `bash scripts/setup.sh` (or with dspipe and DeepSpeed on PYTHONPATH).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,8 +58,9 @@ def run_with_fallbacks(step: Step, *, log, deadline: float) -> dict:
             break
         failures.append(result["status"])
         log.write(f"\n[{step.name} failed; trying its fallback]\n")
-        result = run_step(Step(step.name, step.title, commands, step.limit_s, step.parse, step.env), log=log,
-                          deadline=deadline)
+        result = run_step(
+            Step(step.name, step.title, commands, step.limit_s, step.parse, step.env), log=log, deadline=deadline
+        )
         result["fallback"] = shlex.join(commands[-1][-6:])
     if failures:
         result["failed first"] = " || ".join(failures)
@@ -76,21 +78,26 @@ def run_step(step: Step, *, log, deadline: float) -> dict:
         log.write(f"\n$ {shlex.join(cmd)}\n")
         log.flush()
         try:
-            r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=left,
-                               env={**os.environ, **step.env})
+            r = subprocess.run(
+                cmd, cwd=ROOT, capture_output=True, text=True, timeout=left, env={**os.environ, **step.env}
+            )
         except subprocess.TimeoutExpired as e:
             text = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
             log.write(text + f"\n[timed out after {left:.0f} s]\n")
-            return {"status": f"timed out after {time.perf_counter() - started:.0f} s",
-                    "seconds": time.perf_counter() - started}
+            return {
+                "status": f"timed out after {time.perf_counter() - started:.0f} s",
+                "seconds": time.perf_counter() - started,
+            }
         text = r.stdout + r.stderr
         log.write(text)
         log.flush()
         output.append(text)
         if r.returncode:
             tail = [ln for ln in text.splitlines() if ln.strip()][-3:]
-            return {"status": f"failed (exit {r.returncode}): {' | '.join(tail)[-400:]}",
-                    "seconds": time.perf_counter() - started}
+            return {
+                "status": f"failed (exit {r.returncode}): {' | '.join(tail)[-400:]}",
+                "seconds": time.perf_counter() - started,
+            }
     result = {"status": "ok", "seconds": time.perf_counter() - started}
     if step.parse:
         try:
@@ -102,6 +109,7 @@ def run_step(step: Step, *, log, deadline: float) -> dict:
 
 def demo_parser(run_dir: Path):
     """The demo's loss, time to its first step (the runner's start-up line) and median tokens/s (metrics.csv)."""
+
     def parse(text: str) -> dict:
         import csv
         import statistics
@@ -116,6 +124,7 @@ def demo_parser(run_dir: Path):
         if rates:
             out["median tokens/s"] = round(statistics.median(rates))
         return out
+
     return parse
 
 
@@ -144,42 +153,193 @@ def steps(*, gpu: str | None, sections: Path) -> list[Step]:
     """The suite, most wanted first; the benches append their tables to `sections`."""
     gpu_flag = ["--gpu", gpu] if gpu else []
     demo_dir, data = "runs/gpu-suite-demo", "data/stdlib"
-    bench = [*DSPIPE, "bench", "--gpus-per-node", "1", "--nodes", "1", *gpu_flag, "--warmup", "2", "--steps", "5",
-             "--compare", "--append", str(sections)]
+    bench = [
+        *DSPIPE,
+        "bench",
+        "--gpus-per-node",
+        "1",
+        "--nodes",
+        "1",
+        *gpu_flag,
+        "--warmup",
+        "2",
+        "--steps",
+        "5",
+        "--compare",
+        "--append",
+        str(sections),
+    ]
     fast = ["--compile", "--loss-chunk", str(LOSS_CHUNK)]
     gpt = ["--model", "gpt3-1.3b", "--global-batch", "16", "--micro-batch", "2"]
     llama = ["--model", "llama3.2-1b", "--seq-len", "4096", "--global-batch", "8", "--micro-batch", "1"]
     return [
-        Step("fused-adam", "FusedAdam JIT build (DeepSpeed's op, for this GPU's architecture)",
-             [[PY, "-c", "from deepspeed.ops.op_builder import FusedAdamBuilder; FusedAdamBuilder().load()"]], 240),
-        Step("demo", "README demo on CUDA/NCCL: 4-layer GPT, bf16, ZeRO-1, 50 steps", [
-            [*DSPIPE, "prepare-data", "--out", data, "--train-tokenizer", "4096"],
-            [*DSPIPE, "gen-config", "--model", "tiny", "--layers", "4", "--hidden", "128", "--heads", "4", "--seq-len",
-             "128", "--vocab", "4096", "--gpus-per-node", "1", *gpu_flag, "--precision", "bf16", "--micro-batch", "8",
-             "--global-batch", "16", "--steps", "50", "--warmup", "10", "--lr", "2e-3", "--zero", "1",
-             "--log-interval", "10", "--eval-interval", "0", "--data", data, "--out", demo_dir, "--force"],
-            [PY, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "run.py", "--run", demo_dir, "--restart"],
-        ], 150, demo_parser(Path(demo_dir))),
-        Step("bench-gpt", "gpt3-1.3b, micro 2 x ga 8, compiled blocks + chunked loss vs compiled reference",
-             [[*bench, *gpt, *fast]], 200, parse_bench,
-             fallbacks=[[[*bench, *gpt, "--compile"]], [[*bench, *gpt, "--reference", "eager"]]]),
-        Step("bench-llama", "llama3.2-1b seq 4,096, micro 1 x ga 8, compiled blocks + chunked loss vs compiled "
-             "reference", [[*bench, *llama, *fast]], 200, parse_bench,
-             fallbacks=[[[*bench, *llama, "--compile"]], [[*bench, *llama, "--reference", "eager"]]]),
-        Step("cuda-tests", "the unit tests that need CUDA (liger's loss, flex windows)",
-             [[PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/unit/model/test_chunked_loss.py",
-               "tests/unit/model/test_window.py"]], 90, parse_lines),
-        Step("chunked-loss", "cross-entropy without the full logits, Llama-3 head (V 128,256, h 4,096, 8,192 "
-             "tokens): plain / chunked / liger (benchmarks/chunked_loss.py)",
-             [[PY, "benchmarks/chunked_loss.py", "--device", "cuda", "--check", "--vocab", "128256", "--hidden",
-               "4096", "--seq", "8192", "--chunk", "1024", "4096", "--repeats", "5"]], 90, parse_lines),
-        Step("window", "sliding-window attention kernel vs causal flash (benchmarks/window_attention.py)",
-             [[PY, "benchmarks/window_attention.py"]], 60, parse_lines),
-        Step("bench-moe", "MoE 479M (32 experts of 1024, top-4), ZeRO-2, vs the eager reference",
-             [[*bench, "--model", "tiny-llama", "--layers", "4", "--hidden", "1024", "--heads", "16", "--kv-heads", "4",
-               "--ffn", "2816", "--vocab", "32000", "--seq-len", "2048", "--experts", "32", "--experts-per-token",
-               "4", "--expert-ffn", "1024", "--global-batch", "16", "--micro-batch", "4", "--zero", "2",
-               "--reference", "eager"]], 150, parse_bench),
+        Step(
+            "fused-adam",
+            "FusedAdam JIT build (DeepSpeed's op, for this GPU's architecture)",
+            [[PY, "-c", "from deepspeed.ops.op_builder import FusedAdamBuilder; FusedAdamBuilder().load()"]],
+            240,
+        ),
+        Step(
+            "demo",
+            "README demo on CUDA/NCCL: 4-layer GPT, bf16, ZeRO-1, 50 steps",
+            [
+                [*DSPIPE, "prepare-data", "--out", data, "--train-tokenizer", "4096"],
+                [
+                    *DSPIPE,
+                    "gen-config",
+                    "--model",
+                    "tiny",
+                    "--layers",
+                    "4",
+                    "--hidden",
+                    "128",
+                    "--heads",
+                    "4",
+                    "--seq-len",
+                    "128",
+                    "--vocab",
+                    "4096",
+                    "--gpus-per-node",
+                    "1",
+                    *gpu_flag,
+                    "--precision",
+                    "bf16",
+                    "--micro-batch",
+                    "8",
+                    "--global-batch",
+                    "16",
+                    "--steps",
+                    "50",
+                    "--warmup",
+                    "10",
+                    "--lr",
+                    "2e-3",
+                    "--zero",
+                    "1",
+                    "--log-interval",
+                    "10",
+                    "--eval-interval",
+                    "0",
+                    "--data",
+                    data,
+                    "--out",
+                    demo_dir,
+                    "--force",
+                ],
+                [PY, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "run.py", "--run", demo_dir, "--restart"],
+            ],
+            150,
+            demo_parser(Path(demo_dir)),
+        ),
+        Step(
+            "bench-gpt",
+            "gpt3-1.3b, micro 2 x ga 8, compiled blocks + chunked loss vs compiled reference",
+            [[*bench, *gpt, *fast]],
+            200,
+            parse_bench,
+            fallbacks=[[[*bench, *gpt, "--compile"]], [[*bench, *gpt, "--reference", "eager"]]],
+        ),
+        Step(
+            "bench-llama",
+            "llama3.2-1b seq 4,096, micro 1 x ga 8, compiled blocks + chunked loss vs compiled reference",
+            [[*bench, *llama, *fast]],
+            200,
+            parse_bench,
+            fallbacks=[[[*bench, *llama, "--compile"]], [[*bench, *llama, "--reference", "eager"]]],
+        ),
+        Step(
+            "cuda-tests",
+            "the unit tests that need CUDA (liger's loss, flex windows)",
+            [
+                [
+                    PY,
+                    "-m",
+                    "pytest",
+                    "-q",
+                    "-p",
+                    "no:cacheprovider",
+                    "tests/unit/model/test_chunked_loss.py",
+                    "tests/unit/model/test_window.py",
+                ]
+            ],
+            90,
+            parse_lines,
+        ),
+        Step(
+            "chunked-loss",
+            "cross-entropy without the full logits, Llama-3 head (V 128,256, h 4,096, 8,192 "
+            "tokens): plain / chunked / liger (benchmarks/chunked_loss.py)",
+            [
+                [
+                    PY,
+                    "benchmarks/chunked_loss.py",
+                    "--device",
+                    "cuda",
+                    "--check",
+                    "--vocab",
+                    "128256",
+                    "--hidden",
+                    "4096",
+                    "--seq",
+                    "8192",
+                    "--chunk",
+                    "1024",
+                    "4096",
+                    "--repeats",
+                    "5",
+                ]
+            ],
+            90,
+            parse_lines,
+        ),
+        Step(
+            "window",
+            "sliding-window attention kernel vs causal flash (benchmarks/window_attention.py)",
+            [[PY, "benchmarks/window_attention.py"]],
+            60,
+            parse_lines,
+        ),
+        Step(
+            "bench-moe",
+            "MoE 479M (32 experts of 1024, top-4), ZeRO-2, vs the eager reference",
+            [
+                [
+                    *bench,
+                    "--model",
+                    "tiny-llama",
+                    "--layers",
+                    "4",
+                    "--hidden",
+                    "1024",
+                    "--heads",
+                    "16",
+                    "--kv-heads",
+                    "4",
+                    "--ffn",
+                    "2816",
+                    "--vocab",
+                    "32000",
+                    "--seq-len",
+                    "2048",
+                    "--experts",
+                    "32",
+                    "--experts-per-token",
+                    "4",
+                    "--expert-ffn",
+                    "1024",
+                    "--global-batch",
+                    "16",
+                    "--micro-batch",
+                    "4",
+                    "--zero",
+                    "2",
+                    "--reference",
+                    "eager",
+                ]
+            ],
+            150,
+            parse_bench,
+        ),
     ]
 
 
@@ -197,6 +357,7 @@ def device_line() -> tuple[str, str]:
     name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA device"
     try:
         import deepspeed
+
         ds = deepspeed.__version__
     except ImportError:
         ds = "absent"
@@ -205,8 +366,14 @@ def device_line() -> tuple[str, str]:
 
 def section(results: dict, *, device: str, versions: str, date: str, plan: list[Step], tables: str) -> str:
     """The dated markdown section: one row per step (status, seconds, figures), then each step's detail."""
-    lines = [f"### {date}: {device}, GPU suite (`python benchmarks/gpu_suite.py`)", "", f"- versions: {versions}", "",
-             "| step | status | seconds | figures |", "|---|---|---:|---|"]
+    lines = [
+        f"### {date}: {device}, GPU suite (`python benchmarks/gpu_suite.py`)",
+        "",
+        f"- versions: {versions}",
+        "",
+        "| step | status | seconds | figures |",
+        "|---|---|---:|---|",
+    ]
     for step in plan:
         r = results.get(step.name)
         if r is None:
@@ -214,8 +381,10 @@ def section(results: dict, *, device: str, versions: str, date: str, plan: list[
             continue
         figures = {k: v for k, v in r.items() if k not in ("status", "seconds", "report", "setup", "failed first")}
         text = ", ".join(f"{k} {' / '.join(v) if isinstance(v, list) else v}" for k, v in figures.items())
-        lines.append(f"| {step.name}: {step.title} | {r['status'].replace('|', '/')} | {r['seconds']:.0f} | "
-                     f"{text.replace('|', '/')} |")
+        lines.append(
+            f"| {step.name}: {step.title} | {r['status'].replace('|', '/')} | {r['seconds']:.0f} | "
+            f"{text.replace('|', '/')} |"
+        )
     for step in plan:
         r = results.get(step.name) or {}
         if r.get("failed first"):
@@ -247,6 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     env_arch = {}
     try:
         import torch
+
         if torch.cuda.is_available():  # build DeepSpeed's ops for this GPU only (minutes less than every arch)
             major, minor = torch.cuda.get_device_capability(0)
             # always the plain "9.0": DeepSpeed 0.19.8's op builder parses each entry as int.int and raised
@@ -261,12 +431,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"gpu-suite: {step.name} ...", flush=True)
             results[step.name] = run_with_fallbacks(step, log=log, deadline=deadline)
             print(f"gpu-suite: {step.name}: {json.dumps(results[step.name])[:600]}", flush=True)
-            (out / "suite.json").write_text(json.dumps({"device": device, "versions": versions, "results": results},
-                                                       indent=1))
+            (out / "suite.json").write_text(
+                json.dumps({"device": device, "versions": versions, "results": results}, indent=1)
+            )
             tables = sections.read_text().split("\n", 1)[1] if sections.exists() else ""  # without its title
             tables = tables.replace("\n### ", "\n#### ")  # each bench's own section, one level down
-            (out / "suite.md").write_text(section(results, device=device, versions=versions, date=date, plan=plan,
-                                                  tables=tables))
+            (out / "suite.md").write_text(
+                section(results, device=device, versions=versions, date=date, plan=plan, tables=tables)
+            )
     text = (out / "suite.md").read_text()
     print(text)
     if args.append:

@@ -13,6 +13,7 @@ forward (after DeepSpeed's own pre-forward hook: the gathered and prefetched par
 module's first parameter gradient is produced in backward; on entering the optimizer wrapper's step (all gradients
 reduced); on entering and leaving the base optimizer's step (the fp32 gradients built for it are live).
 """
+
 import argparse
 import gc
 import json
@@ -25,8 +26,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from benchmarks.census.tensors import CATEGORIES, tensor_census  # noqa: E402
-from dspipe.runtime.comm import exit_rank, process_group  # noqa: E402
 from dspipe.rundir import load_run  # noqa: E402
+from dspipe.runtime.comm import exit_rank, process_group  # noqa: E402
 from dspipe.runtime.engine import build_engine  # noqa: E402
 
 
@@ -53,8 +54,7 @@ class Probes:
             if not params:
                 continue
             if zero3:  # below ZeRO-3 the forward changes no model state
-                self.handles.append(module.register_forward_pre_hook(
-                    lambda m, a, name=name: self.probe(f"fwd {name}")))
+                self.handles.append(module.register_forward_pre_hook(lambda m, a, name=name: self.probe(f"fwd {name}")))
             p = params[0]  # one probe per module in backward: its first parameter's gradient is being produced
             if p.requires_grad:
                 self.handles.append(p.register_hook(lambda g, name=name: self.probe(f"bwd {name}", g)))
@@ -77,8 +77,9 @@ class Probes:
     def probe(self, label, grad=None):
         if not self.armed:
             return None
-        census = tensor_census(self.engine, exclude=self.exclude, grads=(grad,) if grad is not None else (),
-                               collect=False)
+        census = tensor_census(
+            self.engine, exclude=self.exclude, grads=(grad,) if grad is not None else (), collect=False
+        )
         self.trace.append((label, {k: census[k] for k in (*CATEGORIES, "total")}))
         if self.peak is None or census["total"] > self.peak["total"]:
             self.peak, self.peak_at = census, label
@@ -99,8 +100,9 @@ def measure_run(run_dir: str, out_dir: Path) -> None:
     run = load_run(run_dir)
     eng = build_engine(run)
     engine, plan = eng.engine, run.plan
-    batches = random_batches(vocab=run.model.vocab, seq_len=run.model.seq_len, micro_batch=plan.micro_batch,
-                             seed=eng.dp_rank)  # tensor/sequence-parallel peers read the same batches
+    batches = random_batches(
+        vocab=run.model.vocab, seq_len=run.model.seq_len, micro_batch=plan.micro_batch, seed=eng.dp_rank
+    )  # tensor/sequence-parallel peers read the same batches
     probes = Probes(engine, exclude=before)
     eng.train_step(batches)
     probes.armed = True
@@ -108,9 +110,16 @@ def measure_run(run_dir: str, out_dir: Path) -> None:
     probes.armed = False
     probes.remove()
     steady = tensor_census(engine, exclude=before)
-    record = {"steady": steady, "peak": probes.peak, "peak_at": probes.peak_at, "host_peak": probes.host_peak,
-              "gathered_peak": probes.gathered, "gathered_at": probes.gathered_at, "trace": probes.trace,
-              "stage": engine.stage_id if hasattr(engine, "stage_id") else 0}
+    record = {
+        "steady": steady,
+        "peak": probes.peak,
+        "peak_at": probes.peak_at,
+        "host_peak": probes.host_peak,
+        "gathered_peak": probes.gathered,
+        "gathered_at": probes.gathered_at,
+        "trace": probes.trace,
+        "stage": engine.stage_id if hasattr(engine, "stage_id") else 0,
+    }
     out = out_dir / Path(run_dir).name
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(record))

@@ -5,6 +5,7 @@ tp 2 and a mixture of experts at ep 1 and 2. Writes the table of docs/planner-ac
 
     python benchmarks/planner_accuracy.py [--write] [--only NAME ...]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,34 +22,137 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.census.tensors import CATEGORIES  # noqa: E402
 from dspipe.planner.cost import estimate  # noqa: E402
 from dspipe.planner.memory import zero3_gathered_bound  # noqa: E402
 from dspipe.rundir import load_run  # noqa: E402
 from dspipe.spec.dtypes import dtype_bytes  # noqa: E402
-from benchmarks.census.tensors import CATEGORIES  # noqa: E402
 
 # ~31.5M parameters: big enough that model states dominate everything else a rank holds. The second size has a
 # larger largest tensor (the 8192 x 1024 embedding) and fewer, wider blocks; the third is the Llama family (RMSNorm,
 # SwiGLU, grouped-query attention, untied head) at the second's width.
 MODELS = {
-    "31M": ["--model", "tiny", "--layers", "4", "--hidden", "768", "--heads", "12", "--seq-len", "64", "--vocab",
-            "4096"],
-    "34M": ["--model", "tiny", "--layers", "2", "--hidden", "1024", "--heads", "16", "--seq-len", "64", "--vocab",
-            "8192"],
-    "39M": ["--model", "tiny-llama", "--layers", "2", "--hidden", "1024", "--heads", "16", "--kv-heads", "4", "--ffn",
-            "2816", "--seq-len", "64", "--vocab", "8192"],
+    "31M": [
+        "--model",
+        "tiny",
+        "--layers",
+        "4",
+        "--hidden",
+        "768",
+        "--heads",
+        "12",
+        "--seq-len",
+        "64",
+        "--vocab",
+        "4096",
+    ],
+    "34M": [
+        "--model",
+        "tiny",
+        "--layers",
+        "2",
+        "--hidden",
+        "1024",
+        "--heads",
+        "16",
+        "--seq-len",
+        "64",
+        "--vocab",
+        "8192",
+    ],
+    "39M": [
+        "--model",
+        "tiny-llama",
+        "--layers",
+        "2",
+        "--hidden",
+        "1024",
+        "--heads",
+        "16",
+        "--kv-heads",
+        "4",
+        "--ffn",
+        "2816",
+        "--seq-len",
+        "64",
+        "--vocab",
+        "8192",
+    ],
     # Qwen2/2.5 (q/k/v biases only, tied head like the 0.5B/1.5B) and Qwen3 (per-head q/k RMSNorm, heads 128 wide:
     # twice hidden / heads, so q is 2048 wide and the out-projection 2048 -> 1024) at the Llama row's width
-    "qwen2-31M": ["--model", "tiny", "--layers", "2", "--hidden", "1024", "--heads", "16", "--kv-heads", "4", "--ffn",
-                  "2816", "--seq-len", "64", "--vocab", "8192", "--norm", "rmsnorm", "--mlp", "swiglu", "--positions",
-                  "rope", "--no-bias", "--qkv-bias"],
+    "qwen2-31M": [
+        "--model",
+        "tiny",
+        "--layers",
+        "2",
+        "--hidden",
+        "1024",
+        "--heads",
+        "16",
+        "--kv-heads",
+        "4",
+        "--ffn",
+        "2816",
+        "--seq-len",
+        "64",
+        "--vocab",
+        "8192",
+        "--norm",
+        "rmsnorm",
+        "--mlp",
+        "swiglu",
+        "--positions",
+        "rope",
+        "--no-bias",
+        "--qkv-bias",
+    ],
     # a mixture of experts: 8 routed experts (top-2, 1024 wide) in each of 2 blocks, Llama attention at 512 wide;
     # 35.1M parameters, 25.2M of them routed experts (split over ep)
-    "moe-35M": ["--model", "tiny-llama", "--layers", "2", "--hidden", "512", "--heads", "8", "--kv-heads", "4", "--ffn",
-                "1408", "--experts", "8", "--experts-per-token", "2", "--expert-ffn", "1024", "--seq-len", "64",
-                "--vocab", "8192"],
-    "qwen3-45M": ["--model", "tiny-llama", "--layers", "2", "--hidden", "1024", "--heads", "16", "--kv-heads", "4",
-                  "--head-dim", "128", "--qk-norm", "--ffn", "2816", "--seq-len", "64", "--vocab", "8192"],
+    "moe-35M": [
+        "--model",
+        "tiny-llama",
+        "--layers",
+        "2",
+        "--hidden",
+        "512",
+        "--heads",
+        "8",
+        "--kv-heads",
+        "4",
+        "--ffn",
+        "1408",
+        "--experts",
+        "8",
+        "--experts-per-token",
+        "2",
+        "--expert-ffn",
+        "1024",
+        "--seq-len",
+        "64",
+        "--vocab",
+        "8192",
+    ],
+    "qwen3-45M": [
+        "--model",
+        "tiny-llama",
+        "--layers",
+        "2",
+        "--hidden",
+        "1024",
+        "--heads",
+        "16",
+        "--kv-heads",
+        "4",
+        "--head-dim",
+        "128",
+        "--qk-norm",
+        "--ffn",
+        "2816",
+        "--seq-len",
+        "64",
+        "--vocab",
+        "8192",
+    ],
 }
 BF16, FP32 = ["--precision", "bf16"], ["--precision", "fp32"]
 CPU_OFFLOAD = ["--offload", "cpu"]
@@ -60,9 +164,20 @@ CONFIGS = {  # name: (model, options); every layout pinned (the planner would pi
     "zero2-offload": ("31M", ["--zero", "2", *BF16, *CPU_OFFLOAD]),
     "zero3-offload": ("31M", ["--zero", "3", *BF16, *CPU_OFFLOAD]),
     "zero3-offload-params": ("31M", ["--zero", "3", *BF16, *CPU_OFFLOAD, "--offload-params"]),
-    "zero3-offload-params-reuse1e9": ("31M", ["--zero", "3", *BF16, *CPU_OFFLOAD, "--offload-params",
-                                              "--max-live-parameters", "1000000000", "--max-reuse-distance",
-                                              "1000000000"]),  # the knobs many published configs carry
+    "zero3-offload-params-reuse1e9": (
+        "31M",
+        [
+            "--zero",
+            "3",
+            *BF16,
+            *CPU_OFFLOAD,
+            "--offload-params",
+            "--max-live-parameters",
+            "1000000000",
+            "--max-reuse-distance",
+            "1000000000",
+        ],
+    ),  # the knobs many published configs carry
     "zero1-fp32": ("31M", ["--zero", "1", *FP32]),
     "zero3-fp32": ("31M", ["--zero", "3", *FP32]),
     "zero2-offload-fp32": ("31M", ["--zero", "2", *FP32, *CPU_OFFLOAD]),
@@ -112,10 +227,39 @@ def _generate(name: str, workdir: Path) -> Path:
 
     model, options = CONFIGS[name]
     run_dir = workdir / name
-    gen = ["gen-config", *MODELS[model], "--gpus-per-node", "2", "--gpu", "cpu", "--global-batch", "2",
-           "--micro-batch", "1", "--steps", "10", "--warmup", "1", "--offload", "none", "--no-offload-params",
-           "--checkpointing", "none", "--pp", "1", "--tp", "1", "--sp", "1", *options, "--data",
-           str(workdir / "no-data"), "--out", str(run_dir), "--force"]
+    gen = [
+        "gen-config",
+        *MODELS[model],
+        "--gpus-per-node",
+        "2",
+        "--gpu",
+        "cpu",
+        "--global-batch",
+        "2",
+        "--micro-batch",
+        "1",
+        "--steps",
+        "10",
+        "--warmup",
+        "1",
+        "--offload",
+        "none",
+        "--no-offload-params",
+        "--checkpointing",
+        "none",
+        "--pp",
+        "1",
+        "--tp",
+        "1",
+        "--sp",
+        "1",
+        *options,
+        "--data",
+        str(workdir / "no-data"),
+        "--out",
+        str(run_dir),
+        "--force",
+    ]
     err = io.StringIO()
     try:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
@@ -134,8 +278,12 @@ def predicted(run_dir: Path) -> dict:
     run = load_run(run_dir)
     est = estimate(model=run.model, cluster=run.cluster, plan=run.plan)
     mem = est.memory
-    return {"steady": mem.model_states, "peak": mem.total - mem.activations,  # the cpu type has no framework reserve
-            "host_steady": mem.host_model_states, "host_peak": mem.host_peak}
+    return {
+        "steady": mem.model_states,
+        "peak": mem.total - mem.activations,  # the cpu type has no framework reserve
+        "host_steady": mem.host_model_states,
+        "host_peak": mem.host_peak,
+    }
 
 
 def gathered_allowed(run_dir: Path) -> int:
@@ -150,12 +298,30 @@ def measure_launch(names: list[str], workdir: Path) -> list[dict]:
     """Generate the runs, launch 2 ranks once for all of them, return one row per run: predicted and measured
     (largest rank) bytes for each of METRICS, and the measured bytes by category at the device peak."""
     run_dirs = [_generate(name, workdir) for name in names]
-    launcher = [shutil.which("deepspeed")] if shutil.which("deepspeed") else [sys.executable, "-m",
-                                                                              "deepspeed.launcher.runner"]
+    launcher = (
+        [shutil.which("deepspeed")]
+        if shutil.which("deepspeed")
+        else [sys.executable, "-m", "deepspeed.launcher.runner"]
+    )
     out = workdir / "census"
-    r = subprocess.run([*launcher, "--num_gpus", "2", "--master_port", str(_port()), "benchmarks/measure_memory.py",
-                        "--run", *map(str, run_dirs), "--out-dir", str(out)], cwd=ROOT, capture_output=True,
-                       text=True, timeout=1800)
+    r = subprocess.run(
+        [
+            *launcher,
+            "--num_gpus",
+            "2",
+            "--master_port",
+            str(_port()),
+            "benchmarks/measure_memory.py",
+            "--run",
+            *map(str, run_dirs),
+            "--out-dir",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     if r.returncode:
         raise RuntimeError(f"{names}: launch failed\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
     return collect(names, workdir)
@@ -167,19 +333,30 @@ def collect(names: list[str], workdir: Path) -> list[dict]:
     rows = []
     for name, run_dir in zip(names, run_dirs, strict=True):
         ranks = [json.loads((out / name / f"rank{i}.json").read_text()) for i in range(2)]
-        measured = {"steady": max(c["steady"]["total"] for c in ranks),
-                    "peak": max(c["peak"]["total"] for c in ranks),
-                    "host_steady": max(c["steady"]["host"]["total"] for c in ranks),
-                    "host_peak": max(c["host_peak"]["total"] for c in ranks)}
+        measured = {
+            "steady": max(c["steady"]["total"] for c in ranks),
+            "peak": max(c["peak"]["total"] for c in ranks),
+            "host_steady": max(c["steady"]["host"]["total"] for c in ranks),
+            "host_peak": max(c["host_peak"]["total"] for c in ranks),
+        }
         worst = max(ranks, key=lambda c: c["peak"]["total"])
-        rows.append({"name": name, "num_params": load_run(run_dir).plan.num_params, "predicted": predicted(run_dir),
-                     "measured": measured, "peak_by_kind": {k: worst["peak"][k] for k in (*CATEGORIES, "total")},
-                     "peak_buffers": worst["peak"]["buffers_by_owner"],
-                     "peak_at": worst["peak_at"], "gathered": max(c["gathered_peak"] for c in ranks),
-                     "gathered_at": max(ranks, key=lambda c: c["gathered_peak"])["gathered_at"],
-                     "gathered_allowed": gathered_allowed(run_dir),
-                     "steady_by_kind": {k: max(ranks, key=lambda c: c["steady"]["total"])["steady"][k]
-                                        for k in (*CATEGORIES, "total")}})
+        rows.append(
+            {
+                "name": name,
+                "num_params": load_run(run_dir).plan.num_params,
+                "predicted": predicted(run_dir),
+                "measured": measured,
+                "peak_by_kind": {k: worst["peak"][k] for k in (*CATEGORIES, "total")},
+                "peak_buffers": worst["peak"]["buffers_by_owner"],
+                "peak_at": worst["peak_at"],
+                "gathered": max(c["gathered_peak"] for c in ranks),
+                "gathered_at": max(ranks, key=lambda c: c["gathered_peak"])["gathered_at"],
+                "gathered_allowed": gathered_allowed(run_dir),
+                "steady_by_kind": {
+                    k: max(ranks, key=lambda c: c["steady"]["total"])["steady"][k] for k in (*CATEGORIES, "total")
+                },
+            }
+        )
     return rows
 
 
@@ -191,10 +368,12 @@ def error(row: dict, metric: str) -> float:
 
 def table(rows: list[dict]) -> str:
     mib = 2**20
-    lines = ["| config | params | device between steps MiB (pred / meas / err) | device in-step peak MiB (pred / "
-             "meas / err) | host between steps MiB | host peak MiB | at the peak: params / gathered / grads / "
-             "optimizer / buffers MiB | ZeRO-3 gathered MiB: most seen / allowed |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| config | params | device between steps MiB (pred / meas / err) | device in-step peak MiB (pred / "
+        "meas / err) | host between steps MiB | host peak MiB | at the peak: params / gathered / grads / "
+        "optimizer / buffers MiB | ZeRO-3 gathered MiB: most seen / allowed |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
 
     def cell(r, metric):
         p, m = r["predicted"][metric] / mib, r["measured"][metric] / mib
@@ -204,8 +383,10 @@ def table(rows: list[dict]) -> str:
         k = r["peak_by_kind"]
         gathered = f"{r['gathered'] / mib:.1f} / {r['gathered_allowed'] / mib:.1f}" if r["gathered_allowed"] else ""
         kinds = " / ".join(f"{k[c] / mib:.1f}" for c in ("params", "gathered", "grads", "optimizer", "buffers"))
-        lines.append(f"| {r['name']} | {r['num_params'] / 1e6:.1f}M | {cell(r, 'steady')} | {cell(r, 'peak')} | "
-                     f"{cell(r, 'host_steady')} | {cell(r, 'host_peak')} | {kinds} | {gathered} |")
+        lines.append(
+            f"| {r['name']} | {r['num_params'] / 1e6:.1f}M | {cell(r, 'steady')} | {cell(r, 'peak')} | "
+            f"{cell(r, 'host_steady')} | {cell(r, 'host_peak')} | {kinds} | {gathered} |"
+        )
     return "\n".join(lines)
 
 

@@ -20,6 +20,7 @@ both. Corpora are generated under /tmp, never in the repository.
    directory (nor any other hidden entry) may be left in RUN. Exit 1 if a file differs, the rerun did not resume
    or something is left. RUN is removed at the end unless --keep.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -79,9 +80,11 @@ def kill_at(cmd: list[str], run_dir: Path, out: Path, *, documents: int) -> tupl
         proc.wait()
         ran = time.perf_counter() - t0
     if proc.returncode != -signal.SIGKILL:
-        sys.exit(f"the run to kill ended on its own (exit {proc.returncode}) before its journal held {documents:,} "
-                 f"documents (it is rewritten every 5 s: try a larger corpus or a smaller --at); see "
-                 f"{run_dir / 'killed.log'}")
+        sys.exit(
+            f"the run to kill ended on its own (exit {proc.returncode}) before its journal held {documents:,} "
+            f"documents (it is rewritten every 5 s: try a larger corpus or a smaller --at); see "
+            f"{run_dir / 'killed.log'}"
+        )
     for _ in range(100):  # the workers die with the group; wait until none is left
         try:
             os.killpg(proc.pid, 0)
@@ -93,8 +96,10 @@ def kill_at(cmd: list[str], run_dir: Path, out: Path, *, documents: int) -> tupl
 
 def compare(a: Path, b: Path) -> tuple[int, list[str]]:
     """(files in either, the differences): names in one only, and files whose bytes differ."""
+
     def files(d: Path) -> set[str]:
         return {p.relative_to(d).as_posix() for p in d.rglob("*") if p.is_file()}
+
     fa, fb = files(a), files(b)
     diff = [f"only in {a.name}/: {n}" for n in sorted(fa - fb)] + [f"only in {b.name}/: {n}" for n in sorted(fb - fa)]
     diff += [f"bytes differ: {n}" for n in sorted(fa & fb) if not filecmp.cmp(a / n, b / n, shallow=False)]
@@ -123,11 +128,27 @@ def main() -> None:
     whole, killed = run_dir / "whole", run_dir / "killed"
 
     def command(out: Path) -> list[str]:
-        return [sys.executable, "-m", "dspipe", "prepare-data", str(corpus), "--out", str(out), "--tokenizer",
-                str(tokenizer), "--workers", str(args.workers), "--format", args.format]
+        return [
+            sys.executable,
+            "-m",
+            "dspipe",
+            "prepare-data",
+            str(corpus),
+            "--out",
+            str(out),
+            "--tokenizer",
+            str(tokenizer),
+            "--workers",
+            str(args.workers),
+            "--format",
+            args.format,
+        ]
 
-    print(f"corpus {corpus} ({info['text_bytes'] / 1e6:,.0f} MB, {total:,} documents), {args.workers} workers, "
-          f"{args.format}; running into {run_dir}", flush=True)
+    print(
+        f"corpus {corpus} ({info['text_bytes'] / 1e6:,.0f} MB, {total:,} documents), {args.workers} workers, "
+        f"{args.format}; running into {run_dir}",
+        flush=True,
+    )
     whole_s, text = run(command(whole))
     wrote = re.search(r"wrote \S+: ([\d,]+) documents", text)
     if not wrote or int(wrote.group(1).replace(",", "")) != total:
@@ -141,16 +162,18 @@ def main() -> None:
     count, diff = compare(whole, killed)
     left = sorted(p.name for p in run_dir.iterdir() if p.name.startswith("."))
     identical, how = not diff, said.group(0) if resumed else "did NOT resume from the killed run's journal"
-    print(f"\n== prepare-data resume after SIGKILL ==\n"
-          f"corpus: {info['text_bytes'] / 1e6:,.0f} MB of text ({info['file_bytes'] / 1e6:,.0f} MB JSON lines), "
-          f"{total:,} documents\n"
-          f"workers: {args.workers}, format: {args.format}\n"
-          f"uninterrupted wall: {whole_s:.1f} s\n"
-          f"killed at docs {done:,} / {total:,} ({100 * done / total:.1f}%), after {ran:.1f} s\n"
-          f"resumed wall: {resumed_s:.1f} s ({how})\n"
-          f"ratio resumed/whole: {resumed_s / whole_s:.2f}\n"
-          f"work directories left: {', '.join(left) or 'none'}\n"
-          f"byte-identical: {'yes' if identical else 'no'} ({count} files)")
+    print(
+        f"\n== prepare-data resume after SIGKILL ==\n"
+        f"corpus: {info['text_bytes'] / 1e6:,.0f} MB of text ({info['file_bytes'] / 1e6:,.0f} MB JSON lines), "
+        f"{total:,} documents\n"
+        f"workers: {args.workers}, format: {args.format}\n"
+        f"uninterrupted wall: {whole_s:.1f} s\n"
+        f"killed at docs {done:,} / {total:,} ({100 * done / total:.1f}%), after {ran:.1f} s\n"
+        f"resumed wall: {resumed_s:.1f} s ({how})\n"
+        f"ratio resumed/whole: {resumed_s / whole_s:.2f}\n"
+        f"work directories left: {', '.join(left) or 'none'}\n"
+        f"byte-identical: {'yes' if identical else 'no'} ({count} files)"
+    )
     for d in diff:
         print(f"  {d}")
     if not args.keep:

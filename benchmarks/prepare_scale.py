@@ -16,6 +16,7 @@ process and of a worker, and the wall time. Corpora are generated under /tmp, ne
    thread (TOKENIZERS_PARALLELISM=false), in this process, timing the encode calls only; and encode_batch_fast (the
    same ids without character offsets), which the workers call.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,24 +46,47 @@ def child(args: list[str]) -> None:
     except SystemExit as e:
         if e.code:
             raise
-    usage = {"wall_s": time.perf_counter() - t0,
-             "main_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-             "worker_maxrss": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024}
+    usage = {
+        "wall_s": time.perf_counter() - t0,
+        "main_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "worker_maxrss": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024,
+    }
     print("USAGE " + json.dumps(usage), flush=True)
 
 
 def run_prepare(corpus: Path, out: Path, tokenizer: Path, *, workers: int) -> dict:
-    args = ["prepare-data", str(corpus), "--out", str(out), "--tokenizer", str(tokenizer), "--workers", str(workers),
-            "--force", "--val-fraction", "0.01"]
-    r = subprocess.run([sys.executable, __file__, "--child", *args], cwd=ROOT, capture_output=True, text=True,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    args = [
+        "prepare-data",
+        str(corpus),
+        "--out",
+        str(out),
+        "--tokenizer",
+        str(tokenizer),
+        "--workers",
+        str(workers),
+        "--force",
+        "--val-fraction",
+        "0.01",
+    ]
+    r = subprocess.run(
+        [sys.executable, __file__, "--child", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     if r.returncode:
         sys.exit(f"prepare-data failed: {r.stderr[-2000:]}")
     rate = float(re.search(r"tokenized at ([\d,]+) tokens/s", r.stdout).group(1).replace(",", ""))
     usage = json.loads(r.stdout.split("USAGE ", 1)[1])
     meta = json.loads((out / "meta.json").read_text())
-    return {"tokens": meta["num_tokens"], "documents": meta["num_documents"], "text_bytes": meta["num_bytes"],
-            "tokens_per_s": rate, **usage}
+    return {
+        "tokens": meta["num_tokens"],
+        "documents": meta["num_documents"],
+        "text_bytes": meta["num_bytes"],
+        "tokens_per_s": rate,
+        **usage,
+    }
 
 
 def main() -> None:
@@ -77,21 +101,26 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
-    corpus = args.input or Path(make_corpus(args.work / f"corpus-{args.size_mb}.jsonl",
-                                            megabytes=args.size_mb)["path"])
+    corpus = args.input or Path(make_corpus(args.work / f"corpus-{args.size_mb}.jsonl", megabytes=args.size_mb)["path"])
     print(f"corpus {corpus} ({corpus.stat().st_size / 1e6:,.0f} MB), {args.workers} workers", flush=True)
     tokenizer = demo_tokenizer(args.work)
     run = run_prepare(corpus, args.work / f"out-{corpus.stem}", tokenizer, workers=args.workers)
-    raw = {m: raw_encode(corpus, tokenizer / "tokenizer.json", limit=args.raw_mb * 10**6, method=m)
-           for m in ("encode_batch", "encode_batch_fast")}
+    raw = {
+        m: raw_encode(corpus, tokenizer / "tokenizer.json", limit=args.raw_mb * 10**6, method=m)
+        for m in ("encode_batch", "encode_batch_fast")
+    }
     per_worker = run["tokens_per_s"] / args.workers
     print("\n| measure | value |\n|---|---|")
-    print(f"| prepare-data, {run['text_bytes'] / 1e6:,.0f} MB of text, {run['documents']:,} documents -> "
-          f"{run['tokens']:,} tokens | {run['tokens_per_s']:,.0f} tokens/s with {args.workers} workers |")
+    print(
+        f"| prepare-data, {run['text_bytes'] / 1e6:,.0f} MB of text, {run['documents']:,} documents -> "
+        f"{run['tokens']:,} tokens | {run['tokens_per_s']:,.0f} tokens/s with {args.workers} workers |"
+    )
     print(f"| per worker | {per_worker:,.0f} tokens/s |")
     for method, r in raw.items():
-        print(f"| raw `{method}`, 1 thread, first {r['text_bytes'] / 1e6:,.0f} MB | {r['tokens_per_s']:,.0f} "
-              f"tokens/s (per worker / raw: {per_worker / r['tokens_per_s']:.2f}) |")
+        print(
+            f"| raw `{method}`, 1 thread, first {r['text_bytes'] / 1e6:,.0f} MB | {r['tokens_per_s']:,.0f} "
+            f"tokens/s (per worker / raw: {per_worker / r['tokens_per_s']:.2f}) |"
+        )
     print(f"| peak RSS, main process | {run['main_maxrss'] / 2**20:,.0f} MiB |")
     print(f"| peak RSS, largest worker | {run['worker_maxrss'] / 2**20:,.0f} MiB |")
     print(f"| wall time (prepare-data in the child, tokenizer given) | {run['wall_s']:,.1f} s |")

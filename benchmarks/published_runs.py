@@ -4,6 +4,7 @@ Writes docs/published-runs.md; --check exits 1 when the doc is stale.
 
     python benchmarks/published_runs.py [--write | --check]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -14,20 +15,24 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from dspipe.planner.search import search  # noqa: E402
+from dspipe.planner.throughput import model_flops_per_token  # noqa: E402
+from dspipe.spec.core import ClusterSpec, ModelSpec, StrategyRequest, TrainSpec  # noqa: E402
 from dspipe.spec.hardware import gpu_type  # noqa: E402
 from dspipe.spec.presets import MODEL_PRESETS  # noqa: E402
-from dspipe.planner.search import search  # noqa: E402
-from dspipe.spec.core import ClusterSpec, ModelSpec, TrainSpec, StrategyRequest  # noqa: E402
-from dspipe.planner.throughput import model_flops_per_token  # noqa: E402
 
 DOC = ROOT / "docs" / "published-runs.md"
 BAND = (0.67, 1.5)
 """Planner / published tokens/s per GPU every run must lie in (tests/unit/planner/test_published_runs.py)."""
 
-FOUNDRY = ("MosaicML llm-foundry, scripts/train/benchmarking/README.md, table '{table}', row {row} "
-           "(FSDP FULL_SHARD, bf16, flash attention)")
-MEGATRON = ("Narayanan et al. 2021, 'Efficient Large-Scale Language Model Training on GPU Clusters Using "
-            "Megatron-LM' (arXiv 2104.04473), Table 1, row {row} (Selene, DGX A100 80GB, 8x HDR InfiniBand per node)")
+FOUNDRY = (
+    "MosaicML llm-foundry, scripts/train/benchmarking/README.md, table '{table}', row {row} "
+    "(FSDP FULL_SHARD, bf16, flash attention)"
+)
+MEGATRON = (
+    "Narayanan et al. 2021, 'Efficient Large-Scale Language Model Training on GPU Clusters Using "
+    "Megatron-LM' (arXiv 2104.04473), Table 1, row {row} (Selene, DGX A100 80GB, 8x HDR InfiniBand per node)"
+)
 
 
 def mpt(name: str, layers: int, hidden: int, heads: int) -> ModelSpec:
@@ -88,10 +93,17 @@ class PublishedRun:
     """Published wall-clock days of the whole run, where given."""
 
 
-MPT_1B, MPT_3B, MPT_7B, MPT_13B = (mpt("mpt-1b", 24, 2048, 16), mpt("mpt-3b", 32, 2560, 20),
-                                   mpt("mpt-7b", 32, 4096, 32), mpt("mpt-13b", 40, 5120, 40))
-H100_TABLE, A100_80_TABLE, A100_40_TABLE = "H100 80GB BF16", "A100 80GB with 1600 Gbps node-node interconnect (RoCE)", \
-    "A100 40GB with 1600 Gbps node-node interconnect (RoCE)"
+MPT_1B, MPT_3B, MPT_7B, MPT_13B = (
+    mpt("mpt-1b", 24, 2048, 16),
+    mpt("mpt-3b", 32, 2560, 20),
+    mpt("mpt-7b", 32, 4096, 32),
+    mpt("mpt-13b", 40, 5120, 40),
+)
+H100_TABLE, A100_80_TABLE, A100_40_TABLE = (
+    "H100 80GB BF16",
+    "A100 80GB with 1600 Gbps node-node interconnect (RoCE)",
+    "A100 40GB with 1600 Gbps node-node interconnect (RoCE)",
+)
 MEG_1_7B = megatron_gpt("megatron-1.7b", 24, 2304, 24)
 MEG_18B = megatron_gpt("megatron-18.4b", 40, 6144, 48)
 MEG_7_5B = megatron_gpt("megatron-7.5b", 36, 4096, 32)
@@ -101,21 +113,51 @@ def _megatron_rate(model: ModelSpec, tflops: float) -> float:
     return tflops * 1e12 / megatron_flops_per_token(model)
 
 
-def foundry(name: str, model: ModelSpec, gpu: str, gpus: int, global_batch: int, tokens_per_s: float, *,
-            table: str, micro_batch: int, checkpointing: str = "none") -> PublishedRun:
+def foundry(
+    name: str,
+    model: ModelSpec,
+    gpu: str,
+    gpus: int,
+    global_batch: int,
+    tokens_per_s: float,
+    *,
+    table: str,
+    micro_batch: int,
+    checkpointing: str = "none",
+) -> PublishedRun:
     """One row of llm-foundry's benchmark tables: FSDP FULL_SHARD (ZeRO-3), the stated tokens/s per GPU."""
     row = f"{model.name.removeprefix('mpt-')} / {model.seq_len} / {gpus} GPUs"
-    return PublishedRun(name, model, gpu, gpus, global_batch, tokens_per_s, "", FOUNDRY.format(table=table, row=row),
-                        zero=3, checkpointing=checkpointing, micro_batch=micro_batch)
+    return PublishedRun(
+        name,
+        model,
+        gpu,
+        gpus,
+        global_batch,
+        tokens_per_s,
+        "",
+        FOUNDRY.format(table=table, row=row),
+        zero=3,
+        checkpointing=checkpointing,
+        micro_batch=micro_batch,
+    )
 
 
 def megatron(name: str, model: ModelSpec, gpus: int, global_batch: int, tflops: float, *, tp: int) -> PublishedRun:
     """One row of Megatron-LM's Table 1 (p 1, full recomputation), tokens/s per GPU derived from its TFLOP/s."""
     row = f"{name.split()[1]} (t {tp}, p 1, {gpus} GPUs, batch {global_batch})"
-    return PublishedRun(f"{name}, {gpus}x A100, " + (f"tp {tp}" if tp > 1 else "dp only"), model, "a100-80g", gpus,
-                        global_batch, _megatron_rate(model, tflops),
-                        f"{tflops:g} TFLOP/s per GPU / the paper's 96.l.h^2(1 + s/6h + V/16lh) FLOPs per token",
-                        MEGATRON.format(row=row), zero=1, checkpointing="full", tp=tp)
+    return PublishedRun(
+        f"{name}, {gpus}x A100, " + (f"tp {tp}" if tp > 1 else "dp only"),
+        model,
+        "a100-80g",
+        gpus,
+        global_batch,
+        _megatron_rate(model, tflops),
+        f"{tflops:g} TFLOP/s per GPU / the paper's 96.l.h^2(1 + s/6h + V/16lh) FLOPs per token",
+        MEGATRON.format(row=row),
+        zero=1,
+        checkpointing="full",
+        tp=tp,
+    )
 
 
 RUNS: tuple[PublishedRun, ...] = (
@@ -123,14 +165,34 @@ RUNS: tuple[PublishedRun, ...] = (
     foundry("MPT-7B, 8x H100", MPT_7B, "h100-80g", 8, 48, 10643, table=H100_TABLE, micro_batch=6),
     foundry("MPT-13B, 64x H100", MPT_13B, "h100-80g", 64, 128, 4800, table=H100_TABLE, micro_batch=2),
     foundry("MPT-7B, 8x A100-80GB", MPT_7B, "a100-80g", 8, 96, 4641, table=A100_80_TABLE, micro_batch=6),
-    foundry("MPT-13B, 64x A100-40GB, recompute", MPT_13B, "a100-40g", 64, 1024, 1976, table=A100_40_TABLE,
-            micro_batch=16, checkpointing="full"),
+    foundry(
+        "MPT-13B, 64x A100-40GB, recompute",
+        MPT_13B,
+        "a100-40g",
+        64,
+        1024,
+        1976,
+        table=A100_40_TABLE,
+        micro_batch=16,
+        checkpointing="full",
+    ),
     foundry("MPT-3B, 32x A100-40GB", MPT_3B, "a100-40g", 32, 192, 9914, table=A100_40_TABLE, micro_batch=6),
     foundry("MPT-3B, 128x A100-40GB", MPT_3B, "a100-40g", 128, 768, 9538, table=A100_40_TABLE, micro_batch=6),
-    PublishedRun("TinyLlama 1.1B, 16x A100-40GB", MODEL_PRESETS["tinyllama-1.1b"], "a100-40g", 16, 1024, 24000, "",
-                 "Zhang et al. 2024, 'TinyLlama: An Open-Source Small Language Model' (arXiv 2401.02385), section "
-                 "2.3: 24,000 tokens/s per A100-40G, no activation checkpointing, FSDP; 3T tokens on 16 GPUs, "
-                 "batch ~2M tokens (1024 x 2048)", zero=3, checkpointing="none", tokens=3e12),
+    PublishedRun(
+        "TinyLlama 1.1B, 16x A100-40GB",
+        MODEL_PRESETS["tinyllama-1.1b"],
+        "a100-40g",
+        16,
+        1024,
+        24000,
+        "",
+        "Zhang et al. 2024, 'TinyLlama: An Open-Source Small Language Model' (arXiv 2401.02385), section "
+        "2.3: 24,000 tokens/s per A100-40G, no activation checkpointing, FSDP; 3T tokens on 16 GPUs, "
+        "batch ~2M tokens (1024 x 2048)",
+        zero=3,
+        checkpointing="none",
+        tokens=3e12,
+    ),
     megatron("Megatron-LM 1.7B", MEG_1_7B, 32, 512, 137, tp=1),
     megatron("Megatron-LM 18.4B", MEG_18B, 256, 1024, 135, tp=8),
     megatron("Megatron-LM 7.5B", MEG_7_5B, 128, 512, 142, tp=4),
@@ -168,16 +230,31 @@ def evaluate(run: PublishedRun) -> Row:
     """The planner's estimate for the run with its published layout pinned (the closest plan when none fits)."""
     cluster = ClusterSpec(nodes=run.gpus // 8, gpus_per_node=8, gpu=run.gpu)
     train = TrainSpec(global_batch=run.global_batch, micro_batch=run.micro_batch or 1, steps=1000, warmup_steps=10)
-    request = StrategyRequest(zero=run.zero, offload="none", offload_params=False, tp=run.tp, tp_sp=run.tp_sp,
-                              pp=run.pp, sp=1, checkpointing=run.checkpointing, precision="bf16",
-                              micro_batch=run.micro_batch)
+    request = StrategyRequest(
+        zero=run.zero,
+        offload="none",
+        offload_params=False,
+        tp=run.tp,
+        tp_sp=run.tp_sp,
+        pp=run.pp,
+        sp=1,
+        checkpointing=run.checkpointing,
+        precision="bf16",
+        micro_batch=run.micro_batch,
+    )
     result = search(model=run.model, cluster=cluster, train=train, request=request)
     c = result.best or result.closest
     per_gpu = c.tokens_per_s / run.gpus
     peak = gpu_type(run.gpu).peak_bf16_tflops * 1e12
-    return Row(run=run, plan=c.describe(every_axis=True), fits=result.best is not None, tokens_per_s_per_gpu=per_gpu,
-               mfu=c.mfu, published_mfu=run.tokens_per_s_per_gpu * model_flops_per_token(run.model) / peak,
-               days=None if run.tokens is None else run.tokens / c.tokens_per_s / 86400)
+    return Row(
+        run=run,
+        plan=c.describe(every_axis=True),
+        fits=result.best is not None,
+        tokens_per_s_per_gpu=per_gpu,
+        mfu=c.mfu,
+        published_mfu=run.tokens_per_s_per_gpu * model_flops_per_token(run.model) / peak,
+        days=None if run.tokens is None else run.tokens / c.tokens_per_s / 86400,
+    )
 
 
 def rows() -> list[Row]:
@@ -192,19 +269,24 @@ def _days(run: PublishedRun, planner_days: float | None) -> str:
 
 
 def table(all_rows: list[Row]) -> str:
-    lines = ["| run | model | GPUs | batch (seqs x seq) | layout (published, pinned) | published tok/s/GPU | "
-             "published MFU | planner tok/s/GPU | planner MFU | days (published / planner) | planner / published |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| run | model | GPUs | batch (seqs x seq) | layout (published, pinned) | published tok/s/GPU | "
+        "published MFU | planner tok/s/GPU | planner MFU | days (published / planner) | planner / published |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in all_rows:
         run = r.run
-        layout = (f"ZeRO-{run.zero}, tp {run.tp}, pp {run.pp}, recompute {run.checkpointing}"
-                  + (f", micro {run.micro_batch}" if run.micro_batch else ""))
+        layout = f"ZeRO-{run.zero}, tp {run.tp}, pp {run.pp}, recompute {run.checkpointing}" + (
+            f", micro {run.micro_batch}" if run.micro_batch else ""
+        )
         fits = "" if r.fits else " (planner: does not fit)"
-        lines.append(f"| {run.name} | {run.model.num_params / 1e9:.2f}B {run.model.shape_text} | {run.gpus} x "
-                     f"{run.gpu} | {run.global_batch} x {run.model.seq_len} | {layout} | "
-                     f"{run.tokens_per_s_per_gpu:,.0f} | {r.published_mfu * 100:.1f}% | "
-                     f"{r.tokens_per_s_per_gpu:,.0f}{fits} | {r.mfu * 100:.1f}% | {_days(run, r.days)} | "
-                     f"{r.ratio:.2f} |")
+        lines.append(
+            f"| {run.name} | {run.model.num_params / 1e9:.2f}B {run.model.shape_text} | {run.gpus} x "
+            f"{run.gpu} | {run.global_batch} x {run.model.seq_len} | {layout} | "
+            f"{run.tokens_per_s_per_gpu:,.0f} | {r.published_mfu * 100:.1f}% | "
+            f"{r.tokens_per_s_per_gpu:,.0f}{fits} | {r.mfu * 100:.1f}% | {_days(run, r.days)} | "
+            f"{r.ratio:.2f} |"
+        )
     return "\n".join(lines)
 
 

@@ -17,6 +17,7 @@ are those of a run that starts.
                                                                 # expert, top 2) at each ep: a rank builds the
                                                                 # dense parameters and experts / ep per block
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,14 +40,21 @@ def dspipe(*args) -> None:
 
 def launch(run: Path, *, ranks: int, port: int) -> dict:
     launcher = shutil.which("deepspeed") or "deepspeed"
-    r = subprocess.run([launcher, "--num_gpus", str(ranks), "--master_port", str(port), "run.py", "--run", str(run)],
-                       cwd=ROOT, capture_output=True, text=True)
+    r = subprocess.run(
+        [launcher, "--num_gpus", str(ranks), "--master_port", str(port), "run.py", "--run", str(run)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     if r.returncode:
         sys.exit(f"{run.name}: launch failed (exit {r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
     engine = json.loads((run / "engine.json").read_text())
     plan = json.loads((run / "dspipe.json").read_text())
-    return {"startup": engine["startup"], "params": plan["plan"]["num_params"],
-            "predicted": plan.get("estimate", {}).get("startup")}
+    return {
+        "startup": engine["startup"],
+        "params": plan["plan"]["num_params"],
+        "predicted": plan.get("estimate", {}).get("startup"),
+    }
 
 
 def main() -> None:
@@ -71,18 +79,64 @@ def main() -> None:
     if data is None:
         data = work / "data"
         dspipe("prepare-data", "--out", data, "--max-mb", "1.5", "--train-tokenizer", "1024")
-    common = ["--gpus-per-node", args.ranks, "--gpu", "cpu", "--global-batch", args.ranks, "--micro-batch", 1,
-              "--seq-len", 64, "--precision", "fp32", "--zero", args.zero, "--offload", "none",
-              "--no-offload-params", "--pp", args.pp, "--tp", args.tp, "--checkpointing", "none", "--steps", args.steps,
-              "--warmup", 1, "--eval-interval", 0, "--log-interval", 1, "--data", data]
-    dspipe("gen-config", "--layers", 2, "--hidden", 64, "--heads", 4, "--vocab", args.vocab, *common,
-           "--out", work / "tiny")
+    common = [
+        "--gpus-per-node",
+        args.ranks,
+        "--gpu",
+        "cpu",
+        "--global-batch",
+        args.ranks,
+        "--micro-batch",
+        1,
+        "--seq-len",
+        64,
+        "--precision",
+        "fp32",
+        "--zero",
+        args.zero,
+        "--offload",
+        "none",
+        "--no-offload-params",
+        "--pp",
+        args.pp,
+        "--tp",
+        args.tp,
+        "--checkpointing",
+        "none",
+        "--steps",
+        args.steps,
+        "--warmup",
+        1,
+        "--eval-interval",
+        0,
+        "--log-interval",
+        1,
+        "--data",
+        data,
+    ]
+    dspipe(
+        "gen-config",
+        "--layers",
+        2,
+        "--hidden",
+        64,
+        "--heads",
+        4,
+        "--vocab",
+        args.vocab,
+        *common,
+        "--out",
+        work / "tiny",
+    )
     hf = None
     if args.hf_llama:
         hf = write_llama(work / "hf-llama", data=Path(data), vocab=args.vocab)
         args.init_from = str(work / "hf-llama")
-    model = ["--init-from", args.init_from] if args.init_from else [
-        "--layers", args.layers, "--hidden", args.hidden, "--heads", args.heads, "--vocab", args.vocab]
+    model = (
+        ["--init-from", args.init_from]
+        if args.init_from
+        else ["--layers", args.layers, "--hidden", args.hidden, "--heads", args.heads, "--vocab", args.vocab]
+    )
     tiny = None
     for i, ep in enumerate(args.ep):
         moe = ["--experts", args.experts, "--ep", ep] if args.experts else []
@@ -102,26 +156,38 @@ def main() -> None:
 def report(big: dict, *, tiny: dict, args) -> None:
     fp32_model = big["params"] * 4 / MIB
     growth = max(big["startup"]["peak_rss_mib"]) - max(tiny["startup"]["peak_rss_mib"])
+
     def build_growth(run: dict) -> float:
-        return max(b - a for a, b in zip(run["startup"]["rss_before_build_mib"], run["startup"]["build_rss_mib"],
-                                               strict=True))
+        return max(
+            b - a for a, b in zip(run["startup"]["rss_before_build_mib"], run["startup"]["build_rss_mib"], strict=True)
+        )
 
     build = build_growth(big)
     net = build - build_growth(tiny)  # what building the tiny model costs too: first use of the allocator, kernels
-    print(f"model {big['params'] / 1e6:.1f}M params, whole fp32 model {fp32_model:,.0f} MiB; ZeRO-{args.zero}, "
-          f"{args.ranks} ranks (tp {args.tp}, pp {args.pp}), {big['startup']['mode']} build")
-    print(f"  worst rank's start-up peak RSS        {max(big['startup']['peak_rss_mib']):8,.0f} MiB "
-          f"(tiny model: {max(tiny['startup']['peak_rss_mib']):,.0f})")
+    print(
+        f"model {big['params'] / 1e6:.1f}M params, whole fp32 model {fp32_model:,.0f} MiB; ZeRO-{args.zero}, "
+        f"{args.ranks} ranks (tp {args.tp}, pp {args.pp}), {big['startup']['mode']} build"
+    )
+    print(
+        f"  worst rank's start-up peak RSS        {max(big['startup']['peak_rss_mib']):8,.0f} MiB "
+        f"(tiny model: {max(tiny['startup']['peak_rss_mib']):,.0f})"
+    )
     print(f"  minus the tiny model's                {growth:8,.0f} MiB = {growth / fp32_model:.2f} x the fp32 model")
     print(f"  the build alone (worst rank)          {build:8,.0f} MiB = {build / fp32_model:.2f} x")
-    print(f"  minus the tiny model's build          {net:8,.0f} MiB = {net / fp32_model:.2f} x "
-          f"(the rest of the start-up peak is deepspeed.initialize's: ZeRO's flat buffers and fp32 copies)")
-    print(f"  seconds to the first step (worst)     {max(big['startup']['seconds_to_first_step']):8.1f} "
-          f"(build {max(big['startup']['seconds_build']):.1f})")
+    print(
+        f"  minus the tiny model's build          {net:8,.0f} MiB = {net / fp32_model:.2f} x "
+        f"(the rest of the start-up peak is deepspeed.initialize's: ZeRO's flat buffers and fp32 copies)"
+    )
+    print(
+        f"  seconds to the first step (worst)     {max(big['startup']['seconds_to_first_step']):8.1f} "
+        f"(build {max(big['startup']['seconds_build']):.1f})"
+    )
     if big["predicted"]:
         p = big["predicted"]
-        print(f"  plan: host per rank {p.get('host_per_rank_bytes', 0) / MIB:,.0f} MiB, "
-              f"{p.get('seconds', 0):.1f} s to the first step (build + import)")
+        print(
+            f"  plan: host per rank {p.get('host_per_rank_bytes', 0) / MIB:,.0f} MiB, "
+            f"{p.get('seconds', 0):.1f} s to the first step (build + import)"
+        )
 
 
 def write_llama(path: Path, *, data: Path, vocab: int):
@@ -131,9 +197,16 @@ def write_llama(path: Path, *, data: Path, vocab: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=1024, intermediate_size=2560, num_hidden_layers=12,
-                      num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=64,
-                      tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=1024,
+        intermediate_size=2560,
+        num_hidden_layers=12,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
     model = LlamaForCausalLM(cfg).float().eval()
     model.save_pretrained(path)
     for f in (data / "tokenizer").iterdir():
@@ -154,8 +227,7 @@ def first_batch_loss(model, *, data: Path, windows: int) -> float:
 
     from dspipe.data import TokenWindows, TrainLoader
 
-    loader = TrainLoader(windows=TokenWindows(str(data), seq_len=64), seed=1234, micro_batch=windows, dp=1,
-                         dp_rank=0)
+    loader = TrainLoader(windows=TokenWindows(str(data), seq_len=64), seed=1234, micro_batch=windows, dp=1, dp_rank=0)
     inputs, labels = next(loader)
     with torch.no_grad():
         logits = model(inputs).logits

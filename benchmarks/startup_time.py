@@ -5,6 +5,7 @@ rank 0 says the first step is next (on 2 cores and 24 GiB a tinyllama step does 
 
     python benchmarks/startup_time.py --before afd062a
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,9 +38,15 @@ def timed_launch(*, code: Path, run_dir: Path, ranks: int, port: int) -> tuple[f
 
     launcher = shutil.which("deepspeed") or "deepspeed"
     start = time.perf_counter()
-    proc = subprocess.Popen([launcher, "--num_gpus", str(ranks), "--master_port", str(port), "run.py", "--run",
-                             str(run_dir)], cwd=code, env={**os.environ, "PYTHONPATH": str(code)},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [launcher, "--num_gpus", str(ranks), "--master_port", str(port), "run.py", "--run", str(run_dir)],
+        cwd=code,
+        env={**os.environ, "PYTHONPATH": str(code)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     tail = []
     for line in proc.stdout:
         tail = (tail + [line])[-5:]
@@ -73,27 +80,83 @@ def main() -> None:
         data = args.data
         if data is None:
             data = work / "data"
-            r = run([sys.executable, "-m", "dspipe", "prepare-data", "--out", str(data), "--max-mb", "1.5",
-                     "--train-tokenizer", "1024"], cwd=ROOT)
+            r = run(
+                [
+                    sys.executable,
+                    "-m",
+                    "dspipe",
+                    "prepare-data",
+                    "--out",
+                    str(data),
+                    "--max-mb",
+                    "1.5",
+                    "--train-tokenizer",
+                    "1024",
+                ],
+                cwd=ROOT,
+            )
             if r.returncode:
                 sys.exit(r.stderr)
         rows = []
         for label, code in (("before", before), ("after", ROOT)):
             run_dir = work / f"run-{label}"
-            r = run([sys.executable, "-m", "dspipe", "gen-config", "--model", args.model, "--gpus-per-node",
-                     str(args.ranks), "--gpu", "cpu", "--global-batch", str(args.ranks), "--micro-batch", "1",
-                     "--seq-len", "64", "--precision", args.precision, "--zero", args.zero, "--offload", "none",
-                     "--no-offload-params", "--pp", "1", "--tp", "1", "--checkpointing", "none", "--steps", "2",
-                     "--warmup", "1", "--eval-interval", "0", "--data", str(data),
-                     "--out", str(run_dir)], cwd=code, env={"PYTHONPATH": str(code)})
+            r = run(
+                [
+                    sys.executable,
+                    "-m",
+                    "dspipe",
+                    "gen-config",
+                    "--model",
+                    args.model,
+                    "--gpus-per-node",
+                    str(args.ranks),
+                    "--gpu",
+                    "cpu",
+                    "--global-batch",
+                    str(args.ranks),
+                    "--micro-batch",
+                    "1",
+                    "--seq-len",
+                    "64",
+                    "--precision",
+                    args.precision,
+                    "--zero",
+                    args.zero,
+                    "--offload",
+                    "none",
+                    "--no-offload-params",
+                    "--pp",
+                    "1",
+                    "--tp",
+                    "1",
+                    "--checkpointing",
+                    "none",
+                    "--steps",
+                    "2",
+                    "--warmup",
+                    "1",
+                    "--eval-interval",
+                    "0",
+                    "--data",
+                    str(data),
+                    "--out",
+                    str(run_dir),
+                ],
+                cwd=code,
+                env={"PYTHONPATH": str(code)},
+            )
             if r.returncode:
                 sys.exit(f"{label}: gen-config: {r.stderr}")
             rows.append((label, *timed_launch(code=code, run_dir=run_dir, ranks=args.ranks, port=29651)))
-        print(f"{args.model}, ZeRO-{args.zero}, {args.precision}, {args.ranks} CPU ranks, seq 64: seconds from the "
-              f"launch to the first step")
+        print(
+            f"{args.model}, ZeRO-{args.zero}, {args.precision}, {args.ranks} CPU ranks, seq 64: seconds from the "
+            f"launch to the first step"
+        )
         for label, seconds, rss, status in rows:
-            print(f"  {label:7s} {seconds:7.1f} s   worst rank's start-up peak RSS "
-                  f"{'not recorded' if rss is None else f'{rss:,.0f} MiB'}   {status}")
+            print(
+                f"  {label:7s} {seconds:7.1f} s   worst rank's start-up peak RSS "
+                f"{'not recorded' if rss is None else f'{rss:,.0f} MiB'}   {status}"
+            )
         if all(r[3] == "ok" for r in rows):
             print(f"  after / before = {rows[1][1] / rows[0][1]:.2f}")
     finally:

@@ -1,4 +1,5 @@
 """Put fully written outputs into place: readers see the old directory/file or the new one, never half of one."""
+
 from __future__ import annotations
 
 import contextlib
@@ -28,8 +29,9 @@ def replace_dir(tmp: Path, out: Path) -> None:
 
 
 @contextlib.contextmanager
-def staged_dir(out: Path, *, tag: str = "",
-               errors: Callable[[], ContextManager] = contextlib.nullcontext) -> Iterator[Path]:
+def staged_dir(
+    out: Path, *, tag: str = "", errors: Callable[[], ContextManager] = contextlib.nullcontext
+) -> Iterator[Path]:
     """Yield a new temp directory (mode 0o755, named `.{out's name}.{tag}...`, beside `out`) for the block to fill;
     when the block ends, put it in place with replace_dir. If the block or the replace fails, the temp directory is
     removed and `out` is as it was. `errors` wraps the filesystem steps of its own (making the directory, putting it

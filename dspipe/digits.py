@@ -4,6 +4,7 @@ Python refuses int() of more than 4,300 digits with a ValueError; every flag, --
 dspipe reads as an integer refuses more than MAX_DIGITS significant digits first, in one line that shows the count.
 Standard library only.
 """
+
 from __future__ import annotations
 
 MAX_DIGITS = 1000

@@ -4,6 +4,7 @@ Python's json module reads NaN, Infinity and 1e999 (as inf) and writes them back
 JSON; every file dspipe reads goes through read_object and every file it writes through dumps, so a non-finite
 number is refused with the file and the field named, in both directions.
 """
+
 from __future__ import annotations
 
 import json
@@ -72,7 +73,7 @@ def number_hooks(where: str, *, tail: str = "") -> dict:
 def show(value, width: int = 40) -> str:
     """repr of a value read from a file, cut to `width` characters (a 5000-digit number stays one short line)."""
     text = repr(value)
-    return text if len(text) <= width else text[:width - 3] + "..."
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def non_finite(value, where: str = "") -> str | None:

@@ -8,6 +8,7 @@ line prefixed with `[rank N]`. A record logged with extra={"all_ranks": True} (s
 its own failure) is written by whichever rank logs it, with the prefix. Standard library only: the planning modules
 import this without torch.
 """
+
 from __future__ import annotations
 
 import logging

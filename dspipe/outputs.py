@@ -14,6 +14,7 @@ of output, and only if it holds nothing dspipe did not write there:
 
 Every refusal is one line (SpecError, exit code 2) and happens before anything is created, renamed or deleted; a
 failure while writing removes the parent directories it created (`writing`). No torch."""
+
 from __future__ import annotations
 
 import contextlib
@@ -29,15 +30,21 @@ from dspipe.jsonio import read_object
 MARKER = ".dspipe-output"
 """JSON {"dspipe": KIND, "format_version": 1, "files": [relative paths]} in every directory output but a run's."""
 MARKER_VERSION = 1
-KINDS = {"run": "run directory", "data": "prepared data directory", "export-hf": "export-hf model directory",
-         "report": "report directory"}
+KINDS = {
+    "run": "run directory",
+    "data": "prepared data directory",
+    "export-hf": "export-hf model directory",
+    "report": "report directory",
+}
 RUN_SPEC, RUN_DS_CONFIG = "dspipe.json", "ds_config.json"  # dspipe.rundir's names (no import: rundir imports us)
 TRAINING_OUTPUTS = ("checkpoints", "metrics.csv", "val_metrics.csv", "monitor", "engine.json")
 """What training writes into a run directory: never replaced or deleted by another command."""
 RUN_OWN = (RUN_SPEC, RUN_DS_CONFIG, "config.yaml", ".deepspeed_env", *TRAINING_OUTPUTS)
 """Names inside a run directory that no other output may take (or be written inside)."""
-LEGACY = {"data": re.compile(r"^(meta\.json|tokenizer/.+|(train|val)-\d{5}\.(bin|idx))$"),
-          "report": re.compile(r"^(report\.md|loss\.png|throughput\.png|lr\.png)$")}
+LEGACY = {
+    "data": re.compile(r"^(meta\.json|tokenizer/.+|(train|val)-\d{5}\.(bin|idx))$"),
+    "report": re.compile(r"^(report\.md|loss\.png|throughput\.png|lr\.png)$"),
+}
 """The files of outputs written before MARKER existed (export-hf directories had no fixed set: not recognised)."""
 NAME_MAX = 200  # bytes of the last component: the temp siblings add ~40 to it and file systems allow 255
 PATH_MAX = 4000
@@ -60,15 +67,16 @@ def target(value: str | os.PathLike | None, *, flag: str = "--out", expect: str 
     if text.strip() == "":
         raise SpecError(f"{flag} is empty: give a path")
     if any(ord(c) < 32 or ord(c) == 127 for c in text):
-        raise SpecError(f"{flag} {ascii(text)} contains a control character (newline, tab, NUL...): give a plain "
-                        f"path")
+        raise SpecError(f"{flag} {ascii(text)} contains a control character (newline, tab, NUL...): give a plain path")
     path = Path(text)
     absolute = Path(os.path.abspath(text))
     if absolute.parent == absolute:
         raise SpecError(f"{flag} {text} is the file system root")
     if len(os.fsencode(absolute.name)) > NAME_MAX or len(os.fsencode(str(absolute))) > PATH_MAX:
-        raise SpecError(f"{flag} is too long ({len(os.fsencode(absolute.name))} bytes in its last part, "
-                        f"{len(os.fsencode(str(absolute)))} in all; at most {NAME_MAX} and {PATH_MAX})")
+        raise SpecError(
+            f"{flag} is too long ({len(os.fsencode(absolute.name))} bytes in its last part, "
+            f"{len(os.fsencode(str(absolute)))} in all; at most {NAME_MAX} and {PATH_MAX})"
+        )
     if absolute.is_symlink():
         raise SpecError(f"{flag} {text} is a symbolic link (to {os.readlink(absolute)}); give the real path")
     if absolute.exists():
@@ -89,8 +97,10 @@ def _check_not_in_run(absolute: Path, *, flag: str, text: str) -> None:
     for part in (absolute, *absolute.parents):
         if part.name in RUN_OWN and is_run_dir(part.parent):
             what = "is" if part == absolute else "is inside"
-            raise SpecError(f"{flag} {text} {what} {part}, which run directory {part.parent} writes itself; "
-                            f"choose a path outside it")
+            raise SpecError(
+                f"{flag} {text} {what} {part}, which run directory {part.parent} writes itself; "
+                f"choose a path outside it"
+            )
 
 
 def _check_parent(absolute: Path, *, flag: str, text: str) -> None:
@@ -111,6 +121,7 @@ def _check_parent(absolute: Path, *, flag: str, text: str) -> None:
 
 # ---- recognising dspipe's outputs ---------------------------------------------------------------------------------
 
+
 def is_run_dir(path: Path) -> bool:
     """dspipe.json (a JSON object with format_version) beside ds_config.json: a run directory gen-config wrote."""
     spec = Path(path) / RUN_SPEC
@@ -128,8 +139,12 @@ def read_marker(path: Path) -> dict | None:
         marker = read_object(Path(path) / MARKER)
     except SpecError:
         return None
-    if (not isinstance(marker, dict) or marker.get("dspipe") not in KINDS or not isinstance(marker.get("files"), list)
-            or not all(isinstance(f, str) for f in marker["files"])):
+    if (
+        not isinstance(marker, dict)
+        or marker.get("dspipe") not in KINDS
+        or not isinstance(marker.get("files"), list)
+        or not all(isinstance(f, str) for f in marker["files"])
+    ):
         return None
     return marker
 
@@ -198,6 +213,7 @@ def training_outputs(run_dir: Path) -> list[str]:
 
 # ---- claiming an output -------------------------------------------------------------------------------------------
 
+
 def _is_empty_dir(path: Path) -> bool:
     try:
         return path.is_dir() and not any(path.iterdir())
@@ -217,15 +233,19 @@ def claim_dir(out: Path, *, kind: str, replace: bool, flag: str = "--out") -> bo
     label = KINDS[kind]
     found = owner(out)
     if found is None:
-        raise SpecError(f"{flag} {out} exists and is not {_a(label)} written by dspipe (no {MARKER}); dspipe "
-                        f"replaces only its own output: choose another {flag}")
+        raise SpecError(
+            f"{flag} {out} exists and is not {_a(label)} written by dspipe (no {MARKER}); dspipe "
+            f"replaces only its own output: choose another {flag}"
+        )
     if found != kind:
         raise SpecError(f"{flag} {out} is {_a(KINDS[found])} written by dspipe, not {_a(label)}; choose another {flag}")
     extra = foreign_files(out, kind=kind)
     if extra:
         more = f" and {len(extra) - 3} more" if len(extra) > 3 else ""
-        raise SpecError(f"{flag} {out} holds files dspipe did not write there ({', '.join(map(_shown, extra[:3]))}"
-                        f"{more}); move them out or choose another {flag}")
+        raise SpecError(
+            f"{flag} {out} holds files dspipe did not write there ({', '.join(map(_shown, extra[:3]))}"
+            f"{more}); move them out or choose another {flag}"
+        )
     if not replace:
         raise SpecError(f"{out} already exists (pass --force to replace it)")
     return True
@@ -238,14 +258,20 @@ def claim_run_dir(out: Path, *, force: bool) -> bool:
     if not out.exists() or _is_empty_dir(out):
         return False
     if not force:
-        raise SpecError(f"run directory {out} already exists (pass --force to replace its config; its checkpoints "
-                        f"and metrics are kept)")
+        raise SpecError(
+            f"run directory {out} already exists (pass --force to replace its config; its checkpoints "
+            f"and metrics are kept)"
+        )
     found = owner(out)
     if found != "run":
-        what = "not a run directory (no dspipe.json / ds_config.json)" if found is None else \
-            f"{_a(KINDS[found])} written by dspipe, not a run directory"
-        raise SpecError(f"--out {out} exists and is {what}; --force rewrites only a run directory's config: "
-                        f"choose another --out")
+        what = (
+            "not a run directory (no dspipe.json / ds_config.json)"
+            if found is None
+            else f"{_a(KINDS[found])} written by dspipe, not a run directory"
+        )
+        raise SpecError(
+            f"--out {out} exists and is {what}; --force rewrites only a run directory's config: choose another --out"
+        )
     return True
 
 
@@ -258,12 +284,15 @@ def claim_file(out: Path, *, replace: bool, owned: Callable[[Path], bool], label
     if not replace:
         raise SpecError(f"{flag} {out} already exists (pass --force to replace it)")
     if not owned(out):
-        raise SpecError(f"{flag} {out} exists and is not {_a(label)} written by dspipe; --force replaces only "
-                        f"that: choose another {flag}")
+        raise SpecError(
+            f"{flag} {out} exists and is not {_a(label)} written by dspipe; --force replaces only "
+            f"that: choose another {flag}"
+        )
     return True
 
 
 # ---- writing --------------------------------------------------------------------------------------------------------
+
 
 @contextlib.contextmanager
 def parents(out: Path, *, flag: str = "--out") -> Iterator[None]:

@@ -2,6 +2,7 @@
 written (RunEstimate.written, gen-config's; to_dict, dspipe.rundir.write_run) here only. Its on-disk format is
 dspipe.planner.summary.estimate_summary's (what `dspipe plan --json` prints) plus save_interval_auto, unchanged: the
 section is kept whole as written and the figures its readers use are typed properties. Imports no torch."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -16,8 +17,20 @@ ESTIMATE_NUMBERS = ("tokens_per_s", "mfu", "step_time_s")
 AUTO_INTERVAL = "save_interval_auto"
 """dspipe.json's estimate key, true when train.save_interval came from --save-interval auto: the runner then
 re-plans it from each save's measured time (dspipe.runtime.save_schedule)."""
-ESTIMATE_LAYOUT = ("num_params", "zero_stage", "offload", "offload_params", "precision", "pp", "tp", "sp", "dp",
-                   "micro_batch", "grad_accum", "checkpointing")
+ESTIMATE_LAYOUT = (
+    "num_params",
+    "zero_stage",
+    "offload",
+    "offload_params",
+    "precision",
+    "pp",
+    "tp",
+    "sp",
+    "dp",
+    "micro_batch",
+    "grad_accum",
+    "checkpointing",
+)
 """Figures of dspipe.json's estimate that repeat the plan (dspipe.planner.summary.estimate_summary)."""
 
 
@@ -89,13 +102,15 @@ class RunEstimate:
             raise SpecError(f"{source}: estimate must be an object, got {type(estimate).__name__}")
         memory = estimate.get("memory_per_gpu_bytes", {})
         if not isinstance(memory, dict):
-            raise SpecError(f"{source}: estimate.memory_per_gpu_bytes must be an object, got "
-                            f"{type(memory).__name__}")
-        for name, value in [*((k, estimate.get(k)) for k in ESTIMATE_NUMBERS),
-                            ("memory_per_gpu_bytes.total", memory.get("total"))]:
+            raise SpecError(f"{source}: estimate.memory_per_gpu_bytes must be an object, got {type(memory).__name__}")
+        for name, value in [
+            *((k, estimate.get(k)) for k in ESTIMATE_NUMBERS),
+            ("memory_per_gpu_bytes.total", memory.get("total")),
+        ]:
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
                 raise SpecError(f"{source}: estimate.{name} must be a number >= 0 or null, got {show(value)}")
         if AUTO_INTERVAL in estimate and estimate[AUTO_INTERVAL] is not True:
-            raise SpecError(f"{source}: estimate.{AUTO_INTERVAL} must be true when present, got "
-                            f"{show(estimate[AUTO_INTERVAL])}")
+            raise SpecError(
+                f"{source}: estimate.{AUTO_INTERVAL} must be true when present, got {show(estimate[AUTO_INTERVAL])}"
+            )
         return cls(estimate)

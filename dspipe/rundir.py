@@ -1,4 +1,5 @@
 """A run directory: resolved specs, plan and DeepSpeed JSON, written whole or not at all. No torch."""
+
 from __future__ import annotations
 
 import contextlib
@@ -12,9 +13,9 @@ from dspipe.errors import SpecError
 from dspipe.jsonio import read_object, show
 from dspipe.planner.plan import Plan, check_plan
 from dspipe.run_estimate import RunEstimate
-from dspipe.spec.profile import PROFILE_FILE, profile_to_dict
 from dspipe.spec.core import ClusterSpec, ModelSpec, StrategySpec, TrainSpec, from_dict
 from dspipe.spec.kinds import Checkpointing, Precision
+from dspipe.spec.profile import PROFILE_FILE, profile_to_dict
 
 FORMAT_VERSION = 1
 SPEC_FILE = "dspipe.json"
@@ -80,20 +81,42 @@ class Run:
         return self.path / ENGINE_FILE
 
 
-def write_run(out: Path, *, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strategy: StrategySpec,
-              plan: Plan, data: str, ds_config: dict, command: str, estimate: RunEstimate,
-              force: bool = False) -> None:
+def write_run(
+    out: Path,
+    *,
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    train: TrainSpec,
+    strategy: StrategySpec,
+    plan: Plan,
+    data: str,
+    ds_config: dict,
+    command: str,
+    estimate: RunEstimate,
+    force: bool = False,
+) -> None:
     """A new run directory is written into a sibling temp dir, then renamed: never half-written. An existing one
     is rewritten only with `force` and only if it is a run directory: its config files (ds_config.json, dspipe.json
     and the `also_writing` files) are replaced (each whole), everything else (checkpoints, metrics, TensorBoard
     logs, the user's files) is kept. A run that has trained is refused a config of another model, whose checkpoints
     it could not resume."""
     out = outputs.target(out, flag="--out", expect="dir")
-    spec = {"format_version": FORMAT_VERSION, "model": asdict(model), "cluster": cluster_dict(cluster),
-            "train": asdict(train), "strategy": asdict(strategy), "plan": asdict(plan), "estimate": estimate.to_dict(),
-            "data": data, "command": command}
-    texts = {**_EXTRA.get({}), DS_CONFIG_FILE: _json_text(ds_config, DS_CONFIG_FILE),
-             SPEC_FILE: _json_text(spec, SPEC_FILE)}  # dspipe.json (what readers open first) last
+    spec = {
+        "format_version": FORMAT_VERSION,
+        "model": asdict(model),
+        "cluster": cluster_dict(cluster),
+        "train": asdict(train),
+        "strategy": asdict(strategy),
+        "plan": asdict(plan),
+        "estimate": estimate.to_dict(),
+        "data": data,
+        "command": command,
+    }
+    texts = {
+        **_EXTRA.get({}),
+        DS_CONFIG_FILE: _json_text(ds_config, DS_CONFIG_FILE),
+        SPEC_FILE: _json_text(spec, SPEC_FILE),
+    }  # dspipe.json (what readers open first) last
     if outputs.claim_run_dir(out, force=force):
         _check_same_model(out, model=spec["model"])
         with outputs.writing(out):
@@ -131,11 +154,18 @@ def _check_same_model(out: Path, *, model: dict) -> None:
         old = None
     if old == model:
         return
-    changed = ("its dspipe.json is unreadable" if not isinstance(old, dict) else ", ".join(
-        f"{k} {old.get(k)} -> {model.get(k)}" for k in sorted(set(old) | set(model)) if old.get(k) != model.get(k)))
-    raise SpecError(f"run directory {out} holds training outputs ({', '.join(kept)}) of another model ({changed}); "
-                    f"--force keeps them, so it cannot give this run a new model: choose another --out "
-                    f"(nothing was changed)")
+    changed = (
+        "its dspipe.json is unreadable"
+        if not isinstance(old, dict)
+        else ", ".join(
+            f"{k} {old.get(k)} -> {model.get(k)}" for k in sorted(set(old) | set(model)) if old.get(k) != model.get(k)
+        )
+    )
+    raise SpecError(
+        f"run directory {out} holds training outputs ({', '.join(kept)}) of another model ({changed}); "
+        f"--force keeps them, so it cannot give this run a new model: choose another --out "
+        f"(nothing was changed)"
+    )
 
 
 def load_run(path: str | Path) -> Run:
@@ -147,21 +177,29 @@ def load_run(path: str | Path) -> Run:
     path = Path(path)
     spec_file, ds_file = path / SPEC_FILE, path / DS_CONFIG_FILE
     if not spec_file.is_file() or not ds_file.is_file():
-        raise SpecError(f"{path} is not a run directory (no {SPEC_FILE} / {DS_CONFIG_FILE}); "
-                        f"create one with 'dspipe gen-config --out {path}'")
+        raise SpecError(
+            f"{path} is not a run directory (no {SPEC_FILE} / {DS_CONFIG_FILE}); "
+            f"create one with 'dspipe gen-config --out {path}'"
+        )
     d = read_object(spec_file)
     if d.get("format_version") != FORMAT_VERSION:
         raise SpecError(f"{spec_file}: format_version {d.get('format_version')!r} != {FORMAT_VERSION}")
     missing = [k for k in RUN_KEYS if k not in d]
     if missing:
         raise SpecError(f"{spec_file}: missing key {', '.join(missing)}")
-    specs = {key: _section(spec_file, key, cls, d[key]) for key, cls in
-             (("model", ModelSpec), ("cluster", ClusterSpec), ("train", TrainSpec), ("strategy", StrategySpec),
-              ("plan", Plan))}
+    specs = {
+        key: _section(spec_file, key, cls, d[key])
+        for key, cls in (
+            ("model", ModelSpec),
+            ("cluster", ClusterSpec),
+            ("train", TrainSpec),
+            ("strategy", StrategySpec),
+            ("plan", Plan),
+        )
+    }
     data = d["data"]
     if not isinstance(data, str) or not data or "\0" in data or "\n" in data:
-        raise SpecError(f"{spec_file}: data must be the prepared data directory (a one-line path), got "
-                        f"{show(data)}")
+        raise SpecError(f"{spec_file}: data must be the prepared data directory (a one-line path), got {show(data)}")
     from dspipe.data.blend import parse as parse_data  # a path, or a blend a:0.7,b:0.3
 
     try:
@@ -169,13 +207,19 @@ def load_run(path: str | Path) -> Run:
     except SpecError as e:
         raise SpecError(f"{spec_file}: data: {e}") from None
     try:
-        check_plan(specs["plan"], model=specs["model"], cluster=specs["cluster"], train=specs["train"],
-                   strategy=specs["strategy"])
+        check_plan(
+            specs["plan"],
+            model=specs["model"],
+            cluster=specs["cluster"],
+            train=specs["train"],
+            strategy=specs["strategy"],
+        )
     except SpecError as e:
         raise SpecError(f"{spec_file}: {e}") from None
     estimate = RunEstimate.from_dict(d.get("estimate", {}), source=spec_file)
-    check_spec_agrees(spec_file, cluster=specs["cluster"], plan=specs["plan"], estimate=estimate,
-                      command=d.get("command"))
+    check_spec_agrees(
+        spec_file, cluster=specs["cluster"], plan=specs["plan"], estimate=estimate, command=d.get("command")
+    )
     ds_config = read_object(ds_file)
     check_ds_config(ds_config, plan=specs["plan"], source=ds_file)
     return Run(path=path, **specs, data=data, estimate=estimate, ds_config=ds_config)
@@ -194,8 +238,7 @@ def _section(source: Path, key: str, cls, value):
         raise SpecError(f"{source}: {key}: {' '.join(str(e).split())}") from None
 
 
-def check_spec_agrees(source: Path, *, cluster: ClusterSpec, plan: Plan, estimate: RunEstimate,
-                      command) -> None:
+def check_spec_agrees(source: Path, *, cluster: ClusterSpec, plan: Plan, estimate: RunEstimate, command) -> None:
     """The parts of dspipe.json that restate the cluster and the plan say the same: the estimate's layout figures
     and ranks per node, and the deepspeed command gen-config printed (its --num_nodes and --num_gpus). A run
     directory edited in one place only (cluster 2 x 1, command for 1 x 2) is refused instead of acted on."""
@@ -203,13 +246,17 @@ def check_spec_agrees(source: Path, *, cluster: ClusterSpec, plan: Plan, estimat
         _check_command(source, command=command, cluster=cluster, plan=plan)
     for key, value in estimate.layout().items():
         if value != getattr(plan, key) or type(value) is not type(getattr(plan, key)):
-            raise SpecError(f"{source}: estimate.{key} {show(value)} disagrees with plan.{key} "
-                            f"{getattr(plan, key)!r}; regenerate with 'dspipe gen-config --force'")
+            raise SpecError(
+                f"{source}: estimate.{key} {show(value)} disagrees with plan.{key} "
+                f"{getattr(plan, key)!r}; regenerate with 'dspipe gen-config --force'"
+            )
     startup = estimate.startup
     per_node = startup.get("ranks_per_node") if startup is not None else None
     if per_node is not None and per_node != cluster.gpus_per_node:
-        raise SpecError(f"{source}: estimate.startup.ranks_per_node {show(per_node)} disagrees with "
-                        f"cluster.gpus_per_node {cluster.gpus_per_node}")
+        raise SpecError(
+            f"{source}: estimate.startup.ranks_per_node {show(per_node)} disagrees with "
+            f"cluster.gpus_per_node {cluster.gpus_per_node}"
+        )
 
 
 def _check_command(source: Path, *, command, cluster: ClusterSpec, plan: Plan) -> None:
@@ -226,15 +273,18 @@ def _check_command(source: Path, *, command, cluster: ClusterSpec, plan: Plan) -
     given = {flag: argv[i + 1] for i, flag in enumerate(argv[:-1]) if flag in ("--num_nodes", "--num_gpus")}
     nodes, gpus = given.get("--num_nodes", "1"), given.get("--num_gpus")
     if (nodes, gpus) != (str(cluster.nodes), str(cluster.gpus_per_node)):
-        raise SpecError(f"{source}: command launches {nodes} node(s) x {gpus or '?'} rank(s) but cluster is "
-                        f"{cluster.nodes} node(s) x {cluster.gpus_per_node} GPU(s) (world size {plan.world_size}); "
-                        f"regenerate the run with 'dspipe gen-config --force'")
+        raise SpecError(
+            f"{source}: command launches {nodes} node(s) x {gpus or '?'} rank(s) but cluster is "
+            f"{cluster.nodes} node(s) x {cluster.gpus_per_node} GPU(s) (world size {plan.world_size}); "
+            f"regenerate the run with 'dspipe gen-config --force'"
+        )
 
 
 def check_ds_config(ds: dict, *, plan: Plan, source: Path | str) -> None:
     """ds_config.json against the plan: the batch equation, ZeRO stage, optimizer offload, precision, pipeline
     stages and the activation-checkpointing block the engine reads. A key DeepSpeed defaults (zero stage 0,
     bf16/fp16 off, no offload) may be absent; the batch keys may not (dspipe writes all three)."""
+
     def lookup(dotted: str, default=KeyError):
         node = ds
         for part in dotted.split("."):
@@ -248,39 +298,60 @@ def check_ds_config(ds: dict, *, plan: Plan, source: Path | str) -> None:
         return node
 
     bf16 = "bfloat16" if "bfloat16" in ds and "bf16" not in ds else "bf16"  # DeepSpeed's alias
-    wanted = {"train_batch_size": plan.ds_train_batch_size, "train_micro_batch_size_per_gpu": plan.micro_batch,
-              "gradient_accumulation_steps": plan.grad_accum, "zero_optimization.stage": plan.zero_stage,
-              f"{bf16}.enabled": plan.precision == Precision.BF16, "fp16.enabled": plan.precision == Precision.FP16,
-              "pipeline.stages": plan.pp}
-    defaults = {"zero_optimization.stage": 0, f"{bf16}.enabled": False, "fp16.enabled": False,
-                "pipeline.stages": plan.pp}
+    wanted = {
+        "train_batch_size": plan.ds_train_batch_size,
+        "train_micro_batch_size_per_gpu": plan.micro_batch,
+        "gradient_accumulation_steps": plan.grad_accum,
+        "zero_optimization.stage": plan.zero_stage,
+        f"{bf16}.enabled": plan.precision == Precision.BF16,
+        "fp16.enabled": plan.precision == Precision.FP16,
+        "pipeline.stages": plan.pp,
+    }
+    defaults = {
+        "zero_optimization.stage": 0,
+        f"{bf16}.enabled": False,
+        "fp16.enabled": False,
+        "pipeline.stages": plan.pp,
+    }
     for key, want in wanted.items():
         have = lookup(key, defaults.get(key, KeyError))
         if type(have) is not type(want) or have != want:
-            raise SpecError(f"{source}: {key} is {show(have)} but the plan in {SPEC_FILE} has {want!r} "
-                            f"(global batch {plan.global_batch} = micro {plan.micro_batch} x grad_accum "
-                            f"{plan.grad_accum} x dp {plan.dp}, tp {plan.tp}, ZeRO-{plan.zero_stage}, "
-                            f"{plan.precision}, "
-                            f"pp {plan.pp}); regenerate both with 'dspipe gen-config --force'")
+            raise SpecError(
+                f"{source}: {key} is {show(have)} but the plan in {SPEC_FILE} has {want!r} "
+                f"(global batch {plan.global_batch} = micro {plan.micro_batch} x grad_accum "
+                f"{plan.grad_accum} x dp {plan.dp}, tp {plan.tp}, ZeRO-{plan.zero_stage}, "
+                f"{plan.precision}, "
+                f"pp {plan.pp}); regenerate both with 'dspipe gen-config --force'"
+            )
     if plan.zero_stage:
         device = lookup("zero_optimization.offload_optimizer", {})
         device = device.get("device", "none") if isinstance(device, dict) else device
         if (device or "none") != plan.offload:
-            raise SpecError(f"{source}: zero_optimization.offload_optimizer.device is {show(device)} but the "
-                            f"plan in {SPEC_FILE} has {plan.offload!r}")
+            raise SpecError(
+                f"{source}: zero_optimization.offload_optimizer.device is {show(device)} but the "
+                f"plan in {SPEC_FILE} has {plan.offload!r}"
+            )
     ac = lookup("activation_checkpointing", {})
     if not isinstance(ac, dict):
         raise SpecError(f"{source}: activation_checkpointing must be an object, got {type(ac).__name__}")
     if plan.checkpointing != Checkpointing.NONE:  # the engine passes these to deepspeed.checkpointing.configure
-        for key in ("partition_activations", "contiguous_memory_optimization", "cpu_checkpointing",
-                    "synchronize_checkpoint_boundary", "profile"):
+        for key in (
+            "partition_activations",
+            "contiguous_memory_optimization",
+            "cpu_checkpointing",
+            "synchronize_checkpoint_boundary",
+            "profile",
+        ):
             if not isinstance(ac.get(key), bool):
-                raise SpecError(f"{source}: activation_checkpointing.{key} must be true or false, got "
-                                f"{show(ac.get(key))}")
+                raise SpecError(
+                    f"{source}: activation_checkpointing.{key} must be true or false, got {show(ac.get(key))}"
+                )
         n = ac.get("number_checkpoints")
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-            raise SpecError(f"{source}: activation_checkpointing.number_checkpoints must be a positive integer or "
-                            f"null, got {show(n)}")
+            raise SpecError(
+                f"{source}: activation_checkpointing.number_checkpoints must be a positive integer or "
+                f"null, got {show(n)}"
+            )
 
 
 def load_engine(run: Run) -> dict | None:

@@ -11,6 +11,6 @@ check "$PY" -m ruff check .
 check "$PY" -m ruff format --check .
 check "$PY" -m mypy dspipe/spec dspipe/planner
 site=$(mktemp -d)
-check "$PY" -m mkdocs build --strict --quiet --site-dir "$site"
+NO_MKDOCS_2_WARNING=1 check "$PY" -m mkdocs build --strict --quiet --site-dir "$site"
 rm -rf "$site"
 exit $status

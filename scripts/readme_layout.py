@@ -1,6 +1,7 @@
 """Regenerate the layout block of docs/contributing.md (the docs site's "Working on dspipe" page; it was README.md's
 until the docs moved to mkdocs) from the package itself: every wing (sub-package) and module with the first line of
 its docstring. `python scripts/readme_layout.py` rewrites the block; `--check` exits 1 when it is stale."""
+
 import ast
 import sys
 from pathlib import Path
@@ -16,7 +17,7 @@ def first_line(path: Path) -> str:
     line = doc.strip().split("\n\n")[0].replace("\n", " ")
     line = line.split(". ")[0].rstrip(".")  # the first sentence
     room = WIDTH - 30
-    return line if len(line) <= room else line[:room - 4].rsplit(" ", 1)[0] + " ..."
+    return line if len(line) <= room else line[: room - 4].rsplit(" ", 1)[0] + " ..."
 
 
 def layout() -> str:
@@ -33,8 +34,9 @@ def layout() -> str:
     rows.append(("dspipe/resources/", "templates/ (DeepSpeed JSON, sbatch) and ds_configs/ (presets), in the package"))
     rows.append(("run.py", "shim: deepspeed run.py --run DIR == deepspeed --module dspipe.runtime.entry --run DIR"))
     rows.append(("tests/", "unit/ (fast) and distributed/ (real DeepSpeed ranks); shared helpers in tests/helpers.py"))
-    rows.append(("benchmarks/ scripts/",
-                 "figures (census, planner, data); set-up, demo, wheel smoke test, this generator"))
+    rows.append(
+        ("benchmarks/ scripts/", "figures (census, planner, data); set-up, demo, wheel smoke test, this generator")
+    )
     rows.append(("docker/ docs/", "the image; this documentation (mkdocs.yml) and the measured results"))
     return "\n".join(f"{name:<30}{text}".rstrip() for name, text in rows)
 

@@ -2,6 +2,7 @@
 `distributed` (real DeepSpeed ranks, slow), so `-m "not distributed"` selects exactly the unit tests. Those also marked
 `solo` need the machine to themselves (4 or more ranks, or a figure measured in time): scripts/test.sh runs them one at
 a time after the other distributed tests, which it runs two at once."""
+
 from pathlib import Path
 
 import pytest
@@ -10,10 +11,14 @@ DISTRIBUTED_DIR = Path(__file__).resolve().parent / "distributed"
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "distributed: launches real DeepSpeed ranks (slow); "
-                                       "deselect with -m 'not distributed'")
-    config.addinivalue_line("markers", "solo: a distributed test that needs the machine to itself (4+ ranks, or a time "
-                                       "it measures); scripts/test.sh runs these one at a time")
+    config.addinivalue_line(
+        "markers", "distributed: launches real DeepSpeed ranks (slow); deselect with -m 'not distributed'"
+    )
+    config.addinivalue_line(
+        "markers",
+        "solo: a distributed test that needs the machine to itself (4+ ranks, or a time "
+        "it measures); scripts/test.sh runs these one at a time",
+    )
 
 
 def pytest_collection_modifyitems(config, items):

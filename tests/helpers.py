@@ -1,6 +1,7 @@
 """The one module of helpers shared by the tests (unit and distributed): paths, the CLI, DeepSpeed launches, run
 directories. Test modules import from here (`from tests.helpers import ...`), never from each other; fixtures live in
 tests/conftest.py."""
+
 import base64
 import csv
 import json
@@ -23,8 +24,13 @@ def free_port() -> int:
 
 def dspipe(*args, cwd=ROOT, env=None) -> subprocess.CompletedProcess:
     """`dspipe ARGS` in a subprocess; `env` adds to this process's environment."""
-    return subprocess.run([sys.executable, "-m", "dspipe", *map(str, args)], cwd=cwd, capture_output=True, text=True,
-                          env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "dspipe", *map(str, args)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def dspipe_here(*args, cwd=None, env=None) -> subprocess.CompletedProcess:
@@ -78,11 +84,28 @@ def launch(run_dir, *extra, env=None, num_gpus=2, port=None):
     scripts/wheel_smoke.sh, the README's demo and tests/distributed/test_multinode.py."""
     port = port or free_port()
     world = base64.urlsafe_b64encode(json.dumps({"localhost": list(range(num_gpus))}).encode()).decode()
-    cmd = [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world}", "--master_addr=127.0.0.1",
-           f"--master_port={port}", "run.py", "--run", str(run_dir), *extra]
+    cmd = [
+        sys.executable,
+        "-u",
+        "-m",
+        "deepspeed.launcher.launch",
+        f"--world_info={world}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={port}",
+        "run.py",
+        "--run",
+        str(run_dir),
+        *extra,
+    ]
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "PYTHONPATH": path, **(env or {})})
+    return subprocess.run(
+        cmd,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "PYTHONPATH": path, **(env or {})},
+    )
 
 
 def ok(r):
@@ -117,10 +140,40 @@ def max_diff(a: dict, b: dict) -> float:
 def make_run(tmp_path, corpus, *flags, steps=20, name="run"):
     run_dir = tmp_path / name
     # an explicit strategy; later flags override
-    r = gen_config("--model", "tiny", "--gpus-per-node", "2", "--gpu", "cpu", "--global-batch", "16",
-                   "--micro-batch", "4", "--steps", steps, "--warmup", "2", "--lr", "3e-3", "--log-interval", "5",
-                   "--data", corpus, "--out", run_dir, "--precision", "bf16", "--offload", "none",
-                   "--no-offload-params", "--pp", "1", "--checkpointing", "none", *flags)
+    r = gen_config(
+        "--model",
+        "tiny",
+        "--gpus-per-node",
+        "2",
+        "--gpu",
+        "cpu",
+        "--global-batch",
+        "16",
+        "--micro-batch",
+        "4",
+        "--steps",
+        steps,
+        "--warmup",
+        "2",
+        "--lr",
+        "3e-3",
+        "--log-interval",
+        "5",
+        "--data",
+        corpus,
+        "--out",
+        run_dir,
+        "--precision",
+        "bf16",
+        "--offload",
+        "none",
+        "--no-offload-params",
+        "--pp",
+        "1",
+        "--checkpointing",
+        "none",
+        *flags,
+    )
     assert r.returncode == 0, r.stderr
     return run_dir
 
@@ -180,19 +233,50 @@ def hand_checkpoint(run_dir, *, step=6, seed=0):
     tag = run.checkpoint_dir / ckpt_tags.tag_for(step)
     tag.mkdir(parents=True)
     consumed = step * run.plan.global_batch
-    data = {"consumed_samples": consumed, "epoch": 0, "seed": run.train.seed, "num_samples": 10_000,
-            "seq_len": run.model.seq_len, "split": "train", "fingerprint": "ab" * 32}
+    data = {
+        "consumed_samples": consumed,
+        "epoch": 0,
+        "seed": run.train.seed,
+        "num_samples": 10_000,
+        "seq_len": run.model.seq_len,
+        "split": "train",
+        "fingerprint": "ab" * 32,
+    }
     module = GPT(run.model, seed=seed).state_dict()
-    torch.save({"module": module, "buffer_names": [], "optimizer": None, "lr_scheduler": {}, "global_steps": step,
-                "ds_version": "0.19.8", "step": step, "consumed_samples": consumed, "data": data},
-               tag / "mp_rank_00_model_states.pt")
-    rng = {"python": random.Random(seed).getstate(), "numpy": np.random.RandomState(seed).get_state(),
-           "torch": torch.Generator().manual_seed(seed).get_state()}  # fixed: the same bytes in every process
+    torch.save(
+        {
+            "module": module,
+            "buffer_names": [],
+            "optimizer": None,
+            "lr_scheduler": {},
+            "global_steps": step,
+            "ds_version": "0.19.8",
+            "step": step,
+            "consumed_samples": consumed,
+            "data": data,
+        },
+        tag / "mp_rank_00_model_states.pt",
+    )
+    rng = {
+        "python": random.Random(seed).getstate(),
+        "numpy": np.random.RandomState(seed).get_state(),
+        "torch": torch.Generator().manual_seed(seed).get_state(),
+    }  # fixed: the same bytes in every process
     for rank in range(run.plan.world_size):
         torch.save(rng, tag / f"rng-rank{rank}.pt")
-    meta = {"step": step, "consumed_samples": consumed, "data": data, "model": asdict(run.model), "pp": 1, "tp": 1,
-            "sp": 1, "zero_stage": 0, "dp": run.plan.dp, "world_size": run.plan.world_size,
-            "run_spec": json.loads((run.path / SPEC_FILE).read_text())}
+    meta = {
+        "step": step,
+        "consumed_samples": consumed,
+        "data": data,
+        "model": asdict(run.model),
+        "pp": 1,
+        "tp": 1,
+        "sp": 1,
+        "zero_stage": 0,
+        "dp": run.plan.dp,
+        "world_size": run.plan.world_size,
+        "run_spec": json.loads((run.path / SPEC_FILE).read_text()),
+    }
     (tag / ckpt_tags.META_FILE).write_text(json.dumps(meta, indent=2))
     (run.checkpoint_dir / ckpt_tags.LATEST_FILE).write_text(tag.name)
     return tag

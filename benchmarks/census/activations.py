@@ -17,6 +17,7 @@ DeepSpeed's checkpoint function as dspipe.runtime.parallelize wires it. What is 
 backward, which with full recomputation is reached while one block is recomputed during backward (the head's saved
 tensors are freed before that). Gradients and temporaries are not activations and are not counted.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -96,8 +97,15 @@ def _checkpoint_fn():
     """DeepSpeed's checkpoint, configured as the engine does from the rendered activation_checkpointing block."""
     import deepspeed
 
-    deepspeed.checkpointing.configure(None, partition_activations=False, contiguous_checkpointing=False,
-                                      num_checkpoints=None, checkpoint_in_cpu=False, synchronize=False, profile=False)
+    deepspeed.checkpointing.configure(
+        None,
+        partition_activations=False,
+        contiguous_checkpointing=False,
+        num_checkpoints=None,
+        checkpoint_in_cpu=False,
+        synchronize=False,
+        profile=False,
+    )
     return deepspeed.checkpointing.checkpoint
 
 
@@ -110,8 +118,10 @@ def _run(module, *, blocks: list, embed, head_start, forward, checkpoint, whole_
     stage's output and the gradient the next stage would send), a snapshot, backward, hooks off."""
     skip = {p.untyped_storage().data_ptr() for p in module.parameters()}
     tracker = _Tracker(skip=skip)
-    handles = [b.register_forward_pre_hook(lambda _m, _a, i=i: setattr(tracker, "region", f"block{i}"))
-               for i, b in enumerate(blocks)]
+    handles = [
+        b.register_forward_pre_hook(lambda _m, _a, i=i: setattr(tracker, "region", f"block{i}"))
+        for i, b in enumerate(blocks)
+    ]
     if embed is not None:
         handles.append(embed.register_forward_pre_hook(lambda *_: setattr(tracker, "region", EMBED)))
     if head_start is not None:
@@ -140,8 +150,12 @@ def _run(module, *, blocks: list, embed, head_start, forward, checkpoint, whole_
     finally:
         for h in handles:
             h.remove()
-    return ActivationCensus(blocks=tuple(regions.get(f"block{i}", 0) for i in range(len(blocks))),
-                            embed=regions.get(EMBED, 0), head=regions.get(HEAD, 0), peak=tracker.peak)
+    return ActivationCensus(
+        blocks=tuple(regions.get(f"block{i}", 0) for i in range(len(blocks))),
+        embed=regions.get(EMBED, 0),
+        head=regions.get(HEAD, 0),
+        peak=tracker.peak,
+    )
 
 
 def _batch(model, micro_batch: int, seed: int):
@@ -164,19 +178,24 @@ def census_gpt(*, model, micro_batch: int, checkpointing: str, precision: str, s
         return gpt(inputs, labels), None
 
     with _process_group(rank=0, world=1):  # DeepSpeed's checkpointing asks for the rank
-        return _run(gpt, blocks=list(gpt.h), embed=gpt.embed, head_start=gpt.final, forward=forward,
-                    checkpoint=_checkpoint_fn() if checkpointing != "none" else None,
-                    whole_blocks=checkpointing == "full")
+        return _run(
+            gpt,
+            blocks=list(gpt.h),
+            embed=gpt.embed,
+            head_start=gpt.final,
+            forward=forward,
+            checkpoint=_checkpoint_fn() if checkpointing != "none" else None,
+            whole_blocks=checkpointing == "full",
+        )
 
 
 @contextlib.contextmanager
 def _process_group(*, rank: int, world: int):
     """A process group of `world` ranks in this one process, as rank `rank` (torch's fake backend: collectives do
     nothing), for DeepSpeed's PipelineModule and checkpointing; refused if one is already up (a real run's)."""
+    import deepspeed
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    import deepspeed
 
     if dist.is_initialized():
         raise RuntimeError("the activation census builds its own process group: run it outside a distributed job")
@@ -189,8 +208,17 @@ def _process_group(*, rank: int, world: int):
         dist.destroy_process_group()
 
 
-def census_stage(*, model, pp: int, stage: int, micro_batch: int, checkpointing: str, precision: str,
-                 partition_method: str = "parameters", seed: int = 0) -> tuple[ActivationCensus, list[int]]:
+def census_stage(
+    *,
+    model,
+    pp: int,
+    stage: int,
+    micro_batch: int,
+    checkpointing: str,
+    precision: str,
+    partition_method: str = "parameters",
+    seed: int = 0,
+) -> tuple[ActivationCensus, list[int]]:
     """One micro-batch through stage `stage` of the PipelineModule (DeepSpeed's partition of the runner's layer
     specs; full recomputation through its activation_checkpoint_interval 1, as the plan renders it). Returns the
     census and DeepSpeed's stage bounds (indices into embedding, blocks, final norm, head)."""
@@ -206,9 +234,18 @@ def census_stage(*, model, pp: int, stage: int, micro_batch: int, checkpointing:
             return holder["fn"](function, *args)
 
         torch.manual_seed(seed)
-        pipe = build_pipeline(model=model, stages=pp, partition_method=partition_method,
-                              activation_checkpoint_interval=1 if checkpointing == "full" else 0,
-                              checkpoint_fn=counted_proxy, seed=seed).to(_dtype(precision)).train()
+        pipe = (
+            build_pipeline(
+                model=model,
+                stages=pp,
+                partition_method=partition_method,
+                activation_checkpoint_interval=1 if checkpointing == "full" else 0,
+                checkpoint_fn=counted_proxy,
+                seed=seed,
+            )
+            .to(_dtype(precision))
+            .train()
+        )
         recompute(pipe, mode=checkpointing, checkpoint_fn=counted_proxy)
         # as PipelineEngine's __init__ does; forward checkpoints nothing without
         pipe._precompute_checkpointable_values()
@@ -231,8 +268,15 @@ def census_stage(*, model, pp: int, stage: int, micro_batch: int, checkpointing:
                 return pipe.loss_fn(out, labels), None
             return out, torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out.dtype)
 
-        census = _run(pipe, blocks=blocks, embed=embed, head_start=head, forward=forward, checkpoint=checkpoint,
-                      whole_blocks=checkpointing == "full")
+        census = _run(
+            pipe,
+            blocks=blocks,
+            embed=embed,
+            head_start=head,
+            forward=forward,
+            checkpoint=checkpoint,
+            whole_blocks=checkpointing == "full",
+        )
         return census, bounds
 
 
@@ -258,8 +302,16 @@ class Comparison:
     """Census peak."""
 
 
-def compare(*, model, micro_batch: int, checkpointing: str, precision: str, pp: int = 1, stage: int = 0,
-            partition_method: str = "parameters") -> Comparison:
+def compare(
+    *,
+    model,
+    micro_batch: int,
+    checkpointing: str,
+    precision: str,
+    pp: int = 1,
+    stage: int = 0,
+    partition_method: str = "parameters",
+) -> Comparison:
     """Census of the real model (or pipeline stage) and the planner's figures for it, with PyTorch's CPU kernels."""
     from dspipe.planner.memory import activation_bytes_per_layer, logits_bytes, micro_batch_activations
     from dspipe.planner.stages import stage_blocks, stage_bounds
@@ -269,25 +321,46 @@ def compare(*, model, micro_batch: int, checkpointing: str, precision: str, pp: 
     if pp == 1:
         census = census_gpt(model=model, micro_batch=micro_batch, checkpointing=checkpointing, precision=precision)
     else:
-        census, bounds = census_stage(model=model, pp=pp, stage=stage, micro_batch=micro_batch,
-                                      checkpointing=checkpointing, precision=precision,
-                                      partition_method=partition_method)
+        census, bounds = census_stage(
+            model=model,
+            pp=pp,
+            stage=stage,
+            micro_batch=micro_batch,
+            checkpointing=checkpointing,
+            precision=precision,
+            partition_method=partition_method,
+        )
         if tuple(bounds) != stage_bounds(model, pp, partition_method):
-            raise RuntimeError(f"DeepSpeed's stage bounds {bounds} differ from the planner's "
-                               f"{list(stage_bounds(model, pp, partition_method))}")
+            raise RuntimeError(
+                f"DeepSpeed's stage bounds {bounds} differ from the planner's "
+                f"{list(stage_bounds(model, pp, partition_method))}"
+            )
     blocks = stage_blocks(model=model, pp=pp, partition_method=partition_method)[stage]
     if blocks != len(census.blocks):
         raise RuntimeError(f"stage {stage}: planner counts {blocks} blocks, the module holds {len(census.blocks)}")
     last = stage == pp - 1
-    held, working = micro_batch_activations(model=model, micro_batch=micro_batch, checkpointing=checkpointing,
-                                            act_bytes=act_bytes, blocks=blocks, first=stage == 0, last=last,
-                                            kernels="cpu")
+    held, working = micro_batch_activations(
+        model=model,
+        micro_batch=micro_batch,
+        checkpointing=checkpointing,
+        act_bytes=act_bytes,
+        blocks=blocks,
+        first=stage == 0,
+        last=last,
+        kernels="cpu",
+    )
     where = f", stage {stage}/{pp} ({blocks} blocks)" if pp > 1 else ""
     return Comparison(
-        label=f"{model.name} L{model.layers} h{model.hidden}, {precision}, {checkpointing}{where}", blocks=blocks,
-        predicted_block=activation_bytes_per_layer(model=model, micro_batch=micro_batch, checkpointing=checkpointing,
-                                                   act_bytes=act_bytes, kernels="cpu"),
+        label=f"{model.name} L{model.layers} h{model.hidden}, {precision}, {checkpointing}{where}",
+        blocks=blocks,
+        predicted_block=activation_bytes_per_layer(
+            model=model, micro_batch=micro_batch, checkpointing=checkpointing, act_bytes=act_bytes, kernels="cpu"
+        ),
         measured_block=sum(census.blocks) / max(1, blocks),
-        predicted_head=logits_bytes(model=model, micro_batch=micro_batch, act_bytes=act_bytes,
-                                    kernels="cpu") if last else 0,
-        measured_head=census.head, predicted_peak=held + working, measured_peak=census.peak)
+        predicted_head=logits_bytes(model=model, micro_batch=micro_batch, act_bytes=act_bytes, kernels="cpu")
+        if last
+        else 0,
+        measured_head=census.head,
+        predicted_peak=held + working,
+        measured_peak=census.peak,
+    )

@@ -4,6 +4,7 @@ tests/unit/planner/test_checkpoint_size.py holds dspipe.planner.checkpoint_size 
 
     python benchmarks/census/checkpoints.py [--out tests/data/checkpoint_census.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -15,11 +16,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SHAPE = ["--model", "tiny", "--layers", "2", "--hidden", "256", "--heads", "4", "--vocab", "4096", "--seq-len", "64"]
-LAYOUTS = {"z0fp32": "--zero 0 --precision fp32", "z0bf16": "--zero 0 --precision bf16",
-           "z1fp32": "--zero 1 --precision fp32", "z1bf16": "--zero 1 --precision bf16",
-           "z2bf16": "--zero 2 --precision bf16", "z3bf16": "--zero 3 --precision bf16",
-           "z3fp32": "--zero 3 --precision fp32", "pp2bf16": "--zero 1 --pp 2 --precision bf16",
-           "tp2bf16": "--zero 1 --tp 2 --precision bf16", "pp2z0fp32": "--zero 0 --pp 2 --precision fp32"}
+LAYOUTS = {
+    "z0fp32": "--zero 0 --precision fp32",
+    "z0bf16": "--zero 0 --precision bf16",
+    "z1fp32": "--zero 1 --precision fp32",
+    "z1bf16": "--zero 1 --precision bf16",
+    "z2bf16": "--zero 2 --precision bf16",
+    "z3bf16": "--zero 3 --precision bf16",
+    "z3fp32": "--zero 3 --precision fp32",
+    "pp2bf16": "--zero 1 --pp 2 --precision bf16",
+    "tp2bf16": "--zero 1 --tp 2 --precision bf16",
+    "pp2z0fp32": "--zero 0 --pp 2 --precision fp32",
+}
 
 
 def run(cmd: list[str]) -> None:
@@ -33,19 +41,59 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "tests" / "data" / "checkpoint_census.json"))
     ap.add_argument("--layouts", nargs="+", choices=tuple(LAYOUTS), default=list(LAYOUTS))
     args = ap.parse_args()
-    out = {"note": "DeepSpeed checkpoint files of one save, 2 CPU ranks, tiny GPT (layers 2, hidden 256, heads 4, "
-                   "vocab 4096, seq 64), global batch 8, micro 2 (benchmarks/census/checkpoints.py)", "layouts": {}}
+    out = {
+        "note": "DeepSpeed checkpoint files of one save, 2 CPU ranks, tiny GPT (layers 2, hidden 256, heads 4, "
+        "vocab 4096, seq 64), global batch 8, micro 2 (benchmarks/census/checkpoints.py)",
+        "layouts": {},
+    }
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "data"
         run([sys.executable, "-m", "dspipe", "prepare-data", "--out", str(data), "--train-tokenizer", "4096"])
         for name in args.layouts:
             flags = LAYOUTS[name]
             run_dir = Path(tmp) / name
-            run([sys.executable, "-m", "dspipe", "gen-config", *SHAPE, "--gpus-per-node", "2", "--gpu", "cpu",
-                 "--global-batch", "8", "--micro-batch", "2", "--steps", "2", "--warmup", "1", "--eval-interval", "0",
-                 "--data", str(data), "--out", str(run_dir), "--sync-save", *flags.split()])
-            run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--module",
-                 "dspipe.runtime.entry", "--run", str(run_dir)])
+            run(
+                [
+                    sys.executable,
+                    "-m",
+                    "dspipe",
+                    "gen-config",
+                    *SHAPE,
+                    "--gpus-per-node",
+                    "2",
+                    "--gpu",
+                    "cpu",
+                    "--global-batch",
+                    "8",
+                    "--micro-batch",
+                    "2",
+                    "--steps",
+                    "2",
+                    "--warmup",
+                    "1",
+                    "--eval-interval",
+                    "0",
+                    "--data",
+                    str(data),
+                    "--out",
+                    str(run_dir),
+                    "--sync-save",
+                    *flags.split(),
+                ]
+            )
+            run(
+                [
+                    sys.executable,
+                    "-m",
+                    "deepspeed.launcher.runner",
+                    "--num_gpus",
+                    "2",
+                    "--module",
+                    "dspipe.runtime.entry",
+                    "--run",
+                    str(run_dir),
+                ]
+            )
             tag = sorted((run_dir / "checkpoints").glob("global_step*"))[-1]
             files = {p.name: p.stat().st_size for p in sorted(tag.glob("*.pt"))}
             out["layouts"][name] = {"flags": flags.split(), "files": files}

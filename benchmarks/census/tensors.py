@@ -27,6 +27,7 @@ Device or host. On a GPU DeepSpeed places the offloaded state on the host; on th
 Everything else is on the device (the accelerator), including the device-side gradient staging buffer of ZeRO-1/2
 offload (temp_grad_buffer_for_gpu_offload, largest parameter) and gathered ZeRO-3 parameters.
 """
+
 from __future__ import annotations
 
 import gc
@@ -61,8 +62,12 @@ def host_tensors(engine) -> list[torch.Tensor]:
         for name in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"):
             for t in getattr(wrapper, name, None) or []:
                 out += [t, t.grad] if t.grad is not None else [t]
-        for name in ("param_buffer_of_bit16_for_cpu_offload_groups", "temp_grad_buffer_for_cpu_offload",
-                     "accumulated_grads_in_cpu", "grad_partitions_flat_buffer"):
+        for name in (
+            "param_buffer_of_bit16_for_cpu_offload_groups",
+            "temp_grad_buffer_for_cpu_offload",
+            "accumulated_grads_in_cpu",
+            "grad_partitions_flat_buffer",
+        ):
             out += _tensors(getattr(wrapper, name, None))
         for p, state in base.state.items():
             out += [p, *_tensors(state)]
@@ -78,16 +83,22 @@ def _named_storages(engine) -> dict[int, str]:
     names: dict[int, str] = {}
     for owner, obj in (("engine", engine), ("optimizer", engine.optimizer)):
         for attr, value in list(vars(obj).items()):
-            items = value.items() if isinstance(value, dict) else enumerate(value) \
-                if isinstance(value, (list, tuple)) else [(None, value)]
+            items = (
+                value.items()
+                if isinstance(value, dict)
+                else enumerate(value)
+                if isinstance(value, (list, tuple))
+                else [(None, value)]
+            )
             for _, t in items:
                 for x in _tensors(t) + _tensors(getattr(t, "buffer", None)):  # ZeRO's IPG buckets keep .buffer
                     names.setdefault(_storage(x)[0], f"{owner}.{attr}")
     return names
 
 
-def tensor_census(engine, *, exclude: tuple[torch.Tensor, ...] = (), grads: tuple[torch.Tensor, ...] = (),
-                  collect: bool = True) -> dict:
+def tensor_census(
+    engine, *, exclude: tuple[torch.Tensor, ...] = (), grads: tuple[torch.Tensor, ...] = (), collect: bool = True
+) -> dict:
     """Bytes by category on the device (top-level keys, 'total') and on the host ('host': the same keys).
     exclude: tensors not to count (what was alive before the engine was built); grads: gradients being produced
     (a backward hook's argument), counted as grads; collect: run the cycle collector first (a census inside a step
@@ -108,8 +119,11 @@ def tensor_census(engine, *, exclude: tuple[torch.Tensor, ...] = (), grads: tupl
     host = {_storage(t)[0] for t in host_tensors(engine) if t.device.type != "meta"}
     module_params = list(engine.module.parameters())
     for p in module_params:
-        gathered = (hasattr(p, "ds_tensor") and not getattr(p, "ds_persist", False)
-                    and getattr(p.ds_status, "name", "") in ("AVAILABLE", "INFLIGHT"))
+        gathered = (
+            hasattr(p, "ds_tensor")
+            and not getattr(p, "ds_persist", False)
+            and getattr(p.ds_status, "name", "") in ("AVAILABLE", "INFLIGHT")
+        )
         claim(p.data, "gathered" if gathered else "params")
         if hasattr(p, "ds_tensor"):
             claim(p.ds_tensor, "params")

@@ -1,5 +1,6 @@
 """`dspipe bench`: gen-config's options and planner, then real steps on this machine, optionally beside a
 plain-PyTorch reference. torch is imported only when the command runs (to find the devices)."""
+
 from __future__ import annotations
 
 import shlex
@@ -38,8 +39,10 @@ def _devices(o: dict) -> tuple[str, int]:
     ctx = click.get_current_context()
     given = {k: ctx.get_parameter_source(k) == click.core.ParameterSource.COMMANDLINE for k in ("gpu", "gpus_per_node")}
     if o["hostfile"] or o["nodes"] != 1:
-        raise SpecError(f"dspipe bench runs on this machine only (--nodes {o['nodes']}"
-                        f"{', --hostfile ' + o['hostfile'] if o['hostfile'] else ''}); drop the multi-node options")
+        raise SpecError(
+            f"dspipe bench runs on this machine only (--nodes {o['nodes']}"
+            f"{', --hostfile ' + o['hostfile'] if o['hostfile'] else ''}); drop the multi-node options"
+        )
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if not count:
         if given["gpu"] and o["gpu"] != "cpu":
@@ -48,12 +51,15 @@ def _devices(o: dict) -> tuple[str, int]:
     found = detect_gpu()
     if given["gpu"]:
         if o["gpu"] == "cpu":
-            raise SpecError(f"--gpu cpu: this machine has {count} CUDA GPU(s), which the ranks would use; "
-                            f"leave --gpu out")
+            raise SpecError(
+                f"--gpu cpu: this machine has {count} CUDA GPU(s), which the ranks would use; leave --gpu out"
+            )
         gpu = o["gpu"]
     elif found is None:
-        raise SpecError(f"GPU {torch.cuda.get_device_name(0)!r} is not in the catalog: pass --gpu with the closest "
-                        f"type ({names_text(gpus_only=True)})")
+        raise SpecError(
+            f"GPU {torch.cuda.get_device_name(0)!r} is not in the catalog: pass --gpu with the closest "
+            f"type ({names_text(gpus_only=True)})"
+        )
     else:
         gpu = found
     ranks = o["gpus_per_node"] if given["gpus_per_node"] else count
@@ -65,14 +71,16 @@ def _devices(o: dict) -> tuple[str, int]:
 def bench_command(o: dict, *, command: str) -> dict:
     """Plan as gen-config does, write the run dir in a temp directory, launch the side(s), report."""
     from dspipe.cluster.doctor import versions
-    from dspipe.tools import bench
-    from dspipe.spec.hardware import match_device
     from dspipe.planner.throughput import model_flops_per_token
+    from dspipe.spec.hardware import match_device
+    from dspipe.tools import bench
 
     warmup, steps = o["warmup"], o["steps"]
     if warmup < 1 or steps < 1:
-        raise SpecError(f"--warmup {warmup} --steps {steps}: both must be at least 1 (the first step allocates "
-                        f"and is never measured)")
+        raise SpecError(
+            f"--warmup {warmup} --steps {steps}: both must be at least 1 (the first step allocates "
+            f"and is never measured)"
+        )
     if o["append"]:
         bench.existing_text(Path(o["append"]))  # before minutes of measuring
     gpu, ranks = _devices(o)
@@ -82,41 +90,62 @@ def bench_command(o: dict, *, command: str) -> dict:
     best = result.best
     plan = best.plan
     if o["compare"] and plan.layout.model_ranks > 1:
-        raise SpecError(f"--compare needs pp 1, tp 1 and sp 1 (the reference is torch DDP), the plan has pp {plan.pp}, "
-                        f"tp {plan.tp}, sp {plan.sp}; pass --pp 1 --tp 1 --sp 1 or drop --compare")
+        raise SpecError(
+            f"--compare needs pp 1, tp 1 and sp 1 (the reference is torch DDP), the plan has pp {plan.pp}, "
+            f"tp {plan.tp}, sp {plan.sp}; pass --pp 1 --tp 1 --sp 1 or drop --compare"
+        )
     sides_wanted = ("dspipe", *bench.REFERENCES[o["reference"]]) if o["compare"] else ("dspipe",)
     threads = bench.cpu_threads(ranks=ranks) if gpu == "cpu" else None
     say = click.echo
-    setup = (f"{model.name} {plan.num_params / 1e6:,.2f}M params ({model.shape_text}) | {plan.layout.describe()} | "
-             f"ZeRO-{plan.zero_stage} offload {plan.offload} | {plan.precision} | recompute {plan.checkpointing} | "
-             f"batch {plan.micro_batch} x ga {plan.grad_accum} x dp {plan.dp} = {plan.global_batch} seq "
-             f"({plan.tokens_per_step:,} tokens/step) | {warmup} warm-up + {steps} measured steps"
-             f"{' | blocks compiled' if o['compile'] else ''}")
+    setup = (
+        f"{model.name} {plan.num_params / 1e6:,.2f}M params ({model.shape_text}) | {plan.layout.describe()} | "
+        f"ZeRO-{plan.zero_stage} offload {plan.offload} | {plan.precision} | recompute {plan.checkpointing} | "
+        f"batch {plan.micro_batch} x ga {plan.grad_accum} x dp {plan.dp} = {plan.global_batch} seq "
+        f"({plan.tokens_per_step:,} tokens/step) | {warmup} warm-up + {steps} measured steps"
+        f"{' | blocks compiled' if o['compile'] else ''}"
+    )
     say(f"bench: {setup}")
     with tempfile.TemporaryDirectory(prefix="dspipe-bench-") as tmp:
         run_dir = Path(tmp) / "run"
-        prepare_run(run_dir, model=model, cluster=cluster, best=best, data="synthetic", command=command,
-                    preset=preset)
+        prepare_run(run_dir, model=model, cluster=cluster, best=best, data="synthetic", command=command, preset=preset)
         results = {}
         for side in sides_wanted:
             say(f"bench: {side} on {ranks} rank(s) ...")
-            results[side] = bench.run_side(ranks=ranks, run_dir=run_dir, side=side, warmup=warmup, steps=steps,
-                                           out=Path(tmp) / side, threads=threads)
+            results[side] = bench.run_side(
+                ranks=ranks,
+                run_dir=run_dir,
+                side=side,
+                warmup=warmup,
+                steps=steps,
+                out=Path(tmp) / side,
+                threads=threads,
+            )
     device = results["dspipe"][0]["device_name"]
     gpu_type = match_device(device)  # the ranks' device name; detected above by the same rule
     peak = gpu_type.peak_tflops(plan.precision) if gpu_type else None
-    sides = {side: bench.summarize(ranks_, tokens_per_step=plan.tokens_per_step, samples_per_step=plan.global_batch,
-                                   steps=steps, flops_per_token=model_flops_per_token(model),
-                                   world_size=plan.world_size, peak_tflops=peak)
-             for side, ranks_ in results.items()}
+    sides = {
+        side: bench.summarize(
+            ranks_,
+            tokens_per_step=plan.tokens_per_step,
+            samples_per_step=plan.global_batch,
+            steps=steps,
+            flops_per_token=model_flops_per_token(model),
+            world_size=plan.world_size,
+            peak_tflops=peak,
+        )
+        for side, ranks_ in results.items()
+    }
     engine = sides["dspipe"]["engine"]
     threads = sides["dspipe"]["threads"]  # as the ranks saw it
-    setup += (f" | engine {engine['wrapper_optimizer']} + {engine['base_optimizer']}, {engine['backend']}"
-              f" | {threads} torch thread(s) per rank")
+    setup += (
+        f" | engine {engine['wrapper_optimizer']} + {engine['base_optimizer']}, {engine['backend']}"
+        f" | {threads} torch thread(s) per rank"
+    )
     say(bench.format_table(sides, header=f"device: {device} | {versions()}"))
     if o["append"]:
-        section = bench.markdown_section(sides, date=bench.today(), device=device, versions=versions(),
-                                         command=command, setup=setup)
+        section = bench.markdown_section(
+            sides, date=bench.today(), device=device, versions=versions(), command=command, setup=setup
+        )
         bench.append_section(Path(o["append"]), section)
         say(f"appended to {o['append']}")
     return sides
@@ -125,12 +154,20 @@ def bench_command(o: dict, *, command: str) -> dict:
 def _make_command() -> click.Command:
     @click.command("bench")
     @spec_options
-    @click.option("--compare", is_flag=True, default=False,
-                  help="also run the plain-PyTorch reference (DDP + fused AdamW + autocast + SDPA) and print the "
-                       "tokens/s ratio")
-    @click.option("--reference", type=click.Choice(tuple(REFERENCES)), default="compiled", show_default=True,
-                  help="with --compare: the reference torch.compile'd (the strong step one would write), eager "
-                       "(no compile), or both (two columns)")
+    @click.option(
+        "--compare",
+        is_flag=True,
+        default=False,
+        help="also run the plain-PyTorch reference (DDP + fused AdamW + autocast + SDPA) and print the tokens/s ratio",
+    )
+    @click.option(
+        "--reference",
+        type=click.Choice(tuple(REFERENCES)),
+        default="compiled",
+        show_default=True,
+        help="with --compare: the reference torch.compile'd (the strong step one would write), eager "
+        "(no compile), or both (two columns)",
+    )
     @click.option("--append", default=None, type=click.Path(), help="append a markdown section to this file")
     def bench(**o) -> None:
         """Measure tokens/s, TFLOP/s, MFU, memory and a step-time breakdown of the plan gen-config would write,

@@ -1,5 +1,6 @@
 """`dspipe calibrate`: measure this machine at a model's shapes and write the profile `plan` and `gen-config` take
 with --profile. torch is imported only when the command runs."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -25,17 +26,30 @@ def _is_profile(path: Path) -> bool:
 
 @click.command("calibrate")
 @model_options
-@click.option("--precision", type=click.Choice(PRECISIONS), default=None,
-              help="dtype of the compute measurement [bf16 on GPUs, fp32 on a CPU]")
+@click.option(
+    "--precision",
+    type=click.Choice(PRECISIONS),
+    default=None,
+    help="dtype of the compute measurement [bf16 on GPUs, fp32 on a CPU]",
+)
 @click.option("--micro-batch", type=INT, default=8, show_default=True, help="sequences per forward, as the plan's")
 @click.option("--ranks", type=INT, default=None, help="ranks measuring at once [every GPU; 2 CPU ranks]")
 @click.option("--threads", type=INT, default=None, help="torch threads per rank [CPU: the cores shared out]")
 @click.option("--repeats", type=INT, default=5, show_default=True, help="timed repetitions per figure (median)")
-@click.option("--min-seconds", type=FLOAT, default=5.0, show_default=True,
-              help="time the forward + backward at least this long (its mean: a training run's view)")
+@click.option(
+    "--min-seconds",
+    type=FLOAT,
+    default=5.0,
+    show_default=True,
+    help="time the forward + backward at least this long (its mean: a training run's view)",
+)
 @click.option("--allreduce-mib", type=INT, default=16, show_default=True, help="all-reduce size for bus bandwidth")
-@click.option("--cpu-adam/--no-cpu-adam", default=True, show_default=True,
-              help="measure DeepSpeedCPUAdam (builds the op if needed)")
+@click.option(
+    "--cpu-adam/--no-cpu-adam",
+    default=True,
+    show_default=True,
+    help="measure DeepSpeedCPUAdam (builds the op if needed)",
+)
 @click.option("--out", metavar="FILE", default=None, help="write the profile here [print it]")
 def calibrate(**o) -> None:
     """Measure compute (the model's forward + backward and its GEMMs), all-reduce bandwidth and latency, host copy,
@@ -60,17 +74,27 @@ def calibrate(**o) -> None:
             raise SpecError(f"--out {out} exists and is not a dspipe profile; choose another --out")
     if o["init_from"]:
         from dspipe.cli.init_from import init_from_spec
+
         model = init_from_spec(o["init_from"], o)
     else:
         model = _model_from_options(o)
     precision = o["precision"]
     if precision is None:
         import torch
+
         precision = "bf16" if torch.cuda.is_available() else "fp32"
-    profile = measure(model=model, precision=precision, micro_batch=o["micro_batch"], ranks=o["ranks"],
-                      threads=o["threads"], repeats=o["repeats"], min_seconds=o["min_seconds"],
-                      allreduce_mib=o["allreduce_mib"],
-                      cpu_adam=o["cpu_adam"], say=get_logger(__name__).info)
+    profile = measure(
+        model=model,
+        precision=precision,
+        micro_batch=o["micro_batch"],
+        ranks=o["ranks"],
+        threads=o["threads"],
+        repeats=o["repeats"],
+        min_seconds=o["min_seconds"],
+        allreduce_mib=o["allreduce_mib"],
+        cpu_adam=o["cpu_adam"],
+        say=get_logger(__name__).info,
+    )
     text = profile_text(profile)
     if out is None:
         click.echo(text, nl=False)
@@ -80,14 +104,21 @@ def calibrate(**o) -> None:
 
     with writing(out):
         write_file(out, text)
-    click.echo(f"device {profile.device} ({profile.gpu}), {profile.ranks} rank(s) x {profile.threads_per_rank} "
-               f"thread(s), {profile.dtype}, {profile.model}")
+    click.echo(
+        f"device {profile.device} ({profile.gpu}), {profile.ranks} rank(s) x {profile.threads_per_rank} "
+        f"thread(s), {profile.dtype}, {profile.model}"
+    )
     click.echo(f"compute {profile.compute_tflops:.4g} TFLOP/s per rank (GEMMs alone {profile.matmul_tflops:.4g})")
     if profile.allreduce_busbw_gbps is not None:
-        click.echo(f"all-reduce busbw {profile.allreduce_busbw_gbps:.3g} GB/s, latency "
-                   f"{profile.allreduce_latency_s * 1e6:.0f} us")
-    copy = (f"host<->device {profile.host_copy_gbps:.3g} GB/s" if profile.host_copy_gbps is not None
-            else "host<->device n/a (no GPU)")
+        click.echo(
+            f"all-reduce busbw {profile.allreduce_busbw_gbps:.3g} GB/s, latency "
+            f"{profile.allreduce_latency_s * 1e6:.0f} us"
+        )
+    copy = (
+        f"host<->device {profile.host_copy_gbps:.3g} GB/s"
+        if profile.host_copy_gbps is not None
+        else "host<->device n/a (no GPU)"
+    )
     click.echo(f"{copy}, host memcpy {profile.host_memcpy_gbps:.3g} GB/s")
     adam = "n/a" if profile.cpu_adam_params_per_s is None else f"{profile.cpu_adam_params_per_s:.3g} params/s per node"
     click.echo(f"CPU-Adam {adam}, optimizer step {profile.optimizer_params_per_s:.3g} params/s per rank")

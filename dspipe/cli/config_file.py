@@ -27,6 +27,7 @@ gen-config writes the same text into the run directory as config.yaml. The YAML 
 (`6e-4` is a number, `no`/`off` are strings, `010` is ten) and duplicate keys are refused.
 The YAML dialect: dspipe.cli.yaml_dialect. Imports no torch.
 """
+
 from __future__ import annotations
 
 import functools
@@ -36,10 +37,10 @@ from pathlib import Path
 import click
 import yaml
 
+from dspipe.cli.yaml_dialect import Dumper, LongInt, read_yaml, shown
 from dspipe.errors import SpecError
 from dspipe.spec.options import SETTINGS, TABLE
 from dspipe.spec.settings import AUTO
-from dspipe.cli.yaml_dialect import Dumper, LongInt, read_yaml, shown
 
 SECTIONS: dict[str, tuple[str, ...]] = {section: tuple(s.key for s in body) for section, body in TABLE.items()}
 """Section -> the options it holds, by file key (the flag's long name with '_' for '-'), generated from the option
@@ -75,6 +76,7 @@ SECTION_OF = {key: section for section, keys in SECTIONS.items() for key in keys
 
 # ---- values ------------------------------------------------------------------------------------------------------
 
+
 def kind(param: click.Parameter) -> str:
     """What the file holds for `param`: bool, int, float, auto_int, auto_choice, choice, tokens or str (its setting's
     kind in the option table; a flag holds a bool)."""
@@ -92,15 +94,20 @@ def _auto(param: click.Parameter) -> bool:
     return kind(param) in ("auto_int", "auto_choice") or (kind(param) == "bool" and _nullable(param))
 
 
-EXPECTED = {"bool": "true or false", "int": "an integer", "auto_int": "an integer", "float": "a number",
-            "tokens": "a token count like 300B, 1.5T or 2e9", "str": "a string"}
+EXPECTED = {
+    "bool": "true or false",
+    "int": "an integer",
+    "auto_int": "an integer",
+    "float": "a number",
+    "tokens": "a token count like 300B, 1.5T or 2e9",
+    "str": "a string",
+}
 
 
 def expected(param: click.Parameter) -> str:
     """What a value of `param` must be, in words."""
     k = kind(param)
-    what = (f"one of {', '.join(map(str, param.type.choices))}" if k in ("choice", "auto_choice")
-            else EXPECTED[k])
+    what = f"one of {', '.join(map(str, param.type.choices))}" if k in ("choice", "auto_choice") else EXPECTED[k]
     if _auto(param):
         return f"auto or {what}"
     return what + (" or null" if _nullable(param) else "")
@@ -134,9 +141,15 @@ def convert(param: click.Parameter, value, ctx: click.Context | None):
     if isinstance(value, bool):
         fail()
     text = isinstance(value, str) and not isinstance(value, LongInt)
-    ok = {"int": _int(value), "auto_int": _int(value) or value == AUTO,
-          "float": isinstance(value, (int, float, LongInt)), "tokens": True, "str": text, "choice": text,
-          "auto_choice": (str(value) if _int(value) else value) in (AUTO, *getattr(param.type, "choices", ()))}
+    ok = {
+        "int": _int(value),
+        "auto_int": _int(value) or value == AUTO,
+        "float": isinstance(value, (int, float, LongInt)),
+        "tokens": True,
+        "str": text,
+        "choice": text,
+        "auto_choice": (str(value) if _int(value) else value) in (AUTO, *getattr(param.type, "choices", ())),
+    }
     if not ok[k]:
         fail()
     return param.type.convert(str(value) if k == "auto_choice" else value, None, ctx)
@@ -155,6 +168,7 @@ def file_value(param: click.Parameter, value):
 
 # ---- the file, read into a command's context ---------------------------------------------------------------------
 
+
 @dataclass
 class ConfigFile:
     """A --config file as read for one command."""
@@ -171,9 +185,14 @@ class ConfigFile:
 def command_params(command: click.Command) -> dict[str, click.Parameter]:
     """file key -> option of `command` that a file may set (not COMMAND_LINE_ONLY, not given its own meaning)."""
     own = OWN_MEANING.get(command.name, ())
-    return {file_key(p): p for p in command.params
-            if isinstance(p, click.Option) and p.name != "help" and file_key(p) not in COMMAND_LINE_ONLY
-            and file_key(p) not in own}
+    return {
+        file_key(p): p
+        for p in command.params
+        if isinstance(p, click.Option)
+        and p.name != "help"
+        and file_key(p) not in COMMAND_LINE_ONLY
+        and file_key(p) not in own
+    }
 
 
 def _sibling_params(ctx: click.Context) -> dict[str, click.Parameter]:
@@ -242,8 +261,7 @@ def _load_callback(ctx: click.Context, param: click.Parameter, value):
     if value is None:
         return None
     loaded = load(value, ctx)
-    ctx.default_map = {**(ctx.default_map or {}),
-                       **{name: v for name, v in loaded.values.items() if v is not None}}
+    ctx.default_map = {**(ctx.default_map or {}), **{name: v for name, v in loaded.values.items() if v is not None}}
     ctx.meta[LOADED_META] = loaded
     return value
 
@@ -260,13 +278,15 @@ def given(ctx: click.Context | None, o: dict) -> set[str]:
             source = ctx.get_parameter_source(name)
         except KeyError:
             continue
-        if source == SOURCE.COMMANDLINE or (source == SOURCE.DEFAULT_MAP and name in params
-                                            and o[name] != params[name].default):
+        if source == SOURCE.COMMANDLINE or (
+            source == SOURCE.DEFAULT_MAP and name in params and o[name] != params[name].default
+        ):
             out.add(name)
     return out
 
 
 # ---- resolving, printing -----------------------------------------------------------------------------------------
+
 
 def _run_length(ctx: click.Context, o: dict) -> dict:
     """--steps and --tokens are two ways to give the run's length: both on the command line (or both in the file,
@@ -275,8 +295,9 @@ def _run_length(ctx: click.Context, o: dict) -> dict:
         return o
     steps_src, tokens_src = ctx.get_parameter_source("steps"), ctx.get_parameter_source("tokens")
     if steps_src == tokens_src or SOURCE.COMMANDLINE not in (steps_src, tokens_src):
-        raise SpecError(f"--steps {o['steps']} and --tokens {o['tokens']}: give one of them (the run's length), "
-                        f"not both")
+        raise SpecError(
+            f"--steps {o['steps']} and --tokens {o['tokens']}: give one of them (the run's length), not both"
+        )
     return {**o, "tokens" if steps_src == SOURCE.COMMANDLINE else "steps": None}
 
 
@@ -299,8 +320,10 @@ def resolved_document(ctx: click.Context, o: dict) -> dict:
 
 
 def dump(doc: dict, *, command: str) -> str:
-    head = (f"# dspipe {command}: every option as resolved (--config, then flags, then defaults).\n"
-            f"# auto: the planner chooses; null: derived (steps from tokens, else 1000; warmup from steps) or unset.\n")
+    head = (
+        f"# dspipe {command}: every option as resolved (--config, then flags, then defaults).\n"
+        f"# auto: the planner chooses; null: derived (steps from tokens, else 1000; warmup from steps) or unset.\n"
+    )
     return head + yaml.dump(doc, Dumper=Dumper)
 
 
@@ -327,9 +350,18 @@ def config_options(f):
             return None
         return f(**o)
 
-    run = click.option("--print-config", is_flag=True, default=False,
-                       help="print every option as resolved (file, flags, defaults) as a --config file and exit")(run)
-    return click.option("--config", metavar="FILE.yaml", default=None, is_eager=True, callback=_load_callback,
-                        help="read options from this YAML file (sections model, cluster, train, strategy, data, "
-                             "logging); flags given override it")(run)
-
+    run = click.option(
+        "--print-config",
+        is_flag=True,
+        default=False,
+        help="print every option as resolved (file, flags, defaults) as a --config file and exit",
+    )(run)
+    return click.option(
+        "--config",
+        metavar="FILE.yaml",
+        default=None,
+        is_eager=True,
+        callback=_load_callback,
+        help="read options from this YAML file (sections model, cluster, train, strategy, data, "
+        "logging); flags given override it",
+    )(run)

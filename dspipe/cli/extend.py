@@ -7,6 +7,7 @@ the old and the new count and changing exactly the keys that differ (today the l
 the same launch command then resumes from the newest checkpoint and trains on to N. Each file is replaced whole
 (temp file + rename), ds_config.json first; running the same command again after an interruption completes it.
 Imports no torch (deepspeed only to parse the new config, as gen-config does)."""
+
 from __future__ import annotations
 
 import copy
@@ -35,8 +36,11 @@ def _leaves(d, prefix: str = ""):
 def changed_keys(old: dict, new: dict) -> dict[str, tuple]:
     """{dotted key: (old value, new value)} of the leaves that differ between two configs of the same shape."""
     before, after = dict(_leaves(old)), dict(_leaves(new))
-    return {k: (before.get(k, MISSING), after.get(k, MISSING)) for k in sorted(set(before) | set(after))
-            if before.get(k, MISSING) != after.get(k, MISSING)}
+    return {
+        k: (before.get(k, MISSING), after.get(k, MISSING))
+        for k in sorted(set(before) | set(after))
+        if before.get(k, MISSING) != after.get(k, MISSING)
+    }
 
 
 def _set(d: dict, dotted: str, value) -> None:
@@ -68,9 +72,11 @@ def extended_ds_config(run: Run, ds_config: dict, *, steps: int) -> tuple[dict, 
         if have is MISSING or will is MISSING:
             continue
         if have not in (was, will):
-            raise SpecError(f"{run.path / DS_CONFIG_FILE}: {key} is {have!r}, not the {was!r} that dspipe renders for "
-                            f"the run's {run.train.steps} steps (edited by hand?); set it and train.steps in "
-                            f"{SPEC_FILE} yourself, nothing was changed")
+            raise SpecError(
+                f"{run.path / DS_CONFIG_FILE}: {key} is {have!r}, not the {was!r} that dspipe renders for "
+                f"the run's {run.train.steps} steps (edited by hand?); set it and train.steps in "
+                f"{SPEC_FILE} yourself, nothing was changed"
+            )
         _set(out, key, will)
         changed[key] = (have, will)
     return out, changed
@@ -102,8 +108,9 @@ def verify(ds_config: dict, *, dp: int) -> None:
 @click.command("extend")
 @click.argument("run_dir", metavar="RUN", type=click.Path(path_type=Path))
 @click.option("--steps", type=INT, default=None, help="the run's new total of optimizer steps (more than it has)")
-@click.option("--tokens", default=None, help="or its new total of training tokens (300B, 1.5T, 2e9), rounded up "
-                                             "to whole steps")
+@click.option(
+    "--tokens", default=None, help="or its new total of training tokens (300B, 1.5T, 2e9), rounded up to whole steps"
+)
 def extend(run_dir: Path, steps: int | None, tokens: str | None) -> None:
     """Continue RUN to more steps: rewrite its dspipe.json and ds_config.json for the new length (the lr schedule's
     total steps included), keeping its checkpoints and metrics; the same launch command then resumes and trains on."""
@@ -113,18 +120,22 @@ def extend(run_dir: Path, steps: int | None, tokens: str | None) -> None:
     old_steps, per_step = run.train.steps, run.plan.tokens_per_step
     new_steps = steps_for(steps=steps, tokens=parse_tokens(tokens, flag="--tokens"), tokens_per_step=per_step)
     if new_steps <= old_steps:
-        given = (f"--steps {steps}" if steps is not None
-                 else f"--tokens {tokens} ({new_steps} steps x {per_step:,} tokens)")
-        raise SpecError(f"{given} must be more than the run's {old_steps} steps ({old_steps * per_step:,} tokens): "
-                        f"extend only lengthens a run (nothing was changed)")
+        given = (
+            f"--steps {steps}" if steps is not None else f"--tokens {tokens} ({new_steps} steps x {per_step:,} tokens)"
+        )
+        raise SpecError(
+            f"{given} must be more than the run's {old_steps} steps ({old_steps * per_step:,} tokens): "
+            f"extend only lengthens a run (nothing was changed)"
+        )
     budget = tokens if steps is None else None  # the run length as given: a token budget, or steps
     train = replace(run.train, steps=new_steps, tokens=budget)  # validated as gen-config validates it
     spec = read_object(run.path / SPEC_FILE)
     spec["train"]["steps"] = train.steps
     if "tokens" in spec["train"] or budget is not None:
         spec["train"]["tokens"] = budget
-    config_text = _extended_config(run.path / CONFIG_FILE, steps=None if budget else new_steps, tokens=budget,
-                                   warmup=run.train.warmup_steps)
+    config_text = _extended_config(
+        run.path / CONFIG_FILE, steps=None if budget else new_steps, tokens=budget, warmup=run.train.warmup_steps
+    )
     ds_config, changed = extended_ds_config(run, run.ds_config, steps=new_steps)
     verify(ds_config, dp=run.plan.ds_batch_ranks)
     spec_text = dumps(spec, what=str(run.path / SPEC_FILE))
@@ -134,18 +145,24 @@ def extend(run_dir: Path, steps: int | None, tokens: str | None) -> None:
     if config_text is not None:
         write_file(run.path / CONFIG_FILE, config_text)
     done = complete_checkpoints(run.checkpoint_dir)
-    click.echo(f"extended {run.path}: {old_steps} -> {new_steps} steps ({old_steps * per_step:,} -> "
-               f"{new_steps * per_step:,} tokens); wrote {run.path / DS_CONFIG_FILE} and {run.path / SPEC_FILE}")
+    click.echo(
+        f"extended {run.path}: {old_steps} -> {new_steps} steps ({old_steps * per_step:,} -> "
+        f"{new_steps * per_step:,} tokens); wrote {run.path / DS_CONFIG_FILE} and {run.path / SPEC_FILE}"
+    )
     total = changed.get("scheduler.params.total_num_steps")
     if total:
-        click.echo(f"lr schedule: {run.ds_config.get('scheduler', {}).get('type', 'scheduler')} total_num_steps "
-                   f"{total[0]} -> {total[1]}: the cosine decay is stretched to the new length; from the resumed "
-                   f"step on the lr follows the new curve (higher than the old one would have been)")
+        click.echo(
+            f"lr schedule: {run.ds_config.get('scheduler', {}).get('type', 'scheduler')} total_num_steps "
+            f"{total[0]} -> {total[1]}: the cosine decay is stretched to the new length; from the resumed "
+            f"step on the lr follows the new curve (higher than the old one would have been)"
+        )
     else:
         click.echo("lr schedule: unchanged (the run's scheduler has no total step count)")
     others = [k for k in changed if k != "scheduler.params.total_num_steps"]
     if others:
         click.echo(f"also changed in {DS_CONFIG_FILE}: {', '.join(others)}")
     kept = f"the newest checkpoint is step {done[-1][0]}" if done else "there is no checkpoint yet (it starts at 0)"
-    click.echo(f"checkpoints and metrics kept ({kept}); continue with the same launch command, e.g. "
-               f"'dspipe launch {run.path}' (it resumes from the newest checkpoint)")
+    click.echo(
+        f"checkpoints and metrics kept ({kept}); continue with the same launch command, e.g. "
+        f"'dspipe launch {run.path}' (it resumes from the newest checkpoint)"
+    )

@@ -1,5 +1,6 @@
 """`gen-config --init-from HF_DIR` (and plan, bench, calibrate): the model options merged with the Hugging Face
 model's config, its weights checked, and a note comparing its tokenizer with the data's."""
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -27,8 +28,10 @@ def init_from_spec(path: str, o: dict) -> ModelSpec:
     spec = spec_from_hf_dir(path, dropout=o.get("dropout"))
     for key in SHAPE_FLAGS:
         if o.get(key) is not None and o[key] != getattr(spec, key):
-            raise SpecError(f"--{key} {o[key]} contradicts {flag} ({key} {getattr(spec, key)} in its "
-                            f"{CONFIG_FILE}); the shape comes from the Hugging Face model: drop --{key}")
+            raise SpecError(
+                f"--{key} {o[key]} contradicts {flag} ({key} {getattr(spec, key)} in its "
+                f"{CONFIG_FILE}); the shape comes from the Hugging Face model: drop --{key}"
+            )
     if o.get("untied") and spec.tied_embeddings:
         raise SpecError(f"--untied contradicts {flag} (tie_word_embeddings true in its {CONFIG_FILE})")
     _check_architecture_flags(spec, o, flag=flag)
@@ -38,8 +41,11 @@ def init_from_spec(path: str, o: dict) -> ModelSpec:
     seq_len = o.get("seq_len")
     if seq_len is not None and seq_len != spec.seq_len:
         if isinstance(seq_len, int) and seq_len > spec.seq_len:
-            why = ("learned positions: there are no weights for more" if spec.positions == "learned" else
-                   "the context its rotary embedding and rope scaling were trained for, max_position_embeddings")
+            why = (
+                "learned positions: there are no weights for more"
+                if spec.positions == "learned"
+                else "the context its rotary embedding and rope scaling were trained for, max_position_embeddings"
+            )
             raise SpecError(f"--seq-len {seq_len} exceeds the {spec.seq_len} positions of {flag} ({why})")
         spec = replace(spec, seq_len=seq_len)
     check_weights(path, spec)  # before anything is written or launched: files, names, shapes, dtypes (headers)
@@ -71,15 +77,25 @@ def _check_architecture_flags(spec: ModelSpec, o: dict, *, flag: str) -> None:
         if not same:
             field = "head_dim" if s.field == "head_width" else s.field  # function_of's names
             shown = function_of(spec).get(field, getattr(spec, s.field))
-            typed = (s.flags.split("/")[0 if value else -1] if isinstance(value, bool)
-                     else f"{s.flag_name} {_flag_value(value)}")  # as typed: --qk-norm, --no-qkv-bias, --head-dim 8
-            raise SpecError(f"{typed} contradicts {flag} ({s.key} {_flag_value(shown)} from its {CONFIG_FILE}); the "
-                            f"architecture comes from the Hugging Face model: drop {typed.split()[0]}")
+            typed = (
+                s.flags.split("/")[0 if value else -1]
+                if isinstance(value, bool)
+                else f"{s.flag_name} {_flag_value(value)}"
+            )  # as typed: --qk-norm, --no-qkv-bias, --head-dim 8
+            raise SpecError(
+                f"{typed} contradicts {flag} ({s.key} {_flag_value(shown)} from its {CONFIG_FILE}); the "
+                f"architecture comes from the Hugging Face model: drop {typed.split()[0]}"
+            )
 
 
 def _flag_value(value) -> str:
-    return str(value).lower() if isinstance(value, bool) or value is None else f"{value:g}" \
-        if isinstance(value, float) else str(value)
+    return (
+        str(value).lower()
+        if isinstance(value, bool) or value is None
+        else f"{value:g}"
+        if isinstance(value, float)
+        else str(value)
+    )
 
 
 def tokenizer_vocab(tokenizer_json: Path) -> tuple[int, dict] | None:
@@ -107,19 +123,26 @@ def tokenizer_note(hf_dir: str, data: str | None) -> str | None:
         return None
     hint = f"prepare the data with the model's tokenizer: 'dspipe prepare-data --tokenizer {hf_dir} --out {data}'"
     # a Megatron prefix: its tokenizer's vocab (or its largest id + 1); a directory: meta.json's, read as it is
-    data_vocab = read_meta(data)["vocab_size"] if is_prefix(data) else \
-        read_object(Path(data) / META_FILE).get("vocab_size")
+    data_vocab = (
+        read_meta(data)["vocab_size"] if is_prefix(data) else read_object(Path(data) / META_FILE).get("vocab_size")
+    )
     if not (Path(hf_dir) / "tokenizer.json").is_file():
-        return (f"note: {hf_dir} has no tokenizer.json, so its tokenizer was not compared with {data}'s "
-                f"({data_vocab} tokens); {hint}")
+        return (
+            f"note: {hf_dir} has no tokenizer.json, so its tokenizer was not compared with {data}'s "
+            f"({data_vocab} tokens); {hint}"
+        )
     theirs = tokenizer_vocab(Path(hf_dir) / "tokenizer.json")
     ours = tokenizer_vocab(tokenizer_path(data) / "tokenizer.json")
     if theirs is None:
         return f"note: cannot read {Path(hf_dir) / 'tokenizer.json'}; {hint}"
     if theirs[0] != data_vocab:
-        return (f"note: {data} was tokenized with a {data_vocab}-token tokenizer, {hf_dir}'s has {theirs[0]} "
-                f"tokens: token ids would not mean what the model learned; {hint}")
+        return (
+            f"note: {data} was tokenized with a {data_vocab}-token tokenizer, {hf_dir}'s has {theirs[0]} "
+            f"tokens: token ids would not mean what the model learned; {hint}"
+        )
     if ours is not None and ours[1] != theirs[1]:
-        return (f"note: {data}'s tokenizer has the same vocab size as {hf_dir}'s ({data_vocab}) but another "
-                f"vocabulary; {hint}")
+        return (
+            f"note: {data}'s tokenizer has the same vocab size as {hf_dir}'s ({data_vocab}) but another "
+            f"vocabulary; {hint}"
+        )
     return f"note: {data}'s tokenizer has the same vocab size as {hf_dir}'s ({data_vocab} tokens)"

@@ -1,5 +1,6 @@
 """`dspipe launch | doctor | build-ops | slurm-script`: multi-node launches through DeepSpeed's own launcher. Registered
 on the `dspipe` group by dspipe/cli/app.py; imports no torch until a command needs it."""
+
 from __future__ import annotations
 
 import shutil
@@ -9,106 +10,189 @@ from pathlib import Path
 import click
 
 from dspipe.cli.options import FLOAT, INT
-
+from dspipe.cluster.hostfile import describe
+from dspipe.cluster.launch import (
+    LAUNCHERS,
+    Elastic,
+    LaunchSpec,
+    build,
+    build_elastic,
+    check_world,
+    env_file_for,
+    execute,
+    preflight,
+    resolve,
+    resume_args,
+    run_program,
+)
+from dspipe.cluster.netenv import (
+    NCCL_DEBUG_LEVELS,
+    NetworkSpec,
+    parse_env_assignments,
+    rank_environment,
+    write_env_file,
+)
 from dspipe.errors import SpecError
 from dspipe.log import get_logger
-from dspipe.cluster.hostfile import describe
-from dspipe.cluster.launch import (LAUNCHERS, Elastic, LaunchSpec, build, build_elastic, check_world, env_file_for,
-                                   execute, preflight, resolve, resume_args, run_program)
-from dspipe.cluster.netenv import (NCCL_DEBUG_LEVELS, NetworkSpec, parse_env_assignments, rank_environment,
-                           write_env_file)
 from dspipe.rundir import load_run
 from dspipe.runtime.watchdog import check_hang_timeout, events_text, read_events, utc_now
-from dspipe.spec.hardware import gpu_type, names_text
 from dspipe.spec.core import ClusterSpec
+from dspipe.spec.hardware import gpu_type, names_text
 
 NETWORK_FLAGS = ("ifname", "ib_hca", "no_ib", "nccl_debug", "timeout_min", "env")
 
 
 def launch_options(f):
-    for opt in reversed([
-        click.option("--hostfile", default=None, help="MPI-style hostfile ('HOST slots=N' per line)"),
-        click.option("--include", default="", help="hosts/slots to use: NAME[:SLOT,...][@NAME...]"),
-        click.option("--exclude", default="", help="hosts/slots to leave out, same format"),
-        click.option("--num-nodes", type=INT, default=None, help="use the first N hosts of the hostfile"),
-        click.option("--num-gpus", type=INT, default=None, help="ranks per node (slots 0..N-1)"),
-        click.option("--master-addr", default=None, help="address of node 0 [default: DeepSpeed's choice; with "
-                                                         "--no-ssh the first host]"),
-        click.option("--master-port", type=INT, default=None, help="rendezvous port on node 0 [default: 29500]"),
-        click.option("--launcher", type=click.Choice(LAUNCHERS), default="pdsh", show_default=True,
-                     help="how DeepSpeed reaches the other nodes"),
-        click.option("--no-ssh", is_flag=True, default=False, help="this node starts only its own ranks"),
-        click.option("--node-rank", type=INT, default=None, help="this node's index in the hostfile (--no-ssh)"),
-        click.option("--ssh-port", type=INT, default=None, help="ssh port for pdsh"),
-    ]):
+    for opt in reversed(
+        [
+            click.option("--hostfile", default=None, help="MPI-style hostfile ('HOST slots=N' per line)"),
+            click.option("--include", default="", help="hosts/slots to use: NAME[:SLOT,...][@NAME...]"),
+            click.option("--exclude", default="", help="hosts/slots to leave out, same format"),
+            click.option("--num-nodes", type=INT, default=None, help="use the first N hosts of the hostfile"),
+            click.option("--num-gpus", type=INT, default=None, help="ranks per node (slots 0..N-1)"),
+            click.option(
+                "--master-addr",
+                default=None,
+                help="address of node 0 [default: DeepSpeed's choice; with --no-ssh the first host]",
+            ),
+            click.option("--master-port", type=INT, default=None, help="rendezvous port on node 0 [default: 29500]"),
+            click.option(
+                "--launcher",
+                type=click.Choice(LAUNCHERS),
+                default="pdsh",
+                show_default=True,
+                help="how DeepSpeed reaches the other nodes",
+            ),
+            click.option("--no-ssh", is_flag=True, default=False, help="this node starts only its own ranks"),
+            click.option("--node-rank", type=INT, default=None, help="this node's index in the hostfile (--no-ssh)"),
+            click.option("--ssh-port", type=INT, default=None, help="ssh port for pdsh"),
+        ]
+    ):
         f = opt(f)
     return f
 
 
 def network_options(f):
-    for opt in reversed([
-        click.option("--ifname", default=None, help="NCCL_SOCKET_IFNAME (GLOO_SOCKET_IFNAME on cpu), e.g. eth0"),
-        click.option("--ib-hca", default=None, help="NCCL_IB_HCA, e.g. mlx5_0,mlx5_1"),
-        click.option("--no-ib", is_flag=True, default=False, help="NCCL_IB_DISABLE=1 (no InfiniBand)"),
-        click.option("--nccl-debug", type=click.Choice(NCCL_DEBUG_LEVELS), default="WARN", show_default=True),
-        click.option("--timeout-min", type=INT, default=30, show_default=True,
-                     help="collective timeout in minutes (DEEPSPEED_TIMEOUT)"),
-        click.option("--env", "env", multiple=True, help="KEY=VALUE for every rank (repeatable)"),
-    ]):
+    for opt in reversed(
+        [
+            click.option("--ifname", default=None, help="NCCL_SOCKET_IFNAME (GLOO_SOCKET_IFNAME on cpu), e.g. eth0"),
+            click.option("--ib-hca", default=None, help="NCCL_IB_HCA, e.g. mlx5_0,mlx5_1"),
+            click.option("--no-ib", is_flag=True, default=False, help="NCCL_IB_DISABLE=1 (no InfiniBand)"),
+            click.option("--nccl-debug", type=click.Choice(NCCL_DEBUG_LEVELS), default="WARN", show_default=True),
+            click.option(
+                "--timeout-min",
+                type=INT,
+                default=30,
+                show_default=True,
+                help="collective timeout in minutes (DEEPSPEED_TIMEOUT)",
+            ),
+            click.option("--env", "env", multiple=True, help="KEY=VALUE for every rank (repeatable)"),
+        ]
+    ):
         f = opt(f)
     return f
 
 
 def _launch_spec(o: dict) -> LaunchSpec:
-    return LaunchSpec(hostfile=o["hostfile"], include=o["include"], exclude=o["exclude"], num_nodes=o["num_nodes"],
-                      num_gpus=o["num_gpus"], master_addr=o["master_addr"], master_port=o["master_port"],
-                      launcher=o["launcher"], no_ssh=o["no_ssh"], node_rank=o["node_rank"], ssh_port=o["ssh_port"])
+    return LaunchSpec(
+        hostfile=o["hostfile"],
+        include=o["include"],
+        exclude=o["exclude"],
+        num_nodes=o["num_nodes"],
+        num_gpus=o["num_gpus"],
+        master_addr=o["master_addr"],
+        master_port=o["master_port"],
+        launcher=o["launcher"],
+        no_ssh=o["no_ssh"],
+        node_rank=o["node_rank"],
+        ssh_port=o["ssh_port"],
+    )
 
 
 def _network(o: dict) -> NetworkSpec:
-    return NetworkSpec(socket_ifname=o["ifname"], ib_hca=o["ib_hca"], infiniband=not o["no_ib"],
-                       nccl_debug=o["nccl_debug"], timeout_minutes=o["timeout_min"],
-                       extra=parse_env_assignments(o["env"]))
+    return NetworkSpec(
+        socket_ifname=o["ifname"],
+        ib_hca=o["ib_hca"],
+        infiniband=not o["no_ib"],
+        nccl_debug=o["nccl_debug"],
+        timeout_minutes=o["timeout_min"],
+        extra=parse_env_assignments(o["env"]),
+    )
 
 
 def _network_flags(o: dict) -> list[str]:
     """The network options as given, to pass on to `dspipe launch` (slurm-script)."""
-    flags = [*(["--ifname", o["ifname"]] if o["ifname"] else []), *(["--ib-hca", o["ib_hca"]] if o["ib_hca"] else []),
-             *(["--no-ib"] if o["no_ib"] else []), "--nccl-debug", o["nccl_debug"], "--timeout-min",
-             str(o["timeout_min"])]
+    flags = [
+        *(["--ifname", o["ifname"]] if o["ifname"] else []),
+        *(["--ib-hca", o["ib_hca"]] if o["ib_hca"] else []),
+        *(["--no-ib"] if o["no_ib"] else []),
+        "--nccl-debug",
+        o["nccl_debug"],
+        "--timeout-min",
+        str(o["timeout_min"]),
+    ]
     for item in o["env"]:
         flags += ["--env", item]
     return flags
 
 
 def resume_options(f):
-    for opt in reversed([
-        click.option("--resume", default=None, metavar="auto|TAG|PATH",
-                     help="checkpoint to start from [default: auto, the newest complete one, or a fresh start]"),
-        click.option("--restart", is_flag=True, default=False,
-                     help="start from step 0 (the run moves its earlier checkpoints and metrics aside, deleting "
-                          "nothing)"),
-    ]):
+    for opt in reversed(
+        [
+            click.option(
+                "--resume",
+                default=None,
+                metavar="auto|TAG|PATH",
+                help="checkpoint to start from [default: auto, the newest complete one, or a fresh start]",
+            ),
+            click.option(
+                "--restart",
+                is_flag=True,
+                default=False,
+                help="start from step 0 (the run moves its earlier checkpoints and metrics aside, deleting nothing)",
+            ),
+        ]
+    ):
         f = opt(f)
     return f
 
 
 def elastic_options(f):
-    for opt in reversed([
-        click.option("--max-restarts", type=INT, default=None,
-                     help="start the ranks under torch's elastic agent, which restarts the whole job from the newest "
-                          "complete checkpoint, up to N times, when a rank dies or hangs or a node is lost "
-                          "[default: DeepSpeed's launcher, no restart]"),
-        click.option("--min-nodes", type=INT, default=None,
-                     help="with --max-restarts: continue on as few as M nodes after a node is lost, at the smaller dp "
-                          "with the same global batch [default: every node]"),
-        click.option("--hang-timeout", type=FLOAT, default=None, metavar="SECONDS",
-                     help="end the job when a rank waits this long inside one collective during the steps, "
-                          "naming the rank and the operation (0: never) [default: 600 with --max-restarts, else 0]"),
-        click.option("--rejoin-wait", type=INT, default=None, metavar="SECONDS",
-                     help="with --max-restarts on several nodes: how long a restart waits for lost nodes to come "
-                          "back once --min-nodes are there [default: 30]"),
-    ]):
+    for opt in reversed(
+        [
+            click.option(
+                "--max-restarts",
+                type=INT,
+                default=None,
+                help="start the ranks under torch's elastic agent, which restarts the whole job from the newest "
+                "complete checkpoint, up to N times, when a rank dies or hangs or a node is lost "
+                "[default: DeepSpeed's launcher, no restart]",
+            ),
+            click.option(
+                "--min-nodes",
+                type=INT,
+                default=None,
+                help="with --max-restarts: continue on as few as M nodes after a node is lost, at the smaller dp "
+                "with the same global batch [default: every node]",
+            ),
+            click.option(
+                "--hang-timeout",
+                type=FLOAT,
+                default=None,
+                metavar="SECONDS",
+                help="end the job when a rank waits this long inside one collective during the steps, "
+                "naming the rank and the operation (0: never) [default: 600 with --max-restarts, else 0]",
+            ),
+            click.option(
+                "--rejoin-wait",
+                type=INT,
+                default=None,
+                metavar="SECONDS",
+                help="with --max-restarts on several nodes: how long a restart waits for lost nodes to come "
+                "back once --min-nodes are there [default: 30]",
+            ),
+        ]
+    ):
         f = opt(f)
     return f
 
@@ -120,8 +204,9 @@ def _elastic(o: dict) -> Elastic | None:
             if o[flag] is not None:
                 raise SpecError(f"--{flag.replace('_', '-')} only applies with --max-restarts N")
         return None
-    given = {k: v for k, v in (("hang_timeout_s", o["hang_timeout"]), ("rejoin_wait_s", o["rejoin_wait"]))
-             if v is not None}
+    given = {
+        k: v for k, v in (("hang_timeout_s", o["hang_timeout"]), ("rejoin_wait_s", o["rejoin_wait"])) if v is not None
+    }
     return Elastic(max_restarts=o["max_restarts"], min_nodes=o["min_nodes"], **given)
 
 
@@ -147,22 +232,37 @@ def launch(run_dir: Path, dry_run: bool, resume: str | None, restart: bool, test
     env = rank_environment(cluster=run.cluster, network=_network(o))
     program = [*run_program(run.path), *program_args, *(["--test-faults", test_faults] if test_faults else [])]
     if elastic is None:
-        plan = build(spec, program=program, env=env, env_file=env_file_for(run.path),
-                     default_gpus=run.cluster.gpus_per_node)
+        plan = build(
+            spec, program=program, env=env, env_file=env_file_for(run.path), default_gpus=run.cluster.gpus_per_node
+        )
     else:
-        plan = build_elastic(spec, elastic, program=program, env=env, env_file=env_file_for(run.path),
-                             default_gpus=run.cluster.gpus_per_node, nodes=run.cluster.nodes,
-                             run_id=_run_id(run.path))
-    check_world(plan, expected=run.plan.world_size, nodes=run.cluster.nodes, gpus_per_node=run.cluster.gpus_per_node,
-                run_path=run.path, spec=spec)
+        plan = build_elastic(
+            spec,
+            elastic,
+            program=program,
+            env=env,
+            env_file=env_file_for(run.path),
+            default_gpus=run.cluster.gpus_per_node,
+            nodes=run.cluster.nodes,
+            run_id=_run_id(run.path),
+        )
+    check_world(
+        plan,
+        expected=run.plan.world_size,
+        nodes=run.cluster.nodes,
+        gpus_per_node=run.cluster.gpus_per_node,
+        run_path=run.path,
+        spec=spec,
+    )
     if dry_run:
         click.echo(plan.shell_text(), nl=False)
         return
     preflight(plan, spec)
     write_env_file(run.path, env)
     via = "" if elastic is None else f" under torch's elastic agent (up to {elastic.max_restarts} restarts)"
-    get_logger(__name__).info(f"dspipe: {run.path}: {plan.world_size} ranks on {plan.nodes} node(s) "
-                              f"({describe(plan.resources)}){via}")
+    get_logger(__name__).info(
+        f"dspipe: {run.path}: {plan.world_size} ranks on {plan.nodes} node(s) ({describe(plan.resources)}){via}"
+    )
     started = utc_now()
     rc = execute(plan)
     happened = [e for e in read_events(run.path) if str(e.get("time", "")) >= started]
@@ -210,8 +310,10 @@ def doctor(gpu: str | None, size_mb: float, iters: int, skip_allreduce: bool, ti
         hosts = [hostfile.host(n) for n in resources]
         bad = d.ssh_unreachable(hosts, source=hostfile.source, ssh_port=spec.ssh_port)
         if bad:
-            raise SpecError(f"not reachable over passwordless ssh (pdsh needs every host): {'; '.join(bad)}; "
-                            f"fix ssh or launch with --no-ssh --node-rank R on each node")
+            raise SpecError(
+                f"not reachable over passwordless ssh (pdsh needs every host): {'; '.join(bad)}; "
+                f"fix ssh or launch with --no-ssh --node-rank R on each node"
+            )
         click.echo(f"ssh: {len(hosts)} host(s) reachable ({', '.join(h.name for h in hosts)})")
     if skip_allreduce:
         return
@@ -219,20 +321,33 @@ def doctor(gpu: str | None, size_mb: float, iters: int, skip_allreduce: bool, ti
     env = rank_environment(cluster=cluster, network=network)
     tmp = Path(tempfile.mkdtemp(prefix="dspipe-doctor-"))
     try:
-        program = ["--module", "dspipe.cluster.allreduce", "--size-mb", str(size_mb), "--iters", str(iters),
-                   "--env-keys", ",".join(env)]
+        program = [
+            "--module",
+            "dspipe.cluster.allreduce",
+            "--size-mb",
+            str(size_mb),
+            "--iters",
+            str(iters),
+            "--env-keys",
+            ",".join(env),
+        ]
         plan = build(spec, program=program, env=env, env_file=tmp / ".deepspeed_env", default_gpus=default_gpus)
         preflight(plan, spec)
         write_env_file(tmp, env)
         result = d.run_allreduce(plan, timeout_s=timeout_s)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    kind, assumed = (("inter-node", cluster.gpu_type.inter_node_gbps) if cluster.nodes > 1
-                     else ("intra-node", cluster.gpu_type.intra_node_gbps))
-    click.echo(f"all-reduce: {result['world_size']} ranks ({cluster.nodes} node(s)), {result['backend']}, "
-               f"{result['bytes'] / 2**20:g} MiB fp32 x {result['iters']}: {result['seconds'] * 1e3:.1f} ms each, "
-               f"bus bandwidth {result['busbw_gbps']:.2f} GB/s (algbw {result['algbw_gbps']:.2f}); planner assumes "
-               f"{assumed:g} GB/s ({kind}, {gpu})")
+    kind, assumed = (
+        ("inter-node", cluster.gpu_type.inter_node_gbps)
+        if cluster.nodes > 1
+        else ("intra-node", cluster.gpu_type.intra_node_gbps)
+    )
+    click.echo(
+        f"all-reduce: {result['world_size']} ranks ({cluster.nodes} node(s)), {result['backend']}, "
+        f"{result['bytes'] / 2**20:g} MiB fp32 x {result['iters']}: {result['seconds'] * 1e3:.1f} ms each, "
+        f"bus bandwidth {result['busbw_gbps']:.2f} GB/s (algbw {result['algbw_gbps']:.2f}); planner assumes "
+        f"{assumed:g} GB/s ({kind}, {gpu})"
+    )
     problems = ([] if result["correct"] else ["all-reduce returned a wrong sum"]) + d.env_mismatches(result, env)
     if problems:
         raise SpecError("; ".join(problems))
@@ -241,13 +356,18 @@ def doctor(gpu: str | None, size_mb: float, iters: int, skip_allreduce: bool, ti
 
 def _cuda_count() -> int:
     import torch
+
     return torch.cuda.device_count()
 
 
 @click.command("build-ops")
-@click.option("--offload", type=click.Choice(["none", "cpu", "nvme"]), default=None,
-              help="only the ops of runs with this optimizer offload (none: FusedAdam; cpu: DeepSpeedCPUAdam; nvme: "
-                   "that and async I/O) [default: every offload's]")
+@click.option(
+    "--offload",
+    type=click.Choice(["none", "cpu", "nvme"]),
+    default=None,
+    help="only the ops of runs with this optimizer offload (none: FusedAdam; cpu: DeepSpeedCPUAdam; nvme: "
+    "that and async I/O) [default: every offload's]",
+)
 def build_ops(offload: str | None) -> None:
     """Compile DeepSpeed's ops a run loads on this machine (its AdamW; the shared-memory collectives on CPU) into
     torch's extension cache, once, so that the first launch starts without a build (scripts/setup.sh runs it)."""
@@ -266,34 +386,63 @@ def build_ops(offload: str | None) -> None:
             seconds = build(op)
         except Exception as e:  # a compiler missing, a build error: the launch builds it (JIT), as without this
             detail = " ".join(str(e).split())[-300:] or type(e).__name__
-            raise click.ClickException(f"building DeepSpeed's {op.name} op failed ({detail}); a launch tries "
-                                       f"again before its first step") from None
+            raise click.ClickException(
+                f"building DeepSpeed's {op.name} op failed ({detail}); a launch tries again before its first step"
+            ) from None
         click.echo(f"{op.name}: built in {seconds:.0f} s ({op.where})")
 
 
 @click.command("slurm-script")
 @click.argument("run_dir", type=click.Path(path_type=Path))
-@click.option("--out", default=None, metavar="FILE",
-              help="[default: RUN_DIR/slurm.sbatch]; an existing file only with --force")
+@click.option(
+    "--out", default=None, metavar="FILE", help="[default: RUN_DIR/slurm.sbatch]; an existing file only with --force"
+)
 @click.option("--force", is_flag=True, default=False, help="replace a script that slurm-script wrote (nothing else)")
 @click.option("--time", "time_limit", default="24:00:00", show_default=True, help="job time limit")
 @click.option("--partition", default=None)
 @click.option("--account", default=None)
 @click.option("--sbatch", "extra_sbatch", multiple=True, help="extra '#SBATCH' option, e.g. --sbatch=--exclusive")
 @click.option("--master-port", type=INT, default=None, help="rendezvous port on the first node [default: 29500]")
-@click.option("--stop-before", type=INT, default=300, show_default=True,
-              help="seconds before the time limit at which the run is told to save, and the job requeues")
-@click.option("--max-restarts", type=INT, default=0, show_default=True,
-              help="each node's launch restarts the job by itself up to N times (torch's elastic agent: a dead or "
-                   "hung rank), and a run step that still fails (a node lost) is requeued, up to N times")
-@click.option("--min-nodes", type=INT, default=None,
-              help="with --max-restarts: a node failure does not end the job (--no-kill); the other nodes continue "
-                   "on as few as M nodes at the smaller dp, same global batch [default: every node]")
+@click.option(
+    "--stop-before",
+    type=INT,
+    default=300,
+    show_default=True,
+    help="seconds before the time limit at which the run is told to save, and the job requeues",
+)
+@click.option(
+    "--max-restarts",
+    type=INT,
+    default=0,
+    show_default=True,
+    help="each node's launch restarts the job by itself up to N times (torch's elastic agent: a dead or "
+    "hung rank), and a run step that still fails (a node lost) is requeued, up to N times",
+)
+@click.option(
+    "--min-nodes",
+    type=INT,
+    default=None,
+    help="with --max-restarts: a node failure does not end the job (--no-kill); the other nodes continue "
+    "on as few as M nodes at the smaller dp, same global batch [default: every node]",
+)
 @network_options
 @resume_options
-def slurm_script(run_dir: Path, out: str | None, force: bool, time_limit: str, partition: str | None,
-                 account: str | None, extra_sbatch: tuple[str, ...], master_port: int | None, stop_before: int,
-                 max_restarts: int, min_nodes: int | None, resume: str | None, restart: bool, **o) -> None:
+def slurm_script(
+    run_dir: Path,
+    out: str | None,
+    force: bool,
+    time_limit: str,
+    partition: str | None,
+    account: str | None,
+    extra_sbatch: tuple[str, ...],
+    master_port: int | None,
+    stop_before: int,
+    max_restarts: int,
+    min_nodes: int | None,
+    resume: str | None,
+    restart: bool,
+    **o,
+) -> None:
     """Write an sbatch script that builds the hostfile from the job's nodes and launches the run on them. It resumes
     from the newest checkpoint, and on the time limit or pre-emption stops the run (which saves) and requeues the
     job; --resume/--restart apply to the job's first start only."""
@@ -306,10 +455,21 @@ def slurm_script(run_dir: Path, out: str | None, force: bool, time_limit: str, p
     rank_environment(cluster=run.cluster, network=_network(o))  # reject bad network options now, not in the job
     LaunchSpec(master_port=master_port)
     out = target(run.path / "slurm.sbatch" if out is None else out, flag="--out", expect="file")
-    text = render_slurm_script(run=run, script_path=out, workdir=Path.cwd(), time=time_limit, partition=partition,
-                               account=account, extra_sbatch=extra_sbatch, master_port=master_port,
-                               launch_args=_network_flags(o), first_resume_args=first, stop_before=stop_before,
-                               max_restarts=max_restarts, min_nodes=min_nodes)
+    text = render_slurm_script(
+        run=run,
+        script_path=out,
+        workdir=Path.cwd(),
+        time=time_limit,
+        partition=partition,
+        account=account,
+        extra_sbatch=extra_sbatch,
+        master_port=master_port,
+        launch_args=_network_flags(o),
+        first_resume_args=first,
+        stop_before=stop_before,
+        max_restarts=max_restarts,
+        min_nodes=min_nodes,
+    )
     claim_file(out, replace=force, owned=is_slurm_script, label="sbatch script")  # only its own earlier script
     with writing(out):
         write_file(out, text, mode=0o755)

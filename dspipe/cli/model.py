@@ -1,5 +1,6 @@
 """`dspipe presets`, `dspipe export-hf` and `dspipe generate`: the named model shapes, a trained checkpoint as a
 Hugging Face model, and text from it."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -22,10 +23,15 @@ def presets() -> None:
 
 @click.command("export-hf")
 @click.argument("checkpoint", type=click.Path(path_type=Path))
-@click.option("--out", required=True, metavar="DIR",
-              help="directory to write (a transformers model directory, safetensors)")
-@click.option("--force", is_flag=True, default=False,
-              help="replace an --out directory that an earlier export-hf wrote (nothing else)")
+@click.option(
+    "--out", required=True, metavar="DIR", help="directory to write (a transformers model directory, safetensors)"
+)
+@click.option(
+    "--force",
+    is_flag=True,
+    default=False,
+    help="replace an --out directory that an earlier export-hf wrote (nothing else)",
+)
 def export_hf(checkpoint: Path, out: str, force: bool) -> None:
     """Export CHECKPOINT (runs/NAME/checkpoints/global_stepN, or runs/NAME for its newest complete checkpoint) of
     any ZeRO stage and pipeline layout as a transformers directory with the run's tokenizer, in the class that computes
@@ -49,7 +55,8 @@ def export_hf(checkpoint: Path, out: str, force: bool) -> None:
 @click.option("--seed", type=INT, default=0, show_default=True, help="sampling seed")
 def generate(source: Path, prompt: str, max_tokens: int, temperature: float, top_k: int, seed: int) -> None:
     """Continue --prompt with SOURCE: a checkpoint or run directory, or a directory written by export-hf."""
-    from dspipe.tools.generate import Sampling, generate as run_generate
+    from dspipe.tools.generate import Sampling
+    from dspipe.tools.generate import generate as run_generate
 
     sampling = Sampling(max_tokens=max_tokens, temperature=temperature, top_k=top_k, seed=seed)  # checked first
     click.echo(run_generate(source=source, prompt=prompt, sampling=sampling))

@@ -5,6 +5,7 @@ The click options are generated from the option table (TABLE): the settings decl
 spec field. A flag whose default is None means auto (the planner chooses) or derived (the rule is in its help text).
 Imports no torch/deepspeed.
 """
+
 from __future__ import annotations
 
 import math
@@ -16,19 +17,27 @@ from typing import NamedTuple
 import click
 
 from dspipe.cli.config_file import config_options
-from dspipe.errors import SpecError
 from dspipe.digits import MAX_DIGITS, digits_text, too_many_digits
+from dspipe.errors import SpecError
 from dspipe.jsonio import show
-from dspipe.spec.hardware import names_text
-from dspipe.spec.layout import ParallelLayout
-from dspipe.spec.presets import MODEL_PRESETS, model_preset
 from dspipe.planner.ds_preset import AUTO_OPTIONS, PresetImport, account
+from dspipe.planner.memory import MEMORY_HEADROOM
 from dspipe.planner.render import import_ds_preset, render_ds_config
 from dspipe.planner.search import SearchResult
-from dspipe.planner.memory import MEMORY_HEADROOM
-from dspipe.spec.core import (LIMITS, SPEC_SETTINGS, TOKEN_SCALE, ClusterSpec, ModelSpec, StrategyRequest, TrainSpec,
-                              token_count)
+from dspipe.spec.core import (
+    LIMITS,
+    SPEC_SETTINGS,
+    TOKEN_SCALE,
+    ClusterSpec,
+    ModelSpec,
+    StrategyRequest,
+    TrainSpec,
+    token_count,
+)
+from dspipe.spec.hardware import names_text
+from dspipe.spec.layout import ParallelLayout
 from dspipe.spec.options import BY_COMMAND, MONITOR, SETTINGS, TABLE
+from dspipe.spec.presets import MODEL_PRESETS, model_preset
 from dspipe.spec.settings import AUTO, Setting
 
 DEFAULT_DATA = "data/stdlib"
@@ -149,8 +158,10 @@ def steps_for_tokens(tokens: str, *, global_batch: int, seq_len: int) -> int:
         raise SpecError(f"--tokens {show(tokens)} does not parse as a token count: {TOKEN_HELP}")
     steps = math.ceil(count / (global_batch * seq_len))
     if steps > LIMITS["steps"]:
-        raise SpecError(f"--tokens {tokens} is {steps:,} steps of {global_batch} x {seq_len} tokens: more than the "
-                        f"{LIMITS['steps']:,} steps a run may have")
+        raise SpecError(
+            f"--tokens {tokens} is {steps:,} steps of {global_batch} x {seq_len} tokens: more than the "
+            f"{LIMITS['steps']:,} steps a run may have"
+        )
     return steps
 
 
@@ -158,8 +169,7 @@ def token_budget_line(train: TrainSpec, *, seq_len: int) -> str | None:
     """`steps 143,052 = ceil(300B tokens / (512 x 4096 tokens per step))`, or None without a token budget."""
     if train.tokens is None:
         return None
-    return (f"steps {train.steps:,} = ceil({train.tokens} tokens / ({train.global_batch} x {seq_len} tokens per "
-            f"step))")
+    return f"steps {train.steps:,} = ceil({train.tokens} tokens / ({train.global_batch} x {seq_len} tokens per step))"
 
 
 class AutoInt(click.ParamType):
@@ -200,8 +210,13 @@ def _help(s: Setting) -> str | None:
     """The setting's help with its {default}, {fallback} and the catalogs' names filled in."""
     if s.help is None:
         return None
-    return s.help.format(default=s.default, fallback=s.fallback, presets=", ".join(MODEL_PRESETS),
-                         gpus=names_text(), headroom=100 * MEMORY_HEADROOM)
+    return s.help.format(
+        default=s.default,
+        fallback=s.fallback,
+        presets=", ".join(MODEL_PRESETS),
+        gpus=names_text(),
+        headroom=100 * MEMORY_HEADROOM,
+    )
 
 
 def click_option(s: Setting):
@@ -212,9 +227,15 @@ def click_option(s: Setting):
     if s.kind == "flag":
         kw.update(is_flag=True, default=False)
     elif s.kind != "bool":
-        kw["type"] = {"int": StrictInt(s.limit), "float": FLOAT, "str": None, "tokens": TokenBudget(),
-                      "auto_int": AutoInt(s.limit, keep_auto=s.cli_default is not None),
-                      "choice": click.Choice(s.choices), "auto_choice": AutoChoice(s.choices)}[s.kind]
+        kw["type"] = {
+            "int": StrictInt(s.limit),
+            "float": FLOAT,
+            "str": None,
+            "tokens": TokenBudget(),
+            "auto_int": AutoInt(s.limit, keep_auto=s.cli_default is not None),
+            "choice": click.Choice(s.choices),
+            "auto_choice": AutoChoice(s.choices),
+        }[s.kind]
         kw["show_default"] = s.cli_default is not None
     return click.option(s.flags, **kw)
 
@@ -233,8 +254,12 @@ def model_options(f):
 def spec_options(f):
     """Model, cluster, training and strategy options shared by plan, gen-config and bench (and --config,
     --print-config)."""
-    keys = [s.key for section in ("cluster", "train", "strategy", "logging") for s in TABLE[section]
-            if s.key not in BY_COMMAND and s.key not in MONITOR]
+    keys = [
+        s.key
+        for section in ("cluster", "train", "strategy", "logging")
+        for s in TABLE[section]
+        if s.key not in BY_COMMAND and s.key not in MONITOR
+    ]
     return config_options(model_options(_options(f, keys)))
 
 
@@ -244,17 +269,31 @@ def cluster_from_options(o: dict) -> ClusterSpec:
 
     calibration = _calibration(o)
     if not o.get("hostfile"):
-        return ClusterSpec(nodes=o["nodes"], gpus_per_node=o["gpus_per_node"], gpu=o["gpu"],
-                           host_memory_gib=o.get("host_memory_gib"), **_failure_rate(o), **calibration)
+        return ClusterSpec(
+            nodes=o["nodes"],
+            gpus_per_node=o["gpus_per_node"],
+            gpu=o["gpu"],
+            host_memory_gib=o.get("host_memory_gib"),
+            **_failure_rate(o),
+            **calibration,
+        )
     hostfile = read_hostfile(o["hostfile"])
     derived = {"nodes": len(hostfile.hosts), "gpus_per_node": hostfile.equal_slots()}
     given = _given_on_command_line(o)
     for key, value in derived.items():
         if key in given and o[key] != value:
-            raise SpecError(f"--{key.replace('_', '-')} {o[key]} contradicts hostfile {hostfile.source} "
-                            f"({derived['nodes']} nodes x {derived['gpus_per_node']} slots); drop one of them")
-    return ClusterSpec(nodes=derived["nodes"], gpus_per_node=derived["gpus_per_node"], gpu=o["gpu"],
-                       host_memory_gib=o.get("host_memory_gib"), **_failure_rate(o), **calibration)
+            raise SpecError(
+                f"--{key.replace('_', '-')} {o[key]} contradicts hostfile {hostfile.source} "
+                f"({derived['nodes']} nodes x {derived['gpus_per_node']} slots); drop one of them"
+            )
+    return ClusterSpec(
+        nodes=derived["nodes"],
+        gpus_per_node=derived["gpus_per_node"],
+        gpu=o["gpu"],
+        host_memory_gib=o.get("host_memory_gib"),
+        **_failure_rate(o),
+        **calibration,
+    )
 
 
 def _failure_rate(o: dict) -> dict:
@@ -270,10 +309,13 @@ def _calibration(o: dict) -> dict:
     for name in ("intra_node_gbps", "inter_node_gbps"):
         value = o.get(name)
         if value is not None and not (math.isfinite(value) and 0 < value <= LIMITS[name]):
-            raise SpecError(f"--{name.replace('_', '-')} must be a positive number of GB/s, got {value:g} "
-                            f"(allowed: finite, (0, {LIMITS[name]:g}])")
+            raise SpecError(
+                f"--{name.replace('_', '-')} must be a positive number of GB/s, got {value:g} "
+                f"(allowed: finite, (0, {LIMITS[name]:g}])"
+            )
     if o.get("gpu") is not None:
         from dspipe.spec.hardware import gpu_type
+
         gpu_type(o["gpu"])  # an unknown --gpu is named before its profile is judged
     profile = read_profile(o["profile"], gpu=o.get("gpu")) if o.get("profile") else None
     return dict(intra_node_gbps=o.get("intra_node_gbps"), inter_node_gbps=o.get("inter_node_gbps"), profile=profile)
@@ -300,8 +342,10 @@ def _model_from_options(o: dict) -> ModelSpec:
     required = ("layers", "hidden", "heads", "vocab")
     missing = [f"--{k}" for k in required if shape[k] is None]
     if missing:
-        raise SpecError(f"give --model NAME ({', '.join(MODEL_PRESETS)}) or all of --layers/--hidden/--heads/--vocab "
-                        f"(missing {' '.join(missing)})")
+        raise SpecError(
+            f"give --model NAME ({', '.join(MODEL_PRESETS)}) or all of --layers/--hidden/--heads/--vocab "
+            f"(missing {' '.join(missing)})"
+        )
     derived = {"seq_len": SETTINGS["seq_len"].fallback, "ffn": 4 * shape["hidden"]}
     given = {k: v for k, v in shape.items() if v is not None}  # else the fallback, or ModelSpec's default
     return ModelSpec(name="custom", **{**derived, **given})
@@ -317,6 +361,7 @@ def _with_padded_vocab(model: ModelSpec, data: str, *, tokenizer: str | None = N
     vocab = max((read_meta(s.path)["vocab_size"] if is_prepared(s.path) else model.vocab) for s in sources)
     if tokenizer is not None:  # Megatron prefixes' --tokenizer: checked against them, its vocab held too
         from dspipe.data.checks import check_tokenizer
+
         vocab = max(vocab, check_tokenizer([s.path for s in sources], tokenizer))
     return replace(model, vocab=padded_vocab(vocab))
 
@@ -338,37 +383,49 @@ def _merge_preset(o: dict, imp: PresetImport, given: set[str], cluster: ClusterS
     o = dict(o)
     for name, value in imp.options.items():
         if name in given and _normal(name, o[name]) != value:
-            raise SpecError(f"{SETTINGS[name].flag_name} {o[name]} contradicts {imp.shown(name)} in preset "
-                            f"{imp.source}; drop the flag or edit the preset")
+            raise SpecError(
+                f"{SETTINGS[name].flag_name} {o[name]} contradicts {imp.shown(name)} in preset "
+                f"{imp.source}; drop the flag or edit the preset"
+            )
         o[name] = value
     if "min_lr_ratio" in given and imp.scheduler_type not in (None, "WarmupCosineLR"):
-        raise SpecError(f"--min-lr-ratio applies to WarmupCosineLR; preset {imp.source} schedules {imp.scheduler_type}"
-                        f"; drop the flag or edit the preset")
+        raise SpecError(
+            f"--min-lr-ratio applies to WarmupCosineLR; preset {imp.source} schedules {imp.scheduler_type}"
+            f"; drop the flag or edit the preset"
+        )
     if o.get("wall_clock_breakdown") and imp.values.get("wall_clock_breakdown") is False:
-        raise SpecError(f"--wall-clock-breakdown contradicts wall_clock_breakdown false in preset {imp.source}; "
-                        "drop the flag or edit the preset")
+        raise SpecError(
+            f"--wall-clock-breakdown contradicts wall_clock_breakdown false in preset {imp.source}; "
+            "drop the flag or edit the preset"
+        )
     ga = imp.grad_accum
     pp, tp, sp = o.get("pp") or 1, o.get("tp") or 1, o.get("sp") or 1
     divides = cluster.world_size % (pp * tp * sp) == 0
     if ga is not None and o.get("pp") and o.get("micro_batch") and divides:
         dp = ParallelLayout(world=cluster.world_size, pp=pp, tp=tp, sp=sp).dp
         if o["global_batch"] != o["micro_batch"] * ga * dp:
-            raise SpecError(f"preset {imp.source}: train_batch_size {o['global_batch']} != micro "
-                            f"{o['micro_batch']} x gradient_accumulation_steps {ga} x dp {dp} (world "
-                            f"{cluster.world_size} / (pp {pp} x tp {tp} x sp {sp})) = {o['micro_batch'] * ga * dp}: "
-                            "this cluster needs "
-                            f"gradient_accumulation_steps {o['global_batch'] / (o['micro_batch'] * dp):g}; set it "
-                            "(or \"auto\") in the preset")
+            raise SpecError(
+                f"preset {imp.source}: train_batch_size {o['global_batch']} != micro "
+                f"{o['micro_batch']} x gradient_accumulation_steps {ga} x dp {dp} (world "
+                f"{cluster.world_size} / (pp {pp} x tp {tp} x sp {sp})) = {o['micro_batch'] * ga * dp}: "
+                "this cluster needs "
+                f"gradient_accumulation_steps {o['global_batch'] / (o['micro_batch'] * dp):g}; set it "
+                '(or "auto") in the preset'
+            )
     if ga is not None and divides:  # DeepSpeed derives the missing one of the batch triple
         dp = ParallelLayout(world=cluster.world_size, pp=pp, tp=tp, sp=sp).dp
         if "global_batch" not in imp.options and "global_batch" not in given and o.get("micro_batch"):
             o["global_batch"] = o["micro_batch"] * ga * dp
-            imp.note(f"train_batch_size not set -> {o['global_batch']} = micro {o['micro_batch']} x ga {ga} x dp {dp} "
-                     "(as DeepSpeed derives it)")
+            imp.note(
+                f"train_batch_size not set -> {o['global_batch']} = micro {o['micro_batch']} x ga {ga} x dp {dp} "
+                "(as DeepSpeed derives it)"
+            )
         elif not o.get("micro_batch") and o["global_batch"] % (ga * dp) == 0:
             o["micro_batch"] = o["global_batch"] // (ga * dp)
-            imp.note(f"train_micro_batch_size_per_gpu not set -> {o['micro_batch']} = global {o['global_batch']} / "
-                     f"(ga {ga} x dp {dp}) (as DeepSpeed derives it)")
+            imp.note(
+                f"train_micro_batch_size_per_gpu not set -> {o['micro_batch']} = global {o['global_batch']} / "
+                f"(ga {ga} x dp {dp}) (as DeepSpeed derives it)"
+            )
     return o
 
 
@@ -388,8 +445,9 @@ class AppliedPreset:
 
     def report_for(self, best, *, model: ModelSpec, monitor_dir: str) -> list[str]:
         """report() for a search's best candidate (plan: nothing is written)."""
-        return self.report(render_ds_config(plan=best.plan, model=model, train=best.train, monitor_dir=monitor_dir,
-                                            preset=self.imp))
+        return self.report(
+            render_ds_config(plan=best.plan, model=model, train=best.train, monitor_dir=monitor_dir, preset=self.imp)
+        )
 
 
 def with_preset(o: dict, *, cluster: ClusterSpec) -> tuple[dict, AppliedPreset | None]:
@@ -409,8 +467,9 @@ def with_preset(o: dict, *, cluster: ClusterSpec) -> tuple[dict, AppliedPreset |
     return o, AppliedPreset(imp=imp, labels=labels)
 
 
-def request_from_options(o: dict, *, cluster: ClusterSpec | None = None
-                         ) -> tuple[ModelSpec, ClusterSpec, TrainSpec, StrategyRequest]:
+def request_from_options(
+    o: dict, *, cluster: ClusterSpec | None = None
+) -> tuple[ModelSpec, ClusterSpec, TrainSpec, StrategyRequest]:
     """(model, cluster, train, the strategy asked for): a flag given, else (after with_preset) the --preset's value,
     else auto (None) or the option's default. `cluster`: cluster_from_options(o) when already built."""
     cluster = cluster or cluster_from_options(o)  # --nodes/--gpus-per-node, or from --hostfile
@@ -418,6 +477,7 @@ def request_from_options(o: dict, *, cluster: ClusterSpec | None = None
     request = StrategyRequest(**{**asked, "zero": None if asked["zero"] is None else int(asked["zero"])})
     if o.get("init_from"):  # the model is HF_DIR's (shape flags checked against its config.json)
         from dspipe.cli.init_from import init_from_spec
+
         model = init_from_spec(o["init_from"], o)
     else:
         model = _model_from_options(o)
@@ -427,23 +487,34 @@ def request_from_options(o: dict, *, cluster: ClusterSpec | None = None
     if tokens is not None and isinstance(o["global_batch"], int) and o["global_batch"] >= 1:
         derived = steps_for_tokens(tokens, global_batch=o["global_batch"], seq_len=model.seq_len)
         if steps is not None and steps != derived:  # flags and the file were reconciled: this is the --preset's
-            raise SpecError(f"--tokens {tokens} is {derived:,} steps of {o['global_batch']} x {model.seq_len} tokens, "
-                            f"but the --preset's scheduler total_num_steps is {steps}: drop --tokens or edit the "
-                            f"preset")
+            raise SpecError(
+                f"--tokens {tokens} is {derived:,} steps of {o['global_batch']} x {model.seq_len} tokens, "
+                f"but the --preset's scheduler total_num_steps is {steps}: drop --tokens or edit the "
+                f"preset"
+            )
         steps = derived
     elif steps is None:
         steps = SETTINGS["steps"].fallback
     auto_save = o.get("save_interval") == AUTO  # chosen after the search, from the plan (gen-config)
     if auto_save and o.get("keep_every"):
-        raise SpecError(f"--save-interval auto with --keep-every {o['keep_every']}: milestones need a fixed interval "
-                        f"(they are kept at multiples of it); give --save-interval N")
-    derived = {"micro_batch": request.micro_batch or 1, "precision": request.precision or TrainSpec.precision,
-               **({"save_interval": 0} if auto_save else {}),
-               "steps": steps, "tokens": tokens,
-               "warmup_steps": o["warmup"] if o["warmup"] is not None else default_warmup(steps),
-               "init_from": os.path.abspath(o["init_from"]) if o.get("init_from") else None}
-    given = {s.field: o[s.key] for s in SPEC_SETTINGS if s.field in TRAIN_FIELDS and s.field not in derived
-             and (s.key in o or s.key not in BY_COMMAND)}  # a command's own option (gen-config's --data-order)
+        raise SpecError(
+            f"--save-interval auto with --keep-every {o['keep_every']}: milestones need a fixed interval "
+            f"(they are kept at multiples of it); give --save-interval N"
+        )
+    derived = {
+        "micro_batch": request.micro_batch or 1,
+        "precision": request.precision or TrainSpec.precision,
+        **({"save_interval": 0} if auto_save else {}),
+        "steps": steps,
+        "tokens": tokens,
+        "warmup_steps": o["warmup"] if o["warmup"] is not None else default_warmup(steps),
+        "init_from": os.path.abspath(o["init_from"]) if o.get("init_from") else None,
+    }
+    given = {
+        s.field: o[s.key]
+        for s in SPEC_SETTINGS
+        if s.field in TRAIN_FIELDS and s.field not in derived and (s.key in o or s.key not in BY_COMMAND)
+    }  # a command's own option (gen-config's --data-order)
     return model, cluster, TrainSpec(**given, **derived), request
 
 
@@ -474,22 +545,39 @@ def choose(o: dict, *, check_model=None) -> Chosen:
         check_model(model)
     headroom = o.get("memory_headroom")
     if headroom is not None and not (math.isfinite(headroom) and 0 <= headroom < 100):
-        raise SpecError(f"--memory-headroom must be a percentage in [0, 100), got {headroom:g} "
-                        f"(allowed: finite, [0, 100))")
+        raise SpecError(
+            f"--memory-headroom must be a percentage in [0, 100), got {headroom:g} (allowed: finite, [0, 100))"
+        )
     headroom = MEMORY_HEADROOM if headroom is None else headroom / 100
     import_bytes = None
     if o.get("init_from"):  # the start-up reads these bytes instead of drawing (headers only: no tensor is read)
         from dspipe.model.hf_weights import check_weights
+
         import_bytes = check_weights(o["init_from"], model)
-    result = search(model=model, cluster=cluster, train=train, request=request, headroom=headroom,
-                    import_bytes=import_bytes)
+    result = search(
+        model=model, cluster=cluster, train=train, request=request, headroom=headroom, import_bytes=import_bytes
+    )
     if result.best is None:
-        raise SpecError(nothing_fits_message(result=result, model=model, cluster=cluster, train=train, request=request,
-                                             headroom=headroom, import_bytes=import_bytes))
+        raise SpecError(
+            nothing_fits_message(
+                result=result,
+                model=model,
+                cluster=cluster,
+                train=train,
+                request=request,
+                headroom=headroom,
+                import_bytes=import_bytes,
+            )
+        )
     if blend is not None:
         best = result.best
         if best.train.eval_interval:
-            check_blend_for_run(blend, model_vocab=model.vocab, seq_len=model.seq_len, dp=best.plan.dp,
-                                micro_batch=best.plan.micro_batch)
+            check_blend_for_run(
+                blend,
+                model_vocab=model.vocab,
+                seq_len=model.seq_len,
+                dp=best.plan.dp,
+                micro_batch=best.plan.micro_batch,
+            )
         click.echo(f"{blend.describe()} (weights normalised to sum to 100%)")
     return Chosen(model=model, cluster=cluster, result=result, preset=preset)

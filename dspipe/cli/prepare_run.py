@@ -1,5 +1,6 @@
 """Plan -> render -> verify -> write run: the one sequence by which gen-config and bench turn the planner's choice
 into a run directory. Imports no torch/deepspeed until the config is verified (deepspeed is optional there)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,10 +11,10 @@ from dspipe.cli.options import AppliedPreset
 from dspipe.errors import SpecError
 from dspipe.log import get_logger
 from dspipe.planner.render import render_ds_config
-from dspipe.spec.core import ClusterSpec, ModelSpec
 from dspipe.planner.summary import estimate_summary
-from dspipe.rundir import write_run
 from dspipe.run_estimate import RunEstimate
+from dspipe.rundir import write_run
+from dspipe.spec.core import ClusterSpec, ModelSpec
 
 
 def verify_with_deepspeed(ds_config: dict, *, dp: int) -> None:
@@ -24,28 +25,56 @@ def verify_with_deepspeed(ds_config: dict, *, dp: int) -> None:
         get_logger(__name__).info("note: deepspeed is not installed; the config was not parsed by DeepSpeedConfig")
         return
     from dspipe.runtime.dscheck import parse_with_deepspeed
+
     try:
         parse_with_deepspeed(ds_config, dp=dp)
     except Exception as e:  # DeepSpeed raises assertion, value and pydantic errors alike
         raise SpecError(f"DeepSpeed rejects the rendered config: {' '.join(str(e).split())}") from None
 
 
-def prepare_run(out: Path, *, model: ModelSpec, cluster: ClusterSpec, best, data: str, command: str,
-                wall_clock_breakdown: bool = False, force: bool = False, monitors: dict | None = None,
-                preset: AppliedPreset | None = None, auto_interval: bool = False) -> dict:
+def prepare_run(
+    out: Path,
+    *,
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    best,
+    data: str,
+    command: str,
+    wall_clock_breakdown: bool = False,
+    force: bool = False,
+    monitors: dict | None = None,
+    preset: AppliedPreset | None = None,
+    auto_interval: bool = False,
+) -> dict:
     """Render the DeepSpeed config of the search's `best` candidate (its plan, train and strategy), verify it with
     DeepSpeed, and write the run directory `out` (ds_config.json, dspipe.json); returns the config. `preset`: the
     --preset choose() applied (its keys rendered, then accounted for); `auto_interval`: train.save_interval came
     from --save-interval auto, marked by the estimate's save_interval_auto (the runner re-plans it)."""
     plan, train = best.plan, best.train
-    ds_config = render_ds_config(plan=plan, model=model, train=train, monitor_dir=str(Path(out) / "monitor"),
-                                 wall_clock_breakdown=wall_clock_breakdown, preset=preset.imp if preset else None,
-                                 monitors=monitors)
+    ds_config = render_ds_config(
+        plan=plan,
+        model=model,
+        train=train,
+        monitor_dir=str(Path(out) / "monitor"),
+        wall_clock_breakdown=wall_clock_breakdown,
+        preset=preset.imp if preset else None,
+        monitors=monitors,
+    )
     report = preset.report(ds_config) if preset else []  # each --preset key's fate; SpecError if contradicted
     verify_with_deepspeed(ds_config, dp=plan.ds_batch_ranks)
-    write_run(out, model=model, cluster=cluster, train=train, strategy=best.strategy, plan=plan, data=data,
-              ds_config=ds_config, command=command, force=force,
-              estimate=RunEstimate.written(estimate_summary(best), auto_interval=auto_interval))
+    write_run(
+        out,
+        model=model,
+        cluster=cluster,
+        train=train,
+        strategy=best.strategy,
+        plan=plan,
+        data=data,
+        ds_config=ds_config,
+        command=command,
+        force=force,
+        estimate=RunEstimate.written(estimate_summary(best), auto_interval=auto_interval),
+    )
     for line in report:
         click.echo(line)
     return ds_config

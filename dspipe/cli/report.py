@@ -1,5 +1,6 @@
 """`dspipe report runs/NAME`: plots and report.md from a run's metrics, set against its plan. Imports no torch;
 matplotlib loads only when the command runs."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,9 +10,12 @@ import click
 
 @click.command("report")
 @click.argument("run", type=click.Path(path_type=Path))
-@click.option("--out", default=None, metavar="DIR",
-              help="directory to write (replaced only if it holds a previous report and nothing else) "
-                   "[default: RUN/report]")
+@click.option(
+    "--out",
+    default=None,
+    metavar="DIR",
+    help="directory to write (replaced only if it holds a previous report and nothing else) [default: RUN/report]",
+)
 def report(run: Path, out: str | None) -> None:
     """Plot loss, throughput and learning rate of RUN (runs/NAME) and write report.md: the configuration, the
     planner's predicted memory, tokens/s, MFU, step time and start-up (host RAM per rank, time to the first step)
@@ -22,7 +26,9 @@ def report(run: Path, out: str | None) -> None:
     click.echo(f"wrote {out / REPORT_FILE} and {', '.join(PLOTS.values())}")
     tps = "n/a" if m.tokens_per_s is None else f"{m.tokens_per_s:,.0f}"
     val = "" if m.final_val is None else f", val loss {m.final_val['val_loss']:.4f}"
-    click.echo(f"steps {m.first_step}-{m.last_step}: train loss {m.final_loss:.4f}{val}, {tps} tokens/s (median), "
-               f"{m.skipped} skipped")
+    click.echo(
+        f"steps {m.first_step}-{m.last_step}: train loss {m.final_loss:.4f}{val}, {tps} tokens/s (median), "
+        f"{m.skipped} skipped"
+    )
     if m.startup is not None:
         click.echo(m.startup.line())

@@ -2,6 +2,7 @@
 is ten), integers of more digits than a float holds kept as LongInt, duplicate keys refused, every error one
 SpecError line naming the file (read_yaml); Dumper quotes a string either YAML reader would misread. No torch, no
 click (dspipe.cli.config_file is the bridge to the commands' options)."""
+
 from __future__ import annotations
 
 import re
@@ -19,22 +20,33 @@ MAX_BYTES = 1 << 20
 
 # ---- YAML: 1.2 core scalars, no duplicate keys -------------------------------------------------------------------
 
+
 class _Resolver(yaml.resolver.BaseResolver):
     """YAML 1.2 core schema scalars: true/false, null/~, decimal integers, floats with or without a dot."""
 
 
 for _tag, _regex, _first in (
-        ("bool", r"^(?:true|True|TRUE|false|False|FALSE)$", "tTfF"),
-        ("null", r"^(?:~|null|Null|NULL|)$", ["~", "n", "N", ""]),
-        ("int", r"^[-+]?[0-9]+$", "-+0123456789"),
-        ("float", r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)"
-                  r"|\.(?:nan|NaN|NAN))$", "-+0123456789."),
+    ("bool", r"^(?:true|True|TRUE|false|False|FALSE)$", "tTfF"),
+    ("null", r"^(?:~|null|Null|NULL|)$", ["~", "n", "N", ""]),
+    ("int", r"^[-+]?[0-9]+$", "-+0123456789"),
+    (
+        "float",
+        r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)"
+        r"|\.(?:nan|NaN|NAN))$",
+        "-+0123456789.",
+    ),
 ):
     _Resolver.add_implicit_resolver(f"tag:yaml.org,2002:{_tag}", re.compile(_regex), list(_first))
 
 
-class _Loader(yaml.reader.Reader, yaml.scanner.Scanner, yaml.parser.Parser, yaml.composer.Composer,
-              yaml.constructor.SafeConstructor, _Resolver):
+class _Loader(
+    yaml.reader.Reader,
+    yaml.scanner.Scanner,
+    yaml.parser.Parser,
+    yaml.composer.Composer,
+    yaml.constructor.SafeConstructor,
+    _Resolver,
+):
     def __init__(self, stream):
         yaml.reader.Reader.__init__(self, stream)
         yaml.scanner.Scanner.__init__(self)
@@ -174,6 +186,5 @@ def read_yaml(path: str) -> dict:
         raise SpecError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
     if not isinstance(doc, dict):
         empty = " (an empty file)" if doc is None else ""
-        raise SpecError(f"{path}: expected a mapping of sections ({', '.join(TABLE)}), got "
-                        f"{shown(doc)}{empty}")
+        raise SpecError(f"{path}: expected a mapping of sections ({', '.join(TABLE)}), got {shown(doc)}{empty}")
     return doc

@@ -4,6 +4,7 @@ Bus bandwidth as nccl-tests defines it: algbw = bytes / time, busbw = algbw x 2(
 link bandwidth a ring all-reduce achieves and so compares with the planner's per-GPU GB/s. Rank 0 prints one line,
 `DSPIPE_ALLREDUCE {json}`, which the doctor reads from the launcher's output (pdsh prefixes it with the host).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,9 +44,17 @@ def measure(*, size_bytes: int, iters: int, warmup: int, env_keys: list[str]) ->
         return None
     t = float(seconds.item())
     algbw = size_bytes / t / 1e9
-    return {"world_size": world, "backend": acc.communication_backend_name(), "bytes": size_bytes, "iters": iters,
-            "seconds": t, "algbw_gbps": algbw, "busbw_gbps": algbw * 2 * (world - 1) / world if world > 1 else 0.0,
-            "correct": correct, "ranks": seen}
+    return {
+        "world_size": world,
+        "backend": acc.communication_backend_name(),
+        "bytes": size_bytes,
+        "iters": iters,
+        "seconds": t,
+        "algbw_gbps": algbw,
+        "busbw_gbps": algbw * 2 * (world - 1) / world if world > 1 else 0.0,
+        "correct": correct,
+        "ranks": seen,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,8 +68,12 @@ def main(argv: list[str] | None = None) -> int:
     from dspipe.runtime.comm import process_group
 
     with process_group():
-        result = measure(size_bytes=int(args.size_mb * 2**20) // 4 * 4, iters=args.iters, warmup=args.warmup,
-                         env_keys=[k for k in args.env_keys.split(",") if k])
+        result = measure(
+            size_bytes=int(args.size_mb * 2**20) // 4 * 4,
+            iters=args.iters,
+            warmup=args.warmup,
+            env_keys=[k for k in args.env_keys.split(",") if k],
+        )
     if result is not None:
         print(f"{MARKER} {json.dumps(result)}", flush=True)
     return 0

@@ -1,5 +1,6 @@
 """Preflight for a cluster: versions, devices, DeepSpeed ops, ssh to every host, and a real all-reduce started by
 the same launcher a training run uses. Imports torch/deepspeed only inside the functions that report on them."""
+
 from __future__ import annotations
 
 import json
@@ -9,9 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 from importlib import metadata
 
 from dspipe.cluster.allreduce import MARKER
-from dspipe.errors import SpecError
 from dspipe.cluster.hostfile import Host
 from dspipe.cluster.launch import Launch
+from dspipe.errors import SpecError
 from dspipe.spec.hardware import GIB
 
 OPS = ("fused_adam", "cpu_adam", "async_io")  # FusedAdam (GPU), CPUAdam (ZeRO-Offload), AIO (NVMe offload)
@@ -20,18 +21,22 @@ OPS = ("fused_adam", "cpu_adam", "async_io")  # FusedAdam (GPU), CPUAdam (ZeRO-O
 def versions(*, sep: str = ", ") -> str:
     """python, torch and deepspeed as installed, read from the package metadata (imports neither): what bench and
     calibrate record, and the start of doctor's environment line."""
+
     def version(name):
         try:
             return metadata.version(name)
         except metadata.PackageNotFoundError:
             return "not installed"
-    return sep.join((f"python {platform.python_version()}", f"torch {version('torch')}",
-                     f"deepspeed {version('deepspeed')}"))
+
+    return sep.join(
+        (f"python {platform.python_version()}", f"torch {version('torch')}", f"deepspeed {version('deepspeed')}")
+    )
 
 
 def environment() -> str:
     """doctor's first line: the versions, then CUDA and NCCL as torch sees them ("none" without CUDA)."""
     import torch
+
     cuda = torch.version.cuda or "none"
     nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else "none"
     return f"{versions(sep=' | ')} | CUDA {cuda} | NCCL {nccl}"
@@ -41,6 +46,7 @@ def devices() -> list[str]:
     import os
 
     import torch
+
     if not torch.cuda.is_available():
         return [f"no CUDA GPUs: DeepSpeed's cpu accelerator, {os.cpu_count()} cores (gloo)"]
     out = []
@@ -74,12 +80,22 @@ def op_report() -> list[str]:
     return [f"deepspeed ops ({get_accelerator()._name}): " + ", ".join(out)]
 
 
-def ssh_unreachable(hosts: tuple[Host, ...] | list[Host], *, source: str, ssh_port: int | None,
-                    timeout_s: int = 10) -> list[str]:
+def ssh_unreachable(
+    hosts: tuple[Host, ...] | list[Host], *, source: str, ssh_port: int | None, timeout_s: int = 10
+) -> list[str]:
     """Hosts that passwordless ssh cannot reach (what DeepSpeed's pdsh launcher needs for every host)."""
+
     def probe(host: Host) -> str | None:
-        cmd = ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={timeout_s}", *(["-p", str(ssh_port)]
-               if ssh_port else []), host.name, "true"]
+        cmd = [
+            "ssh",
+            "-o",
+            "BatchMode=yes",
+            "-o",
+            f"ConnectTimeout={timeout_s}",
+            *(["-p", str(ssh_port)] if ssh_port else []),
+            host.name,
+            "true",
+        ]
         try:
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s + 5)
         except subprocess.TimeoutExpired:
@@ -90,6 +106,7 @@ def ssh_unreachable(hosts: tuple[Host, ...] | list[Host], *, source: str, ssh_po
             why = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
             return f"{host.name} ({source}:{host.line}): {why}"
         return None
+
     with ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
         return [m for m in pool.map(probe, hosts) if m]
 
@@ -107,14 +124,18 @@ def run_allreduce(launch: Launch, *, timeout_s: int) -> dict:
     try:
         r = subprocess.run(argv, env=launch.child_env(), capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        raise SpecError(f"all-reduce across {launch.world_size} ranks did not finish in {timeout_s} s "
-                        f"(a node that never joined? check --master-addr and the firewall)") from None
+        raise SpecError(
+            f"all-reduce across {launch.world_size} ranks did not finish in {timeout_s} s "
+            f"(a node that never joined? check --master-addr and the firewall)"
+        ) from None
     result = parse_allreduce(r.stdout)
     if r.returncode or result is None:
         lines = [ln for ln in (r.stderr + r.stdout).splitlines() if ln.strip()]
         errors = [ln for ln in lines if "Error" in ln or "error" in ln] or lines
-        raise SpecError(f"all-reduce across {launch.world_size} ranks failed (exit {r.returncode}): "
-                        f"{errors[-1].strip() if errors else 'no output'}")
+        raise SpecError(
+            f"all-reduce across {launch.world_size} ranks failed (exit {r.returncode}): "
+            f"{errors[-1].strip() if errors else 'no output'}"
+        )
     return result
 
 

@@ -4,6 +4,7 @@ Validated more strictly than DeepSpeed's runner parses them, so that anything ac
 resolves to the same hosts and slots (tests/unit/cluster/test_hostfile.py checks it against DeepSpeed's own functions).
 No torch.
 """
+
 from __future__ import annotations
 
 import re
@@ -44,17 +45,20 @@ class Hostfile:
         for h in self.hosts:
             if h.name == name:
                 return h
-        raise SpecError(f"host {name!r} is not in hostfile {self.source} "
-                        f"(hosts: {', '.join(h.name for h in self.hosts)})")
+        raise SpecError(
+            f"host {name!r} is not in hostfile {self.source} (hosts: {', '.join(h.name for h in self.hosts)})"
+        )
 
     def equal_slots(self) -> int:
         """GPUs per node, when every node has the same number (what a plan for `nodes x gpus_per_node` needs)."""
         first = self.hosts[0]
         for h in self.hosts[1:]:
             if h.slots != first.slots:
-                raise SpecError(f"{self.source}:{h.line}: {h.name} has slots={h.slots} but {first.name} (line "
-                                f"{first.line}) has slots={first.slots}; dspipe plans nodes x gpus_per_node, "
-                                f"so every node needs the same slot count")
+                raise SpecError(
+                    f"{self.source}:{h.line}: {h.name} has slots={h.slots} but {first.name} (line "
+                    f"{first.line}) has slots={first.slots}; dspipe plans nodes x gpus_per_node, "
+                    f"so every node needs the same slot count"
+                )
         return first.slots
 
 
@@ -63,8 +67,10 @@ def _check_characters(line: str, *, where: str) -> None:
     whitespace its own way, so anything else could mean different hosts or slots there."""
     for i, ch in enumerate(line):
         if not (" " <= ch <= "~" or ch == "\t"):
-            raise SpecError(f"{where}: character {ch!r} (U+{ord(ch):04X}) at column {i + 1}: a hostfile line holds "
-                            f"ASCII 'HOST slots=N' only")
+            raise SpecError(
+                f"{where}: character {ch!r} (U+{ord(ch):04X}) at column {i + 1}: a hostfile line holds "
+                f"ASCII 'HOST slots=N' only"
+            )
 
 
 def _count(text: str, *, what: str, where: str, high: int) -> int:
@@ -115,16 +121,16 @@ def read_hostfile(path: str | Path) -> Hostfile:
     except OSError as e:
         raise cannot_read(f"hostfile {path}", e) from None
     if len(raw) > MAX_BYTES:
-        raise SpecError(f"hostfile {path} is larger than {MAX_BYTES // 2**20} MiB; it lists one 'HOST slots=N' "
-                        f"line per node")
+        raise SpecError(
+            f"hostfile {path} is larger than {MAX_BYTES // 2**20} MiB; it lists one 'HOST slots=N' line per node"
+        )
     nul = raw.find(b"\0")
     if nul >= 0:
         raise SpecError(f"hostfile {path} holds a NUL byte at offset {nul}: not a text file")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise SpecError(f"hostfile {path} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start})"
-                        ) from None
+        raise SpecError(f"hostfile {path} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start})") from None
     return parse_hostfile(text.removeprefix("\ufeff"), source=str(path))
 
 
@@ -134,24 +140,34 @@ def _node_specs(hostfile: Hostfile, spec: str, flag: str) -> dict[str, list[int]
     for part in spec.split("@"):
         name, colon, slots = part.partition(":")
         if not name or (colon and not slots):
-            raise SpecError(f"{flag} {spec!r}: {part!r} is not NAME[:SLOT,...]; "
-                            f"the format is NAME[:SLOT,...][@NAME...]")
+            raise SpecError(
+                f"{flag} {spec!r}: {part!r} is not NAME[:SLOT,...]; the format is NAME[:SLOT,...][@NAME...]"
+            )
         if name not in {h.name for h in hostfile.hosts}:
-            raise SpecError(f"{flag} {spec!r}: host {name!r} is not in hostfile {hostfile.source} "
-                            f"(hosts: {', '.join(h.name for h in hostfile.hosts)})")
+            raise SpecError(
+                f"{flag} {spec!r}: host {name!r} is not in hostfile {hostfile.source} "
+                f"(hosts: {', '.join(h.name for h in hostfile.hosts)})"
+            )
         host = hostfile.host(name)
         ids = []
-        for s in (slots.split(",") if slots else []):
+        for s in slots.split(",") if slots else []:
             if not SLOT_COUNT.fullmatch(s) or len(s) > 5 or int(s) >= host.slots:
-                raise SpecError(f"{flag} {spec!r}: {name} has slots 0..{host.slots - 1} "
-                                f"({hostfile.source}:{host.line}), not {s!r}")
+                raise SpecError(
+                    f"{flag} {spec!r}: {name} has slots 0..{host.slots - 1} ({hostfile.source}:{host.line}), not {s!r}"
+                )
             ids.append(int(s))
         out.setdefault(name, []).extend(ids)
     return out
 
 
-def select(hostfile: Hostfile, *, include: str = "", exclude: str = "", num_nodes: int | None = None,
-           num_gpus: int | None = None) -> dict[str, list[int]]:
+def select(
+    hostfile: Hostfile,
+    *,
+    include: str = "",
+    exclude: str = "",
+    num_nodes: int | None = None,
+    num_gpus: int | None = None,
+) -> dict[str, list[int]]:
     """The hosts and slot ids a launch uses, in hostfile order, as DeepSpeed's runner resolves them."""
     if include and exclude:
         raise SpecError("--include and --exclude are mutually exclusive (DeepSpeed's runner takes one)")
@@ -163,8 +179,10 @@ def select(hostfile: Hostfile, *, include: str = "", exclude: str = "", num_node
         pool = {n: sorted(set(wanted[n])) or slots for n, slots in pool.items() if n in wanted}
     elif exclude:
         dropped = _node_specs(hostfile, exclude, "--exclude")
-        pool = {n: [s for s in slots if dropped[n] and s not in dropped[n]] if n in dropped else slots
-                for n, slots in pool.items()}
+        pool = {
+            n: [s for s in slots if dropped[n] and s not in dropped[n]] if n in dropped else slots
+            for n, slots in pool.items()
+        }
         pool = {n: slots for n, slots in pool.items() if slots}
     if num_nodes:
         if num_nodes > len(pool):
@@ -182,7 +200,12 @@ def select(hostfile: Hostfile, *, include: str = "", exclude: str = "", num_node
 
 def describe(resources: dict[str, list[int]]) -> str:
     """'node1:0-7 + node2:0-7' for messages."""
+
     def ids(slots):
-        return f"{slots[0]}-{slots[-1]}" if slots == list(range(slots[0], slots[-1] + 1)) and len(slots) > 1 \
+        return (
+            f"{slots[0]}-{slots[-1]}"
+            if slots == list(range(slots[0], slots[-1] + 1)) and len(slots) > 1
             else ",".join(map(str, slots))
+        )
+
     return " + ".join(f"{n}:{ids(s)}" for n, s in resources.items())

@@ -3,6 +3,7 @@ node list through the hostfile it writes, launch): an RFC 1123 host name, an IPv
 IPv6 literal. Nothing else reaches ssh, pdsh or torch's rendezvous: a name starting with '-' would be read as an
 option by ssh/pdsh (`-oProxyCommand=...` runs a command), and blanks or shell characters split or inject. No torch.
 """
+
 from __future__ import annotations
 
 import ipaddress
@@ -25,8 +26,14 @@ def host_problem(name: str, *, ipv6: bool = True) -> str | None:
             ipaddress.IPv6Address(name.removeprefix("[").removesuffix("]"))
         except ValueError:
             return "':' is neither in a host name nor does it make an IPv6 address here"
-        return None if ipv6 else ("an IPv6 address cannot go in a hostfile (':' separates a host from its slots in "
-                                  "--include/--exclude); use the host's name")
+        return (
+            None
+            if ipv6
+            else (
+                "an IPv6 address cannot go in a hostfile (':' separates a host from its slots in "
+                "--include/--exclude); use the host's name"
+            )
+        )
     if re.fullmatch(r"[0-9.]+", name):
         try:
             ipaddress.IPv4Address(name)
@@ -37,8 +44,10 @@ def host_problem(name: str, *, ipv6: bool = True) -> str | None:
         return f"it is longer than {MAX_NAME} characters"
     for label in name.removesuffix(".").split("."):
         if not LABEL.match(label):
-            return ("it is not an RFC 1123 host name (labels of letters, digits and '-', 1-63 characters, not "
-                    "starting or ending with '-', separated by '.')")
+            return (
+                "it is not an RFC 1123 host name (labels of letters, digits and '-', 1-63 characters, not "
+                "starting or ending with '-', separated by '.')"
+            )
     return None
 
 

@@ -3,6 +3,7 @@
 DeepSpeed's runner does all process start-up (pdsh, OpenMPI, Slurm, or one launcher per node with --no_ssh);
 this module only decides its arguments and refuses launches that cannot work.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -20,10 +21,10 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from dspipe.errors import SpecError
 from dspipe.cluster.hostfile import Host, Hostfile, describe, read_hostfile, select
 from dspipe.cluster.hostname import check_host
 from dspipe.cluster.netenv import ENV_FILE
+from dspipe.errors import SpecError
 from dspipe.runtime.elastic import NODE_RANK_ENV
 from dspipe.runtime.watchdog import check_hang_timeout
 
@@ -71,14 +72,20 @@ class LaunchSpec:
             if not self.hostfile:
                 raise SpecError(f"--launcher {self.launcher} needs --hostfile (the nodes to start ranks on)")
             if self.no_ssh:
-                raise SpecError(f"--no-ssh starts DeepSpeed's own launcher on each node; it does not combine with "
-                                f"--launcher {self.launcher}")
+                raise SpecError(
+                    f"--no-ssh starts DeepSpeed's own launcher on each node; it does not combine with "
+                    f"--launcher {self.launcher}"
+                )
             if self.master_addr or self.master_port:
-                raise SpecError(f"--launcher {self.launcher} does not pass --master-addr/--master-port to the ranks: "
-                                f"DeepSpeed finds rank 0 through mpi4py (hostname -I of rank 0, port {DEFAULT_PORT})")
+                raise SpecError(
+                    f"--launcher {self.launcher} does not pass --master-addr/--master-port to the ranks: "
+                    f"DeepSpeed finds rank 0 through mpi4py (hostname -I of rank 0, port {DEFAULT_PORT})"
+                )
         if self.launcher == "openmpi" and (self.include or self.exclude or self.num_nodes or self.num_gpus):
-            raise SpecError("--launcher openmpi runs every slot of the hostfile: DeepSpeed's OpenMPI backend takes no "
-                            "--include/--exclude/--num-nodes/--num-gpus (edit the hostfile instead)")
+            raise SpecError(
+                "--launcher openmpi runs every slot of the hostfile: DeepSpeed's OpenMPI backend takes no "
+                "--include/--exclude/--num-nodes/--num-gpus (edit the hostfile instead)"
+            )
 
 
 @dataclass(frozen=True)
@@ -119,12 +126,17 @@ class Launch:
 
     def shell_text(self) -> str:
         """The --dry-run output: the environment as exports, then the command(s), runnable as a shell script."""
-        lines = [f"# rank environment ({self.env_file}; DeepSpeed's launcher exports it on every node)",
-                 f"export DS_ENV_FILE={shlex.quote(str(self.env_file.resolve()))}"]
+        lines = [
+            f"# rank environment ({self.env_file}; DeepSpeed's launcher exports it on every node)",
+            f"export DS_ENV_FILE={shlex.quote(str(self.env_file.resolve()))}",
+        ]
         lines += [f"export {k}={shlex.quote(v)}" for k, v in self.env.items()]
         for c in self.commands:
-            where = (f"node {c.node_rank} of {self.nodes}: run on {c.host}" if c.node_rank is not None
-                     else f"{self.nodes} node(s), {self.world_size} rank(s): {describe(self.resources)}")
+            where = (
+                f"node {c.node_rank} of {self.nodes}: run on {c.host}"
+                if c.node_rank is not None
+                else f"{self.nodes} node(s), {self.world_size} rank(s): {describe(self.resources)}"
+            )
             lines += [f"# {where}", shlex.join(c.argv)]
         return "\n".join(lines) + "\n"
 
@@ -132,14 +144,18 @@ class Launch:
 def deepspeed_prefix() -> list[str]:
     """The `deepspeed` launcher of this Python environment."""
     exe = shutil.which("deepspeed")
-    return ["deepspeed"] if exe and Path(exe).parent == Path(sys.executable).parent else \
-        [sys.executable, "-m", "deepspeed.launcher.runner"]
+    return (
+        ["deepspeed"]
+        if exe and Path(exe).parent == Path(sys.executable).parent
+        else [sys.executable, "-m", "deepspeed.launcher.runner"]
+    )
 
 
 def _local_pool(spec: LaunchSpec, *, default_gpus: int) -> tuple[dict[str, list[int]], list[str]]:
     """Resources and flags on one machine without a hostfile (DeepSpeed's 'localhost' pool)."""
     if spec.include or spec.exclude:
         from deepspeed.accelerator import get_accelerator  # the pool DeepSpeed filters: every local device
+
         pool = Hostfile(source="this machine", hosts=(Host("localhost", get_accelerator().device_count(), 0),))
         flags = ["--include", spec.include] if spec.include else ["--exclude", spec.exclude]
         return select(pool, include=spec.include, exclude=spec.exclude), flags
@@ -157,23 +173,37 @@ def resolve(spec: LaunchSpec, *, default_gpus: int) -> tuple[Hostfile | None, di
     if not spec.hostfile:
         return None, *_local_pool(spec, default_gpus=default_gpus)
     hostfile = read_hostfile(spec.hostfile)
-    resources = select(hostfile, include=spec.include, exclude=spec.exclude, num_nodes=spec.num_nodes,
-                       num_gpus=spec.num_gpus)
+    resources = select(
+        hostfile, include=spec.include, exclude=spec.exclude, num_nodes=spec.num_nodes, num_gpus=spec.num_gpus
+    )
     if spec.launcher == "slurm":
         counts = {len(s) for s in resources.values()}
         if len(counts) > 1 or any(s != list(range(len(s))) for s in resources.values()):
-            raise SpecError(f"--launcher slurm starts the same number of ranks on every node (srun -n), from slot 0; "
-                            f"the selection is {describe(resources)}")
+            raise SpecError(
+                f"--launcher slurm starts the same number of ranks on every node (srun -n), from slot 0; "
+                f"the selection is {describe(resources)}"
+            )
     flags = ["--hostfile", spec.hostfile]
-    for flag, value in (("--include", spec.include), ("--exclude", spec.exclude), ("--num_nodes", spec.num_nodes),
-                        ("--num_gpus", spec.num_gpus)):
+    for flag, value in (
+        ("--include", spec.include),
+        ("--exclude", spec.exclude),
+        ("--num_nodes", spec.num_nodes),
+        ("--num_gpus", spec.num_gpus),
+    ):
         if value:
             flags += [flag, str(value)]
     return hostfile, resources, flags
 
 
-def build(spec: LaunchSpec, *, program: list[str], env: dict[str, str], env_file: Path, default_gpus: int,
-          prefix: list[str] | None = None) -> Launch:
+def build(
+    spec: LaunchSpec,
+    *,
+    program: list[str],
+    env: dict[str, str],
+    env_file: Path,
+    default_gpus: int,
+    prefix: list[str] | None = None,
+) -> Launch:
     """Resolve the hosts and build the deepspeed command(s) that start `program` (script and its arguments)."""
     hostfile, resources, flags = resolve(spec, default_gpus=default_gpus)
     nodes = len(resources)
@@ -183,8 +213,10 @@ def build(spec: LaunchSpec, *, program: list[str], env: dict[str, str], env_file
         flags += ["--launcher", spec.launcher]
         bad = {k: v for k, v in env.items() if not PLAIN_VALUE.match(v)}
         if bad and multi:
-            raise SpecError(f"--launcher {spec.launcher} cannot export {', '.join(f'{k}={v}' for k, v in bad.items())}:"
-                            f" DeepSpeed quotes such values and {spec.launcher} passes the quotes on literally")
+            raise SpecError(
+                f"--launcher {spec.launcher} cannot export {', '.join(f'{k}={v}' for k, v in bad.items())}:"
+                f" DeepSpeed quotes such values and {spec.launcher} passes the quotes on literally"
+            )
     if spec.ssh_port:
         flags += ["--ssh_port", str(spec.ssh_port)]
     master_addr = spec.master_addr or (next(iter(resources)) if spec.no_ssh else None)
@@ -194,33 +226,42 @@ def build(spec: LaunchSpec, *, program: list[str], env: dict[str, str], env_file
         flags += ["--master_port", str(spec.master_port or DEFAULT_PORT)]
     if spec.no_ssh:
         if spec.node_rank is not None and not 0 <= spec.node_rank < nodes:
-            raise SpecError(f"--node-rank {spec.node_rank} is outside 0..{nodes - 1} "
-                            f"({nodes} nodes: {describe(resources)})")
+            raise SpecError(
+                f"--node-rank {spec.node_rank} is outside 0..{nodes - 1} ({nodes} nodes: {describe(resources)})"
+            )
         ranks = [spec.node_rank] if spec.node_rank is not None else list(range(nodes))
         hosts = list(resources)
-        commands = tuple(Command(r, hosts[r], (*prefix, *flags, "--no_ssh", "--node_rank", str(r), *program))
-                         for r in ranks)
+        commands = tuple(
+            Command(r, hosts[r], (*prefix, *flags, "--no_ssh", "--node_rank", str(r), *program)) for r in ranks
+        )
     else:
         commands = (Command(None, next(iter(resources)), (*prefix, *flags, *program)),)
-    return Launch(hostfile=hostfile, resources=resources, commands=commands, env=env, env_file=env_file,
-                  multi_node_exec=multi)
+    return Launch(
+        hostfile=hostfile, resources=resources, commands=commands, env=env, env_file=env_file, multi_node_exec=multi
+    )
 
 
-def check_world(launch: Launch, *, expected: int, nodes: int, gpus_per_node: int, run_path: Path,
-                spec: LaunchSpec) -> None:
+def check_world(
+    launch: Launch, *, expected: int, nodes: int, gpus_per_node: int, run_path: Path, spec: LaunchSpec
+) -> None:
     """Refuse a launch whose world size differs from the one the config was generated for."""
     if nodes > 1 and not spec.hostfile:
         raise SpecError(f"{run_path} was generated for {nodes} nodes x {gpus_per_node}; pass --hostfile listing them")
     if launch.world_size == expected:
         return
-    source = f"hostfile {spec.hostfile}" if spec.hostfile else (
-        f"--num-gpus {spec.num_gpus}" if spec.num_gpus else "this machine")
+    source = (
+        f"hostfile {spec.hostfile}"
+        if spec.hostfile
+        else (f"--num-gpus {spec.num_gpus}" if spec.num_gpus else "this machine")
+    )
     regen = f"--hostfile {spec.hostfile}" if spec.hostfile else f"--nodes 1 --gpus-per-node {launch.world_size}"
-    raise SpecError(f"{run_path} was generated for world size {expected} ({nodes} nodes x {gpus_per_node}), but "
-                    f"{source} gives {launch.world_size} ({describe(launch.resources)}); regenerate with "
-                    f"'dspipe gen-config ... {regen} --out {run_path} --force' (same model flags: it rewrites only "
-                    f"the config and keeps the checkpoints and metrics) or select {expected} slots "
-                    f"with --include/--exclude/--num-gpus")
+    raise SpecError(
+        f"{run_path} was generated for world size {expected} ({nodes} nodes x {gpus_per_node}), but "
+        f"{source} gives {launch.world_size} ({describe(launch.resources)}); regenerate with "
+        f"'dspipe gen-config ... {regen} --out {run_path} --force' (same model flags: it rewrites only "
+        f"the config and keeps the checkpoints and metrics) or select {expected} slots "
+        f"with --include/--exclude/--num-gpus"
+    )
 
 
 @dataclass(frozen=True)
@@ -247,8 +288,17 @@ class Elastic:
             raise SpecError(f"--rejoin-wait must be in 1..86400 seconds, got {self.rejoin_wait_s}")
 
 
-def build_elastic(spec: LaunchSpec, elastic: Elastic, *, program: list[str], env: dict[str, str], env_file: Path,
-                  default_gpus: int, nodes: int, run_id: str) -> Launch:
+def build_elastic(
+    spec: LaunchSpec,
+    elastic: Elastic,
+    *,
+    program: list[str],
+    env: dict[str, str],
+    env_file: Path,
+    default_gpus: int,
+    nodes: int,
+    run_id: str,
+) -> Launch:
     """The torch elastic agent's command for this node: --standalone on one machine; on several, one agent per node
     (--no-ssh --node-rank R, as slurm-script launches), meeting through a c10d rendezvous on the master's port."""
     hostfile, resources, _ = resolve(spec, default_gpus=default_gpus)
@@ -256,30 +306,55 @@ def build_elastic(spec: LaunchSpec, elastic: Elastic, *, program: list[str], env
     if min_nodes > nodes:
         raise SpecError(f"--min-nodes {min_nodes} is more than the run's {nodes} node(s)")
     if spec.launcher != "pdsh":
-        raise SpecError(f"--max-restarts starts torch's elastic agent on each node itself; it does not combine with "
-                        f"--launcher {spec.launcher} (use --no-ssh --node-rank R on every node, as slurm-script does)")
+        raise SpecError(
+            f"--max-restarts starts torch's elastic agent on each node itself; it does not combine with "
+            f"--launcher {spec.launcher} (use --no-ssh --node-rank R on every node, as slurm-script does)"
+        )
     if hostfile is not None and not spec.no_ssh:
-        raise SpecError("--max-restarts with --hostfile needs --no-ssh --node-rank R on every node (one elastic agent "
-                        "per node, as slurm-script launches): pdsh would not restart a lost node's ranks")
+        raise SpecError(
+            "--max-restarts with --hostfile needs --no-ssh --node-rank R on every node (one elastic agent "
+            "per node, as slurm-script launches): pdsh would not restart a lost node's ranks"
+        )
     hosts = list(resources)
     if spec.no_ssh and spec.node_rank is None and len(hosts) > 1:
-        raise SpecError(f"--no-ssh starts one node per command: run this with --node-rank R (0..{len(hosts) - 1}) on "
-                        f"each node")
+        raise SpecError(
+            f"--no-ssh starts one node per command: run this with --node-rank R (0..{len(hosts) - 1}) on each node"
+        )
     node = spec.node_rank or 0
     if not 0 <= node < len(hosts):
-        raise SpecError(f"--node-rank {node} is outside 0..{len(hosts) - 1} "
-                        f"({len(hosts)} nodes: {describe(resources)})")
+        raise SpecError(
+            f"--node-rank {node} is outside 0..{len(hosts) - 1} ({len(hosts)} nodes: {describe(resources)})"
+        )
     slots = resources[hosts[node]]
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(len(slots)), "--max-restarts",
-            str(elastic.max_restarts), "--monitor-interval", "1"]
+    argv = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(len(slots)),
+        "--max-restarts",
+        str(elastic.max_restarts),
+        "--monitor-interval",
+        "1",
+    ]
     if hostfile is None:
         argv += ["--standalone"]
         port = None
     else:
         master = spec.master_addr or hosts[0]
         port = spec.master_port or DEFAULT_PORT
-        argv += ["--nnodes", f"{min_nodes}:{nodes}", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{master}:{port}",
-                 "--rdzv-id", run_id, "--rdzv-conf", f"last_call_timeout={elastic.rejoin_wait_s}"]
+        argv += [
+            "--nnodes",
+            f"{min_nodes}:{nodes}",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"{master}:{port}",
+            "--rdzv-id",
+            run_id,
+            "--rdzv-conf",
+            f"last_call_timeout={elastic.rejoin_wait_s}",
+        ]
     # a fresh rendezvous store on a new port for every start: the agent's shared store keeps the keys of the start
     # before, and the new ranks' gloo mesh may read a dead peer's address from it (connection refused at init)
     env = {**env, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
@@ -289,12 +364,19 @@ def build_elastic(spec: LaunchSpec, elastic: Elastic, *, program: list[str], env
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slots))
     if "OMP_NUM_THREADS" not in os.environ and "OMP_NUM_THREADS" not in env:  # else the agent sets 1 per rank
         env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // len(slots)))
-    module = program[program.index("--module") + 1:] if "--module" in program else program
+    module = program[program.index("--module") + 1 :] if "--module" in program else program
     module = ["--run-dir" if a == "--run" else a for a in module]  # torch.distributed.run reads --run as --run-path
     argv += ["-m", *module, "--hang-timeout", f"{elastic.hang_timeout_s:g}"]
     command = Command(spec.node_rank if spec.no_ssh else None, hosts[node], tuple(argv))
-    return Launch(hostfile=hostfile, resources=resources, commands=(command,), env=env, env_file=env_file,
-                  multi_node_exec=False, rendezvous_port=port)
+    return Launch(
+        hostfile=hostfile,
+        resources=resources,
+        commands=(command,),
+        env=env,
+        env_file=env_file,
+        multi_node_exec=False,
+        rendezvous_port=port,
+    )
 
 
 def _is_local(host: str) -> bool:
@@ -326,15 +408,19 @@ def check_port_free(port: int) -> None:
 def preflight(launch: Launch, spec: LaunchSpec) -> None:
     """Checks for a real launch (not --dry-run): one command to run here, its tools, a free rendezvous port."""
     if len(launch.commands) > 1:
-        raise SpecError(f"--no-ssh starts one node per command: run this with --node-rank R (0..{launch.nodes - 1})"
-                        f" on each node, or see them all with --dry-run")
+        raise SpecError(
+            f"--no-ssh starts one node per command: run this with --node-rank R (0..{launch.nodes - 1})"
+            f" on each node, or see them all with --dry-run"
+        )
     if launch.multi_node_exec:
         missing = [t for t in BACKEND_TOOLS[spec.launcher] if not shutil.which(t)]
         if missing:
             raise SpecError(f"--launcher {spec.launcher} needs {', '.join(missing)} on this machine (not on PATH)")
         if spec.launcher != "pdsh" and importlib.util.find_spec("mpi4py") is None:
-            raise SpecError(f"--launcher {spec.launcher} starts run.py under {BACKEND_TOOLS[spec.launcher][1]}; "
-                            f"DeepSpeed finds each rank through mpi4py, which is not installed (pip install mpi4py)")
+            raise SpecError(
+                f"--launcher {spec.launcher} starts run.py under {BACKEND_TOOLS[spec.launcher][1]}; "
+                f"DeepSpeed finds each rank through mpi4py, which is not installed (pip install mpi4py)"
+            )
     if spec.launcher != "pdsh":
         return
     command = launch.commands[0]

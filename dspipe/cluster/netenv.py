@@ -4,6 +4,7 @@ DeepSpeed's runner reads `KEY=VALUE` lines from the file named by $DS_ENV_FILE (
 the working directory) and exports them on every node it starts through pdsh, mpirun or srun. It reads no comments
 and no blank lines, so the file holds nothing else.
 """
+
 from __future__ import annotations
 
 import os
@@ -20,8 +21,18 @@ ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 DEVICE_LIST = re.compile(r"^\^?=?[A-Za-z0-9_.:@+-]+(,[A-Za-z0-9_.:@+-]+)*$")  # NCCL_SOCKET_IFNAME / NCCL_IB_HCA
 NCCL_DEBUG_LEVELS = ("VERSION", "WARN", "INFO", "TRACE")
 # Set per rank or per launch by the launcher itself; a user value would be overwritten or break rank discovery.
-LAUNCHER_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT", "CROSS_RANK",
-                 "CROSS_SIZE", "DS_ENV_FILE", "CUDA_VISIBLE_DEVICES")
+LAUNCHER_KEYS = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "CROSS_RANK",
+    "CROSS_SIZE",
+    "DS_ENV_FILE",
+    "CUDA_VISIBLE_DEVICES",
+)
 
 
 @dataclass(frozen=True)
@@ -48,20 +59,26 @@ class NetworkSpec:
             raise SpecError(f"--timeout-min must be a positive number of minutes, got {self.timeout_minutes!r}")
         for flag, value in (("--ifname", self.socket_ifname), ("--ib-hca", self.ib_hca)):
             if value is not None and not DEVICE_LIST.match(value):
-                raise SpecError(f"{flag} {ascii(value)} is not a device list such as eth0, ^docker,lo or "
-                                f"=mlx5_0:1,mlx5_1 (letters, digits, '_', '.', ':', '@', '+', '-', comma-separated; "
-                                f"a leading ^ and/or =)")
+                raise SpecError(
+                    f"{flag} {ascii(value)} is not a device list such as eth0, ^docker,lo or "
+                    f"=mlx5_0:1,mlx5_1 (letters, digits, '_', '.', ':', '@', '+', '-', comma-separated; "
+                    f"a leading ^ and/or =)"
+                )
         if self.ib_hca and not self.infiniband:
             raise SpecError(f"--ib-hca {self.ib_hca} and --no-ib contradict each other")
         for key, value in self.extra:
             if key in LAUNCHER_KEYS:
                 raise SpecError(f"--env {key}=...: {key} is set by DeepSpeed's launcher for each rank")
             if re.search(r"[\x00-\x1f\x7f]", value):
-                raise SpecError(f"--env {key}={ascii(value)}: control characters (newline, tab...) do not survive "
-                                f"the launcher's export")
+                raise SpecError(
+                    f"--env {key}={ascii(value)}: control characters (newline, tab...) do not survive "
+                    f"the launcher's export"
+                )
             if any(c in value for c in "\n\r\"'`$\\"):
-                raise SpecError(f"--env {key}={value!r}: quotes, '$', '\\' and newlines do not survive the "
-                                f"launcher's export (DeepSpeed writes 'export {key}=VALUE' into a shell line)")
+                raise SpecError(
+                    f"--env {key}={value!r}: quotes, '$', '\\' and newlines do not survive the "
+                    f"launcher's export (DeepSpeed writes 'export {key}=VALUE' into a shell line)"
+                )
 
 
 def parse_env_assignments(items: tuple[str, ...] | list[str]) -> tuple[tuple[str, str], ...]:
@@ -88,8 +105,9 @@ def rank_environment(*, cluster: ClusterSpec, network: NetworkSpec) -> dict[str,
             env["NCCL_IB_HCA"] = network.ib_hca
     else:
         if network.ib_hca or not network.infiniband:
-            raise SpecError(f"--ib-hca/--no-ib set NCCL variables, but this run's cluster ({cluster.gpu}) "
-                            f"uses {backend}, not NCCL")
+            raise SpecError(
+                f"--ib-hca/--no-ib set NCCL variables, but this run's cluster ({cluster.gpu}) uses {backend}, not NCCL"
+            )
         if network.socket_ifname:
             env["GLOO_SOCKET_IFNAME"] = network.socket_ifname
     env.update(network.extra)

@@ -5,14 +5,15 @@ USR1 `stop_before` seconds before the time limit, and on USR1 or TERM (pre-empti
 (the runner saves and exits) and requeues the job unless the run had saved its final step. Every value that reaches
 the script is validated (names, times, numbers) or shell-quoted (paths, launch arguments), and nothing with a control
 character gets in: a newline never becomes a command, on a `#SBATCH` line or anywhere else."""
+
 from __future__ import annotations
 
 import re
 import shlex
 from pathlib import Path
 
-from dspipe.errors import SpecError
 from dspipe.cluster.launch import DEFAULT_PORT
+from dspipe.errors import SpecError
 from dspipe.planner.render import render_template
 from dspipe.rundir import Run
 
@@ -23,8 +24,17 @@ CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 SCRIPT_MARKER = "# dspipe-output: slurm-script (written by 'dspipe slurm-script'; --force replaces it, edits are lost)"
 MAX_STOP_BEFORE = 65535  # Slurm's --signal time limit, seconds
 # Options the script sets itself and depends on: given again through --sbatch they would break it.
-OWN_OPTIONS = ("--nodes", "-N", "--ntasks-per-node", "--gpus-per-node", "--signal", "--no-requeue", "--open-mode",
-               "--no-kill", "-k")
+OWN_OPTIONS = (
+    "--nodes",
+    "-N",
+    "--ntasks-per-node",
+    "--gpus-per-node",
+    "--signal",
+    "--no-requeue",
+    "--open-mode",
+    "--no-kill",
+    "-k",
+)
 
 
 def time_limit_seconds(time: str) -> int | None:
@@ -45,8 +55,9 @@ def time_limit_seconds(time: str) -> int | None:
 def _plain(value: str, what: str) -> str:
     """A value that goes into the script as is (quoted or not): no control characters."""
     if CONTROL.search(value):
-        raise SpecError(f"{what} {ascii(value)} contains a control character (newline, tab...); it cannot go into "
-                        f"an sbatch script")
+        raise SpecError(
+            f"{what} {ascii(value)} contains a control character (newline, tab...); it cannot go into an sbatch script"
+        )
     return value
 
 
@@ -59,10 +70,22 @@ def _sbatch_path(path: str, what: str) -> str:
     return f'"{path}"' if any(c.isspace() for c in path) else path
 
 
-def render_slurm_script(*, run: Run, script_path: Path, workdir: Path, time: str, partition: str | None,
-                        account: str | None, extra_sbatch: tuple[str, ...], master_port: int | None,
-                        launch_args: list[str], first_resume_args: list[str] = (), stop_before: int = 300,
-                        max_restarts: int = 0, min_nodes: int | None = None) -> str:
+def render_slurm_script(
+    *,
+    run: Run,
+    script_path: Path,
+    workdir: Path,
+    time: str,
+    partition: str | None,
+    account: str | None,
+    extra_sbatch: tuple[str, ...],
+    master_port: int | None,
+    launch_args: list[str],
+    first_resume_args: list[str] = (),
+    stop_before: int = 300,
+    max_restarts: int = 0,
+    min_nodes: int | None = None,
+) -> str:
     """The sbatch script: hostfile from $SLURM_JOB_NODELIST, then one `dspipe launch --no-ssh` per node via srun
     (in the background, so that the script can take Slurm's signals), then a requeue if the run was stopped.
     `max_restarts` > 0: each node's launch runs under torch's elastic agent with --max-restarts (a dead or hung rank
@@ -74,52 +97,72 @@ def render_slurm_script(*, run: Run, script_path: Path, workdir: Path, time: str
     if not 10 <= stop_before <= MAX_STOP_BEFORE:
         raise SpecError(f"--stop-before {stop_before} must be in 10..{MAX_STOP_BEFORE} seconds")
     if limit is not None and stop_before >= limit:
-        raise SpecError(f"--stop-before {stop_before} s must be shorter than the time limit --time {time} "
-                        f"({limit} s)")
+        raise SpecError(f"--stop-before {stop_before} s must be shorter than the time limit --time {time} ({limit} s)")
     for flag, value, pattern in (("--partition", partition, SLURM_NAMES), ("--account", account, SLURM_NAME)):
         if value is not None and not pattern.match(value):
-            raise SpecError(f"{flag} {ascii(value)} is not a Slurm name (letters, digits, '_', '.', '+', '-'"
-                            f"{', comma-separated' if pattern is SLURM_NAMES else ''})")
+            raise SpecError(
+                f"{flag} {ascii(value)} is not a Slurm name (letters, digits, '_', '.', '+', '-'"
+                f"{', comma-separated' if pattern is SLURM_NAMES else ''})"
+            )
     for option in extra_sbatch:
         _plain(option, "--sbatch")
         if not option.startswith("--") or option.strip() != option:
             raise SpecError(f"--sbatch {option!r} must be one '--name=value' option line")
         name = option.split("=", 1)[0].split()[0]
         if name in OWN_OPTIONS:
-            raise SpecError(f"--sbatch {option!r}: the script sets {name} itself"
-                            + (" (use --stop-before SECONDS)" if name == "--signal" else ""))
+            raise SpecError(
+                f"--sbatch {option!r}: the script sets {name} itself"
+                + (" (use --stop-before SECONDS)" if name == "--signal" else "")
+            )
     if not 0 <= max_restarts <= 1000:
         raise SpecError(f"--max-restarts must be in 0..1000, got {max_restarts}")
     if min_nodes is not None and (not max_restarts or not 1 <= min_nodes <= cluster.nodes):
-        raise SpecError(f"--min-nodes {min_nodes} needs --max-restarts N and must be in 1..{cluster.nodes} (the "
-                        f"run's nodes)")
+        raise SpecError(
+            f"--min-nodes {min_nodes} needs --max-restarts N and must be in 1..{cluster.nodes} (the run's nodes)"
+        )
     elastic = ["--max-restarts", str(max_restarts)] if max_restarts else []
     elastic += ["--min-nodes", str(min_nodes)] if min_nodes is not None else []
     shrinks = min_nodes is not None and min_nodes < cluster.nodes
     for arg in [*launch_args, *first_resume_args]:
         _plain(arg, "launch argument")
-    run_path, script, cwd = (_plain(str(p), what) for p, what in
-                             ((run.path, "run directory"), (script_path, "--out"), (workdir, "working directory")))
+    run_path, script, cwd = (
+        _plain(str(p), what)
+        for p, what in ((run.path, "run directory"), (script_path, "--out"), (workdir, "working directory"))
+    )
     job_name = re.sub(r"[^A-Za-z0-9_.+-]", "_", run.path.name) or "run"
     gpus = [f"--gpus-per-node={cluster.gpus_per_node}"] if cluster.gpu_type.backend == "nccl" else []
-    sbatch = [f"--job-name=dspipe-{job_name}", f"--nodes={cluster.nodes}", "--ntasks-per-node=1", *gpus,
-              f"--time={time}",
-              "--output=" + _sbatch_path(f"{run_path.replace('%', '%%')}/slurm-%j.out", "run directory"),
-              "--open-mode=append", "--requeue", f"--signal=B:USR1@{stop_before}"]
+    sbatch = [
+        f"--job-name=dspipe-{job_name}",
+        f"--nodes={cluster.nodes}",
+        "--ntasks-per-node=1",
+        *gpus,
+        f"--time={time}",
+        "--output=" + _sbatch_path(f"{run_path.replace('%', '%%')}/slurm-%j.out", "run directory"),
+        "--open-mode=append",
+        "--requeue",
+        f"--signal=B:USR1@{stop_before}",
+    ]
     sbatch += [f"--partition={partition}"] if partition else []
     sbatch += [f"--account={account}"] if account else []
     sbatch += ["--no-kill"] if shrinks else []  # a failed node does not end the job: the others continue
     sbatch += list(extra_sbatch)
     srun = [f"--nodes={cluster.nodes}", "--ntasks-per-node=1", f"--kill-on-bad-exit={0 if shrinks else 1}", *gpus]
     values = dict(
-        run_dir=shlex.quote(run_path), nodes=cluster.nodes, gpus_per_node=cluster.gpus_per_node,
-        world_size=run.plan.world_size, script_path=shlex.quote(script), marker=SCRIPT_MARKER,
-        sbatch_options=sbatch, workdir=shlex.quote(cwd),
+        run_dir=shlex.quote(run_path),
+        nodes=cluster.nodes,
+        gpus_per_node=cluster.gpus_per_node,
+        world_size=run.plan.world_size,
+        script_path=shlex.quote(script),
+        marker=SCRIPT_MARKER,
+        sbatch_options=sbatch,
+        workdir=shlex.quote(cwd),
         hostfile_prefix=shlex.quote(str(run.path / "hostfile.slurm")),
         srun_options=shlex.join(srun),
         launch_args=shlex.join(["--master-port", str(master_port or DEFAULT_PORT), *elastic, *launch_args]),
         max_requeues=max_restarts,
-        first_resume_args=shlex.join(first_resume_args), stop_before=stop_before, steps=int(run.train.steps),
+        first_resume_args=shlex.join(first_resume_args),
+        stop_before=stop_before,
+        steps=int(run.train.steps),
         latest_file=shlex.quote(str(run.checkpoint_dir / "latest")),
         checkpoint_dir=shlex.quote(str(run.checkpoint_dir)),
     )

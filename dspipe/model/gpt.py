@@ -11,6 +11,7 @@ mlp.experts.E.{c_fc,c_proj} (each an MLP expert_width wide) and, with shared exp
 parameter is listed by ModelSpec.model_tensors(), which the planner counts from.
 Step-0 values: dspipe.model.initial (each component's `initial_values`, `fill`).
 """
+
 from __future__ import annotations
 
 import math
@@ -20,8 +21,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspipe.model.initial import (EMBED_INDEX, INIT_STD, Draw, _constant, _generator, _linear_values,
-                                   _norm_values, _normal, _OwnNormal, expert_generator)
+from dspipe.model.initial import (
+    EMBED_INDEX,
+    INIT_STD,
+    Draw,
+    _constant,
+    _generator,
+    _linear_values,
+    _norm_values,
+    _normal,
+    _OwnNormal,
+    expert_generator,
+)
 from dspipe.model.window import choose_kernel, flex_window_attention
 from dspipe.spec.core import ModelSpec
 
@@ -71,7 +82,7 @@ def rope_frequencies(spec: ModelSpec, *, device: torch.device | str | None = Non
     multiplied by 0.1 ln(factor) + 1."""
     dim, base, factor = spec.head_dim, spec.rope_theta, spec.rope_factor
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
-    inv_freq = 1.0 / (base ** exponents)
+    inv_freq = 1.0 / (base**exponents)
     if spec.rope_scaling == "none":
         return inv_freq, 1.0
     if spec.rope_scaling == "linear":
@@ -87,6 +98,7 @@ def rope_frequencies(spec: ModelSpec, *, device: torch.device | str | None = Non
         blended = (1 - t) * base_freq / factor + t * base_freq
         return torch.where(~short & ~long, blended, base_freq), 1.0
     if spec.rope_scaling == "yarn":
+
         def dim_of(rotations: float) -> float:  # the dimension that turns `rotations` times over the context
             return dim * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
@@ -95,7 +107,7 @@ def rope_frequencies(spec: ModelSpec, *, device: torch.device | str | None = Non
         span = (last if last != first else last + 0.001) - first  # equal ends: a step instead of a ramp
         ramp = ((torch.arange(dim // 2, dtype=torch.float32) - first) / span).clamp(0, 1).to(device)
         kept = 1 - ramp  # share of the unscaled frequency
-        slow = 1.0 / (factor * base ** exponents)
+        slow = 1.0 / (factor * base**exponents)
         scale = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
         return slow * (1 - kept) + inv_freq * kept, scale
     raise ValueError(f"unknown rope_scaling {spec.rope_scaling!r}")
@@ -148,8 +160,7 @@ class Embedding(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.wte(idx)
         if self.wpe is not None:
-            x = x + self.wpe(torch.arange(self.position_offset, self.position_offset + idx.shape[1],
-                                          device=idx.device))
+            x = x + self.wpe(torch.arange(self.position_offset, self.position_offset + idx.shape[1], device=idx.device))
         return self.drop(x)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
@@ -193,15 +204,17 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         dropout = self.dropout if self.training else 0.0
         seq = q.shape[2]
-        kernel = choose_kernel(device_type=q.device.type, seq=seq, window=self.window, dropout=dropout,
-                               override=self.window_kernel)
+        kernel = choose_kernel(
+            device_type=q.device.type, seq=seq, window=self.window, dropout=dropout, override=self.window_kernel
+        )
         if kernel == "causal":
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
         elif kernel == "flex":
             y = flex_window_attention(q, k, v, window=self.window)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=window_mask(seq, self.window, device=q.device),
-                                               dropout_p=dropout)
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=window_mask(seq, self.window, device=q.device), dropout_p=dropout
+            )
         return y.transpose(1, 2)
 
     def frequencies(self, device: torch.device) -> tuple[torch.Tensor, float]:
@@ -218,8 +231,10 @@ class Attention(nn.Module):
         b, s, _ = qkv.shape  # under Megatron's sequence parallelism x holds a slice, qkv the whole sequence
         # the heads this module holds: a tensor-parallel shard holds heads / tp query and kv_heads / tp key/value heads
         kv = qkv.shape[-1] // (self.head_dim * (self.group + 2))
-        q, k, v = (t.view(b, s, -1, self.head_dim) for t in qkv.split(
-            [self.group * kv * self.head_dim, kv * self.head_dim, kv * self.head_dim], dim=2))
+        q, k, v = (
+            t.view(b, s, -1, self.head_dim)
+            for t in qkv.split([self.group * kv * self.head_dim, kv * self.head_dim, kv * self.head_dim], dim=2)
+        )
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope is not None:
@@ -256,9 +271,17 @@ class MLP(nn.Module):
         return self.drop(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))
 
 
-def route(logits: torch.Tensor, *, k: int, norm_topk: bool, score: str = "softmax", scale: float = 1.0,
-          bias: torch.Tensor | None = None, groups: int = 1,
-          group_limit: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def route(
+    logits: torch.Tensor,
+    *,
+    k: int,
+    norm_topk: bool,
+    score: str = "softmax",
+    scale: float = 1.0,
+    bias: torch.Tensor | None = None,
+    groups: int = 1,
+    group_limit: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Router logits (tokens, E) -> (each token's expert probabilities for the balance loss (tokens, E), its top-k
     combine weights, its chosen experts (tokens, k), best first), in fp32.
 
@@ -294,8 +317,14 @@ class RouterState(nn.Module):
     the total before the next micro-batch (commit_routed)."""
 
     def _init_router_state(self, spec: ModelSpec) -> None:
-        self.routing = dict(k=spec.experts_per_token, norm_topk=spec.router_norm_topk, score=spec.router_score,
-                            scale=spec.router_scale, groups=spec.router_groups, group_limit=spec.router_group_limit)
+        self.routing = dict(
+            k=spec.experts_per_token,
+            norm_topk=spec.router_norm_topk,
+            score=spec.router_score,
+            scale=spec.router_scale,
+            groups=spec.router_groups,
+            group_limit=spec.router_group_limit,
+        )
         self.register_buffer("router_bias", torch.zeros(spec.experts) if spec.router_bias_rate else None)
         self.num_experts = spec.experts
         self._routed_last: torch.Tensor | None = None  # the last training forward's tokens per expert
@@ -407,8 +436,11 @@ class Block(nn.Module):
     def initial_values(self, *, seed: int):
         gen = _generator(seed, self.index + 1)
         resid_std = INIT_STD / math.sqrt(2 * self.layers)  # GPT-2: scale residual projections by 1/sqrt(2L)
-        for linear, std in ((self.attn.c_attn, INIT_STD), (self.attn.c_proj, resid_std),
-                            *self._mlp_linears(INIT_STD, resid_std)):
+        for linear, std in (
+            (self.attn.c_attn, INIT_STD),
+            (self.attn.c_proj, resid_std),
+            *self._mlp_linears(INIT_STD, resid_std),
+        ):
             yield from _linear_values(linear, gen, std)
         yield from self._expert_values(seed=seed, std=INIT_STD, resid_std=resid_std)
         if self.sparse and self.mlp.router_bias is not None:  # aux-loss-free balancing starts unbiased

@@ -26,6 +26,7 @@ type default, linear, llama3 or yarn, grouped-query attention, an explicit head_
                          MLP intermediate_size wide
 
 Every refusal is one SpecError line naming the directory (or file) and the field."""
+
 from __future__ import annotations
 
 import math
@@ -35,31 +36,62 @@ from pathlib import Path
 from dspipe.errors import SpecError
 from dspipe.spec.core import MOE_ONLY, ModelSpec
 
-GPT2, LLAMA, QWEN2, QWEN3, MISTRAL = ("GPT2LMHeadModel", "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                                      "MistralForCausalLM")
+GPT2, LLAMA, QWEN2, QWEN3, MISTRAL = (
+    "GPT2LMHeadModel",
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "MistralForCausalLM",
+)
 MIXTRAL, QWEN3_MOE = "MixtralForCausalLM", "Qwen3MoeForCausalLM"
 SUPPORTED = (GPT2, LLAMA, QWEN2, QWEN3, MISTRAL, MIXTRAL, QWEN3_MOE)
 MOE_ARCHITECTURES = (MIXTRAL, QWEN3_MOE)
-MODEL_TYPES = {"gpt2": GPT2, "llama": LLAMA, "qwen2": QWEN2, "qwen3": QWEN3, "mistral": MISTRAL, "mixtral": MIXTRAL,
-               "qwen3_moe": QWEN3_MOE}
+MODEL_TYPES = {
+    "gpt2": GPT2,
+    "llama": LLAMA,
+    "qwen2": QWEN2,
+    "qwen3": QWEN3,
+    "mistral": MISTRAL,
+    "mixtral": MIXTRAL,
+    "qwen3_moe": QWEN3_MOE,
+}
 CONFIG_FILE = "config.json"
 GELU_TANH = "gelu_new"  # HF's name for 0.5x(1 + tanh(sqrt(2/pi)(x + 0.044715x^3))) = F.gelu(approximate="tanh")
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-BASE_PREFIX = {GPT2: "transformer.", LLAMA: "model.", QWEN2: "model.", QWEN3: "model.", MISTRAL: "model.",
-               MIXTRAL: "model.", QWEN3_MOE: "model."}
+BASE_PREFIX = {
+    GPT2: "transformer.",
+    LLAMA: "model.",
+    QWEN2: "model.",
+    QWEN3: "model.",
+    MISTRAL: "model.",
+    MIXTRAL: "model.",
+    QWEN3_MOE: "model.",
+}
 """The base model's prefix in the CausalLM's names; checkpoints saved from the base model (the original GPT-2 on the
 hub) lack it, and transformers adds it when loading: so does CheckpointTensors."""
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 """The rope_type values dspipe computes (rope_scaling none, linear, llama3, yarn)."""
-ROPE_KEYS = {"default": (), "linear": ("factor",),
-             "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-             "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor",
-                      "mscale", "mscale_all_dim", "truncate")}
+ROPE_KEYS = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": (
+        "factor",
+        "original_max_position_embeddings",
+        "beta_fast",
+        "beta_slow",
+        "attention_factor",
+        "mscale",
+        "mscale_all_dim",
+        "truncate",
+    ),
+}
 """The keys each rope_type may hold besides rope_type (or type), rope_theta and partial_rotary_factor."""
 _MISSING = object()
 
 
 # ---- config.json -> ModelSpec (JSON only) -------------------------------------------------------------------------
+
 
 def read_hf_config(path: str | Path) -> dict:
     """HF_DIR/config.json as a JSON object; a missing directory or file or a garbled file is one line."""
@@ -120,16 +152,28 @@ def _gpt2_spec(cfg: dict, *, source, name: str, dropout) -> ModelSpec:
     get.must("add_cross_attention", False, default=False)
     inner = get.int("n_inner", default=None)
     if dropout is None:
-        drops = {k: get.number("resid_pdrop" if k == "resid" else f"{k}_pdrop", default=0.1)
-                 for k in ("resid", "embd", "attn")}
+        drops = {
+            k: get.number("resid_pdrop" if k == "resid" else f"{k}_pdrop", default=0.1)
+            for k in ("resid", "embd", "attn")
+        }
         if len(set(drops.values())) > 1:
-            raise SpecError(f"{source}: resid_pdrop {drops['resid']:g}, embd_pdrop {drops['embd']:g} and attn_pdrop "
-                            f"{drops['attn']:g} differ: dspipe has one dropout (pass --dropout)")
+            raise SpecError(
+                f"{source}: resid_pdrop {drops['resid']:g}, embd_pdrop {drops['embd']:g} and attn_pdrop "
+                f"{drops['attn']:g} differ: dspipe has one dropout (pass --dropout)"
+            )
         dropout = drops["resid"]
-    return ModelSpec(name, get.int("n_layer"), hidden, get.int("n_head"), get.int("vocab_size"),
-                     get.int("n_positions"), inner or 4 * hidden, dropout=dropout,
-                     tied_embeddings=get.flag("tie_word_embeddings", default=True),
-                     norm_eps=get.number("layer_norm_epsilon", default=1e-5))
+    return ModelSpec(
+        name,
+        get.int("n_layer"),
+        hidden,
+        get.int("n_head"),
+        get.int("vocab_size"),
+        get.int("n_positions"),
+        inner or 4 * hidden,
+        dropout=dropout,
+        tied_embeddings=get.flag("tie_word_embeddings", default=True),
+        norm_eps=get.number("layer_norm_epsilon", default=1e-5),
+    )
 
 
 def _decoder_spec(cfg: dict, arch: str, *, source, name: str, dropout) -> ModelSpec:
@@ -156,15 +200,36 @@ def _decoder_spec(cfg: dict, arch: str, *, source, name: str, dropout) -> ModelS
     if dropout is None:
         dropout = get.number("attention_dropout", default=0.0)
         if dropout:
-            raise SpecError(f"{source}: attention_dropout {dropout:g} is not supported (dspipe's dropout also drops "
-                            f"embeddings and residuals: pass --dropout to choose one)")
-    return ModelSpec(name, layers, hidden, heads, get.int("vocab_size"), seq_len, get.int("intermediate_size"),
-                     dropout=dropout, tied_embeddings=get.flag("tie_word_embeddings", default=False), norm="rmsnorm",
-                     mlp="swiglu", positions="rope", kv_heads=get.int("num_key_value_heads", default=heads),
-                     bias=False, norm_eps=get.number("rms_norm_eps", default=1e-6), head_width=head_dim,
-                     qkv_bias=qkv or None, out_bias=out or None, mlp_bias=mlp or None,
-                     qk_norm=arch in (QWEN3, QWEN3_MOE), sliding_window=window, window_start_layer=start,
-                     **moe, **_rope(cfg, source=source, positions=seq_len))
+            raise SpecError(
+                f"{source}: attention_dropout {dropout:g} is not supported (dspipe's dropout also drops "
+                f"embeddings and residuals: pass --dropout to choose one)"
+            )
+    return ModelSpec(
+        name,
+        layers,
+        hidden,
+        heads,
+        get.int("vocab_size"),
+        seq_len,
+        get.int("intermediate_size"),
+        dropout=dropout,
+        tied_embeddings=get.flag("tie_word_embeddings", default=False),
+        norm="rmsnorm",
+        mlp="swiglu",
+        positions="rope",
+        kv_heads=get.int("num_key_value_heads", default=heads),
+        bias=False,
+        norm_eps=get.number("rms_norm_eps", default=1e-6),
+        head_width=head_dim,
+        qkv_bias=qkv or None,
+        out_bias=out or None,
+        mlp_bias=mlp or None,
+        qk_norm=arch in (QWEN3, QWEN3_MOE),
+        sliding_window=window,
+        window_start_layer=start,
+        **moe,
+        **_rope(cfg, source=source, positions=seq_len),
+    )
 
 
 def _moe(cfg: dict, arch: str, *, layers: int, source) -> dict:
@@ -178,15 +243,19 @@ def _moe(cfg: dict, arch: str, *, layers: int, source) -> dict:
     # former)
     given = [key for key in ("num_local_experts", "num_experts") if cfg.get(key) is not None]
     if len(given) == 2 and cfg["num_experts"] != cfg["num_local_experts"]:
-        raise SpecError(f"{source}: num_experts {_show(cfg['num_experts'])} and num_local_experts "
-                        f"{_show(cfg['num_local_experts'])} differ (they are one setting)")
+        raise SpecError(
+            f"{source}: num_experts {_show(cfg['num_experts'])} and num_local_experts "
+            f"{_show(cfg['num_local_experts'])} differ (they are one setting)"
+        )
     experts = get.count(given[0]) if given else 8 if arch == MIXTRAL else 128
     coef = get.number("router_aux_loss_coef", default=0.001)
     if arch == MIXTRAL:
         jitter = get.number("router_jitter_noise", default=0.0)
         if jitter:
-            raise SpecError(f"{source}: router_jitter_noise {jitter:g} is not supported (dspipe's router scales no "
-                            f"input by random noise: 0 only)")
+            raise SpecError(
+                f"{source}: router_jitter_noise {jitter:g} is not supported (dspipe's router scales no "
+                f"input by random noise: 0 only)"
+            )
         if not experts:
             raise SpecError(f"{source}: {given[0]} 0 is not supported ({MIXTRAL} needs experts: at least 1)")
         return dict(experts=experts, experts_per_token=k, aux_loss_coef=coef)
@@ -200,11 +269,19 @@ def _moe(cfg: dict, arch: str, *, layers: int, source) -> dict:
         return {}  # every block dense: Qwen3's MLP, intermediate_size wide
     first = 0 if sparse == [i for i in range(layers) if (i + 1) % step == 0] else sparse[0]
     if sparse != [i for i in range(first, layers) if (i + 1) % step == 0]:
-        raise SpecError(f"{source}: mlp_only_layers {_show(only)} is not supported (dspipe keeps dense only the first "
-                        f"k blocks besides decoder_sparse_step {step}'s: mlp_only_layers [0, ..., k - 1])")
-    return dict(experts=experts, experts_per_token=k, expert_ffn=get.int("moe_intermediate_size", default=768),
-                router_norm_topk=get.flag("norm_topk_prob", default=False), moe_every=step, moe_first_dense=first,
-                aux_loss_coef=coef)
+        raise SpecError(
+            f"{source}: mlp_only_layers {_show(only)} is not supported (dspipe keeps dense only the first "
+            f"k blocks besides decoder_sparse_step {step}'s: mlp_only_layers [0, ..., k - 1])"
+        )
+    return dict(
+        experts=experts,
+        experts_per_token=k,
+        expert_ffn=get.int("moe_intermediate_size", default=768),
+        router_norm_topk=get.flag("norm_topk_prob", default=False),
+        moe_every=step,
+        moe_first_dense=first,
+        aux_loss_coef=coef,
+    )
 
 
 FULL, SLIDING = "full_attention", "sliding_attention"
@@ -230,8 +307,9 @@ def _windows(cfg: dict, arch: str, *, layers: int, source) -> tuple[int | None, 
         window = window if use else None
         start = get.count("max_window_layers", default=28)  # Qwen2Config's and Qwen3Config's default
         types = [SLIDING if window is not None and i >= start else FULL for i in range(layers)]
-        rule = ("use_sliding_window, sliding_window and max_window_layers give "
-                + (f"the window to layers {start} and up" if SLIDING in types else "full attention on every layer"))
+        rule = "use_sliding_window, sliding_window and max_window_layers give " + (
+            f"the window to layers {start} and up" if SLIDING in types else "full attention on every layer"
+        )
     given = cfg.get("layer_types")
     if given is not None and given != types:
         shown = _runs(given) if isinstance(given, list) and all(isinstance(t, str) for t in given) else _show(given)
@@ -269,21 +347,29 @@ def _rope(cfg: dict, *, source, positions: int) -> dict:
     key = key or "rope_parameters"
     nested = [k for k in params if isinstance(params[k], dict)]
     if nested:
-        raise SpecError(f"{source}: {key} per layer type ({nested[0]}) is not supported (dspipe has one rotary "
-                        f"embedding for every layer)")
+        raise SpecError(
+            f"{source}: {key} per layer type ({nested[0]}) is not supported (dspipe has one rotary "
+            f"embedding for every layer)"
+        )
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in ROPE_TYPES:
-        raise SpecError(f"{source}: {key}: rope_type {kind if isinstance(kind, str) else _show(kind)} is not "
-                        f"supported (supported: {', '.join(ROPE_TYPES)})")
+        raise SpecError(
+            f"{source}: {key}: rope_type {kind if isinstance(kind, str) else _show(kind)} is not "
+            f"supported (supported: {', '.join(ROPE_TYPES)})"
+        )
     extra = sorted(set(params) - {"rope_type", "type", "rope_theta", "partial_rotary_factor"} - set(ROPE_KEYS[kind]))
     if extra:
-        raise SpecError(f"{source}: {key}: {extra[0]} {_show(params[extra[0]])} is not supported with rope_type "
-                        f"{kind} (it takes: {', '.join(ROPE_KEYS[kind]) or 'rope_theta only'})")
+        raise SpecError(
+            f"{source}: {key}: {extra[0]} {_show(params[extra[0]])} is not supported with rope_type "
+            f"{kind} (it takes: {', '.join(ROPE_KEYS[kind]) or 'rope_theta only'})"
+        )
     for where, holder in (("", cfg), (f"{key}: ", params)):
         prf = holder.get("partial_rotary_factor")
         if prf is not None and (isinstance(prf, bool) or not isinstance(prf, (int, float)) or prf != 1):
-            raise SpecError(f"{source}: {where}partial_rotary_factor {_show(prf)} is not supported (dspipe rotates "
-                            f"the whole head: 1.0 only)")
+            raise SpecError(
+                f"{source}: {where}partial_rotary_factor {_show(prf)} is not supported (dspipe rotates "
+                f"the whole head: 1.0 only)"
+            )
     get = _Reader(params, f"{source}: {key}")
     theta = params["rope_theta"] if params.get("rope_theta") is not None else cfg.get("rope_theta", 10000.0)
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta) or theta <= 0:
@@ -300,12 +386,15 @@ def _rope(cfg: dict, *, source, positions: int) -> dict:
         original = get.int("original_max_position_embeddings", default=positions)
     out["rope_original_context"] = original
     if kind == "llama3":
-        out.update(rope_low_freq_factor=get.number("low_freq_factor"),
-                   rope_high_freq_factor=get.number("high_freq_factor"))
+        out.update(
+            rope_low_freq_factor=get.number("low_freq_factor"), rope_high_freq_factor=get.number("high_freq_factor")
+        )
         return out
     # yarn: transformers takes beta_fast or 32, beta_slow or 1 (0 and null mean the default)
-    out.update(rope_beta_fast=get.number("beta_fast", default=0.0) or 32.0,
-               rope_beta_slow=get.number("beta_slow", default=0.0) or 1.0)
+    out.update(
+        rope_beta_fast=get.number("beta_fast", default=0.0) or 32.0,
+        rope_beta_slow=get.number("beta_slow", default=0.0) or 1.0,
+    )
     factor = out["rope_factor"]
 
     def mscale(m: float = 1.0) -> float:
@@ -315,17 +404,23 @@ def _rope(cfg: dict, *, source, positions: int) -> dict:
     if params.get("attention_factor") is not None:
         given = get.number("attention_factor")
         if not math.isclose(given, wanted, rel_tol=1e-9):
-            raise SpecError(f"{source}: {key}: attention_factor {given:g} is not supported (dspipe's yarn scales "
-                            f"attention by 0.1 ln(factor) + 1 = {wanted:.6g})")
+            raise SpecError(
+                f"{source}: {key}: attention_factor {given:g} is not supported (dspipe's yarn scales "
+                f"attention by 0.1 ln(factor) + 1 = {wanted:.6g})"
+            )
     else:
         m, m_all = get.number("mscale", default=0.0), get.number("mscale_all_dim", default=0.0)
         if m and m_all and not math.isclose(mscale(m) / mscale(m_all), wanted, rel_tol=1e-9):
-            raise SpecError(f"{source}: {key}: mscale {m:g} with mscale_all_dim {m_all:g} is not supported (they "
-                            f"make the attention factor {mscale(m) / mscale(m_all):.6g}; dspipe's yarn scales "
-                            f"attention by 0.1 ln(factor) + 1 = {wanted:.6g})")
+            raise SpecError(
+                f"{source}: {key}: mscale {m:g} with mscale_all_dim {m_all:g} is not supported (they "
+                f"make the attention factor {mscale(m) / mscale(m_all):.6g}; dspipe's yarn scales "
+                f"attention by 0.1 ln(factor) + 1 = {wanted:.6g})"
+            )
     if "truncate" in params and params["truncate"] is not True:
-        raise SpecError(f"{source}: {key}: truncate {_show(params['truncate'])} is not supported (dspipe's yarn "
-                        f"rounds the correction range outward: truncate true only)")
+        raise SpecError(
+            f"{source}: {key}: truncate {_show(params['truncate'])} is not supported (dspipe's yarn "
+            f"rounds the correction range outward: truncate true only)"
+        )
     return out
 
 
@@ -370,8 +465,9 @@ class _Reader:
     def must(self, key: str, wanted, default) -> None:
         value = self.cfg.get(key, default)
         if type(value) is not type(wanted) or value != wanted:
-            raise SpecError(f"{self.source}: {key} {_show(value)} is not supported (dspipe implements "
-                            f"{key} {_show(wanted)} only)")
+            raise SpecError(
+                f"{self.source}: {key} {_show(value)} is not supported (dspipe implements {key} {_show(wanted)} only)"
+            )
 
 
 def _show(value) -> str:
@@ -389,8 +485,19 @@ def function_of(spec: ModelSpec) -> dict:
     (TRAINING_ONLY): two specs with equal
     function_of are the same model however their fields spell it (bias with qkv_bias None or qkv_bias given,
     head_dim default or explicit, the parameters of a rope scaling not chosen, a window's start without a window)."""
-    skip = {"name", "dropout", "seq_len", "bias", "qkv_bias", "out_bias", "mlp_bias", "head_width", "sliding_window",
-            "window_start_layer", *TRAINING_ONLY} | {k for k in ModelSpec.__dataclass_fields__ if k.startswith("rope_")}
+    skip = {
+        "name",
+        "dropout",
+        "seq_len",
+        "bias",
+        "qkv_bias",
+        "out_bias",
+        "mlp_bias",
+        "head_width",
+        "sliding_window",
+        "window_start_layer",
+        *TRAINING_ONLY,
+    } | {k for k in ModelSpec.__dataclass_fields__ if k.startswith("rope_")}
     out = {k: getattr(spec, k) for k in ModelSpec.__dataclass_fields__ if k not in skip}
     qkv, o, mlp = spec.biases
     out.update(kv_heads=spec.kv_groups, head_dim=spec.head_dim, qkv_bias=qkv, out_bias=o, mlp_bias=mlp)
@@ -398,9 +505,11 @@ def function_of(spec: ModelSpec) -> dict:
         out["bias"] = spec.bias  # LayerNorm's bias
     if spec.positions == "rope":
         out.update(rope_theta=spec.rope_theta, rope_scaling=spec.rope_scaling)
-        wanted = {"linear": ("rope_factor",),
-                  "llama3": ("rope_factor", "rope_original_context", "rope_low_freq_factor", "rope_high_freq_factor"),
-                  "yarn": ("rope_factor", "rope_original_context", "rope_beta_fast", "rope_beta_slow")}
+        wanted = {
+            "linear": ("rope_factor",),
+            "llama3": ("rope_factor", "rope_original_context", "rope_low_freq_factor", "rope_high_freq_factor"),
+            "yarn": ("rope_factor", "rope_original_context", "rope_beta_fast", "rope_beta_slow"),
+        }
         out.update({k: getattr(spec, k) for k in wanted.get(spec.rope_scaling, ())})
     if spec.sliding_window is not None:
         out.update(sliding_window=spec.sliding_window, window_start_layer=spec.window_start_layer)

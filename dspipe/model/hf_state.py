@@ -17,6 +17,7 @@ Weight mapping (dspipe name <- Hugging Face name; i is the block):
             them fused, mlp.gate and mlp.experts.gate_up_proj (E, 2 x width, hidden) = the experts' c_fc stacked and
             mlp.experts.down_proj (E, hidden, width) = their c_proj stacked: to_hf_state gives that form,
             from_hf_state reads either."""
+
 from __future__ import annotations
 
 from typing import Mapping
@@ -26,21 +27,21 @@ from dspipe.model.hf import CONV1D, GPT2, MIXTRAL, MOE_ARCHITECTURES
 from dspipe.model.hf_arch import architecture_of, hf_config
 from dspipe.spec.core import ModelSpec
 
-
 # ---- weights: dspipe names <-> Hugging Face names ------------------------------------------------------------------
+
 
 def _parts(name: str, shape: tuple, spec: ModelSpec, arch: str) -> tuple[list[tuple[str, tuple]], str]:
     """The Hugging Face tensors (name, shape) that dspipe's `name` is made of, and how: 'same', 't' (transpose) or
     'rows' (the HF tensors stacked along dim 0)."""
     if arch == GPT2:
         if name.startswith("embed."):
-            return [("transformer." + name[len("embed."):], shape)], "same"
+            return [("transformer." + name[len("embed.") :], shape)], "same"
         if name.startswith("h."):
             if name.split(".", 2)[2] in CONV1D:
                 return [("transformer." + name, tuple(reversed(shape)))], "t"
             return [("transformer." + name, shape)], "same"
         if name.startswith("final."):
-            return [("transformer." + name[len("final."):], shape)], "same"
+            return [("transformer." + name[len("final.") :], shape)], "same"
         return [(name, shape)], "same"  # lm_head.weight
     if name == "embed.wte.weight":
         return [("model.embed_tokens.weight", shape)], "same"
@@ -63,12 +64,19 @@ def _parts(name: str, shape: tuple, spec: ModelSpec, arch: str) -> tuple[list[tu
         return [(f"{moe}experts.{e}.{down}.weight", shape)], "same"
     if module == "attn.c_attn":
         q, kv = spec.q_width, spec.kv_groups * spec.head_dim
-        return [(f"{layer}self_attn.{p}_proj.{kind}", (rows, *cols)) for p, rows in (("q", q), ("k", kv), ("v", kv))
-                ], "rows"
+        return [
+            (f"{layer}self_attn.{p}_proj.{kind}", (rows, *cols)) for p, rows in (("q", q), ("k", kv), ("v", kv))
+        ], "rows"
     if module == "mlp.c_fc":
         return [(f"{layer}mlp.{p}_proj.{kind}", (spec.ffn, *cols)) for p in ("gate", "up")], "rows"
-    simple = {"ln_1": "input_layernorm", "ln_2": "post_attention_layernorm", "attn.c_proj": "self_attn.o_proj",
-              "mlp.c_proj": "mlp.down_proj", "attn.q_norm": "self_attn.q_norm", "attn.k_norm": "self_attn.k_norm"}
+    simple = {
+        "ln_1": "input_layernorm",
+        "ln_2": "post_attention_layernorm",
+        "attn.c_proj": "self_attn.o_proj",
+        "mlp.c_proj": "mlp.down_proj",
+        "attn.q_norm": "self_attn.q_norm",
+        "attn.k_norm": "self_attn.k_norm",
+    }
     if module not in simple:
         raise SpecError(f"parameter {name} has no {arch} counterpart")
     return [(f"{layer}{simple[module]}.{kind}", shape)], "same"
@@ -108,8 +116,10 @@ def to_hf_state(state: Mapping, spec: ModelSpec) -> dict:
     mapping = weight_map(spec)
     extra = sorted(set(state) - set(mapping) - ({"lm_head.weight"} if spec.tied_embeddings else set()))
     if extra:
-        raise SpecError(f"unexpected parameter {extra[0]} for model {spec.name}"
-                        + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""))
+        raise SpecError(
+            f"unexpected parameter {extra[0]} for model {spec.name}"
+            + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else "")
+        )
     out, stacks = {}, {}
     for name, (parts, how) in mapping.items():
         if name not in state:
@@ -154,8 +164,10 @@ def from_hf_state(hf_state: Mapping, spec: ModelSpec, *, names=None, source="sta
             t = hf_state[key] if expert is None else hf_state[key][expert]
             if tuple(t.shape) != tuple(shapes[name]):
                 shown = list(hf_state[key].shape)
-                raise SpecError(f"{source}: tensor {key} has shape {shown}, model {spec.name} needs "
-                                f"{list(shapes[name]) if expert is None else [spec.experts, *shapes[name]]}")
+                raise SpecError(
+                    f"{source}: tensor {key} has shape {shown}, model {spec.name} needs "
+                    f"{list(shapes[name]) if expert is None else [spec.experts, *shapes[name]]}"
+                )
             out[name] = t.detach().to(torch.float32).contiguous()
             continue
         pieces = []
@@ -164,10 +176,11 @@ def from_hf_state(hf_state: Mapping, spec: ModelSpec, *, names=None, source="sta
                 raise SpecError(f"{source}: missing tensor {key} (model {spec.name} needs it for {name})")
             t = hf_state[key]
             if name == "embed.wpe.weight" and t.dim() == 2 and t.shape[0] > shape[0] and t.shape[1] == shape[1]:
-                t = t[:shape[0]]
+                t = t[: shape[0]]
             if tuple(t.shape) != tuple(shape):
-                raise SpecError(f"{source}: tensor {key} has shape {list(t.shape)}, model {spec.name} needs "
-                                f"{list(shape)}")
+                raise SpecError(
+                    f"{source}: tensor {key} has shape {list(t.shape)}, model {spec.name} needs {list(shape)}"
+                )
             pieces.append(t)
         t = pieces[0].t() if how == "t" else torch.cat(pieces, dim=0) if how == "rows" else pieces[0]
         out[name] = t.detach().to(torch.float32).contiguous()
@@ -190,6 +203,7 @@ def hf_model(state: dict, spec: ModelSpec, *, eos_id: int | None, bos_id: int | 
     missing, unexpected = model.load_state_dict(converted, strict=False)
     missing = [k for k in missing if not k.endswith((".attn.bias", ".attn.masked_bias"))]  # GPT-2's mask buffers
     if missing or unexpected:
-        raise SpecError(f"checkpoint {source} does not map onto {cls.__name__}: missing {missing[:5]}, unexpected "
-                        f"{unexpected[:5]}")
+        raise SpecError(
+            f"checkpoint {source} does not map onto {cls.__name__}: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
     return model.eval()

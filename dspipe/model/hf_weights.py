@@ -3,6 +3,7 @@ parameters, fp32: check_weights (headers only, `gen-config --init-from HF_DIR`),
 (the runner's step 0, one tensor or partition at a time). The names' mapping is dspipe.model.hf_state's (weight_map: a
 mixture of experts' tensors as the files hold them, one per expert). Every refusal is one SpecError line naming the
 directory (or file) and the field."""
+
 from __future__ import annotations
 
 import math
@@ -17,10 +18,15 @@ from dspipe.model.hf_state import hf_tensors, weight_map
 from dspipe.model.names import pipeline_gpt_name
 from dspipe.spec.core import ModelSpec
 
-WEIGHT_FILES = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json",
-                "pytorch_model.bin")
+WEIGHT_FILES = (
+    "model.safetensors.index.json",
+    "model.safetensors",
+    "pytorch_model.bin.index.json",
+    "pytorch_model.bin",
+)
 SAFETENSORS_FLOAT_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2}
 """The floating dtypes of a safetensors header that load as model weights, with their bytes per element."""
+
 
 class CheckpointTensors(Mapping):
     """The tensors of a Hugging Face model directory, read lazily one by one (safetensors memory-maps, .bin files
@@ -74,8 +80,8 @@ class CheckpointTensors(Mapping):
     def _resolve(self, key: str) -> str | None:
         if key in self.files:
             return key
-        if self.prefix and key.startswith(self.prefix) and key[len(self.prefix):] in self.files:
-            return key[len(self.prefix):]
+        if self.prefix and key.startswith(self.prefix) and key[len(self.prefix) :] in self.files:
+            return key[len(self.prefix) :]
         return None
 
     def __contains__(self, key) -> bool:
@@ -97,8 +103,9 @@ class CheckpointTensors(Mapping):
                 return handle.get_slice(stored)[index] if rows or cols else handle.get_tensor(stored)
             return handle[stored][index] if rows or cols else handle[stored]
         except Exception as e:
-            raise SpecError(f"{self.path / self.files[stored]}: cannot read tensor {stored}: "
-                            f"{' '.join(str(e).split())[:200]}") from None
+            raise SpecError(
+                f"{self.path / self.files[stored]}: cannot read tensor {stored}: {' '.join(str(e).split())[:200]}"
+            ) from None
 
     def shape(self, key: str) -> tuple:
         return self.header(key)[0]
@@ -128,8 +135,7 @@ def check_matches(path: str | Path, spec: ModelSpec) -> None:
     if spec.seq_len > hf.seq_len:
         raise SpecError(f"{path}: the model has {hf.seq_len} positions, the run's seq_len is {spec.seq_len}")
     theirs, ours = function_of(hf), function_of(spec)
-    diff = [f"{k} {theirs.get(k)!r} (run: {ours.get(k)!r})" for k in {**theirs, **ours}
-            if theirs.get(k) != ours.get(k)]
+    diff = [f"{k} {theirs.get(k)!r} (run: {ours.get(k)!r})" for k in {**theirs, **ours} if theirs.get(k) != ours.get(k)]
     if diff:
         raise SpecError(f"{path}: its config.json describes another model than the run's: {', '.join(diff[:3])}")
 
@@ -198,7 +204,7 @@ class HFWeights:
         shape = self.shapes[name]
         width = math.prod(shape[1:])
         first, last = start // width, -(-stop // width)
-        return self.rows(name, first, last).reshape(-1)[start - first * width:stop - first * width]
+        return self.rows(name, first, last).reshape(-1)[start - first * width : stop - first * width]
 
 
 def gpt_parameters(module, spec: ModelSpec):

@@ -4,6 +4,7 @@ model, any pipeline layout and a model whose parameters were created elsewhere (
 by ZeRO-3 as they were constructed) start from identical weights: whoever builds the model decides how a value
 reaches its parameter (`fill`'s `write`), one tensor at a time.
 """
+
 from __future__ import annotations
 
 import math

@@ -15,6 +15,7 @@ On CUDA with liger-kernel installed (`pip install .[gpu]`) HeadLoss uses its fus
 (Triton; it computes the gradients in the forward and keeps them for the backward), with its chunk at most
 `chunk` tokens where its chunk rule allows (liger_chunk). Torch only: no deepspeed, no distributed code.
 """
+
 from __future__ import annotations
 
 import torch
@@ -72,8 +73,9 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         for start in range(0, rows, chunk):
             part = slice(start, min(start + chunk, rows))
             probs = _chunk_logits(hidden[part], weight).sub_(lse[part].unsqueeze(1)).exp_()  # the softmax
-            probs.scatter_add_(1, labels[part].clamp(min=0).unsqueeze(1),
-                               torch.full((probs.shape[0], 1), -1.0, device=probs.device))
+            probs.scatter_add_(
+                1, labels[part].clamp(min=0).unsqueeze(1), torch.full((probs.shape[0], 1), -1.0, device=probs.device)
+            )
             dlogits = probs.mul_(scale[part].unsqueeze(1)).to(hidden.dtype)
             del probs
             if want_hidden:
@@ -84,8 +86,9 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None
 
 
-def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
-                          chunk: int) -> torch.Tensor:
+def chunked_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, chunk: int
+) -> torch.Tensor:
     """Mean cross-entropy of F.linear(hidden, weight) against `labels` (hidden (..., h), labels (...)), computed
     `chunk` tokens at a time; equal to lm_loss(F.linear(hidden, weight), labels) in value and gradients."""
     if chunk < 1:
@@ -155,5 +158,6 @@ class HeadLoss:
         const = liger_mem_const(tokens=flat.shape[0], vocab=weight.shape[0], hidden=flat.shape[1], chunk=self.chunk)
         # the weight's gradient summed in its own dtype, as the chunked path does (fp32 sums of a 16-bit gradient
         # would add 4 x V x h bytes at the forward's end, the step's activation peak)
-        return liger_fused_linear_cross_entropy(flat, weight, labels.reshape(-1), ignore_index=IGNORE_INDEX,
-                                                chunk_mem_const=const).float()
+        return liger_fused_linear_cross_entropy(
+            flat, weight, labels.reshape(-1), ignore_index=IGNORE_INDEX, chunk_mem_const=const
+        ).float()

@@ -1,5 +1,6 @@
 """dspipe's parameter names: a PipelineModule stage's ('3.ln_1.weight', 'tied_modules.embed.wte.weight') and
 the plain GPT's ('h.2.ln_1.weight', 'embed.wte.weight'), the runner's loader's and export's translation."""
+
 from __future__ import annotations
 
 from dspipe.errors import SpecError
@@ -12,7 +13,7 @@ def pipeline_gpt_name(name: str, *, layers: int) -> str:
     """PipelineModule parameter name ('3.ln_1.weight', 'tied_modules.embed.wte.weight') -> GPT name (the runner's
     loader here, and export's consolidation of pipeline checkpoints)."""
     if name.startswith(TIED_PREFIX):
-        return "embed." + name[len(TIED_PREFIX):]
+        return "embed." + name[len(TIED_PREFIX) :]
     index, rest = name.split(".", 1)
     return layer_prefix(int(index), layers=layers) + rest
 

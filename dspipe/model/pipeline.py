@@ -1,4 +1,5 @@
 """The same GPT blocks as a DeepSpeed PipelineModule: LayerSpecs, a tied embedding/head pair, the loss at the end."""
+
 from __future__ import annotations
 
 from typing import Callable
@@ -40,6 +41,7 @@ class _MadeTiedLayerSpec(TiedLayerSpec):
 def layer_specs(*, model: ModelSpec, seed: int, make: Callable | None = None) -> list[LayerSpec]:
     """Embedding, one LayerSpec per block, final norm, head (tied to the embedding's wte when asked). `make`: how
     a layer is made from (cls, model, **kwargs) (default: cls(model, **kwargs), which fills it from `seed`)."""
+
     def spec(cls, *args, **kwargs):
         return LayerSpec(cls, *args, **kwargs) if make is None else _MadeLayerSpec(make, cls, *args, **kwargs)
 
@@ -47,8 +49,10 @@ def layer_specs(*, model: ModelSpec, seed: int, make: Callable | None = None) ->
         return TiedLayerSpec(*args, **kwargs) if make is None else _MadeTiedLayerSpec(make, *args, **kwargs)
 
     if model.experts:
-        raise SpecError(f"model.experts {model.experts}: a mixture-of-experts model does not run as a pipeline "
-                        f"(pp 1 only: the stages would drop the load-balancing loss)")
+        raise SpecError(
+            f"model.experts {model.experts}: a mixture-of-experts model does not run as a pipeline "
+            f"(pp 1 only: the stages would drop the load-balancing loss)"
+        )
     if model.tied_embeddings:
         first = tied(TIED_KEY, Embedding, model, seed=seed, tied_weight_attr="wte.weight")
         last = tied(TIED_KEY, Embedding, model, seed=seed, forward_fn=_tied_logits, tied_weight_attr="wte.weight")
@@ -78,14 +82,28 @@ class GPTPipeline(PipelineModule):
         return counts
 
 
-def build_pipeline(*, model: ModelSpec, stages: int, partition_method: str, activation_checkpoint_interval: int,
-                   checkpoint_fn: Callable, seed: int, topology=None, make: Callable | None = None,
-                   loss_fn: Callable = lm_loss) -> PipelineModule:
+def build_pipeline(
+    *,
+    model: ModelSpec,
+    stages: int,
+    partition_method: str,
+    activation_checkpoint_interval: int,
+    checkpoint_fn: Callable,
+    seed: int,
+    topology=None,
+    make: Callable | None = None,
+    loss_fn: Callable = lm_loss,
+) -> PipelineModule:
     """Full recomputation goes through the pipeline's activation_checkpoint_interval (blocks only); selective
     recomputation is wired into the blocks afterwards (dspipe.runtime.parallelize.recompute). `topology`: DeepSpeed's
     process topology when the stages are tensor-parallel too (None: pipe x data); `make`: layer_specs's."""
-    return GPTPipeline(layers=layer_specs(model=model, seed=seed, make=make),
-                          num_stages=None if topology is not None else stages, topology=topology, loss_fn=loss_fn,
-                          partition_method=partition_method,
-                          activation_checkpoint_interval=activation_checkpoint_interval,
-                          activation_checkpoint_func=checkpoint_fn, checkpointable_layers=["Block"])
+    return GPTPipeline(
+        layers=layer_specs(model=model, seed=seed, make=make),
+        num_stages=None if topology is not None else stages,
+        topology=topology,
+        loss_fn=loss_fn,
+        partition_method=partition_method,
+        activation_checkpoint_interval=activation_checkpoint_interval,
+        activation_checkpoint_func=checkpoint_fn,
+        checkpointable_layers=["Block"],
+    )

@@ -11,6 +11,7 @@ prefix before them is allowed. Imports no torch at module level.
     lm_head.weight (untied)     the last rank may hold fewer rows
     everything else             replicated: the same tensor on every tp rank (wpe, norms, q/k norms)
 """
+
 from __future__ import annotations
 
 import re
@@ -61,8 +62,9 @@ def vocab_rows(vocab: int, *, rank: int, size: int) -> tuple[int, int]:
     per = -(-vocab // size)
     start, stop = rank * per, min(vocab, (rank + 1) * per)
     if start >= stop:
-        raise ValueError(f"vocab {vocab} over tp {size}: rank {rank} would hold no rows (ceil({vocab} / {size}) = "
-                         f"{per} per rank)")
+        raise ValueError(
+            f"vocab {vocab} over tp {size}: rank {rank} would hold no rows (ceil({vocab} / {size}) = {per} per rank)"
+        )
     return start, stop
 
 
@@ -131,31 +133,39 @@ def merge_shards(name: str, shards: list, model: ModelSpec):
         first = shards[0]
         for r, other in enumerate(shards[1:], start=1):
             if tuple(other.shape) != tuple(first.shape):
-                raise ValueError(f"{name}: replicated parameter has shape {list(first.shape)} on tp rank 0 and "
-                                 f"{list(other.shape)} on tp rank {r}")
+                raise ValueError(
+                    f"{name}: replicated parameter has shape {list(first.shape)} on tp rank 0 and "
+                    f"{list(other.shape)} on tp rank {r}"
+                )
             if not torch.equal(other, first):
                 worst = (other.float() - first.float()).abs().max().item()
-                raise ValueError(f"{name}: replicated parameter differs between tp rank 0 and tp rank {r} "
-                                 f"(max |difference| {worst:.3g})")
+                raise ValueError(
+                    f"{name}: replicated parameter differs between tp rank 0 and tp rank {r} "
+                    f"(max |difference| {worst:.3g})"
+                )
         return first
     dim = split_dim(name, model)
     for r, s in enumerate(shards):
         if s.dim() <= dim:
-            raise ValueError(f"{name}: tp rank {r}'s shard has shape {list(s.shape)}, no dimension {dim} to merge "
-                             f"along")
+            raise ValueError(
+                f"{name}: tp rank {r}'s shard has shape {list(s.shape)}, no dimension {dim} to merge along"
+            )
     held = [s.shape[dim] for s in shards]
     if rule[0] == VOCAB_SPLIT:
         want = [b - a for a, b in (vocab_rows(rule[1], rank=r, size=size) for r in range(size))]
         if held != want:
-            raise ValueError(f"{name}: tp ranks hold {held} vocabulary rows (sum {sum(held)}), vocab {rule[1]} over "
-                             f"tp {size} gives {want}")
+            raise ValueError(
+                f"{name}: tp ranks hold {held} vocabulary rows (sum {sum(held)}), vocab {rule[1]} over "
+                f"tp {size} gives {want}"
+            )
         return torch.cat(list(shards), dim=0)
     parts = rule[1]
     _divisible(name, parts, size)
     per = [p // size for p in parts]
     if any(h != sum(per) for h in held):
-        raise ValueError(f"{name}: tp ranks hold {held} along dim {dim}, parts {parts} over tp {size} give "
-                         f"{sum(per)} each")
+        raise ValueError(
+            f"{name}: tp ranks hold {held} along dim {dim}, parts {parts} over tp {size} give {sum(per)} each"
+        )
     pieces = [s.split(per, dim=dim) for s in shards]
     return torch.cat([pieces[r][i] for i in range(len(parts)) for r in range(size)], dim=dim)
 

@@ -9,6 +9,7 @@ A windowed block (query q sees keys q - window < k <= q, window < seq) has two k
 `choose_kernel` picks: flex on CUDA, the mask everywhere else (the CPU path stays the exact reference; torch's
 flex_attention has no CPU backward), and the mask wherever attention dropout is on (flex_attention has no dropout).
 """
+
 from __future__ import annotations
 
 import functools
@@ -20,8 +21,9 @@ KERNELS = ("causal", "mask", "flex")
 """causal: SDPA's is_causal (no window shorter than the sequence); mask and flex: a window's two kernels."""
 
 
-def choose_kernel(*, device_type: str, seq: int, window: int | None, dropout: float,
-                  override: str | None = None) -> str:
+def choose_kernel(
+    *, device_type: str, seq: int, window: int | None, dropout: float, override: str | None = None
+) -> str:
     """The kernel of one attention core call: 'causal' without a window shorter than `seq`; else 'flex' on CUDA
     and 'mask' elsewhere or with attention dropout (> 0 only while training), unless `override` ('mask' or 'flex',
     for tests and benchmarks) names one. Forcing flex with dropout on is refused: flex_attention drops nothing."""

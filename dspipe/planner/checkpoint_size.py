@@ -16,15 +16,16 @@ file within 12 KB of these sizes (pickle headers and the lr schedule's counters)
 and dspipe.json (~7 KB) are left out. The write time assumes startup.DISK_GBPS per node (a local NVMe drive or a
 node's share of a parallel file system), as the start-up's read of an imported checkpoint does.
 """
+
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
 
 from dspipe.planner.plan import Plan
-from dspipe.runtime.progress import duration
-from dspipe.planner.startup import DISK_GBPS
 from dspipe.planner.stages import param_groups, stage_params, vocab_table_per_rank, zero_group_size
+from dspipe.planner.startup import DISK_GBPS
+from dspipe.runtime.progress import duration
 from dspipe.spec.core import ModelSpec
 from dspipe.spec.dtypes import dtype_bytes
 from dspipe.spec.hardware import GPU_MTBF_HOURS
@@ -60,12 +61,16 @@ def checkpoint_size(*, model: ModelSpec, plan: Plan, ranks_per_node: int) -> Che
     groups = zero_group_size(plan)
     total = rank_max = 0
     files = 0
-    held_by_stage = stage_params(model=model, pp=plan.pp, partition_method=plan.partition_method, tp=plan.tp,
-                                 ep=plan.ep)
+    held_by_stage = stage_params(
+        model=model, pp=plan.pp, partition_method=plan.partition_method, tp=plan.tp, ep=plan.ep
+    )
     for stage, held in enumerate(held_by_stage):
         # a pipeline's tied embedding: its weights saved once (the first stage's layer file), its state on both
-        stored = held - (vocab_table_per_rank(model, plan.tp) if plan.pp > 1 and model.tied_embeddings
-                         and stage == len(held_by_stage) - 1 else 0)
+        stored = held - (
+            vocab_table_per_rank(model, plan.tp)
+            if plan.pp > 1 and model.tied_embeddings and stage == len(held_by_stage) - 1
+            else 0
+        )
         if plan.zero_stage == 0:  # one file on the group's first rank: weights and the whole optimizer state
             first = stored * weight + held * (8 if plan.precision == Precision.FP32 else OPTIMIZER_BYTES)
             per_rank, count = 0, 1
@@ -78,8 +83,13 @@ def checkpoint_size(*, model: ModelSpec, plan: Plan, ranks_per_node: int) -> Che
         if first + per_rank > rank_max:
             rank_max, files = first + per_rank, count
     node = min(total, rank_max * min(ranks_per_node, plan.world_size))
-    return CheckpointSize(bytes=total, rank_max_bytes=rank_max, files_per_rank_max=files, node_max_bytes=node,
-                          write_s=node / (DISK_GBPS * 1e9))
+    return CheckpointSize(
+        bytes=total,
+        rank_max_bytes=rank_max,
+        files_per_rank_max=files,
+        node_max_bytes=node,
+        write_s=node / (DISK_GBPS * 1e9),
+    )
 
 
 def milestones(*, steps: int, keep_every: int) -> int:
@@ -98,8 +108,10 @@ def disk_text(*, size: CheckpointSize, keep: int, kept_for_good: int) -> str:
     from dspipe.planner.startup import size_text
 
     more = f" + {kept_for_good} milestones" if kept_for_good else ""
-    return (f"(keep {keep} + 1 being written{more}) x {size_text(size.bytes)} = "
-            f"{size_text(disk_bytes(size=size, keep=keep, kept_for_good=kept_for_good))}")
+    return (
+        f"(keep {keep} + 1 being written{more}) x {size_text(size.bytes)} = "
+        f"{size_text(disk_bytes(size=size, keep=keep, kept_for_good=kept_for_good))}"
+    )
 
 
 def check_disk(*, size: CheckpointSize, keep: int, kept_for_good: int, free: int, held: int, where: str) -> None:
@@ -110,9 +122,11 @@ def check_disk(*, size: CheckpointSize, keep: int, kept_for_good: int, free: int
 
     need = disk_bytes(size=size, keep=keep, kept_for_good=kept_for_good)
     if need > free + held:
-        raise SpecError(f"checkpoints need {disk_text(size=size, keep=keep, kept_for_good=kept_for_good)} in "
-                        f"{where}, which has {size_text(free)} free + {size_text(held)} of checkpoints already = "
-                        f"{size_text(free + held)}: lower --keep-checkpoints / --keep-every, or free space")
+        raise SpecError(
+            f"checkpoints need {disk_text(size=size, keep=keep, kept_for_good=kept_for_good)} in "
+            f"{where}, which has {size_text(free)} free + {size_text(held)} of checkpoints already = "
+            f"{size_text(free + held)}: lower --keep-checkpoints / --keep-every, or free space"
+        )
 
 
 ASYNC_DRAG = 0.15
@@ -136,8 +150,9 @@ class SaveInterval:
     for it), else 1."""
 
 
-def save_interval(*, cost_s: float, write_s: float, step_time_s: float, world: int, steps: int, async_save: bool,
-                  mtbf_hours: float) -> SaveInterval:
+def save_interval(
+    *, cost_s: float, write_s: float, step_time_s: float, world: int, steps: int, async_save: bool, mtbf_hours: float
+) -> SaveInterval:
     """Young's interval sqrt(2 x C x M) (C: `cost_s`, the training time one save costs; M: `mtbf_hours` x 3600 /
     `world`) in steps of `step_time_s`: with background writes never shorter than a write (`write_s`), always in
     1..`steps`. The planner calls it with the planned figures, the runner with each save's measured ones."""
@@ -155,20 +170,37 @@ def save_cost_s(*, blocking_s: float, write_s: float, async_save: bool) -> float
     return blocking_s + (ASYNC_DRAG * write_s if async_save else 0.0)
 
 
-def auto_save_interval(*, checkpoint: CheckpointSize, step_time_s: float, world: int, steps: int, async_save: bool,
-                       host_copy_gbps: float, mtbf_hours: float = GPU_MTBF_HOURS) -> tuple[int, str]:
+def auto_save_interval(
+    *,
+    checkpoint: CheckpointSize,
+    step_time_s: float,
+    world: int,
+    steps: int,
+    async_save: bool,
+    host_copy_gbps: float,
+    mtbf_hours: float = GPU_MTBF_HOURS,
+) -> tuple[int, str]:
     """(--save-interval auto's steps, the line that explains them): save_interval on the plan's figures (the
     planned write at DISK_GBPS; with background writes the copy of the largest rank's state at `host_copy_gbps`)."""
     blocking = checkpoint.rank_max_bytes / (host_copy_gbps * 1e9) if async_save else checkpoint.write_s
     cost_s = save_cost_s(blocking_s=blocking, write_s=checkpoint.write_s, async_save=async_save)
-    got = save_interval(cost_s=cost_s, write_s=checkpoint.write_s, step_time_s=step_time_s, world=world, steps=steps,
-                        async_save=async_save, mtbf_hours=mtbf_hours)
+    got = save_interval(
+        cost_s=cost_s,
+        write_s=checkpoint.write_s,
+        step_time_s=step_time_s,
+        world=world,
+        steps=steps,
+        async_save=async_save,
+        mtbf_hours=mtbf_hours,
+    )
     n = got.steps
     what = "the write" if not async_save else f"the copy to host memory + {ASYNC_DRAG:g} x the background write"
-    line = (f"--save-interval auto: {n:,} steps ({span(n * step_time_s)}): Young's sqrt(2 x {cost_s:.3g} s per "
-            f"save ({what}) x {span(got.mtbf_s)} between failures) = {span(got.young_s)}; failures at "
-            f"{mtbf_hours:,g} GPU-hours per GPU{RATE_SOURCE if mtbf_hours == GPU_MTBF_HOURS else ''} over "
-            f"{world:,} GPUs")
+    line = (
+        f"--save-interval auto: {n:,} steps ({span(n * step_time_s)}): Young's sqrt(2 x {cost_s:.3g} s per "
+        f"save ({what}) x {span(got.mtbf_s)} between failures) = {span(got.young_s)}; failures at "
+        f"{mtbf_hours:,g} GPU-hours per GPU{RATE_SOURCE if mtbf_hours == GPU_MTBF_HOURS else ''} over "
+        f"{world:,} GPUs"
+    )
     if n == got.floor and got.floor > 1:
         line += f"; no shorter than a write ({checkpoint.write_s:.3g} s)"
     if n == steps:
@@ -183,4 +215,3 @@ def span(seconds: float) -> str:
 
 
 RATE_SOURCE = " (Llama 3's rate; --gpu-mtbf-hours sets yours)"
-

@@ -2,6 +2,7 @@
 
 planner/memory.py's bytes per rank and host on the worst stage, planner/timing.py's seconds per step on the slowest,
 planner/startup.py's build before the first step."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,8 +10,7 @@ from dataclasses import dataclass
 from dspipe.planner.checkpoint_size import CheckpointSize, checkpoint_size
 from dspipe.planner.memory import MEMORY_HEADROOM, Memory, host_offload_per_rank, stage_memory
 from dspipe.planner.plan import Plan
-from dspipe.planner.stages import (largest_tensor, stage_elements, stage_largest_tensors, stage_params,
-                                   zero_group_size)
+from dspipe.planner.stages import largest_tensor, stage_elements, stage_largest_tensors, stage_params, zero_group_size
 from dspipe.planner.startup import StartupEstimate, build_mode, startup_estimate
 from dspipe.planner.timing import step_time
 from dspipe.spec.core import ClusterSpec, ModelSpec
@@ -58,8 +58,17 @@ class Estimate:
 
     @property
     def step_time_s(self) -> float:
-        return (self.compute_s + self.dp_comm_s + self.bubble_s + self.pp_comm_s + self.offload_s + self.tp_comm_s
-                + self.sp_comm_s + self.ep_comm_s + self.optimizer_s)
+        return (
+            self.compute_s
+            + self.dp_comm_s
+            + self.bubble_s
+            + self.pp_comm_s
+            + self.offload_s
+            + self.tp_comm_s
+            + self.sp_comm_s
+            + self.ep_comm_s
+            + self.optimizer_s
+        )
 
     @property
     def usable_gpu_memory_bytes(self) -> int:
@@ -70,9 +79,12 @@ class Estimate:
     def fits(self) -> bool:
         """The step's peak within the usable GPU memory, the offload's host bytes within the node's RAM, and the
         start-up too: the node's host peak from the build on, and the build's device transient."""
-        return (self.memory.total <= self.usable_gpu_memory_bytes
-                and self.host_memory_bytes <= self.host_memory_capacity
-                and not self.startup_host_shortfall_bytes and not self.startup_device_shortfall_bytes)
+        return (
+            self.memory.total <= self.usable_gpu_memory_bytes
+            and self.host_memory_bytes <= self.host_memory_capacity
+            and not self.startup_host_shortfall_bytes
+            and not self.startup_device_shortfall_bytes
+        )
 
     @property
     def startup_host_shortfall_bytes(self) -> int:
@@ -93,8 +105,14 @@ class Estimate:
         return max(0, self.memory.total - self.usable_gpu_memory_bytes)
 
 
-def estimate(*, model: ModelSpec, cluster: ClusterSpec, plan: Plan, headroom: float = MEMORY_HEADROOM,
-             import_bytes: int | None = None) -> Estimate:
+def estimate(
+    *,
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    plan: Plan,
+    headroom: float = MEMORY_HEADROOM,
+    import_bytes: int | None = None,
+) -> Estimate:
     """The plan's memory, time and start-up. `import_bytes`: bytes of the --init-from checkpoint's tensors
     (dspipe.model.hf_weights.check_weights), None for a random initialisation."""
     memory, phi = stage_memory(model=model, cluster=cluster, plan=plan)
@@ -112,23 +130,44 @@ def estimate(*, model: ModelSpec, cluster: ClusterSpec, plan: Plan, headroom: fl
         worst = max(range(len(stages)), key=lambda i: stages[i] + tensors[i])
         largest = tensors[worst]
     whole = stage_elements(model, plan.pp, plan.partition_method, plan.tp)  # what a stage's rank draws
-    startup = startup_estimate(mode=build_mode(zero_stage=plan.zero_stage, tp=plan.tp, pp=plan.pp),
-                               num_params=built, rank_params=max(stages) if plan.pp == 1 else None,
-                               stage_params=stages[worst], stage_elements=max(whole),
-                               largest_tensor=largest, precision=plan.precision,
-                               offload_params=plan.offload_params, zero_ranks=zero_group_size(plan), tp=plan.tp,
-                               ranks_per_node=cluster.gpus_per_node, host_offload_per_rank=host_per_rank,
-                               import_bytes=import_bytes)
+    startup = startup_estimate(
+        mode=build_mode(zero_stage=plan.zero_stage, tp=plan.tp, pp=plan.pp),
+        num_params=built,
+        rank_params=max(stages) if plan.pp == 1 else None,
+        stage_params=stages[worst],
+        stage_elements=max(whole),
+        largest_tensor=largest,
+        precision=plan.precision,
+        offload_params=plan.offload_params,
+        zero_ranks=zero_group_size(plan),
+        tp=plan.tp,
+        ranks_per_node=cluster.gpus_per_node,
+        host_offload_per_rank=host_per_rank,
+        import_bytes=import_bytes,
+    )
     t = step_time(model=model, cluster=cluster, plan=plan, phi=phi)
-    return Estimate(memory=memory, gpu_memory_bytes=cluster.gpu_type.memory_bytes,
-                    host_memory_bytes=int(cluster.gpus_per_node * host_per_rank),
-                    host_memory_capacity=cluster.host_memory_bytes, compute_s=t.compute_s, dp_comm_s=t.dp_comm_s,
-                    bubble_s=t.bubble_s, pp_comm_s=t.pp_comm_s, offload_s=t.offload_s,
-                    flops_per_token=t.flops_per_token, hardware_flops_per_token=t.hardware_flops_per_token,
-                    tp_comm_s=t.tp_comm_s, sp_comm_s=t.sp_comm_s, ep_comm_s=t.ep_comm_s,
-                    active_params=model.active_params, headroom=headroom,
-                    matmul_efficiency=t.matmul_efficiency, optimizer_s=t.optimizer_s, startup=startup,
-                    checkpoint=checkpoint_size(model=model, plan=plan, ranks_per_node=cluster.gpus_per_node))
+    return Estimate(
+        memory=memory,
+        gpu_memory_bytes=cluster.gpu_type.memory_bytes,
+        host_memory_bytes=int(cluster.gpus_per_node * host_per_rank),
+        host_memory_capacity=cluster.host_memory_bytes,
+        compute_s=t.compute_s,
+        dp_comm_s=t.dp_comm_s,
+        bubble_s=t.bubble_s,
+        pp_comm_s=t.pp_comm_s,
+        offload_s=t.offload_s,
+        flops_per_token=t.flops_per_token,
+        hardware_flops_per_token=t.hardware_flops_per_token,
+        tp_comm_s=t.tp_comm_s,
+        sp_comm_s=t.sp_comm_s,
+        ep_comm_s=t.ep_comm_s,
+        active_params=model.active_params,
+        headroom=headroom,
+        matmul_efficiency=t.matmul_efficiency,
+        optimizer_s=t.optimizer_s,
+        startup=startup,
+        checkpoint=checkpoint_size(model=model, plan=plan, ranks_per_node=cluster.gpus_per_node),
+    )
 
 
 def throughput(*, est: Estimate, model: ModelSpec, cluster: ClusterSpec, plan: Plan) -> tuple[float, float]:

@@ -1,5 +1,6 @@
 """Value checks of DeepSpeed keys a preset sets: each returns the value as dspipe renders it or raises
 ValueError(what is allowed), the reason in the one-line import error. No torch, no deepspeed."""
+
 from __future__ import annotations
 
 import json
@@ -23,16 +24,24 @@ def integer(lo: int, hi: int | None = None) -> Callable[[object], int]:
         if not isinstance(v, int) or isinstance(v, bool) or v < lo or (hi is not None and v > hi):
             raise ValueError(f"must be an integer >= {lo}" + (f" and <= {hi}" if hi is not None else ""))
         return v
+
     return check
 
 
 def number(lo: float, hi: float | None = None, *, open_lo: bool = False) -> Callable[[object], float]:
     def check(v: object) -> float:
-        if (not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v))
-                or v < lo or (open_lo and v == lo) or (hi is not None and v > hi)):
-            raise ValueError(f"must be a finite number {'>' if open_lo else '>='} {lo:g}"
-                             + (f" and <= {hi:g}" if hi is not None else ""))
+        if (
+            not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v))
+            or v < lo
+            or (open_lo and v == lo)
+            or (hi is not None and v > hi)
+        ):
+            raise ValueError(
+                f"must be a finite number {'>' if open_lo else '>='} {lo:g}"
+                + (f" and <= {hi:g}" if hi is not None else "")
+            )
         return v
+
     return check
 
 
@@ -41,6 +50,7 @@ def choice(*choices: object) -> Check:
         if v not in choices:
             raise ValueError(f"must be one of: {', '.join(map(json.dumps, choices))}")
         return v
+
     return check
 
 
@@ -51,8 +61,11 @@ def str_or_null(v: object) -> str | None:
 
 
 def betas(v: object) -> list[float]:
-    if (not isinstance(v, list) or len(v) != 2
-            or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in v)):
+    if (
+        not isinstance(v, list)
+        or len(v) != 2
+        or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in v)
+    ):
         raise ValueError("must be a list of two numbers in [0, 1)")
     return v
 

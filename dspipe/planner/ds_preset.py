@@ -12,6 +12,7 @@ dict sections (pipeline, activation_checkpointing) are ignored by DeepSpeed; dsp
 them too and says so. `account` runs after planning and rendering: every key of the preset is the same value in the
 rendered config, or a report line ("auto" resolved, a monitor path moved into the run directory), or an error.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -27,49 +28,104 @@ from dspipe.errors import SpecError, cannot_read
 from dspipe.jsonio import MISSING, dotted_get, number_hooks
 from dspipe.planner.ds_checks import Check, choice, integer, number
 from dspipe.planner.ds_schema import PLANNER_AUTO, option, section
-from dspipe.spec.settings import AUTO
 from dspipe.spec.kinds import Offload
+from dspipe.spec.settings import AUTO
 
 SCHEDULERS = ("WarmupCosineLR", "WarmupLR", "WarmupDecayLR")
 OPTIMIZERS = ("adam", "adamw")  # DeepSpeed lower-cases its own optimizer names; Adam is decoupled (adam_w_mode) too
 
 # DeepSpeed 0.19 refuses these outright (runtime/config.py _REMOVED_*_CONFIG_KEYS).
-REMOVED_TOP = ("nebula", "compression_training", "amp", "quantize_training", "sparse_gradients", "eigenvalue",
-               "sparse_attention", "elasticity", "graph_harvesting", "curriculum_learning", "progressive_layer_drop")
+REMOVED_TOP = (
+    "nebula",
+    "compression_training",
+    "amp",
+    "quantize_training",
+    "sparse_gradients",
+    "eigenvalue",
+    "sparse_attention",
+    "elasticity",
+    "graph_harvesting",
+    "curriculum_learning",
+    "progressive_layer_drop",
+)
 REMOVED_ZERO = ("mics_shard_size", "mics_hierarchical_params_gather", "zeropp_loco_param")
 
 # DeepSpeed settings dspipe does not render: accepted only at DeepSpeed's default (then DeepSpeed applies that very
 # value); sections only when disabled.
-UNRENDERED_TOP = {"zero_force_ds_cpu_optimizer": True, "managed_gradient_accumulation": True,
-                  "communication_data_type": None, "seq_parallel_communication_data_type": "fp32",
-                  "gradient_allreduce_op": "mean", "disable_allgather": False, "disable_python_gc": False,
-                  "dump_state": False, "memory_breakdown": False, "dataloader_drop_last": False,
-                  "use_data_before_expert_parallelism": False, "vocabulary_size": None, "log_level": None}
-UNRENDERED_SECTIONS = ("flops_profiler", "comms_logger", "autotuning", "checkpoint", "aio", "data_efficiency",
-                       "compile", "timers", "expert_parallel", "weight_quantization",
-                       "hybrid_engine", "torch_autocast", "datastates", "optimizer.legacy_fusion")
-UNRENDERED_ZERO = {"use_multi_rank_bucket_allreduce": True, "compute_grad_norm": True, "zenflow": None,
-                   "stage3_model_persistence_threshold": None, "stage3_module_granularity_threshold": 0,
-                   "stage3_use_all_reduce_for_fetch_params": False, "stage3_allgather_sequential": False,
-                   "legacy_stage1": False, "parameter_alignment": False, "zero_hpz_partition_size": 1,
-                   "zero_quantized_weights": False, "zero_quantized_nontrainable_weights": False,
-                   "zero_quantized_gradients": False, "memory_efficient_linear": True,
-                   "pipeline_loading_checkpoint": False, "override_module_apply": True,
-                   "log_trace_cache_warnings": False, "enable_sanity_checks": False,
-                   "save_muon_momentum_buffer_in_memory": False}
-UNRENDERED_OFFLOAD = {"pipeline_read": False, "pipeline_write": False, "super_offload": False,
-                      "cpuadam_cores_perc": 0.8}
-UNRENDERED_PRECISION = {"fp16_master_weights_and_grads": False, "bf16_master_weights_and_grads": False,
-                        "bf16_optimizer_states": False}
+UNRENDERED_TOP = {
+    "zero_force_ds_cpu_optimizer": True,
+    "managed_gradient_accumulation": True,
+    "communication_data_type": None,
+    "seq_parallel_communication_data_type": "fp32",
+    "gradient_allreduce_op": "mean",
+    "disable_allgather": False,
+    "disable_python_gc": False,
+    "dump_state": False,
+    "memory_breakdown": False,
+    "dataloader_drop_last": False,
+    "use_data_before_expert_parallelism": False,
+    "vocabulary_size": None,
+    "log_level": None,
+}
+UNRENDERED_SECTIONS = (
+    "flops_profiler",
+    "comms_logger",
+    "autotuning",
+    "checkpoint",
+    "aio",
+    "data_efficiency",
+    "compile",
+    "timers",
+    "expert_parallel",
+    "weight_quantization",
+    "hybrid_engine",
+    "torch_autocast",
+    "datastates",
+    "optimizer.legacy_fusion",
+)
+UNRENDERED_ZERO = {
+    "use_multi_rank_bucket_allreduce": True,
+    "compute_grad_norm": True,
+    "zenflow": None,
+    "stage3_model_persistence_threshold": None,
+    "stage3_module_granularity_threshold": 0,
+    "stage3_use_all_reduce_for_fetch_params": False,
+    "stage3_allgather_sequential": False,
+    "legacy_stage1": False,
+    "parameter_alignment": False,
+    "zero_hpz_partition_size": 1,
+    "zero_quantized_weights": False,
+    "zero_quantized_nontrainable_weights": False,
+    "zero_quantized_gradients": False,
+    "memory_efficient_linear": True,
+    "pipeline_loading_checkpoint": False,
+    "override_module_apply": True,
+    "log_trace_cache_warnings": False,
+    "enable_sanity_checks": False,
+    "save_muon_momentum_buffer_in_memory": False,
+}
+UNRENDERED_OFFLOAD = {
+    "pipeline_read": False,
+    "pipeline_write": False,
+    "super_offload": False,
+    "cpuadam_cores_perc": 0.8,
+}
+UNRENDERED_PRECISION = {
+    "fp16_master_weights_and_grads": False,
+    "bf16_master_weights_and_grads": False,
+    "bf16_optimizer_states": False,
+}
 ZERO_FIELD_NAMES = {  # DeepSpeedZeroConfig populates by field name too: field name -> the alias dspipe renders
     "prefetch_bucket_size": "stage3_prefetch_bucket_size",
     "param_persistence_threshold": "stage3_param_persistence_threshold",
     "model_persistence_threshold": "stage3_model_persistence_threshold",
-    "max_live_parameters": "stage3_max_live_parameters", "max_reuse_distance": "stage3_max_reuse_distance",
+    "max_live_parameters": "stage3_max_live_parameters",
+    "max_reuse_distance": "stage3_max_reuse_distance",
     "gather_16bit_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
     "module_granularity_threshold": "stage3_module_granularity_threshold",
     "use_all_reduce_for_fetch_params": "stage3_use_all_reduce_for_fetch_params",
-    "allgather_sequential": "stage3_allgather_sequential"}
+    "allgather_sequential": "stage3_allgather_sequential",
+}
 MONITOR_DIR_KEYS = ("tensorboard.output_path", "csv_monitor.output_path")
 """Always the run directory's monitor/ (dspipe report and the metrics log read it there): reported when moved."""
 
@@ -86,18 +142,24 @@ OPTIMIZER_PARAMS = section("optimizer.params")
 OPTIMIZER_PARAM_DEFAULTS = {"adam_w_mode": True, "torch_adam": False, "bias_correction": True, "amsgrad": False}
 SCHEDULER_PARAMS = {  # type -> param -> (target, check); targets "opt" feed TrainSpec, "sched" stay scheduler params
     "WarmupCosineLR": {
-        "total_num_steps": (option("steps"), integer(1)), "warmup_num_steps": (option("warmup"), integer(1)),
+        "total_num_steps": (option("steps"), integer(1)),
+        "warmup_num_steps": (option("warmup"), integer(1)),
         "cos_min_ratio": (option("min_lr_ratio"), number(0, 1)),
-        "warmup_min_ratio": (("sched",), number(0, 1)), "warmup_type": (("sched",), choice("log", "linear")),
+        "warmup_min_ratio": (("sched",), number(0, 1)),
+        "warmup_type": (("sched",), choice("log", "linear")),
     },
     "WarmupDecayLR": {
-        "total_num_steps": (option("steps"), integer(1)), "warmup_num_steps": (option("warmup"), integer(1)),
+        "total_num_steps": (option("steps"), integer(1)),
+        "warmup_num_steps": (option("warmup"), integer(1)),
         "warmup_max_lr": (option("lr"), number(0, open_lo=True)),
-        "warmup_min_lr": (("sched",), number(0)), "warmup_type": (("sched",), choice("log", "linear")),
+        "warmup_min_lr": (("sched",), number(0)),
+        "warmup_type": (("sched",), choice("log", "linear")),
     },
     "WarmupLR": {
-        "warmup_num_steps": (option("warmup"), integer(1)), "warmup_max_lr": (option("lr"), number(0, open_lo=True)),
-        "warmup_min_lr": (("sched",), number(0)), "warmup_type": (("sched",), choice("log", "linear")),
+        "warmup_num_steps": (option("warmup"), integer(1)),
+        "warmup_max_lr": (option("lr"), number(0, open_lo=True)),
+        "warmup_min_lr": (("sched",), number(0)),
+        "warmup_type": (("sched",), choice("log", "linear")),
     },
 }
 SCHEDULER_DEFAULTS = {"warmup_min_ratio": 0.0, "warmup_type": "log", "warmup_min_lr": 0.0}
@@ -111,8 +173,14 @@ PIPELINE = section("pipeline")
 ACTIVATION_CHECKPOINTING = section("activation_checkpointing")
 TENSOR_PARALLEL = section("tensor_parallel")
 TENSOR_PARALLEL_TP = section("tensor_parallel.tp")
-UNRENDERED_TENSOR_PARALLEL = {"preset_model": None, "keep_module_on_host": False, "kernel_inject": False,
-                              "replace_with_kernel_inject": False, "injection_policy_tuple": None, "dtype": None}
+UNRENDERED_TENSOR_PARALLEL = {
+    "preset_model": None,
+    "keep_module_on_host": False,
+    "kernel_inject": False,
+    "replace_with_kernel_inject": False,
+    "injection_policy_tuple": None,
+    "dtype": None,
+}
 MONITORS = {name: section(name) for name in ("tensorboard", "csv_monitor", "wandb", "comet")}
 
 
@@ -157,6 +225,7 @@ def _show(value: object) -> str:
 
 # ---- reading ---------------------------------------------------------------------------------------------------------
 
+
 def _no_duplicates(pairs: Iterable[tuple[str, Any]]) -> dict[str, Any]:
     seen: dict[str, Any] = {}
     for key, value in pairs:
@@ -189,6 +258,7 @@ def read_preset(path: Path) -> dict[str, Any]:
 
 # ---- import ----------------------------------------------------------------------------------------------------------
 
+
 def import_preset(cfg: dict[str, Any], *, source: str) -> PresetImport:
     """Refuse or normalise every key of `cfg`; see the module docstring."""
     imp = PresetImport(source=source, canon={})
@@ -199,8 +269,7 @@ def import_preset(cfg: dict[str, Any], *, source: str) -> PresetImport:
             raise imp.error(key, cfg[key], "was removed from DeepSpeed 0.19 (it refuses the key); remove it")
     if "bfloat16" in cfg:
         if "bf16" in cfg:
-            raise imp.error("bfloat16", cfg["bfloat16"], "and bf16 are both given; DeepSpeed reads bf16 only: "
-                                                        "keep one")
+            raise imp.error("bfloat16", cfg["bfloat16"], "and bf16 are both given; DeepSpeed reads bf16 only: keep one")
         cfg["bf16"] = cfg.pop("bfloat16")
         imp.note("bfloat16 is DeepSpeed's old name of bf16; read as bf16")
     if isinstance(cfg.get("zero_optimization"), bool):  # DeepSpeed's oldest format: true = stage 1
@@ -212,8 +281,18 @@ def import_preset(cfg: dict[str, Any], *, source: str) -> PresetImport:
     for key, value in cfg.items():
         if key in TOP:
             _take(imp, canon, key, key, value, TOP[key])
-        elif key in ("optimizer", "scheduler", "fp16", "bf16", "data_types", "zero_optimization", "pipeline",
-                     "activation_checkpointing", "tensor_parallel", *MONITORS):
+        elif key in (
+            "optimizer",
+            "scheduler",
+            "fp16",
+            "bf16",
+            "data_types",
+            "zero_optimization",
+            "pipeline",
+            "activation_checkpointing",
+            "tensor_parallel",
+            *MONITORS,
+        ):
             if not isinstance(value, dict):
                 raise imp.error(key, value, "must be a JSON object")
             canon[key] = {}
@@ -224,8 +303,10 @@ def import_preset(cfg: dict[str, Any], *, source: str) -> PresetImport:
             _unrendered_section(imp, key, value)
         else:
             close = difflib.get_close_matches(key, [*TOP, *SECTIONS, *UNRENDERED_TOP, *UNRENDERED_SECTIONS], n=1)
-            imp.note(f"{key} is not a DeepSpeed setting; ignored, as DeepSpeed ignores unknown top-level keys"
-                     + (f" (did you mean {close[0]}?)" if close else ""))
+            imp.note(
+                f"{key} is not a DeepSpeed setting; ignored, as DeepSpeed ignores unknown top-level keys"
+                + (f" (did you mean {close[0]}?)" if close else "")
+            )
     _precision(imp)
     _lr_agreement(imp)
     _tensor_parallel_batch(imp)
@@ -244,27 +325,43 @@ def _tensor_parallel_batch(imp: PresetImport) -> None:
     section = imp.canon.get("tensor_parallel", {})
     inner = section.get("tp", {})
     if inner.get("tp_size", AUTO) not in (AUTO, tp, 1):
-        raise imp.error("tensor_parallel.tp.tp_size", inner["tp_size"], f"disagrees with tensor_parallel.autotp_size "
-                                                                         f"{tp}; give both the same tp, or tp_size 1")
+        raise imp.error(
+            "tensor_parallel.tp.tp_size",
+            inner["tp_size"],
+            f"disagrees with tensor_parallel.autotp_size {tp}; give both the same tp, or tp_size 1",
+        )
     section.pop("autotp_size", None)
     if inner.get("tp_size") == tp:
         inner.pop("tp_size")
-    imp.note(f"tensor_parallel.autotp_size {tp} -> --tp {tp}: dspipe runs tp with its own tensor-parallel layers "
-             f"(Megatron layout) and renders DeepSpeed's AutoTP off (autotp_size 0, tp.tp_size 1)")
+    imp.note(
+        f"tensor_parallel.autotp_size {tp} -> --tp {tp}: dspipe runs tp with its own tensor-parallel layers "
+        f"(Megatron layout) and renders DeepSpeed's AutoTP off (autotp_size 0, tp.tp_size 1)"
+    )
     if total is not None:
         batch, rest = divmod(total, tp)
         if rest:
-            raise imp.error("train_batch_size", total, f"is not divisible by tensor_parallel.autotp_size {tp} "
-                                                       f"(DeepSpeed's AutoTP counts the tp ranks in it)")
+            raise imp.error(
+                "train_batch_size",
+                total,
+                f"is not divisible by tensor_parallel.autotp_size {tp} (DeepSpeed's AutoTP counts the tp ranks in it)",
+            )
         imp.options["global_batch"] = batch
         imp.canon.pop("train_batch_size", None)
-        imp.note(f"train_batch_size {total} counts the {tp} AutoTP ranks of each replica (DeepSpeed 0.19.8's AutoTP "
-                 f"semantics): global batch {batch} sequences, which dspipe renders as train_batch_size {batch} "
-                 f"(its tensor-parallel layers' ranks are not data-parallel)")
+        imp.note(
+            f"train_batch_size {total} counts the {tp} AutoTP ranks of each replica (DeepSpeed 0.19.8's AutoTP "
+            f"semantics): global batch {batch} sequences, which dspipe renders as train_batch_size {batch} "
+            f"(its tensor-parallel layers' ranks are not data-parallel)"
+        )
 
 
-def _take(imp: PresetImport, canon: dict[str, Any], key: str, path: str, value: Any,
-          spec: tuple[tuple[str, ...] | None, Check | None]) -> None:
+def _take(
+    imp: PresetImport,
+    canon: dict[str, Any],
+    key: str,
+    path: str,
+    value: Any,
+    spec: tuple[tuple[str, ...] | None, Check | None],
+) -> None:
     """Check one value and file it under its target; "auto" is kept in canon only (account() reports it)."""
     target, check = spec
     assert target is not None and check is not None  # a row a preset sets has both (ds_schema.section)
@@ -298,22 +395,35 @@ def _unrendered(imp: PresetImport, path: str, value: object, default: object) ->
     if value == default or value == AUTO:
         imp.note(f"{path} {_show(value)} is DeepSpeed's default; not rendered (DeepSpeed applies the same)")
         return
-    raise imp.error(path, value, f"is not supported by dspipe (only DeepSpeed's default {_show(default)}); "
-                                 "remove it")
+    raise imp.error(path, value, f"is not supported by dspipe (only DeepSpeed's default {_show(default)}); remove it")
 
 
 def _unrendered_section(imp: PresetImport, path: str, value: object) -> None:
     """A DeepSpeed section dspipe does not render: accepted (and reported) only when it is disabled."""
-    if isinstance(value, dict) and value.get("enabled", AUTO) in (False, AUTO) and (
-            value.get("enabled") is False or set(value) <= {"enabled"}):
+    if (
+        isinstance(value, dict)
+        and value.get("enabled", AUTO) in (False, AUTO)
+        and (value.get("enabled") is False or set(value) <= {"enabled"})
+    ):
         imp.note(f"{path} is disabled; not rendered (off in DeepSpeed without it too)")
         return
-    raise imp.error(path, value if not isinstance(value, dict) else "{...}",
-                    "is not supported by dspipe; remove it (or set \"enabled\": false)")
+    raise imp.error(
+        path,
+        value if not isinstance(value, dict) else "{...}",
+        'is not supported by dspipe; remove it (or set "enabled": false)',
+    )
 
 
-def _section(imp: PresetImport, prefix: str, value: dict[str, Any], canon: dict[str, Any], table: Table, *,
-             unrendered: Mapping[str, object] = _NOTHING, strict: bool = True) -> None:
+def _section(
+    imp: PresetImport,
+    prefix: str,
+    value: dict[str, Any],
+    canon: dict[str, Any],
+    table: Table,
+    *,
+    unrendered: Mapping[str, object] = _NOTHING,
+    strict: bool = True,
+) -> None:
     """Keys of a DeepSpeed section. strict: DeepSpeed's pydantic model forbids unknown keys (so does dspipe);
     otherwise DeepSpeed ignores them and dspipe reports them as ignored."""
     for key, v in value.items():
@@ -324,8 +434,12 @@ def _section(imp: PresetImport, prefix: str, value: dict[str, Any], canon: dict[
             _unrendered(imp, path, v, unrendered[key])
         elif strict:
             close = difflib.get_close_matches(key, [*table, *unrendered], n=1)
-            raise imp.error(path, v, f"is not a key of DeepSpeed's {prefix} (it forbids unknown keys)"
-                                     + (f"; did you mean {close[0]}?" if close else ""))
+            raise imp.error(
+                path,
+                v,
+                f"is not a key of DeepSpeed's {prefix} (it forbids unknown keys)"
+                + (f"; did you mean {close[0]}?" if close else ""),
+            )
         else:
             imp.note(f"{path} is not a DeepSpeed setting; ignored, as DeepSpeed ignores it")
 
@@ -334,8 +448,11 @@ def _optimizer(imp: PresetImport, value: dict[str, Any], canon: dict[str, Any]) 
     for key, v in value.items():
         if key == "type":
             if v != AUTO and (not isinstance(v, str) or v.lower() not in OPTIMIZERS):
-                raise imp.error("optimizer.type", v, "is not supported by dspipe: it trains with Adam or AdamW "
-                                                     "(decoupled weight decay)")
+                raise imp.error(
+                    "optimizer.type",
+                    v,
+                    "is not supported by dspipe: it trains with Adam or AdamW (decoupled weight decay)",
+                )
             canon["type"] = v
             if v != AUTO:
                 imp.values["optimizer_type"] = v
@@ -343,8 +460,7 @@ def _optimizer(imp: PresetImport, value: dict[str, Any], canon: dict[str, Any]) 
             if not isinstance(v, dict):
                 raise imp.error("optimizer.params", v, "must be a JSON object")
             canon["params"] = {}
-            _section(imp, "optimizer.params", v, canon["params"], OPTIMIZER_PARAMS,
-                     unrendered=OPTIMIZER_PARAM_DEFAULTS)
+            _section(imp, "optimizer.params", v, canon["params"], OPTIMIZER_PARAMS, unrendered=OPTIMIZER_PARAM_DEFAULTS)
         elif key == "legacy_fusion":
             _unrendered(imp, "optimizer.legacy_fusion", v, False)
         else:
@@ -370,8 +486,9 @@ def _scheduler(imp: PresetImport, value: dict[str, Any], canon: dict[str, Any]) 
             if key == "last_batch_iteration" and v == -1:
                 imp.note("scheduler.params.last_batch_iteration -1 is DeepSpeed's default; not rendered")
                 continue
-            raise imp.error(f"scheduler.params.{key}", v, f"is not a parameter of {kind} that dspipe renders "
-                                                         f"({', '.join(table)})")
+            raise imp.error(
+                f"scheduler.params.{key}", v, f"is not a parameter of {kind} that dspipe renders ({', '.join(table)})"
+            )
         _take(imp, canon["params"], key, f"scheduler.params.{key}", v, table[key])
 
 
@@ -386,8 +503,9 @@ def _bf16(imp: PresetImport, value: dict[str, Any], canon: dict[str, Any]) -> No
 def _data_types(imp: PresetImport, value: dict[str, Any], canon: dict[str, Any]) -> None:
     for key, v in value.items():
         if key != "grad_accum_dtype":
-            raise imp.error(f"data_types.{key}", v, "is not supported by dspipe (only grad_accum_dtype, which the "
-                                                   "plan derives)")
+            raise imp.error(
+                f"data_types.{key}", v, "is not supported by dspipe (only grad_accum_dtype, which the plan derives)"
+            )
         if v != AUTO and v not in ("fp32", "bf16", "fp16"):
             raise imp.error(f"data_types.{key}", v, 'must be one of: "fp32", "bf16", "fp16"')
         canon[key] = v  # compared with the plan's grad_accum_dtype after rendering
@@ -397,13 +515,15 @@ def _zero(imp: PresetImport, value: dict[str, Any], canon: dict[str, Any]) -> No
     value = dict(value)
     for key in REMOVED_ZERO:
         if key in value:
-            raise imp.error(f"zero_optimization.{key}", value[key], "was removed from DeepSpeed 0.19 (it refuses "
-                                                                    "the key); remove it")
+            raise imp.error(
+                f"zero_optimization.{key}",
+                value[key],
+                "was removed from DeepSpeed 0.19 (it refuses the key); remove it",
+            )
     for name, alias in ZERO_FIELD_NAMES.items():  # field names DeepSpeed also accepts
         if name in value:
             if alias in value:
-                raise imp.error(f"zero_optimization.{name}", value[name], f"and {alias} are the same setting; "
-                                                                         "keep one")
+                raise imp.error(f"zero_optimization.{name}", value[name], f"and {alias} are the same setting; keep one")
             value[alias] = value.pop(name)
     legacy = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param"}
     for old, new in legacy.items():
@@ -412,22 +532,32 @@ def _zero(imp: PresetImport, value: dict[str, Any], canon: dict[str, Any]) -> No
             if flag not in (True, False):
                 raise imp.error(f"zero_optimization.{old}", flag, "must be true or false")
             if new in value:
-                raise imp.error(f"zero_optimization.{old}", flag, f"and {new} are both given; DeepSpeed refuses a "
-                                                                  "deprecated key next to its replacement")
+                raise imp.error(
+                    f"zero_optimization.{old}",
+                    flag,
+                    f"and {new} are both given; DeepSpeed refuses a deprecated key next to its replacement",
+                )
             if flag:
                 value[new] = {"device": "cpu"}
-            imp.note(f"zero_optimization.{old} {_show(flag)} is DeepSpeed's deprecated form; read as "
-                     f"{new}.device {'cpu' if flag else 'none (not given)'}")
+            imp.note(
+                f"zero_optimization.{old} {_show(flag)} is DeepSpeed's deprecated form; read as "
+                f"{new}.device {'cpu' if flag else 'none (not given)'}"
+            )
     if "cpu_offload_use_pin_memory" in value:
-        imp.note("zero_optimization.cpu_offload_use_pin_memory is deprecated and ignored by DeepSpeed; ignored "
-                 "(set pin_memory in offload_optimizer/offload_param)")
+        imp.note(
+            "zero_optimization.cpu_offload_use_pin_memory is deprecated and ignored by DeepSpeed; ignored "
+            "(set pin_memory in offload_optimizer/offload_param)"
+        )
         value.pop("cpu_offload_use_pin_memory")
     old = "stage3_gather_fp16_weights_on_model_save"
     if old in value:
         new = "stage3_gather_16bit_weights_on_model_save"
         if new in value:
-            raise imp.error(f"zero_optimization.{old}", value[old], f"and {new} are both given; DeepSpeed refuses "
-                                                                    "a deprecated key next to its replacement")
+            raise imp.error(
+                f"zero_optimization.{old}",
+                value[old],
+                f"and {new} are both given; DeepSpeed refuses a deprecated key next to its replacement",
+            )
         value[new] = value.pop(old)
         imp.note(f"zero_optimization.{old} is DeepSpeed's deprecated name; read as {new}")
     for sub, table in (("offload_optimizer", OFFLOAD_OPTIMIZER), ("offload_param", OFFLOAD_PARAM)):
@@ -443,18 +573,28 @@ def _zero(imp: PresetImport, value: dict[str, Any], canon: dict[str, Any]) -> No
     opt_dev = canon.get("offload_optimizer", {}).get("device", "none")
     par_dev = canon.get("offload_param", {}).get("device", "none")
     if AUTO not in (opt_dev, par_dev):
-        if (opt_dev != Offload.NONE or par_dev != Offload.NONE or "offload_optimizer" in canon
-                or "offload_param" in canon):
+        if (
+            opt_dev != Offload.NONE
+            or par_dev != Offload.NONE
+            or "offload_optimizer" in canon
+            or "offload_param" in canon
+        ):
             imp.options["offload"] = opt_dev if opt_dev != Offload.NONE else par_dev
             imp.options["offload_params"] = par_dev != Offload.NONE
             imp.origins["offload"] = "zero_optimization.offload_optimizer.device"
             imp.origins["offload_params"] = "zero_optimization.offload_param.device"
-        path = (canon.get("offload_optimizer", {}).get("nvme_path") if opt_dev == Offload.NVME
-                else canon.get("offload_param", {}).get("nvme_path") if par_dev == Offload.NVME else None)
+        path = (
+            canon.get("offload_optimizer", {}).get("nvme_path")
+            if opt_dev == Offload.NVME
+            else canon.get("offload_param", {}).get("nvme_path")
+            if par_dev == Offload.NVME
+            else None
+        )
         if path and path != AUTO:
             imp.options["nvme_path"] = path
-            imp.origins["nvme_path"] = f"zero_optimization.offload_{'optimizer' if opt_dev == 'nvme' else 'param'}" \
-                                       ".nvme_path"
+            imp.origins["nvme_path"] = (
+                f"zero_optimization.offload_{'optimizer' if opt_dev == 'nvme' else 'param'}.nvme_path"
+            )
 
 
 def _pipeline(imp: PresetImport, value: dict[str, Any], canon: dict[str, Any]) -> None:
@@ -475,20 +615,30 @@ def _tensor_parallel(imp: PresetImport, value: dict[str, Any], canon: dict[str, 
         if not isinstance(sub, dict):
             raise imp.error("tensor_parallel.tp", sub, "must be a JSON object")
         canon["tp"] = {}
-        _section(imp, "tensor_parallel.tp", sub, canon["tp"], TENSOR_PARALLEL_TP,
-                 unrendered={"mpu": None, "tp_group": None})
+        _section(
+            imp, "tensor_parallel.tp", sub, canon["tp"], TENSOR_PARALLEL_TP, unrendered={"mpu": None, "tp_group": None}
+        )
 
 
 def _monitor(name: str) -> Reader:
     def read(imp: PresetImport, value: dict[str, Any], canon: dict[str, Any]) -> None:
         _section(imp, name, value, canon, MONITORS[name])
+
     return read
 
 
-SECTIONS: dict[str, Reader] = {"optimizer": _optimizer, "scheduler": _scheduler, "fp16": _fp16, "bf16": _bf16,
-            "data_types": _data_types, "zero_optimization": _zero, "pipeline": _pipeline,
-            "activation_checkpointing": _activation_checkpointing, "tensor_parallel": _tensor_parallel,
-            **{name: _monitor(name) for name in MONITORS}}
+SECTIONS: dict[str, Reader] = {
+    "optimizer": _optimizer,
+    "scheduler": _scheduler,
+    "fp16": _fp16,
+    "bf16": _bf16,
+    "data_types": _data_types,
+    "zero_optimization": _zero,
+    "pipeline": _pipeline,
+    "activation_checkpointing": _activation_checkpointing,
+    "tensor_parallel": _tensor_parallel,
+    **{name: _monitor(name) for name in MONITORS},
+}
 
 
 def _precision(imp: PresetImport) -> None:
@@ -497,8 +647,7 @@ def _precision(imp: PresetImport) -> None:
     present = [name for name in ("bf16", "fp16") if name in imp.canon]
     enabled = {name: imp.canon[name].get("enabled", False) for name in present}
     if enabled.get("bf16") is True and enabled.get("fp16") is True:
-        raise SpecError(f"preset {imp.source}: fp16 and bf16 are both enabled; DeepSpeed allows one "
-                        "(pick --precision)")
+        raise SpecError(f"preset {imp.source}: fp16 and bf16 are both enabled; DeepSpeed allows one (pick --precision)")
     if True in enabled.values():
         imp.options["precision"] = "bf16" if enabled.get("bf16") is True else "fp16"
         imp.origins["precision"] = f"{imp.options['precision']}.enabled"
@@ -514,8 +663,10 @@ def _lr_agreement(imp: PresetImport) -> None:
     peak = imp.canon.get("scheduler", {}).get("params", {}).get("warmup_max_lr")
     number = (int, float)
     if isinstance(lr, number) and isinstance(peak, number) and lr != peak:
-        raise SpecError(f"preset {imp.source}: optimizer.params.lr {lr:g} and scheduler.params.warmup_max_lr "
-                        f"{peak:g} disagree; DeepSpeed would train at {peak:g} after warmup: make them equal")
+        raise SpecError(
+            f"preset {imp.source}: optimizer.params.lr {lr:g} and scheduler.params.warmup_max_lr "
+            f"{peak:g} disagree; DeepSpeed would train at {peak:g} after warmup: make them equal"
+        )
     if isinstance(peak, number):
         imp.options["lr"] = peak
         imp.origins["lr"] = "scheduler.params.warmup_max_lr" if lr is None else "optimizer.params.lr"
@@ -523,21 +674,29 @@ def _lr_agreement(imp: PresetImport) -> None:
 
 # ---- rendering and accounting ----------------------------------------------------------------------------------------
 
-def scheduler_block(imp: PresetImport | None, *, lr: float, steps: int, warmup: int, min_lr_ratio: float
-                    ) -> tuple[str, dict[str, object]]:
+
+def scheduler_block(
+    imp: PresetImport | None, *, lr: float, steps: int, warmup: int, min_lr_ratio: float
+) -> tuple[str, dict[str, object]]:
     """(type, params) of the rendered scheduler: dspipe's cosine schedule unless the preset names another; every
     parameter explicit (the preset's, dspipe's options, or DeepSpeed's default)."""
     kind = (imp.scheduler_type if imp else None) or "WarmupCosineLR"
     own = dict(imp.scheduler_params) if imp else {}
     if kind == "WarmupCosineLR":
-        params = {"total_num_steps": steps, "warmup_num_steps": warmup,
-                  "warmup_min_ratio": own.get("warmup_min_ratio", 0.0),
-                  "warmup_type": own.get("warmup_type", "log" if imp and imp.scheduler_type else "linear"),
-                  "cos_min_ratio": min_lr_ratio}
+        params = {
+            "total_num_steps": steps,
+            "warmup_num_steps": warmup,
+            "warmup_min_ratio": own.get("warmup_min_ratio", 0.0),
+            "warmup_type": own.get("warmup_type", "log" if imp and imp.scheduler_type else "linear"),
+            "cos_min_ratio": min_lr_ratio,
+        }
     else:
-        params = {"warmup_min_lr": own.get("warmup_min_lr", SCHEDULER_DEFAULTS["warmup_min_lr"]),
-                  "warmup_max_lr": lr, "warmup_num_steps": warmup,
-                  "warmup_type": own.get("warmup_type", SCHEDULER_DEFAULTS["warmup_type"])}
+        params = {
+            "warmup_min_lr": own.get("warmup_min_lr", SCHEDULER_DEFAULTS["warmup_min_lr"]),
+            "warmup_max_lr": lr,
+            "warmup_num_steps": warmup,
+            "warmup_type": own.get("warmup_type", SCHEDULER_DEFAULTS["warmup_type"]),
+        }
         if kind == "WarmupDecayLR":
             params["total_num_steps"] = steps
     return kind, params
@@ -551,34 +710,56 @@ def _leaves(d: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
             yield f"{prefix}{key}", value
 
 
-AUTO_OPTIONS = {"train_batch_size": "global_batch", "train_micro_batch_size_per_gpu": "micro_batch",
-                "gradient_clipping": "grad_clip", "optimizer.params.lr": "lr", "scheduler.params.warmup_max_lr": "lr",
-                "optimizer.params.weight_decay": "weight_decay", "scheduler.params.total_num_steps": "steps",
-                "scheduler.params.warmup_num_steps": "warmup", "scheduler.params.cos_min_ratio": "min_lr_ratio",
-                "bf16.enabled": "precision", "fp16.enabled": "precision", "zero_optimization.stage": "zero",
-                "zero_optimization.reduce_bucket_size": "reduce_bucket_size",
-                "zero_optimization.stage3_prefetch_bucket_size": "prefetch_bucket_size",
-                "zero_optimization.stage3_param_persistence_threshold": "param_persistence_threshold",
-                "zero_optimization.stage3_max_live_parameters": "max_live_parameters",
-                "zero_optimization.stage3_max_reuse_distance": "max_reuse_distance",
-                "pipeline.stages": "pp", "wall_clock_breakdown": "wall_clock_breakdown",
-                "steps_per_print": "log_interval", "pipeline.partition": "partition_method",
-                "pipeline.activation_checkpoint_interval": "checkpointing",
-                "zero_optimization.offload_optimizer.nvme_path": "nvme_path",
-                "zero_optimization.offload_param.nvme_path": "nvme_path",
-                "wandb.enabled": "wandb_project", "wandb.project": "wandb_project", "wandb.group": "wandb_group",
-                "wandb.team": "wandb_team", "comet.enabled": "comet_project", "comet.project": "comet_project",
-                "comet.samples_log_interval": "comet_project", "comet.workspace": "comet_workspace",
-                "comet.experiment_name": "comet_experiment", "comet.online": "comet_offline"}
+AUTO_OPTIONS = {
+    "train_batch_size": "global_batch",
+    "train_micro_batch_size_per_gpu": "micro_batch",
+    "gradient_clipping": "grad_clip",
+    "optimizer.params.lr": "lr",
+    "scheduler.params.warmup_max_lr": "lr",
+    "optimizer.params.weight_decay": "weight_decay",
+    "scheduler.params.total_num_steps": "steps",
+    "scheduler.params.warmup_num_steps": "warmup",
+    "scheduler.params.cos_min_ratio": "min_lr_ratio",
+    "bf16.enabled": "precision",
+    "fp16.enabled": "precision",
+    "zero_optimization.stage": "zero",
+    "zero_optimization.reduce_bucket_size": "reduce_bucket_size",
+    "zero_optimization.stage3_prefetch_bucket_size": "prefetch_bucket_size",
+    "zero_optimization.stage3_param_persistence_threshold": "param_persistence_threshold",
+    "zero_optimization.stage3_max_live_parameters": "max_live_parameters",
+    "zero_optimization.stage3_max_reuse_distance": "max_reuse_distance",
+    "pipeline.stages": "pp",
+    "wall_clock_breakdown": "wall_clock_breakdown",
+    "steps_per_print": "log_interval",
+    "pipeline.partition": "partition_method",
+    "pipeline.activation_checkpoint_interval": "checkpointing",
+    "zero_optimization.offload_optimizer.nvme_path": "nvme_path",
+    "zero_optimization.offload_param.nvme_path": "nvme_path",
+    "wandb.enabled": "wandb_project",
+    "wandb.project": "wandb_project",
+    "wandb.group": "wandb_group",
+    "wandb.team": "wandb_team",
+    "comet.enabled": "comet_project",
+    "comet.project": "comet_project",
+    "comet.samples_log_interval": "comet_project",
+    "comet.workspace": "comet_workspace",
+    "comet.experiment_name": "comet_experiment",
+    "comet.online": "comet_offline",
+}
 """Preset keys whose "auto" a gen-config option resolves (labelled with the flag when the user typed it)."""
-PLAN_DERIVED = frozenset({"pipeline.activation_checkpoint_interval", "pipeline.partition",
-                          "zero_optimization.reduce_scatter", "zero_optimization.offload_optimizer.pin_memory",
-                          "zero_optimization.offload_param.pin_memory"})
+PLAN_DERIVED = frozenset(
+    {
+        "pipeline.activation_checkpoint_interval",
+        "pipeline.partition",
+        "zero_optimization.reduce_scatter",
+        "zero_optimization.offload_optimizer.pin_memory",
+        "zero_optimization.offload_param.pin_memory",
+    }
+)
 """Keys outside ds_schema.PLANNER_AUTO whose "auto" the plan resolves too (labelled "planner")."""
 
 
-def account(imp: PresetImport, rendered: dict[str, Any], *, given: dict[str, str], shipped: bool = False
-            ) -> list[str]:
+def account(imp: PresetImport, rendered: dict[str, Any], *, given: dict[str, str], shipped: bool = False) -> list[str]:
     """Report lines for the preset's keys that the rendered config does not carry verbatim; a SpecError for a key
     whose value the rendered config contradicts. `given`: preset key -> the flag that set it (for the labels).
     `shipped`: a preset of dspipe's own, whose "auto" keys are the run's by design: only those a typed flag set get
@@ -586,22 +767,32 @@ def account(imp: PresetImport, rendered: dict[str, Any], *, given: dict[str, str
     lines = account_lines(imp, rendered, given=given)
     if not shipped:
         return lines
-    quiet = [line for line in lines if line.startswith("preset: ") and '"auto" ->' in line
-             and not any(line.endswith(f"({flag})") for flag in set(given.values()))]
+    quiet = [
+        line
+        for line in lines
+        if line.startswith("preset: ")
+        and '"auto" ->' in line
+        and not any(line.endswith(f"({flag})") for flag in set(given.values()))
+    ]
     if not quiet:
         return lines
     return [line for line in lines if line not in quiet] + [
         f"preset {imp.source}: {len(quiet)} more keys it leaves to the run (\"auto\") took the planner's or dspipe's "
-        f"values (ds_config.json holds each)"]
+        f"values (ds_config.json holds each)"
+    ]
 
 
 def account_lines(imp: PresetImport, rendered: dict[str, Any], *, given: dict[str, str]) -> list[str]:
     """account()'s lines, one for every key."""
     lines = list(imp.notes)
     if imp.values.get("overlap_comm") and rendered["pipeline"]["stages"] > 1:
-        raise imp.error("zero_optimization.overlap_comm", True, f"cannot be honoured with pp "
-                                                                f"{rendered['pipeline']['stages']}: DeepSpeed's "
-                                                                "pipeline engine runs without overlap_comm")
+        raise imp.error(
+            "zero_optimization.overlap_comm",
+            True,
+            f"cannot be honoured with pp "
+            f"{rendered['pipeline']['stages']}: DeepSpeed's "
+            "pipeline engine runs without overlap_comm",
+        )
     for path, value in _leaves(imp.canon):
         if path in ("optimizer.params", "scheduler.params") or value == {}:
             continue
@@ -609,16 +800,18 @@ def account_lines(imp: PresetImport, rendered: dict[str, Any], *, given: dict[st
         if got is MISSING:
             raise imp.error(path, value, "is not rendered by dspipe")
         if value == AUTO:
-            label = (given.get(path) or ("the run directory's monitor/" if path in MONITOR_DIR_KEYS else None)
-                     or ("planner" if path in PLANNER_AUTO | PLAN_DERIVED else "dspipe default"))
+            label = (
+                given.get(path)
+                or ("the run directory's monitor/" if path in MONITOR_DIR_KEYS else None)
+                or ("planner" if path in PLANNER_AUTO | PLAN_DERIVED else "dspipe default")
+            )
             shown = _show(got) if not isinstance(got, dict) else "the object gen-config writes"
-            lines.append(f"preset: {path} \"auto\" -> {shown} ({label})")
+            lines.append(f'preset: {path} "auto" -> {shown} ({label})')
         elif path in MONITOR_DIR_KEYS:
             if value != got:
                 lines.append(f"preset: {path} {_show(value)} -> {_show(got)} (the run directory's monitor/)")
         elif not _same(value, got):
-            raise imp.error(path, value, f"cannot be honoured: this plan renders {_show(got)}"
-                                         + _why(path, rendered))
+            raise imp.error(path, value, f"cannot be honoured: this plan renders {_show(got)}" + _why(path, rendered))
     return lines
 
 
@@ -631,8 +824,10 @@ def _same(a: object, b: object) -> bool:
 def _why(path: str, rendered: dict[str, Any]) -> str:
     if path == "gradient_accumulation_steps":
         batch, micro, ga = (rendered[k] for k in ("train_batch_size", "train_micro_batch_size_per_gpu", path))
-        return (f" (= train_batch_size {batch} / (micro {micro} x dp {batch // (micro * ga)}); set it to \"auto\" "
-                "or change the batch)")
+        return (
+            f' (= train_batch_size {batch} / (micro {micro} x dp {batch // (micro * ga)}); set it to "auto" '
+            "or change the batch)"
+        )
     if path in ("bf16.enabled", "fp16.enabled"):
         return " (give --precision)"
     if path == "zero_optimization.overlap_comm":

@@ -4,6 +4,7 @@ its value name and source (dspipe's fixed default, or Derived: from the plan, th
 
 Rendering (planner/render.py), the defaults, preset import and account() (planner/ds_preset.py) read this table; a
 new DeepSpeed key is one row here."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -95,15 +96,28 @@ class DsKey:
         return ("var", self.name) if self.take is SETS else self.take
 
 
-def _k(path: str, name: str, default: object, take: tuple[str, ...] | None = None, check: Check | None = None, *,
-       planner_auto: bool = False) -> DsKey:
+def _k(
+    path: str,
+    name: str,
+    default: object,
+    take: tuple[str, ...] | None = None,
+    check: Check | None = None,
+    *,
+    planner_auto: bool = False,
+) -> DsKey:
     return DsKey(path=path, name=name, default=default, take=take, check=check, planner_auto=planner_auto)
 
 
 SCHEMA = (
     _k("train_batch_size", "global_batch", _plan("ds_train_batch_size"), option("global_batch"), c.integer(1)),
-    _k("train_micro_batch_size_per_gpu", "micro_batch", _plan("micro_batch"), option("micro_batch"), c.integer(1),
-       planner_auto=True),
+    _k(
+        "train_micro_batch_size_per_gpu",
+        "micro_batch",
+        _plan("micro_batch"),
+        option("micro_batch"),
+        c.integer(1),
+        planner_auto=True,
+    ),
     _k("gradient_accumulation_steps", "grad_accum", _plan("grad_accum"), ("ga",), c.integer(1), planner_auto=True),
     _k("steps_per_print", "steps_per_print", _train("log_interval"), SETS, c.integer(1)),
     _k("wall_clock_breakdown", "wall_clock_breakdown", Derived(lambda r: r.wall_clock_breakdown), SETS, c.boolean),
@@ -118,12 +132,24 @@ SCHEMA = (
     _k("optimizer.params.weight_decay", "weight_decay", _train("weight_decay"), option("weight_decay"), c.number(0)),
     _k("scheduler.type", "scheduler_type", Derived(lambda r: r.scheduler[0])),
     _k("scheduler.params", "scheduler_params", Derived(lambda r: r.scheduler[1])),
-    _k("bf16.enabled", "bf16", Derived(lambda r: r.plan.precision == Precision.BF16), ("precision",), c.boolean,
-       planner_auto=True),
+    _k(
+        "bf16.enabled",
+        "bf16",
+        Derived(lambda r: r.plan.precision == Precision.BF16),
+        ("precision",),
+        c.boolean,
+        planner_auto=True,
+    ),
     _k("bf16.immediate_grad_update", "bf16_immediate_grad_update", False, SETS, c.boolean),
     _k("bf16.check_grad_overflow", "bf16_check_grad_overflow", True, SETS, c.boolean),
-    _k("fp16.enabled", "fp16", Derived(lambda r: r.plan.precision == Precision.FP16), ("precision",), c.boolean,
-       planner_auto=True),
+    _k(
+        "fp16.enabled",
+        "fp16",
+        Derived(lambda r: r.plan.precision == Precision.FP16),
+        ("precision",),
+        c.boolean,
+        planner_auto=True,
+    ),
     _k("fp16.auto_cast", "fp16_auto_cast", False, SETS, c.boolean),
     _k("fp16.loss_scale", "fp16_loss_scale", 0, SETS, c.number(0)),
     _k("fp16.initial_scale_power", "fp16_initial_scale_power", 16, SETS, c.integer(0, 64)),
@@ -132,55 +158,134 @@ SCHEMA = (
     _k("fp16.consecutive_hysteresis", "fp16_consecutive_hysteresis", False, SETS, c.boolean),
     _k("fp16.min_loss_scale", "fp16_min_loss_scale", 1, SETS, c.integer(1)),
     _k("data_types.grad_accum_dtype", "grad_accum_dtype", _plan("grad_accum_dtype"), planner_auto=True),
-    _k("zero_optimization.stage", "zero_stage", _plan("zero_stage"), option("zero"), c.integer(0, 3),
-       planner_auto=True),
-    _k("zero_optimization.contiguous_gradients", "contiguous_gradients", _plan("contiguous_gradients"), SETS, c.boolean,
-       planner_auto=True),
+    _k(
+        "zero_optimization.stage", "zero_stage", _plan("zero_stage"), option("zero"), c.integer(0, 3), planner_auto=True
+    ),
+    _k(
+        "zero_optimization.contiguous_gradients",
+        "contiguous_gradients",
+        _plan("contiguous_gradients"),
+        SETS,
+        c.boolean,
+        planner_auto=True,
+    ),
     _k("zero_optimization.overlap_comm", "overlap_comm", _plan("overlap_comm"), SETS, c.boolean, planner_auto=True),
     _k("zero_optimization.reduce_scatter", "reduce_scatter", _plan("reduce_scatter"), SETS, c.boolean),
-    _k("zero_optimization.reduce_bucket_size", "reduce_bucket_size", _plan("reduce_bucket_size"),
-       option("reduce_bucket_size"), c.integer(1), planner_auto=True),
+    _k(
+        "zero_optimization.reduce_bucket_size",
+        "reduce_bucket_size",
+        _plan("reduce_bucket_size"),
+        option("reduce_bucket_size"),
+        c.integer(1),
+        planner_auto=True,
+    ),
     _k("zero_optimization.allgather_partitions", "allgather_partitions", True, SETS, c.boolean),
-    _k("zero_optimization.allgather_bucket_size", "allgather_bucket_size", _plan("allgather_bucket_size"), SETS,
-       c.integer(1), planner_auto=True),
+    _k(
+        "zero_optimization.allgather_bucket_size",
+        "allgather_bucket_size",
+        _plan("allgather_bucket_size"),
+        SETS,
+        c.integer(1),
+        planner_auto=True,
+    ),
     _k("zero_optimization.round_robin_gradients", "round_robin_gradients", False, SETS, c.boolean),
     _k("zero_optimization.load_from_fp32_weights", "load_from_fp32_weights", True, SETS, c.boolean),
     _k("zero_optimization.elastic_checkpoint", "elastic_checkpoint", False, SETS, c.boolean),
     _k("zero_optimization.ignore_unused_parameters", "ignore_unused_parameters", True, SETS, c.boolean),
     _k("zero_optimization.sub_group_size", "sub_group_size", 1000000000, SETS, c.integer(1)),
-    _k("zero_optimization.stage3_prefetch_bucket_size", "prefetch_bucket_size", _plan("prefetch_bucket_size"),
-       option("prefetch_bucket_size"), c.integer(1), planner_auto=True),
-    _k("zero_optimization.stage3_param_persistence_threshold", "param_persistence_threshold",
-       _plan("param_persistence_threshold"), option("param_persistence_threshold"), c.integer(1), planner_auto=True),
-    _k("zero_optimization.stage3_max_live_parameters", "max_live_parameters", _plan("max_live_parameters"),
-       option("max_live_parameters"), c.integer(0), planner_auto=True),
-    _k("zero_optimization.stage3_max_reuse_distance", "max_reuse_distance", _plan("max_reuse_distance"),
-       option("max_reuse_distance"), c.integer(0), planner_auto=True),
-    _k("zero_optimization.stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save", False, SETS,
-       c.boolean),
-    _k("zero_optimization.offload_optimizer.device", "offload_optimizer_device", _plan("offload"),
-       ("offload", "optimizer"), c.offload_device, planner_auto=True),
-    _k("zero_optimization.offload_optimizer.nvme_path", "offload_optimizer_nvme_path", _plan("nvme_path"), SETS,
-       c.str_or_null),
-    _k("zero_optimization.offload_optimizer.pin_memory", "offload_optimizer_pin_memory", _plan("pin_memory"), SETS,
-       c.boolean),
+    _k(
+        "zero_optimization.stage3_prefetch_bucket_size",
+        "prefetch_bucket_size",
+        _plan("prefetch_bucket_size"),
+        option("prefetch_bucket_size"),
+        c.integer(1),
+        planner_auto=True,
+    ),
+    _k(
+        "zero_optimization.stage3_param_persistence_threshold",
+        "param_persistence_threshold",
+        _plan("param_persistence_threshold"),
+        option("param_persistence_threshold"),
+        c.integer(1),
+        planner_auto=True,
+    ),
+    _k(
+        "zero_optimization.stage3_max_live_parameters",
+        "max_live_parameters",
+        _plan("max_live_parameters"),
+        option("max_live_parameters"),
+        c.integer(0),
+        planner_auto=True,
+    ),
+    _k(
+        "zero_optimization.stage3_max_reuse_distance",
+        "max_reuse_distance",
+        _plan("max_reuse_distance"),
+        option("max_reuse_distance"),
+        c.integer(0),
+        planner_auto=True,
+    ),
+    _k(
+        "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+        "gather_16bit_weights_on_model_save",
+        False,
+        SETS,
+        c.boolean,
+    ),
+    _k(
+        "zero_optimization.offload_optimizer.device",
+        "offload_optimizer_device",
+        _plan("offload"),
+        ("offload", "optimizer"),
+        c.offload_device,
+        planner_auto=True,
+    ),
+    _k(
+        "zero_optimization.offload_optimizer.nvme_path",
+        "offload_optimizer_nvme_path",
+        _plan("nvme_path"),
+        SETS,
+        c.str_or_null,
+    ),
+    _k(
+        "zero_optimization.offload_optimizer.pin_memory",
+        "offload_optimizer_pin_memory",
+        _plan("pin_memory"),
+        SETS,
+        c.boolean,
+    ),
     _k("zero_optimization.offload_optimizer.buffer_count", "offload_optimizer_buffer_count", 4, SETS, c.integer(0)),
     _k("zero_optimization.offload_optimizer.fast_init", "offload_optimizer_fast_init", False, SETS, c.boolean),
     _k("zero_optimization.offload_optimizer.ratio", "offload_optimizer_ratio", 1.0, SETS, c.number(0, 1)),
-    _k("zero_optimization.offload_param.device", "offload_param_device",
-       Derived(lambda r: r.plan.offload if r.plan.offload_params else "none"), ("offload", "param"), c.offload_device,
-       planner_auto=True),
+    _k(
+        "zero_optimization.offload_param.device",
+        "offload_param_device",
+        Derived(lambda r: r.plan.offload if r.plan.offload_params else "none"),
+        ("offload", "param"),
+        c.offload_device,
+        planner_auto=True,
+    ),
     _k("zero_optimization.offload_param.nvme_path", "offload_param_nvme_path", _plan("nvme_path"), SETS, c.str_or_null),
     _k("zero_optimization.offload_param.pin_memory", "offload_param_pin_memory", _plan("pin_memory"), SETS, c.boolean),
     _k("zero_optimization.offload_param.buffer_count", "offload_param_buffer_count", 5, SETS, c.integer(0)),
     _k("zero_optimization.offload_param.buffer_size", "offload_param_buffer_size", 100000000, SETS, c.integer(0)),
     _k("zero_optimization.offload_param.max_in_cpu", "offload_param_max_in_cpu", 1000000000, SETS, c.integer(0)),
     _k("pipeline.stages", "pp", _plan("pp"), option("pp"), c.integer(1), planner_auto=True),
-    _k("pipeline.partition", "partition_method", _plan("partition_method"), option("partition_method"),
-       c.choice(*PARTITION_METHODS)),
+    _k(
+        "pipeline.partition",
+        "partition_method",
+        _plan("partition_method"),
+        option("partition_method"),
+        c.choice(*PARTITION_METHODS),
+    ),
     _k("pipeline.seed_layers", "seed_layers", False, PLANNED, c.boolean),
-    _k("pipeline.activation_checkpoint_interval", "activation_checkpoint_interval",
-       _plan("activation_checkpoint_interval"), ("checkpointing",), c.integer(0, 1)),
+    _k(
+        "pipeline.activation_checkpoint_interval",
+        "activation_checkpoint_interval",
+        _plan("activation_checkpoint_interval"),
+        ("checkpointing",),
+        c.integer(0, 1),
+    ),
     # under Megatron sequence parallelism the tp ranks' stage outputs differ (each its sequence slice): each sends its
     # own whole, which is what the partitioned send would carry (1/tp of the activation)
     _k("pipeline.pipe_partitioned", "pipe_partitioned", Derived(lambda r: not r.plan.tp_sp), PLANNED, c.boolean),
@@ -189,21 +294,41 @@ SCHEMA = (
     # before deepspeed.initialize; a preset's autotp_size N imports as --tp N (planner/ds_preset.py)
     _k("tensor_parallel.autotp_size", "autotp_size", Derived(lambda r: 0), ("tp",), c.integer(0)),
     _k("tensor_parallel.tp_overlap_comm", "tp_overlap_comm", False, SETS, c.boolean),
-    _k("tensor_parallel.vocab_parallel_lm_head", "vocab_parallel_lm_head", False, SETS,
-       lambda v: c.choice(False, None)(v) or False),
+    _k(
+        "tensor_parallel.vocab_parallel_lm_head",
+        "vocab_parallel_lm_head",
+        False,
+        SETS,
+        lambda v: c.choice(False, None)(v) or False,
+    ),
     _k("tensor_parallel.vocab_parallel_ce_backend", "vocab_parallel_ce_backend", "torch", SETS, c.choice("torch")),
     _k("tensor_parallel.tp.tp_size", "tp_size", Derived(lambda r: 1), PLANNED, c.integer(1)),
     _k("tensor_parallel.tp.tp_grain_size", "tp_grain_size", 1, SETS, c.integer(1)),
-    _k("tensor_parallel.partition_config", "tp_partition_config", Derived(lambda r: autotp.partition_config(r.model)),
-       PLANNED, lambda v: v),
+    _k(
+        "tensor_parallel.partition_config",
+        "tp_partition_config",
+        Derived(lambda r: autotp.partition_config(r.model)),
+        PLANNED,
+        lambda v: v,
+    ),
     _k("sequence_parallel_size", "sp", _plan("sp"), option("sp"), c.integer(1)),
     _k("activation_checkpointing.partition_activations", "ac_partition_activations", False, SETS, c.boolean),
     _k("activation_checkpointing.cpu_checkpointing", "ac_cpu_checkpointing", False, SETS, c.boolean),
-    _k("activation_checkpointing.contiguous_memory_optimization", "ac_contiguous_memory_optimization", False, SETS,
-       c.boolean),
+    _k(
+        "activation_checkpointing.contiguous_memory_optimization",
+        "ac_contiguous_memory_optimization",
+        False,
+        SETS,
+        c.boolean,
+    ),
     _k("activation_checkpointing.number_checkpoints", "ac_number_checkpoints", None, SETS, c.number_checkpoints),
-    _k("activation_checkpointing.synchronize_checkpoint_boundary", "ac_synchronize_checkpoint_boundary", False, SETS,
-       c.boolean),
+    _k(
+        "activation_checkpointing.synchronize_checkpoint_boundary",
+        "ac_synchronize_checkpoint_boundary",
+        False,
+        SETS,
+        c.boolean,
+    ),
     _k("activation_checkpointing.profile", "ac_profile", False, SETS, c.boolean),
     _k("tensorboard.enabled", "tensorboard_enabled", True, SETS, c.boolean),
     _k("tensorboard.output_path", "monitor_dir", Derived(lambda r: r.monitor_dir), ("moved",), c.str_or_null),
@@ -223,8 +348,13 @@ SCHEMA = (
     _k("comet.experiment_name", "comet_experiment_name", None, SETS, c.str_or_null),
     _k("comet.experiment_key", "comet_experiment_key", None, SETS, c.str_or_null),
     _k("comet.online", "comet_online", True, SETS, lambda v: True if v is None else c.boolean(v)),
-    _k("comet.mode", "comet_mode", "get_or_create", SETS,
-       lambda v: "get_or_create" if v is None else c.choice("get", "create", "get_or_create")(v)),
+    _k(
+        "comet.mode",
+        "comet_mode",
+        "get_or_create",
+        SETS,
+        lambda v: "get_or_create" if v is None else c.choice("get", "create", "get_or_create")(v),
+    ),
 )
 """Every key of the rendered ds_config.json, in its order."""
 
@@ -238,9 +368,11 @@ PLANNER_AUTO = frozenset(key.path for key in SCHEMA if key.planner_auto)
 def section(prefix: str) -> dict[str, tuple[tuple[str, ...] | None, Check | None]]:
     """A preset section's keys (prefix "": the top level) -> (import target, check), for the rows a preset sets."""
     depth = prefix.count(".") + 1 if prefix else 0
-    return {key.path.split(".")[-1]: (key.target, key.check) for key in SCHEMA
-            if key.take is not None and key.path.startswith(f"{prefix}." if prefix else "")
-            and key.path.count(".") == depth}
+    return {
+        key.path.split(".")[-1]: (key.target, key.check)
+        for key in SCHEMA
+        if key.take is not None and key.path.startswith(f"{prefix}." if prefix else "") and key.path.count(".") == depth
+    }
 
 
 def derived(sources: Sources) -> dict[str, object]:

@@ -1,6 +1,7 @@
 """The candidate strategies of a request: every valid ZeRO x offload x pp x tp x sp x ep x recomputation x precision x
 micro-batch it leaves open, planned and estimated (the refusals kept, by family and axis, for the explanation).
 No torch."""
+
 from __future__ import annotations
 
 import itertools
@@ -13,9 +14,9 @@ from dspipe.errors import SpecError
 from dspipe.planner.cost import Estimate, estimate, throughput
 from dspipe.planner.plan import Plan, RuleError, make_plan
 from dspipe.spec.core import ClusterSpec, ModelSpec, StrategyRequest, StrategySpec, TrainSpec
+from dspipe.spec.kinds import Offload
 from dspipe.spec.layout import ParallelLayout
 from dspipe.spec.settings import AUTO
-from dspipe.spec.kinds import Offload
 
 AUTO_CHECKPOINTING = ("none", "full")
 """Recomputation the search chooses from. Not selective: with SDPA's fused kernels the attention core it recomputes
@@ -47,8 +48,11 @@ class Candidate:
     @property
     def family(self) -> str:
         s = self.strategy
-        off = ("" if s.offload == Offload.NONE
-               else f" + {s.offload} offload" + (" (params too)" if s.offload_params else ""))
+        off = (
+            ""
+            if s.offload == Offload.NONE
+            else f" + {s.offload} offload" + (" (params too)" if s.offload_params else "")
+        )
         return f"ZeRO-{s.zero}{off}"
 
     def describe(self, *, every_axis: bool = False) -> str:
@@ -57,8 +61,10 @@ class Candidate:
         p = self.plan
         extra = "".join(f", {k} {v}" for k, v in (("tp", p.tp), ("sp", p.sp)) if v > 1 or every_axis)
         extra += f", ep {p.ep}" if p.experts or p.ep > 1 else ""  # a mixture of experts always names its ep
-        return (f"{self.family}, {p.precision}, pp {p.pp}{extra}, dp {p.dp}, micro {p.micro_batch} x ga {p.grad_accum}"
-                f", recompute {p.checkpointing}")
+        return (
+            f"{self.family}, {p.precision}, pp {p.pp}{extra}, dp {p.dp}, micro {p.micro_batch} x ga {p.grad_accum}"
+            f", recompute {p.checkpointing}"
+        )
 
 
 @dataclass
@@ -92,8 +98,11 @@ def divisors(n: int, limit: int) -> list[int]:
 def tp_choices(model: ModelSpec, cluster: ClusterSpec) -> list[int]:
     """Tensor-parallel sizes the search tries: divisors of the GPUs per node (tp stays inside a node) that divide the
     heads, the key/value heads and the MLP width (plan.check_rules)."""
-    return [t for t in divisors(cluster.gpus_per_node, cluster.gpus_per_node)
-            if model.heads % t == 0 and model.kv_groups % t == 0 and model.ffn % t == 0]
+    return [
+        t
+        for t in divisors(cluster.gpus_per_node, cluster.gpus_per_node)
+        if model.heads % t == 0 and model.kv_groups % t == 0 and model.ffn % t == 0
+    ]
 
 
 def sp_choices(model: ModelSpec, cluster: ClusterSpec) -> list[int]:
@@ -101,8 +110,11 @@ def sp_choices(model: ModelSpec, cluster: ClusterSpec) -> list[int]:
     that divide the heads and the sequence length (Ulysses' all-to-alls stay on NVLink)."""
     if model.seq_len < LONG_CONTEXT:
         return [1]
-    return [s for s in divisors(cluster.gpus_per_node, cluster.gpus_per_node)
-            if model.heads % s == 0 and model.seq_len % s == 0]
+    return [
+        s
+        for s in divisors(cluster.gpus_per_node, cluster.gpus_per_node)
+        if model.heads % s == 0 and model.seq_len % s == 0
+    ]
 
 
 def ep_choices(model: ModelSpec, dp: int) -> list[int]:
@@ -118,8 +130,15 @@ def rule_of(error: SpecError) -> int:
     return error.rule if isinstance(error, RuleError) else 0
 
 
-def enumerate_candidates(*, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, request: StrategyRequest,
-                         headroom: float, import_bytes: int | None) -> Enumerated:
+def enumerate_candidates(
+    *,
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    train: TrainSpec,
+    request: StrategyRequest,
+    headroom: float,
+    import_bytes: int | None,
+) -> Enumerated:
     """Plan and estimate every strategy the request leaves open; a strategy a rule refuses whatever its micro-batch
     and recomputation is tried once."""
     world = cluster.world_size
@@ -127,22 +146,37 @@ def enumerate_candidates(*, model: ModelSpec, cluster: ClusterSpec, train: Train
     precision = options(r.precision, ["fp32"] if cluster.gpu == "cpu" else ["bf16"])
     offloads = options(r.offload, ["none", "cpu"] + (["nvme"] if r.nvme_path else []))
     pps = options(r.pp, divisors(world, model.layers))
-    found = Enumerated(candidates=[], errors=[], tp_list=options(r.tp, tp_choices(model, cluster)),
-                       sp_list=options(r.sp, sp_choices(model, cluster)))
-    as_asked = {f.name: v for f in fields(StrategyRequest)
-                if f.name not in SEARCHED and (v := getattr(r, f.name)) is not None}
+    found = Enumerated(
+        candidates=[],
+        errors=[],
+        tp_list=options(r.tp, tp_choices(model, cluster)),
+        sp_list=options(r.sp, sp_choices(model, cluster)),
+    )
+    as_asked = {
+        f.name: v for f in fields(StrategyRequest) if f.name not in SEARCHED and (v := getattr(r, f.name)) is not None
+    }
     # strategies a rule refuses whatever the micro-batch and recomputation: tried once
     refused: set[tuple[str, int, str, bool, int, int, int, int]] = set()
     trains: dict[tuple[str, int], TrainSpec] = {}  # (precision, micro-batch) -> TrainSpec, validated once
     for prec, zero, offload, offload_params, pp, tp, sp, ckpt in itertools.product(
-            precision, options(r.zero, [0, 1, 2, 3]), offloads, options(r.offload_params, [False, True]), pps,
-            found.tp_list, found.sp_list, options(r.checkpointing, AUTO_CHECKPOINTING)):
+        precision,
+        options(r.zero, [0, 1, 2, 3]),
+        offloads,
+        options(r.offload_params, [False, True]),
+        pps,
+        found.tp_list,
+        found.sp_list,
+        options(r.checkpointing, AUTO_CHECKPOINTING),
+    ):
         # an invalid pp/tp/sp is rejected by StrategySpec / the rules below; dp 1 keeps the micro-batch list finite
-        valid = all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (pp, tp, sp)) \
+        valid = (
+            all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (pp, tp, sp))
             and world % (pp * tp * sp) == 0
+        )
         dp = ParallelLayout(world=world, pp=pp, tp=tp, sp=sp).dp if valid else 1
-        micro = options(r.micro_batch, divisors(train.global_batch // dp, MAX_MICRO_BATCH)
-                        if train.global_batch % dp == 0 else [1])
+        micro = options(
+            r.micro_batch, divisors(train.global_batch // dp, MAX_MICRO_BATCH) if train.global_batch % dp == 0 else [1]
+        )
         for ep in options(r.ep, ep_choices(model, dp)):
             if ep not in found.ep_list:
                 found.ep_list.append(ep)
@@ -151,8 +185,17 @@ def enumerate_candidates(*, model: ModelSpec, cluster: ClusterSpec, train: Train
                 continue
             for mb in micro:
                 try:
-                    strategy = StrategySpec(zero=zero, offload=offload, offload_params=offload_params, pp=pp, tp=tp,
-                                            sp=sp, ep=ep, checkpointing=ckpt, **as_asked)
+                    strategy = StrategySpec(
+                        zero=zero,
+                        offload=offload,
+                        offload_params=offload_params,
+                        pp=pp,
+                        tp=tp,
+                        sp=sp,
+                        ep=ep,
+                        checkpointing=ckpt,
+                        **as_asked,
+                    )
                     t = trains.get((prec, mb))
                     if t is None:
                         t = trains[prec, mb] = replace(train, precision=prec, micro_batch=mb)

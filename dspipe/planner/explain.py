@@ -1,5 +1,6 @@
 """Why not: one line per strategy family (and per tp / sp size) the search did not choose, and the shortfall of a
 plan that does not fit. No torch."""
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -15,8 +16,15 @@ from dspipe.spec.hardware import GIB
 from dspipe.spec.settings import is_auto
 
 
-def rejected(*, found: Enumerated, best: Candidate | None, model: ModelSpec, cluster: ClusterSpec,
-             train: TrainSpec, request: StrategyRequest) -> dict[str, str]:
+def rejected(
+    *,
+    found: Enumerated,
+    best: Candidate | None,
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    train: TrainSpec,
+    request: StrategyRequest,
+) -> dict[str, str]:
     """family / 'tp N' / 'sp N' / 'ep N' (and a mixture of experts' 'pp N') -> why it was not chosen, for everything the
     search tried (or, for tp, ruled out)."""
     candidates = found.candidates
@@ -29,9 +37,11 @@ def rejected(*, found: Enumerated, best: Candidate | None, model: ModelSpec, clu
     for family, rules in found.by_family.items():
         if family not in families:
             out[family] = rules_text(rules)
-    axes = [("tp", found.tp_list, found.by_tp, best and best.plan.tp),
-            ("sp", found.sp_list, found.by_sp, best and best.plan.sp),
-            ("ep", found.ep_list, found.by_ep, best and best.plan.ep)]
+    axes = [
+        ("tp", found.tp_list, found.by_tp, best and best.plan.tp),
+        ("sp", found.sp_list, found.by_sp, best and best.plan.sp),
+        ("ep", found.ep_list, found.by_ep, best and best.plan.ep),
+    ]
     if model.experts:  # a mixture of experts trains at pp 1 only: say why the others were not candidates
         axes.append(("pp", sorted(set(found.by_pp) | {1}), found.by_pp, best and best.plan.pp))
     for label, values, table, chosen in axes:
@@ -58,8 +68,10 @@ def why_not(best: Candidate | None, members: list[Candidate]) -> str:
         slower = quickest.est.step_time_s / best.est.step_time_s - 1
         if quickest.est.step_time_s <= best.est.step_time_s * TIE:  # lost the tie-break, not the race
             pace = f"faster by {-slower * 100:.1f}%" if slower < 0 else f"slower by {slower * 100:.1f}%"
-            return (f"{pace} at best, a tie (within {(TIE - 1) * 100:.0f}%) that went to "
-                    f"{tie_reason(best, quickest)} ({quickest.describe()})")
+            return (
+                f"{pace} at best, a tie (within {(TIE - 1) * 100:.0f}%) that went to "
+                f"{tie_reason(best, quickest)} ({quickest.describe()})"
+            )
         return f"slower by {slower * 100:.0f}% at best ({quickest.describe()})"
     near = min(members, key=over)
     return f"does not fit: {shortfall_text(near)} at best ({near.describe()})"
@@ -75,8 +87,9 @@ def rules_text(rules: dict[int, str]) -> str:
 def tp_refusal(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, tp: int) -> str:
     """The rule that rules tp out whatever the rest of the strategy (its message from plan.check_rules)."""
     try:
-        check_rules(model=model, cluster=cluster, train=replace(train, micro_batch=1),
-                    strategy=StrategySpec(zero=1, tp=tp))
+        check_rules(
+            model=model, cluster=cluster, train=replace(train, micro_batch=1), strategy=StrategySpec(zero=1, tp=tp)
+        )
     except SpecError as e:
         return str(e)
     return f"tp {tp} does not divide the heads {model.heads}, kv_heads {model.kv_groups} and ffn {model.ffn}"
@@ -86,8 +99,9 @@ def over(c: Candidate) -> float:
     """How far a candidate is from fitting: GPU bytes over the usable memory (in the step or while building) plus
     host bytes over capacity (the start-up's host peak includes the offload's)."""
     e = c.est
-    return (max(e.shortfall_bytes, e.startup_device_shortfall_bytes)
-            + max(e.startup_host_shortfall_bytes, e.host_memory_bytes - e.host_memory_capacity, 0))
+    return max(e.shortfall_bytes, e.startup_device_shortfall_bytes) + max(
+        e.startup_host_shortfall_bytes, e.host_memory_bytes - e.host_memory_capacity, 0
+    )
 
 
 def startup_shortfall_text(e: Estimate) -> str:
@@ -96,24 +110,32 @@ def startup_shortfall_text(e: Estimate) -> str:
     s = e.startup
     if s is None or not e.startup_host_shortfall_bytes:
         return ""
-    return (f"start-up needs {size_text(s.host_per_node_bytes)} host RAM per node ({s.ranks_per_node} ranks x "
-            f"{size_text(s.host_per_rank_bytes)}: {s.holds()}), has {size_text(e.host_memory_capacity)}")
+    return (
+        f"start-up needs {size_text(s.host_per_node_bytes)} host RAM per node ({s.ranks_per_node} ranks x "
+        f"{size_text(s.host_per_rank_bytes)}: {s.holds()}), has {size_text(e.host_memory_capacity)}"
+    )
 
 
 def shortfall_text(c: Candidate) -> str:
     e, s = c.est, c.est.startup
     parts = []
     if e.shortfall_bytes:
-        parts.append(f"needs {e.memory.total / GIB:.1f} GiB per GPU, may use {e.usable_gpu_memory_bytes / GIB:.1f} "
-                     f"of {e.gpu_memory_bytes / GIB:.1f} ({e.headroom * 100:.0f}% headroom; short by "
-                     f"{e.shortfall_bytes / GIB:.1f} GiB)")
+        parts.append(
+            f"needs {e.memory.total / GIB:.1f} GiB per GPU, may use {e.usable_gpu_memory_bytes / GIB:.1f} "
+            f"of {e.gpu_memory_bytes / GIB:.1f} ({e.headroom * 100:.0f}% headroom; short by "
+            f"{e.shortfall_bytes / GIB:.1f} GiB)"
+        )
     # (a start-up shortfall implies a start-up estimate: s is not None)
     if s is not None and e.startup_device_shortfall_bytes and not e.shortfall_bytes:  # else the step's says it
-        parts.append(f"start-up needs {size_text(s.device_bytes)} per GPU while building "
-                     f"({s.mode} build), may use {size_text(e.usable_gpu_memory_bytes)}")
+        parts.append(
+            f"start-up needs {size_text(s.device_bytes)} per GPU while building "
+            f"({s.mode} build), may use {size_text(e.usable_gpu_memory_bytes)}"
+        )
     if s is not None and e.startup_host_shortfall_bytes and s.build_dominates:
         parts.append(startup_shortfall_text(e))
     elif e.host_memory_bytes > e.host_memory_capacity or e.startup_host_shortfall_bytes:  # the offload's own peak
-        parts.append(f"needs {max(e.host_memory_bytes, e.startup.host_per_node_bytes if e.startup else 0) / GIB:.0f} "
-                     f"GiB host RAM per node, has {e.host_memory_capacity / GIB:.0f}")
+        parts.append(
+            f"needs {max(e.host_memory_bytes, e.startup.host_per_node_bytes if e.startup else 0) / GIB:.0f} "
+            f"GiB host RAM per node, has {e.host_memory_capacity / GIB:.0f}"
+        )
     return "; ".join(parts)

@@ -69,6 +69,7 @@ the einsum dispatch's (tokens, E, C) dispatch mask and combine weights, the capa
 activations and outputs (the all-to-alls' buffers); dropless capacity C is planned at MOE_LOAD_HEADROOM x the mean
 expert load. Its backward adds the all-to-alls' gradient buffers of one block (moe_working_bytes).
 """
+
 from __future__ import annotations
 
 import math
@@ -77,8 +78,15 @@ from functools import lru_cache
 
 from dspipe.model.tp_split import vocab_split as vocab_rows
 from dspipe.planner.plan import Plan
-from dspipe.planner.stages import (largest_tensor, largest_tensor_per_rank, param_groups, share, stage_blocks,
-                                   stage_params, zero_group_size)
+from dspipe.planner.stages import (
+    largest_tensor,
+    largest_tensor_per_rank,
+    param_groups,
+    share,
+    stage_blocks,
+    stage_params,
+    zero_group_size,
+)
 from dspipe.planner.throughput import window_kernel
 from dspipe.spec.core import ClusterSpec, ModelSpec
 from dspipe.spec.dtypes import dtype_bytes
@@ -169,7 +177,7 @@ def window_mask_bytes(model: ModelSpec, *, act_bytes: int) -> int:
     micro-batch, whatever the batch, heads or tp (the whole sequence's under Ulysses: the core runs after the
     all-to-all). Causal attention (SDPA's is_causal) and flex_attention's block mask (per-tile indices, built once
     and shared) keep none."""
-    return act_bytes * model.seq_len ** 2
+    return act_bytes * model.seq_len**2
 
 
 def windowed_blocks(model: ModelSpec, layers: range) -> int:
@@ -178,9 +186,19 @@ def windowed_blocks(model: ModelSpec, layers: range) -> int:
     return sum(1 for i in layers if (w := model.window_of(i)) is not None and w < model.seq_len)
 
 
-def activation_bytes_per_layer(*, model: ModelSpec, micro_batch: int, checkpointing: str, act_bytes: int,
-                               tp: int = 1, sp: int = 1, kernels: str = "cuda", windowed: bool | None = None,
-                               sparse: bool = False, tp_sp: bool = False) -> int:
+def activation_bytes_per_layer(
+    *,
+    model: ModelSpec,
+    micro_batch: int,
+    checkpointing: str,
+    act_bytes: int,
+    tp: int = 1,
+    sp: int = 1,
+    kernels: str = "cuda",
+    windowed: bool | None = None,
+    sparse: bool = False,
+    tp_sp: bool = False,
+) -> int:
     """Bytes one transformer block keeps for backward on one rank (measured on the real model: see
     benchmarks/census/activations.py and docs/planner-accuracy.md). With SDPA's fused kernels no s x s scores are kept:
     the kernel saves q, k, v, its output and the fp32 log-sum-exp (4 bytes per token and head), so Korthikanti et al.'s
@@ -208,9 +226,11 @@ def activation_bytes_per_layer(*, model: ModelSpec, micro_batch: int, checkpoint
     if checkpointing == Checkpointing.FULL:
         return tokens * h * act_bytes // cut
     whole, split = activation_coefficients(model)
-    per_token = 2 * _norm_bytes_per_token(model, act_bytes=act_bytes, kernels=kernels) / cut \
-        + act_bytes * h * (whole / cut + split / tp) \
+    per_token = (
+        2 * _norm_bytes_per_token(model, act_bytes=act_bytes, kernels=kernels) / cut
+        + act_bytes * h * (whole / cut + split / tp)
         + _qk_norm_bytes_per_token(model, act_bytes=act_bytes, kernels=kernels) / tp
+    )
     mask = 0
     if checkpointing == Checkpointing.NONE:
         per_token += 4 * share(model.heads, tp)  # the kernel's fp32 log-sum-exp
@@ -276,21 +296,56 @@ def moe_working_bytes(*, model: ModelSpec, tokens: int, act_bytes: int) -> int:
     return 2 * act_bytes * model.experts * expert_capacity(model=model, tokens=tokens) * model.hidden
 
 
-def recompute_working_bytes(*, model: ModelSpec, micro_batch: int, act_bytes: int, tp: int = 1, sp: int = 1,
-                            kernels: str = "cuda", windowed: bool | None = None, sparse: bool = False,
-                            tp_sp: bool = False) -> int:
+def recompute_working_bytes(
+    *,
+    model: ModelSpec,
+    micro_batch: int,
+    act_bytes: int,
+    tp: int = 1,
+    sp: int = 1,
+    kernels: str = "cuda",
+    windowed: bool | None = None,
+    sparse: bool = False,
+    tp_sp: bool = False,
+) -> int:
     """Full recomputation: what one block's recomputed forward saves during its backward, beyond the block input
     the checkpoint already holds. Only one block is rebuilt at a time (`windowed`: one with a window's mask;
     `sparse`: a mixture-of-experts block)."""
-    none = activation_bytes_per_layer(model=model, micro_batch=micro_batch, checkpointing="none",
-                                      act_bytes=act_bytes, tp=tp, sp=sp, kernels=kernels, windowed=windowed,
-                                      sparse=sparse, tp_sp=tp_sp)
-    return none - activation_bytes_per_layer(model=model, micro_batch=micro_batch, checkpointing="full",
-                                             act_bytes=act_bytes, tp=tp, sp=sp, kernels=kernels, tp_sp=tp_sp)
+    none = activation_bytes_per_layer(
+        model=model,
+        micro_batch=micro_batch,
+        checkpointing="none",
+        act_bytes=act_bytes,
+        tp=tp,
+        sp=sp,
+        kernels=kernels,
+        windowed=windowed,
+        sparse=sparse,
+        tp_sp=tp_sp,
+    )
+    return none - activation_bytes_per_layer(
+        model=model,
+        micro_batch=micro_batch,
+        checkpointing="full",
+        act_bytes=act_bytes,
+        tp=tp,
+        sp=sp,
+        kernels=kernels,
+        tp_sp=tp_sp,
+    )
 
 
-def logits_bytes(*, model: ModelSpec, micro_batch: int, sp: int = 1, act_bytes: int = 2, kernels: str = "cuda",
-                 tp: int = 1, tp_sp: bool = False, loss_chunk: int = 0) -> int:
+def logits_bytes(
+    *,
+    model: ModelSpec,
+    micro_batch: int,
+    sp: int = 1,
+    act_bytes: int = 2,
+    kernels: str = "cuda",
+    tp: int = 1,
+    tp_sp: bool = False,
+    loss_chunk: int = 0,
+) -> int:
     """What the last stage's final norm, head and loss save: log_softmax's fp32 output (4 bytes x V per token: the
     loss upcasts the logits, which themselves are not kept; at tp > 1 the vocab-parallel cross-entropy's fp32 softmax
     of the rank's ceil(V / tp) columns, the full logits never gathered; with `loss_chunk` (dspipe.model.loss, tp 1)
@@ -299,13 +354,17 @@ def logits_bytes(*, model: ModelSpec, micro_batch: int, sp: int = 1, act_bytes: 
     Megatron sequence parallelism, whose head gathers its input again in backward) and the int64 labels; s is s/sp
     under Ulysses."""
     cut = tp if tp_sp else 1
-    per_token = (4 if loss_chunk else 4 * vocab_rows(model.vocab, tp)[0]) \
-        + (_norm_bytes_per_token(model, act_bytes=act_bytes, kernels=kernels) + act_bytes * model.hidden) / cut + 8
+    per_token = (
+        (4 if loss_chunk else 4 * vocab_rows(model.vocab, tp)[0])
+        + (_norm_bytes_per_token(model, act_bytes=act_bytes, kernels=kernels) + act_bytes * model.hidden) / cut
+        + 8
+    )
     return int(share(model.seq_len, sp) * micro_batch * per_token)
 
 
-def loss_chunk_working_bytes(*, model: ModelSpec, micro_batch: int, loss_chunk: int, sp: int = 1,
-                             act_bytes: int = 2) -> int:
+def loss_chunk_working_bytes(
+    *, model: ModelSpec, micro_batch: int, loss_chunk: int, sp: int = 1, act_bytes: int = 2
+) -> int:
     """What the chunked cross-entropy (dspipe.model.loss, loss_chunk > 0) adds while its backward runs: one chunk's
     logits (min(loss_chunk, the rank's s/sp x b tokens) x V) in fp32, plus in 16-bit training the chunk's logits
     in the activation dtype while they are upcast (the same size again at act_bytes: the gradient cast back); 0
@@ -324,10 +383,23 @@ def embedding_bytes(*, model: ModelSpec, micro_batch: int, sp: int = 1) -> int:
     return 8 * s * micro_batch + (8 * s if model.positions == "learned" else 0)
 
 
-def micro_batch_activations(*, model: ModelSpec, micro_batch: int, checkpointing: str, act_bytes: int, blocks: int,
-                            first: bool, last: bool, tp: int = 1, sp: int = 1, kernels: str = "cuda",
-                            windowed: int | None = None, sparse: int = 0, tp_sp: bool = False,
-                            loss_chunk: int = 0) -> tuple[int, int]:
+def micro_batch_activations(
+    *,
+    model: ModelSpec,
+    micro_batch: int,
+    checkpointing: str,
+    act_bytes: int,
+    blocks: int,
+    first: bool,
+    last: bool,
+    tp: int = 1,
+    sp: int = 1,
+    kernels: str = "cuda",
+    windowed: int | None = None,
+    sparse: int = 0,
+    tp_sp: bool = False,
+    loss_chunk: int = 0,
+) -> tuple[int, int]:
     """(held, working): activation bytes one micro-batch keeps on a stage of `blocks` blocks from its forward to its
     backward, and what its backward adds at the moment of its peak. none / selective: every block's saved tensors,
     the embedding's ids on the first stage, the head and loss on the last; added, a chunked loss's one chunk of
@@ -343,30 +415,86 @@ def micro_batch_activations(*, model: ModelSpec, micro_batch: int, checkpointing
         windowed = windowed_blocks(model, range(model.layers - blocks, model.layers))
 
     def per_layer(masked: bool) -> int:
-        return activation_bytes_per_layer(model=model, micro_batch=micro_batch, checkpointing=checkpointing,
-                                          act_bytes=act_bytes, tp=tp, sp=sp, kernels=kernels, windowed=masked,
-                                          tp_sp=tp_sp)
+        return activation_bytes_per_layer(
+            model=model,
+            micro_batch=micro_batch,
+            checkpointing=checkpointing,
+            act_bytes=act_bytes,
+            tp=tp,
+            sp=sp,
+            kernels=kernels,
+            windowed=masked,
+            tp_sp=tp_sp,
+        )
 
     saved = (blocks - windowed) * per_layer(False) + windowed * per_layer(True)
     ids = embedding_bytes(model=model, micro_batch=micro_batch, sp=sp) if first else 0
-    head = logits_bytes(model=model, micro_batch=micro_batch, sp=sp, act_bytes=act_bytes, kernels=kernels, tp=tp,
-                        tp_sp=tp_sp, loss_chunk=loss_chunk) if last else 0
-    chunk = loss_chunk_working_bytes(model=model, micro_batch=micro_batch, loss_chunk=loss_chunk, sp=sp,
-                                     act_bytes=act_bytes) if last else 0
+    head = (
+        logits_bytes(
+            model=model,
+            micro_batch=micro_batch,
+            sp=sp,
+            act_bytes=act_bytes,
+            kernels=kernels,
+            tp=tp,
+            tp_sp=tp_sp,
+            loss_chunk=loss_chunk,
+        )
+        if last
+        else 0
+    )
+    chunk = (
+        loss_chunk_working_bytes(
+            model=model, micro_batch=micro_batch, loss_chunk=loss_chunk, sp=sp, act_bytes=act_bytes
+        )
+        if last
+        else 0
+    )
     moe_working = 0
     if sparse:
         tokens = share(model.seq_len, sp) * micro_batch
-        dense = activation_bytes_per_layer(model=model, micro_batch=micro_batch, checkpointing=checkpointing,
-                                           act_bytes=act_bytes, tp=tp, sp=sp, kernels=kernels, windowed=False)
-        saved += sparse * (activation_bytes_per_layer(model=model, micro_batch=micro_batch,
-                                                      checkpointing=checkpointing, act_bytes=act_bytes, tp=tp, sp=sp,
-                                                      kernels=kernels, windowed=False, sparse=True) - dense)
+        dense = activation_bytes_per_layer(
+            model=model,
+            micro_batch=micro_batch,
+            checkpointing=checkpointing,
+            act_bytes=act_bytes,
+            tp=tp,
+            sp=sp,
+            kernels=kernels,
+            windowed=False,
+        )
+        saved += sparse * (
+            activation_bytes_per_layer(
+                model=model,
+                micro_batch=micro_batch,
+                checkpointing=checkpointing,
+                act_bytes=act_bytes,
+                tp=tp,
+                sp=sp,
+                kernels=kernels,
+                windowed=False,
+                sparse=True,
+            )
+            - dense
+        )
         moe_working = moe_working_bytes(model=model, tokens=tokens, act_bytes=act_bytes)
     if checkpointing != Checkpointing.FULL:
         return saved + ids + head, max(moe_working, chunk)
-    working = recompute_working_bytes(model=model, micro_batch=micro_batch, act_bytes=act_bytes, tp=tp, sp=sp,
-                                      kernels=kernels, windowed=windowed > 0, sparse=sparse > 0,
-                                      tp_sp=tp_sp) if blocks else 0
+    working = (
+        recompute_working_bytes(
+            model=model,
+            micro_batch=micro_batch,
+            act_bytes=act_bytes,
+            tp=tp,
+            sp=sp,
+            kernels=kernels,
+            windowed=windowed > 0,
+            sparse=sparse > 0,
+            tp_sp=tp_sp,
+        )
+        if blocks
+        else 0
+    )
     return saved + ids, max(head + chunk, working + moe_working)
 
 
@@ -374,7 +502,6 @@ def persistent_params(*, model: ModelSpec, threshold: int) -> int:
     """Parameters ZeRO-3 keeps whole on every rank: tensors smaller than stage3_param_persistence_threshold."""
     sizes = (math.prod(shape) for _, shape in model.model_tensors())
     return sum(n for n in sizes if n < threshold)
-
 
 
 def zero3_gathered_bound(*, model: ModelSpec, plan: Plan) -> int:
@@ -398,9 +525,12 @@ def _modules(tensors: list[tuple[str, tuple[int, ...]]]) -> list[int]:
 def _forward_modules(model: ModelSpec) -> tuple[int, ...]:
     """Elements of every parameterised module in forward order, the head (a tied one reuses the embedding) last."""
     tensors = model.model_tensors()
-    return (*_modules([t for t in tensors if t[0].startswith("embed.")]),
-            *_modules(model.block_tensors()) * model.layers,
-            *_modules([t for t in tensors if t[0].startswith("final.")]), model.vocab * model.hidden)
+    return (
+        *_modules([t for t in tensors if t[0].startswith("embed.")]),
+        *_modules(model.block_tensors()) * model.layers,
+        *_modules([t for t in tensors if t[0].startswith("final.")]),
+        model.vocab * model.hidden,
+    )
 
 
 def zero3_kept_for_reuse(*, model: ModelSpec, plan: Plan) -> int:
@@ -482,8 +612,9 @@ def _model_states(*, model: ModelSpec, plan: Plan, phi: int) -> tuple[dict[str, 
         # until the boundary's reduction, b.Phi) and the reduce bucket.
         # In fp32 the partition is the gradients themselves; a copy of the largest gradient is made on the way out.
         steady = dict(params=b * phi, grads=0, optimizer=0, buffers=largest)
-        transient = dict(grads=(b * phi if z == 1 else largest) + bucket,
-                         buffers=(part(4) if mixed else 0) + largest + bucket)
+        transient = dict(
+            grads=(b * phi if z == 1 else largest) + bucket, buffers=(part(4) if mixed else 0) + largest + bucket
+        )
     elif z in (1, 2):
         steady = dict(params=b * phi, grads=0, optimizer=part(12), buffers=0)
         live_grads = b * phi if z == 1 else part(b) + 2 * bucket
@@ -496,14 +627,20 @@ def _model_states(*, model: ModelSpec, plan: Plan, phi: int) -> tuple[dict[str, 
         # mixed precision: the fp32 gradient partition built for the step (4Phi/N); ZeRO-2 also copies the largest
         # gradient on its way into the partition (census: an unnamed buffer of that size)
         fp32_partition = part(4) if mixed else 0
-        transient = dict(grads=live_grads + fp32_partition,
-                         buffers=(int(4.5 * bucket) if plan.overlap_comm else 0) + (largest if z == 2 else 0))
+        transient = dict(
+            grads=live_grads + fp32_partition,
+            buffers=(int(4.5 * bucket) if plan.overlap_comm else 0) + (largest if z == 2 else 0),
+        )
     else:
         persistent = persistent_params(model=model, threshold=plan.param_persistence_threshold)
         # the partitions (moved to the host with offload_params) and the persistent tensors, whole on every rank
         params = b * persistent if plan.offload_params else b * (phi // n + persistent * (n - 1) // n)
-        steady = dict(params=params, grads=0 if offload else 4 * phi // n, optimizer=0 if offload else 12 * phi // n,
-                      buffers=bucket)  # the contiguous-gradients reduce bucket stays allocated
+        steady = dict(
+            params=params,
+            grads=0 if offload else 4 * phi // n,
+            optimizer=0 if offload else 12 * phi // n,
+            buffers=bucket,
+        )  # the contiguous-gradients reduce bucket stays allocated
         backward = dict(grads=0, buffers=b * zero3_backward_working(model=model, plan=plan))
         step = dict(grads=0 if offload else 4 * phi // n, buffers=0)  # the fp32 gradients handed to the optimizer
         transient = max(backward, step, key=lambda t: sum(t.values()))
@@ -552,20 +689,34 @@ def stage_memory(*, model: ModelSpec, cluster: ClusterSpec, plan: Plan) -> tuple
     worst = None
     for i, phi in enumerate(stages):
         steady, transient = _model_states(model=model, plan=plan, phi=phi)
-        held, working = micro_batch_activations(model=model, micro_batch=plan.micro_batch,
-                                                checkpointing=plan.checkpointing, act_bytes=b, blocks=blocks[i],
-                                                first=i == 0, last=i == pp - 1, tp=tp, sp=sp, kernels=kernels,
-                                                windowed=windowed_blocks(model, range(first_block[i],
-                                                                                      first_block[i] + blocks[i])),
-                                                sparse=sum(1 for j in model.sparse_layers
-                                                           if first_block[i] <= j < first_block[i] + blocks[i]),
-                                                tp_sp=plan.tp_sp, loss_chunk=plan.loss_chunk)
+        held, working = micro_batch_activations(
+            model=model,
+            micro_batch=plan.micro_batch,
+            checkpointing=plan.checkpointing,
+            act_bytes=b,
+            blocks=blocks[i],
+            first=i == 0,
+            last=i == pp - 1,
+            tp=tp,
+            sp=sp,
+            kernels=kernels,
+            windowed=windowed_blocks(model, range(first_block[i], first_block[i] + blocks[i])),
+            sparse=sum(1 for j in model.sparse_layers if first_block[i] <= j < first_block[i] + blocks[i]),
+            tp_sp=plan.tp_sp,
+            loss_chunk=plan.loss_chunk,
+        )
         acts = min(pp - i, m) * held + working  # 1F1B: stage i has up to pp - i micro-batches in flight
         host_steady, host_peak = _host_states(model=model, plan=plan, phi=phi)
-        mem = Memory(params=steady["params"], grads=steady["grads"] + transient["grads"],
-                     optimizer=steady["optimizer"], activations=acts,
-                     buffers=steady["buffers"] + transient["buffers"] + reserve,
-                     model_states=sum(steady.values()), host_model_states=host_steady, host_peak=host_peak)
+        mem = Memory(
+            params=steady["params"],
+            grads=steady["grads"] + transient["grads"],
+            optimizer=steady["optimizer"],
+            activations=acts,
+            buffers=steady["buffers"] + transient["buffers"] + reserve,
+            model_states=sum(steady.values()),
+            host_model_states=host_steady,
+            host_peak=host_peak,
+        )
         if worst is None or mem.total > worst.total:
             worst, worst_phi = mem, phi
     assert worst is not None  # pp >= 1 stages: the loop ran

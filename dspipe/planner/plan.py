@@ -1,15 +1,16 @@
 """Specs -> Plan: every derived value, after DeepSpeed's rules are checked. No torch, no deepspeed."""
+
 from __future__ import annotations
 
 import math
-from functools import lru_cache
 from dataclasses import dataclass, fields
+from functools import lru_cache
 
 from dspipe.errors import SpecError
 from dspipe.model.tp_split import vocab_split as vocab_rows
-from dspipe.spec.layout import ParallelLayout
 from dspipe.spec.core import ClusterSpec, ModelSpec, StrategySpec, TrainSpec
 from dspipe.spec.kinds import Checkpointing, Offload, Precision
+from dspipe.spec.layout import ParallelLayout
 
 MIN_BUCKET = 1 << 20  # elements; h^2 buckets for tiny models would mean thousands of tiny collectives
 
@@ -137,18 +138,27 @@ def check_rules(*, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, str
     if pp > model.layers:
         raise RuleError(1, f"pipeline stages {pp} > layers {model.layers}: every stage needs at least one block")
     if world % (pp * tp * sp):
-        raise RuleError(2, f"world size {world} ({cluster.nodes} nodes x {cluster.gpus_per_node} GPUs) is not "
-                        f"divisible by pp {pp} x tp {tp} x sp {sp} = {pp * tp * sp}")
+        raise RuleError(
+            2,
+            f"world size {world} ({cluster.nodes} nodes x {cluster.gpus_per_node} GPUs) is not "
+            f"divisible by pp {pp} x tp {tp} x sp {sp} = {pp * tp * sp}",
+        )
     _check_experts(model=model, train=train, strategy=strategy, world=world)
     _check_tensor_sequence(model=model, cluster=cluster, train=train, strategy=strategy)
     if pp > 1 and zero >= 2:
-        raise RuleError(3, f"ZeRO-{zero} with pp {pp}: DeepSpeed's pipeline engine supports ZeRO stages 0-1 only; "
-                        f"use --zero 1 (optimizer states still sharded over dp "
-                        f"{ParallelLayout(world=world, pp=pp, tp=tp, sp=sp).dp})")
+        raise RuleError(
+            3,
+            f"ZeRO-{zero} with pp {pp}: DeepSpeed's pipeline engine supports ZeRO stages 0-1 only; "
+            f"use --zero 1 (optimizer states still sharded over dp "
+            f"{ParallelLayout(world=world, pp=pp, tp=tp, sp=sp).dp})",
+        )
     dp = ParallelLayout(world=world, pp=pp, tp=tp, sp=sp).dp
     if train.global_batch % (train.micro_batch * dp):
-        raise RuleError(4, f"global batch {train.global_batch} is not divisible by micro_batch {train.micro_batch} "
-                        f"x dp {dp} = {train.micro_batch * dp}")
+        raise RuleError(
+            4,
+            f"global batch {train.global_batch} is not divisible by micro_batch {train.micro_batch} "
+            f"x dp {dp} = {train.micro_batch * dp}",
+        )
     if strategy.offload_params and zero != 3:
         raise RuleError(5, f"--offload-params needs ZeRO-3 (got ZeRO-{zero}): only stage 3 partitions parameters")
     if strategy.offload_params and strategy.offload == Offload.NONE:
@@ -165,10 +175,12 @@ def check_rules(*, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, str
         raise RuleError(11, f"warmup_steps {train.warmup_steps} must be < steps {train.steps}")
 
 
-TP_SP_ZERO3_REFUSAL = ("DeepSpeed 0.19.8 partitions a module built outside zero.Init over the mpu's data-parallel "
-                       "group (parameter_offload.py _convert_to_zero_parameters) but reduces its gradients over the "
-                       "sequence-data-parallel group: measured, the losses leave the plain model's at step 4; use "
-                       "--zero 1 or --zero 2")
+TP_SP_ZERO3_REFUSAL = (
+    "DeepSpeed 0.19.8 partitions a module built outside zero.Init over the mpu's data-parallel "
+    "group (parameter_offload.py _convert_to_zero_parameters) but reduces its gradients over the "
+    "sequence-data-parallel group: measured, the losses leave the plain model's at step 4; use "
+    "--zero 1 or --zero 2"
+)
 """Why ZeRO-3 with tp > 1 and Ulysses sp > 1 together is refused (ZeRO-3 with tp alone, and ZeRO 1-2 with tp x sp,
 train the plain model's losses: tests/distributed/test_tp_pp.py, test_startup.py)."""
 
@@ -179,45 +191,70 @@ def _check_tensor_sequence(*, model: ModelSpec, cluster: ClusterSpec, train: Tra
     tp, sp, pp, zero, g = strategy.tp, strategy.sp, strategy.pp, strategy.zero, cluster.gpus_per_node
     if tp > 1:
         if g % tp:
-            raise RuleError(2, f"tp {tp} does not divide the {g} GPUs per node: tensor-parallel ranks exchange "
-                            f"activations in every layer and must share one node (tp across nodes is refused)")
+            raise RuleError(
+                2,
+                f"tp {tp} does not divide the {g} GPUs per node: tensor-parallel ranks exchange "
+                f"activations in every layer and must share one node (tp across nodes is refused)",
+            )
         for name, value in (("heads", model.heads), ("kv_heads", model.kv_groups), ("ffn", model.ffn)):
             if value % tp:
-                raise RuleError(2, f"model {name} {value} is not divisible by tp {tp} "
-                                   f"({value} / {tp} = {value / tp:g})")
+                raise RuleError(
+                    2, f"model {name} {value} is not divisible by tp {tp} ({value} / {tp} = {value / tp:g})"
+                )
         per, last = vocab_rows(model.vocab, tp)
         if last < 1:
-            raise RuleError(2, f"model vocab {model.vocab} over tp {tp}: ceil({model.vocab} / {tp}) = {per} rows per "
-                            f"rank leaves the last rank {last} (vocab - {tp - 1} x {per}); the vocab-parallel "
-                            f"embedding and head need at least 1 row on every rank")
+            raise RuleError(
+                2,
+                f"model vocab {model.vocab} over tp {tp}: ceil({model.vocab} / {tp}) = {per} rows per "
+                f"rank leaves the last rank {last} (vocab - {tp - 1} x {per}); the vocab-parallel "
+                f"embedding and head need at least 1 row on every rank",
+            )
         tokens = model.seq_len // sp if model.seq_len % sp == 0 else model.seq_len
         if strategy.tp_sp and tokens % tp:
-            raise RuleError(2, f"model seq_len {model.seq_len} / sp {sp} = {tokens} tokens per rank are not divisible "
-                            f"by tp {tp}: Megatron sequence parallelism splits them over the tp ranks; use --no-tp-sp "
-                            f"or a seq_len divisible by {sp * tp}")
+            raise RuleError(
+                2,
+                f"model seq_len {model.seq_len} / sp {sp} = {tokens} tokens per rank are not divisible "
+                f"by tp {tp}: Megatron sequence parallelism splits them over the tp ranks; use --no-tp-sp "
+                f"or a seq_len divisible by {sp * tp}",
+            )
         if strategy.loss_chunk:
-            raise RuleError(3, f"loss_chunk {strategy.loss_chunk} with tp {tp}: the tensor-parallel head computes a "
-                            f"vocab-parallel cross-entropy of its ceil({model.vocab} / {tp}) = {per} vocabulary rows "
-                            f"(no chunked loss there); use --loss-chunk 0 or --tp 1")
+            raise RuleError(
+                3,
+                f"loss_chunk {strategy.loss_chunk} with tp {tp}: the tensor-parallel head computes a "
+                f"vocab-parallel cross-entropy of its ceil({model.vocab} / {tp}) = {per} vocabulary rows "
+                f"(no chunked loss there); use --loss-chunk 0 or --tp 1",
+            )
         if zero == 0 and train.precision != Precision.FP32:
-            raise RuleError(3, f"tp {tp} with ZeRO-0 in {train.precision}: DeepSpeed's ZeRO-0 {train.precision} "
-                            f"optimizer reports and clips by the gradient norm of rank 0's shards only; "
-                            "use --zero 1 or 2")
+            raise RuleError(
+                3,
+                f"tp {tp} with ZeRO-0 in {train.precision}: DeepSpeed's ZeRO-0 {train.precision} "
+                f"optimizer reports and clips by the gradient norm of rank 0's shards only; "
+                "use --zero 1 or 2",
+            )
     if sp > 1:
         for name, value in (("heads", model.heads), ("seq_len", model.seq_len)):
             if value % sp:
-                raise RuleError(2, f"model {name} {value} is not divisible by sp {sp} "
-                                   f"({value} / {sp} = {value / sp:g}): "
-                                f"Ulysses splits the sequence, then the heads, across the sp ranks")
+                raise RuleError(
+                    2,
+                    f"model {name} {value} is not divisible by sp {sp} "
+                    f"({value} / {sp} = {value / sp:g}): "
+                    f"Ulysses splits the sequence, then the heads, across the sp ranks",
+                )
         if tp > 1 and (model.heads // tp) % sp:
-            raise RuleError(2, f"model heads {model.heads} / tp {tp} = {model.heads // tp} heads per tp rank are not "
-                            f"divisible by sp {sp}: Ulysses spreads each tp rank's heads over the sp ranks")
+            raise RuleError(
+                2,
+                f"model heads {model.heads} / tp {tp} = {model.heads // tp} heads per tp rank are not "
+                f"divisible by sp {sp}: Ulysses spreads each tp rank's heads over the sp ranks",
+            )
         if tp > 1 and zero == 3:
             raise RuleError(3, f"ZeRO-3 with tp {tp} x sp {sp}: {TP_SP_ZERO3_REFUSAL}")
         if pp > 1:
-            raise RuleError(3, f"sp {sp} with pp {pp}: DeepSpeed's pipeline engine cannot carry Ulysses sequence "
-                            f"shards (its partitioned pipe tensors and gradient reduction ignore the sp group); "
-                            "use sp or pp")
+            raise RuleError(
+                3,
+                f"sp {sp} with pp {pp}: DeepSpeed's pipeline engine cannot carry Ulysses sequence "
+                f"shards (its partitioned pipe tensors and gradient reduction ignore the sp group); "
+                "use sp or pp",
+            )
 
 
 def _check_experts(*, model: ModelSpec, train: TrainSpec, strategy: StrategySpec, world: int) -> None:
@@ -231,27 +268,47 @@ def _check_experts(*, model: ModelSpec, train: TrainSpec, strategy: StrategySpec
             raise RuleError(3, f"ep {ep} needs a mixture-of-experts model: {model.name} is dense (experts 0)")
         return
     if zero == 3:
-        raise RuleError(3, f"ZeRO-3 with experts {e}: Native DeepSpeed MoE is not supported with ZeRO Stage 3. "
-                        f"Use AutoEP or choose ZeRO stage 1/2")
-    for name, value, why in (("pp", pp, "the stages would have to carry the load-balancing loss; not built"),
-                             ("tp", tp, "dspipe's tensor-parallel layers are not combined with DeepSpeed's MoE layer"),
-                             ("sp", sp, "DeepSpeed's MoE layer is not wired to the Ulysses sequence groups")):
+        raise RuleError(
+            3,
+            f"ZeRO-3 with experts {e}: Native DeepSpeed MoE is not supported with ZeRO Stage 3. "
+            f"Use AutoEP or choose ZeRO stage 1/2",
+        )
+    for name, value, why in (
+        ("pp", pp, "the stages would have to carry the load-balancing loss; not built"),
+        ("tp", tp, "dspipe's tensor-parallel layers are not combined with DeepSpeed's MoE layer"),
+        ("sp", sp, "DeepSpeed's MoE layer is not wired to the Ulysses sequence groups"),
+    ):
         if value > 1:
-            raise RuleError(3, f"{name} {value} with experts {e}: dspipe trains mixture-of-experts models with "
-                            f"{name} 1 only ({why}); use --{name} 1 and expert parallelism (--ep)")
+            raise RuleError(
+                3,
+                f"{name} {value} with experts {e}: dspipe trains mixture-of-experts models with "
+                f"{name} 1 only ({why}); use --{name} 1 and expert parallelism (--ep)",
+            )
     if train.precision == Precision.FP16:
-        raise RuleError(3, f"fp16 with experts {e}: dspipe trains mixture-of-experts models in bf16 or fp32 only "
-                        f"(not tested with fp16 loss scaling); use --precision bf16")
+        raise RuleError(
+            3,
+            f"fp16 with experts {e}: dspipe trains mixture-of-experts models in bf16 or fp32 only "
+            f"(not tested with fp16 loss scaling); use --precision bf16",
+        )
     if e % ep:
-        raise RuleError(3, f"ep {ep} does not divide experts {e}: each expert-parallel rank holds experts / ep of "
-                        f"every MoE block ({e} / {ep} = {e / ep:g})")
+        raise RuleError(
+            3,
+            f"ep {ep} does not divide experts {e}: each expert-parallel rank holds experts / ep of "
+            f"every MoE block ({e} / {ep} = {e / ep:g})",
+        )
     if dp % ep:
-        raise RuleError(3, f"ep {ep} does not divide dp {dp} = world {world} / (pp {pp} x tp {tp} x sp {sp}): the "
-                        f"expert-parallel groups are made of data-parallel ranks")
+        raise RuleError(
+            3,
+            f"ep {ep} does not divide dp {dp} = world {world} / (pp {pp} x tp {tp} x sp {sp}): the "
+            f"expert-parallel groups are made of data-parallel ranks",
+        )
     if zero == 0 and ep > 1:
-        raise RuleError(3, f"ep {ep} under ZeRO-0 with experts {e}: DeepSpeed 0.19.8 clips by a gradient norm that is "
-                        f"not the model's under expert parallelism (measured 0.6813 where ep 1 gives 0.6823); use "
-                        f"ZeRO-1 or 2, or ep 1")
+        raise RuleError(
+            3,
+            f"ep {ep} under ZeRO-0 with experts {e}: DeepSpeed 0.19.8 clips by a gradient norm that is "
+            f"not the model's under expert parallelism (measured 0.6813 where ep 1 gives 0.6823); use "
+            f"ZeRO-1 or 2, or ep 1",
+        )
 
 
 def _grad_accum_dtype(*, precision: str, zero: int, pp: int) -> str:
@@ -299,8 +356,7 @@ def make_plan(*, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
         allgather_bucket_size=strategy.reduce_bucket_size or max(h * h, MIN_BUCKET),
         prefetch_bucket_size=prefetch,
         param_persistence_threshold=strategy.param_persistence_threshold or 10 * h,
-        max_live_parameters=_default(strategy.max_live_parameters,
-                                     prefetch + _largest_tensor(model)),
+        max_live_parameters=_default(strategy.max_live_parameters, prefetch + _largest_tensor(model)),
         max_reuse_distance=_default(strategy.max_reuse_distance, prefetch),
         overlap_comm=zero >= 2 and pp == 1,
         # ZeRO-1 with ep > 1 trains off ep 1 in DeepSpeed 0.19.8 unless its gradients are contiguous (measured:
@@ -330,15 +386,20 @@ def check_plan(plan: Plan, *, model: ModelSpec, cluster: ClusterSpec, train: Tra
     for name in (*first, *(f.name for f in fields(Plan) if f.name not in first)):  # before consequences (dp)
         have, want = getattr(plan, name), getattr(expected, name)
         if have != want or type(have) is not type(want):
-            why = {"world_size": f"nodes {cluster.nodes} x gpus_per_node {cluster.gpus_per_node}",
-                   "dp": f"world {expected.world_size} / (pp {expected.pp} x tp {expected.tp} x sp {expected.sp})",
-                   "grad_accum": f"global_batch {train.global_batch} / (micro_batch {train.micro_batch} x dp "
-                                 f"{expected.dp})",
-                   "zero_stage": f"strategy.zero {strategy.zero}", "pp": f"strategy.pp {strategy.pp}",
-                   "tp": f"strategy.tp {strategy.tp}", "sp": f"strategy.sp {strategy.sp}",
-                   "ep": f"strategy.ep {strategy.ep}", "experts": f"model.experts {model.experts}",
-                   "precision": f"train.precision {train.precision!r}",
-                   "micro_batch": f"train.micro_batch {train.micro_batch}",
-                   "global_batch": f"train.global_batch {train.global_batch}"}.get(name, "model/cluster/train/strategy")
+            why = {
+                "world_size": f"nodes {cluster.nodes} x gpus_per_node {cluster.gpus_per_node}",
+                "dp": f"world {expected.world_size} / (pp {expected.pp} x tp {expected.tp} x sp {expected.sp})",
+                "grad_accum": f"global_batch {train.global_batch} / (micro_batch {train.micro_batch} x dp "
+                f"{expected.dp})",
+                "zero_stage": f"strategy.zero {strategy.zero}",
+                "pp": f"strategy.pp {strategy.pp}",
+                "tp": f"strategy.tp {strategy.tp}",
+                "sp": f"strategy.sp {strategy.sp}",
+                "ep": f"strategy.ep {strategy.ep}",
+                "experts": f"model.experts {model.experts}",
+                "precision": f"train.precision {train.precision!r}",
+                "micro_batch": f"train.micro_batch {train.micro_batch}",
+                "global_batch": f"train.global_batch {train.global_batch}",
+            }.get(name, "model/cluster/train/strategy")
             shown = repr(have) if len(repr(have)) <= 40 else repr(have)[:37] + "..."
             raise SpecError(f"plan.{name} {shown} disagrees with {why}, which give {want!r}")

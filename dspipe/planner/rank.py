@@ -1,5 +1,6 @@
 """Ordering the fitting candidates: fastest first, plans within TIE of the fastest broken by the practitioners'
 order (preference), and the sentence that says why the tie-break chose. No torch."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,10 +18,19 @@ GEMM_TOKENS = 4096
 the time model does not charge small matrix multiplies their lower efficiency; beyond it the smaller memory wins."""
 _PREC_ORDER = {"bf16": 0, "fp16": 1, "fp32": 2}
 _OFFLOAD_ORDER = {"none": 0, "cpu": 1, "nvme": 2}
-_PREFERENCE_WHY = ("the roomier plan", "bf16 before fp16 before fp32", "the lower ZeRO stage", "no offload",
-                   "optimizer-only offload", "less recomputation", "fewer pipeline stages", "less tensor parallelism",
-                   "less sequence parallelism", "the larger micro-batch (up to 4,096 tokens per micro-batch)",
-                   "the smaller memory footprint")
+_PREFERENCE_WHY = (
+    "the roomier plan",
+    "bf16 before fp16 before fp32",
+    "the lower ZeRO stage",
+    "no offload",
+    "optimizer-only offload",
+    "less recomputation",
+    "fewer pipeline stages",
+    "less tensor parallelism",
+    "less sequence parallelism",
+    "the larger micro-batch (up to 4,096 tokens per micro-batch)",
+    "the smaller memory footprint",
+)
 
 
 @dataclass(frozen=True)
@@ -40,10 +50,19 @@ def preference(c: Candidate) -> tuple[bool, int, int, int, bool, int, int, int, 
     the GPU's memory loses to one under it."""
     ckpt = {"none": 0, "selective": 1, "full": 2}[c.plan.checkpointing]
     seq_len = c.plan.tokens_per_step // c.plan.global_batch
-    return (c.est.memory.total > ROOMY * c.est.gpu_memory_bytes, _PREC_ORDER[c.plan.precision], c.plan.zero_stage,
-            _OFFLOAD_ORDER[c.plan.offload], c.plan.offload_params,
-            ckpt, c.plan.pp, c.plan.tp, c.plan.sp, -min(c.plan.micro_batch * seq_len, GEMM_TOKENS),
-            c.est.memory.total)
+    return (
+        c.est.memory.total > ROOMY * c.est.gpu_memory_bytes,
+        _PREC_ORDER[c.plan.precision],
+        c.plan.zero_stage,
+        _OFFLOAD_ORDER[c.plan.offload],
+        c.plan.offload_params,
+        ckpt,
+        c.plan.pp,
+        c.plan.tp,
+        c.plan.sp,
+        -min(c.plan.micro_batch * seq_len, GEMM_TOKENS),
+        c.est.memory.total,
+    )
 
 
 def tie_reason(winner: Candidate, loser: Candidate) -> str:
@@ -51,9 +70,11 @@ def tie_reason(winner: Candidate, loser: Candidate) -> str:
     for why, a, b in zip(_PREFERENCE_WHY, preference(winner), preference(loser), strict=True):
         if a != b:
             if why == "the roomier plan":
-                return (f"{why} ({winner.est.memory.total / winner.est.gpu_memory_bytes:.0%} vs "
-                        f"{loser.est.memory.total / loser.est.gpu_memory_bytes:.0%} of GPU memory; over "
-                        f"{ROOMY:.0%} loses ties)")
+                return (
+                    f"{why} ({winner.est.memory.total / winner.est.gpu_memory_bytes:.0%} vs "
+                    f"{loser.est.memory.total / loser.est.gpu_memory_bytes:.0%} of GPU memory; over "
+                    f"{ROOMY:.0%} loses ties)"
+                )
             if why == "the smaller memory footprint":
                 return f"{why} ({winner.est.memory.total / GIB:.1f} vs {loser.est.memory.total / GIB:.1f} GiB)"
             return why
@@ -72,12 +93,14 @@ def rank(candidates: list[Candidate]) -> Ranking:
         recipe = min(ties, key=lambda c: preference(c)[1:])  # what the order alone would pick
         other = recipe if recipe is not best else min((c for c in ties if c is not best), key=preference)
         behind = best.est.step_time_s / fastest.est.step_time_s - 1
-        tie = (f"{len(ties)} plans within {(TIE - 1) * 100:.0f}% of the fastest ({fastest.est.step_time_s:.3g} "
-               f"s/step){f', this one {behind * 100:.1f}% slower' if behind > 0 else ''}; the tie-break (under "
-               f"{ROOMY:.0%} of GPU memory first, the recipe's order, the larger micro-batch up to "
-               f"{GEMM_TOKENS:,} tokens, then the smaller memory) "
-               f"preferred it for {tie_reason(best, other)} over "
-               f"{other.describe()}")
+        tie = (
+            f"{len(ties)} plans within {(TIE - 1) * 100:.0f}% of the fastest ({fastest.est.step_time_s:.3g} "
+            f"s/step){f', this one {behind * 100:.1f}% slower' if behind > 0 else ''}; the tie-break (under "
+            f"{ROOMY:.0%} of GPU memory first, the recipe's order, the larger micro-batch up to "
+            f"{GEMM_TOKENS:,} tokens, then the smaller memory) "
+            f"preferred it for {tie_reason(best, other)} over "
+            f"{other.describe()}"
+        )
     fitting.remove(best)
     fitting.insert(0, best)
     return Ranking(best=best, ranked=fitting, tie=tie)

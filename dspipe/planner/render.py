@@ -1,5 +1,6 @@
 """Plan -> DeepSpeed JSON (the keys of planner/ds_schema.SCHEMA); DeepSpeed JSON preset -> strategy; the jinja2
 templates (the sbatch script). No torch, no deepspeed."""
+
 from __future__ import annotations
 
 import importlib.resources
@@ -27,8 +28,9 @@ def render_template(name: str, values: dict[str, object]) -> str:
     """Render templates/NAME; the values given must be exactly the template's variables (no more, no fewer).
     Dict values keep their key order (tojson without sorting)."""
     loader = jinja2.FileSystemLoader(str(TEMPLATES))
-    env = jinja2.Environment(loader=loader, undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
-                             autoescape=False)
+    env = jinja2.Environment(
+        loader=loader, undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False
+    )
     env.policies["json.dumps_kwargs"] = {"sort_keys": False}
     source = loader.get_source(env, name)[0]
     wanted = jinja2.meta.find_undeclared_variables(env.parse(source))
@@ -38,9 +40,13 @@ def render_template(name: str, values: dict[str, object]) -> str:
 
 
 MONITOR_OPTIONS = {  # gen-config option -> ds_schema value name; W&B and Comet through DeepSpeed's own monitor config
-    "wandb_project": "wandb_project", "wandb_group": "wandb_group", "wandb_team": "wandb_team",
-    "comet_project": "comet_project", "comet_workspace": "comet_workspace",
-    "comet_experiment": "comet_experiment_name"}
+    "wandb_project": "wandb_project",
+    "wandb_group": "wandb_group",
+    "wandb_team": "wandb_team",
+    "comet_project": "comet_project",
+    "comet_workspace": "comet_workspace",
+    "comet_experiment": "comet_experiment_name",
+}
 
 
 def monitor_values(options: dict[str, object]) -> dict[str, object]:
@@ -63,16 +69,30 @@ def monitor_values(options: dict[str, object]) -> dict[str, object]:
     return values
 
 
-def render_ds_config(*, plan: Plan, model: ModelSpec, train: TrainSpec, monitor_dir: str,
-                     wall_clock_breakdown: bool = False, preset: PresetImport | None = None,
-                     monitors: dict[str, object] | None = None) -> dict[str, Any]:
+def render_ds_config(
+    *,
+    plan: Plan,
+    model: ModelSpec,
+    train: TrainSpec,
+    monitor_dir: str,
+    wall_clock_breakdown: bool = False,
+    preset: PresetImport | None = None,
+    monitors: dict[str, object] | None = None,
+) -> dict[str, Any]:
     """The complete DeepSpeed config for `plan`: every key explicit, nothing left to DeepSpeed's defaults. `preset`:
     the values a --preset sets (its import already checked them against the plan's options); `monitors`:
     values from monitor_values()."""
-    scheduler = scheduler_block(preset, lr=train.lr, steps=train.steps, warmup=train.warmup_steps,
-                                min_lr_ratio=train.min_lr_ratio)
-    sources = Sources(plan=plan, model=model, train=train, monitor_dir=monitor_dir,
-                      wall_clock_breakdown=wall_clock_breakdown, scheduler=scheduler)
+    scheduler = scheduler_block(
+        preset, lr=train.lr, steps=train.steps, warmup=train.warmup_steps, min_lr_ratio=train.min_lr_ratio
+    )
+    sources = Sources(
+        plan=plan,
+        model=model,
+        train=train,
+        monitor_dir=monitor_dir,
+        wall_clock_breakdown=wall_clock_breakdown,
+        scheduler=scheduler,
+    )
     values = {**DEFAULTS, **derived(sources)}
     if preset is not None:
         unknown = set(preset.values) - set(values)
@@ -80,9 +100,11 @@ def render_ds_config(*, plan: Plan, model: ModelSpec, train: TrainSpec, monitor_
             raise KeyError(f"preset values without a DeepSpeed key: {sorted(unknown)}")
         values.update(preset.values)
         if values["reduce_scatter"] and not plan.reduce_scatter:
-            raise SpecError(f"{preset.source}: zero_optimization.reduce_scatter true with ZeRO-3 and sp {plan.sp}: "
-                            f"stage 3's reduce-scatter averaging lacks the sequence-parallel correction "
-                            f"(gradients 1/{plan.sp} of their value); set it to false")
+            raise SpecError(
+                f"{preset.source}: zero_optimization.reduce_scatter true with ZeRO-3 and sp {plan.sp}: "
+                f"stage 3's reduce-scatter averaging lacks the sequence-parallel correction "
+                f"(gradients 1/{plan.sp} of their value); set it to false"
+            )
         values["wall_clock_breakdown"] = wall_clock_breakdown or preset.values.get("wall_clock_breakdown", False)
     if monitors:
         values.update(monitors)  # flags win over a preset's monitor settings
@@ -133,8 +155,9 @@ def preset_path(name_or_path: str) -> Path:
         return DS_PRESETS / f"{name_or_path}.json"
     path = Path(name_or_path)
     if path.suffix != ".json" or not path.is_file():
-        raise SpecError(f"unknown DeepSpeed preset {name_or_path!r}; valid: {', '.join(preset_names())} "
-                        f"(or a path to a .json file)")
+        raise SpecError(
+            f"unknown DeepSpeed preset {name_or_path!r}; valid: {', '.join(preset_names())} (or a path to a .json file)"
+        )
     return path
 
 
@@ -146,5 +169,3 @@ def load_ds_preset(name_or_path: str) -> dict[str, Any]:
 def import_ds_preset(name_or_path: str) -> PresetImport:
     """Load and import a preset: every key honoured, refused (SpecError) or noted; see dspipe.planner.ds_preset."""
     return import_preset(load_ds_preset(name_or_path), source=name_or_path)
-
-

@@ -3,13 +3,15 @@
 DeepSpeed's stage partition of the PipelineModule layers, a tp rank's share of the blocks, the embedding and the head
 (dspipe's tensor-parallel layers, Megatron layout: dspipe/model/tp_split.py), the group ZeRO partitions over. Pure
 arithmetic, shared by planner/memory.py, planner/timing.py and planner/cost.py."""
+
 from __future__ import annotations
 
 import math
 from functools import lru_cache
 from itertools import pairwise
 
-from dspipe.model.tp_split import split_of, vocab_split as vocab_rows
+from dspipe.model.tp_split import split_of
+from dspipe.model.tp_split import vocab_split as vocab_rows
 from dspipe.planner.plan import Plan
 from dspipe.spec.core import ModelSpec
 
@@ -71,6 +73,7 @@ def _uniform_bounds(items: int, parts: int) -> list[int]:
 def _balanced_bounds(weights: list[int], parts: int) -> list[int]:
     """Contiguous split minimising the heaviest part (binary search on the cap, then a greedy cut that leaves
     at least one layer for every remaining part)."""
+
     def parts_needed(cap: int) -> int:
         count, load = 1, 0
         for w in weights:
@@ -91,7 +94,6 @@ def _balanced_bounds(weights: list[int], parts: int) -> list[int]:
             load = 0
         load += w
     return bounds + [len(weights)]
-
 
 
 @lru_cache(maxsize=1024)
@@ -117,7 +119,6 @@ def stage_blocks(*, model: ModelSpec, pp: int, partition_method: str, tp: int = 
     return [max(0, min(b, model.layers + 1) - max(a, 1)) for a, b in pairwise(bounds)]
 
 
-
 @lru_cache(maxsize=1024)
 def stage_params(*, model: ModelSpec, pp: int, partition_method: str, tp: int = 1, ep: int = 1) -> tuple[int, ...]:
     """Parameters held by one rank of each pipeline stage under DeepSpeed's partition methods (stage bounds as
@@ -127,8 +128,12 @@ def stage_params(*, model: ModelSpec, pp: int, partition_method: str, tp: int = 
         split = tp_split_params_per_block(model)
         tables = 1 if model.tied_embeddings else 2
         vocab_off = tables * (model.vocab * model.hidden - vocab_table_per_rank(model, tp))
-        return (model.num_params - model.layers * (split - share(split, tp)) - vocab_off
-                - expert_params_off_rank(model, ep),)
+        return (
+            model.num_params
+            - model.layers * (split - share(split, tp))
+            - vocab_off
+            - expert_params_off_rank(model, ep),
+        )
     bounds = stage_bounds(model, pp, partition_method, tp)
     local = stage_layer_weights(model, tp)
     return tuple(sum(local[a:b]) for a, b in pairwise(bounds))
@@ -203,8 +208,11 @@ def stage_largest_tensors(model: ModelSpec, pp: int, partition_method: str, tp: 
     if pp == 1:
         return (largest_tensor(model),)
     table = model.vocab * model.hidden
-    per_layer = [max(table, _positions(model)),
-                 *(max(math.prod(s) for _, s in model.block_tensors(i)) for i in range(model.layers)),
-                 model.hidden, table]
+    per_layer = [
+        max(table, _positions(model)),
+        *(max(math.prod(s) for _, s in model.block_tensors(i)) for i in range(model.layers)),
+        model.hidden,
+        table,
+    ]
     bounds = stage_bounds(model, pp, partition_method, tp)
     return tuple(max(per_layer[a:b]) for a, b in pairwise(bounds))

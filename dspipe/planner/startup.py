@@ -24,6 +24,7 @@ DRAW_RATE, or with --init-from the node's distinct checkpoint bytes at DISK_GBPS
 deepspeed.initialize not counted). A plan fits only if ranks per node x max(the build's host bytes, the offload's host
 peak) is within the node's RAM and the transient within the usable GPU memory (Estimate.fits).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -57,9 +58,11 @@ read the same bytes share the page cache: only the node's distinct bytes count."
 NOT_COUNTED = "process start and deepspeed.initialize not counted"
 """What the time to the first step leaves out (said wherever it is shown)."""
 
-MODE_TEXT = {"partitioned": "partitioned build (ZeRO-3 under zero.Init)",
-             "device": "device build (meta device, materialised on the GPU)",
-             "stage": "stage build (each rank its pipeline stage)"}
+MODE_TEXT = {
+    "partitioned": "partitioned build (ZeRO-3 under zero.Init)",
+    "device": "device build (meta device, materialised on the GPU)",
+    "stage": "stage build (each rank its pipeline stage)",
+}
 """How `plan` names each build mode."""
 
 
@@ -115,31 +118,43 @@ class StartupEstimate:
             return "one fp32 tensor at a time on its way to the GPU"
         if self.mode == BuildMode.STAGE:
             if self.tp > 1:
-                return (f"the stage's tp {self.tp} shard in fp32 on the host, plus one whole fp32 tensor drawn at a "
-                        f"time")
+                return f"the stage's tp {self.tp} shard in fp32 on the host, plus one whole fp32 tensor drawn at a time"
             return "the stage's layers in fp32 on the host before PipelineModule moves them"
         return self.mode
 
     def first_step_text(self) -> str:
         """'~1,150 s (69.0B values drawn per rank at 60M/s; ... not counted)'."""
         if self.import_bytes is None:
-            why = (f"{_count(self.drawn_elements)} values drawn per rank at {self.draw_rate / 1e6:.0f}M/s, measured "
-                   f"on one CPU rank")
+            why = (
+                f"{_count(self.drawn_elements)} values drawn per rank at {self.draw_rate / 1e6:.0f}M/s, measured "
+                f"on one CPU rank"
+            )
         else:
-            why = (f"{self.read_bytes / 1e9:,.1f} GB of the checkpoint read per node at an assumed "
-                   f"{self.disk_gbps:g} GB/s")
+            why = (
+                f"{self.read_bytes / 1e9:,.1f} GB of the checkpoint read per node at an assumed {self.disk_gbps:g} GB/s"
+            )
         return f"~{_seconds(self.seconds)} ({why}; {NOT_COUNTED})"
 
     def to_dict(self) -> dict[str, object]:
         """The keys `plan --json` and dspipe.json's estimate carry under "startup"."""
-        return {"mode": self.mode, "build": MODE_TEXT.get(self.mode, self.mode), "holds": self.holds(),
-                "host_build_per_rank_bytes": self.host_build_per_rank_bytes,
-                "host_offload_per_rank_bytes": self.host_offload_per_rank_bytes,
-                "host_per_rank_bytes": self.host_per_rank_bytes, "host_per_node_bytes": self.host_per_node_bytes,
-                "ranks_per_node": self.ranks_per_node, "device_bytes": self.device_bytes, "seconds": self.seconds,
-                "drawn_elements": self.drawn_elements, "draw_rate_per_s": self.draw_rate,
-                "import_bytes": self.import_bytes, "read_bytes_per_node": self.read_bytes,
-                "disk_gbps": self.disk_gbps, "not_counted": NOT_COUNTED}
+        return {
+            "mode": self.mode,
+            "build": MODE_TEXT.get(self.mode, self.mode),
+            "holds": self.holds(),
+            "host_build_per_rank_bytes": self.host_build_per_rank_bytes,
+            "host_offload_per_rank_bytes": self.host_offload_per_rank_bytes,
+            "host_per_rank_bytes": self.host_per_rank_bytes,
+            "host_per_node_bytes": self.host_per_node_bytes,
+            "ranks_per_node": self.ranks_per_node,
+            "device_bytes": self.device_bytes,
+            "seconds": self.seconds,
+            "drawn_elements": self.drawn_elements,
+            "draw_rate_per_s": self.draw_rate,
+            "import_bytes": self.import_bytes,
+            "read_bytes_per_node": self.read_bytes,
+            "disk_gbps": self.disk_gbps,
+            "not_counted": NOT_COUNTED,
+        }
 
 
 def size_text(n: float) -> str:
@@ -166,10 +181,22 @@ def _seconds(s: float) -> str:
     return f"{s:,.0f} s" if s >= 10 else f"{s:.2g} s"
 
 
-def startup_estimate(*, mode: str, num_params: int, stage_params: int, largest_tensor: int, precision: str,
-                     offload_params: bool, zero_ranks: int, tp: int, ranks_per_node: int,
-                     host_offload_per_rank: int, import_bytes: int | None = None, rank_params: int | None = None,
-                     stage_elements: int | None = None) -> StartupEstimate:
+def startup_estimate(
+    *,
+    mode: str,
+    num_params: int,
+    stage_params: int,
+    largest_tensor: int,
+    precision: str,
+    offload_params: bool,
+    zero_ranks: int,
+    tp: int,
+    ranks_per_node: int,
+    host_offload_per_rank: int,
+    import_bytes: int | None = None,
+    rank_params: int | None = None,
+    stage_elements: int | None = None,
+) -> StartupEstimate:
     """The start-up of one plan, rank by rank. Phi = num_params (the whole model, every element a rank's build
     draws without a pipeline), Phi_r = rank_params (the rank's tp shard of it; Phi at tp 1), Phi_s = stage_params
     (the rank's tp shard of its pipeline stage, for `stage`), E_s = stage_elements (that stage's whole elements, which
@@ -213,7 +240,19 @@ def startup_estimate(*, mode: str, num_params: int, stage_params: int, largest_t
         read = int(share * import_bytes)
         seconds = read / (DISK_GBPS * 1e9)
     per_rank = max(host, host_offload_per_rank)
-    return StartupEstimate(mode=mode, host_build_per_rank_bytes=host, host_offload_per_rank_bytes=host_offload_per_rank,
-                           host_per_rank_bytes=per_rank, host_per_node_bytes=g * per_rank, ranks_per_node=g,
-                           device_bytes=device, seconds=seconds, drawn_elements=drawn, read_bytes=read,
-                           import_bytes=import_bytes, precision=precision, offload_params=offload_params, tp=tp)
+    return StartupEstimate(
+        mode=mode,
+        host_build_per_rank_bytes=host,
+        host_offload_per_rank_bytes=host_offload_per_rank,
+        host_per_rank_bytes=per_rank,
+        host_per_node_bytes=g * per_rank,
+        ranks_per_node=g,
+        device_bytes=device,
+        seconds=seconds,
+        drawn_elements=drawn,
+        read_bytes=read,
+        import_bytes=import_bytes,
+        precision=precision,
+        offload_params=offload_params,
+        tp=tp,
+    )

@@ -1,4 +1,5 @@
 """Plan reports: the JSON object scripts rely on, and the human tables. No torch."""
+
 from __future__ import annotations
 
 import math
@@ -20,23 +21,49 @@ def estimate_summary(c: Candidate, *, tokens: float | None = None) -> dict[str, 
     p, e, m = c.plan, c.est, c.est.memory
     days = None if tokens is None else tokens / c.tokens_per_s / SECONDS_PER_DAY
     summary = {
-        "num_params": p.num_params, "zero_stage": p.zero_stage, "offload": p.offload,
-        "offload_params": p.offload_params, "precision": p.precision, "pp": p.pp, "tp": p.tp, "tp_sp": p.tp_sp,
-        "sp": p.sp, "dp": p.dp,
-        "micro_batch": p.micro_batch, "grad_accum": p.grad_accum, "checkpointing": p.checkpointing,
+        "num_params": p.num_params,
+        "zero_stage": p.zero_stage,
+        "offload": p.offload,
+        "offload_params": p.offload_params,
+        "precision": p.precision,
+        "pp": p.pp,
+        "tp": p.tp,
+        "tp_sp": p.tp_sp,
+        "sp": p.sp,
+        "dp": p.dp,
+        "micro_batch": p.micro_batch,
+        "grad_accum": p.grad_accum,
+        "checkpointing": p.checkpointing,
         "loss_chunk": p.loss_chunk,
-        "memory_per_gpu_bytes": {"params": m.params, "grads": m.grads, "optimizer": m.optimizer,
-                                 "activations": m.activations, "buffers": m.buffers, "total": m.total},
+        "memory_per_gpu_bytes": {
+            "params": m.params,
+            "grads": m.grads,
+            "optimizer": m.optimizer,
+            "activations": m.activations,
+            "buffers": m.buffers,
+            "total": m.total,
+        },
         "model_states_bytes": m.model_states,
-        "gpu_memory_bytes": e.gpu_memory_bytes, "memory_headroom": e.headroom,
-        "usable_gpu_memory_bytes": e.usable_gpu_memory_bytes, "host_memory_bytes": e.host_memory_bytes,
+        "gpu_memory_bytes": e.gpu_memory_bytes,
+        "memory_headroom": e.headroom,
+        "usable_gpu_memory_bytes": e.usable_gpu_memory_bytes,
+        "host_memory_bytes": e.host_memory_bytes,
         "host_memory_capacity_bytes": e.host_memory_capacity,
         "step_time_s": e.step_time_s,
-        "step_time_breakdown_s": {"compute": e.compute_s, "dp_comm": e.dp_comm_s, "tp_comm": e.tp_comm_s,
-                                  "sp_comm": e.sp_comm_s, "bubble": e.bubble_s, "pp_comm": e.pp_comm_s,
-                                  "offload": e.offload_s, "optimizer": e.optimizer_s},
+        "step_time_breakdown_s": {
+            "compute": e.compute_s,
+            "dp_comm": e.dp_comm_s,
+            "tp_comm": e.tp_comm_s,
+            "sp_comm": e.sp_comm_s,
+            "bubble": e.bubble_s,
+            "pp_comm": e.pp_comm_s,
+            "offload": e.offload_s,
+            "optimizer": e.optimizer_s,
+        },
         "matmul_efficiency": e.matmul_efficiency,
-        "tokens_per_s": c.tokens_per_s, "mfu": c.mfu, "train_days": days,
+        "tokens_per_s": c.tokens_per_s,
+        "mfu": c.mfu,
+        "train_days": days,
         "gpu_hours": None if days is None else days * 24 * p.world_size,
         "startup": None if e.startup is None else e.startup.to_dict(),
         "checkpoint": None if e.checkpoint is None else e.checkpoint.to_dict(),
@@ -66,10 +93,12 @@ def startup_lines(e: Estimate, *, indent: str = "") -> list[str]:
     if s is None:
         return []
     over = f", over the node's {size_text(e.host_memory_capacity)}" if e.startup_host_shortfall_bytes else ""
-    return [f"{indent}start-up: {MODE_TEXT.get(s.mode, s.mode)}, host RAM {size_text(s.host_per_node_bytes)} per "
-            f"node{over} ({s.ranks_per_node} ranks x {size_text(s.host_per_rank_bytes)}: {s.holds()}), "
-            f"{size_text(s.device_bytes)} per GPU while building",
-            f"{indent}          first step after {s.first_step_text()}"]
+    return [
+        f"{indent}start-up: {MODE_TEXT.get(s.mode, s.mode)}, host RAM {size_text(s.host_per_node_bytes)} per "
+        f"node{over} ({s.ranks_per_node} ranks x {size_text(s.host_per_rank_bytes)}: {s.holds()}), "
+        f"{size_text(s.device_bytes)} per GPU while building",
+        f"{indent}          first step after {s.first_step_text()}",
+    ]
 
 
 def checkpoint_line(e: Estimate, *, keep: int | None = None, kept_for_good: int = 0) -> list[str]:
@@ -79,8 +108,10 @@ def checkpoint_line(e: Estimate, *, keep: int | None = None, kept_for_good: int 
     if c is None:
         return []
     disk = f"; on disk at most {disk_text(size=c, keep=keep, kept_for_good=kept_for_good)}" if keep else ""
-    return [f"checkpoint: {size_text(c.bytes)} per save, the largest rank writes {size_text(c.rank_max_bytes)}, "
-            f"~{c.write_s:.3g} s at {c.disk_gbps:g} GB/s per node{disk}"]
+    return [
+        f"checkpoint: {size_text(c.bytes)} per save, the largest rank writes {size_text(c.rank_max_bytes)}, "
+        f"~{c.write_s:.3g} s at {c.disk_gbps:g} GB/s per node{disk}"
+    ]
 
 
 def save_interval_note(e: Estimate, *, save_interval: int, async_save: bool) -> str | None:
@@ -91,29 +122,41 @@ def save_interval_note(e: Estimate, *, save_interval: int, async_save: bool) -> 
         return None
     between = save_interval * e.step_time_s
     waits = "the next save waits for the last one" if async_save else "every save stops training while it writes"
-    return (f"note: a checkpoint takes ~{c.write_s:.3g} s to write ({size_text(c.node_max_bytes)} from the busiest "
-            f"node at {c.disk_gbps:g} GB/s), more than --save-interval {save_interval} x {e.step_time_s:.3g} s/step "
-            f"= {between:.3g} s: {waits}; --save-interval {math.ceil(c.write_s / e.step_time_s)} or more keeps up")
+    return (
+        f"note: a checkpoint takes ~{c.write_s:.3g} s to write ({size_text(c.node_max_bytes)} from the busiest "
+        f"node at {c.disk_gbps:g} GB/s), more than --save-interval {save_interval} x {e.step_time_s:.3g} s/step "
+        f"= {between:.3g} s: {waits}; --save-interval {math.ceil(c.write_s / e.step_time_s)} or more keeps up"
+    )
 
 
 def top_table(result: SearchResult, *, top: int) -> list[str]:
     """The `top` fastest fitting plans, the chosen one first (ties reordered by the tie-break), one row each, with
     the start-up's host RAM per node and seconds to the first step."""
-    rows = [f"  {'#':>2}  {'s/step':>8}  {'tokens/s':>11}  {'MFU':>6}  {'GiB/GPU':>7}  {'of GPU':>6}  "
-            f"{'start GiB/node':>14}  {'start s':>7}  plan"]
+    rows = [
+        f"  {'#':>2}  {'s/step':>8}  {'tokens/s':>11}  {'MFU':>6}  {'GiB/GPU':>7}  {'of GPU':>6}  "
+        f"{'start GiB/node':>14}  {'start s':>7}  plan"
+    ]
     for i, c in enumerate(result.ranked[:top], start=1):
         e = c.est
         st = e.startup
         start = f"{st.host_per_node_bytes / GIB:14,.1f}  {st.seconds:7,.0f}" if st else f"{'n/a':>14}  {'n/a':>7}"
-        rows.append(f"  {i:>2}  {e.step_time_s:8.3g}  {c.tokens_per_s:11,.0f}  {c.mfu * 100:5.1f}%  "
-                    f"{e.memory.total / GIB:7.1f}  {e.memory.total / e.gpu_memory_bytes * 100:5.0f}%  "
-                    f"{start}  {c.describe(every_axis=True)}")
+        rows.append(
+            f"  {i:>2}  {e.step_time_s:8.3g}  {c.tokens_per_s:11,.0f}  {c.mfu * 100:5.1f}%  "
+            f"{e.memory.total / GIB:7.1f}  {e.memory.total / e.gpu_memory_bytes * 100:5.0f}%  "
+            f"{start}  {c.describe(every_axis=True)}"
+        )
     return rows
 
 
-def human_report(result: SearchResult, *, tokens: float | None, tokens_text: str | None = None, top: int = 5,
-                 host_memory_source: str | None = None,
-                 figure_sources: list[tuple[str, str, str]] | None = None) -> str:
+def human_report(
+    result: SearchResult,
+    *,
+    tokens: float | None,
+    tokens_text: str | None = None,
+    top: int = 5,
+    host_memory_source: str | None = None,
+    figure_sources: list[tuple[str, str, str]] | None = None,
+) -> str:
     """`dspipe plan`'s text: the chosen plan, its memory and step time, the tie, the top plans, and why every other
     family and tp/sp size lost. `tokens_text`: the budget as the user wrote it (300B); `host_memory_source`: where the
     host RAM per node came from (ClusterSpec.host_memory_source); `figure_sources`: (figure, value, source) of the
@@ -124,38 +167,64 @@ def human_report(result: SearchResult, *, tokens: float | None, tokens_text: str
     mem, p = s["memory_per_gpu_bytes"], best.plan
     params = f"{p.num_params / 1e6:,.1f}M params"
     if p.experts:
-        params = (f"ep {p.ep} inside dp (experts {p.experts} / ep {p.ep} = {p.experts // p.ep} per rank and sparse "
-                  f"block, expert dp {p.expert_dp}), {p.num_params / 1e6:,.1f}M params, "
-                  f"{s['active_params'] / 1e6:,.1f}M active")
-    lines = [f"plan: {best.describe(every_axis=True)}",
-             f"      world {p.world_size} = dp {p.dp} x pp {p.pp} x tp {p.tp} x sp {p.sp}, {params}",
-             f"      global batch {p.global_batch} = micro_batch {p.micro_batch} x grad_accum {p.grad_accum} "
-             f"x dp {p.dp}, {p.tokens_per_step:,} tokens/step",
-             "", "memory per GPU (GiB)"]
+        params = (
+            f"ep {p.ep} inside dp (experts {p.experts} / ep {p.ep} = {p.experts // p.ep} per rank and sparse "
+            f"block, expert dp {p.expert_dp}), {p.num_params / 1e6:,.1f}M params, "
+            f"{s['active_params'] / 1e6:,.1f}M active"
+        )
+    lines = [
+        f"plan: {best.describe(every_axis=True)}",
+        f"      world {p.world_size} = dp {p.dp} x pp {p.pp} x tp {p.tp} x sp {p.sp}, {params}",
+        f"      global batch {p.global_batch} = micro_batch {p.micro_batch} x grad_accum {p.grad_accum} "
+        f"x dp {p.dp}, {p.tokens_per_step:,} tokens/step",
+        "",
+        "memory per GPU (GiB)",
+    ]
     for key in ("params", "grads", "optimizer", "activations", "buffers"):
         lines.append(f"  {key:<12}{_gib(mem[key])}")
-    lines.append(f"  {'total':<12}{_gib(mem['total'])}  of {s['gpu_memory_bytes'] / GIB:.2f} "
-                 f"({mem['total'] / s['gpu_memory_bytes'] * 100:.0f}%; plans may use "
-                 f"{(1 - s['memory_headroom']) * 100:.0f}%, {s['usable_gpu_memory_bytes'] / GIB:.2f})")
+    lines.append(
+        f"  {'total':<12}{_gib(mem['total'])}  of {s['gpu_memory_bytes'] / GIB:.2f} "
+        f"({mem['total'] / s['gpu_memory_bytes'] * 100:.0f}%; plans may use "
+        f"{(1 - s['memory_headroom']) * 100:.0f}%, {s['usable_gpu_memory_bytes'] / GIB:.2f})"
+    )
     source = f" ({host_memory_source})" if host_memory_source else ""
     if p.offload != Offload.NONE:
-        lines.append(f"  host RAM per node {s['host_memory_bytes'] / GIB:.1f} GiB of "
-                     f"{s['host_memory_capacity_bytes'] / GIB:.0f}{source}")
+        lines.append(
+            f"  host RAM per node {s['host_memory_bytes'] / GIB:.1f} GiB of "
+            f"{s['host_memory_capacity_bytes'] / GIB:.0f}{source}"
+        )
     else:
-        lines.append(f"  host RAM per node {s['host_memory_capacity_bytes'] / GIB:.0f} GiB assumed{source}; "
-                     f"no offload (the start-up's use is below)")
+        lines.append(
+            f"  host RAM per node {s['host_memory_capacity_bytes'] / GIB:.0f} GiB assumed{source}; "
+            f"no offload (the start-up's use is below)"
+        )
     lines += ["", *startup_lines(best.est), *checkpoint_line(best.est)]
     b = s["step_time_breakdown_s"]
-    shown = (("compute", "compute"), ("dp comm", "dp_comm"), ("tp comm", "tp_comm"), ("sp comm", "sp_comm"),
-             ("ep comm", "ep_comm"), ("bubble", "bubble"), ("pp comm", "pp_comm"), ("offload", "offload"),
-             ("optimizer", "optimizer"))
-    terms = " + ".join(f"{name} {b[key]:.3g}" for name, key in shown  # zero tp / sp / ep / optimizer terms left out
-                       if key in ("compute", "dp_comm", "bubble", "pp_comm", "offload") or b.get(key))
-    compute_source = dict((f, src) for f, _, src in figure_sources or ()).get("compute",
-                                                                            "the GPU type's catalog figure")
-    lines += ["", f"step time {s['step_time_s']:.3g} s = {terms}",
-              f"throughput {s['tokens_per_s']:,.0f} tokens/s, MFU {s['mfu'] * 100:.1f}% (compute assumed at "
-              f"{s['matmul_efficiency'] * 100:.3g}% of the {best.plan.precision} peak, {compute_source})"]
+    shown = (
+        ("compute", "compute"),
+        ("dp comm", "dp_comm"),
+        ("tp comm", "tp_comm"),
+        ("sp comm", "sp_comm"),
+        ("ep comm", "ep_comm"),
+        ("bubble", "bubble"),
+        ("pp comm", "pp_comm"),
+        ("offload", "offload"),
+        ("optimizer", "optimizer"),
+    )
+    terms = " + ".join(
+        f"{name} {b[key]:.3g}"
+        for name, key in shown  # zero tp / sp / ep / optimizer terms left out
+        if key in ("compute", "dp_comm", "bubble", "pp_comm", "offload") or b.get(key)
+    )
+    compute_source = dict((f, src) for f, _, src in figure_sources or ()).get(
+        "compute", "the GPU type's catalog figure"
+    )
+    lines += [
+        "",
+        f"step time {s['step_time_s']:.3g} s = {terms}",
+        f"throughput {s['tokens_per_s']:,.0f} tokens/s, MFU {s['mfu'] * 100:.1f}% (compute assumed at "
+        f"{s['matmul_efficiency'] * 100:.3g}% of the {best.plan.precision} peak, {compute_source})",
+    ]
     if figure_sources and any(not src.startswith("catalog") for _, _, src in figure_sources):
         lines.append("time-model figures: " + "; ".join(f"{f} {v} ({src})" for f, v, src in figure_sources))
     if tokens is not None:

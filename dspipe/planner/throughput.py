@@ -6,13 +6,27 @@ forward+backward, causal attention scores, with heads x head_dim for h and a sli
 recomputation a checkpointing strategy adds, so it compares across strategies (PaLM's definition).
 Imports no torch.
 """
+
 from __future__ import annotations
 
 from dspipe.spec.core import ModelSpec
 
 # metrics.csv (one row per optimizer step, rank 0) and val_metrics.csv columns, in order.
-STEP_COLUMNS = ("step", "tokens", "loss", "lr", "grad_norm", "tokens_per_s", "samples_per_s", "tflops_per_gpu",
-                "mfu", "mem_allocated_gib", "mem_reserved_gib", "step_time_s", "skipped")
+STEP_COLUMNS = (
+    "step",
+    "tokens",
+    "loss",
+    "lr",
+    "grad_norm",
+    "tokens_per_s",
+    "samples_per_s",
+    "tflops_per_gpu",
+    "mfu",
+    "mem_allocated_gib",
+    "mem_reserved_gib",
+    "step_time_s",
+    "skipped",
+)
 VAL_COLUMNS = ("step", "tokens", "val_loss", "val_ppl")
 
 FLEX_TILE = 128
@@ -49,7 +63,7 @@ def attention_keys_per_query(model: ModelSpec, layer: int, *, kernels: str | Non
     if kernels is None:
         return w - w * w / (2 * s)
     if window_kernel(model, kernels=kernels) == "flex":
-        return flex_window_tiles(seq=s, window=w) * FLEX_TILE ** 2 / s
+        return flex_window_tiles(seq=s, window=w) * FLEX_TILE**2 / s
     return float(s)
 
 
@@ -71,12 +85,17 @@ def model_flops_per_token(model: ModelSpec) -> float:
     return 6.0 * model.active_params + attention_flops_per_token(model)
 
 
-def step_rates(*, tokens: int, samples: int, seconds: float, flops_per_token: float, world_size: int,
-               peak_tflops: float | None) -> dict[str, float | None]:
+def step_rates(
+    *, tokens: int, samples: int, seconds: float, flops_per_token: float, world_size: int, peak_tflops: float | None
+) -> dict[str, float | None]:
     """tokens/s and samples/s of the whole job, achieved model TFLOP/s per GPU, and MFU (None without a peak)."""
     tflops = tokens * flops_per_token / seconds / world_size / 1e12
-    return {"tokens_per_s": tokens / seconds, "samples_per_s": samples / seconds, "tflops_per_gpu": tflops,
-            "mfu": tflops / peak_tflops if peak_tflops else None}
+    return {
+        "tokens_per_s": tokens / seconds,
+        "samples_per_s": samples / seconds,
+        "tflops_per_gpu": tflops,
+        "mfu": tflops / peak_tflops if peak_tflops else None,
+    }
 
 
 def perplexity(loss: float) -> float:

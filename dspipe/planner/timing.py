@@ -16,6 +16,7 @@ block and micro-batch 4 all-to-alls (dispatch and combine, forward and backward;
 capacity-padded tokens x hidden, (ep-1)/ep of them leaving the rank, on NVLink while the ep group stays in a node;
 dense gradients reduced over dp, expert gradients over the dp / ep expert-data-parallel ranks.
 """
+
 from __future__ import annotations
 
 import math
@@ -53,10 +54,16 @@ def ring_latency_s(*, steps: int, inter_steps: int = 0, gpu: GpuType | None = No
     """Latency of one ring collective of `steps` steps, `inter_steps` of them across nodes (RING_BASE_LATENCY_S);
     with `gpu`, its launch and intra-node hop costs (a calibration profile measures the launch cost)."""
     if gpu is not None:
-        return gpu.ring_base_latency_s + (steps - inter_steps) * gpu.ring_hop_latency_s \
+        return (
+            gpu.ring_base_latency_s
+            + (steps - inter_steps) * gpu.ring_hop_latency_s
             + inter_steps * RING_HOP_LATENCY_S["inter"]
-    return RING_BASE_LATENCY_S + (steps - inter_steps) * RING_HOP_LATENCY_S["intra"] \
+        )
+    return (
+        RING_BASE_LATENCY_S
+        + (steps - inter_steps) * RING_HOP_LATENCY_S["intra"]
         + inter_steps * RING_HOP_LATENCY_S["inter"]
+    )
 
 
 def zero3_gathers_per_pass(model: ModelSpec) -> int:
@@ -66,8 +73,7 @@ def zero3_gathers_per_pass(model: ModelSpec) -> int:
     return 4 * model.layers + 3
 
 
-def _dp_comm_s(*, model: ModelSpec, plan: Plan, cluster: ClusterSpec, phi: int, fwd_s: float,
-               bwd_s: float) -> float:
+def _dp_comm_s(*, model: ModelSpec, plan: Plan, cluster: ClusterSpec, phi: int, fwd_s: float, bwd_s: float) -> float:
     """Seconds per step of data-parallel (ZeRO) collectives not hidden behind compute, as DeepSpeed 0.19.8 issues them
     over the sequence-data-parallel group of N = dp x sp ranks: (N-1)/N of the bytes per rank for a reduce-scatter or
     all-gather, twice that for an all-reduce, at the inter-node bandwidth when the group leaves a node, plus a ring
@@ -113,23 +119,24 @@ def _dp_comm_s(*, model: ModelSpec, plan: Plan, cluster: ClusterSpec, phi: int, 
         shard += moved * b / bw  # the ZeRO-3 module gathers' bytes (one group: ZeRO-3 has no experts)
         gather += moved * b / bw + math.ceil(p / plan.allgather_bucket_size) * ring
         reduce += moved * grad_b / bw + math.ceil(p / plan.reduce_bucket_size) * ring
-        all_reduce += 2 * moved * grad_b / bw + math.ceil(p / ENGINE_ALLREDUCE_BUCKET) * \
-            ring_latency_s(steps=2 * (n - 1), inter_steps=2 * hops, gpu=gpu)
+        all_reduce += 2 * moved * grad_b / bw + math.ceil(p / ENGINE_ALLREDUCE_BUCKET) * ring_latency_s(
+            steps=2 * (n - 1), inter_steps=2 * hops, gpu=gpu
+        )
     if not (gather or reduce or all_reduce):
         return 0.0
     n = zero_group_size(plan)
     span = plan.dp * plan.sp * plan.tp
     inside = _inside_node(span, g)
-    bw = (gpu.intra_node_gbps if inside else min(gpu.intra_node_gbps, gpu.inter_node_gbps * max(1, g // plan.tp))) \
-        * 1e9
+    bw = (gpu.intra_node_gbps if inside else min(gpu.intra_node_gbps, gpu.inter_node_gbps * max(1, g // plan.tp))) * 1e9
     hops = 0 if inside else math.ceil(span / g) - 1
     ring = ring_latency_s(steps=n - 1, inter_steps=hops, gpu=gpu)
 
     def hidden(comm: float, window: float) -> float:
         return max(0.0, comm - window) if plan.overlap_comm else comm
 
-    bf16_optimizer = (plan.precision == Precision.BF16 and plan.offload == Offload.NONE
-                      and (z == 1 or (z == 0 and plan.pp > 1)))
+    bf16_optimizer = (
+        plan.precision == Precision.BF16 and plan.offload == Offload.NONE and (z == 1 or (z == 0 and plan.pp > 1))
+    )
     if bf16_optimizer:
         return all_reduce + gather
     if z == 0:
@@ -240,10 +247,13 @@ def step_time(*, model: ModelSpec, cluster: ClusterSpec, plan: Plan, phi: int) -
     kernels = "cuda" if gpu.backend == "nccl" else "cpu"
     model_flops = model_flops_per_token(model)
     run_attention = attention_flops_per_token(model, kernels=kernels)
-    executed = model_flops - attention_flops_per_token(model) + run_attention \
+    executed = (
+        model_flops
+        - attention_flops_per_token(model)
+        + run_attention
         + moe_dispatch_flops_per_token(model, tokens=plan.micro_batch * share(model.seq_len, sp))
-    extra = {"none": 0.0, "selective": run_attention / 3,
-             "full": executed / 3}[plan.checkpointing]
+    )
+    extra = {"none": 0.0, "selective": run_attention / 3, "full": executed / 3}[plan.checkpointing]
     hw_flops = executed + extra
     rank_flops = hw_flops / tp / sp
     achieved = gpu.compute_tflops(plan.precision) * 1e12  # a profile's measured rate, or peak x efficiency
@@ -306,7 +316,17 @@ def step_time(*, model: ModelSpec, cluster: ClusterSpec, plan: Plan, phi: int) -
         if plan.offload == Offload.NVME:
             offload += cluster.gpus_per_node * 2 * 12 * shard / (NVME_GBPS * 1e9)
     peak = gpu.peak_tflops(plan.precision) * 1e12
-    return StepTime(compute_s=compute, dp_comm_s=dp_comm, bubble_s=bubble, pp_comm_s=pp_comm, offload_s=offload,
-                    tp_comm_s=tp_comm, sp_comm_s=sp_comm, ep_comm_s=ep_comm, optimizer_s=optimizer,
-                    flops_per_token=model_flops,
-                    hardware_flops_per_token=hw_flops, matmul_efficiency=achieved / peak if peak else 0.0)
+    return StepTime(
+        compute_s=compute,
+        dp_comm_s=dp_comm,
+        bubble_s=bubble,
+        pp_comm_s=pp_comm,
+        offload_s=offload,
+        tp_comm_s=tp_comm,
+        sp_comm_s=sp_comm,
+        ep_comm_s=ep_comm,
+        optimizer_s=optimizer,
+        flops_per_token=model_flops,
+        hardware_flops_per_token=hw_flops,
+        matmul_efficiency=achieved / peak if peak else 0.0,
+    )

@@ -1,6 +1,7 @@
 """The DeepSpeed checkpoint engine of `--async-save`: `BackgroundWriter` stages each file DeepSpeed saves into
 shared-memory arenas and hands it to a writer process of its own (dspipe.runtime.async_save, which imports no
 DeepSpeed: the spawned writer starts on torch alone)."""
+
 from __future__ import annotations
 
 import os
@@ -98,8 +99,12 @@ class BackgroundWriter(TorchCheckpointEngine):
         ctx = mp.get_context("spawn")
         self._jobs, jobs = ctx.Pipe()
         results, self._results = ctx.Pipe()
-        self._process = ctx.Process(target=writer_process, args=(jobs, results, os.getpid(), self.kill_tag),
-                                    name="dspipe-checkpoint-writer", daemon=True)
+        self._process = ctx.Process(
+            target=writer_process,
+            args=(jobs, results, os.getpid(), self.kill_tag),
+            name="dspipe-checkpoint-writer",
+            daemon=True,
+        )
         self._process.start()
         jobs.close()
         results.close()

@@ -15,6 +15,7 @@ AsyncIOBuilder().is_compatible() is False); and the decoupled engine's commit wa
 optimizer step, so a write longer than one forward and backward stalls training there. Why a process and not a
 thread: torch.save holds the GIL while it writes (measured: the step during a save took 1.9x with a thread).
 """
+
 from __future__ import annotations
 
 import copy
@@ -84,7 +85,7 @@ class Slot:
     shape: tuple
 
     def view(self, arenas: dict):
-        return arenas[self.dtype][self.offset:self.offset + math.prod(self.shape)].view(self.shape)
+        return arenas[self.dtype][self.offset : self.offset + math.prod(self.shape)].view(self.shape)
 
 
 def rebuild(item, arenas: dict, memo: dict | None = None):
@@ -180,7 +181,7 @@ class DirectFile:
         n, done = len(view), 0
         while done < n:
             take = min(self.CHUNK - self.filled, n - done)
-            self.buffer[self.filled:self.filled + take] = view[done:done + take]
+            self.buffer[self.filled : self.filled + take] = view[done : done + take]
             self.filled += take
             done += take
             if self.filled == self.CHUNK:
@@ -250,8 +251,10 @@ def _die_with_parent() -> None:
 def _failure(e: BaseException) -> tuple[int, str]:
     code = getattr(e, "errno", None)
     first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    return (code if isinstance(code, int) and code > 0 else WriteFailures.GENERIC,
-            f"{type(e).__name__}: {first}" if first else type(e).__name__)
+    return (
+        code if isinstance(code, int) and code > 0 else WriteFailures.GENERIC,
+        f"{type(e).__name__}: {first}" if first else type(e).__name__,
+    )
 
 
 def writer_process(jobs, results, parent: int, kill_tag: str | None) -> None:

@@ -20,6 +20,7 @@ holds more of the model than its mode needs, and give it its step-0 weights: dsp
     stage        pp > 1: DeepSpeed's PipelineModule builds only this rank's LayerSpecs (with tp > 1 each layer made
                  on the meta device, swapped for its tp shards, materialised in fp32 and given its slice).
 """
+
 from __future__ import annotations
 
 import os
@@ -89,12 +90,20 @@ def _stage(run: Run, *, checkpoint_fn, weights, tp=None):
         from dspipe.runtime.mesh import topology
         from dspipe.runtime.parallelize import vocab_parallel_loss
 
-        kwargs = dict(topology=topology(plan.layout), make=_shard_maker(run, tp=tp, weights=weights),
-                      loss_fn=vocab_parallel_loss(spec=run.model, tp=tp))
-    model = build_pipeline(model=run.model, stages=plan.pp, partition_method=plan.partition_method,
-                           activation_checkpoint_interval=plan.activation_checkpoint_interval,
-                           checkpoint_fn=checkpoint_fn or deepspeed.checkpointing.checkpoint, seed=run.train.seed,
-                           **kwargs)
+        kwargs = dict(
+            topology=topology(plan.layout),
+            make=_shard_maker(run, tp=tp, weights=weights),
+            loss_fn=vocab_parallel_loss(spec=run.model, tp=tp),
+        )
+    model = build_pipeline(
+        model=run.model,
+        stages=plan.pp,
+        partition_method=plan.partition_method,
+        activation_checkpoint_interval=plan.activation_checkpoint_interval,
+        checkpoint_fn=checkpoint_fn or deepspeed.checkpointing.checkpoint,
+        seed=run.train.seed,
+        **kwargs,
+    )
     if tp is not None:
         tp.group = model.mpu().get_slice_parallel_group()
     elif weights is not None:  # this stage's tensors only
@@ -107,6 +116,7 @@ def _stage(run: Run, *, checkpoint_fn, weights, tp=None):
 def _shard_maker(run: Run, *, tp, weights):
     """make(cls, model, **kwargs) for layer_specs: the layer on the meta device, its tp shards in fp32 on the
     host, their values drawn whole and cut (or read: only the shard's rows where it is a row range)."""
+
     def make(cls, model, **kwargs):
         import torch
 
@@ -127,6 +137,7 @@ def _shard_maker(run: Run, *, tp, weights):
 
             load_into_module(layer, weights, spec=model, write=_read_shard(weights))
         return layer
+
     return make
 
 
@@ -139,8 +150,9 @@ def _write_shard(param, draw) -> None:
 def _read_shard(weights):
     from dspipe.runtime.tensor_parallel import read_shard
 
-    return lambda param, name: param.copy_(read_shard(param, read_rows=lambda a, b: weights.rows(name, a, b),
-                                                      whole=lambda: weights.full(name)))
+    return lambda param, name: param.copy_(
+        read_shard(param, read_rows=lambda a, b: weights.rows(name, a, b), whole=lambda: weights.full(name))
+    )
 
 
 def _materialised(run: Run, *, weights, local: range | None = None, tp=None):
@@ -164,8 +176,13 @@ def _materialised(run: Run, *, weights, local: range | None = None, tp=None):
     if local is None:
         model = model.to_empty(device=device)
     else:
-        remote = {id(m) for i in run.model.sparse_layers for e, expert in enumerate(model.h[i].mlp.experts)
-                  if e not in local for m in expert.modules()}
+        remote = {
+            id(m)
+            for i in run.model.sparse_layers
+            for e, expert in enumerate(model.h[i].mlp.experts)
+            if e not in local
+            for m in expert.modules()
+        }
         for m in model.modules():
             if id(m) not in remote:
                 m.to_empty(device=device, recurse=False)
@@ -208,7 +225,7 @@ def _partitioned(run: Run, *, weights, mpu):
     from dspipe.model.gpt import GPT, fill
 
     linear = F.linear  # zero.Init's memory_efficient_linear replaces F.linear for the whole process; dspipe's
-    try:               # models compute with torch's own (same numerics and memory as the other build modes)
+    try:  # models compute with torch's own (same numerics and memory as the other build modes)
         with deepspeed.zero.Init(config_dict_or_path=run.ds_config, mpu=mpu):
             model = GPT(run.model, seed=None)
     finally:
@@ -216,13 +233,16 @@ def _partitioned(run: Run, *, weights, mpu):
     with torch.no_grad():
         if weights is None:
             # every rank draws every tensor whole (the draws of a component share one generator), keeps its slice
-            fill(model, seed=run.train.seed,
-                 write=lambda p, draw: write_partition(p, read=_slices(draw().reshape(-1))))
+            fill(model, seed=run.train.seed, write=lambda p, draw: write_partition(p, read=_slices(draw().reshape(-1))))
         else:
             from dspipe.model.hf_weights import load_into_module
 
-            load_into_module(model, weights, spec=run.model,
-                             write=lambda p, name: write_partition(p, read=lambda a, b: weights.flat(name, a, b)))
+            load_into_module(
+                model,
+                weights,
+                spec=run.model,
+                write=lambda p, name: write_partition(p, read=lambda a, b: weights.flat(name, a, b)),
+            )
     return model
 
 
@@ -240,8 +260,11 @@ def write_partition(param, *, read) -> None:
     from deepspeed.runtime.zero.partition_parameters import PartitionedParamStatus
 
     part = param.ds_tensor
-    if getattr(param, "ds_secondary_tensor", None) is not None or part.final_location is not None or \
-            part.status != PartitionedParamStatus.AVAILABLE:
+    if (
+        getattr(param, "ds_secondary_tensor", None) is not None
+        or part.final_location is not None
+        or part.status != PartitionedParamStatus.AVAILABLE
+    ):
         with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
             if dist.get_rank() == 0:
                 param.data.copy_(read(0, param.ds_numel).view(param.ds_shape))
@@ -250,4 +273,4 @@ def write_partition(param, *, read) -> None:
     start = size * dist.get_rank(group=param.ds_process_group)
     stop = min(start + size, total)
     if start < stop:
-        part.data[:stop - start].copy_(read(start, stop))
+        part.data[: stop - start].copy_(read(start, stop))

@@ -10,6 +10,7 @@ is removed and every rank raises one SpecError naming the intact checkpoint.
 
 RNG streams: dspipe.runtime.rng; --restart: dspipe.runtime.restart; resuming under another layout (dp, tp, pp):
 dspipe.runtime.reshard."""
+
 from __future__ import annotations
 
 import contextlib
@@ -21,8 +22,16 @@ from pathlib import Path
 from dspipe.atomic import replace_dir
 from dspipe.errors import SpecError
 from dspipe.runtime.ckpt_meta import CheckpointMeta, check_compatible, layout_text, read_meta, write_meta
-from dspipe.runtime.ckpt_tags import LATEST_FILE, PARTIAL_PREFIX, Retention, find_checkpoint, is_complete, tag_for, \
-    to_delete, write_atomic
+from dspipe.runtime.ckpt_tags import (
+    LATEST_FILE,
+    PARTIAL_PREFIX,
+    Retention,
+    find_checkpoint,
+    is_complete,
+    tag_for,
+    to_delete,
+    write_atomic,
+)
 from dspipe.runtime.ckptfiles import check_checkpoint
 from dspipe.runtime.faults import NO_FAULTS, Faults
 from dspipe.runtime.reshard import load_resharded, pipeline_names
@@ -44,8 +53,11 @@ def save_failure_message(*, code: int, detail: str, ckpt_dir: Path, tag: str, fr
     """One line: what failed, the free space, and which checkpoint is intact (read back from disk)."""
     reason = os.strerror(code) if code != WriteFailures.GENERIC else (detail or "a write failed")
     after = free_mib(ckpt_dir)
-    free = "free space unknown" if free_before is None or after is None else \
-        f"{free_before:.1f} MiB free, {after:.1f} MiB after removing the partial save"
+    free = (
+        "free space unknown"
+        if free_before is None or after is None
+        else f"{free_before:.1f} MiB free, {after:.1f} MiB after removing the partial save"
+    )
     latest = ckpt_dir / LATEST_FILE
     try:
         intact = latest.read_text().strip() if latest.is_file() else ""
@@ -55,8 +67,10 @@ def save_failure_message(*, code: int, detail: str, ckpt_dir: Path, tag: str, fr
         kept = f"the last complete checkpoint {ckpt_dir / intact} is intact and {LATEST_FILE!r} names it"
     else:
         kept = "there is no earlier complete checkpoint"
-    return (f"saving checkpoint {tag} in {ckpt_dir} failed: {reason} ({free}); {kept}; "
-            f"free space there, then continue with --resume auto")
+    return (
+        f"saving checkpoint {tag} in {ckpt_dir} failed: {reason} ({free}); {kept}; "
+        f"free space there, then continue with --resume auto"
+    )
 
 
 @dataclass
@@ -100,8 +114,9 @@ def save(engine, ckpt_dir: Path, *, step: int, meta: CheckpointMeta, keep: Reten
     t0 = time.perf_counter()
     rank = dist.get_rank()
     ckpt_dir = Path(ckpt_dir)
-    pending = PendingSave(ckpt_dir=ckpt_dir, step=step, meta=meta, keep=keep,
-                          failures=WriteFailures(), writer=writer, blocking_s=0.0)
+    pending = PendingSave(
+        ckpt_dir=ckpt_dir, step=step, meta=meta, keep=keep, failures=WriteFailures(), writer=writer, blocking_s=0.0
+    )
     failures, partial = pending.failures, pending.partial
     if rank == 0:
         failures.call(ckpt_dir.mkdir, parents=True, exist_ok=True)
@@ -159,11 +174,15 @@ def complete(pending: PendingSave, *, wait: bool, now: int, faults: Faults = NO_
     faults.fail_write(failures, step=pending.step, rank=rank)
     faults.kill_inside_save(pending.step)
     raise_if_failed(failures, ckpt_dir=ckpt_dir, partial=partial, tag=tag)
-    figures = {"mode": "sync" if writer is None else "async", "completed_after_step": now,
-               "blocking_s": round(agreed[4].item(), 6),
-               "write_s": round(agreed[2].item(), 6), "writer_cpu_s": round(agreed[3].item(), 6),
-               "rank_max_bytes": int(agreed[1].item()),
-               "bytes": directory_bytes(partial) if rank == 0 else None}
+    figures = {
+        "mode": "sync" if writer is None else "async",
+        "completed_after_step": now,
+        "blocking_s": round(agreed[4].item(), 6),
+        "write_s": round(agreed[2].item(), 6),
+        "writer_cpu_s": round(agreed[3].item(), 6),
+        "rank_max_bytes": int(agreed[1].item()),
+        "bytes": directory_bytes(partial) if rank == 0 else None,
+    }
     if rank == 0:
         # inside the routed call: a non-finite value (ValueError) is a failed save that every rank agrees on
         failures.call(write_meta, partial, pending.meta.with_save(figures))
@@ -183,8 +202,10 @@ def saved_line(pending: PendingSave, figures: dict) -> str:
     size = f"{figures['bytes'] / 2**30:,.2f} GiB" if figures["bytes"] is not None else "size unknown"
     if figures["mode"] == "sync":
         return f"checkpoint {pending.final} saved: {size}, written in {figures['blocking_s']:.2f} s (the step waited)"
-    return (f"checkpoint {pending.final} saved: {size}, written in {figures['write_s']:.2f} s in the background "
-            f"(the step waited {figures['blocking_s']:.2f} s for the copy)")
+    return (
+        f"checkpoint {pending.final} saved: {size}, written in {figures['write_s']:.2f} s in the background "
+        f"(the step waited {figures['blocking_s']:.2f} s for the copy)"
+    )
 
 
 def directory_bytes(path: Path) -> int:
@@ -213,8 +234,15 @@ def raise_if_failed(failures: WriteFailures, *, ckpt_dir: Path, partial: Path, t
     if dist.get_rank() == 0:
         shutil.rmtree(partial, ignore_errors=True)
     dist.barrier()
-    raise SpecError(save_failure_message(code=code, detail=failures.detail if failures.code == code else "",
-                                         ckpt_dir=ckpt_dir, tag=tag, free_before=free_before))
+    raise SpecError(
+        save_failure_message(
+            code=code,
+            detail=failures.detail if failures.code == code else "",
+            ckpt_dir=ckpt_dir,
+            tag=tag,
+            free_before=free_before,
+        )
+    )
 
 
 def load(engine, path: Path, loader) -> CheckpointMeta:
@@ -232,8 +260,13 @@ def load(engine, path: Path, loader) -> CheckpointMeta:
             rename = None
             if (meta.pp > 1) != (now[2] > 1):  # a pipeline <-> the plain model: other parameter names
                 rename = pipeline_names(meta.spec, to_pipeline=now[2] > 1)
-            load_path = load_resharded(engine, path, saved=layout_text(meta.dims),
-                                       now=layout_text(dict(zip(("dp", "tp", "pp"), now, strict=True))), rename=rename)
+            load_path = load_resharded(
+                engine,
+                path,
+                saved=layout_text(meta.dims),
+                now=layout_text(dict(zip(("dp", "tp", "pp"), now, strict=True))),
+                rename=rename,
+            )
         elif bf16_optimizer_without_zero(engine):
             load_path = load_bf16_without_zero(engine, path)
         else:
@@ -242,8 +275,15 @@ def load(engine, path: Path, loader) -> CheckpointMeta:
         raise SpecError(f"DeepSpeed could not load checkpoint {path}")
     reapply_schedule(engine)
     loader.load_state_dict(meta.data)
-    restore_rng(path, meta=meta, seed=loader.seed, rank=dist.get_rank(), world=dist.get_world_size(),
-                same_layout=meta.layout == now, tp=now[1])
+    restore_rng(
+        path,
+        meta=meta,
+        seed=loader.seed,
+        rank=dist.get_rank(),
+        world=dist.get_world_size(),
+        same_layout=meta.layout == now,
+        tp=now[1],
+    )
     return meta
 
 
@@ -302,6 +342,11 @@ def check_disk_space(run) -> None:
         probe = probe.parent
     held = directory_bytes(ckpt_dir) if ckpt_dir.exists() else 0
     size = checkpoint_size(model=run.model, plan=run.plan, ranks_per_node=run.cluster.gpus_per_node)
-    check_disk(size=size, keep=tr.keep_checkpoints,
-               kept_for_good=milestones(steps=tr.steps, keep_every=tr.keep_every),
-               free=shutil.disk_usage(probe).free, held=held, where=str(ckpt_dir))
+    check_disk(
+        size=size,
+        keep=tr.keep_checkpoints,
+        kept_for_good=milestones(steps=tr.steps, keep_every=tr.keep_every),
+        free=shutil.disk_usage(probe).free,
+        held=held,
+        where=str(ckpt_dir),
+    )

@@ -1,5 +1,6 @@
 """A checkpoint's dspipe.json: CheckpointMeta, read (read_meta, validated) and written (write_meta) here only, what
 a launch saves (checkpoint_meta), and the resume's checks against the run (check_compatible). Imports no torch."""
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,22 @@ CHECKPOINT_KEYS = ("step", "consumed_samples", "data", "model", "pp", "zero_stag
 """What a checkpoint's dspipe.json must hold (checkpoint_meta writes them, with run_spec)."""
 
 
-META_KEYS = ("step", "consumed_samples", "data", "model", "pp", "tp", "sp", "zero_stage", "dp", "ep", "world_size",
-             "run_spec", "save_interval", "save")
+META_KEYS = (
+    "step",
+    "consumed_samples",
+    "data",
+    "model",
+    "pp",
+    "tp",
+    "sp",
+    "zero_stage",
+    "dp",
+    "ep",
+    "world_size",
+    "run_spec",
+    "save_interval",
+    "save",
+)
 """dspipe.json's keys in the order checkpoints are written."""
 OPTIONAL_KEYS = ("run_spec", "save_interval", "save")
 """Written when set, absent in older checkpoints."""
@@ -96,16 +111,19 @@ class CheckpointMeta:
         for key, low in (("step", 0), ("consumed_samples", 0), ("pp", 1), ("dp", 1), ("world_size", 1)):
             count(key, meta[key], low)
         if meta["zero_stage"] not in ZERO_STAGES or isinstance(meta["zero_stage"], bool):
-            raise SpecError(f"{source}: zero_stage {show(meta['zero_stage'])} is not one of: "
-                            f"{', '.join(map(str, ZERO_STAGES))}")
+            raise SpecError(
+                f"{source}: zero_stage {show(meta['zero_stage'])} is not one of: {', '.join(map(str, ZERO_STAGES))}"
+            )
         if "save_interval" in meta:  # absent before --save-interval auto re-planned
             count("save_interval", meta["save_interval"], 0)
         for key in ("tp", "sp", "ep"):  # absent in checkpoints saved before tensor/sequence/expert parallelism: 1
             count(key, meta.setdefault(key, 1), 1)
         ranks = meta["dp"] * meta["pp"] * meta["tp"] * meta["sp"]
         if ranks != meta["world_size"]:
-            raise SpecError(f"{source}: dp {meta['dp']} x pp {meta['pp']} x tp {meta['tp']} x sp {meta['sp']} = "
-                            f"{ranks} != world_size {meta['world_size']}")
+            raise SpecError(
+                f"{source}: dp {meta['dp']} x pp {meta['pp']} x tp {meta['tp']} x sp {meta['sp']} = "
+                f"{ranks} != world_size {meta['world_size']}"
+            )
         try:
             model = from_dict(ModelSpec, meta["model"])
         except (SpecError, TypeError) as e:
@@ -129,8 +147,10 @@ class CheckpointMeta:
         if blend:
             _check_blend_state(source, data, count)
         if data["consumed_samples"] != meta["consumed_samples"]:
-            raise SpecError(f"{source}: data.consumed_samples {data['consumed_samples']} != consumed_samples "
-                            f"{meta['consumed_samples']}")
+            raise SpecError(
+                f"{source}: data.consumed_samples {data['consumed_samples']} != consumed_samples "
+                f"{meta['consumed_samples']}"
+            )
         if "run_spec" in meta and not isinstance(meta["run_spec"], dict):
             raise SpecError(f"{source}: run_spec must be an object, got {type(meta['run_spec']).__name__}")
         return cls(**{key: meta[key] for key in META_KEYS if key in meta})
@@ -174,11 +194,14 @@ def _check_blend_state(source: Path, data: dict, count) -> None:
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not (math.isfinite(w) and 0 < w <= 1):
             raise SpecError(f"{source}: {at}.weight must be a number in (0, 1], got {show(w)}")
         if s["epoch"] != s["drawn"] // s["num_samples"]:
-            raise SpecError(f"{source}: {at}.epoch {s['epoch']} != drawn {s['drawn']} // num_samples "
-                            f"{s['num_samples']}")
+            raise SpecError(
+                f"{source}: {at}.epoch {s['epoch']} != drawn {s['drawn']} // num_samples {s['num_samples']}"
+            )
         if abs(s["drawn"] - w * consumed) > slack:
-            raise SpecError(f"{source}: {at}.drawn {s['drawn']} is not the blend's share of data.consumed_samples "
-                            f"{consumed} at weight {w!r}")
+            raise SpecError(
+                f"{source}: {at}.drawn {s['drawn']} is not the blend's share of data.consumed_samples "
+                f"{consumed} at weight {w!r}"
+            )
         total_weight += w
         drawn += s["drawn"]
     if abs(total_weight - 1) > 1e-9:
@@ -195,21 +218,35 @@ def check_compatible(meta: CheckpointMeta, run, path: Path) -> None:
     if diff:
         raise SpecError(f"checkpoint {path} holds a different model shape: {', '.join(diff)}")
     if meta.zero_stage != run.plan.zero_stage:
-        raise SpecError(f"checkpoint {path} was saved with zero_stage {meta.zero_stage}, this run has zero_stage "
-                        f"{run.plan.zero_stage}; resume with the same zero_stage")
+        raise SpecError(
+            f"checkpoint {path} was saved with zero_stage {meta.zero_stage}, this run has zero_stage "
+            f"{run.plan.zero_stage}; resume with the same zero_stage"
+        )
     ep = expert_parallel(run) if run.model.experts else 1
     if ep != meta.ep and run.model.experts:
-        raise SpecError(f"checkpoint {path} was saved with ep {meta.ep}, this run has ep {ep}: {MOE_RESHARD}; "
-                        f"resume with ep {meta.ep}")
+        raise SpecError(
+            f"checkpoint {path} was saved with ep {meta.ep}, this run has ep {ep}: {MOE_RESHARD}; "
+            f"resume with ep {meta.ep}"
+        )
     plan = run.plan
-    why = layout_change_refusal(meta=meta, zero_stage=plan.zero_stage, dp=plan.dp, tp=plan.tp, pp=plan.pp,
-                                sp=plan.sp, offload=plan.offload, path=path)
+    why = layout_change_refusal(
+        meta=meta,
+        zero_stage=plan.zero_stage,
+        dp=plan.dp,
+        tp=plan.tp,
+        pp=plan.pp,
+        sp=plan.sp,
+        offload=plan.offload,
+        path=path,
+    )
     if why:
         saved_layout = layout_text(meta.dims)
         now_layout = layout_text({"dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "sp": plan.sp})
-        raise SpecError(f"checkpoint {path} was saved with {saved_layout}, this run has {now_layout}: {why}; resume "
-                        f"with {saved_layout} (world size "
-                        f"{meta.dp * meta.pp * meta.tp * meta.sp})")
+        raise SpecError(
+            f"checkpoint {path} was saved with {saved_layout}, this run has {now_layout}: {why}; resume "
+            f"with {saved_layout} (world size "
+            f"{meta.dp * meta.pp * meta.tp * meta.sp})"
+        )
 
 
 def layout_text(layout: dict) -> str:
@@ -222,7 +259,18 @@ def layout_text(layout: dict) -> str:
 def checkpoint_meta(run, *, step: int, loader, world: int, save_interval: int | None = None) -> CheckpointMeta:
     """What dspipe.json in a checkpoint holds: position, data state, the shape it was saved with, and the run's
     whole resolved spec (the run directory's dspipe.json: model, cluster, train, strategy, plan, data)."""
-    return CheckpointMeta(step=step, consumed_samples=loader.consumed_samples, data=loader.state_dict(),
-                          model=asdict(run.model), pp=run.plan.pp, tp=run.plan.tp, sp=run.plan.sp,
-                          zero_stage=run.plan.zero_stage, dp=run.plan.dp, ep=expert_parallel(run), world_size=world,
-                          run_spec=json.loads((run.path / SPEC_FILE).read_text()), save_interval=save_interval)
+    return CheckpointMeta(
+        step=step,
+        consumed_samples=loader.consumed_samples,
+        data=loader.state_dict(),
+        model=asdict(run.model),
+        pp=run.plan.pp,
+        tp=run.plan.tp,
+        sp=run.plan.sp,
+        zero_stage=run.plan.zero_stage,
+        dp=run.plan.dp,
+        ep=expert_parallel(run),
+        world_size=world,
+        run_spec=json.loads((run.path / SPEC_FILE).read_text()),
+        save_interval=save_interval,
+    )

@@ -5,6 +5,7 @@
     latest                  the newest complete tag, replaced atomically after the rename
 
 Finding a checkpoint (--resume), reading `latest`, and which checkpoints a save keeps (retention). Imports no torch."""
+
 from __future__ import annotations
 
 import os
@@ -56,15 +57,18 @@ def to_delete(ckpt_dir: Path, keep: Retention | int) -> list[Path]:
     ckpt_dir = Path(ckpt_dir)
     keep = keep if isinstance(keep, Retention) else Retention(last=keep)
     complete = complete_checkpoints(ckpt_dir)
-    kept = {p.name for _, p in complete[-keep.last:]} if keep.last > 0 else set()
+    kept = {p.name for _, p in complete[-keep.last :]} if keep.last > 0 else set()
     kept |= {p.name for step, p in complete if keep.every and step % keep.every == 0} | set(keep.protect)
     try:
         kept.add(read_latest(ckpt_dir))
     except SpecError:
         pass
     old = [p for _, p in complete if p.name not in kept]
-    partial = sorted(p for p in ckpt_dir.iterdir() if p.name.startswith((PARTIAL_PREFIX, UNIVERSAL_PREFIX))
-                     ) if ckpt_dir.is_dir() else []
+    partial = (
+        sorted(p for p in ckpt_dir.iterdir() if p.name.startswith((PARTIAL_PREFIX, UNIVERSAL_PREFIX)))
+        if ckpt_dir.is_dir()
+        else []
+    )
     return old + partial
 
 
@@ -93,8 +97,10 @@ def find_checkpoint(ckpt_dir: Path, resume: str) -> Path | None:
         if latest.is_file():
             tag = read_latest(ckpt_dir)
             if not is_complete(ckpt_dir / tag):
-                raise SpecError(f"{latest} names {tag!r}, which is missing or incomplete; pass --resume "
-                                f"with a complete checkpoint under {ckpt_dir}")
+                raise SpecError(
+                    f"{latest} names {tag!r}, which is missing or incomplete; pass --resume "
+                    f"with a complete checkpoint under {ckpt_dir}"
+                )
         complete = complete_checkpoints(ckpt_dir)
         return complete[-1][1] if complete else None
     path = Path(resume)
@@ -103,8 +109,10 @@ def find_checkpoint(ckpt_dir: Path, resume: str) -> Path | None:
     if not path.is_dir():
         raise SpecError(f"checkpoint {resume} not found (neither a directory nor a tag under {ckpt_dir})")
     if not is_complete(path):
-        raise SpecError(f"checkpoint {path} is incomplete (no {META_FILE}: its save was interrupted); "
-                        f"resume from a complete one, e.g. --resume auto")
+        raise SpecError(
+            f"checkpoint {path} is incomplete (no {META_FILE}: its save was interrupted); "
+            f"resume from a complete one, e.g. --resume auto"
+        )
     return path
 
 
@@ -119,6 +127,8 @@ def read_latest(ckpt_dir: Path) -> str:
         raise cannot_read(latest, e) from None
     if tag is None or not TAG_RE.match(tag):
         shown = "bytes that are not UTF-8" if tag is None else repr(tag[:40])
-        raise SpecError(f"{latest} names {shown}, not a checkpoint tag global_stepN; give --resume a complete "
-                        f"checkpoint under {ckpt_dir}")
+        raise SpecError(
+            f"{latest} names {shown}, not a checkpoint tag global_stepN; give --resume a complete "
+            f"checkpoint under {ckpt_dir}"
+        )
     return tag

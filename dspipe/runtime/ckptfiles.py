@@ -16,6 +16,7 @@ whose rank m is stage m // tp, tp rank m % tp; z = dp x sp, the ranks ZeRO parti
                                                      sparse blocks), by the expert-parallel rank that holds it
     rng-rankR.pt                                     dspipe: every rank's RNG streams (r < world size)
 """
+
 from __future__ import annotations
 
 import re
@@ -82,9 +83,11 @@ def check_checkpoint(path: Path, *, meta: CheckpointMeta) -> None:
     missing = [name for name in expected_files(meta) if name not in present]
     missing += _missing_optimizer_files(present, meta)
     if missing:
-        raise SpecError(f"checkpoint {path} is missing {', '.join(missing[:3])}"
-                        f"{f' and {len(missing) - 3} more' if len(missing) > 3 else ''} (dp {meta.dp}, pp "
-                        f"{meta.pp}, tp {meta.tp}, sp {meta.sp}, ZeRO-{meta.zero_stage} writes them)")
+        raise SpecError(
+            f"checkpoint {path} is missing {', '.join(missing[:3])}"
+            f"{f' and {len(missing) - 3} more' if len(missing) > 3 else ''} (dp {meta.dp}, pp "
+            f"{meta.pp}, tp {meta.tp}, sp {meta.sp}, ZeRO-{meta.zero_stage} writes them)"
+        )
     spec = from_dict(ModelSpec, meta.model)
     expected = dict(spec.model_tensors()) | dict(spec.model_buffers())
     seen: dict[str, tuple] = {}
@@ -94,16 +97,26 @@ def check_checkpoint(path: Path, *, meta: CheckpointMeta) -> None:
             sd = _model_states(file, meta=meta)
             if isinstance(sd.get("module"), dict):
                 module = {model_name(str(k)): v for k, v in sd["module"].items()}  # a MoE router: DeepSpeed's gate
-                _check_tensors(file, module, expected=expected, meta=meta, prefix="",
-                               extra=set(sd.get("buffer_names") or ()), spec=spec, tp_rank=_tp_rank_of(name, meta))
+                _check_tensors(
+                    file,
+                    module,
+                    expected=expected,
+                    meta=meta,
+                    prefix="",
+                    extra=set(sd.get("buffer_names") or ()),
+                    spec=spec,
+                    tp_rank=_tp_rank_of(name, meta),
+                )
                 seen.update({k: tuple(v.shape) for k, v in module.items()})
         elif m := EXPERT_FILE.match(name):
             seen.update(_expert_file(file, expert=int(m.group(2)), meta=meta, expected=expected))
         elif OPTIM_FILE.match(name):
             sd = safeload.load(file, mmap=True)
             if not isinstance(sd.get(OPTIMIZER_KEY), dict):
-                raise SpecError(f"{file}: {OPTIMIZER_KEY} must be a dict (the optimizer's partition), got "
-                                f"{type(sd.get(OPTIMIZER_KEY)).__name__}")
+                raise SpecError(
+                    f"{file}: {OPTIMIZER_KEY} must be a dict (the optimizer's partition), got "
+                    f"{type(sd.get(OPTIMIZER_KEY)).__name__}"
+                )
         elif m := LAYER_FILE.match(name):
             layers = _layer_file(file, index=int(m.group(1)), meta=meta, expected=expected, spec=spec)
             seen.update(layers)
@@ -112,8 +125,10 @@ def check_checkpoint(path: Path, *, meta: CheckpointMeta) -> None:
     if meta.zero_stage != 3 or meta.pp > 1:
         absent = [n for n in expected if n not in seen and n != "lm_head.weight"]
         if absent:
-            raise SpecError(f"checkpoint {path} holds no weights for {', '.join(absent[:3])}"
-                            f"{' ...' if len(absent) > 3 else ''} of its model (dspipe.json model)")
+            raise SpecError(
+                f"checkpoint {path} holds no weights for {', '.join(absent[:3])}"
+                f"{' ...' if len(absent) > 3 else ''} of its model (dspipe.json model)"
+            )
 
 
 def _missing_optimizer_files(present: set[str], meta: CheckpointMeta) -> list[str]:
@@ -123,8 +138,12 @@ def _missing_optimizer_files(present: set[str], meta: CheckpointMeta) -> list[st
     if meta.zero_stage == 0 and not ranks:
         return []
     partitions = meta.dp * meta.sp
-    return [f"zero_pp_rank_{d}_mp_rank_{m:02d}_optim_states.pt" for d in range(partitions) for m in range(_mp(meta))
-            if (d, m) not in ranks]
+    return [
+        f"zero_pp_rank_{d}_mp_rank_{m:02d}_optim_states.pt"
+        for d in range(partitions)
+        for m in range(_mp(meta))
+        if (d, m) not in ranks
+    ]
 
 
 def _model_states(file: Path, *, meta: CheckpointMeta) -> dict:
@@ -132,8 +151,9 @@ def _model_states(file: Path, *, meta: CheckpointMeta) -> dict:
     the step dspipe saved with it."""
     sd = safeload.load(file, mmap=True)
     if "module" not in sd:
-        raise SpecError(f"{file}: no 'module' key (keys: {', '.join(map(str, list(sd)[:6]))}): not DeepSpeed's "
-                        f"model states")
+        raise SpecError(
+            f"{file}: no 'module' key (keys: {', '.join(map(str, list(sd)[:6]))}): not DeepSpeed's model states"
+        )
     if sd["module"] is not None and not isinstance(sd["module"], dict):
         raise SpecError(f"{file}: module must be a dict of tensors, got {type(sd['module']).__name__}")
     for key in ("optimizer", "lr_scheduler"):
@@ -141,8 +161,10 @@ def _model_states(file: Path, *, meta: CheckpointMeta) -> dict:
             raise SpecError(f"{file}: {key} must be a dict, got {type(sd[key]).__name__}")
     step = sd.get("step")
     if isinstance(step, int) and not isinstance(step, bool) and step != meta.step:
-        raise SpecError(f"{file} was saved at step {step}, but the checkpoint's dspipe.json is at step "
-                        f"{meta.step}: files of two checkpoints are mixed")
+        raise SpecError(
+            f"{file} was saved at step {step}, but the checkpoint's dspipe.json is at step "
+            f"{meta.step}: files of two checkpoints are mixed"
+        )
     return sd
 
 
@@ -164,20 +186,32 @@ def _layer_file(file: Path, *, index: int, meta: CheckpointMeta, expected: dict,
 
     layers, tp_rank = meta.model["layers"], _tp_rank_of(file.name, meta)
     if meta.pp == 1 or index > layers + 2:
-        raise SpecError(f"{file}: pipeline layer {index} does not belong to this checkpoint (pp {meta.pp}, "
-                        f"{layers} layers)")
+        raise SpecError(
+            f"{file}: pipeline layer {index} does not belong to this checkpoint (pp {meta.pp}, {layers} layers)"
+        )
     if (meta.tp > 1) != (tp_rank is not None) or (tp_rank is not None and tp_rank >= meta.tp):
         writes = "layer_LL-model_RR-model_states.pt, RR < tp" if meta.tp > 1 else "layer_LL-model_states.pt"
-        raise SpecError(f"{file}: a layer file of {'no tp rank' if tp_rank is None else f'tp rank {tp_rank}'} "
-                        f"does not belong to this checkpoint (tp {meta.tp} writes {writes})")
+        raise SpecError(
+            f"{file}: a layer file of {'no tp rank' if tp_rank is None else f'tp rank {tp_rank}'} "
+            f"does not belong to this checkpoint (tp {meta.tp} writes {writes})"
+        )
     prefix = layer_prefix(index, layers=layers)
     state = safeload.load(file, mmap=True)
     _check_tensors(file, state, expected=expected, meta=meta, prefix=prefix, extra=set(), spec=spec, tp_rank=tp_rank)
     return {prefix + k: tuple(v.shape) for k, v in state.items()}
 
 
-def _check_tensors(file: Path, state: dict, *, expected: dict, meta: CheckpointMeta, prefix: str, extra: set, spec=None,
-                   tp_rank: int | None = None) -> None:
+def _check_tensors(
+    file: Path,
+    state: dict,
+    *,
+    expected: dict,
+    meta: CheckpointMeta,
+    prefix: str,
+    extra: set,
+    spec=None,
+    tp_rank: int | None = None,
+) -> None:
     """Names and shapes of a module's tensors against the model: every tensor a parameter of the model (or a
     buffer the file declares), of the model's shape; at tp > 1 the shape tp rank `tp_rank` holds
     (dspipe.model.tp_split: a sharded dimension cut by the layout, vocabulary rows possibly uneven); ZeRO-3 keeps
@@ -194,8 +228,10 @@ def _check_tensors(file: Path, state: dict, *, expected: dict, meta: CheckpointM
         if name not in expected:
             if key in extra or name == "lm_head.weight":
                 continue
-            raise SpecError(f"{file}: {name[:80]!r} is not a parameter of the checkpoint's model (dspipe.json "
-                            f"model: {meta.model.get('layers')} layers, hidden {meta.model.get('hidden')})")
+            raise SpecError(
+                f"{file}: {name[:80]!r} is not a parameter of the checkpoint's model (dspipe.json "
+                f"model: {meta.model.get('layers')} layers, hidden {meta.model.get('hidden')})"
+            )
         whole, have = tuple(expected[name]), tuple(t.shape)
         want = whole
         if tp > 1 and tp_rank is not None and spec is not None:

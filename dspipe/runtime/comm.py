@@ -12,6 +12,7 @@ in a rank that used gloo intermittently dies in C++ with "terminate called witho
 exit -6, a worker thread destructed before it was joined; pytorch/pytorch#65513, #190489) after the run had
 completed and saved: 2 of ~100 CPU launches in one CI run without the destroy, 1 of ~100 in another with it.
 """
+
 from __future__ import annotations
 
 import os
@@ -57,9 +58,11 @@ def check_cuda_arch_list(env: dict | None = None) -> None:
     value = (os.environ if env is None else env).get("TORCH_CUDA_ARCH_LIST", "")
     bad = [cc for cc in value.replace(" ", ";").split(";") if cc.strip() and not ARCH_ENTRY.match(cc.strip())]
     if bad:
-        raise SpecError(f"TORCH_CUDA_ARCH_LIST={value!r}: DeepSpeed 0.19.8 builds its ops only for MAJOR.MINOR or "
-                        f"MAJOR.MINOR+PTX entries, not {', '.join(map(repr, bad))}; set e.g. "
-                        f"TORCH_CUDA_ARCH_LIST={_plain_arch(bad[0])} (or unset it: the GPUs' own are used)")
+        raise SpecError(
+            f"TORCH_CUDA_ARCH_LIST={value!r}: DeepSpeed 0.19.8 builds its ops only for MAJOR.MINOR or "
+            f"MAJOR.MINOR+PTX entries, not {', '.join(map(repr, bad))}; set e.g. "
+            f"TORCH_CUDA_ARCH_LIST={_plain_arch(bad[0])} (or unset it: the GPUs' own are used)"
+        )
 
 
 def _plain_arch(cc: str) -> str:

@@ -1,4 +1,5 @@
 """Parse a rendered config back through DeepSpeed's own config class (imports deepspeed)."""
+
 from __future__ import annotations
 
 import logging

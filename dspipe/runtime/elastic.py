@@ -3,6 +3,7 @@ model layout (pp, tp, sp, ep) and the same global batch, at the smaller data-par
 accumulation. The run directory is not rewritten: the resized plan and ds_config live for this start only, and a
 restart with every node back runs the planned layout again. Resuming from a checkpoint saved at the other dp goes
 through the existing dp-change path (dspipe.runtime.reshard). No torch."""
+
 from __future__ import annotations
 
 import copy
@@ -10,7 +11,6 @@ from dataclasses import replace
 
 from dspipe.errors import SpecError
 from dspipe.rundir import Run
-
 
 NODE_RANK_ENV = "DSPIPE_NODE_RANK"
 """Set by `dspipe launch --max-restarts --no-ssh --node-rank R` for its ranks: the node they run on, as the hostfile
@@ -33,8 +33,10 @@ def resized(run: Run, *, world: int, ranks_per_node: int) -> tuple[Run, str | No
     if world == plan.world_size:
         return run, None
     if world > plan.world_size:
-        raise SpecError(f"{run.path} was planned for {plan.world_size} ranks but {world} started; an elastic restart "
-                        f"only continues on fewer ranks")
+        raise SpecError(
+            f"{run.path} was planned for {plan.world_size} ranks but {world} started; an elastic restart "
+            f"only continues on fewer ranks"
+        )
     try:
         dp = replace(plan.layout, world=world).dp  # the layout divides the world (dspipe.spec.layout)
     except SpecError as e:
@@ -43,14 +45,18 @@ def resized(run: Run, *, world: int, ranks_per_node: int) -> tuple[Run, str | No
         raise SpecError(f"{world} ranks left give dp {dp}, which is not divisible by the experts' ep {plan.ep}")
     per_step = plan.micro_batch * dp
     if plan.global_batch % per_step:
-        raise SpecError(f"{world} ranks left give dp {dp}: global batch {plan.global_batch} is not divisible by "
-                        f"micro_batch {plan.micro_batch} x dp {dp} = {per_step}; the run cannot keep its batch")
+        raise SpecError(
+            f"{world} ranks left give dp {dp}: global batch {plan.global_batch} is not divisible by "
+            f"micro_batch {plan.micro_batch} x dp {dp} = {per_step}; the run cannot keep its batch"
+        )
     grad_accum = plan.global_batch // per_step
     new_plan = replace(plan, world_size=world, dp=dp, grad_accum=grad_accum)
     ds = copy.deepcopy(run.ds_config)
     ds["gradient_accumulation_steps"] = grad_accum  # train_batch_size and the micro batch stay
     cluster = replace(run.cluster, nodes=nodes, gpus_per_node=ranks_per_node)
-    line = (f"continuing on {world} of {plan.world_size} ranks ({nodes} of {run.cluster.nodes} node(s)): dp "
-            f"{plan.dp} -> {dp}, gradient accumulation {plan.grad_accum} -> {grad_accum}, global batch "
-            f"{plan.global_batch} = {plan.micro_batch} x {grad_accum} x {dp} unchanged")
+    line = (
+        f"continuing on {world} of {plan.world_size} ranks ({nodes} of {run.cluster.nodes} node(s)): dp "
+        f"{plan.dp} -> {dp}, gradient accumulation {plan.grad_accum} -> {grad_accum}, global batch "
+        f"{plan.global_batch} = {plan.micro_batch} x {grad_accum} x {dp} unchanged"
+    )
     return replace(run, plan=new_plan, ds_config=ds, cluster=cluster), line

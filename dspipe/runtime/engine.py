@@ -11,18 +11,18 @@ as its mpu (so gradients are reduced over data x sequence ranks),
 each block's attention becomes a DistributedAttention (dspipe.runtime.parallelize), and PlainEngine feeds every sp
 rank its slice of each sequence.
 """
+
 from __future__ import annotations
 
 import copy
-
 import math
 
-from dspipe.spec.layout import ParallelLayout
 from dspipe.rundir import Run
 from dspipe.runtime.build import build_module
 from dspipe.runtime.experts import expert_parallel
 from dspipe.runtime.parallelize import checkpoint_function, parallelize
 from dspipe.spec.kinds import Offload, Precision
+from dspipe.spec.layout import ParallelLayout
 
 
 def param_groups(module, weight_decay: float) -> list[dict]:
@@ -62,8 +62,9 @@ def engine_settings(engine) -> dict:
         "ep": _expert_parallel_size(module),
         "wrapper_optimizer": type(zero_opt).__name__,
         "base_optimizer": type(engine.basic_optimizer).__name__,
-        "offload_optimizer": bool(getattr(zero_opt, "cpu_offload", False)
-                                  or getattr(zero_opt, "offload_optimizer", False)),
+        "offload_optimizer": bool(
+            getattr(zero_opt, "cpu_offload", False) or getattr(zero_opt, "offload_optimizer", False)
+        ),
         "offload_param": bool(getattr(zero_opt, "offload_param", False)),
         "activation_checkpoint_interval": int(getattr(module, "activation_checkpoint_interval", 0)),
         "blocks": held_blocks(module),
@@ -145,22 +146,35 @@ def tp_unreduced_params(module) -> list[str]:
 
     if not _tp_sharded_params(module):
         return []
-    return [f"{name}.weight" for name, m in module.named_modules()
-            if name.endswith(("attn.q_norm", "attn.k_norm")) and not isinstance(m, ReducedRMSNorm)]
+    return [
+        f"{name}.weight"
+        for name, m in module.named_modules()
+        if name.endswith(("attn.q_norm", "attn.k_norm")) and not isinstance(m, ReducedRMSNorm)
+    ]
 
 
 def check_engine(settings: dict, run: Run) -> None:
     """Refuse to train when a value we asked for did not reach the engine (silent config drift)."""
     plan = run.plan
-    wanted = {"zero_stage": plan.zero_stage, "gradient_clipping": run.train.grad_clip,
-              "bf16": plan.precision == Precision.BF16, "fp16": plan.precision == Precision.FP16,
-              "train_batch_size": plan.ds_train_batch_size, "micro_batch": plan.micro_batch,
-              "grad_accum": plan.grad_accum,
-              "dp": plan.dp, "pp": plan.pp, "tp": plan.tp, "sp": plan.sp, "ep": expert_parallel(run),
-              "offload_optimizer": plan.offload != Offload.NONE,
-              "offload_param": plan.offload_params,
-              "activation_checkpoint_interval": plan.activation_checkpoint_interval,
-              "world_size": plan.world_size, "tp_sequence_parallel": plan.tp > 1 and plan.tp_sp}
+    wanted = {
+        "zero_stage": plan.zero_stage,
+        "gradient_clipping": run.train.grad_clip,
+        "bf16": plan.precision == Precision.BF16,
+        "fp16": plan.precision == Precision.FP16,
+        "train_batch_size": plan.ds_train_batch_size,
+        "micro_batch": plan.micro_batch,
+        "grad_accum": plan.grad_accum,
+        "dp": plan.dp,
+        "pp": plan.pp,
+        "tp": plan.tp,
+        "sp": plan.sp,
+        "ep": expert_parallel(run),
+        "offload_optimizer": plan.offload != Offload.NONE,
+        "offload_param": plan.offload_params,
+        "activation_checkpoint_interval": plan.activation_checkpoint_interval,
+        "world_size": plan.world_size,
+        "tp_sequence_parallel": plan.tp > 1 and plan.tp_sp,
+    }
     drift = {k: (v, settings[k]) for k, v in wanted.items() if settings[k] != v}
     if plan.tp > 1 and settings["tp_sharded_params"] == 0:
         drift["tp_sharded_params"] = ("> 0", 0)  # no layer was swapped for its shards
@@ -172,8 +186,10 @@ def check_engine(settings: dict, run: Run) -> None:
     if settings["loss_chunk"] is not None and settings["loss_chunk"] != plan.loss_chunk:
         drift["loss_chunk"] = (plan.loss_chunk, settings["loss_chunk"])  # the loss in chunks, or not, unasked
     if drift:
-        raise RuntimeError("engine does not use the planned settings: " +
-                           ", ".join(f"{k} planned {a} live {b}" for k, (a, b) in drift.items()))
+        raise RuntimeError(
+            "engine does not use the planned settings: "
+            + ", ".join(f"{k} planned {a} live {b}" for k, (a, b) in drift.items())
+        )
 
 
 class Engine:
@@ -191,8 +207,10 @@ class Engine:
         check_engine(self.settings, run)
         grid = getattr(engine, "grid", None)  # the pipeline's own topology must agree with the layout
         if grid is not None and grid.get_data_parallel_rank() != self.dp_rank:
-            raise RuntimeError(f"rank {rank}: DeepSpeed's grid says dp rank {grid.get_data_parallel_rank()}, "
-                               f"the layout ({layout.describe()}) says {self.dp_rank}")
+            raise RuntimeError(
+                f"rank {rank}: DeepSpeed's grid says dp rank {grid.get_data_parallel_rank()}, "
+                f"the layout ({layout.describe()}) says {self.dp_rank}"
+            )
 
     @property
     def dp_rank(self) -> int:
@@ -319,7 +337,8 @@ def build_engine(run: Run, *, clock=None) -> Engine:
     import deepspeed
     import torch.distributed as dist
 
-    from dspipe.runtime.moe import expert_parallel, install_for_run, param_groups as moe_param_groups
+    from dspipe.runtime.moe import expert_parallel, install_for_run
+    from dspipe.runtime.moe import param_groups as moe_param_groups
     from dspipe.runtime.reshard import universal_checkpoint_info
     from dspipe.runtime.sequence import sequence_groups
 
@@ -342,14 +361,16 @@ def build_engine(run: Run, *, clock=None) -> Engine:
         clock.mark("built", module=module)
     # how DeepSpeed's universal checkpoint re-cuts the tp shards (saved with every checkpoint: resume at another layout)
     module.universal_checkpoint_info = universal_checkpoint_info(run.model)
-    parallelize(module, plan=run.plan, rank=dist.get_rank(), checkpoint_fn=checkpoint_fn, mpu=mpu,
-                compile_=run.train.compile)
+    parallelize(
+        module, plan=run.plan, rank=dist.get_rank(), checkpoint_fn=checkpoint_fn, mpu=mpu, compile_=run.train.compile
+    )
     groups = param_groups(module, run.train.weight_decay)
     if run.model.experts or expert_parallel(run) > 1:  # sparse blocks onto DeepSpeed's MoE layer (or the refusal)
         install_for_run(module, run=run, rank=dist.get_rank())
         groups = moe_param_groups(param_groups(module, run.train.weight_decay))  # experts: groups of their own
     # the config as read and checked (an elastic restart's smaller dp changed its gradient accumulation in memory)
-    engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=groups, config=copy.deepcopy(run.ds_config),
-                                           mpu=mpu)
+    engine, _, _, _ = deepspeed.initialize(
+        model=module, model_parameters=groups, config=copy.deepcopy(run.ds_config), mpu=mpu
+    )
     cls = PipelineEngine if run.plan.pp > 1 else PlainEngine
     return cls(engine, run=run, layout=run.plan.layout, rank=dist.get_rank())

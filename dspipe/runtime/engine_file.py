@@ -2,6 +2,7 @@
 rank 0 once the engine is up) here only. The on-disk format is the one runners have always written: the engine's
 settings, "nonfinite_guard", then "startup" with its keys in STARTUP_KEYS order, one value per rank. Imports no
 torch."""
+
 from __future__ import annotations
 
 import math
@@ -13,8 +14,15 @@ from dspipe.jsonio import dumps, show
 
 STARTUP_LISTS = ("peak_rss_mib", "rss_before_build_mib", "build_rss_mib", "seconds_to_first_step", "seconds_build")
 """The start-up lists every reader needs (one number >= 0 per rank)."""
-STARTUP_KEYS = ("mode", "rss_before_build_mib", "build_rss_mib", "peak_rss_mib", "seconds_build",
-                "seconds_to_first_step", "built_params")
+STARTUP_KEYS = (
+    "mode",
+    "rss_before_build_mib",
+    "build_rss_mib",
+    "peak_rss_mib",
+    "seconds_build",
+    "seconds_to_first_step",
+    "built_params",
+)
 """engine.json's "startup" keys in the order runners write them (dspipe.runtime.startup.StartupClock.gathered)."""
 
 
@@ -65,16 +73,25 @@ class StartupRecord:
         ranks = None
         for key in STARTUP_LISTS:
             value = block.get(key)
-            if not (isinstance(value, list) and value and all(_number(v) for v in value)
-                    and len(value) == (ranks or len(value))):
-                raise SpecError(f"{source}'s startup.{key} is damaged: one number >= 0 per rank expected, got "
-                                f"{show(value)}")
+            if not (
+                isinstance(value, list)
+                and value
+                and all(_number(v) for v in value)
+                and len(value) == (ranks or len(value))
+            ):
+                raise SpecError(
+                    f"{source}'s startup.{key} is damaged: one number >= 0 per rank expected, got {show(value)}"
+                )
             lists[key], ranks = tuple(value), len(value)
         built = block.get("built_params")
-        if built is not None and not (isinstance(built, list) and len(built) == ranks and all(
-                isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in built)):
-            raise SpecError(f"{source}'s startup.built_params is damaged: one integer >= 0 per rank expected, got "
-                            f"{show(built)}")
+        if built is not None and not (
+            isinstance(built, list)
+            and len(built) == ranks
+            and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in built)
+        ):
+            raise SpecError(
+                f"{source}'s startup.built_params is damaged: one integer >= 0 per rank expected, got {show(built)}"
+            )
         return cls(mode=mode, **lists, built_params=None if built is None else tuple(built))
 
     @classmethod

@@ -7,6 +7,7 @@ fewer ranks than planned (a node lost) continues at the smaller dp with the same
 `--hang-timeout S` ends a rank stuck in one collective for S seconds (dspipe.runtime.watchdog). The hidden
 `--test-faults JSON` option is the tests' only way to inject failures (dspipe.runtime.faults).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,24 +20,41 @@ from dspipe.rundir import load_run
 from dspipe.runtime.comm import exit_rank
 from dspipe.runtime.elastic import NODE_RANK_ENV, elastic_restart, resized
 from dspipe.runtime.faults import NO_FAULTS, Faults
-from dspipe.runtime.watchdog import check_hang_timeout
 from dspipe.runtime.loop import train
+from dspipe.runtime.watchdog import check_hang_timeout
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Train a GPT from a dspipe run directory (start it with deepspeed).")
-    parser.add_argument("--run", "--run-dir", dest="run", required=True,
-                        help="run directory written by 'dspipe gen-config' (--run-dir: the same, for torch's elastic "
-                             "agent, whose own --run-path would swallow an abbreviated --run)")
-    parser.add_argument("--resume", default=None, metavar="auto|TAG|PATH",
-                        help="continue from the newest complete checkpoint (auto, the default: a run without one "
-                             "starts fresh), a tag under checkpoints/ or a path")
-    parser.add_argument("--restart", action="store_true",
-                        help="start from step 0; the previous checkpoints/, metrics, engine.json and monitor/ are "
-                             "moved into runs/NAME/previous/<UTC timestamp>/ (nothing is deleted)")
-    parser.add_argument("--hang-timeout", type=float, default=0.0, metavar="SECONDS",
-                        help="end the job when a rank waits this long inside one collective during the steps "
-                             "(0: never), so that an elastic launch restarts it")
+    parser.add_argument(
+        "--run",
+        "--run-dir",
+        dest="run",
+        required=True,
+        help="run directory written by 'dspipe gen-config' (--run-dir: the same, for torch's elastic "
+        "agent, whose own --run-path would swallow an abbreviated --run)",
+    )
+    parser.add_argument(
+        "--resume",
+        default=None,
+        metavar="auto|TAG|PATH",
+        help="continue from the newest complete checkpoint (auto, the default: a run without one "
+        "starts fresh), a tag under checkpoints/ or a path",
+    )
+    parser.add_argument(
+        "--restart",
+        action="store_true",
+        help="start from step 0; the previous checkpoints/, metrics, engine.json and monitor/ are "
+        "moved into runs/NAME/previous/<UTC timestamp>/ (nothing is deleted)",
+    )
+    parser.add_argument(
+        "--hang-timeout",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="end the job when a rank waits this long inside one collective during the steps "
+        "(0: never), so that an elastic launch restarts it",
+    )
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     parser.add_argument("--test-faults", default=None, help=argparse.SUPPRESS)  # tests only: dspipe.runtime.faults
     args = parser.parse_args(argv)
@@ -46,17 +64,23 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     try:
         if args.restart and args.resume is not None:
-            raise SpecError(f"--restart (start over from step 0) and --resume {args.resume} (continue a checkpoint) "
-                            f"contradict each other: pass one of them")
+            raise SpecError(
+                f"--restart (start over from step 0) and --resume {args.resume} (continue a checkpoint) "
+                f"contradict each other: pass one of them"
+            )
         check_hang_timeout(args.hang_timeout)
         attempt = elastic_restart(os.environ)
         node = os.environ.get(NODE_RANK_ENV, "")
-        faults = (Faults.from_json(args.test_faults, attempt=attempt or 0, node=int(node) if node.isdigit() else None)
-                  if args.test_faults is not None else NO_FAULTS)
+        faults = (
+            Faults.from_json(args.test_faults, attempt=attempt or 0, node=int(node) if node.isdigit() else None)
+            if args.test_faults is not None
+            else NO_FAULTS
+        )
         run, change = load_run(args.run), None
         if attempt is not None:  # torch's elastic agent: this start may have fewer ranks than the plan
-            run, change = resized(run, world=int(os.environ["WORLD_SIZE"]),
-                                  ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+            run, change = resized(
+                run, world=int(os.environ["WORLD_SIZE"]), ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            )
             if change:
                 log.info(f"dspipe: {change}")
         if os.environ.get("RANK", "0") == "0" and not attempt:  # the first step waits for a compile: say so, once
@@ -65,8 +89,15 @@ def main(argv: list[str] | None = None) -> int:
             building = notice(offload=run.plan.offload)
             if building:
                 log.info(f"dspipe: {building}")
-        train(run, resume=args.resume or "auto", restart=args.restart, faults=faults,
-              hang_timeout=args.hang_timeout, attempt=attempt, resized=change)
+        train(
+            run,
+            resume=args.resume or "auto",
+            restart=args.restart,
+            faults=faults,
+            hang_timeout=args.hang_timeout,
+            attempt=attempt,
+            resized=change,
+        )
     except (SpecError, RunHalted) as e:
         log.error(f"dspipe: error: {e}")  # every rank hits the same error: rank 0 says it once
         return e.exit_code

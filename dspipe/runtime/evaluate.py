@@ -2,6 +2,7 @@
 
 A blend (dspipe.data.blend) is validated per source: each source's own validation split gives val_loss_NAME, and
 val_loss is their mean weighted by the blend's shares (the loss expected under the training mixture)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,8 +23,9 @@ def check_val_split(*, windows: TokenWindows, micro_batch: int, dp: int, batches
 def evaluate(eng, *, windows: TokenWindows, micro_batch: int, batches: int) -> float:
     """Mean next-token loss over `batches` micro-batches per data-parallel rank (dropout off), on every rank.
     `eng`: a dspipe.runtime.engine.Engine (plain or pipeline)."""
-    it = val_batches(windows=windows, micro_batch=micro_batch, dp=eng.layout.dp, dp_rank=eng.dp_rank,
-                     max_batches=batches)
+    it = val_batches(
+        windows=windows, micro_batch=micro_batch, dp=eng.layout.dp, dp_rank=eng.dp_rank, max_batches=batches
+    )
     return eng.eval_loss(it, count=batches)
 
 
@@ -49,8 +51,14 @@ def val_sets(spec, *, seq_len: int, micro_batch: int, dp: int, batches: int) -> 
             if not spec.is_blend:
                 raise
             raise SpecError(f"blend source {source.path}: {e}") from None
-        out.append(ValSet(windows=windows, weight=source.weight, batches=count,
-                          column=f"val_loss_{name}" if spec.is_blend else None))
+        out.append(
+            ValSet(
+                windows=windows,
+                weight=source.weight,
+                batches=count,
+                column=f"val_loss_{name}" if spec.is_blend else None,
+            )
+        )
     return out
 
 

@@ -6,6 +6,7 @@ A sparse block's tensors as DeepSpeed names them (NativeMoE at h.N.mlp): the rou
 `h.N.mlp.moe.deepspeed_moe.experts.deepspeed_experts.{local id}` in memory and with its global id e in its own file
 layer_L_expert_e_mp_rank_00_model_states.pt (L: the sparse block's index among the sparse blocks, from 0).
 """
+
 from __future__ import annotations
 
 import re
@@ -16,11 +17,15 @@ GATE = "moe.deepspeed_moe.gate.wg.weight"
 EXPERTS = "moe.deepspeed_moe.experts.deepspeed_experts."
 EXPERT_FILE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 ZERO3_REFUSAL = "Native DeepSpeed MoE is not supported with ZeRO Stage 3"
-EP_ZERO0_REFUSAL = ("measured with DeepSpeed 0.19.8 on 2 ranks: the gradient norm it clips by is not the "
-                    "model's under expert parallelism (0.6813 where ep 1 gives 0.6823)")
-EP_ZERO1_REFUSAL = ("measured with DeepSpeed 0.19.8 on 2 ranks: that path trains off ep 1 (gradient norm 0.6841 "
-                    "where ep 1 gives 0.6823, loss 2.3e-3 off after 6 steps); with contiguous_gradients true it "
-                    "is bitwise ep 1's")
+EP_ZERO0_REFUSAL = (
+    "measured with DeepSpeed 0.19.8 on 2 ranks: the gradient norm it clips by is not the "
+    "model's under expert parallelism (0.6813 where ep 1 gives 0.6823)"
+)
+EP_ZERO1_REFUSAL = (
+    "measured with DeepSpeed 0.19.8 on 2 ranks: that path trains off ep 1 (gradient norm 0.6841 "
+    "where ep 1 gives 0.6823, loss 2.3e-3 off after 6 steps); with contiguous_gradients true it "
+    "is bitwise ep 1's"
+)
 
 
 def expert_parallel(run) -> int:
@@ -43,8 +48,10 @@ def refusal(*, spec, plan, ep: int, contiguous_gradients: bool = True) -> str | 
     if ep > 1 and plan.zero_stage == 0:
         why.append(f"ep {ep} > 1 under ZeRO-0 ({EP_ZERO0_REFUSAL}; use ZeRO-1 or 2, or ep 1)")
     if ep > 1 and plan.zero_stage == 1 and not contiguous_gradients:
-        why.append(f"ep {ep} > 1 under ZeRO-1 with contiguous_gradients false in ds_config.json "
-                   f"({EP_ZERO1_REFUSAL}; set it true, or use ZeRO-2)")
+        why.append(
+            f"ep {ep} > 1 under ZeRO-1 with contiguous_gradients false in ds_config.json "
+            f"({EP_ZERO1_REFUSAL}; set it true, or use ZeRO-2)"
+        )
     if plan.precision == Precision.FP16:
         why.append("fp16 (use bf16 or fp32)")
     if spec.experts % ep:
@@ -60,7 +67,7 @@ def model_name(name: str, *, local: int = 0, ep_rank: int = 0) -> str:
     name = name.replace(GATE, "router.weight")
     m = re.search(re.escape(EXPERTS) + r"(\d+)\.", name)
     if m:
-        name = name[:m.start()] + f"experts.{ep_rank * local + int(m.group(1))}." + name[m.end():]
+        name = name[: m.start()] + f"experts.{ep_rank * local + int(m.group(1))}." + name[m.end() :]
     return name
 
 
@@ -69,5 +76,8 @@ def expert_files(model: dict) -> list[str]:
     from dspipe.spec.core import ModelSpec, from_dict
 
     spec = from_dict(ModelSpec, model)
-    return [f"layer_{layer}_expert_{e}_mp_rank_00_model_states.pt"
-            for layer in range(len(spec.sparse_layers)) for e in range(spec.experts)]
+    return [
+        f"layer_{layer}_expert_{e}_mp_rank_00_model_states.pt"
+        for layer in range(len(spec.sparse_layers))
+        for e in range(spec.experts)
+    ]

@@ -8,6 +8,7 @@ the rank entry point's hidden `--test-faults JSON` option (dspipe.runtime.entry)
 i-th restart by torch's elastic agent (`dspipe launch --max-restarts`; the entry point reads the agent's
 TORCHELASTIC_RESTART_COUNT), none after the last. Nothing here reads the environment.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -79,8 +80,9 @@ class Faults:
     def _parse(cls, given, text: str) -> Faults:
         names = {f.name for f in fields(cls)}
         if not isinstance(given, dict) or set(given) - names:
-            raise SpecError(f"--test-faults must be a JSON object with keys among {', '.join(sorted(names))}, got "
-                            f"{text!r}")
+            raise SpecError(
+                f"--test-faults must be a JSON object with keys among {', '.join(sorted(names))}, got {text!r}"
+            )
         if "nan_at_steps" in given:
             given["nan_at_steps"] = frozenset(given["nan_at_steps"])
         return cls(**given)

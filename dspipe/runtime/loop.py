@@ -3,6 +3,7 @@
 In three parts: `setup` (the checks, the engine, the data at the resumed position, the log) gives a `Training`
 state, `step_loop` runs the steps on it, `finish` saves the last one and sums up. The rank's command line is
 dspipe.runtime.entry's."""
+
 from __future__ import annotations
 
 import time
@@ -10,7 +11,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from dspipe.data.blend import make_loader, open_sources, parse as parse_data
+from dspipe.data.blend import make_loader, open_sources
+from dspipe.data.blend import parse as parse_data
 from dspipe.errors import RunHalted, SpecError
 from dspipe.log import get_logger
 from dspipe.planner.startup import build_mode
@@ -54,8 +56,16 @@ def peak_memory_gib() -> tuple[float, float]:
     return acc.max_memory_allocated() / GIB, acc.max_memory_reserved() / GIB
 
 
-def train(run: Run, resume: str = "auto", *, restart: bool = False, faults: Faults = NO_FAULTS,
-          hang_timeout: float = 0.0, attempt: int | None = None, resized: str | None = None) -> dict:
+def train(
+    run: Run,
+    resume: str = "auto",
+    *,
+    restart: bool = False,
+    faults: Faults = NO_FAULTS,
+    hang_timeout: float = 0.0,
+    attempt: int | None = None,
+    resized: str | None = None,
+) -> dict:
     """Train from a run directory; the process group lives exactly as long as the training (see dspipe.runtime.comm).
     `resume`: 'auto' (the newest complete checkpoint, else a fresh start), a tag or a path; `restart`: move the
     previous outputs into previous/<UTC timestamp>/ and start from step 0; `faults`: a test's injected failures;
@@ -63,8 +73,16 @@ def train(run: Run, resume: str = "auto", *, restart: bool = False, faults: Faul
     elastic agent's restart count (None: not started by it); `resized`: the line saying how this start's layout
     differs from the plan (dspipe.runtime.elastic), None when it does not."""
     with process_group(agreed=(SpecError, RunHalted)) as backend:  # both are raised by every rank at once
-        return train_in_group(run, resume=resume, restart=restart, backend=backend, faults=faults,
-                              hang_timeout=hang_timeout, attempt=attempt, resized=resized)
+        return train_in_group(
+            run,
+            resume=resume,
+            restart=restart,
+            backend=backend,
+            faults=faults,
+            hang_timeout=hang_timeout,
+            attempt=attempt,
+            resized=resized,
+        )
 
 
 def restart_run(run: Run, *, rank: int) -> None:
@@ -79,20 +97,33 @@ def restart_run(run: Run, *, rank: int) -> None:
         try:
             slot, moved = outputs.move_to_previous(run.path, now=outputs.utc_stamp())
         except OSError as e:
-            error = (f"--restart: moving the previous outputs of {run.path} into {run.path / outputs.PREVIOUS_DIR} "
-                     f"failed ({e}); nothing was deleted: what was moved is there, the rest is in place")
+            error = (
+                f"--restart: moving the previous outputs of {run.path} into {run.path / outputs.PREVIOUS_DIR} "
+                f"failed ({e}); nothing was deleted: what was moved is there, the rest is in place"
+            )
         else:
-            get_logger(__name__).info(f"dspipe: --restart: moved {', '.join(moved)} to {slot}; starting from step 0"
-                                      if slot else
-                                      f"dspipe: --restart: {run.path} holds no previous outputs; starting from step 0")
+            get_logger(__name__).info(
+                f"dspipe: --restart: moved {', '.join(moved)} to {slot}; starting from step 0"
+                if slot
+                else f"dspipe: --restart: {run.path} holds no previous outputs; starting from step 0"
+            )
     failed = collective_tensor([1 if error else 0], dtype=torch.int32)
     dist.broadcast(failed, src=0)
     if failed.item():
         raise SpecError(error or f"--restart: rank 0 could not move the previous outputs of {run.path}")
 
 
-def train_in_group(run: Run, *, resume: str, restart: bool, backend: str, faults: Faults,
-                   hang_timeout: float = 0.0, attempt: int | None = None, resized: str | None = None) -> dict:
+def train_in_group(
+    run: Run,
+    *,
+    resume: str,
+    restart: bool,
+    backend: str,
+    faults: Faults,
+    hang_timeout: float = 0.0,
+    attempt: int | None = None,
+    resized: str | None = None,
+) -> dict:
     """Setup -> the step loop -> finish, inside the process group. Under torch's elastic agent a restart (any
     rank's agent counted one) continues from the newest checkpoint: --restart / --resume TAG were the first start's."""
     if attempt is not None:
@@ -102,8 +133,13 @@ def train_in_group(run: Run, *, resume: str, restart: bool, backend: str, faults
     state = setup(run, resume=resume, restart=restart, backend=backend, faults=faults)
     if state.rank == 0 and attempt:
         _restarted(state, attempt=attempt, resized=resized)
-    state.watchdog = Watchdog(timeout_s=hang_timeout, rank=state.rank, world=state.world, run_path=run.path,
-                              hang_step=faults.hang_step(state.rank))
+    state.watchdog = Watchdog(
+        timeout_s=hang_timeout,
+        rank=state.rank,
+        world=state.world,
+        run_path=run.path,
+        hang_step=faults.hang_step(state.rank),
+    )
     if hang_timeout > 0:  # else nothing is watched: torch.distributed stays as it is
         state.watchdog.install()
     step_loop(state)
@@ -124,8 +160,16 @@ def _agreed_attempt(attempt: int) -> int:
 
 def _restarted(t: "Training", *, attempt: int, resized: str | None) -> None:
     """Rank 0 of a restarted job: the restart (and what changed, which the entry point said) in events.jsonl."""
-    record_event(t.run.path, {"event": "restart", "attempt": attempt, "world": t.world, "step": t.start_step,
-                              **({"resized": resized} if resized else {})})
+    record_event(
+        t.run.path,
+        {
+            "event": "restart",
+            "attempt": attempt,
+            "world": t.world,
+            "step": t.start_step,
+            **({"resized": resized} if resized else {}),
+        },
+    )
 
 
 @dataclass
@@ -170,18 +214,21 @@ class Training:
     def save(self, at: int, *, wait: bool = False) -> None:
         """Checkpoint step `at`: the previous background save completes first; with `wait` this one too."""
         self.settle(wait=True)
-        meta = ckpt_meta.checkpoint_meta(self.run, step=at, loader=self.loader, world=self.world,
-                                         save_interval=self.schedule.every)
-        self.pending = ckpt.save(self.eng.engine, self.run.checkpoint_dir, step=at, keep=self.retention, meta=meta,
-                                 writer=self.writer)
+        meta = ckpt_meta.checkpoint_meta(
+            self.run, step=at, loader=self.loader, world=self.world, save_interval=self.schedule.every
+        )
+        self.pending = ckpt.save(
+            self.eng.engine, self.run.checkpoint_dir, step=at, keep=self.retention, meta=meta, writer=self.writer
+        )
         if wait or self.writer is None:
             self.settle(wait=True)
         self.saved_at = at
 
     def settle(self, *, wait: bool) -> None:
         """Collective: complete the background save once every rank's files are written (`wait`: wait for them)."""
-        if self.pending is not None and (figures := ckpt.complete(self.pending, wait=wait, now=self.step,
-                                                                          faults=self.faults)):
+        if self.pending is not None and (
+            figures := ckpt.complete(self.pending, wait=wait, now=self.step, faults=self.faults)
+        ):
             self.say(f"dspipe: {ckpt.saved_line(self.pending, figures)}", flush=True)
             if self.schedule.auto and self.step < self.run.train.steps:
                 self._replan(figures)
@@ -197,8 +244,14 @@ class Training:
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         if slowest.item() <= 0:
             return
-        event, line = replan(self.schedule, figures=figures, saved_step=self.pending.step, step_s=slowest.item(),
-                             world=self.world, mtbf_hours=self.run.cluster.gpu_mtbf_hours)
+        event, line = replan(
+            self.schedule,
+            figures=figures,
+            saved_step=self.pending.step,
+            step_s=slowest.item(),
+            world=self.world,
+            mtbf_hours=self.run.cluster.gpu_mtbf_hours,
+        )
         if self.rank == 0:
             record_event(self.run.path, event)
         if line:
@@ -213,9 +266,11 @@ def setup(run: Run, *, resume: str, restart: bool, backend: str, faults: Faults)
 
     rank, world, layout = dist.get_rank(), dist.get_world_size(), run.plan.layout
     if world != layout.world:
-        raise SpecError(f"{run.path} was generated for world size {run.plan.world_size} "
-                        f"({run.cluster.nodes} nodes x {run.cluster.gpus_per_node}), launched with {world}; "
-                        f"regenerate with matching --nodes/--gpus-per-node")
+        raise SpecError(
+            f"{run.path} was generated for world size {run.plan.world_size} "
+            f"({run.cluster.nodes} nodes x {run.cluster.gpus_per_node}), launched with {world}; "
+            f"regenerate with matching --nodes/--gpus-per-node"
+        )
     # dropout streams (weights come from per-layer generators); tensor-parallel peers share one, so that the
     # dropout after their all-reduce drops the same elements of the replicated activations on every peer
     torch.manual_seed(run.train.seed + rank // layout.tp)
@@ -232,8 +287,7 @@ def setup(run: Run, *, resume: str, restart: bool, backend: str, faults: Faults)
     clock = StartupClock()
     eng = build_engine(run, clock=clock)
     guarded = guard_base_optimizer(eng.engine)
-    loader = make_loader(data, windows, seed=tr.seed, micro_batch=plan.micro_batch, dp=layout.dp,
-                         dp_rank=eng.dp_rank)
+    loader = make_loader(data, windows, seed=tr.seed, micro_batch=plan.micro_batch, dp=layout.dp, dp_rank=eng.dp_rank)
     device, peak = device_peak_tflops(precision=plan.precision)
     say = print if rank == 0 else (lambda *a, **k: None)
     say(_banner(run, backend=backend, device=device), flush=True)
@@ -252,18 +306,45 @@ def setup(run: Run, *, resume: str, restart: bool, backend: str, faults: Faults)
         say(f"dspipe: no checkpoint in {run.checkpoint_dir}: starting fresh from step 0", flush=True)
     _startup_report(run, eng=eng, clock=clock, guarded=guarded, rank=rank, say=say)
 
-    log = RunLog(run.path, monitor=eng.engine.monitor, enabled=rank == 0, resumed_at=start_step,
-                 log_interval=tr.log_interval, steps=tr.steps, validating=bool(tr.eval_interval),
-                 tokens_per_step=plan.tokens_per_step, val_columns=val_columns(val),
-                 step_columns=STEP_MOE_COLUMNS if run.model.experts else ())
+    log = RunLog(
+        run.path,
+        monitor=eng.engine.monitor,
+        enabled=rank == 0,
+        resumed_at=start_step,
+        log_interval=tr.log_interval,
+        steps=tr.steps,
+        validating=bool(tr.eval_interval),
+        tokens_per_step=plan.tokens_per_step,
+        val_columns=val_columns(val),
+        step_columns=STEP_MOE_COLUMNS if run.model.experts else (),
+    )
     health = Health(max_skips=tr.max_skipped_steps, window=tr.spike_window, sigma=tr.spike_sigma)
-    retention = ckpt_tags.Retention(last=tr.keep_checkpoints, every=tr.keep_every,
-                               protect=frozenset({resume_from.name} if resume_from is not None else ()))
-    return Training(run=run, rank=rank, world=world, eng=eng, loader=loader, val=val, log=log, health=health,
-                    say=say, peak_tflops=peak, faults=faults, start_step=start_step, step=start_step,
-                    saved_at=start_step, writer=_writer(eng.engine, async_save=tr.async_save, faults=faults),
-                    retention=retention, schedule=resumed_schedule(every=tr.save_interval, steps=tr.steps, meta=meta,
-                                                                   auto=run.estimate.save_interval_auto))
+    retention = ckpt_tags.Retention(
+        last=tr.keep_checkpoints,
+        every=tr.keep_every,
+        protect=frozenset({resume_from.name} if resume_from is not None else ()),
+    )
+    return Training(
+        run=run,
+        rank=rank,
+        world=world,
+        eng=eng,
+        loader=loader,
+        val=val,
+        log=log,
+        health=health,
+        say=say,
+        peak_tflops=peak,
+        faults=faults,
+        start_step=start_step,
+        step=start_step,
+        saved_at=start_step,
+        writer=_writer(eng.engine, async_save=tr.async_save, faults=faults),
+        retention=retention,
+        schedule=resumed_schedule(
+            every=tr.save_interval, steps=tr.steps, meta=meta, auto=run.estimate.save_interval_auto
+        ),
+    )
 
 
 def _writer(engine, *, async_save: bool, faults: Faults):
@@ -273,8 +354,10 @@ def _writer(engine, *, async_save: bool, faults: Faults):
         return None
     from dspipe.runtime.async_engine import BackgroundWriter
 
-    writer = BackgroundWriter(zipfile_serialization=getattr(engine.checkpoint_engine, "zipfile_serialization", True),
-                              kill_tag=faults.async_write_kill_tag)
+    writer = BackgroundWriter(
+        zipfile_serialization=getattr(engine.checkpoint_engine, "zipfile_serialization", True),
+        kill_tag=faults.async_write_kill_tag,
+    )
     writer.start()
     return writer
 
@@ -285,38 +368,57 @@ def _open_data(run: Run) -> tuple:
     maps against its meta.json."""
     plan, tr = run.plan, run.train
     data = parse_data(run.data)  # one data directory, or a blend of several (dspipe.data.blend)
-    windows = open_sources(data, model_vocab=run.model.vocab, seq_len=run.model.seq_len, order=tr.data_order,
-                           seed=tr.seed, num_samples=tr.steps * plan.global_batch)
-    val = val_sets(data, seq_len=run.model.seq_len, micro_batch=plan.micro_batch, dp=plan.layout.dp,
-                   batches=tr.eval_batches) if tr.eval_interval else []
+    windows = open_sources(
+        data,
+        model_vocab=run.model.vocab,
+        seq_len=run.model.seq_len,
+        order=tr.data_order,
+        seed=tr.seed,
+        num_samples=tr.steps * plan.global_batch,
+    )
+    val = (
+        val_sets(
+            data, seq_len=run.model.seq_len, micro_batch=plan.micro_batch, dp=plan.layout.dp, batches=tr.eval_batches
+        )
+        if tr.eval_interval
+        else []
+    )
     return data, windows, val
 
 
 def _banner(run: Run, *, backend: str, device: str) -> str:
     """The run's first line: model, layout, ZeRO, precision, devices, recomputation, batch, steps."""
     plan, tr, layout = run.plan, run.train, run.plan.layout
-    return (f"dspipe: {run.model.name} {plan.num_params / 1e6:.2f}M params | {layout.describe()} "
-            f"| ZeRO-{plan.zero_stage} offload {plan.offload} | {plan.precision} | {backend} on {device} | recompute "
-            f"{plan.checkpointing} | batch {plan.micro_batch} x ga {plan.grad_accum} x dp {layout.dp} = "
-            f"{plan.global_batch} seq x {run.model.seq_len} tok"
-            f"{f' | {tr.steps:,} steps (token budget {tr.tokens})' if tr.tokens else ''}"
-            f"{' | blocks compiled' if tr.compile else ''}")
+    return (
+        f"dspipe: {run.model.name} {plan.num_params / 1e6:.2f}M params | {layout.describe()} "
+        f"| ZeRO-{plan.zero_stage} offload {plan.offload} | {plan.precision} | {backend} on {device} | recompute "
+        f"{plan.checkpointing} | batch {plan.micro_batch} x ga {plan.grad_accum} x dp {layout.dp} = "
+        f"{plan.global_batch} seq x {run.model.seq_len} tok"
+        f"{f' | {tr.steps:,} steps (token budget {tr.tokens})' if tr.tokens else ''}"
+        f"{' | blocks compiled' if tr.compile else ''}"
+    )
 
 
 def _startup_report(run: Run, *, eng, clock: StartupClock, guarded: bool, rank: int, say: Callable) -> None:
     """engine.json (the live settings and the start-up measurements, rank 0) and the start-up line."""
     plan = run.plan
     clock.mark("ready")
-    startup = clock.gathered(mode=build_mode(zero_stage=plan.zero_stage, tp=plan.tp, pp=plan.pp),
-                             host_is_device=str(eng.device).startswith("cpu"))
+    startup = clock.gathered(
+        mode=build_mode(zero_stage=plan.zero_stage, tp=plan.tp, pp=plan.pp),
+        host_is_device=str(eng.device).startswith("cpu"),
+    )
     if rank == 0:
-        run.engine_path.write_text(engine_text(eng.settings, guarded=guarded, startup=startup,
-                                               what=str(run.engine_path)))
-    say(f"dspipe: start-up ({startup.mode} build): peak host RSS {max(startup.peak_rss_mib):,.0f} MiB on the "
+        run.engine_path.write_text(
+            engine_text(eng.settings, guarded=guarded, startup=startup, what=str(run.engine_path))
+        )
+    say(
+        f"dspipe: start-up ({startup.mode} build): peak host RSS {max(startup.peak_rss_mib):,.0f} MiB on the "
         f"worst rank ({max(startup.build_rss_mib):,.0f} MiB after the build, "
         f"{max(startup.rss_before_build_mib):,.0f} before it); "
         f"first step {max(startup.seconds_to_first_step):.1f} s "
-        f"after the process start", flush=True)
+        f"after the process start",
+        flush=True,
+    )
 
 
 def step_loop(t: Training) -> None:
@@ -357,8 +459,13 @@ def _steps(t: Training, *, stop, watchdog: Watchdog, nan_loss, flops_per_token: 
         if t.rank == 0:
             _log_step(t, step=step, loss=loss, lr=lr, seconds=dt, skipped=skipped, flops_per_token=flops_per_token)
         if tr.eval_interval and (step % tr.eval_interval == 0 or step == tr.steps):
-            t.log.validation({"step": step, "tokens": step * plan.tokens_per_step,
-                              **evaluate_sets(eng, t.val, micro_batch=plan.micro_batch)})
+            t.log.validation(
+                {
+                    "step": step,
+                    "tokens": step * plan.tokens_per_step,
+                    **evaluate_sets(eng, t.val, micro_batch=plan.micro_batch),
+                }
+            )
         t.settle(wait=False)  # a background save completes at the first step end after its files are written
         t.faults.kill_after_step(step, rank=t.rank, drain=lambda: t.settle(wait=True))
         stopping = stop.agreed()
@@ -370,24 +477,44 @@ def _steps(t: Training, *, stop, watchdog: Watchdog, nan_loss, flops_per_token: 
             return
         if t.health.halted:
             t.log.close()
-            raise RunHalted(f"{t.health.consecutive} consecutive steps skipped (non-finite loss or gradient norm), "
-                            f"the last at step {step}; saved {run.checkpoint_dir / ckpt_tags.tag_for(step)} (weights "
-                            f"from before the first skipped step); lower the lr or check the data, then relaunch to "
-                            f"resume")
+            raise RunHalted(
+                f"{t.health.consecutive} consecutive steps skipped (non-finite loss or gradient norm), "
+                f"the last at step {step}; saved {run.checkpoint_dir / ckpt_tags.tag_for(step)} (weights "
+                f"from before the first skipped step); lower the lr or check the data, then relaunch to "
+                f"resume"
+            )
 
 
-def _log_step(t: Training, *, step: int, loss: float, lr: float, seconds: float, skipped: bool,
-              flops_per_token: float) -> None:
+def _log_step(
+    t: Training, *, step: int, loss: float, lr: float, seconds: float, skipped: bool, flops_per_token: float
+) -> None:
     """One metrics row (rank 0); `lr` is the one the step applied."""
     engine, plan = t.eng.engine, t.run.plan
     norm = engine.get_global_grad_norm()
     alloc, reserved = peak_memory_gib()
-    t.log.step({"step": step, "tokens": step * plan.tokens_per_step, "loss": loss, "lr": lr,
-                "grad_norm": None if norm is None else float(norm), "step_time_s": seconds,
-                **step_rates(tokens=plan.tokens_per_step, samples=plan.global_batch, seconds=seconds,
-                             flops_per_token=flops_per_token, world_size=t.world, peak_tflops=t.peak_tflops),
-                "mem_allocated_gib": alloc, "mem_reserved_gib": reserved, "skipped": int(skipped),
-                "aux_loss": t.eng.aux_loss, "expert_load": t.eng.expert_load})
+    t.log.step(
+        {
+            "step": step,
+            "tokens": step * plan.tokens_per_step,
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": None if norm is None else float(norm),
+            "step_time_s": seconds,
+            **step_rates(
+                tokens=plan.tokens_per_step,
+                samples=plan.global_batch,
+                seconds=seconds,
+                flops_per_token=flops_per_token,
+                world_size=t.world,
+                peak_tflops=t.peak_tflops,
+            ),
+            "mem_allocated_gib": alloc,
+            "mem_reserved_gib": reserved,
+            "skipped": int(skipped),
+            "aux_loss": t.eng.aux_loss,
+            "expert_load": t.eng.expert_load,
+        }
+    )
 
 
 def finish(t: Training) -> dict:
@@ -401,14 +528,25 @@ def finish(t: Training) -> dict:
     t.settle(wait=True)
     tag = ckpt_tags.tag_for(step)
     losses = t.losses
-    summary = {"first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
-               "steps": step, "seconds": time.perf_counter() - t.started, "checkpoint": str(run.checkpoint_dir / tag),
-               "skipped_steps": t.health.total_skipped}
+    summary = {
+        "first_loss": losses[0] if losses else None,
+        "last_loss": losses[-1] if losses else None,
+        "steps": step,
+        "seconds": time.perf_counter() - t.started,
+        "checkpoint": str(run.checkpoint_dir / tag),
+        "skipped_steps": t.health.total_skipped,
+    }
     if losses:
-        t.say(f"done: loss {losses[0]:.3f} -> {losses[-1]:.3f} in steps {t.start_step + 1}-{step} "
-              f"({summary['seconds']:.0f} s, {t.health.total_skipped} skipped, {t.health.spikes} loss spikes); "
-              f"checkpoint {summary['checkpoint']}; metrics {run.metrics_path}; run dir {run.path}", flush=True)
+        t.say(
+            f"done: loss {losses[0]:.3f} -> {losses[-1]:.3f} in steps {t.start_step + 1}-{step} "
+            f"({summary['seconds']:.0f} s, {t.health.total_skipped} skipped, {t.health.spikes} loss spikes); "
+            f"checkpoint {summary['checkpoint']}; metrics {run.metrics_path}; run dir {run.path}",
+            flush=True,
+        )
     else:
-        t.say(f"done: nothing to do, the checkpoint is at step {step} of {steps}; to train longer: "
-              f"dspipe extend {run.path} --steps N (N > {steps}), then the same launch command", flush=True)
+        t.say(
+            f"done: nothing to do, the checkpoint is at step {step} of {steps}; to train longer: "
+            f"dspipe extend {run.path} --steps N (N > {steps}), then the same launch command",
+            flush=True,
+        )
     return summary

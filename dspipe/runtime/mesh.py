@@ -1,14 +1,15 @@
 """The process groups of a tensor-parallel layout, as DeepSpeed's engine asks for them (its `mpu`).
 
-    pp > 1   DeepSpeed's PipeModelDataParallelTopology (axes pipe, data, model: the model (tp) axis varies fastest,
-             as dspipe.spec.layout orders its ranks); the PipelineModule builds its PipelineParallelGrid from it,
-             whose slice group is the tp group (`topology`).
-    pp = 1   `Mesh`: data x Ulysses sequence x tensor groups from the layout itself (DeepSpeed's own Ulysses groups,
-             parallel_state_sp, assume the sequence ranks are neighbours, which they are not once tp is the
-             fastest axis): data-parallel groups without the sp and tp ranks, sequence-data groups (ZeRO
-             partitions and gradients are reduced over them), sequence groups (Ulysses' all-to-alls) and the tp
-             group, which is also the model-parallel group (the gradient norm and overflow checks).
+pp > 1   DeepSpeed's PipeModelDataParallelTopology (axes pipe, data, model: the model (tp) axis varies fastest,
+         as dspipe.spec.layout orders its ranks); the PipelineModule builds its PipelineParallelGrid from it,
+         whose slice group is the tp group (`topology`).
+pp = 1   `Mesh`: data x Ulysses sequence x tensor groups from the layout itself (DeepSpeed's own Ulysses groups,
+         parallel_state_sp, assume the sequence ranks are neighbours, which they are not once tp is the
+         fastest axis): data-parallel groups without the sp and tp ranks, sequence-data groups (ZeRO
+         partitions and gradients are reduced over them), sequence groups (Ulysses' all-to-alls) and the tp
+         group, which is also the model-parallel group (the gradient norm and overflow checks).
 """
+
 from __future__ import annotations
 
 from dspipe.spec.layout import ParallelLayout
@@ -34,8 +35,9 @@ def _groups(layout: ParallelLayout, rank: int, *axes: str):
         if r in seen:
             continue
         c = layout.coords(r)
-        ranks = sorted({layout.rank_of(**{**c, **dict(zip(axes, point, strict=True))})
-                        for point in _points(layout, axes)})
+        ranks = sorted(
+            {layout.rank_of(**{**c, **dict(zip(axes, point, strict=True))}) for point in _points(layout, axes)}
+        )
         seen.update(ranks)
         group = dist.new_group(ranks=ranks)
         if rank in ranks:

@@ -11,6 +11,7 @@ writes): TensorBoard then drops every earlier-written event at steps > S, so eac
 csv monitor files (monitor/csv/) are trimmed the same way as metrics.csv. The rows of metrics.csv that a resume
 replays are not lost: they are appended to metrics.rewound.csv (header, then each row as it was), which shows what
 the steps looked like before the crash, and lets a test compare them with their replay."""
+
 from __future__ import annotations
 
 import csv
@@ -59,8 +60,9 @@ def _is_int(text: str) -> bool:
     return _STEP.fullmatch(text.strip()) is not None
 
 
-def repair_rows(path: Path, *, upto: int, columns: tuple[str, ...] | None = None,
-                rewound: Path | None = None) -> int | None:
+def repair_rows(
+    path: Path, *, upto: int, columns: tuple[str, ...] | None = None, rewound: Path | None = None
+) -> int | None:
     """Rewrite the CSV at `path` atomically as a header plus one row per step 1..`upto` that it holds (ascending;
     the last complete row written for a step wins): torn lines, rows whose field count differs from the header's,
     and rows after `upto` are dropped. The header is `columns` (old rows are mapped by column name; a file whose
@@ -81,8 +83,10 @@ def repair_rows(path: Path, *, upto: int, columns: tuple[str, ...] | None = None
         header = columns
     out_columns = columns or header
     if "step" not in header:
-        raise SpecError(f"{path}: no 'step' column in its header {','.join(header)} (expected "
-                        f"{','.join(out_columns)}); move the file away to let the run write a new one")
+        raise SpecError(
+            f"{path}: no 'step' column in its header {','.join(header)} (expected "
+            f"{','.join(out_columns)}); move the file away to let the run write a new one"
+        )
     at = header.index("step")
     by_step: dict[int, list[str]] = {}
     later = [row for row in rows if len(row) == len(header) and _is_int(row[at]) and int(row[at]) > upto]
@@ -160,9 +164,21 @@ def finish_monitors(monitor) -> None:
 class RunLog:
     """Everything rank 0 writes per step and per evaluation. Other ranks get a RunLog with `enabled=False`."""
 
-    def __init__(self, run_path: Path, *, monitor, enabled: bool, resumed_at: int, log_interval: int,
-                 steps: int, validating: bool, tokens_per_step: int = 0, terminal: bool | None = None,
-                 val_columns: tuple[str, ...] = (), step_columns: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        run_path: Path,
+        *,
+        monitor,
+        enabled: bool,
+        resumed_at: int,
+        log_interval: int,
+        steps: int,
+        validating: bool,
+        tokens_per_step: int = 0,
+        terminal: bool | None = None,
+        val_columns: tuple[str, ...] = (),
+        step_columns: tuple[str, ...] = (),
+    ):
         self.enabled, self.monitor, self.log_interval, self.steps = enabled, monitor, log_interval, steps
         self.progress = Progress(total_steps=steps, tokens_per_step=tokens_per_step, start_step=resumed_at)
         self.terminal = sys.stdout.isatty() if terminal is None else terminal
@@ -174,15 +190,20 @@ class RunLog:
             prepare_monitor(monitor, resumed_at=resumed_at)
             # a mixture-of-experts model adds aux_loss (its load-balancing loss; `loss` stays the LM loss) and
             # expert_load (the step's load imbalance)
-            self.steps_csv = _Csv(Path(run_path) / "metrics.csv", STEP_COLUMNS + tuple(step_columns),
-                                  resumed_at=resumed_at, rewound=Path(run_path) / REWOUND_FILE)
+            self.steps_csv = _Csv(
+                Path(run_path) / "metrics.csv",
+                STEP_COLUMNS + tuple(step_columns),
+                resumed_at=resumed_at,
+                rewound=Path(run_path) / REWOUND_FILE,
+            )
             if validating:
                 # a blend adds one val_loss_NAME column per source (dspipe.runtime.evaluate.val_columns)
-                self.val_csv = _Csv(Path(run_path) / VAL_FILE, VAL_COLUMNS + tuple(val_columns),
-                                    resumed_at=resumed_at)
+                self.val_csv = _Csv(Path(run_path) / VAL_FILE, VAL_COLUMNS + tuple(val_columns), resumed_at=resumed_at)
             if resumed_at and self.steps_csv.kept < resumed_at:
-                self.say(f"dspipe: note: {self.steps_csv.path} holds rows for {self.steps_csv.kept} of the "
-                         f"{resumed_at} steps before the resume (the others were lost with the file)")
+                self.say(
+                    f"dspipe: note: {self.steps_csv.path} holds rows for {self.steps_csv.kept} of the "
+                    f"{resumed_at} steps before the resume (the others were lost with the file)"
+                )
 
     def say(self, line: str) -> None:
         if self.enabled:
@@ -193,8 +214,9 @@ class RunLog:
 
     def _events(self, prefix: str, row: dict, step: int) -> None:
         if self.monitor is not None:
-            self.monitor.write_events([(f"{prefix}/{k}", float(v), step) for k, v in row.items()
-                                       if k != "step" and v is not None and v != ""])
+            self.monitor.write_events(
+                [(f"{prefix}/{k}", float(v), step) for k, v in row.items() if k != "step" and v is not None and v != ""]
+            )
 
     def step(self, row: dict) -> None:
         """One optimizer step: a CSV row, TensorBoard scalars, and a console line every log_interval steps."""
@@ -209,10 +231,12 @@ class RunLog:
             norm = "-" if row["grad_norm"] is None else f"{row['grad_norm']:.3f}"
             aux = f" | aux {row['aux_loss']:.4f}" if row.get("aux_loss") is not None else ""
             aux += f" | load {row['expert_load']:.2f}" if row.get("expert_load") is not None else ""
-            self.say(f"step {s:>5}/{self.steps} | loss {row['loss']:.4f}{aux} | lr {row['lr']:.2e} | gnorm {norm} | "
-                     f"{row['tokens_per_s']:,.0f} tok/s | {row['samples_per_s']:,.1f} samples/s | "
-                     f"{row['tflops_per_gpu']:.3g} TFLOP/s/gpu | MFU {mfu} | mem {row['mem_allocated_gib']:.2f}/"
-                     f"{row['mem_reserved_gib']:.2f} GiB | {1000 * row['step_time_s']:.0f} ms")
+            self.say(
+                f"step {s:>5}/{self.steps} | loss {row['loss']:.4f}{aux} | lr {row['lr']:.2e} | gnorm {norm} | "
+                f"{row['tokens_per_s']:,.0f} tok/s | {row['samples_per_s']:,.1f} samples/s | "
+                f"{row['tflops_per_gpu']:.3g} TFLOP/s/gpu | MFU {mfu} | mem {row['mem_allocated_gib']:.2f}/"
+                f"{row['mem_reserved_gib']:.2f} GiB | {1000 * row['step_time_s']:.0f} ms"
+            )
             self.say(f"progress: {self.progress.fields()}")
         if self.terminal and s < self.steps:  # a bar that rewrites itself between the log lines
             print("\r\033[K" + self.progress.bar(), end="", flush=True)
@@ -223,10 +247,12 @@ class RunLog:
             return
         self.val_csv.write(row)  # validating=True whenever validation runs
         self._events("Validation", row, row["step"])
-        extra = self.val_csv.columns[len(VAL_COLUMNS):]  # a blend's per-source losses
-        per_source = "".join(f" | {c[len('val_loss_'):]} {row[c]:.4f}" for c in extra)
-        self.say(f"step {row['step']:>5}/{self.steps} | validation loss {row['val_loss']:.4f} | "
-                 f"perplexity {row['val_ppl']:.2f}{per_source}")
+        extra = self.val_csv.columns[len(VAL_COLUMNS) :]  # a blend's per-source losses
+        per_source = "".join(f" | {c[len('val_loss_') :]} {row[c]:.4f}" for c in extra)
+        self.say(
+            f"step {row['step']:>5}/{self.steps} | validation loss {row['val_loss']:.4f} | "
+            f"perplexity {row['val_ppl']:.2f}{per_source}"
+        )
 
     def close(self) -> None:
         if self.enabled:

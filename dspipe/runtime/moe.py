@@ -16,6 +16,7 @@ Names: the block's `mlp.router.weight` lives at `mlp.moe.deepspeed_moe.gate.wg.w
 `mlp.moe.deepspeed_moe.experts.deepspeed_experts.{e - ep_rank x E/ep}` (DeepSpeed's checkpoint files name it by its
 global id e: layer_L_expert_e_mp_rank_00_model_states.pt); dspipe.runtime.experts.model_name maps those back.
 """
+
 from __future__ import annotations
 
 import torch
@@ -42,10 +43,20 @@ class NativeMoE(RouterState):
         template = sparse.experts[ep_rank * local]  # a local expert: the others may be meta (dspipe.runtime.build)
         weight = sparse.router.weight
         with torch.random.fork_rng(devices=[]):  # the gate's throwaway default init must not move the seed streams
-            moe = MoE(spec.hidden, expert=template, num_experts=spec.experts, ep_size=ep, k=spec.experts_per_token,
-                      capacity_factor=cf or 1.0, eval_capacity_factor=cf or 1.0, min_capacity=0,
-                      noisy_gate_policy=None, drop_tokens=cf is not None, use_rts=False,
-                      top2_2nd_expert_sampling=False)
+            moe = MoE(
+                spec.hidden,
+                expert=template,
+                num_experts=spec.experts,
+                ep_size=ep,
+                k=spec.experts_per_token,
+                capacity_factor=cf or 1.0,
+                eval_capacity_factor=cf or 1.0,
+                min_capacity=0,
+                noisy_gate_policy=None,
+                drop_tokens=cf is not None,
+                use_rts=False,
+                top2_2nd_expert_sampling=False,
+            )
         self.moe = moe.to(device=weight.device, dtype=weight.dtype)
         with torch.no_grad():
             self.gate_weight.copy_(weight)
@@ -89,13 +100,31 @@ class NativeMoE(RouterState):
         gate, ranks = self.moe.deepspeed_moe.gate, self._ranking
         cf = gate.capacity_factor if gate.training else gate.eval_capacity_factor
         if gate.k == 1:
-            return sharded_moe.top1gating(ranks, cf, gate.min_capacity, used_token, None, gate.drop_tokens,
-                                          gate.use_rts, gate.ep_group, sparse_routes, use_tutel)
+            return sharded_moe.top1gating(
+                ranks,
+                cf,
+                gate.min_capacity,
+                used_token,
+                None,
+                gate.drop_tokens,
+                gate.use_rts,
+                gate.ep_group,
+                sparse_routes,
+                use_tutel,
+            )
         if gate.k == 2:
-            return sharded_moe.top2gating(ranks, cf, gate.min_capacity, gate.drop_tokens, gate.ep_group,
-                                          gate.top2_2nd_expert_sampling, sparse_routes)
-        return sharded_moe.topkgating(ranks, gate.k, cf, gate.min_capacity, gate.drop_tokens, gate.ep_group,
-                                      sparse_routes=sparse_routes)
+            return sharded_moe.top2gating(
+                ranks,
+                cf,
+                gate.min_capacity,
+                gate.drop_tokens,
+                gate.ep_group,
+                gate.top2_2nd_expert_sampling,
+                sparse_routes,
+            )
+        return sharded_moe.topkgating(
+            ranks, gate.k, cf, gate.min_capacity, gate.drop_tokens, gate.ep_group, sparse_routes=sparse_routes
+        )
 
     def _model_weights(self, _gate, _inputs, routes):
         """DeepSpeed's sparse routes (l_aux, capacity, E, experts (k, S), slots (k, S), weights (k, S), counts)

@@ -7,6 +7,7 @@ where libaio is there); on the CPU accelerator
 deepspeed.comm also loads the shared-memory collectives (ShareMemCommBuilder). On 2 CPU cores the first launch
 spends ~2 minutes compiling, silently. `dspipe build-ops` (run by scripts/setup.sh) compiles them once ahead of time;
 a launch that will still compile one says so in one line (notice)."""
+
 from __future__ import annotations
 
 import os
@@ -26,8 +27,11 @@ class Op:
     """Where it is or will be: 'prebuilt in deepspeed' or the cache directory."""
 
 
-OPTIMIZER_BUILDERS = {"none": ["FusedAdamBuilder"], "cpu": ["CPUAdamBuilder"],
-                      "nvme": ["CPUAdamBuilder", "AsyncIOBuilder"]}
+OPTIMIZER_BUILDERS = {
+    "none": ["FusedAdamBuilder"],
+    "cpu": ["CPUAdamBuilder"],
+    "nvme": ["CPUAdamBuilder", "AsyncIOBuilder"],
+}
 """The op builders of a plan's optimizer offload (plan.offload): FusedAdam on the device, DeepSpeedCPUAdam on the
 host, plus the async I/O that swaps its state to NVMe."""
 
@@ -77,9 +81,11 @@ def notice(*, offload: str) -> str | None:
     if not pending:
         return None
     names = ", ".join(op.name for op in pending)
-    return (f"building DeepSpeed's {names} op{'s' if len(pending) > 1 else ''} for this machine before the first step "
-            f"(once: cached in {os.path.dirname(pending[0].where)}; a minute or two each; "
-            f"'dspipe build-ops' builds them ahead of time)")
+    return (
+        f"building DeepSpeed's {names} op{'s' if len(pending) > 1 else ''} for this machine before the first step "
+        f"(once: cached in {os.path.dirname(pending[0].where)}; a minute or two each; "
+        f"'dspipe build-ops' builds them ahead of time)"
+    )
 
 
 def build(op: Op) -> float:

@@ -8,6 +8,7 @@ The model code stays generic: it exposes its blocks and attention modules and th
 GPT.head_loss, Attention.core_checkpoint, Attention.core, the position offsets); this module fills them. A pipeline
 stage's full recomputation is PipelineModule's own (activation_checkpoint_interval, given when the stage is built).
 """
+
 from __future__ import annotations
 
 import functools
@@ -27,16 +28,21 @@ def checkpoint_function(run: Run):
     # The JSON's activation_checkpointing block, passed as values: configure(deepspeed_config=...) would re-check
     # the batch equation against the whole world, which is wrong under a pipeline (dp = world / pp).
     ac = run.ds_config["activation_checkpointing"]  # as read and checked by rundir.load_run
-    deepspeed.checkpointing.configure(None, partition_activations=ac["partition_activations"],
-                                      contiguous_checkpointing=ac["contiguous_memory_optimization"],
-                                      num_checkpoints=ac["number_checkpoints"],
-                                      checkpoint_in_cpu=ac["cpu_checkpointing"],
-                                      synchronize=ac["synchronize_checkpoint_boundary"], profile=ac["profile"])
+    deepspeed.checkpointing.configure(
+        None,
+        partition_activations=ac["partition_activations"],
+        contiguous_checkpointing=ac["contiguous_memory_optimization"],
+        num_checkpoints=ac["number_checkpoints"],
+        checkpoint_in_cpu=ac["cpu_checkpointing"],
+        synchronize=ac["synchronize_checkpoint_boundary"],
+        profile=ac["profile"],
+    )
     return deepspeed.checkpointing.checkpoint
 
 
-def parallelize(module, *, plan: Plan, rank: int, checkpoint_fn: Callable | None, mpu=None,
-                compile_: bool = False) -> None:
+def parallelize(
+    module, *, plan: Plan, rank: int, checkpoint_fn: Callable | None, mpu=None, compile_: bool = False
+) -> None:
     """Wire `module` for this rank: recomputation as plan.checkpointing says, the loss in chunks as plan.loss_chunk
     says (chunked_loss), and with sp > 1 its attention made sequence-parallel over the Ulysses group of `mpu`
     (sequence_groups or dspipe.runtime.mesh.Mesh) on this rank's slice; then, with `compile_`, every block compiled

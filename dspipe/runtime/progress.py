@@ -1,6 +1,7 @@
 """Training progress for the console: steps and tokens done of the total, elapsed time and the ETA from the recent
 step times (this session's; a resumed run counts from where it resumed). A bar that rewrites itself on a terminal,
 plain log lines otherwise. Pure arithmetic and formatting: no torch."""
+
 from __future__ import annotations
 
 import time
@@ -56,8 +57,11 @@ class Progress:
         """Remaining steps x the mean recent step time (None before the first step)."""
         if not self.times:
             return None
-        recent = list(self.times)[1:] if len(self.times) > 1 and self.step - self.start_step == len(self.times) \
-            else list(self.times)  # drop the session's first (warm-up) step while it is in the window
+        recent = (
+            list(self.times)[1:]
+            if len(self.times) > 1 and self.step - self.start_step == len(self.times)
+            else list(self.times)
+        )  # drop the session's first (warm-up) step while it is in the window
         recent = recent[-WINDOW:]
         return (self.total - self.step) * sum(recent) / len(recent)
 
@@ -65,9 +69,11 @@ class Progress:
         """'12/100 steps (12.0%) | 49.2K/410K tokens | elapsed 1m02s | ETA 7m40s'."""
         pct = 100.0 * self.step / self.total if self.total else 100.0
         eta = self.eta_s
-        return (f"{self.step}/{self.total} steps ({pct:.1f}%) | {tokens(self.step * self.tokens_per_step)}/"
-                f"{tokens(self.total * self.tokens_per_step)} tokens | elapsed {duration(self.elapsed_s)} | "
-                f"ETA {'-' if eta is None else duration(eta)}")
+        return (
+            f"{self.step}/{self.total} steps ({pct:.1f}%) | {tokens(self.step * self.tokens_per_step)}/"
+            f"{tokens(self.total * self.tokens_per_step)} tokens | elapsed {duration(self.elapsed_s)} | "
+            f"ETA {'-' if eta is None else duration(eta)}"
+        )
 
     def bar(self) -> str:
         """A one-line bar for a terminal: '[#######.................] 12/100 steps (12.0%) | ...'."""

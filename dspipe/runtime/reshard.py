@@ -10,6 +10,7 @@ back as saved (restore_group_hyperparameters). What DeepSpeed 0.19.8 cannot do i
 
 universal_checkpoint_info(spec) is what the build attaches to the module (module.universal_checkpoint_info) so that
 the conversion knows dspipe's tensor-parallel layout (dspipe.model.tp_split)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -21,12 +22,15 @@ from dspipe.runtime.writefail import WriteFailures
 from dspipe.spec.kinds import Offload
 
 UNIVERSAL_PREFIX = ".universal-"  # a resharding copy of a checkpoint, deleted once loaded
-MOE_RESHARD = ("DeepSpeed's native MoE checkpoint cannot be re-partitioned (its expert files are per expert-parallel "
-               "rank and ds_to_universal cannot convert them)")
+MOE_RESHARD = (
+    "DeepSpeed's native MoE checkpoint cannot be re-partitioned (its expert files are per expert-parallel "
+    "rank and ds_to_universal cannot convert them)"
+)
 
 
-def layout_change_refusal(*, meta, zero_stage: int, dp: int, tp: int = 1, pp: int = 1, sp: int = 1,
-                          offload: str, path: Path) -> str | None:
+def layout_change_refusal(
+    *, meta, zero_stage: int, dp: int, tp: int = 1, pp: int = 1, sp: int = 1, offload: str, path: Path
+) -> str | None:
     """Why this checkpoint cannot be resumed at (dp, tp, pp, sp) (None: it can; the saved layout always can).
     A changed dp alone at ZeRO-0 loads as is (the state is whole); any other change goes through a universal
     checkpoint (load_resharded; a pipeline <-> the plain model with its parameters renamed), measured to continue
@@ -45,27 +49,37 @@ def layout_change_refusal(*, meta, zero_stage: int, dp: int, tp: int = 1, pp: in
     if zero_stage == 0:
         if saved[1:] == (tp, pp, sp):
             return None
-        return ("ZeRO-0 keeps no optimizer partitions (*_optim_states.pt), which DeepSpeed's universal checkpoint "
-                "conversion needs to re-cut tensor-parallel shards or pipeline stages")
+        return (
+            "ZeRO-0 keeps no optimizer partitions (*_optim_states.pt), which DeepSpeed's universal checkpoint "
+            "conversion needs to re-cut tensor-parallel shards or pipeline stages"
+        )
     if model.get("experts"):
         return MOE_RESHARD
     if offload == Offload.NVME or (Path(path) / "offloaded_tensors").is_dir():
         return "DeepSpeed restores NVMe-offloaded optimizer state only onto the ranks that saved it"
     if saved[3] > 1 or sp > 1:
-        return ("re-partitioning a sequence-parallel ZeRO checkpoint is not verified by dspipe (each rank's "
-                "partition covers its sequence group)")
+        return (
+            "re-partitioning a sequence-parallel ZeRO checkpoint is not verified by dspipe (each rank's "
+            "partition covers its sequence group)"
+        )
     if saved[2] != pp and max(saved[2], pp) > 2:
-        return (f"re-cutting a pipeline into another number of stages is verified by dspipe between pp 1 and pp 2 "
-                f"only (pp {saved[2]} -> pp {pp})")
+        return (
+            f"re-cutting a pipeline into another number of stages is verified by dspipe between pp 1 and pp 2 "
+            f"only (pp {saved[2]} -> pp {pp})"
+        )
     vocab = model.get("vocab")
     if tp > 1 and isinstance(vocab, int) and vocab % tp:
         per = -(-vocab // tp)
-        return (f"vocab {vocab} over tp {tp} is uneven ({per} rows per rank, the last {vocab - (tp - 1) * per}): "
-                f"DeepSpeed 0.19.8's universal load pads each rank's vocabulary rows to rows x tp and cannot give "
-                f"the last rank fewer")
+        return (
+            f"vocab {vocab} over tp {tp} is uneven ({per} rows per rank, the last {vocab - (tp - 1) * per}): "
+            f"DeepSpeed 0.19.8's universal load pads each rank's vocabulary rows to rows x tp and cannot give "
+            f"the last rank fewer"
+        )
     if max(saved[1], saved[2], tp, pp) > 1 and not saved_universal_info(path):
-        return ("the checkpoint was saved without universal_checkpoint_info (by a dspipe before tensor-parallel "
-                "resharding), which DeepSpeed's universal conversion needs to merge tp shards and pipeline stages")
+        return (
+            "the checkpoint was saved without universal_checkpoint_info (by a dspipe before tensor-parallel "
+            "resharding), which DeepSpeed's universal conversion needs to merge tp shards and pipeline stages"
+        )
     return None
 
 
@@ -116,12 +130,14 @@ def universal_checkpoint_info(spec) -> dict:
         sub.append(dict(patterns=[_ANY + r"mlp\.c_fc\.weight$"], shape=((spec.ffn, spec.ffn), -1), partition_dim=0))
         if mlp_bias:
             sub.append(dict(patterns=[_ANY + r"mlp\.c_fc\.bias$"], shape=((spec.ffn, spec.ffn),), partition_dim=0))
-    return {"tp_replicated_parameter_patterns": replicated,
-            "parameter_with_row_parallelism_patterns": [_ANY + r"attn\.c_proj\.weight$",
-                                                        _ANY + r"mlp\.c_proj\.weight$"],
-            "vocabulary_parameter_patterns": vocab, "original_vocab_size": spec.vocab,
-            "parameter_with_sub_params": sub,
-            "pipeline_replicated_parameter_patterns": [r"^tied_modules\."]}
+    return {
+        "tp_replicated_parameter_patterns": replicated,
+        "parameter_with_row_parallelism_patterns": [_ANY + r"attn\.c_proj\.weight$", _ANY + r"mlp\.c_proj\.weight$"],
+        "vocabulary_parameter_patterns": vocab,
+        "original_vocab_size": spec.vocab,
+        "parameter_with_sub_params": sub,
+        "pipeline_replicated_parameter_patterns": [r"^tied_modules\."],
+    }
     # the keys: deepspeed.checkpoint.constants' TP_REPLICATED_PARAMETER_PATTERNS, ... (a unit test ties them)
 
 
@@ -133,8 +149,15 @@ def to_universal(src: Path, out: Path) -> None:
 
     from deepspeed.checkpoint import ds_to_universal
 
-    args = argparse.Namespace(input_folder=str(src), output_folder=str(out), num_extract_workers=1,
-                              num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
+    args = argparse.Namespace(
+        input_folder=str(src),
+        output_folder=str(out),
+        num_extract_workers=1,
+        num_merge_workers=1,
+        keep_temp_folder=False,
+        strict=True,
+        inject_missing_state=True,
+    )
     sink = io.StringIO()
     with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
         ds_to_universal.main(args)
@@ -162,9 +185,11 @@ def load_resharded(engine, path: Path, *, saved: str, now: str, rename=None):
     if failures.agreed():
         if dist.get_rank() == 0:
             shutil.rmtree(root, ignore_errors=True)
-        raise SpecError(f"cannot re-partition checkpoint {path} from {saved} to {now}: converting it to "
-                        f"a universal checkpoint in {root} failed ({failures.detail or 'on rank 0'}); "
-                        f"resume with {saved}")
+        raise SpecError(
+            f"cannot re-partition checkpoint {path} from {saved} to {now}: converting it to "
+            f"a universal checkpoint in {root} failed ({failures.detail or 'on rank 0'}); "
+            f"resume with {saved}"
+        )
     config = engine._config  # what engine.load_universal_checkpoint() reads; only for this load
     before = config.load_universal_checkpoint
     config.load_universal_checkpoint = True
@@ -205,6 +230,7 @@ def pipeline_names(spec, *, to_pipeline: bool):
             index, rest = rest.split(".", 1)
             return f"{int(index) + 1}.{rest}"
         return {"final": f"{spec.layers + 1}.{rest}", "lm_head": f"{spec.layers + 2}.{rest}"}.get(head, name)
+
     return to_stage
 
 
@@ -226,7 +252,9 @@ def restore_group_hyperparameters(optimizer, *, saved_groups: list[dict]) -> Non
     (stage3.py, load_hp_checkpoint_state_from_checkpoint_dir_stage3), which puts weight decay on biases and
     LayerNorms; give each group back its own, as saved (`params` stays DeepSpeed's)."""
     if len(saved_groups) != len(optimizer.param_groups):
-        raise SpecError(f"the checkpoint has {len(saved_groups)} optimizer parameter groups, this run has "
-                        f"{len(optimizer.param_groups)}: resume with the dp it was saved with")
+        raise SpecError(
+            f"the checkpoint has {len(saved_groups)} optimizer parameter groups, this run has "
+            f"{len(optimizer.param_groups)}: resume with the dp it was saved with"
+        )
     for group, saved in zip(optimizer.param_groups, saved_groups, strict=True):
         group.update({k: v for k, v in saved.items() if k != "params"})

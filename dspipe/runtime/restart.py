@@ -1,13 +1,20 @@
 """`--restart`: the run's training outputs move into runs/NAME/previous/<UTC timestamp>/, nothing is deleted."""
+
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-
 PREVIOUS_DIR = "previous"
-RUN_OUTPUTS = ("checkpoints", "metrics.csv", "metrics.rewound.csv", "val_metrics.csv", "engine.json", "monitor",
-               "events.jsonl")
+RUN_OUTPUTS = (
+    "checkpoints",
+    "metrics.csv",
+    "metrics.rewound.csv",
+    "val_metrics.csv",
+    "engine.json",
+    "monitor",
+    "events.jsonl",
+)
 """What a run writes while training; `--restart` moves these into previous/<UTC timestamp>/."""
 
 

@@ -1,5 +1,6 @@
 """Each rank's RNG streams (python, numpy, torch, cuda) in a checkpoint's rng-rankR.pt: saved, restored, or derived
 anew when the layout changed. torch is imported inside the functions."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -33,8 +34,9 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def restore_rng(path: Path, *, meta: CheckpointMeta, seed: int, rank: int, world: int, same_layout: bool = True,
-                tp: int = 1) -> None:
+def restore_rng(
+    path: Path, *, meta: CheckpointMeta, seed: int, rank: int, world: int, same_layout: bool = True, tp: int = 1
+) -> None:
     """This rank's saved RNG streams at the same world size and layout; under another one the saved per-rank
     streams mean nothing, so each rank starts new ones derived from (seed, step, the index of its tensor-parallel
     group in the layout's rank order): tensor-parallel peers

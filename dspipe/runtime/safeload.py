@@ -10,6 +10,7 @@ ZeRO-0/1/2/3, bf16/fp32, CPU-offload, pipeline, AutoTP, Ulysses and universal ch
     weights_only_loads()        a block inside which every torch.load (DeepSpeed's load_checkpoint, zero_to_fp32,
                                 ds_to_universal, which pass weights_only=False) is weights-only with the same table
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -23,12 +24,18 @@ from dspipe.errors import SpecError, cannot_read
 
 ALLOWED_GLOBALS: tuple[tuple[str, str, str], ...] = (
     ("deepspeed.runtime.fp16.loss_scaler", "LossScaler", "ZeRO optimizer states: the static loss scaler"),
-    ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler", "ZeRO optimizer states under fp16 (DeepSpeed's "
-                                                                "source: zero/stage_1_and_2.py, stage3.py)"),
+    (
+        "deepspeed.runtime.fp16.loss_scaler",
+        "DynamicLossScaler",
+        "ZeRO optimizer states under fp16 (DeepSpeed's source: zero/stage_1_and_2.py, stage3.py)",
+    ),
     ("deepspeed.runtime.zero.config", "ZeroStageEnum", "ZeRO optimizer states: zero_stage"),
     ("deepspeed.utils.tensor_fragment", "fragment_address", "BF16_Optimizer states: param_slice_mappings"),
-    ("deepspeed.checkpoint.universal_checkpoint", "SubparamShape", "universal checkpoints: the sub-parameter shape "
-                                                                    "of a fused tensor (q/k/v, gate/up)"),
+    (
+        "deepspeed.checkpoint.universal_checkpoint",
+        "SubparamShape",
+        "universal checkpoints: the sub-parameter shape of a fused tensor (q/k/v, gate/up)",
+    ),
     ("numpy._core.multiarray", "_reconstruct", "rng-rankR.pt: numpy's generator state (numpy 2)"),
     ("numpy.core.multiarray", "_reconstruct", "rng-rankR.pt: numpy's generator state (numpy 1)"),
     ("numpy", "ndarray", "rng-rankR.pt: numpy's generator key"),
@@ -61,7 +68,7 @@ def weights_only_loads():
 
     global _depth
     if _depth:  # nested (a dspipe read inside a DeepSpeed load): the outer block holds the settings; torch's
-        yield   # safe_globals would drop the table on the inner block's exit
+        yield  # safe_globals would drop the table on the inner block's exit
         return
     before = os.environ.get(FORCE_ENV)
     os.environ[FORCE_ENV] = "1"
@@ -116,9 +123,11 @@ def why_not_loaded(e: BaseException, *, zip_file: bool) -> str:
     text = " ".join(str(e).split())
     m = UNSAFE_GLOBAL.search(text)
     if m:
-        return (f"names {m.group(1) or m.group(2)}, which is not a type a checkpoint holds (tensors, "
-                f"numbers, containers and dspipe.runtime.safeload.ALLOWED_GLOBALS): refused without loading it, "
-                f"since loading it could run code")
+        return (
+            f"names {m.group(1) or m.group(2)}, which is not a type a checkpoint holds (tensors, "
+            f"numbers, containers and dspipe.runtime.safeload.ALLOWED_GLOBALS): refused without loading it, "
+            f"since loading it could run code"
+        )
     if not zip_file:
         return "is not a torch checkpoint file (neither torch's zip format nor a torch pickle)"
     if "central directory" in text or "not a ZIP archive" in text or isinstance(e, (EOFError, OSError)):

@@ -4,6 +4,7 @@ DeepSpeed's `deepspeed.sequence.layer.DistributedAttention`. The model itself st
 groups (`sequence_groups`), swaps each block's attention core and sets the position offsets (`shard_sequence`, called
 by dspipe.runtime.parallelize); the engine slices the batches (`local_slice`) and scales the loss (`loss_share`).
 """
+
 from __future__ import annotations
 
 from dspipe.model.gpt import GPT, Attention
@@ -18,8 +19,10 @@ def sequence_groups(*, layout: ParallelLayout, rank: int):
     if parallel_state_sp._SEQUENCE_PARALLEL_GROUP is None:  # once per process
         parallel_state_sp.initialize_sequence_parallel(layout.sp)
     mine = next(g for g in layout.groups("seq") if rank in g)
-    if parallel_state_sp.get_sequence_parallel_world_size() != layout.sp or \
-            parallel_state_sp.get_sequence_parallel_rank() != mine.index(rank):
+    if (
+        parallel_state_sp.get_sequence_parallel_world_size() != layout.sp
+        or parallel_state_sp.get_sequence_parallel_rank() != mine.index(rank)
+    ):
         raise RuntimeError(f"rank {rank}: DeepSpeed's sequence-parallel group disagrees with the layout's {mine}")
     return parallel_state_sp
 

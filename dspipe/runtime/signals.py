@@ -1,4 +1,5 @@
 """SIGTERM/SIGINT during training: remembered, agreed on by every rank; the loop finishes the step, saves, exits 0."""
+
 from __future__ import annotations
 
 import signal

@@ -6,6 +6,7 @@ engine then counts `skipped_steps` and holds the lr schedule). Only fp32 without
 the base optimizer; `guard_base_optimizer` gives that one the same behaviour. The runner then reads every skip
 off the engine, the same way for every configuration, and `Health` decides when to stop and what to log.
 """
+
 from __future__ import annotations
 
 import math
@@ -29,13 +30,17 @@ def guard_base_optimizer(engine) -> bool:
     unguarded, seen = opt.step, {}
 
     def clip_and_record():  # DeepSpeed's own fp32 clipping, keeping the norm it computes (before clipping)
-        seen["norm"] = clip_grad_norm_(parameters=engine.module.parameters(), max_norm=engine.gradient_clipping(),
-                                       mpu=engine.mpu)
+        seen["norm"] = clip_grad_norm_(
+            parameters=engine.module.parameters(), max_norm=engine.gradient_clipping(), mpu=engine.mpu
+        )
 
     def local_norm():  # no clipping configured: the norm of this rank's gradients, summed over pipeline stages
         grads = [p.grad for group in opt.param_groups for p in group["params"] if p.grad is not None]
-        sq = (torch.stack(torch._foreach_norm(grads)).double().pow(2).sum() if grads
-              else collective_tensor(0.0, dtype=torch.float64))
+        sq = (
+            torch.stack(torch._foreach_norm(grads)).double().pow(2).sum()
+            if grads
+            else collective_tensor(0.0, dtype=torch.float64)
+        )
         if getattr(engine, "num_stages", 1) > 1:
             dist.all_reduce(sq, group=engine.grid.get_pipe_parallel_group())
         return sq.sqrt()
@@ -76,8 +81,10 @@ class Health:
         if skipped or not math.isfinite(loss):
             self.consecutive += 1
             self.total_skipped += 1
-            return (f"step {step} skipped: non-finite loss or gradient norm (loss {loss}); {self.consecutive} in a "
-                    f"row, {self.total_skipped} in all" + (f", stopping at {self.max_skips}" if self.max_skips else ""))
+            return (
+                f"step {step} skipped: non-finite loss or gradient norm (loss {loss}); {self.consecutive} in a "
+                f"row, {self.total_skipped} in all" + (f", stopping at {self.max_skips}" if self.max_skips else "")
+            )
         self.consecutive = 0
         line = None
         if len(self.recent) >= max(10, self.recent.maxlen // 2):
@@ -85,7 +92,9 @@ class Health:
             std = math.sqrt(sum((x - mean) ** 2 for x in self.recent) / len(self.recent))
             if loss > mean + self.sigma * std:
                 self.spikes += 1
-                line = (f"loss spike at step {step}: {loss:.4f} > mean {mean:.4f} + {self.sigma:g} x std {std:.4f} "
-                        f"of the last {len(self.recent)} steps")
+                line = (
+                    f"loss spike at step {step}: {loss:.4f} > mean {mean:.4f} + {self.sigma:g} x std {std:.4f} "
+                    f"of the last {len(self.recent)} steps"
+                )
         self.recent.append(loss)
         return line

@@ -2,6 +2,7 @@
 the engine was up, the seconds from the process start to the build's end and to the first step, and how many
 parameter values the rank built. Rank 0 writes
 every rank's figures into engine.json ("startup"), beside which `dspipe report` shows the plan's prediction."""
+
 from __future__ import annotations
 
 import ctypes
@@ -73,8 +74,11 @@ class StartupClock:
         ranks)."""
         self.marks[name] = (time.time() - self.started, peak_rss_mib())
         if module is not None:
-            self.built_params = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel()
-                                    for p in module.parameters() if not p.is_meta)
+            self.built_params = sum(
+                p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel()
+                for p in module.parameters()
+                if not p.is_meta
+            )
 
     def gathered(self, *, mode: str, host_is_device: bool) -> StartupRecord:
         """Collective, at the end of start-up: every rank's figures, rank by rank, as engine.json's "startup"
@@ -93,10 +97,12 @@ class StartupClock:
         every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(every, mine)
         rows = [t.tolist() for t in every]
-        return StartupRecord(mode=mode,
-                             rss_before_build_mib=tuple(round(r[1], 1) for r in rows),
-                             build_rss_mib=tuple(round(r[3], 1) for r in rows),
-                             peak_rss_mib=tuple(round(r[5], 1) for r in rows),
-                             seconds_build=tuple(round(r[2] - r[0], 2) for r in rows),
-                             seconds_to_first_step=tuple(round(r[4], 2) for r in rows),
-                             built_params=tuple(int(r[6]) for r in rows))
+        return StartupRecord(
+            mode=mode,
+            rss_before_build_mib=tuple(round(r[1], 1) for r in rows),
+            build_rss_mib=tuple(round(r[3], 1) for r in rows),
+            peak_rss_mib=tuple(round(r[5], 1) for r in rows),
+            seconds_build=tuple(round(r[2] - r[0], 2) for r in rows),
+            seconds_to_first_step=tuple(round(r[4], 2) for r in rows),
+            built_params=tuple(int(r[6]) for r in rows),
+        )

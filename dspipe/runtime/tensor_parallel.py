@@ -29,6 +29,7 @@ imported tensor, is whole; the rank keeps its slice). Layers keep the whole size
 `out_features`, `num_embeddings`, so the model's step-0 declarations (dspipe.model.gpt.initial_values) are
 unchanged.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -131,8 +132,9 @@ class _SequenceParallelColumn(torch.autograd.Function):
         return grad_x, grad_w, flat.sum(0) if ctx.has_bias else None, None
 
 
-def column_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                  tp: TensorGroup) -> torch.Tensor:
+def column_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, tp: TensorGroup
+) -> torch.Tensor:
     """A column-parallel projection of the replicated (or, with sequence parallelism, sequence-split) `x`."""
     if tp.sequence_parallel:
         return _SequenceParallelColumn.apply(x, weight, bias, tp)
@@ -154,11 +156,13 @@ def _row_shard(rows: list[tuple[int, int]]):
     def shard(full):
         pieces = [full[a:b] for a, b in rows]
         return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+
     return shard
 
 
-def shard_param(module: nn.Module, name: str, param: nn.Parameter, *, dim: int, shard,
-                rows: list[tuple[int, int]] | None = None) -> None:
+def shard_param(
+    module: nn.Module, name: str, param: nn.Parameter, *, dim: int, shard, rows: list[tuple[int, int]] | None = None
+) -> None:
     """Make `param` `module`'s parameter `name`, a shard: `shard(full)` cuts it from the whole tensor, `rows` (a
     dim-0 shard) are its row ranges of the whole tensor (so an import reads only those). The module keeps how in
     `tp_marks`, and `mark_shards` puts it on the parameters again whenever they are new objects (materialising from
@@ -211,9 +215,14 @@ class ColumnParallelLinear(nn.Module):
             raise ValueError(f"parts {parts} of {linear.out_features} output features do not split over tp {tp.size}")
         self.in_features, self.out_features, self.parts, self.tp = linear.in_features, linear.out_features, parts, tp
         local, rows = linear.out_features // tp.size, part_rows(parts, rank=tp.rank, size=tp.size)
-        shard_param(self, "weight", _empty(local, linear.in_features, like=linear.weight), dim=0,
-                    shard=_row_shard(rows),
-                    rows=rows)
+        shard_param(
+            self,
+            "weight",
+            _empty(local, linear.in_features, like=linear.weight),
+            dim=0,
+            shard=_row_shard(rows),
+            rows=rows,
+        )
         self.bias = None
         if linear.bias is not None:
             shard_param(self, "bias", _empty(local, like=linear.bias), dim=0, shard=_row_shard(rows), rows=rows)
@@ -231,7 +240,7 @@ class RowParallelLinear(nn.Module):
         per = linear.in_features // tp.size
 
         def shard(full, per=per, tp=tp):
-            return full[:, tp.rank * per:(tp.rank + 1) * per]
+            return full[:, tp.rank * per : (tp.rank + 1) * per]
 
         shard_param(self, "weight", _empty(linear.out_features, per, like=linear.weight), dim=1, shard=shard)
         self.bias = None if linear.bias is None else _empty(linear.out_features, like=linear.bias)  # replicated
@@ -246,9 +255,14 @@ class RowParallelLinear(nn.Module):
 def shard_vocab_rows(module: nn.Module, name: str, weight: torch.Tensor, *, vocab: int, tp: TensorGroup) -> None:
     """Give `module` an empty parameter `name` for this rank's vocabulary rows of a (vocab, hidden) table."""
     start, stop = vocab_rows(vocab, rank=tp.rank, size=tp.size)
-    shard_param(module, name, _empty(stop - start, weight.shape[1], like=weight), dim=0,
-                shard=_row_shard([(start, stop)]),
-                  rows=[(start, stop)])
+    shard_param(
+        module,
+        name,
+        _empty(stop - start, weight.shape[1], like=weight),
+        dim=0,
+        shard=_row_shard([(start, stop)]),
+        rows=[(start, stop)],
+    )
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -288,8 +302,13 @@ class ReducedLayerNorm(nn.LayerNorm):
 
     @classmethod
     def like(cls, norm: nn.LayerNorm, *, tp: TensorGroup) -> "ReducedLayerNorm":
-        out = cls(norm.normalized_shape, eps=norm.eps, bias=norm.bias is not None, device=norm.weight.device,
-                  dtype=norm.weight.dtype)
+        out = cls(
+            norm.normalized_shape,
+            eps=norm.eps,
+            bias=norm.bias is not None,
+            device=norm.weight.device,
+            dtype=norm.weight.dtype,
+        )
         out.tp = tp
         return out
 
@@ -352,8 +371,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad_logits * grad.unsqueeze(-1), None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, *, tp: TensorGroup,
-                                 vocab: int) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, *, tp: TensorGroup, vocab: int
+) -> torch.Tensor:
     """Mean next-token cross-entropy of (batch, seq, V_local) logits (this rank's vocabulary rows), in fp32."""
     start, _ = vocab_rows(vocab, rank=tp.rank, size=tp.size)
     flat = logits.float().reshape(-1, logits.shape[-1])

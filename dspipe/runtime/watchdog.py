@@ -13,6 +13,7 @@ and do so legitimately. A `async_op=True` collective counts until it returns its
 
 A test injects the hang (dspipe.runtime.faults: `hang_at_step`): the chosen rank sleeps inside its first collective of
 that step, as a rank stuck in a collective does. No torch import at module level."""
+
 from __future__ import annotations
 
 import functools
@@ -32,10 +33,27 @@ HANG_EXIT = 75
 """A rank's exit code after a detected hang (EX_TEMPFAIL: the job may succeed when restarted)."""
 EVENTS_FILE = "events.jsonl"
 """The run directory's log of what happened to the job (hangs, restarts at another world size): one JSON per line."""
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce_scatter",
-               "reduce_scatter_tensor", "broadcast", "broadcast_object_list", "barrier", "monitored_barrier",
-               "all_to_all", "all_to_all_single", "reduce", "gather", "scatter", "send", "recv",
-               "all_reduce_coalesced", "batch_isend_irecv")
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "broadcast",
+    "broadcast_object_list",
+    "barrier",
+    "monitored_barrier",
+    "all_to_all",
+    "all_to_all_single",
+    "reduce",
+    "gather",
+    "scatter",
+    "send",
+    "recv",
+    "all_reduce_coalesced",
+    "batch_isend_irecv",
+)
 
 
 def check_hang_timeout(seconds: float) -> float:
@@ -77,8 +95,18 @@ def read_events(run_path: Path) -> list[dict]:
 class Watchdog:
     """One per rank: `install()` wraps the collectives, `armed()` around the training steps, `step` set by the loop."""
 
-    def __init__(self, *, timeout_s: float, rank: int, run_path: Path, world: int = 1, hang_step: int | None = None,
-                 clock=time.monotonic, exit=os._exit, sleep=time.sleep):
+    def __init__(
+        self,
+        *,
+        timeout_s: float,
+        rank: int,
+        run_path: Path,
+        world: int = 1,
+        hang_step: int | None = None,
+        clock=time.monotonic,
+        exit=os._exit,
+        sleep=time.sleep,
+    ):
         self.timeout_s, self.rank, self.world, self.run_path = float(timeout_s), rank, world, Path(run_path)
         self.clock, self.exit, self.sleep = clock, exit, sleep
         self.hang_step = hang_step
@@ -158,17 +186,29 @@ class Watchdog:
 
     def report(self, op: str, waited: float) -> None:
         """Say which rank hangs in which collective, record it in events.jsonl, and end the rank (HANG_EXIT)."""
-        line = (f"dspipe: hang: rank {self.rank} has been inside {op} for {waited:.0f} s at step {self.step} "
-                f"(hang timeout {self.timeout_s:g} s); stopping the job so that it restarts from the newest checkpoint")
+        line = (
+            f"dspipe: hang: rank {self.rank} has been inside {op} for {waited:.0f} s at step {self.step} "
+            f"(hang timeout {self.timeout_s:g} s); stopping the job so that it restarts from the newest checkpoint"
+        )
         sys.stderr.write(line + "\n")  # one write: the ranks' lines do not interleave
         sys.stderr.flush()
         try:
-            record_event(self.run_path, {"event": "hang", "rank": self.rank, "world": self.world, "op": op,
-                                         "step": self.step,
-                                         "seconds": round(waited, 1), "timeout_s": self.timeout_s})
+            record_event(
+                self.run_path,
+                {
+                    "event": "hang",
+                    "rank": self.rank,
+                    "world": self.world,
+                    "op": op,
+                    "step": self.step,
+                    "seconds": round(waited, 1),
+                    "timeout_s": self.timeout_s,
+                },
+            )
         except OSError as e:
-            get_logger(__name__).warning(f"dspipe: could not record the hang in {self.run_path / EVENTS_FILE}: {e}",
-                                         extra={"all_ranks": True})  # this rank's own failure
+            get_logger(__name__).warning(
+                f"dspipe: could not record the hang in {self.run_path / EVENTS_FILE}: {e}", extra={"all_ranks": True}
+            )  # this rank's own failure
         sys.stdout.flush()
         self.exit(HANG_EXIT)
 
@@ -195,16 +235,22 @@ def events_text(events: list[dict]) -> str:
         if e.get("event") == "hang":
             hangs.setdefault((e.get("step"), e.get("op"), e.get("world")), []).append(e.get("rank"))
         elif e.get("event") == "restart":
-            parts.append(f"restart {e.get('attempt')} resumed at step {e.get('step')} on {e.get('world')} ranks"
-                         + (f" ({e['resized']})" if e.get("resized") else ""))
+            parts.append(
+                f"restart {e.get('attempt')} resumed at step {e.get('step')} on {e.get('world')} ranks"
+                + (f" ({e['resized']})" if e.get("resized") else "")
+            )
     found = []
     for (step, op, world), ranks in hangs.items():
         waited = sorted(r for r in ranks if isinstance(r, int))
         others = sorted(set(range(world)) - set(waited)) if isinstance(world, int) and world <= 64 else []
-        found.append(f"hang at step {step}: rank(s) {', '.join(map(str, waited))} waited inside {op}"
-                     + (f" (not rank(s) {', '.join(map(str, others))})" if others else ""))
+        found.append(
+            f"hang at step {step}: rank(s) {', '.join(map(str, waited))} waited inside {op}"
+            + (f" (not rank(s) {', '.join(map(str, others))})" if others else "")
+        )
     planned = [e for e in events if e.get("event") == "save_interval"]
     if planned:  # dspipe.runtime.save_schedule
-        parts.append(f"--save-interval auto re-planned after {len(planned)} save(s): {planned[0].get('was')} -> "
-                     f"{planned[-1].get('interval')} steps")
+        parts.append(
+            f"--save-interval auto re-planned after {len(planned)} save(s): {planned[0].get('was')} -> "
+            f"{planned[-1].get('interval')} steps"
+        )
     return "; ".join(found + parts) or "no events"

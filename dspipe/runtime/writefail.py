@@ -1,5 +1,6 @@
 """A rank's failed checkpoint writes, recorded instead of raised so that the rank still takes part in every
 collective of a save (a rank that raised while its peers wait in a barrier would hang them all), then agreed on."""
+
 from __future__ import annotations
 
 import contextlib
@@ -11,8 +12,18 @@ from pathlib import Path
 # Exceptions that mean a bug in the code doing the write, not a failed write: they propagate even from a routed
 # write. Everything else a routed write raises (OSError, and the RuntimeError torch's C++ writers raise for a
 # short write, a failed flush or a failed close, whatever their text) is recorded as a write failure.
-BUGS = (TypeError, AttributeError, NameError, KeyError, IndexError, AssertionError, ImportError,
-        NotImplementedError, RecursionError, ZeroDivisionError)
+BUGS = (
+    TypeError,
+    AttributeError,
+    NameError,
+    KeyError,
+    IndexError,
+    AssertionError,
+    ImportError,
+    NotImplementedError,
+    RecursionError,
+    ZeroDivisionError,
+)
 
 FULL_MIB = 1.0  # under this much free space after a failed write without errno, the disk counts as full
 
@@ -59,8 +70,11 @@ class WriteFailures:
 
     @contextlib.contextmanager
     def deepspeed_writes(self, engine):
-        targets = [(engine.checkpoint_engine, "save"), (engine.checkpoint_engine, "makedirs"),
-                   (engine, "_copy_recovery_script")]
+        targets = [
+            (engine.checkpoint_engine, "save"),
+            (engine.checkpoint_engine, "makedirs"),
+            (engine, "_copy_recovery_script"),
+        ]
         patched = []
         for obj, name in targets:
             fn = getattr(obj, name, None)

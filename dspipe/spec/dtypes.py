@@ -1,5 +1,6 @@
 """Bytes per element of each training precision (train.precision): the one table the planner and the tools use.
 Standard library only."""
+
 from __future__ import annotations
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}

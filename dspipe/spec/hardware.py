@@ -1,6 +1,7 @@
 """The hardware catalog and the one rule that maps a detected device to it. Every GPU figure, every list of GPU
 types in a help or error text, and every device -> type decision comes from here. Imports no torch at module
 level (`detect()` imports it when called)."""
+
 from __future__ import annotations
 
 import re
@@ -98,17 +99,35 @@ GPU_MTBF_HOURS = 50_700
 saw 419 unexpected interruptions in 54 days on 16,384 H100s (Dubey et al. 2024, section 3.3.4):
 54 x 24 x 16,384 / 419 = 50,700 GPU-hours."""
 
-GPU_CATALOG: dict[str, GpuType] = {g.name: g for g in (
-    GpuType("cpu", 16 * 1024 * MIB, 1.0, 0.0, 1.0, 10.0, 10.0, "gloo", 12 * GIB, ""),
-    GpuType("a100-40g", 40960 * MIB, 312.0, 312.0, 19.5, 230.0, 24.0, "nccl", 128 * GIB, r"A100",
-            matmul_efficiency=0.65),
-    GpuType("a100-80g", 81920 * MIB, 312.0, 312.0, 19.5, 230.0, 24.0, "nccl", 256 * GIB, r"A100",
-            min_memory_bytes=50 * GIB, matmul_efficiency=0.65),
-    GpuType("h100-80g", 81559 * MIB, 989.0, 989.0, 67.0, 370.0, 46.0, "nccl", 256 * GIB, r"H100",
-            matmul_efficiency=0.48),
-    GpuType("h200", 143771 * MIB, 989.0, 989.0, 67.0, 370.0, 46.0, "nccl", 256 * GIB, r"H200",
-            matmul_efficiency=0.48),
-)}
+GPU_CATALOG: dict[str, GpuType] = {
+    g.name: g
+    for g in (
+        GpuType("cpu", 16 * 1024 * MIB, 1.0, 0.0, 1.0, 10.0, 10.0, "gloo", 12 * GIB, ""),
+        GpuType(
+            "a100-40g", 40960 * MIB, 312.0, 312.0, 19.5, 230.0, 24.0, "nccl", 128 * GIB, r"A100", matmul_efficiency=0.65
+        ),
+        GpuType(
+            "a100-80g",
+            81920 * MIB,
+            312.0,
+            312.0,
+            19.5,
+            230.0,
+            24.0,
+            "nccl",
+            256 * GIB,
+            r"A100",
+            min_memory_bytes=50 * GIB,
+            matmul_efficiency=0.65,
+        ),
+        GpuType(
+            "h100-80g", 81559 * MIB, 989.0, 989.0, 67.0, 370.0, 46.0, "nccl", 256 * GIB, r"H100", matmul_efficiency=0.48
+        ),
+        GpuType(
+            "h200", 143771 * MIB, 989.0, 989.0, 67.0, 370.0, 46.0, "nccl", 256 * GIB, r"H200", matmul_efficiency=0.48
+        ),
+    )
+}
 
 
 def gpu_names(*, gpus_only: bool = False) -> tuple[str, ...]:

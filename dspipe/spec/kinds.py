@@ -1,6 +1,7 @@
 """The option values dspipe compares against, as str Enums: a member equals its plain string (Precision.BF16 ==
 "bf16"), so specs and plans keep holding plain strings and every file written (JSON, YAML, templates) stays the
 same text. Python 3.10 has no enum.StrEnum: `str, Enum` with __str__ giving the value. Imports nothing of dspipe."""
+
 from __future__ import annotations
 
 from enum import Enum

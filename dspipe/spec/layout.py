@@ -5,6 +5,7 @@ PipeModelDataParallelTopology (axes pipe, data, model; the last varies fastest) 
 data and tensor: rank = ((pipe·dp + data)·sp + seq)·tp + tensor. Tensor-parallel peers are neighbours (inside a
 node), pipeline stages the farthest apart (across nodes). Imports no torch.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -33,8 +34,10 @@ class ParallelLayout:
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise SpecError(f"layout.{name} must be a positive integer, got {value!r}")
         if self.world % self.model_ranks:
-            raise SpecError(f"world size {self.world} is not divisible by pp {self.pp} x tp {self.tp} x sp {self.sp} "
-                            f"= {self.model_ranks}")
+            raise SpecError(
+                f"world size {self.world} is not divisible by pp {self.pp} x tp {self.tp} x sp {self.sp} "
+                f"= {self.model_ranks}"
+            )
 
     @property
     def model_ranks(self) -> int:
@@ -52,8 +55,9 @@ class ParallelLayout:
 
     def describe(self) -> str:
         """'world 8 = dp 2 x pp 2 x tp 2', naming only the dimensions in use besides dp."""
-        parts = [f"dp {self.dp}"] + [f"{k} {v}" for k, v in (("pp", self.pp), ("tp", self.tp), ("sp", self.sp))
-                                     if v > 1 or k == "pp"]
+        parts = [f"dp {self.dp}"] + [
+            f"{k} {v}" for k, v in (("pp", self.pp), ("tp", self.tp), ("sp", self.sp)) if v > 1 or k == "pp"
+        ]
         return f"world {self.world} = " + " x ".join(parts)
 
     def coords(self, rank: int) -> dict[str, int]:

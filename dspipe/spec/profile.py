@@ -9,6 +9,7 @@ at the profile's dtype, the all-reduce bus bandwidth inside a node, the collecti
 CPU-Adam rate and the optimizer step rate. Figures a profile leaves null (no pinned host copy without a GPU,
 DeepSpeedCPUAdam that did not build) keep the catalog's value; `figure_sources` says which came from where.
 """
+
 from __future__ import annotations
 
 import json
@@ -87,12 +88,15 @@ def profile_from_dict(data: object, *, where: str) -> Profile:
     if not isinstance(data, dict):
         raise SpecError(f"{where}: a profile must be a JSON object, got {type(data).__name__}")
     if data.get("format") != PROFILE_FORMAT:
-        raise SpecError(f"{where}: not a dspipe profile (format {data.get('format')!r}, expected {PROFILE_FORMAT!r}); "
-                        f"write one with 'dspipe calibrate --out FILE'")
+        raise SpecError(
+            f"{where}: not a dspipe profile (format {data.get('format')!r}, expected {PROFILE_FORMAT!r}); "
+            f"write one with 'dspipe calibrate --out FILE'"
+        )
     version = data.get("version")
     if version != PROFILE_VERSION:
-        raise SpecError(f"{where}: profile version {version!r} is not {PROFILE_VERSION} (this dspipe's); "
-                        f"re-run 'dspipe calibrate'")
+        raise SpecError(
+            f"{where}: profile version {version!r} is not {PROFILE_VERSION} (this dspipe's); re-run 'dspipe calibrate'"
+        )
     known = {f.name for f in fields(Profile)} | {"format", "version", "figures"}
     unknown = sorted(set(data) - known)
     figures = data.get("figures")
@@ -126,16 +130,19 @@ def profile_from_dict(data: object, *, where: str) -> Profile:
             raise SpecError(f"{where}: figures.{name} must be {allowed}, got {value!r}")
         values[name] = float(value)
     if values["ranks"] > 1 and (values["allreduce_busbw_gbps"] is None or values["allreduce_latency_s"] is None):
-        raise SpecError(f"{where}: figures.allreduce_busbw_gbps and allreduce_latency_s may be null only for a "
-                        f"1-rank profile (ranks {values['ranks']})")
+        raise SpecError(
+            f"{where}: figures.allreduce_busbw_gbps and allreduce_latency_s may be null only for a "
+            f"1-rank profile (ranks {values['ranks']})"
+        )
     return Profile(**values)
 
 
 def profile_to_dict(profile: Profile) -> dict[str, object]:
     """The JSON form: the machine's description at the top level, the measured numbers under 'figures'."""
     d = asdict(profile)
-    head = {k: d.pop(k) for k in ("device", "gpu", "dtype", "ranks", "threads_per_rank", "model", "created",
-                                  "versions")}
+    head = {
+        k: d.pop(k) for k in ("device", "gpu", "dtype", "ranks", "threads_per_rank", "model", "created", "versions")
+    }
     return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, **head, "figures": d}
 
 
@@ -156,8 +163,10 @@ def read_profile(path: str | Path, *, gpu: str | None = None) -> Profile:
 def check_profile_gpu(profile: Profile, *, gpu: str, where: str) -> None:
     """A profile measured on one catalog type says nothing about another."""
     if profile.gpu != gpu:
-        raise SpecError(f"{where}: profile measured on {profile.gpu!r} ({profile.device}), but the cluster's GPU type "
-                        f"is {gpu!r}; calibrate on a {gpu} machine or pass --gpu {profile.gpu}")
+        raise SpecError(
+            f"{where}: profile measured on {profile.gpu!r} ({profile.device}), but the cluster's GPU type "
+            f"is {gpu!r}; calibrate on a {gpu} machine or pass --gpu {profile.gpu}"
+        )
 
 
 def profile_text(profile: Profile) -> str:
@@ -171,15 +180,21 @@ def apply_profile(gpu: GpuType, profile: Profile) -> GpuType:
     same meaning as the catalog's figure), the collective latency (the small all-reduce's time less its 2(n-1)
     hops at the catalog's per-hop cost, never below 0), the host copy rate (pinned on a GPU; on the 'cpu' type the
     memcpy rate an offload copy runs at), the CPU-Adam and optimizer-step rates."""
-    changes: dict[str, Any] = {"calibrated_precision": profile.dtype, "calibrated_tflops": profile.compute_tflops,
-                     "optimizer_params_per_s": profile.optimizer_params_per_s}
+    changes: dict[str, Any] = {
+        "calibrated_precision": profile.dtype,
+        "calibrated_tflops": profile.compute_tflops,
+        "optimizer_params_per_s": profile.optimizer_params_per_s,
+    }
     if profile.allreduce_busbw_gbps is not None:
         changes["intra_node_gbps"] = profile.allreduce_busbw_gbps
     if profile.allreduce_latency_s is not None:
         hops = 2 * (profile.ranks - 1) * gpu.ring_hop_latency_s
         changes["ring_base_latency_s"] = max(0.0, profile.allreduce_latency_s - hops)
-    copy = profile.host_copy_gbps if profile.host_copy_gbps is not None else (
-        profile.host_memcpy_gbps if gpu.backend == "gloo" else None)
+    copy = (
+        profile.host_copy_gbps
+        if profile.host_copy_gbps is not None
+        else (profile.host_memcpy_gbps if gpu.backend == "gloo" else None)
+    )
     if copy is not None:
         changes["host_copy_gbps"] = copy
     if profile.cpu_adam_params_per_s is not None:
@@ -187,30 +202,48 @@ def apply_profile(gpu: GpuType, profile: Profile) -> GpuType:
     return replace(gpu, **changes)
 
 
-def figure_sources(*, catalog: GpuType, profile: Profile | None, profile_name: str | None,
-                   overrides: dict[str, float | None], precision: str) -> list[tuple[str, str, str]]:
+def figure_sources(
+    *,
+    catalog: GpuType,
+    profile: Profile | None,
+    profile_name: str | None,
+    overrides: dict[str, float | None],
+    precision: str,
+) -> list[tuple[str, str, str]]:
     """(figure, value, source) for `plan`'s output: which time-model figures come from the profile, an override
     flag or the catalog."""
     calibrated = apply_profile(catalog, profile) if profile is not None else catalog
     src_profile = f"profile {profile_name}" if profile_name else "profile"
     rows = []
     compute_from_profile = profile is not None and profile.dtype == precision
-    rows.append(("compute", f"{calibrated.compute_tflops(precision):.4g} TFLOP/s per rank",
-                 src_profile if compute_from_profile else
-                 (f"catalog ({catalog.matmul_efficiency:g} x {precision} peak)"
-                  + (f"; the profile measured {profile.dtype}" if profile is not None else ""))))
-    for name, label, flag, unit in (("intra_node_gbps", "intra-node bandwidth", "--intra-node-gbps", "GB/s"),
-                                    ("inter_node_gbps", "inter-node bandwidth", "--inter-node-gbps", "GB/s")):
+    rows.append(
+        (
+            "compute",
+            f"{calibrated.compute_tflops(precision):.4g} TFLOP/s per rank",
+            src_profile
+            if compute_from_profile
+            else (
+                f"catalog ({catalog.matmul_efficiency:g} x {precision} peak)"
+                + (f"; the profile measured {profile.dtype}" if profile is not None else "")
+            ),
+        )
+    )
+    for name, label, flag, unit in (
+        ("intra_node_gbps", "intra-node bandwidth", "--intra-node-gbps", "GB/s"),
+        ("inter_node_gbps", "inter-node bandwidth", "--inter-node-gbps", "GB/s"),
+    ):
         value = overrides.get(name)
         if value is not None:
             rows.append((label, f"{value:g} {unit}", flag))
         else:
             changed = getattr(calibrated, name) != getattr(catalog, name)
             rows.append((label, f"{getattr(calibrated, name):.4g} {unit}", src_profile if changed else "catalog"))
-    for name, label, unit in (("ring_base_latency_s", "collective latency", "s"),
-                              ("host_copy_gbps", "host copy", "GB/s"),
-                              ("cpu_adam_params_per_s", "CPU-Adam", "params/s"),
-                              ("optimizer_params_per_s", "optimizer step", "params/s per rank")):
+    for name, label, unit in (
+        ("ring_base_latency_s", "collective latency", "s"),
+        ("host_copy_gbps", "host copy", "GB/s"),
+        ("cpu_adam_params_per_s", "CPU-Adam", "params/s"),
+        ("optimizer_params_per_s", "optimizer step", "params/s per rank"),
+    ):
         value = getattr(calibrated, name)
         changed = value != getattr(catalog, name)
         shown = "not modelled" if name == "optimizer_params_per_s" and not value else f"{value:.4g} {unit}"

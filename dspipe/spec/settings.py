@@ -4,6 +4,7 @@
 options that are no spec field) into the option table that the click options, the --config sections, LIMITS and
 --print-config are generated from. No click, no torch.
 """
+
 from __future__ import annotations
 
 from dataclasses import MISSING, dataclass, field, fields
@@ -16,7 +17,6 @@ AUTO = "auto"
 KINDS = ("int", "float", "str", "choice", "auto_int", "auto_choice", "flag", "bool", "tokens")
 """What the flag takes: int/float/str; choice (one of `choices`); auto_int/auto_choice (or 'auto': the planner
 chooses); flag (--x, off by default); bool (--x/--no-x, unset: auto); tokens (a token budget, '300B')."""
-
 
 
 def is_auto(value: object) -> bool:
@@ -78,8 +78,9 @@ def setting(default: _T, *, help: str | None, kind: str = "str", section: str | 
 def setting(*, help: str | None, kind: str = "str", section: str | None = None, **more: object) -> Any: ...
 
 
-def setting(default: object = MISSING, *, help: str | None, kind: str = "str", section: str | None = None,
-            **more: object) -> Any:
+def setting(
+    default: object = MISSING, *, help: str | None, kind: str = "str", section: str | None = None, **more: object
+) -> Any:
     """A spec field declared with its option (keywords of Setting; the key is the field name unless given)."""
     if kind not in KINDS:
         raise AssertionError(f"unknown setting kind {kind!r}")
@@ -98,8 +99,16 @@ def declared(cls: type, *, section: str) -> list[Setting]:
         cli_default = meta.pop("cli_default", None)
         if cli_default is FIELD_DEFAULT:
             cli_default = f.default
-        out.append(Setting(key=meta.pop("key", f.name), section=own, field=f.name, default=f.default,
-                           cli_default=cli_default, **meta))
+        out.append(
+            Setting(
+                key=meta.pop("key", f.name),
+                section=own,
+                field=f.name,
+                default=f.default,
+                cli_default=cli_default,
+                **meta,
+            )
+        )
     return out
 
 

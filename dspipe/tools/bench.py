@@ -4,6 +4,7 @@ DeepSpeed's launcher on this machine's devices, optionally beside a plain-PyTorc
 The arithmetic and the report (table, markdown section) are plain functions of the ranks' JSON results
 (`dspipe.tools.bench_worker` writes them); only `run_side` starts processes. Imports no torch.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -14,12 +15,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dspipe.tools.bench_worker import PHASES
 from dspipe.errors import SpecError, cannot_read
-from dspipe.log import get_logger
 from dspipe.jsonio import read_object
+from dspipe.log import get_logger
 from dspipe.planner.throughput import step_rates
 from dspipe.spec.hardware import GIB
+from dspipe.tools.bench_worker import PHASES
 
 REFERENCES = {"compiled": ("reference",), "eager": ("eager",), "both": ("reference", "eager")}
 """--reference: which plain-PyTorch sides --compare runs beside dspipe."""
@@ -27,12 +28,26 @@ COLUMN = {"dspipe": "dspipe", "reference": "reference", "eager": "eager referenc
 """Each side's column in the table."""
 
 
-def summarize(ranks: list[dict], *, tokens_per_step: int, samples_per_step: int, steps: int, flops_per_token: float,
-              world_size: int, peak_tflops: float | None) -> dict:
+def summarize(
+    ranks: list[dict],
+    *,
+    tokens_per_step: int,
+    samples_per_step: int,
+    steps: int,
+    flops_per_token: float,
+    world_size: int,
+    peak_tflops: float | None,
+) -> dict:
     """One side's figures from its ranks' results: the slowest rank sets the pace and the largest the memory."""
     seconds = max(r["seconds"] for r in ranks)
-    out = step_rates(tokens=tokens_per_step * steps, samples=samples_per_step * steps, seconds=seconds,
-                     flops_per_token=flops_per_token, world_size=world_size, peak_tflops=peak_tflops)
+    out = step_rates(
+        tokens=tokens_per_step * steps,
+        samples=samples_per_step * steps,
+        seconds=seconds,
+        flops_per_token=flops_per_token,
+        world_size=world_size,
+        peak_tflops=peak_tflops,
+    )
     out["step_time_s"] = seconds / steps
     phases = [r["phases"] for r in ranks if r.get("phases")]
     out["phases_s"] = {p: max(ph[p] for ph in phases) / steps for p in PHASES} if phases else None
@@ -60,6 +75,7 @@ def _gib(n: int | None) -> str:
 
 def figure_rows(sides: dict[str, dict]) -> list[tuple[str, list[str]]]:
     """(label, one cell per side) for the table and the markdown section, in order."""
+
     def cells(fn):
         return [fn(s) for s in sides.values()]
 
@@ -91,9 +107,10 @@ def comparison_lines(sides: dict[str, dict]) -> list[str]:
         r, name = sides[side], COLUMN[side]
         both = d["first_loss"] is not None and r["first_loss"] is not None
         diff = f"{abs(d['first_loss'] - r['first_loss']):.2e}" if both else "n/a"
-        lines += [f"dspipe / {name} tokens/s: {ratio(d, r):.3f}",
-                  f"first-step loss: dspipe {_loss(d['first_loss'])}, {name} {_loss(r['first_loss'])}, "
-                  f"difference {diff}"]
+        lines += [
+            f"dspipe / {name} tokens/s: {ratio(d, r):.3f}",
+            f"first-step loss: dspipe {_loss(d['first_loss'])}, {name} {_loss(r['first_loss'])}, difference {diff}",
+        ]
     return lines
 
 
@@ -108,16 +125,24 @@ def format_table(sides: dict[str, dict], *, header: str) -> str:
     names = [COLUMN[side] for side in sides]
     cols = [max(len(name), *(len(c[i]) for _, c in rows)) + 2 for i, name in enumerate(names)]
     lines = [header, " " * width + "".join(name.rjust(w) for name, w in zip(names, cols, strict=True))]
-    lines += [label.ljust(width) + "".join(c.rjust(w) for c, w in zip(cells, cols, strict=True))
-              for label, cells in rows]
+    lines += [
+        label.ljust(width) + "".join(c.rjust(w) for c, w in zip(cells, cols, strict=True)) for label, cells in rows
+    ]
     return "\n".join(lines + comparison_lines(sides))
 
 
-def markdown_section(sides: dict[str, dict], *, date: str, device: str, versions: str, command: str,
-                     setup: str) -> str:
+def markdown_section(sides: dict[str, dict], *, date: str, device: str, versions: str, command: str, setup: str) -> str:
     rows = figure_rows(sides)
-    lines = [f"### {date}: {device}", "", f"- command: `{command}`", f"- setup: {setup}", f"- versions: {versions}", "",
-             "| | " + " | ".join(COLUMN[side] for side in sides) + " |", "|---|" + "---:|" * len(sides)]
+    lines = [
+        f"### {date}: {device}",
+        "",
+        f"- command: `{command}`",
+        f"- setup: {setup}",
+        f"- versions: {versions}",
+        "",
+        "| | " + " | ".join(COLUMN[side] for side in sides) + " |",
+        "|---|" + "---:|" * len(sides),
+    ]
     lines += [f"| {label.strip()} | " + " | ".join(cells) + " |" for label, cells in rows]
     extra = comparison_lines(sides)
     return "\n".join(lines + ([""] + [f"{line}  " for line in extra] if extra else []) + [""])
@@ -161,14 +186,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launcher_argv(*, ranks: int, run_dir: Path, side: str, warmup: int, steps: int, out: Path,
-                  master_port: int) -> list[str]:
+def launcher_argv(
+    *, ranks: int, run_dir: Path, side: str, warmup: int, steps: int, out: Path, master_port: int
+) -> list[str]:
     """DeepSpeed's launcher on this machine's `ranks` devices, running the worker module for one side."""
     exe = shutil.which("deepspeed")
     launcher = [exe] if exe else [sys.executable, "-m", "deepspeed.launcher.runner"]
-    return [*launcher, "--num_gpus", str(ranks), "--master_port", str(master_port), "--module",
-            "dspipe.tools.bench_worker", "--run", str(run_dir), "--side", side, "--warmup", str(warmup), "--steps",
-            str(steps), "--out", str(out)]
+    return [
+        *launcher,
+        "--num_gpus",
+        str(ranks),
+        "--master_port",
+        str(master_port),
+        "--module",
+        "dspipe.tools.bench_worker",
+        "--run",
+        str(run_dir),
+        "--side",
+        side,
+        "--warmup",
+        str(warmup),
+        "--steps",
+        str(steps),
+        "--out",
+        str(out),
+    ]
 
 
 def cpu_threads(*, ranks: int, cpus: int | None = None, env: dict | None = None) -> int | None:
@@ -182,12 +224,14 @@ def cpu_threads(*, ranks: int, cpus: int | None = None, env: dict | None = None)
     return max(1, cpus // ranks)
 
 
-def run_side(*, ranks: int, run_dir: Path, side: str, warmup: int, steps: int, out: Path,
-             threads: int | None = None) -> list[dict]:
+def run_side(
+    *, ranks: int, run_dir: Path, side: str, warmup: int, steps: int, out: Path, threads: int | None = None
+) -> list[dict]:
     """Launch one side and return its ranks' results (one-line error when a rank fails). `threads`: set
     OMP_NUM_THREADS for the ranks (CPU runs)."""
-    argv = launcher_argv(ranks=ranks, run_dir=run_dir, side=side, warmup=warmup, steps=steps, out=out,
-                         master_port=free_port())
+    argv = launcher_argv(
+        ranks=ranks, run_dir=run_dir, side=side, warmup=warmup, steps=steps, out=out, master_port=free_port()
+    )
     root = str(Path(__file__).resolve().parents[2])  # the ranks import this dspipe, installed or not
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))}
     if threads:
@@ -199,6 +243,8 @@ def run_side(*, ranks: int, run_dir: Path, side: str, warmup: int, steps: int, o
     if r.returncode or len(results) != ranks:
         lines = [ln.strip() for ln in (r.stderr + r.stdout).splitlines() if ln.strip()]
         errors = [ln for ln in lines if "Error" in ln or "error:" in ln] or lines
-        raise SpecError(f"{side} ranks failed (exit {r.returncode}, {len(results)} of {ranks} results): "
-                        f"{errors[-1] if errors else 'no output'} (DSPIPE_VERBOSE=1 shows the whole output)")
+        raise SpecError(
+            f"{side} ranks failed (exit {r.returncode}, {len(results)} of {ranks} results): "
+            f"{errors[-1] if errors else 'no output'} (DSPIPE_VERBOSE=1 shows the whole output)"
+        )
     return [read_object(p) for p in results]

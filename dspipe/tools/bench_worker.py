@@ -8,6 +8,7 @@ the same parameter groups, autocast for bf16/fp16 plans, no DeepSpeed import at 
 around the same calls with the accelerator synchronized: forward, backward (which includes the gradient
 reduction on both sides) and the optimizer step. Each rank writes DIR/rankN.json; `dspipe.tools.bench` reads them.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,11 +55,13 @@ class Device:
     def sync(self) -> None:
         if self.cuda:
             import torch
+
             torch.cuda.synchronize(self.device)
 
     def name(self) -> str:
         if self.cuda:
             import torch
+
             return torch.cuda.get_device_name(self.device)
         return cpu_model()
 
@@ -68,8 +71,12 @@ class Device:
         if not self.cuda:
             return {"peak_allocated": None, "peak_reserved": None, "peak_rss": rss}
         import torch
-        return {"peak_allocated": torch.cuda.max_memory_allocated(self.device),
-                "peak_reserved": torch.cuda.max_memory_reserved(self.device), "peak_rss": rss}
+
+        return {
+            "peak_allocated": torch.cuda.max_memory_allocated(self.device),
+            "peak_reserved": torch.cuda.max_memory_reserved(self.device),
+            "peak_rss": rss,
+        }
 
 
 def cpu_model() -> str:
@@ -80,6 +87,7 @@ def cpu_model() -> str:
     except OSError:
         pass
     import platform
+
     return platform.processor() or "unknown CPU"
 
 
@@ -120,8 +128,18 @@ def _start_window(dev: Device) -> float:
     return time.perf_counter()
 
 
-def _loop(*, micro_step, optimizer_step, batches: list, grad_accum: int, warmup: int, steps: int, dev: Device,
-          timer: Timer, replicas: int) -> dict:
+def _loop(
+    *,
+    micro_step,
+    optimizer_step,
+    batches: list,
+    grad_accum: int,
+    warmup: int,
+    steps: int,
+    dev: Device,
+    timer: Timer,
+    replicas: int,
+) -> dict:
     """warmup + steps optimizer steps of grad_accum micro-batches; the first step's loss, the measured seconds."""
     import torch
 
@@ -155,8 +173,11 @@ def run_dspipe(run: Run, *, dev: Device, batches: list, warmup: int, steps: int)
     keys = ("zero_stage", "wrapper_optimizer", "base_optimizer", "grad_accum_dtype", "param_dtype", "backend")
     engine_info = {k: eng.settings[k] for k in keys}
     if isinstance(eng, PipelineEngine):
-        return {**_pipeline_loop(eng, dev=dev, batches=batches, warmup=warmup, steps=steps),
-                "phases": None, "engine": engine_info}
+        return {
+            **_pipeline_loop(eng, dev=dev, batches=batches, warmup=warmup, steps=steps),
+            "phases": None,
+            "engine": engine_info,
+        }
     engine = eng.engine
     timer = Timer(dev)
 
@@ -171,9 +192,17 @@ def run_dspipe(run: Run, *, dev: Device, batches: list, warmup: int, steps: int)
         return loss
 
     layout = run.plan.layout
-    result = _loop(micro_step=micro_step, optimizer_step=lambda: None, batches=batches,
-                   grad_accum=run.plan.grad_accum, warmup=warmup, steps=steps, dev=dev, timer=timer,
-                   replicas=layout.loss_holders)
+    result = _loop(
+        micro_step=micro_step,
+        optimizer_step=lambda: None,
+        batches=batches,
+        grad_accum=run.plan.grad_accum,
+        warmup=warmup,
+        steps=steps,
+        dev=dev,
+        timer=timer,
+        replicas=layout.loss_holders,
+    )
     return {**result, "phases": timer.totals, "engine": engine_info}
 
 
@@ -214,6 +243,7 @@ def run_reference(run: Run, *, dev: Device, batches: list, warmup: int, steps: i
     ddp = DDP(model, device_ids=[dev.device.index] if dev.cuda else None, gradient_as_bucket_view=True)
     if plan.loss_chunk:  # the same loss path: without the full logits (liger's kernel on CUDA where installed)
         from dspipe.runtime.parallelize import chunked_loss
+
         chunked_loss(model, chunk=plan.loss_chunk)
     if compile_:  # per block, as torchtitan compiles: one graph serves every block, the compile stays short
         for block in model.h:
@@ -228,6 +258,7 @@ def run_reference(run: Run, *, dev: Device, batches: list, warmup: int, steps: i
         from torch.utils.checkpoint import checkpoint
 
         from dspipe.runtime.parallelize import recompute
+
         recompute(model, mode=plan.checkpointing, checkpoint_fn=functools.partial(checkpoint, use_reentrant=False))
     timer = Timer(dev)
 
@@ -254,8 +285,17 @@ def run_reference(run: Run, *, dev: Device, batches: list, warmup: int, steps: i
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    result = _loop(micro_step=micro_step, optimizer_step=optimizer_step, batches=batches, grad_accum=plan.grad_accum,
-                   warmup=warmup, steps=steps, dev=dev, timer=timer, replicas=plan.world_size)  # DDP: pp = tp = sp = 1
+    result = _loop(
+        micro_step=micro_step,
+        optimizer_step=optimizer_step,
+        batches=batches,
+        grad_accum=plan.grad_accum,
+        warmup=warmup,
+        steps=steps,
+        dev=dev,
+        timer=timer,
+        replicas=plan.world_size,
+    )  # DDP: pp = tp = sp = 1
     return {**result, "phases": timer.totals}
 
 
@@ -283,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not os.environ.get("DSPIPE_VERBOSE"):
         import logging
+
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     import torch
     import torch.distributed as dist
@@ -293,9 +334,14 @@ def main(argv: list[str] | None = None) -> int:
     layout = run.plan.layout
     torch.manual_seed(run.train.seed + rank // layout.tp)  # dropout streams, as the runner seeds them
     # the batches of this rank's data-parallel replica: its tensor/sequence-parallel peers read the same ones
-    batches = synthetic_batches(vocab=run.model.vocab, seq_len=run.model.seq_len, micro_batch=run.plan.micro_batch,
-                                seed=run.train.seed, rank=layout.dp_rank(rank),
-                                count=(args.warmup + args.steps) * run.plan.grad_accum)
+    batches = synthetic_batches(
+        vocab=run.model.vocab,
+        seq_len=run.model.seq_len,
+        micro_batch=run.plan.micro_batch,
+        seed=run.train.seed,
+        rank=layout.dp_rank(rank),
+        count=(args.warmup + args.steps) * run.plan.grad_accum,
+    )
     steps = dict(dev=dev, batches=batches, warmup=args.warmup, steps=args.steps)
     if args.side == "dspipe":
         result = run_dspipe(run, **steps)

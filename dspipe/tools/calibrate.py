@@ -21,6 +21,7 @@ the host memcpy rate instead (reported as such; no pinned copy exists). CPU-Adam
 fp32 parameters per rank, all ranks at once (node rate = the sum), when the op builds or loads; else null, said.
 Optimizer step: torch.optim.AdamW (the engine's Adam without offload) on the rank's ZeRO shard size.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -32,13 +33,13 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from dspipe.cluster.doctor import versions
 from dspipe.errors import SpecError
 from dspipe.jsonio import read_object
-from dspipe.spec.profile import Profile
-from dspipe.spec.core import ModelSpec
 from dspipe.planner.throughput import model_flops_per_token
-from dspipe.cluster.doctor import versions
+from dspipe.spec.core import ModelSpec
 from dspipe.spec.kinds import Precision
+from dspipe.spec.profile import Profile
 
 MAX_WHOLE_PARAMS = 400_000_000
 """A model above this many parameters is timed at 1 and 2 blocks and extrapolated, not built whole."""
@@ -60,8 +61,9 @@ def _timed(fn, *, sync, repeats: int, warmup: int = 2, min_seconds: float = 0.0)
     return statistics.fmean(times) if min_seconds else statistics.median(times)
 
 
-def _step_seconds(model: ModelSpec, *, micro_batch: int, dtype, device, sync, repeats: int,
-                  min_seconds: float) -> float:
+def _step_seconds(
+    model: ModelSpec, *, micro_batch: int, dtype, device, sync, repeats: int, min_seconds: float
+) -> float:
     """Seconds of one forward + backward of `model` on a micro-batch (built whole, or extrapolated from 1 and 2
     blocks above MAX_WHOLE_PARAMS)."""
     import torch
@@ -76,6 +78,7 @@ def _step_seconds(model: ModelSpec, *, micro_batch: int, dtype, device, sync, re
         def step():
             net(idx[:, :-1], labels=idx[:, 1:]).backward()
             net.zero_grad(set_to_none=True)
+
         return _timed(step, sync=sync, repeats=repeats, min_seconds=min_seconds)
 
     if model.num_params <= MAX_WHOLE_PARAMS or model.layers <= 2:
@@ -108,6 +111,7 @@ def _matmul_tflops(model: ModelSpec, *, micro_batch: int, dtype, device, sync, r
             x @ w
             dy @ w.t()
             x.t() @ dy
+
         seconds += count * _timed(three, sync=sync, repeats=repeats)
         flops += count * 3 * 2 * tokens * k * n
     return flops / seconds / 1e12
@@ -190,17 +194,26 @@ def _worker(rank: int, world: int, cfg: dict) -> None:
     out = {}
     try:
         dist.barrier()  # every rank computes at once, as in a step
-        step = _step_seconds(model, micro_batch=cfg["micro_batch"], dtype=dtype, device=device, sync=sync,
-                             repeats=repeats, min_seconds=cfg["min_seconds"])
+        step = _step_seconds(
+            model,
+            micro_batch=cfg["micro_batch"],
+            dtype=dtype,
+            device=device,
+            sync=sync,
+            repeats=repeats,
+            min_seconds=cfg["min_seconds"],
+        )
         out["compute_tflops"] = cfg["micro_batch"] * model.seq_len * model_flops_per_token(model) / step / 1e12
         dist.barrier()
-        out["matmul_tflops"] = _matmul_tflops(model, micro_batch=cfg["micro_batch"], dtype=dtype, device=device,
-                                              sync=sync, repeats=repeats)
+        out["matmul_tflops"] = _matmul_tflops(
+            model, micro_batch=cfg["micro_batch"], dtype=dtype, device=device, sync=sync, repeats=repeats
+        )
         dist.barrier()
         if world > 1:
             nbytes = cfg["allreduce_mib"] * 2**20
-            out["allreduce_busbw_gbps"] = nbytes * 2 * (world - 1) / world / _allreduce(
-                nbytes, device=device, sync=sync, repeats=repeats) / 1e9
+            out["allreduce_busbw_gbps"] = (
+                nbytes * 2 * (world - 1) / world / _allreduce(nbytes, device=device, sync=sync, repeats=repeats) / 1e9
+            )
             out["allreduce_latency_s"] = _allreduce(4096, device=device, sync=sync, repeats=max(20, 4 * repeats))
         else:
             out["allreduce_busbw_gbps"] = out["allreduce_latency_s"] = None
@@ -243,9 +256,19 @@ def _gather(ranks: list[dict]) -> dict:
     return out
 
 
-def calibrate(*, model: ModelSpec, precision: str, micro_batch: int, ranks: int | None = None,
-              threads: int | None = None, repeats: int = 5, min_seconds: float = 5.0, allreduce_mib: int = 16,
-              cpu_adam: bool = True, say=print) -> Profile:
+def calibrate(
+    *,
+    model: ModelSpec,
+    precision: str,
+    micro_batch: int,
+    ranks: int | None = None,
+    threads: int | None = None,
+    repeats: int = 5,
+    min_seconds: float = 5.0,
+    allreduce_mib: int = 16,
+    cpu_adam: bool = True,
+    say=print,
+) -> Profile:
     """Measure this machine with `ranks` processes at once (default: every visible GPU, else 2 CPU ranks) and
     return its profile. `threads`: torch threads per rank (default: the cores shared out on a CPU machine);
     `min_seconds`: how long the forward + backward is timed at least (the mean over that window)."""
@@ -268,18 +291,33 @@ def calibrate(*, model: ModelSpec, precision: str, micro_batch: int, ranks: int 
     if threads is None and not cuda:
         threads = cpu_threads(ranks=ranks)
     with tempfile.TemporaryDirectory(prefix="dspipe-calibrate-") as tmp:
-        cfg = {"model": {k: getattr(model, k) for k in model.__dataclass_fields__}, "dtype": precision,
-               "micro_batch": micro_batch, "backend": "nccl" if cuda else "gloo", "threads": threads,
-               "port": free_port(), "out": tmp, "repeats": repeats, "min_seconds": min_seconds,
-               "allreduce_mib": allreduce_mib,
-               "cpu_adam": cpu_adam}
+        cfg = {
+            "model": {k: getattr(model, k) for k in model.__dataclass_fields__},
+            "dtype": precision,
+            "micro_batch": micro_batch,
+            "backend": "nccl" if cuda else "gloo",
+            "threads": threads,
+            "port": free_port(),
+            "out": tmp,
+            "repeats": repeats,
+            "min_seconds": min_seconds,
+            "allreduce_mib": allreduce_mib,
+            "cpu_adam": cpu_adam,
+        }
         mp.start_processes(_worker, args=(ranks, cfg), nprocs=ranks, join=True, start_method="spawn")
         results = [read_object(Path(tmp, f"rank{r}.json")) for r in range(ranks)]
     figures = _gather(results)
     note = results[0]["cpu_adam_note"]
     if figures["cpu_adam_params_per_s"] is None:
         say(f"note: {note}; the planner keeps the catalog's CPU-Adam rate")
-    return Profile(device=results[0]["device"], gpu=found.gpu.name, dtype=precision, ranks=ranks,
-                   threads_per_rank=results[0]["threads"],
-                   model=f"{model.shape_text} micro {micro_batch}",
-                   created=datetime.datetime.now().isoformat(timespec="seconds"), versions=versions(), **figures)
+    return Profile(
+        device=results[0]["device"],
+        gpu=found.gpu.name,
+        dtype=precision,
+        ranks=ranks,
+        threads_per_rank=results[0]["threads"],
+        model=f"{model.shape_text} micro {micro_batch}",
+        created=datetime.datetime.now().isoformat(timespec="seconds"),
+        versions=versions(),
+        **figures,
+    )

@@ -19,6 +19,7 @@ Where the weights come from, by layout:
                         along dim 1, vocabulary rows along dim 0; replicated tensors equal on every tp rank)
     experts (MoE)       the module weights in mp_rank_00_model_states.pt and the expert files
                         layer_L_expert_E_..., DeepSpeed's MoE names mapped back to the model's (_consolidate_experts)"""
+
 from __future__ import annotations
 
 import contextlib
@@ -26,12 +27,13 @@ import io
 import sys
 from pathlib import Path
 
-from dspipe.runtime.ckpt_meta import CheckpointMeta
-from dspipe.runtime.ckptfiles import LAYER_FILE, OPTIM_FILE  # the checkpoint's file names, defined once
 from dspipe.errors import SpecError
 from dspipe.log import get_logger
+from dspipe.model.names import layer_prefix as _layer_prefix
+from dspipe.model.names import pipeline_gpt_name as _pipeline_name
+from dspipe.runtime.ckpt_meta import CheckpointMeta
+from dspipe.runtime.ckptfiles import LAYER_FILE, OPTIM_FILE  # the checkpoint's file names, defined once
 from dspipe.spec.core import ModelSpec
-from dspipe.model.names import layer_prefix as _layer_prefix, pipeline_gpt_name as _pipeline_name
 
 
 def model_spec(meta: CheckpointMeta) -> ModelSpec:
@@ -40,6 +42,7 @@ def model_spec(meta: CheckpointMeta) -> ModelSpec:
 
 
 # ---- consolidation ------------------------------------------------------------------------------------------------
+
 
 def _quiet():
     """DeepSpeed's zero_to_fp32 prints its progress (and tqdm bars); keep the console for what dspipe prints."""
@@ -89,10 +92,16 @@ def _master_from_zero_files(*, model_file: Path, optim_files: list[Path], checkp
     from deepspeed.utils import zero_to_fp32 as z
 
     sd = _load(model_file)  # a pipeline stage's model states: no module (the layer files hold it), no buffers
-    states = [z.zero_model_state(buffers={}, param_shapes=sd["param_shapes"],
-                                 shared_params=[[k, v] for k, v in sd["shared_params"].items()],
-                                 ds_version=sd.get("ds_version"), frozen_param_shapes=sd.get("frozen_param_shapes"),
-                                 frozen_param_fragments=sd.get("frozen_param_fragments"))]
+    states = [
+        z.zero_model_state(
+            buffers={},
+            param_shapes=sd["param_shapes"],
+            shared_params=[[k, v] for k, v in sd["shared_params"].items()],
+            ds_version=sd.get("ds_version"),
+            frozen_param_shapes=sd.get("frozen_param_shapes"),
+            frozen_param_fragments=sd.get("frozen_param_fragments"),
+        )
+    ]
     with _quiet():
         stage, world, groups, paddings = z.parse_optim_states([str(p) for p in optim_files], str(checkpoint))
         if stage <= 2:
@@ -105,15 +114,17 @@ def _master_from_zero_files(*, model_file: Path, optim_files: list[Path], checkp
 def _master_from_bf16_optimizer(optim_files: list[Path]) -> dict:
     """BF16_Optimizer (bf16 + ZeRO-1): each rank's fp32 partition per group, and where each parameter's fragment
     lies in it (param_slice_mappings: name -> (numel, start)); a parameter is its fragments in rank order."""
-    from deepspeed.checkpoint.constants import (OPTIMIZER_STATE_DICT, PARAM_SLICE_MAPPINGS,
-                                                SINGLE_PARTITION_OF_FP32_GROUPS)
     import torch
+    from deepspeed.checkpoint.constants import (
+        OPTIMIZER_STATE_DICT,
+        PARAM_SLICE_MAPPINGS,
+        SINGLE_PARTITION_OF_FP32_GROUPS,
+    )
 
     pieces: dict[str, list] = {}
     for f in optim_files:
         state = _load(f)[OPTIMIZER_STATE_DICT]
-        for flat, mapping in zip(state[SINGLE_PARTITION_OF_FP32_GROUPS], state[PARAM_SLICE_MAPPINGS],
-                               strict=True):
+        for flat, mapping in zip(state[SINGLE_PARTITION_OF_FP32_GROUPS], state[PARAM_SLICE_MAPPINGS], strict=True):
             for name, frag in mapping.items():
                 pieces.setdefault(name, []).append(flat.narrow(0, frag.start, frag.numel).float())
     return {name: torch.cat(parts) for name, parts in pieces.items()}  # flat; reshaped against the module weights
@@ -139,8 +150,9 @@ def _master_from_fp16_optimizer(checkpoint: Path, *, name: str = "mp_rank_00_mod
             out[n] = flat.narrow(0, offset, module[n].numel()).view(module[n].shape)
             offset += module[n].numel()
         if offset != flat.numel():
-            raise SpecError(f"checkpoint {checkpoint}: the fp32 copy holds {flat.numel()} values for parameters "
-                            f"of {offset}")
+            raise SpecError(
+                f"checkpoint {checkpoint}: the fp32 copy holds {flat.numel()} values for parameters of {offset}"
+            )
     return out
 
 
@@ -155,11 +167,13 @@ def _master(checkpoint: Path, *, pp: int, model_file_for_stage) -> dict:
         probe = _load(files[0], mmap=True)[OPTIMIZER_STATE_DICT]  # mapped: only its keys are read
         if ZERO_STAGE in probe and pp == 1:
             from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
             with _quiet():
                 part = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint.parent), tag=checkpoint.name)
         elif ZERO_STAGE in probe:
-            part = _master_from_zero_files(model_file=model_file_for_stage(stage), optim_files=files,
-                                           checkpoint=checkpoint)
+            part = _master_from_zero_files(
+                model_file=model_file_for_stage(stage), optim_files=files, checkpoint=checkpoint
+            )
         else:
             part = _master_from_bf16_optimizer(files)
         for name, t in part.items():
@@ -170,8 +184,11 @@ def _master(checkpoint: Path, *, pp: int, model_file_for_stage) -> dict:
 def _module_weights(checkpoint: Path, *, pp: int, layers: int) -> dict:
     """The module's own weights (bf16 in bf16 runs; empty placeholders under ZeRO-3), GPT names."""
     if pp == 1:
-        sd = _load(checkpoint / "mp_rank_00_model_states.pt") if (checkpoint / "mp_rank_00_model_states.pt").is_file() \
+        sd = (
+            _load(checkpoint / "mp_rank_00_model_states.pt")
+            if (checkpoint / "mp_rank_00_model_states.pt").is_file()
             else {}
+        )
         return dict(sd.get("module") or {})
     out = {}
     for p in sorted(checkpoint.iterdir()):
@@ -207,8 +224,9 @@ def _consolidate(checkpoint: Path, *, meta: CheckpointMeta) -> dict:
     try:
         raw = _master(checkpoint, pp=pp, model_file_for_stage=model_file)
     except MERGE_ERRORS as e:
-        raise SpecError(f"checkpoint {checkpoint}: cannot merge the fp32 master weights: "
-                        f"{' '.join(str(e).split())[:300]}") from None
+        raise SpecError(
+            f"checkpoint {checkpoint}: cannot merge the fp32 master weights: {' '.join(str(e).split())[:300]}"
+        ) from None
     master = {(name if pp == 1 else _pipeline_name(name, layers=spec.layers)): t for name, t in raw.items()}
     out = _prefer_master(module=module, master=master, checkpoint=checkpoint)
     if spec.tied_embeddings:
@@ -240,11 +258,15 @@ def _prefer_master(*, module: dict, master: dict, checkpoint: Path) -> dict:
     import torch
 
     if not master and not module:
-        raise SpecError(f"checkpoint {checkpoint} holds no model weights (no mp_rank_00_model_states.pt, layer_*, "
-                        f"or *_optim_states.pt files)")
+        raise SpecError(
+            f"checkpoint {checkpoint} holds no model weights (no mp_rank_00_model_states.pt, layer_*, "
+            f"or *_optim_states.pt files)"
+        )
     if not master and any(t.dtype != torch.float32 for t in module.values()):
-        get_logger(__name__).info(f"note: {checkpoint} has no fp32 master weights; using its "
-                                  f"{next(iter(module.values())).dtype} module weights")
+        get_logger(__name__).info(
+            f"note: {checkpoint} has no fp32 master weights; using its "
+            f"{next(iter(module.values())).dtype} module weights"
+        )
     out = {}
     for name in sorted(set(module) | set(master)):
         t = master.get(name)
@@ -269,8 +291,10 @@ def _consolidate_tensor_parallel(checkpoint: Path, *, meta: CheckpointMeta, spec
     names = set(ranks[0])
     for r, state in enumerate(ranks[1:], start=1):
         if set(state) != names:
-            raise SpecError(f"checkpoint {checkpoint}: tp rank {r} holds other parameters than tp rank 0: "
-                            f"{sorted(set(state) ^ names)[:3]}")
+            raise SpecError(
+                f"checkpoint {checkpoint}: tp rank {r} holds other parameters than tp rank 0: "
+                f"{sorted(set(state) ^ names)[:3]}"
+            )
     try:
         out = {name: merge_shards(name, [state[name] for state in ranks], spec) for name in sorted(names)}
     except (ValueError, RuntimeError) as e:
@@ -310,8 +334,10 @@ def _tp_rank_weights(checkpoint: Path, *, rank: int, tp: int, pp: int, spec: Mod
             for name, t in part.items():  # a tied embedding is on the first and the last stage: equal copies
                 master.setdefault(name if pp == 1 else _pipeline_name(name, layers=spec.layers), t)
     except MERGE_ERRORS as e:
-        raise SpecError(f"checkpoint {checkpoint}: cannot merge tp rank {rank}'s fp32 master weights: "
-                        f"{' '.join(str(e).split())[:300]}") from None
+        raise SpecError(
+            f"checkpoint {checkpoint}: cannot merge tp rank {rank}'s fp32 master weights: "
+            f"{' '.join(str(e).split())[:300]}"
+        ) from None
     return _prefer_master(module=module, master=master, checkpoint=checkpoint)
 
 
@@ -329,5 +355,6 @@ def _load_strict(model, state: dict, source) -> None:
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as e:
-        raise SpecError(f"checkpoint {source} does not match its model shape: {' '.join(str(e).split())[:300]}") \
-            from None
+        raise SpecError(
+            f"checkpoint {source} does not match its model shape: {' '.join(str(e).split())[:300]}"
+        ) from None

@@ -3,38 +3,42 @@ LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM or MistralForCausalLM: the 
 dspipe.model.hf_arch.architecture_of); the weights: dspipe.tools.consolidate.
 
 Nothing is written until the whole export is complete: a sibling temp directory renamed into place."""
+
 from __future__ import annotations
 
 from pathlib import Path
 
-from dspipe.runtime import ckpt_meta, ckpt_tags
 from dspipe import outputs
 from dspipe.atomic import staged_dir
 from dspipe.errors import SpecError
-from dspipe.log import get_logger
 from dspipe.jsonio import read_object
-from dspipe.rundir import DS_CONFIG_FILE
+from dspipe.log import get_logger
 from dspipe.model.hf_arch import architecture_of  # the architectures
 from dspipe.model.hf_state import hf_model
+from dspipe.rundir import DS_CONFIG_FILE
+from dspipe.runtime import ckpt_meta, ckpt_tags
 from dspipe.tools.consolidate import consolidate, model_spec
 
-
 # ---- which checkpoint ---------------------------------------------------------------------------------------------
+
 
 def resolve_checkpoint(path: str | Path) -> Path:
     """A complete checkpoint directory, or a run directory meaning its newest complete checkpoint."""
     path = Path(path)
     if not path.exists():
-        raise SpecError(f"{path} does not exist (give a checkpoint runs/NAME/checkpoints/global_stepN or a run "
-                        f"directory runs/NAME)")
+        raise SpecError(
+            f"{path} does not exist (give a checkpoint runs/NAME/checkpoints/global_stepN or a run directory runs/NAME)"
+        )
     if (path / DS_CONFIG_FILE).is_file():  # a run directory: dspipe.json + ds_config.json
         from dspipe.rundir import load_run
 
         ckpt_dir = load_run(path).checkpoint_dir  # validated like every run directory dspipe reads
         latest = ckpt_dir / ckpt_tags.LATEST_FILE
         if latest.is_file() and not ckpt_tags.is_complete(ckpt_dir / ckpt_tags.read_latest(ckpt_dir)):
-            raise SpecError(f"{latest} names {ckpt_tags.read_latest(ckpt_dir)!r}, which is missing or incomplete; "
-                            f"give a complete checkpoint under {ckpt_dir}")
+            raise SpecError(
+                f"{latest} names {ckpt_tags.read_latest(ckpt_dir)!r}, which is missing or incomplete; "
+                f"give a complete checkpoint under {ckpt_dir}"
+            )
         found = ckpt_tags.complete_checkpoints(ckpt_dir)
         if not found:
             raise SpecError(f"run {path} has no complete checkpoint under {ckpt_dir}")
@@ -44,11 +48,12 @@ def resolve_checkpoint(path: str | Path) -> Path:
     if ckpt_tags.is_complete(path):
         return path
     if path.name.startswith(ckpt_tags.PARTIAL_PREFIX) or any(path.glob("*model_states.pt")):
-        raise SpecError(f"checkpoint {path} is incomplete (no {ckpt_tags.META_FILE}: its save was interrupted); "
-                        f"use a complete one")
-    raise SpecError(f"{path} is neither a dspipe checkpoint (no {ckpt_tags.META_FILE}) nor a run directory "
-                    f"(no {DS_CONFIG_FILE})")
-
+        raise SpecError(
+            f"checkpoint {path} is incomplete (no {ckpt_tags.META_FILE}: its save was interrupted); use a complete one"
+        )
+    raise SpecError(
+        f"{path} is neither a dspipe checkpoint (no {ckpt_tags.META_FILE}) nor a run directory (no {DS_CONFIG_FILE})"
+    )
 
 
 def tokenizer_dir(checkpoint: Path) -> Path:
@@ -58,14 +63,18 @@ def tokenizer_dir(checkpoint: Path) -> Path:
 
     run_dir = Path(checkpoint).resolve().parent.parent
     if not (run_dir / DS_CONFIG_FILE).is_file():
-        raise SpecError(f"cannot find the tokenizer of checkpoint {checkpoint}: {run_dir} is not its run directory "
-                        f"(the run's dspipe.json names the data directory holding the tokenizer)")
+        raise SpecError(
+            f"cannot find the tokenizer of checkpoint {checkpoint}: {run_dir} is not its run directory "
+            f"(the run's dspipe.json names the data directory holding the tokenizer)"
+        )
     data = load_run(run_dir).data
     kept = run_dir / "tokenizer"  # a Megatron prefix's, copied by gen-config (cli.app.keep_tokenizer)
     tok = kept if (kept / "tokenizer.json").is_file() else data_tokenizer_dir(data)  # a blend's sources share one
     if not (tok / "tokenizer.json").is_file() and not (tok / "tokenizer_config.json").is_file():
-        raise SpecError(f"tokenizer not found: {tok} (the data directory of run {run_dir} is {data}); "
-                        f"prepare it again with 'dspipe prepare-data --out {data}'")
+        raise SpecError(
+            f"tokenizer not found: {tok} (the data directory of run {run_dir} is {data}); "
+            f"prepare it again with 'dspipe prepare-data --out {data}'"
+        )
     return tok
 
 
@@ -80,8 +89,10 @@ def load_tokenizer(path: Path):
 
     quiet_transformers()
     if not any((Path(path) / name).is_file() for name in VOCABULARY_FILES):
-        raise SpecError(f"{path} holds no tokenizer (none of {', '.join(VOCABULARY_FILES)}); a directory written by "
-                        f"export-hf has its tokenizer.json: export it again")
+        raise SpecError(
+            f"{path} holds no tokenizer (none of {', '.join(VOCABULARY_FILES)}); a directory written by "
+            f"export-hf has its tokenizer.json: export it again"
+        )
     for name in ("tokenizer_config.json", "special_tokens_map.json", "config.json"):
         if (Path(path) / name).is_file():
             read_object(Path(path) / name)  # one line naming the file, not transformers' traceback
@@ -129,9 +140,11 @@ def auto_tokenizer_note(directory: Path, tokenizer) -> str | None:
     ours = tokenizer.encode(PROBE_TEXT, add_special_tokens=False)
     if auto.encode(PROBE_TEXT, add_special_tokens=False) == ours:
         return None
-    return (f"note: transformers' AutoTokenizer loads {directory}'s tokenizer as {type(auto).__name__} (its choice "
-            f"for this model type), which splits text differently from the run's tokenizer saved there; load it with "
-            f"PreTrainedTokenizerFast.from_pretrained (dspipe generate does)")
+    return (
+        f"note: transformers' AutoTokenizer loads {directory}'s tokenizer as {type(auto).__name__} (its choice "
+        f"for this model type), which splits text differently from the run's tokenizer saved there; load it with "
+        f"PreTrainedTokenizerFast.from_pretrained (dspipe generate does)"
+    )
 
 
 def quiet_transformers() -> None:
@@ -142,6 +155,7 @@ def quiet_transformers() -> None:
 
 
 # ---- Hugging Face ------------------------------------------------------------------------------------------------
+
 
 def export_hf(*, source: str | Path, out: str | Path, force: bool = False) -> Path:
     """Write the Hugging Face directory (safetensors) of the class that computes the model, with the run's tokenizer;
@@ -156,8 +170,13 @@ def export_hf(*, source: str | Path, out: str | Path, force: bool = False) -> Pa
     architecture_of(spec)  # a model no supported architecture computes: refused before the weights are merged
     if len(tokenizer) > spec.vocab:
         raise SpecError(f"tokenizer {tok_dir} has {len(tokenizer)} tokens, more than the model's vocab {spec.vocab}")
-    model = hf_model(consolidate(checkpoint, meta=meta), spec, eos_id=tokenizer.eos_token_id,
-                     bos_id=tokenizer.bos_token_id, source=checkpoint)
+    model = hf_model(
+        consolidate(checkpoint, meta=meta),
+        spec,
+        eos_id=tokenizer.eos_token_id,
+        bos_id=tokenizer.bos_token_id,
+        source=checkpoint,
+    )
     with outputs.writing(out), staged_dir(out) as tmp:
         model.save_pretrained(str(tmp), safe_serialization=True)
         tokenizer.save_pretrained(str(tmp))

@@ -1,5 +1,6 @@
 """Text from a trained model: one sampling loop, fed by a dspipe checkpoint (its weights consolidated into dspipe's
 GPT, the tokenizer from the run's data) or by an exported Hugging Face directory (AutoModelForCausalLM)."""
+
 from __future__ import annotations
 
 import math
@@ -26,8 +27,10 @@ class Sampling:
         t = self.temperature
         finite = not isinstance(t, bool) and isinstance(t, (int, float)) and math.isfinite(t)
         if not (finite and 0 <= t <= MAX_TEMPERATURE):
-            raise SpecError(f"--temperature must be >= 0 (0 = greedy), got {str(t)[:40]} "
-                            f"(allowed: finite, [0, {MAX_TEMPERATURE:g}])")
+            raise SpecError(
+                f"--temperature must be >= 0 (0 = greedy), got {str(t)[:40]} "
+                f"(allowed: finite, [0, {MAX_TEMPERATURE:g}])"
+            )
         _whole("--top-k", self.top_k, low=0, high=2**31 - 1, rule="must be >= 0 (0 = no limit)")
         _whole("--seed", self.seed, low=0, high=2**63 - 1, rule="must be >= 0")
 
@@ -61,8 +64,10 @@ def next_token(logits, *, sampling: Sampling, generator) -> int:
 
     if not bool(torch.isfinite(logits).all()):
         bad = int((~torch.isfinite(logits)).sum())
-        raise SpecError(f"the model computed {bad} non-finite logits (NaN or infinite) of {logits.numel()}: its "
-                        f"weights are damaged or overflow; nothing can be sampled")
+        raise SpecError(
+            f"the model computed {bad} non-finite logits (NaN or infinite) of {logits.numel()}: its "
+            f"weights are damaged or overflow; nothing can be sampled"
+        )
     if sampling.temperature == 0:
         return int(torch.argmax(logits))
     logits = logits.double()
@@ -87,7 +92,7 @@ def sample(model: Model, prompt_ids: list[int], *, sampling: Sampling) -> list[i
     new: list[int] = []
     with torch.inference_mode():
         for _ in range(sampling.max_tokens):
-            window = torch.tensor([ids[-model.context:]], dtype=torch.long)
+            window = torch.tensor([ids[-model.context :]], dtype=torch.long)
             logits = model.logits(window)[0, -1, :vocab].float()
             token = next_token(logits, sampling=sampling, generator=generator)
             if token == eos:
@@ -133,8 +138,7 @@ def hf_context(path: Path) -> int:
     source = path / HF_CONFIG
     config = read_object(source)
     if not isinstance(config.get("model_type"), str):
-        raise SpecError(f"{source}: model_type must name a transformers model, got "
-                        f"{show(config.get('model_type'))}")
+        raise SpecError(f"{source}: model_type must name a transformers model, got {show(config.get('model_type'))}")
     key = "n_positions" if "n_positions" in config else "max_position_embeddings"
     value = config.get(key)
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 2**24:
@@ -160,8 +164,10 @@ def check_prompt(prompt: str) -> str:
     try:
         prompt.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise SpecError(f"--prompt holds bytes that are not UTF-8 text (at character {e.start + 1}: "
-                        f"{ascii(prompt[e.start:e.end])}); give the prompt as UTF-8") from None
+        raise SpecError(
+            f"--prompt holds bytes that are not UTF-8 text (at character {e.start + 1}: "
+            f"{ascii(prompt[e.start : e.end])}); give the prompt as UTF-8"
+        ) from None
     return prompt
 
 

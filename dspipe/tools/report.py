@@ -8,6 +8,7 @@ largest
 mem_allocated_gib (a peak since start on rank 0). Plots go through matplotlib's Figure API (Agg canvas, no pyplot,
 no display). The report directory is written beside its destination, then renamed into place. Imports no torch.
 """
+
 from __future__ import annotations
 
 import csv
@@ -21,11 +22,11 @@ from dspipe import outputs
 from dspipe.atomic import staged_dir
 from dspipe.errors import SpecError, cannot_read
 from dspipe.jsonio import read_object
-from dspipe.spec.hardware import GIB
 from dspipe.planner.throughput import STEP_COLUMNS, VAL_COLUMNS, perplexity
-from dspipe.rundir import ENGINE_FILE, VAL_FILE, Run, load_engine, load_run
 from dspipe.run_estimate import RunEstimate
+from dspipe.rundir import ENGINE_FILE, VAL_FILE, Run, load_engine, load_run
 from dspipe.runtime.engine_file import StartupRecord
+from dspipe.spec.hardware import GIB
 
 MIB = 1024**2
 WARMUP_STEPS = 3
@@ -64,8 +65,9 @@ class Measured:
 
 
 _INT = re.compile(r"[0-9]{1,18}", re.ASCII)
-_FLOAT = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?|[+-]?(nan|inf|infinity)",
-                    re.ASCII | re.IGNORECASE)
+_FLOAT = re.compile(
+    r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?|[+-]?(nan|inf|infinity)", re.ASCII | re.IGNORECASE
+)
 NON_FINITE_OK = {"loss", "grad_norm", "val_loss", "val_ppl"}
 """Columns where NaN/inf are real measurements (a skipped non-finite step, a diverged run); elsewhere they are
 damage."""
@@ -97,8 +99,7 @@ def read_csv(path: Path, *, columns: tuple[str, ...], required: tuple[str, ...])
             header = reader.fieldnames or []
             missing = [c for c in required if c not in header]
             if header and missing:
-                raise SpecError(f"{path}: no column {', '.join(missing)} in the header "
-                                f"(expected {','.join(columns)})")
+                raise SpecError(f"{path}: no column {', '.join(missing)} in the header (expected {','.join(columns)})")
             raw = [(reader.line_num, row) for row in reader]
     except (UnicodeDecodeError, csv.Error) as e:
         raise SpecError(f"{path} is not a readable CSV file: {' '.join(str(e).split())}") from None
@@ -121,8 +122,10 @@ def read_metrics(run: Run) -> tuple[list[dict], list[dict]]:
     """(step rows, validation rows); one-line errors when there is nothing to report yet."""
     path = run.metrics_path
     if not path.is_file():
-        raise SpecError(f"{path} does not exist: no step of {run.path} has finished yet "
-                        f"(start it with 'deepspeed run.py --run {run.path}')")
+        raise SpecError(
+            f"{path} does not exist: no step of {run.path} has finished yet "
+            f"(start it with 'deepspeed run.py --run {run.path}')"
+        )
     steps = read_csv(path, columns=STEP_COLUMNS, required=("step", "loss"))
     if not steps:
         raise SpecError(f"{path} has no rows: no step of {run.path} has finished yet")
@@ -156,17 +159,27 @@ def measure(steps: list[dict], val: list[dict]) -> Measured:
     allocated, reserved = _values(steps, "mem_allocated_gib"), _values(steps, "mem_reserved_gib")
     finite_val = [r for r in val if math.isfinite(r["val_loss"])]
     return Measured(
-        first_step=steps[0]["step"], last_step=steps[-1]["step"], rows=len(steps), tokens=steps[-1]["tokens"],
-        warmup=warmup, steady_from=steady[0]["step"],
-        final_loss=statistics.fmean(losses) if losses else float("nan"), final_window=len(last),
-        skipped=sum(r["skipped"] or 0 for r in steps), tokens_per_s=_median(steady, "tokens_per_s"),
-        mfu=_median(steady, "mfu"), step_time_s=_median(steady, "step_time_s"),
-        mem_allocated_gib=max(allocated) if allocated else None, mem_reserved_gib=max(reserved) if reserved else None,
+        first_step=steps[0]["step"],
+        last_step=steps[-1]["step"],
+        rows=len(steps),
+        tokens=steps[-1]["tokens"],
+        warmup=warmup,
+        steady_from=steady[0]["step"],
+        final_loss=statistics.fmean(losses) if losses else float("nan"),
+        final_window=len(last),
+        skipped=sum(r["skipped"] or 0 for r in steps),
+        tokens_per_s=_median(steady, "tokens_per_s"),
+        mfu=_median(steady, "mfu"),
+        step_time_s=_median(steady, "step_time_s"),
+        mem_allocated_gib=max(allocated) if allocated else None,
+        mem_reserved_gib=max(reserved) if reserved else None,
         best_val=min(finite_val, key=lambda r: r["val_loss"]) if finite_val else None,
-        final_val=val[-1] if val else None)
+        final_val=val[-1] if val else None,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------- start-up
+
 
 @dataclass(frozen=True)
 class Startup:
@@ -202,15 +215,18 @@ class Startup:
 
     def line(self) -> str:
         """One line for the console."""
-        plan_host = ("" if self.predicted_host_per_rank_mib is None
-                     else f"; plan {self.predicted_host_per_rank_mib:,.1f} MiB")
+        plan_host = (
+            "" if self.predicted_host_per_rank_mib is None else f"; plan {self.predicted_host_per_rank_mib:,.1f} MiB"
+        )
         plan_s = "" if self.predicted_seconds is None else f" (plan {self.predicted_seconds:,.4g} s)"
         if not self.recorded:
             return f"start-up: not recorded{f' ({self.note})' if self.note else ''}"
-        return (f"start-up: worst rank {self.worst_rank} peak RSS {self.peak_rss_mib:,.1f} MiB "
-                f"(+{self.growth_mib:,.1f} over the {self.before_build_mib:,.1f} before the build{plan_host}), first "
-                f"step after "
-                f"{self.seconds_to_first_step:,.4g} s{plan_s}")
+        return (
+            f"start-up: worst rank {self.worst_rank} peak RSS {self.peak_rss_mib:,.1f} MiB "
+            f"(+{self.growth_mib:,.1f} over the {self.before_build_mib:,.1f} before the build{plan_host}), first "
+            f"step after "
+            f"{self.seconds_to_first_step:,.4g} s{plan_s}"
+        )
 
 
 def _number(value) -> bool:
@@ -223,9 +239,11 @@ def _predicted(estimate: RunEstimate) -> dict:
     if pred is None:
         return {}
     host, seconds, mode = pred.get("host_per_rank_bytes"), pred.get("seconds"), pred.get("mode")
-    return {"predicted_mode": mode if isinstance(mode, str) else None,
-            "predicted_host_per_rank_mib": host / MIB if _number(host) else None,
-            "predicted_seconds": float(seconds) if _number(seconds) else None}
+    return {
+        "predicted_mode": mode if isinstance(mode, str) else None,
+        "predicted_host_per_rank_mib": host / MIB if _number(host) else None,
+        "predicted_seconds": float(seconds) if _number(seconds) else None,
+    }
 
 
 def read_startup(engine: dict | None, estimate: RunEstimate) -> Startup:
@@ -241,40 +259,53 @@ def read_startup(engine: dict | None, estimate: RunEstimate) -> Startup:
     if record is None:
         return Startup(note="engine.json has no startup figures: its runner predates them", **pred)
     worst = record.worst_rank
-    return Startup(mode=record.mode, ranks=record.ranks, worst_rank=worst,
-                   peak_rss_mib=float(record.peak_rss_mib[worst]),
-                   before_build_mib=float(record.rss_before_build_mib[worst]),
-                   build_rss_mib=float(record.build_rss_mib[worst]),
-                   seconds_to_first_step=float(max(record.seconds_to_first_step)),
-                   seconds_build=float(max(record.seconds_build)), **pred)
+    return Startup(
+        mode=record.mode,
+        ranks=record.ranks,
+        worst_rank=worst,
+        peak_rss_mib=float(record.peak_rss_mib[worst]),
+        before_build_mib=float(record.rss_before_build_mib[worst]),
+        build_rss_mib=float(record.build_rss_mib[worst]),
+        seconds_to_first_step=float(max(record.seconds_to_first_step)),
+        seconds_build=float(max(record.seconds_build)),
+        **pred,
+    )
 
 
 def startup_markdown(s: Startup) -> tuple[list[str], list[str]]:
     """(rows of the plan-vs-measured table, notes below it) for the start-up."""
     plan_mode = f" ({s.predicted_mode} build)" if s.predicted_mode else ""
     if s.recorded:
-        host = (f"worst rank {s.worst_rank} of {s.ranks}: peak {s.peak_rss_mib:,.1f}, +{s.growth_mib:,.1f} over the "
-                f"{s.before_build_mib:,.1f} before the build (after the build {s.build_rss_mib:,.1f})")
+        host = (
+            f"worst rank {s.worst_rank} of {s.ranks}: peak {s.peak_rss_mib:,.1f}, +{s.growth_mib:,.1f} over the "
+            f"{s.before_build_mib:,.1f} before the build (after the build {s.build_rss_mib:,.1f})"
+        )
         seconds = f"{s.seconds_to_first_step:.4g} (slowest rank; module build {s.seconds_build:.4g})"
     else:
         host = seconds = "not recorded"
-    rows = [f"| start-up host RAM per rank (MiB) | {_or_na(s.predicted_host_per_rank_mib, ',.1f')}{plan_mode} | "
-            f"{host} | {_ratio(s.growth_mib, s.predicted_host_per_rank_mib)} (growth) |",
-            f"| time to first step (s) | {_or_na(s.predicted_seconds, '.4g')} | {seconds} | "
-            f"{_ratio(s.seconds_to_first_step, s.predicted_seconds)} |"]
+    rows = [
+        f"| start-up host RAM per rank (MiB) | {_or_na(s.predicted_host_per_rank_mib, ',.1f')}{plan_mode} | "
+        f"{host} | {_ratio(s.growth_mib, s.predicted_host_per_rank_mib)} (growth) |",
+        f"| time to first step (s) | {_or_na(s.predicted_seconds, '.4g')} | {seconds} | "
+        f"{_ratio(s.seconds_to_first_step, s.predicted_seconds)} |",
+    ]
     notes = []
     if not s.recorded:
         notes.append(f"Start-up: not recorded ({s.note})." if s.note else "Start-up: not recorded.")
     else:
-        notes.append("Start-up: the plan counts what the build (and the offload) hold on the host, not the process "
-                     "itself (Python, torch, DeepSpeed: the RSS before the build), so its ratio is the growth's; the "
-                     "measured time to the first step includes the process start and deepspeed.initialize, which "
-                     "the plan leaves out.")
+        notes.append(
+            "Start-up: the plan counts what the build (and the offload) hold on the host, not the process "
+            "itself (Python, torch, DeepSpeed: the RSS before the build), so its ratio is the growth's; the "
+            "measured time to the first step includes the process start and deepspeed.initialize, which "
+            "the plan leaves out."
+        )
         if s.predicted_mode and s.mode != s.predicted_mode:
             notes.append(f"The engine built its model as `{s.mode}`, the plan predicted `{s.predicted_mode}`.")
     if s.predicted_host_per_rank_mib is None:
-        notes.append("The plan in dspipe.json has no start-up prediction (written before it; 'dspipe gen-config "
-                     "--force' adds it).")
+        notes.append(
+            "The plan in dspipe.json has no start-up prediction (written before it; 'dspipe gen-config "
+            "--force' adds it)."
+        )
     return rows, notes
 
 
@@ -295,8 +326,14 @@ def plot_loss(steps: list[dict], val: list[dict], path: Path) -> None:
     train = [r for r in steps if r["loss"] is not None and math.isfinite(r["loss"])]
     ax.plot([r["tokens"] for r in train], [r["loss"] for r in train], lw=1, color="tab:blue", label="train loss")
     if val:
-        ax.plot([r["tokens"] for r in val], [r["val_loss"] for r in val], "o-", ms=4, color="tab:orange",
-                label="validation loss")
+        ax.plot(
+            [r["tokens"] for r in val],
+            [r["val_loss"] for r in val],
+            "o-",
+            ms=4,
+            color="tab:orange",
+            label="validation loss",
+        )
     ax.xaxis.set_major_formatter(EngFormatter())
     ax.set(xlabel="tokens trained", ylabel="loss (nats/token)", title="Loss vs. tokens")
     ax.grid(alpha=0.3)
@@ -311,8 +348,9 @@ def plot_throughput(steps: list[dict], measured: Measured, predicted: float | No
     rows = [r for r in steps if r["tokens_per_s"] is not None]
     ax.plot([r["step"] for r in rows], [r["tokens_per_s"] for r in rows], lw=1, color="tab:blue", label="tokens/s")
     if measured.tokens_per_s is not None:
-        ax.axhline(measured.tokens_per_s, ls=":", color="tab:blue",
-                   label=f"median after warm-up {measured.tokens_per_s:,.0f}")
+        ax.axhline(
+            measured.tokens_per_s, ls=":", color="tab:blue", label=f"median after warm-up {measured.tokens_per_s:,.0f}"
+        )
     title = "Throughput"
     if predicted is not None:
         top = max((r["tokens_per_s"] for r in rows), default=0.0)
@@ -379,8 +417,10 @@ def checkpoint_rows(run: Run, *, estimate: RunEstimate) -> list[str]:
     dspipe.planner.checkpoint_size for a run directory written before the estimate held it)."""
     from dspipe.planner.checkpoint_size import checkpoint_size
 
-    planned = estimate.checkpoint or checkpoint_size(model=run.model, plan=run.plan,
-                                                            ranks_per_node=run.cluster.gpus_per_node).to_dict()
+    planned = (
+        estimate.checkpoint
+        or checkpoint_size(model=run.model, plan=run.plan, ranks_per_node=run.cluster.gpus_per_node).to_dict()
+    )
     save = latest_save(run) or {}
     rows = []
     for label, key in (("checkpoint per save (MiB)", "bytes"), ("checkpoint, largest rank (MiB)", "rank_max_bytes")):
@@ -389,24 +429,37 @@ def checkpoint_rows(run: Run, *, estimate: RunEstimate) -> list[str]:
             got = None  # a synchronous save does not count a rank's bytes
         want_mib = None if want is None else want / 2**20
         got_mib = None if got is None else got / 2**20
-        rows.append(f"| {label} | {_or_na(want_mib, ',.1f')} | {_or_na(got_mib, ',.1f')} | "
-                    f"{_ratio(got_mib, want_mib)} |")
+        rows.append(
+            f"| {label} | {_or_na(want_mib, ',.1f')} | {_or_na(got_mib, ',.1f')} | {_ratio(got_mib, want_mib)} |"
+        )
     return rows
 
 
 def render_markdown(run: Run, *, estimate: RunEstimate, engine: dict | None, m: Measured) -> str:
     model, plan, cluster = run.model, run.plan, run.cluster
-    steady = (f"median of steps {m.steady_from}-{m.last_step}" if m.warmup
-              else f"median of all {m.rows} steps (too few to drop a warm-up)")
-    engine_line = ("not written yet (the runner writes engine.json once the engine is up)" if engine is None else
-                   f"ZeRO-{engine.get('zero_stage')}, dp {engine.get('dp')} x pp {engine.get('pp')}"
-                   + "".join(f" x {k} {engine[k]}" for k in ("tp", "sp") if engine.get(k, 1) != 1) + ", "
-                   f"{engine.get('backend')}, {engine.get('wrapper_optimizer')} / {engine.get('base_optimizer')}, "
-                   f"world {engine.get('world_size')} (engine.json)")
+    steady = (
+        f"median of steps {m.steady_from}-{m.last_step}"
+        if m.warmup
+        else f"median of all {m.rows} steps (too few to drop a warm-up)"
+    )
+    engine_line = (
+        "not written yet (the runner writes engine.json once the engine is up)"
+        if engine is None
+        else f"ZeRO-{engine.get('zero_stage')}, dp {engine.get('dp')} x pp {engine.get('pp')}"
+        + "".join(f" x {k} {engine[k]}" for k in ("tp", "sp") if engine.get(k, 1) != 1)
+        + ", "
+        f"{engine.get('backend')}, {engine.get('wrapper_optimizer')} / {engine.get('base_optimizer')}, "
+        f"world {engine.get('world_size')} (engine.json)"
+    )
     lines = [
-        f"# Run report: {run.path.name}", "",
-        f"Run directory `{run.path}`: {m.rows} steps ({m.first_step}-{m.last_step}), {m.tokens:,} tokens.", "",
-        "## Configuration", "", "| | |", "|---|---|",
+        f"# Run report: {run.path.name}",
+        "",
+        f"Run directory `{run.path}`: {m.rows} steps ({m.first_step}-{m.last_step}), {m.tokens:,} tokens.",
+        "",
+        "## Configuration",
+        "",
+        "| | |",
+        "|---|---|",
         f"| model | {model.name}: {plan.num_params / 1e6:,.2f}M params ({model.shape_text}) |",
         f"| world | {plan.layout.describe().removeprefix('world ')} ({cluster.nodes} node(s) x "
         f"{cluster.gpus_per_node} {cluster.gpu}) |",
@@ -417,49 +470,77 @@ def render_markdown(run: Run, *, estimate: RunEstimate, engine: dict | None, m: 
         f"({plan.tokens_per_step:,} tokens/step) |",
         f"| schedule | {run.train.steps} steps, peak lr {run.train.lr:g}, warmup {run.train.warmup_steps} |",
         f"| live engine | {engine_line} |",
-        "", "## Plan vs. measured", "",
-        "| per GPU / job | predicted | measured | measured / predicted |", "|---|---|---|---|",
+        "",
+        "## Plan vs. measured",
+        "",
+        "| per GPU / job | predicted | measured | measured / predicted |",
+        "|---|---|---|---|",
     ]
     mem = estimate.memory_total_bytes
     mem_gib = None if mem is None else mem / GIB
     reserved = "" if m.mem_reserved_gib is None else f" (reserved {m.mem_reserved_gib:.3f})"
-    lines.append(f"| peak memory per GPU (GiB) | {_or_na(mem_gib, '.3f')} | max allocated "
-                 f"{_or_na(m.mem_allocated_gib, '.3f')}{reserved} | {_ratio(m.mem_allocated_gib, mem_gib)} |")
+    lines.append(
+        f"| peak memory per GPU (GiB) | {_or_na(mem_gib, '.3f')} | max allocated "
+        f"{_or_na(m.mem_allocated_gib, '.3f')}{reserved} | {_ratio(m.mem_allocated_gib, mem_gib)} |"
+    )
     tps = estimate.tokens_per_s
-    lines.append(f"| tokens/s (job) | {_or_na(tps, ',.0f')} | {_or_na(m.tokens_per_s, ',.0f')} ({steady}) | "
-                 f"{_ratio(m.tokens_per_s, tps)} |")
+    lines.append(
+        f"| tokens/s (job) | {_or_na(tps, ',.0f')} | {_or_na(m.tokens_per_s, ',.0f')} ({steady}) | "
+        f"{_ratio(m.tokens_per_s, tps)} |"
+    )
     mfu = estimate.mfu
-    lines.append(f"| MFU | {_percent(mfu)} | "
-                 f"{'n/a (no peak FLOP/s for this device)' if m.mfu is None else _percent(m.mfu)} | "
-                 f"{_ratio(m.mfu, mfu)} |")
+    lines.append(
+        f"| MFU | {_percent(mfu)} | "
+        f"{'n/a (no peak FLOP/s for this device)' if m.mfu is None else _percent(m.mfu)} | "
+        f"{_ratio(m.mfu, mfu)} |"
+    )
     step_time = estimate.step_time_s
-    lines.append(f"| step time (s) | {_or_na(step_time, '.4g')} | {_or_na(m.step_time_s, '.4g')} | "
-                 f"{_ratio(m.step_time_s, step_time)} |")
+    lines.append(
+        f"| step time (s) | {_or_na(step_time, '.4g')} | {_or_na(m.step_time_s, '.4g')} | "
+        f"{_ratio(m.step_time_s, step_time)} |"
+    )
     lines += checkpoint_rows(run, estimate=estimate)
     startup_rows, startup_notes = startup_markdown(m.startup or read_startup(engine, estimate))
     lines += startup_rows
     lines += [line for note in startup_notes for line in ("", note)]
     if cluster.gpu == "cpu":
-        lines += ["", "On the `cpu` type the measured memory is the host RSS of rank 0 (DeepSpeed's CPU accelerator), "
-                      "Python and torch included, and the predictions use the catalog's nominal `cpu` figures: "
-                      "compare trends, not absolute values. The device is the host there, so a rank's start-up RSS "
-                      "also holds what the plan counts on the device."]
-    lines += ["", "## Results", "",
-              f"- final train loss: {m.final_loss:.4f} (mean of the last {m.final_window} steps, "
-              f"ppl {perplexity(m.final_loss):.2f})" if math.isfinite(m.final_loss) else
-              "- final train loss: n/a (no finite loss in the last steps)"]
+        lines += [
+            "",
+            "On the `cpu` type the measured memory is the host RSS of rank 0 (DeepSpeed's CPU accelerator), "
+            "Python and torch included, and the predictions use the catalog's nominal `cpu` figures: "
+            "compare trends, not absolute values. The device is the host there, so a rank's start-up RSS "
+            "also holds what the plan counts on the device.",
+        ]
+    lines += [
+        "",
+        "## Results",
+        "",
+        f"- final train loss: {m.final_loss:.4f} (mean of the last {m.final_window} steps, "
+        f"ppl {perplexity(m.final_loss):.2f})"
+        if math.isfinite(m.final_loss)
+        else "- final train loss: n/a (no finite loss in the last steps)",
+    ]
     if m.best_val is None:
         lines.append(f"- validation: none ({VAL_FILE} absent or empty)")
     else:
         b, f = m.best_val, m.final_val
-        lines.append(f"- best validation loss: {b['val_loss']:.4f} (ppl {b['val_ppl']:.2f}) at step {b['step']}, "
-                     f"{b['tokens']:,} tokens")
+        lines.append(
+            f"- best validation loss: {b['val_loss']:.4f} (ppl {b['val_ppl']:.2f}) at step {b['step']}, "
+            f"{b['tokens']:,} tokens"
+        )
         lines.append(f"- final validation loss: {f['val_loss']:.4f} (ppl {f['val_ppl']:.2f}) at step {f['step']}")
     lines.append(f"- skipped steps (optimizer step skipped, e.g. fp16 overflow): {m.skipped}")
-    lines += ["", "## Plots", "",
-              f"![training and validation loss vs. tokens]({PLOTS['loss']})", "",
-              f"![tokens/s and MFU vs. step]({PLOTS['throughput']})", "",
-              f"![learning rate vs. step]({PLOTS['lr']})", ""]
+    lines += [
+        "",
+        "## Plots",
+        "",
+        f"![training and validation loss vs. tokens]({PLOTS['loss']})",
+        "",
+        f"![tokens/s and MFU vs. step]({PLOTS['throughput']})",
+        "",
+        f"![learning rate vs. step]({PLOTS['lr']})",
+        "",
+    ]
     return "\n".join(lines)
 
 

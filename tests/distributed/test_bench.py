@@ -1,4 +1,5 @@
 """dspipe bench: the arithmetic and report (fast), the input checks, and one real run beside the reference."""
+
 import re
 
 import pytest
@@ -9,8 +10,27 @@ from tests.helpers import dspipe
 @pytest.mark.distributed
 def test_bench_with_compare_on_2_cpu_ranks(tmp_path):
     doc = tmp_path / "benchmarks.md"
-    r = dspipe("bench", "--model", "tiny", "--global-batch", "8", "--micro-batch", "2", "--precision", "fp32",
-               "--zero", "1", "--warmup", "1", "--steps", "2", "--compare", "--compile", "--append", doc)
+    r = dspipe(
+        "bench",
+        "--model",
+        "tiny",
+        "--global-batch",
+        "8",
+        "--micro-batch",
+        "2",
+        "--precision",
+        "fp32",
+        "--zero",
+        "1",
+        "--warmup",
+        "1",
+        "--steps",
+        "2",
+        "--compare",
+        "--compile",
+        "--append",
+        doc,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     out = r.stdout
     assert "world 2 = dp 2 x pp 1 | ZeRO-1 offload none | fp32" in out and "batch 2 x ga 2 x dp 2 = 8 seq" in out

@@ -1,6 +1,7 @@
 """A blend of a prepared dataset and a Megatron dataset written by megatron-core's own builder, trained on 2 CPU
 ranks: killed with kill -9 between checkpoints and resumed, it reproduces the uninterrupted run's per-step metrics
 and per-source validation losses bitwise, across an epoch of the small source."""
+
 import random
 import shutil
 
@@ -31,11 +32,11 @@ def small_dataset(root, tokenizer):
     docs = root / "txt"
     docs.mkdir()
     for i in range(34):
-        (docs / f"doc{i:02d}.txt").write_text(" ".join(rng.choice(words) for _ in range(30 if i < 33 else 500))
-                                              + "\n")
-    prepare(inputs=resolve_inputs([str(docs)]), out=root / "tokens", tokenizer=str(tokenizer), val_fraction=0.0,
-            workers=1)
-    (toks, offsets), = open_split(root / "tokens", "train", read_meta(root / "tokens"))
+        (docs / f"doc{i:02d}.txt").write_text(" ".join(rng.choice(words) for _ in range(30 if i < 33 else 500)) + "\n")
+    prepare(
+        inputs=resolve_inputs([str(docs)]), out=root / "tokens", tokenizer=str(tokenizer), val_fraction=0.0, workers=1
+    )
+    ((toks, offsets),) = open_split(root / "tokens", "train", read_meta(root / "tokens"))
     (root / "mg").mkdir()
     shutil.copytree(root / "tokens" / "tokenizer", root / "mg" / "tokenizer")
     builder = IndexedDatasetBuilder(str(root / "mg" / "small.bin"), dtype=np.uint16)
@@ -49,8 +50,20 @@ def small_dataset(root, tokenizer):
 def test_a_blend_resumes_exactly_after_kill_and_validates_per_source(tmp_path, corpus):
     second = small_dataset(tmp_path, corpus / "tokenizer")
     blend = f"{corpus}:0.6,{second}:0.4"
-    flags = ["--precision", "fp32", "--zero", "1", "--save-interval", str(EVERY), "--keep-checkpoints", "2",
-             "--eval-interval", "4", "--eval-batches", "2"]
+    flags = [
+        "--precision",
+        "fp32",
+        "--zero",
+        "1",
+        "--save-interval",
+        str(EVERY),
+        "--keep-checkpoints",
+        "2",
+        "--eval-interval",
+        "4",
+        "--eval-batches",
+        "2",
+    ]
     ref = make_run(tmp_path, blend, *flags, steps=STEPS, name="ref")
     r = launch(ref)
     ok(r)
@@ -70,8 +83,9 @@ def test_a_blend_resumes_exactly_after_kill_and_validates_per_source(tmp_path, c
     assert list(val[0]) == ["step", "tokens", "val_loss", "val_ppl", "val_loss_stdlib", "val_loss_small"]
     assert val == val_ref and [v["step"] for v in val] == ["4", "8"]
     for v in val:
-        assert float(v["val_loss"]) == pytest.approx(0.6 * float(v["val_loss_stdlib"]) +
-                                                     0.4 * float(v["val_loss_small"]), rel=1e-12)
+        assert float(v["val_loss"]) == pytest.approx(
+            0.6 * float(v["val_loss_stdlib"]) + 0.4 * float(v["val_loss_small"]), rel=1e-12
+        )
     data = ckpt_meta.read_meta(run / "checkpoints" / "global_step8").data  # validated
     assert data == ckpt_meta.read_meta(ref / "checkpoints" / "global_step8").data
     assert [s["fingerprint"] for s in data["sources"]] != [] and data["consumed_samples"] == STEPS * 16

@@ -1,4 +1,5 @@
 """Real DeepSpeed engines on 2 CPU ranks (gloo), started by DeepSpeed's own launcher."""
+
 import json
 import math
 
@@ -16,14 +17,20 @@ CONFIGS = {
     "zero1": (["--zero", "1"], dict(wrapper_optimizer="BF16_Optimizer", grad_accum_dtype="float32")),
     "zero2": (["--zero", "2"], dict(wrapper_optimizer="DeepSpeedZeroOptimizer")),
     "zero3": (["--zero", "3"], dict(wrapper_optimizer="DeepSpeedZeroOptimizer_Stage3")),
-    "zero2-cpu-offload": (["--zero", "2", "--offload", "cpu"],
-                          dict(base_optimizer="DeepSpeedCPUAdam", offload_optimizer=True)),
-    "zero3-cpu-offload-params": (["--zero", "3", "--offload", "cpu", "--offload-params"],
-                                 dict(base_optimizer="DeepSpeedCPUAdam", offload_optimizer=True, offload_param=True)),
+    "zero2-cpu-offload": (
+        ["--zero", "2", "--offload", "cpu"],
+        dict(base_optimizer="DeepSpeedCPUAdam", offload_optimizer=True),
+    ),
+    "zero3-cpu-offload-params": (
+        ["--zero", "3", "--offload", "cpu", "--offload-params"],
+        dict(base_optimizer="DeepSpeedCPUAdam", offload_optimizer=True, offload_param=True),
+    ),
     "pp2-zero1": (["--zero", "1", "--pp", "2"], dict(pp=2, dp=1, grad_accum=4)),
     "zero1-full-recompute": (["--zero", "1", "--checkpointing", "full"], {}),
-    "pp2-zero1-full-recompute": (["--zero", "1", "--pp", "2", "--checkpointing", "full"],
-                                 dict(pp=2, activation_checkpoint_interval=1)),
+    "pp2-zero1-full-recompute": (
+        ["--zero", "1", "--pp", "2", "--checkpointing", "full"],
+        dict(pp=2, activation_checkpoint_interval=1),
+    ),
 }
 
 
@@ -38,9 +45,21 @@ def test_trains_and_engine_uses_the_planned_settings(tmp_path, corpus, name):
     assert list(SHM_DIR.glob(f"{SHM_PREFIX}_*_{port}_*")) == []
     engine = json.loads((run_dir / "engine.json").read_text())
     pp = expected.get("pp", 1)
-    live = {"zero_stage": int(flags[1]), "gradient_clipping": 1.0, "bf16": True, "fp16": False,
-            "param_dtype": "bfloat16", "train_batch_size": 16, "micro_batch": 4, "grad_accum": 16 // (4 * 2 // pp),
-            "dp": 2 // pp, "pp": pp, "backend": "gloo", "world_size": 2, "scheduler": "WarmupCosineLR"}
+    live = {
+        "zero_stage": int(flags[1]),
+        "gradient_clipping": 1.0,
+        "bf16": True,
+        "fp16": False,
+        "param_dtype": "bfloat16",
+        "train_batch_size": 16,
+        "micro_batch": 4,
+        "grad_accum": 16 // (4 * 2 // pp),
+        "dp": 2 // pp,
+        "pp": pp,
+        "backend": "gloo",
+        "world_size": 2,
+        "scheduler": "WarmupCosineLR",
+    }
     live.update(expected)
     assert {k: engine[k] for k in live} == live
     loss = metrics(run_dir, "loss")
@@ -72,6 +91,7 @@ def check_metrics(run_dir, *, steps, tokens_per_step):
         assert 0.05 < float(r["mem_allocated_gib"]) <= float(r["mem_reserved_gib"]) < 16
         assert float(r["grad_norm"]) > 0
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     (events,) = {p.parent for p in (run_dir / "monitor").rglob("events.out.tfevents.*")}
     acc = EventAccumulator(str(events))
     acc.Reload()
@@ -85,8 +105,9 @@ def test_first_loss_of_pp1_and_pp2_agree(tmp_path, corpus):
     weights. fp32 so that the only difference is summation order across ranks and micro-batches."""
     first = {}
     for pp in (1, 2):
-        run_dir = make_run(tmp_path, corpus, "--zero", "1", "--pp", str(pp), "--precision", "fp32", steps=3,
-                           name=f"pp{pp}")
+        run_dir = make_run(
+            tmp_path, corpus, "--zero", "1", "--pp", str(pp), "--precision", "fp32", steps=3, name=f"pp{pp}"
+        )
         r = launch(run_dir)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         first[pp] = metrics(run_dir, "loss")[0]

@@ -2,6 +2,7 @@
 with SIGKILL and then a rank hung inside a collective each restart the job from the newest checkpoint, and it
 finishes by itself with every step once and the replayed steps bitwise equal to their first run (fp32); two local
 "nodes" of 2 ranks, one lost for good, continue on 2 ranks at the same global batch. One launch per test."""
+
 import os
 import re
 import socket
@@ -17,8 +18,21 @@ from tests.helpers import ROOT, csv_rows, dspipe, free_port, make_run
 pytestmark = [pytest.mark.distributed, pytest.mark.solo]  # 4+ ranks, or a time it measures
 TIMEOUT = 600
 HOSTS = "localhost slots=2\n127.0.0.1 slots=2\n"  # two names for this machine: two "nodes" of 2 CPU ranks
-FLAGS = ("--precision", "fp32", "--zero", "1", "--sync-save", "--save-interval", "3", "--log-interval", "1",
-         "--global-batch", "16", "--micro-batch", "4")
+FLAGS = (
+    "--precision",
+    "fp32",
+    "--zero",
+    "1",
+    "--sync-save",
+    "--save-interval",
+    "3",
+    "--log-interval",
+    "1",
+    "--global-batch",
+    "16",
+    "--micro-batch",
+    "4",
+)
 
 
 def env_with():
@@ -41,31 +55,48 @@ def by_step(path):
 
 def events(run):
     import json
+
     return [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
 
 
 def test_a_killed_rank_and_a_hung_rank_restart_the_job(tmp_path, corpus):
     run = make_run(tmp_path, corpus, *FLAGS, "--gpus-per-node", "4", steps=8)
     faults = '[{"kill_at_step": 5, "kill_rank": 2}, {"hang_at_step": 7, "hang_rank": 1}]'
-    r = dspipe("launch", run, "--max-restarts", "2", "--hang-timeout", "5", "--test-faults", faults,
-               env={"PYTHONPATH": env_with()["PYTHONPATH"]})
+    r = dspipe(
+        "launch",
+        run,
+        "--max-restarts",
+        "2",
+        "--hang-timeout",
+        "5",
+        "--test-faults",
+        faults,
+        env={"PYTHONPATH": env_with()["PYTHONPATH"]},
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = csv_rows(run / "metrics.csv")
     assert [int(x["step"]) for x in rows] == list(range(1, 9))  # each step once
     first, replay = by_step(run / "metrics.rewound.csv"), by_step(run / "metrics.csv")
     assert sorted(first) == [4, 5]  # killed after step 5, resumed from 3: steps 4 and 5 ran twice
     for step in (4, 5):
-        assert [first[step][c] for c in ("loss", "lr", "grad_norm")] == \
-               [replay[step][c] for c in ("loss", "lr", "grad_norm")]  # bitwise (their text is repr(float))
+        assert [first[step][c] for c in ("loss", "lr", "grad_norm")] == [
+            replay[step][c] for c in ("loss", "lr", "grad_norm")
+        ]  # bitwise (their text is repr(float))
     hangs = [e for e in events(run) if e["event"] == "hang"]
     assert hangs and {e["step"] for e in hangs} == {7} and all(e["seconds"] < 5 + 3 for e in hangs)
     # each rank that timed out names itself and its operation (rank 1, asleep inside its collective, or a peer
     # waiting for it in the same one; the agent stops the others once the first has exited)
     assert all(e["op"] in COLLECTIVES and 0 <= e["rank"] < 4 for e in hangs)
-    assert [(e["attempt"], e["step"], e["world"]) for e in events(run) if e["event"] == "restart"] == [(1, 3, 4),
-                                                                                                       (2, 6, 4)]
-    assert re.search(r"^dspipe: hang: rank [0-3] has been inside \w+ for [5-7] s at step 7 \(hang timeout 5 s\); "
-                     r"stopping the job so that it restarts from the newest checkpoint$", r.stderr, re.M)
+    assert [(e["attempt"], e["step"], e["world"]) for e in events(run) if e["event"] == "restart"] == [
+        (1, 3, 4),
+        (2, 6, 4),
+    ]
+    assert re.search(
+        r"^dspipe: hang: rank [0-3] has been inside \w+ for [5-7] s at step 7 \(hang timeout 5 s\); "
+        r"stopping the job so that it restarts from the newest checkpoint$",
+        r.stderr,
+        re.M,
+    )
     summary = [ln for ln in r.stderr.splitlines() if ln.startswith(f"dspipe: {run}: hang at step 7")]
     assert summary and "restart 1 resumed at step 3 on 4 ranks; restart 2 resumed at step 6 on 4 ranks" in summary[0]
     assert (run / "checkpoints" / "latest").read_text() == "global_step8"
@@ -78,11 +109,37 @@ def test_a_lost_node_continues_on_the_others_at_the_same_global_batch(tmp_path, 
     faults = '[{"kill_at_step": 5, "kill_node": 1}]'  # node 1's agent and ranks: gone for good after step 5
 
     def node(rank):
-        return subprocess.Popen([sys.executable, "-m", "dspipe", "launch", str(run), "--hostfile", "hosts", "--no-ssh",
-                                 "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", port,
-                                 "--max-restarts", "2", "--min-nodes", "1", "--rejoin-wait", "2", "--test-faults",
-                                 faults], cwd=tmp_path, env=env_with(), stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "dspipe",
+                "launch",
+                str(run),
+                "--hostfile",
+                "hosts",
+                "--no-ssh",
+                "--node-rank",
+                str(rank),
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                port,
+                "--max-restarts",
+                "2",
+                "--min-nodes",
+                "1",
+                "--rejoin-wait",
+                "2",
+                "--test-faults",
+                faults,
+            ],
+            cwd=tmp_path,
+            env=env_with(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
 
     first = node(0)
     wait_for_port(int(port))  # node 0's agent holds the rendezvous store (the node lost is not the one holding it)
@@ -91,8 +148,10 @@ def test_a_lost_node_continues_on_the_others_at_the_same_global_batch(tmp_path, 
     codes = [p.returncode for p in nodes]
     assert codes[0] == 0 and codes[1] != 0, outputs[0][-3000:] + outputs[1][-3000:]
     survivor = outputs[0]
-    assert ("dspipe: continuing on 2 of 4 ranks (1 of 2 node(s)): dp 4 -> 2, gradient accumulation 1 -> 2, global "
-            "batch 16 = 4 x 2 x 2 unchanged") in survivor
+    assert (
+        "dspipe: continuing on 2 of 4 ranks (1 of 2 node(s)): dp 4 -> 2, gradient accumulation 1 -> 2, global "
+        "batch 16 = 4 x 2 x 2 unchanged"
+    ) in survivor
     assert "world 2 = dp 2 x pp 1 | ZeRO-1" in survivor
     rows = csv_rows(run / "metrics.csv")
     assert [int(x["step"]) for x in rows] == list(range(1, 9))

@@ -1,5 +1,6 @@
 """dspipe export-hf and dspipe generate: consolidation of ZeRO-1/ZeRO-3/pipeline checkpoints, the GPT-2 export
 loaded back with transformers (logits equal to dspipe's GPT), the shared sampling loop, and the refusals."""
+
 import pytest
 import torch
 
@@ -7,8 +8,8 @@ from dspipe.runtime import ckpt_meta
 from dspipe.spec.core import ModelSpec
 from tests.helpers import OFFLINE, error_lines, launch, make_run, max_diff, offline_here
 
-
 # ---- distributed: real checkpoints ------------------------------------------------------------------------------
+
 
 @pytest.mark.distributed
 def test_export_of_zero3_and_pipeline_checkpoints(tmp_path, corpus, monkeypatch):
@@ -17,22 +18,30 @@ def test_export_of_zero3_and_pipeline_checkpoints(tmp_path, corpus, monkeypatch)
     generation from a checkpoint and from its export prints the same text."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dspipe.tools.consolidate import consolidate, load_gpt
     from dspipe.model.gpt import GPT
     from dspipe.spec.core import from_dict
+    from dspipe.tools.consolidate import consolidate, load_gpt
 
     for k, v in OFFLINE.items():
         monkeypatch.setenv(k, v)
-    runs = {name: make_run(tmp_path, corpus, "--precision", "fp32", *flags, steps=4, name=name)
-            for name, flags in (("zero1", ["--zero", "1"]), ("zero3", ["--zero", "3"]),
-                                ("pp2", ["--zero", "1", "--pp", "2"]))}
+    runs = {
+        name: make_run(tmp_path, corpus, "--precision", "fp32", *flags, steps=4, name=name)
+        for name, flags in (
+            ("zero1", ["--zero", "1"]),
+            ("zero3", ["--zero", "3"]),
+            ("pp2", ["--zero", "1", "--pp", "2"]),
+        )
+    }
     for run in runs.values():
         r = launch(run)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     tags = {name: run / "checkpoints" / "global_step4" for name, run in runs.items()}
     assert sorted(p.name for p in tags["pp2"].glob("layer_*")) == [  # tied embedding stored once, no head file
-        "layer_00-model_states.pt", "layer_01-model_states.pt", "layer_02-model_states.pt",
-        "layer_03-model_states.pt"]  # embedding, 2 blocks, final norm
+        "layer_00-model_states.pt",
+        "layer_01-model_states.pt",
+        "layer_02-model_states.pt",
+        "layer_03-model_states.pt",
+    ]  # embedding, 2 blocks, final norm
     weights = {name: consolidate(tag, meta=ckpt_meta.read_meta(tag)) for name, tag in tags.items()}
     spec = from_dict(ModelSpec, ckpt_meta.read_meta(tags["zero1"]).model)
     initial = GPT(spec, seed=1234).state_dict()  # gen-config's default seed
@@ -64,7 +73,9 @@ def test_export_of_zero3_and_pipeline_checkpoints(tmp_path, corpus, monkeypatch)
     assert r.returncode == 0, r.stderr[-3000:]
     assert (out / "model.safetensors").read_bytes() != before
 
-    texts = [offline_here("generate", src, "--prompt", "def ", "--temperature", "0", "--max-tokens", "12")
-             for src in (tags["zero1"], out)]
+    texts = [
+        offline_here("generate", src, "--prompt", "def ", "--temperature", "0", "--max-tokens", "12")
+        for src in (tags["zero1"], out)
+    ]
     assert [t.returncode for t in texts] == [0, 0], [t.stderr[-2000:] for t in texts]
     assert texts[0].stdout == texts[1].stdout and texts[0].stdout.startswith("def ")

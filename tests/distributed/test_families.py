@@ -8,6 +8,7 @@ dropout 0) the first step's loss is transformers' loss on the same batch, and ex
 of transformers' model too at lr 1e-12, moved ones at pp 2 (lr 3e-3). The first step's gradient norm is
 transformers' too (every gradient reduced where the layout splits it: q/k norms under tp 2, a tied head under pp 2).
 Every family runs every layout (none is refused). One test a family, one launch a layout (20 in all)."""
+
 import json
 import math
 
@@ -21,35 +22,69 @@ pytestmark = pytest.mark.distributed
 
 VOCAB, SEQ = 1024, 64  # the corpus fixture's BPE; the run's sequence
 LOSS_TOL, NORM_TOL, LOGITS_TOL = 1e-5, 1e-4, 1e-4  # absolute, relative, absolute
-BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=SEQ, rms_norm_eps=1e-5, initializer_range=0.2)
+BASE = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=160,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=SEQ,
+    rms_norm_eps=1e-5,
+    initializer_range=0.2,
+)
 
 # family: (transformers class, config class, its arguments, what the export's config must say)
 FAMILIES = {
-    "llama3.1": ("LlamaForCausalLM", "LlamaConfig",
-                 dict(head_dim=24, attention_bias=True, mlp_bias=True,
-                      rope_parameters=dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
-                                           high_freq_factor=4.0, original_max_position_embeddings=16)),
-                 dict(head_dim=24, attention_bias=True, mlp_bias=True, num_key_value_heads=2)),
-    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config",
-              dict(tie_word_embeddings=True, rope_parameters=dict(rope_type="default", rope_theta=1e6)),
-              dict(tie_word_embeddings=True, num_key_value_heads=2)),
-    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config",
-              dict(head_dim=32, rope_parameters=dict(rope_type="default", rope_theta=1e6)),
-              dict(head_dim=32, num_key_value_heads=2)),
-    "mistral": ("MistralForCausalLM", "MistralConfig",
-                dict(sliding_window=16, rope_parameters=dict(rope_type="default", rope_theta=1e6)),
-                dict(sliding_window=16, num_key_value_heads=2)),
+    "llama3.1": (
+        "LlamaForCausalLM",
+        "LlamaConfig",
+        dict(
+            head_dim=24,
+            attention_bias=True,
+            mlp_bias=True,
+            rope_parameters=dict(
+                rope_type="llama3",
+                rope_theta=10000.0,
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=16,
+            ),
+        ),
+        dict(head_dim=24, attention_bias=True, mlp_bias=True, num_key_value_heads=2),
+    ),
+    "qwen2": (
+        "Qwen2ForCausalLM",
+        "Qwen2Config",
+        dict(tie_word_embeddings=True, rope_parameters=dict(rope_type="default", rope_theta=1e6)),
+        dict(tie_word_embeddings=True, num_key_value_heads=2),
+    ),
+    "qwen3": (
+        "Qwen3ForCausalLM",
+        "Qwen3Config",
+        dict(head_dim=32, rope_parameters=dict(rope_type="default", rope_theta=1e6)),
+        dict(head_dim=32, num_key_value_heads=2),
+    ),
+    "mistral": (
+        "MistralForCausalLM",
+        "MistralConfig",
+        dict(sliding_window=16, rope_parameters=dict(rope_type="default", rope_theta=1e6)),
+        dict(sliding_window=16, num_key_value_heads=2),
+    ),
 }
 # layout: (flags, steps). lr 1e-12 without weight decay keeps the weights the HF model's, so the export computes
 # transformers' logits too; 2 steps, the fewest gen-config accepts (warmup 1 < steps). pp 2 trains at a normal lr
 # for 3 steps: with warmup 1 the first two steps apply lr 0 (metrics.csv logs the lr of the step after), the third
 # moves the weights; its blocks are compiled (--compile: transformers' loss and gradients through compiled stages)
 FROZEN = ["--lr", "1e-12", "--weight-decay", "0"]
-LAYOUTS = {"zero1": (["--zero", "1", *FROZEN], 2), "zero3": (["--zero", "3", *FROZEN], 2),
-           "tp2": (["--zero", "1", "--tp", "2", *FROZEN], 2),
-           "pp2": (["--zero", "1", "--pp", "2", "--lr", "3e-3", "--compile"], 3),
-           "sp2": (["--zero", "1", "--sp", "2", *FROZEN], 2)}
+LAYOUTS = {
+    "zero1": (["--zero", "1", *FROZEN], 2),
+    "zero3": (["--zero", "3", *FROZEN], 2),
+    "tp2": (["--zero", "1", "--tp", "2", *FROZEN], 2),
+    "pp2": (["--zero", "1", "--pp", "2", "--lr", "3e-3", "--compile"], 3),
+    "sp2": (["--zero", "1", "--sp", "2", *FROZEN], 2),
+}
 EXPORTED = ("zero3", "tp2", "pp2")  # the layouts whose checkpoint is exported and reloaded in transformers
 MOVED = "pp2"  # the layout whose weights train (its export is compared with dspipe only)
 
@@ -59,15 +94,51 @@ def family_dir(path, family: str, corpus):
     ln(vocab), RMSNorm weights (q/k norms included) and biases not at their initial ones and zeros, and the corpus's
     tokenizer beside it; returns the model transformers loads back from it (it computes what the files say)."""
     cls, config_cls, kwargs, _ = FAMILIES[family]
-    return save_hf_checkpoint(path, cls=cls, config_cls=config_cls, config={**BASE, **kwargs},
-                              seed=sorted(FAMILIES).index(family) + 21, tokenizer_dir=corpus / "tokenizer")
+    return save_hf_checkpoint(
+        path,
+        cls=cls,
+        config_cls=config_cls,
+        config={**BASE, **kwargs},
+        seed=sorted(FAMILIES).index(family) + 21,
+        tokenizer_dir=corpus / "tokenizer",
+    )
 
 
 def configure(run, corpus, hf_dir, steps, *flags):
-    return gen_config("--init-from", hf_dir, "--gpus-per-node", "2", "--gpu", "cpu", "--global-batch", "16",
-                      "--micro-batch", "4", "--steps", steps, "--warmup", "1", "--log-interval", "1",
-                      "--eval-interval", "0", "--data", corpus, "--out", run, "--precision", "fp32", "--offload",
-                      "none", "--no-offload-params", "--checkpointing", "none", "--pp", "1", *flags)
+    return gen_config(
+        "--init-from",
+        hf_dir,
+        "--gpus-per-node",
+        "2",
+        "--gpu",
+        "cpu",
+        "--global-batch",
+        "16",
+        "--micro-batch",
+        "4",
+        "--steps",
+        steps,
+        "--warmup",
+        "1",
+        "--log-interval",
+        "1",
+        "--eval-interval",
+        "0",
+        "--data",
+        corpus,
+        "--out",
+        run,
+        "--precision",
+        "fp32",
+        "--offload",
+        "none",
+        "--no-offload-params",
+        "--checkpointing",
+        "none",
+        "--pp",
+        "1",
+        *flags,
+    )
 
 
 def first_batch(model, corpus) -> tuple:
@@ -160,8 +231,12 @@ def test_family_starts_from_transformers_loss_and_exports_its_class(family, tmp_
                 moved = (logits - hf_logits).abs().max().item()
             else:
                 found[f"{layout} export logits - HF logits"] = (logits - hf_logits).abs().max().item()
-    print(family, f"HF loss {expected:.6f}, grad norm {expected_norm:.6f}, loss without the scaling / window: "
-          f"{feature}", json.dumps(found, indent=1), f"{MOVED} logits moved by {moved}")
+    print(
+        family,
+        f"HF loss {expected:.6f}, grad norm {expected_norm:.6f}, loss without the scaling / window: {feature}",
+        json.dumps(found, indent=1),
+        f"{MOVED} logits moved by {moved}",
+    )
     assert not failed, "\n".join(f"--- {k}\n{v}" for k, v in failed.items())
     tolerance = {"loss": LOSS_TOL, "grad": NORM_TOL, "logits": LOGITS_TOL}
     assert all(v < tolerance[k.split()[2]] for k, v in found.items()), found

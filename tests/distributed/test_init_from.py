@@ -2,6 +2,7 @@
 weights under ZeRO-3 (partitioned as it is built: each rank reads its partition of each tensor) and under a 2-stage
 pipeline (each stage its own layers), and the run exports back to a LlamaForCausalLM that computes what dspipe
 computes."""
+
 import json
 import math
 import shutil
@@ -22,9 +23,19 @@ def llama_dir(path, *, tied: bool, corpus):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(11 + tied)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rope_theta=10000.0,
-                      rms_norm_eps=1e-5, tie_word_embeddings=tied, initializer_range=0.2)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tied,
+        initializer_range=0.2,
+    )
     model = LlamaForCausalLM(cfg).float().eval()
     with torch.no_grad():
         for p in model.parameters():
@@ -38,10 +49,38 @@ def llama_dir(path, *, tied: bool, corpus):
 
 def configure(tmp_path, corpus, hf, name, *flags):
     run = tmp_path / name
-    r = gen_config("--init-from", hf, "--gpus-per-node", "2", "--gpu", "cpu", "--global-batch", "16",
-                   "--micro-batch", "4", "--steps", "3", "--warmup", "1", "--log-interval", "1", "--eval-interval", "0",
-                   "--data", corpus, "--out", run, "--precision", "fp32", "--offload", "none", "--no-offload-params",
-                   "--checkpointing", "none", *flags)
+    r = gen_config(
+        "--init-from",
+        hf,
+        "--gpus-per-node",
+        "2",
+        "--gpu",
+        "cpu",
+        "--global-batch",
+        "16",
+        "--micro-batch",
+        "4",
+        "--steps",
+        "3",
+        "--warmup",
+        "1",
+        "--log-interval",
+        "1",
+        "--eval-interval",
+        "0",
+        "--data",
+        corpus,
+        "--out",
+        run,
+        "--precision",
+        "fp32",
+        "--offload",
+        "none",
+        "--no-offload-params",
+        "--checkpointing",
+        "none",
+        *flags,
+    )
     assert r.returncode == 0, r.stderr
     assert f"note: {corpus}'s tokenizer has the same vocab size as {hf}'s ({VOCAB} tokens)" in r.stderr
     return run
@@ -66,9 +105,9 @@ def test_continued_pretraining_from_a_hugging_face_llama(tmp_path, corpus, monke
     is the HF model's again (both stages loaded), the weights then move, and the export computes dspipe's logits."""
     from transformers import AutoModelForCausalLM
 
-    from dspipe.tools.consolidate import consolidate, load_gpt
     from dspipe.model.hf import spec_from_hf_dir
     from dspipe.model.hf_state import from_hf_state
+    from dspipe.tools.consolidate import consolidate, load_gpt
 
     for k, v in OFFLINE.items():
         monkeypatch.setenv(k, v)
@@ -78,22 +117,28 @@ def test_continued_pretraining_from_a_hugging_face_llama(tmp_path, corpus, monke
     # ZeRO-3, untied head, lr 1e-12 (no weight decay): the weights stay the HF model's to ~1e-11
     hf_dir = tmp_path / "hf-untied"
     hf = llama_dir(hf_dir, tied=False, corpus=corpus)
-    run = configure(tmp_path, corpus, hf_dir, "zero3", "--zero", "3", "--pp", "1", "--lr", "1e-12",
-                    "--weight-decay", "0")
+    run = configure(
+        tmp_path, corpus, hf_dir, "zero3", "--zero", "3", "--pp", "1", "--lr", "1e-12", "--weight-decay", "0"
+    )
     r = launch(run)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     startup = json.loads((run / "engine.json").read_text())["startup"]  # each rank read only its partitions
     assert startup["mode"] == "partitioned" and len(startup["peak_rss_mib"]) == 2
     assert sum(startup["built_params"]) - load_run(run).model.num_params in range(0, 2 * 20)  # partitions (+padding)
-    assert all(0 < a <= b <= c for a, b, c in zip(startup["rss_before_build_mib"], startup["build_rss_mib"],
-                                                  startup["peak_rss_mib"], strict=True))
+    assert all(
+        0 < a <= b <= c
+        for a, b, c in zip(
+            startup["rss_before_build_mib"], startup["build_rss_mib"], startup["peak_rss_mib"], strict=True
+        )
+    )
     expected = first_batch_loss(hf, corpus)
     assert abs(expected - math.log(VOCAB)) > 0.1  # not a loss any random initialisation would give
     found["zero3 step-1 loss - HF loss"] = abs(metrics(run, "loss")[0] - expected)
     tag = run / "checkpoints" / "global_step3"
     spec = spec_from_hf_dir(hf_dir)
-    found["zero3 consolidated - HF weights"] = max_diff(consolidate(tag, meta=ckpt_meta.read_meta(tag)),
-                                                        from_hf_state(hf.state_dict(), spec))
+    found["zero3 consolidated - HF weights"] = max_diff(
+        consolidate(tag, meta=ckpt_meta.read_meta(tag)), from_hf_state(hf.state_dict(), spec)
+    )
     out = tmp_path / "export-zero3"
     r = offline_here("export-hf", run, "--out", out)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -104,8 +149,9 @@ def test_continued_pretraining_from_a_hugging_face_llama(tmp_path, corpus, monke
 
     # tp = 2 (dspipe's tensor-parallel layers: each rank reads only its shards' rows of the checkpoint), ZeRO-1,
     # lr 1e-12: the same loss, and the export merges the shards back into the HF model's logits
-    run = configure(tmp_path, corpus, hf_dir, "tp2", "--zero", "1", "--pp", "1", "--tp", "2", "--lr", "1e-12",
-                    "--weight-decay", "0")
+    run = configure(
+        tmp_path, corpus, hf_dir, "tp2", "--zero", "1", "--pp", "1", "--tp", "2", "--lr", "1e-12", "--weight-decay", "0"
+    )
     r = launch(run)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     found["tp2 step-1 loss - HF loss"] = abs(metrics(run, "loss")[0] - expected)
@@ -113,8 +159,9 @@ def test_continued_pretraining_from_a_hugging_face_llama(tmp_path, corpus, monke
     r = offline_here("export-hf", run, "--out", out)
     assert r.returncode == 0, r.stderr[-3000:]
     with torch.no_grad():
-        found["tp2 export logits - HF logits"] = (AutoModelForCausalLM.from_pretrained(out).eval()(ids).logits
-                                                  - hf(ids).logits).abs().max().item()
+        found["tp2 export logits - HF logits"] = (
+            (AutoModelForCausalLM.from_pretrained(out).eval()(ids).logits - hf(ids).logits).abs().max().item()
+        )
 
     # pp = 2 (each stage loads its own layers; the tied embedding/head on both), ZeRO-1, lr 3e-3
     hf_dir = tmp_path / "hf-tied"

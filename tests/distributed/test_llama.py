@@ -3,6 +3,7 @@ real CPU ranks: ZeRO-1, ZeRO-3, a 2-stage pipeline, selective recomputation and 
 recomputation train (the loss falls), and ZeRO-3, tensor parallelism (dspipe's layers with the unequal q/k/v and
 paired gate/up splits, vocabulary-parallel embedding and head), sequence parallelism (rotary angles offset per slice),
 recomputation and offload give the ZeRO-1 losses and gradient norms at every step. One launch per layout."""
+
 import json
 
 import pytest
@@ -12,18 +13,24 @@ from tests.helpers import free_port, launch, make_run, metrics
 pytestmark = pytest.mark.distributed
 
 STEPS = 10
-LAYOUTS = {"zero1": ["--zero", "1"], "zero3": ["--zero", "3"], "pp2": ["--zero", "1", "--pp", "2"],
-           "tp2": ["--zero", "1", "--tp", "2"], "sp2": ["--zero", "1", "--sp", "2"],
-           "selective": ["--zero", "1", "--checkpointing", "selective"],
-           "zero2-offload-full": ["--zero", "2", "--offload", "cpu", "--checkpointing", "full"]}
+LAYOUTS = {
+    "zero1": ["--zero", "1"],
+    "zero3": ["--zero", "3"],
+    "pp2": ["--zero", "1", "--pp", "2"],
+    "tp2": ["--zero", "1", "--tp", "2"],
+    "sp2": ["--zero", "1", "--sp", "2"],
+    "selective": ["--zero", "1", "--checkpointing", "selective"],
+    "zero2-offload-full": ["--zero", "2", "--offload", "cpu", "--checkpointing", "full"],
+}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, corpus):
     out = {}
     for name, flags in LAYOUTS.items():
-        run_dir = make_run(tmp_path_factory.mktemp(name), corpus, "--model", "tiny-llama", "--precision", "fp32",
-                           *flags, steps=STEPS)
+        run_dir = make_run(
+            tmp_path_factory.mktemp(name), corpus, "--model", "tiny-llama", "--precision", "fp32", *flags, steps=STEPS
+        )
         r = launch(run_dir, port=free_port())
         assert r.returncode == 0, name + ": " + r.stdout[-3000:] + r.stderr[-3000:]
         out[name] = run_dir
@@ -38,8 +45,12 @@ def test_tiny_llama_trains(runs, name):
     live = json.loads((runs[name] / "engine.json").read_text())
     zero = {"zero3": 3, "zero2-offload-full": 2}.get(name, 1)
     assert (live["pp"], live["tp"], live["sp"], live["zero_stage"], live["offload_optimizer"]) == (
-        2 if name == "pp2" else 1, 2 if name == "tp2" else 1, 2 if name == "sp2" else 1, zero,
-        name == "zero2-offload-full")
+        2 if name == "pp2" else 1,
+        2 if name == "tp2" else 1,
+        2 if name == "sp2" else 1,
+        zero,
+        name == "zero2-offload-full",
+    )
 
 
 @pytest.mark.parametrize("name", ["zero3", "tp2", "sp2", "selective", "zero2-offload-full"])

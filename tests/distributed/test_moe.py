@@ -17,6 +17,7 @@ token uses 1, aux-loss-free bias balancing) at ep 2 and ep 1.
 A resume at another ep, or at another dp under ZeRO-1/2, is refused by name (checked in this process, no launch).
 Each launch's start-up (engine.json) records what each rank built: at ep 2 the dense parameters and its own experts,
 the planner's count."""
+
 import math
 
 import pytest
@@ -24,23 +25,44 @@ import torch
 
 from dspipe.errors import SpecError
 from dspipe.runtime import checkpoint as ckpt
-from dspipe.runtime import ckpt_meta
-from dspipe.runtime import ckpt_tags
+from dspipe.runtime import ckpt_meta, ckpt_tags
 from tests.helpers import OFFLINE, csv_rows, gen_config, launch, offline_here, ok, save_hf_checkpoint, written_metrics
 
 pytestmark = pytest.mark.distributed
 
 VOCAB, SEQ, EXPERTS = 1024, 64, 4
 LOSS_TOL, LOGITS_TOL = 1e-5, 1e-4
-BASE = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            max_position_embeddings=SEQ, rms_norm_eps=1e-5, initializer_range=0.2, num_experts_per_tok=2)
+BASE = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=SEQ,
+    rms_norm_eps=1e-5,
+    initializer_range=0.2,
+    num_experts_per_tok=2,
+)
 FAMILIES = {
-    "mixtral": ("MixtralForCausalLM", "MixtralConfig",
-                dict(intermediate_size=48, num_local_experts=EXPERTS, rope_parameters=dict(rope_type="default",
-                                                                                            rope_theta=1e6))),
-    "qwen3-moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig",
-                  dict(intermediate_size=96, moe_intermediate_size=48, num_experts=EXPERTS, head_dim=32,
-                       norm_topk_prob=False, rope_parameters=dict(rope_type="default", rope_theta=1e6))),
+    "mixtral": (
+        "MixtralForCausalLM",
+        "MixtralConfig",
+        dict(
+            intermediate_size=48, num_local_experts=EXPERTS, rope_parameters=dict(rope_type="default", rope_theta=1e6)
+        ),
+    ),
+    "qwen3-moe": (
+        "Qwen3MoeForCausalLM",
+        "Qwen3MoeConfig",
+        dict(
+            intermediate_size=96,
+            moe_intermediate_size=48,
+            num_experts=EXPERTS,
+            head_dim=32,
+            norm_topk_prob=False,
+            rope_parameters=dict(rope_type="default", rope_theta=1e6),
+        ),
+    ),
 }
 
 
@@ -48,15 +70,49 @@ def family_dir(path, family: str, corpus):
     """A random tiny checkpoint (save_pretrained; norm weights moved off 1) with the corpus's tokenizer beside it;
     returns the model transformers loads back from it."""
     cls, config_cls, kwargs = FAMILIES[family]
-    return save_hf_checkpoint(path, cls=cls, config_cls=config_cls, config={**BASE, **kwargs},
-                              seed=sorted(FAMILIES).index(family) + 31, tokenizer_dir=corpus / "tokenizer")
+    return save_hf_checkpoint(
+        path,
+        cls=cls,
+        config_cls=config_cls,
+        config={**BASE, **kwargs},
+        seed=sorted(FAMILIES).index(family) + 31,
+        tokenizer_dir=corpus / "tokenizer",
+    )
 
 
 def configure(run, corpus, hf_dir, *flags, gpus=2):
-    r = gen_config("--init-from", hf_dir, "--gpus-per-node", gpus, "--gpu", "cpu", "--global-batch", "16",
-                   "--micro-batch", "4", "--warmup", "1", "--log-interval", "1", "--eval-interval", "0", "--data",
-                   corpus, "--out", run, "--precision", "fp32", "--offload", "none", "--no-offload-params",
-                   "--checkpointing", "none", "--pp", "1", *flags)
+    r = gen_config(
+        "--init-from",
+        hf_dir,
+        "--gpus-per-node",
+        gpus,
+        "--gpu",
+        "cpu",
+        "--global-batch",
+        "16",
+        "--micro-batch",
+        "4",
+        "--warmup",
+        "1",
+        "--log-interval",
+        "1",
+        "--eval-interval",
+        "0",
+        "--data",
+        corpus,
+        "--out",
+        run,
+        "--precision",
+        "fp32",
+        "--offload",
+        "none",
+        "--no-offload-params",
+        "--checkpointing",
+        "none",
+        "--pp",
+        "1",
+        *flags,
+    )
     assert r.returncode == 0, r.stderr
 
 
@@ -132,7 +188,8 @@ def test_mixtral_expert_parallel_equals_ep1_resumes_exactly_and_exports(tmp_path
     assert after[:5] == before  # steps 4 and 5 replayed after the kill: loss, lr, grad norm bitwise
     last = ep2 / "checkpoints" / "global_step6"
     assert sorted(p.name for p in last.glob("layer_*_expert_*")) == sorted(
-        f"layer_{layer}_expert_{e}_mp_rank_00_model_states.pt" for layer in range(2) for e in range(EXPERTS))
+        f"layer_{layer}_expert_{e}_mp_rank_00_model_states.pt" for layer in range(2) for e in range(EXPERTS)
+    )
     assert ckpt_meta.read_meta(last).ep == 2
 
     ep1 = tmp_path / "ep1"
@@ -145,8 +202,10 @@ def test_mixtral_expert_parallel_equals_ep1_resumes_exactly_and_exports(tmp_path
     cls, logits, ours = exported_logits(ep2, tmp_path / "export", ids)
     with torch.no_grad():
         moved = (logits - hf(ids).logits).abs().max().item()
-    print(f"mixtral: HF loss {expected:.6f}, step 1 {rows2[0]['loss']}; ep1 - ep2 loss per step {loss_diffs}; "
-          f"aux {aux}; export - dspipe logits {(logits - ours).abs().max().item():.3g}, moved by training {moved:.3g}")
+    print(
+        f"mixtral: HF loss {expected:.6f}, step 1 {rows2[0]['loss']}; ep1 - ep2 loss per step {loss_diffs}; "
+        f"aux {aux}; export - dspipe logits {(logits - ours).abs().max().item():.3g}, moved by training {moved:.3g}"
+    )
     assert abs(float(rows2[0]["loss"]) - expected) < LOSS_TOL  # the LM loss, not LM + coef x aux
     assert len(loss_diffs) == 6 and max(loss_diffs) < LOSS_TOL
     assert float(rows2[-1]["loss"]) < float(rows2[0]["loss"]) - 0.01  # it trained
@@ -162,11 +221,17 @@ def test_mixtral_expert_parallel_equals_ep1_resumes_exactly_and_exports(tmp_path
     other = {"ep1-zero2": (2, "1"), "dp4-zero2": (4, "2")}  # the same ZeRO stage: (gpus, ep)
     for name, (gpus, ep) in other.items():
         configure(tmp_path / name, corpus, hf_dir, *train, "--zero", "2", "--ep", ep, gpus=gpus)
-    with pytest.raises(SpecError, match=r"saved with ep 2, this run has ep 1: DeepSpeed's native MoE checkpoint "
-                                        r"cannot be re-partitioned .*; resume with ep 2$"):
+    with pytest.raises(
+        SpecError,
+        match=r"saved with ep 2, this run has ep 1: DeepSpeed's native MoE checkpoint "
+        r"cannot be re-partitioned .*; resume with ep 2$",
+    ):
         ckpt.resume_point(load_run(tmp_path / "ep1-zero2"), str(last))
-    with pytest.raises(SpecError, match=r"saved with dp 2, this run has dp 4: DeepSpeed's native MoE checkpoint "
-                                        r"cannot be re-partitioned .*; resume with dp 2 \(world size 2\)$"):
+    with pytest.raises(
+        SpecError,
+        match=r"saved with dp 2, this run has dp 4: DeepSpeed's native MoE checkpoint "
+        r"cannot be re-partitioned .*; resume with dp 2 \(world size 2\)$",
+    ):
         ckpt.resume_point(load_run(tmp_path / "dp4-zero2"), str(last))
 
 
@@ -180,8 +245,10 @@ def test_qwen3_moe_expert_parallel_starts_from_transformers_and_exports_its_logi
     with torch.no_grad():
         hf_logits = hf(ids).logits
     cls, logits, ours = exported_logits(run, tmp_path / "export", ids)
-    print(f"qwen3-moe: HF loss {expected:.6f}, step 1 {rows[0]['loss']} aux {rows[0]['aux_loss']}; export - HF "
-          f"logits {(logits - hf_logits).abs().max().item():.3g}")
+    print(
+        f"qwen3-moe: HF loss {expected:.6f}, step 1 {rows[0]['loss']} aux {rows[0]['aux_loss']}; export - HF "
+        f"logits {(logits - hf_logits).abs().max().item():.3g}"
+    )
     assert abs(float(rows[0]["loss"]) - expected) < LOSS_TOL
     assert float(rows[0]["aux_loss"]) > 0
     assert built_params(run) == [planned_params(run, ep=2)] * 2  # dense + this rank's experts, read lazily
@@ -200,21 +267,84 @@ def test_sigmoid_routing_expert_parallel_equals_ep1_and_the_plain_model(tmp_path
     from dspipe.model.gpt import GPT
     from dspipe.rundir import load_run
 
-    model = ["--model", "tiny-llama", "--layers", "2", "--hidden", "64", "--heads", "4", "--seq-len", str(SEQ),
-             "--experts", str(EXPERTS), "--expert-ffn", "48", "--router-score", "sigmoid", "--router-scale", "2.5",
-             "--router-groups", "2", "--router-group-limit", "1", "--router-bias-rate", "0.01",
-             "--dropout", "0", "--steps", "6", "--lr", "3e-3", "--save-interval", "3"]
+    model = [
+        "--model",
+        "tiny-llama",
+        "--layers",
+        "2",
+        "--hidden",
+        "64",
+        "--heads",
+        "4",
+        "--seq-len",
+        str(SEQ),
+        "--experts",
+        str(EXPERTS),
+        "--expert-ffn",
+        "48",
+        "--router-score",
+        "sigmoid",
+        "--router-scale",
+        "2.5",
+        "--router-groups",
+        "2",
+        "--router-group-limit",
+        "1",
+        "--router-bias-rate",
+        "0.01",
+        "--dropout",
+        "0",
+        "--steps",
+        "6",
+        "--lr",
+        "3e-3",
+        "--save-interval",
+        "3",
+    ]
     rows = {}
-    for name, gpus, flags in (("ep2", 2, ("--zero", "2", "--ep", "2")), ("ep1", 2, ("--zero", "0", "--ep", "1")),
-                              ("dp1", 1, ("--zero", "0", "--ep", "1"))):
-        r = gen_config(*model, "--gpus-per-node", gpus, "--gpu", "cpu", "--global-batch", "16",
-                       "--micro-batch", "4", "--warmup", "1", "--log-interval", "1", "--eval-interval", "0", "--data",
-                       corpus, "--out", tmp_path / name, "--precision", "fp32", "--offload", "none",
-                       "--no-offload-params", "--checkpointing", "none", "--pp", "1", *flags)
+    for name, gpus, flags in (
+        ("ep2", 2, ("--zero", "2", "--ep", "2")),
+        ("ep1", 2, ("--zero", "0", "--ep", "1")),
+        ("dp1", 1, ("--zero", "0", "--ep", "1")),
+    ):
+        r = gen_config(
+            *model,
+            "--gpus-per-node",
+            gpus,
+            "--gpu",
+            "cpu",
+            "--global-batch",
+            "16",
+            "--micro-batch",
+            "4",
+            "--warmup",
+            "1",
+            "--log-interval",
+            "1",
+            "--eval-interval",
+            "0",
+            "--data",
+            corpus,
+            "--out",
+            tmp_path / name,
+            "--precision",
+            "fp32",
+            "--offload",
+            "none",
+            "--no-offload-params",
+            "--checkpointing",
+            "none",
+            "--pp",
+            "1",
+            *flags,
+        )
         assert r.returncode == 0, r.stderr
         if name == "dp1":  # the ep 1 run's checkpoint at step 3, resumed by one rank
-            shutil.copytree(tmp_path / "ep1" / "checkpoints", tmp_path / name / "checkpoints",
-                            ignore=shutil.ignore_patterns("global_step6"))
+            shutil.copytree(
+                tmp_path / "ep1" / "checkpoints",
+                tmp_path / name / "checkpoints",
+                ignore=shutil.ignore_patterns("global_step6"),
+            )
             (tmp_path / name / "checkpoints" / "latest").write_text("global_step3")
             r = launch(tmp_path / name, "--resume", "auto", num_gpus=1)
             ok(r)
@@ -239,9 +369,13 @@ def test_sigmoid_routing_expert_parallel_equals_ep1_and_the_plain_model(tmp_path
     tag = tmp_path / "ep1" / "checkpoints" / "global_step6"
     states = tag / "mp_rank_00_model_states.pt"
     sd = torch.load(states, weights_only=False)
-    for edit, says in ((lambda m: m.update({"h.1.mlp.router_bias": torch.zeros(3)}),
-                        r"h.1.mlp.router_bias has shape \[3\], the checkpoint's model has \[4\]"),
-                       (lambda m: m.pop("h.1.mlp.router_bias"), r"holds no weights for h.1.mlp.router_bias")):
+    for edit, says in (
+        (
+            lambda m: m.update({"h.1.mlp.router_bias": torch.zeros(3)}),
+            r"h.1.mlp.router_bias has shape \[3\], the checkpoint's model has \[4\]",
+        ),
+        (lambda m: m.pop("h.1.mlp.router_bias"), r"holds no weights for h.1.mlp.router_bias"),
+    ):
         module = dict(sd["module"])
         edit(module)
         torch.save({**sd, "module": module}, states)

@@ -3,6 +3,7 @@ ranks: the same seed and batches give the tp = 1 losses and gradient norms at sp
 at tp 2 x dp 2 on 4 ranks (ZeRO-2); the live engines report the sizes asked for; the tp 2 x dp 2 checkpoint exports
 to the same Hugging Face logits as the tp = 1 run's (tp x pp: test_tp_pp.py, test_tp_checkpoints.py). One launch per
 layout, shared by the assertions."""
+
 import json
 
 import pytest
@@ -56,10 +57,12 @@ def test_same_losses_and_grad_norms_as_tp1(runs, name):
 
 
 def test_live_engines_use_the_planned_layout(runs):
-    expected = {"tp1": dict(tp=1, sp=1, dp=2, world_size=2, tp_sharded_params=0, train_batch_size=16),
-                # the tp ranks are not data-parallel (the mpu's data groups leave them out): train_batch_size = 16
-                "sp2-zero3": dict(tp=1, sp=2, dp=1, world_size=2, train_batch_size=16, zero_stage=3),
-                "tp2xdp2-zero2": dict(tp=2, sp=1, dp=2, world_size=4, train_batch_size=16, zero_stage=2)}
+    expected = {
+        "tp1": dict(tp=1, sp=1, dp=2, world_size=2, tp_sharded_params=0, train_batch_size=16),
+        # the tp ranks are not data-parallel (the mpu's data groups leave them out): train_batch_size = 16
+        "sp2-zero3": dict(tp=1, sp=2, dp=1, world_size=2, train_batch_size=16, zero_stage=3),
+        "tp2xdp2-zero2": dict(tp=2, sp=1, dp=2, world_size=4, train_batch_size=16, zero_stage=2),
+    }
     for name, want in expected.items():
         live = json.loads((runs[name] / "engine.json").read_text())
         assert {k: live[k] for k in want} == want, name
@@ -92,8 +95,10 @@ def test_wandb_and_comet_offline_runs_hold_every_step(runs):
     import zipfile
 
     if not _monitors_installed():
-        pytest.skip("wandb / comet_ml not installed: the monitor block is checked through DeepSpeed's config class "
-                    "in tests/unit/planner/test_parallel_layout_rules.py")
+        pytest.skip(
+            "wandb / comet_ml not installed: the monitor block is checked through DeepSpeed's config class "
+            "in tests/unit/planner/test_parallel_layout_rules.py"
+        )
     tmp = runs["tp1"].parent
     ds = json.loads((runs["tp1"] / "ds_config.json").read_text())
     assert ds["wandb"]["enabled"] and ds["comet"]["enabled"] and ds["comet"]["online"] is False

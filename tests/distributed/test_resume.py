@@ -1,5 +1,6 @@
 """Checkpoints every N steps, keep-K, crash-safe saves and exact resume, with real DeepSpeed launches on 2 CPU
 ranks; plus unit tests of the pure checkpoint logic."""
+
 import json
 import os
 import shutil
@@ -9,8 +10,7 @@ import time
 
 import pytest
 
-from dspipe.runtime import ckpt_meta
-from dspipe.runtime import ckpt_tags
+from dspipe.runtime import ckpt_meta, ckpt_tags
 from tests.helpers import ROOT, csv_rows, free_port, launch, make_run, mount_tmpfs, ok, written_metrics
 
 STEPS, EVERY = 8, 3
@@ -21,14 +21,30 @@ def tags(run_dir):
 
 
 def fp32_run(tmp_path, corpus, name, *flags, steps=STEPS):
-    return make_run(tmp_path, corpus, "--precision", "fp32", "--save-interval", str(EVERY), "--keep-checkpoints", "2",
-                    *flags, steps=steps, name=name)
+    return make_run(
+        tmp_path,
+        corpus,
+        "--precision",
+        "fp32",
+        "--save-interval",
+        str(EVERY),
+        "--keep-checkpoints",
+        "2",
+        *flags,
+        steps=steps,
+        name=name,
+    )
 
 
 # ---- distributed: exactness after kill -9, crash inside a save -------------------------------------------------
 
-EXACT = {"zero1": ["--zero", "1"], "zero3": ["--zero", "3"], "pp2-zero1": ["--zero", "1", "--pp", "2"],
-         "tp2-zero1": ["--zero", "1", "--tp", "2"], "sp2-zero1": ["--zero", "1", "--sp", "2"]}
+EXACT = {
+    "zero1": ["--zero", "1"],
+    "zero3": ["--zero", "3"],
+    "pp2-zero1": ["--zero", "1", "--pp", "2"],
+    "tp2-zero1": ["--zero", "1", "--tp", "2"],
+    "sp2-zero1": ["--zero", "1", "--sp", "2"],
+}
 
 
 @pytest.mark.distributed
@@ -67,7 +83,8 @@ def test_crash_inside_a_save_keeps_the_previous_checkpoint(tmp_path, corpus):
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert [line for line in r.stderr.splitlines() if "dspipe: error:" in line] == [
         f"dspipe: error: checkpoint {ckpts / '.partial-global_step6'} is incomplete (no dspipe.json: its save was "
-        f"interrupted); resume from a complete one, e.g. --resume auto"]  # one line, from rank 0 only
+        f"interrupted); resume from a complete one, e.g. --resume auto"
+    ]  # one line, from rank 0 only
     assert (ckpts / "latest").read_text() == "global_step3"
 
     r = launch(run, "--resume", "auto")
@@ -89,8 +106,24 @@ def test_save_interval_auto_follows_each_saves_measured_time(tmp_path, corpus):
     from dspipe.rundir import load_run
     from dspipe.runtime.watchdog import read_events
 
-    run = make_run(tmp_path, corpus, "--precision", "fp32", "--zero", "1", "--sync-save", "--save-interval", "auto",
-                   "--gpu-mtbf-hours", "5e-5", "--keep-checkpoints", "100", "--log-interval", "1", steps=14)
+    run = make_run(
+        tmp_path,
+        corpus,
+        "--precision",
+        "fp32",
+        "--zero",
+        "1",
+        "--sync-save",
+        "--save-interval",
+        "auto",
+        "--gpu-mtbf-hours",
+        "5e-5",
+        "--keep-checkpoints",
+        "100",
+        "--log-interval",
+        "1",
+        steps=14,
+    )
     planned = load_run(run).train.save_interval
     assert 1 < planned < 14
     r = launch(run)
@@ -103,8 +136,18 @@ def test_save_interval_auto_follows_each_saves_measured_time(tmp_path, corpus):
     for e, following in zip(events, saved[1:], strict=True):
         meta = ckpt_meta.read_meta(run / "checkpoints" / ckpt_tags.tag_for(e["step"]))
         assert e["cost_s"] == e["blocking_s"] == meta.save["blocking_s"] > 0  # measured: the step waited for it
-        assert e["interval"] == save_interval(cost_s=e["cost_s"], write_s=e["write_s"], step_time_s=e["step_time_s"],
-                                              world=2, steps=14, async_save=False, mtbf_hours=5e-5).steps
+        assert (
+            e["interval"]
+            == save_interval(
+                cost_s=e["cost_s"],
+                write_s=e["write_s"],
+                step_time_s=e["step_time_s"],
+                world=2,
+                steps=14,
+                async_save=False,
+                mtbf_hours=5e-5,
+            ).steps
+        )
         assert following == min(e["step"] + e["interval"], 14)  # the next save: that many steps later
         assert meta.save_interval == e["was"]  # the interval in force when it was saved
         window = [rank0[s] for s in range(max(1, e["step"] - 19), e["step"] + 1)]
@@ -145,8 +188,11 @@ def test_a_kill_during_a_background_write_keeps_the_previous_checkpoint(tmp_path
     assert tags(run) == ["global_step3", "global_step6", "global_step8", "latest"]  # 3: resumed from, kept
 
 
-DP_CHANGE = {"zero1": ["--zero", "1"], "zero3": ["--zero", "3"],
-             "zero3-cpu-offload-params": ["--zero", "3", "--offload", "cpu", "--offload-params"]}
+DP_CHANGE = {
+    "zero1": ["--zero", "1"],
+    "zero3": ["--zero", "3"],
+    "zero3-cpu-offload-params": ["--zero", "3", "--offload", "cpu", "--offload-params"],
+}
 
 
 @pytest.mark.distributed
@@ -186,12 +232,17 @@ def check_disk_full_outcome(r, run, ckpts):
     assert "Traceback" not in r.stderr
     errors = [line for line in r.stderr.splitlines() if "dspipe: error:" in line]
     assert len(errors) == 1, r.stderr[-3000:]  # one line, from rank 0 only
-    assert errors[0].startswith(f"dspipe: error: saving checkpoint global_step6 in {ckpts} failed: No space "
-                                f"left on device (")
-    assert (f"the last complete checkpoint {ckpts / 'global_step3'} is intact and 'latest' names it; free space "
-            f"there, then continue with --resume auto") in errors[0]
+    assert errors[0].startswith(
+        f"dspipe: error: saving checkpoint global_step6 in {ckpts} failed: No space left on device ("
+    )
+    assert (
+        f"the last complete checkpoint {ckpts / 'global_step3'} is intact and 'latest' names it; free space "
+        f"there, then continue with --resume auto"
+    ) in errors[0]
     assert sorted(p.name for p in ckpts.iterdir() if p.name.startswith(("global", ".", "latest"))) == [
-        "global_step3", "latest"]  # the partial save was removed
+        "global_step3",
+        "latest",
+    ]  # the partial save was removed
     assert (ckpts / "latest").read_text() == "global_step3" and ckpt_tags.is_complete(ckpts / "global_step3")
     assert ckpt_tags.find_checkpoint(ckpts, "auto").name == "global_step3"
     assert [int(s) for s, *_ in written_metrics(run)] == list(range(1, 7))
@@ -220,13 +271,13 @@ def test_disk_full_during_a_save_keeps_the_previous_checkpoint(tmp_path, corpus)
         r = launch(run)
         assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
         errors = [line for line in r.stderr.splitlines() if "dspipe: error:" in line]
-        assert errors and errors[0].startswith("dspipe: error: checkpoints need (keep 2 + 1 being written) x "), \
+        assert errors and errors[0].startswith("dspipe: error: checkpoints need (keep 2 + 1 being written) x "), (
             r.stderr[-2000:]
+        )
         assert "lower --keep-checkpoints / --keep-every, or free space" in errors[0] and "Traceback" not in r.stderr
         assert not list(small.iterdir()) and not (run / "metrics.csv").exists()
         # a disk that fills during the run (the check passes at launch): the save that runs out fails cleanly
-        check_disk_full_outcome(launch(run, "--test-faults", '{"disk_fills_later": true}'), run,
-                                run / "checkpoints")
+        check_disk_full_outcome(launch(run, "--test-faults", '{"disk_fills_later": true}'), run, run / "checkpoints")
     finally:
         subprocess.run(["umount", str(small)], check=True)
 
@@ -234,8 +285,16 @@ def test_disk_full_during_a_save_keeps_the_previous_checkpoint(tmp_path, corpus)
 @pytest.mark.distributed
 def test_sigterm_finishes_the_step_saves_and_exits_0(tmp_path, corpus):
     run = fp32_run(tmp_path, corpus, "run", "--zero", "1", steps=400)
-    cmd = [shutil.which("deepspeed") or "deepspeed", "--num_gpus", "2", "--master_port", str(free_port()),
-           "run.py", "--run", str(run)]
+    cmd = [
+        shutil.which("deepspeed") or "deepspeed",
+        "--num_gpus",
+        "2",
+        "--master_port",
+        str(free_port()),
+        "run.py",
+        "--run",
+        str(run),
+    ]
     p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 300
     while time.time() < deadline and not ((run / "metrics.csv").is_file() and len(written_metrics(run)) >= 2):
@@ -265,7 +324,8 @@ def test_resume_refusals(tmp_path, corpus):
     r = launch(run, "--restart", "--resume", "auto")
     assert r.returncode == 2 and [line for line in r.stderr.splitlines() if "dspipe: error:" in line] == [
         "dspipe: error: --restart (start over from step 0) and --resume auto (continue a checkpoint) contradict "
-        "each other: pass one of them"]
+        "each other: pass one of them"
+    ]
     r = launch(run, "--resume", "global_step99")
     assert r.returncode == 2 and "checkpoint global_step99 not found" in r.stderr
     other = fp32_run(tmp_path, corpus, "other", "--zero", "1", "--hidden", "128", steps=3)
@@ -298,7 +358,8 @@ def test_resume_refusals(tmp_path, corpus):
     assert [line for line in r.stderr.splitlines() if "dspipe: error:" in line] == [
         f"dspipe: error: {optim}: names io.open, which is not a type a checkpoint holds (tensors, numbers, "
         f"containers and dspipe.runtime.safeload.ALLOWED_GLOBALS): refused without loading it, since loading it "
-        f"could run code"]
+        f"could run code"
+    ]
     assert not (tmp_path / "PWNED").exists()
     assert {str(p): p.read_bytes() for p in handed.rglob("*") if p.is_file()} == before
 
@@ -352,8 +413,10 @@ def test_bf16_zero0_kill9_default_resume_restart_and_extend(tmp_path, corpus):
     assert written_metrics(run) == written_metrics(ref) and len(written_metrics(run)) == 6  # bitwise, one row per step
     assert (run / "metrics.csv").read_text().splitlines()[0] == ",".join(STEP_COLUMNS)
     assert (run / "val_metrics.csv").read_text() == (ref / "val_metrics.csv").read_text().replace(str(ref), str(run))
-    final = [torch.load(d / "checkpoints" / "global_step6" / "mp_rank_00_model_states.pt", weights_only=False)
-             for d in (ref, run)]
+    final = [
+        torch.load(d / "checkpoints" / "global_step6" / "mp_rank_00_model_states.pt", weights_only=False)
+        for d in (ref, run)
+    ]
     assert "fp32_groups_flat" in final[0]["optimizer"]
     assert tensors_equal(final[0]["optimizer"], final[1]["optimizer"])  # fp32 master weights + Adam moments
     assert tensors_equal(final[0]["module"], final[1]["module"])
@@ -367,10 +430,13 @@ def test_bf16_zero0_kill9_default_resume_restart_and_extend(tmp_path, corpus):
     r = launch(run, "--restart")
     ok(r)
     (slot,) = (run / "previous").iterdir()
-    assert (f"dspipe: --restart: moved checkpoints, metrics.csv, metrics.rewound.csv, val_metrics.csv, engine.json, "
-            f"monitor to {slot}") in r.stdout + r.stderr  # a note: dspipe.log, on stderr
-    assert sorted(p.name for p in slot.iterdir()) == sorted(["checkpoints", "metrics.csv", "metrics.rewound.csv",
-                                                             "val_metrics.csv", "engine.json", "monitor"])
+    assert (
+        f"dspipe: --restart: moved checkpoints, metrics.csv, metrics.rewound.csv, val_metrics.csv, engine.json, "
+        f"monitor to {slot}"
+    ) in r.stdout + r.stderr  # a note: dspipe.log, on stderr
+    assert sorted(p.name for p in slot.iterdir()) == sorted(
+        ["checkpoints", "metrics.csv", "metrics.rewound.csv", "val_metrics.csv", "engine.json", "monitor"]
+    )
     # the rows the resume replayed (steps 4 and 5; the torn '6,8.0' is no row), as the killed run wrote them
     assert written_metrics(slot, name="metrics.rewound.csv") == written_metrics(ref)[3:5]  # bitwise
     assert ckpt_tags.is_complete(slot / "checkpoints" / "global_step6")

@@ -1,5 +1,6 @@
 """The runner's stability handling on 2 real CPU ranks: non-finite steps are skipped and counted (dspipe's guard for
 fp32 without ZeRO, DeepSpeed's own checks for the BF16 pipeline path), K in a row save and stop, resume goes on."""
+
 import math
 
 import pytest
@@ -14,16 +15,21 @@ def rows(run_dir):
     return {int(r["step"]): r for r in csv_rows(run_dir / "metrics.csv")}
 
 
-@pytest.mark.parametrize("flags", [["--zero", "0", "--precision", "fp32"], ["--zero", "1", "--pp", "2"]],
-                         ids=["fp32-zero0-guard", "bf16-pp2-deepspeed"])
+@pytest.mark.parametrize(
+    "flags",
+    [["--zero", "0", "--precision", "fp32"], ["--zero", "1", "--pp", "2"]],
+    ids=["fp32-zero0-guard", "bf16-pp2-deepspeed"],
+)
 def test_non_finite_steps_are_skipped_then_k_in_a_row_save_and_stop(tmp_path, corpus, flags):
     run = make_run(tmp_path, corpus, *flags, "--max-skipped-steps", "3", "--eval-interval", "0", steps=10)
     r = launch(run, "--test-faults", '{"nan_at_steps": [3, 5, 6, 7]}')
     assert r.returncode == 3, r.stdout[-3000:] + r.stderr[-3000:]
     errors = [line for line in r.stderr.splitlines() if "dspipe: error:" in line]
-    assert errors == [f"dspipe: error: 3 consecutive steps skipped (non-finite loss or gradient norm), the last at "
-                      f"step 7; saved {run / 'checkpoints' / 'global_step7'} (weights from before the first skipped "
-                      f"step); lower the lr or check the data, then relaunch to resume"]
+    assert errors == [
+        f"dspipe: error: 3 consecutive steps skipped (non-finite loss or gradient norm), the last at "
+        f"step 7; saved {run / 'checkpoints' / 'global_step7'} (weights from before the first skipped "
+        f"step); lower the lr or check the data, then relaunch to resume"
+    ]
     assert "step 3 skipped: non-finite loss or gradient norm" in r.stdout
     m = rows(run)
     assert sorted(m) == list(range(1, 8))

@@ -4,14 +4,14 @@ export-hf and generate from them (GPT-2-style tied, Llama-style untied with grou
 weights against a tp 1 run, an exact resume after a kill at the same layout, and resumes at another tp / pp / dp
 through DeepSpeed's universal checkpoint (dspipe.runtime.reshard; the module must carry universal_checkpoint_info).
 One launch per layout, shared by the assertions (module-scoped fixtures)."""
+
 import json
 import shutil
 
 import pytest
 import torch
 
-from dspipe.runtime import ckpt_meta
-from dspipe.runtime import ckpt_tags
+from dspipe.runtime import ckpt_meta, ckpt_tags
 from tests.helpers import OFFLINE, launch, make_run, max_diff, offline_here, ok, written_metrics
 
 pytestmark = [pytest.mark.distributed, pytest.mark.solo]  # 4+ ranks, or a time it measures
@@ -20,9 +20,25 @@ STEPS, EVERY = 6, 3
 
 
 def tp_run(tmp_path, corpus, name, *flags, model="tiny", gpus):
-    return make_run(tmp_path, corpus, "--model", model, "--precision", "fp32", "--zero", "1", "--save-interval",
-                    str(EVERY), "--keep-checkpoints", "3", "--gpus-per-node", str(gpus), *flags, steps=STEPS,
-                    name=name)
+    return make_run(
+        tmp_path,
+        corpus,
+        "--model",
+        model,
+        "--precision",
+        "fp32",
+        "--zero",
+        "1",
+        "--save-interval",
+        str(EVERY),
+        "--keep-checkpoints",
+        "3",
+        "--gpus-per-node",
+        str(gpus),
+        *flags,
+        steps=STEPS,
+        name=name,
+    )
 
 
 def trained(tmp_path, corpus, name, *flags, model="tiny", gpus):
@@ -74,11 +90,11 @@ def tiny_tp2(work, corpus, tiny_tp2pp2):
 
 @pytest.fixture(scope="module")
 def llama_tp2(work, corpus, llama_tp2pp2):
-    return resumed_at(work, corpus, llama_tp2pp2, "llama-tp2", "--tp", "2", "--pp", "1", model="tiny-llama",
-                      gpus=2)
+    return resumed_at(work, corpus, llama_tp2pp2, "llama-tp2", "--tp", "2", "--pp", "1", model="tiny-llama", gpus=2)
 
 
 # ---- the files and the merged weights --------------------------------------------------------------------------
+
 
 def test_tp2pp2_checkpoint_files(tiny_tp2pp2, llama_tp2pp2):
     from dspipe.runtime.ckptfiles import check_checkpoint, expected_files
@@ -86,10 +102,12 @@ def test_tp2pp2_checkpoint_files(tiny_tp2pp2, llama_tp2pp2):
     for run, layers in ((tiny_tp2pp2, 4), (llama_tp2pp2, 5)):  # tied: embedding, 2 blocks, norm; untied: + head
         names = sorted(p.name for p in tag(run).iterdir())
         assert [n for n in names if n.startswith("layer_")] == [
-            f"layer_{i:02d}-model_{r:02d}-model_states.pt" for i in range(layers) for r in range(2)]
+            f"layer_{i:02d}-model_{r:02d}-model_states.pt" for i in range(layers) for r in range(2)
+        ]
         assert [n for n in names if n.startswith(("mp_rank", "zero_pp"))] == [
             *(f"mp_rank_{m:02d}_model_states.pt" for m in range(4)),
-            *(f"zero_pp_rank_0_mp_rank_{m:02d}_optim_states.pt" for m in range(4))]
+            *(f"zero_pp_rank_0_mp_rank_{m:02d}_optim_states.pt" for m in range(4)),
+        ]
         meta = ckpt_meta.read_meta(tag(run))
         assert set(expected_files(meta)) <= set(names)
         check_checkpoint(tag(run), meta=meta)
@@ -107,6 +125,7 @@ def test_merged_tp2pp2_weights_equal_the_tp1_run(tiny_tp1, tiny_tp2pp2):
 
 # ---- export-hf and generate ------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("name", ["tiny-tp2pp2", "tiny-tp2", "llama-tp2pp2", "llama-tp2"])
 def test_export_and_generate_from_tp_checkpoints(request, work, monkeypatch, name):
     """The export loads with transformers (offline) and computes the logits of dspipe's plain GPT holding the same
@@ -115,8 +134,12 @@ def test_export_and_generate_from_tp_checkpoints(request, work, monkeypatch, nam
 
     from dspipe.tools.consolidate import load_gpt
 
-    fixture = {"tiny-tp2pp2": "tiny_tp2pp2", "tiny-tp2": "tiny_tp2", "llama-tp2pp2": "llama_tp2pp2",
-               "llama-tp2": "llama_tp2"}[name]
+    fixture = {
+        "tiny-tp2pp2": "tiny_tp2pp2",
+        "tiny-tp2": "tiny_tp2",
+        "llama-tp2pp2": "llama_tp2pp2",
+        "llama-tp2": "llama_tp2",
+    }[name]
     run = request.getfixturevalue(fixture)
     if isinstance(run, tuple):  # resumed at this layout: its own step-6 checkpoint
         run, r = run
@@ -134,13 +157,16 @@ def test_export_and_generate_from_tp_checkpoints(request, work, monkeypatch, nam
     ids = torch.tensor([AutoTokenizer.from_pretrained(out).encode("def f(x):\n    return x + 1\n")[:64]])
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits, gpt(ids), atol=1e-5, rtol=0)
-    texts = [offline_here("generate", src, "--prompt", "def ", "--temperature", "0", "--max-tokens", "8")
-             for src in (tag(run), out)]
+    texts = [
+        offline_here("generate", src, "--prompt", "def ", "--temperature", "0", "--max-tokens", "8")
+        for src in (tag(run), out)
+    ]
     assert [t.returncode for t in texts] == [0, 0], [t.stderr[-2000:] for t in texts]
     assert texts[0].stdout == texts[1].stdout and texts[0].stdout.startswith("def ")
 
 
 # ---- resume ----------------------------------------------------------------------------------------------------
+
 
 def test_kill_and_resume_at_tp2pp2_reproduces_the_uninterrupted_run(work, corpus, tiny_tp2pp2):
     run = tp_run(work, corpus, "tiny-tp2pp2-killed", "--tp", "2", "--pp", "2", gpus=4)
@@ -163,8 +189,11 @@ def same_continuation(run, ref, *, rel=1e-6):
     for (s, loss, _, norm), (_, loss_ref, _, norm_ref) in zip(got, want, strict=True):
         assert float(loss) == pytest.approx(float(loss_ref), rel=rel), s
         assert float(norm) == pytest.approx(float(norm_ref), rel=rel), s
-    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith(("global", ".", "latest"))) \
-        == ["global_step3", "global_step6", "latest"]  # the universal copy was deleted
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith(("global", ".", "latest"))) == [
+        "global_step3",
+        "global_step6",
+        "latest",
+    ]  # the universal copy was deleted
 
 
 def test_resume_tp2pp2_at_tp2_pp1(tiny_tp2pp2, tiny_tp2):
@@ -181,8 +210,7 @@ def test_resume_llama_tp2pp2_at_tp2_pp1_and_at_tp1(work, corpus, llama_tp2pp2, l
     run, r = llama_tp2
     ok(r)
     same_continuation(run, llama_tp2pp2)
-    run, r = resumed_at(work, corpus, llama_tp2pp2, "llama-tp1", "--tp", "1", "--pp", "1", model="tiny-llama",
-                        gpus=1)
+    run, r = resumed_at(work, corpus, llama_tp2pp2, "llama-tp1", "--tp", "1", "--pp", "1", model="tiny-llama", gpus=1)
     ok(r)
     same_continuation(run, llama_tp2pp2)
 

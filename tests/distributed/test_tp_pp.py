@@ -3,6 +3,7 @@ tp 2 x pp 2 x dp 2 (8 ranks) and tp 2 x Ulysses sp 2 train the plain 1-rank mode
 6 steps: every step's loss within 1e-5 relative, gradient norm within 1e-4), for a GPT-2-style model (biases,
 learned positions, tied head) and a Llama-style one (GQA, SwiGLU, rotary, untied head), with Megatron sequence
 parallelism on and off; the live engines report every axis asked for. One launch per layout."""
+
 import json
 
 import pytest
@@ -29,8 +30,20 @@ LAYOUTS = {  # name: (model, flags, ranks); each model in each layout family, se
 def runs(tmp_path_factory, corpus):
     out = {}
     for name, (model, flags, ranks) in LAYOUTS.items():
-        run_dir = make_run(tmp_path_factory.mktemp(name), corpus, "--model", MODELS[model], "--precision", "fp32",
-                           "--gpus-per-node", str(ranks), "--log-interval", "1", *flags, steps=STEPS)
+        run_dir = make_run(
+            tmp_path_factory.mktemp(name),
+            corpus,
+            "--model",
+            MODELS[model],
+            "--precision",
+            "fp32",
+            "--gpus-per-node",
+            str(ranks),
+            "--log-interval",
+            "1",
+            *flags,
+            steps=STEPS,
+        )
         r = launch(run_dir, num_gpus=ranks, port=free_port())
         assert r.returncode == 0, name + ": " + r.stdout[-3000:] + r.stderr[-3000:]
         out[name] = run_dir
@@ -57,8 +70,15 @@ def test_live_engine_uses_every_planned_axis(runs, name):
     model, flags, ranks = LAYOUTS[name]
     live = json.loads((runs[name] / "engine.json").read_text())
     tp, pp, sp = _axis(flags, "--tp"), _axis(flags, "--pp"), _axis(flags, "--sp")
-    want = dict(world_size=ranks, tp=tp, pp=pp, sp=sp, dp=ranks // (tp * pp * sp), zero_stage=_axis(flags, "--zero"),
-                train_batch_size=16)  # DeepSpeed counts only the data-parallel ranks: the global batch itself
+    want = dict(
+        world_size=ranks,
+        tp=tp,
+        pp=pp,
+        sp=sp,
+        dp=ranks // (tp * pp * sp),
+        zero_stage=_axis(flags, "--zero"),
+        train_batch_size=16,
+    )  # DeepSpeed counts only the data-parallel ranks: the global batch itself
     assert {k: live[k] for k in want} == want
     if tp == 1:
         assert live["tp_sharded_params"] == 0

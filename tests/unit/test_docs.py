@@ -20,6 +20,7 @@ the distributed tests, the demo and the wheel smoke test instead. The directory 
 commands read: `data/stdlib` (a small corpus prepared once by `dspipe prepare-data`), `examples/` (the repository's)
 and `hosts` (the two-node hostfile the multi-node page shows). `> FILE` writes the command's stdout to FILE.
 """
+
 import importlib.util
 import re
 import shlex
@@ -95,8 +96,19 @@ def prepared(tmp_path_factory):
     vocab = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9))) for _ in range(3000)]
     for k in range(32):
         (corpus / f"doc{k:02d}.txt").write_text(" ".join(rng.choice(vocab) for _ in range(6000)) + "\n")
-    r = dspipe_here("prepare-data", str(corpus), "--train-tokenizer", "1024", "--workers", "1", "--val-fraction",
-                    "0.5", "--out", str(root / "data" / "stdlib"), cwd=root)
+    r = dspipe_here(
+        "prepare-data",
+        str(corpus),
+        "--train-tokenizer",
+        "1024",
+        "--workers",
+        "1",
+        "--val-fraction",
+        "0.5",
+        "--out",
+        str(root / "data" / "stdlib"),
+        cwd=root,
+    )
     assert r.returncode == 0, r.stderr
     return root / "data"
 
@@ -113,6 +125,7 @@ def page_dirs(tmp_path_factory, prepared):
             (d / "hosts").write_text("node-1 slots=8\nnode-2 slots=8\n")
             made[page] = d
         return made[page]
+
     return get
 
 
@@ -139,8 +152,9 @@ def test_documented_command_runs(page, argv, page_dirs):
 
 
 def test_options_reference_is_generated_from_the_commands():
-    r = subprocess.run([sys.executable, "scripts/docs_reference.py", "--check"], cwd=ROOT, capture_output=True,
-                       text=True)
+    r = subprocess.run(
+        [sys.executable, "scripts/docs_reference.py", "--check"], cwd=ROOT, capture_output=True, text=True
+    )
     assert r.returncode == 0, r.stdout + r.stderr
 
 
@@ -157,11 +171,17 @@ def test_readme_is_short_and_keeps_the_two_commands():
     assert "bash scripts/demo.sh" in head and "bash scripts/setup.sh && bash scripts/test.sh" in head
 
 
-@pytest.mark.skipif(importlib.util.find_spec("mkdocs") is None or importlib.util.find_spec("material") is None,
-                    reason="mkdocs and mkdocs-material are not installed (pip install -e .[test])")
+@pytest.mark.skipif(
+    importlib.util.find_spec("mkdocs") is None or importlib.util.find_spec("material") is None,
+    reason="mkdocs and mkdocs-material are not installed (pip install -e .[test])",
+)
 def test_mkdocs_build_strict(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(tmp_path / "site")],
-                       cwd=ROOT, capture_output=True, text=True, env={"NO_MKDOCS_2_WARNING": "1",
-                                                                      **__import__("os").environ})
+    r = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(tmp_path / "site")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={"NO_MKDOCS_2_WARNING": "1", **__import__("os").environ},
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert (tmp_path / "site" / "index.html").is_file()

@@ -9,8 +9,9 @@ dspipe.json, config.yaml and --print-config without the values at their declared
 default, a Plan field's, an option's click default), so a new setting with a default touches its declaration and
 the code that uses it, not every golden. The omission compares with declarations, never with another run's output:
 a change to what every run computes still changes every golden."""
-import os
+
 import json
+import os
 from dataclasses import MISSING, fields
 
 import pytest
@@ -27,17 +28,23 @@ from tests.helpers import ROOT
 
 def _declared(cls) -> dict:
     """field -> default (tuples as the JSON lists they are written as) of a dataclass's defaulted fields."""
+
     def plain(value):
         return list(value) if isinstance(value, tuple) else value
+
     return {f.name: plain(f.default) for f in fields(cls) if f.default is not MISSING}
 
 
 PLAN_DEFAULTS = _declared(Plan)
-JSON_DEFAULTS = {**{section: _declared(cls) for cls, section in SPECS}, "plan": PLAN_DEFAULTS,
-                 "estimate": PLAN_DEFAULTS}  # the estimate repeats the plan's fields
+JSON_DEFAULTS = {
+    **{section: _declared(cls) for cls, section in SPECS},
+    "plan": PLAN_DEFAULTS,
+    "estimate": PLAN_DEFAULTS,
+}  # the estimate repeats the plan's fields
 """dspipe.json's sections -> the declared defaults of their fields."""
-YAML_DEFAULTS = {key: file_value(param, param.default)
-                 for key, param in command_params(cli.commands["gen-config"]).items()}
+YAML_DEFAULTS = {
+    key: file_value(param, param.default) for key, param in command_params(cli.commands["gen-config"]).items()
+}
 """config.yaml / --print-config key -> its value when neither a file nor a flag sets it."""
 
 
@@ -53,10 +60,13 @@ def without_defaults(name: str, text: str) -> str:
         return json.dumps(doc, indent=2) + "\n"
     if name.endswith(".yaml"):
         doc = yaml.safe_load(text) or {}
-        doc = {section: {k: v for k, v in body.items() if k not in YAML_DEFAULTS or v != YAML_DEFAULTS[k]}
-               for section, body in doc.items()}
+        doc = {
+            section: {k: v for k, v in body.items() if k not in YAML_DEFAULTS or v != YAML_DEFAULTS[k]}
+            for section, body in doc.items()
+        }
         return yaml.safe_dump({s: b for s, b in doc.items() if b}, sort_keys=False, width=120)
     return text
+
 
 GOLDEN = ROOT / "tests" / "data" / "golden"
 EXAMPLES = sorted((ROOT / "examples" / "configs").glob("*.yaml"))
@@ -85,8 +95,11 @@ def check(name: str, text: str) -> None:
 
 def written(out) -> str:
     """The run files gen-config wrote (their golden view), with the output path made neutral, as one text."""
-    parts = [f"== {f}\n" + without_defaults(f, (out / f).read_text()).replace(str(out), "<OUT>")
-             for f in WRITTEN if (out / f).exists()]
+    parts = [
+        f"== {f}\n" + without_defaults(f, (out / f).read_text()).replace(str(out), "<OUT>")
+        for f in WRITTEN
+        if (out / f).exists()
+    ]
     return "\n".join(parts)
 
 
@@ -106,7 +119,8 @@ def test_example_configs_render_as_before(example, tmp_path, monkeypatch):
 def test_third_party_presets_import_as_before(preset, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "run"
-    code, text = invoke("gen-config", "--model", "gpt2-124m", "--data", "none", "--preset", preset, "--out", out,
-                        out=out)
+    code, text = invoke(
+        "gen-config", "--model", "gpt2-124m", "--data", "none", "--preset", preset, "--out", out, out=out
+    )
     # the preset's absolute path appears in the output and in config.yaml: neutral, so the golden holds on any checkout
     check(f"third_party/{preset.stem}.txt", f"exit {code}\n{text}\n{written(out)}".replace(str(preset), "<PRESET>"))

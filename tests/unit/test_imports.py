@@ -1,4 +1,5 @@
 """The import structure: the planner wing runs without torch or deepspeed, and dspipe's import graph has no cycle."""
+
 import ast
 import os
 import subprocess
@@ -60,8 +61,13 @@ WITHOUT_TORCH = textwrap.dedent("""
 
 
 def python(code, *args, cwd):
-    return subprocess.run([sys.executable, "-c", code, *map(str, args)], cwd=cwd, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return subprocess.run(
+        [sys.executable, "-c", code, *map(str, args)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
 
 
 def test_the_planner_wing_imports_neither_torch_nor_deepspeed(tmp_path):
@@ -80,9 +86,11 @@ def test_gen_config_works_where_torch_and_deepspeed_are_absent(tmp_path):
 def test_the_checkpoint_writer_process_starts_without_deepspeed(tmp_path):
     """The spawned writer (async_save.writer_process) imports its module and the rank's main module (run.py, whose
     imports wait for __main__): neither pulls in DeepSpeed, whose import would compete with the ranks' start-up."""
-    code = ("import runpy, sys; runpy.run_path(sys.argv[1], run_name='__mp_main__'); "
-            "import dspipe.runtime.async_save; "
-            "print('LOADED:', sorted(m for m in sys.modules if m.startswith('deepspeed')))")
+    code = (
+        "import runpy, sys; runpy.run_path(sys.argv[1], run_name='__mp_main__'); "
+        "import dspipe.runtime.async_save; "
+        "print('LOADED:', sorted(m for m in sys.modules if m.startswith('deepspeed')))"
+    )
     r = python(code, ROOT / "run.py", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "LOADED: []" in r.stdout
@@ -109,7 +117,7 @@ def import_graph() -> dict[str, set[str]]:
             elif isinstance(node, ast.ImportFrom):
                 base = node.module or ""
                 if node.level:
-                    anchor = here.split(".")[:len(here.split(".")) - (node.level - 1)]
+                    anchor = here.split(".")[: len(here.split(".")) - (node.level - 1)]
                     base = ".".join([*anchor, base] if base else anchor)
                 targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
             else:
@@ -196,9 +204,16 @@ def test_the_import_graph_has_no_cycle():
 
 def test_layers_import_downward_only():
     """runtime/ and model/ import neither tools/ nor cli/; spec/ (the vocabulary) imports none of the layers above."""
-    rules = {("dspipe.runtime", "dspipe.model"): ("dspipe.tools", "dspipe.cli"),
-             ("dspipe.spec",): ("dspipe.planner", "dspipe.model", "dspipe.runtime", "dspipe.tools", "dspipe.cli")}
+    rules = {
+        ("dspipe.runtime", "dspipe.model"): ("dspipe.tools", "dspipe.cli"),
+        ("dspipe.spec",): ("dspipe.planner", "dspipe.model", "dspipe.runtime", "dspipe.tools", "dspipe.cli"),
+    }
     inside = lambda name, packages: any(name == p or name.startswith(p + ".") for p in packages)  # noqa: E731
-    wrong = [f"{module} -> {target}" for module, targets in sorted(import_graph().items()) for target in sorted(targets)
-             for sources, banned in rules.items() if inside(module, sources) and inside(target, banned)]
+    wrong = [
+        f"{module} -> {target}"
+        for module, targets in sorted(import_graph().items())
+        for target in sorted(targets)
+        for sources, banned in rules.items()
+        if inside(module, sources) and inside(target, banned)
+    ]
     assert not wrong, "imports against the layers:\n  " + "\n  ".join(wrong)

@@ -1,4 +1,5 @@
 """dspipe.log: diagnostics on stderr, one line per job (rank 0) unless DSPIPE_LOG_ALL_RANKS=1 or the record asks."""
+
 import logging
 
 import pytest

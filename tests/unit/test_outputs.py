@@ -1,6 +1,7 @@
 """Output paths of every writing command (gen-config, export-hf, prepare-data, report, slurm-script): each class of
 bad --out is one line, exit code 2, no traceback, and everything on disk byte-for-byte (and mode-for-mode) as it
 was; --force replaces only what dspipe itself wrote, and never a run's checkpoints, metrics or logs."""
+
 import contextlib
 import csv
 import io
@@ -18,8 +19,24 @@ from dspipe.errors import SpecError
 from dspipe.planner.throughput import STEP_COLUMNS
 from tests.helpers import dspipe
 
-CPU = ["--model", "tiny", "--gpu", "cpu", "--gpus-per-node", "2", "--global-batch", "16", "--micro-batch", "4",
-       "--steps", "6", "--precision", "fp32", "--zero", "1"]
+CPU = [
+    "--model",
+    "tiny",
+    "--gpu",
+    "cpu",
+    "--gpus-per-node",
+    "2",
+    "--global-batch",
+    "16",
+    "--micro-batch",
+    "4",
+    "--steps",
+    "6",
+    "--precision",
+    "fp32",
+    "--zero",
+    "1",
+]
 
 
 def snapshot(root: Path) -> dict:
@@ -115,12 +132,23 @@ def read_only(tmp_path):
 def command(name: str, w: Path, out: str, *, force: bool = True) -> list[str]:
     run = str(w / "run")
     force_flag = ["--force"] if force else []
-    return {"gen-config": ["gen-config", *CPU, "--data", str(w / "data"), "--out", out, *force_flag],
-            "export-hf": ["export-hf", run, "--out", out, *force_flag],
-            "prepare-data": ["prepare-data", str(w / "input.txt"), "--out", out, "--train-tokenizer", "260",
-                             "--workers", "1", *force_flag],
-            "report": ["report", run, "--out", out],
-            "slurm-script": ["slurm-script", run, "--out", out, *force_flag]}[name]
+    return {
+        "gen-config": ["gen-config", *CPU, "--data", str(w / "data"), "--out", out, *force_flag],
+        "export-hf": ["export-hf", run, "--out", out, *force_flag],
+        "prepare-data": [
+            "prepare-data",
+            str(w / "input.txt"),
+            "--out",
+            out,
+            "--train-tokenizer",
+            "260",
+            "--workers",
+            "1",
+            *force_flag,
+        ],
+        "report": ["report", run, "--out", out],
+        "slurm-script": ["slurm-script", run, "--out", out, *force_flag],
+    }[name]
 
 
 DIR_COMMANDS = ("gen-config", "export-hf", "prepare-data", "report")
@@ -143,8 +171,12 @@ DIR_CASES = [
     ("inside checkpoints", "@run/checkpoints/global_step6/hf", "is inside", DIR_COMMANDS),
     ("run's monitor", "@run/monitor", "which run directory", DIR_COMMANDS),
     ("a run directory", "@run", "is a run directory written by dspipe, not a", ("export-hf", "prepare-data", "report")),
-    ("a data directory", "@data", "is a prepared data directory written by dspipe, not a",
-     ("gen-config", "export-hf", "report")),
+    (
+        "a data directory",
+        "@data",
+        "is a prepared data directory written by dspipe, not a",
+        ("gen-config", "export-hf", "report"),
+    ),
     ("an export", "@export", "export-hf model directory written by dspipe, not a", ("gen-config", "prepare-data")),
     ("own kind, foreign file", "@export", "holds files dspipe did not write there (notes.txt)", ("export-hf",)),
     ("own kind, foreign file", "@data", "holds files dspipe did not write there (raw.txt)", ("prepare-data",)),
@@ -164,8 +196,9 @@ FILE_CASES = [
     ("mode 555 parent", "@locked/x.sbatch", "locked is not writable (mode 555)"),
     ("own script, mode 444, --force", "@locked.sbatch", "is read-only (mode 444)"),
 ]
-CASES = [(c, case, out, msg) for case, out, msg, cmds in DIR_CASES for c in cmds] + \
-        [("slurm-script", case, out, msg) for case, out, msg in FILE_CASES]
+CASES = [(c, case, out, msg) for case, out, msg, cmds in DIR_CASES for c in cmds] + [
+    ("slurm-script", case, out, msg) for case, out, msg in FILE_CASES
+]
 
 
 def refused(w: Path, argv: list[str], message: str) -> None:
@@ -187,8 +220,9 @@ def test_read_only_parent(world, read_only, name):
     refused(world, command(name, world, str(read_only / "out")), "is on a read-only file system")
 
 
-@pytest.mark.parametrize("name,out", [("export-hf", "export"), ("slurm-script", "script.sbatch"),
-                                      ("gen-config", "run")])
+@pytest.mark.parametrize(
+    "name,out", [("export-hf", "export"), ("slurm-script", "script.sbatch"), ("gen-config", "run")]
+)
 def test_an_existing_output_needs_force(world, name, out):
     (world / "export" / "notes.txt").unlink()  # a clean earlier export
     refused(world, command(name, world, str(world / out), force=False), "already exists (pass --force")
@@ -197,8 +231,11 @@ def test_an_existing_output_needs_force(world, name, out):
 def test_the_issues_three_cases(world):
     """gen-config --out mydata --force, export-hf RUN --out RUN --force, slurm-script --out RUN/dspipe.json."""
     refused(world, command("gen-config", world, str(world / "mydata")), "is not a run directory")
-    refused(world, ["export-hf", str(world / "run"), "--out", str(world / "run"), "--force"],
-            f"--out {world / 'run'} is a run directory written by dspipe, not an export-hf model directory")
+    refused(
+        world,
+        ["export-hf", str(world / "run"), "--out", str(world / "run"), "--force"],
+        f"--out {world / 'run'} is a run directory written by dspipe, not an export-hf model directory",
+    )
     refused(world, ["slurm-script", str(world / "run"), "--out", str(world / "run/dspipe.json")], "which run directory")
 
 
@@ -216,14 +253,20 @@ def test_gen_config_force_keeps_training_outputs(world):
 
 def test_gen_config_force_refuses_another_model_over_training_outputs(world):
     cpu = [("gpt2-124m" if a == "tiny" else a) for a in CPU]
-    refused(world, ["gen-config", *cpu, "--eval-interval", "0", "--out", str(world / "run"), "--force"],
-            "holds training outputs (checkpoints/, metrics.csv) of another model (")
+    refused(
+        world,
+        ["gen-config", *cpu, "--eval-interval", "0", "--out", str(world / "run"), "--force"],
+        "holds training outputs (checkpoints/, metrics.csv) of another model (",
+    )
 
 
 def test_bad_path_before_planning(world):
     """An impossible plan and a missing parent: the plan's error, and no parent directory created."""
-    refused(world, ["gen-config", *CPU, "--micro-batch", "3", "--out", str(world / "new/deep/run")],
-            "is not divisible by micro_batch 3")
+    refused(
+        world,
+        ["gen-config", *CPU, "--micro-batch", "3", "--out", str(world / "new/deep/run")],
+        "is not divisible by micro_batch 3",
+    )
 
 
 def test_slurm_script_force_replaces_its_own_script(world):
@@ -239,8 +282,12 @@ def test_report_replaces_its_own_report(world):
     code, lines = call(["report", str(world / "run")])
     assert code == 0, lines
     marker = outputs.read_marker(world / "run/report")
-    assert marker["dspipe"] == "report" and sorted(marker["files"]) == ["loss.png", "lr.png", "report.md",
-                                                                        "throughput.png"]
+    assert marker["dspipe"] == "report" and sorted(marker["files"]) == [
+        "loss.png",
+        "lr.png",
+        "report.md",
+        "throughput.png",
+    ]
 
 
 def test_real_process_exit_code(world):
@@ -253,6 +300,7 @@ def test_real_process_exit_code(world):
 
 
 # ---- the module itself ----------------------------------------------------------------------------------------------
+
 
 def test_owner_recognises_outputs_by_their_marker_and_legacy_names(tmp_path, corpus):
     legacy = tmp_path / "legacy"

@@ -2,6 +2,7 @@
 launch --dry-run, export-hf, generate, gen-config --data/--hostfile, plan --hostfile) and through the readers the
 runner uses (load_run, read_meta, checkpoint.read_meta, resume_point). Each damage is exit 2 with one
 `dspipe: error:` line naming the damaged file, no traceback, and nothing on disk changed or created."""
+
 from __future__ import annotations
 
 import hashlib
@@ -15,8 +16,22 @@ import pytest
 from dspipe.errors import SpecError
 from tests.helpers import make_run, run_cli
 
-GEN = ["--model", "tiny", "--gpu", "cpu", "--gpus-per-node", "2", "--global-batch", "16", "--micro-batch", "4",
-       "--steps", "20", "--warmup", "2"]
+GEN = [
+    "--model",
+    "tiny",
+    "--gpu",
+    "cpu",
+    "--gpus-per-node",
+    "2",
+    "--global-batch",
+    "16",
+    "--micro-batch",
+    "4",
+    "--steps",
+    "20",
+    "--warmup",
+    "2",
+]
 METRICS = "step,tokens,loss,lr,tokens_per_s\n1,1024,8.0,0.001,500.0\n2,2048,7.5,0.002,510.0\n"
 
 
@@ -34,11 +49,25 @@ def template(tmp_path_factory, corpus):
     (run_dir / "val_metrics.csv").write_text("step,tokens,val_loss,val_ppl\n2,2048,7.6,2000.0\n")
     ckpt = run_dir / "checkpoints" / "global_step2"
     ckpt.mkdir(parents=True)
-    meta = {"step": 2, "consumed_samples": 32,
-            "data": {"consumed_samples": 32, "epoch": 0, "seed": run.train.seed, "num_samples": 100,
-                     "seq_len": run.model.seq_len, "split": "train", "fingerprint": "ab" * 32},
-            "model": asdict(run.model), "pp": 1, "zero_stage": 1, "dp": 2, "world_size": 2,
-            "run_spec": json.loads((run_dir / "dspipe.json").read_text())}
+    meta = {
+        "step": 2,
+        "consumed_samples": 32,
+        "data": {
+            "consumed_samples": 32,
+            "epoch": 0,
+            "seed": run.train.seed,
+            "num_samples": 100,
+            "seq_len": run.model.seq_len,
+            "split": "train",
+            "fingerprint": "ab" * 32,
+        },
+        "model": asdict(run.model),
+        "pp": 1,
+        "zero_stage": 1,
+        "dp": 2,
+        "world_size": 2,
+        "run_spec": json.loads((run_dir / "dspipe.json").read_text()),
+    }
     (ckpt / "dspipe.json").write_text(json.dumps(meta, indent=2))
     (run_dir / "checkpoints" / "latest").write_text("global_step2")
     (root / "hosts").write_text("node1 slots=2\nnode2 slots=2\n")
@@ -58,11 +87,14 @@ def root(template, tmp_path):
 
 
 def snapshot(root: Path) -> dict:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
-            for p in sorted(root.rglob("*"))}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+        for p in sorted(root.rglob("*"))
+    }
 
 
 # ---- damage: each takes the JSON object (or None for raw bytes) and returns what to write -------------------------
+
 
 def edit(path: str, change):
     def apply(root: Path) -> None:
@@ -70,6 +102,7 @@ def edit(path: str, change):
         d = json.loads(f.read_text())
         change(d)
         f.write_text(json.dumps(d, indent=2))
+
     return apply
 
 
@@ -77,16 +110,19 @@ def raw(path: str, data):
     def apply(root: Path) -> None:
         f = root / path
         f.write_bytes(data(f.read_bytes()) if callable(data) else data)
+
     return apply
 
 
 def put(keys: str, value):
     """Set d[k1][k2]... = value."""
+
     def change(d):
         *head, last = keys.split(".")
         for k in head:
             d = d[k]
         d[last] = value
+
     return change
 
 
@@ -96,6 +132,7 @@ def drop(keys: str):
         for k in head:
             d = d[k]
         del d[last]
+
     return change
 
 
@@ -109,7 +146,7 @@ META = "data/meta.json"
 CKPT = "run/checkpoints/global_step2/dspipe.json"
 
 RUN_CASES = [  # (id, file named in the message, damage, words the message holds)
-    ("spec-truncated", SPEC, raw(SPEC, lambda b: b[:len(b) // 2]), "ends early"),
+    ("spec-truncated", SPEC, raw(SPEC, lambda b: b[: len(b) // 2]), "ends early"),
     ("spec-not-utf8", SPEC, raw(SPEC, lambda b: b"\xff\xfe" + b), "not UTF-8"),
     ("spec-list", SPEC, raw(SPEC, b"[1, 2]"), "JSON object"),
     ("spec-nan-lr", SPEC, text_edit(SPEC, '"lr": 0.003', '"lr": NaN'), "NaN"),
@@ -145,8 +182,13 @@ RUN_CASES = [  # (id, file named in the message, damage, words the message holds
     ("ds-number", DS, raw(DS, b"16\n"), "JSON object"),
 ]
 
-RUN_COMMANDS = [["report", "@/run"], ["slurm-script", "@/run"], ["launch", "@/run", "--dry-run"],
-                ["export-hf", "@/run", "--out", "@/out"], ["generate", "@/run", "--prompt", "x"]]
+RUN_COMMANDS = [
+    ["report", "@/run"],
+    ["slurm-script", "@/run"],
+    ["launch", "@/run", "--dry-run"],
+    ["export-hf", "@/run", "--out", "@/out"],
+    ["generate", "@/run", "--prompt", "x"],
+]
 
 
 def check(root: Path, capsys, command: list, named: str, words: str) -> None:
@@ -180,8 +222,10 @@ def test_the_undamaged_run_reads_back(root):
     assert run.ds_config["train_batch_size"] == 16 and load_engine(run) is None
 
 
-@pytest.mark.parametrize("content,words", [
-    (b'{"zero_stage": 1', None), (b"[1]", "JSON object"), (b'{"dp": NaN}', "NaN"), (b"\xff", "not UTF-8")])
+@pytest.mark.parametrize(
+    "content,words",
+    [(b'{"zero_stage": 1', None), (b"[1]", "JSON object"), (b'{"dp": NaN}', "NaN"), (b"\xff", "not UTF-8")],
+)
 def test_engine_json(root, capsys, content, words):
     """A half-written engine.json (the runner writes it while report may run) reads as 'not written yet'."""
     (root / "run" / "engine.json").write_bytes(content)
@@ -230,8 +274,11 @@ META_CASES = [
     ("vocab-huge", edit(META, put("vocab_size", 2**40)), "vocab_size must be an integer in 1..4294967296"),
     ("eos", edit(META, put("eos_id", 5000)), "eos_id must be an integer in 0..1023"),
     ("dtype", edit(META, put("dtype", "uint32")), "dtype 'uint32' does not hold vocab_size 1024"),
-    ("shard-path", edit(META, put("splits.train.shards", [{"name": "../../etc/passwd", "num_tokens": 1,
-                                                          "num_documents": 1}])), "shards[0].name must be"),
+    (
+        "shard-path",
+        edit(META, put("splits.train.shards", [{"name": "../../etc/passwd", "num_tokens": 1, "num_documents": 1}])),
+        "shards[0].name must be",
+    ),
     ("no-train", edit(META, drop("splits.train")), "splits must be an object with 'train'"),
     ("sum", edit(META, put("num_tokens", 5)), "the sum over the splits"),
     ("val-fraction", text_edit(META, '"val_fraction": 0.01', '"val_fraction": NaN'), "NaN"),
@@ -277,17 +324,26 @@ def test_a_damaged_checkpoint_meta_is_one_line(case, root, capsys):
     damage(root)
     before = snapshot(root)
     tag = "@/run/checkpoints/global_step2"
-    for command in (["export-hf", tag, "--out", "@/out"], ["generate", tag, "--prompt", "x"],
-                    ["export-hf", "@/run", "--out", "@/out"]):
+    for command in (
+        ["export-hf", tag, "--out", "@/out"],
+        ["generate", tag, "--prompt", "x"],
+        ["export-hf", "@/run", "--out", "@/out"],
+    ):
         check(root, capsys, command, "global_step2", words)
     with pytest.raises(SpecError, match=words.split("(")[0][:20]):  # the runner's resume check
         ckpt.resume_point(load_run(root / "run"), "auto")
     assert snapshot(root) == before
 
 
-@pytest.mark.parametrize("content,words", [(b"../../etc", "not a checkpoint tag"), (b"\xff\xfe", "not UTF-8"),
-                                           (b"global_step2\x00", "not a checkpoint tag"),
-                                           (b"global_step\xd9\xa3", "not a checkpoint tag")])
+@pytest.mark.parametrize(
+    "content,words",
+    [
+        (b"../../etc", "not a checkpoint tag"),
+        (b"\xff\xfe", "not UTF-8"),
+        (b"global_step2\x00", "not a checkpoint tag"),
+        (b"global_step\xd9\xa3", "not a checkpoint tag"),
+    ],
+)
 def test_a_damaged_latest_is_one_line(root, capsys, content, words):
     from dspipe.runtime import ckpt_tags
 
@@ -321,9 +377,11 @@ def test_a_damaged_hostfile_is_one_line(case, root, capsys):
     _, content, words = case
     (root / "hosts").write_bytes(content)
     before = snapshot(root)
-    for command in (["gen-config", "--model", "tiny", "--gpu", "cpu", "--hostfile", "@/hosts", "--out", "@/out"],
-                    ["plan", "--model", "tiny", "--gpu", "cpu", "--hostfile", "@/hosts"],
-                    ["launch", "@/run", "--dry-run", "--hostfile", "@/hosts"]):
+    for command in (
+        ["gen-config", "--model", "tiny", "--gpu", "cpu", "--hostfile", "@/hosts", "--out", "@/out"],
+        ["plan", "--model", "tiny", "--gpu", "cpu", "--hostfile", "@/hosts"],
+        ["launch", "@/run", "--dry-run", "--hostfile", "@/hosts"],
+    ):
         check(root, capsys, command, "hosts", words)
     with pytest.raises(SpecError, match="hosts"):
         read_hostfile(root / "hosts")
@@ -371,8 +429,9 @@ def test_a_tokenizer_json_file_loads_offline_without_the_hub(tmp_path, monkeypat
     hf.backend_tokenizer.save(str(tmp_path / "tokenizer.json"))
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    code = run_cli("prepare-data", doc, "--tokenizer", tmp_path / "tokenizer.json", "--out", tmp_path / "out",
-                   "--workers", 1)
+    code = run_cli(
+        "prepare-data", doc, "--tokenizer", tmp_path / "tokenizer.json", "--out", tmp_path / "out", "--workers", 1
+    )
     assert code == 0, capsys.readouterr().err
     meta = read_meta(tmp_path / "out")
     assert meta["vocab_size"] == len(hf) and meta["eos_id"] == 0 and meta["tokenizer_source"].endswith(".json")
@@ -380,8 +439,12 @@ def test_a_tokenizer_json_file_loads_offline_without_the_hub(tmp_path, monkeypat
     hf2 = train_bpe(iter([doc.read_text()]), vocab_size=260)
     assert len(hf2) != len(hf)
     hf2.backend_tokenizer.save(str(tmp_path / "tokenizer.json"))
-    assert run_cli("prepare-data", doc, "--tokenizer", tmp_path / "tokenizer.json", "--out", tmp_path / "out",
-                   "--workers", 1) == 0
+    assert (
+        run_cli(
+            "prepare-data", doc, "--tokenizer", tmp_path / "tokenizer.json", "--out", tmp_path / "out", "--workers", 1
+        )
+        == 0
+    )
     assert read_meta(tmp_path / "out")["vocab_size"] == len(hf2)
 
 
@@ -415,8 +478,8 @@ def test_one_long_word_trains_in_seconds(tmp_path):
     seconds = time.perf_counter() - t0
     assert seconds < 60, seconds
     assert len(tok) == 1024
-    ids = tok.backend_tokenizer.encode(word[:4 * MAX_WORD_CHARS]).ids
-    assert tok.decode(ids) == word[:4 * MAX_WORD_CHARS]  # cutting loses nothing: the pieces decode back
+    ids = tok.backend_tokenizer.encode(word[: 4 * MAX_WORD_CHARS]).ids
+    assert tok.decode(ids) == word[: 4 * MAX_WORD_CHARS]  # cutting loses nothing: the pieces decode back
     pieces = tok.backend_tokenizer.pre_tokenizer.pre_tokenize_str(word[:1000])
     assert max(len(p) for p, _ in pieces) == MAX_WORD_CHARS
 
@@ -428,8 +491,19 @@ def test_written_meta_and_specs_hold_no_non_finite_number(tmp_path):
     with pytest.raises(SpecError, match=r"refusing to write x.json: a.b\[1\] is not a finite number"):
         dumps({"a": {"b": [1.0, float("nan")]}}, what="x.json")
     with pytest.raises(SpecError, match="val_fraction"):
-        write_meta(tmp_path, {"format": "dspipe-tokens", "format_version": 1, "fingerprint": "ab" * 32,
-                              "vocab_size": 300, "eos_id": 0, "dtype": "uint16", "num_documents": 0, "num_tokens": 0,
-                              "val_fraction": float("inf"), "splits": {"train": {"num_tokens": 0, "num_documents": 0,
-                                                                                 "shards": []}}})
+        write_meta(
+            tmp_path,
+            {
+                "format": "dspipe-tokens",
+                "format_version": 1,
+                "fingerprint": "ab" * 32,
+                "vocab_size": 300,
+                "eos_id": 0,
+                "dtype": "uint16",
+                "num_documents": 0,
+                "num_tokens": 0,
+                "val_fraction": float("inf"),
+                "splits": {"train": {"num_tokens": 0, "num_documents": 0, "shards": []}},
+            },
+        )
     assert not (tmp_path / "meta.json").exists()

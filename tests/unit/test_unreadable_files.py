@@ -2,6 +2,7 @@
 data directory, replaced in turn by a link to /proc/self/mem (reading it fails with EIO, even as root), under every
 command that reads it. Each is one `dspipe: error:` line and exit 2 (or exit 0 where the command does not read that
 file), never a traceback, and nothing is written."""
+
 from __future__ import annotations
 
 import os
@@ -13,8 +14,28 @@ import pytest
 from tests.helpers import hand_checkpoint, run_cli
 
 EIO_TARGET = "/proc/self/mem"
-CPU2 = ["--model", "tiny", "--gpu", "cpu", "--gpus-per-node", "2", "--global-batch", "16", "--micro-batch", "4",
-        "--steps", "6", "--warmup", "1", "--precision", "fp32", "--zero", "0", "--pp", "1"]
+CPU2 = [
+    "--model",
+    "tiny",
+    "--gpu",
+    "cpu",
+    "--gpus-per-node",
+    "2",
+    "--global-batch",
+    "16",
+    "--micro-batch",
+    "4",
+    "--steps",
+    "6",
+    "--warmup",
+    "1",
+    "--precision",
+    "fp32",
+    "--zero",
+    "0",
+    "--pp",
+    "1",
+]
 
 
 def test_the_link_fails_with_eio(tmp_path):
@@ -51,20 +72,34 @@ def _commands(run: Path, data: Path, out: Path) -> dict[str, list]:
         "generate": ["generate", ckpt, "--prompt", "def", "--max-tokens", "2"],
         "gen-config": ["gen-config", *CPU2, "--data", data, "--out", out / "run2"],
         "gen-config --config": ["gen-config", "--config", run / "config.yaml", "--data", data, "--out", out / "run3"],
-        "gen-config blend": ["gen-config", *CPU2, "--data", f"{data.parent / 'other'}:1,{data}:1", "--out",
-                             out / "run4"],
+        "gen-config blend": [
+            "gen-config",
+            *CPU2,
+            "--data",
+            f"{data.parent / 'other'}:1,{data}:1",
+            "--out",
+            out / "run4",
+        ],
     }
 
 
 READS = {  # (command, file) pairs that must be the one-line 'cannot read it' error
-    ("report", "run/dspipe.json"), ("report", "run/ds_config.json"), ("report", "run/metrics.csv"),
-    ("report", "run/val_metrics.csv"), ("launch", "run/dspipe.json"), ("launch", "run/ds_config.json"),
-    ("slurm-script", "run/dspipe.json"), ("extend", "run/dspipe.json"), ("extend", "run/ds_config.json"),
+    ("report", "run/dspipe.json"),
+    ("report", "run/ds_config.json"),
+    ("report", "run/metrics.csv"),
+    ("report", "run/val_metrics.csv"),
+    ("launch", "run/dspipe.json"),
+    ("launch", "run/ds_config.json"),
+    ("slurm-script", "run/dspipe.json"),
+    ("extend", "run/dspipe.json"),
+    ("extend", "run/ds_config.json"),
     ("export-hf", "run/checkpoints/global_step6/mp_rank_00_model_states.pt"),
     ("export-hf", "run/checkpoints/global_step6/dspipe.json"),
     ("generate", "run/checkpoints/global_step6/mp_rank_00_model_states.pt"),
-    ("gen-config", "data/meta.json"), ("gen-config --config", "run/config.yaml"),
-    ("gen-config blend", "data/meta.json"), ("gen-config blend", "data/tokenizer/tokenizer.json"),
+    ("gen-config", "data/meta.json"),
+    ("gen-config --config", "run/config.yaml"),
+    ("gen-config blend", "data/meta.json"),
+    ("gen-config blend", "data/tokenizer/tokenizer.json"),
 }
 
 
@@ -73,14 +108,29 @@ def _files(root: Path) -> list[str]:
 
 
 def _snapshot(root: Path) -> dict:
-    return {str(p.relative_to(root)): (p.is_symlink(), p.stat().st_size if p.is_file() and not p.is_symlink()
-                                       else None) for p in sorted(root.rglob("*"))}
+    return {
+        str(p.relative_to(root)): (p.is_symlink(), p.stat().st_size if p.is_file() and not p.is_symlink() else None)
+        for p in sorted(root.rglob("*"))
+    }
 
 
 def _cases(root_files):
-    return [(command, f) for command in ("report", "launch", "slurm-script", "extend", "export-hf", "generate",
-                                         "gen-config", "gen-config --config", "gen-config blend")
-            for f in root_files if f.startswith("run/") or f.startswith("data/meta") or f.startswith("data/tok")]
+    return [
+        (command, f)
+        for command in (
+            "report",
+            "launch",
+            "slurm-script",
+            "extend",
+            "export-hf",
+            "generate",
+            "gen-config",
+            "gen-config --config",
+            "gen-config blend",
+        )
+        for f in root_files
+        if f.startswith("run/") or f.startswith("data/meta") or f.startswith("data/tok")
+    ]
 
 
 def test_every_file_under_every_command_is_one_line(pristine, tmp_path, capsys, monkeypatch):
@@ -120,8 +170,10 @@ def test_every_file_under_every_command_is_one_line(pristine, tmp_path, capsys, 
 
 
 FILE_FLAGS = {  # a file named by a flag: (the message's prefix, the file's name)
-    "--preset": ("preset ", "mine.json"), "--profile": ("--profile ", "profile.json"),
-    "--hostfile": ("hostfile ", "hosts"), "--config": ("", "config.yaml"),
+    "--preset": ("preset ", "mine.json"),
+    "--profile": ("--profile ", "profile.json"),
+    "--hostfile": ("hostfile ", "hosts"),
+    "--config": ("", "config.yaml"),
 }
 
 

@@ -4,6 +4,7 @@ the tensor-parallel shards put together by dspipe.model.tp_split) under the GPT'
 name>.pt, and every rank's start-up figures (dspipe.runtime.startup; meaningful for the first run only, the process
 being fresh) and the weight decay the engine's optimizer applies to each parameter (read from its groups) to OUT/<run
 name>.json."""
+
 import json
 import sys
 from pathlib import Path
@@ -28,8 +29,9 @@ def main(out: str, runs: list[str]) -> None:
             eng = build_engine(run, clock=clock)
             clock.mark("ready")
             plan = run.plan
-            figures = clock.gathered(mode=build_mode(zero_stage=plan.zero_stage, tp=plan.tp, pp=plan.pp),
-                                     host_is_device=True)
+            figures = clock.gathered(
+                mode=build_mode(zero_stage=plan.zero_stage, tp=plan.tp, pp=plan.pp), host_is_device=True
+            )
             engine = eng.engine
             figures["weight_decay"] = decays(engine)
             partitioned = engine.zero_optimization_partition_weights()

@@ -1,5 +1,6 @@
 """The CLI's seams: option defaults come from the spec dataclasses, dspipe.cli modules import no app.py (no cycle),
 and gen-config and bench write their run directory through the same prepare-run function."""
+
 import ast
 import json
 import subprocess
@@ -19,8 +20,20 @@ SPECS = (ModelSpec, ClusterSpec, TrainSpec, StrategySpec)
 ALIASES = {"warmup": "warmup_steps"}  # option name -> spec field where the two differ
 DEFAULTED = {f.name: f.default for cls in SPECS for f in fields(cls) if f.default is not MISSING}
 ALL_FIELDS = {f.name for cls in SPECS for f in fields(cls)}
-CPU2 = ["--model", "tiny", "--gpus-per-node", "2", "--gpu", "cpu", "--global-batch", "16", "--micro-batch", "4",
-        "--steps", "20"]
+CPU2 = [
+    "--model",
+    "tiny",
+    "--gpus-per-node",
+    "2",
+    "--gpu",
+    "cpu",
+    "--global-batch",
+    "16",
+    "--micro-batch",
+    "4",
+    "--steps",
+    "20",
+]
 
 
 def _commands() -> dict[str, click.Command]:
@@ -75,7 +88,8 @@ def test_derived_warmup_is_said_once_in_the_help_and_is_used_when_not_given():
         _, _, train, _ = request_from_options(ctx.params)
     assert train.warmup_steps == 5
     assert (train.lr, train.weight_decay, train.grad_clip, train.min_lr_ratio) == tuple(
-        DEFAULTED[k] for k in ("lr", "weight_decay", "grad_clip", "min_lr_ratio"))
+        DEFAULTED[k] for k in ("lr", "weight_decay", "grad_clip", "min_lr_ratio")
+    )
 
 
 def _imported_modules(path: Path) -> set[str]:
@@ -101,16 +115,21 @@ def _cli_modules() -> dict[str, Path]:
 def test_no_cli_module_imports_app_and_there_is_no_cycle():
     modules = _cli_modules()
     assert {"dspipe.cli.app", "dspipe.cli.options", "dspipe.cli.prepare_run", "dspipe.cli.bench"} <= set(modules)
-    offenders = [name for name, path in modules.items()
-                 if name not in ("dspipe.cli", "dspipe.cli.__main__", "dspipe.cli.app")
-                 and "dspipe.cli.app" in _imported_modules(path)]
+    offenders = [
+        name
+        for name, path in modules.items()
+        if name not in ("dspipe.cli", "dspipe.cli.__main__", "dspipe.cli.app")
+        and "dspipe.cli.app" in _imported_modules(path)
+    ]
     assert offenders == []
-    graph = {name: {m for m in _imported_modules(path) if m in modules and m not in (name, "dspipe.cli")}
-             for name, path in modules.items()}
+    graph = {
+        name: {m for m in _imported_modules(path) if m in modules and m not in (name, "dspipe.cli")}
+        for name, path in modules.items()
+    }
     done, stack = set(), []
 
     def visit(node):
-        assert node not in stack, f"import cycle: {' -> '.join(stack[stack.index(node):] + [node])}"
+        assert node not in stack, f"import cycle: {' -> '.join(stack[stack.index(node) :] + [node])}"
         if node in done:
             return
         stack.append(node)
@@ -124,11 +143,22 @@ def test_no_cli_module_imports_app_and_there_is_no_cycle():
     assert not any("dspipe.cli.app" in deps for name, deps in graph.items() if name != "dspipe.cli.app")
 
 
-@pytest.mark.parametrize("module", ["dspipe.cli.bench", "dspipe.cli.options", "dspipe.cli.prepare_run",
-                                    "dspipe.cli.launch", "dspipe.cli.data", "dspipe.cli.app"])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "dspipe.cli.bench",
+        "dspipe.cli.options",
+        "dspipe.cli.prepare_run",
+        "dspipe.cli.launch",
+        "dspipe.cli.data",
+        "dspipe.cli.app",
+    ],
+)
 def test_each_cli_module_imports_first_and_alone_without_torch(module):
-    code = (f"import sys, {module}; bad = [m for m in ('torch', 'deepspeed', 'dspipe.cli.app') "
-            f"if m in sys.modules and m != {module!r}]; print(bad); sys.exit(bool(bad))")
+    code = (
+        f"import sys, {module}; bad = [m for m in ('torch', 'deepspeed', 'dspipe.cli.app') "
+        f"if m in sys.modules and m != {module!r}]; print(bad); sys.exit(bool(bad))"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
 

@@ -1,6 +1,7 @@
 """`--config FILE.yaml` and `--print-config` (dspipe/cli/config_file.py): every option of gen-config, plan and bench in
 one table of sections; flags override the file; the printed (and written) config reproduces the run; each kind of
 bad file is one line naming the file and the key, exit code 2, nothing written; the shipped examples plan."""
+
 from __future__ import annotations
 
 import json
@@ -10,12 +11,11 @@ import click
 import pytest
 import yaml
 
-from tests.helpers import ROOT, run_cli
-
 from dspipe.cli import app, config_file, yaml_dialect
 from dspipe.cli.bench import BENCH_OPTIONS
 from dspipe.cli.config_file import COMMAND_LINE_ONLY, CONFIG_COMMANDS, OWN_MEANING, SECTIONS, file_key
 from dspipe.spec.presets import MODEL_PRESETS
+from tests.helpers import ROOT, run_cli
 
 CPU2 = ["--model", "tiny", "--gpu", "cpu", "--gpus-per-node", "2", "--global-batch", "16", "--micro-batch", "4"]
 EXAMPLES = sorted((ROOT / "examples" / "configs").glob("*.yaml"))
@@ -35,8 +35,9 @@ def unplaced(commands) -> list[str]:
                 if homes:
                     problems.append(f"{cmd.name} {p.opts[0]}: command-line only and in {homes}")
             elif len(homes) != 1:
-                problems.append(f"{cmd.name} {p.opts[0]}: in {len(homes)} sections {homes}; add it to one of "
-                                f"config_file.SECTIONS")
+                problems.append(
+                    f"{cmd.name} {p.opts[0]}: in {len(homes)} sections {homes}; add it to one of config_file.SECTIONS"
+                )
     return problems
 
 
@@ -45,6 +46,7 @@ def _commands():
 
 
 # ---- the table ---------------------------------------------------------------------------------------------------
+
 
 def test_every_option_of_gen_config_plan_and_bench_is_in_exactly_one_section():
     assert unplaced(_commands()) == []
@@ -86,6 +88,7 @@ def test_every_option_is_declared_once_in_the_option_table():
 
 # ---- round trip --------------------------------------------------------------------------------------------------
 
+
 def _leaves(d, prefix=""):
     if isinstance(d, dict):
         for k, v in d.items():
@@ -99,8 +102,23 @@ def _diff(a: dict, b: dict) -> dict:
     return {k: (x.get(k), y.get(k)) for k in sorted(set(x) | set(y)) if x.get(k) != y.get(k)}
 
 
-FLAGS = [*CPU2, "--tokens", "1M", "--lr", "3e-4", "--zero", "2", "--log-interval", "5", "--eval-interval", "0",
-         "--save-interval", "50", "--seed", "7"]
+FLAGS = [
+    *CPU2,
+    "--tokens",
+    "1M",
+    "--lr",
+    "3e-4",
+    "--zero",
+    "2",
+    "--log-interval",
+    "5",
+    "--eval-interval",
+    "0",
+    "--save-interval",
+    "50",
+    "--seed",
+    "7",
+]
 
 
 def test_gen_config_from_the_printed_config_reproduces_the_run(tmp_path, capsys, monkeypatch, corpus):
@@ -128,8 +146,10 @@ def test_gen_config_from_the_printed_config_reproduces_the_run(tmp_path, capsys,
     out = capsys.readouterr().out
     b = tmp_path / "runs/b"
     ds_a, ds_b = (json.loads((d / "ds_config.json").read_text()) for d in (a, b))
-    assert _diff(ds_a, ds_b) == {"tensorboard.output_path": ("runs/a/monitor", "runs/b/monitor"),
-                                 "csv_monitor.output_path": ("runs/a/monitor", "runs/b/monitor")}
+    assert _diff(ds_a, ds_b) == {
+        "tensorboard.output_path": ("runs/a/monitor", "runs/b/monitor"),
+        "csv_monitor.output_path": ("runs/a/monitor", "runs/b/monitor"),
+    }
     spec_a, spec_b = (json.loads((d / "dspipe.json").read_text()) for d in (a, b))
     assert _diff(spec_a, spec_b) == {"command": (spec_a["command"], spec_a["command"].replace("runs/a", "runs/b"))}
     assert (b / "config.yaml").read_text() == printed
@@ -142,8 +162,9 @@ def test_gen_config_from_the_printed_config_reproduces_the_run(tmp_path, capsys,
     assert run_cli("gen-config", "--config", tmp_path / "runs/a/config.yaml", "--out", "runs/a") == 0
     assert (other / "runs/a/ds_config.json").read_bytes() == (a / "ds_config.json").read_bytes()
     spec_c = json.loads((other / "runs/a/dspipe.json").read_text())
-    assert _diff(spec_a, spec_c) == {"command": (spec_a["command"], spec_a["command"].replace(str(tmp_path),
-                                                                                              str(other)))}
+    assert _diff(spec_a, spec_c) == {
+        "command": (spec_a["command"], spec_a["command"].replace(str(tmp_path), str(other)))
+    }
     assert (other / "runs/a/config.yaml").read_text() == printed
 
 
@@ -159,7 +180,11 @@ def test_force_rewrites_config_yaml_with_the_other_config_files(tmp_path, capsys
     assert (tmp_path / "run/metrics.csv").read_text() == "step,tokens,loss\n1,1024,8.3\n"
     assert load_run(tmp_path / "run").train.steps == 30
     assert sorted(p.name for p in (tmp_path / "run").iterdir() if not p.name.startswith(".")) == [
-        "config.yaml", "ds_config.json", "dspipe.json", "metrics.csv"]
+        "config.yaml",
+        "ds_config.json",
+        "dspipe.json",
+        "metrics.csv",
+    ]
 
 
 def test_a_preset_run_round_trips(tmp_path, capsys, monkeypatch):
@@ -179,8 +204,24 @@ def test_a_preset_run_round_trips(tmp_path, capsys, monkeypatch):
 def test_a_hostfile_run_round_trips(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "hosts").write_text("node1 slots=4\nnode2 slots=4\n")
-    assert run_cli("gen-config", "--model", "gpt2-124m", "--gpu", "a100-80g", "--hostfile", "hosts", "--zero", "1",
-                   "--data", "d", "--out", "a") == 0
+    assert (
+        run_cli(
+            "gen-config",
+            "--model",
+            "gpt2-124m",
+            "--gpu",
+            "a100-80g",
+            "--hostfile",
+            "hosts",
+            "--zero",
+            "1",
+            "--data",
+            "d",
+            "--out",
+            "a",
+        )
+        == 0
+    )
     assert run_cli("gen-config", "--config", "a/config.yaml", "--out", "b") == 0
     capsys.readouterr()
     specs = [json.loads((tmp_path / d / "dspipe.json").read_text()) for d in "ab"]
@@ -213,8 +254,12 @@ def test_flags_override_the_file_and_the_rest_comes_from_it(tmp_path, capsys, mo
     monkeypatch.chdir(tmp_path)
     (tmp_path / "c.yaml").write_text(BASE)
     assert run_cli("gen-config", "--config", "c.yaml", "--out", "file") == 0
-    assert run_cli("gen-config", "--config", "c.yaml", "--global-batch", "32", "--zero", "2", "--lr", "1e-3",
-                   "--out", "flags") == 0
+    assert (
+        run_cli(
+            "gen-config", "--config", "c.yaml", "--global-batch", "32", "--zero", "2", "--lr", "1e-3", "--out", "flags"
+        )
+        == 0
+    )
     capsys.readouterr()
     f, g = _spec(tmp_path / "file"), _spec(tmp_path / "flags")
     assert (f["train"]["global_batch"], f["plan"]["zero_stage"], f["train"]["lr"]) == (16, 1, 6e-4)
@@ -266,18 +311,27 @@ def test_yaml_1_2_scalars(tmp_path, capsys, monkeypatch):
 # ---- errors: one line, exit 2, nothing written -------------------------------------------------------------------
 
 BAD_FILES = {
-    "unknown section": ("foo:\n  x: 1\n",
-                        "unknown section 'foo' (the sections: model, cluster, train, strategy, data, logging)"),
-    "unknown key": ("strategy:\n  zeroo: 1\n",
-                    "strategy.zeroo: unknown option (the strategy options: micro_batch, zero, offload, "
-                    "offload_params, nvme_path, precision, pp, tp, tp_sp, sp, ep, checkpointing, loss_chunk, "
-                    "partition_method, reduce_bucket_size, prefetch_bucket_size, param_persistence_threshold, "
-                    "max_live_parameters, max_reuse_distance, preset, memory_headroom)"),
-    "key in another section": ("strategy:\n  steps: 5\n",
-                               "strategy.steps: unknown option in strategy (steps belongs in train)"),
-    "command-line only": ("logging:\n  force: true\n", "logging.force: --force is given on the command line only "
-                                                       "(whether this invocation may rewrite an existing run "
-                                                       "directory)"),
+    "unknown section": (
+        "foo:\n  x: 1\n",
+        "unknown section 'foo' (the sections: model, cluster, train, strategy, data, logging)",
+    ),
+    "unknown key": (
+        "strategy:\n  zeroo: 1\n",
+        "strategy.zeroo: unknown option (the strategy options: micro_batch, zero, offload, "
+        "offload_params, nvme_path, precision, pp, tp, tp_sp, sp, ep, checkpointing, loss_chunk, "
+        "partition_method, reduce_bucket_size, prefetch_bucket_size, param_persistence_threshold, "
+        "max_live_parameters, max_reuse_distance, preset, memory_headroom)",
+    ),
+    "key in another section": (
+        "strategy:\n  steps: 5\n",
+        "strategy.steps: unknown option in strategy (steps belongs in train)",
+    ),
+    "command-line only": (
+        "logging:\n  force: true\n",
+        "logging.force: --force is given on the command line only "
+        "(whether this invocation may rewrite an existing run "
+        "directory)",
+    ),
     "string for an int": ('train:\n  steps: "20"\n', "train.steps: expected an integer or null, got '20' (a string)"),
     "bool for an int": ("cluster:\n  nodes: true\n", "cluster.nodes: expected an integer, got true"),
     "float for an int": ("train:\n  global_batch: 16.0\n", "train.global_batch: expected an integer, got 16.0"),
@@ -286,37 +340,62 @@ BAD_FILES = {
     "string for a number": ("train:\n  lr: fast\n", "train.lr: expected a number, got 'fast' (a string)"),
     "bool for a stage": ("strategy:\n  zero: true\n", "strategy.zero: expected auto or one of 0, 1, 2, 3, got true"),
     "stage out of range": ("strategy:\n  zero: 4\n", "strategy.zero: expected auto or one of 0, 1, 2, 3, got 4"),
-    "bad choice": ("strategy:\n  offload: disk\n",
-                   "strategy.offload: expected auto or one of none, cpu, nvme, got 'disk' (a string)"),
+    "bad choice": (
+        "strategy:\n  offload: disk\n",
+        "strategy.offload: expected auto or one of none, cpu, nvme, got 'disk' (a string)",
+    ),
     "string for a flag": ("model:\n  untied: 'yes'\n", "model.untied: expected true or false, got 'yes' (a string)"),
     "int for a string": ("cluster:\n  gpu: 100\n", "cluster.gpu: expected a string, got 100"),
     "mapping for a string": ("data:\n  data: {a: 0.7}\n", "data.data: expected a string, got a mapping"),
     "bad auto int": ("strategy:\n  pp: two\n", "strategy.pp: expected auto or an integer, got 'two' (a string)"),
-    "bad token budget": ("train:\n  tokens: lots\n",
-                         "train.tokens: 'lots' does not parse as a token count: use a number like 300B, 1.5T or 2e9"),
-    "steps and tokens": ("train:\n  steps: 5\n  tokens: 1M\n",
-                         "train.steps and train.tokens: give one of them (the run's length), not both"),
+    "bad token budget": (
+        "train:\n  tokens: lots\n",
+        "train.tokens: 'lots' does not parse as a token count: use a number like 300B, 1.5T or 2e9",
+    ),
+    "steps and tokens": (
+        "train:\n  steps: 5\n  tokens: 1M\n",
+        "train.steps and train.tokens: give one of them (the run's length), not both",
+    ),
     "section not a mapping": ("train: 5\n", "train: expected a mapping of options, got 5"),
-    "not a mapping": ("- model: tiny\n", "expected a mapping of sections (model, cluster, train, strategy, data, "
-                                         "logging), got a list"),
-    "a scalar": ("tiny\n", "expected a mapping of sections (model, cluster, train, strategy, data, logging), got "
-                           "'tiny' (a string)"),
-    "empty": ("", "expected a mapping of sections (model, cluster, train, strategy, data, logging), got null "
-                  "(an empty file)"),
-    "duplicate key": ("train:\n  steps: 5\n  lr: 1e-4\n  steps: 6\n",
-                      "train.steps: duplicate key (line 4; first on line 2)"),
-    "duplicate section": ("train:\n  steps: 5\ntrain:\n  lr: 1e-4\n",
-                          "train: duplicate section (line 3; first on line 1)"),
+    "not a mapping": (
+        "- model: tiny\n",
+        "expected a mapping of sections (model, cluster, train, strategy, data, logging), got a list",
+    ),
+    "a scalar": (
+        "tiny\n",
+        "expected a mapping of sections (model, cluster, train, strategy, data, logging), got 'tiny' (a string)",
+    ),
+    "empty": (
+        "",
+        "expected a mapping of sections (model, cluster, train, strategy, data, logging), got null (an empty file)",
+    ),
+    "duplicate key": (
+        "train:\n  steps: 5\n  lr: 1e-4\n  steps: 6\n",
+        "train.steps: duplicate key (line 4; first on line 2)",
+    ),
+    "duplicate section": (
+        "train:\n  steps: 5\ntrain:\n  lr: 1e-4\n",
+        "train: duplicate section (line 3; first on line 1)",
+    ),
     "recursive alias": ("train: &x {steps: *x}\n", "train.steps: expected an integer or null, got a mapping"),
-    "does not parse": ("train:\n  steps: [5\n", "not valid YAML: expected ',' or ']', but got '<stream end>' (line 3, "
-                                               "column 1)"),
-    "tab indentation": ("train:\n\tsteps: 5\n", "not valid YAML: found character '\\t' that cannot start any token "
-                                                "(line 2, column 1)"),
-    "two documents": ("train: {}\n---\nmodel: {}\n", "not valid YAML: expected a single document in the stream, but "
-                                                     "found another document (line 2, column 1)"),
-    "python tag": ("train: !!python/object:os.system {}\n", "not valid YAML: could not determine a constructor for "
-                                                            "the tag 'tag:yaml.org,2002:python/object:os.system' "
-                                                            "(line 1, column 8)"),
+    "does not parse": (
+        "train:\n  steps: [5\n",
+        "not valid YAML: expected ',' or ']', but got '<stream end>' (line 3, column 1)",
+    ),
+    "tab indentation": (
+        "train:\n\tsteps: 5\n",
+        "not valid YAML: found character '\\t' that cannot start any token (line 2, column 1)",
+    ),
+    "two documents": (
+        "train: {}\n---\nmodel: {}\n",
+        "not valid YAML: expected a single document in the stream, but found another document (line 2, column 1)",
+    ),
+    "python tag": (
+        "train: !!python/object:os.system {}\n",
+        "not valid YAML: could not determine a constructor for "
+        "the tag 'tag:yaml.org,2002:python/object:os.system' "
+        "(line 1, column 8)",
+    ),
 }
 
 
@@ -333,19 +412,26 @@ def test_a_bad_file_is_one_line_naming_the_key_and_nothing_is_written(case, tmp_
     monkeypatch.chdir(tmp_path)
     text, message = BAD_FILES[case]
     (tmp_path / "config.yaml").write_text(text)
-    for command in (["gen-config", "--out", "run"], ["plan"], ["bench"], ["gen-config", "--out", "run",
-                                                                          "--print-config"]):
+    for command in (
+        ["gen-config", "--out", "run"],
+        ["plan"],
+        ["bench"],
+        ["gen-config", "--out", "run", "--print-config"],
+    ):
         _refused(tmp_path, capsys, [*command, "--config", "config.yaml", *CPU2], f"config.yaml: {message}")
         assert capsys.readouterr().out == ""
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml"]
 
 
-@pytest.mark.parametrize("case,make,message", [
-    ("missing", None, "nope.yaml: no such file (--config)"),
-    ("directory", "dir", "nope.yaml: is a directory, not a YAML file (--config)"),
-    ("not UTF-8", b"train:\n  steps: \xff\n", "nope.yaml: not UTF-8 text (byte 0xff at offset 16)"),
-    ("huge", b"#" * (yaml_dialect.MAX_BYTES + 1), "nope.yaml: larger than 1 MiB: not a config file (--config)"),
-])
+@pytest.mark.parametrize(
+    "case,make,message",
+    [
+        ("missing", None, "nope.yaml: no such file (--config)"),
+        ("directory", "dir", "nope.yaml: is a directory, not a YAML file (--config)"),
+        ("not UTF-8", b"train:\n  steps: \xff\n", "nope.yaml: not UTF-8 text (byte 0xff at offset 16)"),
+        ("huge", b"#" * (yaml_dialect.MAX_BYTES + 1), "nope.yaml: larger than 1 MiB: not a config file (--config)"),
+    ],
+)
 def test_a_file_that_cannot_be_read_is_one_line(case, make, message, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     if make == "dir":
@@ -357,11 +443,19 @@ def test_a_file_that_cannot_be_read_is_one_line(case, make, message, tmp_path, c
     assert sorted(tmp_path.iterdir()) == before
 
 
-@pytest.mark.parametrize("key,flag,value", [("train.steps", "--steps", -5), ("train.lr", "--lr", 2.0),
-                                            ("cluster.nodes", "--nodes", 0), ("train.seed", "--seed", 2**32),
-                                            ("model.dropout", "--dropout", 1.0), ("strategy.pp", "--pp", 0),
-                                            ("cluster.gpu", "--gpu", "tpu"), ("train.spike_sigma", "--spike-sigma",
-                                                                              ".inf")])
+@pytest.mark.parametrize(
+    "key,flag,value",
+    [
+        ("train.steps", "--steps", -5),
+        ("train.lr", "--lr", 2.0),
+        ("cluster.nodes", "--nodes", 0),
+        ("train.seed", "--seed", 2**32),
+        ("model.dropout", "--dropout", 1.0),
+        ("strategy.pp", "--pp", 0),
+        ("cluster.gpu", "--gpu", "tpu"),
+        ("train.spike_sigma", "--spike-sigma", ".inf"),
+    ],
+)
 def test_a_file_value_gets_the_flags_range_check(key, flag, value, tmp_path, capsys, monkeypatch):
     """Values go through the flags' click types and the specs: the same refusal as the flag, word for word."""
     monkeypatch.chdir(tmp_path)
@@ -388,6 +482,7 @@ def test_print_config_exits_0_and_writes_nothing(tmp_path, capsys, monkeypatch):
 
 # ---- examples ----------------------------------------------------------------------------------------------------
 
+
 def test_every_model_preset_has_an_example():
     assert sorted(p.stem for p in EXAMPLES) == sorted(MODEL_PRESETS)
 
@@ -409,8 +504,7 @@ def test_the_tiny_example_writes_a_run(tmp_path, capsys, monkeypatch, corpus):
     from dspipe.rundir import load_run
 
     monkeypatch.chdir(tmp_path)
-    assert run_cli("gen-config", "--config", ROOT / "examples/configs/tiny.yaml", "--data", corpus,
-                   "--out", "run") == 0
+    assert run_cli("gen-config", "--config", ROOT / "examples/configs/tiny.yaml", "--data", corpus, "--out", "run") == 0
     run = load_run(tmp_path / "run")
     assert (run.model.name, run.cluster.world_size, run.train.steps, run.train.lr) == ("tiny", 2, 300, 3e-3)
     assert run.data == str(corpus)

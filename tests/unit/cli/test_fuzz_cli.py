@@ -3,6 +3,7 @@ real command line, in-process. Each must end in exit 0 (the value happened to be
 `dspipe: error:` line; never a traceback, never another exit code, never a change to anything that existed before
 the call, and never a non-finite number in a JSON it wrote. Processes that would train or benchmark are not
 started: the functions that start them are replaced by a stand-in that records the call."""
+
 from __future__ import annotations
 
 import hashlib
@@ -19,10 +20,44 @@ from dspipe.cli import app
 
 # One family of bad values per parameter type; every option of every command gets all of its family's values.
 BAD = {
-    "int": ["nan", "inf", "-1", "0", "99999999999999999999999", "1e3", "1.5", "\u0663", "\uff18", "", " ", "0x10",
-            "-0", "9" * 400, "1" * 5000, "1_000"],
-    "float": ["nan", "inf", "-inf", "-1", "0", "1e309", "-1e309", "", "1e-320", "\u0663", "abc", "NaN", "1e999", "-0",
-              "0x10", "1_000", "\uff11", "1" * 5000],
+    "int": [
+        "nan",
+        "inf",
+        "-1",
+        "0",
+        "99999999999999999999999",
+        "1e3",
+        "1.5",
+        "\u0663",
+        "\uff18",
+        "",
+        " ",
+        "0x10",
+        "-0",
+        "9" * 400,
+        "1" * 5000,
+        "1_000",
+    ],
+    "float": [
+        "nan",
+        "inf",
+        "-inf",
+        "-1",
+        "0",
+        "1e309",
+        "-1e309",
+        "",
+        "1e-320",
+        "\u0663",
+        "abc",
+        "NaN",
+        "1e999",
+        "-0",
+        "0x10",
+        "1_000",
+        "\uff11",
+        "1" * 5000,
+    ],
     "choice": ["bogus", "", "AUTO", "\n"],
     "text": ["", " ", "a\nb", "x;rm -rf /", "$(touch pwned)", "\x00", "../../..", "\u202e", "%s%n", "-"],
     "path": ["", "/nonexistent/dir/x", "@FILE", "@DIR", "/proc/version", "a\nb", "@RUN/dspipe.json", "@READONLY/x"],
@@ -42,8 +77,13 @@ def _kind(param: click.Parameter) -> str:
         return "int"
     if isinstance(t, click.types.FloatParamType):
         return "float"
-    if isinstance(t, click.Path) or "out" in param.name or "path" in param.name or "file" in param.name \
-            or param.name in ("data", "run", "checkpoint", "source", "inputs", "hostfile", "tokenizer", "preset"):
+    if (
+        isinstance(t, click.Path)
+        or "out" in param.name
+        or "path" in param.name
+        or "file" in param.name
+        or param.name in ("data", "run", "checkpoint", "source", "inputs", "hostfile", "tokenizer", "preset")
+    ):
         return "path"
     return "text"
 
@@ -70,9 +110,31 @@ def sandbox(tmp_path_factory, corpus):
     data = keep / "data"
     shutil.copytree(corpus, data)
     run = keep / "run"
-    r = _call(["gen-config", "--model", "tiny", "--gpu", "cpu", "--gpus-per-node", "2", "--global-batch", "16",
-               "--micro-batch", "4", "--steps", "6", "--warmup", "1", "--precision", "fp32", "--data", str(data),
-               "--out", str(run)])
+    r = _call(
+        [
+            "gen-config",
+            "--model",
+            "tiny",
+            "--gpu",
+            "cpu",
+            "--gpus-per-node",
+            "2",
+            "--global-batch",
+            "16",
+            "--micro-batch",
+            "4",
+            "--steps",
+            "6",
+            "--warmup",
+            "1",
+            "--precision",
+            "fp32",
+            "--data",
+            str(data),
+            "--out",
+            str(run),
+        ]
+    )
     assert r[0] == 0, r
     (run / "metrics.csv").write_text("step,tokens,loss\n1,2048,8.3\n")
     (keep / "mydata").mkdir()
@@ -107,8 +169,24 @@ def _call(argv: list[str]) -> tuple[int, str, str]:
 
 def _base_commands(s: dict) -> dict[str, list[str]]:
     run, data, scratch = str(s["run"]), str(s["data"]), s["scratch"]
-    cpu = ["--model", "tiny", "--gpu", "cpu", "--gpus-per-node", "2", "--global-batch", "16", "--micro-batch", "4",
-           "--steps", "6", "--warmup", "1", "--precision", "fp32"]
+    cpu = [
+        "--model",
+        "tiny",
+        "--gpu",
+        "cpu",
+        "--gpus-per-node",
+        "2",
+        "--global-batch",
+        "16",
+        "--micro-batch",
+        "4",
+        "--steps",
+        "6",
+        "--warmup",
+        "1",
+        "--precision",
+        "fp32",
+    ]
     return {
         "plan": ["plan", *cpu],
         "gen-config": ["gen-config", *cpu, "--data", data, "--out", str(scratch / "OUT")],
@@ -118,18 +196,43 @@ def _base_commands(s: dict) -> dict[str, list[str]]:
         "launch": ["launch", run, "--dry-run"],
         "export-hf": ["export-hf", str(s["run"] / "checkpoints" / "global_step6"), "--out", str(scratch / "OUT")],
         "generate": ["generate", run, "--prompt", "def"],
-        "prepare-data": ["prepare-data", str(s["keep"] / "file.txt"), "--out", str(scratch / "OUT"),
-                         "--train-tokenizer", "260", "--workers", "1"],
-        "bench": ["bench", "--model", "tiny", "--gpu", "cpu", "--gpus-per-node", "2", "--global-batch", "16",
-                  "--micro-batch", "4", "--precision", "fp32"],
+        "prepare-data": [
+            "prepare-data",
+            str(s["keep"] / "file.txt"),
+            "--out",
+            str(scratch / "OUT"),
+            "--train-tokenizer",
+            "260",
+            "--workers",
+            "1",
+        ],
+        "bench": [
+            "bench",
+            "--model",
+            "tiny",
+            "--gpu",
+            "cpu",
+            "--gpus-per-node",
+            "2",
+            "--global-batch",
+            "16",
+            "--micro-batch",
+            "4",
+            "--precision",
+            "fp32",
+        ],
         "doctor": ["doctor", "--skip-allreduce"],
         "build-ops": ["build-ops", "--offload", "none"],
     }
 
 
 def _resolve(value: str, s: dict) -> str:
-    return (value.replace("@FILE", str(s["keep"] / "file.txt")).replace("@DIR", str(s["keep"] / "mydata"))
-            .replace("@RUN", str(s["run"])).replace("@READONLY", str(s["keep"] / "readonly")))
+    return (
+        value.replace("@FILE", str(s["keep"] / "file.txt"))
+        .replace("@DIR", str(s["keep"] / "mydata"))
+        .replace("@RUN", str(s["run"]))
+        .replace("@READONLY", str(s["keep"] / "readonly"))
+    )
 
 
 def _cases(s: dict) -> list[tuple[str, list[str]]]:
@@ -144,8 +247,7 @@ def _cases(s: dict) -> list[tuple[str, list[str]]]:
             for bad in BAD[_kind(param)]:
                 bad = _resolve(bad, s)
                 if isinstance(param, click.Argument):
-                    argv = [base[0], bad, *base[2:]] if len(base) > 1 and not base[1].startswith("-") \
-                        else [*base, bad]
+                    argv = [base[0], bad, *base[2:]] if len(base) > 1 and not base[1].startswith("-") else [*base, bad]
                 elif param.is_flag:
                     continue
                 else:
@@ -252,8 +354,7 @@ def test_every_subcommand_survives_generated_bad_flags(sandbox, no_launch, monke
             failures.append(f"{label}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300])
         _wipe(sandbox["scratch"])
         _wipe(cwd)
-    print(f"fuzz: {len(cases)} inputs, {outcomes[2]} refused (exit 2), {outcomes[0]} accepted, "
-          f"{len(failures)} failed")
+    print(f"fuzz: {len(cases)} inputs, {outcomes[2]} refused (exit 2), {outcomes[0]} accepted, {len(failures)} failed")
     assert failures == [], f"{len(failures)} of {len(cases)} inputs failed:\n" + "\n".join(failures)
     assert outcomes[2] > len(cases) // 2
 
@@ -281,6 +382,7 @@ def test_every_reader_survives_damaged_files(sandbox, no_launch, damage, tmp_pat
 
 # ---- checkpoint files and generate's numbers (issue 26) -----------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def ckpt_sandbox(tmp_path_factory, corpus):
     """A ZeRO-0 run directory with a hand-built checkpoint (DeepSpeed's file formats, no launch) and its export."""
@@ -288,10 +390,45 @@ def ckpt_sandbox(tmp_path_factory, corpus):
 
     root = tmp_path_factory.mktemp("fuzzckpt")
     run = root / "run"
-    r = _call(["gen-config", "--model", "tiny", "--vocab", "1024", "--gpu", "cpu", "--gpus-per-node", "2",
-               "--global-batch", "16", "--micro-batch", "4", "--steps", "6", "--warmup", "1", "--precision", "fp32",
-               "--zero", "0", "--pp", "1", "--tp", "1", "--sp", "1", "--offload", "none", "--checkpointing", "none",
-               "--data", str(corpus), "--out", str(run)])
+    r = _call(
+        [
+            "gen-config",
+            "--model",
+            "tiny",
+            "--vocab",
+            "1024",
+            "--gpu",
+            "cpu",
+            "--gpus-per-node",
+            "2",
+            "--global-batch",
+            "16",
+            "--micro-batch",
+            "4",
+            "--steps",
+            "6",
+            "--warmup",
+            "1",
+            "--precision",
+            "fp32",
+            "--zero",
+            "0",
+            "--pp",
+            "1",
+            "--tp",
+            "1",
+            "--sp",
+            "1",
+            "--offload",
+            "none",
+            "--checkpointing",
+            "none",
+            "--data",
+            str(corpus),
+            "--out",
+            str(run),
+        ]
+    )
     assert r[0] == 0, r
     tag = hand_checkpoint(run)
     assert _call(["export-hf", str(run), "--out", str(root / "hf")])[0] == 0
@@ -310,7 +447,7 @@ def _pickled(obj) -> bytes:
 
 def _flip(raw: bytes, at: float) -> bytes:
     i = int(len(raw) * at)
-    return raw[:i] + bytes([raw[i] ^ 0xFF]) + raw[i + 1:]
+    return raw[:i] + bytes([raw[i] ^ 0xFF]) + raw[i + 1 :]
 
 
 FILE_DAMAGES = {
@@ -346,8 +483,9 @@ def _resume_reader(run: Path) -> tuple[int, str, str]:
 
 
 @pytest.mark.parametrize("damage", list(FILE_DAMAGES))
-def test_every_checkpoint_reader_survives_damaged_checkpoint_files(ckpt_sandbox, no_launch, damage, tmp_path,
-                                                                   monkeypatch):
+def test_every_checkpoint_reader_survives_damaged_checkpoint_files(
+    ckpt_sandbox, no_launch, damage, tmp_path, monkeypatch
+):
     monkeypatch.chdir(tmp_path)
     for name in CHECKPOINT_FILES:
         run = tmp_path / name / "run"
@@ -355,9 +493,11 @@ def test_every_checkpoint_reader_survives_damaged_checkpoint_files(ckpt_sandbox,
         target = run / "checkpoints" / ckpt_sandbox["tag"].name / name
         target.write_bytes(FILE_DAMAGES[damage](target.read_bytes()))
         before = _snapshot(tmp_path / name)
-        outcomes = {"resume": _resume_reader(run),
-                    "export-hf": _call(["export-hf", str(run), "--out", str(tmp_path / name / "hf")]),
-                    "generate": _call(["generate", str(run), "--prompt", "def", "--max-tokens", "3"])}
+        outcomes = {
+            "resume": _resume_reader(run),
+            "export-hf": _call(["export-hf", str(run), "--out", str(tmp_path / name / "hf")]),
+            "generate": _call(["generate", str(run), "--prompt", "def", "--max-tokens", "3"]),
+        }
         for reader, (code, out, err) in outcomes.items():
             label = f"{damage} in {name}: {reader}"
             _check(code, out, err, label=label)

@@ -2,16 +2,16 @@
 themselves, so a new option is covered) and in --config files: a 5,000-digit integer (beyond Python's int-from-text
 limit of 4,300 digits), hex, underscores, fullwidth and Arabic-Indic digits, 1e999, nan and -0. Each refused value is
 one short `dspipe: error:` line naming the option, exit 2, nothing written."""
+
 from __future__ import annotations
 
 import click
 import pytest
 
-from tests.helpers import run_cli
-
 from dspipe.cli.app import cli
 from dspipe.cli.options import AutoInt, StrictFloat, StrictInt, TokenBudget
 from dspipe.spec.options import TABLE
+from tests.helpers import run_cli
 
 HUGE = "1" * 5000
 NOT_NUMBERS = ["0x10", "1_000", "\uff11\uff12", "\u0661\u0662", "1e3x", "--1"]
@@ -40,8 +40,18 @@ def _one_short_line(code, err, *, flag):
 
 def test_every_command_has_numeric_options_covered():
     commands = {c for c, _, _ in NUMERIC}
-    assert {"plan", "gen-config", "bench", "prepare-data", "launch", "doctor", "generate", "extend",
-            "calibrate", "slurm-script"} <= commands
+    assert {
+        "plan",
+        "gen-config",
+        "bench",
+        "prepare-data",
+        "launch",
+        "doctor",
+        "generate",
+        "extend",
+        "calibrate",
+        "slurm-script",
+    } <= commands
     assert len(INTEGER) > 150
 
 
@@ -55,8 +65,9 @@ def test_a_5000_digit_integer_is_one_line_with_the_limit(command, flag, tmp_path
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("section,key", [(s.section, s.key) for body in TABLE.values() for s in body
-                                         if s.kind in ("int", "auto_int")])
+@pytest.mark.parametrize(
+    "section,key", [(s.section, s.key) for body in TABLE.values() for s in body if s.kind in ("int", "auto_int")]
+)
 def test_the_option_table_states_each_integer_limit(section, key, tmp_path, capsys, monkeypatch):
     """plan and gen-config: the flag and the --config key both name the largest value the option takes."""
     from dspipe.spec.options import SETTINGS
@@ -65,8 +76,10 @@ def test_the_option_table_states_each_integer_limit(section, key, tmp_path, caps
     limit = SETTINGS[key].limit
     most = f"(at most {limit:,})" if limit is not None else "(at most 1,000 digits)"
     (tmp_path / "c.yaml").write_text(f"{section}:\n  {key}: {HUGE}\n")
-    for argv in (["plan", *CPU2, SETTINGS[key].flag_name, HUGE],
-                 ["gen-config", *CPU2, "--config", "c.yaml", "--out", "run"]):
+    for argv in (
+        ["plan", *CPU2, SETTINGS[key].flag_name, HUGE],
+        ["gen-config", *CPU2, "--config", "c.yaml", "--out", "run"],
+    ):
         code = run_cli(*argv)
         err = capsys.readouterr().err
         _one_short_line(code, err, flag=key)
@@ -87,10 +100,21 @@ def test_text_that_is_no_number_is_refused_at_parse_time(command, flag, tmp_path
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("section,key,value", [
-    ("train", "lr", HUGE), ("train", "tokens", HUGE), ("model", "model", HUGE), ("strategy", "zero", HUGE),
-    ("train", "lr", ".nan"), ("train", "lr", "1e999"), ("train", "global_batch", "0x10"),
-    ("train", "global_batch", "1_000"), ("train", "global_batch", "'16'"), ("cluster", "gpu", HUGE)])
+@pytest.mark.parametrize(
+    "section,key,value",
+    [
+        ("train", "lr", HUGE),
+        ("train", "tokens", HUGE),
+        ("model", "model", HUGE),
+        ("strategy", "zero", HUGE),
+        ("train", "lr", ".nan"),
+        ("train", "lr", "1e999"),
+        ("train", "global_batch", "0x10"),
+        ("train", "global_batch", "1_000"),
+        ("train", "global_batch", "'16'"),
+        ("cluster", "gpu", HUGE),
+    ],
+)
 def test_config_file_numbers(section, key, value, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "c.yaml").write_text(f"{section}:\n  {key}: {value}\n")
@@ -104,8 +128,9 @@ def test_config_file_numbers(section, key, value, tmp_path, capsys, monkeypatch)
 def test_minus_zero_is_zero_in_every_written_file(tmp_path, capsys, corpus):
     """-0 is a valid spelling of 0 (the value is not changed), but no written file shows -0.0."""
     out = tmp_path / "run"
-    code = run_cli("gen-config", *CPU2, "--dropout", "-0", "--weight-decay", "-0.0", "--seed", "-0",
-                   "--data", corpus, "--out", out)
+    code = run_cli(
+        "gen-config", *CPU2, "--dropout", "-0", "--weight-decay", "-0.0", "--seed", "-0", "--data", corpus, "--out", out
+    )
     capsys.readouterr()
     assert code == 0
     for name in ("dspipe.json", "ds_config.json", "config.yaml"):

@@ -1,10 +1,11 @@
 """Hostfiles: parsing, one-line errors naming the line, host/slot selection that matches DeepSpeed's own runner."""
+
 import json
 
 import pytest
 
-from dspipe.errors import SpecError
 from dspipe.cluster.hostfile import describe, parse_hostfile, read_hostfile, select
+from dspipe.errors import SpecError
 from tests.helpers import dspipe
 
 GOOD = """# two DGX nodes
@@ -71,8 +72,9 @@ POOL = "a slots=4\nb slots=4\nc slots=2\n"
 def test_selection_matches_deepspeeds_runner(include, exclude, num_nodes, num_gpus):
     from deepspeed.launcher import runner
 
-    ours = select(parse_hostfile(POOL, source="hosts"), include=include, exclude=exclude, num_nodes=num_nodes,
-                  num_gpus=num_gpus)
+    ours = select(
+        parse_hostfile(POOL, source="hosts"), include=include, exclude=exclude, num_nodes=num_nodes, num_gpus=num_gpus
+    )
     pool = runner._parse_hostfile(POOL.splitlines(keepends=True))
     theirs = runner.parse_inclusion_exclusion(pool, include, exclude)
     theirs = runner.apply_num_nodes_and_gpus(theirs, num_nodes or -1, num_gpus or -1)
@@ -86,17 +88,20 @@ def test_deepspeed_parses_every_hostfile_we_accept_to_the_same_pool():
     assert dict(runner._parse_hostfile(GOOD.splitlines(keepends=True))) == {h.name: h.slots for h in ours.hosts}
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    (dict(include="d"), "--include 'd': host 'd' is not in hostfile hosts (hosts: a, b, c)"),
-    (dict(exclude="a@z:0"), "--exclude 'a@z:0': host 'z' is not in hostfile hosts"),
-    (dict(include="c:2"), "--include 'c:2': c has slots 0..1 (hosts:3), not '2'"),
-    (dict(include="a:"), "'a:' is not NAME[:SLOT,...]"),
-    (dict(include="a", exclude="b"), "--include and --exclude are mutually exclusive"),
-    (dict(include="a", num_gpus=1), "cannot be combined with --include/--exclude"),
-    (dict(exclude="a@b@c"), "--include/--exclude leave no hosts"),
-    (dict(num_nodes=4), "--num-nodes 4 > 3 hosts in hosts"),
-    (dict(num_gpus=3), "--num-gpus 3 > slots of c (2) in hosts"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(include="d"), "--include 'd': host 'd' is not in hostfile hosts (hosts: a, b, c)"),
+        (dict(exclude="a@z:0"), "--exclude 'a@z:0': host 'z' is not in hostfile hosts"),
+        (dict(include="c:2"), "--include 'c:2': c has slots 0..1 (hosts:3), not '2'"),
+        (dict(include="a:"), "'a:' is not NAME[:SLOT,...]"),
+        (dict(include="a", exclude="b"), "--include and --exclude are mutually exclusive"),
+        (dict(include="a", num_gpus=1), "cannot be combined with --include/--exclude"),
+        (dict(exclude="a@b@c"), "--include/--exclude leave no hosts"),
+        (dict(num_nodes=4), "--num-nodes 4 > 3 hosts in hosts"),
+        (dict(num_gpus=3), "--num-gpus 3 > slots of c (2) in hosts"),
+    ],
+)
 def test_bad_selections(kwargs, message):
     with pytest.raises(SpecError) as e:
         select(parse_hostfile(POOL, source="hosts"), **kwargs)
@@ -117,17 +122,22 @@ def test_gen_config_derives_the_cluster_from_the_hostfile(tmp_path):
     spec = json.loads((tmp_path / "runs/a/dspipe.json").read_text())
     assert spec["cluster"]["nodes"] == 2 and spec["cluster"]["gpus_per_node"] == 2
     assert spec["plan"]["world_size"] == 4 and spec["plan"]["dp"] == 4  # the world size the config was made for
-    assert (f"deepspeed --hostfile {tmp_path / 'hosts'} --num_nodes 2 --num_gpus 2 --module dspipe.runtime.entry "
-            f"--run {tmp_path / 'runs/a'}") in r.stdout
+    assert (
+        f"deepspeed --hostfile {tmp_path / 'hosts'} --num_nodes 2 --num_gpus 2 --module dspipe.runtime.entry "
+        f"--run {tmp_path / 'runs/a'}"
+    ) in r.stdout
 
 
-@pytest.mark.parametrize("hosts,flags,message", [
-    ("n1 slots=2\nn2 slots=4\n", [], "hosts:2: n2 has slots=4 but n1 (line 1) has slots=2"),
-    ("n1 slots=2\nn1 slots=2\n", [], "hosts:2: 'n1 slots=2': duplicate host n1 (first on line 1)"),
-    ("n1 slots=x\n", [], "hosts:1: 'n1 slots=x': slots must be a positive integer, got 'x'"),
-    ("n1 slots=2\nn2 slots=2\n", ["--nodes", "3"], "--nodes 3 contradicts hostfile hosts (2 nodes x 2 slots)"),
-    (None, [], "hostfile hosts does not exist"),
-])
+@pytest.mark.parametrize(
+    "hosts,flags,message",
+    [
+        ("n1 slots=2\nn2 slots=4\n", [], "hosts:2: n2 has slots=4 but n1 (line 1) has slots=2"),
+        ("n1 slots=2\nn1 slots=2\n", [], "hosts:2: 'n1 slots=2': duplicate host n1 (first on line 1)"),
+        ("n1 slots=x\n", [], "hosts:1: 'n1 slots=x': slots must be a positive integer, got 'x'"),
+        ("n1 slots=2\nn2 slots=2\n", ["--nodes", "3"], "--nodes 3 contradicts hostfile hosts (2 nodes x 2 slots)"),
+        (None, [], "hostfile hosts does not exist"),
+    ],
+)
 def test_gen_config_hostfile_errors_are_one_line_exit_2(tmp_path, hosts, flags, message):
     if hosts is not None:
         (tmp_path / "hosts").write_text(hosts)

@@ -1,5 +1,6 @@
 """`dspipe launch --dry-run` checked against DeepSpeed's own runner, .deepspeed_env, slurm-script, and the launch
 refusals (world size, hosts, ports, missing files) as one-line errors with exit code 2. Starts no ranks."""
+
 import base64
 import json
 import shlex
@@ -10,8 +11,8 @@ import types
 
 import pytest
 
-from dspipe.errors import SpecError
 from dspipe.cluster.netenv import NetworkSpec, parse_env_assignments, rank_environment, write_env_file
+from dspipe.errors import SpecError
 from dspipe.spec.core import ClusterSpec
 from tests.helpers import dspipe, free_port
 
@@ -24,9 +25,11 @@ def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("launch")
     (d / "hosts").write_text("localhost slots=1\n127.0.0.1 slots=1\n")
     (d / "hosts8").write_text("gpu-a slots=8\ngpu-b slots=8\n")
-    for name, flags in {"two": ["--gpu", "cpu", "--hostfile", "hosts"],
-                        "single": ["--gpu", "cpu", "--gpus-per-node", "2"],
-                        "h100": ["--gpu", "h100-80g", "--hostfile", "hosts8", "--global-batch", "64"]}.items():
+    for name, flags in {
+        "two": ["--gpu", "cpu", "--hostfile", "hosts"],
+        "single": ["--gpu", "cpu", "--gpus-per-node", "2"],
+        "h100": ["--gpu", "h100-80g", "--hostfile", "hosts8", "--global-batch", "64"],
+    }.items():
         r = dspipe(*TINY, *flags, "--out", f"runs/{name}", cwd=d)
         assert r.returncode == 0, r.stderr
     return d
@@ -36,14 +39,14 @@ def dry_run(runs, *args):
     r = dspipe("launch", *args, "--dry-run", cwd=runs)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
-    env = dict(ln[len("export "):].split("=", 1) for ln in lines if ln.startswith("export "))
+    env = dict(ln[len("export ") :].split("=", 1) for ln in lines if ln.startswith("export "))
     commands = [shlex.split(ln) for ln in lines if ln and not ln.startswith(("#", "export "))]
     return {k: shlex.split(v)[0] for k, v in env.items()}, commands
 
 
 def runner_args(argv):
     """The arguments after the launcher itself (`deepspeed` or `python -m deepspeed.launcher.runner`)."""
-    return argv[1:] if argv[0] == "deepspeed" else argv[argv.index("deepspeed.launcher.runner") + 1:]
+    return argv[1:] if argv[0] == "deepspeed" else argv[argv.index("deepspeed.launcher.runner") + 1 :]
 
 
 def deepspeed_main(argv, env, monkeypatch, cwd):
@@ -64,9 +67,17 @@ def deepspeed_main(argv, env, monkeypatch, cwd):
         return Proc()
 
     monkeypatch.chdir(cwd)
-    monkeypatch.setattr(runner, "subprocess", types.SimpleNamespace(
-        Popen=popen, check_call=lambda *a, **k: 0, check_output=lambda *a, **k: b"10.9.8.7\n",
-        CalledProcessError=subprocess.CalledProcessError, DEVNULL=subprocess.DEVNULL))
+    monkeypatch.setattr(
+        runner,
+        "subprocess",
+        types.SimpleNamespace(
+            Popen=popen,
+            check_call=lambda *a, **k: 0,
+            check_output=lambda *a, **k: b"10.9.8.7\n",
+            CalledProcessError=subprocess.CalledProcessError,
+            DEVNULL=subprocess.DEVNULL,
+        ),
+    )
     monkeypatch.setattr(runner, "signal", types.SimpleNamespace(signal=lambda *a: None, SIGINT=2, SIGTERM=15))
     monkeypatch.setattr(runner, "DEEPSPEED_ENVIRONMENT_NAME", env["DS_ENV_FILE"])  # what DS reads from $DS_ENV_FILE
     for cls in (multinode_runner.PDSHRunner, multinode_runner.OpenMPIRunner, multinode_runner.SlurmRunner):
@@ -86,14 +97,29 @@ def write_env(runs, name, env):
 
 def test_dry_run_pdsh_is_what_deepspeeds_runner_accepts(runs, monkeypatch):
     port = free_port()
-    env, (argv,) = dry_run(runs, "runs/two", "--hostfile", "hosts", "--master-addr", "127.0.0.1", "--master-port",
-                           port, "--env", "DSPIPE_PROBE=1")
-    assert env == {"DS_ENV_FILE": str(runs / "runs/two/.deepspeed_env"), "DEEPSPEED_TIMEOUT": "30",
-                   "DSPIPE_PROBE": "1"}
+    env, (argv,) = dry_run(
+        runs,
+        "runs/two",
+        "--hostfile",
+        "hosts",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        port,
+        "--env",
+        "DSPIPE_PROBE=1",
+    )
+    assert env == {"DS_ENV_FILE": str(runs / "runs/two/.deepspeed_env"), "DEEPSPEED_TIMEOUT": "30", "DSPIPE_PROBE": "1"}
     from deepspeed.launcher.runner import parse_args
+
     a = parse_args(runner_args(argv))
-    assert (a.hostfile, a.launcher, a.master_addr, a.master_port, a.no_ssh) == ("hosts", "pdsh", "127.0.0.1", port,
-                                                                                False)
+    assert (a.hostfile, a.launcher, a.master_addr, a.master_port, a.no_ssh) == (
+        "hosts",
+        "pdsh",
+        "127.0.0.1",
+        port,
+        False,
+    )
     assert (a.module, a.user_script, a.user_args) == (True, "dspipe.runtime.entry", ["--run", "runs/two"])  # any cwd
     write_env(runs, "two", env)
     cmd, _ = deepspeed_main(argv, env, monkeypatch, runs)
@@ -108,6 +134,7 @@ def test_dry_run_pdsh_is_what_deepspeeds_runner_accepts(runs, monkeypatch):
 def test_dry_run_openmpi_is_what_deepspeeds_runner_accepts(runs, monkeypatch):
     env, (argv,) = dry_run(runs, "runs/two", "--hostfile", "hosts", "--launcher", "openmpi", "--env", "A_B=c:d")
     from deepspeed.launcher.runner import parse_args
+
     a = parse_args(runner_args(argv))
     assert (a.hostfile, a.launcher, a.include, a.num_gpus) == ("hosts", "openmpi", "", -1)
     write_env(runs, "two", env)
@@ -118,11 +145,17 @@ def test_dry_run_openmpi_is_what_deepspeeds_runner_accepts(runs, monkeypatch):
 
 
 def test_dry_run_slurm_is_what_deepspeeds_runner_accepts(runs, monkeypatch):
-    env, (argv,) = dry_run(runs, "runs/h100", "--hostfile", "hosts8", "--launcher", "slurm", "--ifname", "ib0",
-                           "--ib-hca", "mlx5_0,mlx5_1")
+    env, (argv,) = dry_run(
+        runs, "runs/h100", "--hostfile", "hosts8", "--launcher", "slurm", "--ifname", "ib0", "--ib-hca", "mlx5_0,mlx5_1"
+    )
     assert {k: env[k] for k in ("NCCL_SOCKET_IFNAME", "NCCL_IB_HCA", "NCCL_IB_DISABLE", "NCCL_DEBUG")} == {
-        "NCCL_SOCKET_IFNAME": "ib0", "NCCL_IB_HCA": "mlx5_0,mlx5_1", "NCCL_IB_DISABLE": "0", "NCCL_DEBUG": "WARN"}
+        "NCCL_SOCKET_IFNAME": "ib0",
+        "NCCL_IB_HCA": "mlx5_0,mlx5_1",
+        "NCCL_IB_DISABLE": "0",
+        "NCCL_DEBUG": "WARN",
+    }
     from deepspeed.launcher.runner import parse_args
+
     assert parse_args(runner_args(argv)).launcher == "slurm"
     write_env(runs, "h100", env)
     cmd, _ = deepspeed_main(argv, env, monkeypatch, runs)
@@ -135,6 +168,7 @@ def test_dry_run_slurm_is_what_deepspeeds_runner_accepts(runs, monkeypatch):
 def test_dry_run_no_ssh_prints_one_command_per_node(runs, monkeypatch):
     env, commands = dry_run(runs, "runs/two", "--hostfile", "hosts", "--no-ssh", "--master-addr", "127.0.0.1")
     from deepspeed.launcher.runner import parse_args
+
     parsed = [parse_args(runner_args(c)) for c in commands]
     assert [(a.no_ssh, a.node_rank, a.master_addr) for a in parsed] == [(True, 0, "127.0.0.1"), (True, 1, "127.0.0.1")]
     cmd, child_env = deepspeed_main(commands[1], env, monkeypatch, runs)
@@ -151,6 +185,7 @@ def test_dry_run_single_node(runs, monkeypatch):
 def test_include_passes_through(runs):
     _, (argv,) = dry_run(runs, "runs/h100", "--hostfile", "hosts8", "--include", "gpu-a@gpu-b")
     from deepspeed.launcher.runner import parse_args
+
     assert parse_args(runner_args(argv)).include == "gpu-a@gpu-b"
 
 
@@ -166,23 +201,36 @@ def fails(runs, *args, message):
 BAD_LAUNCHES = [
     (["runs/two", "--hostfile", "hosts", "--include", "gpu-z"], "--include 'gpu-z': host 'gpu-z' is not in hostfile"),
     (["runs/two", "--hostfile", "nope"], "hostfile nope does not exist"),
-    (["runs/two", "--hostfile", "hosts", "--include", "localhost"],
-     "runs/two was generated for world size 2 (2 nodes x 1), but hostfile hosts gives 1 (localhost:0); "
-     "regenerate with 'dspipe gen-config ... --hostfile hosts --out runs/two --force'"),
-    (["runs/single", "--num-gpus", "1"], "runs/single was generated for world size 2 (1 nodes x 2), but --num-gpus 1 "
-                                         "gives 1 (localhost:0); regenerate with 'dspipe gen-config ... --nodes 1 "
-                                         "--gpus-per-node 1"),
-    (["runs/h100", "--hostfile", "hosts8", "--exclude", "gpu-b:6,7"], "world size 16 (2 nodes x 8), but hostfile "
-                                                                      "hosts8 gives 14 (gpu-a:0-7 + gpu-b:0-5)"),
+    (
+        ["runs/two", "--hostfile", "hosts", "--include", "localhost"],
+        "runs/two was generated for world size 2 (2 nodes x 1), but hostfile hosts gives 1 (localhost:0); "
+        "regenerate with 'dspipe gen-config ... --hostfile hosts --out runs/two --force'",
+    ),
+    (
+        ["runs/single", "--num-gpus", "1"],
+        "runs/single was generated for world size 2 (1 nodes x 2), but --num-gpus 1 "
+        "gives 1 (localhost:0); regenerate with 'dspipe gen-config ... --nodes 1 "
+        "--gpus-per-node 1",
+    ),
+    (
+        ["runs/h100", "--hostfile", "hosts8", "--exclude", "gpu-b:6,7"],
+        "world size 16 (2 nodes x 8), but hostfile hosts8 gives 14 (gpu-a:0-7 + gpu-b:0-5)",
+    ),
     (["runs/two"], "runs/two was generated for 2 nodes x 1; pass --hostfile"),
     (["runs/two", "--hostfile", "hosts", "--no-ssh", "--node-rank", "2"], "--node-rank 2 is outside 0..1"),
     (["runs/two", "--hostfile", "hosts", "--node-rank", "1"], "--node-rank only applies with --no-ssh"),
-    (["runs/two", "--hostfile", "hosts", "--launcher", "openmpi", "--num-gpus", "1"],
-     "DeepSpeed's OpenMPI backend takes no --include/--exclude/--num-nodes/--num-gpus"),
-    (["runs/two", "--hostfile", "hosts", "--launcher", "slurm", "--master-port", "1234"],
-     "--launcher slurm does not pass --master-addr/--master-port to the ranks"),
-    (["runs/two", "--hostfile", "hosts", "--launcher", "openmpi", "--env", "X=a b"],
-     "--launcher openmpi cannot export X=a b"),
+    (
+        ["runs/two", "--hostfile", "hosts", "--launcher", "openmpi", "--num-gpus", "1"],
+        "DeepSpeed's OpenMPI backend takes no --include/--exclude/--num-nodes/--num-gpus",
+    ),
+    (
+        ["runs/two", "--hostfile", "hosts", "--launcher", "slurm", "--master-port", "1234"],
+        "--launcher slurm does not pass --master-addr/--master-port to the ranks",
+    ),
+    (
+        ["runs/two", "--hostfile", "hosts", "--launcher", "openmpi", "--env", "X=a b"],
+        "--launcher openmpi cannot export X=a b",
+    ),
     (["runs/two", "--hostfile", "hosts", "--env", "RANK=3"], "RANK is set by DeepSpeed's launcher"),
     (["runs/two", "--hostfile", "hosts", "--env", "3X=1"], "--env '3X=1' is not KEY=VALUE"),
     (["runs/two", "--hostfile", "hosts", "--ib-hca", "mlx5_0"], "uses gloo, not NCCL"),
@@ -198,13 +246,21 @@ def test_bad_launches_are_one_line_errors(runs, args, message):
 
 def test_no_ssh_launch_needs_the_node_rank(runs):
     """--dry-run prints every node's command; a real launch starts one node and must know which."""
-    fails(runs, "launch", "runs/two", "--hostfile", "hosts", "--no-ssh",
-          message="run this with --node-rank R (0..1) on each node, or see them all with --dry-run")
+    fails(
+        runs,
+        "launch",
+        "runs/two",
+        "--hostfile",
+        "hosts",
+        "--no-ssh",
+        message="run this with --node-rank R (0..1) on each node, or see them all with --dry-run",
+    )
 
 
 def test_slurm_needs_even_nodes(tmp_path):
     """srun starts the same number of tasks per node: 1 + 2 slots cannot be `srun -n 3` over two nodes."""
     from dspipe.cluster.launch import LaunchSpec, build
+
     (tmp_path / "hosts").write_text("a slots=2\nb slots=2\n")
     spec = LaunchSpec(hostfile=str(tmp_path / "hosts"), exclude="a:1", launcher="slurm")
     with pytest.raises(SpecError, match=r"same number of ranks on every node .* a:0 \+ b:0-1"):
@@ -223,21 +279,42 @@ def test_port_in_use_refuses_before_starting_anything(runs):
 def test_missing_backend_is_named(runs):
     if shutil.which("ompi_info"):
         pytest.skip("OpenMPI is installed here")
-    fails(runs, "launch", "runs/two", "--hostfile", "hosts", "--launcher", "openmpi",
-          message="--launcher openmpi needs ompi_info, mpirun on this machine")
+    fails(
+        runs,
+        "launch",
+        "runs/two",
+        "--hostfile",
+        "hosts",
+        "--launcher",
+        "openmpi",
+        message="--launcher openmpi needs ompi_info, mpirun on this machine",
+    )
 
 
 def test_rank_environment_for_nccl_and_gloo(tmp_path):
     gpu2 = ClusterSpec(nodes=2, gpus_per_node=8, gpu="h100-80g")
-    env = rank_environment(cluster=gpu2, network=NetworkSpec(
-        socket_ifname="eth0", nccl_debug="INFO", timeout_minutes=45,
-        extra=parse_env_assignments(["NCCL_IB_GID_INDEX=3", "NCCL_DEBUG=WARN"])))
-    assert env == {"DEEPSPEED_TIMEOUT": "45", "NCCL_DEBUG": "WARN", "NCCL_SOCKET_IFNAME": "eth0",
-                   "NCCL_IB_DISABLE": "0", "NCCL_IB_GID_INDEX": "3"}  # user additions win
+    env = rank_environment(
+        cluster=gpu2,
+        network=NetworkSpec(
+            socket_ifname="eth0",
+            nccl_debug="INFO",
+            timeout_minutes=45,
+            extra=parse_env_assignments(["NCCL_IB_GID_INDEX=3", "NCCL_DEBUG=WARN"]),
+        ),
+    )
+    assert env == {
+        "DEEPSPEED_TIMEOUT": "45",
+        "NCCL_DEBUG": "WARN",
+        "NCCL_SOCKET_IFNAME": "eth0",
+        "NCCL_IB_DISABLE": "0",
+        "NCCL_IB_GID_INDEX": "3",
+    }  # user additions win
     assert rank_environment(cluster=gpu2, network=NetworkSpec(infiniband=False))["NCCL_IB_DISABLE"] == "1"
     cpu = ClusterSpec(nodes=2, gpus_per_node=1, gpu="cpu")
     assert rank_environment(cluster=cpu, network=NetworkSpec(socket_ifname="lo")) == {
-        "DEEPSPEED_TIMEOUT": "30", "GLOO_SOCKET_IFNAME": "lo"}
+        "DEEPSPEED_TIMEOUT": "30",
+        "GLOO_SOCKET_IFNAME": "lo",
+    }
     path = write_env_file(tmp_path, env)
     # the way DeepSpeed's runner reads it: every line KEY=VALUE, nothing else
     assert [tuple(ln.split("=", 1)) for ln in path.read_text().splitlines()] == list(env.items())
@@ -248,15 +325,34 @@ def test_rank_environment_for_nccl_and_gloo(tmp_path):
 
 
 def test_slurm_script(runs):
-    r = dspipe("slurm-script", "runs/h100", "--partition", "gpu", "--time", "2-00:00:00", "--ifname", "ib0",
-               "--env", "FOO=1", "--master-port", "29600", cwd=runs)
+    r = dspipe(
+        "slurm-script",
+        "runs/h100",
+        "--partition",
+        "gpu",
+        "--time",
+        "2-00:00:00",
+        "--ifname",
+        "ib0",
+        "--env",
+        "FOO=1",
+        "--master-port",
+        "29600",
+        cwd=runs,
+    )
     assert r.returncode == 0, r.stderr
     text = (runs / "runs/h100/slurm.sbatch").read_text()
-    for expected in ["#SBATCH --nodes=2", "#SBATCH --gpus-per-node=8", "#SBATCH --partition=gpu",
-                     "#SBATCH --time=2-00:00:00", "scontrol show hostnames \"$SLURM_JOB_NODELIST\"",
-                     "sed 's/$/ slots=8/'", "--no-ssh --node-rank \"$SLURM_NODEID\"",
-                     "runs/h100 \"$HOSTFILE\" \"$MASTER_ADDR\" --master-port 29600 --ifname ib0 --nccl-debug WARN "
-                     "--timeout-min 30 --env FOO=1"]:
+    for expected in [
+        "#SBATCH --nodes=2",
+        "#SBATCH --gpus-per-node=8",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --time=2-00:00:00",
+        'scontrol show hostnames "$SLURM_JOB_NODELIST"',
+        "sed 's/$/ slots=8/'",
+        '--no-ssh --node-rank "$SLURM_NODEID"',
+        'runs/h100 "$HOSTFILE" "$MASTER_ADDR" --master-port 29600 --ifname ib0 --nccl-debug WARN '
+        "--timeout-min 30 --env FOO=1",
+    ]:
         assert expected in text
     assert subprocess.run(["bash", "-n", str(runs / "runs/h100/slurm.sbatch")]).returncode == 0
     fails(runs, "slurm-script", "runs/h100", "--time", "soon", message="--time 'soon' is not a Slurm time limit")
@@ -267,8 +363,15 @@ def test_doctor_names_unreachable_hosts(tmp_path):
     if not shutil.which("ssh"):
         pytest.skip("no ssh client")
     (tmp_path / "hosts").write_text("no-such-host.invalid slots=1\nother-host.invalid slots=1\n")
-    line = fails(tmp_path, "doctor", "--hostfile", "hosts", "--gpu", "cpu",
-                 message="not reachable over passwordless ssh (pdsh needs every host): no-such-host.invalid (hosts:1)")
+    line = fails(
+        tmp_path,
+        "doctor",
+        "--hostfile",
+        "hosts",
+        "--gpu",
+        "cpu",
+        message="not reachable over passwordless ssh (pdsh needs every host): no-such-host.invalid (hosts:1)",
+    )
     assert "; other-host.invalid (hosts:2): " in line and "--no-ssh --node-rank R" in line
 
 
@@ -276,7 +379,7 @@ def test_max_restarts_starts_torchs_elastic_agent(runs):
     env, (argv,) = dry_run(runs, "runs/single", "--max-restarts", "3", "--hang-timeout", "120")
     from torch.distributed.run import get_args_parser
 
-    args = get_args_parser().parse_args(argv[argv.index("torch.distributed.run") + 1:])
+    args = get_args_parser().parse_args(argv[argv.index("torch.distributed.run") + 1 :])
     assert (args.standalone, args.nproc_per_node, args.max_restarts, args.module) == (True, "2", 3, True)
     assert args.training_script == "dspipe.runtime.entry"
     assert args.training_script_args == ["--run-dir", "runs/single", "--hang-timeout", "120"]
@@ -286,46 +389,93 @@ def test_max_restarts_starts_torchs_elastic_agent(runs):
 
 
 def test_elastic_nodes_meet_at_the_master(runs):
-    _, (argv,) = dry_run(runs, "runs/two", "--hostfile", "hosts", "--no-ssh", "--node-rank", "1", "--master-addr",
-                         "127.0.0.1", "--master-port", "29611", "--max-restarts", "2", "--min-nodes", "1",
-                         "--rejoin-wait", "5", "--resume", "auto")
+    _, (argv,) = dry_run(
+        runs,
+        "runs/two",
+        "--hostfile",
+        "hosts",
+        "--no-ssh",
+        "--node-rank",
+        "1",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        "29611",
+        "--max-restarts",
+        "2",
+        "--min-nodes",
+        "1",
+        "--rejoin-wait",
+        "5",
+        "--resume",
+        "auto",
+    )
     from torch.distributed.run import get_args_parser
 
-    args = get_args_parser().parse_args(argv[argv.index("torch.distributed.run") + 1:])
-    assert (args.nnodes, args.nproc_per_node, args.rdzv_backend, args.rdzv_endpoint) == ("1:2", "1", "c10d",
-                                                                                         "127.0.0.1:29611")
+    args = get_args_parser().parse_args(argv[argv.index("torch.distributed.run") + 1 :])
+    assert (args.nnodes, args.nproc_per_node, args.rdzv_backend, args.rdzv_endpoint) == (
+        "1:2",
+        "1",
+        "c10d",
+        "127.0.0.1:29611",
+    )
     assert args.rdzv_conf == "last_call_timeout=5" and args.rdzv_id.startswith("dspipe-two-")
     assert args.training_script_args[:4] == ["--run-dir", "runs/two", "--resume", "auto"]
 
 
-@pytest.mark.parametrize("args,message", [
-    (["runs/two", "--hostfile", "hosts", "--max-restarts", "2"], "--max-restarts with --hostfile needs --no-ssh"),
-    (["runs/two", "--hostfile", "hosts", "--no-ssh", "--node-rank", "0", "--max-restarts", "2", "--min-nodes", "3"],
-     "--min-nodes 3 is more than the run's 2 node(s)"),
-    (["runs/two", "--hostfile", "hosts", "--launcher", "openmpi", "--max-restarts", "2"],
-     "does not combine with --launcher openmpi"),
-    (["runs/two", "--hostfile", "hosts", "--no-ssh", "--node-rank", "5", "--max-restarts", "2"],
-     "--node-rank 5 is outside 0..1"),
-    (["runs/single", "--min-nodes", "1"], "--min-nodes only applies with --max-restarts N"),
-    (["runs/single", "--max-restarts", "0"], "--max-restarts must be in 1..1000, got 0"),
-    (["runs/single", "--max-restarts", "2", "--hang-timeout", "-1"], "--hang-timeout -1 must be in 0..604800"),
-    (["runs/single", "--hang-timeout", "1e9"], "--hang-timeout 1e+09 must be in 0..604800"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["runs/two", "--hostfile", "hosts", "--max-restarts", "2"], "--max-restarts with --hostfile needs --no-ssh"),
+        (
+            [
+                "runs/two",
+                "--hostfile",
+                "hosts",
+                "--no-ssh",
+                "--node-rank",
+                "0",
+                "--max-restarts",
+                "2",
+                "--min-nodes",
+                "3",
+            ],
+            "--min-nodes 3 is more than the run's 2 node(s)",
+        ),
+        (
+            ["runs/two", "--hostfile", "hosts", "--launcher", "openmpi", "--max-restarts", "2"],
+            "does not combine with --launcher openmpi",
+        ),
+        (
+            ["runs/two", "--hostfile", "hosts", "--no-ssh", "--node-rank", "5", "--max-restarts", "2"],
+            "--node-rank 5 is outside 0..1",
+        ),
+        (["runs/single", "--min-nodes", "1"], "--min-nodes only applies with --max-restarts N"),
+        (["runs/single", "--max-restarts", "0"], "--max-restarts must be in 1..1000, got 0"),
+        (["runs/single", "--max-restarts", "2", "--hang-timeout", "-1"], "--hang-timeout -1 must be in 0..604800"),
+        (["runs/single", "--hang-timeout", "1e9"], "--hang-timeout 1e+09 must be in 0..604800"),
+    ],
+)
 def test_bad_elastic_launches_are_one_line_errors(runs, args, message):
     fails(runs, "launch", *args, "--dry-run", message=message)
 
 
 def test_slurm_script_requeues_a_failed_step(runs):
-    r = dspipe("slurm-script", "runs/h100", "--max-restarts", "3", "--min-nodes", "1", "--out", "elastic.sbatch",
-               cwd=runs)
+    r = dspipe(
+        "slurm-script", "runs/h100", "--max-restarts", "3", "--min-nodes", "1", "--out", "elastic.sbatch", cwd=runs
+    )
     assert r.returncode == 0, r.stderr
     text = (runs / "elastic.sbatch").read_text()
-    for expected in ["#SBATCH --no-kill", "--kill-on-bad-exit=0", "--master-port 29500 --max-restarts 3 --min-nodes 1",
-                     '[ "$RC" -ne 0 ] && [ "${SLURM_RESTART_COUNT:-0}" -lt 3 ] && ! run_finished']:
+    for expected in [
+        "#SBATCH --no-kill",
+        "--kill-on-bad-exit=0",
+        "--master-port 29500 --max-restarts 3 --min-nodes 1",
+        '[ "$RC" -ne 0 ] && [ "${SLURM_RESTART_COUNT:-0}" -lt 3 ] && ! run_finished',
+    ]:
         assert expected in text
     assert subprocess.run(["bash", "-n", str(runs / "elastic.sbatch")]).returncode == 0
     plain = dspipe("slurm-script", "runs/h100", "--out", "plain.sbatch", cwd=runs)
     assert plain.returncode == 0 and "--no-kill" not in (runs / "plain.sbatch").read_text()
-    assert '-lt 0 ]' in (runs / "plain.sbatch").read_text()  # no requeue after a failure unless asked
+    assert "-lt 0 ]" in (runs / "plain.sbatch").read_text()  # no requeue after a failure unless asked
     fails(runs, "slurm-script", "runs/h100", "--min-nodes", "1", message="--min-nodes 1 needs --max-restarts N")
     fails(runs, "slurm-script", "runs/h100", "--sbatch=--no-kill", message="the script sets --no-kill itself")

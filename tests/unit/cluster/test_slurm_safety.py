@@ -2,6 +2,7 @@
 (no Slurm here): resume choices reach `dspipe launch`, USR1/TERM stop the run with SIGTERM and requeue the job unless
 the run had finished, and hostile values (newlines, ';', '$()') never become commands. Also `dspipe launch`'s
 --resume/--restart pass-through and the world-size advice."""
+
 import os
 import shlex
 import signal
@@ -15,8 +16,25 @@ from dspipe.cluster.slurm import time_limit_seconds
 from dspipe.errors import SpecError
 from tests.helpers import dspipe
 
-TINY = ["gen-config", "--model", "tiny", "--gpu", "cpu", "--gpus-per-node", "2", "--global-batch", "16",
-        "--micro-batch", "4", "--steps", "6", "--precision", "fp32", "--zero", "1"]
+TINY = [
+    "gen-config",
+    "--model",
+    "tiny",
+    "--gpu",
+    "cpu",
+    "--gpus-per-node",
+    "2",
+    "--global-batch",
+    "16",
+    "--micro-batch",
+    "4",
+    "--steps",
+    "6",
+    "--precision",
+    "fp32",
+    "--zero",
+    "1",
+]
 HOSTILE = "r $(touch PWNED1); `touch PWNED2` 'q %j"  # a legal directory name full of shell syntax
 
 FAKE_SRUN = """#!/bin/bash
@@ -50,8 +68,19 @@ def job(tmp_path_factory):
 
 
 def script(job: Path, name: str, *flags) -> Path:
-    r = dspipe("slurm-script", f"runs/{HOSTILE}", "--out", name, "--force", "--ifname", "eth0", "--env",
-               "FOO=a;b", *flags, cwd=job)
+    r = dspipe(
+        "slurm-script",
+        f"runs/{HOSTILE}",
+        "--out",
+        name,
+        "--force",
+        "--ifname",
+        "eth0",
+        "--env",
+        "FOO=a;b",
+        *flags,
+        cwd=job,
+    )
     assert r.returncode == 0, r.stderr
     path = job / name
     assert subprocess.run(["bash", "-n", str(path)]).returncode == 0
@@ -62,8 +91,13 @@ def run_job(job: Path, path: Path, *, signal_to_send=None, env=None) -> tuple[in
     logs = job / "logs"
     subprocess.run(["rm", "-rf", str(logs)], check=True)
     logs.mkdir()
-    environ = {**os.environ, "PATH": f"{job / 'bin'}:{os.environ['PATH']}", "FAKE_LOG": str(logs),
-               "SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "node-a"}
+    environ = {
+        **os.environ,
+        "PATH": f"{job / 'bin'}:{os.environ['PATH']}",
+        "FAKE_LOG": str(logs),
+        "SLURM_JOB_ID": "42",
+        "SLURM_JOB_NODELIST": "node-a",
+    }
     environ.pop("SLURM_RESTART_COUNT", None)
     environ.update(env or {})
     proc = subprocess.Popen(["bash", str(path)], cwd=job / "bin", env=environ, stderr=subprocess.PIPE, text=True)
@@ -87,9 +121,25 @@ def test_usr1_stops_the_run_and_requeues_the_job(job):
     assert logs["scontrol"] == "requeue 42\n"
     args = logs["args"].splitlines()
     assert args[:2] == ["launch", f"runs/{HOSTILE}"]  # the hostile name arrives literally
-    assert args[2:] == ["--hostfile", f"runs/{HOSTILE}/hostfile.slurm-42", "--no-ssh", "--node-rank", "0",
-                        "--master-addr", "node-a", "--master-port", "29500", "--ifname", "eth0", "--nccl-debug",
-                        "WARN", "--timeout-min", "30", "--env", "FOO=a;b"]  # resumes by default: no flag
+    assert args[2:] == [
+        "--hostfile",
+        f"runs/{HOSTILE}/hostfile.slurm-42",
+        "--no-ssh",
+        "--node-rank",
+        "0",
+        "--master-addr",
+        "node-a",
+        "--master-port",
+        "29500",
+        "--ifname",
+        "eth0",
+        "--nccl-debug",
+        "WARN",
+        "--timeout-min",
+        "30",
+        "--env",
+        "FOO=a;b",
+    ]  # resumes by default: no flag
     assert not list(job.rglob("PWNED*"))
 
 
@@ -115,24 +165,31 @@ def test_a_run_that_ends_by_itself_is_not_requeued(job):
     assert rc == 0 and "scontrol" not in logs and "signals" not in logs, logs
 
 
-@pytest.mark.parametrize("flags,restarts,expected", [
-    (["--restart"], "0", ["--restart"]),
-    (["--restart"], "1", []),  # a requeued start resumes, never restarts again
-    (["--resume", "global_step2"], "0", ["--resume", "global_step2"]),
-    (["--resume", "global_step2"], "3", []),
-    ([], "0", []),
-])
+@pytest.mark.parametrize(
+    "flags,restarts,expected",
+    [
+        (["--restart"], "0", ["--restart"]),
+        (["--restart"], "1", []),  # a requeued start resumes, never restarts again
+        (["--resume", "global_step2"], "0", ["--resume", "global_step2"]),
+        (["--resume", "global_step2"], "3", []),
+        ([], "0", []),
+    ],
+)
 def test_resume_choice_applies_to_the_first_start_only(job, flags, restarts, expected):
     rc, logs = run_job(job, script(job, "e.sbatch", *flags), env={"FAKE_DONE": "1", "SLURM_RESTART_COUNT": restarts})
     assert rc == 0, logs
     args = logs["args"].splitlines()
-    assert args[args.index("FOO=a;b") + 1:] == expected
+    assert args[args.index("FOO=a;b") + 1 :] == expected
 
 
 def test_script_header(job):
     text = script(job, "f.sbatch", "--time", "1:00:00", "--stop-before", "600").read_text()
-    for line in ("#SBATCH --requeue", "#SBATCH --signal=B:USR1@600", "#SBATCH --open-mode=append",
-                 f'#SBATCH --output="runs/{HOSTILE.replace("%", "%%")}/slurm-%j.out"'):
+    for line in (
+        "#SBATCH --requeue",
+        "#SBATCH --signal=B:USR1@600",
+        "#SBATCH --open-mode=append",
+        f'#SBATCH --output="runs/{HOSTILE.replace("%", "%%")}/slurm-%j.out"',
+    ):
         assert line + "\n" in text
     assert text.splitlines()[2].startswith("# dspipe-output: slurm-script")
 
@@ -185,13 +242,21 @@ def test_a_run_path_with_a_newline_is_refused(tmp_path, job):
 
 
 def test_time_limits():
-    assert [time_limit_seconds(t) for t in ("30", "30:15", "2:00:00", "1-0", "1-2:30", "1-00:00:01", "0")] == \
-        [1800, 1815, 7200, 86400, 95400, 86401, None]
+    assert [time_limit_seconds(t) for t in ("30", "30:15", "2:00:00", "1-0", "1-2:30", "1-00:00:01", "0")] == [
+        1800,
+        1815,
+        7200,
+        86400,
+        95400,
+        86401,
+        None,
+    ]
     with pytest.raises(SpecError, match="is not a Slurm time limit"):
         time_limit_seconds("1:2:3:4")
 
 
 # ---- dspipe launch ------------------------------------------------------------------------------------------------
+
 
 def launch_argv(job: Path, *flags) -> list[str]:
     r = dspipe("launch", f"runs/{HOSTILE}", "--dry-run", *flags, cwd=job)
@@ -205,8 +270,9 @@ def test_launch_passes_resume_choices_through(job):
     assert launch_argv(job, "--resume", "global_step4")[-2:] == ["--resume", "global_step4"]
     assert launch_argv(job, "--resume", "auto")[-2:] == ["--resume", "auto"]
     r = dspipe("launch", f"runs/{HOSTILE}", "--dry-run", "--resume", "auto", "--restart", cwd=job)
-    assert r.returncode == 2 and r.stderr.strip() == ("dspipe: error: --resume auto and --restart contradict each "
-                                                      "other: give one")
+    assert r.returncode == 2 and r.stderr.strip() == (
+        "dspipe: error: --resume auto and --restart contradict each other: give one"
+    )
 
 
 def test_world_size_advice_keeps_checkpoints(job):

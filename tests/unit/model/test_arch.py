@@ -4,6 +4,7 @@ max_window_layers). Tiny random models, fp32, weights copied by hand from the Hu
 own, independent of dspipe.model.hf), logits compared within 1e-5. Also: the window under Ulysses (the all-to-all
 emulated in one process) and a tensor-parallel split by whole heads (emulated) equal the plain attention, and the
 built parameters are the spec's declaration."""
+
 import dataclasses
 import math
 
@@ -21,21 +22,52 @@ VOCAB, HIDDEN, HEADS, KV, FFN, EPS = 96, 32, 4, 2, 48, 1e-5
 
 def model_spec(**kw) -> ModelSpec:
     """A tiny Llama-family spec (RMSNorm, SwiGLU, rotary, grouped-query attention, no biases, untied head)."""
-    base = dict(name="custom", layers=2, hidden=HIDDEN, heads=HEADS, vocab=VOCAB, seq_len=32, ffn=FFN, norm="rmsnorm",
-                mlp="swiglu", positions="rope", rope_theta=10000.0, kv_heads=KV, bias=False, norm_eps=EPS,
-                tied_embeddings=False)
+    base = dict(
+        name="custom",
+        layers=2,
+        hidden=HIDDEN,
+        heads=HEADS,
+        vocab=VOCAB,
+        seq_len=32,
+        ffn=FFN,
+        norm="rmsnorm",
+        mlp="swiglu",
+        positions="rope",
+        rope_theta=10000.0,
+        kv_heads=KV,
+        bias=False,
+        norm_eps=EPS,
+        tied_embeddings=False,
+    )
     return ModelSpec(**{**base, **kw})
 
 
 def hf_model(family: str, **kw):
     """A tiny transformers model of `family`, every weight random (biases and norm weights too), fp32, eval."""
-    config_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-                  "qwen3": transformers.Qwen3Config, "mistral": transformers.MistralConfig}[family]
-    model_cls = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
-                 "qwen3": transformers.Qwen3ForCausalLM, "mistral": transformers.MistralForCausalLM}[family]
-    base = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_attention_heads=HEADS, num_key_value_heads=KV,
-                intermediate_size=FFN, num_hidden_layers=2, rms_norm_eps=EPS, max_position_embeddings=64,
-                tie_word_embeddings=False, attn_implementation="eager")
+    config_cls = {
+        "llama": transformers.LlamaConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+        "mistral": transformers.MistralConfig,
+    }[family]
+    model_cls = {
+        "llama": transformers.LlamaForCausalLM,
+        "qwen2": transformers.Qwen2ForCausalLM,
+        "qwen3": transformers.Qwen3ForCausalLM,
+        "mistral": transformers.MistralForCausalLM,
+    }[family]
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV,
+        intermediate_size=FFN,
+        num_hidden_layers=2,
+        rms_norm_eps=EPS,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+    )
     torch.manual_seed(0)
     model = model_cls(config_cls(**{**base, **kw})).float().eval()
     gen = torch.Generator().manual_seed(1)
@@ -108,13 +140,26 @@ def assert_close(ours, theirs):
 
 LLAMA_ROPE = {  # (dspipe's fields, transformers' rope_parameters)
     "linear": (dict(rope_scaling="linear", rope_factor=4.0), dict(rope_type="linear", factor=4.0)),
-    "llama3": (dict(rope_scaling="llama3", rope_factor=8.0, rope_original_context=16, rope_low_freq_factor=1.0,
-                    rope_high_freq_factor=4.0),
-               dict(rope_type="llama3", factor=8.0, original_max_position_embeddings=16, low_freq_factor=1.0,
-                    high_freq_factor=4.0)),
-    "yarn": (dict(rope_scaling="yarn", rope_factor=4.0, rope_original_context=16, rope_beta_fast=16.0,
-                  rope_beta_slow=2.0),
-             dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16, beta_fast=16.0, beta_slow=2.0)),
+    "llama3": (
+        dict(
+            rope_scaling="llama3",
+            rope_factor=8.0,
+            rope_original_context=16,
+            rope_low_freq_factor=1.0,
+            rope_high_freq_factor=4.0,
+        ),
+        dict(
+            rope_type="llama3",
+            factor=8.0,
+            original_max_position_embeddings=16,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+        ),
+    ),
+    "yarn": (
+        dict(rope_scaling="yarn", rope_factor=4.0, rope_original_context=16, rope_beta_fast=16.0, rope_beta_slow=2.0),
+        dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16, beta_fast=16.0, beta_slow=2.0),
+    ),
 }
 
 
@@ -125,9 +170,13 @@ def test_rope_frequencies_are_transformers(scaling, head_dim):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     ours, params = LLAMA_ROPE.get(scaling, ({}, dict(rope_type="default")))
-    config = transformers.LlamaConfig(hidden_size=HIDDEN, num_attention_heads=HEADS, head_dim=head_dim,
-                                      max_position_embeddings=64,
-                                      rope_parameters={**params, "rope_theta": 10000.0})
+    config = transformers.LlamaConfig(
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        head_dim=head_dim,
+        max_position_embeddings=64,
+        rope_parameters={**params, "rope_theta": 10000.0},
+    )
     if scaling == "none":
         theirs = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding.compute_default_rope_parameters(config)
     else:
@@ -147,8 +196,9 @@ def test_llama_with_rope_scaling_head_dim_and_biases_is_transformers(scaling):
     """Llama 3.1-style scaling at a context longer than the original one, head_dim 12 (hidden / heads is 8),
     attention_bias (q, k, v and o) and mlp_bias."""
     ours, params = LLAMA_ROPE[scaling]
-    hf = hf_model("llama", head_dim=12, attention_bias=True, mlp_bias=True,
-                  rope_parameters={**params, "rope_theta": 10000.0})
+    hf = hf_model(
+        "llama", head_dim=12, attention_bias=True, mlp_bias=True, rope_parameters={**params, "rope_theta": 10000.0}
+    )
     spec = model_spec(head_width=12, bias=True, norm="rmsnorm", **ours)
     assert spec.biases == (True, True, True)
     mine, theirs = logits_of(spec, hf)
@@ -228,8 +278,9 @@ def test_built_parameters_are_the_declared_tensors(name):
     assert [(n, tuple(p.shape)) for n, p in model.named_parameters()] == spec.model_tensors()
 
 
-@pytest.mark.parametrize("field", [dict(qk_norm=True), dict(qkv_bias=True), dict(out_bias=True),
-                                   dict(mlp_bias=True), dict(sliding_window=4)])
+@pytest.mark.parametrize(
+    "field", [dict(qk_norm=True), dict(qkv_bias=True), dict(out_bias=True), dict(mlp_bias=True), dict(sliding_window=4)]
+)
 def test_new_features_leave_the_other_step0_weights_alone(field):
     """q/k norms start at 1 and biases at 0, declared so that every other weight is the one drawn without them."""
     plain, other = GPT(model_spec(), seed=5), GPT(model_spec(**field), seed=5)
@@ -249,14 +300,15 @@ def ulysses_emulated(attn: Attention, x: torch.Tensor, sp: int) -> torch.Tensor:
     parts = []
     for r in range(sp):
         attn.position_offset = r * step
-        parts.append(attn.heads(x[:, r * step:(r + 1) * step]))
+        parts.append(attn.heads(x[:, r * step : (r + 1) * step]))
     attn.position_offset = 0
     q, k, v = (torch.cat([p[i] for p in parts], dim=1) for i in range(3))  # whole sequence, all heads
     width = q.shape[2] // sp
-    y = torch.cat([attn.local_core(*(t[:, :, g * width:(g + 1) * width] for t in (q, k, v))) for g in range(sp)],
-                  dim=2)
+    y = torch.cat(
+        [attn.local_core(*(t[:, :, g * width : (g + 1) * width] for t in (q, k, v))) for g in range(sp)], dim=2
+    )
     b = x.shape[0]
-    return torch.cat([attn.c_proj(y[:, r * step:(r + 1) * step].reshape(b, step, -1)) for r in range(sp)], dim=1)
+    return torch.cat([attn.c_proj(y[:, r * step : (r + 1) * step].reshape(b, step, -1)) for r in range(sp)], dim=1)
 
 
 @pytest.mark.parametrize("sp", [2, 4])
@@ -288,8 +340,9 @@ def test_tensor_parallel_shards_by_whole_heads(tp, kv_heads):
     whole attention."""
     from dspipe.model.tp_split import QKV, fused_parts
 
-    spec = model_spec(head_width=12, qk_norm=True, bias=True, kv_heads=kv_heads, sliding_window=8,
-                      **LLAMA_ROPE["llama3"][0])
+    spec = model_spec(
+        head_width=12, qk_norm=True, bias=True, kv_heads=kv_heads, sliding_window=8, **LLAMA_ROPE["llama3"][0]
+    )
     full = GPT(spec, seed=8).h[0].attn
     with torch.no_grad():
         for p in full.parameters():

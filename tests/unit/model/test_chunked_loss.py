@@ -1,4 +1,5 @@
 """The chunked cross-entropy (strategy.loss_chunk) gives lm_loss's losses and gradients without the full logits."""
+
 import weakref
 
 import pytest
@@ -8,7 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from dspipe.model.gpt import GPT, lm_loss
-from dspipe.model.loss import (IGNORE_INDEX, HeadLoss, chunked_cross_entropy, liger_chunk, liger_mem_const)
+from dspipe.model.loss import IGNORE_INDEX, HeadLoss, chunked_cross_entropy, liger_chunk, liger_mem_const
 from dspipe.spec.presets import model_preset
 
 GPT2 = model_preset("tiny")  # tied head, learned positions, LayerNorm, GELU
@@ -123,8 +124,9 @@ class _PeakBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
-                  if isinstance(t, torch.Tensor)}
+        inputs = {
+            t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
+        }
         for t in tree_flatten(out)[0]:
             if not isinstance(t, torch.Tensor):
                 continue
@@ -167,8 +169,9 @@ def test_peak_memory_holds_one_chunk_of_logits_measured(dtype):
     plain, plain_held = _peak_of_step(lambda: lm_loss(F.linear(hidden, weight), labels), hidden, weight)
     assert plain >= 3 * tokens * v * 4 and plain_held >= tokens * v * 4
     for chunk in (32, 128):
-        peak, held = _peak_of_step(lambda chunk=chunk: chunked_cross_entropy(hidden, weight, labels, chunk=chunk),
-                                   hidden, weight)
+        peak, held = _peak_of_step(
+            lambda chunk=chunk: chunked_cross_entropy(hidden, weight, labels, chunk=chunk), hidden, weight
+        )
         one_chunk = chunk * v * (4 + (b if b != 4 else 0))
         assert held < 4 * tokens + 64  # the fp32 log-sum-exp (and scalars): no logits kept
         assert abs(peak - grads - one_chunk) <= 0.05 * one_chunk, (chunk, peak, grads, one_chunk)
@@ -187,8 +190,9 @@ def test_the_graph_keeps_no_logits_measured_by_saved_tensor_hooks():
     plain = _saved_bytes(lambda: lm_loss(F.linear(hidden, weight), labels), inputs=inputs)
     assert tokens * v * 4 <= plain <= tokens * v * 4 + 64
     for chunk in (64, 500):
-        chunked = _saved_bytes(lambda chunk=chunk: chunked_cross_entropy(hidden, weight, labels, chunk=chunk),
-                               inputs=inputs)
+        chunked = _saved_bytes(
+            lambda chunk=chunk: chunked_cross_entropy(hidden, weight, labels, chunk=chunk), inputs=inputs
+        )
         assert chunked == tokens * 4 + 8  # the fp32 log-sum-exp per token and the label count
 
 

@@ -2,6 +2,7 @@
 forward equals transformers' in fp32), the exact inverse mapping back, parameter counts, the export of a Llama model,
 the
 pipeline-stage loader, `--init-from` on the command line, and the one-line refusals."""
+
 import json
 
 import pytest
@@ -12,18 +13,38 @@ from dspipe.spec.core import ModelSpec
 from tests.helpers import edit_hf_config, perturb, run_cli
 
 TOL = 1e-5
-CPU2 = ["--gpu", "cpu", "--gpus-per-node", "2", "--global-batch", "8", "--micro-batch", "2", "--steps", "10",
-        "--precision", "fp32"]
-
-
+CPU2 = [
+    "--gpu",
+    "cpu",
+    "--gpus-per-node",
+    "2",
+    "--global-batch",
+    "8",
+    "--micro-batch",
+    "2",
+    "--steps",
+    "10",
+    "--precision",
+    "fp32",
+]
 
 
 def gpt2_model(*, tied=True, seed=0):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
-    cfg = GPT2Config(vocab_size=96, n_positions=24, n_embd=32, n_layer=2, n_head=4, n_inner=80, resid_pdrop=0.0,
-                     embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=tied)
+    cfg = GPT2Config(
+        vocab_size=96,
+        n_positions=24,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_inner=80,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        tie_word_embeddings=tied,
+    )
     return perturb(GPT2LMHeadModel(cfg).float().eval(), seed)
 
 
@@ -31,16 +52,29 @@ def llama_model(*, kv_heads=2, tied=False, seed=0, **extra):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=72, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=24,
-                      rope_theta=5000.0, rms_norm_eps=1e-5, tie_word_embeddings=tied, **extra)
+    cfg = LlamaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=72,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=24,
+        rope_theta=5000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tied,
+        **extra,
+    )
     return perturb(LlamaForCausalLM(cfg).float().eval(), seed)
 
 
-CASES = {"gpt2-tied": lambda: gpt2_model(tied=True), "gpt2-untied": lambda: gpt2_model(tied=False),
-         "llama-gqa-untied": lambda: llama_model(kv_heads=2, tied=False),
-         "llama-mqa-tied": lambda: llama_model(kv_heads=1, tied=True),
-         "llama-mha-tied": lambda: llama_model(kv_heads=4, tied=True)}
+CASES = {
+    "gpt2-tied": lambda: gpt2_model(tied=True),
+    "gpt2-untied": lambda: gpt2_model(tied=False),
+    "llama-gqa-untied": lambda: llama_model(kv_heads=2, tied=False),
+    "llama-mqa-tied": lambda: llama_model(kv_heads=1, tied=True),
+    "llama-mha-tied": lambda: llama_model(kv_heads=4, tied=True),
+}
 
 
 def ids(vocab=96, seq=24, n=2):
@@ -64,7 +98,8 @@ def test_hf_directory_loads_into_dspipe_gpt_with_the_same_logits(case, tmp_path)
     llama = case.startswith("llama")
     assert spec.name == "hf" and spec.tied_embeddings is hf.config.tie_word_embeddings
     assert (spec.norm, spec.mlp, spec.positions, spec.bias) == (
-        ("rmsnorm", "swiglu", "rope", False) if llama else ("layernorm", "gelu", "learned", True))
+        ("rmsnorm", "swiglu", "rope", False) if llama else ("layernorm", "gelu", "learned", True)
+    )
     if llama:
         assert (spec.kv_groups, spec.rope_theta, spec.norm_eps) == (hf.config.num_key_value_heads, 5000.0, 1e-5)
     assert spec.num_params == sum(p.numel() for p in hf.parameters())  # tied counted once on both sides
@@ -93,8 +128,23 @@ def test_dspipe_llama_exports_to_llama_for_causal_lm_with_the_same_logits(kv_hea
     from dspipe.model.gpt import GPT
     from dspipe.model.hf_state import hf_model
 
-    spec = ModelSpec("l", 2, 32, 4, 96, 24, 72, tied_embeddings=tied, norm="rmsnorm", mlp="swiglu", positions="rope",
-                     rope_theta=500000.0, kv_heads=kv_heads, bias=False, norm_eps=1e-5)
+    spec = ModelSpec(
+        "l",
+        2,
+        32,
+        4,
+        96,
+        24,
+        72,
+        tied_embeddings=tied,
+        norm="rmsnorm",
+        mlp="swiglu",
+        positions="rope",
+        rope_theta=500000.0,
+        kv_heads=kv_heads,
+        bias=False,
+        norm_eps=1e-5,
+    )
     gpt = perturb(GPT(spec, seed=3).eval(), seed=3)
     model = hf_model(dict(gpt.state_dict()), spec, eos_id=0, source="test")
     assert type(model).__name__ == "LlamaForCausalLM" and model.config.num_key_value_heads == kv_heads
@@ -108,10 +158,10 @@ def test_dspipe_llama_exports_to_llama_for_causal_lm_with_the_same_logits(kv_hea
 
 def test_pipeline_stage_loads_only_its_own_parameters_by_pipeline_name(tmp_path):
     """A stand-in for one PipelineModule stage (layers 0-1 as DeepSpeed names them, and the tied embedding)."""
-    from dspipe.model.pipeline import layer_specs
     from dspipe.model.hf import spec_from_hf_dir
     from dspipe.model.hf_state import from_hf_state
     from dspipe.model.hf_weights import HFWeights, load_into_module
+    from dspipe.model.pipeline import layer_specs
 
     hf = gpt2_model(tied=True)
     hf.save_pretrained(tmp_path / "hf")
@@ -141,7 +191,7 @@ def test_base_model_checkpoint_names_and_a_shorter_context(tmp_path):
 
     hf = gpt2_model(tied=True)
     hf.save_pretrained(tmp_path / "hf")
-    bare = {k[len("transformer."):]: v.contiguous() for k, v in hf_state(hf).items() if k.startswith("transformer.")}
+    bare = {k[len("transformer.") :]: v.contiguous() for k, v in hf_state(hf).items() if k.startswith("transformer.")}
     (tmp_path / "hf" / "model.safetensors").unlink()
     save_file(bare, str(tmp_path / "hf" / "model.safetensors"), metadata={"format": "pt"})
     spec = spec_from_hf_dir(tmp_path / "hf")
@@ -154,6 +204,7 @@ def test_base_model_checkpoint_names_and_a_shorter_context(tmp_path):
 
 
 # ---- refusals: one line each, naming the directory and the field --------------------------------------------------
+
 
 def _config(tmp_path, model, **edits):
     d = tmp_path / "hf"
@@ -170,28 +221,44 @@ def _refusal(fn, *args, **kwargs) -> str:
     return text
 
 
-@pytest.mark.parametrize("edit,expected", [
-    (dict(architectures=["Gemma2ForCausalLM"], model_type="gemma2"),
-     "config.json: architecture Gemma2ForCausalLM is not supported (supported: GPT2LMHeadModel, LlamaForCausalLM, "
-     "Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM)"),
-    (dict(architectures=..., model_type="gemma2"), "config.json: model_type 'gemma2' is not supported"),
-    (dict(architectures=["LlamaForCausalLM"], model_type="mistral"),
-     "config.json: model_type 'mistral' does not match architecture LlamaForCausalLM"),
-    (dict(rope_parameters=None, rope_theta=10000.0, rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
-     "config.json: rope_scaling: rope_type dynamic is not supported (supported: default, linear, llama3, yarn)"),
-    (dict(rope_parameters={"rope_type": "longrope", "rope_theta": 5e5, "factor": 8.0}),
-     "config.json: rope_parameters: rope_type longrope is not supported"),
-    (dict(rope_parameters={"rope_type": "default", "rope_theta": 5e3, "factor": 8.0}),
-     "config.json: rope_parameters: factor 8.0 is not supported with rope_type default"),
-    (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 5e3, "factor": 8.0, "high_freq_factor": 4.0}),
-     "config.json: rope_parameters: missing low_freq_factor"),
-    (dict(partial_rotary_factor=0.5), "config.json: partial_rotary_factor 0.5 is not supported"),
-    (dict(attention_bias=1), "config.json: attention_bias must be true or false, got 1"),
-    (dict(hidden_act="gelu"), "config.json: hidden_act 'gelu' is not supported"),
-    (dict(head_dim=0), "config.json: head_dim must be a positive integer, got 0"),
-    (dict(hidden_size=...), "config.json: missing hidden_size"),
-    (dict(num_key_value_heads=3), "config.json: heads 4 is not divisible by kv_heads 3"),
-])
+@pytest.mark.parametrize(
+    "edit,expected",
+    [
+        (
+            dict(architectures=["Gemma2ForCausalLM"], model_type="gemma2"),
+            "config.json: architecture Gemma2ForCausalLM is not supported "
+            "(supported: GPT2LMHeadModel, LlamaForCausalLM, "
+            "Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM)",
+        ),
+        (dict(architectures=..., model_type="gemma2"), "config.json: model_type 'gemma2' is not supported"),
+        (
+            dict(architectures=["LlamaForCausalLM"], model_type="mistral"),
+            "config.json: model_type 'mistral' does not match architecture LlamaForCausalLM",
+        ),
+        (
+            dict(rope_parameters=None, rope_theta=10000.0, rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
+            "config.json: rope_scaling: rope_type dynamic is not supported (supported: default, linear, llama3, yarn)",
+        ),
+        (
+            dict(rope_parameters={"rope_type": "longrope", "rope_theta": 5e5, "factor": 8.0}),
+            "config.json: rope_parameters: rope_type longrope is not supported",
+        ),
+        (
+            dict(rope_parameters={"rope_type": "default", "rope_theta": 5e3, "factor": 8.0}),
+            "config.json: rope_parameters: factor 8.0 is not supported with rope_type default",
+        ),
+        (
+            dict(rope_parameters={"rope_type": "llama3", "rope_theta": 5e3, "factor": 8.0, "high_freq_factor": 4.0}),
+            "config.json: rope_parameters: missing low_freq_factor",
+        ),
+        (dict(partial_rotary_factor=0.5), "config.json: partial_rotary_factor 0.5 is not supported"),
+        (dict(attention_bias=1), "config.json: attention_bias must be true or false, got 1"),
+        (dict(hidden_act="gelu"), "config.json: hidden_act 'gelu' is not supported"),
+        (dict(head_dim=0), "config.json: head_dim must be a positive integer, got 0"),
+        (dict(hidden_size=...), "config.json: missing hidden_size"),
+        (dict(num_key_value_heads=3), "config.json: heads 4 is not divisible by kv_heads 3"),
+    ],
+)
 def test_llama_configs_dspipe_cannot_compute_are_refused(tmp_path, edit, expected):
     from dspipe.model.hf import spec_from_hf_dir
 
@@ -204,7 +271,6 @@ def test_other_refusals(tmp_path):
     from safetensors.torch import save_file
 
     from dspipe.model.hf import spec_from_hf_dir
-
     from dspipe.model.hf_arch import hf_config
     from dspipe.model.hf_weights import HFWeights
 
@@ -212,8 +278,10 @@ def test_other_refusals(tmp_path):
     (tmp_path / "file").write_text("x")
     assert "not a directory" in _refusal(spec_from_hf_dir, tmp_path / "file")
     (tmp_path / "empty").mkdir()
-    assert _refusal(spec_from_hf_dir, tmp_path / "empty") == f"{tmp_path / 'empty'}: no config.json (not a Hugging " \
-                                                             f"Face model directory)"
+    assert (
+        _refusal(spec_from_hf_dir, tmp_path / "empty") == f"{tmp_path / 'empty'}: no config.json (not a Hugging "
+        f"Face model directory)"
+    )
     (tmp_path / "empty" / "config.json").write_text("{not json")
     assert "config.json is not valid JSON" in _refusal(spec_from_hf_dir, tmp_path / "empty")
     d = _config(tmp_path, gpt2_model(), activation_function="relu")
@@ -226,8 +294,10 @@ def test_other_refusals(tmp_path):
     spec = spec_from_hf_dir(d)
     sd = {k: v.contiguous() for k, v in hf_state(hf).items() if k != "model.layers.1.self_attn.k_proj.weight"}
     save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})
-    assert _refusal(HFWeights, d, spec) == \
-        f"{d / 'model.safetensors'}: missing tensor model.layers.1.self_attn.k_proj.weight"
+    assert (
+        _refusal(HFWeights, d, spec)
+        == f"{d / 'model.safetensors'}: missing tensor model.layers.1.self_attn.k_proj.weight"
+    )
     # a directory with a config but no weights; weights of another model
     (d / "model.safetensors").unlink()
     assert "no weights" in _refusal(HFWeights, d, spec)
@@ -240,16 +310,19 @@ def test_other_refusals(tmp_path):
 
 # ---- the command line ----------------------------------------------------------------------------------------------
 
+
 def test_init_from_on_the_command_line(tmp_path, capsys):
     from dspipe.rundir import load_run
 
     d = tmp_path / "tiny-llama-hf"
     llama_model(kv_heads=2).save_pretrained(d)
     capsys.readouterr()  # transformers' progress bar
-    cases = [(["--layers", "3"], f"--layers 3 contradicts --init-from {d} (layers 2 in its config.json)"),
-             (["--seq-len", "48"], f"--seq-len 48 exceeds the 24 positions of --init-from {d}"),
-             (["--model", "tiny"], f"--model tiny and --init-from {d} both name the model"),
-             (["--untied"], None)]
+    cases = [
+        (["--layers", "3"], f"--layers 3 contradicts --init-from {d} (layers 2 in its config.json)"),
+        (["--seq-len", "48"], f"--seq-len 48 exceeds the 24 positions of --init-from {d}"),
+        (["--model", "tiny"], f"--model tiny and --init-from {d} both name the model"),
+        (["--untied"], None),
+    ]
     for flags, expected in cases:
         code = run_cli("plan", *CPU2, "--init-from", d, *flags)
         err = capsys.readouterr().err
@@ -258,8 +331,25 @@ def test_init_from_on_the_command_line(tmp_path, capsys):
         else:
             assert code == 2 and expected in err and len(err.strip().splitlines()) == 1, err
     out = tmp_path / "run"
-    assert run_cli("gen-config", *CPU2, "--init-from", d, "--seq-len", "16", "--zero", "1", "--pp", "1",
-                   "--data", tmp_path / "nodata", "--out", out) == 0, capsys.readouterr().err
+    assert (
+        run_cli(
+            "gen-config",
+            *CPU2,
+            "--init-from",
+            d,
+            "--seq-len",
+            "16",
+            "--zero",
+            "1",
+            "--pp",
+            "1",
+            "--data",
+            tmp_path / "nodata",
+            "--out",
+            out,
+        )
+        == 0
+    ), capsys.readouterr().err
     run = load_run(out)
     assert run.train.init_from == str(d.resolve()) and run.model.name == "tiny-llama-hf"
     assert (run.model.seq_len, run.model.kv_groups, run.model.norm) == (16, 2, "rmsnorm")
@@ -280,11 +370,13 @@ def test_tokenizer_note(tmp_path):
     tokenizer(hf, {"a": 0, "b": 1, "c": 2})
     tokenizer(data / "tokenizer", {"a": 0, "b": 1, "c": 2})
     (data / "meta.json").write_text(json.dumps({"vocab_size": 3}))
-    assert tokenizer_note(str(hf), str(data)) == (f"note: {data}'s tokenizer has the same vocab size as {hf}'s "
-                                                  "(3 tokens)")
+    assert tokenizer_note(str(hf), str(data)) == (
+        f"note: {data}'s tokenizer has the same vocab size as {hf}'s (3 tokens)"
+    )
     tokenizer(data / "tokenizer", {"a": 0, "c": 1, "b": 2})
-    assert "same vocab size as" in tokenizer_note(str(hf), str(data)) and "but another vocabulary" in \
-        tokenizer_note(str(hf), str(data))
+    assert "same vocab size as" in tokenizer_note(str(hf), str(data)) and "but another vocabulary" in tokenizer_note(
+        str(hf), str(data)
+    )
     (data / "meta.json").write_text(json.dumps({"vocab_size": 1024}))
     note = tokenizer_note(str(hf), str(data))
     assert f"{data} was tokenized with a 1024-token tokenizer, {hf}'s has 3 tokens" in note
@@ -292,6 +384,7 @@ def test_tokenizer_note(tmp_path):
 
 
 # ---- lazy reads and the weight check at gen-config ----------------------------------------------------------------
+
 
 @pytest.mark.parametrize("case", ["gpt2-untied", "llama-gqa-untied"])
 def test_lazy_reads_equal_the_whole_tensor(tmp_path, case):
@@ -331,21 +424,35 @@ def test_gen_config_checks_the_weights_from_their_headers(tmp_path, capsys):
 
     def refused(expected):
         out = tmp_path / "run"
-        code = run_cli("gen-config", *CPU2, "--init-from", d, "--zero", "1", "--pp", "1", "--data",
-                       tmp_path / "nodata", "--out", out)
+        code = run_cli(
+            "gen-config",
+            *CPU2,
+            "--init-from",
+            d,
+            "--zero",
+            "1",
+            "--pp",
+            "1",
+            "--data",
+            tmp_path / "nodata",
+            "--out",
+            out,
+        )
         err = capsys.readouterr().err
         assert code == 2 and expected in err and len(err.strip().splitlines()) == 1, err
         assert not out.exists()
 
     weights.unlink()
     refused(f"{d}: no weights")
-    save_file({**state, "model.layers.0.mlp.gate_proj.weight": torch.zeros(70, 32)}, str(weights),
-              metadata={"format": "pt"})
+    save_file(
+        {**state, "model.layers.0.mlp.gate_proj.weight": torch.zeros(70, 32)}, str(weights), metadata={"format": "pt"}
+    )
     refused(f"{weights}: tensor model.layers.0.mlp.gate_proj.weight has shape [70, 32], the model needs [72, 32]")
-    save_file({**state, "model.norm.weight": torch.zeros(32, dtype=torch.int32)}, str(weights),
-              metadata={"format": "pt"})
+    save_file(
+        {**state, "model.norm.weight": torch.zeros(32, dtype=torch.int32)}, str(weights), metadata={"format": "pt"}
+    )
     refused(f"{weights}: tensor model.norm.weight has dtype I32, not a floating-point type")
-    weights.write_bytes(good[:len(good) - 64])
+    weights.write_bytes(good[: len(good) - 64])
     refused(f"{weights}: cannot read the weights: Error while deserializing header")
     weights.unlink()
     llama_model(kv_heads=2).save_pretrained(d, max_shard_size="20KB")

@@ -4,6 +4,7 @@ save_pretrained are read as the ModelSpec they compute (exactly), dspipe's GPT b
 transformers' logits, the weights map back exactly, a dspipe model exports to the class that computes it (and
 loads with AutoModelForCausalLM with that config), `--init-from` checks their headers and flags, `generate` runs on
 an exported directory, and what no class computes is one line."""
+
 import json
 import math
 from dataclasses import replace
@@ -17,55 +18,154 @@ from tests.unit.model.test_hf import CPU2, _refusal
 
 TOL = 1e-5
 V, S = 96, 32
-BASE = dict(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=S, rms_norm_eps=1e-5)
-SPEC = dict(layers=3, hidden=32, heads=4, vocab=V, seq_len=S, ffn=48, norm="rmsnorm", mlp="swiglu", positions="rope",
-            kv_heads=2, bias=False, norm_eps=1e-5, tied_embeddings=False, dropout=0.0)
+BASE = dict(
+    vocab_size=V,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=S,
+    rms_norm_eps=1e-5,
+)
+SPEC = dict(
+    layers=3,
+    hidden=32,
+    heads=4,
+    vocab=V,
+    seq_len=S,
+    ffn=48,
+    norm="rmsnorm",
+    mlp="swiglu",
+    positions="rope",
+    kv_heads=2,
+    bias=False,
+    norm_eps=1e-5,
+    tied_embeddings=False,
+    dropout=0.0,
+)
 YARN4 = 0.1 * math.log(4.0) + 1.0
 
 # family: (config class, its arguments, config.json edits after saving, the ModelSpec fields it reads as)
 FAMILIES = {
     "llama3-biases-hd12": (
-        "LlamaConfig", dict(head_dim=12, attention_bias=True, mlp_bias=True,
-                            rope_parameters=dict(rope_type="llama3", rope_theta=10000.0, factor=4.0,
-                                                 low_freq_factor=1.0, high_freq_factor=4.0,
-                                                 original_max_position_embeddings=8)), {},
-        dict(head_width=12, qkv_bias=True, out_bias=True, mlp_bias=True, rope_theta=10000.0, rope_scaling="llama3",
-             rope_factor=4.0, rope_original_context=8, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0)),
+        "LlamaConfig",
+        dict(
+            head_dim=12,
+            attention_bias=True,
+            mlp_bias=True,
+            rope_parameters=dict(
+                rope_type="llama3",
+                rope_theta=10000.0,
+                factor=4.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=8,
+            ),
+        ),
+        {},
+        dict(
+            head_width=12,
+            qkv_bias=True,
+            out_bias=True,
+            mlp_bias=True,
+            rope_theta=10000.0,
+            rope_scaling="llama3",
+            rope_factor=4.0,
+            rope_original_context=8,
+            rope_low_freq_factor=1.0,
+            rope_high_freq_factor=4.0,
+        ),
+    ),
     "llama-linear-transformers4": (  # transformers 4's layout: rope_theta and rope_scaling {type: linear}
-        "LlamaConfig", dict(num_key_value_heads=4, tie_word_embeddings=True, mlp_bias=True),
+        "LlamaConfig",
+        dict(num_key_value_heads=4, tie_word_embeddings=True, mlp_bias=True),
         dict(rope_parameters=..., rope_theta=5000.0, rope_scaling={"type": "linear", "factor": 2.0}),
-        dict(kv_heads=4, tied_embeddings=True, mlp_bias=True, rope_theta=5000.0, rope_scaling="linear",
-             rope_factor=2.0)),
+        dict(
+            kv_heads=4, tied_embeddings=True, mlp_bias=True, rope_theta=5000.0, rope_scaling="linear", rope_factor=2.0
+        ),
+    ),
     "llama-yarn": (
-        "LlamaConfig", dict(rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, beta_fast=8.0,
-                                                 beta_slow=2.0, original_max_position_embeddings=8,
-                                                 attention_factor=YARN4)), {},
-        dict(rope_theta=10000.0, rope_scaling="yarn", rope_factor=4.0, rope_original_context=8, rope_beta_fast=8.0,
-             rope_beta_slow=2.0)),
+        "LlamaConfig",
+        dict(
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=10000.0,
+                factor=4.0,
+                beta_fast=8.0,
+                beta_slow=2.0,
+                original_max_position_embeddings=8,
+                attention_factor=YARN4,
+            )
+        ),
+        {},
+        dict(
+            rope_theta=10000.0,
+            rope_scaling="yarn",
+            rope_factor=4.0,
+            rope_original_context=8,
+            rope_beta_fast=8.0,
+            rope_beta_slow=2.0,
+        ),
+    ),
     "qwen2-window-yarn-tied": (
-        "Qwen2Config", dict(use_sliding_window=True, sliding_window=5, max_window_layers=1, tie_word_embeddings=True,
-                            rope_parameters=dict(rope_type="yarn", rope_theta=1e6, factor=4.0,
-                                                 original_max_position_embeddings=8)), {},
-        dict(qkv_bias=True, tied_embeddings=True, sliding_window=5, window_start_layer=1, rope_theta=1e6,
-             rope_scaling="yarn", rope_factor=4.0, rope_original_context=8)),
+        "Qwen2Config",
+        dict(
+            use_sliding_window=True,
+            sliding_window=5,
+            max_window_layers=1,
+            tie_word_embeddings=True,
+            rope_parameters=dict(rope_type="yarn", rope_theta=1e6, factor=4.0, original_max_position_embeddings=8),
+        ),
+        {},
+        dict(
+            qkv_bias=True,
+            tied_embeddings=True,
+            sliding_window=5,
+            window_start_layer=1,
+            rope_theta=1e6,
+            rope_scaling="yarn",
+            rope_factor=4.0,
+            rope_original_context=8,
+        ),
+    ),
     "qwen2.5-no-window": (  # Qwen2.5's published configs: use_sliding_window false (sliding_window is then ignored)
-        "Qwen2Config", dict(rope_parameters=dict(rope_type="default", rope_theta=1e6)),
+        "Qwen2Config",
+        dict(rope_parameters=dict(rope_type="default", rope_theta=1e6)),
         dict(use_sliding_window=False, sliding_window=4096, max_window_layers=28, layer_types=...),
-        dict(qkv_bias=True, rope_theta=1e6)),
+        dict(qkv_bias=True, rope_theta=1e6),
+    ),
     "qwen3-hd16-window": (
-        "Qwen3Config", dict(head_dim=16, use_sliding_window=True, sliding_window=6, max_window_layers=0,
-                            rope_parameters=dict(rope_type="default", rope_theta=1e6)), {},
-        dict(head_width=16, qk_norm=True, sliding_window=6, window_start_layer=0, rope_theta=1e6)),
+        "Qwen3Config",
+        dict(
+            head_dim=16,
+            use_sliding_window=True,
+            sliding_window=6,
+            max_window_layers=0,
+            rope_parameters=dict(rope_type="default", rope_theta=1e6),
+        ),
+        {},
+        dict(head_width=16, qk_norm=True, sliding_window=6, window_start_layer=0, rope_theta=1e6),
+    ),
     "qwen3-biases": (
-        "Qwen3Config", dict(head_dim=8, attention_bias=True), {},
-        dict(qk_norm=True, qkv_bias=True, out_bias=True)),
+        "Qwen3Config",
+        dict(head_dim=8, attention_bias=True),
+        {},
+        dict(qk_norm=True, qkv_bias=True, out_bias=True),
+    ),
     "mistral-window-hd16": (
-        "MistralConfig", dict(sliding_window=7, head_dim=16, rope_parameters=dict(rope_type="default", rope_theta=1e6)),
-        {}, dict(head_width=16, sliding_window=7, rope_theta=1e6)),
+        "MistralConfig",
+        dict(sliding_window=7, head_dim=16, rope_parameters=dict(rope_type="default", rope_theta=1e6)),
+        {},
+        dict(head_width=16, sliding_window=7, rope_theta=1e6),
+    ),
 }
-ARCH = {"LlamaConfig": "LlamaForCausalLM", "Qwen2Config": "Qwen2ForCausalLM", "Qwen3Config": "Qwen3ForCausalLM",
-        "MistralConfig": "MistralForCausalLM"}
+ARCH = {
+    "LlamaConfig": "LlamaForCausalLM",
+    "Qwen2Config": "Qwen2ForCausalLM",
+    "Qwen3Config": "Qwen3ForCausalLM",
+    "MistralConfig": "MistralForCausalLM",
+}
 
 
 def family_dir(tmp_path, family: str, *, seed=0, **save):
@@ -99,6 +199,7 @@ def hf_logits(model, x):
 
 
 # ---- import: config, weights, logits ------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_checkpoint_reads_as_its_spec_and_computes_transformers_logits(family, tmp_path):
@@ -140,10 +241,12 @@ def test_sliding_window_and_rope_scaling_change_the_logits(tmp_path):
     from dspipe.model.hf_state import from_hf_state
 
     x = ids()
-    for family, plain in (("mistral-window-hd16", dict(sliding_window=None)),
-                          ("qwen2-window-yarn-tied", dict(sliding_window=None, window_start_layer=0)),
-                          ("llama3-biases-hd12", dict(NO_SCALING)),
-                          ("llama-yarn", dict(NO_SCALING))):
+    for family, plain in (
+        ("mistral-window-hd16", dict(sliding_window=None)),
+        ("qwen2-window-yarn-tied", dict(sliding_window=None, window_start_layer=0)),
+        ("llama3-biases-hd12", dict(NO_SCALING)),
+        ("llama-yarn", dict(NO_SCALING)),
+    ):
         d, hf = family_dir(tmp_path, family)
         spec = replace(spec_from_hf_dir(d), **plain)
         gpt = GPT(spec, seed=1).eval()
@@ -205,6 +308,7 @@ def test_lazy_reads_of_biases_and_qk_norms_equal_the_whole_tensor(family, tmp_pa
 
 # ---- export: the class that computes the spec ---------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_dspipe_model_exports_to_the_class_that_computes_it(family, tmp_path):
     from transformers import AutoModelForCausalLM
@@ -223,10 +327,27 @@ def test_dspipe_model_exports_to_the_class_that_computes_it(family, tmp_path):
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     c = loaded.config
     assert type(loaded).__name__ == arch and c.architectures == [arch]
-    assert (c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.intermediate_size,
-            c.max_position_embeddings, c.vocab_size, c.tie_word_embeddings, c.hidden_act) == \
-        (spec.layers, spec.hidden, spec.heads, spec.kv_groups, spec.ffn, spec.seq_len, spec.vocab,
-         spec.tied_embeddings, "silu")
+    assert (
+        c.num_hidden_layers,
+        c.hidden_size,
+        c.num_attention_heads,
+        c.num_key_value_heads,
+        c.intermediate_size,
+        c.max_position_embeddings,
+        c.vocab_size,
+        c.tie_word_embeddings,
+        c.hidden_act,
+    ) == (
+        spec.layers,
+        spec.hidden,
+        spec.heads,
+        spec.kv_groups,
+        spec.ffn,
+        spec.seq_len,
+        spec.vocab,
+        spec.tied_embeddings,
+        "silu",
+    )
     assert c.head_dim == spec.head_dim and c.rms_norm_eps == spec.norm_eps
     assert {k: v for k, v in c.rope_parameters.items()} == rope_parameters(spec)
     qkv, out, mlp = spec.biases
@@ -235,8 +356,9 @@ def test_dspipe_model_exports_to_the_class_that_computes_it(family, tmp_path):
     if arch == "Qwen3ForCausalLM":
         assert c.attention_bias == qkv
     if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
-        assert c.layer_types == ["sliding_attention" if spec.window_of(i) else "full_attention"
-                                 for i in range(spec.layers)]
+        assert c.layer_types == [
+            "sliding_attention" if spec.window_of(i) else "full_attention" for i in range(spec.layers)
+        ]
         assert c.sliding_window == spec.sliding_window and c.use_sliding_window == (spec.sliding_window is not None)
     if arch == "MistralForCausalLM":
         assert c.sliding_window == spec.sliding_window
@@ -253,38 +375,53 @@ def _spec(**fields) -> ModelSpec:
     return ModelSpec(name="m", **{**SPEC, **fields})
 
 
-@pytest.mark.parametrize("fields,expected", [
-    (dict(), "LlamaForCausalLM"),
-    (dict(bias=True), "LlamaForCausalLM"),  # q/k/v/o and MLP biases: attention_bias and mlp_bias
-    (dict(mlp_bias=True), "LlamaForCausalLM"),
-    (dict(qkv_bias=True, out_bias=True), "LlamaForCausalLM"),
-    (dict(qkv_bias=True), "Qwen2ForCausalLM"),
-    (dict(bias=True, out_bias=False, mlp_bias=False), "Qwen2ForCausalLM"),
-    (dict(qkv_bias=True, sliding_window=4, window_start_layer=2), "Qwen2ForCausalLM"),
-    (dict(qk_norm=True), "Qwen3ForCausalLM"),
-    (dict(qk_norm=True, qkv_bias=True, out_bias=True, sliding_window=4, window_start_layer=1), "Qwen3ForCausalLM"),
-    (dict(sliding_window=4), "MistralForCausalLM"),
-    (dict(hidden=30, head_width=8), "MistralForCausalLM"),  # LlamaConfig refuses hidden % heads; Mistral computes it
-    (dict(norm="layernorm", mlp="gelu", positions="learned", bias=True, kv_heads=None), "GPT2LMHeadModel"),
-    (dict(qkv_bias=True, mlp_bias=True), "q, k, v and o biases together; q/k/v biases alone are Qwen2ForCausalLM's"),
-    (dict(out_bias=True), "q, k, v and o biases together"),
-    (dict(qk_norm=True, qkv_bias=True), "q/k norm is Qwen3ForCausalLM's"),
-    (dict(qk_norm=True, mlp_bias=True), "q/k norm is Qwen3ForCausalLM's"),
-    (dict(sliding_window=4, window_start_layer=1), "a sliding window is MistralForCausalLM's (every layer, no biases)"),
-    (dict(sliding_window=4, mlp_bias=True), "a sliding window is MistralForCausalLM's"),
-    (dict(hidden=30, head_width=8, bias=True), "LlamaForCausalLM's config needs hidden divisible by heads"),
-    (dict(norm="layernorm", mlp="gelu", positions="learned", bias=True, kv_heads=None, head_width=16),
-     "GPT2LMHeadModel has biases everywhere, no grouped-query attention, head_dim hidden / heads"),
-    (dict(mlp="gelu"), "GPT2LMHeadModel is layernorm, gelu, learned positions"),
-])
+@pytest.mark.parametrize(
+    "fields,expected",
+    [
+        (dict(), "LlamaForCausalLM"),
+        (dict(bias=True), "LlamaForCausalLM"),  # q/k/v/o and MLP biases: attention_bias and mlp_bias
+        (dict(mlp_bias=True), "LlamaForCausalLM"),
+        (dict(qkv_bias=True, out_bias=True), "LlamaForCausalLM"),
+        (dict(qkv_bias=True), "Qwen2ForCausalLM"),
+        (dict(bias=True, out_bias=False, mlp_bias=False), "Qwen2ForCausalLM"),
+        (dict(qkv_bias=True, sliding_window=4, window_start_layer=2), "Qwen2ForCausalLM"),
+        (dict(qk_norm=True), "Qwen3ForCausalLM"),
+        (dict(qk_norm=True, qkv_bias=True, out_bias=True, sliding_window=4, window_start_layer=1), "Qwen3ForCausalLM"),
+        (dict(sliding_window=4), "MistralForCausalLM"),
+        (
+            dict(hidden=30, head_width=8),
+            "MistralForCausalLM",
+        ),  # LlamaConfig refuses hidden % heads; Mistral computes it
+        (dict(norm="layernorm", mlp="gelu", positions="learned", bias=True, kv_heads=None), "GPT2LMHeadModel"),
+        (
+            dict(qkv_bias=True, mlp_bias=True),
+            "q, k, v and o biases together; q/k/v biases alone are Qwen2ForCausalLM's",
+        ),
+        (dict(out_bias=True), "q, k, v and o biases together"),
+        (dict(qk_norm=True, qkv_bias=True), "q/k norm is Qwen3ForCausalLM's"),
+        (dict(qk_norm=True, mlp_bias=True), "q/k norm is Qwen3ForCausalLM's"),
+        (
+            dict(sliding_window=4, window_start_layer=1),
+            "a sliding window is MistralForCausalLM's (every layer, no biases)",
+        ),
+        (dict(sliding_window=4, mlp_bias=True), "a sliding window is MistralForCausalLM's"),
+        (dict(hidden=30, head_width=8, bias=True), "LlamaForCausalLM's config needs hidden divisible by heads"),
+        (
+            dict(norm="layernorm", mlp="gelu", positions="learned", bias=True, kv_heads=None, head_width=16),
+            "GPT2LMHeadModel has biases everywhere, no grouped-query attention, head_dim hidden / heads",
+        ),
+        (dict(mlp="gelu"), "GPT2LMHeadModel is layernorm, gelu, learned positions"),
+    ],
+)
 def test_the_architecture_that_computes_a_spec(fields, expected):
     from dspipe.model.hf_arch import architecture_of, hf_config
 
     spec = _spec(**fields)
     if expected.endswith(("CausalLM", "LMHeadModel")):
         assert architecture_of(spec) == expected
-        assert type(hf_config(spec, eos_id=0)).__name__ == expected.replace("ForCausalLM", "Config") \
-            .replace("LMHeadModel", "Config")
+        assert type(hf_config(spec, eos_id=0)).__name__ == expected.replace("ForCausalLM", "Config").replace(
+            "LMHeadModel", "Config"
+        )
     else:
         text = _refusal(hf_config, spec, eos_id=0)
         assert text.startswith("model m (rmsnorm") or text.startswith("model m (layernorm"), text
@@ -296,39 +433,87 @@ def test_the_architecture_that_computes_a_spec(fields, expected):
 YARN = dict(rope_type="yarn", rope_theta=1e4, factor=4.0, original_max_position_embeddings=8)
 
 
-@pytest.mark.parametrize("family,edit,expected", [
-    ("llama-yarn", dict(rope_parameters=dict(rope_type="dynamic", rope_theta=1e4, factor=2.0)),
-     "config.json: rope_parameters: rope_type dynamic is not supported (supported: default, linear, llama3, yarn)"),
-    ("llama-linear-transformers4", dict(rope_scaling={"type": "longrope", "factor": 2.0}),
-     "config.json: rope_scaling: rope_type longrope is not supported (supported: default, linear, llama3, yarn)"),
-    ("qwen2.5-no-window", dict(hidden_act="gelu"), "config.json: hidden_act 'gelu' is not supported"),
-    ("qwen2-window-yarn-tied", dict(layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
-     "config.json: layer_types [sliding_attention x1, full_attention x1, sliding_attention x1] is not supported "
-     "(dspipe builds [full_attention x1, sliding_attention x2]: use_sliding_window, sliding_window and "
-     "max_window_layers give the window to layers 1 and up)"),
-    ("qwen2-window-yarn-tied", dict(max_window_layers=2),  # its layer_types say from layer 1
-     "config.json: layer_types [full_attention x1, sliding_attention x2] is not supported (dspipe builds "
-     "[full_attention x2, sliding_attention x1]"),
-    ("mistral-window-hd16", dict(layer_types=["full_attention", "sliding_attention", "sliding_attention"]),
-     "(dspipe builds [sliding_attention x3]: sliding_window applies to every layer of MistralForCausalLM)"),
-    ("llama-yarn", dict(rope_parameters={**YARN, "attention_factor": 2.0}),
-     "config.json: rope_parameters: attention_factor 2 is not supported (dspipe's yarn scales attention by 0.1 "
-     "ln(factor) + 1 = 1.13863)"),
-    ("llama-yarn", dict(rope_parameters={**YARN, "mscale": 0.707, "mscale_all_dim": 1.0}),
-     "config.json: rope_parameters: mscale 0.707 with mscale_all_dim 1 is not supported"),
-    ("llama-yarn", dict(rope_parameters={**YARN, "truncate": False}),
-     "config.json: rope_parameters: truncate False is not supported"),
-    ("llama-yarn", dict(rope_parameters={**YARN, "partial_rotary_factor": 0.5}),
-     "config.json: rope_parameters: partial_rotary_factor 0.5 is not supported"),
-    ("llama-yarn", dict(rope_parameters={"full_attention": YARN}),
-     "config.json: rope_parameters per layer type (full_attention) is not supported"),
-    ("llama3-biases-hd12", dict(rope_parameters={"rope_type": "llama3", "rope_theta": 1e4, "factor": 4.0,
-                                                 "low_freq_factor": 1.0, "high_freq_factor": 4.0, "beta_fast": 3}),
-     "config.json: rope_parameters: beta_fast 3 is not supported with rope_type llama3"),
-    ("llama3-biases-hd12", dict(mlp_bias="yes"), "config.json: mlp_bias must be true or false, got 'yes'"),
-    ("qwen3-biases", dict(sliding_window=0, use_sliding_window=True, layer_types=...),
-     "config.json: sliding_window must be a positive integer, got 0"),
-])
+@pytest.mark.parametrize(
+    "family,edit,expected",
+    [
+        (
+            "llama-yarn",
+            dict(rope_parameters=dict(rope_type="dynamic", rope_theta=1e4, factor=2.0)),
+            "config.json: rope_parameters: rope_type dynamic is not supported "
+            "(supported: default, linear, llama3, yarn)",
+        ),
+        (
+            "llama-linear-transformers4",
+            dict(rope_scaling={"type": "longrope", "factor": 2.0}),
+            "config.json: rope_scaling: rope_type longrope is not supported (supported: default, linear, llama3, yarn)",
+        ),
+        ("qwen2.5-no-window", dict(hidden_act="gelu"), "config.json: hidden_act 'gelu' is not supported"),
+        (
+            "qwen2-window-yarn-tied",
+            dict(layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+            "config.json: layer_types [sliding_attention x1, full_attention x1, sliding_attention x1] is not supported "
+            "(dspipe builds [full_attention x1, sliding_attention x2]: use_sliding_window, sliding_window and "
+            "max_window_layers give the window to layers 1 and up)",
+        ),
+        (
+            "qwen2-window-yarn-tied",
+            dict(max_window_layers=2),  # its layer_types say from layer 1
+            "config.json: layer_types [full_attention x1, sliding_attention x2] is not supported (dspipe builds "
+            "[full_attention x2, sliding_attention x1]",
+        ),
+        (
+            "mistral-window-hd16",
+            dict(layer_types=["full_attention", "sliding_attention", "sliding_attention"]),
+            "(dspipe builds [sliding_attention x3]: sliding_window applies to every layer of MistralForCausalLM)",
+        ),
+        (
+            "llama-yarn",
+            dict(rope_parameters={**YARN, "attention_factor": 2.0}),
+            "config.json: rope_parameters: attention_factor 2 is not supported (dspipe's yarn scales attention by 0.1 "
+            "ln(factor) + 1 = 1.13863)",
+        ),
+        (
+            "llama-yarn",
+            dict(rope_parameters={**YARN, "mscale": 0.707, "mscale_all_dim": 1.0}),
+            "config.json: rope_parameters: mscale 0.707 with mscale_all_dim 1 is not supported",
+        ),
+        (
+            "llama-yarn",
+            dict(rope_parameters={**YARN, "truncate": False}),
+            "config.json: rope_parameters: truncate False is not supported",
+        ),
+        (
+            "llama-yarn",
+            dict(rope_parameters={**YARN, "partial_rotary_factor": 0.5}),
+            "config.json: rope_parameters: partial_rotary_factor 0.5 is not supported",
+        ),
+        (
+            "llama-yarn",
+            dict(rope_parameters={"full_attention": YARN}),
+            "config.json: rope_parameters per layer type (full_attention) is not supported",
+        ),
+        (
+            "llama3-biases-hd12",
+            dict(
+                rope_parameters={
+                    "rope_type": "llama3",
+                    "rope_theta": 1e4,
+                    "factor": 4.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "beta_fast": 3,
+                }
+            ),
+            "config.json: rope_parameters: beta_fast 3 is not supported with rope_type llama3",
+        ),
+        ("llama3-biases-hd12", dict(mlp_bias="yes"), "config.json: mlp_bias must be true or false, got 'yes'"),
+        (
+            "qwen3-biases",
+            dict(sliding_window=0, use_sliding_window=True, layer_types=...),
+            "config.json: sliding_window must be a positive integer, got 0",
+        ),
+    ],
+)
 def test_configs_no_class_dspipe_computes_are_refused(family, edit, expected, tmp_path):
     from dspipe.model.hf import spec_from_hf_dir
 
@@ -343,8 +528,14 @@ def test_yarn_values_that_change_nothing_are_accepted(tmp_path):
 
     d, _ = family_dir(tmp_path, "llama-yarn")
     want = spec_from_hf_dir(d)
-    for extra in (dict(truncate=True), dict(mscale=1.0), dict(mscale_all_dim=1.0), dict(mscale=1.0, mscale_all_dim=0),
-                  dict(attention_factor=YARN4, mscale=3.0, mscale_all_dim=1.0), dict(beta_fast=None, beta_slow=0)):
+    for extra in (
+        dict(truncate=True),
+        dict(mscale=1.0),
+        dict(mscale_all_dim=1.0),
+        dict(mscale=1.0, mscale_all_dim=0),
+        dict(attention_factor=YARN4, mscale=3.0, mscale_all_dim=1.0),
+        dict(beta_fast=None, beta_slow=0),
+    ):
         edit_hf_config(d, rope_parameters={**YARN, "beta_fast": 8.0, "beta_slow": 2.0, **extra})
         got = spec_from_hf_dir(d)
         if "beta_fast" in extra:  # null and 0 mean transformers' defaults, 32 and 1
@@ -355,31 +546,68 @@ def test_yarn_values_that_change_nothing_are_accepted(tmp_path):
 
 # ---- the command line: --init-from and generate --------------------------------------------------------------------
 
+
 def test_init_from_reads_each_family_and_refuses_contradicting_architecture_flags(tmp_path, capsys):
     from dspipe.rundir import load_run
 
-    dirs = {f: family_dir(tmp_path, f)[0] for f in ("qwen2-window-yarn-tied", "qwen3-hd16-window",
-                                                    "llama3-biases-hd12", "mistral-window-hd16")}
+    dirs = {
+        f: family_dir(tmp_path, f)[0]
+        for f in ("qwen2-window-yarn-tied", "qwen3-hd16-window", "llama3-biases-hd12", "mistral-window-hd16")
+    }
     capsys.readouterr()
     for family, d in dirs.items():
         out = tmp_path / f"run-{family}"
-        code = run_cli("gen-config", *CPU2, "--init-from", d, "--seq-len", "16", "--zero", "1", "--pp", "1",
-                       "--data", tmp_path / "nodata", "--out", out)
+        code = run_cli(
+            "gen-config",
+            *CPU2,
+            "--init-from",
+            d,
+            "--seq-len",
+            "16",
+            "--zero",
+            "1",
+            "--pp",
+            "1",
+            "--data",
+            tmp_path / "nodata",
+            "--out",
+            out,
+        )
         err = capsys.readouterr().err
         assert code == 0, err
         assert load_run(out).model == replace(expected_spec(family, family), seq_len=16)
     q2, q3, llama = dirs["qwen2-window-yarn-tied"], dirs["qwen3-hd16-window"], dirs["llama3-biases-hd12"]
-    cases = [(q3, ["--head-dim", "8"], f"--head-dim 8 contradicts --init-from {q3} (head_dim 16 from its config.json)"),
-             (llama, ["--qk-norm"], f"--qk-norm contradicts --init-from {llama} (qk_norm false from its "),
-             (q3, ["--no-qk-norm"], f"--no-qk-norm contradicts --init-from {q3} (qk_norm true from its config.json); "
-                                    f"the architecture comes from the Hugging Face model: drop --no-qk-norm"),
-             (q2, ["--no-qkv-bias"], f"--no-qkv-bias contradicts --init-from {q2} (qkv_bias true from its "),
-             (q2, ["--rope-scaling", "none"], "--rope-scaling none contradicts"),
-             (q2, ["--sliding-window", "6"], "--sliding-window 6 contradicts"),
-             (llama, ["--norm", "layernorm"], "--norm layernorm contradicts"),
-             (q2, ["--qkv-bias", "--no-out-bias", "--sliding-window", "5", "--window-start-layer", "1",
-                   "--rope-factor", "4", "--rope-beta-fast", "32"], None),  # flags that agree are fine
-             (llama, ["--bias"], None)]  # Llama's attention_bias and mlp_bias: every projection has one
+    cases = [
+        (q3, ["--head-dim", "8"], f"--head-dim 8 contradicts --init-from {q3} (head_dim 16 from its config.json)"),
+        (llama, ["--qk-norm"], f"--qk-norm contradicts --init-from {llama} (qk_norm false from its "),
+        (
+            q3,
+            ["--no-qk-norm"],
+            f"--no-qk-norm contradicts --init-from {q3} (qk_norm true from its config.json); "
+            f"the architecture comes from the Hugging Face model: drop --no-qk-norm",
+        ),
+        (q2, ["--no-qkv-bias"], f"--no-qkv-bias contradicts --init-from {q2} (qkv_bias true from its "),
+        (q2, ["--rope-scaling", "none"], "--rope-scaling none contradicts"),
+        (q2, ["--sliding-window", "6"], "--sliding-window 6 contradicts"),
+        (llama, ["--norm", "layernorm"], "--norm layernorm contradicts"),
+        (
+            q2,
+            [
+                "--qkv-bias",
+                "--no-out-bias",
+                "--sliding-window",
+                "5",
+                "--window-start-layer",
+                "1",
+                "--rope-factor",
+                "4",
+                "--rope-beta-fast",
+                "32",
+            ],
+            None,
+        ),  # flags that agree are fine
+        (llama, ["--bias"], None),
+    ]  # Llama's attention_bias and mlp_bias: every projection has one
     for d, flags, expected in cases:
         code = run_cli("plan", *CPU2, "--init-from", d, *flags)
         err = capsys.readouterr().err
@@ -399,8 +627,9 @@ def _tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", bos_token="<eos>", unk_token="<eos>")
 
 
-@pytest.mark.parametrize("family", ["llama3-biases-hd12", "qwen2-window-yarn-tied", "qwen3-hd16-window",
-                                    "mistral-window-hd16"])
+@pytest.mark.parametrize(
+    "family", ["llama3-biases-hd12", "qwen2-window-yarn-tied", "qwen3-hd16-window", "mistral-window-hd16"]
+)
 def test_generate_on_an_exported_directory(family, tmp_path, capsys):
     """`dspipe generate` loads an exported directory of each family with AutoModelForCausalLM and samples what
     dspipe's own model samples (greedy; a prompt longer than the window, a continuation past the context)."""
@@ -418,8 +647,11 @@ def test_generate_on_an_exported_directory(family, tmp_path, capsys):
     capsys.readouterr()
     assert run_cli("generate", d, "--prompt", prompt, "--temperature", "0", "--max-tokens", "40") == 0
     text = capsys.readouterr().out.strip()
-    new = sample(Model(logits=gpt, context=spec.seq_len, tokenizer=tokenizer),
-                 tokenizer.encode(prompt, add_special_tokens=False), sampling=Sampling(max_tokens=40, temperature=0))
+    new = sample(
+        Model(logits=gpt, context=spec.seq_len, tokenizer=tokenizer),
+        tokenizer.encode(prompt, add_special_tokens=False),
+        sampling=Sampling(max_tokens=40, temperature=0),
+    )
     assert new and text == prompt + tokenizer.decode(new), (text, new)
 
 
@@ -448,10 +680,30 @@ def test_a_qwen2_export_notes_that_auto_tokenizer_substitutes_qwen2s_tokenizer(t
 
 
 FAMILY_FLAGS = {  # gen-config flags of a custom model of each family (3 blocks, 32 wide, 4 heads, 2 kv heads)
-    "LlamaForCausalLM": ["--head-dim", "12", "--bias", "--rope-scaling", "llama3", "--rope-factor", "4",
-                         "--rope-original-context", "8"],
-    "Qwen2ForCausalLM": ["--qkv-bias", "--sliding-window", "5", "--window-start-layer", "1", "--rope-scaling", "yarn",
-                         "--rope-factor", "4", "--rope-original-context", "8"],
+    "LlamaForCausalLM": [
+        "--head-dim",
+        "12",
+        "--bias",
+        "--rope-scaling",
+        "llama3",
+        "--rope-factor",
+        "4",
+        "--rope-original-context",
+        "8",
+    ],
+    "Qwen2ForCausalLM": [
+        "--qkv-bias",
+        "--sliding-window",
+        "5",
+        "--window-start-layer",
+        "1",
+        "--rope-scaling",
+        "yarn",
+        "--rope-factor",
+        "4",
+        "--rope-original-context",
+        "8",
+    ],
     "Qwen3ForCausalLM": ["--qk-norm", "--head-dim", "16", "--sliding-window", "6", "--untied"],
     "MistralForCausalLM": ["--sliding-window", "7", "--head-dim", "16", "--untied"],
 }
@@ -469,12 +721,64 @@ def test_export_hf_and_generate_from_a_dspipe_checkpoint(arch, tmp_path, corpus,
     from tests.helpers import hand_checkpoint
 
     run, out = tmp_path / "run", tmp_path / "hf"
-    assert run_cli("gen-config", "--layers", "3", "--hidden", "32", "--heads", "4", "--kv-heads", "2", "--ffn", "48",
-                   "--vocab", "1024", "--seq-len", "32", "--norm", "rmsnorm", "--mlp", "swiglu", "--positions", "rope",
-                   "--no-bias", *FAMILY_FLAGS[arch], "--gpu", "cpu", "--gpus-per-node", "2", "--global-batch", "16",
-                   "--micro-batch", "4", "--steps", "6", "--warmup", "1", "--precision", "fp32", "--zero", "0",
-                   "--pp", "1", "--tp", "1", "--sp", "1", "--offload", "none", "--checkpointing", "none", "--data",
-                   corpus, "--out", run) == 0, capsys.readouterr().err
+    assert (
+        run_cli(
+            "gen-config",
+            "--layers",
+            "3",
+            "--hidden",
+            "32",
+            "--heads",
+            "4",
+            "--kv-heads",
+            "2",
+            "--ffn",
+            "48",
+            "--vocab",
+            "1024",
+            "--seq-len",
+            "32",
+            "--norm",
+            "rmsnorm",
+            "--mlp",
+            "swiglu",
+            "--positions",
+            "rope",
+            "--no-bias",
+            *FAMILY_FLAGS[arch],
+            "--gpu",
+            "cpu",
+            "--gpus-per-node",
+            "2",
+            "--global-batch",
+            "16",
+            "--micro-batch",
+            "4",
+            "--steps",
+            "6",
+            "--warmup",
+            "1",
+            "--precision",
+            "fp32",
+            "--zero",
+            "0",
+            "--pp",
+            "1",
+            "--tp",
+            "1",
+            "--sp",
+            "1",
+            "--offload",
+            "none",
+            "--checkpointing",
+            "none",
+            "--data",
+            corpus,
+            "--out",
+            run,
+        )
+        == 0
+    ), capsys.readouterr().err
     tag = hand_checkpoint(run, seed=3)
     capsys.readouterr()
     assert run_cli("export-hf", run, "--out", out) == 0
@@ -489,8 +793,19 @@ def test_export_hf_and_generate_from_a_dspipe_checkpoint(arch, tmp_path, corpus,
     texts = []
     for source in (run, out):
         capsys.readouterr()
-        assert run_cli("generate", source, "--prompt", "def main(argv):\n    return 12345", "--temperature", "0",
-                       "--max-tokens", "40") == 0
+        assert (
+            run_cli(
+                "generate",
+                source,
+                "--prompt",
+                "def main(argv):\n    return 12345",
+                "--temperature",
+                "0",
+                "--max-tokens",
+                "40",
+            )
+            == 0
+        )
         texts.append(capsys.readouterr().out)
     assert texts[0] == texts[1] and len(texts[0]) > len("def main(argv):\n    return 12345") + 5, texts
 
@@ -503,12 +818,25 @@ def test_weight_headers_of_biases_and_qk_norms_are_checked(tmp_path):
     from dspipe.model.hf_weights import check_weights
 
     for family, key, value, expected in (
-            ("qwen2-window-yarn-tied", "model.layers.1.self_attn.q_proj.bias", None,
-             "missing tensor model.layers.1.self_attn.q_proj.bias"),
-            ("qwen3-biases", "model.layers.2.self_attn.k_norm.weight", torch.ones(16),
-             "tensor model.layers.2.self_attn.k_norm.weight has shape [16], the model needs [8]"),
-            ("llama3-biases-hd12", "model.layers.0.mlp.down_proj.bias", torch.ones(32, dtype=torch.int64),
-             "tensor model.layers.0.mlp.down_proj.bias has dtype I64, not a floating-point type")):
+        (
+            "qwen2-window-yarn-tied",
+            "model.layers.1.self_attn.q_proj.bias",
+            None,
+            "missing tensor model.layers.1.self_attn.q_proj.bias",
+        ),
+        (
+            "qwen3-biases",
+            "model.layers.2.self_attn.k_norm.weight",
+            torch.ones(16),
+            "tensor model.layers.2.self_attn.k_norm.weight has shape [16], the model needs [8]",
+        ),
+        (
+            "llama3-biases-hd12",
+            "model.layers.0.mlp.down_proj.bias",
+            torch.ones(32, dtype=torch.int64),
+            "tensor model.layers.0.mlp.down_proj.bias has dtype I64, not a floating-point type",
+        ),
+    ):
         d, _ = family_dir(tmp_path, family)
         weights = d / "model.safetensors"
         state = load_file(str(weights))
@@ -518,26 +846,86 @@ def test_weight_headers_of_biases_and_qk_norms_are_checked(tmp_path):
 
 
 PUBLISHED = {  # config.json as released (transformers 4 layouts), the keys that matter
-    "llama3.1-8b": dict(architectures=["LlamaForCausalLM"], model_type="llama", attention_bias=False, mlp_bias=False,
-                        hidden_act="silu", hidden_size=4096, intermediate_size=14336, max_position_embeddings=131072,
-                        num_attention_heads=32, num_hidden_layers=32, num_key_value_heads=8, pretraining_tp=1,
-                        rms_norm_eps=1e-05, rope_theta=500000.0, tie_word_embeddings=False, vocab_size=128256,
-                        rope_scaling=dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                                          original_max_position_embeddings=8192, rope_type="llama3")),
-    "qwen2.5-7b": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_act="silu", hidden_size=3584,
-                       intermediate_size=18944, max_position_embeddings=131072, max_window_layers=28,
-                       num_attention_heads=28, num_hidden_layers=28, num_key_value_heads=4, rms_norm_eps=1e-06,
-                       rope_theta=1000000.0, sliding_window=131072, tie_word_embeddings=False,
-                       use_sliding_window=False, vocab_size=152064),
-    "qwen3-0.6b": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", attention_bias=False, head_dim=128,
-                       hidden_act="silu", hidden_size=1024, intermediate_size=3072, max_position_embeddings=40960,
-                       max_window_layers=28, num_attention_heads=16, num_hidden_layers=28, num_key_value_heads=8,
-                       rms_norm_eps=1e-06, rope_scaling=None, rope_theta=1000000, sliding_window=None,
-                       tie_word_embeddings=True, use_sliding_window=False, vocab_size=151936),
-    "mistral-7b-v0.1": dict(architectures=["MistralForCausalLM"], model_type="mistral", hidden_act="silu",
-                            hidden_size=4096, intermediate_size=14336, max_position_embeddings=32768,
-                            num_attention_heads=32, num_hidden_layers=32, num_key_value_heads=8, rms_norm_eps=1e-05,
-                            rope_theta=10000.0, sliding_window=4096, tie_word_embeddings=False, vocab_size=32000),
+    "llama3.1-8b": dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        attention_bias=False,
+        mlp_bias=False,
+        hidden_act="silu",
+        hidden_size=4096,
+        intermediate_size=14336,
+        max_position_embeddings=131072,
+        num_attention_heads=32,
+        num_hidden_layers=32,
+        num_key_value_heads=8,
+        pretraining_tp=1,
+        rms_norm_eps=1e-05,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+        vocab_size=128256,
+        rope_scaling=dict(
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+            rope_type="llama3",
+        ),
+    ),
+    "qwen2.5-7b": dict(
+        architectures=["Qwen2ForCausalLM"],
+        model_type="qwen2",
+        hidden_act="silu",
+        hidden_size=3584,
+        intermediate_size=18944,
+        max_position_embeddings=131072,
+        max_window_layers=28,
+        num_attention_heads=28,
+        num_hidden_layers=28,
+        num_key_value_heads=4,
+        rms_norm_eps=1e-06,
+        rope_theta=1000000.0,
+        sliding_window=131072,
+        tie_word_embeddings=False,
+        use_sliding_window=False,
+        vocab_size=152064,
+    ),
+    "qwen3-0.6b": dict(
+        architectures=["Qwen3ForCausalLM"],
+        model_type="qwen3",
+        attention_bias=False,
+        head_dim=128,
+        hidden_act="silu",
+        hidden_size=1024,
+        intermediate_size=3072,
+        max_position_embeddings=40960,
+        max_window_layers=28,
+        num_attention_heads=16,
+        num_hidden_layers=28,
+        num_key_value_heads=8,
+        rms_norm_eps=1e-06,
+        rope_scaling=None,
+        rope_theta=1000000,
+        sliding_window=None,
+        tie_word_embeddings=True,
+        use_sliding_window=False,
+        vocab_size=151936,
+    ),
+    "mistral-7b-v0.1": dict(
+        architectures=["MistralForCausalLM"],
+        model_type="mistral",
+        hidden_act="silu",
+        hidden_size=4096,
+        intermediate_size=14336,
+        max_position_embeddings=32768,
+        num_attention_heads=32,
+        num_hidden_layers=32,
+        num_key_value_heads=8,
+        rms_norm_eps=1e-05,
+        rope_theta=10000.0,
+        sliding_window=4096,
+        tie_word_embeddings=False,
+        vocab_size=32000,
+    ),
 }
 
 
@@ -548,12 +936,14 @@ def test_published_configs_read_as_the_presets_of_the_same_name(name, tmp_path):
     from transformers import AutoConfig
 
     from dspipe.model.hf import function_of, spec_from_hf_dir
-
     from dspipe.model.hf_arch import architecture_of
     from dspipe.spec.presets import model_preset
 
     (tmp_path / "config.json").write_text(json.dumps(PUBLISHED[name]))
     spec, preset = spec_from_hf_dir(tmp_path), model_preset(name)
     assert function_of(spec) == function_of(preset) and spec.num_params == preset.num_params
-    assert architecture_of(preset) == PUBLISHED[name]["architectures"][0] == \
-        type(AutoConfig.from_pretrained(tmp_path)).__name__.replace("Config", "ForCausalLM")
+    assert (
+        architecture_of(preset)
+        == PUBLISHED[name]["architectures"][0]
+        == type(AutoConfig.from_pretrained(tmp_path)).__name__.replace("Config", "ForCausalLM")
+    )

@@ -1,4 +1,5 @@
 """The plain GPT and the pipeline's layer list compute the same function from the same weights."""
+
 import math
 
 import pytest
@@ -39,9 +40,17 @@ def test_same_seed_same_weights_different_seed_different():
 
 def test_hf_gpt2_names():
     names = set(dict(GPT(SPEC, seed=1).named_parameters()))
-    for n in ("embed.wte.weight", "embed.wpe.weight", "h.0.ln_1.weight", "h.0.attn.c_attn.weight",
-              "h.0.attn.c_proj.bias", "h.1.ln_2.bias", "h.1.mlp.c_fc.weight", "h.1.mlp.c_proj.weight",
-              "final.ln_f.weight"):
+    for n in (
+        "embed.wte.weight",
+        "embed.wpe.weight",
+        "h.0.ln_1.weight",
+        "h.0.attn.c_attn.weight",
+        "h.0.attn.c_proj.bias",
+        "h.1.ln_2.bias",
+        "h.1.mlp.c_fc.weight",
+        "h.1.mlp.c_proj.weight",
+        "final.ln_f.weight",
+    ):
         assert n in names
 
 

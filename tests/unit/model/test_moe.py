@@ -6,6 +6,7 @@ computes dspipe's logits (and loss + aux) after import and the export reads back
 loss's gradient with and without full recomputation; shared experts, moe_every and moe_first_dense build the blocks
 the spec declares; step-0 values: every expert its own draws, the dense blocks' values those of the dense model;
 what neither class computes is one line."""
+
 import json
 from dataclasses import replace
 
@@ -21,9 +22,25 @@ from tests.helpers import perturb
 
 TOL = 1e-5
 V, S, H = 96, 32, 32
-MOE = ModelSpec("moe", 3, H, 4, V, S, 48, dropout=0.0, tied_embeddings=False, norm="rmsnorm", mlp="swiglu",
-                positions="rope", kv_heads=2, bias=False, norm_eps=1e-5, experts=4, experts_per_token=2)
-
+MOE = ModelSpec(
+    "moe",
+    3,
+    H,
+    4,
+    V,
+    S,
+    48,
+    dropout=0.0,
+    tied_embeddings=False,
+    norm="rmsnorm",
+    mlp="swiglu",
+    positions="rope",
+    kv_heads=2,
+    bias=False,
+    norm_eps=1e-5,
+    experts=4,
+    experts_per_token=2,
+)
 
 
 def _tokens(n=2, seq=S):
@@ -39,23 +56,27 @@ def _refusal(fn, *args, **kwargs) -> str:
 
 # ---- one sparse block against transformers' ------------------------------------------------------------------------
 
+
 def _sparse_pair(family: str, *, experts: int, k: int, norm: bool):
     """(dspipe SparseMLP, transformers' sparse block) holding the same random weights (every expert distinct)."""
     import transformers
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-    spec = replace(MOE, hidden=16, heads=2, kv_heads=2, experts=experts, experts_per_token=k, expert_ffn=24,
-                   router_norm_topk=norm)
+    spec = replace(
+        MOE, hidden=16, heads=2, kv_heads=2, experts=experts, experts_per_token=k, expert_ffn=24, router_norm_topk=norm
+    )
     torch.manual_seed(1)
     ours = perturb(SparseMLP(spec), seed=2)
     if family == "mixtral":
-        cfg = transformers.MixtralConfig(hidden_size=16, intermediate_size=24, num_local_experts=experts,
-                                         num_experts_per_tok=k)
+        cfg = transformers.MixtralConfig(
+            hidden_size=16, intermediate_size=24, num_local_experts=experts, num_experts_per_tok=k
+        )
         theirs = MixtralSparseMoeBlock(cfg)
     else:
-        cfg = transformers.Qwen3MoeConfig(hidden_size=16, moe_intermediate_size=24, num_experts=experts,
-                                          num_experts_per_tok=k, norm_topk_prob=norm)
+        cfg = transformers.Qwen3MoeConfig(
+            hidden_size=16, moe_intermediate_size=24, num_experts=experts, num_experts_per_tok=k, norm_topk_prob=norm
+        )
         theirs = Qwen3MoeSparseMoeBlock(cfg)
     _copy_routed(ours, theirs)
     return ours.eval(), theirs.float().eval()
@@ -69,10 +90,19 @@ def _copy_routed(ours, theirs) -> None:
         theirs.experts.down_proj.copy_(torch.stack([e.c_proj.weight for e in ours.experts]))
 
 
-@pytest.mark.parametrize("family,experts,k,norm", [
-    ("mixtral", 4, 1, True), ("mixtral", 4, 2, True), ("mixtral", 8, 8, True),
-    ("qwen3_moe", 16, 1, False), ("qwen3_moe", 16, 2, False), ("qwen3_moe", 16, 8, False),
-    ("qwen3_moe", 16, 1, True), ("qwen3_moe", 16, 8, True)])
+@pytest.mark.parametrize(
+    "family,experts,k,norm",
+    [
+        ("mixtral", 4, 1, True),
+        ("mixtral", 4, 2, True),
+        ("mixtral", 8, 8, True),
+        ("qwen3_moe", 16, 1, False),
+        ("qwen3_moe", 16, 2, False),
+        ("qwen3_moe", 16, 8, False),
+        ("qwen3_moe", 16, 1, True),
+        ("qwen3_moe", 16, 8, True),
+    ],
+)
 def test_sparse_mlp_equals_transformers_block(family, experts, k, norm):
     ours, theirs = _sparse_pair(family, experts=experts, k=k, norm=norm)
     x = torch.randn(4, 64, 16, generator=torch.Generator().manual_seed(3)) * 3
@@ -102,21 +132,44 @@ def test_aux_loss_equals_transformers_load_balancing_loss(k):
 
 # ---- sigmoid scores (DeepSeek-V3) -----------------------------------------------------------------------------------
 
-def _deepseek_pair(*, experts: int, k: int, norm: bool, scale: float, groups: int = 1, limit: int | None = None,
-                   biased: bool = False):
+
+def _deepseek_pair(
+    *, experts: int, k: int, norm: bool, scale: float, groups: int = 1, limit: int | None = None, biased: bool = False
+):
     """(dspipe SparseMLP with sigmoid scores and one shared expert, transformers' DeepseekV3MoE) holding the same
     random weights, the same expert groups and, when `biased`, the same random selection bias."""
     import transformers
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 
-    spec = replace(MOE, hidden=16, heads=2, kv_heads=2, experts=experts, experts_per_token=k, expert_ffn=24,
-                   shared_experts=1, router_norm_topk=norm, router_score="sigmoid", router_scale=scale,
-                   router_groups=groups, router_group_limit=limit, router_bias_rate=0.001 if biased else 0.0)
+    spec = replace(
+        MOE,
+        hidden=16,
+        heads=2,
+        kv_heads=2,
+        experts=experts,
+        experts_per_token=k,
+        expert_ffn=24,
+        shared_experts=1,
+        router_norm_topk=norm,
+        router_score="sigmoid",
+        router_scale=scale,
+        router_groups=groups,
+        router_group_limit=limit,
+        router_bias_rate=0.001 if biased else 0.0,
+    )
     torch.manual_seed(1)
     ours = perturb(SparseMLP(spec), seed=2)
-    cfg = transformers.DeepseekV3Config(hidden_size=16, moe_intermediate_size=24, n_routed_experts=experts,
-                                        num_experts_per_tok=k, n_group=groups, topk_group=limit or groups,
-                                        n_shared_experts=1, norm_topk_prob=norm, routed_scaling_factor=scale)
+    cfg = transformers.DeepseekV3Config(
+        hidden_size=16,
+        moe_intermediate_size=24,
+        n_routed_experts=experts,
+        num_experts_per_tok=k,
+        n_group=groups,
+        topk_group=limit or groups,
+        n_shared_experts=1,
+        norm_topk_prob=norm,
+        routed_scaling_factor=scale,
+    )
     theirs = DeepseekV3MoE(cfg)
     _copy_routed(ours, theirs)
     with torch.no_grad():
@@ -131,16 +184,26 @@ def _deepseek_pair(*, experts: int, k: int, norm: bool, scale: float, groups: in
     return ours.eval(), theirs.float().eval()
 
 
-@pytest.mark.parametrize("experts,k,norm,scale,groups,limit,biased", [
-    (8, 1, True, 1.0, 1, None, False), (8, 2, True, 2.5, 1, None, False), (16, 6, True, 2.5, 1, None, False),
-    (16, 4, False, 1.0, 1, None, False), (16, 1, False, 2.5, 1, None, False),
-    (16, 4, True, 2.5, 4, 2, False), (16, 4, True, 2.5, 1, None, True), (32, 8, True, 2.5, 8, 4, True),
-    (16, 3, False, 1.0, 4, 1, True)])
+@pytest.mark.parametrize(
+    "experts,k,norm,scale,groups,limit,biased",
+    [
+        (8, 1, True, 1.0, 1, None, False),
+        (8, 2, True, 2.5, 1, None, False),
+        (16, 6, True, 2.5, 1, None, False),
+        (16, 4, False, 1.0, 1, None, False),
+        (16, 1, False, 2.5, 1, None, False),
+        (16, 4, True, 2.5, 4, 2, False),
+        (16, 4, True, 2.5, 1, None, True),
+        (32, 8, True, 2.5, 8, 4, True),
+        (16, 3, False, 1.0, 4, 1, True),
+    ],
+)
 def test_sigmoid_sparse_mlp_equals_deepseek_v3_block(experts, k, norm, scale, groups, limit, biased):
     """DeepSeek-V3's routing: sigmoid scores, then (as the parameters say) group-limited selection and a selection
     bias; dspipe's block computes transformers' DeepseekV3MoE."""
-    ours, theirs = _deepseek_pair(experts=experts, k=k, norm=norm, scale=scale, groups=groups, limit=limit,
-                                  biased=biased)
+    ours, theirs = _deepseek_pair(
+        experts=experts, k=k, norm=norm, scale=scale, groups=groups, limit=limit, biased=biased
+    )
     x = torch.randn(4, 64, 16, generator=torch.Generator().manual_seed(3)) * 3
     with torch.no_grad():
         a, b = ours(x), theirs(x)
@@ -149,8 +212,20 @@ def test_sigmoid_sparse_mlp_equals_deepseek_v3_block(experts, k, norm, scale, gr
     if k == 1 and norm or groups > 1 or biased:  # one expert renormalised weighs `scale` under either score
         return
     with torch.no_grad():  # otherwise softmax scores give another output: the score function is in use
-        softmax = SparseMLP(replace(MOE, hidden=16, heads=2, kv_heads=2, experts=experts, experts_per_token=k,
-                                    expert_ffn=24, shared_experts=1, router_norm_topk=norm, router_scale=scale))
+        softmax = SparseMLP(
+            replace(
+                MOE,
+                hidden=16,
+                heads=2,
+                kv_heads=2,
+                experts=experts,
+                experts_per_token=k,
+                expert_ffn=24,
+                shared_experts=1,
+                router_norm_topk=norm,
+                router_scale=scale,
+            )
+        )
         softmax.load_state_dict(ours.state_dict())
         assert (softmax(x) - a).abs().max() > 1e-3
 
@@ -191,26 +266,71 @@ def test_route_sigmoid_formula():
 
 # ---- whole models: import, export ------------------------------------------------------------------------------------
 
-BASE = dict(vocab_size=V, hidden_size=H, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=S, rms_norm_eps=1e-5)
+BASE = dict(
+    vocab_size=V,
+    hidden_size=H,
+    intermediate_size=48,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=S,
+    rms_norm_eps=1e-5,
+)
 FAMILIES = {  # name: (config class, arguments, the ModelSpec fields it reads as, besides MOE's)
     "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2), dict(rope_theta=1e6)),
-    "mixtral-window-top1": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=1, sliding_window=7,
-                                                  router_aux_loss_coef=0.02),
-                            dict(rope_theta=1e6, experts_per_token=1, sliding_window=7, aux_loss_coef=0.02)),
-    "qwen3-moe": ("Qwen3MoeConfig", dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=24, head_dim=16,
-                                         norm_topk_prob=False),
-                  dict(experts=8, experts_per_token=3, expert_ffn=24, head_width=16, qk_norm=True,
-                       router_norm_topk=False, rope_theta=10000.0)),
-    "qwen3-moe-dense-first": ("Qwen3MoeConfig", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
-                                                     mlp_only_layers=[0], norm_topk_prob=True, attention_bias=True),
-                              dict(experts=8, expert_ffn=24, qk_norm=True, moe_first_dense=1, qkv_bias=True,
-                                   out_bias=True, rope_theta=10000.0)),
-    "qwen3-moe-every2-window": ("Qwen3MoeConfig", dict(num_experts=8, num_experts_per_tok=1, moe_intermediate_size=24,
-                                                       decoder_sparse_step=2, use_sliding_window=True,
-                                                       sliding_window=5, norm_topk_prob=True),
-                                dict(experts=8, experts_per_token=1, expert_ffn=24, qk_norm=True, moe_every=2,
-                                     sliding_window=5, rope_theta=10000.0)),
+    "mixtral-window-top1": (
+        "MixtralConfig",
+        dict(num_local_experts=4, num_experts_per_tok=1, sliding_window=7, router_aux_loss_coef=0.02),
+        dict(rope_theta=1e6, experts_per_token=1, sliding_window=7, aux_loss_coef=0.02),
+    ),
+    "qwen3-moe": (
+        "Qwen3MoeConfig",
+        dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=24, head_dim=16, norm_topk_prob=False),
+        dict(
+            experts=8,
+            experts_per_token=3,
+            expert_ffn=24,
+            head_width=16,
+            qk_norm=True,
+            router_norm_topk=False,
+            rope_theta=10000.0,
+        ),
+    ),
+    "qwen3-moe-dense-first": (
+        "Qwen3MoeConfig",
+        dict(
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=24,
+            mlp_only_layers=[0],
+            norm_topk_prob=True,
+            attention_bias=True,
+        ),
+        dict(
+            experts=8, expert_ffn=24, qk_norm=True, moe_first_dense=1, qkv_bias=True, out_bias=True, rope_theta=10000.0
+        ),
+    ),
+    "qwen3-moe-every2-window": (
+        "Qwen3MoeConfig",
+        dict(
+            num_experts=8,
+            num_experts_per_tok=1,
+            moe_intermediate_size=24,
+            decoder_sparse_step=2,
+            use_sliding_window=True,
+            sliding_window=5,
+            norm_topk_prob=True,
+        ),
+        dict(
+            experts=8,
+            experts_per_token=1,
+            expert_ffn=24,
+            qk_norm=True,
+            moe_every=2,
+            sliding_window=5,
+            rope_theta=10000.0,
+        ),
+    ),
 }
 ARCH = {"MixtralConfig": "MixtralForCausalLM", "Qwen3MoeConfig": "Qwen3MoeForCausalLM"}
 
@@ -234,9 +354,7 @@ def test_import_of_a_saved_checkpoint_computes_transformers_logits(tmp_path, fam
     from safetensors import safe_open
 
     from dspipe.model.hf import function_of, spec_from_hf_dir
-
     from dspipe.model.hf_arch import architecture_of
-
     from dspipe.model.hf_state import from_hf_state
     from dspipe.model.hf_weights import HFWeights, check_weights, load_into_module
 
@@ -267,8 +385,9 @@ def test_loss_with_router_logits_is_transformers_for_one_sparse_layer(tmp_path, 
 
     cls, kwargs, fields = FAMILIES[family]
     layers = 2 if "dense-first" in family else 1
-    config = getattr(transformers, cls)(**{**BASE, **kwargs, "num_hidden_layers": layers, "output_router_logits": True,
-                                           "router_aux_loss_coef": 0.3})
+    config = getattr(transformers, cls)(
+        **{**BASE, **kwargs, "num_hidden_layers": layers, "output_router_logits": True, "router_aux_loss_coef": 0.3}
+    )
     torch.manual_seed(0)
     hf = perturb(getattr(transformers, ARCH[cls])(config).float()).eval()
     spec = replace(MOE, **fields, layers=layers, aux_loss_coef=0.3)
@@ -290,9 +409,7 @@ def test_export_reads_back_with_from_pretrained(tmp_path, family):
     import transformers
 
     from dspipe.model.hf import function_of, spec_from_hf_dir
-
     from dspipe.model.hf_arch import architecture_of
-
     from dspipe.model.hf_state import from_hf_state, hf_model
 
     spec = replace(MOE, **FAMILIES[family][2], capacity_factor=1.25)  # training-only: the export is dropless
@@ -338,21 +455,28 @@ def test_configs_dspipe_cannot_compute_are_refused(tmp_path):
     assert spec_from_hf_dir(m).experts == 4  # transformers' own aux switch: ignored (dspipe's is always on)
 
 
-@pytest.mark.parametrize("fields,message", [
-    (dict(shared_experts=1), "shared_experts 1: neither MixtralForCausalLM nor Qwen3MoeForCausalLM has shared"),
-    (dict(router_norm_topk=False), "MixtralForCausalLM renormalises the top-k probabilities"),
-    (dict(moe_every=2), "MixtralForCausalLM has every block sparse (sparse blocks here: 1 of 3"),
-    (dict(expert_ffn=24), "expert_ffn 24 must equal ffn 48"),
-    (dict(mlp_bias=True), "neither MixtralForCausalLM nor Qwen3MoeForCausalLM has MLP (expert) biases"),
-    (dict(qk_norm=True, qkv_bias=True), "q/k norm is Qwen3MoeForCausalLM's, whose q/k/v/o biases are all or none"),
-    (dict(mlp="gelu", norm="layernorm", positions="learned"), "are rmsnorm, swiglu, rope"),
-    (dict(router_score="sigmoid"),
-     "router_score sigmoid: MixtralForCausalLM and Qwen3MoeForCausalLM route by softmax"),
-    (dict(router_scale=2.5, qk_norm=True), "router_scale 2.5: MixtralForCausalLM and Qwen3MoeForCausalLM do not"),
-    (dict(router_groups=2, router_group_limit=1),
-     "router_group_limit 1: MixtralForCausalLM and Qwen3MoeForCausalLM route over every expert"),
-    (dict(router_bias_rate=0.001), "router_bias_rate 0.001: MixtralForCausalLM and Qwen3MoeForCausalLM have no"),
-])
+@pytest.mark.parametrize(
+    "fields,message",
+    [
+        (dict(shared_experts=1), "shared_experts 1: neither MixtralForCausalLM nor Qwen3MoeForCausalLM has shared"),
+        (dict(router_norm_topk=False), "MixtralForCausalLM renormalises the top-k probabilities"),
+        (dict(moe_every=2), "MixtralForCausalLM has every block sparse (sparse blocks here: 1 of 3"),
+        (dict(expert_ffn=24), "expert_ffn 24 must equal ffn 48"),
+        (dict(mlp_bias=True), "neither MixtralForCausalLM nor Qwen3MoeForCausalLM has MLP (expert) biases"),
+        (dict(qk_norm=True, qkv_bias=True), "q/k norm is Qwen3MoeForCausalLM's, whose q/k/v/o biases are all or none"),
+        (dict(mlp="gelu", norm="layernorm", positions="learned"), "are rmsnorm, swiglu, rope"),
+        (
+            dict(router_score="sigmoid"),
+            "router_score sigmoid: MixtralForCausalLM and Qwen3MoeForCausalLM route by softmax",
+        ),
+        (dict(router_scale=2.5, qk_norm=True), "router_scale 2.5: MixtralForCausalLM and Qwen3MoeForCausalLM do not"),
+        (
+            dict(router_groups=2, router_group_limit=1),
+            "router_group_limit 1: MixtralForCausalLM and Qwen3MoeForCausalLM route over every expert",
+        ),
+        (dict(router_bias_rate=0.001), "router_bias_rate 0.001: MixtralForCausalLM and Qwen3MoeForCausalLM have no"),
+    ],
+)
 def test_specs_no_class_computes_are_refused_on_export(fields, message):
     from dspipe.model.hf_arch import architecture_of
 
@@ -361,6 +485,7 @@ def test_specs_no_class_computes_are_refused_on_export(fields, message):
 
 
 # ---- training: the aux loss, its gradient, recomputation -----------------------------------------------------------
+
 
 def _router_grads(model, x, labels):
     model.zero_grad()
@@ -409,6 +534,7 @@ def test_forward_records_lm_and_aux_and_a_dense_model_returns_the_lm_loss_alone(
 
 
 # ---- structure and step-0 values ----------------------------------------------------------------------------------
+
 
 def test_shared_experts_and_the_sparse_pattern_build_the_declared_blocks():
     spec = replace(MOE, layers=6, moe_every=2, moe_first_dense=2, shared_experts=2, expert_ffn=8)
@@ -479,8 +605,24 @@ def test_init_from_takes_the_training_only_settings_and_refuses_architecture_one
     d, _ = _family_dir(tmp_path, "mixtral")
     cpu2 = ["--nodes", "1", "--gpus-per-node", "2", "--gpu", "cpu"]
     out = tmp_path / "run"
-    code = run_cli("gen-config", *cpu2, "--init-from", d, "--aux-loss-coef", "0.01", "--capacity-factor", "1.5",
-                   "--zero", "2", "--ep", "2", "--data", tmp_path / "nodata", "--out", out)
+    code = run_cli(
+        "gen-config",
+        *cpu2,
+        "--init-from",
+        d,
+        "--aux-loss-coef",
+        "0.01",
+        "--capacity-factor",
+        "1.5",
+        "--zero",
+        "2",
+        "--ep",
+        "2",
+        "--data",
+        tmp_path / "nodata",
+        "--out",
+        out,
+    )
     assert code == 0, capsys.readouterr().err
     model = load_run(out).model
     assert (model.aux_loss_coef, model.capacity_factor, model.experts, model.experts_per_token) == (0.01, 1.5, 4, 2)

@@ -7,6 +7,7 @@ forward checks call it as dspipe does; the gradient checks lift that entry check
 eager implementation, torch's dense reference of the same kernel, differentiates on the CPU. The compiled CUDA
 kernel itself runs only on a GPU (benchmarks/window_attention.py --check).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -33,9 +34,24 @@ def gpt2_spec(**kw) -> ModelSpec:
 def llama_spec(**kw) -> ModelSpec:
     """Llama's block: RMSNorm, SwiGLU, rotary, grouped-query (8 heads over 2 key/value heads), no biases; the window
     from block 1 on (block 0 stays causal)."""
-    base = dict(name="custom", layers=3, hidden=64, heads=8, kv_heads=2, vocab=96, seq_len=40, ffn=96,
-                norm="rmsnorm", mlp="swiglu", positions="rope", rope_theta=10000.0, bias=False,
-                tied_embeddings=False, sliding_window=9, window_start_layer=1)
+    base = dict(
+        name="custom",
+        layers=3,
+        hidden=64,
+        heads=8,
+        kv_heads=2,
+        vocab=96,
+        seq_len=40,
+        ffn=96,
+        norm="rmsnorm",
+        mlp="swiglu",
+        positions="rope",
+        rope_theta=10000.0,
+        bias=False,
+        tied_embeddings=False,
+        sliding_window=9,
+        window_start_layer=1,
+    )
     return ModelSpec(**{**base, **kw})
 
 
@@ -75,6 +91,7 @@ def batch(spec: ModelSpec, *, seed: int = 5) -> tuple[torch.Tensor, torch.Tensor
 
 # --- the choice ---------------------------------------------------------------------------------------------------
 
+
 def test_kernel_by_device_window_and_dropout():
     pick = win.choose_kernel
     assert pick(device_type="cuda", seq=64, window=16, dropout=0.0) == "flex"
@@ -105,6 +122,7 @@ def test_forcing_flex_with_dropout_while_training_is_refused():
 
 # --- the mask ----------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("seq,window", [(6, 3), (40, 9), (48, 1), (300, 129)])
 def test_mask_mod_is_window_mask_element_by_element(seq, window):
     pos = torch.arange(seq)
@@ -128,8 +146,11 @@ def test_block_mask_keeps_exactly_the_tiles_the_window_touches(seq, window):
     every = (inside | ~valid.view(tiles, size, tiles, size).transpose(1, 2)).flatten(2).all(-1) & some
     assert torch.equal(block.to_dense()[0, 0].bool(), some)
     assert int(block.full_kv_num_blocks.sum()) == int(every.sum())
-    assert int(block.kv_num_blocks.sum() + block.full_kv_num_blocks.sum()) == int(some.sum()) \
-        == flex_window_tiles(seq=seq, window=window)  # the planner's count of the GPU's work
+    assert (
+        int(block.kv_num_blocks.sum() + block.full_kv_num_blocks.sum())
+        == int(some.sum())
+        == flex_window_tiles(seq=seq, window=window)
+    )  # the planner's count of the GPU's work
 
 
 def test_block_mask_is_built_once_per_seq_window_device():
@@ -144,6 +165,7 @@ def test_flex_needs_as_many_keys_as_queries():
 
 
 # --- flex against the masked path --------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("name", list(SPECS))
 def test_flex_core_is_the_masked_core(name, cpu_flex_backward):
@@ -209,8 +231,10 @@ def test_default_kernel_on_cpu_is_the_mask():
 def test_flex_differs_from_a_wrong_window():
     """The comparison can fail: one token of window more changes the flex output far beyond the tolerance."""
     spec = gpt2_spec()
-    q, k, v = (torch.randn(1, spec.heads, spec.seq_len, spec.head_dim, generator=torch.Generator().manual_seed(i))
-               for i in range(3))
+    q, k, v = (
+        torch.randn(1, spec.heads, spec.seq_len, spec.head_dim, generator=torch.Generator().manual_seed(i))
+        for i in range(3)
+    )
     masked = F.scaled_dot_product_attention(q, k, v, attn_mask=window_mask(spec.seq_len, spec.sliding_window + 1))
     flexed = win.flex_window_attention(q, k, v, window=spec.sliding_window)
     assert (flexed - masked).abs().max() > 1000 * REL * masked.abs().max()

@@ -1,13 +1,14 @@
 """The planner's activation bytes against a census of the real model (benchmarks/census/activations.py:
 saved-tensor hooks, by storage, parameters excluded; recomputation through DeepSpeed's checkpoint; pipeline
 stages from DeepSpeed's own partition), and the search never choosing selective recomputation to save memory."""
+
 from dataclasses import replace
 
 import pytest
 
-from dspipe.spec.presets import MODEL_PRESETS
 from dspipe.planner.search import search
-from dspipe.spec.core import ClusterSpec, TrainSpec, StrategyRequest
+from dspipe.spec.core import ClusterSpec, StrategyRequest, TrainSpec
+from dspipe.spec.presets import MODEL_PRESETS
 
 TINY = MODEL_PRESETS["tiny"]
 SMALL = replace(TINY, name="small", layers=4, hidden=128, heads=4, seq_len=128, ffn=512, vocab=512)
@@ -21,8 +22,12 @@ QWEN3 = replace(TINY_LLAMA, name="tiny-qwen3", qk_norm=True, head_width=32)
 """Qwen3's: per-head q/k RMSNorm, heads twice hidden / heads wide (q is 2h wide, the out-projection 2h -> h)."""
 MISTRAL = replace(TINY_LLAMA, name="tiny-mistral", sliding_window=16)
 """Mistral 7B v0.1's: a sliding window (16 tokens of 64) in every block, so each block keeps the (s, s) mask."""
-CASES = [(m, prec, ck, 1, 0) for m in (TINY, SMALL, TINY_LLAMA, QWEN2, QWEN3, MISTRAL) for prec in ("bf16", "fp32")
-         for ck in ("none", "selective", "full")]
+CASES = [
+    (m, prec, ck, 1, 0)
+    for m in (TINY, SMALL, TINY_LLAMA, QWEN2, QWEN3, MISTRAL)
+    for prec in ("bf16", "fp32")
+    for ck in ("none", "selective", "full")
+]
 CASES += [(FIVE, "bf16", ck, 2, stage) for ck in ("none", "full") for stage in (0, 1)]
 
 
@@ -30,8 +35,11 @@ def _close(predicted: float, measured: float) -> bool:
     return abs(predicted - measured) <= 0.05 * measured
 
 
-@pytest.mark.parametrize("model,precision,checkpointing,pp,stage", CASES,
-                         ids=[f"{m.name}-L{m.layers}-{p}-{c}-pp{pp}s{s}" for m, p, c, pp, s in CASES])
+@pytest.mark.parametrize(
+    "model,precision,checkpointing,pp,stage",
+    CASES,
+    ids=[f"{m.name}-L{m.layers}-{p}-{c}-pp{pp}s{s}" for m, p, c, pp, s in CASES],
+)
 def test_planner_activations_within_5_percent_of_the_census(model, precision, checkpointing, pp, stage):
     from benchmarks.census.activations import compare
 
@@ -51,8 +59,9 @@ def test_census_shows_what_the_issue_reported():
     from benchmarks.census.activations import census_gpt
 
     m, sbh = SMALL, SMALL.seq_len * 2 * SMALL.hidden * 2  # micro-batch 2, bf16
-    none, sel, full = (census_gpt(model=m, micro_batch=2, checkpointing=c, precision="bf16")
-                       for c in ("none", "selective", "full"))
+    none, sel, full = (
+        census_gpt(model=m, micro_batch=2, checkpointing=c, precision="bf16") for c in ("none", "selective", "full")
+    )
     assert 0.98 < sel.blocks[0] / none.blocks[0] <= 1.0
     assert 31.5 < none.blocks[0] / sbh * 2 < 33  # bytes in units of s.b.h at 2-byte activations: ~32, not 34
     assert all(b == sbh for b in full.blocks)
@@ -70,9 +79,15 @@ def test_search_never_picks_selective_but_keeps_a_pinned_one():
     assert none, "none fits here, so nothing would justify selective"
     pinned = search(model=m, cluster=cluster, train=train, request=StrategyRequest(checkpointing="selective"))
     assert pinned.best.plan.checkpointing == "selective"
-    twin = next(c for c in none if c.plan.micro_batch == pinned.best.plan.micro_batch
-                and c.strategy.zero == pinned.best.strategy.zero and c.plan.pp == pinned.best.plan.pp
-                and c.plan.tp == pinned.best.plan.tp and c.strategy.offload == pinned.best.strategy.offload)
+    twin = next(
+        c
+        for c in none
+        if c.plan.micro_batch == pinned.best.plan.micro_batch
+        and c.strategy.zero == pinned.best.strategy.zero
+        and c.plan.pp == pinned.best.plan.pp
+        and c.plan.tp == pinned.best.plan.tp
+        and c.strategy.offload == pinned.best.strategy.offload
+    )
     saved = twin.est.memory.activations - pinned.best.est.memory.activations
     assert 0 <= saved < 0.01 * twin.est.memory.activations  # the memory it really uses: that of none
     assert pinned.best.est.compute_s > twin.est.compute_s

@@ -2,6 +2,7 @@
 split widths from head_dim, a window's mask counted per windowed block on each stage where the masked kernel runs
 (the CPU's; flex_attention's tiles on the GPU), and the largest new presets
 planned on their clusters (no launch)."""
+
 import math
 from dataclasses import replace
 
@@ -12,8 +13,12 @@ from dspipe.planner.enumerate import tp_choices
 from dspipe.planner.memory import activation_bytes_per_layer, micro_batch_activations, window_mask_bytes
 from dspipe.planner.search import search
 from dspipe.planner.summary import estimate_summary
-from dspipe.planner.throughput import (attention_flops_per_token, attention_keys_per_query, flex_window_tiles,
-                                       model_flops_per_token)
+from dspipe.planner.throughput import (
+    attention_flops_per_token,
+    attention_keys_per_query,
+    flex_window_tiles,
+    model_flops_per_token,
+)
 from dspipe.spec.core import ClusterSpec, StrategyRequest, TrainSpec
 from dspipe.spec.presets import MODEL_PRESETS
 
@@ -51,8 +56,21 @@ def test_a_sliding_window_bounds_the_keys_per_query():
     assert attention_flops_per_token(later) == 12 * 4096 * (24 * 4096 + 8 * 3072)
 
 
-@pytest.mark.parametrize("seq,window", [(8192, 4096), (8192, 4095), (8192, 4097), (8192, 1), (8192, 128),
-                                        (8192, 129), (4096, 4095), (1000, 200), (64, 16), (131072, 4096)])
+@pytest.mark.parametrize(
+    "seq,window",
+    [
+        (8192, 4096),
+        (8192, 4095),
+        (8192, 4097),
+        (8192, 1),
+        (8192, 128),
+        (8192, 129),
+        (4096, 4095),
+        (1000, 200),
+        (64, 16),
+        (131072, 4096),
+    ],
+)
 def test_flex_tiles_are_the_tiles_the_window_touches(seq, window):
     """The closed form against a count tile by tile: query tile i (rows i x 128 ..) meets key tile j iff j <= i and
     its nearest pair, first row of i and last column of j, is inside the window."""
@@ -128,8 +146,9 @@ def test_a_window_mask_is_counted_once_per_windowed_block_on_its_stage():
     plain = activation_bytes_per_layer(checkpointing="none", windowed=False, **kw)
     masked = activation_bytes_per_layer(checkpointing="none", windowed=True, **kw)
     assert masked - plain == window_mask_bytes(m, act_bytes=2) == 2 * 64 * 64
-    assert activation_bytes_per_layer(checkpointing="selective", windowed=True, **kw) == \
-        activation_bytes_per_layer(checkpointing="selective", windowed=False, **kw)
+    assert activation_bytes_per_layer(checkpointing="selective", windowed=True, **kw) == activation_bytes_per_layer(
+        checkpointing="selective", windowed=False, **kw
+    )
     both, _ = micro_batch_activations(checkpointing="none", blocks=2, first=True, last=False, **kw)
     assert both == plain + masked + 8 * 64 * 2  # block 0 unmasked, block 1 masked, the token ids
     first, _ = micro_batch_activations(checkpointing="none", blocks=1, first=True, last=False, windowed=0, **kw)
@@ -153,8 +172,12 @@ def test_flex_attention_keeps_no_window_mask_on_the_gpu():
 
 def _best(name, nodes, gbs):
     cluster = ClusterSpec(nodes, 8, "h100-80g")
-    result = search(model=MODEL_PRESETS[name], cluster=cluster, request=StrategyRequest(),
-                    train=TrainSpec(global_batch=gbs, micro_batch=1, steps=1000, warmup_steps=10))
+    result = search(
+        model=MODEL_PRESETS[name],
+        cluster=cluster,
+        request=StrategyRequest(),
+        train=TrainSpec(global_batch=gbs, micro_batch=1, steps=1000, warmup_steps=10),
+    )
     return result.best, estimate_summary(result.best, tokens=1e12)
 
 

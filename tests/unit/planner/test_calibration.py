@@ -1,5 +1,6 @@
 """Calibration profiles (`dspipe calibrate`, --profile) and the bandwidth overrides: validation, what the planner
 does with the figures, and that a run directory keeps them."""
+
 import json
 import math
 from dataclasses import replace
@@ -8,24 +9,60 @@ import pytest
 
 from dspipe.errors import SpecError
 from dspipe.planner.cost import estimate
-from dspipe.spec.hardware import GPU_CATALOG
 from dspipe.planner.plan import make_plan
+from dspipe.planner.throughput import model_flops_per_token
+from dspipe.spec.core import ClusterSpec, StrategySpec, TrainSpec
+from dspipe.spec.hardware import GPU_CATALOG
 from dspipe.spec.presets import model_preset
 from dspipe.spec.profile import PROFILE_FILE, Profile, profile_text, profile_to_dict, read_profile
-from dspipe.spec.core import ClusterSpec, StrategySpec, TrainSpec
-from dspipe.planner.throughput import model_flops_per_token
 from tests.helpers import dspipe, run_cli
 
 DEMO = ["--model", "tiny", "--layers", "4", "--hidden", "128", "--heads", "4", "--seq-len", "128", "--vocab", "4096"]
-CPU2 = ["--gpus-per-node", "2", "--gpu", "cpu", "--precision", "fp32", "--micro-batch", "8", "--global-batch", "32",
-        "--zero", "1", "--pp", "1", "--tp", "1", "--sp", "1", "--checkpointing", "none", "--offload", "none"]
+CPU2 = [
+    "--gpus-per-node",
+    "2",
+    "--gpu",
+    "cpu",
+    "--precision",
+    "fp32",
+    "--micro-batch",
+    "8",
+    "--global-batch",
+    "32",
+    "--zero",
+    "1",
+    "--pp",
+    "1",
+    "--tp",
+    "1",
+    "--sp",
+    "1",
+    "--checkpointing",
+    "none",
+    "--offload",
+    "none",
+]
 
 
 def a_profile(**changes) -> Profile:
-    p = Profile(device="AMD EPYC", gpu="cpu", dtype="fp32", ranks=2, threads_per_rank=1, model="L4 h128 micro 8",
-                created="2026-11-23T12:00:00", versions="dspipe 0.1.0", compute_tflops=0.015, matmul_tflops=0.025,
-                allreduce_busbw_gbps=0.6, allreduce_latency_s=1e-3, host_copy_gbps=None, host_memcpy_gbps=5.0,
-                cpu_adam_params_per_s=5e8, optimizer_params_per_s=4e7)
+    p = Profile(
+        device="AMD EPYC",
+        gpu="cpu",
+        dtype="fp32",
+        ranks=2,
+        threads_per_rank=1,
+        model="L4 h128 micro 8",
+        created="2026-11-23T12:00:00",
+        versions="dspipe 0.1.0",
+        compute_tflops=0.015,
+        matmul_tflops=0.025,
+        allreduce_busbw_gbps=0.6,
+        allreduce_latency_s=1e-3,
+        host_copy_gbps=None,
+        host_memcpy_gbps=5.0,
+        cpu_adam_params_per_s=5e8,
+        optimizer_params_per_s=4e7,
+    )
     return replace(p, **changes)
 
 
@@ -45,20 +82,28 @@ def test_profile_round_trips_through_its_file(tmp_path):
     assert json.loads(path.read_text())["figures"]["compute_tflops"] == 0.015
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda d: d.update(version=2), "profile version 2 is not 1"),
-    (lambda d: d.update(format="x"), "not a dspipe profile"),
-    (lambda d: d["figures"].pop("compute_tflops"), "missing figure compute_tflops"),
-    (lambda d: d["figures"].update(compute_tflops=-1.0),
-     "figures.compute_tflops must be a finite number > 0, got -1.0"),
-    (lambda d: d["figures"].update(allreduce_busbw_gbps="fast"), "figures.allreduce_busbw_gbps must be a finite"),
-    (lambda d: d["figures"].update(matmul_tflops=None), "figures.matmul_tflops must be a finite number > 0, got None"),
-    (lambda d: d["figures"].update(allreduce_latency_s=None), "may be null only for a 1-rank profile (ranks 2)"),
-    (lambda d: d["figures"].update(optimizer_params_per_s=True), "optimizer_params_per_s must be"),
-    (lambda d: d.update(ranks=0), "ranks must be a positive integer, got 0"),
-    (lambda d: d.update(gpu=""), "gpu must be a one-line non-empty string"),
-    (lambda d: d.update(extra=1), "unknown profile key extra"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda d: d.update(version=2), "profile version 2 is not 1"),
+        (lambda d: d.update(format="x"), "not a dspipe profile"),
+        (lambda d: d["figures"].pop("compute_tflops"), "missing figure compute_tflops"),
+        (
+            lambda d: d["figures"].update(compute_tflops=-1.0),
+            "figures.compute_tflops must be a finite number > 0, got -1.0",
+        ),
+        (lambda d: d["figures"].update(allreduce_busbw_gbps="fast"), "figures.allreduce_busbw_gbps must be a finite"),
+        (
+            lambda d: d["figures"].update(matmul_tflops=None),
+            "figures.matmul_tflops must be a finite number > 0, got None",
+        ),
+        (lambda d: d["figures"].update(allreduce_latency_s=None), "may be null only for a 1-rank profile (ranks 2)"),
+        (lambda d: d["figures"].update(optimizer_params_per_s=True), "optimizer_params_per_s must be"),
+        (lambda d: d.update(ranks=0), "ranks must be a positive integer, got 0"),
+        (lambda d: d.update(gpu=""), "gpu must be a one-line non-empty string"),
+        (lambda d: d.update(extra=1), "unknown profile key extra"),
+    ],
+)
 def test_bad_profiles_are_one_line_exit_2(tmp_path, capsys, edit, message):
     d = profile_to_dict(a_profile())
     edit(d)
@@ -74,10 +119,14 @@ def test_profile_not_json_missing_or_for_another_gpu(tmp_path, capsys):
     bad.write_text("{not json")
     good = tmp_path / "good.json"
     good.write_text(profile_text(a_profile()))
-    for args, message in ((["--profile", bad], "is not valid JSON"),
-                          (["--profile", tmp_path / "none.json"], "cannot read it"),
-                          (["--profile", good, "--gpu", "h100-80g", "--gpus-per-node", "8", "--precision", "bf16"],
-                           "profile measured on 'cpu' (AMD EPYC), but the cluster's GPU type is 'h100-80g'")):
+    for args, message in (
+        (["--profile", bad], "is not valid JSON"),
+        (["--profile", tmp_path / "none.json"], "cannot read it"),
+        (
+            ["--profile", good, "--gpu", "h100-80g", "--gpus-per-node", "8", "--precision", "bf16"],
+            "profile measured on 'cpu' (AMD EPYC), but the cluster's GPU type is 'h100-80g'",
+        ),
+    ):
         assert run_cli("plan", *DEMO, *CPU2, *args) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0], err
@@ -97,8 +146,15 @@ def test_a_profile_holding_nan_is_refused_in_one_line(tmp_path, capsys):
     assert len(err) == 1 and "NaN is not a finite number" in err[0] and str(path) in err[0], err
 
 
-@pytest.mark.parametrize("flag, value", [("--intra-node-gbps", "0"), ("--inter-node-gbps", "-3"),
-                                         ("--intra-node-gbps", "nan"), ("--inter-node-gbps", "inf")])
+@pytest.mark.parametrize(
+    "flag, value",
+    [
+        ("--intra-node-gbps", "0"),
+        ("--inter-node-gbps", "-3"),
+        ("--intra-node-gbps", "nan"),
+        ("--inter-node-gbps", "inf"),
+    ],
+)
 def test_bandwidth_overrides_must_be_positive(capsys, flag, value):
     assert run_cli("plan", *DEMO, *CPU2, flag, value) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -190,16 +246,31 @@ def test_gen_config_keeps_the_profile_and_load_run_reproduces_the_estimate(tmp_p
     path = tmp_path / "p.json"
     path.write_text(profile_text(a_profile()))
     out = tmp_path / "run"
-    assert run_cli("gen-config", *DEMO, *CPU2, "--profile", path, "--intra-node-gbps", "0.5", "--data",
-                   tmp_path / "nodata", "--out", out) == 0
+    assert (
+        run_cli(
+            "gen-config",
+            *DEMO,
+            *CPU2,
+            "--profile",
+            path,
+            "--intra-node-gbps",
+            "0.5",
+            "--data",
+            tmp_path / "nodata",
+            "--out",
+            out,
+        )
+        == 0
+    )
     assert read_profile(out / PROFILE_FILE) == a_profile()
     path.unlink()  # the run directory alone reproduces the prediction
     run = load_run(out)
     assert run.cluster.profile == a_profile() and run.cluster.intra_node_gbps == 0.5
     est = estimate(model=run.model, cluster=run.cluster, plan=run.plan)
     assert est.step_time_s == run.estimate.step_time_s
-    assert math.isclose(est.compute_s, run.plan.micro_batch * 128 * run.plan.grad_accum
-                        * model_flops_per_token(run.model) / 0.015e12)
+    assert math.isclose(
+        est.compute_s, run.plan.micro_batch * 128 * run.plan.grad_accum * model_flops_per_token(run.model) / 0.015e12
+    )
     spec = json.loads((out / "dspipe.json").read_text())
     spec["cluster"]["profile"]["figures"]["compute_tflops"] = 0
     (out / "dspipe.json").write_text(json.dumps(spec))
@@ -219,11 +290,14 @@ def test_yaml_config_takes_the_profile(tmp_path, capsys):
     assert f"(profile {path})" in out and "inter-node bandwidth 7.5 GB/s" in out
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--micro-batch", "0"], "--micro-batch must be at least 1, got 0"),
-    (["--ranks", "0"], "--ranks must be a positive integer, got 0"),
-    (["--min-seconds", "-1"], "--min-seconds must be in [0, 3600], got -1"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--micro-batch", "0"], "--micro-batch must be at least 1, got 0"),
+        (["--ranks", "0"], "--ranks must be a positive integer, got 0"),
+        (["--min-seconds", "-1"], "--min-seconds must be in [0, 3600], got -1"),
+    ],
+)
 def test_calibrate_refuses_bad_options(capsys, args, message):
     assert run_cli("calibrate", *DEMO, *args) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -235,8 +309,10 @@ def test_calibrate_refuses_an_unwritable_or_foreign_out_before_measuring(tmp_pat
     returns at once) and the file is left as it was."""
     foreign = tmp_path / "notes.txt"
     foreign.write_text("mine\n")
-    for out, message in ((tmp_path, f"--out {tmp_path} is a directory; give a file path"),
-                         (foreign, f"--out {foreign} exists and is not a dspipe profile; choose another --out")):
+    for out, message in (
+        (tmp_path, f"--out {tmp_path} is a directory; give a file path"),
+        (foreign, f"--out {foreign} exists and is not a dspipe profile; choose another --out"),
+    ):
         assert run_cli("calibrate", *DEMO, "--out", out) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0], err
@@ -246,10 +322,32 @@ def test_calibrate_refuses_an_unwritable_or_foreign_out_before_measuring(tmp_pat
 def test_calibrate_runs_on_this_cpu(tmp_path, capsys):
     """Tiny shapes, 2 gloo ranks at once, no CPU-Adam build: every figure positive and sane, and plan accepts it."""
     out = tmp_path / "profile.json"
-    r = dspipe("calibrate", "--model", "tiny", "--layers", "1", "--hidden", "64", "--heads", "2", "--seq-len", "32",
-               "--vocab", "256", "--micro-batch", "2", "--repeats", "2", "--min-seconds", "0.2", "--allreduce-mib", "1",
-               "--no-cpu-adam",
-               "--out", out)
+    r = dspipe(
+        "calibrate",
+        "--model",
+        "tiny",
+        "--layers",
+        "1",
+        "--hidden",
+        "64",
+        "--heads",
+        "2",
+        "--seq-len",
+        "32",
+        "--vocab",
+        "256",
+        "--micro-batch",
+        "2",
+        "--repeats",
+        "2",
+        "--min-seconds",
+        "0.2",
+        "--allreduce-mib",
+        "1",
+        "--no-cpu-adam",
+        "--out",
+        out,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     p = read_profile(out, gpu="cpu")
     assert (p.gpu, p.dtype, p.ranks, p.threads_per_rank) == ("cpu", "fp32", 2, 1)

@@ -1,4 +1,5 @@
 """strategy.loss_chunk: the flag, its refusals, the plan and the planner's memory (one chunk of logits, not all)."""
+
 import pytest
 
 from dspipe.errors import SpecError
@@ -21,10 +22,13 @@ def _plan(model, *, gbs=8, mb=1, precision="bf16", gpus=8, **strategy):
     return plan, estimate(model=model, cluster=cluster, plan=plan)
 
 
-@pytest.mark.parametrize("value, message", [
-    ("-1", "strategy.loss_chunk must be an integer >= 0, got -1 (allowed range 0..16,777,216)"),
-    ("16777217", "strategy.loss_chunk 16777217 is too large (allowed range 0..16,777,216)"),
-])
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("-1", "strategy.loss_chunk must be an integer >= 0, got -1 (allowed range 0..16,777,216)"),
+        ("16777217", "strategy.loss_chunk 16777217 is too large (allowed range 0..16,777,216)"),
+    ],
+)
 def test_flag_validation_is_one_line_exit_2(capsys, value, message):
     assert run_cli("plan", *CPU2, "--loss-chunk", value) == 2
     err = capsys.readouterr().err.strip()
@@ -41,9 +45,11 @@ def test_spec_rejects_what_is_not_a_token_count():
 def test_tensor_parallel_is_refused_with_the_numbers(capsys):
     with pytest.raises(SpecError) as e:
         _plan(LLAMA3, tp=2, loss_chunk=1024)
-    assert str(e.value) == ("loss_chunk 1024 with tp 2: the tensor-parallel head computes a vocab-parallel "
-                            "cross-entropy of its ceil(128256 / 2) = 64128 vocabulary rows (no chunked loss there); "
-                            "use --loss-chunk 0 or --tp 1")
+    assert str(e.value) == (
+        "loss_chunk 1024 with tp 2: the tensor-parallel head computes a vocab-parallel "
+        "cross-entropy of its ceil(128256 / 2) = 64128 vocabulary rows (no chunked loss there); "
+        "use --loss-chunk 0 or --tp 1"
+    )
     assert run_cli("plan", *CPU2, "--tp", "2", "--loss-chunk", "16") == 2
     err = capsys.readouterr().err.strip()
     assert "loss_chunk 16 with tp 2" in err and len(err.splitlines()) == 1, err
@@ -73,14 +79,17 @@ def test_memory_counts_one_chunk_instead_of_the_full_logits(precision, b, checkp
     one_chunk = chunk * v * (4 + (b if b == 2 else 0))
     assert loss_chunk_working_bytes(model=LLAMA3, micro_batch=1, loss_chunk=chunk, act_bytes=b) == one_chunk
     saved = 4 * tokens * v - 4 * tokens  # log_softmax's output replaced by the log-sum-exp
-    assert (logits_bytes(model=LLAMA3, micro_batch=1, act_bytes=b)
-            - logits_bytes(model=LLAMA3, micro_batch=1, act_bytes=b, loss_chunk=chunk)) == saved
+    assert (
+        logits_bytes(model=LLAMA3, micro_batch=1, act_bytes=b)
+        - logits_bytes(model=LLAMA3, micro_batch=1, act_bytes=b, loss_chunk=chunk)
+    ) == saved
     less = plain_est.memory.activations - chunked_est.memory.activations
     if checkpointing == "none":  # held: the saved tensors; working: the chunk (no MoE block)
         assert less == saved - one_chunk
     else:  # the peak is the head's tensors (with the chunk) or one recomputed block, whichever is larger
-        kw = dict(model=LLAMA3, micro_batch=1, checkpointing="full", act_bytes=b, blocks=LLAMA3.layers, first=True,
-                  last=True)
+        kw = dict(
+            model=LLAMA3, micro_batch=1, checkpointing="full", act_bytes=b, blocks=LLAMA3.layers, first=True, last=True
+        )
         held, working = micro_batch_activations(**kw)
         held_c, working_c = micro_batch_activations(**kw, loss_chunk=chunk)
         assert held == held_c and less == working - working_c > 2**30
@@ -92,8 +101,10 @@ def test_a_chunk_larger_than_the_tokens_counts_the_tokens():
     big = loss_chunk_working_bytes(model=LLAMA3, micro_batch=1, loss_chunk=10**6, act_bytes=4)
     assert big == 8192 * LLAMA3.vocab * 4
     assert loss_chunk_working_bytes(model=LLAMA3, micro_batch=1, loss_chunk=0, act_bytes=4) == 0
-    assert loss_chunk_working_bytes(model=LLAMA3, micro_batch=2, loss_chunk=1024, sp=8, act_bytes=4) == \
-        1024 * LLAMA3.vocab * 4  # sp 8: 2 x 1,024 tokens on a rank, chunks of 1,024
+    assert (
+        loss_chunk_working_bytes(model=LLAMA3, micro_batch=2, loss_chunk=1024, sp=8, act_bytes=4)
+        == 1024 * LLAMA3.vocab * 4
+    )  # sp 8: 2 x 1,024 tokens on a rank, chunks of 1,024
 
 
 def test_plan_json_says_it(capsys):

@@ -1,5 +1,6 @@
 """Planner, mixture of experts: active-parameter FLOPs, expert parameters split over ep and their ZeRO states over
 dp / ep, the MoE layer's activations and all-to-alls, the ep axis of the search, the refusals before launch."""
+
 import json
 import time
 
@@ -7,8 +8,13 @@ import pytest
 
 from dspipe.errors import SpecError
 from dspipe.planner.cost import estimate
-from dspipe.planner.memory import (MOE_LOAD_HEADROOM, activation_bytes_per_layer, expert_capacity,
-                                   expert_grads_kept, moe_mlp_activation_bytes)
+from dspipe.planner.memory import (
+    MOE_LOAD_HEADROOM,
+    activation_bytes_per_layer,
+    expert_capacity,
+    expert_grads_kept,
+    moe_mlp_activation_bytes,
+)
 from dspipe.planner.plan import make_plan
 from dspipe.planner.search import search
 from dspipe.planner.stages import stage_layer_weights, stage_params
@@ -75,8 +81,9 @@ def test_memory_falls_with_ep_as_the_formula_says(zero):
         assert plan.ep == ep and plan.expert_dp == dp // ep
         assert est.memory.params == 2 * (dense + mine)
         assert est.memory.optimizer == 12 * dense // dp + 12 * mine // (dp // ep)
-        assert est.memory.model_states == (2 * (dense + mine) + (4 * (dense + mine) if zero == 1 else 0)
-                                           + 12 * dense // dp + 12 * mine // (dp // ep))
+        assert est.memory.model_states == (
+            2 * (dense + mine) + (4 * (dense + mine) if zero == 1 else 0) + 12 * dense // dp + 12 * mine // (dp // ep)
+        )
         totals.append(est.memory.total)
     assert totals == sorted(totals, reverse=True) and totals[0] > 1.5 * totals[-1]
 
@@ -94,8 +101,9 @@ def test_zero2_live_expert_gradients_only_for_tensors_past_the_bucket(name, kept
     grads_kept, whole = expert_grads_kept(model=m, reduce_bucket_size=plan.reduce_bucket_size)
     assert grads_kept == (whole if kept else 0)
     experts = 2 * mine // (dp // ep) if kept else 0
-    assert est.memory.grads == (2 * dense // dp + experts + 2 * 2 * plan.reduce_bucket_size
-                                + 4 * dense // dp + 4 * mine // (dp // ep))
+    assert est.memory.grads == (
+        2 * dense // dp + experts + 2 * 2 * plan.reduce_bucket_size + 4 * dense // dp + 4 * mine // (dp // ep)
+    )
     plan, est = _plan(m, gpus=dp, zero=2, ep=ep, checkpointing="full", precision="fp32")
     assert est.memory.grads == 4 * dense // dp + 4 * mine // (dp // ep) + 2 * 4 * plan.reduce_bucket_size
 
@@ -106,8 +114,12 @@ def test_moe_activations_follow_the_documented_formula():
     cap = expert_capacity(model=m, tokens=tokens)
     assert cap == -(-int(tokens * MOE_LOAD_HEADROOM * m.experts_per_token) // m.experts)  # 1.25 x k T / E
     slots = m.experts * cap
-    want = (8 * tokens * m.experts + 4 * tokens * m.hidden + 2 * b * tokens * slots
-            + b * slots * (2 * m.hidden + 4 * m.expert_width))
+    want = (
+        8 * tokens * m.experts
+        + 4 * tokens * m.hidden
+        + 2 * b * tokens * slots
+        + b * slots * (2 * m.hidden + 4 * m.expert_width)
+    )
     assert moe_mlp_activation_bytes(model=m, tokens=tokens, act_bytes=b) == want
     dense = activation_bytes_per_layer(model=m, micro_batch=1, checkpointing="none", act_bytes=b)
     sparse = activation_bytes_per_layer(model=m, micro_batch=1, checkpointing="none", act_bytes=b, sparse=True)
@@ -134,18 +146,28 @@ def test_all_to_alls_cost_nothing_at_ep_1_and_leave_nvlink_beyond_a_node():
     assert far.ep_comm_s > 3 * near.ep_comm_s  # the ep 16 group spans two nodes: the network, not NVLink
 
 
-@pytest.mark.parametrize("strategy, precision, message", [
-    (dict(zero=3), "bf16", "ZeRO-3 with experts 8: Native DeepSpeed MoE is not supported with ZeRO Stage 3. "
-                           "Use AutoEP or choose ZeRO stage 1/2"),
-    (dict(zero=1, pp=2), "bf16", "pp 2 with experts 8: dspipe trains mixture-of-experts models with pp 1 only"),
-    (dict(zero=1, tp=2), "bf16", "tp 2 with experts 8: dspipe trains mixture-of-experts models with tp 1 only"),
-    (dict(zero=1, sp=2), "bf16", "sp 2 with experts 8: dspipe trains mixture-of-experts models with sp 1 only"),
-    (dict(zero=1), "fp16", "fp16 with experts 8: dspipe trains mixture-of-experts models in bf16 or fp32 only"),
-    (dict(zero=1, ep=3), "bf16", "ep 3 does not divide experts 8"),
-    (dict(zero=1, ep=4), "bf16", "ep 4 does not divide dp 2 = world 2 / (pp 1 x tp 1 x sp 1)"),
-    (dict(zero=0, ep=2), "bf16", "ep 2 under ZeRO-0 with experts 8: DeepSpeed 0.19.8 clips by a gradient norm that is "
-                                 "not the model's"),
-])
+@pytest.mark.parametrize(
+    "strategy, precision, message",
+    [
+        (
+            dict(zero=3),
+            "bf16",
+            "ZeRO-3 with experts 8: Native DeepSpeed MoE is not supported with ZeRO Stage 3. "
+            "Use AutoEP or choose ZeRO stage 1/2",
+        ),
+        (dict(zero=1, pp=2), "bf16", "pp 2 with experts 8: dspipe trains mixture-of-experts models with pp 1 only"),
+        (dict(zero=1, tp=2), "bf16", "tp 2 with experts 8: dspipe trains mixture-of-experts models with tp 1 only"),
+        (dict(zero=1, sp=2), "bf16", "sp 2 with experts 8: dspipe trains mixture-of-experts models with sp 1 only"),
+        (dict(zero=1), "fp16", "fp16 with experts 8: dspipe trains mixture-of-experts models in bf16 or fp32 only"),
+        (dict(zero=1, ep=3), "bf16", "ep 3 does not divide experts 8"),
+        (dict(zero=1, ep=4), "bf16", "ep 4 does not divide dp 2 = world 2 / (pp 1 x tp 1 x sp 1)"),
+        (
+            dict(zero=0, ep=2),
+            "bf16",
+            "ep 2 under ZeRO-0 with experts 8: DeepSpeed 0.19.8 clips by a gradient norm that is not the model's",
+        ),
+    ],
+)
 def test_unsupported_moe_layouts_are_refused(strategy, precision, message):
     with pytest.raises(SpecError) as e:
         _plan(MODEL_PRESETS["mixtral-8x7b"], gpus=2, precision=precision, **strategy)
@@ -159,10 +181,26 @@ def test_ep_on_a_dense_model_is_refused():
 
 def test_refusals_are_one_line_exit_2_nothing_written(tmp_path):
     out = tmp_path / "run"
-    for flags, message in ((("--ep", "3"), "ep 3 does not divide experts 8"),
-                           (("--zero", "3"), "Native DeepSpeed MoE is not supported with ZeRO Stage 3")):
-        r = dspipe("gen-config", "--model", "mixtral-8x7b", "--data", "none", "--nodes", "1", "--gpus-per-node", "2",
-                   "--global-batch", "64", "--out", out, *flags)
+    for flags, message in (
+        (("--ep", "3"), "ep 3 does not divide experts 8"),
+        (("--zero", "3"), "Native DeepSpeed MoE is not supported with ZeRO Stage 3"),
+    ):
+        r = dspipe(
+            "gen-config",
+            "--model",
+            "mixtral-8x7b",
+            "--data",
+            "none",
+            "--nodes",
+            "1",
+            "--gpus-per-node",
+            "2",
+            "--global-batch",
+            "64",
+            "--out",
+            out,
+            *flags,
+        )
         assert r.returncode == 2 and len(error_lines(r)) == 1 and message in error_lines(r)[0], r.stderr
         assert not out.exists()
 
@@ -170,9 +208,12 @@ def test_refusals_are_one_line_exit_2_nothing_written(tmp_path):
 def test_qwen3_235b_on_1024_gpus_answers_quickly_and_names_its_axes():
     m = MODEL_PRESETS["qwen3-235b-a22b"]
     start = time.perf_counter()
-    r = search(model=m, cluster=ClusterSpec(128, 8, "h100-80g"),
-               train=TrainSpec(global_batch=2048, micro_batch=1, steps=100, warmup_steps=10),
-               request=StrategyRequest())
+    r = search(
+        model=m,
+        cluster=ClusterSpec(128, 8, "h100-80g"),
+        train=TrainSpec(global_batch=2048, micro_batch=1, steps=100, warmup_steps=10),
+        request=StrategyRequest(),
+    )
     seconds = time.perf_counter() - start
     assert seconds < 6, seconds  # ~0.5 s on the 2-core machine (benchmarks/plan_speed.py); loose for CI noise
     best = r.best
@@ -188,22 +229,41 @@ def test_qwen3_235b_on_1024_gpus_answers_quickly_and_names_its_axes():
     assert "with pp 1 only" in r.rejected["pp 2"] and "with tp 1 only" in r.rejected["tp 2"]
 
 
-@pytest.mark.parametrize("name, nodes, seq_len", [("mixtral-8x7b", 2, None), ("mixtral-8x22b", 8, 4096),
-                                                  ("qwen3-30b-a3b", 1, None), ("qwen3-235b-a22b", 16, None)])
+@pytest.mark.parametrize(
+    "name, nodes, seq_len",
+    [("mixtral-8x7b", 2, None), ("mixtral-8x22b", 8, 4096), ("qwen3-30b-a3b", 1, None), ("qwen3-235b-a22b", 16, None)],
+)
 def test_each_moe_preset_plans_on_a_sensible_cluster(name, nodes, seq_len):
     # mixtral-8x22b's 65,536-token context does not fit: DeepSpeed's einsum dispatch keeps (tokens, E, C) masks
     m = MODEL_PRESETS[name] if seq_len is None else model_preset(name, seq_len=seq_len)
-    r = search(model=m, cluster=ClusterSpec(nodes, 8, "h100-80g"),
-               train=TrainSpec(global_batch=64 * nodes * 8 // 8, micro_batch=1, steps=100, warmup_steps=10),
-               request=StrategyRequest())
+    r = search(
+        model=m,
+        cluster=ClusterSpec(nodes, 8, "h100-80g"),
+        train=TrainSpec(global_batch=64 * nodes * 8 // 8, micro_batch=1, steps=100, warmup_steps=10),
+        request=StrategyRequest(),
+    )
     p = r.best.plan
     assert r.best.est.fits and p.ep > 1 and p.experts == m.experts and m.experts % p.ep == 0 and p.dp % p.ep == 0
     assert 0 < r.best.mfu < 0.6
 
 
 def test_ep_is_pinned_by_the_flag_and_carried_in_the_json(tmp_path):
-    r = dspipe("plan", "--model", "mixtral-8x7b", "--seq-len", "4096", "--nodes", "1", "--gpus-per-node", "8",
-               "--global-batch", "64", "--ep", "4", "--json")
+    r = dspipe(
+        "plan",
+        "--model",
+        "mixtral-8x7b",
+        "--seq-len",
+        "4096",
+        "--nodes",
+        "1",
+        "--gpus-per-node",
+        "8",
+        "--global-batch",
+        "64",
+        "--ep",
+        "4",
+        "--json",
+    )
     assert r.returncode == 0, r.stderr
     s = json.loads(r.stdout)
     m = model_preset("mixtral-8x7b", seq_len=4096)
@@ -211,13 +271,31 @@ def test_ep_is_pinned_by_the_flag_and_carried_in_the_json(tmp_path):
     assert (s["num_params"], s["active_params"]) == (m.num_params, m.active_params)
     assert s["step_time_breakdown_s"]["ep_comm"] > 0
     out = tmp_path / "run"
-    r = dspipe("gen-config", "--model", "mixtral-8x7b", "--seq-len", "4096", "--data", "none", "--nodes", "1",
-               "--gpus-per-node", "8", "--global-batch", "64", "--ep", "4", "--out", out)
+    r = dspipe(
+        "gen-config",
+        "--model",
+        "mixtral-8x7b",
+        "--seq-len",
+        "4096",
+        "--data",
+        "none",
+        "--nodes",
+        "1",
+        "--gpus-per-node",
+        "8",
+        "--global-batch",
+        "64",
+        "--ep",
+        "4",
+        "--out",
+        out,
+    )
     assert r.returncode == 0, r.stderr
     assert "| ep 4 (experts 8 / ep 4 = 2 per rank, expert dp 2) |" in r.stdout
     spec = json.loads((out / "dspipe.json").read_text())
     assert spec["plan"]["ep"] == 4 and spec["plan"]["experts"] == 8 and spec["estimate"]["ep"] == 4
     from dspipe.rundir import load_run
+
     run = load_run(out)  # the plan's ep and experts check against the specs beside them
     assert run.plan.ep == 4 and run.plan.expert_dp == 2
     spec["plan"]["ep"] = 2
@@ -227,8 +305,12 @@ def test_ep_is_pinned_by_the_flag_and_carried_in_the_json(tmp_path):
 
 
 def test_dense_presets_search_only_ep_1():
-    r = search(model=MODEL_PRESETS["gpt2-124m"], cluster=ClusterSpec(1, 8, "h100-80g"),
-               train=TrainSpec(global_batch=64, micro_batch=1, steps=100, warmup_steps=10), request=StrategyRequest())
+    r = search(
+        model=MODEL_PRESETS["gpt2-124m"],
+        cluster=ClusterSpec(1, 8, "h100-80g"),
+        train=TrainSpec(global_batch=64, micro_batch=1, steps=100, warmup_steps=10),
+        request=StrategyRequest(),
+    )
     assert r.best.plan.ep == 1 and r.best.plan.experts == 0 and not any(k.startswith("ep ") for k in r.rejected)
     assert "ep" not in r.best.describe(every_axis=True).replace("step", "")
 
@@ -240,8 +322,9 @@ def test_nothing_fits_at_a_pinned_ep_suggests_ep_auto():
     assert "closest is ZeRO-2 + cpu offload, bf16, pp 1, ep 8, dp 1024" in line and "would fit with: --ep auto" in line
 
 
-@pytest.mark.parametrize("zero, ep, contiguous", [(0, 1, False), (1, 1, False), (1, 2, True), (2, 1, True),
-                                                   (2, 2, True)])
+@pytest.mark.parametrize(
+    "zero, ep, contiguous", [(0, 1, False), (1, 1, False), (1, 2, True), (2, 1, True), (2, 2, True)]
+)
 def test_zero1_with_ep_renders_contiguous_gradients(zero, ep, contiguous):
     """DeepSpeed 0.19.8's ZeRO-1 trains an expert-parallel model off ep 1 unless its gradients are contiguous
     (measured on 2 ranks; the runner refuses the other setting): the plan turns it on there and nowhere else new."""

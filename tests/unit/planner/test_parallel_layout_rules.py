@@ -2,6 +2,7 @@
 one-line errors (exit 2, nothing written), the rendered tensor_parallel block (DeepSpeed's AutoTP off at every tp) as
 DeepSpeed parses it, the split's layer specs against the model's real parameter names, and the shard merge export
 uses."""
+
 import pytest
 
 from dspipe.model.tp_split import merge_shards, split_of
@@ -15,20 +16,29 @@ BAD = [
     (["--gpus-per-node", "2", "--tp", "2", "--ffn", "257", "--layers", "2"], "model ffn 257 is not divisible by tp 2"),
     (["--gpus-per-node", "2", "--tp", "4"], "world size 2 (1 nodes x 2 GPUs) is not divisible by pp 1 x tp 4 x sp 1"),
     (["--gpus-per-node", "1", "--nodes", "2", "--tp", "2"], "tp 2 does not divide the 1 GPUs per node"),
-    (["--gpus-per-node", "4", "--tp", "2", "--sp", "2", "--zero", "3"],
-     "ZeRO-3 with tp 2 x sp 2: DeepSpeed 0.19.8 partitions a module built outside zero.Init over the mpu's "
-     "data-parallel group"),
-    (["--gpus-per-node", "4", "--tp", "4", "--vocab", "6"],
-     "model vocab 6 over tp 4: ceil(6 / 4) = 2 rows per rank leaves the last rank 0 (vocab - 3 x 2)"),
+    (
+        ["--gpus-per-node", "4", "--tp", "2", "--sp", "2", "--zero", "3"],
+        "ZeRO-3 with tp 2 x sp 2: DeepSpeed 0.19.8 partitions a module built outside zero.Init over the mpu's "
+        "data-parallel group",
+    ),
+    (
+        ["--gpus-per-node", "4", "--tp", "4", "--vocab", "6"],
+        "model vocab 6 over tp 4: ceil(6 / 4) = 2 rows per rank leaves the last rank 0 (vocab - 3 x 2)",
+    ),
     (["--gpus-per-node", "2", "--tp", "2", "--zero", "0", "--precision", "bf16"], "tp 2 with ZeRO-0 in bf16"),
     (["--gpus-per-node", "3", "--sp", "3"], "model heads 4 is not divisible by sp 3"),
     (["--gpus-per-node", "2", "--sp", "2", "--seq-len", "63"], "model seq_len 63 is not divisible by sp 2"),
-    (["--gpus-per-node", "8", "--sp", "4", "--tp", "2", "--zero", "1"],
-     "model heads 4 / tp 2 = 2 heads per tp rank are not divisible by sp 4: Ulysses spreads each tp rank's heads over "
-     "the sp ranks"),
+    (
+        ["--gpus-per-node", "8", "--sp", "4", "--tp", "2", "--zero", "1"],
+        "model heads 4 / tp 2 = 2 heads per tp rank are not divisible by sp 4: "
+        "Ulysses spreads each tp rank's heads over "
+        "the sp ranks",
+    ),
     (["--gpus-per-node", "4", "--sp", "2", "--pp", "2"], "sp 2 with pp 2"),
-    (["--gpus-per-node", "4", "--tp", "2", "--global-batch", "6", "--micro-batch", "4"],
-     "global batch 6 is not divisible by micro_batch 4 x dp 2 = 8"),
+    (
+        ["--gpus-per-node", "4", "--tp", "2", "--global-batch", "6", "--micro-batch", "4"],
+        "global batch 6 is not divisible by micro_batch 4 x dp 2 = 8",
+    ),
 ]
 
 
@@ -42,10 +52,13 @@ def test_bad_layouts_are_one_line_exit_2_nothing_written(flags, message, tmp_pat
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("flags,layout", [
-    (["--gpus-per-node", "2", "--tp", "2", "--zero", "3"], (3, 2, 1, 1)),  # ZeRO-3 with tp alone
-    (["--gpus-per-node", "4", "--sp", "2", "--tp", "2", "--zero", "1"], (1, 2, 2, 1)),  # tp x Ulysses, ZeRO 1-2
-])
+@pytest.mark.parametrize(
+    "flags,layout",
+    [
+        (["--gpus-per-node", "2", "--tp", "2", "--zero", "3"], (3, 2, 1, 1)),  # ZeRO-3 with tp alone
+        (["--gpus-per-node", "4", "--sp", "2", "--tp", "2", "--zero", "1"], (1, 2, 2, 1)),  # tp x Ulysses, ZeRO 1-2
+    ],
+)
 def test_layouts_the_rules_no_longer_refuse_plan_and_write(flags, layout, tmp_path, capsys, monkeypatch):
     """ZeRO-3 with tp, and tp x sp under ZeRO-1, were refused while dspipe's tp was DeepSpeed's AutoTP: they plan,
     and gen-config writes them with Megatron sequence parallelism on (no partitioned pipe tensors to render)."""
@@ -57,8 +70,10 @@ def test_layouts_the_rules_no_longer_refuse_plan_and_write(flags, layout, tmp_pa
     assert (d["zero_stage"], d["tp"], d["sp"], d["dp"]) == layout and d["fits"]
     assert run_cli("gen-config", *CPU, *flags, "--out", tmp_path / "run") == 0
     spec = json.loads((tmp_path / "run" / "dspipe.json").read_text())
-    assert (spec["plan"]["zero_stage"], spec["plan"]["tp"], spec["plan"]["sp"], spec["plan"]["tp_sp"]) == \
-        (*layout[:3], True)
+    assert (spec["plan"]["zero_stage"], spec["plan"]["tp"], spec["plan"]["sp"], spec["plan"]["tp_sp"]) == (
+        *layout[:3],
+        True,
+    )
     ds = json.loads((tmp_path / "run" / "ds_config.json").read_text())
     assert ds["zero_optimization"]["stage"] == layout[0] and ds["sequence_parallel_size"] == layout[2]
     assert ds["tensor_parallel"]["autotp_size"] == 0
@@ -66,9 +81,9 @@ def test_layouts_the_rules_no_longer_refuse_plan_and_write(flags, layout, tmp_pa
 
 def _render(**strategy):
     from dspipe.planner.plan import make_plan
-    from dspipe.spec.presets import model_preset
     from dspipe.planner.render import render_ds_config
     from dspipe.spec.core import ClusterSpec, StrategySpec, TrainSpec
+    from dspipe.spec.presets import model_preset
 
     model = model_preset("tiny")
     cluster = ClusterSpec(nodes=1, gpus_per_node=4, gpu="cpu")
@@ -118,8 +133,12 @@ def test_layer_specs_match_exactly_the_block_projections_of_the_model(name):
     hd, kv, f = spec.head_dim, spec.kv_groups, spec.ffn
     qkv = (0, [spec.heads * hd, kv * hd, kv * hd])
     up = (0, [f, f] if spec.mlp == "swiglu" else [f])
-    per_block = {"attn.c_attn.weight": qkv, "mlp.c_fc.weight": up, "attn.c_proj.weight": (1, [spec.hidden]),
-                 "mlp.c_proj.weight": (1, [f])}
+    per_block = {
+        "attn.c_attn.weight": qkv,
+        "mlp.c_fc.weight": up,
+        "attn.c_proj.weight": (1, [spec.hidden]),
+        "mlp.c_proj.weight": (1, [f]),
+    }
     if spec.bias:
         per_block.update({"attn.c_attn.bias": qkv, "mlp.c_fc.bias": up})
     assert split == {f"h.{i}.{k}": v for i in range(spec.layers) for k, v in per_block.items()}
@@ -153,6 +172,7 @@ def test_merge_shards_inverts_the_tensor_parallel_split(gqa):
 
 # ---- a third-party DeepSpeed config with AutoTP / Ulysses settings, and the monitor blocks ------------------------
 
+
 def _gen_from_preset(tmp_path, cfg, *flags):
     import json
 
@@ -160,8 +180,21 @@ def _gen_from_preset(tmp_path, cfg, *flags):
 
     path = tmp_path / "preset.json"
     path.write_text(json.dumps(cfg))
-    return dspipe("gen-config", "--model", "tiny", "--gpu", "cpu", "--gpus-per-node", "4", "--preset", path, *flags,
-                  "--out", "runs/p", cwd=tmp_path)
+    return dspipe(
+        "gen-config",
+        "--model",
+        "tiny",
+        "--gpu",
+        "cpu",
+        "--gpus-per-node",
+        "4",
+        "--preset",
+        path,
+        *flags,
+        "--out",
+        "runs/p",
+        cwd=tmp_path,
+    )
 
 
 def test_preset_autotp_size_becomes_tp_and_its_batch_counts_the_tp_ranks(tmp_path):
@@ -169,33 +202,53 @@ def test_preset_autotp_size_becomes_tp_and_its_batch_counts_the_tp_ranks(tmp_pat
     with the global batch 32 / 2; dspipe renders AutoTP off and train_batch_size as the global batch, and says so."""
     import json
 
-    cfg = {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 1},
-           "tensor_parallel": {"autotp_size": 2, "tp": {"tp_size": 2}}, "sequence_parallel_size": 1}
+    cfg = {
+        "train_batch_size": 32,
+        "train_micro_batch_size_per_gpu": 4,
+        "zero_optimization": {"stage": 1},
+        "tensor_parallel": {"autotp_size": 2, "tp": {"tp_size": 2}},
+        "sequence_parallel_size": 1,
+    }
     r = _gen_from_preset(tmp_path, cfg, "--precision", "fp32")
     assert r.returncode == 0, r.stderr
-    assert ("train_batch_size 32 counts the 2 AutoTP ranks of each replica (DeepSpeed 0.19.8's AutoTP semantics): "
-            "global batch 16 sequences, which dspipe renders as train_batch_size 16") in r.stdout
-    assert ("tensor_parallel.autotp_size 2 -> --tp 2: dspipe runs tp with its own tensor-parallel layers (Megatron "
-            "layout) and renders DeepSpeed's AutoTP off (autotp_size 0, tp.tp_size 1)") in r.stdout
+    assert (
+        "train_batch_size 32 counts the 2 AutoTP ranks of each replica (DeepSpeed 0.19.8's AutoTP semantics): "
+        "global batch 16 sequences, which dspipe renders as train_batch_size 16"
+    ) in r.stdout
+    assert (
+        "tensor_parallel.autotp_size 2 -> --tp 2: dspipe runs tp with its own tensor-parallel layers (Megatron "
+        "layout) and renders DeepSpeed's AutoTP off (autotp_size 0, tp.tp_size 1)"
+    ) in r.stdout
     spec = json.loads((tmp_path / "runs/p/dspipe.json").read_text())
-    assert (spec["plan"]["tp"], spec["plan"]["dp"], spec["plan"]["global_batch"], spec["plan"]["grad_accum"]) == \
-        (2, 2, 16, 2)
+    assert (spec["plan"]["tp"], spec["plan"]["dp"], spec["plan"]["global_batch"], spec["plan"]["grad_accum"]) == (
+        2,
+        2,
+        16,
+        2,
+    )
     ds = json.loads((tmp_path / "runs/p/ds_config.json").read_text())
     assert ds["train_batch_size"] == 16 and ds["tensor_parallel"]["autotp_size"] == 0
     assert ds["tensor_parallel"]["tp"]["tp_size"] == 1
 
 
-@pytest.mark.parametrize("tensor_parallel,key", [
-    ({"autotp_size": 2, "preset_model": "llama"}, "tensor_parallel.preset_model"),
-    ({"autotp_size": 2, "partition_config": {"use_default_specs": True, "layer_specs": []}},
-     "tensor_parallel.partition_config"),
-    ({"autotp_size": 2, "vocab_parallel_lm_head": True}, "tensor_parallel.vocab_parallel_lm_head"),
-    ({"autotp_size": 2, "injection_policy_tuple": [1]}, "tensor_parallel.injection_policy_tuple"),
-    ({"autotp_size": 2, "tp": {"tp_size": 4}}, "tensor_parallel.tp.tp_size 4 disagrees with "
-                                               "tensor_parallel.autotp_size 2"),
-    ({"tp": {"tp_size": 2}}, "tensor_parallel.tp.tp_size 2 cannot be honoured: this plan renders 1"),
-    ({"autotp_size": 3}, "is not divisible by pp 1 x tp 3 x sp 1 = 3"),
-])
+@pytest.mark.parametrize(
+    "tensor_parallel,key",
+    [
+        ({"autotp_size": 2, "preset_model": "llama"}, "tensor_parallel.preset_model"),
+        (
+            {"autotp_size": 2, "partition_config": {"use_default_specs": True, "layer_specs": []}},
+            "tensor_parallel.partition_config",
+        ),
+        ({"autotp_size": 2, "vocab_parallel_lm_head": True}, "tensor_parallel.vocab_parallel_lm_head"),
+        ({"autotp_size": 2, "injection_policy_tuple": [1]}, "tensor_parallel.injection_policy_tuple"),
+        (
+            {"autotp_size": 2, "tp": {"tp_size": 4}},
+            "tensor_parallel.tp.tp_size 4 disagrees with tensor_parallel.autotp_size 2",
+        ),
+        ({"tp": {"tp_size": 2}}, "tensor_parallel.tp.tp_size 2 cannot be honoured: this plan renders 1"),
+        ({"autotp_size": 3}, "is not divisible by pp 1 x tp 3 x sp 1 = 3"),
+    ],
+)
 def test_preset_tensor_parallel_settings_dspipe_cannot_honour_are_refused(tmp_path, tensor_parallel, key):
     cfg = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 1}, "tensor_parallel": tensor_parallel}
     r = _gen_from_preset(tmp_path, cfg, "--precision", "fp32", "--global-batch", "16")
@@ -207,24 +260,46 @@ def test_monitor_values_render_wandb_and_comet_as_deepspeed_reads_them():
     from deepspeed.monitor.config import get_monitor_config
 
     from dspipe.planner.plan import make_plan
-    from dspipe.spec.presets import model_preset
     from dspipe.planner.render import monitor_values, render_ds_config
     from dspipe.spec.core import ClusterSpec, StrategySpec, TrainSpec
+    from dspipe.spec.presets import model_preset
 
     train = TrainSpec(global_batch=16, micro_batch=2, steps=10, warmup_steps=2, precision="fp32")
-    plan = make_plan(model=model_preset("tiny"), cluster=ClusterSpec(nodes=1, gpus_per_node=2, gpu="cpu"),
-                     train=train, strategy=StrategySpec(zero=1))
+    plan = make_plan(
+        model=model_preset("tiny"),
+        cluster=ClusterSpec(nodes=1, gpus_per_node=2, gpu="cpu"),
+        train=train,
+        strategy=StrategySpec(zero=1),
+    )
     off = get_monitor_config(render_ds_config(plan=plan, model=model_preset("tiny"), train=train, monitor_dir="/tmp/m"))
-    assert (off.wandb.enabled, off.comet.enabled, off.tensorboard.enabled, off.csv_monitor.enabled) == \
-        (False, False, True, True)
-    values = monitor_values({"wandb_project": "gpt", "wandb_group": "sweep", "wandb_team": None,
-                             "comet_project": "gpt-c", "comet_workspace": "lab", "comet_offline": True,
-                             "comet_experiment": "run-1"})
+    assert (off.wandb.enabled, off.comet.enabled, off.tensorboard.enabled, off.csv_monitor.enabled) == (
+        False,
+        False,
+        True,
+        True,
+    )
+    values = monitor_values(
+        {
+            "wandb_project": "gpt",
+            "wandb_group": "sweep",
+            "wandb_team": None,
+            "comet_project": "gpt-c",
+            "comet_workspace": "lab",
+            "comet_offline": True,
+            "comet_experiment": "run-1",
+        }
+    )
     cfg = render_ds_config(plan=plan, model=model_preset("tiny"), train=train, monitor_dir="/tmp/m", monitors=values)
     on = get_monitor_config(cfg)
     assert (on.wandb.enabled, on.wandb.project, on.wandb.group, on.wandb.team) == (True, "gpt", "sweep", None)
-    assert (on.comet.enabled, on.comet.project, on.comet.workspace, on.comet.online, on.comet.experiment_name,
-            on.comet.api_key) == (True, "gpt-c", "lab", False, "run-1", None)
+    assert (
+        on.comet.enabled,
+        on.comet.project,
+        on.comet.workspace,
+        on.comet.online,
+        on.comet.experiment_name,
+        on.comet.api_key,
+    ) == (True, "gpt-c", "lab", False, "run-1", None)
     assert on.enabled
 
 

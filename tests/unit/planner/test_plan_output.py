@@ -1,11 +1,25 @@
 """`dspipe plan` output users read: the labelled batch equation, the token budget as given, the --top N table (the
 chosen plan first), the tie and its reason, and the families and tp sizes not chosen with their best reason."""
+
 import json
 
 from tests.helpers import run_cli
 
-GPT3 = ["plan", "--model", "gpt3-175b", "--gpu", "a100-80g", "--nodes", "128", "--gpus-per-node", "8",
-        "--global-batch", "1536", "--tokens", "1.5T"]
+GPT3 = [
+    "plan",
+    "--model",
+    "gpt3-175b",
+    "--gpu",
+    "a100-80g",
+    "--nodes",
+    "128",
+    "--gpus-per-node",
+    "8",
+    "--global-batch",
+    "1536",
+    "--tokens",
+    "1.5T",
+]
 """The published GPT-3 175B request: the search's pick is tp 8 inside the node with ZeRO-3 over dp 128; pinned to
 ZeRO-1, tp inside the node x pp across nodes x dp."""
 
@@ -34,12 +48,16 @@ def test_plan_text_shows_the_tie_and_its_reason(capsys):
     assert run_cli(*GPT3, "--zero", "1", "--top", "3") == 0
     out = capsys.readouterr().out
     assert out.startswith("plan: ZeRO-1, bf16, pp 8, tp 4, sp 1, dp 32, micro 1 x ga 48, recompute none\n")
-    assert ("tie: 4 plans within 2% of the fastest (20.2 s/step), this one 0.5% slower; the tie-break (under 80% of "
-            "GPU memory first, the recipe's order, the larger micro-batch up to 4,096 tokens, then the smaller memory) "
-            "preferred it for fewer pipeline stages over ZeRO-1, bf16, pp 16, tp 4, dp 16, micro 1 x ga 96, "
-            "recompute none") in out
-    assert ("  tp 8: slower by 1.0% at best, a tie (within 2%) that went to fewer pipeline stages (ZeRO-1, bf16, "
-            "pp 16, tp 8, dp 8, micro 1 x ga 192, recompute none)") in out
+    assert (
+        "tie: 4 plans within 2% of the fastest (20.2 s/step), this one 0.5% slower; the tie-break (under 80% of "
+        "GPU memory first, the recipe's order, the larger micro-batch up to 4,096 tokens, then the smaller memory) "
+        "preferred it for fewer pipeline stages over ZeRO-1, bf16, pp 16, tp 4, dp 16, micro 1 x ga 96, "
+        "recompute none"
+    ) in out
+    assert (
+        "  tp 8: slower by 1.0% at best, a tie (within 2%) that went to fewer pipeline stages (ZeRO-1, bf16, "
+        "pp 16, tp 8, dp 8, micro 1 x ga 192, recompute none)"
+    ) in out
     assert "  tp 2: slower by" in out and "  tp 1: slower by" in out
 
 

@@ -1,4 +1,5 @@
 """Planner: seed figures, ranking, the plan command's contract and its one-line errors."""
+
 import json
 import math
 
@@ -6,21 +7,24 @@ import pytest
 
 from dspipe.planner.cost import estimate
 from dspipe.planner.memory import zero3_backward_working
-from dspipe.planner.stages import stage_layer_weights, stage_params
 from dspipe.planner.plan import make_plan
-from dspipe.spec.presets import MODEL_PRESETS, model_preset
 from dspipe.planner.search import search
+from dspipe.planner.stages import stage_layer_weights, stage_params
 from dspipe.planner.summary import estimate_summary
-from dspipe.spec.core import ClusterSpec, StrategySpec, TrainSpec, StrategyRequest
+from dspipe.spec.core import ClusterSpec, StrategyRequest, StrategySpec, TrainSpec
+from dspipe.spec.presets import MODEL_PRESETS, model_preset
 from tests.helpers import dspipe
 
 
 def _estimate(model="gpt2-124m", nodes=1, gpus=8, gpu="a100-80g", gbs=256, mb=4, precision="bf16", **strategy):
     m = model_preset(model)
     cluster = ClusterSpec(nodes, gpus, gpu)
-    plan = make_plan(model=m, cluster=cluster, train=TrainSpec(global_batch=gbs, micro_batch=mb, steps=100,
-                                                               warmup_steps=10, precision=precision),
-                     strategy=StrategySpec(**strategy))
+    plan = make_plan(
+        model=m,
+        cluster=cluster,
+        train=TrainSpec(global_batch=gbs, micro_batch=mb, steps=100, warmup_steps=10, precision=precision),
+        strategy=StrategySpec(**strategy),
+    )
     return plan, estimate(model=m, cluster=cluster, plan=plan)
 
 
@@ -62,9 +66,12 @@ def test_zero3_offload_peak_matches_the_33_6m_census():
     # the backward of h.1.mlp.c_proj; the estimate before the module term said 71.4M (-33%)
     m = model_preset("tiny", layers=2, hidden=1024, heads=16, seq_len=64, vocab=8192)
     cluster = ClusterSpec(1, 2, "cpu")
-    plan = make_plan(model=m, cluster=cluster, train=TrainSpec(global_batch=2, micro_batch=1, steps=10,
-                                                               warmup_steps=1, precision="fp32"),
-                     strategy=StrategySpec(zero=3, offload="cpu", offload_params=True, checkpointing="none"))
+    plan = make_plan(
+        model=m,
+        cluster=cluster,
+        train=TrainSpec(global_batch=2, micro_batch=1, steps=10, warmup_steps=1, precision="fp32"),
+        strategy=StrategySpec(zero=3, offload="cpu", offload_params=True, checkpointing="none"),
+    )
     mem = estimate(model=m, cluster=cluster, plan=plan).memory
     assert abs((mem.total - mem.activations) / 106_288_237 - 1) < 0.05
 
@@ -78,8 +85,12 @@ def test_pipeline_bubble_fraction(pp, gbs):
 
 def test_gpt3_175b_on_1024_a100_takes_months_at_the_planned_mfu():
     m, cluster = MODEL_PRESETS["gpt3-175b"], ClusterSpec(128, 8, "a100-80g")
-    best = search(model=m, cluster=cluster, request=StrategyRequest(),
-                  train=TrainSpec(global_batch=1536, micro_batch=1, steps=1000, warmup_steps=10)).best
+    best = search(
+        model=m,
+        cluster=cluster,
+        request=StrategyRequest(),
+        train=TrainSpec(global_batch=1536, micro_batch=1, steps=1000, warmup_steps=10),
+    ).best
     s = estimate_summary(best, tokens=1.5e12)
     flops = best.est.flops_per_token * 1.5e12  # 6N + 6Lhs per token
     peak = cluster.gpu_type.peak_tflops("bf16") * 1e12
@@ -105,8 +116,22 @@ def test_more_recomputation_less_activation_memory_more_compute():
 
 
 def test_host_memory_option_limits_offload(tmp_path):
-    args = ["plan", "--model", "gpt3-13b", "--gpus-per-node", "8", "--gpu", "a100-40g", "--global-batch", "8",
-            "--zero", "3", "--offload", "cpu", "--json"]
+    args = [
+        "plan",
+        "--model",
+        "gpt3-13b",
+        "--gpus-per-node",
+        "8",
+        "--gpu",
+        "a100-40g",
+        "--global-batch",
+        "8",
+        "--zero",
+        "3",
+        "--offload",
+        "cpu",
+        "--json",
+    ]
     out = json.loads(dspipe(*args).stdout)  # DGX A100 320GB: 1 TiB / 8 GPUs, per GPU x the GPUs of this node
     assert out["host_memory_capacity_bytes"] == 8 * 128 * 1024**3
     assert out["host_memory_source"].startswith("a100-40g default: 128 GiB per GPU x 8 GPUs")
@@ -124,9 +149,12 @@ def test_offload_moves_optimizer_to_host():
 
 def test_search_175b_over_1024_gpus_keeps_the_batch_equation_and_ranks_by_time():
     m = MODEL_PRESETS["gpt3-175b"]
-    r = search(model=m, cluster=ClusterSpec(128, 8, "a100-80g"),
-               train=TrainSpec(global_batch=1536, micro_batch=1, steps=1000, warmup_steps=10),
-               request=StrategyRequest())
+    r = search(
+        model=m,
+        cluster=ClusterSpec(128, 8, "a100-80g"),
+        train=TrainSpec(global_batch=1536, micro_batch=1, steps=1000, warmup_steps=10),
+        request=StrategyRequest(),
+    )
     assert r.best is not None and r.evaluated > 100
     for c in r.ranked:
         assert c.plan.global_batch == c.plan.micro_batch * c.plan.grad_accum * c.plan.dp == 1536
@@ -138,8 +166,12 @@ def test_search_175b_over_1024_gpus_keeps_the_batch_equation_and_ranks_by_time()
 
 
 def test_small_model_prefers_the_seed_recipe():
-    r = search(model=MODEL_PRESETS["gpt2-124m"], cluster=ClusterSpec(1, 8, "h100-80g"),
-               train=TrainSpec(global_batch=256, micro_batch=1, steps=1000, warmup_steps=10), request=StrategyRequest())
+    r = search(
+        model=MODEL_PRESETS["gpt2-124m"],
+        cluster=ClusterSpec(1, 8, "h100-80g"),
+        train=TrainSpec(global_batch=256, micro_batch=1, steps=1000, warmup_steps=10),
+        request=StrategyRequest(),
+    )
     p = r.best.plan
     assert (p.precision, p.zero_stage, p.offload, p.pp, p.checkpointing) == ("bf16", 0, "none", 1, "none")
     # ZeRO-3's collectives hide behind compute on one node: it ties (within 2%) and loses on the recipe's order
@@ -148,13 +180,44 @@ def test_small_model_prefers_the_seed_recipe():
 
 
 def test_plan_json_has_the_promised_keys():
-    r = dspipe("plan", "--model", "gpt3-1.3b", "--nodes", "2", "--gpus-per-node", "8", "--gpu", "a100-40g",
-               "--global-batch", "512", "--tokens", "300B", "--json")
+    r = dspipe(
+        "plan",
+        "--model",
+        "gpt3-1.3b",
+        "--nodes",
+        "2",
+        "--gpus-per-node",
+        "8",
+        "--gpu",
+        "a100-40g",
+        "--global-batch",
+        "512",
+        "--tokens",
+        "300B",
+        "--json",
+    )
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
-    for key in ("num_params", "zero_stage", "offload", "offload_params", "precision", "pp", "dp", "micro_batch",
-                "grad_accum", "checkpointing", "memory_per_gpu_bytes", "gpu_memory_bytes", "host_memory_bytes",
-                "step_time_s", "tokens_per_s", "mfu", "train_days", "fits"):
+    for key in (
+        "num_params",
+        "zero_stage",
+        "offload",
+        "offload_params",
+        "precision",
+        "pp",
+        "dp",
+        "micro_batch",
+        "grad_accum",
+        "checkpointing",
+        "memory_per_gpu_bytes",
+        "gpu_memory_bytes",
+        "host_memory_bytes",
+        "step_time_s",
+        "tokens_per_s",
+        "mfu",
+        "train_days",
+        "fits",
+    ):
         assert key in d
     assert set(d["memory_per_gpu_bytes"]) == {"params", "grads", "optimizer", "activations", "buffers", "total"}
     assert d["fits"] and d["memory_per_gpu_bytes"]["total"] <= d["gpu_memory_bytes"]
@@ -164,17 +227,51 @@ def test_plan_json_has_the_promised_keys():
 
 
 def test_plan_human_output_explains_the_choice():
-    r = dspipe("plan", "--model", "gpt2-355m", "--gpus-per-node", "8", "--gpu", "a100-40g", "--global-batch", "256",
-               "--tokens", "10B")
+    r = dspipe(
+        "plan",
+        "--model",
+        "gpt2-355m",
+        "--gpus-per-node",
+        "8",
+        "--gpu",
+        "a100-40g",
+        "--global-batch",
+        "256",
+        "--tokens",
+        "10B",
+    )
     assert r.returncode == 0, r.stderr
-    for text in ("memory per GPU (GiB)", "optimizer", "activations", "step time", "tokens/s, MFU", "days",
-                 "GPU-hours", "top 5 of ", "not chosen", "training 10B tokens", "candidates evaluated"):
+    for text in (
+        "memory per GPU (GiB)",
+        "optimizer",
+        "activations",
+        "step time",
+        "tokens/s, MFU",
+        "days",
+        "GPU-hours",
+        "top 5 of ",
+        "not chosen",
+        "training 10B tokens",
+        "candidates evaluated",
+    ):
         assert text in r.stdout
 
 
 def test_gen_config_auto_writes_the_chosen_plan(tmp_path):
-    r = dspipe("gen-config", "--model", "gpt3-2.7b", "--gpus-per-node", "8", "--gpu", "a100-40g",
-               "--global-batch", "512", "--out", "runs/auto", cwd=tmp_path)
+    r = dspipe(
+        "gen-config",
+        "--model",
+        "gpt3-2.7b",
+        "--gpus-per-node",
+        "8",
+        "--gpu",
+        "a100-40g",
+        "--global-batch",
+        "512",
+        "--out",
+        "runs/auto",
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr
     spec = json.loads((tmp_path / "runs/auto/dspipe.json").read_text())
     cfg = json.loads((tmp_path / "runs/auto/ds_config.json").read_text())
@@ -185,25 +282,41 @@ def test_gen_config_auto_writes_the_chosen_plan(tmp_path):
 
 def test_nothing_fits_says_the_shortfall_and_the_way_out():
     # a100-80g: its 256 GiB of host RAM per GPU hold 13B's offloaded states (a100-40g's 128 GiB do not)
-    r = dspipe("plan", "--model", "gpt3-13b", "--nodes", "1", "--gpus-per-node", "1", "--gpu", "a100-80g",
-               "--global-batch", "8", "--offload", "none")
+    r = dspipe(
+        "plan",
+        "--model",
+        "gpt3-13b",
+        "--nodes",
+        "1",
+        "--gpus-per-node",
+        "1",
+        "--gpu",
+        "a100-80g",
+        "--global-batch",
+        "8",
+        "--offload",
+        "none",
+    )
     assert r.returncode == 2 and r.stderr.count("\n") == 1
     assert "nothing fits gpt3-13b on 1 x a100-80g" in r.stderr and "short by" in r.stderr
     assert "--offload cpu" in r.stderr and "nodes x 1" in r.stderr
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--tokens", "lots"], "--tokens 'lots' does not parse as a token count"),
-    (["--tokens", "-5B"], "--tokens '-5B' is not a positive number of tokens"),
-    (["--tokens", "inf"], "--tokens 'inf' does not parse as a token count"),
-    (["--gpu", "tpu"], "unknown GPU type 'tpu'"),
-    (["--global-batch", "0"], "global_batch must be a positive integer, got 0"),
-    (["--nodes", "-1"], "nodes must be a positive integer, got -1"),
-    (["--layers", "0"], "layers must be a positive integer, got 0"),
-    (["--hostfile", "missing-hosts"], "missing-hosts"),
-    (["--pp", "0"], "pp must be a positive integer, got 0"),
-    (["--host-memory-gib", "0"], "host_memory_gib must be positive, got 0.0"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--tokens", "lots"], "--tokens 'lots' does not parse as a token count"),
+        (["--tokens", "-5B"], "--tokens '-5B' is not a positive number of tokens"),
+        (["--tokens", "inf"], "--tokens 'inf' does not parse as a token count"),
+        (["--gpu", "tpu"], "unknown GPU type 'tpu'"),
+        (["--global-batch", "0"], "global_batch must be a positive integer, got 0"),
+        (["--nodes", "-1"], "nodes must be a positive integer, got -1"),
+        (["--layers", "0"], "layers must be a positive integer, got 0"),
+        (["--hostfile", "missing-hosts"], "missing-hosts"),
+        (["--pp", "0"], "pp must be a positive integer, got 0"),
+        (["--host-memory-gib", "0"], "host_memory_gib must be positive, got 0.0"),
+    ],
+)
 def test_plan_bad_input(args, message):
     r = dspipe("plan", "--model", "gpt2-124m", *args)
     assert r.returncode == 2 and message in r.stderr and r.stderr.count("\n") == 1, r.stderr

@@ -1,4 +1,5 @@
 """benchmarks/published_runs.py: the planner against published training runs (docs/published-runs.md)."""
+
 import importlib.util
 import sys
 from pathlib import Path

@@ -1,22 +1,28 @@
 """Rendering: every value explicit, parsed by DeepSpeed's own config class, presets reproducible."""
+
 import json
 
 import pytest
 
-from dspipe.runtime.dscheck import parse_with_deepspeed
-from dspipe.planner.plan import RuleError, make_plan
-from dspipe.spec.presets import MODEL_PRESETS
-from dspipe.planner import ds_schema
 from dspipe.jsonio import dumps
+from dspipe.planner import ds_schema
+from dspipe.planner.plan import RuleError, make_plan
 from dspipe.planner.render import DS_PRESETS, import_ds_preset, render_ds_config, shipped_preset
+from dspipe.runtime.dscheck import parse_with_deepspeed
 from dspipe.spec.core import ClusterSpec, StrategySpec, TrainSpec
+from dspipe.spec.presets import MODEL_PRESETS
 from tests.helpers import dspipe, run_cli
 
 STRATEGIES = [
-    StrategySpec(zero=0), StrategySpec(zero=1), StrategySpec(zero=2), StrategySpec(zero=3),
-    StrategySpec(zero=2, offload="cpu"), StrategySpec(zero=3, offload="cpu", offload_params=True),
+    StrategySpec(zero=0),
+    StrategySpec(zero=1),
+    StrategySpec(zero=2),
+    StrategySpec(zero=3),
+    StrategySpec(zero=2, offload="cpu"),
+    StrategySpec(zero=3, offload="cpu", offload_params=True),
     StrategySpec(zero=3, offload="nvme", offload_params=True, nvme_path="/nvme"),
-    StrategySpec(zero=1, pp=2, checkpointing="full"), StrategySpec(zero=0, pp=2),
+    StrategySpec(zero=1, pp=2, checkpointing="full"),
+    StrategySpec(zero=0, pp=2),
     StrategySpec(zero=1, checkpointing="selective"),
 ]
 
@@ -76,10 +82,18 @@ def test_the_same_keys_are_written_for_every_strategy():
     key_sets = {tuple(k for k, _ in leaves(render("tiny", s)[2])) for s in STRATEGIES}
     assert len(key_sets) == 1
     keys = key_sets.pop()
-    for required in ("gradient_clipping", "zero_optimization.overlap_comm", "zero_optimization.reduce_bucket_size",
-                     "zero_optimization.offload_optimizer.device", "zero_optimization.offload_param.device",
-                     "data_types.grad_accum_dtype", "wall_clock_breakdown", "steps_per_print",
-                     "pipeline.activation_checkpoint_interval", "activation_checkpointing.partition_activations"):
+    for required in (
+        "gradient_clipping",
+        "zero_optimization.overlap_comm",
+        "zero_optimization.reduce_bucket_size",
+        "zero_optimization.offload_optimizer.device",
+        "zero_optimization.offload_param.device",
+        "data_types.grad_accum_dtype",
+        "wall_clock_breakdown",
+        "steps_per_print",
+        "pipeline.activation_checkpoint_interval",
+        "activation_checkpointing.partition_activations",
+    ):
         assert required in keys
 
 
@@ -95,11 +109,17 @@ def _leaves(d: dict, prefix: str = "", *, whole: frozenset):
 def test_schema_is_every_rendered_key_each_with_a_source_and_values_must_match_exactly():
     paths = [key.path for key in ds_schema.SCHEMA]
     assert len(paths) == len(set(paths))
-    assert all(key.name and (isinstance(key.default, ds_schema.Derived) or key.name in ds_schema.DEFAULTS)
-               for key in ds_schema.SCHEMA)
+    assert all(
+        key.name and (isinstance(key.default, ds_schema.Derived) or key.name in ds_schema.DEFAULTS)
+        for key in ds_schema.SCHEMA
+    )
     train = TrainSpec(global_batch=16, micro_batch=2, steps=10, warmup_steps=2, precision="fp32")
-    plan = make_plan(model=MODEL_PRESETS["tiny"], cluster=ClusterSpec(nodes=1, gpus_per_node=2, gpu="cpu"),
-                     train=train, strategy=StrategySpec(zero=1))
+    plan = make_plan(
+        model=MODEL_PRESETS["tiny"],
+        cluster=ClusterSpec(nodes=1, gpus_per_node=2, gpu="cpu"),
+        train=train,
+        strategy=StrategySpec(zero=1),
+    )
     cfg = render_ds_config(plan=plan, model=MODEL_PRESETS["tiny"], train=train, monitor_dir="/m")
     # every table key rendered, in the table's order, and nothing else
     assert list(_leaves(cfg, whole=frozenset(paths))) == paths
@@ -108,7 +128,11 @@ def test_schema_is_every_rendered_key_each_with_a_source_and_values_must_match_e
     # what a preset's value of each key does: a target and a check, except the sections with their own reader
     assert all((key.take is None) == (key.check is None) for key in ds_schema.SCHEMA)
     assert {key.path for key in ds_schema.SCHEMA if key.take is None} == {
-        "optimizer.type", "scheduler.type", "scheduler.params", "data_types.grad_accum_dtype"}
+        "optimizer.type",
+        "scheduler.type",
+        "scheduler.params",
+        "data_types.grad_accum_dtype",
+    }
 
 
 RECIPES = json.loads((DS_PRESETS / "recipes.json").read_text())
@@ -125,13 +149,14 @@ def test_preset_rerenders_identically(name, tmp_path, monkeypatch, capsys):
     NAME with the reference flags renders that same ds_config.json: every "auto" resolves to the reference's value."""
     shipped = (DS_PRESETS / f"{name}.json").read_text()
     recipe = RECIPES["presets"][name]
-    drive = recipe[recipe.index("--nvme-path"):][:2] if "--nvme-path" in recipe else []  # the machine's: not pinned
+    drive = recipe[recipe.index("--nvme-path") :][:2] if "--nvme-path" in recipe else []  # the machine's: not pinned
     rendered = {}
     for how, flags in (("recipe", recipe), ("preset", ["--preset", name, *drive])):
         (tmp_path / how).mkdir()
         monkeypatch.chdir(tmp_path / how)
-        assert run_cli("gen-config", *RECIPES["reference"], *flags, "--out", f"runs/{name}") == 0, \
+        assert run_cli("gen-config", *RECIPES["reference"], *flags, "--out", f"runs/{name}") == 0, (
             capsys.readouterr().err
+        )
         rendered[how] = json.loads((tmp_path / how / "runs" / name / "ds_config.json").read_text())
     assert dumps(shipped_preset(name, rendered["recipe"]), what=name) == shipped
     assert rendered["preset"] == rendered["recipe"]
@@ -151,16 +176,43 @@ def test_recipes_leave_only_keys_the_presets_have():
 
 def test_flags_that_contradict_the_preset_are_one_line_errors(tmp_path):
     """A value the preset sets is never silently replaced by a flag: the conflict is one line, nothing written."""
-    r = dspipe("gen-config", *RECIPES["reference"], "--preset", "zero3-cpu-offload", "--offload", "none",
-               "--out", "runs/x", cwd=tmp_path)
+    r = dspipe(
+        "gen-config",
+        *RECIPES["reference"],
+        "--preset",
+        "zero3-cpu-offload",
+        "--offload",
+        "none",
+        "--out",
+        "runs/x",
+        cwd=tmp_path,
+    )
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert '--offload none contradicts zero_optimization.offload_optimizer.device "cpu"' in r.stderr
-    r = dspipe("gen-config", *RECIPES["reference"], "--preset", "pipeline-zero1-bf16", "--pp", "4", "--out", "runs/x",
-               cwd=tmp_path)
+    r = dspipe(
+        "gen-config",
+        *RECIPES["reference"],
+        "--preset",
+        "pipeline-zero1-bf16",
+        "--pp",
+        "4",
+        "--out",
+        "runs/x",
+        cwd=tmp_path,
+    )
     assert r.returncode == 2 and "--pp 4 contradicts pipeline.stages 2" in r.stderr, r.stderr
     assert not (tmp_path / "runs").exists()
-    r = dspipe("gen-config", *RECIPES["reference"], "--preset", "pipeline-zero1-bf16", "--pp", "2", "--out", "runs/x",
-               cwd=tmp_path)  # a flag that agrees with the preset is fine
+    r = dspipe(
+        "gen-config",
+        *RECIPES["reference"],
+        "--preset",
+        "pipeline-zero1-bf16",
+        "--pp",
+        "2",
+        "--out",
+        "runs/x",
+        cwd=tmp_path,
+    )  # a flag that agrees with the preset is fine
     assert r.returncode == 0, r.stderr
     cfg = json.loads((tmp_path / "runs/x/ds_config.json").read_text())
     assert cfg["pipeline"]["stages"] == 2 and cfg["gradient_accumulation_steps"] == 512 // (4 * 4)

@@ -2,6 +2,7 @@
 run: the run's length, batch, hyperparameters and the values sized for a model or a machine are "auto", so the flags
 that set them work with every shipped preset (issue 41). A user's own preset that pins them still refuses a flag that
 contradicts it. Every test walks the presets found in ds_configs/, so a new preset is covered."""
+
 import json
 import math
 
@@ -62,11 +63,20 @@ def test_the_preset_pins_its_strategy_and_no_run_value(name):
     assert set(imp.options) <= STRATEGY, sorted(set(imp.options) - STRATEGY)
     assert {"zero", "precision"} <= set(imp.options) and imp.grad_accum is None
     cfg = shipped(name)
-    for path in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-                 "gradient_clipping", "optimizer.params.lr", "optimizer.params.weight_decay",
-                 "scheduler.params.total_num_steps", "scheduler.params.warmup_num_steps",
-                 "scheduler.params.cos_min_ratio", "zero_optimization.reduce_bucket_size",
-                 "zero_optimization.offload_optimizer.nvme_path", "tensor_parallel.partition_config"):
+    for path in (
+        "train_batch_size",
+        "train_micro_batch_size_per_gpu",
+        "gradient_accumulation_steps",
+        "gradient_clipping",
+        "optimizer.params.lr",
+        "optimizer.params.weight_decay",
+        "scheduler.params.total_num_steps",
+        "scheduler.params.warmup_num_steps",
+        "scheduler.params.cos_min_ratio",
+        "zero_optimization.reduce_bucket_size",
+        "zero_optimization.offload_optimizer.nvme_path",
+        "tensor_parallel.partition_config",
+    ):
         node = cfg
         for part in path.split("."):
             node = node[part]
@@ -98,8 +108,9 @@ def test_without_a_length_the_run_gets_the_default(name, tmp_path, monkeypatch, 
     assert spec["train"]["steps"] == fallback
     lines = out.out.splitlines()  # a shipped preset's "auto" keys that no typed flag set are counted in one line
     assert not any(line.startswith("preset: scheduler.") for line in lines), lines
-    assert any(line.startswith(f"preset {name}: ") and 'more keys it leaves to the run ("auto")' in line
-               for line in lines), lines
+    assert any(
+        line.startswith(f"preset {name}: ") and 'more keys it leaves to the run ("auto")' in line for line in lines
+    ), lines
 
 
 @pytest.mark.parametrize("name", SHIPPED)
@@ -130,10 +141,35 @@ def test_plan_takes_a_shipped_preset(name, tmp_path, monkeypatch, capsys):
 def test_the_common_run_flags_work_with_every_shipped_preset(name, tmp_path, monkeypatch, capsys):
     """Each of these was refused as contradicting the preset's reference-run value (global batch 512, micro 4,
     lr 6e-4, ...) or, for the monitors and the timers, its pinned false."""
-    code, cfg, spec = gen(tmp_path, monkeypatch, name, "--steps", "300", "--micro-batch", "2", "--lr", "3e-4",
-                          "--min-lr-ratio", "0.05", "--warmup", "50", "--weight-decay", "0.01", "--grad-clip", "0.5",
-                          "--log-interval", "5", "--wall-clock-breakdown", "--reduce-bucket-size", "100000",
-                          "--checkpointing", "full", "--wandb-project", "p", *machine(name, tmp_path))
+    code, cfg, spec = gen(
+        tmp_path,
+        monkeypatch,
+        name,
+        "--steps",
+        "300",
+        "--micro-batch",
+        "2",
+        "--lr",
+        "3e-4",
+        "--min-lr-ratio",
+        "0.05",
+        "--warmup",
+        "50",
+        "--weight-decay",
+        "0.01",
+        "--grad-clip",
+        "0.5",
+        "--log-interval",
+        "5",
+        "--wall-clock-breakdown",
+        "--reduce-bucket-size",
+        "100000",
+        "--checkpointing",
+        "full",
+        "--wandb-project",
+        "p",
+        *machine(name, tmp_path),
+    )
     out = capsys.readouterr()
     assert code == 0, out.err
     dp = spec["plan"]["dp"]
@@ -167,8 +203,10 @@ def test_the_nvme_preset_takes_the_machines_drive(tmp_path, monkeypatch, capsys)
 def test_a_shipped_preset_still_refuses_a_flag_against_its_strategy(tmp_path, monkeypatch, capsys):
     code, _, _ = gen(tmp_path, monkeypatch, "zero1-bf16", "--zero", "3")
     err = capsys.readouterr().err
-    assert code == 2 and err == ("dspipe: error: --zero 3 contradicts zero_optimization.stage 1 in preset zero1-bf16; "
-                                 "drop the flag or edit the preset\n")
+    assert code == 2 and err == (
+        "dspipe: error: --zero 3 contradicts zero_optimization.stage 1 in preset zero1-bf16; "
+        "drop the flag or edit the preset\n"
+    )
     assert not (tmp_path / "runs").exists()
 
 
@@ -188,8 +226,10 @@ def test_a_user_preset_that_pins_the_length_still_refuses_steps(tmp_path, monkey
     preset = user_preset(tmp_path, steps=20000)
     code, cfg, _ = gen(tmp_path, monkeypatch, preset, "--steps", "1000")
     err = capsys.readouterr().err
-    assert code == 2 and err == (f"dspipe: error: --steps 1000 contradicts scheduler.params.total_num_steps 20000 in "
-                                 f"preset {preset}; drop the flag or edit the preset\n")
+    assert code == 2 and err == (
+        f"dspipe: error: --steps 1000 contradicts scheduler.params.total_num_steps 20000 in "
+        f"preset {preset}; drop the flag or edit the preset\n"
+    )
     assert cfg is None and not (tmp_path / "runs").exists()
     code = run_cli("plan", *RUN, "--preset", preset, "--tokens", "2e9")  # 1,953,125 steps: not the preset's
     err = capsys.readouterr().err
@@ -205,6 +245,8 @@ def test_a_user_preset_that_pins_the_batch_still_refuses_global_batch(tmp_path, 
     preset = user_preset(tmp_path, batch=512)
     code, _, _ = gen(tmp_path, monkeypatch, preset, "--steps", "1000")  # RUN has --global-batch 16
     err = capsys.readouterr().err
-    assert code == 2 and err == (f"dspipe: error: --global-batch 16 contradicts train_batch_size 512 in preset "
-                                 f"{preset}; drop the flag or edit the preset\n")
+    assert code == 2 and err == (
+        f"dspipe: error: --global-batch 16 contradicts train_batch_size 512 in preset "
+        f"{preset}; drop the flag or edit the preset\n"
+    )
     assert not (tmp_path / "runs").exists()

@@ -1,25 +1,51 @@
 """The plan covers the start-up (issue 25, items 5 and 6): host RAM per node while the ranks build their modules, the
 build's device transient and the time to the first step, in `plan`, `--json`, dspipe.json and the fit; `dspipe report`
 sets engine.json's measured start-up beside them. Pure planner arithmetic and the CLI; no launches."""
+
 import json
 import shutil
 
 import pytest
 
 from dspipe.planner.cost import estimate
-from dspipe.planner.stages import largest_tensor, stage_params
-from dspipe.spec.hardware import GIB
 from dspipe.planner.plan import make_plan
-from dspipe.spec.presets import MODEL_PRESETS
-from dspipe.spec.core import ClusterSpec, StrategySpec, TrainSpec
+from dspipe.planner.stages import largest_tensor, stage_params
 from dspipe.planner.startup import DISK_GBPS, DRAW_RATE, build_mode, startup_estimate
 from dspipe.planner.throughput import STEP_COLUMNS
+from dspipe.spec.core import ClusterSpec, StrategySpec, TrainSpec
+from dspipe.spec.hardware import GIB
+from dspipe.spec.presets import MODEL_PRESETS
 from tests.helpers import dspipe, run_cli
 
-LLAMA70 = ["plan", "--model", "llama2-70b", "--nodes", "8", "--gpus-per-node", "8", "--gpu", "h100-80g",
-           "--global-batch", "512"]
-CPU2 = ["--model", "tiny", "--gpus-per-node", "2", "--gpu", "cpu", "--global-batch", "16", "--micro-batch", "4",
-        "--steps", "20", "--zero", "1"]
+LLAMA70 = [
+    "plan",
+    "--model",
+    "llama2-70b",
+    "--nodes",
+    "8",
+    "--gpus-per-node",
+    "8",
+    "--gpu",
+    "h100-80g",
+    "--global-batch",
+    "512",
+]
+CPU2 = [
+    "--model",
+    "tiny",
+    "--gpus-per-node",
+    "2",
+    "--gpu",
+    "cpu",
+    "--global-batch",
+    "16",
+    "--micro-batch",
+    "4",
+    "--steps",
+    "20",
+    "--zero",
+    "1",
+]
 
 
 def _json(capsys, *args) -> dict:
@@ -29,10 +55,20 @@ def _json(capsys, *args) -> dict:
 
 # ---- the formulas --------------------------------------------------------------------------------------------------
 
+
 def test_build_host_device_and_time_per_mode():
     """Each mode's host and device bytes and its draws, on round numbers: Phi 1e9, Phi_s 2.5e8, T 1e7, n 16, g 8."""
-    common = dict(num_params=10**9, stage_params=25 * 10**7, largest_tensor=10**7, precision="bf16",
-                  offload_params=False, zero_ranks=16, tp=1, ranks_per_node=8, host_offload_per_rank=0)
+    common = dict(
+        num_params=10**9,
+        stage_params=25 * 10**7,
+        largest_tensor=10**7,
+        precision="bf16",
+        offload_params=False,
+        zero_ranks=16,
+        tp=1,
+        ranks_per_node=8,
+        host_offload_per_rank=0,
+    )
     part = startup_estimate(mode="partitioned", **common)
     assert (part.host_build_per_rank_bytes, part.device_bytes) == (8 * 10**7, 2 * 10**9 // 16 + 2 * 10**7)
     assert part.host_per_node_bytes == 8 * 8 * 10**7 and part.drawn_elements == 10**9
@@ -45,38 +81,59 @@ def test_build_host_device_and_time_per_mode():
     # tp 8 without a pipeline: the rank's shard (Phi_r) in bf16 on the device, one whole fp32 tensor on the host at a
     # time; every element is still drawn (whole tensors, then sliced)
     shard = startup_estimate(mode="device", **{**common, "tp": 8, "rank_params": 10**9 // 8})
-    assert (shard.host_build_per_rank_bytes, shard.device_bytes, shard.drawn_elements) == \
-        (8 * 10**7, 2 * 10**9 // 8, 10**9)
+    assert (shard.host_build_per_rank_bytes, shard.device_bytes, shard.drawn_elements) == (
+        8 * 10**7,
+        2 * 10**9 // 8,
+        10**9,
+    )
     assert shard.holds() == "one whole fp32 tensor at a time, cut to the rank's tp 8 shard on the GPU"
     stage = startup_estimate(mode="stage", **common)
     assert (stage.host_build_per_rank_bytes, stage.device_bytes, stage.drawn_elements) == (10**9, 10**9, 25 * 10**7)
     assert startup_estimate(mode="stage", **{**common, "stage_params": 10**6}).host_build_per_rank_bytes == 8 * 10**7
     # a stage at tp 4: its shard in fp32 plus one whole fp32 tensor; the whole stage (E_s) drawn
-    tp_stage = startup_estimate(mode="stage", **{**common, "tp": 4, "stage_params": 25 * 10**7 // 4,
-                                                 "stage_elements": 25 * 10**7})
-    assert (tp_stage.host_build_per_rank_bytes, tp_stage.device_bytes, tp_stage.drawn_elements) == \
-        (25 * 10**7 + 4 * 10**7, 25 * 10**7, 25 * 10**7)
-    assert tp_stage.holds() == ("the stage's tp 4 shard in fp32 on the host, plus one whole fp32 tensor drawn at a "
-                                "time")
+    tp_stage = startup_estimate(
+        mode="stage", **{**common, "tp": 4, "stage_params": 25 * 10**7 // 4, "stage_elements": 25 * 10**7}
+    )
+    assert (tp_stage.host_build_per_rank_bytes, tp_stage.device_bytes, tp_stage.drawn_elements) == (
+        25 * 10**7 + 4 * 10**7,
+        25 * 10**7,
+        25 * 10**7,
+    )
+    assert tp_stage.holds() == (
+        "the stage's tp 4 shard in fp32 on the host, plus one whole fp32 tensor drawn at a time"
+    )
     with pytest.raises(ValueError, match="unknown build mode 'host'"):  # AutoTP's whole-model host build is retired
         startup_estimate(mode="host", **common)
     # the offload's host peak, when larger, is the rank's host figure; the build's stays beside it
     held = startup_estimate(mode="partitioned", **{**common, "host_offload_per_rank": 10**9})
-    assert (held.host_per_rank_bytes, held.host_build_per_rank_bytes, held.host_per_node_bytes) == \
-        (10**9, 8 * 10**7, 8 * 10**9)
+    assert (held.host_per_rank_bytes, held.host_build_per_rank_bytes, held.host_per_node_bytes) == (
+        10**9,
+        8 * 10**7,
+        8 * 10**9,
+    )
     assert held.holds() == "the offloaded optimizer states, after the build"
 
 
 def test_build_modes_by_layout():
-    assert [build_mode(zero_stage=z, tp=t, pp=p) for z, t, p in
-            ((3, 1, 1), (1, 1, 1), (2, 8, 1), (3, 8, 1), (1, 1, 4), (1, 8, 4), (0, 8, 16))] == \
-        ["partitioned", "device", "device", "device", "stage", "stage", "stage"]
+    assert [
+        build_mode(zero_stage=z, tp=t, pp=p)
+        for z, t, p in ((3, 1, 1), (1, 1, 1), (2, 8, 1), (3, 8, 1), (1, 1, 4), (1, 8, 4), (0, 8, 16))
+    ] == ["partitioned", "device", "device", "device", "stage", "stage", "stage"]
 
 
 def test_import_reads_the_nodes_distinct_bytes_at_the_stated_disk_bandwidth():
-    common = dict(num_params=10**9, stage_params=25 * 10**7, largest_tensor=10**7, precision="bf16",
-                  offload_params=False, zero_ranks=64, tp=1, ranks_per_node=8, host_offload_per_rank=0,
-                  import_bytes=2 * 10**9)
+    common = dict(
+        num_params=10**9,
+        stage_params=25 * 10**7,
+        largest_tensor=10**7,
+        precision="bf16",
+        offload_params=False,
+        zero_ranks=64,
+        tp=1,
+        ranks_per_node=8,
+        host_offload_per_rank=0,
+        import_bytes=2 * 10**9,
+    )
     part = startup_estimate(mode="partitioned", **common)  # a node holds 8 of 64 partitions: 1/8 of the bytes
     assert (part.drawn_elements, part.read_bytes) == (0, 2 * 10**9 // 8)
     assert part.seconds == pytest.approx(2 * 10**9 / 8 / (DISK_GBPS * 1e9))
@@ -85,8 +142,12 @@ def test_import_reads_the_nodes_distinct_bytes_at_the_stated_disk_bandwidth():
     assert startup_estimate(mode="stage", **common).read_bytes == 2 * 10**9  # 8 ranks x 1/4 of the model: all of it
     assert startup_estimate(mode="stage", **{**common, "ranks_per_node": 2}).read_bytes == 10**9
     # tp 4: the node's 8 ranks are 2 tp groups, each reading one stage's tensors (a quarter of the model)
-    assert startup_estimate(mode="stage", **{**common, "tp": 4, "stage_params": 25 * 10**7 // 4,
-                                             "stage_elements": 25 * 10**7}).read_bytes == 10**9
+    assert (
+        startup_estimate(
+            mode="stage", **{**common, "tp": 4, "stage_params": 25 * 10**7 // 4, "stage_elements": 25 * 10**7}
+        ).read_bytes
+        == 10**9
+    )
     text = part.first_step_text()
     assert "0.2 GB of the checkpoint read per node at an assumed 2 GB/s" in text
     assert "deepspeed.initialize not counted" in text
@@ -106,6 +167,7 @@ def test_the_stage_figure_is_the_largest_pipeline_stage():
 
 # ---- the plan: llama2-70b on 8 x 8 H100 --------------------------------------------------------------------------
 
+
 def test_llama2_70b_zero3_plan_shows_the_partitioned_start_up(capsys):
     assert run_cli(*LLAMA70, "--zero", "3") == 0
     out = capsys.readouterr().out
@@ -114,11 +176,15 @@ def test_llama2_70b_zero3_plan_shows_the_partitioned_start_up(capsys):
     assert out.startswith("plan: ZeRO-3, bf16, pp 1, tp 1")
     line = next(ln for ln in out.splitlines() if ln.startswith("start-up: "))
     per_rank, per_node = 8 * t / GIB, 64 * t / GIB  # one fp32 tensor and its slice, 8 ranks: not the whole model
-    assert line.startswith(f"start-up: partitioned build (ZeRO-3 under zero.Init), host RAM {per_node:.1f} GiB per "
-                           f"node (8 ranks x {per_rank:.2f} GiB: one fp32 tensor drawn or read whole")
+    assert line.startswith(
+        f"start-up: partitioned build (ZeRO-3 under zero.Init), host RAM {per_node:.1f} GiB per "
+        f"node (8 ranks x {per_rank:.2f} GiB: one fp32 tensor drawn or read whole"
+    )
     seconds = model.num_params / DRAW_RATE
-    assert (f"first step after ~{seconds:,.0f} s (69B values drawn per rank at 60M/s, measured on one CPU rank; "
-            f"process start and deepspeed.initialize not counted)") in out
+    assert (
+        f"first step after ~{seconds:,.0f} s (69B values drawn per rank at 60M/s, measured on one CPU rank; "
+        f"process start and deepspeed.initialize not counted)"
+    ) in out
     assert "start GiB/node" in out  # the --top table
     s = _json(capsys, *LLAMA70, "--zero", "3")["startup"]
     assert s["mode"] == "partitioned" and s["host_build_per_rank_bytes"] == 8 * t == s["host_per_rank_bytes"]
@@ -152,10 +218,14 @@ def test_a_start_up_over_the_host_ram_does_not_fit(capsys):
     code = run_cli(*LLAMA70, "--tp", "2", "--pp", "4", "--host-memory-gib", "256")
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1, err
-    assert ("start-up needs 273 GiB host RAM per node (8 ranks x 34.1 GiB: the stage's tp 2 shard in fp32 on the "
-            "host, plus one whole fp32 tensor drawn at a time), has 256 GiB") in err
-    assert ("would fit with: --tp auto (ZeRO-1), or --pp auto (ZeRO-3 + cpu offload), or --tp auto --pp auto "
-            "(ZeRO-1), or 273 GiB host RAM per node (--host-memory-gib) (ZeRO-1 + cpu offload)") in err
+    assert (
+        "start-up needs 273 GiB host RAM per node (8 ranks x 34.1 GiB: the stage's tp 2 shard in fp32 on the "
+        "host, plus one whole fp32 tensor drawn at a time), has 256 GiB"
+    ) in err
+    assert (
+        "would fit with: --tp auto (ZeRO-1), or --pp auto (ZeRO-3 + cpu offload), or --tp auto --pp auto "
+        "(ZeRO-1), or 273 GiB host RAM per node (--host-memory-gib) (ZeRO-1 + cpu offload)"
+    ) in err
 
 
 def test_start_up_shortfall_in_the_reasons_and_the_fit():
@@ -163,8 +233,9 @@ def test_start_up_shortfall_in_the_reasons_and_the_fit():
     model = MODEL_PRESETS["llama2-70b"]
     cluster = ClusterSpec(8, 8, "h100-80g", host_memory_gib=128)
     train = TrainSpec(global_batch=512, micro_batch=1, steps=10, warmup_steps=1)
-    plan = make_plan(model=model, cluster=cluster, train=train,
-                     strategy=StrategySpec(zero=1, tp=4, pp=4, checkpointing="full"))
+    plan = make_plan(
+        model=model, cluster=cluster, train=train, strategy=StrategySpec(zero=1, tp=4, pp=4, checkpointing="full")
+    )
     e = estimate(model=model, cluster=cluster, plan=plan)
     assert e.memory.total <= e.usable_gpu_memory_bytes and e.host_memory_bytes == 0  # the step itself fits
     assert not e.fits and e.startup_host_shortfall_bytes == e.startup.host_per_node_bytes - 128 * GIB
@@ -173,6 +244,7 @@ def test_start_up_shortfall_in_the_reasons_and_the_fit():
 
 
 # ---- dspipe.json and the report ------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def template(tmp_path_factory):
@@ -192,18 +264,40 @@ def run(template, tmp_path):
     return path
 
 
-ENGINE = {"zero_stage": 1, "dp": 2, "pp": 1, "backend": "gloo", "wrapper_optimizer": "DeepSpeedZeroOptimizer",
-          "base_optimizer": "AdamW", "world_size": 2}
-STARTUP = {"mode": "device", "peak_rss_mib": [900.0, 1000.5], "rss_before_build_mib": [700.0, 720.25],
-           "build_rss_mib": [800.0, 830.0], "seconds_to_first_step": [12.5, 11.0], "seconds_build": [1.25, 1.5]}
+ENGINE = {
+    "zero_stage": 1,
+    "dp": 2,
+    "pp": 1,
+    "backend": "gloo",
+    "wrapper_optimizer": "DeepSpeedZeroOptimizer",
+    "base_optimizer": "AdamW",
+    "world_size": 2,
+}
+STARTUP = {
+    "mode": "device",
+    "peak_rss_mib": [900.0, 1000.5],
+    "rss_before_build_mib": [700.0, 720.25],
+    "build_rss_mib": [800.0, 830.0],
+    "seconds_to_first_step": [12.5, 11.0],
+    "seconds_build": [1.25, 1.5],
+}
 
 
 def test_dspipe_json_carries_the_start_up(template):
     est = json.loads((template / "dspipe.json").read_text())["estimate"]
     s = est["startup"]
     assert s["mode"] == "device" and s["ranks_per_node"] == 2
-    for key in ("host_build_per_rank_bytes", "host_per_rank_bytes", "host_per_node_bytes", "device_bytes",
-                "seconds", "drawn_elements", "read_bytes_per_node", "disk_gbps", "draw_rate_per_s"):
+    for key in (
+        "host_build_per_rank_bytes",
+        "host_per_rank_bytes",
+        "host_per_node_bytes",
+        "device_bytes",
+        "seconds",
+        "drawn_elements",
+        "read_bytes_per_node",
+        "disk_gbps",
+        "draw_rate_per_s",
+    ):
         assert isinstance(s[key], (int, float)) and s[key] >= 0, key
 
 
@@ -219,28 +313,43 @@ def test_report_sets_the_measured_start_up_beside_the_plan(run):
     s = json.loads((run / "dspipe.json").read_text())["estimate"]["startup"]
     plan_mib = s["host_per_rank_bytes"] / 2**20
     growth = 1000.5 - 720.25
-    assert (f"| start-up host RAM per rank (MiB) | {plan_mib:,.1f} (device build) | worst rank 1 of 2: peak 1,000.5, "
-            f"+{growth:,.1f} over the 720.2 before the build (after the build 830.0) | {growth / plan_mib:.2f} "
-            f"(growth) |") in md
-    assert (f"| time to first step (s) | {s['seconds']:.4g} | 12.5 (slowest rank; module build 1.5) | "
-            f"{12.5 / s['seconds']:.2f} |") in md
+    assert (
+        f"| start-up host RAM per rank (MiB) | {plan_mib:,.1f} (device build) | worst rank 1 of 2: peak 1,000.5, "
+        f"+{growth:,.1f} over the 720.2 before the build (after the build 830.0) | {growth / plan_mib:.2f} "
+        f"(growth) |"
+    ) in md
+    assert (
+        f"| time to first step (s) | {s['seconds']:.4g} | 12.5 (slowest rank; module build 1.5) | "
+        f"{12.5 / s['seconds']:.2f} |"
+    ) in md
     assert "deepspeed.initialize, which the plan leaves out" in md
-    assert (f"start-up: worst rank 1 peak RSS 1,000.5 MiB (+{growth:,.1f} over the 720.2 before the build; plan "
-            f"{plan_mib:,.1f} MiB), first step after 12.5 s") in stdout
+    assert (
+        f"start-up: worst rank 1 peak RSS 1,000.5 MiB (+{growth:,.1f} over the 720.2 before the build; plan "
+        f"{plan_mib:,.1f} MiB), first step after 12.5 s"
+    ) in stdout
 
 
-@pytest.mark.parametrize("engine, why", [
-    (ENGINE, "engine.json has no startup figures: its runner predates them"),
-    ({**ENGINE, "startup": [1, 2]}, "engine.json's startup is damaged: an object expected, got list"),
-    ({**ENGINE, "startup": {**STARTUP, "peak_rss_mib": [1.0, "x"]}},
-     "engine.json's startup.peak_rss_mib is damaged: one number >= 0 per rank expected, got [1.0, 'x']"),
-    ({**ENGINE, "startup": {**STARTUP, "seconds_build": [1.0]}},
-     "engine.json's startup.seconds_build is damaged: one number >= 0 per rank expected, got [1.0]"),
-    ({**ENGINE, "startup": {**STARTUP, "build_rss_mib": [1.0, -5.0]}},
-     "engine.json's startup.build_rss_mib is damaged"),
-    ({**ENGINE, "startup": {**STARTUP, "mode": None}}, "engine.json's startup.mode is damaged"),
-    (None, "engine.json not written yet"),
-])
+@pytest.mark.parametrize(
+    "engine, why",
+    [
+        (ENGINE, "engine.json has no startup figures: its runner predates them"),
+        ({**ENGINE, "startup": [1, 2]}, "engine.json's startup is damaged: an object expected, got list"),
+        (
+            {**ENGINE, "startup": {**STARTUP, "peak_rss_mib": [1.0, "x"]}},
+            "engine.json's startup.peak_rss_mib is damaged: one number >= 0 per rank expected, got [1.0, 'x']",
+        ),
+        (
+            {**ENGINE, "startup": {**STARTUP, "seconds_build": [1.0]}},
+            "engine.json's startup.seconds_build is damaged: one number >= 0 per rank expected, got [1.0]",
+        ),
+        (
+            {**ENGINE, "startup": {**STARTUP, "build_rss_mib": [1.0, -5.0]}},
+            "engine.json's startup.build_rss_mib is damaged",
+        ),
+        ({**ENGINE, "startup": {**STARTUP, "mode": None}}, "engine.json's startup.mode is damaged"),
+        (None, "engine.json not written yet"),
+    ],
+)
 def test_report_without_start_up_figures_says_not_recorded(run, engine, why):
     if engine is not None:
         (run / "engine.json").write_text(json.dumps(engine))
@@ -270,8 +379,23 @@ def test_init_from_reads_the_checkpoint_instead_of_drawing(tmp_path, capsys):
     llama_model(kv_heads=2).save_pretrained(d)
     capsys.readouterr()
     size = check_weights(d, spec_from_hf_dir(d))
-    args = ["plan", "--gpu", "cpu", "--gpus-per-node", "2", "--global-batch", "8", "--micro-batch", "2",
-            "--precision", "fp32", "--zero", "3", "--init-from", str(d)]
+    args = [
+        "plan",
+        "--gpu",
+        "cpu",
+        "--gpus-per-node",
+        "2",
+        "--global-batch",
+        "8",
+        "--micro-batch",
+        "2",
+        "--precision",
+        "fp32",
+        "--zero",
+        "3",
+        "--init-from",
+        str(d),
+    ]
     s = _json(capsys, *args)["startup"]
     assert (s["mode"], s["import_bytes"], s["drawn_elements"]) == ("partitioned", size, 0)
     assert s["read_bytes_per_node"] == size  # 2 ranks per node, 2 partitions: the node reads it all

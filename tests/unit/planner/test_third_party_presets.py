@@ -3,6 +3,7 @@
 Fixtures: tests/data/third_party_ds_configs/ (real configs; README.md names each source). gen-config runs on the
 default cluster (1 node x 8 h100-80g: planning and DeepSpeed's config parse need no GPU).
 """
+
 import json
 import math
 
@@ -104,10 +105,14 @@ def test_hf_auto_values_resolve_to_dspipe_values_and_are_reported(tmp_path):
     assert cfg["optimizer"]["params"]["lr"] == 1e-4 and cfg["scheduler"]["params"]["warmup_max_lr"] == 1e-4
     assert 'preset: optimizer.params.lr "auto" -> 0.0001 (--lr)' in r.stdout
     assert 'preset: train_batch_size "auto" -> 64 (--global-batch)' in r.stdout
-    assert f'preset: optimizer.params.betas "auto" -> {json.dumps(cfg["optimizer"]["params"]["betas"])} ' \
-           f'(dspipe default)' in r.stdout
-    assert cfg["train_batch_size"] == 64 and cfg["gradient_accumulation_steps"] * \
-        cfg["train_micro_batch_size_per_gpu"] * 8 == 64
+    assert (
+        f'preset: optimizer.params.betas "auto" -> {json.dumps(cfg["optimizer"]["params"]["betas"])} '
+        f"(dspipe default)" in r.stdout
+    )
+    assert (
+        cfg["train_batch_size"] == 64
+        and cfg["gradient_accumulation_steps"] * cfg["train_micro_batch_size_per_gpu"] * 8 == 64
+    )
     # the preset's own values reach the config: scheduler type, bucket sizes, offload, steps_per_print
     assert cfg["scheduler"]["type"] == "WarmupLR" and cfg["scheduler"]["params"]["warmup_min_lr"] == 0.0
     assert cfg["zero_optimization"]["reduce_bucket_size"] == 200000000
@@ -145,20 +150,32 @@ def test_aliases_mean_what_deepspeed_says(tmp_path):
     assert r.returncode == 0, r.stderr
     cfg = json.loads((tmp_path / "runs/p/ds_config.json").read_text())
     assert cfg["zero_optimization"]["offload_optimizer"]["device"] == "cpu"  # legacy cpu_offload: true
-    assert "preset: zero_optimization.cpu_offload true is DeepSpeed's deprecated form; read as " \
-           "offload_optimizer.device cpu" in r.stdout
+    assert (
+        "preset: zero_optimization.cpu_offload true is DeepSpeed's deprecated form; read as "
+        "offload_optimizer.device cpu" in r.stdout
+    )
     assert cfg["optimizer"]["type"] == "Adam" and cfg["optimizer"]["params"]["betas"] == [0.8, 0.999]
     assert cfg["optimizer"]["params"]["eps"] == 1e-8 and cfg["optimizer"]["params"]["weight_decay"] == 3e-7
     assert cfg["fp16"]["enabled"] and cfg["fp16"]["initial_scale_power"] == 15
     assert cfg["fp16"]["loss_scale_window"] == 500
-    assert cfg["scheduler"] == {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 0.001,
-                                                               "warmup_num_steps": 1000, "warmup_type": "log"}}
+    assert cfg["scheduler"] == {
+        "type": "WarmupLR",
+        "params": {"warmup_min_lr": 0, "warmup_max_lr": 0.001, "warmup_num_steps": 1000, "warmup_type": "log"},
+    }
     spec = json.loads((tmp_path / "runs/p/dspipe.json").read_text())
     assert spec["train"]["weight_decay"] == 3e-7 and spec["train"]["warmup_steps"] == 1000  # the engine's groups
 
-    bf = {"train_batch_size": 64, "bfloat16": {"enabled": True},
-          "zero_optimization": {"stage": 3, "stage3_gather_fp16_weights_on_model_save": True,
-                                "prefetch_bucket_size": 5e7, "cpu_offload_param": True, "cpu_offload": True}}
+    bf = {
+        "train_batch_size": 64,
+        "bfloat16": {"enabled": True},
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_gather_fp16_weights_on_model_save": True,
+            "prefetch_bucket_size": 5e7,
+            "cpu_offload_param": True,
+            "cpu_offload": True,
+        },
+    }
     r = gen(tmp_path, write(tmp_path, bf, "bf.json"), out="runs/bf")
     assert r.returncode == 0, r.stderr
     cfg = json.loads((tmp_path / "runs/bf/ds_config.json").read_text())
@@ -167,8 +184,10 @@ def test_aliases_mean_what_deepspeed_says(tmp_path):
     assert zero["stage3_gather_16bit_weights_on_model_save"] is True and zero["stage3_prefetch_bucket_size"] == 5e7
     assert zero["offload_param"]["device"] == "cpu" and zero["offload_optimizer"]["device"] == "cpu"
     # the live-parameter knobs are the planner's: the plan (and its memory estimate) uses the preset's values
-    live = dict(bf, zero_optimization=dict(bf["zero_optimization"], stage3_max_live_parameters=1e9,
-                                           stage3_max_reuse_distance=1e9))
+    live = dict(
+        bf,
+        zero_optimization=dict(bf["zero_optimization"], stage3_max_live_parameters=1e9, stage3_max_reuse_distance=1e9),
+    )
     r = gen(tmp_path, write(tmp_path, live, "live.json"), out="runs/live")
     assert r.returncode == 0, r.stderr
     zero = json.loads((tmp_path / "runs/live/ds_config.json").read_text())["zero_optimization"]
@@ -190,8 +209,10 @@ def test_unknown_keys_are_handled_as_deepspeed_handles_them(tmp_path):
     # top level: DeepSpeedConfig ignores unknown keys; dspipe ignores them too, and says so
     r = gen(tmp_path, write(tmp_path, dict(base, gradient_cliping=0.5)))
     assert r.returncode == 0, r.stderr
-    assert "preset: gradient_cliping is not a DeepSpeed setting; ignored, as DeepSpeed ignores unknown top-level " \
-           "keys (did you mean gradient_clipping?)" in r.stdout
+    assert (
+        "preset: gradient_cliping is not a DeepSpeed setting; ignored, as DeepSpeed ignores unknown top-level "
+        "keys (did you mean gradient_clipping?)" in r.stdout
+    )
     assert json.loads((tmp_path / "runs/p/ds_config.json").read_text())["gradient_clipping"] == 1.0
 
 
@@ -209,17 +230,38 @@ def test_flag_that_contradicts_the_preset_is_one_line(tmp_path):
 
 def test_values_the_user_set_reach_the_config(tmp_path):
     cfg_in = {
-        "train_batch_size": 64, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4,
-        "gradient_clipping": 0.5, "steps_per_print": 7, "wall_clock_breakdown": True,
-        "optimizer": {"type": "AdamW", "params": {"lr": 2e-4, "betas": [0.9, 0.98], "eps": 1e-6,
-                                                  "weight_decay": 0.05}},
-        "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 500, "warmup_num_steps": 20,
-                                                          "warmup_max_lr": 2e-4, "warmup_min_lr": 1e-6,
-                                                          "warmup_type": "linear"}},
-        "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 12, "loss_scale_window": 200,
-                 "hysteresis": 4, "min_loss_scale": 2},
-        "zero_optimization": {"stage": 2, "overlap_comm": False, "contiguous_gradients": False,
-                              "reduce_bucket_size": 3e7, "allgather_bucket_size": 4e7},
+        "train_batch_size": 64,
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 4,
+        "gradient_clipping": 0.5,
+        "steps_per_print": 7,
+        "wall_clock_breakdown": True,
+        "optimizer": {"type": "AdamW", "params": {"lr": 2e-4, "betas": [0.9, 0.98], "eps": 1e-6, "weight_decay": 0.05}},
+        "scheduler": {
+            "type": "WarmupDecayLR",
+            "params": {
+                "total_num_steps": 500,
+                "warmup_num_steps": 20,
+                "warmup_max_lr": 2e-4,
+                "warmup_min_lr": 1e-6,
+                "warmup_type": "linear",
+            },
+        },
+        "fp16": {
+            "enabled": True,
+            "loss_scale": 0,
+            "initial_scale_power": 12,
+            "loss_scale_window": 200,
+            "hysteresis": 4,
+            "min_loss_scale": 2,
+        },
+        "zero_optimization": {
+            "stage": 2,
+            "overlap_comm": False,
+            "contiguous_gradients": False,
+            "reduce_bucket_size": 3e7,
+            "allgather_bucket_size": 4e7,
+        },
         "activation_checkpointing": {"partition_activations": True, "number_checkpoints": 4},
         "tensorboard": {"enabled": False, "output_path": "logs/", "job_name": "tb"},
         "wandb": {"enabled": True, "project": "mine", "team": "t"},
@@ -235,25 +277,62 @@ def test_values_the_user_set_reach_the_config(tmp_path):
     assert cfg["tensorboard"]["output_path"] == "runs/p/monitor"
     assert 'preset: tensorboard.output_path "logs/" -> "runs/p/monitor" (the run directory\'s monitor/)' in r.stdout
     spec = json.loads((tmp_path / "runs/p/dspipe.json").read_text())
-    assert (spec["train"]["lr"], spec["train"]["steps"], spec["train"]["warmup_steps"], spec["train"]["grad_clip"]) \
-        == (2e-4, 500, 20, 0.5)
+    assert (spec["train"]["lr"], spec["train"]["steps"], spec["train"]["warmup_steps"], spec["train"]["grad_clip"]) == (
+        2e-4,
+        500,
+        20,
+        0.5,
+    )
     assert spec["plan"]["grad_accum"] == 4 and spec["plan"]["precision"] == "fp16"
 
 
 def test_values_dspipe_cannot_honour_are_refused(tmp_path):
-    r = gen(tmp_path, write(tmp_path, {"train_batch_size": 64, "train_micro_batch_size_per_gpu": 2,
-                                        "gradient_accumulation_steps": 3, "pipeline": {"stages": 1}}))
+    r = gen(
+        tmp_path,
+        write(
+            tmp_path,
+            {
+                "train_batch_size": 64,
+                "train_micro_batch_size_per_gpu": 2,
+                "gradient_accumulation_steps": 3,
+                "pipeline": {"stages": 1},
+            },
+        ),
+    )
     assert_refused(r, tmp_path, "train_batch_size 64 != micro 2 x gradient_accumulation_steps 3 x dp 8")
-    r = gen(tmp_path, write(tmp_path, {"train_batch_size": 64, "data_types": {"grad_accum_dtype": "bf16"},
-                                        "bf16": {"enabled": True}, "zero_optimization": {"stage": 1}}))
+    r = gen(
+        tmp_path,
+        write(
+            tmp_path,
+            {
+                "train_batch_size": 64,
+                "data_types": {"grad_accum_dtype": "bf16"},
+                "bf16": {"enabled": True},
+                "zero_optimization": {"stage": 1},
+            },
+        ),
+    )
     assert_refused(r, tmp_path, 'data_types.grad_accum_dtype "bf16" cannot be honoured: this plan renders "fp32"')
     r = gen(tmp_path, write(tmp_path, {"train_batch_size": 64, "optimizer": {"type": "Lamb", "params": {}}}))
     assert_refused(r, tmp_path, 'optimizer.type "Lamb" is not supported')
-    r = gen(tmp_path, write(tmp_path, {"train_batch_size": 64, "optimizer": {"params": {"lr": 1e-3}},
-                                        "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 2e-3}}}))
+    r = gen(
+        tmp_path,
+        write(
+            tmp_path,
+            {
+                "train_batch_size": 64,
+                "optimizer": {"params": {"lr": 1e-3}},
+                "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 2e-3}},
+            },
+        ),
+    )
     assert_refused(r, tmp_path, "optimizer.params.lr 0.001 and scheduler.params.warmup_max_lr 0.002 disagree")
-    for bad, key in (('{"train_batch_size": NaN}', "NaN"), ('{"a": 1, "a": 2}', "duplicate key 'a'"),
-                     ("[1, 2]", "must hold a JSON object"), ('{"train_batch_size": true}', "train_batch_size true")):
+    for bad, key in (
+        ('{"train_batch_size": NaN}', "NaN"),
+        ('{"a": 1, "a": 2}', "duplicate key 'a'"),
+        ("[1, 2]", "must hold a JSON object"),
+        ('{"train_batch_size": true}', "train_batch_size true"),
+    ):
         path = tmp_path / "bad.json"
         path.write_text(bad)
         assert_refused(gen(tmp_path, path), tmp_path, key)
@@ -263,15 +342,17 @@ def test_presets_lists_only_deepspeed_presets():
     r = dspipe("presets")
     assert r.returncode == 0
     listed = r.stdout.splitlines()[-1].removeprefix("deepspeed presets: ").split(", ")
-    assert RECIPES not in listed and sorted(listed) == sorted(p.stem for p in DS_PRESETS.glob("*.json")
-                                                              if p.stem != RECIPES)
+    assert RECIPES not in listed and sorted(listed) == sorted(
+        p.stem for p in DS_PRESETS.glob("*.json") if p.stem != RECIPES
+    )
     r = dspipe("gen-config", *MODEL, "--preset", RECIPES, "--out", "runs/x")
     assert r.returncode == 2 and "unknown DeepSpeed preset 'recipes'" in r.stderr
 
 
 def test_import_is_torch_free_and_keeps_canonical_names():
-    imp = import_preset({"bfloat16": {"enabled": True}, "zero_optimization": {"stage": 3, "max_live_parameters": 1e9}},
-                        source="x")
+    imp = import_preset(
+        {"bfloat16": {"enabled": True}, "zero_optimization": {"stage": 3, "max_live_parameters": 1e9}}, source="x"
+    )
     assert imp.canon["bf16"] == {"enabled": True} and imp.options["precision"] == "bf16"
     assert imp.canon["zero_optimization"]["stage3_max_live_parameters"] == 1000000000
     assert imp.options["max_live_parameters"] == 1000000000 and imp.options["zero"] == 3

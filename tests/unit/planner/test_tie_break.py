@@ -1,15 +1,21 @@
 """The search's tie-break among plans within 2% of the fastest: a plan near the edge of the GPU's memory loses to a
 roomier one, whatever the recipe's order says, and `plan` says so."""
+
 import pytest
 
-from dspipe.spec.presets import model_preset
 from dspipe.planner.rank import ROOMY, TIE, preference
 from dspipe.planner.search import search
-from dspipe.spec.core import ClusterSpec, TrainSpec, StrategyRequest
+from dspipe.spec.core import ClusterSpec, StrategyRequest, TrainSpec
+from dspipe.spec.presets import model_preset
 
-CASES = [("gpt3-1.3b", 1, 8, "a100-40g", 256), ("gpt2-1.5b", 1, 8, "a100-40g", 256),
-         ("gpt3-6.7b", 1, 8, "h100-80g", 256), ("gpt3-13b", 2, 8, "a100-80g", 256),
-         ("gpt3-2.7b", 1, 8, "a100-40g", 256), ("llama2-7b", 2, 8, "h100-80g", 1024)]
+CASES = [
+    ("gpt3-1.3b", 1, 8, "a100-40g", 256),
+    ("gpt2-1.5b", 1, 8, "a100-40g", 256),
+    ("gpt3-6.7b", 1, 8, "h100-80g", 256),
+    ("gpt3-13b", 2, 8, "a100-80g", 256),
+    ("gpt3-2.7b", 1, 8, "a100-40g", 256),
+    ("llama2-7b", 2, 8, "h100-80g", 1024),
+]
 
 
 def _share(c):
@@ -18,9 +24,15 @@ def _share(c):
 
 @pytest.fixture(scope="module")
 def results():
-    return [search(model=model_preset(name), cluster=ClusterSpec(nodes, gpus, gpu), request=StrategyRequest(),
-                   train=TrainSpec(global_batch=gbs, micro_batch=1, steps=100, warmup_steps=10))
-            for name, nodes, gpus, gpu, gbs in CASES]
+    return [
+        search(
+            model=model_preset(name),
+            cluster=ClusterSpec(nodes, gpus, gpu),
+            request=StrategyRequest(),
+            train=TrainSpec(global_batch=gbs, micro_batch=1, steps=100, warmup_steps=10),
+        )
+        for name, nodes, gpus, gpu, gbs in CASES
+    ]
 
 
 def _ties(r):
@@ -43,7 +55,9 @@ def test_the_tie_line_names_the_rule_and_both_shares_when_it_decides(results):
     for r in results:
         recipe = min(_ties(r), key=lambda c: preference(c)[1:])
         if recipe is not r.best and _share(recipe) > ROOMY:
-            assert (f"the roomier plan ({_share(r.best):.0%} vs {_share(recipe):.0%} of GPU memory; over {ROOMY:.0%} "
-                    f"loses ties) over {recipe.describe()}") in r.tie
+            assert (
+                f"the roomier plan ({_share(r.best):.0%} vs {_share(recipe):.0%} of GPU memory; over {ROOMY:.0%} "
+                f"loses ties) over {recipe.describe()}"
+            ) in r.tie
         if r.tie:
             assert f"under {ROOMY:.0%} of GPU memory first" in r.tie

@@ -1,6 +1,7 @@
 """Planner fidelity for tensor parallel (dspipe's tensor-parallel layers, Megatron layout) and sequence parallel
 (Ulysses): memory divided as they really divide it, their communication, the 175B acceptance plan, the search's tp/sp
 explanations, memory headroom and the tie-break."""
+
 import json
 import math
 from dataclasses import replace
@@ -8,16 +9,16 @@ from dataclasses import replace
 import pytest
 
 from dspipe.planner.cost import estimate
-from dspipe.planner.memory import MEMORY_HEADROOM, activation_bytes_per_layer, embedding_bytes, logits_bytes
-from dspipe.planner.stages import block_params_per_rank, stage_layer_weights, stage_params, tp_split_params_per_block
-from dspipe.planner.timing import RING_BASE_LATENCY_S, RING_HOP_LATENCY_S, ring_latency_s
-from dspipe.spec.hardware import GPU_CATALOG
-from dspipe.planner.plan import TP_SP_ZERO3_REFUSAL, make_plan
-from dspipe.spec.presets import MODEL_PRESETS, model_preset
 from dspipe.planner.enumerate import sp_choices, tp_choices
+from dspipe.planner.memory import MEMORY_HEADROOM, activation_bytes_per_layer, embedding_bytes, logits_bytes
+from dspipe.planner.plan import TP_SP_ZERO3_REFUSAL, make_plan
 from dspipe.planner.search import search
-from dspipe.spec.core import ClusterSpec, StrategySpec, TrainSpec, StrategyRequest
+from dspipe.planner.stages import block_params_per_rank, stage_layer_weights, stage_params, tp_split_params_per_block
 from dspipe.planner.summary import estimate_summary, human_report
+from dspipe.planner.timing import RING_BASE_LATENCY_S, RING_HOP_LATENCY_S, ring_latency_s
+from dspipe.spec.core import ClusterSpec, StrategyRequest, StrategySpec, TrainSpec
+from dspipe.spec.hardware import GPU_CATALOG
+from dspipe.spec.presets import MODEL_PRESETS, model_preset
 from tests.helpers import run_cli
 
 SMALL = "gpt2-124m"  # L12 h768 a12 s1024 V50257, ffn 3072
@@ -26,9 +27,12 @@ SMALL = "gpt2-124m"  # L12 h768 a12 s1024 V50257, ffn 3072
 def _estimate(model=SMALL, nodes=1, gpus=8, gpu="h100-80g", gbs=256, mb=4, precision="bf16", **strategy):
     m = model if not isinstance(model, str) else model_preset(model)
     cluster = ClusterSpec(nodes, gpus, gpu)
-    plan = make_plan(model=m, cluster=cluster, train=TrainSpec(global_batch=gbs, micro_batch=mb, steps=100,
-                                                               warmup_steps=10, precision=precision),
-                     strategy=StrategySpec(**strategy))
+    plan = make_plan(
+        model=m,
+        cluster=cluster,
+        train=TrainSpec(global_batch=gbs, micro_batch=mb, steps=100, warmup_steps=10, precision=precision),
+        strategy=StrategySpec(**strategy),
+    )
     return m, plan, estimate(model=m, cluster=cluster, plan=plan)
 
 
@@ -39,11 +43,20 @@ def gpt3_175b():
     x pp 8 (tests/unit/planner/test_tp_pp_plans.py)."""
     m = MODEL_PRESETS["gpt3-175b"]
     cluster = ClusterSpec(128, 8, "a100-80g")
-    return m, cluster, search(model=m, cluster=cluster, request=StrategyRequest(),
-                              train=TrainSpec(global_batch=1536, micro_batch=1, steps=1000, warmup_steps=10))
+    return (
+        m,
+        cluster,
+        search(
+            model=m,
+            cluster=cluster,
+            request=StrategyRequest(),
+            train=TrainSpec(global_batch=1536, micro_batch=1, steps=1000, warmup_steps=10),
+        ),
+    )
 
 
 # --- memory -----------------------------------------------------------------------------------------------------
+
 
 def test_tp_splits_the_blocks_embedding_and_head_and_keeps_positions_and_norms_whole():
     m = model_preset(SMALL)  # tied embeddings, learned positions
@@ -74,8 +87,9 @@ def test_an_untied_head_is_split_like_the_embedding():
     rows = math.ceil(m.vocab / 8)
     split = tp_split_params_per_block(m)
     whole = m.num_params - 2 * m.vocab * m.hidden - m.layers * split
-    assert stage_params(model=m, pp=1, partition_method="parameters", tp=8) == \
-        (2 * rows * m.hidden + whole + m.layers * split // 8,)
+    assert stage_params(model=m, pp=1, partition_method="parameters", tp=8) == (
+        2 * rows * m.hidden + whole + m.layers * split // 8,
+    )
     weights = stage_layer_weights(m, 8)
     assert weights[0] == weights[-1] == rows * m.hidden  # the pipeline's embedding and head layers: the same shard
 
@@ -146,11 +160,15 @@ def test_sequence_parallelism_divides_exactly_the_terms_outside_the_split_gemms(
     norm = b * h + (4 if m.norm == "rmsnorm" else 8)  # one norm's input and its fp32 statistics (CUDA kernels)
     whole = 2 * norm + 2 * b * h + (2 * h if m.dropout > 0 else 0)  # bytes per token whole on every rank without SP
     for ckpt in ("none", "selective"):
-        off, on = (activation_bytes_per_layer(model=m, micro_batch=mb, checkpointing=ckpt, act_bytes=b, tp=tp,
-                                              tp_sp=flag) for flag in (False, True))
+        off, on = (
+            activation_bytes_per_layer(model=m, micro_batch=mb, checkpointing=ckpt, act_bytes=b, tp=tp, tp_sp=flag)
+            for flag in (False, True)
+        )
         assert off - on == tokens * whole * (tp - 1) // tp, ckpt
-    off, on = (activation_bytes_per_layer(model=m, micro_batch=mb, checkpointing="full", act_bytes=b, tp=tp,
-                                          tp_sp=flag) for flag in (False, True))
+    off, on = (
+        activation_bytes_per_layer(model=m, micro_batch=mb, checkpointing="full", act_bytes=b, tp=tp, tp_sp=flag)
+        for flag in (False, True)
+    )
     assert (off, on) == (tokens * h * b, tokens * h * b // tp)
     # the last stage: the final norm's and the head's inputs divide, the vocab-parallel softmax and the labels do not
     off, on = (logits_bytes(model=m, micro_batch=mb, tp=tp, tp_sp=flag) for flag in (False, True))
@@ -165,14 +183,16 @@ def test_sp_divides_activations_not_params_and_zero_shards_over_dp_times_sp():
     assert two.memory.activations * 2 == one.memory.activations
     assert logits_bytes(model=m, micro_batch=2, sp=2) * 2 == logits_bytes(model=m, micro_batch=2)
     for ckpt in ("none", "full"):
-        assert activation_bytes_per_layer(model=m, micro_batch=2, checkpointing=ckpt, act_bytes=2, sp=4) * 4 == \
-            activation_bytes_per_layer(model=m, micro_batch=2, checkpointing=ckpt, act_bytes=2)
+        assert activation_bytes_per_layer(
+            model=m, micro_batch=2, checkpointing=ckpt, act_bytes=2, sp=4
+        ) * 4 == activation_bytes_per_layer(model=m, micro_batch=2, checkpointing=ckpt, act_bytes=2)
     assert two.memory.params == one.memory.params == 2 * m.num_params  # every sp rank holds the whole model
     # DeepSpeed partitions ZeRO over the sequence-data-parallel group: dp 4 x sp 2 = the 8 ranks dp 8 uses
     assert two.memory.optimizer == one.memory.optimizer == 12 * m.num_params // 8
 
 
 # --- time -------------------------------------------------------------------------------------------------------
+
 
 def test_tp_comm_is_zero_without_tp_and_follows_the_all_reduce_count():
     """Without sequence parallelism (--no-tp-sp): ring all-reduces of the b.s.h activations."""
@@ -181,8 +201,9 @@ def test_tp_comm_is_zero_without_tp_and_follows_the_all_reduce_count():
     _, plan, est = _estimate(zero=1, tp=2, checkpointing="none", tp_sp=False)
     assert not plan.tp_sp
     gpu = GPU_CATALOG["h100-80g"]
-    per_all_reduce = 2 * (2 - 1) / 2 * plan.micro_batch * m.seq_len * m.hidden * 2 / (gpu.intra_node_gbps * 1e9) \
-        + ring_latency_s(steps=2)  # a 2-rank ring all-reduce: 2 steps inside the node
+    per_all_reduce = 2 * (2 - 1) / 2 * plan.micro_batch * m.seq_len * m.hidden * 2 / (
+        gpu.intra_node_gbps * 1e9
+    ) + ring_latency_s(steps=2)  # a 2-rank ring all-reduce: 2 steps inside the node
     assert est.tp_comm_s > 0
     # 4 per block, and the embedding's (forward) and the head input's (backward) on the one stage
     assert math.isclose(est.tp_comm_s, plan.grad_accum * (m.layers * 4 + 2) * per_all_reduce)
@@ -265,8 +286,12 @@ def test_zero2_reduces_every_micro_batch_zero1_only_at_the_boundary():
     m, cluster = MODEL_PRESETS["gpt3-175b"], ClusterSpec(128, 8, "a100-80g")
 
     def dp_comm(zero, mb):
-        plan = make_plan(model=m, cluster=cluster, strategy=StrategySpec(zero=zero, tp=8, checkpointing="full"),
-                         train=TrainSpec(global_batch=1536, micro_batch=mb, steps=1000, warmup_steps=10))
+        plan = make_plan(
+            model=m,
+            cluster=cluster,
+            strategy=StrategySpec(zero=zero, tp=8, checkpointing="full"),
+            train=TrainSpec(global_batch=1536, micro_batch=mb, steps=1000, warmup_steps=10),
+        )
         return estimate(model=m, cluster=cluster, plan=plan).dp_comm_s
 
     assert dp_comm(1, 1) == dp_comm(1, 2)  # ZeRO-1: one reduction per step, whatever the accumulation
@@ -284,6 +309,7 @@ def test_matmul_efficiency_comes_from_the_gpu_type():
 
 
 # --- headroom and the tie-break ---------------------------------------------------------------------------------
+
 
 def test_a_plan_must_leave_headroom():
     _, _, est = _estimate(zero=1)
@@ -309,19 +335,28 @@ def test_tie_break_prefers_the_smaller_footprint():
     """GPT-3 175B pinned to ZeRO-2 with tp 8, no pipeline, full recomputation, no offload: micro-batches 2, 3, 4, 6
     and 12 (all at least 4,096 tokens) tie within 2%, the smallest memory wins."""
     m, cluster = MODEL_PRESETS["gpt3-175b"], ClusterSpec(128, 8, "a100-80g")
-    r = search(model=m, cluster=cluster,
-               request=StrategyRequest(zero=2, tp=8, pp=1, offload="none", checkpointing="full"),
-               train=TrainSpec(global_batch=1536, micro_batch=1, steps=1000, warmup_steps=10))
+    r = search(
+        model=m,
+        cluster=cluster,
+        request=StrategyRequest(zero=2, tp=8, pp=1, offload="none", checkpointing="full"),
+        train=TrainSpec(global_batch=1536, micro_batch=1, steps=1000, warmup_steps=10),
+    )
     best = r.best
-    same = [c for c in r.ranked if c.est.step_time_s <= 1.02 * min(x.est.step_time_s for x in r.ranked)
-            and c.family == best.family and c.plan.checkpointing == best.plan.checkpointing
-            and (c.plan.pp, c.plan.tp, c.plan.sp) == (best.plan.pp, best.plan.tp, best.plan.sp)]
+    same = [
+        c
+        for c in r.ranked
+        if c.est.step_time_s <= 1.02 * min(x.est.step_time_s for x in r.ranked)
+        and c.family == best.family
+        and c.plan.checkpointing == best.plan.checkpointing
+        and (c.plan.pp, c.plan.tp, c.plan.sp) == (best.plan.pp, best.plan.tp, best.plan.sp)
+    ]
     assert sorted(c.plan.micro_batch for c in same) == [2, 3, 4, 6, 12]  # equally fast here
     assert best.plan.micro_batch == 2 and best.est.memory.total == min(c.est.memory.total for c in same)
     assert "smaller memory" in r.tie
 
 
 # --- the 175B acceptance test --------------------------------------------------------------------------------------
+
 
 def test_gpt3_175b_on_1024_a100_uses_tp_inside_the_node_and_lands_near_the_published_time(gpt3_175b):
     m, cluster, r = gpt3_175b
@@ -339,8 +374,22 @@ def test_gpt3_175b_on_1024_a100_uses_tp_inside_the_node_and_lands_near_the_publi
 
 
 def test_plan_command_reports_tp_and_sp(capsys):
-    code = run_cli("plan", "--model", "gpt3-175b", "--nodes", "128", "--gpus-per-node", "8", "--gpu", "a100-80g",
-                   "--global-batch", "1536", "--tokens", "1.5T", "--json")
+    code = run_cli(
+        "plan",
+        "--model",
+        "gpt3-175b",
+        "--nodes",
+        "128",
+        "--gpus-per-node",
+        "8",
+        "--gpu",
+        "a100-80g",
+        "--global-batch",
+        "1536",
+        "--tokens",
+        "1.5T",
+        "--json",
+    )
     assert code == 0
     d = json.loads(capsys.readouterr().out)
     assert (d["zero_stage"], d["tp"], d["sp"], d["pp"], d["dp"]) == (3, 8, 1, 1, 128)
@@ -351,13 +400,18 @@ def test_plan_command_reports_tp_and_sp(capsys):
 
 # --- search ---------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("gpus_per_node", [2, 4, 8])
 def test_tp_never_leaves_the_node(gpus_per_node):
     m = MODEL_PRESETS["gpt3-2.7b"]
     cluster = ClusterSpec(16 // gpus_per_node, gpus_per_node, "a100-80g")
     assert tp_choices(m, cluster) == [t for t in (1, 2, 4, 8) if t <= gpus_per_node]
-    r = search(model=m, cluster=cluster, train=TrainSpec(global_batch=64, micro_batch=1, steps=100, warmup_steps=10),
-               request=StrategyRequest())
+    r = search(
+        model=m,
+        cluster=cluster,
+        train=TrainSpec(global_batch=64, micro_batch=1, steps=100, warmup_steps=10),
+        request=StrategyRequest(),
+    )
     tps = {c.plan.tp for c in r.ranked}
     assert max(tps) <= gpus_per_node and all(gpus_per_node % t == 0 for t in tps)
     assert r.best.plan.tp <= gpus_per_node
@@ -372,16 +426,21 @@ def test_auto_sp_only_for_long_context():
 
 def test_long_context_search_explains_every_sp():
     m = model_preset("gpt3-1.3b", seq_len=16384)
-    r = search(model=m, cluster=ClusterSpec(1, 8, "h100-80g"), request=StrategyRequest(),
-               train=TrainSpec(global_batch=16, micro_batch=1, steps=100, warmup_steps=10))
+    r = search(
+        model=m,
+        cluster=ClusterSpec(1, 8, "h100-80g"),
+        request=StrategyRequest(),
+        train=TrainSpec(global_batch=16, micro_batch=1, steps=100, warmup_steps=10),
+    )
     chosen = r.best.plan.sp
     assert {k for k in r.rejected if k.startswith("sp ")} == {f"sp {s}" for s in (1, 2, 4, 8) if s != chosen}
     with_sp = [c for c in r.ranked if c.plan.sp > 1]
     assert with_sp and all(c.est.sp_comm_s > 0 for c in with_sp)
     # tp x Ulysses composes under ZeRO 1-2 where each tp rank's heads divide by sp; never with ZeRO-3
     both = [c for c in r.ranked if c.plan.tp > 1 and c.plan.sp > 1]
-    assert {(c.plan.tp, c.plan.sp, c.plan.zero_stage) for c in both} == \
-        {(t, s, z) for t, s in ((2, 2), (2, 4), (4, 2)) for z in (1, 2)}
+    assert {(c.plan.tp, c.plan.sp, c.plan.zero_stage) for c in both} == {
+        (t, s, z) for t, s in ((2, 2), (2, 4), (4, 2)) for z in (1, 2)
+    }
     assert all(c.est.tp_comm_s > 0 and c.est.sp_comm_s > 0 for c in both)
 
 
@@ -396,21 +455,32 @@ def test_rejected_explains_every_tp(gpt3_175b):
 
 
 def test_rejected_names_the_rule_that_rules_a_tp_out():
-    r = search(model=MODEL_PRESETS[SMALL], cluster=ClusterSpec(1, 8, "h100-80g"),
-               train=TrainSpec(global_batch=256, micro_batch=1, steps=1000, warmup_steps=10), request=StrategyRequest())
+    r = search(
+        model=MODEL_PRESETS[SMALL],
+        cluster=ClusterSpec(1, 8, "h100-80g"),
+        train=TrainSpec(global_batch=256, micro_batch=1, steps=1000, warmup_steps=10),
+        request=StrategyRequest(),
+    )
     assert r.rejected["tp 8"] == "not considered: model heads 12 is not divisible by tp 8 (12 / 8 = 1.5)"
     assert "tp 2" in r.rejected and "tp 4" in r.rejected
     train = TrainSpec(global_batch=256, micro_batch=1, steps=1000, warmup_steps=10)
-    fixed3 = search(model=MODEL_PRESETS[SMALL], cluster=ClusterSpec(1, 8, "h100-80g"), train=train,
-                    request=StrategyRequest(zero=3))  # ZeRO-3 with tp alone plans: tp 2 and 4 lose on time
+    fixed3 = search(
+        model=MODEL_PRESETS[SMALL], cluster=ClusterSpec(1, 8, "h100-80g"), train=train, request=StrategyRequest(zero=3)
+    )  # ZeRO-3 with tp alone plans: tp 2 and 4 lose on time
     assert any(c.plan.tp == 2 and c.plan.zero_stage == 3 for c in fixed3.ranked)
     assert fixed3.rejected["tp 2"].startswith("slower by") and fixed3.rejected["tp 4"].startswith("slower by")
-    zero3_sp2 = search(model=MODEL_PRESETS[SMALL], cluster=ClusterSpec(1, 8, "h100-80g"), train=train,
-                       request=StrategyRequest(zero=3, sp=2))  # 12 heads: 6 per rank at tp 2, 3 at tp 4
+    zero3_sp2 = search(
+        model=MODEL_PRESETS[SMALL],
+        cluster=ClusterSpec(1, 8, "h100-80g"),
+        train=train,
+        request=StrategyRequest(zero=3, sp=2),
+    )  # 12 heads: 6 per rank at tp 2, 3 at tp 4
     assert zero3_sp2.rejected["tp 2"] == f"violates DeepSpeed's rules: ZeRO-3 with tp 2 x sp 2: {TP_SP_ZERO3_REFUSAL}"
-    assert zero3_sp2.rejected["tp 4"] == ("violates DeepSpeed's rules: model heads 12 / tp 4 = 3 heads per tp rank are "
-                                          "not divisible by sp 2: Ulysses spreads each tp rank's heads over the sp "
-                                          "ranks")
+    assert zero3_sp2.rejected["tp 4"] == (
+        "violates DeepSpeed's rules: model heads 12 / tp 4 = 3 heads per tp rank are "
+        "not divisible by sp 2: Ulysses spreads each tp rank's heads over the sp "
+        "ranks"
+    )
 
 
 def test_human_report_shows_tp_and_sp(gpt3_175b):
@@ -433,8 +503,12 @@ def test_ring_latency_makes_zero3_scale_sublinearly():
     per_gpu = []
     for nodes in (96, 192):
         cluster = ClusterSpec(nodes, 8, "a100-80g")
-        plan = make_plan(model=m, cluster=cluster, strategy=StrategySpec(zero=3, checkpointing="full"),
-                         train=TrainSpec(global_batch=1536, micro_batch=1, steps=1000, warmup_steps=10))
+        plan = make_plan(
+            model=m,
+            cluster=cluster,
+            strategy=StrategySpec(zero=3, checkpointing="full"),
+            train=TrainSpec(global_batch=1536, micro_batch=1, steps=1000, warmup_steps=10),
+        )
         est = estimate(model=m, cluster=cluster, plan=plan)
         per_gpu.append(plan.tokens_per_step / est.step_time_s / cluster.world_size)
     assert per_gpu[1] < 0.95 * per_gpu[0]

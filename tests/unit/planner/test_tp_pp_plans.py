@@ -2,21 +2,52 @@
 tp inside the node with pp across nodes, the per-GPU model states of a pinned 3D layout are the textbook ones, the
 rules' one-line refusals, and the rendered DeepSpeed JSON (AutoTP off, train_batch_size the global batch) as
 DeepSpeed parses it. Planner arithmetic and the CLI; no launches."""
+
 import json
 
 import pytest
 
 from dspipe.planner.cost import estimate
-from dspipe.planner.plan import RuleError, TP_SP_ZERO3_REFUSAL, make_plan
+from dspipe.planner.plan import TP_SP_ZERO3_REFUSAL, RuleError, make_plan
 from dspipe.planner.search import search
 from dspipe.spec.core import ClusterSpec, StrategyRequest, StrategySpec, TrainSpec
 from dspipe.spec.presets import MODEL_PRESETS, model_preset
 from tests.helpers import run_cli
 
-GPT3 = ["plan", "--model", "gpt3-175b", "--seq-len", "2048", "--nodes", "128", "--gpus-per-node", "8", "--gpu",
-        "a100-80g", "--global-batch", "1536", "--tokens", "1.5T"]
-LLAMA405 = ["plan", "--model", "llama3.1-405b", "--nodes", "256", "--gpus-per-node", "8", "--gpu", "h100-80g",
-            "--global-batch", "2048", "--seq-len", "8192", "--tokens", "15T"]
+GPT3 = [
+    "plan",
+    "--model",
+    "gpt3-175b",
+    "--seq-len",
+    "2048",
+    "--nodes",
+    "128",
+    "--gpus-per-node",
+    "8",
+    "--gpu",
+    "a100-80g",
+    "--global-batch",
+    "1536",
+    "--tokens",
+    "1.5T",
+]
+LLAMA405 = [
+    "plan",
+    "--model",
+    "llama3.1-405b",
+    "--nodes",
+    "256",
+    "--gpus-per-node",
+    "8",
+    "--gpu",
+    "h100-80g",
+    "--global-batch",
+    "2048",
+    "--seq-len",
+    "8192",
+    "--tokens",
+    "15T",
+]
 PHI_175B = 175e9
 
 
@@ -26,6 +57,7 @@ def _json(capsys, *args) -> dict:
 
 
 # ---- the search ------------------------------------------------------------------------------------------------------
+
 
 def test_gpt3_175b_plans_tp_inside_the_node(capsys):
     """The search's pick: tp 8 inside the node with ZeRO-3 over dp 128 (its gathers hide behind the compute in the
@@ -48,8 +80,12 @@ def test_gpt3_175b_plans_tp_inside_the_node(capsys):
 
 def test_gpt3_175b_tp_pp_candidates_all_fit_their_start_up():
     m, cluster = MODEL_PRESETS["gpt3-175b"], ClusterSpec(128, 8, "a100-80g")
-    r = search(model=m, cluster=cluster, request=StrategyRequest(),
-               train=TrainSpec(global_batch=1536, micro_batch=1, steps=1000, warmup_steps=10))
+    r = search(
+        model=m,
+        cluster=cluster,
+        request=StrategyRequest(),
+        train=TrainSpec(global_batch=1536, micro_batch=1, steps=1000, warmup_steps=10),
+    )
     three_d = [c for c in r.ranked if c.plan.tp > 1 and c.plan.pp > 1]
     assert three_d and r.best.plan.tp > 1
     assert all(c.est.startup.mode == "stage" and not c.est.startup_host_shortfall_bytes for c in three_d)
@@ -79,10 +115,13 @@ def test_llama_405b_tp8_pp_plans_fit_and_why_they_lose_to_zero3(llama405):
     assert tp8 and all(c.plan.pp > 1 for c in tp8)  # tp 8 without a pipeline does not fit (ZeRO-1/2)
     best8 = min(tp8, key=lambda c: c.est.step_time_s)
     assert best8.plan.checkpointing == "full" and best8.plan.zero_stage == 1
-    none = make_plan(model=m, cluster=cluster, train=train,
-                     strategy=StrategySpec(zero=1, tp=8, pp=best8.plan.pp, checkpointing="none"))
-    assert none.tp_sp and estimate(model=m, cluster=cluster, plan=none).memory.activations > \
-        best8.est.gpu_memory_bytes
+    none = make_plan(
+        model=m,
+        cluster=cluster,
+        train=train,
+        strategy=StrategySpec(zero=1, tp=8, pp=best8.plan.pp, checkpointing="none"),
+    )
+    assert none.tp_sp and estimate(model=m, cluster=cluster, plan=none).memory.activations > best8.est.gpu_memory_bytes
     e, z3 = best8.est, r.best.est
     assert r.best.plan.zero_stage == 3 and r.best.plan.tp == 1
     assert e.compute_s == pytest.approx(z3.compute_s, rel=0.01)  # the same FLOPs per GPU, recomputation included
@@ -91,9 +130,12 @@ def test_llama_405b_tp8_pp_plans_fit_and_why_they_lose_to_zero3(llama405):
     assert "slower by" in r.rejected["tp 8"]
 
 
-@pytest.mark.xfail(strict=True, reason="with sequence parallelism counted tp 8 x pp still needs full recomputation at "
-                                       "8,192 tokens (107 GiB per GPU without it) and loses to ZeRO-3 (see the test "
-                                       "above): the cost model, not a missing feature")
+@pytest.mark.xfail(
+    strict=True,
+    reason="with sequence parallelism counted tp 8 x pp still needs full recomputation at "
+    "8,192 tokens (107 GiB per GPU without it) and loses to ZeRO-3 (see the test "
+    "above): the cost model, not a missing feature",
+)
 def test_llama_405b_plans_tp8_with_pp_in_fewer_than_604_days(llama405):
     _, _, _, r = llama405
     p = r.best.plan
@@ -102,11 +144,15 @@ def test_llama_405b_plans_tp8_with_pp_in_fewer_than_604_days(llama405):
 
 # ---- the pinned 3D layout: model states per GPU ----------------------------------------------------------------------
 
+
 def _pinned_175b(zero: int, precision: str):
     m, cluster = MODEL_PRESETS["gpt3-175b"], ClusterSpec(128, 8, "a100-80g")
-    plan = make_plan(model=m, cluster=cluster, strategy=StrategySpec(zero=zero, tp=8, pp=16, checkpointing="full"),
-                     train=TrainSpec(global_batch=1536, micro_batch=1, steps=1000, warmup_steps=10,
-                                     precision=precision))
+    plan = make_plan(
+        model=m,
+        cluster=cluster,
+        strategy=StrategySpec(zero=zero, tp=8, pp=16, checkpointing="full"),
+        train=TrainSpec(global_batch=1536, micro_batch=1, steps=1000, warmup_steps=10, precision=precision),
+    )
     return plan, estimate(model=m, cluster=cluster, plan=plan)
 
 
@@ -129,34 +175,48 @@ def test_pinned_3d_layout_through_the_cli(capsys):
     d = _json(capsys, *GPT3, "--tp", "8", "--pp", "16", "--zero", "1")
     assert (d["tp"], d["pp"], d["dp"], d["zero_stage"]) == (8, 16, 8, 1)
     assert d["memory_per_gpu_bytes"]["optimizer"] == pytest.approx(12 * PHI_175B / 128 / 8, rel=0.10)
-    d0 = _json(capsys, *GPT3, "--tp", "8", "--pp", "16", "--zero", "0", "--precision", "fp32",
-               "--checkpointing", "full")
+    d0 = _json(
+        capsys, *GPT3, "--tp", "8", "--pp", "16", "--zero", "0", "--precision", "fp32", "--checkpointing", "full"
+    )
     b = d0["memory_per_gpu_bytes"]
     assert b["params"] + b["grads"] + b["optimizer"] == pytest.approx(16 * PHI_175B / 128, rel=0.10)
 
 
 # ---- the rules ---------------------------------------------------------------------------------------------------
 
-CPU = ["plan", "--model", "tiny", "--gpu", "cpu", "--global-batch", "16", "--micro-batch", "2", "--precision",
-       "fp32"]
+CPU = ["plan", "--model", "tiny", "--gpu", "cpu", "--global-batch", "16", "--micro-batch", "2", "--precision", "fp32"]
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--gpus-per-node", "4", "--tp", "2", "--sp", "2", "--zero", "3"],
-     "ZeRO-3 with tp 2 x sp 2: DeepSpeed 0.19.8 partitions a module built outside zero.Init over the mpu's "
-     "data-parallel group"),
-    (["--gpus-per-node", "8", "--tp", "2", "--sp", "4"],
-     "model heads 4 / tp 2 = 2 heads per tp rank are not divisible by sp 4"),
-    (["--gpus-per-node", "2", "--tp", "2", "--seq-len", "63"],
-     "model seq_len 63 / sp 1 = 63 tokens per rank are not divisible by tp 2: Megatron sequence parallelism splits "
-     "them over the tp ranks; use --no-tp-sp or a seq_len divisible by 2"),
-    (["--gpus-per-node", "4", "--tp", "4", "--vocab", "6"],
-     "model vocab 6 over tp 4: ceil(6 / 4) = 2 rows per rank leaves the last rank 0 (vocab - 3 x 2); the "
-     "vocab-parallel embedding and head need at least 1 row on every rank"),
-    (["--gpus-per-node", "4", "--tp", "2", "--zero", "0", "--precision", "bf16"], "tp 2 with ZeRO-0 in bf16"),
-    (["--gpus-per-node", "4", "--tp", "2", "--pp", "2", "--zero", "2"],
-     "ZeRO-2 with pp 2: DeepSpeed's pipeline engine supports ZeRO stages 0-1 only"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            ["--gpus-per-node", "4", "--tp", "2", "--sp", "2", "--zero", "3"],
+            "ZeRO-3 with tp 2 x sp 2: DeepSpeed 0.19.8 partitions a module built outside zero.Init over the mpu's "
+            "data-parallel group",
+        ),
+        (
+            ["--gpus-per-node", "8", "--tp", "2", "--sp", "4"],
+            "model heads 4 / tp 2 = 2 heads per tp rank are not divisible by sp 4",
+        ),
+        (
+            ["--gpus-per-node", "2", "--tp", "2", "--seq-len", "63"],
+            "model seq_len 63 / sp 1 = 63 tokens per rank are not divisible by tp 2: "
+            "Megatron sequence parallelism splits "
+            "them over the tp ranks; use --no-tp-sp or a seq_len divisible by 2",
+        ),
+        (
+            ["--gpus-per-node", "4", "--tp", "4", "--vocab", "6"],
+            "model vocab 6 over tp 4: ceil(6 / 4) = 2 rows per rank leaves the last rank 0 (vocab - 3 x 2); the "
+            "vocab-parallel embedding and head need at least 1 row on every rank",
+        ),
+        (["--gpus-per-node", "4", "--tp", "2", "--zero", "0", "--precision", "bf16"], "tp 2 with ZeRO-0 in bf16"),
+        (
+            ["--gpus-per-node", "4", "--tp", "2", "--pp", "2", "--zero", "2"],
+            "ZeRO-2 with pp 2: DeepSpeed's pipeline engine supports ZeRO stages 0-1 only",
+        ),
+    ],
+)
 def test_tp_rules_are_one_line(flags, message, capsys):
     code = run_cli(*CPU, *flags)
     err = capsys.readouterr().err
@@ -168,8 +228,12 @@ def test_tp_with_pp_is_allowed_and_the_vocab_split_may_be_uneven(capsys):
     d = _json(capsys, *CPU, "--gpus-per-node", "8", "--tp", "2", "--pp", "2", "--zero", "1")
     assert (d["tp"], d["pp"], d["dp"]) == (2, 2, 2)
     tiny = model_preset("tiny", vocab=4097)  # 2,049 rows on tp rank 0, 2,048 on rank 1
-    make_plan(model=tiny, cluster=ClusterSpec(1, 4, "cpu"), strategy=StrategySpec(zero=1, tp=2, pp=2),
-              train=TrainSpec(global_batch=16, micro_batch=2, steps=10, warmup_steps=1, precision="fp32"))
+    make_plan(
+        model=tiny,
+        cluster=ClusterSpec(1, 4, "cpu"),
+        strategy=StrategySpec(zero=1, tp=2, pp=2),
+        train=TrainSpec(global_batch=16, micro_batch=2, steps=10, warmup_steps=1, precision="fp32"),
+    )
 
 
 def test_zero3_with_tp_plans_and_only_tp_x_sp_is_refused():
@@ -183,8 +247,12 @@ def test_zero3_with_tp_plans_and_only_tp_x_sp_is_refused():
         make_plan(model=model_preset("tiny"), cluster=cpu, strategy=StrategySpec(zero=3, tp=2, sp=2), train=train)
     assert "AutoTP" not in TP_SP_ZERO3_REFUSAL
     with pytest.raises(RuleError, match=r"model heads 4 / tp 2 = 2 heads per tp rank are not divisible by sp 4"):
-        make_plan(model=model_preset("tiny"), cluster=ClusterSpec(1, 8, "cpu"),
-                  strategy=StrategySpec(zero=1, tp=2, sp=4), train=train)
+        make_plan(
+            model=model_preset("tiny"),
+            cluster=ClusterSpec(1, 8, "cpu"),
+            strategy=StrategySpec(zero=1, tp=2, sp=4),
+            train=train,
+        )
 
 
 def test_plan_json_reports_sequence_parallelism(capsys):
@@ -198,8 +266,10 @@ def test_sequence_parallelism_divides_the_activations_and_sends_each_rank_its_sl
 
     model, cpu = model_preset("tiny"), ClusterSpec(1, 4, "cpu")
     train = TrainSpec(global_batch=16, micro_batch=2, steps=10, warmup_steps=1, precision="fp32")
-    on, off = (make_plan(model=model, cluster=cpu, train=train,
-                         strategy=StrategySpec(zero=1, tp=2, pp=2, tp_sp=flag)) for flag in (True, False))
+    on, off = (
+        make_plan(model=model, cluster=cpu, train=train, strategy=StrategySpec(zero=1, tp=2, pp=2, tp_sp=flag))
+        for flag in (True, False)
+    )
     assert on.tp_sp and not off.tp_sp
     a_on, a_off = (estimate(model=model, cluster=cpu, plan=p).memory.activations for p in (on, off))
     assert a_on < a_off
@@ -209,6 +279,7 @@ def test_sequence_parallelism_divides_the_activations_and_sends_each_rank_its_sl
 
 
 # ---- the rendered DeepSpeed JSON at tp 2 x pp 2 ----------------------------------------------------------------------
+
 
 def test_tp2_pp2_renders_autotp_off_and_the_global_batch_and_deepspeed_parses_it():
     from dspipe.planner.autotp import partition_config
@@ -232,15 +303,20 @@ def test_tp2_pp2_renders_autotp_off_and_the_global_batch_and_deepspeed_parses_it
     assert cfg["train_batch_size"] == plan.ds_train_batch_size == plan.global_batch == 16
     assert cfg["pipeline"]["stages"] == 2 and cfg["zero_optimization"]["stage"] == 1
     parsed = parse_with_deepspeed(cfg, dp=plan.ds_batch_ranks)
-    assert (parsed.train_batch_size, parsed.train_micro_batch_size_per_gpu, parsed.gradient_accumulation_steps) == \
-        (16, 2, 4)
+    assert (parsed.train_batch_size, parsed.train_micro_batch_size_per_gpu, parsed.gradient_accumulation_steps) == (
+        16,
+        2,
+        4,
+    )
     assert parsed.tensor_parallel_config.autotp_size == 0
 
 
 # ---- the planner's per-rank counts are the runtime's shards ----------------------------------------------------------
 
-@pytest.mark.parametrize("name, tp", [("gpt3-175b", 8), ("llama3.1-405b", 8), ("qwen3-8b", 4), ("tiny", 2),
-                                      ("tiny-llama", 2)])
+
+@pytest.mark.parametrize(
+    "name, tp", [("gpt3-175b", 8), ("llama3.1-405b", 8), ("qwen3-8b", 4), ("tiny", 2), ("tiny-llama", 2)]
+)
 def test_per_rank_parameters_match_the_runtime_split(name, tp):
     """stages.stage_params (pp 1) on tp rank 0 (the rank with the most vocabulary rows) is the sum of the shard
     shapes dspipe.model.tp_split gives the runtime's layers, tensor by tensor."""

@@ -1,5 +1,6 @@
 """Background checkpoint writes (dspipe.runtime.async_save) and retention (checkpoint.Retention): unit tests on real
 files; the launches that train through them are in tests/distributed/test_resume.py."""
+
 import errno
 import json
 import os
@@ -60,8 +61,11 @@ def test_retention_never_deletes_the_resumed_one_nor_the_one_latest_names(tmp_pa
 
 
 def test_keep_every_is_validated_against_the_save_interval():
-    with pytest.raises(SpecError, match=r"train.keep_every 1000 is not a multiple of save_interval 300 "
-                                        r"\(1000 % 300 = 100\)"):
+    with pytest.raises(
+        SpecError,
+        match=r"train.keep_every 1000 is not a multiple of save_interval 300 "
+        r"\(1000 % 300 = 100\)",
+    ):
         TrainSpec(global_batch=8, micro_batch=1, steps=10, save_interval=300, keep_every=1000)
     with pytest.raises(SpecError, match="keep_every"):
         TrainSpec(global_batch=8, micro_batch=1, steps=10, keep_every=-1)
@@ -74,10 +78,20 @@ def test_staged_into_one_arena_per_file_and_dtype_and_rebuilt_exactly(tmp_path):
     from dspipe.runtime.async_save import save_file
 
     w = torch.arange(6.0)
-    state = {"module": {"w": w, "tied": w, "view": w[2:4], "t": w.view(2, 3).t(), "b": torch.tensor([True, False]),
-                        "h": torch.ones(3, dtype=torch.bfloat16), "s": torch.tensor(7, dtype=torch.int64),
-                        "e": torch.empty(0)},
-             "opt": [torch.ones(2)], "meta": ("x", 3)}
+    state = {
+        "module": {
+            "w": w,
+            "tied": w,
+            "view": w[2:4],
+            "t": w.view(2, 3).t(),
+            "b": torch.tensor([True, False]),
+            "h": torch.ones(3, dtype=torch.bfloat16),
+            "s": torch.tensor(7, dtype=torch.int64),
+            "e": torch.empty(0),
+        },
+        "opt": [torch.ones(2)],
+        "meta": ("x", 3),
+    }
     pool = ArenaPool()
     arenas, staged, nbytes = stage_into(state, pool=pool, name="model_states.pt")
     assert nbytes == 24 + 8 + 24 + 2 + 6 + 8 + 8  # distinct tensors: w once, the empty one none
@@ -109,8 +123,9 @@ def test_a_file_of_only_empty_tensors_has_no_arena(tmp_path):
     assert arenas == {} and nbytes == 0
     save_file(torch, rebuild(staged, arenas), str(tmp_path / "empty.pt"), zipfile=True)
     back = torch.load(tmp_path / "empty.pt", weights_only=True)
-    assert {k: (tuple(v.shape), v.dtype) for k, v in back.items()} == {k: (tuple(v.shape), v.dtype)
-                                                                        for k, v in state.items()}
+    assert {k: (tuple(v.shape), v.dtype) for k, v in back.items()} == {
+        k: (tuple(v.shape), v.dtype) for k, v in state.items()
+    }
 
 
 def test_background_writer_writes_what_was_saved_at_the_call_in_its_own_process(tmp_path):

@@ -2,6 +2,7 @@
 specs that contradict themselves and library log lines each end in one line (exit 2), never a traceback, never a
 change on disk. Checkpoints are built by hand in DeepSpeed's file formats (tests.helpers.hand_checkpoint): no
 launch."""
+
 import builtins
 import hashlib
 import json
@@ -31,8 +32,9 @@ class CreatesFile:
 
 
 def snapshot(root):
-    return {str(p): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
-            for p in sorted(root.rglob("*"))}
+    return {
+        str(p): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir" for p in sorted(root.rglob("*"))
+    }
 
 
 def one_error_line(capsys) -> str:
@@ -47,10 +49,46 @@ def trained(tmp_path_factory, corpus):
     """A 2-rank fp32 ZeRO-0 run directory with one hand-built checkpoint (global_step6) and its export."""
     root = tmp_path_factory.mktemp("trust")
     run = root / "run"
-    assert run_cli("gen-config", "--model", "tiny", "--vocab", "1024", "--gpu", "cpu", "--gpus-per-node", "2",
-                   "--global-batch", "16", "--micro-batch", "4", "--steps", "6", "--warmup", "1", "--precision",
-                   "fp32", "--zero", "0", "--pp", "1", "--tp", "1", "--sp", "1", "--offload", "none",
-                   "--checkpointing", "none", "--data", corpus, "--out", run) == 0
+    assert (
+        run_cli(
+            "gen-config",
+            "--model",
+            "tiny",
+            "--vocab",
+            "1024",
+            "--gpu",
+            "cpu",
+            "--gpus-per-node",
+            "2",
+            "--global-batch",
+            "16",
+            "--micro-batch",
+            "4",
+            "--steps",
+            "6",
+            "--warmup",
+            "1",
+            "--precision",
+            "fp32",
+            "--zero",
+            "0",
+            "--pp",
+            "1",
+            "--tp",
+            "1",
+            "--sp",
+            "1",
+            "--offload",
+            "none",
+            "--checkpointing",
+            "none",
+            "--data",
+            corpus,
+            "--out",
+            run,
+        )
+        == 0
+    )
     tag = hand_checkpoint(run)
     assert run_cli("export-hf", run, "--out", root / "hf") == 0
     return {"root": root, "run": run, "tag": tag, "hf": root / "hf"}
@@ -66,16 +104,22 @@ def copy(trained, tmp_path):
 
 # ---- the allowlist: one table, every type DeepSpeed's files hold, nothing else ---------------------------------
 
+
 def test_the_allowlist_loads_what_deepspeed_and_dspipe_write(tmp_path):
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
 
-    state = {"loss_scaler": LossScaler(1.0),
-             "dynamic": DynamicLossScaler(init_scale=2.0**16, scale_window=1000, min_scale=1, delayed_shift=2,
-                                          consecutive_hysteresis=False),
-             "zero_stage": ZeroStageEnum.gradients, "param_slice_mappings": [{"w": fragment_address(numel=6, start=2)}],
-             "rng": rng.rng_state(), "t": torch.arange(4.0)}
+    state = {
+        "loss_scaler": LossScaler(1.0),
+        "dynamic": DynamicLossScaler(
+            init_scale=2.0**16, scale_window=1000, min_scale=1, delayed_shift=2, consecutive_hysteresis=False
+        ),
+        "zero_stage": ZeroStageEnum.gradients,
+        "param_slice_mappings": [{"w": fragment_address(numel=6, start=2)}],
+        "rng": rng.rng_state(),
+        "t": torch.arange(4.0),
+    }
     torch.save(state, tmp_path / "f.pt")
     loaded = safeload.load(tmp_path / "f.pt")
     assert loaded["zero_stage"] is ZeroStageEnum.gradients and loaded["loss_scaler"].cur_scale == 1.0
@@ -93,8 +137,11 @@ def test_a_pickle_that_would_create_a_file_is_refused_by_every_load(tmp_path):
     torch.load(tmp_path / "evil.pt", weights_only=False)["module"].close()  # the proof: loaded unsafely, it creates
     assert marker.is_file()
     marker.unlink()
-    with pytest.raises(SpecError, match=r"evil.pt: names io.open, which is not a type a checkpoint "
-                                        r"holds .* refused without loading it"):
+    with pytest.raises(
+        SpecError,
+        match=r"evil.pt: names io.open, which is not a type a checkpoint "
+        r"holds .* refused without loading it",
+    ):
         safeload.load(tmp_path / "evil.pt")
     with safeload.weights_only_loads(), pytest.raises(Exception, match="io.open"):
         torch.load(tmp_path / "evil.pt", weights_only=False)  # how DeepSpeed's loaders call it: forced weights-only
@@ -130,8 +177,10 @@ def test_resharding_reads_the_universal_optimizer_state_weights_only(tmp_path):
     from dspipe.runtime.reshard import saved_param_groups
 
     (tmp_path / "zero").mkdir()
-    torch.save({"optimizer_state_dict": {"param_groups": [{"lr": 0.1, "params": [0]}]}},
-               tmp_path / "zero" / "optimizer_state.pt")
+    torch.save(
+        {"optimizer_state_dict": {"param_groups": [{"lr": 0.1, "params": [0]}]}},
+        tmp_path / "zero" / "optimizer_state.pt",
+    )
     assert saved_param_groups(tmp_path) == [{"lr": 0.1, "params": [0]}]
     torch.save({"optimizer_state_dict": CreatesFile(tmp_path / "PWNED")}, tmp_path / "zero" / "optimizer_state.pt")
     with pytest.raises(SpecError, match="names io.open"):
@@ -143,6 +192,7 @@ def test_resharding_reads_the_universal_optimizer_state_weights_only(tmp_path):
 
 
 # ---- damaged checkpoint files: one line naming the file, for every reader ----------------------------------------
+
 
 def _module(tag):
     return torch.load(tag / MODEL_FILE, weights_only=False)
@@ -159,31 +209,62 @@ def _reshape(sd):
 
 
 DAMAGES = {
-    "garbage bytes": (MODEL_FILE, lambda tag: (tag / MODEL_FILE).write_bytes(b"\x13\x37 not a checkpoint" * 30),
-                      "is not a torch checkpoint file"),
+    "garbage bytes": (
+        MODEL_FILE,
+        lambda tag: (tag / MODEL_FILE).write_bytes(b"\x13\x37 not a checkpoint" * 30),
+        "is not a torch checkpoint file",
+    ),
     "empty": (MODEL_FILE, lambda tag: (tag / MODEL_FILE).write_bytes(b""), "is empty (0 bytes)"),
-    "truncated": (MODEL_FILE, lambda tag: (tag / MODEL_FILE).write_bytes((tag / MODEL_FILE).read_bytes()[:-100]),
-                  "is truncated or damaged"),
+    "truncated": (
+        MODEL_FILE,
+        lambda tag: (tag / MODEL_FILE).write_bytes((tag / MODEL_FILE).read_bytes()[:-100]),
+        "is truncated or damaged",
+    ),
     "a pickled list": (MODEL_FILE, lambda tag: torch.save([1, 2], tag / MODEL_FILE), "holds a list, not the dict"),
     "no module key": (MODEL_FILE, lambda tag: torch.save({"optimizer": None}, tag / MODEL_FILE), "no 'module' key"),
-    "module not a dict": (MODEL_FILE, lambda tag: _edit_module(tag, lambda sd: sd.update(module=[1])),
-                          "module must be a dict of tensors, got list"),
-    "a wrong shape": (MODEL_FILE, lambda tag: _edit_module(tag, _reshape),
-                      "h.0.attn.c_attn.weight has shape [10, 64], the checkpoint's model has [192, 64]"),
-    "a foreign tensor": (MODEL_FILE, lambda tag: _edit_module(tag, lambda sd: sd["module"].update(x=torch.ones(1))),
-                         "'x' is not a parameter of the checkpoint's model"),
-    "a missing tensor": (MODEL_FILE, lambda tag: _edit_module(tag, lambda sd: sd["module"].pop("final.ln_f.weight")),
-                         "holds no weights for final.ln_f.weight"),
-    "a non-tensor": (MODEL_FILE, lambda tag: _edit_module(tag, lambda sd: sd["module"].update({"h.0.ln_1.bias": 3})),
-                     "'h.0.ln_1.bias' holds a int, not a tensor"),
-    "another step": (MODEL_FILE, lambda tag: _edit_module(tag, lambda sd: sd.update(step=3)),
-                     "was saved at step 3, but the checkpoint's dspipe.json is at step 6"),
+    "module not a dict": (
+        MODEL_FILE,
+        lambda tag: _edit_module(tag, lambda sd: sd.update(module=[1])),
+        "module must be a dict of tensors, got list",
+    ),
+    "a wrong shape": (
+        MODEL_FILE,
+        lambda tag: _edit_module(tag, _reshape),
+        "h.0.attn.c_attn.weight has shape [10, 64], the checkpoint's model has [192, 64]",
+    ),
+    "a foreign tensor": (
+        MODEL_FILE,
+        lambda tag: _edit_module(tag, lambda sd: sd["module"].update(x=torch.ones(1))),
+        "'x' is not a parameter of the checkpoint's model",
+    ),
+    "a missing tensor": (
+        MODEL_FILE,
+        lambda tag: _edit_module(tag, lambda sd: sd["module"].pop("final.ln_f.weight")),
+        "holds no weights for final.ln_f.weight",
+    ),
+    "a non-tensor": (
+        MODEL_FILE,
+        lambda tag: _edit_module(tag, lambda sd: sd["module"].update({"h.0.ln_1.bias": 3})),
+        "'h.0.ln_1.bias' holds a int, not a tensor",
+    ),
+    "another step": (
+        MODEL_FILE,
+        lambda tag: _edit_module(tag, lambda sd: sd.update(step=3)),
+        "was saved at step 3, but the checkpoint's dspipe.json is at step 6",
+    ),
     "missing file": (MODEL_FILE, lambda tag: (tag / MODEL_FILE).unlink(), f"is missing {MODEL_FILE}"),
-    "rng garbage": ("rng-rank1.pt", lambda tag: (tag / "rng-rank1.pt").write_bytes(b"\x80\x02garbage"),
-                    "is not a torch checkpoint file"),
-    "rng wrong state": ("rng-rank1.pt", lambda tag: torch.save({"python": (3, (1, 2), None), "numpy": (),
-                                                                "torch": torch.zeros(3)}, tag / "rng-rank1.pt"),
-                        "not a valid RNG state"),
+    "rng garbage": (
+        "rng-rank1.pt",
+        lambda tag: (tag / "rng-rank1.pt").write_bytes(b"\x80\x02garbage"),
+        "is not a torch checkpoint file",
+    ),
+    "rng wrong state": (
+        "rng-rank1.pt",
+        lambda tag: torch.save(
+            {"python": (3, (1, 2), None), "numpy": (), "torch": torch.zeros(3)}, tag / "rng-rank1.pt"
+        ),
+        "not a valid RNG state",
+    ),
     "rng missing": ("rng-rank1.pt", lambda tag: (tag / "rng-rank1.pt").unlink(), "is missing rng-rank1.pt"),
 }
 
@@ -216,13 +297,16 @@ def test_the_healthy_checkpoint_passes_every_check(trained):
 
     assert expected_files(meta) == [MODEL_FILE, "rng-rank0.pt", "rng-rank1.pt"]
     assert expected_files(replace(meta, zero_stage=3)) == [
-        "zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_model_states.pt", "rng-rank0.pt",
-        "rng-rank1.pt"]
-    assert expected_files(replace(meta, pp=2, dp=1))[:2] == ["mp_rank_00_model_states.pt",
-                                                              "mp_rank_01_model_states.pt"]
+        "zero_pp_rank_0_mp_rank_00_model_states.pt",
+        "zero_pp_rank_1_mp_rank_00_model_states.pt",
+        "rng-rank0.pt",
+        "rng-rank1.pt",
+    ]
+    assert expected_files(replace(meta, pp=2, dp=1))[:2] == ["mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"]
 
 
 # ---- generate: edge values handled exactly, bad text and a missing tokenizer refused -------------------------------
+
 
 def test_a_tiny_temperature_is_greedy_not_nan(trained, capsys):
     outs = {}
@@ -232,8 +316,21 @@ def test_a_tiny_temperature_is_greedy_not_nan(trained, capsys):
     assert len(set(outs.values())) == 1 and outs["0"].startswith("def "), outs
     runs = []
     for t in ("0", "1e-45"):  # from the checkpoint too, with top-k beyond the vocabulary
-        assert run_cli("generate", trained["run"], "--prompt", "def ", "--max-tokens", "8", "--temperature", t,
-                       "--top-k", "100000") == 0
+        assert (
+            run_cli(
+                "generate",
+                trained["run"],
+                "--prompt",
+                "def ",
+                "--max-tokens",
+                "8",
+                "--temperature",
+                t,
+                "--top-k",
+                "100000",
+            )
+            == 0
+        )
         runs.append(capsys.readouterr().out)
     assert runs[0] == runs[1] and runs[0].startswith("def ")
     for t in ("100", "1"):
@@ -275,11 +372,32 @@ def test_an_export_without_its_tokenizer_is_refused(trained, tmp_path, capsys):
 
 # ---- host names --------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name,ok", [
-    ("node-1", True), ("gpu01.cluster.example.org", True), ("a", True), ("10.0.0.1", True), ("localhost", True),
-    ("-oProxyCommand", False), ("-", False), ("a b", False), ("a;b", False), ("node_1", False), ("node-", False),
-    ("", False), ("256.1.1.1", False), ("1.2.3", False), ("a" * 64, False), ("x." * 127 + "x", False),
-    ("$(touch x)", False), ("n\u00e9", False), ("node:1", False), ("::1", False)])
+
+@pytest.mark.parametrize(
+    "name,ok",
+    [
+        ("node-1", True),
+        ("gpu01.cluster.example.org", True),
+        ("a", True),
+        ("10.0.0.1", True),
+        ("localhost", True),
+        ("-oProxyCommand", False),
+        ("-", False),
+        ("a b", False),
+        ("a;b", False),
+        ("node_1", False),
+        ("node-", False),
+        ("", False),
+        ("256.1.1.1", False),
+        ("1.2.3", False),
+        ("a" * 64, False),
+        ("x." * 127 + "x", False),
+        ("$(touch x)", False),
+        ("n\u00e9", False),
+        ("node:1", False),
+        ("::1", False),
+    ],
+)
 def test_hostfile_hosts_are_rfc1123_names_or_ipv4(name, ok):
     from dspipe.cluster.hostname import host_problem
 
@@ -291,8 +409,12 @@ def test_master_addr_takes_names_and_ip_literals_only(trained, tmp_path, capsys)
     for addr in ("node-1", "10.1.2.3", "::1", "fe80::1", "[::1]"):
         assert run_cli("launch", run, "--master-addr", addr, "--dry-run") == 0
         assert f"--master_addr {addr}" in capsys.readouterr().out.replace("'", "")
-    for addr, why in (("a b", "it is not an RFC 1123 host name"), ("-oProxyCommand=x", "it starts with '-'"),
-                      ("1::2::3", "':' is neither"), ("", "it is empty")):
+    for addr, why in (
+        ("a b", "it is not an RFC 1123 host name"),
+        ("-oProxyCommand=x", "it starts with '-'"),
+        ("1::2::3", "':' is neither"),
+        ("", "it is empty"),
+    ):
         assert run_cli("launch", run, "--master-addr", addr, "--dry-run") == 2
         assert f"--master-addr {ascii(addr)} is not a host name or address: {why}" in one_error_line(capsys)
 
@@ -300,14 +422,19 @@ def test_master_addr_takes_names_and_ip_literals_only(trained, tmp_path, capsys)
 def test_a_hostfile_host_starting_with_a_dash_never_reaches_ssh(trained, tmp_path, capsys):
     hosts = tmp_path / "hosts"
     hosts.write_text("-oProxyCommand slots=2\n")
-    for argv in (["launch", trained["run"], "--hostfile", hosts, "--dry-run"],
-                 ["doctor", "--hostfile", hosts, "--skip-allreduce", "--gpu", "cpu"]):
+    for argv in (
+        ["launch", trained["run"], "--hostfile", hosts, "--dry-run"],
+        ["doctor", "--hostfile", hosts, "--skip-allreduce", "--gpu", "cpu"],
+    ):
         assert run_cli(*argv) == 2
-        assert (f"{hosts}:1: '-oProxyCommand slots=2': host '-oProxyCommand' is not a host name or address: it "
-                f"starts with '-', which ssh and pdsh would take as an option") in one_error_line(capsys)
+        assert (
+            f"{hosts}:1: '-oProxyCommand slots=2': host '-oProxyCommand' is not a host name or address: it "
+            f"starts with '-', which ssh and pdsh would take as an option"
+        ) in one_error_line(capsys)
 
 
 # ---- a run directory that contradicts itself -----------------------------------------------------------------------
+
 
 def test_a_cluster_that_contradicts_the_launch_layout_is_refused_by_every_reader(trained, tmp_path, capsys):
     run = tmp_path / "run"
@@ -316,13 +443,19 @@ def test_a_cluster_that_contradicts_the_launch_layout_is_refused_by_every_reader
     spec["cluster"].update(nodes=2, gpus_per_node=1)  # world size still 2: the plan alone cannot tell
     (run / "dspipe.json").write_text(json.dumps(spec))
     before = snapshot(run)
-    for argv in (["slurm-script", run], ["report", run], ["launch", run, "--dry-run"], ["extend", run, "--steps", "9"],
-                 ["export-hf", run, "--out", tmp_path / "hf"]):
+    for argv in (
+        ["slurm-script", run],
+        ["report", run],
+        ["launch", run, "--dry-run"],
+        ["extend", run, "--steps", "9"],
+        ["export-hf", run, "--out", tmp_path / "hf"],
+    ):
         assert run_cli(*argv) == 2, argv
         line = one_error_line(capsys)
         assert f"{run / 'dspipe.json'}: " in line and (
             "command launches 1 node(s) x 2 rank(s) but cluster is 2 node(s) x 1 GPU(s)" in line
-            or "disagrees with cluster.gpus_per_node 1" in line), line
+            or "disagrees with cluster.gpus_per_node 1" in line
+        ), line
     assert snapshot(run) == before and not (tmp_path / "hf").exists()
     spec = json.loads((trained["run"] / "dspipe.json").read_text())
     spec["estimate"]["zero_stage"] = 3
@@ -333,6 +466,7 @@ def test_a_cluster_that_contradicts_the_launch_layout_is_refused_by_every_reader
 
 # ---- library log lines ------------------------------------------------------------------------------------------
 
+
 def test_prepare_data_on_malformed_jsonl_prints_only_dspipe_s_line(tmp_path, capfd):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "hello"}\n{bad json\n')
@@ -340,5 +474,6 @@ def test_prepare_data_on_malformed_jsonl_prints_only_dspipe_s_line(tmp_path, cap
     err = capfd.readouterr().err
     assert "Failed to load JSON" not in err and "Traceback" not in err
     assert [line for line in err.splitlines() if "error" in line.lower()] == [
-        f"dspipe: error: cannot read {bad}: JSON parse error: Missing a name for object member. in row 1"]
+        f"dspipe: error: cannot read {bad}: JSON parse error: Missing a name for object member. in row 1"
+    ]
     assert not (tmp_path / "out").exists()

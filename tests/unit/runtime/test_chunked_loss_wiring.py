@@ -1,5 +1,6 @@
 """parallelize's chunked_loss: the plain GPT and a pipeline's last stage compute their loss in chunks (the plain
 loss's value and gradients), the engine reports it, and a tensor-parallel head is refused."""
+
 import os
 import types
 
@@ -71,8 +72,14 @@ def test_a_pipeline_stage_with_the_head_computes_the_chunked_loss(one_rank, name
     spec = model_preset(name)
     idx, labels = _batch(spec)
     plain = _plain(spec, idx, labels)
-    pipe = build_pipeline(model=spec, stages=1, partition_method="parameters", activation_checkpoint_interval=0,
-                          checkpoint_fn=None, seed=5)
+    pipe = build_pipeline(
+        model=spec,
+        stages=1,
+        partition_method="parameters",
+        activation_checkpoint_interval=0,
+        checkpoint_fn=None,
+        seed=5,
+    )
     loss_fn = chunked_loss(pipe, chunk=40)
     assert isinstance(loss_fn, HeadLoss) and pipe.loss_fn.loss is loss_fn
     hidden = pipe(idx)
@@ -83,8 +90,11 @@ def test_a_pipeline_stage_with_the_head_computes_the_chunked_loss(one_rank, name
     grads = {n: p.grad for n, p in plain.named_parameters()}
     from dspipe.model.gpt import LMHead
 
-    head = pipe.tied_modules["embed"].wte.weight if spec.tied_embeddings else \
-        next(m for m in pipe.modules() if isinstance(m, LMHead)).weight
+    head = (
+        pipe.tied_modules["embed"].wte.weight
+        if spec.tied_embeddings
+        else next(m for m in pipe.modules() if isinstance(m, LMHead)).weight
+    )
     assert _rel(head.grad, grads["embed.wte.weight" if spec.tied_embeddings else "lm_head.weight"]) <= TOL
 
 

@@ -1,4 +1,5 @@
 """CheckpointMeta: a checkpoint's dspipe.json read and written in one place, its on-disk format unchanged."""
+
 import json
 from dataclasses import asdict
 
@@ -9,10 +10,30 @@ from dspipe.runtime.ckpt_meta import CheckpointMeta, read_meta, write_meta
 from dspipe.spec.presets import model_preset
 
 DATA = {"consumed_samples": 48, "seed": 0, "seq_len": 64, "num_samples": 100, "split": "train", "fingerprint": "ab"}
-CURRENT = {"step": 3, "consumed_samples": 48, "data": DATA, "model": asdict(model_preset("tiny")), "pp": 1, "tp": 1,
-           "sp": 1, "zero_stage": 1, "dp": 2, "ep": 1, "world_size": 2, "run_spec": {"model": {"name": "tiny"}},
-           "save_interval": 4, "save": {"mode": "sync", "completed_after_step": 3, "blocking_s": 0.5, "write_s": 0.5,
-                                        "writer_cpu_s": 0.0, "rank_max_bytes": 10, "bytes": 20}}
+CURRENT = {
+    "step": 3,
+    "consumed_samples": 48,
+    "data": DATA,
+    "model": asdict(model_preset("tiny")),
+    "pp": 1,
+    "tp": 1,
+    "sp": 1,
+    "zero_stage": 1,
+    "dp": 2,
+    "ep": 1,
+    "world_size": 2,
+    "run_spec": {"model": {"name": "tiny"}},
+    "save_interval": 4,
+    "save": {
+        "mode": "sync",
+        "completed_after_step": 3,
+        "blocking_s": 0.5,
+        "write_s": 0.5,
+        "writer_cpu_s": 0.0,
+        "rank_max_bytes": 10,
+        "bytes": 20,
+    },
+}
 
 
 def test_a_current_meta_round_trips_to_identical_json(tmp_path):
@@ -31,13 +52,30 @@ def test_an_older_meta_reads_with_its_defaults(tmp_path):
     (tmp_path / "dspipe.json").write_text(json.dumps({**old, "unknown_later_key": 1}))
     meta = read_meta(tmp_path)
     assert (meta.tp, meta.sp, meta.ep, meta.run_spec, meta.save_interval, meta.save) == (1, 1, 1, None, None, None)
-    assert list(meta.to_dict()) == ["step", "consumed_samples", "data", "model", "pp", "tp", "sp", "zero_stage", "dp",
-                                    "ep", "world_size"]
+    assert list(meta.to_dict()) == [
+        "step",
+        "consumed_samples",
+        "data",
+        "model",
+        "pp",
+        "tp",
+        "sp",
+        "zero_stage",
+        "dp",
+        "ep",
+        "world_size",
+    ]
 
 
-@pytest.mark.parametrize("change,words", [({"step": None}, "missing key step"), ({"dp": "2"}, "dp must be an integer"),
-                                          ({"save_interval": "soon"}, "save_interval must be an integer"),
-                                          ({"zero_stage": 5}, "zero_stage 5 is not one of")])
+@pytest.mark.parametrize(
+    "change,words",
+    [
+        ({"step": None}, "missing key step"),
+        ({"dp": "2"}, "dp must be an integer"),
+        ({"save_interval": "soon"}, "save_interval must be an integer"),
+        ({"zero_stage": 5}, "zero_stage 5 is not one of"),
+    ],
+)
 def test_a_missing_or_mistyped_key_is_one_line_naming_file_and_key(tmp_path, change, words):
     meta = {**CURRENT, **change}
     meta = {k: v for k, v in meta.items() if v is not None}

@@ -1,5 +1,6 @@
 """Process-group helpers: CPU threads per rank, the shm segment name DeepSpeed's CPU all-reduce uses, the group's
 lifetime."""
+
 import os
 import subprocess
 import sys
@@ -8,8 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dspipe.runtime.comm import check_cuda_arch_list, cpu_threads_per_rank, process_group, shm_segment
 from dspipe.errors import SpecError
+from dspipe.runtime.comm import check_cuda_arch_list, cpu_threads_per_rank, process_group, shm_segment
 from tests.helpers import ROOT, free_port
 
 
@@ -30,9 +31,15 @@ def test_shm_segment_name_matches_deepspeeds():
 
 def test_process_group_is_destroyed_at_the_end_and_on_agreed_errors_only(monkeypatch):
     """A group left to interpreter exit can abort a finished gloo rank (SIGABRT); every entry point uses this."""
-    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_SIZE": "1",
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-                       "OMP_NUM_THREADS": str(torch.get_num_threads())}.items():
+    for key, value in {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "OMP_NUM_THREADS": str(torch.get_num_threads()),
+    }.items():
         monkeypatch.setenv(key, value)
     with process_group() as backend:
         assert backend == "gloo" and dist.is_initialized()
@@ -53,8 +60,10 @@ def test_process_group_is_destroyed_at_the_end_and_on_agreed_errors_only(monkeyp
 
 
 def test_exit_rank_flushes_what_was_printed_and_keeps_the_exit_code():
-    code = ("import sys; from dspipe.runtime.comm import exit_rank; "
-            "print('done', end=''); sys.stderr.write('dspipe: error'); exit_rank(3)")
+    code = (
+        "import sys; from dspipe.runtime.comm import exit_rank; "
+        "print('done', end=''); sys.stderr.write('dspipe: error'); exit_rank(3)"
+    )
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)  # pipes: buffered
     assert (r.returncode, r.stdout, r.stderr) == (3, "done", "dspipe: error")
 
@@ -66,9 +75,15 @@ def test_collective_tensors_live_where_the_backend_takes_them(monkeypatch):
 
     from dspipe.runtime.comm import collective_tensor
 
-    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_SIZE": "1",
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-                       "OMP_NUM_THREADS": str(torch.get_num_threads())}.items():
+    for key, value in {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "OMP_NUM_THREADS": str(torch.get_num_threads()),
+    }.items():
         monkeypatch.setenv(key, value)
     with process_group():
         t = collective_tensor([3], dtype=torch.int32)
@@ -85,8 +100,9 @@ def test_cuda_arch_lists_deepspeed_reads_pass(value):
     check_cuda_arch_list({})
 
 
-@pytest.mark.parametrize("value,bad,fix", [("9.0a", "'9.0a'", "9.0"), ("8.0;10.0a", "'10.0a'", "10.0"),
-                                           ("sm_90", "'sm_90'", "9.0")])
+@pytest.mark.parametrize(
+    "value,bad,fix", [("9.0a", "'9.0a'", "9.0"), ("8.0;10.0a", "'10.0a'", "10.0"), ("sm_90", "'sm_90'", "9.0")]
+)
 def test_cuda_arch_lists_deepspeed_dies_on_are_one_line(value, bad, fix):
     with pytest.raises(SpecError) as e:
         check_cuda_arch_list({"TORCH_CUDA_ARCH_LIST": value})

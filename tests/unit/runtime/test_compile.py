@@ -2,6 +2,7 @@
 as the eager one does (fp32 on the CPU: the same losses over optimizer steps and the same gradients, within 1e-5
 relative), on the GPT-2 and Llama shapes, also with recomputation wired before the compile. The engine's settings
 count the compiled blocks (check_engine refuses a run whose --compile did not reach the module)."""
+
 import copy
 import functools
 
@@ -37,8 +38,10 @@ def test_compiled_blocks_train_as_the_eager_model(preset, recomputation):
     torch._dynamo.reset()
     spec = MODEL_PRESETS[preset]
     gen = torch.Generator().manual_seed(3)
-    batch = (torch.randint(0, spec.vocab, (2, spec.seq_len), generator=gen),
-             torch.randint(0, spec.vocab, (2, spec.seq_len), generator=gen))
+    batch = (
+        torch.randint(0, spec.vocab, (2, spec.seq_len), generator=gen),
+        torch.randint(0, spec.vocab, (2, spec.seq_len), generator=gen),
+    )
     batches = [batch] * 3  # the same batch: the loss must fall
     eager = GPT(spec, seed=7).train()
     compiled = copy.deepcopy(eager)

@@ -1,5 +1,6 @@
 """Logs and resume that survive kill -9 (pure parts): metrics CSV repair after torn writes, TensorBoard purge on a
 restart, the resume default, --restart moving outputs aside, and `dspipe extend`'s arithmetic and refusals."""
+
 import json
 import types
 from pathlib import Path
@@ -9,8 +10,7 @@ import pytest
 from dspipe.errors import SpecError
 from dspipe.planner.throughput import STEP_COLUMNS
 from dspipe.runtime import checkpoint as ckpt
-from dspipe.runtime import ckpt_tags
-from dspipe.runtime import restart
+from dspipe.runtime import ckpt_tags, restart
 from dspipe.runtime import metrics_log as ml
 from dspipe.runtime.metrics_log import repair_rows
 from tests.helpers import dspipe
@@ -23,6 +23,7 @@ def row(step, loss=None):
 
 
 # ---- metrics CSVs ---------------------------------------------------------------------------------------------
+
 
 def test_torn_last_line_and_rows_after_the_resumed_step_are_dropped(tmp_path):
     m = tmp_path / "metrics.csv"
@@ -120,14 +121,16 @@ def test_report_reads_a_repaired_file(tmp_path):
 
     m = tmp_path / "metrics.csv"
     full = {c: "1" for c in STEP_COLUMNS}
-    lines = [",".join(STEP_COLUMNS)] + [",".join(str(s) if c == "step" else full[c] for c in STEP_COLUMNS)
-                                        for s in (1, 2, 3, 2, 3)]
+    lines = [",".join(STEP_COLUMNS)] + [
+        ",".join(str(s) if c == "step" else full[c] for c in STEP_COLUMNS) for s in (1, 2, 3, 2, 3)
+    ]
     m.write_text("\n".join(lines) + "\n3,1,")
     ml.repair_rows(m, upto=3, columns=STEP_COLUMNS)
     assert [r["step"] for r in read_csv(m, columns=STEP_COLUMNS, required=("step", "loss"))] == [1, 2, 3]
 
 
 # ---- TensorBoard and DeepSpeed's csv monitor -----------------------------------------------------------------
+
 
 def test_purge_event_makes_tensorboard_drop_the_replayed_steps(tmp_path):
     """Steps 1-5 written, killed, resumed at 3: the new writer's purge event at 4 leaves one value per step."""
@@ -138,8 +141,11 @@ def test_purge_event_makes_tensorboard_drop_the_replayed_steps(tmp_path):
     for s in range(1, 6):
         first.add_scalar("Train/loss", 10.0 + s, s)
     first.close()
-    monitor = types.SimpleNamespace(enabled=True, csv_monitor=None, tb_monitor=types.SimpleNamespace(
-        summary_writer=SummaryWriter(log_dir=str(tmp_path))))
+    monitor = types.SimpleNamespace(
+        enabled=True,
+        csv_monitor=None,
+        tb_monitor=types.SimpleNamespace(summary_writer=SummaryWriter(log_dir=str(tmp_path))),
+    )
     ml.prepare_monitor(monitor, resumed_at=3)
     second = monitor.tb_monitor.summary_writer
     for s in range(4, 7):
@@ -148,7 +154,13 @@ def test_purge_event_makes_tensorboard_drop_the_replayed_steps(tmp_path):
     acc = EventAccumulator(str(tmp_path))
     acc.Reload()
     assert [(e.step, e.value) for e in acc.Scalars("Train/loss")] == [
-        (1, 11.0), (2, 12.0), (3, 13.0), (4, 24.0), (5, 25.0), (6, 26.0)]
+        (1, 11.0),
+        (2, 12.0),
+        (3, 13.0),
+        (4, 24.0),
+        (5, 25.0),
+        (6, 26.0),
+    ]
 
 
 def test_without_the_purge_tensorboard_shows_replayed_steps_twice(tmp_path):
@@ -183,6 +195,7 @@ def test_runlog_switches_off_deepspeeds_sample_keyed_events(tmp_path):
 
 
 # ---- resume default and --restart ------------------------------------------------------------------------------
+
 
 def _run(tmp_path, with_ckpt=True):
     d = tmp_path / "run"
@@ -228,20 +241,47 @@ def test_restart_and_resume_together_are_one_line_error(capsys):
 
     assert main(["--run", "runs/none", "--restart", "--resume", "auto"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["dspipe: error: --restart (start over from step 0) and --resume auto (continue a checkpoint) "
-                   "contradict each other: pass one of them"]
+    assert err == [
+        "dspipe: error: --restart (start over from step 0) and --resume auto (continue a checkpoint) "
+        "contradict each other: pass one of them"
+    ]
 
 
 # ---- dspipe extend ----------------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def generated(tmp_path_factory):
     """One 6-step run directory written by gen-config (tests copy it)."""
     base = tmp_path_factory.mktemp("gen")
     out = base / "run"
-    r = dspipe("gen-config", "--model", "tiny", "--gpus-per-node", "2", "--gpu", "cpu", "--global-batch", "16",
-               "--micro-batch", "4", "--steps", 6, "--warmup", "2", "--data", base / "nodata", "--out", out,
-               "--precision", "fp32", "--zero", "1", "--pp", "1")
+    r = dspipe(
+        "gen-config",
+        "--model",
+        "tiny",
+        "--gpus-per-node",
+        "2",
+        "--gpu",
+        "cpu",
+        "--global-batch",
+        "16",
+        "--micro-batch",
+        "4",
+        "--steps",
+        6,
+        "--warmup",
+        "2",
+        "--data",
+        base / "nodata",
+        "--out",
+        out,
+        "--precision",
+        "fp32",
+        "--zero",
+        "1",
+        "--pp",
+        "1",
+    )
     assert r.returncode == 0, r.stderr
     return out
 
@@ -249,6 +289,7 @@ def generated(tmp_path_factory):
 @pytest.fixture
 def gen(tmp_path, generated):
     import shutil
+
     return lambda: Path(shutil.copytree(generated, tmp_path / "run"))
 
 
@@ -271,23 +312,27 @@ def test_extend_changes_only_the_step_count_and_the_schedule(gen, tmp_path):
     assert (run / "metrics.csv").read_text() == "step\n1\n"
 
 
-@pytest.mark.parametrize("args, message", [
-    (("--steps", "6"), "--steps 6 must be more than the run's 6 steps (6,144 tokens)"),
-    (("--steps", "3"), "--steps 3 must be more than the run's 6 steps"),
-    (("--tokens", "4K"), "--tokens 4K (4 steps x 1,024 tokens) must be more than the run's 6 steps"),
-    ((), "give exactly one of --steps N and --tokens T"),
-    (("--steps", "9", "--tokens", "20K"), "give exactly one of --steps N and --tokens T"),
-    (("--steps", "-5"), "must be more than the run's 6 steps"),
-    (("--tokens", "lots"), "--tokens 'lots' does not parse as a token count"),
-    (("--tokens", "inf"), "does not parse as a token count"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("--steps", "6"), "--steps 6 must be more than the run's 6 steps (6,144 tokens)"),
+        (("--steps", "3"), "--steps 3 must be more than the run's 6 steps"),
+        (("--tokens", "4K"), "--tokens 4K (4 steps x 1,024 tokens) must be more than the run's 6 steps"),
+        ((), "give exactly one of --steps N and --tokens T"),
+        (("--steps", "9", "--tokens", "20K"), "give exactly one of --steps N and --tokens T"),
+        (("--steps", "-5"), "must be more than the run's 6 steps"),
+        (("--tokens", "lots"), "--tokens 'lots' does not parse as a token count"),
+        (("--tokens", "inf"), "does not parse as a token count"),
+    ],
+)
 def test_extend_refusals_change_nothing(gen, tmp_path, args, message):
     run = gen()
     before = {p.name: p.read_bytes() for p in run.iterdir()}
     r = dspipe("extend", run, *args)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert [line for line in r.stderr.splitlines() if line.startswith("dspipe:")] == [
-        line for line in r.stderr.splitlines() if message in line]
+        line for line in r.stderr.splitlines() if message in line
+    ]
     assert message in r.stderr
     assert {p.name: p.read_bytes() for p in run.iterdir()} == before
 

@@ -1,5 +1,6 @@
 """The tests' fault injection (dspipe.runtime.faults): one object, built from the rank's hidden --test-faults option
 only; no production module reads a test variable from the environment."""
+
 import pytest
 
 from dspipe.errors import SpecError

@@ -4,6 +4,7 @@ without router_norm_topk, with shared experts, with sigmoid scores (scaled or no
 selection bias (DeepSpeed's gate follows the model's choice); the expert loads count each micro-batch once, and
 aux-loss-free balancing moves the bias by the rule; the whole GPT's loss too; the optimizer groups, the names and the
 refusals."""
+
 import copy
 from types import SimpleNamespace
 
@@ -17,8 +18,22 @@ from dspipe.spec.core import ModelSpec  # noqa: E402
 
 
 def spec(**fields) -> ModelSpec:
-    base = dict(name="moe", layers=2, hidden=32, heads=4, vocab=64, seq_len=16, ffn=48, norm="rmsnorm",
-                mlp="swiglu", positions="rope", bias=False, experts=4, experts_per_token=2, expert_ffn=24)
+    base = dict(
+        name="moe",
+        layers=2,
+        hidden=32,
+        heads=4,
+        vocab=64,
+        seq_len=16,
+        ffn=48,
+        norm="rmsnorm",
+        mlp="swiglu",
+        positions="rope",
+        bias=False,
+        experts=4,
+        experts_per_token=2,
+        expert_ffn=24,
+    )
     return ModelSpec(**{**base, **fields})
 
 
@@ -38,8 +53,12 @@ def group():
     dist.init_process_group("gloo", rank=0, world_size=1)
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
     yield
-    for table in (groups._EXPERT_PARALLEL_GROUP, groups._EXPERT_DATA_PARALLEL_GROUP,
-                  groups._EXPERT_PARALLEL_GROUP_RANKS, groups._EXPERT_DATA_PARALLEL_GROUP_RANKS):
+    for table in (
+        groups._EXPERT_PARALLEL_GROUP,
+        groups._EXPERT_DATA_PARALLEL_GROUP,
+        groups._EXPERT_PARALLEL_GROUP_RANKS,
+        groups._EXPERT_DATA_PARALLEL_GROUP_RANKS,
+    ):
         table.clear()
     dist.destroy_process_group()
     ds_comm.cdb = None
@@ -66,11 +85,22 @@ def sparse_mlp(s):
 
 CASES = [dict(experts_per_token=k, router_norm_topk=norm) for k in (1, 2, 3) for norm in (True, False)]
 CASES += [dict(experts_per_token=2, shared_experts=1, router_norm_topk=False)]
-CASES += [dict(experts_per_token=k, router_norm_topk=norm, router_score="sigmoid", router_scale=scale)
-          for k, norm, scale in ((1, True, 1.0), (1, False, 2.5), (2, True, 2.5), (3, False, 1.0))]
-CASES += [dict(experts=8, experts_per_token=k, router_score=score, router_groups=4, router_group_limit=limit,
-               router_bias_rate=0.01, router_norm_topk=k > 1)  # (top-1 renormalised weighs 1: no router gradient
-          for k, score, limit in ((1, "sigmoid", 1), (2, "softmax", 2), (3, "sigmoid", 2))]  # but the aux loss's)
+CASES += [
+    dict(experts_per_token=k, router_norm_topk=norm, router_score="sigmoid", router_scale=scale)
+    for k, norm, scale in ((1, True, 1.0), (1, False, 2.5), (2, True, 2.5), (3, False, 1.0))
+]
+CASES += [
+    dict(
+        experts=8,
+        experts_per_token=k,
+        router_score=score,
+        router_groups=4,
+        router_group_limit=limit,
+        router_bias_rate=0.01,
+        router_norm_topk=k > 1,
+    )  # (top-1 renormalised weighs 1: no router gradient
+    for k, score, limit in ((1, "sigmoid", 1), (2, "softmax", 2), (3, "sigmoid", 2))
+]  # but the aux loss's)
 
 
 @pytest.mark.parametrize("fields", CASES, ids=lambda f: "-".join(f"{k}={v}" for k, v in f.items()))
@@ -88,8 +118,8 @@ def test_native_layer_equals_sparse_mlp(group, fields):
     assert relative(got, want) < 1e-6
     assert abs(layer.aux.item() - plain.aux.item()) < 1e-6
     assert layer.aux.item() > 0
-    ((want ** 2).sum() + plain.aux).backward()
-    ((got ** 2).sum() + layer.aux).backward()
+    ((want**2).sum() + plain.aux).backward()
+    ((got**2).sum() + layer.aux).backward()
     assert relative(xb.grad, xa.grad) < 1e-5
     assert relative(layer.gate_weight.grad, plain.router.weight.grad) < 1e-5  # the routing weights' gradient
     for e, expert in enumerate(layer.moe.deepspeed_moe.experts.deepspeed_experts):
@@ -157,16 +187,19 @@ def plan(**fields):
     return SimpleNamespace(**{**dict(zero_stage=1, pp=1, tp=1, sp=1, precision="fp32", dp=4), **fields})
 
 
-@pytest.mark.parametrize("fields,ep,says", [
-    (dict(zero_stage=3), 1, "ZeRO-3 (Native DeepSpeed MoE is not supported with ZeRO Stage 3"),
-    (dict(pp=2, dp=2), 1, "pp 2 > 1"),
-    (dict(tp=2, dp=2), 1, "tp 2 > 1"),
-    (dict(precision="fp16"), 1, "fp16"),
-    (dict(zero_stage=2), 3, "experts 4 % ep 3 = 1; dp 4 % ep 3 = 1"),
-    (dict(zero_stage=2, dp=2), 4, "dp 2 % ep 4 = 2"),
-    (dict(zero_stage=1), 2, "ep 2 > 1 under ZeRO-1 with contiguous_gradients false in ds_config.json (measured"),
-    (dict(zero_stage=0), 2, "ep 2 > 1 under ZeRO-0 (measured with DeepSpeed 0.19.8"),
-])
+@pytest.mark.parametrize(
+    "fields,ep,says",
+    [
+        (dict(zero_stage=3), 1, "ZeRO-3 (Native DeepSpeed MoE is not supported with ZeRO Stage 3"),
+        (dict(pp=2, dp=2), 1, "pp 2 > 1"),
+        (dict(tp=2, dp=2), 1, "tp 2 > 1"),
+        (dict(precision="fp16"), 1, "fp16"),
+        (dict(zero_stage=2), 3, "experts 4 % ep 3 = 1; dp 4 % ep 3 = 1"),
+        (dict(zero_stage=2, dp=2), 4, "dp 2 % ep 4 = 2"),
+        (dict(zero_stage=1), 2, "ep 2 > 1 under ZeRO-1 with contiguous_gradients false in ds_config.json (measured"),
+        (dict(zero_stage=0), 2, "ep 2 > 1 under ZeRO-0 (measured with DeepSpeed 0.19.8"),
+    ],
+)
 def test_refusals(fields, ep, says):
     from dspipe.runtime.experts import refusal
 
@@ -203,8 +236,10 @@ def test_expert_loads_count_each_micro_batch_once_and_the_bias_moves_by_the_rule
     if reentrant is not None:
         model.block_checkpoint = lambda fn, *args: checkpoint(fn, *args, use_reentrant=reentrant)
     gen = torch.Generator().manual_seed(5)
-    batches = [(torch.randint(0, s.vocab, (2, 16), generator=gen), torch.randint(0, s.vocab, (2, 16), generator=gen))
-               for _ in range(2)]
+    batches = [
+        (torch.randint(0, s.vocab, (2, 16), generator=gen), torch.randint(0, s.vocab, (2, 16), generator=gen))
+        for _ in range(2)
+    ]
     model.eval()
     with torch.no_grad():
         model(*batches[0])

@@ -2,6 +2,7 @@
 parameters and its own experts only (the others stay on the meta device, never drawn nor read), with bitwise the
 values of the whole build; DeepSpeed's MoE layer is then built from those local experts; what the rank holds is
 the planner's count."""
+
 from types import SimpleNamespace
 
 import pytest
@@ -15,16 +16,33 @@ EXPERTS = 4
 
 
 def spec(**fields) -> ModelSpec:
-    base = dict(name="moe", layers=3, hidden=32, heads=4, vocab=64, seq_len=16, ffn=48, norm="rmsnorm",
-                mlp="swiglu", positions="rope", bias=False, experts=EXPERTS, experts_per_token=2, expert_ffn=24,
-                shared_experts=1, moe_every=1, moe_first_dense=1)
+    base = dict(
+        name="moe",
+        layers=3,
+        hidden=32,
+        heads=4,
+        vocab=64,
+        seq_len=16,
+        ffn=48,
+        norm="rmsnorm",
+        mlp="swiglu",
+        positions="rope",
+        bias=False,
+        experts=EXPERTS,
+        experts_per_token=2,
+        expert_ffn=24,
+        shared_experts=1,
+        moe_every=1,
+        moe_first_dense=1,
+    )
     return ModelSpec(**{**base, **fields})
 
 
 def fake_run(*, ep: int, precision: str = "fp32", **fields):
     plan = SimpleNamespace(zero_stage=2, pp=1, tp=1, sp=1, precision=precision, ep=ep, dp=2)
-    return SimpleNamespace(model=spec(**fields), plan=plan, strategy=None,
-                           train=SimpleNamespace(init_from=None, seed=1234))
+    return SimpleNamespace(
+        model=spec(**fields), plan=plan, strategy=None, train=SimpleNamespace(init_from=None, seed=1234)
+    )
 
 
 def is_remote(name: str, local: range) -> bool:

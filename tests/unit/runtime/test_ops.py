@@ -1,5 +1,6 @@
 """DeepSpeed's compiled ops a run loads (dspipe.runtime.ops) and `dspipe build-ops`, which scripts/setup.sh runs so
 that a launch's first step waits for no compile."""
+
 from dspipe.runtime import ops
 from tests.helpers import dspipe
 
@@ -12,7 +13,8 @@ def test_an_empty_cache_means_the_launch_builds_and_says_so(tmp_path, monkeypatc
     assert [op.name for op in ops.runner_ops(offload="cpu")] == ["cpu_adam", "deepspeed_shm_comm"]
     assert ops.notice(offload="none") == (
         f"building DeepSpeed's fused_adam, deepspeed_shm_comm ops for this machine before the first step (once: "
-        f"cached in {tmp_path}; a minute or two each; 'dspipe build-ops' builds them ahead of time)")
+        f"cached in {tmp_path}; a minute or two each; 'dspipe build-ops' builds them ahead of time)"
+    )
 
 
 def test_a_failed_build_is_one_line(tmp_path):
@@ -22,7 +24,8 @@ def test_a_failed_build_is_one_line(tmp_path):
     assert r.stdout.splitlines() == ["fused_adam: building ..."]
     assert r.stderr.strip().splitlines() == [
         "dspipe: error: building DeepSpeed's fused_adam op failed (Command '['/bin/false', '--version']' returned "
-        "non-zero exit status 1.); a launch tries again before its first step"]
+        "non-zero exit status 1.); a launch tries again before its first step"
+    ]
     assert not (tmp_path / "fused_adam" / "fused_adam.so").exists()
 
 

@@ -1,5 +1,6 @@
 """Progress with ETA on the console: the arithmetic, the formats, and what RunLog prints on a terminal (a bar that
 rewrites itself) and off one (log lines)."""
+
 import pytest
 
 from dspipe.runtime.progress import Progress, duration, tokens
@@ -14,8 +15,13 @@ class Clock:
 
 
 def test_duration_and_token_formats():
-    assert [duration(s) for s in (0, 42.4, 425, 3 * 3600 + 125, 2 * 86400 + 4 * 3600 + 59)] == \
-        ["0s", "42s", "7m05s", "3h02m", "2d04h"]
+    assert [duration(s) for s in (0, 42.4, 425, 3 * 3600 + 125, 2 * 86400 + 4 * 3600 + 59)] == [
+        "0s",
+        "42s",
+        "7m05s",
+        "3h02m",
+        "2d04h",
+    ]
     assert [tokens(n) for n in (950, 12_300, 4_190_000, 1.5e9, 3e14)] == ["950", "12.3K", "4.19M", "1.5B", "300T"]
 
 
@@ -41,17 +47,38 @@ def test_a_resumed_session_counts_from_where_it_resumed():
 
 
 def _row(step):
-    return {"step": step, "tokens": step * 64, "loss": 5.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 100.0,
-            "samples_per_s": 1.0, "tflops_per_gpu": 0.1, "mfu": None, "mem_allocated_gib": 0.1,
-            "mem_reserved_gib": 0.2, "step_time_s": 0.25, "skipped": 0}
+    return {
+        "step": step,
+        "tokens": step * 64,
+        "loss": 5.0,
+        "lr": 1e-3,
+        "grad_norm": 1.0,
+        "tokens_per_s": 100.0,
+        "samples_per_s": 1.0,
+        "tflops_per_gpu": 0.1,
+        "mfu": None,
+        "mem_allocated_gib": 0.1,
+        "mem_reserved_gib": 0.2,
+        "step_time_s": 0.25,
+        "skipped": 0,
+    }
 
 
 @pytest.mark.parametrize("terminal", [False, True])
 def test_runlog_prints_progress(tmp_path, capsys, terminal):
     from dspipe.runtime.metrics_log import RunLog
 
-    log = RunLog(tmp_path, monitor=None, enabled=True, resumed_at=0, log_interval=5, steps=10, validating=False,
-                 tokens_per_step=64, terminal=terminal)
+    log = RunLog(
+        tmp_path,
+        monitor=None,
+        enabled=True,
+        resumed_at=0,
+        log_interval=5,
+        steps=10,
+        validating=False,
+        tokens_per_step=64,
+        terminal=terminal,
+    )
     for step in range(1, 11):
         log.step(_row(step))
     log.close()

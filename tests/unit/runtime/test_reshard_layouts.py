@@ -2,6 +2,7 @@
 checked against the shard layout (dspipe.model.tp_split) and run through DeepSpeed 0.19.8's own universal-checkpoint
 merge (ds_to_universal.merge_tp_slices) and restore (universal_checkpoint.load_hp_checkpoint_state) on synthetic
 shards; the renaming between a pipeline and the plain model; the refusals, one line each."""
+
 import re
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -18,9 +19,12 @@ from dspipe.runtime.reshard import layout_change_refusal, pipeline_names, univer
 from dspipe.spec.presets import model_preset
 from tests.helpers import meta_of
 
-SPECS = {"gpt2": model_preset("tiny"), "llama": model_preset("tiny-llama"),
-         "qwen3-like": model_preset("tiny-llama", qk_norm=True, qkv_bias=True, tied_embeddings=True),
-         "gpt2-mlp-bias-only": model_preset("tiny", out_bias=False, qkv_bias=False)}
+SPECS = {
+    "gpt2": model_preset("tiny"),
+    "llama": model_preset("tiny-llama"),
+    "qwen3-like": model_preset("tiny-llama", qk_norm=True, qkv_bias=True, tied_embeddings=True),
+    "gpt2-mlp-bias-only": model_preset("tiny", out_bias=False, qkv_bias=False),
+}
 
 
 def pipeline_name(spec, name):
@@ -29,9 +33,14 @@ def pipeline_name(spec, name):
 
 def categories(info, name):
     """Which of info's categories match `name` (DeepSpeed matches with re.match)."""
-    found = {key: [p for p in info[key] if re.match(p, name)] for key in (
-        "tp_replicated_parameter_patterns", "parameter_with_row_parallelism_patterns",
-        "vocabulary_parameter_patterns")}
+    found = {
+        key: [p for p in info[key] if re.match(p, name)]
+        for key in (
+            "tp_replicated_parameter_patterns",
+            "parameter_with_row_parallelism_patterns",
+            "vocabulary_parameter_patterns",
+        )
+    }
     found["sub"] = [s for s in info["parameter_with_sub_params"] for p in s["patterns"] if re.match(p, name)]
     return {k: v for k, v in found.items() if v}
 
@@ -40,9 +49,14 @@ def test_the_keys_are_deepspeeds():
     from deepspeed.checkpoint import constants as C
 
     info = universal_checkpoint_info(SPECS["llama"])
-    assert set(info) == {C.TP_REPLICATED_PARAMETER_PATTERNS, C.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS,
-                         C.VOCABULARY_PARAMETER_PATTERNS, C.ORIGINAL_VOCAB_SIZE, C.PARAMETER_WITH_SUB_PARAMS,
-                         C.PIPELINE_REPLICATED_PARAMETER_PATTERNS}
+    assert set(info) == {
+        C.TP_REPLICATED_PARAMETER_PATTERNS,
+        C.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS,
+        C.VOCABULARY_PARAMETER_PATTERNS,
+        C.ORIGINAL_VOCAB_SIZE,
+        C.PARAMETER_WITH_SUB_PARAMS,
+        C.PIPELINE_REPLICATED_PARAMETER_PATTERNS,
+    }
     assert universal_checkpoint_info(model_preset("tiny", experts=4)) == {}
 
 
@@ -58,8 +72,9 @@ def test_the_patterns_say_what_tp_split_says(key, pipeline):
         ds_name = pipeline_name(spec, name) if pipeline else name
         found = categories(info, ds_name)
         assert all(len(v) == 1 for v in found.values()), (ds_name, found)
-        used.update(p for v in found.values() for item in v for p in (item["patterns"] if isinstance(item, dict)
-                                                                      else [item]))
+        used.update(
+            p for v in found.values() for item in v for p in (item["patterns"] if isinstance(item, dict) else [item])
+        )
         rule = tp_split.split_of(name, spec)
         if rule is None:
             assert list(found) == ["tp_replicated_parameter_patterns"], ds_name
@@ -71,8 +86,15 @@ def test_the_patterns_say_what_tp_split_says(key, pipeline):
             assert list(found) == ["sub"] and list(found["sub"][0]["shape"][0]) == rule[1], ds_name
         else:
             assert found == {}, ds_name  # one part (GELU c_fc): DeepSpeed's default, rows concatenated
-    patterns = [p for k in ("tp_replicated_parameter_patterns", "parameter_with_row_parallelism_patterns",
-                            "vocabulary_parameter_patterns") for p in info[k]]
+    patterns = [
+        p
+        for k in (
+            "tp_replicated_parameter_patterns",
+            "parameter_with_row_parallelism_patterns",
+            "vocabulary_parameter_patterns",
+        )
+        for p in info[k]
+    ]
     patterns += [p for s in info["parameter_with_sub_params"] for p in s["patterns"]]
     assert sorted(used) == sorted(patterns)
     if pipeline and spec.tied_embeddings:  # the tied module on the last stage: skipped, the first stage's is read
@@ -95,6 +117,7 @@ def test_pipeline_names_round_trip(key):
 
 # ---- DeepSpeed's own merge and restore on synthetic shards -----------------------------------------------------
 
+
 def universal_param(tmp_path: Path, spec, name, full, *, tp: int) -> Path:
     """zero/NAME/ as ds_to_universal writes it from tp ranks' shards of `full` (each rank's fragment one ZeRO
     partition), with the module's universal_checkpoint_info."""
@@ -116,12 +139,14 @@ def universal_param(tmp_path: Path, spec, name, full, *, tp: int) -> Path:
 def restored(folder: Path, shape, *, rank: int, size: int) -> torch.Tensor:
     """What DeepSpeed's universal load (load_hp_checkpoint_state) gives a parameter of `shape` on tp rank `rank`."""
     from deepspeed.checkpoint.universal_checkpoint import load_hp_checkpoint_state
+
     from dspipe.runtime.safeload import ALLOWED_GLOBALS, weights_only_loads
 
     numel = int(torch.Size(shape).numel())
     dst = torch.empty(numel)
-    mapping = SimpleNamespace(lp_fragment_address=SimpleNamespace(start=0, numel=numel), get_hp_fragment=lambda: dst,
-                              optim_fragment={})
+    mapping = SimpleNamespace(
+        lp_fragment_address=SimpleNamespace(start=0, numel=numel), get_hp_fragment=lambda: dst, optim_fragment={}
+    )
     param = SimpleNamespace(_hp_mapping=mapping, shape=torch.Size(shape), numel=lambda: numel)
     assert any(n == "SubparamShape" for _, n, _ in ALLOWED_GLOBALS)
     with weights_only_loads():  # as dspipe loads it: weights-only, SubparamShape allowed
@@ -162,10 +187,13 @@ def test_an_uneven_vocabulary_merges_but_cannot_be_recut(tmp_path):
 
 # ---- refusals ---------------------------------------------------------------------------------------------------
 
+
 def fake_checkpoint(path: Path, *, info: bool):
     path.mkdir(parents=True, exist_ok=True)
-    torch.save({"module": None, **({"universal_checkpoint_info": {"original_vocab_size": 4096}} if info else {})},
-               path / "mp_rank_00_model_states.pt")
+    torch.save(
+        {"module": None, **({"universal_checkpoint_info": {"original_vocab_size": 4096}} if info else {})},
+        path / "mp_rank_00_model_states.pt",
+    )
     return path
 
 
@@ -175,8 +203,19 @@ def test_layout_change_refusals(tmp_path):
 
     def refusal(meta=None, path=with_info, **now):
         saved = meta_of(**{"dp": 1, "tp": 2, "pp": 2, "sp": 1, "model": tiny, **(meta or {})})
-        return layout_change_refusal(**{"meta": saved, "zero_stage": 1, "dp": 1, "tp": 2, "pp": 2, "sp": 1,
-                                        "offload": "none", "path": path, **now})
+        return layout_change_refusal(
+            **{
+                "meta": saved,
+                "zero_stage": 1,
+                "dp": 1,
+                "tp": 2,
+                "pp": 2,
+                "sp": 1,
+                "offload": "none",
+                "path": path,
+                **now,
+            }
+        )
 
     assert refusal() is None and refusal(path=without) is None  # the same layout: the plain load
     for now in (dict(tp=1), dict(pp=1), dict(tp=1, pp=1), dict(dp=2, tp=1), dict(dp=2)):
@@ -190,7 +229,8 @@ def test_layout_change_refusals(tmp_path):
     assert refusal(meta=dict(model={**tiny, "vocab": 4097}), tp=1) is None  # uneven at tp 2 -> tp 1: fine
     assert refusal(meta=dict(model={**tiny, "vocab": 4097}), dp=2) == (
         "vocab 4097 over tp 2 is uneven (2049 rows per rank, the last 2048): DeepSpeed 0.19.8's universal load pads "
-        "each rank's vocabulary rows to rows x tp and cannot give the last rank fewer")
+        "each rank's vocabulary rows to rows x tp and cannot give the last rank fewer"
+    )
     assert "sequence-parallel" in refusal(meta=dict(tp=1, sp=2), tp=1, sp=1)
     assert "native MoE" in refusal(meta=dict(model={**tiny, "experts": 4}), tp=1)
     assert "NVMe" in refusal(offload="nvme", tp=1)
@@ -207,7 +247,8 @@ def test_check_compatible_names_both_layouts_in_one_line(tmp_path):
         f"checkpoint {path} was saved with dp 1 x tp 2 x pp 2, this run has dp 2 x tp 2 x pp 2: vocab 4097 over tp 2 "
         f"is uneven (2049 rows per rank, the last 2048): DeepSpeed 0.19.8's universal load pads each rank's "
         f"vocabulary rows to rows x tp and cannot give the last rank fewer; resume with dp 1 x tp 2 x pp 2 (world "
-        f"size 4)")
+        f"size 4)"
+    )
     ckpt_meta.check_compatible(replace(meta, dp=2), run, path)  # the same layout
     with pytest.raises(SpecError, match=r"saved with zero_stage 2, this run has zero_stage 1; resume with the same"):
         ckpt_meta.check_compatible(replace(meta, zero_stage=2), run, path)

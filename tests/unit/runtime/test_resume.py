@@ -1,20 +1,21 @@
 """Checkpoints every N steps, keep-K, crash-safe saves and exact resume, with real DeepSpeed launches on 2 CPU
 ranks; plus unit tests of the pure checkpoint logic."""
+
 import json
 import os
 import subprocess
 
 import pytest
 
+from dspipe.errors import SpecError
 from dspipe.runtime import checkpoint as ckpt
 from dspipe.runtime import ckpt_meta, ckpt_tags
 from dspipe.runtime.metrics_log import repair_rows
 from dspipe.runtime.reshard import layout_change_refusal
-from dspipe.errors import SpecError
 from tests.helpers import meta_of, mount_tmpfs
 
-
 # ---- unit: pure logic ------------------------------------------------------------------------------------------
+
 
 def _fake(ckpt_dir, step, complete=True):
     d = ckpt_dir / ckpt_tags.tag_for(step)
@@ -30,8 +31,11 @@ def test_keep_k_and_partial_leftovers(tmp_path):
     _fake(tmp_path, 15, complete=False)
     (tmp_path / ".partial-global_step15").mkdir()
     assert [s for s, _ in ckpt_tags.complete_checkpoints(tmp_path)] == [3, 6, 9, 12]
-    assert [p.name for p in ckpt_tags.to_delete(tmp_path, 2)] == ["global_step3", "global_step6",
-                                                                 ".partial-global_step15"]
+    assert [p.name for p in ckpt_tags.to_delete(tmp_path, 2)] == [
+        "global_step3",
+        "global_step6",
+        ".partial-global_step15",
+    ]
 
 
 def test_find_checkpoint(tmp_path):
@@ -55,12 +59,14 @@ def test_repair_rows_and_atomic_write(tmp_path):
     repair_rows(m, upto=2)
     assert m.read_text() == "step,loss\n1,9.0\n2,8.0\n"
     ckpt_tags.write_atomic(tmp_path / "latest", "global_step2")
-    assert (tmp_path / "latest").read_text() == "global_step2" and [p.name for p in tmp_path.iterdir()
-                                                                     if p.name.startswith(".")] == []
+    assert (tmp_path / "latest").read_text() == "global_step2" and [
+        p.name for p in tmp_path.iterdir() if p.name.startswith(".")
+    ] == []
 
 
 def test_save_interval_and_keep_are_validated():
     from dspipe.spec.core import TrainSpec
+
     with pytest.raises(SpecError, match="save_interval"):
         TrainSpec(global_batch=8, micro_batch=1, steps=10, save_interval=-1)
     with pytest.raises(SpecError, match="keep_checkpoints"):
@@ -69,8 +75,14 @@ def test_save_interval_and_keep_are_validated():
 
 def test_dp_change_refusals(tmp_path):
     def refusal(**changed):
-        args = {"meta": meta_of(dp=2, pp=1, zero_stage=1), "zero_stage": 1, "pp": 1, "dp": 1, "offload": "none",
-                "path": tmp_path}
+        args = {
+            "meta": meta_of(dp=2, pp=1, zero_stage=1),
+            "zero_stage": 1,
+            "pp": 1,
+            "dp": 1,
+            "offload": "none",
+            "path": tmp_path,
+        }
         if isinstance(changed.get("meta"), dict):
             changed["meta"] = meta_of(**changed["meta"])
         return layout_change_refusal(**{**args, **changed})
@@ -146,12 +158,19 @@ def test_save_failure_message_names_the_intact_checkpoint(tmp_path):
     (tmp_path / "latest").write_text("global_step3")
     (tmp_path / ".universal-global_step3").mkdir()
     assert [p.name for p in ckpt_tags.to_delete(tmp_path, 3)] == [".universal-global_step3"]
-    msg = ckpt.save_failure_message(code=errno.ENOSPC, detail="", ckpt_dir=tmp_path, tag="global_step6",
-                                    free_before=0.2)
-    assert msg.startswith(f"saving checkpoint global_step6 in {tmp_path} failed: No space left on device (0.2 MiB "
-                          f"free, ")
-    assert msg.endswith(f"the last complete checkpoint {tmp_path / 'global_step3'} is intact and 'latest' names it; "
-                        f"free space there, then continue with --resume auto") and "\n" not in msg
+    msg = ckpt.save_failure_message(
+        code=errno.ENOSPC, detail="", ckpt_dir=tmp_path, tag="global_step6", free_before=0.2
+    )
+    assert msg.startswith(
+        f"saving checkpoint global_step6 in {tmp_path} failed: No space left on device (0.2 MiB free, "
+    )
+    assert (
+        msg.endswith(
+            f"the last complete checkpoint {tmp_path / 'global_step3'} is intact and 'latest' names it; "
+            f"free space there, then continue with --resume auto"
+        )
+        and "\n" not in msg
+    )
 
 
 def test_check_compatible_refuses_a_pipeline_saved_without_universal_info_under_another_dp(tmp_path):
@@ -168,14 +187,21 @@ def test_check_compatible_refuses_a_pipeline_saved_without_universal_info_under_
     torch.save({"module": None}, tmp_path / "mp_rank_00_model_states.pt")  # saved before the module carried it
     with pytest.raises(SpecError) as e:
         ckpt_meta.check_compatible(meta, run, tmp_path)
-    assert str(e.value).startswith(f"checkpoint {tmp_path} was saved with dp 2 x pp 2, this run has dp 1 x pp 2: "
-                                   f"the checkpoint was saved without universal_checkpoint_info")
+    assert str(e.value).startswith(
+        f"checkpoint {tmp_path} was saved with dp 2 x pp 2, this run has dp 1 x pp 2: "
+        f"the checkpoint was saved without universal_checkpoint_info"
+    )
     assert str(e.value).endswith("; resume with dp 2 x pp 2 (world size 4)")
     ckpt_meta.check_compatible(replace(meta, dp=1), run, tmp_path)  # same dp: fine
-    ckpt_meta.check_compatible(replace(meta, pp=1, zero_stage=3), SimpleNamespace(model=model, plan=SimpleNamespace(
-        pp=1, tp=1, sp=1, zero_stage=3, dp=1, offload="none")), tmp_path)  # ZeRO-3 at another dp: resharded on load
-    torch.save({"module": None, "universal_checkpoint_info": {"original_vocab_size": 4096}},
-               tmp_path / "mp_rank_00_model_states.pt")
+    ckpt_meta.check_compatible(
+        replace(meta, pp=1, zero_stage=3),
+        SimpleNamespace(model=model, plan=SimpleNamespace(pp=1, tp=1, sp=1, zero_stage=3, dp=1, offload="none")),
+        tmp_path,
+    )  # ZeRO-3 at another dp: resharded on load
+    torch.save(
+        {"module": None, "universal_checkpoint_info": {"original_vocab_size": 4096}},
+        tmp_path / "mp_rank_00_model_states.pt",
+    )
     ckpt_meta.check_compatible(meta, run, tmp_path)  # saved with it: converted on load
     ckpt_meta.check_compatible(replace(meta, dp=1, tp=2), run, tmp_path)  # tp 2 -> 1 likewise
 
@@ -205,9 +231,15 @@ def test_a_checkpoint_from_before_newer_model_fields_is_compatible(tmp_path):
 
     model = model_preset("tiny")
     run = SimpleNamespace(model=model, plan=SimpleNamespace(pp=1, tp=1, sp=1, zero_stage=1, dp=1, offload="none"))
-    old = {k: v for k, v in asdict(model).items() if k not in ("router_score", "router_scale", "experts",
-                                                                "experts_per_token", "aux_loss_coef")}
+    old = {
+        k: v
+        for k, v in asdict(model).items()
+        if k not in ("router_score", "router_scale", "experts", "experts_per_token", "aux_loss_coef")
+    }
     ckpt_meta.check_compatible(meta_of(model=old), run, tmp_path)
     with pytest.raises(SpecError, match=r"different model shape: layers 2 -> 1$"):
-        ckpt_meta.check_compatible(meta_of(model={**old, "layers": 2}),
-                                   SimpleNamespace(model=replace(model, layers=1), plan=run.plan), tmp_path)
+        ckpt_meta.check_compatible(
+            meta_of(model={**old, "layers": 2}),
+            SimpleNamespace(model=replace(model, layers=1), plan=run.plan),
+            tmp_path,
+        )

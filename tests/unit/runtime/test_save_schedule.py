@@ -1,6 +1,7 @@
 """When the step loop saves (dspipe.runtime.save_schedule): fixed intervals at their multiples, --save-interval auto
 re-planned from each save's measured figures by the planner's formula; the launch that follows the re-planned
 interval is tests/distributed/test_resume.py's."""
+
 import math
 
 import pytest
@@ -36,8 +37,10 @@ def test_resumed_auto_keeps_the_interval_in_force_when_the_checkpoint_was_saved(
 def test_a_checkpoints_save_interval_is_validated(tmp_path):
     d = tmp_path / "global_step3"
     d.mkdir()
-    (d / ckpt_tags.META_FILE).write_text('{"step": 3, "consumed_samples": 48, "data": {}, "model": {}, "pp": 1, '
-                                         '"dp": 2, "zero_stage": 1, "world_size": 2, "save_interval": "soon"}')
+    (d / ckpt_tags.META_FILE).write_text(
+        '{"step": 3, "consumed_samples": 48, "data": {}, "model": {}, "pp": 1, '
+        '"dp": 2, "zero_stage": 1, "world_size": 2, "save_interval": "soon"}'
+    )
     with pytest.raises(SpecError, match=r"dspipe.json: save_interval must be an integer >= 0, got 'soon'"):
         ckpt_meta.read_meta(d)
 
@@ -55,8 +58,10 @@ def test_replan_uses_the_measured_cost_and_says_when_it_changes():
     mtbf_s = 3600 / 8
     assert s.every == event["interval"] == round(math.sqrt(2 * 2.0 * mtbf_s) / 0.5) == 85
     assert (event["was"], event["cost_s"], event["step_time_s"]) == (9, 2.0, 0.5)
-    assert line == ("--save-interval auto: every 85 steps from step 9 (was 9): the save cost 2 s (the step waited) "
-                    "at 0.5 s per step; Young's sqrt(2 x 2 s x 7m30s between failures) = 42.4 s")
+    assert line == (
+        "--save-interval auto: every 85 steps from step 9 (was 9): the save cost 2 s (the step waited) "
+        "at 0.5 s per step; Young's sqrt(2 x 2 s x 7m30s between failures) = 42.4 s"
+    )
     assert replan(s, figures=sync, saved_step=94, step_s=0.5, world=8, mtbf_hours=1.0)[1] is None  # unchanged
     # a background write costs the copy the step waited for plus ASYNC_DRAG of the write, and the next save waits
     # for it: never sooner than one write
@@ -64,8 +69,13 @@ def test_replan_uses_the_measured_cost_and_says_when_it_changes():
     event, line = replan(s, figures=background, saved_step=179, step_s=0.5, world=8, mtbf_hours=1.0)
     cost = 0.1 + ASYNC_DRAG * 200.0
     assert event["cost_s"] == pytest.approx(cost) and round(math.sqrt(2 * cost * mtbf_s) / 0.5) == 329
-    assert event["interval"] == save_interval(cost_s=cost, write_s=200.0, step_time_s=0.5, world=8, steps=1000,
-                                              async_save=True, mtbf_hours=1.0).steps == 400  # 200 s / 0.5 s
+    assert (
+        event["interval"]
+        == save_interval(
+            cost_s=cost, write_s=200.0, step_time_s=0.5, world=8, steps=1000, async_save=True, mtbf_hours=1.0
+        ).steps
+        == 400
+    )  # 200 s / 0.5 s
     assert line.endswith("; no shorter than a write (200 s)")
     assert "the step waited 0.1 s + 0.15 x the 200 s write" in line
     assert events_text([event]) == "--save-interval auto re-planned after 1 save(s): 85 -> 400 steps"

@@ -1,4 +1,5 @@
 """Non-finite step guard and loss-spike / skip accounting (fast: one in-process gloo rank)."""
+
 import math
 import os
 import types

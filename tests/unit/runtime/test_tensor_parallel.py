@@ -2,6 +2,7 @@
 its tp shards on the meta device and given its step-0 values shard by shard, holds exactly (bitwise) its slice of
 the plain model's weights, and gives the plain model's loss and, on each shard, its slice of the plain gradients,
 with Megatron sequence parallelism off and on. One spawn of 2 processes for every case."""
+
 import os
 import socket
 
@@ -34,8 +35,9 @@ def _rank(rank, world, port, out):
         for case, (preset, overrides) in CASES.items():
             spec = model_preset(preset, dropout=0.0, **overrides)
             for seq_parallel in (False, True):
-                out[(case, seq_parallel, rank)] = _compare(spec, rank=rank, world=world, group=group,
-                                                           seq_parallel=seq_parallel)
+                out[(case, seq_parallel, rank)] = _compare(
+                    spec, rank=rank, world=world, group=group, seq_parallel=seq_parallel
+                )
     finally:
         dist.destroy_process_group()
 
@@ -68,8 +70,13 @@ def _compare(spec, *, rank, world, group, seq_parallel) -> dict:
         weights_equal &= torch.equal(shard_of(p, whole[name].detach()), p.detach())
         ref = shard_of(p, whole[name].grad)
         worst = max(worst, ((p.grad - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item())
-    return dict(loss=(want.item(), got.item()), weights_equal=weights_equal, grad_rel=worst, sharded=sharded,
-                names=sorted(n for n, _ in model.named_parameters()) == sorted(whole))
+    return dict(
+        loss=(want.item(), got.item()),
+        weights_equal=weights_equal,
+        grad_rel=worst,
+        sharded=sharded,
+        names=sorted(n for n, _ in model.named_parameters()) == sorted(whole),
+    )
 
 
 @pytest.fixture(scope="module")

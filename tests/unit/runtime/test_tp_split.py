@@ -2,16 +2,19 @@
 as dspipe's tensor-parallel layers cut them (checked against the layers' own tp_shard on a meta-device build) and
 merged back, for every parameter kind, GPT-2-style (tied, biases, MHA) and Llama-style (GQA, SwiGLU, untied, q/k
 norm), with an uneven vocabulary; bad shards are one-line errors."""
+
 import pytest
 import torch
 
 from dspipe.model import tp_split
 from dspipe.spec.presets import model_preset
 
-SPECS = {"gpt2-tied": model_preset("tiny"),
-         "gpt2-uneven-vocab": model_preset("tiny", vocab=4097),
-         "llama-gqa-untied": model_preset("tiny-llama", vocab=4095, qk_norm=True),
-         "llama-mha-uneven-untied": model_preset("tiny-llama", vocab=1023, kv_heads=4)}
+SPECS = {
+    "gpt2-tied": model_preset("tiny"),
+    "gpt2-uneven-vocab": model_preset("tiny", vocab=4097),
+    "llama-gqa-untied": model_preset("tiny-llama", vocab=4095, qk_norm=True),
+    "llama-mha-uneven-untied": model_preset("tiny-llama", vocab=1023, kv_heads=4),
+}
 
 
 def whole(spec, seed=0):
@@ -75,17 +78,27 @@ def test_bad_shards_are_one_line_errors():
     name = "h.0.ln_1.weight"
     other = full[name].clone()
     other[3] += 1e-3
-    with pytest.raises(ValueError, match=rf"^{name}: replicated parameter differs between tp rank 0 and tp rank 1 "
-                                         rf"\(max \|difference\| 0.001\)$"):
+    with pytest.raises(
+        ValueError,
+        match=rf"^{name}: replicated parameter differs between tp rank 0 and tp rank 1 "
+        rf"\(max \|difference\| 0.001\)$",
+    ):
         tp_split.merge_shards(name, [full[name], other], spec)
     wte = [tp_split.shard("embed.wte.weight", full["embed.wte.weight"], spec, rank=r, size=2) for r in range(2)]
-    with pytest.raises(ValueError, match=r"^embed.wte.weight: tp ranks hold \[2048, 2047\] vocabulary rows \(sum "
-                                         r"4095\), vocab 4096 over tp 2 gives \[2048, 2048\]$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^embed.wte.weight: tp ranks hold \[2048, 2047\] vocabulary rows \(sum "
+        r"4095\), vocab 4096 over tp 2 gives \[2048, 2048\]$",
+    ):
         tp_split.merge_shards("embed.wte.weight", [wte[0], wte[1][:-1]], spec)
-    qkv = [tp_split.shard("h.1.attn.c_attn.weight", full["h.1.attn.c_attn.weight"], spec, rank=r, size=2)
-           for r in range(2)]
-    with pytest.raises(ValueError, match=r"^h.1.attn.c_attn.weight: tp ranks hold \[96, 95\] along dim 0, parts "
-                                         r"\[64, 64, 64\] over tp 2 give 96 each$"):
+    qkv = [
+        tp_split.shard("h.1.attn.c_attn.weight", full["h.1.attn.c_attn.weight"], spec, rank=r, size=2) for r in range(2)
+    ]
+    with pytest.raises(
+        ValueError,
+        match=r"^h.1.attn.c_attn.weight: tp ranks hold \[96, 95\] along dim 0, parts "
+        r"\[64, 64, 64\] over tp 2 give 96 each$",
+    ):
         tp_split.merge_shards("h.1.attn.c_attn.weight", [qkv[0], qkv[1][:-1]], spec)
     with pytest.raises(ValueError, match=r"parts \[64, 64, 64\] are not divisible by tp 3"):
         tp_split.merge_shards("h.1.attn.c_attn.weight", [qkv[0]] * 3, spec)

@@ -1,5 +1,6 @@
 """Issue 39: engine.json's start-up block (StartupRecord) and dspipe.json's estimate (RunEstimate) are typed, read
 and written in one place each, in the format they have always had."""
+
 import json
 
 import pytest
@@ -9,11 +10,24 @@ from dspipe.jsonio import dumps
 from dspipe.run_estimate import RunEstimate
 from dspipe.runtime.engine_file import StartupRecord, engine_text
 
-SETTINGS = {"zero_stage": 1, "dp": 2, "pp": 1, "backend": "gloo", "wrapper_optimizer": "DeepSpeedZeroOptimizer",
-            "base_optimizer": "AdamW", "world_size": 2}
-BLOCK = {"mode": "device", "rss_before_build_mib": [700.0, 720.3], "build_rss_mib": [800.0, 830.0],
-         "peak_rss_mib": [900.0, 1000.5], "seconds_build": [1.25, 1.5], "seconds_to_first_step": [12.5, 11.0],
-         "built_params": [152, 153]}
+SETTINGS = {
+    "zero_stage": 1,
+    "dp": 2,
+    "pp": 1,
+    "backend": "gloo",
+    "wrapper_optimizer": "DeepSpeedZeroOptimizer",
+    "base_optimizer": "AdamW",
+    "world_size": 2,
+}
+BLOCK = {
+    "mode": "device",
+    "rss_before_build_mib": [700.0, 720.3],
+    "build_rss_mib": [800.0, 830.0],
+    "peak_rss_mib": [900.0, 1000.5],
+    "seconds_build": [1.25, 1.5],
+    "seconds_to_first_step": [12.5, 11.0],
+    "built_params": [152, 153],
+}
 
 
 def test_an_engine_json_in_the_current_format_round_trips_byte_identical(tmp_path):
@@ -34,13 +48,19 @@ def test_an_engine_json_without_the_block_has_none():
     assert StartupRecord.from_engine(SETTINGS, source="engine.json") is None
 
 
-@pytest.mark.parametrize("edit, words", [
-    (lambda b: b.pop("peak_rss_mib"), "startup.peak_rss_mib is damaged: one number >= 0 per rank expected, got None"),
-    (lambda b: b.update(mode=3), "startup.mode is damaged: a build mode expected, got 3"),
-    (lambda b: b.update(seconds_build=[1.0]), "startup.seconds_build is damaged"),
-    (lambda b: b.update(build_rss_mib=[1.0, "x"]), "startup.build_rss_mib is damaged"),
-    (lambda b: b.update(built_params=[1.5, 2]), "startup.built_params is damaged"),
-])
+@pytest.mark.parametrize(
+    "edit, words",
+    [
+        (
+            lambda b: b.pop("peak_rss_mib"),
+            "startup.peak_rss_mib is damaged: one number >= 0 per rank expected, got None",
+        ),
+        (lambda b: b.update(mode=3), "startup.mode is damaged: a build mode expected, got 3"),
+        (lambda b: b.update(seconds_build=[1.0]), "startup.seconds_build is damaged"),
+        (lambda b: b.update(build_rss_mib=[1.0, "x"]), "startup.build_rss_mib is damaged"),
+        (lambda b: b.update(built_params=[1.5, 2]), "startup.built_params is damaged"),
+    ],
+)
 def test_a_missing_or_mistyped_key_is_one_line_naming_file_and_key(tmp_path, edit, words):
     block = json.loads(json.dumps(BLOCK))
     edit(block)
@@ -50,9 +70,19 @@ def test_a_missing_or_mistyped_key_is_one_line_naming_file_and_key(tmp_path, edi
     assert str(e.value).startswith(f"{source}'s startup.") and words in str(e.value) and "\n" not in str(e.value)
 
 
-ESTIMATE = {"num_params": 100, "zero_stage": 1, "offload": "none", "precision": "bf16",
-            "memory_per_gpu_bytes": {"params": 1, "total": 10}, "step_time_s": 0.5, "tokens_per_s": 2000.0,
-            "mfu": None, "startup": {"mode": "device", "ranks_per_node": 2}, "checkpoint": {"bytes": 5}, "fits": True}
+ESTIMATE = {
+    "num_params": 100,
+    "zero_stage": 1,
+    "offload": "none",
+    "precision": "bf16",
+    "memory_per_gpu_bytes": {"params": 1, "total": 10},
+    "step_time_s": 0.5,
+    "tokens_per_s": 2000.0,
+    "mfu": None,
+    "startup": {"mode": "device", "ranks_per_node": 2},
+    "checkpoint": {"bytes": 5},
+    "fits": True,
+}
 
 
 def test_the_estimate_round_trips_and_types_what_readers_use():
@@ -66,12 +96,15 @@ def test_the_estimate_round_trips_and_types_what_readers_use():
     assert RunEstimate.written(ESTIMATE).to_dict() == ESTIMATE
 
 
-@pytest.mark.parametrize("estimate, words", [
-    ("fast", "estimate must be an object, got str"),
-    ({**ESTIMATE, "mfu": "high"}, "estimate.mfu must be a number >= 0 or null, got 'high'"),
-    ({**ESTIMATE, "memory_per_gpu_bytes": []}, "estimate.memory_per_gpu_bytes must be an object"),
-    ({**ESTIMATE, "save_interval_auto": "yes"}, "estimate.save_interval_auto must be true when present"),
-])
+@pytest.mark.parametrize(
+    "estimate, words",
+    [
+        ("fast", "estimate must be an object, got str"),
+        ({**ESTIMATE, "mfu": "high"}, "estimate.mfu must be a number >= 0 or null, got 'high'"),
+        ({**ESTIMATE, "memory_per_gpu_bytes": []}, "estimate.memory_per_gpu_bytes must be an object"),
+        ({**ESTIMATE, "save_interval_auto": "yes"}, "estimate.save_interval_auto must be true when present"),
+    ],
+)
 def test_a_damaged_estimate_is_one_line_naming_file_and_key(estimate, words):
     with pytest.raises(SpecError, match="^dspipe.json: ") as e:
         RunEstimate.from_dict(estimate, source="dspipe.json")

@@ -1,14 +1,22 @@
 """Hang detection (dspipe.runtime.watchdog): a collective that outlasts the hang timeout is reported with the rank, the
 operation and the step, recorded in events.jsonl, and ends the rank with HANG_EXIT; unarmed or paused, nothing is
 watched. Driven by a fake clock and a fake exit: no ranks start."""
+
 import json
 import threading
 
 import pytest
 import torch.distributed as dist
 
-from dspipe.runtime.watchdog import (COLLECTIVES, EVENTS_FILE, HANG_EXIT, Watchdog, events_text, read_events,
-                                     record_event)
+from dspipe.runtime.watchdog import (
+    COLLECTIVES,
+    EVENTS_FILE,
+    HANG_EXIT,
+    Watchdog,
+    events_text,
+    read_events,
+    record_event,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -45,11 +53,19 @@ def test_a_collective_past_the_timeout_is_reported_and_ends_the_rank(tmp_path, c
     w.report(*w.stuck())
     assert exits == [HANG_EXIT]
     line = capsys.readouterr().err.strip()
-    assert line == ("dspipe: hang: rank 3 has been inside all_reduce for 31 s at step 12 (hang timeout 30 s); "
-                    "stopping the job so that it restarts from the newest checkpoint")
+    assert line == (
+        "dspipe: hang: rank 3 has been inside all_reduce for 31 s at step 12 (hang timeout 30 s); "
+        "stopping the job so that it restarts from the newest checkpoint"
+    )
     (event,) = read_events(tmp_path)
     assert {k: event[k] for k in ("event", "rank", "world", "op", "step", "seconds")} == {
-        "event": "hang", "rank": 3, "world": 4, "op": "all_reduce", "step": 12, "seconds": 31.0}
+        "event": "hang",
+        "rank": 3,
+        "world": 4,
+        "op": "all_reduce",
+        "step": 12,
+        "seconds": 31.0,
+    }
 
 
 def test_nothing_is_watched_unarmed_paused_or_between_collectives(tmp_path):
@@ -92,7 +108,8 @@ def test_install_wraps_torch_distributed_collectives_once(tmp_path, monkeypatch)
     assert calls == [("all_reduce", "all_reduce"), ("barrier", "barrier")]  # named while inside
     assert w.op is None and w.depth == 0
     assert {"all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "send", "recv"} <= set(
-        COLLECTIVES)
+        COLLECTIVES
+    )
 
 
 def test_the_injected_hang_sleeps_once_inside_the_collective(tmp_path, monkeypatch):
@@ -129,8 +146,10 @@ def test_events_text_names_the_ranks_and_the_restarts(tmp_path):
         f.write('{"event": "hang", "ra')  # a torn last line (a kill while writing) is left out
     events = read_events(tmp_path)
     assert len(events) == 5
-    assert events_text(events) == ("hang at step 7: rank(s) 1, 2, 3 waited inside all_reduce (not rank(s) 0); "
-                                   "restart 1 resumed at step 4 on 4 ranks; restart 2 resumed at step 6 on 2 ranks "
-                                   "(dp 2 -> 1)")
+    assert events_text(events) == (
+        "hang at step 7: rank(s) 1, 2, 3 waited inside all_reduce (not rank(s) 0); "
+        "restart 1 resumed at step 4 on 4 ranks; restart 2 resumed at step 6 on 2 ranks "
+        "(dp 2 -> 1)"
+    )
     assert events_text([]) == "no events"
     assert all(json.loads(line) for line in (tmp_path / EVENTS_FILE).read_text().splitlines()[:5])

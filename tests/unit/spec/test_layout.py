@@ -1,12 +1,14 @@
 """The parallel layout: the one place the world is divided, checked against DeepSpeed's own topology classes."""
+
 import pytest
 
 from dspipe.errors import SpecError
 from dspipe.spec.layout import ParallelLayout
 
 
-@pytest.mark.parametrize("world, pp, tp, sp, dp", [(1, 1, 1, 1, 1), (8, 2, 1, 1, 4), (8, 1, 2, 1, 4),
-                                                   (16, 2, 2, 2, 2), (1024, 8, 8, 1, 16)])
+@pytest.mark.parametrize(
+    "world, pp, tp, sp, dp", [(1, 1, 1, 1, 1), (8, 2, 1, 1, 4), (8, 1, 2, 1, 4), (16, 2, 2, 2, 2), (1024, 8, 8, 1, 16)]
+)
 def test_dp_is_what_the_model_ranks_leave(world, pp, tp, sp, dp):
     layout = ParallelLayout(world=world, pp=pp, tp=tp, sp=sp)
     assert layout.dp == dp and layout.dp * layout.model_ranks == world
@@ -48,12 +50,15 @@ def test_pipeline_only_layout_matches_the_pipeline_modules_topology():
 
 def test_the_plan_carries_the_layout():
     from dspipe.planner.plan import make_plan
-    from dspipe.spec.presets import model_preset
     from dspipe.spec.core import ClusterSpec, StrategySpec, TrainSpec
+    from dspipe.spec.presets import model_preset
 
-    plan = make_plan(model=model_preset("tiny"), cluster=ClusterSpec(2, 4, "cpu"),
-                     train=TrainSpec(global_batch=16, micro_batch=2, steps=10, warmup_steps=1, precision="fp32"),
-                     strategy=StrategySpec(zero=1, pp=2))
+    plan = make_plan(
+        model=model_preset("tiny"),
+        cluster=ClusterSpec(2, 4, "cpu"),
+        train=TrainSpec(global_batch=16, micro_batch=2, steps=10, warmup_steps=1, precision="fp32"),
+        strategy=StrategySpec(zero=1, pp=2),
+    )
     assert plan.layout == ParallelLayout(world=8, pp=2) and plan.dp == plan.layout.dp == 4
     assert plan.grad_accum == 16 // (2 * 4)
 
@@ -66,6 +71,11 @@ def test_no_other_code_divides_the_world():
 
     root = Path(__file__).resolve().parents[3] / "dspipe"
     pattern = re.compile(r"\bworld(_size)?\s*//|\b(rank|world)\s*//\s*\(?\s*(pp|plan\.pp|tp|sp)\b")
-    offenders = [f"{p.relative_to(root)}:{i}: {line.strip()}" for p in root.rglob("*.py") if p.name != "layout.py"
-                 for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    offenders = [
+        f"{p.relative_to(root)}:{i}: {line.strip()}"
+        for p in root.rglob("*.py")
+        if p.name != "layout.py"
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
     assert offenders == []

@@ -1,39 +1,70 @@
 """Numbers on the command line: NaN, +-inf, values beyond every sane size and negatives, for every numeric flag of
 gen-config, plan, bench and prepare-data, through the real command handler. Each is exit 2 with one
 `dspipe: error:` line that shows the allowed range, and nothing is written."""
+
 from __future__ import annotations
 
 import re
 
 import pytest
 
+from dspipe.spec.core import LIMITS
 from tests.helpers import run_cli
 
-from dspipe.spec.core import LIMITS
-
 HUGE = "9" * 30
-CPU2 = ["--model", "tiny", "--gpu", "cpu", "--gpus-per-node", "2", "--global-batch", "16", "--micro-batch", "4",
-        "--steps", "20"]
+CPU2 = [
+    "--model",
+    "tiny",
+    "--gpu",
+    "cpu",
+    "--gpus-per-node",
+    "2",
+    "--global-batch",
+    "16",
+    "--micro-batch",
+    "4",
+    "--steps",
+    "20",
+]
 RANGE = re.compile(r"allowed[^)]*(\d\.\.\d|[\[(]-?[\d.e+]+, [\d.,e+]+[\])])|must be in [\[(]")
 
 # flag -> values (each must be refused with its allowed range). Integer flags: click refuses 'nan'/'inf' itself
 # (not integers); the spec refuses negatives and sizes beyond LIMITS.
 INT_FLAGS = {
-    "--layers": ["-1", HUGE, str(LIMITS["layers"] + 1)], "--hidden": ["-64", HUGE], "--heads": ["-4", HUGE],
-    "--vocab": ["-1", HUGE, str(LIMITS["vocab"] + 1)], "--seq-len": ["-1", HUGE, str(LIMITS["seq_len"] + 1)],
-    "--ffn": ["-1", HUGE], "--nodes": ["-1", HUGE], "--gpus-per-node": ["-2", HUGE],
-    "--global-batch": ["-16", HUGE], "--micro-batch": ["-4", HUGE], "--steps": ["-5", HUGE],
-    "--warmup": ["-1", HUGE], "--seed": ["-1", str(2**32), HUGE], "--log-interval": ["-1", HUGE],
-    "--save-interval": ["-1", HUGE], "--keep-checkpoints": ["-1", HUGE], "--eval-interval": ["-1", HUGE],
-    "--eval-batches": ["-1", HUGE], "--max-skipped-steps": ["-1", HUGE], "--spike-window": ["-1", HUGE],
-    "--pp": ["-1", HUGE], "--reduce-bucket-size": ["-1", HUGE], "--prefetch-bucket-size": ["-1", HUGE],
-    "--param-persistence-threshold": ["-1", HUGE], "--max-live-parameters": ["-1", HUGE],
+    "--layers": ["-1", HUGE, str(LIMITS["layers"] + 1)],
+    "--hidden": ["-64", HUGE],
+    "--heads": ["-4", HUGE],
+    "--vocab": ["-1", HUGE, str(LIMITS["vocab"] + 1)],
+    "--seq-len": ["-1", HUGE, str(LIMITS["seq_len"] + 1)],
+    "--ffn": ["-1", HUGE],
+    "--nodes": ["-1", HUGE],
+    "--gpus-per-node": ["-2", HUGE],
+    "--global-batch": ["-16", HUGE],
+    "--micro-batch": ["-4", HUGE],
+    "--steps": ["-5", HUGE],
+    "--warmup": ["-1", HUGE],
+    "--seed": ["-1", str(2**32), HUGE],
+    "--log-interval": ["-1", HUGE],
+    "--save-interval": ["-1", HUGE],
+    "--keep-checkpoints": ["-1", HUGE],
+    "--eval-interval": ["-1", HUGE],
+    "--eval-batches": ["-1", HUGE],
+    "--max-skipped-steps": ["-1", HUGE],
+    "--spike-window": ["-1", HUGE],
+    "--pp": ["-1", HUGE],
+    "--reduce-bucket-size": ["-1", HUGE],
+    "--prefetch-bucket-size": ["-1", HUGE],
+    "--param-persistence-threshold": ["-1", HUGE],
+    "--max-live-parameters": ["-1", HUGE],
     "--max-reuse-distance": ["-1", HUGE],
 }
 FLOAT_FLAGS = {
-    "--lr": ["nan", "inf", "-inf", "-1", "1e309", "2"], "--min-lr-ratio": ["nan", "inf", "-0.5", "1.5"],
-    "--weight-decay": ["nan", "inf", "-0.1", "1e300"], "--grad-clip": ["nan", "inf", "-1", "1e300"],
-    "--spike-sigma": ["nan", "inf", "-1", "0"], "--dropout": ["nan", "inf", "-0.1", "1"],
+    "--lr": ["nan", "inf", "-inf", "-1", "1e309", "2"],
+    "--min-lr-ratio": ["nan", "inf", "-0.5", "1.5"],
+    "--weight-decay": ["nan", "inf", "-0.1", "1e300"],
+    "--grad-clip": ["nan", "inf", "-1", "1e300"],
+    "--spike-sigma": ["nan", "inf", "-1", "0"],
+    "--dropout": ["nan", "inf", "-0.1", "1"],
     "--host-memory-gib": ["nan", "inf", "-1", "1e300"],
 }
 SPEC_CASES = [(flag, v) for flags in (INT_FLAGS, FLOAT_FLAGS) for flag, values in flags.items() for v in values]
@@ -54,9 +85,19 @@ def test_plan_and_gen_config_refuse_with_the_range(flag, value, tmp_path, capsys
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("flag,value", [("--lr", "nan"), ("--seed", HUGE), ("--layers", HUGE),
-                                        ("--host-memory-gib", "inf"), ("--spike-sigma", "inf"),
-                                        ("--global-batch", "-16"), ("--steps", HUGE), ("--warmup", "-1")])
+@pytest.mark.parametrize(
+    "flag,value",
+    [
+        ("--lr", "nan"),
+        ("--seed", HUGE),
+        ("--layers", HUGE),
+        ("--host-memory-gib", "inf"),
+        ("--spike-sigma", "inf"),
+        ("--global-batch", "-16"),
+        ("--steps", HUGE),
+        ("--warmup", "-1"),
+    ],
+)
 def test_bench_refuses_with_the_range_before_starting_ranks(flag, value, tmp_path, capsys, monkeypatch):
     from dspipe.tools import bench
 
@@ -65,8 +106,9 @@ def test_bench_refuses_with_the_range_before_starting_ranks(flag, value, tmp_pat
 
     monkeypatch.setattr(bench, "run_side", no_launch)
     monkeypatch.chdir(tmp_path)
-    code = run_cli("bench", "--model", "tiny", "--gpu", "cpu", "--global-batch", "16", "--micro-batch", "4",
-                   flag, value)
+    code = run_cli(
+        "bench", "--model", "tiny", "--gpu", "cpu", "--global-batch", "16", "--micro-batch", "4", flag, value
+    )
     err = capsys.readouterr().err
     if flag in ("--steps", "--warmup") and value.startswith("-"):  # bench's own step counts
         assert code == 2 and "must be at least 1" in err and err.count("\n") == 1, err
@@ -117,10 +159,16 @@ def test_workers_help_states_the_range():
     assert "1-128" in workers.help
 
 
-GENERATE_CASES = [("--max-tokens", "0", "allowed range 1..100,000"), ("--max-tokens", HUGE, "is too large"),
-                  ("--temperature", "nan", "allowed: finite, [0, 100]"), ("--temperature", "inf", "got inf"),
-                  ("--temperature", "-1", "--temperature must be >= 0"), ("--top-k", "-1", "allowed range 0.."),
-                  ("--seed", "-1", "--seed must be >= 0"), ("--seed", str(2**63), "is too large")]
+GENERATE_CASES = [
+    ("--max-tokens", "0", "allowed range 1..100,000"),
+    ("--max-tokens", HUGE, "is too large"),
+    ("--temperature", "nan", "allowed: finite, [0, 100]"),
+    ("--temperature", "inf", "got inf"),
+    ("--temperature", "-1", "--temperature must be >= 0"),
+    ("--top-k", "-1", "allowed range 0.."),
+    ("--seed", "-1", "--seed must be >= 0"),
+    ("--seed", str(2**63), "is too large"),
+]
 
 
 @pytest.mark.parametrize("flag,value,message", GENERATE_CASES, ids=[f"{f}={v[:12]}" for f, v, _ in GENERATE_CASES])

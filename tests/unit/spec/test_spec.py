@@ -1,13 +1,12 @@
 import math
+from dataclasses import dataclass, fields, replace
 
 import pytest
 
 from dspipe.errors import SpecError
-from dspipe.spec.presets import MODEL_PRESETS, PRESETS, model_preset
-from dspipe.spec.hardware import GPU_CATALOG, gpu_type
-from dataclasses import replace, dataclass, fields
-
 from dspipe.spec.core import LIMITS, SPECS, ClusterSpec, ModelSpec, StrategyRequest, StrategySpec, TrainSpec
+from dspipe.spec.hardware import GPU_CATALOG, gpu_type
+from dspipe.spec.presets import MODEL_PRESETS, PRESETS, model_preset
 from dspipe.spec.settings import declared, setting
 
 
@@ -48,16 +47,26 @@ def test_preset_overrides_rename_and_rescale_ffn():
 
 
 def test_hidden_not_divisible_by_heads_shows_the_division():
-    with pytest.raises(SpecError,
-                       match=r"hidden 100 is not divisible by heads 3 \(100 / 3 = 33.3333; or give head_dim\)"):
+    with pytest.raises(
+        SpecError, match=r"hidden 100 is not divisible by heads 3 \(100 / 3 = 33.3333; or give head_dim\)"
+    ):
         ModelSpec("x", 2, 100, 3, 64, 16, 400)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(global_batch=8, micro_batch=0, steps=10, warmup_steps=1), "micro_batch must be a positive integer, got 0"),
-    (dict(global_batch=-8, micro_batch=1, steps=10, warmup_steps=1), "global_batch must be a positive"),
-    (dict(global_batch=8, micro_batch=1, steps=10, warmup_steps=1, precision="fp8"), "precision 'fp8' is not one of"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (
+            dict(global_batch=8, micro_batch=0, steps=10, warmup_steps=1),
+            "micro_batch must be a positive integer, got 0",
+        ),
+        (dict(global_batch=-8, micro_batch=1, steps=10, warmup_steps=1), "global_batch must be a positive"),
+        (
+            dict(global_batch=8, micro_batch=1, steps=10, warmup_steps=1, precision="fp8"),
+            "precision 'fp8' is not one of",
+        ),
+    ],
+)
 def test_train_spec_rejects(kwargs, match):
     with pytest.raises(SpecError, match=match):
         TrainSpec(**kwargs)
@@ -81,11 +90,19 @@ def test_strategy_rejects_unknown_values():
         StrategySpec(offload="disk")
 
 
-@pytest.mark.parametrize("name, memory_gib, key", [
-    ("NVIDIA H200", 140, "h200"), ("NVIDIA H100 80GB HBM3", 79.6, "h100-80g"),
-    ("NVIDIA A100-SXM4-80GB", 79.2, "a100-80g"), ("NVIDIA A100-PCIE-40GB", 39.4, "a100-40g"),
-    ("NVIDIA A100-SXM4-80GB", None, "a100-80g"), ("NVIDIA A100-PCIE-40GB", None, "a100-40g"),
-    ("NVIDIA GeForce RTX 4090", 24, None), ("cpu", None, None)])
+@pytest.mark.parametrize(
+    "name, memory_gib, key",
+    [
+        ("NVIDIA H200", 140, "h200"),
+        ("NVIDIA H100 80GB HBM3", 79.6, "h100-80g"),
+        ("NVIDIA A100-SXM4-80GB", 79.2, "a100-80g"),
+        ("NVIDIA A100-PCIE-40GB", 39.4, "a100-40g"),
+        ("NVIDIA A100-SXM4-80GB", None, "a100-80g"),
+        ("NVIDIA A100-PCIE-40GB", None, "a100-40g"),
+        ("NVIDIA GeForce RTX 4090", 24, None),
+        ("cpu", None, None),
+    ],
+)
 def test_one_rule_maps_a_device_to_the_catalog(name, memory_gib, key):
     from dspipe.spec.hardware import match_device
 
@@ -109,9 +126,13 @@ def test_limits_and_sections_come_from_the_field_declarations():
             meta = f.metadata.get("setting")
             assert meta is not None, f"{cls.__name__}.{f.name} is not declared with setting()"
             assert LIMITS.get(f.name) == meta.get("limit"), f.name
-    assert {s.key: s.section for s in declared(TrainSpec, section="train") if s.section != "train"} == \
-        {"micro_batch": "strategy", "precision": "strategy", "log_interval": "logging", "init_from": "model",
-         "data_order": "data"}
+    assert {s.key: s.section for s in declared(TrainSpec, section="train") if s.section != "train"} == {
+        "micro_batch": "strategy",
+        "precision": "strategy",
+        "log_interval": "logging",
+        "init_from": "model",
+        "data_order": "data",
+    }
     asked = {f.name for f in fields(StrategyRequest)}
     assert asked == {f.name for f in fields(StrategySpec)} | {"micro_batch", "precision"}
     assert StrategyRequest().zero is None
@@ -124,10 +145,14 @@ def test_the_type_checkers_strategy_request_is_the_built_one():
     import inspect
 
     import dspipe.spec.core as core
+
     tree = ast.parse(inspect.getsource(core))
     stub = next(node for node in ast.walk(tree) if isinstance(node, ast.ClassDef) and node.name == "StrategyRequest")
-    declared_fields = [(n.target.id, ast.unparse(n.annotation), ast.unparse(n.value))
-                       for n in stub.body if isinstance(n, ast.AnnAssign)]
+    declared_fields = [
+        (n.target.id, ast.unparse(n.annotation), ast.unparse(n.value))
+        for n in stub.body
+        if isinstance(n, ast.AnnAssign)
+    ]
     assert declared_fields == [(f.name, f.type, repr(f.default)) for f in fields(StrategyRequest)]
 
 
@@ -144,38 +169,52 @@ def test_a_new_setting_is_one_declaration():
     assert (ratio.key, ratio.section, ratio.flags, ratio.field) == ("knob_ratio", "logging", "--knob-ratio", "ratio")
 
 
-@pytest.mark.parametrize("settings, message", [
-    (dict(rope_factor=8.0), "model.rope_factor 8 has no effect without rope_scaling"),
-    (dict(rope_scaling="linear", rope_factor=2.0, rope_original_context=16),
-     "model.rope_original_context 16 has no effect with rope_scaling linear"),
-    (dict(window_start_layer=1), "model.window_start_layer 1 has no effect without sliding_window"),
-    (dict(router_score="sigmoid", router_scale=2.5),
-     r"model.router_score sigmoid, router_scale 2.5 has no effect without experts"),
-    (dict(router_groups=2, router_group_limit=1, router_bias_rate=0.001),
-     r"model.router_groups 2, router_group_limit 1, router_bias_rate 0.001 has no effect without experts"),
-])
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (dict(rope_factor=8.0), "model.rope_factor 8 has no effect without rope_scaling"),
+        (
+            dict(rope_scaling="linear", rope_factor=2.0, rope_original_context=16),
+            "model.rope_original_context 16 has no effect with rope_scaling linear",
+        ),
+        (dict(window_start_layer=1), "model.window_start_layer 1 has no effect without sliding_window"),
+        (
+            dict(router_score="sigmoid", router_scale=2.5),
+            r"model.router_score sigmoid, router_scale 2.5 has no effect without experts",
+        ),
+        (
+            dict(router_groups=2, router_group_limit=1, router_bias_rate=0.001),
+            r"model.router_groups 2, router_group_limit 1, router_bias_rate 0.001 has no effect without experts",
+        ),
+    ],
+)
 def test_a_setting_that_would_be_ignored_is_refused(settings, message):
     base = MODEL_PRESETS["tiny-llama"]
     with pytest.raises(SpecError, match=message):
         ModelSpec(**{**{f.name: getattr(base, f.name) for f in fields(ModelSpec)}, **settings})
 
 
-@pytest.mark.parametrize("settings, message", [
-    (dict(router_score="tanh"), "model.router_score 'tanh' is not one of: softmax, sigmoid"),
-    (dict(router_score=True), "model.router_score True is not one of: softmax, sigmoid"),
-    (dict(router_scale=0.0), r"model.router_scale must be a finite number in \(0, 1000\], got 0.0"),
-    (dict(router_scale=float("nan")), r"model.router_scale must be a finite number in \(0, 1000\]"),
-    (dict(router_groups=3), r"model.experts 128 is not divisible by router_groups 3 \(128 / 3 = 42.6667\)"),
-    (dict(router_groups=8), "model.router_groups 8 has no effect without router_group_limit"),
-    (dict(router_group_limit=2), "model.router_group_limit 2 has no effect without router_groups > 1"),
-    (dict(router_groups=8, router_group_limit=9), "model.router_group_limit 9 exceeds router_groups 8"),
-    (dict(router_groups=128, router_group_limit=4), "model.router_groups 128 leaves 1 expert per group"),
-    (dict(router_groups=32, router_group_limit=1),
-     r"model.experts_per_token 8 exceeds the experts of router_group_limit 1 groups \(1 x 128 / 32 = 4\)"),
-    (dict(router_groups=0), "router_groups"),
-    (dict(router_bias_rate=-0.1), r"model.router_bias_rate must be a finite number in \[0, 1\], got -0.1"),
-    (dict(router_bias_rate=float("inf")), r"model.router_bias_rate must be a finite number in \[0, 1\]"),
-])
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (dict(router_score="tanh"), "model.router_score 'tanh' is not one of: softmax, sigmoid"),
+        (dict(router_score=True), "model.router_score True is not one of: softmax, sigmoid"),
+        (dict(router_scale=0.0), r"model.router_scale must be a finite number in \(0, 1000\], got 0.0"),
+        (dict(router_scale=float("nan")), r"model.router_scale must be a finite number in \(0, 1000\]"),
+        (dict(router_groups=3), r"model.experts 128 is not divisible by router_groups 3 \(128 / 3 = 42.6667\)"),
+        (dict(router_groups=8), "model.router_groups 8 has no effect without router_group_limit"),
+        (dict(router_group_limit=2), "model.router_group_limit 2 has no effect without router_groups > 1"),
+        (dict(router_groups=8, router_group_limit=9), "model.router_group_limit 9 exceeds router_groups 8"),
+        (dict(router_groups=128, router_group_limit=4), "model.router_groups 128 leaves 1 expert per group"),
+        (
+            dict(router_groups=32, router_group_limit=1),
+            r"model.experts_per_token 8 exceeds the experts of router_group_limit 1 groups \(1 x 128 / 32 = 4\)",
+        ),
+        (dict(router_groups=0), "router_groups"),
+        (dict(router_bias_rate=-0.1), r"model.router_bias_rate must be a finite number in \[0, 1\], got -0.1"),
+        (dict(router_bias_rate=float("inf")), r"model.router_bias_rate must be a finite number in \[0, 1\]"),
+    ],
+)
 def test_bad_router_settings_are_refused(settings, message):
     base = MODEL_PRESETS["qwen3-30b-a3b"]
     with pytest.raises(SpecError, match=message):
@@ -186,5 +225,6 @@ def test_router_settings_show_in_the_shape():
     base = MODEL_PRESETS["qwen3-30b-a3b"]
     assert "-sigmoid-scale2.5" in replace(base, router_score="sigmoid", router_scale=2.5).shape_text
     assert replace(base, router_groups=8, router_group_limit=4, router_bias_rate=0.001).shape_text.endswith(
-        "-groups4of8-bias0.001")
+        "-groups4of8-bias0.001"
+    )
     assert "sigmoid" not in base.shape_text and "scale" not in base.shape_text

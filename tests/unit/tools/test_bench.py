@@ -1,4 +1,5 @@
 """dspipe bench: the arithmetic and report (fast), the input checks, and one real run beside the reference."""
+
 import re
 
 import pytest
@@ -8,16 +9,23 @@ from tests.helpers import dspipe
 
 
 def _rank(seconds, *, loss=8.3, phases=(1.0, 2.0, 0.5), rss=2**30, allocated=None):
-    return {"seconds": seconds, "first_loss": loss, "phases": dict(zip(bench.PHASES, phases, strict=True)),
-            "peak_rss": rss,
-            "peak_allocated": allocated, "peak_reserved": allocated, "threads": 1,
-            "engine": {"wrapper_optimizer": "W", "base_optimizer": "B", "backend": "gloo"}}
+    return {
+        "seconds": seconds,
+        "first_loss": loss,
+        "phases": dict(zip(bench.PHASES, phases, strict=True)),
+        "peak_rss": rss,
+        "peak_allocated": allocated,
+        "peak_reserved": allocated,
+        "threads": 1,
+        "engine": {"wrapper_optimizer": "W", "base_optimizer": "B", "backend": "gloo"},
+    }
 
 
 def test_summary_takes_the_slowest_rank_and_the_largest_memory():
     ranks = [_rank(4.0, phases=(1.0, 2.0, 0.5), rss=2**30), _rank(5.0, phases=(1.5, 1.0, 0.5), rss=3 * 2**30)]
-    s = bench.summarize(ranks, tokens_per_step=1000, samples_per_step=4, steps=10, flops_per_token=6e9,
-                        world_size=2, peak_tflops=1.5)
+    s = bench.summarize(
+        ranks, tokens_per_step=1000, samples_per_step=4, steps=10, flops_per_token=6e9, world_size=2, peak_tflops=1.5
+    )
     assert s["tokens_per_s"] == pytest.approx(10 * 1000 / 5.0)
     assert s["samples_per_s"] == pytest.approx(8.0)
     assert s["tflops_per_gpu"] == pytest.approx(2000 * 6e9 / 2 / 1e12)  # 6 TFLOP/s each
@@ -25,17 +33,20 @@ def test_summary_takes_the_slowest_rank_and_the_largest_memory():
     assert s["step_time_s"] == pytest.approx(0.5)
     assert s["phases_s"] == pytest.approx({"forward": 0.15, "backward": 0.2, "step": 0.05})
     assert s["peak_rss"] == 3 * 2**30 and s["peak_allocated"] is None
-    no_peak = bench.summarize(ranks, tokens_per_step=1000, samples_per_step=4, steps=10, flops_per_token=6e9,
-                              world_size=2, peak_tflops=None)
+    no_peak = bench.summarize(
+        ranks, tokens_per_step=1000, samples_per_step=4, steps=10, flops_per_token=6e9, world_size=2, peak_tflops=None
+    )
     assert no_peak["mfu"] is None
 
 
 def test_table_and_markdown_show_the_figures_ratio_and_command(tmp_path):
     common = dict(samples_per_step=4, steps=2, flops_per_token=1e6, world_size=2, peak_tflops=None)
-    sides = {"dspipe": bench.summarize([_rank(1.0, loss=8.25)], tokens_per_step=900, **common),
-             "reference": bench.summarize([_rank(2.0, loss=8.2500001, phases=(2.0, 1.5, 0.5),
-                                                        allocated=3 * 2**29)], tokens_per_step=900,
-                                          **common)}
+    sides = {
+        "dspipe": bench.summarize([_rank(1.0, loss=8.25)], tokens_per_step=900, **common),
+        "reference": bench.summarize(
+            [_rank(2.0, loss=8.2500001, phases=(2.0, 1.5, 0.5), allocated=3 * 2**29)], tokens_per_step=900, **common
+        ),
+    }
     table = bench.format_table(sides, header="device: X")
     assert re.search(r"tokens/s\s+1,800\s+900\b", table)
     assert re.search(r"MFU\s+n/a\s+n/a", table)
@@ -47,8 +58,9 @@ def test_table_and_markdown_show_the_figures_ratio_and_command(tmp_path):
 
     doc = tmp_path / "bench.md"
     doc.write_text("# Benchmarks\n\nintro\n")
-    section = bench.markdown_section(sides, date="2026-01-02", device="CPU Y", versions="python 3",
-                                     command="dspipe bench", setup="tiny")
+    section = bench.markdown_section(
+        sides, date="2026-01-02", device="CPU Y", versions="python 3", command="dspipe bench", setup="tiny"
+    )
     bench.append_section(doc, section)
     text = doc.read_text()
     assert text.startswith("# Benchmarks\n\nintro\n\n### 2026-01-02: CPU Y\n")
@@ -63,7 +75,8 @@ def test_table_and_markdown_show_the_figures_ratio_and_command(tmp_path):
     assert re.search(r"tokens/s\s+1,800\s+900\s+450\b", table)
     assert "dspipe / reference tokens/s: 2.000" in table and "dspipe / eager reference tokens/s: 4.000" in table
     assert "| | dspipe | reference | eager reference |" in bench.markdown_section(
-        three, date="d", device="D", versions="v", command="c", setup="s")
+        three, date="d", device="D", versions="v", command="c", setup="s"
+    )
 
 
 def test_cpu_ranks_share_the_cores():
@@ -73,11 +86,17 @@ def test_cpu_ranks_share_the_cores():
     assert bench.cpu_threads(ranks=2, cpus=16, env={"OMP_NUM_THREADS": "3"}) is None  # the user's choice stands
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--global-batch", "10", "--micro-batch", "3"], "global batch 10 is not divisible by micro_batch 3 x dp 2 = 6"),
-    (["--nodes", "2"], "dspipe bench runs on this machine only (--nodes 2)"),
-    (["--steps", "0"], "--warmup 3 --steps 0: both must be at least 1"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            ["--global-batch", "10", "--micro-batch", "3"],
+            "global batch 10 is not divisible by micro_batch 3 x dp 2 = 6",
+        ),
+        (["--nodes", "2"], "dspipe bench runs on this machine only (--nodes 2)"),
+        (["--steps", "0"], "--warmup 3 --steps 0: both must be at least 1"),
+    ],
+)
 def test_bad_input_is_one_line_exit_2(flags, message):
     r = dspipe("bench", "--model", "tiny", "--gpu", "cpu", *flags)
     assert r.returncode == 2, r.stderr

@@ -1,13 +1,14 @@
 """dspipe export-hf and dspipe generate: consolidation of ZeRO-1/ZeRO-3/pipeline checkpoints, the GPT-2 export
 loaded back with transformers (logits equal to dspipe's GPT), the shared sampling loop, and the refusals."""
+
 import json
 import re
 
 import pytest
 import torch
 
-from dspipe.runtime import ckpt_tags
 from dspipe.errors import SpecError
+from dspipe.runtime import ckpt_tags
 from dspipe.spec.core import ModelSpec
 from tests.helpers import dspipe, error_lines, make_run
 
@@ -18,10 +19,11 @@ def tokens(vocab, n=2, seq=16):
 
 # ---- unit: the GPT-2 mapping, the sampling loop, refusals -------------------------------------------------------
 
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_hf_model_computes_the_same_logits_as_dspipe_gpt(tied):
-    from dspipe.model.hf_state import hf_model
     from dspipe.model.gpt import GPT
+    from dspipe.model.hf_state import hf_model
 
     spec = ModelSpec("t", 2, 32, 4, 96, 24, 80, 0.0, tied)
     gpt = GPT(spec, seed=3).eval()
@@ -55,6 +57,7 @@ def fake_model(table, seen=None, context=4):
         if seen is not None:
             seen.append(ids.shape[1])
         return torch.tensor(table, dtype=torch.float)[ids]
+
     return Model(logits=logits, context=context, tokenizer=FakeTokenizer())
 
 
@@ -75,16 +78,21 @@ def test_sampling_loop():
     # top-k 1 is greedy at any temperature; seeded sampling repeats; different seeds differ
     assert sample(fake_model(table), [1], sampling=Sampling(max_tokens=6, temperature=5, top_k=1, seed=3)) == [2, 3]
     flat = [[1.0] * 5 + [50.0] * 3 for _ in range(8)]
-    runs = [sample(fake_model(flat), [1], sampling=Sampling(max_tokens=30, temperature=1, top_k=0, seed=s))
-            for s in (1, 1, 2)]
+    runs = [
+        sample(fake_model(flat), [1], sampling=Sampling(max_tokens=30, temperature=1, top_k=0, seed=s))
+        for s in (1, 1, 2)
+    ]
     assert runs[0] == runs[1] != runs[2] and all(0 < t < 5 for t in runs[0]) and len(runs[0]) <= 30
 
 
 def test_sampling_options_are_checked():
     from dspipe.tools.generate import Sampling
 
-    for kwargs, msg in (({"temperature": -1}, "--temperature must be >= 0"), ({"top_k": -2}, "--top-k must be >= 0"),
-                        ({"max_tokens": 0}, "--max-tokens must be at least 1")):
+    for kwargs, msg in (
+        ({"temperature": -1}, "--temperature must be >= 0"),
+        ({"top_k": -2}, "--top-k must be >= 0"),
+        ({"max_tokens": 0}, "--max-tokens must be at least 1"),
+    ):
         with pytest.raises(SpecError, match=msg):
             Sampling(**kwargs)
 
@@ -99,8 +107,10 @@ def test_bad_sources_are_one_line_errors(tmp_path):
     cases = [
         (("export-hf", tmp_path / "nope", "--out", tmp_path / "o2"), f"{tmp_path / 'nope'} does not exist"),
         (("export-hf", partial, "--out", tmp_path / "o3"), f"checkpoint {partial} is incomplete"),
-        (("export-hf", partial, "--out", out), f"--out {out} exists and is not an export-hf model directory "
-                                               f"written by dspipe"),
+        (
+            ("export-hf", partial, "--out", out),
+            f"--out {out} exists and is not an export-hf model directory written by dspipe",
+        ),
         (("generate", tmp_path / "nope", "--prompt", "x"), f"{tmp_path / 'nope'} does not exist"),
         (("generate", partial, "--prompt", "x", "--temperature", "-1"), "--temperature must be >= 0"),
     ]
@@ -125,11 +135,29 @@ def test_missing_tokenizer_is_a_one_line_error(tmp_path):
     from dspipe.rundir import load_run
 
     spec = load_run(run)
-    data = {"consumed_samples": 64, "epoch": 0, "seed": spec.train.seed, "num_samples": 100,
-            "seq_len": spec.model.seq_len, "split": "train", "fingerprint": "ab" * 32}
-    (tag / ckpt_tags.META_FILE).write_text(json.dumps({"step": 4, "consumed_samples": 64, "data": data,
-                                                  "model": asdict(spec.model), "pp": 1, "zero_stage": 1, "dp": 2,
-                                                  "world_size": 2}))
+    data = {
+        "consumed_samples": 64,
+        "epoch": 0,
+        "seed": spec.train.seed,
+        "num_samples": 100,
+        "seq_len": spec.model.seq_len,
+        "split": "train",
+        "fingerprint": "ab" * 32,
+    }
+    (tag / ckpt_tags.META_FILE).write_text(
+        json.dumps(
+            {
+                "step": 4,
+                "consumed_samples": 64,
+                "data": data,
+                "model": asdict(spec.model),
+                "pp": 1,
+                "zero_stage": 1,
+                "dp": 2,
+                "world_size": 2,
+            }
+        )
+    )
     with pytest.raises(SpecError, match=re.escape(f"tokenizer not found: {tmp_path / 'gone' / 'tokenizer'}")):
         export_hf(source=run, out=tmp_path / "hf")
     assert not (tmp_path / "hf").exists()

@@ -1,4 +1,5 @@
 """`dspipe report`: plots and report.md from synthetic metrics in a real gen-config run directory (no launches)."""
+
 import csv
 import json
 import math
@@ -6,13 +7,27 @@ import shutil
 
 import pytest
 
-from dspipe.spec.hardware import GIB
 from dspipe.planner.throughput import STEP_COLUMNS, VAL_COLUMNS
+from dspipe.spec.hardware import GIB
 from dspipe.tools.report import write_report
 from tests.helpers import dspipe
 
-CPU2 = ["--model", "tiny", "--gpus-per-node", "2", "--gpu", "cpu", "--global-batch", "16", "--micro-batch", "4",
-        "--steps", "20", "--zero", "1"]
+CPU2 = [
+    "--model",
+    "tiny",
+    "--gpus-per-node",
+    "2",
+    "--gpu",
+    "cpu",
+    "--global-batch",
+    "16",
+    "--micro-batch",
+    "4",
+    "--steps",
+    "20",
+    "--zero",
+    "1",
+]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -45,13 +60,32 @@ def gpu_like_rows(steps=20):
     rows = []
     for s in range(1, steps + 1):
         tps = 1000.0 if s <= 3 else 10000.0 + 10 * s
-        rows.append([s, s * 1024, 10 - s / 4, 6e-4 * min(1, s / 5), 1.5, tps, tps / 64, 0.3, 0.30 + 0.001 * s,
-                     1.0 + 0.01 * s, 1.5, 1024 / tps, int(s in (7, 13))])
+        rows.append(
+            [
+                s,
+                s * 1024,
+                10 - s / 4,
+                6e-4 * min(1, s / 5),
+                1.5,
+                tps,
+                tps / 64,
+                0.3,
+                0.30 + 0.001 * s,
+                1.0 + 0.01 * s,
+                1.5,
+                1024 / tps,
+                int(s in (7, 13)),
+            ]
+        )
     return rows
 
 
-VAL_ROWS = [[5, 5120, 7.0, math.exp(7.0)], [10, 10240, 6.5, math.exp(6.5)], [15, 15360, 6.6, math.exp(6.6)],
-            [20, 20480, 6.8, math.exp(6.8)]]
+VAL_ROWS = [
+    [5, 5120, 7.0, math.exp(7.0)],
+    [10, 10240, 6.5, math.exp(6.5)],
+    [15, 15360, 6.6, math.exp(6.6)],
+    [20, 20480, 6.8, math.exp(6.8)],
+]
 
 
 def assert_png(path):
@@ -66,16 +100,31 @@ def assert_png(path):
 def test_report_plots_and_plan_vs_measured(run):
     write_csv(run / "metrics.csv", STEP_COLUMNS, gpu_like_rows())
     write_csv(run / "val_metrics.csv", VAL_COLUMNS, VAL_ROWS)
-    (run / "engine.json").write_text(json.dumps({"zero_stage": 1, "dp": 2, "pp": 1, "backend": "gloo",
-                                                 "wrapper_optimizer": "DeepSpeedZeroOptimizer",
-                                                 "base_optimizer": "AdamW", "world_size": 2}))
+    (run / "engine.json").write_text(
+        json.dumps(
+            {
+                "zero_stage": 1,
+                "dp": 2,
+                "pp": 1,
+                "backend": "gloo",
+                "wrapper_optimizer": "DeepSpeedZeroOptimizer",
+                "base_optimizer": "AdamW",
+                "world_size": 2,
+            }
+        )
+    )
     r = dspipe("report", "runs/t", cwd=run.parent.parent)
     assert r.returncode == 0, r.stderr
     assert "wrote runs/t/report/report.md and loss.png, throughput.png, lr.png" in r.stdout
     assert "steps 1-20: train loss 6.1250, val loss 6.8000, 10,120 tokens/s (median), 2 skipped" in r.stdout
     out = run / "report"
-    assert sorted(p.name for p in out.iterdir()) == [".dspipe-output", "loss.png", "lr.png", "report.md",
-                                                     "throughput.png"]  # the marker: dspipe wrote this report
+    assert sorted(p.name for p in out.iterdir()) == [
+        ".dspipe-output",
+        "loss.png",
+        "lr.png",
+        "report.md",
+        "throughput.png",
+    ]  # the marker: dspipe wrote this report
     for name in ("loss.png", "throughput.png", "lr.png"):
         assert_png(out / name)
 
@@ -89,10 +138,11 @@ def test_report_plots_and_plan_vs_measured(run):
     assert "| recomputation | none |" in md
     assert "| batch | global 16 = micro 4 x GA 2 x dp 2 (1,024 tokens/step) |" in md
     assert "| live engine | ZeRO-1, dp 2 x pp 1, gloo, DeepSpeedZeroOptimizer / AdamW, world 2 (engine.json) |" in md
-    assert (f"| peak memory per GPU (GiB) | {mem:.3f} | max allocated 1.200 (reserved 1.500) | {1.2 / mem:.2f} |"
-            in md)
-    assert (f"| tokens/s (job) | {est['tokens_per_s']:,.0f} | 10,120 (median of steps 4-20) | "
-            f"{10120 / est['tokens_per_s']:.2f} |") in md
+    assert f"| peak memory per GPU (GiB) | {mem:.3f} | max allocated 1.200 (reserved 1.500) | {1.2 / mem:.2f} |" in md
+    assert (
+        f"| tokens/s (job) | {est['tokens_per_s']:,.0f} | 10,120 (median of steps 4-20) | "
+        f"{10120 / est['tokens_per_s']:.2f} |"
+    ) in md
     assert f"| MFU | {est['mfu'] * 100:.1f}% | 31.2% | {0.312 / est['mfu']:.2f} |" in md
     assert f"| step time (s) | {est['step_time_s']:.4g} | 0.1012 |" in md  # 1024 / 10120
     assert f"- final train loss: 6.1250 (mean of the last 10 steps, ppl {math.exp(6.125):.2f})" in md
@@ -105,8 +155,10 @@ def test_report_plots_and_plan_vs_measured(run):
 
 def test_cpu_run_without_validation_and_few_steps(run, tmp_path):
     """CPU: mfu and memory columns empty (n/a); no val_metrics.csv; 3 steps are too few to drop a warm-up."""
-    rows = [[s, s * 1024, 8.0 - s, 1e-4 * s, "", tps, tps / 64, 0.001, "", "", "", 1024 / tps, 0]
-            for s, tps in ((1, 2000.0), (2, 4000.0), (3, 3000.0))]
+    rows = [
+        [s, s * 1024, 8.0 - s, 1e-4 * s, "", tps, tps / 64, 0.001, "", "", "", 1024 / tps, 0]
+        for s, tps in ((1, 2000.0), (2, 4000.0), (3, 3000.0))
+    ]
     write_csv(run / "metrics.csv", STEP_COLUMNS, rows)
     out, m = write_report(run, out=tmp_path / "elsewhere")
     assert (m.tokens_per_s, m.final_loss, m.final_val, m.mfu, m.mem_allocated_gib) == (3000.0, 6.0, None, None, None)
@@ -126,10 +178,13 @@ def test_cpu_run_without_validation_and_few_steps(run, tmp_path):
 def test_resumed_rows_and_an_older_runner_format(run):
     """A later row for a step wins (resume), rows are sorted, a half-written last line is ignored; a metrics.csv
     without tokens (the runner before this column) gets tokens = step x tokens per step."""
-    lines = ["step,loss,lr,grad_norm,tokens_per_s,step_time_s",
-             *(f"{s},{9.0},1e-4,1.0,{1000 + s},0.5" for s in (1, 2, 3, 4, 5, 6)),
-             *(f"{s},{5.0},1e-4,1.0,{2000 + s},0.5" for s in (5, 6)),  # steps 5-6 again after a resume from 4
-             "7,4.0,1e-4,1.0,2007,0.5", "8,3.9"]  # step 8 is being written
+    lines = [
+        "step,loss,lr,grad_norm,tokens_per_s,step_time_s",
+        *(f"{s},{9.0},1e-4,1.0,{1000 + s},0.5" for s in (1, 2, 3, 4, 5, 6)),
+        *(f"{s},{5.0},1e-4,1.0,{2000 + s},0.5" for s in (5, 6)),  # steps 5-6 again after a resume from 4
+        "7,4.0,1e-4,1.0,2007,0.5",
+        "8,3.9",
+    ]  # step 8 is being written
     (run / "metrics.csv").write_text("\n".join(lines) + "\n")
     out, m = write_report(run)
     assert (m.first_step, m.last_step, m.rows, m.tokens) == (1, 7, 7, 7 * 1024)
@@ -144,13 +199,20 @@ def test_an_existing_report_is_replaced_and_nothing_else(run):
     write_csv(run / "metrics.csv", STEP_COLUMNS, gpu_like_rows(steps=20))
     out, m = write_report(run)
     assert m.last_step == 20 and "20 steps (1-20)" in (out / "report.md").read_text()
-    assert sorted(p.name for p in run.iterdir()) == ["config.yaml", "ds_config.json", "dspipe.json", "metrics.csv",
-                                                     "report"]
+    assert sorted(p.name for p in run.iterdir()) == [
+        "config.yaml",
+        "ds_config.json",
+        "dspipe.json",
+        "metrics.csv",
+        "report",
+    ]
 
     (run / "report" / "mine.txt").write_text("notes")  # a file the report did not write: the report is kept
     r = dspipe("report", "runs/t", cwd=run.parent.parent)
-    assert r.returncode == 2 and r.stderr.strip() == ("dspipe: error: --out runs/t/report holds files dspipe did not "
-                                                     "write there (mine.txt); move them out or choose another --out")
+    assert r.returncode == 2 and r.stderr.strip() == (
+        "dspipe: error: --out runs/t/report holds files dspipe did not "
+        "write there (mine.txt); move them out or choose another --out"
+    )
     assert (run / "report" / "mine.txt").read_text() == "notes" and (out / "report.md").is_file()
 
     (run.parent / "notes").mkdir()
@@ -158,19 +220,23 @@ def test_an_existing_report_is_replaced_and_nothing_else(run):
     r = dspipe("report", "runs/t", "--out", "runs/notes", cwd=run.parent.parent)
     assert r.returncode == 2 and r.stderr.strip() == (
         "dspipe: error: --out runs/notes exists and is not a report directory written by dspipe (no .dspipe-output); "
-        "dspipe replaces only its own output: choose another --out")
+        "dspipe replaces only its own output: choose another --out"
+    )
     assert (run.parent / "notes" / "keep.txt").read_text() == "mine"
 
 
-@pytest.mark.parametrize("setup, message", [
-    ("not-a-run", "runs/t is not a run directory (no dspipe.json / ds_config.json)"),
-    ("no-metrics", "runs/t/metrics.csv does not exist: no step of runs/t has finished yet"),
-    ("empty", "runs/t/metrics.csv has no rows: no step of runs/t has finished yet"),
-    ("header-only", "runs/t/metrics.csv has no rows"),
-    ("bad-number", "runs/t/metrics.csv:3: loss 'abc' is not a number"),
-    ("no-loss-column", "runs/t/metrics.csv: no column loss in the header"),
-    ("not-utf8", "runs/t/metrics.csv is not a readable CSV file: 'utf-8' codec can't decode byte 0xff"),
-])
+@pytest.mark.parametrize(
+    "setup, message",
+    [
+        ("not-a-run", "runs/t is not a run directory (no dspipe.json / ds_config.json)"),
+        ("no-metrics", "runs/t/metrics.csv does not exist: no step of runs/t has finished yet"),
+        ("empty", "runs/t/metrics.csv has no rows: no step of runs/t has finished yet"),
+        ("header-only", "runs/t/metrics.csv has no rows"),
+        ("bad-number", "runs/t/metrics.csv:3: loss 'abc' is not a number"),
+        ("no-loss-column", "runs/t/metrics.csv: no column loss in the header"),
+        ("not-utf8", "runs/t/metrics.csv is not a readable CSV file: 'utf-8' codec can't decode byte 0xff"),
+    ],
+)
 def test_bad_inputs_are_one_line_exit_2(run, setup, message):
     metrics = run / "metrics.csv"
     if setup == "not-a-run":
@@ -207,8 +273,10 @@ def test_checkpoint_rows_compare_the_plan_with_the_latest_save(run):
     (tag / "dspipe.json").write_text(json.dumps({"global_step": 20, "save": save}))
     md = (write_report(run)[0] / "report.md").read_text()
     assert f"| checkpoint per save (MiB) | {mib:,.1f} | {save['bytes'] / 2**20:,.1f} | 1.01 |" in md
-    assert (f"| checkpoint, largest rank (MiB) | {planned['rank_max_bytes'] / 2**20:,.1f} | "
-            f"{planned['rank_max_bytes'] / 2**20:,.1f} | 1.00 |") in md
+    assert (
+        f"| checkpoint, largest rank (MiB) | {planned['rank_max_bytes'] / 2**20:,.1f} | "
+        f"{planned['rank_max_bytes'] / 2**20:,.1f} | 1.00 |"
+    ) in md
     (tag / "dspipe.json").write_text(json.dumps({"save": {**save, "mode": "sync", "rank_max_bytes": 0}}))
     md = (write_report(run)[0] / "report.md").read_text()
     assert f"| checkpoint, largest rank (MiB) | {planned['rank_max_bytes'] / 2**20:,.1f} | n/a | n/a |" in md

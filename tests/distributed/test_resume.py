@@ -217,9 +217,9 @@ def test_resume_under_another_dp_size_continues_the_run(tmp_path, corpus, name):
         assert float(norm) == pytest.approx(float(norm_ref), rel=1e-4), s
     assert tags(run) == ["global_step3", "global_step6", "latest"]  # the universal copy was deleted
     meta = ckpt_meta.read_meta(run / "checkpoints" / "global_step6")
-    assert (meta["dp"], meta["world_size"], meta["consumed_samples"]) == (1, 1, 6 * 16)
-    assert meta["run_spec"] == json.loads((run / "dspipe.json").read_text())  # the resolved spec it was saved under
-    assert meta["run_spec"]["plan"]["dp"] == 1
+    assert (meta.dp, meta.world_size, meta.consumed_samples) == (1, 1, 6 * 16)
+    assert meta.run_spec == json.loads((run / "dspipe.json").read_text())  # the resolved spec it was saved under
+    assert meta.run_spec["plan"]["dp"] == 1
 
 
 def disk_bytes(path):

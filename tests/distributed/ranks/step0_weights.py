@@ -31,7 +31,7 @@ def main(out: str, runs: list[str]) -> None:
             plan = run.plan
             figures = clock.gathered(
                 mode=build_mode(zero_stage=plan.zero_stage, tp=plan.tp, pp=plan.pp), host_is_device=True
-            )
+            ).to_dict()  # engine.json's "startup" object, as the runner writes it
             engine = eng.engine
             figures["weight_decay"] = decays(engine)
             partitioned = engine.zero_optimization_partition_weights()

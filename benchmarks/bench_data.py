@@ -228,7 +228,7 @@ def training_need(*, seq_len=128, micro_batch=8, steps=10) -> dict:
     import torch
 
     from dspipe.model.gpt import GPT
-    from dspipe.spec.core import ModelSpec
+    from dspipe.spec.model import ModelSpec
 
     torch.set_num_threads(2)
     model = GPT(ModelSpec("demo", 4, 128, 4, 4096, seq_len, 512, 0.0, True), seed=0)

@@ -10,8 +10,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dspipe.planner.search import search  # noqa: E402
-from dspipe.spec.core import ClusterSpec, StrategyRequest, TrainSpec  # noqa: E402
+from dspipe.spec.cluster import ClusterSpec  # noqa: E402
+from dspipe.spec.core import StrategyRequest  # noqa: E402
 from dspipe.spec.presets import MODEL_PRESETS  # noqa: E402
+from dspipe.spec.train import TrainSpec  # noqa: E402
 
 for gbs in (1536, 2048):
     start = time.perf_counter()

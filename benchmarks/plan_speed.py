@@ -19,8 +19,10 @@ from dspipe.planner.enumerate import ep_choices, sp_choices, tp_choices  # noqa:
 from dspipe.planner.plan import _largest_tensor  # noqa: E402
 from dspipe.planner.search import search  # noqa: E402
 from dspipe.planner.stages import largest_tensor, stage_params  # noqa: E402
-from dspipe.spec.core import ClusterSpec, StrategyRequest, TrainSpec  # noqa: E402
+from dspipe.spec.cluster import ClusterSpec  # noqa: E402
+from dspipe.spec.core import StrategyRequest  # noqa: E402
 from dspipe.spec.presets import MODEL_PRESETS, model_preset  # noqa: E402
+from dspipe.spec.train import TrainSpec  # noqa: E402
 
 CASES = (
     # (label, model, cluster, global batch, training tokens)

@@ -17,9 +17,12 @@ sys.path.insert(0, str(ROOT))
 
 from dspipe.planner.search import search  # noqa: E402
 from dspipe.planner.throughput import model_flops_per_token  # noqa: E402
-from dspipe.spec.core import ClusterSpec, ModelSpec, StrategyRequest, TrainSpec  # noqa: E402
+from dspipe.spec.cluster import ClusterSpec  # noqa: E402
+from dspipe.spec.core import StrategyRequest  # noqa: E402
 from dspipe.spec.hardware import gpu_type  # noqa: E402
+from dspipe.spec.model import ModelSpec  # noqa: E402
 from dspipe.spec.presets import MODEL_PRESETS  # noqa: E402
+from dspipe.spec.train import TrainSpec  # noqa: E402
 
 DOC = ROOT / "docs" / "published-runs.md"
 BAND = (0.67, 1.5)

@@ -21,7 +21,7 @@ from dataclasses import replace
 import torch
 
 from dspipe.model.gpt import GPT, Attention, window_mask
-from dspipe.spec.core import ModelSpec
+from dspipe.spec.model import ModelSpec
 
 CAUSAL, WINDOW, MASK = "causal (flash)", "window (dspipe: flex)", "window (mask)"
 

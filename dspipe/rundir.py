@@ -13,9 +13,13 @@ from dspipe.errors import SpecError
 from dspipe.jsonio import read_object, show
 from dspipe.planner.plan import Plan, check_plan
 from dspipe.run_estimate import RunEstimate
-from dspipe.spec.core import ClusterSpec, ModelSpec, StrategySpec, TrainSpec, from_dict
+from dspipe.spec.cluster import ClusterSpec
+from dspipe.spec.core import from_dict
 from dspipe.spec.kinds import Checkpointing, Precision
+from dspipe.spec.model import ModelSpec
 from dspipe.spec.profile import PROFILE_FILE, profile_to_dict
+from dspipe.spec.strategy import StrategySpec
+from dspipe.spec.train import TrainSpec
 
 FORMAT_VERSION = 1
 SPEC_FILE = "dspipe.json"

@@ -35,8 +35,9 @@ from dspipe.log import get_logger, setup_logging
 from dspipe.planner.checkpoint_size import milestones
 from dspipe.planner.render import monitor_values
 from dspipe.planner.summary import checkpoint_line, estimate_summary, save_interval_note, startup_lines
-from dspipe.spec.core import ClusterSpec, ModelSpec
+from dspipe.spec.cluster import ClusterSpec
 from dspipe.spec.hardware import GIB
+from dspipe.spec.model import ModelSpec
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})

@@ -10,7 +10,7 @@ import click
 from dspipe.cli.options import FLOAT, INT, _model_from_options, model_options
 from dspipe.errors import SpecError
 from dspipe.log import get_logger
-from dspipe.spec.core import PRECISIONS
+from dspipe.spec.values import PRECISIONS
 
 
 def _is_profile(path: Path) -> bool:

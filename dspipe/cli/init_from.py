@@ -10,7 +10,7 @@ from dspipe.errors import SpecError
 from dspipe.log import get_logger
 from dspipe.model.hf import CONFIG_FILE, TRAINING_ONLY, spec_from_hf_dir
 from dspipe.model.hf_weights import check_weights
-from dspipe.spec.core import ModelSpec
+from dspipe.spec.model import ModelSpec
 
 SHAPE_FLAGS = ("layers", "hidden", "heads", "vocab", "ffn")
 

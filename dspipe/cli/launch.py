@@ -36,7 +36,7 @@ from dspipe.errors import SpecError
 from dspipe.log import get_logger
 from dspipe.rundir import load_run
 from dspipe.runtime.watchdog import check_hang_timeout, events_text, read_events, utc_now
-from dspipe.spec.core import ClusterSpec
+from dspipe.spec.cluster import ClusterSpec
 from dspipe.spec.hardware import gpu_type, names_text
 
 NETWORK_FLAGS = ("ifname", "ib_hca", "no_ib", "nccl_debug", "timeout_min", "env")

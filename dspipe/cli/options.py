@@ -24,21 +24,16 @@ from dspipe.planner.ds_preset import AUTO_OPTIONS, PresetImport, account
 from dspipe.planner.memory import MEMORY_HEADROOM
 from dspipe.planner.render import import_ds_preset, render_ds_config
 from dspipe.planner.search import SearchResult
-from dspipe.spec.core import (
-    LIMITS,
-    SPEC_SETTINGS,
-    TOKEN_SCALE,
-    ClusterSpec,
-    ModelSpec,
-    StrategyRequest,
-    TrainSpec,
-    token_count,
-)
+from dspipe.spec.cluster import ClusterSpec
+from dspipe.spec.core import LIMITS, SPEC_SETTINGS, StrategyRequest
 from dspipe.spec.hardware import names_text
 from dspipe.spec.layout import ParallelLayout
+from dspipe.spec.model import ModelSpec
 from dspipe.spec.options import BY_COMMAND, MONITOR, SETTINGS, TABLE
 from dspipe.spec.presets import MODEL_PRESETS, model_preset
 from dspipe.spec.settings import AUTO, Setting
+from dspipe.spec.train import TrainSpec
+from dspipe.spec.values import TOKEN_SCALE, token_count
 
 DEFAULT_DATA = "data/stdlib"
 """Prepared token directory of gen-config --data and prepare-data --out."""

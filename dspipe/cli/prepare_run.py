@@ -14,7 +14,8 @@ from dspipe.planner.render import render_ds_config
 from dspipe.planner.summary import estimate_summary
 from dspipe.run_estimate import RunEstimate
 from dspipe.rundir import write_run
-from dspipe.spec.core import ClusterSpec, ModelSpec
+from dspipe.spec.cluster import ClusterSpec
+from dspipe.spec.model import ModelSpec
 
 
 def verify_with_deepspeed(ds_config: dict, *, dp: int) -> None:

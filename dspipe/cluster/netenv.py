@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dspipe.errors import SpecError
-from dspipe.spec.core import ClusterSpec
+from dspipe.spec.cluster import ClusterSpec
 
 ENV_FILE = ".deepspeed_env"
 ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")

@@ -34,7 +34,7 @@ from dspipe.model.initial import (
     expert_generator,
 )
 from dspipe.model.window import choose_kernel, flex_window_attention
-from dspipe.spec.core import ModelSpec
+from dspipe.spec.model import ModelSpec
 
 
 def initial_values(module: nn.Module, *, seed: int) -> Iterator[tuple[nn.Parameter, Draw]]:

@@ -34,7 +34,7 @@ import os
 from pathlib import Path
 
 from dspipe.errors import SpecError
-from dspipe.spec.core import MOE_ONLY, ModelSpec
+from dspipe.spec.model import MOE_ONLY, ModelSpec
 
 GPT2, LLAMA, QWEN2, QWEN3, MISTRAL = (
     "GPT2LMHeadModel",

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dspipe.errors import SpecError
 from dspipe.model.hf import GELU_TANH, GPT2, LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE, SUPPORTED
-from dspipe.spec.core import ModelSpec
+from dspipe.spec.model import ModelSpec
 
 # ---- ModelSpec -> Hugging Face config ------------------------------------------------------------------------------
 

@@ -25,7 +25,7 @@ from typing import Mapping
 from dspipe.errors import SpecError
 from dspipe.model.hf import CONV1D, GPT2, MIXTRAL, MOE_ARCHITECTURES
 from dspipe.model.hf_arch import architecture_of, hf_config
-from dspipe.spec.core import ModelSpec
+from dspipe.spec.model import ModelSpec
 
 # ---- weights: dspipe names <-> Hugging Face names ------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ from dspipe.model.hf import BASE_PREFIX, function_of, spec_from_hf_dir
 from dspipe.model.hf_arch import architecture_of
 from dspipe.model.hf_state import hf_tensors, weight_map
 from dspipe.model.names import pipeline_gpt_name
-from dspipe.spec.core import ModelSpec
+from dspipe.spec.model import ModelSpec
 
 WEIGHT_FILES = (
     "model.safetensors.index.json",

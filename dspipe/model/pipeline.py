@@ -8,7 +8,7 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
 from dspipe.errors import SpecError
 from dspipe.model.gpt import Block, Embedding, FinalNorm, LMHead, lm_loss
-from dspipe.spec.core import ModelSpec
+from dspipe.spec.model import ModelSpec
 
 TIED_KEY = "embed"
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 
-from dspipe.spec.core import ModelSpec
+from dspipe.spec.model import ModelSpec
 
 _ANY = r"(?:^|.*\.)"  # h.N., a pipeline layer's N., or nothing
 QKV = _ANY + r"attn\.c_attn\.(?:weight|bias)$"

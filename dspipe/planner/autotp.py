@@ -6,7 +6,7 @@ these specs are inert. Imports no torch."""
 from __future__ import annotations
 
 from dspipe.model.tp_split import _ANY, DOWN, fused_parts
-from dspipe.spec.core import ModelSpec
+from dspipe.spec.model import ModelSpec
 
 QK_NORM = _ANY + r"attn\.[qk]_norm\.weight$"
 

@@ -26,10 +26,10 @@ from dspipe.planner.plan import Plan
 from dspipe.planner.stages import param_groups, stage_params, vocab_table_per_rank, zero_group_size
 from dspipe.planner.startup import DISK_GBPS
 from dspipe.runtime.progress import duration
-from dspipe.spec.core import ModelSpec
 from dspipe.spec.dtypes import dtype_bytes
 from dspipe.spec.hardware import GPU_MTBF_HOURS
 from dspipe.spec.kinds import Precision
+from dspipe.spec.model import ModelSpec
 
 OPTIMIZER_BYTES = 12
 """Adam in mixed precision, per parameter: the fp32 master copy and the two fp32 moments."""

@@ -13,7 +13,8 @@ from dspipe.planner.plan import Plan
 from dspipe.planner.stages import largest_tensor, stage_elements, stage_largest_tensors, stage_params, zero_group_size
 from dspipe.planner.startup import StartupEstimate, build_mode, startup_estimate
 from dspipe.planner.timing import step_time
-from dspipe.spec.core import ClusterSpec, ModelSpec
+from dspipe.spec.cluster import ClusterSpec
+from dspipe.spec.model import ModelSpec
 
 
 @dataclass(frozen=True)

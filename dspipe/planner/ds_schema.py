@@ -14,12 +14,13 @@ from typing import TYPE_CHECKING, Any
 from dspipe.planner import autotp
 from dspipe.planner import ds_checks as c
 from dspipe.planner.ds_checks import Check
-from dspipe.spec.core import PARTITION_METHODS
 from dspipe.spec.kinds import Precision
+from dspipe.spec.values import PARTITION_METHODS
 
 if TYPE_CHECKING:
     from dspipe.planner.plan import Plan
-    from dspipe.spec.core import ModelSpec, TrainSpec
+    from dspipe.spec.model import ModelSpec
+    from dspipe.spec.train import TrainSpec
 
 
 @dataclass(frozen=True)

@@ -13,10 +13,14 @@ from typing import TypeVar
 from dspipe.errors import SpecError
 from dspipe.planner.cost import Estimate, estimate, throughput
 from dspipe.planner.plan import Plan, RuleError, make_plan
-from dspipe.spec.core import ClusterSpec, ModelSpec, StrategyRequest, StrategySpec, TrainSpec
+from dspipe.spec.cluster import ClusterSpec
+from dspipe.spec.core import StrategyRequest
 from dspipe.spec.kinds import Offload
 from dspipe.spec.layout import ParallelLayout
+from dspipe.spec.model import ModelSpec
 from dspipe.spec.settings import AUTO
+from dspipe.spec.strategy import StrategySpec
+from dspipe.spec.train import TrainSpec
 
 AUTO_CHECKPOINTING = ("none", "full")
 """Recomputation the search chooses from. Not selective: with SDPA's fused kernels the attention core it recomputes

@@ -11,9 +11,13 @@ from dspipe.planner.enumerate import Candidate, Enumerated, divisors
 from dspipe.planner.plan import check_rules
 from dspipe.planner.rank import TIE, tie_reason
 from dspipe.planner.startup import size_text
-from dspipe.spec.core import ClusterSpec, ModelSpec, StrategyRequest, StrategySpec, TrainSpec
+from dspipe.spec.cluster import ClusterSpec
+from dspipe.spec.core import StrategyRequest
 from dspipe.spec.hardware import GIB
+from dspipe.spec.model import ModelSpec
 from dspipe.spec.settings import is_auto
+from dspipe.spec.strategy import StrategySpec
+from dspipe.spec.train import TrainSpec
 
 
 def rejected(

@@ -88,10 +88,11 @@ from dspipe.planner.stages import (
     zero_group_size,
 )
 from dspipe.planner.throughput import window_kernel
-from dspipe.spec.core import ClusterSpec, ModelSpec
+from dspipe.spec.cluster import ClusterSpec
 from dspipe.spec.dtypes import dtype_bytes
 from dspipe.spec.hardware import GIB
 from dspipe.spec.kinds import Checkpointing, Offload, Precision
+from dspipe.spec.model import ModelSpec
 
 FRAMEWORK_RESERVE = int(1.5 * GIB)
 """CUDA context, NCCL buffers and allocator fragmentation (none on the nominal 'cpu' type)."""

@@ -8,9 +8,12 @@ from functools import lru_cache
 
 from dspipe.errors import SpecError
 from dspipe.model.tp_split import vocab_split as vocab_rows
-from dspipe.spec.core import ClusterSpec, ModelSpec, StrategySpec, TrainSpec
+from dspipe.spec.cluster import ClusterSpec
 from dspipe.spec.kinds import Checkpointing, Offload, Precision
 from dspipe.spec.layout import ParallelLayout
+from dspipe.spec.model import ModelSpec
+from dspipe.spec.strategy import StrategySpec
+from dspipe.spec.train import TrainSpec
 
 MIN_BUCKET = 1 << 20  # elements; h^2 buckets for tiny models would mean thousands of tiny collectives
 

@@ -16,7 +16,8 @@ from dspipe.jsonio import read_object
 from dspipe.planner.ds_preset import PresetImport, import_preset, read_preset, scheduler_block
 from dspipe.planner.ds_schema import DEFAULTS, Sources, build, derived
 from dspipe.planner.plan import Plan
-from dspipe.spec.core import ModelSpec, TrainSpec
+from dspipe.spec.model import ModelSpec
+from dspipe.spec.train import TrainSpec
 
 RESOURCES = Path(str(importlib.resources.files("dspipe") / "resources"))  # shipped inside the package
 TEMPLATES = RESOURCES / "templates"

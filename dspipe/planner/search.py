@@ -11,10 +11,13 @@ from dspipe.planner.enumerate import Candidate, enumerate_candidates, rule_of
 from dspipe.planner.explain import over, rejected, shortfall_text
 from dspipe.planner.memory import MEMORY_HEADROOM
 from dspipe.planner.rank import rank
-from dspipe.spec.core import ClusterSpec, ModelSpec, StrategyRequest, TrainSpec
+from dspipe.spec.cluster import ClusterSpec
+from dspipe.spec.core import StrategyRequest
 from dspipe.spec.hardware import GIB
 from dspipe.spec.kinds import Offload
+from dspipe.spec.model import ModelSpec
 from dspipe.spec.settings import is_auto
+from dspipe.spec.train import TrainSpec
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from itertools import pairwise
 from dspipe.model.tp_split import split_of
 from dspipe.model.tp_split import vocab_split as vocab_rows
 from dspipe.planner.plan import Plan
-from dspipe.spec.core import ModelSpec
+from dspipe.spec.model import ModelSpec
 
 
 def share(count: int, ranks: int) -> int:

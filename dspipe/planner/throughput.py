@@ -9,7 +9,7 @@ Imports no torch.
 
 from __future__ import annotations
 
-from dspipe.spec.core import ModelSpec
+from dspipe.spec.model import ModelSpec
 
 # metrics.csv (one row per optimizer step, rank 0) and val_metrics.csv columns, in order.
 STEP_COLUMNS = (

@@ -26,10 +26,11 @@ from dspipe.planner.memory import expert_capacity
 from dspipe.planner.plan import Plan
 from dspipe.planner.stages import param_groups, share, zero_group_size
 from dspipe.planner.throughput import attention_flops_per_token, model_flops_per_token
-from dspipe.spec.core import ClusterSpec, ModelSpec
+from dspipe.spec.cluster import ClusterSpec
 from dspipe.spec.dtypes import dtype_bytes
 from dspipe.spec.hardware import GpuType
 from dspipe.spec.kinds import Checkpointing, Offload, Precision
+from dspipe.spec.model import ModelSpec
 
 NVME_GBPS = 3.0
 """NVMe read + write bandwidth per node, GB/s."""

@@ -13,7 +13,9 @@ from dspipe.rundir import SPEC_FILE
 from dspipe.runtime.ckpt_tags import META_FILE, write_atomic
 from dspipe.runtime.experts import expert_parallel
 from dspipe.runtime.reshard import MOE_RESHARD, layout_change_refusal
-from dspipe.spec.core import DATA_ORDERS, ZERO_STAGES, ModelSpec, from_dict
+from dspipe.spec.core import from_dict
+from dspipe.spec.model import ModelSpec
+from dspipe.spec.values import DATA_ORDERS, ZERO_STAGES
 
 CHECKPOINT_KEYS = ("step", "consumed_samples", "data", "model", "pp", "zero_stage", "dp", "world_size")
 """What a checkpoint's dspipe.json must hold (checkpoint_meta writes them, with run_spec)."""

@@ -76,7 +76,8 @@ def _tp_rank_of(name: str, meta: CheckpointMeta) -> int | None:
 
 def check_checkpoint(path: Path, *, meta: CheckpointMeta) -> None:
     """Every file of checkpoint `path` (whose dspipe.json read_meta validated), as the module docstring says."""
-    from dspipe.spec.core import ModelSpec, from_dict
+    from dspipe.spec.core import from_dict
+    from dspipe.spec.model import ModelSpec
 
     path = Path(path)
     present = {p.name for p in path.iterdir() if p.is_file()}

@@ -73,7 +73,8 @@ def model_name(name: str, *, local: int = 0, ep_rank: int = 0) -> str:
 
 def expert_files(model: dict) -> list[str]:
     """The expert files a checkpoint of the model (its dspipe.json model) holds: one per sparse block and expert."""
-    from dspipe.spec.core import ModelSpec, from_dict
+    from dspipe.spec.core import from_dict
+    from dspipe.spec.model import ModelSpec
 
     spec = from_dict(ModelSpec, model)
     return [

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from dspipe.spec.core import TOKEN_SCALE
+from dspipe.spec.values import TOKEN_SCALE
 
 WINDOW = 20
 """Step times the ETA averages over (the first step of a session, with its warm-up, is left out once others exist)."""

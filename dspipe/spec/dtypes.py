@@ -4,7 +4,7 @@ Standard library only."""
 from __future__ import annotations
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-"""Bytes of one element in each precision of dspipe.spec.core.PRECISIONS."""
+"""Bytes of one element in each precision of dspipe.spec.values.PRECISIONS."""
 
 
 def dtype_bytes(precision: str) -> int:

@@ -16,7 +16,7 @@ class _Kind(str, Enum):
 
 
 class Precision(_Kind):
-    """train.precision: the training dtype (dspipe.spec.core.PRECISIONS)."""
+    """train.precision: the training dtype (dspipe.spec.values.PRECISIONS)."""
 
     BF16 = "bf16"
     FP16 = "fp16"
@@ -25,7 +25,7 @@ class Precision(_Kind):
 
 class Offload(_Kind):
     """strategy.offload: where ZeRO offloads the optimizer state (and, with offload_params, the parameters); also
-    DeepSpeed's offload_optimizer/offload_param device (dspipe.spec.core.OFFLOADS)."""
+    DeepSpeed's offload_optimizer/offload_param device (dspipe.spec.values.OFFLOADS)."""
 
     NONE = "none"
     CPU = "cpu"
@@ -33,7 +33,7 @@ class Offload(_Kind):
 
 
 class Checkpointing(_Kind):
-    """strategy.checkpointing: activation recomputation (dspipe.spec.core.CHECKPOINTING)."""
+    """strategy.checkpointing: activation recomputation (dspipe.spec.values.CHECKPOINTING)."""
 
     NONE = "none"
     FULL = "full"

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Any, TypedDict
 
 from dspipe.errors import SpecError
-from dspipe.spec.core import ModelSpec
+from dspipe.spec.model import ModelSpec
 
 GPT2_VOCAB = 50257
 

@@ -37,8 +37,8 @@ from dspipe.cluster.doctor import versions
 from dspipe.errors import SpecError
 from dspipe.jsonio import read_object
 from dspipe.planner.throughput import model_flops_per_token
-from dspipe.spec.core import ModelSpec
 from dspipe.spec.kinds import Precision
+from dspipe.spec.model import ModelSpec
 from dspipe.spec.profile import Profile
 
 MAX_WHOLE_PARAMS = 400_000_000

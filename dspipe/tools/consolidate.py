@@ -33,7 +33,7 @@ from dspipe.model.names import layer_prefix as _layer_prefix
 from dspipe.model.names import pipeline_gpt_name as _pipeline_name
 from dspipe.runtime.ckpt_meta import CheckpointMeta
 from dspipe.runtime.ckptfiles import LAYER_FILE, OPTIM_FILE  # the checkpoint's file names, defined once
-from dspipe.spec.core import ModelSpec
+from dspipe.spec.model import ModelSpec
 
 
 def model_spec(meta: CheckpointMeta) -> ModelSpec:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from dspipe.runtime import ckpt_meta
-from dspipe.spec.core import ModelSpec
+from dspipe.spec.model import ModelSpec
 from tests.helpers import OFFLINE, error_lines, launch, make_run, max_diff, offline_here
 
 # ---- distributed: real checkpoints ------------------------------------------------------------------------------

@@ -193,7 +193,7 @@ def test_cycle_finder_finds_a_cycle():
 
 def test_import_graph_sees_function_level_and_submodule_imports():
     graph = import_graph()
-    assert "dspipe.spec.core" in graph["dspipe.planner.plan"]
+    assert "dspipe.spec.model" in graph["dspipe.planner.plan"]
     assert "dspipe.planner.summary" in graph["dspipe.cli.app"]  # also imported inside plan_command
 
 

@@ -13,7 +13,10 @@ import pytest
 from click.testing import CliRunner
 
 import dspipe.cli
-from dspipe.spec.core import ClusterSpec, ModelSpec, StrategySpec, TrainSpec
+from dspipe.spec.cluster import ClusterSpec
+from dspipe.spec.model import ModelSpec
+from dspipe.spec.strategy import StrategySpec
+from dspipe.spec.train import TrainSpec
 
 CLI_DIR = Path(dspipe.cli.__file__).resolve().parent
 SPECS = (ModelSpec, ClusterSpec, TrainSpec, StrategySpec)

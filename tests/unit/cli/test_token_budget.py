@@ -11,7 +11,8 @@ import pytest
 
 from dspipe.cli.options import steps_for_tokens
 from dspipe.errors import SpecError
-from dspipe.spec.core import TrainSpec, token_count
+from dspipe.spec.train import TrainSpec
+from dspipe.spec.values import token_count
 from tests.helpers import run_cli
 
 CPU2 = ["--model", "tiny", "--gpu", "cpu", "--gpus-per-node", "2", "--global-batch", "16", "--micro-batch", "4"]

@@ -13,7 +13,7 @@ import pytest
 
 from dspipe.cluster.netenv import NetworkSpec, parse_env_assignments, rank_environment, write_env_file
 from dspipe.errors import SpecError
-from dspipe.spec.core import ClusterSpec
+from dspipe.spec.cluster import ClusterSpec
 from tests.helpers import dspipe, free_port
 
 TINY = ["gen-config", "--model", "tiny", "--global-batch", "16", "--micro-batch", "4", "--steps", "4"]

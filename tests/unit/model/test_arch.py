@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dspipe.model.gpt import GPT, Attention, rope_frequencies, window_mask
-from dspipe.spec.core import ModelSpec
+from dspipe.spec.model import ModelSpec
 
 transformers = pytest.importorskip("transformers")
 

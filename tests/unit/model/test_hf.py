@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dspipe.errors import SpecError
-from dspipe.spec.core import ModelSpec
+from dspipe.spec.model import ModelSpec
 from tests.helpers import edit_hf_config, perturb, run_cli
 
 TOL = 1e-5

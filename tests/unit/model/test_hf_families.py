@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from dspipe.spec.core import ModelSpec
+from dspipe.spec.model import ModelSpec
 from tests.helpers import edit_hf_config, perturb, run_cli
 from tests.unit.model.test_hf import CPU2, _refusal
 

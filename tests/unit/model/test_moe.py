@@ -17,7 +17,7 @@ from torch.utils.checkpoint import checkpoint
 from dspipe.errors import SpecError
 from dspipe.model.gpt import GPT, MLP, Block, SparseMLP, lm_loss
 from dspipe.model.initial import INIT_STD
-from dspipe.spec.core import ModelSpec
+from dspipe.spec.model import ModelSpec
 from tests.helpers import perturb
 
 TOL = 1e-5

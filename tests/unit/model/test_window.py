@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from dspipe.model import window as win
 from dspipe.model.gpt import GPT, window_mask
 from dspipe.planner.throughput import flex_window_tiles
-from dspipe.spec.core import ModelSpec
+from dspipe.spec.model import ModelSpec
 
 REL = 1e-5
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")

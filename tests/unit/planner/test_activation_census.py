@@ -7,8 +7,10 @@ from dataclasses import replace
 import pytest
 
 from dspipe.planner.search import search
-from dspipe.spec.core import ClusterSpec, StrategyRequest, TrainSpec
+from dspipe.spec.cluster import ClusterSpec
+from dspipe.spec.core import StrategyRequest
 from dspipe.spec.presets import MODEL_PRESETS
+from dspipe.spec.train import TrainSpec
 
 TINY = MODEL_PRESETS["tiny"]
 SMALL = replace(TINY, name="small", layers=4, hidden=128, heads=4, seq_len=128, ffn=512, vocab=512)

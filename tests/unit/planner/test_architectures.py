@@ -19,8 +19,10 @@ from dspipe.planner.throughput import (
     flex_window_tiles,
     model_flops_per_token,
 )
-from dspipe.spec.core import ClusterSpec, StrategyRequest, TrainSpec
+from dspipe.spec.cluster import ClusterSpec
+from dspipe.spec.core import StrategyRequest
 from dspipe.spec.presets import MODEL_PRESETS
+from dspipe.spec.train import TrainSpec
 
 
 def test_attention_flops_use_heads_times_head_dim():
@@ -90,7 +92,7 @@ def test_the_gpu_runs_fewer_window_scores_than_causal_ones():
 def test_step_time_counts_the_kernels_work_and_mfu_the_models():
     from dspipe.planner.cost import estimate
     from dspipe.planner.plan import make_plan
-    from dspipe.spec.core import StrategySpec
+    from dspipe.spec.strategy import StrategySpec
 
     cluster = ClusterSpec(1, 8, "h100-80g")
     train = TrainSpec(global_batch=64, micro_batch=1, steps=10, warmup_steps=1)

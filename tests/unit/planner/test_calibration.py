@@ -11,10 +11,12 @@ from dspipe.errors import SpecError
 from dspipe.planner.cost import estimate
 from dspipe.planner.plan import make_plan
 from dspipe.planner.throughput import model_flops_per_token
-from dspipe.spec.core import ClusterSpec, StrategySpec, TrainSpec
+from dspipe.spec.cluster import ClusterSpec
 from dspipe.spec.hardware import GPU_CATALOG
 from dspipe.spec.presets import model_preset
 from dspipe.spec.profile import PROFILE_FILE, Profile, profile_text, profile_to_dict, read_profile
+from dspipe.spec.strategy import StrategySpec
+from dspipe.spec.train import TrainSpec
 from tests.helpers import dspipe, run_cli
 
 DEMO = ["--model", "tiny", "--layers", "4", "--hidden", "128", "--heads", "4", "--seq-len", "128", "--vocab", "4096"]

@@ -7,8 +7,11 @@ from dspipe.planner.cost import estimate
 from dspipe.planner.memory import logits_bytes, loss_chunk_working_bytes, micro_batch_activations
 from dspipe.planner.plan import make_plan
 from dspipe.planner.search import search
-from dspipe.spec.core import ClusterSpec, StrategyRequest, StrategySpec, TrainSpec
+from dspipe.spec.cluster import ClusterSpec
+from dspipe.spec.core import StrategyRequest
 from dspipe.spec.presets import model_preset
+from dspipe.spec.strategy import StrategySpec
+from dspipe.spec.train import TrainSpec
 from tests.helpers import run_cli
 
 CPU2 = ("--model", "tiny", "--nodes", "1", "--gpus-per-node", "2", "--gpu", "cpu", "--global-batch", "4")

@@ -20,8 +20,11 @@ from dspipe.planner.search import search
 from dspipe.planner.stages import stage_layer_weights, stage_params
 from dspipe.planner.throughput import attention_flops_per_token, model_flops_per_token
 from dspipe.planner.timing import moe_dispatch_flops_per_token
-from dspipe.spec.core import ClusterSpec, StrategyRequest, StrategySpec, TrainSpec
+from dspipe.spec.cluster import ClusterSpec
+from dspipe.spec.core import StrategyRequest
 from dspipe.spec.presets import MODEL_PRESETS, PRESETS, model_preset
+from dspipe.spec.strategy import StrategySpec
+from dspipe.spec.train import TrainSpec
 from tests.helpers import dspipe, error_lines
 
 MOE = [name for name, m in MODEL_PRESETS.items() if m.experts]

@@ -82,8 +82,10 @@ def test_layouts_the_rules_no_longer_refuse_plan_and_write(flags, layout, tmp_pa
 def _render(**strategy):
     from dspipe.planner.plan import make_plan
     from dspipe.planner.render import render_ds_config
-    from dspipe.spec.core import ClusterSpec, StrategySpec, TrainSpec
+    from dspipe.spec.cluster import ClusterSpec
     from dspipe.spec.presets import model_preset
+    from dspipe.spec.strategy import StrategySpec
+    from dspipe.spec.train import TrainSpec
 
     model = model_preset("tiny")
     cluster = ClusterSpec(nodes=1, gpus_per_node=4, gpu="cpu")
@@ -261,8 +263,10 @@ def test_monitor_values_render_wandb_and_comet_as_deepspeed_reads_them():
 
     from dspipe.planner.plan import make_plan
     from dspipe.planner.render import monitor_values, render_ds_config
-    from dspipe.spec.core import ClusterSpec, StrategySpec, TrainSpec
+    from dspipe.spec.cluster import ClusterSpec
     from dspipe.spec.presets import model_preset
+    from dspipe.spec.strategy import StrategySpec
+    from dspipe.spec.train import TrainSpec
 
     train = TrainSpec(global_batch=16, micro_batch=2, steps=10, warmup_steps=2, precision="fp32")
     plan = make_plan(

@@ -2,8 +2,10 @@ import pytest
 
 from dspipe.errors import SpecError
 from dspipe.planner.plan import make_plan
-from dspipe.spec.core import ClusterSpec, StrategySpec, TrainSpec
+from dspipe.spec.cluster import ClusterSpec
 from dspipe.spec.presets import model_preset
+from dspipe.spec.strategy import StrategySpec
+from dspipe.spec.train import TrainSpec
 
 
 def plan(*, nodes=1, gpus=8, gpu="h100-80g", gbs=256, mb=4, precision="bf16", steps=100, **strategy):

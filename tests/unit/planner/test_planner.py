@@ -11,8 +11,11 @@ from dspipe.planner.plan import make_plan
 from dspipe.planner.search import search
 from dspipe.planner.stages import stage_layer_weights, stage_params
 from dspipe.planner.summary import estimate_summary
-from dspipe.spec.core import ClusterSpec, StrategyRequest, StrategySpec, TrainSpec
+from dspipe.spec.cluster import ClusterSpec
+from dspipe.spec.core import StrategyRequest
 from dspipe.spec.presets import MODEL_PRESETS, model_preset
+from dspipe.spec.strategy import StrategySpec
+from dspipe.spec.train import TrainSpec
 from tests.helpers import dspipe
 
 

@@ -9,8 +9,10 @@ from dspipe.planner import ds_schema
 from dspipe.planner.plan import RuleError, make_plan
 from dspipe.planner.render import DS_PRESETS, import_ds_preset, render_ds_config, shipped_preset
 from dspipe.runtime.dscheck import parse_with_deepspeed
-from dspipe.spec.core import ClusterSpec, StrategySpec, TrainSpec
+from dspipe.spec.cluster import ClusterSpec
 from dspipe.spec.presets import MODEL_PRESETS
+from dspipe.spec.strategy import StrategySpec
+from dspipe.spec.train import TrainSpec
 from tests.helpers import dspipe, run_cli
 
 STRATEGIES = [

@@ -12,9 +12,11 @@ from dspipe.planner.plan import make_plan
 from dspipe.planner.stages import largest_tensor, stage_params
 from dspipe.planner.startup import DISK_GBPS, DRAW_RATE, build_mode, startup_estimate
 from dspipe.planner.throughput import STEP_COLUMNS
-from dspipe.spec.core import ClusterSpec, StrategySpec, TrainSpec
+from dspipe.spec.cluster import ClusterSpec
 from dspipe.spec.hardware import GIB
 from dspipe.spec.presets import MODEL_PRESETS
+from dspipe.spec.strategy import StrategySpec
+from dspipe.spec.train import TrainSpec
 from tests.helpers import dspipe, run_cli
 
 LLAMA70 = [

@@ -5,8 +5,10 @@ import pytest
 
 from dspipe.planner.rank import ROOMY, TIE, preference
 from dspipe.planner.search import search
-from dspipe.spec.core import ClusterSpec, StrategyRequest, TrainSpec
+from dspipe.spec.cluster import ClusterSpec
+from dspipe.spec.core import StrategyRequest
 from dspipe.spec.presets import model_preset
+from dspipe.spec.train import TrainSpec
 
 CASES = [
     ("gpt3-1.3b", 1, 8, "a100-40g", 256),

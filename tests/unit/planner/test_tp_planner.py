@@ -16,9 +16,12 @@ from dspipe.planner.search import search
 from dspipe.planner.stages import block_params_per_rank, stage_layer_weights, stage_params, tp_split_params_per_block
 from dspipe.planner.summary import estimate_summary, human_report
 from dspipe.planner.timing import RING_BASE_LATENCY_S, RING_HOP_LATENCY_S, ring_latency_s
-from dspipe.spec.core import ClusterSpec, StrategyRequest, StrategySpec, TrainSpec
+from dspipe.spec.cluster import ClusterSpec
+from dspipe.spec.core import StrategyRequest
 from dspipe.spec.hardware import GPU_CATALOG
 from dspipe.spec.presets import MODEL_PRESETS, model_preset
+from dspipe.spec.strategy import StrategySpec
+from dspipe.spec.train import TrainSpec
 from tests.helpers import run_cli
 
 SMALL = "gpt2-124m"  # L12 h768 a12 s1024 V50257, ffn 3072

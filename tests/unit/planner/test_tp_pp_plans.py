@@ -10,8 +10,11 @@ import pytest
 from dspipe.planner.cost import estimate
 from dspipe.planner.plan import TP_SP_ZERO3_REFUSAL, RuleError, make_plan
 from dspipe.planner.search import search
-from dspipe.spec.core import ClusterSpec, StrategyRequest, StrategySpec, TrainSpec
+from dspipe.spec.cluster import ClusterSpec
+from dspipe.spec.core import StrategyRequest
 from dspipe.spec.presets import MODEL_PRESETS, model_preset
+from dspipe.spec.strategy import StrategySpec
+from dspipe.spec.train import TrainSpec
 from tests.helpers import run_cli
 
 GPT3 = [

@@ -16,7 +16,7 @@ from dspipe.runtime import ckpt_tags
 from dspipe.runtime.async_engine import BackgroundWriter
 from dspipe.runtime.async_save import ArenaPool, rebuild, stage_into
 from dspipe.runtime.faults import Faults
-from dspipe.spec.core import TrainSpec
+from dspipe.spec.train import TrainSpec
 from tests.helpers import mount_tmpfs
 
 

@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("deepspeed")
 
 from dspipe.errors import SpecError  # noqa: E402
-from dspipe.spec.core import ModelSpec  # noqa: E402
+from dspipe.spec.model import ModelSpec  # noqa: E402
 
 
 def spec(**fields) -> ModelSpec:

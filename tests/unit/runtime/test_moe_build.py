@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("deepspeed")
 
-from dspipe.spec.core import ModelSpec  # noqa: E402
+from dspipe.spec.model import ModelSpec  # noqa: E402
 
 EXPERTS = 4
 

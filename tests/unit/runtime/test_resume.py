@@ -65,7 +65,7 @@ def test_repair_rows_and_atomic_write(tmp_path):
 
 
 def test_save_interval_and_keep_are_validated():
-    from dspipe.spec.core import TrainSpec
+    from dspipe.spec.train import TrainSpec
 
     with pytest.raises(SpecError, match="save_interval"):
         TrainSpec(global_batch=8, micro_batch=1, steps=10, save_interval=-1)

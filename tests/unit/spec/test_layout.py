@@ -50,8 +50,10 @@ def test_pipeline_only_layout_matches_the_pipeline_modules_topology():
 
 def test_the_plan_carries_the_layout():
     from dspipe.planner.plan import make_plan
-    from dspipe.spec.core import ClusterSpec, StrategySpec, TrainSpec
+    from dspipe.spec.cluster import ClusterSpec
     from dspipe.spec.presets import model_preset
+    from dspipe.spec.strategy import StrategySpec
+    from dspipe.spec.train import TrainSpec
 
     plan = make_plan(
         model=model_preset("tiny"),

@@ -4,10 +4,14 @@ from dataclasses import dataclass, fields, replace
 import pytest
 
 from dspipe.errors import SpecError
-from dspipe.spec.core import LIMITS, SPECS, ClusterSpec, ModelSpec, StrategyRequest, StrategySpec, TrainSpec
+from dspipe.spec.cluster import ClusterSpec
+from dspipe.spec.core import LIMITS, SPECS, StrategyRequest
 from dspipe.spec.hardware import GPU_CATALOG, gpu_type
+from dspipe.spec.model import ModelSpec
 from dspipe.spec.presets import MODEL_PRESETS, PRESETS, model_preset
 from dspipe.spec.settings import declared, setting
+from dspipe.spec.strategy import StrategySpec
+from dspipe.spec.train import TrainSpec
 
 
 def test_gpt2_small_parameter_count_matches_the_released_model():
@@ -139,7 +143,7 @@ def test_limits_and_sections_come_from_the_field_declarations():
 
 
 def test_the_type_checkers_strategy_request_is_the_built_one():
-    """core.py declares StrategyRequest's fields for the type checker (under TYPE_CHECKING) next to the
+    """spec/core.py declares StrategyRequest's fields for the type checker (under TYPE_CHECKING) next to the
     make_dataclass that builds it: both must list the same fields, types and defaults, in the same order."""
     import ast
     import inspect

@@ -9,7 +9,7 @@ import torch
 
 from dspipe.errors import SpecError
 from dspipe.runtime import ckpt_tags
-from dspipe.spec.core import ModelSpec
+from dspipe.spec.model import ModelSpec
 from tests.helpers import dspipe, error_lines, make_run
 
 

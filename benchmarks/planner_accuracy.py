@@ -220,9 +220,9 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _generate(name: str, workdir: Path) -> Path:
+def _generate(name: str, workdir: Path, *, seq_len: int | None = None) -> Path:
     """gen-config for row `name`, by the CLI's main in this process (a fresh interpreter spends ~5 s importing
-    DeepSpeed to parse each config; this process imports it once)."""
+    DeepSpeed to parse each config; this process imports it once); `seq_len` replaces the model's sequence."""
     from dspipe.cli.app import main as dspipe_main
 
     model, options = CONFIGS[name]
@@ -254,6 +254,7 @@ def _generate(name: str, workdir: Path) -> Path:
         "--sp",
         "1",
         *options,
+        *(["--seq-len", str(seq_len)] if seq_len else []),
         "--data",
         str(workdir / "no-data"),
         "--out",
@@ -294,10 +295,11 @@ def gathered_allowed(run_dir: Path) -> int:
     return b * zero3_gathered_bound(model=run.model, plan=run.plan) if run.plan.zero_stage == 3 else 0
 
 
-def measure_launch(names: list[str], workdir: Path) -> list[dict]:
+def measure_launch(names: list[str], workdir: Path, *, seq_len: int | None = None) -> list[dict]:
     """Generate the runs, launch 2 ranks once for all of them, return one row per run: predicted and measured
-    (largest rank) bytes for each of METRICS, and the measured bytes by category at the device peak."""
-    run_dirs = [_generate(name, workdir) for name in names]
+    (largest rank) bytes for each of METRICS, and the measured bytes by category at the device peak. `seq_len`:
+    the models at another sequence length (model states do not depend on it; the steps' compute does)."""
+    run_dirs = [_generate(name, workdir, seq_len=seq_len) for name in names]
     launcher = (
         [shutil.which("deepspeed")]
         if shutil.which("deepspeed")

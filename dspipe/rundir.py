@@ -284,6 +284,30 @@ def _check_command(source: Path, *, command, cluster: ClusterSpec, plan: Plan) -
         )
 
 
+def _check_activation_checkpointing(ac: object, *, plan: Plan, source: Path | str) -> None:
+    """ds_config.json's activation_checkpointing block: an object, with the keys the engine reads when it recomputes."""
+    if not isinstance(ac, dict):
+        raise SpecError(f"{source}: activation_checkpointing must be an object, got {type(ac).__name__}")
+    if plan.checkpointing != Checkpointing.NONE:  # the engine passes these to deepspeed.checkpointing.configure
+        for key in (
+            "partition_activations",
+            "contiguous_memory_optimization",
+            "cpu_checkpointing",
+            "synchronize_checkpoint_boundary",
+            "profile",
+        ):
+            if not isinstance(ac.get(key), bool):
+                raise SpecError(
+                    f"{source}: activation_checkpointing.{key} must be true or false, got {show(ac.get(key))}"
+                )
+        n = ac.get("number_checkpoints")
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise SpecError(
+                f"{source}: activation_checkpointing.number_checkpoints must be a positive integer or "
+                f"null, got {show(n)}"
+            )
+
+
 def check_ds_config(ds: dict, *, plan: Plan, source: Path | str) -> None:
     """ds_config.json against the plan: the batch equation, ZeRO stage, optimizer offload, precision, pipeline
     stages and the activation-checkpointing block the engine reads. A key DeepSpeed defaults (zero stage 0,
@@ -336,26 +360,7 @@ def check_ds_config(ds: dict, *, plan: Plan, source: Path | str) -> None:
                 f"plan in {SPEC_FILE} has {plan.offload!r}"
             )
     ac = lookup("activation_checkpointing", {})
-    if not isinstance(ac, dict):
-        raise SpecError(f"{source}: activation_checkpointing must be an object, got {type(ac).__name__}")
-    if plan.checkpointing != Checkpointing.NONE:  # the engine passes these to deepspeed.checkpointing.configure
-        for key in (
-            "partition_activations",
-            "contiguous_memory_optimization",
-            "cpu_checkpointing",
-            "synchronize_checkpoint_boundary",
-            "profile",
-        ):
-            if not isinstance(ac.get(key), bool):
-                raise SpecError(
-                    f"{source}: activation_checkpointing.{key} must be true or false, got {show(ac.get(key))}"
-                )
-        n = ac.get("number_checkpoints")
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-            raise SpecError(
-                f"{source}: activation_checkpointing.number_checkpoints must be a positive integer or "
-                f"null, got {show(n)}"
-            )
+    _check_activation_checkpointing(ac, plan=plan, source=source)
 
 
 def load_engine(run: Run) -> dict | None:

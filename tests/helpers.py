@@ -2,7 +2,6 @@
 directories. Test modules import from here (`from tests.helpers import ...`), never from each other; fixtures live in
 tests/conftest.py."""
 
-import base64
 import csv
 import json
 import os
@@ -76,36 +75,68 @@ def error_lines(r):
     return [line for line in r.stderr.splitlines() if line.strip()]
 
 
-def launch(run_dir, *extra, env=None, num_gpus=2, port=None):
-    """`deepspeed --num_gpus N run.py --run RUN_DIR [extra...]` from the repository root (2 CPU ranks by default),
-    as the command DeepSpeed's runner itself starts on one node: `python -u -m deepspeed.launcher.launch
-    --world_info=... run.py ...` with the repository on PYTHONPATH. Calling that directly saves the runner's own
-    interpreter and DeepSpeed import (~2-4 s a launch); the `deepspeed` command itself is run by
-    scripts/wheel_smoke.sh, the README's demo and tests/distributed/test_multinode.py."""
+def launch(run_dir, *extra, env=None, num_gpus=2, port=None, timeout=900):
+    """Start `num_gpus` ranks of `run.py --run RUN_DIR [extra...]` on this machine (2 CPU ranks by default), each
+    as DeepSpeed's per-node launcher (deepspeed.launcher.launch) starts it: `python -u run.py --local_rank=N ...`
+    with its environment (MASTER_ADDR/PORT, WORLD_SIZE, RANK, LOCAL_RANK, LOCAL_SIZE, CROSS_RANK/SIZE) and the
+    repository on PYTHONPATH. Like that launcher, the first rank to exit non-zero ends the others (their process
+    trees: a killed rank's peer would wait in a collective) and gives the launch's exit status. Starting the ranks
+    here saves that launcher's interpreter and DeepSpeed import (4.6 s a launch on 2 cores) and the `deepspeed`
+    runner's before it; the `deepspeed` command itself is run by scripts/wheel_smoke.sh, the README's demo,
+    tests/distributed/test_multinode.py and the SIGTERM test. Returns a CompletedProcess (both ranks' output)."""
+    import tempfile
+    import time
+
+    import psutil
+
     port = port or free_port()
-    world = base64.urlsafe_b64encode(json.dumps({"localhost": list(range(num_gpus))}).encode()).decode()
-    cmd = [
-        sys.executable,
-        "-u",
-        "-m",
-        "deepspeed.launcher.launch",
-        f"--world_info={world}",
-        "--master_addr=127.0.0.1",
-        f"--master_port={port}",
-        "run.py",
-        "--run",
-        str(run_dir),
-        *extra,
-    ]
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    return subprocess.run(
-        cmd,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={**os.environ, "PYTHONPATH": path, **(env or {})},
+    base = {**os.environ, "PYTHONPATH": path, **(env or {})}
+    base.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE=str(num_gpus),
+        LOCAL_SIZE=str(num_gpus),
+        CROSS_RANK="0",
+        CROSS_SIZE="1",
     )
+    cmd = [sys.executable, "-u", "run.py"]
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        ranks = [
+            subprocess.Popen(
+                [*cmd, f"--local_rank={rank}", "--run", str(run_dir), *map(str, extra)],
+                cwd=ROOT,
+                stdout=out,
+                stderr=err,
+                env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            )
+            for rank in range(num_gpus)
+        ]
+        deadline, failed_at = time.monotonic() + timeout, None
+        try:
+            while any(p.poll() is None for p in ranks) and time.monotonic() < deadline:
+                if failed_at is None and any(p.returncode for p in ranks):
+                    failed_at = time.monotonic()  # the others get a second to end by themselves, as the launcher's
+                if failed_at is not None and time.monotonic() > failed_at + 1.0:  # 1 s poll gives them
+                    break
+                time.sleep(0.05)
+            codes = [p.returncode for p in ranks]
+            code = next((c for c in codes if c), 0) if failed_at or None not in codes else None
+        finally:
+            for p in ranks:  # what is left: the process and its children (the checkpoint writer)
+                try:
+                    tree = psutil.Process(p.pid)
+                    for proc in [*tree.children(recursive=True), tree]:
+                        proc.kill()
+                except psutil.Error:
+                    pass
+                p.wait()
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    if code is None:
+        raise subprocess.TimeoutExpired(cmd, timeout, output=stdout, stderr=stderr)
+    return subprocess.CompletedProcess(cmd, code % 256, stdout, stderr)
 
 
 def ok(r):
@@ -336,3 +367,22 @@ def perturb(model, seed=0):
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.05)
     return model
+
+
+def bash_commands(path: Path) -> list[str]:
+    """Every command line of the ```bash blocks of `path`, continuations joined."""
+    commands, block, pending = [], False, ""
+    for line in path.read_text().splitlines():
+        if line.startswith("```"):
+            block, pending = line.strip() == "```bash" and not block, ""
+            continue
+        if not block:
+            continue
+        if line.rstrip().endswith("\\"):
+            pending += line.rstrip()[:-1] + " "
+            continue
+        text = (pending + line).strip()
+        pending = ""
+        if text and not text.startswith("#"):
+            commands.append(text)
+    return commands

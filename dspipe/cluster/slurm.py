@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import shlex
 from pathlib import Path
+from typing import Any
 
 from dspipe.cluster.launch import DEFAULT_PORT
 from dspipe.errors import SpecError
@@ -70,6 +71,113 @@ def _sbatch_path(path: str, what: str) -> str:
     return f'"{path}"' if any(c.isspace() for c in path) else path
 
 
+def _check_stop_before(stop_before: int, *, time: str) -> None:
+    """Refuse a --stop-before outside 10..MAX_STOP_BEFORE seconds or not shorter than the time limit."""
+    limit = time_limit_seconds(time)
+    if not 10 <= stop_before <= MAX_STOP_BEFORE:
+        raise SpecError(f"--stop-before {stop_before} must be in 10..{MAX_STOP_BEFORE} seconds")
+    if limit is not None and stop_before >= limit:
+        raise SpecError(f"--stop-before {stop_before} s must be shorter than the time limit --time {time} ({limit} s)")
+
+
+def _check_sbatch_names(*, partition: str | None, account: str | None, extra_sbatch: tuple[str, ...]) -> None:
+    """Refuse a --partition or --account that is not a Slurm name, and an --sbatch line the script cannot take."""
+    for flag, value, pattern in (("--partition", partition, SLURM_NAMES), ("--account", account, SLURM_NAME)):
+        if value is not None and not pattern.match(value):
+            raise SpecError(
+                f"{flag} {ascii(value)} is not a Slurm name (letters, digits, '_', '.', '+', '-'"
+                f"{', comma-separated' if pattern is SLURM_NAMES else ''})"
+            )
+    for option in extra_sbatch:
+        _plain(option, "--sbatch")
+        if not option.startswith("--") or option.strip() != option:
+            raise SpecError(f"--sbatch {option!r} must be one '--name=value' option line")
+        name = option.split("=", 1)[0].split()[0]
+        if name in OWN_OPTIONS:
+            raise SpecError(
+                f"--sbatch {option!r}: the script sets {name} itself"
+                + (" (use --stop-before SECONDS)" if name == "--signal" else "")
+            )
+
+
+def _check_restarts(*, max_restarts: int, min_nodes: int | None, nodes: int) -> None:
+    """Refuse a --max-restarts outside 0..1000, and a --min-nodes without it or outside the run's nodes."""
+    if not 0 <= max_restarts <= 1000:
+        raise SpecError(f"--max-restarts must be in 0..1000, got {max_restarts}")
+    if min_nodes is not None and (not max_restarts or not 1 <= min_nodes <= nodes):
+        raise SpecError(f"--min-nodes {min_nodes} needs --max-restarts N and must be in 1..{nodes} (the run's nodes)")
+
+
+def _job_options(
+    *,
+    run: Run,
+    run_path: str,
+    time: str,
+    stop_before: int,
+    partition: str | None,
+    account: str | None,
+    extra_sbatch: tuple[str, ...],
+    shrinks: bool,
+) -> tuple[list[str], list[str]]:
+    """(sbatch, srun): the script's #SBATCH options and its srun options."""
+    cluster = run.cluster
+    job_name = re.sub(r"[^A-Za-z0-9_.+-]", "_", run.path.name) or "run"
+    gpus = [f"--gpus-per-node={cluster.gpus_per_node}"] if cluster.gpu_type.backend == "nccl" else []
+    sbatch = [
+        f"--job-name=dspipe-{job_name}",
+        f"--nodes={cluster.nodes}",
+        "--ntasks-per-node=1",
+        *gpus,
+        f"--time={time}",
+        "--output=" + _sbatch_path(f"{run_path.replace('%', '%%')}/slurm-%j.out", "run directory"),
+        "--open-mode=append",
+        "--requeue",
+        f"--signal=B:USR1@{stop_before}",
+    ]
+    sbatch += [f"--partition={partition}"] if partition else []
+    sbatch += [f"--account={account}"] if account else []
+    sbatch += ["--no-kill"] if shrinks else []  # a failed node does not end the job: the others continue
+    sbatch += list(extra_sbatch)
+    srun = [f"--nodes={cluster.nodes}", "--ntasks-per-node=1", f"--kill-on-bad-exit={0 if shrinks else 1}", *gpus]
+    return sbatch, srun
+
+
+def _template_values(
+    *,
+    run: Run,
+    run_path: str,
+    script: str,
+    cwd: str,
+    sbatch: list[str],
+    srun: list[str],
+    launch: list[str],
+    max_restarts: int,
+    first_resume_args: list[str],
+    stop_before: int,
+) -> dict[str, Any]:
+    """What slurm.sbatch.j2 renders: the paths shell-quoted, the options, the launch and resume arguments."""
+    cluster = run.cluster
+    return dict(
+        run_dir=shlex.quote(run_path),
+        nodes=cluster.nodes,
+        gpus_per_node=cluster.gpus_per_node,
+        world_size=run.plan.world_size,
+        script_path=shlex.quote(script),
+        marker=SCRIPT_MARKER,
+        sbatch_options=sbatch,
+        workdir=shlex.quote(cwd),
+        hostfile_prefix=shlex.quote(str(run.path / "hostfile.slurm")),
+        srun_options=shlex.join(srun),
+        launch_args=shlex.join(launch),
+        max_requeues=max_restarts,
+        first_resume_args=shlex.join(first_resume_args),
+        stop_before=stop_before,
+        steps=int(run.train.steps),
+        latest_file=shlex.quote(str(run.checkpoint_dir / "latest")),
+        checkpoint_dir=shlex.quote(str(run.checkpoint_dir)),
+    )
+
+
 def render_slurm_script(
     *,
     run: Run,
@@ -93,33 +201,9 @@ def render_slurm_script(
     requeued, up to `max_restarts` requeues; `min_nodes` below the run's nodes keeps the job alive when a node fails
     (--no-kill) so that the other nodes continue at the smaller dp."""
     cluster = run.cluster
-    limit = time_limit_seconds(time)
-    if not 10 <= stop_before <= MAX_STOP_BEFORE:
-        raise SpecError(f"--stop-before {stop_before} must be in 10..{MAX_STOP_BEFORE} seconds")
-    if limit is not None and stop_before >= limit:
-        raise SpecError(f"--stop-before {stop_before} s must be shorter than the time limit --time {time} ({limit} s)")
-    for flag, value, pattern in (("--partition", partition, SLURM_NAMES), ("--account", account, SLURM_NAME)):
-        if value is not None and not pattern.match(value):
-            raise SpecError(
-                f"{flag} {ascii(value)} is not a Slurm name (letters, digits, '_', '.', '+', '-'"
-                f"{', comma-separated' if pattern is SLURM_NAMES else ''})"
-            )
-    for option in extra_sbatch:
-        _plain(option, "--sbatch")
-        if not option.startswith("--") or option.strip() != option:
-            raise SpecError(f"--sbatch {option!r} must be one '--name=value' option line")
-        name = option.split("=", 1)[0].split()[0]
-        if name in OWN_OPTIONS:
-            raise SpecError(
-                f"--sbatch {option!r}: the script sets {name} itself"
-                + (" (use --stop-before SECONDS)" if name == "--signal" else "")
-            )
-    if not 0 <= max_restarts <= 1000:
-        raise SpecError(f"--max-restarts must be in 0..1000, got {max_restarts}")
-    if min_nodes is not None and (not max_restarts or not 1 <= min_nodes <= cluster.nodes):
-        raise SpecError(
-            f"--min-nodes {min_nodes} needs --max-restarts N and must be in 1..{cluster.nodes} (the run's nodes)"
-        )
+    _check_stop_before(stop_before, time=time)
+    _check_sbatch_names(partition=partition, account=account, extra_sbatch=extra_sbatch)
+    _check_restarts(max_restarts=max_restarts, min_nodes=min_nodes, nodes=cluster.nodes)
     elastic = ["--max-restarts", str(max_restarts)] if max_restarts else []
     elastic += ["--min-nodes", str(min_nodes)] if min_nodes is not None else []
     shrinks = min_nodes is not None and min_nodes < cluster.nodes
@@ -129,42 +213,27 @@ def render_slurm_script(
         _plain(str(p), what)
         for p, what in ((run.path, "run directory"), (script_path, "--out"), (workdir, "working directory"))
     )
-    job_name = re.sub(r"[^A-Za-z0-9_.+-]", "_", run.path.name) or "run"
-    gpus = [f"--gpus-per-node={cluster.gpus_per_node}"] if cluster.gpu_type.backend == "nccl" else []
-    sbatch = [
-        f"--job-name=dspipe-{job_name}",
-        f"--nodes={cluster.nodes}",
-        "--ntasks-per-node=1",
-        *gpus,
-        f"--time={time}",
-        "--output=" + _sbatch_path(f"{run_path.replace('%', '%%')}/slurm-%j.out", "run directory"),
-        "--open-mode=append",
-        "--requeue",
-        f"--signal=B:USR1@{stop_before}",
-    ]
-    sbatch += [f"--partition={partition}"] if partition else []
-    sbatch += [f"--account={account}"] if account else []
-    sbatch += ["--no-kill"] if shrinks else []  # a failed node does not end the job: the others continue
-    sbatch += list(extra_sbatch)
-    srun = [f"--nodes={cluster.nodes}", "--ntasks-per-node=1", f"--kill-on-bad-exit={0 if shrinks else 1}", *gpus]
-    values = dict(
-        run_dir=shlex.quote(run_path),
-        nodes=cluster.nodes,
-        gpus_per_node=cluster.gpus_per_node,
-        world_size=run.plan.world_size,
-        script_path=shlex.quote(script),
-        marker=SCRIPT_MARKER,
-        sbatch_options=sbatch,
-        workdir=shlex.quote(cwd),
-        hostfile_prefix=shlex.quote(str(run.path / "hostfile.slurm")),
-        srun_options=shlex.join(srun),
-        launch_args=shlex.join(["--master-port", str(master_port or DEFAULT_PORT), *elastic, *launch_args]),
-        max_requeues=max_restarts,
-        first_resume_args=shlex.join(first_resume_args),
+    sbatch, srun = _job_options(
+        run=run,
+        run_path=run_path,
+        time=time,
         stop_before=stop_before,
-        steps=int(run.train.steps),
-        latest_file=shlex.quote(str(run.checkpoint_dir / "latest")),
-        checkpoint_dir=shlex.quote(str(run.checkpoint_dir)),
+        partition=partition,
+        account=account,
+        extra_sbatch=extra_sbatch,
+        shrinks=shrinks,
+    )
+    values = _template_values(
+        run=run,
+        run_path=run_path,
+        script=script,
+        cwd=cwd,
+        sbatch=sbatch,
+        srun=srun,
+        launch=["--master-port", str(master_port or DEFAULT_PORT), *elastic, *launch_args],
+        max_restarts=max_restarts,
+        first_resume_args=first_resume_args,
+        stop_before=stop_before,
     )
     return render_template("slurm.sbatch.j2", values)
 

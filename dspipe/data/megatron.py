@@ -102,11 +102,8 @@ def _fail(prefix, text: str) -> SpecError:
     return SpecError(f"Megatron dataset {prefix}: {text}")
 
 
-def read_index(prefix: str | os.PathLike, *, deep: bool = True) -> Index:
-    """PREFIX.idx and PREFIX.bin checked against each other: the header, the file sizes the counts imply, and (deep)
-    the offsets laying the sequences back to back and the document indices rising from 0 to n. One SpecError."""
-    prefix = str(prefix)
-    ip, bp = idx_path(prefix), bin_path(prefix)
+def _read_head(prefix: str, *, ip: Path, bp: Path) -> bytes:
+    """The index's first HEAD.size bytes, once both files are there and readable."""
     for path, what in ((ip, "index"), (bp, "token file")):
         if not path.is_file():
             raise _fail(prefix, f"{path} is missing (a Megatron dataset is PREFIX.idx + PREFIX.bin; the {what} "
@@ -117,7 +114,11 @@ def read_index(prefix: str | os.PathLike, *, deep: bool = True) -> Index:
                 head = f.read(HEAD.size)
         except OSError as e:
             raise cannot_read(path, e) from None
-    idx_size, bin_size = ip.stat().st_size, bp.stat().st_size
+    return head
+
+
+def _check_header(prefix: str, head: bytes, *, ip: Path, idx_size: int) -> tuple[np.dtype, int, int]:
+    """(dtype, sequences, document indices) of an index's header, checked against the index's size."""
     if len(head) < HEAD.size or head[:9] != MAGIC:
         raise _fail(prefix, f"{ip} is not a Megatron index (its first bytes are {head[:9]!r}, want {MAGIC!r}): "
                             f"another format, or truncated")
@@ -140,12 +141,14 @@ def read_index(prefix: str | os.PathLike, *, deep: bool = True) -> Index:
                             f"implies {HEAD.size} + 12 x {n} + 8 x {d} = {want}: truncated or corrupt")
     if d < 1:
         raise _fail(prefix, f"{ip} has no document indices (want documents + 1 >= 1)")
-    lengths = np.memmap(ip, dtype="<i4", mode="r", offset=HEAD.size, shape=(n,)) if n else np.zeros(0, "<i4")
-    pointers = np.memmap(ip, dtype="<i8", mode="r", offset=HEAD.size + 4 * n, shape=(n,)) if n else \
-        np.zeros(0, "<i8")
-    doc_index = np.memmap(ip, dtype="<i8", mode="r", offset=HEAD.size + 12 * n, shape=(d,))
+    return dtype, n, d
+
+
+def _sequence_tokens(prefix: str, *, ip: Path, bp: Path, lengths: np.ndarray, pointers: np.ndarray,
+                     dtype: np.dtype, deep: bool) -> int:
+    """Tokens the sequences hold, their offsets checked back to back (the first chunk's only unless `deep`)."""
     tokens = 0
-    for lo in range(0, n, CHUNK):
+    for lo in range(0, lengths.size, CHUNK):
         part = np.asarray(lengths[lo:lo + CHUNK], dtype=np.int64)
         if deep or lo == 0:
             if part.size and part.min() < 0:
@@ -158,19 +161,40 @@ def read_index(prefix: str | os.PathLike, *, deep: bool = True) -> Index:
                                     f"{int(expect[at - lo])} right after the one before: dspipe reads sequences laid "
                                     f"out back to back, as Megatron's and GPT-NeoX's writers lay them")
         tokens += int(part.sum())
-    if bin_size != tokens * dtype.itemsize:
-        raise _fail(prefix, f"{bp} has {bin_size} bytes; the index's {n} sequences hold {tokens} {dtype.name} "
-                            f"tokens = {tokens * dtype.itemsize} bytes: truncated, or of another index")
+    return tokens
+
+
+def _check_documents(prefix: str, doc_index: np.ndarray, *, ip: Path, n: int, deep: bool) -> None:
+    """The document indices run from 0 to n, and (deep) never fall."""
     if int(doc_index[0]) != 0 or int(doc_index[-1]) != n:
         raise _fail(prefix, f"{ip}: document indices run {int(doc_index[0])}..{int(doc_index[-1])}, want 0..{n} "
                             f"(the first and the one past the last sequence)")
     if deep:
-        for lo in range(0, d - 1, CHUNK):
+        for lo in range(0, doc_index.size - 1, CHUNK):
             part = np.asarray(doc_index[lo:lo + CHUNK + 1])
             if np.any(np.diff(part) < 0):
                 at = lo + int(np.flatnonzero(np.diff(part) < 0)[0])
                 raise _fail(prefix, f"{ip}: document {at + 1} starts at sequence {int(part[at - lo + 1])}, before "
                                     f"document {at}'s {int(part[at - lo])}")
+
+
+def read_index(prefix: str | os.PathLike, *, deep: bool = True) -> Index:
+    """PREFIX.idx and PREFIX.bin checked against each other: the header, the file sizes the counts imply, and (deep)
+    the offsets laying the sequences back to back and the document indices rising from 0 to n. One SpecError."""
+    prefix = str(prefix)
+    ip, bp = idx_path(prefix), bin_path(prefix)
+    head = _read_head(prefix, ip=ip, bp=bp)
+    idx_size, bin_size = ip.stat().st_size, bp.stat().st_size
+    dtype, n, d = _check_header(prefix, head, ip=ip, idx_size=idx_size)
+    lengths = np.memmap(ip, dtype="<i4", mode="r", offset=HEAD.size, shape=(n,)) if n else np.zeros(0, "<i4")
+    pointers = np.memmap(ip, dtype="<i8", mode="r", offset=HEAD.size + 4 * n, shape=(n,)) if n else \
+        np.zeros(0, "<i8")
+    doc_index = np.memmap(ip, dtype="<i8", mode="r", offset=HEAD.size + 12 * n, shape=(d,))
+    tokens = _sequence_tokens(prefix, ip=ip, bp=bp, lengths=lengths, pointers=pointers, dtype=dtype, deep=deep)
+    if bin_size != tokens * dtype.itemsize:
+        raise _fail(prefix, f"{bp} has {bin_size} bytes; the index's {n} sequences hold {tokens} {dtype.name} "
+                            f"tokens = {tokens * dtype.itemsize} bytes: truncated, or of another index")
+    _check_documents(prefix, doc_index, ip=ip, n=n, deep=deep)
     return Index(prefix=prefix, dtype=dtype, lengths=lengths, pointers=pointers, doc_index=doc_index,
                  num_tokens=tokens)
 

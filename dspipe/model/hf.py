@@ -330,11 +330,8 @@ def _runs(types: list[str]) -> str:
     return "[" + ", ".join(f"{t[:40]} x{n}" for t, n in runs) + "]"
 
 
-def _rope(cfg: dict, *, source, positions: int) -> dict:
-    """The rotary fields of ModelSpec from a config, read as transformers 5 does: rope_scaling (transformers 4) or
-    rope_parameters (transformers 5; rope_scaling wins when both are given), rope_theta inside it or at the top
-    level; rope_type default, linear, llama3 or yarn; original_max_position_embeddings at the top level, else in
-    the parameters, else max_position_embeddings. Anything that would change what dspipe computes is refused."""
+def _rope_params(cfg: dict, *, source) -> tuple[str, dict, str]:
+    """(key, parameters, rope_type) of a config's rotary scaling, refusing what dspipe does not compute."""
     key, params = None, {}
     for k in ("rope_parameters", "rope_scaling"):
         value = cfg.get(k)
@@ -370,32 +367,11 @@ def _rope(cfg: dict, *, source, positions: int) -> dict:
                 f"{source}: {where}partial_rotary_factor {_show(prf)} is not supported (dspipe rotates "
                 f"the whole head: 1.0 only)"
             )
-    get = _Reader(params, f"{source}: {key}")
-    theta = params["rope_theta"] if params.get("rope_theta") is not None else cfg.get("rope_theta", 10000.0)
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta) or theta <= 0:
-        raise SpecError(f"{source}: rope_theta must be a positive number, got {_show(theta)}")
-    out = {"rope_theta": float(theta)}
-    if kind == "default":
-        return out
-    out.update(rope_scaling=kind, rope_factor=get.number("factor"))
-    if kind == "linear":
-        return out
-    if cfg.get("original_max_position_embeddings") is not None:  # transformers prefers the top-level value (Phi-3)
-        original = _Reader(cfg, source).int("original_max_position_embeddings")
-    else:
-        original = get.int("original_max_position_embeddings", default=positions)
-    out["rope_original_context"] = original
-    if kind == "llama3":
-        out.update(
-            rope_low_freq_factor=get.number("low_freq_factor"), rope_high_freq_factor=get.number("high_freq_factor")
-        )
-        return out
-    # yarn: transformers takes beta_fast or 32, beta_slow or 1 (0 and null mean the default)
-    out.update(
-        rope_beta_fast=get.number("beta_fast", default=0.0) or 32.0,
-        rope_beta_slow=get.number("beta_slow", default=0.0) or 1.0,
-    )
-    factor = out["rope_factor"]
+    return key, params, kind
+
+
+def _check_yarn_scale(params: dict, *, get: _Reader, source, key: str, factor: float) -> None:
+    """Refuse a yarn attention factor (given, or from mscale and mscale_all_dim) or truncate dspipe does not use."""
 
     def mscale(m: float = 1.0) -> float:
         return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
@@ -421,6 +397,40 @@ def _rope(cfg: dict, *, source, positions: int) -> dict:
             f"{source}: {key}: truncate {_show(params['truncate'])} is not supported (dspipe's yarn "
             f"rounds the correction range outward: truncate true only)"
         )
+
+
+def _rope(cfg: dict, *, source, positions: int) -> dict:
+    """The rotary fields of ModelSpec from a config, read as transformers 5 does: rope_scaling (transformers 4) or
+    rope_parameters (transformers 5; rope_scaling wins when both are given), rope_theta inside it or at the top
+    level; rope_type default, linear, llama3 or yarn; original_max_position_embeddings at the top level, else in
+    the parameters, else max_position_embeddings. Anything that would change what dspipe computes is refused."""
+    key, params, kind = _rope_params(cfg, source=source)
+    get = _Reader(params, f"{source}: {key}")
+    theta = params["rope_theta"] if params.get("rope_theta") is not None else cfg.get("rope_theta", 10000.0)
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta) or theta <= 0:
+        raise SpecError(f"{source}: rope_theta must be a positive number, got {_show(theta)}")
+    out = {"rope_theta": float(theta)}
+    if kind == "default":
+        return out
+    out.update(rope_scaling=kind, rope_factor=get.number("factor"))
+    if kind == "linear":
+        return out
+    if cfg.get("original_max_position_embeddings") is not None:  # transformers prefers the top-level value (Phi-3)
+        original = _Reader(cfg, source).int("original_max_position_embeddings")
+    else:
+        original = get.int("original_max_position_embeddings", default=positions)
+    out["rope_original_context"] = original
+    if kind == "llama3":
+        out.update(
+            rope_low_freq_factor=get.number("low_freq_factor"), rope_high_freq_factor=get.number("high_freq_factor")
+        )
+        return out
+    # yarn: transformers takes beta_fast or 32, beta_slow or 1 (0 and null mean the default)
+    out.update(
+        rope_beta_fast=get.number("beta_fast", default=0.0) or 32.0,
+        rope_beta_slow=get.number("beta_slow", default=0.0) or 1.0,
+    )
+    _check_yarn_scale(params, get=get, source=source, key=key, factor=out["rope_factor"])
     return out
 
 

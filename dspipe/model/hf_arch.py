@@ -152,32 +152,32 @@ def rope_parameters(spec: ModelSpec) -> dict:
     return out
 
 
-def hf_config(spec: ModelSpec, *, eos_id: int | None, bos_id: int | None = None):
-    """The transformers config of architecture_of(spec) for `spec` (bos defaults to eos)."""
+def _gpt2_config(spec: ModelSpec, *, eos_id: int | None, bos_id: int | None):
+    """The transformers GPT2Config of a GPT-2 `spec`."""
     import transformers
 
-    arch = architecture_of(spec)
-    bos_id = eos_id if bos_id is None else bos_id
-    if arch == GPT2:
-        return transformers.GPT2Config(
-            vocab_size=spec.vocab,
-            n_positions=spec.seq_len,
-            n_embd=spec.hidden,
-            n_layer=spec.layers,
-            n_head=spec.heads,
-            n_inner=spec.ffn,
-            activation_function=GELU_TANH,
-            resid_pdrop=spec.dropout,
-            embd_pdrop=spec.dropout,
-            attn_pdrop=spec.dropout,
-            layer_norm_epsilon=spec.norm_eps,
-            tie_word_embeddings=spec.tied_embeddings,
-            bos_token_id=bos_id,
-            eos_token_id=eos_id,
-            architectures=[GPT2],
-        )
-    qkv, _, mlp = spec.biases
-    common = dict(
+    return transformers.GPT2Config(
+        vocab_size=spec.vocab,
+        n_positions=spec.seq_len,
+        n_embd=spec.hidden,
+        n_layer=spec.layers,
+        n_head=spec.heads,
+        n_inner=spec.ffn,
+        activation_function=GELU_TANH,
+        resid_pdrop=spec.dropout,
+        embd_pdrop=spec.dropout,
+        attn_pdrop=spec.dropout,
+        layer_norm_epsilon=spec.norm_eps,
+        tie_word_embeddings=spec.tied_embeddings,
+        bos_token_id=bos_id,
+        eos_token_id=eos_id,
+        architectures=[GPT2],
+    )
+
+
+def _common_fields(spec: ModelSpec, *, arch: str, eos_id: int | None, bos_id: int | None) -> dict:
+    """The config fields every Llama-style architecture takes from `spec`."""
+    return dict(
         vocab_size=spec.vocab,
         hidden_size=spec.hidden,
         intermediate_size=spec.ffn,
@@ -195,6 +195,18 @@ def hf_config(spec: ModelSpec, *, eos_id: int | None, bos_id: int | None = None)
         eos_token_id=eos_id,
         architectures=[arch],
     )
+
+
+def hf_config(spec: ModelSpec, *, eos_id: int | None, bos_id: int | None = None):
+    """The transformers config of architecture_of(spec) for `spec` (bos defaults to eos)."""
+    import transformers
+
+    arch = architecture_of(spec)
+    bos_id = eos_id if bos_id is None else bos_id
+    if arch == GPT2:
+        return _gpt2_config(spec, eos_id=eos_id, bos_id=bos_id)
+    qkv, _, mlp = spec.biases
+    common = _common_fields(spec, arch=arch, eos_id=eos_id, bos_id=bos_id)
     window = spec.sliding_window
     if arch == LLAMA:
         return transformers.LlamaConfig(**common, attention_bias=qkv, mlp_bias=mlp)

@@ -106,19 +106,10 @@ class Estimate:
         return max(0, self.memory.total - self.usable_gpu_memory_bytes)
 
 
-def estimate(
-    *,
-    model: ModelSpec,
-    cluster: ClusterSpec,
-    plan: Plan,
-    headroom: float = MEMORY_HEADROOM,
-    import_bytes: int | None = None,
-) -> Estimate:
-    """The plan's memory, time and start-up. `import_bytes`: bytes of the --init-from checkpoint's tensors
-    (dspipe.model.hf_weights.check_weights), None for a random initialisation."""
-    memory, phi = stage_memory(model=model, cluster=cluster, plan=plan)
-    host_per_rank = host_offload_per_rank(model=model, plan=plan)
-    # Start-up: what each rank builds (or imports) before its first step, on the stage with the most parameters.
+def _plan_startup(
+    *, model: ModelSpec, cluster: ClusterSpec, plan: Plan, host_per_rank: int, import_bytes: int | None
+) -> StartupEstimate:
+    """Start-up: what each rank builds (or imports) before its first step, on the stage with the most parameters."""
     stages = stage_params(model=model, pp=plan.pp, partition_method=plan.partition_method, tp=plan.tp, ep=plan.ep)
     # MoE (pp 1, tp 1, ZeRO 0-2: the device build): a rank materialises the dense parameters and its own experts /
     # ep of every sparse block, which the expert-parallel wrapper keeps (an assumption on the build: materialising
@@ -131,7 +122,7 @@ def estimate(
         worst = max(range(len(stages)), key=lambda i: stages[i] + tensors[i])
         largest = tensors[worst]
     whole = stage_elements(model, plan.pp, plan.partition_method, plan.tp)  # what a stage's rank draws
-    startup = startup_estimate(
+    return startup_estimate(
         mode=build_mode(zero_stage=plan.zero_stage, tp=plan.tp, pp=plan.pp),
         num_params=built,
         rank_params=max(stages) if plan.pp == 1 else None,
@@ -145,6 +136,23 @@ def estimate(
         ranks_per_node=cluster.gpus_per_node,
         host_offload_per_rank=host_per_rank,
         import_bytes=import_bytes,
+    )
+
+
+def estimate(
+    *,
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    plan: Plan,
+    headroom: float = MEMORY_HEADROOM,
+    import_bytes: int | None = None,
+) -> Estimate:
+    """The plan's memory, time and start-up. `import_bytes`: bytes of the --init-from checkpoint's tensors
+    (dspipe.model.hf_weights.check_weights), None for a random initialisation."""
+    memory, phi = stage_memory(model=model, cluster=cluster, plan=plan)
+    host_per_rank = host_offload_per_rank(model=model, plan=plan)
+    startup = _plan_startup(
+        model=model, cluster=cluster, plan=plan, host_per_rank=host_per_rank, import_bytes=import_bytes
     )
     t = step_time(model=model, cluster=cluster, plan=plan, phi=phi)
     return Estimate(

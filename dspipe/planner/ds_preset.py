@@ -511,8 +511,9 @@ def _data_types(imp: PresetImport, value: dict[str, Any], canon: dict[str, Any])
         canon[key] = v  # compared with the plan's grad_accum_dtype after rendering
 
 
-def _zero(imp: PresetImport, value: dict[str, Any], canon: dict[str, Any]) -> None:
-    value = dict(value)
+def _zero_key_names(imp: PresetImport, value: dict[str, Any]) -> None:
+    """Rewrite zero_optimization's alias, deprecated and legacy keys in `value` to the names dspipe reads, refusing
+    the removed ones and a key given twice."""
     for key in REMOVED_ZERO:
         if key in value:
             raise imp.error(
@@ -560,16 +561,10 @@ def _zero(imp: PresetImport, value: dict[str, Any], canon: dict[str, Any]) -> No
             )
         value[new] = value.pop(old)
         imp.note(f"zero_optimization.{old} is DeepSpeed's deprecated name; read as {new}")
-    for sub, table in (("offload_optimizer", OFFLOAD_OPTIMIZER), ("offload_param", OFFLOAD_PARAM)):
-        if sub in value:
-            block = value.pop(sub)
-            if block is None:
-                continue
-            if not isinstance(block, dict):
-                raise imp.error(f"zero_optimization.{sub}", block, "must be a JSON object")
-            canon[sub] = {}
-            _section(imp, f"zero_optimization.{sub}", block, canon[sub], table, unrendered=UNRENDERED_OFFLOAD)
-    _section(imp, "zero_optimization", value, canon, ZERO, unrendered=UNRENDERED_ZERO)
+
+
+def _zero_offload_options(imp: PresetImport, canon: dict[str, Any]) -> None:
+    """The offload, offload_params and nvme_path options a canonical zero_optimization's offload devices set."""
     opt_dev = canon.get("offload_optimizer", {}).get("device", "none")
     par_dev = canon.get("offload_param", {}).get("device", "none")
     if AUTO not in (opt_dev, par_dev):
@@ -595,6 +590,22 @@ def _zero(imp: PresetImport, value: dict[str, Any], canon: dict[str, Any]) -> No
             imp.origins["nvme_path"] = (
                 f"zero_optimization.offload_{'optimizer' if opt_dev == 'nvme' else 'param'}.nvme_path"
             )
+
+
+def _zero(imp: PresetImport, value: dict[str, Any], canon: dict[str, Any]) -> None:
+    value = dict(value)
+    _zero_key_names(imp, value)
+    for sub, table in (("offload_optimizer", OFFLOAD_OPTIMIZER), ("offload_param", OFFLOAD_PARAM)):
+        if sub in value:
+            block = value.pop(sub)
+            if block is None:
+                continue
+            if not isinstance(block, dict):
+                raise imp.error(f"zero_optimization.{sub}", block, "must be a JSON object")
+            canon[sub] = {}
+            _section(imp, f"zero_optimization.{sub}", block, canon[sub], table, unrendered=UNRENDERED_OFFLOAD)
+    _section(imp, "zero_optimization", value, canon, ZERO, unrendered=UNRENDERED_ZERO)
+    _zero_offload_options(imp, canon)
 
 
 def _pipeline(imp: PresetImport, value: dict[str, Any], canon: dict[str, Any]) -> None:

@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, fields, replace
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from dspipe.errors import SpecError
 from dspipe.planner.cost import Estimate, estimate, throughput
 from dspipe.planner.plan import Plan, RuleError, make_plan
 from dspipe.spec.cluster import ClusterSpec
 from dspipe.spec.core import StrategyRequest
-from dspipe.spec.kinds import Offload
+from dspipe.spec.kinds import Axis, Offload
 from dspipe.spec.layout import ParallelLayout
 from dspipe.spec.model import ModelSpec
 from dspipe.spec.settings import AUTO
@@ -63,7 +63,7 @@ class Candidate:
         """One line: family, precision, parallel sizes (tp and sp only when > 1 unless `every_axis`), batch split,
         recomputation."""
         p = self.plan
-        extra = "".join(f", {k} {v}" for k, v in (("tp", p.tp), ("sp", p.sp)) if v > 1 or every_axis)
+        extra = "".join(f", {k} {v}" for k, v in ((Axis.TP, p.tp), (Axis.SP, p.sp)) if v > 1 or every_axis)
         extra += f", ep {p.ep}" if p.experts or p.ep > 1 else ""  # a mixture of experts always names its ep
         return (
             f"{self.family}, {p.precision}, pp {p.pp}{extra}, dp {p.dp}, micro {p.micro_batch} x ga {p.grad_accum}"
@@ -134,6 +134,70 @@ def rule_of(error: SpecError) -> int:
     return error.rule if isinstance(error, RuleError) else 0
 
 
+def _batch_options(
+    *, world: int, pp: int, tp: int, sp: int, train: TrainSpec, micro_batch: int | None
+) -> tuple[int, list[int]]:
+    """(dp, micro-batches to try) of a pp x tp x sp layout of `world` ranks; dp 1 for an invalid one."""
+    # an invalid pp/tp/sp is rejected by StrategySpec / the rules; dp 1 keeps the micro-batch list finite
+    valid = (
+        all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (pp, tp, sp))
+        and world % (pp * tp * sp) == 0
+    )
+    dp = ParallelLayout(world=world, pp=pp, tp=tp, sp=sp).dp if valid else 1
+    micro = options(
+        micro_batch, divisors(train.global_batch // dp, MAX_MICRO_BATCH) if train.global_batch % dp == 0 else [1]
+    )
+    return dp, micro
+
+
+def _note_refusal(
+    found: Enumerated, error: SpecError, *, zero: int, offload: str, pp: int, tp: int, sp: int, ep: int
+) -> int:
+    """Record a refused strategy's error in `found` (in the order met, by family and by axis); the refusing rule."""
+    found.errors.append(error)
+    rule = rule_of(error)
+    family = f"ZeRO-{zero}" + ("" if offload == Offload.NONE else f" + {offload} offload")
+    found.by_family.setdefault(family, {}).setdefault(rule, str(error))
+    for table, key in ((found.by_tp, tp), (found.by_sp, sp), (found.by_ep, ep), (found.by_pp, pp)):
+        table.setdefault(key, {}).setdefault(rule, str(error))
+    return rule
+
+
+def _search_space(
+    r: StrategyRequest, *, precisions: list[str], offloads: list[str], pps: list[int], tps: list[int], sps: list[int]
+) -> Iterator[tuple[str, int, str, bool, int, int, int, str]]:
+    """Every (precision, zero, offload, offload_params, pp, tp, sp, checkpointing) the search tries, in its order."""
+    return itertools.product(
+        precisions,
+        options(r.zero, [0, 1, 2, 3]),
+        offloads,
+        options(r.offload_params, [False, True]),
+        pps,
+        tps,
+        sps,
+        options(r.checkpointing, AUTO_CHECKPOINTING),
+    )
+
+
+def _strategy(
+    structure: tuple[str, int, str, bool, int, int, int, int], *, checkpointing: str, as_asked: dict[str, Any]
+) -> StrategySpec:
+    """The StrategySpec of a searched (precision, zero, offload, offload_params, pp, tp, sp, ep) and recomputation,
+    with the request's other fields as asked."""
+    _, zero, offload, offload_params, pp, tp, sp, ep = structure
+    return StrategySpec(
+        zero=zero,
+        offload=offload,
+        offload_params=offload_params,
+        pp=pp,
+        tp=tp,
+        sp=sp,
+        ep=ep,
+        checkpointing=checkpointing,
+        **as_asked,
+    )
+
+
 def enumerate_candidates(
     *,
     model: ModelSpec,
@@ -162,25 +226,9 @@ def enumerate_candidates(
     # strategies a rule refuses whatever the micro-batch and recomputation: tried once
     refused: set[tuple[str, int, str, bool, int, int, int, int]] = set()
     trains: dict[tuple[str, int], TrainSpec] = {}  # (precision, micro-batch) -> TrainSpec, validated once
-    for prec, zero, offload, offload_params, pp, tp, sp, ckpt in itertools.product(
-        precision,
-        options(r.zero, [0, 1, 2, 3]),
-        offloads,
-        options(r.offload_params, [False, True]),
-        pps,
-        found.tp_list,
-        found.sp_list,
-        options(r.checkpointing, AUTO_CHECKPOINTING),
-    ):
-        # an invalid pp/tp/sp is rejected by StrategySpec / the rules below; dp 1 keeps the micro-batch list finite
-        valid = (
-            all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (pp, tp, sp))
-            and world % (pp * tp * sp) == 0
-        )
-        dp = ParallelLayout(world=world, pp=pp, tp=tp, sp=sp).dp if valid else 1
-        micro = options(
-            r.micro_batch, divisors(train.global_batch // dp, MAX_MICRO_BATCH) if train.global_batch % dp == 0 else [1]
-        )
+    space = _search_space(r, precisions=precision, offloads=offloads, pps=pps, tps=found.tp_list, sps=found.sp_list)
+    for prec, zero, offload, offload_params, pp, tp, sp, ckpt in space:
+        dp, micro = _batch_options(world=world, pp=pp, tp=tp, sp=sp, train=train, micro_batch=r.micro_batch)
         for ep in options(r.ep, ep_choices(model, dp)):
             if ep not in found.ep_list:
                 found.ep_list.append(ep)
@@ -189,29 +237,13 @@ def enumerate_candidates(
                 continue
             for mb in micro:
                 try:
-                    strategy = StrategySpec(
-                        zero=zero,
-                        offload=offload,
-                        offload_params=offload_params,
-                        pp=pp,
-                        tp=tp,
-                        sp=sp,
-                        ep=ep,
-                        checkpointing=ckpt,
-                        **as_asked,
-                    )
+                    strategy = _strategy(structure, checkpointing=ckpt, as_asked=as_asked)
                     t = trains.get((prec, mb))
                     if t is None:
                         t = trains[prec, mb] = replace(train, precision=prec, micro_batch=mb)
                     plan = make_plan(model=model, cluster=cluster, train=t, strategy=strategy)
                 except SpecError as e:
-                    found.errors.append(e)
-                    rule = rule_of(e)
-                    family = f"ZeRO-{zero}" + ("" if offload == Offload.NONE else f" + {offload} offload")
-                    found.by_family.setdefault(family, {}).setdefault(rule, str(e))
-                    for table, key in ((found.by_tp, tp), (found.by_sp, sp), (found.by_ep, ep), (found.by_pp, pp)):
-                        table.setdefault(key, {}).setdefault(rule, str(e))
-                    if rule == BATCH_RULE:
+                    if _note_refusal(found, e, zero=zero, offload=offload, pp=pp, tp=tp, sp=sp, ep=ep) == BATCH_RULE:
                         continue
                     refused.add(structure)  # no other rule reads the micro-batch or the recomputation
                     break

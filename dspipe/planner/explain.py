@@ -14,6 +14,7 @@ from dspipe.planner.startup import size_text
 from dspipe.spec.cluster import ClusterSpec
 from dspipe.spec.core import StrategyRequest
 from dspipe.spec.hardware import GIB
+from dspipe.spec.kinds import Axis
 from dspipe.spec.model import ModelSpec
 from dspipe.spec.settings import is_auto
 from dspipe.spec.strategy import StrategySpec
@@ -42,12 +43,12 @@ def rejected(
         if family not in families:
             out[family] = rules_text(rules)
     axes = [
-        ("tp", found.tp_list, found.by_tp, best and best.plan.tp),
-        ("sp", found.sp_list, found.by_sp, best and best.plan.sp),
-        ("ep", found.ep_list, found.by_ep, best and best.plan.ep),
+        (Axis.TP, found.tp_list, found.by_tp, best and best.plan.tp),
+        (Axis.SP, found.sp_list, found.by_sp, best and best.plan.sp),
+        (Axis.EP, found.ep_list, found.by_ep, best and best.plan.ep),
     ]
     if model.experts:  # a mixture of experts trains at pp 1 only: say why the others were not candidates
-        axes.append(("pp", sorted(set(found.by_pp) | {1}), found.by_pp, best and best.plan.pp))
+        axes.append((Axis.PP, sorted(set(found.by_pp) | {1}), found.by_pp, best and best.plan.pp))
     for label, values, table, chosen in axes:
         if len(values) < 2 and is_auto(getattr(request, label)):
             continue  # nothing was chosen along this axis

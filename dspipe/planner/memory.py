@@ -384,6 +384,138 @@ def embedding_bytes(*, model: ModelSpec, micro_batch: int, sp: int = 1) -> int:
     return 8 * s * micro_batch + (8 * s if model.positions == "learned" else 0)
 
 
+def _sparse_blocks_bytes(
+    *,
+    model: ModelSpec,
+    micro_batch: int,
+    checkpointing: str,
+    act_bytes: int,
+    tp: int,
+    sp: int,
+    kernels: str,
+    sparse: int,
+) -> tuple[int, int]:
+    """(saved, working): what `sparse` mixture-of-experts blocks save beyond as many dense blocks, and what one's
+    all-to-all gradient buffers add to the peak ((0, 0) without any)."""
+    if not sparse:
+        return 0, 0
+    tokens = share(model.seq_len, sp) * micro_batch
+    dense = activation_bytes_per_layer(
+        model=model,
+        micro_batch=micro_batch,
+        checkpointing=checkpointing,
+        act_bytes=act_bytes,
+        tp=tp,
+        sp=sp,
+        kernels=kernels,
+        windowed=False,
+    )
+    saved = sparse * (
+        activation_bytes_per_layer(
+            model=model,
+            micro_batch=micro_batch,
+            checkpointing=checkpointing,
+            act_bytes=act_bytes,
+            tp=tp,
+            sp=sp,
+            kernels=kernels,
+            windowed=False,
+            sparse=True,
+        )
+        - dense
+    )
+    return saved, moe_working_bytes(model=model, tokens=tokens, act_bytes=act_bytes)
+
+
+def _stage_blocks_bytes(
+    *,
+    model: ModelSpec,
+    micro_batch: int,
+    checkpointing: str,
+    act_bytes: int,
+    blocks: int,
+    windowed: int,
+    sparse: int,
+    tp: int,
+    sp: int,
+    kernels: str,
+    tp_sp: bool,
+) -> tuple[int, int, int]:
+    """(saved, working, moe_working): what a stage's blocks save, one recomputed block under full checkpointing, and
+    one sparse block's all-to-all gradient buffers (micro_batch_activations' terms)."""
+
+    def per_layer(masked: bool) -> int:
+        return activation_bytes_per_layer(
+            model=model,
+            micro_batch=micro_batch,
+            checkpointing=checkpointing,
+            act_bytes=act_bytes,
+            tp=tp,
+            sp=sp,
+            kernels=kernels,
+            windowed=masked,
+            tp_sp=tp_sp,
+        )
+
+    saved = (blocks - windowed) * per_layer(False) + windowed * per_layer(True)
+    moe_saved, moe_working = _sparse_blocks_bytes(
+        model=model,
+        micro_batch=micro_batch,
+        checkpointing=checkpointing,
+        act_bytes=act_bytes,
+        tp=tp,
+        sp=sp,
+        kernels=kernels,
+        sparse=sparse,
+    )
+    if checkpointing != Checkpointing.FULL or not blocks:
+        return saved + moe_saved, 0, moe_working
+    working = recompute_working_bytes(
+        model=model,
+        micro_batch=micro_batch,
+        act_bytes=act_bytes,
+        tp=tp,
+        sp=sp,
+        kernels=kernels,
+        windowed=windowed > 0,
+        sparse=sparse > 0,
+        tp_sp=tp_sp,
+    )
+    return saved + moe_saved, working, moe_working
+
+
+def _last_stage_bytes(
+    *,
+    model: ModelSpec,
+    micro_batch: int,
+    act_bytes: int,
+    tp: int,
+    sp: int,
+    kernels: str,
+    tp_sp: bool,
+    loss_chunk: int,
+    last: bool,
+) -> tuple[int, int]:
+    """(head, chunk): what the last stage's head and loss save and a chunked loss's one chunk of logits ((0, 0) on
+    any other stage)."""
+    if not last:
+        return 0, 0
+    head = logits_bytes(
+        model=model,
+        micro_batch=micro_batch,
+        sp=sp,
+        act_bytes=act_bytes,
+        kernels=kernels,
+        tp=tp,
+        tp_sp=tp_sp,
+        loss_chunk=loss_chunk,
+    )
+    chunk = loss_chunk_working_bytes(
+        model=model, micro_batch=micro_batch, loss_chunk=loss_chunk, sp=sp, act_bytes=act_bytes
+    )
+    return head, chunk
+
+
 def micro_batch_activations(
     *,
     model: ModelSpec,
@@ -414,88 +546,33 @@ def micro_batch_activations(
     moe_working_bytes, add to the peak)."""
     if windowed is None:
         windowed = windowed_blocks(model, range(model.layers - blocks, model.layers))
-
-    def per_layer(masked: bool) -> int:
-        return activation_bytes_per_layer(
-            model=model,
-            micro_batch=micro_batch,
-            checkpointing=checkpointing,
-            act_bytes=act_bytes,
-            tp=tp,
-            sp=sp,
-            kernels=kernels,
-            windowed=masked,
-            tp_sp=tp_sp,
-        )
-
-    saved = (blocks - windowed) * per_layer(False) + windowed * per_layer(True)
+    saved, working, moe_working = _stage_blocks_bytes(
+        model=model,
+        micro_batch=micro_batch,
+        checkpointing=checkpointing,
+        act_bytes=act_bytes,
+        blocks=blocks,
+        windowed=windowed,
+        sparse=sparse,
+        tp=tp,
+        sp=sp,
+        kernels=kernels,
+        tp_sp=tp_sp,
+    )
     ids = embedding_bytes(model=model, micro_batch=micro_batch, sp=sp) if first else 0
-    head = (
-        logits_bytes(
-            model=model,
-            micro_batch=micro_batch,
-            sp=sp,
-            act_bytes=act_bytes,
-            kernels=kernels,
-            tp=tp,
-            tp_sp=tp_sp,
-            loss_chunk=loss_chunk,
-        )
-        if last
-        else 0
+    head, chunk = _last_stage_bytes(
+        model=model,
+        micro_batch=micro_batch,
+        act_bytes=act_bytes,
+        tp=tp,
+        sp=sp,
+        kernels=kernels,
+        tp_sp=tp_sp,
+        loss_chunk=loss_chunk,
+        last=last,
     )
-    chunk = (
-        loss_chunk_working_bytes(
-            model=model, micro_batch=micro_batch, loss_chunk=loss_chunk, sp=sp, act_bytes=act_bytes
-        )
-        if last
-        else 0
-    )
-    moe_working = 0
-    if sparse:
-        tokens = share(model.seq_len, sp) * micro_batch
-        dense = activation_bytes_per_layer(
-            model=model,
-            micro_batch=micro_batch,
-            checkpointing=checkpointing,
-            act_bytes=act_bytes,
-            tp=tp,
-            sp=sp,
-            kernels=kernels,
-            windowed=False,
-        )
-        saved += sparse * (
-            activation_bytes_per_layer(
-                model=model,
-                micro_batch=micro_batch,
-                checkpointing=checkpointing,
-                act_bytes=act_bytes,
-                tp=tp,
-                sp=sp,
-                kernels=kernels,
-                windowed=False,
-                sparse=True,
-            )
-            - dense
-        )
-        moe_working = moe_working_bytes(model=model, tokens=tokens, act_bytes=act_bytes)
     if checkpointing != Checkpointing.FULL:
         return saved + ids + head, max(moe_working, chunk)
-    working = (
-        recompute_working_bytes(
-            model=model,
-            micro_batch=micro_batch,
-            act_bytes=act_bytes,
-            tp=tp,
-            sp=sp,
-            kernels=kernels,
-            windowed=windowed > 0,
-            sparse=sparse > 0,
-            tp_sp=tp_sp,
-        )
-        if blocks
-        else 0
-    )
     return saved + ids, max(head + chunk, working + moe_working)
 
 
@@ -587,7 +664,7 @@ def _model_states(*, model: ModelSpec, plan: Plan, phi: int) -> tuple[dict[str, 
     per rank; the host's are _host_states'. What is partitioned (Phi/N below) is summed over stages.param_groups:
     under MoE the dense parameters over N = dp x sp and the rank's experts over the dp / ep expert-data-parallel
     ranks (12 Phi_d / dp + 12 Phi_e / (dp / ep) of optimizer state, Phi_e = routed experts / ep)."""
-    n, z, b = zero_group_size(plan), plan.zero_stage, dtype_bytes(plan.precision)
+    z, b = plan.zero_stage, dtype_bytes(plan.precision)
     groups = param_groups(model=model, plan=plan, phi=phi)
 
     def part(k: int) -> int:  # k bytes per parameter, each kind partitioned over its ZeRO group
@@ -633,18 +710,27 @@ def _model_states(*, model: ModelSpec, plan: Plan, phi: int) -> tuple[dict[str, 
             buffers=(int(4.5 * bucket) if plan.overlap_comm else 0) + (largest if z == 2 else 0),
         )
     else:
-        persistent = persistent_params(model=model, threshold=plan.param_persistence_threshold)
-        # the partitions (moved to the host with offload_params) and the persistent tensors, whole on every rank
-        params = b * persistent if plan.offload_params else b * (phi // n + persistent * (n - 1) // n)
-        steady = dict(
-            params=params,
-            grads=0 if offload else 4 * phi // n,
-            optimizer=0 if offload else 12 * phi // n,
-            buffers=bucket,
-        )  # the contiguous-gradients reduce bucket stays allocated
-        backward = dict(grads=0, buffers=b * zero3_backward_working(model=model, plan=plan))
-        step = dict(grads=0 if offload else 4 * phi // n, buffers=0)  # the fp32 gradients handed to the optimizer
-        transient = max(backward, step, key=lambda t: sum(t.values()))
+        steady, transient = _zero3_states(model=model, plan=plan, phi=phi)
+    return steady, transient
+
+
+def _zero3_states(*, model: ModelSpec, plan: Plan, phi: int) -> tuple[dict[str, int], dict[str, int]]:
+    """_model_states' (steady, transient) device bytes per rank under ZeRO-3."""
+    n, b = zero_group_size(plan), dtype_bytes(plan.precision)
+    bucket = plan.reduce_bucket_size * b
+    offload = plan.offload != Offload.NONE
+    persistent = persistent_params(model=model, threshold=plan.param_persistence_threshold)
+    # the partitions (moved to the host with offload_params) and the persistent tensors, whole on every rank
+    params = b * persistent if plan.offload_params else b * (phi // n + persistent * (n - 1) // n)
+    steady = dict(
+        params=params,
+        grads=0 if offload else 4 * phi // n,
+        optimizer=0 if offload else 12 * phi // n,
+        buffers=bucket,
+    )  # the contiguous-gradients reduce bucket stays allocated
+    backward = dict(grads=0, buffers=b * zero3_backward_working(model=model, plan=plan))
+    step = dict(grads=0 if offload else 4 * phi // n, buffers=0)  # the fp32 gradients handed to the optimizer
+    transient = max(backward, step, key=lambda t: sum(t.values()))
     return steady, transient
 
 

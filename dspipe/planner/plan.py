@@ -9,7 +9,7 @@ from functools import lru_cache
 from dspipe.errors import SpecError
 from dspipe.model.tp_split import vocab_split as vocab_rows
 from dspipe.spec.cluster import ClusterSpec
-from dspipe.spec.kinds import Checkpointing, Offload, Precision
+from dspipe.spec.kinds import Axis, Checkpointing, Offload, Precision
 from dspipe.spec.layout import ParallelLayout
 from dspipe.spec.model import ModelSpec
 from dspipe.spec.strategy import StrategySpec
@@ -191,73 +191,83 @@ train the plain model's losses: tests/distributed/test_tp_pp.py, test_startup.py
 def _check_tensor_sequence(*, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strategy: StrategySpec) -> None:
     """What dspipe's tensor-parallel layers (Megatron layout: tp inside a node, composed with the pipeline, ZeRO
     0-3 and Ulysses) and DeepSpeed 0.19.8's Ulysses support (design notes sections 7 and 8)."""
-    tp, sp, pp, zero, g = strategy.tp, strategy.sp, strategy.pp, strategy.zero, cluster.gpus_per_node
+    tp, sp, g = strategy.tp, strategy.sp, cluster.gpus_per_node
     if tp > 1:
-        if g % tp:
-            raise RuleError(
-                2,
-                f"tp {tp} does not divide the {g} GPUs per node: tensor-parallel ranks exchange "
-                f"activations in every layer and must share one node (tp across nodes is refused)",
-            )
-        for name, value in (("heads", model.heads), ("kv_heads", model.kv_groups), ("ffn", model.ffn)):
-            if value % tp:
-                raise RuleError(
-                    2, f"model {name} {value} is not divisible by tp {tp} ({value} / {tp} = {value / tp:g})"
-                )
-        per, last = vocab_rows(model.vocab, tp)
-        if last < 1:
-            raise RuleError(
-                2,
-                f"model vocab {model.vocab} over tp {tp}: ceil({model.vocab} / {tp}) = {per} rows per "
-                f"rank leaves the last rank {last} (vocab - {tp - 1} x {per}); the vocab-parallel "
-                f"embedding and head need at least 1 row on every rank",
-            )
-        tokens = model.seq_len // sp if model.seq_len % sp == 0 else model.seq_len
-        if strategy.tp_sp and tokens % tp:
-            raise RuleError(
-                2,
-                f"model seq_len {model.seq_len} / sp {sp} = {tokens} tokens per rank are not divisible "
-                f"by tp {tp}: Megatron sequence parallelism splits them over the tp ranks; use --no-tp-sp "
-                f"or a seq_len divisible by {sp * tp}",
-            )
-        if strategy.loss_chunk:
-            raise RuleError(
-                3,
-                f"loss_chunk {strategy.loss_chunk} with tp {tp}: the tensor-parallel head computes a "
-                f"vocab-parallel cross-entropy of its ceil({model.vocab} / {tp}) = {per} vocabulary rows "
-                f"(no chunked loss there); use --loss-chunk 0 or --tp 1",
-            )
-        if zero == 0 and train.precision != Precision.FP32:
-            raise RuleError(
-                3,
-                f"tp {tp} with ZeRO-0 in {train.precision}: DeepSpeed's ZeRO-0 {train.precision} "
-                f"optimizer reports and clips by the gradient norm of rank 0's shards only; "
-                "use --zero 1 or 2",
-            )
+        _check_tensor(model=model, train=train, strategy=strategy, gpus_per_node=g)
     if sp > 1:
-        for name, value in (("heads", model.heads), ("seq_len", model.seq_len)):
-            if value % sp:
-                raise RuleError(
-                    2,
-                    f"model {name} {value} is not divisible by sp {sp} "
-                    f"({value} / {sp} = {value / sp:g}): "
-                    f"Ulysses splits the sequence, then the heads, across the sp ranks",
-                )
-        if tp > 1 and (model.heads // tp) % sp:
+        _check_sequence(model=model, strategy=strategy)
+
+
+def _check_tensor(*, model: ModelSpec, train: TrainSpec, strategy: StrategySpec, gpus_per_node: int) -> None:
+    """_check_tensor_sequence's rules for tp > 1."""
+    tp, sp, zero, g = strategy.tp, strategy.sp, strategy.zero, gpus_per_node
+    if g % tp:
+        raise RuleError(
+            2,
+            f"tp {tp} does not divide the {g} GPUs per node: tensor-parallel ranks exchange "
+            f"activations in every layer and must share one node (tp across nodes is refused)",
+        )
+    for name, value in (("heads", model.heads), ("kv_heads", model.kv_groups), ("ffn", model.ffn)):
+        if value % tp:
+            raise RuleError(2, f"model {name} {value} is not divisible by tp {tp} ({value} / {tp} = {value / tp:g})")
+    per, last = vocab_rows(model.vocab, tp)
+    if last < 1:
+        raise RuleError(
+            2,
+            f"model vocab {model.vocab} over tp {tp}: ceil({model.vocab} / {tp}) = {per} rows per "
+            f"rank leaves the last rank {last} (vocab - {tp - 1} x {per}); the vocab-parallel "
+            f"embedding and head need at least 1 row on every rank",
+        )
+    tokens = model.seq_len // sp if model.seq_len % sp == 0 else model.seq_len
+    if strategy.tp_sp and tokens % tp:
+        raise RuleError(
+            2,
+            f"model seq_len {model.seq_len} / sp {sp} = {tokens} tokens per rank are not divisible "
+            f"by tp {tp}: Megatron sequence parallelism splits them over the tp ranks; use --no-tp-sp "
+            f"or a seq_len divisible by {sp * tp}",
+        )
+    if strategy.loss_chunk:
+        raise RuleError(
+            3,
+            f"loss_chunk {strategy.loss_chunk} with tp {tp}: the tensor-parallel head computes a "
+            f"vocab-parallel cross-entropy of its ceil({model.vocab} / {tp}) = {per} vocabulary rows "
+            f"(no chunked loss there); use --loss-chunk 0 or --tp 1",
+        )
+    if zero == 0 and train.precision != Precision.FP32:
+        raise RuleError(
+            3,
+            f"tp {tp} with ZeRO-0 in {train.precision}: DeepSpeed's ZeRO-0 {train.precision} "
+            f"optimizer reports and clips by the gradient norm of rank 0's shards only; "
+            "use --zero 1 or 2",
+        )
+
+
+def _check_sequence(*, model: ModelSpec, strategy: StrategySpec) -> None:
+    """_check_tensor_sequence's rules for sp > 1."""
+    tp, sp, pp, zero = strategy.tp, strategy.sp, strategy.pp, strategy.zero
+    for name, value in (("heads", model.heads), ("seq_len", model.seq_len)):
+        if value % sp:
             raise RuleError(
                 2,
-                f"model heads {model.heads} / tp {tp} = {model.heads // tp} heads per tp rank are not "
-                f"divisible by sp {sp}: Ulysses spreads each tp rank's heads over the sp ranks",
+                f"model {name} {value} is not divisible by sp {sp} "
+                f"({value} / {sp} = {value / sp:g}): "
+                f"Ulysses splits the sequence, then the heads, across the sp ranks",
             )
-        if tp > 1 and zero == 3:
-            raise RuleError(3, f"ZeRO-3 with tp {tp} x sp {sp}: {TP_SP_ZERO3_REFUSAL}")
-        if pp > 1:
-            raise RuleError(
-                3,
-                f"sp {sp} with pp {pp}: DeepSpeed's pipeline engine cannot carry Ulysses sequence "
-                f"shards (its partitioned pipe tensors and gradient reduction ignore the sp group); "
-                "use sp or pp",
-            )
+    if tp > 1 and (model.heads // tp) % sp:
+        raise RuleError(
+            2,
+            f"model heads {model.heads} / tp {tp} = {model.heads // tp} heads per tp rank are not "
+            f"divisible by sp {sp}: Ulysses spreads each tp rank's heads over the sp ranks",
+        )
+    if tp > 1 and zero == 3:
+        raise RuleError(3, f"ZeRO-3 with tp {tp} x sp {sp}: {TP_SP_ZERO3_REFUSAL}")
+    if pp > 1:
+        raise RuleError(
+            3,
+            f"sp {sp} with pp {pp}: DeepSpeed's pipeline engine cannot carry Ulysses sequence "
+            f"shards (its partitioned pipe tensors and gradient reduction ignore the sp group); "
+            "use sp or pp",
+        )
 
 
 def _check_experts(*, model: ModelSpec, train: TrainSpec, strategy: StrategySpec, world: int) -> None:
@@ -277,9 +287,9 @@ def _check_experts(*, model: ModelSpec, train: TrainSpec, strategy: StrategySpec
             f"Use AutoEP or choose ZeRO stage 1/2",
         )
     for name, value, why in (
-        ("pp", pp, "the stages would have to carry the load-balancing loss; not built"),
-        ("tp", tp, "dspipe's tensor-parallel layers are not combined with DeepSpeed's MoE layer"),
-        ("sp", sp, "DeepSpeed's MoE layer is not wired to the Ulysses sequence groups"),
+        (Axis.PP, pp, "the stages would have to carry the load-balancing loss; not built"),
+        (Axis.TP, tp, "dspipe's tensor-parallel layers are not combined with DeepSpeed's MoE layer"),
+        (Axis.SP, sp, "DeepSpeed's MoE layer is not wired to the Ulysses sequence groups"),
     ):
         if value > 1:
             raise RuleError(

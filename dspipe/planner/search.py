@@ -11,10 +11,11 @@ from dspipe.planner.enumerate import Candidate, enumerate_candidates, rule_of
 from dspipe.planner.explain import over, rejected, shortfall_text
 from dspipe.planner.memory import MEMORY_HEADROOM
 from dspipe.planner.rank import rank
+from dspipe.planner.startup import StartupEstimate
 from dspipe.spec.cluster import ClusterSpec
 from dspipe.spec.core import StrategyRequest
 from dspipe.spec.hardware import GIB
-from dspipe.spec.kinds import Offload
+from dspipe.spec.kinds import Axis, Offload
 from dspipe.spec.model import ModelSpec
 from dspipe.spec.settings import is_auto
 from dspipe.spec.train import TrainSpec
@@ -66,6 +67,31 @@ def search(
     )
 
 
+def _startup_tries(
+    *, startup: StartupEstimate, cluster: ClusterSpec, request: StrategyRequest
+) -> list[tuple[str, ClusterSpec, StrategyRequest]]:
+    """What nothing_fits_message re-searches when the start-up's host RAM is short: each pinned tp / pp / ZeRO stage
+    left to the planner, all of them, and nodes with the RAM the start-up needs."""
+    pinned = [k for k in (Axis.TP, Axis.PP, "zero") if not is_auto(getattr(request, k))]
+    relaxed = [(f"--{k} auto", cluster, replace(request, **{k: None})) for k in pinned]
+    if len(pinned) > 1:
+        relaxed.append(
+            (" ".join(f"--{k} auto" for k in pinned), cluster, replace(request, **{k: None for k in pinned}))
+        )
+    needed = math.ceil(startup.host_per_node_bytes / GIB)
+    try:
+        relaxed.append(
+            (
+                f"{needed:,} GiB host RAM per node (--host-memory-gib)",
+                replace(cluster, host_memory_gib=float(needed)),
+                request,
+            )
+        )
+    except SpecError:  # beyond any --host-memory-gib
+        pass
+    return relaxed
+
+
 def nothing_fits_message(
     *,
     result: SearchResult,
@@ -100,24 +126,7 @@ def nothing_fits_message(
         tries.insert(0, ("--ep auto", cluster, replace(request, ep=None)))
     # the build holds more than the node's RAM (so there is a start-up estimate): another build mode may not
     if c.est.startup is not None and c.est.startup_host_shortfall_bytes:
-        pinned = [k for k in ("tp", "pp", "zero") if not is_auto(getattr(request, k))]
-        relaxed = [(f"--{k} auto", cluster, replace(request, **{k: None})) for k in pinned]
-        if len(pinned) > 1:
-            relaxed.append(
-                (" ".join(f"--{k} auto" for k in pinned), cluster, replace(request, **{k: None for k in pinned}))
-            )
-        needed = math.ceil(c.est.startup.host_per_node_bytes / GIB)
-        try:
-            relaxed.append(
-                (
-                    f"{needed:,} GiB host RAM per node (--host-memory-gib)",
-                    replace(cluster, host_memory_gib=float(needed)),
-                    request,
-                )
-            )
-        except SpecError:  # beyond any --host-memory-gib
-            pass
-        tries[:0] = relaxed
+        tries[:0] = _startup_tries(startup=c.est.startup, cluster=cluster, request=request)
     fixes = []
     for label, bigger, asked in tries:
         try:

@@ -28,6 +28,7 @@ peak) is within the node's RAM and the transient within the usable GPU memory (E
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from dspipe.spec.dtypes import dtype_bytes
 from dspipe.spec.kinds import BuildMode
@@ -223,9 +224,49 @@ def startup_estimate(
     phi, phi_s, t, n, g = num_params, stage_params, largest_tensor, max(1, zero_ranks), ranks_per_node
     phi_r = phi if rank_params is None else rank_params
     whole_s = phi_s if stage_elements is None else stage_elements
+    build = _build_cost(
+        mode=mode, b=b, phi=phi, phi_r=phi_r, phi_s=phi_s, whole_s=whole_s, t=t, n=n, g=g, tp=tp, offload=offload_params
+    )
+    return _startup(
+        build,
+        mode=mode,
+        import_bytes=import_bytes,
+        host_offload_per_rank=host_offload_per_rank,
+        ranks_per_node=g,
+        precision=precision,
+        offload_params=offload_params,
+        tp=tp,
+    )
+
+
+class _BuildCost(NamedTuple):
+    """What a rank's build holds and draws (startup_estimate's formulas, by mode)."""
+
+    host: int
+    device: int
+    drawn: int
+    share: float
+    """The share of import_bytes a node reads."""
+
+
+def _build_cost(
+    *,
+    mode: str,
+    b: int,
+    phi: int,
+    phi_r: int,
+    phi_s: int,
+    whole_s: int,
+    t: int,
+    n: int,
+    g: int,
+    tp: int,
+    offload: bool,
+) -> _BuildCost:
+    """The host and device bytes while building, the elements drawn and a node's share of the import, in `mode`."""
     if mode == BuildMode.PARTITIONED:
-        host = (b * phi // n if offload_params else 0) + 8 * t
-        device = (0 if offload_params else b * phi // n) + b * t
+        host = (b * phi // n if offload else 0) + 8 * t
+        device = (0 if offload else b * phi // n) + b * t
         drawn, share = phi, min(1.0, g / n)
     elif mode == BuildMode.DEVICE:
         host, device, drawn, share = 8 * t, b * phi_r, phi, 1.0
@@ -233,6 +274,23 @@ def startup_estimate(
         host = max(4 * phi_s, 8 * t) if tp == 1 else 4 * phi_s + 4 * t
         groups = max(1, divmod(g, tp)[0])  # tp groups in the node: a group's ranks read one stage's tensors
         device, drawn, share = 4 * phi_s, whole_s, min(1.0, groups * whole_s / phi)
+    return _BuildCost(host, device, drawn, share)
+
+
+def _startup(
+    build: _BuildCost,
+    *,
+    mode: str,
+    import_bytes: int | None,
+    host_offload_per_rank: int,
+    ranks_per_node: int,
+    precision: str,
+    offload_params: bool,
+    tp: int,
+) -> StartupEstimate:
+    """The StartupEstimate of a build: its seconds to the first step and its host bytes per rank and per node."""
+    host, device, drawn, share = build
+    g = ranks_per_node
     if import_bytes is None:
         read, seconds = 0, drawn / DRAW_RATE
     else:

@@ -8,10 +8,11 @@ from typing import Any
 from dspipe.planner.checkpoint_size import disk_text
 from dspipe.planner.cost import Estimate
 from dspipe.planner.enumerate import Candidate
+from dspipe.planner.memory import Memory
 from dspipe.planner.search import SearchResult
 from dspipe.planner.startup import MODE_TEXT, size_text
 from dspipe.spec.hardware import GIB
-from dspipe.spec.kinds import Offload
+from dspipe.spec.kinds import Axis, Offload
 
 SECONDS_PER_DAY = 86400
 
@@ -35,14 +36,7 @@ def estimate_summary(c: Candidate, *, tokens: float | None = None) -> dict[str, 
         "grad_accum": p.grad_accum,
         "checkpointing": p.checkpointing,
         "loss_chunk": p.loss_chunk,
-        "memory_per_gpu_bytes": {
-            "params": m.params,
-            "grads": m.grads,
-            "optimizer": m.optimizer,
-            "activations": m.activations,
-            "buffers": m.buffers,
-            "total": m.total,
-        },
+        "memory_per_gpu_bytes": _memory_summary(m),
         "model_states_bytes": m.model_states,
         "gpu_memory_bytes": e.gpu_memory_bytes,
         "memory_headroom": e.headroom,
@@ -50,16 +44,7 @@ def estimate_summary(c: Candidate, *, tokens: float | None = None) -> dict[str, 
         "host_memory_bytes": e.host_memory_bytes,
         "host_memory_capacity_bytes": e.host_memory_capacity,
         "step_time_s": e.step_time_s,
-        "step_time_breakdown_s": {
-            "compute": e.compute_s,
-            "dp_comm": e.dp_comm_s,
-            "tp_comm": e.tp_comm_s,
-            "sp_comm": e.sp_comm_s,
-            "bubble": e.bubble_s,
-            "pp_comm": e.pp_comm_s,
-            "offload": e.offload_s,
-            "optimizer": e.optimizer_s,
-        },
+        "step_time_breakdown_s": _step_time_breakdown(e),
         "matmul_efficiency": e.matmul_efficiency,
         "tokens_per_s": c.tokens_per_s,
         "mfu": c.mfu,
@@ -70,16 +55,49 @@ def estimate_summary(c: Candidate, *, tokens: float | None = None) -> dict[str, 
         "fits": e.fits,
     }
     if p.experts:  # a mixture of experts: its expert parallelism and the parameters a token passes through
-        out: dict[str, Any] = {}
-        for key, value in summary.items():
-            out[key] = value
-            if key == "num_params":
-                out["active_params"] = e.active_params
-            if key == "sp":
-                out.update(ep=p.ep, expert_dp=p.expert_dp, experts=p.experts)
-        out["step_time_breakdown_s"]["ep_comm"] = e.ep_comm_s
-        summary = out
+        summary = _with_expert_keys(summary, c)
     return summary
+
+
+def _memory_summary(m: Memory) -> dict[str, int]:
+    """estimate_summary's memory_per_gpu_bytes: the peak's bytes by kind and their total."""
+    return {
+        "params": m.params,
+        "grads": m.grads,
+        "optimizer": m.optimizer,
+        "activations": m.activations,
+        "buffers": m.buffers,
+        "total": m.total,
+    }
+
+
+def _step_time_breakdown(e: Estimate) -> dict[str, float]:
+    """estimate_summary's step_time_breakdown_s: the step's seconds by cause (a dense model's)."""
+    return {
+        "compute": e.compute_s,
+        "dp_comm": e.dp_comm_s,
+        "tp_comm": e.tp_comm_s,
+        "sp_comm": e.sp_comm_s,
+        "bubble": e.bubble_s,
+        "pp_comm": e.pp_comm_s,
+        "offload": e.offload_s,
+        "optimizer": e.optimizer_s,
+    }
+
+
+def _with_expert_keys(summary: dict[str, Any], c: Candidate) -> dict[str, Any]:
+    """`summary` with a mixture of experts' keys: active_params after num_params, ep, expert_dp and experts after
+    sp, and the expert all-to-alls' seconds in the step time's breakdown."""
+    p, e = c.plan, c.est
+    out: dict[str, Any] = {}
+    for key, value in summary.items():
+        out[key] = value
+        if key == "num_params":
+            out["active_params"] = e.active_params
+        if key == Axis.SP:
+            out.update(ep=p.ep, expert_dp=p.expert_dp, experts=p.experts)
+    out["step_time_breakdown_s"]["ep_comm"] = e.ep_comm_s
+    return out
 
 
 def _gib(n: int) -> str:
@@ -148,23 +166,9 @@ def top_table(result: SearchResult, *, top: int) -> list[str]:
     return rows
 
 
-def human_report(
-    result: SearchResult,
-    *,
-    tokens: float | None,
-    tokens_text: str | None = None,
-    top: int = 5,
-    host_memory_source: str | None = None,
-    figure_sources: list[tuple[str, str, str]] | None = None,
-) -> str:
-    """`dspipe plan`'s text: the chosen plan, its memory and step time, the tie, the top plans, and why every other
-    family and tp/sp size lost. `tokens_text`: the budget as the user wrote it (300B); `host_memory_source`: where the
-    host RAM per node came from (ClusterSpec.host_memory_source); `figure_sources`: (figure, value, source) of the
-    time model's inputs (dspipe.spec.profile.figure_sources), listed when any is not the catalog's."""
-    best = result.best
-    assert best is not None  # a report of the plan chosen
-    s = estimate_summary(best, tokens=tokens)
-    mem, p = s["memory_per_gpu_bytes"], best.plan
+def _plan_lines(best: Candidate, s: dict[str, Any]) -> list[str]:
+    """human_report's opening: the plan, its world and parameters, its global batch."""
+    p = best.plan
     params = f"{p.num_params / 1e6:,.1f}M params"
     if p.experts:
         params = (
@@ -172,14 +176,18 @@ def human_report(
             f"block, expert dp {p.expert_dp}), {p.num_params / 1e6:,.1f}M params, "
             f"{s['active_params'] / 1e6:,.1f}M active"
         )
-    lines = [
+    return [
         f"plan: {best.describe(every_axis=True)}",
         f"      world {p.world_size} = dp {p.dp} x pp {p.pp} x tp {p.tp} x sp {p.sp}, {params}",
         f"      global batch {p.global_batch} = micro_batch {p.micro_batch} x grad_accum {p.grad_accum} "
         f"x dp {p.dp}, {p.tokens_per_step:,} tokens/step",
-        "",
-        "memory per GPU (GiB)",
     ]
+
+
+def _memory_lines(s: dict[str, Any], *, offload: str, host_memory_source: str | None) -> list[str]:
+    """human_report's memory per GPU by kind, its total against the GPU's, and the host RAM per node."""
+    mem = s["memory_per_gpu_bytes"]
+    lines = ["memory per GPU (GiB)"]
     for key in ("params", "grads", "optimizer", "activations", "buffers"):
         lines.append(f"  {key:<12}{_gib(mem[key])}")
     lines.append(
@@ -188,7 +196,7 @@ def human_report(
         f"{(1 - s['memory_headroom']) * 100:.0f}%, {s['usable_gpu_memory_bytes'] / GIB:.2f})"
     )
     source = f" ({host_memory_source})" if host_memory_source else ""
-    if p.offload != Offload.NONE:
+    if offload != Offload.NONE:
         lines.append(
             f"  host RAM per node {s['host_memory_bytes'] / GIB:.1f} GiB of "
             f"{s['host_memory_capacity_bytes'] / GIB:.0f}{source}"
@@ -198,7 +206,14 @@ def human_report(
             f"  host RAM per node {s['host_memory_capacity_bytes'] / GIB:.0f} GiB assumed{source}; "
             f"no offload (the start-up's use is below)"
         )
-    lines += ["", *startup_lines(best.est), *checkpoint_line(best.est)]
+    return lines
+
+
+def _step_time_lines(
+    s: dict[str, Any], *, precision: str, figure_sources: list[tuple[str, str, str]] | None
+) -> list[str]:
+    """human_report's step time by term, the throughput and MFU, and the time model's figures when any is not the
+    catalog's."""
     b = s["step_time_breakdown_s"]
     shown = (
         ("compute", "compute"),
@@ -219,17 +234,20 @@ def human_report(
     compute_source = dict((f, src) for f, _, src in figure_sources or ()).get(
         "compute", "the GPU type's catalog figure"
     )
-    lines += [
-        "",
+    lines = [
         f"step time {s['step_time_s']:.3g} s = {terms}",
         f"throughput {s['tokens_per_s']:,.0f} tokens/s, MFU {s['mfu'] * 100:.1f}% (compute assumed at "
-        f"{s['matmul_efficiency'] * 100:.3g}% of the {best.plan.precision} peak, {compute_source})",
+        f"{s['matmul_efficiency'] * 100:.3g}% of the {precision} peak, {compute_source})",
     ]
     if figure_sources and any(not src.startswith("catalog") for _, _, src in figure_sources):
         lines.append("time-model figures: " + "; ".join(f"{f} {v} ({src})" for f, v, src in figure_sources))
-    if tokens is not None:
-        budget = tokens_text or f"{tokens:.3g}"
-        lines.append(f"training {budget} tokens: {s['train_days']:.1f} days, {s['gpu_hours']:,.0f} GPU-hours")
+    return lines
+
+
+def _ranking_lines(result: SearchResult, *, top: int) -> list[str]:
+    """human_report's closing: the tie, the top plans, why every other family and tp/sp size lost, and how many
+    candidates were evaluated."""
+    lines: list[str] = []
     if result.tie:
         lines += ["", f"tie: {result.tie}"]
     if top > 1 and len(result.ranked) > 1:
@@ -240,4 +258,31 @@ def human_report(
         for family, why in sorted(result.rejected.items()):
             lines.append(f"  {family}: {why}")
     lines.append(f"\n({result.evaluated} candidates evaluated)")
+    return lines
+
+
+def human_report(
+    result: SearchResult,
+    *,
+    tokens: float | None,
+    tokens_text: str | None = None,
+    top: int = 5,
+    host_memory_source: str | None = None,
+    figure_sources: list[tuple[str, str, str]] | None = None,
+) -> str:
+    """`dspipe plan`'s text: the chosen plan, its memory and step time, the tie, the top plans, and why every other
+    family and tp/sp size lost. `tokens_text`: the budget as the user wrote it (300B); `host_memory_source`: where the
+    host RAM per node came from (ClusterSpec.host_memory_source); `figure_sources`: (figure, value, source) of the
+    time model's inputs (dspipe.spec.profile.figure_sources), listed when any is not the catalog's."""
+    best = result.best
+    assert best is not None  # a report of the plan chosen
+    s = estimate_summary(best, tokens=tokens)
+    p = best.plan
+    lines = [*_plan_lines(best, s), "", *_memory_lines(s, offload=p.offload, host_memory_source=host_memory_source)]
+    lines += ["", *startup_lines(best.est), *checkpoint_line(best.est)]
+    lines += ["", *_step_time_lines(s, precision=best.plan.precision, figure_sources=figure_sources)]
+    if tokens is not None:
+        budget = tokens_text or f"{tokens:.3g}"
+        lines.append(f"training {budget} tokens: {s['train_days']:.1f} days, {s['gpu_hours']:,.0f} GPU-hours")
+    lines += _ranking_lines(result, top=top)
     return "\n".join(lines)

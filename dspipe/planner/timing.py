@@ -74,27 +74,11 @@ def zero3_gathers_per_pass(model: ModelSpec) -> int:
     return 4 * model.layers + 3
 
 
-def _dp_comm_s(*, model: ModelSpec, plan: Plan, cluster: ClusterSpec, phi: int, fwd_s: float, bwd_s: float) -> float:
-    """Seconds per step of data-parallel (ZeRO) collectives not hidden behind compute, as DeepSpeed 0.19.8 issues them
-    over the sequence-data-parallel group of N = dp x sp ranks: (N-1)/N of the bytes per rank for a reduce-scatter or
-    all-gather, twice that for an all-reduce, at the inter-node bandwidth when the group leaves a node, plus a ring
-    latency per bucket (ring_latency_s). fwd_s / bwd_s: one micro-batch's forward and backward (recomputation
-    included) compute, what overlap_comm can hide communication behind.
-      ZeRO-0: all-reduces of the gradients at the accumulation boundary (engine.allreduce_gradients), not overlapped.
-      bf16 ZeRO-1 without offload (and bf16 ZeRO-0 under a pipeline): BF16_Optimizer; the fp32 accumulated gradients
-        are all-reduced at the boundary in the communication dtype, then the updated bf16 params all-gathered.
-      ZeRO-1 otherwise: reduce-scatter at the boundary (stage_1_and_2 reduces only there), all-gather after the step.
-      ZeRO-2: gradients reduce-scattered in every micro-batch's backward (stage_1_and_2 reduces whenever
-        partition_gradients), hidden behind that backward with overlap_comm; params all-gathered after the step.
-      ZeRO-3: per micro-batch a forward all-gather, a backward all-gather (one per module) and a reduce-scatter,
-        prefetched / overlapped with the forward and the backward, except the forward's first gather (the token
-        embedding); no all-gather after the step.
-    Gradients travel in the training dtype, in fp32 under Ulysses (DeepSpeed sets the communication dtype to
-    seq_parallel_communication_data_type, fp32 by default, when sp > 1); parameters in the training dtype.
-    Mixture of experts: each collective is issued per parameter group (stages.param_groups), the dense parameters
-    over dp, the rank's experts over their dp / ep expert-data-parallel ranks (ep apart; fewer bytes, their own
-    ring latency); their times add, and overlap_comm hides the sum."""
-    z, m = plan.zero_stage, plan.grad_accum
+def _dp_collectives_s(
+    *, model: ModelSpec, plan: Plan, cluster: ClusterSpec, phi: int
+) -> tuple[float, float, float, float]:
+    """(gather, reduce, all_reduce, shard): _dp_comm_s' seconds of one all-gather, reduce-scatter and all-reduce of
+    the rank's parameter groups, and the bytes-only seconds of one all-gather (ZeRO-3's module gathers)."""
     b = dtype_bytes(plan.precision)
     grad_b = 4 if plan.sp > 1 else b
     g = cluster.gpus_per_node
@@ -123,6 +107,34 @@ def _dp_comm_s(*, model: ModelSpec, plan: Plan, cluster: ClusterSpec, phi: int, 
         all_reduce += 2 * moved * grad_b / bw + math.ceil(p / ENGINE_ALLREDUCE_BUCKET) * ring_latency_s(
             steps=2 * (n - 1), inter_steps=2 * hops, gpu=gpu
         )
+    return gather, reduce, all_reduce, shard
+
+
+def _dp_comm_s(*, model: ModelSpec, plan: Plan, cluster: ClusterSpec, phi: int, fwd_s: float, bwd_s: float) -> float:
+    """Seconds per step of data-parallel (ZeRO) collectives not hidden behind compute, as DeepSpeed 0.19.8 issues them
+    over the sequence-data-parallel group of N = dp x sp ranks: (N-1)/N of the bytes per rank for a reduce-scatter or
+    all-gather, twice that for an all-reduce, at the inter-node bandwidth when the group leaves a node, plus a ring
+    latency per bucket (ring_latency_s). fwd_s / bwd_s: one micro-batch's forward and backward (recomputation
+    included) compute, what overlap_comm can hide communication behind.
+      ZeRO-0: all-reduces of the gradients at the accumulation boundary (engine.allreduce_gradients), not overlapped.
+      bf16 ZeRO-1 without offload (and bf16 ZeRO-0 under a pipeline): BF16_Optimizer; the fp32 accumulated gradients
+        are all-reduced at the boundary in the communication dtype, then the updated bf16 params all-gathered.
+      ZeRO-1 otherwise: reduce-scatter at the boundary (stage_1_and_2 reduces only there), all-gather after the step.
+      ZeRO-2: gradients reduce-scattered in every micro-batch's backward (stage_1_and_2 reduces whenever
+        partition_gradients), hidden behind that backward with overlap_comm; params all-gathered after the step.
+      ZeRO-3: per micro-batch a forward all-gather, a backward all-gather (one per module) and a reduce-scatter,
+        prefetched / overlapped with the forward and the backward, except the forward's first gather (the token
+        embedding); no all-gather after the step.
+    Gradients travel in the training dtype, in fp32 under Ulysses (DeepSpeed sets the communication dtype to
+    seq_parallel_communication_data_type, fp32 by default, when sp > 1); parameters in the training dtype.
+    Mixture of experts: each collective is issued per parameter group (stages.param_groups), the dense parameters
+    over dp, the rank's experts over their dp / ep expert-data-parallel ranks (ep apart; fewer bytes, their own
+    ring latency); their times add, and overlap_comm hides the sum."""
+    z, m = plan.zero_stage, plan.grad_accum
+    b = dtype_bytes(plan.precision)
+    g = cluster.gpus_per_node
+    gpu = cluster.gpu_type
+    gather, reduce, all_reduce, shard = _dp_collectives_s(model=model, plan=plan, cluster=cluster, phi=phi)
     if not (gather or reduce or all_reduce):
         return 0.0
     n = zero_group_size(plan)
@@ -232,11 +244,86 @@ def moe_dispatch_flops_per_token(model: ModelSpec, *, tokens: int) -> float:
     return len(model.sparse_layers) * per_block
 
 
+def _sp_comm_s(*, model: ModelSpec, plan: Plan, cluster: ClusterSpec, tokens: int, layers: int) -> float:
+    """Seconds per step of the Ulysses all-to-alls on the slowest stage, `layers` blocks of `tokens` tokens per
+    micro-batch."""
+    gpu, m, tp, sp = cluster.gpu_type, plan.grad_accum, plan.tp, plan.sp
+    b = dtype_bytes(plan.precision)
+    # Ulysses: per layer and micro-batch, 4 all-to-alls in forward (q, k, v to head-sharded, the output back), 4 in
+    # backward, 4 more with full recomputation; each sends (sp-1)/sp of the rank's b.(s/sp).(heads x head_dim)
+    # activations (k and v are repeated to every query head before the attention core: dspipe.model.gpt), plus
+    # sp - 1 steps of latency, over NVLink while the sp group stays inside a node.
+    sp_comm = 0.0
+    if sp > 1:
+        per_layer_ops = 12 if plan.checkpointing == Checkpointing.FULL else 8
+        volume = (sp - 1) / sp * tokens * model.q_width * b
+        inside = _inside_node(sp * tp, cluster.gpus_per_node)
+        bw = gpu.intra_node_gbps if inside else gpu.inter_node_gbps
+        hops = 0 if inside else math.ceil(sp * tp / cluster.gpus_per_node) - 1
+        one = volume / (bw * 1e9) + ring_latency_s(steps=sp - 1, inter_steps=hops, gpu=gpu)
+        sp_comm = m * layers * per_layer_ops * one
+    return sp_comm
+
+
+def _ep_comm_s(*, model: ModelSpec, plan: Plan, cluster: ClusterSpec, tokens: int) -> float:
+    """Seconds per step of the expert-parallel all-to-alls, `tokens` tokens per micro-batch."""
+    gpu, m, tp, sp = cluster.gpu_type, plan.grad_accum, plan.tp, plan.sp
+    b = dtype_bytes(plan.precision)
+    # Expert parallelism: per sparse block and micro-batch, an all-to-all to dispatch the tokens to their experts and
+    # one to combine them, forward and backward (4; 6 with full recomputation), each sending (ep-1)/ep of the rank's
+    # capacity-padded E x C x h activations (memory.expert_capacity), over NVLink while the ep group (ep consecutive
+    # data-parallel ranks) stays inside a node, else the network; plus the dropless capacity's all-reduce (MAX of
+    # the expert counts over the ep group: latency only) per forward. Not overlapped.
+    ep_comm = 0.0
+    if plan.ep > 1 and model.experts:
+        ops, forwards = (6, 2) if plan.checkpointing == Checkpointing.FULL else (4, 1)
+        slots = model.experts * expert_capacity(model=model, tokens=tokens)
+        volume = (plan.ep - 1) / plan.ep * slots * model.hidden * b
+        span = plan.ep * tp * sp
+        inside = _inside_node(span, cluster.gpus_per_node)
+        bw = gpu.intra_node_gbps if inside else gpu.inter_node_gbps
+        hops = 0 if inside else math.ceil(span / cluster.gpus_per_node) - 1
+        one = volume / (bw * 1e9) + ring_latency_s(steps=plan.ep - 1, inter_steps=hops, gpu=gpu)
+        count_max = ring_latency_s(steps=2 * (plan.ep - 1), inter_steps=2 * hops, gpu=gpu)
+        ep_comm = m * len(model.sparse_layers) * (ops * one + forwards * count_max)
+    return ep_comm
+
+
+def _pp_comm_s(*, model: ModelSpec, plan: Plan, cluster: ClusterSpec, tokens: int) -> float:
+    """Seconds per step of the pipeline's point-to-point sends, `tokens` tokens per micro-batch."""
+    gpu, pp, m, tp = cluster.gpu_type, plan.pp, plan.grad_accum, plan.tp
+    b = dtype_bytes(plan.precision)
+    stages_span_nodes = pp > 1 and cluster.nodes > 1
+    p2p_bw = (gpu.inter_node_gbps if stages_span_nodes else gpu.intra_node_gbps) * 1e9
+    pp_comm = 0.0
+    if pp > 1:  # an activation forward and its gradient backward per micro-batch
+        sent = tokens * model.hidden * b
+        one = sent / tp / p2p_bw  # pipe_partitioned / grad_partitioned, or tp_sp: each tp rank sends its 1/tp
+        if tp > 1 and not plan.tp_sp:  # the receiver all-gathers the tp partitions over NVLink
+            one += (tp - 1) / tp * sent / (gpu.intra_node_gbps * 1e9) + ring_latency_s(steps=tp - 1, gpu=gpu)
+        pp_comm = 2 * m * one
+    return pp_comm
+
+
+def _offload_optimizer_s(*, model: ModelSpec, plan: Plan, cluster: ClusterSpec, phi: int) -> tuple[float, float]:
+    """(offload, optimizer): seconds per step of the offloaded optimizer step and of the engine's own one."""
+    gpu = cluster.gpu_type
+    b = dtype_bytes(plan.precision)
+    offload = optimizer = 0.0
+    if plan.offload == Offload.NONE and gpu.optimizer_params_per_s:  # the device's Adam over the params it updates
+        optimizer = (phi if plan.zero_stage == 0 else _partition(model, plan, phi)) / gpu.optimizer_params_per_s
+    if plan.offload != Offload.NONE:
+        shard = _partition(model, plan, phi)
+        offload = cluster.gpus_per_node * shard / gpu.cpu_adam_params_per_s + 2 * shard * b / (gpu.host_copy_gbps * 1e9)
+        if plan.offload == Offload.NVME:
+            offload += cluster.gpus_per_node * 2 * 12 * shard / (NVME_GBPS * 1e9)
+    return offload, optimizer
+
+
 def step_time(*, model: ModelSpec, cluster: ClusterSpec, plan: Plan, phi: int) -> StepTime:
     """The step's seconds on the slowest stage, whose ranks hold `phi` parameters each."""
     gpu = cluster.gpu_type
     pp, m, tp, sp = plan.pp, plan.grad_accum, plan.tp, plan.sp
-    b = dtype_bytes(plan.precision)
     layers_per_stage = math.ceil(model.layers / pp)
 
     # Compute: FLOPs per token, split across the tp ranks (every matmul: the blocks' projections and attention by
@@ -266,56 +353,11 @@ def step_time(*, model: ModelSpec, cluster: ClusterSpec, plan: Plan, phi: int) -
 
     tokens_micro = plan.micro_batch * share(model.seq_len, sp)
     tp_comm = _tp_comm_s(model=model, plan=plan, gpu=gpu, tokens=tokens_micro, layers=layers_per_stage)
-    # Ulysses: per layer and micro-batch, 4 all-to-alls in forward (q, k, v to head-sharded, the output back), 4 in
-    # backward, 4 more with full recomputation; each sends (sp-1)/sp of the rank's b.(s/sp).(heads x head_dim)
-    # activations (k and v are repeated to every query head before the attention core: dspipe.model.gpt), plus
-    # sp - 1 steps of latency, over NVLink while the sp group stays inside a node.
-    sp_comm = 0.0
-    if sp > 1:
-        per_layer_ops = 12 if plan.checkpointing == Checkpointing.FULL else 8
-        volume = (sp - 1) / sp * tokens_micro * model.q_width * b
-        inside = _inside_node(sp * tp, cluster.gpus_per_node)
-        bw = gpu.intra_node_gbps if inside else gpu.inter_node_gbps
-        hops = 0 if inside else math.ceil(sp * tp / cluster.gpus_per_node) - 1
-        one = volume / (bw * 1e9) + ring_latency_s(steps=sp - 1, inter_steps=hops, gpu=gpu)
-        sp_comm = m * layers_per_stage * per_layer_ops * one
-
-    # Expert parallelism: per sparse block and micro-batch, an all-to-all to dispatch the tokens to their experts and
-    # one to combine them, forward and backward (4; 6 with full recomputation), each sending (ep-1)/ep of the rank's
-    # capacity-padded E x C x h activations (memory.expert_capacity), over NVLink while the ep group (ep consecutive
-    # data-parallel ranks) stays inside a node, else the network; plus the dropless capacity's all-reduce (MAX of
-    # the expert counts over the ep group: latency only) per forward. Not overlapped.
-    ep_comm = 0.0
-    if plan.ep > 1 and model.experts:
-        ops, forwards = (6, 2) if plan.checkpointing == Checkpointing.FULL else (4, 1)
-        slots = model.experts * expert_capacity(model=model, tokens=tokens_micro)
-        volume = (plan.ep - 1) / plan.ep * slots * model.hidden * b
-        span = plan.ep * tp * sp
-        inside = _inside_node(span, cluster.gpus_per_node)
-        bw = gpu.intra_node_gbps if inside else gpu.inter_node_gbps
-        hops = 0 if inside else math.ceil(span / cluster.gpus_per_node) - 1
-        one = volume / (bw * 1e9) + ring_latency_s(steps=plan.ep - 1, inter_steps=hops, gpu=gpu)
-        count_max = ring_latency_s(steps=2 * (plan.ep - 1), inter_steps=2 * hops, gpu=gpu)
-        ep_comm = m * len(model.sparse_layers) * (ops * one + forwards * count_max)
-
+    sp_comm = _sp_comm_s(model=model, plan=plan, cluster=cluster, tokens=tokens_micro, layers=layers_per_stage)
+    ep_comm = _ep_comm_s(model=model, plan=plan, cluster=cluster, tokens=tokens_micro)
     dp_comm = _dp_comm_s(model=model, plan=plan, cluster=cluster, phi=phi, fwd_s=fwd_micro, bwd_s=bwd_micro)
-    stages_span_nodes = pp > 1 and cluster.nodes > 1
-    p2p_bw = (gpu.inter_node_gbps if stages_span_nodes else gpu.intra_node_gbps) * 1e9
-    pp_comm = 0.0
-    if pp > 1:  # an activation forward and its gradient backward per micro-batch
-        sent = tokens_micro * model.hidden * b
-        one = sent / tp / p2p_bw  # pipe_partitioned / grad_partitioned, or tp_sp: each tp rank sends its 1/tp
-        if tp > 1 and not plan.tp_sp:  # the receiver all-gathers the tp partitions over NVLink
-            one += (tp - 1) / tp * sent / (gpu.intra_node_gbps * 1e9) + ring_latency_s(steps=tp - 1, gpu=gpu)
-        pp_comm = 2 * m * one
-    offload = optimizer = 0.0
-    if plan.offload == Offload.NONE and gpu.optimizer_params_per_s:  # the device's Adam over the params it updates
-        optimizer = (phi if plan.zero_stage == 0 else _partition(model, plan, phi)) / gpu.optimizer_params_per_s
-    if plan.offload != Offload.NONE:
-        shard = _partition(model, plan, phi)
-        offload = cluster.gpus_per_node * shard / gpu.cpu_adam_params_per_s + 2 * shard * b / (gpu.host_copy_gbps * 1e9)
-        if plan.offload == Offload.NVME:
-            offload += cluster.gpus_per_node * 2 * 12 * shard / (NVME_GBPS * 1e9)
+    pp_comm = _pp_comm_s(model=model, plan=plan, cluster=cluster, tokens=tokens_micro)
+    offload, optimizer = _offload_optimizer_s(model=model, plan=plan, cluster=cluster, phi=phi)
     peak = gpu.peak_tflops(plan.precision) * 1e12
     return StepTime(
         compute_s=compute,

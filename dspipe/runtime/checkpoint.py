@@ -21,7 +21,7 @@ from pathlib import Path
 
 from dspipe.atomic import replace_dir
 from dspipe.errors import SpecError
-from dspipe.runtime.ckpt_meta import CheckpointMeta, check_compatible, layout_text, read_meta, write_meta
+from dspipe.runtime.ckpt_meta import CheckpointMeta, SaveRecord, check_compatible, layout_text, read_meta, write_meta
 from dspipe.runtime.ckpt_tags import (
     LATEST_FILE,
     PARTIAL_PREFIX,
@@ -38,6 +38,7 @@ from dspipe.runtime.reshard import load_resharded, pipeline_names
 from dspipe.runtime.rng import restore_rng, rng_state
 from dspipe.runtime.safeload import weights_only_loads
 from dspipe.runtime.writefail import WriteFailures, free_mib
+from dspipe.spec.kinds import Axis
 
 
 def engine_layout(engine) -> tuple[int, int, int]:
@@ -146,14 +147,14 @@ def writing_through(engine, writer):
         engine.checkpoint_engine = own
 
 
-def complete(pending: PendingSave, *, wait: bool, now: int, faults: Faults = NO_FAULTS) -> dict | None:
+def complete(pending: PendingSave, *, wait: bool, now: int, faults: Faults = NO_FAULTS) -> SaveRecord | None:
     """Collective: once every rank's files of `pending` are written (waiting for them with `wait`, else None at
     once while any rank's background writer is busy), rank 0 writes the meta (the complete mark, with the save's
     figures), renames the partial dir into place, replaces `latest` atomically and applies the retention; returns
-    the figures (meta "save": mode, completed_after_step (`now`, the last step done), blocking_s, write_s and
-    writer_cpu_s of the slowest rank, rank_max_bytes, bytes on rank 0's disk or None elsewhere). A failed write on
-    any rank: the partial dir is removed and every rank raises the same SpecError. `faults`: a test's failures (a
-    write failing, a kill) injected once the files are written."""
+    the figures (the meta's "save", a SaveRecord: mode, completed_after_step (`now`, the last step done),
+    blocking_s, write_s and writer_cpu_s of the slowest rank, rank_max_bytes, bytes on rank 0's disk or None
+    elsewhere). A failed write on any rank: the partial dir is removed and every rank raises the same SpecError.
+    `faults`: a test's failures (a write failing, a kill) injected once the files are written."""
     import torch
     import torch.distributed as dist
 
@@ -174,15 +175,15 @@ def complete(pending: PendingSave, *, wait: bool, now: int, faults: Faults = NO_
     faults.fail_write(failures, step=pending.step, rank=rank)
     faults.kill_inside_save(pending.step)
     raise_if_failed(failures, ckpt_dir=ckpt_dir, partial=partial, tag=tag)
-    figures = {
-        "mode": "sync" if writer is None else "async",
-        "completed_after_step": now,
-        "blocking_s": round(agreed[4].item(), 6),
-        "write_s": round(agreed[2].item(), 6),
-        "writer_cpu_s": round(agreed[3].item(), 6),
-        "rank_max_bytes": int(agreed[1].item()),
-        "bytes": directory_bytes(partial) if rank == 0 else None,
-    }
+    figures = SaveRecord(
+        mode="sync" if writer is None else "async",
+        completed_after_step=now,
+        blocking_s=round(agreed[4].item(), 6),
+        write_s=round(agreed[2].item(), 6),
+        writer_cpu_s=round(agreed[3].item(), 6),
+        rank_max_bytes=int(agreed[1].item()),
+        bytes=directory_bytes(partial) if rank == 0 else None,
+    )
     if rank == 0:
         # inside the routed call: a non-finite value (ValueError) is a failed save that every rank agrees on
         failures.call(write_meta, partial, pending.meta.with_save(figures))
@@ -197,14 +198,14 @@ def complete(pending: PendingSave, *, wait: bool, now: int, faults: Faults = NO_
     return figures
 
 
-def saved_line(pending: PendingSave, figures: dict) -> str:
+def saved_line(pending: PendingSave, figures: SaveRecord) -> str:
     """The runner's line for a completed checkpoint (rank 0's figures)."""
-    size = f"{figures['bytes'] / 2**30:,.2f} GiB" if figures["bytes"] is not None else "size unknown"
-    if figures["mode"] == "sync":
-        return f"checkpoint {pending.final} saved: {size}, written in {figures['blocking_s']:.2f} s (the step waited)"
+    size = f"{figures.bytes / 2**30:,.2f} GiB" if figures.bytes is not None else "size unknown"
+    if figures.mode == "sync":
+        return f"checkpoint {pending.final} saved: {size}, written in {figures.blocking_s:.2f} s (the step waited)"
     return (
-        f"checkpoint {pending.final} saved: {size}, written in {figures['write_s']:.2f} s in the background "
-        f"(the step waited {figures['blocking_s']:.2f} s for the copy)"
+        f"checkpoint {pending.final} saved: {size}, written in {figures.write_s:.2f} s in the background "
+        f"(the step waited {figures.blocking_s:.2f} s for the copy)"
     )
 
 
@@ -264,7 +265,7 @@ def load(engine, path: Path, loader) -> CheckpointMeta:
                 engine,
                 path,
                 saved=layout_text(meta.dims),
-                now=layout_text(dict(zip(("dp", "tp", "pp"), now, strict=True))),
+                now=layout_text(dict(zip((Axis.DP, Axis.TP, Axis.PP), now, strict=True))),
                 rename=rename,
             )
         elif bf16_optimizer_without_zero(engine):

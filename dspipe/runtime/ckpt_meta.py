@@ -4,6 +4,7 @@ a launch saves (checkpoint_meta), and the resume's checks against the run (check
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from dspipe.runtime.ckpt_tags import META_FILE, write_atomic
 from dspipe.runtime.experts import expert_parallel
 from dspipe.runtime.reshard import MOE_RESHARD, layout_change_refusal
 from dspipe.spec.core import from_dict
+from dspipe.spec.kinds import Axis
 from dspipe.spec.model import ModelSpec
 from dspipe.spec.values import DATA_ORDERS, ZERO_STAGES
 
@@ -40,6 +42,60 @@ META_KEYS = (
 """dspipe.json's keys in the order checkpoints are written."""
 OPTIONAL_KEYS = ("run_spec", "save_interval", "save")
 """Written when set, absent in older checkpoints."""
+SAVE_KEYS = ("mode", "completed_after_step", "blocking_s", "write_s", "writer_cpu_s", "rank_max_bytes", "bytes")
+"""dspipe.json's "save" keys in the order checkpoints are written (all of them, since the record was added)."""
+SAVE_MODES = ("sync", "async")
+"""A save's mode: written in the step, or by the rank's background writer (dspipe.runtime.async_save)."""
+
+
+@dataclass(frozen=True)
+class SaveRecord:
+    """A checkpoint's save figures (dspipe.json's "save", dspipe.runtime.checkpoint.complete's, every rank's
+    slowest): read and validated by from_dict, written by to_dict, in SAVE_KEYS order; the on-disk format is the one
+    checkpoints have always had."""
+
+    mode: str
+    """SAVE_MODES: "sync" (written in the step) or "async" (by the rank's background writer)."""
+    completed_after_step: int
+    """The last step done when every rank's files were written."""
+    blocking_s: float
+    """Seconds the step waited for the save (a background save: its host copy), the slowest rank's."""
+    write_s: float
+    """Seconds the files took to write, the slowest rank's (a synchronous save: blocking_s)."""
+    writer_cpu_s: float
+    """CPU seconds of a rank's background writer, the most of any rank (a synchronous save: 0)."""
+    rank_max_bytes: int
+    """The bytes of the rank whose background writer wrote the most (a synchronous save: 0, not counted)."""
+    bytes: int | None
+    """The checkpoint's bytes on rank 0's disk (None on the other ranks: rank 0 writes the record)."""
+
+    def to_dict(self) -> dict:
+        """The JSON object of dspipe.json's "save": every field, in SAVE_KEYS order."""
+        return {key: getattr(self, key) for key in SAVE_KEYS}
+
+    @classmethod
+    def from_dict(cls, save, *, source: Path | str) -> SaveRecord:
+        """The record validated: a mode of SAVE_MODES, counts >= 0, seconds finite and >= 0, bytes >= 0 or null;
+        anything else is one SpecError naming `source` and the key. Keys it does not know are ignored. The values
+        are kept as read (an integral number of seconds stays an int), so to_dict writes them back unchanged."""
+        if not isinstance(save, dict):
+            raise SpecError(f"{source}: save must be an object (the save's figures), got {type(save).__name__}")
+        missing = [f"save.{k}" for k in SAVE_KEYS if k not in save]
+        if missing:
+            raise SpecError(f"{source}: missing {', '.join(missing)}")
+        if save["mode"] not in SAVE_MODES:
+            raise SpecError(f"{source}: save.mode {show(save['mode'])} is not one of: {', '.join(SAVE_MODES)}")
+        for key in ("completed_after_step", "rank_max_bytes", "bytes"):
+            value = save[key]
+            if value is None and key == "bytes":  # counted on rank 0's disk only
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise SpecError(f"{source}: save.{key} must be an integer >= 0, got {show(value)}")
+        for key in ("blocking_s", "write_s", "writer_cpu_s"):
+            value = save[key]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise SpecError(f"{source}: save.{key} must be a number >= 0, got {show(value)}")
+        return cls(**{key: save[key] for key in SAVE_KEYS})
 
 
 @dataclass(frozen=True)
@@ -65,8 +121,9 @@ class CheckpointMeta:
     """The run's whole resolved spec (the run directory's dspipe.json)."""
     save_interval: int | None = None
     """The interval in force when saved (absent before --save-interval auto re-planned)."""
-    save: dict | None = None
-    """The save's figures (dspipe.runtime.checkpoint.complete): mode, completed_after_step, blocking_s, ..."""
+    save: SaveRecord | None = None
+    """The save's figures (dspipe.runtime.checkpoint.complete), absent in checkpoints saved before they were
+    recorded: None."""
 
     @property
     def layout(self) -> tuple[int, int, int]:
@@ -75,21 +132,23 @@ class CheckpointMeta:
 
     @property
     def dims(self) -> dict:
-        """{"dp", "tp", "pp", "sp"}: its layout for layout_text."""
-        return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "sp": self.sp}
+        """{dp, tp, pp, sp}: its layout for layout_text."""
+        return {Axis.DP: self.dp, Axis.TP: self.tp, Axis.PP: self.pp, Axis.SP: self.sp}
 
     @property
     def spec(self) -> ModelSpec:
         """The saved model shape as a ModelSpec (keys added since: their defaults)."""
         return from_dict(ModelSpec, self.model)
 
-    def with_save(self, figures: dict) -> CheckpointMeta:
+    def with_save(self, figures: SaveRecord) -> CheckpointMeta:
         return replace(self, save=figures)
 
     def to_dict(self) -> dict:
         """The JSON object of dspipe.json: every field in META_KEYS order; run_spec, save_interval and save when
         set."""
         out = {key: getattr(self, key) for key in META_KEYS}
+        if self.save is not None:
+            out["save"] = self.save.to_dict()
         return {key: value for key, value in out.items() if value is not None or key not in OPTIONAL_KEYS}
 
     def to_json(self) -> str:
@@ -118,7 +177,8 @@ class CheckpointMeta:
             )
         if "save_interval" in meta:  # absent before --save-interval auto re-planned
             count("save_interval", meta["save_interval"], 0)
-        for key in ("tp", "sp", "ep"):  # absent in checkpoints saved before tensor/sequence/expert parallelism: 1
+        # tp, sp, ep: absent in checkpoints saved before tensor/sequence/expert parallelism: 1
+        for key in (Axis.TP, Axis.SP, Axis.EP):
             count(key, meta.setdefault(key, 1), 1)
         ranks = meta["dp"] * meta["pp"] * meta["tp"] * meta["sp"]
         if ranks != meta["world_size"]:
@@ -132,29 +192,11 @@ class CheckpointMeta:
             raise SpecError(f"{source}: model: {e}") from None
         if meta["pp"] > model.layers:
             raise SpecError(f"{source}: pp {meta['pp']} > model.layers {model.layers}")
-        data = meta["data"]
-        if not isinstance(data, dict):
-            raise SpecError(f"{source}: data must be an object (the loader's position), got {type(data).__name__}")
-        blend = "sources" in data  # a blend of data directories (dspipe.data.blend.BlendLoader.state_dict)
-        counts = (("consumed_samples", 0), ("seed", 0), ("seq_len", 1), *(() if blend else (("num_samples", 1),)))
-        for key, low in counts:
-            if key not in data:
-                raise SpecError(f"{source}: missing data.{key}")
-            count(f"data.{key}", data[key], low)
-        for key in ("split", *(() if blend else ("fingerprint",))):
-            if not isinstance(data.get(key), str):
-                raise SpecError(f"{source}: data.{key} must be a string, got {show(data.get(key))}")
-        if data.get("order", "dspipe") not in DATA_ORDERS:  # absent before --data-order: dspipe's
-            raise SpecError(f"{source}: data.order {show(data.get('order'))} is not one of: {', '.join(DATA_ORDERS)}")
-        if blend:
-            _check_blend_state(source, data, count)
-        if data["consumed_samples"] != meta["consumed_samples"]:
-            raise SpecError(
-                f"{source}: data.consumed_samples {data['consumed_samples']} != consumed_samples "
-                f"{meta['consumed_samples']}"
-            )
+        _check_data(source, meta["data"], consumed=meta["consumed_samples"], count=count)
         if "run_spec" in meta and not isinstance(meta["run_spec"], dict):
             raise SpecError(f"{source}: run_spec must be an object, got {type(meta['run_spec']).__name__}")
+        if meta.get("save") is not None:  # absent in checkpoints saved before the save's figures were recorded
+            meta["save"] = SaveRecord.from_dict(meta["save"], source=source)
         return cls(**{key: meta[key] for key in META_KEYS if key in meta})
 
 
@@ -167,6 +209,28 @@ def read_meta(path: Path) -> CheckpointMeta:
 def write_meta(path: Path, meta: CheckpointMeta) -> None:
     """Write checkpoint directory `path`'s dspipe.json atomically (its complete mark)."""
     write_atomic(Path(path) / META_FILE, meta.to_json())
+
+
+def _check_data(source: Path | str, data, *, consumed: int, count) -> None:
+    """A checkpoint's data position (the loader's state_dict, a blend's or one directory's) as CheckpointMeta.from_dict
+    checks it; `count` checks an integer field."""
+    if not isinstance(data, dict):
+        raise SpecError(f"{source}: data must be an object (the loader's position), got {type(data).__name__}")
+    blend = "sources" in data  # a blend of data directories (dspipe.data.blend.BlendLoader.state_dict)
+    counts = (("consumed_samples", 0), ("seed", 0), ("seq_len", 1), *(() if blend else (("num_samples", 1),)))
+    for key, low in counts:
+        if key not in data:
+            raise SpecError(f"{source}: missing data.{key}")
+        count(f"data.{key}", data[key], low)
+    for key in ("split", *(() if blend else ("fingerprint",))):
+        if not isinstance(data.get(key), str):
+            raise SpecError(f"{source}: data.{key} must be a string, got {show(data.get(key))}")
+    if data.get("order", "dspipe") not in DATA_ORDERS:  # absent before --data-order: dspipe's
+        raise SpecError(f"{source}: data.order {show(data.get('order'))} is not one of: {', '.join(DATA_ORDERS)}")
+    if blend:
+        _check_blend_state(source, data, count)
+    if data["consumed_samples"] != consumed:
+        raise SpecError(f"{source}: data.consumed_samples {data['consumed_samples']} != consumed_samples {consumed}")
 
 
 def _check_blend_state(source: Path, data: dict, count) -> None:
@@ -243,7 +307,7 @@ def check_compatible(meta: CheckpointMeta, run, path: Path) -> None:
     )
     if why:
         saved_layout = layout_text(meta.dims)
-        now_layout = layout_text({"dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "sp": plan.sp})
+        now_layout = layout_text({Axis.DP: plan.dp, Axis.TP: plan.tp, Axis.PP: plan.pp, Axis.SP: plan.sp})
         raise SpecError(
             f"checkpoint {path} was saved with {saved_layout}, this run has {now_layout}: {why}; resume "
             f"with {saved_layout} (world size "
@@ -254,7 +318,8 @@ def check_compatible(meta: CheckpointMeta, run, path: Path) -> None:
 def layout_text(layout: dict) -> str:
     """'dp 2' or 'dp 1 x tp 2 x pp 2': the data-parallel size and every other dimension that is not 1 (tp/sp
     absent: 1, checkpoints from before tensor/sequence parallelism)."""
-    parts = [f"dp {layout['dp']}"] + [f"{k} {layout.get(k, 1)}" for k in ("tp", "pp", "sp") if layout.get(k, 1) > 1]
+    axes = (Axis.TP, Axis.PP, Axis.SP)
+    parts = [f"dp {layout[Axis.DP]}"] + [f"{k} {layout.get(k, 1)}" for k in axes if layout.get(k, 1) > 1]
     return " x ".join(parts)
 
 

@@ -21,6 +21,7 @@ from dspipe.runtime.comm import exit_rank
 from dspipe.runtime.elastic import NODE_RANK_ENV, elastic_restart, resized
 from dspipe.runtime.faults import NO_FAULTS, Faults
 from dspipe.runtime.loop import train
+from dspipe.runtime.ops import cache_cpu_info
 from dspipe.runtime.watchdog import check_hang_timeout
 
 
@@ -83,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             if change:
                 log.info(f"dspipe: {change}")
+        cache_cpu_info()
         if os.environ.get("RANK", "0") == "0" and not attempt:  # the first step waits for a compile: say so, once
             from dspipe.runtime.ops import notice
 

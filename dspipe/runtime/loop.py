@@ -212,15 +212,19 @@ class Training:
     """This rank's latest step times, for --save-interval auto's re-planning."""
 
     def save(self, at: int, *, wait: bool = False) -> None:
-        """Checkpoint step `at`: the previous background save completes first; with `wait` this one too."""
+        """Checkpoint step `at`: the previous background save completes first. With `wait` (the run's end, a signal,
+        a halt) this one is written in the step: the launch waits for it anyway, so a background write would only
+        add the host copy (and, for a run's only checkpoint, the writer process's start), as torchtitan writes its
+        last step synchronously."""
         self.settle(wait=True)
         meta = ckpt_meta.checkpoint_meta(
             self.run, step=at, loader=self.loader, world=self.world, save_interval=self.schedule.every
         )
+        writer = None if wait else self.writer
         self.pending = ckpt.save(
-            self.eng.engine, self.run.checkpoint_dir, step=at, keep=self.retention, meta=meta, writer=self.writer
+            self.eng.engine, self.run.checkpoint_dir, step=at, keep=self.retention, meta=meta, writer=writer
         )
-        if wait or self.writer is None:
+        if writer is None:
             self.settle(wait=True)
         self.saved_at = at
 
@@ -234,7 +238,7 @@ class Training:
                 self._replan(figures)
             self.pending = None
 
-    def _replan(self, figures: dict) -> None:
+    def _replan(self, figures: ckpt_meta.SaveRecord) -> None:
         """Collective (--save-interval auto): the interval re-planned from the save just completed and the slowest
         rank's step time; an event in events.jsonl, and a line when the interval changed."""
         import torch
@@ -339,7 +343,7 @@ def setup(run: Run, *, resume: str, restart: bool, backend: str, faults: Faults)
         start_step=start_step,
         step=start_step,
         saved_at=start_step,
-        writer=_writer(eng.engine, async_save=tr.async_save, faults=faults),
+        writer=_writer(eng.engine, async_save=tr.async_save, early=0 < tr.save_interval < tr.steps, faults=faults),
         retention=retention,
         schedule=resumed_schedule(
             every=tr.save_interval, steps=tr.steps, meta=meta, auto=run.estimate.save_interval_auto
@@ -347,9 +351,10 @@ def setup(run: Run, *, resume: str, restart: bool, backend: str, faults: Faults)
     )
 
 
-def _writer(engine, *, async_save: bool, faults: Faults):
+def _writer(engine, *, async_save: bool, early: bool, faults: Faults):
     """The rank's background checkpoint writer (None: checkpoints written in the step), in the serialization
-    format DeepSpeed's own writer was configured with."""
+    format DeepSpeed's own writer was configured with; its process spawned now when the run saves before its last
+    step (`early`: it starts alongside the rank's own start-up), else at the first background save, if any."""
     if not async_save:
         return None
     from dspipe.runtime.async_engine import BackgroundWriter
@@ -358,7 +363,8 @@ def _writer(engine, *, async_save: bool, faults: Faults):
         zipfile_serialization=getattr(engine.checkpoint_engine, "zipfile_serialization", True),
         kill_tag=faults.async_write_kill_tag,
     )
-    writer.start()
+    if early:
+        writer.start()
     return writer
 
 
@@ -524,7 +530,7 @@ def finish(t: Training) -> dict:
     if t.loader.consumed_samples != step * plan.global_batch:  # every rank, reading or not, at the same position
         raise RuntimeError(f"data position {t.loader.consumed_samples} != {step} steps x {plan.global_batch}")
     if step > t.saved_at:
-        t.save(step)
+        t.save(step, wait=True)
     t.settle(wait=True)
     tag = ckpt_tags.tag_for(step)
     losses = t.losses

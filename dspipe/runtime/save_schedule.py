@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from dspipe.planner.checkpoint_size import ASYNC_DRAG, save_cost_s, save_interval, span
 
 if TYPE_CHECKING:
-    from dspipe.runtime.ckpt_meta import CheckpointMeta
+    from dspipe.runtime.ckpt_meta import CheckpointMeta, SaveRecord
 
 STEP_WINDOW = 20
 """The step time an interval is planned with: the median of this many latest steps (a compiled run's first steps
@@ -52,16 +52,16 @@ def step_time(step_times) -> float:
 
 
 def replan(
-    schedule: SaveSchedule, *, figures: dict, saved_step: int, step_s: float, world: int, mtbf_hours: float
+    schedule: SaveSchedule, *, figures: SaveRecord, saved_step: int, step_s: float, world: int, mtbf_hours: float
 ) -> tuple[dict, str | None]:
     """After the save of `saved_step` completed with `figures` (checkpoint.complete's, every rank's slowest):
     the schedule's interval re-planned (in place) from its measured cost and `step_s` (the slowest rank's step
     time); returns (the event for events.jsonl, the line to print when the interval changed, else None)."""
-    background = figures["mode"] == "async"
-    cost = save_cost_s(blocking_s=figures["blocking_s"], write_s=figures["write_s"], async_save=background)
+    background = figures.mode == "async"
+    cost = save_cost_s(blocking_s=figures.blocking_s, write_s=figures.write_s, async_save=background)
     got = save_interval(
         cost_s=cost,
-        write_s=figures["write_s"],
+        write_s=figures.write_s,
         step_time_s=step_s,
         world=world,
         steps=schedule.steps,
@@ -75,9 +75,9 @@ def replan(
         "interval": got.steps,
         "was": was,
         "cost_s": cost,
-        "blocking_s": figures["blocking_s"],
-        "write_s": figures["write_s"],
-        "mode": figures["mode"],
+        "blocking_s": figures.blocking_s,
+        "write_s": figures.write_s,
+        "mode": figures.mode,
         "step_time_s": step_s,
         "world": world,
         "mtbf_hours": mtbf_hours,
@@ -87,7 +87,7 @@ def replan(
     what = (
         "the step waited"
         if not background
-        else f"the step waited {figures['blocking_s']:.3g} s + {ASYNC_DRAG:g} x the {figures['write_s']:.3g} s write"
+        else f"the step waited {figures.blocking_s:.3g} s + {ASYNC_DRAG:g} x the {figures.write_s:.3g} s write"
     )
     every = "every step" if got.steps == 1 else f"every {got.steps:,} steps"
     line = (
@@ -96,5 +96,5 @@ def replan(
         f"{span(got.mtbf_s)} between failures) = {span(got.young_s)}"
     )
     if got.steps == got.floor and got.floor > 1:
-        line += f"; no shorter than a write ({figures['write_s']:.3g} s)"
+        line += f"; no shorter than a write ({figures.write_s:.3g} s)"
     return event, line

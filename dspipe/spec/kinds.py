@@ -47,3 +47,14 @@ class BuildMode(_Kind):
     DEVICE = "device"
     PARTITIONED = "partitioned"
     STAGE = "stage"
+
+
+class Axis(_Kind):
+    """The parallel axes a layout has: the names written in dspipe.json, engine.json and a checkpoint's meta
+    (data, pipeline, tensor, sequence and expert parallel)."""
+
+    DP = "dp"
+    PP = "pp"
+    TP = "tp"
+    SP = "sp"
+    EP = "ep"

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dspipe.errors import SpecError
+from dspipe.spec.kinds import Axis
 
 AXES = ("pipe", "data", "seq", "tensor")  # slowest to fastest
 
@@ -29,7 +30,7 @@ class ParallelLayout:
     """Sequence-parallel ranks per model replica (Ulysses)."""
 
     def __post_init__(self) -> None:
-        for name in ("world", "pp", "tp", "sp"):
+        for name in ("world", Axis.PP, Axis.TP, Axis.SP):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise SpecError(f"layout.{name} must be a positive integer, got {value!r}")
@@ -56,7 +57,7 @@ class ParallelLayout:
     def describe(self) -> str:
         """'world 8 = dp 2 x pp 2 x tp 2', naming only the dimensions in use besides dp."""
         parts = [f"dp {self.dp}"] + [
-            f"{k} {v}" for k, v in (("pp", self.pp), ("tp", self.tp), ("sp", self.sp)) if v > 1 or k == "pp"
+            f"{k} {v}" for k, v in ((Axis.PP, self.pp), (Axis.TP, self.tp), (Axis.SP, self.sp)) if v > 1 or k == Axis.PP
         ]
         return f"world {self.world} = " + " x ".join(parts)
 

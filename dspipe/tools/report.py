@@ -25,8 +25,10 @@ from dspipe.jsonio import read_object
 from dspipe.planner.throughput import STEP_COLUMNS, VAL_COLUMNS, perplexity
 from dspipe.run_estimate import RunEstimate
 from dspipe.rundir import ENGINE_FILE, VAL_FILE, Run, load_engine, load_run
+from dspipe.runtime.ckpt_meta import SaveRecord
 from dspipe.runtime.engine_file import StartupRecord
 from dspipe.spec.hardware import GIB
+from dspipe.spec.kinds import Axis
 
 MIB = 1024**2
 WARMUP_STEPS = 3
@@ -400,16 +402,17 @@ def _ratio(measured: float | None, predicted: float | None) -> str:
     return f"{measured / predicted:.2f}" if measured is not None and predicted else "n/a"
 
 
-def latest_save(run: Run) -> dict | None:
+def latest_save(run: Run) -> SaveRecord | None:
     """The `save` record (bytes, rank_max_bytes, write_s, ...) of the checkpoint `latest` names, None before the
-    first complete save or where it has none (a checkpoint written before the record existed)."""
+    first complete save or where it has none (a checkpoint written before the record existed) or a damaged one."""
     try:
         tag = (run.checkpoint_dir / "latest").read_text().strip()
-        meta = read_object(run.checkpoint_dir / tag / "dspipe.json")
+        source = run.checkpoint_dir / tag / "dspipe.json"
+        meta = read_object(source)
+        save = meta.get("save") if isinstance(meta, dict) else None
+        return None if save is None else SaveRecord.from_dict(save, source=source)
     except (OSError, SpecError):
         return None
-    save = meta.get("save") if isinstance(meta, dict) else None
-    return save if isinstance(save, dict) else None
 
 
 def checkpoint_rows(run: Run, *, estimate: RunEstimate) -> list[str]:
@@ -421,12 +424,15 @@ def checkpoint_rows(run: Run, *, estimate: RunEstimate) -> list[str]:
         estimate.checkpoint
         or checkpoint_size(model=run.model, plan=run.plan, ranks_per_node=run.cluster.gpus_per_node).to_dict()
     )
-    save = latest_save(run) or {}
+    save = latest_save(run)
+    measured = {
+        "bytes": None if save is None else save.bytes,
+        # a synchronous save does not count a rank's bytes
+        "rank_max_bytes": None if save is None or save.mode == "sync" else save.rank_max_bytes,
+    }
     rows = []
     for label, key in (("checkpoint per save (MiB)", "bytes"), ("checkpoint, largest rank (MiB)", "rank_max_bytes")):
-        want, got = planned.get(key), save.get(key)
-        if key == "rank_max_bytes" and save.get("mode") == "sync":
-            got = None  # a synchronous save does not count a rank's bytes
+        want, got = planned.get(key), measured[key]
         want_mib = None if want is None else want / 2**20
         got_mib = None if got is None else got / 2**20
         rows.append(
@@ -435,23 +441,24 @@ def checkpoint_rows(run: Run, *, estimate: RunEstimate) -> list[str]:
     return rows
 
 
-def render_markdown(run: Run, *, estimate: RunEstimate, engine: dict | None, m: Measured) -> str:
-    model, plan, cluster = run.model, run.plan, run.cluster
-    steady = (
-        f"median of steps {m.steady_from}-{m.last_step}"
-        if m.warmup
-        else f"median of all {m.rows} steps (too few to drop a warm-up)"
-    )
-    engine_line = (
+def _engine_line(engine: dict | None) -> str:
+    """The configuration table's live-engine cell: what engine.json says the engine runs."""
+    return (
         "not written yet (the runner writes engine.json once the engine is up)"
         if engine is None
         else f"ZeRO-{engine.get('zero_stage')}, dp {engine.get('dp')} x pp {engine.get('pp')}"
-        + "".join(f" x {k} {engine[k]}" for k in ("tp", "sp") if engine.get(k, 1) != 1)
+        + "".join(f" x {k} {engine[k]}" for k in (Axis.TP, Axis.SP) if engine.get(k, 1) != 1)
         + ", "
         f"{engine.get('backend')}, {engine.get('wrapper_optimizer')} / {engine.get('base_optimizer')}, "
         f"world {engine.get('world_size')} (engine.json)"
     )
-    lines = [
+
+
+def _configuration_lines(run: Run, *, engine: dict | None, m: Measured) -> list[str]:
+    """The report's title, run line and configuration table, up to the plan-vs-measured table's header."""
+    model, plan, cluster = run.model, run.plan, run.cluster
+    engine_line = _engine_line(engine)
+    return [
         f"# Run report: {run.path.name}",
         "",
         f"Run directory `{run.path}`: {m.rows} steps ({m.first_step}-{m.last_step}), {m.tokens:,} tokens.",
@@ -476,6 +483,16 @@ def render_markdown(run: Run, *, estimate: RunEstimate, engine: dict | None, m: 
         "| per GPU / job | predicted | measured | measured / predicted |",
         "|---|---|---|---|",
     ]
+
+
+def _comparison_rows(*, estimate: RunEstimate, m: Measured) -> list[str]:
+    """The plan-vs-measured table's memory, throughput, MFU and step-time rows."""
+    steady = (
+        f"median of steps {m.steady_from}-{m.last_step}"
+        if m.warmup
+        else f"median of all {m.rows} steps (too few to drop a warm-up)"
+    )
+    lines: list[str] = []
     mem = estimate.memory_total_bytes
     mem_gib = None if mem is None else mem / GIB
     reserved = "" if m.mem_reserved_gib is None else f" (reserved {m.mem_reserved_gib:.3f})"
@@ -499,19 +516,12 @@ def render_markdown(run: Run, *, estimate: RunEstimate, engine: dict | None, m: 
         f"| step time (s) | {_or_na(step_time, '.4g')} | {_or_na(m.step_time_s, '.4g')} | "
         f"{_ratio(m.step_time_s, step_time)} |"
     )
-    lines += checkpoint_rows(run, estimate=estimate)
-    startup_rows, startup_notes = startup_markdown(m.startup or read_startup(engine, estimate))
-    lines += startup_rows
-    lines += [line for note in startup_notes for line in ("", note)]
-    if cluster.gpu == "cpu":
-        lines += [
-            "",
-            "On the `cpu` type the measured memory is the host RSS of rank 0 (DeepSpeed's CPU accelerator), "
-            "Python and torch included, and the predictions use the catalog's nominal `cpu` figures: "
-            "compare trends, not absolute values. The device is the host there, so a rank's start-up RSS "
-            "also holds what the plan counts on the device.",
-        ]
-    lines += [
+    return lines
+
+
+def _results_lines(m: Measured) -> list[str]:
+    """The report's Results section: the final train loss, the validation losses and the skipped steps."""
+    lines = [
         "",
         "## Results",
         "",
@@ -530,6 +540,26 @@ def render_markdown(run: Run, *, estimate: RunEstimate, engine: dict | None, m: 
         )
         lines.append(f"- final validation loss: {f['val_loss']:.4f} (ppl {f['val_ppl']:.2f}) at step {f['step']}")
     lines.append(f"- skipped steps (optimizer step skipped, e.g. fp16 overflow): {m.skipped}")
+    return lines
+
+
+def render_markdown(run: Run, *, estimate: RunEstimate, engine: dict | None, m: Measured) -> str:
+    cluster = run.cluster
+    lines = _configuration_lines(run, engine=engine, m=m)
+    lines += _comparison_rows(estimate=estimate, m=m)
+    lines += checkpoint_rows(run, estimate=estimate)
+    startup_rows, startup_notes = startup_markdown(m.startup or read_startup(engine, estimate))
+    lines += startup_rows
+    lines += [line for note in startup_notes for line in ("", note)]
+    if cluster.gpu == "cpu":
+        lines += [
+            "",
+            "On the `cpu` type the measured memory is the host RSS of rank 0 (DeepSpeed's CPU accelerator), "
+            "Python and torch included, and the predictions use the catalog's nominal `cpu` figures: "
+            "compare trends, not absolute values. The device is the host there, so a rank's start-up RSS "
+            "also holds what the plan counts on the device.",
+        ]
+    lines += _results_lines(m)
     lines += [
         "",
         "## Plots",

@@ -2,12 +2,13 @@
 Llama 3.1-style checkpoint (llama3 rope scaling that matters at the run's length, head_dim != hidden/heads, q/k/v,
 output and MLP biases, GQA), a Qwen2 (q/k/v biases, tied embeddings), a Qwen3 (q/k RMSNorm per head, head_dim twice
 hidden/heads) and a Mistral (sliding window 16, shorter than the sequence of 64), each written by transformers'
-save_pretrained with the corpus's tokenizer beside it. Under ZeRO-1, ZeRO-3, tp 2, pp 2 and sp 2 (2 ranks, fp32,
+save_pretrained with the corpus's tokenizer beside it. Under ZeRO-3 (dp 2), tp 2, pp 2 and sp 2 (2 ranks, fp32,
 dropout 0) the first step's loss is transformers' loss on the same batch, and export-hf of the last checkpoint
 (ZeRO-3, tp 2 and pp 2) reloads as the family's class with its config and computes dspipe's logits: those
 of transformers' model too at lr 1e-12, moved ones at pp 2 (lr 3e-3). The first step's gradient norm is
 transformers' too (every gradient reduced where the layout splits it: q/k norms under tp 2, a tied head under pp 2).
-Every family runs every layout (none is refused). One test a family, one launch a layout (20 in all)."""
+Every family runs every layout (none is refused). One test a family, one launch a layout (16 in all): ZeRO-1 runs
+under tp 2, pp 2 and sp 2, and dp 2 under ZeRO-3."""
 
 import json
 import math
@@ -79,7 +80,6 @@ FAMILIES = {
 # moves the weights; its blocks are compiled (--compile: transformers' loss and gradients through compiled stages)
 FROZEN = ["--lr", "1e-12", "--weight-decay", "0"]
 LAYOUTS = {
-    "zero1": (["--zero", "1", *FROZEN], 2),
     "zero3": (["--zero", "3", *FROZEN], 2),
     "tp2": (["--zero", "1", "--tp", "2", *FROZEN], 2),
     "pp2": (["--zero", "1", "--pp", "2", "--lr", "3e-3", "--compile"], 3),

@@ -21,6 +21,9 @@ BENCHMARK_ONLY = {name for name, (model, _) in CONFIGS.items() if model != "31M"
     "zero1-fp32"
 }
 TESTED = [launch for launch in ([n for n in names if n not in BENCHMARK_ONLY] for names in LAUNCHES) if launch]
+SEQ = 16
+"""The rows' sequence here (the benchmark's is 64): model states do not depend on it, the steps' bf16 compute on these
+AVX2-only cores does."""
 PEAK_OVERESTIMATE = {
     "zero2-offload": 0.08,
     "zero3-offload": 0.18,
@@ -51,7 +54,7 @@ def _launch_id(names: list[str]) -> str:
 
 @pytest.mark.parametrize("names", TESTED, ids=[_launch_id(names) for names in TESTED])
 def test_predicted_model_states_within_5_percent_of_the_live_engine(names, tmp_path):
-    rows = measure_launch(names, tmp_path)
+    rows = measure_launch(names, tmp_path, seq_len=SEQ)
     assert [r["name"] for r in rows] == names
     for row in rows:
         assert row["num_params"] > 30e6, row["name"]  # model states dominate

@@ -92,7 +92,7 @@ def test_crash_inside_a_save_keeps_the_previous_checkpoint(tmp_path, corpus):
     assert "at step 3" in r.stdout
     assert tags(run) == ["global_step3", "global_step6", "global_step8", "latest"]  # the partial dir was cleaned up
     assert [int(s) for s, *_ in written_metrics(run)] == list(range(1, STEPS + 1))
-    assert ckpt_meta.read_meta(run / "checkpoints" / "global_step8").save["mode"] == "sync"
+    assert ckpt_meta.read_meta(run / "checkpoints" / "global_step8").save.mode == "sync"
 
 
 @pytest.mark.distributed
@@ -135,7 +135,7 @@ def test_save_interval_auto_follows_each_saves_measured_time(tmp_path, corpus):
     rank0 = {int(row["step"]): float(row["step_time_s"]) for row in csv_rows(run / "metrics.csv")}
     for e, following in zip(events, saved[1:], strict=True):
         meta = ckpt_meta.read_meta(run / "checkpoints" / ckpt_tags.tag_for(e["step"]))
-        assert e["cost_s"] == e["blocking_s"] == meta.save["blocking_s"] > 0  # measured: the step waited for it
+        assert e["cost_s"] == e["blocking_s"] == meta.save.blocking_s > 0  # measured: the step waited for it
         assert (
             e["interval"]
             == save_interval(
@@ -176,9 +176,9 @@ def test_a_kill_during_a_background_write_keeps_the_previous_checkpoint(tmp_path
     partial = ckpts / ".partial-global_step6"
     assert partial.is_dir() and any(partial.iterdir()) and not (partial / ckpt_tags.META_FILE).exists()
     assert not (ckpts / "global_step6").exists()
-    meta = ckpt_meta.read_meta(ckpts / "global_step3").save
-    assert meta["mode"] == "async" and meta["bytes"] > 0 and meta["rank_max_bytes"] > 0
-    assert 0 < meta["blocking_s"] and 0 < meta["write_s"]
+    save = ckpt_meta.read_meta(ckpts / "global_step3").save
+    assert save.mode == "async" and save.bytes > 0 and save.rank_max_bytes > 0
+    assert 0 < save.blocking_s and 0 < save.write_s
 
     r = launch(run, "--resume", "auto")
     ok(r)

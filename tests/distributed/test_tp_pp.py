@@ -92,3 +92,4 @@ def test_live_engine_uses_every_planned_axis(runs, name):
     else:
         assert live["tp_sharded_params"] > 0
     assert live["tp_sequence_parallel"] == ("--tp-sp" in flags)
+    assert json.loads((runs[name] / "ds_config.json").read_text())["tensor_parallel"]["autotp_size"] == 0  # not AutoTP

@@ -14,9 +14,12 @@ directory per page, in the page's order, and must exit 0 when it is
   - it is `gen-config` that writes nothing (no `--out`, no `--print-config`) or trains on data other than
     `data/stdlib` (another corpus, a blend, a Megatron prefix: their pages' own tests cover those readers).
 
-Every other command (`prepare-data` of a real corpus, `deepspeed`, `launch`, `bench`, `calibrate`, `export-hf`,
-`generate`, `report`, `docker`, `sbatch`, ...) needs a launch, a trained run, a GPU or the network, and is covered by
-the distributed tests, the demo and the wheel smoke test instead. The directory each page runs in holds what its
+The README's 5-minute path (prepare-data, the `deepspeed` launch on 2 CPU ranks, report, export-hf, generate; also
+docs/index.md's) and the export-and-generate how-to are run as written, in order, by
+tests/distributed/test_docs_path.py (a launch). What neither runs needs a GPU (`bench --model gpt3-1.3b`, docker),
+the network (hub names and tokenizers), several machines (`launch --hostfile`, `doctor`, `sbatch`) or a measured
+profile; the CPU `bench --compare` and `calibrate` lines run, at smaller shapes, in tests/distributed/test_bench.py
+and tests/unit/planner/test_calibration.py. The directory each page runs in holds what its
 commands read: `data/stdlib` (a small corpus prepared once by `dspipe prepare-data`), `examples/` (the repository's)
 and `hosts` (the two-node hostfile the multi-node page shows). `> FILE` writes the command's stdout to FILE.
 """
@@ -30,31 +33,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, dspipe_here
+from tests.helpers import ROOT, bash_commands, dspipe_here
 
 RUN = ("plan", "gen-config", "presets")
 PLACEHOLDER = re.compile(r"\.\.\.|(?<![A-Za-z])[A-Z][A-Z_]{2,}(?![A-Za-z])")
 NEEDS_MACHINE = ("--init-from", "--profile")
 PAGES = [ROOT / "README.md", ROOT / "docs" / "index.md", *sorted((ROOT / "docs" / "howto").glob("*.md"))]
-
-
-def bash_commands(path: Path) -> list[str]:
-    """Every command line of the ```bash blocks of `path`, continuations joined."""
-    commands, block, pending = [], False, ""
-    for line in path.read_text().splitlines():
-        if line.startswith("```"):
-            block, pending = line.strip() == "```bash" and not block, ""
-            continue
-        if not block:
-            continue
-        if line.rstrip().endswith("\\"):
-            pending += line.rstrip()[:-1] + " "
-            continue
-        text = (pending + line).strip()
-        pending = ""
-        if text and not text.startswith("#"):
-            commands.append(text)
-    return commands
 
 
 def runnable(command: str) -> list[str] | None:

@@ -1,12 +1,12 @@
 """CheckpointMeta: a checkpoint's dspipe.json read and written in one place, its on-disk format unchanged."""
 
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import pytest
 
 from dspipe.errors import SpecError
-from dspipe.runtime.ckpt_meta import CheckpointMeta, read_meta, write_meta
+from dspipe.runtime.ckpt_meta import CheckpointMeta, SaveRecord, read_meta, write_meta
 from dspipe.spec.presets import model_preset
 
 DATA = {"consumed_samples": 48, "seed": 0, "seq_len": 64, "num_samples": 100, "split": "train", "fingerprint": "ab"}
@@ -74,6 +74,11 @@ def test_an_older_meta_reads_with_its_defaults(tmp_path):
         ({"dp": "2"}, "dp must be an integer"),
         ({"save_interval": "soon"}, "save_interval must be an integer"),
         ({"zero_stage": 5}, "zero_stage 5 is not one of"),
+        ({"save": [1]}, "save must be an object (the save's figures), got list"),
+        ({"save": {k: v for k, v in CURRENT["save"].items() if k != "write_s"}}, "missing save.write_s"),
+        ({"save": {**CURRENT["save"], "mode": "later"}}, "save.mode 'later' is not one of: sync, async"),
+        ({"save": {**CURRENT["save"], "bytes": -1}}, "save.bytes must be an integer >= 0, got -1"),
+        ({"save": {**CURRENT["save"], "write_s": "slow"}}, "save.write_s must be a number >= 0, got 'slow'"),
     ],
 )
 def test_a_missing_or_mistyped_key_is_one_line_naming_file_and_key(tmp_path, change, words):
@@ -90,4 +95,19 @@ def test_the_meta_is_frozen():
     meta = CheckpointMeta.from_dict(CURRENT, source="x")
     with pytest.raises(AttributeError):
         meta.step = 4
-    assert meta.with_save({"mode": "async"}).save == {"mode": "async"} and meta.save == CURRENT["save"]
+    assert isinstance(meta.save, SaveRecord) and meta.save.to_dict() == CURRENT["save"]
+    with pytest.raises(AttributeError):
+        meta.save.mode = "async"
+    background = replace(meta.save, mode="async")
+    assert meta.with_save(background).save == background and meta.save.mode == "sync"
+
+
+def test_the_save_record_keeps_its_values_as_read(tmp_path):
+    """Seconds written as integers stay integers and a null bytes stays null: dspipe.json reads back unchanged."""
+    save = {**CURRENT["save"], "blocking_s": 2, "write_s": 0, "bytes": None, "later_key": 1}
+    meta = CheckpointMeta.from_dict({**CURRENT, "save": save}, source="x")
+    assert meta.save == SaveRecord(
+        mode="sync", completed_after_step=3, blocking_s=2, write_s=0, writer_cpu_s=0.0, rank_max_bytes=10, bytes=None
+    )
+    assert meta.to_dict()["save"] == {k: v for k, v in save.items() if k != "later_key"}
+    assert list(meta.to_dict()) == list(CURRENT)

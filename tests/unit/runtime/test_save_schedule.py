@@ -51,9 +51,22 @@ def test_step_time_is_the_median_of_the_latest_steps():
     assert step_time([100.0] * 5 + [1.0] * 20) == 1.0  # only the latest 20
 
 
+def figures(*, mode: str, blocking_s: float, write_s: float) -> ckpt_meta.SaveRecord:
+    """A completed save's figures (checkpoint.complete's) with the times replan reads."""
+    return ckpt_meta.SaveRecord(
+        mode=mode,
+        completed_after_step=9,
+        blocking_s=blocking_s,
+        write_s=write_s,
+        writer_cpu_s=0.0,
+        rank_max_bytes=0,
+        bytes=None,
+    )
+
+
 def test_replan_uses_the_measured_cost_and_says_when_it_changes():
     s = SaveSchedule(every=9, auto=True, steps=1000)
-    sync = {"mode": "sync", "blocking_s": 2.0, "write_s": 2.0}
+    sync = figures(mode="sync", blocking_s=2.0, write_s=2.0)
     event, line = replan(s, figures=sync, saved_step=9, step_s=0.5, world=8, mtbf_hours=1.0)
     mtbf_s = 3600 / 8
     assert s.every == event["interval"] == round(math.sqrt(2 * 2.0 * mtbf_s) / 0.5) == 85
@@ -65,7 +78,7 @@ def test_replan_uses_the_measured_cost_and_says_when_it_changes():
     assert replan(s, figures=sync, saved_step=94, step_s=0.5, world=8, mtbf_hours=1.0)[1] is None  # unchanged
     # a background write costs the copy the step waited for plus ASYNC_DRAG of the write, and the next save waits
     # for it: never sooner than one write
-    background = {"mode": "async", "blocking_s": 0.1, "write_s": 200.0}
+    background = figures(mode="async", blocking_s=0.1, write_s=200.0)
     event, line = replan(s, figures=background, saved_step=179, step_s=0.5, world=8, mtbf_hours=1.0)
     cost = 0.1 + ASYNC_DRAG * 200.0
     assert event["cost_s"] == pytest.approx(cost) and round(math.sqrt(2 * cost * mtbf_s) / 0.5) == 329

@@ -269,7 +269,15 @@ def test_checkpoint_rows_compare_the_plan_with_the_latest_save(run):
     tag = run / "checkpoints" / "global_step20"
     tag.mkdir(parents=True)
     (run / "checkpoints" / "latest").write_text("global_step20")
-    save = {"mode": "async", "bytes": int(planned["bytes"] * 1.01), "rank_max_bytes": planned["rank_max_bytes"]}
+    save = {
+        "mode": "async",
+        "completed_after_step": 20,
+        "blocking_s": 0.5,
+        "write_s": 3.0,
+        "writer_cpu_s": 1.0,
+        "rank_max_bytes": planned["rank_max_bytes"],
+        "bytes": int(planned["bytes"] * 1.01),
+    }
     (tag / "dspipe.json").write_text(json.dumps({"global_step": 20, "save": save}))
     md = (write_report(run)[0] / "report.md").read_text()
     assert f"| checkpoint per save (MiB) | {mib:,.1f} | {save['bytes'] / 2**20:,.1f} | 1.01 |" in md

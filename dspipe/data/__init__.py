@@ -12,13 +12,36 @@
 
 Importing this package loads numpy only (no torch, datasets or transformers).
 """
+
 from dspipe.data.blend import BlendLoader, BlendSpec
 from dspipe.data.checks import check_data_for_model, padded_vocab
-from dspipe.data.loader import (BatchOrder, Permutation, SampleOrder, TokenWindows, TrainLoader, micro_batches,
-                                val_batches)
+from dspipe.data.loader import (
+    BatchOrder,
+    Permutation,
+    SampleOrder,
+    TokenWindows,
+    TrainLoader,
+    micro_batches,
+    val_batches,
+)
 from dspipe.data.shards import META_FILE, TOKENIZER_DIR, open_split, read_meta
 from dspipe.data.sources import stdlib_sources
 
-__all__ = ["BatchOrder", "BlendLoader", "BlendSpec", "META_FILE", "Permutation", "SampleOrder", "TOKENIZER_DIR",
-           "TokenWindows", "TrainLoader", "check_data_for_model", "micro_batches", "open_split", "padded_vocab",
-           "read_meta", "stdlib_sources", "val_batches"]
+__all__ = [
+    "BatchOrder",
+    "BlendLoader",
+    "BlendSpec",
+    "META_FILE",
+    "Permutation",
+    "SampleOrder",
+    "TOKENIZER_DIR",
+    "TokenWindows",
+    "TrainLoader",
+    "check_data_for_model",
+    "micro_batches",
+    "open_split",
+    "padded_vocab",
+    "read_meta",
+    "stdlib_sources",
+    "val_batches",
+]

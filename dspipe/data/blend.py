@@ -18,6 +18,7 @@ arithmetic is exact (weights are decimal fractions, compared as integers), so eq
 
 A single path without a weight is not a blend: the runner reads it with TrainLoader exactly as before.
 """
+
 from __future__ import annotations
 
 import math
@@ -113,28 +114,33 @@ def _megatron_list(text: str) -> tuple[str, bool]:
     items = text.split()
     weights = items[0::2]
     if len(items) % 2 == 0 and all(_WEIGHT.match(w) or _NON_FINITE.match(w) for w in weights):
-        return ",".join(f"{p}:{w}" for w, p in zip(weights, items[1::2])), False
+        return ",".join(f"{p}:{w}" for w, p in zip(weights, items[1::2], strict=False)), False
     if len(items) % 2 == 0 and any(_WEIGHT.match(w) for w in weights):
-        raise SpecError(f"--data {text[:80]!r}: Megatron's blend is WEIGHT PREFIX WEIGHT PREFIX ... (or prefixes "
-                        f"alone); {weights[[bool(_WEIGHT.match(w)) for w in weights].index(False)]!r} stands where "
-                        f"a weight goes")
+        raise SpecError(
+            f"--data {text[:80]!r}: Megatron's blend is WEIGHT PREFIX WEIGHT PREFIX ... (or prefixes "
+            f"alone); {weights[[bool(_WEIGHT.match(w)) for w in weights].index(False)]!r} stands where "
+            f"a weight goes"
+        )
     from dspipe.data.shards import is_prepared, read_meta
 
     sizes = []
     for path in items:
         if not is_prepared(path):
-            raise SpecError(f"--data source {path}: not a Megatron dataset or prepared directory (a blend of "
-                            f"prefixes without weights weighs each by its size, as Megatron does)")
+            raise SpecError(
+                f"--data source {path}: not a Megatron dataset or prepared directory (a blend of "
+                f"prefixes without weights weighs each by its size, as Megatron does)"
+            )
         sizes.append(read_meta(path, deep=False)["splits"]["train"]["num_tokens"])
         if sizes[-1] == 0:
             raise SpecError(f"--data source {path}: its train split is empty, so its size-proportional weight is 0")
-    return ",".join(f"{p}:{n}" for p, n in zip(items, sizes)), True
+    return ",".join(f"{p}:{n}" for p, n in zip(items, sizes, strict=False)), True
 
 
 def _weight(path: str, text: str) -> Fraction:
     if len(text) > MAX_WEIGHT_CHARS:
-        raise SpecError(f"--data source {path}: weight {text[:MAX_WEIGHT_CHARS]}... is longer than "
-                        f"{MAX_WEIGHT_CHARS} characters")
+        raise SpecError(
+            f"--data source {path}: weight {text[:MAX_WEIGHT_CHARS]}... is longer than {MAX_WEIGHT_CHARS} characters"
+        )
     if _NON_FINITE.match(text):
         raise SpecError(f"--data source {path}: weight {text} is not finite")
     if not _WEIGHT.match(text):
@@ -185,11 +191,14 @@ def parse(text: str) -> BlendSpec:
     if len(weighted) != len(parsed):
         missing = next(p for p, _, w in parsed if w is None)
         if weighted:
-            raise SpecError(f"--data source {missing} has no weight while {weighted[0]} has one: give every source "
-                            f"a weight ({EXAMPLE})")
+            raise SpecError(
+                f"--data source {missing} has no weight while {weighted[0]} has one: give every source "
+                f"a weight ({EXAMPLE})"
+            )
         equal = ",".join(f"{p}:1" for p, _, _ in parsed[:3]) + (",..." if len(parsed) > 3 else "")
-        raise SpecError(f"--data names {len(parsed)} sources without weights: give each one a weight, e.g. {equal} "
-                        f"for equal shares")
+        raise SpecError(
+            f"--data names {len(parsed)} sources without weights: give each one a weight, e.g. {equal} for equal shares"
+        )
     total = sum(w for _, _, w in parsed)
     sources = tuple(BlendSource(path=p, share=w / total, given=g) for p, g, w in parsed)
     if megatron_text is not None:
@@ -205,6 +214,7 @@ def normalise(text: str) -> str:
 
 
 # ---- the order --------------------------------------------------------------------------------------------------
+
 
 class BlendOrder:
     """Global sample index -> (source, draw index within the source) under the rule in the module docstring.
@@ -262,12 +272,17 @@ class BlendOrder:
         chunk = self._chunk
         end = chunk[0] + chunk[2].size if chunk is not None else -1
         if chunk is not None and chunk[0] <= position <= end:
-            return [c + int(n) for c, n in zip(chunk[1], np.bincount(chunk[2][:position - chunk[0]],
-                                                                        minlength=self.k))]
+            return [
+                c + int(n)
+                for c, n in zip(chunk[1], np.bincount(chunk[2][: position - chunk[0]], minlength=self.k), strict=False)
+            ]
         at = max(a for a in self._anchors if a <= position)
         counts = list(self._anchors[at])
         if at < end <= position:  # the cached chunk's end is nearer
-            at, counts = end, [c + int(n) for c, n in zip(chunk[1], np.bincount(chunk[2], minlength=self.k))]
+            at, counts = (
+                end,
+                [c + int(n) for c, n in zip(chunk[1], np.bincount(chunk[2], minlength=self.k), strict=False)],
+            )
         self._simulate(at, counts, position - at, record=False)
         return counts
 
@@ -290,7 +305,7 @@ class BlendOrder:
                 draw[sel] = before[j] + np.arange(int(sel.sum()), dtype=np.int64)
             self._chunk = chunk = (start, before, src, draw)
         offset = start - chunk[0]
-        return chunk[2][offset:offset + count].copy(), chunk[3][offset:offset + count].copy()
+        return chunk[2][offset : offset + count].copy(), chunk[3][offset : offset + count].copy()
 
 
 class MegatronBlendOrder(BlendOrder):
@@ -327,8 +342,17 @@ def source_seed(seed: int, j: int) -> int:
 
 # ---- the sources, checked and opened ----------------------------------------------------------------------------
 
-def open_sources(spec: BlendSpec, *, model_vocab: int, seq_len: int, split: str = "train", order: str = "dspipe",
-                 seed: int = 0, num_samples: int | None = None) -> list:
+
+def open_sources(
+    spec: BlendSpec,
+    *,
+    model_vocab: int,
+    seq_len: int,
+    split: str = "train",
+    order: str = "dspipe",
+    seed: int = 0,
+    num_samples: int | None = None,
+) -> list:
     """The loader sources of `spec` (memory maps checked against meta.json), after checking each one against the
     model (vocab, one sequence of data) and against the others (one tokenizer): TokenWindows, or for the train split
     in Megatron's order (order "megatron": Megatron prefixes only; num_samples = the run's steps x global batch)
@@ -351,8 +375,11 @@ def open_sources(spec: BlendSpec, *, model_vocab: int, seq_len: int, split: str 
                 from dspipe.data.megatron_order import MegatronSamples
                 from dspipe.data.shards import read_meta
 
-                out.append(MegatronSamples(path, seq_len=seq_len, seed=seed, num_samples=sizes[j],
-                                           meta=read_meta(path, deep=False)))
+                out.append(
+                    MegatronSamples(
+                        path, seq_len=seq_len, seed=seed, num_samples=sizes[j], meta=read_meta(path, deep=False)
+                    )
+                )
             else:
                 out.append(TokenWindows(path, seq_len=seq_len, split=split))
         except SpecError as e:
@@ -375,11 +402,19 @@ def make_loader(spec: BlendSpec, windows: list, *, seed: int, micro_batch: int, 
 
         weights = [len(w) for w in windows] if spec.sized else [s.given for s in spec.sources]
         blend_order = MegatronBlendOrder(blend_weights(weights))
-    return BlendLoader(windows=windows, shares=spec.shares, seed=seed, micro_batch=micro_batch, dp=dp,
-                       dp_rank=dp_rank, blend_order=blend_order)
+    return BlendLoader(
+        windows=windows,
+        shares=spec.shares,
+        seed=seed,
+        micro_batch=micro_batch,
+        dp=dp,
+        dp_rank=dp_rank,
+        blend_order=blend_order,
+    )
 
 
 # ---- the loader ---------------------------------------------------------------------------------------------------
+
 
 class BlendLoader:
     """Endless (inputs, labels) int64 micro-batches of one data-parallel rank over a blend, TrainLoader's interface.
@@ -389,15 +424,27 @@ class BlendLoader:
     source, its fingerprint, size, weight and samples drawn; load_state_dict() refuses a changed blend in one line
     and continues with exactly the next micro-batch (under any dp size whose global batch divides the position)."""
 
-    def __init__(self, *, windows: list, shares, seed: int, micro_batch: int, dp: int, dp_rank: int,
-                 consumed_samples: int = 0, blend_order: BlendOrder | None = None):
+    def __init__(
+        self,
+        *,
+        windows: list,
+        shares,
+        seed: int,
+        micro_batch: int,
+        dp: int,
+        dp_rank: int,
+        consumed_samples: int = 0,
+        blend_order: BlendOrder | None = None,
+    ):
         from dspipe.data.loader import order_of
 
         if not 0 <= dp_rank < dp:
             raise ValueError(f"dp_rank {dp_rank} outside [0, {dp})")
         if len(windows) != len(shares) or len(windows) < 2:
-            raise ValueError(f"a blend needs two or more sources with one share each, got {len(windows)} "
-                             f"sources and {len(shares)} shares")
+            raise ValueError(
+                f"a blend needs two or more sources with one share each, got {len(windows)} "
+                f"sources and {len(shares)} shares"
+            )
         self.sources, self.shares, self.seed = list(windows), tuple(Fraction(s) for s in shares), seed
         self.micro_batch, self.dp, self.dp_rank = micro_batch, dp, dp_rank
         self.blend = blend_order if blend_order is not None else BlendOrder(self.shares)
@@ -445,35 +492,56 @@ class BlendLoader:
         counts = self.blend.counts_at(self.consumed_samples)
         first = self.sources[0]
         weights = getattr(self.blend, "weights", None) or [float(s) for s in self.shares]  # the ones drawn by
-        return {"consumed_samples": self.consumed_samples, "seed": self.seed, "seq_len": first.seq_len,
-                "split": first.split, "order": self.order,
-                "sources": [{"path": str(w.data_dir), "fingerprint": w.fingerprint, "num_samples": len(w),
-                             "weight": weight, "drawn": drawn, "epoch": drawn // len(w)}
-                            for w, weight, drawn in zip(self.sources, weights, counts)]}
+        return {
+            "consumed_samples": self.consumed_samples,
+            "seed": self.seed,
+            "seq_len": first.seq_len,
+            "split": first.split,
+            "order": self.order,
+            "sources": [
+                {
+                    "path": str(w.data_dir),
+                    "fingerprint": w.fingerprint,
+                    "num_samples": len(w),
+                    "weight": weight,
+                    "drawn": drawn,
+                    "epoch": drawn // len(w),
+                }
+                for w, weight, drawn in zip(self.sources, weights, counts, strict=False)
+            ],
+        }
 
     def load_state_dict(self, state: dict) -> None:
         from dspipe.data.loader import check_same_order
 
         mine = self.state_dict()
         if "sources" not in state:
-            raise SpecError(f"the checkpoint's data position is of one data directory (fingerprint "
-                            f"{str(state.get('fingerprint'))[:16]}), this run's --data is a blend of "
-                            f"{len(self.sources)} ({describe_sources(mine['sources'])}): the data changed; resume "
-                            f"with the --data it was saved with")
+            raise SpecError(
+                f"the checkpoint's data position is of one data directory (fingerprint "
+                f"{str(state.get('fingerprint'))[:16]}), this run's --data is a blend of "
+                f"{len(self.sources)} ({describe_sources(mine['sources'])}): the data changed; resume "
+                f"with the --data it was saved with"
+            )
         check_same_order(state, self.order)
         for key in ("seed", "split", "seq_len"):
             if state.get(key) != mine[key]:
-                raise SpecError(f"the checkpoint's data position does not fit this data: {key} "
-                                f"{state.get(key)!r} in the checkpoint, {mine[key]!r} now "
-                                f"({describe_sources(mine['sources'])})")
+                raise SpecError(
+                    f"the checkpoint's data position does not fit this data: {key} "
+                    f"{state.get(key)!r} in the checkpoint, {mine[key]!r} now "
+                    f"({describe_sources(mine['sources'])})"
+                )
         change = blend_change(state["sources"], mine["sources"])
         if change:
-            raise SpecError(f"the checkpoint's data blend differs from this run's --data: {change}; resume with the "
-                            f"blend it was saved with ({describe_sources(state['sources'])})")
+            raise SpecError(
+                f"the checkpoint's data blend differs from this run's --data: {change}; resume with the "
+                f"blend it was saved with ({describe_sources(state['sources'])})"
+            )
         consumed = int(state["consumed_samples"])
         if consumed % (self.dp * self.micro_batch):
-            raise SpecError(f"the checkpoint consumed {consumed} samples, not a multiple of dp {self.dp} x "
-                            f"micro_batch {self.micro_batch}: cannot continue the global order")
+            raise SpecError(
+                f"the checkpoint consumed {consumed} samples, not a multiple of dp {self.dp} x "
+                f"micro_batch {self.micro_batch}: cannot continue the global order"
+            )
         self.blend.anchor(consumed, [s["drawn"] for s in state["sources"]])
         self.consumed_samples = consumed
 
@@ -487,11 +555,13 @@ def blend_change(saved: list[dict], now: list[dict]) -> str:
     source. Paths may differ (a moved directory is the same data); fingerprints, sizes and weights may not."""
     if len(saved) != len(now):
         return f"{len(now)} sources now, {len(saved)} in the checkpoint"
-    for i, (a, b) in enumerate(zip(saved, now), 1):
+    for i, (a, b) in enumerate(zip(saved, now, strict=False), 1):
         name = f"source {i} ({b['path']})"
         if a["fingerprint"] != b["fingerprint"]:
-            return (f"{name} holds other data now (fingerprint {b['fingerprint'][:16]}, {a['fingerprint'][:16]} "
-                    f"in the checkpoint, read from {a['path']})")
+            return (
+                f"{name} holds other data now (fingerprint {b['fingerprint'][:16]}, {a['fingerprint'][:16]} "
+                f"in the checkpoint, read from {a['path']})"
+            )
         if a["num_samples"] != b["num_samples"]:
             return f"{name} has {b['num_samples']} samples now, {a['num_samples']} in the checkpoint"
         if a["weight"] != b["weight"]:
@@ -500,6 +570,7 @@ def blend_change(saved: list[dict], now: list[dict]) -> str:
 
 
 # ---- gen-config ---------------------------------------------------------------------------------------------------
+
 
 def blend_option(o: dict) -> BlendSpec | None:
     """gen-config's --data (`o["data"]`; absent for plan and bench): parsed and normalised in place. Returns the
@@ -517,8 +588,9 @@ def blend_option(o: dict) -> BlendSpec | None:
     return spec
 
 
-def check_blend_for_run(spec: BlendSpec, *, model_vocab: int, seq_len: int, dp: int | None = None,
-                        micro_batch: int | None = None) -> None:
+def check_blend_for_run(
+    spec: BlendSpec, *, model_vocab: int, seq_len: int, dp: int | None = None, micro_batch: int | None = None
+) -> None:
     """Every source of a blend against the model (vocab, one sequence of data) and, given dp and micro_batch,
     its validation split against one validation batch; one SpecError naming the source."""
     from dspipe.data.checks import check_data_for_model, check_val_for_eval

@@ -1,4 +1,5 @@
 """Checks between prepared data directories and a model, from meta.json and tokenizer.json (no torch or shards)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -20,15 +21,21 @@ def check_data_for_model(data_dir: str | Path, *, model_vocab: int, seq_len: int
     vocab = meta["vocab_size"]
     if meta.get("format") == "megatron-mmidx" and meta["max_id"] >= model_vocab:
         tok = f" (its tokenizer has {vocab})" if meta["tokenizer_dir"] else ""
-        raise SpecError(f"token id {meta['max_id']:,} in {data_dir}.bin does not fit model vocab {model_vocab:,}"
-                        f"{tok}: pass --vocab {vocab} or --pad-vocab ({padded_vocab(vocab)})")
+        raise SpecError(
+            f"token id {meta['max_id']:,} in {data_dir}.bin does not fit model vocab {model_vocab:,}"
+            f"{tok}: pass --vocab {vocab} or --pad-vocab ({padded_vocab(vocab)})"
+        )
     if vocab > model_vocab:
-        raise SpecError(f"tokenizer vocab {vocab} in {data_dir} > model vocab {model_vocab}: token ids would "
-                        f"overflow the embedding; pass --vocab {vocab} or --pad-vocab ({padded_vocab(vocab)})")
+        raise SpecError(
+            f"tokenizer vocab {vocab} in {data_dir} > model vocab {model_vocab}: token ids would "
+            f"overflow the embedding; pass --vocab {vocab} or --pad-vocab ({padded_vocab(vocab)})"
+        )
     train = meta["splits"]["train"]
     if sum(max(0, (s["num_tokens"] - 1) // seq_len) for s in train["shards"]) == 0:
-        raise SpecError(f"the train split of {data_dir} ({train['num_tokens']} tokens) is shorter than one "
-                        f"sequence of {seq_len + 1} tokens")
+        raise SpecError(
+            f"the train split of {data_dir} ({train['num_tokens']} tokens) is shorter than one "
+            f"sequence of {seq_len + 1} tokens"
+        )
     return meta
 
 
@@ -38,12 +45,17 @@ def check_val_for_eval(data_dir: str | Path, *, seq_len: int, dp: int, micro_bat
     val = meta["splits"].get("val", {"shards": [], "num_tokens": 0})
     windows = sum(max(0, (s["num_tokens"] - 1) // seq_len) for s in val["shards"])
     if windows < dp * micro_batch:
-        raise SpecError(f"the val split of {data_dir} holds {windows} windows of {seq_len + 1} tokens, fewer than one "
-                        f"validation batch of dp {dp} x micro_batch {micro_batch} = {dp * micro_batch}; pass "
-                        f"--eval-interval 0 or " + (
-                            f"give a larger Megatron dataset (its last {meta['val_fraction']:.0%} of documents are "
-                            f"the validation split)" if meta.get("format") == "megatron-mmidx" else
-                            f"prepare the data with a larger --val-fraction (now {meta['val_fraction']})"))
+        raise SpecError(
+            f"the val split of {data_dir} holds {windows} windows of {seq_len + 1} tokens, fewer than one "
+            f"validation batch of dp {dp} x micro_batch {micro_batch} = {dp * micro_batch}; pass "
+            f"--eval-interval 0 or "
+            + (
+                f"give a larger Megatron dataset (its last {meta['val_fraction']:.0%} of documents are "
+                f"the validation split)"
+                if meta.get("format") == "megatron-mmidx"
+                else f"prepare the data with a larger --val-fraction (now {meta['val_fraction']})"
+            )
+        )
 
 
 TOKENIZER_KEYS = ("model", "added_tokens", "normalizer", "pre_tokenizer")
@@ -82,27 +94,33 @@ def check_blend_sources(paths) -> list[dict]:
             raise SpecError(f"blend source {path}: {e}") from None
     first, ref = paths[0], metas[0]
     ref_tok = None
-    for path, meta in zip(paths[1:], metas[1:]):
+    for path, meta in zip(paths[1:], metas[1:], strict=False):
         fix = f"blended datasets must share one tokenizer (prepare it with --tokenizer {Path(first) / 'tokenizer'})"
         # a Megatron prefix without a tokenizer has no vocabulary of its own (its largest id + 1 stands in)
         told = all(m.get("format") != "megatron-mmidx" or m.get("tokenizer_dir") for m in (meta, ref))
         if meta["vocab_size"] != ref["vocab_size"] and told:
-            raise SpecError(f"blend source {path}: tokenizer vocab {meta['vocab_size']} ({meta['dtype']} tokens) "
-                            f"differs from {first}'s {ref['vocab_size']} ({ref['dtype']}); {fix}")
+            raise SpecError(
+                f"blend source {path}: tokenizer vocab {meta['vocab_size']} ({meta['dtype']} tokens) "
+                f"differs from {first}'s {ref['vocab_size']} ({ref['dtype']}); {fix}"
+            )
         megatron = "megatron-mmidx" in (meta.get("format"), ref.get("format"))
         if meta["dtype"] != ref["dtype"] and not megatron:  # a loader reads every Megatron dtype into int64
-            raise SpecError(f"blend source {path}: token dtype {meta['dtype']} differs from {first}'s "
-                            f"{ref['dtype']}; {fix}")
+            raise SpecError(
+                f"blend source {path}: token dtype {meta['dtype']} differs from {first}'s {ref['dtype']}; {fix}"
+            )
         if meta["eos_id"] != ref["eos_id"] and None not in (meta["eos_id"], ref["eos_id"]):
-            raise SpecError(f"blend source {path}: EOS id {meta['eos_id']} differs from {first}'s {ref['eos_id']}; "
-                            f"{fix}")
+            raise SpecError(
+                f"blend source {path}: EOS id {meta['eos_id']} differs from {first}'s {ref['eos_id']}; {fix}"
+            )
         if ref_tok is None:
             ref_tok = _tokenizer_content(first) or {}
         tok = _tokenizer_content(path)
         if ref_tok and tok is not None and tok != ref_tok:
             differs = next((k for k in TOKENIZER_KEYS if tok.get(k) != ref_tok.get(k)), "content")
-            raise SpecError(f"blend source {path}: its tokenizer differs from {first}'s ({differs} in "
-                            f"tokenizer/tokenizer.json); {fix}")
+            raise SpecError(
+                f"blend source {path}: its tokenizer differs from {first}'s ({differs} in "
+                f"tokenizer/tokenizer.json); {fix}"
+            )
     return metas
 
 
@@ -114,16 +132,22 @@ def check_tokenizer(paths, tokenizer: str | Path, *, model_vocab: int | None = N
 
     for path in paths:
         if not megatron.is_prefix(path):
-            raise SpecError(f"--tokenizer {tokenizer} is for Megatron prefixes; {path} is not one (a prepared "
-                            f"directory carries its own tokenizer/): drop --tokenizer")
+            raise SpecError(
+                f"--tokenizer {tokenizer} is for Megatron prefixes; {path} is not one (a prepared "
+                f"directory carries its own tokenizer/): drop --tokenizer"
+            )
     vocab = megatron.tokenizer_vocab_size(Path(tokenizer)) if Path(tokenizer).is_dir() else None
     if vocab is None:
-        raise SpecError(f"--tokenizer {tokenizer}: no tokenizer.json with a vocabulary there (a Hugging Face "
-                        f"tokenizer directory written by save_pretrained)")
+        raise SpecError(
+            f"--tokenizer {tokenizer}: no tokenizer.json with a vocabulary there (a Hugging Face "
+            f"tokenizer directory written by save_pretrained)"
+        )
     for path in paths:
         megatron.read_meta(path, tokenizer=tokenizer)
     if model_vocab is not None and vocab > model_vocab:
-        raise SpecError(f"tokenizer vocab {vocab:,} in --tokenizer {tokenizer} > model vocab {model_vocab:,}: "
-                        f"generate and export-hf would meet ids the model cannot hold; pass --vocab {vocab} or "
-                        f"--pad-vocab ({padded_vocab(vocab)})")
+        raise SpecError(
+            f"tokenizer vocab {vocab:,} in --tokenizer {tokenizer} > model vocab {model_vocab:,}: "
+            f"generate and export-hf would meet ids the model cannot hold; pass --vocab {vocab} or "
+            f"--pad-vocab ({padded_vocab(vocab)})"
+        )
     return vocab

@@ -10,6 +10,7 @@ earlier output of the same kind (--force). A prefix -> directory -> prefix round
 same .idx where every document is one sequence (dspipe keeps documents, not Megatron's sentence split); directory ->
 prefix -> directory gives the same tokens and documents, split again by the prefix's rule.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -22,8 +23,19 @@ import numpy as np
 from dspipe import outputs
 from dspipe.atomic import staged_dir
 from dspipe.data import megatron
-from dspipe.data.shards import (FORMAT, FORMAT_VERSION, META_FILE, SPLITS, TOKENIZER_DIR, ShardWriter, dataset_id,
-                                open_split, read_meta, token_dtype, write_meta)
+from dspipe.data.shards import (
+    FORMAT,
+    FORMAT_VERSION,
+    META_FILE,
+    SPLITS,
+    TOKENIZER_DIR,
+    ShardWriter,
+    dataset_id,
+    open_split,
+    read_meta,
+    token_dtype,
+    write_meta,
+)
 from dspipe.errors import SpecError
 
 PIECE_TOKENS = 1 << 24  # tokens moved per pass: memory stays flat
@@ -36,7 +48,7 @@ def _documents(toks: np.ndarray, offsets: np.ndarray):
     while first < offsets.size - 1:
         last = int(np.searchsorted(offsets, offsets[first] + PIECE_TOKENS, side="right")) - 1
         last = max(last, first + 1)
-        yield np.asarray(toks[offsets[first]:offsets[last]]), np.diff(offsets[first:last + 1])
+        yield np.asarray(toks[offsets[first] : offsets[last]]), np.diff(offsets[first : last + 1])
         first = last
 
 
@@ -53,13 +65,16 @@ def to_megatron(*, source: str | Path, out: str | Path, force: bool = False) -> 
     {"prefix", "num_documents", "num_tokens", "dtype"}."""
     meta = read_meta(source)
     if meta.get("format") == megatron.FORMAT:
-        raise SpecError(f"{source} is already a Megatron dataset; convert-data makes a dspipe directory of it with "
-                        f"--out DIR")
+        raise SpecError(
+            f"{source} is already a Megatron dataset; convert-data makes a dspipe directory of it with --out DIR"
+        )
     out = outputs.target(out, flag="--out", expect="dir")
     outputs.claim_dir(out, kind="data", replace=force)
     dtype = megatron.writer_dtype(meta["vocab_size"])
-    with outputs.parents(out), staged_dir(Path(os.path.abspath(out)), tag="convert-",
-                                           errors=lambda: outputs.write_errors(out)) as tmp:
+    with (
+        outputs.parents(out),
+        staged_dir(Path(os.path.abspath(out)), tag="convert-", errors=lambda: outputs.write_errors(out)) as tmp,
+    ):
         writer = megatron.MegatronWriter(tmp / megatron.TEXT_DOCUMENT, dtype=dtype)
         try:
             for split in SPLITS:
@@ -74,31 +89,46 @@ def to_megatron(*, source: str | Path, out: str | Path, force: bool = False) -> 
         _copy_tokenizer(Path(source) / TOKENIZER_DIR, tmp / TOKENIZER_DIR)
         with outputs.write_errors(out):
             outputs.write_marker(tmp, kind="data")
-    return {"prefix": str(Path(out) / megatron.TEXT_DOCUMENT), "num_documents": writer.num_documents,
-            "num_tokens": writer.num_tokens, "dtype": dtype}
+    return {
+        "prefix": str(Path(out) / megatron.TEXT_DOCUMENT),
+        "num_documents": writer.num_documents,
+        "num_tokens": writer.num_tokens,
+        "dtype": dtype,
+    }
 
 
-def from_megatron(*, prefix: str, out: str | Path, tokenizer: str | Path | None = None, force: bool = False,
-                  shard_tokens: int = 500_000_000) -> dict:
+def from_megatron(
+    *,
+    prefix: str,
+    out: str | Path,
+    tokenizer: str | Path | None = None,
+    force: bool = False,
+    shard_tokens: int = 500_000_000,
+) -> dict:
     """A Megatron prefix -> a prepared directory (meta.json, shards, the tokenizer when there is one); returns its
     meta. Its documents must end in one EOD token (preprocess_data.py --append-eod): dspipe's format keeps an EOS
     after every document."""
     meta = megatron.read_meta(prefix, tokenizer=tokenizer)
     if meta["eos_id"] is None:
-        raise SpecError(f"Megatron dataset {prefix}: its documents do not all end in one EOD token (prepared "
-                        f"without --append-eod?); a dspipe directory keeps an EOS after every document, so train on "
-                        f"the prefix itself (--data {prefix})")
+        raise SpecError(
+            f"Megatron dataset {prefix}: its documents do not all end in one EOD token (prepared "
+            f"without --append-eod?); a dspipe directory keeps an EOS after every document, so train on "
+            f"the prefix itself (--data {prefix})"
+        )
     out = outputs.target(out, flag="--out", expect="dir")
     outputs.claim_dir(out, kind="data", replace=force)
     vocab = meta["vocab_size"]
     dtype = token_dtype(vocab)
     fp = hashlib.sha256(f"from-megatron\0{meta['fingerprint']}\0{vocab}\0{shard_tokens}".encode()).hexdigest()
-    with outputs.parents(out), staged_dir(Path(os.path.abspath(out)), tag="convert-",
-                                           errors=lambda: outputs.write_errors(out)) as tmp:
+    with (
+        outputs.parents(out),
+        staged_dir(Path(os.path.abspath(out)), tag="convert-", errors=lambda: outputs.write_errors(out)) as tmp,
+    ):
         splits = {}
         for split in SPLITS:
-            writer = ShardWriter(directory=tmp, split=split, dtype=dtype, shard_tokens=shard_tokens,
-                                 ident=dataset_id(fp))
+            writer = ShardWriter(
+                directory=tmp, split=split, dtype=dtype, shard_tokens=shard_tokens, ident=dataset_id(fp)
+            )
             try:
                 for toks, offsets in megatron.open_split(prefix, split, meta):
                     for piece, lengths in _documents(toks, offsets):
@@ -107,15 +137,27 @@ def from_megatron(*, prefix: str, out: str | Path, tokenizer: str | Path | None 
             except BaseException:
                 writer.abort()
                 raise
-            splits[split] = {"num_documents": sum(s["num_documents"] for s in shards),
-                             "num_tokens": sum(s["num_tokens"] for s in shards), "shards": shards}
+            splits[split] = {
+                "num_documents": sum(s["num_documents"] for s in shards),
+                "num_tokens": sum(s["num_tokens"] for s in shards),
+                "shards": shards,
+            }
         tok = Path(meta["tokenizer_dir"]) if meta["tokenizer_dir"] else None
         has_tok = _copy_tokenizer(tok, tmp / TOKENIZER_DIR)
-        new = {"format": FORMAT, "format_version": FORMAT_VERSION, "fingerprint": fp, "vocab_size": vocab,
-               "eos_id": meta["eos_id"], "dtype": dtype, "num_documents": meta["num_documents"],
-               "num_tokens": meta["num_tokens"], "val_fraction": megatron.VAL_FRACTION, "splits": splits,
-               "tokenizer_source": f"Megatron dataset {prefix}" + (f", tokenizer {tok}" if has_tok else ""),
-               "input": {"source": f"megatron:{prefix}"}}
+        new = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "fingerprint": fp,
+            "vocab_size": vocab,
+            "eos_id": meta["eos_id"],
+            "dtype": dtype,
+            "num_documents": meta["num_documents"],
+            "num_tokens": meta["num_tokens"],
+            "val_fraction": megatron.VAL_FRACTION,
+            "splits": splits,
+            "tokenizer_source": f"Megatron dataset {prefix}" + (f", tokenizer {tok}" if has_tok else ""),
+            "input": {"source": f"megatron:{prefix}"},
+        }
         if has_tok:
             new["tokenizer"] = TOKENIZER_DIR
         write_meta(tmp, new)
@@ -132,9 +174,12 @@ def convert(*, source: str, out: str | Path, tokenizer: str | None = None, force
     if megatron.is_prefix(source):
         return "from-megatron", from_megatron(prefix=source, out=out, tokenizer=tokenizer, force=force)
     if tokenizer is not None:
-        raise SpecError(f"--tokenizer is for a Megatron source; {source}'s tokenizer is its own "
-                        f"({Path(source) / TOKENIZER_DIR})")
+        raise SpecError(
+            f"--tokenizer is for a Megatron source; {source}'s tokenizer is its own ({Path(source) / TOKENIZER_DIR})"
+        )
     if not (Path(source) / META_FILE).is_file():
-        raise SpecError(f"{source} is neither a prepared data directory (no {META_FILE}) nor a Megatron dataset "
-                        f"(no {source}.idx / {source}.bin)")
+        raise SpecError(
+            f"{source} is neither a prepared data directory (no {META_FILE}) nor a Megatron dataset "
+            f"(no {source}.idx / {source}.bin)"
+        )
     return "to-megatron", to_megatron(source=source, out=out, force=force)

@@ -1,5 +1,6 @@
 """Text-size limits of prepare-data (--max-mb, --tokenizer-sample-mb): MiB to bytes, and the one line for a limit
 too small to hold anything (less than a byte, or less than the first document or training piece)."""
+
 from __future__ import annotations
 
 import math
@@ -26,14 +27,19 @@ def mib_to_bytes(value, *, flag: str) -> int:
     """A size flag in MiB (a finite number in (0, MAX_MB[flag]]) as bytes; NaN, inf, 0 and negatives are one
     SpecError with the allowed range, and so is a positive value below one byte (it would hold no text)."""
     high = MAX_MB[flag]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and
-                                                                             0 < value <= high):
-        raise SpecError(f"{flag} must be a positive number of MiB, got {str(value)[:40]} "
-                        f"(allowed: finite, (0, {high:,.0f}])")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not (math.isfinite(value) and 0 < value <= high)
+    ):
+        raise SpecError(
+            f"{flag} must be a positive number of MiB, got {str(value)[:40]} (allowed: finite, (0, {high:,.0f}])"
+        )
     nbytes = int(value * MIB)
     if nbytes < 1:
-        raise SpecError(f"{flag} {value:g} is 0 bytes: less than one byte; the smallest {flag} is "
-                        f"{mib_text(1)} (1 byte)")
+        raise SpecError(
+            f"{flag} {value:g} is 0 bytes: less than one byte; the smallest {flag} is {mib_text(1)} (1 byte)"
+        )
     return nbytes
 
 
@@ -41,5 +47,7 @@ def too_small(*, flag: str, limit: int, size: int, what: str) -> SpecError:
     """The limit `flag` (`limit` bytes) is below `size` bytes, what it must hold at least (`what` says which and
     shows the size)."""
     unit = "byte" if limit == 1 else "bytes"
-    return SpecError(f"{flag} {mib_text(limit)} ({limit:,} {unit}) cannot hold {what}; the smallest {flag} that "
-                     f"holds it is {mib_text(size)}")
+    return SpecError(
+        f"{flag} {mib_text(limit)} ({limit:,} {unit}) cannot hold {what}; the smallest {flag} that "
+        f"holds it is {mib_text(size)}"
+    )

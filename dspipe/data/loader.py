@@ -5,6 +5,7 @@ permutation of the n windows, computed on the fly (no index array in RAM, O(1) t
 dp x micro_batch global samples; data-parallel rank r reads the r-th slice of micro_batch of them. So the global
 order does not depend on dp, and the position is one number, consumed_samples, saved in the checkpoint.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -48,10 +49,13 @@ class TokenWindows(Source):
         if self._starts[-1] == 0:
             n = self.meta["splits"][split]["num_tokens"]
             if n == 0:
-                raise SpecError(f"the {split} split of {data_dir} is empty (prepared with --val-fraction "
-                                f"{self.meta['val_fraction']} from {self.meta['num_documents']} documents)")
-            raise SpecError(f"the {split} split of {data_dir} ({n} tokens) is shorter than one sequence of "
-                            f"{seq_len + 1} tokens")
+                raise SpecError(
+                    f"the {split} split of {data_dir} is empty (prepared with --val-fraction "
+                    f"{self.meta['val_fraction']} from {self.meta['num_documents']} documents)"
+                )
+            raise SpecError(
+                f"the {split} split of {data_dir} ({n} tokens) is shorter than one sequence of {seq_len + 1} tokens"
+            )
 
     def __len__(self) -> int:
         return int(self._starts[-1])
@@ -61,7 +65,7 @@ class TokenWindows(Source):
             raise IndexError(f"window {i} out of range [0, {len(self)})")
         shard = int(np.searchsorted(self._starts, i, side="right")) - 1
         start = (i - int(self._starts[shard])) * self.seq_len
-        return np.asarray(self.shards[shard][start:start + self.seq_len + 1], dtype=np.int64)
+        return np.asarray(self.shards[shard][start : start + self.seq_len + 1], dtype=np.int64)
 
     def rows(self, indices) -> np.ndarray:
         """(len(indices), seq_len + 1) int64: the windows, gathered out of the memory map (one read per shard)."""
@@ -135,7 +139,7 @@ class SampleOrder:
         first, last = start // self.BLOCK, (start + count - 1) // self.BLOCK
         blocks = np.concatenate([self._block(b) for b in range(first, last + 1)])
         offset = start - first * self.BLOCK
-        return blocks[offset:offset + count].copy()
+        return blocks[offset : offset + count].copy()
 
     def _block(self, b: int) -> np.ndarray:
         if b not in self._blocks:
@@ -171,8 +175,10 @@ def check_same_order(state: dict, order: str) -> None:
     """A checkpoint's data position continues only in the sample order it was saved in (absent: dspipe's)."""
     saved = state.get("order", "dspipe")
     if saved != order:
-        raise SpecError(f"the checkpoint's data position is in {saved}'s sample order, this run reads in {order}'s "
-                        f"(--data-order): resume with the order it was saved with")
+        raise SpecError(
+            f"the checkpoint's data position is in {saved}'s sample order, this run reads in {order}'s "
+            f"(--data-order): resume with the order it was saved with"
+        )
 
 
 def order_of(windows, *, seed: int):
@@ -209,8 +215,9 @@ class TrainLoader:
     state_dict() is its whole position (consumed samples, epoch, seed, and what it reads); load_state_dict()
     continues with exactly the next micro-batch, under any dp size whose global batch divides the position."""
 
-    def __init__(self, *, windows: TokenWindows, seed: int, micro_batch: int, dp: int, dp_rank: int,
-                 consumed_samples: int = 0):
+    def __init__(
+        self, *, windows: TokenWindows, seed: int, micro_batch: int, dp: int, dp_rank: int, consumed_samples: int = 0
+    ):
         if not 0 <= dp_rank < dp:
             raise ValueError(f"dp_rank {dp_rank} outside [0, {dp})")
         self.windows, self.seed = windows, seed
@@ -240,41 +247,63 @@ class TrainLoader:
         self.consumed_samples += micro_batches * self.dp * self.micro_batch
 
     def state_dict(self) -> dict:
-        return {"consumed_samples": self.consumed_samples, "epoch": self.epoch, "seed": self.seed,
-                "num_samples": len(self.windows), "seq_len": self.windows.seq_len,
-                "split": self.windows.split, "fingerprint": self.windows.fingerprint,
-                "order": getattr(self.windows, "order", "dspipe"), "layout": getattr(self.windows, "layout", None)}
+        return {
+            "consumed_samples": self.consumed_samples,
+            "epoch": self.epoch,
+            "seed": self.seed,
+            "num_samples": len(self.windows),
+            "seq_len": self.windows.seq_len,
+            "split": self.windows.split,
+            "fingerprint": self.windows.fingerprint,
+            "order": getattr(self.windows, "order", "dspipe"),
+            "layout": getattr(self.windows, "layout", None),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         mine = self.state_dict()
         if "sources" in state:  # saved by a dspipe.data.blend.BlendLoader
             saved = ",".join(f"{s.get('path')}:{s.get('weight')}" for s in state["sources"])
-            raise SpecError(f"the checkpoint's data position is of a blend of {len(state['sources'])} sources "
-                            f"({saved}), this run reads one data directory ({self.windows.data_dir}): the data "
-                            f"changed; resume with the --data it was saved with")
+            raise SpecError(
+                f"the checkpoint's data position is of a blend of {len(state['sources'])} sources "
+                f"({saved}), this run reads one data directory ({self.windows.data_dir}): the data "
+                f"changed; resume with the --data it was saved with"
+            )
         check_same_order(state, mine["order"])
-        if mine["order"] == "megatron" and (state.get("num_samples"), state.get("layout")) != \
-                (mine["num_samples"], mine["layout"]):
-            raise SpecError(f"the checkpoint's data position is in Megatron's order built for another run length "
-                            f"({state.get('num_samples')} samples in {state.get('layout')} of "
-                            f"{self.windows.data_dir} then, {mine['num_samples']} in {mine['layout']} now: the order "
-                            f"depends on steps x global batch, as Megatron's does); resume with the steps and batch "
-                            f"it was saved with")
+        if mine["order"] == "megatron" and (state.get("num_samples"), state.get("layout")) != (
+            mine["num_samples"],
+            mine["layout"],
+        ):
+            raise SpecError(
+                f"the checkpoint's data position is in Megatron's order built for another run length "
+                f"({state.get('num_samples')} samples in {state.get('layout')} of "
+                f"{self.windows.data_dir} then, {mine['num_samples']} in {mine['layout']} now: the order "
+                f"depends on steps x global batch, as Megatron's does); resume with the steps and batch "
+                f"it was saved with"
+            )
         for key in ("seed", "split", "seq_len", "fingerprint", "num_samples"):
             if state.get(key) != mine[key]:
-                raise SpecError(f"the checkpoint's data position does not fit this data: {key} "
-                                f"{state.get(key)!r} in the checkpoint, {mine[key]!r} now ({self.windows.data_dir})")
+                raise SpecError(
+                    f"the checkpoint's data position does not fit this data: {key} "
+                    f"{state.get(key)!r} in the checkpoint, {mine[key]!r} now ({self.windows.data_dir})"
+                )
         if state["consumed_samples"] % (self.dp * self.micro_batch):
-            raise SpecError(f"the checkpoint consumed {state['consumed_samples']} samples, not a multiple of "
-                            f"dp {self.dp} x micro_batch {self.micro_batch}: cannot continue the global order")
+            raise SpecError(
+                f"the checkpoint consumed {state['consumed_samples']} samples, not a multiple of "
+                f"dp {self.dp} x micro_batch {self.micro_batch}: cannot continue the global order"
+            )
         self.consumed_samples = int(state["consumed_samples"])
 
 
 def micro_batches(*, windows: TokenWindows, order: BatchOrder, dp_rank: int, start_step: int = 0) -> TrainLoader:
     """A TrainLoader positioned at start_step of `order` (same seed, dp and micro-batch)."""
-    return TrainLoader(windows=windows, seed=order.seed, micro_batch=order.micro_batch, dp=order.dp,
-                       dp_rank=dp_rank,
-                       consumed_samples=start_step * order.grad_accum * order.dp * order.micro_batch)
+    return TrainLoader(
+        windows=windows,
+        seed=order.seed,
+        micro_batch=order.micro_batch,
+        dp=order.dp,
+        dp_rank=dp_rank,
+        consumed_samples=start_step * order.grad_accum * order.dp * order.micro_batch,
+    )
 
 
 def val_batches(*, windows: TokenWindows, micro_batch: int, dp: int, dp_rank: int, max_batches: int | None = None):
@@ -282,8 +311,10 @@ def val_batches(*, windows: TokenWindows, micro_batch: int, dp: int, dp_rank: in
     Every rank yields the same number of batches (a last incomplete global batch is dropped)."""
     total = len(windows) // (dp * micro_batch)
     if total == 0:
-        raise SpecError(f"the {windows.split} split has {len(windows)} windows of {windows.seq_len + 1} tokens, "
-                        f"fewer than one batch of dp {dp} x micro_batch {micro_batch}")
+        raise SpecError(
+            f"the {windows.split} split has {len(windows)} windows of {windows.seq_len + 1} tokens, "
+            f"fewer than one batch of dp {dp} x micro_batch {micro_batch}"
+        )
     if max_batches is not None:
         total = min(total, max_batches)
     for b in range(total):

@@ -25,6 +25,7 @@ Writing (MegatronWriter): one sequence per document, as megatron-core's IndexedD
 an unsplit document, in the dtype megatron-core would choose (uint16 below 65,500 tokens, else int32). The index is
 built from a side file of lengths, so memory stays flat for any number of documents.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -57,8 +58,9 @@ def is_prefix(path: str | os.PathLike) -> bool:
     """Whether `path` names a Megatron dataset: PREFIX.idx or PREFIX.bin exists, and PREFIX is not a prepared dspipe
     directory. PREFIX may be a directory too: megatron-core keeps its index cache in PREFIX/cache by default."""
     p = str(path)
-    return not os.path.isfile(os.path.join(p, "meta.json")) and (os.path.isfile(p + ".idx")
-                                                                 or os.path.isfile(p + ".bin"))
+    return not os.path.isfile(os.path.join(p, "meta.json")) and (
+        os.path.isfile(p + ".idx") or os.path.isfile(p + ".bin")
+    )
 
 
 def idx_path(prefix) -> Path:
@@ -106,8 +108,9 @@ def _read_head(prefix: str, *, ip: Path, bp: Path) -> bytes:
     """The index's first HEAD.size bytes, once both files are there and readable."""
     for path, what in ((ip, "index"), (bp, "token file")):
         if not path.is_file():
-            raise _fail(prefix, f"{path} is missing (a Megatron dataset is PREFIX.idx + PREFIX.bin; the {what} "
-                                f"is not there)")
+            raise _fail(
+                prefix, f"{path} is missing (a Megatron dataset is PREFIX.idx + PREFIX.bin; the {what} is not there)"
+            )
     for path in (bp, ip):  # both readable, or one line naming the one that is not; the index's header last
         try:
             with open(path, "rb") as f:
@@ -120,46 +123,59 @@ def _read_head(prefix: str, *, ip: Path, bp: Path) -> bytes:
 def _check_header(prefix: str, head: bytes, *, ip: Path, idx_size: int) -> tuple[np.dtype, int, int]:
     """(dtype, sequences, document indices) of an index's header, checked against the index's size."""
     if len(head) < HEAD.size or head[:9] != MAGIC:
-        raise _fail(prefix, f"{ip} is not a Megatron index (its first bytes are {head[:9]!r}, want {MAGIC!r}): "
-                            f"another format, or truncated")
+        raise _fail(
+            prefix,
+            f"{ip} is not a Megatron index (its first bytes are {head[:9]!r}, want {MAGIC!r}): "
+            f"another format, or truncated",
+        )
     _, version, code, n, d = HEAD.unpack(head)
     if version != VERSION:
-        raise _fail(prefix, f"{ip} is index version {version}; dspipe reads version {VERSION} (megatron-core's "
-                            f"and GPT-NeoX's MMIDIDX)")
+        raise _fail(
+            prefix,
+            f"{ip} is index version {version}; dspipe reads version {VERSION} (megatron-core's and GPT-NeoX's MMIDIDX)",
+        )
     if code not in CODES:
         raise _fail(prefix, f"{ip} has dtype code {code}, not one of Megatron's {sorted(CODES)}")
     dtype = np.dtype(CODES[code])
     if dtype.name not in TOKEN_DTYPES:
-        raise _fail(prefix, f"{ip} stores {dtype.name} values, not token ids (dspipe reads "
-                            f"{', '.join(TOKEN_DTYPES)})")
+        raise _fail(prefix, f"{ip} stores {dtype.name} values, not token ids (dspipe reads {', '.join(TOKEN_DTYPES)})")
     want = HEAD.size + 12 * n + 8 * d
     if idx_size == want + n and n:
-        raise _fail(prefix, f"{ip} is a multimodal index ({n} sequence modes after the document indices); dspipe "
-                            f"trains on text only")
+        raise _fail(
+            prefix,
+            f"{ip} is a multimodal index ({n} sequence modes after the document indices); dspipe trains on text only",
+        )
     if idx_size != want:
-        raise _fail(prefix, f"{ip} has {idx_size} bytes; its header ({n} sequences, {d} document indices) "
-                            f"implies {HEAD.size} + 12 x {n} + 8 x {d} = {want}: truncated or corrupt")
+        raise _fail(
+            prefix,
+            f"{ip} has {idx_size} bytes; its header ({n} sequences, {d} document indices) "
+            f"implies {HEAD.size} + 12 x {n} + 8 x {d} = {want}: truncated or corrupt",
+        )
     if d < 1:
         raise _fail(prefix, f"{ip} has no document indices (want documents + 1 >= 1)")
     return dtype, n, d
 
 
-def _sequence_tokens(prefix: str, *, ip: Path, bp: Path, lengths: np.ndarray, pointers: np.ndarray,
-                     dtype: np.dtype, deep: bool) -> int:
+def _sequence_tokens(
+    prefix: str, *, ip: Path, bp: Path, lengths: np.ndarray, pointers: np.ndarray, dtype: np.dtype, deep: bool
+) -> int:
     """Tokens the sequences hold, their offsets checked back to back (the first chunk's only unless `deep`)."""
     tokens = 0
     for lo in range(0, lengths.size, CHUNK):
-        part = np.asarray(lengths[lo:lo + CHUNK], dtype=np.int64)
+        part = np.asarray(lengths[lo : lo + CHUNK], dtype=np.int64)
         if deep or lo == 0:
             if part.size and part.min() < 0:
                 raise _fail(prefix, f"{ip} has a negative sequence length at sequence {lo + int(part.argmin())}")
             expect = (tokens + np.concatenate([[0], np.cumsum(part[:-1])])) * dtype.itemsize
-            got = np.asarray(pointers[lo:lo + CHUNK])
+            got = np.asarray(pointers[lo : lo + CHUNK])
             if not np.array_equal(got, expect):
                 at = lo + int(np.flatnonzero(got != expect)[0])
-                raise _fail(prefix, f"{ip}: sequence {at} starts at byte {int(pointers[at])} of {bp}, not "
-                                    f"{int(expect[at - lo])} right after the one before: dspipe reads sequences laid "
-                                    f"out back to back, as Megatron's and GPT-NeoX's writers lay them")
+                raise _fail(
+                    prefix,
+                    f"{ip}: sequence {at} starts at byte {int(pointers[at])} of {bp}, not "
+                    f"{int(expect[at - lo])} right after the one before: dspipe reads sequences laid "
+                    f"out back to back, as Megatron's and GPT-NeoX's writers lay them",
+                )
         tokens += int(part.sum())
     return tokens
 
@@ -167,15 +183,21 @@ def _sequence_tokens(prefix: str, *, ip: Path, bp: Path, lengths: np.ndarray, po
 def _check_documents(prefix: str, doc_index: np.ndarray, *, ip: Path, n: int, deep: bool) -> None:
     """The document indices run from 0 to n, and (deep) never fall."""
     if int(doc_index[0]) != 0 or int(doc_index[-1]) != n:
-        raise _fail(prefix, f"{ip}: document indices run {int(doc_index[0])}..{int(doc_index[-1])}, want 0..{n} "
-                            f"(the first and the one past the last sequence)")
+        raise _fail(
+            prefix,
+            f"{ip}: document indices run {int(doc_index[0])}..{int(doc_index[-1])}, want 0..{n} "
+            f"(the first and the one past the last sequence)",
+        )
     if deep:
         for lo in range(0, doc_index.size - 1, CHUNK):
-            part = np.asarray(doc_index[lo:lo + CHUNK + 1])
+            part = np.asarray(doc_index[lo : lo + CHUNK + 1])
             if np.any(np.diff(part) < 0):
                 at = lo + int(np.flatnonzero(np.diff(part) < 0)[0])
-                raise _fail(prefix, f"{ip}: document {at + 1} starts at sequence {int(part[at - lo + 1])}, before "
-                                    f"document {at}'s {int(part[at - lo])}")
+                raise _fail(
+                    prefix,
+                    f"{ip}: document {at + 1} starts at sequence {int(part[at - lo + 1])}, before "
+                    f"document {at}'s {int(part[at - lo])}",
+                )
 
 
 def read_index(prefix: str | os.PathLike, *, deep: bool = True) -> Index:
@@ -187,16 +209,17 @@ def read_index(prefix: str | os.PathLike, *, deep: bool = True) -> Index:
     idx_size, bin_size = ip.stat().st_size, bp.stat().st_size
     dtype, n, d = _check_header(prefix, head, ip=ip, idx_size=idx_size)
     lengths = np.memmap(ip, dtype="<i4", mode="r", offset=HEAD.size, shape=(n,)) if n else np.zeros(0, "<i4")
-    pointers = np.memmap(ip, dtype="<i8", mode="r", offset=HEAD.size + 4 * n, shape=(n,)) if n else \
-        np.zeros(0, "<i8")
+    pointers = np.memmap(ip, dtype="<i8", mode="r", offset=HEAD.size + 4 * n, shape=(n,)) if n else np.zeros(0, "<i8")
     doc_index = np.memmap(ip, dtype="<i8", mode="r", offset=HEAD.size + 12 * n, shape=(d,))
     tokens = _sequence_tokens(prefix, ip=ip, bp=bp, lengths=lengths, pointers=pointers, dtype=dtype, deep=deep)
     if bin_size != tokens * dtype.itemsize:
-        raise _fail(prefix, f"{bp} has {bin_size} bytes; the index's {n} sequences hold {tokens} {dtype.name} "
-                            f"tokens = {tokens * dtype.itemsize} bytes: truncated, or of another index")
+        raise _fail(
+            prefix,
+            f"{bp} has {bin_size} bytes; the index's {n} sequences hold {tokens} {dtype.name} "
+            f"tokens = {tokens * dtype.itemsize} bytes: truncated, or of another index",
+        )
     _check_documents(prefix, doc_index, ip=ip, n=n, deep=deep)
-    return Index(prefix=prefix, dtype=dtype, lengths=lengths, pointers=pointers, doc_index=doc_index,
-                 num_tokens=tokens)
+    return Index(prefix=prefix, dtype=dtype, lengths=lengths, pointers=pointers, doc_index=doc_index, num_tokens=tokens)
 
 
 def tokens(index: Index) -> np.ndarray:
@@ -213,6 +236,7 @@ def split_documents(num_documents: int) -> int:
 
 
 # ---- the scan: largest id, EOD ----------------------------------------------------------------------------------
+
 
 def _content(index: Index, *, located: bool) -> str:
     """A digest of the two files: sizes and the first and last MiB of each (the whole index up to 64 MiB); located:
@@ -258,7 +282,7 @@ def scan(index: Index) -> dict:
     toks = tokens(index)
     hi, lo = -1, 0
     for s in range(0, toks.size, CHUNK):
-        part = toks[s:s + CHUNK]
+        part = toks[s : s + CHUNK]
         hi, lo = max(hi, int(part.max())), min(lo, int(part.min()))
     eod = None
     ends = []
@@ -286,6 +310,7 @@ def scan(index: Index) -> dict:
 
 
 # ---- the meta a loader reads ------------------------------------------------------------------------------------
+
 
 def tokenizer_beside(prefix: str) -> Path:
     return Path(prefix).parent / "tokenizer"
@@ -324,17 +349,32 @@ def read_meta(prefix: str | os.PathLike, *, deep: bool = True, tokenizer: str | 
     tok_dir = Path(tokenizer) if tokenizer is not None else tokenizer_beside(str(prefix))
     tok_vocab = tokenizer_vocab_size(tok_dir) if tok_dir.is_dir() else None
     if tokenizer is not None and tok_vocab is None:
-        raise SpecError(f"--tokenizer {tokenizer}: no tokenizer.json there (a Hugging Face tokenizer directory "
-                        f"written by save_pretrained)")
-    meta = {"format": FORMAT, "prefix": str(prefix), "dtype": index.dtype.name, "fingerprint": fingerprint(index),
-            "num_documents": index.num_documents, "num_tokens": index.num_tokens, "val_fraction": VAL_FRACTION,
-            "tokenizer_dir": str(tok_dir) if tok_vocab is not None else None,
-            "splits": {"train": {"num_tokens": train_tokens, "num_documents": first_val,
-                                 "shards": [{"name": "train", "num_tokens": train_tokens,
-                                             "num_documents": first_val}]},
-                       "val": {"num_tokens": val_tokens, "num_documents": index.num_documents - first_val,
-                               "shards": [{"name": "val", "num_tokens": val_tokens,
-                                           "num_documents": index.num_documents - first_val}]}}}
+        raise SpecError(
+            f"--tokenizer {tokenizer}: no tokenizer.json there (a Hugging Face tokenizer directory "
+            f"written by save_pretrained)"
+        )
+    meta = {
+        "format": FORMAT,
+        "prefix": str(prefix),
+        "dtype": index.dtype.name,
+        "fingerprint": fingerprint(index),
+        "num_documents": index.num_documents,
+        "num_tokens": index.num_tokens,
+        "val_fraction": VAL_FRACTION,
+        "tokenizer_dir": str(tok_dir) if tok_vocab is not None else None,
+        "splits": {
+            "train": {
+                "num_tokens": train_tokens,
+                "num_documents": first_val,
+                "shards": [{"name": "train", "num_tokens": train_tokens, "num_documents": first_val}],
+            },
+            "val": {
+                "num_tokens": val_tokens,
+                "num_documents": index.num_documents - first_val,
+                "shards": [{"name": "val", "num_tokens": val_tokens, "num_documents": index.num_documents - first_val}],
+            },
+        },
+    }
     if not deep:
         meta.update(vocab_size=tok_vocab, eos_id=None, max_id=None)
         return meta
@@ -343,13 +383,22 @@ def read_meta(prefix: str | os.PathLike, *, deep: bool = True, tokenizer: str | 
         raise _fail(prefix, f"{bin_path(prefix)} holds a negative token id ({found['min_id']})")
     limit = np.iinfo(index.dtype).max
     if tok_vocab is not None and tok_vocab - 1 > limit:
-        raise _fail(prefix, f"the index stores {index.dtype.name} token ids (at most {limit:,}) but tokenizer "
-                            f"{tok_dir} has {tok_vocab:,} tokens: ids above {limit:,} cannot have been stored")
+        raise _fail(
+            prefix,
+            f"the index stores {index.dtype.name} token ids (at most {limit:,}) but tokenizer "
+            f"{tok_dir} has {tok_vocab:,} tokens: ids above {limit:,} cannot have been stored",
+        )
     if tok_vocab is not None and found["max_id"] >= tok_vocab:
-        raise _fail(prefix, f"token id {found['max_id']:,} in {bin_path(prefix)} is outside tokenizer {tok_dir}'s "
-                            f"{tok_vocab:,} tokens: the data was tokenized with another tokenizer")
-    meta.update(vocab_size=tok_vocab if tok_vocab is not None else found["max_id"] + 1, eos_id=found["eod"],
-                max_id=found["max_id"])
+        raise _fail(
+            prefix,
+            f"token id {found['max_id']:,} in {bin_path(prefix)} is outside tokenizer {tok_dir}'s "
+            f"{tok_vocab:,} tokens: the data was tokenized with another tokenizer",
+        )
+    meta.update(
+        vocab_size=tok_vocab if tok_vocab is not None else found["max_id"] + 1,
+        eos_id=found["eod"],
+        max_id=found["max_id"],
+    )
     return meta
 
 
@@ -359,11 +408,12 @@ def open_split(prefix: str, split: str, meta: dict) -> list[tuple[np.ndarray, np
     first_val = split_documents(index.num_documents)
     docs = np.arange(0, first_val + 1) if split == "train" else np.arange(first_val, index.num_documents + 1)
     starts = index.doc_token_starts(docs)
-    toks = tokens(index)[int(starts[0]):int(starts[-1])]
+    toks = tokens(index)[int(starts[0]) : int(starts[-1])]
     return [(toks, (starts - starts[0]).astype(np.uint64))]
 
 
 # ---- writing -----------------------------------------------------------------------------------------------------
+
 
 class MegatronWriter:
     """Writes PREFIX.bin / PREFIX.idx, one sequence per document; `add` takes whole documents back to back and their
@@ -393,8 +443,9 @@ class MegatronWriter:
         self._bin.close()
         n = self.num_documents
         with open(idx_path(self.prefix), "wb") as out:
-            out.write(HEAD.pack(MAGIC, VERSION, next(c for c, name in CODES.items() if name == self.dtype.name),
-                                n, n + 1))
+            out.write(
+                HEAD.pack(MAGIC, VERSION, next(c for c, name in CODES.items() if name == self.dtype.name), n, n + 1)
+            )
             self._lengths.seek(0)
             for _ in range(0, n, CHUNK):
                 out.write(self._lengths.read(4 * CHUNK))
@@ -402,8 +453,9 @@ class MegatronWriter:
             done = 0
             for _ in range(0, n, CHUNK):
                 part = np.frombuffer(self._lengths.read(4 * CHUNK), dtype="<i4").astype(np.int64)
-                out.write(((done + np.concatenate([[0], np.cumsum(part[:-1])])) * self.dtype.itemsize)
-                          .astype("<i8").tobytes())
+                out.write(
+                    ((done + np.concatenate([[0], np.cumsum(part[:-1])])) * self.dtype.itemsize).astype("<i8").tobytes()
+                )
                 done += int(part.sum())
             for lo in range(0, n + 1, CHUNK):
                 out.write(np.arange(lo, min(lo + CHUNK, n + 1), dtype="<i8").tobytes())

@@ -28,6 +28,7 @@ Where dspipe differs: the validation split stays dspipe's (the last 3% of docume
 indices of a source are cached under ~/.cache/dspipe/megatron-order (keyed by the data's content, seed, seq_len and
 N), as Megatron caches its .npy files.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -90,8 +91,9 @@ def _shuffle_index(first: int, total: int, rs: np.random.RandomState) -> np.ndar
     return np.concatenate([head, tail])
 
 
-def build_indices(*, lengths: np.ndarray, begin: int, end: int, seq_len: int, seed: int,
-                  num_samples: int | None) -> dict[str, np.ndarray]:
+def build_indices(
+    *, lengths: np.ndarray, begin: int, end: int, seq_len: int, seed: int, num_samples: int | None
+) -> dict[str, np.ndarray]:
     """{"documents": the document index, "ends": each slot's token end in the stream, "shuffle": the shuffle index}
     for sequences [begin, end) of an index with these sequence lengths (the rules in the module docstring)."""
     if seq_len < 2:
@@ -110,8 +112,12 @@ def build_indices(*, lengths: np.ndarray, begin: int, end: int, seq_len: int, se
     ends = np.cumsum(np.asarray(lengths, dtype=np.int64)[documents])
     total = samples_in(tokens=epochs * per_epoch, seq_len=seq_len)
     shuffle = _shuffle_index(before_final if separate else total, total, rs)
-    return {"documents": documents, "ends": ends, "shuffle": shuffle,
-            "layout": np.array([epochs, int(separate)], dtype=np.int64)}
+    return {
+        "documents": documents,
+        "ends": ends,
+        "shuffle": shuffle,
+        "layout": np.array([epochs, int(separate)], dtype=np.int64),
+    }
 
 
 def _cached(key: str, build) -> dict[str, np.ndarray]:
@@ -163,10 +169,15 @@ class MegatronSamples(Source):
         index: Index = read_index(prefix, deep=False)
         begin, end = train_sequences(index.lengths.size)
         _check_train_tokens(prefix, begin=begin, end=end, lengths=index.lengths, seq_len=seq_len)
-        key = hashlib.sha256(repr((CACHE_VERSION, fingerprint(index), begin, end, seq_len, seed,
-                                   num_samples)).encode()).hexdigest()[:32]
-        arrays = _cached(key, lambda: build_indices(lengths=index.lengths, begin=begin, end=end, seq_len=seq_len,
-                                                    seed=seed, num_samples=num_samples))
+        key = hashlib.sha256(
+            repr((CACHE_VERSION, fingerprint(index), begin, end, seq_len, seed, num_samples)).encode()
+        ).hexdigest()[:32]
+        arrays = _cached(
+            key,
+            lambda: build_indices(
+                lengths=index.lengths, begin=begin, end=end, seq_len=seq_len, seed=seed, num_samples=num_samples
+            ),
+        )
         self._documents, self._ends, self._shuffle = arrays["documents"], arrays["ends"], arrays["shuffle"]
         epochs, apart = (int(x) for x in arrays["layout"])
         self.layout = f"{epochs} epoch{'s' if epochs > 1 else ''}{', the last shuffled apart' if apart else ''}"
@@ -191,8 +202,9 @@ class MegatronSamples(Source):
         pos = first[:, None] + np.arange(self.seq_len + 1, dtype=np.int64)
         slot = np.searchsorted(self._ends, pos, side="right")
         doc = np.asarray(self._documents[slot.ravel()], dtype=np.int64).reshape(slot.shape)
-        slot_start = np.asarray(self._ends[slot.ravel()], dtype=np.int64).reshape(slot.shape) - \
-            np.asarray(self._lengths[doc.ravel()], dtype=np.int64).reshape(slot.shape)
+        slot_start = np.asarray(self._ends[slot.ravel()], dtype=np.int64).reshape(slot.shape) - np.asarray(
+            self._lengths[doc.ravel()], dtype=np.int64
+        ).reshape(slot.shape)
         at = np.asarray(self._starts[doc.ravel()], dtype=np.int64).reshape(slot.shape) // self._itemsize
         return np.asarray(self._tokens[(at + pos - slot_start).ravel()], dtype=np.int64).reshape(pos.shape)
 
@@ -214,9 +226,11 @@ def check_prefixes(spec) -> None:
 
     for path in spec.paths:
         if not is_prefix(path):
-            raise SpecError(f"--data-order megatron reads Megatron indexed datasets (PREFIX.bin + PREFIX.idx); "
-                            f"{path} is not one: convert it with 'dspipe convert-data {path} --out DIR' and pass "
-                            f"DIR/text_document, or keep the default --data-order dspipe")
+            raise SpecError(
+                f"--data-order megatron reads Megatron indexed datasets (PREFIX.bin + PREFIX.idx); "
+                f"{path} is not one: convert it with 'dspipe convert-data {path} --out DIR' and pass "
+                f"DIR/text_document, or keep the default --data-order dspipe"
+            )
 
 
 def check_megatron_order(spec, *, num_samples: int | None, seq_len: int) -> list[int | None]:
@@ -225,16 +239,17 @@ def check_megatron_order(spec, *, num_samples: int | None, seq_len: int) -> list
     such a list, that one pass of them all holds the run; one SpecError otherwise."""
     check_prefixes(spec)
     if num_samples is None or num_samples < 1:
-        raise SpecError(f"--data-order megatron needs the run's sample count (steps x global batch), got "
-                        f"{num_samples}")
+        raise SpecError(f"--data-order megatron needs the run's sample count (steps x global batch), got {num_samples}")
     if not spec.is_blend:
         return [num_samples]
     if spec.sized:  # Megatron: each source one pass, weighed by its samples, the blend no longer than them all
         one_pass = [one_pass_samples(path, seq_len=seq_len) for path in spec.paths]
         if sum(one_pass) < num_samples:
-            raise SpecError(f"Megatron reads a list of prefixes without weights once: {' + '.join(map(str, one_pass))}"
-                            f" = {sum(one_pass)} samples of {seq_len + 1} tokens, the run needs {num_samples} (steps "
-                            f"x global batch); give the prefixes weights, or train fewer steps")
+            raise SpecError(
+                f"Megatron reads a list of prefixes without weights once: {' + '.join(map(str, one_pass))}"
+                f" = {sum(one_pass)} samples of {seq_len + 1} tokens, the run needs {num_samples} (steps "
+                f"x global batch); give the prefixes weights, or train fewer steps"
+            )
         return [None] * len(spec.paths)
     return blend_sizes(blend_weights(s.given for s in spec.sources), num_samples)
 
@@ -261,7 +276,9 @@ def check_for_run(spec, *, seq_len: int, num_samples: int) -> None:
 def _check_train_tokens(path, *, begin: int, end: int, lengths, seq_len: int) -> int:
     per_epoch = int(np.asarray(lengths[begin:end], dtype=np.int64).sum())
     if samples_in(tokens=per_epoch, seq_len=seq_len) < 1:
-        raise SpecError(f"the train split of {path} under Megatron's --split {','.join(map(str, SPLIT))} "
-                        f"(sequences {begin}..{end - 1}, {per_epoch} tokens) is shorter than one sample of "
-                        f"{seq_len + 1} tokens")
+        raise SpecError(
+            f"the train split of {path} under Megatron's --split {','.join(map(str, SPLIT))} "
+            f"(sequences {begin}..{end - 1}, {per_epoch} tokens) is shorter than one sample of "
+            f"{seq_len + 1} tokens"
+        )
     return per_epoch

@@ -18,6 +18,7 @@ directory is locked (flock, released by the kernel when its process dies): a sec
 is refused while the first lives; a work directory of another fingerprint, or with an unusable journal, is removed
 once no live run holds it.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -32,13 +33,24 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from dspipe.data.shards import (FORMAT, FORMAT_VERSION, META_FILE, SPLITS, TOKENIZER_DIR, ShardWriter, dataset_id,
-                                fsync_path, read_meta, token_dtype, write_meta)
-from dspipe.data.limits import too_small
-from dspipe.data.sources import Inputs, documents, fingerprint
-from dspipe.data.workdir import JOURNAL_FILE, LOCK_FILE, WorkDir, remove_stale_temps
 from dspipe import outputs
 from dspipe.atomic import replace_dir
+from dspipe.data.limits import too_small
+from dspipe.data.shards import (
+    FORMAT,
+    FORMAT_VERSION,
+    META_FILE,
+    SPLITS,
+    TOKENIZER_DIR,
+    ShardWriter,
+    dataset_id,
+    fsync_path,
+    read_meta,
+    token_dtype,
+    write_meta,
+)
+from dspipe.data.sources import Inputs, documents, fingerprint
+from dspipe.data.workdir import JOURNAL_FILE, LOCK_FILE, WorkDir, remove_stale_temps
 from dspipe.errors import SpecError, cannot_read
 
 DEFAULT_VOCAB = 4096
@@ -63,8 +75,13 @@ def _tokenizer_identity(tokenizer: str | None, train_tokenizer: int | None, samp
     if tokenizer is None:
         from dspipe.data.tokenizer import MAX_WORD_CHARS, PIECE_CHARS
 
-        return ["train-bpe", train_tokenizer, sample_bytes, ["max-word", MAX_WORD_CHARS],
-                ["sample-pieces", PIECE_CHARS]]
+        return [
+            "train-bpe",
+            train_tokenizer,
+            sample_bytes,
+            ["max-word", MAX_WORD_CHARS],
+            ["sample-pieces", PIECE_CHARS],
+        ]
     path = Path(tokenizer)
     if path.is_dir():  # a local directory: its content, not its name
         h = hashlib.sha256()
@@ -91,8 +108,11 @@ MAX_SHARD_TOKENS = 2**40
 def _int_flag(flag: str, value, *, low: int, high: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         shown = str(value) if len(str(value)) <= 40 else str(value)[:37] + "..."
-        what = f"{shown} is too large" if isinstance(value, int) and value > high else \
-            f"must be at least {low}, got {shown}"
+        what = (
+            f"{shown} is too large"
+            if isinstance(value, int) and value > high
+            else f"must be at least {low}, got {shown}"
+        )
         raise SpecError(f"{flag} {what} (allowed range {low}..{high:,})")
 
 
@@ -162,6 +182,7 @@ class _Workers:
     def pool(self):
         if self._pool is None:
             from dspipe.data.tokenizer import warm_worker
+
             self._pool = multiprocessing.get_context("spawn").Pool(self.count, initializer=warm_worker)
         return self._pool
 
@@ -175,9 +196,19 @@ def _progress(enabled: bool, *, desc: str = "tokenizing", total: int | None = No
     """A bar of input bytes (rate, and an ETA when `total` is known) on stderr, shown only on a terminal."""
     from tqdm import tqdm
 
-    return tqdm(desc=desc, unit="B", unit_scale=True, unit_divisor=1024, total=total, initial=initial,
-                disable=None if enabled else True, file=sys.stderr, mininterval=0.5, smoothing=0.05,
-                dynamic_ncols=True)
+    return tqdm(
+        desc=desc,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        total=total,
+        initial=initial,
+        disable=None if enabled else True,
+        file=sys.stderr,
+        mininterval=0.5,
+        smoothing=0.05,
+        dynamic_ncols=True,
+    )
 
 
 def _input_size(inputs: Inputs, max_bytes: int | None) -> int | None:
@@ -204,21 +235,37 @@ def _skip(docs: Iterator[str], *, count: int, nbytes: int, progress: bool) -> No
             if seen == count:
                 break
     if (seen, size) != (count, nbytes):
-        raise _InputChanged(f"its first {seen:,} documents hold {size:,} bytes, the interrupted run prepared "
-                            f"{count:,} documents of {nbytes:,} bytes")
+        raise _InputChanged(
+            f"its first {seen:,} documents hold {size:,} bytes, the interrupted run prepared "
+            f"{count:,} documents of {nbytes:,} bytes"
+        )
 
 
-def _encode(*, inputs: Inputs, max_bytes, tokenizer_json: Path, eos_id: int, dtype: str, workers: _Workers,
-            val_fraction: float, writers: dict, progress: bool, done: dict,
-            journal: Callable[[dict], None]) -> dict:
+def _encode(
+    *,
+    inputs: Inputs,
+    max_bytes,
+    tokenizer_json: Path,
+    eos_id: int,
+    dtype: str,
+    workers: _Workers,
+    val_fraction: float,
+    writers: dict,
+    progress: bool,
+    done: dict,
+    journal: Callable[[dict], None],
+) -> dict:
     """Tokenize the documents after the `done` ones (num_documents, num_bytes: 0 but on a resume) into `writers`;
     `journal` gets the counts and the writers' states at document boundaries (JOURNAL_SECONDS, a shard closed).
     Returns the counts: num_documents, num_bytes (all of them, done included)."""
     from dspipe.data.tokenizer import PIECE_CHARS, encode_batch, release_memory, splits_exactly
 
     counts = {"num_documents": done["num_documents"], "num_bytes": done["num_bytes"]}
-    clock = {"journal": time.monotonic(), "closed": sum(len(w.shards) for w in writers.values()),
-             "tokens": sum(w.num_tokens for w in writers.values())}
+    clock = {
+        "journal": time.monotonic(),
+        "closed": sum(len(w.shards) for w in writers.values()),
+        "tokens": sum(w.num_tokens for w in writers.values()),
+    }
     held: list[np.ndarray] = []  # the parts so far of a document sent in parts, without their EOS
 
     def checkpoint() -> None:
@@ -247,17 +294,19 @@ def _encode(*, inputs: Inputs, max_bytes, tokenizer_json: Path, eos_id: int, dty
             writers["train"].add(tokens, lengths)
         counts["num_documents"] += lengths.size
         if not bar.disable:
-            bar.set_postfix_str(f"{counts['num_documents']:,} docs, {bar.format_sizeof(clock['tokens'])} tokens",
-                                refresh=False)
+            bar.set_postfix_str(
+                f"{counts['num_documents']:,} docs, {bar.format_sizeof(clock['tokens'])} tokens", refresh=False
+            )
         bar.update(nbytes)
-        if (time.monotonic() - clock["journal"] >= JOURNAL_SECONDS
-                or sum(len(w.shards) for w in writers.values()) != clock["closed"]):
+        if (
+            time.monotonic() - clock["journal"] >= JOURNAL_SECONDS
+            or sum(len(w.shards) for w in writers.values()) != clock["closed"]
+        ):
             checkpoint()
         release_memory()
 
     exact = splits_exactly(tokenizer_json)
-    task = dict(tokenizer_json=str(tokenizer_json), eos_id=eos_id, dtype=dtype,
-                piece_chars=PIECE_CHARS if exact else 0)
+    task = dict(tokenizer_json=str(tokenizer_json), eos_id=eos_id, dtype=dtype, piece_chars=PIECE_CHARS if exact else 0)
     docs = documents(inputs, max_bytes=max_bytes, first_within=max_bytes)
     if done["num_documents"]:
         workers.pool()  # starts while the prepared documents are read past
@@ -313,9 +362,13 @@ def _sample(docs: Iterator[str], *, sample_bytes: int) -> Iterator[str]:
         for piece in pieces(doc, size=PIECE_CHARS, exact=False):
             size = len(piece.encode("utf-8"))
             if not total and size > sample_bytes:
-                raise too_small(flag="--tokenizer-sample-mb", limit=sample_bytes, size=size,
-                                what=f"the first piece of the BPE's training text ({size:,} bytes: the first "
-                                     f"document, or its first {PIECE_CHARS:,} characters at most)")
+                raise too_small(
+                    flag="--tokenizer-sample-mb",
+                    limit=sample_bytes,
+                    size=size,
+                    what=f"the first piece of the BPE's training text ({size:,} bytes: the first "
+                    f"document, or its first {PIECE_CHARS:,} characters at most)",
+                )
             yield piece
             total += size
             if total >= sample_bytes:
@@ -324,18 +377,28 @@ def _sample(docs: Iterator[str], *, sample_bytes: int) -> Iterator[str]:
 
 def _empty_input(inputs: Inputs) -> SpecError:
     skipped = inputs.stats
-    return SpecError(f"empty input: no documents with text in {inputs.label} ({skipped['empty']} empty documents, "
-                     f"{skipped['bad_utf8']} non-UTF-8 and {skipped['unreadable']} unreadable files skipped)")
+    return SpecError(
+        f"empty input: no documents with text in {inputs.label} ({skipped['empty']} empty documents, "
+        f"{skipped['bad_utf8']} non-UTF-8 and {skipped['unreadable']} unreadable files skipped)"
+    )
 
 
-def _new_tokenizer(*, work: WorkDir, inputs: Inputs, tokenizer, train_tokenizer, sample_bytes, max_bytes, workers,
-                   log) -> dict:
+def _new_tokenizer(
+    *, work: WorkDir, inputs: Inputs, tokenizer, train_tokenizer, sample_bytes, max_bytes, workers, log
+) -> dict:
     """Load or train the tokenizer, save it in the work directory (synced: a resume takes it as it is); its facts
     for meta.json (source, vocab_size, eos_id, eos_token)."""
     from dspipe.data.tokenizer import save_hf
 
-    tok, source = _load_tokenizer(inputs=inputs, tokenizer=tokenizer, train_tokenizer=train_tokenizer,
-                                  sample_bytes=sample_bytes, max_bytes=max_bytes, workers=workers, log=log)
+    tok, source = _load_tokenizer(
+        inputs=inputs,
+        tokenizer=tokenizer,
+        train_tokenizer=train_tokenizer,
+        sample_bytes=sample_bytes,
+        max_bytes=max_bytes,
+        workers=workers,
+        log=log,
+    )
     saved = save_hf(tok, work.path / TOKENIZER_DIR).parent
     for f in (*saved.iterdir(), saved):
         fsync_path(f)
@@ -354,14 +417,20 @@ def _resume(work: WorkDir, *, fp: str, shard_tokens: int, log) -> tuple[dict, di
     facts, writers = journal["tokenizer"], {}
     try:
         vocab, eos_id = facts.get("vocab_size"), facts.get("eos_id")
-        if (type(vocab) is not int or type(eos_id) is not int or not 0 <= eos_id < vocab
-                or not isinstance(facts.get("source"), str) or not isinstance(facts.get("eos_token"), str)):
+        if (
+            type(vocab) is not int
+            or type(eos_id) is not int
+            or not 0 <= eos_id < vocab
+            or not isinstance(facts.get("source"), str)
+            or not isinstance(facts.get("eos_token"), str)
+        ):
             raise ValueError("its tokenizer facts are not valid")
         if not (work.path / TOKENIZER_DIR / "tokenizer.json").is_file():
             raise ValueError(f"{TOKENIZER_DIR}/tokenizer.json is missing")
         for s in SPLITS:
-            writers[s] = ShardWriter(directory=work.path, split=s, dtype=token_dtype(vocab),
-                                     shard_tokens=shard_tokens, ident=dataset_id(fp))
+            writers[s] = ShardWriter(
+                directory=work.path, split=s, dtype=token_dtype(vocab), shard_tokens=shard_tokens, ident=dataset_id(fp)
+            )
             state = journal["writers"].get(s)
             if not isinstance(state, dict):
                 raise ValueError(f"the journal has no {s} writer state")
@@ -378,35 +447,81 @@ def _resume(work: WorkDir, *, fp: str, shard_tokens: int, log) -> tuple[dict, di
         for shard in state["shards"] + ([state["open"]] if state["open"] else []):
             keep |= {f"{shard['name']}.bin", f"{shard['name']}.idx"}
     work.clear(keep=keep)  # a journal's temp file or a meta.json the run was writing when it died
-    done = {"num_documents": journal["num_documents"], "num_bytes": journal["num_bytes"],
-            "num_tokens": sum(w.num_tokens for w in writers.values())}
-    log(f"resuming {work.shown}: {done['num_documents']:,} documents ({done['num_tokens']:,} tokens) already "
-        f"prepared")
+    done = {
+        "num_documents": journal["num_documents"],
+        "num_bytes": journal["num_bytes"],
+        "num_tokens": sum(w.num_tokens for w in writers.values()),
+    }
+    log(f"resuming {work.shown}: {done['num_documents']:,} documents ({done['num_tokens']:,} tokens) already prepared")
     return facts, writers, done
 
 
-def _build(*, work: WorkDir, workers: _Workers, inputs: Inputs, fp: str, tokenizer, train_tokenizer, sample_bytes,
-           val_fraction, max_bytes, shard_tokens, progress, log) -> tuple[dict, float, dict]:
+def _build(
+    *,
+    work: WorkDir,
+    workers: _Workers,
+    inputs: Inputs,
+    fp: str,
+    tokenizer,
+    train_tokenizer,
+    sample_bytes,
+    val_fraction,
+    max_bytes,
+    shard_tokens,
+    progress,
+    log,
+) -> tuple[dict, float, dict]:
     """Everything into the work directory, from where a run of this fingerprint that died stopped (its journal),
     else from the start; returns (meta, seconds spent encoding, the documents done before this run)."""
     resumed = _resume(work, fp=fp, shard_tokens=shard_tokens, log=log)
     if resumed is None:
-        facts = _new_tokenizer(work=work, inputs=inputs, tokenizer=tokenizer, train_tokenizer=train_tokenizer,
-                               sample_bytes=sample_bytes, max_bytes=max_bytes, workers=workers, log=log)
-        writers = {s: ShardWriter(directory=work.path, split=s, dtype=token_dtype(facts["vocab_size"]),
-                                  shard_tokens=shard_tokens, ident=dataset_id(fp)) for s in SPLITS}
+        facts = _new_tokenizer(
+            work=work,
+            inputs=inputs,
+            tokenizer=tokenizer,
+            train_tokenizer=train_tokenizer,
+            sample_bytes=sample_bytes,
+            max_bytes=max_bytes,
+            workers=workers,
+            log=log,
+        )
+        writers = {
+            s: ShardWriter(
+                directory=work.path,
+                split=s,
+                dtype=token_dtype(facts["vocab_size"]),
+                shard_tokens=shard_tokens,
+                ident=dataset_id(fp),
+            )
+            for s in SPLITS
+        }
         done = {"num_documents": 0, "num_bytes": 0, "num_tokens": 0}
-        work.write_journal({"num_documents": 0, "num_bytes": 0, "tokenizer": facts,
-                            "writers": {s: w.state() for s, w in writers.items()}})
+        work.write_journal(
+            {
+                "num_documents": 0,
+                "num_bytes": 0,
+                "tokenizer": facts,
+                "writers": {s: w.state() for s, w in writers.items()},
+            }
+        )
     else:
         facts, writers, done = resumed
     vocab, eos_id, dtype = facts["vocab_size"], facts["eos_id"], token_dtype(facts["vocab_size"])
     try:
         t0 = time.perf_counter()
-        counts = _encode(inputs=inputs, max_bytes=max_bytes, tokenizer_json=work.path / TOKENIZER_DIR /
-                         "tokenizer.json", eos_id=eos_id, dtype=dtype, workers=workers, val_fraction=val_fraction,
-                         writers=writers, progress=progress, done=done,
-                         journal=lambda j: work.write_journal({**j, "tokenizer": facts}))
+        counts = _encode(
+            inputs=inputs,
+            max_bytes=max_bytes,
+            tokenizer_json=work.path / TOKENIZER_DIR / "tokenizer.json",
+            eos_id=eos_id,
+            dtype=dtype,
+            workers=workers,
+            val_fraction=val_fraction,
+            writers=writers,
+            progress=progress,
+            done=done,
+            journal=lambda j: work.write_journal({**j, "tokenizer": facts}),
+        )
         encode_seconds = time.perf_counter() - t0
     except BaseException:
         for w in writers.values():
@@ -417,35 +532,82 @@ def _build(*, work: WorkDir, workers: _Workers, inputs: Inputs, fp: str, tokeniz
     splits = {}
     for s, w in writers.items():
         shards = w.close()
-        splits[s] = {"num_documents": sum(x["num_documents"] for x in shards),
-                     "num_tokens": sum(x["num_tokens"] for x in shards), "shards": shards}
-    meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "fingerprint": fp,
-            "tokenizer": TOKENIZER_DIR, "tokenizer_source": facts["source"], "vocab_size": vocab, "eos_id": eos_id,
-            "eos_token": facts["eos_token"], "dtype": dtype,
-            "num_documents": counts["num_documents"], "num_tokens": sum(v["num_tokens"] for v in splits.values()),
-            "num_bytes": counts["num_bytes"], "skipped": dict(inputs.stats), "val_fraction": val_fraction,
-            "input": {"source": inputs.label, "files": len(inputs.files), "hub": inputs.hub, "config": inputs.config,
-                      "split": inputs.split, "text_field": inputs.text_field, "txt_docs": inputs.txt_docs,
-                      "max_bytes": max_bytes},
-            "splits": splits}
+        splits[s] = {
+            "num_documents": sum(x["num_documents"] for x in shards),
+            "num_tokens": sum(x["num_tokens"] for x in shards),
+            "shards": shards,
+        }
+    meta = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "fingerprint": fp,
+        "tokenizer": TOKENIZER_DIR,
+        "tokenizer_source": facts["source"],
+        "vocab_size": vocab,
+        "eos_id": eos_id,
+        "eos_token": facts["eos_token"],
+        "dtype": dtype,
+        "num_documents": counts["num_documents"],
+        "num_tokens": sum(v["num_tokens"] for v in splits.values()),
+        "num_bytes": counts["num_bytes"],
+        "skipped": dict(inputs.stats),
+        "val_fraction": val_fraction,
+        "input": {
+            "source": inputs.label,
+            "files": len(inputs.files),
+            "hub": inputs.hub,
+            "config": inputs.config,
+            "split": inputs.split,
+            "text_field": inputs.text_field,
+            "txt_docs": inputs.txt_docs,
+            "max_bytes": max_bytes,
+        },
+        "splits": splits,
+    }
     write_meta(work.path, meta)  # last: a directory without meta.json is never read
     return meta, encode_seconds, done
 
 
-def prepare(*, inputs: Inputs, out: Path, tokenizer: str | None = None, train_tokenizer: int | None = None,
-            tokenizer_sample_bytes: int = 64 << 20, val_fraction: float = 0.01, max_bytes: int | None = None,
-            shard_tokens: int = 500_000_000, workers: int = 1, force: bool = False, progress: bool = False,
-            log: Callable[[str], None] = lambda s: None) -> Prepared:
+def prepare(
+    *,
+    inputs: Inputs,
+    out: Path,
+    tokenizer: str | None = None,
+    train_tokenizer: int | None = None,
+    tokenizer_sample_bytes: int = 64 << 20,
+    val_fraction: float = 0.01,
+    max_bytes: int | None = None,
+    shard_tokens: int = 500_000_000,
+    workers: int = 1,
+    force: bool = False,
+    progress: bool = False,
+    log: Callable[[str], None] = lambda s: None,
+) -> Prepared:
     """Prepare `out` from `inputs`; a no-op (reused=True) when out already holds exactly this preparation. A run of
     the same inputs and options that died is resumed where it stopped (module docstring)."""
     if tokenizer is None and train_tokenizer is None:
         train_tokenizer = DEFAULT_VOCAB
-    _validate(tokenizer=tokenizer, train_tokenizer=train_tokenizer, val_fraction=val_fraction, max_bytes=max_bytes,
-              shard_tokens=shard_tokens, workers=workers, sample_bytes=tokenizer_sample_bytes)
+    _validate(
+        tokenizer=tokenizer,
+        train_tokenizer=train_tokenizer,
+        val_fraction=val_fraction,
+        max_bytes=max_bytes,
+        shard_tokens=shard_tokens,
+        workers=workers,
+        sample_bytes=tokenizer_sample_bytes,
+    )
     out = outputs.target(out, flag="--out", expect="dir")
-    fp = fingerprint([FORMAT, FORMAT_VERSION, inputs.fingerprint_items(),
-                      _tokenizer_identity(tokenizer, train_tokenizer, tokenizer_sample_bytes),
-                      val_fraction, max_bytes, shard_tokens])
+    fp = fingerprint(
+        [
+            FORMAT,
+            FORMAT_VERSION,
+            inputs.fingerprint_items(),
+            _tokenizer_identity(tokenizer, train_tokenizer, tokenizer_sample_bytes),
+            val_fraction,
+            max_bytes,
+            shard_tokens,
+        ]
+    )
     rebuilding = False
     if (out / META_FILE).is_file() and not force:
         try:
@@ -461,9 +623,20 @@ def prepare(*, inputs: Inputs, out: Path, tokenizer: str | None = None, train_to
     start = time.perf_counter()
     dest = Path(os.path.abspath(out))
     work, pool = WorkDir(dest, fp, shown=out), _Workers(workers)
-    kw = dict(work=work, workers=pool, inputs=inputs, fp=fp, tokenizer=tokenizer, train_tokenizer=train_tokenizer,
-              sample_bytes=tokenizer_sample_bytes, val_fraction=val_fraction, max_bytes=max_bytes,
-              shard_tokens=shard_tokens, progress=progress, log=log)
+    kw = dict(
+        work=work,
+        workers=pool,
+        inputs=inputs,
+        fp=fp,
+        tokenizer=tokenizer,
+        train_tokenizer=train_tokenizer,
+        sample_bytes=tokenizer_sample_bytes,
+        val_fraction=val_fraction,
+        max_bytes=max_bytes,
+        shard_tokens=shard_tokens,
+        progress=progress,
+        log=log,
+    )
     with outputs.parents(out):
         with outputs.write_errors(out):
             remove_stale_temps(dest, keep=work.path)
@@ -483,8 +656,10 @@ def prepare(*, inputs: Inputs, out: Path, tokenizer: str | None = None, train_to
             if not work.documents:
                 work.discard()
             else:
-                log(f"interrupted: the {work.documents:,} documents prepared so far are kept in {work.path}; run "
-                    f"the same command again to resume")
+                log(
+                    f"interrupted: the {work.documents:,} documents prepared so far are kept in {work.path}; run "
+                    f"the same command again to resume"
+                )
             raise
         except BaseException:
             work.discard()
@@ -492,7 +667,12 @@ def prepare(*, inputs: Inputs, out: Path, tokenizer: str | None = None, train_to
         finally:
             work.release()
             pool.stop()
-    return Prepared(meta=meta, reused=False, seconds=time.perf_counter() - start, encode_seconds=encode_seconds,
-                    resumed_documents=done["num_documents"],
-                    encoded_documents=meta["num_documents"] - done["num_documents"],
-                    encoded_tokens=meta["num_tokens"] - done["num_tokens"])
+    return Prepared(
+        meta=meta,
+        reused=False,
+        seconds=time.perf_counter() - start,
+        encode_seconds=encode_seconds,
+        resumed_documents=done["num_documents"],
+        encoded_documents=meta["num_documents"] - done["num_documents"],
+        encoded_tokens=meta["num_tokens"] - done["num_tokens"],
+    )

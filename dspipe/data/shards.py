@@ -11,6 +11,7 @@ Each header holds a magic, the format version, the item size, the item count and
 of the input fingerprint), so a loader rejects a truncated file, a file of another format and a shard of another
 prepared dataset.
 """
+
 from __future__ import annotations
 
 import os
@@ -72,7 +73,7 @@ class ShardWriter:
             last = max(first + 1, int(np.searchsorted(ends, ends[first] - doc_lengths[first] + room, side="right")))
             last = min(last, doc_lengths.size)
             start = int(ends[first] - doc_lengths[first])
-            piece = tokens[start:int(ends[last - 1])].astype(self.dtype, copy=False)
+            piece = tokens[start : int(ends[last - 1])].astype(self.dtype, copy=False)
             self._tokens.write(memoryview(np.ascontiguousarray(piece)).cast("B"))
             offsets = self._count + np.cumsum(doc_lengths[first:last], dtype=np.uint64)
             self._index.write(offsets.astype("<u8").tobytes())
@@ -104,8 +105,13 @@ class ShardWriter:
             for f in (self._tokens, self._index):
                 f.flush()
                 os.fsync(f.fileno())
-            current = {"name": self._name, "num_tokens": self._count, "num_documents": self._docs,
-                       "bin_bytes": self._tokens.tell(), "idx_bytes": self._index.tell()}
+            current = {
+                "name": self._name,
+                "num_tokens": self._count,
+                "num_documents": self._docs,
+                "bin_bytes": self._tokens.tell(),
+                "idx_bytes": self._index.tell(),
+            }
         return {"shards": [dict(s) for s in self.shards], "open": current}
 
     def restore(self, state: dict) -> None:
@@ -136,14 +142,18 @@ class ShardWriter:
         name = shard_name(self.split, number)
         tokens, docs = _state_count(shard, "num_tokens"), _state_count(shard, "num_documents")
         if shard.get("name") != name:
-            raise ValueError(f"shard {number} of the {self.split} split is named {show(shard.get('name'))}, "
-                             f"not {name!r}")
-        for path, magic, size, count in zip(self._files(name), (TOKENS_MAGIC, INDEX_MAGIC),
-                                            (self.dtype.itemsize, 8), (tokens, docs + 1)):
+            raise ValueError(
+                f"shard {number} of the {self.split} split is named {show(shard.get('name'))}, not {name!r}"
+            )
+        for path, magic, size, count in zip(
+            self._files(name), (TOKENS_MAGIC, INDEX_MAGIC), (self.dtype.itemsize, 8), (tokens, docs + 1), strict=False
+        ):
             expected = HEADER.size + count * size
             if not path.is_file() or path.stat().st_size != expected:
-                raise ValueError(f"{path.name} has {path.stat().st_size if path.is_file() else 'no'} bytes, "
-                                 f"the state says {expected}")
+                raise ValueError(
+                    f"{path.name} has {path.stat().st_size if path.is_file() else 'no'} bytes, "
+                    f"the state says {expected}"
+                )
             with open(path, "rb") as f:
                 if f.read(HEADER.size) != HEADER.pack(magic, FORMAT_VERSION, size, count, self.ident):
                     raise ValueError(f"{path.name} has another header than the state's")
@@ -153,22 +163,30 @@ class ShardWriter:
         name = shard_name(self.split, len(self.shards))
         tokens, docs = _state_count(current, "num_tokens"), _state_count(current, "num_documents")
         sizes = (HEADER.size + tokens * self.dtype.itemsize, HEADER.size + 8 * (docs + 1))
-        if (current.get("name") != name or (current.get("bin_bytes"), current.get("idx_bytes")) != sizes
-                or not 0 < tokens < self.shard_tokens or not 0 < docs <= tokens):
-            raise ValueError(f"the open {self.split} shard of the state ({show(current.get('name'))}, {tokens} "
-                             f"tokens, {docs} documents) is not one this writer could have written")
+        if (
+            current.get("name") != name
+            or (current.get("bin_bytes"), current.get("idx_bytes")) != sizes
+            or not 0 < tokens < self.shard_tokens
+            or not 0 < docs <= tokens
+        ):
+            raise ValueError(
+                f"the open {self.split} shard of the state ({show(current.get('name'))}, {tokens} "
+                f"tokens, {docs} documents) is not one this writer could have written"
+            )
         paths = self._files(name)
-        for path, size in zip(paths, sizes):
+        for path, size in zip(paths, sizes, strict=False):
             if not path.is_file() or path.stat().st_size < size:
-                raise ValueError(f"{path.name} has {path.stat().st_size if path.is_file() else 'no'} bytes, the "
-                                 f"state says at least {size}")
+                raise ValueError(
+                    f"{path.name} has {path.stat().st_size if path.is_file() else 'no'} bytes, the "
+                    f"state says at least {size}"
+                )
         with open(paths[1], "rb") as f:
             f.seek(sizes[1] - 8)
             last = int(np.frombuffer(f.read(8), "<u8")[0])
         if last != tokens:
             raise ValueError(f"{paths[1].name} ends its document {docs} at token {last}, the state says {tokens}")
         files = []
-        for path, size in zip(paths, sizes):
+        for path, size in zip(paths, sizes, strict=False):
             f = open(path, "r+b")
             f.truncate(size)
             f.seek(size)
@@ -186,8 +204,10 @@ class ShardWriter:
         self._index.write(np.zeros(1, "<u8").tobytes())
 
     def _close_shard(self) -> None:
-        for f, magic, size, count in ((self._tokens, TOKENS_MAGIC, self.dtype.itemsize, self._count),
-                                      (self._index, INDEX_MAGIC, 8, self._docs + 1)):
+        for f, magic, size, count in (
+            (self._tokens, TOKENS_MAGIC, self.dtype.itemsize, self._count),
+            (self._index, INDEX_MAGIC, 8, self._docs + 1),
+        ):
             f.seek(0)
             f.write(HEADER.pack(magic, FORMAT_VERSION, size, count, self.ident))
             f.close()
@@ -243,13 +263,16 @@ def read_meta(data_dir: str | Path, *, deep: bool = True) -> dict:
         return megatron.read_meta(data_dir, deep=deep)
     path = Path(data_dir) / META_FILE
     if not path.is_file():
-        raise SpecError(f"{data_dir} is not a prepared data directory (no {META_FILE}); "
-                        f"run 'dspipe prepare-data --out {data_dir}'")
+        raise SpecError(
+            f"{data_dir} is not a prepared data directory (no {META_FILE}); run 'dspipe prepare-data --out {data_dir}'"
+        )
     meta = read_object(path, hint=f"re-run 'dspipe prepare-data --out {data_dir} --force'")
     if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
-        raise SpecError(f"{data_dir} was not prepared by this dspipe ({META_FILE}: format {show(meta.get('format'))} "
-                        f"version {str(meta.get('format_version'))[:20]}, want {FORMAT!r} {FORMAT_VERSION}); "
-                        f"re-run 'dspipe prepare-data --out {data_dir} --force'")
+        raise SpecError(
+            f"{data_dir} was not prepared by this dspipe ({META_FILE}: format {show(meta.get('format'))} "
+            f"version {str(meta.get('format_version'))[:20]}, want {FORMAT!r} {FORMAT_VERSION}); "
+            f"re-run 'dspipe prepare-data --out {data_dir} --force'"
+        )
     check_meta(meta, source=path)
     return meta
 
@@ -272,8 +295,16 @@ def check_meta(meta: dict, *, source: Path) -> None:
             fail(f"{name} must be an integer in {low}..{high}, got {show(value)}")
         return value
 
-    for key in ("fingerprint", "vocab_size", "eos_id", "dtype", "num_documents", "num_tokens", "splits",
-                "val_fraction"):
+    for key in (
+        "fingerprint",
+        "vocab_size",
+        "eos_id",
+        "dtype",
+        "num_documents",
+        "num_tokens",
+        "splits",
+        "val_fraction",
+    ):
         if key not in meta:
             fail(f"missing key {key}")
     fp = meta["fingerprint"]
@@ -282,18 +313,21 @@ def check_meta(meta: dict, *, source: Path) -> None:
     vocab = count("vocab_size", meta["vocab_size"], low=1, high=2**32)
     count("eos_id", meta["eos_id"], high=vocab - 1)
     if meta["dtype"] != token_dtype(vocab):
-        fail(f"dtype {show(meta['dtype'])} does not hold vocab_size {vocab} the way this format stores it "
-             f"({token_dtype(vocab)!r})")
+        fail(
+            f"dtype {show(meta['dtype'])} does not hold vocab_size {vocab} the way this format stores it "
+            f"({token_dtype(vocab)!r})"
+        )
     if "tokenizer" in meta and meta["tokenizer"] != TOKENIZER_DIR:
-        fail(f"tokenizer must be {TOKENIZER_DIR!r} (the directory beside meta.json), got "
-             f"{show(meta['tokenizer'])}")
+        fail(f"tokenizer must be {TOKENIZER_DIR!r} (the directory beside meta.json), got {show(meta['tokenizer'])}")
     vf = meta["val_fraction"]
     if isinstance(vf, bool) or not isinstance(vf, (int, float)) or not 0 <= vf < 1:
         fail(f"val_fraction must be a number in [0, 1), got {show(vf)}")
     splits = meta["splits"]
     if not isinstance(splits, dict) or "train" not in splits or set(splits) - set(SPLITS):
-        fail(f"splits must be an object with 'train' (and 'val'), got "
-             f"{sorted(map(str, splits)) if isinstance(splits, dict) else type(splits).__name__}")
+        fail(
+            f"splits must be an object with 'train' (and 'val'), got "
+            f"{sorted(map(str, splits)) if isinstance(splits, dict) else type(splits).__name__}"
+        )
     totals = {"num_tokens": 0, "num_documents": 0}
     for split, info in splits.items():
         if not isinstance(info, dict) or not isinstance(info.get("shards"), list):
@@ -328,14 +362,17 @@ def _open_array(path: Path, *, magic: bytes, dtype: np.dtype, count: int, ident:
         raise SpecError(f"{path} is not a dspipe {what} (bad header): the file is truncated or foreign")
     _, version, itemsize, n, file_ident = HEADER.unpack(head)
     if file_ident != ident or version != FORMAT_VERSION or itemsize != dtype.itemsize:
-        raise SpecError(f"{path} belongs to another prepared dataset (id {file_ident.hex()}, {META_FILE} says "
-                        f"{ident.hex()}): the file is foreign")
+        raise SpecError(
+            f"{path} belongs to another prepared dataset (id {file_ident.hex()}, {META_FILE} says "
+            f"{ident.hex()}): the file is foreign"
+        )
     if n != count:
         raise SpecError(f"{path} holds {n} items, {META_FILE} says {count}: the file is truncated or foreign")
     expected = HEADER.size + count * itemsize
     if size != expected:
-        raise SpecError(f"{path} has {size} bytes, {META_FILE} says {expected} ({count} items): "
-                        f"the file is truncated or foreign")
+        raise SpecError(
+            f"{path} has {size} bytes, {META_FILE} says {expected} ({count} items): the file is truncated or foreign"
+        )
     if count == 0:
         return np.zeros(0, dtype)
     return np.memmap(path, dtype=dtype, mode="r", offset=HEADER.size, shape=(count,))
@@ -354,9 +391,21 @@ def open_split(data_dir: str | Path, split: str, meta: dict | None = None) -> li
     ident, dtype = dataset_id(meta["fingerprint"]), np.dtype(meta["dtype"])
     shards = []
     for shard in meta["splits"][split]["shards"]:
-        tokens = _open_array(data_dir / f"{shard['name']}.bin", magic=TOKENS_MAGIC, dtype=dtype,
-                             count=shard["num_tokens"], ident=ident, what="token shard")
-        offsets = _open_array(data_dir / f"{shard['name']}.idx", magic=INDEX_MAGIC, dtype=np.dtype("<u8"),
-                              count=shard["num_documents"] + 1, ident=ident, what="document index")
+        tokens = _open_array(
+            data_dir / f"{shard['name']}.bin",
+            magic=TOKENS_MAGIC,
+            dtype=dtype,
+            count=shard["num_tokens"],
+            ident=ident,
+            what="token shard",
+        )
+        offsets = _open_array(
+            data_dir / f"{shard['name']}.idx",
+            magic=INDEX_MAGIC,
+            dtype=np.dtype("<u8"),
+            count=shard["num_documents"] + 1,
+            ident=ident,
+            what="document index",
+        )
         shards.append((tokens, offsets))
     return shards

@@ -6,6 +6,7 @@ read in text mode, so line endings become "\\n". Documents that are empty or onl
 A file that fails to read (an I/O error) is one line naming it, or under --skip-bad skipped and counted, like a file
 that is not UTF-8.
 """
+
 from __future__ import annotations
 
 import glob
@@ -19,8 +20,8 @@ from pathlib import Path
 from typing import Iterator
 from urllib.parse import urlparse
 
-from dspipe.errors import SpecError, cannot_read
 from dspipe.data.limits import too_small
+from dspipe.errors import SpecError, cannot_read
 
 TEXT_DOCS = ("file", "blank-line")
 STDLIB = "python-stdlib"
@@ -32,8 +33,9 @@ _BATCH = 256
 def stdlib_sources() -> list[Path]:
     """The standard library's .py files (not site-packages), sorted, so the corpus is the same on every run."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    return sorted(p for p in root.rglob("*.py") if p.relative_to(root).parts[0] not in ("site-packages",
-                                                                                        "dist-packages"))
+    return sorted(
+        p for p in root.rglob("*.py") if p.relative_to(root).parts[0] not in ("site-packages", "dist-packages")
+    )
 
 
 def _builder(path: Path) -> str:
@@ -71,8 +73,16 @@ class Inputs:
         return items
 
 
-def resolve_inputs(specs: list[str], *, text_field: str = "text", txt_docs: str = "file", config: str | None = None,
-                   split: str = "train", streaming: bool = True, skip_bad: bool = False) -> Inputs:
+def resolve_inputs(
+    specs: list[str],
+    *,
+    text_field: str = "text",
+    txt_docs: str = "file",
+    config: str | None = None,
+    split: str = "train",
+    streaming: bool = True,
+    skip_bad: bool = False,
+) -> Inputs:
     """Expand globs and directories (sorted, hidden files skipped); a name that is no local path is a hub dataset."""
     if txt_docs not in TEXT_DOCS:
         raise SpecError(f"--txt-docs {txt_docs!r} is not one of: {', '.join(TEXT_DOCS)}")
@@ -92,8 +102,11 @@ def resolve_inputs(specs: list[str], *, text_field: str = "text", txt_docs: str 
                 raise SpecError(f"no files match {spec!r}")
             files += matches
         elif path.is_dir():
-            found = sorted(p for p in path.rglob("*") if p.is_file()
-                           and not any(part.startswith(".") for part in p.relative_to(path).parts))
+            found = sorted(
+                p
+                for p in path.rglob("*")
+                if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
+            )
             if not found:
                 raise SpecError(f"empty input: no files under {spec}")
             files += found
@@ -166,6 +179,7 @@ def go_offline_if_unreachable() -> str | None:
         os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
         try:  # already imported in this process (tests): flip their constants too
             import sys
+
             if "huggingface_hub" in sys.modules:
                 sys.modules["huggingface_hub"].constants.HF_HUB_OFFLINE = True
             if "datasets" in sys.modules:
@@ -196,11 +210,13 @@ def _load(builder: str, inputs: Inputs, files: list[Path]):
     if builder == "text":
         kwargs["sample_by"] = "document" if inputs.txt_docs == "file" else "paragraph"
     try:
-        return datasets.load_dataset(builder, data_files={"train": [str(f) for f in files]}, split="train",
-                                     streaming=inputs.streaming, **kwargs)
+        return datasets.load_dataset(
+            builder, data_files={"train": [str(f) for f in files]}, split="train", streaming=inputs.streaming, **kwargs
+        )
     except Exception as e:  # datasets/pyarrow raise many types for unreadable files
-        raise SpecError(f"cannot read {files[0] if len(files) == 1 else f'{files[0]} ...'} as {builder}: "
-                        f"{_one_line(e)}") from None
+        raise SpecError(
+            f"cannot read {files[0] if len(files) == 1 else f'{files[0]} ...'} as {builder}: {_one_line(e)}"
+        ) from None
 
 
 def _load_hub(inputs: Inputs):
@@ -211,8 +227,9 @@ def _load_hub(inputs: Inputs):
     except Exception as e:
         where = f"{offline}; not in the local cache either" if offline else _one_line(e)
         config = f"config {inputs.config}, " if inputs.config else ""
-        raise SpecError(f"cannot load dataset {inputs.hub!r} ({config}split {inputs.split}; not a local path "
-                        f"either): {where}") from None
+        raise SpecError(
+            f"cannot load dataset {inputs.hub!r} ({config}split {inputs.split}; not a local path either): {where}"
+        ) from None
 
 
 def _column_texts(ds, field_: str, source: str) -> Iterator[str]:
@@ -254,8 +271,7 @@ def _checked(files: list[Path], inputs: Inputs) -> list[Path]:
         elif inputs.skip_bad:
             inputs.stats["bad_utf8"] += 1
         else:
-            raise SpecError(f"{f} is not UTF-8: byte 0x{bad[1]:02x} at offset {bad[0]} "
-                            f"(--skip-bad skips such files)")
+            raise SpecError(f"{f} is not UTF-8: byte 0x{bad[1]:02x} at offset {bad[0]} (--skip-bad skips such files)")
     return good
 
 
@@ -310,17 +326,28 @@ def documents(inputs: Inputs, *, max_bytes: int | None = None, first_within: int
     if inputs.hub:
         streams = [(_load_hub(inputs), inputs.text_field, inputs.hub, [])]
     else:  # plain text files always have the column "text"
-        streams = ((_load(b, inputs, good), "text" if b == "text" else inputs.text_field,
-                    str(good[0]) if len(good) == 1 else f"{good[0]} ...", good)
-                   for b, group in _file_groups(inputs) if (good := _checked(group, inputs)))
+        streams = (
+            (
+                _load(b, inputs, good),
+                "text" if b == "text" else inputs.text_field,
+                str(good[0]) if len(good) == 1 else f"{good[0]} ...",
+                good,
+            )
+            for b, group in _file_groups(inputs)
+            if (good := _checked(group, inputs))
+        )
     for ds, field_, source, files in streams:
         for text in _column_texts(ds, field_, source):
             if keep(text):
                 size = len(text.encode("utf-8")) if max_bytes is not None or first_within is not None else 0
                 if first_within is not None and size > first_within:
                     where = _first_with_text(files, source)
-                    raise too_small(flag="--max-mb", limit=first_within, size=size,
-                                    what=f"the first document ({where}: {size:,} bytes; documents are never cut)")
+                    raise too_small(
+                        flag="--max-mb",
+                        limit=first_within,
+                        size=size,
+                        what=f"the first document ({where}: {size:,} bytes; documents are never cut)",
+                    )
                 first_within = None
                 yield text
                 if max_bytes is not None:

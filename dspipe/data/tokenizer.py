@@ -1,5 +1,6 @@
 """Tokenizers for prepare-data: a Hugging Face tokenizer (name or local directory, through `transformers`) or a
 byte-level BPE trained with `tokenizers`; saved in Hugging Face format; and the per-worker batch encoder."""
+
 from __future__ import annotations
 
 import ctypes
@@ -8,6 +9,7 @@ import json
 import os
 import re
 import signal
+from collections import deque
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -33,8 +35,10 @@ def check_vocab(vocab_size) -> None:
     """--train-tokenizer: MIN_VOCAB..MAX_VOCAB (256 bytes + EOS at least; beyond 2^18 a BPE trained on a sample
     of the input is absurd, and every token id still fits the uint32 shards)."""
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not MIN_VOCAB <= vocab_size <= MAX_VOCAB:
-        raise SpecError(f"--train-tokenizer {str(vocab_size)[:40]}: the vocabulary must hold at least {MIN_VOCAB} "
-                        f"tokens (256 bytes + EOS) and at most {MAX_VOCAB:,} (allowed range {MIN_VOCAB}..{MAX_VOCAB})")
+        raise SpecError(
+            f"--train-tokenizer {str(vocab_size)[:40]}: the vocabulary must hold at least {MIN_VOCAB} "
+            f"tokens (256 bytes + EOS) and at most {MAX_VOCAB:,} (allowed range {MIN_VOCAB}..{MAX_VOCAB})"
+        )
 
 
 def pre_tokenizer():
@@ -59,9 +63,7 @@ def _last_cut(text: str, *, start: int, end: int) -> int | None:
     stop = min(len(text), end + 2)  # the character after a space at `end` decides it
     for back in (256, 8192, end - start):
         low = max(start + 1, end - back)
-        last = None
-        for last in _CUT.finditer(text, low, stop):
-            pass
+        last = next(iter(deque(_CUT.finditer(text, low, stop), maxlen=1)), None)  # the window's last match
         if last is not None and last.start() <= end:
             return last.start()
         if low == start + 1:
@@ -103,9 +105,14 @@ def splits_exactly(tokenizer_json: Path) -> bool:
 
 def _byte_level_gpt2(pre: dict | None) -> bool:
     """GPT-2's byte-level pre-tokenizer (regex, no prefix space), alone or after pre_tokenizer's long-word cut."""
+
     def gpt2(p) -> bool:
-        return (isinstance(p, dict) and p.get("type") == "ByteLevel" and p.get("add_prefix_space") is False
-                and p.get("use_regex") is True)
+        return (
+            isinstance(p, dict)
+            and p.get("type") == "ByteLevel"
+            and p.get("add_prefix_space") is False
+            and p.get("use_regex") is True
+        )
 
     if gpt2(pre):
         return True
@@ -131,8 +138,12 @@ def train_bpe(docs: Iterable[str], *, vocab_size: int):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizer()
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(docs, trainer=trainer)
     return _hf_from_tokenizer(tok)
 
@@ -157,6 +168,7 @@ def load_hf(name_or_dir: str):
     offline = None
     if not path.exists():
         from dspipe.data.sources import go_offline_if_unreachable
+
         offline = go_offline_if_unreachable()
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -193,8 +205,10 @@ def load_tokenizer_file(path: Path):
     special = {t.content for t in tok.get_added_tokens_decoder().values() if t.special}
     eos = next((name for name in EOS_NAMES if name in special), None)
     if eos is None:
-        raise SpecError(f"tokenizer {path} has no EOS token (no special token {', '.join(EOS_NAMES)}); documents "
-                        f"are separated by EOS: give its directory with a tokenizer_config.json naming eos_token")
+        raise SpecError(
+            f"tokenizer {path} has no EOS token (no special token {', '.join(EOS_NAMES)}); documents "
+            f"are separated by EOS: give its directory with a tokenizer_config.json naming eos_token"
+        )
     from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos)
@@ -239,8 +253,9 @@ def _worker_tokenizer(tokenizer_json: str):
         try:
             tok = Tokenizer.from_file(tokenizer_json)
         except Exception as e:  # tokenizers raises plain Exceptions, an I/O error included
-            raise SpecError(f"cannot load tokenizer file {tokenizer_json} in a worker: "
-                            f"{' '.join(str(e).split())[:200]}") from None
+            raise SpecError(
+                f"cannot load tokenizer file {tokenizer_json} in a worker: {' '.join(str(e).split())[:200]}"
+            ) from None
         _worker.update(path=tokenizer_json, tok=tok)
     return _worker["tok"]
 
@@ -268,8 +283,9 @@ def _groups(units: Iterator[tuple[int, str]], *, chars: int) -> Iterator[list[tu
         yield group
 
 
-def encode_batch(texts: list[str], *, tokenizer_json: str, eos_id: int, dtype: str,
-                 piece_chars: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def encode_batch(
+    texts: list[str], *, tokenizer_json: str, eos_id: int, dtype: str, piece_chars: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
     """(token ids of the documents back to back, each followed by EOS; document lengths including EOS).
 
     Encoded ENCODE_GROUP_CHARS at a time; with piece_chars > 0 (a tokenizer that splits_exactly), a longer
@@ -281,7 +297,7 @@ def encode_batch(texts: list[str], *, tokenizer_json: str, eos_id: int, dtype: s
     chunks = []
     for group in _groups(_units(texts, piece_chars), chars=ENCODE_GROUP_CHARS):
         encodings = encode([text for _, text in group], add_special_tokens=False)
-        for (i, _), e in zip(group, encodings):
+        for (i, _), e in zip(group, encodings, strict=False):
             ids = np.asarray(e.ids, dtype=dtype)
             lengths[i] += ids.size
             chunks.append((i, ids))
@@ -291,7 +307,7 @@ def encode_batch(texts: list[str], *, tokenizer_json: str, eos_id: int, dtype: s
     out = np.empty(int(ends[-1]) if texts else 0, dtype=dtype)
     pos = ends - lengths
     for i, ids in chunks:
-        out[pos[i]:pos[i] + ids.size] = ids
+        out[pos[i] : pos[i] + ids.size] = ids
         pos[i] += ids.size
     out[ends - 1] = eos_id
     return out, lengths

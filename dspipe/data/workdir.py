@@ -1,10 +1,11 @@
 """prepare-data's work directory: where an interrupted preparation is kept, locked and journaled, to be resumed.
 
-    WorkDir             `.NAME.tmp-partial-<fingerprint[:16]>` beside the output: the tokenizer, the shards, the
-                        journal (rewritten atomically) and the lock (flock; the pid of the run holding it)
-    remove_stale_temps  temp directories of runs that died, and work directories of other fingerprints that no live
-                        run holds
+WorkDir             `.NAME.tmp-partial-<fingerprint[:16]>` beside the output: the tokenizer, the shards, the
+                    journal (rewritten atomically) and the lock (flock; the pid of the run holding it)
+remove_stale_temps  temp directories of runs that died, and work directories of other fingerprints that no live
+                    run holds
 """
+
 from __future__ import annotations
 
 import errno
@@ -133,8 +134,10 @@ class WorkDir:
                     pid = (self.path / LOCK_FILE).read_text().strip() or "?"
                 except OSError:
                     pid = "?"
-                raise SpecError(f"another prepare-data run (pid {pid}) is preparing {self.shown} from the same "
-                                f"inputs and options (it holds {self.path / LOCK_FILE}); wait for it to end")
+                raise SpecError(
+                    f"another prepare-data run (pid {pid}) is preparing {self.shown} from the same "
+                    f"inputs and options (it holds {self.path / LOCK_FILE}); wait for it to end"
+                )
             os.ftruncate(self._fd, 0)
             os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
             return
@@ -151,9 +154,13 @@ class WorkDir:
         except SpecError:
             return None
         counts = [journal.get("num_documents"), journal.get("num_bytes")]
-        if (journal.get("format") != JOURNAL_FORMAT or journal.get("fingerprint") != self.fp
-                or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts)
-                or not isinstance(journal.get("tokenizer"), dict) or not isinstance(journal.get("writers"), dict)):
+        if (
+            journal.get("format") != JOURNAL_FORMAT
+            or journal.get("fingerprint") != self.fp
+            or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts)
+            or not isinstance(journal.get("tokenizer"), dict)
+            or not isinstance(journal.get("writers"), dict)
+        ):
             return None
         self.documents = journal["num_documents"]
         return journal

@@ -2,6 +2,7 @@
 every prefix within 1 of its share, determinism), the blend loader over real prepared data (the same global order at
 any dp, each source's own per-epoch order, exact resume, refusal of a changed blend), a single directory read exactly
 as before, the checks between sources, per-source validation columns, the checkpoint's data state and gen-config."""
+
 import json
 import random
 from fractions import Fraction
@@ -12,8 +13,16 @@ import pytest
 import torch
 
 from dspipe.data import Permutation, SampleOrder, TokenWindows, TrainLoader, read_meta
-from dspipe.data.blend import (BlendLoader, BlendOrder, blend_change, make_loader, normalise, open_sources, parse,
-                               source_seed)
+from dspipe.data.blend import (
+    BlendLoader,
+    BlendOrder,
+    blend_change,
+    make_loader,
+    normalise,
+    open_sources,
+    parse,
+    source_seed,
+)
 from dspipe.data.checks import check_blend_sources
 from dspipe.errors import SpecError
 from tests.helpers import csv_rows, make_run, run_cli
@@ -22,6 +31,7 @@ SEQ = 16
 
 
 # ---- two real prepared datasets with one tokenizer ----------------------------------------------------------------
+
 
 def write_docs(folder: Path, *, docs: int, words: int, seed: int) -> Path:
     rng = random.Random(seed)
@@ -41,8 +51,13 @@ def second(tmp_path_factory, corpus) -> Path:
 
     root = tmp_path_factory.mktemp("second")
     docs = write_docs(root / "txt", docs=30, words=300, seed=1)
-    prepare(inputs=resolve_inputs([str(docs)]), out=root / "small", tokenizer=str(corpus / "tokenizer"),
-            val_fraction=0.1, workers=1)
+    prepare(
+        inputs=resolve_inputs([str(docs)]),
+        out=root / "small",
+        tokenizer=str(corpus / "tokenizer"),
+        val_fraction=0.1,
+        workers=1,
+    )
     return root / "small"
 
 
@@ -55,6 +70,7 @@ def blend_loader(spec, windows, *, dp=1, rank=0, mb=2, seed=0):
 
 
 # ---- parse ----------------------------------------------------------------------------------------------------------
+
 
 def test_parse_normalises_weights_exactly_and_keeps_a_single_path_as_given():
     s = parse(" data/web:70 , data/books:30")
@@ -77,29 +93,38 @@ def test_a_directory_whose_name_has_a_colon_is_one_path(tmp_path):
     assert parse(str(odd)).paths == (str(odd),)
 
 
-@pytest.mark.parametrize("text, message", [
-    ("", "--data is empty: give a prepared data directory (a blend is PATH:WEIGHT,PATH:WEIGHT, e.g. a:0.7,b:0.3)"),
-    ("a:x,b:1", "--data source a: weight 'x' is not a number"),
-    ("a:x", "--data source a: weight 'x' is not a number"),
-    ("a:-1,b:1", "--data source a: weight -1 must be positive"),
-    ("a:0,b:1", "--data source a: weight 0 must be positive"),
-    ("a:inf,b:1", "--data source a: weight inf is not finite"),
-    ("a:1,b:NaN", "--data source b: weight NaN is not finite"),
-    ("a:1e-400,b:1", "--data source a: weight 1e-400 is out of range (want a finite positive number)"),
-    ("a:0x10,b:1", "--data source a: weight '0x10' is not a number"),
-    ("a:1e999999999,b:1", "--data source a: weight 1e999999999 is out of range (want a finite positive number)"),
-    ("a:-0,b:1", "--data source a: weight -0 must be positive"),
-    (":1,b:1", "--data source 1 has an empty path before its weight :1 (a blend is PATH:WEIGHT,PATH:WEIGHT, "
-               "e.g. a:0.7,b:0.3)"),
-    ("a:,b:1", "--data source a: empty weight after ':' (a blend is PATH:WEIGHT,PATH:WEIGHT, e.g. a:0.7,b:0.3)"),
-    ("a:1,,b:1", "--data source 2 is empty (a blend is PATH:WEIGHT,PATH:WEIGHT, e.g. a:0.7,b:0.3)"),
-    ("a:1,b:1,", "--data source 3 is empty (a blend is PATH:WEIGHT,PATH:WEIGHT, e.g. a:0.7,b:0.3)"),
-    ("a:1,a:2", "--data source a is given twice"),
-    ("d/a:1,./d/a/:2", "--data source d/a is given twice (as d/a and ./d/a/)"),
-    ("a:0.7,b", "--data source b has no weight while a has one: give every source a weight (a blend is "
-                "PATH:WEIGHT,PATH:WEIGHT, e.g. a:0.7,b:0.3)"),
-    ("a,b", "--data names 2 sources without weights: give each one a weight, e.g. a:1,b:1 for equal shares"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("", "--data is empty: give a prepared data directory (a blend is PATH:WEIGHT,PATH:WEIGHT, e.g. a:0.7,b:0.3)"),
+        ("a:x,b:1", "--data source a: weight 'x' is not a number"),
+        ("a:x", "--data source a: weight 'x' is not a number"),
+        ("a:-1,b:1", "--data source a: weight -1 must be positive"),
+        ("a:0,b:1", "--data source a: weight 0 must be positive"),
+        ("a:inf,b:1", "--data source a: weight inf is not finite"),
+        ("a:1,b:NaN", "--data source b: weight NaN is not finite"),
+        ("a:1e-400,b:1", "--data source a: weight 1e-400 is out of range (want a finite positive number)"),
+        ("a:0x10,b:1", "--data source a: weight '0x10' is not a number"),
+        ("a:1e999999999,b:1", "--data source a: weight 1e999999999 is out of range (want a finite positive number)"),
+        ("a:-0,b:1", "--data source a: weight -0 must be positive"),
+        (
+            ":1,b:1",
+            "--data source 1 has an empty path before its weight :1 (a blend is PATH:WEIGHT,PATH:WEIGHT, "
+            "e.g. a:0.7,b:0.3)",
+        ),
+        ("a:,b:1", "--data source a: empty weight after ':' (a blend is PATH:WEIGHT,PATH:WEIGHT, e.g. a:0.7,b:0.3)"),
+        ("a:1,,b:1", "--data source 2 is empty (a blend is PATH:WEIGHT,PATH:WEIGHT, e.g. a:0.7,b:0.3)"),
+        ("a:1,b:1,", "--data source 3 is empty (a blend is PATH:WEIGHT,PATH:WEIGHT, e.g. a:0.7,b:0.3)"),
+        ("a:1,a:2", "--data source a is given twice"),
+        ("d/a:1,./d/a/:2", "--data source d/a is given twice (as d/a and ./d/a/)"),
+        (
+            "a:0.7,b",
+            "--data source b has no weight while a has one: give every source a weight (a blend is "
+            "PATH:WEIGHT,PATH:WEIGHT, e.g. a:0.7,b:0.3)",
+        ),
+        ("a,b", "--data names 2 sources without weights: give each one a weight, e.g. a:1,b:1 for equal shares"),
+    ],
+)
 def test_parse_errors_are_one_line_naming_the_source(text, message):
     with pytest.raises(SpecError) as e:
         parse(text)
@@ -107,6 +132,7 @@ def test_parse_errors_are_one_line_naming_the_source(text, message):
 
 
 # ---- the order ------------------------------------------------------------------------------------------------------
+
 
 def counts_by_prefix(src: np.ndarray, k: int) -> np.ndarray:
     return np.cumsum(np.stack([src == j for j in range(k)]), axis=1)  # (k, n): drawn from j after n + 1 samples
@@ -143,7 +169,7 @@ def test_the_order_is_deterministic_and_the_same_from_any_starting_point():
     fresh = BlendOrder(shares)  # random access: forward jumps, then back past the cached chunk
     for start in (12_345, 30, 19_990, 5000):
         s, d = fresh.assign(start, 10)
-        assert np.array_equal(s, src[start:start + 10]) and np.array_equal(d, draw[start:start + 10])
+        assert np.array_equal(s, src[start : start + 10]) and np.array_equal(d, draw[start : start + 10])
     counts = fresh.counts_at(15_000)
     assert list(counts) == np.bincount(src[:15_000], minlength=3).tolist()
     anchored = BlendOrder(shares)  # from a known state (a checkpoint's counts), without the samples before it
@@ -167,6 +193,7 @@ def test_anchors_make_a_far_position_cheap_to_reach_again():
 
 # ---- the loader over real data --------------------------------------------------------------------------------------
 
+
 def test_the_global_order_is_the_same_at_dp_1_2_and_4(corpus, second):
     spec = spec_of(corpus, second)
     windows = open_sources(spec, model_vocab=1024, seq_len=SEQ)
@@ -181,7 +208,7 @@ def test_the_global_order_is_the_same_at_dp_1_2_and_4(corpus, second):
     rows = blend_loader(spec, windows, dp=2, rank=1, mb=2)
     inputs, labels = next(rows)
     (src, win) = blend_loader(spec, windows, dp=2, rank=1, mb=2).next_indices()
-    want = np.stack([windows[j][w] for j, w in zip(src, win)])
+    want = np.stack([windows[j][w] for j, w in zip(src, win, strict=False)])
     assert torch.equal(inputs, torch.from_numpy(want[:, :-1])) and torch.equal(labels, torch.from_numpy(want[:, 1:]))
 
 
@@ -193,13 +220,13 @@ def test_each_source_follows_its_own_order_and_repeats_with_a_new_permutation_pe
     got = [[], []]
     while len(got[1]) < 2 * n_small + 10:
         src, win = ld.next_indices()
-        for j, w in zip(src, win):
+        for j, w in zip(src, win, strict=False):
             got[j].append(int(w))
     for j in range(2):
         order = SampleOrder(num_samples=len(windows[j]), seed=source_seed(0, j))
         assert got[j] == order.windows(0, len(got[j])).tolist()
     small = got[1]
-    first, again = small[:n_small], small[n_small:2 * n_small]
+    first, again = small[:n_small], small[n_small : 2 * n_small]
     assert sorted(first) == sorted(again) == list(range(n_small)) and first != again  # every window once per epoch
     state = ld.state_dict()["sources"]
     assert state[1]["epoch"] == state[1]["drawn"] // n_small >= 2 and state[0]["epoch"] == 0
@@ -221,8 +248,10 @@ def test_resume_mid_epoch_continues_exactly_also_under_another_dp(corpus, second
     expected = [next(ranks[1]) for _ in range(5)]
     resumed = blend_loader(spec, windows, dp=2, rank=1, mb=3)
     resumed.load_state_dict(saved)
-    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(expected, (next(resumed)
-                                                                                              for _ in range(5))))
+    assert all(
+        torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+        for a, b in zip(expected, (next(resumed) for _ in range(5)), strict=False)
+    )
     reference = blend_loader(spec, windows, dp=1, mb=3)
     order = [np.stack(reference.next_indices()).T.tolist() for _ in range(22)]
     after = [blend_loader(spec, windows, dp=1, rank=0, mb=3)]
@@ -243,16 +272,21 @@ def test_a_changed_blend_is_refused_in_one_line(corpus, second):
 
     other = spec_of(corpus, second, "0.6", "0.4")
     msg = refused(blend_loader(other, windows))
-    assert msg == (f"the checkpoint's data blend differs from this run's --data: source 1 ({corpus}) has weight "
-                   f"60% now, 70% in the checkpoint; resume with the blend it was saved with ({corpus}:0.7,"
-                   f"{second}:0.3)")
+    assert msg == (
+        f"the checkpoint's data blend differs from this run's --data: source 1 ({corpus}) has weight "
+        f"60% now, 70% in the checkpoint; resume with the blend it was saved with ({corpus}:0.7,"
+        f"{second}:0.3)"
+    )
     swapped = parse(f"{second}:0.3,{corpus}:0.7")
     assert "source 1 (" in refused(blend_loader(swapped, open_sources(swapped, model_vocab=1024, seq_len=SEQ)))
-    assert f"source 2 ({second}) holds other data now (fingerprint {read_meta(second)['fingerprint'][:16]}, " \
-           f"abababababababab in the checkpoint, read from {second})" in refused(blend_loader(spec, windows),
-                                                      {**state, "sources": [state["sources"][0],
-                                                                            {**state["sources"][1],
-                                                                             "fingerprint": "ab" * 32}]})
+    assert (
+        f"source 2 ({second}) holds other data now (fingerprint {read_meta(second)['fingerprint'][:16]}, "
+        f"abababababababab in the checkpoint, read from {second})"
+        in refused(
+            blend_loader(spec, windows),
+            {**state, "sources": [state["sources"][0], {**state["sources"][1], "fingerprint": "ab" * 32}]},
+        )
+    )
     assert "seed 0 in the checkpoint, 1 now" in refused(blend_loader(spec, windows, seed=1))
     single = TrainLoader(windows=windows[0], seed=0, micro_batch=2, dp=1, dp_rank=0)
     assert "is of a blend of 2 sources" in refused(single)
@@ -273,7 +307,7 @@ def test_a_single_directory_reads_exactly_as_before(corpus):
         assert all(type(ld) is TrainLoader for ld in loaders)
         got = [loaders[r].next_indices().tolist() for _ in range(2 * n // 4 + 3) for r in range(2)]
         want = np.concatenate([Permutation(n, seed=3, epoch=e)(np.arange(n)) for e in range(3)])
-        assert sum(got, []) == want[:2 * len(got)].tolist()
+        assert sum(got, []) == want[: 2 * len(got)].tolist()
         current = TrainLoader(windows=TokenWindows(corpus, seq_len=512), seed=3, micro_batch=2, dp=2, dp_rank=1)
         fresh = make_loader(spec, windows, seed=3, micro_batch=2, dp=2, dp_rank=1)
         for _ in range(4):
@@ -289,6 +323,7 @@ def test_blend_loader_needs_two_sources(corpus):
 
 
 # ---- the checks between sources ---------------------------------------------------------------------------------
+
 
 def copy_of(corpus, tmp_path, name, change_meta=None, change_tokenizer=None):
     import shutil
@@ -314,7 +349,9 @@ def rename_a_token(tok):
 
 def test_sources_must_be_prepared_and_share_one_tokenizer(corpus, second, tmp_path):
     assert [m["fingerprint"] for m in check_blend_sources([str(corpus), str(second)])] == [
-        read_meta(corpus)["fingerprint"], read_meta(second)["fingerprint"]]
+        read_meta(corpus)["fingerprint"],
+        read_meta(second)["fingerprint"],
+    ]
     fix = f"blended datasets must share one tokenizer (prepare it with --tokenizer {corpus / 'tokenizer'})"
     big = copy_of(corpus, tmp_path, "big", change_meta=lambda m: m.update(vocab_size=2048))
     other = copy_of(corpus, tmp_path, "other", change_tokenizer=rename_a_token)
@@ -322,10 +359,10 @@ def test_sources_must_be_prepared_and_share_one_tokenizer(corpus, second, tmp_pa
     cases = {
         big: f"blend source {big}: tokenizer vocab 2048 (uint16 tokens) differs from {corpus}'s 1024 (uint16); {fix}",
         other: f"blend source {other}: its tokenizer differs from {corpus}'s (model in tokenizer/tokenizer.json); "
-               f"{fix}",
+        f"{fix}",
         eos: f"blend source {eos}: EOS id 1 differs from {corpus}'s 0; {fix}",
         tmp_path / "nope": f"blend source {tmp_path / 'nope'}: {tmp_path / 'nope'} is not a prepared data directory "
-                           f"(no meta.json); run 'dspipe prepare-data --out {tmp_path / 'nope'}'",
+        f"(no meta.json); run 'dspipe prepare-data --out {tmp_path / 'nope'}'",
     }
     for path, message in cases.items():
         with pytest.raises(SpecError) as e:
@@ -338,6 +375,7 @@ def test_sources_must_be_prepared_and_share_one_tokenizer(corpus, second, tmp_pa
 
 
 # ---- validation per source ----------------------------------------------------------------------------------------
+
 
 class FakeEngine:
     """eval_loss = the mean of the first input token of the batches it is given (distinct per source)."""
@@ -370,10 +408,20 @@ def test_validation_reports_each_source_and_their_weighted_mean(corpus, second):
 def test_val_metrics_csv_gets_a_column_per_source(tmp_path):
     from dspipe.runtime.metrics_log import RunLog
 
-    log = RunLog(tmp_path, monitor=None, enabled=True, resumed_at=0, log_interval=1, steps=4, validating=True,
-                 terminal=False, val_columns=("val_loss_web", "val_loss_books"))
-    log.validation({"step": 2, "tokens": 64, "val_loss": 4.5, "val_ppl": 90.0, "val_loss_web": 4.0,
-                    "val_loss_books": 5.0})
+    log = RunLog(
+        tmp_path,
+        monitor=None,
+        enabled=True,
+        resumed_at=0,
+        log_interval=1,
+        steps=4,
+        validating=True,
+        terminal=False,
+        val_columns=("val_loss_web", "val_loss_books"),
+    )
+    log.validation(
+        {"step": 2, "tokens": 64, "val_loss": 4.5, "val_ppl": 90.0, "val_loss_web": 4.0, "val_loss_books": 5.0}
+    )
     log.close()
     rows = csv_rows(tmp_path / "val_metrics.csv")
     assert list(rows[0]) == ["step", "tokens", "val_loss", "val_ppl", "val_loss_web", "val_loss_books"]
@@ -382,23 +430,38 @@ def test_val_metrics_csv_gets_a_column_per_source(tmp_path):
 
 # ---- the checkpoint's data state ----------------------------------------------------------------------------------
 
+
 def checkpoint_with(tmp_path, data):
-    from dspipe.spec.presets import model_preset
     from dataclasses import asdict
+
+    from dspipe.spec.presets import model_preset
 
     ckpt = tmp_path / "global_step2"
     ckpt.mkdir(exist_ok=True)
-    meta = {"step": 2, "consumed_samples": data["consumed_samples"], "data": data,
-            "model": asdict(model_preset("tiny")), "pp": 1, "zero_stage": 1, "dp": 2, "world_size": 2}
+    meta = {
+        "step": 2,
+        "consumed_samples": data["consumed_samples"],
+        "data": data,
+        "model": asdict(model_preset("tiny")),
+        "pp": 1,
+        "zero_stage": 1,
+        "dp": 2,
+        "world_size": 2,
+    }
     (ckpt / "dspipe.json").write_text(json.dumps(meta))
     return ckpt
 
 
-BLEND_STATE = {"consumed_samples": 10, "seed": 0, "seq_len": 16, "split": "train",
-               "sources": [{"path": "a", "fingerprint": "ab" * 32, "num_samples": 100, "weight": 0.7, "drawn": 7,
-                            "epoch": 0},
-                           {"path": "b", "fingerprint": "cd" * 32, "num_samples": 2, "weight": 0.3, "drawn": 3,
-                            "epoch": 1}]}
+BLEND_STATE = {
+    "consumed_samples": 10,
+    "seed": 0,
+    "seq_len": 16,
+    "split": "train",
+    "sources": [
+        {"path": "a", "fingerprint": "ab" * 32, "num_samples": 100, "weight": 0.7, "drawn": 7, "epoch": 0},
+        {"path": "b", "fingerprint": "cd" * 32, "num_samples": 2, "weight": 0.3, "drawn": 3, "epoch": 1},
+    ],
+}
 
 
 def damaged(change):
@@ -407,26 +470,42 @@ def damaged(change):
     return state
 
 
-@pytest.mark.parametrize("change, message", [
-    (lambda s: s.update(sources=[]), "data.sources must be a list of two or more blend sources, got []"),
-    (lambda s: s["sources"][1].pop("fingerprint"), "data.sources[1].fingerprint must be a non-empty string, "
-                                                   "got None"),
-    (lambda s: s["sources"][0].pop("drawn"), "missing data.sources[0].drawn"),
-    (lambda s: s["sources"][0].update(weight=0), "data.sources[0].weight must be a number in (0, 1], got 0"),
-    (lambda s: s["sources"][1].update(weight=0.4), "data.sources weights sum to 1.1, not 1"),
-    (lambda s: s["sources"][1].update(epoch=0), "data.sources[1].epoch 0 != drawn 3 // num_samples 2"),
-    (lambda s: s["sources"][0].update(drawn=9), "data.sources[0].drawn 9 is not the blend's share of "
-                                                "data.consumed_samples 10 at weight 0.7"),
-    (lambda s: (s["sources"][0].update(drawn=6), s["sources"][1].update(drawn=2)),
-     "data.sources drawn 8 in all != data.consumed_samples 10"),
-    (lambda s: s.pop("split"), "data.split must be a string, got None"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda s: s.update(sources=[]), "data.sources must be a list of two or more blend sources, got []"),
+        (
+            lambda s: s["sources"][1].pop("fingerprint"),
+            "data.sources[1].fingerprint must be a non-empty string, got None",
+        ),
+        (lambda s: s["sources"][0].pop("drawn"), "missing data.sources[0].drawn"),
+        (lambda s: s["sources"][0].update(weight=0), "data.sources[0].weight must be a number in (0, 1], got 0"),
+        (lambda s: s["sources"][1].update(weight=0.4), "data.sources weights sum to 1.1, not 1"),
+        (lambda s: s["sources"][1].update(epoch=0), "data.sources[1].epoch 0 != drawn 3 // num_samples 2"),
+        (
+            lambda s: s["sources"][0].update(drawn=9),
+            "data.sources[0].drawn 9 is not the blend's share of data.consumed_samples 10 at weight 0.7",
+        ),
+        (
+            lambda s: (s["sources"][0].update(drawn=6), s["sources"][1].update(drawn=2)),
+            "data.sources drawn 8 in all != data.consumed_samples 10",
+        ),
+        (lambda s: s.pop("split"), "data.split must be a string, got None"),
+    ],
+)
 def test_checkpoint_meta_validates_the_blend_state(tmp_path, change, message):
     from dspipe.runtime.ckpt_meta import read_meta as read_checkpoint
 
     assert read_checkpoint(checkpoint_with(tmp_path, BLEND_STATE)).data == BLEND_STATE
-    single = {"consumed_samples": 10, "epoch": 0, "seed": 0, "num_samples": 100, "seq_len": 16, "split": "train",
-              "fingerprint": "ab" * 32}
+    single = {
+        "consumed_samples": 10,
+        "epoch": 0,
+        "seed": 0,
+        "num_samples": 100,
+        "seq_len": 16,
+        "split": "train",
+        "fingerprint": "ab" * 32,
+    }
     assert read_checkpoint(checkpoint_with(tmp_path, single)).data == single  # the single-source form
     bad = damaged(change)
     path = checkpoint_with(tmp_path, bad)
@@ -447,15 +526,39 @@ def test_a_real_blend_state_passes_the_checkpoint_validation(corpus, second, tmp
 
 # ---- gen-config and the run directory ---------------------------------------------------------------------------
 
+
 def test_gen_config_writes_the_normalised_blend_and_says_so(corpus, second, tmp_path, capsys):
     from dspipe.rundir import load_run
 
     run_dir = make_run(tmp_path, f"{corpus}:7, {second}:3", "--eval-interval", "4", steps=8)
     assert load_run(run_dir).data == f"{corpus}:7,{second}:3"
     out = capsys.readouterr()
-    assert run_cli("gen-config", "--model", "tiny", "--gpus-per-node", "2", "--gpu", "cpu", "--global-batch", "16",
-                   "--micro-batch", "4", "--steps", "8", "--data", f"{corpus}:7,{second}:3", "--out",
-                   tmp_path / "again", "--precision", "fp32", "--zero", "1") == 0
+    assert (
+        run_cli(
+            "gen-config",
+            "--model",
+            "tiny",
+            "--gpus-per-node",
+            "2",
+            "--gpu",
+            "cpu",
+            "--global-batch",
+            "16",
+            "--micro-batch",
+            "4",
+            "--steps",
+            "8",
+            "--data",
+            f"{corpus}:7,{second}:3",
+            "--out",
+            tmp_path / "again",
+            "--precision",
+            "fp32",
+            "--zero",
+            "1",
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert out.splitlines()[0] == f"blend: {corpus} 70.0%, {second} 30.0% (weights normalised to sum to 100%)"
     spec = json.loads((tmp_path / "again" / "dspipe.json").read_text())
@@ -465,18 +568,29 @@ def test_gen_config_writes_the_normalised_blend_and_says_so(corpus, second, tmp_
         load_run(tmp_path / "again")
 
 
-@pytest.mark.parametrize("data, message", [
-    ("{c}:x,{s}:1", "--data source {c}: weight 'x' is not a number"),
-    ("{c}:1,{t}/missing:1", "blend source {t}/missing: {t}/missing is not a prepared data directory (no meta.json); "
-                            "run 'dspipe prepare-data --out {t}/missing'"),
-    ("{c}:1,{t}/noval:1", "blend source {t}/noval: the val split of {t}/noval holds 0 windows of 65 tokens, fewer "
-                          "than one validation batch of dp 2 x micro_batch 4 = 8; pass --eval-interval 0 or prepare "
-                          "the data with a larger --val-fraction (now 0.01)"),
-    ("{c}:1,{t}/big:1", "blend source {t}/big: tokenizer vocab 2048 (uint16 tokens) differs from {c}'s 1024 (uint16); "
-                        "blended datasets must share one tokenizer (prepare it with --tokenizer {c}/tokenizer)"),
-])
-def test_gen_config_refuses_a_bad_blend_in_one_line_and_writes_nothing(corpus, second, tmp_path, capsys, data,
-                                                                      message):
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ("{c}:x,{s}:1", "--data source {c}: weight 'x' is not a number"),
+        (
+            "{c}:1,{t}/missing:1",
+            "blend source {t}/missing: {t}/missing is not a prepared data directory (no meta.json); "
+            "run 'dspipe prepare-data --out {t}/missing'",
+        ),
+        (
+            "{c}:1,{t}/noval:1",
+            "blend source {t}/noval: the val split of {t}/noval holds 0 windows of 65 tokens, fewer "
+            "than one validation batch of dp 2 x micro_batch 4 = 8; pass --eval-interval 0 or prepare "
+            "the data with a larger --val-fraction (now 0.01)",
+        ),
+        (
+            "{c}:1,{t}/big:1",
+            "blend source {t}/big: tokenizer vocab 2048 (uint16 tokens) differs from {c}'s 1024 (uint16); "
+            "blended datasets must share one tokenizer (prepare it with --tokenizer {c}/tokenizer)",
+        ),
+    ],
+)
+def test_gen_config_refuses_a_bad_blend_in_one_line_and_writes_nothing(corpus, second, tmp_path, capsys, data, message):
     def no_val(meta):
         val = meta["splits"].pop("val")
         meta["splits"]["val"] = {"num_documents": 0, "num_tokens": 0, "shards": []}
@@ -486,9 +600,31 @@ def test_gen_config_refuses_a_bad_blend_in_one_line_and_writes_nothing(corpus, s
     copy_of(corpus, tmp_path, "noval", change_meta=no_val)
     copy_of(corpus, tmp_path, "big", change_meta=lambda m: m.update(vocab_size=2048))
     fill = {"c": corpus, "s": second, "t": tmp_path}
-    code = run_cli("gen-config", "--model", "tiny", "--gpus-per-node", "2", "--gpu", "cpu", "--global-batch", "16",
-                   "--micro-batch", "4", "--steps", "8", "--data", data.format(**fill), "--out", tmp_path / "run",
-                   "--precision", "fp32", "--zero", "1", "--seq-len", "64")
+    code = run_cli(
+        "gen-config",
+        "--model",
+        "tiny",
+        "--gpus-per-node",
+        "2",
+        "--gpu",
+        "cpu",
+        "--global-batch",
+        "16",
+        "--micro-batch",
+        "4",
+        "--steps",
+        "8",
+        "--data",
+        data.format(**fill),
+        "--out",
+        tmp_path / "run",
+        "--precision",
+        "fp32",
+        "--zero",
+        "1",
+        "--seq-len",
+        "64",
+    )
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert code == 2 and err == [f"dspipe: error: {message.format(**fill)}"]
     assert not (tmp_path / "run").exists()

@@ -1,5 +1,6 @@
 """The loader over a real prepared corpus: windows, the seeded dp-invariant order, exact resume, validation batches,
 and rejection of damaged or foreign shards."""
+
 import json
 import shutil
 
@@ -7,8 +8,17 @@ import numpy as np
 import pytest
 import torch
 
-from dspipe.data import (BatchOrder, Permutation, TokenWindows, TrainLoader, check_data_for_model, open_split,
-                         padded_vocab, read_meta, val_batches)
+from dspipe.data import (
+    BatchOrder,
+    Permutation,
+    TokenWindows,
+    TrainLoader,
+    check_data_for_model,
+    open_split,
+    padded_vocab,
+    read_meta,
+    val_batches,
+)
 from dspipe.data.shards import HEADER
 from dspipe.errors import SpecError
 
@@ -27,7 +37,7 @@ def test_tokenizer_reloads_through_transformers_and_matches_the_shards(corpus):
     text = "def f(x):\n    return x  # ünïcode ✓\n"
     assert tok.decode(tok.encode(text)) == text
     tokens, offsets = open_split(corpus, "train")[0]
-    first_doc = tokens[int(offsets[0]):int(offsets[1])]
+    first_doc = tokens[int(offsets[0]) : int(offsets[1])]
     assert first_doc[-1] == tok.eos_token_id
     assert tok.encode(tok.decode(first_doc[:-1]), add_special_tokens=False) == first_doc[:-1].tolist()
 
@@ -66,7 +76,7 @@ def test_same_seed_same_batches_on_every_rank_and_ranks_are_disjoint(corpus):
     w = TokenWindows(corpus, seq_len=16)
     for rank in range(4):
         a, b = take(loader(w, dp=4, rank=rank), 5), take(loader(w, dp=4, rank=rank), 5)
-        assert all(torch.equal(x[0], y[0]) for x, y in zip(a, b))
+        assert all(torch.equal(x[0], y[0]) for x, y in zip(a, b, strict=False))
     assert rows_of(take(loader(w, seed=1), 3)) != rows_of(take(loader(w, seed=0), 3))
     idx = [loader(w, dp=4, rank=r) for r in range(4)]
     seen = [set(np.concatenate([ld.next_indices() for _ in range(50)]).tolist()) for ld in idx]
@@ -82,8 +92,9 @@ def test_the_global_order_does_not_depend_on_dp(corpus):
     parallel = [ranks[r].next_indices().tolist() for _ in range(3) for r in range(4)]  # 3 micro-batches x 4 ranks
     assert serial == parallel
     order = BatchOrder(num_samples=len(w), seed=0, dp=2, micro_batch=2, grad_accum=3)
-    assert sum(([*order.indices(step=0, micro=m, dp_rank=r)] for m in range(3) for r in range(2)), []) == \
-        sum(serial[:6], [])
+    assert sum(([*order.indices(step=0, micro=m, dp_rank=r)] for m in range(3) for r in range(2)), []) == sum(
+        serial[:6], []
+    )
 
 
 def test_every_window_once_per_epoch_then_a_new_order(corpus):
@@ -118,7 +129,9 @@ def test_resume_continues_with_exactly_the_next_batch(corpus, tmp_path):
     resumed = loader(w, dp=2, rank=1, mb=3)
     resumed.load_state_dict(torch.load(tmp_path / "client_state.pt")["data"])
     assert state["consumed_samples"] == 7 * 2 * 3 and state["seed"] == 0 and state["epoch"] == 0
-    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(expected, take(resumed, 5)))
+    assert all(
+        torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(expected, take(resumed, 5), strict=False)
+    )
 
 
 def test_resume_with_another_dp_size_keeps_the_global_order(corpus):

@@ -2,6 +2,7 @@
 they are (the tokens a loader yields are the .bin's, splits and EOD as documented), Megatron's blend syntax and
 weighting, prepare-data --format megatron and convert-data read back by megatron-core's reader token for token,
 and every bad file one line with exit code 2 and nothing written."""
+
 import json
 import shutil
 import struct
@@ -68,15 +69,15 @@ def test_the_loader_yields_the_bins_tokens_in_the_documented_windows(mdata):
         loader = TrainLoader(windows=windows, seed=5, micro_batch=2, dp=2, dp_rank=rank)
         for _ in range(3 * 2):  # 3 steps of 2 micro-batches
             x, y = next(loader)
-            for row_x, row_y in zip(x.numpy(), y.numpy()):
+            for row_x, row_y in zip(x.numpy(), y.numpy(), strict=False):
                 row = np.concatenate([row_x, row_y[-1:]])
                 assert np.array_equal(row[1:], row_y)
-                starts = [w for w in range(len(windows)) if np.array_equal(toks[w * SEQ:w * SEQ + SEQ + 1], row)]
+                starts = [w for w in range(len(windows)) if np.array_equal(toks[w * SEQ : w * SEQ + SEQ + 1], row)]
                 assert len(starts) == 1 and starts[0] * SEQ + SEQ < train_end
                 seen.append(starts[0])
     assert len(set(seen)) == len(seen) == 24
     val = TokenWindows(mdata, seq_len=SEQ, split="val")
-    assert np.array_equal(val[0], toks[train_end:train_end + SEQ + 1])
+    assert np.array_equal(val[0], toks[train_end : train_end + SEQ + 1])
 
 
 def test_megatrons_own_reader_and_dspipe_agree_on_documents_and_sequences(tmp_path):
@@ -88,8 +89,9 @@ def test_megatrons_own_reader_and_dspipe_agree_on_documents_and_sequences(tmp_pa
     assert (meta["max_id"], meta["vocab_size"], meta["eos_id"]) == (99999, 100000, None)  # no common last token
     index = megatron.read_index(p)
     assert list(index.doc_token_starts(np.arange(4))) == [0, 5, 7, 11]
-    ours = np.concatenate([t for t, _ in megatron.open_split(str(p), "train", meta) +
-                           megatron.open_split(str(p), "val", meta)])
+    ours = np.concatenate(
+        [t for t, _ in megatron.open_split(str(p), "train", meta) + megatron.open_split(str(p), "val", meta)]
+    )
     ds = mcore.IndexedDataset(str(p))  # held: its arrays are views of its memory map, closed when it goes
     theirs = np.concatenate([ds[i] for i in range(6)])
     assert np.array_equal(ours, theirs) and ours.dtype == np.int32
@@ -108,21 +110,37 @@ def test_a_megatron_blend_gives_the_requested_mixture(tmp_path, mdata):
     assert [s.share for s in weightless.sources] == [Fraction(n, sum(sizes)) for n in sizes]
 
 
-@pytest.mark.parametrize("text,message", [
-    ("0.3 {a} 0.7 {tmp}/missing", "blend source {tmp}/missing: {tmp}/missing is not a prepared data directory"),
-    ("{a} {tmp}/missing", "--data source {tmp}/missing: not a Megatron dataset or prepared directory"),
-    ("0 {a} 0 {a2}", "weight 0 must be positive"),
-    ("-1 {a} 2 {a2}", "weight -1 must be positive"),
-    ("0.3 {a} x {a2}", "'x' stands where a weight goes"),
-])
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("0.3 {a} 0.7 {tmp}/missing", "blend source {tmp}/missing: {tmp}/missing is not a prepared data directory"),
+        ("{a} {tmp}/missing", "--data source {tmp}/missing: not a Megatron dataset or prepared directory"),
+        ("0 {a} 0 {a2}", "weight 0 must be positive"),
+        ("-1 {a} 2 {a2}", "weight -1 must be positive"),
+        ("0.3 {a} x {a2}", "'x' stands where a weight goes"),
+    ],
+)
 def test_bad_megatron_blends_are_one_line(tmp_path, mdata, text, message):
     a2 = tmp_path / "a2"
     for ext in (".bin", ".idx"):
         shutil.copy(f"{mdata}{ext}", f"{a2}{ext}")
     fill = {"a": mdata, "a2": a2, "tmp": tmp_path}
     out = tmp_path / "run"
-    r = dspipe("gen-config", "--model", "tiny", "--gpus-per-node", "2", "--gpu", "cpu", "--global-batch", "8",
-               "--data", text.format(**fill), "--out", out)
+    r = dspipe(
+        "gen-config",
+        "--model",
+        "tiny",
+        "--gpus-per-node",
+        "2",
+        "--gpu",
+        "cpu",
+        "--global-batch",
+        "8",
+        "--data",
+        text.format(**fill),
+        "--out",
+        out,
+    )
     assert r.returncode == 2 and len(error_lines(r)) == 1, r.stderr
     assert message.format(**fill) in r.stderr and not out.exists()
 
@@ -150,24 +168,44 @@ def corrupt(tmp_path: Path, mdata: Path, how: str) -> Path:
     elif how == "small-dtype":  # a uint16 dataset beside a tokenizer of 70,000 tokens
         tok = p.parent / "tokenizer"
         tok.mkdir()
-        (tok / "tokenizer.json").write_text(json.dumps({"model": {"type": "BPE",
-                                                                  "vocab": {f"t{i}": i for i in range(70000)}}}))
+        (tok / "tokenizer.json").write_text(
+            json.dumps({"model": {"type": "BPE", "vocab": {f"t{i}": i for i in range(70000)}}})
+        )
     return p
 
 
-@pytest.mark.parametrize("how,message", [
-    ("truncated-bin", "bad_truncated-bin.bin has 26302 bytes; the index's 400 sequences hold 13154 uint16 tokens = 26308 bytes"),
-    ("version", "is index version 2; dspipe reads version 1"),
-    ("foreign", "is not a Megatron index (its first bytes are b'DSPINDEX\\x00'"),
-    ("float", "stores float32 values, not token ids"),
-    ("truncated-idx", "implies 34 + 12 x 400 + 8 x 401 = 8042: truncated or corrupt"),
-    ("small-dtype", "stores uint16 token ids (at most 65,535) but tokenizer"),
-])
+@pytest.mark.parametrize(
+    "how,message",
+    [
+        (
+            "truncated-bin",
+            "bad_truncated-bin.bin has 26302 bytes; the index's 400 sequences hold 13154 uint16 tokens = 26308 bytes",
+        ),
+        ("version", "is index version 2; dspipe reads version 1"),
+        ("foreign", "is not a Megatron index (its first bytes are b'DSPINDEX\\x00'"),
+        ("float", "stores float32 values, not token ids"),
+        ("truncated-idx", "implies 34 + 12 x 400 + 8 x 401 = 8042: truncated or corrupt"),
+        ("small-dtype", "stores uint16 token ids (at most 65,535) but tokenizer"),
+    ],
+)
 def test_bad_megatron_files_are_one_line_and_nothing_is_written(tmp_path, mdata, how, message):
     p = corrupt(tmp_path, mdata, how)
     out = tmp_path / "run"
-    r = dspipe("gen-config", "--model", "tiny", "--gpus-per-node", "2", "--gpu", "cpu", "--global-batch", "8",
-               "--data", p, "--out", out)
+    r = dspipe(
+        "gen-config",
+        "--model",
+        "tiny",
+        "--gpus-per-node",
+        "2",
+        "--gpu",
+        "cpu",
+        "--global-batch",
+        "8",
+        "--data",
+        p,
+        "--out",
+        out,
+    )
     assert r.returncode == 2 and len(error_lines(r)) == 1, r.stderr
     assert message in r.stderr and not out.exists()
     r = dspipe("convert-data", p, "--out", tmp_path / "conv")
@@ -175,13 +213,49 @@ def test_bad_megatron_files_are_one_line_and_nothing_is_written(tmp_path, mdata,
 
 
 def test_the_model_vocab_must_hold_the_largest_id(tmp_path, mdata, capsys):
-    assert run_cli("gen-config", "--model", "tiny", "--gpus-per-node", "2", "--gpu", "cpu", "--global-batch", "8",
-                   "--data", mdata, "--out", tmp_path / "small", "--vocab", "512") == 2
+    assert (
+        run_cli(
+            "gen-config",
+            "--model",
+            "tiny",
+            "--gpus-per-node",
+            "2",
+            "--gpu",
+            "cpu",
+            "--global-batch",
+            "8",
+            "--data",
+            mdata,
+            "--out",
+            tmp_path / "small",
+            "--vocab",
+            "512",
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "token id 999 in" in err and "does not fit model vocab 512" in err and not (tmp_path / "small").exists()
-    assert run_cli("gen-config", "--model", "tiny", "--gpus-per-node", "2", "--gpu", "cpu", "--global-batch", "8",
-                   "--data", mdata, "--out", tmp_path / "fits", "--pad-vocab", "--micro-batch", "1") == 0, \
-        capsys.readouterr().err
+    assert (
+        run_cli(
+            "gen-config",
+            "--model",
+            "tiny",
+            "--gpus-per-node",
+            "2",
+            "--gpu",
+            "cpu",
+            "--global-batch",
+            "8",
+            "--data",
+            mdata,
+            "--out",
+            tmp_path / "fits",
+            "--pad-vocab",
+            "--micro-batch",
+            "1",
+        )
+        == 0
+    ), capsys.readouterr().err
     assert json.loads((tmp_path / "fits" / "dspipe.json").read_text())["model"]["vocab"] == 1024
 
 
@@ -195,10 +269,14 @@ def test_prepare_data_format_megatron_reads_back_in_megatron_core(tmp_path, corp
     ref, out = tmp_path / "ref", tmp_path / "mg"
     tok = corpus / "tokenizer"
     assert run_cli("prepare-data", text, "--out", ref, "--tokenizer", tok, "--workers", "1") == 0
-    assert run_cli("prepare-data", text, "--out", out, "--tokenizer", tok, "--workers", "1", "--format",
-                   "megatron") == 0
-    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == \
-        ["text_document.bin", "text_document.idx", "tokenizer"]
+    assert (
+        run_cli("prepare-data", text, "--out", out, "--tokenizer", tok, "--workers", "1", "--format", "megatron") == 0
+    )
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == [
+        "text_document.bin",
+        "text_document.idx",
+        "tokenizer",
+    ]
     assert not list(tmp_path.glob(".mg*"))  # the intermediate tokens are gone
     theirs = mcore.IndexedDataset(str(out / "text_document"))
     from dspipe.data.shards import open_split
@@ -207,7 +285,7 @@ def test_prepare_data_format_megatron_reads_back_in_megatron_core(tmp_path, corp
     docs = []
     for split in ("train", "val"):
         for toks, offsets in open_split(ref, split, meta):
-            docs += [toks[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
+            docs += [toks[a:b] for a, b in zip(offsets[:-1], offsets[1:], strict=False)]
     assert len(theirs) == len(docs) == meta["num_documents"] == 30
     assert all(np.array_equal(theirs[i], d) for i, d in enumerate(docs))
     assert list(theirs.document_indices) == list(range(31))
@@ -218,8 +296,8 @@ def test_prepare_data_format_megatron_reads_back_in_megatron_core(tmp_path, corp
     redo = []
     for split in ("train", "val"):
         for toks, offsets in open_split(back, split, again):
-            redo += [toks[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
-    assert len(redo) == 30 and all(np.array_equal(a, b) for a, b in zip(redo, docs))
+            redo += [toks[a:b] for a, b in zip(offsets[:-1], offsets[1:], strict=False)]
+    assert len(redo) == 30 and all(np.array_equal(a, b) for a, b in zip(redo, docs, strict=False))
     assert (back / "tokenizer" / "tokenizer.json").read_bytes() == (tok / "tokenizer.json").read_bytes()
 
 
@@ -258,8 +336,24 @@ def test_a_config_files_data_section_takes_megatrons_blend(tmp_path, mdata):
         shutil.copy(f"{mdata}{ext}", f"{b}{ext}")
     (tmp_path / "c.yaml").write_text(f'data: {{data: "30 {mdata} 70 {b}"}}\n')
     out = tmp_path / "run"
-    r = dspipe("gen-config", "--config", tmp_path / "c.yaml", "--model", "tiny", "--gpus-per-node", "2", "--gpu",
-               "cpu", "--global-batch", "8", "--micro-batch", "1", "--pad-vocab", "--out", out)
+    r = dspipe(
+        "gen-config",
+        "--config",
+        tmp_path / "c.yaml",
+        "--model",
+        "tiny",
+        "--gpus-per-node",
+        "2",
+        "--gpu",
+        "cpu",
+        "--global-batch",
+        "8",
+        "--micro-batch",
+        "1",
+        "--pad-vocab",
+        "--out",
+        out,
+    )
     assert r.returncode == 0, r.stderr
     assert json.loads((out / "dspipe.json").read_text())["data"] == f"{mdata}:30,{b}:70"
     assert f"blend: {mdata} 30.0%, {b} 70.0%" in r.stdout
@@ -283,14 +377,53 @@ def test_gen_config_keeps_a_prefixs_tokenizer_with_the_run(tmp_path, corpus):
     d = tmp_path / "mg"
     assert run_cli("convert-data", corpus, "--out", d) == 0
     run = tmp_path / "run"
-    assert run_cli("gen-config", "--model", "tiny", "--gpus-per-node", "2", "--gpu", "cpu", "--global-batch", "8",
-                   "--data", d / "text_document", "--out", run, "--pad-vocab", "--micro-batch", "1") == 0
+    assert (
+        run_cli(
+            "gen-config",
+            "--model",
+            "tiny",
+            "--gpus-per-node",
+            "2",
+            "--gpu",
+            "cpu",
+            "--global-batch",
+            "8",
+            "--data",
+            d / "text_document",
+            "--out",
+            run,
+            "--pad-vocab",
+            "--micro-batch",
+            "1",
+        )
+        == 0
+    )
     kept = run / "tokenizer" / "tokenizer.json"
     assert kept.read_bytes() == (corpus / "tokenizer" / "tokenizer.json").read_bytes()
     shutil.rmtree(d / "tokenizer")  # the corpus's side may move on; the run keeps its own
     assert checkpoint_tokenizer(run / "checkpoints" / "global_step1") == run / "tokenizer"
-    assert run_cli("gen-config", "--model", "tiny", "--gpus-per-node", "2", "--gpu", "cpu", "--global-batch", "8",
-                   "--data", d / "text_document", "--out", run, "--pad-vocab", "--micro-batch", "1", "--force") == 0
+    assert (
+        run_cli(
+            "gen-config",
+            "--model",
+            "tiny",
+            "--gpus-per-node",
+            "2",
+            "--gpu",
+            "cpu",
+            "--global-batch",
+            "8",
+            "--data",
+            d / "text_document",
+            "--out",
+            run,
+            "--pad-vocab",
+            "--micro-batch",
+            "1",
+            "--force",
+        )
+        == 0
+    )
     assert kept.is_file()  # a prefix without a tokenizer beside it now: the run's stays
 
 
@@ -315,8 +448,20 @@ def test_gen_config_tokenizer_is_checked_and_kept_with_the_run(tmp_path, mdata, 
     names it, RUN/tokenizer is a copy, config.yaml keeps it; a prepared directory, a directory without
     tokenizer.json, ids outside it and a model vocab below it are one line each, nothing written."""
     tok = corpus / "tokenizer"
-    flags = ["--model", "tiny", "--seq-len", str(SEQ), "--gpus-per-node", "2", "--gpu", "cpu", "--global-batch", "8",
-             "--eval-interval", "0"]
+    flags = [
+        "--model",
+        "tiny",
+        "--seq-len",
+        str(SEQ),
+        "--gpus-per-node",
+        "2",
+        "--gpu",
+        "cpu",
+        "--global-batch",
+        "8",
+        "--eval-interval",
+        "0",
+    ]
     out = tmp_path / "run"
     r = dspipe("gen-config", *flags, "--data", mdata, "--tokenizer", tok, "--pad-vocab", "--out", out)
     assert r.returncode == 0, r.stderr
@@ -327,12 +472,13 @@ def test_gen_config_tokenizer_is_checked_and_kept_with_the_run(tmp_path, mdata, 
     small = build(tmp_path / "small_ids", random_docs(50, vocab=200, seed=3, eod=199))
     wide = build(tmp_path / "wide_ids", random_docs(50, vocab=5000, seed=3, eod=4999))
     cases = [
-        (["--data", corpus, "--tokenizer", tok], f"--tokenizer {tok} is for Megatron prefixes; {corpus} is not "
-                                                 f"one"),
+        (["--data", corpus, "--tokenizer", tok], f"--tokenizer {tok} is for Megatron prefixes; {corpus} is not one"),
         (["--data", mdata, "--tokenizer", tmp_path], f"--tokenizer {tmp_path}: no tokenizer.json"),
         (["--data", wide, "--tokenizer", tok, "--vocab", "8192"], "token id 4,999 in"),
-        (["--data", small, "--tokenizer", tok, "--vocab", "512"], f"tokenizer vocab 1,024 in --tokenizer {tok} > "
-                                                                  f"model vocab 512"),
+        (
+            ["--data", small, "--tokenizer", tok, "--vocab", "512"],
+            f"tokenizer vocab 1,024 in --tokenizer {tok} > model vocab 512",
+        ),
     ]
     for extra, message in cases:
         bad = tmp_path / "bad"

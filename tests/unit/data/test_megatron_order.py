@@ -2,6 +2,7 @@
 BlendedMegatronDatasetBuilder) give for a seed, token for token and in their order, through dspipe's loaders (the
 data-parallel slices of Megatron's pretraining sampler), from gen-config's dspipe.json to the runner's loader; one
 line for what the order cannot read or resume."""
+
 import json
 import shutil
 
@@ -22,6 +23,7 @@ SEQ = 16
 
 class Tokenizer:
     """The fields megatron-core's GPTDataset reads of a tokenizer."""
+
     eod, pad, vocab_size, unique_identifiers = 999, 0, 1000, {"class": "Tokenizer"}
 
 
@@ -38,16 +40,25 @@ def sources(tmp_path_factory):
     docs = random_docs(300, vocab=1000, seed=1, eod=999)
     for d in docs[::7]:
         d[:] = [d[0][:3], d[0][3:]]
-    return build(root / "a", docs), build(root / "b", random_docs(1000, vocab=1000, seed=2, eod=999, min_len=1,
-                                                                  max_len=200))
+    return build(root / "a", docs), build(
+        root / "b", random_docs(1000, vocab=1000, seed=2, eod=999, min_len=1, max_len=200)
+    )
 
 
 def megatron_dataset(paths, weights, *, seed, num_samples):
     """megatron-core's training dataset for `paths` (a BlendedDataset when weighted), split 969,31,0 (Megatron's
     train split of 969,30,1 without a test split: its empty test split of a small file never finishes building)."""
-    cfg = gpt.GPTDatasetConfig(random_seed=seed, sequence_length=SEQ, blend=([str(p) for p in paths], weights),
-                               split="969,31,0", tokenizer=Tokenizer(), reset_position_ids=False,
-                               reset_attention_mask=False, eod_mask_loss=False, path_to_cache=None)
+    cfg = gpt.GPTDatasetConfig(
+        random_seed=seed,
+        sequence_length=SEQ,
+        blend=([str(p) for p in paths], weights),
+        split="969,31,0",
+        tokenizer=Tokenizer(),
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        path_to_cache=None,
+    )
     sizes = [num_samples, 4, 0] if weights else [num_samples, None, None]
     return builder.BlendedMegatronDatasetBuilder(gpt.GPTDataset, sizes, lambda: True, cfg).build()[0]
 
@@ -121,7 +132,7 @@ def test_a_weighted_blend_through_the_loader_is_megatrons_blended_dataset(source
 
 
 def test_prefixes_without_weights_are_megatrons_one_pass_blend(sources, tmp_path):
-    """"a b": Megatron builds each for one pass and weighs them by those passes' samples; the run reads its samples
+    """ "a b": Megatron builds each for one pass and weighs them by those passes' samples; the run reads its samples
     in its order; a run longer than one pass of both is refused in one line at gen-config."""
     a, b = sources
     n, seed = 3000, 2
@@ -139,15 +150,40 @@ def test_prefixes_without_weights_are_megatrons_one_pass_blend(sources, tmp_path
     assert [s["weight"] for s in state["sources"]] == blend_weights([len(w) for w in windows])
     from dspipe.runtime.ckpt_meta import read_meta as read_checkpoint
     from tests.unit.data.test_blend import checkpoint_with
+
     assert read_checkpoint(checkpoint_with(tmp_path, state)).data["consumed_samples"] == n
     one_pass = sum(len(w) for w in windows)
     out = tmp_path / "run"
-    r = dspipe("gen-config", "--model", "tiny", "--seq-len", str(SEQ), "--vocab", "1024", "--gpus-per-node", "2",
-               "--gpu", "cpu", "--global-batch", "8", "--steps", str(one_pass // 8 + 1), "--eval-interval", "0",
-               "--data", f"{a} {b}", "--data-order", "megatron", "--out", out)
+    r = dspipe(
+        "gen-config",
+        "--model",
+        "tiny",
+        "--seq-len",
+        str(SEQ),
+        "--vocab",
+        "1024",
+        "--gpus-per-node",
+        "2",
+        "--gpu",
+        "cpu",
+        "--global-batch",
+        "8",
+        "--steps",
+        str(one_pass // 8 + 1),
+        "--eval-interval",
+        "0",
+        "--data",
+        f"{a} {b}",
+        "--data-order",
+        "megatron",
+        "--out",
+        out,
+    )
     assert r.returncode == 2 and len(error_lines(r)) == 1, r.stderr
-    assert f"Megatron reads a list of prefixes without weights once: {len(windows[0])} + {len(windows[1])} = " \
-           f"{one_pass} samples of 17 tokens, the run needs {(one_pass // 8 + 1) * 8}" in r.stderr
+    assert (
+        f"Megatron reads a list of prefixes without weights once: {len(windows[0])} + {len(windows[1])} = "
+        f"{one_pass} samples of 17 tokens, the run needs {(one_pass // 8 + 1) * 8}" in r.stderr
+    )
     assert not out.exists()
 
 
@@ -178,7 +214,7 @@ def test_megatrons_blend_rule_is_build_blending_indices(given):
     dataset_index, sample_index = np.zeros(n, dtype=np.int16), np.zeros(n, dtype=np.int64)
     helpers_cpp.build_blending_indices(dataset_index, sample_index, np.array(weights), len(weights), n, False)
     order = MegatronBlendOrder(weights)
-    src, draw = (np.concatenate(v) for v in zip(order.assign(0, 6_000), order.assign(6_000, 4_000)))
+    src, draw = (np.concatenate(v) for v in zip(order.assign(0, 6_000), order.assign(6_000, 4_000), strict=False))
     assert np.array_equal(src, dataset_index) and np.array_equal(draw, sample_index)
     later = MegatronBlendOrder(weights)
     assert np.array_equal(later.assign(9_000, 1_000)[0], dataset_index[9_000:])  # from a far position
@@ -194,9 +230,35 @@ def test_the_run_reads_megatrons_order_from_dspipe_json(tmp_path, sources):
 
     a, _ = sources
     out = tmp_path / "run"
-    r = dspipe("gen-config", "--model", "tiny", "--seq-len", str(SEQ), "--vocab", "1024", "--gpus-per-node", "2",
-               "--gpu", "cpu", "--global-batch", "8", "--micro-batch", "2", "--steps", "30", "--seed", "21",
-               "--eval-interval", "0", "--data", str(a), "--data-order", "megatron", "--out", out)
+    r = dspipe(
+        "gen-config",
+        "--model",
+        "tiny",
+        "--seq-len",
+        str(SEQ),
+        "--vocab",
+        "1024",
+        "--gpus-per-node",
+        "2",
+        "--gpu",
+        "cpu",
+        "--global-batch",
+        "8",
+        "--micro-batch",
+        "2",
+        "--steps",
+        "30",
+        "--seed",
+        "21",
+        "--eval-interval",
+        "0",
+        "--data",
+        str(a),
+        "--data-order",
+        "megatron",
+        "--out",
+        out,
+    )
     assert r.returncode == 0, r.stderr
     assert json.loads((out / "dspipe.json").read_text())["train"]["data_order"] == "megatron"
     assert "data_order: megatron" in (out / "config.yaml").read_text()
@@ -212,8 +274,11 @@ def test_the_run_reads_megatrons_order_from_dspipe_json(tmp_path, sources):
     restored = make_loader(data, longer, seed=21, micro_batch=2, dp=2, dp_rank=1)  # still 1 epoch: the same order
     restored.load_state_dict(loader.state_dict())
     assert np.array_equal(next(restored)[0], next(loader)[0])
-    with pytest.raises(SpecError, match=r"built for another run length \(595 samples in 1 epoch of .* then, 5359 in "
-                                        r"9 epochs, the last shuffled apart now"):
+    with pytest.raises(
+        SpecError,
+        match=r"built for another run length \(595 samples in 1 epoch of .* then, 5359 in "
+        r"9 epochs, the last shuffled apart now",
+    ):
         other = open_sources(data, model_vocab=1024, seq_len=SEQ, order="megatron", seed=21, num_samples=5000)
         make_loader(data, other, seed=21, micro_batch=2, dp=2, dp_rank=1).load_state_dict(loader.state_dict())
     dspipe_order = open_sources(data, model_vocab=1024, seq_len=SEQ)
@@ -232,19 +297,44 @@ def test_megatrons_cache_directory_beside_the_files_is_still_a_prefix(tmp_path, 
 
 
 def test_train_split_is_megatrons_default():
-    assert [train_sequences(n) for n in (1, 100, 300, 1000, 10**9)] == \
-        [(0, 1), (0, 97), (0, 291), (0, 969), (0, 969_000_000)]
+    assert [train_sequences(n) for n in (1, 100, 300, 1000, 10**9)] == [
+        (0, 1),
+        (0, 97),
+        (0, 291),
+        (0, 969),
+        (0, 969_000_000),
+    ]
 
 
 @pytest.mark.parametrize("case", ["dspipe-dir", "mixed-blend"])
 def test_what_megatrons_order_cannot_read_is_one_line(tmp_path, corpus, sources, case):
     data = str(corpus) if case == "dspipe-dir" else f"0.5 {sources[0]} 0.5 {corpus}"
-    message = (f"--data-order megatron reads Megatron indexed datasets (PREFIX.bin + PREFIX.idx); {corpus} is not "
-               f"one: convert it with 'dspipe convert-data {corpus} --out DIR'")
+    message = (
+        f"--data-order megatron reads Megatron indexed datasets (PREFIX.bin + PREFIX.idx); {corpus} is not "
+        f"one: convert it with 'dspipe convert-data {corpus} --out DIR'"
+    )
     out = tmp_path / "run"
-    r = dspipe("gen-config", "--model", "tiny", "--seq-len", "16", "--gpus-per-node", "2", "--gpu", "cpu",
-               "--global-batch", "8", "--eval-interval", "0", "--data", data, "--data-order", "megatron",
-               "--out", out)
+    r = dspipe(
+        "gen-config",
+        "--model",
+        "tiny",
+        "--seq-len",
+        "16",
+        "--gpus-per-node",
+        "2",
+        "--gpu",
+        "cpu",
+        "--global-batch",
+        "8",
+        "--eval-interval",
+        "0",
+        "--data",
+        data,
+        "--data-order",
+        "megatron",
+        "--out",
+        out,
+    )
     assert r.returncode == 2 and len(error_lines(r)) == 1, r.stderr
     assert message in r.stderr and not out.exists()
 
@@ -255,8 +345,10 @@ def test_a_train_split_shorter_than_one_sample_is_one_line(tmp_path):
     data = str(build(tmp_path / "short", [[[1, 2, 3]]] * 40))
     with pytest.raises(SpecError) as e:
         check_for_run(parse(data), seq_len=128, num_samples=8)
-    assert str(e.value) == (f"the train split of {data} under Megatron's --split 969,30,1 (sequences 0..38, 117 "
-                            f"tokens) is shorter than one sample of 129 tokens")
+    assert str(e.value) == (
+        f"the train split of {data} under Megatron's --split 969,30,1 (sequences 0..38, 117 "
+        f"tokens) is shorter than one sample of 129 tokens"
+    )
 
 
 def test_a_megatron_blend_state_passes_the_checkpoint_validation(tmp_path, sources):
@@ -276,7 +368,7 @@ def test_a_megatron_blend_state_passes_the_checkpoint_validation(tmp_path, sourc
     for n in range(1, 2001):
         loader.next_indices()
         drawn = loader.blend.counts_at(n)
-        miss = max(abs(d - float(s.share) * n) for d, s in zip(drawn, spec.sources))
+        miss = max(abs(d - float(s.share) * n) for d, s in zip(drawn, spec.sources, strict=False))
         if miss > worst:
             worst, at = miss, n
     assert worst > 1  # beyond dspipe's own bound

@@ -2,6 +2,7 @@
 the same command from its last journal, tokenizing only the documents after it, into an output byte for byte an
 uninterrupted run's; a work directory of another fingerprint, or with an unusable journal, gives a clean fresh
 build; a live run's work directory is never taken; and the shard writer's state restores exactly."""
+
 import fcntl
 import json
 import os
@@ -14,15 +15,26 @@ import types
 import numpy as np
 import pytest
 
-from dspipe.data import prepare as prep, workdir
+from dspipe.data import prepare as prep
+from dspipe.data import workdir
 from dspipe.data.shards import ShardWriter
 from dspipe.data.sources import first_bad_utf8, resolve_inputs, stdlib_sources
 from dspipe.errors import SpecError
 from tests.helpers import ROOT, run_cli
 
 VOCAB = 512
-FLAGS = ("--workers", "2", "--train-tokenizer", VOCAB, "--tokenizer-sample-mb", "0.5", "--shard-tokens", "50000",
-         "--val-fraction", "0.05")
+FLAGS = (
+    "--workers",
+    "2",
+    "--train-tokenizer",
+    VOCAB,
+    "--tokenizer-sample-mb",
+    "0.5",
+    "--shard-tokens",
+    "50000",
+    "--val-fraction",
+    "0.05",
+)
 
 
 def files_of(directory):
@@ -74,8 +86,7 @@ def test_killed_run_resumes_where_it_stopped_into_the_same_bytes(corpus, tmp_pat
     capsys.readouterr()
 
     cmd = [sys.executable, "-m", "dspipe", "prepare-data", str(corpus), "--out", str(out), *map(str, FLAGS)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.time() + 120
         while time.time() < deadline:
@@ -152,9 +163,19 @@ def test_ctrl_c_keeps_the_work_and_a_changed_input_starts_over(small, tmp_path, 
 def test_another_fingerprint_or_a_corrupt_journal_gives_a_clean_fresh_build(small, tmp_path):
     src, ref, kw = small
     fp = json.loads((ref / "meta.json").read_text())["fingerprint"]
-    cases = {"corrupt": '{"format": "dspipe-prepare-journal", "num_doc',
-             "another fingerprint": json.dumps({"format": workdir.JOURNAL_FORMAT, "fingerprint": "0" * 64,
-                                                "num_documents": 3, "num_bytes": 10, "tokenizer": {}, "writers": {}})}
+    cases = {
+        "corrupt": '{"format": "dspipe-prepare-journal", "num_doc',
+        "another fingerprint": json.dumps(
+            {
+                "format": workdir.JOURNAL_FORMAT,
+                "fingerprint": "0" * 64,
+                "num_documents": 3,
+                "num_bytes": 10,
+                "tokenizer": {},
+                "writers": {},
+            }
+        ),
+    }
     for case, text in cases.items():
         out, logged = tmp_path / case.replace(" ", "-"), []
         mine = tmp_path / f".{out.name}.{workdir.WORK_TAG}{fp[:16]}"
@@ -186,12 +207,16 @@ def test_a_live_run_holds_its_work_directory(small, tmp_path):
         locks.append(os.open(d / workdir.LOCK_FILE, os.O_RDWR))
         fcntl.flock(locks[-1], fcntl.LOCK_EX | fcntl.LOCK_NB)
     try:
-        with pytest.raises(SpecError, match=r"another prepare-data run \(pid 4242\) is preparing .*out from the same "
-                                            r"inputs and options .*; wait for it to end$"):
+        with pytest.raises(
+            SpecError,
+            match=r"another prepare-data run \(pid 4242\) is preparing .*out from the same "
+            r"inputs and options .*; wait for it to end$",
+        ):
             prep.prepare(inputs=resolve_inputs([str(src)]), out=out, **kw)
         assert not out.exists()
-        assert (mine / "train-00000.bin").read_bytes() == (other / "train-00000.bin").read_bytes() == \
-            b"work in progress"
+        assert (
+            (mine / "train-00000.bin").read_bytes() == (other / "train-00000.bin").read_bytes() == b"work in progress"
+        )
     finally:
         for fd in locks:
             os.close(fd)
@@ -209,8 +234,9 @@ def test_without_flock_the_pid_in_the_lock_file_tells_a_live_run(small, tmp_path
     def no_flock(fd, op):  # a file system mounted without flock (Lustre's default)
         raise OSError(errno.ENOSYS, "Function not implemented")
 
-    monkeypatch.setattr(workdir, "fcntl", types.SimpleNamespace(flock=no_flock, LOCK_EX=fcntl.LOCK_EX,
-                                                             LOCK_NB=fcntl.LOCK_NB))  # for prepare-data only
+    monkeypatch.setattr(
+        workdir, "fcntl", types.SimpleNamespace(flock=no_flock, LOCK_EX=fcntl.LOCK_EX, LOCK_NB=fcntl.LOCK_NB)
+    )  # for prepare-data only
     mine.mkdir()
     sleeper = subprocess.Popen(["sleep", "60"])
     try:

@@ -1,6 +1,7 @@
 """prepare-data on inputs that broke trust (issue 41): a 40 MB single-line document (the BPE trains and the workers
 encode it in bounded pieces, to exactly the ids of the whole), size limits too small to hold anything, and files
 that exist but fail to read (an I/O error: a link to /proc/self/mem reads with EIO, even as root)."""
+
 import functools
 import json
 import os
@@ -56,8 +57,26 @@ def tricky_line(chars: int, *, seed: int = 0) -> str:
     non-ASCII words, CJK without spaces, words longer than the pre-tokenizer's 256-character cut, EOS's text."""
     rng = random.Random(seed)
     words = stdlib_words()
-    extra = ["it's", "don't", "ünïcödé", "日本語のテキストは空白なしで続く", "🚀✓", "12345", "3.14159", "x" * 300,
-             "<|endoftext|>", "a\tb", "  ", "   ", "\u00a0", "é", "e\u0301", "--", "...", "'quoted'"]
+    extra = [
+        "it's",
+        "don't",
+        "ünïcödé",
+        "日本語のテキストは空白なしで続く",
+        "🚀✓",
+        "12345",
+        "3.14159",
+        "x" * 300,
+        "<|endoftext|>",
+        "a\tb",
+        "  ",
+        "   ",
+        "\u00a0",
+        "é",
+        "e\u0301",
+        "--",
+        "...",
+        "'quoted'",
+    ]
     out, n = [], 0
     while n < chars:
         word = rng.choice(extra) if rng.random() < 0.05 else rng.choice(words)
@@ -81,6 +100,7 @@ def one_line_error(code, err, message):
 
 # ---- A: pieces of a long document ----
 
+
 def test_pieces_cover_the_text_within_the_size():
     from dspipe.data.tokenizer import pieces
 
@@ -91,7 +111,9 @@ def test_pieces_cover_the_text_within_the_size():
             assert "".join(parts) == text and len(parts) > len(text) // (2 * size)
             if not exact:
                 assert max(map(len, parts)) <= size
-        for left, right in zip(parts, parts[1:]):  # exact: before a space between two non-whitespace characters
+        for left, right in zip(
+            parts, parts[1:], strict=False
+        ):  # exact: before a space between two non-whitespace characters
             assert not left[-1].isspace() and right[0] == " " and not right[1].isspace(), (left[-5:], right[:5])
     # no space between two non-whitespace characters: exact keeps it whole, training cuts it at the size
     solid = "日本語" * 1000
@@ -116,8 +138,12 @@ def byte_level_bpe(tmp_path, *, normalizer=None, prefix_space=False):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=prefix_space)
     if normalizer:
         tok.normalizer = normalizers.NFKC()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<|endoftext|>"],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(stdlib_texts(total=100_000), trainer=trainer)
     return tokenizer_json(tmp_path, tok)
 
@@ -180,8 +206,10 @@ def test_bpe_trained_on_pieces_compresses_like_one_trained_on_whole_documents():
     in_pieces = tokens_per_byte(train_bpe(iter(cut), vocab_size=1024), held)
     sampled = tokens_per_byte(train_bpe(_sample(iter(docs), sample_bytes=64 << 20), vocab_size=1024), held)
     change = abs(in_pieces / whole - 1)
-    print(f"tokens/byte: whole documents {whole:.5f}, 2,000-character pieces {in_pieces:.5f} ({change:.3%}), "
-          f"prepare-data's sample {sampled:.5f}")
+    print(
+        f"tokens/byte: whole documents {whole:.5f}, 2,000-character pieces {in_pieces:.5f} ({change:.3%}), "
+        f"prepare-data's sample {sampled:.5f}"
+    )
     assert change < 0.02 and abs(sampled / whole - 1) < 0.02
     assert 0.1 < whole < 0.6  # a real compression: the comparison means something
 
@@ -194,13 +222,27 @@ def test_a_40_mb_line_prepares_in_pieces_within_2_gib(tmp_path):
     text = word_line(40_000_000, seed=5)
     big.write_text(text, encoding="utf-8")
     out = tmp_path / "out"
-    probe = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); "
-             "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, r.returncode)")
+    probe = (
+        "import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); "
+        "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, r.returncode)"
+    )
     t0 = time.perf_counter()
-    command = [sys.executable, "-m", "dspipe", "prepare-data", big, "--out", out, "--train-tokenizer", VOCAB,
-               "--workers", 2]
-    r = subprocess.run([sys.executable, "-c", probe, *map(str, command)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    command = [
+        sys.executable,
+        "-m",
+        "dspipe",
+        "prepare-data",
+        big,
+        "--out",
+        out,
+        "--train-tokenizer",
+        VOCAB,
+        "--workers",
+        2,
+    ]
+    r = subprocess.run(
+        [sys.executable, "-c", probe, *map(str, command)], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
     seconds = time.perf_counter() - t0
     peak_kib, code = map(int, r.stdout.split()[-2:])
     print(f"40 MB line: {seconds:.1f} s, peak RSS {peak_kib / 2**20:.2f} GiB (one process)")
@@ -219,6 +261,7 @@ def test_a_40_mb_line_prepares_in_pieces_within_2_gib(tmp_path):
 
 # ---- B: limits that cannot hold anything ----
 
+
 def small_input(tmp_path):
     src = tmp_path / "in"
     src.mkdir()
@@ -230,10 +273,14 @@ def small_input(tmp_path):
 @pytest.mark.parametrize("flag", ["--max-mb", "--tokenizer-sample-mb"])
 def test_a_limit_below_one_byte_is_refused(flag, tmp_path, capsys):
     src = small_input(tmp_path)
-    code = run_cli("prepare-data", src, "--out", tmp_path / "out", "--train-tokenizer", VOCAB, "--workers", 1,
-                   flag, "1e-9")
-    one_line_error(code, capsys.readouterr().err,
-                   f"{flag} 1e-09 is 0 bytes: less than one byte; the smallest {flag} is 1e-06 (1 byte)")
+    code = run_cli(
+        "prepare-data", src, "--out", tmp_path / "out", "--train-tokenizer", VOCAB, "--workers", 1, flag, "1e-9"
+    )
+    one_line_error(
+        code,
+        capsys.readouterr().err,
+        f"{flag} 1e-09 is 0 bytes: less than one byte; the smallest {flag} is 1e-06 (1 byte)",
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in"]
     assert mib_to_bytes(1e-06, flag=flag) == 1
 
@@ -242,12 +289,16 @@ def test_max_mb_below_the_first_document_is_refused_with_the_smallest_that_holds
     src = small_input(tmp_path)
     args = ["prepare-data", src, "--out", tmp_path / "out", "--train-tokenizer", VOCAB, "--workers", 1]
     (src / "0.txt").write_text(" \n\n")  # empty: skipped, a.txt holds the first document
-    one_line_error(run_cli(*args, "--max-mb", "0.001"), capsys.readouterr().err,
-                   f"--max-mb 0.001 (1,048 bytes) cannot hold the first document ({src / 'a.txt'}: 2,700 bytes; "
-                   f"documents are never cut); the smallest --max-mb that holds it is 0.002575")
+    one_line_error(
+        run_cli(*args, "--max-mb", "0.001"),
+        capsys.readouterr().err,
+        f"--max-mb 0.001 (1,048 bytes) cannot hold the first document ({src / 'a.txt'}: 2,700 bytes; "
+        f"documents are never cut); the smallest --max-mb that holds it is 0.002575",
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in"]
-    one_line_error(run_cli(*args, "--max-mb", "0.002574"), capsys.readouterr().err,
-                   "--max-mb 0.002574 (2,699 bytes) cannot hold")
+    one_line_error(
+        run_cli(*args, "--max-mb", "0.002574"), capsys.readouterr().err, "--max-mb 0.002574 (2,699 bytes) cannot hold"
+    )
     assert run_cli(*args, "--max-mb", "0.002575") == 0
     meta = read_meta(tmp_path / "out")
     assert meta["num_documents"] == 1 and meta["num_bytes"] == 2700  # the limit reached: b.txt left out
@@ -256,10 +307,13 @@ def test_max_mb_below_the_first_document_is_refused_with_the_smallest_that_holds
 def test_a_sample_below_the_first_piece_is_refused_and_a_long_first_document_is_sampled(tmp_path, capsys):
     src = small_input(tmp_path)
     args = ["prepare-data", src, "--out", tmp_path / "out", "--train-tokenizer", VOCAB, "--workers", 1]
-    one_line_error(run_cli(*args, "--tokenizer-sample-mb", "0.001"), capsys.readouterr().err,
-                   "--tokenizer-sample-mb 0.001 (1,048 bytes) cannot hold the first piece of the BPE's training text "
-                   "(2,700 bytes: the first document, or its first 65,536 characters at most); the smallest "
-                   "--tokenizer-sample-mb that holds it is 0.002575")
+    one_line_error(
+        run_cli(*args, "--tokenizer-sample-mb", "0.001"),
+        capsys.readouterr().err,
+        "--tokenizer-sample-mb 0.001 (1,048 bytes) cannot hold the first piece of the BPE's training text "
+        "(2,700 bytes: the first document, or its first 65,536 characters at most); the smallest "
+        "--tokenizer-sample-mb that holds it is 0.002575",
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in"]
     # a first document longer than the sample: the sample is its start, not refused, not the whole document
     (src / "a.txt").write_text(tricky_line(1_000_000, seed=6))
@@ -282,14 +336,14 @@ def test_sample_stops_after_the_piece_that_reaches_the_limit():
 
 
 def test_a_limit_is_shown_as_the_shortest_mib_of_exactly_its_bytes():
-    assert [mib_text(n) for n in (1, 1048, 2700, 2800, 65_536)] == ["1e-06", "0.001", "0.002575", "0.0026703",
-                                                                    "0.0625"]
+    assert [mib_text(n) for n in (1, 1048, 2700, 2800, 65_536)] == ["1e-06", "0.001", "0.002575", "0.0026703", "0.0625"]
     for n in (1, 2, 25, 999, 2800, 65_536, 1_000_003, 7 * 2**30 + 5, 2**44):
         text = mib_text(n)
         assert mib_to_bytes(float(text), flag="--max-mb") == n, (n, text)
 
 
 # ---- C: files that exist but fail to read ----
+
 
 def eio_link(path):
     os.symlink(EIO_TARGET, path)
@@ -332,18 +386,24 @@ def test_an_unreadable_input_is_one_line_naming_it(workers, tmp_path, docs, caps
     for d, bad in eio_inputs(tmp_path, docs):
         for given in (d, bad):  # in a directory, and named directly
             before = sorted(p.name for p in tmp_path.iterdir())
-            code = run_cli("prepare-data", given, "--out", tmp_path / "out", "--train-tokenizer", VOCAB,
-                           "--workers", workers)
-            one_line_error(code, capsys.readouterr().err,
-                           f"{bad}: cannot read it (Input/output error) (--skip-bad skips such files)")
+            code = run_cli(
+                "prepare-data", given, "--out", tmp_path / "out", "--train-tokenizer", VOCAB, "--workers", workers
+            )
+            one_line_error(
+                code,
+                capsys.readouterr().err,
+                f"{bad}: cannot read it (Input/output error) (--skip-bad skips such files)",
+            )
             assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
 def test_skip_bad_skips_unreadable_files_with_a_count(tmp_path, docs, capsys):
     (d, bad), *_ = eio_inputs(tmp_path, docs)
     (d / "d.txt").write_bytes(b"not \xff UTF-8")
-    assert run_cli("prepare-data", d, "--out", tmp_path / "out", "--train-tokenizer", VOCAB, "--skip-bad",
-                   "--workers", 2) == 0
+    assert (
+        run_cli("prepare-data", d, "--out", tmp_path / "out", "--train-tokenizer", VOCAB, "--skip-bad", "--workers", 2)
+        == 0
+    )
     assert "skipped 0 empty, 1 non-UTF-8 and 1 unreadable" in capsys.readouterr().out
     meta = read_meta(tmp_path / "out")
     assert meta["num_documents"] == 5 and meta["skipped"] == {"empty": 0, "bad_utf8": 1, "unreadable": 1}

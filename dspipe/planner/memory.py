@@ -400,18 +400,9 @@ def _sparse_blocks_bytes(
     if not sparse:
         return 0, 0
     tokens = share(model.seq_len, sp) * micro_batch
-    dense = activation_bytes_per_layer(
-        model=model,
-        micro_batch=micro_batch,
-        checkpointing=checkpointing,
-        act_bytes=act_bytes,
-        tp=tp,
-        sp=sp,
-        kernels=kernels,
-        windowed=False,
-    )
-    saved = sparse * (
-        activation_bytes_per_layer(
+
+    def block(*, is_sparse: bool) -> int:
+        return activation_bytes_per_layer(
             model=model,
             micro_batch=micro_batch,
             checkpointing=checkpointing,
@@ -420,10 +411,10 @@ def _sparse_blocks_bytes(
             sp=sp,
             kernels=kernels,
             windowed=False,
-            sparse=True,
+            sparse=is_sparse,
         )
-        - dense
-    )
+
+    saved = sparse * (block(is_sparse=True) - block(is_sparse=False))
     return saved, moe_working_bytes(model=model, tokens=tokens, act_bytes=act_bytes)
 
 

@@ -12,7 +12,7 @@ from typing import Any
 from dspipe.errors import SpecError
 from dspipe.jsonio import show
 
-ESTIMATE_NUMBERS = ("tokens_per_s", "mfu", "step_time_s")
+ESTIMATE_NUMBERS = ("tokens_per_s", "mfu", "step_time_s", "rank_resident_bytes")
 """Figures of dspipe.json's estimate that `dspipe report` reads (with memory_per_gpu_bytes.total)."""
 AUTO_INTERVAL = "save_interval_auto"
 """dspipe.json's estimate key, true when train.save_interval came from --save-interval auto: the runner then
@@ -80,6 +80,34 @@ class RunEstimate:
         value = self.figures.get("startup")
         return value if isinstance(value, dict) else None
 
+    @property
+    def first_step(self) -> dict[str, float] | None:
+        """The predicted time to the end of the first step by term (dspipe.planner.first_step's to_dict: its
+        numbers only), None where not written."""
+        value = self.figures.get("first_step")
+        if not isinstance(value, dict):
+            return None
+        return {k: float(v) for k, v in value.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+    @property
+    def jit_ops(self) -> tuple[str, ...]:
+        """The ops the plan expected the launch to compile."""
+        value = (self.figures.get("first_step") or {}).get("jit_ops")
+        return tuple(v for v in value if isinstance(v, str)) if isinstance(value, list) else ()
+
+    @property
+    def rank_resident_bytes(self) -> float | None:
+        """A CPU rank's predicted peak RSS (GpuType.resident_bytes), None elsewhere or where not written."""
+        return _figure(self.figures.get("rank_resident_bytes"))
+
+    @property
+    def breakdown(self) -> dict[str, float]:
+        """step_time_breakdown_s: the step's predicted seconds by term ({} where not written)."""
+        value = self.figures.get("step_time_breakdown_s")
+        if not isinstance(value, dict):
+            return {}
+        return {k: float(v) for k, v in value.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
     def layout(self) -> dict[str, Any]:
         """The ESTIMATE_LAYOUT figures it holds (they repeat the plan's)."""
         return {key: self.figures[key] for key in ESTIMATE_LAYOUT if key in self.figures}
@@ -109,6 +137,15 @@ class RunEstimate:
         ]:
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
                 raise SpecError(f"{source}: estimate.{name} must be a number >= 0 or null, got {show(value)}")
+        for section in ("first_step", "step_time_breakdown_s"):
+            block = estimate.get(section)
+            if block is None:
+                continue
+            if not isinstance(block, dict):
+                raise SpecError(f"{source}: estimate.{section} must be an object, got {type(block).__name__}")
+            for key, value in block.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and not value >= 0:
+                    raise SpecError(f"{source}: estimate.{section}.{key} must be a number >= 0, got {show(value)}")
         if AUTO_INTERVAL in estimate and estimate[AUTO_INTERVAL] is not True:
             raise SpecError(
                 f"{source}: estimate.{AUTO_INTERVAL} must be true when present, got {show(estimate[AUTO_INTERVAL])}"

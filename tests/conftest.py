@@ -3,9 +3,14 @@
 `solo` need the machine to themselves (4 or more ranks, or a figure measured in time): scripts/test.sh runs them one at
 a time after the other distributed tests, which it runs two at once."""
 
+import os
 from pathlib import Path
 
 import pytest
+
+# plan and gen-config use the catalog's figures in tests (the same on every machine), not a measurement of this one
+# (dspipe.tools.machine); the tests of the measurement ask for it, with their own cache directory
+os.environ.setdefault("DSPIPE_MEASURE", "never")
 
 DISTRIBUTED_DIR = Path(__file__).resolve().parent / "distributed"
 

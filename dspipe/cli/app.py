@@ -21,6 +21,7 @@ from dspipe.cli.options import (
     INT,
     choose,
     data_options,
+    measure_option,
     monitor_options,
     parse_tokens,
     spec_options,
@@ -59,6 +60,7 @@ def _deepspeed_command(*, cluster: ClusterSpec, out: Path, hostfile: str | None)
 
 
 @cli.command("gen-config")
+@measure_option
 @spec_options
 @tokens_option(
     "training length as a token budget (300B, 1.5T, 2e9) instead of --steps: "
@@ -219,6 +221,7 @@ def _auto_save_interval(best, *, cluster):
 
 
 @cli.command("plan")
+@measure_option
 @spec_options
 @tokens_option(
     "training budget in tokens (300B, 1.5T) for days and GPU-hours, and steps = ceil(tokens / "
@@ -287,7 +290,8 @@ def time_figure_sources(cluster: ClusterSpec, o: dict, precision: str) -> list[t
     return figure_sources(
         catalog=GPU_CATALOG[cluster.gpu],
         profile=cluster.profile,
-        profile_name=o.get("profile"),
+        profile_name=o.get("profile")
+        or ("this machine's measurement" if cluster.profile and cluster.profile.measured_by == "gen-config" else None),
         overrides={k: getattr(cluster, k) for k in ("intra_node_gbps", "inter_node_gbps")},
         precision=precision,
     )

@@ -50,28 +50,24 @@ def _is_profile(path: Path) -> bool:
     show_default=True,
     help="measure DeepSpeedCPUAdam (builds the op if needed)",
 )
+@click.option(
+    "--from-run",
+    metavar="RUN_DIR",
+    default=None,
+    help="measure nothing: fold this run's measured step, start-up and memory into the profile it was planned with",
+)
 @click.option("--out", metavar="FILE", default=None, help="write the profile here [print it]")
 def calibrate(**o) -> None:
     """Measure compute (the model's forward + backward and its GEMMs), all-reduce bandwidth and latency, host copy,
-    CPU-Adam and optimizer-step rates on this machine, and write a profile for --profile."""
+    CPU-Adam and optimizer-step rates on this machine and write a profile for --profile (or, with --from-run, fold a
+    run's measurements into its profile)."""
     from dspipe.spec.profile import profile_text
     from dspipe.tools.calibrate import calibrate as measure
 
-    for name, low in (("micro_batch", 1), ("repeats", 1), ("allreduce_mib", 1)):
-        if o[name] < low:
-            raise SpecError(f"--{name.replace('_', '-')} must be at least {low}, got {o[name]}")
-    if not 0 <= o["min_seconds"] <= 3600:
-        raise SpecError(f"--min-seconds must be in [0, 3600], got {o['min_seconds']:g}")
-    for name in ("ranks", "threads"):
-        if o[name] is not None and o[name] < 1:
-            raise SpecError(f"--{name} must be a positive integer, got {o[name]}")
-    out = None
-    if o["out"] is not None:  # refused before minutes of measuring, not after
-        from dspipe.outputs import target
-
-        out = target(o["out"], flag="--out", expect="file")
-        if out.exists() and not _is_profile(out):  # an earlier profile is rewritten, nothing else
-            raise SpecError(f"--out {out} exists and is not a dspipe profile; choose another --out")
+    out = _checked_out(o)
+    if o["from_run"] is not None:
+        _from_run(o["from_run"], out=out, given=_measuring_flags(o))
+        return
     if o["init_from"]:
         from dspipe.cli.init_from import init_from_spec
 
@@ -122,4 +118,79 @@ def calibrate(**o) -> None:
     click.echo(f"{copy}, host memcpy {profile.host_memcpy_gbps:.3g} GB/s")
     adam = "n/a" if profile.cpu_adam_params_per_s is None else f"{profile.cpu_adam_params_per_s:.3g} params/s per node"
     click.echo(f"CPU-Adam {adam}, optimizer step {profile.optimizer_params_per_s:.3g} params/s per rank")
+    click.echo(f"wrote {out} (use: dspipe plan|gen-config ... --profile {out})")
+
+
+def _checked_out(o: dict) -> Path | None:
+    """The options checked, and --out: refused before minutes of measuring, not after (an earlier profile is
+    rewritten, nothing else)."""
+    for name, low in (("micro_batch", 1), ("repeats", 1), ("allreduce_mib", 1)):
+        if o[name] < low:
+            raise SpecError(f"--{name.replace('_', '-')} must be at least {low}, got {o[name]}")
+    if not 0 <= o["min_seconds"] <= 3600:
+        raise SpecError(f"--min-seconds must be in [0, 3600], got {o['min_seconds']:g}")
+    for name in ("ranks", "threads"):
+        if o[name] is not None and o[name] < 1:
+            raise SpecError(f"--{name} must be a positive integer, got {o[name]}")
+    if o["out"] is None:
+        return None
+    from dspipe.outputs import target
+
+    out = target(o["out"], flag="--out", expect="file")
+    if out.exists() and not _is_profile(out):
+        raise SpecError(f"--out {out} exists and is not a dspipe profile; choose another --out")
+    return out
+
+
+def _measuring_flags(o: dict) -> list[str]:
+    """The flags of a measurement given beside --from-run (which measures nothing)."""
+    ctx = click.get_current_context()
+    return [
+        f"--{name.replace('_', '-')}"
+        for name in o
+        if name not in ("from_run", "out") and ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE
+    ]
+
+
+def _from_run(run_dir: str, *, out: Path | None, given: list[str]) -> None:
+    """--from-run: the run folded into its profile (dspipe.tools.fold), the error left after the correction, the
+    profile written to --out or printed."""
+    from dspipe.rundir import load_engine, load_run
+    from dspipe.spec.profile import profile_text
+    from dspipe.tools.fold import fold, remaining
+    from dspipe.tools.report import read_metrics
+
+    if given:
+        raise SpecError(f"--from-run measures nothing: drop {' '.join(given)}")
+    run = load_run(run_dir)
+    engine = load_engine(run)
+    steps, _ = read_metrics(run)
+    folded = fold(run, engine=engine, steps=steps)
+    say = get_logger(__name__).info
+    say(
+        f"folded {run.path} into its profile ({folded.profile.basis}): this run's measured / planned "
+        + ", ".join(f"{k} {v:.3g}" for k, v in folded.ratios.items())
+    )
+    for note in folded.notes:
+        say(f"  {note}")
+    say(
+        "  corrections now: "
+        + (", ".join(f"{k} x{v:.3g}" for k, v in folded.profile.corrections) or "none")
+        + "; after them, this run's plan vs. measured: "
+        + ", ".join(
+            f"{t.name} {t.predicted:.4g} vs {t.measured:.4g} ({t.ratio:.2f})"
+            for t in remaining(run, folded.profile, engine=engine, steps=steps)
+            if t.ratio is not None
+            and t.name.split(" (")[0] in ("step time", "time to first step", "peak RSS per rank", "peak memory per GPU")
+        )
+    )
+    text = profile_text(folded.profile)
+    if out is None:
+        click.echo(text, nl=False)
+        return
+    from dspipe.atomic import write_file
+    from dspipe.outputs import writing
+
+    with writing(out):
+        write_file(out, text)
     click.echo(f"wrote {out} (use: dspipe plan|gen-config ... --profile {out})")

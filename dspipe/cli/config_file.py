@@ -52,6 +52,7 @@ COMMAND_LINE_ONLY = {
     "print_config": "what to do with the file",
     "out": "where this invocation writes: the run directory's config.yaml is reused for other directories",
     "force": "whether this invocation may rewrite an existing run directory",
+    "measure": "whether this invocation measures the machine it runs on (what it measured is the run's profile)",
 }
 """Options a file cannot set, and why: they say what this invocation does, not what the run is."""
 

@@ -27,6 +27,7 @@ from dspipe.planner.search import SearchResult
 from dspipe.spec.cluster import ClusterSpec
 from dspipe.spec.core import LIMITS, SPEC_SETTINGS, StrategyRequest
 from dspipe.spec.hardware import names_text
+from dspipe.spec.kinds import Offload
 from dspipe.spec.layout import ParallelLayout
 from dspipe.spec.model import ModelSpec
 from dspipe.spec.options import BY_COMMAND, MONITOR, SETTINGS, TABLE
@@ -34,6 +35,7 @@ from dspipe.spec.presets import MODEL_PRESETS, model_preset
 from dspipe.spec.settings import AUTO, Setting
 from dspipe.spec.train import TrainSpec
 from dspipe.spec.values import TOKEN_SCALE, token_count
+from dspipe.tools.machine import MEASURE_CHOICES
 
 DEFAULT_DATA = "data/stdlib"
 """Prepared token directory of gen-config --data and prepare-data --out."""
@@ -525,6 +527,58 @@ class Chosen(NamedTuple):
     preset: AppliedPreset | None
 
 
+def measure_option(f):
+    """plan's and gen-config's --measure: whether this machine is measured for a plan of it (dspipe.tools.machine)."""
+    return click.option(
+        "--measure",
+        type=click.Choice(MEASURE_CHOICES),
+        default=None,
+        help="measure this machine at the model's shapes (seconds, cached) when the plan is for it and no --profile "
+        "is given: auto; always (or fail); never (the catalog's figures) [auto; $DSPIPE_MEASURE]",
+    )(f)
+
+
+def _measured(o: dict, *, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, request) -> ClusterSpec:
+    """The cluster with this machine's quick measurement as its profile, where --measure (or $DSPIPE_MEASURE; auto)
+    asks for it and no --profile is given."""
+    mode = o.get("measure") or os.environ.get("DSPIPE_MEASURE") or "auto"
+    if mode not in MEASURE_CHOICES:
+        raise SpecError(f"$DSPIPE_MEASURE must be one of {', '.join(MEASURE_CHOICES)}, got {mode!r}")
+    if cluster.profile is not None or mode == "never":
+        return cluster
+    from dspipe.tools.machine import here, machine_profile
+
+    if not here(cluster.gpu):
+        if mode == "always":
+            raise SpecError(
+                f"--measure always: this machine has no {cluster.gpu} GPU to measure; plan on one, or give --profile"
+            )
+        return cluster
+    profile = machine_profile(
+        gpu=cluster.gpu,
+        model=model,
+        precision=train.precision,
+        micro_batch=request.micro_batch,
+        ranks=cluster.gpus_per_node,
+        say=lambda line: click.echo(line, err=True),
+    )
+    return replace(cluster, profile=profile)
+
+
+def _with_ops(result, *, cluster: ClusterSpec):
+    """The search's result with its best plan's JIT term for the ops this machine's extension cache lacks."""
+    from dspipe.cluster.opcache import missing_ops, ops_needed
+
+    best = result.best
+    if best is None or best.est.first_step is None:
+        return result
+    offload = best.plan.offload != Offload.NONE
+    needed = ops_needed(backend=cluster.gpu_type.backend, offload=offload, ranks=cluster.world_size)
+    est = best.est.with_ops(missing_ops(needed), gpu=cluster.gpu_type)
+    best = replace(best, est=est)
+    return replace(result, best=best, ranked=[best if c is result.best else c for c in result.ranked])
+
+
 def choose(o: dict, *, check_model=None) -> Chosen:
     """Search the strategies the options leave open; one-line error when none is valid or none fits."""
     from dspipe.data.blend import blend_option, check_blend_for_run
@@ -534,6 +588,7 @@ def choose(o: dict, *, check_model=None) -> Chosen:
     cluster = cluster_from_options(o)  # --nodes/--gpus-per-node, or from --hostfile
     o, preset = with_preset(o, cluster=cluster)
     model, cluster, train, request = request_from_options(o, cluster=cluster)
+    cluster = _measured(o, model=model, cluster=cluster, train=train, request=request)
     if blend is not None:  # every source, instead of check_model's one directory
         check_blend_for_run(blend, model_vocab=model.vocab, seq_len=model.seq_len)
     elif check_model:
@@ -564,6 +619,7 @@ def choose(o: dict, *, check_model=None) -> Chosen:
                 import_bytes=import_bytes,
             )
         )
+    result = _with_ops(result, cluster=cluster)
     if blend is not None:
         best = result.best
         if best.train.eval_interval:

@@ -5,15 +5,17 @@ planner/startup.py's build before the first step."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dspipe.planner.checkpoint_size import CheckpointSize, checkpoint_size
+from dspipe.planner.first_step import FirstStep, first_step
 from dspipe.planner.memory import MEMORY_HEADROOM, Memory, host_offload_per_rank, stage_memory
 from dspipe.planner.plan import Plan
 from dspipe.planner.stages import largest_tensor, stage_elements, stage_largest_tensors, stage_params, zero_group_size
 from dspipe.planner.startup import StartupEstimate, build_mode, startup_estimate
 from dspipe.planner.timing import step_time
 from dspipe.spec.cluster import ClusterSpec
+from dspipe.spec.hardware import GpuType
 from dspipe.spec.model import ModelSpec
 
 
@@ -56,6 +58,18 @@ class Estimate:
     the device transient of the build, the time to the first step (dspipe.planner.startup)."""
     checkpoint: CheckpointSize | None = None
     """One checkpoint on disk: every rank's files, and the most one rank writes (dspipe.planner.checkpoint_size)."""
+    first_step: FirstStep | None = None
+    """The time to the end of the first step, whole (dspipe.planner.first_step; ops assumed cached until the caller
+    looks at this machine's cache: with_ops)."""
+    resident_bytes: int | None = None
+    """Where the host is the device (CPU ranks): a rank's predicted peak RSS (GpuType.resident_bytes); else None."""
+
+    def with_ops(self, missing: tuple[str, ...] | None, *, gpu: GpuType) -> Estimate:
+        """This estimate with the first step's JIT term for the ops this machine's cache lacks."""
+        if self.first_step is None:
+            return self
+        fs = self.first_step
+        return replace(self, first_step=first_step(gpu=gpu, build_s=fs.build_s, step_s=fs.step_s, missing_ops=missing))
 
     @property
     def step_time_s(self) -> float:
@@ -155,7 +169,8 @@ def estimate(
         model=model, cluster=cluster, plan=plan, host_per_rank=host_per_rank, import_bytes=import_bytes
     )
     t = step_time(model=model, cluster=cluster, plan=plan, phi=phi)
-    return Estimate(
+    gpu = cluster.gpu_type
+    est = Estimate(
         memory=memory,
         gpu_memory_bytes=cluster.gpu_type.memory_bytes,
         host_memory_bytes=int(cluster.gpus_per_node * host_per_rank),
@@ -176,6 +191,10 @@ def estimate(
         optimizer_s=t.optimizer_s,
         startup=startup,
         checkpoint=checkpoint_size(model=model, plan=plan, ranks_per_node=cluster.gpus_per_node),
+        resident_bytes=gpu.resident_bytes(memory.total) if gpu.host_is_device else None,
+    )
+    return replace(
+        est, first_step=first_step(gpu=gpu, build_s=startup.seconds, step_s=est.step_time_s, missing_ops=None)
     )
 
 

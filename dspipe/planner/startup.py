@@ -18,11 +18,12 @@ rank's start-up agree by construction:
                   device and only the rank's tp shard materialised on the host, one whole fp32 tensor drawn at a
                   time and sliced.
 
-What each mode costs (startup_estimate, called by dspipe.planner.cost.estimate for every candidate): host bytes per rank
-while building, the build's device transient, and the seconds to the first step (the values a rank draws at
-DRAW_RATE, or with --init-from the node's distinct checkpoint bytes at DISK_GBPS; process start and
-deepspeed.initialize not counted). A plan fits only if ranks per node x max(the build's host bytes, the offload's host
-peak) is within the node's RAM and the transient within the usable GPU memory (Estimate.fits).
+What each mode costs (startup_estimate, called by dspipe.planner.cost.estimate for every candidate): host bytes per
+rank while building, the build's device transient, and the seconds of the build (the values a rank draws at
+DRAW_RATE, or with --init-from the node's distinct checkpoint bytes at DISK_GBPS; the whole time to the first step,
+process start and deepspeed.initialize included, is dspipe.planner.first_step's). A plan fits only if ranks per node
+x max(the build's host bytes, the offload's host peak) is within the node's RAM and the transient within the usable
+GPU memory (Estimate.fits).
 """
 
 from __future__ import annotations
@@ -56,8 +57,8 @@ DISK_GBPS = 2.0
 """Distinct checkpoint bytes one node reads per second (GB/s) at start-up with --init-from: an assumption (a local
 NVMe drive or a node's share of a parallel file system), printed with every plan that imports. Ranks of a node that
 read the same bytes share the page cache: only the node's distinct bytes count."""
-NOT_COUNTED = "process start and deepspeed.initialize not counted"
-"""What the time to the first step leaves out (said wherever it is shown)."""
+NOT_COUNTED = "the build alone: the process start, deepspeed.initialize and the first step are first_step's terms"
+"""What the build's seconds leave out (dspipe.planner.first_step counts the whole time to the first step)."""
 
 MODE_TEXT = {
     "partitioned": "partitioned build (ZeRO-3 under zero.Init)",
@@ -86,8 +87,8 @@ class StartupEstimate:
     device_bytes: int
     """Device bytes a rank holds while it builds (a transient the GPU must also hold)."""
     seconds: float
-    """Time to the first step: the draws at DRAW_RATE, or the node's distinct checkpoint bytes at disk_gbps
-    (NOT_COUNTED: process start and deepspeed.initialize)."""
+    """The build's seconds: the draws at DRAW_RATE, or the node's distinct checkpoint bytes at disk_gbps
+    (NOT_COUNTED: the rest of the time to the first step is dspipe.planner.first_step's)."""
     drawn_elements: int
     """Elements one rank draws (0 with --init-from)."""
     read_bytes: int
@@ -124,7 +125,7 @@ class StartupEstimate:
         return self.mode
 
     def first_step_text(self) -> str:
-        """'~1,150 s (69.0B values drawn per rank at 60M/s; ... not counted)'."""
+        """The build's seconds: '~1,150 s (69.0B values drawn per rank at 60M/s, measured on one CPU rank)'."""
         if self.import_bytes is None:
             why = (
                 f"{_count(self.drawn_elements)} values drawn per rank at {self.draw_rate / 1e6:.0f}M/s, measured "
@@ -134,7 +135,7 @@ class StartupEstimate:
             why = (
                 f"{self.read_bytes / 1e9:,.1f} GB of the checkpoint read per node at an assumed {self.disk_gbps:g} GB/s"
             )
-        return f"~{_seconds(self.seconds)} ({why}; {NOT_COUNTED})"
+        return f"~{_seconds(self.seconds)} ({why})"
 
     def to_dict(self) -> dict[str, object]:
         """The keys `plan --json` and dspipe.json's estimate carry under "startup"."""

@@ -51,6 +51,8 @@ def estimate_summary(c: Candidate, *, tokens: float | None = None) -> dict[str, 
         "train_days": days,
         "gpu_hours": None if days is None else days * 24 * p.world_size,
         "startup": None if e.startup is None else e.startup.to_dict(),
+        "first_step": None if e.first_step is None else e.first_step.to_dict(),
+        "rank_resident_bytes": e.resident_bytes,
         "checkpoint": None if e.checkpoint is None else e.checkpoint.to_dict(),
         "fits": e.fits,
     }
@@ -115,7 +117,12 @@ def startup_lines(e: Estimate, *, indent: str = "") -> list[str]:
         f"{indent}start-up: {MODE_TEXT.get(s.mode, s.mode)}, host RAM {size_text(s.host_per_node_bytes)} per "
         f"node{over} ({s.ranks_per_node} ranks x {size_text(s.host_per_rank_bytes)}: {s.holds()}), "
         f"{size_text(s.device_bytes)} per GPU while building",
-        f"{indent}          first step after {s.first_step_text()}",
+        f"{indent}          build {s.first_step_text()}",
+        *(
+            [f"{indent}          first step ends {e.first_step.text()} after a rank's process start"]
+            if e.first_step is not None
+            else []
+        ),
     ]
 
 
@@ -195,6 +202,11 @@ def _memory_lines(s: dict[str, Any], *, offload: str, host_memory_source: str | 
         f"({mem['total'] / s['gpu_memory_bytes'] * 100:.0f}%; plans may use "
         f"{(1 - s['memory_headroom']) * 100:.0f}%, {s['usable_gpu_memory_bytes'] / GIB:.2f})"
     )
+    if s.get("rank_resident_bytes") is not None:  # CPU ranks: what `report` measures is the process's RSS
+        lines.append(
+            f"  a rank's peak RSS ~{s['rank_resident_bytes'] / GIB:.2f} GiB (the process before its build, "
+            f"deepspeed.initialize's own buffers, the total above at the allocator's factor: GpuType.resident_bytes)"
+        )
     source = f" ({host_memory_source})" if host_memory_source else ""
     if offload != Offload.NONE:
         lines.append(

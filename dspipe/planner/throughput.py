@@ -26,6 +26,9 @@ STEP_COLUMNS = (
     "mem_reserved_gib",
     "step_time_s",
     "skipped",
+    "forward_s",
+    "backward_s",
+    "optimizer_s",
 )
 VAL_COLUMNS = ("step", "tokens", "val_loss", "val_ppl")
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import math
+import time
 
 from dspipe.rundir import Run
 from dspipe.runtime.build import build_module
@@ -203,6 +204,10 @@ class Engine:
         self.expert_load: float | None = None
         """A mixture-of-experts model's load imbalance of the last train step (dspipe.runtime.moe.load_ratio: the
         busiest expert's tokens over the mean, worst sparse block; 1 is balanced); None for a dense model."""
+        self.phases: tuple[float, float, float] | None = None
+        """Seconds of the last train step's forward passes, backward passes and optimizer steps (summed over its
+        micro-batches), where they are exact: a CPU rank without a pipeline (its calls are synchronous); None
+        elsewhere. metrics.csv keeps them; `dspipe calibrate --from-run` corrects the plan's terms by them."""
         self.settings = engine_settings(engine)
         check_engine(self.settings, run)
         grid = getattr(engine, "grid", None)  # the pipeline's own topology must agree with the layout
@@ -256,12 +261,21 @@ class PlainEngine(Engine):
         import torch
 
         engine, total = self.engine, torch.zeros(3, device=self.device)
+        timed = self.device.type == "cpu"
+        phases = [0.0, 0.0, 0.0]
         for _ in range(self.run.plan.grad_accum):
             inputs, labels = next(batches)
+            t0 = time.perf_counter()
             loss = self.micro_loss(inputs, labels)
+            t1 = time.perf_counter()
             engine.backward(loss)
+            t2 = time.perf_counter()
             engine.step()
+            t3 = time.perf_counter()
+            for i, seconds in enumerate((t1 - t0, t2 - t1, t3 - t2)):
+                phases[i] += seconds
             total += self._parts(loss)
+        self.phases = (phases[0], phases[1], phases[2]) if timed else None
         if self.run.model.experts:
             self._after_moe_step()
         return self._reported(self._mean(total, count=self.run.plan.grad_accum))

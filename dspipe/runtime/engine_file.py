@@ -22,6 +22,8 @@ STARTUP_KEYS = (
     "seconds_build",
     "seconds_to_first_step",
     "built_params",
+    "seconds_before_build",
+    "ops_built",
 )
 """engine.json's "startup" keys in the order runners write them (dspipe.runtime.startup.StartupClock.gathered)."""
 
@@ -44,6 +46,24 @@ class StartupRecord:
     seconds_build: tuple[float, ...]
     seconds_to_first_step: tuple[float, ...]
     built_params: tuple[int, ...] | None = None
+    seconds_before_build: tuple[float, ...] | None = None
+    """Seconds from each rank's process start to its module build (imports, process group, data; None in files
+    from before it was recorded)."""
+    ops_built: tuple[str, ...] | None = None
+    """DeepSpeed ops this launch compiled because the extension cache lacked them (dspipe.cluster.opcache; None in
+    files from before it was recorded)."""
+
+    @property
+    def seconds_initialize(self) -> float | None:
+        """The slowest rank's seconds from the build's end to the first step (deepspeed.initialize, the loader)."""
+        if self.seconds_before_build is None:
+            return None
+        return max(
+            ready - before - build
+            for ready, before, build in zip(
+                self.seconds_to_first_step, self.seconds_before_build, self.seconds_build, strict=True
+            )
+        )
 
     @property
     def ranks(self) -> int:
@@ -58,6 +78,27 @@ class StartupRecord:
         """The JSON object of engine.json's "startup": STARTUP_KEYS order, lists; built_params when counted."""
         out = {key: getattr(self, key) for key in STARTUP_KEYS}
         return {key: value if key == "mode" else list(value) for key, value in out.items() if value is not None}
+
+    @staticmethod
+    def _optional(block: dict, *, source: Path | str, ranks: int) -> dict:
+        """seconds_before_build (one number >= 0 per rank) and ops_built (op names), when present."""
+        out: dict = {}
+        before = block.get("seconds_before_build")
+        if before is not None:
+            if not (isinstance(before, list) and len(before) == ranks and all(_number(v) for v in before)):
+                raise SpecError(
+                    f"{source}'s startup.seconds_before_build is damaged: one number >= 0 per rank expected, "
+                    f"got {show(before)}"
+                )
+            out["seconds_before_build"] = tuple(before)
+        ops = block.get("ops_built")
+        if ops is not None:
+            if not (isinstance(ops, list) and all(isinstance(v, str) and 0 < len(v) <= 60 for v in ops)):
+                raise SpecError(
+                    f"{source}'s startup.ops_built is damaged: a list of op names expected, got {show(ops)}"
+                )
+            out["ops_built"] = tuple(ops)
+        return out
 
     @classmethod
     def from_dict(cls, block, *, source: Path | str) -> StartupRecord:
@@ -92,7 +133,12 @@ class StartupRecord:
             raise SpecError(
                 f"{source}'s startup.built_params is damaged: one integer >= 0 per rank expected, got {show(built)}"
             )
-        return cls(mode=mode, **lists, built_params=None if built is None else tuple(built))
+        return cls(
+            mode=mode,
+            **lists,
+            built_params=None if built is None else tuple(built),
+            **cls._optional(block, source=source, ranks=ranks),
+        )
 
     @classmethod
     def from_engine(cls, engine: dict, *, source: Path | str) -> StartupRecord | None:

@@ -22,6 +22,7 @@ from dspipe.runtime.elastic import NODE_RANK_ENV, elastic_restart, resized
 from dspipe.runtime.faults import NO_FAULTS, Faults
 from dspipe.runtime.loop import train
 from dspipe.runtime.ops import cache_cpu_info
+from dspipe.runtime.startup import note_ops_at_start
 from dspipe.runtime.watchdog import check_hang_timeout
 
 
@@ -59,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     parser.add_argument("--test-faults", default=None, help=argparse.SUPPRESS)  # tests only: dspipe.runtime.faults
     args = parser.parse_args(argv)
+    note_ops_at_start()  # before init_distributed, which may compile DeepSpeed's shared-memory op
     setup_logging()  # rank 0 speaks for the job (DSPIPE_LOG_ALL_RANKS=1: every rank)
     log = get_logger(__name__)
     if not os.environ.get("DSPIPE_VERBOSE"):

@@ -506,6 +506,7 @@ def _log_step(
             "lr": lr,
             "grad_norm": None if norm is None else float(norm),
             "step_time_s": seconds,
+            **dict(zip(("forward_s", "backward_s", "optimizer_s"), t.eng.phases or (None, None, None), strict=True)),
             **step_rates(
                 tokens=plan.tokens_per_step,
                 samples=plan.global_batch,

@@ -59,6 +59,25 @@ def process_start() -> float:
     return psutil.Process().create_time()
 
 
+_OPS_MISSING_AT_START: tuple[str, ...] = ()
+
+
+def note_ops_at_start() -> None:
+    """At the process start (before deepspeed.init_distributed builds anything): which of DeepSpeed's JIT ops the
+    extension cache lacks, so that the start-up record can say which ones this launch compiled."""
+    from dspipe.cluster.opcache import CPU_ADAM, FUSED_ADAM, SHM_COMM, missing_ops
+
+    global _OPS_MISSING_AT_START
+    _OPS_MISSING_AT_START = missing_ops((SHM_COMM, FUSED_ADAM, CPU_ADAM))
+
+
+def ops_built_here() -> tuple[str, ...]:
+    """The ops missing at the process start that the cache holds now: this launch compiled them."""
+    from dspipe.cluster.opcache import cached
+
+    return tuple(op for op in _OPS_MISSING_AT_START if cached(op))
+
+
 class StartupClock:
     """Marks taken on one rank: `before_build`, `built`, `ready` (the engine up and data open, the first step next)."""
 
@@ -92,7 +111,7 @@ class StartupClock:
         if not host_is_device:
             malloc_threshold(STEADY_MMAP_THRESHOLD)
 
-        names = ("before_build", "built", "ready")
+        names = ("before_build", "built", "ready")  # rows: seconds, RSS per mark; then the values built
         mine = collective_tensor([v for n in names for v in self.marks[n]] + [self.built_params], dtype=torch.float64)
         every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(every, mine)
@@ -105,4 +124,6 @@ class StartupClock:
             seconds_build=tuple(round(r[2] - r[0], 2) for r in rows),
             seconds_to_first_step=tuple(round(r[4], 2) for r in rows),
             built_params=tuple(int(r[6]) for r in rows),
+            seconds_before_build=tuple(round(r[0], 2) for r in rows),
+            ops_built=ops_built_here(),
         )

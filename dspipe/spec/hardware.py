@@ -75,6 +75,28 @@ class GpuType:
     ring_hop_latency_s: float = 3.4e-6
     """Cost of one ring step inside a node: NCCL's hwLat for NVLink, 3.4 us (steps across nodes: estimate's
     RING_HOP_LATENCY_S['inter'])."""
+    launch_s: float = 12.0
+    """Seconds from a rank's process start to its model build when no op is compiled: Python, the torch and
+    DeepSpeed imports, the process group, the data opened (engine.json's seconds_before_build). GPU types: nominal,
+    from one H200 demo launch (44.6 s to the first step, FusedAdam's build included); 'cpu': measured on the 2-core
+    development machine (dspipe.planner.first_step). A profile folded from a run (`dspipe calibrate --from-run`)
+    replaces it and the start-up figures below with the run's own."""
+    initialize_s: float = 6.0
+    """Seconds from the build's end to the first step when no op is compiled: deepspeed.initialize, the loader."""
+    first_step_extra_s: float = 3.0
+    """What the first step costs beyond a steady one (allocator warm-up, the kernels' first launches)."""
+    jit_build_s: tuple[tuple[str, float], ...] = (("fused_adam", 25.0), ("cpu_adam", 40.0))
+    """Seconds to compile each of DeepSpeed's JIT ops a launch finds missing from the extension cache
+    (dspipe.cluster.opcache), by op name."""
+    rank_base_rss_bytes: int = 0
+    """Host RSS of a rank before its build (Python, torch, DeepSpeed, the process group): counted in the memory
+    prediction only where the host is the device ('cpu': what the measured peak RSS holds besides the plan)."""
+    engine_rss_bytes: int = 0
+    """Host RSS deepspeed.initialize adds beyond the plan's states where the host is the device (its buffers, the
+    loaded ops, gloo's shared memory)."""
+    host_alloc_factor: float = 1.0
+    """Resident bytes per byte the plan counts where the host is the device (the allocator's overhead and
+    fragmentation; 1 on a GPU, whose peak is torch's own allocated figure)."""
     calibrated_precision: str = ""
     """Precision a profile measured the compute in ('' without a profile): calibrated_tflops applies to it."""
     calibrated_tflops: float = 0.0
@@ -90,6 +112,21 @@ class GpuType:
             return self.calibrated_tflops
         return self.peak_tflops(precision) * self.matmul_efficiency
 
+    def jit_seconds(self, op: str) -> float:
+        """Seconds to compile `op` (jit_build_s; an op it does not list: the largest it lists)."""
+        table = dict(self.jit_build_s)
+        return table.get(op, max(table.values(), default=0.0))
+
+    @property
+    def host_is_device(self) -> bool:
+        """A CPU rank: its memory is the host's, measured as RSS."""
+        return self.backend == "gloo"
+
+    def resident_bytes(self, counted: int) -> int:
+        """A CPU rank's peak RSS when the plan counts `counted` bytes on its device: the process before its build,
+        what deepspeed.initialize adds beyond the plan, and the counted bytes at the allocator's factor."""
+        return int(self.rank_base_rss_bytes + self.engine_rss_bytes + self.host_alloc_factor * counted)
+
 
 # Vendor datasheet figures. 'cpu' is a nominal entry for the 2-rank gloo path (not a performance model).
 # Devices report e.g. "NVIDIA H200", "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB", "NVIDIA A100-PCIE-40GB";
@@ -102,7 +139,32 @@ saw 419 unexpected interruptions in 54 days on 16,384 H100s (Dubey et al. 2024, 
 GPU_CATALOG: dict[str, GpuType] = {
     g.name: g
     for g in (
-        GpuType("cpu", 16 * 1024 * MIB, 1.0, 0.0, 1.0, 10.0, 10.0, "gloo", 12 * GIB, ""),
+        # The 'cpu' type's start-up and memory figures were measured on the 2-core development machine (AMD EPYC,
+        # 24 GiB, 2 ranks of 1 thread, torch 2.13 CPU, DeepSpeed 0.19.8) with the demo's GPT (4 x 128, ZeRO-1, fp32),
+        # 2026-11-28: a rank's process start to its build 6.9-7.2 s, the build's end to the first step 3.3-4.3 s,
+        # the first step 0.1-0.3 s longer than a steady one; compiling DeepSpeed's shared-memory collectives 56 s
+        # and FusedAdam 99 s (CPUAdam compiles the same sources); a rank's RSS 327 MiB before its build, 53 MiB more
+        # once deepspeed.initialize has allocated what the plan does not count, and 1.6 resident bytes per byte the
+        # plan counts at the steps' peak.
+        GpuType(
+            "cpu",
+            16 * 1024 * MIB,
+            1.0,
+            0.0,
+            1.0,
+            10.0,
+            10.0,
+            "gloo",
+            12 * GIB,
+            "",
+            launch_s=7.0,
+            initialize_s=4.0,
+            first_step_extra_s=0.2,
+            jit_build_s=(("deepspeed_shm_comm", 56.0), ("fused_adam", 99.0), ("cpu_adam", 99.0)),
+            rank_base_rss_bytes=327 * MIB,
+            engine_rss_bytes=53 * MIB,
+            host_alloc_factor=1.6,
+        ),
         GpuType(
             "a100-40g", 40960 * MIB, 312.0, 312.0, 19.5, 230.0, 24.0, "nccl", 128 * GIB, r"A100", matmul_efficiency=0.65
         ),

@@ -23,7 +23,9 @@ from dspipe.jsonio import read_object
 from dspipe.spec.hardware import GpuType
 
 PROFILE_FORMAT = "dspipe-profile"
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
+READ_VERSIONS = (1, 2)
+"""Versions this dspipe reads: 1 (no start-up, memory or run figures: those are null) and 2."""
 PROFILE_FILE = "profile.json"
 """Name of the profile gen-config copies into a run directory (dspipe.json's cluster.profile holds it too)."""
 
@@ -36,9 +38,28 @@ PROFILE_FIGURES = {
     "host_memcpy_gbps": "host memory copy, GB/s (what a CPU rank's 'offload' copies run at)",
     "cpu_adam_params_per_s": "DeepSpeedCPUAdam parameters per second, all ranks of the node together (null: not built)",
     "optimizer_params_per_s": "the engine's own (non-offloaded) Adam step, parameters per second per rank",
+    "launch_s": "seconds from a rank's process start to its build, no op compiled (null: the catalog's)",
+    "initialize_s": "seconds from the build's end to the first step, no op compiled (null: the catalog's)",
+    "first_step_extra_s": "the first step's seconds beyond a steady one (null: the catalog's)",
+    "jit_build_s": "seconds to compile each DeepSpeed op, by name (null: the catalog's)",
+    "rank_base_rss_mib": "a CPU rank's RSS before its build, MiB (null: the catalog's)",
+    "host_alloc_factor": "a CPU rank's resident bytes per byte the plan counts (null: the catalog's)",
 }
 """Figure -> meaning. Every figure is a finite number > 0, or null where the profile says so."""
-NULLABLE = ("host_copy_gbps", "cpu_adam_params_per_s", "allreduce_busbw_gbps", "allreduce_latency_s")
+RUN_FIGURES = (
+    "launch_s",
+    "initialize_s",
+    "first_step_extra_s",
+    "jit_build_s",
+    "rank_base_rss_mib",
+    "host_alloc_factor",
+)
+"""Figures a run measures (`dspipe calibrate --from-run`), absent from version 1 files and from measurements."""
+CORRECTION_TERMS = ("compute", "communication", "optimizer", "startup")
+"""Terms a profile folded from runs corrects: measured / predicted, applied to the figures behind each (compute: the
+compute rate; communication: bandwidth and latency; optimizer: the optimizer and CPU-Adam rates; startup: shown,
+its figures replaced by the runs' own)."""
+NULLABLE = ("host_copy_gbps", "cpu_adam_params_per_s", "allreduce_busbw_gbps", "allreduce_latency_s", *RUN_FIGURES)
 """Figures a profile may leave null (not measurable here: no GPU, CPU-Adam not built, a single rank)."""
 
 
@@ -78,6 +99,28 @@ class Profile:
     """PROFILE_FIGURES['cpu_adam_params_per_s']."""
     optimizer_params_per_s: float
     """PROFILE_FIGURES['optimizer_params_per_s']."""
+    launch_s: float | None = None
+    initialize_s: float | None = None
+    first_step_extra_s: float | None = None
+    jit_build_s: tuple[tuple[str, float], ...] | None = None
+    rank_base_rss_mib: float | None = None
+    host_alloc_factor: float | None = None
+    corrections: tuple[tuple[str, float], ...] = ()
+    """(term, measured / predicted) per CORRECTION_TERMS term folded from runs (a term a run could not measure is
+    absent)."""
+    runs: int = 0
+    """Runs folded in (`dspipe calibrate --from-run`)."""
+    measured_by: str = "calibrate"
+    """'calibrate' (the command) or 'gen-config' (the quick measurement plan and gen-config take of this machine)."""
+
+    def correction(self, term: str) -> float:
+        return dict(self.corrections).get(term, 1.0)
+
+    @property
+    def basis(self) -> str:
+        """What the figures rest on, in words: 'measured by calibrate, corrected by 2 runs'."""
+        runs = f", corrected by {self.runs} run{'s' if self.runs != 1 else ''}" if self.runs else ""
+        return f"measured by {self.measured_by}{runs}"
 
 
 TEXT_FIELDS = ("device", "gpu", "dtype", "model", "created", "versions")
@@ -93,9 +136,10 @@ def profile_from_dict(data: object, *, where: str) -> Profile:
             f"write one with 'dspipe calibrate --out FILE'"
         )
     version = data.get("version")
-    if version != PROFILE_VERSION:
+    if version not in READ_VERSIONS:
         raise SpecError(
-            f"{where}: profile version {version!r} is not {PROFILE_VERSION} (this dspipe's); re-run 'dspipe calibrate'"
+            f"{where}: profile version {version!r} is not one this dspipe reads "
+            f"({', '.join(map(str, READ_VERSIONS))}); re-run 'dspipe calibrate'"
         )
     known = {f.name for f in fields(Profile)} | {"format", "version", "figures"}
     unknown = sorted(set(data) - known)
@@ -118,12 +162,16 @@ def profile_from_dict(data: object, *, where: str) -> Profile:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise SpecError(f"{where}: {name} must be a positive integer, got {value!r}")
         values[name] = value
+    values.update(_run_fields(data, where=where))
     for name in PROFILE_FIGURES:
-        if name not in figures:
+        if name not in figures and not (name in RUN_FIGURES and version == 1):
             raise SpecError(f"{where}: missing figure {name} ({PROFILE_FIGURES[name]})")
-        value = figures[name]
+        value = figures.get(name)
         if value is None and name in NULLABLE:
             values[name] = None
+            continue
+        if name == "jit_build_s":
+            values[name] = _jit_figure(value, where=where)
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
             allowed = "a finite number > 0" + (" or null" if name in NULLABLE else "")
@@ -137,13 +185,54 @@ def profile_from_dict(data: object, *, where: str) -> Profile:
     return Profile(**values)
 
 
+def _positive(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+def _jit_figure(value: object, *, where: str) -> tuple[tuple[str, float], ...]:
+    """figures.jit_build_s: an object of op name -> seconds > 0."""
+    if not isinstance(value, dict) or not all(
+        isinstance(k, str) and 0 < len(k) <= 60 and _positive(v) for k, v in value.items()
+    ):
+        raise SpecError(f"{where}: figures.jit_build_s must be an object of op name -> seconds > 0, got {value!r}")
+    return tuple((k, float(v)) for k, v in value.items())
+
+
+def _run_fields(data: dict[str, Any], *, where: str) -> dict[str, Any]:
+    """corrections, runs and measured_by (absent in version 1 files: none, 0, 'calibrate')."""
+    out: dict[str, Any] = {}
+    corrections = data.get("corrections", {})
+    if not isinstance(corrections, dict) or not all(
+        k in CORRECTION_TERMS and _positive(v) for k, v in corrections.items()
+    ):
+        raise SpecError(
+            f"{where}: corrections must be an object of {', '.join(CORRECTION_TERMS)} -> a number > 0, "
+            f"got {corrections!r}"
+        )
+    out["corrections"] = tuple((k, float(v)) for k, v in corrections.items())
+    runs = data.get("runs", 0)
+    if isinstance(runs, bool) or not isinstance(runs, int) or runs < 0:
+        raise SpecError(f"{where}: runs must be an integer >= 0, got {runs!r}")
+    out["runs"] = runs
+    by = data.get("measured_by", "calibrate")
+    if by not in ("calibrate", "gen-config"):
+        raise SpecError(f"{where}: measured_by must be 'calibrate' or 'gen-config', got {by!r}")
+    out["measured_by"] = by
+    return out
+
+
 def profile_to_dict(profile: Profile) -> dict[str, object]:
-    """The JSON form: the machine's description at the top level, the measured numbers under 'figures'."""
+    """The JSON form: the machine's description at the top level, the measured numbers under 'figures', then the
+    runs' corrections."""
     d = asdict(profile)
     head = {
-        k: d.pop(k) for k in ("device", "gpu", "dtype", "ranks", "threads_per_rank", "model", "created", "versions")
+        k: d.pop(k)
+        for k in ("device", "gpu", "dtype", "ranks", "threads_per_rank", "model", "created", "versions", "measured_by")
     }
-    return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, **head, "figures": d}
+    tail = {"corrections": dict(d.pop("corrections")), "runs": d.pop("runs")}
+    if d["jit_build_s"] is not None:
+        d["jit_build_s"] = dict(d["jit_build_s"])
+    return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, **head, "figures": d, **tail}
 
 
 def read_profile(path: str | Path, *, gpu: str | None = None) -> Profile:
@@ -179,17 +268,19 @@ def apply_profile(gpu: GpuType, profile: Profile) -> GpuType:
     the intra-node bandwidth (the all-reduce bus bandwidth, what a ring collective moves per rank per second: the
     same meaning as the catalog's figure), the collective latency (the small all-reduce's time less its 2(n-1)
     hops at the catalog's per-hop cost, never below 0), the host copy rate (pinned on a GPU; on the 'cpu' type the
-    memcpy rate an offload copy runs at), the CPU-Adam and optimizer-step rates."""
+    memcpy rate an offload copy runs at), the CPU-Adam and optimizer-step rates, each over its term's correction
+    from runs (Profile.corrections); and the start-up and CPU memory figures runs measured."""
+    comm, opt = profile.correction("communication"), profile.correction("optimizer")
     changes: dict[str, Any] = {
         "calibrated_precision": profile.dtype,
-        "calibrated_tflops": profile.compute_tflops,
-        "optimizer_params_per_s": profile.optimizer_params_per_s,
+        "calibrated_tflops": profile.compute_tflops / profile.correction("compute"),
+        "optimizer_params_per_s": profile.optimizer_params_per_s / opt,
     }
     if profile.allreduce_busbw_gbps is not None:
-        changes["intra_node_gbps"] = profile.allreduce_busbw_gbps
+        changes["intra_node_gbps"] = profile.allreduce_busbw_gbps / comm
     if profile.allreduce_latency_s is not None:
         hops = 2 * (profile.ranks - 1) * gpu.ring_hop_latency_s
-        changes["ring_base_latency_s"] = max(0.0, profile.allreduce_latency_s - hops)
+        changes["ring_base_latency_s"] = max(0.0, profile.allreduce_latency_s * comm - hops)
     copy = (
         profile.host_copy_gbps
         if profile.host_copy_gbps is not None
@@ -198,7 +289,14 @@ def apply_profile(gpu: GpuType, profile: Profile) -> GpuType:
     if copy is not None:
         changes["host_copy_gbps"] = copy
     if profile.cpu_adam_params_per_s is not None:
-        changes["cpu_adam_params_per_s"] = profile.cpu_adam_params_per_s
+        changes["cpu_adam_params_per_s"] = profile.cpu_adam_params_per_s / opt
+    for name in ("launch_s", "initialize_s", "first_step_extra_s", "host_alloc_factor"):
+        if getattr(profile, name) is not None:
+            changes[name] = getattr(profile, name)
+    if profile.jit_build_s is not None:
+        changes["jit_build_s"] = tuple({**dict(gpu.jit_build_s), **dict(profile.jit_build_s)}.items())
+    if profile.rank_base_rss_mib is not None:
+        changes["rank_base_rss_bytes"] = int(profile.rank_base_rss_mib * 1024**2)
     return replace(gpu, **changes)
 
 

@@ -37,6 +37,7 @@ from dspipe.cluster.doctor import versions
 from dspipe.errors import SpecError
 from dspipe.jsonio import read_object
 from dspipe.planner.throughput import model_flops_per_token
+from dspipe.runtime.startup import STARTUP_MMAP_THRESHOLD, malloc_threshold
 from dspipe.spec.kinds import Precision
 from dspipe.spec.model import ModelSpec
 from dspipe.spec.profile import Profile
@@ -186,6 +187,8 @@ def _worker(rank: int, world: int, cfg: dict) -> None:
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
+    else:  # a CPU rank's allocator as the runner leaves it for the steps: 1.25x slower than glibc's default
+        malloc_threshold(STARTUP_MMAP_THRESHOLD)
     sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
     dist.init_process_group(cfg["backend"], rank=rank, world_size=world)
     model = ModelSpec(**cfg["model"])
@@ -240,6 +243,18 @@ def _cpu_name() -> str:
     return cpu_model()
 
 
+def _catalog_type(*, on_cpu: bool) -> str:
+    """The catalog type the profile is of: 'cpu' for CPU ranks, else device 0's (one line where unknown)."""
+    from dspipe.spec.hardware import detect
+
+    if on_cpu:
+        return "cpu"
+    found = detect()
+    if found.gpu is None:
+        raise SpecError(f"GPU {found.device_name!r} is not in the catalog: the profile could not name its type")
+    return found.gpu.name
+
+
 def _gather(ranks: list[dict]) -> dict:
     """The node's figures from its ranks': the slowest rank's rate (it sets a synchronous step's pace), the node's
     CPU-Adam rate as the sum over its ranks (they step at once)."""
@@ -267,27 +282,27 @@ def calibrate(
     min_seconds: float = 5.0,
     allreduce_mib: int = 16,
     cpu_adam: bool = True,
+    on_cpu: bool = False,
     say=print,
 ) -> Profile:
     """Measure this machine with `ranks` processes at once (default: every visible GPU, else 2 CPU ranks) and
     return its profile. `threads`: torch threads per rank (default: the cores shared out on a CPU machine);
-    `min_seconds`: how long the forward + backward is timed at least (the mean over that window)."""
+    `min_seconds`: how long the forward + backward is timed at least (the mean over that window); `on_cpu`: CPU ranks
+    on gloo even where GPUs are visible (the 'cpu' type)."""
     import torch
     import torch.multiprocessing as mp
 
-    from dspipe.spec.hardware import CPU_RANKS, detect
+    from dspipe.spec.hardware import CPU_RANKS
     from dspipe.tools.bench import cpu_threads, free_port
 
-    cuda = torch.cuda.is_available()
+    cuda = torch.cuda.is_available() and not on_cpu
     count = torch.cuda.device_count() if cuda else 0
     ranks = ranks or (count if cuda else CPU_RANKS)
     if cuda and ranks > count:
         raise SpecError(f"--ranks {ranks}: this machine has {count} CUDA GPU(s)")
     if not cuda and precision != Precision.FP32:
         say(f"note: {precision} on a CPU runs without tensor cores; the demo trains in fp32")
-    found = detect()
-    if found.gpu is None:
-        raise SpecError(f"GPU {found.device_name!r} is not in the catalog: the profile could not name its type")
+    gpu = _catalog_type(on_cpu=on_cpu)
     if threads is None and not cuda:
         threads = cpu_threads(ranks=ranks)
     with tempfile.TemporaryDirectory(prefix="dspipe-calibrate-") as tmp:
@@ -312,7 +327,7 @@ def calibrate(
         say(f"note: {note}; the planner keeps the catalog's CPU-Adam rate")
     return Profile(
         device=results[0]["device"],
-        gpu=found.gpu.name,
+        gpu=gpu,
         dtype=precision,
         ranks=ranks,
         threads_per_rank=results[0]["threads"],

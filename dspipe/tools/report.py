@@ -27,8 +27,8 @@ from dspipe.run_estimate import RunEstimate
 from dspipe.rundir import ENGINE_FILE, VAL_FILE, Run, load_engine, load_run
 from dspipe.runtime.ckpt_meta import SaveRecord
 from dspipe.runtime.engine_file import StartupRecord
-from dspipe.spec.hardware import GIB
 from dspipe.spec.kinds import Axis
+from dspipe.tools.run_terms import Term, memory_term, plan_terms, verdict
 
 MIB = 1024**2
 WARMUP_STEPS = 3
@@ -64,6 +64,14 @@ class Measured:
     final_val: dict | None
     startup: "Startup | None" = None
     """engine.json's start-up figures beside the plan's (read_startup); None until write_report reads them."""
+    terms: tuple[Term, ...] = ()
+    """The plan's terms against the run's (dspipe.tools.run_terms): the step's, the start-up's, the memory's."""
+
+    def term(self, name: str) -> Term | None:
+        return next((t for t in self.terms if t.name.startswith(name)), None)
+
+    def of_kind(self, kind: str) -> list[Term]:
+        return [t for t in self.terms if t.kind == kind]
 
 
 _INT = re.compile(r"[0-9]{1,18}", re.ASCII)
@@ -220,14 +228,13 @@ class Startup:
         plan_host = (
             "" if self.predicted_host_per_rank_mib is None else f"; plan {self.predicted_host_per_rank_mib:,.1f} MiB"
         )
-        plan_s = "" if self.predicted_seconds is None else f" (plan {self.predicted_seconds:,.4g} s)"
+        plan_s = "" if self.predicted_seconds is None else f"; plan {self.predicted_seconds:,.4g} s to its end"
         if not self.recorded:
             return f"start-up: not recorded{f' ({self.note})' if self.note else ''}"
         return (
             f"start-up: worst rank {self.worst_rank} peak RSS {self.peak_rss_mib:,.1f} MiB "
             f"(+{self.growth_mib:,.1f} over the {self.before_build_mib:,.1f} before the build{plan_host}), first "
-            f"step after "
-            f"{self.seconds_to_first_step:,.4g} s{plan_s}"
+            f"step began {self.seconds_to_first_step:,.4g} s after the process start{plan_s}"
         )
 
 
@@ -241,6 +248,8 @@ def _predicted(estimate: RunEstimate) -> dict:
     if pred is None:
         return {}
     host, seconds, mode = pred.get("host_per_rank_bytes"), pred.get("seconds"), pred.get("mode")
+    if estimate.first_step and "seconds" in estimate.first_step:  # the whole time to the first step's end
+        seconds = estimate.first_step["seconds"]
     return {
         "predicted_mode": mode if isinstance(mode, str) else None,
         "predicted_host_per_rank_mib": host / MIB if _number(host) else None,
@@ -274,32 +283,67 @@ def read_startup(engine: dict | None, estimate: RunEstimate) -> Startup:
     )
 
 
-def startup_markdown(s: Startup) -> tuple[list[str], list[str]]:
-    """(rows of the plan-vs-measured table, notes below it) for the start-up."""
+def _seconds_rows(s: Startup, terms: list[Term]) -> list[str]:
+    """The time to the first step's row and its terms' rows (an older plan without them: its build seconds
+    against engine.json's time to the first step)."""
+    whole = next((t for t in terms if t.name.startswith("time to first step")), None)
+    if whole is None or whole.predicted is None:
+        seconds = (
+            f"{s.seconds_to_first_step:.4g} (slowest rank; module build {s.seconds_build:.4g})"
+            if s.recorded
+            else "not recorded"
+        )
+        return [
+            f"| time to first step (s) | {_or_na(s.predicted_seconds, '.4g')} (the build alone: an older plan) | "
+            f"{seconds} | {_ratio(s.seconds_to_first_step, s.predicted_seconds)} | n/a |"
+        ]
+    parts = [t for t in terms if t is not whole]
+    rows = [
+        f"| time to first step's end (s) | {whole.predicted:.4g} | {_or_na(whole.measured, '.4g')} (slowest rank) | "
+        f"{_ratio(whole.measured, whole.predicted)} | {verdict(whole, others=parts)} |"
+    ]
+    for t in parts:
+        rows.append(
+            f"| &nbsp;&nbsp;{t.name} | {_or_na(t.predicted, '.4g')} | {_or_na(t.measured, '.4g')} | "
+            f"{_ratio(t.measured, t.predicted)} | {verdict(t, whole=whole)} |"
+        )
+    return rows
+
+
+def _growth_verdict(s: Startup, *, host_is_device: bool) -> str:
+    if host_is_device:
+        return "n/a: the host is the device (the peak RSS row compares a CPU rank's memory)"
+    ok = Term("start-up host RAM", "memory", s.predicted_host_per_rank_mib, s.growth_mib).ok
+    return "n/a" if ok is None else "ok" if ok else "off: the build model (dspipe.planner.startup)"
+
+
+def startup_markdown(
+    s: Startup, terms: list[Term] = (), *, host_is_device: bool = False
+) -> tuple[list[str], list[str]]:
+    """(rows of the plan-vs-measured table, notes below it) for the start-up; `terms`: run_terms.startup_terms."""
     plan_mode = f" ({s.predicted_mode} build)" if s.predicted_mode else ""
     if s.recorded:
         host = (
             f"worst rank {s.worst_rank} of {s.ranks}: peak {s.peak_rss_mib:,.1f}, +{s.growth_mib:,.1f} over the "
             f"{s.before_build_mib:,.1f} before the build (after the build {s.build_rss_mib:,.1f})"
         )
-        seconds = f"{s.seconds_to_first_step:.4g} (slowest rank; module build {s.seconds_build:.4g})"
     else:
-        host = seconds = "not recorded"
+        host = "not recorded"
     rows = [
         f"| start-up host RAM per rank (MiB) | {_or_na(s.predicted_host_per_rank_mib, ',.1f')}{plan_mode} | "
-        f"{host} | {_ratio(s.growth_mib, s.predicted_host_per_rank_mib)} (growth) |",
-        f"| time to first step (s) | {_or_na(s.predicted_seconds, '.4g')} | {seconds} | "
-        f"{_ratio(s.seconds_to_first_step, s.predicted_seconds)} |",
+        f"{host} | {_ratio(s.growth_mib, s.predicted_host_per_rank_mib)} (growth) | "
+        f"{_growth_verdict(s, host_is_device=host_is_device)} |",
+        *_seconds_rows(s, list(terms)),
     ]
     notes = []
     if not s.recorded:
         notes.append(f"Start-up: not recorded ({s.note})." if s.note else "Start-up: not recorded.")
     else:
         notes.append(
-            "Start-up: the plan counts what the build (and the offload) hold on the host, not the process "
-            "itself (Python, torch, DeepSpeed: the RSS before the build), so its ratio is the growth's; the "
-            "measured time to the first step includes the process start and deepspeed.initialize, which "
-            "the plan leaves out."
+            "Start-up: the host RAM row counts what the build (and the offload) hold on the host, not the process "
+            "itself (Python, torch, DeepSpeed: the RSS before the build), so its ratio is the growth's. The time "
+            "runs from a rank's process start to the end of its first step: launch (imports, process group, data), "
+            "the build, deepspeed.initialize and any op compile, then the first step (metrics.csv's first row)."
         )
         if s.predicted_mode and s.mode != s.predicted_mode:
             notes.append(f"The engine built its model as `{s.mode}`, the plan predicted `{s.predicted_mode}`.")
@@ -435,8 +479,10 @@ def checkpoint_rows(run: Run, *, estimate: RunEstimate) -> list[str]:
         want, got = planned.get(key), measured[key]
         want_mib = None if want is None else want / 2**20
         got_mib = None if got is None else got / 2**20
+        ok = Term(label, "memory", want_mib, got_mib).ok
         rows.append(
-            f"| {label} | {_or_na(want_mib, ',.1f')} | {_or_na(got_mib, ',.1f')} | {_ratio(got_mib, want_mib)} |"
+            f"| {label} | {_or_na(want_mib, ',.1f')} | {_or_na(got_mib, ',.1f')} | {_ratio(got_mib, want_mib)} | "
+            f"{'n/a' if ok is None else 'ok' if ok else 'off: the checkpoint size model (checkpoint_size)'} |"
         )
     return rows
 
@@ -480,8 +526,8 @@ def _configuration_lines(run: Run, *, engine: dict | None, m: Measured) -> list[
         "",
         "## Plan vs. measured",
         "",
-        "| per GPU / job | predicted | measured | measured / predicted |",
-        "|---|---|---|---|",
+        "| per GPU / job | predicted | measured | measured / predicted | verdict |",
+        "|---|---|---|---|---|",
     ]
 
 
@@ -493,29 +539,36 @@ def _comparison_rows(*, estimate: RunEstimate, m: Measured) -> list[str]:
         else f"median of all {m.rows} steps (too few to drop a warm-up)"
     )
     lines: list[str] = []
-    mem = estimate.memory_total_bytes
-    mem_gib = None if mem is None else mem / GIB
+    memory = m.term("peak ") or memory_term(estimate, [])
     reserved = "" if m.mem_reserved_gib is None else f" (reserved {m.mem_reserved_gib:.3f})"
+    what = "max RSS of rank 0" if memory.name.startswith("peak RSS") else "max allocated"
     lines.append(
-        f"| peak memory per GPU (GiB) | {_or_na(mem_gib, '.3f')} | max allocated "
-        f"{_or_na(m.mem_allocated_gib, '.3f')}{reserved} | {_ratio(m.mem_allocated_gib, mem_gib)} |"
+        f"| {memory.name} | {_or_na(memory.predicted, '.3f')} | {what} "
+        f"{_or_na(m.mem_allocated_gib, '.3f')}{reserved} | {_ratio(m.mem_allocated_gib, memory.predicted)} | "
+        f"{verdict(memory)} |"
     )
+    step = m.term("step time") or Term("step time (s)", "step", estimate.step_time_s, m.step_time_s)
+    phases = [t for t in m.of_kind("step") if t is not step]
     tps = estimate.tokens_per_s
     lines.append(
         f"| tokens/s (job) | {_or_na(tps, ',.0f')} | {_or_na(m.tokens_per_s, ',.0f')} ({steady}) | "
-        f"{_ratio(m.tokens_per_s, tps)} |"
+        f"{_ratio(m.tokens_per_s, tps)} | {verdict(step, others=phases)} |"
     )
     mfu = estimate.mfu
     lines.append(
         f"| MFU | {_percent(mfu)} | "
         f"{'n/a (no peak FLOP/s for this device)' if m.mfu is None else _percent(m.mfu)} | "
-        f"{_ratio(m.mfu, mfu)} |"
+        f"{_ratio(m.mfu, mfu)} | {'n/a' if m.mfu is None else verdict(step, others=phases)} |"
     )
-    step_time = estimate.step_time_s
     lines.append(
-        f"| step time (s) | {_or_na(step_time, '.4g')} | {_or_na(m.step_time_s, '.4g')} | "
-        f"{_ratio(m.step_time_s, step_time)} |"
+        f"| step time (s) | {_or_na(step.predicted, '.4g')} | {_or_na(m.step_time_s, '.4g')} | "
+        f"{_ratio(m.step_time_s, step.predicted)} | {verdict(step, others=phases)} |"
     )
+    for t in phases:  # CPU ranks without a pipeline: the step's phases, medians
+        lines.append(
+            f"| &nbsp;&nbsp;{t.name} | {_or_na(t.predicted, '.4g')} | {_or_na(t.measured, '.4g')} | "
+            f"{_ratio(t.measured, t.predicted)} | {verdict(t, whole=step)} |"
+        )
     return lines
 
 
@@ -543,21 +596,42 @@ def _results_lines(m: Measured) -> list[str]:
     return lines
 
 
+def _basis_line(run: Run) -> str:
+    """What the plan's figures rested on: the catalog's, this machine's quick measurement, or a profile (and how
+    many runs corrected it)."""
+    p = run.cluster.profile
+    if p is None:
+        return (
+            f"The plan used the catalog's `{run.cluster.gpu}` figures (no profile: gen-config --measure never, or "
+            f"planned on another machine)."
+        )
+    corrections = ", ".join(f"{k} x{v:.3g}" for k, v in p.corrections)
+    folded = f" ({corrections})" if corrections else ""
+    return (
+        f"The plan used figures {p.basis}{folded}: {p.device}, {p.ranks} rank(s) x {p.threads_per_rank} thread(s), "
+        f"{p.model}, {p.dtype}, {p.created}."
+    )
+
+
 def render_markdown(run: Run, *, estimate: RunEstimate, engine: dict | None, m: Measured) -> str:
     cluster = run.cluster
     lines = _configuration_lines(run, engine=engine, m=m)
     lines += _comparison_rows(estimate=estimate, m=m)
     lines += checkpoint_rows(run, estimate=estimate)
-    startup_rows, startup_notes = startup_markdown(m.startup or read_startup(engine, estimate))
+    startup_rows, startup_notes = startup_markdown(
+        m.startup or read_startup(engine, estimate),
+        m.of_kind("startup"),
+        host_is_device=run.cluster.gpu_type.host_is_device,
+    )
     lines += startup_rows
     lines += [line for note in startup_notes for line in ("", note)]
+    lines += ["", _basis_line(run)]
     if cluster.gpu == "cpu":
         lines += [
             "",
-            "On the `cpu` type the measured memory is the host RSS of rank 0 (DeepSpeed's CPU accelerator), "
-            "Python and torch included, and the predictions use the catalog's nominal `cpu` figures: "
-            "compare trends, not absolute values. The device is the host there, so a rank's start-up RSS "
-            "also holds what the plan counts on the device.",
+            "On the `cpu` type the measured memory is the RSS of rank 0 (DeepSpeed's CPU accelerator), Python and "
+            "torch included; the plan's figure for it is a rank's resident prediction (the process before its "
+            "build, deepspeed.initialize's own buffers, and what the plan counts at the allocator's factor).",
         ]
     lines += _results_lines(m)
     lines += [
@@ -591,7 +665,9 @@ def write_report(run_path: str | Path, *, out: str | Path | None = None) -> tupl
     estimate = run.estimate
     engine = load_engine(run)  # None while absent or being written
     steps, val = read_metrics(run)
-    measured = replace(measure(steps, val), startup=read_startup(engine, estimate))
+    measured = replace(
+        measure(steps, val), startup=read_startup(engine, estimate), terms=tuple(plan_terms(run, engine, steps))
+    )
     out = _check_out(out if out is not None else run.path / "report")
     with outputs.writing(out), staged_dir(out, tag="tmp-") as tmp:
         plot_loss(steps, val, tmp / PLOTS["loss"])

@@ -54,6 +54,7 @@ def test_the_path_is_what_the_readme_shows():
 def test_the_documented_path_runs_on_2_cpu_ranks(tmp_path):
     bindir = Path(sys.executable).parent
     env = {**os.environ, **OFFLINE, "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}"}
+    env.update(DSPIPE_MEASURE="auto", DSPIPE_CACHE=str(tmp_path / "cache"))  # as a user's gen-config: measures here
     assert shutil.which("dspipe", path=env["PATH"]) and shutil.which("deepspeed", path=env["PATH"])
     outputs = {}
     for command in path_commands():
@@ -71,3 +72,34 @@ def test_the_documented_path_runs_on_2_cpu_ranks(tmp_path):
         assert (tmp_path / "models" / name / "model.safetensors").is_file()
     samples = [out for command, out in outputs.items() if command.startswith("dspipe generate")]
     assert len(samples) == 3 and all("def main(" in out for out in samples), samples
+    _the_plan_kept_its_word(run, env=env)
+
+
+def _the_plan_kept_its_word(run: Path, *, env: dict) -> None:
+    """Issue 40 on the same launch: the run recorded its start-up terms and its step's phases, the report compares
+    the plan (measured on this machine by gen-config) with them, and the run folds into its profile."""
+    import json
+
+    startup = json.loads((run / "engine.json").read_text())["startup"]
+    assert len(startup["seconds_before_build"]) == 2 and isinstance(startup["ops_built"], list), startup
+    assert all(
+        0 < b < r for b, r in zip(startup["seconds_before_build"], startup["seconds_to_first_step"], strict=True)
+    )
+    for row in csv_rows(run / "metrics.csv"):
+        phases = [float(row[k]) for k in ("forward_s", "backward_s", "optimizer_s")]
+        assert all(p > 0 for p in phases) and sum(phases) <= float(row["step_time_s"]), row
+    report = (run / "report" / "report.md").read_text()
+    assert "| measured / predicted | verdict |" in report and "&nbsp;&nbsp;forward (s)" in report
+    assert "The plan used figures measured by gen-config" in report
+    folded = run.parent / "folded.json"
+    r = subprocess.run(
+        [sys.executable, "-m", "dspipe", "calibrate", "--from-run", str(run), "--out", str(folded)],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, r.stderr
+    profile = json.loads(folded.read_text())
+    assert profile["runs"] == 1 and profile["measured_by"] == "gen-config" and "compute" in profile["corrections"]
+    if not startup["ops_built"]:  # a launch that compiled ops gives their compile time instead
+        assert profile["figures"]["launch_s"] == max(startup["seconds_before_build"])

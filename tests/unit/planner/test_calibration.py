@@ -87,7 +87,7 @@ def test_profile_round_trips_through_its_file(tmp_path):
 @pytest.mark.parametrize(
     "edit, message",
     [
-        (lambda d: d.update(version=2), "profile version 2 is not 1"),
+        (lambda d: d.update(version=3), "profile version 3 is not one this dspipe reads (1, 2)"),
         (lambda d: d.update(format="x"), "not a dspipe profile"),
         (lambda d: d["figures"].pop("compute_tflops"), "missing figure compute_tflops"),
         (

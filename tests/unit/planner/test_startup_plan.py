@@ -13,7 +13,7 @@ from dspipe.planner.stages import largest_tensor, stage_params
 from dspipe.planner.startup import DISK_GBPS, DRAW_RATE, build_mode, startup_estimate
 from dspipe.planner.throughput import STEP_COLUMNS
 from dspipe.spec.cluster import ClusterSpec
-from dspipe.spec.hardware import GIB
+from dspipe.spec.hardware import GIB, GPU_CATALOG
 from dspipe.spec.presets import MODEL_PRESETS
 from dspipe.spec.strategy import StrategySpec
 from dspipe.spec.train import TrainSpec
@@ -152,7 +152,7 @@ def test_import_reads_the_nodes_distinct_bytes_at_the_stated_disk_bandwidth():
     )
     text = part.first_step_text()
     assert "0.2 GB of the checkpoint read per node at an assumed 2 GB/s" in text
-    assert "deepspeed.initialize not counted" in text
+    assert "not counted" not in text  # the build's own seconds: the whole first step is first_step's
 
 
 def test_the_stage_figure_is_the_largest_pipeline_stage():
@@ -183,10 +183,10 @@ def test_llama2_70b_zero3_plan_shows_the_partitioned_start_up(capsys):
         f"node (8 ranks x {per_rank:.2f} GiB: one fp32 tensor drawn or read whole"
     )
     seconds = model.num_params / DRAW_RATE
-    assert (
-        f"first step after ~{seconds:,.0f} s (69B values drawn per rank at 60M/s, measured on one CPU rank; "
-        f"process start and deepspeed.initialize not counted)"
-    ) in out
+    assert f"build ~{seconds:,.0f} s (69B values drawn per rank at 60M/s, measured on one CPU rank)" in out
+    h100 = GPU_CATALOG["h100-80g"]
+    whole = next(ln for ln in out.splitlines() if "first step ends" in ln)
+    assert f"launch {h100.launch_s:.3g} + build {seconds:,.0f} + initialize {h100.initialize_s:.3g} + JIT" in whole
     assert "start GiB/node" in out  # the --top table
     s = _json(capsys, *LLAMA70, "--zero", "3")["startup"]
     assert s["mode"] == "partitioned" and s["host_build_per_rank_bytes"] == 8 * t == s["host_per_rank_bytes"]
@@ -195,6 +195,8 @@ def test_llama2_70b_zero3_plan_shows_the_partitioned_start_up(capsys):
     assert s["seconds"] == pytest.approx(seconds) and s["drawn_elements"] == model.num_params
     assert (s["import_bytes"], s["read_bytes_per_node"], s["disk_gbps"]) == (None, 0, DISK_GBPS)
     assert "deepspeed.initialize" in s["not_counted"]
+    fs = _json(capsys, *LLAMA70, "--zero", "3")["first_step"]
+    assert fs["build_s"] == pytest.approx(seconds) and fs["seconds"] > seconds + h100.launch_s
 
 
 def test_a_tp_plan_builds_only_its_shard(capsys):
@@ -253,7 +255,7 @@ def template(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("gen")
     r = dspipe("gen-config", *CPU2, "--out", "runs/t", cwd=cwd)
     assert r.returncode == 0, r.stderr
-    assert "start-up: device build" in r.stdout and "first step after ~" in r.stdout
+    assert "start-up: device build" in r.stdout and "first step ends ~" in r.stdout
     return cwd / "runs/t"
 
 
@@ -261,7 +263,9 @@ def template(tmp_path_factory):
 def run(template, tmp_path):
     path = tmp_path / "runs/t"
     shutil.copytree(template, path)
-    rows = [[s, s * 1024, 8.0 - s / 10, 1e-4, 1.0, 2000.0, "", 0.5, "", "", "", 0.5, 0] for s in range(1, 6)]
+    rows = [
+        [s, s * 1024, 8.0 - s / 10, 1e-4, 1.0, 2000.0, "", 0.5, "", "", "", 0.5, 0, "", "", ""] for s in range(1, 6)
+    ]
     (path / "metrics.csv").write_text("\n".join(",".join(map(str, r)) for r in [STEP_COLUMNS, *rows]) + "\n")
     return path
 
@@ -320,14 +324,14 @@ def test_report_sets_the_measured_start_up_beside_the_plan(run):
         f"+{growth:,.1f} over the 720.2 before the build (after the build 830.0) | {growth / plan_mib:.2f} "
         f"(growth) |"
     ) in md
-    assert (
-        f"| time to first step (s) | {s['seconds']:.4g} | 12.5 (slowest rank; module build 1.5) | "
-        f"{12.5 / s['seconds']:.2f} |"
+    whole = json.loads((run / "dspipe.json").read_text())["estimate"]["first_step"]["seconds"]
+    assert (  # engine.json's seconds to the first step + the first row's step time
+        f"| time to first step's end (s) | {whole:.4g} | 13 (slowest rank) | {13 / whole:.2f} |"
     ) in md
-    assert "deepspeed.initialize, which the plan leaves out" in md
+    assert "then the first step (metrics.csv's first row)" in md
     assert (
         f"start-up: worst rank 1 peak RSS 1,000.5 MiB (+{growth:,.1f} over the 720.2 before the build; plan "
-        f"{plan_mib:,.1f} MiB), first step after 12.5 s"
+        f"{plan_mib:,.1f} MiB), first step began 12.5 s after the process start; plan {whole:,.4g} s to its end"
     ) in stdout
 
 

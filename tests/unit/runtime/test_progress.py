@@ -61,6 +61,9 @@ def _row(step):
         "mem_reserved_gib": 0.2,
         "step_time_s": 0.25,
         "skipped": 0,
+        "forward_s": 0.08,
+        "backward_s": 0.15,
+        "optimizer_s": 0.01,
     }
 
 

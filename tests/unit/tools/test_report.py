@@ -48,10 +48,11 @@ def run(template, tmp_path):
 
 
 def write_csv(path, columns, rows):
+    """The rows under `columns`, each padded with empty fields (a GPU run leaves the phase columns empty)."""
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(columns)
-        w.writerows(rows)
+        w.writerows([*row, *[""] * (len(columns) - len(row))] for row in rows)
 
 
 def gpu_like_rows(steps=20):
@@ -129,7 +130,7 @@ def test_report_plots_and_plan_vs_measured(run):
         assert_png(out / name)
 
     est = json.loads((run / "dspipe.json").read_text())["estimate"]
-    mem = est["memory_per_gpu_bytes"]["total"] / GIB
+    mem = est["rank_resident_bytes"] / GIB  # a CPU rank: its RSS, predicted (GpuType.resident_bytes)
     md = (out / "report.md").read_text()
     assert "| model | tiny: 0.37M params (L2 h64 a4 s64 V4096) |" in md
     assert "| world | 2 = dp 2 x pp 1 (1 node(s) x 2 cpu) |" in md
@@ -138,7 +139,7 @@ def test_report_plots_and_plan_vs_measured(run):
     assert "| recomputation | none |" in md
     assert "| batch | global 16 = micro 4 x GA 2 x dp 2 (1,024 tokens/step) |" in md
     assert "| live engine | ZeRO-1, dp 2 x pp 1, gloo, DeepSpeedZeroOptimizer / AdamW, world 2 (engine.json) |" in md
-    assert f"| peak memory per GPU (GiB) | {mem:.3f} | max allocated 1.200 (reserved 1.500) | {1.2 / mem:.2f} |" in md
+    assert f"| peak RSS per rank (GiB) | {mem:.3f} | max RSS of rank 0 1.200 (reserved 1.500) | {1.2 / mem:.2f} |" in md
     assert (
         f"| tokens/s (job) | {est['tokens_per_s']:,.0f} | 10,120 (median of steps 4-20) | "
         f"{10120 / est['tokens_per_s']:.2f} |"
@@ -166,10 +167,10 @@ def test_cpu_run_without_validation_and_few_steps(run, tmp_path):
     assert "- validation: none (val_metrics.csv absent or empty)" in md
     assert "| 3,000 (median of all 3 steps (too few to drop a warm-up)) |" in md
     assert "| n/a (no peak FLOP/s for this device) | n/a |" in md
-    assert "| max allocated n/a | n/a |" in md
+    assert "| max RSS of rank 0 n/a | n/a | n/a |" in md
     assert "- final train loss: 6.0000 (mean of the last 3 steps" in md
     assert "| live engine | not written yet" in md
-    assert "the measured memory is the host RSS of rank 0" in md
+    assert "the measured memory is the RSS of rank 0" in md
     for name in ("loss.png", "throughput.png", "lr.png"):
         assert_png(out / name)
     assert not (run / "report").exists()

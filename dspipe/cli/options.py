@@ -546,13 +546,17 @@ def _measured(o: dict, *, model: ModelSpec, cluster: ClusterSpec, train: TrainSp
         raise SpecError(f"$DSPIPE_MEASURE must be one of {', '.join(MEASURE_CHOICES)}, got {mode!r}")
     if cluster.profile is not None or mode == "never":
         return cluster
-    from dspipe.tools.machine import here, machine_profile
+    from dspipe.tools.machine import here, machine_profile, too_big
 
     if not here(cluster.gpu):
         if mode == "always":
             raise SpecError(
                 f"--measure always: this machine has no {cluster.gpu} GPU to measure; plan on one, or give --profile"
             )
+        return cluster
+    skip = too_big(gpu=cluster.gpu, model=model, micro_batch=request.micro_batch)
+    if skip is not None and mode == "auto":
+        click.echo(skip, err=True)
         return cluster
     profile = machine_profile(
         gpu=cluster.gpu,

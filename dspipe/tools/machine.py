@@ -30,6 +30,25 @@ QUICK = {"repeats": 3, "min_seconds": 2.0, "allreduce_mib": 4, "cpu_adam": False
 a minutes-long compile, keeps the catalog's rate: `dspipe calibrate` measures it)."""
 QUICK_MICRO_BATCH = 4
 """Micro-batch measured at when the plan's is left to the search."""
+CPU_QUICK_FLOPS = 1e11
+"""On CPU ranks the quick measurement runs only where one forward + backward of a micro-batch is at most this many
+model FLOPs (~5 s at the 0.02 TFLOP/s a rank of the 2-core machine reaches; the demo's is 8e9): a larger model would
+turn a plan into minutes of measuring, so it keeps the catalog's figures and says how to measure once instead."""
+
+
+def too_big(*, gpu: str, model: ModelSpec, micro_batch: int | None) -> str | None:
+    """Why the quick measurement is skipped for this model (None: it runs)."""
+    from dspipe.planner.throughput import model_flops_per_token
+
+    micro = micro_batch or QUICK_MICRO_BATCH
+    flops = model_flops_per_token(model) * micro * model.seq_len
+    if gpu != "cpu" or flops <= CPU_QUICK_FLOPS:
+        return None
+    return (
+        f"machine: not measured: one forward + backward of {micro} x {model.seq_len} tokens is {flops:.2g} FLOPs, "
+        f"over the {CPU_QUICK_FLOPS:.0e} a quick measurement on CPU ranks allows; the catalog's figures (measure once: "
+        f"dspipe calibrate ... --out FILE, then --profile FILE)"
+    )
 
 
 def cache_dir(env: dict | None = None) -> Path:

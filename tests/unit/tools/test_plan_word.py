@@ -385,6 +385,17 @@ def test_plan_measures_this_machine_once_and_reads_it_back(tmp_path):
     assert "machine:" not in third.stderr and json.loads(third.stdout) != summary  # the catalog's figures
 
 
+def test_a_model_too_big_to_measure_quickly_on_cpu_keeps_the_catalog(tmp_path):
+    env = {"DSPIPE_CACHE": str(tmp_path), "DSPIPE_MEASURE": "auto"}
+    r = dspipe("plan", "--model", "gpt3-1.3b", "--gpus-per-node", "2", "--gpu", "cpu", "--global-batch", "8", env=env)
+    assert r.returncode == 0, r.stderr
+    line = next(ln for ln in r.stderr.splitlines() if ln.startswith("machine:"))
+    assert (
+        line.startswith("machine: not measured: one forward + backward of 4 x 2048 tokens is") and "--profile" in line
+    )
+    assert not (tmp_path / "machine").exists()  # nothing measured, nothing cached
+
+
 def test_a_damaged_cached_measurement_is_measured_again(tmp_path):
     from dspipe.tools.machine import _read_cached
 

@@ -75,6 +75,11 @@ def _state(name: str) -> tuple[bool, str]:
     return os.path.isfile(os.path.join(cache, f"{name}.so")), cache
 
 
+def op_built(name: str) -> bool:
+    """Whether the op `name` is prebuilt into DeepSpeed or compiled into the extension cache."""
+    return _state(name)[0]
+
+
 def notice(*, offload: str) -> str | None:
     """The launch's line when it will compile ops (None when every op it loads is built)."""
     pending = [op for op in runner_ops(offload=offload) if not op.built]

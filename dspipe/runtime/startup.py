@@ -63,19 +63,21 @@ _OPS_MISSING_AT_START: tuple[str, ...] = ()
 
 
 def note_ops_at_start() -> None:
-    """At the process start (before deepspeed.init_distributed builds anything): which of DeepSpeed's JIT ops the
-    extension cache lacks, so that the start-up record can say which ones this launch compiled."""
-    from dspipe.cluster.opcache import CPU_ADAM, FUSED_ADAM, SHM_COMM, missing_ops
+    """At the process start (before deepspeed.init_distributed builds anything): which of DeepSpeed's JIT ops are
+    neither prebuilt nor in the extension cache (dspipe.runtime.ops), so that the start-up record can say which ones
+    this launch compiled."""
+    from dspipe.cluster.opcache import CPU_ADAM, FUSED_ADAM, SHM_COMM
+    from dspipe.runtime.ops import op_built
 
     global _OPS_MISSING_AT_START
-    _OPS_MISSING_AT_START = missing_ops((SHM_COMM, FUSED_ADAM, CPU_ADAM))
+    _OPS_MISSING_AT_START = tuple(op for op in (SHM_COMM, FUSED_ADAM, CPU_ADAM) if not op_built(op))
 
 
 def ops_built_here() -> tuple[str, ...]:
-    """The ops missing at the process start that the cache holds now: this launch compiled them."""
-    from dspipe.cluster.opcache import cached
+    """The ops missing at the process start that are built now: this launch compiled them."""
+    from dspipe.runtime.ops import op_built
 
-    return tuple(op for op in _OPS_MISSING_AT_START if cached(op))
+    return tuple(op for op in _OPS_MISSING_AT_START if op_built(op))
 
 
 class StartupClock:

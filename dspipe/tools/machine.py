@@ -23,6 +23,7 @@ from pathlib import Path
 from dspipe.errors import SpecError
 from dspipe.spec.model import ModelSpec
 from dspipe.spec.profile import PROFILE_VERSION, Profile, profile_from_dict, profile_text
+from dspipe.tools.bench_worker import cpu_model
 
 MEASURE_CHOICES = ("auto", "always", "never")
 QUICK = {"repeats": 3, "min_seconds": 2.0, "allreduce_mib": 4, "cpu_adam": False}
@@ -67,21 +68,11 @@ def _version(package: str) -> str:
         return "none"
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def machine_key(*, gpu: str, model: ModelSpec, precision: str, micro_batch: int, ranks: int) -> str:
     """What a cached measurement must match: the host, its cores and software, the shape measured."""
     parts = [
         platform.node(),
-        _cpu_model(),
+        cpu_model(),
         str(os.cpu_count()),
         sys.version.split()[0],
         _version("torch"),

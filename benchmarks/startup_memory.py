@@ -9,9 +9,11 @@ are those of a run that starts.
     python benchmarks/startup_memory.py --hf-llama              # from a random 147M LlamaForCausalLM it writes
                                                                 # (save_pretrained, safetensors); checks step 1's
                                                                 # loss against transformers' on the same batch
-    python benchmarks/startup_memory.py --ranks 4 --tp 2 --pp 2 --zero 1
-                                                                # 152M at tp 2 x pp 2: each rank builds only
-                                                                # its stage's tp shard (a quarter of the model)
+    python benchmarks/startup_memory.py --ranks 4 --tp 2 --pp 2 --zero 0
+                                                                # 152M at tp 2 x pp 2 (dp 1): each rank builds
+                                                                # only its stage's tp shard (a quarter of the
+                                                                # model); --zero 1 adds ZeRO-1's flat buffer and
+                                                                # fp32 partition, at dp 1 the whole shard again
     python benchmarks/startup_memory.py --experts 8 --ep 1 2 --layers 4 --ranks 2 --zero 2
                                                                 # a mixture of experts (ffn 4 x hidden per
                                                                 # expert, top 2) at each ep: a rank builds the

@@ -386,3 +386,23 @@ def bash_commands(path: Path) -> list[str]:
         if text and not text.startswith("#"):
             commands.append(text)
     return commands
+
+
+GPU_ONLY = "# GPUs"  # a documented line whose comment starts so needs GPUs: no test runs it
+
+
+def documented(page: Path, start: str) -> str:
+    """The one command of `page`'s ```bash blocks (bash_commands) that starts with `start`, leaving out the lines
+    marked GPU_ONLY and those with a placeholder (`...`): the line a test runs as written (run_documented)."""
+    found = [c for c in bash_commands(page) if c.startswith(start) and GPU_ONLY not in c and "..." not in c]
+    assert len(found) == 1, f"{page.relative_to(ROOT)}: one `{start}` line to run, found {found}"
+    return found[0]
+
+
+def run_documented(command: str, *, cwd: Path, env: dict | None = None, timeout: float = 900):
+    """`command` as the docs show it, run by bash in `cwd` with this interpreter's `dspipe` and `deepspeed` first on
+    PATH (as tests/distributed/test_docs_path.py runs the README's path); `env` adds to this process's environment."""
+    bindir = Path(sys.executable).parent
+    full = {**os.environ, **OFFLINE, **(env or {}), "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}"}
+    assert shutil.which("dspipe", path=full["PATH"]), f"no dspipe in {bindir} (pip install -e .)"
+    return subprocess.run(["bash", "-c", command], cwd=cwd, env=full, capture_output=True, text=True, timeout=timeout)

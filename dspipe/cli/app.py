@@ -87,7 +87,7 @@ def gen_config(**o) -> None:
     """Write runs/NAME/ds_config.json, dspipe.json and config.yaml (the options: --config reproduces the run) and
     print the deepspeed command."""
     from dspipe.outputs import claim_run_dir, target, training_outputs
-    from dspipe.rundir import CONFIG_FILE, also_writing
+    from dspipe.rundir import CONFIG_FILE
 
     if o["out"] is None:  # not required by click: --print-config needs none
         raise click.MissingParameter(ctx=click.get_current_context(), param_type="option", param_hint="'--out'")
@@ -110,11 +110,37 @@ def gen_config(**o) -> None:
         notes.append(f"note: {auto_line}")
     plan, train = best.plan, best.train
     out: Path = o["out"]
-    if o["tokenizer"] is not None:  # its vocab must fit the model (generate, export-hf), a blend's too
+    _check_chosen(data=o["data"], tokenizer=o["tokenizer"], model=model, plan=plan, train=train, notes=notes)
+    command = _deepspeed_command(cluster=cluster, out=out, hostfile=o["hostfile"])
+    _write_run(
+        o=o,
+        out=out,
+        model=model,
+        cluster=cluster,
+        best=best,
+        command=command,
+        preset=preset,
+        auto_interval=auto_interval,
+    )
+    _echo_summary(model=model, best=best, evaluated=result.evaluated, notes=notes)
+    click.echo(f"wrote {out / 'ds_config.json'} and {out / 'dspipe.json'} (options: {out / CONFIG_FILE})")
+    click.echo(f"run:  {command}")
+    if kept:
+        notes.append(
+            f"note: kept {', '.join(kept)} in {out}: 'dspipe launch {out}' resumes from its newest "
+            f"checkpoint ('--restart' starts over, moving the old outputs aside)"
+        )
+    for note in notes:
+        get_logger(__name__).info(note)
+
+
+def _check_chosen(*, data, tokenizer, model, plan, train, notes: list[str]) -> None:
+    """gen-config's checks of the data and tokenizer against the chosen model and plan (notes gathers the notes)."""
+    if tokenizer is not None:  # its vocab must fit the model (generate, export-hf), a blend's too
         from dspipe.data.blend import parse as parse_data
         from dspipe.data.checks import check_tokenizer
 
-        check_tokenizer(parse_data(o["data"]).paths, o["tokenizer"], model_vocab=model.vocab)
+        check_tokenizer(parse_data(data).paths, tokenizer, model_vocab=model.vocab)
     if train.warmup_steps < 2:  # DeepSpeed's WarmupLR and WarmupCosineLR take max(2, warmup_num_steps)
         notes.append(
             f"note: --warmup {train.warmup_steps} runs as 2 warmup steps (DeepSpeed's WarmupLR and "
@@ -126,12 +152,17 @@ def gen_config(**o) -> None:
         from dspipe.data.blend import parse as parse_data
         from dspipe.data.megatron_order import check_for_run
 
-        check_for_run(parse_data(o["data"]), seq_len=model.seq_len, num_samples=train.steps * plan.global_batch)
-    if train.eval_interval and is_prepared(o["data"]):
+        check_for_run(parse_data(data), seq_len=model.seq_len, num_samples=train.steps * plan.global_batch)
+    if train.eval_interval and is_prepared(data):
         from dspipe.data.checks import check_val_for_eval
 
-        check_val_for_eval(o["data"], seq_len=model.seq_len, dp=plan.dp, micro_batch=plan.micro_batch)
-    command = _deepspeed_command(cluster=cluster, out=out, hostfile=o["hostfile"])
+        check_val_for_eval(data, seq_len=model.seq_len, dp=plan.dp, micro_batch=plan.micro_batch)
+
+
+def _write_run(*, o, out: Path, model, cluster, best, command: str, preset, auto_interval: bool) -> None:
+    """Write gen-config's run directory: its configs, the options, the cluster profile and the tokenizer."""
+    from dspipe.rundir import CONFIG_FILE, also_writing
+
     extra = {CONFIG_FILE: resolved_text()}
     if cluster.profile is not None:  # the profile travels with the run (dspipe.json's cluster.profile holds it too)
         from dspipe.spec.profile import PROFILE_FILE, profile_text
@@ -156,6 +187,11 @@ def gen_config(**o) -> None:
         from dspipe.spec.profile import PROFILE_FILE
 
         (out / PROFILE_FILE).unlink(missing_ok=True)
+
+
+def _echo_summary(*, model, best, evaluated: int, notes: list[str]) -> None:
+    """gen-config's lines on the model, the plan, the batch and the estimate (a slow save's note joins notes)."""
+    plan, train, est = best.plan, best.train, best.est
     active = f" ({model.active_params / 1e6:,.2f}M active)" if model.experts else ""
     click.echo(f"model {model.name}: {model.num_params / 1e6:,.2f}M params{active}, {model.shape_text}")
     experts = (
@@ -176,11 +212,10 @@ def gen_config(**o) -> None:
     )
     if train.tokens is not None:
         click.echo(token_budget_line(train, seq_len=model.seq_len))
-    est = best.est
     click.echo(
         f"estimate: {est.memory.total / GIB:.1f} of {est.gpu_memory_bytes / GIB:.1f} GiB per GPU, "
         f"{est.step_time_s:.3g} s/step, {best.tokens_per_s:,.0f} tokens/s, MFU {best.mfu * 100:.0f}% "
-        f"(chosen from {result.evaluated} candidates; 'dspipe plan' explains)"
+        f"(chosen from {evaluated} candidates; 'dspipe plan' explains)"
     )
     for line in startup_lines(est):
         click.echo(line)
@@ -190,15 +225,6 @@ def gen_config(**o) -> None:
     slow_save = save_interval_note(est, save_interval=train.save_interval, async_save=train.async_save)
     if slow_save:
         notes.append(slow_save)
-    click.echo(f"wrote {out / 'ds_config.json'} and {out / 'dspipe.json'} (options: {out / CONFIG_FILE})")
-    click.echo(f"run:  {command}")
-    if kept:
-        notes.append(
-            f"note: kept {', '.join(kept)} in {out}: 'dspipe launch {out}' resumes from its newest "
-            f"checkpoint ('--restart' starts over, moving the old outputs aside)"
-        )
-    for note in notes:
-        get_logger(__name__).info(note)
 
 
 def _auto_save_interval(best, *, cluster):

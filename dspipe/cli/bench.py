@@ -71,8 +71,6 @@ def _devices(o: dict) -> tuple[str, int]:
 def bench_command(o: dict, *, command: str) -> dict:
     """Plan as gen-config does, write the run dir in a temp directory, launch the side(s), report."""
     from dspipe.cluster.doctor import versions
-    from dspipe.planner.throughput import model_flops_per_token
-    from dspipe.spec.hardware import match_device
     from dspipe.tools import bench
 
     warmup, steps = o["warmup"], o["steps"]
@@ -97,44 +95,22 @@ def bench_command(o: dict, *, command: str) -> dict:
     sides_wanted = ("dspipe", *bench.REFERENCES[o["reference"]]) if o["compare"] else ("dspipe",)
     threads = bench.cpu_threads(ranks=ranks) if gpu == "cpu" else None
     say = click.echo
-    setup = (
-        f"{model.name} {plan.num_params / 1e6:,.2f}M params ({model.shape_text}) | {plan.layout.describe()} | "
-        f"ZeRO-{plan.zero_stage} offload {plan.offload} | {plan.precision} | recompute {plan.checkpointing} | "
-        f"batch {plan.micro_batch} x ga {plan.grad_accum} x dp {plan.dp} = {plan.global_batch} seq "
-        f"({plan.tokens_per_step:,} tokens/step) | {warmup} warm-up + {steps} measured steps"
-        f"{' | blocks compiled' if o['compile'] else ''}"
-    )
+    setup = _setup_text(model=model, plan=plan, warmup=warmup, steps=steps, compiled=o["compile"])
     say(f"bench: {setup}")
-    with tempfile.TemporaryDirectory(prefix="dspipe-bench-") as tmp:
-        run_dir = Path(tmp) / "run"
-        prepare_run(run_dir, model=model, cluster=cluster, best=best, data="synthetic", command=command, preset=preset)
-        results = {}
-        for side in sides_wanted:
-            say(f"bench: {side} on {ranks} rank(s) ...")
-            results[side] = bench.run_side(
-                ranks=ranks,
-                run_dir=run_dir,
-                side=side,
-                warmup=warmup,
-                steps=steps,
-                out=Path(tmp) / side,
-                threads=threads,
-            )
+    results = _run_sides(
+        model=model,
+        cluster=cluster,
+        best=best,
+        command=command,
+        preset=preset,
+        sides=sides_wanted,
+        ranks=ranks,
+        warmup=warmup,
+        steps=steps,
+        threads=threads,
+    )
     device = results["dspipe"][0]["device_name"]
-    gpu_type = match_device(device)  # the ranks' device name; detected above by the same rule
-    peak = gpu_type.peak_tflops(plan.precision) if gpu_type else None
-    sides = {
-        side: bench.summarize(
-            ranks_,
-            tokens_per_step=plan.tokens_per_step,
-            samples_per_step=plan.global_batch,
-            steps=steps,
-            flops_per_token=model_flops_per_token(model),
-            world_size=plan.world_size,
-            peak_tflops=peak,
-        )
-        for side, ranks_ in results.items()
-    }
+    sides = _summarize(results, device=device, model=model, plan=plan, steps=steps)
     engine = sides["dspipe"]["engine"]
     threads = sides["dspipe"]["threads"]  # as the ranks saw it
     setup += (
@@ -149,6 +125,63 @@ def bench_command(o: dict, *, command: str) -> dict:
         bench.append_section(Path(o["append"]), section)
         say(f"appended to {o['append']}")
     return sides
+
+
+def _setup_text(*, model, plan, warmup: int, steps: int, compiled: bool) -> str:
+    """bench's line on the model, the plan and the steps measured."""
+    return (
+        f"{model.name} {plan.num_params / 1e6:,.2f}M params ({model.shape_text}) | {plan.layout.describe()} | "
+        f"ZeRO-{plan.zero_stage} offload {plan.offload} | {plan.precision} | recompute {plan.checkpointing} | "
+        f"batch {plan.micro_batch} x ga {plan.grad_accum} x dp {plan.dp} = {plan.global_batch} seq "
+        f"({plan.tokens_per_step:,} tokens/step) | {warmup} warm-up + {steps} measured steps"
+        f"{' | blocks compiled' if compiled else ''}"
+    )
+
+
+def _run_sides(
+    *, model, cluster, best, command: str, preset, sides: tuple[str, ...], ranks: int, warmup: int, steps: int, threads
+) -> dict:
+    """Write the run dir in a temp directory and run each side there in turn; each side's ranks' results."""
+    from dspipe.tools import bench
+
+    with tempfile.TemporaryDirectory(prefix="dspipe-bench-") as tmp:
+        run_dir = Path(tmp) / "run"
+        prepare_run(run_dir, model=model, cluster=cluster, best=best, data="synthetic", command=command, preset=preset)
+        results = {}
+        for side in sides:
+            click.echo(f"bench: {side} on {ranks} rank(s) ...")
+            results[side] = bench.run_side(
+                ranks=ranks,
+                run_dir=run_dir,
+                side=side,
+                warmup=warmup,
+                steps=steps,
+                out=Path(tmp) / side,
+                threads=threads,
+            )
+    return results
+
+
+def _summarize(results: dict, *, device: str, model, plan, steps: int) -> dict:
+    """Each side's summary of its ranks' results, MFU against the peak of the ranks' device type."""
+    from dspipe.planner.throughput import model_flops_per_token
+    from dspipe.spec.hardware import match_device
+    from dspipe.tools import bench
+
+    gpu_type = match_device(device)  # the ranks' device name; detected above by the same rule
+    peak = gpu_type.peak_tflops(plan.precision) if gpu_type else None
+    return {
+        side: bench.summarize(
+            ranks_,
+            tokens_per_step=plan.tokens_per_step,
+            samples_per_step=plan.global_batch,
+            steps=steps,
+            flops_per_token=model_flops_per_token(model),
+            world_size=plan.world_size,
+            peak_tflops=peak,
+        )
+        for side, ranks_ in results.items()
+    }
 
 
 def _make_command() -> click.Command:

@@ -100,6 +100,12 @@ def calibrate(**o) -> None:
 
     with writing(out):
         write_file(out, text)
+    _echo_profile(profile)
+    click.echo(f"wrote {out} (use: dspipe plan|gen-config ... --profile {out})")
+
+
+def _echo_profile(profile) -> None:
+    """calibrate's summary of the profile it wrote."""
     click.echo(
         f"device {profile.device} ({profile.gpu}), {profile.ranks} rank(s) x {profile.threads_per_rank} "
         f"thread(s), {profile.dtype}, {profile.model}"
@@ -118,7 +124,6 @@ def calibrate(**o) -> None:
     click.echo(f"{copy}, host memcpy {profile.host_memcpy_gbps:.3g} GB/s")
     adam = "n/a" if profile.cpu_adam_params_per_s is None else f"{profile.cpu_adam_params_per_s:.3g} params/s per node"
     click.echo(f"CPU-Adam {adam}, optimizer step {profile.optimizer_params_per_s:.3g} params/s per rank")
-    click.echo(f"wrote {out} (use: dspipe plan|gen-config ... --profile {out})")
 
 
 def _checked_out(o: dict) -> Path | None:

@@ -122,10 +122,7 @@ def prepare_data(
     out = target(out, flag="--out", expect="dir")  # before reading any input
     final = out
     if out_format == "megatron":  # tokens prepared beside it (resumable), then written in Megatron's format
-        from dspipe.outputs import claim_dir
-
-        claim_dir(out, kind="data", replace=force)  # refused before any tokenizing
-        out = out.with_name(f".{out.name}.tokens")
+        out = _megatron_staging(out, force=force)
     specs = list(inputs) + list(sources)
     resolved = resolve_inputs(
         specs,
@@ -153,20 +150,23 @@ def prepare_data(
         progress=True,
         log=click.echo,
     )
+    _report(result, out=out, final=final, out_format=out_format, workers=workers)
+
+
+def _megatron_staging(out: Path, *, force: bool) -> Path:
+    """Claim `out` for --format megatron (refused before any tokenizing); the directory its tokens are prepared in."""
+    from dspipe.outputs import claim_dir
+
+    claim_dir(out, kind="data", replace=force)  # refused before any tokenizing
+    return out.with_name(f".{out.name}.tokens")
+
+
+def _report(result, *, out: Path, final: Path, out_format: str, workers: int) -> None:
+    """prepare-data's lines on the prepared data (for --format megatron: written in Megatron's format first)."""
     m = result.meta
     train, val = m["splits"]["train"], m["splits"]["val"]
     if out_format == "megatron":
-        import shutil
-
-        from dspipe.data.convert import to_megatron
-
-        done = to_megatron(source=out, out=final, force=True)
-        shutil.rmtree(out, ignore_errors=True)
-        click.echo(
-            f"wrote {done['prefix']}.bin/.idx: {done['num_documents']:,} documents, {done['num_tokens']:,} "
-            f"{done['dtype']} tokens (train then validation documents), vocab {m['vocab_size']}, tokenizer in "
-            f"{final / 'tokenizer'}; Megatron: --data-path {done['prefix']}"
-        )
+        _write_megatron(out, final=final, vocab_size=m["vocab_size"])
         return
     if result.reused:
         click.echo(
@@ -191,6 +191,21 @@ def prepare_data(
     click.echo(
         f"tokenized at {result.encoded_tokens / max(result.encode_seconds, 1e-9):,.0f} tokens/s with "
         f"{workers} workers ({result.seconds:.1f} s in all{resumed})"
+    )
+
+
+def _write_megatron(out: Path, *, final: Path, vocab_size: int) -> None:
+    """Write the tokens prepared in `out` to `final` in Megatron's format, `out` then removed."""
+    import shutil
+
+    from dspipe.data.convert import to_megatron
+
+    done = to_megatron(source=out, out=final, force=True)
+    shutil.rmtree(out, ignore_errors=True)
+    click.echo(
+        f"wrote {done['prefix']}.bin/.idx: {done['num_documents']:,} documents, {done['num_tokens']:,} "
+        f"{done['dtype']} tokens (train then validation documents), vocab {vocab_size}, tokenizer in "
+        f"{final / 'tokenizer'}; Megatron: --data-path {done['prefix']}"
     )
 
 

@@ -307,18 +307,33 @@ def doctor(gpu: str | None, size_mb: float, iters: int, skip_allreduce: bool, ti
     via = "--no-ssh" if spec.no_ssh else spec.launcher if hostfile else "local"
     click.echo(f"ranks: {describe(resources)} via {via}")
     if hostfile and spec.launcher == "pdsh" and not spec.no_ssh:
-        hosts = [hostfile.host(n) for n in resources]
-        bad = d.ssh_unreachable(hosts, source=hostfile.source, ssh_port=spec.ssh_port)
-        if bad:
-            raise SpecError(
-                f"not reachable over passwordless ssh (pdsh needs every host): {'; '.join(bad)}; "
-                f"fix ssh or launch with --no-ssh --node-rank R on each node"
-            )
-        click.echo(f"ssh: {len(hosts)} host(s) reachable ({', '.join(h.name for h in hosts)})")
+        _check_ssh(hostfile, resources=resources, ssh_port=spec.ssh_port)
     if skip_allreduce:
         return
     cluster = ClusterSpec(nodes=len(resources), gpus_per_node=max(len(s) for s in resources.values()), gpu=gpu)
     env = rank_environment(cluster=cluster, network=network)
+    result = _run_allreduce(spec, env=env, size_mb=size_mb, iters=iters, timeout_s=timeout_s, default_gpus=default_gpus)
+    _report_allreduce(result, cluster=cluster, gpu=gpu, env=env)
+
+
+def _check_ssh(hostfile, *, resources, ssh_port) -> None:
+    """Refuse a host of `resources` that passwordless ssh does not reach (pdsh needs every one); say they do."""
+    from dspipe.cluster import doctor as d
+
+    hosts = [hostfile.host(n) for n in resources]
+    bad = d.ssh_unreachable(hosts, source=hostfile.source, ssh_port=ssh_port)
+    if bad:
+        raise SpecError(
+            f"not reachable over passwordless ssh (pdsh needs every host): {'; '.join(bad)}; "
+            f"fix ssh or launch with --no-ssh --node-rank R on each node"
+        )
+    click.echo(f"ssh: {len(hosts)} host(s) reachable ({', '.join(h.name for h in hosts)})")
+
+
+def _run_allreduce(spec, *, env: dict, size_mb: float, iters: int, timeout_s: int, default_gpus: int) -> dict:
+    """doctor's all-reduce across the ranks of `spec` (launched as a run is, from a temp directory); its result."""
+    from dspipe.cluster import doctor as d
+
     tmp = Path(tempfile.mkdtemp(prefix="dspipe-doctor-"))
     try:
         program = [
@@ -334,9 +349,16 @@ def doctor(gpu: str | None, size_mb: float, iters: int, skip_allreduce: bool, ti
         plan = build(spec, program=program, env=env, env_file=tmp / ".deepspeed_env", default_gpus=default_gpus)
         preflight(plan, spec)
         write_env_file(tmp, env)
-        result = d.run_allreduce(plan, timeout_s=timeout_s)
+        return d.run_allreduce(plan, timeout_s=timeout_s)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _report_allreduce(result: dict, *, cluster: ClusterSpec, gpu: str, env: dict) -> None:
+    """doctor's line on the all-reduce against the planner's assumed bandwidth; refuses a wrong sum or an
+    environment the ranks did not all see."""
+    from dspipe.cluster import doctor as d
+
     kind, assumed = (
         ("inter-node", cluster.gpu_type.inter_node_gbps)
         if cluster.nodes > 1

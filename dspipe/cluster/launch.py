@@ -303,6 +303,51 @@ def build_elastic(
     (--no-ssh --node-rank R, as slurm-script launches), meeting through a c10d rendezvous on the master's port."""
     hostfile, resources, _ = resolve(spec, default_gpus=default_gpus)
     min_nodes = nodes if elastic.min_nodes is None else elastic.min_nodes
+    hosts = list(resources)
+    node = _elastic_node(spec, hostfile=hostfile, resources=resources, min_nodes=min_nodes, nodes=nodes)
+    slots = resources[hosts[node]]
+    argv = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(len(slots)),
+        "--max-restarts",
+        str(elastic.max_restarts),
+        "--monitor-interval",
+        "1",
+    ]
+    if hostfile is None:
+        argv += ["--standalone"]
+        port = None
+    else:
+        port = spec.master_port or DEFAULT_PORT
+        argv += _rendezvous_args(
+            master=spec.master_addr or hosts[0],
+            port=port,
+            min_nodes=min_nodes,
+            nodes=nodes,
+            run_id=run_id,
+            rejoin_wait_s=elastic.rejoin_wait_s,
+        )
+    env = _elastic_env(env, node_rank=spec.node_rank, slots=slots)
+    module = program[program.index("--module") + 1 :] if "--module" in program else program
+    module = ["--run-dir" if a == "--run" else a for a in module]  # torch.distributed.run reads --run as --run-path
+    argv += ["-m", *module, "--hang-timeout", f"{elastic.hang_timeout_s:g}"]
+    command = Command(spec.node_rank if spec.no_ssh else None, hosts[node], tuple(argv))
+    return Launch(
+        hostfile=hostfile,
+        resources=resources,
+        commands=(command,),
+        env=env,
+        env_file=env_file,
+        multi_node_exec=False,
+        rendezvous_port=port,
+    )
+
+
+def _elastic_node(spec: LaunchSpec, *, hostfile, resources, min_nodes: int, nodes: int) -> int:
+    """This node's rank among the hosts of `resources`; refuses what the elastic agent cannot launch."""
     if min_nodes > nodes:
         raise SpecError(f"--min-nodes {min_nodes} is more than the run's {nodes} node(s)")
     if spec.launcher != "pdsh":
@@ -325,58 +370,37 @@ def build_elastic(
         raise SpecError(
             f"--node-rank {node} is outside 0..{len(hosts) - 1} ({len(hosts)} nodes: {describe(resources)})"
         )
-    slots = resources[hosts[node]]
-    argv = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        str(len(slots)),
-        "--max-restarts",
-        str(elastic.max_restarts),
-        "--monitor-interval",
-        "1",
+    return node
+
+
+def _rendezvous_args(*, master: str, port: int, min_nodes: int, nodes: int, run_id: str, rejoin_wait_s) -> list[str]:
+    """The agent's c10d rendezvous options on several nodes: meeting on the master's port."""
+    return [
+        "--nnodes",
+        f"{min_nodes}:{nodes}",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"{master}:{port}",
+        "--rdzv-id",
+        run_id,
+        "--rdzv-conf",
+        f"last_call_timeout={rejoin_wait_s}",
     ]
-    if hostfile is None:
-        argv += ["--standalone"]
-        port = None
-    else:
-        master = spec.master_addr or hosts[0]
-        port = spec.master_port or DEFAULT_PORT
-        argv += [
-            "--nnodes",
-            f"{min_nodes}:{nodes}",
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            f"{master}:{port}",
-            "--rdzv-id",
-            run_id,
-            "--rdzv-conf",
-            f"last_call_timeout={elastic.rejoin_wait_s}",
-        ]
+
+
+def _elastic_env(env: dict[str, str], *, node_rank: int | None, slots: list[int]) -> dict[str, str]:
+    """`env` with what the elastic agent's ranks need added (a new dict)."""
     # a fresh rendezvous store on a new port for every start: the agent's shared store keeps the keys of the start
     # before, and the new ranks' gloo mesh may read a dead peer's address from it (connection refused at init)
     env = {**env, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    if spec.node_rank is not None:
-        env[NODE_RANK_ENV] = str(spec.node_rank)
+    if node_rank is not None:
+        env[NODE_RANK_ENV] = str(node_rank)
     if slots != list(range(len(slots))):  # DeepSpeed's launcher would pass the slots: the agent does not
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slots))
     if "OMP_NUM_THREADS" not in os.environ and "OMP_NUM_THREADS" not in env:  # else the agent sets 1 per rank
         env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // len(slots)))
-    module = program[program.index("--module") + 1 :] if "--module" in program else program
-    module = ["--run-dir" if a == "--run" else a for a in module]  # torch.distributed.run reads --run as --run-path
-    argv += ["-m", *module, "--hang-timeout", f"{elastic.hang_timeout_s:g}"]
-    command = Command(spec.node_rank if spec.no_ssh else None, hosts[node], tuple(argv))
-    return Launch(
-        hostfile=hostfile,
-        resources=resources,
-        commands=(command,),
-        env=env,
-        env_file=env_file,
-        multi_node_exec=False,
-        rendezvous_port=port,
-    )
+    return env
 
 
 def _is_local(host: str) -> bool:

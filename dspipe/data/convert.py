@@ -126,22 +126,9 @@ def from_megatron(
     ):
         splits = {}
         for split in SPLITS:
-            writer = ShardWriter(
-                directory=tmp, split=split, dtype=dtype, shard_tokens=shard_tokens, ident=dataset_id(fp)
+            splits[split] = _split_from_megatron(
+                prefix=prefix, split=split, meta=meta, directory=tmp, dtype=dtype, shard_tokens=shard_tokens, fp=fp
             )
-            try:
-                for toks, offsets in megatron.open_split(prefix, split, meta):
-                    for piece, lengths in _documents(toks, offsets):
-                        writer.add(piece, lengths)
-                shards = writer.close()
-            except BaseException:
-                writer.abort()
-                raise
-            splits[split] = {
-                "num_documents": sum(s["num_documents"] for s in shards),
-                "num_tokens": sum(s["num_tokens"] for s in shards),
-                "shards": shards,
-            }
         tok = Path(meta["tokenizer_dir"]) if meta["tokenizer_dir"] else None
         has_tok = _copy_tokenizer(tok, tmp / TOKENIZER_DIR)
         new = {
@@ -164,6 +151,26 @@ def from_megatron(
         with outputs.write_errors(out):
             outputs.write_marker(tmp, kind="data")
     return new
+
+
+def _split_from_megatron(
+    *, prefix: str, split: str, meta: dict, directory: Path, dtype: str, shard_tokens: int, fp: str
+) -> dict:
+    """One split of a Megatron prefix written as shards in `directory`; its documents, tokens and shards."""
+    writer = ShardWriter(directory=directory, split=split, dtype=dtype, shard_tokens=shard_tokens, ident=dataset_id(fp))
+    try:
+        for toks, offsets in megatron.open_split(prefix, split, meta):
+            for piece, lengths in _documents(toks, offsets):
+                writer.add(piece, lengths)
+        shards = writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    return {
+        "num_documents": sum(s["num_documents"] for s in shards),
+        "num_tokens": sum(s["num_tokens"] for s in shards),
+        "shards": shards,
+    }
 
 
 def convert(*, source: str, out: str | Path, tokenizer: str | None = None, force: bool = False) -> tuple[str, dict]:

@@ -343,9 +343,7 @@ def read_meta(prefix: str | os.PathLike, *, deep: bool = True, tokenizer: str | 
     Megatron prefix; one SpecError for a bad file. deep: the full index checks and the token scan (gen-config and
     the runner's start); otherwise the header and sizes only."""
     index = read_index(prefix, deep=deep)
-    first_val = split_documents(index.num_documents)
-    bounds = index.doc_token_starts(np.array([0, first_val, index.num_documents]))
-    train_tokens, val_tokens = int(bounds[1] - bounds[0]), int(bounds[2] - bounds[1])
+    splits = _splits(index)
     tok_dir = Path(tokenizer) if tokenizer is not None else tokenizer_beside(str(prefix))
     tok_vocab = tokenizer_vocab_size(tok_dir) if tok_dir.is_dir() else None
     if tokenizer is not None and tok_vocab is None:
@@ -362,18 +360,7 @@ def read_meta(prefix: str | os.PathLike, *, deep: bool = True, tokenizer: str | 
         "num_tokens": index.num_tokens,
         "val_fraction": VAL_FRACTION,
         "tokenizer_dir": str(tok_dir) if tok_vocab is not None else None,
-        "splits": {
-            "train": {
-                "num_tokens": train_tokens,
-                "num_documents": first_val,
-                "shards": [{"name": "train", "num_tokens": train_tokens, "num_documents": first_val}],
-            },
-            "val": {
-                "num_tokens": val_tokens,
-                "num_documents": index.num_documents - first_val,
-                "shards": [{"name": "val", "num_tokens": val_tokens, "num_documents": index.num_documents - first_val}],
-            },
-        },
+        "splits": splits,
     }
     if not deep:
         meta.update(vocab_size=tok_vocab, eos_id=None, max_id=None)
@@ -400,6 +387,26 @@ def read_meta(prefix: str | os.PathLike, *, deep: bool = True, tokenizer: str | 
         max_id=found["max_id"],
     )
     return meta
+
+
+def _splits(index: Index) -> dict:
+    """read_meta's splits: the documents before split_documents' first validation one train, the rest val (one
+    'shard' each)."""
+    first_val = split_documents(index.num_documents)
+    bounds = index.doc_token_starts(np.array([0, first_val, index.num_documents]))
+    train_tokens, val_tokens = int(bounds[1] - bounds[0]), int(bounds[2] - bounds[1])
+    return {
+        "train": {
+            "num_tokens": train_tokens,
+            "num_documents": first_val,
+            "shards": [{"name": "train", "num_tokens": train_tokens, "num_documents": first_val}],
+        },
+        "val": {
+            "num_tokens": val_tokens,
+            "num_documents": index.num_documents - first_val,
+            "shards": [{"name": "val", "num_tokens": val_tokens, "num_documents": index.num_documents - first_val}],
+        },
+    }
 
 
 def open_split(prefix: str, split: str, meta: dict) -> list[tuple[np.ndarray, np.ndarray]]:

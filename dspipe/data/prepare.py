@@ -258,7 +258,7 @@ def _encode(
     """Tokenize the documents after the `done` ones (num_documents, num_bytes: 0 but on a resume) into `writers`;
     `journal` gets the counts and the writers' states at document boundaries (JOURNAL_SECONDS, a shard closed).
     Returns the counts: num_documents, num_bytes (all of them, done included)."""
-    from dspipe.data.tokenizer import PIECE_CHARS, encode_batch, release_memory, splits_exactly
+    from dspipe.data.tokenizer import PIECE_CHARS, release_memory, splits_exactly
 
     counts = {"num_documents": done["num_documents"], "num_bytes": done["num_bytes"]}
     clock = {
@@ -281,49 +281,82 @@ def _encode(
             bar.update(nbytes)
             return
         if held:  # the last part: the whole document
-            tokens = np.concatenate([*held, tokens])
-            lengths = np.array([tokens.size], dtype=lengths.dtype)
-            held.clear()
-        first = counts["num_documents"]
-        val = is_val(np.arange(first, first + lengths.size, dtype=np.float64), val_fraction)
-        if val.any():
-            token_val = np.repeat(val, lengths)
-            writers["val"].add(tokens[token_val], lengths[val])
-            writers["train"].add(tokens[~token_val], lengths[~val])
-        else:
-            writers["train"].add(tokens, lengths)
+            tokens, lengths = _whole(held, last=tokens, dtype=lengths.dtype)
+        _add_documents(
+            tokens=tokens, lengths=lengths, first=counts["num_documents"], val_fraction=val_fraction, writers=writers
+        )
         counts["num_documents"] += lengths.size
-        if not bar.disable:
-            bar.set_postfix_str(
-                f"{counts['num_documents']:,} docs, {bar.format_sizeof(clock['tokens'])} tokens", refresh=False
-            )
+        _postfix(bar, documents=counts["num_documents"], tokens=clock["tokens"])
         bar.update(nbytes)
-        if (
-            time.monotonic() - clock["journal"] >= JOURNAL_SECONDS
-            or sum(len(w.shards) for w in writers.values()) != clock["closed"]
-        ):
+        if _journal_due(clock=clock, writers=writers):
             checkpoint()
         release_memory()
 
     exact = splits_exactly(tokenizer_json)
     task = dict(tokenizer_json=str(tokenizer_json), eos_id=eos_id, dtype=dtype, piece_chars=PIECE_CHARS if exact else 0)
+    docs = _documents_after(inputs=inputs, max_bytes=max_bytes, done=done, workers=workers, progress=progress)
+    bar = _progress(progress, total=_input_size(inputs, max_bytes), initial=done["num_bytes"])
+    with bar:
+        _encode_in_order(docs=docs, exact=exact, task=task, workers=workers, write=write)
+    return counts
+
+
+def _postfix(bar, *, documents: int, tokens: int) -> None:
+    """The progress bar's documents and tokens so far (when it shows)."""
+    if not bar.disable:
+        bar.set_postfix_str(f"{documents:,} docs, {bar.format_sizeof(tokens)} tokens", refresh=False)
+
+
+def _whole(held: list[np.ndarray], *, last: np.ndarray, dtype) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens, lengths) of the document whose parts are `held` (emptied) and `last`."""
+    tokens = np.concatenate([*held, last])
+    lengths = np.array([tokens.size], dtype=dtype)
+    held.clear()
+    return tokens, lengths
+
+
+def _journal_due(*, clock: dict, writers: dict) -> bool:
+    """Whether the journal is due: JOURNAL_SECONDS since the last, or a shard closed since."""
+    return (
+        time.monotonic() - clock["journal"] >= JOURNAL_SECONDS
+        or sum(len(w.shards) for w in writers.values()) != clock["closed"]
+    )
+
+
+def _add_documents(*, tokens: np.ndarray, lengths: np.ndarray, first: int, val_fraction: float, writers: dict) -> None:
+    """Whole documents (`lengths` of them, the first numbered `first`) to the val or the train writer."""
+    val = is_val(np.arange(first, first + lengths.size, dtype=np.float64), val_fraction)
+    if val.any():
+        token_val = np.repeat(val, lengths)
+        writers["val"].add(tokens[token_val], lengths[val])
+        writers["train"].add(tokens[~token_val], lengths[~val])
+    else:
+        writers["train"].add(tokens, lengths)
+
+
+def _documents_after(*, inputs: Inputs, max_bytes, done: dict, workers: _Workers, progress: bool) -> Iterator[str]:
+    """The input's documents, read past the `done` ones (the pool starting meanwhile)."""
     docs = documents(inputs, max_bytes=max_bytes, first_within=max_bytes)
     if done["num_documents"]:
         workers.pool()  # starts while the prepared documents are read past
         _skip(docs, count=done["num_documents"], nbytes=done["num_bytes"], progress=progress)
-    bar = _progress(progress, total=_input_size(inputs, max_bytes), initial=done["num_bytes"])
-    with bar:
-        pending: deque = deque()
-        for batch, continued in _batches(docs, cut=exact):
-            nbytes = sum(len(d.encode("utf-8")) for d in batch)
-            pending.append((workers.pool().apply_async(encode_batch, (batch,), task), continued, nbytes))
-            if len(pending) >= 2 * workers.count:
-                result, more, size = pending.popleft()
-                write(*result.get(), more, size)
-        while pending:
+    return docs
+
+
+def _encode_in_order(*, docs: Iterator[str], exact: bool, task: dict, workers: _Workers, write: Callable) -> None:
+    """Encode the batches of `docs` in the pool, at most 2 per worker in flight, `write` taking each in order."""
+    from dspipe.data.tokenizer import encode_batch
+
+    pending: deque = deque()
+    for batch, continued in _batches(docs, cut=exact):
+        nbytes = sum(len(d.encode("utf-8")) for d in batch)
+        pending.append((workers.pool().apply_async(encode_batch, (batch,), task), continued, nbytes))
+        if len(pending) >= 2 * workers.count:
             result, more, size = pending.popleft()
             write(*result.get(), more, size)
-    return counts
+    while pending:
+        result, more, size = pending.popleft()
+        write(*result.get(), more, size)
 
 
 def _load_tokenizer(*, inputs: Inputs, tokenizer, train_tokenizer, sample_bytes, max_bytes, workers, log):
@@ -473,40 +506,61 @@ def _build(
 ) -> tuple[dict, float, dict]:
     """Everything into the work directory, from where a run of this fingerprint that died stopped (its journal),
     else from the start; returns (meta, seconds spent encoding, the documents done before this run)."""
-    resumed = _resume(work, fp=fp, shard_tokens=shard_tokens, log=log)
-    if resumed is None:
-        facts = _new_tokenizer(
-            work=work,
-            inputs=inputs,
-            tokenizer=tokenizer,
-            train_tokenizer=train_tokenizer,
-            sample_bytes=sample_bytes,
-            max_bytes=max_bytes,
-            workers=workers,
-            log=log,
-        )
-        writers = {
-            s: ShardWriter(
-                directory=work.path,
-                split=s,
-                dtype=token_dtype(facts["vocab_size"]),
-                shard_tokens=shard_tokens,
-                ident=dataset_id(fp),
-            )
-            for s in SPLITS
-        }
-        done = {"num_documents": 0, "num_bytes": 0, "num_tokens": 0}
-        work.write_journal(
-            {
-                "num_documents": 0,
-                "num_bytes": 0,
-                "tokenizer": facts,
-                "writers": {s: w.state() for s, w in writers.items()},
-            }
-        )
-    else:
-        facts, writers, done = resumed
-    vocab, eos_id, dtype = facts["vocab_size"], facts["eos_id"], token_dtype(facts["vocab_size"])
+    facts, writers, done = _start(
+        work=work,
+        workers=workers,
+        inputs=inputs,
+        fp=fp,
+        tokenizer=tokenizer,
+        train_tokenizer=train_tokenizer,
+        sample_bytes=sample_bytes,
+        max_bytes=max_bytes,
+        shard_tokens=shard_tokens,
+        log=log,
+    )
+    dtype = token_dtype(facts["vocab_size"])
+    counts, encode_seconds = _encode_timed(
+        work=work,
+        workers=workers,
+        inputs=inputs,
+        facts=facts,
+        writers=writers,
+        done=done,
+        val_fraction=val_fraction,
+        max_bytes=max_bytes,
+        progress=progress,
+    )
+    if counts["num_documents"] == 0:
+        raise _empty_input(inputs)
+    splits = _close_splits(writers)
+    meta = _meta(
+        fp=fp,
+        facts=facts,
+        dtype=dtype,
+        counts=counts,
+        splits=splits,
+        inputs=inputs,
+        val_fraction=val_fraction,
+        max_bytes=max_bytes,
+    )
+    write_meta(work.path, meta)  # last: a directory without meta.json is never read
+    return meta, encode_seconds, done
+
+
+def _encode_timed(
+    *,
+    work: WorkDir,
+    workers: _Workers,
+    inputs: Inputs,
+    facts: dict,
+    writers: dict,
+    done: dict,
+    val_fraction,
+    max_bytes,
+    progress,
+) -> tuple[dict, float]:
+    """(_encode's counts, the seconds it took); the writers are aborted when it fails."""
+    eos_id, dtype = facts["eos_id"], token_dtype(facts["vocab_size"])
     try:
         t0 = time.perf_counter()
         counts = _encode(
@@ -527,8 +581,43 @@ def _build(
         for w in writers.values():
             w.abort()
         raise
-    if counts["num_documents"] == 0:
-        raise _empty_input(inputs)
+    return counts, encode_seconds
+
+
+def _start(
+    *,
+    work: WorkDir,
+    workers: _Workers,
+    inputs: Inputs,
+    fp: str,
+    tokenizer,
+    train_tokenizer,
+    sample_bytes,
+    max_bytes,
+    shard_tokens,
+    log,
+) -> tuple[dict, dict, dict]:
+    """(tokenizer facts, split writers, documents done) from where a run of this fingerprint that died stopped, else
+    from the start: the tokenizer loaded or trained, the writers new."""
+    resumed = _resume(work, fp=fp, shard_tokens=shard_tokens, log=log)
+    if resumed is not None:
+        return resumed
+    facts = _new_tokenizer(
+        work=work,
+        inputs=inputs,
+        tokenizer=tokenizer,
+        train_tokenizer=train_tokenizer,
+        sample_bytes=sample_bytes,
+        max_bytes=max_bytes,
+        workers=workers,
+        log=log,
+    )
+    writers, done = _fresh_writers(work=work, facts=facts, fp=fp, shard_tokens=shard_tokens)
+    return facts, writers, done
+
+
+def _close_splits(writers: dict) -> dict:
+    """Close the split writers; each split's documents, tokens and shards."""
     splits = {}
     for s, w in writers.items():
         shards = w.close()
@@ -537,14 +626,45 @@ def _build(
             "num_tokens": sum(x["num_tokens"] for x in shards),
             "shards": shards,
         }
-    meta = {
+    return splits
+
+
+def _fresh_writers(*, work: WorkDir, facts: dict, fp: str, shard_tokens) -> tuple[dict, dict]:
+    """(split writers, nothing done) for a build from the start, its first journal written."""
+    writers = {
+        s: ShardWriter(
+            directory=work.path,
+            split=s,
+            dtype=token_dtype(facts["vocab_size"]),
+            shard_tokens=shard_tokens,
+            ident=dataset_id(fp),
+        )
+        for s in SPLITS
+    }
+    done = {"num_documents": 0, "num_bytes": 0, "num_tokens": 0}
+    work.write_journal(
+        {
+            "num_documents": 0,
+            "num_bytes": 0,
+            "tokenizer": facts,
+            "writers": {s: w.state() for s, w in writers.items()},
+        }
+    )
+    return writers, done
+
+
+def _meta(
+    *, fp: str, facts: dict, dtype: str, counts: dict, splits: dict, inputs: Inputs, val_fraction, max_bytes
+) -> dict:
+    """meta.json's content for a finished build."""
+    return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "fingerprint": fp,
         "tokenizer": TOKENIZER_DIR,
         "tokenizer_source": facts["source"],
-        "vocab_size": vocab,
-        "eos_id": eos_id,
+        "vocab_size": facts["vocab_size"],
+        "eos_id": facts["eos_id"],
         "eos_token": facts["eos_token"],
         "dtype": dtype,
         "num_documents": counts["num_documents"],
@@ -564,8 +684,6 @@ def _build(
         },
         "splits": splits,
     }
-    write_meta(work.path, meta)  # last: a directory without meta.json is never read
-    return meta, encode_seconds, done
 
 
 def prepare(
@@ -608,26 +726,14 @@ def prepare(
             shard_tokens,
         ]
     )
-    rebuilding = False
-    if (out / META_FILE).is_file() and not force:
-        try:
-            meta = read_meta(out)
-        except SpecError:
-            meta = {}
-        if meta.get("fingerprint") == fp:
-            return Prepared(meta=meta, reused=True)
-        rebuilding = True
+    same, rebuilding = _existing(out, fp=fp, force=force)
+    if same is not None:
+        return Prepared(meta=same, reused=True)
     outputs.claim_dir(out, kind="data", replace=True)  # only a data directory dspipe wrote, holding nothing else
     if rebuilding:
         log(f"{out} holds another preparation (different inputs or options): rebuilding it")
-    start = time.perf_counter()
-    dest = Path(os.path.abspath(out))
-    work, pool = WorkDir(dest, fp, shown=out), _Workers(workers)
-    kw = dict(
-        work=work,
-        workers=pool,
+    options = dict(
         inputs=inputs,
-        fp=fp,
         tokenizer=tokenizer,
         train_tokenizer=train_tokenizer,
         sample_bytes=tokenizer_sample_bytes,
@@ -637,17 +743,54 @@ def prepare(
         progress=progress,
         log=log,
     )
+    return _prepare_fresh(out=out, fp=fp, workers=workers, options=options, log=log)
+
+
+def _existing(out: Path, *, fp: str, force: bool) -> tuple[dict | None, bool]:
+    """(the meta of `out` when it holds exactly this preparation, else None; whether it holds another one)."""
+    if (out / META_FILE).is_file() and not force:
+        try:
+            meta = read_meta(out)
+        except SpecError:
+            meta = {}
+        if meta.get("fingerprint") == fp:
+            return meta, False
+        return None, True
+    return None, False
+
+
+def _prepare_fresh(*, out: Path, fp: str, workers: int, options: dict, log) -> Prepared:
+    """Build `out` (claimed) with _build's `options`, from where a run that died stopped or from the start."""
+    start = time.perf_counter()
+    dest = Path(os.path.abspath(out))
+    work, pool = WorkDir(dest, fp, shown=out), _Workers(workers)
+    build = dict(work=work, workers=pool, fp=fp, **options)
+    meta, encode_seconds, done = _build_into(out=out, dest=dest, work=work, pool=pool, build=build, log=log)
+    return Prepared(
+        meta=meta,
+        reused=False,
+        seconds=time.perf_counter() - start,
+        encode_seconds=encode_seconds,
+        resumed_documents=done["num_documents"],
+        encoded_documents=meta["num_documents"] - done["num_documents"],
+        encoded_tokens=meta["num_tokens"] - done["num_tokens"],
+    )
+
+
+def _build_into(*, out: Path, dest: Path, work: WorkDir, pool: _Workers, build: dict, log) -> tuple[dict, float, dict]:
+    """_build's (meta, seconds spent encoding, documents done before), its work directory then moved to `dest`; the
+    work directory is kept for a resume when interrupted with documents prepared, else discarded on a failure."""
     with outputs.parents(out):
         with outputs.write_errors(out):
             remove_stale_temps(dest, keep=work.path)
             work.acquire()
         try:
             try:
-                meta, encode_seconds, done = _build(**kw)
+                meta, encode_seconds, done = _build(**build)
             except _InputChanged as e:
                 log(f"the input changed since the interrupted run of {out} ({e}): starting over")
                 work.clear()
-                meta, encode_seconds, done = _build(**kw)
+                meta, encode_seconds, done = _build(**build)
             with outputs.write_errors(out):
                 staged = work.finish()
                 outputs.write_marker(staged, kind="data")
@@ -667,12 +810,4 @@ def prepare(
         finally:
             work.release()
             pool.stop()
-    return Prepared(
-        meta=meta,
-        reused=False,
-        seconds=time.perf_counter() - start,
-        encode_seconds=encode_seconds,
-        resumed_documents=done["num_documents"],
-        encoded_documents=meta["num_documents"] - done["num_documents"],
-        encoded_tokens=meta["num_tokens"] - done["num_tokens"],
-    )
+    return meta, encode_seconds, done

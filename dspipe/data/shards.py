@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import re
 import struct
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -278,6 +279,8 @@ def read_meta(data_dir: str | Path, *, deep: bool = True) -> dict:
 
 
 MAX_TOKENS = 2**62  # counts beyond this overflow the int64 offsets the loader computes
+_META_KEYS = ("fingerprint", "vocab_size", "eos_id", "dtype", "num_documents", "num_tokens", "splits", "val_fraction")
+"""The keys check_meta requires, in the order it looks for them."""
 
 
 def check_meta(meta: dict, *, source: Path) -> None:
@@ -295,16 +298,7 @@ def check_meta(meta: dict, *, source: Path) -> None:
             fail(f"{name} must be an integer in {low}..{high}, got {show(value)}")
         return value
 
-    for key in (
-        "fingerprint",
-        "vocab_size",
-        "eos_id",
-        "dtype",
-        "num_documents",
-        "num_tokens",
-        "splits",
-        "val_fraction",
-    ):
+    for key in _META_KEYS:
         if key not in meta:
             fail(f"missing key {key}")
     fp = meta["fingerprint"]
@@ -330,26 +324,32 @@ def check_meta(meta: dict, *, source: Path) -> None:
         )
     totals = {"num_tokens": 0, "num_documents": 0}
     for split, info in splits.items():
-        if not isinstance(info, dict) or not isinstance(info.get("shards"), list):
-            fail(f"splits.{split} must be an object with a list of shards")
-        sums = {"num_tokens": 0, "num_documents": 0}
-        for i, shard in enumerate(info["shards"]):
-            at = f"splits.{split}.shards[{i}]"
-            if not isinstance(shard, dict):
-                fail(f"{at} must be an object, got {type(shard).__name__}")
-            if shard.get("name") != shard_name(split, i):
-                fail(f"{at}.name must be {shard_name(split, i)!r}, got {show(shard.get('name'))}")
-            for key in sums:
-                sums[key] += count(f"{at}.{key}", shard.get(key))
-        for key, total in sums.items():
-            if count(f"splits.{split}.{key}", info.get(key)) != total:
-                fail(f"splits.{split}.{key} {info[key]} != {total}, the sum over its shards")
+        for key, total in _check_split(split, info, fail=fail, count=count).items():
             totals[key] += total
     for key, total in totals.items():
         if count(key, meta[key]) != total:
             fail(f"{key} {meta[key]} != {total}, the sum over the splits")
     if "skipped" in meta and not isinstance(meta["skipped"], dict):
         fail(f"skipped must be an object, got {type(meta['skipped']).__name__}")
+
+
+def _check_split(split: str, info, *, fail: Callable[[str], None], count: Callable[..., int]) -> dict[str, int]:
+    """check_meta's checks of one split's entry (`fail` refuses, `count` checks a count); its tokens and documents."""
+    if not isinstance(info, dict) or not isinstance(info.get("shards"), list):
+        fail(f"splits.{split} must be an object with a list of shards")
+    sums = {"num_tokens": 0, "num_documents": 0}
+    for i, shard in enumerate(info["shards"]):
+        at = f"splits.{split}.shards[{i}]"
+        if not isinstance(shard, dict):
+            fail(f"{at} must be an object, got {type(shard).__name__}")
+        if shard.get("name") != shard_name(split, i):
+            fail(f"{at}.name must be {shard_name(split, i)!r}, got {show(shard.get('name'))}")
+        for key in sums:
+            sums[key] += count(f"{at}.{key}", shard.get(key))
+    for key, total in sums.items():
+        if count(f"splits.{split}.{key}", info.get(key)) != total:
+            fail(f"splits.{split}.{key} {info[key]} != {total}, the sum over its shards")
+    return sums
 
 
 def _open_array(path: Path, *, magic: bytes, dtype: np.dtype, count: int, ident: bytes, what: str) -> np.memmap:

@@ -32,6 +32,7 @@ from dspipe.model.initial import (
     _normal,
     _OwnNormal,
     expert_generator,
+    write_blocks,
 )
 from dspipe.model.window import choose_kernel, flex_window_attention
 from dspipe.spec.model import ModelSpec
@@ -46,7 +47,7 @@ def initial_values(module: nn.Module, *, seed: int) -> Iterator[tuple[nn.Paramet
 
 
 def _copy(param: nn.Parameter, draw: Draw) -> None:
-    param.copy_(draw())
+    write_blocks(param, draw)
 
 
 def fill(module: nn.Module, *, seed: int, write: Callable[[nn.Parameter, Draw], None] = _copy) -> int:

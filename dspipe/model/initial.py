@@ -8,7 +8,7 @@ reaches its parameter (`fill`'s `write`), one tensor at a time.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -25,11 +25,15 @@ Draw = Callable[[], torch.Tensor]
 """A parameter's step-0 value, whole, fp32, on the CPU; called in declaration order (draws share a generator).
 Each also has `skip()`: what a parameter this rank does not hold calls instead, so the draws after it are unchanged
 (a normal draw advances its generator exactly as the whole draw would, in bounded chunks, allocating no tensor of
-the parameter's size)."""
+the parameter's size), and `blocks()`: the same values as the whole draw, as consecutive blocks of rows
+(start row, block), so a writer keeps only what its parameter holds and no whole tensor is ever made."""
 
 SKIP_CHUNK = 1 << 16
 """Elements per chunk of a skipped normal draw (a multiple of 16: torch's CPU normal fills 16-element blocks and
 redraws a last partial block, so chunks of 16k elements and a whole tail consume the generator as one draw)."""
+BLOCK = 1 << 22
+"""Elements per block of rows a writer gets from `blocks()` (16 MiB in fp32): the most a build holds beyond its
+parameters while it gives them their step-0 values."""
 
 
 class _Normal:
@@ -38,6 +42,21 @@ class _Normal:
 
     def __call__(self) -> torch.Tensor:
         return torch.randn(self.shape, generator=self.gen, device="cpu", dtype=torch.float32) * self.std
+
+    def blocks(self) -> Iterator[tuple[int, torch.Tensor]]:
+        """The whole draw as blocks of rows of about BLOCK elements, each a multiple of 16 elements, and a last
+        block of at least 16 (or the whole tensor): the generator is consumed exactly as by one draw."""
+        if len(self.shape) < 2:
+            yield 0, self()
+            return
+        rows, cols = self.shape[0], math.prod(self.shape[1:])
+        step = 16 // math.gcd(cols, 16)  # rows whose elements are a multiple of 16
+        per = max(step, BLOCK // cols // step * step)
+        row = 0
+        while rows - row > per and (rows - row - per) * cols >= 16:
+            yield row, torch.randn((per, *self.shape[1:]), generator=self.gen, dtype=torch.float32) * self.std
+            row += per
+        yield row, torch.randn((rows - row, *self.shape[1:]), generator=self.gen, dtype=torch.float32) * self.std
 
     def skip(self) -> None:
         left = math.prod(self.shape)
@@ -54,6 +73,9 @@ class _Constant:
 
     def __call__(self) -> torch.Tensor:
         return torch.full(self.shape, self.value, device="cpu", dtype=torch.float32)
+
+    def blocks(self) -> Iterator[tuple[int, torch.Tensor]]:
+        yield 0, self()
 
     def skip(self) -> None:
         pass
@@ -92,3 +114,31 @@ def _norm_values(norm: nn.Module):
     yield norm.weight, _constant(shape, 1.0)
     if getattr(norm, "bias", None) is not None:
         yield norm.bias, _constant(shape, 0.0)
+
+
+def write_blocks(param: torch.Tensor, draw, *, cut=None, rows: list[tuple[int, int]] | None = None) -> None:
+    """Give `param` its step-0 value block by block (draw.blocks()), never making the whole tensor: all of it; with
+    `rows`, only those row ranges of the whole (a dim-0 shard, in that order); with `cut`, cut(block) of each block
+    of rows (a shard along a later dimension)."""
+    if param.dim() < 2:  # biases and norms: small, drawn whole
+        whole = draw()
+        param.copy_(whole if rows is None and cut is None else _cut_whole(whole, cut=cut, rows=rows))
+        return
+    for start, block in draw.blocks():
+        stop = start + block.shape[0]
+        if rows is not None:
+            at = 0
+            for a, b in rows:
+                lo, hi = max(a, start), min(b, stop)
+                if lo < hi:
+                    param[at + lo - a : at + hi - a].copy_(block[lo - start : hi - start])
+                at += b - a
+        else:
+            param[start:stop].copy_(block if cut is None else cut(block))
+
+
+def _cut_whole(whole: torch.Tensor, *, cut, rows) -> torch.Tensor:
+    if rows is None:
+        return cut(whole)
+    pieces = [whole[a:b] for a, b in rows]
+    return torch.cat(pieces) if len(pieces) > 1 else pieces[0]

@@ -131,7 +131,7 @@ def _plan_startup(
     built = max(stages) if model.experts else plan.num_params
     worst = max(range(len(stages)), key=lambda i: stages[i])
     largest = largest_tensor(model)
-    if plan.pp > 1 and plan.tp > 1:  # the stage whose shard plus one whole fp32 tensor is the most
+    if plan.pp > 1 and plan.tp > 1:  # the stage whose shard plus its largest tensor is the most
         tensors = stage_largest_tensors(model, plan.pp, plan.partition_method, plan.tp)
         worst = max(range(len(stages)), key=lambda i: stages[i] + tensors[i])
         largest = tensors[worst]

@@ -6,17 +6,18 @@ rank's start-up agree by construction:
     partitioned   ZeRO-3, tp 1, pp 1: the module is constructed under deepspeed.zero.Init (every parameter
                   partitioned as soon as its layer exists, in the training dtype, on the device or, with
                   offload_param, on the host); each rank then writes only its partition of each tensor, drawing
-                  (or reading from --init-from) one whole tensor at a time.
+                  (or reading from --init-from) one tensor at a time: a random draw in blocks of rows
+                  (DRAW_BLOCK), an import whole.
     device        pp 1, otherwise: constructed on the meta device (at tp > 1 its layers swapped for dspipe's
                   tensor-parallel layers, Megatron layout), then the rank's share (the whole model at tp 1, its tp
                   shard at tp > 1) materialised in the training dtype on the accelerator one tensor at a time; the
-                  host holds one whole fp32 tensor at a time, cut to the shard. (ZeRO 0-2 keep the rank's share
-                  whole on its device; with ZeRO-3 at tp > 1 the shard is built whole on the device and ZeRO-3
-                  partitions it inside deepspeed.initialize.)
+                  host holds one block of rows of a draw (or one tensor read) at a time, cut to the shard. (ZeRO
+                  0-2 keep the rank's share whole on its device; with ZeRO-3 at tp > 1 the shard is built whole
+                  on the device and ZeRO-3 partitions it inside deepspeed.initialize.)
     stage         pp > 1: each rank builds only its own pipeline stage (DeepSpeed's LayerSpec), fp32 on the host,
                   then PipelineModule moves it to the device; at tp > 1 each layer is constructed on the meta
-                  device and only the rank's tp shard materialised on the host, one whole fp32 tensor drawn at a
-                  time and sliced.
+                  device and only the rank's tp shard materialised on the host, from one block of rows of a
+                  draw (or one tensor read) at a time.
 
 What each mode costs (startup_estimate, called by dspipe.planner.cost.estimate for every candidate): host bytes per
 rank while building, the build's device transient, and the seconds of the build (the values a rank draws at
@@ -57,6 +58,10 @@ DISK_GBPS = 2.0
 """Distinct checkpoint bytes one node reads per second (GB/s) at start-up with --init-from: an assumption (a local
 NVMe drive or a node's share of a parallel file system), printed with every plan that imports. Ranks of a node that
 read the same bytes share the page cache: only the node's distinct bytes count."""
+DRAW_BLOCK = 1 << 22
+"""Elements of one block of rows of a random draw (dspipe.model.initial.BLOCK: a build writes each tensor's step-0
+values block by block and never makes a random tensor whole; an import reads a tensor whole, or a dim-0 shard's
+rows)."""
 NOT_COUNTED = "the build alone: the process start, deepspeed.initialize and the first step are first_step's terms"
 """What the build's seconds leave out (dspipe.planner.first_step counts the whole time to the first step)."""
 
@@ -111,16 +116,19 @@ class StartupEstimate:
         """What the rank's host peak is made of, in words."""
         if not self.build_dominates:
             return "the offloaded optimizer states, after the build"
+        drawn = self.import_bytes is None  # a random draw is made in blocks of rows (DRAW_BLOCK), an import whole
         if self.mode == BuildMode.PARTITIONED:
             own = f", and its {self.precision} partitions offloaded to the host" if self.offload_params else ""
-            return f"one fp32 tensor drawn or read whole, plus its slice{own}"
+            held = "one block of rows of a drawn fp32 tensor" if drawn else "one fp32 tensor read whole"
+            return f"{held}, plus its slice{own}"
+        piece = "one block of rows of an fp32 draw" if drawn else "one whole fp32 tensor read"
         if self.mode == BuildMode.DEVICE:
             if self.tp > 1:
-                return f"one whole fp32 tensor at a time, cut to the rank's tp {self.tp} shard on the GPU"
-            return "one fp32 tensor at a time on its way to the GPU"
+                return f"{piece} at a time, cut to the rank's tp {self.tp} shard on the GPU"
+            return f"{piece} at a time on its way to the GPU"
         if self.mode == BuildMode.STAGE:
             if self.tp > 1:
-                return f"the stage's tp {self.tp} shard in fp32 on the host, plus one whole fp32 tensor drawn at a time"
+                return f"the stage's tp {self.tp} shard in fp32 on the host, plus {piece} at a time"
             return "the stage's layers in fp32 on the host before PipelineModule moves them"
         return self.mode
 
@@ -203,15 +211,16 @@ def startup_estimate(
     draws without a pipeline), Phi_r = rank_params (the rank's tp shard of it; Phi at tp 1), Phi_s = stage_params
     (the rank's tp shard of its pipeline stage, for `stage`), E_s = stage_elements (that stage's whole elements, which
     the rank draws: Phi_s at tp 1), T = largest_tensor (elements of the largest whole tensor the build draws: the
-    stage's for `stage`), b = 2 for bf16/fp16 else 4, n = zero_ranks (the ZeRO-3 partition count, dp x sp),
+    stage's for `stage`), H = what the host holds of it (T read whole with --init-from; a random draw's block of rows,
+    min(T, 2 x DRAW_BLOCK)), b = 2 for bf16/fp16 else 4, n = zero_ranks (the ZeRO-3 partition count, dp x sp),
     t = tp, g = ranks_per_node.
 
-      host bytes while building:   partitioned (b.Phi/n with offload_params, else 0) + 8T: one fp32 tensor drawn or
-                                                read whole, plus its slice
-                                   device      8T: one whole fp32 tensor at a time (cut to the shard at tp > 1)
-                                   stage       tp 1: max(4 Phi_s, 8T), the stage's layers in fp32;
-                                               tp > 1: 4 Phi_s + 4T, the stage's shard in fp32 and one whole
-                                               fp32 tensor drawn before it is sliced
+      host bytes while building:   partitioned (b.Phi/n with offload_params, else 0) + 8H: one tensor's block or
+                                                whole tensor, plus its slice
+                                   device      8H (cut to the shard at tp > 1)
+                                   stage       tp 1: max(4 Phi_s, 8H), the stage's layers in fp32;
+                                               tp > 1: 4 Phi_s + 4H, the stage's shard in fp32 and one block (or
+                                               tensor read) before it is cut
       device bytes while building: partitioned (0 with offload_params, else b.Phi/n) + b.T; device b.Phi_r;
                                    stage 4 Phi_s
       host per node:               g x max(host while building, host_offload_per_rank)
@@ -225,8 +234,9 @@ def startup_estimate(
     phi, phi_s, t, n, g = num_params, stage_params, largest_tensor, max(1, zero_ranks), ranks_per_node
     phi_r = phi if rank_params is None else rank_params
     whole_s = phi_s if stage_elements is None else stage_elements
+    h = t if import_bytes is not None else min(t, 2 * DRAW_BLOCK)  # a read tensor, or a draw's block of rows
     build = _build_cost(
-        mode=mode, b=b, phi=phi, phi_r=phi_r, phi_s=phi_s, whole_s=whole_s, t=t, n=n, g=g, tp=tp, offload=offload_params
+        mode=mode, b=b, phi=phi, phi_r=phi_r, phi_s=phi_s, s=whole_s, t=t, h=h, n=n, g=g, tp=tp, offload=offload_params
     )
     return _startup(
         build,
@@ -257,24 +267,27 @@ def _build_cost(
     phi: int,
     phi_r: int,
     phi_s: int,
-    whole_s: int,
+    s: int,
     t: int,
+    h: int,
     n: int,
     g: int,
     tp: int,
     offload: bool,
 ) -> _BuildCost:
-    """The host and device bytes while building, the elements drawn and a node's share of the import, in `mode`."""
+    """The host and device bytes while building, the elements drawn and a node's share of the import, in `mode`
+    (s: the stage's whole elements, t: the largest tensor's elements, h: what the host holds of one tensor while it
+    is drawn or read)."""
     if mode == BuildMode.PARTITIONED:
-        host = (b * phi // n if offload else 0) + 8 * t
-        device = (0 if offload else b * phi // n) + b * t
+        host = (b * phi // n if offload else 0) + 8 * h
+        device = (0 if offload else b * phi // n) + b * t  # zero.Init makes each tensor whole, then partitions it
         drawn, share = phi, min(1.0, g / n)
     elif mode == BuildMode.DEVICE:
-        host, device, drawn, share = 8 * t, b * phi_r, phi, 1.0
+        host, device, drawn, share = 8 * h, b * phi_r, phi, 1.0
     else:
-        host = max(4 * phi_s, 8 * t) if tp == 1 else 4 * phi_s + 4 * t
+        host = max(4 * phi_s, 8 * h) if tp == 1 else 4 * phi_s + 4 * h
         groups = max(1, divmod(g, tp)[0])  # tp groups in the node: a group's ranks read one stage's tensors
-        device, drawn, share = 4 * phi_s, whole_s, min(1.0, groups * whole_s / phi)
+        device, drawn, share = 4 * phi_s, s, min(1.0, groups * s / phi)
     return _BuildCost(host, device, drawn, share)
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from dspipe.planner.memory import expert_capacity
 from dspipe.planner.plan import Plan
-from dspipe.planner.stages import param_groups, share, zero_group_size
+from dspipe.planner.stages import param_groups, share, slowest_stage_share, zero_group_size
 from dspipe.planner.throughput import attention_flops_per_token, model_flops_per_token
 from dspipe.spec.cluster import ClusterSpec
 from dspipe.spec.dtypes import dtype_bytes
@@ -350,7 +350,10 @@ def step_time(*, model: ModelSpec, cluster: ClusterSpec, plan: Plan, phi: int) -
     rank_flops = hw_flops / tp / sp
     achieved = gpu.compute_tflops(plan.precision) * 1e12  # a profile's measured rate, or peak x efficiency
     tokens_per_replica = plan.micro_batch * model.seq_len * m  # per pipeline stage, per step
-    compute = tokens_per_replica * rank_flops / pp / achieved
+    # the busiest stage's share of the work (1 / pp only where the stages' FLOPs are even: the head's are the last
+    # stage's, the embedding table's parameters cost the first stage blocks)
+    busiest = slowest_stage_share(model=model, pp=pp, partition_method=plan.partition_method, kernels=kernels)
+    compute = tokens_per_replica * rank_flops * busiest / achieved
     bubble = compute * (pp - 1) / m
     fwd_share = executed / 3 / hw_flops  # forward: 2N + 2Lhs of the 6N + 6Lhs; the rest (recompute too) is backward
     fwd_micro, bwd_micro = compute / m * fwd_share, compute / m * (1 - fwd_share)

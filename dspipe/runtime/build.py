@@ -142,9 +142,13 @@ def _shard_maker(run: Run, *, tp, weights):
 
 
 def _write_shard(param, draw) -> None:
-    from dspipe.runtime.tensor_parallel import shard_of
+    """This rank's shard of the draw, from its blocks of rows: the rows it holds, or each block cut along its later
+    dimension (a row-parallel weight's columns); the whole tensor is never made (design: draw the shard's rows of
+    the same seeded stream)."""
+    from dspipe.model.initial import write_blocks
 
-    param.copy_(shard_of(param, draw()))
+    rows, cut = getattr(param, "tp_rows", None), getattr(param, "tp_shard", None)
+    write_blocks(param, draw, rows=rows, cut=None if rows is not None else cut)
 
 
 def _read_shard(weights):
@@ -209,7 +213,9 @@ def _draw_or_skip(param, draw) -> None:
     if param.is_meta:
         draw.skip()
     else:
-        param.copy_(draw())
+        from dspipe.model.initial import write_blocks
+
+        write_blocks(param, draw)
 
 
 def _read_or_skip(weights):
@@ -232,8 +238,9 @@ def _partitioned(run: Run, *, weights, mpu):
         F.linear = torch.nn.functional.linear = linear
     with torch.no_grad():
         if weights is None:
-            # every rank draws every tensor whole (the draws of a component share one generator), keeps its slice
-            fill(model, seed=run.train.seed, write=lambda p, draw: write_partition(p, read=_slices(draw().reshape(-1))))
+            # every rank draws every tensor (the draws of a component share one generator) block by block and keeps
+            # its slice
+            fill(model, seed=run.train.seed, write=lambda p, draw: write_partition(p, read=_drawn_range(draw)))
         else:
             from dspipe.model.hf_weights import load_into_module
 
@@ -246,8 +253,22 @@ def _partitioned(run: Run, *, weights, mpu):
     return model
 
 
-def _slices(flat):
-    return lambda start, stop: flat[start:stop]
+def _drawn_range(draw):
+    """read(start, stop) for write_partition: those elements of the flattened draw, from its blocks of rows (the
+    whole tensor is never made; the generator is consumed as by the whole draw)."""
+    import torch
+
+    def read(start: int, stop: int):
+        out = torch.empty(stop - start, dtype=torch.float32)
+        for row, block in draw.blocks():
+            flat = block.reshape(-1)
+            first = row * (flat.numel() // max(block.shape[0], 1)) if block.dim() else 0
+            lo, hi = max(start, first), min(stop, first + flat.numel())
+            if lo < hi:
+                out[lo - start : hi - start] = flat[lo - first : hi - first]
+        return out
+
+    return read
 
 
 def write_partition(param, *, read) -> None:

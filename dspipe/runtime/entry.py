@@ -26,7 +26,8 @@ from dspipe.runtime.startup import note_ops_at_start
 from dspipe.runtime.watchdog import check_hang_timeout
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The rank entry point's command line."""
     parser = argparse.ArgumentParser(description="Train a GPT from a dspipe run directory (start it with deepspeed).")
     parser.add_argument(
         "--run",
@@ -59,6 +60,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     parser.add_argument("--test-faults", default=None, help=argparse.SUPPRESS)  # tests only: dspipe.runtime.faults
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     note_ops_at_start()  # before init_distributed, which may compile DeepSpeed's shared-memory op
     setup_logging()  # rank 0 speaks for the job (DSPIPE_LOG_ALL_RANKS=1: every rank)

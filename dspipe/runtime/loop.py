@@ -188,7 +188,9 @@ class Training:
     log: RunLog
     health: Health
     say: Callable
-    """print on rank 0, nothing elsewhere."""
+    """A result line (the banner, the summary): print on rank 0, nothing elsewhere."""
+    note: Callable
+    """A diagnostic line (resumed, saved, a skipped step, a signal): the "dspipe" logger on rank 0 (dspipe.log)."""
     peak_tflops: float | None
     faults: Faults
     start_step: int
@@ -233,7 +235,7 @@ class Training:
         if self.pending is not None and (
             figures := ckpt.complete(self.pending, wait=wait, now=self.step, faults=self.faults)
         ):
-            self.say(f"dspipe: {ckpt.saved_line(self.pending, figures)}", flush=True)
+            self.note(f"dspipe: {ckpt.saved_line(self.pending, figures)}")
             if self.schedule.auto and self.step < self.run.train.steps:
                 self._replan(figures)
             self.pending = None
@@ -259,34 +261,20 @@ class Training:
         if self.rank == 0:
             record_event(self.run.path, event)
         if line:
-            self.say(f"dspipe: {line}", flush=True)
+            self.note(f"dspipe: {line}")
 
 
 def setup(run: Run, *, resume: str, restart: bool, backend: str, faults: Faults) -> Training:
     """Every check that can refuse the launch before the engine exists (world size, data, the resume point), then
     the engine, the loader at the resumed position, engine.json and the start-up report, the log."""
-    import torch
     import torch.distributed as dist
 
     rank, world, layout = dist.get_rank(), dist.get_world_size(), run.plan.layout
-    if world != layout.world:
-        raise SpecError(
-            f"{run.path} was generated for world size {run.plan.world_size} "
-            f"({run.cluster.nodes} nodes x {run.cluster.gpus_per_node}), launched with {world}; "
-            f"regenerate with matching --nodes/--gpus-per-node"
-        )
-    # dropout streams (weights come from per-layer generators); tensor-parallel peers share one, so that the
-    # dropout after their all-reduce drops the same elements of the replicated activations on every peer
-    torch.manual_seed(run.train.seed + rank // layout.tp)
+    _check_world(run, world=world)
+    _seed_dropout(seed=run.train.seed, rank=rank, layout=layout)
     plan, tr = run.plan, run.train
     data, windows, val = _open_data(run)
-    if restart:
-        restart_run(run, rank=rank)  # before the engine opens monitor/
-        resume_from = None
-    else:
-        resume_from = ckpt.resume_point(run, resume)  # checked before building anything
-    if not faults.disk_fills_later:
-        ckpt.check_disk_space(run)  # the checkpoints to come fit their disk
+    resume_from = _resume_point(run, resume=resume, restart=restart, rank=rank, disk_fills=faults.disk_fills_later)
 
     clock = StartupClock()
     eng = build_engine(run, clock=clock)
@@ -294,40 +282,26 @@ def setup(run: Run, *, resume: str, restart: bool, backend: str, faults: Faults)
     loader = make_loader(data, windows, seed=tr.seed, micro_batch=plan.micro_batch, dp=layout.dp, dp_rank=eng.dp_rank)
     device, peak = device_peak_tflops(precision=plan.precision)
     say = print if rank == 0 else (lambda *a, **k: None)
+    note = get_logger(__name__).info if rank == 0 else (lambda *a, **k: None)
     say(_banner(run, backend=backend, device=device), flush=True)
     if plan.loss_chunk:  # which kernel computes it here: liger-kernel's on CUDA where installed, else dspipe's
         from dspipe.model.loss import HeadLoss
 
         kernel = HeadLoss(chunk=plan.loss_chunk).describe(str(eng.device).split(":")[0])
-        say(f"dspipe: loss without the full logits: {kernel}", flush=True)
+        note(f"dspipe: loss without the full logits: {kernel}")
 
     start_step, meta = 0, None
     if resume_from is not None:
         meta = ckpt.load(eng.engine, resume_from, loader)
         start_step = meta.step
-        say(f"dspipe: resumed from {resume_from} at step {start_step} ({loader.consumed_samples} samples)", flush=True)
+        note(f"dspipe: resumed from {resume_from} at step {start_step} ({loader.consumed_samples} samples)")
     elif not restart:
-        say(f"dspipe: no checkpoint in {run.checkpoint_dir}: starting fresh from step 0", flush=True)
-    _startup_report(run, eng=eng, clock=clock, guarded=guarded, rank=rank, say=say)
+        note(f"dspipe: no checkpoint in {run.checkpoint_dir}: starting fresh from step 0")
+    _startup_report(run, eng=eng, clock=clock, guarded=guarded, rank=rank, note=note)
 
-    log = RunLog(
-        run.path,
-        monitor=eng.engine.monitor,
-        enabled=rank == 0,
-        resumed_at=start_step,
-        log_interval=tr.log_interval,
-        steps=tr.steps,
-        validating=bool(tr.eval_interval),
-        tokens_per_step=plan.tokens_per_step,
-        val_columns=val_columns(val),
-        step_columns=STEP_MOE_COLUMNS if run.model.experts else (),
-    )
+    log = _run_log(run, monitor=eng.engine.monitor, enabled=rank == 0, resumed_at=start_step, val=val)
     health = Health(max_skips=tr.max_skipped_steps, window=tr.spike_window, sigma=tr.spike_sigma)
-    retention = ckpt_tags.Retention(
-        last=tr.keep_checkpoints,
-        every=tr.keep_every,
-        protect=frozenset({resume_from.name} if resume_from is not None else ()),
-    )
+    retention = _retention(tr, resume_from=resume_from)
     return Training(
         run=run,
         rank=rank,
@@ -338,6 +312,7 @@ def setup(run: Run, *, resume: str, restart: bool, backend: str, faults: Faults)
         log=log,
         health=health,
         say=say,
+        note=note,
         peak_tflops=peak,
         faults=faults,
         start_step=start_step,
@@ -348,6 +323,64 @@ def setup(run: Run, *, resume: str, restart: bool, backend: str, faults: Faults)
         schedule=resumed_schedule(
             every=tr.save_interval, steps=tr.steps, meta=meta, auto=run.estimate.save_interval_auto
         ),
+    )
+
+
+def _check_world(run: Run, *, world: int) -> None:
+    """Refuse a launch whose world size is not the one the run was generated for."""
+    if world != run.plan.layout.world:
+        raise SpecError(
+            f"{run.path} was generated for world size {run.plan.world_size} "
+            f"({run.cluster.nodes} nodes x {run.cluster.gpus_per_node}), launched with {world}; "
+            f"regenerate with matching --nodes/--gpus-per-node"
+        )
+
+
+def _seed_dropout(*, seed: int, rank: int, layout) -> None:
+    """Seed the rank's dropout stream."""
+    import torch
+
+    # dropout streams (weights come from per-layer generators); tensor-parallel peers share one, so that the
+    # dropout after their all-reduce drops the same elements of the replicated activations on every peer
+    torch.manual_seed(seed + rank // layout.tp)
+
+
+def _resume_point(run: Run, *, resume: str, restart: bool, rank: int, disk_fills: bool):
+    """The checkpoint to resume from (None: from step 0; --restart moves the old outputs aside first), checked before
+    building anything, and the disk space the checkpoints to come need."""
+    if restart:
+        restart_run(run, rank=rank)  # before the engine opens monitor/
+        resume_from = None
+    else:
+        resume_from = ckpt.resume_point(run, resume)  # checked before building anything
+    if not disk_fills:  # a test's fault fills the disk later: the space is not checked up front
+        ckpt.check_disk_space(run)  # the checkpoints to come fit their disk
+    return resume_from
+
+
+def _run_log(run: Run, *, monitor, enabled: bool, resumed_at: int, val) -> RunLog:
+    """The run's metrics log (rank 0 writes it), its columns as this run's data and model have them."""
+    tr = run.train
+    return RunLog(
+        run.path,
+        monitor=monitor,
+        enabled=enabled,
+        resumed_at=resumed_at,
+        log_interval=tr.log_interval,
+        steps=tr.steps,
+        validating=bool(tr.eval_interval),
+        tokens_per_step=run.plan.tokens_per_step,
+        val_columns=val_columns(val),
+        step_columns=STEP_MOE_COLUMNS if run.model.experts else (),
+    )
+
+
+def _retention(tr, *, resume_from) -> ckpt_tags.Retention:
+    """Which checkpoints the run keeps: the last ones, the milestones, and the one it resumed from."""
+    return ckpt_tags.Retention(
+        last=tr.keep_checkpoints,
+        every=tr.keep_every,
+        protect=frozenset({resume_from.name} if resume_from is not None else ()),
     )
 
 
@@ -405,7 +438,7 @@ def _banner(run: Run, *, backend: str, device: str) -> str:
     )
 
 
-def _startup_report(run: Run, *, eng, clock: StartupClock, guarded: bool, rank: int, say: Callable) -> None:
+def _startup_report(run: Run, *, eng, clock: StartupClock, guarded: bool, rank: int, note: Callable) -> None:
     """engine.json (the live settings and the start-up measurements, rank 0) and the start-up line."""
     plan = run.plan
     clock.mark("ready")
@@ -417,13 +450,12 @@ def _startup_report(run: Run, *, eng, clock: StartupClock, guarded: bool, rank: 
         run.engine_path.write_text(
             engine_text(eng.settings, guarded=guarded, startup=startup, what=str(run.engine_path))
         )
-    say(
+    note(
         f"dspipe: start-up ({startup.mode} build): peak host RSS {max(startup.peak_rss_mib):,.0f} MiB on the "
         f"worst rank ({max(startup.build_rss_mib):,.0f} MiB after the build, "
         f"{max(startup.rss_before_build_mib):,.0f} before it); "
         f"first step {max(startup.seconds_to_first_step):.1f} s "
-        f"after the process start",
-        flush=True,
+        f"after the process start"
     )
 
 
@@ -461,7 +493,7 @@ def _steps(t: Training, *, stop, watchdog: Watchdog, nan_loss, flops_per_token: 
         t.losses.append(loss)
         note = t.health.record(step=step, loss=loss, skipped=skipped)
         if note:
-            t.say(f"dspipe: {note}", flush=True)
+            t.note(f"dspipe: {note}")
         if t.rank == 0:
             _log_step(t, step=step, loss=loss, lr=lr, seconds=dt, skipped=skipped, flops_per_token=flops_per_token)
         if tr.eval_interval and (step % tr.eval_interval == 0 or step == tr.steps):
@@ -479,7 +511,7 @@ def _steps(t: Training, *, stop, watchdog: Watchdog, nan_loss, flops_per_token: 
             with watchdog.paused():  # a sync save keeps peers in a barrier for the length of the write
                 t.save(step, wait=stopping or t.health.halted)
         if stopping:
-            t.say(f"dspipe: stopped by a signal after step {step}; checkpoint saved", flush=True)
+            t.note(f"dspipe: stopped by a signal after step {step}; checkpoint saved")
             return
         if t.health.halted:
             t.log.close()

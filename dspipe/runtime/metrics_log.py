@@ -22,6 +22,7 @@ from pathlib import Path
 
 from dspipe.atomic import write_file
 from dspipe.errors import SpecError, cannot_read
+from dspipe.log import get_logger
 from dspipe.planner.throughput import STEP_COLUMNS, VAL_COLUMNS
 from dspipe.rundir import VAL_FILE
 from dspipe.runtime.progress import Progress
@@ -202,15 +203,21 @@ class RunLog:
             if resumed_at and self.steps_csv.kept < resumed_at:
                 self.say(
                     f"dspipe: note: {self.steps_csv.path} holds rows for {self.steps_csv.kept} of the "
-                    f"{resumed_at} steps before the resume (the others were lost with the file)"
+                    f"{resumed_at} steps before the resume (the others were lost with the file)",
+                    diagnostic=True,
                 )
 
-    def say(self, line: str) -> None:
+    def say(self, line: str, *, diagnostic: bool = False) -> None:
+        """A result line (a step's or a validation's figures) on stdout; a diagnostic (a note, progress) through
+        the "dspipe" logger (stderr, dspipe.log)."""
         if self.enabled:
             if self._bar_shown:  # a log line replaces the bar; the bar comes back after the next step
-                print("\r\033[K", end="")
+                print("\r\033[K", end="", flush=True)
                 self._bar_shown = False
-            print(line, flush=True)
+            if diagnostic:
+                get_logger(__name__).info(line)
+            else:
+                print(line, flush=True)
 
     def _events(self, prefix: str, row: dict, step: int) -> None:
         if self.monitor is not None:
@@ -237,7 +244,7 @@ class RunLog:
                 f"{row['tflops_per_gpu']:.3g} TFLOP/s/gpu | MFU {mfu} | mem {row['mem_allocated_gib']:.2f}/"
                 f"{row['mem_reserved_gib']:.2f} GiB | {1000 * row['step_time_s']:.0f} ms"
             )
-            self.say(f"progress: {self.progress.fields()}")
+            self.say(f"progress: {self.progress.fields()}", diagnostic=True)
         if self.terminal and s < self.steps:  # a bar that rewrites itself between the log lines
             print("\r\033[K" + self.progress.bar(), end="", flush=True)
             self._bar_shown = True

@@ -241,25 +241,13 @@ def run_reference(run: Run, *, dev: Device, batches: list, warmup: int, steps: i
     fused = {"fused": True} if dev.cuda else {"foreach": True}
     optimizer = torch.optim.AdamW(groups, lr=train.lr, betas=(0.9, 0.95), eps=1e-8, **fused)
     ddp = DDP(model, device_ids=[dev.device.index] if dev.cuda else None, gradient_as_bucket_view=True)
-    if plan.loss_chunk:  # the same loss path: without the full logits (liger's kernel on CUDA where installed)
-        from dspipe.runtime.parallelize import chunked_loss
-
-        chunked_loss(model, chunk=plan.loss_chunk)
-    if compile_:  # per block, as torchtitan compiles: one graph serves every block, the compile stays short
-        for block in model.h:
-            block.compile()
+    _loss_and_compile(model, loss_chunk=plan.loss_chunk, compile_=compile_)
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(plan.precision)
     scaler = torch.amp.GradScaler(dev.device.type) if plan.precision == Precision.FP16 else None
     autocast = (lambda: torch.autocast(dev.device.type, dtype=amp_dtype)) if amp_dtype else contextlib.nullcontext
     params = [p for g in groups for p in g["params"]]
     if plan.checkpointing != Checkpointing.NONE:  # the same recomputation, through torch's own checkpoint
-        import functools
-
-        from torch.utils.checkpoint import checkpoint
-
-        from dspipe.runtime.parallelize import recompute
-
-        recompute(model, mode=plan.checkpointing, checkpoint_fn=functools.partial(checkpoint, use_reentrant=False))
+        _torch_recompute(model, mode=plan.checkpointing)
     timer = Timer(dev)
 
     def micro_step(batch, *, last: bool, timer: Timer):
@@ -273,21 +261,9 @@ def run_reference(run: Run, *, dev: Device, batches: list, warmup: int, steps: i
         timer.lap("backward")
         return loss
 
-    def optimizer_step():
-        if scaler:
-            scaler.unscale_(optimizer)
-        if train.grad_clip:
-            torch.nn.utils.clip_grad_norm_(params, train.grad_clip, foreach=True)
-        if scaler:
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
     result = _loop(
         micro_step=micro_step,
-        optimizer_step=optimizer_step,
+        optimizer_step=_optimizer_step(optimizer=optimizer, scaler=scaler, params=params, grad_clip=train.grad_clip),
         batches=batches,
         grad_accum=plan.grad_accum,
         warmup=warmup,
@@ -297,6 +273,47 @@ def run_reference(run: Run, *, dev: Device, batches: list, warmup: int, steps: i
         replicas=plan.world_size,
     )  # DDP: pp = tp = sp = 1
     return {**result, "phases": timer.totals}
+
+
+def _loss_and_compile(model, *, loss_chunk: int, compile_: bool) -> None:
+    """The reference's loss path and compile, as the runner sets them up."""
+    if loss_chunk:  # the same loss path: without the full logits (liger's kernel on CUDA where installed)
+        from dspipe.runtime.parallelize import chunked_loss
+
+        chunked_loss(model, chunk=loss_chunk)
+    if compile_:  # per block, as torchtitan compiles: one graph serves every block, the compile stays short
+        for block in model.h:
+            block.compile()
+
+
+def _torch_recompute(model, *, mode) -> None:
+    """The runner's recomputation of `mode` in the reference, through torch's own checkpoint."""
+    import functools
+
+    from torch.utils.checkpoint import checkpoint
+
+    from dspipe.runtime.parallelize import recompute
+
+    recompute(model, mode=mode, checkpoint_fn=functools.partial(checkpoint, use_reentrant=False))
+
+
+def _optimizer_step(*, optimizer, scaler, params: list, grad_clip):
+    """The reference's optimizer step at a step's end: unscale (fp16), clip, step, zero the gradients."""
+    import torch
+
+    def optimizer_step():
+        if scaler:
+            scaler.unscale_(optimizer)
+        if grad_clip:
+            torch.nn.utils.clip_grad_norm_(params, grad_clip, foreach=True)
+        if scaler:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return optimizer_step
 
 
 def finite_or_none(value):

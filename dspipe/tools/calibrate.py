@@ -271,6 +271,28 @@ def _gather(ranks: list[dict]) -> dict:
     return out
 
 
+def _ranks_here(
+    *, precision: str, ranks: int | None, threads: int | None, on_cpu: bool, say
+) -> tuple[bool, int, str, int | None]:
+    """(on CUDA, ranks, the catalog type, torch threads per rank) of this machine for calibrate."""
+    import torch
+
+    from dspipe.spec.hardware import CPU_RANKS
+    from dspipe.tools.bench import cpu_threads
+
+    cuda = torch.cuda.is_available() and not on_cpu
+    count = torch.cuda.device_count() if cuda else 0
+    ranks = ranks or (count if cuda else CPU_RANKS)
+    if cuda and ranks > count:
+        raise SpecError(f"--ranks {ranks}: this machine has {count} CUDA GPU(s)")
+    if not cuda and precision != Precision.FP32:
+        say(f"note: {precision} on a CPU runs without tensor cores; the demo trains in fp32")
+    gpu = _catalog_type(on_cpu=on_cpu)
+    if threads is None and not cuda:
+        threads = cpu_threads(ranks=ranks)
+    return cuda, ranks, gpu, threads
+
+
 def calibrate(
     *,
     model: ModelSpec,
@@ -289,22 +311,11 @@ def calibrate(
     return its profile. `threads`: torch threads per rank (default: the cores shared out on a CPU machine);
     `min_seconds`: how long the forward + backward is timed at least (the mean over that window); `on_cpu`: CPU ranks
     on gloo even where GPUs are visible (the 'cpu' type)."""
-    import torch
     import torch.multiprocessing as mp
 
-    from dspipe.spec.hardware import CPU_RANKS
-    from dspipe.tools.bench import cpu_threads, free_port
+    from dspipe.tools.bench import free_port
 
-    cuda = torch.cuda.is_available() and not on_cpu
-    count = torch.cuda.device_count() if cuda else 0
-    ranks = ranks or (count if cuda else CPU_RANKS)
-    if cuda and ranks > count:
-        raise SpecError(f"--ranks {ranks}: this machine has {count} CUDA GPU(s)")
-    if not cuda and precision != Precision.FP32:
-        say(f"note: {precision} on a CPU runs without tensor cores; the demo trains in fp32")
-    gpu = _catalog_type(on_cpu=on_cpu)
-    if threads is None and not cuda:
-        threads = cpu_threads(ranks=ranks)
+    cuda, ranks, gpu, threads = _ranks_here(precision=precision, ranks=ranks, threads=threads, on_cpu=on_cpu, say=say)
     with tempfile.TemporaryDirectory(prefix="dspipe-calibrate-") as tmp:
         cfg = {
             "model": {k: getattr(model, k) for k in model.__dataclass_fields__},

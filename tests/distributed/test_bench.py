@@ -1,36 +1,21 @@
 """dspipe bench: the arithmetic and report (fast), the input checks, and one real run beside the reference."""
 
 import re
+import shlex
 
 import pytest
 
-from tests.helpers import dspipe
+from tests.helpers import ROOT, documented, run_documented
 
 
 @pytest.mark.distributed
 def test_bench_with_compare_on_2_cpu_ranks(tmp_path):
-    doc = tmp_path / "benchmarks.md"
-    r = dspipe(
-        "bench",
-        "--model",
-        "tiny",
-        "--global-batch",
-        "8",
-        "--micro-batch",
-        "2",
-        "--precision",
-        "fp32",
-        "--zero",
-        "1",
-        "--warmup",
-        "1",
-        "--steps",
-        "2",
-        "--compare",
-        "--compile",
-        "--append",
-        doc,
-    )
+    """The benchmark how-to's CPU line, as written, in a fresh directory: a short `--compare --compile` run of the tiny
+    GPT on 2 CPU ranks, appending its section to a file there."""
+    command = documented(ROOT / "docs" / "howto" / "benchmark.md", "dspipe bench")
+    argv = shlex.split(command, comments=True)
+    doc = tmp_path / argv[argv.index("--append") + 1]
+    r = run_documented(command, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     out = r.stdout
     assert "world 2 = dp 2 x pp 1 | ZeRO-1 offload none | fp32" in out and "batch 2 x ga 2 x dp 2 = 8 seq" in out
@@ -50,6 +35,6 @@ def test_bench_with_compare_on_2_cpu_ranks(tmp_path):
     d_loss, r_loss = map(float, re.search(r"first-step loss: dspipe ([\d.]+), reference ([\d.]+)", out).groups())
     assert abs(d_loss - r_loss) < 1e-4 and abs(d_loss - 8.318) < 0.05, (d_loss, r_loss)  # ln(4096) = 8.318
     text = doc.read_text()
-    assert "- command: `dspipe bench --model tiny --global-batch 8" in text and "--append " + str(doc) in text
+    assert f"- command: `{shlex.join(argv)}`" in text  # the command as run
     assert f"| tokens/s | {tokens.group(1)} | {tokens.group(2)} |" in text
     assert "torch 2" in text and "deepspeed" in text and re.search(r"\| \d+ torch thread\(s\) per rank", text)

@@ -75,7 +75,7 @@ def test_a_blend_resumes_exactly_after_kill_and_validates_per_source(tmp_path, c
     assert (run / "checkpoints" / "latest").read_text() == "global_step3"
     r = launch(run)
     ok(r)
-    assert "resumed from" in r.stdout and "at step 3 (48 samples)" in r.stdout
+    assert "resumed from" in r.stderr and "at step 3 (48 samples)" in r.stderr  # the dspipe logger's (stderr)
 
     ref_steps = written_metrics(ref)
     assert len(ref_steps) == STEPS and written_metrics(run) == ref_steps  # loss, lr and grad norm bitwise

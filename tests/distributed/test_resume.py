@@ -64,7 +64,7 @@ def test_kill_and_resume_reproduces_the_uninterrupted_run(tmp_path, corpus, name
     assert (run / "checkpoints" / "latest").read_text() == "global_step3"
     r = launch(run, "--resume", "auto")
     ok(r)
-    assert "resumed from" in r.stdout and "at step 3" in r.stdout
+    assert "resumed from" in r.stderr and "at step 3" in r.stderr  # a diagnostic: the dspipe logger's (stderr)
     assert written_metrics(run) == written_metrics(ref)  # every step: loss, lr, grad norm bitwise equal (fp32, CPU)
     assert tags(run) == ["global_step3", "global_step6", "global_step8", "latest"]  # 3: resumed from, kept
 
@@ -89,7 +89,7 @@ def test_crash_inside_a_save_keeps_the_previous_checkpoint(tmp_path, corpus):
 
     r = launch(run, "--resume", "auto")
     ok(r)
-    assert "at step 3" in r.stdout
+    assert "at step 3" in r.stderr  # "resumed from ... at step 3": the dspipe logger's (stderr)
     assert tags(run) == ["global_step3", "global_step6", "global_step8", "latest"]  # the partial dir was cleaned up
     assert [int(s) for s, *_ in written_metrics(run)] == list(range(1, STEPS + 1))
     assert ckpt_meta.read_meta(run / "checkpoints" / "global_step8").save.mode == "sync"
@@ -182,7 +182,7 @@ def test_a_kill_during_a_background_write_keeps_the_previous_checkpoint(tmp_path
 
     r = launch(run, "--resume", "auto")
     ok(r)
-    assert "at step 3" in r.stdout and "saved: " in r.stdout and "in the background" in r.stdout
+    assert "at step 3" in r.stderr and "saved: " in r.stderr and "in the background" in r.stderr
     assert [int(s) for s, *_ in written_metrics(run)] == list(range(1, STEPS + 1))
     assert written_metrics(run) == written_metrics(ref)  # bitwise: the files written in the background are exact
     assert tags(run) == ["global_step3", "global_step6", "global_step8", "latest"]  # 3: resumed from, kept
@@ -208,7 +208,7 @@ def test_resume_under_another_dp_size_continues_the_run(tmp_path, corpus, name):
     (run / "checkpoints" / "latest").write_text("global_step3")
     r = launch(run, "--resume", "auto", num_gpus=1)
     ok(r)
-    assert "at step 3" in r.stdout and json.loads((run / "engine.json").read_text())["dp"] == 1
+    assert "at step 3" in r.stderr and json.loads((run / "engine.json").read_text())["dp"] == 1
     got, want = written_metrics(run), written_metrics(ref)[3:]  # the new run dir's metrics start at the resumed step
     assert [(s, lr) for s, _, lr, _ in got] == [(s, lr) for s, _, lr, _ in want]  # same steps, same schedule
     for (s, loss, _, norm), (_, loss_ref, _, norm_ref) in zip(got, want, strict=True):
@@ -408,7 +408,7 @@ def test_bf16_zero0_kill9_default_resume_restart_and_extend(tmp_path, corpus):
         f.write("6,8.0")  # a row cut short by the kill
     r = launch(run)  # no --resume: auto is the default
     ok(r)
-    assert f"resumed from {run / 'checkpoints' / 'global_step3'} at step 3" in r.stdout
+    assert f"resumed from {run / 'checkpoints' / 'global_step3'} at step 3" in r.stderr
     assert json.loads((run / "engine.json").read_text())["wrapper_optimizer"] == "FP16_Optimizer"
     assert written_metrics(run) == written_metrics(ref) and len(written_metrics(run)) == 6  # bitwise, one row per step
     assert (run / "metrics.csv").read_text().splitlines()[0] == ",".join(STEP_COLUMNS)
@@ -440,7 +440,7 @@ def test_bf16_zero0_kill9_default_resume_restart_and_extend(tmp_path, corpus):
     # the rows the resume replayed (steps 4 and 5; the torn '6,8.0' is no row), as the killed run wrote them
     assert written_metrics(slot, name="metrics.rewound.csv") == written_metrics(ref)[3:5]  # bitwise
     assert ckpt_tags.is_complete(slot / "checkpoints" / "global_step6")
-    assert "resumed from" not in r.stdout  # from step 0 again: the same run
+    assert "resumed from" not in r.stdout + r.stderr  # from step 0 again: the same run
     assert written_metrics(run) == written_metrics(ref)
     assert [s for s, _ in scalars(run)[0]] == list(range(1, 7))
 
@@ -449,7 +449,7 @@ def test_bf16_zero0_kill9_default_resume_restart_and_extend(tmp_path, corpus):
     assert "6 -> 8 steps" in e.stdout and "total_num_steps 6 -> 8" in e.stdout
     r = launch(run)
     ok(r)
-    assert "at step 6" in r.stdout
+    assert "at step 6" in r.stderr
     got = written_metrics(run)
     assert [int(s) for s, *_ in got] == list(range(1, 9)) and got[:6] == written_metrics(ref)
     assert float(got[6][2]) > float(written_metrics(ref)[5][2])  # the stretched cosine: lr back above the old run's end

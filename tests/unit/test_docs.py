@@ -16,12 +16,14 @@ directory per page, in the page's order, and must exit 0 when it is
 
 The README's 5-minute path (prepare-data, the `deepspeed` launch on 2 CPU ranks, report, export-hf, generate; also
 docs/index.md's) and the export-and-generate how-to are run as written, in order, by
-tests/distributed/test_docs_path.py (a launch). What neither runs needs a GPU (`bench --model gpt3-1.3b`, docker),
-the network (hub names and tokenizers), several machines (`launch --hostfile`, `doctor`, `sbatch`) or a measured
-profile; the CPU `bench --compare` and `calibrate` lines run, at smaller shapes, in tests/distributed/test_bench.py
-and tests/unit/planner/test_calibration.py. The directory each page runs in holds what its
-commands read: `data/stdlib` (a small corpus prepared once by `dspipe prepare-data`), `examples/` (the repository's)
-and `hosts` (the two-node hostfile the multi-node page shows). `> FILE` writes the command's stdout to FILE.
+tests/distributed/test_docs_path.py (a launch). The benchmark and calibrate how-tos' CPU lines (`bench --compare`,
+`calibrate`, `calibrate --from-run`) are run as written (tests.helpers.documented and run_documented) by
+tests/distributed/test_bench.py, tests/unit/planner/test_calibration.py and tests/unit/tools/test_plan_word.py. What
+none of these runs needs a GPU (a line whose comment starts `# GPUs`, tests.helpers.GPU_ONLY; docker), the network
+(hub names and tokenizers), several machines (`launch --hostfile`, `doctor`, `sbatch`) or a measured profile. The
+directory each page runs in holds what its commands read: `data/stdlib` (a small corpus prepared once by `dspipe
+prepare-data`), `examples/` (the repository's) and `hosts` (the two-node hostfile the multi-node page shows).
+`> FILE` writes the command's stdout to FILE.
 """
 
 import importlib.util

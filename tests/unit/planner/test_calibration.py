@@ -17,8 +17,9 @@ from dspipe.spec.presets import model_preset
 from dspipe.spec.profile import PROFILE_FILE, Profile, profile_text, profile_to_dict, read_profile
 from dspipe.spec.strategy import StrategySpec
 from dspipe.spec.train import TrainSpec
-from tests.helpers import dspipe, run_cli
+from tests.helpers import ROOT, documented, run_cli, run_documented
 
+CALIBRATE_PAGE = ROOT / "docs" / "howto" / "calibrate.md"
 DEMO = ["--model", "tiny", "--layers", "4", "--hidden", "128", "--heads", "4", "--seq-len", "128", "--vocab", "4096"]
 CPU2 = [
     "--gpus-per-node",
@@ -322,34 +323,10 @@ def test_calibrate_refuses_an_unwritable_or_foreign_out_before_measuring(tmp_pat
 
 
 def test_calibrate_runs_on_this_cpu(tmp_path, capsys):
-    """Tiny shapes, 2 gloo ranks at once, no CPU-Adam build: every figure positive and sane, and plan accepts it."""
+    """The how-to's `calibrate` line, as written (tiny shapes, 2 gloo ranks at once, no CPU-Adam build): every figure
+    positive and sane, and plan accepts it."""
+    r = run_documented(documented(CALIBRATE_PAGE, "dspipe calibrate --model"), cwd=tmp_path)
     out = tmp_path / "profile.json"
-    r = dspipe(
-        "calibrate",
-        "--model",
-        "tiny",
-        "--layers",
-        "1",
-        "--hidden",
-        "64",
-        "--heads",
-        "2",
-        "--seq-len",
-        "32",
-        "--vocab",
-        "256",
-        "--micro-batch",
-        "2",
-        "--repeats",
-        "2",
-        "--min-seconds",
-        "0.2",
-        "--allreduce-mib",
-        "1",
-        "--no-cpu-adam",
-        "--out",
-        out,
-    )
     assert r.returncode == 0, r.stderr[-2000:]
     p = read_profile(out, gpu="cpu")
     assert (p.gpu, p.dtype, p.ranks, p.threads_per_rank) == ("cpu", "fp32", 2, 1)

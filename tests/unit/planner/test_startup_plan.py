@@ -10,7 +10,7 @@ import pytest
 from dspipe.planner.cost import estimate
 from dspipe.planner.plan import make_plan
 from dspipe.planner.stages import largest_tensor, stage_params
-from dspipe.planner.startup import DISK_GBPS, DRAW_RATE, build_mode, startup_estimate
+from dspipe.planner.startup import DISK_GBPS, DRAW_BLOCK, DRAW_RATE, build_mode, startup_estimate
 from dspipe.planner.throughput import STEP_COLUMNS
 from dspipe.spec.cluster import ClusterSpec
 from dspipe.spec.hardware import GIB, GPU_CATALOG
@@ -18,6 +18,8 @@ from dspipe.spec.presets import MODEL_PRESETS
 from dspipe.spec.strategy import StrategySpec
 from dspipe.spec.train import TrainSpec
 from tests.helpers import dspipe, run_cli
+
+MIB = 1024**2
 
 LLAMA70 = [
     "plan",
@@ -58,8 +60,40 @@ def _json(capsys, *args) -> dict:
 # ---- the formulas --------------------------------------------------------------------------------------------------
 
 
-def test_build_host_device_and_time_per_mode():
-    """Each mode's host and device bytes and its draws, on round numbers: Phi 1e9, Phi_s 2.5e8, T 1e7, n 16, g 8."""
+def test_a_random_draw_holds_one_block_of_rows_an_import_the_whole_tensor():
+    """The host's share of the largest tensor: a draw is made in blocks of rows (at most 2 x DRAW_BLOCK elements
+    held, dspipe.model.initial.BLOCK), an import reads it whole."""
+    from dspipe.model.initial import BLOCK
+    from dspipe.planner.startup import DRAW_BLOCK
+
+    assert DRAW_BLOCK == BLOCK
+    common = dict(
+        num_params=10**10,
+        stage_params=10**9,
+        largest_tensor=10**9,
+        precision="bf16",
+        offload_params=False,
+        zero_ranks=16,
+        tp=8,
+        ranks_per_node=8,
+        host_offload_per_rank=0,
+    )
+    drawn = startup_estimate(mode="stage", **common)
+    read = startup_estimate(mode="stage", **common, import_bytes=2 * 10**10)
+    assert drawn.host_build_per_rank_bytes == 4 * 10**9 + 4 * 2 * DRAW_BLOCK
+    assert read.host_build_per_rank_bytes == 4 * 10**9 + 4 * 10**9
+    assert (
+        drawn.holds() == "the stage's tp 8 shard in fp32 on the host, plus one block of rows of an fp32 draw at a time"
+    )
+    assert read.holds() == "the stage's tp 8 shard in fp32 on the host, plus one whole fp32 tensor read at a time"
+    part = startup_estimate(mode="partitioned", **{**common, "tp": 1})
+    assert part.host_build_per_rank_bytes == 8 * 2 * DRAW_BLOCK and part.device_bytes == 2 * 10**10 // 16 + 2 * 10**9
+
+
+def test_build_host_device_and_time_per_mode(monkeypatch):
+    """Each mode's host and device bytes and its draws, on round numbers: Phi 1e9, Phi_s 2.5e8, T 1e7, n 16, g 8
+    (blocks of rows larger than T: the draw holds T)."""
+    monkeypatch.setattr("dspipe.planner.startup.DRAW_BLOCK", 10**8)
     common = dict(
         num_params=10**9,
         stage_params=25 * 10**7,
@@ -79,7 +113,7 @@ def test_build_host_device_and_time_per_mode():
     assert (off.host_build_per_rank_bytes, off.device_bytes) == (2 * 10**9 // 16 + 8 * 10**7, 2 * 10**7)
     dev = startup_estimate(mode="device", **{**common, "precision": "fp32"})
     assert (dev.host_build_per_rank_bytes, dev.device_bytes) == (8 * 10**7, 4 * 10**9)
-    assert dev.holds() == "one fp32 tensor at a time on its way to the GPU"
+    assert dev.holds() == "one block of rows of an fp32 draw at a time on its way to the GPU"
     # tp 8 without a pipeline: the rank's shard (Phi_r) in bf16 on the device, one whole fp32 tensor on the host at a
     # time; every element is still drawn (whole tensors, then sliced)
     shard = startup_estimate(mode="device", **{**common, "tp": 8, "rank_params": 10**9 // 8})
@@ -88,7 +122,7 @@ def test_build_host_device_and_time_per_mode():
         2 * 10**9 // 8,
         10**9,
     )
-    assert shard.holds() == "one whole fp32 tensor at a time, cut to the rank's tp 8 shard on the GPU"
+    assert shard.holds() == "one block of rows of an fp32 draw at a time, cut to the rank's tp 8 shard on the GPU"
     stage = startup_estimate(mode="stage", **common)
     assert (stage.host_build_per_rank_bytes, stage.device_bytes, stage.drawn_elements) == (10**9, 10**9, 25 * 10**7)
     assert startup_estimate(mode="stage", **{**common, "stage_params": 10**6}).host_build_per_rank_bytes == 8 * 10**7
@@ -102,7 +136,7 @@ def test_build_host_device_and_time_per_mode():
         25 * 10**7,
     )
     assert tp_stage.holds() == (
-        "the stage's tp 4 shard in fp32 on the host, plus one whole fp32 tensor drawn at a time"
+        "the stage's tp 4 shard in fp32 on the host, plus one block of rows of an fp32 draw at a time"
     )
     with pytest.raises(ValueError, match="unknown build mode 'host'"):  # AutoTP's whole-model host build is retired
         startup_estimate(mode="host", **common)
@@ -175,12 +209,13 @@ def test_llama2_70b_zero3_plan_shows_the_partitioned_start_up(capsys):
     out = capsys.readouterr().out
     model = MODEL_PRESETS["llama2-70b"]
     t = largest_tensor(model)
+    held = min(t, 2 * DRAW_BLOCK)  # a draw's block of rows (the largest tensor, 470M elements, is drawn in blocks)
     assert out.startswith("plan: ZeRO-3, bf16, pp 1, tp 1")
     line = next(ln for ln in out.splitlines() if ln.startswith("start-up: "))
-    per_rank, per_node = 8 * t / GIB, 64 * t / GIB  # one fp32 tensor and its slice, 8 ranks: not the whole model
+    per_rank, per_node = 8 * held / MIB, 64 * held / MIB  # a block and its slice, 8 ranks: not the whole model
     assert line.startswith(
-        f"start-up: partitioned build (ZeRO-3 under zero.Init), host RAM {per_node:.1f} GiB per "
-        f"node (8 ranks x {per_rank:.2f} GiB: one fp32 tensor drawn or read whole"
+        f"start-up: partitioned build (ZeRO-3 under zero.Init), host RAM {per_node:.1f} MiB per "
+        f"node (8 ranks x {per_rank:.1f} MiB: one block of rows of a drawn fp32 tensor, plus its slice"
     )
     seconds = model.num_params / DRAW_RATE
     assert f"build ~{seconds:,.0f} s (69B values drawn per rank at 60M/s, measured on one CPU rank)" in out
@@ -189,8 +224,8 @@ def test_llama2_70b_zero3_plan_shows_the_partitioned_start_up(capsys):
     assert f"launch {h100.launch_s:.3g} + build {seconds:,.0f} + initialize {h100.initialize_s:.3g} + JIT" in whole
     assert "start GiB/node" in out  # the --top table
     s = _json(capsys, *LLAMA70, "--zero", "3")["startup"]
-    assert s["mode"] == "partitioned" and s["host_build_per_rank_bytes"] == 8 * t == s["host_per_rank_bytes"]
-    assert s["host_per_node_bytes"] == 64 * t < 2 * model.num_params  # far below one whole bf16 model
+    assert s["mode"] == "partitioned" and s["host_build_per_rank_bytes"] == 8 * held == s["host_per_rank_bytes"]
+    assert s["host_per_node_bytes"] == 64 * held < 2 * model.num_params  # far below one whole bf16 model
     assert s["device_bytes"] == 2 * model.num_params // 64 + 2 * t
     assert s["seconds"] == pytest.approx(seconds) and s["drawn_elements"] == model.num_params
     assert (s["import_bytes"], s["read_bytes_per_node"], s["disk_gbps"]) == (None, 0, DISK_GBPS)
@@ -207,7 +242,7 @@ def test_a_tp_plan_builds_only_its_shard(capsys):
     out = _json(capsys, *LLAMA70, "--tp", "8", "--pp", "1", "--zero", "2", "--offload", "none", "--top", "2")
     s = out["startup"]
     assert (out["tp"], out["pp"], s["mode"]) == (8, 1, "device")
-    assert s["host_build_per_rank_bytes"] == 8 * largest_tensor(model)
+    assert s["host_build_per_rank_bytes"] == 8 * min(largest_tensor(model), 2 * DRAW_BLOCK)
     shard = stage_params(model=model, pp=1, partition_method="parameters", tp=8)[0]
     assert s["device_bytes"] == 2 * shard and shard < model.num_params / 7  # the blocks, embedding and head / 8
     assert s["drawn_elements"] == model.num_params
@@ -216,19 +251,19 @@ def test_a_tp_plan_builds_only_its_shard(capsys):
 
 
 def test_a_start_up_over_the_host_ram_does_not_fit(capsys):
-    """--tp 2 --pp 4 pins a stage build whose fp32 shards (8 ranks x 34 GiB) are over 256 GiB per node: the one line
+    """--tp 2 --pp 4 pins a stage build whose fp32 shards (8 ranks x 32 GiB) are over 256 GiB per node: the one line
     names the start-up, its numbers and what would fit (with --pp auto, tp 2 without a pipeline under ZeRO-3 with
     the optimizer offloaded: its device build holds only the rank's shard)."""
     code = run_cli(*LLAMA70, "--tp", "2", "--pp", "4", "--host-memory-gib", "256")
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert (
-        "start-up needs 273 GiB host RAM per node (8 ranks x 34.1 GiB: the stage's tp 2 shard in fp32 on the "
-        "host, plus one whole fp32 tensor drawn at a time), has 256 GiB"
+        "start-up needs 259 GiB host RAM per node (8 ranks x 32.4 GiB: the stage's tp 2 shard in fp32 on the "
+        "host, plus one block of rows of an fp32 draw at a time), has 256 GiB"
     ) in err
     assert (
         "would fit with: --tp auto (ZeRO-1), or --pp auto (ZeRO-3 + cpu offload), or --tp auto --pp auto "
-        "(ZeRO-1), or 273 GiB host RAM per node (--host-memory-gib) (ZeRO-1 + cpu offload)"
+        "(ZeRO-1), or 260 GiB host RAM per node (--host-memory-gib) (ZeRO-1 + cpu offload)"
     ) in err
 
 

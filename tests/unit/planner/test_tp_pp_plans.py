@@ -127,7 +127,8 @@ def test_llama_405b_tp8_pp_plans_fit_and_why_they_lose_to_zero3(llama405):
     assert none.tp_sp and estimate(model=m, cluster=cluster, plan=none).memory.activations > best8.est.gpu_memory_bytes
     e, z3 = best8.est, r.best.est
     assert r.best.plan.zero_stage == 3 and r.best.plan.tp == 1
-    assert e.compute_s == pytest.approx(z3.compute_s, rel=0.01)  # the same FLOPs per GPU, recomputation included
+    # the same FLOPs per GPU, recomputation included; the busiest stage does 1.1% more than 1 / pp of them
+    assert e.compute_s == pytest.approx(z3.compute_s, rel=0.015) and e.compute_s > z3.compute_s
     assert e.step_time_s == pytest.approx(e.compute_s + e.tp_comm_s + e.bubble_s + e.dp_comm_s + e.pp_comm_s)
     assert e.tp_comm_s > 0.1 * e.compute_s and e.bubble_s > 0.1 * e.compute_s
     assert "slower by" in r.rejected["tp 8"]

@@ -20,7 +20,7 @@ from dspipe.spec.profile import apply_profile, profile_from_dict, profile_text, 
 from dspipe.tools.fold import fold, remaining
 from dspipe.tools.report import read_metrics, write_report
 from dspipe.tools.run_terms import Term, verdict
-from tests.helpers import dspipe
+from tests.helpers import ROOT, documented, dspipe, run_documented
 from tests.unit.planner.test_calibration import CPU2, DEMO, a_profile, demo_estimate
 
 # ---------------------------------------------------------------------------------------------------- ops cache
@@ -341,8 +341,12 @@ def test_runs_that_cannot_be_folded_are_one_line(run_dir, tmp_path):
 
 
 def test_calibrate_from_run_writes_the_folded_profile(run_dir, tmp_path):
+    """The calibrate how-to's `--from-run` line, as written, on this run (its runs/demo)."""
     synthetic(run_dir)
-    r = dspipe("calibrate", "--from-run", str(run_dir), "--out", str(tmp_path / "folded.json"))
+    (tmp_path / "runs" / "demo").symlink_to(run_dir, target_is_directory=True)
+    r = run_documented(
+        documented(ROOT / "docs" / "howto" / "calibrate.md", "dspipe calibrate --from-run"), cwd=tmp_path
+    )
     assert r.returncode == 0, r.stderr
     assert "corrected by 1 run" in r.stderr and "after them, this run's plan vs. measured: " in r.stderr
     assert "step time (s)" in r.stderr.split("after them")[1]

@@ -15,7 +15,7 @@ run() {
   [ "$rc" = 0 ] || status=1
 }
 bash scripts/lint.sh || status=1  # ruff, mypy, the docs site (seconds)
-run -q -n auto -m "not distributed" --durations=15 "$@"
+run -q -n auto --dist loadgroup -m "not distributed" --durations=15 "$@"  # loadgroup: a docs page's commands in order
 run -v -n 2 --dist loadscope -m "distributed and not solo" --durations=40 "$@"  # -v: each test's result as it ends
 run -v -m "solo" --durations=20 "$@"
 exit $status

@@ -263,6 +263,10 @@ def launch(run_dir: Path, dry_run: bool, resume: str | None, restart: bool, test
     get_logger(__name__).info(
         f"dspipe: {run.path}: {plan.world_size} ranks on {plan.nodes} node(s) ({describe(plan.resources)}){via}"
     )
+    if elastic is not None:  # a new job: an earlier job's refusal (dspipe.runtime.elastic) is not this one's
+        from dspipe.runtime.elastic import REFUSED_FILE
+
+        (run.path / REFUSED_FILE).unlink(missing_ok=True)
     started = utc_now()
     rc = execute(plan)
     happened = [e for e in read_events(run.path) if str(e.get("time", "")) >= started]

@@ -7,7 +7,9 @@ through the existing dp-change path (dspipe.runtime.reshard). No torch."""
 from __future__ import annotations
 
 import copy
+import json
 from dataclasses import replace
+from pathlib import Path
 
 from dspipe.errors import SpecError
 from dspipe.rundir import Run
@@ -60,3 +62,34 @@ def resized(run: Run, *, world: int, ranks_per_node: int) -> tuple[Run, str | No
         f"{plan.global_batch} = {plan.micro_batch} x {grad_accum} x {dp} unchanged"
     )
     return replace(run, plan=new_plan, ds_config=ds, cluster=cluster), line
+
+
+REFUSED_FILE = "refused.json"
+"""In the run directory: the one-line error with which a start under torch's elastic agent was refused (bad input
+or a check that fails the same way every time), with the agent's run id and the world size it was refused at."""
+
+
+def record_refusal(run_path, *, env: dict, error: str) -> None:
+    """Keep the error of a refused start under the agent, so that its restarts say it again at once instead of
+    building the model again to fail the same way (the agent has no exit code that stops its restarts)."""
+    from dspipe.atomic import write_file
+
+    record = {"run_id": env.get("TORCHELASTIC_RUN_ID"), "world": env.get("WORLD_SIZE"), "error": error}
+    try:
+        write_file(Path(run_path) / REFUSED_FILE, json.dumps(record) + "\n")
+    except OSError:
+        pass  # an unwritable run directory: the restarts fail the long way
+
+
+def earlier_refusal(run_path, *, env: dict) -> str | None:
+    """The error an earlier start of this job (the agent's run id) was refused with at this world size, or None: a
+    restart at another world size (a node lost or back) tries again, as does a new job (`dspipe launch` removes the
+    file before it starts the agent)."""
+    try:
+        record = json.loads((Path(run_path) / REFUSED_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or not isinstance(record.get("error"), str):
+        return None
+    same = record.get("run_id") == env.get("TORCHELASTIC_RUN_ID") and record.get("world") == env.get("WORLD_SIZE")
+    return record["error"] if same else None

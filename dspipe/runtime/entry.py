@@ -18,7 +18,7 @@ from dspipe.errors import RunHalted, SpecError
 from dspipe.log import get_logger, setup_logging
 from dspipe.rundir import load_run
 from dspipe.runtime.comm import exit_rank
-from dspipe.runtime.elastic import NODE_RANK_ENV, elastic_restart, resized
+from dspipe.runtime.elastic import NODE_RANK_ENV, earlier_refusal, elastic_restart, record_refusal, resized
 from dspipe.runtime.faults import NO_FAULTS, Faults
 from dspipe.runtime.loop import train
 from dspipe.runtime.ops import cache_cpu_info
@@ -79,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
             )
         check_hang_timeout(args.hang_timeout)
         attempt = elastic_restart(os.environ)
+        if attempt is not None and (refused := earlier_refusal(args.run, env=os.environ)) is not None:
+            log.error(f"dspipe: error: {refused} (as at an earlier start of this job: not built again)")
+            return 2
         node = os.environ.get(NODE_RANK_ENV, "")
         faults = (
             Faults.from_json(args.test_faults, attempt=attempt or 0, node=int(node) if node.isdigit() else None)
@@ -110,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     except (SpecError, RunHalted) as e:
         log.error(f"dspipe: error: {e}")  # every rank hits the same error: rank 0 says it once
+        if isinstance(e, SpecError) and elastic_restart(os.environ) is not None and os.environ.get("RANK") == "0":
+            record_refusal(args.run, env=os.environ, error=str(e))
         return e.exit_code
     return 0
 

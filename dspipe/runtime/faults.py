@@ -49,6 +49,9 @@ class Faults:
     """The save at this step fails with ENOSPC on rank `fail_write_rank` (a full disk where no tmpfs can be mounted)."""
     fail_write_rank: int = 1
     """The rank whose write fails (fail_write_at)."""
+    refuse_after_build: bool = False
+    """Refuse the start (a SpecError, exit 2) once the engine is built: a check that fails the same way at every start
+    (what dspipe.runtime.elastic keeps its restarts from building again)."""
     disk_fills_later: bool = False
     """Skip the launch's check that the checkpoints fit their disk: the disk fills during the run (another job's
     files), which is the path the test drives (a save failing on a full disk)."""

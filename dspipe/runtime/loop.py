@@ -278,6 +278,8 @@ def setup(run: Run, *, resume: str, restart: bool, backend: str, faults: Faults)
 
     clock = StartupClock()
     eng = build_engine(run, clock=clock)
+    if faults.refuse_after_build:
+        raise SpecError("test fault: refused after the build (--test-faults refuse_after_build)")
     guarded = guard_base_optimizer(eng.engine)
     loader = make_loader(data, windows, seed=tr.seed, micro_batch=plan.micro_batch, dp=layout.dp, dp_rank=eng.dp_rank)
     device, peak = device_peak_tflops(precision=plan.precision)

@@ -162,3 +162,21 @@ def test_a_lost_node_continues_on_the_others_at_the_same_global_batch(tmp_path, 
     losses = [float(x["loss"]) for x in rows]
     assert losses[-1] < losses[0]
     assert [(e["attempt"], e["step"], e["world"]) for e in events(run) if e["event"] == "restart"] == [(1, 3, 2)]
+
+
+def test_a_refused_start_is_not_built_again_at_each_restart(tmp_path, corpus):
+    """A start refused with a one-line error after its build (a check that fails the same way every time) is not
+    retried the long way: its restarts by the agent say the error again at once, without building, and the job ends;
+    a new `dspipe launch` of the same run tries again."""
+    run = make_run(tmp_path, corpus, *FLAGS, steps=4)
+    launch = ["launch", run, "--max-restarts", "2", "--test-faults", '{"refuse_after_build": true}']
+    r = dspipe(*launch, env={"PYTHONPATH": env_with()["PYTHONPATH"]})
+    assert r.returncode != 0
+    error = "dspipe: error: test fault: refused after the build (--test-faults refuse_after_build)"
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith(error)]
+    assert lines[0] == error and lines[1:] == [f"{error} (as at an earlier start of this job: not built again)"] * 2
+    assert "start-up" not in r.stderr and not (run / "engine.json").exists()
+    again = dspipe(*launch[:4], env={"PYTHONPATH": env_with()["PYTHONPATH"]})  # a new job, no fault: it trains
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert [int(x["step"]) for x in csv_rows(run / "metrics.csv")] == [1, 2, 3, 4]
+    assert not (run / "refused.json").exists()

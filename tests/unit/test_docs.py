@@ -124,6 +124,7 @@ def test_the_rule_finds_the_commands_it_should():
     assert runnable("dspipe plan --model tiny  # a comment") == ["plan", "--model", "tiny"]
 
 
+@pytest.mark.xdist_group("documented-commands")  # a page's commands in its order, in one worker (--dist loadgroup)
 @pytest.mark.parametrize("page,argv", list(cases()))
 def test_documented_command_runs(page, argv, page_dirs):
     cwd = page_dirs(page)

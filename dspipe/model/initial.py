@@ -118,11 +118,12 @@ def _norm_values(norm: nn.Module):
 
 def write_blocks(param: torch.Tensor, draw, *, cut=None, rows: list[tuple[int, int]] | None = None) -> None:
     """Give `param` its step-0 value block by block (draw.blocks()), never making the whole tensor: all of it; with
-    `rows`, only those row ranges of the whole (a dim-0 shard, in that order); with `cut`, cut(block) of each block
-    of rows (a shard along a later dimension)."""
-    if param.dim() < 2:  # biases and norms: small, drawn whole
+    `rows`, only those row ranges of the whole (a dim-0 shard, in that order); else with `cut`, cut(block) of each
+    block of rows (a shard along a later dimension). A 1-D parameter (a bias, a norm: small) is drawn whole and
+    `cut` (the shard's own cut of the whole tensor) gives its slice."""
+    if param.dim() < 2:
         whole = draw()
-        param.copy_(whole if rows is None and cut is None else _cut_whole(whole, cut=cut, rows=rows))
+        param.copy_(whole if cut is None else cut(whole))
         return
     for start, block in draw.blocks():
         stop = start + block.shape[0]
@@ -135,10 +136,3 @@ def write_blocks(param: torch.Tensor, draw, *, cut=None, rows: list[tuple[int, i
                 at += b - a
         else:
             param[start:stop].copy_(block if cut is None else cut(block))
-
-
-def _cut_whole(whole: torch.Tensor, *, cut, rows) -> torch.Tensor:
-    if rows is None:
-        return cut(whole)
-    pieces = [whole[a:b] for a, b in rows]
-    return torch.cat(pieces) if len(pieces) > 1 else pieces[0]

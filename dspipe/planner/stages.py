@@ -113,17 +113,17 @@ def stage_bounds(model: ModelSpec, pp: int, partition_method: str, tp: int = 1) 
 @lru_cache(maxsize=1024)
 def slowest_stage_share(*, model: ModelSpec, pp: int, partition_method: str, kernels: str | None = None) -> float:
     """The share of a token's training FLOPs that the busiest pipeline stage computes (1 at pp 1): each block its
-    6 x parameters + its attention (throughput.attention_keys_per_query under `kernels`), the final norm its
+    6 x parameters + its attention (throughput.layer_attention_flops_per_token under `kernels`), the final norm its
     6 x parameters, the head its logits, 6 x V x h (tied or not), the token embedding's lookup nothing. DeepSpeed's
     'parameters' partition balances parameters, not FLOPs: the stage with the embedding table gets fewer blocks and
     the last stage computes the head too, so the busiest stage does more than 1 / pp of the work."""
-    from dspipe.planner.throughput import attention_keys_per_query
+    from dspipe.planner.throughput import layer_attention_flops_per_token
 
     if pp == 1:
         return 1.0
     weights = stage_layer_weights(model)
     blocks = [
-        6.0 * w + 12.0 * model.q_width * attention_keys_per_query(model, i, kernels=kernels)
+        6.0 * w + layer_attention_flops_per_token(model, i, kernels=kernels)
         for i, w in enumerate(weights[1 : 1 + model.layers])
     ]
     flops = [0.0, *blocks, 6.0 * model.final_norm_params, 6.0 * model.vocab * model.hidden]

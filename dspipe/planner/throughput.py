@@ -70,13 +70,17 @@ def attention_keys_per_query(model: ModelSpec, layer: int, *, kernels: str | Non
     return float(s)
 
 
+def layer_attention_flops_per_token(model: ModelSpec, layer: int, *, kernels: str | None = None) -> float:
+    """Training FLOPs per token of block `layer`'s attention scores and their weighted sum: q.k^T and softmax.v
+    each 2 x heads x head_dim per key, forward, twice that backward: 12 x q_width x keys per query
+    (attention_keys_per_query, what the model needs or, under `kernels`, what the kernels compute)."""
+    return 12.0 * model.q_width * attention_keys_per_query(model, layer, kernels=kernels)
+
+
 def attention_flops_per_token(model: ModelSpec, *, kernels: str | None = None) -> float:
-    """Training FLOPs per token of the attention scores and their weighted sum over all blocks: q.k^T and
-    softmax.v each 2 x heads x head_dim per key, forward, twice that backward: 12 x q_width x keys per query
-    (attention_keys_per_query, what the model needs or, under `kernels`, what the kernels compute; 6·L·h·s for
-    GPT's causal attention)."""
-    keys = sum(attention_keys_per_query(model, layer, kernels=kernels) for layer in range(model.layers))
-    return 12.0 * model.q_width * keys
+    """Training FLOPs per token of the attention over all blocks (layer_attention_flops_per_token; 6·L·h·s for GPT's
+    causal attention)."""
+    return sum(layer_attention_flops_per_token(model, layer, kernels=kernels) for layer in range(model.layers))
 
 
 def model_flops_per_token(model: ModelSpec) -> float:

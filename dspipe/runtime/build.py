@@ -147,8 +147,7 @@ def _write_shard(param, draw) -> None:
     the same seeded stream)."""
     from dspipe.model.initial import write_blocks
 
-    rows, cut = getattr(param, "tp_rows", None), getattr(param, "tp_shard", None)
-    write_blocks(param, draw, rows=rows, cut=None if rows is not None else cut)
+    write_blocks(param, draw, rows=getattr(param, "tp_rows", None), cut=getattr(param, "tp_shard", None))
 
 
 def _read_shard(weights):
@@ -256,13 +255,15 @@ def _partitioned(run: Run, *, weights, mpu):
 def _drawn_range(draw):
     """read(start, stop) for write_partition: those elements of the flattened draw, from its blocks of rows (the
     whole tensor is never made; the generator is consumed as by the whole draw)."""
+    import math
+
     import torch
 
     def read(start: int, stop: int):
         out = torch.empty(stop - start, dtype=torch.float32)
         for row, block in draw.blocks():
             flat = block.reshape(-1)
-            first = row * (flat.numel() // max(block.shape[0], 1)) if block.dim() else 0
+            first = row * math.prod(block.shape[1:])  # the block's first element in the flattened tensor
             lo, hi = max(start, first), min(stop, first + flat.numel())
             if lo < hi:
                 out[lo - start : hi - start] = flat[lo - first : hi - first]

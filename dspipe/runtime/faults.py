@@ -90,6 +90,11 @@ class Faults:
             given["nan_at_steps"] = frozenset(given["nan_at_steps"])
         return cls(**given)
 
+    def after_build(self) -> None:
+        """The refusal once the engine is built (refuse_after_build)."""
+        if self.refuse_after_build:
+            raise SpecError("test fault: refused after the build (--test-faults refuse_after_build)")
+
     def kill_after_step(self, step: int, *, rank: int, drain=None) -> None:
         """The crash after a step (kill_at_step), between checkpoints: `drain` first completes a checkpoint still
         being written in the background (a kill during that write is kill_in_async_write's); `drain` is collective,

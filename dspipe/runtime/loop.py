@@ -278,19 +278,15 @@ def setup(run: Run, *, resume: str, restart: bool, backend: str, faults: Faults)
 
     clock = StartupClock()
     eng = build_engine(run, clock=clock)
-    if faults.refuse_after_build:
-        raise SpecError("test fault: refused after the build (--test-faults refuse_after_build)")
+    faults.after_build()
     guarded = guard_base_optimizer(eng.engine)
     loader = make_loader(data, windows, seed=tr.seed, micro_batch=plan.micro_batch, dp=layout.dp, dp_rank=eng.dp_rank)
     device, peak = device_peak_tflops(precision=plan.precision)
     say = print if rank == 0 else (lambda *a, **k: None)
     note = get_logger(__name__).info if rank == 0 else (lambda *a, **k: None)
     say(_banner(run, backend=backend, device=device), flush=True)
-    if plan.loss_chunk:  # which kernel computes it here: liger-kernel's on CUDA where installed, else dspipe's
-        from dspipe.model.loss import HeadLoss
-
-        kernel = HeadLoss(chunk=plan.loss_chunk).describe(str(eng.device).split(":")[0])
-        note(f"dspipe: loss without the full logits: {kernel}")
+    if plan.loss_chunk:
+        note(f"dspipe: loss without the full logits: {_loss_kernel(chunk=plan.loss_chunk, device=eng.device)}")
 
     start_step, meta = 0, None
     if resume_from is not None:
@@ -326,6 +322,13 @@ def setup(run: Run, *, resume: str, restart: bool, backend: str, faults: Faults)
             every=tr.save_interval, steps=tr.steps, meta=meta, auto=run.estimate.save_interval_auto
         ),
     )
+
+
+def _loss_kernel(*, chunk: int, device) -> str:
+    """Which kernel computes the chunked loss here: liger-kernel's on CUDA where installed, else dspipe's."""
+    from dspipe.model.loss import HeadLoss
+
+    return HeadLoss(chunk=chunk).describe(str(device).split(":")[0])
 
 
 def _check_world(run: Run, *, world: int) -> None:

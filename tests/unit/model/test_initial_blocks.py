@@ -64,3 +64,11 @@ def test_a_zero3_partition_read_from_blocks_is_the_flat_whole_draws_range(shape,
     for start, stop in ((0, n), (n // 3, n // 3 + max(1, n // 4)), (n - 1, n)):
         _, draw = whole_and_draw(shape)
         assert torch.equal(_drawn_range(draw)(start, stop), expected.reshape(-1)[start:stop])
+
+
+def test_a_bias_shard_is_the_whole_draw_cut():
+    from dspipe.model.initial import _constant
+
+    got = torch.empty(3)
+    write_blocks(got, _constant((8,), 0.5), cut=lambda full: full[2:5], rows=[(2, 5)])
+    assert torch.equal(got, torch.full((3,), 0.5))

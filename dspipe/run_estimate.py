@@ -12,7 +12,7 @@ from typing import Any
 from dspipe.errors import SpecError
 from dspipe.jsonio import show
 
-ESTIMATE_NUMBERS = ("tokens_per_s", "mfu", "step_time_s", "rank_resident_bytes")
+ESTIMATE_NUMBERS = ("tokens_per_s", "mfu", "step_time_s", "rank_resident_bytes", "dp_comm_after_step_s")
 """Figures of dspipe.json's estimate that `dspipe report` reads (with memory_per_gpu_bytes.total)."""
 AUTO_INTERVAL = "save_interval_auto"
 """dspipe.json's estimate key, true when train.save_interval came from --save-interval auto: the runner then
@@ -107,6 +107,12 @@ class RunEstimate:
         if not isinstance(value, dict):
             return {}
         return {k: float(v) for k, v in value.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+    @property
+    def dp_after_step_s(self) -> float:
+        """Of the breakdown's dp_comm, the seconds of the parameters' all-gather inside the optimizer step (0 where not
+        written: a plan from before the figure)."""
+        return _figure(self.figures.get("dp_comm_after_step_s")) or 0.0
 
     def layout(self) -> dict[str, Any]:
         """The ESTIMATE_LAYOUT figures it holds (they repeat the plan's)."""

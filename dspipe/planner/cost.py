@@ -48,6 +48,8 @@ class Estimate:
     """Parameters one token passes through (ModelSpec.active_params; the MFU's N)."""
     optimizer_s: float = 0.0
     """The engine's own optimizer step over the rank's shard (GpuType.optimizer_params_per_s; 0 where not modelled)."""
+    dp_after_step_s: float = 0.0
+    """Of dp_comm_s, the all-gather of the updated parameters inside the engine's optimizer step (ZeRO-1 / 2)."""
     headroom: float = MEMORY_HEADROOM
     """Fraction of GPU memory the plan must leave free."""
     matmul_efficiency: float = 0.5
@@ -189,6 +191,7 @@ def estimate(
         headroom=headroom,
         matmul_efficiency=t.matmul_efficiency,
         optimizer_s=t.optimizer_s,
+        dp_after_step_s=t.dp_after_step_s,
         startup=startup,
         checkpoint=checkpoint_size(model=model, plan=plan, ranks_per_node=cluster.gpus_per_node),
         resident_bytes=gpu.resident_bytes(memory.total) if gpu.host_is_device else None,

@@ -110,12 +110,15 @@ def _dp_collectives_s(
     return gather, reduce, all_reduce, shard
 
 
-def _dp_comm_s(*, model: ModelSpec, plan: Plan, cluster: ClusterSpec, phi: int, fwd_s: float, bwd_s: float) -> float:
-    """Seconds per step of data-parallel (ZeRO) collectives not hidden behind compute, as DeepSpeed 0.19.8 issues them
-    over the sequence-data-parallel group of N = dp x sp ranks: (N-1)/N of the bytes per rank for a reduce-scatter or
-    all-gather, twice that for an all-reduce, at the inter-node bandwidth when the group leaves a node, plus a ring
-    latency per bucket (ring_latency_s). fwd_s / bwd_s: one micro-batch's forward and backward (recomputation
-    included) compute, what overlap_comm can hide communication behind.
+def _dp_comm_s(
+    *, model: ModelSpec, plan: Plan, cluster: ClusterSpec, phi: int, fwd_s: float, bwd_s: float
+) -> tuple[float, float]:
+    """(all, after the step): seconds per step of data-parallel (ZeRO) collectives not hidden behind compute, and of
+    those the all-gather of the updated parameters that the engine's step issues (ZeRO-1 / 2, BF16_Optimizer). As
+    DeepSpeed 0.19.8 issues them over the sequence-data-parallel group of N = dp x sp ranks: (N-1)/N of the bytes per
+    rank for a reduce-scatter or all-gather, twice that for an all-reduce, at the inter-node bandwidth when the group
+    leaves a node, plus a ring latency per bucket (ring_latency_s). fwd_s / bwd_s: one micro-batch's forward and
+    backward (recomputation included) compute, what overlap_comm can hide communication behind.
       ZeRO-0: all-reduces of the gradients at the accumulation boundary (engine.allreduce_gradients), not overlapped.
       bf16 ZeRO-1 without offload (and bf16 ZeRO-0 under a pipeline): BF16_Optimizer; the fp32 accumulated gradients
         are all-reduced at the boundary in the communication dtype, then the updated bf16 params all-gathered.
@@ -138,7 +141,7 @@ def _dp_comm_s(*, model: ModelSpec, plan: Plan, cluster: ClusterSpec, phi: int, 
     gpu = cluster.gpu_type
     gather, reduce, all_reduce, shard = _dp_collectives_s(model=model, plan=plan, cluster=cluster, phi=phi)
     if not (gather or reduce or all_reduce):
-        return 0.0
+        return 0.0, 0.0
     n = zero_group_size(plan)
     span = plan.dp * plan.sp * plan.tp
     inside = _inside_node(span, g)
@@ -155,18 +158,18 @@ def _dp_comm_s(*, model: ModelSpec, plan: Plan, cluster: ClusterSpec, phi: int, 
         plan.precision == Precision.BF16 and plan.offload == Offload.NONE and (z == 1 or (z == 0 and plan.pp > 1))
     )
     if bf16_optimizer:
-        return all_reduce + gather
+        return all_reduce + gather, gather
     if z == 0:
-        return all_reduce
+        return all_reduce, 0.0
     if z == 1:
-        return hidden(reduce, bwd_s) + gather
+        return hidden(reduce, bwd_s) + gather, gather
     if z == 2:
-        return m * hidden(reduce, bwd_s) + gather
+        return m * hidden(reduce, bwd_s) + gather, gather
     module_gathers = shard + zero3_gathers_per_pass(model) * ring
     # The forward's first gather, the token embedding, has no earlier compute to hide behind (the prefetch looks one
     # module ahead of the one computing); every later one overlaps the module before it.
     first = (n - 1) / n * model.vocab * model.hidden * b / bw + ring
-    return m * (first + hidden(module_gathers - first, fwd_s) + hidden(module_gathers + reduce, bwd_s))
+    return m * (first + hidden(module_gathers - first, fwd_s) + hidden(module_gathers + reduce, bwd_s)), 0.0
 
 
 def _tp_comm_s(*, model: ModelSpec, plan: Plan, gpu: GpuType, tokens: int, layers: int) -> float:
@@ -208,6 +211,8 @@ class StepTime:
     compute_s: float
     dp_comm_s: float
     """Data-parallel (ZeRO) collectives not hidden behind the backward pass."""
+    dp_after_step_s: float
+    """Of dp_comm_s, the all-gather of the updated parameters inside the engine's optimizer step (ZeRO-1 / 2)."""
     bubble_s: float
     pp_comm_s: float
     offload_s: float
@@ -362,13 +367,14 @@ def step_time(*, model: ModelSpec, cluster: ClusterSpec, plan: Plan, phi: int) -
     tp_comm = _tp_comm_s(model=model, plan=plan, gpu=gpu, tokens=tokens_micro, layers=layers_per_stage)
     sp_comm = _sp_comm_s(model=model, plan=plan, cluster=cluster, tokens=tokens_micro, layers=layers_per_stage)
     ep_comm = _ep_comm_s(model=model, plan=plan, cluster=cluster, tokens=tokens_micro)
-    dp_comm = _dp_comm_s(model=model, plan=plan, cluster=cluster, phi=phi, fwd_s=fwd_micro, bwd_s=bwd_micro)
+    dp_comm, dp_after = _dp_comm_s(model=model, plan=plan, cluster=cluster, phi=phi, fwd_s=fwd_micro, bwd_s=bwd_micro)
     pp_comm = _pp_comm_s(model=model, plan=plan, cluster=cluster, tokens=tokens_micro)
     offload, optimizer = _offload_optimizer_s(model=model, plan=plan, cluster=cluster, phi=phi)
     peak = gpu.peak_tflops(plan.precision) * 1e12
     return StepTime(
         compute_s=compute,
         dp_comm_s=dp_comm,
+        dp_after_step_s=dp_after,
         bubble_s=bubble,
         pp_comm_s=pp_comm,
         offload_s=offload,

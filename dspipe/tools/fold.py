@@ -9,7 +9,8 @@ Per term (dspipe.tools.run_terms), the run's measured / predicted ratio, against
                    where the collectives are at least COMM_SIGNAL of the step; else the collectives as planned
                    and k_compute from the two phases together (communication unchanged). Without phases: the
                    whole step's ratio corrects the compute
-    optimizer      the optimizer-step phase's ratio (where the plan has an optimizer term)
+    optimizer      the optimizer-step phase less its planned all-gather (ZeRO-1 / 2; at the communication's
+                   ratio where solved), over the plan's optimizer and offload terms (where it has them)
     startup        the time to the first step's end (shown; its figures are replaced, not scaled)
 
 A profile's correction per term is the geometric mean over the runs folded in of each run's total factor (the
@@ -34,7 +35,10 @@ from dspipe.tools.run_terms import Term, phase_split, plan_terms, startup_record
 COMM_SIGNAL = 0.10
 """The plan's collectives in the backward must be this share of its step for a run to correct them."""
 RATIO_LIMITS = (0.05, 20.0)
-"""A term's ratio outside this range is a broken measurement, not a correction (refused in one line)."""
+"""A term's ratio outside this range is a broken measurement, not a correction (refused in one line)..."""
+SMALL_SHARE = 0.05
+"""...unless the term is under this share of the run's step: a few milliseconds of fixed overhead the plan does not
+model move its ratio that far, so such a term is left unchanged (a note says so) instead of refusing the run."""
 
 
 @dataclass(frozen=True)
@@ -89,18 +93,57 @@ def run_ratios(
             f"step, or the run has no phases to tell them from the compute)"
         )
     if opt is not None:
-        ratios["optimizer"] = opt.ratio
+        _optimizer_ratio(opt, (split or {}).get("optimizer"), k_m=k_m, ratios=ratios, notes=notes)
     else:
         notes.append("optimizer: unchanged (no optimizer term planned, or no phases recorded)")
     if first is not None:
         ratios["startup"] = first.ratio
-    for term, ratio in ratios.items():
-        if not RATIO_LIMITS[0] <= ratio <= RATIO_LIMITS[1]:
-            raise SpecError(
-                f"--from-run: the run's {term} ran {ratio:.3g}x its plan, outside [{RATIO_LIMITS[0]:g}, "
-                f"{RATIO_LIMITS[1]:g}]: a broken measurement (another load on the machine?), not a correction"
+    whole = step.measured if step is not None and step.measured else None
+    for term, ratio in list(ratios.items()):
+        if RATIO_LIMITS[0] <= ratio <= RATIO_LIMITS[1]:
+            continue
+        seconds = _measured_seconds(term, forward=forward, backward=backward, opt=opt)
+        if whole is not None and seconds is not None and seconds < SMALL_SHARE * whole:
+            del ratios[term]
+            notes.append(
+                f"{term}: unchanged (it ran {ratio:.3g}x its plan, outside [{RATIO_LIMITS[0]:g}, "
+                f"{RATIO_LIMITS[1]:g}], but {seconds:.3g} s of the step's {whole:.3g} s: under {SMALL_SHARE:.0%}, too "
+                f"small a share to correct by)"
             )
+            continue
+        raise SpecError(
+            f"--from-run: the run's {term} ran {ratio:.3g}x its plan, outside [{RATIO_LIMITS[0]:g}, "
+            f"{RATIO_LIMITS[1]:g}]: a broken measurement (another load on the machine?), not a correction"
+        )
     return ratios, notes
+
+
+def _optimizer_ratio(
+    opt: Term, split: tuple[float, float] | None, *, k_m: float | None, ratios: dict, notes: list[str]
+) -> None:
+    """The optimizer's ratio into `ratios` (or a note): the phase less its planned all-gather, over the plan's
+    optimizer and offload terms; the whole phase's ratio where the split has no such terms."""
+    planned, gather = split if split else (opt.predicted, 0.0)
+    if not planned:
+        ratios["optimizer"] = opt.ratio
+        return
+    own = opt.measured - gather * (k_m or 1.0)
+    if own <= 0:
+        notes.append(
+            f"optimizer: unchanged (the step's phase, {opt.measured:.3g} s, is within its planned parameter "
+            f"all-gather's {gather * (k_m or 1.0):.3g} s)"
+        )
+        return
+    ratios["optimizer"] = own / planned
+
+
+def _measured_seconds(term: str, *, forward: Term | None, backward: Term | None, opt: Term | None) -> float | None:
+    """The run's seconds per step behind a step term's ratio (None: a start-up term, or not measured)."""
+    if term == "optimizer":
+        return opt.measured if opt else None
+    if term in ("compute", "communication") and forward is not None and backward is not None:
+        return forward.measured + backward.measured
+    return None
 
 
 def _mean(old: float | None, new: float, runs: int) -> float:

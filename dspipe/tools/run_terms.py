@@ -10,8 +10,9 @@ a CPU rank's RSS) and engine.json's start-up (the slowest rank's seconds). Predi
 The phases' predictions split the plan's terms as the engine spends them: forward = the compute's forward share
 (1/3 of the FLOPs; 1/4 under full recomputation, whose backward re-runs the forward) plus a third of the synchronous
 tp / sp / ep collectives; backward = the rest of the compute, the data-parallel collectives the plan leaves exposed
-(ZeRO-3: half of them, its forward gathers the other half) and two thirds of the synchronous ones; optimizer step =
-the optimizer and offload terms.
+(ZeRO-3: half of them, its forward gathers the other half; ZeRO-1 / 2: less the parameters' all-gather, which the
+engine's step issues) and two thirds of the synchronous ones; optimizer step = the optimizer and offload terms and
+that all-gather (the estimate's dp_comm_after_step_s).
 """
 
 from __future__ import annotations
@@ -68,8 +69,9 @@ def forward_share(checkpointing: str) -> float:
 
 
 def phase_split(estimate: RunEstimate, *, checkpointing: str, zero_stage: int) -> dict[str, tuple[float, float]]:
-    """(compute, communication) seconds the plan puts in the forward and in the backward of a step (the module
-    docstring's split); {} without a breakdown in the estimate."""
+    """(compute, communication) seconds the plan puts in the forward, the backward and the optimizer step of a step
+    (the module docstring's split; the optimizer's "compute" is its optimizer and offload terms); {} without a
+    breakdown in the estimate."""
     b = estimate.breakdown
     if not b:
         return {}
@@ -77,23 +79,18 @@ def phase_split(estimate: RunEstimate, *, checkpointing: str, zero_stage: int) -
     sync = b.get("tp_comm", 0.0) + b.get("sp_comm", 0.0) + b.get("ep_comm", 0.0)
     dp = b.get("dp_comm", 0.0)
     dp_fwd = dp / 2 if zero_stage == 3 else 0.0
+    after = min(estimate.dp_after_step_s, dp - dp_fwd)
     return {
         "forward": (compute * fwd, sync / 3 + dp_fwd),
-        "backward": (compute * (1 - fwd), sync * 2 / 3 + dp - dp_fwd),
+        "backward": (compute * (1 - fwd), sync * 2 / 3 + dp - dp_fwd - after),
+        "optimizer": (b.get("optimizer", 0.0) + b.get("offload", 0.0), after),
     }
 
 
 def predicted_phases(estimate: RunEstimate, *, checkpointing: str, zero_stage: int) -> dict[str, float] | None:
     """The plan's seconds of forward, backward and optimizer step per step; None without a breakdown."""
     split = phase_split(estimate, checkpointing=checkpointing, zero_stage=zero_stage)
-    if not split:
-        return None
-    b = estimate.breakdown
-    return {
-        "forward": sum(split["forward"]),
-        "backward": sum(split["backward"]),
-        "optimizer": b.get("optimizer", 0.0) + b.get("offload", 0.0),
-    }
+    return {name: sum(parts) for name, parts in split.items()} if split else None
 
 
 def step_terms(estimate: RunEstimate, rows: list[dict], *, checkpointing: str, zero_stage: int) -> list[Term]:

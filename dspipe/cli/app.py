@@ -14,7 +14,7 @@ from dspipe.cli.calibrate import calibrate
 from dspipe.cli.config_file import resolved_text
 from dspipe.cli.data import convert_data, prepare_data
 from dspipe.cli.extend import extend
-from dspipe.cli.launch import build_ops, doctor, launch, slurm_script
+from dspipe.cli.launch import build_ops, doctor, launch, rendezvous, slurm_script
 from dspipe.cli.model import export_hf, generate, presets
 from dspipe.cli.options import (
     DEFAULT_DATA,
@@ -396,6 +396,7 @@ cli.add_command(launch)
 cli.add_command(doctor)
 cli.add_command(build_ops)
 cli.add_command(slurm_script)
+cli.add_command(rendezvous)
 cli.add_command(report)
 cli.add_command(bench)
 cli.add_command(export_hf)

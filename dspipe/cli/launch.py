@@ -4,6 +4,7 @@ on the `dspipe` group by dspipe/cli/app.py; imports no torch until a command nee
 from __future__ import annotations
 
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from dspipe.cluster.netenv import (
     rank_environment,
     write_env_file,
 )
+from dspipe.cluster.store import parse_endpoint
 from dspipe.errors import SpecError
 from dspipe.log import get_logger
 from dspipe.rundir import load_run
@@ -191,6 +193,14 @@ def elastic_options(f):
                 help="with --max-restarts on several nodes: how long a restart waits for lost nodes to come "
                 "back once --min-nodes are there [default: 30]",
             ),
+            click.option(
+                "--rendezvous",
+                default=None,
+                metavar="HOST:PORT",
+                help="with --max-restarts on several nodes: meet at the store 'dspipe rendezvous' serves on a host "
+                "that trains nothing, so that losing any node, node 0 too, leaves the others running "
+                "[default: node 0's agent holds it, at --master-addr:--master-port]",
+            ),
         ]
     ):
         f = opt(f)
@@ -200,14 +210,15 @@ def elastic_options(f):
 def _elastic(o: dict) -> Elastic | None:
     """The --max-restarts options as an Elastic, or None (DeepSpeed's launcher) when --max-restarts is not given."""
     if o["max_restarts"] is None:
-        for flag in ("min_nodes", "rejoin_wait"):
+        for flag in ("min_nodes", "rejoin_wait", "rendezvous"):
             if o[flag] is not None:
                 raise SpecError(f"--{flag.replace('_', '-')} only applies with --max-restarts N")
         return None
     given = {
         k: v for k, v in (("hang_timeout_s", o["hang_timeout"]), ("rejoin_wait_s", o["rejoin_wait"])) if v is not None
     }
-    return Elastic(max_restarts=o["max_restarts"], min_nodes=o["min_nodes"], **given)
+    store = None if o["rendezvous"] is None else parse_endpoint(o["rendezvous"])
+    return Elastic(max_restarts=o["max_restarts"], min_nodes=o["min_nodes"], rendezvous=store, **given)
 
 
 @click.command("launch")
@@ -384,6 +395,26 @@ def _cuda_count() -> int:
     import torch
 
     return torch.cuda.device_count()
+
+
+@click.command("rendezvous")
+@click.option("--port", type=INT, default=29400, show_default=True, help="the port to serve on (every interface)")
+def rendezvous(port: int) -> None:
+    """Serve the rendezvous store of elastic jobs ('dspipe launch --max-restarts N --rendezvous HOST:PORT' on every
+    node) from a host that trains nothing, until SIGTERM or Ctrl-C: losing any node, node 0 too, then leaves the
+    others' rendezvous up. One store serves any number of jobs."""
+    from dspipe.cluster.store import serve
+
+    if not 1 <= port <= 65535:
+        raise SpecError(f"--port must be in 1..65535, got {port}")
+    host = socket.gethostname()
+    serve(
+        port=port,
+        ready=lambda: get_logger(__name__).info(
+            f"dspipe: rendezvous store on port {port}: start each node with 'dspipe launch RUN --max-restarts N "
+            f"--rendezvous {host}:{port} ...'; SIGTERM or Ctrl-C ends it"
+        ),
+    )
 
 
 @click.command("build-ops")

@@ -24,6 +24,7 @@ from pathlib import Path
 from dspipe.cluster.hostfile import Host, Hostfile, describe, read_hostfile, select
 from dspipe.cluster.hostname import check_host
 from dspipe.cluster.netenv import ENV_FILE
+from dspipe.cluster.store import check_reachable, endpoint_text
 from dspipe.errors import SpecError
 from dspipe.runtime.elastic import NODE_RANK_ENV
 from dspipe.runtime.watchdog import check_hang_timeout
@@ -109,7 +110,10 @@ class Launch:
     multi_node_exec: bool
     """True when DeepSpeed's runner itself reaches the other nodes (pdsh / mpirun / srun)."""
     rendezvous_port: int | None = DEFAULT_PORT
-    """The port rank 0's node must have free (None: the launcher picks its own, torch's --standalone)."""
+    """The port rank 0's node must have free (None: the launcher picks its own, torch's --standalone, or the store
+    is elsewhere)."""
+    rendezvous_store: tuple[str, int] | None = None
+    """(host, port) of the `dspipe rendezvous` store every node's agent must reach (None: none)."""
 
     @property
     def world_size(self) -> int:
@@ -277,6 +281,8 @@ class Elastic:
     """Seconds a rank may wait inside one collective during the steps before the job is restarted (0: no limit)."""
     rejoin_wait_s: int = 30
     """After a failure, how long the agents wait for more nodes once min_nodes are back (the rendezvous' last call)."""
+    rendezvous: tuple[str, int] | None = None
+    """(host, port) of a store `dspipe rendezvous` serves off the training nodes (None: node 0's agent holds it)."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_restarts <= 1000:
@@ -317,14 +323,15 @@ def build_elastic(
         "--monitor-interval",
         "1",
     ]
+    _check_store(spec, elastic, several=hostfile is not None)
     if hostfile is None:
         argv += ["--standalone"]
         port = None
     else:
-        port = spec.master_port or DEFAULT_PORT
+        port = None if elastic.rendezvous else spec.master_port or DEFAULT_PORT
         argv += _rendezvous_args(
-            master=spec.master_addr or hosts[0],
-            port=port,
+            endpoint=elastic.rendezvous or (spec.master_addr or hosts[0], port),
+            external=elastic.rendezvous is not None,
             min_nodes=min_nodes,
             nodes=nodes,
             run_id=run_id,
@@ -343,7 +350,24 @@ def build_elastic(
         env_file=env_file,
         multi_node_exec=False,
         rendezvous_port=port,
+        rendezvous_store=elastic.rendezvous,
     )
+
+
+def _check_store(spec: LaunchSpec, elastic: Elastic, *, several: bool) -> None:
+    """--rendezvous HOST:PORT: for several nodes only, instead of --master-addr / --master-port."""
+    if elastic.rendezvous is None:
+        return
+    if not several:
+        raise SpecError(
+            "--rendezvous is for runs on several nodes (one node's agent meets no one: it runs --standalone)"
+        )
+    given = [f for f, v in (("--master-addr", spec.master_addr), ("--master-port", spec.master_port)) if v]
+    if given:
+        raise SpecError(
+            f"--rendezvous {endpoint_text(*elastic.rendezvous)} replaces {' and '.join(given)}: the agents meet at "
+            f"the store, not on node 0"
+        )
 
 
 def _elastic_node(spec: LaunchSpec, *, hostfile, resources, min_nodes: int, nodes: int) -> int:
@@ -373,19 +397,22 @@ def _elastic_node(spec: LaunchSpec, *, hostfile, resources, min_nodes: int, node
     return node
 
 
-def _rendezvous_args(*, master: str, port: int, min_nodes: int, nodes: int, run_id: str, rejoin_wait_s) -> list[str]:
-    """The agent's c10d rendezvous options on several nodes: meeting on the master's port."""
+def _rendezvous_args(
+    *, endpoint: tuple[str, int], external: bool, min_nodes: int, nodes: int, run_id: str, rejoin_wait_s
+) -> list[str]:
+    """The agent's c10d rendezvous options on several nodes: meeting at the master's port, whose agent hosts the store,
+    or (`external`) at a store `dspipe rendezvous` serves, of which every agent is a client (is_host=0)."""
     return [
         "--nnodes",
         f"{min_nodes}:{nodes}",
         "--rdzv-backend",
         "c10d",
         "--rdzv-endpoint",
-        f"{master}:{port}",
+        endpoint_text(*endpoint),
         "--rdzv-id",
         run_id,
         "--rdzv-conf",
-        f"last_call_timeout={rejoin_wait_s}",
+        f"last_call_timeout={rejoin_wait_s}" + (",is_host=0" if external else ""),
     ]
 
 
@@ -447,6 +474,8 @@ def preflight(launch: Launch, spec: LaunchSpec) -> None:
             )
     if spec.launcher != "pdsh":
         return
+    if launch.rendezvous_store is not None:
+        check_reachable(*launch.rendezvous_store)
     command = launch.commands[0]
     master = spec.master_addr or command.host
     rank0_here = launch.hostfile is None or (command.node_rank in (None, 0) and _is_local(master))

@@ -1,7 +1,8 @@
 """Runs that restart themselves (`dspipe launch --max-restarts`, torch's elastic agent): on 4 CPU ranks a rank killed
 with SIGKILL and then a rank hung inside a collective each restart the job from the newest checkpoint, and it
 finishes by itself with every step once and the replayed steps bitwise equal to their first run (fp32); two local
-"nodes" of 2 ranks, one lost for good, continue on 2 ranks at the same global batch. One launch per test."""
+"nodes" of 2 ranks, one lost for good, continue on 2 ranks at the same global batch (node 0 too, with the rendezvous
+store served apart by `dspipe rendezvous`). One launch per test."""
 
 import os
 import re
@@ -102,11 +103,23 @@ def test_a_killed_rank_and_a_hung_rank_restart_the_job(tmp_path, corpus):
     assert (run / "checkpoints" / "latest").read_text() == "global_step8"
 
 
-def test_a_lost_node_continues_on_the_others_at_the_same_global_batch(tmp_path, corpus):
+@pytest.mark.parametrize("lost", [1, 0], ids=["node1-store-on-node0", "node0-store-apart"])
+def test_a_lost_node_continues_on_the_others_at_the_same_global_batch(tmp_path, corpus, lost):
+    """Node 1 lost while node 0's agent holds the rendezvous store; node 0 lost while `dspipe rendezvous` holds it
+    (without that store, losing node 0 would end the others' rendezvous)."""
     (tmp_path / "hosts").write_text(HOSTS)
     run = make_run(tmp_path, corpus, *FLAGS, "--hostfile", str(tmp_path / "hosts"), steps=8)
     port = str(free_port())
-    faults = '[{"kill_at_step": 5, "kill_node": 1}]'  # node 1's agent and ranks: gone for good after step 5
+    faults = f'[{{"kill_at_step": 5, "kill_node": {lost}}}]'  # the node's agent and ranks: gone for good after step 5
+    store = None
+    if lost == 0:  # the store apart from the nodes, as on a login node
+        store = subprocess.Popen(
+            [sys.executable, "-m", "dspipe", "rendezvous", "--port", port], cwd=tmp_path, env=env_with()
+        )
+        wait_for_port(int(port))
+        meet = ["--rendezvous", f"127.0.0.1:{port}"]
+    else:
+        meet = ["--master-addr", "127.0.0.1", "--master-port", port]
 
     def node(rank):
         return subprocess.Popen(
@@ -121,10 +134,7 @@ def test_a_lost_node_continues_on_the_others_at_the_same_global_batch(tmp_path, 
                 "--no-ssh",
                 "--node-rank",
                 str(rank),
-                "--master-addr",
-                "127.0.0.1",
-                "--master-port",
-                port,
+                *meet,
                 "--max-restarts",
                 "2",
                 "--min-nodes",
@@ -141,13 +151,20 @@ def test_a_lost_node_continues_on_the_others_at_the_same_global_batch(tmp_path, 
             text=True,
         )
 
-    first = node(0)
-    wait_for_port(int(port))  # node 0's agent holds the rendezvous store (the node lost is not the one holding it)
-    nodes = [first, node(1)]
-    outputs = [p.communicate(timeout=TIMEOUT)[0] for p in nodes]
+    try:
+        first = node(0)
+        if store is None:
+            wait_for_port(int(port))  # node 0's agent holds the rendezvous store
+        nodes = [first, node(1)]
+        outputs = [p.communicate(timeout=TIMEOUT)[0] for p in nodes]
+    finally:
+        if store is not None:
+            store.terminate()
+            assert store.wait(timeout=30) == 0  # SIGTERM ends the store cleanly
     codes = [p.returncode for p in nodes]
-    assert codes[0] == 0 and codes[1] != 0, outputs[0][-3000:] + outputs[1][-3000:]
-    survivor = outputs[0]
+    kept = 1 - lost
+    assert codes[kept] == 0 and codes[lost] != 0, outputs[0][-3000:] + outputs[1][-3000:]
+    survivor = outputs[kept]
     assert (
         "dspipe: continuing on 2 of 4 ranks (1 of 2 node(s)): dp 4 -> 2, gradient accumulation 1 -> 2, global "
         "batch 16 = 4 x 2 x 2 unchanged"

@@ -423,6 +423,74 @@ def test_elastic_nodes_meet_at_the_master(runs):
     assert args.training_script_args[:4] == ["--run-dir", "runs/two", "--resume", "auto"]
 
 
+ELASTIC_NODE1 = ["runs/two", "--hostfile", "hosts", "--no-ssh", "--node-rank", "1", "--max-restarts", "2"]
+
+
+def test_elastic_nodes_meet_at_a_store_apart(runs):
+    """--rendezvous HOST:PORT: every node's agent is a client of the store `dspipe rendezvous` serves (is_host=0, as
+    torch's c10d backend reads it), so no node holds it."""
+    _, (argv,) = dry_run(runs, *ELASTIC_NODE1, "--rendezvous", "login1:29612")
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config
+    from torch.distributed.run import get_args_parser
+
+    args = get_args_parser().parse_args(argv[argv.index("torch.distributed.run") + 1 :])
+    assert (args.rdzv_backend, args.rdzv_endpoint, args.rdzv_conf) == (
+        "c10d",
+        "login1:29612",
+        "last_call_timeout=30,is_host=0",
+    )
+    conf = _parse_rendezvous_config(args.rdzv_conf)
+    params = RendezvousParameters("c10d", args.rdzv_endpoint, args.rdzv_id, 2, 2, **conf)
+    assert params.get_as_bool("is_host") is False and params.get_as_int("last_call_timeout") == 30
+    _, (v6,) = dry_run(runs, *ELASTIC_NODE1, "--rendezvous", "[fd00::1]:29612")
+    assert v6[v6.index("--rdzv-endpoint") + 1] == "[fd00::1]:29612"
+
+
+def test_a_store_that_does_not_answer_is_one_line_before_any_rank_starts(runs):
+    from tests.helpers import free_port
+
+    port = free_port()
+    fails(
+        runs,
+        "launch",
+        *ELASTIC_NODE1,
+        "--rendezvous",
+        f"127.0.0.1:{port}",
+        message=f"--rendezvous 127.0.0.1:{port}: nothing answers there (Connection refused); start 'dspipe "
+        f"rendezvous --port {port}' on 127.0.0.1 first",
+    )
+
+
+def test_dspipe_rendezvous_refuses_a_bad_or_taken_port(runs):
+    import socket
+
+    fails(runs, "rendezvous", "--port", "70000", message="--port must be in 1..65535, got 70000")
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        fails(runs, "rendezvous", "--port", str(port), message=f"port {port} is in use on this machine")
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--rendezvous", "login1"], "--rendezvous 'login1' is not HOST:PORT (e.g. login1:29400, [fd00::1]:29400)"),
+        (["--rendezvous", "login1:99999"], "--rendezvous 'login1:99999': port 99999 is outside 1..65535"),
+        (["--rendezvous", "fd00::1:29400"], "an IPv6 address, and only one, goes in brackets, [ADDRESS]:PORT"),
+        (["--rendezvous", "[login1]:29400"], "an IPv6 address, and only one, goes in brackets, [ADDRESS]:PORT"),
+        (["--rendezvous", "-oProxy:29400"], "--rendezvous host '-oProxy' is not a host name or address"),
+        (
+            ["--rendezvous", "login1:29400", "--master-port", "29611"],
+            "--rendezvous login1:29400 replaces --master-port: the agents meet at the store, not on node 0",
+        ),
+    ],
+)
+def test_bad_rendezvous_stores_are_one_line_errors(runs, args, message):
+    fails(runs, "launch", *ELASTIC_NODE1, *args, "--dry-run", message=message)
+
+
 @pytest.mark.parametrize(
     "args,message",
     [
@@ -451,6 +519,11 @@ def test_elastic_nodes_meet_at_the_master(runs):
             "--node-rank 5 is outside 0..1",
         ),
         (["runs/single", "--min-nodes", "1"], "--min-nodes only applies with --max-restarts N"),
+        (["runs/single", "--rendezvous", "login1:29400"], "--rendezvous only applies with --max-restarts N"),
+        (
+            ["runs/single", "--max-restarts", "2", "--rendezvous", "login1:29400"],
+            "--rendezvous is for runs on several nodes (one node's agent meets no one: it runs --standalone)",
+        ),
         (["runs/single", "--max-restarts", "0"], "--max-restarts must be in 1..1000, got 0"),
         (["runs/single", "--max-restarts", "2", "--hang-timeout", "-1"], "--hang-timeout -1 must be in 0..604800"),
         (["runs/single", "--hang-timeout", "1e9"], "--hang-timeout 1e+09 must be in 0..604800"),

@@ -150,7 +150,8 @@ class RunEstimate:
             if not isinstance(block, dict):
                 raise SpecError(f"{source}: estimate.{section} must be an object, got {type(block).__name__}")
             for key, value in block.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool) and not value >= 0:
+                number = isinstance(value, (int, float)) and not isinstance(value, bool)
+                if (number and not 0 <= value < float("inf")) or (section == "step_time_breakdown_s" and not number):
                     raise SpecError(f"{source}: estimate.{section}.{key} must be a number >= 0, got {show(value)}")
         if AUTO_INTERVAL in estimate and estimate[AUTO_INTERVAL] is not True:
             raise SpecError(

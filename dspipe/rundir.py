@@ -186,7 +186,7 @@ def load_run(path: str | Path) -> Run:
             f"create one with 'dspipe gen-config --out {path}'"
         )
     d = read_object(spec_file)
-    if d.get("format_version") != FORMAT_VERSION:
+    if isinstance(d.get("format_version"), bool) or d.get("format_version") != FORMAT_VERSION:
         raise SpecError(f"{spec_file}: format_version {d.get('format_version')!r} != {FORMAT_VERSION}")
     missing = [k for k in RUN_KEYS if k not in d]
     if missing:

@@ -35,6 +35,11 @@ LAUNCHER_KEYS = (
 )
 
 
+MAX_TIMEOUT_MIN = 10080
+"""The longest collective timeout --timeout-min takes: a week (DeepSpeed turns DEEPSPEED_TIMEOUT into a timedelta at
+import in every rank, which overflows past ~1.5e12 minutes)."""
+
+
 @dataclass(frozen=True)
 class NetworkSpec:
     """How ranks talk to each other, beyond what the plan says."""
@@ -55,8 +60,10 @@ class NetworkSpec:
     def __post_init__(self) -> None:
         if self.nccl_debug not in NCCL_DEBUG_LEVELS:
             raise SpecError(f"--nccl-debug {self.nccl_debug!r} is not one of: {', '.join(NCCL_DEBUG_LEVELS)}")
-        if not isinstance(self.timeout_minutes, int) or self.timeout_minutes < 1:
-            raise SpecError(f"--timeout-min must be a positive number of minutes, got {self.timeout_minutes!r}")
+        if not isinstance(self.timeout_minutes, int) or not 1 <= self.timeout_minutes <= MAX_TIMEOUT_MIN:
+            raise SpecError(
+                f"--timeout-min must be 1..{MAX_TIMEOUT_MIN} minutes (a week), got {self.timeout_minutes!r}"
+            )
         for flag, value in (("--ifname", self.socket_ifname), ("--ib-hca", self.ib_hca)):
             if value is not None and not DEVICE_LIST.match(value):
                 raise SpecError(

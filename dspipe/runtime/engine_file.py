@@ -13,7 +13,7 @@ from dspipe.errors import SpecError
 from dspipe.jsonio import dumps, show
 
 STARTUP_LISTS = ("peak_rss_mib", "rss_before_build_mib", "build_rss_mib", "seconds_to_first_step", "seconds_build")
-"""The start-up lists every reader needs (one number >= 0 per rank)."""
+"""The start-up lists every reader needs (one number in 0..1e9 per rank)."""
 STARTUP_KEYS = (
     "mode",
     "rss_before_build_mib",
@@ -28,8 +28,17 @@ STARTUP_KEYS = (
 """engine.json's "startup" keys in the order runners write them (dspipe.runtime.startup.StartupClock.gathered)."""
 
 
+RECORD_LIMIT = 1e9
+"""The most a start-up figure may be (seconds, MiB): beyond it a record is damaged, not measured (31 years; 1 PiB)."""
+
+
 def _number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and 0 <= value <= RECORD_LIMIT
+    )
 
 
 @dataclass(frozen=True)
@@ -81,13 +90,13 @@ class StartupRecord:
 
     @staticmethod
     def _optional(block: dict, *, source: Path | str, ranks: int) -> dict:
-        """seconds_before_build (one number >= 0 per rank) and ops_built (op names), when present."""
+        """seconds_before_build (one number in 0..1e9 per rank) and ops_built (op names), when present."""
         out: dict = {}
         before = block.get("seconds_before_build")
         if before is not None:
             if not (isinstance(before, list) and len(before) == ranks and all(_number(v) for v in before)):
                 raise SpecError(
-                    f"{source}'s startup.seconds_before_build is damaged: one number >= 0 per rank expected, "
+                    f"{source}'s startup.seconds_before_build is damaged: one number in 0..1e9 per rank expected, "
                     f"got {show(before)}"
                 )
             out["seconds_before_build"] = tuple(before)
@@ -102,7 +111,7 @@ class StartupRecord:
 
     @classmethod
     def from_dict(cls, block, *, source: Path | str) -> StartupRecord:
-        """The block validated: a build mode and, per STARTUP_LISTS key, one number >= 0 per rank (built_params,
+        """The block validated: a build mode and, per STARTUP_LISTS key, one number in 0..1e9 per rank (built_params,
         when present: one integer >= 0 per rank); anything else is one SpecError naming `source` and the key.
         Keys it does not know are ignored."""
         if not isinstance(block, dict):
@@ -121,7 +130,7 @@ class StartupRecord:
                 and len(value) == (ranks or len(value))
             ):
                 raise SpecError(
-                    f"{source}'s startup.{key} is damaged: one number >= 0 per rank expected, got {show(value)}"
+                    f"{source}'s startup.{key} is damaged: one number in 0..1e9 per rank expected, got {show(value)}"
                 )
             lists[key], ranks = tuple(value), len(value)
         built = block.get("built_params")
@@ -133,12 +142,26 @@ class StartupRecord:
             raise SpecError(
                 f"{source}'s startup.built_params is damaged: one integer >= 0 per rank expected, got {show(built)}"
             )
-        return cls(
+        record = cls(
             mode=mode,
             **lists,
             built_params=None if built is None else tuple(built),
             **cls._optional(block, source=source, ranks=ranks),
         )
+        record._check_order(source=source)
+        return record
+
+    def _check_order(self, *, source: Path | str) -> None:
+        """Each rank's first step comes after its build ended (the process start + before the build + the build)."""
+        before = self.seconds_before_build or (0.0,) * self.ranks
+        for rank, (ready, start, build) in enumerate(
+            zip(self.seconds_to_first_step, before, self.seconds_build, strict=True)
+        ):
+            if ready + 0.02 < start + build:  # each figure is rounded to 0.01 s
+                raise SpecError(
+                    f"{source}'s startup is damaged: rank {rank} reached its first step at {ready:g} s, before its "
+                    f"build ended at {start:g} + {build:g} s"
+                )
 
     @classmethod
     def from_engine(cls, engine: dict, *, source: Path | str) -> StartupRecord | None:

@@ -79,16 +79,19 @@ def record_event(run_path: Path, event: dict) -> None:
 
 
 def read_events(run_path: Path) -> list[dict]:
-    """The run's events, oldest first (a torn last line, from a kill, is left out)."""
+    """The run's events, oldest first: each line's JSON object (a torn line, from a kill, and a line that is not an
+    object are left out)."""
     path = Path(run_path) / EVENTS_FILE
     if not path.is_file():
         return []
     events = []
     for line in path.read_text(errors="replace").splitlines():
         try:
-            events.append(json.loads(line))
+            event = json.loads(line)
         except ValueError:
             continue
+        if isinstance(event, dict):
+            events.append(event)
     return events
 
 

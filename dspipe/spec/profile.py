@@ -59,6 +59,14 @@ CORRECTION_TERMS = ("compute", "communication", "optimizer", "startup")
 """Terms a profile folded from runs corrects: measured / predicted, applied to the figures behind each (compute: the
 compute rate; communication: bandwidth and latency; optimizer: the optimizer and CPU-Adam rates; startup: shown,
 its figures replaced by the runs' own)."""
+FIGURE_RANGE = (1e-9, 1e13)
+"""Every figure (and correction) lies in this range: outside it a profile is damaged, not measured."""
+ZERO_ALLOWED = ("launch_s", "initialize_s", "first_step_extra_s")
+"""Run figures that may be 0 (a first step no slower than the others)."""
+DTYPES = ("fp32", "bf16", "fp16")
+CORRECTION_RANGE = (1e-3, 1e3)
+"""A correction outside this is damage: each run's ratio is within 0.05-20 (dspipe.tools.fold), a total the product
+of two of them."""
 NULLABLE = ("host_copy_gbps", "cpu_adam_params_per_s", "allreduce_busbw_gbps", "allreduce_latency_s", *RUN_FIGURES)
 """Figures a profile may leave null (not measurable here: no GPU, CPU-Adam not built, a single rank)."""
 
@@ -136,7 +144,7 @@ def profile_from_dict(data: object, *, where: str) -> Profile:
             f"write one with 'dspipe calibrate --out FILE'"
         )
     version = data.get("version")
-    if version not in READ_VERSIONS:
+    if isinstance(version, bool) or version not in READ_VERSIONS:
         raise SpecError(
             f"{where}: profile version {version!r} is not one this dspipe reads "
             f"({', '.join(map(str, READ_VERSIONS))}); re-run 'dspipe calibrate'"
@@ -173,10 +181,14 @@ def profile_from_dict(data: object, *, where: str) -> Profile:
         if name == "jit_build_s":
             values[name] = _jit_figure(value, where=where)
             continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-            allowed = "a finite number > 0" + (" or null" if name in NULLABLE else "")
+        if not _in_range(value, zero=name in ZERO_ALLOWED):
+            low = "0" if name in ZERO_ALLOWED else f"{FIGURE_RANGE[0]:g}"
+            allowed = f"a number in {low}..{FIGURE_RANGE[1]:g}" + (" or null" if name in NULLABLE else "")
             raise SpecError(f"{where}: figures.{name} must be {allowed}, got {value!r}")
+        assert isinstance(value, (int, float))  # _in_range checked it
         values[name] = float(value)
+    if values["dtype"] not in DTYPES:
+        raise SpecError(f"{where}: dtype must be one of {', '.join(DTYPES)}, got {values['dtype']!r}")
     if values["ranks"] > 1 and (values["allreduce_busbw_gbps"] is None or values["allreduce_latency_s"] is None):
         raise SpecError(
             f"{where}: figures.allreduce_busbw_gbps and allreduce_latency_s may be null only for a "
@@ -186,7 +198,14 @@ def profile_from_dict(data: object, *, where: str) -> Profile:
 
 
 def _positive(value: object) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+    return _in_range(value, zero=False)
+
+
+def _in_range(value: object, *, zero: bool) -> bool:
+    """A number in FIGURE_RANGE (or 0, with `zero`)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return False
+    return (zero and value == 0) or FIGURE_RANGE[0] <= value <= FIGURE_RANGE[1]
 
 
 def _jit_figure(value: object, *, where: str) -> tuple[tuple[str, float], ...]:
@@ -203,16 +222,19 @@ def _run_fields(data: dict[str, Any], *, where: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     corrections = data.get("corrections", {})
     if not isinstance(corrections, dict) or not all(
-        k in CORRECTION_TERMS and _positive(v) for k, v in corrections.items()
+        k in CORRECTION_TERMS and _positive(v) and CORRECTION_RANGE[0] <= v <= CORRECTION_RANGE[1]
+        for k, v in corrections.items()
     ):
         raise SpecError(
-            f"{where}: corrections must be an object of {', '.join(CORRECTION_TERMS)} -> a number > 0, "
-            f"got {corrections!r}"
+            f"{where}: corrections must be an object of {', '.join(CORRECTION_TERMS)} -> a number in "
+            f"{CORRECTION_RANGE[0]:g}..{CORRECTION_RANGE[1]:g}, got {corrections!r}"
         )
     out["corrections"] = tuple((k, float(v)) for k, v in corrections.items())
     runs = data.get("runs", 0)
     if isinstance(runs, bool) or not isinstance(runs, int) or runs < 0:
         raise SpecError(f"{where}: runs must be an integer >= 0, got {runs!r}")
+    if corrections and not runs:
+        raise SpecError(f"{where}: corrections {corrections!r} with runs 0: corrections come from runs folded in")
     out["runs"] = runs
     by = data.get("measured_by", "calibrate")
     if by not in ("calibrate", "gen-config"):

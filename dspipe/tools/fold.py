@@ -29,7 +29,7 @@ from dspipe.errors import SpecError
 from dspipe.rundir import Run
 from dspipe.runtime.engine_file import StartupRecord
 from dspipe.spec.hardware import GIB, GPU_CATALOG, MIB
-from dspipe.spec.profile import CORRECTION_TERMS, Profile
+from dspipe.spec.profile import CORRECTION_TERMS, Profile, profile_from_dict, profile_to_dict
 from dspipe.tools.run_terms import Term, phase_split, plan_terms, startup_record
 
 COMM_SIGNAL = 0.10
@@ -199,7 +199,12 @@ def fold(run: Run, *, engine: dict | None, steps: list[dict]) -> Folded:
         )
     if not steps:
         raise SpecError(f"--from-run {run.path}: metrics.csv has no steps yet")
-    record = startup_record(engine)
+    if not run.estimate.breakdown or not run.estimate.step_time_s:
+        raise SpecError(
+            f"--from-run {run.path}: dspipe.json's estimate has no step time and breakdown to compare the run with "
+            f"(estimate.step_time_s, estimate.step_time_breakdown_s)"
+        )
+    record = None if engine is None else StartupRecord.from_engine(engine, source=f"--from-run {run.path}: engine.json")
     if record is None:
         raise SpecError(f"--from-run {run.path}: engine.json has no start-up record (not started, or an older runner)")
     terms = plan_terms(run, engine, steps)
@@ -221,6 +226,8 @@ def fold(run: Run, *, engine: dict | None, steps: list[dict]) -> Folded:
         **(_memory_figures(base, record, terms, run=run, gpu=catalog) if catalog.host_is_device else {}),
     }
     profile = replace(base, **changes, corrections=tuple(corrections.items()), runs=n + 1)
+    # what is written must read back (a figure the run measured out of a profile's range is refused here, in one line)
+    profile_from_dict(profile_to_dict(profile), where=f"--from-run {run.path}: the folded profile")
     return Folded(profile=profile, ratios=ratios, notes=notes)
 
 

@@ -318,8 +318,9 @@ def test_rank_environment_for_nccl_and_gloo(tmp_path):
     path = write_env_file(tmp_path, env)
     # the way DeepSpeed's runner reads it: every line KEY=VALUE, nothing else
     assert [tuple(ln.split("=", 1)) for ln in path.read_text().splitlines()] == list(env.items())
-    with pytest.raises(SpecError, match="must be a positive number of minutes"):
-        NetworkSpec(timeout_minutes=0)
+    for bad in (0, 10081, 99999999999999):  # DeepSpeed's timedelta(minutes=...) overflows at every rank's import
+        with pytest.raises(SpecError, match=f"--timeout-min must be 1..10080 minutes \\(a week\\), got {bad}"):
+            NetworkSpec(timeout_minutes=bad)
     with pytest.raises(SpecError, match="quotes, '\\$', '\\\\' and newlines"):
         NetworkSpec(extra=(("A", "$HOME"),))
 

@@ -93,12 +93,15 @@ def test_profile_round_trips_through_its_file(tmp_path):
         (lambda d: d["figures"].pop("compute_tflops"), "missing figure compute_tflops"),
         (
             lambda d: d["figures"].update(compute_tflops=-1.0),
-            "figures.compute_tflops must be a finite number > 0, got -1.0",
+            "figures.compute_tflops must be a number in 1e-09..1e+13, got -1.0",
         ),
-        (lambda d: d["figures"].update(allreduce_busbw_gbps="fast"), "figures.allreduce_busbw_gbps must be a finite"),
+        (
+            lambda d: d["figures"].update(allreduce_busbw_gbps="fast"),
+            "figures.allreduce_busbw_gbps must be a number in 1e-09..1e+13 or null",
+        ),
         (
             lambda d: d["figures"].update(matmul_tflops=None),
-            "figures.matmul_tflops must be a finite number > 0, got None",
+            "figures.matmul_tflops must be a number in 1e-09..1e+13, got None",
         ),
         (lambda d: d["figures"].update(allreduce_latency_s=None), "may be null only for a 1-rank profile (ranks 2)"),
         (lambda d: d["figures"].update(optimizer_params_per_s=True), "optimizer_params_per_s must be"),
@@ -277,7 +280,7 @@ def test_gen_config_keeps_the_profile_and_load_run_reproduces_the_estimate(tmp_p
     spec = json.loads((out / "dspipe.json").read_text())
     spec["cluster"]["profile"]["figures"]["compute_tflops"] = 0
     (out / "dspipe.json").write_text(json.dumps(spec))
-    with pytest.raises(SpecError, match="cluster.profile: figures.compute_tflops must be a finite number > 0"):
+    with pytest.raises(SpecError, match="cluster.profile: figures.compute_tflops must be a number in 1e-09..1e\\+13"):
         load_run(out)
     assert run_cli("gen-config", *DEMO, *CPU2, "--data", tmp_path / "nodata", "--out", out, "--force") == 0
     assert not (out / PROFILE_FILE).exists() and load_run(out).cluster.profile is None  # no stale profile

@@ -377,11 +377,11 @@ def test_report_sets_the_measured_start_up_beside_the_plan(run):
         ({**ENGINE, "startup": [1, 2]}, "engine.json's startup is damaged: an object expected, got list"),
         (
             {**ENGINE, "startup": {**STARTUP, "peak_rss_mib": [1.0, "x"]}},
-            "engine.json's startup.peak_rss_mib is damaged: one number >= 0 per rank expected, got [1.0, 'x']",
+            "engine.json's startup.peak_rss_mib is damaged: one number in 0..1e9 per rank expected, got [1.0, 'x']",
         ),
         (
             {**ENGINE, "startup": {**STARTUP, "seconds_build": [1.0]}},
-            "engine.json's startup.seconds_build is damaged: one number >= 0 per rank expected, got [1.0]",
+            "engine.json's startup.seconds_build is damaged: one number in 0..1e9 per rank expected, got [1.0]",
         ),
         (
             {**ENGINE, "startup": {**STARTUP, "build_rss_mib": [1.0, -5.0]}},

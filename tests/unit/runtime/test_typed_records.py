@@ -53,7 +53,7 @@ def test_an_engine_json_without_the_block_has_none():
     [
         (
             lambda b: b.pop("peak_rss_mib"),
-            "startup.peak_rss_mib is damaged: one number >= 0 per rank expected, got None",
+            "startup.peak_rss_mib is damaged: one number in 0..1e9 per rank expected, got None",
         ),
         (lambda b: b.update(mode=3), "startup.mode is damaged: a build mode expected, got 3"),
         (lambda b: b.update(seconds_build=[1.0]), "startup.seconds_build is damaged"),

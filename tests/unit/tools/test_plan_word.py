@@ -135,8 +135,15 @@ def test_a_version_2_profile_round_trips_and_applies_its_corrections():
         (lambda d: d.update(runs=-1), "runs must be an integer >= 0, got -1"),
         (lambda d: d.update(measured_by="me"), "measured_by must be 'calibrate' or 'gen-config'"),
         (lambda d: d["figures"].update(jit_build_s={"fused_adam": -3}), "figures.jit_build_s must be an object"),
-        (lambda d: d["figures"].update(launch_s="7"), "figures.launch_s must be a finite number > 0 or null"),
+        (lambda d: d["figures"].update(launch_s="7"), "figures.launch_s must be a number in 0..1e+13 or null"),
         (lambda d: d.update(version=3), "profile version 3 is not one this dspipe reads (1, 2)"),
+        (lambda d: d.update(version=True), "profile version True is not one this dspipe reads (1, 2)"),
+        (lambda d: d.update(dtype="x"), "dtype must be one of fp32, bf16, fp16, got 'x'"),
+        (lambda d: d.update(corrections={"compute": 1e308}, runs=1), "corrections must be an object of compute"),
+        (lambda d: d.update(corrections={"compute": 1.5}, runs=0), "with runs 0: corrections come from runs"),
+        (lambda d: d["figures"].update(rank_base_rss_mib=1e308), "figures.rank_base_rss_mib must be a number in"),
+        (lambda d: d["figures"].update(host_alloc_factor=1e308), "figures.host_alloc_factor must be a number in"),
+        (lambda d: d["figures"].update(compute_tflops=5e-324), "figures.compute_tflops must be a number in 1e-09"),
     ],
 )
 def test_bad_version_2_fields_are_one_line(edit, message):
@@ -345,6 +352,34 @@ def test_runs_that_cannot_be_folded_are_one_line(run_dir, tmp_path):
         fold(run, engine=engine, steps=[dict(r, optimizer_s=slow) for r in steps])
 
 
+def test_a_first_step_no_slower_than_the_others_folds_into_a_profile_that_reads_back(run_dir):
+    """first_step_extra_s 0 (the first step as fast as a steady one) is a figure a profile holds, not damage."""
+    run, engine, steps = synthetic(run_dir, first=0.3 + 0.55 + 0.04 + 0.005)
+    p = fold(run, engine=engine, steps=steps).profile
+    assert p.first_step_extra_s == 0.0
+    assert profile_from_dict(profile_to_dict(p), where="folded") == p
+
+
+@pytest.mark.parametrize(
+    "startup, message",
+    [
+        (
+            {"seconds_to_first_step": [1.0, 1.0]},
+            "engine.json's startup is damaged: rank 0 reached its first step at 1 s, before its build ended at 7 + ",
+        ),
+        ({"rss_before_build_mib": [1e15, 1e15]}, "startup.rss_before_build_mib is damaged: one number in 0..1e9"),
+        ({"seconds_before_build": [1e300, 1e300]}, "startup.seconds_before_build is damaged: one number in 0..1e9"),
+    ],
+)
+def test_a_damaged_start_up_record_is_one_line_and_writes_nothing(run_dir, startup, message):
+    engine = engine_json()
+    engine["startup"].update(startup)
+    run, engine, steps = synthetic(run_dir, engine=engine)
+    with pytest.raises(SpecError, match=None) as e:
+        fold(run, engine=engine, steps=steps)
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
 def test_a_term_outside_the_limits_under_5_percent_of_the_step_is_left_as_it_was(run_dir):
     """A term of a few milliseconds (fixed overhead the plan does not model) can run 20x its plan on a loaded
     machine: it is not corrected, and the run still folds (CI's demo run: the optimizer at 24x, 4% of the step)."""
@@ -435,3 +470,26 @@ def test_a_damaged_cached_measurement_is_measured_again(tmp_path):
     path.write_text(profile_text(a_profile()))
     assert _read_cached(path, gpu="cpu", say=said.append) == a_profile()
     assert _read_cached(path, gpu="h100-80g", say=said.append) is None  # another type's: not this plan's
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (
+            lambda d: d["estimate"]["step_time_breakdown_s"].update(compute="x"),
+            "estimate.step_time_breakdown_s.compute must be a number >= 0, got 'x'",
+        ),
+        (lambda d: d.pop("estimate"), "dspipe.json's estimate has no step time and breakdown to compare the run with"),
+        (lambda d: d.update(format_version=True), "format_version True != "),
+    ],
+)
+def test_a_damaged_plan_in_the_run_is_one_line_for_calibrate(run_dir, edit, message):
+    """calibrate --from-run compares the run with dspipe.json's estimate: a damaged or missing one is one line, not a
+    fold against whatever was left (each exits 2 and writes no profile)."""
+    synthetic(run_dir)
+    d = json.loads((run_dir / "dspipe.json").read_text())
+    edit(d)
+    (run_dir / "dspipe.json").write_text(json.dumps(d))
+    r = dspipe("calibrate", "--from-run", str(run_dir), "--out", str(run_dir / "f.json"))
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not (run_dir / "f.json").exists()

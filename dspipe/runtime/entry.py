@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import time
 
 from dspipe.errors import RunHalted, SpecError
 from dspipe.log import get_logger, setup_logging
@@ -80,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         check_hang_timeout(args.hang_timeout)
         attempt = elastic_restart(os.environ)
         if attempt is not None and (refused := earlier_refusal(args.run, env=os.environ)) is not None:
+            _let_rank0_speak_first()
             log.error(f"dspipe: error: {refused} (as at an earlier start of this job: not built again)")
             return 2
         node = os.environ.get(NODE_RANK_ENV, "")
@@ -112,11 +114,24 @@ def main(argv: list[str] | None = None) -> int:
             resized=change,
         )
     except (SpecError, RunHalted) as e:
+        if elastic_restart(os.environ) is not None:
+            _let_rank0_speak_first()
         log.error(f"dspipe: error: {e}")  # every rank hits the same error: rank 0 says it once
         if isinstance(e, SpecError) and elastic_restart(os.environ) is not None and os.environ.get("RANK") == "0":
             record_refusal(args.run, env=os.environ, error=str(e))
         return e.exit_code
     return 0
+
+
+REFUSAL_GRACE_S = 5.0
+"""Under torch's elastic agent, how long a rank other than 0 waits before it leaves on an error every rank hits."""
+
+
+def _let_rank0_speak_first() -> None:
+    """The agent ends every rank as soon as one exits: a rank other than 0 waits a moment, so that rank 0 (which
+    alone says the error and records the refusal) is not ended first by a faster rank's exit."""
+    if os.environ.get("RANK", "0") != "0":
+        time.sleep(REFUSAL_GRACE_S)
 
 
 def run_rank() -> None:

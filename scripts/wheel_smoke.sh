@@ -145,12 +145,11 @@ dspipe gen-config --model tiny --gpus-per-node 2 --gpu cpu --global-batch 16 --m
 RUN_LINE=$(grep -m1 '^run:  ' "$TMP/gen.log") || { cat "$TMP/gen.log" >&2; fail "gen-config printed no 'run:  ' line"; }
 # the printed command, word-split as a shell would, with a free --master_port after the launcher
 mapfile -t CMD < <("$VPY" - "${RUN_LINE#run:  }" <<'EOF'
-import shlex, socket, sys
+import shlex, sys
+from dspipe.cluster.ports import free_port
 words = shlex.split(sys.argv[1])
 assert words[0] == "deepspeed", words
-with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
+port = free_port()
 print("\n".join([words[0], "--master_port", str(port), *words[1:]]))
 EOF
 )

@@ -6,7 +6,6 @@ import csv
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,9 +15,11 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}  # transformers r
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port outside the ephemeral range (dspipe.cluster.ports), from this xdist worker's share of it."""
+    from dspipe.cluster.ports import free_port as pick
+
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", "gw0"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    return pick(slot=int(worker.removeprefix("gw")) % count, slots=count)
 
 
 def dspipe(*args, cwd=ROOT, env=None) -> subprocess.CompletedProcess:

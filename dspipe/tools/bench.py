@@ -10,11 +10,11 @@ from __future__ import annotations
 import datetime
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from dspipe.cluster.ports import free_port
 from dspipe.errors import SpecError, cannot_read
 from dspipe.jsonio import read_object
 from dspipe.log import get_logger
@@ -178,12 +178,6 @@ def append_section(path: Path, section: str) -> None:
 
 def today() -> str:
     return datetime.date.today().isoformat()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launcher_argv(

@@ -313,7 +313,7 @@ def calibrate(
     on gloo even where GPUs are visible (the 'cpu' type)."""
     import torch.multiprocessing as mp
 
-    from dspipe.tools.bench import free_port
+    from dspipe.cluster.ports import free_port
 
     cuda, ranks, gpu, threads = _ranks_here(precision=precision, ranks=ranks, threads=threads, on_cpu=on_cpu, say=say)
     with tempfile.TemporaryDirectory(prefix="dspipe-calibrate-") as tmp:

@@ -4,9 +4,10 @@ the plain model's weights, and gives the plain model's loss and, on each shard, 
 with Megatron sequence parallelism off and on. One spawn of 2 processes for every case."""
 
 import os
-import socket
 
 import pytest
+
+from tests.helpers import free_port
 
 CASES = {  # name: (preset, overrides)
     "gpt2-tied-biases": ("tiny", {}),
@@ -15,12 +16,6 @@ CASES = {  # name: (preset, overrides)
     "qwen3-qk-norm-untied-uneven": ("tiny-llama", {"qk_norm": True, "vocab": 4095, "tied_embeddings": False}),
     "mistral-window": ("tiny-llama", {"sliding_window": 24}),
 }
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(rank, world, port, out):
@@ -84,7 +79,7 @@ def compared():
     import torch.multiprocessing as mp
 
     out = mp.Manager().dict()
-    mp.spawn(_rank, args=(2, _port(), out), nprocs=2)
+    mp.spawn(_rank, args=(2, free_port(), out), nprocs=2)
     return dict(out)
 
 

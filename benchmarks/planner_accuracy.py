@@ -13,7 +13,6 @@ import contextlib
 import io
 import json
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,6 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.census.tensors import CATEGORIES  # noqa: E402
+from dspipe.cluster.ports import free_port  # noqa: E402
 from dspipe.planner.cost import estimate  # noqa: E402
 from dspipe.planner.memory import zero3_gathered_bound  # noqa: E402
 from dspipe.rundir import load_run  # noqa: E402
@@ -199,6 +199,8 @@ CONFIGS = {  # name: (model, options); every layout pinned (the planner would pi
     "moe-zero2-ep2": ("moe-35M", ["--zero", "2", *BF16, "--ep", "2"]),
     "moe-zero2-ep1": ("moe-35M", ["--zero", "2", *BF16, "--ep", "1"]),
     "moe-zero2-ep2-fp32": ("moe-35M", ["--zero", "2", *FP32, "--ep", "2"]),
+    # each pipeline stage its own sparse blocks (the BF16_Optimizer of a bf16 pipeline, its expert groups)
+    "moe-pp2-zero1": ("moe-35M", ["--zero", "1", *BF16, "--pp", "2", "--ep", "1"]),
 }
 MOE_ROWS = [name for name in CONFIGS if name.startswith("moe-")]
 """Rows that need the runtime's mixture-of-experts support (dspipe.runtime.moe); left out where it is missing."""
@@ -207,17 +209,12 @@ LAUNCHES = [  # rows measured one after another by the same 2 ranks (a launch co
     ["pp2-zero1"],
     ["tp2-zero1"],
     ["tp2-qwen3-zero1"],
-    MOE_ROWS,
+    [name for name in MOE_ROWS if "-pp2" not in name],
+    ["moe-pp2-zero1"],
 ]
 """Each launch's engines share one process group; pipeline and tensor-parallel engines get their own launch."""
 METRICS = ("steady", "peak", "host_steady", "host_peak")
 """What each row compares: device bytes between steps and at the in-step peak, host bytes between steps and peak."""
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _generate(name: str, workdir: Path, *, seq_len: int | None = None) -> Path:
@@ -312,7 +309,7 @@ def measure_launch(names: list[str], workdir: Path, *, seq_len: int | None = Non
             "--num_gpus",
             "2",
             "--master_port",
-            str(_port()),
+            str(free_port()),
             "benchmarks/measure_memory.py",
             "--run",
             *map(str, run_dirs),

@@ -314,8 +314,8 @@ class RouterState(nn.Module):
     experts' selection bias for aux-loss-free balancing (router_bias_rate > 0; an fp32 buffer in the module's state:
     checkpoints hold it, a cast of the model leaves it fp32), and the tokens each expert was sent by the training
     forwards (the step's expert loads). A micro-batch counts once however often its block runs: a recomputation
-    (reentrant or not) replaces the last forward's count with the same one, and GPT.forward adds the last count to
-    the total before the next micro-batch (commit_routed)."""
+    (reentrant or not; it runs inside the backward) counts nothing, and GPT.forward adds the last count to the total
+    before the next micro-batch (commit_routed; a pipeline stage's blocks after their forward)."""
 
     def _init_router_state(self, spec: ModelSpec) -> None:
         self.routing = dict(
@@ -339,7 +339,7 @@ class RouterState(nn.Module):
         return self
 
     def _count(self, chosen: torch.Tensor) -> None:
-        if self.training:
+        if self.training and torch._C._current_graph_task_id() == -1:  # not a recomputation (one runs in a backward)
             self._routed_last = torch.bincount(chosen.reshape(-1), minlength=self.num_experts)
 
     def commit_routed(self) -> None:

@@ -207,24 +207,43 @@ class HFWeights:
         return self.rows(name, first, last).reshape(-1)[start - first * width : stop - first * width]
 
 
-def gpt_parameters(module, spec: ModelSpec):
+def gpt_parameters(module, spec: ModelSpec, *, prefix: str | None = None):
     """(GPT name, parameter) of every parameter `module` holds: the plain GPT's own names, a PipelineModule stage's
-    translated from pipeline names ('3.attn.c_attn.weight', 'tied_modules.embed.wte.weight')."""
+    translated from pipeline names ('3.attn.c_attn.weight', 'tied_modules.embed.wte.weight'), one layer's under
+    its GPT `prefix` ('h.2.', 'embed.')."""
     from dspipe.model.gpt import GPT
 
     for name, param in module.named_parameters():
-        yield (name if isinstance(module, GPT) else pipeline_gpt_name(name, layers=spec.layers)), param
+        if prefix is not None:
+            yield prefix + name, param
+        else:
+            yield (name if isinstance(module, GPT) else pipeline_gpt_name(name, layers=spec.layers)), param
 
 
-def load_into_module(module, weights: HFWeights, *, spec: ModelSpec, write=None) -> int:
+def layer_prefix_of(layer) -> str:
+    """The GPT prefix of one pipeline layer as a LayerSpec makes it: a Block's h.{index}., the embedding (and the
+    tied head, the same module), the final norm, the untied head."""
+    from dspipe.model.gpt import Block, Embedding, FinalNorm, LMHead
+
+    for cls, prefix in ((Embedding, "embed."), (FinalNorm, "final."), (LMHead, "lm_head.")):
+        if isinstance(layer, cls):
+            return prefix
+    if isinstance(layer, Block):
+        return f"h.{layer.index}."
+    raise TypeError(f"{type(layer).__name__} is not a layer of dspipe's pipeline")
+
+
+def load_into_module(module, weights: HFWeights, *, spec: ModelSpec, write=None, layer: bool = False) -> int:
     """Overwrite `module`'s parameters with HF weights, one tensor at a time (the runner's step 0 under
-    `--init-from`): the plain GPT all of them, a PipelineModule stage only its own. `write(param, name)` puts
-    parameter `name`'s value into `param` (default: read it whole and copy). Returns the number of tensors."""
+    `--init-from`): the plain GPT all of them, a PipelineModule stage only its own, with `layer` one pipeline
+    layer as a LayerSpec makes it. `write(param, name)` puts parameter `name`'s value into `param` (default: read it
+    whole and copy). Returns the number of tensors."""
     import torch
 
     count = 0
+    prefix = layer_prefix_of(module) if layer else None
     with torch.no_grad():
-        for name, param in gpt_parameters(module, spec):
+        for name, param in gpt_parameters(module, spec, prefix=prefix):
             if write is None:
                 param.copy_(weights.full(name))
             else:

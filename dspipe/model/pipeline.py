@@ -6,7 +6,6 @@ from typing import Callable
 
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
-from dspipe.errors import SpecError
 from dspipe.model.gpt import Block, Embedding, FinalNorm, LMHead, lm_loss
 from dspipe.spec.model import ModelSpec
 
@@ -48,11 +47,6 @@ def layer_specs(*, model: ModelSpec, seed: int, make: Callable | None = None) ->
     def tied(*args, **kwargs):
         return TiedLayerSpec(*args, **kwargs) if make is None else _MadeTiedLayerSpec(make, *args, **kwargs)
 
-    if model.experts:
-        raise SpecError(
-            f"model.experts {model.experts}: a mixture-of-experts model does not run as a pipeline "
-            f"(pp 1 only: the stages would drop the load-balancing loss)"
-        )
     if model.tied_embeddings:
         first = tied(TIED_KEY, Embedding, model, seed=seed, tied_weight_attr="wte.weight")
         last = tied(TIED_KEY, Embedding, model, seed=seed, forward_fn=_tied_logits, tied_weight_attr="wte.weight")

@@ -127,9 +127,8 @@ def _plan_startup(
 ) -> StartupEstimate:
     """Start-up: what each rank builds (or imports) before its first step, on the stage with the most parameters."""
     stages = stage_params(model=model, pp=plan.pp, partition_method=plan.partition_method, tp=plan.tp, ep=plan.ep)
-    # MoE (pp 1, tp 1, ZeRO 0-2: the device build): a rank materialises the dense parameters and its own experts /
-    # ep of every sparse block, which the expert-parallel wrapper keeps (an assumption on the build: materialising
-    # every expert first would need b x num_params on the device)
+    # MoE (tp 1, ZeRO 0-2: the device or the stage build): a rank materialises the dense parameters and its own
+    # experts / ep of every sparse block (of its stage's), which the expert-parallel wrapper keeps
     built = max(stages) if model.experts else plan.num_params
     worst = max(range(len(stages)), key=lambda i: stages[i])
     largest = largest_tensor(model)
@@ -137,7 +136,7 @@ def _plan_startup(
         tensors = stage_largest_tensors(model, plan.pp, plan.partition_method, plan.tp)
         worst = max(range(len(stages)), key=lambda i: stages[i] + tensors[i])
         largest = tensors[worst]
-    whole = stage_elements(model, plan.pp, plan.partition_method, plan.tp)  # what a stage's rank draws
+    whole = stage_elements(model, plan.pp, plan.partition_method, plan.tp, plan.ep)  # what a stage's rank draws
     return startup_estimate(
         mode=build_mode(zero_stage=plan.zero_stage, tp=plan.tp, pp=plan.pp),
         num_params=built,

@@ -47,8 +47,6 @@ def rejected(
         (Axis.SP, found.sp_list, found.by_sp, best and best.plan.sp),
         (Axis.EP, found.ep_list, found.by_ep, best and best.plan.ep),
     ]
-    if model.experts:  # a mixture of experts trains at pp 1 only: say why the others were not candidates
-        axes.append((Axis.PP, sorted(set(found.by_pp) | {1}), found.by_pp, best and best.plan.pp))
     for label, values, table, chosen in axes:
         if len(values) < 2 and is_auto(getattr(request, label)):
             continue  # nothing was chosen along this axis

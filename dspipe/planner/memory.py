@@ -55,9 +55,10 @@ ZeRO-3 at t > 1 counts the rank's shard as Phi but the whole model's modules in 
 Ulysses sequence parallel (sp ranks): every activation, the recomputation inputs and the logits divide by sp (a rank
 holds s/sp tokens); parameters do not, but DeepSpeed partitions ZeRO over its sequence-data-parallel group
 (engine.seq_data_parallel_group: dp x sp ranks), so N above is dp x sp.
-Mixture of experts (DeepSpeed's native MoE layer, ep expert-parallel ranks inside dp; ZeRO 0-2, pp = tp = sp = 1):
+Mixture of experts (DeepSpeed's native MoE layer, ep expert-parallel ranks inside dp; ZeRO 0-2, tp = sp = 1):
 a rank holds the dense parameters Phi_d (attention, norms, embeddings, routers, shared experts) and experts / ep of
-every sparse block's routed experts, Phi_e = routed_expert_params / ep, so Phi = Phi_d + Phi_e; DeepSpeed puts the
+every sparse block's routed experts (its stage's under a pipeline: stages.stage_experts), Phi_e =
+routed_expert_params / ep at pp 1, so Phi = Phi_d + Phi_e; DeepSpeed puts the
 experts in their own optimizer groups, partitioned by ZeRO over the expert-data-parallel group (dp / ep ranks), so
 every X.Phi/N above is X.Phi_d/dp + X.Phi_e/(dp/ep) (stages.param_groups), except ZeRO-2's live 16-bit gradients
 in bf16 (fp32 gradient accumulation): b.Phi_d/dp as a dense model's, but of the experts only b.Phi_e/(dp/ep) x the

@@ -272,8 +272,8 @@ def _check_sequence(*, model: ModelSpec, strategy: StrategySpec) -> None:
 
 def _check_experts(*, model: ModelSpec, train: TrainSpec, strategy: StrategySpec, world: int) -> None:
     """What dspipe's mixture-of-experts training (DeepSpeed 0.19.8's native MoE layer, deepspeed.moe.layer.MoE)
-    supports: ZeRO 0-2 (ep > 1: ZeRO 1-2, ZeRO-1 with contiguous gradients), bf16 or fp32, pp 1, tp 1, sp 1, ep
-    dividing the experts and dp; ep 1 for a dense model."""
+    supports: ZeRO 0-2 (ep > 1: ZeRO 1-2, ZeRO-1 with contiguous gradients), bf16 or fp32, any pp (each stage
+    its own sparse blocks), tp 1, sp 1, ep dividing the experts and dp; ep 1 for a dense model."""
     e, ep, pp, tp, sp, zero = model.experts, strategy.ep, strategy.pp, strategy.tp, strategy.sp, strategy.zero
     dp = ParallelLayout(world=world, pp=pp, tp=tp, sp=sp).dp  # rule 2 held: pp x tp x sp divides the world
     if not e:
@@ -287,7 +287,6 @@ def _check_experts(*, model: ModelSpec, train: TrainSpec, strategy: StrategySpec
             f"Use AutoEP or choose ZeRO stage 1/2",
         )
     for name, value, why in (
-        (Axis.PP, pp, "the stages would have to carry the load-balancing loss; not built"),
         (Axis.TP, tp, "dspipe's tensor-parallel layers are not combined with DeepSpeed's MoE layer"),
         (Axis.SP, sp, "DeepSpeed's MoE layer is not wired to the Ulysses sequence groups"),
     ):

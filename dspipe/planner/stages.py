@@ -122,14 +122,23 @@ def slowest_stage_share(*, model: ModelSpec, pp: int, partition_method: str, ker
     if pp == 1:
         return 1.0
     weights = stage_layer_weights(model)
+    idle = (model.experts - model.experts_per_token) * model.expert_params  # a sparse block's experts a token skips
     blocks = [
-        6.0 * w + layer_attention_flops_per_token(model, i, kernels=kernels)
+        6.0 * (w - (idle if model.is_sparse(i) else 0)) + layer_attention_flops_per_token(model, i, kernels=kernels)
         for i, w in enumerate(weights[1 : 1 + model.layers])
     ]
     flops = [0.0, *blocks, 6.0 * model.final_norm_params, 6.0 * model.vocab * model.hidden]
     bounds = stage_bounds(model, pp, partition_method)
     per_stage = [sum(flops[a:b]) for a, b in pairwise(bounds)]
     return max(per_stage) / sum(flops)
+
+
+def stage_sparse_blocks(*, model: ModelSpec, pp: int, partition_method: str) -> list[int]:
+    """Sparse (mixture-of-experts) blocks on each pipeline stage under DeepSpeed's partition."""
+    if pp == 1:
+        return [len(model.sparse_layers)]
+    bounds = stage_bounds(model, pp, partition_method)
+    return [sum(1 for i in model.sparse_layers if a <= i + 1 < b) for a, b in pairwise(bounds)]
 
 
 def stage_blocks(*, model: ModelSpec, pp: int, partition_method: str, tp: int = 1) -> list[int]:
@@ -145,7 +154,7 @@ def stage_blocks(*, model: ModelSpec, pp: int, partition_method: str, tp: int = 
 def stage_params(*, model: ModelSpec, pp: int, partition_method: str, tp: int = 1, ep: int = 1) -> tuple[int, ...]:
     """Parameters held by one rank of each pipeline stage under DeepSpeed's partition methods (stage bounds as
     stage_bounds; a rank holds its tp share of the blocks, of the embedding and of the head, and experts / ep of
-    every sparse block's routed experts)."""
+    the routed experts of every sparse block its stage holds)."""
     if pp == 1:  # the plain model: a tied head is the embedding itself, not a copy
         split = tp_split_params_per_block(model)
         tables = 1 if model.tied_embeddings else 2
@@ -158,18 +167,43 @@ def stage_params(*, model: ModelSpec, pp: int, partition_method: str, tp: int = 
         )
     bounds = stage_bounds(model, pp, partition_method, tp)
     local = stage_layer_weights(model, tp)
-    return tuple(sum(local[a:b]) for a, b in pairwise(bounds))
+    experts = stage_expert_weights(model, ep=1)
+    off = [e - share(e, ep) for e in experts]  # a stage's sparse blocks keep experts / ep of their routed experts
+    return tuple(sum(local[a:b]) - sum(off[a:b]) for a, b in pairwise(bounds))
+
+
+def stage_expert_weights(model: ModelSpec, *, ep: int) -> list[int]:
+    """Routed-expert parameters one rank holds in each PipelineModule layer (stage_layer_weights' order): experts / ep
+    of a sparse block's routed experts, 0 in every other layer."""
+    per_block = [
+        share(model.experts, ep) * model.expert_params if model.is_sparse(i) else 0 for i in range(model.layers)
+    ]
+    return [0, *per_block, 0, 0]
 
 
 @lru_cache(maxsize=1024)
-def stage_elements(model: ModelSpec, pp: int, partition_method: str, tp: int = 1) -> tuple[int, ...]:
+def stage_experts(*, model: ModelSpec, pp: int, partition_method: str, tp: int = 1, ep: int = 1) -> tuple[int, ...]:
+    """Routed-expert parameters held by one rank of each pipeline stage (stage_params' stages): its sparse blocks'
+    experts / ep; (routed_expert_params / ep,) without a pipeline."""
+    if not model.experts:
+        return (0,) * pp
+    if pp == 1:
+        return (share(model.routed_expert_params, ep),)
+    weights = stage_expert_weights(model, ep=ep)
+    return tuple(sum(weights[a:b]) for a, b in pairwise(stage_bounds(model, pp, partition_method, tp)))
+
+
+@lru_cache(maxsize=1024)
+def stage_elements(model: ModelSpec, pp: int, partition_method: str, tp: int = 1, ep: int = 1) -> tuple[int, ...]:
     """Whole (unsplit) parameters of each pipeline stage's layers under the stage bounds: what a rank of the stage
-    draws at start-up (whole tensors, then sliced to its tp shard). (num_params,) without a pipeline."""
+    draws at start-up (whole tensors, then sliced to its tp shard; of a sparse block's routed experts only its
+    experts / ep). (num_params,) without a pipeline."""
     if pp == 1:
         return (model.num_params,)
     bounds = stage_bounds(model, pp, partition_method, tp)
     whole = stage_layer_weights(model)
-    return tuple(sum(whole[a:b]) for a, b in pairwise(bounds))
+    off = [e - share(e, ep) for e in stage_expert_weights(model, ep=1)]
+    return tuple(sum(whole[a:b]) - sum(off[a:b]) for a, b in pairwise(bounds))
 
 
 def expert_params_off_rank(model: ModelSpec, ep: int) -> int:
@@ -187,8 +221,19 @@ def param_groups(*, model: ModelSpec, plan: Plan, phi: int) -> list[tuple[int, i
     n = zero_group_size(plan)
     if not model.experts:
         return [(phi, n)]
-    experts = share(model.routed_expert_params, plan.ep)
+    experts = _experts_held(model=model, plan=plan, phi=phi)
     return [(phi - experts, n), (experts, max(1, n // plan.ep))]
+
+
+def _experts_held(*, model: ModelSpec, plan: Plan, phi: int) -> int:
+    """The routed-expert parameters of a rank holding `phi` parameters: the model's share at pp 1; under a pipeline
+    those of the stage whose ranks hold phi (stage_params; of stages holding the same count, the most)."""
+    held = stage_experts(model=model, pp=plan.pp, partition_method=plan.partition_method, tp=plan.tp, ep=plan.ep)
+    if plan.pp == 1:
+        return held[0]
+    stages = stage_params(model=model, pp=plan.pp, partition_method=plan.partition_method, tp=plan.tp, ep=plan.ep)
+    matches = [e for p, e in zip(stages, held, strict=True) if p == phi]
+    return max(matches) if matches else min(phi, max(held))
 
 
 def zero_group_size(plan: Plan) -> int:

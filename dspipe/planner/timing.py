@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from dspipe.planner.memory import expert_capacity
 from dspipe.planner.plan import Plan
-from dspipe.planner.stages import param_groups, share, slowest_stage_share, zero_group_size
+from dspipe.planner.stages import param_groups, share, slowest_stage_share, stage_sparse_blocks, zero_group_size
 from dspipe.planner.throughput import attention_flops_per_token, model_flops_per_token
 from dspipe.spec.cluster import ClusterSpec
 from dspipe.spec.dtypes import dtype_bytes
@@ -275,7 +275,8 @@ def _sp_comm_s(*, model: ModelSpec, plan: Plan, cluster: ClusterSpec, tokens: in
 
 
 def _ep_comm_s(*, model: ModelSpec, plan: Plan, cluster: ClusterSpec, tokens: int) -> float:
-    """Seconds per step of the expert-parallel all-to-alls, `tokens` tokens per micro-batch."""
+    """Seconds per step of the expert-parallel all-to-alls, `tokens` tokens per micro-batch, on the pipeline stage
+    with the most sparse blocks."""
     gpu, m, tp, sp = cluster.gpu_type, plan.grad_accum, plan.tp, plan.sp
     b = dtype_bytes(plan.precision)
     # Expert parallelism: per sparse block and micro-batch, an all-to-all to dispatch the tokens to their experts and
@@ -294,7 +295,8 @@ def _ep_comm_s(*, model: ModelSpec, plan: Plan, cluster: ClusterSpec, tokens: in
         hops = 0 if inside else math.ceil(span / cluster.gpus_per_node) - 1
         one = volume / (bw * 1e9) + ring_latency_s(steps=plan.ep - 1, inter_steps=hops, gpu=gpu)
         count_max = ring_latency_s(steps=2 * (plan.ep - 1), inter_steps=2 * hops, gpu=gpu)
-        ep_comm = m * len(model.sparse_layers) * (ops * one + forwards * count_max)
+        blocks = max(stage_sparse_blocks(model=model, pp=plan.pp, partition_method=plan.partition_method))
+        ep_comm = m * blocks * (ops * one + forwards * count_max)
     return ep_comm
 
 

@@ -18,7 +18,8 @@ holds more of the model than its mode needs, and give it its step-0 weights: dsp
                  dspipe.model.initial.expert_generator, so skipping one costs nothing) nor read, until
                  dspipe.runtime.moe replaces the SparseMLP by this rank's experts.
     stage        pp > 1: DeepSpeed's PipelineModule builds only this rank's LayerSpecs (with tp > 1 each layer made
-                 on the meta device, swapped for its tp shards, materialised in fp32 and given its slice).
+                 on the meta device, swapped for its tp shards, materialised in fp32 and given its slice; under
+                 expert parallelism each sparse block made with this rank's experts only, as the device mode).
 """
 
 from __future__ import annotations
@@ -86,6 +87,9 @@ def _stage(run: Run, *, checkpoint_fn, weights, tp=None):
 
     plan = run.plan
     kwargs = {}
+    local = local_experts(run, rank=None)
+    if local is not None and tp is None:  # expert parallelism: each stage's sparse blocks only with this rank's experts
+        kwargs = dict(make=_local_expert_maker(local=local, weights=weights))
     if tp is not None:
         from dspipe.runtime.mesh import topology
         from dspipe.runtime.parallelize import vocab_parallel_loss
@@ -106,7 +110,7 @@ def _stage(run: Run, *, checkpoint_fn, weights, tp=None):
     )
     if tp is not None:
         tp.group = model.mpu().get_slice_parallel_group()
-    elif weights is not None:  # this stage's tensors only
+    elif weights is not None and local is None:  # this stage's tensors only
         from dspipe.model.hf_weights import load_into_module
 
         load_into_module(model, weights, spec=run.model)
@@ -135,7 +139,44 @@ def _shard_maker(run: Run, *, tp, weights):
         else:
             from dspipe.model.hf_weights import load_into_module
 
-            load_into_module(layer, weights, spec=model, write=_read_shard(weights))
+            load_into_module(layer, weights, spec=model, write=_read_shard(weights), layer=True)
+        return layer
+
+    return make
+
+
+def _local_expert_maker(*, local: range, weights):
+    """make(cls, model, **kwargs) for layer_specs under expert parallelism: the layer on the meta device, then in
+    fp32 on the host all but the routed experts outside `local`, which stay meta (their draws skipped, their weights
+    not read) and are then swapped for a placeholder without parameters (PipelineModule moves every layer to the
+    device: a meta tensor cannot move) until dspipe.runtime.moe keeps this rank's experts."""
+
+    def make(cls, model, **kwargs):
+        import torch
+
+        from dspipe.model.gpt import Block, fill
+
+        seed = kwargs.pop("seed", None)
+        with torch.device("meta"):
+            layer = cls(model, seed=None, **kwargs)
+        remote = set()
+        if isinstance(layer, Block) and layer.sparse:
+            remote = {id(m) for e, x in enumerate(layer.mlp.experts) if e not in local for m in x.modules()}
+        for m in layer.modules():
+            if id(m) not in remote:
+                m.to_empty(device="cpu", recurse=False)
+        if weights is None:
+            fill(layer, seed=seed, write=_draw_or_skip)
+        else:
+            from dspipe.model.hf_weights import load_into_module
+
+            load_into_module(layer, weights, spec=model, write=_read_or_skip(weights), layer=True)
+        if remote:
+            from dspipe.runtime.moe import ExpertElsewhere
+
+            for e in range(len(layer.mlp.experts)):
+                if e not in local:
+                    layer.mlp.experts[e] = ExpertElsewhere()
         return layer
 
     return make

@@ -12,8 +12,11 @@ whose rank m is stage m // tp, tp rank m % tp; z = dp x sp, the ranks ZeRO parti
     layer_LL-model_states.pt                         pp > 1: each pipeline layer's weights (L = 0 .. layers + 1,
                                                      and the untied head layers + 2)
     layer_LL-model_RR-model_states.pt                pp > 1, tp > 1: the same, tp rank RR's shards
-    layer_L_expert_E_mp_rank_00_model_states.pt      experts: routed expert E of sparse block L (from 0 among the
-                                                     sparse blocks), by the expert-parallel rank that holds it
+    layer_L_expert_E_mp_rank_MM_model_states.pt      experts: routed expert E of sparse block L (from 0 among the
+                                                     sparse blocks of the model at pp 1, of stage MM under a
+                                                     pipeline), by the expert-parallel rank that holds it; a
+                                                     pipeline's stages then keep their modules in their mp_rank
+                                                     files (DeepSpeed's MoE save), not in layer files
     rng-rankR.pt                                     dspipe: every rank's RNG streams (r < world size)
 """
 
@@ -42,11 +45,24 @@ def expected_files(meta: CheckpointMeta) -> list[str]:
         names = [f"zero_pp_rank_{d}_mp_rank_{m:02d}_model_states.pt" for d in range(zero) for m in range(mp)]
     else:
         names = [f"mp_rank_{m:02d}_model_states.pt" for m in range(mp)]
-    if meta.pp > 1:
-        names += layer_files(meta)
-    if meta.model.get("experts"):
+    experts = bool(meta.model.get("experts"))
+    if meta.pp > 1 and not experts:  # a pipeline of experts: DeepSpeed's MoE save writes each stage's module to
+        names += layer_files(meta)  # its mp_rank file instead, and its experts' files (stage_expert_files)
+    if experts and meta.pp == 1:
         names += expert_files(meta.model)
     return names + [f"rng-rank{r}.pt" for r in range(meta.world_size)]
+
+
+def stage_expert_files(module: dict, *, stage: int, experts: int) -> list[str]:
+    """The expert files a pipeline stage of a mixture of experts writes, from its model-states module (pipeline
+    names): DeepSpeed numbers the stage's sparse blocks from 0 in layer order (their routers, under the gate's
+    name) and names the files with the stage's model-parallel rank."""
+    from dspipe.runtime.experts import GATE
+
+    blocks = sorted({int(str(k).split(".", 1)[0]) for k in module if str(k).endswith("mlp." + GATE)})
+    return [
+        f"layer_{j}_expert_{e}_mp_rank_{stage:02d}_model_states.pt" for j in range(len(blocks)) for e in range(experts)
+    ]
 
 
 def layer_files(meta: CheckpointMeta) -> list[str]:
@@ -56,6 +72,19 @@ def layer_files(meta: CheckpointMeta) -> list[str]:
     count = model["layers"] + (2 if model.get("tied_embeddings", True) else 3)
     ranks = [""] if meta.tp == 1 else [f"-model_{r:02d}" for r in range(meta.tp)]
     return [f"layer_{i:02d}{rank}-model_states.pt" for i in range(count) for rank in ranks]
+
+
+def _model_name(name: str, *, meta: CheckpointMeta) -> str:
+    """The model's name of a tensor name in a model-states or expert file: a pipeline's layer index mapped to the
+    GPT module, DeepSpeed's MoE names to the model's."""
+    if meta.pp > 1:
+        from dspipe.model.names import pipeline_gpt_name
+
+        try:
+            name = pipeline_gpt_name(name, layers=meta.model["layers"])
+        except (ValueError, SpecError):
+            pass  # not a pipeline name: reported as not a parameter of the model
+    return model_name(name)
 
 
 def _mp(meta: CheckpointMeta) -> int:
@@ -92,12 +121,15 @@ def check_checkpoint(path: Path, *, meta: CheckpointMeta) -> None:
     spec = from_dict(ModelSpec, meta.model)
     expected = dict(spec.model_tensors()) | dict(spec.model_buffers())
     seen: dict[str, tuple] = {}
+    stage_experts: list[str] = []  # a pipeline of experts: the expert files its stages' modules say they wrote
     for name in sorted(present):
         file = path / name
         if MODEL_FILE.match(name):
             sd = _model_states(file, meta=meta)
             if isinstance(sd.get("module"), dict):
-                module = {model_name(str(k)): v for k, v in sd["module"].items()}  # a MoE router: DeepSpeed's gate
+                if meta.pp > 1 and spec.experts and (m := MP_RANK.search(name)):
+                    stage_experts += stage_expert_files(sd["module"], stage=int(m.group(1)), experts=spec.experts)
+                module = {_model_name(str(k), meta=meta): v for k, v in sd["module"].items()}  # a router: the gate's
                 _check_tensors(
                     file,
                     module,
@@ -123,6 +155,13 @@ def check_checkpoint(path: Path, *, meta: CheckpointMeta) -> None:
             seen.update(layers)
         elif RNG_FILE.match(name):
             check_rng_state(safeload.load(file), source=file)
+    missing = [f for f in stage_experts if f not in present]
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise SpecError(
+            f"checkpoint {path} is missing {', '.join(missing[:3])}{more} (the expert files of the sparse blocks "
+            f"its stages' model states hold)"
+        )
     if meta.zero_stage != 3 or meta.pp > 1:
         absent = [n for n in expected if n not in seen and n != "lm_head.weight"]
         if absent:
@@ -174,7 +213,7 @@ def _expert_file(file: Path, *, expert: int, meta: CheckpointMeta, expected: dic
     state = safeload.load(file, mmap=True)
     if not isinstance(state, dict):
         raise SpecError(f"{file}: not a dict of tensors (DeepSpeed's expert file), got {type(state).__name__}")
-    named = {model_name(str(k)): v for k, v in state.items()}
+    named = {_model_name(str(k), meta=meta): v for k, v in state.items()}
     other = [k for k in named if f".mlp.experts.{expert}." not in k]
     if other:
         raise SpecError(f"{file}: holds {other[0][:80]!r}, not expert {expert}'s tensors")

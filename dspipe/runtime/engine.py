@@ -236,6 +236,16 @@ class Engine:
         and data-parallel ranks, the same on every rank."""
         raise NotImplementedError
 
+    def _after_moe_step(self) -> None:
+        """The step's expert loads (one all_reduce): their imbalance into `expert_load`, and with
+        router_bias_rate the selection biases moved (aux-loss-free balancing)."""
+        from dspipe.runtime.moe import load_ratio, step_loads, update_router_bias
+
+        loads = step_loads(self.engine.module, spec=self.run.model, device=self.device)
+        self.expert_load = load_ratio(loads)
+        if self.run.model.router_bias_rate:
+            update_router_bias(self.engine.module, loads=loads, rate=self.run.model.router_bias_rate)
+
     def eval_loss(self, batches, *, count: int) -> float:
         """Mean loss over `count` micro-batches per data-parallel rank, dropout off, the same on every rank."""
         raise NotImplementedError
@@ -279,16 +289,6 @@ class PlainEngine(Engine):
         if self.run.model.experts:
             self._after_moe_step()
         return self._reported(self._mean(total, count=self.run.plan.grad_accum))
-
-    def _after_moe_step(self) -> None:
-        """The step's expert loads (one all_reduce): their imbalance into `expert_load`, and with
-        router_bias_rate the selection biases moved (aux-loss-free balancing)."""
-        from dspipe.runtime.moe import load_ratio, step_loads, update_router_bias
-
-        loads = step_loads(self.engine.module, device=self.device)
-        self.expert_load = load_ratio(loads)
-        if self.run.model.router_bias_rate:
-            update_router_bias(self.engine.module, loads=loads, rate=self.run.model.router_bias_rate)
 
     def eval_loss(self, batches, *, count: int) -> float:
         import torch
@@ -339,7 +339,23 @@ class PipelineEngine(Engine):
         return self.engine.is_first_stage() or self.engine.is_last_stage()
 
     def train_step(self, batches) -> float:
-        return float(self.engine.train_batch(data_iter=batches if self.reads_data else None))
+        loss = float(self.engine.train_batch(data_iter=batches if self.reads_data else None))
+        if self.run.model.experts:
+            self._after_moe_step()
+            self.aux_loss = self._stage_aux_mean()
+        return loss
+
+    def _stage_aux_mean(self) -> float:
+        """The step's load-balancing loss as the plain model reports it (the mean over sparse blocks, micro-batches
+        and data-parallel ranks): every stage's blocks' recorded losses summed over all ranks (one all_reduce)."""
+        import torch.distributed as dist
+
+        from dspipe.runtime.moe import take_aux_total
+
+        total = take_aux_total(self.engine.module, device=self.device)
+        dist.all_reduce(total)
+        count = len(self.run.model.sparse_layers) * self.engine.gradient_accumulation_steps() * self.layout.dp
+        return float(total) / count
 
     def eval_loss(self, batches, *, count: int) -> float:
         return float(self.engine.eval_batch(batches if self.reads_data else None, num_micro_batches=count))
@@ -386,5 +402,9 @@ def build_engine(run: Run, *, clock=None) -> Engine:
     engine, _, _, _ = deepspeed.initialize(
         model=module, model_parameters=groups, config=copy.deepcopy(run.ds_config), mpu=mpu
     )
+    if run.model.experts and run.plan.pp > 1:  # a stage's blocks give their load-balancing losses their gradient
+        from dspipe.runtime.moe import set_aux_scale
+
+        set_aux_scale(engine.module, spec=run.model, grad_accum=engine.gradient_accumulation_steps())
     cls = PipelineEngine if run.plan.pp > 1 else PlainEngine
     return cls(engine, run=run, layout=run.plan.layout, rank=dist.get_rank())

@@ -44,7 +44,7 @@ def refusal(*, spec, plan, ep: int, contiguous_gradients: bool = True) -> str | 
     why = []
     if plan.zero_stage == 3:
         why.append(f"ZeRO-3 ({ZERO3_REFUSAL}; use ZeRO 0-2)")
-    why += [f"{k} {getattr(plan, k)} > 1" for k in (Axis.PP, Axis.TP, Axis.SP) if getattr(plan, k) > 1]
+    why += [f"{k} {getattr(plan, k)} > 1" for k in (Axis.TP, Axis.SP) if getattr(plan, k) > 1]
     if ep > 1 and plan.zero_stage == 0:
         why.append(f"ep {ep} > 1 under ZeRO-0 ({EP_ZERO0_REFUSAL}; use ZeRO-1 or 2, or ep 1)")
     if ep > 1 and plan.zero_stage == 1 and not contiguous_gradients:

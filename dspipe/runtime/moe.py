@@ -10,7 +10,8 @@ tokens: its gating function is handed logits on which exactly the model's expert
 and the weights its combine applies are replaced by the model's (a forward hook on the gate; DeepSpeed's own always
 renormalise for k >= 2 and never for k = 1). The load-balancing loss is the model's (dspipe.model.gpt.balance_loss),
 kept as `.aux` for GPT.forward; DeepSpeed's l_aux is not used. After each step: step_loads, load_ratio and
-update_router_bias.
+update_router_bias. A pipeline stage has no GPT.forward: its sparse blocks tie their losses into the backward
+themselves (wire_stage, Megatron-LM's MoEAuxLossAutoScaler idea) and record them for the report (take_aux_total).
 
 Names: the block's `mlp.router.weight` lives at `mlp.moe.deepspeed_moe.gate.wg.weight`, expert e at
 `mlp.moe.deepspeed_moe.experts.deepspeed_experts.{e - ep_rank x E/ep}` (DeepSpeed's checkpoint files name it by its
@@ -24,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dspipe.errors import SpecError
-from dspipe.model.gpt import RouterState, balance_loss, route
+from dspipe.model.gpt import GPT, Block, RouterState, balance_loss, route
 from dspipe.runtime.experts import expert_parallel, refusal
 
 
@@ -137,12 +138,91 @@ class NativeMoE(RouterState):
         return l_aux, capacity, experts, chosen, slots, ours.to(weights.dtype), counts
 
 
+class ExpertElsewhere(nn.Module):
+    """A routed expert that another expert-parallel rank holds: the pipeline stage build's placeholder
+    (dspipe.runtime.build), never run: the NativeMoE that replaces the block's SparseMLP holds this rank's experts."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("this routed expert is held by another expert-parallel rank")
+
+
+def sparse_blocks(module: nn.Module) -> list[Block]:
+    """The sparse blocks the module holds: all of a plain GPT's, a pipeline stage's own."""
+    return [m for m in module.modules() if isinstance(m, Block) and m.sparse]
+
+
 def install(module: nn.Module, *, spec, ep: int, ep_rank: int) -> int:
-    """Replace every sparse block's mlp of the plain GPT `module` by a NativeMoE; returns how many."""
-    for i in spec.sparse_layers:
-        block = module.h[i]
+    """Replace the mlp of every sparse block the module holds (a plain GPT, or a pipeline stage) by a NativeMoE;
+    returns how many. Each keeps its block's place among the model's sparse blocks (`sparse_index`: its row of
+    step_loads). A pipeline stage's blocks hand their load-balancing loss to the backward themselves (wire_stage)."""
+    blocks = sparse_blocks(module)
+    for block in blocks:
         block.mlp = NativeMoE(block.mlp, spec=spec, ep=ep, ep_rank=ep_rank)
-    return len(spec.sparse_layers)
+        block.mlp.sparse_index = spec.sparse_layers.index(block.index)
+    if not isinstance(module, GPT):
+        wire_stage(blocks)
+    return len(blocks)
+
+
+class _AuxGradient(torch.autograd.Function):
+    """The identity on a block's output whose backward also gives the block's load-balancing loss the gradient
+    `scale` (Megatron-LM's MoEAuxLossAutoScaler): a pipeline stage's blocks add aux_loss_coef x aux / sparse blocks
+    to the loss without the loss having to travel to the last stage."""
+
+    @staticmethod
+    def forward(ctx, x, aux, scale):
+        ctx.scale, ctx.like = scale, aux
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, torch.full_like(ctx.like, ctx.scale), None
+
+
+def wire_stage(blocks: list[Block]) -> None:
+    """A pipeline stage's sparse blocks, where no GPT.forward adds their load-balancing losses to the loss: after
+    each training forward a block (1) counts its micro-batch's expert loads once and adds its loss to `aux_total`
+    (for the report), unless the forward is a recomputation (one runs inside the backward), and (2) when the forward
+    builds a graph ties its loss into the backward with the gradient aux_scale, set by set_aux_scale once the
+    engine's gradient accumulation is known. A graph is built by a forward without recomputation, by a reentrant
+    checkpoint's recomputation, by a non-reentrant checkpoint's first forward (whose graph the backward keeps)."""
+    for block in blocks:
+        block.aux_scale = None
+        block.aux_total = None
+        block.register_forward_hook(_stage_block_done)
+
+
+def _stage_block_done(block: Block, _inputs, output):
+    if not block.training:
+        return None
+    if torch._C._current_graph_task_id() == -1:  # not a recomputation: its micro-batch is counted by its forward
+        block.mlp.commit_routed()
+        aux = block.aux.detach().float()
+        block.aux_total = aux if block.aux_total is None else block.aux_total + aux
+    if not torch.is_grad_enabled():
+        return None
+    if block.aux_scale is None:
+        raise RuntimeError(f"block {block.index}: its load-balancing loss has no gradient scale (set_aux_scale)")
+    return _AuxGradient.apply(output, block.aux, block.aux_scale)
+
+
+def set_aux_scale(module: nn.Module, *, spec, grad_accum: int) -> None:
+    """The gradient of each sparse block's load-balancing loss in a pipeline stage, as the plain GPT's loss gives
+    it: aux_loss_coef / sparse blocks (the mean over blocks), / gradient accumulation (the engine divides the
+    last stage's loss, and so every gradient, by it)."""
+    for block in sparse_blocks(module):
+        block.aux_scale = spec.aux_loss_coef / (len(spec.sparse_layers) * grad_accum)
+
+
+def take_aux_total(module: nn.Module, *, device) -> torch.Tensor:
+    """The sum of the load-balancing losses this stage's sparse blocks recorded since the last call (fp32, 0 if
+    none); the count restarts."""
+    total = torch.zeros((), device=device)
+    for block in sparse_blocks(module):
+        if block.aux_total is not None:
+            total += block.aux_total.to(device)
+            block.aux_total = None
+    return total
 
 
 def install_for_run(module: nn.Module, *, run, rank: int) -> None:
@@ -168,14 +248,24 @@ def param_groups(groups: list[dict]) -> list[dict]:
     return [g for g in split_params_into_different_moe_groups_for_optimizer(named) if g["params"]]
 
 
-def step_loads(module: nn.Module, *, device) -> torch.Tensor:
+def step_loads(module: nn.Module, *, spec, device) -> torch.Tensor:
     """Collective, after each optimizer step of a mixture of experts: the tokens each expert of each sparse block got
-    over the step (every training micro-batch, summed over all ranks in one all_reduce), (sparse blocks, E) int64."""
+    over the step (every training micro-batch, summed over all ranks in one all_reduce: a pipeline's stages each
+    fill their blocks' rows), (the model's sparse blocks, E) int64."""
     import torch.distributed as dist
 
-    routed = torch.stack([m.take_routed(device=device) for m in module.modules() if isinstance(m, RouterState)])
+    routed = torch.zeros(len(spec.sparse_layers), spec.experts, dtype=torch.int64, device=device)
+    for row, m in _routers(module):
+        routed[row] = m.take_routed(device=device)
     dist.all_reduce(routed)
     return routed
+
+
+def _routers(module: nn.Module) -> list[tuple[int, RouterState]]:
+    """(row among the model's sparse blocks, router) of each sparse block the module holds: a pipeline stage's
+    rows are its blocks' sparse_index (install), a whole model's their order."""
+    routers = [m for m in module.modules() if isinstance(m, RouterState)]
+    return [(getattr(m, "sparse_index", i), m) for i, m in enumerate(routers)]
 
 
 def load_ratio(loads: torch.Tensor) -> float:
@@ -189,8 +279,7 @@ def update_router_bias(module: nn.Module, *, loads: torch.Tensor, rate: float) -
     """DeepSeek-V3's auxiliary-loss-free balancing, after each optimizer step, from the step's `loads` (step_loads):
     every expert's selection bias += rate x sign(mean tokens - its tokens) (up for an expert below the mean, down
     above it). The same on every rank: the loads are summed over all of them."""
-    blocks = [m for m in module.modules() if isinstance(m, RouterState)]
     step = rate * torch.sign(loads.double().mean(dim=1, keepdim=True) - loads.double()).float()
     with torch.no_grad():
-        for m, delta in zip(blocks, step, strict=True):
-            m.router_bias.add_(delta.to(m.router_bias.device))
+        for row, m in _routers(module):
+            m.router_bias.add_(step[row].to(m.router_bias.device))

@@ -17,8 +17,9 @@ Where the weights come from, by layout:
                         stage x tp + RR), then the shards put back together by dspipe's tensor-parallel layout
                         (dspipe.model.tp_split.merge_shards: fused q/k/v and gate/up interleaved, row-parallel
                         along dim 1, vocabulary rows along dim 0; replicated tensors equal on every tp rank)
-    experts (MoE)       the module weights in mp_rank_00_model_states.pt and the expert files
-                        layer_L_expert_E_..., DeepSpeed's MoE names mapped back to the model's (_consolidate_experts)"""
+    experts (MoE)       the module weights in mp_rank_00_model_states.pt (under a pipeline every stage's
+                        mp_rank_SS) and the expert files layer_L_expert_E_..., DeepSpeed's MoE names mapped back
+                        to the model's (_consolidate_experts)"""
 
 from __future__ import annotations
 
@@ -215,7 +216,7 @@ def _consolidate(checkpoint: Path, *, meta: CheckpointMeta) -> dict:
     if meta.tp > 1:
         return _consolidate_tensor_parallel(checkpoint, meta=meta, spec=spec)
     if spec.experts:
-        return _consolidate_experts(checkpoint, spec=spec)
+        return _consolidate_experts(checkpoint, spec=spec, pp=pp)
     module = _module_weights(checkpoint, pp=pp, layers=spec.layers)
 
     def model_file(stage: int) -> Path:  # pipelines run ZeRO 0-1: one model-states file per stage
@@ -234,18 +235,28 @@ def _consolidate(checkpoint: Path, *, meta: CheckpointMeta) -> dict:
     return out
 
 
-def _consolidate_experts(checkpoint: Path, *, spec: ModelSpec) -> dict:
-    """A mixture-of-experts checkpoint (DeepSpeed's native MoE, pp 1, ZeRO 0-2): the module weights of
-    mp_rank_00_model_states.pt (the router under DeepSpeed's gate name) and each expert's file (its global id),
-    under the model's names (dspipe.runtime.experts.model_name). They are the module's weights: fp32 runs' are the
-    master weights; bf16 runs' are bf16 (DeepSpeed's zero_to_fp32 cannot merge expert-parallel optimizer
-    partitions: each rank's experts would be read as data-parallel shards of one tensor)."""
+def _consolidate_experts(checkpoint: Path, *, spec: ModelSpec, pp: int) -> dict:
+    """A mixture-of-experts checkpoint (DeepSpeed's native MoE, ZeRO 0-2): the module weights of
+    mp_rank_00_model_states.pt (a pipeline's: of every stage's mp_rank file, under its layer indices; the tied
+    embedding in the first and the last, equal) with the router under DeepSpeed's gate name, and each expert's file
+    (its global id), under the model's names (dspipe.runtime.experts.model_name). They are the module's weights:
+    fp32 runs' are the master weights; bf16 runs' are bf16 (DeepSpeed's zero_to_fp32 cannot merge expert-parallel
+    optimizer partitions: each rank's experts would be read as data-parallel shards of one tensor)."""
     from dspipe.runtime.experts import EXPERT_FILE, model_name
 
-    module = {model_name(k): v for k, v in _module_weights(checkpoint, pp=1, layers=spec.layers).items()}
+    def name(key: str) -> str:
+        return model_name(key if pp == 1 else _pipeline_name(key, layers=spec.layers))
+
+    if pp == 1:
+        module = {name(k): v for k, v in _module_weights(checkpoint, pp=1, layers=spec.layers).items()}
+    else:
+        module = {}
+        for stage in range(pp):
+            stage_module = _load(checkpoint / f"mp_rank_{stage:02d}_model_states.pt").get("module") or {}
+            module.update({name(k): v for k, v in stage_module.items()})
     for p in sorted(checkpoint.iterdir()):
         if EXPERT_FILE.match(p.name):
-            module.update({model_name(k): v for k, v in _load(p).items()})
+            module.update({name(k): v for k, v in _load(p).items()})
     out = _prefer_master(module=module, master={}, checkpoint=checkpoint)
     if spec.tied_embeddings:
         out.pop("lm_head.weight", None)

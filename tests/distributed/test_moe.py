@@ -1,14 +1,16 @@
-"""Mixtures of experts on real CPU ranks (2 ranks, fp32, dropout 0), seven launches in all: a tiny random
-MixtralForCausalLM (4 experts, top 2) and Qwen3MoeForCausalLM (4 experts, top 2, norm_topk_prob off) written by
-save_pretrained with the corpus's tokenizer, trained with `--init-from` on DeepSpeed's native MoE layer; and a
-DeepSeek-V3-routed model from dspipe's own draws (sigmoid scores, routed scale 2.5, 2 expert groups of which a
-token uses 1, aux-loss-free bias balancing) at ep 2 and ep 1.
+"""Mixtures of experts on real CPU ranks (2 ranks but two launches of 4, fp32, dropout 0), nine launches in all: a
+tiny random MixtralForCausalLM (4 experts, top 2) and Qwen3MoeForCausalLM (4 experts, top 2, norm_topk_prob off)
+written by save_pretrained with the corpus's tokenizer, trained with `--init-from` on DeepSpeed's native MoE
+layer; and a DeepSeek-V3-routed model from dspipe's own draws (sigmoid scores, routed scale 2.5, 2 expert groups of
+which a token uses 1, aux-loss-free bias balancing) at ep 2 and ep 1.
 
     Mixtral ep 2, ZeRO-2     killed after step 5 (checkpoint at 3), then resumed: step 1's LM loss is
                              transformers'; the resumed steps 4-5 are bitwise the ones before the kill; the
                              checkpoint holds DeepSpeed's expert files; export-hf computes dspipe's logits
     Mixtral ep 1, ZeRO-1     the same global batches: every step's loss within 1e-5 of ep 2's, aux_loss and
                              expert_load logged
+    Mixtral pp 2 x ep 2      4 ranks (pp 2 x dp 2), ZeRO-1, full recomputation: killed and resumed bitwise;
+                             loss, aux loss, grad norm within 1e-5 of ep 1's, the same expert loads; exports
     Qwen3-MoE ep 2, ZeRO-2   lr 1e-12: step 1's LM loss is transformers', export-hf computes transformers' logits
     sigmoid ep 2 / ep 1      step 1's LM loss is the plain model's; every step's loss within 1e-5 of each other;
                              ep 1 (ZeRO-0) resumed at dp 1 from its step-3 checkpoint: steps 4-6 bitwise; the
@@ -80,7 +82,7 @@ def family_dir(path, family: str, corpus):
     )
 
 
-def configure(run, corpus, hf_dir, *flags, gpus=2):
+def configure(run, corpus, hf_dir, *flags, gpus=2, pp=1, checkpointing="none"):
     r = gen_config(
         "--init-from",
         hf_dir,
@@ -108,9 +110,9 @@ def configure(run, corpus, hf_dir, *flags, gpus=2):
         "none",
         "--no-offload-params",
         "--checkpointing",
-        "none",
+        checkpointing,
         "--pp",
-        "1",
+        pp,
         *flags,
     )
     assert r.returncode == 0, r.stderr
@@ -148,14 +150,16 @@ def built_params(run) -> list[int]:
     return json.loads((run / "engine.json").read_text())["startup"]["built_params"]
 
 
-def planned_params(run, *, ep: int) -> int:
-    """The planner's parameters per rank at start-up (dense + experts / ep of each sparse block)."""
+def planned_params(run, *, ep: int, pp: int = 1) -> list[int]:
+    """The planner's parameters per rank at start-up, in rank order (dense + experts / ep of each sparse block its
+    pipeline stage holds)."""
     from dspipe.planner.stages import stage_params
     from dspipe.rundir import load_run
 
     r = load_run(run)
-    assert r.plan.ep == ep
-    return stage_params(model=r.model, pp=1, partition_method=r.plan.partition_method, tp=1, ep=ep)[0]
+    assert (r.plan.ep, r.plan.pp) == (ep, pp)
+    stages = stage_params(model=r.model, pp=pp, partition_method=r.plan.partition_method, tp=1, ep=ep)
+    return [n for n in stages for _ in range(r.plan.dp)]
 
 
 def start_from_hf(tmp_path, family: str, corpus, monkeypatch):
@@ -214,8 +218,10 @@ def test_mixtral_expert_parallel_equals_ep1_resumes_exactly_and_exports(tmp_path
     assert cls == "MixtralForCausalLM" and (logits - ours).abs().max().item() < LOGITS_TOL and moved > 1e-2
     # start-up: each ep 2 rank built (read) the dense parameters and its own experts, the planner's count
     for run, ep in ((ep2, 2), (ep1, 1)):
-        assert built_params(run) == [planned_params(run, ep=ep)] * 2, (run.name, built_params(run))
+        assert built_params(run) == planned_params(run, ep=ep), (run.name, built_params(run))
     assert built_params(ep1)[0] - built_params(ep2)[0] == 2 * (EXPERTS // 2) * 3 * 64 * 48  # 2 layers' 2 experts
+
+    _pipeline_of_experts(tmp_path, corpus, hf_dir, train=train, reference=rows1)
 
     # a resume at another ep or dp: refused by name before anything is built
     other = {"ep1-zero2": (2, "1"), "dp4-zero2": (4, "2")}  # the same ZeRO stage: (gpus, ep)
@@ -235,6 +241,38 @@ def test_mixtral_expert_parallel_equals_ep1_resumes_exactly_and_exports(tmp_path
         ckpt.resume_point(load_run(tmp_path / "dp4-zero2"), str(last))
 
 
+def _pipeline_of_experts(tmp_path, corpus, hf_dir, *, train: list, reference: list) -> None:
+    """The same Mixtral as 2 pipeline stages x dp 2 x ep 2 on 4 ranks, every block recomputed: each stage's blocks
+    hand their load-balancing loss to the backward themselves (dspipe.runtime.moe.wire_stage). Killed after step 5
+    (checkpoint at 3) and resumed: steps 4-5 bitwise; every step's loss, aux loss, expert load and gradient norm
+    those of the ep 1 run at pp 1 (`reference`); each rank built its stage's dense parameters and its own experts;
+    the checkpoint (each stage's module in its mp_rank file, its experts' files) exports dspipe's logits."""
+    run = tmp_path / "pp2"
+    configure(run, corpus, hf_dir, *train, "--zero", "1", "--ep", "2", gpus=4, pp=2, checkpointing="full")
+    r = launch(run, "--test-faults", '{"kill_at_step": 5}', num_gpus=4)
+    assert r.returncode != 0
+    before = written_metrics(run)
+    ok(launch(run, "--resume", "auto", num_gpus=4))
+    rows = csv_rows(run / "metrics.csv")
+    assert written_metrics(run)[:5] == before and len(rows) == 6
+    diffs = {
+        key: max(abs(float(a[key]) - float(b[key])) / abs(float(b[key])) for a, b in zip(rows, reference, strict=True))
+        for key in ("loss", "aux_loss", "grad_norm")
+    }
+    print(f"mixtral pp 2 x dp 2 x ep 2 vs pp 1 ep 1: relative differences {diffs}")
+    assert max(diffs.values()) < LOSS_TOL, diffs
+    assert [row["expert_load"] for row in rows] == [row["expert_load"] for row in reference]
+    assert built_params(run) == planned_params(run, ep=2, pp=2), built_params(run)
+    last = run / "checkpoints" / "global_step6"
+    stage_files = sorted(p.name for p in last.glob("layer_*_expert_*"))
+    assert stage_files == sorted(
+        f"layer_0_expert_{e}_mp_rank_{stage:02d}_model_states.pt" for stage in range(2) for e in range(EXPERTS)
+    )  # one sparse block per stage, numbered from 0 in each
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    cls, logits, ours = exported_logits(run, tmp_path / "export-pp2", ids)
+    assert cls == "MixtralForCausalLM" and (logits - ours).abs().max().item() < LOGITS_TOL
+
+
 def test_qwen3_moe_expert_parallel_starts_from_transformers_and_exports_its_logits(tmp_path, corpus, monkeypatch):
     hf_dir, hf, expected = start_from_hf(tmp_path, "qwen3-moe", corpus, monkeypatch)
     run = tmp_path / "run"
@@ -251,7 +289,7 @@ def test_qwen3_moe_expert_parallel_starts_from_transformers_and_exports_its_logi
     )
     assert abs(float(rows[0]["loss"]) - expected) < LOSS_TOL
     assert float(rows[0]["aux_loss"]) > 0
-    assert built_params(run) == [planned_params(run, ep=2)] * 2  # dense + this rank's experts, read lazily
+    assert built_params(run) == planned_params(run, ep=2)  # dense + this rank's experts, read lazily
     assert cls == "Qwen3MoeForCausalLM"
     assert (logits - hf_logits).abs().max().item() < LOGITS_TOL and (logits - ours).abs().max().item() < LOGITS_TOL
 

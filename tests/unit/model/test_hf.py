@@ -461,3 +461,31 @@ def test_gen_config_checks_the_weights_from_their_headers(tmp_path, capsys):
     index.write_text(index.read_text()[:40])
     refused(f"{index}")
     capsys.readouterr()
+
+
+def test_one_pipeline_layer_is_read_under_its_own_gpt_names():
+    """load_into_module(layer=True): a layer a LayerSpec made on its own (the stage builds of tp and ep make each
+    layer themselves) reads its tensors under the GPT names of its place: embed., h.N., final., lm_head."""
+    import torch
+
+    from dspipe.model.gpt import GPT
+    from dspipe.model.hf_weights import layer_prefix_of, load_into_module
+    from dspipe.model.pipeline import layer_specs
+    from dspipe.spec.presets import model_preset
+
+    spec = model_preset("tiny-llama", tied_embeddings=False)
+    whole = dict(GPT(spec, seed=3).named_parameters())
+
+    class Weights:
+        def full(self, name):
+            return whole[name].detach() * 2
+
+    got = {}
+    for layer_spec in layer_specs(model=spec, seed=0):
+        layer = layer_spec.build()
+        load_into_module(layer, Weights(), spec=spec, layer=True)
+        got.update({layer_prefix_of(layer) + n: p for n, p in layer.named_parameters()})
+    assert got.keys() == whole.keys()
+    assert all(torch.equal(p, whole[n] * 2) for n, p in got.items())
+    with pytest.raises(TypeError, match="Linear is not a layer of dspipe's pipeline"):
+        layer_prefix_of(torch.nn.Linear(2, 2))

@@ -573,10 +573,16 @@ def test_step0_values_every_expert_its_own_and_dense_blocks_unchanged():
     assert all(torch.equal(p, moe_state[f"h.1.{n}"]) for n, p in block.state_dict().items())
 
 
-def test_a_pipeline_of_a_mixture_of_experts_is_refused():
+def test_a_pipeline_of_a_mixture_of_experts_has_its_sparse_blocks_as_layers():
+    """The pipeline's layers are the model's own: each sparse block a Block holding its SparseMLP (the runtime's
+    wire_stage gives a stage's blocks their load-balancing loss's gradient)."""
+    from dspipe.model.gpt import Block, SparseMLP
     from dspipe.model.pipeline import layer_specs
 
-    assert "does not run as a pipeline" in _refusal(layer_specs, model=MOE, seed=0)
+    specs = layer_specs(model=MOE, seed=0)
+    blocks = [spec.build() for spec in specs if spec.typename is Block]
+    assert len(blocks) == MOE.layers
+    assert [i for i, b in enumerate(blocks) if isinstance(b.mlp, SparseMLP)] == list(MOE.sparse_layers)
 
 
 def test_bf16_sparse_block_routes_in_fp32():

@@ -191,7 +191,7 @@ def plan(**fields):
     "fields,ep,says",
     [
         (dict(zero_stage=3), 1, "ZeRO-3 (Native DeepSpeed MoE is not supported with ZeRO Stage 3"),
-        (dict(pp=2, dp=2), 1, "pp 2 > 1"),
+        (dict(sp=2, dp=2), 1, "sp 2 > 1"),
         (dict(tp=2, dp=2), 1, "tp 2 > 1"),
         (dict(precision="fp16"), 1, "fp16"),
         (dict(zero_stage=2), 3, "experts 4 % ep 3 = 1; dp 4 % ep 3 = 1"),
@@ -213,6 +213,7 @@ def test_refusal_dense_and_supported():
     assert refusal(spec=spec(), plan=plan(zero_stage=1), ep=2, contiguous_gradients=True) is None
     assert refusal(spec=spec(), plan=plan(zero_stage=0), ep=1, contiguous_gradients=False) is None
     assert refusal(spec=spec(experts=0, expert_ffn=None), plan=plan(), ep=1) is None
+    assert refusal(spec=spec(), plan=plan(pp=2, dp=2), ep=2, contiguous_gradients=True) is None  # each stage its own
     run = SimpleNamespace(model=spec(experts=0, expert_ffn=None), plan=plan(ep=2), strategy=None, ds_config={})
     with pytest.raises(SpecError, match="ep 2 > 1 needs a mixture-of-experts model"):
         install_for_run(None, run=run, rank=0)
@@ -246,7 +247,7 @@ def test_expert_loads_count_each_micro_batch_once_and_the_bias_moves_by_the_rule
     model.train()
     for idx, labels in batches:
         model(idx, labels).backward()
-    loads = step_loads(model, device="cpu")
+    loads = step_loads(model, spec=s, device="cpu")
     assert loads.shape == (2, s.experts) and loads.sum(dim=1).tolist() == [2 * 2 * 16 * 2] * 2  # micro x tokens x k
     assert load_ratio(loads) == max(float(r.max()) / float(r.double().mean()) for r in loads) and load_ratio(loads) > 1
     assert load_ratio(torch.full((2, 4), 8)) == 1.0
@@ -255,7 +256,7 @@ def test_expert_loads_count_each_micro_batch_once_and_the_bias_moves_by_the_rule
         want = 0.1 * torch.sign(r.double().mean() - r.double()).float()
         assert torch.equal(b.mlp.router_bias, want) and want.abs().sum() > 0
         assert b.mlp.router_bias.dtype == torch.float32
-    assert int(step_loads(model, device="cpu").sum()) == 0  # restarted
+    assert int(step_loads(model, spec=s, device="cpu").sum()) == 0  # restarted
 
 
 def test_router_bias_stays_fp32_and_is_in_the_state():
@@ -272,3 +273,55 @@ def test_router_bias_stays_fp32_and_is_in_the_state():
     meta.h[0].mlp.router_bias.fill_(float("nan"))
     fill(meta, seed=1)
     assert all(torch.equal(b.mlp.router_bias, torch.zeros(s.experts)) for b in meta.h)  # step 0: unbiased
+
+
+@pytest.mark.parametrize("reentrant", [None, True, False])
+def test_a_pipeline_stage_gives_its_aux_losses_the_plain_models_gradient(group, reentrant):
+    """The plain GPT's blocks run as a pipeline stage would run them (no GPT.forward: the loss is the LM loss alone,
+    over 2 micro-batches each scaled by 1 / 2 as DeepSpeed's engine scales it): with wire_stage's hooks every
+    parameter gets the plain model's gradient of LM + aux_loss_coef x mean aux (the router's included), with full
+    recomputation (reentrant or not) or without; each micro-batch's loads and aux loss are counted once."""
+    from torch.utils.checkpoint import checkpoint
+
+    from dspipe.model.gpt import GPT
+    from dspipe.runtime.moe import install, set_aux_scale, step_loads, take_aux_total, wire_stage
+
+    s = spec(layers=3, experts_per_token=2, aux_loss_coef=0.5)
+    gen = torch.Generator().manual_seed(5)
+    batches = [
+        (torch.randint(0, s.vocab, (2, 16), generator=gen), torch.randint(0, s.vocab, (2, 16), generator=gen))
+        for _ in range(2)
+    ]
+
+    def built():
+        model = GPT(s, seed=3)
+        install(model, spec=s, ep=1, ep_rank=0)
+        for b in model.h:
+            if b.sparse:
+                b.mlp.moe.set_deepspeed_parallelism()
+        return model
+
+    plain = built()
+    auxes = []
+    for idx, labels in batches:
+        (plain(idx, labels) / 2).backward()
+        auxes.append(float(plain.last_aux_loss))
+    stage = built()
+    blocks = [b for b in stage.h if b.sparse]
+    wire_stage(blocks)
+    set_aux_scale(stage, spec=s, grad_accum=2)
+    assert all(b.aux_scale == 0.5 / (len(s.sparse_layers) * 2) for b in blocks)
+    for idx, labels in batches:
+        x = stage.embed(idx)
+        for block in stage.h:
+            x = block(x) if reentrant is None else checkpoint(block, x, use_reentrant=reentrant)
+        (stage.loss_fn(stage.embed.logits(stage.final(x)), labels) / 2).backward()
+    for (name, a), b in zip(plain.named_parameters(), stage.parameters(), strict=True):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-7), name
+    router = stage.h[s.sparse_layers[0]].mlp.gate_weight.grad
+    assert router is not None and router.abs().max() > 0
+    loads = step_loads(stage, spec=s, device="cpu")
+    assert loads.sum(dim=1).tolist() == [2 * 2 * 16 * 2] * len(s.sparse_layers)  # micro x tokens x k, once each
+    total = float(take_aux_total(stage, device="cpu"))
+    assert total == pytest.approx(sum(auxes) * len(s.sparse_layers), rel=1e-6)  # the sum over blocks and micro-batches
+    assert float(take_aux_total(stage, device="cpu")) == 0.0  # restarted

@@ -132,3 +132,47 @@ def test_native_moe_built_from_the_local_experts():
             want = whole.h[i].mlp.experts[2 + j]
             assert all(torch.equal(a, b) for a, b in zip(expert.parameters(), want.parameters(), strict=True))
         assert torch.equal(model.h[i].mlp.gate_weight, whole.h[i].mlp.router.weight)
+
+
+def _stage_layers(maker, run):
+    """Every pipeline layer made by `maker` as a LayerSpec makes it (dspipe.model.pipeline.layer_specs)."""
+    from dspipe.model.pipeline import layer_specs
+
+    return [spec.build() for spec in layer_specs(model=run.model, seed=run.train.seed, make=maker)]
+
+
+@pytest.mark.parametrize("imported", [False, True])
+def test_a_pipeline_stage_makes_each_layer_with_this_ranks_experts_only(imported):
+    """The stage build under expert parallelism (pp > 1): each layer made on the meta device, its dense parameters
+    and this rank's experts drawn (or read: only theirs) with the whole model's values bitwise, the other experts
+    placeholders without parameters (PipelineModule moves every layer to the device; a meta tensor cannot move),
+    and every layer read under its own GPT names (h.N., embed., final., lm_head.)."""
+    from dspipe.model.gpt import GPT, Block
+    from dspipe.runtime.build import _local_expert_maker
+    from dspipe.runtime.moe import ExpertElsewhere
+
+    run = fake_run(ep=2, tied_embeddings=False)
+    whole = dict(GPT(run.model, seed=run.train.seed).named_parameters())
+    read = []
+
+    class Weights:  # HFWeights' interface load_into_module uses: each tensor whole, by the model's name
+        def full(self, name):
+            read.append(name)
+            return whole[name].float() + 1
+
+    local = range(2, 4)
+    layers = _stage_layers(_local_expert_maker(local=local, weights=Weights() if imported else None), run)
+    prefixes = ["embed.", *(f"h.{i}." for i in range(run.model.layers)), "final.", "lm_head."]
+    held = {}
+    for prefix, layer in zip(prefixes, layers, strict=True):
+        held.update({prefix + n: p for n, p in layer.named_parameters()})
+        if isinstance(layer, Block) and layer.sparse:
+            kinds = [type(x) for x in layer.mlp.experts]
+            assert [k is ExpertElsewhere for k in kinds] == [e not in local for e in range(EXPERTS)]
+        layer.to("cpu")  # what PipelineModule does to every layer
+    remote = {n for n in whole if is_remote(n, local)}
+    assert remote and held.keys() == whole.keys() - remote
+    assert not any(p.is_meta for p in held.values())
+    shift = 1 if imported else 0
+    assert all(torch.equal(p, whole[n] + shift) for n, p in held.items())  # bitwise: drawn, or read + 1
+    assert set(read) == (held.keys() if imported else set())

@@ -204,6 +204,9 @@ class Engine:
         self.expert_load: float | None = None
         """A mixture-of-experts model's load imbalance of the last train step (dspipe.runtime.moe.load_ratio: the
         busiest expert's tokens over the mean, worst sparse block; 1 is balanced); None for a dense model."""
+        self.dropped_routes: int | None = None
+        """A mixture-of-experts model's routes dropped by the capacity in the last train step, over all ranks (0:
+        dropless); None for a dense model."""
         self.phases: tuple[float, float, float] | None = None
         """Seconds of the last train step's forward passes, backward passes and optimizer steps (summed over its
         micro-batches), where they are exact: a CPU rank without a pipeline (its calls are synchronous); None
@@ -237,11 +240,12 @@ class Engine:
         raise NotImplementedError
 
     def _after_moe_step(self) -> None:
-        """The step's expert loads (one all_reduce): their imbalance into `expert_load`, and with
-        router_bias_rate the selection biases moved (aux-loss-free balancing)."""
-        from dspipe.runtime.moe import load_ratio, step_loads, update_router_bias
+        """The step's expert loads and dropped routes (one all_reduce): their imbalance into `expert_load`, the
+        drops into `dropped_routes`, and with router_bias_rate the selection biases moved (aux-loss-free
+        balancing)."""
+        from dspipe.runtime.moe import load_ratio, step_counts, update_router_bias
 
-        loads = step_loads(self.engine.module, spec=self.run.model, device=self.device)
+        loads, self.dropped_routes = step_counts(self.engine.module, spec=self.run.model, device=self.device)
         self.expert_load = load_ratio(loads)
         if self.run.model.router_bias_rate:
             update_router_bias(self.engine.module, loads=loads, rate=self.run.model.router_bias_rate)

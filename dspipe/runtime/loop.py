@@ -33,7 +33,7 @@ from dspipe.runtime.startup import StartupClock
 from dspipe.runtime.watchdog import Watchdog, record_event
 from dspipe.spec.hardware import GIB
 
-STEP_MOE_COLUMNS = ("aux_loss", "expert_load")
+STEP_MOE_COLUMNS = ("aux_loss", "expert_load", "dropped_routes")
 """metrics.csv's columns after dspipe.planner.throughput.STEP_COLUMNS for a mixture-of-experts model: the mean
 load-balancing loss over its sparse blocks (before aux_loss_coef; `loss` is the LM loss), and the step's load
 imbalance (the busiest expert's tokens over the mean, worst sparse block, all ranks; 1 is balanced)."""
@@ -557,6 +557,7 @@ def _log_step(
             "skipped": int(skipped),
             "aux_loss": t.eng.aux_loss,
             "expert_load": t.eng.expert_load,
+            "dropped_routes": t.eng.dropped_routes,
         }
     )
 

@@ -189,8 +189,8 @@ class RunLog:
             monitor.enabled = False  # DeepSpeed's engine writes its Train/Samples/* events only while this is set
         if enabled:
             prepare_monitor(monitor, resumed_at=resumed_at)
-            # a mixture-of-experts model adds aux_loss (its load-balancing loss; `loss` stays the LM loss) and
-            # expert_load (the step's load imbalance)
+            # a mixture-of-experts model adds aux_loss (its load-balancing loss; `loss` stays the LM loss),
+            # expert_load (the step's load imbalance) and dropped_routes (routes its capacity dropped; 0 dropless)
             self.steps_csv = _Csv(
                 Path(run_path) / "metrics.csv",
                 STEP_COLUMNS + tuple(step_columns),
@@ -238,6 +238,7 @@ class RunLog:
             norm = "-" if row["grad_norm"] is None else f"{row['grad_norm']:.3f}"
             aux = f" | aux {row['aux_loss']:.4f}" if row.get("aux_loss") is not None else ""
             aux += f" | load {row['expert_load']:.2f}" if row.get("expert_load") is not None else ""
+            aux += f" | dropped {row['dropped_routes']}" if row.get("dropped_routes") else ""  # only a capacity's
             self.say(
                 f"step {s:>5}/{self.steps} | loss {row['loss']:.4f}{aux} | lr {row['lr']:.2e} | gnorm {norm} | "
                 f"{row['tokens_per_s']:,.0f} tok/s | {row['samples_per_s']:,.1f} samples/s | "

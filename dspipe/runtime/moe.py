@@ -66,6 +66,8 @@ class NativeMoE(RouterState):
                 for dst, src in zip(expert.parameters(), source.parameters(), strict=True):
                     dst.copy_(src)
         self.shared = getattr(sparse, "shared", None)
+        self.dropped = torch.zeros((), dtype=torch.int64, device=weight.device)
+        """Routes a capacity dropped in the training forwards since take_dropped (a recomputation counts none)."""
         self.aux: torch.Tensor | None = None
         """The load-balancing loss of the last forward (with its graph)."""
         self._weights: torch.Tensor | None = None  # (tokens, E): each token's routing weights, this forward's
@@ -134,6 +136,8 @@ class NativeMoE(RouterState):
         l_aux, capacity, experts, chosen, slots, weights, counts = routes
         if chosen.shape[-1] != self._weights.shape[0]:
             raise RuntimeError(f"DeepSpeed routed {chosen.shape[-1]} tokens, the model {self._weights.shape[0]}")
+        if self.training and torch._C._current_graph_task_id() == -1:  # not a recomputation
+            self.dropped += (chosen < 0).sum().to(self.dropped.device)
         ours = self._weights.gather(1, chosen.long().clamp(min=0).t()).t()
         return l_aux, capacity, experts, chosen, slots, ours.to(weights.dtype), counts
 
@@ -248,17 +252,26 @@ def param_groups(groups: list[dict]) -> list[dict]:
     return [g for g in split_params_into_different_moe_groups_for_optimizer(named) if g["params"]]
 
 
-def step_loads(module: nn.Module, *, spec, device) -> torch.Tensor:
+def step_counts(module: nn.Module, *, spec, device) -> tuple[torch.Tensor, int]:
     """Collective, after each optimizer step of a mixture of experts: the tokens each expert of each sparse block got
-    over the step (every training micro-batch, summed over all ranks in one all_reduce: a pipeline's stages each
-    fill their blocks' rows), (the model's sparse blocks, E) int64."""
+    over the step (every training micro-batch, summed over all ranks: a pipeline's stages each fill their blocks'
+    rows), (the model's sparse blocks, E) int64, and the routes a capacity dropped (0 when dropless); one
+    all_reduce. Both counts restart."""
     import torch.distributed as dist
 
-    routed = torch.zeros(len(spec.sparse_layers), spec.experts, dtype=torch.int64, device=device)
+    table = torch.zeros(len(spec.sparse_layers), spec.experts + 1, dtype=torch.int64, device=device)
     for row, m in _routers(module):
-        routed[row] = m.take_routed(device=device)
-    dist.all_reduce(routed)
-    return routed
+        table[row, : spec.experts] = m.take_routed(device=device)
+        if isinstance(m, NativeMoE):
+            table[row, spec.experts] = m.dropped.to(device)
+            m.dropped.zero_()
+    dist.all_reduce(table)
+    return table[:, : spec.experts], int(table[:, spec.experts].sum())
+
+
+def step_loads(module: nn.Module, *, spec, device) -> torch.Tensor:
+    """step_counts' expert loads."""
+    return step_counts(module, spec=spec, device=device)[0]
 
 
 def _routers(module: nn.Module) -> list[tuple[int, RouterState]]:

@@ -8,7 +8,7 @@ which a token uses 1, aux-loss-free bias balancing) at ep 2 and ep 1.
                              transformers'; the resumed steps 4-5 are bitwise the ones before the kill; the
                              checkpoint holds DeepSpeed's expert files; export-hf computes dspipe's logits
     Mixtral ep 1, ZeRO-1     the same global batches: every step's loss within 1e-5 of ep 2's, aux_loss and
-                             expert_load logged
+                             expert_load logged, dropped_routes 0 (dropless)
     Mixtral pp 2 x ep 2      4 ranks (pp 2 x dp 2), ZeRO-1, full recomputation: killed and resumed bitwise;
                              loss, aux loss, grad norm within 1e-5 of ep 1's, the same expert loads; exports
     Qwen3-MoE ep 2, ZeRO-2   lr 1e-12: step 1's LM loss is transformers', export-hf computes transformers' logits
@@ -215,6 +215,7 @@ def test_mixtral_expert_parallel_equals_ep1_resumes_exactly_and_exports(tmp_path
     assert float(rows2[-1]["loss"]) < float(rows2[0]["loss"]) - 0.01  # it trained
     assert all(0 < a < 2 * EXPERTS for a in aux) and all(float(row["aux_loss"]) > 0 for row in rows1)
     assert all(1 <= float(row["expert_load"]) <= EXPERTS / 2 for row in rows1 + rows2)  # busiest / mean, top-2 of 4
+    assert {row["dropped_routes"] for row in rows1 + rows2} == {"0"}  # dropless: no capacity_factor
     assert cls == "MixtralForCausalLM" and (logits - ours).abs().max().item() < LOGITS_TOL and moved > 1e-2
     # start-up: each ep 2 rank built (read) the dense parameters and its own experts, the planner's count
     for run, ep in ((ep2, 2), (ep1, 1)):
@@ -262,6 +263,7 @@ def _pipeline_of_experts(tmp_path, corpus, hf_dir, *, train: list, reference: li
     print(f"mixtral pp 2 x dp 2 x ep 2 vs pp 1 ep 1: relative differences {diffs}")
     assert max(diffs.values()) < LOSS_TOL, diffs
     assert [row["expert_load"] for row in rows] == [row["expert_load"] for row in reference]
+    assert {row["dropped_routes"] for row in rows} == {"0"}
     assert built_params(run) == planned_params(run, ep=2, pp=2), built_params(run)
     last = run / "checkpoints" / "global_step6"
     stage_files = sorted(p.name for p in last.glob("layer_*_expert_*"))

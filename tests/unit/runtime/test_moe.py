@@ -325,3 +325,39 @@ def test_a_pipeline_stage_gives_its_aux_losses_the_plain_models_gradient(group, 
     total = float(take_aux_total(stage, device="cpu"))
     assert total == pytest.approx(sum(auxes) * len(s.sparse_layers), rel=1e-6)  # the sum over blocks and micro-batches
     assert float(take_aux_total(stage, device="cpu")) == 0.0  # restarted
+
+
+@pytest.mark.parametrize("reentrant", [None, True, False])
+def test_dropped_routes_are_counted_once_and_none_when_dropless(group, reentrant):
+    """step_counts: the routes a capacity dropped in the step's training forwards (DeepSpeed's gate marks them
+    expert -1), each micro-batch once whatever the recomputation, none in eval; dropless (no capacity_factor) drops
+    none. The count restarts."""
+    from torch.utils.checkpoint import checkpoint
+
+    from dspipe.model.gpt import GPT
+    from dspipe.runtime.moe import install, step_counts
+
+    gen = torch.Generator().manual_seed(5)
+    batch = (torch.randint(0, 64, (2, 16), generator=gen), torch.randint(0, 64, (2, 16), generator=gen))
+    dropped = {}
+    for cf in (None, 0.5):
+        s = spec(layers=2, experts_per_token=2, capacity_factor=cf)
+        model = GPT(s, seed=3)
+        install(model, spec=s, ep=1, ep_rank=0)
+        for b in model.h:
+            b.mlp.moe.set_deepspeed_parallelism()
+        if reentrant is not None:
+            model.block_checkpoint = lambda fn, *args: checkpoint(fn, *args, use_reentrant=reentrant)
+        model.eval()
+        with torch.no_grad():
+            model(*batch)
+        model.train()
+        counts = []
+        for _ in range(2):
+            model(*batch).backward()
+            counts.append(step_counts(model, spec=s, device="cpu")[1])
+        dropped[cf] = counts
+    # capacity 0.5 x 32 tokens x 2 routes / 4 experts = 8 slots per expert: at least half of the 64 routes of each
+    # block are dropped, the same ones in each step's one micro-batch (the weights did not move)
+    assert dropped[None] == [0, 0]
+    assert dropped[0.5][0] == dropped[0.5][1] >= 2 * 32, dropped

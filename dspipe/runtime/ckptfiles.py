@@ -59,7 +59,8 @@ def stage_expert_files(module: dict, *, stage: int, experts: int) -> list[str]:
     name) and names the files with the stage's model-parallel rank."""
     from dspipe.runtime.experts import GATE
 
-    blocks = sorted({int(str(k).split(".", 1)[0]) for k in module if str(k).endswith("mlp." + GATE)})
+    routers = [str(k).split(".", 1)[0] for k in module if str(k).endswith("mlp." + GATE)]
+    blocks = sorted({int(r) for r in routers if r.isdigit()})  # another name: refused as not the model's, later
     return [
         f"layer_{j}_expert_{e}_mp_rank_{stage:02d}_model_states.pt" for j in range(len(blocks)) for e in range(experts)
     ]

@@ -477,3 +477,20 @@ def test_prepare_data_on_malformed_jsonl_prints_only_dspipe_s_line(tmp_path, cap
         f"dspipe: error: cannot read {bad}: JSON parse error: Missing a name for object member. in row 1"
     ]
     assert not (tmp_path / "out").exists()
+
+
+def test_a_pipeline_stages_expert_files_follow_its_routers():
+    """A pipeline of experts: each stage's expert files are named by its sparse blocks counted from 0 in layer order
+    (their routers under DeepSpeed's gate name in the stage's mp_rank module) and by the stage's model-parallel
+    rank; a name that is not a pipeline layer's adds none (it is refused as not the model's afterwards)."""
+    from dspipe.runtime.ckptfiles import stage_expert_files
+
+    gate = "mlp.moe.deepspeed_moe.gate.wg.weight"
+    module = {f"4.{gate}": 0, f"3.{gate}": 0, "3.ln_1.weight": 0, f"x.{gate}": 0, "5.ln_f.weight": 0}
+    assert stage_expert_files(module, stage=1, experts=2) == [
+        "layer_0_expert_0_mp_rank_01_model_states.pt",
+        "layer_0_expert_1_mp_rank_01_model_states.pt",
+        "layer_1_expert_0_mp_rank_01_model_states.pt",
+        "layer_1_expert_1_mp_rank_01_model_states.pt",
+    ]
+    assert stage_expert_files({"0.wte.weight": 0}, stage=0, experts=4) == []

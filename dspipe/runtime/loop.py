@@ -35,8 +35,9 @@ from dspipe.spec.hardware import GIB
 
 STEP_MOE_COLUMNS = ("aux_loss", "expert_load", "dropped_routes")
 """metrics.csv's columns after dspipe.planner.throughput.STEP_COLUMNS for a mixture-of-experts model: the mean
-load-balancing loss over its sparse blocks (before aux_loss_coef; `loss` is the LM loss), and the step's load
-imbalance (the busiest expert's tokens over the mean, worst sparse block, all ranks; 1 is balanced)."""
+load-balancing loss over its sparse blocks (before aux_loss_coef; `loss` is the LM loss), the step's load
+imbalance (the busiest expert's tokens over the mean, worst sparse block, all ranks; 1 is balanced), and the routes
+its capacity dropped in the step (all ranks; 0 when dropless)."""
 
 
 def device_peak_tflops(*, precision: str) -> tuple[str, float | None]:

@@ -64,6 +64,24 @@ def group():
     ds_comm.cdb = None
 
 
+def native_gpt(s, *, reentrant=None):
+    """GPT(s) with every sparse block on DeepSpeed's MoE layer (ep 1, the one-rank group), recomputing each block
+    in its backward (reentrant or not) unless `reentrant` is None."""
+    from torch.utils.checkpoint import checkpoint
+
+    from dspipe.model.gpt import GPT
+    from dspipe.runtime.moe import install
+
+    model = GPT(s, seed=3)
+    install(model, spec=s, ep=1, ep_rank=0)
+    for b in model.h:
+        if b.sparse:
+            b.mlp.moe.set_deepspeed_parallelism()
+    if reentrant is not None:
+        model.block_checkpoint = lambda fn, *args: checkpoint(fn, *args, use_reentrant=reentrant)
+    return model
+
+
 def native(sparse, s):
     from dspipe.runtime.moe import NativeMoE
 
@@ -224,18 +242,10 @@ def test_expert_loads_count_each_micro_batch_once_and_the_bias_moves_by_the_rule
     """Two training micro-batches, with full recomputation (reentrant or not) or without: each sparse block counts
     every token's k routes once (no recomputation counted twice), eval forwards count nothing, the imbalance is the
     busiest expert over the mean, and the update moves each expert's bias by rate x sign(mean load - its load)."""
-    from torch.utils.checkpoint import checkpoint
-
-    from dspipe.model.gpt import GPT
-    from dspipe.runtime.moe import install, load_ratio, step_loads, update_router_bias
+    from dspipe.runtime.moe import load_ratio, step_loads, update_router_bias
 
     s = spec(layers=2, experts_per_token=2, router_score="sigmoid", router_bias_rate=0.1)
-    model = GPT(s, seed=3)
-    install(model, spec=s, ep=1, ep_rank=0)
-    for b in model.h:
-        b.mlp.moe.set_deepspeed_parallelism()
-    if reentrant is not None:
-        model.block_checkpoint = lambda fn, *args: checkpoint(fn, *args, use_reentrant=reentrant)
+    model = native_gpt(s, reentrant=reentrant)
     gen = torch.Generator().manual_seed(5)
     batches = [
         (torch.randint(0, s.vocab, (2, 16), generator=gen), torch.randint(0, s.vocab, (2, 16), generator=gen))
@@ -283,8 +293,7 @@ def test_a_pipeline_stage_gives_its_aux_losses_the_plain_models_gradient(group, 
     recomputation (reentrant or not) or without; each micro-batch's loads and aux loss are counted once."""
     from torch.utils.checkpoint import checkpoint
 
-    from dspipe.model.gpt import GPT
-    from dspipe.runtime.moe import install, set_aux_scale, step_loads, take_aux_total, wire_stage
+    from dspipe.runtime.moe import set_aux_scale, step_loads, take_aux_total, wire_stage
 
     s = spec(layers=3, experts_per_token=2, aux_loss_coef=0.5)
     gen = torch.Generator().manual_seed(5)
@@ -293,20 +302,12 @@ def test_a_pipeline_stage_gives_its_aux_losses_the_plain_models_gradient(group, 
         for _ in range(2)
     ]
 
-    def built():
-        model = GPT(s, seed=3)
-        install(model, spec=s, ep=1, ep_rank=0)
-        for b in model.h:
-            if b.sparse:
-                b.mlp.moe.set_deepspeed_parallelism()
-        return model
-
-    plain = built()
+    plain = native_gpt(s)
     auxes = []
     for idx, labels in batches:
         (plain(idx, labels) / 2).backward()
         auxes.append(float(plain.last_aux_loss))
-    stage = built()
+    stage = native_gpt(s)
     blocks = [b for b in stage.h if b.sparse]
     wire_stage(blocks)
     set_aux_scale(stage, spec=s, grad_accum=2)
@@ -332,22 +333,14 @@ def test_dropped_routes_are_counted_once_and_none_when_dropless(group, reentrant
     """step_counts: the routes a capacity dropped in the step's training forwards (DeepSpeed's gate marks them
     expert -1), each micro-batch once whatever the recomputation, none in eval; dropless (no capacity_factor) drops
     none. The count restarts."""
-    from torch.utils.checkpoint import checkpoint
-
-    from dspipe.model.gpt import GPT
-    from dspipe.runtime.moe import install, step_counts
+    from dspipe.runtime.moe import step_counts
 
     gen = torch.Generator().manual_seed(5)
     batch = (torch.randint(0, 64, (2, 16), generator=gen), torch.randint(0, 64, (2, 16), generator=gen))
     dropped = {}
     for cf in (None, 0.5):
         s = spec(layers=2, experts_per_token=2, capacity_factor=cf)
-        model = GPT(s, seed=3)
-        install(model, spec=s, ep=1, ep_rank=0)
-        for b in model.h:
-            b.mlp.moe.set_deepspeed_parallelism()
-        if reentrant is not None:
-            model.block_checkpoint = lambda fn, *args: checkpoint(fn, *args, use_reentrant=reentrant)
+        model = native_gpt(s, reentrant=reentrant)
         model.eval()
         with torch.no_grad():
             model(*batch)

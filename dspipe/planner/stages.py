@@ -166,10 +166,15 @@ def stage_params(*, model: ModelSpec, pp: int, partition_method: str, tp: int = 
             - expert_params_off_rank(model, ep),
         )
     bounds = stage_bounds(model, pp, partition_method, tp)
-    local = stage_layer_weights(model, tp)
-    experts = stage_expert_weights(model, ep=1)
-    off = [e - share(e, ep) for e in experts]  # a stage's sparse blocks keep experts / ep of their routed experts
-    return tuple(sum(local[a:b]) - sum(off[a:b]) for a, b in pairwise(bounds))
+    held = [w - off for w, off in zip(stage_layer_weights(model, tp), _experts_off_rank(model, ep), strict=True)]
+    return tuple(sum(held[a:b]) for a, b in pairwise(bounds))
+
+
+def _experts_off_rank(model: ModelSpec, ep: int) -> list[int]:
+    """Routed-expert parameters of each PipelineModule layer that a rank does not hold: (ep - 1) / ep of a sparse
+    block's (stage_layer_weights' order)."""
+    pairs = zip(stage_expert_weights(model, ep=1), stage_expert_weights(model, ep=ep), strict=True)
+    return [whole - held for whole, held in pairs]
 
 
 def stage_expert_weights(model: ModelSpec, *, ep: int) -> list[int]:
@@ -201,9 +206,8 @@ def stage_elements(model: ModelSpec, pp: int, partition_method: str, tp: int = 1
     if pp == 1:
         return (model.num_params,)
     bounds = stage_bounds(model, pp, partition_method, tp)
-    whole = stage_layer_weights(model)
-    off = [e - share(e, ep) for e in stage_expert_weights(model, ep=1)]
-    return tuple(sum(whole[a:b]) - sum(off[a:b]) for a, b in pairwise(bounds))
+    drawn = [w - off for w, off in zip(stage_layer_weights(model), _experts_off_rank(model, ep), strict=True)]
+    return tuple(sum(drawn[a:b]) for a, b in pairwise(bounds))
 
 
 def expert_params_off_rank(model: ModelSpec, ep: int) -> int:

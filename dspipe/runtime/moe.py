@@ -9,7 +9,7 @@ weight with their graph, so the router's gradient is the plain model's too. Deep
 tokens: its gating function is handed logits on which exactly the model's experts rank (NativeMoE._gate_routes),
 and the weights its combine applies are replaced by the model's (a forward hook on the gate; DeepSpeed's own always
 renormalise for k >= 2 and never for k = 1). The load-balancing loss is the model's (dspipe.model.gpt.balance_loss),
-kept as `.aux` for GPT.forward; DeepSpeed's l_aux is not used. After each step: step_loads, load_ratio and
+kept as `.aux` for GPT.forward; DeepSpeed's l_aux is not used. After each step: step_counts, load_ratio and
 update_router_bias. A pipeline stage has no GPT.forward: its sparse blocks tie their losses into the backward
 themselves (wire_stage, Megatron-LM's MoEAuxLossAutoScaler idea) and record them for the report (take_aux_total).
 
@@ -158,7 +158,7 @@ def sparse_blocks(module: nn.Module) -> list[Block]:
 def install(module: nn.Module, *, spec, ep: int, ep_rank: int) -> int:
     """Replace the mlp of every sparse block the module holds (a plain GPT, or a pipeline stage) by a NativeMoE;
     returns how many. Each keeps its block's place among the model's sparse blocks (`sparse_index`: its row of
-    step_loads). A pipeline stage's blocks hand their load-balancing loss to the backward themselves (wire_stage)."""
+    step_counts). A pipeline stage's blocks hand their load-balancing loss to the backward themselves (wire_stage)."""
     blocks = sparse_blocks(module)
     for block in blocks:
         block.mlp = NativeMoE(block.mlp, spec=spec, ep=ep, ep_rank=ep_rank)
@@ -269,11 +269,6 @@ def step_counts(module: nn.Module, *, spec, device) -> tuple[torch.Tensor, int]:
     return table[:, : spec.experts], int(table[:, spec.experts].sum())
 
 
-def step_loads(module: nn.Module, *, spec, device) -> torch.Tensor:
-    """step_counts' expert loads."""
-    return step_counts(module, spec=spec, device=device)[0]
-
-
 def _routers(module: nn.Module) -> list[tuple[int, RouterState]]:
     """(row among the model's sparse blocks, router) of each sparse block the module holds: a pipeline stage's
     rows are its blocks' sparse_index (install), a whole model's their order."""
@@ -289,7 +284,7 @@ def load_ratio(loads: torch.Tensor) -> float:
 
 
 def update_router_bias(module: nn.Module, *, loads: torch.Tensor, rate: float) -> None:
-    """DeepSeek-V3's auxiliary-loss-free balancing, after each optimizer step, from the step's `loads` (step_loads):
+    """DeepSeek-V3's auxiliary-loss-free balancing, after each optimizer step, from the step's `loads` (step_counts):
     every expert's selection bias += rate x sign(mean tokens - its tokens) (up for an expert below the mean, down
     above it). The same on every rank: the loads are summed over all of them."""
     step = rate * torch.sign(loads.double().mean(dim=1, keepdim=True) - loads.double()).float()

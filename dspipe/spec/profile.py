@@ -197,21 +197,17 @@ def profile_from_dict(data: object, *, where: str) -> Profile:
     return Profile(**values)
 
 
-def _positive(value: object) -> bool:
-    return _in_range(value, zero=False)
-
-
-def _in_range(value: object, *, zero: bool) -> bool:
-    """A number in FIGURE_RANGE (or 0, with `zero`)."""
+def _in_range(value: object, *, zero: bool = False, bounds: tuple[float, float] = FIGURE_RANGE) -> bool:
+    """A number in `bounds` (or 0, with `zero`)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         return False
-    return (zero and value == 0) or FIGURE_RANGE[0] <= value <= FIGURE_RANGE[1]
+    return (zero and value == 0) or bounds[0] <= value <= bounds[1]
 
 
 def _jit_figure(value: object, *, where: str) -> tuple[tuple[str, float], ...]:
     """figures.jit_build_s: an object of op name -> seconds > 0."""
     if not isinstance(value, dict) or not all(
-        isinstance(k, str) and 0 < len(k) <= 60 and _positive(v) for k, v in value.items()
+        isinstance(k, str) and 0 < len(k) <= 60 and _in_range(v) for k, v in value.items()
     ):
         raise SpecError(f"{where}: figures.jit_build_s must be an object of op name -> seconds > 0, got {value!r}")
     return tuple((k, float(v)) for k, v in value.items())
@@ -222,8 +218,7 @@ def _run_fields(data: dict[str, Any], *, where: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     corrections = data.get("corrections", {})
     if not isinstance(corrections, dict) or not all(
-        k in CORRECTION_TERMS and _positive(v) and CORRECTION_RANGE[0] <= v <= CORRECTION_RANGE[1]
-        for k, v in corrections.items()
+        k in CORRECTION_TERMS and _in_range(v, bounds=CORRECTION_RANGE) for k, v in corrections.items()
     ):
         raise SpecError(
             f"{where}: corrections must be an object of {', '.join(CORRECTION_TERMS)} -> a number in "

@@ -242,7 +242,7 @@ def test_expert_loads_count_each_micro_batch_once_and_the_bias_moves_by_the_rule
     """Two training micro-batches, with full recomputation (reentrant or not) or without: each sparse block counts
     every token's k routes once (no recomputation counted twice), eval forwards count nothing, the imbalance is the
     busiest expert over the mean, and the update moves each expert's bias by rate x sign(mean load - its load)."""
-    from dspipe.runtime.moe import load_ratio, step_loads, update_router_bias
+    from dspipe.runtime.moe import load_ratio, step_counts, update_router_bias
 
     s = spec(layers=2, experts_per_token=2, router_score="sigmoid", router_bias_rate=0.1)
     model = native_gpt(s, reentrant=reentrant)
@@ -257,8 +257,10 @@ def test_expert_loads_count_each_micro_batch_once_and_the_bias_moves_by_the_rule
     model.train()
     for idx, labels in batches:
         model(idx, labels).backward()
-    loads = step_loads(model, spec=s, device="cpu")
-    assert loads.shape == (2, s.experts) and loads.sum(dim=1).tolist() == [2 * 2 * 16 * 2] * 2  # micro x tokens x k
+    loads, dropped = step_counts(model, spec=s, device="cpu")
+    assert (
+        dropped == 0 and loads.shape == (2, s.experts) and loads.sum(dim=1).tolist() == [2 * 2 * 16 * 2] * 2
+    )  # micro x tokens x k
     assert load_ratio(loads) == max(float(r.max()) / float(r.double().mean()) for r in loads) and load_ratio(loads) > 1
     assert load_ratio(torch.full((2, 4), 8)) == 1.0
     update_router_bias(model, loads=loads, rate=0.1)
@@ -266,7 +268,7 @@ def test_expert_loads_count_each_micro_batch_once_and_the_bias_moves_by_the_rule
         want = 0.1 * torch.sign(r.double().mean() - r.double()).float()
         assert torch.equal(b.mlp.router_bias, want) and want.abs().sum() > 0
         assert b.mlp.router_bias.dtype == torch.float32
-    assert int(step_loads(model, spec=s, device="cpu").sum()) == 0  # restarted
+    assert int(step_counts(model, spec=s, device="cpu")[0].sum()) == 0  # restarted
 
 
 def test_router_bias_stays_fp32_and_is_in_the_state():
@@ -293,7 +295,7 @@ def test_a_pipeline_stage_gives_its_aux_losses_the_plain_models_gradient(group, 
     recomputation (reentrant or not) or without; each micro-batch's loads and aux loss are counted once."""
     from torch.utils.checkpoint import checkpoint
 
-    from dspipe.runtime.moe import set_aux_scale, step_loads, take_aux_total, wire_stage
+    from dspipe.runtime.moe import set_aux_scale, step_counts, take_aux_total, wire_stage
 
     s = spec(layers=3, experts_per_token=2, aux_loss_coef=0.5)
     gen = torch.Generator().manual_seed(5)
@@ -321,7 +323,7 @@ def test_a_pipeline_stage_gives_its_aux_losses_the_plain_models_gradient(group, 
         assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-7), name
     router = stage.h[s.sparse_layers[0]].mlp.gate_weight.grad
     assert router is not None and router.abs().max() > 0
-    loads = step_loads(stage, spec=s, device="cpu")
+    loads, _ = step_counts(stage, spec=s, device="cpu")
     assert loads.sum(dim=1).tolist() == [2 * 2 * 16 * 2] * len(s.sparse_layers)  # micro x tokens x k, once each
     total = float(take_aux_total(stage, device="cpu"))
     assert total == pytest.approx(sum(auxes) * len(s.sparse_layers), rel=1e-6)  # the sum over blocks and micro-batches

@@ -34,6 +34,7 @@ from dspipe.runtime.ckpt_tags import (
 )
 from dspipe.runtime.ckptfiles import check_checkpoint
 from dspipe.runtime.faults import NO_FAULTS, Faults
+from dspipe.runtime.moe_reshard import engine_ep
 from dspipe.runtime.reshard import load_resharded, pipeline_names
 from dspipe.runtime.rng import restore_rng, rng_state
 from dspipe.runtime.safeload import weights_only_loads
@@ -248,16 +249,17 @@ def raise_if_failed(failures: WriteFailures, *, ckpt_dir: Path, partial: Path, t
 
 def load(engine, path: Path, loader) -> CheckpointMeta:
     """Collective: DeepSpeed state, data position and this rank's RNG from a complete checkpoint; returns meta.
-    Under another layout (dp, tp, pp) ZeRO-1/2/3 state is loaded through a universal checkpoint
-    (dspipe.runtime.reshard).
+    Under another layout (dp, tp, pp, ep) ZeRO-1/2/3 state is loaded through a universal checkpoint
+    (dspipe.runtime.reshard; a mixture of experts' by dspipe.runtime.moe_reshard).
     Its files were checked by resume_point (dspipe.runtime.ckptfiles); every torch.load here is weights-only."""
     import torch.distributed as dist
 
     path = Path(path)
     meta = read_meta(path)
     now = engine_layout(engine)
+    ep = engine_ep(engine)
     with weights_only_loads():  # DeepSpeed's own torch.load calls (weights_only=False) run weights-only too
-        if meta.layout != now and engine.zero_optimization():
+        if (meta.layout != now or meta.ep != ep) and engine.zero_optimization():
             rename = None
             if (meta.pp > 1) != (now[2] > 1):  # a pipeline <-> the plain model: other parameter names
                 rename = pipeline_names(meta.spec, to_pipeline=now[2] > 1)
@@ -265,8 +267,10 @@ def load(engine, path: Path, loader) -> CheckpointMeta:
                 engine,
                 path,
                 saved=layout_text(meta.dims),
-                now=layout_text(dict(zip((Axis.DP, Axis.TP, Axis.PP), now, strict=True))),
+                now=layout_text({**dict(zip((Axis.DP, Axis.TP, Axis.PP), now, strict=True)), Axis.EP: ep}),
                 rename=rename,
+                experts=meta.spec.experts,
+                saved_ep=meta.ep,
             )
         elif bf16_optimizer_without_zero(engine):
             load_path = load_bf16_without_zero(engine, path)

@@ -13,7 +13,7 @@ from dspipe.jsonio import read_object, show
 from dspipe.rundir import SPEC_FILE
 from dspipe.runtime.ckpt_tags import META_FILE, write_atomic
 from dspipe.runtime.experts import expert_parallel
-from dspipe.runtime.reshard import MOE_RESHARD, layout_change_refusal
+from dspipe.runtime.reshard import layout_change_refusal
 from dspipe.spec.core import from_dict
 from dspipe.spec.kinds import Axis
 from dspipe.spec.model import ModelSpec
@@ -132,8 +132,8 @@ class CheckpointMeta:
 
     @property
     def dims(self) -> dict:
-        """{dp, tp, pp, sp}: its layout for layout_text."""
-        return {Axis.DP: self.dp, Axis.TP: self.tp, Axis.PP: self.pp, Axis.SP: self.sp}
+        """{dp, tp, pp, sp, ep}: its layout for layout_text."""
+        return {Axis.DP: self.dp, Axis.TP: self.tp, Axis.PP: self.pp, Axis.SP: self.sp, Axis.EP: self.ep}
 
     @property
     def spec(self) -> ModelSpec:
@@ -289,11 +289,6 @@ def check_compatible(meta: CheckpointMeta, run, path: Path) -> None:
             f"{run.plan.zero_stage}; resume with the same zero_stage"
         )
     ep = expert_parallel(run) if run.model.experts else 1
-    if ep != meta.ep and run.model.experts:
-        raise SpecError(
-            f"checkpoint {path} was saved with ep {meta.ep}, this run has ep {ep}: {MOE_RESHARD}; "
-            f"resume with ep {meta.ep}"
-        )
     plan = run.plan
     why = layout_change_refusal(
         meta=meta,
@@ -302,12 +297,13 @@ def check_compatible(meta: CheckpointMeta, run, path: Path) -> None:
         tp=plan.tp,
         pp=plan.pp,
         sp=plan.sp,
+        ep=ep,
         offload=plan.offload,
         path=path,
     )
     if why:
         saved_layout = layout_text(meta.dims)
-        now_layout = layout_text({Axis.DP: plan.dp, Axis.TP: plan.tp, Axis.PP: plan.pp, Axis.SP: plan.sp})
+        now_layout = layout_text({Axis.DP: plan.dp, Axis.TP: plan.tp, Axis.PP: plan.pp, Axis.SP: plan.sp, Axis.EP: ep})
         raise SpecError(
             f"checkpoint {path} was saved with {saved_layout}, this run has {now_layout}: {why}; resume "
             f"with {saved_layout} (world size "
@@ -316,9 +312,9 @@ def check_compatible(meta: CheckpointMeta, run, path: Path) -> None:
 
 
 def layout_text(layout: dict) -> str:
-    """'dp 2' or 'dp 1 x tp 2 x pp 2': the data-parallel size and every other dimension that is not 1 (tp/sp
-    absent: 1, checkpoints from before tensor/sequence parallelism)."""
-    axes = (Axis.TP, Axis.PP, Axis.SP)
+    """'dp 2' or 'dp 1 x tp 2 x pp 2': the data-parallel size and every other dimension that is not 1 (tp/sp/ep
+    absent: 1, checkpoints from before tensor/sequence/expert parallelism)."""
+    axes = (Axis.TP, Axis.PP, Axis.SP, Axis.EP)
     parts = [f"dp {layout[Axis.DP]}"] + [f"{k} {layout.get(k, 1)}" for k in axes if layout.get(k, 1) > 1]
     return " x ".join(parts)
 

@@ -22,39 +22,52 @@ from dspipe.runtime.writefail import WriteFailures
 from dspipe.spec.kinds import Offload
 
 UNIVERSAL_PREFIX = ".universal-"  # a resharding copy of a checkpoint, deleted once loaded
-MOE_RESHARD = (
-    "DeepSpeed's native MoE checkpoint cannot be re-partitioned (its expert files are per expert-parallel "
-    "rank and ds_to_universal cannot convert them)"
-)
 
 
 def layout_change_refusal(
-    *, meta, zero_stage: int, dp: int, tp: int = 1, pp: int = 1, sp: int = 1, offload: str, path: Path
+    *,
+    meta,
+    zero_stage: int,
+    dp: int,
+    tp: int = 1,
+    pp: int = 1,
+    sp: int = 1,
+    ep: int | None = None,
+    offload: str,
+    path: Path,
 ) -> str | None:
-    """Why this checkpoint cannot be resumed at (dp, tp, pp, sp) (None: it can; the saved layout always can).
-    A changed dp alone at ZeRO-0 loads as is (the state is whole); any other change goes through a universal
-    checkpoint (load_resharded; a pipeline <-> the plain model with its parameters renamed), measured to continue
-    the run (fp32: the next losses equal to 1.2e-7) for dp, tp (1 <-> 2, GPT-2 and Llama/GQA/untied) and pp
-    (1 <-> 2) changes, alone and together. Refused, because DeepSpeed 0.19.8 cannot do it: ZeRO-0 at another tp or
-    pp (no optimizer partitions to convert), DeepSpeed's native MoE, NVMe-offloaded optimizer state, a vocabulary
-    that does not divide by tp > 1 (its universal load pads every rank's rows to rows x tp: the last rank's
-    assertion fails), a tp- or pipeline-sharded checkpoint saved without the module's universal_checkpoint_info;
-    because dspipe has not verified it: sequence-parallel checkpoints, pipeline depths beyond 2 (a change between
-    pp 2 and pp 3 or 4). `meta`: the checkpoint's dspipe.runtime.ckpt_meta.CheckpointMeta (not imported here: it
-    imports this module)."""
-    saved = (meta.dp, meta.tp, meta.pp, meta.sp)
-    if saved == (dp, tp, pp, sp):
+    """Why this checkpoint cannot be resumed at (dp, tp, pp, sp, ep) (None: it can; the saved layout always can;
+    ep None: the checkpoint's). A changed dp alone at ZeRO-0 loads as is (the state is whole); any other change goes
+    through a universal checkpoint (load_resharded; a pipeline <-> the plain model with its parameters renamed; a
+    mixture of experts converted by dspipe.runtime.moe_reshard), measured to continue the run (fp32: the next
+    losses equal to 1.2e-7) for dp, tp (1 <-> 2, GPT-2 and Llama/GQA/untied) and pp (1 <-> 2) changes, alone and
+    together, and for a mixture of experts' dp and ep changes at pp 1 (ZeRO-1/2, fp32: the next losses bitwise
+    those of the run that went on at the saved layout, 1.1e-7 relative at dp 1; bf16: as close as a fresh run at
+    the new layout comes). Refused, because DeepSpeed 0.19.8 cannot do it: ZeRO-0
+    at another tp, pp or ep (no optimizer partitions to convert), NVMe-offloaded optimizer state, a vocabulary that
+    does not divide by tp > 1 (its universal load pads every rank's rows to rows x tp: the last rank's assertion
+    fails), a tp- or pipeline-sharded checkpoint saved without the module's universal_checkpoint_info; because
+    dspipe has not verified it: sequence-parallel checkpoints, pipeline depths beyond 2 (a change between pp 2 and
+    pp 3 or 4), a mixture of experts in pipeline stages at another layout. `meta`: the checkpoint's
+    dspipe.runtime.ckpt_meta.CheckpointMeta (not imported here: it imports this module)."""
+    saved_ep = getattr(meta, "ep", 1) or 1
+    ep = saved_ep if ep is None else ep
+    saved = (meta.dp, meta.tp, meta.pp, meta.sp, saved_ep)
+    if saved == (dp, tp, pp, sp, ep):
         return None
     model = meta.model or {}
     if zero_stage == 0:
-        if saved[1:] == (tp, pp, sp):
+        if saved[1:] == (tp, pp, sp, ep):
             return None
         return (
             "ZeRO-0 keeps no optimizer partitions (*_optim_states.pt), which DeepSpeed's universal checkpoint "
-            "conversion needs to re-cut tensor-parallel shards or pipeline stages"
+            "conversion needs to re-cut tensor-parallel shards, pipeline stages or expert-parallel ranks"
         )
-    if model.get("experts"):
-        return MOE_RESHARD
+    if model.get("experts") and max(saved[2], pp) > 1:
+        return (
+            "re-partitioning a mixture of experts is verified by dspipe at pp 1 only (each stage's expert files "
+            "and optimizer groups are its own)"
+        )
     if offload == Offload.NVME or (Path(path) / "offloaded_tensors").is_dir():
         return "DeepSpeed restores NVMe-offloaded optimizer state only onto the ranks that saved it"
     if saved[3] > 1 or sp > 1:
@@ -99,8 +112,8 @@ def universal_checkpoint_info(spec) -> dict:
     dspipe's tensor-parallel layout (dspipe.model.tp_split), for the model's module attribute
     `universal_checkpoint_info` (DeepSpeed saves it into every mp_rank_*_model_states.pt). Pure data, for the plain
     GPT and its PipelineModule alike (the patterns match both naming schemes); only patterns that match a parameter
-    of `spec` (ds_to_universal's strict mode refuses unused ones). A mixture-of-experts model gets {} (its
-    conversion is refused: MOE_RESHARD).
+    of `spec` (ds_to_universal's strict mode refuses unused ones). A mixture-of-experts model gets {} (tp is 1 there;
+    dspipe.runtime.moe_reshard converts it without DeepSpeed's converter).
 
     replicated          wpe, every norm, q/k norms, the row-parallel biases: equal on every tp rank, kept whole
     row parallelism     attn.c_proj.weight, mlp.c_proj.weight: concatenated along dim 1, cut along dim 1
@@ -163,21 +176,32 @@ def to_universal(src: Path, out: Path) -> None:
         ds_to_universal.main(args)
 
 
-def load_resharded(engine, path: Path, *, saved: str, now: str, rename=None):
+def load_resharded(engine, path: Path, *, saved: str, now: str, rename=None, experts: int = 0, saved_ep: int = 1):
     """Collective: rank 0 converts `path` to .universal-TAG/TAG next to it, every rank loads that with
     DeepSpeed's load_universal (its optimizer cuts the whole fp32 weights and Adam moments to this rank's tp shard
     and re-partitions them for this dp), then the copy is deleted. `saved`, `now`: the layouts, for messages;
     `rename`: a function of a parameter name, when this run names its parameters otherwise than the checkpoint
-    (a pipeline <-> the plain model: pipeline_names). Returns DeepSpeed's load path."""
+    (a pipeline <-> the plain model: pipeline_names); `experts`, `saved_ep`: a mixture of experts' routed experts
+    per block and the ep it was saved with (dspipe.runtime.moe_reshard converts it). Returns DeepSpeed's load
+    path."""
+    import functools
+
     import torch.distributed as dist
 
+    from dspipe.runtime import moe_reshard
+
     path = Path(path)
+    convert, names = to_universal, contextlib.nullcontext()
+    if experts:
+        ep_now = moe_reshard.engine_ep(engine)
+        convert = functools.partial(moe_reshard.to_universal, experts=experts, ep=saved_ep, ep_now=ep_now)
+        names = moe_reshard.global_expert_names(engine, experts=experts)
     root = path.parent / (UNIVERSAL_PREFIX + path.name)
     failures = WriteFailures()
     if dist.get_rank() == 0:
         shutil.rmtree(root, ignore_errors=True)
         try:
-            to_universal(path, root / path.name)
+            convert(path, root / path.name)
             if rename is not None:
                 rename_parameters(root / path.name / "zero", rename)
         except Exception as e:  # any failure: agreed on below, then one SpecError on every rank
@@ -194,9 +218,12 @@ def load_resharded(engine, path: Path, *, saved: str, now: str, rename=None):
     before = config.load_universal_checkpoint
     config.load_universal_checkpoint = True
     try:
-        load_path, _ = engine.load_checkpoint(str(root), tag=path.name)
+        with names:
+            load_path, _ = engine.load_checkpoint(str(root), tag=path.name)
     finally:
         config.load_universal_checkpoint = before
+    if experts:
+        moe_reshard.restore_buffers(engine, path)
     if engine.zero_optimization_stage() == 3:
         restore_group_hyperparameters(engine.optimizer, saved_groups=saved_param_groups(root / path.name))
     dist.barrier()

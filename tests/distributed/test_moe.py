@@ -1,6 +1,6 @@
-"""Mixtures of experts on real CPU ranks (2 ranks but two launches of 4, fp32, dropout 0), nine launches in all: a
-tiny random MixtralForCausalLM (4 experts, top 2) and Qwen3MoeForCausalLM (4 experts, top 2, norm_topk_prob off)
-written by save_pretrained with the corpus's tokenizer, trained with `--init-from` on DeepSpeed's native MoE
+"""Mixtures of experts on real CPU ranks (2 ranks but three launches of 4, fp32, dropout 0), eleven launches in
+all: a tiny random MixtralForCausalLM (4 experts, top 2) and Qwen3MoeForCausalLM (4 experts, top 2, norm_topk_prob
+off) written by save_pretrained with the corpus's tokenizer, trained with `--init-from` on DeepSpeed's native MoE
 layer; and a DeepSeek-V3-routed model from dspipe's own draws (sigmoid scores, routed scale 2.5, 2 expert groups of
 which a token uses 1, aux-loss-free bias balancing) at ep 2 and ep 1.
 
@@ -9,16 +9,19 @@ which a token uses 1, aux-loss-free bias balancing) at ep 2 and ep 1.
                              checkpoint holds DeepSpeed's expert files; export-hf computes dspipe's logits
     Mixtral ep 1, ZeRO-1     the same global batches: every step's loss within 1e-5 of ep 2's, aux_loss and
                              expert_load logged, dropped_routes 0 (dropless)
+    Mixtral dp 4 x ep 2      ep 2's step-3 checkpoint resumed on 4 ranks (each expert's ZeRO-2 state now cut over 2
+                             ranks): steps 4-6 within 1e-6 of ep 2's
     Mixtral pp 2 x ep 2      4 ranks (pp 2 x dp 2), ZeRO-1, full recomputation: killed and resumed bitwise;
                              loss, aux loss, grad norm within 1e-5 of ep 1's, the same expert loads; exports
     Qwen3-MoE ep 2, ZeRO-2   lr 1e-12: step 1's LM loss is transformers', export-hf computes transformers' logits
     sigmoid ep 2 / ep 1      step 1's LM loss is the plain model's; every step's loss within 1e-5 of each other;
-                             ep 1 (ZeRO-0) resumed at dp 1 from its step-3 checkpoint: steps 4-6 bitwise; the
-                             selection biases after step 6 and every step's expert_load equal in all three
+                             ep 1 (ZeRO-0) resumed at dp 1 from its step-3 checkpoint: steps 4-6 bitwise; ep 2
+                             (ZeRO-2) resumed at ep 1 from its step-3 checkpoint: steps 4-6 within 1e-6; the
+                             selection biases after step 6 and every step's expert_load equal in all four
 
-A resume at another ep, or at another dp under ZeRO-1/2, is refused by name (checked in this process, no launch).
-Each launch's start-up (engine.json) records what each rank built: at ep 2 the dense parameters and its own experts,
-the planner's count."""
+A resume at another ep or dp goes through dspipe's own universal conversion of the native MoE checkpoint
+(dspipe.runtime.moe_reshard). Each launch's start-up (engine.json) records what each rank built: at ep 2 the dense
+parameters and its own experts, the planner's count."""
 
 import math
 
@@ -26,7 +29,6 @@ import pytest
 import torch
 
 from dspipe.errors import SpecError
-from dspipe.runtime import checkpoint as ckpt
 from dspipe.runtime import ckpt_meta, ckpt_tags
 from tests.helpers import OFFLINE, csv_rows, gen_config, launch, offline_here, ok, save_hf_checkpoint, written_metrics
 
@@ -172,7 +174,6 @@ def start_from_hf(tmp_path, family: str, corpus, monkeypatch):
 
 
 def test_mixtral_expert_parallel_equals_ep1_resumes_exactly_and_exports(tmp_path, corpus, monkeypatch):
-    from dspipe.rundir import load_run
 
     hf_dir, hf, expected = start_from_hf(tmp_path, "mixtral", corpus, monkeypatch)
     assert abs(expected - math.log(VOCAB)) > 0.3, expected
@@ -224,22 +225,31 @@ def test_mixtral_expert_parallel_equals_ep1_resumes_exactly_and_exports(tmp_path
 
     _pipeline_of_experts(tmp_path, corpus, hf_dir, train=train, reference=rows1)
 
-    # a resume at another ep or dp: refused by name before anything is built
-    other = {"ep1-zero2": (2, "1"), "dp4-zero2": (4, "2")}  # the same ZeRO stage: (gpus, ep)
-    for name, (gpus, ep) in other.items():
-        configure(tmp_path / name, corpus, hf_dir, *train, "--zero", "2", "--ep", ep, gpus=gpus)
-    with pytest.raises(
-        SpecError,
-        match=r"saved with ep 2, this run has ep 1: DeepSpeed's native MoE checkpoint "
-        r"cannot be re-partitioned .*; resume with ep 2$",
-    ):
-        ckpt.resume_point(load_run(tmp_path / "ep1-zero2"), str(last))
-    with pytest.raises(
-        SpecError,
-        match=r"saved with dp 2, this run has dp 4: DeepSpeed's native MoE checkpoint "
-        r"cannot be re-partitioned .*; resume with dp 2 \(world size 2\)$",
-    ):
-        ckpt.resume_point(load_run(tmp_path / "dp4-zero2"), str(last))
+    _resumed_at_dp4(tmp_path, corpus, hf_dir, train=train, source=ep2, reference=rows2[3:])
+
+
+def _resumed_at_dp4(tmp_path, corpus, hf_dir, *, train: list, source, reference: list) -> None:
+    """ep 2's step-3 checkpoint (ZeRO-2, dp 2: each rank its 2 experts whole) resumed on 4 ranks at dp 4 x ep 2
+    (each expert's state cut over 2 expert-data-parallel ranks) through dspipe's universal conversion
+    (dspipe.runtime.moe_reshard): steps 4-6 those of the run that went on at dp 2 (`reference`); the conversion's
+    copy is gone afterwards."""
+    import shutil
+
+    run = tmp_path / "dp4-zero2"
+    configure(run, corpus, hf_dir, *train, "--zero", "2", "--ep", "2", gpus=4)
+    shutil.copytree(source / "checkpoints", run / "checkpoints", ignore=shutil.ignore_patterns("global_step6"))
+    (run / "checkpoints" / "latest").write_text("global_step3")
+    r = launch(run, "--resume", "auto", num_gpus=4)
+    ok(r)
+    assert "at step 3" in r.stderr
+    rows = csv_rows(run / "metrics.csv")
+    diffs = {
+        key: max(abs(float(a[key]) - float(b[key])) / abs(float(b[key])) for a, b in zip(rows, reference, strict=True))
+        for key in ("loss", "aux_loss", "grad_norm")
+    }
+    print(f"mixtral ep 2 (dp 2) -> dp 4 x ep 2 at step 3: relative differences in steps 4-6 {diffs}")
+    assert [row["step"] for row in rows] == ["4", "5", "6"] and max(diffs.values()) < 1e-6, diffs
+    assert not [p.name for p in (run / "checkpoints").iterdir() if p.name.startswith(".universal-")]
 
 
 def _pipeline_of_experts(tmp_path, corpus, hf_dir, *, train: list, reference: list) -> None:
@@ -342,10 +352,11 @@ def test_sigmoid_routing_expert_parallel_equals_ep1_and_the_plain_model(tmp_path
         "3",
     ]
     rows = {}
-    for name, gpus, flags in (
-        ("ep2", 2, ("--zero", "2", "--ep", "2")),
-        ("ep1", 2, ("--zero", "0", "--ep", "1")),
-        ("dp1", 1, ("--zero", "0", "--ep", "1")),
+    for name, gpus, flags, source in (
+        ("ep2", 2, ("--zero", "2", "--ep", "2"), None),
+        ("ep1", 2, ("--zero", "0", "--ep", "1"), None),
+        ("dp1", 1, ("--zero", "0", "--ep", "1"), "ep1"),  # the ep 1 run's step-3 checkpoint resumed by one rank
+        ("ep2-ep1", 2, ("--zero", "2", "--ep", "1"), "ep2"),  # ep 2's resumed at ep 1 (dspipe.runtime.moe_reshard)
     ):
         r = gen_config(
             *model,
@@ -379,29 +390,32 @@ def test_sigmoid_routing_expert_parallel_equals_ep1_and_the_plain_model(tmp_path
             *flags,
         )
         assert r.returncode == 0, r.stderr
-        if name == "dp1":  # the ep 1 run's checkpoint at step 3, resumed by one rank
+        if source:  # its step-3 checkpoint resumed at this layout
             shutil.copytree(
-                tmp_path / "ep1" / "checkpoints",
+                tmp_path / source / "checkpoints",
                 tmp_path / name / "checkpoints",
                 ignore=shutil.ignore_patterns("global_step6"),
             )
             (tmp_path / name / "checkpoints" / "latest").write_text("global_step3")
-            r = launch(tmp_path / name, "--resume", "auto", num_gpus=1)
+            r = launch(tmp_path / name, "--resume", "auto", num_gpus=gpus)
             ok(r)
             assert "at step 3" in r.stderr  # "resumed from ... at step 3": the dspipe logger's (stderr)
         else:
             ok(launch(tmp_path / name))
         rows[name] = csv_rows(tmp_path / name / "metrics.csv")
     assert [row["loss"] for row in rows["dp1"]] == [row["loss"] for row in rows["ep1"][3:]]  # steps 4-6, bitwise
+    moved = [abs(float(a["loss"]) - float(b["loss"])) for a, b in zip(rows["ep2-ep1"], rows["ep2"][3:], strict=True)]
+    print(f"sigmoid ep 2 -> ep 1 at step 3: loss differences in steps 4-6 {moved}")
+    assert len(moved) == 3 and max(moved) < 1e-6  # the selection biases came back too (restore_buffers)
     run = load_run(tmp_path / "ep2")
     assert (run.model.router_score, run.model.router_scale, run.plan.ep) == ("sigmoid", 2.5, 2)
     from dspipe.tools.consolidate import load_gpt
 
     biases = {}  # the selection biases after 6 steps: moved by 0.01 steps, the same whichever ranks held the experts
-    for name in ("ep2", "ep1", "dp1"):
+    for name in ("ep2", "ep1", "dp1", "ep2-ep1"):
         tag = ckpt_tags.complete_checkpoints(tmp_path / name / "checkpoints")[-1][1]
         biases[name] = torch.stack([b.mlp.router_bias for b in load_gpt(tag, meta=ckpt_meta.read_meta(tag)).h])
-    assert torch.equal(biases["ep2"], biases["ep1"]) and torch.equal(biases["ep1"], biases["dp1"])
+    assert all(torch.equal(biases["ep2"], b) for b in biases.values())
     assert biases["ep2"].abs().max() > 0.005 and biases["ep2"].abs().max() <= 0.06 + 1e-6  # at most 6 x 0.01
     # a bias of the wrong shape (or none) in a checkpoint: one line before anything loads, not DeepSpeed's traceback
     from dspipe.runtime.ckptfiles import check_checkpoint
@@ -433,5 +447,5 @@ def test_sigmoid_routing_expert_parallel_equals_ep1_and_the_plain_model(tmp_path
     assert losses["ep2"][-1] < losses["ep2"][0] - 0.05  # it trained
     assert all(float(row["aux_loss"]) > 0 for row in rows["ep2"])
     loads = {name: [float(row["expert_load"]) for row in r] for name, r in rows.items()}
-    assert loads["ep2"] == loads["ep1"] and loads["dp1"] == loads["ep1"][3:]  # every rank's tokens counted
+    assert loads["ep2"] == loads["ep1"] and loads["dp1"] == loads["ep1"][3:] == loads["ep2-ep1"]  # every rank's
     assert all(1 <= x <= EXPERTS / 2 for x in loads["ep2"])

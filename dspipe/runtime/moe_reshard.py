@@ -1,4 +1,4 @@
-"""Resuming a mixture of experts (DeepSpeed's native MoE layer, ZeRO-1/2) at another dp or another ep.
+"""Resuming a mixture of experts (DeepSpeed's native MoE layer, ZeRO-1/2) at another dp, ep or pipeline depth.
 
 DeepSpeed 0.19.8's ds_to_universal merges each parameter's ZeRO fragments by name over the data-parallel ranks. A
 native MoE layer names a rank's experts by their local index: at 4 experts and ep 2, `deepspeed_experts.0` is
@@ -8,16 +8,18 @@ dspipe writes the universal checkpoint of a mixture of experts itself (to_univer
   every parameter whole   its fp32 master weights, exp_avg and exp_avg_sq put together from the fragments
                           (param_slice_mappings) of the ranks that partition it, in their order: a dense group's
                           over the dp ranks, an expert group's over its expert-data-parallel ranks (the dp ranks
-                          with the same ep rank: dp index mod ep, deepspeed.utils.groups' layout)
+                          with the same ep rank: dp index mod ep, deepspeed.utils.groups' layout); each
+                          pipeline stage's from its own files (a tied embedding from the first stage)
   experts                 under their global index (ep rank x experts / ep + local index)
   zero/optimizer_state.pt the optimizer's global state and hyper-parameters (ds_to_universal's), the expert groups
                           named for the ep of the run that loads it
-  mp_rank_00_model_states the engine's own state (step, scheduler), copied
+  mp_rank_SS_model_states the engine's own state (step, scheduler), copied
 
 and the load (global_expert_names) lets each rank's optimizer look its local experts up under their global names,
-so that DeepSpeed's load_universal cuts every rank its own experts' weights and moments for the new dp and ep.
-A universal load restores parameters only: the selection biases of auxiliary-loss-free routing (buffers) are put
-back from the saved module (restore_buffers). Measured: dspipe.runtime.reshard.layout_change_refusal's docstring."""
+so that DeepSpeed's load_universal cuts every rank its own experts' weights and moments for the new dp and ep (at
+another pipeline depth dspipe.runtime.reshard renames the parameters first, as for a dense model). A universal load
+restores parameters only: the selection biases of auxiliary-loss-free routing (buffers) are put back from the saved
+module (restore_buffers). Measured: docs/howto/moe.md, dspipe.runtime.reshard.layout_change_refusal."""
 
 from __future__ import annotations
 
@@ -40,42 +42,68 @@ def global_expert_name(name: str, *, ep_rank: int, local: int) -> str:
     return EXPERT_INDEX.sub(lambda m: f"{m[1]}{ep_rank * local + int(m[2])}{m[3]}", name, count=1)
 
 
-def _optim_files(src: Path) -> list[Path]:
-    """The checkpoint's ZeRO-1/2 optimizer files in dp order (one model-parallel rank: pp 1, tp 1)."""
+def _optim_files(src: Path) -> list[list[Path]]:
+    """The checkpoint's ZeRO-1/2 optimizer files: per pipeline stage (model-parallel rank: tp is 1 under MoE),
+    its dp ranks' in dp order."""
     found = {}
     for f in Path(src).iterdir():
         m = _OPTIM_FILE.match(f.name)
         if m:
-            found[(int(m[2]), int(m[1]))] = f
-    mp_ranks = {mp for mp, _ in found}
-    if mp_ranks != {0}:
-        raise SpecError(f"{src}: optimizer files for model-parallel ranks {sorted(mp_ranks)}, expected rank 0 only")
-    dp = len(found)
-    if sorted(d for _, d in found) != list(range(dp)):
-        raise SpecError(f"{src}: optimizer files for dp ranks {sorted(d for _, d in found)}, expected 0..{dp - 1}")
-    return [found[(0, d)] for d in range(dp)]
+            found.setdefault(int(m[2]), {})[int(m[1])] = f
+    stages = sorted(found)
+    if not stages or stages != list(range(len(stages))):
+        raise SpecError(f"{src}: optimizer files for model-parallel ranks {stages}, expected 0..{len(stages) - 1}")
+    dp = len(found[0])
+    for stage in stages:
+        if sorted(found[stage]) != list(range(dp)):
+            raise SpecError(
+                f"{src}: optimizer files for dp ranks {sorted(found[stage])} of model-parallel rank {stage}, "
+                f"expected 0..{dp - 1}"
+            )
+    return [[found[stage][d] for d in range(dp)] for stage in stages]
 
 
 def to_universal(src: Path, out: Path, *, experts: int, ep: int, ep_now: int) -> None:
     """Write the universal checkpoint of the native-MoE ZeRO-1/2 checkpoint `src` (saved at `ep`) to `out`: see the
-    module's docstring; `ep_now`, the ep of the run that will load it. Reads each rank's file memory-mapped and
-    holds one parameter's states at a time."""
+    module's docstring; `ep_now`, the ep of the run that will load it. Each pipeline stage's parameters from its own
+    files (names are unique over the stages; a tied embedding is taken from the first stage that holds it). Reads
+    each rank's file memory-mapped and holds one parameter's states at a time."""
     import torch
-    from deepspeed.checkpoint.constants import PARAM
 
     from dspipe.runtime.safeload import load
 
     src, out = Path(src), Path(out)
-    files = _optim_files(src)
-    dp = len(files)
-    if dp % ep:
-        raise SpecError(f"{src}: dp {dp} (its optimizer files) is not divisible by ep {ep}")
-    shapes = {}
-    for group in load(src / "mp_rank_00_model_states.pt", mmap=True)["param_shapes"]:
-        shapes.update(group)
-    ranks = [load(f, mmap=True)["optimizer_state_dict"] for f in files]
-    local = experts // ep
-    where: dict[str, list] = {}  # global name -> [(dp rank, group, fragment address)], in dp order
+    zero = out / "zero"
+    written: set[str] = set()
+    for stage, files in enumerate(_optim_files(src)):
+        dp = len(files)
+        if dp % ep:
+            raise SpecError(f"{src}: dp {dp} (its optimizer files) is not divisible by ep {ep}")
+        shapes = {}
+        for group in load(src / f"mp_rank_{stage:02d}_model_states.pt", mmap=True)["param_shapes"]:
+            shapes.update(group)
+        ranks = [load(f, mmap=True)["optimizer_state_dict"] for f in files]
+        where = _fragments(ranks, files=files, ep=ep, local=experts // ep)
+        for key, pieces in where.items():
+            if key not in written:
+                _write_parameter(zero / key, pieces=pieces, ranks=ranks, shape=shapes.get(pieces[0][2]), src=src)
+                written.add(key)
+        if stage == 0:
+            first = ranks[0]
+            saved = {k: v for k, v in first.items() if k not in _SHARDED}
+            saved["param_groups"] = [
+                {**group, "name": f"ep_size_{ep_now}"} if group.get("moe") else dict(group)
+                for group in first["base_optimizer_state"]["param_groups"]
+            ]
+            torch.save(saved, zero / "optimizer_state.pt")
+    for f in src.glob("mp_rank_*_model_states.pt"):  # what the engine reads besides zero/: step, scheduler, ...
+        shutil.copy2(f, out / f.name)
+
+
+def _fragments(ranks: list[dict], *, files: list[Path], ep: int, local: int) -> dict[str, list]:
+    """{global name: [(dp rank, group, the rank's name, fragment address)] in dp order} over one stage's ranks."""
+    dp = len(ranks)
+    where: dict[str, list] = {}
     for d, osd in enumerate(ranks):
         groups = osd["base_optimizer_state"]["param_groups"]
         for g, mapping in enumerate(osd["param_slice_mappings"]):
@@ -88,33 +116,28 @@ def to_universal(src: Path, out: Path, *, experts: int, ep: int, ep_now: int) ->
             for name, fragment in mapping.items():
                 key = global_expert_name(name, ep_rank=d % ep, local=local) if moe else name
                 where.setdefault(key, []).append((d, g, name, fragment))
-    zero = out / "zero"
-    for key, pieces in where.items():
-        shape = shapes.get(pieces[0][2])
-        numel = sum(f.numel for *_, f in pieces)
-        if shape is None or numel != torch.Size(shape).numel():
-            raise SpecError(
-                f"{src}: the fragments of {key} hold {numel} values, its shape {tuple(shape or ())} has "
-                f"{torch.Size(shape or ()).numel()}"
-            )
-        folder = zero / key
-        folder.mkdir(parents=True, exist_ok=True)
-        for state in STATES:
-            flat = [_flat(ranks[d], g, state).narrow(0, f.start, f.numel) for d, g, _, f in pieces]
-            torch.save({PARAM: torch.cat(flat).view(shape).clone()}, folder / f"{state}.pt")
-        d, g, *_ = pieces[0]
-        step = ranks[d]["base_optimizer_state"]["state"][g].get("step")
-        if step is not None:
-            torch.save(step, folder / "step.pt")
-    first = ranks[0]
-    saved = {k: v for k, v in first.items() if k not in _SHARDED}
-    saved["param_groups"] = [
-        {**group, "name": f"ep_size_{ep_now}"} if group.get("moe") else dict(group)
-        for group in first["base_optimizer_state"]["param_groups"]
-    ]
-    torch.save(saved, zero / "optimizer_state.pt")
-    for f in src.glob("mp_rank_*_model_states.pt"):  # what the engine reads besides zero/: step, scheduler, ...
-        shutil.copy2(f, out / f.name)
+    return where
+
+
+def _write_parameter(folder: Path, *, pieces: list, ranks: list[dict], shape, src: Path) -> None:
+    """One parameter's fp32 weights, exp_avg, exp_avg_sq (whole, in its shape) and step into `folder`."""
+    import torch
+    from deepspeed.checkpoint.constants import PARAM
+
+    numel = sum(f.numel for *_, f in pieces)
+    if shape is None or numel != torch.Size(shape).numel():
+        raise SpecError(
+            f"{src}: the fragments of {folder.name} hold {numel} values, its shape {tuple(shape or ())} has "
+            f"{torch.Size(shape or ()).numel()}"
+        )
+    folder.mkdir(parents=True, exist_ok=True)
+    for state in STATES:
+        flat = [_flat(ranks[d], g, state).narrow(0, f.start, f.numel) for d, g, _, f in pieces]
+        torch.save({PARAM: torch.cat(flat).view(shape).clone()}, folder / f"{state}.pt")
+    d, g, *_ = pieces[0]
+    step = ranks[d]["base_optimizer_state"]["state"][g].get("step")
+    if step is not None:
+        torch.save(step, folder / "step.pt")
 
 
 def _flat(osd: dict, group: int, state: str):
@@ -153,19 +176,22 @@ def global_expert_names(engine, *, experts: int):
         optimizer.param_names = before
 
 
-def restore_buffers(engine, path: Path) -> list[str]:
-    """Copy the module's persistent buffers (routers' selection biases) from checkpoint `path`'s model states
-    (mp_rank_00_model_states.pt) into the live module; returns their names. A universal load restores parameters
-    only."""
+def restore_buffers(engine, path: Path, *, rename=None) -> list[str]:
+    """Copy the module's persistent buffers (routers' selection biases) from checkpoint `path`'s model states (every
+    stage's mp_rank_SS_model_states.pt; `rename`: saved name -> this run's, at another pipeline depth) into the live
+    module; returns their names. A universal load restores parameters only."""
     import torch
 
     from dspipe.runtime.safeload import load
 
-    saved = load(Path(path) / "mp_rank_00_model_states.pt", mmap=True).get("module") or {}
+    saved = {}
+    for f in sorted(Path(path).glob("mp_rank_*_model_states.pt")):
+        for name, value in (load(f, mmap=True).get("module") or {}).items():
+            saved[rename(name) if rename else name] = value
     names = []
     with torch.no_grad():
         for name, buffer in engine.module.named_buffers():
-            if name in saved and buffer is not None:
+            if name in saved:
                 buffer.copy_(saved[name].to(buffer.device, buffer.dtype))
                 names.append(name)
     return names

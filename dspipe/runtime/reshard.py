@@ -36,20 +36,19 @@ def layout_change_refusal(
     offload: str,
     path: Path,
 ) -> str | None:
-    """Why this checkpoint cannot be resumed at (dp, tp, pp, sp, ep) (None: it can; the saved layout always can;
-    ep None: the checkpoint's). A changed dp alone at ZeRO-0 loads as is (the state is whole); any other change goes
+    """Why this checkpoint cannot be resumed at (dp, tp, pp, sp, ep) (None: it can; the saved layout always can; ep
+    None: the checkpoint's). A changed dp alone at ZeRO-0 loads as is (the state is whole); any other change goes
     through a universal checkpoint (load_resharded; a pipeline <-> the plain model with its parameters renamed; a
-    mixture of experts converted by dspipe.runtime.moe_reshard), measured to continue the run (fp32: the next
-    losses equal to 1.2e-7) for dp, tp (1 <-> 2, GPT-2 and Llama/GQA/untied) and pp (1 <-> 2) changes, alone and
-    together, and for a mixture of experts' dp and ep changes at pp 1 (ZeRO-1/2, fp32: the next losses bitwise
-    those of the run that went on at the saved layout, 1.1e-7 relative at dp 1; bf16: as close as a fresh run at
-    the new layout comes). Refused, because DeepSpeed 0.19.8 cannot do it: ZeRO-0
-    at another tp, pp or ep (no optimizer partitions to convert), NVMe-offloaded optimizer state, a vocabulary that
-    does not divide by tp > 1 (its universal load pads every rank's rows to rows x tp: the last rank's assertion
-    fails), a tp- or pipeline-sharded checkpoint saved without the module's universal_checkpoint_info; because
-    dspipe has not verified it: sequence-parallel checkpoints, pipeline depths beyond 2 (a change between pp 2 and
-    pp 3 or 4), a mixture of experts in pipeline stages at another layout. `meta`: the checkpoint's
-    dspipe.runtime.ckpt_meta.CheckpointMeta (not imported here: it imports this module)."""
+    mixture of experts converted by dspipe.runtime.moe_reshard), measured to continue the run (fp32: the next losses
+    equal to 1.2e-7) for dp, tp (1 <-> 2, GPT-2 and Llama/GQA/untied) and pp (1 <-> 2) changes, alone and together,
+    and for a mixture of experts' dp, ep and pp (1 <-> 2) changes (ZeRO-1/2, fp32: the next losses bitwise those of
+    the run that went on at the saved layout, 1.1e-7 relative at dp 1; bf16: as close as a fresh run at the new
+    layout comes). Refused, because DeepSpeed 0.19.8 cannot do it: ZeRO-0 at another tp, pp or ep (no optimizer
+    partitions to convert), NVMe-offloaded optimizer state, a vocabulary that does not divide by tp > 1 (its
+    universal load pads every rank's rows to rows x tp: the last rank's assertion fails), a tp- or pipeline-sharded
+    checkpoint saved without the module's universal_checkpoint_info; because dspipe has not verified it:
+    sequence-parallel checkpoints, pipeline depths beyond 2 (a change between pp 2 and pp 3 or 4). `meta`: the
+    checkpoint's dspipe.runtime.ckpt_meta.CheckpointMeta (not imported here: it imports this module)."""
     saved_ep = getattr(meta, "ep", 1) or 1
     ep = saved_ep if ep is None else ep
     saved = (meta.dp, meta.tp, meta.pp, meta.sp, saved_ep)
@@ -62,11 +61,6 @@ def layout_change_refusal(
         return (
             "ZeRO-0 keeps no optimizer partitions (*_optim_states.pt), which DeepSpeed's universal checkpoint "
             "conversion needs to re-cut tensor-parallel shards, pipeline stages or expert-parallel ranks"
-        )
-    if model.get("experts") and max(saved[2], pp) > 1:
-        return (
-            "re-partitioning a mixture of experts is verified by dspipe at pp 1 only (each stage's expert files "
-            "and optimizer groups are its own)"
         )
     if offload == Offload.NVME or (Path(path) / "offloaded_tensors").is_dir():
         return "DeepSpeed restores NVMe-offloaded optimizer state only onto the ranks that saved it"
@@ -88,7 +82,7 @@ def layout_change_refusal(
             f"DeepSpeed 0.19.8's universal load pads each rank's vocabulary rows to rows x tp and cannot give "
             f"the last rank fewer"
         )
-    if max(saved[1], saved[2], tp, pp) > 1 and not saved_universal_info(path):
+    if max(saved[1], saved[2], tp, pp) > 1 and not model.get("experts") and not saved_universal_info(path):
         return (
             "the checkpoint was saved without universal_checkpoint_info (by a dspipe before tensor-parallel "
             "resharding), which DeepSpeed's universal conversion needs to merge tp shards and pipeline stages"
@@ -223,7 +217,7 @@ def load_resharded(engine, path: Path, *, saved: str, now: str, rename=None, exp
     finally:
         config.load_universal_checkpoint = before
     if experts:
-        moe_reshard.restore_buffers(engine, path)
+        moe_reshard.restore_buffers(engine, path, rename=rename)
     if engine.zero_optimization_stage() == 3:
         restore_group_hyperparameters(engine.optimizer, saved_groups=saved_param_groups(root / path.name))
     dist.barrier()

@@ -1,4 +1,4 @@
-"""Mixtures of experts on real CPU ranks (2 ranks but three launches of 4, fp32, dropout 0), eleven launches in
+"""Mixtures of experts on real CPU ranks (2 ranks but three launches of 4, fp32, dropout 0), twelve launches in
 all: a tiny random MixtralForCausalLM (4 experts, top 2) and Qwen3MoeForCausalLM (4 experts, top 2, norm_topk_prob
 off) written by save_pretrained with the corpus's tokenizer, trained with `--init-from` on DeepSpeed's native MoE
 layer; and a DeepSeek-V3-routed model from dspipe's own draws (sigmoid scores, routed scale 2.5, 2 expert groups of
@@ -12,7 +12,8 @@ which a token uses 1, aux-loss-free bias balancing) at ep 2 and ep 1.
     Mixtral dp 4 x ep 2      ep 2's step-3 checkpoint resumed on 4 ranks (each expert's ZeRO-2 state now cut over 2
                              ranks): steps 4-6 within 1e-6 of ep 2's
     Mixtral pp 2 x ep 2      4 ranks (pp 2 x dp 2), ZeRO-1, full recomputation: killed and resumed bitwise;
-                             loss, aux loss, grad norm within 1e-5 of ep 1's, the same expert loads; exports
+                             loss, aux loss, grad norm within 1e-5 of ep 1's, the same expert loads; exports; its
+                             step-3 checkpoint resumed as the plain model at ep 1 on 2 ranks: steps 4-6 within 1e-6
     Qwen3-MoE ep 2, ZeRO-2   lr 1e-12: step 1's LM loss is transformers', export-hf computes transformers' logits
     sigmoid ep 2 / ep 1      step 1's LM loss is the plain model's; every step's loss within 1e-5 of each other;
                              ep 1 (ZeRO-0) resumed at dp 1 from its step-3 checkpoint: steps 4-6 bitwise; ep 2
@@ -225,21 +226,33 @@ def test_mixtral_expert_parallel_equals_ep1_resumes_exactly_and_exports(tmp_path
 
     _pipeline_of_experts(tmp_path, corpus, hf_dir, train=train, reference=rows1)
 
-    _resumed_at_dp4(tmp_path, corpus, hf_dir, train=train, source=ep2, reference=rows2[3:])
+    # ep 2's step-3 checkpoint (ZeRO-2, dp 2: each rank its 2 experts whole) resumed on 4 ranks at dp 4 x ep 2, each
+    # expert's state now cut over 2 expert-data-parallel ranks
+    _resumed_elsewhere(
+        tmp_path / "dp4-ep2",
+        corpus,
+        hf_dir,
+        "--zero",
+        "2",
+        "--ep",
+        "2",
+        gpus=4,
+        train=train,
+        source=ep2,
+        reference=rows2[3:],
+    )
 
 
-def _resumed_at_dp4(tmp_path, corpus, hf_dir, *, train: list, source, reference: list) -> None:
-    """ep 2's step-3 checkpoint (ZeRO-2, dp 2: each rank its 2 experts whole) resumed on 4 ranks at dp 4 x ep 2
-    (each expert's state cut over 2 expert-data-parallel ranks) through dspipe's universal conversion
-    (dspipe.runtime.moe_reshard): steps 4-6 those of the run that went on at dp 2 (`reference`); the conversion's
-    copy is gone afterwards."""
+def _resumed_elsewhere(run, corpus, hf_dir, *flags, gpus: int, train: list, source, reference: list) -> None:
+    """`source`'s step-3 checkpoint resumed in `run` on `gpus` ranks at the layout `flags` give, through
+    dspipe's universal conversion (dspipe.runtime.moe_reshard): steps 4-6 those of the run that went on
+    (`reference`: loss, aux loss, grad norm within 1e-6); the conversion's copy is gone afterwards."""
     import shutil
 
-    run = tmp_path / "dp4-zero2"
-    configure(run, corpus, hf_dir, *train, "--zero", "2", "--ep", "2", gpus=4)
+    configure(run, corpus, hf_dir, *train, *flags, gpus=gpus)
     shutil.copytree(source / "checkpoints", run / "checkpoints", ignore=shutil.ignore_patterns("global_step6"))
     (run / "checkpoints" / "latest").write_text("global_step3")
-    r = launch(run, "--resume", "auto", num_gpus=4)
+    r = launch(run, "--resume", "auto", num_gpus=gpus)
     ok(r)
     assert "at step 3" in r.stderr
     rows = csv_rows(run / "metrics.csv")
@@ -247,7 +260,7 @@ def _resumed_at_dp4(tmp_path, corpus, hf_dir, *, train: list, source, reference:
         key: max(abs(float(a[key]) - float(b[key])) / abs(float(b[key])) for a, b in zip(rows, reference, strict=True))
         for key in ("loss", "aux_loss", "grad_norm")
     }
-    print(f"mixtral ep 2 (dp 2) -> dp 4 x ep 2 at step 3: relative differences in steps 4-6 {diffs}")
+    print(f"mixtral {source.name} -> {run.name} at step 3: relative differences in steps 4-6 {diffs}")
     assert [row["step"] for row in rows] == ["4", "5", "6"] and max(diffs.values()) < 1e-6, diffs
     assert not [p.name for p in (run / "checkpoints").iterdir() if p.name.startswith(".universal-")]
 
@@ -283,6 +296,21 @@ def _pipeline_of_experts(tmp_path, corpus, hf_dir, *, train: list, reference: li
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
     cls, logits, ours = exported_logits(run, tmp_path / "export-pp2", ids)
     assert cls == "MixtralForCausalLM" and (logits - ours).abs().max().item() < LOGITS_TOL
+    # its step-3 checkpoint resumed as the plain model on 2 ranks at ep 1 (dspipe.runtime.moe_reshard, the
+    # parameters renamed): steps 4-6 those of the pipeline that went on
+    _resumed_elsewhere(
+        tmp_path / "pp1-ep1",
+        corpus,
+        hf_dir,
+        "--zero",
+        "1",
+        "--ep",
+        "1",
+        gpus=2,
+        train=train,
+        source=run,
+        reference=rows[3:],
+    )
 
 
 def test_qwen3_moe_expert_parallel_starts_from_transformers_and_exports_its_logits(tmp_path, corpus, monkeypatch):

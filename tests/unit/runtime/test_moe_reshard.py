@@ -46,28 +46,29 @@ def partitions(params: list[tuple[str, torch.Tensor]], count: int):
     return pieces
 
 
-def write_checkpoint(path, *, dp: int, ep: int, experts: int, drop=None):
-    """A synthetic dp x ep checkpoint: dense parameters a (3 x 5) and b (7), experts of w (5) and v (2 x 2), each
-    state a distinct tensor; returns {global name: {state: full tensor}}. `drop`: (rank, name) whose fragment is
-    left out of the rank's mapping."""
-    path.mkdir(parents=True)
+def write_checkpoint(path, *, dp: int, ep: int, experts: int, drop=None, stage=0, dense_names=("a", "b")):
+    """A synthetic dp x ep checkpoint (of pipeline stage `stage`: its experts are named STAGE.x...): dense
+    parameters `dense_names` (3 x 5 and 7), experts of w (5) and v (2 x 2), each state a distinct tensor; returns
+    {global name: {state: full tensor}}. `drop`: (rank, name) whose fragment is left out of the rank's mapping."""
+    path.mkdir(parents=True, exist_ok=True)
     local = experts // ep
-    gen = torch.Generator().manual_seed(0)
-    shapes = {"a": (3, 5), "b": (7,), "w": (5,), "v": (2, 2)}
+    gen = torch.Generator().manual_seed(stage)
+    x = f"{stage}.x" if stage else "x"
+    shapes = {dense_names[0]: (3, 5), dense_names[1]: (7,), "w": (5,), "v": (2, 2)}
     full = {}
     for state in STATES:
-        for name in ("a", "b"):
+        for name in dense_names:
             full.setdefault(name, {})[state] = torch.randn(shapes[name], generator=gen)
         for e in range(experts):
             for p in ("w", "v"):
-                full.setdefault(f"x.deepspeed_experts.{e}.{p}", {})[state] = torch.randn(shapes[p], generator=gen)
-    dense = {s: partitions([(n, full[n][s]) for n in ("a", "b")], dp) for s in STATES}
+                full.setdefault(f"{x}.deepspeed_experts.{e}.{p}", {})[state] = torch.randn(shapes[p], generator=gen)
+    dense = {s: partitions([(n, full[n][s]) for n in dense_names], dp) for s in STATES}
     ranks = []
     for d in range(dp):
         ep_rank, edp = d % ep, d // ep
-        held = [(f"x.deepspeed_experts.{i}.{p}", ep_rank * local + i) for i in range(local) for p in ("w", "v")]
+        held = [(f"{x}.deepspeed_experts.{i}.{p}", ep_rank * local + i) for i in range(local) for p in ("w", "v")]
         cut = {
-            s: partitions([(n, full[f"x.deepspeed_experts.{g}.{n.rsplit('.', 1)[1]}"][s]) for n, g in held], dp // ep)
+            s: partitions([(n, full[f"{x}.deepspeed_experts.{g}.{n.rsplit('.', 1)[1]}"][s]) for n, g in held], dp // ep)
             for s in STATES
         }
         groups = [dense, cut]
@@ -96,15 +97,15 @@ def write_checkpoint(path, *, dp: int, ep: int, experts: int, drop=None):
                 "param_slice_mappings": mappings,
             }
         }
-        torch.save(osd, path / f"zero_pp_rank_{d}_mp_rank_00_optim_states.pt")
+        torch.save(osd, path / f"zero_pp_rank_{d}_mp_rank_{stage:02d}_optim_states.pt")
         ranks.append(osd)
     local_shapes = OrderedDict((n, torch.Size(shapes[n.rsplit(".", 1)[1]])) for n, _ in held)
     model = {
-        "module": {"a": full["a"]["fp32"], "router_bias": torch.arange(4.0)},
-        "param_shapes": [OrderedDict(a=torch.Size((3, 5)), b=torch.Size((7,))), local_shapes],
+        "module": {f"{x}.router_bias": torch.arange(4.0) + stage},
+        "param_shapes": [OrderedDict((n, torch.Size(shapes[n])) for n in dense_names), local_shapes],
         "global_steps": 3,
     }
-    torch.save(model, path / "mp_rank_00_model_states.pt")
+    torch.save(model, path / f"mp_rank_{stage:02d}_model_states.pt")
     return full
 
 
@@ -125,13 +126,32 @@ def test_every_parameter_whole_and_every_expert_under_its_global_index(tmp_path,
     assert torch.load(out / "mp_rank_00_model_states.pt")["global_steps"] == 3  # the engine's own state, copied
 
 
+def test_pipeline_stages_each_from_their_own_files_and_the_tied_embedding_from_the_first(tmp_path):
+    tied = "tied_modules.embed.wte.weight"
+    first = write_checkpoint(tmp_path / "src", dp=4, ep=2, experts=4, stage=0, dense_names=(tied, "1.b"))
+    last = write_checkpoint(tmp_path / "src", dp=4, ep=2, experts=4, stage=1, dense_names=(tied, "3.c"))
+    assert not torch.equal(first[tied]["fp32"], last[tied]["fp32"])  # the stages' copies differ here
+    out = tmp_path / "out"
+    moe_reshard.to_universal(tmp_path / "src", out, experts=4, ep=2, ep_now=4)
+    expected = {**last, **first}  # the tied embedding: the first stage's
+    assert sorted(p.name for p in (out / "zero").iterdir() if p.is_dir()) == sorted(expected)
+    for name, states in expected.items():
+        for state, tensor in states.items():
+            assert torch.equal(torch.load(out / "zero" / name / f"{state}.pt")[PARAM], tensor), (name, state)
+    assert sorted(p.name for p in out.glob("mp_rank_*")) == [f"mp_rank_0{s}_model_states.pt" for s in (0, 1)]
+    assert torch.load(out / "zero" / "optimizer_state.pt")["param_groups"][1]["name"] == "ep_size_4"
+    (tmp_path / "src" / "zero_pp_rank_3_mp_rank_01_optim_states.pt").unlink()
+    with pytest.raises(SpecError, match=r"for dp ranks \[0, 1, 2\] of model-parallel rank 1, expected 0\.\.3$"):
+        moe_reshard.to_universal(tmp_path / "src", tmp_path / "o", experts=4, ep=2, ep_now=1)
+
+
 def test_damaged_checkpoints_are_refused_in_one_line(tmp_path):
     write_checkpoint(tmp_path / "gap", dp=4, ep=2, experts=4, drop=(1, "a"))
     with pytest.raises(SpecError, match=r"the fragments of a hold 9 values, its shape \(3, 5\) has 15$"):
         moe_reshard.to_universal(tmp_path / "gap", tmp_path / "o1", experts=4, ep=2, ep_now=1)
     write_checkpoint(tmp_path / "missing", dp=4, ep=2, experts=4)
     (tmp_path / "missing" / "zero_pp_rank_2_mp_rank_00_optim_states.pt").unlink()
-    with pytest.raises(SpecError, match=r"optimizer files for dp ranks \[0, 1, 3\], expected 0\.\.2$"):
+    with pytest.raises(SpecError, match=r"for dp ranks \[0, 1, 3\] of model-parallel rank 0, expected 0\.\.2$"):
         moe_reshard.to_universal(tmp_path / "missing", tmp_path / "o2", experts=4, ep=2, ep_now=1)
     write_checkpoint(tmp_path / "ep", dp=4, ep=2, experts=4)
     with pytest.raises(SpecError, match=r"expert group 1 is partitioned over 2 ranks, expected dp 4 / ep 4 = 1$"):
@@ -143,10 +163,25 @@ def test_damaged_checkpoints_are_refused_in_one_line(tmp_path):
 def test_restore_buffers_puts_the_saved_selection_biases_back(tmp_path):
     from types import SimpleNamespace
 
-    write_checkpoint(tmp_path / "src", dp=2, ep=2, experts=4)
-    module = torch.nn.Module()
-    module.register_buffer("router_bias", torch.zeros(4))
-    module.register_buffer("cache", torch.ones(2), persistent=False)  # not saved: left alone
-    names = moe_reshard.restore_buffers(SimpleNamespace(module=module), tmp_path / "src")
-    assert names == ["router_bias"]
-    assert torch.equal(module.router_bias, torch.arange(4.0)) and torch.equal(module.cache, torch.ones(2))
+    for stage in (0, 1):  # their biases x.router_bias and 1.x.router_bias, each in its stage's file
+        write_checkpoint(tmp_path / "src", dp=2, ep=2, experts=4, stage=stage)
+
+    def holder():
+        m = torch.nn.Module()
+        m.register_buffer("router_bias", torch.zeros(4))
+        m.register_buffer("cache", torch.ones(2), persistent=False)  # not saved: left alone
+        return m
+
+    live = torch.nn.ModuleDict({"x": holder(), "1": torch.nn.ModuleDict({"x": holder()})})
+    assert moe_reshard.restore_buffers(SimpleNamespace(module=live), tmp_path / "src") == [
+        "x.router_bias",
+        "1.x.router_bias",
+    ]
+    assert torch.equal(live["x"].router_bias, torch.arange(4.0))
+    assert torch.equal(live["1"]["x"].router_bias, torch.arange(4.0) + 1)
+    assert torch.equal(live["x"].cache, torch.ones(2))
+    other = torch.nn.ModuleDict({"y": holder()})  # at another pipeline depth: the saved names renamed
+    renamed = moe_reshard.restore_buffers(
+        SimpleNamespace(module=other), tmp_path / "src", rename=lambda n: n.replace("1.x.", "y.")
+    )
+    assert renamed == ["y.router_bias"] and torch.equal(other["y"].router_bias, torch.arange(4.0) + 1)

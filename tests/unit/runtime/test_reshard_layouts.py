@@ -233,11 +233,12 @@ def test_layout_change_refusals(tmp_path):
     )
     assert "sequence-parallel" in refusal(meta=dict(tp=1, sp=2), tp=1, sp=1)
     moe = dict(model={**tiny, "experts": 4}, tp=1, pp=1, dp=2, ep=2)
-    assert "mixture of experts is verified by dspipe at pp 1 only" in refusal(meta=dict(model=moe["model"]), tp=1)
+    assert refusal(meta=dict(model=moe["model"]), tp=1) is None  # pp 2 x tp 2 -> pp 2, no universal info needed
     assert refusal(meta=moe, tp=1, pp=1, dp=2) is None  # ep None: the saved ep
     assert refusal(meta=moe, tp=1, pp=1, dp=2, ep=1) is None  # ep 2 -> 1: dspipe.runtime.moe_reshard
     assert refusal(meta=moe, tp=1, pp=1, dp=4, ep=2) is None  # dp 2 -> 4 at ep 2
-    assert "at pp 1 only" in refusal(meta=moe, tp=1, pp=2, dp=1, ep=1)
+    assert refusal(meta=moe, tp=1, pp=2, dp=1, ep=1) is None  # pp 1 -> 2
+    assert "between pp 1 and pp 2 only (pp 1 -> pp 4)" in refusal(meta=moe, tp=1, pp=4, dp=1, ep=1)
     zero0 = refusal(meta=moe, zero_stage=0, tp=1, pp=1, dp=2, ep=1)
     assert zero0.startswith("ZeRO-0 keeps no optimizer partitions") and zero0.endswith("or expert-parallel ranks")
     assert refusal(meta=moe, zero_stage=0, tp=1, pp=1, dp=4, ep=2) is None  # ZeRO-0 at another dp: whole state

@@ -201,6 +201,8 @@ CONFIGS = {  # name: (model, options); every layout pinned (the planner would pi
     "moe-zero2-ep2-fp32": ("moe-35M", ["--zero", "2", *FP32, "--ep", "2"]),
     # each pipeline stage its own sparse blocks (the BF16_Optimizer of a bf16 pipeline, its expert groups)
     "moe-pp2-zero1": ("moe-35M", ["--zero", "1", *BF16, "--pp", "2", "--ep", "1"]),
+    # ZeRO-3: the model's own SparseMLP, every expert partitioned over dp like a dense module
+    "moe-zero3-ep1": ("moe-35M", ["--zero", "3", *BF16, "--ep", "1"]),
 }
 MOE_ROWS = [name for name in CONFIGS if name.startswith("moe-")]
 """Rows that need the runtime's mixture-of-experts support (dspipe.runtime.moe); left out where it is missing."""

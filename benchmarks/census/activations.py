@@ -312,7 +312,9 @@ def compare(
     stage: int = 0,
     partition_method: str = "parameters",
 ) -> Comparison:
-    """Census of the real model (or pipeline stage) and the planner's figures for it, with PyTorch's CPU kernels."""
+    """Census of the real model (or pipeline stage) and the planner's figures for it, with PyTorch's CPU kernels. A
+    mixture of experts runs the model's own SparseMLP here (no engine), as under ZeRO-3: the planner's figures for
+    it are native_moe=False's; its blocks are averaged (predicted and measured alike)."""
     from dspipe.planner.memory import activation_bytes_per_layer, logits_bytes, micro_batch_activations
     from dspipe.planner.stages import stage_blocks, stage_bounds
     from dspipe.spec.dtypes import dtype_bytes
@@ -339,6 +341,8 @@ def compare(
     if blocks != len(census.blocks):
         raise RuntimeError(f"stage {stage}: planner counts {blocks} blocks, the module holds {len(census.blocks)}")
     last = stage == pp - 1
+    first_block = sum(stage_blocks(model=model, pp=pp, partition_method=partition_method)[:stage])
+    sparse = sum(1 for j in model.sparse_layers if first_block <= j < first_block + blocks)
     held, working = micro_batch_activations(
         model=model,
         micro_batch=micro_batch,
@@ -348,14 +352,27 @@ def compare(
         first=stage == 0,
         last=last,
         kernels="cpu",
+        sparse=sparse,
+        native_moe=False,
     )
+
+    def per_block(*, is_sparse: bool) -> int:
+        return activation_bytes_per_layer(
+            model=model,
+            micro_batch=micro_batch,
+            checkpointing=checkpointing,
+            act_bytes=act_bytes,
+            kernels="cpu",
+            sparse=is_sparse,
+            native_moe=False,
+        )
+
     where = f", stage {stage}/{pp} ({blocks} blocks)" if pp > 1 else ""
     return Comparison(
         label=f"{model.name} L{model.layers} h{model.hidden}, {precision}, {checkpointing}{where}",
         blocks=blocks,
-        predicted_block=activation_bytes_per_layer(
-            model=model, micro_batch=micro_batch, checkpointing=checkpointing, act_bytes=act_bytes, kernels="cpu"
-        ),
+        predicted_block=(sparse * per_block(is_sparse=True) + (blocks - sparse) * per_block(is_sparse=False))
+        / max(1, blocks),
         measured_block=sum(census.blocks) / max(1, blocks),
         predicted_head=logits_bytes(model=model, micro_batch=micro_batch, act_bytes=act_bytes, kernels="cpu")
         if last

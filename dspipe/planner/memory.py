@@ -89,6 +89,7 @@ from dspipe.planner.stages import (
     zero_group_size,
 )
 from dspipe.planner.throughput import window_kernel
+from dspipe.runtime.experts import native_layer
 from dspipe.spec.cluster import ClusterSpec
 from dspipe.spec.dtypes import dtype_bytes
 from dspipe.spec.hardware import GIB
@@ -199,6 +200,7 @@ def activation_bytes_per_layer(
     kernels: str = "cuda",
     windowed: bool | None = None,
     sparse: bool = False,
+    native_moe: bool = True,
     tp_sp: bool = False,
 ) -> int:
     """Bytes one transformer block keeps for backward on one rank (measured on the real model: see
@@ -218,7 +220,8 @@ def activation_bytes_per_layer(
     Ulysses: s is the rank's s/sp tokens. `kernels`: 'cuda' (flash / memory-efficient SDPA, fused norms with fp32
     statistics; the GPU runner) or 'cpu' (PyTorch's CPU kernels: the gloo runner; the CPU SDPA also saves the
     log-sum-exp). `sparse`: a mixture-of-experts block, whose MLP saves moe_mlp_activation_bytes instead of the
-    dense MLP's hidden activations (none / selective; full keeps the block input as a dense block). `tp_sp`: Megatron
+    dense MLP's hidden activations (none / selective; full keeps the block input as a dense block); `native_moe`
+    False: on the model's own SparseMLP (ZeRO-3). `tp_sp`: Megatron
     sequence parallelism, where what stays whole on every tp rank without it (the norms' tensors, the inputs of the
     column-parallel projections, the block input, the dropout masks) holds the rank's s/tp tokens (Korthikanti et al.
     eq. 4: every term / t)."""
@@ -246,7 +249,8 @@ def activation_bytes_per_layer(
     moe: float = 0
     if sparse and model.experts:  # the dense MLP's hidden activations replaced by the MoE layer's
         dense_mlp = act_bytes * (4 if model.mlp == "swiglu" else 2) * model.ffn / tp
-        moe = moe_mlp_activation_bytes(model=model, tokens=tokens, act_bytes=act_bytes) - tokens * dense_mlp
+        moe = moe_mlp_activation_bytes(model=model, tokens=tokens, act_bytes=act_bytes, native=native_moe)
+        moe -= tokens * dense_mlp
     return int(tokens * per_token + rotary + mask + moe)
 
 
@@ -264,9 +268,15 @@ def expert_capacity(*, model: ModelSpec, tokens: int) -> int:
     return math.ceil(tokens / model.experts * factor * model.experts_per_token)
 
 
-def moe_mlp_activation_bytes(*, model: ModelSpec, tokens: int, act_bytes: int) -> int:
+def moe_mlp_activation_bytes(*, model: ModelSpec, tokens: int, act_bytes: int, native: bool = True) -> int:
     """Bytes one sparse block's MoE layer (deepspeed.moe.layer.MoE, einsum dispatch) saves for backward for `tokens`
     tokens on a rank, beyond the block's norm output (a dense block's MLP input, counted in activation_coefficients).
+    `native` False: the model's own SparseMLP (ZeRO-3: dspipe.runtime.experts.native_layer), a loop over the experts
+    on the tokens routed to each (index_select, index_add): no dispatch masks, exactly k T rows in all however the
+    router balances them, and per routed row one more b h (index_add_ keeps its source, the weighted expert output)
+    and its index and weight (8 + b); the router's top-k indices and weights (12 T k), and in 16-bit training the
+    router weight's fp32 copy (4 E h), while nothing keeps the block's 16-bit norm output (the router keeps its fp32
+    copy, index_select only its indices): - b T h. Census (benchmarks/census/activations.py, tiny-moe): within 0.2%.
     With T tokens, E experts, k routes per token, C = expert_capacity slots per expert, h hidden, f expert_width,
     c = 4 for SwiGLU (fused gate/up output, SiLU output, product) or 2 for GELU, b = act_bytes:
       router      8 T E: the fp32 logits and softmax probabilities (tokens x E), plus 4 T h for the gate's fp32 copy
@@ -281,19 +291,24 @@ def moe_mlp_activation_bytes(*, model: ModelSpec, tokens: int, act_bytes: int) -
     moe_working_bytes)."""
     e, h, f = model.experts, model.hidden, model.expert_width
     c = 4 if model.mlp == "swiglu" else 2
-    slots = e * expert_capacity(model=model, tokens=tokens)
     router = 8 * tokens * e + (4 * tokens * h if act_bytes != 4 else 0)
+    shared = act_bytes * tokens * c * model.shared_experts * f
+    if not native:
+        routes = model.experts_per_token * tokens
+        copy = 4 * e * h - act_bytes * tokens * h if act_bytes != 4 else 0
+        loop = routes * (act_bytes * (3 * h + c * f) + 8 + act_bytes) + 12 * routes + copy
+        return router + loop + shared
+    slots = e * expert_capacity(model=model, tokens=tokens)
     dispatch = 2 * act_bytes * tokens * slots
     experts = act_bytes * slots * (2 * h + c * f)
-    shared = act_bytes * tokens * c * model.shared_experts * f
     return router + dispatch + experts + shared
 
 
-def moe_working_bytes(*, model: ModelSpec, tokens: int, act_bytes: int) -> int:
+def moe_working_bytes(*, model: ModelSpec, tokens: int, act_bytes: int, native: bool = True) -> int:
     """What one sparse block's backward adds at its peak: the gradients of the dispatched and combined tensors that
     its two all-to-alls exchange (2 x b x E x C x h: the send and the receive buffer of the one in flight); 0 for a
-    dense model."""
-    if not model.experts:
+    dense model and for the model's own SparseMLP (`native` False: no all-to-alls)."""
+    if not model.experts or not native:
         return 0
     return 2 * act_bytes * model.experts * expert_capacity(model=model, tokens=tokens) * model.hidden
 
@@ -308,6 +323,7 @@ def recompute_working_bytes(
     kernels: str = "cuda",
     windowed: bool | None = None,
     sparse: bool = False,
+    native_moe: bool = True,
     tp_sp: bool = False,
 ) -> int:
     """Full recomputation: what one block's recomputed forward saves during its backward, beyond the block input
@@ -323,6 +339,7 @@ def recompute_working_bytes(
         kernels=kernels,
         windowed=windowed,
         sparse=sparse,
+        native_moe=native_moe,
         tp_sp=tp_sp,
     )
     return none - activation_bytes_per_layer(
@@ -395,6 +412,7 @@ def _sparse_blocks_bytes(
     sp: int,
     kernels: str,
     sparse: int,
+    native_moe: bool = True,
 ) -> tuple[int, int]:
     """(saved, working): what `sparse` mixture-of-experts blocks save beyond as many dense blocks, and what one's
     all-to-all gradient buffers add to the peak ((0, 0) without any)."""
@@ -413,10 +431,11 @@ def _sparse_blocks_bytes(
             kernels=kernels,
             windowed=False,
             sparse=is_sparse,
+            native_moe=native_moe,
         )
 
     saved = sparse * (block(is_sparse=True) - block(is_sparse=False))
-    return saved, moe_working_bytes(model=model, tokens=tokens, act_bytes=act_bytes)
+    return saved, moe_working_bytes(model=model, tokens=tokens, act_bytes=act_bytes, native=native_moe)
 
 
 def _stage_blocks_bytes(
@@ -428,6 +447,7 @@ def _stage_blocks_bytes(
     blocks: int,
     windowed: int,
     sparse: int,
+    native_moe: bool = True,
     tp: int,
     sp: int,
     kernels: str,
@@ -459,6 +479,7 @@ def _stage_blocks_bytes(
         sp=sp,
         kernels=kernels,
         sparse=sparse,
+        native_moe=native_moe,
     )
     if checkpointing != Checkpointing.FULL or not blocks:
         return saved + moe_saved, 0, moe_working
@@ -471,6 +492,7 @@ def _stage_blocks_bytes(
         kernels=kernels,
         windowed=windowed > 0,
         sparse=sparse > 0,
+        native_moe=native_moe,
         tp_sp=tp_sp,
     )
     return saved + moe_saved, working, moe_working
@@ -522,6 +544,7 @@ def micro_batch_activations(
     kernels: str = "cuda",
     windowed: int | None = None,
     sparse: int = 0,
+    native_moe: bool = True,
     tp_sp: bool = False,
     loss_chunk: int = 0,
 ) -> tuple[int, int]:
@@ -546,6 +569,7 @@ def micro_batch_activations(
         blocks=blocks,
         windowed=windowed,
         sparse=sparse,
+        native_moe=native_moe,
         tp=tp,
         sp=sp,
         kernels=kernels,
@@ -581,7 +605,7 @@ def zero3_gathered_bound(*, model: ModelSpec, plan: Plan) -> int:
     return plan.max_live_parameters + largest_tensor(model)
 
 
-def _modules(tensors: list[tuple[str, tuple[int, ...]]]) -> list[int]:
+def module_sizes(tensors: list[tuple[str, tuple[int, ...]]]) -> list[int]:
     """Elements of each parameterised module among `tensors`, in their order (ZeRO-3 gathers, releases and reduces a
     module's parameters together)."""
     modules: dict[str, int] = {}
@@ -596,9 +620,9 @@ def _forward_modules(model: ModelSpec) -> tuple[int, ...]:
     """Elements of every parameterised module in forward order, the head (a tied one reuses the embedding) last."""
     tensors = model.model_tensors()
     return (
-        *_modules([t for t in tensors if t[0].startswith("embed.")]),
-        *_modules(model.block_tensors()) * model.layers,
-        *_modules([t for t in tensors if t[0].startswith("final.")]),
+        *module_sizes([t for t in tensors if t[0].startswith("embed.")]),
+        *(size for i in range(model.layers) for size in module_sizes(model.block_tensors(i))),
+        *module_sizes([t for t in tensors if t[0].startswith("final.")]),
         model.vocab * model.hidden,
     )
 
@@ -628,7 +652,7 @@ def zero3_backward_working(*, model: ModelSpec, plan: Plan) -> int:
       - the head: its weight gathered with a prefetch bucket and the first block module past it (or what
         stage3_max_reuse_distance kept gathered since the forward, if more), and its gradient.
     The contiguous reduce bucket is a steady buffer; the gradients are reduced module by module and freed."""
-    order = list(reversed(_modules(model.block_tensors())))
+    order = list(reversed([size for i in range(model.layers) for size in module_sizes(model.block_tensors(i))]))
     pair = max(a + b for a, b in zip(order, order[1:] + order[:1], strict=True))
     head = model.vocab * model.hidden
     kept = zero3_kept_for_reuse(model=model, plan=plan)
@@ -781,6 +805,7 @@ def stage_memory(*, model: ModelSpec, cluster: ClusterSpec, plan: Plan) -> tuple
             kernels=kernels,
             windowed=windowed_blocks(model, range(first_block[i], first_block[i] + blocks[i])),
             sparse=sum(1 for j in model.sparse_layers if first_block[i] <= j < first_block[i] + blocks[i]),
+            native_moe=native_layer(zero_stage=plan.zero_stage),
             tp_sp=plan.tp_sp,
             loss_chunk=plan.loss_chunk,
         )

@@ -271,20 +271,28 @@ def _check_sequence(*, model: ModelSpec, strategy: StrategySpec) -> None:
 
 
 def _check_experts(*, model: ModelSpec, train: TrainSpec, strategy: StrategySpec, world: int) -> None:
-    """What dspipe's mixture-of-experts training (DeepSpeed 0.19.8's native MoE layer, deepspeed.moe.layer.MoE)
-    supports: ZeRO 0-2 (ep > 1: ZeRO 1-2, ZeRO-1 with contiguous gradients), bf16 or fp32, any pp (each stage
-    its own sparse blocks), tp 1, sp 1, ep dividing the experts and dp; ep 1 for a dense model."""
+    """What dspipe's mixture-of-experts training supports: on DeepSpeed 0.19.8's native MoE layer
+    (deepspeed.moe.layer.MoE) ZeRO 0-2 (ep > 1: ZeRO 1-2, ZeRO-1 with contiguous gradients), any pp (each stage its
+    own sparse blocks), ep dividing the experts and dp; under ZeRO-3 the model's own dropless SparseMLP at ep 1
+    (dspipe.runtime.experts.native_layer); bf16 or fp32, tp 1, sp 1; ep 1 for a dense model."""
     e, ep, pp, tp, sp, zero = model.experts, strategy.ep, strategy.pp, strategy.tp, strategy.sp, strategy.zero
     dp = ParallelLayout(world=world, pp=pp, tp=tp, sp=sp).dp  # rule 2 held: pp x tp x sp divides the world
     if not e:
         if ep > 1:
             raise RuleError(3, f"ep {ep} needs a mixture-of-experts model: {model.name} is dense (experts 0)")
         return
-    if zero == 3:
+    if zero == 3 and ep > 1:
         raise RuleError(
             3,
-            f"ZeRO-3 with experts {e}: Native DeepSpeed MoE is not supported with ZeRO Stage 3. "
-            f"Use AutoEP or choose ZeRO stage 1/2",
+            f"ZeRO-3 with experts {e} at ep {ep}: Native DeepSpeed MoE is not supported with ZeRO Stage 3 (ep 1 "
+            f"trains the experts as the model's own modules under ZeRO-3), or choose ZeRO stage 1/2",
+        )
+    if zero == 3 and model.capacity_factor is not None:
+        raise RuleError(
+            3,
+            f"ZeRO-3 with capacity_factor {model.capacity_factor}: under ZeRO-3 the experts run as the model's own "
+            f"dropless modules (Native DeepSpeed MoE is not supported with ZeRO Stage 3); drop the capacity factor "
+            f"or choose ZeRO stage 1/2",
         )
     for name, value, why in (
         (

@@ -22,10 +22,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from dspipe.planner.memory import expert_capacity
+from dspipe.planner.memory import expert_capacity, module_sizes
 from dspipe.planner.plan import Plan
 from dspipe.planner.stages import param_groups, share, slowest_stage_share, stage_sparse_blocks, zero_group_size
 from dspipe.planner.throughput import attention_flops_per_token, model_flops_per_token
+from dspipe.runtime.experts import native_layer
 from dspipe.spec.cluster import ClusterSpec
 from dspipe.spec.dtypes import dtype_bytes
 from dspipe.spec.hardware import GpuType
@@ -67,11 +68,14 @@ def ring_latency_s(*, steps: int, inter_steps: int = 0, gpu: GpuType | None = No
     )
 
 
-def zero3_gathers_per_pass(model: ModelSpec) -> int:
+def zero3_gathers_per_pass(model: ModelSpec, *, threshold: int) -> int:
     """All-gathers ZeRO-3 issues in one forward (or backward) pass: one per module whose parameters are partitioned
-    (tensors under stage3_param_persistence_threshold = 10h stay whole): per block the QKV, attention-out, MLP-up
-    and MLP-down linears; the token and position embeddings; the (tied) head."""
-    return 4 * model.layers + 3
+    (modules under stage3_param_persistence_threshold, `threshold` elements, stay whole: the norms): per dense block
+    the QKV, attention-out, MLP-up and MLP-down linears; per sparse block (the model's own SparseMLP under ZeRO-3)
+    the attention's two, each routed expert's up and down projections, the shared experts' and the router when it
+    is that large; the token and position embeddings and the (tied) head, 3."""
+    blocks = sum(sum(1 for n in module_sizes(model.block_tensors(i)) if n >= threshold) for i in range(model.layers))
+    return blocks + 3
 
 
 def _dp_collectives_s(
@@ -165,7 +169,7 @@ def _dp_comm_s(
         return hidden(reduce, bwd_s) + gather, gather
     if z == 2:
         return m * hidden(reduce, bwd_s) + gather, gather
-    module_gathers = shard + zero3_gathers_per_pass(model) * ring
+    module_gathers = shard + zero3_gathers_per_pass(model, threshold=plan.param_persistence_threshold) * ring
     # The forward's first gather, the token embedding, has no earlier compute to hide behind (the prefetch looks one
     # module ahead of the one computing); every later one overlaps the module before it.
     first = (n - 1) / n * model.vocab * model.hidden * b / bw + ring
@@ -240,13 +244,14 @@ def _partition(model: ModelSpec, plan: Plan, phi: int) -> float:
     return phi / groups[0][1] if len(groups) == 1 else sum(p / n for p, n in groups)
 
 
-def moe_dispatch_flops_per_token(model: ModelSpec, *, tokens: int) -> float:
+def moe_dispatch_flops_per_token(model: ModelSpec, *, tokens: int, native: bool = True) -> float:
     """FLOPs per token DeepSpeed's MoE layer executes beyond the active parameters' 6N, for `tokens` tokens per
     micro-batch on a rank: the einsum dispatch and combine ('sec,sm->ecm', 'sec,ecm->sm': 2 x T x E C x h each,
     forward, twice that backward: 12 E C h per token, E C = expert_capacity slots ~ 1.25 k T, quadratic in the
     tokens) and the experts' work on the capacity padding (6 x (E C / T - k) x expert parameters per token). 0 for
-    a dense model."""
-    if not model.experts:
+    a dense model, and for the model's own SparseMLP (`native` False, ZeRO-3: its index_select / index_add move the
+    k routed copies of each token, no FLOPs, and no expert computes padding)."""
+    if not model.experts or not native:
         return 0.0
     slots = model.experts * expert_capacity(model=model, tokens=tokens)
     per_block = 12.0 * slots * model.hidden + 6.0 * (slots / tokens - model.experts_per_token) * model.expert_params
@@ -350,7 +355,9 @@ def step_time(*, model: ModelSpec, cluster: ClusterSpec, plan: Plan, phi: int) -
         model_flops
         - attention_flops_per_token(model)
         + run_attention
-        + moe_dispatch_flops_per_token(model, tokens=plan.micro_batch * share(model.seq_len, sp))
+        + moe_dispatch_flops_per_token(
+            model, tokens=plan.micro_batch * share(model.seq_len, sp), native=native_layer(zero_stage=plan.zero_stage)
+        )
     )
     extra = {"none": 0.0, "selective": run_attention / 3, "full": executed / 3}[plan.checkpointing]
     hw_flops = executed + extra

@@ -33,6 +33,7 @@ from dspipe.runtime.ckpt_tags import (
     write_atomic,
 )
 from dspipe.runtime.ckptfiles import check_checkpoint
+from dspipe.runtime.experts import native_layer
 from dspipe.runtime.faults import NO_FAULTS, Faults
 from dspipe.runtime.moe_reshard import engine_ep
 from dspipe.runtime.reshard import load_resharded, pipeline_names
@@ -269,7 +270,7 @@ def load(engine, path: Path, loader) -> CheckpointMeta:
                 saved=layout_text(meta.dims),
                 now=layout_text({**dict(zip((Axis.DP, Axis.TP, Axis.PP), now, strict=True)), Axis.EP: ep}),
                 rename=rename,
-                experts=meta.spec.experts,
+                experts=meta.spec.experts if native_layer(zero_stage=meta.zero_stage) else 0,
                 saved_ep=meta.ep,
             )
         elif bf16_optimizer_without_zero(engine):

@@ -28,7 +28,7 @@ from pathlib import Path
 from dspipe.errors import SpecError
 from dspipe.runtime import safeload
 from dspipe.runtime.ckpt_meta import CheckpointMeta
-from dspipe.runtime.experts import EXPERT_FILE, expert_files, model_name
+from dspipe.runtime.experts import EXPERT_FILE, expert_files, model_name, native_layer
 
 MODEL_FILE = re.compile(r"^(?:zero_pp_rank_\d+_)?mp_rank_\d+_model_states\.pt$")
 OPTIM_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
@@ -45,7 +45,7 @@ def expected_files(meta: CheckpointMeta) -> list[str]:
         names = [f"zero_pp_rank_{d}_mp_rank_{m:02d}_model_states.pt" for d in range(zero) for m in range(mp)]
     else:
         names = [f"mp_rank_{m:02d}_model_states.pt" for m in range(mp)]
-    experts = bool(meta.model.get("experts"))
+    experts = bool(meta.model.get("experts")) and native_layer(zero_stage=meta.zero_stage)  # ZeRO-3: model tensors
     if meta.pp > 1 and not experts:  # a pipeline of experts: DeepSpeed's MoE save writes each stage's module to
         names += layer_files(meta)  # its mp_rank file instead, and its experts' files (stage_expert_files)
     if experts and meta.pp == 1:

@@ -1,5 +1,6 @@
-"""Expert parallelism without torch: the run's ep, what DeepSpeed's native MoE cannot train, and the names and
-files of its checkpoints (dspipe.runtime.moe builds the layers).
+"""Expert parallelism without torch: the run's ep, which layer a mixture of experts trains on (native_layer), what
+DeepSpeed's native MoE cannot train, and the names and files of its checkpoints (dspipe.runtime.moe builds the
+layers).
 
 A sparse block's tensors as DeepSpeed names them (NativeMoE at h.N.mlp): the router at
 `h.N.mlp.moe.deepspeed_moe.gate.wg.weight` (in mp_rank_00_model_states.pt), expert e at
@@ -17,6 +18,7 @@ GATE = "moe.deepspeed_moe.gate.wg.weight"
 EXPERTS = "moe.deepspeed_moe.experts.deepspeed_experts."
 EXPERT_FILE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 ZERO3_REFUSAL = "Native DeepSpeed MoE is not supported with ZeRO Stage 3"
+"""DeepSpeed 0.19.8's own words (runtime/engine.py) when a native MoE layer meets ZeRO-3."""
 EP_ZERO0_REFUSAL = (
     "measured with DeepSpeed 0.19.8 on 2 ranks: the gradient norm it clips by is not the "
     "model's under expert parallelism (0.6813 where ep 1 gives 0.6823)"
@@ -36,14 +38,28 @@ def expert_parallel(run) -> int:
     return ep if isinstance(ep, int) and not isinstance(ep, bool) else 1
 
 
+def native_layer(*, zero_stage: int) -> bool:
+    """Whether a mixture of experts trains on DeepSpeed's native MoE layer (deepspeed.moe.layer.MoE: ZeRO 0-2,
+    expert parallelism, expert files in the checkpoint, a capacity if asked for) or, under ZeRO-3, which the native
+    layer refuses, as the model's own SparseMLP: its experts plain modules of the model that ZeRO-3 partitions over
+    every data-parallel rank like the dense ones (ep 1, dropless; each expert runs on the tokens routed to it, an
+    empty batch when none, so every rank gathers and reduces every expert in the same order)."""
+    return zero_stage != 3
+
+
 def refusal(*, spec, plan, ep: int, contiguous_gradients: bool = True) -> str | None:
-    """Why this layout cannot train with DeepSpeed's native MoE (None: it can); `contiguous_gradients`: the
-    rendered ds_config.json's zero_optimization.contiguous_gradients."""
+    """Why this layout cannot train a mixture of experts (None: it can); `contiguous_gradients`: the rendered
+    ds_config.json's zero_optimization.contiguous_gradients."""
     if not spec.experts:
         return f"ep {ep} > 1 needs a mixture-of-experts model (experts 0)" if ep > 1 else None
     why = []
-    if plan.zero_stage == 3:
-        why.append(f"ZeRO-3 ({ZERO3_REFUSAL}; use ZeRO 0-2)")
+    if plan.zero_stage == 3 and ep > 1:
+        why.append(f"ZeRO-3 at ep {ep} > 1 ({ZERO3_REFUSAL}: ep 1 trains the experts as the model's own modules)")
+    if plan.zero_stage == 3 and spec.capacity_factor is not None:
+        why.append(
+            f"capacity_factor {spec.capacity_factor} under ZeRO-3 (its experts run as the model's own dropless "
+            f"modules: {ZERO3_REFUSAL})"
+        )
     why += [f"{k} {getattr(plan, k)} > 1" for k in (Axis.TP, Axis.SP) if getattr(plan, k) > 1]
     if ep > 1 and plan.zero_stage == 0:
         why.append(f"ep {ep} > 1 under ZeRO-0 ({EP_ZERO0_REFUSAL}; use ZeRO-1 or 2, or ep 1)")

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from dspipe.errors import SpecError
 from dspipe.model.gpt import GPT, Block, RouterState, balance_loss, route
-from dspipe.runtime.experts import expert_parallel, refusal
+from dspipe.runtime.experts import expert_parallel, native_layer, refusal
 
 
 class NativeMoE(RouterState):
@@ -231,14 +231,15 @@ def take_aux_total(module: nn.Module, *, device) -> torch.Tensor:
 
 def install_for_run(module: nn.Module, *, run, rank: int) -> None:
     """The runtime step before deepspeed.initialize (dspipe.runtime.engine.build_engine, after the build and
-    parallelize): a MoE model's sparse blocks onto DeepSpeed's MoE layer; a layout native MoE cannot train (or ep > 1
-    on a dense model) is one SpecError on every rank."""
+    parallelize): a MoE model's sparse blocks onto DeepSpeed's MoE layer (under ZeRO-3 they stay the model's own:
+    dspipe.runtime.experts.native_layer); a layout that cannot train a mixture of experts (or ep > 1 on a dense
+    model) is one SpecError on every rank."""
     ep = expert_parallel(run)
     zero = run.ds_config.get("zero_optimization") or {}
     why = refusal(spec=run.model, plan=run.plan, ep=ep, contiguous_gradients=bool(zero.get("contiguous_gradients")))
     if why:
         raise SpecError(f"cannot train {run.model.name} with experts {run.model.experts}, ep {ep}: {why}")
-    if run.model.experts:
+    if run.model.experts and native_layer(zero_stage=run.plan.zero_stage):
         install(module, spec=run.model, ep=ep, ep_rank=rank % ep)
 
 

@@ -212,10 +212,12 @@ def consolidate(checkpoint: Path, *, meta: CheckpointMeta) -> dict:
 
 
 def _consolidate(checkpoint: Path, *, meta: CheckpointMeta) -> dict:
+    from dspipe.runtime.experts import native_layer
+
     spec, pp = model_spec(meta), meta.pp
     if meta.tp > 1:
         return _consolidate_tensor_parallel(checkpoint, meta=meta, spec=spec)
-    if spec.experts:
+    if spec.experts and native_layer(zero_stage=meta.zero_stage):  # ZeRO-3's experts: the model's own tensors
         return _consolidate_experts(checkpoint, spec=spec, pp=pp)
     module = _module_weights(checkpoint, pp=pp, layers=spec.layers)
 

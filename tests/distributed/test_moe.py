@@ -1,4 +1,4 @@
-"""Mixtures of experts on real CPU ranks (2 ranks but three launches of 4, fp32, dropout 0), twelve launches in
+"""Mixtures of experts on real CPU ranks (2 ranks but three launches of 4, fp32, dropout 0), fourteen launches in
 all: a tiny random MixtralForCausalLM (4 experts, top 2) and Qwen3MoeForCausalLM (4 experts, top 2, norm_topk_prob
 off) written by save_pretrained with the corpus's tokenizer, trained with `--init-from` on DeepSpeed's native MoE
 layer; and a DeepSeek-V3-routed model from dspipe's own draws (sigmoid scores, routed scale 2.5, 2 expert groups of
@@ -11,6 +11,8 @@ which a token uses 1, aux-loss-free bias balancing) at ep 2 and ep 1.
                              expert_load logged, dropped_routes 0 (dropless)
     Mixtral dp 4 x ep 2      ep 2's step-3 checkpoint resumed on 4 ranks (each expert's ZeRO-2 state now cut over 2
                              ranks): steps 4-6 within 1e-6 of ep 2's
+    Mixtral ZeRO-3           ep 1 on the model's own SparseMLP: killed and resumed bitwise; step 1 transformers';
+                             every step within 1e-5 of ep 1's, the same loads; no expert files; exports
     Mixtral pp 2 x ep 2      4 ranks (pp 2 x dp 2), ZeRO-1, full recomputation: killed and resumed bitwise;
                              loss, aux loss, grad norm within 1e-5 of ep 1's, the same expert loads; exports; its
                              step-3 checkpoint resumed as the plain model at ep 1 on 2 ranks: steps 4-6 within 1e-6
@@ -225,6 +227,7 @@ def test_mixtral_expert_parallel_equals_ep1_resumes_exactly_and_exports(tmp_path
     assert built_params(ep1)[0] - built_params(ep2)[0] == 2 * (EXPERTS // 2) * 3 * 64 * 48  # 2 layers' 2 experts
 
     _pipeline_of_experts(tmp_path, corpus, hf_dir, train=train, reference=rows1)
+    _zero3_experts(tmp_path, corpus, hf_dir, train=train, reference=rows1, expected=expected, hf=hf)
 
     # ep 2's step-3 checkpoint (ZeRO-2, dp 2: each rank its 2 experts whole) resumed on 4 ranks at dp 4 x ep 2, each
     # expert's state now cut over 2 expert-data-parallel ranks
@@ -263,6 +266,38 @@ def _resumed_elsewhere(run, corpus, hf_dir, *flags, gpus: int, train: list, sour
     print(f"mixtral {source.name} -> {run.name} at step 3: relative differences in steps 4-6 {diffs}")
     assert [row["step"] for row in rows] == ["4", "5", "6"] and max(diffs.values()) < 1e-6, diffs
     assert not [p.name for p in (run / "checkpoints").iterdir() if p.name.startswith(".universal-")]
+
+
+def _zero3_experts(tmp_path, corpus, hf_dir, *, train: list, reference: list, expected: float, hf) -> None:
+    """The same Mixtral under ZeRO-3 (ep 1): the model's own SparseMLP, every expert partitioned over the 2 ranks
+    like a dense module (dspipe.runtime.experts.native_layer). Killed after step 5 and resumed: steps 4-5 bitwise;
+    step 1's LM loss is transformers'; every step's loss, aux loss and grad norm within 1e-5 of ep 1's on
+    DeepSpeed's layer (`reference`), the same expert loads; no expert files (the experts are the module's own
+    tensors, in the ZeRO-3 partitions); export-hf computes transformers' Mixtral with the run's weights."""
+    run = tmp_path / "zero3"
+    configure(run, corpus, hf_dir, *train, "--zero", "3", "--ep", "1")
+    r = launch(run, "--test-faults", '{"kill_at_step": 5}')
+    assert r.returncode != 0
+    before = written_metrics(run)
+    ok(launch(run, "--resume", "auto"))
+    rows = csv_rows(run / "metrics.csv")
+    assert written_metrics(run)[:5] == before and len(rows) == 6
+    diffs = {
+        key: max(abs(float(a[key]) - float(b[key])) / abs(float(b[key])) for a, b in zip(rows, reference, strict=True))
+        for key in ("loss", "aux_loss", "grad_norm")
+    }
+    print(f"mixtral ZeRO-3 (the model's own experts) vs ep 1 on DeepSpeed's layer: relative differences {diffs}")
+    assert abs(float(rows[0]["loss"]) - expected) < LOSS_TOL and max(diffs.values()) < LOSS_TOL, diffs
+    assert [row["expert_load"] for row in rows] == [row["expert_load"] for row in reference]
+    assert {row["dropped_routes"] for row in rows} == {"0"}
+    assert built_params(run) == [n // 2 for n in planned_params(run, ep=1)]  # each rank read its ZeRO-3 slice
+    last = run / "checkpoints" / "global_step6"
+    assert not list(last.glob("layer_*_expert_*")) and len(list(last.glob("*zero_pp_rank_*_optim_states.pt"))) == 2
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    cls, logits, ours = exported_logits(run, tmp_path / "export-zero3", ids)
+    with torch.no_grad():
+        moved = (logits - hf(ids).logits).abs().max().item()
+    assert cls == "MixtralForCausalLM" and (logits - ours).abs().max().item() < LOGITS_TOL and moved > 1e-2
 
 
 def _pipeline_of_experts(tmp_path, corpus, hf_dir, *, train: list, reference: list) -> None:

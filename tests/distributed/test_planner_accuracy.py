@@ -5,7 +5,8 @@ engines per launch), and ZeRO-3's backward peak on the two models whose modules 
 33.6M GPT and the untied Llama), and the issue-28 shapes (NEW_FAMILIES): a tied Qwen2-style model (q/k/v biases
 only) under ZeRO-2 and an untied Qwen3-style one (per-head q/k norm, heads twice hidden / heads wide) under ZeRO-3
 in the plain launch and at tp 2 (dspipe's tensor-parallel layers split the 128-wide heads; one launch of its own), and a
-mixture of experts (DeepSpeed's native MoE layer) under ZeRO-1/2 at ep 1 and 2, bf16 and fp32 (one launch), and as a
+mixture of experts (DeepSpeed's native MoE layer) under ZeRO-1/2 at ep 1 and 2, bf16 and fp32, and under ZeRO-3 (the
+model's own experts, ep 1) (one launch), and as a
 2-stage pipeline (its own launch). The other rows of those
 sizes (BENCHMARK_ONLY) are left to `python benchmarks/planner_accuracy.py` by CI's time budget."""
 

@@ -24,9 +24,11 @@ QWEN3 = replace(TINY_LLAMA, name="tiny-qwen3", qk_norm=True, head_width=32)
 """Qwen3's: per-head q/k RMSNorm, heads twice hidden / heads wide (q is 2h wide, the out-projection 2h -> h)."""
 MISTRAL = replace(TINY_LLAMA, name="tiny-mistral", sliding_window=16)
 """Mistral 7B v0.1's: a sliding window (16 tokens of 64) in every block, so each block keeps the (s, s) mask."""
+MOE = replace(TINY_LLAMA, name="tiny-moe", experts=4, experts_per_token=2, expert_ffn=96)
+"""A mixture of experts on the model's own SparseMLP (ZeRO-3's layer): each expert runs on its routed tokens."""
 CASES = [
     (m, prec, ck, 1, 0)
-    for m in (TINY, SMALL, TINY_LLAMA, QWEN2, QWEN3, MISTRAL)
+    for m in (TINY, SMALL, TINY_LLAMA, QWEN2, QWEN3, MISTRAL, MOE)
     for prec in ("bf16", "fp32")
     for ck in ("none", "selective", "full")
 ]

@@ -2,6 +2,7 @@
 dp / ep, the MoE layer's activations and all-to-alls, the ep axis of the search, the refusals before launch."""
 
 import json
+import re
 import time
 
 import pytest
@@ -14,12 +15,13 @@ from dspipe.planner.memory import (
     expert_capacity,
     expert_grads_kept,
     moe_mlp_activation_bytes,
+    moe_working_bytes,
 )
 from dspipe.planner.plan import make_plan
 from dspipe.planner.search import search
 from dspipe.planner.stages import stage_layer_weights, stage_params
 from dspipe.planner.throughput import attention_flops_per_token, model_flops_per_token
-from dspipe.planner.timing import moe_dispatch_flops_per_token
+from dspipe.planner.timing import moe_dispatch_flops_per_token, zero3_gathers_per_pass
 from dspipe.spec.cluster import ClusterSpec
 from dspipe.spec.core import StrategyRequest
 from dspipe.spec.presets import MODEL_PRESETS, PRESETS, model_preset
@@ -170,6 +172,35 @@ def test_moe_activations_follow_the_documented_formula():
     assert expert_capacity(model=dropping, tokens=tokens) == tokens * 8 // 128
 
 
+def test_zero3_runs_the_models_own_experts_no_dispatch_masks_no_padding():
+    """Under ZeRO-3 the experts are the model's own SparseMLP (dspipe.runtime.experts.native_layer): each expert
+    runs on the tokens routed to it, k T rows in all however unbalanced, no (tokens, E, C) masks, no padded slots,
+    no all-to-alls, no dispatch FLOPs; ZeRO-3 gathers each expert's two projections as modules of their own."""
+    m = model_preset("qwen3-30b-a3b", seq_len=1024)
+    tokens, b, k = 1024, 2, m.experts_per_token
+    loop = moe_mlp_activation_bytes(model=m, tokens=tokens, act_bytes=b, native=False)
+    routes, h, f = k * tokens, m.hidden, m.expert_width
+    # + the router weight's fp32 copy; the 16-bit norm output (counted in the dense block) is not kept
+    router = 8 * tokens * m.experts + 4 * tokens * h + 4 * m.experts * h - b * tokens * h
+    assert loop == router + routes * (b * (3 * h + 4 * f) + 8 + b) + 12 * routes
+    assert loop < moe_mlp_activation_bytes(model=m, tokens=tokens, act_bytes=b)
+    copy = 4 * m.experts * h  # the one term that does not grow with the tokens
+    assert moe_mlp_activation_bytes(model=m, tokens=2 * tokens, act_bytes=b, native=False) - copy == 2 * (loop - copy)
+    assert moe_working_bytes(model=m, tokens=tokens, act_bytes=b, native=False) == 0
+    assert moe_dispatch_flops_per_token(m, tokens=tokens, native=False) == 0.0
+    plan, est = _plan(m, gpus=8, zero=3, ep=1, checkpointing="none")
+    assert est.hardware_flops_per_token == pytest.approx(est.flops_per_token)  # no einsum, no padding
+    _, native = _plan(m, gpus=8, zero=2, ep=1, checkpointing="none")
+    assert est.memory.activations < native.memory.activations
+    # ZeRO-3's module gathers per pass: a dense block's 4 linears; a sparse block's attention (2), 2 per expert and
+    # the router when it is past the persistence threshold (128 x 2048 here), plus embeddings and head
+    threshold = plan.param_persistence_threshold
+    router = 1 if m.experts * m.hidden >= threshold else 0
+    assert zero3_gathers_per_pass(m, threshold=threshold) == m.layers * (2 + 2 * m.experts + router) + 3
+    dense = MODEL_PRESETS["llama2-7b"]
+    assert zero3_gathers_per_pass(dense, threshold=10 * dense.hidden) == 4 * dense.layers + 3
+
+
 def test_all_to_alls_cost_nothing_at_ep_1_and_leave_nvlink_beyond_a_node():
     m = model_preset("mixtral-8x7b", seq_len=4096)
     _, one = _plan(m, nodes=2, gpus=8, zero=2, ep=1, checkpointing="full")
@@ -186,10 +217,10 @@ def test_all_to_alls_cost_nothing_at_ep_1_and_leave_nvlink_beyond_a_node():
     "strategy, precision, message",
     [
         (
-            dict(zero=3),
+            dict(zero=3, ep=2),
             "bf16",
-            "ZeRO-3 with experts 8: Native DeepSpeed MoE is not supported with ZeRO Stage 3. "
-            "Use AutoEP or choose ZeRO stage 1/2",
+            "ZeRO-3 with experts 8 at ep 2: Native DeepSpeed MoE is not supported with ZeRO Stage 3 (ep 1 trains "
+            "the experts as the model's own modules under ZeRO-3), or choose ZeRO stage 1/2",
         ),
         (dict(zero=1, tp=2), "bf16", "tp 2 with experts 8: dspipe trains mixture-of-experts models with tp 1 only"),
         (dict(zero=1, sp=2), "bf16", "sp 2 with experts 8: dspipe trains mixture-of-experts models with sp 1 only"),
@@ -218,7 +249,8 @@ def test_refusals_are_one_line_exit_2_nothing_written(tmp_path):
     out = tmp_path / "run"
     for flags, message in (
         (("--ep", "3"), "ep 3 does not divide experts 8"),
-        (("--zero", "3"), "Native DeepSpeed MoE is not supported with ZeRO Stage 3"),
+        (("--zero", "3", "--ep", "2"), "Native DeepSpeed MoE is not supported with ZeRO Stage 3"),
+        (("--zero", "3", "--capacity-factor", "1.25"), "ZeRO-3 with capacity_factor 1.25: under ZeRO-3 the experts"),
     ):
         r = dspipe(
             "gen-config",
@@ -258,10 +290,11 @@ def test_qwen3_235b_on_1024_gpus_answers_quickly_and_names_its_axes():
     line = best.describe(every_axis=True)
     for axis in ("ep 8", "tp 1", "pp 8", "dp 128"):
         assert axis in line
-    # every ep not chosen and ZeRO-3 are explained; the best pp 1 plan (ZeRO-2) lost on time
+    # every ep not chosen and ZeRO-3 are explained; the best pp 1 plan (ZeRO-2) lost on time, and ZeRO-3 (ep 1, the
+    # model's own experts: every rank gathers all 235B parameters and runs all 128 experts) by far
     for ep in (1, 2, 4, 8, 16, 32, 64, 128):
         assert ep == best.plan.ep or f"ep {ep}" in r.rejected
-    assert "Native DeepSpeed MoE is not supported with ZeRO Stage 3" in r.rejected["ZeRO-3"]
+    assert re.match(r"slower by \d+% at best \(ZeRO-3, bf16, pp 1, ep 1,", r.rejected["ZeRO-3"]), r.rejected["ZeRO-3"]
     assert "slower by" in r.rejected["ZeRO-2"] and "with tp 1 only" in r.rejected["tp 2"]
 
 
@@ -279,7 +312,9 @@ def test_each_moe_preset_plans_on_a_sensible_cluster(name, nodes, seq_len):
         request=StrategyRequest(),
     )
     p = r.best.plan
-    assert r.best.est.fits and p.ep > 1 and p.experts == m.experts and m.experts % p.ep == 0 and p.dp % p.ep == 0
+    assert r.best.est.fits and p.experts == m.experts and m.experts % p.ep == 0 and p.dp % p.ep == 0
+    # experts spread over ep ranks on DeepSpeed's layer, or all of them on every rank under ZeRO-3 (the model's own)
+    assert p.ep > 1 or p.zero_stage == 3, r.best.describe()
     assert 0 < r.best.mfu < 0.6
 
 

@@ -208,7 +208,7 @@ def plan(**fields):
 @pytest.mark.parametrize(
     "fields,ep,says",
     [
-        (dict(zero_stage=3), 1, "ZeRO-3 (Native DeepSpeed MoE is not supported with ZeRO Stage 3"),
+        (dict(zero_stage=3), 2, "ZeRO-3 at ep 2 > 1 (Native DeepSpeed MoE is not supported with ZeRO Stage 3: ep 1"),
         (dict(sp=2, dp=2), 1, "sp 2 > 1"),
         (dict(tp=2, dp=2), 1, "tp 2 > 1"),
         (dict(precision="fp16"), 1, "fp16"),
@@ -230,6 +230,9 @@ def test_refusal_dense_and_supported():
     assert refusal(spec=spec(), plan=plan(zero_stage=2, precision="bf16"), ep=2) is None
     assert refusal(spec=spec(), plan=plan(zero_stage=1), ep=2, contiguous_gradients=True) is None
     assert refusal(spec=spec(), plan=plan(zero_stage=0), ep=1, contiguous_gradients=False) is None
+    assert refusal(spec=spec(), plan=plan(zero_stage=3), ep=1) is None  # the model's own SparseMLP under ZeRO-3
+    dropping = spec(capacity_factor=1.25)
+    assert refusal(spec=dropping, plan=plan(zero_stage=3), ep=1).startswith("capacity_factor 1.25 under ZeRO-3")
     assert refusal(spec=spec(experts=0, expert_ffn=None), plan=plan(), ep=1) is None
     assert refusal(spec=spec(), plan=plan(pp=2, dp=2), ep=2, contiguous_gradients=True) is None  # each stage its own
     run = SimpleNamespace(model=spec(experts=0, expert_ffn=None), plan=plan(ep=2), strategy=None, ds_config={})

@@ -258,6 +258,29 @@ def moe_dispatch_flops_per_token(model: ModelSpec, *, tokens: int, native: bool 
     return len(model.sparse_layers) * per_block
 
 
+LOOP_EXPERT_CALL_S = 6.3e-4
+"""The model's own SparseMLP (ZeRO-3's MoE layer) on a GPU: the seconds one expert's call takes at least, forward or
+backward, however little it computes. Each call finds its tokens with a nonzero() that waits for the GPU, then
+launches a dozen small kernels from Python, so the GPU idles while the host launches. Fitted to the one measurement
+there is (docs/benchmarks.md, H200, 2026-11-26): the plain-PyTorch loop over 32 experts of 1024 (top-4, 4 blocks,
+4 micro-batches of 8,192 tokens) took 699.8 ms per step where its FLOPs at the catalog rate take 56 ms: 0.644 s
+over 1,024 calls (forward and backward). Taken as 0 on CPU ranks, whose cores compute what they launch."""
+
+
+def expert_loop_s(*, model: ModelSpec, plan: Plan, gpu: GpuType, tokens: int, achieved: float) -> float:
+    """Seconds per micro-batch the model's own SparseMLP (ZeRO-3: dspipe.runtime.experts.native_layer) adds beyond
+    its FLOPs on a GPU, `tokens` tokens per micro-batch, `achieved` FLOP/s: per sparse block and expert, each pass
+    (forward, backward, and the forward again under full recomputation) takes at least LOOP_EXPERT_CALL_S, beyond
+    the expert's mean share of the routed tokens (k T / E rows) at the achieved rate. 0 on DeepSpeed's layer, on a
+    dense model and on CPU ranks."""
+    if not model.experts or native_layer(zero_stage=plan.zero_stage) or gpu.backend != "nccl":
+        return 0.0
+    forward = 2 * model.expert_params * model.experts_per_token * tokens / model.experts / achieved
+    passes = [forward, 2 * forward] + ([forward] if plan.checkpointing == Checkpointing.FULL else [])
+    per_expert = sum(max(0.0, LOOP_EXPERT_CALL_S - t) for t in passes)
+    return len(model.sparse_layers) * model.experts * per_expert
+
+
 def _sp_comm_s(*, model: ModelSpec, plan: Plan, cluster: ClusterSpec, tokens: int, layers: int) -> float:
     """Seconds per step of the Ulysses all-to-alls on the slowest stage, `layers` blocks of `tokens` tokens per
     micro-batch."""
@@ -368,11 +391,12 @@ def step_time(*, model: ModelSpec, cluster: ClusterSpec, plan: Plan, phi: int) -
     # stage's, the embedding table's parameters cost the first stage blocks)
     busiest = slowest_stage_share(model=model, pp=pp, partition_method=plan.partition_method, kernels=kernels)
     compute = tokens_per_replica * rank_flops * busiest / achieved
-    bubble = compute * (pp - 1) / m
     fwd_share = executed / 3 / hw_flops  # forward: 2N + 2Lhs of the 6N + 6Lhs; the rest (recompute too) is backward
     fwd_micro, bwd_micro = compute / m * fwd_share, compute / m * (1 - fwd_share)
-
     tokens_micro = plan.micro_batch * share(model.seq_len, sp)
+    compute += m * expert_loop_s(model=model, plan=plan, gpu=gpu, tokens=tokens_micro, achieved=achieved)
+    bubble = compute * (pp - 1) / m
+
     tp_comm = _tp_comm_s(model=model, plan=plan, gpu=gpu, tokens=tokens_micro, layers=layers_per_stage)
     sp_comm = _sp_comm_s(model=model, plan=plan, cluster=cluster, tokens=tokens_micro, layers=layers_per_stage)
     ep_comm = _ep_comm_s(model=model, plan=plan, cluster=cluster, tokens=tokens_micro)

@@ -21,7 +21,12 @@ from dspipe.planner.plan import make_plan
 from dspipe.planner.search import search
 from dspipe.planner.stages import stage_layer_weights, stage_params
 from dspipe.planner.throughput import attention_flops_per_token, model_flops_per_token
-from dspipe.planner.timing import moe_dispatch_flops_per_token, zero3_gathers_per_pass
+from dspipe.planner.timing import (
+    LOOP_EXPERT_CALL_S,
+    expert_loop_s,
+    moe_dispatch_flops_per_token,
+    zero3_gathers_per_pass,
+)
 from dspipe.spec.cluster import ClusterSpec
 from dspipe.spec.core import StrategyRequest
 from dspipe.spec.presets import MODEL_PRESETS, PRESETS, model_preset
@@ -199,6 +204,34 @@ def test_zero3_runs_the_models_own_experts_no_dispatch_masks_no_padding():
     assert zero3_gathers_per_pass(m, threshold=threshold) == m.layers * (2 + 2 * m.experts + router) + 3
     dense = MODEL_PRESETS["llama2-7b"]
     assert zero3_gathers_per_pass(dense, threshold=10 * dense.hidden) == 4 * dense.layers + 3
+
+
+def test_the_expert_loop_costs_its_calls_where_its_experts_are_small():
+    """The model's own SparseMLP on a GPU: each expert's pass takes at least LOOP_EXPERT_CALL_S (fitted to the H200
+    bench of docs/benchmarks.md: the loop over 32 experts of 1024, 699.8 ms per step measured); nothing where the
+    experts' own GEMMs take longer (Mixtral's), on DeepSpeed's layer, or on CPU ranks."""
+    bench = model_preset(
+        "tiny-llama", layers=4, hidden=1024, heads=16, kv_heads=4, ffn=2816, vocab=32000, seq_len=2048, experts=32,
+        experts_per_token=4, expert_ffn=1024,
+    )  # fmt: skip
+    cluster = ClusterSpec(1, 1, "h200")
+    train = TrainSpec(global_batch=16, micro_batch=4, steps=100, warmup_steps=10, precision="bf16")
+    strategy = dict(ep=1, checkpointing="none")
+    plan = make_plan(model=bench, cluster=cluster, train=train, strategy=StrategySpec(zero=3, **strategy))
+    step = estimate(model=bench, cluster=cluster, plan=plan).step_time_s
+    assert abs(step - 0.6998) < 0.05 * 0.6998, step  # the measured step, which the constant was fitted to
+    native = make_plan(model=bench, cluster=cluster, train=train, strategy=StrategySpec(zero=2, **strategy))
+    achieved = cluster.gpu_type.compute_tflops("bf16") * 1e12
+    assert expert_loop_s(model=bench, plan=native, gpu=cluster.gpu_type, tokens=8192, achieved=achieved) == 0
+    cpu = ClusterSpec(1, 2, "cpu").gpu_type
+    assert expert_loop_s(model=bench, plan=plan, gpu=cpu, tokens=8192, achieved=achieved) == 0
+    calls = len(bench.sparse_layers) * bench.experts * 2  # forward and backward, no recomputation
+    assert expert_loop_s(model=bench, plan=plan, gpu=cluster.gpu_type, tokens=8192, achieved=achieved) == (
+        pytest.approx(calls * LOOP_EXPERT_CALL_S, rel=0.05)
+    )
+    mixtral = model_preset("mixtral-8x7b", seq_len=32768)  # 8,192 rows per expert: its GEMMs outlast the launches
+    h100 = ClusterSpec(1, 8, "h100-80g").gpu_type
+    assert expert_loop_s(model=mixtral, plan=plan, gpu=h100, tokens=32768, achieved=achieved) == 0
 
 
 def test_all_to_alls_cost_nothing_at_ep_1_and_leave_nvlink_beyond_a_node():

@@ -258,27 +258,31 @@ def moe_dispatch_flops_per_token(model: ModelSpec, *, tokens: int, native: bool 
     return len(model.sparse_layers) * per_block
 
 
-LOOP_EXPERT_CALL_S = 6.3e-4
-"""The model's own SparseMLP (ZeRO-3's MoE layer) on a GPU: the seconds one expert's call takes at least, forward or
-backward, however little it computes. Each call finds its tokens with a nonzero() that waits for the GPU, then
-launches a dozen small kernels from Python, so the GPU idles while the host launches. Fitted to the one measurement
-there is (docs/benchmarks.md, H200, 2026-11-26): the plain-PyTorch loop over 32 experts of 1024 (top-4, 4 blocks,
-4 micro-batches of 8,192 tokens) took 699.8 ms per step where its FLOPs at the catalog rate take 56 ms: 0.644 s
-over 1,024 calls (forward and backward). Taken as 0 on CPU ranks, whose cores compute what they launch."""
+EXPERT_CALL_S = 6.3e-4
+"""On a GPU, the seconds one expert's call takes at least, forward or backward, however little it computes: both
+MoE layers call their experts one by one from Python (the model's own SparseMLP after a nonzero() that waits for the
+GPU; DeepSpeed's Experts over the capacity-padded chunks), a dozen small kernels each, so with small experts the GPU
+idles while the host launches. Fitted to the plain-PyTorch loop over 32 experts of 1024 (top-4, 4 blocks, 4
+micro-batches of 8,192 tokens) on the H200 (docs/benchmarks.md, 2026-11-26): 699.8 ms per step where its FLOPs at
+the catalog rate take 56 ms, 0.644 s over 1,024 calls. The same bench on DeepSpeed's layer (947.5 ms measured, 200 ms
+of FLOPs planned) then plans 0.82 s (-14%). Taken as 0 on CPU ranks, whose cores compute what they launch."""
 
 
-def expert_loop_s(*, model: ModelSpec, plan: Plan, gpu: GpuType, tokens: int, achieved: float) -> float:
-    """Seconds per micro-batch the model's own SparseMLP (ZeRO-3: dspipe.runtime.experts.native_layer) adds beyond
-    its FLOPs on a GPU, `tokens` tokens per micro-batch, `achieved` FLOP/s: per sparse block and expert, each pass
-    (forward, backward, and the forward again under full recomputation) takes at least LOOP_EXPERT_CALL_S, beyond
-    the expert's mean share of the routed tokens (k T / E rows) at the achieved rate. 0 on DeepSpeed's layer, on a
-    dense model and on CPU ranks."""
-    if not model.experts or native_layer(zero_stage=plan.zero_stage) or gpu.backend != "nccl":
+def expert_calls_s(*, model: ModelSpec, plan: Plan, gpu: GpuType, tokens: int, achieved: float) -> float:
+    """Seconds per micro-batch the MoE layer's expert calls add beyond their FLOPs on a GPU, `tokens` tokens per
+    micro-batch, `achieved` FLOP/s: per sparse block on the busiest stage and expert the rank holds (experts / ep),
+    each pass (forward, backward, and the forward again under full recomputation) takes at least EXPERT_CALL_S
+    beyond the expert's rows at the achieved rate (DeepSpeed's layer: its capacity C, padding included; the model's
+    own: the mean k T / E). 0 on a dense model and on CPU ranks."""
+    if not model.experts or gpu.backend != "nccl":
         return 0.0
-    forward = 2 * model.expert_params * model.experts_per_token * tokens / model.experts / achieved
+    native = native_layer(zero_stage=plan.zero_stage)
+    rows = expert_capacity(model=model, tokens=tokens) if native else model.experts_per_token * tokens / model.experts
+    forward = 2 * model.expert_params * rows / achieved
     passes = [forward, 2 * forward] + ([forward] if plan.checkpointing == Checkpointing.FULL else [])
-    per_expert = sum(max(0.0, LOOP_EXPERT_CALL_S - t) for t in passes)
-    return len(model.sparse_layers) * model.experts * per_expert
+    per_expert = sum(max(0.0, EXPERT_CALL_S - t) for t in passes)
+    blocks = max(stage_sparse_blocks(model=model, pp=plan.pp, partition_method=plan.partition_method))
+    return blocks * (model.experts // plan.ep) * per_expert
 
 
 def _sp_comm_s(*, model: ModelSpec, plan: Plan, cluster: ClusterSpec, tokens: int, layers: int) -> float:
@@ -394,7 +398,7 @@ def step_time(*, model: ModelSpec, cluster: ClusterSpec, plan: Plan, phi: int) -
     fwd_share = executed / 3 / hw_flops  # forward: 2N + 2Lhs of the 6N + 6Lhs; the rest (recompute too) is backward
     fwd_micro, bwd_micro = compute / m * fwd_share, compute / m * (1 - fwd_share)
     tokens_micro = plan.micro_batch * share(model.seq_len, sp)
-    compute += m * expert_loop_s(model=model, plan=plan, gpu=gpu, tokens=tokens_micro, achieved=achieved)
+    compute += m * expert_calls_s(model=model, plan=plan, gpu=gpu, tokens=tokens_micro, achieved=achieved)
     bubble = compute * (pp - 1) / m
 
     tp_comm = _tp_comm_s(model=model, plan=plan, gpu=gpu, tokens=tokens_micro, layers=layers_per_stage)

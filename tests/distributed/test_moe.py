@@ -1,4 +1,4 @@
-"""Mixtures of experts on real CPU ranks (2 ranks but three launches of 4, fp32, dropout 0), fourteen launches in
+"""Mixtures of experts on real CPU ranks (2 ranks but three launches of 4, fp32, dropout 0), fifteen launches in
 all: a tiny random MixtralForCausalLM (4 experts, top 2) and Qwen3MoeForCausalLM (4 experts, top 2, norm_topk_prob
 off) written by save_pretrained with the corpus's tokenizer, trained with `--init-from` on DeepSpeed's native MoE
 layer; and a DeepSeek-V3-routed model from dspipe's own draws (sigmoid scores, routed scale 2.5, 2 expert groups of
@@ -16,7 +16,8 @@ which a token uses 1, aux-loss-free bias balancing) at ep 2 and ep 1.
     Mixtral pp 2 x ep 2      4 ranks (pp 2 x dp 2), ZeRO-1, full recomputation: killed and resumed bitwise;
                              loss, aux loss, grad norm within 1e-5 of ep 1's, the same expert loads; exports; its
                              step-3 checkpoint resumed as the plain model at ep 1 on 2 ranks: steps 4-6 within 1e-6
-    Qwen3-MoE ep 2, ZeRO-2   lr 1e-12: step 1's LM loss is transformers', export-hf computes transformers' logits
+    Qwen3-MoE ep 2, ZeRO-2   lr 1e-12: step 1's LM loss is transformers', export-hf computes transformers' logits;
+                             the same under ZeRO-3 (the model's own experts)
     sigmoid ep 2 / ep 1      step 1's LM loss is the plain model's; every step's loss within 1e-5 of each other;
                              ep 1 (ZeRO-0) resumed at dp 1 from its step-3 checkpoint: steps 4-6 bitwise; ep 2
                              (ZeRO-2) resumed at ep 1 from its step-3 checkpoint: steps 4-6 within 1e-6; the
@@ -349,24 +350,29 @@ def _pipeline_of_experts(tmp_path, corpus, hf_dir, *, train: list, reference: li
 
 
 def test_qwen3_moe_expert_parallel_starts_from_transformers_and_exports_its_logits(tmp_path, corpus, monkeypatch):
+    """Qwen3-MoE at ep 2 on DeepSpeed's layer (ZeRO-2) and under ZeRO-3 on the model's own experts: step 1's LM loss
+    is transformers' (lr 1e-12), and export-hf computes transformers' logits, from both."""
     hf_dir, hf, expected = start_from_hf(tmp_path, "qwen3-moe", corpus, monkeypatch)
-    run = tmp_path / "run"
-    configure(run, corpus, hf_dir, "--steps", "2", "--lr", "1e-12", "--weight-decay", "0", "--zero", "2", "--ep", "2")
-    ok(launch(run))
-    rows = csv_rows(run / "metrics.csv")
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         hf_logits = hf(ids).logits
-    cls, logits, ours = exported_logits(run, tmp_path / "export", ids)
-    print(
-        f"qwen3-moe: HF loss {expected:.6f}, step 1 {rows[0]['loss']} aux {rows[0]['aux_loss']}; export - HF "
-        f"logits {(logits - hf_logits).abs().max().item():.3g}"
-    )
-    assert abs(float(rows[0]["loss"]) - expected) < LOSS_TOL
-    assert float(rows[0]["aux_loss"]) > 0
-    assert built_params(run) == planned_params(run, ep=2)  # dense + this rank's experts, read lazily
-    assert cls == "Qwen3MoeForCausalLM"
-    assert (logits - hf_logits).abs().max().item() < LOGITS_TOL and (logits - ours).abs().max().item() < LOGITS_TOL
+    for name, flags in (("ep2", ("--zero", "2", "--ep", "2")), ("zero3", ("--zero", "3", "--ep", "1"))):
+        run = tmp_path / name
+        configure(run, corpus, hf_dir, "--steps", "2", "--lr", "1e-12", "--weight-decay", "0", *flags)
+        ok(launch(run))
+        rows = csv_rows(run / "metrics.csv")
+        cls, logits, ours = exported_logits(run, tmp_path / f"export-{name}", ids)
+        print(
+            f"qwen3-moe {name}: HF loss {expected:.6f}, step 1 {rows[0]['loss']} aux {rows[0]['aux_loss']}; export - "
+            f"HF logits {(logits - hf_logits).abs().max().item():.3g}"
+        )
+        assert abs(float(rows[0]["loss"]) - expected) < LOSS_TOL
+        assert float(rows[0]["aux_loss"]) > 0
+        if name == "ep2":
+            assert built_params(run) == planned_params(run, ep=2)  # dense + this rank's experts, read lazily
+        assert cls == "Qwen3MoeForCausalLM"
+        assert (logits - hf_logits).abs().max().item() < LOGITS_TOL
+        assert (logits - ours).abs().max().item() < LOGITS_TOL
 
 
 def test_sigmoid_routing_expert_parallel_equals_ep1_and_the_plain_model(tmp_path, corpus):

@@ -359,3 +359,21 @@ def test_dropped_routes_are_counted_once_and_none_when_dropless(group, reentrant
     # block are dropped, the same ones in each step's one micro-batch (the weights did not move)
     assert dropped[None] == [0, 0]
     assert dropped[0.5][0] == dropped[0.5][1] >= 2 * 32, dropped
+
+
+def test_the_layer_benchmark_runs_both_layers_on_the_same_weights():
+    """benchmarks/moe_layer.py (the CPU figures of docs/benchmarks.md) at a tiny size, in its own process: both layers
+    time and compute the same output (fp32: the same bits)."""
+    import re
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    args = ["--hidden", "64", "--experts", "4", "--expert-ffn", "32", "--tokens", "64", "--repeats", "1"]
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "moe_layer.py"), *args], capture_output=True, text=True, cwd=ROOT
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    m = re.search(r"own / native: (\d+\.\d+); largest output difference (\S+)", r.stdout)
+    assert m and float(m.group(1)) > 0 and float(m.group(2)) == 0, r.stdout

@@ -24,8 +24,8 @@ def _group() -> None:
 
     from dspipe.cluster.ports import free_port
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(free_port())  # its own: an inherited one may be a live group's
     dist.init_process_group("gloo", rank=0, world_size=1)
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
 

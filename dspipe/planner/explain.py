@@ -75,9 +75,31 @@ def why_not(best: Candidate | None, members: list[Candidate]) -> str:
                 f"{pace} at best, a tie (within {(TIE - 1) * 100:.0f}%) that went to "
                 f"{tie_reason(best, quickest)} ({quickest.describe()})"
             )
-        return f"slower by {slower * 100:.0f}% at best ({quickest.describe()})"
+        return f"slower by {slower * 100:.0f}% at best ({quickest.describe()}){widest_gap(best.est, quickest.est)}"
     near = min(members, key=over)
     return f"does not fit: {shortfall_text(near)} at best ({near.describe()})"
+
+
+STEP_TERMS = (
+    ("compute", "compute_s"),
+    ("dp comm", "dp_comm_s"),
+    ("tp comm", "tp_comm_s"),
+    ("sp comm", "sp_comm_s"),
+    ("ep comm", "ep_comm_s"),
+    ("bubble", "bubble_s"),
+    ("pp comm", "pp_comm_s"),
+    ("offload", "offload_s"),
+    ("optimizer", "optimizer_s"),
+)
+"""The step's terms by name, as the plan's step-time line prints them."""
+
+
+def widest_gap(best: Estimate, other: Estimate) -> str:
+    """': its TERM X s against Y s': the step-time term by which `other` loses the most to `best` ('' if none)."""
+    name, attr = max(STEP_TERMS, key=lambda t: getattr(other, t[1]) - getattr(best, t[1]))
+    if getattr(other, attr) <= getattr(best, attr):
+        return ""
+    return f": its {name} {getattr(other, attr):.3g} s against {getattr(best, attr):.3g} s"
 
 
 def rules_text(rules: dict[int, str]) -> str:

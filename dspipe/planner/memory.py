@@ -616,12 +616,18 @@ def module_sizes(tensors: list[tuple[str, tuple[int, ...]]]) -> list[int]:
 
 
 @lru_cache(maxsize=256)
+def block_modules(model: ModelSpec) -> tuple[int, ...]:
+    """Elements of every parameterised module of the blocks, in forward order (a sparse block's experts each)."""
+    return tuple(size for i in range(model.layers) for size in module_sizes(model.block_tensors(i)))
+
+
+@lru_cache(maxsize=256)
 def _forward_modules(model: ModelSpec) -> tuple[int, ...]:
     """Elements of every parameterised module in forward order, the head (a tied one reuses the embedding) last."""
     tensors = model.model_tensors()
     return (
         *module_sizes([t for t in tensors if t[0].startswith("embed.")]),
-        *(size for i in range(model.layers) for size in module_sizes(model.block_tensors(i))),
+        *block_modules(model),
         *module_sizes([t for t in tensors if t[0].startswith("final.")]),
         model.vocab * model.hidden,
     )
@@ -652,7 +658,7 @@ def zero3_backward_working(*, model: ModelSpec, plan: Plan) -> int:
       - the head: its weight gathered with a prefetch bucket and the first block module past it (or what
         stage3_max_reuse_distance kept gathered since the forward, if more), and its gradient.
     The contiguous reduce bucket is a steady buffer; the gradients are reduced module by module and freed."""
-    order = list(reversed([size for i in range(model.layers) for size in module_sizes(model.block_tensors(i))]))
+    order = list(reversed(block_modules(model)))
     pair = max(a + b for a, b in zip(order, order[1:] + order[:1], strict=True))
     head = model.vocab * model.hidden
     kept = zero3_kept_for_reuse(model=model, plan=plan)

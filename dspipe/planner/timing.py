@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from dspipe.planner.memory import expert_capacity, module_sizes
+from dspipe.planner.memory import block_modules, expert_capacity
 from dspipe.planner.plan import Plan
 from dspipe.planner.stages import param_groups, share, slowest_stage_share, stage_sparse_blocks, zero_group_size
 from dspipe.planner.throughput import attention_flops_per_token, model_flops_per_token
@@ -74,8 +74,7 @@ def zero3_gathers_per_pass(model: ModelSpec, *, threshold: int) -> int:
     the QKV, attention-out, MLP-up and MLP-down linears; per sparse block (the model's own SparseMLP under ZeRO-3)
     the attention's two, each routed expert's up and down projections, the shared experts' and the router when it
     is that large; the token and position embeddings and the (tied) head, 3."""
-    blocks = sum(sum(1 for n in module_sizes(model.block_tensors(i)) if n >= threshold) for i in range(model.layers))
-    return blocks + 3
+    return sum(1 for n in block_modules(model) if n >= threshold) + 3
 
 
 def _dp_collectives_s(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
+from functools import cached_property
 
 from dspipe.errors import SpecError
 from dspipe.spec.checks import add_limits, flag, int_range, is_number, number, one_of, positive, show, text
@@ -458,7 +459,7 @@ class ModelSpec:
         """Whether block `layer` (from 0) is a mixture-of-experts block."""
         return bool(self.experts) and layer >= self.moe_first_dense and (layer + 1) % self.moe_every == 0
 
-    @property
+    @cached_property
     def sparse_layers(self) -> tuple[int, ...]:
         """The mixture-of-experts blocks, in order."""
         return tuple(i for i in range(self.layers) if self.is_sparse(i))
@@ -521,7 +522,7 @@ class ModelSpec:
             return []
         return [(f"h.{i}.mlp.router_bias", (self.experts,)) for i in self.sparse_layers]
 
-    @property
+    @cached_property
     def params_per_block(self) -> int:
         """Parameters of a dense block (see layer_params for a model with sparse blocks)."""
         return sum(math.prod(shape) for _, shape in self.block_tensors())
@@ -532,17 +533,17 @@ class ModelSpec:
             return self.params_per_block
         return self.params_per_block - self.moe_dense_mlp_params + self.sparse_mlp_params
 
-    @property
+    @cached_property
     def moe_dense_mlp_params(self) -> int:
         """The dense MLP's parameters (what a sparse block replaces)."""
         return sum(math.prod(shape) for _, shape in self.mlp_tensors("", self.ffn))
 
-    @property
+    @cached_property
     def expert_params(self) -> int:
         """Parameters of one routed expert."""
         return sum(math.prod(shape) for _, shape in self.expert_tensors())
 
-    @property
+    @cached_property
     def sparse_mlp_params(self) -> int:
         """A sparse block's MLP: router + every routed expert + the shared experts."""
         shared = (
@@ -552,12 +553,12 @@ class ModelSpec:
         )
         return self.experts * self.hidden + self.experts * self.expert_params + shared
 
-    @property
+    @cached_property
     def routed_expert_params(self) -> int:
         """Every routed expert of every sparse block: the parameters expert parallelism divides over ep."""
         return len(self.sparse_layers) * self.experts * self.expert_params
 
-    @property
+    @cached_property
     def blocks_params(self) -> int:
         """All blocks together."""
         return sum(self.layer_params(i) for i in range(self.layers))
@@ -571,13 +572,13 @@ class ModelSpec:
     def final_norm_params(self) -> int:
         return sum(math.prod(shape) for _, shape in self.norm_tensors("final.ln_f"))
 
-    @property
+    @cached_property
     def num_params(self) -> int:
         """Total parameters, counting a tied embedding once."""
         head = 0 if self.tied_embeddings else self.vocab * self.hidden
         return self.embedding_params + self.blocks_params + self.final_norm_params + head
 
-    @property
+    @cached_property
     def active_params(self) -> int:
         """Parameters one token passes through: every routed expert but its experts_per_token left out (the
         count MoE papers publish as 'active'; = num_params for a dense model)."""

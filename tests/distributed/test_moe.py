@@ -168,6 +168,26 @@ def planned_params(run, *, ep: int, pp: int = 1) -> list[int]:
     return [n for n in stages for _ in range(r.plan.dp)]
 
 
+def killed_and_resumed(run, *, gpus: int) -> list[dict]:
+    """Launch `run` on `gpus` ranks, kill -9 it after step 5 (its checkpoint at 3), resume it: the replayed steps 4-5
+    bitwise the ones before the kill; returns metrics.csv's 6 rows."""
+    r = launch(run, "--test-faults", '{"kill_at_step": 5}', num_gpus=gpus)
+    assert r.returncode != 0
+    before = written_metrics(run)
+    ok(launch(run, "--resume", "auto", num_gpus=gpus))
+    rows = csv_rows(run / "metrics.csv")
+    assert written_metrics(run)[:5] == before and len(rows) == 6
+    return rows
+
+
+def relative_differences(rows: list[dict], reference: list[dict]) -> dict[str, float]:
+    """The largest relative difference of each step's loss, aux loss and gradient norm from `reference`'s."""
+    return {
+        key: max(abs(float(a[key]) - float(b[key])) / abs(float(b[key])) for a, b in zip(rows, reference, strict=True))
+        for key in ("loss", "aux_loss", "grad_norm")
+    }
+
+
 def start_from_hf(tmp_path, family: str, corpus, monkeypatch):
     """(checkpoint directory, the model transformers loads from it, its first-batch loss), offline."""
     for k, v in OFFLINE.items():
@@ -232,38 +252,24 @@ def test_mixtral_expert_parallel_equals_ep1_resumes_exactly_and_exports(tmp_path
 
     # ep 2's step-3 checkpoint (ZeRO-2, dp 2: each rank its 2 experts whole) resumed on 4 ranks at dp 4 x ep 2, each
     # expert's state now cut over 2 expert-data-parallel ranks
-    _resumed_elsewhere(
-        tmp_path / "dp4-ep2",
-        corpus,
-        hf_dir,
-        "--zero",
-        "2",
-        "--ep",
-        "2",
-        gpus=4,
-        train=train,
-        source=ep2,
-        reference=rows2[3:],
-    )
+    dp4 = tmp_path / "dp4-ep2"
+    _resumed_elsewhere(dp4, corpus, hf_dir, zero=2, ep=2, gpus=4, train=train, source=ep2, reference=rows2[3:])
 
 
-def _resumed_elsewhere(run, corpus, hf_dir, *flags, gpus: int, train: list, source, reference: list) -> None:
-    """`source`'s step-3 checkpoint resumed in `run` on `gpus` ranks at the layout `flags` give, through
+def _resumed_elsewhere(run, corpus, hf_dir, *, zero: int, ep: int, gpus: int, train: list, source, reference) -> None:
+    """`source`'s step-3 checkpoint resumed in `run` on `gpus` ranks at ZeRO-`zero` and `ep` (pp 1), through
     dspipe's universal conversion (dspipe.runtime.moe_reshard): steps 4-6 those of the run that went on
     (`reference`: loss, aux loss, grad norm within 1e-6); the conversion's copy is gone afterwards."""
     import shutil
 
-    configure(run, corpus, hf_dir, *train, *flags, gpus=gpus)
+    configure(run, corpus, hf_dir, *train, "--zero", str(zero), "--ep", str(ep), gpus=gpus)
     shutil.copytree(source / "checkpoints", run / "checkpoints", ignore=shutil.ignore_patterns("global_step6"))
     (run / "checkpoints" / "latest").write_text("global_step3")
     r = launch(run, "--resume", "auto", num_gpus=gpus)
     ok(r)
     assert "at step 3" in r.stderr
     rows = csv_rows(run / "metrics.csv")
-    diffs = {
-        key: max(abs(float(a[key]) - float(b[key])) / abs(float(b[key])) for a, b in zip(rows, reference, strict=True))
-        for key in ("loss", "aux_loss", "grad_norm")
-    }
+    diffs = relative_differences(rows, reference)
     print(f"mixtral {source.name} -> {run.name} at step 3: relative differences in steps 4-6 {diffs}")
     assert [row["step"] for row in rows] == ["4", "5", "6"] and max(diffs.values()) < 1e-6, diffs
     assert not [p.name for p in (run / "checkpoints").iterdir() if p.name.startswith(".universal-")]
@@ -277,16 +283,8 @@ def _zero3_experts(tmp_path, corpus, hf_dir, *, train: list, reference: list, ex
     tensors, in the ZeRO-3 partitions); export-hf computes transformers' Mixtral with the run's weights."""
     run = tmp_path / "zero3"
     configure(run, corpus, hf_dir, *train, "--zero", "3", "--ep", "1")
-    r = launch(run, "--test-faults", '{"kill_at_step": 5}')
-    assert r.returncode != 0
-    before = written_metrics(run)
-    ok(launch(run, "--resume", "auto"))
-    rows = csv_rows(run / "metrics.csv")
-    assert written_metrics(run)[:5] == before and len(rows) == 6
-    diffs = {
-        key: max(abs(float(a[key]) - float(b[key])) / abs(float(b[key])) for a, b in zip(rows, reference, strict=True))
-        for key in ("loss", "aux_loss", "grad_norm")
-    }
+    rows = killed_and_resumed(run, gpus=2)
+    diffs = relative_differences(rows, reference)
     print(f"mixtral ZeRO-3 (the model's own experts) vs ep 1 on DeepSpeed's layer: relative differences {diffs}")
     assert abs(float(rows[0]["loss"]) - expected) < LOSS_TOL and max(diffs.values()) < LOSS_TOL, diffs
     assert [row["expert_load"] for row in rows] == [row["expert_load"] for row in reference]
@@ -309,16 +307,8 @@ def _pipeline_of_experts(tmp_path, corpus, hf_dir, *, train: list, reference: li
     the checkpoint (each stage's module in its mp_rank file, its experts' files) exports dspipe's logits."""
     run = tmp_path / "pp2"
     configure(run, corpus, hf_dir, *train, "--zero", "1", "--ep", "2", gpus=4, pp=2, checkpointing="full")
-    r = launch(run, "--test-faults", '{"kill_at_step": 5}', num_gpus=4)
-    assert r.returncode != 0
-    before = written_metrics(run)
-    ok(launch(run, "--resume", "auto", num_gpus=4))
-    rows = csv_rows(run / "metrics.csv")
-    assert written_metrics(run)[:5] == before and len(rows) == 6
-    diffs = {
-        key: max(abs(float(a[key]) - float(b[key])) / abs(float(b[key])) for a, b in zip(rows, reference, strict=True))
-        for key in ("loss", "aux_loss", "grad_norm")
-    }
+    rows = killed_and_resumed(run, gpus=4)
+    diffs = relative_differences(rows, reference)
     print(f"mixtral pp 2 x dp 2 x ep 2 vs pp 1 ep 1: relative differences {diffs}")
     assert max(diffs.values()) < LOSS_TOL, diffs
     assert [row["expert_load"] for row in rows] == [row["expert_load"] for row in reference]
@@ -334,19 +324,8 @@ def _pipeline_of_experts(tmp_path, corpus, hf_dir, *, train: list, reference: li
     assert cls == "MixtralForCausalLM" and (logits - ours).abs().max().item() < LOGITS_TOL
     # its step-3 checkpoint resumed as the plain model on 2 ranks at ep 1 (dspipe.runtime.moe_reshard, the
     # parameters renamed): steps 4-6 those of the pipeline that went on
-    _resumed_elsewhere(
-        tmp_path / "pp1-ep1",
-        corpus,
-        hf_dir,
-        "--zero",
-        "1",
-        "--ep",
-        "1",
-        gpus=2,
-        train=train,
-        source=run,
-        reference=rows[3:],
-    )
+    pp1 = tmp_path / "pp1-ep1"
+    _resumed_elsewhere(pp1, corpus, hf_dir, zero=1, ep=1, gpus=2, train=train, source=run, reference=rows[3:])
 
 
 def test_qwen3_moe_expert_parallel_starts_from_transformers_and_exports_its_logits(tmp_path, corpus, monkeypatch):

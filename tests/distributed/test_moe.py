@@ -1,8 +1,8 @@
-"""Mixtures of experts on real CPU ranks (2 ranks but three launches of 4, fp32, dropout 0), fifteen launches in
-all: a tiny random MixtralForCausalLM (4 experts, top 2) and Qwen3MoeForCausalLM (4 experts, top 2, norm_topk_prob
-off) written by save_pretrained with the corpus's tokenizer, trained with `--init-from` on DeepSpeed's native MoE
-layer; and a DeepSeek-V3-routed model from dspipe's own draws (sigmoid scores, routed scale 2.5, 2 expert groups of
-which a token uses 1, aux-loss-free bias balancing) at ep 2 and ep 1.
+"""Mixtures of experts on real CPU ranks (2 ranks but three launches of 4 and one of 1, fp32, dropout 0), sixteen
+launches in all: a tiny random MixtralForCausalLM (4 experts, top 2) and Qwen3MoeForCausalLM (4 experts, top 2,
+norm_topk_prob off) written by save_pretrained with the corpus's tokenizer, trained with `--init-from` on DeepSpeed's
+native MoE layer (ZeRO-3: the model's own); and a DeepSeek-V3-routed model from dspipe's own draws (sigmoid scores,
+routed scale 2.5, 2 expert groups of which a token uses 1, aux-loss-free bias balancing) at ep 2 and ep 1.
 
     Mixtral ep 2, ZeRO-2     killed after step 5 (checkpoint at 3), then resumed: step 1's LM loss is
                              transformers'; the resumed steps 4-5 are bitwise the ones before the kill; the
@@ -12,7 +12,8 @@ which a token uses 1, aux-loss-free bias balancing) at ep 2 and ep 1.
     Mixtral dp 4 x ep 2      ep 2's step-3 checkpoint resumed on 4 ranks (each expert's ZeRO-2 state now cut over 2
                              ranks): steps 4-6 within 1e-6 of ep 2's
     Mixtral ZeRO-3           ep 1 on the model's own SparseMLP: killed and resumed bitwise; step 1 transformers';
-                             every step within 1e-5 of ep 1's, the same loads; no expert files; exports
+                             every step within 1e-5 of ep 1's, the same loads; no expert files; exports; its
+                             step-3 checkpoint resumed by 1 rank: steps 4-6 within 1e-6
     Mixtral pp 2 x ep 2      4 ranks (pp 2 x dp 2), ZeRO-1, full recomputation: killed and resumed bitwise;
                              loss, aux loss, grad norm within 1e-5 of ep 1's, the same expert loads; exports; its
                              step-3 checkpoint resumed as the plain model at ep 1 on 2 ranks: steps 4-6 within 1e-6
@@ -257,8 +258,8 @@ def test_mixtral_expert_parallel_equals_ep1_resumes_exactly_and_exports(tmp_path
 
 
 def _resumed_elsewhere(run, corpus, hf_dir, *, zero: int, ep: int, gpus: int, train: list, source, reference) -> None:
-    """`source`'s step-3 checkpoint resumed in `run` on `gpus` ranks at ZeRO-`zero` and `ep` (pp 1), through
-    dspipe's universal conversion (dspipe.runtime.moe_reshard): steps 4-6 those of the run that went on
+    """`source`'s step-3 checkpoint resumed in `run` on `gpus` ranks at ZeRO-`zero` and `ep` (pp 1), through a
+    universal checkpoint (DeepSpeed's layer: dspipe.runtime.moe_reshard's): steps 4-6 those of the run that went on
     (`reference`: loss, aux loss, grad norm within 1e-6); the conversion's copy is gone afterwards."""
     import shutil
 
@@ -297,6 +298,9 @@ def _zero3_experts(tmp_path, corpus, hf_dir, *, train: list, reference: list, ex
     with torch.no_grad():
         moved = (logits - hf(ids).logits).abs().max().item()
     assert cls == "MixtralForCausalLM" and (logits - ours).abs().max().item() < LOGITS_TOL and moved > 1e-2
+    # its step-3 checkpoint resumed by one rank (dp 1): a dense model's ZeRO-3 resharding, experts included
+    dp1 = tmp_path / "zero3-dp1"
+    _resumed_elsewhere(dp1, corpus, hf_dir, zero=3, ep=1, gpus=1, train=train, source=run, reference=rows[3:])
 
 
 def _pipeline_of_experts(tmp_path, corpus, hf_dir, *, train: list, reference: list) -> None:

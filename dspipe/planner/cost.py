@@ -18,6 +18,19 @@ from dspipe.spec.cluster import ClusterSpec
 from dspipe.spec.hardware import GpuType
 from dspipe.spec.model import ModelSpec
 
+STEP_TERMS = (
+    ("compute", "compute_s"),
+    ("dp comm", "dp_comm_s"),
+    ("tp comm", "tp_comm_s"),
+    ("sp comm", "sp_comm_s"),
+    ("ep comm", "ep_comm_s"),
+    ("bubble", "bubble_s"),
+    ("pp comm", "pp_comm_s"),
+    ("offload", "offload_s"),
+    ("optimizer", "optimizer_s"),
+)
+"""The step's terms, (name as the plan prints it, Estimate's attribute), in the order the step-time line shows them."""
+
 
 @dataclass(frozen=True)
 class Estimate:

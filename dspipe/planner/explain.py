@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from dspipe.errors import SpecError
-from dspipe.planner.cost import Estimate
+from dspipe.planner.cost import STEP_TERMS, Estimate
 from dspipe.planner.enumerate import Candidate, Enumerated, divisors
 from dspipe.planner.plan import check_rules
 from dspipe.planner.rank import TIE, tie_reason
@@ -78,20 +78,6 @@ def why_not(best: Candidate | None, members: list[Candidate]) -> str:
         return f"slower by {slower * 100:.0f}% at best ({quickest.describe()}){widest_gap(best.est, quickest.est)}"
     near = min(members, key=over)
     return f"does not fit: {shortfall_text(near)} at best ({near.describe()})"
-
-
-STEP_TERMS = (
-    ("compute", "compute_s"),
-    ("dp comm", "dp_comm_s"),
-    ("tp comm", "tp_comm_s"),
-    ("sp comm", "sp_comm_s"),
-    ("ep comm", "ep_comm_s"),
-    ("bubble", "bubble_s"),
-    ("pp comm", "pp_comm_s"),
-    ("offload", "offload_s"),
-    ("optimizer", "optimizer_s"),
-)
-"""The step's terms by name, as the plan's step-time line prints them."""
 
 
 def widest_gap(best: Estimate, other: Estimate) -> str:

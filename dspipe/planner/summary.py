@@ -6,7 +6,7 @@ import math
 from typing import Any
 
 from dspipe.planner.checkpoint_size import disk_text
-from dspipe.planner.cost import Estimate
+from dspipe.planner.cost import STEP_TERMS, Estimate
 from dspipe.planner.enumerate import Candidate
 from dspipe.planner.memory import Memory
 from dspipe.planner.search import SearchResult
@@ -228,17 +228,7 @@ def _step_time_lines(
     """human_report's step time by term, the throughput and MFU, and the time model's figures when any is not the
     catalog's."""
     b = s["step_time_breakdown_s"]
-    shown = (
-        ("compute", "compute"),
-        ("dp comm", "dp_comm"),
-        ("tp comm", "tp_comm"),
-        ("sp comm", "sp_comm"),
-        ("ep comm", "ep_comm"),
-        ("bubble", "bubble"),
-        ("pp comm", "pp_comm"),
-        ("offload", "offload"),
-        ("optimizer", "optimizer"),
-    )
+    shown = tuple((name, attr.removesuffix("_s")) for name, attr in STEP_TERMS)
     terms = " + ".join(
         f"{name} {b[key]:.3g}"
         for name, key in shown  # zero tp / sp / ep / optimizer terms left out

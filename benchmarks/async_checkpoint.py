@@ -25,6 +25,9 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from dspipe.runtime.watchdog import read_events  # noqa: E402
 
 
 def dspipe(*args) -> None:
@@ -56,6 +59,10 @@ def saves(run: Path) -> dict[int, dict]:
         meta = json.loads(meta_path.read_text())
         out[meta["step"]] = meta["save"]
     return dict(sorted(out.items()))
+
+
+def listed(figures: dict, key: str) -> str:
+    return ", ".join(f"{f[key]:.2f}" for f in figures.values())
 
 
 def cost_ratio(*, times: dict, save: dict, step: int, clean: float) -> float:
@@ -140,12 +147,15 @@ def main() -> None:
             ratios = [cost_ratio(times=times, save=f, step=s, clean=clean) for s, f in measured.items()]
             last = list(measured.values())[-1]
             held = f", {last['rank_max_bytes'] / 2**30:.2f} GiB per rank held in host memory" if name == "async" else ""
+            prepared = [e for e in read_events(work / name) if e.get("event") == "host_buffers"]
+            if prepared:
+                held += f" (allocated once after step {prepared[0]['step']}, in {prepared[0]['seconds']:.2f} s)"
             print(
                 f"  {name:5s}: a clean step {clean:.2f} s; step during a save / clean = "
                 f"{', '.join(f'{r:.3f}' for r in ratios)} (saves at {', '.join(map(str, measured))}; "
-                f"the later ones: mean {statistics.mean(ratios[1:] or ratios):.3f}); checkpoint "
-                f"{last['bytes'] / 2**30:.2f} GiB{held}, written in {last['write_s']:.2f} s, the step waited "
-                f"{last['blocking_s']:.2f} s"
+                f"mean {statistics.mean(ratios):.3f}, the first {ratios[0]:.3f}); checkpoint "
+                f"{last['bytes'] / 2**30:.2f} GiB{held}; written in "
+                f"{listed(measured, 'write_s')} s, the step waited {listed(measured, 'blocking_s')} s"
             )
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -4,13 +4,14 @@ DeepSpeed: the spawned writer starts on torch alone)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from pathlib import Path
 
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
-from dspipe.runtime.async_save import ArenaPool, stage_into, writer_process
+from dspipe.runtime.async_save import ArenaPool, reserve, stage_into, writer_process
 from dspipe.runtime.writefail import WriteFailures
 
 
@@ -31,6 +32,9 @@ class BackgroundWriter(TorchCheckpointEngine):
         self._held: list = []
         self._outstanding = 0
         self._process = self._jobs = self._results = None
+        self._rehearsing = False
+        self.prepared = False
+        """Its host buffers are sized (by a rehearsal or a save), or a rehearsal was declined."""
 
     def begin(self) -> None:
         """A new checkpoint (the previous one is drained): reset its failure and figures, reuse its buffers."""
@@ -42,12 +46,33 @@ class BackgroundWriter(TorchCheckpointEngine):
     def preserves_storage_sharing(self) -> bool:
         return False  # DeepSpeed then hands the live state over without its own clone: `save` copies it once
 
+    @property
+    def started(self) -> bool:
+        """Its writer process was spawned (at start-up: the run saves in the background before its last step)."""
+        return self._process is not None
+
+    @contextlib.contextmanager
+    def rehearsal(self):
+        """While active, `save` allocates and faults in the file's host buffers and copies nothing: DeepSpeed's
+        save_checkpoint run through it sizes every file the run's saves will write (`bytes`: their total)."""
+        self.begin()
+        self._rehearsing = True
+        try:
+            yield self
+        finally:
+            self._rehearsing = False
+            self.prepared = True
+
     def save(self, state_dict, path: str) -> None:
         """Snapshot now; the file is written once `release` hands the checkpoint's files to the writer process."""
+        if self._rehearsing:
+            self.bytes += reserve(state_dict, pool=self.pool, name=Path(path).name)
+            return
         t0 = time.perf_counter()
         arenas, staged, nbytes = stage_into(state_dict, pool=self.pool, name=Path(path).name)
         self.bytes += nbytes
         self._held.append((arenas, staged, str(path)))
+        self.prepared = True
         self.blocking_s += time.perf_counter() - t0
 
     def release(self) -> None:

@@ -19,6 +19,7 @@ thread: torch.save holds the GIL while it writes (measured: the step during a sa
 from __future__ import annotations
 
 import copy
+import io
 import math
 import os
 import signal
@@ -119,16 +120,41 @@ class ArenaPool:
     def __init__(self):
         self.arenas: dict[tuple, object] = {}
 
-    def take(self, name: str, dtype, numel: int):
+    def take(self, name: str, dtype, numel: int, *, fault_in: bool = False):
+        """The buffer of file `name`'s tensors of `dtype` (`numel` elements), allocated unless one of that size is
+        held; `fault_in`: a new one's pages are written now (mapped in this process), not by the first copy."""
         import torch
 
         arena = self.arenas.get((name, dtype))
         if arena is None or arena.numel() != numel:
             arena = self.arenas[(name, dtype)] = torch.empty(numel, dtype=dtype).share_memory_()
+            if fault_in:
+                arena.zero_()
         return arena
 
     def nbytes(self) -> int:
         return sum(a.numel() * a.element_size() for a in self.arenas.values())
+
+
+def placement(state) -> tuple[list, dict, dict]:
+    """(the non-empty tensors of `state`, each one's offset in its dtype's arena, each dtype's arena length):
+    tensors in the order snapshot meets them, each slot 64-byte aligned."""
+    tensors = [t for t in tensors_in(state) if t.numel()]
+    offsets, totals = {}, {}
+    for t in tensors:
+        step = max(1, ALIGN // t.element_size())
+        offsets[id(t)] = totals.get(t.dtype, 0)
+        totals[t.dtype] = offsets[id(t)] + -(-t.numel() // step) * step
+    return tensors, offsets, totals
+
+
+def reserve(state, *, pool: ArenaPool, name: str) -> int:
+    """The arenas `stage_into` would copy `state` into, allocated and faulted in now (a rehearsal of the first
+    save, outside the steps); copies nothing. Returns the bytes the file's tensors take."""
+    tensors, _, totals = placement(state)
+    for dtype, numel in totals.items():
+        pool.take(name, dtype, numel, fault_in=True)
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def stage_into(state, *, pool: ArenaPool, name: str):
@@ -137,12 +163,7 @@ def stage_into(state, *, pool: ArenaPool, name: str):
     (a view of no bytes records the arena's storage under a size of 0)."""
     import torch
 
-    tensors = [t for t in tensors_in(state) if t.numel()]
-    offsets, totals = {}, {}
-    for t in tensors:
-        step = max(1, ALIGN // t.element_size())
-        offsets[id(t)] = totals.get(t.dtype, 0)
-        totals[t.dtype] = offsets[id(t)] + -(-t.numel() // step) * step
+    tensors, offsets, totals = placement(state)
     arenas = {dtype: pool.take(name, dtype, numel) for dtype, numel in totals.items()}
 
     def stage(t):
@@ -272,6 +293,7 @@ def writer_process(jobs, results, parent: int, kill_tag: str | None) -> None:
     # error, measured), and computing it was a third of this process's CPU (0.4 s per GiB here), which the training
     # step shares on a host without idle cores
     torch.serialization.set_crc32_options(False)
+    torch.save({"warm-up": torch.zeros(1)}, io.BytesIO())  # its first save's imports and set-up: not in a checkpoint's
 
     inbox: queue.Queue = queue.Queue()
 

@@ -231,6 +231,23 @@ class Training:
             self.settle(wait=True)
         self.saved_at = at
 
+    def prepare_buffers(self, step: int) -> None:
+        """Collective, once, after the launch's first step (Adam's moments exist then) when its first save is in
+        the background: the writer's host buffers allocated and faulted in here, not in that save's step; an event
+        in events.jsonl and a line."""
+        prepared = ckpt.prepare_buffers(self.eng.engine, writer=self.writer)
+        if prepared is None:
+            return
+        nbytes, seconds = prepared
+        if self.rank == 0:
+            record_event(
+                self.run.path, {"event": "host_buffers", "step": step, "bytes": nbytes, "seconds": round(seconds, 3)}
+            )
+        self.note(
+            f"dspipe: host buffers for the background checkpoints: {nbytes / 2**30:.2f} GiB on rank 0, allocated "
+            f"after step {step} in {seconds:.2f} s (once; each save copies into them)"
+        )
+
     def settle(self, *, wait: bool) -> None:
         """Collective: complete the background save once every rank's files are written (`wait`: wait for them)."""
         if self.pending is not None and (
@@ -527,6 +544,9 @@ def _steps(t: Training, *, stop, watchdog: Watchdog, nan_loss, flops_per_token: 
                 f"from before the first skipped step); lower the lr or check the data, then relaunch to "
                 f"resume"
             )
+        if t.writer is not None and t.writer.started and not t.writer.prepared and step < tr.steps:
+            with watchdog.paused():
+                t.prepare_buffers(step)
 
 
 def _log_step(

@@ -179,6 +179,9 @@ def test_a_kill_during_a_background_write_keeps_the_previous_checkpoint(tmp_path
     save = ckpt_meta.read_meta(ckpts / "global_step3").save
     assert save.mode == "async" and save.bytes > 0 and save.rank_max_bytes > 0
     assert 0 < save.blocking_s and 0 < save.write_s
+    # the host buffers were allocated after step 1 by a rehearsal sized exactly as the saves' files
+    assert "host buffers for the background checkpoints" in r.stderr
+    assert _host_buffers(run) == [(1, save.rank_max_bytes)]
 
     r = launch(run, "--resume", "auto")
     ok(r)
@@ -186,6 +189,13 @@ def test_a_kill_during_a_background_write_keeps_the_previous_checkpoint(tmp_path
     assert [int(s) for s, *_ in written_metrics(run)] == list(range(1, STEPS + 1))
     assert written_metrics(run) == written_metrics(ref)  # bitwise: the files written in the background are exact
     assert tags(run) == ["global_step3", "global_step6", "global_step8", "latest"]  # 3: resumed from, kept
+    assert _host_buffers(run) == [(1, save.rank_max_bytes), (4, save.rank_max_bytes)]  # the resumed launch's too
+
+
+def _host_buffers(run_dir):
+    from dspipe.runtime.watchdog import read_events
+
+    return [(e["step"], e["bytes"]) for e in read_events(run_dir) if e.get("event") == "host_buffers"]
 
 
 DP_CHANGE = {

@@ -152,6 +152,41 @@ def test_background_writer_writes_what_was_saved_at_the_call_in_its_own_process(
     assert torch.load(tmp_path / "w.pt", weights_only=True)["w"].unique().tolist() == [7.0]
 
 
+def test_a_rehearsal_holds_the_buffers_the_first_save_then_copies_into_without_writing_a_file(tmp_path):
+    """prepare_buffers' rehearsal: every file's buffers allocated (and their pages written) before the first save,
+    which then reuses them; nothing is written and nothing staged for the writer."""
+    writer = BackgroundWriter(zipfile_serialization=True)
+    state = {"w": torch.full((1000,), 3.0), "h": torch.ones(5, dtype=torch.bfloat16), "step": 1}
+    with writer.rehearsal():
+        writer.save(state, str(tmp_path / "a" / "model.pt"))
+        writer.save({"r": torch.zeros(3, dtype=torch.uint8)}, str(tmp_path / "a" / "rng-rank0.pt"))
+    assert writer.prepared and writer.bytes == 4000 + 10 + 3 and not writer._held
+    assert writer.pool.nbytes() == 4032 + 64 + 64 and not (tmp_path / "a").exists()
+    held = dict(writer.pool.arenas)
+    assert held[("model.pt", torch.float32)].eq(0).all()  # written (faulted in), not the state's values
+    writer.begin()
+    writer.save(state, str(tmp_path / "model.pt"))  # the first real save: the same buffers, now filled
+    writer.release()
+    writer.wait()
+    assert all(writer.pool.arenas[k] is v for k, v in held.items()) and writer.pool.nbytes() == 4032 + 64 + 64
+    assert torch.load(tmp_path / "model.pt", weights_only=True)["w"].unique().tolist() == [3.0]
+
+
+def test_no_rehearsal_under_nvme_optimizer_offload():
+    """DeepSpeed's save copies the NVMe swap files into the checkpoint: the rehearsal is declined, once."""
+
+    class NvmeEngine:
+        def zero_nvme_offload_optimizer(self):
+            return True
+
+        def save_checkpoint(self, *args, **kwargs):
+            raise AssertionError("rehearsed")
+
+    writer = BackgroundWriter(zipfile_serialization=True)
+    assert ckpt.prepare_buffers(NvmeEngine(), writer=writer) is None
+    assert writer.prepared and not writer.pool.arenas
+
+
 def test_background_writer_records_a_failed_write_and_a_dead_writer(tmp_path):
     writer = BackgroundWriter(zipfile_serialization=True)
     writer.begin()

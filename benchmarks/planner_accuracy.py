@@ -203,6 +203,9 @@ CONFIGS = {  # name: (model, options); every layout pinned (the planner would pi
     "moe-pp2-zero1": ("moe-35M", ["--zero", "1", *BF16, "--pp", "2", "--ep", "1"]),
     # ZeRO-3: the model's own SparseMLP, every expert partitioned over dp like a dense module
     "moe-zero3-ep1": ("moe-35M", ["--zero", "3", *BF16, "--ep", "1"]),
+    # tp 2 (sequence parallel): the model's own SparseMLP whole on both tp ranks, the attention split
+    "moe-tp2-zero1": ("moe-35M", ["--zero", "1", *BF16, "--tp", "2", "--ep", "1"]),
+    "moe-tp2-zero3": ("moe-35M", ["--zero", "3", *BF16, "--tp", "2", "--ep", "1"]),
 }
 MOE_ROWS = [name for name in CONFIGS if name.startswith("moe-")]
 """Rows that need the runtime's mixture-of-experts support (dspipe.runtime.moe); left out where it is missing."""
@@ -211,8 +214,9 @@ LAUNCHES = [  # rows measured one after another by the same 2 ranks (a launch co
     ["pp2-zero1"],
     ["tp2-zero1"],
     ["tp2-qwen3-zero1"],
-    [name for name in MOE_ROWS if "-pp2" not in name],
+    [name for name in MOE_ROWS if "-pp2" not in name and "-tp2" not in name],
     ["moe-pp2-zero1"],
+    [name for name in MOE_ROWS if "-tp2" in name],
 ]
 """Each launch's engines share one process group; pipeline and tensor-parallel engines get their own launch."""
 METRICS = ("steady", "peak", "host_steady", "host_peak")

@@ -360,10 +360,14 @@ def balance_loss(probs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
     """Load-balancing loss of one sparse block, E x sum_e f_e P_e: f_e the top-k routes to expert e per token
     (sum_e f_e = k), P_e the mean router probability of e (route's probabilities: transformers'
     load_balancing_loss_func for one layer under softmax; DeepSeek-V3's normalised affinities under sigmoid)."""
-    experts = probs.shape[-1]
-    routes = torch.zeros(experts, device=probs.device, dtype=probs.dtype)
+    return probs.shape[-1] * (routes_per_expert(probs, chosen) / probs.shape[0] * probs.mean(dim=0)).sum()
+
+
+def routes_per_expert(probs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """The top-k routes to each expert (`chosen`'s counts, in `probs`' dtype)."""
+    routes = torch.zeros(probs.shape[-1], device=probs.device, dtype=probs.dtype)
     routes.index_add_(0, chosen.reshape(-1), torch.ones(chosen.numel(), device=probs.device, dtype=probs.dtype))
-    return experts * (routes / probs.shape[0] * probs.mean(dim=0)).sum()
+    return routes
 
 
 class SparseMLP(RouterState):
@@ -381,11 +385,19 @@ class SparseMLP(RouterState):
         self.shared = MLP(spec, width=spec.shared_experts * spec.expert_width) if spec.shared_experts else None
         self.aux: torch.Tensor | None = None
 
+    def router_weight(self) -> torch.Tensor:
+        """The router's weight as the forward uses it."""
+        return self.router.weight
+
+    def balance(self, probs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """The block's load-balancing loss over the tokens it routed (balance_loss)."""
+        return balance_loss(probs, chosen)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        logits = F.linear(flat.float(), self.router.weight.float())
+        logits = F.linear(flat.float(), self.router_weight().float())
         probs, weights, chosen = route(logits, bias=self.router_bias, **self.routing)
-        self.aux = balance_loss(probs, chosen)
+        self.aux = self.balance(probs, chosen)
         self._count(chosen)
         weights = weights.to(flat.dtype)  # the activations' dtype, as transformers and DeepSpeed weigh the outputs
         out = torch.zeros_like(flat)

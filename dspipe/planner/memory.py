@@ -55,7 +55,8 @@ ZeRO-3 at t > 1 counts the rank's shard as Phi but the whole model's modules in 
 Ulysses sequence parallel (sp ranks): every activation, the recomputation inputs and the logits divide by sp (a rank
 holds s/sp tokens); parameters do not, but DeepSpeed partitions ZeRO over its sequence-data-parallel group
 (engine.seq_data_parallel_group: dp x sp ranks), so N above is dp x sp.
-Mixture of experts (DeepSpeed's native MoE layer, ep expert-parallel ranks inside dp; ZeRO 0-2, tp = sp = 1):
+Mixture of experts (DeepSpeed's native MoE layer, ep expert-parallel ranks inside dp; ZeRO 0-2, tp = sp = 1; the
+model's own SparseMLP under ZeRO-3 or tp > 1, ep 1, whole on every tp rank, each routing its s / tp tokens):
 a rank holds the dense parameters Phi_d (attention, norms, embeddings, routers, shared experts) and experts / ep of
 every sparse block's routed experts (its stage's under a pipeline: stages.stage_experts), Phi_e =
 routed_expert_params / ep at pp 1, so Phi = Phi_d + Phi_e; DeepSpeed puts the
@@ -249,7 +250,9 @@ def activation_bytes_per_layer(
     moe: float = 0
     if sparse and model.experts:  # the dense MLP's hidden activations replaced by the MoE layer's
         dense_mlp = act_bytes * (4 if model.mlp == "swiglu" else 2) * model.ffn / tp
-        moe = moe_mlp_activation_bytes(model=model, tokens=tokens, act_bytes=act_bytes, native=native_moe)
+        # under tp (sequence parallelism, the rules' condition) each tp rank routes its s / tp of the tokens
+        routed = share(tokens, cut)
+        moe = moe_mlp_activation_bytes(model=model, tokens=routed, act_bytes=act_bytes, native=native_moe)
         moe -= tokens * dense_mlp
     return int(tokens * per_token + rotary + mask + moe)
 
@@ -811,7 +814,7 @@ def stage_memory(*, model: ModelSpec, cluster: ClusterSpec, plan: Plan) -> tuple
             kernels=kernels,
             windowed=windowed_blocks(model, range(first_block[i], first_block[i] + blocks[i])),
             sparse=sum(1 for j in model.sparse_layers if first_block[i] <= j < first_block[i] + blocks[i]),
-            native_moe=native_layer(zero_stage=plan.zero_stage),
+            native_moe=native_layer(zero_stage=plan.zero_stage, tp=plan.tp),
             tp_sp=plan.tp_sp,
             loss_chunk=plan.loss_chunk,
         )

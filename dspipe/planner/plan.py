@@ -9,7 +9,7 @@ from functools import lru_cache
 from dspipe.errors import SpecError
 from dspipe.model.tp_split import vocab_split as vocab_rows
 from dspipe.spec.cluster import ClusterSpec
-from dspipe.spec.kinds import Axis, Checkpointing, Offload, Precision
+from dspipe.spec.kinds import Checkpointing, Offload, Precision
 from dspipe.spec.layout import ParallelLayout
 from dspipe.spec.model import ModelSpec
 from dspipe.spec.strategy import StrategySpec
@@ -272,44 +272,50 @@ def _check_sequence(*, model: ModelSpec, strategy: StrategySpec) -> None:
 
 def _check_experts(*, model: ModelSpec, train: TrainSpec, strategy: StrategySpec, world: int) -> None:
     """What dspipe's mixture-of-experts training supports: on DeepSpeed 0.19.8's native MoE layer
-    (deepspeed.moe.layer.MoE) ZeRO 0-2 (ep > 1: ZeRO 1-2, ZeRO-1 with contiguous gradients), any pp (each stage its
-    own sparse blocks), ep dividing the experts and dp; under ZeRO-3 the model's own dropless SparseMLP at ep 1
-    (dspipe.runtime.experts.native_layer); bf16 or fp32, tp 1, sp 1; ep 1 for a dense model."""
+    (deepspeed.moe.layer.MoE) ZeRO 0-2 at tp 1 (ep > 1: ZeRO 1-2, ZeRO-1 with contiguous gradients), any pp (each
+    stage its own sparse blocks), ep dividing the experts and dp; under ZeRO-3, or with tp > 1 (Megatron sequence
+    parallelism on: each tp rank runs its slice's tokens through the whole experts), the model's own dropless
+    SparseMLP at ep 1 (dspipe.runtime.experts.native_layer); bf16 or fp32, sp 1; ep 1 for a dense model."""
     e, ep, pp, tp, sp, zero = model.experts, strategy.ep, strategy.pp, strategy.tp, strategy.sp, strategy.zero
     dp = ParallelLayout(world=world, pp=pp, tp=tp, sp=sp).dp  # rule 2 held: pp x tp x sp divides the world
     if not e:
         if ep > 1:
             raise RuleError(3, f"ep {ep} needs a mixture-of-experts model: {model.name} is dense (experts 0)")
         return
-    if zero == 3 and ep > 1:
+    own = " with ".join(w for w in ("ZeRO-3" if zero == 3 else "", f"tp {tp}" if tp > 1 else "") if w)
+    if own and ep > 1:
         raise RuleError(
             3,
-            f"ZeRO-3 with experts {e} at ep {ep}: Native DeepSpeed MoE is not supported with ZeRO Stage 3 (ep 1 "
-            f"trains the experts as the model's own modules under ZeRO-3), or choose ZeRO stage 1/2",
-        )
-    if zero == 3 and model.capacity_factor is not None:
-        raise RuleError(
-            3,
-            f"ZeRO-3 with capacity_factor {model.capacity_factor}: under ZeRO-3 the experts run as the model's own "
-            f"dropless modules (Native DeepSpeed MoE is not supported with ZeRO Stage 3); drop the capacity factor "
-            f"or choose ZeRO stage 1/2",
-        )
-    for name, value, why in (
-        (
-            Axis.TP,
-            tp,
-            "DeepSpeed 0.19.8's MoE layer under a tensor-parallel mpu splits each expert's capacity slots over the "
-            "tp ranks, which dropless capacities (the busiest expert's load) do not divide: measured at tp 2, "
-            "gloo's all-gather refused 67 slots",
-        ),
-        (Axis.SP, sp, "DeepSpeed's MoE layer is not wired to the Ulysses sequence groups"),
-    ):
-        if value > 1:
-            raise RuleError(
-                3,
-                f"{name} {value} with experts {e}: dspipe trains mixture-of-experts models with "
-                f"{name} 1 only ({why}); use --{name} 1 and expert parallelism (--ep)",
+            f"{own} and experts {e} at ep {ep}: the experts run as the model's own modules at ep 1 there ("
+            + (
+                "Native DeepSpeed MoE is not supported with ZeRO Stage 3"
+                if zero == 3
+                else "DeepSpeed 0.19.8's MoE layer under a tensor-parallel mpu splits each expert's capacity slots "
+                "over the tp ranks, which dropless capacities do not divide: measured at tp 2, gloo's all-gather "
+                "refused 67 slots"
             )
+            + f"); use --ep 1, or {'ZeRO stage 1/2' if zero == 3 else '--tp 1'} for expert parallelism",
+        )
+    if own and model.capacity_factor is not None:
+        raise RuleError(
+            3,
+            f"{own} and capacity_factor {model.capacity_factor}: the experts run as the model's own dropless "
+            f"modules there (DeepSpeed's native MoE layer, the one with a capacity, takes ZeRO 0-2 at tp 1); drop "
+            f"the capacity factor",
+        )
+    if tp > 1 and not strategy.tp_sp:
+        raise RuleError(
+            3,
+            f"tp {tp} with experts {e} and --no-tp-sp: each tp rank would run every token through the replicated "
+            f"experts (tp x their FLOPs); with Megatron sequence parallelism (--tp-sp, as Megatron-Core requires "
+            f"for MoE) each runs its 1/{tp} of the sequence",
+        )
+    if sp > 1:
+        raise RuleError(
+            3,
+            f"sp {sp} with experts {e}: dspipe trains mixture-of-experts models with sp 1 only (DeepSpeed's MoE "
+            f"layer is not wired to the Ulysses sequence groups); use --sp 1 and expert parallelism (--ep)",
+        )
     if train.precision == Precision.FP16:
         raise RuleError(
             3,

@@ -22,19 +22,32 @@ def share(count: int, ranks: int) -> int:
     return count // ranks
 
 
-def tp_split_params_per_block(model: ModelSpec) -> int:
-    """Parameters of one block that the tensor-parallel layers split across the tp ranks (dspipe.model.tp_split:
-    the fused q/k/v and the MLP up-projection, weights and biases, column-parallel; the attention out- and MLP
-    down-projection weights, row-parallel). The norms and the row-parallel biases stay whole."""
-    return sum(math.prod(shape) for name, shape in model.block_tensors() if split_of(f"h.0.{name}", model))
+@lru_cache(maxsize=4096)
+def tp_split_params_per_block(model: ModelSpec, layer: int | None = None) -> int:
+    """Parameters of block `layer` (None: a dense block) that the tensor-parallel layers split across the tp ranks
+    (dspipe.model.tp_split: the fused q/k/v and the MLP up-projection, weights and biases, column-parallel; the
+    attention out- and MLP down-projection weights, row-parallel). The norms and the row-parallel biases stay
+    whole, and so does a sparse block's MLP (router, routed and shared experts: whole on every tp rank)."""
+    return sum(math.prod(shape) for name, shape in model.block_tensors(layer) if split_of(f"h.0.{name}", model))
 
 
 def block_params_per_rank(model: ModelSpec, tp: int = 1, layer: int | None = None) -> int:
     """Parameters of block `layer` (None: a dense block) on one tp rank (ModelSpec.layer_params: a sparse block
-    counts every expert; the rules keep tp 1 with experts)."""
-    split = tp_split_params_per_block(model)
+    counts every expert, whole on every tp rank)."""
+    split = tp_split_params_per_block(model, layer)
     whole = model.params_per_block if layer is None else model.layer_params(layer)
     return whole - split + share(split, tp)
+
+
+def blocks_params_off_rank(model: ModelSpec, tp: int) -> int:
+    """Block parameters one tp rank does not hold: (tp - 1) / tp of every block's split ones."""
+    if tp == 1:
+        return 0
+    if not model.experts:
+        split = tp_split_params_per_block(model)
+        return model.layers * (split - share(split, tp))
+    splits = [tp_split_params_per_block(model, i) for i in range(model.layers)]
+    return sum(n - share(n, tp) for n in splits)
 
 
 def vocab_table_per_rank(model: ModelSpec, tp: int = 1) -> int:
@@ -156,15 +169,9 @@ def stage_params(*, model: ModelSpec, pp: int, partition_method: str, tp: int = 
     stage_bounds; a rank holds its tp share of the blocks, of the embedding and of the head, and experts / ep of
     the routed experts of every sparse block its stage holds)."""
     if pp == 1:  # the plain model: a tied head is the embedding itself, not a copy
-        split = tp_split_params_per_block(model)
         tables = 1 if model.tied_embeddings else 2
         vocab_off = tables * (model.vocab * model.hidden - vocab_table_per_rank(model, tp))
-        return (
-            model.num_params
-            - model.layers * (split - share(split, tp))
-            - vocab_off
-            - expert_params_off_rank(model, ep),
-        )
+        return (model.num_params - blocks_params_off_rank(model, tp) - vocab_off - expert_params_off_rank(model, ep),)
     bounds = stage_bounds(model, pp, partition_method, tp)
     held = [w - off for w, off in zip(stage_layer_weights(model, tp), _experts_off_rank(model, ep), strict=True)]
     return tuple(sum(held[a:b]) for a, b in pairwise(bounds))
@@ -261,7 +268,8 @@ def largest_tensor_per_rank(model: ModelSpec, tp: int = 1) -> int:
     if tp == 1:
         return largest_tensor(model)
     sizes = [vocab_table_per_rank(model, tp), _positions(model)]
-    for name, shape in model.block_tensors():  # a dense block: the rules keep tp 1 with experts
+    layers = (None, *model.sparse_layers[:1])  # a dense block, and a sparse one's whole experts
+    for name, shape in (item for layer in layers for item in model.block_tensors(layer)):
         n = math.prod(shape)
         sizes.append(share(n, tp) if split_of(f"h.0.{name}", model) else n)
     return max(sizes)

@@ -188,7 +188,11 @@ def _tp_comm_s(*, model: ModelSpec, plan: Plan, gpu: GpuType, tokens: int, layer
     Megatron sequence parallelism (plan.tp_sp): each all-reduce becomes an all-gather and a reduce-scatter, (t-1)/t
     each: per block 4 in forward, 6 in backward (the column-parallel inputs are kept as sequence slices and gathered
     again: Megatron overlaps that gather with the weight gradient, dspipe does not), 4 more with full recomputation;
-    the embedding's reduce-scatter and the head's gather, re-gather and reduce-scatter (3) on the slowest stage."""
+    the embedding's reduce-scatter and the head's gather, re-gather and reduce-scatter (3) on the slowest stage.
+    A mixture of experts (tp needs sequence parallelism there): a sparse block's MLP is no tensor-parallel region
+    (half the block's gathers and reduce-scatters) and its parameters (router, routed and shared experts), whole on
+    every tp rank, have their gradients all-reduced over the group in each micro-batch's backward, one tensor at a
+    time (dspipe.runtime.tensor_parallel.sequence_parallel_experts)."""
     tp = plan.tp
     if tp == 1:
         return 0.0
@@ -200,11 +204,24 @@ def _tp_comm_s(*, model: ModelSpec, plan: Plan, gpu: GpuType, tokens: int, layer
         half = (tp - 1) / tp * volume + ring_latency_s(steps=tp - 1, gpu=gpu)
         per_block = 14 if plan.checkpointing == Checkpointing.FULL else 10
         ends = 4 if plan.pp == 1 else 3
-        return plan.grad_accum * ((layers * per_block + ends) * half + qk_norms)
+        sparse = max(stage_sparse_blocks(model=model, pp=plan.pp, partition_method=plan.partition_method))
+        gathers = (layers - sparse) * per_block + sparse * per_block / 2 + ends
+        return plan.grad_accum * (gathers * half + qk_norms + sparse * _expert_grads_s(model=model, plan=plan, gpu=gpu))
     one = 2 * (tp - 1) / tp * volume + latency
     per_block = 6 if plan.checkpointing == Checkpointing.FULL else 4
     ends = 2 if plan.pp == 1 else 1  # the embedding's and the head's: the slowest stage holds one of them
     return plan.grad_accum * ((layers * per_block + ends) * one + qk_norms)
+
+
+def _expert_grads_s(*, model: ModelSpec, plan: Plan, gpu: GpuType) -> float:
+    """Seconds per micro-batch and sparse block of the tp all-reduces of its MLP's gradients (the router, every
+    routed expert's and the shared experts' tensors, each on its own): 2(t-1)/t of their bytes over NVLink and a ring
+    latency per tensor."""
+    tp = plan.tp
+    shared = model.mlp_tensors("", model.shared_experts * model.expert_width) if model.shared_experts else []
+    tensors = 1 + model.experts * len(model.expert_tensors()) + len(shared)
+    sent = 2 * (tp - 1) / tp * model.sparse_mlp_params * dtype_bytes(plan.precision)
+    return sent / (gpu.intra_node_gbps * 1e9) + tensors * ring_latency_s(steps=2 * (tp - 1), gpu=gpu)
 
 
 @dataclass(frozen=True)
@@ -275,7 +292,7 @@ def expert_calls_s(*, model: ModelSpec, plan: Plan, gpu: GpuType, tokens: int, a
     own: the mean k T / E). 0 on a dense model and on CPU ranks."""
     if not model.experts or gpu.backend != "nccl":
         return 0.0
-    native = native_layer(zero_stage=plan.zero_stage)
+    native = native_layer(zero_stage=plan.zero_stage, tp=plan.tp)
     rows = expert_capacity(model=model, tokens=tokens) if native else model.experts_per_token * tokens / model.experts
     forward = 2 * model.expert_params * rows / achieved
     passes = [forward, 2 * forward] + ([forward] if plan.checkpointing == Checkpointing.FULL else [])
@@ -382,7 +399,9 @@ def step_time(*, model: ModelSpec, cluster: ClusterSpec, plan: Plan, phi: int) -
         - attention_flops_per_token(model)
         + run_attention
         + moe_dispatch_flops_per_token(
-            model, tokens=plan.micro_batch * share(model.seq_len, sp), native=native_layer(zero_stage=plan.zero_stage)
+            model,
+            tokens=plan.micro_batch * share(model.seq_len, sp),
+            native=native_layer(zero_stage=plan.zero_stage, tp=plan.tp),
         )
     )
     extra = {"none": 0.0, "selective": run_attention / 3, "full": executed / 3}[plan.checkpointing]
@@ -397,7 +416,8 @@ def step_time(*, model: ModelSpec, cluster: ClusterSpec, plan: Plan, phi: int) -
     fwd_share = executed / 3 / hw_flops  # forward: 2N + 2Lhs of the 6N + 6Lhs; the rest (recompute too) is backward
     fwd_micro, bwd_micro = compute / m * fwd_share, compute / m * (1 - fwd_share)
     tokens_micro = plan.micro_batch * share(model.seq_len, sp)
-    compute += m * expert_calls_s(model=model, plan=plan, gpu=gpu, tokens=tokens_micro, achieved=achieved)
+    routed = share(tokens_micro, tp) if plan.tp_sp else tokens_micro  # a tp rank routes its slice (sequence parallel)
+    compute += m * expert_calls_s(model=model, plan=plan, gpu=gpu, tokens=routed, achieved=achieved)
     bubble = compute * (pp - 1) / m
 
     tp_comm = _tp_comm_s(model=model, plan=plan, gpu=gpu, tokens=tokens_micro, layers=layers_per_stage)

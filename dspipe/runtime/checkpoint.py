@@ -300,7 +300,7 @@ def load(engine, path: Path, loader) -> CheckpointMeta:
                 saved=layout_text(meta.dims),
                 now=layout_text({**dict(zip((Axis.DP, Axis.TP, Axis.PP), now, strict=True)), Axis.EP: ep}),
                 rename=rename,
-                experts=meta.spec.experts if native_layer(zero_stage=meta.zero_stage) else 0,
+                experts=meta.spec.experts if native_layer(zero_stage=meta.zero_stage, tp=meta.tp) else 0,
                 saved_ep=meta.ep,
             )
         elif bf16_optimizer_without_zero(engine):

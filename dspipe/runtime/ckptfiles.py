@@ -45,7 +45,8 @@ def expected_files(meta: CheckpointMeta) -> list[str]:
         names = [f"zero_pp_rank_{d}_mp_rank_{m:02d}_model_states.pt" for d in range(zero) for m in range(mp)]
     else:
         names = [f"mp_rank_{m:02d}_model_states.pt" for m in range(mp)]
-    experts = bool(meta.model.get("experts")) and native_layer(zero_stage=meta.zero_stage)  # ZeRO-3: model tensors
+    # ZeRO-3's and tp's experts: model tensors
+    experts = bool(meta.model.get("experts")) and native_layer(zero_stage=meta.zero_stage, tp=meta.tp)
     if meta.pp > 1 and not experts:  # a pipeline of experts: DeepSpeed's MoE save writes each stage's module to
         names += layer_files(meta)  # its mp_rank file instead, and its experts' files (stage_expert_files)
     if experts and meta.pp == 1:

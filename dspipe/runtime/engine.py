@@ -351,7 +351,8 @@ class PipelineEngine(Engine):
 
     def _stage_aux_mean(self) -> float:
         """The step's load-balancing loss as the plain model reports it (the mean over sparse blocks, micro-batches
-        and data-parallel ranks): every stage's blocks' recorded losses summed over all ranks (one all_reduce)."""
+        and data-parallel ranks): every stage's blocks' recorded losses summed over all ranks (one all_reduce; the
+        tp ranks of a stage record the same losses, each the whole sequence's)."""
         import torch.distributed as dist
 
         from dspipe.runtime.moe import take_aux_total
@@ -359,6 +360,7 @@ class PipelineEngine(Engine):
         total = take_aux_total(self.engine.module, device=self.device)
         dist.all_reduce(total)
         count = len(self.run.model.sparse_layers) * self.engine.gradient_accumulation_steps() * self.layout.dp
+        count *= self.layout.tp
         return float(total) / count
 
     def eval_loss(self, batches, *, count: int) -> float:

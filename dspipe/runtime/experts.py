@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 
-from dspipe.spec.kinds import Axis, Precision
+from dspipe.spec.kinds import Precision
 
 GATE = "moe.deepspeed_moe.gate.wg.weight"
 EXPERTS = "moe.deepspeed_moe.experts.deepspeed_experts."
@@ -38,13 +38,16 @@ def expert_parallel(run) -> int:
     return ep if isinstance(ep, int) and not isinstance(ep, bool) else 1
 
 
-def native_layer(*, zero_stage: int) -> bool:
+def native_layer(*, zero_stage: int, tp: int = 1) -> bool:
     """Whether a mixture of experts trains on DeepSpeed's native MoE layer (deepspeed.moe.layer.MoE: ZeRO 0-2,
-    expert parallelism, expert files in the checkpoint, a capacity if asked for) or, under ZeRO-3, which the native
-    layer refuses, as the model's own SparseMLP: its experts plain modules of the model that ZeRO-3 partitions over
-    every data-parallel rank like the dense ones (ep 1, dropless; each expert runs on the tokens routed to it, an
-    empty batch when none, so every rank gathers and reduces every expert in the same order)."""
-    return zero_stage != 3
+    tp 1, expert parallelism, expert files in the checkpoint, a capacity if asked for) or as the model's own
+    SparseMLP: under ZeRO-3, which the native layer refuses, and with tp > 1, where the native layer splits each
+    expert's capacity slots over the tp ranks (dropless loads do not divide). There the experts are plain modules
+    of the model (ep 1, dropless; each expert runs on the tokens routed to it, an empty batch when none, so every
+    rank gathers and reduces every expert in the same order): ZeRO-3 partitions them over every data-parallel rank
+    like the dense ones; with tp each tp rank holds them whole and runs its sequence slice's tokens through them
+    (Megatron sequence parallelism; dspipe.runtime.parallelize)."""
+    return zero_stage != 3 and tp == 1
 
 
 def refusal(*, spec, plan, ep: int, contiguous_gradients: bool = True) -> str | None:
@@ -60,7 +63,14 @@ def refusal(*, spec, plan, ep: int, contiguous_gradients: bool = True) -> str | 
             f"capacity_factor {spec.capacity_factor} under ZeRO-3 (its experts run as the model's own dropless "
             f"modules: {ZERO3_REFUSAL})"
         )
-    why += [f"{k} {getattr(plan, k)} > 1" for k in (Axis.TP, Axis.SP) if getattr(plan, k) > 1]
+    if plan.tp > 1 and ep > 1:
+        why.append(f"tp {plan.tp} at ep {ep} > 1 (the experts run as the model's own modules at ep 1 there)")
+    if plan.tp > 1 and spec.capacity_factor is not None:
+        why.append(f"capacity_factor {spec.capacity_factor} at tp {plan.tp} (its experts run as dropless modules)")
+    if plan.tp > 1 and not plan.tp_sp:
+        why.append(f"tp {plan.tp} without sequence parallelism (each tp rank would run every token's experts)")
+    if plan.sp > 1:
+        why.append(f"sp {plan.sp} > 1")
     if ep > 1 and plan.zero_stage == 0:
         why.append(f"ep {ep} > 1 under ZeRO-0 ({EP_ZERO0_REFUSAL}; use ZeRO-1 or 2, or ep 1)")
     if ep > 1 and plan.zero_stage == 1 and not contiguous_gradients:

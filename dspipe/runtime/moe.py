@@ -239,8 +239,15 @@ def install_for_run(module: nn.Module, *, run, rank: int) -> None:
     why = refusal(spec=run.model, plan=run.plan, ep=ep, contiguous_gradients=bool(zero.get("contiguous_gradients")))
     if why:
         raise SpecError(f"cannot train {run.model.name} with experts {run.model.experts}, ep {ep}: {why}")
-    if run.model.experts and native_layer(zero_stage=run.plan.zero_stage):
+    if not run.model.experts:
+        return
+    if native_layer(zero_stage=run.plan.zero_stage, tp=run.plan.tp):
         install(module, spec=run.model, ep=ep, ep_rank=rank % ep)
+    elif not isinstance(module, GPT):  # the model's own SparseMLP in a pipeline stage (tp > 1)
+        blocks = sparse_blocks(module)
+        for block in blocks:
+            block.mlp.sparse_index = run.model.sparse_layers.index(block.index)
+        wire_stage(blocks)
 
 
 def param_groups(groups: list[dict]) -> list[dict]:

@@ -39,6 +39,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from dspipe.model.gpt import SparseMLP, routes_per_expert
 from dspipe.model.tp_split import part_rows, vocab_rows
 
 
@@ -337,6 +338,57 @@ class SlicedPositions(ReducedEmbedding):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return super().forward(idx.chunk(self.tp.size, dim=-1)[self.tp.rank])
+
+
+class ReducedLinear(nn.Linear):
+    """A replicated projection applied to this rank's sequence slice (a routed or shared expert's, under sequence
+    parallelism), its weight's and bias's gradients summed over the group."""
+
+    tp: TensorGroup
+
+    @classmethod
+    def like(cls, linear: nn.Linear, *, tp: TensorGroup) -> "ReducedLinear":
+        out = cls(
+            linear.in_features,
+            linear.out_features,
+            bias=linear.bias is not None,
+            device=linear.weight.device,
+            dtype=linear.weight.dtype,
+        )
+        out.tp = tp
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else copy_to_region(self.bias, self.tp)
+        return F.linear(x, copy_to_region(self.weight, self.tp), bias)
+
+
+def sequence_parallel_experts(mlp: nn.Module, *, tp: TensorGroup) -> None:
+    """A SparseMLP (dspipe.model.gpt) made sequence-parallel in place (SequenceParallelSparseMLP): its routed and
+    shared experts' projections replicated projections whose gradients are summed over the group."""
+    for expert in [*mlp.experts, *([mlp.shared] if mlp.shared is not None else [])]:
+        expert.c_fc, expert.c_proj = (ReducedLinear.like(x, tp=tp) for x in (expert.c_fc, expert.c_proj))
+    mlp.__class__ = SequenceParallelSparseMLP
+    mlp.tp = tp
+
+
+class SequenceParallelSparseMLP(SparseMLP):
+    """A SparseMLP under Megatron sequence parallelism: the router, the routed and the shared experts stay whole on
+    every tp rank, which routes and runs its own slice of the sequence (no collective in the forward), their
+    gradients summed over the group; the load-balancing loss is the whole sequence's (the routes per expert and
+    the router's probabilities summed over the group), as at tp 1."""
+
+    tp: TensorGroup
+
+    def router_weight(self) -> torch.Tensor:
+        return copy_to_region(self.router.weight, self.tp)
+
+    def balance(self, probs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        routes = routes_per_expert(probs, chosen)
+        dist.all_reduce(routes, group=self.tp.group)
+        tokens = probs.shape[0] * self.tp.size
+        mean = _ReduceFromRegion.apply(probs.sum(dim=0), self.tp) / tokens
+        return probs.shape[-1] * (routes / tokens * mean).sum()
 
 
 def reduced_norm(norm: nn.Module, *, tp: TensorGroup) -> nn.Module:

@@ -1,4 +1,4 @@
-"""Mixtures of experts on real CPU ranks (2 ranks but three launches of 4 and one of 1, fp32, dropout 0), sixteen
+"""Mixtures of experts on real CPU ranks (2 ranks but four launches of 4 and one of 1, fp32, dropout 0), eighteen
 launches in all: a tiny random MixtralForCausalLM (4 experts, top 2) and Qwen3MoeForCausalLM (4 experts, top 2,
 norm_topk_prob off) written by save_pretrained with the corpus's tokenizer, trained with `--init-from` on DeepSpeed's
 native MoE layer (ZeRO-3: the model's own); and a DeepSeek-V3-routed model from dspipe's own draws (sigmoid scores,
@@ -17,8 +17,11 @@ routed scale 2.5, 2 expert groups of which a token uses 1, aux-loss-free bias ba
     Mixtral pp 2 x ep 2      4 ranks (pp 2 x dp 2), ZeRO-1, full recomputation: killed and resumed bitwise;
                              loss, aux loss, grad norm within 1e-5 of ep 1's, the same expert loads; exports; its
                              step-3 checkpoint resumed as the plain model at ep 1 on 2 ranks: steps 4-6 within 1e-6
+    Mixtral tp 2 x pp 2      4 ranks, sequence parallel, ZeRO-1, full recomputation, the model's own experts
+                             whole on both tp ranks: step 1 transformers'; loss, aux loss, grad norm within 1e-5
+                             of ep 1's, the same loads; each rank built the planner's count; exports
     Qwen3-MoE ep 2, ZeRO-2   lr 1e-12: step 1's LM loss is transformers', export-hf computes transformers' logits;
-                             the same under ZeRO-3 (the model's own experts)
+                             the same under ZeRO-3 and at tp 2 (the model's own experts)
     sigmoid ep 2 / ep 1      step 1's LM loss is the plain model's; every step's loss within 1e-5 of each other;
                              ep 1 (ZeRO-0) resumed at dp 1 from its step-3 checkpoint: steps 4-6 bitwise; ep 2
                              (ZeRO-2) resumed at ep 1 from its step-3 checkpoint: steps 4-6 within 1e-6; the
@@ -157,16 +160,16 @@ def built_params(run) -> list[int]:
     return json.loads((run / "engine.json").read_text())["startup"]["built_params"]
 
 
-def planned_params(run, *, ep: int, pp: int = 1) -> list[int]:
-    """The planner's parameters per rank at start-up, in rank order (dense + experts / ep of each sparse block its
-    pipeline stage holds)."""
+def planned_params(run, *, ep: int, pp: int = 1, tp: int = 1) -> list[int]:
+    """The planner's parameters per rank at start-up, in rank order (the stage outermost: dense / tp + experts / ep
+    of each sparse block its pipeline stage holds)."""
     from dspipe.planner.stages import stage_params
     from dspipe.rundir import load_run
 
     r = load_run(run)
-    assert (r.plan.ep, r.plan.pp) == (ep, pp)
-    stages = stage_params(model=r.model, pp=pp, partition_method=r.plan.partition_method, tp=1, ep=ep)
-    return [n for n in stages for _ in range(r.plan.dp)]
+    assert (r.plan.ep, r.plan.pp, r.plan.tp) == (ep, pp, tp)
+    stages = stage_params(model=r.model, pp=pp, partition_method=r.plan.partition_method, tp=tp, ep=ep)
+    return [n for n in stages for _ in range(r.plan.dp * tp)]
 
 
 def killed_and_resumed(run, *, gpus: int) -> list[dict]:
@@ -249,6 +252,7 @@ def test_mixtral_expert_parallel_equals_ep1_resumes_exactly_and_exports(tmp_path
     assert built_params(ep1)[0] - built_params(ep2)[0] == 2 * (EXPERTS // 2) * 3 * 64 * 48  # 2 layers' 2 experts
 
     _pipeline_of_experts(tmp_path, corpus, hf_dir, train=train, reference=rows1)
+    _tensor_parallel_experts(tmp_path, corpus, hf_dir, train=train, reference=rows1, expected=expected)
     _zero3_experts(tmp_path, corpus, hf_dir, train=train, reference=rows1, expected=expected, hf=hf)
 
     # ep 2's step-3 checkpoint (ZeRO-2, dp 2: each rank its 2 experts whole) resumed on 4 ranks at dp 4 x ep 2, each
@@ -332,14 +336,43 @@ def _pipeline_of_experts(tmp_path, corpus, hf_dir, *, train: list, reference: li
     _resumed_elsewhere(pp1, corpus, hf_dir, zero=1, ep=1, gpus=2, train=train, source=run, reference=rows[3:])
 
 
+def _tensor_parallel_experts(tmp_path, corpus, hf_dir, *, train: list, reference: list, expected: float) -> None:
+    """The same Mixtral at tp 2 x pp 2 on 4 ranks (Megatron sequence parallelism, ZeRO-1, every block recomputed):
+    attention tensor-parallel, each sparse block's router and experts whole on both tp ranks, each running its half
+    of the sequence (dspipe.runtime.tensor_parallel.sequence_parallel_experts). Step 1's LM loss is transformers';
+    every step's loss, aux loss and gradient norm within 1e-5 of the ep 1 run at tp 1 (`reference`), the same
+    expert loads (each token counted once); each rank built its stage's attention shard and every expert, the
+    planner's count; the checkpoint exports dspipe's logits."""
+    run = tmp_path / "tp2-pp2"
+    configure(run, corpus, hf_dir, *train, "--zero", "1", "--tp", "2", gpus=4, pp=2, checkpointing="full")
+    ok(launch(run, num_gpus=4))
+    rows = csv_rows(run / "metrics.csv")
+    diffs = relative_differences(rows, reference)
+    print(f"mixtral tp 2 x pp 2 vs tp 1: step 1 {rows[0]['loss']} (HF {expected:.6f}); relative differences {diffs}")
+    assert abs(float(rows[0]["loss"]) - expected) < LOSS_TOL
+    assert max(diffs.values()) < LOSS_TOL, diffs
+    assert [row["expert_load"] for row in rows] == [row["expert_load"] for row in reference]
+    assert {row["dropped_routes"] for row in rows} == {"0"}
+    assert built_params(run) == planned_params(run, ep=1, pp=2, tp=2), built_params(run)
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    cls, logits, ours = exported_logits(run, tmp_path / "export-tp2", ids)
+    assert cls == "MixtralForCausalLM" and (logits - ours).abs().max().item() < LOGITS_TOL
+
+
 def test_qwen3_moe_expert_parallel_starts_from_transformers_and_exports_its_logits(tmp_path, corpus, monkeypatch):
-    """Qwen3-MoE at ep 2 on DeepSpeed's layer (ZeRO-2) and under ZeRO-3 on the model's own experts: step 1's LM loss
-    is transformers' (lr 1e-12), and export-hf computes transformers' logits, from both."""
+    """Qwen3-MoE at ep 2 on DeepSpeed's layer (ZeRO-2), under ZeRO-3 and at tp 2 (its q/k norms and attention
+    tensor-parallel) on the model's own experts: step 1's LM loss is transformers' (lr 1e-12), and export-hf
+    computes transformers' logits, from all three."""
     hf_dir, hf, expected = start_from_hf(tmp_path, "qwen3-moe", corpus, monkeypatch)
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         hf_logits = hf(ids).logits
-    for name, flags in (("ep2", ("--zero", "2", "--ep", "2")), ("zero3", ("--zero", "3", "--ep", "1"))):
+    layouts = {
+        "ep2": ("--zero", "2", "--ep", "2"),
+        "zero3": ("--zero", "3", "--ep", "1"),
+        "tp2": ("--zero", "1", "--tp", "2"),
+    }
+    for name, flags in layouts.items():
         run = tmp_path / name
         configure(run, corpus, hf_dir, "--steps", "2", "--lr", "1e-12", "--weight-decay", "0", *flags)
         ok(launch(run))

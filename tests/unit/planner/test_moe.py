@@ -253,10 +253,25 @@ def test_all_to_alls_cost_nothing_at_ep_1_and_leave_nvlink_beyond_a_node():
         (
             dict(zero=3, ep=2),
             "bf16",
-            "ZeRO-3 with experts 8 at ep 2: Native DeepSpeed MoE is not supported with ZeRO Stage 3 (ep 1 trains "
-            "the experts as the model's own modules under ZeRO-3), or choose ZeRO stage 1/2",
+            "ZeRO-3 and experts 8 at ep 2: the experts run as the model's own modules at ep 1 there (Native "
+            "DeepSpeed MoE is not supported with ZeRO Stage 3); use --ep 1, or ZeRO stage 1/2 for expert parallelism",
         ),
-        (dict(zero=1, tp=2), "bf16", "tp 2 with experts 8: dspipe trains mixture-of-experts models with tp 1 only"),
+        (
+            dict(zero=1, tp=2, ep=2, gpus=4),
+            "bf16",
+            "tp 2 and experts 8 at ep 2: the experts run as the model's own modules at ep 1 there (DeepSpeed 0.19.8's "
+            "MoE layer under a tensor-parallel mpu splits each expert's capacity slots over the tp ranks",
+        ),
+        (
+            dict(zero=3, tp=2, ep=2, gpus=4),
+            "bf16",
+            "ZeRO-3 with tp 2 and experts 8 at ep 2: the experts run as the model's own modules at ep 1 there",
+        ),
+        (
+            dict(zero=1, tp=2, tp_sp=False),
+            "bf16",
+            "tp 2 with experts 8 and --no-tp-sp: each tp rank would run every token through the replicated experts",
+        ),
         (dict(zero=1, sp=2), "bf16", "sp 2 with experts 8: dspipe trains mixture-of-experts models with sp 1 only"),
         (dict(zero=1), "fp16", "fp16 with experts 8: dspipe trains mixture-of-experts models in bf16 or fp32 only"),
         (dict(zero=1, ep=3), "bf16", "ep 3 does not divide experts 8"),
@@ -270,7 +285,7 @@ def test_all_to_alls_cost_nothing_at_ep_1_and_leave_nvlink_beyond_a_node():
 )
 def test_unsupported_moe_layouts_are_refused(strategy, precision, message):
     with pytest.raises(SpecError) as e:
-        _plan(MODEL_PRESETS["mixtral-8x7b"], gpus=2, precision=precision, **strategy)
+        _plan(MODEL_PRESETS["mixtral-8x7b"], precision=precision, **{"gpus": 2, **strategy})
     assert message in str(e.value)
 
 
@@ -284,7 +299,8 @@ def test_refusals_are_one_line_exit_2_nothing_written(tmp_path):
     for flags, message in (
         (("--ep", "3"), "ep 3 does not divide experts 8"),
         (("--zero", "3", "--ep", "2"), "Native DeepSpeed MoE is not supported with ZeRO Stage 3"),
-        (("--zero", "3", "--capacity-factor", "1.25"), "ZeRO-3 with capacity_factor 1.25: under ZeRO-3 the experts"),
+        (("--zero", "3", "--capacity-factor", "1.25"), "ZeRO-3 and capacity_factor 1.25: the experts run as the"),
+        (("--tp", "2", "--capacity-factor", "1.25"), "tp 2 and capacity_factor 1.25: the experts run as the model's"),
     ):
         r = dspipe(
             "gen-config",
@@ -332,7 +348,7 @@ def test_qwen3_235b_on_1024_gpus_answers_quickly_and_names_its_axes():
         assert ep == best.plan.ep or f"ep {ep}" in r.rejected
     zero3 = r.rejected["ZeRO-3"]
     assert re.match(r"slower by \d+% at best \(ZeRO-3, bf16, pp 1, ep 1, .*\): its dp comm \d+ s against", zero3), zero3
-    assert "slower by" in r.rejected["ZeRO-1"] and "with tp 1 only" in r.rejected["tp 2"]
+    assert "slower by" in r.rejected["ZeRO-1"] and r.rejected["tp 2"].startswith("slower by")
 
 
 @pytest.mark.parametrize(
@@ -456,3 +472,23 @@ def test_a_rejected_plan_names_the_term_it_loses_on():
     slower = replace(chosen, dp_comm_s=chosen.dp_comm_s + 5.0, bubble_s=chosen.bubble_s + 1.0)
     assert widest_gap(chosen, slower) == f": its dp comm {slower.dp_comm_s:.3g} s against {chosen.dp_comm_s:.3g} s"
     assert widest_gap(chosen, chosen) == ""  # nothing lost: nothing named
+
+
+def test_tensor_parallel_experts_are_whole_on_every_tp_rank_and_their_gradients_all_reduced():
+    """tp 2 (sequence parallel): the attention split, a sparse block's MLP whole on both ranks; each micro-batch's
+    backward all-reduces the sparse MLPs' gradients over the pair, which the step time counts."""
+    from dspipe.planner.stages import tp_split_params_per_block
+
+    m = MODEL_PRESETS["mixtral-8x7b"]
+    whole = stage_params(model=m, pp=1, partition_method="parameters", tp=1)[0]
+    halved = stage_params(model=m, pp=1, partition_method="parameters", tp=2)[0]
+    attention = tp_split_params_per_block(m, 0)
+    assert attention == tp_split_params_per_block(m) - 3 * m.hidden * m.ffn  # a dense block's MLP is split too
+    vocab = 2 * m.vocab * m.hidden // 2  # the embedding's and the untied head's halves
+    assert whole - halved == m.layers * attention // 2 + vocab
+    assert halved > m.routed_expert_params  # every expert on each tp rank
+    plan, est = _plan(m, nodes=2, gpus=8, zero=3, tp=2, checkpointing="full")
+    assert plan.tp_sp and plan.ep == 1
+    nvlink = ClusterSpec(2, 8, "h100-80g").gpu_type.intra_node_gbps * 1e9
+    grads = 2 * (2 - 1) / 2 * m.sparse_mlp_params * 2 / nvlink  # bf16 gradients, every block sparse
+    assert plan.grad_accum * m.layers * grads < est.tp_comm_s < 1.5 * plan.grad_accum * m.layers * grads

@@ -202,7 +202,7 @@ def test_model_names():
 
 
 def plan(**fields):
-    return SimpleNamespace(**{**dict(zero_stage=1, pp=1, tp=1, sp=1, precision="fp32", dp=4), **fields})
+    return SimpleNamespace(**{**dict(zero_stage=1, pp=1, tp=1, tp_sp=False, sp=1, precision="fp32", dp=4), **fields})
 
 
 @pytest.mark.parametrize(
@@ -210,7 +210,8 @@ def plan(**fields):
     [
         (dict(zero_stage=3), 2, "ZeRO-3 at ep 2 > 1 (Native DeepSpeed MoE is not supported with ZeRO Stage 3: ep 1"),
         (dict(sp=2, dp=2), 1, "sp 2 > 1"),
-        (dict(tp=2, dp=2), 1, "tp 2 > 1"),
+        (dict(tp=2, dp=2, tp_sp=True), 2, "tp 2 at ep 2 > 1 (the experts run as the model's own modules at ep 1"),
+        (dict(tp=2, dp=2, tp_sp=False), 1, "tp 2 without sequence parallelism (each tp rank would run every token"),
         (dict(precision="fp16"), 1, "fp16"),
         (dict(zero_stage=2), 3, "experts 4 % ep 3 = 1; dp 4 % ep 3 = 1"),
         (dict(zero_stage=2, dp=2), 4, "dp 2 % ep 4 = 2"),
@@ -231,6 +232,8 @@ def test_refusal_dense_and_supported():
     assert refusal(spec=spec(), plan=plan(zero_stage=1), ep=2, contiguous_gradients=True) is None
     assert refusal(spec=spec(), plan=plan(zero_stage=0), ep=1, contiguous_gradients=False) is None
     assert refusal(spec=spec(), plan=plan(zero_stage=3), ep=1) is None  # the model's own SparseMLP under ZeRO-3
+    assert refusal(spec=spec(), plan=plan(tp=2, tp_sp=True, dp=2), ep=1) is None  # and at tp > 1
+    assert "capacity_factor 1.25 at tp 2" in refusal(spec=spec(capacity_factor=1.25), plan=plan(tp=2, tp_sp=True), ep=1)
     dropping = spec(capacity_factor=1.25)
     assert refusal(spec=dropping, plan=plan(zero_stage=3), ep=1).startswith("capacity_factor 1.25 under ZeRO-3")
     assert refusal(spec=spec(experts=0, expert_ffn=None), plan=plan(), ep=1) is None

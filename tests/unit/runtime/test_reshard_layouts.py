@@ -233,7 +233,11 @@ def test_layout_change_refusals(tmp_path):
     )
     assert "sequence-parallel" in refusal(meta=dict(tp=1, sp=2), tp=1, sp=1)
     moe = dict(model={**tiny, "experts": 4}, tp=1, pp=1, dp=2, ep=2)
-    assert refusal(meta=dict(model=moe["model"]), tp=1) is None  # pp 2 x tp 2 -> pp 2, no universal info needed
+    # at tp > 1 the experts are the model's own modules (DeepSpeed's layer at tp 1): another dp only
+    assert refusal(meta=dict(model=moe["model"]), dp=2) is None
+    for now in (dict(tp=1), dict(pp=1), dict(tp=1, pp=1)):
+        assert refusal(meta=dict(model=moe["model"]), **now).startswith("a mixture of experts at tp > 1"), now
+    assert "(tp 1 -> 2, pp 1 -> 1)" in refusal(meta=moe, tp=2, pp=1, dp=1, ep=1)
     assert refusal(meta=moe, tp=1, pp=1, dp=2) is None  # ep None: the saved ep
     assert refusal(meta=moe, tp=1, pp=1, dp=2, ep=1) is None  # ep 2 -> 1: dspipe.runtime.moe_reshard
     assert refusal(meta=moe, tp=1, pp=1, dp=4, ep=2) is None  # dp 2 -> 4 at ep 2

@@ -595,6 +595,7 @@ def micro_batch_activations(
     return saved + ids, max(head + chunk, working + moe_working)
 
 
+@lru_cache(maxsize=1024)
 def persistent_params(*, model: ModelSpec, threshold: int) -> int:
     """Parameters ZeRO-3 keeps whole on every rank: tensors smaller than stage3_param_persistence_threshold."""
     sizes = (math.prod(shape) for _, shape in model.model_tensors())

@@ -286,12 +286,14 @@ def stage_largest_tensors(model: ModelSpec, pp: int, partition_method: str, tp: 
     stage build draws at once before it keeps its slice (the vocabulary tables on the first and last stages)."""
     if pp == 1:
         return (largest_tensor(model),)
-    table = model.vocab * model.hidden
-    per_layer = [
-        max(table, _positions(model)),
-        *(max(math.prod(s) for _, s in model.block_tensors(i)) for i in range(model.layers)),
-        model.hidden,
-        table,
-    ]
+    per_layer = _largest_per_layer(model)
     bounds = stage_bounds(model, pp, partition_method, tp)
     return tuple(max(per_layer[a:b]) for a, b in pairwise(bounds))
+
+
+@lru_cache(maxsize=256)
+def _largest_per_layer(model: ModelSpec) -> tuple[int, ...]:
+    """Elements of the largest whole tensor of each PipelineModule layer (embedding, blocks, final norm, head)."""
+    table = model.vocab * model.hidden
+    blocks = (max(math.prod(s) for _, s in model.block_tensors(i)) for i in range(model.layers))
+    return (max(table, _positions(model)), *blocks, model.hidden, table)

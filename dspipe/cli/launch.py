@@ -37,7 +37,7 @@ from dspipe.cluster.store import parse_endpoint
 from dspipe.errors import SpecError
 from dspipe.log import get_logger
 from dspipe.rundir import load_run
-from dspipe.runtime.watchdog import check_hang_timeout, events_text, read_events, utc_now
+from dspipe.runtime.watchdog import NO_EVENTS, check_hang_timeout, events_text, read_events, utc_now
 from dspipe.spec.cluster import ClusterSpec
 from dspipe.spec.hardware import gpu_type, names_text
 
@@ -280,9 +280,9 @@ def launch(run_dir: Path, dry_run: bool, resume: str | None, restart: bool, test
         (run.path / REFUSED_FILE).unlink(missing_ok=True)
     started = utc_now()
     rc = execute(plan)
-    happened = [e for e in read_events(run.path) if str(e.get("time", "")) >= started]
-    if happened:
-        get_logger(__name__).warning(f"dspipe: {run.path}: {events_text(happened)}")
+    told = events_text([e for e in read_events(run.path) if str(e.get("time", "")) >= started])
+    if told != NO_EVENTS:
+        get_logger(__name__).warning(f"dspipe: {run.path}: {told}")
     if rc:
         raise SystemExit(rc)
 

@@ -229,6 +229,10 @@ def _wrapped(fn, name: str, watchdog: Watchdog):
     return collective
 
 
+NO_EVENTS = "no events"
+"""events_text's answer when none of the events is one it tells (a run's host-buffer allocation is not)."""
+
+
 def events_text(events: list[dict]) -> str:
     """One line on what happened to a job, from its events: each hang (the ranks, the operation, the step) and each
     restart (the step it resumed from, the ranks it ran on, a changed layout), the save interval's re-planning."""
@@ -256,4 +260,4 @@ def events_text(events: list[dict]) -> str:
             f"--save-interval auto re-planned after {len(planned)} save(s): {planned[0].get('was')} -> "
             f"{planned[-1].get('interval')} steps"
         )
-    return "; ".join(found + parts) or "no events"
+    return "; ".join(found + parts) or NO_EVENTS

@@ -442,10 +442,18 @@ def test_bf16_zero0_kill9_default_resume_restart_and_extend(tmp_path, corpus):
     (slot,) = (run / "previous").iterdir()
     assert (
         f"dspipe: --restart: moved checkpoints, metrics.csv, metrics.rewound.csv, val_metrics.csv, engine.json, "
-        f"monitor to {slot}"
-    ) in r.stdout + r.stderr  # a note: dspipe.log, on stderr
+        f"monitor, events.jsonl to {slot}"
+    ) in r.stdout + r.stderr  # a note: dspipe.log, on stderr (events.jsonl: the host buffers' event of the launch)
     assert sorted(p.name for p in slot.iterdir()) == sorted(
-        ["checkpoints", "metrics.csv", "metrics.rewound.csv", "val_metrics.csv", "engine.json", "monitor"]
+        [
+            "checkpoints",
+            "metrics.csv",
+            "metrics.rewound.csv",
+            "val_metrics.csv",
+            "engine.json",
+            "monitor",
+            "events.jsonl",
+        ]
     )
     # the rows the resume replayed (steps 4 and 5; the torn '6,8.0' is no row), as the killed run wrote them
     assert written_metrics(slot, name="metrics.rewound.csv") == written_metrics(ref)[3:5]  # bitwise

@@ -152,4 +152,5 @@ def test_events_text_names_the_ranks_and_the_restarts(tmp_path):
         "(dp 2 -> 1)"
     )
     assert events_text([]) == "no events"
+    assert events_text([{"event": "host_buffers", "step": 1, "bytes": 10, "seconds": 0.1}]) == "no events"
     assert all(json.loads(line) for line in (tmp_path / EVENTS_FILE).read_text().splitlines()[:5])

@@ -8,6 +8,7 @@ A benchmark that prints figures, not a test.
 """
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -16,9 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dspipe.planner.enumerate import ep_choices, sp_choices, tp_choices  # noqa: E402
-from dspipe.planner.plan import _largest_tensor  # noqa: E402
 from dspipe.planner.search import search  # noqa: E402
-from dspipe.planner.stages import largest_tensor, stage_params  # noqa: E402
 from dspipe.spec.cluster import ClusterSpec  # noqa: E402
 from dspipe.spec.core import StrategyRequest  # noqa: E402
 from dspipe.spec.presets import MODEL_PRESETS, model_preset  # noqa: E402
@@ -50,6 +49,23 @@ CASES = (
 )
 
 
+def planner_caches() -> list:
+    """Every lru_cache of the planner's modules (and the spec's): a cold search clears them all."""
+    import importlib
+    import pkgutil
+
+    import dspipe.planner
+
+    names = [f"dspipe.planner.{m.name}" for m in pkgutil.iter_modules(dspipe.planner.__path__)] + ["dspipe.spec.model"]
+    found = {}
+    for name in names:
+        module = importlib.import_module(name)
+        for value in vars(module).values():
+            if callable(getattr(value, "cache_clear", None)):
+                found[id(value)] = value
+    return list(found.values())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=5, help="searches per case (default 5)")
@@ -58,10 +74,11 @@ def main() -> None:
         train = TrainSpec(global_batch=gbs, micro_batch=1, steps=1000, warmup_steps=10)
         times = []
         for _ in range(args.repeat):
-            for cached in (stage_params, largest_tensor, _largest_tensor):
+            for cached in planner_caches():
                 cached.cache_clear()
+            fresh = dataclasses.replace(model)  # a new instance: its cached counts computed again too
             start = time.perf_counter()
-            result = search(model=model, cluster=cluster, train=train, request=StrategyRequest())
+            result = search(model=fresh, cluster=cluster, train=train, request=StrategyRequest())
             times.append(time.perf_counter() - start)
         best = result.best
         e = best.est

@@ -214,12 +214,13 @@ def _tp_comm_s(*, model: ModelSpec, plan: Plan, gpu: GpuType, tokens: int, layer
 
 
 def _expert_grads_s(*, model: ModelSpec, plan: Plan, gpu: GpuType) -> float:
-    """Seconds per micro-batch and sparse block of the tp all-reduces of its MLP's gradients (the router, every
-    routed expert's and the shared experts' tensors, each on its own): 2(t-1)/t of their bytes over NVLink and a ring
-    latency per tensor."""
+    """Seconds per micro-batch and sparse block of its tp all-reduces: its MLP's gradients (the router, every routed
+    expert's and the shared experts' tensors, each on its own: 2(t-1)/t of their bytes over NVLink and a ring
+    latency per tensor), and the load-balancing loss's two all-reduces of E numbers in each forward (latency)."""
     tp = plan.tp
     shared = model.mlp_tensors("", model.shared_experts * model.expert_width) if model.shared_experts else []
-    tensors = 1 + model.experts * len(model.expert_tensors()) + len(shared)
+    forwards = 2 if plan.checkpointing == Checkpointing.FULL else 1
+    tensors = 1 + model.experts * len(model.expert_tensors()) + len(shared) + 2 * forwards
     sent = 2 * (tp - 1) / tp * model.sparse_mlp_params * dtype_bytes(plan.precision)
     return sent / (gpu.intra_node_gbps * 1e9) + tensors * ring_latency_s(steps=2 * (tp - 1), gpu=gpu)
 

@@ -374,9 +374,9 @@ def sequence_parallel_experts(mlp: nn.Module, *, tp: TensorGroup) -> None:
 
 class SequenceParallelSparseMLP(SparseMLP):
     """A SparseMLP under Megatron sequence parallelism: the router, the routed and the shared experts stay whole on
-    every tp rank, which routes and runs its own slice of the sequence (no collective in the forward), their
-    gradients summed over the group; the load-balancing loss is the whole sequence's (the routes per expert and
-    the router's probabilities summed over the group), as at tp 1."""
+    every tp rank, which routes and runs its own slice of the sequence, their gradients summed over the group; the
+    load-balancing loss is the whole sequence's (the routes per expert and the router's probabilities summed over
+    the group: the forward's only collectives, two all-reduces of E numbers), as at tp 1."""
 
     tp: TensorGroup
 

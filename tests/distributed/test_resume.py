@@ -11,6 +11,7 @@ import time
 import pytest
 
 from dspipe.runtime import ckpt_meta, ckpt_tags
+from dspipe.runtime.restart import RUN_OUTPUTS
 from tests.helpers import ROOT, csv_rows, free_port, launch, make_run, mount_tmpfs, ok, written_metrics
 
 STEPS, EVERY = 8, 3
@@ -444,17 +445,7 @@ def test_bf16_zero0_kill9_default_resume_restart_and_extend(tmp_path, corpus):
         f"dspipe: --restart: moved checkpoints, metrics.csv, metrics.rewound.csv, val_metrics.csv, engine.json, "
         f"monitor, events.jsonl to {slot}"
     ) in r.stdout + r.stderr  # a note: dspipe.log, on stderr (events.jsonl: the host buffers' event of the launch)
-    assert sorted(p.name for p in slot.iterdir()) == sorted(
-        [
-            "checkpoints",
-            "metrics.csv",
-            "metrics.rewound.csv",
-            "val_metrics.csv",
-            "engine.json",
-            "monitor",
-            "events.jsonl",
-        ]
-    )
+    assert sorted(p.name for p in slot.iterdir()) == sorted(RUN_OUTPUTS)  # every output of the run moved
     # the rows the resume replayed (steps 4 and 5; the torn '6,8.0' is no row), as the killed run wrote them
     assert written_metrics(slot, name="metrics.rewound.csv") == written_metrics(ref)[3:5]  # bitwise
     assert ckpt_tags.is_complete(slot / "checkpoints" / "global_step6")

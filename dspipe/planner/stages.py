@@ -41,12 +41,7 @@ def block_params_per_rank(model: ModelSpec, tp: int = 1, layer: int | None = Non
 
 def blocks_params_off_rank(model: ModelSpec, tp: int) -> int:
     """Block parameters one tp rank does not hold: (tp - 1) / tp of every block's split ones."""
-    if tp == 1:
-        return 0
-    if not model.experts:
-        split = tp_split_params_per_block(model)
-        return model.layers * (split - share(split, tp))
-    splits = [tp_split_params_per_block(model, i) for i in range(model.layers)]
+    splits = (tp_split_params_per_block(model, i if model.is_sparse(i) else None) for i in range(model.layers))
     return sum(n - share(n, tp) for n in splits)
 
 

@@ -135,16 +135,16 @@ def save(engine, ckpt_dir: Path, *, step: int, meta: CheckpointMeta, keep: Reten
     return pending
 
 
-def prepare_buffers(engine, *, writer) -> tuple[int, float] | None:
+def prepare_buffers(engine, *, writer, into: Path) -> tuple[int, float] | None:
     """Collective: `writer`'s host buffers allocated and faulted in now, outside the steps, so that the run's first
     background save is a plain memory copy like the later ones (allocating them in the save step made it 1.91x a
     clean step where the later saves were 1.00-1.12x, measured). A rehearsal: DeepSpeed's save_checkpoint through
     the writer sizes each file it would write (dspipe.runtime.async_engine.BackgroundWriter.rehearsal), with the
-    RNG file, into a scratch directory of this rank's own (only its recovery scripts are written there), removed
-    after. Call it once the optimizer has stepped (Adam's moments are created at the first step). Returns (bytes,
-    seconds) of this rank; None, rehearsing nothing, under NVMe optimizer offload (DeepSpeed's save copies the
+    RNG file, into a scratch directory of this rank's own in the checkpoint directory `into` (only DeepSpeed's
+    recovery scripts are written there; a `.partial-` name, so a kill's leftover goes with the interrupted saves),
+    removed after. Call it once the optimizer has stepped (Adam's moments are created at the first step). Returns
+    (bytes, seconds) of this rank; None, rehearsing nothing, under NVMe optimizer offload (DeepSpeed's save copies the
     swap files, the optimizer's whole state, into the checkpoint directory: a rehearsal would copy them too)."""
-    import tempfile
     import time
 
     import torch.distributed as dist
@@ -153,7 +153,9 @@ def prepare_buffers(engine, *, writer) -> tuple[int, float] | None:
         writer.prepared = True
         return None
     t0 = time.perf_counter()
-    scratch = Path(tempfile.mkdtemp(prefix="dspipe-buffers-"))
+    scratch = Path(into) / f"{PARTIAL_PREFIX}rehearsal-rank{dist.get_rank()}"
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir(parents=True)
     try:
         with writer.rehearsal(), writing_through(engine, writer):
             engine.save_checkpoint(str(scratch), tag="rehearsal", client_state={}, save_latest=False)

@@ -235,7 +235,7 @@ class Training:
         """Collective, once, after the launch's first step (Adam's moments exist then) when its first save is in
         the background: the writer's host buffers allocated and faulted in here, not in that save's step; an event
         in events.jsonl and a line."""
-        prepared = ckpt.prepare_buffers(self.eng.engine, writer=self.writer)
+        prepared = ckpt.prepare_buffers(self.eng.engine, writer=self.writer, into=self.run.checkpoint_dir)
         if prepared is None:
             return
         nbytes, seconds = prepared

@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -172,7 +173,36 @@ def test_a_rehearsal_holds_the_buffers_the_first_save_then_copies_into_without_w
     assert torch.load(tmp_path / "model.pt", weights_only=True)["w"].unique().tolist() == [3.0]
 
 
-def test_no_rehearsal_under_nvme_optimizer_offload():
+def test_the_rehearsal_runs_in_the_checkpoint_directory_and_leaves_nothing(tmp_path, monkeypatch):
+    """prepare_buffers rehearses DeepSpeed's save in a `.partial-` scratch directory of the rank's own inside the
+    run's checkpoint directory (the disk the checkpoints go to, writable by then; a kill's leftover is cleared with
+    the interrupted saves), and removes it: the buffers are held, no file is left, the writer's count is the files'."""
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: 0)
+    seen = []
+
+    class Engine:
+        checkpoint_engine = None
+
+        def zero_nvme_offload_optimizer(self):
+            return False
+
+        def save_checkpoint(self, path, *, tag, client_state, save_latest):
+            seen.append(path)
+            (Path(path) / tag).mkdir(parents=True, exist_ok=True)
+            (Path(path) / tag / "zero_to_fp32.py").write_text("# a recovery script")  # what DeepSpeed writes itself
+            self.checkpoint_engine.save({"w": torch.ones(1000)}, f"{path}/{tag}/model.pt")
+
+    writer = BackgroundWriter(zipfile_serialization=True)
+    into = tmp_path / "checkpoints"
+    (into / ".partial-rehearsal-rank0").mkdir(parents=True)  # a killed rehearsal's leftover
+    nbytes, seconds = ckpt.prepare_buffers(Engine(), writer=writer, into=into)
+    assert seen == [str(into / ".partial-rehearsal-rank0")] and seconds >= 0
+    assert nbytes >= 4000 + 1 and writer.prepared and writer.pool.nbytes() > 0
+    assert list(into.iterdir()) == []  # the scratch removed, nothing else written
+    assert ckpt_tags.PARTIAL_PREFIX == ".partial-"  # so ckpt_tags.to_delete clears a kill's leftover
+
+
+def test_no_rehearsal_under_nvme_optimizer_offload(tmp_path):
     """DeepSpeed's save copies the NVMe swap files into the checkpoint: the rehearsal is declined, once."""
 
     class NvmeEngine:
@@ -183,7 +213,7 @@ def test_no_rehearsal_under_nvme_optimizer_offload():
             raise AssertionError("rehearsed")
 
     writer = BackgroundWriter(zipfile_serialization=True)
-    assert ckpt.prepare_buffers(NvmeEngine(), writer=writer) is None
+    assert ckpt.prepare_buffers(NvmeEngine(), writer=writer, into=tmp_path) is None
     assert writer.prepared and not writer.pool.arenas
 
 

@@ -164,14 +164,22 @@ def _batch(model, micro_batch: int, seed: int):
     return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
 
 
-def census_gpt(*, model, micro_batch: int, checkpointing: str, precision: str, seed: int = 0) -> ActivationCensus:
-    """One micro-batch through the plain GPT (pp = 1) as the runner builds it."""
+def census_gpt(
+    *, model, micro_batch: int, checkpointing: str, precision: str, seed: int = 0, moe_layer: str = "loop"
+) -> ActivationCensus:
+    """One micro-batch through the plain GPT (pp = 1) as the runner builds it; a mixture of experts on the model's own
+    SparseMLP (moe_layer "loop") or on DeepSpeed's layer at ep 1 ("native": dspipe.runtime.moe.NativeMoE, its tokens
+    through dspipe.runtime.dispatch)."""
     from dspipe.model.gpt import GPT
     from dspipe.runtime.parallelize import recompute
 
     torch.manual_seed(seed)
     gpt = GPT(model, seed=seed).to(_dtype(precision)).train()
     inputs, labels = _batch(model, micro_batch, seed)
+    if moe_layer == "native":
+        from dspipe.runtime import moe
+
+        moe.install(gpt, spec=model, ep=1, ep_rank=0)
 
     def forward(counted):
         recompute(gpt, mode=checkpointing, checkpoint_fn=counted if checkpointing != "none" else None)
@@ -311,17 +319,24 @@ def compare(
     pp: int = 1,
     stage: int = 0,
     partition_method: str = "parameters",
+    moe_layer: str = "loop",
 ) -> Comparison:
     """Census of the real model (or pipeline stage) and the planner's figures for it, with PyTorch's CPU kernels. A
-    mixture of experts runs the model's own SparseMLP here (no engine), as under ZeRO-3: the planner's figures for
-    it are native_moe=False's; its blocks are averaged (predicted and measured alike)."""
+    mixture of experts runs `moe_layer` here (no engine; census_gpt: both keep what the planner counts); its blocks
+    are averaged (predicted and measured alike)."""
     from dspipe.planner.memory import activation_bytes_per_layer, logits_bytes, micro_batch_activations
     from dspipe.planner.stages import stage_blocks, stage_bounds
     from dspipe.spec.dtypes import dtype_bytes
 
     act_bytes = dtype_bytes(precision)
     if pp == 1:
-        census = census_gpt(model=model, micro_batch=micro_batch, checkpointing=checkpointing, precision=precision)
+        census = census_gpt(
+            model=model,
+            micro_batch=micro_batch,
+            checkpointing=checkpointing,
+            precision=precision,
+            moe_layer=moe_layer,
+        )
     else:
         census, bounds = census_stage(
             model=model,
@@ -353,7 +368,6 @@ def compare(
         last=last,
         kernels="cpu",
         sparse=sparse,
-        native_moe=False,
     )
 
     def per_block(*, is_sparse: bool) -> int:
@@ -364,7 +378,6 @@ def compare(
             act_bytes=act_bytes,
             kernels="cpu",
             sparse=is_sparse,
-            native_moe=False,
         )
 
     where = f", stage {stage}/{pp} ({blocks} blocks)" if pp > 1 else ""

@@ -393,6 +393,15 @@ class SparseMLP(RouterState):
         """The block's load-balancing loss over the tokens it routed (balance_loss)."""
         return balance_loss(probs, chosen)
 
+    def routed(self, flat: torch.Tensor, *, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The routed experts' output for tokens `flat` (T, h): each token's k chosen experts (T, k) weighed by
+        `weights` (T, k) and summed, expert after expert (each expert once, on the tokens that chose it)."""
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            token, slot = (chosen == e).nonzero(as_tuple=True)
+            out.index_add_(0, token, expert(flat.index_select(0, token)) * weights[token, slot, None])
+        return out
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         logits = F.linear(flat.float(), self.router_weight().float())
@@ -400,11 +409,7 @@ class SparseMLP(RouterState):
         self.aux = self.balance(probs, chosen)
         self._count(chosen)
         weights = weights.to(flat.dtype)  # the activations' dtype, as transformers and DeepSpeed weigh the outputs
-        out = torch.zeros_like(flat)
-        for e, expert in enumerate(self.experts):
-            token, slot = (chosen == e).nonzero(as_tuple=True)
-            y = expert(flat.index_select(0, token)) * weights[token, slot, None]
-            out.index_add_(0, token, y)
+        out = self.routed(flat, chosen=chosen, weights=weights)
         if self.shared is not None:
             out = out + self.shared(flat)
         return out.view_as(x)

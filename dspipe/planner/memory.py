@@ -66,10 +66,9 @@ in bf16 (fp32 gradient accumulation): b.Phi_d/dp as a dense model's, but of the 
 share of an expert's parameters in tensors larger than the reduce bucket (expert_grads_kept; DeepSpeed reduces a
 bucketed gradient straight into the fp32 partition and keeps no 16-bit copy: 0 for most MoE shapes, whose expert
 matrices fit the h x h bucket; fp16 and fp32 keep every gradient of the partition). A sparse block's MLP saves
-moe_mlp_activation_bytes instead of the dense MLP's hidden activations: the router's fp32 logits and probabilities,
-the einsum dispatch's (tokens, E, C) dispatch mask and combine weights, the capacity-padded experts' inputs, hidden
-activations and outputs (the all-to-alls' buffers); dropless capacity C is planned at MOE_LOAD_HEADROOM x the mean
-expert load. Its backward adds the all-to-alls' gradient buffers of one block (moe_working_bytes).
+moe_mlp_activation_bytes instead of the dense MLP's hidden activations: the router's fp32 logits and probabilities
+and the routed rows' inputs, hidden activations and weighted outputs (dspipe.runtime.dispatch, which every layout's
+experts run through: k x tokens rows, fewer under a capacity factor; no masks, no padding).
 """
 
 from __future__ import annotations
@@ -90,7 +89,7 @@ from dspipe.planner.stages import (
     zero_group_size,
 )
 from dspipe.planner.throughput import window_kernel
-from dspipe.runtime.experts import native_layer
+from dspipe.runtime.experts import capacity_slots
 from dspipe.spec.cluster import ClusterSpec
 from dspipe.spec.dtypes import dtype_bytes
 from dspipe.spec.hardware import GIB
@@ -201,7 +200,6 @@ def activation_bytes_per_layer(
     kernels: str = "cuda",
     windowed: bool | None = None,
     sparse: bool = False,
-    native_moe: bool = True,
     tp_sp: bool = False,
 ) -> int:
     """Bytes one transformer block keeps for backward on one rank (measured on the real model: see
@@ -221,8 +219,7 @@ def activation_bytes_per_layer(
     Ulysses: s is the rank's s/sp tokens. `kernels`: 'cuda' (flash / memory-efficient SDPA, fused norms with fp32
     statistics; the GPU runner) or 'cpu' (PyTorch's CPU kernels: the gloo runner; the CPU SDPA also saves the
     log-sum-exp). `sparse`: a mixture-of-experts block, whose MLP saves moe_mlp_activation_bytes instead of the
-    dense MLP's hidden activations (none / selective; full keeps the block input as a dense block); `native_moe`
-    False: on the model's own SparseMLP (ZeRO-3). `tp_sp`: Megatron
+    dense MLP's hidden activations (none / selective; full keeps the block input as a dense block). `tp_sp`: Megatron
     sequence parallelism, where what stays whole on every tp rank without it (the norms' tensors, the inputs of the
     column-parallel projections, the block input, the dropout masks) holds the rank's s/tp tokens (Korthikanti et al.
     eq. 4: every term / t)."""
@@ -252,68 +249,47 @@ def activation_bytes_per_layer(
         dense_mlp = act_bytes * (4 if model.mlp == "swiglu" else 2) * model.ffn / tp
         # under tp (sequence parallelism, the rules' condition) each tp rank routes its s / tp of the tokens
         routed = share(tokens, cut)
-        moe = moe_mlp_activation_bytes(model=model, tokens=routed, act_bytes=act_bytes, native=native_moe)
+        moe = moe_mlp_activation_bytes(model=model, tokens=routed, act_bytes=act_bytes)
         moe -= tokens * dense_mlp
     return int(tokens * per_token + rotary + mask + moe)
 
 
-MOE_LOAD_HEADROOM = 1.25
-"""Dropless MoE: DeepSpeed's gating pads every expert to the largest expert load in the expert-parallel group
-(capacity = max count, all-reduced), which the planner cannot know; it plans that load at 1.25 x the mean,
-k x tokens / experts (a moderately imbalanced router; a perfectly balanced one needs 1.0x, a collapsed one E / k x)."""
+def routed_rows(*, model: ModelSpec, tokens: int) -> int:
+    """Rows the experts compute for `tokens` tokens on a rank (dspipe.runtime.dispatch): every route, k x tokens;
+    with a capacity factor at most capacity_slots per expert, so at most E x C."""
+    routes = model.experts_per_token * tokens
+    slots = capacity_slots(
+        tokens=tokens, experts=model.experts, k=model.experts_per_token, factor=model.capacity_factor
+    )
+    return routes if slots is None else min(routes, model.experts * slots)
 
 
-def expert_capacity(*, model: ModelSpec, tokens: int) -> int:
-    """Token slots per expert in DeepSpeed's dispatch for `tokens` tokens on a rank: with capacity_factor cf,
-    ceil(tokens / E x cf x k) (DeepSpeed's capacity when dropping, min_capacity 0); dropless (capacity_factor None),
-    the largest expert's load, planned at MOE_LOAD_HEADROOM x k x tokens / E."""
-    factor = MOE_LOAD_HEADROOM if model.capacity_factor is None else model.capacity_factor
-    return math.ceil(tokens / model.experts * factor * model.experts_per_token)
-
-
-def moe_mlp_activation_bytes(*, model: ModelSpec, tokens: int, act_bytes: int, native: bool = True) -> int:
-    """Bytes one sparse block's MoE layer (deepspeed.moe.layer.MoE, einsum dispatch) saves for backward for `tokens`
-    tokens on a rank, beyond the block's norm output (a dense block's MLP input, counted in activation_coefficients).
-    `native` False: the model's own SparseMLP (ZeRO-3: dspipe.runtime.experts.native_layer), a loop over the experts
-    on the tokens routed to each (index_select, index_add): no dispatch masks, exactly k T rows in all however the
-    router balances them, and per routed row one more b h (index_add_ keeps its source, the weighted expert output)
-    and its index and weight (8 + b); the router's top-k indices and weights (12 T k), and in 16-bit training the
-    router weight's fp32 copy (4 E h), while nothing keeps the block's 16-bit norm output (the router keeps its fp32
-    copy, index_select only its indices): - b T h. Census (benchmarks/census/activations.py, tiny-moe): within 0.2%.
-    With T tokens, E experts, k routes per token, C = expert_capacity slots per expert, h hidden, f expert_width,
-    c = 4 for SwiGLU (fused gate/up output, SiLU output, product) or 2 for GELU, b = act_bytes:
-      router      8 T E: the fp32 logits and softmax probabilities (tokens x E), plus 4 T h for the gate's fp32 copy
-                  of its input in 16-bit training (TopKGate upcasts before its matmul; in fp32 it is the input itself)
-      dispatch    2 b T E C: the dispatch mask and the combine weights, both (tokens, E, C) in the activation dtype
-                  (the einsums 'sec,sm->ecm' and 'sec,ecm->sm' keep them): quadratic in the tokens, as DeepSpeed's
-                  einsum dispatch is
-      experts     b E C (2 h + c f): the experts' inputs (the dispatch all-to-all's output), hidden activations and
-                  outputs (the combine all-to-all's input), capacity-padded: E C ~ 1.25 k T slots on every rank
+def moe_mlp_activation_bytes(*, model: ModelSpec, tokens: int, act_bytes: int) -> int:
+    """Bytes one sparse block's MoE layer saves for backward for `tokens` tokens on a rank, beyond the block's norm
+    output (a dense block's MLP input, counted in activation_coefficients). Every layout's experts run through
+    dspipe.runtime.dispatch (DeepSpeed's layer at ZeRO 0-2, the model's own SparseMLP under ZeRO-3 and tp; the
+    plain SparseMLP's loop keeps the same): no dispatch masks, R = routed_rows rows in all however the router
+    balances them, and per row its input, the expert's hidden activations, its output and its weighted output
+    (index_add_ keeps it), its index and weight (8 + b); the router's top-k indices and weights (12 T k), and in
+    16-bit training the router weight's fp32 copy (4 E h), while nothing keeps the block's 16-bit norm output (the
+    router keeps its fp32 copy, index_select only its indices): - b T h. With T tokens, E experts, k routes per
+    token, h hidden, f expert_width, c = 4 for SwiGLU (fused gate/up output, SiLU output, product) or 2 for GELU,
+    b = act_bytes:
+      router      8 T E: the fp32 logits and softmax probabilities (tokens x E), plus 4 T h for the fp32 copy of
+                  its input in 16-bit training
+      experts     R (b (3 h + c f) + 8 + b) + 12 T k
       shared      b T c (shared_experts x f): the always-on shared expert's hidden activations
-    The all-to-all buffers are the experts' inputs and outputs above (its backward's two gradient buffers are
-    moe_working_bytes)."""
+    Census (benchmarks/census/activations.py, tiny-moe, the plain loop and DeepSpeed's layer with the dispatch, bf16
+    and fp32, no/selective/full recomputation): within 0.2%. At ep > 1 the all-to-all-v's gradient buffers in the
+    backward (2 b R h, transient) are not counted."""
     e, h, f = model.experts, model.hidden, model.expert_width
     c = 4 if model.mlp == "swiglu" else 2
     router = 8 * tokens * e + (4 * tokens * h if act_bytes != 4 else 0)
     shared = act_bytes * tokens * c * model.shared_experts * f
-    if not native:
-        routes = model.experts_per_token * tokens
-        copy = 4 * e * h - act_bytes * tokens * h if act_bytes != 4 else 0
-        loop = routes * (act_bytes * (3 * h + c * f) + 8 + act_bytes) + 12 * routes + copy
-        return router + loop + shared
-    slots = e * expert_capacity(model=model, tokens=tokens)
-    dispatch = 2 * act_bytes * tokens * slots
-    experts = act_bytes * slots * (2 * h + c * f)
-    return router + dispatch + experts + shared
-
-
-def moe_working_bytes(*, model: ModelSpec, tokens: int, act_bytes: int, native: bool = True) -> int:
-    """What one sparse block's backward adds at its peak: the gradients of the dispatched and combined tensors that
-    its two all-to-alls exchange (2 x b x E x C x h: the send and the receive buffer of the one in flight); 0 for a
-    dense model and for the model's own SparseMLP (`native` False: no all-to-alls)."""
-    if not model.experts or not native:
-        return 0
-    return 2 * act_bytes * model.experts * expert_capacity(model=model, tokens=tokens) * model.hidden
+    rows = routed_rows(model=model, tokens=tokens)
+    copy = 4 * e * h - act_bytes * tokens * h if act_bytes != 4 else 0
+    experts = rows * (act_bytes * (3 * h + c * f) + 8 + act_bytes) + 12 * model.experts_per_token * tokens + copy
+    return router + experts + shared
 
 
 def recompute_working_bytes(
@@ -326,7 +302,6 @@ def recompute_working_bytes(
     kernels: str = "cuda",
     windowed: bool | None = None,
     sparse: bool = False,
-    native_moe: bool = True,
     tp_sp: bool = False,
 ) -> int:
     """Full recomputation: what one block's recomputed forward saves during its backward, beyond the block input
@@ -342,7 +317,6 @@ def recompute_working_bytes(
         kernels=kernels,
         windowed=windowed,
         sparse=sparse,
-        native_moe=native_moe,
         tp_sp=tp_sp,
     )
     return none - activation_bytes_per_layer(
@@ -415,13 +389,10 @@ def _sparse_blocks_bytes(
     sp: int,
     kernels: str,
     sparse: int,
-    native_moe: bool = True,
-) -> tuple[int, int]:
-    """(saved, working): what `sparse` mixture-of-experts blocks save beyond as many dense blocks, and what one's
-    all-to-all gradient buffers add to the peak ((0, 0) without any)."""
+) -> int:
+    """What `sparse` mixture-of-experts blocks save beyond as many dense blocks (0 without any)."""
     if not sparse:
-        return 0, 0
-    tokens = share(model.seq_len, sp) * micro_batch
+        return 0
 
     def block(*, is_sparse: bool) -> int:
         return activation_bytes_per_layer(
@@ -434,11 +405,9 @@ def _sparse_blocks_bytes(
             kernels=kernels,
             windowed=False,
             sparse=is_sparse,
-            native_moe=native_moe,
         )
 
-    saved = sparse * (block(is_sparse=True) - block(is_sparse=False))
-    return saved, moe_working_bytes(model=model, tokens=tokens, act_bytes=act_bytes, native=native_moe)
+    return sparse * (block(is_sparse=True) - block(is_sparse=False))
 
 
 def _stage_blocks_bytes(
@@ -450,14 +419,13 @@ def _stage_blocks_bytes(
     blocks: int,
     windowed: int,
     sparse: int,
-    native_moe: bool = True,
     tp: int,
     sp: int,
     kernels: str,
     tp_sp: bool,
-) -> tuple[int, int, int]:
-    """(saved, working, moe_working): what a stage's blocks save, one recomputed block under full checkpointing, and
-    one sparse block's all-to-all gradient buffers (micro_batch_activations' terms)."""
+) -> tuple[int, int]:
+    """(saved, working): what a stage's blocks save and one recomputed block under full checkpointing
+    (micro_batch_activations' terms)."""
 
     def per_layer(masked: bool) -> int:
         return activation_bytes_per_layer(
@@ -473,7 +441,7 @@ def _stage_blocks_bytes(
         )
 
     saved = (blocks - windowed) * per_layer(False) + windowed * per_layer(True)
-    moe_saved, moe_working = _sparse_blocks_bytes(
+    moe_saved = _sparse_blocks_bytes(
         model=model,
         micro_batch=micro_batch,
         checkpointing=checkpointing,
@@ -482,10 +450,9 @@ def _stage_blocks_bytes(
         sp=sp,
         kernels=kernels,
         sparse=sparse,
-        native_moe=native_moe,
     )
     if checkpointing != Checkpointing.FULL or not blocks:
-        return saved + moe_saved, 0, moe_working
+        return saved + moe_saved, 0
     working = recompute_working_bytes(
         model=model,
         micro_batch=micro_batch,
@@ -495,10 +462,9 @@ def _stage_blocks_bytes(
         kernels=kernels,
         windowed=windowed > 0,
         sparse=sparse > 0,
-        native_moe=native_moe,
         tp_sp=tp_sp,
     )
-    return saved + moe_saved, working, moe_working
+    return saved + moe_saved, working
 
 
 def _last_stage_bytes(
@@ -547,7 +513,6 @@ def micro_batch_activations(
     kernels: str = "cuda",
     windowed: int | None = None,
     sparse: int = 0,
-    native_moe: bool = True,
     tp_sp: bool = False,
     loss_chunk: int = 0,
 ) -> tuple[int, int]:
@@ -560,11 +525,10 @@ def micro_batch_activations(
     larger: they never coincide.
     `windowed`: how many of the blocks have a sliding window shorter than the sequence (None: the last `blocks`
     blocks of the model, the most a stage can hold, as windowed_blocks counts them). `sparse`: how many of the
-    blocks are mixture-of-experts blocks (their MoE layers' saved tensors; one's all-to-all gradient buffers,
-    moe_working_bytes, add to the peak)."""
+    blocks are mixture-of-experts blocks (their MoE layers' saved tensors)."""
     if windowed is None:
         windowed = windowed_blocks(model, range(model.layers - blocks, model.layers))
-    saved, working, moe_working = _stage_blocks_bytes(
+    saved, working = _stage_blocks_bytes(
         model=model,
         micro_batch=micro_batch,
         checkpointing=checkpointing,
@@ -572,7 +536,6 @@ def micro_batch_activations(
         blocks=blocks,
         windowed=windowed,
         sparse=sparse,
-        native_moe=native_moe,
         tp=tp,
         sp=sp,
         kernels=kernels,
@@ -591,8 +554,8 @@ def micro_batch_activations(
         last=last,
     )
     if checkpointing != Checkpointing.FULL:
-        return saved + ids + head, max(moe_working, chunk)
-    return saved + ids, max(head + chunk, working + moe_working)
+        return saved + ids + head, chunk
+    return saved + ids, max(head + chunk, working)
 
 
 @lru_cache(maxsize=1024)
@@ -815,7 +778,6 @@ def stage_memory(*, model: ModelSpec, cluster: ClusterSpec, plan: Plan) -> tuple
             kernels=kernels,
             windowed=windowed_blocks(model, range(first_block[i], first_block[i] + blocks[i])),
             sparse=sum(1 for j in model.sparse_layers if first_block[i] <= j < first_block[i] + blocks[i]),
-            native_moe=native_layer(zero_stage=plan.zero_stage, tp=plan.tp),
             tp_sp=plan.tp_sp,
             loss_chunk=plan.loss_chunk,
         )

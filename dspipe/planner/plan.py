@@ -274,8 +274,9 @@ def _check_experts(*, model: ModelSpec, train: TrainSpec, strategy: StrategySpec
     """What dspipe's mixture-of-experts training supports: on DeepSpeed 0.19.8's native MoE layer
     (deepspeed.moe.layer.MoE) ZeRO 0-2 at tp 1 (ep > 1: ZeRO 1-2, ZeRO-1 with contiguous gradients), any pp (each
     stage its own sparse blocks), ep dividing the experts and dp; under ZeRO-3, or with tp > 1 (Megatron sequence
-    parallelism on: each tp rank runs its slice's tokens through the whole experts), the model's own dropless
-    SparseMLP at ep 1 (dspipe.runtime.experts.native_layer); bf16 or fp32, sp 1; ep 1 for a dense model."""
+    parallelism on: each tp rank runs its slice's tokens through the whole experts), the model's own SparseMLP at
+    ep 1 (dspipe.runtime.experts.native_layer); every layout's experts run through dspipe.runtime.dispatch, so a
+    capacity factor applies to any of them; bf16 or fp32, sp 1; ep 1 for a dense model."""
     e, ep, pp, tp, sp, zero = model.experts, strategy.ep, strategy.pp, strategy.tp, strategy.sp, strategy.zero
     dp = ParallelLayout(world=world, pp=pp, tp=tp, sp=sp).dp  # rule 2 held: pp x tp x sp divides the world
     if not e:
@@ -290,18 +291,11 @@ def _check_experts(*, model: ModelSpec, train: TrainSpec, strategy: StrategySpec
             + (
                 "Native DeepSpeed MoE is not supported with ZeRO Stage 3"
                 if zero == 3
-                else "DeepSpeed 0.19.8's MoE layer under a tensor-parallel mpu splits each expert's capacity slots "
-                "over the tp ranks, which dropless capacities do not divide: measured at tp 2, gloo's all-gather "
-                "refused 67 slots"
+                else "experts spread over ep ranks at tp > 1 are not built: each tp rank routes its own slice, so "
+                "their gradients would be summed over the tp group inside DeepSpeed's expert groups, whose MoE "
+                "layer dspipe uses at tp 1 only"
             )
             + f"); use --ep 1, or {'ZeRO stage 1/2' if zero == 3 else '--tp 1'} for expert parallelism",
-        )
-    if own and model.capacity_factor is not None:
-        raise RuleError(
-            3,
-            f"{own} and capacity_factor {model.capacity_factor}: the experts run as the model's own dropless "
-            f"modules there (DeepSpeed's native MoE layer, the one with a capacity, takes ZeRO 0-2 at tp 1); drop "
-            f"the capacity factor",
         )
     if tp > 1 and not strategy.tp_sp:
         raise RuleError(

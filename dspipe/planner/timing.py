@@ -10,11 +10,11 @@ _dp_comm_s); the 1F1B bubble; pipeline p2p (partitioned over the tp ranks, then 
 pipe_partitioned / grad_partitioned); offload (GpuType's CPU-Adam and
 host copy rates); the engine's own optimizer step where the GPU type (a profile) gives its rate. Every collective costs
 its bytes over the link's bandwidth plus the ring latency (RING_BASE_LATENCY_S, or a profile's measured launch cost).
-Mixture of experts: model FLOPs count the active parameters (6 x active + attention per token); executed FLOPs add
-DeepSpeed's einsum dispatch and combine and the experts' capacity padding (moe_dispatch_flops_per_token); per sparse
+Mixture of experts (every layout's experts run through dspipe.runtime.dispatch): model FLOPs count the active
+parameters (6 x active + attention per token), executed FLOPs too (no dispatch matmuls, no padding); per sparse
 block and micro-batch 4 all-to-alls (dispatch and combine, forward and backward; 6 with full recomputation) of the
-capacity-padded tokens x hidden, (ep-1)/ep of them leaving the rank, on NVLink while the ep group stays in a node;
-dense gradients reduced over dp, expert gradients over the dp / ep expert-data-parallel ranks.
+routed rows x hidden (memory.routed_rows), (ep-1)/ep of them leaving the rank, on NVLink while the ep group stays in
+a node; dense gradients reduced over dp, expert gradients over the dp / ep expert-data-parallel ranks.
 """
 
 from __future__ import annotations
@@ -22,11 +22,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from dspipe.planner.memory import block_modules, expert_capacity
+from dspipe.planner.memory import block_modules, routed_rows
 from dspipe.planner.plan import Plan
 from dspipe.planner.stages import param_groups, share, slowest_stage_share, stage_sparse_blocks, zero_group_size
 from dspipe.planner.throughput import attention_flops_per_token, model_flops_per_token
-from dspipe.runtime.experts import native_layer
 from dspipe.spec.cluster import ClusterSpec
 from dspipe.spec.dtypes import dtype_bytes
 from dspipe.spec.hardware import GpuType
@@ -261,40 +260,24 @@ def _partition(model: ModelSpec, plan: Plan, phi: int) -> float:
     return phi / groups[0][1] if len(groups) == 1 else sum(p / n for p, n in groups)
 
 
-def moe_dispatch_flops_per_token(model: ModelSpec, *, tokens: int, native: bool = True) -> float:
-    """FLOPs per token DeepSpeed's MoE layer executes beyond the active parameters' 6N, for `tokens` tokens per
-    micro-batch on a rank: the einsum dispatch and combine ('sec,sm->ecm', 'sec,ecm->sm': 2 x T x E C x h each,
-    forward, twice that backward: 12 E C h per token, E C = expert_capacity slots ~ 1.25 k T, quadratic in the
-    tokens) and the experts' work on the capacity padding (6 x (E C / T - k) x expert parameters per token). 0 for
-    a dense model, and for the model's own SparseMLP (`native` False, ZeRO-3: its index_select / index_add move the
-    k routed copies of each token, no FLOPs, and no expert computes padding)."""
-    if not model.experts or not native:
-        return 0.0
-    slots = model.experts * expert_capacity(model=model, tokens=tokens)
-    per_block = 12.0 * slots * model.hidden + 6.0 * (slots / tokens - model.experts_per_token) * model.expert_params
-    return len(model.sparse_layers) * per_block
-
-
 EXPERT_CALL_S = 6.3e-4
-"""On a GPU, the seconds one expert's call takes at least, forward or backward, however little it computes: both
-MoE layers call their experts one by one from Python (the model's own SparseMLP after a nonzero() that waits for the
-GPU; DeepSpeed's Experts over the capacity-padded chunks), a dozen small kernels each, so with small experts the GPU
-idles while the host launches. Fitted to the plain-PyTorch loop over 32 experts of 1024 (top-4, 4 blocks, 4
+"""On a GPU, the seconds one expert's call takes at least, forward or backward, however little it computes:
+dspipe.runtime.dispatch calls the experts one by one from Python, a dozen small kernels each, so with small experts
+the GPU idles while the host launches. Fitted to the plain-PyTorch loop over 32 experts of 1024 (top-4, 4 blocks, 4
 micro-batches of 8,192 tokens) on the H200 (docs/benchmarks.md, 2026-11-26): 699.8 ms per step where its FLOPs at
-the catalog rate take 56 ms, 0.644 s over 1,024 calls. The same bench on DeepSpeed's layer (947.5 ms measured, 200 ms
-of FLOPs planned) then plans 0.82 s (-14%). Taken as 0 on CPU ranks, whose cores compute what they launch."""
+the catalog rate take 56 ms, 0.644 s over 1,024 calls. That loop also waited on a nonzero() per expert, which the
+dispatch replaces by one wait per block (its counts), so the floor may overstate the dispatch's; DeepSpeed's own
+einsum dispatch measured 947.5 ms on the same bench. Taken as 0 on CPU ranks, whose cores compute what they launch."""
 
 
 def expert_calls_s(*, model: ModelSpec, plan: Plan, gpu: GpuType, tokens: int, achieved: float) -> float:
     """Seconds per micro-batch the MoE layer's expert calls add beyond their FLOPs on a GPU, `tokens` tokens per
     micro-batch, `achieved` FLOP/s: per sparse block on the busiest stage and expert the rank holds (experts / ep),
     each pass (forward, backward, and the forward again under full recomputation) takes at least EXPERT_CALL_S
-    beyond the expert's rows at the achieved rate (DeepSpeed's layer: its capacity C, padding included; the model's
-    own: the mean k T / E). 0 on a dense model and on CPU ranks."""
+    beyond the expert's rows at the achieved rate (the mean routed_rows / E). 0 on a dense model and on CPU ranks."""
     if not model.experts or gpu.backend != "nccl":
         return 0.0
-    native = native_layer(zero_stage=plan.zero_stage, tp=plan.tp)
-    rows = expert_capacity(model=model, tokens=tokens) if native else model.experts_per_token * tokens / model.experts
+    rows = routed_rows(model=model, tokens=tokens) / model.experts
     forward = 2 * model.expert_params * rows / achieved
     passes = [forward, 2 * forward] + ([forward] if plan.checkpointing == Checkpointing.FULL else [])
     per_expert = sum(max(0.0, EXPERT_CALL_S - t) for t in passes)
@@ -328,24 +311,23 @@ def _ep_comm_s(*, model: ModelSpec, plan: Plan, cluster: ClusterSpec, tokens: in
     with the most sparse blocks."""
     gpu, m, tp, sp = cluster.gpu_type, plan.grad_accum, plan.tp, plan.sp
     b = dtype_bytes(plan.precision)
-    # Expert parallelism: per sparse block and micro-batch, an all-to-all to dispatch the tokens to their experts and
-    # one to combine them, forward and backward (4; 6 with full recomputation), each sending (ep-1)/ep of the rank's
-    # capacity-padded E x C x h activations (memory.expert_capacity), over NVLink while the ep group (ep consecutive
-    # data-parallel ranks) stays inside a node, else the network; plus the dropless capacity's all-reduce (MAX of
-    # the expert counts over the ep group: latency only) per forward. Not overlapped.
+    # Expert parallelism (dspipe.runtime.dispatch): per sparse block and micro-batch, an all-to-all-v to dispatch the
+    # routed rows to their experts and one to combine them, forward and backward (4; 6 with full recomputation), each
+    # sending (ep-1)/ep of the rank's routed rows x h (memory.routed_rows), over NVLink while the ep group (ep
+    # consecutive data-parallel ranks) stays inside a node, else the network; plus the counts' all-to-all (E numbers:
+    # latency only) per forward. Not overlapped.
     ep_comm = 0.0
     if plan.ep > 1 and model.experts:
         ops, forwards = (6, 2) if plan.checkpointing == Checkpointing.FULL else (4, 1)
-        slots = model.experts * expert_capacity(model=model, tokens=tokens)
-        volume = (plan.ep - 1) / plan.ep * slots * model.hidden * b
+        volume = (plan.ep - 1) / plan.ep * routed_rows(model=model, tokens=tokens) * model.hidden * b
         span = plan.ep * tp * sp
         inside = _inside_node(span, cluster.gpus_per_node)
         bw = gpu.intra_node_gbps if inside else gpu.inter_node_gbps
         hops = 0 if inside else math.ceil(span / cluster.gpus_per_node) - 1
         one = volume / (bw * 1e9) + ring_latency_s(steps=plan.ep - 1, inter_steps=hops, gpu=gpu)
-        count_max = ring_latency_s(steps=2 * (plan.ep - 1), inter_steps=2 * hops, gpu=gpu)
+        counts = ring_latency_s(steps=plan.ep - 1, inter_steps=hops, gpu=gpu)
         blocks = max(stage_sparse_blocks(model=model, pp=plan.pp, partition_method=plan.partition_method))
-        ep_comm = m * blocks * (ops * one + forwards * count_max)
+        ep_comm = m * blocks * (ops * one + forwards * counts)
     return ep_comm
 
 
@@ -395,16 +377,7 @@ def step_time(*, model: ModelSpec, cluster: ClusterSpec, plan: Plan, phi: int) -
     kernels = "cuda" if gpu.backend == "nccl" else "cpu"
     model_flops = model_flops_per_token(model)
     run_attention = attention_flops_per_token(model, kernels=kernels)
-    executed = (
-        model_flops
-        - attention_flops_per_token(model)
-        + run_attention
-        + moe_dispatch_flops_per_token(
-            model,
-            tokens=plan.micro_batch * share(model.seq_len, sp),
-            native=native_layer(zero_stage=plan.zero_stage, tp=plan.tp),
-        )
-    )
+    executed = model_flops - attention_flops_per_token(model) + run_attention
     extra = {"none": 0.0, "selective": run_attention / 3, "full": executed / 3}[plan.checkpointing]
     hw_flops = executed + extra
     rank_flops = hw_flops / tp / sp

@@ -10,6 +10,7 @@ layer_L_expert_e_mp_rank_00_model_states.pt (L: the sparse block's index among t
 
 from __future__ import annotations
 
+import math
 import re
 
 from dspipe.spec.kinds import Precision
@@ -40,14 +41,21 @@ def expert_parallel(run) -> int:
 
 def native_layer(*, zero_stage: int, tp: int = 1) -> bool:
     """Whether a mixture of experts trains on DeepSpeed's native MoE layer (deepspeed.moe.layer.MoE: ZeRO 0-2,
-    tp 1, expert parallelism, expert files in the checkpoint, a capacity if asked for) or as the model's own
-    SparseMLP: under ZeRO-3, which the native layer refuses, and with tp > 1, where the native layer splits each
-    expert's capacity slots over the tp ranks (dropless loads do not divide). There the experts are plain modules
-    of the model (ep 1, dropless; each expert runs on the tokens routed to it, an empty batch when none, so every
-    rank gathers and reduces every expert in the same order): ZeRO-3 partitions them over every data-parallel rank
-    like the dense ones; with tp each tp rank holds them whole and runs its sequence slice's tokens through them
-    (Megatron sequence parallelism; dspipe.runtime.parallelize)."""
+    tp 1; its expert groups, expert parallelism, expert files in the checkpoint) or as the model's own SparseMLP:
+    under ZeRO-3, which the native layer refuses, and with tp > 1, where spreading the experts over ep ranks is not
+    built (each tp rank routes its own slice: the experts' gradients would be summed over the tp group inside
+    DeepSpeed's expert groups). There the experts are plain modules of the model (ep 1): ZeRO-3 partitions them over
+    every data-parallel rank like the dense ones; with tp each tp rank holds them whole and runs its sequence
+    slice's tokens through them (Megatron sequence parallelism; dspipe.runtime.parallelize). Either way the tokens
+    reach the experts through dspipe.runtime.dispatch, each expert once per forward on its routed tokens (an empty
+    batch when none, so every rank gathers and reduces every expert in the same order)."""
     return zero_stage != 3 and tp == 1
+
+
+def capacity_slots(*, tokens: int, experts: int, k: int, factor: float | None) -> int | None:
+    """Routes an expert keeps on a rank for `tokens` tokens: ceil(tokens / experts x factor x k) (DeepSpeed's
+    capacity with min_capacity 0); None (dropless) without a factor."""
+    return None if factor is None else math.ceil(tokens / experts * factor * k)
 
 
 def refusal(*, spec, plan, ep: int, contiguous_gradients: bool = True) -> str | None:
@@ -58,15 +66,8 @@ def refusal(*, spec, plan, ep: int, contiguous_gradients: bool = True) -> str | 
     why = []
     if plan.zero_stage == 3 and ep > 1:
         why.append(f"ZeRO-3 at ep {ep} > 1 ({ZERO3_REFUSAL}: ep 1 trains the experts as the model's own modules)")
-    if plan.zero_stage == 3 and spec.capacity_factor is not None:
-        why.append(
-            f"capacity_factor {spec.capacity_factor} under ZeRO-3 (its experts run as the model's own dropless "
-            f"modules: {ZERO3_REFUSAL})"
-        )
     if plan.tp > 1 and ep > 1:
         why.append(f"tp {plan.tp} at ep {ep} > 1 (the experts run as the model's own modules at ep 1 there)")
-    if plan.tp > 1 and spec.capacity_factor is not None:
-        why.append(f"capacity_factor {spec.capacity_factor} at tp {plan.tp} (its experts run as dropless modules)")
     if plan.tp > 1 and not plan.tp_sp:
         why.append(f"tp {plan.tp} without sequence parallelism (each tp rank would run every token's experts)")
     if plan.sp > 1:

@@ -2,16 +2,19 @@
 by a `NativeMoE` backed by DeepSpeed's native `deepspeed.moe.layer.MoE` (at every ep, 1 included), holding the
 model's router as its gate and this rank's experts [ep_rank x E/ep, (ep_rank + 1) x E/ep) as its local experts.
 
-The output equals the plain SparseMLP's (dropless, no noise, no random token selection): the model routes
+The output equals the plain SparseMLP's (no noise, no random token selection): the model routes
 (dspipe.model.gpt.route: the experts chosen by score, selection bias and expert groups; their weights, the top-k
 softmax or sigmoid scores renormalised only when router_norm_topk, times router_scale), computed from the gate's
-weight with their graph, so the router's gradient is the plain model's too. DeepSpeed's gate only places the
-tokens: its gating function is handed logits on which exactly the model's experts rank (NativeMoE._gate_routes),
-and the weights its combine applies are replaced by the model's (a forward hook on the gate; DeepSpeed's own always
-renormalise for k >= 2 and never for k = 1). The load-balancing loss is the model's (dspipe.model.gpt.balance_loss),
-kept as `.aux` for GPT.forward; DeepSpeed's l_aux is not used. After each step: step_counts, load_ratio and
-update_router_bias. A pipeline stage has no GPT.forward: its sparse blocks tie their losses into the backward
-themselves (wire_stage, Megatron-LM's MoEAuxLossAutoScaler idea) and record them for the report (take_aux_total).
+weight with their graph, so the router's gradient is the plain model's too. DeepSpeed's layer holds the experts
+(its expert groups, parameter attributes, optimizer groups and checkpoint files); the tokens reach them through
+dspipe.runtime.dispatch (dropless; with a capacity factor, each expert keeps its first C routes), as every MoE
+layout's do: DeepSpeed's gate and einsum dispatch never run. Where the experts are the model's own modules (ZeRO-3,
+tp > 1: dspipe.runtime.experts.native_layer false) its SparseMLP dispatches the same way (install_for_run:
+dispatch.DispatchedSparseMLP).
+The load-balancing loss is the model's (dspipe.model.gpt.balance_loss), kept as `.aux` for GPT.forward; DeepSpeed's
+l_aux is not used. After each step: step_counts, load_ratio and update_router_bias. A pipeline stage has no
+GPT.forward: its sparse blocks tie their losses into the backward themselves (wire_stage, Megatron-LM's
+MoEAuxLossAutoScaler idea) and record them for the report (take_aux_total).
 
 Names: the block's `mlp.router.weight` lives at `mlp.moe.deepspeed_moe.gate.wg.weight`, expert e at
 `mlp.moe.deepspeed_moe.experts.deepspeed_experts.{e - ep_rank x E/ep}` (DeepSpeed's checkpoint files name it by its
@@ -26,11 +29,13 @@ import torch.nn.functional as F
 
 from dspipe.errors import SpecError
 from dspipe.model.gpt import GPT, Block, RouterState, balance_loss, route
-from dspipe.runtime.experts import expert_parallel, native_layer, refusal
+from dspipe.runtime.dispatch import DispatchedSparseMLP, dispatch, recomputing
+from dspipe.runtime.experts import capacity_slots, expert_parallel, native_layer, refusal
 
 
 class NativeMoE(RouterState):
-    """A sparse block's MLP on DeepSpeed's MoE layer; same output and aux as the SparseMLP it was built from."""
+    """A sparse block's MLP on DeepSpeed's MoE layer, its tokens dispatched by dspipe.runtime.dispatch; the same
+    output and aux as the SparseMLP it was built from."""
 
     def __init__(self, sparse: nn.Module, *, spec, ep: int, ep_rank: int):
         super().__init__()
@@ -39,7 +44,7 @@ class NativeMoE(RouterState):
         self._init_router_state(spec)
         if self.router_bias is not None:
             self.router_bias = sparse.router_bias.detach().float().clone()
-        cf = spec.capacity_factor
+        self.capacity_factor = spec.capacity_factor
         local = spec.experts // ep
         template = sparse.experts[ep_rank * local]  # a local expert: the others may be meta (dspipe.runtime.build)
         weight = sparse.router.weight
@@ -50,14 +55,12 @@ class NativeMoE(RouterState):
                 num_experts=spec.experts,
                 ep_size=ep,
                 k=spec.experts_per_token,
-                capacity_factor=cf or 1.0,
-                eval_capacity_factor=cf or 1.0,
                 min_capacity=0,
                 noisy_gate_policy=None,
-                drop_tokens=cf is not None,
+                drop_tokens=False,
                 use_rts=False,
                 top2_2nd_expert_sampling=False,
-            )
+            )  # its gate holds the router's weight; its gate and einsum dispatch never run (dispatch does)
         self.moe = moe.to(device=weight.device, dtype=weight.dtype)
         with torch.no_grad():
             self.gate_weight.copy_(weight)
@@ -66,80 +69,40 @@ class NativeMoE(RouterState):
                 for dst, src in zip(expert.parameters(), source.parameters(), strict=True):
                     dst.copy_(src)
         self.shared = getattr(sparse, "shared", None)
-        self.dropped = torch.zeros((), dtype=torch.int64, device=weight.device)
-        """Routes a capacity dropped in the training forwards since take_dropped (a recomputation counts none)."""
+        self.dropped = 0
+        """Routes a capacity dropped in the training forwards since step_counts took them (a recomputation counts
+        none)."""
         self.aux: torch.Tensor | None = None
         """The load-balancing loss of the last forward (with its graph)."""
-        self._weights: torch.Tensor | None = None  # (tokens, E): each token's routing weights, this forward's
-        self._ranking: torch.Tensor | None = None  # (tokens, E): the chosen experts' weights, -inf elsewhere
-        gate = self.moe.deepspeed_moe.gate
-        gate.forward = self._gate_routes
-        gate.register_forward_hook(self._model_weights)
 
     @property
     def gate_weight(self) -> torch.Tensor:
         return self.moe.deepspeed_moe.gate.wg.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(x.reshape(-1, x.shape[-1]).float(), self.gate_weight.float())
+        flat = x.reshape(-1, x.shape[-1])
+        logits = F.linear(flat.float(), self.gate_weight.float())
         probs, weights, chosen = route(logits, bias=self.router_bias, **self.routing)
         self.aux = balance_loss(probs, chosen)
         self._count(chosen)
-        self._weights = torch.zeros_like(probs).scatter(1, chosen, weights)
-        self._ranking = torch.full_like(probs, float("-inf")).scatter(1, chosen, weights.detach())
-        try:
-            out, _, _ = self.moe(x)
-        finally:
-            self._weights = self._ranking = None
-        return out if self.shared is None else out + self.shared(x)
-
-    def _gate_routes(self, _input, used_token=None, sparse_routes=False, use_tutel=False):
-        """DeepSpeed's TopKGate.forward, ranking by the model's choice: its gating function (top1/top2/topkgating:
-        capacity, slots, drops) gets as logits each token's combine weights on the experts the model chose and -inf
-        on the others, so it picks exactly those, whatever the score function, bias or expert groups (a capacity
-        gives priority by weight)."""
-        from deepspeed.moe import sharded_moe
-
-        gate, ranks = self.moe.deepspeed_moe.gate, self._ranking
-        cf = gate.capacity_factor if gate.training else gate.eval_capacity_factor
-        if gate.k == 1:
-            return sharded_moe.top1gating(
-                ranks,
-                cf,
-                gate.min_capacity,
-                used_token,
-                None,
-                gate.drop_tokens,
-                gate.use_rts,
-                gate.ep_group,
-                sparse_routes,
-                use_tutel,
-            )
-        if gate.k == 2:
-            return sharded_moe.top2gating(
-                ranks,
-                cf,
-                gate.min_capacity,
-                gate.drop_tokens,
-                gate.ep_group,
-                gate.top2_2nd_expert_sampling,
-                sparse_routes,
-            )
-        return sharded_moe.topkgating(
-            ranks, gate.k, cf, gate.min_capacity, gate.drop_tokens, gate.ep_group, sparse_routes=sparse_routes
+        layer = self.moe.deepspeed_moe
+        capacity = capacity_slots(
+            tokens=flat.shape[0], experts=self.num_experts, k=chosen.shape[1], factor=self.capacity_factor
         )
-
-    def _model_weights(self, _gate, _inputs, routes):
-        """DeepSpeed's sparse routes (l_aux, capacity, E, experts (k, S), slots (k, S), weights (k, S), counts)
-        with the model's weights of the experts its gate chose (a route dropped by capacity has expert -1 and is
-        not combined)."""
-        l_aux, capacity, experts, chosen, slots, weights, counts = routes
-        if chosen.shape[-1] != self._weights.shape[0]:
-            raise RuntimeError(f"DeepSpeed routed {chosen.shape[-1]} tokens, the model {self._weights.shape[0]}")
-        if self.training and torch._C._current_graph_task_id() == -1:  # not a recomputation
-            self.dropped += (chosen < 0).sum().to(self.dropped.device)
-        ours = self._weights.gather(1, chosen.long().clamp(min=0).t()).t()
-        return l_aux, capacity, experts, chosen, slots, ours.to(weights.dtype), counts
+        out, dropped = dispatch(
+            flat,
+            chosen=chosen,
+            weights=weights.to(flat.dtype),  # the activations' dtype, as the SparseMLP weighs the outputs
+            experts=layer.experts.deepspeed_experts,
+            num_experts=self.num_experts,
+            ep=layer.ep_size,
+            group=layer.ep_group,
+            capacity=capacity,
+        )
+        if self.training and not recomputing():
+            self.dropped += dropped
+        out = out.view_as(x)
+        return out if self.shared is None else out + self.shared(x)
 
 
 class ExpertElsewhere(nn.Module):
@@ -243,8 +206,11 @@ def install_for_run(module: nn.Module, *, run, rank: int) -> None:
         return
     if native_layer(zero_stage=run.plan.zero_stage, tp=run.plan.tp):
         install(module, spec=run.model, ep=ep, ep_rank=rank % ep)
-    elif not isinstance(module, GPT):  # the model's own SparseMLP in a pipeline stage (tp > 1)
-        blocks = sparse_blocks(module)
+        return
+    blocks = sparse_blocks(module)  # the model's own SparseMLPs (ZeRO-3, or tp > 1 after parallelize)
+    for block in blocks:
+        DispatchedSparseMLP.adopt(block.mlp, capacity_factor=run.model.capacity_factor)
+    if not isinstance(module, GPT):  # a pipeline stage (tp > 1)
         for block in blocks:
             block.mlp.sparse_index = run.model.sparse_layers.index(block.index)
         wire_stage(blocks)
@@ -270,9 +236,8 @@ def step_counts(module: nn.Module, *, spec, device) -> tuple[torch.Tensor, int]:
     table = torch.zeros(len(spec.sparse_layers), spec.experts + 1, dtype=torch.int64, device=device)
     for row, m in _routers(module):
         table[row, : spec.experts] = m.take_routed(device=device)
-        if isinstance(m, NativeMoE):
-            table[row, spec.experts] = m.dropped.to(device)
-            m.dropped.zero_()
+        table[row, spec.experts] = getattr(m, "dropped", 0)
+        m.dropped = 0
     dist.all_reduce(table)
     return table[:, : spec.experts], int(table[:, spec.experts].sum())
 

@@ -39,8 +39,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from dspipe.model.gpt import SparseMLP, routes_per_expert
+from dspipe.model.gpt import routes_per_expert
 from dspipe.model.tp_split import part_rows, vocab_rows
+from dspipe.runtime.dispatch import DispatchedSparseMLP
 
 
 @dataclass
@@ -372,11 +373,12 @@ def sequence_parallel_experts(mlp: nn.Module, *, tp: TensorGroup) -> None:
     mlp.tp = tp
 
 
-class SequenceParallelSparseMLP(SparseMLP):
+class SequenceParallelSparseMLP(DispatchedSparseMLP):
     """A SparseMLP under Megatron sequence parallelism: the router, the routed and the shared experts stay whole on
     every tp rank, which routes and runs its own slice of the sequence, their gradients summed over the group; the
     load-balancing loss is the whole sequence's (the routes per expert and the router's probabilities summed over
-    the group: the forward's only collectives, two all-reduces of E numbers), as at tp 1."""
+    the group: the forward's only collectives, two all-reduces of E numbers), as at tp 1. Its experts run through
+    dspipe.runtime.dispatch (DispatchedSparseMLP: a capacity, when set, applies to the rank's slice)."""
 
     tp: TensorGroup
 

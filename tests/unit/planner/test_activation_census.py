@@ -57,6 +57,17 @@ def test_planner_activations_within_5_percent_of_the_census(model, precision, ch
         assert r.measured_head == r.predicted_head == 0
 
 
+@pytest.mark.parametrize("precision,checkpointing", [("bf16", "none"), ("fp32", "selective"), ("bf16", "full")])
+def test_planner_activations_of_deepspeeds_layer_with_the_dispatch(precision, checkpointing):
+    """The tiny MoE on DeepSpeed's MoE layer at ep 1, its tokens through dspipe.runtime.dispatch (what ZeRO 0-2 trains
+    on): the planner's figures within 5% of what autograd keeps."""
+    from benchmarks.census.activations import compare
+
+    r = compare(model=MOE, micro_batch=2, checkpointing=checkpointing, precision=precision, moe_layer="native")
+    assert r.measured_block > 0 and _close(r.predicted_block, r.measured_block), r
+    assert _close(r.predicted_peak, r.measured_peak) and _close(r.predicted_head, r.measured_head), r
+
+
 def test_census_shows_what_the_issue_reported():
     """With SDPA selective keeps (almost) what none keeps; full keeps 2sbh per block and peaks at one recomputed
     block (SMALL), not at the head plus a block; the head saves ~4sbV (TINY, a large vocabulary)."""

@@ -10,23 +10,16 @@ import pytest
 from dspipe.errors import SpecError
 from dspipe.planner.cost import estimate
 from dspipe.planner.memory import (
-    MOE_LOAD_HEADROOM,
     activation_bytes_per_layer,
-    expert_capacity,
     expert_grads_kept,
     moe_mlp_activation_bytes,
-    moe_working_bytes,
+    routed_rows,
 )
 from dspipe.planner.plan import make_plan
 from dspipe.planner.search import search
 from dspipe.planner.stages import stage_layer_weights, stage_params
 from dspipe.planner.throughput import attention_flops_per_token, model_flops_per_token
-from dspipe.planner.timing import (
-    EXPERT_CALL_S,
-    expert_calls_s,
-    moe_dispatch_flops_per_token,
-    zero3_gathers_per_pass,
-)
+from dspipe.planner.timing import EXPERT_CALL_S, expert_calls_s, zero3_gathers_per_pass
 from dspipe.spec.cluster import ClusterSpec
 from dspipe.spec.core import StrategyRequest
 from dspipe.spec.presets import MODEL_PRESETS, PRESETS, model_preset
@@ -57,16 +50,14 @@ def test_flops_count_the_active_parameters(name):
     plan, est = _plan(m, gpus=8, zero=1, ep=8)
     assert est.flops_per_token == 6 * published + attention_flops_per_token(m)  # the MFU numerator
     assert est.active_params == published and plan.num_params == m.num_params
-    # executed: the einsum dispatch/combine and the capacity padding on top, recomputation on top of that
-    extra = moe_dispatch_flops_per_token(m, tokens=m.seq_len)
-    assert extra > 0 and est.hardware_flops_per_token == pytest.approx(est.flops_per_token + extra)
+    # dspipe.runtime.dispatch executes the routed rows' FLOPs and no more: no dispatch matmuls, no padding
+    assert est.hardware_flops_per_token == pytest.approx(est.flops_per_token)
 
 
 def test_dense_flops_and_dispatch_unchanged():
     m = MODEL_PRESETS["llama2-7b"]
     assert m.active_params == m.num_params
     assert model_flops_per_token(m) == 6 * m.num_params + attention_flops_per_token(m)
-    assert moe_dispatch_flops_per_token(m, tokens=4096) == 0.0
 
 
 def test_pipeline_layer_weights_count_each_blocks_own_parameters():
@@ -152,29 +143,24 @@ def test_zero2_live_expert_gradients_only_for_tensors_past_the_bucket(name, kept
 
 
 def test_moe_activations_follow_the_documented_formula():
+    """Every layout's experts run through dspipe.runtime.dispatch: k T routed rows (no masks, no padding), each its
+    input, hidden activations, output and weighted output, its index and weight; the router's top-k indices and
+    weights; in 16-bit the router weight's fp32 copy, less the block's 16-bit norm output (not kept)."""
     m = model_preset("qwen3-30b-a3b", seq_len=1024)
-    tokens, b = 1024, 2
-    cap = expert_capacity(model=m, tokens=tokens)
-    assert cap == -(-int(tokens * MOE_LOAD_HEADROOM * m.experts_per_token) // m.experts)  # 1.25 x k T / E
-    slots = m.experts * cap
-    want = (
-        8 * tokens * m.experts
-        + 4 * tokens * m.hidden
-        + 2 * b * tokens * slots
-        + b * slots * (2 * m.hidden + 4 * m.expert_width)
-    )
+    tokens, b, k = 1024, 2, m.experts_per_token
+    routes, h, f = k * tokens, m.hidden, m.expert_width
+    assert routed_rows(model=m, tokens=tokens) == routes
+    router = 8 * tokens * m.experts + 4 * tokens * h + 4 * m.experts * h - b * tokens * h
+    want = router + routes * (b * (3 * h + 4 * f) + 8 + b) + 12 * routes
     assert moe_mlp_activation_bytes(model=m, tokens=tokens, act_bytes=b) == want
     dense = activation_bytes_per_layer(model=m, micro_batch=1, checkpointing="none", act_bytes=b)
     sparse = activation_bytes_per_layer(model=m, micro_batch=1, checkpointing="none", act_bytes=b, sparse=True)
     assert sparse - dense == want - tokens * b * 4 * m.ffn  # the dense MLP's hidden activations replaced
-    # the dispatch masks are (tokens, E, C): quadratic in the tokens, the rest linear
-    twice = moe_mlp_activation_bytes(model=m, tokens=2 * tokens, act_bytes=b)
-    masks = 2 * b * tokens * slots
-    assert expert_capacity(model=m, tokens=2 * tokens) == 2 * cap
-    assert twice - 4 * masks == 2 * (want - masks)
-    # a dropping capacity factor sets C = ceil(T / E x cf x k)
-    dropping = model_preset("qwen3-30b-a3b", seq_len=1024, capacity_factor=1.0)
-    assert expert_capacity(model=dropping, tokens=tokens) == tokens * 8 // 128
+    copy = 4 * m.experts * h  # the one term that does not grow with the tokens: linear in the tokens
+    assert moe_mlp_activation_bytes(model=m, tokens=2 * tokens, act_bytes=b) - copy == 2 * (want - copy)
+    # a capacity factor cf keeps at most C = ceil(T / E x cf x k) routes per expert: E x C rows at most
+    for cf, rows in ((1.0, tokens * k), (0.5, tokens * k // 2), (2.0, tokens * k)):
+        assert routed_rows(model=model_preset("qwen3-30b-a3b", seq_len=1024, capacity_factor=cf), tokens=tokens) == rows
 
 
 def test_zero3_runs_the_models_own_experts_no_dispatch_masks_no_padding():
@@ -182,21 +168,10 @@ def test_zero3_runs_the_models_own_experts_no_dispatch_masks_no_padding():
     runs on the tokens routed to it, k T rows in all however unbalanced, no (tokens, E, C) masks, no padded slots,
     no all-to-alls, no dispatch FLOPs; ZeRO-3 gathers each expert's two projections as modules of their own."""
     m = model_preset("qwen3-30b-a3b", seq_len=1024)
-    tokens, b, k = 1024, 2, m.experts_per_token
-    loop = moe_mlp_activation_bytes(model=m, tokens=tokens, act_bytes=b, native=False)
-    routes, h, f = k * tokens, m.hidden, m.expert_width
-    # + the router weight's fp32 copy; the 16-bit norm output (counted in the dense block) is not kept
-    router = 8 * tokens * m.experts + 4 * tokens * h + 4 * m.experts * h - b * tokens * h
-    assert loop == router + routes * (b * (3 * h + 4 * f) + 8 + b) + 12 * routes
-    assert loop < moe_mlp_activation_bytes(model=m, tokens=tokens, act_bytes=b)
-    copy = 4 * m.experts * h  # the one term that does not grow with the tokens
-    assert moe_mlp_activation_bytes(model=m, tokens=2 * tokens, act_bytes=b, native=False) - copy == 2 * (loop - copy)
-    assert moe_working_bytes(model=m, tokens=tokens, act_bytes=b, native=False) == 0
-    assert moe_dispatch_flops_per_token(m, tokens=tokens, native=False) == 0.0
     plan, est = _plan(m, gpus=8, zero=3, ep=1, checkpointing="none")
     assert est.hardware_flops_per_token == pytest.approx(est.flops_per_token)  # no einsum, no padding
-    _, native = _plan(m, gpus=8, zero=2, ep=1, checkpointing="none")
-    assert est.memory.activations < native.memory.activations
+    _, native = _plan(m, gpus=8, zero=2, ep=1, checkpointing="none")  # DeepSpeed's layer: the same dispatch
+    assert est.memory.activations == native.memory.activations
     # ZeRO-3's module gathers per pass: a dense block's 4 linears; a sparse block's attention (2), 2 per expert and
     # the router when it is past the persistence threshold (128 x 2048 here), plus embeddings and head
     threshold = plan.param_persistence_threshold
@@ -220,10 +195,12 @@ def test_expert_calls_cost_their_launches_where_the_experts_are_small():
     plan = make_plan(model=bench, cluster=cluster, train=train, strategy=StrategySpec(zero=3, **strategy))
     step = estimate(model=bench, cluster=cluster, plan=plan).step_time_s
     assert abs(step - 0.6998) < 0.05 * 0.6998, step  # the measured step, which the constant was fitted to
+    # DeepSpeed's layer runs the same dispatch (its einsum one, 947.5 ms on this bench, no longer runs): the same
+    # rows and calls, the same step but for ZeRO-2's communication
     native = make_plan(model=bench, cluster=cluster, train=train, strategy=StrategySpec(zero=2, **strategy))
     achieved = cluster.gpu_type.compute_tflops("bf16") * 1e12
-    step = estimate(model=bench, cluster=cluster, plan=native).step_time_s  # DeepSpeed's layer: 947.5 ms measured
-    assert abs(step - 0.9475) < 0.25 * 0.9475, step
+    step = estimate(model=bench, cluster=cluster, plan=native).step_time_s
+    assert abs(step - 0.6998) < 0.05 * 0.6998, step
     cpu = ClusterSpec(1, 2, "cpu").gpu_type
     assert expert_calls_s(model=bench, plan=plan, gpu=cpu, tokens=8192, achieved=achieved) == 0
     calls = len(bench.sparse_layers) * bench.experts * 2  # forward and backward, no recomputation
@@ -259,8 +236,8 @@ def test_all_to_alls_cost_nothing_at_ep_1_and_leave_nvlink_beyond_a_node():
         (
             dict(zero=1, tp=2, ep=2, gpus=4),
             "bf16",
-            "tp 2 and experts 8 at ep 2: the experts run as the model's own modules at ep 1 there (DeepSpeed 0.19.8's "
-            "MoE layer under a tensor-parallel mpu splits each expert's capacity slots over the tp ranks",
+            "tp 2 and experts 8 at ep 2: the experts run as the model's own modules at ep 1 there (experts spread "
+            "over ep ranks at tp > 1 are not built",
         ),
         (
             dict(zero=3, tp=2, ep=2, gpus=4),
@@ -299,8 +276,6 @@ def test_refusals_are_one_line_exit_2_nothing_written(tmp_path):
     for flags, message in (
         (("--ep", "3"), "ep 3 does not divide experts 8"),
         (("--zero", "3", "--ep", "2"), "Native DeepSpeed MoE is not supported with ZeRO Stage 3"),
-        (("--zero", "3", "--capacity-factor", "1.25"), "ZeRO-3 and capacity_factor 1.25: the experts run as the"),
-        (("--tp", "2", "--capacity-factor", "1.25"), "tp 2 and capacity_factor 1.25: the experts run as the model's"),
     ):
         r = dspipe(
             "gen-config",
@@ -335,11 +310,12 @@ def test_qwen3_235b_on_1024_gpus_answers_quickly_and_names_its_axes():
     assert seconds < 6, seconds  # ~0.5 s on the 2-core machine (benchmarks/plan_speed.py); loose for CI noise
     best = r.best
     # one expert per rank and block: on a GPU each expert's call costs at least EXPERT_CALL_S (Python launches),
-    # which pp 8 x ep 8 (16 experts per rank) pays 16 times per block; ep 128's all-to-alls cost less (ep 64 ties)
-    assert best is not None and (best.plan.pp, best.plan.ep, best.plan.dp) == (1, 128, 1024), best.describe()
-    assert best.plan.tp == best.plan.sp == 1 and best.plan.zero_stage == 2
+    # which pp 8 x ep 8 (16 experts per rank) pays 16 times per block; ep 128's all-to-alls cost less (ep 64 ties).
+    # ZeRO-1 with 2 stages: ZeRO-2 reduce-scatters in each micro-batch's backward, ZeRO-1 once per step
+    assert best is not None and (best.plan.pp, best.plan.ep, best.plan.dp) == (2, 128, 512), best.describe()
+    assert best.plan.tp == best.plan.sp == 1 and best.plan.zero_stage == 1
     line = best.describe(every_axis=True)
-    for axis in ("ep 128", "tp 1", "pp 1", "dp 1024"):
+    for axis in ("ep 128", "tp 1", "pp 2", "dp 512"):
         assert axis in line
     assert r.rejected["ep 8"].startswith("slower by") and "pp 8, ep 8" in r.rejected["ep 8"]
     # every ep not chosen and ZeRO-3 are explained; the best pipeline (ZeRO-1) lost on time, and ZeRO-3 (ep 1, the
@@ -348,7 +324,7 @@ def test_qwen3_235b_on_1024_gpus_answers_quickly_and_names_its_axes():
         assert ep == best.plan.ep or f"ep {ep}" in r.rejected
     zero3 = r.rejected["ZeRO-3"]
     assert re.match(r"slower by \d+% at best \(ZeRO-3, bf16, pp 1, ep 1, .*\): its dp comm \d+ s against", zero3), zero3
-    assert "slower by" in r.rejected["ZeRO-1"] and r.rejected["tp 2"].startswith("slower by")
+    assert "slower by" in r.rejected["ZeRO-2"] and r.rejected["tp 2"].startswith("slower by")
 
 
 @pytest.mark.parametrize(
@@ -356,7 +332,7 @@ def test_qwen3_235b_on_1024_gpus_answers_quickly_and_names_its_axes():
     [("mixtral-8x7b", 2, None), ("mixtral-8x22b", 8, 4096), ("qwen3-30b-a3b", 1, None), ("qwen3-235b-a22b", 16, None)],
 )
 def test_each_moe_preset_plans_on_a_sensible_cluster(name, nodes, seq_len):
-    # mixtral-8x22b's 65,536-token context does not fit: DeepSpeed's einsum dispatch keeps (tokens, E, C) masks
+    # mixtral-8x22b at 4,096 tokens: at its 65,536-token context it plans only with CPU offload
     m = MODEL_PRESETS[name] if seq_len is None else model_preset(name, seq_len=seq_len)
     r = search(
         model=m,
@@ -366,8 +342,9 @@ def test_each_moe_preset_plans_on_a_sensible_cluster(name, nodes, seq_len):
     )
     p = r.best.plan
     assert r.best.est.fits and p.experts == m.experts and m.experts % p.ep == 0 and p.dp % p.ep == 0
-    # experts spread over ep ranks on DeepSpeed's layer, or all of them on every rank under ZeRO-3 (the model's own)
-    assert p.ep > 1 or p.zero_stage == 3, r.best.describe()
+    # experts spread over ep ranks on DeepSpeed's layer, over pipeline stages (each its blocks'), or all of them on
+    # every rank under ZeRO-3 (the model's own)
+    assert p.ep > 1 or p.pp > 1 or p.zero_stage == 3, r.best.describe()
     assert 0 < r.best.mfu < 0.6
 
 

@@ -281,7 +281,7 @@ def moe_mlp_activation_bytes(*, model: ModelSpec, tokens: int, act_bytes: int) -
       shared      b T c (shared_experts x f): the always-on shared expert's hidden activations
     Census (benchmarks/census/activations.py, tiny-moe, the plain loop and DeepSpeed's layer with the dispatch, bf16
     and fp32, no/selective/full recomputation): within 0.2%. At ep > 1 the all-to-all-v's gradient buffers in the
-    backward (2 b R h, transient) are not counted."""
+    backward (2 b R h, transient) are moe_exchange_bytes."""
     e, h, f = model.experts, model.hidden, model.expert_width
     c = 4 if model.mlp == "swiglu" else 2
     router = 8 * tokens * e + (4 * tokens * h if act_bytes != 4 else 0)
@@ -513,6 +513,7 @@ def micro_batch_activations(
     kernels: str = "cuda",
     windowed: int | None = None,
     sparse: int = 0,
+    ep: int = 1,
     tp_sp: bool = False,
     loss_chunk: int = 0,
 ) -> tuple[int, int]:
@@ -525,7 +526,8 @@ def micro_batch_activations(
     larger: they never coincide.
     `windowed`: how many of the blocks have a sliding window shorter than the sequence (None: the last `blocks`
     blocks of the model, the most a stage can hold, as windowed_blocks counts them). `sparse`: how many of the
-    blocks are mixture-of-experts blocks (their MoE layers' saved tensors)."""
+    blocks are mixture-of-experts blocks (their MoE layers' saved tensors; at `ep` > 1 one block's backward adds
+    its all-to-all-v's two gradient buffers, moe_exchange_bytes)."""
     if windowed is None:
         windowed = windowed_blocks(model, range(model.layers - blocks, model.layers))
     saved, working = _stage_blocks_bytes(
@@ -553,9 +555,20 @@ def micro_batch_activations(
         loss_chunk=loss_chunk,
         last=last,
     )
+    exchange = moe_exchange_bytes(model=model, micro_batch=micro_batch, act_bytes=act_bytes, ep=ep) if sparse else 0
     if checkpointing != Checkpointing.FULL:
-        return saved + ids + head, chunk
-    return saved + ids, max(head + chunk, working)
+        return saved + ids + head, max(exchange, chunk)
+    return saved + ids, max(head + chunk, working + exchange)
+
+
+def moe_exchange_bytes(*, model: ModelSpec, micro_batch: int, act_bytes: int, ep: int) -> int:
+    """What a sparse block's backward adds at ep > 1 (dspipe.runtime.dispatch): the gradients of the rows its
+    all-to-all-v received and of the rows it sent, b x routed_rows x h each, alive together while the gradient goes
+    back; 0 at ep 1 (no exchange: the census's case) and for a dense model."""
+    if ep == 1 or not model.experts:
+        return 0
+    rows = routed_rows(model=model, tokens=model.seq_len * micro_batch)
+    return 2 * act_bytes * rows * model.hidden
 
 
 @lru_cache(maxsize=1024)
@@ -778,6 +791,7 @@ def stage_memory(*, model: ModelSpec, cluster: ClusterSpec, plan: Plan) -> tuple
             kernels=kernels,
             windowed=windowed_blocks(model, range(first_block[i], first_block[i] + blocks[i])),
             sparse=sum(1 for j in model.sparse_layers if first_block[i] <= j < first_block[i] + blocks[i]),
+            ep=plan.ep,
             tp_sp=plan.tp_sp,
             loss_chunk=plan.loss_chunk,
         )

@@ -206,7 +206,8 @@ class ModelSpec:
     capacity_factor: float | None = setting(
         None, kind="float", limit=64.0, help="expert capacity factor, tokens over it dropped [none: dropless]"
     )
-    """Expert capacity = factor x k x tokens / experts, routes beyond it dropped (None: dropless, every route kept)."""
+    """Expert capacity = ceil(factor x k x tokens / experts) routes per expert on each rank, the later routes (in token
+    order) dropped (dspipe.runtime.dispatch; None: dropless, every route kept)."""
 
     def __post_init__(self) -> None:
         text("model", "name", self.name)

@@ -12,6 +12,7 @@ from dspipe.planner.cost import estimate
 from dspipe.planner.memory import (
     activation_bytes_per_layer,
     expert_grads_kept,
+    micro_batch_activations,
     moe_mlp_activation_bytes,
     routed_rows,
 )
@@ -161,6 +162,18 @@ def test_moe_activations_follow_the_documented_formula():
     # a capacity factor cf keeps at most C = ceil(T / E x cf x k) routes per expert: E x C rows at most
     for cf, rows in ((1.0, tokens * k), (0.5, tokens * k // 2), (2.0, tokens * k)):
         assert routed_rows(model=model_preset("qwen3-30b-a3b", seq_len=1024, capacity_factor=cf), tokens=tokens) == rows
+
+
+def test_expert_parallel_backward_holds_the_exchange_buffers():
+    """At ep > 1 a sparse block's backward holds the gradients of the rows its all-to-all-v sent and received
+    (2 b x k T x h) at once; nothing at ep 1, nothing kept between forward and backward."""
+    m = model_preset("qwen3-30b-a3b", seq_len=1024)
+    for checkpointing in ("none", "full"):
+        kw = dict(model=m, micro_batch=1, checkpointing=checkpointing, act_bytes=2, blocks=4, first=False, last=False)
+        held1, work1 = micro_batch_activations(**kw, sparse=4, ep=1)
+        held8, work8 = micro_batch_activations(**kw, sparse=4, ep=8)
+        assert held1 == held8 and work8 - work1 == 2 * 2 * (8 * 1024) * m.hidden, checkpointing
+        assert micro_batch_activations(**kw, sparse=0, ep=8) == micro_batch_activations(**kw, sparse=0, ep=1)
 
 
 def test_zero3_runs_the_models_own_experts_no_dispatch_masks_no_padding():

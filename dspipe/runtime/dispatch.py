@@ -124,6 +124,37 @@ def dispatch(
     return combined, dropped
 
 
+def dispatch_counted(
+    layer: nn.Module,
+    flat: torch.Tensor,
+    *,
+    chosen: torch.Tensor,
+    weights: torch.Tensor,
+    experts: nn.ModuleList,
+    ep: int = 1,
+    group=None,
+) -> torch.Tensor:
+    """`dispatch` for a sparse block's layer (NativeMoE, DispatchedSparseMLP): its capacity from the rank's tokens
+    and the layer's `capacity_factor`, the routes it drops added to the layer's `dropped` in training forwards (a
+    recomputation counts none)."""
+    capacity = capacity_slots(
+        tokens=flat.shape[0], experts=layer.num_experts, k=chosen.shape[1], factor=layer.capacity_factor
+    )
+    out, dropped = dispatch(
+        flat,
+        chosen=chosen,
+        weights=weights,
+        experts=experts,
+        num_experts=layer.num_experts,
+        ep=ep,
+        group=group,
+        capacity=capacity,
+    )
+    if layer.training and not recomputing():
+        layer.dropped += dropped
+    return out
+
+
 def recomputing() -> bool:
     """Whether this forward is a recomputation (one runs inside a backward): it counts no expert loads or drops."""
     return torch._C._current_graph_task_id() != -1
@@ -147,11 +178,4 @@ class DispatchedSparseMLP(SparseMLP):
         return mlp
 
     def routed(self, flat: torch.Tensor, *, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        k = chosen.shape[1]
-        capacity = capacity_slots(tokens=flat.shape[0], experts=self.num_experts, k=k, factor=self.capacity_factor)
-        out, dropped = dispatch(
-            flat, chosen=chosen, weights=weights, experts=self.experts, num_experts=self.num_experts, capacity=capacity
-        )
-        if self.training and not recomputing():
-            self.dropped += dropped
-        return out
+        return dispatch_counted(self, flat, chosen=chosen, weights=weights, experts=self.experts)

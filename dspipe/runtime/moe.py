@@ -29,8 +29,8 @@ import torch.nn.functional as F
 
 from dspipe.errors import SpecError
 from dspipe.model.gpt import GPT, Block, RouterState, balance_loss, route
-from dspipe.runtime.dispatch import DispatchedSparseMLP, dispatch, recomputing
-from dspipe.runtime.experts import capacity_slots, expert_parallel, native_layer, refusal
+from dspipe.runtime.dispatch import DispatchedSparseMLP, dispatch_counted, recomputing
+from dspipe.runtime.experts import expert_parallel, native_layer, refusal
 
 
 class NativeMoE(RouterState):
@@ -86,21 +86,15 @@ class NativeMoE(RouterState):
         self.aux = balance_loss(probs, chosen)
         self._count(chosen)
         layer = self.moe.deepspeed_moe
-        capacity = capacity_slots(
-            tokens=flat.shape[0], experts=self.num_experts, k=chosen.shape[1], factor=self.capacity_factor
-        )
-        out, dropped = dispatch(
+        out = dispatch_counted(
+            self,
             flat,
             chosen=chosen,
             weights=weights.to(flat.dtype),  # the activations' dtype, as the SparseMLP weighs the outputs
             experts=layer.experts.deepspeed_experts,
-            num_experts=self.num_experts,
             ep=layer.ep_size,
             group=layer.ep_group,
-            capacity=capacity,
         )
-        if self.training and not recomputing():
-            self.dropped += dropped
         out = out.view_as(x)
         return out if self.shared is None else out + self.shared(x)
 
@@ -162,7 +156,7 @@ def wire_stage(blocks: list[Block]) -> None:
 def _stage_block_done(block: Block, _inputs, output):
     if not block.training:
         return None
-    if torch._C._current_graph_task_id() == -1:  # not a recomputation: its micro-batch is counted by its forward
+    if not recomputing():  # its micro-batch is counted by its forward, not by a recomputation in the backward
         block.mlp.commit_routed()
         aux = block.aux.detach().float()
         block.aux_total = aux if block.aux_total is None else block.aux_total + aux

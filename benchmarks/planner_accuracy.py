@@ -203,6 +203,8 @@ CONFIGS = {  # name: (model, options); every layout pinned (the planner would pi
     "moe-pp2-zero1": ("moe-35M", ["--zero", "1", *BF16, "--pp", "2", "--ep", "1"]),
     # ZeRO-3: the model's own SparseMLP, every expert partitioned over dp like a dense module
     "moe-zero3-ep1": ("moe-35M", ["--zero", "3", *BF16, "--ep", "1"]),
+    # ZeRO-3 at ep 2: each rank its experts, partitioned over their expert-data-parallel group (dspipe.runtime.moe)
+    "moe-zero3-ep2": ("moe-35M", ["--zero", "3", *BF16, "--ep", "2"]),
     # tp 2 (sequence parallel): the model's own SparseMLP whole on both tp ranks, the attention split (ZeRO-3 at tp 2
     # on 2 ranks would be dp 1: nothing partitioned)
     "moe-tp2-zero1": ("moe-35M", ["--zero", "1", *BF16, "--tp", "2", "--ep", "1"]),

@@ -151,7 +151,7 @@ def _plan_startup(
         largest = tensors[worst]
     whole = stage_elements(model, plan.pp, plan.partition_method, plan.tp, plan.ep)  # what a stage's rank draws
     return startup_estimate(
-        mode=build_mode(zero_stage=plan.zero_stage, tp=plan.tp, pp=plan.pp),
+        mode=build_mode(zero_stage=plan.zero_stage, tp=plan.tp, pp=plan.pp, ep=plan.ep),
         num_params=built,
         rank_params=max(stages) if plan.pp == 1 else None,
         stage_params=stages[worst],

@@ -55,8 +55,9 @@ ZeRO-3 at t > 1 counts the rank's shard as Phi but the whole model's modules in 
 Ulysses sequence parallel (sp ranks): every activation, the recomputation inputs and the logits divide by sp (a rank
 holds s/sp tokens); parameters do not, but DeepSpeed partitions ZeRO over its sequence-data-parallel group
 (engine.seq_data_parallel_group: dp x sp ranks), so N above is dp x sp.
-Mixture of experts (DeepSpeed's native MoE layer, ep expert-parallel ranks inside dp; ZeRO 0-2, tp = sp = 1; the
-model's own SparseMLP under ZeRO-3 or tp > 1, ep 1, whole on every tp rank, each routing its s / tp tokens):
+Mixture of experts (ep expert-parallel ranks inside dp: DeepSpeed's native MoE layer under ZeRO 0-2 at tp = sp = 1,
+the model's own SparseMLP under ZeRO-3, its experts spread the same way; with tp > 1 the model's own at ep 1, whole
+on every tp rank, each routing its s / tp tokens):
 a rank holds the dense parameters Phi_d (attention, norms, embeddings, routers, shared experts) and experts / ep of
 every sparse block's routed experts (its stage's under a pipeline: stages.stage_experts), Phi_e =
 routed_expert_params / ep at pp 1, so Phi = Phi_d + Phi_e; DeepSpeed puts the
@@ -74,6 +75,7 @@ experts run through: k x tokens rows, fewer under a capacity factor; no masks, n
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -596,18 +598,30 @@ def module_sizes(tensors: list[tuple[str, tuple[int, ...]]]) -> list[int]:
 
 
 @lru_cache(maxsize=256)
-def block_modules(model: ModelSpec) -> tuple[int, ...]:
-    """Elements of every parameterised module of the blocks, in forward order (a sparse block's experts each)."""
-    return tuple(size for i in range(model.layers) for size in module_sizes(model.block_tensors(i)))
+def block_modules(model: ModelSpec, *, ep: int = 1) -> tuple[int, ...]:
+    """Elements of every parameterised module of the blocks a rank holds, in forward order (a sparse block's experts
+    each; at ep > 1 its E / ep, dspipe.runtime.moe.spread_experts)."""
+    held = model.experts // ep if model.experts else 0
+
+    def kept(name: str) -> bool:
+        m = _EXPERT.match(name)
+        return m is None or int(m[1]) < held
+
+    return tuple(
+        size for i in range(model.layers) for size in module_sizes([t for t in model.block_tensors(i) if kept(t[0])])
+    )
+
+
+_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.")
 
 
 @lru_cache(maxsize=256)
-def _forward_modules(model: ModelSpec) -> tuple[int, ...]:
+def _forward_modules(model: ModelSpec, ep: int = 1) -> tuple[int, ...]:
     """Elements of every parameterised module in forward order, the head (a tied one reuses the embedding) last."""
     tensors = model.model_tensors()
     return (
         *module_sizes([t for t in tensors if t[0].startswith("embed.")]),
-        *block_modules(model),
+        *block_modules(model, ep=ep),
         *module_sizes([t for t in tensors if t[0].startswith("final.")]),
         model.vocab * model.hidden,
     )
@@ -619,7 +633,7 @@ def zero3_kept_for_reuse(*, model: ModelSpec, plan: Plan) -> int:
     its backward the trace fetches every later module twice, so the kept ones are the model's tail (the head at the
     forward/backward turn at least; DeepSpeed's 1e9 default keeps the whole model, measured)."""
     kept, after = 0, 0
-    for size in reversed(_forward_modules(model)):
+    for size in reversed(_forward_modules(model, plan.ep)):
         if 2 * after > plan.max_reuse_distance:
             break
         kept, after = kept + size, after + size
@@ -638,7 +652,7 @@ def zero3_backward_working(*, model: ModelSpec, plan: Plan) -> int:
       - the head: its weight gathered with a prefetch bucket and the first block module past it (or what
         stage3_max_reuse_distance kept gathered since the forward, if more), and its gradient.
     The contiguous reduce bucket is a steady buffer; the gradients are reduced module by module and freed."""
-    order = list(reversed(block_modules(model)))
+    order = list(reversed(block_modules(model, ep=plan.ep)))
     pair = max(a + b for a, b in zip(order, order[1:] + order[:1], strict=True))
     head = model.vocab * model.hidden
     kept = zero3_kept_for_reuse(model=model, plan=plan)
@@ -717,21 +731,27 @@ def _model_states(*, model: ModelSpec, plan: Plan, phi: int) -> tuple[dict[str, 
 
 
 def _zero3_states(*, model: ModelSpec, plan: Plan, phi: int) -> tuple[dict[str, int], dict[str, int]]:
-    """_model_states' (steady, transient) device bytes per rank under ZeRO-3."""
+    """_model_states' (steady, transient) device bytes per rank under ZeRO-3 (at ep > 1 the rank's experts
+    partitioned over their expert-data-parallel group: stages.param_groups)."""
     n, b = zero_group_size(plan), dtype_bytes(plan.precision)
+    groups = param_groups(model=model, plan=plan, phi=phi)
+
+    def part(k: int) -> int:  # k bytes per parameter, each kind partitioned over its ZeRO group
+        return sum(k * p // g for p, g in groups)
+
     bucket = plan.reduce_bucket_size * b
     offload = plan.offload != Offload.NONE
     persistent = persistent_params(model=model, threshold=plan.param_persistence_threshold)
     # the partitions (moved to the host with offload_params) and the persistent tensors, whole on every rank
-    params = b * persistent if plan.offload_params else b * (phi // n + persistent * (n - 1) // n)
+    params = b * persistent if plan.offload_params else part(b) + b * persistent * (n - 1) // n
     steady = dict(
         params=params,
-        grads=0 if offload else 4 * phi // n,
-        optimizer=0 if offload else 12 * phi // n,
+        grads=0 if offload else part(4),
+        optimizer=0 if offload else part(12),
         buffers=bucket,
     )  # the contiguous-gradients reduce bucket stays allocated
     backward = dict(grads=0, buffers=b * zero3_backward_working(model=model, plan=plan))
-    step = dict(grads=0 if offload else 4 * phi // n, buffers=0)  # the fp32 gradients handed to the optimizer
+    step = dict(grads=0 if offload else part(4), buffers=0)  # the fp32 gradients handed to the optimizer
     transient = max(backward, step, key=lambda t: sum(t.values()))
     return steady, transient
 
@@ -744,7 +764,7 @@ def _host_states(*, model: ModelSpec, plan: Plan, phi: int) -> tuple[int, int]:
     gradient partitions (grad_partitions_flat_buffer and the master's .grad, 8Phi/N), with offload_params the 16-bit
     partitions (b.Phi/N). NVMe (not measured: no NVMe here): swap buffers of 2 fp32 and 4 training-dtype reduce
     buckets and, with offload_params, the partitions."""
-    n, z, b = zero_group_size(plan), plan.zero_stage, dtype_bytes(plan.precision)
+    z, b = plan.zero_stage, dtype_bytes(plan.precision)
     if plan.offload == Offload.NONE:
         return 0, 0
     groups = param_groups(model=model, plan=plan, phi=phi)
@@ -760,7 +780,7 @@ def _host_states(*, model: ModelSpec, plan: Plan, phi: int) -> tuple[int, int]:
         host = part(16) + part(b) + b * largest_tensor_per_rank(model, plan.tp)
         host += part(b) if plan.grad_accum > 1 else 0
     else:
-        host = 20 * phi // n + params
+        host = part(20) + params
     return host, host
 
 

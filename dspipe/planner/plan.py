@@ -273,9 +273,10 @@ def _check_sequence(*, model: ModelSpec, strategy: StrategySpec) -> None:
 def _check_experts(*, model: ModelSpec, train: TrainSpec, strategy: StrategySpec, world: int) -> None:
     """What dspipe's mixture-of-experts training supports: on DeepSpeed 0.19.8's native MoE layer
     (deepspeed.moe.layer.MoE) ZeRO 0-2 at tp 1 (ep > 1: ZeRO 1-2, ZeRO-1 with contiguous gradients), any pp (each
-    stage its own sparse blocks), ep dividing the experts and dp; under ZeRO-3, or with tp > 1 (Megatron sequence
-    parallelism on: each tp rank runs its slice's tokens through the whole experts), the model's own SparseMLP at
-    ep 1 (dspipe.runtime.experts.native_layer); every layout's experts run through dspipe.runtime.dispatch, so a
+    stage its own sparse blocks), ep dividing the experts and dp; under ZeRO-3 the model's own SparseMLP at any ep
+    (at ep > 1 each rank its experts, partitioned over their expert-data-parallel group); with tp > 1 (Megatron
+    sequence parallelism on: each tp rank runs its slice's tokens through the whole experts) the model's own at ep 1
+    (dspipe.runtime.experts.native_layer); every layout's experts run through dspipe.runtime.dispatch, so a
     capacity factor applies to any of them; bf16 or fp32, sp 1; ep 1 for a dense model."""
     e, ep, pp, tp, sp, zero = model.experts, strategy.ep, strategy.pp, strategy.tp, strategy.sp, strategy.zero
     dp = ParallelLayout(world=world, pp=pp, tp=tp, sp=sp).dp  # rule 2 held: pp x tp x sp divides the world
@@ -283,19 +284,13 @@ def _check_experts(*, model: ModelSpec, train: TrainSpec, strategy: StrategySpec
         if ep > 1:
             raise RuleError(3, f"ep {ep} needs a mixture-of-experts model: {model.name} is dense (experts 0)")
         return
-    own = " with ".join(w for w in ("ZeRO-3" if zero == 3 else "", f"tp {tp}" if tp > 1 else "") if w)
-    if own and ep > 1:
+    if tp > 1 and ep > 1:
         raise RuleError(
             3,
-            f"{own} and experts {e} at ep {ep}: the experts run as the model's own modules at ep 1 there ("
-            + (
-                "Native DeepSpeed MoE is not supported with ZeRO Stage 3"
-                if zero == 3
-                else "experts spread over ep ranks at tp > 1 are not built: each tp rank routes its own slice, so "
-                "their gradients would be summed over the tp group inside DeepSpeed's expert groups, whose MoE "
-                "layer dspipe uses at tp 1 only"
-            )
-            + f"); use --ep 1, or {'ZeRO stage 1/2' if zero == 3 else '--tp 1'} for expert parallelism",
+            f"tp {tp} and experts {e} at ep {ep}: the experts run as the model's own modules at ep 1 there "
+            "(experts spread over ep ranks at tp > 1 are not built: each tp rank routes its own slice, so their "
+            "gradients would be summed over the tp group inside DeepSpeed's expert groups, whose MoE layer dspipe "
+            "uses at tp 1 only); use --ep 1, or --tp 1 for expert parallelism",
         )
     if tp > 1 and not strategy.tp_sp:
         raise RuleError(

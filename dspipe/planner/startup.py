@@ -40,11 +40,12 @@ BUILD_MODES = ("partitioned", "device", "stage")
 tensor-parallel layers build only the rank's shard)."""
 
 
-def build_mode(*, zero_stage: int, tp: int, pp: int) -> str:
-    """Which of BUILD_MODES a rank of this layout uses to build its model."""
+def build_mode(*, zero_stage: int, tp: int, pp: int, ep: int = 1) -> str:
+    """Which of BUILD_MODES a rank of this layout uses to build its model (ZeRO-3 at ep > 1: device, the dense
+    parameters and the rank's experts, which deepspeed.initialize partitions over their own groups)."""
     if pp > 1:
         return "stage"
-    return "partitioned" if zero_stage == 3 and tp == 1 else "device"
+    return "partitioned" if zero_stage == 3 and tp == 1 and ep == 1 else "device"
 
 
 DRAW_RATE = 60e6

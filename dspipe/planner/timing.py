@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from dspipe.planner.memory import block_modules, routed_rows
+from dspipe.planner.memory import block_modules, module_sizes, routed_rows
 from dspipe.planner.plan import Plan
 from dspipe.planner.stages import param_groups, share, slowest_stage_share, stage_sparse_blocks, zero_group_size
 from dspipe.planner.throughput import attention_flops_per_token, model_flops_per_token
@@ -67,13 +67,23 @@ def ring_latency_s(*, steps: int, inter_steps: int = 0, gpu: GpuType | None = No
     )
 
 
-def zero3_gathers_per_pass(model: ModelSpec, *, threshold: int) -> int:
+def zero3_gathers_per_pass(model: ModelSpec, *, threshold: int, ep: int = 1) -> int:
     """All-gathers ZeRO-3 issues in one forward (or backward) pass: one per module whose parameters are partitioned
     (modules under stage3_param_persistence_threshold, `threshold` elements, stay whole: the norms): per dense block
     the QKV, attention-out, MLP-up and MLP-down linears; per sparse block (the model's own SparseMLP under ZeRO-3)
-    the attention's two, each routed expert's up and down projections, the shared experts' and the router when it
-    is that large; the token and position embeddings and the (tied) head, 3."""
-    return sum(1 for n in block_modules(model) if n >= threshold) + 3
+    the attention's two, each routed expert's up and down projections (of the rank's E / ep experts at ep > 1), the
+    shared experts' and the router when it is that large; the token and position embeddings and the (tied) head,
+    3."""
+    return sum(1 for n in block_modules(model, ep=ep) if n >= threshold) + 3
+
+
+def zero3_expert_gathers_per_pass(model: ModelSpec, *, threshold: int, ep: int) -> int:
+    """Of zero3_gathers_per_pass, those of the rank's routed experts (over their expert-data-parallel group)."""
+    if not model.experts:
+        return 0
+    sizes = module_sizes([("expert" + name, shape) for name, shape in model.expert_tensors()])
+    per_expert = sum(1 for n in sizes if n >= threshold)
+    return len(model.sparse_layers) * (model.experts // ep) * per_expert
 
 
 def _dp_collectives_s(
@@ -103,7 +113,7 @@ def _dp_collectives_s(
         hops = 0 if inside else math.ceil(span / g) - 1  # ring steps that cross a node boundary
         ring = ring_latency_s(steps=n - 1, inter_steps=hops, gpu=gpu)
         moved = (n - 1) / n * p  # elements one reduce-scatter or all-gather moves per rank
-        shard += moved * b / bw  # the ZeRO-3 module gathers' bytes (one group: ZeRO-3 has no experts)
+        shard += moved * b / bw  # the ZeRO-3 module gathers' bytes (at ep > 1 the experts' over their group)
         gather += moved * b / bw + math.ceil(p / plan.allgather_bucket_size) * ring
         reduce += moved * grad_b / bw + math.ceil(p / plan.reduce_bucket_size) * ring
         all_reduce += 2 * moved * grad_b / bw + math.ceil(p / ENGINE_ALLREDUCE_BUCKET) * ring_latency_s(
@@ -167,7 +177,17 @@ def _dp_comm_s(
         return hidden(reduce, bwd_s) + gather, gather
     if z == 2:
         return m * hidden(reduce, bwd_s) + gather, gather
-    module_gathers = shard + zero3_gathers_per_pass(model, threshold=plan.param_persistence_threshold) * ring
+    # one ring latency per module gather: the dense modules' over dp, the rank's experts' over their dp / ep ranks
+    threshold, ep = plan.param_persistence_threshold, plan.ep
+    experts = zero3_expert_gathers_per_pass(model, threshold=threshold, ep=ep)
+    module_gathers = shard + (zero3_gathers_per_pass(model, threshold=threshold, ep=ep) - experts) * ring
+    if experts and ep > 1:
+        n_e = n // ep  # ep x tp apart
+        span_e = n_e * ep * plan.tp
+        hops_e = 0 if _inside_node(span_e, g) else math.ceil(span_e / g) - 1
+        module_gathers += experts * (ring_latency_s(steps=n_e - 1, inter_steps=hops_e, gpu=gpu) if n_e > 1 else 0.0)
+    elif experts:
+        module_gathers += experts * ring
     # The forward's first gather, the token embedding, has no earlier compute to hide behind (the prefetch looks one
     # module ahead of the one computing); every later one overlaps the module before it.
     first = (n - 1) / n * model.vocab * model.hidden * b / bw + ring

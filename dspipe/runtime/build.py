@@ -47,7 +47,7 @@ def build_module(run: Run, *, mpu=None, checkpoint_fn=None, rank: int | None = N
     torch.distributed's, else 0), whose ep rank is rank % ep; `tp`: this rank's TensorGroup when tp > 1 (the layers
     are swapped for its shards on the meta device, and only the shards are materialised and given values)."""
     plan = run.plan
-    mode = build_mode(zero_stage=plan.zero_stage, tp=plan.tp, pp=plan.pp)
+    mode = build_mode(zero_stage=plan.zero_stage, tp=plan.tp, pp=plan.pp, ep=plan.ep)
     weights = None
     if run.train.init_from:  # a resumed run's checkpoint loads over these after deepspeed.initialize
         from dspipe.model.hf_weights import HFWeights

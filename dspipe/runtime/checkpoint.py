@@ -33,7 +33,6 @@ from dspipe.runtime.ckpt_tags import (
     write_atomic,
 )
 from dspipe.runtime.ckptfiles import check_checkpoint
-from dspipe.runtime.experts import native_layer
 from dspipe.runtime.faults import NO_FAULTS, Faults
 from dspipe.runtime.moe_reshard import engine_ep
 from dspipe.runtime.reshard import load_resharded, pipeline_names
@@ -302,8 +301,9 @@ def load(engine, path: Path, loader) -> CheckpointMeta:
                 saved=layout_text(meta.dims),
                 now=layout_text({**dict(zip((Axis.DP, Axis.TP, Axis.PP), now, strict=True)), Axis.EP: ep}),
                 rename=rename,
-                experts=meta.spec.experts if native_layer(zero_stage=meta.zero_stage, tp=meta.tp) else 0,
+                experts=meta.spec.experts if meta.tp == 1 else 0,
                 saved_ep=meta.ep,
+                saved_zero=meta.zero_stage,
             )
         elif bf16_optimizer_without_zero(engine):
             load_path = load_bf16_without_zero(engine, path)

@@ -161,21 +161,28 @@ def recomputing() -> bool:
 
 
 class DispatchedSparseMLP(SparseMLP):
-    """The model's own SparseMLP (its experts plain modules, all of them on the rank: ep 1) with its routed experts
-    run through `dispatch`, a capacity applied where the spec has a factor; `dropped` counts the routes it dropped
-    in the training forwards (a recomputation counts none) since dspipe.runtime.moe.step_counts took them."""
+    """The model's own SparseMLP with its routed experts run through `dispatch`, a capacity applied where the spec
+    has a factor; `dropped` counts the routes it dropped in the training forwards (a recomputation counts none)
+    since dspipe.runtime.moe.step_counts took them. At ep 1 every expert is on the rank; at ep > 1 (ZeRO-3:
+    dspipe.runtime.moe.spread_experts) `experts` holds the rank's E / ep and `ep_group` is its expert-parallel
+    group."""
 
     capacity_factor: float | None = None
     dropped: int = 0
+    ep: int = 1
+    ep_group = None
 
     @classmethod
-    def adopt(cls, mlp: SparseMLP, *, capacity_factor: float | None) -> SparseMLP:
+    def adopt(cls, mlp: SparseMLP, *, capacity_factor: float | None, ep: int = 1, group=None) -> SparseMLP:
         """`mlp` as this class (unless it is one already, a subclass included), in place: its state, names and
         values unchanged."""
         if not isinstance(mlp, cls):
             mlp.__class__ = cls
         mlp.capacity_factor, mlp.dropped = capacity_factor, 0
+        mlp.ep, mlp.ep_group = ep, group
         return mlp
 
     def routed(self, flat: torch.Tensor, *, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return dispatch_counted(self, flat, chosen=chosen, weights=weights, experts=self.experts)
+        return dispatch_counted(
+            self, flat, chosen=chosen, weights=weights, experts=self.experts, ep=self.ep, group=self.ep_group
+        )

@@ -41,6 +41,8 @@ def engine_settings(engine) -> dict:
     """What the live engine actually uses, read from the engine and its optimizer, not from our JSON."""
     import torch.distributed as dist
 
+    from dspipe.runtime.moe import live_ep
+
     module = engine.module
     zero_opt = engine.optimizer
     return {
@@ -60,7 +62,7 @@ def engine_settings(engine) -> dict:
         "tp_sequence_parallel": _tp_sequence_parallel(module),
         "tp_unreduced_params": len(tp_unreduced_params(module)),
         "sp": max(1, int(getattr(engine, "sequence_parallel_size", 1) or 1)),
-        "ep": _expert_parallel_size(module),
+        "ep": live_ep(module),
         "wrapper_optimizer": type(zero_opt).__name__,
         "base_optimizer": type(engine.basic_optimizer).__name__,
         "offload_optimizer": bool(
@@ -110,13 +112,6 @@ def dp_world_size(engine) -> int:
     if engine.dp_world_size is not None:
         return int(engine.dp_world_size)
     return int(engine.seq_dp_world_size) // int(engine.sequence_parallel_size)
-
-
-def _expert_parallel_size(module) -> int:
-    """The expert-parallel size of the module's DeepSpeed MoE layers (1 without any)."""
-    from deepspeed.moe.layer import MoE
-
-    return max((int(m.ep_size) for m in module.modules() if isinstance(m, MoE)), default=1)
 
 
 def _tensor_parallel_size(engine) -> int:

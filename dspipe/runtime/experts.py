@@ -18,8 +18,6 @@ from dspipe.spec.kinds import Precision
 GATE = "moe.deepspeed_moe.gate.wg.weight"
 EXPERTS = "moe.deepspeed_moe.experts.deepspeed_experts."
 EXPERT_FILE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
-ZERO3_REFUSAL = "Native DeepSpeed MoE is not supported with ZeRO Stage 3"
-"""DeepSpeed 0.19.8's own words (runtime/engine.py) when a native MoE layer meets ZeRO-3."""
 EP_ZERO0_REFUSAL = (
     "measured with DeepSpeed 0.19.8 on 2 ranks: the gradient norm it clips by is not the "
     "model's under expert parallelism (0.6813 where ep 1 gives 0.6823)"
@@ -42,13 +40,14 @@ def expert_parallel(run) -> int:
 def native_layer(*, zero_stage: int, tp: int = 1) -> bool:
     """Whether a mixture of experts trains on DeepSpeed's native MoE layer (deepspeed.moe.layer.MoE: ZeRO 0-2,
     tp 1; its expert groups, expert parallelism, expert files in the checkpoint) or as the model's own SparseMLP:
-    under ZeRO-3, which the native layer refuses, and with tp > 1, where spreading the experts over ep ranks is not
-    built (each tp rank routes its own slice: the experts' gradients would be summed over the tp group inside
-    DeepSpeed's expert groups). There the experts are plain modules of the model (ep 1): ZeRO-3 partitions them over
-    every data-parallel rank like the dense ones; with tp each tp rank holds them whole and runs its sequence
-    slice's tokens through them (Megatron sequence parallelism; dspipe.runtime.parallelize). Either way the tokens
-    reach the experts through dspipe.runtime.dispatch, each expert once per forward on its routed tokens (an empty
-    batch when none, so every rank gathers and reduces every expert in the same order)."""
+    under ZeRO-3, which the native layer refuses, and with tp > 1. Under ZeRO-3 at ep > 1 each rank keeps its
+    E / ep experts, which ZeRO-3 partitions over their expert-data-parallel group (dspipe.runtime.moe.spread_experts);
+    at ep 1 ZeRO-3 partitions every expert over every data-parallel rank like the dense modules. With tp > 1 (ep 1:
+    spreading the experts over ep ranks is not built there, as each tp rank routes its own slice and the experts'
+    gradients would be summed over the tp group inside DeepSpeed's expert groups) each tp rank holds them whole and
+    runs its sequence slice's tokens through them (Megatron sequence parallelism; dspipe.runtime.parallelize).
+    Either way the tokens reach the experts through dspipe.runtime.dispatch, each expert once per forward on its
+    routed tokens (an empty batch when none, so every rank gathers and reduces every expert in the same order)."""
     return zero_stage != 3 and tp == 1
 
 
@@ -64,8 +63,6 @@ def refusal(*, spec, plan, ep: int, contiguous_gradients: bool = True) -> str | 
     if not spec.experts:
         return f"ep {ep} > 1 needs a mixture-of-experts model (experts 0)" if ep > 1 else None
     why = []
-    if plan.zero_stage == 3 and ep > 1:
-        why.append(f"ZeRO-3 at ep {ep} > 1 ({ZERO3_REFUSAL}: ep 1 trains the experts as the model's own modules)")
     if plan.tp > 1 and ep > 1:
         why.append(f"tp {plan.tp} at ep {ep} > 1 (the experts run as the model's own modules at ep 1 there)")
     if plan.tp > 1 and not plan.tp_sp:

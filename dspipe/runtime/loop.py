@@ -466,7 +466,7 @@ def _startup_report(run: Run, *, eng, clock: StartupClock, guarded: bool, rank: 
     plan = run.plan
     clock.mark("ready")
     startup = clock.gathered(
-        mode=build_mode(zero_stage=plan.zero_stage, tp=plan.tp, pp=plan.pp),
+        mode=build_mode(zero_stage=plan.zero_stage, tp=plan.tp, pp=plan.pp, ep=plan.ep),
         host_is_device=str(eng.device).startswith("cpu"),
     )
     if rank == 0:

@@ -10,7 +10,8 @@ weight with their graph, so the router's gradient is the plain model's too. Deep
 dspipe.runtime.dispatch (dropless; with a capacity factor, each expert keeps its first C routes), as every MoE
 layout's do: DeepSpeed's gate and einsum dispatch never run. Where the experts are the model's own modules (ZeRO-3,
 tp > 1: dspipe.runtime.experts.native_layer false) its SparseMLP dispatches the same way (install_for_run:
-dispatch.DispatchedSparseMLP).
+dispatch.DispatchedSparseMLP); under ZeRO-3 at ep > 1 each rank keeps only its experts, which ZeRO-3 partitions
+over their expert-data-parallel group (spread_experts: DeepSpeed 0.19.8's stage 3 placement of AutoEP's experts).
 The load-balancing loss is the model's (dspipe.model.gpt.balance_loss), kept as `.aux` for GPT.forward; DeepSpeed's
 l_aux is not used. After each step: step_counts, load_ratio and update_router_bias. A pipeline stage has no
 GPT.forward: its sparse blocks tie their losses into the backward themselves (wire_stage, Megatron-LM's
@@ -188,9 +189,9 @@ def take_aux_total(module: nn.Module, *, device) -> torch.Tensor:
 
 def install_for_run(module: nn.Module, *, run, rank: int) -> None:
     """The runtime step before deepspeed.initialize (dspipe.runtime.engine.build_engine, after the build and
-    parallelize): a MoE model's sparse blocks onto DeepSpeed's MoE layer (under ZeRO-3 they stay the model's own:
-    dspipe.runtime.experts.native_layer); a layout that cannot train a mixture of experts (or ep > 1 on a dense
-    model) is one SpecError on every rank."""
+    parallelize): a MoE model's sparse blocks onto DeepSpeed's MoE layer (under ZeRO-3 and at tp > 1 they stay the
+    model's own: dspipe.runtime.experts.native_layer; ZeRO-3 at ep > 1: spread_experts); a layout that cannot train
+    a mixture of experts (or ep > 1 on a dense model) is one SpecError on every rank."""
     ep = expert_parallel(run)
     zero = run.ds_config.get("zero_optimization") or {}
     why = refusal(spec=run.model, plan=run.plan, ep=ep, contiguous_gradients=bool(zero.get("contiguous_gradients")))
@@ -202,12 +203,66 @@ def install_for_run(module: nn.Module, *, run, rank: int) -> None:
         install(module, spec=run.model, ep=ep, ep_rank=rank % ep)
         return
     blocks = sparse_blocks(module)  # the model's own SparseMLPs (ZeRO-3, or tp > 1 after parallelize)
-    for block in blocks:
-        DispatchedSparseMLP.adopt(block.mlp, capacity_factor=run.model.capacity_factor)
+    if ep > 1:  # ZeRO-3: this rank's experts, partitioned over its expert-data-parallel group
+        spread_experts(blocks, spec=run.model, ep=ep, ep_rank=rank % ep)
+    else:
+        for block in blocks:
+            DispatchedSparseMLP.adopt(block.mlp, capacity_factor=run.model.capacity_factor)
     if not isinstance(module, GPT):  # a pipeline stage (tp > 1)
         for block in blocks:
             block.mlp.sparse_index = run.model.sparse_layers.index(block.index)
         wire_stage(blocks)
+
+
+def expert_groups(ep: int) -> tuple[str, object, object]:
+    """(name, expert-parallel group, expert-data-parallel group) of this rank in DeepSpeed's expert groups for ep
+    (deepspeed.utils.groups, made once): ranks [q ep, (q + 1) ep) form an expert-parallel group, so a rank's ep rank
+    is rank % ep, and the ranks of one ep rank its expert-data-parallel group (DeepSpeed's MoE layer makes the same
+    groups)."""
+    from deepspeed.utils import groups
+
+    name = f"ep_size_{ep}"
+    if name not in groups._get_expert_parallel_group_dict():
+        groups._create_expert_and_data_parallel(ep)
+    return name, groups._get_expert_parallel_group(name), groups._get_expert_data_parallel_group(name)
+
+
+def spread_experts(blocks: list[Block], *, spec, ep: int, ep_rank: int) -> None:
+    """ZeRO-3 at ep > 1: each sparse block's SparseMLP keeps only its experts [ep_rank x L, (ep_rank + 1) x L),
+    L = E / ep (the build made only those: dspipe.runtime.build.local_experts), as its `experts` 0 .. L-1 (every rank
+    holds the same module tree and runs the same modules in the same order, as ZeRO-3's parameter trace requires;
+    a checkpoint's readers give them back their ids, ep_rank x L + J: dspipe.runtime.zero3_experts), and dispatches
+    the tokens of the others to their holders. Their parameters are DeepSpeed's expert parameters:
+    broadcast and reduced over the expert-data-parallel group (allreduce False, group_name); ZeRO-3 partitions them
+    over that group (ds_zero_partition_process_group, read when deepspeed.initialize converts the module), averages
+    their gradients over the whole dp and adds the expert-parallel group to their gradient norm (the placement
+    family DeepSpeed 0.19.8's stage 3 gives AutoEP's experts)."""
+    name, group, data_group = expert_groups(ep)
+    per = spec.experts // ep
+    for block in blocks:
+        mlp = block.mlp
+        mlp.experts = nn.ModuleList(mlp.experts[e] for e in range(ep_rank * per, (ep_rank + 1) * per))
+        for param in mlp.experts.parameters():
+            param.allreduce, param.group_name = False, name
+            param.ds_zero_placement_family = "autoep_expert"
+            param.ds_zero_partition_group_name = name
+            param.ds_zero_partition_process_group = data_group
+        DispatchedSparseMLP.adopt(mlp, capacity_factor=spec.capacity_factor, ep=ep, group=group)
+
+
+def live_ep(module: nn.Module) -> int:
+    """The expert-parallel size the module's sparse blocks run at: their DeepSpeed MoE layers' ep_size, the size of
+    the group the model's own dispatching SparseMLPs exchange tokens over (1 without either)."""
+    import torch.distributed as dist
+    from deepspeed.moe.layer import MoE
+
+    sizes = [int(m.ep_size) for m in module.modules() if isinstance(m, MoE)]
+    sizes += [
+        dist.get_world_size(group=m.ep_group)
+        for m in module.modules()
+        if isinstance(m, DispatchedSparseMLP) and m.ep_group is not None
+    ]
+    return max(sizes, default=1)
 
 
 def param_groups(groups: list[dict]) -> list[dict]:

@@ -30,15 +30,17 @@ from pathlib import Path
 
 from dspipe.errors import SpecError
 
-EXPERT_INDEX = re.compile(r"(\.deepspeed_experts\.)(\d+)(\.)")
+EXPERT_INDEX = re.compile(r"(\.deepspeed_experts\.|\.mlp\.experts\.)(\d+)(\.)")
+"""A local expert index in a parameter name: DeepSpeed's MoE layer's, or the model's own experts' at ep > 1 under
+ZeRO-3 (dspipe.runtime.moe.spread_experts)."""
 _OPTIM_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 _SHARDED = ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups")
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
 
 
 def global_expert_name(name: str, *, ep_rank: int, local: int) -> str:
-    """A rank's parameter name with its local expert index (deepspeed_experts.I.) made global: ep_rank x local + I;
-    any other name as it is."""
+    """A rank's parameter name with its local expert index (deepspeed_experts.I., or mlp.experts.I. at ep > 1)
+    made global: ep_rank x local + I; any other name as it is."""
     return EXPERT_INDEX.sub(lambda m: f"{m[1]}{ep_rank * local + int(m[2])}{m[3]}", name, count=1)
 
 
@@ -148,12 +150,10 @@ def _flat(osd: dict, group: int, state: str):
 
 
 def engine_ep(engine) -> int:
-    """The live engine's expert-parallel size (1 without MoE layers): DeepSpeed's largest expert group."""
-    if not getattr(engine, "has_moe_layers", False):
-        return 1
-    from deepspeed.utils import groups
+    """The live engine's expert-parallel size (1 without sparse blocks): dspipe.runtime.moe.live_ep."""
+    from dspipe.runtime.moe import live_ep
 
-    return int(groups._get_max_expert_size() or 1)
+    return live_ep(engine.module)
 
 
 @contextlib.contextmanager
@@ -165,7 +165,7 @@ def global_expert_names(engine, *, experts: int):
     optimizer = engine.optimizer
     before = optimizer.param_names
     ep = engine_ep(engine)
-    ep_rank = groups._get_expert_parallel_rank(f"ep_size_{ep}")
+    ep_rank = groups._get_expert_parallel_rank(f"ep_size_{ep}") if ep > 1 else 0
     renamed = dict(before)
     for param, name in before.items():
         renamed[param] = global_expert_name(name, ep_rank=ep_rank, local=experts // ep)
@@ -178,14 +178,19 @@ def global_expert_names(engine, *, experts: int):
 
 def restore_buffers(engine, path: Path, *, rename=None) -> list[str]:
     """Copy the module's persistent buffers (routers' selection biases) from checkpoint `path`'s model states (every
-    stage's mp_rank_SS_model_states.pt; `rename`: saved name -> this run's, at another pipeline depth) into the live
-    module; returns their names. A universal load restores parameters only."""
+    stage's mp_rank_SS_model_states.pt, ZeRO-3's zero_pp_rank_0_mp_rank_00_model_states.pt; `rename`: saved name ->
+    this run's, at another pipeline depth) into the live module; returns their names. A universal load restores
+    parameters only."""
     import torch
 
     from dspipe.runtime.safeload import load
 
     saved = {}
-    for f in sorted(Path(path).glob("mp_rank_*_model_states.pt")):
+    files = [
+        *Path(path).glob("mp_rank_*_model_states.pt"),
+        *Path(path).glob("zero_pp_rank_0_mp_rank_*_model_states.pt"),
+    ]
+    for f in sorted(files):
         for name, value in (load(f, mmap=True).get("module") or {}).items():
             saved[rename(name) if rename else name] = value
     names = []

@@ -177,25 +177,34 @@ def to_universal(src: Path, out: Path) -> None:
         ds_to_universal.main(args)
 
 
-def load_resharded(engine, path: Path, *, saved: str, now: str, rename=None, experts: int = 0, saved_ep: int = 1):
+def load_resharded(
+    engine, path: Path, *, saved: str, now: str, rename=None, experts: int = 0, saved_ep: int = 1, saved_zero: int = 1
+):
     """Collective: rank 0 converts `path` to .universal-TAG/TAG next to it, every rank loads that with
     DeepSpeed's load_universal (its optimizer cuts the whole fp32 weights and Adam moments to this rank's tp shard
     and re-partitions them for this dp), then the copy is deleted. `saved`, `now`: the layouts, for messages;
     `rename`: a function of a parameter name, when this run names its parameters otherwise than the checkpoint
-    (a pipeline <-> the plain model: pipeline_names); `experts`, `saved_ep`: a mixture of experts' routed experts
-    per block and the ep it was saved with (dspipe.runtime.moe_reshard converts it). Returns DeepSpeed's load
-    path."""
+    (a pipeline <-> the plain model: pipeline_names); `experts`, `saved_ep`, `saved_zero`: a mixture of experts'
+    routed experts per block and the ep and ZeRO stage it was saved with (0 experts: a dense model). Its
+    checkpoint is converted by dspipe (DeepSpeed's native layer: dspipe.runtime.moe_reshard; ZeRO-3 at ep > 1:
+    dspipe.runtime.zero3_experts), every expert under its global name, and this rank's optimizer looks its own
+    experts up by those names. Returns DeepSpeed's load path."""
     import functools
 
     import torch.distributed as dist
 
-    from dspipe.runtime import moe_reshard
+    from dspipe.runtime import moe_reshard, zero3_experts
+    from dspipe.runtime.experts import native_layer
 
     path = Path(path)
     convert, names = to_universal, contextlib.nullcontext()
-    if experts:
+    native = bool(experts) and native_layer(zero_stage=saved_zero)
+    if native:
         ep_now = moe_reshard.engine_ep(engine)
         convert = functools.partial(moe_reshard.to_universal, experts=experts, ep=saved_ep, ep_now=ep_now)
+    elif experts and saved_ep > 1:
+        convert = functools.partial(zero3_experts.to_universal, experts=experts, ep=saved_ep)
+    if experts:
         names = moe_reshard.global_expert_names(engine, experts=experts)
     root = path.parent / (UNIVERSAL_PREFIX + path.name)
     failures = WriteFailures()
@@ -215,6 +224,7 @@ def load_resharded(engine, path: Path, *, saved: str, now: str, rename=None, exp
             f"a universal checkpoint in {root} failed ({failures.detail or 'on rank 0'}); "
             f"resume with {saved}"
         )
+    own = [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups]
     config = engine._config  # what engine.load_universal_checkpoint() reads; only for this load
     before = config.load_universal_checkpoint
     config.load_universal_checkpoint = True
@@ -226,7 +236,7 @@ def load_resharded(engine, path: Path, *, saved: str, now: str, rename=None, exp
     if experts:
         moe_reshard.restore_buffers(engine, path, rename=rename)
     if engine.zero_optimization_stage() == 3:
-        restore_group_hyperparameters(engine.optimizer, saved_groups=saved_param_groups(root / path.name))
+        restore_group_hyperparameters(engine.optimizer, saved_groups=saved_param_groups(root / path.name), own=own)
     dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(root, ignore_errors=True)
@@ -275,14 +285,29 @@ def saved_param_groups(universal: Path) -> list[dict]:
     return groups
 
 
-def restore_group_hyperparameters(optimizer, *, saved_groups: list[dict]) -> None:
-    """DeepSpeed 0.19's ZeRO-3 universal load copies the first saved group's hyper-parameters into every group
-    (stage3.py, load_hp_checkpoint_state_from_checkpoint_dir_stage3), which puts weight decay on biases and
-    LayerNorms; give each group back its own, as saved (`params` stays DeepSpeed's)."""
-    if len(saved_groups) != len(optimizer.param_groups):
+def restore_group_hyperparameters(optimizer, *, saved_groups: list[dict], own: list[dict] | None = None) -> None:
+    """DeepSpeed 0.19's ZeRO-3 universal load copies the first saved group's hyper-parameters (its name and moe flag
+    too) into every group (stage3.py, load_hp_checkpoint_state_from_checkpoint_dir_stage3), which puts weight decay
+    on biases and LayerNorms; give each group back its own, as saved (`params` stays DeepSpeed's). Groups are paired
+    by name, a mixture of experts' expert groups (moe) with the saved expert groups in order; `own`: each group's
+    hyper-parameters before the load, which keep its name and moe flag and stand in for a group the checkpoint does
+    not have (experts spread over ep ranks now, not when it was saved: their group is split off a dense one with
+    its hyper-parameters)."""
+
+    def key(group: dict):
+        return "moe" if group.get("moe") else group.get("name")
+
+    live = own if own is not None else [dict(g) for g in optimizer.param_groups]
+    pool: dict = {}
+    for saved in saved_groups:
+        pool.setdefault(key(saved), []).append(saved)
+    sources = [pool[key(g)].pop(0) if pool.get(key(g)) else None for g in live]
+    if own is None and None in sources:
         raise SpecError(
             f"the checkpoint has {len(saved_groups)} optimizer parameter groups, this run has "
             f"{len(optimizer.param_groups)}: resume with the dp it was saved with"
         )
-    for group, saved in zip(optimizer.param_groups, saved_groups, strict=True):
-        group.update({k: v for k, v in saved.items() if k != "params"})
+    for group, mine, saved in zip(optimizer.param_groups, live, sources, strict=True):
+        group.update({k: v for k, v in mine.items() if k != "params"})
+        if saved is not None:
+            group.update({k: v for k, v in saved.items() if k not in ("params", "name", "moe")})

@@ -19,7 +19,8 @@ Where the weights come from, by layout:
                         along dim 1, vocabulary rows along dim 0; replicated tensors equal on every tp rank)
     experts (MoE)       the module weights in mp_rank_00_model_states.pt (under a pipeline every stage's
                         mp_rank_SS) and the expert files layer_L_expert_E_..., DeepSpeed's MoE names mapped back
-                        to the model's (_consolidate_experts)"""
+                        to the model's (_consolidate_experts); ZeRO-3 at ep > 1: every rank's fp32 partitions,
+                        each expert's over its expert-data-parallel ranks (dspipe.runtime.zero3_experts)"""
 
 from __future__ import annotations
 
@@ -219,6 +220,19 @@ def _consolidate(checkpoint: Path, *, meta: CheckpointMeta) -> dict:
         return _consolidate_tensor_parallel(checkpoint, meta=meta, spec=spec)
     if spec.experts and native_layer(zero_stage=meta.zero_stage):  # ZeRO-3's experts: the model's own tensors
         return _consolidate_experts(checkpoint, spec=spec, pp=pp)
+    if spec.experts and meta.zero_stage == 3 and (meta.ep or 1) > 1:  # partitioned over expert groups
+        from dspipe.runtime import zero3_experts
+
+        try:
+            master = zero3_experts.master(checkpoint, experts=spec.experts, ep=meta.ep)
+        except MERGE_ERRORS as e:
+            raise SpecError(
+                f"checkpoint {checkpoint}: cannot merge the fp32 master weights: {' '.join(str(e).split())[:300]}"
+            ) from None
+        out = _prefer_master(module={}, master=master, checkpoint=checkpoint)
+        if spec.tied_embeddings:
+            out.pop("lm_head.weight", None)
+        return out
     module = _module_weights(checkpoint, pp=pp, layers=spec.layers)
 
     def model_file(stage: int) -> Path:  # pipelines run ZeRO 0-1: one model-states file per stage

@@ -1,4 +1,4 @@
-"""Mixtures of experts on real CPU ranks (2 ranks but four launches of 4 and one of 1, fp32, dropout 0), eighteen
+"""Mixtures of experts on real CPU ranks (2 ranks but four launches of 4 and one of 1, fp32, dropout 0), nineteen
 launches in all: a tiny random MixtralForCausalLM (4 experts, top 2) and Qwen3MoeForCausalLM (4 experts, top 2,
 norm_topk_prob off) written by save_pretrained with the corpus's tokenizer, trained with `--init-from` on DeepSpeed's
 native MoE layer (ZeRO-3: the model's own); and a DeepSeek-V3-routed model from dspipe's own draws (sigmoid scores,
@@ -11,9 +11,10 @@ routed scale 2.5, 2 expert groups of which a token uses 1, aux-loss-free bias ba
                              expert_load logged, dropped_routes 0 (dropless)
     Mixtral dp 4 x ep 2      ep 2's step-3 checkpoint resumed on 4 ranks (each expert's ZeRO-2 state now cut over 2
                              ranks): steps 4-6 within 1e-6 of ep 2's
-    Mixtral ZeRO-3           ep 1 on the model's own SparseMLP: killed and resumed bitwise; step 1 transformers';
-                             every step within 1e-5 of ep 1's, the same loads; no expert files; exports; its
-                             step-3 checkpoint resumed by 1 rank: steps 4-6 within 1e-6
+    Mixtral ZeRO-3 x ep 2    the model's own SparseMLP, each rank its 2 experts partitioned over its expert-data-
+                             parallel group: killed and resumed bitwise; step 1 transformers'; every step within
+                             1e-5 of ep 1's, the same loads; no expert files; exports; its step-3 checkpoint
+                             resumed by 1 rank at ep 1 (dspipe.runtime.zero3_experts): steps 4-6 within 1e-6
     Mixtral pp 2 x ep 2      4 ranks (pp 2 x dp 2), ZeRO-1, full recomputation: killed and resumed bitwise;
                              loss, aux loss, grad norm within 1e-5 of ep 1's, the same expert loads; exports; its
                              step-3 checkpoint resumed as the plain model at ep 1 on 2 ranks: steps 4-6 within 1e-6
@@ -21,7 +22,7 @@ routed scale 2.5, 2 expert groups of which a token uses 1, aux-loss-free bias ba
                              whole on both tp ranks: step 1 transformers'; loss, aux loss, grad norm within 1e-5
                              of ep 1's, the same loads; each rank built the planner's count; exports
     Qwen3-MoE ep 2, ZeRO-2   lr 1e-12: step 1's LM loss is transformers', export-hf computes transformers' logits;
-                             the same under ZeRO-3 and at tp 2 (the model's own experts)
+                             the same under ZeRO-3 (ep 1 and ep 2) and at tp 2 (the model's own experts)
     sigmoid ep 2 / ep 1      step 1's LM loss is the plain model's; every step's loss within 1e-5 of each other;
                              ep 1 (ZeRO-0) resumed at dp 1 from its step-3 checkpoint: steps 4-6 bitwise; ep 2
                              (ZeRO-2) resumed at ep 1 from its step-3 checkpoint: steps 4-6 within 1e-6; the
@@ -281,28 +282,32 @@ def _resumed_elsewhere(run, corpus, hf_dir, *, zero: int, ep: int, gpus: int, tr
 
 
 def _zero3_experts(tmp_path, corpus, hf_dir, *, train: list, reference: list, expected: float, hf) -> None:
-    """The same Mixtral under ZeRO-3 (ep 1): the model's own SparseMLP, every expert partitioned over the 2 ranks
-    like a dense module (dspipe.runtime.experts.native_layer). Killed after step 5 and resumed: steps 4-5 bitwise;
-    step 1's LM loss is transformers'; every step's loss, aux loss and grad norm within 1e-5 of ep 1's on
-    DeepSpeed's layer (`reference`), the same expert loads; no expert files (the experts are the module's own
-    tensors, in the ZeRO-3 partitions); export-hf computes transformers' Mixtral with the run's weights."""
+    """The same Mixtral under ZeRO-3 at ep 2: the model's own SparseMLP, each rank holding its 2 experts of every
+    block, partitioned by ZeRO-3 over its expert-data-parallel group, the tokens dispatched to them
+    (dspipe.runtime.moe.spread_experts). Killed after step 5 and resumed: steps 4-5 bitwise; step 1's LM loss is
+    transformers'; every step's loss, aux loss and grad norm within 1e-5 of ep 1's on DeepSpeed's layer
+    (`reference`), the same expert loads; each rank built the dense parameters and its experts (the planner's
+    count); no expert files (the experts are in the ZeRO-3 partitions); export-hf computes transformers' Mixtral
+    with the run's weights; its step-3 checkpoint resumed by one rank at ep 1 continues it."""
     run = tmp_path / "zero3"
-    configure(run, corpus, hf_dir, *train, "--zero", "3", "--ep", "1")
+    configure(run, corpus, hf_dir, *train, "--zero", "3", "--ep", "2")
     rows = killed_and_resumed(run, gpus=2)
     diffs = relative_differences(rows, reference)
-    print(f"mixtral ZeRO-3 (the model's own experts) vs ep 1 on DeepSpeed's layer: relative differences {diffs}")
+    print(f"mixtral ZeRO-3 ep 2 (the model's own experts) vs ep 1 on DeepSpeed's layer: relative differences {diffs}")
     assert abs(float(rows[0]["loss"]) - expected) < LOSS_TOL and max(diffs.values()) < LOSS_TOL, diffs
     assert [row["expert_load"] for row in rows] == [row["expert_load"] for row in reference]
     assert {row["dropped_routes"] for row in rows} == {"0"}
-    assert built_params(run) == [n // 2 for n in planned_params(run, ep=1)]  # each rank read its ZeRO-3 slice
+    assert built_params(run) == planned_params(run, ep=2)  # the dense parameters and its own experts
     last = run / "checkpoints" / "global_step6"
     assert not list(last.glob("layer_*_expert_*")) and len(list(last.glob("*zero_pp_rank_*_optim_states.pt"))) == 2
+    assert ckpt_meta.read_meta(last).ep == 2
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
     cls, logits, ours = exported_logits(run, tmp_path / "export-zero3", ids)
     with torch.no_grad():
         moved = (logits - hf(ids).logits).abs().max().item()
     assert cls == "MixtralForCausalLM" and (logits - ours).abs().max().item() < LOGITS_TOL and moved > 1e-2
-    # its step-3 checkpoint resumed by one rank (dp 1): a dense model's ZeRO-3 resharding, experts included
+    # its step-3 checkpoint resumed by one rank (dp 1, ep 1): every expert put back together from its
+    # expert-data-parallel partitions under its global name (dspipe.runtime.zero3_experts)
     dp1 = tmp_path / "zero3-dp1"
     _resumed_elsewhere(dp1, corpus, hf_dir, zero=3, ep=1, gpus=1, train=train, source=run, reference=rows[3:])
 
@@ -360,9 +365,9 @@ def _tensor_parallel_experts(tmp_path, corpus, hf_dir, *, train: list, reference
 
 
 def test_qwen3_moe_expert_parallel_starts_from_transformers_and_exports_its_logits(tmp_path, corpus, monkeypatch):
-    """Qwen3-MoE at ep 2 on DeepSpeed's layer (ZeRO-2), under ZeRO-3 and at tp 2 (its q/k norms and attention
-    tensor-parallel) on the model's own experts: step 1's LM loss is transformers' (lr 1e-12), and export-hf
-    computes transformers' logits, from all three."""
+    """Qwen3-MoE at ep 2 on DeepSpeed's layer (ZeRO-2), under ZeRO-3 at ep 1 and ep 2 and at tp 2 (its q/k norms
+    and attention tensor-parallel) on the model's own experts: step 1's LM loss is transformers' (lr 1e-12), and
+    export-hf computes transformers' logits, from all four."""
     hf_dir, hf, expected = start_from_hf(tmp_path, "qwen3-moe", corpus, monkeypatch)
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
@@ -370,6 +375,7 @@ def test_qwen3_moe_expert_parallel_starts_from_transformers_and_exports_its_logi
     layouts = {
         "ep2": ("--zero", "2", "--ep", "2"),
         "zero3": ("--zero", "3", "--ep", "1"),
+        "zero3-ep2": ("--zero", "3", "--ep", "2"),
         "tp2": ("--zero", "1", "--tp", "2"),
     }
     for name, flags in layouts.items():
@@ -384,7 +390,7 @@ def test_qwen3_moe_expert_parallel_starts_from_transformers_and_exports_its_logi
         )
         assert abs(float(rows[0]["loss"]) - expected) < LOSS_TOL
         assert float(rows[0]["aux_loss"]) > 0
-        if name == "ep2":
+        if name in ("ep2", "zero3-ep2"):
             assert built_params(run) == planned_params(run, ep=2)  # dense + this rank's experts, read lazily
         assert cls == "Qwen3MoeForCausalLM"
         assert (logits - hf_logits).abs().max().item() < LOGITS_TOL

@@ -30,7 +30,7 @@ def main(out: str, runs: list[str]) -> None:
             clock.mark("ready")
             plan = run.plan
             figures = clock.gathered(
-                mode=build_mode(zero_stage=plan.zero_stage, tp=plan.tp, pp=plan.pp), host_is_device=True
+                mode=build_mode(zero_stage=plan.zero_stage, tp=plan.tp, pp=plan.pp, ep=plan.ep), host_is_device=True
             ).to_dict()  # engine.json's "startup" object, as the runner writes it
             engine = eng.engine
             figures["weight_decay"] = decays(engine)

@@ -208,7 +208,6 @@ def plan(**fields):
 @pytest.mark.parametrize(
     "fields,ep,says",
     [
-        (dict(zero_stage=3), 2, "ZeRO-3 at ep 2 > 1 (Native DeepSpeed MoE is not supported with ZeRO Stage 3: ep 1"),
         (dict(sp=2, dp=2), 1, "sp 2 > 1"),
         (dict(tp=2, dp=2, tp_sp=True), 2, "tp 2 at ep 2 > 1 (the experts run as the model's own modules at ep 1"),
         (dict(tp=2, dp=2, tp_sp=False), 1, "tp 2 without sequence parallelism (each tp rank would run every token"),
@@ -232,6 +231,7 @@ def test_refusal_dense_and_supported():
     assert refusal(spec=spec(), plan=plan(zero_stage=1), ep=2, contiguous_gradients=True) is None
     assert refusal(spec=spec(), plan=plan(zero_stage=0), ep=1, contiguous_gradients=False) is None
     assert refusal(spec=spec(), plan=plan(zero_stage=3), ep=1) is None  # the model's own SparseMLP under ZeRO-3
+    assert refusal(spec=spec(), plan=plan(zero_stage=3), ep=2) is None  # its experts spread over 2 ranks
     assert refusal(spec=spec(), plan=plan(tp=2, tp_sp=True, dp=2), ep=1) is None  # and at tp > 1
     dropping = spec(capacity_factor=1.25)  # every layout dispatches through dspipe.runtime.dispatch: a capacity too
     assert refusal(spec=dropping, plan=plan(tp=2, tp_sp=True, dp=2), ep=1) is None

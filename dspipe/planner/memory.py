@@ -751,7 +751,10 @@ def _zero3_states(*, model: ModelSpec, plan: Plan, phi: int) -> tuple[dict[str, 
         buffers=bucket,
     )  # the contiguous-gradients reduce bucket stays allocated
     backward = dict(grads=0, buffers=b * zero3_backward_working(model=model, plan=plan))
-    step = dict(grads=0 if offload else part(4), buffers=0)  # the fp32 gradients handed to the optimizer
+    # the fp32 gradients handed to the optimizer: DeepSpeed's step makes them one sub-group at a time, and at ep > 1
+    # the rank's experts are a sub-group of their own (partitioned over another group): the larger one (census)
+    fp32_grads = max(4 * p // g for p, g in groups) if plan.ep > 1 and model.experts else part(4)
+    step = dict(grads=0 if offload else fp32_grads, buffers=0)
     transient = max(backward, step, key=lambda t: sum(t.values()))
     return steady, transient
 

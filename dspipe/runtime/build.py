@@ -317,11 +317,15 @@ def write_partition(param, *, read) -> None:
     """Write this rank's ZeRO-3 partition of `param`: elements [rank x size, (rank + 1) x size) of the flattened
     tensor (DeepSpeed's layout; the tail past the tensor is padding) from `read(start, stop)`, which returns those
     elements in fp32. A partition that is not a plain tensor here (NVMe-swapped, hpZ secondary) goes through
-    GatheredParameters: the whole tensor gathered, written by rank 0, broadcast and partitioned again."""
+    GatheredParameters: the whole tensor gathered, written by rank 0, broadcast and partitioned again. A tensor
+    ZeRO-3 does not partition (a buffer) is written whole."""
     import deepspeed
     import torch.distributed as dist
     from deepspeed.runtime.zero.partition_parameters import PartitionedParamStatus
 
+    if not hasattr(param, "ds_tensor"):  # a buffer (a router's selection bias): whole on every rank
+        param.copy_(read(0, param.numel()).view(param.shape))
+        return
     part = param.ds_tensor
     if (
         getattr(param, "ds_secondary_tensor", None) is not None

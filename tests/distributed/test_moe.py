@@ -1,8 +1,9 @@
-"""Mixtures of experts on real CPU ranks (2 ranks but four launches of 4 and one of 1, fp32, dropout 0), nineteen
-launches in all: a tiny random MixtralForCausalLM (4 experts, top 2) and Qwen3MoeForCausalLM (4 experts, top 2,
-norm_topk_prob off) written by save_pretrained with the corpus's tokenizer, trained with `--init-from` on DeepSpeed's
-native MoE layer (ZeRO-3: the model's own); and a DeepSeek-V3-routed model from dspipe's own draws (sigmoid scores,
-routed scale 2.5, 2 expert groups of which a token uses 1, aux-loss-free bias balancing) at ep 2 and ep 1.
+"""Mixtures of experts on real CPU ranks (2 ranks but four launches of 4 and three of 1, fp32, dropout 0),
+twenty-one launches in all: a tiny random MixtralForCausalLM (4 experts, top 2) and Qwen3MoeForCausalLM (4 experts,
+top 2, norm_topk_prob off) written by save_pretrained with the corpus's tokenizer, trained with `--init-from` on
+DeepSpeed's native MoE layer (ZeRO-3: the model's own); and a DeepSeek-V3-routed model from dspipe's own draws
+(sigmoid scores, routed scale 2.5, 2 expert groups of which a token uses 1, aux-loss-free bias balancing) at ep 2
+and ep 1.
 
     Mixtral ep 2, ZeRO-2     killed after step 5 (checkpoint at 3), then resumed: step 1's LM loss is
                              transformers'; the resumed steps 4-5 are bitwise the ones before the kill; the
@@ -26,7 +27,8 @@ routed scale 2.5, 2 expert groups of which a token uses 1, aux-loss-free bias ba
     sigmoid ep 2 / ep 1      step 1's LM loss is the plain model's; every step's loss within 1e-5 of each other;
                              ep 1 (ZeRO-0) resumed at dp 1 from its step-3 checkpoint: steps 4-6 bitwise; ep 2
                              (ZeRO-2) resumed at ep 1 from its step-3 checkpoint: steps 4-6 within 1e-6; the
-                             selection biases after step 6 and every step's expert_load equal in all four
+                             selection biases after step 6 and every step's expert_load equal in all four;
+                             ZeRO-3 ep 2 the same losses, resumed by 1 rank at ep 1 (biases back too)
 
 A resume at another ep or dp goes through dspipe's own universal conversion of the native MoE checkpoint
 (dspipe.runtime.moe_reshard). Each launch's start-up (engine.json) records what each rank built: at ep 2 the dense
@@ -401,7 +403,8 @@ def test_sigmoid_routing_expert_parallel_equals_ep1_and_the_plain_model(tmp_path
     """DeepSeek-V3's routing (sigmoid scores, routed scale 2.5, group-limited, aux-loss-free bias) on DeepSpeed's
     layer: ep 2 under ZeRO-2 trains as ep 1 under ZeRO-0, and its first LM loss is the plain model's (GPT with the
     run's seed) on the first global batch. The ZeRO-0 run's step-3 checkpoint resumed by one rank (dp 1, whole
-    state, the biases from the checkpoint) continues it exactly."""
+    state, the biases from the checkpoint) continues it exactly. ZeRO-3 at ep 2 (the model's own experts) trains as
+    ZeRO-2 at ep 2, and its step-3 checkpoint resumed by one rank at ep 1 continues it (the biases too)."""
     import shutil
 
     from dspipe.data import TokenWindows, TrainLoader
@@ -448,6 +451,8 @@ def test_sigmoid_routing_expert_parallel_equals_ep1_and_the_plain_model(tmp_path
         ("ep1", 2, ("--zero", "0", "--ep", "1"), None),
         ("dp1", 1, ("--zero", "0", "--ep", "1"), "ep1"),  # the ep 1 run's step-3 checkpoint resumed by one rank
         ("ep2-ep1", 2, ("--zero", "2", "--ep", "1"), "ep2"),  # ep 2's resumed at ep 1 (dspipe.runtime.moe_reshard)
+        ("zero3-ep2", 2, ("--zero", "3", "--ep", "2", "--tp", "1"), None),  # the model's own experts spread
+        ("zero3-dp1", 1, ("--zero", "3", "--ep", "1", "--tp", "1"), "zero3-ep2"),  # (dspipe.runtime.zero3_experts)
     ):
         r = gen_config(
             *model,
@@ -498,12 +503,18 @@ def test_sigmoid_routing_expert_parallel_equals_ep1_and_the_plain_model(tmp_path
     moved = [abs(float(a["loss"]) - float(b["loss"])) for a, b in zip(rows["ep2-ep1"], rows["ep2"][3:], strict=True)]
     print(f"sigmoid ep 2 -> ep 1 at step 3: loss differences in steps 4-6 {moved}")
     assert len(moved) == 3 and max(moved) < 1e-6  # the selection biases came back too (restore_buffers)
+    zero3 = [abs(float(a["loss"]) - float(b["loss"])) for a, b in zip(rows["zero3-ep2"], rows["ep2"], strict=True)]
+    resumed = [
+        abs(float(a["loss"]) - float(b["loss"])) for a, b in zip(rows["zero3-dp1"], rows["zero3-ep2"][3:], strict=True)
+    ]
+    print(f"sigmoid ZeRO-3 ep 2 - ZeRO-2 ep 2 losses {zero3}; resumed by 1 rank at ep 1: steps 4-6 {resumed}")
+    assert len(zero3) == 6 and max(zero3) < 1e-5 and len(resumed) == 3 and max(resumed) < 1e-6
     run = load_run(tmp_path / "ep2")
     assert (run.model.router_score, run.model.router_scale, run.plan.ep) == ("sigmoid", 2.5, 2)
     from dspipe.tools.consolidate import load_gpt
 
     biases = {}  # the selection biases after 6 steps: moved by 0.01 steps, the same whichever ranks held the experts
-    for name in ("ep2", "ep1", "dp1", "ep2-ep1"):
+    for name in ("ep2", "ep1", "dp1", "ep2-ep1", "zero3-ep2", "zero3-dp1"):
         tag = ckpt_tags.complete_checkpoints(tmp_path / name / "checkpoints")[-1][1]
         biases[name] = torch.stack([b.mlp.router_bias for b in load_gpt(tag, meta=ckpt_meta.read_meta(tag)).h])
     assert all(torch.equal(biases["ep2"], b) for b in biases.values())
@@ -539,4 +550,5 @@ def test_sigmoid_routing_expert_parallel_equals_ep1_and_the_plain_model(tmp_path
     assert all(float(row["aux_loss"]) > 0 for row in rows["ep2"])
     loads = {name: [float(row["expert_load"]) for row in r] for name, r in rows.items()}
     assert loads["ep2"] == loads["ep1"] and loads["dp1"] == loads["ep1"][3:] == loads["ep2-ep1"]  # every rank's
+    assert loads["zero3-ep2"] == loads["ep2"] and loads["zero3-dp1"] == loads["ep2"][3:]
     assert all(1 <= x <= EXPERTS / 2 for x in loads["ep2"])

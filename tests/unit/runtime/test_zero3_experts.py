@@ -161,3 +161,14 @@ def test_the_planner_counts_the_rank_s_experts_over_their_group():
     assert abs(e1.memory.optimizer - e4.memory.optimizer) <= 12 * 4
     phi = stage_params(model=m, pp=1, partition_method=p4.partition_method, tp=1, ep=4)[0]
     assert [n for _, n in param_groups(model=m, plan=p4, phi=phi)] == [4, 1]
+
+
+def test_the_partitioned_build_writes_a_buffer_whole():
+    """ZeRO-3's partitioned build (dspipe.runtime.build._partitioned) writes each parameter's partition; a tensor
+    ZeRO-3 does not partition, the selection bias of auxiliary-loss-free routing (a buffer), is written whole (a
+    1-rank ZeRO-3 run with --router-bias-rate crashed at start-up without it)."""
+    from dspipe.runtime.build import write_partition
+
+    bias = torch.full((4,), 7.0)
+    write_partition(bias, read=lambda start, stop: torch.arange(start, stop, dtype=torch.float32))
+    assert bias.tolist() == [0.0, 1.0, 2.0, 3.0]

@@ -121,11 +121,14 @@ def sp_choices(model: ModelSpec, cluster: ClusterSpec) -> list[int]:
     ]
 
 
-def ep_choices(model: ModelSpec, dp: int) -> list[int]:
+def ep_choices(model: ModelSpec, dp: int, tp: int = 1) -> list[int]:
     """Expert-parallel sizes the search tries for `dp` data-parallel ranks: the divisors of gcd(experts, dp) (ep
-    divides both: plan.check_rules); 1 for a dense model."""
+    divides both: plan.check_rules); at tp > 1, 1 and tp (the experts spread over the tp group, when tp divides
+    them); 1 for a dense model."""
     if not model.experts:
         return [1]
+    if tp > 1:
+        return [1, tp] if model.experts % tp == 0 else [1]
     return divisors(math.gcd(model.experts, dp), model.experts)
 
 
@@ -229,7 +232,7 @@ def enumerate_candidates(
     space = _search_space(r, precisions=precision, offloads=offloads, pps=pps, tps=found.tp_list, sps=found.sp_list)
     for prec, zero, offload, offload_params, pp, tp, sp, ckpt in space:
         dp, micro = _batch_options(world=world, pp=pp, tp=tp, sp=sp, train=train, micro_batch=r.micro_batch)
-        for ep in options(r.ep, ep_choices(model, dp)):
+        for ep in options(r.ep, ep_choices(model, dp, tp)):
             if ep not in found.ep_list:
                 found.ep_list.append(ep)
             structure = (prec, zero, offload, offload_params, pp, tp, sp, ep)

@@ -115,8 +115,9 @@ class Plan:
     @property
     def expert_dp(self) -> int:
         """Expert-data-parallel ranks (DeepSpeed's expert data parallel group): dp / ep ranks hold the same experts,
-        and ZeRO partitions their gradients and optimizer states over them."""
-        return self.dp // self.ep
+        and ZeRO partitions their gradients and optimizer states over them; dp with the experts spread over the tp
+        group (tp > 1: dspipe.runtime.experts.folded)."""
+        return self.dp if self.tp > 1 else self.dp // self.ep
 
     @property
     def layout(self) -> ParallelLayout:
@@ -275,22 +276,22 @@ def _check_experts(*, model: ModelSpec, train: TrainSpec, strategy: StrategySpec
     (deepspeed.moe.layer.MoE) ZeRO 0-2 at tp 1 (ep > 1: ZeRO 1-2, ZeRO-1 with contiguous gradients), any pp (each
     stage its own sparse blocks), ep dividing the experts and dp; under ZeRO-3 the model's own SparseMLP at any ep
     (at ep > 1 each rank its experts, partitioned over their expert-data-parallel group); with tp > 1 (Megatron
-    sequence parallelism on: each tp rank runs its slice's tokens through the whole experts) the model's own at ep 1
-    (dspipe.runtime.experts.native_layer); every layout's experts run through dspipe.runtime.dispatch, so a
-    capacity factor applies to any of them; bf16 or fp32, sp 1; ep 1 for a dense model."""
+    sequence parallelism on: each tp rank routes its slice's tokens) the model's own, at ep 1 whole on every tp rank
+    or at ep = tp spread over the tp group (dspipe.runtime.experts.native_layer, folded); every layout's experts run
+    through dspipe.runtime.dispatch, so a capacity factor applies to any of them; bf16 or fp32, sp 1; ep 1 for a
+    dense model."""
     e, ep, pp, tp, sp, zero = model.experts, strategy.ep, strategy.pp, strategy.tp, strategy.sp, strategy.zero
     dp = ParallelLayout(world=world, pp=pp, tp=tp, sp=sp).dp  # rule 2 held: pp x tp x sp divides the world
     if not e:
         if ep > 1:
             raise RuleError(3, f"ep {ep} needs a mixture-of-experts model: {model.name} is dense (experts 0)")
         return
-    if tp > 1 and ep > 1:
+    if tp > 1 and ep not in (1, tp):
         raise RuleError(
             3,
-            f"tp {tp} and experts {e} at ep {ep}: the experts run as the model's own modules at ep 1 there "
-            "(experts spread over ep ranks at tp > 1 are not built: each tp rank routes its own slice, so their "
-            "gradients would be summed over the tp group inside DeepSpeed's expert groups, whose MoE layer dspipe "
-            "uses at tp 1 only); use --ep 1, or --tp 1 for expert parallelism",
+            f"tp {tp} and experts {e} at ep {ep}: with tensor parallelism the experts are spread over the tp group "
+            f"itself (each tp rank holds experts / {tp} and routes its slice of the sequence to their holders), so "
+            f"ep must be 1 or tp = {tp}; use --ep 1 or --ep {tp}",
         )
     if tp > 1 and not strategy.tp_sp:
         raise RuleError(
@@ -317,7 +318,7 @@ def _check_experts(*, model: ModelSpec, train: TrainSpec, strategy: StrategySpec
             f"ep {ep} does not divide experts {e}: each expert-parallel rank holds experts / ep of "
             f"every MoE block ({e} / {ep} = {e / ep:g})",
         )
-    if dp % ep:
+    if dp % ep and tp == 1:
         raise RuleError(
             3,
             f"ep {ep} does not divide dp {dp} = world {world} / (pp {pp} x tp {tp} x sp {sp}): the "

@@ -228,6 +228,8 @@ def param_groups(*, model: ModelSpec, plan: Plan, phi: int) -> list[tuple[int, i
     if not model.experts:
         return [(phi, n)]
     experts = _experts_held(model=model, plan=plan, phi=phi)
+    if plan.tp > 1:  # spread over the tp group (dspipe.runtime.experts.folded), reduced over dp as the tp shards are
+        return [(phi - experts, n), (experts, n)]
     return [(phi - experts, n), (experts, max(1, n // plan.ep))]
 
 

@@ -180,7 +180,8 @@ def _plan_lines(best: Candidate, s: dict[str, Any]) -> list[str]:
     params = f"{p.num_params / 1e6:,.1f}M params"
     if p.experts:
         params = (
-            f"ep {p.ep} inside dp (experts {p.experts} / ep {p.ep} = {p.experts // p.ep} per rank and sparse "
+            f"ep {p.ep} {'over the tp group' if p.tp > 1 else 'inside dp'} (experts {p.experts} / ep {p.ep} = "
+            f"{p.experts // p.ep} per rank and sparse "
             f"block, expert dp {p.expert_dp}), {p.num_params / 1e6:,.1f}M params, "
             f"{s['active_params'] / 1e6:,.1f}M active"
         )

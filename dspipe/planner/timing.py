@@ -181,9 +181,9 @@ def _dp_comm_s(
     threshold, ep = plan.param_persistence_threshold, plan.ep
     experts = zero3_expert_gathers_per_pass(model, threshold=threshold, ep=ep)
     module_gathers = shard + (zero3_gathers_per_pass(model, threshold=threshold, ep=ep) - experts) * ring
-    if experts and ep > 1:
-        n_e = n // ep  # ep x tp apart
-        span_e = n_e * ep * plan.tp
+    if experts and ep > 1 and plan.tp == 1:  # at tp > 1 (spread over the tp group) over dp, as the dense modules
+        n_e = n // ep  # ep apart
+        span_e = n_e * ep
         hops_e = 0 if _inside_node(span_e, g) else math.ceil(span_e / g) - 1
         module_gathers += experts * (ring_latency_s(steps=n_e - 1, inter_steps=hops_e, gpu=gpu) if n_e > 1 else 0.0)
     elif experts:
@@ -239,8 +239,10 @@ def _expert_grads_s(*, model: ModelSpec, plan: Plan, gpu: GpuType) -> float:
     tp = plan.tp
     shared = model.mlp_tensors("", model.shared_experts * model.expert_width) if model.shared_experts else []
     forwards = 2 if plan.checkpointing == Checkpointing.FULL else 1
-    tensors = 1 + model.experts * len(model.expert_tensors()) + len(shared) + 2 * forwards
-    sent = 2 * (tp - 1) / tp * model.sparse_mlp_params * dtype_bytes(plan.precision)
+    routed = 0 if plan.ep > 1 else model.experts  # spread over the tp group (ep = tp): each rank's own, not summed
+    tensors = 1 + routed * len(model.expert_tensors()) + len(shared) + 2 * forwards
+    params = model.sparse_mlp_params - (model.experts - routed) * model.expert_params
+    sent = 2 * (tp - 1) / tp * params * dtype_bytes(plan.precision)
     return sent / (gpu.intra_node_gbps * 1e9) + tensors * ring_latency_s(steps=2 * (tp - 1), gpu=gpu)
 
 
@@ -340,7 +342,7 @@ def _ep_comm_s(*, model: ModelSpec, plan: Plan, cluster: ClusterSpec, tokens: in
     if plan.ep > 1 and model.experts:
         ops, forwards = (6, 2) if plan.checkpointing == Checkpointing.FULL else (4, 1)
         volume = (plan.ep - 1) / plan.ep * routed_rows(model=model, tokens=tokens) * model.hidden * b
-        span = plan.ep * tp * sp
+        span = plan.ep if tp > 1 else plan.ep * sp  # at tp > 1 the tp group itself (experts.folded)
         inside = _inside_node(span, cluster.gpus_per_node)
         bw = gpu.intra_node_gbps if inside else gpu.inter_node_gbps
         hops = 0 if inside else math.ceil(span / cluster.gpus_per_node) - 1
@@ -416,7 +418,7 @@ def step_time(*, model: ModelSpec, cluster: ClusterSpec, plan: Plan, phi: int) -
 
     tp_comm = _tp_comm_s(model=model, plan=plan, gpu=gpu, tokens=tokens_micro, layers=layers_per_stage)
     sp_comm = _sp_comm_s(model=model, plan=plan, cluster=cluster, tokens=tokens_micro, layers=layers_per_stage)
-    ep_comm = _ep_comm_s(model=model, plan=plan, cluster=cluster, tokens=tokens_micro)
+    ep_comm = _ep_comm_s(model=model, plan=plan, cluster=cluster, tokens=routed)
     dp_comm, dp_after = _dp_comm_s(model=model, plan=plan, cluster=cluster, phi=phi, fwd_s=fwd_micro, bwd_s=bwd_micro)
     pp_comm = _pp_comm_s(model=model, plan=plan, cluster=cluster, tokens=tokens_micro)
     offload, optimizer = _offload_optimizer_s(model=model, plan=plan, cluster=cluster, phi=phi)

@@ -96,7 +96,7 @@ def _stage(run: Run, *, checkpoint_fn, weights, tp=None):
 
         kwargs = dict(
             topology=topology(plan.layout),
-            make=_shard_maker(run, tp=tp, weights=weights),
+            make=_shard_maker(run, tp=tp, weights=weights, local=local),
             loss_fn=vocab_parallel_loss(spec=run.model, tp=tp),
         )
     model = build_pipeline(
@@ -117,32 +117,57 @@ def _stage(run: Run, *, checkpoint_fn, weights, tp=None):
     return model
 
 
-def _shard_maker(run: Run, *, tp, weights):
+def _shard_maker(run: Run, *, tp, weights, local: range | None = None):
     """make(cls, model, **kwargs) for layer_specs: the layer on the meta device, its tp shards in fp32 on the
-    host, their values drawn whole and cut (or read: only the shard's rows where it is a row range)."""
+    host, their values drawn whole and cut (or read: only the shard's rows where it is a row range). `local`: with
+    the experts spread over the tp group (ep = tp), the routed experts this rank holds; the others stay meta (never
+    drawn nor read), then a placeholder until dspipe.runtime.moe keeps this rank's."""
 
     def make(cls, model, **kwargs):
         import torch
 
-        from dspipe.model.gpt import fill
+        from dspipe.model.gpt import Block, fill
         from dspipe.runtime.parallelize import shard_tensor_parallel
         from dspipe.runtime.tensor_parallel import mark_shards
 
         seed = kwargs.pop("seed", None)
         with torch.device("meta"):
             layer = cls(model, seed=None, **kwargs)
-        shard_tensor_parallel(layer, spec=model, tp=tp)
-        layer = layer.to_empty(device="cpu")
+        shard_tensor_parallel(layer, spec=model, tp=tp, ep=1 if local is None else tp.size)
+        remote = set()
+        if local is not None and isinstance(layer, Block) and layer.sparse:
+            remote = {id(m) for e, x in enumerate(layer.mlp.experts) if e not in local for m in x.modules()}
+        for m in layer.modules():
+            if id(m) not in remote:
+                m.to_empty(device="cpu", recurse=False)
         mark_shards(layer)
         if weights is None:
-            fill(layer, seed=seed, write=_write_shard)
+            fill(layer, seed=seed, write=_skip_meta(_write_shard))
         else:
             from dspipe.model.hf_weights import load_into_module
 
-            load_into_module(layer, weights, spec=model, write=_read_shard(weights), layer=True)
+            load_into_module(layer, weights, spec=model, write=_read_or_skip(weights, _read_shard(weights)), layer=True)
+        if remote:
+            from dspipe.runtime.moe import ExpertElsewhere
+
+            for e in range(len(layer.mlp.experts)):
+                if e not in local:
+                    layer.mlp.experts[e] = ExpertElsewhere()
         return layer
 
     return make
+
+
+def _skip_meta(write):
+    """`write(param, draw)` for the tensors a rank holds; a meta one (another rank's expert) has its draw skipped."""
+
+    def maybe(param, draw) -> None:
+        if param.is_meta:
+            draw.skip()
+        else:
+            write(param, draw)
+
+    return maybe
 
 
 def _local_expert_maker(*, local: range, weights):
@@ -214,7 +239,7 @@ def _materialised(run: Run, *, weights, local: range | None = None, tp=None):
     if tp is not None:
         from dspipe.runtime.parallelize import shard_tensor_parallel
 
-        shard_tensor_parallel(model, spec=run.model, tp=tp)
+        shard_tensor_parallel(model, spec=run.model, tp=tp, ep=1 if local is None else tp.size)
     device = get_accelerator().device_name(int(os.environ.get("LOCAL_RANK", "0")))
     model = model.to(dtype=training_dtype(run.plan.precision))
     if local is None:
@@ -236,7 +261,7 @@ def _materialised(run: Run, *, weights, local: range | None = None, tp=None):
         mark_shards(model)
     if weights is None:
         if tp is not None:
-            fill(model, seed=run.train.seed, write=_write_shard)
+            fill(model, seed=run.train.seed, write=_skip_meta(_write_shard))
         elif local is None:
             fill(model, seed=run.train.seed)
         else:
@@ -244,7 +269,10 @@ def _materialised(run: Run, *, weights, local: range | None = None, tp=None):
     else:
         from dspipe.model.hf_weights import load_into_module
 
-        write = _read_shard(weights) if tp is not None else None if local is None else _read_or_skip(weights)
+        if tp is not None:
+            write = _read_or_skip(weights, _read_shard(weights))
+        else:
+            write = None if local is None else _read_or_skip(weights)
         load_into_module(model, weights, spec=run.model, write=write)
     return model
 
@@ -258,8 +286,11 @@ def _draw_or_skip(param, draw) -> None:
         write_blocks(param, draw)
 
 
-def _read_or_skip(weights):
-    return lambda param, name: None if param.is_meta else param.copy_(weights.full(name))
+def _read_or_skip(weights, read=None):
+    """`write(param, name)` reading the imported tensor (whole, or through `read`) into the tensors a rank holds; a
+    meta one (another rank's expert) is not read."""
+    read = read or (lambda param, name: param.copy_(weights.full(name)))
+    return lambda param, name: None if param.is_meta else read(param, name)
 
 
 def _partitioned(run: Run, *, weights, mpu):

@@ -89,6 +89,17 @@ def _model_name(name: str, *, meta: CheckpointMeta) -> str:
     return model_name(name)
 
 
+def _held_name(name: str, *, meta: CheckpointMeta, tp_rank: int | None) -> str:
+    """The model's name of tp rank `tp_rank`'s tensor: with the experts spread over the tp group (ep = tp), its
+    local expert J is expert tp_rank x E/tp + J (dspipe.runtime.experts.folded); any other name as it is."""
+    experts = meta.model.get("experts") or 0
+    if tp_rank is None or not experts or (getattr(meta, "ep", 1) or 1) == 1:
+        return name
+    from dspipe.runtime.zero3_experts import global_name
+
+    return global_name(name, first=tp_rank * experts // meta.tp)
+
+
 def _mp(meta: CheckpointMeta) -> int:
     """Model-parallel ranks: DeepSpeed's mp_rank files (pipeline stages x tp ranks, or tp ranks at pp 1)."""
     return meta.pp * meta.tp
@@ -142,7 +153,8 @@ def check_checkpoint(path: Path, *, meta: CheckpointMeta) -> None:
                     spec=spec,
                     tp_rank=_tp_rank_of(name, meta),
                 )
-                seen.update({k: tuple(v.shape) for k, v in module.items()})
+                tp_rank = _tp_rank_of(name, meta)
+                seen.update({_held_name(k, meta=meta, tp_rank=tp_rank): tuple(v.shape) for k, v in module.items()})
         elif m := EXPERT_FILE.match(name):
             seen.update(_expert_file(file, expert=int(m.group(2)), meta=meta, expected=expected))
         elif OPTIM_FILE.match(name):
@@ -240,7 +252,7 @@ def _layer_file(file: Path, *, index: int, meta: CheckpointMeta, expected: dict,
     prefix = layer_prefix(index, layers=layers)
     state = safeload.load(file, mmap=True)
     _check_tensors(file, state, expected=expected, meta=meta, prefix=prefix, extra=set(), spec=spec, tp_rank=tp_rank)
-    return {prefix + k: tuple(v.shape) for k, v in state.items()}
+    return {_held_name(prefix + k, meta=meta, tp_rank=tp_rank): tuple(v.shape) for k, v in state.items()}
 
 
 def _check_tensors(

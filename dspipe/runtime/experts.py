@@ -42,13 +42,21 @@ def native_layer(*, zero_stage: int, tp: int = 1) -> bool:
     tp 1; its expert groups, expert parallelism, expert files in the checkpoint) or as the model's own SparseMLP:
     under ZeRO-3, which the native layer refuses, and with tp > 1. Under ZeRO-3 at ep > 1 each rank keeps its
     E / ep experts, which ZeRO-3 partitions over their expert-data-parallel group (dspipe.runtime.moe.spread_experts);
-    at ep 1 ZeRO-3 partitions every expert over every data-parallel rank like the dense modules. With tp > 1 (ep 1:
-    spreading the experts over ep ranks is not built there, as each tp rank routes its own slice and the experts'
-    gradients would be summed over the tp group inside DeepSpeed's expert groups) each tp rank holds them whole and
-    runs its sequence slice's tokens through them (Megatron sequence parallelism; dspipe.runtime.parallelize).
+    at ep 1 ZeRO-3 partitions every expert over every data-parallel rank like the dense modules. With tp > 1 each
+    tp rank routes its sequence slice's tokens (Megatron sequence parallelism; dspipe.runtime.parallelize): at ep 1
+    to the experts it holds whole, at ep = tp to the E / tp experts each tp rank holds (`folded`).
     Either way the tokens reach the experts through dspipe.runtime.dispatch, each expert once per forward on its
     routed tokens (an empty batch when none, so every rank gathers and reduces every expert in the same order)."""
     return zero_stage != 3 and tp == 1
+
+
+def folded(*, tp: int, ep: int) -> bool:
+    """Whether the experts are spread over the tensor-parallel group (tp > 1 and ep = tp: tp rank r holds experts
+    [r E/tp, (r + 1) E/tp) of every sparse block, the tokens of its sequence slice go to their holders through the
+    all-to-all over the tp group, and each expert's gradients are reduced over the data-parallel group as a tp shard's
+    are: Megatron-Core's expert parallelism folded onto the attention's tp group) rather than over data-parallel
+    ranks (tp 1)."""
+    return tp > 1 and ep > 1
 
 
 def capacity_slots(*, tokens: int, experts: int, k: int, factor: float | None) -> int | None:
@@ -63,8 +71,8 @@ def refusal(*, spec, plan, ep: int, contiguous_gradients: bool = True) -> str | 
     if not spec.experts:
         return f"ep {ep} > 1 needs a mixture-of-experts model (experts 0)" if ep > 1 else None
     why = []
-    if plan.tp > 1 and ep > 1:
-        why.append(f"tp {plan.tp} at ep {ep} > 1 (the experts run as the model's own modules at ep 1 there)")
+    if plan.tp > 1 and ep not in (1, plan.tp):
+        why.append(f"tp {plan.tp} at ep {ep} (at tp > 1 the experts are spread over the tp group: ep 1 or {plan.tp})")
     if plan.tp > 1 and not plan.tp_sp:
         why.append(f"tp {plan.tp} without sequence parallelism (each tp rank would run every token's experts)")
     if plan.sp > 1:
@@ -80,7 +88,7 @@ def refusal(*, spec, plan, ep: int, contiguous_gradients: bool = True) -> str | 
         why.append("fp16 (use bf16 or fp32)")
     if spec.experts % ep:
         why.append(f"experts {spec.experts} % ep {ep} = {spec.experts % ep}")
-    if plan.dp % ep:
+    if plan.dp % ep and not folded(tp=plan.tp, ep=ep):
         why.append(f"dp {plan.dp} % ep {ep} = {plan.dp % ep}")
     return "; ".join(why) or None
 

@@ -190,8 +190,9 @@ def take_aux_total(module: nn.Module, *, device) -> torch.Tensor:
 def install_for_run(module: nn.Module, *, run, rank: int) -> None:
     """The runtime step before deepspeed.initialize (dspipe.runtime.engine.build_engine, after the build and
     parallelize): a MoE model's sparse blocks onto DeepSpeed's MoE layer (under ZeRO-3 and at tp > 1 they stay the
-    model's own: dspipe.runtime.experts.native_layer; ZeRO-3 at ep > 1: spread_experts); a layout that cannot train
-    a mixture of experts (or ep > 1 on a dense model) is one SpecError on every rank."""
+    model's own: dspipe.runtime.experts.native_layer; ZeRO-3 at ep > 1: spread_experts; at tp > 1 and ep = tp each
+    tp rank keeps the experts it holds, dispatching over the tp group: dspipe.runtime.experts.folded); a layout that
+    cannot train a mixture of experts (or ep > 1 on a dense model) is one SpecError on every rank."""
     ep = expert_parallel(run)
     zero = run.ds_config.get("zero_optimization") or {}
     why = refusal(spec=run.model, plan=run.plan, ep=ep, contiguous_gradients=bool(zero.get("contiguous_gradients")))
@@ -203,7 +204,13 @@ def install_for_run(module: nn.Module, *, run, rank: int) -> None:
         install(module, spec=run.model, ep=ep, ep_rank=rank % ep)
         return
     blocks = sparse_blocks(module)  # the model's own SparseMLPs (ZeRO-3, or tp > 1 after parallelize)
-    if ep > 1:  # ZeRO-3: this rank's experts, partitioned over its expert-data-parallel group
+    if ep > 1 and run.plan.tp > 1:  # spread over the tp group: this tp rank's experts, its tp shards
+        for block in blocks:
+            block.mlp.experts = nn.ModuleList(block.mlp.experts[e] for e in block.mlp.held)
+            DispatchedSparseMLP.adopt(
+                block.mlp, capacity_factor=run.model.capacity_factor, ep=block.mlp.tp.size, group=block.mlp.tp.group
+            )
+    elif ep > 1:  # ZeRO-3: this rank's experts, partitioned over its expert-data-parallel group
         spread_experts(blocks, spec=run.model, ep=ep, ep_rank=rank % ep)
     else:
         for block in blocks:

@@ -138,20 +138,21 @@ def _sequence_parallel(module, *, plan: Plan, rank: int, group) -> None:
     shard_sequence(module, group=group, start=layout.sequence_slice(spec.seq_len, rank)[0])
 
 
-def shard_tensor_parallel(module, *, spec, tp) -> None:
+def shard_tensor_parallel(module, *, spec, tp, ep: int = 1) -> None:
     """Swap `module`'s layers for this tp rank's shards (`tp`: a dspipe.runtime.tensor_parallel.TensorGroup), in
     Megatron's layout: q/k/v and the MLP's up (gate/up) projections column-parallel with whole heads per rank, the
-    attention and MLP output projections row-parallel, the token embedding and an untied head vocabulary-parallel
-    (a tied head uses the embedding's shard), q/k norms replicated with their gradients summed over the group;
+    attention and MLP output projections row-parallel, the token embedding and an untied head vocabulary-parallel (a
+    tied head uses the embedding's shard), q/k norms replicated with their gradients summed over the group;
     positions and the other norms replicated; a mixture of experts' sparse MLPs (router, routed and shared experts)
     whole on every rank, each running its own slice of the sequence through them (sequence parallelism only:
-    tensor_parallel.sequence_parallel_experts). Call it on the meta device: the new parameters are empty, to be
-    given their step-0 values through their `tp_shard` (dspipe.runtime.build). A GPT gets the vocabulary-parallel
-    loss; a pipeline's loss is set by the caller (vocab_parallel_loss).
+    tensor_parallel.sequence_parallel_experts); at `ep` = tp each rank holds E / tp of the routed experts. Call it
+    on the meta device: the new parameters are empty, to be given their step-0 values through their `tp_shard`
+    (dspipe.runtime.build). A GPT gets the vocabulary-parallel loss; a pipeline's loss is set by the caller
+    (vocab_parallel_loss).
     With tp.sequence_parallel (Megatron's sequence parallelism) the activations between the tensor-parallel regions
     hold this rank's slice of the sequence: the regions are entered by an all-gather and left by a reduce-scatter,
-    the embedding's rows are reduce-scattered, and the norms, learned positions and row-parallel biases, applied
-    to a slice, have their gradients summed over the group."""
+    the embedding's rows are reduce-scattered, and the norms, learned positions and row-parallel biases, applied to
+    a slice, have their gradients summed over the group."""
     from dspipe.model.gpt import GPT, MLP, Attention, Block, Embedding, FinalNorm, LMHead, SparseMLP
     from dspipe.runtime import tensor_parallel as T
 
@@ -164,7 +165,7 @@ def shard_tensor_parallel(module, *, spec, tp) -> None:
     sparse = [part for part in module.modules() if isinstance(part, SparseMLP)]
     in_sparse = {id(m) for part in sparse for m in part.modules()}  # experts are MLPs too: kept whole
     for part in sparse:
-        T.sequence_parallel_experts(part, tp=tp)
+        T.sequence_parallel_experts(part, tp=tp, ep=ep)
     for part in list(module.modules()):
         if id(part) in in_sparse:
             continue

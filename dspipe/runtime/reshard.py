@@ -48,7 +48,8 @@ def layout_change_refusal(
     universal load pads every rank's rows to rows x tp: the last rank's assertion fails), a tp- or pipeline-sharded
     checkpoint saved without the module's universal_checkpoint_info; because dspipe has not verified it:
     sequence-parallel checkpoints, pipeline depths beyond 2 (a change between pp 2 and pp 3 or 4), a mixture of
-    experts at tp > 1 at another tp or pp (at another dp it resumes: measured, the next losses within 1.2e-7).
+    experts at tp > 1 at another tp, pp or ep (at another dp it resumes: measured, the next losses within 1.2e-7,
+    its experts whole on every tp rank or spread over the tp group).
     `meta`: the checkpoint's dspipe.runtime.ckpt_meta.CheckpointMeta (not imported here: it imports this module)."""
     saved_ep = getattr(meta, "ep", 1) or 1
     ep = saved_ep if ep is None else ep
@@ -75,11 +76,12 @@ def layout_change_refusal(
             f"re-cutting a pipeline into another number of stages is verified by dspipe between pp 1 and pp 2 "
             f"only (pp {saved[2]} -> pp {pp})"
         )
-    if model.get("experts") and max(saved[1], tp) > 1 and saved[1:3] != (tp, pp):
+    if model.get("experts") and max(saved[1], tp) > 1 and (*saved[1:3], saved[4]) != (tp, pp, ep):
         return (
             f"a mixture of experts at tp > 1 resumes at another dp only (tp {saved[1]} -> {tp}, pp {saved[2]} -> "
-            f"{pp}): its experts are the model's own modules there and DeepSpeed's native layer at tp 1, and "
-            f"dspipe has not verified re-cutting its tensor-parallel or pipeline layout"
+            f"{pp}, ep {saved[4]} -> {ep}): its experts are the model's own modules there (whole on every tp rank, "
+            f"or spread over the tp group) and DeepSpeed's native layer at tp 1, and dspipe has not verified "
+            f"re-cutting its tensor-parallel, expert or pipeline layout"
         )
     vocab = model.get("vocab")
     if tp > 1 and isinstance(vocab, int) and vocab % tp:

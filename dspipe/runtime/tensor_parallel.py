@@ -364,10 +364,23 @@ class ReducedLinear(nn.Linear):
         return F.linear(x, copy_to_region(self.weight, self.tp), bias)
 
 
-def sequence_parallel_experts(mlp: nn.Module, *, tp: TensorGroup) -> None:
-    """A SparseMLP (dspipe.model.gpt) made sequence-parallel in place (SequenceParallelSparseMLP): its routed and
-    shared experts' projections replicated projections whose gradients are summed over the group."""
-    for expert in [*mlp.experts, *([mlp.shared] if mlp.shared is not None else [])]:
+def sequence_parallel_experts(mlp: nn.Module, *, tp: TensorGroup, ep: int = 1) -> None:
+    """A SparseMLP (dspipe.model.gpt) made sequence-parallel in place (SequenceParallelSparseMLP): its shared
+    experts' projections replicated projections whose gradients are summed over the group; its routed experts' the
+    same at ep 1, and at ep = tp (dspipe.runtime.experts.folded) this rank's E / tp of them marked as its tensor-
+    parallel shards (whole tensors, different on every tp rank: DeepSpeed reduces their gradients over the
+    data-parallel group and counts them in the gradient norm on every tp rank), the others left to be skipped by the
+    build and dropped by dspipe.runtime.moe.install_for_run (`mlp.held`: the rank's experts)."""
+    routed = list(mlp.experts) if ep == 1 else []
+    if ep > 1:
+        per = len(mlp.experts) // ep
+        mlp.held = range(tp.rank * per, (tp.rank + 1) * per)
+        for e in mlp.held:
+            for linear in (mlp.experts[e].c_fc, mlp.experts[e].c_proj):
+                linear.tp_marks = {
+                    name: dict(dim=0, shard=None, rows=None) for name, _ in linear.named_parameters(recurse=False)
+                }
+    for expert in [*routed, *([mlp.shared] if mlp.shared is not None else [])]:
         expert.c_fc, expert.c_proj = (ReducedLinear.like(x, tp=tp) for x in (expert.c_fc, expert.c_proj))
     mlp.__class__ = SequenceParallelSparseMLP
     mlp.tp = tp

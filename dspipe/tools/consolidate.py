@@ -310,11 +310,21 @@ def _consolidate_tensor_parallel(checkpoint: Path, *, meta: CheckpointMeta, spec
     reads them, from that rank's own files (its module weights: mp_rank_RR, or under a pipeline the layer files
     layer_LL-model_RR; its master weights: the optimizer files of model-parallel rank stage x tp + RR of every
     stage), then the shards put back together by the layout (dspipe.model.tp_split.merge_shards); replicated
-    tensors must agree across the tp ranks."""
+    tensors must agree across the tp ranks. Experts spread over the tp group (ep = tp) are each held by one tp rank,
+    under its local index: they come back under their global one."""
     from dspipe.model.tp_split import merge_shards
 
     tp, pp = meta.tp, meta.pp
     ranks = [_tp_rank_weights(checkpoint, rank=r, tp=tp, pp=pp, spec=spec) for r in range(tp)]
+    if spec.experts and (meta.ep or 1) > 1:  # spread over the tp group: rank r's experts.J is expert r x E/tp + J
+        from dspipe.runtime.zero3_experts import global_name
+
+        per = spec.experts // tp
+        ranks = [{global_name(k, first=r * per): v for k, v in state.items()} for r, state in enumerate(ranks)]
+        held = [{k: state.pop(k) for k in [k for k in state if ".mlp.experts." in k]} for state in ranks]
+        experts = {k: v for h in held for k, v in h.items()}
+    else:
+        experts = {}
     names = set(ranks[0])
     for r, state in enumerate(ranks[1:], start=1):
         if set(state) != names:
@@ -326,6 +336,7 @@ def _consolidate_tensor_parallel(checkpoint: Path, *, meta: CheckpointMeta, spec
         out = {name: merge_shards(name, [state[name] for state in ranks], spec) for name in sorted(names)}
     except (ValueError, RuntimeError) as e:
         raise SpecError(f"checkpoint {checkpoint}: {' '.join(str(e).split())[:300]}") from None
+    out.update(experts)
     if spec.tied_embeddings:
         out.pop("lm_head.weight", None)
     return out

@@ -1,5 +1,5 @@
-"""Mixtures of experts on real CPU ranks (2 ranks but four launches of 4 and three of 1, fp32, dropout 0),
-twenty-one launches in all: a tiny random MixtralForCausalLM (4 experts, top 2) and Qwen3MoeForCausalLM (4 experts,
+"""Mixtures of experts on real CPU ranks (2 ranks but five launches of 4 and three of 1, fp32, dropout 0),
+twenty-three launches in all: a tiny random MixtralForCausalLM (4 experts, top 2) and Qwen3MoeForCausalLM (4 experts,
 top 2, norm_topk_prob off) written by save_pretrained with the corpus's tokenizer, trained with `--init-from` on
 DeepSpeed's native MoE layer (ZeRO-3: the model's own); and a DeepSeek-V3-routed model from dspipe's own draws
 (sigmoid scores, routed scale 2.5, 2 expert groups of which a token uses 1, aux-loss-free bias balancing) at ep 2
@@ -19,11 +19,13 @@ and ep 1.
     Mixtral pp 2 x ep 2      4 ranks (pp 2 x dp 2), ZeRO-1, full recomputation: killed and resumed bitwise;
                              loss, aux loss, grad norm within 1e-5 of ep 1's, the same expert loads; exports; its
                              step-3 checkpoint resumed as the plain model at ep 1 on 2 ranks: steps 4-6 within 1e-6
-    Mixtral tp 2 x pp 2      4 ranks, sequence parallel, ZeRO-1, full recomputation, the model's own experts
-                             whole on both tp ranks: step 1 transformers'; loss, aux loss, grad norm within 1e-5
-                             of ep 1's, the same loads; each rank built the planner's count; exports
+    Mixtral tp 2 x pp 2 x    4 ranks, sequence parallel, ZeRO-1, full recomputation, the model's own experts
+    ep 2                     spread over the tp group (2 per tp rank): killed and resumed bitwise; step 1
+                             transformers'; loss, aux loss, grad norm within 1e-5 of ep 1's, the same loads; each
+                             rank built the planner's count; exports
     Qwen3-MoE ep 2, ZeRO-2   lr 1e-12: step 1's LM loss is transformers', export-hf computes transformers' logits;
-                             the same under ZeRO-3 (ep 1 and ep 2) and at tp 2 (the model's own experts)
+                             the same under ZeRO-3 (ep 1 and ep 2) and at tp 2 (the model's own experts, whole
+                             on both tp ranks or spread over them)
     sigmoid ep 2 / ep 1      step 1's LM loss is the plain model's; every step's loss within 1e-5 of each other;
                              ep 1 (ZeRO-0) resumed at dp 1 from its step-3 checkpoint: steps 4-6 bitwise; ep 2
                              (ZeRO-2) resumed at ep 1 from its step-3 checkpoint: steps 4-6 within 1e-6; the
@@ -344,23 +346,26 @@ def _pipeline_of_experts(tmp_path, corpus, hf_dir, *, train: list, reference: li
 
 
 def _tensor_parallel_experts(tmp_path, corpus, hf_dir, *, train: list, reference: list, expected: float) -> None:
-    """The same Mixtral at tp 2 x pp 2 on 4 ranks (Megatron sequence parallelism, ZeRO-1, every block recomputed):
-    attention tensor-parallel, each sparse block's router and experts whole on both tp ranks, each running its half
-    of the sequence (dspipe.runtime.tensor_parallel.sequence_parallel_experts). Step 1's LM loss is transformers';
-    every step's loss, aux loss and gradient norm within 1e-5 of the ep 1 run at tp 1 (`reference`), the same
-    expert loads (each token counted once); each rank built its stage's attention shard and every expert, the
-    planner's count; the checkpoint exports dspipe's logits."""
+    """The same Mixtral at tp 2 x pp 2 on 4 ranks (Megatron sequence parallelism, ZeRO-1, every block recomputed)
+    with its experts spread over the tp group (ep = tp = 2: dspipe.runtime.experts.folded): attention
+    tensor-parallel, each tp rank holding 2 experts of every block and dispatching its half of the sequence to
+    their holders. Killed after step 5 and resumed: steps 4-5 bitwise; step 1's LM loss is transformers'; every
+    step's loss, aux loss and gradient norm within 1e-5 of the ep 1 run at tp 1 (`reference`), the same expert
+    loads (each token counted once); each rank built its stage's attention shard and its own experts, the planner's
+    count; the checkpoint exports dspipe's logits."""
     run = tmp_path / "tp2-pp2"
-    configure(run, corpus, hf_dir, *train, "--zero", "1", "--tp", "2", gpus=4, pp=2, checkpointing="full")
-    ok(launch(run, num_gpus=4))
-    rows = csv_rows(run / "metrics.csv")
+    configure(run, corpus, hf_dir, *train, "--zero", "1", "--tp", "2", "--ep", "2", gpus=4, pp=2, checkpointing="full")
+    rows = killed_and_resumed(run, gpus=4)
     diffs = relative_differences(rows, reference)
-    print(f"mixtral tp 2 x pp 2 vs tp 1: step 1 {rows[0]['loss']} (HF {expected:.6f}); relative differences {diffs}")
+    print(
+        f"mixtral tp 2 x pp 2 x ep 2 vs tp 1: step 1 {rows[0]['loss']} (HF {expected:.6f}); relative differences "
+        f"{diffs}"
+    )
     assert abs(float(rows[0]["loss"]) - expected) < LOSS_TOL
     assert max(diffs.values()) < LOSS_TOL, diffs
     assert [row["expert_load"] for row in rows] == [row["expert_load"] for row in reference]
     assert {row["dropped_routes"] for row in rows} == {"0"}
-    assert built_params(run) == planned_params(run, ep=1, pp=2, tp=2), built_params(run)
+    assert built_params(run) == planned_params(run, ep=2, pp=2, tp=2), built_params(run)
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
     cls, logits, ours = exported_logits(run, tmp_path / "export-tp2", ids)
     assert cls == "MixtralForCausalLM" and (logits - ours).abs().max().item() < LOGITS_TOL
@@ -368,8 +373,9 @@ def _tensor_parallel_experts(tmp_path, corpus, hf_dir, *, train: list, reference
 
 def test_qwen3_moe_expert_parallel_starts_from_transformers_and_exports_its_logits(tmp_path, corpus, monkeypatch):
     """Qwen3-MoE at ep 2 on DeepSpeed's layer (ZeRO-2), under ZeRO-3 at ep 1 and ep 2 and at tp 2 (its q/k norms
-    and attention tensor-parallel) on the model's own experts: step 1's LM loss is transformers' (lr 1e-12), and
-    export-hf computes transformers' logits, from all four."""
+    and attention tensor-parallel; the experts whole on both tp ranks, or spread over them at ep 2) on the model's
+    own experts: step 1's LM loss is transformers' (lr 1e-12), and export-hf computes transformers' logits, from all
+    five."""
     hf_dir, hf, expected = start_from_hf(tmp_path, "qwen3-moe", corpus, monkeypatch)
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
@@ -379,6 +385,7 @@ def test_qwen3_moe_expert_parallel_starts_from_transformers_and_exports_its_logi
         "zero3": ("--zero", "3", "--ep", "1"),
         "zero3-ep2": ("--zero", "3", "--ep", "2"),
         "tp2": ("--zero", "1", "--tp", "2"),
+        "tp2-ep2": ("--zero", "1", "--tp", "2", "--ep", "2"),
     }
     for name, flags in layouts.items():
         run = tmp_path / name
@@ -392,8 +399,9 @@ def test_qwen3_moe_expert_parallel_starts_from_transformers_and_exports_its_logi
         )
         assert abs(float(rows[0]["loss"]) - expected) < LOSS_TOL
         assert float(rows[0]["aux_loss"]) > 0
-        if name in ("ep2", "zero3-ep2"):
-            assert built_params(run) == planned_params(run, ep=2)  # dense + this rank's experts, read lazily
+        if name in ("ep2", "zero3-ep2", "tp2-ep2"):
+            # dense + this rank's experts, read lazily
+            assert built_params(run) == planned_params(run, ep=2, tp=2 if name == "tp2-ep2" else 1)
         assert cls == "Qwen3MoeForCausalLM"
         assert (logits - hf_logits).abs().max().item() < LOGITS_TOL
         assert (logits - ours).abs().max().item() < LOGITS_TOL

@@ -241,15 +241,11 @@ def test_all_to_alls_cost_nothing_at_ep_1_and_leave_nvlink_beyond_a_node():
     "strategy, precision, message",
     [
         (
-            dict(zero=1, tp=2, ep=2, gpus=4),
+            dict(zero=1, tp=2, ep=4, gpus=8),
             "bf16",
-            "tp 2 and experts 8 at ep 2: the experts run as the model's own modules at ep 1 there (experts spread "
-            "over ep ranks at tp > 1 are not built",
-        ),
-        (
-            dict(zero=3, tp=2, ep=2, gpus=4),
-            "bf16",
-            "tp 2 and experts 8 at ep 2: the experts run as the model's own modules at ep 1 there",
+            "tp 2 and experts 8 at ep 4: with tensor parallelism the experts are spread over the tp group itself "
+            "(each tp rank holds experts / 2 and routes its slice of the sequence to their holders), so ep must be 1 "
+            "or tp = 2; use --ep 1 or --ep 2",
         ),
         (
             dict(zero=1, tp=2, tp_sp=False),
@@ -489,3 +485,24 @@ def test_tensor_parallel_experts_are_whole_on_every_tp_rank_and_their_gradients_
     nvlink = ClusterSpec(2, 8, "h100-80g").gpu_type.intra_node_gbps * 1e9
     grads = 2 * (2 - 1) / 2 * m.sparse_mlp_params * 2 / nvlink  # bf16 gradients, every block sparse
     assert plan.grad_accum * m.layers * grads < est.tp_comm_s < 1.5 * plan.grad_accum * m.layers * grads
+
+
+def test_experts_spread_over_the_tp_group():
+    """At tp > 1 the experts can be spread over the tp group itself (ep = tp: dspipe.runtime.experts.folded): each
+    tp rank holds E / tp of them, its ZeRO partitions over dp (its replicas, as a tp shard's), the all-to-alls inside
+    the tp group, and no per-tensor tp all-reduce of their gradients; the search tries ep 1 and ep = tp there."""
+    from dspipe.planner.enumerate import ep_choices
+    from dspipe.planner.stages import param_groups
+
+    m = MODEL_PRESETS["mixtral-8x7b"]
+    assert ep_choices(m, 4, tp=2) == [1, 2] and ep_choices(m, 4, tp=3) == [1] and 8 in ep_choices(m, 8)
+    whole, e1 = _plan(m, gpus=8, zero=1, tp=2, ep=1, tp_sp=True, checkpointing="full")
+    spread, e2 = _plan(m, gpus=8, zero=1, tp=2, ep=2, tp_sp=True, checkpointing="full")
+    held = stage_params(model=m, pp=1, partition_method=spread.partition_method, tp=2, ep=2)[0]
+    assert held == stage_params(model=m, pp=1, partition_method=whole.partition_method, tp=2)[0] - (
+        m.routed_expert_params // 2
+    )
+    assert [n for _, n in param_groups(model=m, plan=spread, phi=held)] == [4, 4]  # both over dp
+    assert e2.memory.params < e1.memory.params and e2.tp_comm_s < e1.tp_comm_s and e2.ep_comm_s > 0 == e1.ep_comm_s
+    with pytest.raises(SpecError, match="so ep must be 1 or tp = 2; use --ep 1 or --ep 2"):
+        _plan(m, gpus=8, zero=1, tp=2, ep=4, tp_sp=True)

@@ -237,7 +237,11 @@ def test_layout_change_refusals(tmp_path):
     assert refusal(meta=dict(model=moe["model"]), dp=2) is None
     for now in (dict(tp=1), dict(pp=1), dict(tp=1, pp=1)):
         assert refusal(meta=dict(model=moe["model"]), **now).startswith("a mixture of experts at tp > 1"), now
-    assert "(tp 1 -> 2, pp 1 -> 1)" in refusal(meta=moe, tp=2, pp=1, dp=1, ep=1)
+    assert "(tp 1 -> 2, pp 1 -> 1, ep 2 -> 1)" in refusal(meta=moe, tp=2, pp=1, dp=1, ep=1)
+    # at tp 2 the experts whole on both tp ranks (ep 1) or spread over them (ep 2): the ep stays, the dp may change
+    spread = dict(model=moe["model"], tp=2, pp=1, dp=1, ep=2)
+    assert refusal(meta=spread, tp=2, pp=1, dp=2, ep=2) is None
+    assert "(tp 2 -> 2, pp 1 -> 1, ep 2 -> 1)" in refusal(meta=spread, tp=2, pp=1, dp=2, ep=1)
     assert refusal(meta=moe, tp=1, pp=1, dp=2) is None  # ep None: the saved ep
     assert refusal(meta=moe, tp=1, pp=1, dp=2, ep=1) is None  # ep 2 -> 1: dspipe.runtime.moe_reshard
     assert refusal(meta=moe, tp=1, pp=1, dp=4, ep=2) is None  # dp 2 -> 4 at ep 2

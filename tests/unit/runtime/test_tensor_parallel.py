@@ -105,3 +105,30 @@ def test_vocab_rows_cover_the_vocabulary_once():
         assert all(a[1] == b[0] for a, b in zip(rows[:-1], rows[1:], strict=True))
     with pytest.raises(ValueError, match=r"vocab 5 over tp 4: rank 3 would hold no rows \(ceil\(5 / 4\) = 2"):
         vocab_rows(5, rank=3, size=4)
+
+
+def test_experts_spread_over_the_tp_group_are_the_rank_s_tp_shards():
+    """shard_tensor_parallel at ep = tp: tp rank 1 of 2 holds experts 2 and 3 of 4 (`held`), whole and marked as its
+    tensor-parallel shards once materialised (DeepSpeed reduces them over dp and counts them on every tp rank); the
+    others are left for the build to skip; the shared expert stays a replicated, reduced projection."""
+    import torch
+
+    from dspipe.model.gpt import GPT
+    from dspipe.runtime.parallelize import shard_tensor_parallel
+    from dspipe.runtime.tensor_parallel import ReducedLinear, TensorGroup, mark_shards
+    from dspipe.spec.presets import model_preset
+
+    spec = model_preset("tiny", layers=2, hidden=64, heads=4, seq_len=32, experts=4, expert_ffn=48, shared_experts=1)
+    with torch.device("meta"):
+        model = GPT(spec, seed=None)
+    shard_tensor_parallel(model, spec=spec, tp=TensorGroup(rank=1, size=2, sequence_parallel=True), ep=2)
+    mlp = model.h[spec.sparse_layers[0]].mlp
+    assert mlp.held == range(2, 4)
+    model = model.to_empty(device="cpu")
+    mark_shards(model)
+    for e in range(4):
+        weight = mlp.experts[e].c_fc.weight
+        assert type(mlp.experts[e].c_fc) is torch.nn.Linear
+        assert getattr(weight, "tensor_model_parallel", False) is (e in mlp.held)
+        assert weight.shape[1] == spec.hidden and weight.shape[0] in (spec.expert_ffn, 2 * spec.expert_ffn)  # whole
+    assert isinstance(mlp.shared.c_fc, ReducedLinear)

@@ -95,9 +95,9 @@ def _held_name(name: str, *, meta: CheckpointMeta, tp_rank: int | None) -> str:
     experts = meta.model.get("experts") or 0
     if tp_rank is None or not experts or (getattr(meta, "ep", 1) or 1) == 1:
         return name
-    from dspipe.runtime.zero3_experts import global_name
+    from dspipe.runtime.moe_reshard import global_expert_name
 
-    return global_name(name, first=tp_rank * experts // meta.tp)
+    return global_expert_name(name, ep_rank=tp_rank, local=experts // meta.tp)
 
 
 def _mp(meta: CheckpointMeta) -> int:
@@ -143,6 +143,7 @@ def check_checkpoint(path: Path, *, meta: CheckpointMeta) -> None:
                 if meta.pp > 1 and spec.experts and (m := MP_RANK.search(name)):
                     stage_experts += stage_expert_files(sd["module"], stage=int(m.group(1)), experts=spec.experts)
                 module = {_model_name(str(k), meta=meta): v for k, v in sd["module"].items()}  # a router: the gate's
+                tp_rank = _tp_rank_of(name, meta)
                 _check_tensors(
                     file,
                     module,
@@ -151,9 +152,8 @@ def check_checkpoint(path: Path, *, meta: CheckpointMeta) -> None:
                     prefix="",
                     extra=set(sd.get("buffer_names") or ()),
                     spec=spec,
-                    tp_rank=_tp_rank_of(name, meta),
+                    tp_rank=tp_rank,
                 )
-                tp_rank = _tp_rank_of(name, meta)
                 seen.update({_held_name(k, meta=meta, tp_rank=tp_rank): tuple(v.shape) for k, v in module.items()})
         elif m := EXPERT_FILE.match(name):
             seen.update(_expert_file(file, expert=int(m.group(2)), meta=meta, expected=expected))

@@ -25,15 +25,10 @@ import shutil
 from pathlib import Path
 
 from dspipe.errors import SpecError
+from dspipe.runtime.moe_reshard import global_expert_name
 
-OWN_EXPERT = re.compile(r"(\.mlp\.experts\.)(\d+)(\.)")
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
 _OPTIM = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
-
-
-def global_name(name: str, *, first: int) -> str:
-    """A ZeRO-3 rank's parameter name with its local expert index (mlp.experts.J.) made the model's: first + J."""
-    return OWN_EXPERT.sub(lambda m: f"{m[1]}{first + int(m[2])}{m[3]}", name, count=1)
 
 
 def _ranks(src: Path) -> list[int]:
@@ -78,7 +73,7 @@ def whole_states(src: Path, *, experts: int, ep: int, states: tuple[str, ...] = 
             for name, shape in group_shapes.items():
                 numel = math.prod(shape)
                 part = math.ceil(numel / count)
-                key = global_name(name, first=d % ep * per)
+                key = global_expert_name(name, ep_rank=d % ep, local=per)
                 shapes[key], counts[key] = tuple(shape), count
                 pieces.setdefault(key, {})[place] = {s: flats[s].narrow(0, offset, part) for s in states}
                 offset += part

@@ -317,10 +317,12 @@ def _consolidate_tensor_parallel(checkpoint: Path, *, meta: CheckpointMeta, spec
     tp, pp = meta.tp, meta.pp
     ranks = [_tp_rank_weights(checkpoint, rank=r, tp=tp, pp=pp, spec=spec) for r in range(tp)]
     if spec.experts and (meta.ep or 1) > 1:  # spread over the tp group: rank r's experts.J is expert r x E/tp + J
-        from dspipe.runtime.zero3_experts import global_name
+        from dspipe.runtime.moe_reshard import global_expert_name
 
         per = spec.experts // tp
-        ranks = [{global_name(k, first=r * per): v for k, v in state.items()} for r, state in enumerate(ranks)]
+        ranks = [
+            {global_expert_name(k, ep_rank=r, local=per): v for k, v in state.items()} for r, state in enumerate(ranks)
+        ]
         held = [{k: state.pop(k) for k in [k for k in state if ".mlp.experts." in k]} for state in ranks]
         experts = {k: v for h in held for k, v in h.items()}
     else:

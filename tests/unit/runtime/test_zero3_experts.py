@@ -108,13 +108,14 @@ def test_a_missing_partition_is_named(tmp_path):
 
 
 def test_global_names():
-    assert zero3_experts.global_name("h.3.mlp.experts.1.c_fc.weight", first=4) == "h.3.mlp.experts.5.c_fc.weight"
-    assert zero3_experts.global_name("h.3.mlp.shared.c_fc.weight", first=4) == "h.3.mlp.shared.c_fc.weight"
+    """A rank's local expert index made the model's (moe_reshard.global_expert_name): DeepSpeed's layer's names and
+    the model's own experts' (ZeRO-3 at ep > 1, or spread over the tp group)."""
     from dspipe.runtime.moe_reshard import global_expert_name
 
-    assert (
-        global_expert_name("h.0.mlp.experts.1.c_proj.weight", ep_rank=1, local=2) == "h.0.mlp.experts.3.c_proj.weight"
-    )
+    assert global_expert_name("h.3.mlp.experts.1.c_fc.weight", ep_rank=2, local=2) == "h.3.mlp.experts.5.c_fc.weight"
+    assert global_expert_name("h.3.mlp.shared.c_fc.weight", ep_rank=2, local=2) == "h.3.mlp.shared.c_fc.weight"
+    native = "h.0.mlp.moe.deepspeed_moe.experts.deepspeed_experts.1.c_fc.weight"
+    assert global_expert_name(native, ep_rank=1, local=2) == native.replace("experts.1.", "experts.3.")
 
 
 def test_expert_groups_split_off_after_the_save_keep_their_own_hyperparameters():

@@ -1,14 +1,18 @@
-"""Everything dspipe measures on a GPU, in one command that fits a short loan of one GPU (about 8 minutes on an
-H100/H200): FusedAdam's build, the CUDA/NCCL path (the README demo for 50 steps, its loss and time to the first
-step), `dspipe bench` of gpt3-1.3b and llama3.2-1b at seq 4,096 against the plain-PyTorch reference (compiled blocks
-and the chunked loss on dspipe's side, torch.compile on the reference's), the mixture-of-experts bench, and the
-windowed-attention and chunked-loss kernels. Each step runs in its own process with its own time limit, in priority
-order, within `--budget` seconds; a step that fails or times out is recorded as such and the suite goes on. After
+"""Everything dspipe measures on a GPU, in one command for a short loan of one GPU: FusedAdam's build, the CUDA/NCCL
+path (the README demo for 50 steps, its loss and time to the first step), `dspipe bench` of gpt3-1.3b and
+llama3.2-1b at seq 4,096 against the plain-PyTorch reference (compiled blocks and the chunked loss on dspipe's side,
+torch.compile on the reference's), the mixture-of-experts bench and its ZeRO stages, and the windowed-attention and
+chunked-loss kernels. Each step runs in its own process with its own time limit, in priority order (or in `--only`'s
+order), within `--budget` seconds; a step that fails or times out is recorded as such and the suite goes on. After
 every step the results so far are written to OUT/suite.md (a dated markdown section named by the device) and
 OUT/suite.log (every command's output), so a suite cut short still leaves its figures; at the end the section is
 appended to `--append` (docs/benchmarks.md).
 
-    python benchmarks/gpu_suite.py --out /tmp/suite --append docs/benchmarks.md [--budget 480] [--only demo bench-gpt]
+On the H200 (2026-11-29) the steps took: fused-adam 42 s, demo 69 s, bench-gpt 165 s, bench-moe 112 s, bench-llama
+over 147 s; the whole suite is more than one 10-minute call, so `--budget` (540 s) cuts it and `--only` says what
+comes first.
+
+    python benchmarks/gpu_suite.py --out /tmp/suite --append docs/benchmarks.md [--budget 540] [--only moe-zero demo]
 
 Run it from the repository root after `bash scripts/setup.sh` (or with dspipe and DeepSpeed on PYTHONPATH).
 """
@@ -142,6 +146,28 @@ def parse_bench(text: str) -> dict:
     return out
 
 
+def parse_benches(text: str) -> dict:
+    """Several dspipe-only `dspipe bench` tables in one output: per figure, each table's value in order."""
+    out = {}
+    for label in (
+        "tokens/s",
+        "step time (ms)",
+        "backward + grad reduction (ms)",
+        "optimizer step (ms)",
+        "peak allocated (GiB)",
+    ):
+        cells = [row.split()[0] for row in re.findall(rf"^ *{re.escape(label)}\s+(.+)$", text, re.M)]
+        if cells:
+            out[label] = cells
+    plans = re.findall(
+        r"^bench: \S+ [\d,.]+M params .*?\| (ZeRO-\d) offload \S+ \| \S+ \| recompute \S+ \| batch (\d+) x ga (\d+)",
+        text,
+        re.M,
+    )
+    out["runs"] = [f"{zero} micro {micro} x ga {ga}" for zero, micro, ga in plans]
+    return out
+
+
 def parse_lines(text: str) -> dict:
     """A script's own report: its last 30 lines that are not log records or warnings."""
     noise = ("[20", "  warnings.warn", "W1", "I1")
@@ -169,8 +195,37 @@ def steps(*, gpu: str | None, sections: Path) -> list[Step]:
         "--append",
         str(sections),
     ]
+    solo = [arg for arg in bench if arg != "--compare"]  # dspipe's side alone
     fast = ["--compile", "--loss-chunk", str(LOSS_CHUNK)]
-    gpt = ["--model", "gpt3-1.3b", "--global-batch", "16", "--micro-batch", "2"]
+    moe = [
+        "--model",
+        "tiny-llama",
+        "--layers",
+        "4",
+        "--hidden",
+        "1024",
+        "--heads",
+        "16",
+        "--kv-heads",
+        "4",
+        "--ffn",
+        "2816",
+        "--vocab",
+        "32000",
+        "--seq-len",
+        "2048",
+        "--experts",
+        "32",
+        "--experts-per-token",
+        "4",
+        "--expert-ffn",
+        "1024",
+        "--global-batch",
+        "16",
+    ]
+    moe_bench = [*moe, "--micro-batch", "4"]
+    gpt_batch = ["--model", "gpt3-1.3b", "--global-batch", "16"]
+    gpt = [*gpt_batch, "--micro-batch", "2"]
     llama = ["--model", "llama3.2-1b", "--seq-len", "4096", "--global-batch", "8", "--micro-batch", "1"]
     return [
         Step(
@@ -240,6 +295,34 @@ def steps(*, gpu: str | None, sections: Path) -> list[Step]:
             fallbacks=[[[*bench, *gpt, "--compile"]], [[*bench, *gpt, "--reference", "eager"]]],
         ),
         Step(
+            "bench-moe",
+            "MoE 479M (32 experts of 1024, top-4), ZeRO-2, vs the eager reference",
+            [[*bench, *moe_bench, "--zero", "2", "--reference", "eager"]],
+            150,
+            parse_bench,
+        ),
+        Step(
+            "moe-zero",
+            "the same MoE, dspipe alone: ZeRO-0, ZeRO-1, ZeRO-2 with 5e8-element reduce buckets (bench-moe's are "
+            "h^2 = 1,048,576), and the planner's own choice (no --zero, no --micro-batch)",
+            [
+                [*solo, *moe_bench, "--zero", "0"],
+                [*solo, *moe_bench, "--zero", "1"],
+                [*solo, *moe_bench, "--zero", "2", "--reduce-bucket-size", "500000000"],
+                [*solo, *moe],
+            ],
+            240,
+            parse_benches,
+        ),
+        Step(
+            "gpt-variants",
+            "gpt3-1.3b, dspipe alone, compiled blocks + chunked loss: micro 4 x ga 4, and ZeRO-1 (DeepSpeed's "
+            "BF16_Optimizer in place of ZeRO-0's FP16_Optimizer step)",
+            [[*solo, *gpt_batch, "--micro-batch", "4", *fast], [*solo, *gpt, *fast, "--zero", "1"]],
+            200,
+            parse_benches,
+        ),
+        Step(
             "bench-llama",
             "llama3.2-1b seq 4,096, micro 1 x ga 8, compiled blocks + chunked loss vs compiled reference",
             [[*bench, *llama, *fast]],
@@ -298,47 +381,6 @@ def steps(*, gpu: str | None, sections: Path) -> list[Step]:
             [[PY, "benchmarks/window_attention.py"]],
             60,
             parse_lines,
-        ),
-        Step(
-            "bench-moe",
-            "MoE 479M (32 experts of 1024, top-4), ZeRO-2, vs the eager reference",
-            [
-                [
-                    *bench,
-                    "--model",
-                    "tiny-llama",
-                    "--layers",
-                    "4",
-                    "--hidden",
-                    "1024",
-                    "--heads",
-                    "16",
-                    "--kv-heads",
-                    "4",
-                    "--ffn",
-                    "2816",
-                    "--vocab",
-                    "32000",
-                    "--seq-len",
-                    "2048",
-                    "--experts",
-                    "32",
-                    "--experts-per-token",
-                    "4",
-                    "--expert-ffn",
-                    "1024",
-                    "--global-batch",
-                    "16",
-                    "--micro-batch",
-                    "4",
-                    "--zero",
-                    "2",
-                    "--reference",
-                    "eager",
-                ]
-            ],
-            150,
-            parse_bench,
         ),
     ]
 
@@ -400,17 +442,23 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="directory for suite.md, suite.json and suite.log")
     ap.add_argument("--append", default=None, help="markdown file the finished section is appended to")
-    ap.add_argument("--budget", type=float, default=480, help="seconds for the whole suite")
+    ap.add_argument("--budget", type=float, default=540, help="seconds for the whole suite")
     ap.add_argument("--gpu", default=None, help="catalog GPU type (default: detected)")
-    ap.add_argument("--only", nargs="+", default=None, help="run only these steps")
+    ap.add_argument("--only", nargs="+", default=None, help="run only these steps, in this order")
     args = ap.parse_args(argv)
+    names = [s.name for s in steps(gpu=None, sections=Path())]
+    unknown = sorted(set(args.only or ()) - set(names))
+    if unknown:  # before anything is written or measured
+        ap.error(f"--only: no step {', '.join(unknown)}; the steps are {', '.join(names)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     deadline = time.perf_counter() + args.budget
     device, versions = device_line()
     sections = out / "bench-tables.md"
     gpu = args.gpu or detected_gpu()
-    plan = [s for s in steps(gpu=gpu, sections=sections) if args.only is None or s.name in args.only]
+    every = steps(gpu=gpu, sections=sections)
+    by_name = {s.name: s for s in every}
+    plan = every if args.only is None else [by_name[name] for name in dict.fromkeys(args.only)]  # in --only's order
     date = datetime.date.today().isoformat()
     results: dict[str, dict] = {}
     env_arch = {}

@@ -35,7 +35,10 @@ def layout() -> str:
     rows.append(("run.py", "shim: deepspeed run.py --run DIR == deepspeed --module dspipe.runtime.entry --run DIR"))
     rows.append(("tests/", "unit/ (fast) and distributed/ (real DeepSpeed ranks); shared helpers in tests/helpers.py"))
     rows.append(
-        ("benchmarks/ scripts/", "figures (census, planner, data); set-up, demo, wheel smoke test, this generator")
+        (
+            "benchmarks/ scripts/",
+            "figures (census, planner, data, GPU suite); set-up, demo, wheels (smoke test, offline), this generator",
+        )
     )
     rows.append(("docker/ docs/", "the image; this documentation (mkdocs.yml) and the measured results"))
     return "\n".join(f"{name:<30}{text}".rstrip() for name, text in rows)

@@ -98,8 +98,27 @@ def figure_rows(sides: dict[str, dict]) -> list[tuple[str, list[str]]]:
     ]
 
 
-def comparison_lines(sides: dict[str, dict]) -> list[str]:
-    """dspipe's tokens/s ratio and first-step loss against each reference side present."""
+def plan_lines(dspipe: dict, *, plan: dict | None) -> list[str]:
+    """The plan's word beside dspipe's measurement: its step time, and its memory per GPU against the peak allocated
+    (per rank against the peak RSS where the ranks are CPU processes). `plan`: step_s, memory_bytes, on_host."""
+    if plan is None:
+        return []
+    step = dspipe["step_time_s"]
+    ratio_ = plan["step_s"] / step
+    lines = [f"plan: step time {_ms(plan['step_s'])} ms, measured {_ms(step)} ms (plan / measured {ratio_:.2f})"]
+    key, what = ("peak_rss", "peak RSS per rank") if plan["on_host"] else ("peak_allocated", "peak allocated")
+    measured = dspipe.get(key)
+    if plan.get("memory_bytes") and measured:
+        lines.append(
+            f"plan: memory {_gib(plan['memory_bytes'])} GiB, {what} {_gib(measured)} GiB "
+            f"(plan / measured {plan['memory_bytes'] / measured:.2f})"
+        )
+    return lines
+
+
+def comparison_lines(sides: dict[str, dict], *, plan: dict | None = None) -> list[str]:
+    """dspipe's tokens/s ratio and first-step loss against each reference side present, then the plan's word
+    (plan_lines)."""
     d, lines = sides["dspipe"], []
     for side in ("reference", "eager"):
         if side not in sides:
@@ -111,7 +130,7 @@ def comparison_lines(sides: dict[str, dict]) -> list[str]:
             f"dspipe / {name} tokens/s: {ratio(d, r):.3f}",
             f"first-step loss: dspipe {_loss(d['first_loss'])}, {name} {_loss(r['first_loss'])}, difference {diff}",
         ]
-    return lines
+    return lines + plan_lines(d, plan=plan)
 
 
 def _loss(value: float | None) -> str:
@@ -119,7 +138,7 @@ def _loss(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.8f}"
 
 
-def format_table(sides: dict[str, dict], *, header: str) -> str:
+def format_table(sides: dict[str, dict], *, header: str, plan: dict | None = None) -> str:
     rows = figure_rows(sides)
     width = max(len(label) for label, _ in rows) + 2
     names = [COLUMN[side] for side in sides]
@@ -128,10 +147,12 @@ def format_table(sides: dict[str, dict], *, header: str) -> str:
     lines += [
         label.ljust(width) + "".join(c.rjust(w) for c, w in zip(cells, cols, strict=True)) for label, cells in rows
     ]
-    return "\n".join(lines + comparison_lines(sides))
+    return "\n".join(lines + comparison_lines(sides, plan=plan))
 
 
-def markdown_section(sides: dict[str, dict], *, date: str, device: str, versions: str, command: str, setup: str) -> str:
+def markdown_section(
+    sides: dict[str, dict], *, date: str, device: str, versions: str, command: str, setup: str, plan: dict | None = None
+) -> str:
     rows = figure_rows(sides)
     lines = [
         f"### {date}: {device}",
@@ -144,7 +165,7 @@ def markdown_section(sides: dict[str, dict], *, date: str, device: str, versions
         "|---|" + "---:|" * len(sides),
     ]
     lines += [f"| {label.strip()} | " + " | ".join(cells) + " |" for label, cells in rows]
-    extra = comparison_lines(sides)
+    extra = comparison_lines(sides, plan=plan)
     return "\n".join(lines + ([""] + [f"{line}  " for line in extra] if extra else []) + [""])
 
 

@@ -34,7 +34,16 @@ def test_bench_with_compare_on_2_cpu_ranks(tmp_path):
     # same function
     d_loss, r_loss = map(float, re.search(r"first-step loss: dspipe ([\d.]+), reference ([\d.]+)", out).groups())
     assert abs(d_loss - r_loss) < 1e-4 and abs(d_loss - 8.318) < 0.05, (d_loss, r_loss)  # ln(4096) = 8.318
+    # the plan's word beside the measurement: the step time it predicts against the one in the table, and its
+    # resident bytes per rank against the peak RSS
+    step_ms = re.search(r"^step time \(ms\)\s+([\d,.]+)\s", out, re.M).group(1)
+    word = re.search(r"^plan: step time ([\d,.]+) ms, measured ([\d,.]+) ms \(plan / measured ([\d.]+)\)$", out, re.M)
+    assert word and word.group(2) == step_ms, out[-2000:]
+    planned, measured = (float(g.replace(",", "")) for g in word.groups()[:2])
+    assert planned > 0 and float(word.group(3)) == pytest.approx(planned / measured, abs=0.01)
+    assert re.search(r"^plan: memory [\d.]+ GiB, peak RSS per rank [\d.]+ GiB \(plan / measured [\d.]+\)$", out, re.M)
     text = doc.read_text()
+    assert word.group(0) + "  " in text
     assert f"- command: `{shlex.join(argv)}`" in text  # the command as run
     assert f"| tokens/s | {tokens.group(1)} | {tokens.group(2)} |" in text
     assert "torch 2" in text and "deepspeed" in text and re.search(r"\| \d+ torch thread\(s\) per rank", text)

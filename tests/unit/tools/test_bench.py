@@ -79,6 +79,22 @@ def test_table_and_markdown_show_the_figures_ratio_and_command(tmp_path):
     )
 
 
+def test_the_plan_is_shown_beside_the_measurement(tmp_path):
+    common = dict(samples_per_step=4, steps=2, tokens_per_step=900, flops_per_token=1e6, world_size=1)
+    gpu = {"dspipe": bench.summarize([_rank(3.0, allocated=13 * 2**30)], peak_tflops=989.0, **common)}
+    word = {"step_s": 0.75, "memory_bytes": 13 * 2**30 + 2**29, "on_host": False}  # measured: 1.5 s a step, 13 GiB
+    table = bench.format_table(gpu, header="h", plan=word)
+    assert "plan: step time 750.0 ms, measured 1,500.0 ms (plan / measured 0.50)" in table
+    assert "plan: memory 13.50 GiB, peak allocated 13.00 GiB (plan / measured 1.04)" in table
+    section = bench.markdown_section(gpu, date="d", device="D", versions="v", command="c", setup="s", plan=word)
+    assert "plan: step time 750.0 ms, measured 1,500.0 ms (plan / measured 0.50)  " in section
+    # CPU ranks: the plan's resident bytes per rank against the peak RSS
+    cpu = {"dspipe": bench.summarize([_rank(1.0, rss=2**30)], peak_tflops=None, **common)}
+    table = bench.format_table(cpu, header="h", plan={"step_s": 0.5, "memory_bytes": 2**29, "on_host": True})
+    assert "plan / measured 1.00)" in table and "plan: memory 0.50 GiB, peak RSS per rank 1.00 GiB" in table
+    assert "plan:" not in bench.format_table(cpu, header="h")  # no plan given, no line
+
+
 def test_cpu_ranks_share_the_cores():
     assert bench.cpu_threads(ranks=2, cpus=2, env={}) == 1
     assert bench.cpu_threads(ranks=2, cpus=16, env={}) == 8

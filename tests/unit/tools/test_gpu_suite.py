@@ -24,6 +24,8 @@ step time (ms)                           685.5
   backward + grad reduction (ms)         335.6
   optimizer step (ms)                     59.2
 peak allocated (GiB)                     12.56
+plan: step time 680.0 ms, measured 685.5 ms (plan / measured 0.99)
+plan: memory 12.86 GiB, peak allocated 12.56 GiB (plan / measured 1.02)
 bench: tiny-llama+custom 478.82M params (L4 h1024 a16 kv4 s2048 V32000 rmsnorm swiglu rope no-bias moe32x1024-top4) \
 | world 1 = dp 1 x pp 1 | ZeRO-2 offload none | bf16 | recompute none | batch 16 x ga 1 x dp 1 = 16 seq (32,768 \
 tokens/step) | 2 warm-up + 5 measured steps
@@ -34,6 +36,8 @@ step time (ms)                         1,464.4
   backward + grad reduction (ms)       1,100.4
   optimizer step (ms)                     77.1
 peak allocated (GiB)                     13.39
+plan: step time 196.0 ms, measured 1,464.4 ms (plan / measured 0.13)
+plan: memory 22.90 GiB, peak allocated 13.39 GiB (plan / measured 1.71)
 """
 
 
@@ -43,6 +47,8 @@ def test_tables_of_one_step_parse_run_by_run():
     assert figures["step time (ms)"] == ["685.5", "1,464.4"]
     assert figures["backward + grad reduction (ms)"] == ["335.6", "1,100.4"]
     assert figures["peak allocated (GiB)"] == ["12.56", "13.39"]
+    assert figures["plan / measured step"] == ["0.99", "0.13"]
+    assert figures["plan / measured memory"] == ["1.02", "1.71"]
 
 
 def test_only_runs_the_named_steps_in_its_order(tmp_path, monkeypatch):

@@ -143,6 +143,16 @@ def parse_bench(text: str) -> dict:
         out[f"ratio vs {name}"] = float(value)
     section = re.search(r"^bench: (.+)$", text, re.M)
     out["setup"] = section.group(1) if section else ""
+    return {**out, **parse_plan_word(text)}
+
+
+def parse_plan_word(text: str) -> dict:
+    """bench's plan lines: plan / measured for the step time and the memory, one per table in the output."""
+    out = {}
+    for what, key in (("step time", "plan / measured step"), ("memory", "plan / measured memory")):
+        found = re.findall(rf"^plan: {what} .*\(plan / measured ([\d.]+)\)$", text, re.M)
+        if found:
+            out[key] = found
     return out
 
 
@@ -165,7 +175,7 @@ def parse_benches(text: str) -> dict:
         re.M,
     )
     out["runs"] = [f"{zero} micro {micro} x ga {ga}" for zero, micro, ga in plans]
-    return out
+    return {**out, **parse_plan_word(text)}
 
 
 def parse_lines(text: str) -> dict:
@@ -332,7 +342,7 @@ def steps(*, gpu: str | None, sections: Path) -> list[Step]:
         ),
         Step(
             "cuda-tests",
-            "the unit tests that need CUDA (liger's loss, flex windows)",
+            "the unit tests that need CUDA (liger's loss, flex windows, host waits: the routing counts, the batches)",
             [
                 [
                     PY,
@@ -343,6 +353,8 @@ def steps(*, gpu: str | None, sections: Path) -> list[Step]:
                     "no:cacheprovider",
                     "tests/unit/model/test_chunked_loss.py",
                     "tests/unit/model/test_window.py",
+                    "tests/unit/model/test_moe.py::test_expert_counts_are_bincounts_without_a_host_wait",
+                    "tests/unit/runtime/test_to_device.py",
                 ]
             ],
             90,

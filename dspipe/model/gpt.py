@@ -340,7 +340,7 @@ class RouterState(nn.Module):
 
     def _count(self, chosen: torch.Tensor) -> None:
         if self.training and torch._C._current_graph_task_id() == -1:  # not a recomputation (one runs in a backward)
-            self._routed_last = torch.bincount(chosen.reshape(-1), minlength=self.num_experts)
+            self._routed_last = expert_counts(chosen, num_experts=self.num_experts)
 
     def commit_routed(self) -> None:
         """The last micro-batch's count into the total (GPT.forward, before the next micro-batch's blocks run)."""
@@ -361,6 +361,13 @@ def balance_loss(probs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
     (sum_e f_e = k), P_e the mean router probability of e (route's probabilities: transformers'
     load_balancing_loss_func for one layer under softmax; DeepSeek-V3's normalised affinities under sigmoid)."""
     return probs.shape[-1] * (routes_per_expert(probs, chosen) / probs.shape[0] * probs.mean(dim=0)).sum()
+
+
+def expert_counts(chosen: torch.Tensor, *, num_experts: int) -> torch.Tensor:
+    """The routes to each expert (int64): `chosen`'s counts, on its device and without a host synchronisation
+    (torch.bincount on CUDA reads the ids' minimum and maximum back to the host first: 2 waits per call)."""
+    flat = chosen.reshape(-1)
+    return torch.zeros(num_experts, device=flat.device, dtype=torch.long).index_add_(0, flat, torch.ones_like(flat))
 
 
 def routes_per_expert(probs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from dspipe.model.gpt import SparseMLP
+from dspipe.model.gpt import SparseMLP, expert_counts
 from dspipe.runtime.experts import capacity_slots
 
 
@@ -90,7 +90,7 @@ def dispatch(
     k = chosen.shape[1]
     routes = chosen.reshape(-1)
     order = torch.argsort(routes, stable=True)
-    counts = torch.bincount(routes, minlength=num_experts)
+    counts = expert_counts(routes, num_experts=num_experts)  # no host wait: the only one is `runs` below
     dropped = 0
     if capacity is not None:
         first = torch.cumsum(counts, 0) - counts  # each expert's first route in `order`

@@ -658,3 +658,22 @@ def test_each_expert_draws_from_its_own_stream():
             assert torch.equal(mlp.c_fc.weight, fc) and torch.equal(mlp.c_proj.weight, proj)
         assert not torch.equal(experts[0].c_fc.weight, experts[1].c_fc.weight)
     assert not torch.equal(gpt.h[0].mlp.experts[0].c_fc.weight, gpt.h[1].mlp.experts[0].c_fc.weight)
+
+
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif("not torch.cuda.is_available()"))]
+)
+def test_expert_counts_are_bincounts_without_a_host_wait(device):
+    from dspipe.model.gpt import expert_counts
+
+    chosen = torch.tensor([[0, 3], [3, 5], [0, 3], [5, 0]], device=device)  # experts 1, 2 and 4: no route
+    want = torch.bincount(chosen.reshape(-1).cpu(), minlength=6)
+    if device == "cuda":
+        torch.cuda.set_sync_debug_mode("error")  # a read back to the host raises
+    try:
+        got = expert_counts(chosen, num_experts=6)
+    finally:
+        if device == "cuda":
+            torch.cuda.set_sync_debug_mode(0)
+    assert got.dtype == torch.long and got.device.type == device
+    assert got.tolist() == want.tolist() == [3, 0, 0, 3, 0, 2]

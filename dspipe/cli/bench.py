@@ -117,13 +117,7 @@ def bench_command(o: dict, *, command: str) -> dict:
         f" | engine {engine['wrapper_optimizer']} + {engine['base_optimizer']}, {engine['backend']}"
         f" | {threads} torch thread(s) per rank"
     )
-    est = best.est
-    on_host = cluster.gpu_type.host_is_device
-    word = {
-        "step_s": est.step_time_s,
-        "memory_bytes": est.resident_bytes if on_host else est.gpu_memory_bytes,
-        "on_host": on_host,
-    }
+    word = bench.plan_word(best.est, on_host=cluster.gpu_type.host_is_device)
     say(bench.format_table(sides, header=f"device: {device} | {versions()}", plan=word))
     if o["append"]:
         section = bench.markdown_section(

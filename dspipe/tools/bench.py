@@ -98,6 +98,16 @@ def figure_rows(sides: dict[str, dict]) -> list[tuple[str, list[str]]]:
     ]
 
 
+def plan_word(est, *, on_host: bool) -> dict:
+    """What plan_lines sets beside the measurement, from the plan's Estimate: its step time and its memory per GPU
+    at the step's peak (per rank, resident, where the ranks are CPU processes: `on_host`)."""
+    return {
+        "step_s": est.step_time_s,
+        "memory_bytes": est.resident_bytes if on_host else est.memory.total,
+        "on_host": on_host,
+    }
+
+
 def plan_lines(dspipe: dict, *, plan: dict | None) -> list[str]:
     """The plan's word beside dspipe's measurement: its step time, and its memory per GPU against the peak allocated
     (per rank against the peak RSS where the ranks are CPU processes). `plan`: step_s, memory_bytes, on_host."""

@@ -95,6 +95,28 @@ def test_the_plan_is_shown_beside_the_measurement(tmp_path):
     assert "plan:" not in bench.format_table(cpu, header="h")  # no plan given, no line
 
 
+def test_the_plans_word_is_its_predicted_peak_not_the_gpus_capacity():
+    from dspipe.planner.search import StrategyRequest, search
+    from dspipe.spec.cluster import ClusterSpec
+    from dspipe.spec.presets import MODEL_PRESETS
+    from dspipe.spec.train import TrainSpec
+
+    def best(gpu):
+        return search(
+            model=MODEL_PRESETS["gpt2-124m"],
+            cluster=ClusterSpec(1, 1 if gpu != "cpu" else 2, gpu),
+            train=TrainSpec(global_batch=16, micro_batch=2, steps=10, warmup_steps=2),
+            request=StrategyRequest(),
+        ).best.est
+
+    est = best("h200")
+    word = bench.plan_word(est, on_host=False)
+    assert word["memory_bytes"] == est.memory.total < est.gpu_memory_bytes  # the prediction, not the 141 GiB
+    assert word["step_s"] == est.step_time_s > 0 and word["on_host"] is False
+    est = best("cpu")
+    assert bench.plan_word(est, on_host=True)["memory_bytes"] == est.resident_bytes > est.memory.total
+
+
 def test_cpu_ranks_share_the_cores():
     assert bench.cpu_threads(ranks=2, cpus=2, env={}) == 1
     assert bench.cpu_threads(ranks=2, cpus=16, env={}) == 8

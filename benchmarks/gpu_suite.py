@@ -207,32 +207,10 @@ def steps(*, gpu: str | None, sections: Path) -> list[Step]:
     ]
     solo = [arg for arg in bench if arg != "--compare"]  # dspipe's side alone
     fast = ["--compile", "--loss-chunk", str(LOSS_CHUNK)]
-    moe = [
-        "--model",
-        "tiny-llama",
-        "--layers",
-        "4",
-        "--hidden",
-        "1024",
-        "--heads",
-        "16",
-        "--kv-heads",
-        "4",
-        "--ffn",
-        "2816",
-        "--vocab",
-        "32000",
-        "--seq-len",
-        "2048",
-        "--experts",
-        "32",
-        "--experts-per-token",
-        "4",
-        "--expert-ffn",
-        "1024",
-        "--global-batch",
-        "16",
-    ]
+    moe = (
+        "--model tiny-llama --layers 4 --hidden 1024 --heads 16 --kv-heads 4 --ffn 2816 --vocab 32000 --seq-len 2048 "
+        "--experts 32 --experts-per-token 4 --expert-ffn 1024 --global-batch 16"
+    ).split()
     moe_bench = [*moe, "--micro-batch", "4"]
     gpt_batch = ["--model", "gpt3-1.3b", "--global-batch", "16"]
     gpt = [*gpt_batch, "--micro-batch", "2"]

@@ -89,14 +89,14 @@ def _stage(run: Run, *, checkpoint_fn, weights, tp=None):
     kwargs = {}
     local = local_experts(run, rank=None)
     if local is not None and tp is None:  # expert parallelism: each stage's sparse blocks only with this rank's experts
-        kwargs = dict(make=_local_expert_maker(local=local, weights=weights))
+        kwargs = dict(make=_layer_maker(weights=weights, local=local))
     if tp is not None:
         from dspipe.runtime.mesh import topology
         from dspipe.runtime.parallelize import vocab_parallel_loss
 
         kwargs = dict(
             topology=topology(plan.layout),
-            make=_shard_maker(run, tp=tp, weights=weights, local=local),
+            make=_layer_maker(weights=weights, tp=tp, local=local),
             loss_fn=vocab_parallel_loss(spec=run.model, tp=tp),
         )
     model = build_pipeline(
@@ -117,45 +117,62 @@ def _stage(run: Run, *, checkpoint_fn, weights, tp=None):
     return model
 
 
-def _shard_maker(run: Run, *, tp, weights, local: range | None = None):
-    """make(cls, model, **kwargs) for layer_specs: the layer on the meta device, its tp shards in fp32 on the
-    host, their values drawn whole and cut (or read: only the shard's rows where it is a row range). `local`: with
-    the experts spread over the tp group (ep = tp), the routed experts this rank holds; the others stay meta (never
-    drawn nor read), then a placeholder until dspipe.runtime.moe keeps this rank's."""
+def _layer_maker(*, weights, tp=None, local: range | None = None):
+    """make(cls, model, **kwargs) for layer_specs: the layer on the meta device, then in fp32 on the host and given
+    its step-0 values (drawn, or read from `weights`). `tp`: swapped for this rank's tp shards first, their values
+    drawn whole and cut (or read: only the shard's rows where it is a row range). `local`: the routed experts this
+    rank holds under expert parallelism (with tp, the experts spread over the tp group: ep = tp); the others stay
+    meta (never drawn nor read), then a placeholder without parameters (PipelineModule moves every layer to the
+    device: a meta tensor cannot move) until dspipe.runtime.moe keeps this rank's experts."""
 
     def make(cls, model, **kwargs):
         import torch
 
-        from dspipe.model.gpt import Block, fill
-        from dspipe.runtime.parallelize import shard_tensor_parallel
-        from dspipe.runtime.tensor_parallel import mark_shards
+        from dspipe.model.gpt import fill
 
         seed = kwargs.pop("seed", None)
         with torch.device("meta"):
             layer = cls(model, seed=None, **kwargs)
-        shard_tensor_parallel(layer, spec=model, tp=tp, ep=1 if local is None else tp.size)
-        remote = set()
-        if local is not None and isinstance(layer, Block) and layer.sparse:
-            remote = {id(m) for e, x in enumerate(layer.mlp.experts) if e not in local for m in x.modules()}
-        for m in layer.modules():
-            if id(m) not in remote:
-                m.to_empty(device="cpu", recurse=False)
-        mark_shards(layer)
+        if tp is not None:
+            from dspipe.runtime.parallelize import shard_tensor_parallel
+            from dspipe.runtime.tensor_parallel import mark_shards
+
+            shard_tensor_parallel(layer, spec=model, tp=tp, ep=1 if local is None else tp.size)
+        away = _allocate_but(layer, local=local, device="cpu")
+        if tp is not None:
+            mark_shards(layer)
         if weights is None:
             fill(layer, seed=seed, write=_skip_meta(_write_shard))
         else:
             from dspipe.model.hf_weights import load_into_module
 
-            load_into_module(layer, weights, spec=model, write=_read_or_skip(weights, _read_shard(weights)), layer=True)
-        if remote:
+            read = _read_shard(weights) if tp is not None else None
+            load_into_module(layer, weights, spec=model, write=_read_or_skip(weights, read), layer=True)
+        if away:
             from dspipe.runtime.moe import ExpertElsewhere
 
-            for e in range(len(layer.mlp.experts)):
-                if e not in local:
-                    layer.mlp.experts[e] = ExpertElsewhere()
+            for mlp, experts in away:
+                for e in experts:
+                    mlp.experts[e] = ExpertElsewhere()
         return layer
 
     return make
+
+
+def _allocate_but(module, *, local: range | None, device) -> list:
+    """Allocate `module`'s tensors on `device` (uninitialised), all but those of its sparse blocks' routed experts
+    outside `local` (None: every expert), which stay meta; (sparse MLP, its experts left meta) for each."""
+    from dspipe.model.gpt import SparseMLP
+
+    away = []
+    if local is not None:
+        for mlp in (m for m in module.modules() if isinstance(m, SparseMLP)):
+            away.append((mlp, [e for e in range(len(mlp.experts)) if e not in local]))
+    remote = {id(m) for mlp, experts in away for e in experts for m in mlp.experts[e].modules()}
+    for m in module.modules():
+        if id(m) not in remote:
+            m.to_empty(device=device, recurse=False)
+    return away
 
 
 def _skip_meta(write):
@@ -168,43 +185,6 @@ def _skip_meta(write):
             write(param, draw)
 
     return maybe
-
-
-def _local_expert_maker(*, local: range, weights):
-    """make(cls, model, **kwargs) for layer_specs under expert parallelism: the layer on the meta device, then in
-    fp32 on the host all but the routed experts outside `local`, which stay meta (their draws skipped, their weights
-    not read) and are then swapped for a placeholder without parameters (PipelineModule moves every layer to the
-    device: a meta tensor cannot move) until dspipe.runtime.moe keeps this rank's experts."""
-
-    def make(cls, model, **kwargs):
-        import torch
-
-        from dspipe.model.gpt import Block, fill
-
-        seed = kwargs.pop("seed", None)
-        with torch.device("meta"):
-            layer = cls(model, seed=None, **kwargs)
-        remote = set()
-        if isinstance(layer, Block) and layer.sparse:
-            remote = {id(m) for e, x in enumerate(layer.mlp.experts) if e not in local for m in x.modules()}
-        for m in layer.modules():
-            if id(m) not in remote:
-                m.to_empty(device="cpu", recurse=False)
-        if weights is None:
-            fill(layer, seed=seed, write=_draw_or_skip)
-        else:
-            from dspipe.model.hf_weights import load_into_module
-
-            load_into_module(layer, weights, spec=model, write=_read_or_skip(weights), layer=True)
-        if remote:
-            from dspipe.runtime.moe import ExpertElsewhere
-
-            for e in range(len(layer.mlp.experts)):
-                if e not in local:
-                    layer.mlp.experts[e] = ExpertElsewhere()
-        return layer
-
-    return make
 
 
 def _write_shard(param, draw) -> None:
@@ -242,48 +222,20 @@ def _materialised(run: Run, *, weights, local: range | None = None, tp=None):
         shard_tensor_parallel(model, spec=run.model, tp=tp, ep=1 if local is None else tp.size)
     device = get_accelerator().device_name(int(os.environ.get("LOCAL_RANK", "0")))
     model = model.to(dtype=training_dtype(run.plan.precision))
-    if local is None:
-        model = model.to_empty(device=device)
-    else:
-        remote = {
-            id(m)
-            for i in run.model.sparse_layers
-            for e, expert in enumerate(model.h[i].mlp.experts)
-            if e not in local
-            for m in expert.modules()
-        }
-        for m in model.modules():
-            if id(m) not in remote:
-                m.to_empty(device=device, recurse=False)
+    _allocate_but(model, local=local, device=device)
     if tp is not None:
         from dspipe.runtime.tensor_parallel import mark_shards
 
         mark_shards(model)
+    whole = tp is None and local is None  # every tensor whole: the model's own writes
     if weights is None:
-        if tp is not None:
-            fill(model, seed=run.train.seed, write=_skip_meta(_write_shard))
-        elif local is None:
-            fill(model, seed=run.train.seed)
-        else:
-            fill(model, seed=run.train.seed, write=_draw_or_skip)
+        fill(model, seed=run.train.seed, **({} if whole else {"write": _skip_meta(_write_shard)}))
     else:
         from dspipe.model.hf_weights import load_into_module
 
-        if tp is not None:
-            write = _read_or_skip(weights, _read_shard(weights))
-        else:
-            write = None if local is None else _read_or_skip(weights)
-        load_into_module(model, weights, spec=run.model, write=write)
+        read = _read_shard(weights) if tp is not None else None
+        load_into_module(model, weights, spec=run.model, write=None if whole else _read_or_skip(weights, read))
     return model
-
-
-def _draw_or_skip(param, draw) -> None:
-    if param.is_meta:
-        draw.skip()
-    else:
-        from dspipe.model.initial import write_blocks
-
-        write_blocks(param, draw)
 
 
 def _read_or_skip(weights, read=None):

@@ -323,8 +323,7 @@ def _consolidate_tensor_parallel(checkpoint: Path, *, meta: CheckpointMeta, spec
         ranks = [
             {global_expert_name(k, ep_rank=r, local=per): v for k, v in state.items()} for r, state in enumerate(ranks)
         ]
-        held = [{k: state.pop(k) for k in [k for k in state if ".mlp.experts." in k]} for state in ranks]
-        experts = {k: v for h in held for k, v in h.items()}
+        experts = {k: state.pop(k) for state in ranks for k in [k for k in state if ".mlp.experts." in k]}
     else:
         experts = {}
     names = set(ranks[0])

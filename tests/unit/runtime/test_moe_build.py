@@ -148,7 +148,7 @@ def test_a_pipeline_stage_makes_each_layer_with_this_ranks_experts_only(imported
     placeholders without parameters (PipelineModule moves every layer to the device; a meta tensor cannot move),
     and every layer read under its own GPT names (h.N., embed., final., lm_head.)."""
     from dspipe.model.gpt import GPT, Block
-    from dspipe.runtime.build import _local_expert_maker
+    from dspipe.runtime.build import _layer_maker
     from dspipe.runtime.moe import ExpertElsewhere
 
     run = fake_run(ep=2, tied_embeddings=False)
@@ -161,7 +161,7 @@ def test_a_pipeline_stage_makes_each_layer_with_this_ranks_experts_only(imported
             return whole[name].float() + 1
 
     local = range(2, 4)
-    layers = _stage_layers(_local_expert_maker(local=local, weights=Weights() if imported else None), run)
+    layers = _stage_layers(_layer_maker(weights=Weights() if imported else None, local=local), run)
     prefixes = ["embed.", *(f"h.{i}." for i in range(run.model.layers)), "final.", "lm_head."]
     held = {}
     for prefix, layer in zip(prefixes, layers, strict=True):

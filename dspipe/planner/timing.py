@@ -51,6 +51,31 @@ def _inside_node(span: int, gpus_per_node: int) -> bool:
     return span <= gpus_per_node and gpus_per_node % span == 0
 
 
+NIC_AGGREGATION_MAX_NODES = 32
+"""Up to this many nodes a data-parallel collective that leaves the node is credited the NIC total of its ranks in a
+node (one ring per NIC, each leaving the node once); beyond it, one NIC per GPU. Published runs on both sides
+(docs/published-runs.md): FSDP at 8-16 nodes (llm-foundry) ran faster than one NIC per GPU allows; DeepSpeed ZeRO-3
+at 48-280 nodes (Narayanan et al. 2021, Table 2: GPT 175B and 530B) kept the same step time when the micro-batch
+halved with twice the GPUs, bandwidth-bound at ~16-18 GB/s per GPU of a 25 GB/s NIC. The threshold lies between the
+two (16 and 48 nodes); no published run pins it closer."""
+ZERO3_OVERLAP = 0.5
+"""Fraction of ZeRO-3's parameter gathers and gradient reduce-scatters that its prefetch hides behind the compute
+able to cover them (min(communication, compute) x this). Fitted to the 14 published ZeRO-3 / FSDP runs of
+docs/published-runs.md: hiding all of it left 13 of them optimistic (planner / published 0.97-1.46); half brings the
+14 to 0.94-1.12 (0.4: 0.89-1.10, 0.6: 0.98-1.15)."""
+
+
+def _across_gbps(*, gpu: GpuType, span: int, stride: int, g: int) -> float:
+    """GB/s per rank of a data-parallel collective over `span` ranks (`stride` apart) that leaves the node: NCCL runs
+    one ring per NIC, each leaving a node once, so the group's g / stride ranks in a node share their g / stride NICs
+    (one per GPU on DGX-class nodes) and the bus bandwidth is their sum, capped by NVLink (nccl-tests busbw across
+    nodes ~ the node's NIC total: NVIDIA/nccl-tests#119, NVIDIA/nccl#1048; docs/hardware.md); one NIC per GPU when
+    the group spans more than NIC_AGGREGATION_MAX_NODES nodes."""
+    if math.ceil(span / g) > NIC_AGGREGATION_MAX_NODES:
+        return gpu.inter_node_gbps
+    return min(gpu.intra_node_gbps, gpu.inter_node_gbps * max(1, g // stride))
+
+
 def ring_latency_s(*, steps: int, inter_steps: int = 0, gpu: GpuType | None = None) -> float:
     """Latency of one ring collective of `steps` steps, `inter_steps` of them across nodes (RING_BASE_LATENCY_S);
     with `gpu`, its launch and intra-node hop costs (a calibration profile measures the launch cost)."""
@@ -104,12 +129,7 @@ def _dp_collectives_s(
         stride = plan.tp * (plan.ep if n != zero_group_size(plan) else 1)
         span = n * stride  # ranks the group spans (n = dp x sp: consecutive, tp apart; experts dp / ep, ep x tp apart)
         inside = _inside_node(span, g)
-        # Across nodes NCCL runs one ring per NIC, each leaving a node once: the group's g / tp ranks in a node share
-        # its g / tp NICs (one per GPU on DGX-class nodes), so the bus bandwidth is their sum, capped by NVLink
-        # (nccl-tests busbw across nodes ~ the node's NIC total: NVIDIA/nccl-tests#119, NVIDIA/nccl#1048;
-        # docs/hardware.md).
-        across = min(gpu.intra_node_gbps, gpu.inter_node_gbps * max(1, g // stride))
-        bw = (gpu.intra_node_gbps if inside else across) * 1e9
+        bw = (gpu.intra_node_gbps if inside else _across_gbps(gpu=gpu, span=span, stride=stride, g=g)) * 1e9
         hops = 0 if inside else math.ceil(span / g) - 1  # ring steps that cross a node boundary
         ring = ring_latency_s(steps=n - 1, inter_steps=hops, gpu=gpu)
         moved = (n - 1) / n * p  # elements one reduce-scatter or all-gather moves per rank
@@ -129,7 +149,7 @@ def _dp_comm_s(
     those the all-gather of the updated parameters that the engine's step issues (ZeRO-1 / 2, BF16_Optimizer). As
     DeepSpeed 0.19.8 issues them over the sequence-data-parallel group of N = dp x sp ranks: (N-1)/N of the bytes per
     rank for a reduce-scatter or all-gather, twice that for an all-reduce, at the inter-node bandwidth when the group
-    leaves a node, plus a ring latency per bucket (ring_latency_s). fwd_s / bwd_s: one micro-batch's forward and
+    leaves a node (_across_gbps), plus a ring latency per bucket (ring_latency_s). fwd_s / bwd_s: one micro-batch's forward and
     backward (recomputation included) compute, what overlap_comm can hide communication behind.
       ZeRO-0: all-reduces of the gradients at the accumulation boundary (engine.allreduce_gradients), not overlapped.
       bf16 ZeRO-1 without offload (and bf16 ZeRO-0 under a pipeline): BF16_Optimizer; the fp32 accumulated gradients
@@ -139,7 +159,7 @@ def _dp_comm_s(
         partition_gradients), hidden behind that backward with overlap_comm; params all-gathered after the step.
       ZeRO-3: per micro-batch a forward all-gather, a backward all-gather (one per module) and a reduce-scatter,
         prefetched / overlapped with the forward and the backward, except the forward's first gather (the token
-        embedding); no all-gather after the step.
+        embedding), ZERO3_OVERLAP of what the pass's compute could cover; no all-gather after the step.
     Gradients travel in the training dtype, in fp32 under Ulysses (DeepSpeed sets the communication dtype to
     seq_parallel_communication_data_type, fp32 by default, when sp > 1); parameters in the training dtype.
     CPU ranks (gloo) hide nothing: their collectives run in the rank's own process on the cores that compute (measured
@@ -157,7 +177,7 @@ def _dp_comm_s(
     n = zero_group_size(plan)
     span = plan.dp * plan.sp * plan.tp
     inside = _inside_node(span, g)
-    bw = (gpu.intra_node_gbps if inside else min(gpu.intra_node_gbps, gpu.inter_node_gbps * max(1, g // plan.tp))) * 1e9
+    bw = (gpu.intra_node_gbps if inside else _across_gbps(gpu=gpu, span=span, stride=plan.tp, g=g)) * 1e9
     hops = 0 if inside else math.ceil(span / g) - 1
     ring = ring_latency_s(steps=n - 1, inter_steps=hops, gpu=gpu)
 
@@ -191,7 +211,11 @@ def _dp_comm_s(
     # The forward's first gather, the token embedding, has no earlier compute to hide behind (the prefetch looks one
     # module ahead of the one computing); every later one overlaps the module before it.
     first = (n - 1) / n * model.vocab * model.hidden * b / bw + ring
-    return m * (first + hidden(module_gathers - first, fwd_s) + hidden(module_gathers + reduce, bwd_s)), 0.0
+
+    def prefetched(comm: float, window: float) -> float:
+        return comm - ZERO3_OVERLAP * min(comm, window) if overlaps else comm
+
+    return m * (first + prefetched(module_gathers - first, fwd_s) + prefetched(module_gathers + reduce, bwd_s)), 0.0
 
 
 def _tp_comm_s(*, model: ModelSpec, plan: Plan, gpu: GpuType, tokens: int, layers: int) -> float:

@@ -320,14 +320,17 @@ def test_qwen3_235b_on_1024_gpus_answers_quickly_and_names_its_axes():
     line = best.describe(every_axis=True)
     for axis in ("ep 128", "tp 1", "pp 2", "dp 512"):
         assert axis in line
-    assert r.rejected["ep 8"].startswith("slower by") and "pp 8, ep 8" in r.rejected["ep 8"]
+    ep8 = r.rejected["ep 8"]  # slower, or within 2% and the tie-break's loser (fewer pipeline stages won)
+    assert (ep8.startswith("slower by") or "a tie (within 2%) that went to fewer pipeline stages" in ep8) and (
+        "pp 8, ep 8" in ep8
+    ), ep8
     # every ep not chosen and ZeRO-3 are explained: ZeRO-3 at ep 128 (each rank its expert of every block,
-    # partitioned over its 8 expert-data-parallel ranks; the dense parts over all 1,024) ties, in a quarter of the
-    # memory, and the tie goes to the lower stage
+    # partitioned over its 8 expert-data-parallel ranks; the dense parts over all 1,024 ranks of 128 nodes, one NIC
+    # per GPU beyond 32 nodes, half hidden by the prefetch) is slower by its gathers
     for ep in (1, 2, 4, 8, 16, 32, 64, 128):
         assert ep == best.plan.ep or f"ep {ep}" in r.rejected
     zero3 = r.rejected["ZeRO-3"]
-    assert re.match(r"slower by \d\.\d% at best, a tie .* \(ZeRO-3, bf16, pp 1, ep 128, dp 1024, ", zero3), zero3
+    assert re.match(r"slower by \d+% at best \(ZeRO-3, bf16, pp 1, ep 128, dp 1024, .*: its dp comm ", zero3), zero3
     assert "slower by" in r.rejected["ZeRO-2"] and r.rejected["tp 2"].startswith("slower by")
 
 
@@ -345,7 +348,8 @@ def test_each_moe_preset_plans_on_a_sensible_cluster(name, nodes, seq_len):
         request=StrategyRequest(),
     )
     p = r.best.plan
-    assert r.best.est.fits and p.experts == m.experts and m.experts % p.ep == 0 and p.dp % p.ep == 0
+    assert r.best.est.fits and p.experts == m.experts and m.experts % p.ep == 0
+    assert p.dp % p.ep == 0 or p.ep == p.tp  # ep over data-parallel ranks, or over the tp group itself
     # experts spread over ep ranks on DeepSpeed's layer, over pipeline stages (each its blocks'), or all of them on
     # every rank under ZeRO-3 (the model's own)
     assert p.ep > 1 or p.pp > 1 or p.zero_stage == 3, r.best.describe()

@@ -63,10 +63,10 @@ def _json(capsys, *args) -> dict:
 
 
 def test_gpt3_175b_plans_tp_inside_the_node(capsys):
-    """The search's pick: tp 8 inside the node with ZeRO-3 over dp 128 (its gathers hide behind the compute in the
-    cost model), 100-150 days; pinned to ZeRO-1 and tp 8, the case study's tp x pp layout, also 100-150 days."""
+    """The search's pick: tp inside the node x pp > 1 with ZeRO-1 (the case study's recipe), 100-150 days; pinned
+    to ZeRO-1 and tp 8, the case study's tp x pp layout, also 100-150 days."""
     d = _json(capsys, *GPT3)
-    assert 1 < d["tp"] <= 8 and 8 % d["tp"] == 0 and d["sp"] == 1
+    assert 1 < d["tp"] <= 8 and 8 % d["tp"] == 0 and d["sp"] == 1 and d["pp"] > 1 and d["zero_stage"] == 1
     assert d["dp"] * d["pp"] * d["tp"] == 1024 and d["micro_batch"] * d["grad_accum"] * d["dp"] == 1536
     assert 100 < d["train_days"] < 150, d["train_days"]  # published: ~120 days (Megatron-LM, tp 8)
     assert d["step_time_breakdown_s"]["tp_comm"] > 0
@@ -107,17 +107,18 @@ def _days(c) -> float:
     return 15e12 / c.tokens_per_s / 86400
 
 
-def test_llama_405b_tp8_pp_plans_fit_and_why_they_lose_to_zero3(llama405):
+def test_llama_405b_plans_tp8_with_pp_and_why_zero3_loses(llama405):
     """tp 8 x pp fits (the stage build of the rank's shard is small), but only with full recomputation: even with
     Megatron sequence parallelism (every saved activation / tp: 34sbh/t per block) the micro-batches in flight on
-    stage 0 of 8,192-token sequences need ~107 GiB at pp 16 (212 GiB without it). Full recomputation (+1/3 compute),
-    the synchronous tp collectives and the 1F1B bubble then cost ~27% more per step than ZeRO-3 over the 2,048 GPUs,
-    whose collectives hide behind its compute."""
+    stage 0 of 8,192-token sequences need ~107 GiB at pp 16 (212 GiB without it). ZeRO-3 over the 2,048 GPUs does the
+    same FLOPs per GPU but gathers the whole model per pass over 256 nodes: one NIC per GPU beyond 32 nodes
+    (timing.NIC_AGGREGATION_MAX_NODES), half of it hidden (timing.ZERO3_OVERLAP), as the published ZeRO-3 runs at
+    48-280 nodes measured (docs/published-runs.md)."""
     m, cluster, train, r = llama405
     tp8 = [c for c in r.ranked if c.plan.tp == 8]
     assert tp8 and all(c.plan.pp > 1 for c in tp8)  # tp 8 without a pipeline does not fit (ZeRO-1/2)
     best8 = min(tp8, key=lambda c: c.est.step_time_s)
-    assert best8.plan.checkpointing == "full" and best8.plan.zero_stage == 1
+    assert best8 is r.best and best8.plan.checkpointing == "full" and best8.plan.zero_stage == 1
     none = make_plan(
         model=m,
         cluster=cluster,
@@ -125,25 +126,29 @@ def test_llama_405b_tp8_pp_plans_fit_and_why_they_lose_to_zero3(llama405):
         strategy=StrategySpec(zero=1, tp=8, pp=best8.plan.pp, checkpointing="none"),
     )
     assert none.tp_sp and estimate(model=m, cluster=cluster, plan=none).memory.activations > best8.est.gpu_memory_bytes
-    e, z3 = best8.est, r.best.est
-    assert r.best.plan.zero_stage == 3 and r.best.plan.tp == 1
+    z3 = min((c for c in r.ranked if c.plan.zero_stage == 3), key=lambda c: c.est.step_time_s)
+    e, z = best8.est, z3.est
+    assert z3.plan.tp == 1 and z3.plan.dp == 2048
     # the same FLOPs per GPU, recomputation included; the busiest stage does 1.1% more than 1 / pp of them
-    assert e.compute_s == pytest.approx(z3.compute_s, rel=0.015) and e.compute_s > z3.compute_s
+    assert e.compute_s == pytest.approx(z.compute_s, rel=0.015) and e.compute_s > z.compute_s
     assert e.step_time_s == pytest.approx(e.compute_s + e.tp_comm_s + e.bubble_s + e.dp_comm_s + e.pp_comm_s)
-    assert e.tp_comm_s > 0.1 * e.compute_s and e.bubble_s > 0.1 * e.compute_s
-    assert "slower by" in r.rejected["tp 8"]
+    assert e.tp_comm_s > 0.1 * e.compute_s and e.bubble_s > 0.05 * e.compute_s
+    assert z.dp_comm_s > e.tp_comm_s + e.bubble_s  # ZeRO-3's exposed gathers cost more than tp's and pp's price
+    assert r.rejected["ZeRO-3"].startswith("slower by")
 
 
 @pytest.mark.xfail(
     strict=True,
-    reason="with sequence parallelism counted tp 8 x pp still needs full recomputation at "
-    "8,192 tokens (107 GiB per GPU without it) and loses to ZeRO-3 (see the test "
-    "above): the cost model, not a missing feature",
+    reason="604 days was ZeRO-3's estimate before the published ZeRO-3 runs at 48-280 nodes showed that model "
+    "1.4-4.3x optimistic (docs/published-runs.md); recalibrated, ZeRO-3 over the 2,048 GPUs is ~1,100 days and the "
+    "chosen tp 8 x pp 8 ~787: full recomputation (107 GiB per GPU without it), synchronous tp collectives and "
+    "DeepSpeed's non-interleaved 1F1B bubble",
 )
 def test_llama_405b_plans_tp8_with_pp_in_fewer_than_604_days(llama405):
     _, _, _, r = llama405
     p = r.best.plan
-    assert p.tp == 8 and p.pp > 1 and _days(r.best) < 604
+    assert p.tp == 8 and p.pp > 1
+    assert _days(r.best) < 604
 
 
 # ---- the pinned 3D layout: model states per GPU ----------------------------------------------------------------------

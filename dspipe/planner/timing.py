@@ -149,8 +149,8 @@ def _dp_comm_s(
     those the all-gather of the updated parameters that the engine's step issues (ZeRO-1 / 2, BF16_Optimizer). As
     DeepSpeed 0.19.8 issues them over the sequence-data-parallel group of N = dp x sp ranks: (N-1)/N of the bytes per
     rank for a reduce-scatter or all-gather, twice that for an all-reduce, at the inter-node bandwidth when the group
-    leaves a node (_across_gbps), plus a ring latency per bucket (ring_latency_s). fwd_s / bwd_s: one micro-batch's forward and
-    backward (recomputation included) compute, what overlap_comm can hide communication behind.
+    leaves a node (_across_gbps), plus a ring latency per bucket (ring_latency_s). fwd_s / bwd_s: one micro-batch's
+    forward and backward (recomputation included) compute, what overlap_comm can hide communication behind.
       ZeRO-0: all-reduces of the gradients at the accumulation boundary (engine.allreduce_gradients), not overlapped.
       bf16 ZeRO-1 without offload (and bf16 ZeRO-0 under a pipeline): BF16_Optimizer; the fp32 accumulated gradients
         are all-reduced at the boundary in the communication dtype, then the updated bf16 params all-gathered.
@@ -227,10 +227,13 @@ def _tp_comm_s(*, model: ModelSpec, plan: Plan, gpu: GpuType, tokens: int, layer
     gradient all-reduce in backward: both on one stage without a pipeline, one on the first and the last stage with
     one (the vocab-parallel cross-entropy's per-token max, sum and target all-reduces are not counted: 12 bytes per
     token against the head's 2h). Ring all-reduce moves 2(t-1)/t of the bytes per rank, over NVLink (tp never leaves a
-    node), plus its ring latency. Not overlapped.
+    node), plus its ring latency. Not credited with overlap: the runtime issues a column-parallel layer's backward
+    collectives beside its GEMMs as Megatron does (dspipe.runtime.tensor_parallel), but the published Megatron-LM
+    rows, which overlap the same way, already come out at 0.99-1.15 of published without it (docs/published-runs.md),
+    and one GPU cannot measure tp here.
     Megatron sequence parallelism (plan.tp_sp): each all-reduce becomes an all-gather and a reduce-scatter, (t-1)/t
     each: per block 4 in forward, 6 in backward (the column-parallel inputs are kept as sequence slices and gathered
-    again: Megatron overlaps that gather with the weight gradient, dspipe does not), 4 more with full recomputation;
+    again), 4 more with full recomputation;
     the embedding's reduce-scatter and the head's gather, re-gather and reduce-scatter (3) on the slowest stage.
     A mixture of experts (tp needs sequence parallelism there): a sparse block's MLP is no tensor-parallel region
     (half the block's gathers and reduce-scatters) and its parameters (router, routed and shared experts), whole on

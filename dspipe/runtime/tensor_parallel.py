@@ -2,8 +2,9 @@
 
     ColumnParallelLinear    output features split: each rank holds whole heads of the fused q/k/v projection (q, k
                             and v each split by tp, biases with their rows) or its share of a fused [gate; up]
-                            projection (`column_linear`: its input enters through `copy_to_region`, identity
-                            forward, gradient all-reduced over the tp group backward).
+                            projection (`column_linear`: the input is used whole, and in backward its gradient
+                            is all-reduced over the tp group while the weight's gradient is computed, Megatron's
+                            overlap of the collective with the GEMM).
     RowParallelLinear       input features split (the attention and MLP output projections): the partial products
                             are all-reduced (`leave_region`), the bias, replicated, added once after.
     VocabParallelEmbedding  vocabulary rows split (ceil(V / tp) per rank, the last rank the rest): each rank looks up
@@ -18,9 +19,10 @@
 
 Megatron's sequence parallelism (TensorGroup.sequence_parallel): outside the tensor-parallel regions each rank holds
 its slice of the sequence; `column_linear` all-gathers it (keeping only the slice for backward, where it gathers
-again) and reduce-scatters the input gradient, `leave_region` reduce-scatters instead of all-reducing, and every
-replicated parameter applied to a slice (norms, learned positions, row-parallel biases) has its gradient summed over
-the group (ReducedLayerNorm, ReducedRMSNorm, SlicedPositions, copy_to_region).
+again while the input's gradient is computed, and reduce-scatters that gradient while the weight's is computed),
+`leave_region` reduce-scatters instead of all-reducing, and every replicated parameter applied to a slice (norms,
+learned positions, row-parallel biases) has its gradient summed over the group (ReducedLayerNorm, ReducedRMSNorm,
+SlicedPositions, copy_to_region).
 
 Every sharded parameter carries `tensor_model_parallel = True` (DeepSpeed counts it in the gradient norm on every
 tp rank, a replicated one on tp rank 0 only), `partition_dim` and `tp_shard`: the function that cuts this rank's
@@ -113,10 +115,38 @@ class _ReduceScatterToSequence(torch.autograd.Function):
         return _gather_sequence(grad, ctx.tp), None
 
 
+def _weight_grads(grad: torch.Tensor, x: torch.Tensor, *, bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A linear layer's weight and bias gradients from its output's gradient and its (whole) input."""
+    flat = grad.reshape(-1, grad.shape[-1])
+    return flat.t().matmul(x.reshape(-1, x.shape[-1])), flat.sum(0) if bias else None
+
+
+class _ColumnLinear(torch.autograd.Function):
+    """y = x W^T + b for x replicated over the tp group. Backward: the input's gradient (this rank's partial sum)
+    is all-reduced asynchronously while the weight's gradient is computed (Megatron-LM's
+    LinearWithGradAccumulationAndAsyncCommunication: on NCCL the collective runs beside the GEMM)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, tp):
+        ctx.tp, ctx.has_bias = tp, bias is not None
+        ctx.save_for_backward(x, weight)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_x = grad.matmul(weight)
+        pending = dist.all_reduce(grad_x, group=ctx.tp.group, async_op=True)
+        grad_w, grad_b = _weight_grads(grad, x, bias=ctx.has_bias)
+        pending.wait()
+        return grad_x, grad_w, grad_b, None
+
+
 class _SequenceParallelColumn(torch.autograd.Function):
     """y = gather(x) W^T + b under sequence parallelism, keeping only x's sequence slice for backward (Megatron's
     way: the whole input is gathered again there), so the input's memory divides by tp like every other
-    activation outside the tensor-parallel regions."""
+    activation outside the tensor-parallel regions. Backward overlaps as Megatron does: the re-gather runs while the
+    input's gradient is computed, that gradient's reduce-scatter while the weight's is."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, tp):
@@ -127,11 +157,17 @@ class _SequenceParallelColumn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        whole = _gather_sequence(x, ctx.tp)
-        grad_x = _reduce_scatter_sequence(grad.matmul(weight), ctx.tp)
-        flat = grad.reshape(-1, grad.shape[-1])
-        grad_w = flat.t().matmul(whole.reshape(-1, whole.shape[-1]))
-        return grad_x, grad_w, flat.sum(0) if ctx.has_bias else None, None
+        tp = ctx.tp
+        local = x.movedim(1, 0).contiguous()
+        whole = local.new_empty((local.shape[0] * tp.size, *local.shape[1:]))
+        gathering = _ALL_GATHER(whole, local, group=tp.group, async_op=True)
+        partial = grad.matmul(weight).movedim(1, 0).contiguous()
+        grad_x = partial.new_empty((partial.shape[0] // tp.size, *partial.shape[1:]))
+        scattering = _REDUCE_SCATTER(grad_x, partial, group=tp.group, async_op=True)
+        gathering.wait()
+        grad_w, grad_b = _weight_grads(grad, whole.movedim(0, 1), bias=ctx.has_bias)
+        scattering.wait()
+        return grad_x.movedim(0, 1).contiguous(), grad_w, grad_b, None
 
 
 def column_linear(
@@ -140,7 +176,7 @@ def column_linear(
     """A column-parallel projection of the replicated (or, with sequence parallelism, sequence-split) `x`."""
     if tp.sequence_parallel:
         return _SequenceParallelColumn.apply(x, weight, bias, tp)
-    return F.linear(_CopyToRegion.apply(x, tp), weight, bias)
+    return _ColumnLinear.apply(x, weight, bias, tp)
 
 
 def leave_region(x: torch.Tensor, tp: TensorGroup) -> torch.Tensor:

@@ -70,7 +70,7 @@ def test_zero3_at_scale_is_bandwidth_bound_and_loses_to_tp_pp(rows):
     a, b = (by_name[n] for n in published_runs.ZERO3_AT_SCALE)
     assert a.run.zero == b.run.zero == 3 and b.run.gpus == 2 * a.run.gpus and a.run.micro_batch == 2 * b.run.micro_batch
     published = [published_runs.published_step_s(r.run) for r in (a, b)]
-    planned = [s / r.ratio for s, r in zip(published, (a, b))]
+    planned = [s / r.ratio for s, r in zip(published, (a, b), strict=True)]
     assert published[1] == pytest.approx(published[0], rel=0.02)
     assert planned[1] == pytest.approx(planned[0], rel=0.05), planned
     ptdp = next(r for r in rows if r.run.model == b.run.model and r.run.pp > 1 and r.run.gpus == b.run.gpus)

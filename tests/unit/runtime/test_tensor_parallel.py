@@ -1,7 +1,8 @@
 """dspipe's tensor-parallel layers on 2 gloo CPU processes (no DeepSpeed engine): every model family, swapped for
 its tp shards on the meta device and given its step-0 values shard by shard, holds exactly (bitwise) its slice of
 the plain model's weights, and gives the plain model's loss and, on each shard, its slice of the plain gradients,
-with Megatron sequence parallelism off and on. One spawn of 2 processes for every case."""
+with Megatron sequence parallelism off and on; a column-parallel layer's backward issues its collectives before the
+GEMMs they overlap (Megatron's order). One spawn of 2 processes for every case."""
 
 import os
 
@@ -33,6 +34,8 @@ def _rank(rank, world, port, out):
                 out[(case, seq_parallel, rank)] = _compare(
                     spec, rank=rank, world=world, group=group, seq_parallel=seq_parallel
                 )
+        for seq_parallel in (False, True):
+            out[("order", seq_parallel, rank)] = _backward_order(rank=rank, world=world, group=group, sp=seq_parallel)
     finally:
         dist.destroy_process_group()
 
@@ -72,6 +75,59 @@ def _compare(spec, *, rank, world, group, seq_parallel) -> dict:
         sharded=sharded,
         names=sorted(n for n, _ in model.named_parameters()) == sorted(whole),
     )
+
+
+def _backward_order(*, rank, world, group, sp) -> list[str]:
+    """The matrix products and collectives of one column-parallel layer's backward, in the order the rank issues
+    them (a collective's 'wait' is when the rank blocks on its result); its gradients are the plain layer's (the
+    model-level comparison above)."""
+    import torch
+    import torch.distributed as dist
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import dspipe.runtime.tensor_parallel as T
+
+    events: list[str] = []
+
+    class Products(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.mm.default:
+                events.append("mm")
+            return func(*args, **(kwargs or {}))
+
+    def logged(name, collective):
+        def call(*args, **kwargs):
+            work = collective(*args, **kwargs)
+            if not kwargs.get("async_op"):
+                events.append(name)
+                return work
+            events.append(f"start {name}")
+
+            class Pending:
+                def wait(self):
+                    events.append(f"wait {name}")
+                    return work.wait()
+
+            return Pending()
+
+        return call
+
+    tp = T.TensorGroup(rank=rank, size=world, sequence_parallel=sp, group=group)
+    layer = T.ColumnParallelLinear(torch.nn.Linear(8, 6 * world), parts=[6 * world], tp=tp)
+    with torch.no_grad():
+        layer.weight.normal_(), layer.bias.normal_()
+    x = torch.randn(2, 4 if sp else 4 * world, 8, requires_grad=True)  # under sp: the rank's slice of the sequence
+    y = layer(x)
+    dy = torch.randn_like(y)
+    saved = dist.all_reduce, T._ALL_GATHER, T._REDUCE_SCATTER
+    dist.all_reduce = logged("all_reduce", dist.all_reduce)
+    T._ALL_GATHER, T._REDUCE_SCATTER = logged("all_gather", T._ALL_GATHER), logged("reduce_scatter", T._REDUCE_SCATTER)
+    try:
+        with Products():
+            y.backward(dy)
+    finally:
+        dist.all_reduce, T._ALL_GATHER, T._REDUCE_SCATTER = saved
+    return events
 
 
 @pytest.fixture(scope="module")
@@ -132,3 +188,19 @@ def test_experts_spread_over_the_tp_group_are_the_rank_s_tp_shards():
         assert getattr(weight, "tensor_model_parallel", False) is (e in mlp.held)
         assert weight.shape[1] == spec.hidden and weight.shape[0] in (spec.expert_ffn, 2 * spec.expert_ffn)  # whole
     assert isinstance(mlp.shared.c_fc, ReducedLinear)
+
+
+def test_column_backward_overlaps_its_collectives_with_the_gemms(compared):
+    """Megatron's order: without sequence parallelism the input gradient's all-reduce starts before the weight
+    gradient's product and is waited for after it; with it, the input's re-gather runs beside the input gradient's
+    product and that gradient's reduce-scatter beside the weight gradient's."""
+    for rank in (0, 1):
+        assert compared[("order", False, rank)] == ["mm", "start all_reduce", "mm", "wait all_reduce"]
+        assert compared[("order", True, rank)] == [
+            "start all_gather",
+            "mm",
+            "start reduce_scatter",
+            "wait all_gather",
+            "mm",
+            "wait reduce_scatter",
+        ]

@@ -20,8 +20,9 @@ FLOAT_DIGITS = 308
 
 def read_object(path: str | Path, *, hint: str = "", partial_ok: bool = False) -> dict | None:
     """The JSON object in `path`; any other content (unreadable, not UTF-8, not JSON, NaN/Infinity, a number
-    beyond float range, not an object) is one SpecError naming the file. `hint` is appended to the message.
-    partial_ok: an empty file or one that ends early (a writer is still at it) gives None instead."""
+    beyond float range, a key given twice in one object, not an object) is one SpecError naming the file. `hint` is
+    appended to the message. partial_ok: an empty file or one that ends early (a writer is still at it) gives None
+    instead."""
     path = Path(path)
     tail = f"; {hint}" if hint else ""
     try:
@@ -33,8 +34,16 @@ def read_object(path: str | Path, *, hint: str = "", partial_ok: bool = False) -
     except UnicodeDecodeError as e:
         raise SpecError(f"{path} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}){tail}") from None
 
+    def unique(pairs: list) -> dict:
+        out = dict(pairs)
+        if len(out) < len(pairs):
+            seen: set = set()
+            twice = next(k for k, _ in pairs if k in seen or seen.add(k))
+            raise SpecError(f"{path} is not valid: key {show(twice)} given twice in one JSON object{tail}")
+        return out
+
     try:
-        data = json.loads(text, **number_hooks(str(path), tail=tail))
+        data = json.loads(text, object_pairs_hook=unique, **number_hooks(str(path), tail=tail))
     except json.JSONDecodeError as e:
         ends_early = e.pos >= len(text.rstrip()) or e.msg.startswith("Unterminated string")  # runs to the end
         if partial_ok and ends_early:

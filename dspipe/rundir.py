@@ -364,8 +364,26 @@ def check_ds_config(ds: dict, *, plan: Plan, source: Path | str) -> None:
 
 
 def load_engine(run: Run) -> dict | None:
-    """engine.json (the live engine's settings, written by the runner's rank 0): None while absent or being
-    written; anything but a JSON object is a SpecError naming the file."""
-    if not run.engine_path.is_file():
+    """engine.json (the live engine's settings, written by the runner's rank 0 once its engine is up): None while
+    absent; anything but a JSON object (a directory, an empty file, JSON cut short or damaged) is a SpecError
+    naming the file and, for JSON, the parser's position."""
+    path = run.engine_path
+    if not path.exists() and not path.is_symlink():
         return None
-    return read_object(run.engine_path, partial_ok=True)
+    if path.is_dir():
+        raise SpecError(f"{path} is a directory, not the JSON file the runner writes; move it away")
+    engine = read_object(path, partial_ok=True)  # any damage but an early end: one line naming the file
+    if engine is None:  # empty or cut short: the runner writes it whole (never left so by a finished write)
+        import json
+
+        text = path.read_bytes().decode("utf-8")
+        if not text.strip():
+            raise SpecError(f"{path} is empty, not a JSON object; a launch of the run writes it again")
+        try:
+            json.loads(text)
+        except json.JSONDecodeError as e:
+            raise SpecError(
+                f"{path} is not valid JSON: it ends early at line {e.lineno} column {e.colno} ({e.msg}); "
+                f"a launch of the run writes it again"
+            ) from None
+    return engine

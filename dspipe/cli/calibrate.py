@@ -167,6 +167,8 @@ def _from_run(run_dir: str, *, out: Path | None, given: list[str]) -> None:
 
     if given:
         raise SpecError(f"--from-run measures nothing: drop {' '.join(given)}")
+    if not str(run_dir).strip():
+        raise SpecError(f"--from-run {str(run_dir)!r} is empty: give a run directory, e.g. runs/NAME")
     run = load_run(run_dir)
     engine = load_engine(run)
     steps, _ = read_metrics(run)

@@ -334,9 +334,10 @@ def resolved_text() -> str | None:
     return ctx.meta.get(TEXT_META) if ctx is not None else None
 
 
-def config_options(f):
+def config_options(f, *, check=None):
     """Add --config and --print-config to a command built on spec_options; its callback gets the options resolved
-    (file, flags, defaults; --steps/--tokens reconciled)."""
+    (file, flags, defaults; --steps/--tokens reconciled). `check(options)`: what --print-config validates first (a
+    bad value gets its one-line error instead of a printed file)."""
 
     @functools.wraps(f)
     def run(**o):
@@ -347,6 +348,8 @@ def config_options(f):
         text = dump(resolved_document(ctx, o), command=ctx.command.name)
         ctx.meta[TEXT_META] = text
         if print_only:
+            if check is not None:
+                check(o)
             click.echo(text, nl=False)
             return None
         return f(**o)

@@ -116,7 +116,7 @@ def prepare_data(
     with the same inputs and options is a no-op."""
     from dspipe.data.limits import mib_to_bytes
     from dspipe.data.prepare import prepare
-    from dspipe.data.sources import resolve_inputs
+    from dspipe.data.sources import check_out_apart, resolve_inputs
     from dspipe.outputs import target
 
     out = target(out, flag="--out", expect="dir")  # before reading any input
@@ -133,6 +133,7 @@ def prepare_data(
         streaming=streaming,
         skip_bad=skip_bad,
     )
+    check_out_apart(specs, resolved, [final, out])  # before anything is written or read
     if max_mb is None and not specs:
         max_mb = BUILTIN_MAX_MB
     workers = min(32, len(os.sched_getaffinity(0))) if workers is None else workers  # 0 is refused, not "auto"

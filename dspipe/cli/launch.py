@@ -18,6 +18,7 @@ from dspipe.cluster.launch import (
     LaunchSpec,
     build,
     build_elastic,
+    check_resume,
     check_world,
     env_file_for,
     execute,
@@ -48,8 +49,8 @@ def launch_options(f):
     for opt in reversed(
         [
             click.option("--hostfile", default=None, help="MPI-style hostfile ('HOST slots=N' per line)"),
-            click.option("--include", default="", help="hosts/slots to use: NAME[:SLOT,...][@NAME...]"),
-            click.option("--exclude", default="", help="hosts/slots to leave out, same format"),
+            click.option("--include", default=None, help="hosts/slots to use: NAME[:SLOT,...][@NAME...]"),
+            click.option("--exclude", default=None, help="hosts/slots to leave out, same format"),
             click.option("--num-nodes", type=INT, default=None, help="use the first N hosts of the hostfile"),
             click.option("--num-gpus", type=INT, default=None, help="ranks per node (slots 0..N-1)"),
             click.option(
@@ -95,11 +96,21 @@ def network_options(f):
     return f
 
 
+def not_empty(o: dict, *names: str) -> None:
+    """Refuse a text option given as '' (or blanks): every one of them names something, and an empty one would
+    otherwise read as not given (or as '.'), silently."""
+    for name in names:
+        value = o.get(name)
+        if value is not None and not value.strip():
+            raise SpecError(f"--{name.replace('_', '-')} {value!r} is empty: give a value, or leave the option out")
+
+
 def _launch_spec(o: dict) -> LaunchSpec:
+    not_empty(o, "hostfile", "include", "exclude")  # --master-addr: check_host names an empty one
     return LaunchSpec(
         hostfile=o["hostfile"],
-        include=o["include"],
-        exclude=o["exclude"],
+        include=o["include"] or "",
+        exclude=o["exclude"] or "",
         num_nodes=o["num_nodes"],
         num_gpus=o["num_gpus"],
         master_addr=o["master_addr"],
@@ -111,7 +122,19 @@ def _launch_spec(o: dict) -> LaunchSpec:
     )
 
 
+def _env_once(items: tuple[str, ...]) -> None:
+    """Refuse a --env KEY given twice (the later would silently replace the earlier)."""
+    seen: dict[str, str] = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        if key in seen:
+            raise SpecError(f"--env {key} is given twice ({key}={seen[key]} and {key}={value}): give each key once")
+        seen[key] = value
+
+
 def _network(o: dict) -> NetworkSpec:
+    not_empty(o, "ifname", "ib_hca")
+    _env_once(o["env"])
     return NetworkSpec(
         socket_ifname=o["ifname"],
         ib_hca=o["ib_hca"],
@@ -239,6 +262,7 @@ def launch(run_dir: Path, dry_run: bool, resume: str | None, restart: bool, test
     if elastic is None and hang:  # under DeepSpeed's launcher a hang ends the job (no restart)
         program_args += ["--hang-timeout", f"{check_hang_timeout(hang):g}"]
     run = load_run(run_dir)
+    check_resume(resume, checkpoint_dir=run.checkpoint_dir)  # the ranks would refuse it only after the start-up
     spec = _launch_spec(o)
     env = rank_environment(cluster=run.cluster, network=_network(o))
     program = [*run_program(run.path), *program_args, *(["--test-faults", test_faults] if test_faults else [])]
@@ -309,6 +333,8 @@ def doctor(gpu: str | None, size_mb: float, iters: int, skip_allreduce: bool, ti
     """Preflight: versions, GPUs, DeepSpeed ops, ssh to every host, and an all-reduce across the whole cluster."""
     from dspipe.cluster import doctor as d
 
+    d.check_allreduce_options(size_mb=size_mb, iters=iters, timeout_s=timeout_s)  # skipped or not: never ignored
+    not_empty({"gpu": gpu}, "gpu")
     spec = _launch_spec(o)
     network = _network(o)
     for line in (d.environment(), *d.devices(), *d.op_report()):
@@ -455,7 +481,13 @@ def build_ops(offload: str | None) -> None:
     "--out", default=None, metavar="FILE", help="[default: RUN_DIR/slurm.sbatch]; an existing file only with --force"
 )
 @click.option("--force", is_flag=True, default=False, help="replace a script that slurm-script wrote (nothing else)")
-@click.option("--time", "time_limit", default="24:00:00", show_default=True, help="job time limit")
+@click.option(
+    "--time",
+    "time_limit",
+    default="24:00:00",
+    show_default=True,
+    help="job time limit: MINUTES, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS (0: none)",
+)
 @click.option("--partition", default=None)
 @click.option("--account", default=None)
 @click.option("--sbatch", "extra_sbatch", multiple=True, help="extra '#SBATCH' option, e.g. --sbatch=--exclusive")
@@ -508,7 +540,8 @@ def slurm_script(
     from dspipe.outputs import claim_file, target, writing
 
     first = resume_args(resume=resume, restart=restart)
-    run = load_run(run_dir)
+    run = load_run(run_dir)  # read here: the run directory is on the file system the job's nodes share
+    check_resume(resume, checkpoint_dir=run.checkpoint_dir)  # so is the checkpoint --resume names
     rank_environment(cluster=run.cluster, network=_network(o))  # reject bad network options now, not in the job
     LaunchSpec(master_port=master_port)
     out = target(run.path / "slurm.sbatch" if out is None else out, flag="--out", expect="file")

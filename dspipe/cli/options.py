@@ -91,6 +91,18 @@ class StrictFloat(click.ParamType):
         return float(text) + 0.0
 
 
+class Text(click.ParamType):
+    """A string option's value: an empty (or blank) one is refused rather than read as 'not given'."""
+
+    name = "text"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, str) and not value.strip():
+            leave = ", or leave the option out" if getattr(param, "param_type_name", "") == "option" else ""
+            self.fail(f"{value!r} is empty: give a value{leave}", param, ctx)
+        return value
+
+
 INT, FLOAT = StrictInt(), StrictFloat()
 TOKEN_HELP = "use a number like 300B, 1.5T or 2e9"
 
@@ -227,7 +239,7 @@ def click_option(s: Setting):
         kw["type"] = {
             "int": StrictInt(s.limit),
             "float": FLOAT,
-            "str": None,
+            "str": Text(),
             "tokens": TokenBudget(),
             "auto_int": AutoInt(s.limit, keep_auto=s.cli_default is not None),
             "choice": click.Choice(s.choices),
@@ -257,7 +269,14 @@ def spec_options(f):
         for s in TABLE[section]
         if s.key not in BY_COMMAND and s.key not in MONITOR
     ]
-    return config_options(model_options(_options(f, keys)))
+    return config_options(model_options(_options(f, keys)), check=_check_specs)
+
+
+def _check_specs(o: dict) -> None:
+    """What --print-config checks: the options make valid specs (the command's own one-line errors; no search)."""
+    cluster = cluster_from_options(o)
+    o, _ = with_preset(o, cluster=cluster)
+    request_from_options(o, cluster=cluster)
 
 
 def cluster_from_options(o: dict) -> ClusterSpec:
@@ -492,6 +511,12 @@ def request_from_options(
         steps = derived
     elif steps is None:
         steps = SETTINGS["steps"].fallback
+    if o["warmup"] is None and isinstance(steps, int) and steps == 1:  # the derived warmup has no room
+        where = f" (--tokens {o['tokens']})" if tokens is not None else ""
+        raise SpecError(
+            f"steps 1{where} leaves no room for the lr warmup (at least 1 step, ending before the last): a run "
+            f"needs steps >= 2"
+        )
     auto_save = o.get("save_interval") == AUTO  # chosen after the search, from the plan (gen-config)
     if auto_save and o.get("keep_every"):
         raise SpecError(

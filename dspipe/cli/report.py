@@ -9,20 +9,23 @@ import click
 
 
 @click.command("report")
-@click.argument("run", type=click.Path(path_type=Path))
+@click.argument("run", type=click.Path())  # a str: '' must not become Path('.'), this directory
 @click.option(
     "--out",
     default=None,
     metavar="DIR",
     help="directory to write (replaced only if it holds a previous report and nothing else) [default: RUN/report]",
 )
-def report(run: Path, out: str | None) -> None:
+def report(run: str, out: str | None) -> None:
     """Plot loss, throughput and learning rate of RUN (runs/NAME) and write report.md: the configuration, the
     planner's predicted memory, tokens/s, MFU, step time and start-up (host RAM per rank, time to the first step)
     against the measured ones, final and validation loss."""
+    from dspipe.errors import SpecError
     from dspipe.tools.report import PLOTS, REPORT_FILE, write_report
 
-    out, m = write_report(run, out=out)
+    if not run.strip():
+        raise SpecError(f"RUN {run!r} is empty: give a run directory, e.g. runs/NAME")
+    out, m = write_report(Path(run), out=out)
     click.echo(f"wrote {out / REPORT_FILE} and {', '.join(PLOTS.values())}")
     tps = "n/a" if m.tokens_per_s is None else f"{m.tokens_per_s:,.0f}"
     val = "" if m.final_val is None else f", val loss {m.final_val['val_loss']:.4f}"

@@ -11,7 +11,7 @@ from pathlib import Path
 import yaml
 
 from dspipe.digits import digits_text, too_many_digits
-from dspipe.errors import SpecError, cannot_read
+from dspipe.errors import SpecError, cannot_read, file_problem
 from dspipe.spec.options import TABLE
 
 MAX_BYTES = 1 << 20
@@ -155,6 +155,8 @@ def read_yaml(path: str) -> dict:
     duplicate-keyed or non-mapping file."""
     p = Path(path)
     try:
+        if p.is_symlink() and not p.exists():  # a loop or a broken link
+            raise SpecError(f"{path}: {file_problem(p)} (--config)")
         if not p.exists():
             raise SpecError(f"{path}: no such file (--config)")
         if p.is_dir():
@@ -184,6 +186,8 @@ def read_yaml(path: str) -> dict:
         raise SpecError(f"{path}: not valid YAML: {what}{where}") from None
     except yaml.YAMLError as e:
         raise SpecError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
+    except RecursionError:  # the parser recurses once per level of nesting
+        raise SpecError(f"{path}: not a config file: nested too deeply for the YAML parser (--config)") from None
     if not isinstance(doc, dict):
         empty = " (an empty file)" if doc is None else ""
         raise SpecError(f"{path}: expected a mapping of sections ({', '.join(TABLE)}), got {shown(doc)}{empty}")

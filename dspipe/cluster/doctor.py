@@ -4,6 +4,7 @@ the same launcher a training run uses. Imports torch/deepspeed only inside the f
 from __future__ import annotations
 
 import json
+import math
 import platform
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
@@ -109,6 +110,25 @@ def ssh_unreachable(
 
     with ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
         return [m for m in pool.map(probe, hosts) if m]
+
+
+MAX_SIZE_MB = 16384.0  # 16 GiB per rank: far beyond any message that measures bandwidth
+MIN_SIZE_MB = 0.001  # ~1 KiB: at least one fp32 element
+MAX_ITERS = 100_000
+MAX_TIMEOUT_S = 7 * 86400
+
+
+def check_allreduce_options(*, size_mb: float, iters: int, timeout_s: int) -> None:
+    """Refuse --size-mb, --iters, --timeout-s outside their ranges (with --skip-allreduce too: a value that is
+    given is never ignored)."""
+    if not (math.isfinite(size_mb) and MIN_SIZE_MB <= size_mb <= MAX_SIZE_MB):
+        raise SpecError(
+            f"--size-mb must be a finite number of MiB in {MIN_SIZE_MB:g}..{MAX_SIZE_MB:g}, got {size_mb:g}"
+        )
+    if not 1 <= iters <= MAX_ITERS:
+        raise SpecError(f"--iters must be in 1..{MAX_ITERS:,}, got {iters}")
+    if not 1 <= timeout_s <= MAX_TIMEOUT_S:
+        raise SpecError(f"--timeout-s must be in 1..{MAX_TIMEOUT_S:,} seconds, got {timeout_s}")
 
 
 def parse_allreduce(output: str) -> dict | None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dspipe.cluster.hostname import check_host  # RFC 1123 names and IPv4 (no ':' or '@': --include separators)
-from dspipe.errors import SpecError, cannot_read
+from dspipe.errors import SpecError, cannot_read, file_problem
 
 KEY_VALUE = re.compile(r"^(slots|max_slots)=(.*)$")
 SLOT_COUNT = re.compile(r"[0-9]+", re.ASCII)
@@ -96,6 +96,8 @@ def parse_hostfile(text: str, *, source: str) -> Hostfile:
             m = KEY_VALUE.match(field)
             if not m:
                 raise SpecError(f"{where}: unexpected {field!r}; a line is 'HOST slots=N'")
+            if m.group(1) in values:
+                raise SpecError(f"{where}: {m.group(1)}= given twice; a line is 'HOST slots=N'")
             values[m.group(1)] = _count(m.group(2), what=m.group(1), where=where, high=MAX_SLOTS)
         if "slots" not in values:
             raise SpecError(f"{where}: missing slots=N (the number of GPUs on {name})")
@@ -113,8 +115,9 @@ def read_hostfile(path: str | Path) -> Hostfile:
     """Read and parse a hostfile: UTF-8 text without NUL bytes (any other bytes: one SpecError naming the
     offset), at most MAX_BYTES."""
     path = Path(path)
-    if not path.is_file():
-        raise SpecError(f"hostfile {path} does not exist (one 'HOST slots=N' line per node)")
+    problem = file_problem(path)
+    if problem:
+        raise SpecError(f"hostfile {path} {problem} (one 'HOST slots=N' line per node)")
     try:
         with open(path, "rb") as f:
             raw = f.read(MAX_BYTES + 1)

@@ -532,6 +532,20 @@ def resume_args(*, resume: str | None = None, restart: bool = False) -> list[str
     return ["--resume", resume]
 
 
+def check_resume(resume: str | None, *, checkpoint_dir: Path) -> None:
+    """Refuse a --resume TAG|PATH that names no complete checkpoint, as the rank entry point would refuse it after
+    the launch (dspipe.runtime.ckpt_tags.find_checkpoint: a directory, else a tag under the run's checkpoints/);
+    'auto' and no --resume are the runner's choice."""
+    from dspipe.runtime.ckpt_tags import find_checkpoint
+
+    if resume is None or resume == "auto":
+        return
+    try:
+        find_checkpoint(checkpoint_dir, resume)
+    except SpecError as e:
+        raise SpecError(f"--resume {resume}: {e}") from None
+
+
 def run_program(run_path: Path, *, resume: str | None = None, restart: bool = False) -> list[str]:
     """The launcher's program for training: the packaged rank entry point, run by module from any directory."""
     return ["--module", ENTRY_MODULE, "--run", str(run_path), *resume_args(resume=resume, restart=restart)]

@@ -45,12 +45,21 @@ def time_limit_seconds(time: str) -> int | None:
         raise SpecError(f"--time {time!r} is not a Slurm time limit such as 24:00:00 or 2-00:00:00")
     days, first, second, third = m.groups()
     if days is not None:  # D-H, D-H:M, D-H:M:S
-        seconds = int(days) * 86400 + int(first) * 3600 + int(second or 0) * 60 + int(third or 0)
+        d, h, mi, se = int(days), int(first), int(second or 0), int(third or 0)
+        form, bounded = "D-HH[:MM[:SS]]", (("hours", h, 24), ("minutes", mi, 60), ("seconds", se, 60))
     elif third is not None:  # H:M:S
-        seconds = int(first) * 3600 + int(second) * 60 + int(third)
+        d, h, mi, se = 0, int(first), int(second), int(third)
+        form, bounded = "HH:MM:SS", (("minutes", mi, 60), ("seconds", se, 60))
     else:  # M, M:S
-        seconds = int(first) * 60 + int(second or 0)
-    return seconds or None
+        d, h, mi, se = 0, 0, int(first), int(second or 0)
+        form, bounded = "MM:SS", (("seconds", se, 60),)
+    for unit, value, limit in bounded:
+        if value >= limit:
+            raise SpecError(
+                f"--time {time!r} ({form}): {unit} {value} must be below {limit}; Slurm's forms are MINUTES, "
+                f"MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS"
+            )
+    return ((d * 24 + h) * 60 + mi) * 60 + se or None
 
 
 def _plain(value: str, what: str) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from dspipe.data.shards import read_meta
@@ -18,6 +19,7 @@ def padded_vocab(vocab: int, multiple: int = VOCAB_MULTIPLE) -> int:
 def check_data_for_model(data_dir: str | Path, *, model_vocab: int, seq_len: int) -> dict:
     """meta.json of data_dir, after checking that every token id fits the model and one sequence fits the data."""
     meta = read_meta(data_dir)
+    check_files(data_dir, meta)
     vocab = meta["vocab_size"]
     if meta.get("format") == "megatron-mmidx" and meta["max_id"] >= model_vocab:
         tok = f" (its tokenizer has {vocab})" if meta["tokenizer_dir"] else ""
@@ -37,6 +39,42 @@ def check_data_for_model(data_dir: str | Path, *, model_vocab: int, seq_len: int
             f"sequence of {seq_len + 1} tokens"
         )
     return meta
+
+
+def check_tokenizer_dir(data_dir: str | Path, *, why: str, read: bool = False) -> Path:
+    """DATA/tokenizer of a prepared directory: a directory holding tokenizer.json (read: one that parses and holds a
+    vocabulary; else nothing is read); one SpecError otherwise. why: what needs it, for the message."""
+    from dspipe.data.shards import TOKENIZER_DIR
+
+    tok = Path(data_dir) / TOKENIZER_DIR
+    fix = f"restore it, or re-run 'dspipe prepare-data --out {data_dir} --force'"
+    if not os.path.lexists(tok):
+        raise SpecError(f"{tok} is missing ({why}); {fix}")
+    if not tok.is_dir():
+        raise SpecError(f"{tok} is not a directory ({why}); {fix}")
+    if not (tok / "tokenizer.json").is_file():
+        raise SpecError(f"{tok} holds no tokenizer.json ({why}); {fix}")
+    if read:
+        from dspipe.data.megatron import tokenizer_vocab_size
+
+        if tokenizer_vocab_size(tok) is None:
+            raise SpecError(f"{tok / 'tokenizer.json'} holds no vocabulary (model.vocab) ({why}); {fix}")
+    return tok
+
+
+def check_files(data_dir: str | Path, meta: dict) -> None:
+    """The files of a prepared directory, cheaply (headers and sizes, nothing past them): every shard meta.json lists
+    is a regular file whose header and size match it and whose document offsets run from 0 to its tokens, and the
+    tokenizer meta.json names is there. A Megatron prefix is checked by its read_meta. One SpecError naming the
+    file and the numbers."""
+    from dspipe.data.shards import META_FILE, open_split
+
+    if meta.get("format") == "megatron-mmidx":
+        return
+    for split in meta["splits"]:
+        open_split(data_dir, split, meta)
+    if "tokenizer" in meta:
+        check_tokenizer_dir(data_dir, why=f"{META_FILE} names it; generate and export-hf read it", read=True)
 
 
 def check_val_for_eval(data_dir: str | Path, *, seq_len: int, dp: int, micro_batch: int) -> None:

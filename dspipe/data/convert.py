@@ -23,6 +23,7 @@ import numpy as np
 from dspipe import outputs
 from dspipe.atomic import staged_dir
 from dspipe.data import megatron
+from dspipe.data.checks import check_tokenizer_dir
 from dspipe.data.shards import (
     FORMAT,
     FORMAT_VERSION,
@@ -60,6 +61,26 @@ def _copy_tokenizer(src: Path | None, dest: Path) -> bool:
     return True
 
 
+def _check_apart(out: Path, inputs: list[tuple[str, Path]]) -> None:
+    """Refuse an --out that is one of the inputs, holds one or lies inside one (symbolic links resolved): writing
+    it would replace or mix with what is being read. inputs: (what, path) of each file or directory read."""
+    real_out = Path(os.path.realpath(out))
+    for what, path in inputs:
+        real = Path(os.path.realpath(path))
+        shown = f"{what} {path}" + (f" (resolved: {real})" if str(real) != os.path.abspath(path) else "")
+        if real == real_out:
+            raise SpecError(
+                f"--out {out} is {shown} itself: replacing it would delete what convert-data reads; choose "
+                f"another --out"
+            )
+        if real_out in real.parents:
+            raise SpecError(
+                f"--out {out} contains {shown}: replacing it would delete what convert-data reads; choose another --out"
+            )
+        if real in real_out.parents:
+            raise SpecError(f"--out {out} lies inside {shown}; choose a --out outside it")
+
+
 def to_megatron(*, source: str | Path, out: str | Path, force: bool = False) -> dict:
     """A prepared directory -> OUT holding a Megatron dataset (OUT/text_document) and the tokenizer; returns
     {"prefix", "num_documents", "num_tokens", "dtype"}."""
@@ -69,8 +90,11 @@ def to_megatron(*, source: str | Path, out: str | Path, force: bool = False) -> 
             f"{source} is already a Megatron dataset; convert-data makes a dspipe directory of it with --out DIR"
         )
     out = outputs.target(out, flag="--out", expect="dir")
+    _check_apart(out, [("the source directory", Path(source))])
+    tok = check_tokenizer_dir(source, why="the Megatron output carries it as OUT/tokenizer", read=True)
     outputs.claim_dir(out, kind="data", replace=force)
-    dtype = megatron.writer_dtype(meta["vocab_size"])
+    vocab = meta["vocab_size"]
+    dtype = megatron.writer_dtype(vocab)
     with (
         outputs.parents(out),
         staged_dir(Path(os.path.abspath(out)), tag="convert-", errors=lambda: outputs.write_errors(out)) as tmp,
@@ -79,14 +103,16 @@ def to_megatron(*, source: str | Path, out: str | Path, force: bool = False) -> 
         try:
             for split in SPLITS:
                 if split in meta["splits"]:
-                    for toks, offsets in open_split(source, split, meta):
+                    shards = zip(meta["splits"][split]["shards"], open_split(source, split, meta), strict=True)
+                    for shard, (toks, offsets) in shards:
                         for piece, lengths in _documents(toks, offsets):
+                            _check_ids(piece, vocab=vocab, path=Path(source) / f"{shard['name']}.bin", source=source)
                             writer.add(piece, lengths)
             writer.close()
         except BaseException:
             writer.abort()
             raise
-        _copy_tokenizer(Path(source) / TOKENIZER_DIR, tmp / TOKENIZER_DIR)
+        _copy_tokenizer(tok, tmp / TOKENIZER_DIR)
         with outputs.write_errors(out):
             outputs.write_marker(tmp, kind="data")
     return {
@@ -95,6 +121,16 @@ def to_megatron(*, source: str | Path, out: str | Path, force: bool = False) -> 
         "num_tokens": writer.num_tokens,
         "dtype": dtype,
     }
+
+
+def _check_ids(piece: np.ndarray, *, vocab: int, path: Path, source) -> None:
+    """Every token id of a piece of a shard within meta.json's vocab_size."""
+    if piece.size and int(piece.max()) >= vocab:
+        raise SpecError(
+            f"{path} holds token id {int(piece.max()):,}, outside vocab_size {vocab:,} in "
+            f"{Path(source) / META_FILE}: the shards and meta.json disagree; re-run 'dspipe prepare-data --out "
+            f"{source} --force'"
+        )
 
 
 def from_megatron(
@@ -115,7 +151,22 @@ def from_megatron(
             f"without --append-eod?); a dspipe directory keeps an EOS after every document, so train on "
             f"the prefix itself (--data {prefix})"
         )
+    if meta["tokenizer_dir"] is None:
+        beside = megatron.tokenizer_beside(prefix)
+        raise SpecError(
+            f"Megatron dataset {prefix} has no tokenizer (no tokenizer.json in {beside}): a prepared directory "
+            f"records the tokenizer's vocab size and carries it; pass --tokenizer DIR (the Hugging Face tokenizer "
+            f"directory the data was tokenized with)"
+        )
     out = outputs.target(out, flag="--out", expect="dir")
+    _check_apart(
+        out,
+        [
+            ("the source's index", megatron.idx_path(prefix)),
+            ("the source's token file", megatron.bin_path(prefix)),
+            ("the source's tokenizer", Path(meta["tokenizer_dir"])),
+        ],
+    )
     outputs.claim_dir(out, kind="data", replace=force)
     vocab = meta["vocab_size"]
     dtype = token_dtype(vocab)

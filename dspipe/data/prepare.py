@@ -381,6 +381,15 @@ def _load_tokenizer(*, inputs: Inputs, tokenizer, train_tokenizer, sample_bytes,
     tok = train_bpe(_sample(counted(), sample_bytes=sample_bytes), vocab_size=train_tokenizer)
     if not seen:
         raise _empty_input(inputs)
+    if len(tok) < train_tokenizer:  # the trainer ran out of pairs to merge: say so, the vocab is not what was asked
+        from dspipe.log import get_logger
+
+        base = 256 + 1  # the byte alphabet and EOS
+        get_logger(__name__).info(
+            f"note: the BPE has {len(tok)} tokens, not the {train_tokenizer} asked for: its training text yields "
+            f"only {len(tok) - base} merges beyond the 256 byte tokens and EOS (every word in it is already one "
+            f"token); a larger or more varied input gives more"
+        )
     return tok, f"byte-level BPE trained on the input ({train_tokenizer} tokens)"
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dspipe.errors import SpecError
+from dspipe.errors import SpecError, cannot_read
 from dspipe.jsonio import dumps, read_object, show
 
 FORMAT = "dspipe-tokens"
@@ -353,15 +353,44 @@ def _check_split(split: str, info, *, fail: Callable[[str], None], count: Callab
 
 
 def _open_array(path: Path, *, magic: bytes, dtype: np.dtype, count: int, ident: bytes, what: str) -> np.memmap:
+    """The memory map of one shard file after the cheap checks (no read past its header): a regular file, its
+    header this format's (magic, version, item size, dataset id, item count) and its size the count's."""
+    fix = "re-run 'dspipe prepare-data --force' to rebuild it"
+    if os.path.isdir(path):
+        raise SpecError(f"{path} is a directory, not a file ({what} listed in {META_FILE}); {fix}")
+    if os.path.islink(path) and not os.path.exists(path):
+        raise SpecError(f"{path} is a broken symbolic link (to {os.readlink(path)}; {what} listed in {META_FILE})")
     if not path.is_file():
-        raise SpecError(f"{path} is missing ({what} listed in {META_FILE})")
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(HEADER.size)
-    if len(head) < HEADER.size or head[:8] != magic:
-        raise SpecError(f"{path} is not a dspipe {what} (bad header): the file is truncated or foreign")
+        kind = "missing" if not os.path.lexists(path) else "not a regular file"
+        raise SpecError(f"{path} is {kind} ({what} listed in {META_FILE})")
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(HEADER.size)
+    except OSError as e:
+        raise cannot_read(path, e) from None
+    if len(head) < HEADER.size:
+        raise SpecError(
+            f"{path} has {size} bytes, less than a dspipe {what}'s {HEADER.size}-byte header: the file is truncated; "
+            f"{fix}"
+        )
+    if head[:8] != magic:
+        raise SpecError(
+            f"{path} is not a dspipe {what} (it starts with {head[:8]!r}, not {magic!r}): the file is damaged or "
+            f"foreign; {fix}"
+        )
     _, version, itemsize, n, file_ident = HEADER.unpack(head)
-    if file_ident != ident or version != FORMAT_VERSION or itemsize != dtype.itemsize:
+    if version != FORMAT_VERSION:
+        raise SpecError(
+            f"{path}: its header says format version {version}, want {FORMAT_VERSION}: the header is damaged, or "
+            f"the file is of another dspipe; {fix}"
+        )
+    if itemsize != dtype.itemsize:
+        raise SpecError(
+            f"{path}: its header says {itemsize}-byte items, {META_FILE} implies {dtype.itemsize} ({dtype.name}): the "
+            f"header is damaged, or the file is foreign; {fix}"
+        )
+    if file_ident != ident:
         raise SpecError(
             f"{path} belongs to another prepared dataset (id {file_ident.hex()}, {META_FILE} says "
             f"{ident.hex()}): the file is foreign"
@@ -407,5 +436,12 @@ def open_split(data_dir: str | Path, split: str, meta: dict | None = None) -> li
             ident=ident,
             what="document index",
         )
+        first, last = (int(offsets[0]), int(offsets[-1])) if offsets.size else (0, 0)
+        if (first, last) != (0, shard["num_tokens"]):
+            raise SpecError(
+                f"{data_dir / (shard['name'] + '.idx')}: its document offsets run {first}..{last}, want "
+                f"0..{shard['num_tokens']} (the shard's tokens in {META_FILE}): the index is damaged; re-run "
+                f"'dspipe prepare-data --force' to rebuild it"
+            )
         shards.append((tokens, offsets))
     return shards

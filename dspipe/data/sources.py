@@ -9,6 +9,7 @@ that is not UTF-8.
 
 from __future__ import annotations
 
+import errno
 import glob
 import hashlib
 import os
@@ -94,6 +95,11 @@ def resolve_inputs(
     files: list[Path] = []
     hub = None
     for spec in specs:
+        if not spec.strip():
+            raise SpecError(
+                f"input {spec!r} is empty: give a file, glob, directory or Hugging Face dataset name (an empty "
+                f"string is not the current directory; pass . for that)"
+            )
         path = Path(spec)
         if any(c in spec for c in "*?["):
             matches = sorted(Path(m) for m in glob.glob(spec, recursive=True))
@@ -112,6 +118,8 @@ def resolve_inputs(
             files += found
         elif path.is_file():
             files.append(path)
+        elif os.path.lexists(spec):  # there, but neither a file nor a directory: never a hub name
+            raise _not_readable(spec)
         elif HUB_NAME.match(spec) and not spec.startswith("."):
             hub = spec
         else:
@@ -120,6 +128,54 @@ def resolve_inputs(
         raise SpecError(f"give local files or one dataset name, not both ({hub!r} is not a local path)")
     label = hub or (specs[0] if len(specs) == 1 else f"{specs[0]} + {len(specs) - 1} more")
     return Inputs(files=tuple(files), hub=hub, skip_bad=skip_bad, label=label, **common)
+
+
+def _not_readable(spec: str) -> SpecError:
+    """The one line for an input path that exists but is no file or directory to read: a symbolic link that loops
+    or points nowhere, a socket, a device..."""
+    if os.path.islink(spec):
+        try:
+            os.stat(spec)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                return SpecError(
+                    f"input {spec} is a symbolic link that loops (to {os.readlink(spec)}, {e.strerror}); give the "
+                    f"real path"
+                )
+            return SpecError(
+                f"input {spec} is a broken symbolic link (to {os.readlink(spec)}: {e.strerror}); give the real path"
+            )
+    return SpecError(f"input {spec} is neither a regular file nor a directory; give a file, glob or directory")
+
+
+def check_out_apart(specs: list[str], inputs: Inputs, outs: list[Path], *, flag: str = "--out") -> None:
+    """Refuse an output directory that is an input directory, lies inside one (a re-run would read its own output)
+    or holds an input file (it is replaced); symbolic links resolved. outs: the output and any staging directory
+    beside it."""
+    if inputs.hub:
+        return
+    dirs = [(spec, Path(os.path.realpath(spec))) for spec in specs if Path(spec).is_dir()]
+    for out in outs:
+        real_out = Path(os.path.realpath(out))
+        for spec, real in dirs:
+            if real == real_out:
+                raise SpecError(f"{flag} {outs[0]} is input directory {spec} itself; choose a {flag} outside the input")
+            if real in real_out.parents:
+                raise SpecError(
+                    f"{flag} {outs[0]} lies inside input directory {spec}: a re-run would read its own output as "
+                    f"input; choose a {flag} outside {spec}"
+                )
+        if not os.path.isdir(real_out):  # no input file can lie inside a directory that is not there
+            continue
+        parents: dict[str, str] = {}
+        for f in inputs.files:  # the file's own name kept: a link inside --out is replaced with it
+            parent = os.path.dirname(os.path.abspath(f))
+            if parent not in parents:
+                parents[parent] = os.path.realpath(parent)
+            if Path(real_out) == Path(parents[parent]) or real_out in Path(parents[parent]).parents:
+                raise SpecError(
+                    f"input {f} lies inside {flag} {outs[0]}, which prepare-data replaces; choose another {flag}"
+                )
 
 
 def read_through(path: Path, chunk: int = 1 << 24) -> None:
@@ -232,7 +288,56 @@ def _load_hub(inputs: Inputs):
         ) from None
 
 
-def _column_texts(ds, field_: str, source: str) -> Iterator[str]:
+JSON_KINDS = {
+    list: "a JSON array",
+    str: "a JSON string",
+    int: "a JSON number",
+    float: "a JSON number",
+    bool: "a JSON true/false",
+    type(None): "JSON null",
+}
+
+
+def _non_object(path: Path, field_: str) -> SpecError | None:
+    """Why a .jsonl/.json file is not records (JSON objects), naming the first line or record that is not one; None
+    where every one is an object (or the file does not parse: datasets' message stands). Run only once reading the
+    file failed, so a good file is never read twice."""
+    import json
+
+    want = f"not an object: each record must be a JSON object with its text in field {field_!r}"
+    try:
+        if path.suffix.lower() == ".jsonl":
+            with open(path, encoding="utf-8") as f:
+                for n, line in enumerate(f, 1):
+                    if line.strip():
+                        value = json.loads(line)
+                        if not isinstance(value, dict):
+                            return SpecError(f"{path}: line {n} is {JSON_KINDS.get(type(value), 'not JSON')}, {want}")
+            return None
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (OSError, ValueError, RecursionError):
+        return None
+    rows = value if isinstance(value, list) else [value]
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            where = f"record {i} of its top-level array" if isinstance(value, list) else "its top-level value"
+            return SpecError(f"{path}: {where} is {JSON_KINDS.get(type(row), 'not JSON')}, {want}")
+    return None
+
+
+def _column_texts(ds, field_: str, source: str, files: list[Path] = ()) -> Iterator[str]:
+    try:
+        yield from _texts(ds, field_, source)
+    except SpecError:
+        json_files = [f for f in files if _builder(f) == "json"]
+        better = _non_object(json_files[0], field_) if len(json_files) == 1 else None
+        if better is not None:
+            raise better from None
+        raise
+
+
+def _texts(ds, field_: str, source: str) -> Iterator[str]:
     columns = ds.column_names
     if columns is not None and field_ not in columns:
         raise SpecError(f"no field {field_!r} in {source} (fields: {', '.join(columns)}); pass --text-field NAME")
@@ -337,7 +442,7 @@ def documents(inputs: Inputs, *, max_bytes: int | None = None, first_within: int
             if (good := _checked(group, inputs))
         )
     for ds, field_, source, files in streams:
-        for text in _column_texts(ds, field_, source):
+        for text in _column_texts(ds, field_, source, files):
             if keep(text):
                 size = len(text.encode("utf-8")) if max_bytes is not None or first_within is not None else 0
                 if first_within is not None and size > first_within:

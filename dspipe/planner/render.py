@@ -11,7 +11,7 @@ from typing import Any
 import jinja2
 import jinja2.meta
 
-from dspipe.errors import SpecError
+from dspipe.errors import SpecError, file_problem
 from dspipe.jsonio import read_object
 from dspipe.planner.ds_preset import PresetImport, import_preset, read_preset, scheduler_block
 from dspipe.planner.ds_schema import DEFAULTS, Sources, build, derived
@@ -155,7 +155,10 @@ def preset_path(name_or_path: str) -> Path:
     if name_or_path in preset_names():
         return DS_PRESETS / f"{name_or_path}.json"
     path = Path(name_or_path)
-    if path.suffix != ".json" or not path.is_file():
+    problem = file_problem(path) if path.suffix == ".json" else None
+    if problem and problem != "does not exist":
+        raise SpecError(f"DeepSpeed preset {name_or_path} {problem} (--preset: a name or a .json file)")
+    if path.suffix != ".json" or problem:
         raise SpecError(
             f"unknown DeepSpeed preset {name_or_path!r}; valid: {', '.join(preset_names())} (or a path to a .json file)"
         )

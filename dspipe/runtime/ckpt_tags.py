@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dspipe.errors import SpecError, cannot_read
+from dspipe.errors import SpecError, cannot_read, file_problem
 from dspipe.runtime.reshard import UNIVERSAL_PREFIX
 
 META_FILE = "dspipe.json"
@@ -88,14 +88,18 @@ def write_atomic(path: Path, text: str) -> None:
         os.close(fd)
 
 
-def find_checkpoint(ckpt_dir: Path, resume: str) -> Path | None:
+def find_checkpoint(ckpt_dir: Path, resume: str, *, hint: str = "") -> Path | None:
     """The checkpoint `--resume` names: 'auto' = the newest complete one (None if there is none), else a tag
-    under ckpt_dir or a path. A missing or partial checkpoint is a SpecError."""
+    under ckpt_dir or a path. A missing or partial checkpoint is a SpecError. `hint`: what to do about a bad
+    `latest` (default: give --resume a complete checkpoint)."""
     ckpt_dir = Path(ckpt_dir)
+    hint = hint or f"give --resume a complete checkpoint under {ckpt_dir}"
     if resume == "auto":
         latest = ckpt_dir / LATEST_FILE
+        if latest.is_dir() or latest.is_symlink() and not latest.exists():
+            raise SpecError(f"{latest} {file_problem(latest)}: it should name the newest checkpoint; {hint}")
         if latest.is_file():
-            tag = read_latest(ckpt_dir)
+            tag = read_latest(ckpt_dir, hint=hint)
             if not is_complete(ckpt_dir / tag):
                 raise SpecError(
                     f"{latest} names {tag!r}, which is missing or incomplete; pass --resume "
@@ -116,8 +120,9 @@ def find_checkpoint(ckpt_dir: Path, resume: str) -> Path | None:
     return path
 
 
-def read_latest(ckpt_dir: Path) -> str:
-    """The tag `latest` names: a global_stepN name (never a path), or a SpecError naming the file."""
+def read_latest(ckpt_dir: Path, *, hint: str = "") -> str:
+    """The tag `latest` names: a global_stepN name (never a path), or a SpecError naming the file and ending with
+    `hint` (default: give --resume a complete checkpoint)."""
     latest = Path(ckpt_dir) / LATEST_FILE
     try:
         tag = latest.read_bytes().decode("utf-8").strip()
@@ -127,8 +132,6 @@ def read_latest(ckpt_dir: Path) -> str:
         raise cannot_read(latest, e) from None
     if tag is None or not TAG_RE.match(tag):
         shown = "bytes that are not UTF-8" if tag is None else repr(tag[:40])
-        raise SpecError(
-            f"{latest} names {shown}, not a checkpoint tag global_stepN; give --resume a complete "
-            f"checkpoint under {ckpt_dir}"
-        )
+        hint = hint or f"give --resume a complete checkpoint under {ckpt_dir}"
+        raise SpecError(f"{latest} names {shown}, not a checkpoint tag global_stepN; {hint}")
     return tag

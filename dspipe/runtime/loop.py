@@ -11,6 +11,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+from dspipe.atomic import write_file
 from dspipe.data.blend import make_loader, open_sources
 from dspipe.data.blend import parse as parse_data
 from dspipe.errors import RunHalted, SpecError
@@ -470,8 +471,8 @@ def _startup_report(run: Run, *, eng, clock: StartupClock, guarded: bool, rank: 
         host_is_device=str(eng.device).startswith("cpu"),
     )
     if rank == 0:
-        run.engine_path.write_text(
-            engine_text(eng.settings, guarded=guarded, startup=startup, what=str(run.engine_path))
+        write_file(  # whole or not at all: report and calibrate --from-run read it while the run goes on
+            run.engine_path, engine_text(eng.settings, guarded=guarded, startup=startup, what=str(run.engine_path))
         )
     note(
         f"dspipe: start-up ({startup.mode} build): peak host RSS {max(startup.peak_rss_mib):,.0f} MiB on the "

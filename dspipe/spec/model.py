@@ -15,6 +15,7 @@ from dspipe.spec.settings import setting
 from dspipe.spec.values import MLPS, NORMS, POSITIONS, ROPE_SCALINGS, ROUTER_SCORES
 
 MOE_ONLY = (
+    "experts_per_token",
     "expert_ffn",
     "shared_experts",
     "router_score",

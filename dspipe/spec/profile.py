@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from dspipe.errors import SpecError
-from dspipe.jsonio import read_object
-from dspipe.spec.hardware import GpuType
+from dspipe.jsonio import read_object, show
+from dspipe.spec.hardware import GpuType, gpu_names, names_text
 
 PROFILE_FORMAT = "dspipe-profile"
 PROFILE_VERSION = 2
@@ -187,6 +187,8 @@ def profile_from_dict(data: object, *, where: str) -> Profile:
             raise SpecError(f"{where}: figures.{name} must be {allowed}, got {value!r}")
         assert isinstance(value, (int, float))  # _in_range checked it
         values[name] = float(value)
+    if values["gpu"] not in gpu_names():
+        raise SpecError(f"{where}: gpu {values['gpu']!r} is not a catalog GPU type ({names_text()})")
     if values["dtype"] not in DTYPES:
         raise SpecError(f"{where}: dtype must be one of {', '.join(DTYPES)}, got {values['dtype']!r}")
     if values["ranks"] > 1 and (values["allreduce_busbw_gbps"] is None or values["allreduce_latency_s"] is None):
@@ -213,16 +215,23 @@ def _jit_figure(value: object, *, where: str) -> tuple[tuple[str, float], ...]:
     return tuple((k, float(v)) for k, v in value.items())
 
 
+def _correction(term: object, value: object) -> bool:
+    return term in CORRECTION_TERMS and _in_range(value, bounds=CORRECTION_RANGE)
+
+
 def _run_fields(data: dict[str, Any], *, where: str) -> dict[str, Any]:
     """corrections, runs and measured_by (absent in version 1 files: none, 0, 'calibrate')."""
     out: dict[str, Any] = {}
     corrections = data.get("corrections", {})
-    if not isinstance(corrections, dict) or not all(
-        k in CORRECTION_TERMS and _in_range(v, bounds=CORRECTION_RANGE) for k, v in corrections.items()
-    ):
+    bad = (
+        [f"{show(k)}: {show(v)}" for k, v in corrections.items() if not _correction(k, v)]
+        if isinstance(corrections, dict)
+        else [show(corrections)]
+    )
+    if bad:
         raise SpecError(
             f"{where}: corrections must be an object of {', '.join(CORRECTION_TERMS)} -> a number in "
-            f"{CORRECTION_RANGE[0]:g}..{CORRECTION_RANGE[1]:g}, got {corrections!r}"
+            f"{CORRECTION_RANGE[0]:g}..{CORRECTION_RANGE[1]:g}, got {bad[0]}"
         )
     out["corrections"] = tuple((k, float(v)) for k, v in corrections.items())
     runs = data.get("runs", 0)

@@ -33,13 +33,13 @@ def resolve_checkpoint(path: str | Path) -> Path:
         from dspipe.rundir import load_run
 
         ckpt_dir = load_run(path).checkpoint_dir  # validated like every run directory dspipe reads
-        latest = ckpt_dir / ckpt_tags.LATEST_FILE
-        if latest.is_file() and not ckpt_tags.is_complete(ckpt_dir / ckpt_tags.read_latest(ckpt_dir)):
-            raise SpecError(
-                f"{latest} names {ckpt_tags.read_latest(ckpt_dir)!r}, which is missing or incomplete; "
-                f"give a complete checkpoint under {ckpt_dir}"
-            )
         found = ckpt_tags.complete_checkpoints(ckpt_dir)
+        tag = _latest_tag(ckpt_dir, newest=found[-1][1] if found else None)
+        if tag is not None and not ckpt_tags.is_complete(ckpt_dir / tag):
+            raise SpecError(
+                f"{ckpt_dir / ckpt_tags.LATEST_FILE} names {tag!r}, which is missing or incomplete; "
+                f"{_give_checkpoint(ckpt_dir, found[-1][1] if found else None)}"
+            )
         if not found:
             raise SpecError(f"run {path} has no complete checkpoint under {ckpt_dir}")
         return found[-1][1]
@@ -54,6 +54,26 @@ def resolve_checkpoint(path: str | Path) -> Path:
     raise SpecError(
         f"{path} is neither a dspipe checkpoint (no {ckpt_tags.META_FILE}) nor a run directory (no {DS_CONFIG_FILE})"
     )
+
+
+def _give_checkpoint(ckpt_dir: Path, newest: Path | None) -> str:
+    """What to pass instead of the run directory whose `latest` cannot be used (export-hf and generate take a
+    checkpoint directory; they have no --resume)."""
+    example = newest if newest is not None else ckpt_dir / "global_stepN"
+    return f"give a complete checkpoint directory instead of the run directory, e.g. {example}"
+
+
+def _latest_tag(ckpt_dir: Path, *, newest: Path | None) -> str | None:
+    """The tag checkpoints/latest names (None: no such file); a directory there, or a file that names no tag, is a
+    SpecError naming it, as the runner's reader (dspipe.runtime.ckpt_tags.read_latest) refuses such a file."""
+    latest = ckpt_dir / ckpt_tags.LATEST_FILE
+    if not latest.exists() and not latest.is_symlink():
+        return None
+    if latest.is_dir():
+        raise SpecError(
+            f"{latest} is a directory, not the file naming the newest checkpoint; {_give_checkpoint(ckpt_dir, newest)}"
+        )
+    return ckpt_tags.read_latest(ckpt_dir, hint=_give_checkpoint(ckpt_dir, newest))
 
 
 def tokenizer_dir(checkpoint: Path) -> Path:

@@ -79,8 +79,34 @@ def next_token(logits, *, sampling: Sampling, generator) -> int:
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+def check_fits(*, prompt_tokens: int, sampling: Sampling, context: int, vocab: int) -> None:
+    """Refuse a prompt longer than the model's context (it would be cut before the first new token; transformers
+    refuses such input too). Notes, one line each: a --top-k above the vocabulary samples from all of it (as
+    transformers clamps it), and a prompt that leaves less room than --max-tokens is continued with a sliding window
+    (past the context, each new token sees the last `context` tokens)."""
+    from dspipe.log import get_logger
+
+    if prompt_tokens > context:
+        raise SpecError(
+            f"the prompt is {prompt_tokens:,} tokens, more than the model's context of {context:,}: shorten it "
+            f"(nothing is truncated)"
+        )
+    if sampling.top_k > vocab:
+        get_logger(__name__).info(
+            f"note: --top-k {sampling.top_k:,} is more than the model's vocabulary of {vocab:,} tokens: sampling "
+            f"from all of them (as --top-k 0)"
+        )
+    if prompt_tokens + sampling.max_tokens > context:
+        get_logger(__name__).info(
+            f"note: the prompt's {prompt_tokens:,} token(s) + --max-tokens {sampling.max_tokens:,} = "
+            f"{prompt_tokens + sampling.max_tokens:,} exceed the model's context of {context:,}: past it, each new "
+            f"token sees only the last {context:,} tokens (a sliding window)"
+        )
+
+
 def sample(model: Model, prompt_ids: list[int], *, sampling: Sampling) -> list[int]:
-    """The new token ids: stop at EOS (not included) or after max_tokens; the context is cropped to its length."""
+    """The new token ids: stop at EOS (not included) or after max_tokens. The prompt must fit the context and
+    --top-k the vocabulary (check_fits); past the context the model sees its last `context` tokens."""
     import torch
 
     tok = model.tokenizer
@@ -88,6 +114,7 @@ def sample(model: Model, prompt_ids: list[int], *, sampling: Sampling) -> list[i
     ids = list(prompt_ids) or ([] if eos is None else [eos])  # an empty prompt starts from a document boundary
     if not ids:
         raise SpecError("--prompt is empty and the tokenizer has no end-of-text token to start from; give a prompt")
+    check_fits(prompt_tokens=len(ids), sampling=sampling, context=model.context, vocab=vocab)
     generator = torch.Generator().manual_seed(sampling.seed)
     new: list[int] = []
     with torch.inference_mode():
@@ -123,11 +150,29 @@ def _load_hf(path: Path) -> Model:
     quiet_transformers()
     context = hf_context(path)
     tokenizer = load_tokenizer(path)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(str(path)).eval()
+    try:  # mismatched shapes are loaded (re-initialised) and refused below, with the shapes
+        model, info = AutoModelForCausalLM.from_pretrained(
+            str(path), ignore_mismatched_sizes=True, output_loading_info=True
+        )
     except Exception as e:  # OSError, ValueError, KeyError, safetensors errors, ... on a damaged directory
         raise SpecError(f"cannot load the Hugging Face model in {path}: {' '.join(str(e).split())[:300]}") from None
+    check_shapes(path, list(info.get("mismatched_keys") or ()))
+    model.eval()
     return Model(logits=lambda ids: model(ids).logits, context=context, tokenizer=tokenizer)
+
+
+def check_shapes(path: Path, mismatched: list) -> None:
+    """Refuse weights whose shapes differ from the ones config.json gives (transformers' mismatched_keys:
+    (name, shape in the weights, shape by config.json)), naming the first and how many."""
+    if not mismatched:
+        return
+    mismatched = sorted(mismatched, key=lambda m: str(m[0]))  # a set in transformers 5
+    name, saved, wanted = mismatched[0]
+    more = f" (and {len(mismatched) - 1} more)" if len(mismatched) > 1 else ""
+    raise SpecError(
+        f"{path / HF_CONFIG} does not match the weights: {name} is {list(saved)} in the weights but "
+        f"{list(wanted)} by {HF_CONFIG}{more}; restore {HF_CONFIG} or export the model again"
+    )
 
 
 def hf_context(path: Path) -> int:

@@ -12,6 +12,7 @@ no display). The report directory is written beside its destination, then rename
 from __future__ import annotations
 
 import csv
+import io
 import math
 import re
 import statistics
@@ -22,6 +23,7 @@ from dspipe import outputs
 from dspipe.atomic import staged_dir
 from dspipe.errors import SpecError, cannot_read
 from dspipe.jsonio import read_object
+from dspipe.log import get_logger
 from dspipe.planner.throughput import STEP_COLUMNS, VAL_COLUMNS, perplexity
 from dspipe.run_estimate import RunEstimate
 from dspipe.rundir import ENGINE_FILE, VAL_FILE, Run, load_engine, load_run
@@ -100,38 +102,67 @@ def _parse(value: str | None, column: str, where: str):
     return number
 
 
-def read_csv(path: Path, *, columns: tuple[str, ...], required: tuple[str, ...]) -> list[dict]:
-    """Rows sorted by step, one per step (a later row for a step replaces an earlier one, as after a resume).
-    Columns of `columns` that the file lacks read as None; a truncated last line (a write in progress) is dropped."""
+def _csv_text(path: Path) -> str:
+    """The file's text, or one SpecError: a directory, an unreadable file, bytes that are not UTF-8."""
+    if path.is_dir():
+        raise SpecError(f"{path} is a directory, not a CSV file (the runner writes it as a file)")
     try:
-        with open(path, newline="", encoding="utf-8") as f:
-            reader = csv.DictReader(f)
-            header = reader.fieldnames or []
-            missing = [c for c in required if c not in header]
-            if header and missing:
-                raise SpecError(f"{path}: no column {', '.join(missing)} in the header (expected {','.join(columns)})")
-            raw = [(reader.line_num, row) for row in reader]
-    except (UnicodeDecodeError, csv.Error) as e:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
         raise SpecError(f"{path} is not a readable CSV file: {' '.join(str(e).split())}") from None
     except OSError as e:
         raise cannot_read(path, e) from None
-    by_step: dict[int, dict] = {}
-    for i, (line, row) in enumerate(raw):
-        if None in row.values() and i == len(raw) - 1:
-            break  # fewer fields than the header: the runner is writing this line right now
+
+
+def read_csv(path: Path, *, columns: tuple[str, ...], required: tuple[str, ...]) -> list[dict]:
+    """The rows, in step order, as the runner writes them (dspipe.runtime.metrics_log): every row one whole line
+    with the header's fields, the steps increasing (a resume rewrites the file to the steps it keeps before it
+    appends). Columns of `columns` that the file lacks read as None. A last line without its newline is one the
+    runner is writing right now (or was killed while writing): it is left out, with a note. Any other short or long
+    row, or a step not above the one before it, is a SpecError naming the line."""
+    text = _csv_text(path)
+    cut = text.rfind("\n") + 1
+    complete, torn = text[:cut], text[cut:]
+    try:
+        reader = csv.DictReader(io.StringIO(complete, newline=""))
+        header = reader.fieldnames or []
+        missing = [c for c in required if c not in header]
+        if header and missing:
+            raise SpecError(f"{path}: no column {', '.join(missing)} in the header (expected {','.join(columns)})")
+        raw = [(reader.line_num, row) for row in reader]
+    except csv.Error as e:
+        raise SpecError(f"{path} is not a readable CSV file: {' '.join(str(e).split())}") from None
+    if torn.strip() and header:
+        line = complete.count("\n") + 1
+        get_logger(__name__).info(
+            f"note: {path}:{line}: the last line has no newline (the runner is writing it, or was stopped while "
+            f"writing it): left out"
+        )
+    rows: list[dict] = []
+    last_line = 0
+    for line, row in raw:
         if None in row:  # csv.DictReader's key for the fields beyond the header's
             raise SpecError(f"{path}:{line}: {len(header) + len(row[None])} fields, the header has {len(header)}")
+        if None in row.values():
+            given = sum(v is not None for v in row.values())
+            raise SpecError(f"{path}:{line}: {given} field(s), the header has {len(header)}")
         parsed = {c: _parse(row.get(c), c, f"{path}:{line}") for c in columns}
         if any(parsed[c] is None for c in required):
             raise SpecError(f"{path}:{line}: empty {', '.join(c for c in required if parsed[c] is None)}")
-        by_step[parsed["step"]] = parsed
-    return [by_step[s] for s in sorted(by_step)]
+        if rows and parsed["step"] <= rows[-1]["step"]:
+            raise SpecError(
+                f"{path}:{line}: step {parsed['step']} after step {rows[-1]['step']} (line {last_line}): the "
+                f"runner writes each step once, in increasing order"
+            )
+        rows.append(parsed)
+        last_line = line
+    return rows
 
 
 def read_metrics(run: Run) -> tuple[list[dict], list[dict]]:
     """(step rows, validation rows); one-line errors when there is nothing to report yet."""
     path = run.metrics_path
-    if not path.is_file():
+    if not path.exists() and not path.is_symlink():
         raise SpecError(
             f"{path} does not exist: no step of {run.path} has finished yet "
             f"(start it with 'deepspeed run.py --run {run.path}')"
@@ -143,7 +174,8 @@ def read_metrics(run: Run) -> tuple[list[dict], list[dict]]:
         if row["tokens"] is None:
             row["tokens"] = row["step"] * run.plan.tokens_per_step
     val_path = run.val_metrics_path
-    val = read_csv(val_path, columns=VAL_COLUMNS, required=("step", "val_loss")) if val_path.is_file() else []
+    exists = val_path.exists() or val_path.is_symlink()
+    val = read_csv(val_path, columns=VAL_COLUMNS, required=("step", "val_loss")) if exists else []
     for row in val:
         if row["tokens"] is None:
             row["tokens"] = row["step"] * run.plan.tokens_per_step

@@ -87,7 +87,9 @@ def world(tmp_path, template, corpus):
         rows = csv.writer(f)
         rows.writerow(STEP_COLUMNS)
         for step in range(1, 7):
-            rows.writerow([step, step * 1024, 6 - step / 10, 1e-3, 1.0, 1000, 16, 1.0, 0.1, 0.5, 0.6, 0.1, 0])
+            rows.writerow(
+                [step, step * 1024, 6 - step / 10, 1e-3, 1.0, 1000, 16, 1.0, 0.1, 0.5, 0.6, 0.1, 0, 0.03, 0.06, 0.01]
+            )
     (run / "checkpoints" / "global_step6").mkdir(parents=True)
     (run / "checkpoints" / "global_step6" / "mp_rank_00_model_states.pt").write_bytes(b"weights")
     (run / "checkpoints" / "latest").write_text("global_step6")

@@ -378,6 +378,10 @@ BAD_FILES = {
         "train: duplicate section (line 3; first on line 1)",
     ),
     "recursive alias": ("train: &x {steps: *x}\n", "train.steps: expected an integer or null, got a mapping"),
+    "nested too deeply": (
+        "train: " + "[" * 600 + "]" * 600 + "\n",
+        "not a config file: nested too deeply for the YAML parser (--config)",
+    ),
     "does not parse": (
         "train:\n  steps: [5\n",
         "not valid YAML: expected ',' or ']', but got '<stream end>' (line 3, column 1)",
@@ -508,3 +512,18 @@ def test_the_tiny_example_writes_a_run(tmp_path, capsys, monkeypatch, corpus):
     run = load_run(tmp_path / "run")
     assert (run.model.name, run.cluster.world_size, run.train.steps, run.train.lr) == ("tiny", 2, 300, 3e-3)
     assert run.data == str(corpus)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "foo"], "unknown model preset 'foo'"),
+        (["--model", "tiny", "--lr", "nan"], "train.lr must be positive, got nan"),
+        (["--model", "tiny", "--layers", "-1"], "layers"),
+    ],
+)
+def test_print_config_refuses_what_the_command_would(args, message, capsys):
+    """--print-config prints a file the command would accept, or the command's own one-line error (exit 2)."""
+    code = run_cli("plan", *args, "--gpu", "cpu", "--print-config")
+    captured = capsys.readouterr()
+    assert code == 2 and captured.out == "" and captured.err.count("\n") == 1 and message in captured.err, captured

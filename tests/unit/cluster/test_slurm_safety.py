@@ -3,6 +3,7 @@
 the run had finished, and hostile values (newlines, ';', '$()') never become commands. Also `dspipe launch`'s
 --resume/--restart pass-through and the world-size advice."""
 
+import contextlib
 import os
 import shlex
 import signal
@@ -65,6 +66,20 @@ def job(tmp_path_factory):
         (fake / name).write_text(text)
         (fake / name).chmod(0o755)
     return root
+
+
+@contextlib.contextmanager
+def complete_checkpoints(job: Path, *tags: str):
+    """Complete checkpoints (their dspipe.json) of the run for the test's duration: what --resume TAG must name."""
+    made = [job / "runs" / HOSTILE / "checkpoints" / tag for tag in tags]
+    for tag in made:
+        tag.mkdir(parents=True)
+        (tag / "dspipe.json").write_text("{}")
+    try:
+        yield
+    finally:
+        for tag in made:
+            subprocess.run(["rm", "-rf", str(tag)], check=True)
 
 
 def script(job: Path, name: str, *flags) -> Path:
@@ -176,7 +191,9 @@ def test_a_run_that_ends_by_itself_is_not_requeued(job):
     ],
 )
 def test_resume_choice_applies_to_the_first_start_only(job, flags, restarts, expected):
-    rc, logs = run_job(job, script(job, "e.sbatch", *flags), env={"FAKE_DONE": "1", "SLURM_RESTART_COUNT": restarts})
+    with complete_checkpoints(job, "global_step2"):
+        path = script(job, "e.sbatch", *flags)
+    rc, logs = run_job(job, path, env={"FAKE_DONE": "1", "SLURM_RESTART_COUNT": restarts})
     assert rc == 0, logs
     args = logs["args"].splitlines()
     assert args[args.index("FOO=a;b") + 1 :] == expected
@@ -267,7 +284,8 @@ def launch_argv(job: Path, *flags) -> list[str]:
 def test_launch_passes_resume_choices_through(job):
     assert launch_argv(job)[-2:] == ["--run", f"runs/{HOSTILE}"]  # nothing given: the runner's default (auto)
     assert launch_argv(job, "--restart")[-3:] == ["--run", f"runs/{HOSTILE}", "--restart"]
-    assert launch_argv(job, "--resume", "global_step4")[-2:] == ["--resume", "global_step4"]
+    with complete_checkpoints(job, "global_step4"):
+        assert launch_argv(job, "--resume", "global_step4")[-2:] == ["--resume", "global_step4"]
     assert launch_argv(job, "--resume", "auto")[-2:] == ["--resume", "auto"]
     r = dspipe("launch", f"runs/{HOSTILE}", "--dry-run", "--resume", "auto", "--restart", cwd=job)
     assert r.returncode == 2 and r.stderr.strip() == (

@@ -301,9 +301,9 @@ def test_prepare_data_format_megatron_reads_back_in_megatron_core(tmp_path, corp
     assert (back / "tokenizer" / "tokenizer.json").read_bytes() == (tok / "tokenizer.json").read_bytes()
 
 
-def test_a_megatron_prefix_round_trips_byte_for_byte(tmp_path, mdata):
+def test_a_megatron_prefix_round_trips_byte_for_byte(tmp_path, mdata, corpus):
     d, m = tmp_path / "d", tmp_path / "m"
-    assert run_cli("convert-data", mdata, "--out", d) == 0
+    assert run_cli("convert-data", mdata, "--out", d, "--tokenizer", corpus / "tokenizer") == 0  # ids < 1000 < 1024
     assert run_cli("convert-data", d, "--out", m) == 0
     for ext in (".bin", ".idx"):
         assert Path(f"{mdata}{ext}").read_bytes() == (m / f"text_document{ext}").read_bytes()

@@ -108,6 +108,8 @@ def test_profile_round_trips_through_its_file(tmp_path):
         (lambda d: d.update(ranks=0), "ranks must be a positive integer, got 0"),
         (lambda d: d.update(gpu=""), "gpu must be a one-line non-empty string"),
         (lambda d: d.update(extra=1), "unknown profile key extra"),
+        (lambda d: d.update(gpu="tpu"), "gpu 'tpu' is not a catalog GPU type (cpu, "),
+        (lambda d: d.update(corrections={"magic": 1.0}, runs=1), "-> a number in 0.001..1000, got 'magic': 1.0"),
     ],
 )
 def test_bad_profiles_are_one_line_exit_2(tmp_path, capsys, edit, message):
@@ -136,6 +138,14 @@ def test_profile_not_json_missing_or_for_another_gpu(tmp_path, capsys):
         assert run_cli("plan", *DEMO, *CPU2, *args) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0], err
+
+
+def test_a_profile_with_a_key_twice_is_refused_in_one_line(tmp_path, capsys):
+    path = tmp_path / "dup.json"
+    path.write_text(profile_text(a_profile()).replace('"version": 2,', '"version": 2, "version": 1,', 1))
+    assert run_cli("plan", *DEMO, *CPU2, "--profile", path) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{path} is not valid: key 'version' given twice in one JSON object" in err[0], err
 
 
 def test_a_profile_holding_nan_is_refused_in_one_line(tmp_path, capsys):

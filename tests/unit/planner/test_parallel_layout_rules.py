@@ -313,5 +313,6 @@ def test_monitor_names_must_be_printable_one_line_names(tmp_path, capsys, monkey
         for bad in ("", "a\nb"):
             code = run_cli("gen-config", *CPU, "--gpus-per-node", "2", flag, bad, "--out", tmp_path / "run")
             err = capsys.readouterr().err
-            assert code == 2 and "must be a name: 1-128 printable characters" in err and err.count("\n") == 1, err
+            why = "'' is empty: give a value" if bad == "" else "must be a name: 1-128 printable characters"
+            assert code == 2 and why in err and err.count("\n") == 1, err
     assert list(tmp_path.iterdir()) == []

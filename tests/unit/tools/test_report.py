@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 
+from dspipe.errors import SpecError
 from dspipe.planner.throughput import STEP_COLUMNS, VAL_COLUMNS
 from dspipe.spec.hardware import GIB
 from dspipe.tools.report import write_report
@@ -176,22 +177,37 @@ def test_cpu_run_without_validation_and_few_steps(run, tmp_path):
     assert not (run / "report").exists()
 
 
-def test_resumed_rows_and_an_older_runner_format(run):
-    """A later row for a step wins (resume), rows are sorted, a half-written last line is ignored; a metrics.csv
-    without tokens (the runner before this column) gets tokens = step x tokens per step."""
+def test_a_torn_last_line_and_an_older_runner_format(run):
+    """Rows in step order as the runner writes them (a resume rewrites the file first), a last line cut short (no
+    newline: the runner is writing it) left out; a metrics.csv without tokens (the runner before this column) gets
+    tokens = step x tokens per step."""
     lines = [
         "step,loss,lr,grad_norm,tokens_per_s,step_time_s",
-        *(f"{s},{9.0},1e-4,1.0,{1000 + s},0.5" for s in (1, 2, 3, 4, 5, 6)),
-        *(f"{s},{5.0},1e-4,1.0,{2000 + s},0.5" for s in (5, 6)),  # steps 5-6 again after a resume from 4
+        *(f"{s},{9.0},1e-4,1.0,{1000 + s},0.5" for s in (1, 2, 3, 4)),
+        *(f"{s},{5.0},1e-4,1.0,{2000 + s},0.5" for s in (5, 6)),
         "7,4.0,1e-4,1.0,2007,0.5",
-        "8,3.9",
-    ]  # step 8 is being written
-    (run / "metrics.csv").write_text("\n".join(lines) + "\n")
+    ]
+    (run / "metrics.csv").write_text("\n".join(lines) + "\n8,3.9")  # step 8 is being written
     out, m = write_report(run)
     assert (m.first_step, m.last_step, m.rows, m.tokens) == (1, 7, 7, 7 * 1024)
     assert m.tokens_per_s == 2005.5  # median of steps 4-7: 1004, 2005, 2006, 2007
     assert m.final_loss == pytest.approx((9.0 * 4 + 5.0 * 2 + 4.0) / 7)
     assert out == run / "report" and "7 steps (1-7), 7,168 tokens" in (out / "report.md").read_text()
+
+
+@pytest.mark.parametrize(
+    "tail,words",
+    [
+        ("5,5.0,1e-4,1.0,2005,0.5\n", "metrics.csv:9: step 5 after step 7 (line 8)"),  # a step again
+        ("8,3.9\n", "metrics.csv:9: 2 field(s), the header has 6"),  # a short line that is complete
+    ],
+)
+def test_rows_the_runner_never_writes_are_refused(run, tail, words):
+    lines = ["step,loss,lr,grad_norm,tokens_per_s,step_time_s", *(f"{s},9.0,1e-4,1.0,1000,0.5" for s in range(1, 8))]
+    (run / "metrics.csv").write_text("\n".join(lines) + "\n" + tail)
+    with pytest.raises(SpecError, match=words.replace("(", "\\(").replace(")", "\\)")):
+        write_report(run)
+    assert not (run / "report").exists()
 
 
 def test_an_existing_report_is_replaced_and_nothing_else(run):

@@ -1,0 +1,288 @@
+"""Bad inputs to the commands that read a run directory or start one (launch, slurm-script, doctor, report,
+calibrate --from-run, export-hf, generate): each is exactly one `dspipe: error:` line naming the value or file with
+its numbers, exit code 2, and nothing written. Runs in this process (run_cli); no launch, no training."""
+
+import json
+import shutil
+
+import pytest
+
+from dspipe.errors import SpecError
+from tests.helpers import edit_hf_config, hand_checkpoint, run_cli
+
+CPU_RUN = [
+    "--model",
+    "tiny",
+    "--vocab",
+    "1024",
+    "--gpu",
+    "cpu",
+    "--gpus-per-node",
+    "2",
+    "--global-batch",
+    "16",
+    "--micro-batch",
+    "4",
+    "--steps",
+    "6",
+    "--precision",
+    "fp32",
+    "--zero",
+    "0",
+    "--pp",
+    "1",
+    "--tp",
+    "1",
+    "--sp",
+    "1",
+    "--offload",
+    "none",
+    "--checkpointing",
+    "none",
+]
+METRICS = "step,tokens,loss\n" + "".join(f"{s},{s * 2048},{9 - s / 10}\n" for s in range(1, 9))
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, corpus):
+    """A 2-rank cpu run with metrics and one hand-built checkpoint (global_step6), and its export."""
+    root = tmp_path_factory.mktemp("inputs")
+    run = root / "run"
+    assert run_cli("gen-config", *CPU_RUN, "--data", corpus, "--out", run) == 0
+    hand_checkpoint(run)
+    (run / "metrics.csv").write_text(METRICS)
+    assert run_cli("export-hf", run, "--out", root / "hf") == 0
+    return root
+
+
+@pytest.fixture
+def run(trained, tmp_path, monkeypatch):
+    """A private copy of the run, at tmp_path/run (the working directory)."""
+    shutil.copytree(trained / "run", tmp_path / "run")
+    monkeypatch.chdir(tmp_path)
+    return tmp_path / "run"
+
+
+def one_error(capsys, *args) -> str:
+    capsys.readouterr()
+    code = run_cli(*args)
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2, (args, err)
+    assert "Traceback" not in err and len(lines) == 1 and lines[0].startswith("dspipe: error: "), (args, err)
+    return lines[0]
+
+
+# ---- 1. doctor's numbers -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        (["--size-mb", "nan"], "--size-mb must be a finite number of MiB in 0.001..16384, got nan"),
+        (["--size-mb", "-1"], "--size-mb must be a finite number of MiB in 0.001..16384, got -1"),
+        (["--size-mb", "0"], "got 0"),
+        (["--iters", "-1"], "--iters must be in 1..100,000, got -1"),
+        (["--timeout-s", "-1"], "--timeout-s must be in 1..604,800 seconds, got -1"),
+        (["--gpu", ""], "--gpu '' is empty"),
+    ],
+)
+def test_doctor_refuses_bad_values_even_when_skipping_the_all_reduce(capsys, args, words):
+    assert words in one_error(capsys, "doctor", "--skip-allreduce", *args)
+
+
+# ---- 2. --resume names a checkpoint that exists -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("resume", ["foo", "global_step999", "/nonexist"])
+@pytest.mark.parametrize("command", [["launch", "--dry-run"], ["slurm-script"]])
+def test_a_resume_that_names_no_checkpoint_is_refused(run, capsys, command, resume):
+    line = one_error(capsys, command[0], "run", *command[1:], "--resume", resume)
+    assert f"--resume {resume}: checkpoint {resume} not found" in line and "run/checkpoints" in line
+    assert not (run / "slurm.sbatch").exists()
+
+
+def test_a_resume_that_names_a_checkpoint_launches(run, capsys):
+    assert run_cli("launch", "run", "--dry-run", "--resume", "global_step6") == 0
+    assert "--resume global_step6" in capsys.readouterr().out
+    assert run_cli("slurm-script", "run", "--resume", str(run / "checkpoints/global_step6")) == 0
+
+
+def test_an_incomplete_checkpoint_is_refused_before_the_launch(run, capsys):
+    (run / "checkpoints/global_step6/dspipe.json").unlink()
+    assert "is incomplete" in one_error(capsys, "launch", "run", "--dry-run", "--resume", "global_step6")
+
+
+# ---- 3. Slurm's time limit ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "time,words",
+    [
+        ("25:99:99", "--time '25:99:99' (HH:MM:SS): minutes 99 must be below 60"),
+        ("00:04:99", "seconds 99 must be below 60"),
+        ("5:60", "--time '5:60' (MM:SS): seconds 60 must be below 60"),
+        ("1-24", "hours 24 must be below 24"),
+        ("1-23:60", "minutes 60 must be below 60"),
+    ],
+)
+def test_slurm_time_fields_out_of_range_are_refused(run, capsys, time, words):
+    line = one_error(capsys, "slurm-script", "run", "--time", time)
+    assert words in line and "D-HH:MM:SS" in line
+    assert not (run / "slurm.sbatch").exists()
+
+
+def test_slurm_time_forms():
+    from dspipe.cluster.slurm import time_limit_seconds
+
+    assert time_limit_seconds("90") == 5400
+    assert time_limit_seconds("90:30") == 5430
+    assert time_limit_seconds("25:00:00") == 90000
+    assert time_limit_seconds("1-23") == 169200
+    assert time_limit_seconds("1-23:59:59") == 172799
+    assert time_limit_seconds("0") is None
+    with pytest.raises(SpecError, match="seconds 60 must be below 60"):
+        time_limit_seconds("00:00:60")
+
+
+# ---- 4. --env given twice -------------------------------------------------------------------------------------
+
+
+def test_a_repeated_env_key_is_refused(run, capsys):
+    line = one_error(capsys, "launch", "run", "--dry-run", "--env", "A=1", "--env", "A=2")
+    assert "--env A is given twice (A=1 and A=2)" in line
+    assert "--env A is given twice" in one_error(capsys, "slurm-script", "run", "--env", "A=1", "--env", "A=")
+
+
+# ---- 5. empty arguments -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        (["launch", "run", "--dry-run", "--hostfile", ""], "--hostfile '' is empty"),
+        (["launch", "run", "--dry-run", "--include", ""], "--include '' is empty"),
+        (["launch", "run", "--dry-run", "--exclude", ""], "--exclude '' is empty"),
+        (["launch", "run", "--dry-run", "--ifname", ""], "--ifname '' is empty"),
+        (["report", ""], "RUN '' is empty"),
+        (["calibrate", "--from-run", ""], "--from-run '' is empty"),
+    ],
+)
+def test_empty_arguments_are_refused(run, capsys, args, words):
+    assert words in one_error(capsys, *args)
+    assert not (run / "report").exists() and not (run.parent / "report").exists()
+
+
+# ---- 6, 8. metrics.csv ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "tail,words",
+    [
+        ("101,5\n", "run/metrics.csv:10: 2 field(s), the header has 3"),
+        ("1,2048,9.0\n", "run/metrics.csv:10: step 1 after step 8 (line 9)"),
+        ("8,2048,9.0\n", "run/metrics.csv:10: step 8 after step 8 (line 9)"),
+    ],
+)
+@pytest.mark.parametrize("command", ["report", "calibrate"])
+def test_damaged_metrics_rows_are_refused(run, capsys, tail, words, command):
+    (run / "metrics.csv").write_text(METRICS + tail)
+    args = ["report", "run"] if command == "report" else ["calibrate", "--from-run", "run"]
+    assert words in one_error(capsys, *args)
+    assert not (run / "report").exists()
+
+
+def test_a_torn_last_line_is_left_out_with_a_note(run, capsys):
+    (run / "metrics.csv").write_text(METRICS + "9,18432,8.")  # the runner's line, cut short: no newline
+    capsys.readouterr()
+    assert run_cli("report", "run") == 0
+    out, err = capsys.readouterr()
+    assert "steps 1-8" in out and "run/metrics.csv:10: the last line has no newline" in err and "left out" in err
+
+
+def test_a_val_metrics_row_out_of_order_is_refused(run, capsys):
+    (run / "val_metrics.csv").write_text("step,val_loss\n4,8.0\n2,8.1\n")
+    assert "run/val_metrics.csv:3: step 2 after step 4 (line 2)" in one_error(capsys, "report", "run")
+
+
+@pytest.mark.parametrize("name", ["metrics.csv", "val_metrics.csv"])
+def test_a_metrics_directory_is_named_as_one(run, capsys, name):
+    (run / name).unlink(missing_ok=True)
+    (run / name).mkdir()
+    assert f"run/{name} is a directory, not a CSV file" in one_error(capsys, "report", "run")
+
+
+# ---- 7. engine.json ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text,words",
+    [
+        ("{", "run/engine.json is not valid JSON: it ends early at line 1 column 2"),
+        ('{\n "zero_stage": ', "run/engine.json is not valid JSON: it ends early at line 2 column 16"),
+        ("", "run/engine.json is empty, not a JSON object"),
+        ("[1]", "run/engine.json must hold a JSON object"),
+    ],
+)
+@pytest.mark.parametrize("command", ["report", "calibrate"])
+def test_a_damaged_engine_json_is_refused(run, capsys, text, words, command):
+    (run / "engine.json").write_text(text)
+    args = ["report", "run"] if command == "report" else ["calibrate", "--from-run", "run"]
+    assert words in one_error(capsys, *args)
+    assert not (run / "report").exists()
+
+
+# ---- 9, 11. generate --------------------------------------------------------------------------------------------
+
+
+def test_generate_notes_a_top_k_above_the_vocabulary(trained, capsys):
+    capsys.readouterr()
+    assert run_cli("generate", trained / "hf", "--prompt", "def", "--top-k", "99999999", "--max-tokens", "2") == 0
+    err = capsys.readouterr().err
+    assert "note: --top-k 99,999,999 is more than the model's vocabulary of 1,024 tokens: sampling from all" in err
+
+
+def test_generate_refuses_a_prompt_longer_than_the_context(trained, capsys):
+    context = json.loads((trained / "hf/config.json").read_text())["n_positions"]
+    line = one_error(capsys, "generate", trained / "hf", "--prompt", "def foo(): return 1\n" * context)
+    assert f"more than the model's context of {context}" in line and "nothing is truncated" in line
+
+
+def test_generate_past_the_context_says_so(trained, capsys):
+    context = json.loads((trained / "hf/config.json").read_text())["n_positions"]
+    capsys.readouterr()
+    assert run_cli("generate", trained / "hf", "--prompt", "def", "--max-tokens", context, "--temperature", 0) == 0
+    assert f"exceed the model's context of {context}: past it" in capsys.readouterr().err
+
+
+def test_generate_names_the_shapes_config_json_does_not_match(trained, tmp_path, capsys):
+    hf = tmp_path / "hf"
+    shutil.copytree(trained / "hf", hf)
+    edit_hf_config(hf, vocab_size=10)
+    line = one_error(capsys, "generate", hf, "--prompt", "def", "--max-tokens", "2")
+    assert f"{hf}/config.json does not match the weights: transformer.wte.weight is [1024, " in line
+    assert "but [10, " in line and "ignore_mismatched_sizes" not in line
+
+
+# ---- 10. checkpoints/latest -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "damage,words",
+    [
+        (lambda latest: latest.write_text(""), "names '', not a checkpoint tag"),
+        (lambda latest: latest.write_bytes(b"\xff\xfe"), "names bytes that are not UTF-8"),
+        (lambda latest: (latest.unlink(), latest.mkdir()), "latest is a directory, not the file naming"),
+        (lambda latest: latest.write_text("global_step999"), "names 'global_step999', which is missing"),
+    ],
+)
+@pytest.mark.parametrize("command", ["export-hf", "generate"])
+def test_a_bad_latest_names_what_these_commands_take(run, tmp_path, capsys, damage, words, command):
+    damage(run / "checkpoints/latest")
+    args = ["--out", tmp_path / "out"] if command == "export-hf" else ["--prompt", "def"]
+    line = one_error(capsys, command, "run", *args)
+    assert words in line and "--resume" not in line
+    assert (
+        "give a complete checkpoint directory instead of the run directory, e.g. run/checkpoints/global_step6" in line
+    )
+    assert not (tmp_path / "out").exists()

@@ -153,47 +153,33 @@ def foundry(
     )
 
 
+def _megatron_run(name: str, model: ModelSpec, gpus: int, global_batch: int, tflops: float, source: str, **layout):
+    """A Megatron-LM paper row on Selene's A100-80G, full recomputation, tokens/s per GPU derived from its TFLOP/s."""
+    how = f"{tflops:g} TFLOP/s per GPU / the paper's 96.l.h^2(1 + s/6h + V/16lh) FLOPs per token"
+    rate = _megatron_rate(model, tflops)
+    return PublishedRun(name, model, "a100-80g", gpus, global_batch, rate, how, source, checkpointing="full", **layout)
+
+
 def megatron(name: str, model: ModelSpec, gpus: int, global_batch: int, tflops: float, *, tp: int) -> PublishedRun:
-    """One row of Megatron-LM's Table 1 (p 1, full recomputation), tokens/s per GPU derived from its TFLOP/s."""
+    """One row of Megatron-LM's Table 1 (p 1, full recomputation)."""
     row = f"{name.split()[1]} (t {tp}, p 1, {gpus} GPUs, batch {global_batch})"
-    return PublishedRun(
-        f"{name}, {gpus}x A100, " + (f"tp {tp}" if tp > 1 else "dp only"),
-        model,
-        "a100-80g",
-        gpus,
-        global_batch,
-        _megatron_rate(model, tflops),
-        f"{tflops:g} TFLOP/s per GPU / the paper's 96.l.h^2(1 + s/6h + V/16lh) FLOPs per token",
-        MEGATRON.format(row=row),
-        zero=1,
-        checkpointing="full",
-        tp=tp,
-    )
+    label = f"{name}, {gpus}x A100, " + (f"tp {tp}" if tp > 1 else "dp only")
+    return _megatron_run(label, model, gpus, global_batch, tflops, MEGATRON.format(row=row), zero=1, tp=tp)
 
 
 def table_2(model: ModelSpec, gpus: int, global_batch: int, tflops: float, *, tp: int, pp: int, micro: int):
     """One row of Megatron-LM's Table 2 (300B tokens, full recomputation): 'ZeRO-3 without model parallelism'
-    (DeepSpeed's ZeRO-3, tp 1, pp 1) or 'PTD-P' (Megatron's tp x pp with data parallelism); tokens/s per GPU
-    derived from its TFLOP/s, as Table 1's. The micro-batch is the table's."""
+    (DeepSpeed's ZeRO-3, tp 1, pp 1) or 'PTD-P' (Megatron's tp x pp with data parallelism). The micro-batch is the
+    table's."""
     zero3 = tp == pp == 1
     scheme = "'ZeRO-3 without model parallelism'" if zero3 else "'PTD-P'"
     size = model.name.removeprefix("megatron-").upper()
     row = f"{size} (model-parallel size {tp * pp}, batch {global_batch}, {gpus} GPUs, micro-batch {micro})"
-    return PublishedRun(
-        f"{size} {'ZeRO-3' if zero3 else f'tp {tp} x pp {pp}'}, {gpus}x A100",
-        model,
-        "a100-80g",
-        gpus,
-        global_batch,
-        _megatron_rate(model, tflops),
-        f"{tflops:g} TFLOP/s per GPU / the paper's 96.l.h^2(1 + s/6h + V/16lh) FLOPs per token",
-        TABLE_2.format(scheme=scheme, row=row),
-        zero=3 if zero3 else 1,
-        checkpointing="full",
-        tp=tp,
-        pp=pp,
-        micro_batch=micro,
-        tokens=300e9,
+    label = f"{size} {'ZeRO-3' if zero3 else f'tp {tp} x pp {pp}'}, {gpus}x A100"
+    source = TABLE_2.format(scheme=scheme, row=row)
+    zero = 3 if zero3 else 1
+    return _megatron_run(
+        label, model, gpus, global_batch, tflops, source, zero=zero, tp=tp, pp=pp, micro_batch=micro, tokens=300e9
     )
 
 

@@ -48,7 +48,9 @@ def read_object(path: str | Path, *, hint: str = "", partial_ok: bool = False) -
         ends_early = e.pos >= len(text.rstrip()) or e.msg.startswith("Unterminated string")  # runs to the end
         if partial_ok and ends_early:
             return None
-        where = "it ends early (truncated)" if ends_early else f"line {e.lineno} column {e.colno}"
+        where = (
+            f"it ends early at line {e.lineno} column {e.colno}" if ends_early else f"line {e.lineno} column {e.colno}"
+        )
         raise SpecError(f"{path} is not valid JSON: {where}: {e.msg}{tail}") from None
     except RecursionError:
         raise SpecError(f"{path} is not valid JSON: nested too deeply{tail}") from None

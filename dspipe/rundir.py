@@ -372,18 +372,4 @@ def load_engine(run: Run) -> dict | None:
         return None
     if path.is_dir():
         raise SpecError(f"{path} is a directory, not the JSON file the runner writes; move it away")
-    engine = read_object(path, partial_ok=True)  # any damage but an early end: one line naming the file
-    if engine is None:  # empty or cut short: the runner writes it whole (never left so by a finished write)
-        import json
-
-        text = path.read_bytes().decode("utf-8")
-        if not text.strip():
-            raise SpecError(f"{path} is empty, not a JSON object; a launch of the run writes it again")
-        try:
-            json.loads(text)
-        except json.JSONDecodeError as e:
-            raise SpecError(
-                f"{path} is not valid JSON: it ends early at line {e.lineno} column {e.colno} ({e.msg}); "
-                f"a launch of the run writes it again"
-            ) from None
-    return engine
+    return read_object(path, hint="a launch of the run writes it again")  # cut short or damaged: one line

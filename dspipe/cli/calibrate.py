@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from dspipe.cli.options import FLOAT, INT, _model_from_options, model_options
+from dspipe.cli.options import FLOAT, INT, Text, _model_from_options, model_options
 from dspipe.errors import SpecError
 from dspipe.log import get_logger
 from dspipe.spec.values import PRECISIONS
@@ -54,6 +54,7 @@ def _is_profile(path: Path) -> bool:
     "--from-run",
     metavar="RUN_DIR",
     default=None,
+    type=Text(),
     help="measure nothing: fold this run's measured step, start-up and memory into the profile it was planned with",
 )
 @click.option("--out", metavar="FILE", default=None, help="write the profile here [print it]")
@@ -167,8 +168,6 @@ def _from_run(run_dir: str, *, out: Path | None, given: list[str]) -> None:
 
     if given:
         raise SpecError(f"--from-run measures nothing: drop {' '.join(given)}")
-    if not str(run_dir).strip():
-        raise SpecError(f"--from-run {str(run_dir)!r} is empty: give a run directory, e.g. runs/NAME")
     run = load_run(run_dir)
     engine = load_engine(run)
     steps, _ = read_metrics(run)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from dspipe.cli.options import FLOAT, INT
+from dspipe.cli.options import FLOAT, INT, Text
 from dspipe.cluster.hostfile import describe
 from dspipe.cluster.launch import (
     LAUNCHERS,
@@ -48,9 +48,9 @@ NETWORK_FLAGS = ("ifname", "ib_hca", "no_ib", "nccl_debug", "timeout_min", "env"
 def launch_options(f):
     for opt in reversed(
         [
-            click.option("--hostfile", default=None, help="MPI-style hostfile ('HOST slots=N' per line)"),
-            click.option("--include", default=None, help="hosts/slots to use: NAME[:SLOT,...][@NAME...]"),
-            click.option("--exclude", default=None, help="hosts/slots to leave out, same format"),
+            click.option("--hostfile", default=None, type=Text(), help="MPI-style hostfile ('HOST slots=N' per line)"),
+            click.option("--include", default=None, type=Text(), help="hosts/slots to use: NAME[:SLOT,...][@NAME...]"),
+            click.option("--exclude", default=None, type=Text(), help="hosts/slots to leave out, same format"),
             click.option("--num-nodes", type=INT, default=None, help="use the first N hosts of the hostfile"),
             click.option("--num-gpus", type=INT, default=None, help="ranks per node (slots 0..N-1)"),
             click.option(
@@ -78,8 +78,10 @@ def launch_options(f):
 def network_options(f):
     for opt in reversed(
         [
-            click.option("--ifname", default=None, help="NCCL_SOCKET_IFNAME (GLOO_SOCKET_IFNAME on cpu), e.g. eth0"),
-            click.option("--ib-hca", default=None, help="NCCL_IB_HCA, e.g. mlx5_0,mlx5_1"),
+            click.option(
+                "--ifname", default=None, type=Text(), help="NCCL_SOCKET_IFNAME (GLOO_SOCKET_IFNAME on cpu), e.g. eth0"
+            ),
+            click.option("--ib-hca", default=None, type=Text(), help="NCCL_IB_HCA, e.g. mlx5_0,mlx5_1"),
             click.option("--no-ib", is_flag=True, default=False, help="NCCL_IB_DISABLE=1 (no InfiniBand)"),
             click.option("--nccl-debug", type=click.Choice(NCCL_DEBUG_LEVELS), default="WARN", show_default=True),
             click.option(
@@ -96,17 +98,7 @@ def network_options(f):
     return f
 
 
-def not_empty(o: dict, *names: str) -> None:
-    """Refuse a text option given as '' (or blanks): every one of them names something, and an empty one would
-    otherwise read as not given (or as '.'), silently."""
-    for name in names:
-        value = o.get(name)
-        if value is not None and not value.strip():
-            raise SpecError(f"--{name.replace('_', '-')} {value!r} is empty: give a value, or leave the option out")
-
-
 def _launch_spec(o: dict) -> LaunchSpec:
-    not_empty(o, "hostfile", "include", "exclude")  # --master-addr: check_host names an empty one
     return LaunchSpec(
         hostfile=o["hostfile"],
         include=o["include"] or "",
@@ -133,7 +125,6 @@ def _env_once(items: tuple[str, ...]) -> None:
 
 
 def _network(o: dict) -> NetworkSpec:
-    not_empty(o, "ifname", "ib_hca")
     _env_once(o["env"])
     return NetworkSpec(
         socket_ifname=o["ifname"],
@@ -324,7 +315,9 @@ def _run_id(path: Path) -> str:
 @click.command("doctor")
 @launch_options
 @network_options
-@click.option("--gpu", default=None, help="GPU type whose assumed bandwidth to compare with [default: detected]")
+@click.option(
+    "--gpu", default=None, type=Text(), help="GPU type whose assumed bandwidth to compare with [default: detected]"
+)
 @click.option("--size-mb", type=FLOAT, default=64.0, show_default=True, help="all-reduce message size")
 @click.option("--iters", type=INT, default=10, show_default=True, help="timed all-reduces")
 @click.option("--skip-allreduce", is_flag=True, default=False, help="report only; start no ranks")
@@ -334,7 +327,6 @@ def doctor(gpu: str | None, size_mb: float, iters: int, skip_allreduce: bool, ti
     from dspipe.cluster import doctor as d
 
     d.check_allreduce_options(size_mb=size_mb, iters=iters, timeout_s=timeout_s)  # skipped or not: never ignored
-    not_empty({"gpu": gpu}, "gpu")
     spec = _launch_spec(o)
     network = _network(o)
     for line in (d.environment(), *d.devices(), *d.op_report()):

@@ -7,9 +7,11 @@ from pathlib import Path
 
 import click
 
+from dspipe.cli.options import Text
+
 
 @click.command("report")
-@click.argument("run", type=click.Path())  # a str: '' must not become Path('.'), this directory
+@click.argument("run", type=Text())  # a str: '' must not become Path('.'), this directory
 @click.option(
     "--out",
     default=None,
@@ -20,11 +22,8 @@ def report(run: str, out: str | None) -> None:
     """Plot loss, throughput and learning rate of RUN (runs/NAME) and write report.md: the configuration, the
     planner's predicted memory, tokens/s, MFU, step time and start-up (host RAM per rank, time to the first step)
     against the measured ones, final and validation loss."""
-    from dspipe.errors import SpecError
     from dspipe.tools.report import PLOTS, REPORT_FILE, write_report
 
-    if not run.strip():
-        raise SpecError(f"RUN {run!r} is empty: give a run directory, e.g. runs/NAME")
     out, m = write_report(Path(run), out=out)
     click.echo(f"wrote {out / REPORT_FILE} and {', '.join(PLOTS.values())}")
     tps = "n/a" if m.tokens_per_s is None else f"{m.tokens_per_s:,.0f}"

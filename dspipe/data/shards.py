@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dspipe.errors import SpecError, cannot_read
+from dspipe.errors import SpecError, cannot_read, file_problem
 from dspipe.jsonio import dumps, read_object, show
 
 FORMAT = "dspipe-tokens"
@@ -356,13 +356,9 @@ def _open_array(path: Path, *, magic: bytes, dtype: np.dtype, count: int, ident:
     """The memory map of one shard file after the cheap checks (no read past its header): a regular file, its
     header this format's (magic, version, item size, dataset id, item count) and its size the count's."""
     fix = "re-run 'dspipe prepare-data --force' to rebuild it"
-    if os.path.isdir(path):
-        raise SpecError(f"{path} is a directory, not a file ({what} listed in {META_FILE}); {fix}")
-    if os.path.islink(path) and not os.path.exists(path):
-        raise SpecError(f"{path} is a broken symbolic link (to {os.readlink(path)}; {what} listed in {META_FILE})")
-    if not path.is_file():
-        kind = "missing" if not os.path.lexists(path) else "not a regular file"
-        raise SpecError(f"{path} is {kind} ({what} listed in {META_FILE})")
+    problem = file_problem(path)
+    if problem:
+        raise SpecError(f"{path} {problem} ({what} listed in {META_FILE}); {fix}")
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:

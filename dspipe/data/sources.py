@@ -9,7 +9,6 @@ that is not UTF-8.
 
 from __future__ import annotations
 
-import errno
 import glob
 import hashlib
 import os
@@ -22,7 +21,7 @@ from typing import Iterator
 from urllib.parse import urlparse
 
 from dspipe.data.limits import too_small
-from dspipe.errors import SpecError, cannot_read
+from dspipe.errors import SpecError, cannot_read, file_problem
 
 TEXT_DOCS = ("file", "blank-line")
 STDLIB = "python-stdlib"
@@ -131,21 +130,9 @@ def resolve_inputs(
 
 
 def _not_readable(spec: str) -> SpecError:
-    """The one line for an input path that exists but is no file or directory to read: a symbolic link that loops
-    or points nowhere, a socket, a device..."""
-    if os.path.islink(spec):
-        try:
-            os.stat(spec)
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                return SpecError(
-                    f"input {spec} is a symbolic link that loops (to {os.readlink(spec)}, {e.strerror}); give the "
-                    f"real path"
-                )
-            return SpecError(
-                f"input {spec} is a broken symbolic link (to {os.readlink(spec)}: {e.strerror}); give the real path"
-            )
-    return SpecError(f"input {spec} is neither a regular file nor a directory; give a file, glob or directory")
+    """The one line for an input path that exists but is no file or directory to read (errors.file_problem: a
+    symbolic link that loops or points nowhere, a socket, a device...)."""
+    return SpecError(f"input {spec} {file_problem(spec)}; give a file, glob or directory (the real path)")
 
 
 def check_out_apart(specs: list[str], inputs: Inputs, outs: list[Path], *, flag: str = "--out") -> None:

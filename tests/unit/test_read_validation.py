@@ -226,7 +226,7 @@ def test_the_undamaged_run_reads_back(root):
     "content,words",
     [
         (b'{"zero_stage": 1', "ends early at line 1 column 17"),
-        (b"", "is empty"),
+        (b"", "ends early at line 1 column 1"),
         (b"[1]", "JSON object"),
         (b'{"dp": NaN}', "NaN"),
         (b"\xff", "not UTF-8"),

@@ -84,7 +84,7 @@ def one_error(capsys, *args) -> str:
         (["--size-mb", "0"], "got 0"),
         (["--iters", "-1"], "--iters must be in 1..100,000, got -1"),
         (["--timeout-s", "-1"], "--timeout-s must be in 1..604,800 seconds, got -1"),
-        (["--gpu", ""], "--gpu '' is empty"),
+        (["--gpu", ""], "'--gpu': '' is empty: give a value, or leave the option out"),
     ],
 )
 def test_doctor_refuses_bad_values_even_when_skipping_the_all_reduce(capsys, args, words):
@@ -160,12 +160,24 @@ def test_a_repeated_env_key_is_refused(run, capsys):
 @pytest.mark.parametrize(
     "args,words",
     [
-        (["launch", "run", "--dry-run", "--hostfile", ""], "--hostfile '' is empty"),
-        (["launch", "run", "--dry-run", "--include", ""], "--include '' is empty"),
-        (["launch", "run", "--dry-run", "--exclude", ""], "--exclude '' is empty"),
-        (["launch", "run", "--dry-run", "--ifname", ""], "--ifname '' is empty"),
-        (["report", ""], "RUN '' is empty"),
-        (["calibrate", "--from-run", ""], "--from-run '' is empty"),
+        (
+            ["launch", "run", "--dry-run", "--hostfile", ""],
+            "'--hostfile': '' is empty: give a value, or leave the option out",
+        ),
+        (
+            ["launch", "run", "--dry-run", "--include", ""],
+            "'--include': '' is empty: give a value, or leave the option out",
+        ),
+        (
+            ["launch", "run", "--dry-run", "--exclude", ""],
+            "'--exclude': '' is empty: give a value, or leave the option out",
+        ),
+        (
+            ["launch", "run", "--dry-run", "--ifname", ""],
+            "'--ifname': '' is empty: give a value, or leave the option out",
+        ),
+        (["report", ""], "'RUN': '' is empty: give a value"),
+        (["calibrate", "--from-run", ""], "'--from-run': '' is empty: give a value"),
     ],
 )
 def test_empty_arguments_are_refused(run, capsys, args, words):
@@ -220,7 +232,7 @@ def test_a_metrics_directory_is_named_as_one(run, capsys, name):
     [
         ("{", "run/engine.json is not valid JSON: it ends early at line 1 column 2"),
         ('{\n "zero_stage": ', "run/engine.json is not valid JSON: it ends early at line 2 column 16"),
-        ("", "run/engine.json is empty, not a JSON object"),
+        ("", "run/engine.json is not valid JSON: it ends early at line 1 column 1"),
         ("[1]", "run/engine.json must hold a JSON object"),
     ],
 )

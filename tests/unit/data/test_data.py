@@ -207,7 +207,7 @@ def test_foreign_shards_are_rejected(corpus, tmp_path):
         TokenWindows(bad, seq_len=16)
     shutil.copy(corpus / "train-00000.bin", shard)
     (bad / "train-00000.idx").unlink()
-    with pytest.raises(SpecError, match="train-00000.idx is missing"):
+    with pytest.raises(SpecError, match="train-00000.idx does not exist"):
         open_split(bad, "train")
 
 

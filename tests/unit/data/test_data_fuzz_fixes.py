@@ -145,9 +145,9 @@ def test_a_looping_or_broken_link_input_is_no_hub_name(tmp_path, capsys, monkeyp
     monkeypatch.chdir(tmp_path)
     os.symlink("loop", "loop")
     os.symlink("nowhere", "broken")
-    err = one_error(capsys, run_cli("prepare-data", "loop", "--out", "o"), "input loop is a symbolic link that loops")
+    err = one_error(capsys, run_cli("prepare-data", "loop", "--out", "o"), "input loop is a symlink loop")
     assert "huggingface" not in err
-    one_error(capsys, run_cli("prepare-data", "broken", "--out", "o"), "input broken is a broken symbolic link")
+    one_error(capsys, run_cli("prepare-data", "broken", "--out", "o"), "input broken is a broken symlink")
 
 
 # ---- 6. a vocabulary smaller than asked is explained -------------------------------------------------------------
@@ -234,7 +234,7 @@ def _tokenizer_file(d):
 
 BROKEN = [
     (_empty_bin, "train-00000.bin has 0 bytes, less than a dspipe token shard's 32-byte header"),
-    (_no_bin, "val-00000.bin is missing"),
+    (_no_bin, "val-00000.bin does not exist"),
     (_random_idx, "train-00000.idx is not a dspipe document index (it starts with"),
     (_bad_offsets, "train-00000.idx: its document offsets run 0..5, want 0.."),
     (_no_tokenizer, "tokenizer is missing (meta.json names it"),
@@ -256,5 +256,5 @@ def test_gen_config_refuses_a_data_dir_with_a_missing_shard(small, tmp_path, cap
     (d / "train-00000.bin").unlink()
     gen = ["--model", "tiny", "--gpu", "cpu", "--gpus-per-node", 2, "--measure", "never", "--steps", 20]
     code = run_cli("gen-config", *gen, "--eval-interval", 0, "--data", d, "--out", tmp_path / "run")
-    one_error(capsys, code, f"{d / 'train-00000.bin'} is missing")
+    one_error(capsys, code, f"{d / 'train-00000.bin'} does not exist")
     assert not (tmp_path / "run").exists()

@@ -93,8 +93,5 @@ def test_the_nic_total_is_credited_up_to_32_nodes_only():
 def test_half_of_zero3s_collectives_hide_behind_compute():
     """timing.ZERO3_OVERLAP: the fitted fraction, and the published ZeRO-3 / FSDP rows it was fitted to stay inside
     0.9-1.15 (hiding them whole, they were 0.97-1.46)."""
-    from dspipe.planner import timing
-
-    assert timing.ZERO3_OVERLAP == 0.5
     zero3 = [published_runs.evaluate(r) for r in published_runs.RUNS if r.zero == 3]
     assert len(zero3) == 14 and all(0.9 < r.ratio < 1.15 for r in zero3), [round(r.ratio, 2) for r in zero3]

@@ -1,6 +1,7 @@
 """Planner vs. the real model's activations: predicted bytes per block, head/loss and peak for one micro-batch
 against a saved-tensor census (benchmarks/census/activations.py) for two sizes x {bf16, fp32} x {none, selective, full},
-tiny-llama, and the stages of an uneven pp = 2 partition. One process, CPU, a few seconds.
+tiny-llama, the stages of an uneven pp = 2 partition, and full recomputation of the first blocks only
+(--recompute-blocks). One process, CPU, a few seconds.
 
     python benchmarks/activation_accuracy.py [--write]    # --write replaces the activations section of the doc
 """
@@ -26,10 +27,12 @@ MICRO_BATCH = 2
 
 
 def cases() -> list[tuple]:
-    """(model, precision, recomputation, pp, stage) of every row."""
-    rows = [(m, p, c, 1, 0) for m in (TINY, SMALL) for p in ("bf16", "fp32") for c in ("none", "selective", "full")]
-    rows += [(MODEL_PRESETS["tiny-llama"], p, c, 1, 0) for p in ("bf16", "fp32") for c in ("none", "full")]
-    rows += [(FIVE, "bf16", c, 2, s) for c in ("none", "full") for s in (0, 1)]
+    """(model, precision, recomputation, pp, stage, recompute_blocks) of every row."""
+    rows = [(m, p, c, 1, 0, 0) for m in (TINY, SMALL) for p in ("bf16", "fp32") for c in ("none", "selective", "full")]
+    rows += [(MODEL_PRESETS["tiny-llama"], p, c, 1, 0, 0) for p in ("bf16", "fp32") for c in ("none", "full")]
+    rows += [(FIVE, "bf16", c, 2, s, 0) for c in ("none", "full") for s in (0, 1)]
+    rows += [(SMALL, "bf16", "full", 1, 0, n) for n in (1, 3)]
+    rows += [(FIVE, "bf16", "full", 2, 0, n) for n in (1, 2)]
     return rows
 
 
@@ -41,11 +44,19 @@ def table() -> str:
         "predicted / measured | peak predicted / measured | ratio |",
         "|---|---|---|---|---|---|",
     ]
-    for model, precision, ckpt, pp, stage in cases():
-        r = compare(model=model, micro_batch=MICRO_BATCH, checkpointing=ckpt, precision=precision, pp=pp, stage=stage)
+    for model, precision, ckpt, pp, stage, blocks in cases():
+        r = compare(
+            model=model,
+            micro_batch=MICRO_BATCH,
+            checkpointing=ckpt,
+            precision=precision,
+            pp=pp,
+            stage=stage,
+            recompute_blocks=blocks,
+        )
         head = f"{r.predicted_head:,} / {r.measured_head:,}" if r.measured_head or r.predicted_head else "-"
         lines.append(
-            f"| {r.label} | {r.predicted_block:,} / {r.measured_block:,.0f} | "
+            f"| {r.label} | {r.predicted_block:,.0f} / {r.measured_block:,.0f} | "
             f"{r.predicted_block / r.measured_block:.3f} | {head} | {r.predicted_peak:,} / "
             f"{r.measured_peak:,} | {r.predicted_peak / r.measured_peak:.3f} |"
         )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from dspipe.spec.cluster import ClusterSpec  # noqa: E402
 from dspipe.spec.core import StrategyRequest  # noqa: E402
 from dspipe.spec.hardware import gpu_type  # noqa: E402
 from dspipe.spec.model import ModelSpec  # noqa: E402
-from dspipe.spec.presets import MODEL_PRESETS  # noqa: E402
+from dspipe.spec.presets import MODEL_PRESETS, model_preset  # noqa: E402
 from dspipe.spec.train import TrainSpec  # noqa: E402
 
 DOC = ROOT / "docs" / "published-runs.md"
@@ -85,8 +86,8 @@ class PublishedRun:
     zero: int
     """ZeRO stage pinned in the planner (FSDP FULL_SHARD = 3; Megatron-LM's plain data parallelism = 1: DeepSpeed
     refuses ZeRO-0 bf16 with tp, and ZeRO-1's reduce-scatter + all-gather move the bytes of one all-reduce)."""
-    checkpointing: str
-    """Activation recomputation the run used: 'none' or 'full'."""
+    checkpointing: str | None
+    """Activation recomputation the run used: 'none' or 'full' (None: not published, the planner chooses)."""
     tp: int = 1
     """Tensor-parallel size the run used."""
     pp: int = 1
@@ -100,6 +101,9 @@ class PublishedRun:
     """Training tokens of the whole run, where it is a real training run (for days)."""
     published_days: float | None = None
     """Published wall-clock days of the whole run, where given."""
+    recompute_blocks: int | None = 0
+    """Blocks per stage full recomputation re-runs (0: every block, as the papers ran; None: not published, the
+    planner's fewest that fit)."""
 
 
 MPT_1B, MPT_3B, MPT_7B, MPT_13B = (
@@ -232,6 +236,43 @@ RUNS: tuple[PublishedRun, ...] = (
     table_2(MEG_530B, 1120, 2240, 167, tp=8, pp=35, micro=1),
     table_2(MEG_530B, 2240, 2240, 159, tp=8, pp=35, micro=1),
 )
+LLAMA3_405B = model_preset("llama3.1-405b", seq_len=8192)
+META_TABLE_4 = (
+    "Llama Team, AI @ Meta 2024, 'The Llama 3 Herd of Models' (arXiv 2407.21783), Table 4, row {gpus:,} GPUs (TP 8, "
+    "CP 1, PP 16, DP {dp}, seq 8,192, batch/DP {per_dp}, 16M tokens per batch): {tflops} TFLOP/s per GPU, BF16 MFU "
+    "{mfu}%"
+)
+
+
+def meta_405b(gpus: int, tflops: float, mfu: int) -> PublishedRun:
+    """One of Meta's Llama 3 405B pre-training configurations (8K context): tp 8 x pp 16, an interleaved 1F1B
+    schedule that DeepSpeed's pipeline engine does not run; recomputation not published (the planner's fewest)."""
+    dp = gpus // 128
+    how = f"{tflops:g} TFLOP/s per GPU / dspipe's 6N + attention FLOPs per token (the paper gives no formula)"
+    source = META_TABLE_4.format(gpus=gpus, dp=dp, per_dp=2048 // dp, tflops=tflops, mfu=mfu)
+    rate = tflops * 1e12 / model_flops_per_token(LLAMA3_405B)
+    return PublishedRun(
+        f"Llama 3 405B, {gpus:,}x H100",
+        LLAMA3_405B,
+        "h100-80g",
+        gpus,
+        2048,
+        rate,
+        how,
+        source,
+        zero=1,
+        checkpointing=None,
+        tp=8,
+        pp=16,
+        tp_sp=True,
+        micro_batch=1,
+        recompute_blocks=None,
+    )
+
+
+INTERLEAVED: tuple[PublishedRun, ...] = (meta_405b(8192, 430, 43), meta_405b(16384, 400, 41))
+"""Published runs on an interleaved pipeline schedule: evaluated and discussed, outside the table and its band (the
+planner models DeepSpeed's pipeline engine, which does not interleave)."""
 DP_PAIR = ("MPT-3B, 32x A100-40GB", "MPT-3B, 128x A100-40GB")
 """The same ZeRO-3 model and micro-batch at 4x the data-parallel size: published tokens/s per GPU falls."""
 ZERO3_AT_SCALE = ("174.6B ZeRO-3, 768x A100", "174.6B ZeRO-3, 1536x A100")
@@ -256,6 +297,8 @@ class Row:
     """The published throughput as MFU, by the same FLOPs count and the catalog's peak."""
     days: float | None
     """The planner's days for the run's tokens (None without tokens)."""
+    bubble_share: float = 0.0
+    """Of the planner's step time, the pipeline bubble's share."""
 
     @property
     def ratio(self) -> float:
@@ -276,6 +319,7 @@ def evaluate(run: PublishedRun) -> Row:
         pp=run.pp,
         sp=1,
         checkpointing=run.checkpointing,
+        recompute_blocks=run.recompute_blocks,
         precision="bf16",
         micro_batch=run.micro_batch,
     )
@@ -291,6 +335,7 @@ def evaluate(run: PublishedRun) -> Row:
         mfu=c.mfu,
         published_mfu=run.tokens_per_s_per_gpu * model_flops_per_token(run.model) / peak,
         days=None if run.tokens is None else run.tokens / c.tokens_per_s / 86400,
+        bubble_share=c.est.bubble_s / c.est.step_time_s,
     )
 
 
@@ -340,7 +385,29 @@ def published_step_s(run: PublishedRun) -> float:
     return run.global_batch * run.model.seq_len / (run.tokens_per_s_per_gpu * run.gpus)
 
 
+def interleaved(meta: list[Row]) -> str:
+    """The paragraph on Meta's interleaved tp 8 x pp 16 runs."""
+    runs = " and ".join(
+        f"{r.run.gpus:,} GPUs (dp {r.run.gpus // 128}, {r.run.global_batch * 128 // r.run.gpus} micro-batches per "
+        f"step): published MFU {r.published_mfu * 100:.0f}%, planner {r.mfu * 100:.1f}% (recompute "
+        f"{r.plan.split('recompute ')[1]}, bubble {r.bubble_share * 100:.0f}% of the step), planner / published "
+        f"{r.ratio:.2f}"
+        for r in meta
+    )
+    text = (
+        "- **Interleaved pipelines (outside the table).** "
+        f"Meta's Llama 3 405B runs at tp 8 x pp 16 (Table 4 of the Llama 3 paper; sources {len(RUNS) + 1}-"
+        f"{len(RUNS) + len(meta)} below): {runs}. Meta's schedule interleaves the stages (the bubble divided by "
+        "the virtual stages per rank) and balances their memory; the planner models DeepSpeed's pipeline engine, whose "
+        "1F1B does not interleave, so its bubble is (p - 1) / m of the compute. These rows are that difference, "
+        "not a calibration point, and stay outside the band until dspipe runs an interleaved schedule. On 256 x 8 "
+        "H100 the planner chooses dp 16 with 128 micro-batches per step instead (docs/howto/plan-a-cluster.md)."
+    )
+    return textwrap.fill(text, width=120, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False)
+
+
 def document(all_rows: list[Row]) -> str:
+    meta = [evaluate(r) for r in INTERLEAVED]
     ratios = [r.ratio for r in all_rows]
     by_name = {r.run.name: r for r in all_rows}
     small, large = (by_name[n] for n in DP_PAIR)
@@ -405,6 +472,7 @@ size): published {small.run.tokens_per_s_per_gpu:,.0f} -> {large.run.tokens_per_
   2's ZeRO-3 rows (48-280 nodes) ran below one NIC per GPU, and credited the NIC total the planner put them at
   1.4-4.3x published. The threshold lies between the largest run where the NIC total fits (16 nodes) and the
   smallest where it does not (48); no published run pins it closer.
+{interleaved(meta)}
 - **Pipeline + tensor parallel runs.** Table 2's PTD-P rows (tp 8 x pp 12 for 175B, tp 8 x pp 35 for 530B, Megatron's
   own schedule) are in; Table 1's 39B-1T rows, BLOOM-176B's tp 4 x pp 12 and MT-NLG's tp 8 x pp 35 are still to be
   entered.
@@ -417,7 +485,7 @@ size): published {small.run.tokens_per_s_per_gpu:,.0f} -> {large.run.tokens_per_
 
 ## Sources
 
-{sources(all_rows)}
+{sources(all_rows + meta)}
 """
 
 

@@ -30,6 +30,7 @@ ESTIMATE_LAYOUT = (
     "micro_batch",
     "grad_accum",
     "checkpointing",
+    "recompute_blocks",
 )
 """Figures of dspipe.json's estimate that repeat the plan (dspipe.planner.summary.estimate_summary)."""
 

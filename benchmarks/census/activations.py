@@ -165,11 +165,18 @@ def _batch(model, micro_batch: int, seed: int):
 
 
 def census_gpt(
-    *, model, micro_batch: int, checkpointing: str, precision: str, seed: int = 0, moe_layer: str = "loop"
+    *,
+    model,
+    micro_batch: int,
+    checkpointing: str,
+    precision: str,
+    seed: int = 0,
+    moe_layer: str = "loop",
+    recompute_blocks: int = 0,
 ) -> ActivationCensus:
     """One micro-batch through the plain GPT (pp = 1) as the runner builds it; a mixture of experts on the model's own
     SparseMLP (moe_layer "loop") or on DeepSpeed's layer at ep 1 ("native": dspipe.runtime.moe.NativeMoE, its tokens
-    through dspipe.runtime.dispatch)."""
+    through dspipe.runtime.dispatch). `recompute_blocks`: full recomputation of the first that many blocks only."""
     from dspipe.model.gpt import GPT
     from dspipe.runtime.parallelize import recompute
 
@@ -182,7 +189,12 @@ def census_gpt(
         moe.install(gpt, spec=model, ep=1, ep_rank=0)
 
     def forward(counted):
-        recompute(gpt, mode=checkpointing, checkpoint_fn=counted if checkpointing != "none" else None)
+        recompute(
+            gpt,
+            mode=checkpointing,
+            checkpoint_fn=counted if checkpointing != "none" else None,
+            blocks=recompute_blocks,
+        )
         return gpt(inputs, labels), None
 
     with _process_group(rank=0, world=1):  # DeepSpeed's checkpointing asks for the rank
@@ -226,6 +238,7 @@ def census_stage(
     precision: str,
     partition_method: str = "parameters",
     seed: int = 0,
+    recompute_blocks: int = 0,
 ) -> tuple[ActivationCensus, list[int]]:
     """One micro-batch through stage `stage` of the PipelineModule (DeepSpeed's partition of the runner's layer
     specs; full recomputation through its activation_checkpoint_interval 1, as the plan renders it). Returns the
@@ -254,7 +267,7 @@ def census_stage(
             .to(_dtype(precision))
             .train()
         )
-        recompute(pipe, mode=checkpointing, checkpoint_fn=counted_proxy)
+        recompute(pipe, mode=checkpointing, checkpoint_fn=counted_proxy, blocks=recompute_blocks)
         # as PipelineEngine's __init__ does; forward checkpoints nothing without
         pipe._precompute_checkpointable_values()
         bounds = [int(x) for x in pipe.parts]
@@ -320,6 +333,7 @@ def compare(
     stage: int = 0,
     partition_method: str = "parameters",
     moe_layer: str = "loop",
+    recompute_blocks: int = 0,
 ) -> Comparison:
     """Census of the real model (or pipeline stage) and the planner's figures for it, with PyTorch's CPU kernels. A
     mixture of experts runs `moe_layer` here (no engine; census_gpt: both keep what the planner counts); its blocks
@@ -336,6 +350,7 @@ def compare(
             checkpointing=checkpointing,
             precision=precision,
             moe_layer=moe_layer,
+            recompute_blocks=recompute_blocks,
         )
     else:
         census, bounds = census_stage(
@@ -346,6 +361,7 @@ def compare(
             checkpointing=checkpointing,
             precision=precision,
             partition_method=partition_method,
+            recompute_blocks=recompute_blocks,
         )
         if tuple(bounds) != stage_bounds(model, pp, partition_method):
             raise RuntimeError(
@@ -368,24 +384,32 @@ def compare(
         last=last,
         kernels="cpu",
         sparse=sparse,
+        recompute_blocks=recompute_blocks,
     )
 
-    def per_block(*, is_sparse: bool) -> int:
+    def per_block(*, is_sparse: bool, mode: str = checkpointing) -> int:
         return activation_bytes_per_layer(
             model=model,
             micro_batch=micro_batch,
-            checkpointing=checkpointing,
+            checkpointing=mode,
             act_bytes=act_bytes,
             kernels="cpu",
             sparse=is_sparse,
         )
 
+    def stage_blocks_bytes() -> int:
+        if checkpointing == "full" and 0 < recompute_blocks < blocks:  # the first recomputed, the rest kept
+            kept = blocks - recompute_blocks
+            return recompute_blocks * per_block(is_sparse=False) + kept * per_block(is_sparse=False, mode="none")
+        return sparse * per_block(is_sparse=True) + (blocks - sparse) * per_block(is_sparse=False)
+
     where = f", stage {stage}/{pp} ({blocks} blocks)" if pp > 1 else ""
+    plural = "s" if recompute_blocks != 1 else ""
+    first = f" (first {recompute_blocks} block{plural})" if recompute_blocks else ""
     return Comparison(
-        label=f"{model.name} L{model.layers} h{model.hidden}, {precision}, {checkpointing}{where}",
+        label=f"{model.name} L{model.layers} h{model.hidden}, {precision}, {checkpointing}{first}{where}",
         blocks=blocks,
-        predicted_block=(sparse * per_block(is_sparse=True) + (blocks - sparse) * per_block(is_sparse=False))
-        / max(1, blocks),
+        predicted_block=stage_blocks_bytes() / max(1, blocks),
         measured_block=sum(census.blocks) / max(1, blocks),
         predicted_head=logits_bytes(model=model, micro_batch=micro_batch, act_bytes=act_bytes, kernels="cpu")
         if last

@@ -203,7 +203,7 @@ def _echo_summary(*, model, best, evaluated: int, notes: list[str]) -> None:
     click.echo(
         f"{plan.layout.describe()}{experts} | ZeRO-{plan.zero_stage} offload {plan.offload}"
         f"{' +params' if plan.offload_params else ''} | {plan.precision} (grad accum {plan.grad_accum_dtype}) | "
-        f"recompute {plan.checkpointing}"
+        f"recompute {plan.recomputation}"
         f"{f' | loss in chunks of {plan.loss_chunk:,} tokens' if plan.loss_chunk else ''}"
     )
     click.echo(

@@ -132,7 +132,7 @@ def _setup_text(*, model, plan, warmup: int, steps: int, compiled: bool) -> str:
     """bench's line on the model, the plan and the steps measured."""
     return (
         f"{model.name} {plan.num_params / 1e6:,.2f}M params ({model.shape_text}) | {plan.layout.describe()} | "
-        f"ZeRO-{plan.zero_stage} offload {plan.offload} | {plan.precision} | recompute {plan.checkpointing} | "
+        f"ZeRO-{plan.zero_stage} offload {plan.offload} | {plan.precision} | recompute {plan.recomputation} | "
         f"batch {plan.micro_batch} x ga {plan.grad_accum} x dp {plan.dp} = {plan.global_batch} seq "
         f"({plan.tokens_per_step:,} tokens/step) | {warmup} warm-up + {steps} measured steps"
         f"{' | blocks compiled' if compiled else ''}"

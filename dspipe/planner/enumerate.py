@@ -12,13 +12,15 @@ from typing import Any, TypeVar
 
 from dspipe.errors import SpecError
 from dspipe.planner.cost import Estimate, estimate, throughput
+from dspipe.planner.memory import stage_memory
 from dspipe.planner.plan import Plan, RuleError, make_plan
+from dspipe.planner.stages import stage_blocks
 from dspipe.spec.cluster import ClusterSpec
 from dspipe.spec.core import StrategyRequest
-from dspipe.spec.kinds import Axis, Offload
+from dspipe.spec.kinds import Axis, Checkpointing, Offload
 from dspipe.spec.layout import ParallelLayout
 from dspipe.spec.model import ModelSpec
-from dspipe.spec.settings import AUTO
+from dspipe.spec.settings import AUTO, is_auto
 from dspipe.spec.strategy import StrategySpec
 from dspipe.spec.train import TrainSpec
 
@@ -26,12 +28,26 @@ AUTO_CHECKPOINTING = ("none", "full")
 """Recomputation the search chooses from. Not selective: with SDPA's fused kernels the attention core it recomputes
 keeps no s x s scores, so it saves only the kernel's log-sum-exp (memory.activation_bytes_per_layer) and costs a
 recomputation; a pinned --checkpointing selective is still planned, with the memory it really uses."""
+TIE = 1.02
+"""Plans within 2% of the fastest are ties (planner.rank breaks them by the practitioners' order)."""
 MAX_MICRO_BATCH = 64
 LONG_CONTEXT = 16384
 """Sequence length from which the search considers Ulysses sequence parallelism on its own."""
 _T = TypeVar("_T")
 
-SEARCHED = ("precision", "micro_batch", "zero", "offload", "offload_params", "pp", "tp", "sp", "ep", "checkpointing")
+SEARCHED = (
+    "precision",
+    "micro_batch",
+    "zero",
+    "offload",
+    "offload_params",
+    "pp",
+    "tp",
+    "sp",
+    "ep",
+    "checkpointing",
+    "recompute_blocks",
+)
 """The request's fields the search tries every value of when they are auto; every other field of the request is
 handed to StrategySpec as asked (None: the spec's default)."""
 BATCH_RULE = 4
@@ -67,7 +83,7 @@ class Candidate:
         extra += f", ep {p.ep}" if p.experts or p.ep > 1 else ""  # a mixture of experts always names its ep
         return (
             f"{self.family}, {p.precision}, pp {p.pp}{extra}, dp {p.dp}, micro {p.micro_batch} x ga {p.grad_accum}"
-            f", recompute {p.checkpointing}"
+            f", recompute {p.recomputation}"
         )
 
 
@@ -132,6 +148,11 @@ def ep_choices(model: ModelSpec, dp: int, tp: int = 1) -> list[int]:
     return divisors(math.gcd(model.experts, dp), model.experts)
 
 
+def pinned_blocks(request: StrategyRequest) -> int:
+    """The request's recompute_blocks when it gives one, else 0 (every block; the search may try fewer)."""
+    return 0 if is_auto(request.recompute_blocks) else int(request.recompute_blocks or 0)
+
+
 def rule_of(error: SpecError) -> int:
     """The number of the rule that refused (0: the strategy itself was invalid)."""
     return error.rule if isinstance(error, RuleError) else 0
@@ -178,12 +199,16 @@ def _search_space(
         pps,
         tps,
         sps,
-        options(r.checkpointing, AUTO_CHECKPOINTING),
+        options(r.checkpointing, AUTO_CHECKPOINTING if pinned_blocks(r) == 0 else [Checkpointing.FULL.value]),
     )
 
 
 def _strategy(
-    structure: tuple[str, int, str, bool, int, int, int, int], *, checkpointing: str, as_asked: dict[str, Any]
+    structure: tuple[str, int, str, bool, int, int, int, int],
+    *,
+    checkpointing: str,
+    recompute_blocks: int = 0,
+    as_asked: dict[str, Any],
 ) -> StrategySpec:
     """The StrategySpec of a searched (precision, zero, offload, offload_params, pp, tp, sp, ep) and recomputation,
     with the request's other fields as asked."""
@@ -197,6 +222,7 @@ def _strategy(
         sp=sp,
         ep=ep,
         checkpointing=checkpointing,
+        recompute_blocks=recompute_blocks,
         **as_asked,
     )
 
@@ -230,6 +256,14 @@ def enumerate_candidates(
     refused: set[tuple[str, int, str, bool, int, int, int, int]] = set()
     trains: dict[tuple[str, int], TrainSpec] = {}  # (precision, micro-batch) -> TrainSpec, validated once
     space = _search_space(r, precisions=precision, offloads=offloads, pps=pps, tps=found.tp_list, sps=found.sp_list)
+    cost = _Costing(model=model, cluster=cluster, headroom=headroom, import_bytes=import_bytes)
+    blocks = pinned_blocks(r)
+    # the fewest blocks that fit are tried where the search chooses the recomputation too: a --checkpointing full
+    # the user gives recomputes every block (Megatron's --recompute-granularity full) unless --recompute-blocks says
+    searched_blocks = is_auto(r.recompute_blocks) and is_auto(r.checkpointing)
+    # (structure, micro-batch) -> its plan without recomputation (tried before full: AUTO_CHECKPOINTING's order)
+    unrecomputed: dict[tuple[tuple[str, int, str, bool, int, int, int, int], int], Candidate] = {}
+    partial: list[tuple[Candidate, Candidate | None]] = []  # fitting full recomputation of every block
     for prec, zero, offload, offload_params, pp, tp, sp, ckpt in space:
         dp, micro = _batch_options(world=world, pp=pp, tp=tp, sp=sp, train=train, micro_batch=r.micro_batch)
         for ep in options(r.ep, ep_choices(model, dp, tp)):
@@ -240,7 +274,7 @@ def enumerate_candidates(
                 continue
             for mb in micro:
                 try:
-                    strategy = _strategy(structure, checkpointing=ckpt, as_asked=as_asked)
+                    strategy = _strategy(structure, checkpointing=ckpt, recompute_blocks=blocks, as_asked=as_asked)
                     t = trains.get((prec, mb))
                     if t is None:
                         t = trains[prec, mb] = replace(train, precision=prec, micro_batch=mb)
@@ -250,7 +284,75 @@ def enumerate_candidates(
                         continue
                     refused.add(structure)  # no other rule reads the micro-batch or the recomputation
                     break
-                est = estimate(model=model, cluster=cluster, plan=plan, headroom=headroom, import_bytes=import_bytes)
-                tokens_per_s, mfu = throughput(est=est, model=model, cluster=cluster, plan=plan)
-                found.candidates.append(Candidate(strategy, t, plan, est, tokens_per_s, mfu))
+                found.candidates.append(c := cost.candidate(strategy, t, plan))
+                if ckpt == Checkpointing.NONE:
+                    unrecomputed[structure, mb] = c
+                elif ckpt == Checkpointing.FULL and searched_blocks and c.est.fits:
+                    partial.append((c, unrecomputed.get((structure, mb))))
+    found.candidates += _partial_recomputation(partial, fitting=found.candidates, cost=cost)
     return found
+
+
+def _partial_recomputation(
+    pending: list[tuple[Candidate, Candidate | None]], *, fitting: list[Candidate], cost: _Costing
+) -> list[Candidate]:
+    """For each fitting plan that recomputes every block, the one that recomputes the fewest blocks per stage and
+    still fits (_fewest_recomputed), where it can matter: not where the same plan fits without recomputation
+    (faster still), and not where even that plan (its step time bounds any partial recomputation's from below) is
+    more than TIE slower than the fastest plan found; the most promising first."""
+    best = min((c.est.step_time_s for c in fitting if c.est.fits), default=math.inf)
+    out = []
+    bound = {id(whole): (none.est.step_time_s if none is not None else 0.0) for whole, none in pending}
+    for whole, none in sorted(pending, key=lambda p: bound[id(p[0])]):
+        if none is not None and none.est.fits:
+            continue
+        if bound[id(whole)] > best * TIE:
+            break
+        fewest = _fewest_recomputed(whole, cost=cost)
+        if fewest is not None:
+            out.append(fewest)
+            best = min(best, fewest.est.step_time_s)
+    return out
+
+
+@dataclass(frozen=True)
+class _Costing:
+    """What estimating a plan needs beside it."""
+
+    model: ModelSpec
+    cluster: ClusterSpec
+    headroom: float
+    import_bytes: int | None
+
+    def candidate(self, strategy: StrategySpec, train: TrainSpec, plan: Plan) -> Candidate:
+        est = estimate(
+            model=self.model, cluster=self.cluster, plan=plan, headroom=self.headroom, import_bytes=self.import_bytes
+        )
+        tokens_per_s, mfu = throughput(est=est, model=self.model, cluster=self.cluster, plan=plan)
+        return Candidate(strategy, train, plan, est, tokens_per_s, mfu)
+
+
+def _fewest_recomputed(whole: Candidate, *, cost: _Costing) -> Candidate | None:
+    """Of full recomputation that fits recomputing every block (`whole`), the plan that recomputes the fewest blocks
+    per stage and still fits (Megatron's block method: its step recomputes less); None when only every block fits.
+    Found by bisection on the stages' memory alone: it only grows as fewer blocks are recomputed, and nothing else
+    that decides the fit (the host's, the start-up's) depends on it."""
+    p = whole.plan
+    most = max(stage_blocks(model=cost.model, pp=p.pp, partition_method=p.partition_method, tp=p.tp))
+    usable = whole.est.usable_gpu_memory_bytes
+
+    def fits(n: int) -> bool:
+        plan = replace(whole.plan, recompute_blocks=n)
+        return stage_memory(model=cost.model, cluster=cost.cluster, plan=plan)[0].total <= usable
+
+    low, high, fewest = 1, most - 1, None  # most: every block, which `whole` is
+    while low <= high:
+        mid = (low + high) // 2
+        if fits(mid):
+            fewest, high = mid, mid - 1
+        else:
+            low = mid + 1
+    if fewest is None:
+        return None
+    strategy = replace(whole.strategy, recompute_blocks=fewest)
+    return cost.candidate(strategy, whole.train, replace(whole.plan, recompute_blocks=fewest))

@@ -7,9 +7,9 @@ from dataclasses import replace
 
 from dspipe.errors import SpecError
 from dspipe.planner.cost import STEP_TERMS, Estimate
-from dspipe.planner.enumerate import Candidate, Enumerated, divisors
+from dspipe.planner.enumerate import TIE, Candidate, Enumerated, divisors
 from dspipe.planner.plan import check_rules
-from dspipe.planner.rank import TIE, tie_reason
+from dspipe.planner.rank import tie_reason
 from dspipe.planner.startup import size_text
 from dspipe.spec.cluster import ClusterSpec
 from dspipe.spec.core import StrategyRequest

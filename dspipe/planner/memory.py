@@ -74,6 +74,7 @@ experts run through: k x tokens rows, fewer under a capacity factor; no masks, n
 
 from __future__ import annotations
 
+import bisect
 import math
 import re
 from dataclasses import dataclass
@@ -188,7 +189,9 @@ def window_mask_bytes(model: ModelSpec, *, act_bytes: int) -> int:
 def windowed_blocks(model: ModelSpec, layers: range) -> int:
     """Blocks among `layers` whose sliding window is shorter than the sequence (they run a window kernel:
     throughput.window_kernel)."""
-    return sum(1 for i in layers if (w := model.window_of(i)) is not None and w < model.seq_len)
+    if model.sliding_window is None or model.sliding_window >= model.seq_len:
+        return 0
+    return len(range(max(layers.start, model.window_start_layer), layers.stop))  # window_of: from that layer on
 
 
 def activation_bytes_per_layer(
@@ -425,9 +428,35 @@ def _stage_blocks_bytes(
     sp: int,
     kernels: str,
     tp_sp: bool,
-) -> tuple[int, int]:
-    """(saved, working): what a stage's blocks save and one recomputed block under full checkpointing
-    (micro_batch_activations' terms)."""
+    recomputed: int | None = None,
+) -> tuple[int, int, int]:
+    """(saved, working, kept): what a stage's blocks save, one recomputed block under full checkpointing
+    (micro_batch_activations' terms), and of `saved` what the blocks that are not recomputed save. `recomputed`:
+    under full checkpointing, how many of the blocks are recomputed (None: all), the first ones; the others save
+    what they do without recomputation, and are taken to hold the stage's windowed and sparse blocks first (the
+    larger savers: an upper bound where those sit among the recomputed ones)."""
+    if checkpointing == Checkpointing.FULL and recomputed is not None and recomputed < blocks:
+        kept = blocks - recomputed
+        common = dict(model=model, micro_batch=micro_batch, act_bytes=act_bytes, tp=tp, sp=sp, kernels=kernels)
+        kept_saved, _, _ = _stage_blocks_bytes(
+            **common,  # type: ignore[arg-type]
+            checkpointing=Checkpointing.NONE,
+            blocks=kept,
+            windowed=min(windowed, kept),
+            sparse=min(sparse, kept),
+            tp_sp=tp_sp,
+        )
+        if not recomputed:
+            return kept_saved, 0, kept_saved
+        saved, working, _ = _stage_blocks_bytes(
+            **common,  # type: ignore[arg-type]
+            checkpointing=Checkpointing.FULL,
+            blocks=recomputed,
+            windowed=max(0, windowed - kept),
+            sparse=max(0, sparse - kept),
+            tp_sp=tp_sp,
+        )
+        return kept_saved + saved, working, kept_saved
 
     def per_layer(masked: bool) -> int:
         return activation_bytes_per_layer(
@@ -454,7 +483,7 @@ def _stage_blocks_bytes(
         sparse=sparse,
     )
     if checkpointing != Checkpointing.FULL or not blocks:
-        return saved + moe_saved, 0
+        return saved + moe_saved, 0, 0
     working = recompute_working_bytes(
         model=model,
         micro_batch=micro_batch,
@@ -466,7 +495,7 @@ def _stage_blocks_bytes(
         sparse=sparse > 0,
         tp_sp=tp_sp,
     )
-    return saved + moe_saved, working
+    return saved + moe_saved, working, 0
 
 
 def _last_stage_bytes(
@@ -518,6 +547,7 @@ def micro_batch_activations(
     ep: int = 1,
     tp_sp: bool = False,
     loss_chunk: int = 0,
+    recompute_blocks: int = 0,
 ) -> tuple[int, int]:
     """(held, working): activation bytes one micro-batch keeps on a stage of `blocks` blocks from its forward to its
     backward, and what its backward adds at the moment of its peak. none / selective: every block's saved tensors,
@@ -525,14 +555,16 @@ def micro_batch_activations(
     logits (loss_chunk_working_bytes, in the loss's backward, before any block's). full: the block inputs (and
     ids) held; at the peak either the head and loss (alive at the end of the forward, freed by the head's backward;
     with a chunked loss's chunk) or one recomputed block (rebuilt after the head's tensors are gone), whichever is
-    larger: they never coincide.
+    larger: they never coincide. `recompute_blocks` (full only; 0: every block): only the first that many blocks
+    are recomputed and the others save what they save without recomputation; those are backpropagated first, so
+    their tensors are gone when a recomputed block is rebuilt.
     `windowed`: how many of the blocks have a sliding window shorter than the sequence (None: the last `blocks`
     blocks of the model, the most a stage can hold, as windowed_blocks counts them). `sparse`: how many of the
     blocks are mixture-of-experts blocks (their MoE layers' saved tensors; at `ep` > 1 one block's backward adds
     its all-to-all-v's two gradient buffers, moe_exchange_bytes)."""
     if windowed is None:
         windowed = windowed_blocks(model, range(model.layers - blocks, model.layers))
-    saved, working = _stage_blocks_bytes(
+    saved, working, kept = _stage_blocks_bytes(
         model=model,
         micro_batch=micro_batch,
         checkpointing=checkpointing,
@@ -544,6 +576,7 @@ def micro_batch_activations(
         sp=sp,
         kernels=kernels,
         tp_sp=tp_sp,
+        recomputed=min(recompute_blocks, blocks) if recompute_blocks else None,
     )
     ids = embedding_bytes(model=model, micro_batch=micro_batch, sp=sp) if first else 0
     head, chunk = _last_stage_bytes(
@@ -560,7 +593,7 @@ def micro_batch_activations(
     exchange = moe_exchange_bytes(model=model, micro_batch=micro_batch, act_bytes=act_bytes, ep=ep) if sparse else 0
     if checkpointing != Checkpointing.FULL:
         return saved + ids + head, max(exchange, chunk)
-    return saved + ids, max(head + chunk, working + exchange)
+    return saved + ids, max(head + chunk, working + exchange - kept)
 
 
 def moe_exchange_bytes(*, model: ModelSpec, micro_batch: int, act_bytes: int, ep: int) -> int:
@@ -640,6 +673,15 @@ def zero3_kept_for_reuse(*, model: ModelSpec, plan: Plan) -> int:
     return min(kept, model.num_params)  # a tied head is the embedding: counted once
 
 
+@lru_cache(maxsize=256)
+def _backward_order(model: ModelSpec, *, ep: int) -> tuple[int, int, int]:
+    """Of the blocks' modules in backward order (block_modules reversed): the largest two adjacent ones together,
+    the largest, and the first (the last block's last module)."""
+    order = list(reversed(block_modules(model, ep=ep)))
+    pair = max(a + b for a, b in zip(order, order[1:] + order[:1], strict=True))
+    return pair, max(order), order[0]
+
+
 def zero3_backward_working(*, model: ModelSpec, plan: Plan) -> int:
     """Elements ZeRO-3 holds beyond the steady partitions at its backward peak (census of DeepSpeed 0.19.8 at every
     gradient hook, tied GPT and untied Llama): the larger of
@@ -652,16 +694,15 @@ def zero3_backward_working(*, model: ModelSpec, plan: Plan) -> int:
       - the head: its weight gathered with a prefetch bucket and the first block module past it (or what
         stage3_max_reuse_distance kept gathered since the forward, if more), and its gradient.
     The contiguous reduce bucket is a steady buffer; the gradients are reduced module by module and freed."""
-    order = list(reversed(block_modules(model, ep=plan.ep)))
-    pair = max(a + b for a, b in zip(order, order[1:] + order[:1], strict=True))
+    pair, largest, first = _backward_order(model, ep=plan.ep)
     head = model.vocab * model.hidden
     kept = zero3_kept_for_reuse(model=model, plan=plan)
     live = min(plan.max_live_parameters, plan.prefetch_bucket_size + largest_tensor(model))
     tied = head if model.tied_embeddings else 0
     # what stayed gathered since the forward, less the head (and final norm) released after their backward; a tied
     # head is the embedding, needed again at the end
-    blocks = max(live + pair, kept - (head - tied) + max(order)) + tied
-    at_head = max(kept, head + plan.prefetch_bucket_size + order[0]) + head
+    blocks = max(live + pair, kept - (head - tied) + largest) + tied
+    at_head = max(kept, head + plan.prefetch_bucket_size + first) + head
     return max(blocks, at_head)
 
 
@@ -799,27 +840,39 @@ def stage_memory(*, model: ModelSpec, cluster: ClusterSpec, plan: Plan) -> tuple
     kernels = "cuda" if gpu.backend == "nccl" else "cpu"
     reserve = FRAMEWORK_RESERVE if gpu.backend == "nccl" else 0
     worst = None
+    # stages alike in what decides their bytes are counted once (most of a deep pipeline's middle stages)
+    states: dict[int, tuple[tuple[dict[str, int], dict[str, int]], tuple[int, int]]] = {}
+    activations: dict[tuple[int, bool, bool, int, int], tuple[int, int]] = {}
     for i, phi in enumerate(stages):
-        steady, transient = _model_states(model=model, plan=plan, phi=phi)
-        held, working = micro_batch_activations(
-            model=model,
-            micro_batch=plan.micro_batch,
-            checkpointing=plan.checkpointing,
-            act_bytes=b,
-            blocks=blocks[i],
-            first=i == 0,
-            last=i == pp - 1,
-            tp=tp,
-            sp=sp,
-            kernels=kernels,
-            windowed=windowed_blocks(model, range(first_block[i], first_block[i] + blocks[i])),
-            sparse=sum(1 for j in model.sparse_layers if first_block[i] <= j < first_block[i] + blocks[i]),
-            ep=plan.ep,
-            tp_sp=plan.tp_sp,
-            loss_chunk=plan.loss_chunk,
+        if phi not in states:
+            states[phi] = _model_states(model=model, plan=plan, phi=phi), _host_states(model=model, plan=plan, phi=phi)
+        (steady, transient), (host_steady, host_peak) = states[phi]
+        layers = range(first_block[i], first_block[i] + blocks[i])
+        sparse = bisect.bisect_left(model.sparse_layers, layers.stop) - bisect.bisect_left(
+            model.sparse_layers, layers.start
         )
+        key = (blocks[i], i == 0, i == pp - 1, windowed_blocks(model, layers), sparse)
+        if key not in activations:
+            activations[key] = micro_batch_activations(
+                model=model,
+                micro_batch=plan.micro_batch,
+                checkpointing=plan.checkpointing,
+                act_bytes=b,
+                blocks=blocks[i],
+                first=i == 0,
+                last=i == pp - 1,
+                tp=tp,
+                sp=sp,
+                kernels=kernels,
+                windowed=key[3],
+                sparse=sparse,
+                ep=plan.ep,
+                tp_sp=plan.tp_sp,
+                loss_chunk=plan.loss_chunk,
+                recompute_blocks=plan.recompute_blocks,
+            )
+        held, working = activations[key]
         acts = min(pp - i, m) * held + working  # 1F1B: stage i has up to pp - i micro-batches in flight
-        host_steady, host_peak = _host_states(model=model, plan=plan, phi=phi)
         mem = Memory(
             params=steady["params"],
             grads=steady["grads"] + transient["grads"],

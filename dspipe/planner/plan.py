@@ -95,6 +95,9 @@ class Plan:
     the sequence over the tp ranks (all-gather / reduce-scatter instead of all-reduce)."""
     loss_chunk: int = 0
     """Tokens per chunk of the cross-entropy (dspipe.model.loss): one chunk's logits at a time; 0: the full logits."""
+    recompute_blocks: int = 0
+    """Under full recomputation, the first this many blocks of each pipeline stage are recomputed and the others keep
+    their activations (Megatron's block method); 0: every block."""
 
     def __post_init__(self) -> None:
         if self.layout.dp != self.dp:
@@ -118,6 +121,22 @@ class Plan:
         and ZeRO partitions their gradients and optimizer states over them; dp with the experts spread over the tp
         group (tp > 1: dspipe.runtime.experts.folded)."""
         return self.dp if self.tp > 1 else self.dp // self.ep
+
+    def recomputed(self, blocks: int) -> int:
+        """How many of a stage's `blocks` blocks the backward recomputes: every one under full recomputation (the
+        first recompute_blocks of them when that is set), none otherwise (selective recomputes only the attention
+        core)."""
+        if self.checkpointing != Checkpointing.FULL:
+            return 0
+        return min(self.recompute_blocks, blocks) if self.recompute_blocks else blocks
+
+    @property
+    def recomputation(self) -> str:
+        """The recomputation in words: none, selective, full, or full (first N blocks of each stage)."""
+        if self.checkpointing == Checkpointing.FULL and self.recompute_blocks:
+            n = self.recompute_blocks
+            return f"full (first {n} block{'s' if n != 1 else ''} of each stage)"
+        return self.checkpointing
 
     @property
     def layout(self) -> ParallelLayout:
@@ -395,6 +414,7 @@ def make_plan(*, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
         experts=model.experts,
         tp_sp=strategy.tp_sp and layout.tp > 1,
         loss_chunk=strategy.loss_chunk,
+        recompute_blocks=strategy.recompute_blocks,
     )
 
 

@@ -5,11 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dspipe.planner.enumerate import Candidate
+from dspipe.planner.enumerate import TIE, Candidate
 from dspipe.spec.hardware import GIB
 
-TIE = 1.02
-"""Plans within 2% of the fastest are ties, broken by the practitioners' order."""
 ROOMY = 0.80
 """Fraction of the GPU's memory above which a plan loses every tie to one that stays under it: allocator
 fragmentation and what the model does not count bite first near the edge."""
@@ -48,7 +46,8 @@ def preference(c: Candidate) -> tuple[bool, int, int, int, bool, int, int, int, 
     parallelism), then a larger micro-batch while it has fewer than GEMM_TOKENS tokens, then the smaller memory
     footprint (a roomier plan over one near the edge of the GPU's memory). Before all of these: a plan over ROOMY of
     the GPU's memory loses to one under it."""
-    ckpt = {"none": 0, "selective": 1, "full": 2}[c.plan.checkpointing]
+    # full recomputation of fewer blocks per stage (Megatron's block method) is less recomputation than of all
+    ckpt = {"none": 0, "selective": 1, "full": 2}[c.plan.checkpointing] - (c.plan.recompute_blocks > 0)
     seq_len = c.plan.tokens_per_step // c.plan.global_batch
     return (
         c.est.memory.total > ROOMY * c.est.gpu_memory_bytes,

@@ -141,12 +141,13 @@ def slowest_stage_share(*, model: ModelSpec, pp: int, partition_method: str, ker
     return max(per_stage) / sum(flops)
 
 
-def stage_sparse_blocks(*, model: ModelSpec, pp: int, partition_method: str) -> list[int]:
+@lru_cache(maxsize=1024)
+def stage_sparse_blocks(*, model: ModelSpec, pp: int, partition_method: str) -> tuple[int, ...]:
     """Sparse (mixture-of-experts) blocks on each pipeline stage under DeepSpeed's partition."""
     if pp == 1:
-        return [len(model.sparse_layers)]
+        return (len(model.sparse_layers),)
     bounds = stage_bounds(model, pp, partition_method)
-    return [sum(1 for i in model.sparse_layers if a <= i + 1 < b) for a, b in pairwise(bounds)]
+    return tuple(sum(1 for i in model.sparse_layers if a <= i + 1 < b) for a, b in pairwise(bounds))
 
 
 def stage_blocks(*, model: ModelSpec, pp: int, partition_method: str, tp: int = 1) -> list[int]:
@@ -236,12 +237,25 @@ def param_groups(*, model: ModelSpec, plan: Plan, phi: int) -> list[tuple[int, i
 def _experts_held(*, model: ModelSpec, plan: Plan, phi: int) -> int:
     """The routed-expert parameters of a rank holding `phi` parameters: the model's share at pp 1; under a pipeline
     those of the stage whose ranks hold phi (stage_params; of stages holding the same count, the most)."""
-    held = stage_experts(model=model, pp=plan.pp, partition_method=plan.partition_method, tp=plan.tp, ep=plan.ep)
+    held, by_phi = _experts_by_stage(model, pp=plan.pp, partition_method=plan.partition_method, tp=plan.tp, ep=plan.ep)
     if plan.pp == 1:
         return held[0]
-    stages = stage_params(model=model, pp=plan.pp, partition_method=plan.partition_method, tp=plan.tp, ep=plan.ep)
-    matches = [e for p, e in zip(stages, held, strict=True) if p == phi]
-    return max(matches) if matches else min(phi, max(held))
+    return by_phi[phi] if phi in by_phi else min(phi, max(held))
+
+
+@lru_cache(maxsize=1024)
+def _experts_by_stage(
+    model: ModelSpec, *, pp: int, partition_method: str, tp: int, ep: int
+) -> tuple[tuple[int, ...], dict[int, int]]:
+    """(each stage's routed-expert parameters per rank, {a stage's parameters per rank: the most experts of a stage
+    holding that many})."""
+    held = stage_experts(model=model, pp=pp, partition_method=partition_method, tp=tp, ep=ep)
+    by_phi: dict[int, int] = {}
+    for p, e in zip(
+        stage_params(model=model, pp=pp, partition_method=partition_method, tp=tp, ep=ep), held, strict=True
+    ):
+        by_phi[p] = max(e, by_phi.get(p, e))
+    return held, by_phi
 
 
 def zero_group_size(plan: Plan) -> int:

@@ -9,6 +9,8 @@ Imports no torch.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from dspipe.spec.model import ModelSpec
 
 # metrics.csv (one row per optimizer step, rank 0) and val_metrics.csv columns, in order.
@@ -77,6 +79,7 @@ def layer_attention_flops_per_token(model: ModelSpec, layer: int, *, kernels: st
     return 12.0 * model.q_width * attention_keys_per_query(model, layer, kernels=kernels)
 
 
+@lru_cache(maxsize=1024)
 def attention_flops_per_token(model: ModelSpec, *, kernels: str | None = None) -> float:
     """Training FLOPs per token of the attention over all blocks (layer_attention_flops_per_token; 6·L·h·s for GPT's
     causal attention)."""

@@ -24,7 +24,14 @@ from dataclasses import dataclass
 
 from dspipe.planner.memory import block_modules, module_sizes, routed_rows
 from dspipe.planner.plan import Plan
-from dspipe.planner.stages import param_groups, share, slowest_stage_share, stage_sparse_blocks, zero_group_size
+from dspipe.planner.stages import (
+    param_groups,
+    share,
+    slowest_stage_share,
+    stage_blocks,
+    stage_sparse_blocks,
+    zero_group_size,
+)
 from dspipe.planner.throughput import attention_flops_per_token, model_flops_per_token
 from dspipe.spec.cluster import ClusterSpec
 from dspipe.spec.dtypes import dtype_bytes
@@ -218,22 +225,32 @@ def _dp_comm_s(
     return m * (first + prefetched(module_gathers - first, fwd_s) + prefetched(module_gathers + reduce, bwd_s)), 0.0
 
 
+def recomputed_share(*, model: ModelSpec, plan: Plan) -> float:
+    """Of the blocks on the stage with the most, the share its backward recomputes: 1 under full recomputation of
+    every block, recompute_blocks / the stage's blocks under Megatron's block method, 0 otherwise. Every term that
+    re-runs with the forward (its FLOPs, its tp, sp and ep collectives, the experts' calls) scales by it."""
+    if plan.checkpointing != Checkpointing.FULL:
+        return 0.0
+    blocks = max(stage_blocks(model=model, pp=plan.pp, partition_method=plan.partition_method, tp=plan.tp))
+    return plan.recomputed(blocks) / blocks if blocks else 0.0
+
+
 def _tp_comm_s(*, model: ModelSpec, plan: Plan, gpu: GpuType, tokens: int, layers: int) -> float:
-    """Seconds per step of the tensor-parallel all-reduces on the slowest stage, `layers` blocks of `tokens` tokens
-    per micro-batch: per block and micro-batch, 2 all-reduces of the b.s.h activations in forward (the row-parallel
+    """Seconds per step of the tensor-parallel all-reduces on the slowest stage, `layers` blocks of `tokens` tokens per
+    micro-batch: per block and micro-batch, 2 all-reduces of the b.s.h activations in forward (the row-parallel
     attention and MLP outputs), 2 in backward (the column-parallel inputs' gradients), 2 more when full recomputation
-    re-runs the forward; with per-head q/k norms (Qwen3) 2 more in backward, of their head_dim-wide weight gradients
-    (latency only). Per micro-batch, the vocab-parallel embedding's output all-reduce in forward and the head's input
-    gradient all-reduce in backward: both on one stage without a pipeline, one on the first and the last stage with
-    one (the vocab-parallel cross-entropy's per-token max, sum and target all-reduces are not counted: 12 bytes per
-    token against the head's 2h). Ring all-reduce moves 2(t-1)/t of the bytes per rank, over NVLink (tp never leaves a
-    node), plus its ring latency. Not credited with overlap: the runtime issues a column-parallel layer's backward
-    collectives beside its GEMMs as Megatron does (dspipe.runtime.tensor_parallel), but the published Megatron-LM
-    rows, which overlap the same way, already come out at 0.99-1.15 of published without it (docs/published-runs.md),
-    and one GPU cannot measure tp here.
+    re-runs the forward (times recomputed_share); with per-head q/k norms (Qwen3) 2 more in backward, of their
+    head_dim-wide weight gradients (latency only). Per micro-batch, the vocab-parallel embedding's output all-reduce in
+    forward and the head's input gradient all-reduce in backward: both on one stage without a pipeline, one on the first
+    and the last stage with one (the vocab-parallel cross-entropy's per-token max, sum and target all-reduces are not
+    counted: 12 bytes per token against the head's 2h). Ring all-reduce moves 2(t-1)/t of the bytes per rank, over
+    NVLink (tp never leaves a node), plus its ring latency. Not credited with overlap: the runtime issues a
+    column-parallel layer's backward collectives beside its GEMMs as Megatron does (dspipe.runtime.tensor_parallel), but
+    the published Megatron-LM rows, which overlap the same way, already come out at 0.99-1.15 of published without it
+    (docs/published-runs.md), and one GPU cannot measure tp here.
     Megatron sequence parallelism (plan.tp_sp): each all-reduce becomes an all-gather and a reduce-scatter, (t-1)/t
     each: per block 4 in forward, 6 in backward (the column-parallel inputs are kept as sequence slices and gathered
-    again), 4 more with full recomputation;
+    again), 4 more with full recomputation (times recomputed_share);
     the embedding's reduce-scatter and the head's gather, re-gather and reduce-scatter (3) on the slowest stage.
     A mixture of experts (tp needs sequence parallelism there): a sparse block's MLP is no tensor-parallel region
     (half the block's gathers and reduce-scatters) and its parameters (router, routed and shared experts), whole on
@@ -248,13 +265,13 @@ def _tp_comm_s(*, model: ModelSpec, plan: Plan, gpu: GpuType, tokens: int, layer
     volume = tokens * model.hidden * b / (gpu.intra_node_gbps * 1e9)
     if plan.tp_sp:
         half = (tp - 1) / tp * volume + ring_latency_s(steps=tp - 1, gpu=gpu)
-        per_block = 14 if plan.checkpointing == Checkpointing.FULL else 10
+        per_block = 10 + 4 * recomputed_share(model=model, plan=plan)
         ends = 4 if plan.pp == 1 else 3
         sparse = max(stage_sparse_blocks(model=model, pp=plan.pp, partition_method=plan.partition_method))
         gathers = (layers - sparse) * per_block + sparse * per_block / 2 + ends
         return plan.grad_accum * (gathers * half + qk_norms + sparse * _expert_grads_s(model=model, plan=plan, gpu=gpu))
     one = 2 * (tp - 1) / tp * volume + latency
-    per_block = 6 if plan.checkpointing == Checkpointing.FULL else 4
+    per_block = 4 + 2 * recomputed_share(model=model, plan=plan)
     ends = 2 if plan.pp == 1 else 1  # the embedding's and the head's: the slowest stage holds one of them
     return plan.grad_accum * ((layers * per_block + ends) * one + qk_norms)
 
@@ -265,7 +282,7 @@ def _expert_grads_s(*, model: ModelSpec, plan: Plan, gpu: GpuType) -> float:
     latency per tensor), and the load-balancing loss's two all-reduces of E numbers in each forward (latency)."""
     tp = plan.tp
     shared = model.mlp_tensors("", model.shared_experts * model.expert_width) if model.shared_experts else []
-    forwards = 2 if plan.checkpointing == Checkpointing.FULL else 1
+    forwards = 1 + recomputed_share(model=model, plan=plan)
     routed = 0 if plan.ep > 1 else model.experts  # spread over the tp group (ep = tp): each rank's own, not summed
     tensors = 1 + routed * len(model.expert_tensors()) + len(shared) + 2 * forwards
     params = model.sparse_mlp_params - (model.experts - routed) * model.expert_params
@@ -328,8 +345,8 @@ def expert_calls_s(*, model: ModelSpec, plan: Plan, gpu: GpuType, tokens: int, a
         return 0.0
     rows = routed_rows(model=model, tokens=tokens) / model.experts
     forward = 2 * model.expert_params * rows / achieved
-    passes = [forward, 2 * forward] + ([forward] if plan.checkpointing == Checkpointing.FULL else [])
-    per_expert = sum(max(0.0, EXPERT_CALL_S - t) for t in passes)
+    floor = [max(0.0, EXPERT_CALL_S - t) for t in (forward, 2 * forward)]
+    per_expert = floor[0] * (1 + recomputed_share(model=model, plan=plan)) + floor[1]
     blocks = max(stage_sparse_blocks(model=model, pp=plan.pp, partition_method=plan.partition_method))
     return blocks * (model.experts // plan.ep) * per_expert
 
@@ -345,7 +362,7 @@ def _sp_comm_s(*, model: ModelSpec, plan: Plan, cluster: ClusterSpec, tokens: in
     # sp - 1 steps of latency, over NVLink while the sp group stays inside a node.
     sp_comm = 0.0
     if sp > 1:
-        per_layer_ops = 12 if plan.checkpointing == Checkpointing.FULL else 8
+        per_layer_ops = 8 + 4 * recomputed_share(model=model, plan=plan)
         volume = (sp - 1) / sp * tokens * model.q_width * b
         inside = _inside_node(sp * tp, cluster.gpus_per_node)
         bw = gpu.intra_node_gbps if inside else gpu.inter_node_gbps
@@ -367,7 +384,8 @@ def _ep_comm_s(*, model: ModelSpec, plan: Plan, cluster: ClusterSpec, tokens: in
     # latency only) per forward. Not overlapped.
     ep_comm = 0.0
     if plan.ep > 1 and model.experts:
-        ops, forwards = (6, 2) if plan.checkpointing == Checkpointing.FULL else (4, 1)
+        again = recomputed_share(model=model, plan=plan)
+        ops, forwards = 4 + 2 * again, 1 + again
         volume = (plan.ep - 1) / plan.ep * routed_rows(model=model, tokens=tokens) * model.hidden * b
         span = plan.ep if tp > 1 else plan.ep * sp  # at tp > 1 the tp group itself (experts.folded)
         inside = _inside_node(span, cluster.gpus_per_node)
@@ -428,6 +446,7 @@ def step_time(*, model: ModelSpec, cluster: ClusterSpec, plan: Plan, phi: int) -
     run_attention = attention_flops_per_token(model, kernels=kernels)
     executed = model_flops - attention_flops_per_token(model) + run_attention
     extra = {"none": 0.0, "selective": run_attention / 3, "full": executed / 3}[plan.checkpointing]
+    extra *= recomputed_share(model=model, plan=plan) if plan.checkpointing == Checkpointing.FULL else 1
     hw_flops = executed + extra
     rank_flops = hw_flops / tp / sp
     achieved = gpu.compute_tflops(plan.precision) * 1e12  # a profile's measured rate, or peak x efficiency

@@ -21,7 +21,7 @@ import time
 from dspipe.rundir import Run
 from dspipe.runtime.build import build_module
 from dspipe.runtime.experts import expert_parallel
-from dspipe.runtime.parallelize import checkpoint_function, parallelize
+from dspipe.runtime.parallelize import checkpoint_function, parallelize, recomputed_blocks
 from dspipe.spec.kinds import Offload, Precision
 from dspipe.spec.layout import ParallelLayout
 
@@ -81,6 +81,7 @@ def engine_settings(engine) -> dict:
         "offload_param": bool(getattr(zero_opt, "offload_param", False)),
         "activation_checkpoint_interval": int(getattr(module, "activation_checkpoint_interval", 0)),
         "blocks": held_blocks(module),
+        "recomputed_blocks": recomputed_blocks(module),
         "compiled_blocks": compiled_modules(module),
         **loss_settings(engine),
         "scheduler": type(engine.lr_scheduler).__name__,
@@ -186,6 +187,8 @@ def check_engine(settings: dict, run: Run) -> None:
         drift["tp_sharded_params"] = ("> 0", 0)  # no layer was swapped for its shards
     if plan.tp > 1 and settings["tp_unreduced_params"]:
         drift["tp_unreduced_params"] = (0, settings["tp_unreduced_params"])  # q/k norms whose gradient is not summed
+    if settings["recomputed_blocks"] != plan.recomputed(settings["blocks"]):
+        drift["recomputed_blocks"] = (plan.recomputed(settings["blocks"]), settings["recomputed_blocks"])
     compiled = settings["blocks"] if run.train.compile else 0  # every block the rank holds, or none
     if settings["compiled_blocks"] != compiled:
         drift["compiled_blocks"] = (compiled, settings["compiled_blocks"])

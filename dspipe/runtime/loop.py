@@ -455,7 +455,7 @@ def _banner(run: Run, *, backend: str, device: str) -> str:
     return (
         f"dspipe: {run.model.name} {plan.num_params / 1e6:.2f}M params | {layout.describe()} "
         f"| ZeRO-{plan.zero_stage} offload {plan.offload} | {plan.precision} | {backend} on {device} | recompute "
-        f"{plan.checkpointing} | batch {plan.micro_batch} x ga {plan.grad_accum} x dp {layout.dp} = "
+        f"{plan.recomputation} | batch {plan.micro_batch} x ga {plan.grad_accum} x dp {layout.dp} = "
         f"{plan.global_batch} seq x {run.model.seq_len} tok"
         f"{f' | {tr.steps:,} steps (token budget {tr.tokens})' if tr.tokens else ''}"
         f"{' | blocks compiled' if tr.compile else ''}"

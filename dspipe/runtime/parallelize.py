@@ -48,7 +48,7 @@ def parallelize(
     (sequence_groups or dspipe.runtime.mesh.Mesh) on this rank's slice; then, with `compile_`, every block compiled
     (compile_blocks: last, so the compiled graphs hold the wired attention). (Its tensor-parallel shards were
     swapped in when it was built: shard_tensor_parallel.)"""
-    recompute(module, mode=plan.checkpointing, checkpoint_fn=checkpoint_fn)
+    recompute(module, mode=plan.checkpointing, checkpoint_fn=checkpoint_fn, blocks=plan.recompute_blocks)
     if plan.loss_chunk:
         chunked_loss(module, chunk=plan.loss_chunk)
     if plan.sp > 1:
@@ -73,16 +73,73 @@ def compile_blocks(module) -> int:
     return len(blocks)
 
 
-def recompute(module, *, mode: str, checkpoint_fn: Callable | None) -> None:
-    """none; full: recompute each block of the plain GPT in backward; selective: recompute only the attention core
-    of every block `module` holds (the plain GPT or a pipeline stage)."""
+def recompute(module, *, mode: str, checkpoint_fn: Callable | None, blocks: int = 0) -> None:
+    """none; full: recompute each block of the plain GPT in backward (a pipeline stage's are PipelineModule's own:
+    activation_checkpoint_interval 1), with `blocks` > 0 only the first `blocks` blocks of the GPT or of the stage
+    (Megatron's --recompute-method block: the others keep their activations); selective: recompute only the
+    attention core of every block `module` holds (the plain GPT or a pipeline stage)."""
     from dspipe.model.gpt import GPT, Attention
 
+    full = checkpoint_fn if mode == Checkpointing.FULL else None
     if isinstance(module, GPT):
-        module.block_checkpoint = checkpoint_fn if mode == Checkpointing.FULL else None
+        module.block_checkpoint = _first_blocks(full, chosen=list(module.h)[:blocks]) if full and blocks else full
+    elif full and blocks:
+        _stage_first_blocks(module, blocks=blocks)
     for part in module.modules():
         if isinstance(part, Attention):
             part.core_checkpoint = checkpoint_fn if mode == Checkpointing.SELECTIVE else None
+
+
+def _first_blocks(checkpoint_fn: Callable, *, chosen: list) -> Callable:
+    """GPT.block_checkpoint that recomputes only the `chosen` blocks and runs every other one plainly (it is called
+    with the block, or a sparse block's bound forward_aux, and the block's input)."""
+    ids = {id(block) for block in chosen}
+
+    def checkpoint(run: Callable, *args):
+        owner = getattr(run, "__self__", run)
+        return checkpoint_fn(run, *args) if id(owner) in ids else run(*args)
+
+    checkpoint.blocks = len(ids)  # type: ignore[attr-defined]  # what recomputed_blocks reads back
+    return checkpoint
+
+
+def recomputed_blocks(module) -> int:
+    """How many of the blocks `module` holds (the plain GPT, or a pipeline stage) its backward recomputes whole, as
+    wired: the GPT's block_checkpoint, or the stage's per-layer checkpoint switches."""
+    from dspipe.model.gpt import GPT, Block
+
+    if isinstance(module, GPT):
+        fn = module.block_checkpoint
+        return 0 if fn is None else getattr(fn, "blocks", len(module.h))
+    if not getattr(module, "activation_checkpoint_interval", 0):
+        return 0
+    module._precompute_checkpointable_values()  # as the first forward would (a no-op once computed or set)
+    interval = module.activation_checkpoint_interval
+    layers = module.forward_funcs
+    return sum(
+        sum(1 for layer in layers[start : start + interval] if isinstance(layer, Block))
+        for start, on in zip(range(0, len(layers), interval), module.is_checkpointable_results, strict=True)
+        if on
+    )
+
+
+def _stage_first_blocks(stage, *, blocks: int) -> None:
+    """A pipeline stage built with activation_checkpoint_interval 1 (one checkpoint switch per layer:
+    PipelineModule.is_checkpointable_results) made to recompute its first `blocks` blocks only."""
+    from dspipe.model.gpt import Block
+
+    if stage.activation_checkpoint_interval != 1:
+        raise RuntimeError(
+            f"recompute_blocks {blocks} needs the stage built with activation_checkpoint_interval 1, got "
+            f"{stage.activation_checkpoint_interval}"
+        )
+    switches, seen = [], 0
+    for layer in stage.forward_funcs:
+        block = isinstance(layer, Block)
+        switches.append(block and seen < blocks)
+        seen += block
+    stage.is_checkpointable_results = switches
+    stage.is_checkpointable_results_interval = 1  # DeepSpeed's forward keeps these rather than deriving its own
 
 
 def chunked_loss(module, *, chunk: int):

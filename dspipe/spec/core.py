@@ -58,6 +58,7 @@ if TYPE_CHECKING:
         sp: int | None = None
         ep: int | None = None
         checkpointing: str | None = None
+        recompute_blocks: int | None = None
         loss_chunk: int | None = None
         partition_method: str | None = None
         reduce_bucket_size: int | None = None

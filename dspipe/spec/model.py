@@ -210,6 +210,19 @@ class ModelSpec:
     """Expert capacity = ceil(factor x k x tokens / experts) routes per expert on each rank, the later routes (in token
     order) dropped (dspipe.runtime.dispatch; None: dropless, every route kept)."""
 
+    def __hash__(self) -> int:
+        """The fields' hash, as the dataclass's, computed once per spec: the planner's caches key on the model
+        hundreds of thousands of times in one search. Kept out of copies and pickles (__getstate__): a string's hash
+        differs between processes."""
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash(tuple(getattr(self, f.name) for f in fields(self)))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
+    def __getstate__(self) -> dict[str, object]:
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
     def __post_init__(self) -> None:
         text("model", "name", self.name)
         positive(
@@ -490,8 +503,9 @@ class ModelSpec:
         )
         if layer is not None and self.is_sparse(layer):
             mlp: list[tuple[str, tuple[int, ...]]] = [("mlp.router.weight", (self.experts, h))]
+            expert = self.expert_tensors()
             for e in range(self.experts):
-                mlp += [(f"mlp.experts.{e}{name}", shape) for name, shape in self.expert_tensors()]
+                mlp += [(f"mlp.experts.{e}{name}", shape) for name, shape in expert]
             if self.shared_experts:
                 mlp += self.mlp_tensors("mlp.shared", self.shared_experts * self.expert_width)
         else:

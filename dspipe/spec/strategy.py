@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dspipe.errors import SpecError
 from dspipe.spec.checks import absolute_dir, add_limits, flag, int_range, one_of, positive, text
 from dspipe.spec.settings import setting
 from dspipe.spec.values import CHECKPOINTING, OFFLOADS, PARTITION_METHODS, ZERO_STAGES
@@ -61,6 +62,18 @@ class StrategySpec:
         "none", kind="auto_choice", choices=CHECKPOINTING, help="activation recomputation [auto]"
     )
     """Activation recomputation: none, full (per block) or selective (attention core)."""
+    recompute_blocks: int = setting(
+        0,
+        kind="auto_int",
+        limit=2**20,
+        help="with --checkpointing full, recompute only the first N blocks of each pipeline stage; the others keep "
+        "their activations (Megatron's --recompute-method block; 0: every block) [auto: every block, or the "
+        "fewest that fit when --checkpointing is auto too]",
+    )
+    """Full recomputation of only the first N blocks of each pipeline stage (Megatron-LM's --recompute-granularity
+    full --recompute-method block --recompute-num-layers N): those blocks keep their input, the others everything
+    their backward needs, so the recomputation costs N / (the stage's blocks) of a forward instead of a whole one.
+    0: every block. A stage with at most N blocks recomputes them all."""
     loss_chunk: int = setting(
         0,
         kind="int",
@@ -120,6 +133,12 @@ class StrategySpec:
             if getattr(self, name) is not None:
                 int_range("strategy", name, getattr(self, name), low=0)
         int_range("strategy", "loss_chunk", self.loss_chunk, low=0)
+        int_range("strategy", "recompute_blocks", self.recompute_blocks, low=0)
+        if self.recompute_blocks and self.checkpointing != "full":
+            raise SpecError(
+                f"strategy.recompute_blocks {self.recompute_blocks} needs checkpointing full (got "
+                f"{self.checkpointing}): it is how many of each stage's blocks full recomputation re-runs"
+            )
 
 
 add_limits(StrategySpec)

@@ -247,7 +247,7 @@ def run_reference(run: Run, *, dev: Device, batches: list, warmup: int, steps: i
     autocast = (lambda: torch.autocast(dev.device.type, dtype=amp_dtype)) if amp_dtype else contextlib.nullcontext
     params = [p for g in groups for p in g["params"]]
     if plan.checkpointing != Checkpointing.NONE:  # the same recomputation, through torch's own checkpoint
-        _torch_recompute(model, mode=plan.checkpointing)
+        _torch_recompute(model, mode=plan.checkpointing, blocks=plan.recompute_blocks)
     timer = Timer(dev)
 
     def micro_step(batch, *, last: bool, timer: Timer):
@@ -286,15 +286,16 @@ def _loss_and_compile(model, *, loss_chunk: int, compile_: bool) -> None:
             block.compile()
 
 
-def _torch_recompute(model, *, mode) -> None:
-    """The runner's recomputation of `mode` in the reference, through torch's own checkpoint."""
+def _torch_recompute(model, *, mode, blocks: int) -> None:
+    """The runner's recomputation of `mode` (of the first `blocks` blocks, 0: all) in the reference, through
+    torch's own checkpoint."""
     import functools
 
     from torch.utils.checkpoint import checkpoint
 
     from dspipe.runtime.parallelize import recompute
 
-    recompute(model, mode=mode, checkpoint_fn=functools.partial(checkpoint, use_reentrant=False))
+    recompute(model, mode=mode, checkpoint_fn=functools.partial(checkpoint, use_reentrant=False), blocks=blocks)
 
 
 def _optimizer_step(*, optimizer, scaler, params: list, grad_clip):

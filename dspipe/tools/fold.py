@@ -26,6 +26,7 @@ import math
 from dataclasses import dataclass, replace
 
 from dspipe.errors import SpecError
+from dspipe.planner.timing import recomputed_share
 from dspipe.rundir import Run
 from dspipe.runtime.engine_file import StartupRecord
 from dspipe.spec.hardware import GIB, GPU_CATALOG, MIB
@@ -208,7 +209,8 @@ def fold(run: Run, *, engine: dict | None, steps: list[dict]) -> Folded:
     if record is None:
         raise SpecError(f"--from-run {run.path}: engine.json has no start-up record (not started, or an older runner)")
     terms = plan_terms(run, engine, steps)
-    split = phase_split(run.estimate, checkpointing=run.plan.checkpointing, zero_stage=run.plan.zero_stage)
+    recomputed = recomputed_share(model=run.model, plan=run.plan)
+    split = phase_split(run.estimate, recomputed=recomputed, zero_stage=run.plan.zero_stage)
     ratios, notes = run_ratios(terms, breakdown=run.estimate.breakdown, split=split)
     n = base.runs
     old = dict(base.corrections)

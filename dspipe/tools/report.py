@@ -550,7 +550,7 @@ def _configuration_lines(run: Run, *, engine: dict | None, m: Measured) -> list[
         f"{cluster.gpus_per_node} {cluster.gpu}) |",
         f"| ZeRO | stage {plan.zero_stage}, offload {plan.offload}{' + parameters' if plan.offload_params else ''} |",
         f"| precision | {plan.precision} (gradient accumulation in {plan.grad_accum_dtype}) |",
-        f"| recomputation | {plan.checkpointing} |",
+        f"| recomputation | {plan.recomputation} |",
         f"| batch | global {plan.global_batch} = micro {plan.micro_batch} x GA {plan.grad_accum} x dp {plan.dp} "
         f"({plan.tokens_per_step:,} tokens/step) |",
         f"| schedule | {run.train.steps} steps, peak lr {run.train.lr:g}, warmup {run.train.warmup_steps} |",

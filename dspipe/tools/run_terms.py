@@ -21,6 +21,7 @@ import statistics
 from dataclasses import dataclass
 
 from dspipe.errors import SpecError
+from dspipe.planner.timing import recomputed_share
 from dspipe.run_estimate import RunEstimate
 from dspipe.rundir import ENGINE_FILE, Run
 from dspipe.runtime.engine_file import StartupRecord
@@ -63,19 +64,20 @@ def steady(rows: list[dict]) -> list[dict]:
     return rows[WARMUP_STEPS:] if len(rows) > WARMUP_STEPS else rows
 
 
-def forward_share(checkpointing: str) -> float:
-    """The forward's share of a step's compute: 2N of 6N; full recomputation runs it twice (8N)."""
-    return 0.25 if checkpointing == "full" else 1 / 3
+def forward_share(recomputed: float) -> float:
+    """The forward's share of a step's compute: 2N of 6N; full recomputation runs it again for the `recomputed`
+    share of the blocks (dspipe.planner.timing.recomputed_share: every block, 8N; Megatron's block method less)."""
+    return 1 / (3 + recomputed)
 
 
-def phase_split(estimate: RunEstimate, *, checkpointing: str, zero_stage: int) -> dict[str, tuple[float, float]]:
+def phase_split(estimate: RunEstimate, *, recomputed: float, zero_stage: int) -> dict[str, tuple[float, float]]:
     """(compute, communication) seconds the plan puts in the forward, the backward and the optimizer step of a step
     (the module docstring's split; the optimizer's "compute" is its optimizer and offload terms); {} without a
     breakdown in the estimate."""
     b = estimate.breakdown
     if not b:
         return {}
-    fwd, compute = forward_share(checkpointing), b.get("compute", 0.0)
+    fwd, compute = forward_share(recomputed), b.get("compute", 0.0)
     sync = b.get("tp_comm", 0.0) + b.get("sp_comm", 0.0) + b.get("ep_comm", 0.0)
     dp = b.get("dp_comm", 0.0)
     dp_fwd = dp / 2 if zero_stage == 3 else 0.0
@@ -87,17 +89,17 @@ def phase_split(estimate: RunEstimate, *, checkpointing: str, zero_stage: int) -
     }
 
 
-def predicted_phases(estimate: RunEstimate, *, checkpointing: str, zero_stage: int) -> dict[str, float] | None:
+def predicted_phases(estimate: RunEstimate, *, recomputed: float, zero_stage: int) -> dict[str, float] | None:
     """The plan's seconds of forward, backward and optimizer step per step; None without a breakdown."""
-    split = phase_split(estimate, checkpointing=checkpointing, zero_stage=zero_stage)
+    split = phase_split(estimate, recomputed=recomputed, zero_stage=zero_stage)
     return {name: sum(parts) for name, parts in split.items()} if split else None
 
 
-def step_terms(estimate: RunEstimate, rows: list[dict], *, checkpointing: str, zero_stage: int) -> list[Term]:
+def step_terms(estimate: RunEstimate, rows: list[dict], *, recomputed: float, zero_stage: int) -> list[Term]:
     """The step's time and, where the run recorded them, its phases."""
     s = steady(rows)
     terms = [Term("step time (s)", "step", estimate.step_time_s, _median(s, "step_time_s"))]
-    phases = predicted_phases(estimate, checkpointing=checkpointing, zero_stage=zero_stage)
+    phases = predicted_phases(estimate, recomputed=recomputed, zero_stage=zero_stage)
     measured = {name: _median(s, f"{name}_s") for name in ("forward", "backward", "optimizer")}
     if phases and all(v is not None for v in measured.values()):
         for name in ("forward", "backward", "optimizer"):
@@ -164,7 +166,9 @@ def plan_terms(run: Run, engine: dict | None, steps: list[dict]) -> list[Term]:
     plan = run.plan
     return [
         memory_term(run.estimate, steps),
-        *step_terms(run.estimate, steps, checkpointing=plan.checkpointing, zero_stage=plan.zero_stage),
+        *step_terms(
+            run.estimate, steps, recomputed=recomputed_share(model=run.model, plan=plan), zero_stage=plan.zero_stage
+        ),
         *startup_terms(run.estimate, startup_record(engine), steps),
     ]
 

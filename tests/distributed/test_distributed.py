@@ -26,10 +26,11 @@ CONFIGS = {
         dict(base_optimizer="DeepSpeedCPUAdam", offload_optimizer=True, offload_param=True),
     ),
     "pp2-zero1": (["--zero", "1", "--pp", "2"], dict(pp=2, dp=1, grad_accum=4)),
-    "zero1-full-recompute": (["--zero", "1", "--checkpointing", "full"], {}),
-    "pp2-zero1-full-recompute": (
-        ["--zero", "1", "--pp", "2", "--checkpointing", "full"],
-        dict(pp=2, activation_checkpoint_interval=1),
+    "zero1-full-recompute": (["--zero", "1", "--checkpointing", "full"], dict(recomputed_blocks=2, blocks=2)),
+    # 4 blocks, 2 per stage, the first of each recomputed (Megatron's block method: --recompute-blocks)
+    "pp2-zero1-recompute-first-block": (
+        ["--zero", "1", "--pp", "2", "--layers", "4", "--checkpointing", "full", "--recompute-blocks", "1"],
+        dict(pp=2, activation_checkpoint_interval=1, recomputed_blocks=1, blocks=2),
     ),
 }
 

@@ -68,6 +68,43 @@ def test_planner_activations_of_deepspeeds_layer_with_the_dispatch(precision, ch
     assert _close(r.predicted_peak, r.measured_peak) and _close(r.predicted_head, r.measured_head), r
 
 
+PARTIAL = [(SMALL, 1, 0, 1), (SMALL, 1, 0, 3), (TINY_LLAMA, 1, 0, 1), (FIVE, 2, 0, 1), (FIVE, 2, 0, 2), (FIVE, 2, 1, 1)]
+"""Full recomputation of the first N blocks of a stage only (--recompute-blocks N, Megatron's block method):
+(model, pp, stage, N)."""
+
+
+@pytest.mark.parametrize(
+    "model,pp,stage,blocks", PARTIAL, ids=[f"{m.name}-L{m.layers}-pp{pp}s{s}-first{n}" for m, pp, s, n in PARTIAL]
+)
+def test_recomputing_the_first_blocks_only_within_5_percent_of_the_census(model, pp, stage, blocks):
+    """The runtime recomputes exactly the first N blocks of the GPT or of the pipeline stage (the census's
+    checkpoint calls hold their inputs, the other blocks save what they save without recomputation), and the
+    planner's per-block mean and peak are within 5% of what autograd keeps; the peak lies between full's and
+    none's."""
+    from benchmarks.census.activations import census_gpt, census_stage, compare
+
+    r = compare(
+        model=model, micro_batch=2, checkpointing="full", precision="bf16", pp=pp, stage=stage, recompute_blocks=blocks
+    )
+    assert _close(r.predicted_block, r.measured_block) and _close(r.predicted_peak, r.measured_peak), r
+    if pp == 1:
+        part, full, none = (
+            census_gpt(model=model, micro_batch=2, checkpointing=c, precision="bf16", recompute_blocks=n)
+            for c, n in (("full", blocks), ("full", 0), ("none", 0))
+        )
+    else:
+        part, full, none = (
+            census_stage(
+                model=model, pp=pp, stage=stage, micro_batch=2, checkpointing=c, precision="bf16", recompute_blocks=n
+            )[0]
+            for c, n in (("full", blocks), ("full", 0), ("none", 0))
+        )
+    kept = len(part.blocks) - blocks
+    assert part.blocks[:blocks] == full.blocks[:blocks]  # the recomputed keep their input only
+    assert part.blocks[blocks:] == none.blocks[blocks:] and kept > 0  # the others all they need
+    assert full.saved < part.saved < none.saved
+
+
 def test_census_shows_what_the_issue_reported():
     """With SDPA selective keeps (almost) what none keeps; full keeps 2sbh per block and peaks at one recomputed
     block (SMALL), not at the head plus a block; the head saves ~4sbV (TINY, a large vocabulary)."""

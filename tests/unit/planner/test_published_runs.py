@@ -95,3 +95,15 @@ def test_half_of_zero3s_collectives_hide_behind_compute():
     0.9-1.15 (hiding them whole, they were 0.97-1.46)."""
     zero3 = [published_runs.evaluate(r) for r in published_runs.RUNS if r.zero == 3]
     assert len(zero3) == 14 and all(0.9 < r.ratio < 1.15 for r in zero3), [round(r.ratio, 2) for r in zero3]
+
+
+def test_metas_interleaved_405b_runs_fit_and_show_deepspeeds_bubble():
+    """Meta's Llama 3 405B layout (tp 8 x pp 16 at 32 and 16 micro-batches per step) fits the planner's memory with
+    part of each stage recomputed; what keeps it at about half of Meta's MFU is DeepSpeed's non-interleaved 1F1B
+    bubble, (p - 1) / m of the compute: a quarter of the step and more, the larger the fewer micro-batches."""
+    meta = [published_runs.evaluate(r) for r in published_runs.INTERLEAVED]
+    assert [r.run.gpus for r in meta] == [8192, 16384]
+    for r in meta:
+        assert r.fits and "pp 16, tp 8" in r.plan and "recompute full (first" in r.plan, r.plan
+        assert 0.40 < r.published_mfu < 0.45 and r.ratio < published_runs.BAND[0]
+    assert 0.25 < meta[0].bubble_share < meta[1].bubble_share

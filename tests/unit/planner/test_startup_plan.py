@@ -252,8 +252,8 @@ def test_a_tp_plan_builds_only_its_shard(capsys):
 
 def test_a_start_up_over_the_host_ram_does_not_fit(capsys):
     """--tp 2 --pp 4 pins a stage build whose fp32 shards (8 ranks x 32 GiB) are over 256 GiB per node: the one line
-    names the start-up, its numbers and what would fit (with --pp auto, tp 2 without a pipeline under ZeRO-3: its
-    device build holds only the rank's shard)."""
+    names the start-up, its numbers and what would fit (with --pp auto, tp 2 x pp 16 under ZeRO-1, recomputing 2 of
+    each stage's 5 blocks: each rank builds a smaller stage)."""
     code = run_cli(*LLAMA70, "--tp", "2", "--pp", "4", "--host-memory-gib", "256")
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1, err
@@ -262,7 +262,7 @@ def test_a_start_up_over_the_host_ram_does_not_fit(capsys):
         "host, plus one block of rows of an fp32 draw at a time), has 256 GiB"
     ) in err
     assert (
-        "would fit with: --tp auto (ZeRO-1), or --pp auto (ZeRO-3), or --tp auto --pp auto "
+        "would fit with: --tp auto (ZeRO-1), or --pp auto (ZeRO-1), or --tp auto --pp auto "
         "(ZeRO-1), or 260 GiB host RAM per node (--host-memory-gib) (ZeRO-1 + cpu offload)"
     ) in err
 

@@ -3,7 +3,8 @@ roomier one, whatever the recipe's order says, and `plan` says so."""
 
 import pytest
 
-from dspipe.planner.rank import ROOMY, TIE, preference
+from dspipe.planner.enumerate import TIE
+from dspipe.planner.rank import ROOMY, preference
 from dspipe.planner.search import search
 from dspipe.spec.cluster import ClusterSpec
 from dspipe.spec.core import StrategyRequest

@@ -328,21 +328,22 @@ def test_a_plan_must_leave_headroom():
 def test_search_headroom_is_configurable():
     m, cluster = MODEL_PRESETS["gpt3-175b"], ClusterSpec(128, 8, "a100-80g")
     train = TrainSpec(global_batch=1536, micro_batch=1, steps=1000, warmup_steps=10)
-    strict = search(model=m, cluster=cluster, train=train, request=StrategyRequest(tp=8, zero=2), headroom=0.3)
-    loose = search(model=m, cluster=cluster, train=train, request=StrategyRequest(tp=8, zero=2), headroom=0.0)
+    request = StrategyRequest(tp=8, zero=2, recompute_blocks=0)  # the same candidates (no partial recomputation)
+    strict = search(model=m, cluster=cluster, train=train, request=request, headroom=0.3)
+    loose = search(model=m, cluster=cluster, train=train, request=request, headroom=0.0)
     for r, room in ((strict, 0.3), (loose, 0.0)):
         assert all(c.est.memory.total <= (1 - room) * c.est.gpu_memory_bytes for c in r.ranked)
     assert len(loose.ranked) > len(strict.ranked)
 
 
 def test_tie_break_prefers_the_smaller_footprint():
-    """GPT-3 175B pinned to ZeRO-2 with tp 8, no pipeline, full recomputation, no offload: micro-batches 2, 3, 4, 6
-    and 12 (all at least 4,096 tokens) tie within 2%, the smallest memory wins."""
+    """GPT-3 175B pinned to ZeRO-2 with tp 8, no pipeline, full recomputation of every block, no offload:
+    micro-batches 2, 3, 4, 6 and 12 (all at least 4,096 tokens) tie within 2%, the smallest memory wins."""
     m, cluster = MODEL_PRESETS["gpt3-175b"], ClusterSpec(128, 8, "a100-80g")
     r = search(
         model=m,
         cluster=cluster,
-        request=StrategyRequest(zero=2, tp=8, pp=1, offload="none", checkpointing="full"),
+        request=StrategyRequest(zero=2, tp=8, pp=1, offload="none", checkpointing="full", recompute_blocks=0),
         train=TrainSpec(global_batch=1536, micro_batch=1, steps=1000, warmup_steps=10),
     )
     best = r.best

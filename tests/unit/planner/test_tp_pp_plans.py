@@ -108,7 +108,8 @@ def _days(c) -> float:
 
 
 def test_llama_405b_plans_tp8_with_pp_and_why_zero3_loses(llama405):
-    """tp 8 x pp fits (the stage build of the rank's shard is small), but only with full recomputation: even with
+    """tp 8 x pp fits (the stage build of the rank's shard is small), but only with full recomputation (of half of
+    each stage's blocks: Megatron's block method, test_recompute_blocks.py): even with
     Megatron sequence parallelism (every saved activation / tp: 34sbh/t per block) the micro-batches in flight on
     stage 0 of 8,192-token sequences need ~107 GiB at pp 16 (212 GiB without it). ZeRO-3 over the 2,048 GPUs does the
     same FLOPs per GPU but gathers the whole model per pass over 256 nodes: one NIC per GPU beyond 32 nodes
@@ -117,8 +118,9 @@ def test_llama_405b_plans_tp8_with_pp_and_why_zero3_loses(llama405):
     m, cluster, train, r = llama405
     tp8 = [c for c in r.ranked if c.plan.tp == 8]
     assert tp8 and all(c.plan.pp > 1 for c in tp8)  # tp 8 without a pipeline does not fit (ZeRO-1/2)
-    best8 = min(tp8, key=lambda c: c.est.step_time_s)
-    assert best8 is r.best and best8.plan.checkpointing == "full" and best8.plan.zero_stage == 1
+    best8 = r.best  # within 2% of the fastest tp 8 plan (the optimizer offloaded, a tie that went to no offload)
+    assert best8.plan.tp == 8 and best8.est.step_time_s <= 1.02 * min(c.est.step_time_s for c in tp8)
+    assert best8.plan.checkpointing == "full" and best8.plan.zero_stage == 1 and best8.plan.recompute_blocks == 4
     none = make_plan(
         model=m,
         cluster=cluster,
@@ -126,8 +128,13 @@ def test_llama_405b_plans_tp8_with_pp_and_why_zero3_loses(llama405):
         strategy=StrategySpec(zero=1, tp=8, pp=best8.plan.pp, checkpointing="none"),
     )
     assert none.tp_sp and estimate(model=m, cluster=cluster, plan=none).memory.activations > best8.est.gpu_memory_bytes
-    z3 = min((c for c in r.ranked if c.plan.zero_stage == 3), key=lambda c: c.est.step_time_s)
-    e, z = best8.est, z3.est
+    # against ZeRO-3, both recomputing every block
+    whole8 = min((c for c in tp8 if c.plan.recompute_blocks == 0), key=lambda c: c.est.step_time_s)
+    z3 = min(
+        (c for c in r.ranked if c.plan.zero_stage == 3 and c.plan.recompute_blocks == 0),
+        key=lambda c: c.est.step_time_s,
+    )
+    e, z = whole8.est, z3.est
     assert z3.plan.tp == 1 and z3.plan.dp == 2048
     # the same FLOPs per GPU, recomputation included; the busiest stage does 1.1% more than 1 / pp of them
     assert e.compute_s == pytest.approx(z.compute_s, rel=0.015) and e.compute_s > z.compute_s
@@ -141,8 +148,8 @@ def test_llama_405b_plans_tp8_with_pp_and_why_zero3_loses(llama405):
     strict=True,
     reason="604 days was ZeRO-3's estimate before the published ZeRO-3 runs at 48-280 nodes showed that model "
     "1.4-4.3x optimistic (docs/published-runs.md); recalibrated, ZeRO-3 over the 2,048 GPUs is ~1,100 days and the "
-    "chosen tp 8 x pp 8 ~787: full recomputation (107 GiB per GPU without it), synchronous tp collectives and "
-    "DeepSpeed's non-interleaved 1F1B bubble",
+    "chosen tp 8 x pp 16 ~690 (787 recomputing every block): half of each stage's blocks recomputed (nothing fits "
+    "without), synchronous forward tp collectives and DeepSpeed's non-interleaved 1F1B bubble",
 )
 def test_llama_405b_plans_tp8_with_pp_in_fewer_than_604_days(llama405):
     _, _, _, r = llama405

@@ -319,7 +319,7 @@ def test_later_runs_average_into_the_correction(run_dir):
     from dspipe.tools.run_terms import phase_split, plan_terms
 
     terms = plan_terms(again, engine, steps)
-    split = phase_split(run.estimate, checkpointing="none", zero_stage=1)
+    split = phase_split(run.estimate, recomputed=0.0, zero_stage=1)
     ratio = run_ratios(terms, breakdown=run.estimate.breakdown, split=split)[0]["compute"]
     twice = fold(replace(again, estimate=run.estimate), engine=engine, steps=steps).profile
     assert twice.runs == 2

@@ -437,24 +437,25 @@ def _stage_blocks_bytes(
     larger savers: an upper bound where those sit among the recomputed ones)."""
     if checkpointing == Checkpointing.FULL and recomputed is not None and recomputed < blocks:
         kept = blocks - recomputed
-        common = dict(model=model, micro_batch=micro_batch, act_bytes=act_bytes, tp=tp, sp=sp, kernels=kernels)
-        kept_saved, _, _ = _stage_blocks_bytes(
-            **common,  # type: ignore[arg-type]
-            checkpointing=Checkpointing.NONE,
-            blocks=kept,
-            windowed=min(windowed, kept),
-            sparse=min(sparse, kept),
-            tp_sp=tp_sp,
-        )
-        if not recomputed:
-            return kept_saved, 0, kept_saved
-        saved, working, _ = _stage_blocks_bytes(
-            **common,  # type: ignore[arg-type]
-            checkpointing=Checkpointing.FULL,
-            blocks=recomputed,
-            windowed=max(0, windowed - kept),
-            sparse=max(0, sparse - kept),
-            tp_sp=tp_sp,
+
+        def part(mode: str, count: int, *, windows: int, sparse_blocks: int) -> tuple[int, int, int]:
+            return _stage_blocks_bytes(
+                model=model,
+                micro_batch=micro_batch,
+                checkpointing=mode,
+                act_bytes=act_bytes,
+                blocks=count,
+                windowed=windows,
+                sparse=sparse_blocks,
+                tp=tp,
+                sp=sp,
+                kernels=kernels,
+                tp_sp=tp_sp,
+            )
+
+        kept_saved = part(Checkpointing.NONE, kept, windows=min(windowed, kept), sparse_blocks=min(sparse, kept))[0]
+        saved, working, _ = part(
+            Checkpointing.FULL, recomputed, windows=max(0, windowed - kept), sparse_blocks=max(0, sparse - kept)
         )
         return kept_saved + saved, working, kept_saved
 

@@ -69,27 +69,23 @@ def test_a_pipeline_stage_recomputes_its_first_blocks():
             calls.append(function)
             return checkpoint(function, *args, use_reentrant=False)
 
-        pipe = build_pipeline(
-            model=five,
-            stages=2,
-            partition_method="type:Block",
-            activation_checkpoint_interval=1,
-            checkpoint_fn=counted,
-            seed=0,
-        )
+        def stage(interval: int):
+            return build_pipeline(
+                model=five,
+                stages=2,
+                partition_method="type:Block",
+                activation_checkpoint_interval=interval,
+                checkpoint_fn=counted,
+                seed=0,
+            )
+
+        pipe = stage(1)
         held = sum(isinstance(layer, Block) for layer in pipe.forward_funcs)
         recompute(pipe, mode="full", checkpoint_fn=counted, blocks=2)
         assert held > 2 and recomputed_blocks(pipe) == 2
         ids = torch.randint(0, five.vocab, (2, five.seq_len))
         pipe(ids).float().sum().backward()
         assert len(calls) == 2
+        plain = stage(0)
         with pytest.raises(RuntimeError, match="activation_checkpoint_interval 1, got 0"):
-            plain = build_pipeline(
-                model=five,
-                stages=2,
-                partition_method="type:Block",
-                activation_checkpoint_interval=0,
-                checkpoint_fn=counted,
-                seed=0,
-            )
             recompute(plain, mode="full", checkpoint_fn=counted, blocks=2)

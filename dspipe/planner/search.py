@@ -124,6 +124,10 @@ def nothing_fits_message(
         )
     if model.experts and not is_auto(request.ep):  # a pinned ep fixes the experts a rank holds
         tries.insert(0, ("--ep auto", cluster, replace(request, ep=None)))
+    pinned = [k for k in ("checkpointing", "recompute_blocks") if not is_auto(getattr(request, k))]
+    if pinned:  # pinned recomputation: the search's own (none, every block, or the fewest blocks that fit)
+        label = " ".join(f"--{k.replace('_', '-')} auto" for k in pinned)
+        tries.insert(0, (label, cluster, replace(request, checkpointing=None, recompute_blocks=None)))
     # the build holds more than the node's RAM (so there is a start-up estimate): another build mode may not
     if c.est.startup is not None and c.est.startup_host_shortfall_bytes:
         tries[:0] = _startup_tries(startup=c.est.startup, cluster=cluster, request=request)

@@ -145,3 +145,28 @@ def test_a_pinned_full_recomputation_recomputes_every_block():
     best = search(model=LLAMA_405B, cluster=META, train=_train(), request=request).best
     assert best is not None and best.plan.checkpointing == "full" and best.plan.recompute_blocks == 0
     assert best.plan.recomputation == "full"
+
+
+def test_nothing_fits_under_a_pinned_recomputation_names_the_searchs_own():
+    """Llama 3.1 405B at 8,192 tokens does not fit 256 x 8 H100 without recomputation: the one line says the
+    search's own recomputation (here: the first 4 of each stage's 8 blocks) would fit."""
+    r = dspipe(
+        "plan",
+        "--model",
+        "llama3.1-405b",
+        "--nodes",
+        "256",
+        "--gpus-per-node",
+        "8",
+        "--gpu",
+        "h100-80g",
+        "--global-batch",
+        "2048",
+        "--seq-len",
+        "8192",
+        "--checkpointing",
+        "none",
+    )
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "recompute none, which needs 90.9 GiB per GPU" in r.stderr
+    assert "would fit with: --checkpointing auto (ZeRO-1), or 4096 nodes x 8 (ZeRO-1)" in r.stderr

@@ -20,6 +20,7 @@ from dspipe.spec.presets import MODEL_PRESETS
 from dspipe.spec.strategy import StrategySpec
 from dspipe.spec.train import TrainSpec
 from tests.helpers import dspipe
+from tests.unit.planner.test_tp_pp_plans import LLAMA405
 
 LLAMA_405B = MODEL_PRESETS["llama3.1-405b"]
 META = ClusterSpec(256, 8, "h100-80g")
@@ -150,23 +151,7 @@ def test_a_pinned_full_recomputation_recomputes_every_block():
 def test_nothing_fits_under_a_pinned_recomputation_names_the_searchs_own():
     """Llama 3.1 405B at 8,192 tokens does not fit 256 x 8 H100 without recomputation: the one line says the
     search's own recomputation (here: the first 4 of each stage's 8 blocks) would fit."""
-    r = dspipe(
-        "plan",
-        "--model",
-        "llama3.1-405b",
-        "--nodes",
-        "256",
-        "--gpus-per-node",
-        "8",
-        "--gpu",
-        "h100-80g",
-        "--global-batch",
-        "2048",
-        "--seq-len",
-        "8192",
-        "--checkpointing",
-        "none",
-    )
+    r = dspipe(*LLAMA405, "--checkpointing", "none")
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert "recompute none, which needs 90.9 GiB per GPU" in r.stderr
     assert "would fit with: --checkpointing auto (ZeRO-1), or 4096 nodes x 8 (ZeRO-1)" in r.stderr

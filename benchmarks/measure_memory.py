@@ -29,7 +29,6 @@ from benchmarks.census.tensors import CATEGORIES, tensor_census  # noqa: E402
 from dspipe.rundir import load_run  # noqa: E402
 from dspipe.runtime.comm import exit_rank, process_group  # noqa: E402
 from dspipe.runtime.engine import build_engine  # noqa: E402
-from dspipe.runtime.ops import cache_cpu_info  # noqa: E402
 
 
 def random_batches(*, vocab: int, seq_len: int, micro_batch: int, seed: int):
@@ -136,7 +135,6 @@ def main():
     parser.add_argument("--out-dir", required=True)
     parser.add_argument("--local_rank", type=int, default=-1)
     args = parser.parse_args()
-    cache_cpu_info()
     gc.collect()
     gc.freeze()  # what the imports left: never engine state, and no census (gc.get_objects) walks it again
     with process_group():

@@ -73,6 +73,9 @@ def _plain_arch(cc: str) -> str:
 def init_distributed() -> str:
     """Start torch.distributed through DeepSpeed with the accelerator's backend (nccl on GPUs, gloo on CPU) and
     release this rank's shm_comm segment name. Returns the backend name."""
+    from dspipe.runtime.lean_start import cache_cpu_info
+
+    cache_cpu_info()  # before DeepSpeed loads its first op (shm_comm here, the optimizer's in deepspeed.initialize)
     import deepspeed
     import torch
     import torch.distributed as dist

@@ -381,6 +381,7 @@ def build_engine(run: Run, *, clock=None) -> Engine:
     import deepspeed
     import torch.distributed as dist
 
+    from dspipe.runtime.lean_start import without_muon
     from dspipe.runtime.moe import expert_parallel, install_for_run
     from dspipe.runtime.moe import param_groups as moe_param_groups
     from dspipe.runtime.reshard import universal_checkpoint_info
@@ -412,6 +413,7 @@ def build_engine(run: Run, *, clock=None) -> Engine:
     if run.model.experts or expert_parallel(run) > 1:  # sparse blocks onto DeepSpeed's MoE layer (or the refusal)
         install_for_run(module, run=run, rank=dist.get_rank())
         groups = moe_param_groups(param_groups(module, run.train.weight_decay))  # experts: groups of their own
+    without_muon(optimizer=run.ds_config.get("optimizer", {}).get("type", ""))  # dspipe.runtime.lean_start: 3 s a rank
     # the config as read and checked (an elastic restart's smaller dp changed its gradient accumulation in memory)
     engine, _, _, _ = deepspeed.initialize(
         model=module, model_parameters=groups, config=copy.deepcopy(run.ds_config), mpu=mpu

@@ -22,7 +22,6 @@ from dspipe.runtime.comm import exit_rank
 from dspipe.runtime.elastic import NODE_RANK_ENV, earlier_refusal, elastic_restart, record_refusal, resized
 from dspipe.runtime.faults import NO_FAULTS, Faults
 from dspipe.runtime.loop import train
-from dspipe.runtime.ops import cache_cpu_info
 from dspipe.runtime.startup import note_ops_at_start
 from dspipe.runtime.watchdog import check_hang_timeout
 
@@ -97,7 +96,6 @@ def main(argv: list[str] | None = None) -> int:
             )
             if change:
                 log.info(f"dspipe: {change}")
-        cache_cpu_info()
         if os.environ.get("RANK", "0") == "0" and not attempt:  # the first step waits for a compile: say so, once
             from dspipe.runtime.ops import notice
 

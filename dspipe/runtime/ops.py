@@ -93,21 +93,6 @@ def notice(*, offload: str) -> str | None:
     )
 
 
-def cache_cpu_info() -> None:
-    """Ask py-cpuinfo once per process. DeepSpeed's op builders call `cpuinfo.get_cpu_info` at every op load
-    (cxx_args: the CPU's architecture and SIMD width, twice per op), and each call starts a Python process to run
-    cpuid: 1.3 s on 2 cores, which a rank paid twice before its first step. The answer does not change while the
-    process lives."""
-    import functools
-
-    try:
-        import cpuinfo
-    except ImportError:  # DeepSpeed then reads lscpu itself
-        return
-    if not hasattr(cpuinfo.get_cpu_info, "cache_info"):
-        cpuinfo.get_cpu_info = functools.cache(cpuinfo.get_cpu_info)
-
-
 def build(op: Op) -> float:
     """Compile and load `op` (DeepSpeed's own builder, JIT into the cache); the seconds it took."""
     from deepspeed.accelerator import get_accelerator

@@ -60,13 +60,16 @@ def cache_cpu_info(*, path: Path | None = None) -> None:
                 pass
         info = ask()
         if path is not None:
+            part = path.with_name(f"{path.name}.{os.getpid()}.part")
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
-                part = path.with_name(f"{path.name}.{os.getpid()}.part")
                 part.write_text(json.dumps(info))
                 os.replace(part, path)
             except (OSError, TypeError, ValueError):
-                pass
+                try:
+                    part.unlink(missing_ok=True)
+                except OSError:
+                    pass
         return info
 
     cpuinfo.get_cpu_info = get_cpu_info

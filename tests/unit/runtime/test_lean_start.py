@@ -61,6 +61,14 @@ def test_an_unwritable_cache_still_answers(tmp_path, monkeypatch):
     assert module.get_cpu_info() == INFO and module.get_cpu_info() == INFO and module.calls == 1
 
 
+def test_an_answer_that_cannot_be_written_leaves_no_file(tmp_path, monkeypatch):
+    path = tmp_path / "cpuinfo.json"
+    module = fake_cpuinfo(monkeypatch, answer={**INFO, "odd": {1, 2}})  # a set: not JSON
+    cache_cpu_info(path=path)
+    assert module.get_cpu_info()["odd"] == {1, 2} and module.calls == 1
+    assert list(tmp_path.iterdir()) == []  # neither the cache nor a part of it
+
+
 def test_a_muon_config_or_an_imported_muon_keeps_deepspeeds_modules(monkeypatch):
     for name in MUON_MODULES:
         monkeypatch.delitem(sys.modules, name, raising=False)

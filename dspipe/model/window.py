@@ -63,7 +63,7 @@ def window_block_mask(seq: int, window: int, device: str):
     return block
 
 
-@torch._disable_dynamo  # torch.compiler.disable, importing torch._dynamo at the first call, not at this import (3 s)
+@torch.compiler.disable
 def _build_block_mask(seq: int, window: int, device: str):
     """create_block_mask for window_rule(window), always eager (inside a compiled block: a graph break, once)."""
     from torch.nn.attention.flex_attention import create_block_mask

@@ -141,7 +141,8 @@ GPU_CATALOG: dict[str, GpuType] = {
     for g in (
         # The 'cpu' type's start-up and memory figures were measured on the 2-core development machine (AMD EPYC,
         # 24 GiB, 2 ranks of 1 thread, torch 2.13 CPU, DeepSpeed 0.19.8) with the demo's GPT (4 x 128, ZeRO-1, fp32),
-        # 2026-11-28: a rank's process start to its build 6.9-7.2 s, the build's end to the first step 3.3-4.3 s,
+        # 2026-11-28: a rank's process start to its build 6.9-7.2 s (6.2-7.9 s on 2026-11-30), the build's end to the
+        # first step 3.3-4.3 s (0.4-0.7 s since 2026-11-30: no Muon import in deepspeed.initialize, lean_start),
         # the first step 0.1-0.3 s longer than a steady one; compiling DeepSpeed's shared-memory collectives 56 s
         # and FusedAdam 99 s (CPUAdam compiles the same sources); a rank's RSS 327 MiB before its build, 53 MiB more
         # once deepspeed.initialize has allocated what the plan does not count, and 1.6 resident bytes per byte the
@@ -158,7 +159,7 @@ GPU_CATALOG: dict[str, GpuType] = {
             12 * GIB,
             "",
             launch_s=7.0,
-            initialize_s=4.0,
+            initialize_s=0.6,
             first_step_extra_s=0.2,
             jit_build_s=(("deepspeed_shm_comm", 56.0), ("fused_adam", 99.0), ("cpu_adam", 99.0)),
             rank_base_rss_bytes=327 * MIB,

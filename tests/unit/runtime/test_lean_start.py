@@ -2,13 +2,14 @@
 import) replaced by stand-ins in a rank that trains with Adam, with the engine's steps unchanged."""
 
 import json
+import os
 import subprocess
 import sys
 import types
 
 import pytest
 
-from dspipe.runtime.lean_start import MUON_MODULES, cache_cpu_info, without_muon
+from dspipe.runtime.lean_start import MUON_MODULES, cache_cpu_info, cpuinfo_cache, without_muon
 from tests.helpers import ROOT, free_port
 
 INFO = {"arch": "X86_64", "flags": ["avx2", "fma"], "brand_raw": "test cpu"}
@@ -138,3 +139,33 @@ def test_zero_engines_without_muon_step_as_deepspeeds_own_without_importing_indu
     assert lean["losses"] == full["losses"]  # bitwise
     assert all(steps[-1] < steps[0] for steps in lean["losses"].values())  # and they learn
     assert lean["refused"]  # the stand-in update refuses to run
+
+
+OPS = """
+import json, sys
+from dspipe.runtime.lean_start import cache_cpu_info, cpuinfo_cache
+cache_cpu_info()
+from deepspeed.ops.op_builder.cpu import FusedAdamBuilder
+print(json.dumps({"args": FusedAdamBuilder().cxx_args(), "cache": str(cpuinfo_cache())}))
+"""
+
+
+def test_deepspeeds_op_builder_reads_the_boots_answer_from_disk(tmp_path):
+    """Real py-cpuinfo and DeepSpeed's own op builder, in two processes: the first asks and writes the boot's cache,
+    the second builds the same compile flags from it without writing it again."""
+    if cpuinfo_cache() is None:
+        pytest.skip("no boot id here (not Linux)")
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+
+    def flags() -> dict:
+        r = subprocess.run([sys.executable, "-c", OPS], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    first = flags()
+    cache = tmp_path / "dspipe" / first["cache"].rsplit("/", 1)[-1]
+    assert first["cache"].startswith(str(tmp_path)) and cache.is_file()
+    written = cache.stat().st_mtime_ns
+    second = flags()
+    assert second["args"] == first["args"] and any(a.startswith("-march") or "AVX" in a for a in first["args"])
+    assert cache.stat().st_mtime_ns == written  # read back, not asked and written again

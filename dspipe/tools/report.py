@@ -28,6 +28,7 @@ from dspipe.planner.throughput import STEP_COLUMNS, VAL_COLUMNS, perplexity
 from dspipe.run_estimate import RunEstimate
 from dspipe.rundir import ENGINE_FILE, VAL_FILE, Run, load_engine, load_run
 from dspipe.runtime.ckpt_meta import SaveRecord
+from dspipe.runtime.ckpt_tags import read_latest
 from dspipe.runtime.engine_file import StartupRecord
 from dspipe.spec.kinds import Axis
 from dspipe.tools.run_terms import Term, memory_term, plan_terms, verdict
@@ -482,7 +483,7 @@ def latest_save(run: Run) -> SaveRecord | None:
     """The `save` record (bytes, rank_max_bytes, write_s, ...) of the checkpoint `latest` names, None before the
     first complete save or where it has none (a checkpoint written before the record existed) or a damaged one."""
     try:
-        tag = (run.checkpoint_dir / "latest").read_text().strip()
+        tag = read_latest(run.checkpoint_dir)  # a global_stepN tag, or a SpecError
         source = run.checkpoint_dir / tag / "dspipe.json"
         meta = read_object(source)
         save = meta.get("save") if isinstance(meta, dict) else None

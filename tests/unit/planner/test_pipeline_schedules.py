@@ -17,11 +17,3 @@ def test_the_replay_follows_the_closed_form_below_1f1b(p, extra, b):
     assert bubble == pytest.approx(closed_form(p=p, m=m, f=1.0, b=b), rel=1e-12)
     assert bubble < (p - 1) / m  # 1F1B's
     assert peak == p + 0.5
-
-
-def test_the_405b_plans_bubble_shrinks_by_a_fifth_not_to_the_604_day_target():
-    makespan, _ = replay(p=16, m=128, f=1.0, b=2.0)
-    ratio = (makespan / (3 * 128) - 1) / (15 / 128)
-    assert ratio == pytest.approx(37 / 45)  # (15 x 2 + 14 / 2) / (15 x 3)
-    # the plan's step: compute 51.6 s, bubble 6.05 s of 66.7 s, 690 days; DualPipeV's bubble would save ~1.1 s a step
-    assert 690 * (66.7 - 6.05 * (1 - ratio)) / 66.7 > 604

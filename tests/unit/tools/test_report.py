@@ -305,3 +305,15 @@ def test_checkpoint_rows_compare_the_plan_with_the_latest_save(run):
     (tag / "dspipe.json").write_text(json.dumps({"save": {**save, "mode": "sync", "rank_max_bytes": 0}}))
     md = (write_report(run)[0] / "report.md").read_text()
     assert f"| checkpoint, largest rank (MiB) | {planned['rank_max_bytes'] / 2**20:,.1f} | n/a | n/a |" in md
+
+
+@pytest.mark.parametrize("latest", [b"\x80\xff garbage", b"../../etc", b"global_step20\x00", b""])
+def test_a_damaged_latest_file_leaves_the_checkpoint_rows_unmeasured(run, latest):
+    write_csv(run / "metrics.csv", STEP_COLUMNS, gpu_like_rows())
+    (run / "checkpoints").mkdir(exist_ok=True)
+    (run / "checkpoints" / "latest").write_bytes(latest)
+    r = dspipe("report", "runs/t", cwd=run.parent.parent)
+    assert r.returncode == 0, r.stderr
+    md = (run / "report" / "report.md").read_text()
+    assert "| checkpoint per save (MiB) |" in md and "Traceback" not in r.stderr
+    assert next(line for line in md.splitlines() if line.startswith("| checkpoint per save")).endswith("| n/a | n/a |")

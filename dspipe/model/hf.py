@@ -121,7 +121,7 @@ def hf_architecture(cfg: dict, *, source) -> str:
         raise SpecError(f"{source}: model_type {_show(model_type)} is not supported {supported}")
     if arch not in SUPPORTED:
         raise SpecError(f"{source}: architecture {arch} is not supported {supported}")
-    if model_type is not None and MODEL_TYPES.get(model_type) != arch:
+    if model_type is not None and (not isinstance(model_type, str) or MODEL_TYPES.get(model_type) != arch):
         raise SpecError(f"{source}: model_type {_show(model_type)} does not match architecture {arch}")
     return arch
 

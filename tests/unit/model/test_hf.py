@@ -236,6 +236,14 @@ def _refusal(fn, *args, **kwargs) -> str:
             "config.json: model_type 'mistral' does not match architecture LlamaForCausalLM",
         ),
         (
+            dict(architectures=["LlamaForCausalLM"], model_type=["llama"]),
+            "config.json: model_type ['llama'] does not match architecture LlamaForCausalLM",
+        ),
+        (
+            dict(architectures=["LlamaForCausalLM"], model_type={}),
+            "config.json: model_type {} does not match architecture LlamaForCausalLM",
+        ),
+        (
             dict(rope_parameters=None, rope_theta=10000.0, rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
             "config.json: rope_scaling: rope_type dynamic is not supported (supported: default, linear, llama3, yarn)",
         ),

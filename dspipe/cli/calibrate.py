@@ -13,6 +13,15 @@ from dspipe.log import get_logger
 from dspipe.spec.values import PRECISIONS
 
 
+CALIBRATE_RANGES = (  # flag, lowest, highest: refused before any rank starts or any buffer is allocated
+    ("micro_batch", 1, 4096),
+    ("repeats", 1, 1000),
+    ("allreduce_mib", 1, 4096),  # 4 GiB per rank: NCCL's all_reduce_perf sweeps end there too
+    ("ranks", 1, 1024),  # and at most the GPUs here (dspipe.tools.calibrate)
+    ("threads", 1, 1024),
+)
+
+
 def _is_profile(path: Path) -> bool:
     """Whether `path` is a profile dspipe wrote (what --out may overwrite)."""
     from dspipe.spec.profile import read_profile
@@ -130,14 +139,16 @@ def _echo_profile(profile) -> None:
 def _checked_out(o: dict) -> Path | None:
     """The options checked, and --out: refused before minutes of measuring, not after (an earlier profile is
     rewritten, nothing else)."""
-    for name, low in (("micro_batch", 1), ("repeats", 1), ("allreduce_mib", 1)):
+    for name, low, high in CALIBRATE_RANGES:
+        if o[name] is None:
+            continue
+        flag = f"--{name.replace('_', '-')}"
         if o[name] < low:
-            raise SpecError(f"--{name.replace('_', '-')} must be at least {low}, got {o[name]}")
+            raise SpecError(f"{flag} must be at least {low}, got {o[name]} (allowed range {low}..{high:,})")
+        if o[name] > high:
+            raise SpecError(f"{flag} {o[name]} is over the allowed range {low}..{high:,}")
     if not 0 <= o["min_seconds"] <= 3600:
         raise SpecError(f"--min-seconds must be in [0, 3600], got {o['min_seconds']:g}")
-    for name in ("ranks", "threads"):
-        if o[name] is not None and o[name] < 1:
-            raise SpecError(f"--{name} must be a positive integer, got {o[name]}")
     if o["out"] is None:
         return None
     from dspipe.outputs import target

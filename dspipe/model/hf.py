@@ -34,6 +34,7 @@ import os
 from pathlib import Path
 
 from dspipe.errors import SpecError
+from dspipe.spec.checks import limit
 from dspipe.spec.model import MOE_ONLY, ModelSpec
 
 GPT2, LLAMA, QWEN2, QWEN3, MISTRAL = (
@@ -164,7 +165,7 @@ def _gpt2_spec(cfg: dict, *, source, name: str, dropout) -> ModelSpec:
         dropout = drops["resid"]
     return ModelSpec(
         name,
-        get.int("n_layer"),
+        get.int("n_layer", field="layers"),
         hidden,
         get.int("n_head"),
         get.int("vocab_size"),
@@ -181,7 +182,11 @@ def _decoder_spec(cfg: dict, arch: str, *, source, name: str, dropout) -> ModelS
     its class does: the biases, q/k norm, windows and experts the class builds from the config (as transformers 5
     reads it)."""
     get = _Reader(cfg, source)
-    hidden, heads, layers = get.int("hidden_size"), get.int("num_attention_heads"), get.int("num_hidden_layers")
+    hidden, heads, layers = (
+        get.int("hidden_size"),
+        get.int("num_attention_heads"),
+        get.int("num_hidden_layers", field="layers"),
+    )
     seq_len = get.int("max_position_embeddings")
     get.must("hidden_act", "silu", default="silu")
     head_dim = get.int("head_dim", default=128 if arch == QWEN3 else None)  # Qwen3Config's default head_dim is 128
@@ -448,10 +453,14 @@ class _Reader:
             raise SpecError(f"{self.source}: missing {key}")
         return default, False
 
-    def int(self, key: str, default=_MISSING):
+    def int(self, key: str, default=_MISSING, *, field: str | None = None):
+        """A positive integer; `field`: the ModelSpec field it becomes, whose limit it must keep (checked before
+        anything is built per layer: a list of 10**12 layer types would exhaust the memory)."""
         value, given = self._get(key, default)
         if given and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise SpecError(f"{self.source}: {key} must be a positive integer, got {_show(value)}")
+        if given and field is not None and value > (most := limit(field)):
+            raise SpecError(f"{self.source}: {key} {_show(value)} is over dspipe's limit of {most:,} ({field})")
         return value
 
     def count(self, key: str, default=_MISSING):

@@ -188,7 +188,45 @@ def hf_context(path: Path) -> int:
     value = config.get(key)
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 2**24:
         raise SpecError(f"{source}: {key} must be a context length in 1..{2**24:,}, got {show(value)}")
+    _check_shape(config, source=source)
     return value
+
+
+SHAPE_KEYS = {  # config.json key -> the ModelSpec field whose limit it keeps (GPT-2's names and the Llama family's)
+    "num_hidden_layers": "layers",
+    "n_layer": "layers",
+    "hidden_size": "hidden",
+    "n_embd": "hidden",
+    "num_attention_heads": "heads",
+    "n_head": "heads",
+    "num_key_value_heads": "heads",
+    "vocab_size": "vocab",
+    "intermediate_size": "ffn",
+}
+
+
+def _check_shape(config: dict, *, source: Path) -> None:
+    """The shape keys config.json gives (positive integers within dspipe's limits), `architectures` (a list of
+    names) and `eos_token_id` (a token id, or a list of them, below the vocabulary), before transformers builds or
+    the tokenizer reads anything from the file."""
+    from dspipe.jsonio import show
+    from dspipe.spec.checks import limit
+
+    for key, field in SHAPE_KEYS.items():
+        if key not in config or (key == "num_key_value_heads" and config[key] is None):
+            continue
+        value, most = config[key], limit(field)
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most:
+            raise SpecError(f"{source}: {key} must be an integer in 1..{most:,}, got {show(value)}")
+    archs = config.get("architectures")
+    if archs is not None and not (isinstance(archs, list) and archs and all(isinstance(a, str) for a in archs)):
+        raise SpecError(f"{source}: architectures must be a list of class names, got {show(archs)}")
+    eos, vocab = config.get("eos_token_id"), config.get("vocab_size")
+    ids = eos if isinstance(eos, list) else [eos]
+    if eos is not None and not all(
+        isinstance(i, int) and not isinstance(i, bool) and 0 <= i < (vocab or 2**24) for i in ids
+    ):
+        raise SpecError(f"{source}: eos_token_id must be a token id in 0..{(vocab or 2**24) - 1:,}, got {show(eos)}")
 
 
 def _load_checkpoint(path: Path) -> Model:

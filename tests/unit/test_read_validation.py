@@ -408,6 +408,16 @@ HF_CASES = [
     ("positions-str", b'{"model_type": "gpt2", "n_positions": "64"}', "n_positions must be a context length"),
     ("positions-nan", b'{"model_type": "gpt2", "n_positions": NaN}', "NaN"),
     ("positions-huge", b'{"model_type": "gpt2", "n_positions": 1e400}', "beyond the range"),
+    ("layers-negative", b'{"model_type": "gpt2", "n_positions": 64, "n_layer": -1}', "n_layer must be an integer in"),
+    (
+        "layers-huge",
+        b'{"model_type": "llama", "max_position_embeddings": 64, "num_hidden_layers": 1000000000000000000000000000000}',
+        "num_hidden_layers must be an integer in 1..4,096, got 1000000000000000000000000000000",
+    ),
+    ("layers-null", b'{"model_type": "gpt2", "n_positions": 64, "n_layer": null}', "n_layer must be an integer"),
+    ("layers-str", b'{"model_type": "gpt2", "n_positions": 64, "n_layer": "x"}', "n_layer must be an integer"),
+    ("archs-str", b'{"model_type": "gpt2", "n_positions": 64, "architectures": "x"}', "architectures must be a list"),
+    ("eos-huge", b'{"model_type": "gpt2", "n_positions": 64, "vocab_size": 50, "eos_token_id": 50}', "0..49, got 50"),
 ]
 
 

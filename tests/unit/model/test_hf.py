@@ -263,6 +263,11 @@ def _refusal(fn, *args, **kwargs) -> str:
         (dict(attention_bias=1), "config.json: attention_bias must be true or false, got 1"),
         (dict(hidden_act="gelu"), "config.json: hidden_act 'gelu' is not supported"),
         (dict(head_dim=0), "config.json: head_dim must be a positive integer, got 0"),
+        (
+            dict(num_hidden_layers=10**12),
+            "config.json: num_hidden_layers 1000000000000 is over dspipe's limit of 4,096",
+        ),
+        (dict(num_hidden_layers=4097), "config.json: num_hidden_layers 4097 is over dspipe's limit of 4,096 (layers)"),
         (dict(hidden_size=...), "config.json: missing hidden_size"),
         (dict(num_key_value_heads=3), "config.json: heads 4 is not divisible by kv_heads 3"),
     ],

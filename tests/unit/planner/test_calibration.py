@@ -310,7 +310,12 @@ def test_yaml_config_takes_the_profile(tmp_path, capsys):
     "args, message",
     [
         (["--micro-batch", "0"], "--micro-batch must be at least 1, got 0"),
-        (["--ranks", "0"], "--ranks must be a positive integer, got 0"),
+        (["--ranks", "0"], "--ranks must be at least 1, got 0 (allowed range 1..1,024)"),
+        (["--ranks", "99999999999999999999"], "--ranks 99999999999999999999 is over the allowed range 1..1,024"),
+        (["--threads", "100000"], "--threads 100000 is over the allowed range 1..1,024"),
+        (["--repeats", "100000"], "--repeats 100000 is over the allowed range 1..1,000"),
+        (["--micro-batch", "100000"], "--micro-batch 100000 is over the allowed range 1..4,096"),
+        (["--allreduce-mib", "100000"], "--allreduce-mib 100000 is over the allowed range 1..4,096"),
         (["--min-seconds", "-1"], "--min-seconds must be in [0, 3600], got -1"),
     ],
 )

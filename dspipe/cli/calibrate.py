@@ -12,7 +12,6 @@ from dspipe.errors import SpecError
 from dspipe.log import get_logger
 from dspipe.spec.values import PRECISIONS
 
-
 CALIBRATE_RANGES = (  # flag, lowest, highest: refused before any rank starts or any buffer is allocated
     ("micro_batch", 1, 4096),
     ("repeats", 1, 1000),

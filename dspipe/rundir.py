@@ -226,6 +226,7 @@ def load_run(path: str | Path) -> Run:
     )
     ds_config = read_object(ds_file)
     check_ds_config(ds_config, plan=specs["plan"], source=ds_file)
+    check_ds_training(ds_config, train=specs["train"], source=ds_file)
     return Run(path=path, **specs, data=data, estimate=estimate, ds_config=ds_config)
 
 
@@ -361,6 +362,58 @@ def check_ds_config(ds: dict, *, plan: Plan, source: Path | str) -> None:
             )
     ac = lookup("activation_checkpointing", {})
     _check_activation_checkpointing(ac, plan=plan, source=source)
+
+
+TRAIN_KEYS = {  # ds_config.json key -> the TrainSpec field gen-config (and extend) render it from
+    "optimizer.params.lr": "lr",
+    "scheduler.params.warmup_max_lr": "lr",
+    "optimizer.params.weight_decay": "weight_decay",
+    "gradient_clipping": "grad_clip",
+    "scheduler.params.total_num_steps": "steps",
+    "scheduler.params.warmup_num_steps": "warmup_steps",
+    "scheduler.params.cos_min_ratio": "min_lr_ratio",
+}
+
+
+def check_ds_training(ds: dict, *, train: TrainSpec, source: Path | str) -> None:
+    """ds_config.json's optimizer and schedule against dspipe.json's train spec (every key gen-config renders from
+    it: a hand edit would train at values the run directory does not say, a negative learning rate included), and
+    the optimizer's betas and eps in DeepSpeed's ranges (0 <= beta < 1, eps > 0)."""
+
+    def find(dotted: str):
+        node = ds
+        for part in dotted.split("."):
+            if not isinstance(node, dict) or part not in node:
+                return _ABSENT
+            node = node[part]
+        return node
+
+    for key, name in TRAIN_KEYS.items():
+        have, want = find(key), getattr(train, name)
+        if have is _ABSENT:
+            continue
+        number = isinstance(have, (int, float)) and not isinstance(have, bool)
+        if not number or have != want or (isinstance(want, int) and not isinstance(have, int)):
+            raise SpecError(
+                f"{source}: {key} is {show(have)} but {SPEC_FILE}'s train.{name} is {want!r}; "
+                f"regenerate both with 'dspipe gen-config --force' (its {_FLAGS.get(name, '--' + name)} sets both)"
+            )
+    betas, eps = find("optimizer.params.betas"), find("optimizer.params.eps")
+    if betas is not _ABSENT and not (
+        isinstance(betas, list)
+        and len(betas) == 2
+        and all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in betas)
+    ):
+        raise SpecError(f"{source}: optimizer.params.betas must be two numbers in [0, 1), got {show(betas)}")
+    if eps is not _ABSENT and not (
+        isinstance(eps, (int, float)) and not isinstance(eps, bool) and 0 < eps < 1 and eps == eps
+    ):
+        raise SpecError(f"{source}: optimizer.params.eps must be a number in (0, 1), got {show(eps)}")
+
+
+_ABSENT = object()
+_FLAGS = {"warmup_steps": "--warmup", "weight_decay": "--weight-decay", "grad_clip": "--grad-clip"}
+_FLAGS.update({"lr": "--lr", "steps": "--steps", "min_lr_ratio": "--min-lr-ratio"})
 
 
 def load_engine(run: Run) -> dict | None:

@@ -180,6 +180,16 @@ RUN_CASES = [  # (id, file named in the message, damage, words the message holds
     ("ds-offload", DS, edit(DS, put("zero_optimization.offload_optimizer.device", "cpu")), "offload_optimizer"),
     ("ds-infinity", DS, text_edit(DS, '"train_batch_size": 16', '"train_batch_size": Infinity'), "Infinity"),
     ("ds-number", DS, raw(DS, b"16\n"), "JSON object"),
+    ("ds-lr-negative", DS, edit(DS, put("optimizer.params.lr", -1)), "optimizer.params.lr is -1 but dspipe.json's"),
+    ("ds-lr-str", DS, edit(DS, put("optimizer.params.lr", "3e-3")), "optimizer.params.lr is '3e-3'"),
+    ("ds-clip", DS, edit(DS, put("gradient_clipping", -5)), "gradient_clipping is -5 but dspipe.json's train.grad"),
+    ("ds-decay", DS, edit(DS, put("optimizer.params.weight_decay", 0.5)), "train.weight_decay is 0.1"),
+    ("ds-total", DS, edit(DS, put("scheduler.params.total_num_steps", 7)), "total_num_steps is 7"),
+    ("ds-warmup", DS, edit(DS, put("scheduler.params.warmup_num_steps", 99)), "(its --warmup sets both)"),
+    ("ds-warmup-float", DS, edit(DS, put("scheduler.params.warmup_num_steps", 2.0)), "warmup_num_steps is 2.0"),
+    ("ds-cos", DS, edit(DS, put("scheduler.params.cos_min_ratio", -1)), "cos_min_ratio is -1"),
+    ("ds-betas", DS, edit(DS, put("optimizer.params.betas", [0.9, 1.5])), "betas must be two numbers in [0, 1)"),
+    ("ds-eps", DS, edit(DS, put("optimizer.params.eps", 0)), "eps must be a number in (0, 1), got 0"),
 ]
 
 RUN_COMMANDS = [

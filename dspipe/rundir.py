@@ -172,12 +172,23 @@ def _check_same_model(out: Path, *, model: dict) -> None:
     )
 
 
-def load_run(path: str | Path) -> Run:
+def newest_checkpoint_step(ckpt_dir: Path) -> int | None:
+    """The step of the newest complete checkpoint under `ckpt_dir`, None without one."""
+    from dspipe.runtime.ckpt_tags import complete_checkpoints
+
+    done = complete_checkpoints(ckpt_dir) if ckpt_dir.is_dir() else []
+    return done[-1][0] if done else None
+
+
+def load_run(path: str | Path, *, extending: bool = False) -> Run:
     """The one validated reader of a run directory (every command that reads one comes here): dspipe.json and
     ds_config.json must be UTF-8 JSON objects of finite numbers with every key, each spec valid, the plan equal
     to what its specs derive, what dspipe.json restates of the cluster and plan (its deepspeed command's nodes x
     GPUs, the estimate's layout) agreeing with them (check_spec_agrees), and ds_config.json's batch, ZeRO stage,
-    precision and pipeline agreeing with the plan. Anything else is one SpecError naming the file and the field."""
+    precision and pipeline agreeing with the plan, its optimizer and schedule with the train spec
+    (check_ds_training). Anything else is one SpecError naming the file and the field. `extending`: `dspipe
+    extend` reads it, which checks the schedule's total steps itself (an extend interrupted between its two files
+    left the new total in ds_config.json: its rerun completes it)."""
     path = Path(path)
     spec_file, ds_file = path / SPEC_FILE, path / DS_CONFIG_FILE
     if not spec_file.is_file() or not ds_file.is_file():
@@ -226,7 +237,8 @@ def load_run(path: str | Path) -> Run:
     )
     ds_config = read_object(ds_file)
     check_ds_config(ds_config, plan=specs["plan"], source=ds_file)
-    check_ds_training(ds_config, train=specs["train"], source=ds_file)
+    skip = ("scheduler.params.total_num_steps",) if extending else ()
+    check_ds_training(ds_config, train=specs["train"], source=ds_file, skip=skip)
     return Run(path=path, **specs, data=data, estimate=estimate, ds_config=ds_config)
 
 
@@ -375,7 +387,7 @@ TRAIN_KEYS = {  # ds_config.json key -> the TrainSpec field gen-config (and exte
 }
 
 
-def check_ds_training(ds: dict, *, train: TrainSpec, source: Path | str) -> None:
+def check_ds_training(ds: dict, *, train: TrainSpec, source: Path | str, skip: tuple[str, ...] = ()) -> None:
     """ds_config.json's optimizer and schedule against dspipe.json's train spec (every key gen-config renders from
     it: a hand edit would train at values the run directory does not say, a negative learning rate included), and
     the optimizer's betas and eps in DeepSpeed's ranges (0 <= beta < 1, eps > 0)."""
@@ -390,7 +402,7 @@ def check_ds_training(ds: dict, *, train: TrainSpec, source: Path | str) -> None
 
     for key, name in TRAIN_KEYS.items():
         have, want = find(key), getattr(train, name)
-        if have is _ABSENT:
+        if have is _ABSENT or key in skip:
             continue
         number = isinstance(have, (int, float)) and not isinstance(have, bool)
         if not number or have != want or (isinstance(want, int) and not isinstance(have, int)):

@@ -126,9 +126,17 @@ def gen_config(**o) -> None:
     click.echo(f"wrote {out / 'ds_config.json'} and {out / 'dspipe.json'} (options: {out / CONFIG_FILE})")
     click.echo(f"run:  {command}")
     if kept:
+        from dspipe.rundir import newest_checkpoint_step
+
+        newest = newest_checkpoint_step(out / "checkpoints")
+        past = (
+            f" (step {newest:,}, at or past this run's {train.steps:,} steps: it would train nothing)"
+            if newest is not None and newest >= train.steps
+            else ""
+        )
         notes.append(
             f"note: kept {', '.join(kept)} in {out}: 'dspipe launch {out}' resumes from its newest "
-            f"checkpoint ('--restart' starts over, moving the old outputs aside)"
+            f"checkpoint{past} ('--restart' starts over, moving the old outputs aside)"
         )
     for note in notes:
         get_logger(__name__).info(note)
@@ -345,12 +353,30 @@ def keep_tokenizer(out: Path, data: str, *, tokenizer: str | None = None) -> Non
         replace_dir(tmp, out / "tokenizer")
 
 
+def _megatron_index(path: Path) -> bool:
+    """Whether `path` starts as a Megatron index does (its magic bytes)."""
+    from dspipe.data.megatron import MAGIC
+
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(MAGIC)) == MAGIC
+    except OSError:
+        return False
+
+
 def _check_data(data: str, model: ModelSpec, notes: list[str], *, tokenizer: str | None = None) -> None:
     """Errors now (vocab, corpus length); notes are collected and printed once the run is written. tokenizer: the
     --tokenizer of Megatron prefixes, named in the note."""
     from dspipe.data import check_data_for_model, padded_vocab
     from dspipe.data.shards import is_prepared
 
+    if not is_prepared(data) and Path(data).is_file():
+        stem = str(Path(data).with_suffix("")) if Path(data).suffix in (".bin", ".idx") else None
+        stem = stem if stem and _megatron_index(Path(stem + ".idx")) else None  # a Megatron prefix's .bin or .idx
+        raise SpecError(
+            f"--data {data} is a file: give the prepared data directory (the one holding meta.json)"
+            + (f", or the Megatron prefix {stem}" if stem else "")
+        )
     if not is_prepared(data):
         notes.append(f"note: {data} is not prepared yet; run 'dspipe prepare-data --out {data}' before training")
         return

@@ -79,7 +79,9 @@ def bench_command(o: dict, *, command: str) -> dict:
             f"--warmup {warmup} --steps {steps}: both must be at least 1 (the first step allocates "
             f"and is never measured)"
         )
-    if o["append"]:
+    if o["append"] is not None:
+        if not o["append"].strip():
+            raise SpecError(f"--append needs a markdown file's path, got {o['append']!r}")
         bench.existing_text(Path(o["append"]))  # before minutes of measuring
     gpu, ranks = _devices(o)
     # the run dir trains warmup + steps optimizer steps; its lr warmup is the usual default

@@ -22,7 +22,7 @@ from dspipe.cli.options import INT, parse_tokens
 from dspipe.errors import SpecError
 from dspipe.jsonio import MISSING, dotted_get, dumps, read_object
 from dspipe.planner.render import render_ds_config
-from dspipe.rundir import CONFIG_FILE, DS_CONFIG_FILE, SPEC_FILE, Run, load_run
+from dspipe.rundir import CONFIG_FILE, DS_CONFIG_FILE, SPEC_FILE, Run, load_run, newest_checkpoint_step
 
 
 def _leaves(d, prefix: str = ""):
@@ -116,7 +116,7 @@ def extend(run_dir: Path, steps: int | None, tokens: str | None) -> None:
     total steps included), keeping its checkpoints and metrics; the same launch command then resumes and trains on."""
     from dspipe.runtime.ckpt_tags import complete_checkpoints
 
-    run = load_run(run_dir)
+    run = load_run(run_dir, extending=True)
     old_steps, per_step = run.train.steps, run.plan.tokens_per_step
     new_steps = steps_for(steps=steps, tokens=parse_tokens(tokens, flag="--tokens"), tokens_per_step=per_step)
     if new_steps <= old_steps:
@@ -126,6 +126,12 @@ def extend(run_dir: Path, steps: int | None, tokens: str | None) -> None:
         raise SpecError(
             f"{given} must be more than the run's {old_steps} steps ({old_steps * per_step:,} tokens): "
             f"extend only lengthens a run (nothing was changed)"
+        )
+    newest = newest_checkpoint_step(run.checkpoint_dir)
+    if newest is not None and new_steps <= newest:
+        raise SpecError(
+            f"{run.checkpoint_dir} has a checkpoint at step {newest:,}: the run's new length {new_steps:,} must be "
+            f"more than that (a launch resumes there; nothing was changed)"
         )
     budget = tokens if steps is None else None  # the run length as given: a token budget, or steps
     train = replace(run.train, steps=new_steps, tokens=budget)  # validated as gen-config validates it

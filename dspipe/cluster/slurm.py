@@ -35,7 +35,20 @@ OWN_OPTIONS = (
     "--open-mode",
     "--no-kill",
     "-k",
+    "--requeue",
+    "--job-name",
+    "-J",
+    "--output",
+    "-o",
 )
+FLAG_OPTIONS = {  # sbatch options the script sets from a slurm-script flag: a second line would contradict it
+    "--time": "--time",
+    "-t": "--time",
+    "--partition": "--partition",
+    "-p": "--partition",
+    "--account": "--account",
+    "-A": "--account",
+}
 
 
 def time_limit_seconds(time: str) -> int | None:
@@ -102,6 +115,10 @@ def _check_sbatch_names(*, partition: str | None, account: str | None, extra_sba
         if not option.startswith("--") or option.strip() != option:
             raise SpecError(f"--sbatch {option!r} must be one '--name=value' option line")
         name = option.split("=", 1)[0].split()[0]
+        if name in FLAG_OPTIONS:
+            raise SpecError(
+                f"--sbatch {option!r}: the script sets {name} from slurm-script's {FLAG_OPTIONS[name]}; use it"
+            )
         if name in OWN_OPTIONS:
             raise SpecError(
                 f"--sbatch {option!r}: the script sets {name} itself"

@@ -298,3 +298,22 @@ def test_a_bad_latest_names_what_these_commands_take(run, tmp_path, capsys, dama
         "give a complete checkpoint directory instead of the run directory, e.g. run/checkpoints/global_step6" in line
     )
     assert not (tmp_path / "out").exists()
+
+
+def test_gen_config_refuses_a_data_file_naming_what_to_give(corpus, tmp_path, capsys):
+    """--data names a prepared directory or a Megatron prefix: one of the directory's files is refused (it was taken
+    for a directory still to prepare, and the note told to prepare-data into the file), a Megatron .bin/.idx with
+    its prefix named."""
+    megatron = tmp_path / "web_text_document"
+    megatron.with_suffix(".idx").write_bytes(b"MMIDIDX\x00\x00" + bytes(25))
+    megatron.with_suffix(".bin").write_bytes(bytes(8))
+    base = ["gen-config", "--model", "tiny", "--gpu", "cpu", "--gpus-per-node", "2", "--global-batch", "16"]
+    for data, words in (
+        (corpus / "meta.json", "is a file: give the prepared data directory (the one holding meta.json)"),
+        (corpus / "train-00000.bin", "(the one holding meta.json)"),
+        (megatron.with_suffix(".bin"), f"or the Megatron prefix {megatron}"),
+    ):
+        assert run_cli(*base, "--data", data, "--out", tmp_path / "run", "--measure", "never") == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"--data {data} is a file" in err and words in err, err
+        assert not (tmp_path / "run").exists()

@@ -263,3 +263,25 @@ def test_extend_records_the_new_length_as_given_and_config_yaml_still_reproduces
         for monitor in ("tensorboard", "csv_monitor"):
             cfg[monitor].pop("output_path")  # names the run directory
     assert a == b
+
+
+def test_a_length_that_ends_at_or_before_the_newest_checkpoint_is_refused(tmp_path, capsys, monkeypatch):
+    """The launch resumes from the newest checkpoint: extend to a length at or before it would train nothing (it
+    exited 0): one line with the step, nothing changes. gen-config --force notes it (a --restart launch starts over)."""
+    monkeypatch.chdir(tmp_path)
+    assert run_cli("gen-config", *CPU2, "--steps", "20", "--out", "run") == 0
+    (tmp_path / "run" / "checkpoints" / "global_step30").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoints" / "global_step30" / "dspipe.json").write_text("{}")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "run").iterdir() if p.is_file()}
+    capsys.readouterr()
+    assert run_cli("extend", "run", "--steps", "25") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "has a checkpoint at step 30: the run's new length 25 must be more" in err, err
+    assert before == {p.name: p.read_bytes() for p in (tmp_path / "run").iterdir() if p.is_file()}
+    assert run_cli("extend", "run", "--steps", "31") == 0
+    capsys.readouterr()
+    # gen-config --force may rewrite it (a launch with --restart trains afresh, as the demo's does), with a note
+    assert run_cli("gen-config", *CPU2, "--steps", "30", "--out", "run", "--force") == 0
+    assert (
+        "newest checkpoint (step 30, at or past this run's 30 steps: it would train nothing)" in capsys.readouterr().err
+    )

@@ -177,3 +177,18 @@ def test_generate_refuses_sampling_numbers_before_loading_anything(flag, value, 
     err = capsys.readouterr().err
     assert_one_line_with_range(code, err, flag)
     assert message in err, err
+
+
+@pytest.mark.parametrize("value", ["", "  "])
+def test_bench_refuses_an_empty_append_path_before_starting_ranks(value, tmp_path, capsys, monkeypatch):
+    from dspipe.tools import bench
+
+    def no_launch(**kwargs):
+        raise AssertionError("bench started ranks for an empty --append")
+
+    monkeypatch.setattr(bench, "run_side", no_launch)
+    monkeypatch.chdir(tmp_path)
+    code = run_cli("bench", "--model", "tiny", "--gpu", "cpu", "--global-batch", "16", "--append", value)
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "--append needs a markdown file's path" in err, err
+    assert list(tmp_path.iterdir()) == []

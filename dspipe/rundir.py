@@ -10,7 +10,7 @@ from pathlib import Path
 from dspipe import outputs
 from dspipe.atomic import staged_dir, write_file
 from dspipe.errors import SpecError
-from dspipe.jsonio import read_object, show
+from dspipe.jsonio import MISSING, dotted_get, read_object, show
 from dspipe.planner.plan import Plan, check_plan
 from dspipe.run_estimate import RunEstimate
 from dspipe.spec.cluster import ClusterSpec
@@ -392,40 +392,35 @@ def check_ds_training(ds: dict, *, train: TrainSpec, source: Path | str, skip: t
     it: a hand edit would train at values the run directory does not say, a negative learning rate included), and
     the optimizer's betas and eps in DeepSpeed's ranges (0 <= beta < 1, eps > 0)."""
 
-    def find(dotted: str):
-        node = ds
-        for part in dotted.split("."):
-            if not isinstance(node, dict) or part not in node:
-                return _ABSENT
-            node = node[part]
-        return node
-
     for key, name in TRAIN_KEYS.items():
-        have, want = find(key), getattr(train, name)
-        if have is _ABSENT or key in skip:
+        have, want = dotted_get(ds, key), getattr(train, name)
+        if have is MISSING or key in skip:
             continue
         number = isinstance(have, (int, float)) and not isinstance(have, bool)
         if not number or have != want or (isinstance(want, int) and not isinstance(have, int)):
             raise SpecError(
                 f"{source}: {key} is {show(have)} but {SPEC_FILE}'s train.{name} is {want!r}; "
-                f"regenerate both with 'dspipe gen-config --force' (its {_FLAGS.get(name, '--' + name)} sets both)"
+                f"regenerate both with 'dspipe gen-config --force' (its {_train_flag(name)} sets both)"
             )
-    betas, eps = find("optimizer.params.betas"), find("optimizer.params.eps")
-    if betas is not _ABSENT and not (
+    betas, eps = dotted_get(ds, "optimizer.params.betas"), dotted_get(ds, "optimizer.params.eps")
+    if betas is not MISSING and not (
         isinstance(betas, list)
         and len(betas) == 2
         and all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in betas)
     ):
         raise SpecError(f"{source}: optimizer.params.betas must be two numbers in [0, 1), got {show(betas)}")
-    if eps is not _ABSENT and not (
+    if eps is not MISSING and not (
         isinstance(eps, (int, float)) and not isinstance(eps, bool) and 0 < eps < 1 and eps == eps
     ):
         raise SpecError(f"{source}: optimizer.params.eps must be a number in (0, 1), got {show(eps)}")
 
 
-_ABSENT = object()
-_FLAGS = {"warmup_steps": "--warmup", "weight_decay": "--weight-decay", "grad_clip": "--grad-clip"}
-_FLAGS.update({"lr": "--lr", "steps": "--steps", "min_lr_ratio": "--min-lr-ratio"})
+def _train_flag(name: str) -> str:
+    """The gen-config flag that sets TrainSpec field `name` (its setting's declaration)."""
+    from dspipe.spec.settings import declared
+
+    s = next(s for s in declared(TrainSpec, section="train") if s.field == name)
+    return s.flag or "--" + s.key.replace("_", "-")
 
 
 def load_engine(run: Run) -> dict | None:

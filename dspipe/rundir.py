@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from dspipe import outputs
 from dspipe.atomic import staged_dir, write_file
-from dspipe.errors import SpecError
+from dspipe.errors import SpecError, file_problem
 from dspipe.jsonio import MISSING, dotted_get, read_object, show
 from dspipe.planner.plan import Plan, check_plan
 from dspipe.run_estimate import RunEstimate
@@ -180,6 +181,14 @@ def newest_checkpoint_step(ckpt_dir: Path) -> int | None:
     return done[-1][0] if done else None
 
 
+def _enclosing_run(path: Path) -> Path | None:
+    """The run directory that holds `path` (its checkpoints/, monitor/ ...), or None."""
+    for parent in path.absolute().parents:
+        if (parent / SPEC_FILE).is_file() and (parent / DS_CONFIG_FILE).is_file():
+            return Path(os.path.relpath(parent)) if not path.is_absolute() else parent
+    return None
+
+
 def load_run(path: str | Path, *, extending: bool = False) -> Run:
     """The one validated reader of a run directory (every command that reads one comes here): dspipe.json and
     ds_config.json must be UTF-8 JSON objects of finite numbers with every key, each spec valid, the plan equal
@@ -189,13 +198,22 @@ def load_run(path: str | Path, *, extending: bool = False) -> Run:
     (check_ds_training). Anything else is one SpecError naming the file and the field. `extending`: `dspipe
     extend` reads it, which checks the schedule's total steps itself (an extend interrupted between its two files
     left the new total in ds_config.json: its rerun completes it)."""
+    if not str(path).strip():  # Path("") is "."
+        raise SpecError(f"the run directory {str(path)!r} is empty: give its path ('.' for the current directory)")
     path = Path(path)
     spec_file, ds_file = path / SPEC_FILE, path / DS_CONFIG_FILE
+    for file in (spec_file, ds_file):
+        problem = file_problem(file) if os.path.lexists(file) else None
+        if problem:
+            raise SpecError(f"{file} {problem}: a run directory holds {SPEC_FILE} and {DS_CONFIG_FILE} as files")
     if not spec_file.is_file() or not ds_file.is_file():
-        raise SpecError(
-            f"{path} is not a run directory (no {SPEC_FILE} / {DS_CONFIG_FILE}); "
-            f"create one with 'dspipe gen-config --out {path}'"
+        inside = _enclosing_run(path)
+        fix = (
+            f"{path} is inside the run directory {inside}: pass {inside}"
+            if inside is not None
+            else f"create one with 'dspipe gen-config --out {path}'"
         )
+        raise SpecError(f"{path} is not a run directory (no {SPEC_FILE} / {DS_CONFIG_FILE}); {fix}")
     d = read_object(spec_file)
     if isinstance(d.get("format_version"), bool) or d.get("format_version") != FORMAT_VERSION:
         raise SpecError(f"{spec_file}: format_version {d.get('format_version')!r} != {FORMAT_VERSION}")

@@ -10,14 +10,15 @@ import click
 from dspipe.cli.options import FLOAT, INT, Text, _model_from_options, model_options
 from dspipe.errors import SpecError
 from dspipe.log import get_logger
+from dspipe.spec.profile import MAX_RANKS, MAX_THREADS
 from dspipe.spec.values import PRECISIONS
 
 CALIBRATE_RANGES = (  # flag, lowest, highest: refused before any rank starts or any buffer is allocated
     ("micro_batch", 1, 4096),
     ("repeats", 1, 1000),
     ("allreduce_mib", 1, 4096),  # 4 GiB per rank: NCCL's all_reduce_perf sweeps end there too
-    ("ranks", 1, 1024),  # and at most the GPUs here (dspipe.tools.calibrate)
-    ("threads", 1, 1024),
+    ("ranks", 1, MAX_RANKS),  # and at most the GPUs here (dspipe.tools.calibrate)
+    ("threads", 1, MAX_THREADS),
 )
 
 

@@ -11,18 +11,18 @@ Imports no torch (deepspeed only to parse the new config, as gen-config does).""
 from __future__ import annotations
 
 import copy
-import math
 from dataclasses import replace
 from pathlib import Path
 
 import click
 
 from dspipe.atomic import write_file
-from dspipe.cli.options import INT, parse_tokens
+from dspipe.cli.options import INT, PathText, parse_tokens
 from dspipe.errors import SpecError
 from dspipe.jsonio import MISSING, dotted_get, dumps, read_object
 from dspipe.planner.render import render_ds_config
 from dspipe.rundir import CONFIG_FILE, DS_CONFIG_FILE, SPEC_FILE, Run, load_run, newest_checkpoint_step
+from dspipe.spec.values import steps_of_tokens
 
 
 def _leaves(d, prefix: str = ""):
@@ -50,13 +50,14 @@ def _set(d: dict, dotted: str, value) -> None:
     d[last] = value
 
 
-def steps_for(*, steps: int | None, tokens: float | None, tokens_per_step: int) -> int:
+def steps_for(*, steps: int | None, tokens: str | None, tokens_per_step: int) -> int:
     """The new step count from --steps or --tokens (rounded up to whole steps); exactly one must be given."""
     if (steps is None) == (tokens is None):
         raise SpecError("give exactly one of --steps N and --tokens T (the run's new length)")
     if steps is not None:
         return steps
-    return math.ceil(tokens / tokens_per_step)
+    parse_tokens(tokens, flag="--tokens")  # one line for a budget that does not parse
+    return steps_of_tokens(tokens, tokens_per_step=tokens_per_step)
 
 
 def extended_ds_config(run: Run, ds_config: dict, *, steps: int) -> tuple[dict, dict[str, tuple]]:
@@ -106,7 +107,7 @@ def verify(ds_config: dict, *, dp: int) -> None:
 
 
 @click.command("extend")
-@click.argument("run_dir", metavar="RUN", type=click.Path(path_type=Path))
+@click.argument("run_dir", metavar="RUN", type=PathText())
 @click.option("--steps", type=INT, default=None, help="the run's new total of optimizer steps (more than it has)")
 @click.option(
     "--tokens", default=None, help="or its new total of training tokens (300B, 1.5T, 2e9), rounded up to whole steps"
@@ -118,7 +119,7 @@ def extend(run_dir: Path, steps: int | None, tokens: str | None) -> None:
 
     run = load_run(run_dir, extending=True)
     old_steps, per_step = run.train.steps, run.plan.tokens_per_step
-    new_steps = steps_for(steps=steps, tokens=parse_tokens(tokens, flag="--tokens"), tokens_per_step=per_step)
+    new_steps = steps_for(steps=steps, tokens=tokens, tokens_per_step=per_step)
     if new_steps <= old_steps:
         given = (
             f"--steps {steps}" if steps is not None else f"--tokens {tokens} ({new_steps} steps x {per_step:,} tokens)"

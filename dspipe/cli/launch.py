@@ -9,8 +9,9 @@ import tempfile
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
-from dspipe.cli.options import FLOAT, INT, Text
+from dspipe.cli.options import FLOAT, INT, PathText, Text
 from dspipe.cluster.hostfile import describe
 from dspipe.cluster.launch import (
     LAUNCHERS,
@@ -28,6 +29,7 @@ from dspipe.cluster.launch import (
     run_program,
 )
 from dspipe.cluster.netenv import (
+    FLAG_ENV_KEYS,
     NCCL_DEBUG_LEVELS,
     NetworkSpec,
     parse_env_assignments,
@@ -124,8 +126,31 @@ def _env_once(items: tuple[str, ...]) -> None:
         seen[key] = value
 
 
+def _given(name: str) -> bool:
+    """Whether the option `name` was given (on the command line or by a default map), not left at its default."""
+    ctx = click.get_current_context(silent=True)
+    source = ctx.get_parameter_source(name) if ctx is not None else None
+    return source is not None and source not in (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)
+
+
+def _env_sets(items: tuple[str, ...], name: str) -> bool:
+    """Whether an --env item sets a variable of the network flag `name` (then the flag's default is not passed on)."""
+    return any(item.partition("=")[0] in FLAG_ENV_KEYS[name] for item in items)
+
+
+def _env_against_flags(items: tuple[str, ...]) -> None:
+    """Refuse --env KEY=... for a variable a network flag given beside it sets (one of the two would silently lose)."""
+    for item in items:
+        key, _, value = item.partition("=")
+        for name, keys in FLAG_ENV_KEYS.items():
+            if key in keys and _given(name):
+                flag = "--" + name.replace("_", "-")
+                raise SpecError(f"--env {key}={value} and {flag} both set {key}: give one of them")
+
+
 def _network(o: dict) -> NetworkSpec:
     _env_once(o["env"])
+    _env_against_flags(o["env"])
     return NetworkSpec(
         socket_ifname=o["ifname"],
         ib_hca=o["ib_hca"],
@@ -142,10 +167,8 @@ def _network_flags(o: dict) -> list[str]:
         *(["--ifname", o["ifname"]] if o["ifname"] else []),
         *(["--ib-hca", o["ib_hca"]] if o["ib_hca"] else []),
         *(["--no-ib"] if o["no_ib"] else []),
-        "--nccl-debug",
-        o["nccl_debug"],
-        "--timeout-min",
-        str(o["timeout_min"]),
+        *([] if _env_sets(o["env"], "nccl_debug") else ["--nccl-debug", o["nccl_debug"]]),
+        *([] if _env_sets(o["env"], "timeout_min") else ["--timeout-min", str(o["timeout_min"])]),
     ]
     for item in o["env"]:
         flags += ["--env", item]
@@ -236,7 +259,7 @@ def _elastic(o: dict) -> Elastic | None:
 
 
 @click.command("launch")
-@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.argument("run_dir", type=PathText())
 @launch_options
 @network_options
 @resume_options
@@ -468,7 +491,7 @@ def build_ops(offload: str | None) -> None:
 
 
 @click.command("slurm-script")
-@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.argument("run_dir", type=PathText())
 @click.option(
     "--out", default=None, metavar="FILE", help="[default: RUN_DIR/slurm.sbatch]; an existing file only with --force"
 )

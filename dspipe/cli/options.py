@@ -12,6 +12,7 @@ import math
 import os
 import re
 from dataclasses import dataclass, fields, replace
+from pathlib import Path
 from typing import NamedTuple
 
 import click
@@ -34,7 +35,7 @@ from dspipe.spec.options import BY_COMMAND, MONITOR, SETTINGS, TABLE
 from dspipe.spec.presets import MODEL_PRESETS, model_preset
 from dspipe.spec.settings import AUTO, Setting
 from dspipe.spec.train import TrainSpec
-from dspipe.spec.values import TOKEN_SCALE, token_count
+from dspipe.spec.values import TOKEN_SCALE, steps_of_tokens, token_count
 from dspipe.tools.machine import MEASURE_CHOICES
 
 DEFAULT_DATA = "data/stdlib"
@@ -103,6 +104,16 @@ class Text(click.ParamType):
         return value
 
 
+class PathText(Text):
+    """A path argument: refused when empty (click.Path would read '' as '.', this directory), else a Path."""
+
+    name = "path"
+
+    def convert(self, value, param, ctx):
+        value = super().convert(value, param, ctx)
+        return Path(value) if isinstance(value, str) else value
+
+
 INT, FLOAT = StrictInt(), StrictFloat()
 TOKEN_HELP = "use a number like 300B, 1.5T or 2e9"
 
@@ -144,7 +155,8 @@ class TokenBudget(click.ParamType):
         if isinstance(value, bool):
             self.fail(f"{show(value)} is not a token count: {TOKEN_HELP}", param, ctx)
         if isinstance(value, float):
-            text = str(int(value)) if value.is_integer() else repr(value)
+            exact = value.is_integer() and abs(value) < 2**53  # its digits are the value (3e29 as digits is not)
+            text = str(int(value)) if exact else repr(value)
         else:
             text = str(value).strip()
         if token_count(text) is None:
@@ -162,10 +174,9 @@ def tokens_option(help: str):
 def steps_for_tokens(tokens: str, *, global_batch: int, seq_len: int) -> int:
     """ceil(tokens / (global_batch x seq_len)): the optimizer steps of a token budget; one line when it is more
     steps than a run may have."""
-    count = token_count(tokens)
-    if count is None:
+    if token_count(tokens) is None:
         raise SpecError(f"--tokens {show(tokens)} does not parse as a token count: {TOKEN_HELP}")
-    steps = math.ceil(count / (global_batch * seq_len))
+    steps = steps_of_tokens(tokens, tokens_per_step=global_batch * seq_len)
     if steps > LIMITS["steps"]:
         raise SpecError(
             f"--tokens {tokens} is {steps:,} steps of {global_batch} x {seq_len} tokens: more than the "

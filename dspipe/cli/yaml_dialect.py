@@ -1,7 +1,7 @@
-"""The YAML dialect of --config files: YAML 1.2 core scalars (`6e-4` is a number, `no`/`off` are strings, `010`
-is ten), integers of more digits than a float holds kept as LongInt, duplicate keys refused, every error one
-SpecError line naming the file (read_yaml); Dumper quotes a string either YAML reader would misread. No torch, no
-click (dspipe.cli.config_file is the bridge to the commands' options)."""
+"""The YAML dialect of --config files: YAML 1.2 core scalars (`6e-4` is a number, `no`/`off` are strings; `010` is
+refused, octal 8 to a YAML 1.1 reader), integers of more digits than a float holds kept as LongInt, duplicate keys
+refused, every error one SpecError line naming the file (read_yaml); Dumper quotes a string either YAML reader would
+misread. No torch, no click (dspipe.cli.config_file is the bridge to the commands' options)."""
 
 from __future__ import annotations
 
@@ -57,6 +57,14 @@ class _Loader(
 
     def construct_yaml_int(self, node):
         text = self.construct_scalar(node)
+        if len(text.lstrip("+-")) > 1 and text.lstrip("+-").startswith("0"):
+            raise yaml.constructor.ConstructorError(
+                None,
+                None,
+                f"{text} has a leading zero: YAML 1.1 readers (PyYAML) take it as octal, YAML 1.2 as decimal; "
+                f"write it without the zero",
+                node.start_mark,
+            )
         return LongInt(text) if too_many_digits(text) else int(text, 10)
 
 

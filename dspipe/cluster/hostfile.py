@@ -76,7 +76,8 @@ def _check_characters(line: str, *, where: str) -> None:
 def _count(text: str, *, what: str, where: str, high: int) -> int:
     """An ASCII decimal count in 1..high ('٣', '８', '²', '+3', '3.0' are refused, not int()-parsed)."""
     if not SLOT_COUNT.fullmatch(text) or len(text) > len(str(high)) + 2 or not 1 <= int(text) <= high:
-        raise SpecError(f"{where}: {what} must be a positive integer, got {text[:20]!r} (allowed range 1..{high})")
+        shown = repr(text) if len(text) <= 24 else f"{text[:20]!r}... ({len(text)} characters)"
+        raise SpecError(f"{where}: {what} must be a positive integer, got {shown} (allowed range 1..{high})")
     return int(text)
 
 
@@ -159,7 +160,12 @@ def _node_specs(hostfile: Hostfile, spec: str, flag: str) -> dict[str, list[int]
                     f"{flag} {spec!r}: {name} has slots 0..{host.slots - 1} ({hostfile.source}:{host.line}), not {s!r}"
                 )
             ids.append(int(s))
-        out.setdefault(name, []).extend(ids)
+        if name in out:
+            raise SpecError(f"{flag} {spec!r}: host {name!r} is named twice; give its slots once (NAME:SLOT,SLOT)")
+        if len(set(ids)) < len(ids):
+            twice = next(i for i in ids if ids.count(i) > 1)
+            raise SpecError(f"{flag} {spec!r}: {name}'s slot {twice} is given twice")
+        out[name] = ids
     return out
 
 

@@ -30,6 +30,7 @@ from dspipe.runtime.elastic import NODE_RANK_ENV
 from dspipe.runtime.watchdog import check_hang_timeout
 
 LAUNCHERS = ("pdsh", "openmpi", "slurm")
+LAUNCHER_PROGRAMS = {"pdsh": "pdsh and ssh", "openmpi": "mpirun", "slurm": "srun"}
 DEFAULT_PORT = 29500  # DeepSpeed's TORCH_DISTRIBUTED_DEFAULT_PORT
 MAX_NODES, MAX_SLOTS = 65536, 1024  # sanity bounds for --num-nodes / --num-gpus (ranks per node)
 # What each multi-node backend needs on this machine (DeepSpeed checks the first; we check before it starts).
@@ -69,6 +70,16 @@ class LaunchSpec:
             raise SpecError("--node-rank only applies with --no-ssh (each node starts its own share)")
         if self.no_ssh and not self.hostfile:
             raise SpecError("--no-ssh needs --hostfile: every node must know the whole cluster and its own rank")
+        if self.ssh_port is not None and (self.no_ssh or not self.hostfile or self.launcher != "pdsh"):
+            how = (
+                "--no-ssh starts no ssh"
+                if self.no_ssh
+                else "a launch without --hostfile starts no ssh"
+                if not self.hostfile
+                else f"--launcher {self.launcher} starts the ranks through {LAUNCHER_PROGRAMS[self.launcher]}, "
+                "not through DeepSpeed's ssh (set the port in ~/.ssh/config)"
+            )
+            raise SpecError(f"--ssh-port {self.ssh_port} applies only to pdsh's ssh: {how}")
         if self.launcher != "pdsh":
             if not self.hostfile:
                 raise SpecError(f"--launcher {self.launcher} needs --hostfile (the nodes to start ranks on)")

@@ -20,6 +20,15 @@ ENV_FILE = ".deepspeed_env"
 ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 DEVICE_LIST = re.compile(r"^\^?=?[A-Za-z0-9_.:@+-]+(,[A-Za-z0-9_.:@+-]+)*$")  # NCCL_SOCKET_IFNAME / NCCL_IB_HCA
 NCCL_DEBUG_LEVELS = ("VERSION", "WARN", "INFO", "TRACE")
+FLAG_ENV_KEYS = {
+    "ifname": ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"),
+    "ib_hca": ("NCCL_IB_HCA",),
+    "no_ib": ("NCCL_IB_DISABLE",),
+    "nccl_debug": ("NCCL_DEBUG",),
+    "timeout_min": ("DEEPSPEED_TIMEOUT",),
+}
+"""The variables each network flag sets: an --env of one of them replaces the flag's default, and contradicts the flag
+when both are given."""
 # Set per rank or per launch by the launcher itself; a user value would be overwritten or break rank discovery.
 LAUNCHER_KEYS = (
     "RANK",

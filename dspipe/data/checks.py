@@ -7,6 +7,7 @@ from pathlib import Path
 
 from dspipe.data.shards import read_meta
 from dspipe.errors import SpecError
+from dspipe.jsonio import read_object
 
 VOCAB_MULTIPLE = 64
 
@@ -41,6 +42,10 @@ def check_data_for_model(data_dir: str | Path, *, model_vocab: int, seq_len: int
     return meta
 
 
+TOKENIZER_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json")
+"""JSON objects a tokenizer directory may hold beside tokenizer.json."""
+
+
 def check_tokenizer_dir(data_dir: str | Path, *, why: str, read: bool = False) -> Path:
     """DATA/tokenizer of a prepared directory: a directory holding tokenizer.json (read: one that parses and holds a
     vocabulary; else nothing is read); one SpecError otherwise. why: what needs it, for the message."""
@@ -59,6 +64,12 @@ def check_tokenizer_dir(data_dir: str | Path, *, why: str, read: bool = False) -
 
         if tokenizer_vocab_size(tok) is None:
             raise SpecError(f"{tok / 'tokenizer.json'} holds no vocabulary (model.vocab) ({why}); {fix}")
+        for name in TOKENIZER_SIDE_FILES:  # transformers' AutoTokenizer reads them beside tokenizer.json
+            if os.path.lexists(tok / name):
+                try:
+                    read_object(tok / name)
+                except SpecError as e:
+                    raise SpecError(f"{e} ({why}); {fix}") from None
     return tok
 
 

@@ -268,10 +268,11 @@ def read_meta(data_dir: str | Path, *, deep: bool = True) -> dict:
             f"{data_dir} is not a prepared data directory (no {META_FILE}); run 'dspipe prepare-data --out {data_dir}'"
         )
     meta = read_object(path, hint=f"re-run 'dspipe prepare-data --out {data_dir} --force'")
-    if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
+    version = meta.get("format_version")
+    if meta.get("format") != FORMAT or isinstance(version, bool) or version != FORMAT_VERSION:  # true == 1 in Python
         raise SpecError(
             f"{data_dir} was not prepared by this dspipe ({META_FILE}: format {show(meta.get('format'))} "
-            f"version {str(meta.get('format_version'))[:20]}, want {FORMAT!r} {FORMAT_VERSION}); "
+            f"version {show(version, 20)}, want {FORMAT!r} {FORMAT_VERSION}); "
             f"re-run 'dspipe prepare-data --out {data_dir} --force'"
         )
     check_meta(meta, source=path)

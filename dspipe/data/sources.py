@@ -73,6 +73,20 @@ class Inputs:
         return items
 
 
+def _hub_options_need_a_hub(*, hub: str | None, config: str | None, split: str) -> None:
+    """--config and --split choose a Hugging Face dataset's configuration and split: with local files they would be
+    ignored."""
+    if hub is None and (config is not None or split != "train"):
+        given = " and ".join(
+            f"{flag} {value!r}"
+            for flag, value in (("--config", config), ("--split", split if split != "train" else None))
+            if value is not None
+        )
+        raise SpecError(
+            f"{given}: only a Hugging Face dataset has a configuration and split, and these inputs are local files"
+        )
+
+
 def resolve_inputs(
     specs: list[str],
     *,
@@ -88,6 +102,7 @@ def resolve_inputs(
         raise SpecError(f"--txt-docs {txt_docs!r} is not one of: {', '.join(TEXT_DOCS)}")
     common = dict(text_field=text_field, txt_docs=txt_docs, split=split, streaming=streaming, config=config)
     if not specs:
+        _hub_options_need_a_hub(hub=None, config=config, split=split)
         files = tuple(stdlib_sources())
         # a few stdlib test files are deliberately not UTF-8: the built-in corpus skips them
         return Inputs(files=files, skip_bad=True, label=f"{STDLIB} ({len(files)} files)", **common)
@@ -125,6 +140,7 @@ def resolve_inputs(
             raise SpecError(f"no such file or directory: {spec}")
     if hub and (files or len(specs) > 1):
         raise SpecError(f"give local files or one dataset name, not both ({hub!r} is not a local path)")
+    _hub_options_need_a_hub(hub=hub, config=config, split=split)
     label = hub or (specs[0] if len(specs) == 1 else f"{specs[0]} + {len(specs) - 1} more")
     return Inputs(files=tuple(files), hub=hub, skip_bad=skip_bad, label=label, **common)
 
@@ -286,8 +302,9 @@ JSON_KINDS = {
 
 
 def _non_object(path: Path, field_: str) -> SpecError | None:
-    """Why a .jsonl/.json file is not records (JSON objects), naming the first line or record that is not one; None
-    where every one is an object (or the file does not parse: datasets' message stands). Run only once reading the
+    """Why a .jsonl/.json file is not records (JSON objects), naming the first line or record that is not one (or a
+    .jsonl line that is not JSON); None where every one is an object (or a .json file does not parse: datasets'
+    message stands). Run only once reading the
     file failed, so a good file is never read twice."""
     import json
 
@@ -297,7 +314,13 @@ def _non_object(path: Path, field_: str) -> SpecError | None:
             with open(path, encoding="utf-8") as f:
                 for n, line in enumerate(f, 1):
                     if line.strip():
-                        value = json.loads(line)
+                        try:
+                            value = json.loads(line)
+                        except json.JSONDecodeError as e:  # numbered here: pyarrow's row counts from its block
+                            return SpecError(
+                                f"{path}: line {n} is not JSON ({e.msg}, column {e.colno}): each line must be one "
+                                f"JSON object with its text in field {field_!r}"
+                            )
                         if not isinstance(value, dict):
                             return SpecError(f"{path}: line {n} is {JSON_KINDS.get(type(value), 'not JSON')}, {want}")
             return None
@@ -317,10 +340,10 @@ def _column_texts(ds, field_: str, source: str, files: list[Path] = ()) -> Itera
     try:
         yield from _texts(ds, field_, source)
     except SpecError:
-        json_files = [f for f in files if _builder(f) == "json"]
-        better = _non_object(json_files[0], field_) if len(json_files) == 1 else None
-        if better is not None:
-            raise better from None
+        for f in (f for f in files if _builder(f) == "json"):  # the first file that explains it, read only now
+            better = _non_object(f, field_)
+            if better is not None:
+                raise better from None
         raise
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.resources
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -155,10 +156,13 @@ def preset_path(name_or_path: str) -> Path:
     if name_or_path in preset_names():
         return DS_PRESETS / f"{name_or_path}.json"
     path = Path(name_or_path)
-    problem = file_problem(path) if path.suffix == ".json" else None
-    if problem and problem != "does not exist":
+    there = os.path.lexists(path)
+    problem = file_problem(path) if there else None
+    if problem:
         raise SpecError(f"DeepSpeed preset {name_or_path} {problem} (--preset: a name or a .json file)")
-    if path.suffix != ".json" or problem:
+    if there and path.suffix != ".json":
+        raise SpecError(f"DeepSpeed preset {name_or_path} is not a .json file (--preset: a name or a .json file)")
+    if not there:
         raise SpecError(
             f"unknown DeepSpeed preset {name_or_path!r}; valid: {', '.join(preset_names())} (or a path to a .json file)"
         )

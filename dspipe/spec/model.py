@@ -362,6 +362,21 @@ class ModelSpec:
         number("model", "rope_factor", self.rope_factor, low=1.0, high=1e6)
         for name in ("rope_low_freq_factor", "rope_high_freq_factor", "rope_beta_fast", "rope_beta_slow"):
             number("model", name, getattr(self, name), low=0.0, high=1e6, low_open=True)
+        if self.positions != "rope" and self.rope_theta != ModelSpec.rope_theta:
+            raise SpecError(
+                f"model.rope_theta {self.rope_theta:g} has no effect with positions {self.positions} (it is the "
+                f"rotary base: give positions rope, or leave it at {ModelSpec.rope_theta:g})"
+            )
+        for scaling, names in (
+            ("llama3", ("rope_low_freq_factor", "rope_high_freq_factor")),
+            ("yarn", ("rope_beta_fast", "rope_beta_slow")),
+        ):
+            changed = [n for n in names if getattr(self, n) != getattr(ModelSpec, n)]
+            if changed and self.rope_scaling != scaling:
+                raise SpecError(
+                    f"model.{changed[0]} {getattr(self, changed[0]):g} has no effect with rope_scaling "
+                    f"{self.rope_scaling} (only {scaling} reads it; leave it at {getattr(ModelSpec, changed[0]):g})"
+                )
         if self.rope_original_context is not None:
             positive("model", rope_original_context=self.rope_original_context)
         if self.rope_scaling == "none" and self.rope_factor != 1:

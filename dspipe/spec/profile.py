@@ -67,6 +67,12 @@ DTYPES = ("fp32", "bf16", "fp16")
 CORRECTION_RANGE = (1e-3, 1e3)
 """A correction outside this is damage: each run's ratio is within 0.05-20 (dspipe.tools.fold), a total the product
 of two of them."""
+MAX_RANKS = 1024
+"""The most ranks one machine's profile describes (`dspipe calibrate --ranks` has the same limit)."""
+MAX_THREADS = 1024
+"""The most torch threads a rank of a profile had (`dspipe calibrate --threads` has the same limit)."""
+MAX_RUNS = 1_000_000
+"""The most runs a profile may have folded in: beyond it the count is damage."""
 NULLABLE = ("host_copy_gbps", "cpu_adam_params_per_s", "allreduce_busbw_gbps", "allreduce_latency_s", *RUN_FIGURES)
 """Figures a profile may leave null (not measurable here: no GPU, CPU-Adam not built, a single rank)."""
 
@@ -165,10 +171,10 @@ def profile_from_dict(data: object, *, where: str) -> Profile:
         if not isinstance(value, str) or not value or "\n" in value:
             raise SpecError(f"{where}: {name} must be a one-line non-empty string, got {value!r}")
         values[name] = value
-    for name in ("ranks", "threads_per_rank"):
+    for name, high in (("ranks", MAX_RANKS), ("threads_per_rank", MAX_THREADS)):
         value = data.get(name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise SpecError(f"{where}: {name} must be a positive integer, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high:
+            raise SpecError(f"{where}: {name} must be an integer in 1..{high:,}, got {show(value)}")
         values[name] = value
     values.update(_run_fields(data, where=where))
     for name in PROFILE_FIGURES:
@@ -235,8 +241,8 @@ def _run_fields(data: dict[str, Any], *, where: str) -> dict[str, Any]:
         )
     out["corrections"] = tuple((k, float(v)) for k, v in corrections.items())
     runs = data.get("runs", 0)
-    if isinstance(runs, bool) or not isinstance(runs, int) or runs < 0:
-        raise SpecError(f"{where}: runs must be an integer >= 0, got {runs!r}")
+    if isinstance(runs, bool) or not isinstance(runs, int) or not 0 <= runs <= MAX_RUNS:
+        raise SpecError(f"{where}: runs must be an integer in 0..{MAX_RUNS:,}, got {show(runs)}")
     if corrections and not runs:
         raise SpecError(f"{where}: corrections {corrections!r} with runs 0: corrections come from runs folded in")
     out["runs"] = runs

@@ -6,6 +6,7 @@ Plain tuples (the kinds enums' values where dspipe.spec.kinds has one). No torch
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 
 from dspipe.spec.kinds import Checkpointing, Offload, Precision
 
@@ -37,3 +38,14 @@ def token_count(text: object) -> float | None:
         return None
     value = float(number) * TOKEN_SCALE.get(t[-1:], 1.0)
     return value if 0 < value < float("inf") else None
+
+
+def steps_of_tokens(text: str, *, tokens_per_step: int) -> int:
+    """ceil(tokens / tokens_per_step) for a token budget `token_count` reads, computed exactly from its digits (a
+    float would round 1e30 tokens to 1000000000000000019884624838656); ValueError when it is no such budget."""
+    if token_count(text) is None:
+        raise ValueError(f"not a token count: {text!r}")
+    t = text.strip().upper()
+    scale = t[-1:] if t[-1:] in TOKEN_SCALE else ""
+    exact = Fraction(t[: len(t) - len(scale)]) * int(TOKEN_SCALE.get(scale, 1))
+    return -(-exact.numerator // (exact.denominator * tokens_per_step))

@@ -6,6 +6,7 @@ Nothing is written until the whole export is complete: a sibling temp directory 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from dspipe import outputs
@@ -29,7 +30,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
         raise SpecError(
             f"{path} does not exist (give a checkpoint runs/NAME/checkpoints/global_stepN or a run directory runs/NAME)"
         )
-    if (path / DS_CONFIG_FILE).is_file():  # a run directory: dspipe.json + ds_config.json
+    if os.path.lexists(path / DS_CONFIG_FILE):  # a run directory (load_run names a damaged one's problem)
         from dspipe.rundir import load_run
 
         ckpt_dir = load_run(path).checkpoint_dir  # validated like every run directory dspipe reads

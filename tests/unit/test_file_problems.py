@@ -18,6 +18,8 @@ def paths(tmp_path):
     os.symlink(tmp_path / "loop1.json", tmp_path / "loop2.json")
     os.symlink(tmp_path / "gone.json", tmp_path / "broken.json")
     (tmp_path / "file.json").write_text("{}")
+    (tmp_path / "presets").mkdir()
+    (tmp_path / "preset.txt").write_text("{}")
     return tmp_path
 
 
@@ -43,6 +45,8 @@ def test_file_problem_names_each_kind(paths):
         ("--preset", "loop1.json", "DeepSpeed preset {p}/loop1.json is a symlink loop"),
         ("--preset", "broken.json", "DeepSpeed preset {p}/broken.json is a broken symlink (to {p}/gone.json)"),
         ("--config", "loop1.json", "{p}/loop1.json: is a symlink loop (--config)"),
+        ("--preset", "presets", "DeepSpeed preset {p}/presets is a directory, not a file (--preset: a name or a"),
+        ("--preset", "preset.txt", "DeepSpeed preset {p}/preset.txt is not a .json file (--preset: a name or a"),
     ],
 )
 def test_a_path_that_is_no_file_says_what_it_is(paths, capsys, flag, name, message):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from dataclasses import asdict
 from pathlib import Path
@@ -136,6 +137,22 @@ def drop(keys: str):
     return change
 
 
+def as_dir(path: str):
+    def apply(root: Path) -> None:
+        (root / path).unlink()
+        (root / path).mkdir()
+
+    return apply
+
+
+def loop(path: str):
+    def apply(root: Path) -> None:
+        (root / path).unlink()
+        os.symlink((root / path).name, root / path)
+
+    return apply
+
+
 def text_edit(path: str, old: str, new: str):
     return raw(path, lambda b: b.decode().replace(old, new, 1).encode())
 
@@ -168,6 +185,8 @@ RUN_CASES = [  # (id, file named in the message, damage, words the message holds
     ("spec-data-int", SPEC, edit(SPEC, put("data", 5)), "data must be"),
     ("spec-estimate", SPEC, edit(SPEC, put("estimate", "fast")), "estimate must be an object"),
     ("spec-pp-vs-plan", SPEC, edit(SPEC, put("strategy.pp", 2)), "plan.pp 1 disagrees with strategy.pp 2"),
+    ("spec-dir", SPEC, as_dir(SPEC), "run/dspipe.json is a directory, not a file: a run directory holds"),
+    ("ds-loop", DS, loop(DS), "run/ds_config.json is a symlink loop"),
     ("ds-truncated", DS, raw(DS, lambda b: b[:100]), "ends early"),
     ("ds-batch", DS, edit(DS, put("train_batch_size", 32)), "train_batch_size is 32 but the plan"),
     ("ds-micro", DS, edit(DS, put("train_micro_batch_size_per_gpu", 8)), "train_micro_batch_size_per_gpu"),
@@ -222,6 +241,15 @@ def test_a_damaged_run_directory_is_one_line_in_every_command(case, root, capsys
     with pytest.raises(SpecError, match=Path(named).name):  # the runner's reader
         load_run(root / "run")
     assert snapshot(root) == before
+
+
+def test_an_empty_run_path_or_one_inside_a_run_is_named(root, capsys):
+    for command in (["extend", "", "--steps", "9"], ["launch", "", "--dry-run"], ["slurm-script", ""], ["report", ""]):
+        assert run_cli(*command) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "'' is empty" in err, (command, err)  # not '.', this directory
+    for command in (["extend", "@/run/checkpoints", "--steps", "9"], ["launch", "@/run/checkpoints", "--dry-run"]):
+        check(root, capsys, command, "checkpoints", f"is inside the run directory {root / 'run'}: pass {root / 'run'}")
 
 
 def test_the_undamaged_run_reads_back(root):
@@ -283,6 +311,7 @@ META_CASES = [
     ("truncated", raw(META, lambda b: b[:50]), "is not valid JSON"),
     ("list", raw(META, b"[]"), "JSON object"),
     ("format", edit(META, put("format", "other")), "was not prepared by this dspipe"),
+    ("version-true", edit(META, put("format_version", True)), "version True, want 'dspipe-tokens' 1"),
     ("vocab-str", edit(META, put("vocab_size", "1024")), "vocab_size must be an integer"),
     ("vocab-huge", edit(META, put("vocab_size", 2**40)), "vocab_size must be an integer in 1..4294967296"),
     ("eos", edit(META, put("eos_id", 5000)), "eos_id must be an integer in 0..1023"),

@@ -300,12 +300,22 @@ def test_one_file_serves_plan_gen_config_and_bench(tmp_path, capsys, monkeypatch
 
 
 def test_yaml_1_2_scalars(tmp_path, capsys, monkeypatch):
-    """6e-4 is a number (YAML 1.1 reads a string), 010 is ten (not octal 8), no is a string (not false)."""
+    """6e-4 is a number (YAML 1.1 reads a string), no is a string (not false), 010 refused (YAML 1.1: octal 8,
+    YAML 1.2: ten)."""
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "c.yaml").write_text(BASE.replace("  steps: 20\n", "  steps: 010\n") + "data:\n  data: no\n")
+    (tmp_path / "c.yaml").write_text(BASE.replace("  steps: 20\n", "  steps: 10\n") + "data:\n  data: no\n")
     assert run_cli("gen-config", "--config", "c.yaml", "--out", "r", "--print-config") == 0
     doc = yaml.safe_load(capsys.readouterr().out)
     assert doc["train"]["lr"] == 6e-4 and doc["train"]["steps"] == 10 and doc["data"]["data"] == "no"
+    for octal in ("010", "-07", "+00"):
+        (tmp_path / "c.yaml").write_text(BASE.replace("  steps: 20\n", f"  steps: {octal}\n"))
+        assert run_cli("gen-config", "--config", "c.yaml", "--out", "r") == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [
+            f"dspipe: error: c.yaml: not valid YAML: {octal} has a leading zero: YAML 1.1 readers (PyYAML) take it "
+            "as octal, YAML 1.2 as decimal; write it without the zero (line 8, column 10)"
+        ], err
+    assert not (tmp_path / "r").exists()
 
 
 # ---- errors: one line, exit 2, nothing written -------------------------------------------------------------------

@@ -29,10 +29,21 @@ CPU2 = ["--model", "tiny", "--gpu", "cpu", "--gpus-per-node", "2", "--global-bat
         ("1025", 16, 64, 2),  # a token more: a step more
         ("2e9", 1024, 2048, 954),  # 953.7
         ("4K", 2, 1024, 2),  # 4,000 / 2,048
+        ("1.07B", 1000, 1070, 1000),  # exactly 1,000 steps (1.07 x 1e9 in floats is 1070000000.0000001: 1,001)
+        ("0.27T", 1000, 1000, 270_000),
     ],
 )
 def test_steps_are_the_budget_rounded_up_to_whole_steps(tokens, global_batch, seq_len, steps):
     assert steps_for_tokens(tokens, global_batch=global_batch, seq_len=seq_len) == steps
+
+
+def test_a_huge_budget_is_counted_exactly_and_a_config_float_keeps_its_value():
+    from dspipe.cli.options import TokenBudget
+
+    with pytest.raises(SpecError, match=r"^--tokens 1e30 is 976,562,500,000,000,000,000,000 steps of 1024 x"):
+        steps_for_tokens("1e30", global_batch=1024, seq_len=1000)  # a float's ceil: ...,999,999,991,...
+    assert TokenBudget().convert(3e29, None, None) == "3e+29"  # a YAML float: its digits would be 29999...95805696
+    assert TokenBudget().convert(3e11, None, None) == "300000000000"
 
 
 def test_more_steps_than_a_run_may_have_is_one_line():

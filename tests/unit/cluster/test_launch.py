@@ -236,12 +236,47 @@ BAD_LAUNCHES = [
     (["runs/two", "--hostfile", "hosts", "--ib-hca", "mlx5_0"], "uses gloo, not NCCL"),
     (["runs/h100", "--hostfile", "hosts8", "--ib-hca", "mlx5_0", "--no-ib"], "contradict each other"),
     (["runs/nope"], "runs/nope is not a run directory"),
+    (
+        ["runs/h100", "--hostfile", "hosts8", "--nccl-debug", "INFO", "--env", "NCCL_DEBUG=TRACE"],
+        "--env NCCL_DEBUG=TRACE and --nccl-debug both set NCCL_DEBUG: give one of them",
+    ),
+    (
+        ["runs/two", "--hostfile", "hosts", "--timeout-min", "5", "--env", "DEEPSPEED_TIMEOUT=9"],
+        "--env DEEPSPEED_TIMEOUT=9 and --timeout-min both set DEEPSPEED_TIMEOUT",
+    ),
+    (
+        ["runs/two", "--hostfile", "hosts", "--ifname", "lo", "--env", "GLOO_SOCKET_IFNAME=eth0"],
+        "--env GLOO_SOCKET_IFNAME=eth0 and --ifname both set GLOO_SOCKET_IFNAME",
+    ),
+    (
+        ["runs/two", "--hostfile", "hosts", "--launcher", "openmpi", "--ssh-port", "22"],
+        "--ssh-port 22 applies only to pdsh's ssh: --launcher openmpi starts the ranks through mpirun",
+    ),
+    (["runs/single", "--ssh-port", "22"], "--ssh-port 22 applies only to pdsh's ssh: a launch without --hostfile"),
+    (
+        ["runs/two", "--hostfile", "hosts", "--no-ssh", "--node-rank", "0", "--ssh-port", "22"],
+        "--no-ssh starts no ssh",
+    ),
+    (["runs/h100", "--hostfile", "hosts8", "--include", "gpu-a:0,0"], "'gpu-a:0,0': gpu-a's slot 0 is given twice"),
+    (["runs/h100", "--hostfile", "hosts8", "--exclude", "gpu-b:7,6,7"], "gpu-b's slot 7 is given twice"),
+    (["runs/h100", "--hostfile", "hosts8", "--include", "gpu-a:0@gpu-a:1"], "host 'gpu-a' is named twice"),
 ]
 
 
 @pytest.mark.parametrize("args,message", BAD_LAUNCHES)
 def test_bad_launches_are_one_line_errors(runs, args, message):
     fails(runs, "launch", *args, "--dry-run", message=message)
+
+
+def test_an_env_variable_replaces_a_network_flags_default(runs):
+    env, _ = dry_run(runs, "runs/h100", "--hostfile", "hosts8", "--env", "NCCL_DEBUG=TRACE")
+    assert env["NCCL_DEBUG"] == "TRACE"
+    env, _ = dry_run(runs, "runs/h100", "--hostfile", "hosts8", "--nccl-debug", "INFO")
+    assert env["NCCL_DEBUG"] == "INFO"
+    r = dspipe("slurm-script", "runs/h100", "--out", "env.sbatch", "--env", "NCCL_DEBUG=TRACE", cwd=runs)
+    assert r.returncode == 0, r.stderr
+    text = (runs / "env.sbatch").read_text()
+    assert "--env NCCL_DEBUG=TRACE" in text and "--nccl-debug" not in text and "--timeout-min 30" in text
 
 
 def test_no_ssh_launch_needs_the_node_rank(runs):

@@ -141,6 +141,20 @@ def test_prepare_data_refuses_an_empty_input(tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--config", "foo"], "--config 'foo': only a Hugging Face dataset has a configuration and split"),
+        (["--split", ""], "--split '': only"),
+        (["--split", "validation", "--config", "c"], "--config 'c' and --split 'validation': only"),
+    ],
+)
+def test_hub_options_with_local_inputs_are_refused(small, tmp_path, capsys, flags, words):
+    for inputs in ([small / "txt"], []):  # local files, and the built-in corpus
+        one_error(capsys, run_cli("prepare-data", *inputs, "--out", tmp_path / "o", *flags), words, "local files")
+    assert not (tmp_path / "o").exists()
+
+
 def test_a_looping_or_broken_link_input_is_no_hub_name(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     os.symlink("loop", "loop")
@@ -169,6 +183,7 @@ def test_a_bpe_smaller_than_asked_says_why(small, tmp_path, capsys):
         ("a.jsonl", "[1,2,3]\n", "line 1 is a JSON array, not an object"),
         ("b.jsonl", '{"text": "a b"}\n"word"\n', "line 2 is a JSON string, not an object"),
         ("c.json", '[{"text": "a b"}, 5]', "record 1 of its top-level array is a JSON number"),
+        ("d.jsonl", '{"text": "a"}\n{bad\n', "line 2 is not JSON (Expecting property name enclosed in double quotes"),
     ],
 )
 def test_a_json_record_that_is_no_object_says_so(tmp_path, capsys, name, text, words):
@@ -232,6 +247,14 @@ def _tokenizer_file(d):
     (d / "tokenizer").write_text("x")
 
 
+def _garbage_tokenizer_config(d):
+    (d / "tokenizer" / "tokenizer_config.json").write_bytes(b"\x00garbage")
+
+
+def _empty_special_tokens(d):
+    (d / "tokenizer" / "special_tokens_map.json").write_text("")
+
+
 BROKEN = [
     (_empty_bin, "train-00000.bin has 0 bytes, less than a dspipe token shard's 32-byte header"),
     (_no_bin, "val-00000.bin does not exist"),
@@ -239,6 +262,8 @@ BROKEN = [
     (_bad_offsets, "train-00000.idx: its document offsets run 0..5, want 0.."),
     (_no_tokenizer, "tokenizer is missing (meta.json names it"),
     (_tokenizer_file, "tokenizer is not a directory"),
+    (_garbage_tokenizer_config, "tokenizer/tokenizer_config.json is not valid JSON"),
+    (_empty_special_tokens, "tokenizer/special_tokens_map.json is not valid JSON: it ends early"),
 ]
 
 
@@ -249,6 +274,14 @@ def test_the_data_check_sees_broken_files(small, tmp_path, damage, words):
     damage(d)
     with pytest.raises(SpecError, match="^.*" + words.replace("(", r"\(").replace(".", r"\.")):
         check_data_for_model(d, model_vocab=512, seq_len=16)
+
+
+def test_convert_data_refuses_a_damaged_tokenizer_config(small, tmp_path, capsys):
+    d = copy(small, tmp_path)
+    _garbage_tokenizer_config(d)
+    code = run_cli("convert-data", d, "--out", tmp_path / "mg")
+    one_error(capsys, code, f"{d / 'tokenizer' / 'tokenizer_config.json'} is not valid JSON")
+    assert not (tmp_path / "mg").exists()
 
 
 def test_gen_config_refuses_a_data_dir_with_a_missing_shard(small, tmp_path, capsys):

@@ -230,7 +230,13 @@ def test_checkpoint_reads_as_its_spec_and_computes_transformers_logits(family, t
     assert diff < TOL, diff
 
 
-NO_SCALING = dict(rope_scaling="none", rope_factor=1.0, rope_original_context=None)
+FACTORS = ("low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow")  # each scaling's own: defaults without
+NO_SCALING = dict(
+    rope_scaling="none",
+    rope_factor=1.0,
+    rope_original_context=None,
+    **{f"rope_{name}": getattr(ModelSpec, f"rope_{name}") for name in FACTORS},
+)
 
 
 def test_sliding_window_and_rope_scaling_change_the_logits(tmp_path):

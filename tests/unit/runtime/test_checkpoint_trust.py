@@ -474,7 +474,8 @@ def test_prepare_data_on_malformed_jsonl_prints_only_dspipe_s_line(tmp_path, cap
     err = capfd.readouterr().err
     assert "Failed to load JSON" not in err and "Traceback" not in err
     assert [line for line in err.splitlines() if "error" in line.lower()] == [
-        f"dspipe: error: cannot read {bad}: JSON parse error: Missing a name for object member. in row 1"
+        f"dspipe: error: {bad}: line 2 is not JSON (Expecting property name enclosed in double quotes, column 2): "
+        "each line must be one JSON object with its text in field 'text'"
     ]
     assert not (tmp_path / "out").exists()
 

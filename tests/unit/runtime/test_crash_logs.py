@@ -296,10 +296,12 @@ def gen(tmp_path, generated):
 def test_extend_changes_only_the_step_count_and_the_schedule(gen, tmp_path):
     from dspipe.cli.extend import changed_keys, steps_for
 
-    assert steps_for(steps=None, tokens=20_000.0, tokens_per_step=1024) == 20  # rounded up to whole steps
+    assert steps_for(steps=None, tokens="20000", tokens_per_step=1024) == 20  # rounded up to whole steps
+    assert steps_for(steps=None, tokens="20.48K", tokens_per_step=1024) == 20  # exactly 20 x 1024: not 21
+    assert steps_for(steps=None, tokens="1e30", tokens_per_step=512) == 1953125 * 10**21  # exact, not a float's
     assert steps_for(steps=12, tokens=None, tokens_per_step=1024) == 12
     with pytest.raises(SpecError, match="exactly one"):
-        steps_for(steps=12, tokens=5.0, tokens_per_step=1024)
+        steps_for(steps=12, tokens="5", tokens_per_step=1024)
     run = gen()
     (run / "metrics.csv").write_text("step\n1\n")
     spec_before, ds_before = (json.loads((run / f).read_text()) for f in ("dspipe.json", "ds_config.json"))

@@ -183,6 +183,15 @@ def test_a_new_setting_is_one_declaration():
         ),
         (dict(window_start_layer=1), "model.window_start_layer 1 has no effect without sliding_window"),
         (
+            dict(positions="learned", rope_theta=500000.0),
+            r"model.rope_theta 500000 has no effect with positions learned \(it is the rotary base",
+        ),
+        (dict(rope_beta_fast=16.0), r"model.rope_beta_fast 16 has no effect with rope_scaling none \(only yarn"),
+        (
+            dict(rope_scaling="yarn", rope_factor=4.0, rope_original_context=16, rope_low_freq_factor=2.0),
+            r"model.rope_low_freq_factor 2 has no effect with rope_scaling yarn \(only llama3 reads it",
+        ),
+        (
             dict(router_score="sigmoid", router_scale=2.5),
             r"model.router_score sigmoid, router_scale 2.5 has no effect without experts",
         ),

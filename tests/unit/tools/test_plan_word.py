@@ -132,7 +132,7 @@ def test_a_version_2_profile_round_trips_and_applies_its_corrections():
     [
         (lambda d: d.update(corrections={"compute": 0}), "corrections must be an object of compute"),
         (lambda d: d.update(corrections={"speed": 1.0}), "corrections must be an object of compute"),
-        (lambda d: d.update(runs=-1), "runs must be an integer >= 0, got -1"),
+        (lambda d: d.update(runs=-1), "runs must be an integer in 0..1,000,000, got -1"),
         (lambda d: d.update(measured_by="me"), "measured_by must be 'calibrate' or 'gen-config'"),
         (lambda d: d["figures"].update(jit_build_s={"fused_adam": -3}), "figures.jit_build_s must be an object"),
         (lambda d: d["figures"].update(launch_s="7"), "figures.launch_s must be a number in 0..1e+13 or null"),

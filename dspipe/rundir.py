@@ -5,13 +5,15 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING as NO_DEFAULT
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from dspipe import outputs
 from dspipe.atomic import staged_dir, write_file
 from dspipe.errors import SpecError, file_problem
 from dspipe.jsonio import MISSING, dotted_get, read_object, show
+from dspipe.log import get_logger
 from dspipe.planner.plan import Plan, check_plan
 from dspipe.run_estimate import RunEstimate
 from dspipe.spec.cluster import ClusterSpec
@@ -264,6 +266,18 @@ RUN_KEYS = ("model", "cluster", "train", "strategy", "plan", "data")
 
 
 def _section(source: Path, key: str, cls, value):
+    """dspipe.json's section `key` as `cls`. gen-config and extend write every field; one a run directory lacks (a
+    field newer than the dspipe that wrote it, or a deleted one) takes its default, and a note names it and the
+    value, so no default is taken silently."""
+    if isinstance(value, dict):
+        missing = [f for f in fields(cls) if f.name not in value and f.default is not NO_DEFAULT]
+        if missing:
+            taken = ", ".join(f"{key}.{f.name} {f.default!r}" for f in missing[:4])
+            more = f" and {len(missing) - 4} more" if len(missing) > 4 else ""
+            get_logger(__name__).info(
+                f"note: {source} lacks {taken}{more} (default{'s' if len(missing) > 1 else ''} used: a run written "
+                f"before the field existed, or a deleted key)"
+            )
     try:
         return from_dict(cls, value)
     except SpecError as e:

@@ -37,7 +37,7 @@ from dspipe.cluster.netenv import (
     write_env_file,
 )
 from dspipe.cluster.store import parse_endpoint
-from dspipe.errors import SpecError
+from dspipe.errors import SpecError, file_problem
 from dspipe.log import get_logger
 from dspipe.rundir import load_run
 from dspipe.runtime.watchdog import NO_EVENTS, check_hang_timeout, events_text, read_events, utc_now
@@ -277,6 +277,7 @@ def launch(run_dir: Path, dry_run: bool, resume: str | None, restart: bool, test
         program_args += ["--hang-timeout", f"{check_hang_timeout(hang):g}"]
     run = load_run(run_dir)
     check_resume(resume, checkpoint_dir=run.checkpoint_dir)  # the ranks would refuse it only after the start-up
+    _check_init_from(run.train.init_from)
     spec = _launch_spec(o)
     env = rank_environment(cluster=run.cluster, network=_network(o))
     program = [*run_program(run.path), *program_args, *(["--test-faults", test_faults] if test_faults else [])]
@@ -323,6 +324,20 @@ def launch(run_dir: Path, dry_run: bool, resume: str | None, restart: bool, test
         get_logger(__name__).warning(f"dspipe: {run.path}: {told}")
     if rc:
         raise SystemExit(rc)
+
+
+def _check_init_from(init_from: str | None) -> None:
+    """train.init_from: every rank reads its weights at the build (a resumed run's too, its checkpoint loading over
+    them), so the Hugging Face directory must be there before any rank starts."""
+    if init_from is None:
+        return
+    config = Path(init_from) / "config.json"
+    problem = file_problem(config)
+    if problem:
+        raise SpecError(
+            f"train.init_from {init_from}: {config} {problem}; the ranks read the Hugging Face weights there at "
+            f"every start (restore the directory, or regenerate the run)"
+        )
 
 
 def _run_id(path: Path) -> str:

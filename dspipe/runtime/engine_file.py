@@ -11,6 +11,7 @@ from pathlib import Path
 
 from dspipe.errors import SpecError
 from dspipe.jsonio import dumps, show
+from dspipe.spec.kinds import BuildMode
 
 STARTUP_LISTS = ("peak_rss_mib", "rss_before_build_mib", "build_rss_mib", "seconds_to_first_step", "seconds_build")
 """The start-up lists every reader needs (one number in 0..1e9 per rank)."""
@@ -39,6 +40,11 @@ def _number(value) -> bool:
         and math.isfinite(value)
         and 0 <= value <= RECORD_LIMIT
     )
+
+
+BUILD_MODES = tuple(m.value for m in BuildMode)
+RSS_LISTS = ("rss_before_build_mib", "build_rss_mib", "peak_rss_mib")
+"""engine.json's per-rank RSS figures (MiB): a live process's, never 0."""
 
 
 @dataclass(frozen=True)
@@ -117,8 +123,10 @@ class StartupRecord:
         if not isinstance(block, dict):
             raise SpecError(f"{source}'s startup is damaged: an object expected, got {type(block).__name__}")
         mode = block.get("mode")
-        if not isinstance(mode, str) or not mode or len(mode) > 40:
-            raise SpecError(f"{source}'s startup.mode is damaged: a build mode expected, got {show(mode)}")
+        if mode not in BUILD_MODES:
+            raise SpecError(
+                f"{source}'s startup.mode is damaged: one of {', '.join(BUILD_MODES)} expected, got {show(mode)}"
+            )
         lists: dict[str, tuple] = {}
         ranks = None
         for key in STARTUP_LISTS:
@@ -132,15 +140,20 @@ class StartupRecord:
                 raise SpecError(
                     f"{source}'s startup.{key} is damaged: one number in 0..1e9 per rank expected, got {show(value)}"
                 )
+            if key in RSS_LISTS and not all(v > 0 for v in value):  # a running process holds memory
+                raise SpecError(
+                    f"{source}'s startup.{key} is damaged: a process's RSS is above 0 MiB, got {show(value)}"
+                )
             lists[key], ranks = tuple(value), len(value)
         built = block.get("built_params")
         if built is not None and not (
             isinstance(built, list)
             and len(built) == ranks
-            and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in built)
+            and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in built)
         ):
             raise SpecError(
-                f"{source}'s startup.built_params is damaged: one integer >= 0 per rank expected, got {show(built)}"
+                f"{source}'s startup.built_params is damaged: one integer >= 1 per rank expected (every rank builds "
+                f"its part of the model), got {show(built)}"
             )
         record = cls(
             mode=mode,

@@ -109,7 +109,7 @@ def load(path: str | Path, *, mmap: bool = False, expect: type | None = dict):
     except SpecError:
         raise
     except Exception as e:  # noqa: BLE001 - torch raises UnpicklingError, RuntimeError, EOFError, KeyError, ...
-        raise SpecError(f"{path}: {why_not_loaded(e, zip_file=head == ZIP_MAGIC)}") from None
+        raise SpecError(f"{path} {why_not_loaded(e, zip_file=head == ZIP_MAGIC)}") from None
     if expect is not None and not isinstance(obj, expect):
         raise SpecError(f"{path} holds a {type(obj).__name__}, not the {expect.__name__} a checkpoint file holds")
     return obj

@@ -76,7 +76,8 @@ _Spec = TypeVar("_Spec", bound="DataclassInstance")
 
 
 def from_dict(cls: type[_Spec], data: object) -> _Spec:
-    """Rebuild a spec from its asdict() form, rejecting unknown and missing keys and anything that is not an object."""
+    """Rebuild a spec from its asdict() form, rejecting unknown keys, missing required ones (a field with a default
+    takes it: a checkpoint's model from before the field existed) and anything that is not an object."""
     if not isinstance(data, dict):
         raise SpecError(f"{cls.__name__} must be a JSON object, got {type(data).__name__}")
     names = {f.name for f in fields(cls)}

@@ -52,6 +52,11 @@ def resolve_checkpoint(path: str | Path) -> Path:
         raise SpecError(
             f"checkpoint {path} is incomplete (no {ckpt_tags.META_FILE}: its save was interrupted); use a complete one"
         )
+    if any(path.glob("*.safetensors")) or (path / "pytorch_model.bin").exists():
+        raise SpecError(
+            f"{path} holds a model's weights but no config.json: a Hugging Face model directory needs its config.json "
+            f"(export-hf writes it)"
+        )
     raise SpecError(
         f"{path} is neither a dspipe checkpoint (no {ckpt_tags.META_FILE}) nor a run directory (no {DS_CONFIG_FILE})"
     )
@@ -117,6 +122,8 @@ def load_tokenizer(path: Path):
     for name in ("tokenizer_config.json", "special_tokens_map.json", "config.json"):
         if (Path(path) / name).is_file():
             read_object(Path(path) / name)  # one line naming the file, not transformers' traceback
+    if (Path(path) / "tokenizer_config.json").is_file():
+        _check_tokenizer_config(Path(path) / "tokenizer_config.json")
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path))
         if _substituted(tokenizer, path):
@@ -128,6 +135,16 @@ def load_tokenizer(path: Path):
     if len(tokenizer) < 2:
         raise SpecError(f"the tokenizer in {path} has {len(tokenizer)} token(s): its vocabulary files are damaged")
     return tokenizer
+
+
+def _check_tokenizer_config(source: Path) -> None:
+    """tokenizer_config.json's model_max_length: a positive number (transformers compares every encoded text with
+    it; a string there fails inside encode)."""
+    from dspipe.jsonio import show
+
+    length = read_object(source).get("model_max_length")
+    if length is not None and (isinstance(length, bool) or not isinstance(length, (int, float)) or not length > 0):
+        raise SpecError(f"{source}: model_max_length must be a positive number of tokens, got {show(length)}")
 
 
 GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")

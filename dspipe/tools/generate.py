@@ -4,6 +4,7 @@ GPT, the tokenizer from the run's data) or by an exported Hugging Face directory
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -149,7 +150,10 @@ def _load_hf(path: Path) -> Model:
 
     quiet_transformers()
     context = hf_context(path)
+    _transformers_config(path)  # its errors name config.json, not the tokenizer that reads it too
+    _check_generation_config(path)
     tokenizer = load_tokenizer(path)
+    check_eos(tokenizer, path=path)
     try:  # mismatched shapes are loaded (re-initialised) and refused below, with the shapes
         model, info = AutoModelForCausalLM.from_pretrained(
             str(path), ignore_mismatched_sizes=True, output_loading_info=True
@@ -159,6 +163,68 @@ def _load_hf(path: Path) -> Model:
     check_shapes(path, list(info.get("mismatched_keys") or ()))
     model.eval()
     return Model(logits=lambda ids: model(ids).logits, context=context, tokenizer=tokenizer)
+
+
+def _transformers_config(path: Path) -> None:
+    """config.json as transformers reads it (its own field checks), before the tokenizer reads it too."""
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(str(path))
+    except Exception as e:  # ValueError, TypeError, KeyError, strict-dataclass validation errors, ...
+        raise SpecError(f"{path / HF_CONFIG}: transformers cannot read it: {' '.join(str(e).split())[:300]}") from None
+
+
+GENERATION_KEYS = {  # generation_config.json key -> (what it must be, the check)
+    "do_sample": ("true or false", lambda v: isinstance(v, bool)),
+    "use_cache": ("true or false", lambda v: isinstance(v, bool)),
+    "temperature": ("a number >= 0", lambda v: _number(v) and v >= 0),
+    "top_p": ("a number in (0, 1]", lambda v: _number(v) and 0 < v <= 1),
+    "top_k": ("an integer >= 0", lambda v: _integer(v) and v >= 0),
+    "max_length": ("an integer >= 1", lambda v: _integer(v) and v >= 1),
+    "max_new_tokens": ("an integer >= 1", lambda v: _integer(v) and v >= 1),
+}
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _integer(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_generation_config(path: Path) -> None:
+    """generation_config.json, when the directory has one (transformers reads it with the model): a JSON object whose
+    token ids lie in config.json's vocabulary and whose sampling settings have their types and ranges."""
+    from dspipe.jsonio import read_object, show
+
+    source = path / "generation_config.json"
+    if not os.path.lexists(source):
+        return
+    config, vocab = read_object(source), read_object(path / HF_CONFIG).get("vocab_size") or 2**24
+    for key in ("eos_token_id", "bos_token_id", "pad_token_id", "decoder_start_token_id"):
+        value = config.get(key)
+        ids = value if isinstance(value, list) else [value]
+        if value is not None and not all(_integer(i) and 0 <= i < vocab for i in ids):
+            raise SpecError(f"{source}: {key} must be a token id in 0..{vocab - 1:,}, got {show(value)}")
+    for key, (want, ok) in GENERATION_KEYS.items():
+        if config.get(key) is not None and not ok(config[key]):
+            raise SpecError(f"{source}: {key} must be {want}, got {show(config[key])}")
+
+
+def check_eos(tokenizer, *, path: Path) -> None:
+    """The tokenizer's end-of-text token must be one the model can produce (an id below config.json's vocab_size):
+    an eos_token outside the vocabulary would be added as a new id no logit reaches, and generation never stops."""
+    from dspipe.jsonio import read_object
+
+    vocab = read_object(path / HF_CONFIG).get("vocab_size")
+    eos = tokenizer.eos_token_id
+    if eos is not None and isinstance(vocab, int) and not 0 <= eos < vocab:
+        raise SpecError(
+            f"{path}: the tokenizer's eos_token {tokenizer.eos_token!r} is id {eos:,}, outside the model's "
+            f"vocabulary 0..{vocab - 1:,} (config.json vocab_size); fix eos_token in tokenizer_config.json"
+        )
 
 
 def check_shapes(path: Path, mismatched: list) -> None:
@@ -189,7 +255,21 @@ def hf_context(path: Path) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 2**24:
         raise SpecError(f"{source}: {key} must be a context length in 1..{2**24:,}, got {show(value)}")
     _check_shape(config, source=source)
+    if _dspipe_reads(config):  # a model dspipe trains: the checks --init-from makes (eps, rope, windows, ...)
+        from dspipe.model.hf import spec_from_hf_dir
+
+        spec_from_hf_dir(path, dropout=0.0)  # dropout: generation runs none
     return value
+
+
+def _dspipe_reads(config: dict) -> bool:
+    """Whether config.json names an architecture dspipe imports (else transformers alone reads it)."""
+    from dspipe.model.hf import MODEL_TYPES, SUPPORTED
+
+    archs = config.get("architectures")
+    if isinstance(archs, list) and archs:
+        return archs[0] in SUPPORTED
+    return config.get("model_type") in MODEL_TYPES
 
 
 SHAPE_KEYS = {  # config.json key -> the ModelSpec field whose limit it keeps (GPT-2's names and the Llama family's)
@@ -205,10 +285,21 @@ SHAPE_KEYS = {  # config.json key -> the ModelSpec field whose limit it keeps (G
 }
 
 
+DROPOUT_KEYS = (
+    "attention_dropout",
+    "resid_pdrop",
+    "embd_pdrop",
+    "attn_pdrop",
+    "hidden_dropout",
+    "summary_first_dropout",
+)
+"""config.json's dropout probabilities (generation runs none, but a value outside [0, 1) is a damaged file)."""
+
+
 def _check_shape(config: dict, *, source: Path) -> None:
     """The shape keys config.json gives (positive integers within dspipe's limits), `architectures` (a list of
-    names) and `eos_token_id` (a token id, or a list of them, below the vocabulary), before transformers builds or
-    the tokenizer reads anything from the file."""
+    names), the eos/bos/pad token ids (an id, or a list of them, below the vocabulary), the dropout probabilities and
+    pretraining_tp, before transformers builds or the tokenizer reads anything from the file."""
     from dspipe.jsonio import show
     from dspipe.spec.checks import limit
 
@@ -221,12 +312,21 @@ def _check_shape(config: dict, *, source: Path) -> None:
     archs = config.get("architectures")
     if archs is not None and not (isinstance(archs, list) and archs and all(isinstance(a, str) for a in archs)):
         raise SpecError(f"{source}: architectures must be a list of class names, got {show(archs)}")
-    eos, vocab = config.get("eos_token_id"), config.get("vocab_size")
-    ids = eos if isinstance(eos, list) else [eos]
-    if eos is not None and not all(
-        isinstance(i, int) and not isinstance(i, bool) and 0 <= i < (vocab or 2**24) for i in ids
-    ):
-        raise SpecError(f"{source}: eos_token_id must be a token id in 0..{(vocab or 2**24) - 1:,}, got {show(eos)}")
+    vocab = config.get("vocab_size") or 2**24
+    for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
+        value = config.get(key)
+        ids = value if isinstance(value, list) else [value]
+        if value is not None and not all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab for i in ids
+        ):
+            raise SpecError(f"{source}: {key} must be a token id in 0..{vocab - 1:,}, got {show(value)}")
+    for key in DROPOUT_KEYS:
+        value = config.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1):
+            raise SpecError(f"{source}: {key} must be a probability in [0, 1), got {show(value)}")
+    tp = config.get("pretraining_tp")
+    if tp is not None and (isinstance(tp, bool) or not isinstance(tp, int) or not 1 <= tp <= limit("heads")):
+        raise SpecError(f"{source}: pretraining_tp must be an integer in 1..{limit('heads'):,}, got {show(tp)}")
 
 
 def _load_checkpoint(path: Path) -> Model:

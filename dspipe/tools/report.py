@@ -81,6 +81,8 @@ _INT = re.compile(r"[0-9]{1,18}", re.ASCII)
 _FLOAT = re.compile(
     r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?|[+-]?(nan|inf|infinity)", re.ASCII | re.IGNORECASE
 )
+FP32_MAX = 3.4028234663852886e38
+"""The largest finite fp32 number: a metric beyond it (or a negative one) is damage, not a measurement."""
 NON_FINITE_OK = {"loss", "grad_norm", "val_loss", "val_ppl"}
 """Columns where NaN/inf are real measurements (a skipped non-finite step, a diverged run); elsewhere they are
 damage."""
@@ -100,6 +102,11 @@ def _parse(value: str | None, column: str, where: str):
     number = float(text)
     if column not in NON_FINITE_OK and not (math.isfinite(number) and number >= 0):
         raise SpecError(f"{where}: {column} {value[:40]!r} must be a finite number >= 0")
+    if math.isfinite(number) and not 0 <= number <= FP32_MAX:
+        raise SpecError(
+            f"{where}: {column} {value[:40]!r} must be in 0..{FP32_MAX:.4g} (the runner writes no value beyond "
+            f"an fp32 number's range)" + (" or NaN/inf" if column in NON_FINITE_OK else "")
+        )
     return number
 
 

@@ -367,7 +367,7 @@ def test_resume_refusals(tmp_path, corpus):
     r = launch(handed)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
     assert [line for line in r.stderr.splitlines() if "dspipe: error:" in line] == [
-        f"dspipe: error: {optim}: names io.open, which is not a type a checkpoint holds (tensors, numbers, "
+        f"dspipe: error: {optim} names io.open, which is not a type a checkpoint holds (tensors, numbers, "
         f"containers and dspipe.runtime.safeload.ALLOWED_GLOBALS): refused without loading it, since loading it "
         f"could run code"
     ]

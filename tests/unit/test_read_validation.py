@@ -252,6 +252,22 @@ def test_an_empty_run_path_or_one_inside_a_run_is_named(root, capsys):
         check(root, capsys, command, "checkpoints", f"is inside the run directory {root / 'run'}: pass {root / 'run'}")
 
 
+def test_a_field_the_run_lacks_takes_its_default_with_a_note(root, capsys):
+    """A run directory from before a field existed reads with the field's default; the note names it and the value
+    (a deleted key too: nothing is filled in silently)."""
+    edit(SPEC, drop("train.seed"))(root)
+    edit(SPEC, drop("model.rope_theta"))(root)
+    assert run_cli("launch", str(root / "run"), "--dry-run") == 0
+    err = capsys.readouterr().err
+    assert "dspipe.json lacks model.rope_theta 10000.0 (default used: a run written before the field existed" in err
+    assert "dspipe.json lacks train.seed 1234 (default used" in err
+
+
+def test_a_missing_init_from_directory_is_refused_before_any_rank_starts(root, capsys):
+    edit(SPEC, put("train.init_from", str(root / "gone")))(root)
+    check(root, capsys, ["launch", "@/run", "--dry-run"], "gone", "gone/config.json does not exist; the ranks read")
+
+
 def test_the_undamaged_run_reads_back(root):
     from dspipe.rundir import load_engine, load_run
 
@@ -290,6 +306,10 @@ CSV_CASES = [
     ("nul", "metrics.csv", METRICS.replace("8.0", "8\x000"), "metrics.csv"),
     ("val-text", "val_metrics.csv", "step,tokens,val_loss,val_ppl\n2,2048,low,1\n", "val_loss 'low' is not a number"),
     ("val-no-loss", "val_metrics.csv", "step,tokens\n2,2048\n", "no column val_loss"),
+    ("huge-loss", "metrics.csv", METRICS.replace("7.5", "1e308"), "loss '1e308' must be in 0..3.403e+38"),
+    ("negative-loss", "metrics.csv", METRICS.replace("7.5", "-1"), "loss '-1' must be in 0..3.403e+38 (the runner"),
+    ("huge-lr", "metrics.csv", METRICS.replace("0.002", "1e308"), "lr '1e308' must be in 0..3.403e+38"),
+    ("val-negative", "val_metrics.csv", "step,tokens,val_loss,val_ppl\n2,2048,-1,1\n", "val_loss '-1' must be in"),
 ]
 
 
@@ -440,6 +460,20 @@ def test_include_slots_take_ascii_digits_only(root):
             select(hostfile, include=spec)
 
 
+def full(model_type: str, **changes) -> bytes:
+    """A tiny model's whole config.json as transformers writes it (vocabulary 300, context 64), with `changes`."""
+    from transformers import GPT2Config, LlamaConfig
+
+    shape = dict(vocab_size=300, num_hidden_layers=1, hidden_size=16, num_attention_heads=2)
+    config = (
+        GPT2Config(n_positions=64, **shape)
+        if model_type == "gpt2"
+        else LlamaConfig(max_position_embeddings=64, intermediate_size=32, **shape)
+    )
+    ids = dict(bos_token_id=0, eos_token_id=0, pad_token_id=None)  # GPT-2's 50256 is past this vocabulary
+    return json.dumps({**config.to_dict(), **ids, **changes}).encode()
+
+
 HF_CASES = [
     ("not-json", b"{model_type: gpt2", "not valid JSON"),
     ("list", b"[]", "JSON object"),
@@ -457,6 +491,17 @@ HF_CASES = [
     ("layers-str", b'{"model_type": "gpt2", "n_positions": 64, "n_layer": "x"}', "n_layer must be an integer"),
     ("archs-str", b'{"model_type": "gpt2", "n_positions": 64, "architectures": "x"}', "architectures must be a list"),
     ("eos-huge", b'{"model_type": "gpt2", "n_positions": 64, "vocab_size": 50, "eos_token_id": 50}', "0..49, got 50"),
+    ("bos-negative", full("gpt2", bos_token_id=-1), "bos_token_id must be a token id in 0..299, got -1"),
+    ("pad-str", full("gpt2", pad_token_id="x"), "pad_token_id must be a token id"),
+    ("dropout", full("gpt2", attn_pdrop=-1), "attn_pdrop must be a probability in [0, 1), got -1"),
+    ("tp", full("llama", pretraining_tp=0), "pretraining_tp must be an integer in 1..131,072, got 0"),
+    ("eps-huge", full("llama", rms_norm_eps=1e30), "model.norm_eps must be in (0, 1), got 1e+30"),  # --init-from's
+    ("rope-type", full("llama", rope_parameters={"rope_type": "x"}), "rope_type x is not supported"),
+    (  # transformers' own field checks, named for config.json (not for the tokenizer that reads it too)
+        "cache-str",
+        full("gpt2", use_cache="x"),
+        "config.json: transformers cannot read it: Validation error for field 'use_cache'",
+    ),
 ]
 
 
@@ -466,6 +511,49 @@ def test_a_damaged_exported_model_is_one_line(case, root, capsys):
     (root / "hf" / "config.json").write_bytes(content)
     before = snapshot(root)
     check(root, capsys, ["generate", "@/hf", "--prompt", "x"], "config.json", words)
+    assert snapshot(root) == before
+
+
+@pytest.mark.parametrize(
+    "setting, words",
+    [
+        (dict(model_max_length="x"), "tokenizer_config.json: model_max_length must be a positive number of tokens"),
+        (dict(model_max_length=-1), "model_max_length must be a positive number of tokens, got -1"),
+        (dict(eos_token="zzz_not_a_token"), "eos_token 'zzz_not_a_token' is id 2"),  # (2xx,) past the vocabulary
+    ],
+)
+def test_a_damaged_exported_tokenizer_is_one_line(root, capsys, setting, words):
+    """generate on an HF directory: tokenizer_config.json's model_max_length (a string there was a TypeError inside
+    encode) and an eos_token outside the model's vocabulary (generation never stops), before the weights load."""
+    from dspipe.data.tokenizer import train_bpe
+
+    hf = root / "hf"
+    tokenizer = train_bpe(iter(["def add(a, b):\n    return a + b\n" * 200]), vocab_size=300)
+    tokenizer.save_pretrained(str(hf))
+    (hf / "config.json").write_bytes(full("gpt2", vocab_size=len(tokenizer)))  # every id of it a model's
+    config = json.loads((hf / "tokenizer_config.json").read_text())
+    (hf / "tokenizer_config.json").write_text(json.dumps({**config, **setting}))
+    before = snapshot(root)
+    check(root, capsys, ["generate", "@/hf", "--prompt", "x"], "hf", words)
+    assert snapshot(root) == before
+
+
+@pytest.mark.parametrize(
+    "content, words",
+    [
+        (b"garbage {not json", "generation_config.json is not valid JSON"),
+        (b'{"eos_token_id": "x"}', "generation_config.json: eos_token_id must be a token id in 0..299, got 'x'"),
+        (b'{"bos_token_id": 300}', "bos_token_id must be a token id in 0..299, got 300"),
+        (b'{"top_k": -1}', "generation_config.json: top_k must be an integer >= 0, got -1"),
+        (b'{"temperature": "x"}', "temperature must be a number >= 0, got 'x'"),
+        (b'{"do_sample": "x"}', "do_sample must be true or false, got 'x'"),
+    ],
+)
+def test_a_damaged_generation_config_is_one_line(root, capsys, content, words):
+    (root / "hf" / "config.json").write_bytes(full("gpt2"))
+    (root / "hf" / "generation_config.json").write_bytes(content)
+    before = snapshot(root)
+    check(root, capsys, ["generate", "@/hf", "--prompt", "x"], "generation_config.json", words)
     assert snapshot(root) == before
 
 

@@ -139,7 +139,7 @@ def test_a_pickle_that_would_create_a_file_is_refused_by_every_load(tmp_path):
     marker.unlink()
     with pytest.raises(
         SpecError,
-        match=r"evil.pt: names io.open, which is not a type a checkpoint "
+        match=r"evil.pt names io.open, which is not a type a checkpoint "
         r"holds .* refused without loading it",
     ):
         safeload.load(tmp_path / "evil.pt")
@@ -169,7 +169,7 @@ def test_no_reader_runs_the_code_of_a_checkpoint(copy, tmp_path, capsys, reader,
         args = ["--out", tmp_path / "hf"] if reader == "export-hf" else ["--prompt", "def"]
         assert run_cli(reader, run, *args) == 2
         message = one_error_line(capsys)
-    assert f"{tag / where}: names io.open, which is not a type a checkpoint holds" in message
+    assert f"{tag / where} names io.open, which is not a type a checkpoint holds" in message
     assert not marker.exists() and snapshot(run) == before and not (tmp_path / "hf").exists()
 
 

@@ -304,8 +304,7 @@ JSON_KINDS = {
 def _non_object(path: Path, field_: str) -> SpecError | None:
     """Why a .jsonl/.json file is not records (JSON objects), naming the first line or record that is not one (or a
     .jsonl line that is not JSON); None where every one is an object (or a .json file does not parse: datasets'
-    message stands). Run only once reading the
-    file failed, so a good file is never read twice."""
+    message stands). Run only once reading the file failed, so a good file is never read twice."""
     import json
 
     want = f"not an object: each record must be a JSON object with its text in field {field_!r}"

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Callable
 
 from dspipe.errors import SpecError
+from dspipe.spec.checks import is_int, is_number
 
 HF_CONFIG = "config.json"
 
@@ -178,20 +179,12 @@ def _transformers_config(path: Path) -> None:
 GENERATION_KEYS = {  # generation_config.json key -> (what it must be, the check)
     "do_sample": ("true or false", lambda v: isinstance(v, bool)),
     "use_cache": ("true or false", lambda v: isinstance(v, bool)),
-    "temperature": ("a number >= 0", lambda v: _number(v) and v >= 0),
-    "top_p": ("a number in (0, 1]", lambda v: _number(v) and 0 < v <= 1),
-    "top_k": ("an integer >= 0", lambda v: _integer(v) and v >= 0),
-    "max_length": ("an integer >= 1", lambda v: _integer(v) and v >= 1),
-    "max_new_tokens": ("an integer >= 1", lambda v: _integer(v) and v >= 1),
+    "temperature": ("a number >= 0", lambda v: is_number(v) and v >= 0),
+    "top_p": ("a number in (0, 1]", lambda v: is_number(v) and 0 < v <= 1),
+    "top_k": ("an integer >= 0", lambda v: is_int(v) and v >= 0),
+    "max_length": ("an integer >= 1", lambda v: is_int(v) and v >= 1),
+    "max_new_tokens": ("an integer >= 1", lambda v: is_int(v) and v >= 1),
 }
-
-
-def _number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _integer(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _check_generation_config(path: Path) -> None:
@@ -203,11 +196,7 @@ def _check_generation_config(path: Path) -> None:
     if not os.path.lexists(source):
         return
     config, vocab = read_object(source), read_object(path / HF_CONFIG).get("vocab_size") or 2**24
-    for key in ("eos_token_id", "bos_token_id", "pad_token_id", "decoder_start_token_id"):
-        value = config.get(key)
-        ids = value if isinstance(value, list) else [value]
-        if value is not None and not all(_integer(i) and 0 <= i < vocab for i in ids):
-            raise SpecError(f"{source}: {key} must be a token id in 0..{vocab - 1:,}, got {show(value)}")
+    _check_token_ids(config, GENERATION_IDS, vocab=vocab, source=source)
     for key, (want, ok) in GENERATION_KEYS.items():
         if config.get(key) is not None and not ok(config[key]):
             raise SpecError(f"{source}: {key} must be {want}, got {show(config[key])}")
@@ -285,6 +274,21 @@ SHAPE_KEYS = {  # config.json key -> the ModelSpec field whose limit it keeps (G
 }
 
 
+GENERATION_IDS = ("eos_token_id", "bos_token_id", "pad_token_id", "decoder_start_token_id")
+"""Token-id keys of config.json (the first three) and generation_config.json (all four)."""
+
+
+def _check_token_ids(config: dict, keys: tuple[str, ...], *, vocab: int, source: Path) -> None:
+    """Each of `keys` the file gives: a token id, or a list of them, in 0..vocab - 1."""
+    from dspipe.jsonio import show
+
+    for key in keys:
+        value = config.get(key)
+        ids = value if isinstance(value, list) else [value]
+        if value is not None and not all(is_int(i) and 0 <= i < vocab for i in ids):
+            raise SpecError(f"{source}: {key} must be a token id in 0..{vocab - 1:,}, got {show(value)}")
+
+
 DROPOUT_KEYS = (
     "attention_dropout",
     "resid_pdrop",
@@ -312,20 +316,13 @@ def _check_shape(config: dict, *, source: Path) -> None:
     archs = config.get("architectures")
     if archs is not None and not (isinstance(archs, list) and archs and all(isinstance(a, str) for a in archs)):
         raise SpecError(f"{source}: architectures must be a list of class names, got {show(archs)}")
-    vocab = config.get("vocab_size") or 2**24
-    for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
-        value = config.get(key)
-        ids = value if isinstance(value, list) else [value]
-        if value is not None and not all(
-            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab for i in ids
-        ):
-            raise SpecError(f"{source}: {key} must be a token id in 0..{vocab - 1:,}, got {show(value)}")
+    _check_token_ids(config, GENERATION_IDS[:3], vocab=config.get("vocab_size") or 2**24, source=source)
     for key in DROPOUT_KEYS:
         value = config.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1):
+        if value is not None and not (is_number(value) and 0 <= value < 1):
             raise SpecError(f"{source}: {key} must be a probability in [0, 1), got {show(value)}")
     tp = config.get("pretraining_tp")
-    if tp is not None and (isinstance(tp, bool) or not isinstance(tp, int) or not 1 <= tp <= limit("heads")):
+    if tp is not None and not (is_int(tp) and 1 <= tp <= limit("heads")):
         raise SpecError(f"{source}: pretraining_tp must be an integer in 1..{limit('heads'):,}, got {show(tp)}")
 
 

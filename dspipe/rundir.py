@@ -186,7 +186,7 @@ def newest_checkpoint_step(ckpt_dir: Path) -> int | None:
 def _enclosing_run(path: Path) -> Path | None:
     """The run directory that holds `path` (its checkpoints/, monitor/ ...), or None."""
     for parent in path.absolute().parents:
-        if (parent / SPEC_FILE).is_file() and (parent / DS_CONFIG_FILE).is_file():
+        if outputs.is_run_dir(parent):
             return Path(os.path.relpath(parent)) if not path.is_absolute() else parent
     return None
 

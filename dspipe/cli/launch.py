@@ -9,8 +9,8 @@ import tempfile
 from pathlib import Path
 
 import click
-from click.core import ParameterSource
 
+from dspipe.cli.config_file import given
 from dspipe.cli.options import FLOAT, INT, PathText, Text
 from dspipe.cluster.hostfile import describe
 from dspipe.cluster.launch import (
@@ -126,31 +126,25 @@ def _env_once(items: tuple[str, ...]) -> None:
         seen[key] = value
 
 
-def _given(name: str) -> bool:
-    """Whether the option `name` was given (on the command line or by a default map), not left at its default."""
-    ctx = click.get_current_context(silent=True)
-    source = ctx.get_parameter_source(name) if ctx is not None else None
-    return source is not None and source not in (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)
-
-
 def _env_sets(items: tuple[str, ...], name: str) -> bool:
     """Whether an --env item sets a variable of the network flag `name` (then the flag's default is not passed on)."""
     return any(item.partition("=")[0] in FLAG_ENV_KEYS[name] for item in items)
 
 
-def _env_against_flags(items: tuple[str, ...]) -> None:
+def _env_against_flags(o: dict) -> None:
     """Refuse --env KEY=... for a variable a network flag given beside it sets (one of the two would silently lose)."""
-    for item in items:
+    flags = given(click.get_current_context(silent=True), o)
+    for item in o["env"]:
         key, _, value = item.partition("=")
         for name, keys in FLAG_ENV_KEYS.items():
-            if key in keys and _given(name):
+            if key in keys and name in flags:
                 flag = "--" + name.replace("_", "-")
                 raise SpecError(f"--env {key}={value} and {flag} both set {key}: give one of them")
 
 
 def _network(o: dict) -> NetworkSpec:
     _env_once(o["env"])
-    _env_against_flags(o["env"])
+    _env_against_flags(o)
     return NetworkSpec(
         socket_ifname=o["ifname"],
         ib_hca=o["ib_hca"],

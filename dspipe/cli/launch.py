@@ -131,20 +131,9 @@ def _env_sets(items: tuple[str, ...], name: str) -> bool:
     return any(item.partition("=")[0] in FLAG_ENV_KEYS[name] for item in items)
 
 
-def _env_against_flags(o: dict) -> None:
-    """Refuse --env KEY=... for a variable a network flag given beside it sets (one of the two would silently lose)."""
-    flags = given(click.get_current_context(silent=True), o)
-    for item in o["env"]:
-        key, _, value = item.partition("=")
-        for name, keys in FLAG_ENV_KEYS.items():
-            if key in keys and name in flags:
-                flag = "--" + name.replace("_", "-")
-                raise SpecError(f"--env {key}={value} and {flag} both set {key}: give one of them")
-
-
 def _network(o: dict) -> NetworkSpec:
     _env_once(o["env"])
-    _env_against_flags(o)
+    flags = given(click.get_current_context(silent=True), o)
     return NetworkSpec(
         socket_ifname=o["ifname"],
         ib_hca=o["ib_hca"],
@@ -152,6 +141,7 @@ def _network(o: dict) -> NetworkSpec:
         nccl_debug=o["nccl_debug"],
         timeout_minutes=o["timeout_min"],
         extra=parse_env_assignments(o["env"]),
+        given=tuple(name for name in FLAG_ENV_KEYS if name in flags),
     )
 
 

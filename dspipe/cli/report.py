@@ -22,6 +22,7 @@ def report(run: str, out: str | None) -> None:
     """Plot loss, throughput and learning rate of RUN (runs/NAME) and write report.md: the configuration, the
     planner's predicted memory, tokens/s, MFU, step time and start-up (host RAM per rank, time to the first step)
     against the measured ones, final and validation loss."""
+    from dspipe.runtime.watchdog import NO_EVENTS
     from dspipe.tools.report import PLOTS, REPORT_FILE, write_report
 
     out, m = write_report(Path(run), out=out)
@@ -34,3 +35,5 @@ def report(run: str, out: str | None) -> None:
     )
     if m.startup is not None:
         click.echo(m.startup.line())
+    if m.events != NO_EVENTS:
+        click.echo(f"events: {m.events}")

@@ -27,8 +27,8 @@ FLAG_ENV_KEYS = {
     "nccl_debug": ("NCCL_DEBUG",),
     "timeout_min": ("DEEPSPEED_TIMEOUT",),
 }
-"""The variables each network flag sets: an --env of one of them replaces the flag's default, and contradicts the flag
-when both are given."""
+"""The variables each network flag may set (on some backend): an --env of one of them replaces the flag's default
+(slurm-script then passes no flag for it). Which of them a flag sets on the run's backend: `backend_keys`."""
 # Set per rank or per launch by the launcher itself; a user value would be overwritten or break rank discovery.
 LAUNCHER_KEYS = (
     "RANK",
@@ -65,6 +65,9 @@ class NetworkSpec:
     """Collective timeout (DEEPSPEED_TIMEOUT, DeepSpeed's default process-group timeout; its default is 10)."""
     extra: tuple[tuple[str, str], ...] = ()
     """User additions from --env KEY=VALUE; they win over the values above."""
+    given: tuple[str, ...] = ()
+    """The network flags given explicitly (FLAG_ENV_KEYS' names): an --env of a variable one of them sets on the
+    run's backend contradicts it (rank_environment refuses the pair)."""
 
     def __post_init__(self) -> None:
         if self.nccl_debug not in NCCL_DEBUG_LEVELS:
@@ -108,10 +111,34 @@ def parse_env_assignments(items: tuple[str, ...] | list[str]) -> tuple[tuple[str
     return tuple(out.items())
 
 
+def backend_keys(backend: str) -> dict[str, str]:
+    """{variable: the network flag that sets it} on `backend` (nccl or gloo): --ifname sets NCCL_SOCKET_IFNAME under
+    NCCL and GLOO_SOCKET_IFNAME under gloo; --ib-hca, --no-ib and --nccl-debug set nothing under gloo."""
+    keys = {"DEEPSPEED_TIMEOUT": "timeout_min"}
+    if backend == "nccl":
+        keys |= {"NCCL_SOCKET_IFNAME": "ifname", "NCCL_IB_HCA": "ib_hca", "NCCL_IB_DISABLE": "no_ib"}
+        keys |= {"NCCL_DEBUG": "nccl_debug"}
+    else:
+        keys["GLOO_SOCKET_IFNAME"] = "ifname"
+    return keys
+
+
+def _refuse_env_against_flags(*, network: NetworkSpec, backend: str) -> None:
+    """An --env KEY=... of a variable a network flag given beside it sets on this backend: one of the two would
+    silently lose."""
+    keys = backend_keys(backend)
+    for key, value in network.extra:
+        name = keys.get(key)
+        if name in network.given:
+            flag = "--" + name.replace("_", "-")
+            raise SpecError(f"--env {key}={value} and {flag} both set {key} (backend {backend}): give one of them")
+
+
 def rank_environment(*, cluster: ClusterSpec, network: NetworkSpec) -> dict[str, str]:
     """What every rank gets: the collective timeout, the backend's interface/transport settings, user additions."""
     env = {"DEEPSPEED_TIMEOUT": str(network.timeout_minutes)}
     backend = cluster.gpu_type.backend
+    _refuse_env_against_flags(network=network, backend=backend)
     if backend == "nccl":
         env["NCCL_DEBUG"] = network.nccl_debug
         if network.socket_ifname:  # unset, NCCL prefers ib*, then any interface but lo and docker*

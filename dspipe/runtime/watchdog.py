@@ -81,18 +81,26 @@ def record_event(run_path: Path, event: dict) -> None:
 def read_events(run_path: Path) -> list[dict]:
     """The run's events, oldest first: each line's JSON object (a torn line, from a kill, and a line that is not an
     object are left out)."""
+    return read_event_lines(run_path)[0]
+
+
+def read_event_lines(run_path: Path) -> tuple[list[dict], int]:
+    """(The run's events, oldest first; how many non-empty lines were left out: torn by a kill, or not a JSON
+    object)."""
     path = Path(run_path) / EVENTS_FILE
     if not path.is_file():
-        return []
-    events = []
+        return [], 0
+    events, left_out = [], 0
     for line in path.read_text(errors="replace").splitlines():
         try:
             event = json.loads(line)
         except ValueError:
-            continue
+            event = None
         if isinstance(event, dict):
             events.append(event)
-    return events
+        elif line.strip():
+            left_out += 1
+    return events, left_out
 
 
 class Watchdog:
@@ -233,14 +241,19 @@ NO_EVENTS = "no events"
 """events_text's answer when none of the events is one it tells (a run's host-buffer allocation is not)."""
 
 
+def _hang_key(event: dict) -> tuple:
+    return event.get("step"), event.get("op"), event.get("world")
+
+
 def events_text(events: list[dict]) -> str:
     """One line on what happened to a job, from its events: each hang (the ranks, the operation, the step) and each
     restart (the step it resumed from, the ranks it ran on, a changed layout), the save interval's re-planning."""
     parts = []
     hangs: dict[tuple, list[int]] = {}
     for e in events:
-        if e.get("event") == "hang":
-            hangs.setdefault((e.get("step"), e.get("op"), e.get("world")), []).append(e.get("rank"))
+        if e.get("event") == "hang":  # a damaged line's list or object where a number was: told as written
+            key = tuple(v if isinstance(v, int | float | str | None) else json.dumps(v) for v in _hang_key(e))
+            hangs.setdefault(key, []).append(e.get("rank"))
         elif e.get("event") == "restart":
             parts.append(
                 f"restart {e.get('attempt')} resumed at step {e.get('step')} on {e.get('world')} ranks"

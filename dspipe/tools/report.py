@@ -30,6 +30,7 @@ from dspipe.rundir import ENGINE_FILE, VAL_FILE, Run, load_engine, load_run
 from dspipe.runtime.ckpt_meta import SaveRecord
 from dspipe.runtime.ckpt_tags import read_latest
 from dspipe.runtime.engine_file import StartupRecord
+from dspipe.runtime.watchdog import EVENTS_FILE, NO_EVENTS, events_text, read_event_lines
 from dspipe.spec.kinds import Axis
 from dspipe.tools.run_terms import Term, memory_term, plan_terms, verdict
 
@@ -69,6 +70,8 @@ class Measured:
     """engine.json's start-up figures beside the plan's (read_startup); None until write_report reads them."""
     terms: tuple[Term, ...] = ()
     """The plan's terms against the run's (dspipe.tools.run_terms): the step's, the start-up's, the memory's."""
+    events: str = NO_EVENTS
+    """What events.jsonl says happened to the run's jobs (job_events)."""
 
     def term(self, name: str) -> Term | None:
         return next((t for t in self.terms if t.name.startswith(name)), None)
@@ -633,7 +636,22 @@ def _results_lines(m: Measured) -> list[str]:
         )
         lines.append(f"- final validation loss: {f['val_loss']:.4f} (ppl {f['val_ppl']:.2f}) at step {f['step']}")
     lines.append(f"- skipped steps (optimizer step skipped, e.g. fp16 overflow): {m.skipped}")
+    lines.append(f"- job events ({EVENTS_FILE}: hangs, restarts, the save interval re-planned): {m.events}")
     return lines
+
+
+def job_events(run: Run) -> str:
+    """One line from the run's events.jsonl: its jobs' hangs, restarts and the save interval's re-planning
+    (dspipe.runtime.watchdog.events_text), and how many of its lines were unreadable; n/a when the file cannot be
+    read."""
+    try:
+        events, left_out = read_event_lines(run.path)
+    except OSError as e:
+        return f"n/a ({EVENTS_FILE}: {e.strerror or e})"
+    told = events_text(events)
+    if left_out:
+        told += f" ({left_out} line(s) of {EVENTS_FILE} unreadable: torn by a kill, or not a JSON object)"
+    return told
 
 
 def _basis_line(run: Run) -> str:
@@ -706,7 +724,10 @@ def write_report(run_path: str | Path, *, out: str | Path | None = None) -> tupl
     engine = load_engine(run)  # None while absent or being written
     steps, val = read_metrics(run)
     measured = replace(
-        measure(steps, val), startup=read_startup(engine, estimate), terms=tuple(plan_terms(run, engine, steps))
+        measure(steps, val),
+        startup=read_startup(engine, estimate),
+        terms=tuple(plan_terms(run, engine, steps)),
+        events=job_events(run),
     )
     out = _check_out(out if out is not None else run.path / "report")
     with outputs.writing(out), staged_dir(out, tag="tmp-") as tmp:

@@ -238,15 +238,15 @@ BAD_LAUNCHES = [
     (["runs/nope"], "runs/nope is not a run directory"),
     (
         ["runs/h100", "--hostfile", "hosts8", "--nccl-debug", "INFO", "--env", "NCCL_DEBUG=TRACE"],
-        "--env NCCL_DEBUG=TRACE and --nccl-debug both set NCCL_DEBUG: give one of them",
+        "--env NCCL_DEBUG=TRACE and --nccl-debug both set NCCL_DEBUG (backend nccl): give one of them",
     ),
     (
         ["runs/two", "--hostfile", "hosts", "--timeout-min", "5", "--env", "DEEPSPEED_TIMEOUT=9"],
-        "--env DEEPSPEED_TIMEOUT=9 and --timeout-min both set DEEPSPEED_TIMEOUT",
+        "--env DEEPSPEED_TIMEOUT=9 and --timeout-min both set DEEPSPEED_TIMEOUT (backend gloo)",
     ),
     (
         ["runs/two", "--hostfile", "hosts", "--ifname", "lo", "--env", "GLOO_SOCKET_IFNAME=eth0"],
-        "--env GLOO_SOCKET_IFNAME=eth0 and --ifname both set GLOO_SOCKET_IFNAME",
+        "--env GLOO_SOCKET_IFNAME=eth0 and --ifname both set GLOO_SOCKET_IFNAME (backend gloo)",
     ),
     (
         ["runs/two", "--hostfile", "hosts", "--launcher", "openmpi", "--ssh-port", "22"],
@@ -358,6 +358,31 @@ def test_rank_environment_for_nccl_and_gloo(tmp_path):
             NetworkSpec(timeout_minutes=bad)
     with pytest.raises(SpecError, match="quotes, '\\$', '\\\\' and newlines"):
         NetworkSpec(extra=(("A", "$HOME"),))
+
+
+def test_an_env_contradicts_only_the_flags_that_set_it_on_the_runs_backend():
+    """--ifname sets NCCL_SOCKET_IFNAME under NCCL and GLOO_SOCKET_IFNAME under gloo: beside --ifname, an --env of
+    the other backend's variable is passed on, and one of the variable the flag sets is refused."""
+    gpu2, cpu = ClusterSpec(nodes=2, gpus_per_node=8, gpu="h100-80g"), ClusterSpec(nodes=2, gpus_per_node=1, gpu="cpu")
+
+    def net(*items, given=("ifname",), **kw):
+        return NetworkSpec(socket_ifname="eth0", extra=parse_env_assignments(list(items)), given=given, **kw)
+
+    env = rank_environment(cluster=gpu2, network=net("GLOO_SOCKET_IFNAME=lo"))
+    assert (env["NCCL_SOCKET_IFNAME"], env["GLOO_SOCKET_IFNAME"]) == ("eth0", "lo")
+    env = rank_environment(cluster=cpu, network=net("NCCL_SOCKET_IFNAME=ib0"))
+    assert (env["GLOO_SOCKET_IFNAME"], env["NCCL_SOCKET_IFNAME"]) == ("eth0", "ib0")
+    with pytest.raises(
+        SpecError, match="NCCL_SOCKET_IFNAME=ib0 and --ifname both set NCCL_SOCKET_IFNAME .backend nccl"
+    ):
+        rank_environment(cluster=gpu2, network=net("NCCL_SOCKET_IFNAME=ib0"))
+    # --nccl-debug sets nothing under gloo: an --env NCCL_DEBUG beside it is the only value passed on
+    env = rank_environment(cluster=cpu, network=net("NCCL_DEBUG=INFO", given=("nccl_debug",), nccl_debug="TRACE"))
+    assert env["NCCL_DEBUG"] == "INFO"
+    # without the flag given, an --env replaces the flag's default on either backend
+    assert (
+        rank_environment(cluster=gpu2, network=net("NCCL_SOCKET_IFNAME=ib0", given=()))["NCCL_SOCKET_IFNAME"] == "ib0"
+    )
 
 
 def test_slurm_script(runs):

@@ -317,3 +317,32 @@ def test_a_damaged_latest_file_leaves_the_checkpoint_rows_unmeasured(run, latest
     md = (run / "report" / "report.md").read_text()
     assert "| checkpoint per save (MiB) |" in md and "Traceback" not in r.stderr
     assert next(line for line in md.splitlines() if line.startswith("| checkpoint per save")).endswith("| n/a | n/a |")
+
+
+def test_the_jobs_events_are_reported_with_the_lines_left_out(run):
+    """events.jsonl (hangs, restarts, the save interval re-planned) in report.md's results and the command's output:
+    a hang waited in by 2 of 4 ranks names the other two; a line torn by a kill, one that is not an object and a
+    hang whose step is a list (damage) are told, not a traceback."""
+    write_csv(run / "metrics.csv", STEP_COLUMNS, gpu_like_rows())
+    events = [
+        {"time": "2026-11-30T10:00:00Z", "event": "hang", "rank": 0, "world": 4, "op": "all_reduce", "step": 7},
+        {"time": "2026-11-30T10:00:00Z", "event": "hang", "rank": 2, "world": 4, "op": "all_reduce", "step": 7},
+        {"time": "2026-11-30T10:01:00Z", "event": "restart", "attempt": 1, "world": 4, "step": 5},
+        {"time": "2026-11-30T10:02:00Z", "event": "hang", "rank": 1, "world": 4, "op": "broadcast", "step": [9]},
+    ]
+    lines = [json.dumps(e) for e in events] + ["[1, 2]", "", '{"time": "2026-11-30T10:03:00Z", "ev']
+    (run / "events.jsonl").write_text("\n".join(lines))
+    r = dspipe("report", "runs/t", cwd=run.parent.parent)
+    assert r.returncode == 0, r.stderr
+    told = (
+        "hang at step 7: rank(s) 0, 2 waited inside all_reduce (not rank(s) 1, 3); hang at step [9]: rank(s) 1 "
+        "waited inside broadcast (not rank(s) 0, 2, 3); restart 1 resumed at step 5 on 4 ranks (2 line(s) of "
+        "events.jsonl unreadable: torn by a kill, or not a JSON object)"
+    )
+    assert f"events: {told}" in r.stdout
+    md = (run / "report" / "report.md").read_text()
+    assert f"- job events (events.jsonl: hangs, restarts, the save interval re-planned): {told}" in md
+    (run / "events.jsonl").unlink()
+    r = dspipe("report", "runs/t", cwd=run.parent.parent)
+    assert r.returncode == 0 and "events:" not in r.stdout
+    assert "the save interval re-planned): no events" in (run / "report" / "report.md").read_text()

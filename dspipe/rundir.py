@@ -259,6 +259,7 @@ def load_run(path: str | Path, *, extending: bool = False) -> Run:
     check_ds_config(ds_config, plan=specs["plan"], source=ds_file)
     skip = ("scheduler.params.total_num_steps",) if extending else ()
     check_ds_training(ds_config, train=specs["train"], source=ds_file, skip=skip)
+    check_ds_values(ds_config, source=ds_file)
     return Run(path=path, **specs, data=data, estimate=estimate, ds_config=ds_config)
 
 
@@ -353,6 +354,31 @@ def _check_activation_checkpointing(ac: object, *, plan: Plan, source: Path | st
             )
 
 
+def check_ds_values(ds: dict, *, source: Path | str) -> None:
+    """Every key of ds_config.json through the checks a --preset gets (dspipe.planner.ds_preset.import_preset: each
+    value's type and range, the keys DeepSpeed 0.19 refuses and those dspipe does not render), and what a preset may
+    hold but a rendered config may not: "auto" (gen-config resolves it, DeepSpeed does not) and a key DeepSpeed would
+    ignore (a misspelt one: its setting would silently be DeepSpeed's default)."""
+    from dspipe.planner.ds_preset import UNKNOWN_KEY, auto_keys, import_preset
+
+    imp = import_preset(ds, source=str(source), label=str(source))
+    unknown = next((note for note in imp.notes if UNKNOWN_KEY in note), None)
+    if unknown is not None:
+        said = unknown.removeprefix("preset: ").split(";")[0]
+        close = unknown.partition(" (did you mean ")[2].rstrip(")?")
+        raise SpecError(
+            f"{source}: {said}; DeepSpeed would ignore it"
+            + (f" (did you mean {close}?)" if close else "")
+            + ": remove it, or regenerate with 'dspipe gen-config --force'"
+        )
+    auto = auto_keys(imp)
+    if auto:
+        raise SpecError(
+            f'{source}: {auto[0]} is "auto", which gen-config resolves and DeepSpeed does not: give its value, or '
+            f"regenerate with 'dspipe gen-config --force'"
+        )
+
+
 def check_ds_config(ds: dict, *, plan: Plan, source: Path | str) -> None:
     """ds_config.json against the plan: the batch equation, ZeRO stage, optimizer offload, precision, pipeline
     stages and the activation-checkpointing block the engine reads. A key DeepSpeed defaults (zero stage 0,
@@ -419,15 +445,48 @@ TRAIN_KEYS = {  # ds_config.json key -> the TrainSpec field gen-config (and exte
 }
 
 
+_ALWAYS = ("optimizer.params.lr", "optimizer.params.weight_decay", "gradient_clipping")
+RENDERED_TRAIN_KEYS = {  # scheduler type -> the TRAIN_KEYS gen-config renders with it (ds_preset.scheduler_block)
+    "WarmupCosineLR": (
+        *_ALWAYS,
+        "scheduler.params.total_num_steps",
+        "scheduler.params.warmup_num_steps",
+        "scheduler.params.cos_min_ratio",
+    ),
+    "WarmupLR": (*_ALWAYS, "scheduler.params.warmup_max_lr", "scheduler.params.warmup_num_steps"),
+    "WarmupDecayLR": (
+        *_ALWAYS,
+        "scheduler.params.warmup_max_lr",
+        "scheduler.params.warmup_num_steps",
+        "scheduler.params.total_num_steps",
+    ),
+}
+"""An unknown scheduler type is refused by check_ds_values (the --preset checks)."""
+
+
 def check_ds_training(ds: dict, *, train: TrainSpec, source: Path | str, skip: tuple[str, ...] = ()) -> None:
     """ds_config.json's optimizer and schedule against dspipe.json's train spec (every key gen-config renders from
     it: a hand edit would train at values the run directory does not say, a negative learning rate included), and
     the optimizer's betas and eps in DeepSpeed's ranges (0 <= beta < 1, eps > 0)."""
 
+    for section in ("optimizer", "scheduler"):
+        if not isinstance(ds.get(section), dict) or not isinstance(ds[section].get("params"), dict):
+            raise SpecError(
+                f"{source}: {section} must be an object with params (gen-config renders both; without them DeepSpeed "
+                f"would train with {'no optimizer' if section == 'optimizer' else 'a constant learning rate'}), got "
+                f"{show(ds[section]) if section in ds else 'nothing'}; regenerate both with 'dspipe gen-config --force'"
+            )
+    rendered = RENDERED_TRAIN_KEYS.get(ds["scheduler"].get("type"), ())
     for key, name in TRAIN_KEYS.items():
         have, want = dotted_get(ds, key), getattr(train, name)
-        if have is MISSING or key in skip:
+        if key in skip or (have is MISSING and key not in rendered):
             continue
+        if have is MISSING:
+            raise SpecError(
+                f"{source}: missing {key} ({SPEC_FILE}'s train.{name} is {want!r}; without it DeepSpeed would use "
+                f"its own default); regenerate both with 'dspipe gen-config --force' (its {_train_flag(name)} sets "
+                f"both)"
+            )
         number = isinstance(have, (int, float)) and not isinstance(have, bool)
         if not number or have != want or (isinstance(want, int) and not isinstance(have, int)):
             raise SpecError(

@@ -31,6 +31,10 @@ from dspipe.planner.ds_schema import PLANNER_AUTO, option, section
 from dspipe.spec.kinds import Offload
 from dspipe.spec.settings import AUTO
 
+UNKNOWN_KEY = "is not a DeepSpeed setting"
+"""The words of import_preset's note on a key DeepSpeed ignores (an unknown top-level key, or one of a dict section)."""
+
+
 SCHEDULERS = ("WarmupCosineLR", "WarmupLR", "WarmupDecayLR")
 OPTIMIZERS = ("adam", "adamw")  # DeepSpeed lower-cases its own optimizer names; Adam is decoupled (adam_w_mode) too
 
@@ -190,6 +194,8 @@ class PresetImport:
 
     source: str
     canon: dict[str, Any]
+    label: str = ""
+    """How errors name the file ("preset SOURCE" unless given: a run's ds_config.json names its path)."""
     """The preset under DeepSpeed's canonical names, without the keys already reported (the keys account() checks)."""
     options: dict[str, Any] = field(default_factory=dict)
     """gen-config option -> the preset's value (strategy and training)."""
@@ -205,7 +211,7 @@ class PresetImport:
     """Report lines known before planning (aliases, ignored keys)."""
 
     def error(self, path: str, value: object, why: str) -> SpecError:
-        return SpecError(f"preset {self.source}: {path} {_show(value)} {why}")
+        return SpecError(f"{self.label or 'preset ' + self.source}: {path} {_show(value)} {why}")
 
     def shown(self, option: str) -> str:
         """The preset's key(s) behind a gen-config option and their values, e.g. 'bf16.enabled true'."""
@@ -259,9 +265,9 @@ def read_preset(path: Path) -> dict[str, Any]:
 # ---- import ----------------------------------------------------------------------------------------------------------
 
 
-def import_preset(cfg: dict[str, Any], *, source: str) -> PresetImport:
-    """Refuse or normalise every key of `cfg`; see the module docstring."""
-    imp = PresetImport(source=source, canon={})
+def import_preset(cfg: dict[str, Any], *, source: str, label: str = "") -> PresetImport:
+    """Refuse or normalise every key of `cfg`; see the module docstring. `label`: how errors name the file."""
+    imp = PresetImport(source=source, canon={}, label=label)
     canon = imp.canon
     cfg = dict(cfg)
     for key in REMOVED_TOP:
@@ -304,7 +310,7 @@ def import_preset(cfg: dict[str, Any], *, source: str) -> PresetImport:
         else:
             close = difflib.get_close_matches(key, [*TOP, *SECTIONS, *UNRENDERED_TOP, *UNRENDERED_SECTIONS], n=1)
             imp.note(
-                f"{key} is not a DeepSpeed setting; ignored, as DeepSpeed ignores unknown top-level keys"
+                f"{key} {UNKNOWN_KEY}; ignored, as DeepSpeed ignores unknown top-level keys"
                 + (f" (did you mean {close[0]}?)" if close else "")
             )
     _precision(imp)
@@ -441,7 +447,7 @@ def _section(
                 + (f"; did you mean {close[0]}?" if close else ""),
             )
         else:
-            imp.note(f"{path} is not a DeepSpeed setting; ignored, as DeepSpeed ignores it")
+            imp.note(f"{path} {UNKNOWN_KEY}; ignored, as DeepSpeed ignores it")
 
 
 def _optimizer(imp: PresetImport, value: dict[str, Any], canon: dict[str, Any]) -> None:
@@ -711,6 +717,11 @@ def scheduler_block(
         if kind == "WarmupDecayLR":
             params["total_num_steps"] = steps
     return kind, params
+
+
+def auto_keys(imp: PresetImport) -> list[str]:
+    """The dotted keys whose value is "auto" (gen-config resolves them; DeepSpeed does not)."""
+    return [path for path, value in _leaves(imp.canon) if value == AUTO]
 
 
 def _leaves(d: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:

@@ -209,6 +209,19 @@ RUN_CASES = [  # (id, file named in the message, damage, words the message holds
     ("ds-cos", DS, edit(DS, put("scheduler.params.cos_min_ratio", -1)), "cos_min_ratio is -1"),
     ("ds-betas", DS, edit(DS, put("optimizer.params.betas", [0.9, 1.5])), "betas must be two numbers in [0, 1)"),
     ("ds-eps", DS, edit(DS, put("optimizer.params.eps", 0)), "eps must be a number in (0, 1), got 0"),
+    # a key deleted would be DeepSpeed's default, not the run's value (clipping off, Adam's lr 1e-3, no scheduler)
+    ("ds-no-clip", DS, edit(DS, drop("gradient_clipping")), "missing gradient_clipping (dspipe.json's train.grad_clip"),
+    ("ds-no-lr", DS, edit(DS, drop("optimizer.params.lr")), "missing optimizer.params.lr (dspipe.json's train.lr"),
+    ("ds-no-warmup", DS, edit(DS, drop("scheduler.params.warmup_num_steps")), "missing scheduler.params.warmup_num"),
+    ("ds-no-scheduler", DS, edit(DS, drop("scheduler")), "scheduler must be an object with params"),
+    # every other key through the checks a --preset gets: types, ranges, keys DeepSpeed ignores, "auto"
+    ("ds-overlap-str", DS, edit(DS, put("zero_optimization.overlap_comm", "x")), 'overlap_comm "x" must be true or'),
+    ("ds-print", DS, edit(DS, put("steps_per_print", -1)), "steps_per_print -1 must be an integer >= 1"),
+    ("ds-typo", DS, edit(DS, put("gradient_clippin", 1.0)), "(did you mean gradient_clipping?)"),
+    ("ds-ac-unknown", DS, edit(DS, put("activation_checkpointing.zz", 1)), "activation_checkpointing.zz is not a"),
+    ("ds-zero-unknown", DS, edit(DS, put("zero_optimization.zz", 1)), "zero_optimization.zz 1 is not a key of"),
+    ("ds-bucket-auto", DS, edit(DS, put("zero_optimization.reduce_bucket_size", "auto")), 'size is "auto", which'),
+    ("ds-removed", DS, edit(DS, put("curriculum_learning", {})), "was removed from DeepSpeed 0.19"),
 ]
 
 RUN_COMMANDS = [

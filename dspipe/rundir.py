@@ -27,6 +27,7 @@ from dspipe.spec.train import TrainSpec
 FORMAT_VERSION = 1
 SPEC_FILE = "dspipe.json"
 DS_CONFIG_FILE = "ds_config.json"
+CHECKPOINTS_DIR = "checkpoints"
 ENGINE_FILE = "engine.json"  # the live engine's settings, written by the runner's rank 0
 VAL_FILE = "val_metrics.csv"  # validation rows (dspipe.planner.throughput.VAL_COLUMNS)
 CONFIG_FILE = "config.yaml"  # gen-config's options as resolved (dspipe.cli.config_file): --config reproduces the run
@@ -73,7 +74,7 @@ class Run:
 
     @property
     def checkpoint_dir(self) -> Path:
-        return self.path / "checkpoints"
+        return self.path / CHECKPOINTS_DIR
 
     @property
     def metrics_path(self) -> Path:

@@ -276,11 +276,17 @@ def _check_blend_state(source: Path, data: dict, count) -> None:
         raise SpecError(f"{source}: data.sources drawn {drawn} in all != data.consumed_samples {consumed}")
 
 
+def model_diff(meta: CheckpointMeta, model: ModelSpec) -> list[str]:
+    """'key saved -> now' for every field (but the name) where the checkpoint's model differs from `model` (keys
+    added since the save: their defaults)."""
+    saved, now = asdict(meta.spec), asdict(model)
+    return [f"{k} {saved.get(k)} -> {now[k]}" for k in now if k != "name" and saved.get(k) != now[k]]
+
+
 def check_compatible(meta: CheckpointMeta, run, path: Path) -> None:
     """Refuse a checkpoint whose model shape or ZeRO stage differ from this run's, or whose layout (dp, tp, pp,
     sp) differs where DeepSpeed cannot re-partition the state (layout_change_refusal)."""
-    saved, now = asdict(meta.spec), asdict(run.model)  # keys added since: their defaults
-    diff = [f"{k} {saved.get(k)} -> {now[k]}" for k in now if k != "name" and saved.get(k) != now[k]]
+    diff = model_diff(meta, run.model)
     if diff:
         raise SpecError(f"checkpoint {path} holds a different model shape: {', '.join(diff)}")
     if meta.zero_stage != run.plan.zero_stage:

@@ -16,7 +16,7 @@ from dspipe.jsonio import read_object
 from dspipe.log import get_logger
 from dspipe.model.hf_arch import architecture_of  # the architectures
 from dspipe.model.hf_state import hf_model
-from dspipe.rundir import DS_CONFIG_FILE
+from dspipe.rundir import CHECKPOINTS_DIR, DS_CONFIG_FILE
 from dspipe.runtime import ckpt_meta, ckpt_tags
 from dspipe.tools.consolidate import consolidate, model_spec
 
@@ -80,6 +80,24 @@ def _latest_tag(ckpt_dir: Path, *, newest: Path | None) -> str | None:
             f"{latest} is a directory, not the file naming the newest checkpoint; {_give_checkpoint(ckpt_dir, newest)}"
         )
     return ckpt_tags.read_latest(ckpt_dir, hint=_give_checkpoint(ckpt_dir, newest))
+
+
+def read_checkpoint_meta(checkpoint: Path) -> ckpt_meta.CheckpointMeta:
+    """The checkpoint's meta (dspipe.json); for a checkpoint of a run directory (runs/NAME/checkpoints/TAG) its model
+    must be the run's (every save writes the run's model; a resume refuses another): one that differs was edited, and
+    its weights would be read as another model (heads 8 where 4 were trained splits the same q/k/v rows otherwise)."""
+    meta = ckpt_meta.read_meta(checkpoint)
+    run_dir = checkpoint.parent.parent
+    if checkpoint.parent.name == CHECKPOINTS_DIR and os.path.lexists(run_dir / DS_CONFIG_FILE):
+        from dspipe.rundir import SPEC_FILE, load_run
+
+        diff = ckpt_meta.model_diff(meta, load_run(run_dir).model)
+        if diff:
+            raise SpecError(
+                f"{checkpoint / ckpt_tags.META_FILE} holds another model than its run's {run_dir / SPEC_FILE} "
+                f"(checkpoint -> run: {', '.join(diff)}); a save writes the run's model, so one of the two was edited"
+            )
+    return meta
 
 
 def tokenizer_dir(checkpoint: Path) -> Path:
@@ -201,7 +219,7 @@ def export_hf(*, source: str | Path, out: str | Path, force: bool = False) -> Pa
     out = outputs.target(out, flag="--out", expect="dir")
     outputs.claim_dir(out, kind="export-hf", replace=force)  # only a previous export, never a run or other data
     checkpoint = resolve_checkpoint(source)
-    meta = ckpt_meta.read_meta(checkpoint)
+    meta = read_checkpoint_meta(checkpoint)
     tok_dir = tokenizer_dir(checkpoint)
     tokenizer = load_tokenizer(tok_dir)
     spec = model_spec(meta)

@@ -327,12 +327,11 @@ def _check_shape(config: dict, *, source: Path) -> None:
 
 
 def _load_checkpoint(path: Path) -> Model:
-    from dspipe.runtime import ckpt_meta
     from dspipe.tools.consolidate import load_gpt
-    from dspipe.tools.export import load_tokenizer, resolve_checkpoint, tokenizer_dir
+    from dspipe.tools.export import load_tokenizer, read_checkpoint_meta, resolve_checkpoint, tokenizer_dir
 
     checkpoint = resolve_checkpoint(path)
-    meta = ckpt_meta.read_meta(checkpoint)
+    meta = read_checkpoint_meta(checkpoint)
     tokenizer = load_tokenizer(tokenizer_dir(checkpoint))
     gpt = load_gpt(checkpoint, meta=meta)
     return Model(logits=gpt, context=gpt.spec.seq_len, tokenizer=tokenizer)

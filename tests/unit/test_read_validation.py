@@ -387,6 +387,8 @@ CKPT_CASES = [
     ("data-seed", edit(CKPT, drop("data.seed")), "missing data.seed"),
     ("nan", text_edit(CKPT, '"step": 2', '"step": NaN'), "NaN"),
     ("position", edit(CKPT, put("consumed_samples", 48)), "data.consumed_samples 32 != consumed_samples 48"),
+    # the same weight shapes, split into 8 heads where 4 were trained: not its run's model
+    ("heads-edited", edit(CKPT, put("model.heads", 8)), "heads 8 -> 4"),
 ]
 
 

@@ -35,6 +35,51 @@ ESTIMATE_LAYOUT = (
 """Figures of dspipe.json's estimate that repeat the plan (dspipe.planner.summary.estimate_summary)."""
 
 
+MAX_FIGURE = 1e21
+"""The largest figure an estimate holds (bytes of a 405B model's checkpoint are ~1e13, tokens/s ~1e8): beyond it, a
+damaged file (1e30 tokens/s printed a 31-digit MFU)."""
+FRACTIONS = ("mfu", "memory_headroom")
+NOT_NUMBERS = {  # block -> {key: what it holds instead of a number}
+    "startup": {"mode": str, "build": str, "holds": str, "not_counted": str, "import_bytes": (int, float, type(None))},
+    "first_step": {"jit_ops": list, "ops_checked": bool},
+    "checkpoint": {},
+    "memory_per_gpu_bytes": {},
+}
+"""The estimate's blocks whose figures readers use (report, calibrate): every other key of theirs is a number."""
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_blocks(estimate: dict, *, source: Path | str) -> None:
+    """Every number of the estimate finite, >= 0 and below MAX_FIGURE (mfu and the memory headroom at most 1); in
+    the blocks readers use (NOT_NUMBERS), every figure a number."""
+
+    def leaves(node, prefix: str):
+        for key, value in node.items():
+            if isinstance(value, dict):
+                yield from leaves(value, f"{prefix}{key}.")
+            else:
+                yield f"{prefix}{key}", value
+
+    for name, value in leaves(estimate, ""):
+        if _is_number(value) and not 0 <= value <= (1 if name in FRACTIONS else MAX_FIGURE):
+            top = 1 if name in FRACTIONS else f"{MAX_FIGURE:g}"
+            raise SpecError(f"{source}: estimate.{name} must be a number in 0..{top}, got {show(value)}")
+    for block, other in NOT_NUMBERS.items():
+        value = estimate.get(block)
+        if not isinstance(value, dict):
+            continue
+        for key, figure in value.items():
+            kind = other.get(key)
+            if kind is None and not _is_number(figure):
+                raise SpecError(f"{source}: estimate.{block}.{key} must be a number, got {show(figure)}")
+            if kind is not None and (not isinstance(figure, kind) or (kind is not bool and isinstance(figure, bool))):
+                what = {str: "text", list: "a list", bool: "true or false"}.get(kind, "a number or null")
+                raise SpecError(f"{source}: estimate.{block}.{key} must be {what}, got {show(figure)}")
+
+
 def _figure(value) -> float | None:
     return None if value is None else float(value)
 
@@ -154,6 +199,7 @@ class RunEstimate:
                 number = isinstance(value, (int, float)) and not isinstance(value, bool)
                 if (number and not 0 <= value < float("inf")) or (section == "step_time_breakdown_s" and not number):
                     raise SpecError(f"{source}: estimate.{section}.{key} must be a number >= 0, got {show(value)}")
+        _check_blocks(estimate, source=source)
         if AUTO_INTERVAL in estimate and estimate[AUTO_INTERVAL] is not True:
             raise SpecError(
                 f"{source}: estimate.{AUTO_INTERVAL} must be true when present, got {show(estimate[AUTO_INTERVAL])}"

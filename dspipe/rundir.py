@@ -261,6 +261,7 @@ def load_run(path: str | Path, *, extending: bool = False) -> Run:
     skip = ("scheduler.params.total_num_steps",) if extending else ()
     check_ds_training(ds_config, train=specs["train"], source=ds_file, skip=skip)
     check_ds_values(ds_config, source=ds_file)
+    check_ds_keys(ds_config, model=specs["model"], train=specs["train"], plan=specs["plan"], source=ds_file)
     return Run(path=path, **specs, data=data, estimate=estimate, ds_config=ds_config)
 
 
@@ -380,6 +381,53 @@ def check_ds_values(ds: dict, *, source: Path | str) -> None:
         )
 
 
+def _leaf_keys(d: dict, prefix: str = "") -> set[str]:
+    keys = set()
+    for key, value in d.items():
+        if isinstance(value, dict) and value:
+            keys |= _leaf_keys(value, f"{prefix}{key}.")
+        else:
+            keys.add(f"{prefix}{key}")
+    return keys
+
+
+def check_ds_keys(ds: dict, *, model: ModelSpec, train: TrainSpec, plan: Plan, source: Path | str) -> None:
+    """Every key gen-config renders for this plan is in ds_config.json (it writes the config in full, nothing left to
+    DeepSpeed's defaults; a deleted key would be DeepSpeed's default, not the run's value). The scheduler's parameters
+    depend on its type (a --preset's), which check_ds_training checks."""
+    from types import SimpleNamespace
+
+    from dspipe.planner.ds_preset import scheduler_block
+    from dspipe.planner.ds_schema import PLANNED, SCHEMA
+    from dspipe.planner.render import render_ds_config
+
+    rendered = render_ds_config(plan=plan, model=model, train=train, monitor_dir="monitor")
+    kind = dotted_get(ds, "scheduler.type")  # a type check_ds_values let through: one of DeepSpeed's three
+    _, params = scheduler_block(
+        SimpleNamespace(scheduler_type=kind, scheduler_params={}),
+        lr=train.lr,
+        steps=train.steps,
+        warmup=train.warmup_steps,
+        min_lr_ratio=train.min_lr_ratio,
+    )
+    rendered["scheduler"]["params"] = params
+    have = _leaf_keys({("bf16" if k == "bfloat16" else k): v for k, v in ds.items()})  # DeepSpeed's old name
+    missing = sorted(_leaf_keys(rendered) - have)
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise SpecError(
+            f"{source}: missing {missing[0]}{more}: gen-config writes every key, and without it DeepSpeed would use "
+            f"its own default; regenerate with 'dspipe gen-config --force'"
+        )
+    for row in SCHEMA:  # the values the plan alone derives (a --preset's must equal them too)
+        want, value = dotted_get(rendered, row.path), dotted_get(ds, row.path)
+        if row.take == PLANNED and want is not MISSING and value != want:
+            raise SpecError(
+                f"{source}: {row.path} is {show(value)}, but dspipe renders {show(want)} for this run (it follows "
+                f"from the plan in {SPEC_FILE}); regenerate with 'dspipe gen-config --force'"
+            )
+
+
 def check_ds_config(ds: dict, *, plan: Plan, source: Path | str) -> None:
     """ds_config.json against the plan: the batch equation, ZeRO stage, optimizer offload, precision, pipeline
     stages and the activation-checkpointing block the engine reads. A key DeepSpeed defaults (zero stage 0,
@@ -406,12 +454,16 @@ def check_ds_config(ds: dict, *, plan: Plan, source: Path | str) -> None:
         f"{bf16}.enabled": plan.precision == Precision.BF16,
         "fp16.enabled": plan.precision == Precision.FP16,
         "pipeline.stages": plan.pp,
+        "sequence_parallel_size": plan.sp,
+        "data_types.grad_accum_dtype": plan.grad_accum_dtype,
     }
     defaults = {
         "zero_optimization.stage": 0,
         f"{bf16}.enabled": False,
         "fp16.enabled": False,
         "pipeline.stages": plan.pp,
+        "sequence_parallel_size": 1,  # DeepSpeed's default
+        "data_types.grad_accum_dtype": plan.grad_accum_dtype,  # a run rendered before the key: the training dtype's
     }
     for key, want in wanted.items():
         have = lookup(key, defaults.get(key, KeyError))
@@ -426,7 +478,7 @@ def check_ds_config(ds: dict, *, plan: Plan, source: Path | str) -> None:
     if plan.zero_stage:
         device = lookup("zero_optimization.offload_optimizer", {})
         device = device.get("device", "none") if isinstance(device, dict) else device
-        if (device or "none") != plan.offload:
+        if not isinstance(device, str) or device != plan.offload:  # null: DeepSpeed refuses it, not "none"
             raise SpecError(
                 f"{source}: zero_optimization.offload_optimizer.device is {show(device)} but the "
                 f"plan in {SPEC_FILE} has {plan.offload!r}"
@@ -477,7 +529,14 @@ def check_ds_training(ds: dict, *, train: TrainSpec, source: Path | str, skip: t
                 f"would train with {'no optimizer' if section == 'optimizer' else 'a constant learning rate'}), got "
                 f"{show(ds[section]) if section in ds else 'nothing'}; regenerate both with 'dspipe gen-config --force'"
             )
-    rendered = RENDERED_TRAIN_KEYS.get(ds["scheduler"].get("type"), ())
+    for key in ("optimizer.type", "optimizer.params.betas", "optimizer.params.eps"):  # rendered for every run
+        if dotted_get(ds, key) is MISSING:
+            raise SpecError(
+                f"{source}: missing {key} (gen-config renders it; without it DeepSpeed would use its own default); "
+                f"regenerate with 'dspipe gen-config --force'"
+            )
+    kind = ds["scheduler"].get("type")
+    rendered = RENDERED_TRAIN_KEYS.get(kind, ()) if isinstance(kind, str) else ()  # another: check_ds_values
     for key, name in TRAIN_KEYS.items():
         have, want = dotted_get(ds, key), getattr(train, name)
         if key in skip or (have is MISSING and key not in rendered):

@@ -100,10 +100,10 @@ def _extended_config(path: Path, *, steps: int | None, tokens: str | None, warmu
     return dump(doc, command="gen-config")
 
 
-def verify(ds_config: dict, *, dp: int) -> None:
+def verify(ds_config: dict, *, dp: int, source: Path) -> None:
     from dspipe.cli.prepare_run import verify_with_deepspeed
 
-    verify_with_deepspeed(ds_config, dp=dp)
+    verify_with_deepspeed(ds_config, dp=dp, source=source)
 
 
 @click.command("extend")
@@ -144,7 +144,7 @@ def extend(run_dir: Path, steps: int | None, tokens: str | None) -> None:
         run.path / CONFIG_FILE, steps=None if budget else new_steps, tokens=budget, warmup=run.train.warmup_steps
     )
     ds_config, changed = extended_ds_config(run, run.ds_config, steps=new_steps)
-    verify(ds_config, dp=run.plan.ds_batch_ranks)
+    verify(ds_config, dp=run.plan.ds_batch_ranks, source=run.ds_config_path)  # its other keys: as the run has them
     spec_text = dumps(spec, what=str(run.path / SPEC_FILE))
     ds_text = dumps(ds_config, what=str(run.path / DS_CONFIG_FILE))
     write_file(run.path / DS_CONFIG_FILE, ds_text)  # first: a rerun after a crash between the two completes it

@@ -262,6 +262,7 @@ def launch(run_dir: Path, dry_run: bool, resume: str | None, restart: bool, test
     run = load_run(run_dir)
     check_resume(resume, checkpoint_dir=run.checkpoint_dir)  # the ranks would refuse it only after the start-up
     _check_init_from(run.train.init_from)
+    _check_with_deepspeed(run)
     spec = _launch_spec(o)
     env = rank_environment(cluster=run.cluster, network=_network(o))
     program = [*run_program(run.path), *program_args, *(["--test-faults", test_faults] if test_faults else [])]
@@ -308,6 +309,14 @@ def launch(run_dir: Path, dry_run: bool, resume: str | None, restart: bool, test
         get_logger(__name__).warning(f"dspipe: {run.path}: {told}")
     if rc:
         raise SystemExit(rc)
+
+
+def _check_with_deepspeed(run) -> None:
+    """ds_config.json through DeepSpeed's own config class, as gen-config checked what it rendered: a value that
+    passed dspipe's checks but not DeepSpeed's would otherwise end every rank inside deepspeed.initialize."""
+    from dspipe.cli.prepare_run import verify_with_deepspeed
+
+    verify_with_deepspeed(run.ds_config, dp=run.plan.ds_batch_ranks, source=run.ds_config_path)
 
 
 def _check_init_from(init_from: str | None) -> None:
@@ -556,6 +565,7 @@ def slurm_script(
     first = resume_args(resume=resume, restart=restart)
     run = load_run(run_dir)  # read here: the run directory is on the file system the job's nodes share
     check_resume(resume, checkpoint_dir=run.checkpoint_dir)  # so is the checkpoint --resume names
+    _check_with_deepspeed(run)
     rank_environment(cluster=run.cluster, network=_network(o))  # reject bad network options now, not in the job
     LaunchSpec(master_port=master_port)
     out = target(run.path / "slurm.sbatch" if out is None else out, flag="--out", expect="file")

@@ -18,19 +18,24 @@ from dspipe.spec.cluster import ClusterSpec
 from dspipe.spec.model import ModelSpec
 
 
-def verify_with_deepspeed(ds_config: dict, *, dp: int) -> None:
-    """Parse the config with DeepSpeedConfig as rank 0 of `dp` would; a note (no error) without deepspeed."""
+def verify_with_deepspeed(ds_config: dict, *, dp: int, source: Path | None = None) -> None:
+    """Parse the config with DeepSpeedConfig as rank 0 of `dp` would; a note (no error) without deepspeed. `source`:
+    the run directory's ds_config.json it was read from (a launch's check), named in the error."""
+    from dspipe.runtime.dscheck import import_deepspeed_quietly, parse_with_deepspeed
+
     try:
-        import deepspeed  # noqa: F401  (optional here: planning works without it)
+        import_deepspeed_quietly()  # optional here: planning works without it; its import-time lines not on stdout
     except ImportError:
         get_logger(__name__).info("note: deepspeed is not installed; the config was not parsed by DeepSpeedConfig")
         return
-    from dspipe.runtime.dscheck import parse_with_deepspeed
 
     try:
         parse_with_deepspeed(ds_config, dp=dp)
     except Exception as e:  # DeepSpeed raises assertion, value and pydantic errors alike
-        raise SpecError(f"DeepSpeed rejects the rendered config: {' '.join(str(e).split())}") from None
+        said = " ".join(str(e).split())
+        raise SpecError(
+            f"{source}: DeepSpeed rejects it: {said}" if source else f"DeepSpeed rejects the rendered config: {said}"
+        ) from None
 
 
 def prepare_run(

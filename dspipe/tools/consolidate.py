@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import sys
 from pathlib import Path
 
 from dspipe.errors import SpecError
@@ -56,16 +55,11 @@ def _quiet():
 
 def _import_deepspeed() -> None:
     """DeepSpeed logs to stdout from import on (e.g. 'Setting accelerator to CPU'); `generate` prints only text."""
-    if "deepspeed" in sys.modules:
-        return
-    import logging
+    from dspipe.runtime.dscheck import import_deepspeed_quietly
 
+    import_deepspeed_quietly()
     with _quiet():
         import deepspeed.utils.zero_to_fp32  # noqa: F401
-        from deepspeed.utils import logger
-    for handler in logger.handlers:
-        if isinstance(handler, logging.StreamHandler):
-            handler.setStream(sys.stderr)
 
 
 def _load(path: Path, *, mmap: bool = False) -> dict:

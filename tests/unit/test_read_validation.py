@@ -222,6 +222,20 @@ RUN_CASES = [  # (id, file named in the message, damage, words the message holds
     ("ds-zero-unknown", DS, edit(DS, put("zero_optimization.zz", 1)), "zero_optimization.zz 1 is not a key of"),
     ("ds-bucket-auto", DS, edit(DS, put("zero_optimization.reduce_bucket_size", "auto")), 'size is "auto", which'),
     ("ds-removed", DS, edit(DS, put("curriculum_learning", {})), "was removed from DeepSpeed 0.19"),
+    # gen-config writes every key: none may be missing, and those the plan alone derives must be its values
+    ("ds-no-betas", DS, edit(DS, drop("optimizer.params.betas")), "missing optimizer.params.betas"),
+    ("ds-no-bucket", DS, edit(DS, drop("zero_optimization.reduce_bucket_size")), "missing zero_optimization.reduce"),
+    ("ds-no-warmup-type", DS, edit(DS, drop("scheduler.params.warmup_type")), "missing scheduler.params.warmup_type"),
+    ("ds-sp", DS, edit(DS, put("sequence_parallel_size", 2)), "sequence_parallel_size is 2 but the plan"),
+    ("ds-accum", DS, edit(DS, put("data_types.grad_accum_dtype", "bf16")), "grad_accum_dtype is 'bf16' but the plan"),
+    ("ds-offload-null", DS, edit(DS, put("zero_optimization.offload_optimizer.device", None)), "device is None but"),
+    ("ds-planned", DS, edit(DS, put("pipeline.seed_layers", True)), "seed_layers is True, but dspipe renders False"),
+    ("ds-scheduler-obj", DS, edit(DS, put("scheduler.type", {"a": 1})), "scheduler.type"),
+    # the estimate's figures report and calibrate read
+    ("spec-ckpt-bytes", SPEC, edit(SPEC, put("estimate.checkpoint.bytes", "x")), "checkpoint.bytes must be a number"),
+    ("spec-mfu", SPEC, edit(SPEC, put("estimate.mfu", 1e30)), "estimate.mfu must be a number in 0..1, got 1e+30"),
+    ("spec-first-step", SPEC, edit(SPEC, put("estimate.first_step.seconds", "x")), "first_step.seconds must be a"),
+    ("spec-startup-mode", SPEC, edit(SPEC, put("estimate.startup.mode", 3)), "estimate.startup.mode must be text"),
 ]
 
 RUN_COMMANDS = [

@@ -613,3 +613,18 @@ def test_slurm_script_requeues_a_failed_step(runs):
     assert "-lt 0 ]" in (runs / "plain.sbatch").read_text()  # no requeue after a failure unless asked
     fails(runs, "slurm-script", "runs/h100", "--min-nodes", "1", message="--min-nodes 1 needs --max-restarts N")
     fails(runs, "slurm-script", "runs/h100", "--sbatch=--no-kill", message="the script sets --no-kill itself")
+
+
+def test_a_config_deepspeed_rejects_is_refused_before_any_rank_starts(runs, tmp_path):
+    """A value dspipe's own checks let through (a bucket of 1e30 bytes, a float where DeepSpeed's pydantic field
+    wants an integer) is refused by launch and slurm-script through DeepSpeed's config class, naming the file, rather
+    than by every rank inside deepspeed.initialize."""
+    shutil.copytree(runs / "runs" / "single", tmp_path / "runs" / "single")
+    ds_file = tmp_path / "runs" / "single" / "ds_config.json"
+    ds = json.loads(ds_file.read_text())
+    ds["zero_optimization"]["reduce_bucket_size"] = 1e30
+    ds_file.write_text(json.dumps(ds))
+    words = "runs/single/ds_config.json: DeepSpeed rejects it: 1 validation error for DeepSpeedZeroConfig"
+    fails(tmp_path, "launch", "runs/single", "--dry-run", message=words)
+    fails(tmp_path, "slurm-script", "runs/single", "--out", "x.sbatch", message=words)
+    assert not (tmp_path / "x.sbatch").exists()

@@ -117,6 +117,15 @@ MISSING = object()
 """What `dotted_get` returns for a key path that is not there."""
 
 
+def leaves(d: dict, prefix: str = ""):
+    """(dotted key, value) of every leaf of nested dicts, in order (an empty dict is a leaf, a list too)."""
+    for key, value in d.items():
+        if isinstance(value, dict) and value:
+            yield from leaves(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
 def dotted_get(d, path: str):
     """The value at a dotted key path ('zero_optimization.stage') of nested dicts, or MISSING."""
     for part in path.split("."):

@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from dspipe.errors import SpecError
-from dspipe.jsonio import show
+from dspipe.jsonio import leaves, show
+from dspipe.spec.checks import is_number
 
 ESTIMATE_NUMBERS = ("tokens_per_s", "mfu", "step_time_s", "rank_resident_bytes", "dp_comm_after_step_s")
 """Figures of dspipe.json's estimate that `dspipe report` reads (with memory_per_gpu_bytes.total)."""
@@ -48,23 +49,11 @@ NOT_NUMBERS = {  # block -> {key: what it holds instead of a number}
 """The estimate's blocks whose figures readers use (report, calibrate): every other key of theirs is a number."""
 
 
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def _check_blocks(estimate: dict, *, source: Path | str) -> None:
     """Every number of the estimate finite, >= 0 and below MAX_FIGURE (mfu and the memory headroom at most 1); in
     the blocks readers use (NOT_NUMBERS), every figure a number."""
-
-    def leaves(node, prefix: str):
-        for key, value in node.items():
-            if isinstance(value, dict):
-                yield from leaves(value, f"{prefix}{key}.")
-            else:
-                yield f"{prefix}{key}", value
-
-    for name, value in leaves(estimate, ""):
-        if _is_number(value) and not 0 <= value <= (1 if name in FRACTIONS else MAX_FIGURE):
+    for name, value in leaves(estimate):
+        if is_number(value) and not 0 <= value <= (1 if name in FRACTIONS else MAX_FIGURE):
             top = 1 if name in FRACTIONS else f"{MAX_FIGURE:g}"
             raise SpecError(f"{source}: estimate.{name} must be a number in 0..{top}, got {show(value)}")
     for block, other in NOT_NUMBERS.items():
@@ -73,7 +62,7 @@ def _check_blocks(estimate: dict, *, source: Path | str) -> None:
             continue
         for key, figure in value.items():
             kind = other.get(key)
-            if kind is None and not _is_number(figure):
+            if kind is None and not is_number(figure):
                 raise SpecError(f"{source}: estimate.{block}.{key} must be a number, got {show(figure)}")
             if kind is not None and (not isinstance(figure, kind) or (kind is not bool and isinstance(figure, bool))):
                 what = {str: "text", list: "a list", bool: "true or false"}.get(kind, "a number or null")

@@ -12,7 +12,7 @@ from pathlib import Path
 from dspipe import outputs
 from dspipe.atomic import staged_dir, write_file
 from dspipe.errors import SpecError, file_problem
-from dspipe.jsonio import MISSING, dotted_get, read_object, show
+from dspipe.jsonio import MISSING, dotted_get, leaves, read_object, show
 from dspipe.log import get_logger
 from dspipe.planner.plan import Plan, check_plan
 from dspipe.run_estimate import RunEstimate
@@ -381,16 +381,6 @@ def check_ds_values(ds: dict, *, source: Path | str) -> None:
         )
 
 
-def _leaf_keys(d: dict, prefix: str = "") -> set[str]:
-    keys = set()
-    for key, value in d.items():
-        if isinstance(value, dict) and value:
-            keys |= _leaf_keys(value, f"{prefix}{key}.")
-        else:
-            keys.add(f"{prefix}{key}")
-    return keys
-
-
 def check_ds_keys(ds: dict, *, model: ModelSpec, train: TrainSpec, plan: Plan, source: Path | str) -> None:
     """Every key gen-config renders for this plan is in ds_config.json (it writes the config in full, nothing left to
     DeepSpeed's defaults; a deleted key would be DeepSpeed's default, not the run's value). The scheduler's parameters
@@ -411,8 +401,8 @@ def check_ds_keys(ds: dict, *, model: ModelSpec, train: TrainSpec, plan: Plan, s
         min_lr_ratio=train.min_lr_ratio,
     )
     rendered["scheduler"]["params"] = params
-    have = _leaf_keys({("bf16" if k == "bfloat16" else k): v for k, v in ds.items()})  # DeepSpeed's old name
-    missing = sorted(_leaf_keys(rendered) - have)
+    have = {k for k, _ in leaves({("bf16" if k == "bfloat16" else k): v for k, v in ds.items()})}  # its old name
+    missing = sorted({k for k, _ in leaves(rendered)} - have)
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise SpecError(
@@ -528,12 +518,6 @@ def check_ds_training(ds: dict, *, train: TrainSpec, source: Path | str, skip: t
                 f"{source}: {section} must be an object with params (gen-config renders both; without them DeepSpeed "
                 f"would train with {'no optimizer' if section == 'optimizer' else 'a constant learning rate'}), got "
                 f"{show(ds[section]) if section in ds else 'nothing'}; regenerate both with 'dspipe gen-config --force'"
-            )
-    for key in ("optimizer.type", "optimizer.params.betas", "optimizer.params.eps"):  # rendered for every run
-        if dotted_get(ds, key) is MISSING:
-            raise SpecError(
-                f"{source}: missing {key} (gen-config renders it; without it DeepSpeed would use its own default); "
-                f"regenerate with 'dspipe gen-config --force'"
             )
     kind = ds["scheduler"].get("type")
     rendered = RENDERED_TRAIN_KEYS.get(kind, ()) if isinstance(kind, str) else ()  # another: check_ds_values

@@ -18,14 +18,14 @@ from __future__ import annotations
 import difflib
 import json
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
 from dspipe.errors import SpecError, cannot_read
-from dspipe.jsonio import MISSING, dotted_get, number_hooks
+from dspipe.jsonio import MISSING, dotted_get, leaves, number_hooks
 from dspipe.planner.ds_checks import Check, choice, integer, number
 from dspipe.planner.ds_schema import PLANNER_AUTO, option, section
 from dspipe.spec.kinds import Offload
@@ -721,15 +721,7 @@ def scheduler_block(
 
 def auto_keys(imp: PresetImport) -> list[str]:
     """The dotted keys whose value is "auto" (gen-config resolves them; DeepSpeed does not)."""
-    return [path for path, value in _leaves(imp.canon) if value == AUTO]
-
-
-def _leaves(d: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
-    for key, value in d.items():
-        if isinstance(value, dict) and value:
-            yield from _leaves(value, f"{prefix}{key}.")
-        else:
-            yield f"{prefix}{key}", value
+    return [path for path, value in leaves(imp.canon) if value == AUTO]
 
 
 AUTO_OPTIONS = {
@@ -815,7 +807,7 @@ def account_lines(imp: PresetImport, rendered: dict[str, Any], *, given: dict[st
             f"{rendered['pipeline']['stages']}: DeepSpeed's "
             "pipeline engine runs without overlap_comm",
         )
-    for path, value in _leaves(imp.canon):
+    for path, value in leaves(imp.canon):
         if path in ("optimizer.params", "scheduler.params") or value == {}:
             continue
         got = dotted_get(rendered, path)

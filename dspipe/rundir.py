@@ -322,7 +322,11 @@ def _check_command(source: Path, *, command, cluster: ClusterSpec, plan: Plan) -
         raise SpecError(f"{source}: command is not a shell command line ({e})") from None
     if not argv or Path(argv[0]).name != "deepspeed":
         return  # e.g. bench's own command line: no launch layout in it
-    given = {flag: argv[i + 1] for i, flag in enumerate(argv[:-1]) if flag in ("--num_nodes", "--num_gpus")}
+    given = {}
+    for i, arg in enumerate(argv):  # --num_gpus 2 or --num_gpus=2, as DeepSpeed's launcher reads both
+        flag, eq, value = arg.partition("=")
+        if flag in ("--num_nodes", "--num_gpus"):
+            given[flag] = value if eq else (argv[i + 1] if i + 1 < len(argv) else "?")
     nodes, gpus = given.get("--num_nodes", "1"), given.get("--num_gpus")
     if (nodes, gpus) != (str(cluster.nodes), str(cluster.gpus_per_node)):
         raise SpecError(

@@ -261,6 +261,8 @@ def _unknown(section: str, key) -> str:
 def _load_callback(ctx: click.Context, param: click.Parameter, value):
     if value is None:
         return None
+    if not value.strip():  # Path('') would be '.', this directory
+        raise click.BadParameter(f"{value!r} is empty: give a YAML file, or leave the option out", ctx, param)
     loaded = load(value, ctx)
     ctx.default_map = {**(ctx.default_map or {}), **{name: v for name, v in loaded.values.items() if v is not None}}
     ctx.meta[LOADED_META] = loaded

@@ -3,6 +3,7 @@ on the `dspipe` group by dspipe/cli/app.py; imports no torch until a command nee
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import tempfile
@@ -262,6 +263,7 @@ def launch(run_dir: Path, dry_run: bool, resume: str | None, restart: bool, test
     run = load_run(run_dir)
     check_resume(resume, checkpoint_dir=run.checkpoint_dir)  # the ranks would refuse it only after the start-up
     _check_init_from(run.train.init_from)
+    _check_data(data=run.data, model=run.model)
     _check_with_deepspeed(run)
     spec = _launch_spec(o)
     env = rank_environment(cluster=run.cluster, network=_network(o))
@@ -331,6 +333,32 @@ def _check_init_from(init_from: str | None) -> None:
             f"train.init_from {init_from}: {config} {problem}; the ranks read the Hugging Face weights there at "
             f"every start (restore the directory, or regenerate the run)"
         )
+
+
+def _check_data(*, data: str, model) -> None:
+    """dspipe.json's data, every source of it: prepared (gen-config only notes an unprepared directory) and holding
+    the model's tokens, checked as the ranks check it at every start, so a missing or unprepared directory is one line
+    here instead of one per rank after the start-up. A Megatron prefix: its index header and file sizes (its token
+    scan stays with the ranks: a whole corpus is not read before a launch)."""
+    from dspipe.data import megatron
+    from dspipe.data.blend import parse
+    from dspipe.data.checks import check_data_for_model
+    from dspipe.data.shards import is_prepared
+
+    for path in parse(data).paths:
+        try:
+            if not is_prepared(path):
+                what = "is not prepared data" if os.path.exists(path) else "does not exist"
+                raise SpecError(
+                    f"{what} (no meta.json, no Megatron .idx/.bin); the ranks read it at every start: run "
+                    f"'dspipe prepare-data --out {path}' first"
+                )
+            if megatron.is_prefix(path):
+                megatron.read_meta(path, deep=False)
+            else:
+                check_data_for_model(path, model_vocab=model.vocab, seq_len=model.seq_len)
+        except SpecError as e:
+            raise SpecError(f"data {path}: {e}") from None
 
 
 def _run_id(path: Path) -> str:

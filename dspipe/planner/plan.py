@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 from functools import lru_cache
 
 from dspipe.errors import SpecError
+from dspipe.jsonio import show
 from dspipe.model.tp_split import vocab_split as vocab_rows
 from dspipe.spec.cluster import ClusterSpec
 from dspipe.spec.kinds import Checkpointing, Offload, Precision
@@ -100,8 +101,12 @@ class Plan:
     their activations (Megatron's block method); 0: every block."""
 
     def __post_init__(self) -> None:
+        for name in ("world_size", "dp", "pp", "tp", "sp"):  # named as dspipe.json writes them, before the layout
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise SpecError(f"plan.{name} must be a positive integer, got {show(value)}")
         if self.layout.dp != self.dp:
-            raise SpecError(f"plan dp {self.dp} disagrees with its layout: {self.layout.describe()}")
+            raise SpecError(f"plan.dp {self.dp} disagrees with its layout: {self.layout.describe()}")
 
     @property
     def ds_batch_ranks(self) -> int:

@@ -170,8 +170,17 @@ RUN_CASES = [  # (id, file named in the message, damage, words the message holds
     ("spec-1e999", SPEC, text_edit(SPEC, '"lr": 0.003', '"lr": 1e999'), "beyond the range"),
     ("spec-no-plan", SPEC, edit(SPEC, drop("plan")), "missing key plan"),
     ("spec-version", SPEC, edit(SPEC, put("format_version", 7)), "format_version"),
-    ("spec-dp", SPEC, edit(SPEC, put("plan.dp", 3)), "dp"),
+    ("spec-dp", SPEC, edit(SPEC, put("plan.dp", 3)), "plan.dp 3 disagrees with its layout: world 2 = dp 2 x pp 1"),
     ("spec-world", SPEC, edit(SPEC, put("plan.world_size", 4)), "world"),
+    ("spec-world-text", SPEC, edit(SPEC, put("plan.world_size", "x")), "plan.world_size must be a positive integer"),
+    ("spec-tp-zero", SPEC, edit(SPEC, put("plan.tp", 0)), "plan.tp must be a positive integer, got 0"),
+    (
+        "spec-command-equals-form",
+        SPEC,
+        edit(SPEC, put("command", "deepspeed --num_gpus=4 --module dspipe.runtime.entry")),
+        "command launches 1 node(s) x 4 rank(s) but cluster is 1 node(s) x 2 GPU(s)",
+    ),
+    ("spec-dp-text", SPEC, edit(SPEC, put("plan.dp", "x")), "plan.dp must be a positive integer, got 'x'"),
     ("spec-plan-zero", SPEC, edit(SPEC, put("plan.zero_stage", 2)), "plan.zero_stage 2 disagrees"),
     ("spec-zero-5", SPEC, edit(SPEC, put("strategy.zero", 5)), "strategy.zero 5 is not one of: 0, 1, 2, 3"),
     ("spec-zero-true", SPEC, edit(SPEC, put("strategy.zero", True)), "strategy.zero True"),
@@ -293,6 +302,34 @@ def test_a_field_the_run_lacks_takes_its_default_with_a_note(root, capsys):
 def test_a_missing_init_from_directory_is_refused_before_any_rank_starts(root, capsys):
     edit(SPEC, put("train.init_from", str(root / "gone")))(root)
     check(root, capsys, ["launch", "@/run", "--dry-run"], "gone", "gone/config.json does not exist; the ranks read")
+
+
+@pytest.mark.parametrize(
+    "data,damage,words",
+    [
+        ("gone", None, "data @/gone: does not exist (no meta.json, no Megatron .idx/.bin); the ranks read it"),
+        ("empty", "mkdir", "data @/empty: is not prepared data (no meta.json"),
+        ("data:0.5,gone:0.5", None, "data @/gone: does not exist"),
+        ("data", "meta", "meta.json"),
+    ],
+)
+def test_launch_checks_the_runs_data_before_any_rank_starts(root, capsys, data, damage, words):
+    """gen-config only notes unprepared data; the ranks would each refuse it after their start-up."""
+    value = ",".join(f"{root}/{part}" for part in data.split(","))
+    edit(SPEC, put("data", value))(root)
+    if damage == "mkdir":
+        (root / "empty").mkdir()
+    elif damage == "meta":
+        (root / "data" / "meta.json").write_text("{")
+    named = "meta.json" if damage == "meta" else data.split(",")[-1].split(":")[0]
+    check(root, capsys, ["launch", "@/run", "--dry-run"], named, words.replace("@", str(root)))
+
+
+def test_the_launchers_equals_form_of_the_rank_count_reads_as_the_spaced_one(root):
+    from dspipe.rundir import load_run
+
+    edit(SPEC, put("command", "deepspeed --num_nodes=1 --num_gpus=2 --module dspipe.runtime.entry"))(root)
+    assert load_run(root / "run").cluster.gpus_per_node == 2
 
 
 def test_the_undamaged_run_reads_back(root):

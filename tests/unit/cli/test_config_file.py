@@ -457,6 +457,15 @@ def test_a_file_that_cannot_be_read_is_one_line(case, make, message, tmp_path, c
     assert sorted(tmp_path.iterdir()) == before
 
 
+@pytest.mark.parametrize("value", ["", "  "])
+def test_an_empty_config_path_is_not_this_directory(value, tmp_path, capsys, monkeypatch):
+    """Path('') is '.': an empty --config was told 'is a directory'."""
+    monkeypatch.chdir(tmp_path)
+    message = f"Invalid value for '--config': {value!r} is empty: give a YAML file, or leave the option out"
+    _refused(tmp_path, capsys, ["gen-config", "--config", value, *CPU2, "--out", "run"], message)
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize(
     "key,flag,value",
     [

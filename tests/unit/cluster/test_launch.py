@@ -20,8 +20,9 @@ TINY = ["gen-config", "--model", "tiny", "--global-batch", "16", "--micro-batch"
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Run directories (no data needed to launch-plan them): 2 cpu "nodes" x 1, 1 x 2 cpu, 2 x 8 H100."""
+def runs(tmp_path_factory, corpus):
+    """Run directories on a prepared corpus (launch checks the data before any rank starts): 2 cpu "nodes" x 1,
+    1 x 2 cpu, 2 x 8 H100."""
     d = tmp_path_factory.mktemp("launch")
     (d / "hosts").write_text("localhost slots=1\n127.0.0.1 slots=1\n")
     (d / "hosts8").write_text("gpu-a slots=8\ngpu-b slots=8\n")
@@ -30,7 +31,7 @@ def runs(tmp_path_factory):
         "single": ["--gpu", "cpu", "--gpus-per-node", "2"],
         "h100": ["--gpu", "h100-80g", "--hostfile", "hosts8", "--global-batch", "64"],
     }.items():
-        r = dspipe(*TINY, *flags, "--out", f"runs/{name}", cwd=d)
+        r = dspipe(*TINY, *flags, "--data", str(corpus), "--out", f"runs/{name}", cwd=d)
         assert r.returncode == 0, r.stderr
     return d
 

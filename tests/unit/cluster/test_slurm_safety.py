@@ -55,10 +55,11 @@ while :; do sleep 0.05; done
 
 
 @pytest.fixture(scope="module")
-def job(tmp_path_factory):
-    """A run directory with a hostile name, fake Slurm tools on PATH, and a place for their logs."""
+def job(tmp_path_factory, corpus):
+    """A run directory with a hostile name on a prepared corpus, fake Slurm tools on PATH, and a place for their
+    logs."""
     root = tmp_path_factory.mktemp("slurm")
-    r = dspipe(*TINY, "--out", f"runs/{HOSTILE}", cwd=root)
+    r = dspipe(*TINY, "--data", str(corpus), "--out", f"runs/{HOSTILE}", cwd=root)
     assert r.returncode == 0, r.stderr
     fake = root / "bin"
     fake.mkdir()

@@ -41,6 +41,7 @@ from dspipe.cluster.store import parse_endpoint
 from dspipe.errors import SpecError, file_problem
 from dspipe.log import get_logger
 from dspipe.rundir import load_run
+from dspipe.runtime.elastic import check_min_nodes
 from dspipe.runtime.watchdog import NO_EVENTS, check_hang_timeout, events_text, read_events, utc_now
 from dspipe.spec.cluster import ClusterSpec
 from dspipe.spec.hardware import gpu_type, names_text
@@ -264,6 +265,8 @@ def launch(run_dir: Path, dry_run: bool, resume: str | None, restart: bool, test
     check_resume(resume, checkpoint_dir=run.checkpoint_dir)  # the ranks would refuse it only after the start-up
     _check_init_from(run.train.init_from)
     _check_data(data=run.data, model=run.model)
+    if elastic is not None:
+        check_min_nodes(run, min_nodes=elastic.min_nodes)
     _check_with_deepspeed(run)
     spec = _launch_spec(o)
     env = rank_environment(cluster=run.cluster, network=_network(o))
@@ -594,6 +597,8 @@ def slurm_script(
     run = load_run(run_dir)  # read here: the run directory is on the file system the job's nodes share
     check_resume(resume, checkpoint_dir=run.checkpoint_dir)  # so is the checkpoint --resume names
     _check_with_deepspeed(run)
+    if max_restarts:
+        check_min_nodes(run, min_nodes=min_nodes)
     rank_environment(cluster=run.cluster, network=_network(o))  # reject bad network options now, not in the job
     LaunchSpec(master_port=master_port)
     out = target(run.path / "slurm.sbatch" if out is None else out, flag="--out", expect="file")

@@ -405,14 +405,39 @@ def _normal(name: str, value):
     return int(value) if name == "zero" and value is not None else value
 
 
+def _flag_text(name: str, value) -> str:
+    """A typed option as the user wrote it: '--zero 3', '--offload-params' (a flag), '--no-tp-sp'."""
+    flag = SETTINGS[name].flag_name
+    if isinstance(value, bool):
+        return flag if value else "--no-" + flag.removeprefix("--")
+    return f"{flag} {value}"
+
+
+def _tp_of_the_batch(o: dict, *, ga: int, imp: PresetImport, cluster: ClusterSpec) -> None:
+    """A preset whose batch keys are all numbers fixes dp = train_batch_size / (micro x ga); with AutoTP off in it
+    (autotp_size 0, as gen-config renders at every tp) and --tp not given, dspipe's tp is what that dp leaves of
+    the world (so a run's own ds_config.json is a preset that gives the same run back). Said in a note."""
+    per_replica, sp = o["micro_batch"] * ga, o.get("sp") or 1
+    if not o.get("global_batch") or o["global_batch"] % per_replica:
+        return
+    dp = o["global_batch"] // per_replica
+    ranks, rest = divmod(cluster.world_size, dp * o["pp"] * sp)
+    if rest == 0 and ranks > 1:
+        o["tp"] = ranks
+        imp.note(
+            f"tp {ranks} = world {cluster.world_size} / (dp {dp} x pp {o['pp']} x sp {sp}), dp {dp} = "
+            f"train_batch_size {o['global_batch']} / (micro {o['micro_batch']} x gradient_accumulation_steps {ga})"
+        )
+
+
 def _merge_preset(o: dict, imp: PresetImport, given: set[str], cluster: ClusterSpec) -> dict:
     """`o` with the preset's values for the options not typed; a typed flag that contradicts the preset is an error."""
     o = dict(o)
     for name, value in imp.options.items():
-        if name in given and _normal(name, o[name]) != value:
+        if name in given and o[name] is not None and _normal(name, o[name]) != value:  # None: typed as auto
             raise SpecError(
-                f"{SETTINGS[name].flag_name} {o[name]} contradicts {imp.shown(name)} in preset "
-                f"{imp.source}; drop the flag or edit the preset"
+                f"{_flag_text(name, o[name])} contradicts {imp.shown(name)} in preset {imp.source}; drop the flag "
+                "or edit the preset"
             )
         o[name] = value
     if "min_lr_ratio" in given and imp.scheduler_type not in (None, "WarmupCosineLR"):
@@ -426,6 +451,8 @@ def _merge_preset(o: dict, imp: PresetImport, given: set[str], cluster: ClusterS
             "drop the flag or edit the preset"
         )
     ga = imp.grad_accum
+    if ga is not None and o.get("tp") is None and o.get("pp") and o.get("micro_batch"):
+        _tp_of_the_batch(o, ga=ga, imp=imp, cluster=cluster)
     pp, tp, sp = o.get("pp") or 1, o.get("tp") or 1, o.get("sp") or 1
     divides = cluster.world_size % (pp * tp * sp) == 0
     if ga is not None and o.get("pp") and o.get("micro_batch") and divides:

@@ -159,6 +159,9 @@ def parse(text: str) -> BlendSpec:
     positive finite decimals normalised to sum to 1. Anything else is one SpecError naming the source."""
     if not isinstance(text, str) or not text.strip():
         raise SpecError(f"--data is empty: give a prepared data directory ({EXAMPLE})")
+    control = next((c for c in text if c in "\n\r\0"), None)
+    if control is not None:  # dspipe.json keeps the value on one line, and every reader of the run needs that
+        raise SpecError(f"--data {text!r} holds the control character {control!r}: give a one-line path")
     if _is_single_path(text):
         return BlendSpec(sources=(BlendSource(path=text, share=Fraction(1)),), text=text)
     megatron_text = None

@@ -389,8 +389,8 @@ def _take(
         imp.grad_accum = value
     elif kind == "sched":
         imp.scheduler_params[key] = value
-    elif kind == "tp":
-        imp.options["tp"] = max(1, value)
+    elif kind == "tp" and value > 1:  # 0 or 1: DeepSpeed's AutoTP off, which leaves dspipe's own tp free
+        imp.options["tp"] = value
         imp.origins["tp"] = path
     elif kind == "checkpointing":
         imp.options["checkpointing"] = "full" if value else "none"
@@ -846,4 +846,9 @@ def _why(path: str, rendered: dict[str, Any]) -> str:
         return " (give --precision)"
     if path == "zero_optimization.overlap_comm":
         return " (DeepSpeed's pipeline engine runs without overlap_comm)"
+    if path in ("pipeline.pipe_partitioned", "pipeline.grad_partitioned"):
+        return (
+            " (false exactly when Megatron sequence parallelism is on, --tp-sp at tp > 1: the stages then send each "
+            'tp rank its own sequence slice already; set it to "auto", or give --tp-sp / --no-tp-sp)'
+        )
     return ""

@@ -64,6 +64,22 @@ def resized(run: Run, *, world: int, ranks_per_node: int) -> tuple[Run, str | No
     return replace(run, plan=new_plan, ds_config=ds, cluster=cluster), line
 
 
+def check_min_nodes(run: Run, *, min_nodes: int | None) -> None:
+    """--min-nodes M: a restart on any whole number of nodes from M to the run's keeps its layout and global batch
+    (what `resized` will check at that restart); refused before the job starts, naming the largest node count that
+    cannot, and the --min-nodes that holds."""
+    nodes, per_node = run.cluster.nodes, run.cluster.gpus_per_node
+    for n in range(nodes - 1, (min_nodes or nodes) - 1, -1):
+        try:
+            resized(run, world=n * per_node, ranks_per_node=per_node)
+        except SpecError as e:
+            keep = "" if n + 1 < nodes else f" (restarts on all {nodes} only)"
+            raise SpecError(
+                f"--min-nodes {min_nodes}: a restart on {n} node(s) would be refused: {e}; give --min-nodes "
+                f"{n + 1}{keep}"
+            ) from None
+
+
 REFUSED_FILE = "refused.json"
 """In the run directory: the one-line error with which a start under torch's elastic agent was refused (bad input
 or a check that fails the same way every time), with the agent's run id and the world size it was refused at."""

@@ -65,10 +65,9 @@ def number(
     interval = f"{'(' if low_open else '['}{low:g}, {high:g}]"
     ok = is_number(value) and math.isfinite(value) and (value > low if low_open else value >= low) and value <= high
     if not ok:
-        raise SpecError(
-            f"{owner}.{name} {rule or f'must be a finite number in {interval}'}, "
-            f"got {show(value)} (allowed: finite, {interval})"
-        )
+        too_large = is_number(value) and math.isfinite(value) and value > high  # the rule names the low side
+        why = f"must be at most {high:g}" if too_large else rule or f"must be a finite number in {interval}"
+        raise SpecError(f"{owner}.{name} {why}, got {show(value)} (allowed: finite, {interval})")
 
 
 def one_of(owner: str, name: str, value: object, allowed: Sequence[object]) -> None:

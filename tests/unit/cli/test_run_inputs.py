@@ -317,3 +317,27 @@ def test_gen_config_refuses_a_data_file_naming_what_to_give(corpus, tmp_path, ca
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and f"--data {data} is a file" in err and words in err, err
         assert not (tmp_path / "run").exists()
+
+
+# ---- gen-config values a reader of the run would refuse, refused where they are typed -------------------------------
+
+
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        (
+            ["--data", "data/std\nlib"],
+            "--data 'data/std\\nlib' holds the control character '\\n': give a one-line path",
+        ),
+        (["--data", "a:0.5,b\r:0.5"], "holds the control character '\\r'"),
+        (["--lr", "10"], "train.lr must be at most 1, got 10.0 (allowed: finite, (0, 1])"),
+        (["--lr", "-1"], "train.lr must be positive, got -1.0"),
+    ],
+)
+def test_gen_config_refuses_what_its_run_could_not_hold(tmp_path, monkeypatch, capsys, args, words):
+    monkeypatch.chdir(tmp_path)
+    line = one_error(
+        capsys, "gen-config", "--model", "tiny", "--gpu", "cpu", "--gpus-per-node", "2", *args, "--out", "r"
+    )
+    assert words in line, line
+    assert list(tmp_path.iterdir()) == []

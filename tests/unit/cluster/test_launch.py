@@ -26,7 +26,10 @@ def runs(tmp_path_factory, corpus):
     d = tmp_path_factory.mktemp("launch")
     (d / "hosts").write_text("localhost slots=1\n127.0.0.1 slots=1\n")
     (d / "hosts8").write_text("gpu-a slots=8\ngpu-b slots=8\n")
+    (d / "hosts3").write_text("localhost slots=1\n127.0.0.1 slots=1\n127.0.0.2 slots=1\n")
+    three = ["--global-batch", "9", "--micro-batch", "3", "--eval-interval", "0"]  # dp 3; 9 is not 3 x 2 x ga
     for name, flags in {
+        "three": ["--gpu", "cpu", "--hostfile", "hosts3", *three],
         "two": ["--gpu", "cpu", "--hostfile", "hosts"],
         "single": ["--gpu", "cpu", "--gpus-per-node", "2"],
         "h100": ["--gpu", "h100-80g", "--hostfile", "hosts8", "--global-batch", "64"],
@@ -593,6 +596,31 @@ def test_bad_rendezvous_stores_are_one_line_errors(runs, args, message):
 )
 def test_bad_elastic_launches_are_one_line_errors(runs, args, message):
     fails(runs, "launch", *args, "--dry-run", message=message)
+
+
+@pytest.mark.parametrize("command", ["launch", "slurm-script"])
+def test_a_min_nodes_whose_restart_could_not_keep_the_batch_is_refused_before_the_job(runs, command):
+    """3 nodes x 1 at global batch 9 = micro 3 x ga 1 x dp 3: on 2 nodes no accumulation keeps 9 (the runner's
+    resize would refuse that restart), on 1 node ga 3 does."""
+    where = (
+        ["--hostfile", "hosts3", "--no-ssh", "--node-rank", "0", "--dry-run"] if command == "launch" else ["--force"]
+    )
+    for low in ("1", "2"):
+        fails(
+            runs,
+            command,
+            "runs/three",
+            *where,
+            "--max-restarts",
+            "2",
+            "--min-nodes",
+            low,
+            message=f"--min-nodes {low}: a restart on 2 node(s) would be refused: 2 ranks left give dp 2: global "
+            "batch 9 is not divisible by micro_batch 3 x dp 2 = 6; the run cannot keep its batch; give --min-nodes 3 "
+            "(restarts on all 3 only)",
+        )
+    r = dspipe(command, "runs/three", *where, "--max-restarts", "2", "--min-nodes", "3", cwd=runs)
+    assert r.returncode == 0, r.stderr
 
 
 def test_slurm_script_requeues_a_failed_step(runs):

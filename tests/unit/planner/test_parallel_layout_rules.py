@@ -316,3 +316,63 @@ def test_monitor_names_must_be_printable_one_line_names(tmp_path, capsys, monkey
             why = "'' is empty: give a value" if bad == "" else "must be a name: 1-128 printable characters"
             assert code == 2 and why in err and err.count("\n") == 1, err
     assert list(tmp_path.iterdir()) == []
+
+
+def _gen(tmp_path, out, *flags):
+    from tests.helpers import dspipe
+
+    return dspipe(
+        "gen-config", "--model", "tiny", "--gpu", "cpu", "--gpus-per-node", "4", *flags, "--out", out, cwd=tmp_path
+    )
+
+
+@pytest.mark.parametrize("preset", ["zero1-bf16", "zero2-bf16", "zero3-bf16", "pipeline-zero1-bf16"])
+def test_a_shipped_preset_takes_tp(tmp_path, preset):
+    """autotp_size 0 in a preset is DeepSpeed's AutoTP off, not tp 1: --tp 2 is dspipe's own tensor parallelism
+    (with Megatron sequence parallelism on, which renders pipe/grad_partitioned false where the preset leaves them
+    "auto")."""
+    import json
+
+    r = _gen(tmp_path, "runs/p", "--preset", preset, "--tp", "2", "--global-batch", "16")
+    assert r.returncode == 0, r.stderr
+    plan = json.loads((tmp_path / "runs/p/dspipe.json").read_text())["plan"]
+    assert plan["tp"] == 2 and plan["tp_sp"] is True
+    ds = json.loads((tmp_path / "runs/p/ds_config.json").read_text())
+    assert ds["tensor_parallel"]["autotp_size"] == 0 and ds["pipeline"]["pipe_partitioned"] is False
+
+
+def test_a_runs_own_ds_config_as_a_preset_gives_the_same_run_back(tmp_path):
+    """The run's ds_config.json (tp 2 x dp 2, autotp_size 0, every batch key a number) as --preset, with and
+    without --tp: the batch keys fix dp 2, so tp is 2 again."""
+    import json
+
+    r = _gen(tmp_path, "runs/a", "--tp", "2", "--global-batch", "16", "--micro-batch", "2")
+    assert r.returncode == 0, r.stderr
+    first = json.loads((tmp_path / "runs/a/ds_config.json").read_text())
+    for name, flags in (("b", ["--tp", "2"]), ("c", [])):
+        r = _gen(tmp_path, f"runs/{name}", "--preset", "runs/a/ds_config.json", *flags)
+        assert r.returncode == 0, r.stderr
+        again = json.loads((tmp_path / f"runs/{name}/ds_config.json").read_text())
+        for monitor in ("tensorboard", "csv_monitor"):  # each run directory's own monitor/
+            again[monitor]["output_path"] = first[monitor]["output_path"]
+        assert again == first
+    assert "preset: tp 2 = world 4 / (dp 2 x pp 1 x sp 1), dp 2 = train_batch_size 16 / (micro 2 x " in r.stdout
+
+
+@pytest.mark.parametrize(
+    "flag,value",
+    [("--zero", "auto"), ("--offload", "auto"), ("--precision", "auto"), ("--pp", "auto"), ("--tp", "auto")],
+)
+def test_auto_beside_a_preset_is_the_flag_left_out(tmp_path, flag, value):
+    import json
+
+    r = _gen(tmp_path, "runs/p", "--preset", "zero3-bf16", "--global-batch", "16", flag, value)
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "runs/p/ds_config.json").read_text())["zero_optimization"]["stage"] == 3
+
+
+def test_a_typed_switch_that_contradicts_a_preset_is_named_as_typed(tmp_path):
+    r = _gen(tmp_path, "runs/p", "--preset", "zero2-bf16", "--global-batch", "16", "--offload-params")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "--offload-params contradicts zero_optimization.offload_param.device" in r.stderr, r.stderr
+    assert not (tmp_path / "runs").exists()

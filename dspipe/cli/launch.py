@@ -3,7 +3,6 @@ on the `dspipe` group by dspipe/cli/app.py; imports no torch until a command nee
 
 from __future__ import annotations
 
-import os
 import shutil
 import socket
 import tempfile
@@ -351,7 +350,8 @@ def _check_data(*, data: str, model) -> None:
     for path in parse(data).paths:
         try:
             if not is_prepared(path):
-                what = "is not prepared data" if os.path.exists(path) else "does not exist"
+                problem = file_problem(path)  # a symlink loop or a broken link is named as such
+                what = "is not prepared data" if problem in (None, "is a directory, not a file") else problem
                 raise SpecError(
                     f"{what} (no meta.json, no Megatron .idx/.bin); the ranks read it at every start: run "
                     f"'dspipe prepare-data --out {path}' first"

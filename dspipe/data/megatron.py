@@ -122,6 +122,8 @@ def _read_head(prefix: str, *, ip: Path, bp: Path) -> bytes:
 
 def _check_header(prefix: str, head: bytes, *, ip: Path, idx_size: int) -> tuple[np.dtype, int, int]:
     """(dtype, sequences, document indices) of an index's header, checked against the index's size."""
+    if head[:9] == MAGIC and len(head) < HEAD.size:
+        raise _fail(prefix, f"{ip} is truncated: {len(head)} bytes, shorter than its {HEAD.size}-byte header")
     if len(head) < HEAD.size or head[:9] != MAGIC:
         raise _fail(
             prefix,

@@ -309,6 +309,7 @@ def test_a_missing_init_from_directory_is_refused_before_any_rank_starts(root, c
     [
         ("gone", None, "data @/gone: does not exist (no meta.json, no Megatron .idx/.bin); the ranks read it"),
         ("empty", "mkdir", "data @/empty: is not prepared data (no meta.json"),
+        ("loop", "loop", "data @/loop: is a symlink loop (no meta.json"),
         ("data:0.5,gone:0.5", None, "data @/gone: does not exist"),
         ("data", "meta", "meta.json"),
     ],
@@ -319,6 +320,8 @@ def test_launch_checks_the_runs_data_before_any_rank_starts(root, capsys, data, 
     edit(SPEC, put("data", value))(root)
     if damage == "mkdir":
         (root / "empty").mkdir()
+    elif damage == "loop":
+        (root / "loop").symlink_to(root / "loop")
     elif damage == "meta":
         (root / "data" / "meta.json").write_text("{")
     named = "meta.json" if damage == "meta" else data.split(",")[-1].split(":")[0]

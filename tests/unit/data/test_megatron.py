@@ -165,6 +165,9 @@ def corrupt(tmp_path: Path, mdata: Path, how: str) -> Path:
     elif how == "truncated-idx":
         with open(f"{p}.idx", "r+b") as f:
             f.truncate(Path(f"{p}.idx").stat().st_size - 8)
+    elif how == "truncated-header":  # the magic, then the file ends inside the header
+        with open(f"{p}.idx", "r+b") as f:
+            f.truncate(16)
     elif how == "small-dtype":  # a uint16 dataset beside a tokenizer of 70,000 tokens
         tok = p.parent / "tokenizer"
         tok.mkdir()
@@ -185,6 +188,7 @@ def corrupt(tmp_path: Path, mdata: Path, how: str) -> Path:
         ("foreign", "is not a Megatron index (its first bytes are b'DSPINDEX\\x00'"),
         ("float", "stores float32 values, not token ids"),
         ("truncated-idx", "implies 34 + 12 x 400 + 8 x 401 = 8042: truncated or corrupt"),
+        ("truncated-header", "bad_truncated-header.idx is truncated: 16 bytes, shorter than its 34-byte header"),
         ("small-dtype", "stores uint16 token ids (at most 65,535) but tokenizer"),
     ],
 )

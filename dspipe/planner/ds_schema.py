@@ -141,7 +141,13 @@ SCHEMA = (
         c.boolean,
         planner_auto=True,
     ),
-    _k("bf16.immediate_grad_update", "bf16_immediate_grad_update", False, SETS, c.boolean),
+    _k(
+        "bf16.immediate_grad_update",
+        "immediate_grad_update",
+        _plan("immediate_grad_update"),
+        option("immediate_grad_update"),
+        c.boolean,
+    ),
     _k("bf16.check_grad_overflow", "bf16_check_grad_overflow", True, SETS, c.boolean),
     _k(
         "fp16.enabled",

@@ -10,6 +10,7 @@ engines, see docs/planner-accuracy.md), not only the textbook 16 bytes/param:
     ZeRO-0, mixed precision  params 2Phi            optimizer 12Phi (fp32 master + Adam m, v)
     ZeRO-0, fp32             params 4Phi            optimizer 8Phi
     ZeRO-1, bf16             params 2Phi  grads 4Phi (BF16_Optimizer's fp32 accumulation buffer)  optimizer 12Phi/N
+                             (16-bit gradients at the peak: 2Phi, or the largest tensor's with immediate_grad_update)
     ZeRO-1/2, fp16 or fp32;  params b.Phi           optimizer 12Phi/N (an fp32 master copy is kept even in fp32)
     ZeRO-2, bf16
     ZeRO-3                   params b.Phi/N  grads 4Phi/N (fp32 gradient partitions stay allocated) optimizer 12Phi/N
@@ -96,7 +97,7 @@ from dspipe.runtime.experts import capacity_slots
 from dspipe.spec.cluster import ClusterSpec
 from dspipe.spec.dtypes import dtype_bytes
 from dspipe.spec.hardware import GIB
-from dspipe.spec.kinds import Checkpointing, Offload, Precision
+from dspipe.spec.kinds import Checkpointing, Offload
 from dspipe.spec.model import ModelSpec
 
 FRAMEWORK_RESERVE = int(1.5 * GIB)
@@ -738,9 +739,11 @@ def _model_states(*, model: ModelSpec, plan: Plan, phi: int) -> tuple[dict[str, 
         steady = dict(params=b * phi, grads=0, optimizer=master + adam, buffers=0)
         # the peak is the optimizer step's fp32 gradients (4Phi); mixed precision frees the 16-bit ones first (census)
         transient = dict(grads=4 * phi, buffers=0)
-    elif z == 1 and plan.precision == Precision.BF16 and not offload:
+    elif plan.bf16_optimizer:
         steady = dict(params=2 * phi, grads=4 * phi, optimizer=part(12), buffers=0)
-        transient = dict(grads=2 * phi, buffers=0)
+        # the 16-bit gradients: all alive at the end of the backward, or with immediate_grad_update only the one
+        # being produced, freed once its hook has added it into the fp32 buffer (census)
+        transient = dict(grads=largest if plan.immediate_grad_update else 2 * phi, buffers=0)
     elif z in (1, 2) and offload:
         # Device: the 16-bit params, a gradient staging buffer of the largest tensor (temp_grad_buffer_for_gpu_offload);
         # from the last backward to the step the rank's fp32 gradient partition (averaged_gradients, 4Phi/N) and,

@@ -96,6 +96,10 @@ class Plan:
     the sequence over the tp ranks (all-gather / reduce-scatter instead of all-reduce)."""
     loss_chunk: int = 0
     """Tokens per chunk of the cross-entropy (dspipe.model.loss): one chunk's logits at a time; 0: the full logits."""
+    immediate_grad_update: bool = True
+    """DeepSpeed's bf16.immediate_grad_update (StrategySpec.immediate_grad_update, rendered as given): under its
+    BF16_Optimizer (bf16_optimizer below) each 16-bit gradient goes into the fp32 buffer as it is produced and is
+    freed."""
     recompute_blocks: int = 0
     """Under full recomputation, the first this many blocks of each pipeline stage are recomputed and the others keep
     their activations (Megatron's block method); 0: every block."""
@@ -142,6 +146,13 @@ class Plan:
             n = self.recompute_blocks
             return f"full (first {n} block{'s' if n != 1 else ''} of each stage)"
         return self.checkpointing
+
+    @property
+    def bf16_optimizer(self) -> bool:
+        """DeepSpeed 0.19.8 runs its BF16_Optimizer (a full fp32 gradient accumulation buffer beside the 16-bit
+        gradients): bf16 with ZeRO-1 and fp32 gradient accumulation, no offload (engine._do_optimizer_sanity_check;
+        bf16 ZeRO-0 under a pipeline too, whose fp32 gradients the estimate counts at the step already)."""
+        return self.precision == Precision.BF16 and self.zero_stage == 1 and self.offload == Offload.NONE
 
     @property
     def layout(self) -> ParallelLayout:
@@ -420,6 +431,7 @@ def make_plan(*, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, strat
         tp_sp=strategy.tp_sp and layout.tp > 1,
         loss_chunk=strategy.loss_chunk,
         recompute_blocks=strategy.recompute_blocks,
+        immediate_grad_update=strategy.immediate_grad_update,
     )
 
 

@@ -55,6 +55,7 @@ if TYPE_CHECKING:
         pp: int | None = None
         tp: int | None = None
         tp_sp: bool | None = None
+        immediate_grad_update: bool | None = None
         sp: int | None = None
         ep: int | None = None
         checkpointing: str | None = None

@@ -328,7 +328,8 @@ BAD_FILES = {
     "unknown key": (
         "strategy:\n  zeroo: 1\n",
         "strategy.zeroo: unknown option (the strategy options: micro_batch, zero, offload, "
-        "offload_params, nvme_path, precision, pp, tp, tp_sp, sp, ep, checkpointing, recompute_blocks, loss_chunk, "
+        "offload_params, nvme_path, precision, pp, tp, tp_sp, immediate_grad_update, sp, ep, checkpointing, "
+        "recompute_blocks, loss_chunk, "
         "partition_method, reduce_bucket_size, prefetch_bucket_size, param_persistence_threshold, "
         "max_live_parameters, max_reuse_distance, preset, memory_headroom)",
     ),

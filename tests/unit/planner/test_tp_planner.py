@@ -77,9 +77,10 @@ def test_tp_splits_the_blocks_embedding_and_head_and_keeps_positions_and_norms_w
     _, p2, two = _estimate(zero=1, tp=2)
     assert (p1.dp, p2.dp) == (8, 4)
     phi1, phi2 = m.num_params, rows * h + replicated + L * split // 2
-    # bf16 ZeRO-1: bf16 params 2 Phi, fp32 accumulation 4 Phi + live bf16 grads 2 Phi, optimizer 12 Phi / dp
+    # bf16 ZeRO-1: bf16 params 2 Phi, fp32 accumulation 4 Phi + the live bf16 gradient (immediate_grad_update: the
+    # largest tensor's, the vocab-parallel wte's rows), optimizer 12 Phi / dp
     assert (one.memory.params, two.memory.params) == (2 * phi1, 2 * phi2)
-    assert (one.memory.grads, two.memory.grads) == (6 * phi1, 6 * phi2)
+    assert (one.memory.grads, two.memory.grads) == (4 * phi1 + 2 * V * h, 4 * phi2 + 2 * rows * h)
     assert (one.memory.optimizer, two.memory.optimizer) == (12 * phi1 // 8, 12 * phi2 // 4)
     # the blocks and the embedding halve, the replicated part does not
     assert one.memory.params - two.memory.params == 2 * (L * split // 2 + (V - rows) * h)

@@ -74,6 +74,9 @@ def engine_settings(engine) -> dict:
         "sp": max(1, int(getattr(engine, "sequence_parallel_size", 1) or 1)),
         "ep": live_ep(module),
         "wrapper_optimizer": type(zero_opt).__name__,
+        # DeepSpeed's BF16_Optimizer's (bf16.immediate_grad_update); None where another optimizer runs, which reads
+        # no such setting
+        "immediate_grad_update": getattr(zero_opt, "immediate_grad_update", None),
         "base_optimizer": type(engine.basic_optimizer).__name__,
         "offload_optimizer": bool(
             getattr(zero_opt, "cpu_offload", False) or getattr(zero_opt, "offload_optimizer", False)
@@ -192,6 +195,9 @@ def check_engine(settings: dict, run: Run) -> None:
     compiled = settings["blocks"] if run.train.compile else 0  # every block the rank holds, or none
     if settings["compiled_blocks"] != compiled:
         drift["compiled_blocks"] = (compiled, settings["compiled_blocks"])
+    live = settings["immediate_grad_update"]
+    if live is not None and live != plan.immediate_grad_update:  # the 16-bit gradients kept, or freed, unasked
+        drift["immediate_grad_update"] = (plan.immediate_grad_update, live)
     if settings["loss_chunk"] is not None and settings["loss_chunk"] != plan.loss_chunk:
         drift["loss_chunk"] = (plan.loss_chunk, settings["loss_chunk"])  # the loss in chunks, or not, unasked
     if drift:

@@ -37,16 +37,25 @@ def one_rank():
             os.environ[k] = v
 
 
+def _out(tmp_path, *flags):
+    return tmp_path / ("run" + "".join(flags))
+
+
 def _rendered(tmp_path, *flags) -> dict:
-    out = tmp_path / ("run" + "".join(flags))
+    out = _out(tmp_path, *flags)
     assert run_cli("gen-config", *FLAGS, *flags, "--out", out) == 0
     return json.loads((out / "ds_config.json").read_text())
 
 
-def _train(config: dict) -> tuple[list[float], list[float], torch.Tensor, list[int]]:
+def _train(config: dict, *, run=None) -> tuple[list[float], list[float], torch.Tensor, list[int]]:
     """Three steps of 2 micro-batches through DeepSpeed's engine built from `config` (torch's AdamW: no JIT build):
-    the losses, the gradient norms, the weights after, and the 16-bit gradient elements alive after each backward."""
+    the losses, the gradient norms, the weights after, and the 16-bit gradient elements alive after each backward.
+    With `run` (its run directory, loaded), the runner's engine check passes and, given the other value, refuses."""
+    import dataclasses
+
     import deepspeed
+
+    from dspipe.runtime.engine import check_engine, engine_settings
 
     config = {**config, "optimizer": {**config["optimizer"], "params": {**config["optimizer"]["params"]}}}
     config["optimizer"]["params"]["torch_adam"] = True
@@ -56,6 +65,15 @@ def _train(config: dict) -> tuple[list[float], list[float], torch.Tensor, list[i
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     assert type(engine.optimizer).__name__ == "BF16_Optimizer"
     assert engine.optimizer.immediate_grad_update is config["bf16"]["immediate_grad_update"]
+    settings = engine_settings(engine)
+    assert settings["immediate_grad_update"] is config["bf16"]["immediate_grad_update"]
+    if run is not None:
+        check_engine(settings, run)
+        flipped = dataclasses.replace(
+            run, plan=dataclasses.replace(run.plan, immediate_grad_update=not settings["immediate_grad_update"])
+        )
+        with pytest.raises(RuntimeError, match="^engine does not use the planned settings: immediate_grad_update "):
+            check_engine(settings, flipped)
     g = torch.Generator().manual_seed(7)
     losses, norms, alive = [], [], []
     for _ in range(3):
@@ -75,7 +93,9 @@ def test_the_engine_frees_the_16bit_gradients_and_trains_bitwise_alike(one_rank,
     on = _rendered(tmp_path)
     off = _rendered(tmp_path, "--no-immediate-grad-update")
     assert on["bf16"]["immediate_grad_update"] is True and off["bf16"]["immediate_grad_update"] is False
-    losses_on, norms_on, weights_on, alive_on = _train(on)
+    from dspipe.rundir import load_run
+
+    losses_on, norms_on, weights_on, alive_on = _train(on, run=load_run(_out(tmp_path)))
     losses_off, norms_off, weights_off, alive_off = _train(off)
     params = sum(p.numel() for p in GPT(model_preset("tiny"), seed=3).parameters())
     assert alive_on == [0] * 6 and alive_off == [params] * 6

@@ -223,6 +223,7 @@ def load_run(path: str | Path, *, extending: bool = False) -> Run:
     missing = [k for k in RUN_KEYS if k not in d]
     if missing:
         raise SpecError(f"{spec_file}: missing key {', '.join(missing)}")
+    _fields_from_ds_config(d, spec_file=spec_file, ds_file=ds_file)
     specs = {
         key: _section(spec_file, key, cls, d[key])
         for key, cls in (
@@ -266,6 +267,26 @@ def load_run(path: str | Path, *, extending: bool = False) -> Run:
 
 
 RUN_KEYS = ("model", "cluster", "train", "strategy", "plan", "data")
+FROM_DS_CONFIG = {"immediate_grad_update": "bf16.immediate_grad_update"}
+"""Strategy and plan fields newer than some run directories, whose value such a run holds in its ds_config.json
+already: read there (the run goes on training as it did) instead of taken at their default."""
+
+
+def _fields_from_ds_config(d: dict, *, spec_file: Path, ds_file: Path) -> None:
+    """A dspipe.json written before a FROM_DS_CONFIG field existed (lacking it in both its strategy and its plan)
+    gets the run's ds_config.json value there, with a note; a value that is not a boolean is left to the checks."""
+    sections = [d[key] for key in ("strategy", "plan")]
+    for name, path in FROM_DS_CONFIG.items():
+        if not all(isinstance(section, dict) and name not in section for section in sections):
+            continue
+        value = dotted_get(read_object(ds_file), path)
+        if isinstance(value, bool):
+            for section in sections:
+                section[name] = value
+            get_logger(__name__).info(
+                f"note: {spec_file} lacks strategy.{name} and plan.{name} (a run written before the field existed): "
+                f"{value} read from {ds_file}'s {path}"
+            )
 
 
 def _section(source: Path, key: str, cls, value):

@@ -143,3 +143,22 @@ def _rendered_text(tmp_path) -> str:
     out = tmp_path / "source"
     assert run_cli("gen-config", *FLAGS, "--out", out) == 0
     return (out / "ds_config.json").read_text()
+
+
+@pytest.mark.parametrize("flag", ["--immediate-grad-update", "--no-immediate-grad-update"])
+def test_a_run_written_before_the_field_keeps_its_ds_configs_value(tmp_path, flag, capsys):
+    """A run directory whose dspipe.json predates the field (neither its strategy nor its plan has it) trains as its
+    ds_config.json says, which the runner's engine check then holds it to."""
+    from dspipe.rundir import load_run
+
+    out = _out(tmp_path, flag)
+    _rendered(tmp_path, flag)
+    spec = json.loads((out / "dspipe.json").read_text())
+    del spec["strategy"]["immediate_grad_update"], spec["plan"]["immediate_grad_update"]
+    (out / "dspipe.json").write_text(json.dumps(spec))
+    capsys.readouterr()
+    run = load_run(out)
+    on = flag == "--immediate-grad-update"
+    assert run.strategy.immediate_grad_update is on and run.plan.immediate_grad_update is on
+    note = "lacks strategy.immediate_grad_update and plan.immediate_grad_update (a run written before the field "
+    assert note in capsys.readouterr().err

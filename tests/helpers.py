@@ -2,6 +2,7 @@
 directories. Test modules import from here (`from tests.helpers import ...`), never from each other; fixtures live in
 tests/conftest.py."""
 
+import contextlib
 import csv
 import json
 import os
@@ -407,3 +408,25 @@ def run_documented(command: str, *, cwd: Path, env: dict | None = None, timeout:
     full = {**os.environ, **OFFLINE, **(env or {}), "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}"}
     assert shutil.which("dspipe", path=full["PATH"]), f"no dspipe in {bindir} (pip install -e .)"
     return subprocess.run(["bash", "-c", command], cwd=cwd, env=full, capture_output=True, text=True, timeout=timeout)
+
+
+@contextlib.contextmanager
+def deepspeed_one_rank():
+    """This process as rank 0 of a 1-rank gloo world, through DeepSpeed's comm (a PipelineModule or an engine builds
+    its groups there); the environment it set is put back after."""
+    import deepspeed
+    import torch.distributed as dist
+
+    env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    deepspeed.init_distributed(dist_backend="gloo")
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v

@@ -1,18 +1,16 @@
 """parallelize's chunked_loss: the plain GPT and a pipeline's last stage compute their loss in chunks (the plain
 loss's value and gradients), the engine reports it, and a tensor-parallel head is refused."""
 
-import os
 import types
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from dspipe.model.gpt import GPT
 from dspipe.model.loss import HeadLoss
 from dspipe.runtime.parallelize import chunked_loss
 from dspipe.spec.presets import model_preset
-from tests.helpers import free_port
+from tests.helpers import deepspeed_one_rank
 
 TOL = 1e-5
 
@@ -35,19 +33,8 @@ def _plain(spec, idx, labels):
 
 @pytest.fixture(scope="module")
 def one_rank():
-    import deepspeed
-
-    env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-    before = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    deepspeed.init_distributed(dist_backend="gloo")  # a PipelineModule builds its groups through DeepSpeed's comm
-    yield
-    dist.destroy_process_group()
-    for k, v in before.items():
-        if v is None:
-            os.environ.pop(k)
-        else:
-            os.environ[k] = v
+    with deepspeed_one_rank():
+        yield
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-llama"])

@@ -4,17 +4,15 @@ flag off; the planner's peak drops by the 16-bit gradients, and --no-immediate-g
 them (fast: one in-process gloo rank, the tiny GPT)."""
 
 import json
-import os
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from dspipe.model.gpt import GPT
 from dspipe.planner.memory import stage_memory
 from dspipe.planner.plan import make_plan
 from dspipe.spec.presets import model_preset
-from tests.helpers import free_port, run_cli
+from tests.helpers import deepspeed_one_rank, run_cli
 
 FLAGS = ("--model", "tiny", "--gpu", "cpu", "--gpus-per-node", "1", "--global-batch", "4", "--micro-batch", "2")
 FLAGS += ("--precision", "bf16", "--zero", "1", "--steps", "3", "--data", "/nonexistent/data")
@@ -22,19 +20,8 @@ FLAGS += ("--precision", "bf16", "--zero", "1", "--steps", "3", "--data", "/none
 
 @pytest.fixture(scope="module")
 def one_rank():
-    import deepspeed
-
-    env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-    before = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    deepspeed.init_distributed(dist_backend="gloo")
-    yield
-    dist.destroy_process_group()
-    for k, v in before.items():
-        if v is None:
-            os.environ.pop(k)
-        else:
-            os.environ[k] = v
+    with deepspeed_one_rank():
+        yield
 
 
 def _out(tmp_path, *flags):
@@ -126,7 +113,7 @@ def test_the_peak_holds_one_16bit_gradient_instead_of_all(tp):
 
 
 def test_a_presets_false_is_planned_and_contradicting_it_is_refused(tmp_path, capsys):
-    preset = json.loads(_rendered_text(tmp_path))
+    preset = _rendered(tmp_path)
     preset["bf16"]["immediate_grad_update"] = False
     path = tmp_path / "preset.json"
     path.write_text(json.dumps(preset))
@@ -137,12 +124,6 @@ def test_a_presets_false_is_planned_and_contradicting_it_is_refused(tmp_path, ca
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and not out.exists()
     assert len(err) == 1 and "--immediate-grad-update contradicts bf16.immediate_grad_update false" in err[0], err
-
-
-def _rendered_text(tmp_path) -> str:
-    out = tmp_path / "source"
-    assert run_cli("gen-config", *FLAGS, "--out", out) == 0
-    return (out / "ds_config.json").read_text()
 
 
 @pytest.mark.parametrize("flag", ["--immediate-grad-update", "--no-immediate-grad-update"])

@@ -191,6 +191,10 @@ CONFIGS = {  # name: (model, options); every layout pinned (the planner would pi
     "qwen2-zero2": ("qwen2-31M", ["--zero", "2", *BF16]),
     "qwen3-zero3": ("qwen3-45M", ["--zero", "3", *BF16]),
     "pp2-zero1": ("31M", ["--zero", "1", *BF16, "--pp", "2"]),
+    # bf16 ZeRO-0 under a pipeline: DeepSpeed's BF16_Optimizer with bf16 gradient accumulation
+    "pp2-zero0": ("31M", ["--zero", "0", *BF16, "--pp", "2"]),
+    # the same with every 16-bit gradient kept until the step (bf16.immediate_grad_update false)
+    "pp2-zero0-keep": ("31M", ["--zero", "0", *BF16, "--pp", "2", "--no-immediate-grad-update"]),
     "tp2-zero1": ("31M", ["--zero", "1", *BF16, "--tp", "2"]),
     # the tensor-parallel split of 128-wide heads
     "tp2-qwen3-zero1": ("qwen3-45M", ["--zero", "1", *BF16, "--tp", "2"]),
@@ -213,7 +217,7 @@ MOE_ROWS = [name for name in CONFIGS if name.startswith("moe-")]
 """Rows that need the runtime's mixture-of-experts support (dspipe.runtime.moe); left out where it is missing."""
 LAUNCHES = [  # rows measured one after another by the same 2 ranks (a launch costs ~20 s before any engine)
     [name for name in CONFIGS if not name.startswith(("pp2", "tp2", "moe-"))],
-    ["pp2-zero1"],
+    ["pp2-zero1", "pp2-zero0", "pp2-zero0-keep"],
     ["tp2-zero1"],
     ["tp2-qwen3-zero1"],
     [name for name in MOE_ROWS if "-pp2" not in name and "-tp2" not in name],

@@ -27,6 +27,7 @@ LAYOUTS = {
     "pp2bf16": "--zero 1 --pp 2 --precision bf16",
     "tp2bf16": "--zero 1 --tp 2 --precision bf16",
     "pp2z0fp32": "--zero 0 --pp 2 --precision fp32",
+    "pp2z0bf16": "--zero 0 --pp 2 --precision bf16",
 }
 
 

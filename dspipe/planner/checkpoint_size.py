@@ -9,6 +9,9 @@ Z ranks in its ZeRO group (dp x sp; planner.stages.param_groups: the experts' ow
   ZeRO 1-2   the model-states file (w P, the group's first rank) and one optimizer file per rank: the rank's
              fp32 partition of the master copy and both moments, 12 P / Z
   ZeRO 3     the optimizer files alone (12 P / Z each; the model-states files hold no weights: ~18 KB)
+  bf16 ZeRO 0 in a pipeline (DeepSpeed's BF16_Optimizer, partitioned like ZeRO-1): ZeRO-1's files, and the
+             group's first rank writes its own partition's state a second time into the model-states file
+             (the engine saves the optimizer's state_dict there whenever ZeRO is off)
 A pipeline saves its weights as one file per layer, a tied embedding once, but the optimizer of both stages that
 hold the tie (first and last) keeps its state: stage_params counts it on both, as the files do. Measured
 (2026-11-27, 2 CPU ranks, a 2.64M-parameter GPT, every layout above: ZeRO 0-3 in fp32 and bf16, pp 2, tp 2): each
@@ -71,7 +74,7 @@ def checkpoint_size(*, model: ModelSpec, plan: Plan, ranks_per_node: int) -> Che
             if plan.pp > 1 and model.tied_embeddings and stage == len(held_by_stage) - 1
             else 0
         )
-        if plan.zero_stage == 0:  # one file on the group's first rank: weights and the whole optimizer state
+        if plan.zero_stage == 0 and not plan.bf16_optimizer:  # the group's first rank: weights, whole optimizer
             first = stored * weight + held * (8 if plan.precision == Precision.FP32 else OPTIMIZER_BYTES)
             per_rank, count = 0, 1
         else:
@@ -79,6 +82,8 @@ def checkpoint_size(*, model: ModelSpec, plan: Plan, ranks_per_node: int) -> Che
             parts = param_groups(model=model, plan=plan, phi=held)  # (parameters, ranks they are split over)
             per_rank = sum(-(-p * OPTIMIZER_BYTES // n) for p, n in parts)
             count = 1 if plan.zero_stage == 3 else 2
+            if plan.zero_stage == 0:  # BF16_Optimizer without ZeRO: its partition's state again in model states
+                first += per_rank
         total += plan.tp * (first + groups * per_rank)
         if first + per_rank > rank_max:
             rank_max, files = first + per_rank, count

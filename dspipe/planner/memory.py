@@ -11,6 +11,8 @@ engines, see docs/planner-accuracy.md), not only the textbook 16 bytes/param:
     ZeRO-0, fp32             params 4Phi            optimizer 8Phi
     ZeRO-1, bf16             params 2Phi  grads 4Phi (BF16_Optimizer's fp32 accumulation buffer)  optimizer 12Phi/N
                              (16-bit gradients at the peak: 2Phi, or the largest tensor's with immediate_grad_update)
+    ZeRO-0, bf16, pp > 1     the same BF16_Optimizer, with bf16 accumulation: grads 2Phi; at the step the rank's
+                             partition cast to fp32 (4Phi/N), beside the 16-bit gradients unless immediate_grad_update
     ZeRO-1/2, fp16 or fp32;  params b.Phi           optimizer 12Phi/N (an fp32 master copy is kept even in fp32)
     ZeRO-2, bf16
     ZeRO-3                   params b.Phi/N  grads 4Phi/N (fp32 gradient partitions stay allocated) optimizer 12Phi/N
@@ -735,15 +737,20 @@ def _model_states(*, model: ModelSpec, plan: Plan, phi: int) -> tuple[dict[str, 
     bucket = plan.reduce_bucket_size * b
     offload = plan.offload != Offload.NONE
     largest = b * largest_tensor_per_rank(model, plan.tp)
-    if z == 0:
+    if plan.bf16_optimizer:
+        accumulated = dtype_bytes(plan.grad_accum_dtype)
+        steady = dict(params=2 * phi, grads=accumulated * phi, optimizer=part(12), buffers=0)
+        # the 16-bit gradients: all alive from the end of the backward to the step, or with immediate_grad_update
+        # only the one being produced, freed once its hook has added it into the accumulation buffer; under bf16
+        # accumulation (ZeRO-0 in a pipeline) the step casts the rank's partition of it to fp32 for Adam (census:
+        # pp2-zero1, pp2-zero0, pp2-zero0-keep)
+        kept = 0 if plan.immediate_grad_update else 2 * phi
+        cast = 0 if accumulated == 4 else part(4)
+        transient = dict(grads=max(largest if plan.immediate_grad_update else 0, kept + cast), buffers=0)
+    elif z == 0:
         steady = dict(params=b * phi, grads=0, optimizer=master + adam, buffers=0)
         # the peak is the optimizer step's fp32 gradients (4Phi); mixed precision frees the 16-bit ones first (census)
         transient = dict(grads=4 * phi, buffers=0)
-    elif plan.bf16_optimizer:
-        steady = dict(params=2 * phi, grads=4 * phi, optimizer=part(12), buffers=0)
-        # the 16-bit gradients: all alive at the end of the backward, or with immediate_grad_update only the one
-        # being produced, freed once its hook has added it into the fp32 buffer (census)
-        transient = dict(grads=largest if plan.immediate_grad_update else 2 * phi, buffers=0)
     elif z in (1, 2) and offload:
         # Device: the 16-bit params, a gradient staging buffer of the largest tensor (temp_grad_buffer_for_gpu_offload);
         # from the last backward to the step the rank's fp32 gradient partition (averaged_gradients, 4Phi/N) and,

@@ -149,10 +149,13 @@ class Plan:
 
     @property
     def bf16_optimizer(self) -> bool:
-        """DeepSpeed 0.19.8 runs its BF16_Optimizer (a full fp32 gradient accumulation buffer beside the 16-bit
-        gradients): bf16 with ZeRO-1 and fp32 gradient accumulation, no offload (engine._do_optimizer_sanity_check;
-        bf16 ZeRO-0 under a pipeline too, whose fp32 gradients the estimate counts at the step already)."""
-        return self.precision == Precision.BF16 and self.zero_stage == 1 and self.offload == Offload.NONE
+        """DeepSpeed 0.19.8 runs its BF16_Optimizer (a whole gradient accumulation buffer in grad_accum_dtype beside
+        the 16-bit gradients, the fp32 master weights and Adam's moments partitioned over the data-parallel ranks):
+        bf16 with ZeRO-1 and fp32 gradient accumulation, no offload, and bf16 ZeRO-0 under a pipeline, with bf16
+        gradient accumulation (engine._do_optimizer_sanity_check)."""
+        if self.precision != Precision.BF16 or self.offload != Offload.NONE:
+            return False
+        return self.zero_stage == 1 or (self.zero_stage == 0 and self.pp > 1)
 
     @property
     def layout(self) -> ParallelLayout:

@@ -36,7 +36,7 @@ from dspipe.planner.throughput import attention_flops_per_token, model_flops_per
 from dspipe.spec.cluster import ClusterSpec
 from dspipe.spec.dtypes import dtype_bytes
 from dspipe.spec.hardware import GpuType
-from dspipe.spec.kinds import Checkpointing, Offload, Precision
+from dspipe.spec.kinds import Checkpointing, Offload
 from dspipe.spec.model import ModelSpec
 
 NVME_GBPS = 3.0
@@ -193,10 +193,7 @@ def _dp_comm_s(
     def hidden(comm: float, window: float) -> float:
         return max(0.0, comm - window) if overlaps else comm
 
-    bf16_optimizer = (
-        plan.precision == Precision.BF16 and plan.offload == Offload.NONE and (z == 1 or (z == 0 and plan.pp > 1))
-    )
-    if bf16_optimizer:
+    if plan.bf16_optimizer:
         return all_reduce + gather, gather
     if z == 0:
         return all_reduce, 0.0
@@ -420,7 +417,8 @@ def _offload_optimizer_s(*, model: ModelSpec, plan: Plan, cluster: ClusterSpec, 
     b = dtype_bytes(plan.precision)
     offload = optimizer = 0.0
     if plan.offload == Offload.NONE and gpu.optimizer_params_per_s:  # the device's Adam over the params it updates
-        optimizer = (phi if plan.zero_stage == 0 else _partition(model, plan, phi)) / gpu.optimizer_params_per_s
+        whole = plan.zero_stage == 0 and not plan.bf16_optimizer  # BF16_Optimizer partitions over dp at ZeRO-0 too
+        optimizer = (phi if whole else _partition(model, plan, phi)) / gpu.optimizer_params_per_s
     if plan.offload != Offload.NONE:
         shard = _partition(model, plan, phi)
         offload = cluster.gpus_per_node * shard / gpu.cpu_adam_params_per_s + 2 * shard * b / (gpu.host_copy_gbps * 1e9)

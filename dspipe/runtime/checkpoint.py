@@ -21,6 +21,7 @@ from pathlib import Path
 
 from dspipe.atomic import replace_dir
 from dspipe.errors import SpecError
+from dspipe.runtime import bf16_reshard
 from dspipe.runtime.ckpt_meta import CheckpointMeta, SaveRecord, check_compatible, layout_text, read_meta, write_meta
 from dspipe.runtime.ckpt_tags import (
     LATEST_FILE,
@@ -305,6 +306,8 @@ def load(engine, path: Path, loader) -> CheckpointMeta:
                 saved_ep=meta.ep,
                 saved_zero=meta.zero_stage,
             )
+        elif bf16_optimizer_without_zero(engine) and meta.layout != now:  # another dp (layout_change_refusal)
+            load_path = bf16_reshard.load(engine, path, saved_dp=meta.dp)
         elif bf16_optimizer_without_zero(engine):
             load_path = load_bf16_without_zero(engine, path)
         else:

@@ -37,14 +37,17 @@ def layout_change_refusal(
     path: Path,
 ) -> str | None:
     """Why this checkpoint cannot be resumed at (dp, tp, pp, sp, ep) (None: it can; the saved layout always can; ep
-    None: the checkpoint's). A changed dp alone at ZeRO-0 loads as is (the state is whole); any other change goes
+    None: the checkpoint's). A changed dp alone at ZeRO-0 loads as is (the state is whole; a bf16 pipeline's
+    BF16_Optimizer partitions: dspipe.runtime.bf16_reshard); any other change goes
     through a universal checkpoint (load_resharded; a pipeline <-> the plain model with its parameters renamed; a
     mixture of experts converted by dspipe.runtime.moe_reshard), measured to continue the run (fp32: the next losses
     equal to 1.2e-7) for dp, tp (1 <-> 2, GPT-2 and Llama/GQA/untied) and pp (1 <-> 2) changes, alone and together,
     and for a mixture of experts' dp, ep and pp (1 <-> 2) changes (ZeRO-1/2, fp32: the next losses bitwise those of
     the run that went on at the saved layout, 1.1e-7 relative at dp 1; bf16: as close as a fresh run at the new
     layout comes). Refused, because DeepSpeed 0.19.8 cannot do it: ZeRO-0 at another tp, pp or ep (no optimizer
-    partitions to convert), NVMe-offloaded optimizer state, a vocabulary that does not divide by tp > 1 (its
+    partitions to convert; a bf16 pipeline without ZeRO keeps DeepSpeed's BF16_Optimizer partitions, which
+    ds_to_universal refuses: dspipe.runtime.bf16_reshard re-partitions them at another dp), NVMe-offloaded optimizer
+    state, a vocabulary that does not divide by tp > 1 (its
     universal load pads every rank's rows to rows x tp: the last rank's assertion fails), a tp- or pipeline-sharded
     checkpoint saved without the module's universal_checkpoint_info; because dspipe has not verified it:
     sequence-parallel checkpoints, pipeline depths beyond 2 (a change between pp 2 and pp 3 or 4), a mixture of
@@ -58,6 +61,13 @@ def layout_change_refusal(
         return None
     model = meta.model or {}
     if zero_stage == 0:
+        if bf16_optimizer_files(path) and saved[1:] != (tp, pp, sp, ep):
+            return (
+                "bf16 without ZeRO under a pipeline runs DeepSpeed's BF16_Optimizer, whose state dspipe "
+                "re-partitions at another dp only (dspipe.runtime.bf16_reshard: DeepSpeed 0.19.8's universal "
+                "conversion refuses its files, which carry no param_shapes outside ZeRO); a run that must change "
+                "tp or pp needs --zero 1"
+            )
         if saved[1:] == (tp, pp, sp, ep):
             return None
         return (
@@ -97,6 +107,12 @@ def layout_change_refusal(
             "resharding), which DeepSpeed's universal conversion needs to merge tp shards and pipeline stages"
         )
     return None
+
+
+def bf16_optimizer_files(path: Path) -> bool:
+    """Whether checkpoint `path` holds DeepSpeed's BF16_Optimizer partition files (bf16_zero_pp_rank_*): under ZeRO-0
+    a bf16 pipeline's (dspipe.planner.plan.Plan.bf16_optimizer)."""
+    return any(Path(path).glob("bf16_zero_pp_rank_*_optim_states.pt"))
 
 
 def saved_universal_info(path: Path) -> bool:

@@ -50,7 +50,11 @@ the margin keeps run-to-run noise from failing it."""
 
 
 def _launch_id(names: list[str]) -> str:
-    return names[0] if len(names) == 1 else "moe" if set(names) <= MOE else "plain"
+    if len(names) == 1:
+        return names[0]
+    if set(names) <= MOE:
+        return "moe"
+    return "pp2" if all(n.startswith("pp2") for n in names) else "plain"
 
 
 @pytest.mark.parametrize("names", TESTED, ids=[_launch_id(names) for names in TESTED])
@@ -77,6 +81,8 @@ def test_predicted_model_states_within_5_percent_of_the_live_engine(names, tmp_p
         "zero3-fp32",
         "zero2-offload-fp32",
         "pp2-zero1",
+        "pp2-zero0",
+        "pp2-zero0-keep",
         "tp2-zero1",
         *WIDE_ZERO3,
         *NEW_FAMILIES,

@@ -474,3 +474,32 @@ def test_bf16_zero0_kill9_default_resume_restart_and_extend(tmp_path, corpus):
         assert float(got[step - 1][2]) == pytest.approx(opt.param_groups[0]["lr"], rel=1e-12), (step, got)
     assert (run / "checkpoints" / "latest").read_text() == "global_step8"
     assert [s for s, _ in scalars(run)[0]] == list(range(1, 9))
+
+
+@pytest.mark.distributed
+def test_a_bf16_pipeline_without_zero_resumes_at_another_dp(tmp_path, corpus):
+    """bf16 ZeRO-0 at pp 2 trains on DeepSpeed's BF16_Optimizer, its fp32 weights and Adam moments partitioned over
+    dp, in files DeepSpeed loads only at the dp that saved them (its traceback before) and its universal converter
+    refuses. Saved at dp 1 (2 ranks), resumed at dp 2 (4 ranks) through dspipe.runtime.bf16_reshard: the losses of
+    steps 4-6 follow the uninterrupted dp-1 run to 9.4e-6 relative and the gradient norms to 2.4e-4 (bf16 sums in
+    another order); the same resume with a fresh optimizer (fp32 weights from the bf16 ones, no moments; measured
+    once, this test fails on it) is 2.9e-4 to 3.9e-3 off in loss and 2.4e-2 to 7.1e-2 in gradient norm."""
+    flags = ("--zero", "0", "--pp", "2", "--precision", "bf16", "--save-interval", "2", "--keep-checkpoints", "3")
+    ref = make_run(tmp_path, corpus, *flags, steps=6, name="ref")
+    ok(launch(ref))
+    step2 = ref / "checkpoints" / "global_step2"
+    assert sorted(p.name for p in step2.glob("bf16_zero_pp_rank_*")) == [
+        "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "bf16_zero_pp_rank_0_mp_rank_01_optim_states.pt",
+    ]
+    run = make_run(tmp_path, corpus, *flags, "--gpus-per-node", "4", steps=6, name="dp2")
+    r = launch(run, "--resume", str(step2), num_gpus=4)
+    ok(r)
+    assert "at step 2" in r.stderr and json.loads((run / "engine.json").read_text())["dp"] == 2
+    got, want = written_metrics(run), written_metrics(ref)[2:]
+    assert [int(s) for s, *_ in got] == [3, 4, 5, 6]
+    for (s, loss, _, norm), (_, loss_ref, _, norm_ref) in zip(got[1:], want[1:], strict=True):
+        assert float(loss) == pytest.approx(float(loss_ref), rel=1e-4), s
+        assert float(norm) == pytest.approx(float(norm_ref), rel=2e-3), s
+    assert not [p for p in (ref / "checkpoints").iterdir() if p.name.startswith(".universal-")]  # deleted
+    assert ckpt_meta.read_meta(run / "checkpoints" / "global_step6").dp == 2

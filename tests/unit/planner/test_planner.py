@@ -6,7 +6,7 @@ import math
 import pytest
 
 from dspipe.planner.cost import estimate
-from dspipe.planner.memory import zero3_backward_working
+from dspipe.planner.memory import stage_memory, zero3_backward_working
 from dspipe.planner.plan import make_plan
 from dspipe.planner.search import search
 from dspipe.planner.stages import stage_layer_weights, stage_params
@@ -46,6 +46,20 @@ def test_mixed_precision_zero0_peak_is_18_bytes_per_param():
     plan, est = _estimate(zero=0)
     m = est.memory
     assert m.params + m.grads + m.optimizer == 18 * plan.num_params and m.buffers == 1536 * 2**20  # the reserve
+
+
+@pytest.mark.parametrize("immediate", [True, False])
+def test_a_bf16_pipeline_without_zero_is_deepspeeds_bf16_optimizer(immediate):
+    # DeepSpeed 0.19.8 runs its BF16_Optimizer for bf16 ZeRO-0 under a pipeline: a 2Phi bf16 accumulation buffer,
+    # the fp32 master and moments partitioned over dp (12Phi/dp), and at the step the rank's partition cast to fp32
+    # (4Phi/dp), beside every 16-bit gradient when immediate_grad_update is off (census: pp2-zero0, pp2-zero0-keep
+    # at dp 1; the partitions over dp: bf16_optimizer.py, real_dp_process_group)
+    plan, _ = _estimate(zero=0, pp=2, immediate_grad_update=immediate)
+    assert (plan.dp, plan.grad_accum_dtype, plan.bf16_optimizer) == (4, "bf16", True)
+    m, phi = stage_memory(model=model_preset("gpt2-124m"), cluster=ClusterSpec(1, 8, "a100-80g"), plan=plan)
+    assert (m.params, m.optimizer) == (2 * phi, 12 * phi // 4)
+    assert m.grads == 2 * phi + 4 * phi // 4 + (0 if immediate else 2 * phi)
+    assert not _estimate(zero=0, pp=2, precision="fp32")[0].bf16_optimizer  # fp32: the plain optimizer, whole
 
 
 def test_zero3_backward_peak_follows_the_modules_and_the_tied_head_gradient():

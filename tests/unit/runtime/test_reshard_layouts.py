@@ -3,6 +3,7 @@ checked against the shard layout (dspipe.model.tp_split) and run through DeepSpe
 merge (ds_to_universal.merge_tp_slices) and restore (universal_checkpoint.load_hp_checkpoint_state) on synthetic
 shards; the renaming between a pipeline and the plain model; the refusals, one line each."""
 
+import json
 import re
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -269,3 +270,34 @@ def test_check_compatible_names_both_layouts_in_one_line(tmp_path):
     ckpt_meta.check_compatible(replace(meta, dp=2), run, path)  # the same layout
     with pytest.raises(SpecError, match=r"saved with zero_stage 2, this run has zero_stage 1; resume with the same"):
         ckpt_meta.check_compatible(replace(meta, zero_stage=2), run, path)
+
+
+def test_a_bf16_pipeline_without_zero_changes_dp_only(tmp_path):
+    """bf16 ZeRO-0 under a pipeline saves DeepSpeed's BF16_Optimizer partitions (the files of the checkpoint census's
+    pp2z0bf16 layout, a real save), which ds_to_universal refuses (measured: "param_shapes must contain
+    dictionaries"): dspipe.runtime.bf16_reshard re-partitions them at another dp, and any other change is refused in
+    one line. A fp32 pipeline without ZeRO (the plain optimizer, its whole state in pp2z0fp32's model-states files)
+    changes dp as is."""
+    census = json.loads((Path(__file__).parents[2] / "data" / "checkpoint_census.json").read_text())["layouts"]
+    tiny = asdict(model_preset("tiny"))
+    paths = {}
+    for layout in ("pp2z0bf16", "pp2z0fp32"):
+        paths[layout] = tmp_path / layout
+        paths[layout].mkdir()
+        for name in census[layout]["files"]:
+            (paths[layout] / name).touch()
+
+    def refusal(layout, **now):
+        saved = meta_of(dp=1, tp=1, pp=2, sp=1, model=tiny)
+        now = {"dp": 1, "tp": 1, "pp": 2, "sp": 1, **now}
+        return layout_change_refusal(meta=saved, zero_stage=0, offload="none", path=paths[layout], **now)
+
+    assert refusal("pp2z0bf16") is None and refusal("pp2z0bf16", dp=2) is None
+    assert refusal("pp2z0bf16", pp=1) == (
+        "bf16 without ZeRO under a pipeline runs DeepSpeed's BF16_Optimizer, whose state dspipe re-partitions at "
+        "another dp only (dspipe.runtime.bf16_reshard: DeepSpeed 0.19.8's universal conversion refuses its files, "
+        "which carry no param_shapes outside ZeRO); a run that must change tp or pp needs --zero 1"
+    )
+    assert refusal("pp2z0bf16", dp=2, pp=4) == refusal("pp2z0bf16", pp=1)
+    assert refusal("pp2z0fp32", dp=2) is None  # the whole state in the model-states files
+    assert refusal("pp2z0fp32", pp=1).startswith("ZeRO-0 keeps no optimizer partitions")

@@ -6,8 +6,8 @@ whole batches through its 1F1B schedule). The runner, `dspipe bench`, evaluation
 Tensor parallelism is dspipe's own Megatron-layout layers (dspipe.runtime.tensor_parallel), swapped in before the
 module is materialised (each rank builds only its shard); DeepSpeed gets the process groups as its mpu
 (dspipe.runtime.mesh: a PipelineModule's own grid, else a data x sequence x tensor Mesh). Sequence parallelism is
-DeepSpeed-Ulysses: the sequence groups (`parallel_state_sp`'s, or the Mesh's with tp) go to `deepspeed.initialize`
-as its mpu (so gradients are reduced over data x sequence ranks),
+DeepSpeed-Ulysses: the Mesh's sequence groups go to `deepspeed.initialize` as its mpu (so gradients are reduced over
+data x sequence ranks; its model-parallel group is the tp group, of 1 rank without tp),
 each block's attention becomes a DistributedAttention (dspipe.runtime.parallelize), and PlainEngine feeds every sp
 rank its slice of each sequence.
 """
@@ -391,7 +391,6 @@ def build_engine(run: Run, *, clock=None) -> Engine:
     from dspipe.runtime.moe import expert_parallel, install_for_run
     from dspipe.runtime.moe import param_groups as moe_param_groups
     from dspipe.runtime.reshard import universal_checkpoint_info
-    from dspipe.runtime.sequence import sequence_groups
 
     plan, rank = run.plan, dist.get_rank()
     mpu, tp = None, None
@@ -403,7 +402,12 @@ def build_engine(run: Run, *, clock=None) -> Engine:
             mpu = Mesh(plan.layout, rank=rank)
             tp.group = mpu.get_tensor_model_parallel_group()
     elif plan.sp > 1:
-        mpu = sequence_groups(layout=plan.layout, rank=rank)
+        from dspipe.runtime.mesh import Mesh
+
+        # not DeepSpeed's parallel_state_sp, which names the sequence group its model-parallel group: its
+        # BF16_Optimizer (bf16 ZeRO-1) then leaves every replicated gradient out of the norm on sequence ranks > 0
+        # and fails at the first step ("stack expects a non-empty TensorList")
+        mpu = Mesh(plan.layout, rank=rank)
     checkpoint_fn = checkpoint_function(run)
     if clock:
         clock.mark("before_build")

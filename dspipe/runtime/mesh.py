@@ -3,11 +3,13 @@
 pp > 1   DeepSpeed's PipeModelDataParallelTopology (axes pipe, data, model: the model (tp) axis varies fastest,
          as dspipe.spec.layout orders its ranks); the PipelineModule builds its PipelineParallelGrid from it,
          whose slice group is the tp group (`topology`).
-pp = 1   `Mesh`: data x Ulysses sequence x tensor groups from the layout itself (DeepSpeed's own Ulysses groups,
-         parallel_state_sp, assume the sequence ranks are neighbours, which they are not once tp is the
-         fastest axis): data-parallel groups without the sp and tp ranks, sequence-data groups (ZeRO
-         partitions and gradients are reduced over them), sequence groups (Ulysses' all-to-alls) and the tp
-         group, which is also the model-parallel group (the gradient norm and overflow checks).
+pp = 1   `Mesh`: data x Ulysses sequence x tensor groups from the layout itself, with tp or sp > 1 (DeepSpeed's own
+         Ulysses groups, parallel_state_sp, assume the sequence ranks are neighbours, which they are not once tp is
+         the fastest axis, and name the sequence group the model-parallel group, which leaves its BF16_Optimizer
+         no gradient to take the norm of on sequence ranks > 0): data-parallel groups without the sp and tp
+         ranks, sequence-data groups (ZeRO partitions and gradients are reduced over them), sequence groups
+         (Ulysses' all-to-alls) and the tp group, which is also the model-parallel group (the gradient norm and
+         overflow checks).
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ def parallelize(
 ) -> None:
     """Wire `module` for this rank: recomputation as plan.checkpointing says, the loss in chunks as plan.loss_chunk
     says (chunked_loss), and with sp > 1 its attention made sequence-parallel over the Ulysses group of `mpu`
-    (sequence_groups or dspipe.runtime.mesh.Mesh) on this rank's slice; then, with `compile_`, every block compiled
+    (dspipe.runtime.mesh.Mesh) on this rank's slice; then, with `compile_`, every block compiled
     (compile_blocks: last, so the compiled graphs hold the wired attention). (Its tensor-parallel shards were
     swapped in when it was built: shard_tensor_parallel.)"""
     recompute(module, mode=plan.checkpointing, checkpoint_fn=checkpoint_fn, blocks=plan.recompute_blocks)

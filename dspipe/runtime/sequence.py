@@ -1,30 +1,14 @@
 """Ulysses sequence parallelism for the GPT: every sp rank of a replica holds a contiguous slice of each
 sequence; attention all-to-alls from (sequence slice, all heads) to (whole sequence, heads / sp) and back through
-DeepSpeed's `deepspeed.sequence.layer.DistributedAttention`. The model itself stays unaware: this module builds the
-groups (`sequence_groups`), swaps each block's attention core and sets the position offsets (`shard_sequence`, called
-by dspipe.runtime.parallelize); the engine slices the batches (`local_slice`) and scales the loss (`loss_share`).
+DeepSpeed's `deepspeed.sequence.layer.DistributedAttention`. The model itself stays unaware: this module swaps each
+block's attention core over the sequence group (dspipe.runtime.mesh.Mesh builds it) and sets the position offsets
+(`shard_sequence`, called by dspipe.runtime.parallelize); the engine slices the batches (`local_slice`) and scales
+the loss (`loss_share`).
 """
 
 from __future__ import annotations
 
 from dspipe.model.gpt import GPT, Attention
-from dspipe.spec.layout import ParallelLayout
-
-
-def sequence_groups(*, layout: ParallelLayout, rank: int):
-    """Ulysses groups (DeepSpeed's parallel_state_sp, which must agree with the layout's sequence groups); the mpu
-    for zero.Init and deepspeed.initialize."""
-    from deepspeed.runtime.sequence_parallel import parallel_state_sp
-
-    if parallel_state_sp._SEQUENCE_PARALLEL_GROUP is None:  # once per process
-        parallel_state_sp.initialize_sequence_parallel(layout.sp)
-    mine = next(g for g in layout.groups("seq") if rank in g)
-    if (
-        parallel_state_sp.get_sequence_parallel_world_size() != layout.sp
-        or parallel_state_sp.get_sequence_parallel_rank() != mine.index(rank)
-    ):
-        raise RuntimeError(f"rank {rank}: DeepSpeed's sequence-parallel group disagrees with the layout's {mine}")
-    return parallel_state_sp
 
 
 class _UlyssesCore:

@@ -178,6 +178,11 @@ CONFIGS = {  # name: (model, options); every layout pinned (the planner would pi
             "1000000000",
         ],
     ),  # the knobs many published configs carry
+    # gradient accumulation (2 micro-batches a step) under CPU offload: bf16 accumulates into a compact fp32
+    # partition on the device, fp32 into host buffers
+    "zero2-offload-ga2": ("31M", ["--zero", "2", *BF16, *CPU_OFFLOAD, "--global-batch", "4"]),
+    "zero1-offload-ga2": ("31M", ["--zero", "1", *BF16, *CPU_OFFLOAD, "--global-batch", "4"]),
+    "zero2-offload-fp32-ga2": ("31M", ["--zero", "2", *FP32, *CPU_OFFLOAD, "--global-batch", "4"]),
     "zero1-fp32": ("31M", ["--zero", "1", *FP32]),
     "zero3-fp32": ("31M", ["--zero", "3", *FP32]),
     "zero2-offload-fp32": ("31M", ["--zero", "2", *FP32, *CPU_OFFLOAD]),

@@ -16,7 +16,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SHAPE = ["--model", "tiny", "--layers", "2", "--hidden", "256", "--heads", "4", "--vocab", "4096", "--seq-len", "64"]
-LAYOUTS = {
+MOE = "--model tiny-llama --experts 4 --experts-per-token 2 --expert-ffn 512 --ffn 704 --kv-heads 2"
+LAYOUTS = {  # the tiny GPT of SHAPE (MOE: a tiny-llama with 4 experts instead)
     "z0fp32": "--zero 0 --precision fp32",
     "z0bf16": "--zero 0 --precision bf16",
     "z1fp32": "--zero 1 --precision fp32",
@@ -28,6 +29,22 @@ LAYOUTS = {
     "tp2bf16": "--zero 1 --tp 2 --precision bf16",
     "pp2z0fp32": "--zero 0 --pp 2 --precision fp32",
     "pp2z0bf16": "--zero 0 --pp 2 --precision bf16",
+    "sp2z1fp32": "--zero 1 --sp 2 --tp 1 --pp 1 --precision fp32 --offload none",
+    "sp2z1bf16": "--zero 1 --sp 2 --tp 1 --pp 1 --precision bf16 --offload none",
+    "sp2z2bf16": "--zero 2 --sp 2 --tp 1 --pp 1 --precision bf16 --offload none",
+    "sp2z3bf16": "--zero 3 --sp 2 --tp 1 --pp 1 --precision bf16 --offload none",
+    "tp2z2bf16": "--zero 2 --tp 2 --pp 1 --sp 1 --precision bf16 --offload none",
+    "tp2z3bf16": "--zero 3 --tp 2 --pp 1 --sp 1 --precision bf16 --offload none",
+    "pp2z1fp32": "--zero 1 --pp 2 --tp 1 --sp 1 --precision fp32 --offload none",
+    "tp2z1fp32": "--zero 1 --tp 2 --pp 1 --sp 1 --precision fp32 --offload none",
+    "z2fp32": "--zero 2 --tp 1 --pp 1 --sp 1 --precision fp32 --offload none",
+    "z2bf16offload": "--zero 2 --tp 1 --pp 1 --sp 1 --precision bf16 --offload cpu",
+    "pp2z1bf16offload": "--zero 1 --pp 2 --tp 1 --sp 1 --precision bf16 --offload cpu",
+    "moez1ep2": MOE + " --zero 1 --ep 2 --tp 1 --pp 1 --sp 1 --precision bf16 --offload none",
+    "moez2ep2": MOE + " --zero 2 --ep 2 --tp 1 --pp 1 --sp 1 --precision bf16 --offload none",
+    "moez2ep1": MOE + " --zero 2 --ep 1 --tp 1 --pp 1 --sp 1 --precision bf16 --offload none",
+    "moez3ep2": MOE + " --zero 3 --ep 2 --tp 1 --pp 1 --sp 1 --precision bf16 --offload none",
+    "moepp2z1": MOE + " --zero 1 --ep 1 --pp 2 --tp 1 --sp 1 --precision bf16 --offload none",
 }
 
 

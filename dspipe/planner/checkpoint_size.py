@@ -8,6 +8,8 @@ Z ranks in its ZeRO group (dp x sp; planner.stages.param_groups: the experts' ow
              state, w P + 8 P in fp32 (Adam's two moments) or w P + 12 P in 16-bit (the fp32 master copy too)
   ZeRO 1-2   the model-states file (w P, the group's first rank) and one optimizer file per rank: the rank's
              fp32 partition of the master copy and both moments, 12 P / Z
+  MoE        DeepSpeed's native layer at ep > 1 (ZeRO 1-2, tp 1): each expert-parallel rank also writes its own
+             E / ep experts' weights (layer_L_expert_E_*), w x its routed-expert parameters
   ZeRO 3     the optimizer files alone (12 P / Z each; the model-states files hold no weights: ~18 KB)
   bf16 ZeRO 0 in a pipeline (DeepSpeed's BF16_Optimizer, partitioned like ZeRO-1): ZeRO-1's files, and the
              group's first rank writes its own partition's state a second time into the model-states file
@@ -26,8 +28,9 @@ import math
 from dataclasses import asdict, dataclass
 
 from dspipe.planner.plan import Plan
-from dspipe.planner.stages import param_groups, stage_params, vocab_table_per_rank, zero_group_size
+from dspipe.planner.stages import param_groups, stage_experts, stage_params, vocab_table_per_rank, zero_group_size
 from dspipe.planner.startup import DISK_GBPS
+from dspipe.runtime.experts import native_layer
 from dspipe.runtime.progress import duration
 from dspipe.spec.dtypes import dtype_bytes
 from dspipe.spec.hardware import GPU_MTBF_HOURS
@@ -67,6 +70,12 @@ def checkpoint_size(*, model: ModelSpec, plan: Plan, ranks_per_node: int) -> Che
     held_by_stage = stage_params(
         model=model, pp=plan.pp, partition_method=plan.partition_method, tp=plan.tp, ep=plan.ep
     )
+    # DeepSpeed's native MoE layer at ep > 1: every expert-parallel rank writes its own experts' weight files
+    # (layer_L_expert_E_*), not only the group's first rank
+    expert_writers = plan.ep - 1 if model.experts and native_layer(zero_stage=plan.zero_stage, tp=plan.tp) else 0
+    experts_by_stage = stage_experts(
+        model=model, pp=plan.pp, partition_method=plan.partition_method, tp=plan.tp, ep=plan.ep
+    )
     for stage, held in enumerate(held_by_stage):
         # a pipeline's tied embedding: its weights saved once (the first stage's layer file), its state on both
         stored = held - (
@@ -84,7 +93,7 @@ def checkpoint_size(*, model: ModelSpec, plan: Plan, ranks_per_node: int) -> Che
             count = 1 if plan.zero_stage == 3 else 2
             if plan.zero_stage == 0:  # BF16_Optimizer without ZeRO: its partition's state again in model states
                 first += per_rank
-        total += plan.tp * (first + groups * per_rank)
+        total += plan.tp * (first + groups * per_rank) + expert_writers * experts_by_stage[stage] * weight
         if first + per_rank > rank_max:
             rank_max, files = first + per_rank, count
     node = min(total, rank_max * min(ranks_per_node, plan.world_size))

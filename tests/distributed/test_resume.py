@@ -477,6 +477,7 @@ def test_bf16_zero0_kill9_default_resume_restart_and_extend(tmp_path, corpus):
 
 
 @pytest.mark.distributed
+@pytest.mark.solo  # 4 ranks
 def test_a_bf16_pipeline_without_zero_resumes_at_another_dp(tmp_path, corpus):
     """bf16 ZeRO-0 at pp 2 trains on DeepSpeed's BF16_Optimizer, its fp32 weights and Adam moments partitioned over
     dp, in files DeepSpeed loads only at the dp that saved them (its traceback before) and its universal converter

@@ -184,6 +184,11 @@ CONFIGS = {  # name: (model, options); every layout pinned (the planner would pi
     "zero1-offload-ga2": ("31M", ["--zero", "1", *BF16, *CPU_OFFLOAD, "--global-batch", "4"]),
     "zero2-offload-fp32-ga2": ("31M", ["--zero", "2", *FP32, *CPU_OFFLOAD, "--global-batch", "4"]),
     "zero1-fp32": ("31M", ["--zero", "1", *FP32]),
+    # fp32 with gradient accumulation (2 micro-batches a step)
+    "zero1-fp32-ga2": ("31M", ["--zero", "1", *FP32, "--global-batch", "4"]),
+    "zero2-fp32-ga2": ("31M", ["--zero", "2", *FP32, "--global-batch", "4"]),
+    "zero2-fp32": ("31M", ["--zero", "2", *FP32]),
+    "zero0-fp32-ga2": ("31M", ["--zero", "0", *FP32, "--global-batch", "4"]),
     "zero3-fp32": ("31M", ["--zero", "3", *FP32]),
     "zero2-offload-fp32": ("31M", ["--zero", "2", *FP32, *CPU_OFFLOAD]),
     "34M-zero2": ("34M", ["--zero", "2", *BF16]),

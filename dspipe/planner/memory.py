@@ -749,8 +749,11 @@ def _model_states(*, model: ModelSpec, plan: Plan, phi: int) -> tuple[dict[str, 
         transient = dict(grads=max(largest if plan.immediate_grad_update else 0, kept + cast), buffers=0)
     elif z == 0:
         steady = dict(params=b * phi, grads=0, optimizer=master + adam, buffers=0)
-        # the peak is the optimizer step's fp32 gradients (4Phi); mixed precision frees the 16-bit ones first (census)
-        transient = dict(grads=4 * phi, buffers=0)
+        # the peak is the optimizer step's fp32 gradients (4Phi); mixed precision frees the 16-bit ones first (census);
+        # in fp32 with gradient accumulation each new gradient is a tensor of its own until it is added into .grad
+        # (up to the largest; census: zero0-fp32-ga2)
+        fresh = largest if not mixed and plan.grad_accum > 1 else 0
+        transient = dict(grads=4 * phi + fresh, buffers=0)
     elif z in (1, 2) and offload:
         # Device: the 16-bit params, a gradient staging buffer of the largest tensor (temp_grad_buffer_for_gpu_offload);
         # from the last backward to the step the rank's fp32 gradient partition (averaged_gradients, 4Phi/N) and,
@@ -768,15 +771,18 @@ def _model_states(*, model: ModelSpec, plan: Plan, phi: int) -> tuple[dict[str, 
     elif z in (1, 2):
         steady = dict(params=b * phi, grads=0, optimizer=part(12), buffers=0)
         live_grads = b * phi if z == 1 else part(b) + 2 * bucket
+        if z == 1 and not mixed and plan.grad_accum > 1:  # as ZeRO-0's: the new gradient before it is added
+            live_grads += largest
         if z == 2 and mixed and plan.grad_accum_dtype == "fp32" and model.experts:
             # the rank's expert gradients that the reduce buckets carry are reduced straight into the fp32 partition
             # and never kept in 16 bits: only the expert tensors larger than the bucket keep theirs (census)
             (_, _), (experts, g) = groups
             kept, whole = expert_grads_kept(model=model, reduce_bucket_size=plan.reduce_bucket_size)
             live_grads += b * experts * kept // (whole * g) - b * experts // g
-        # mixed precision: the fp32 gradient partition built for the step (4Phi/N); ZeRO-2 also copies the largest
-        # gradient on its way into the partition (census: an unnamed buffer of that size)
-        fp32_partition = part(4) if mixed else 0
+        # mixed precision: the fp32 gradient partition built for the step (4Phi/N); ZeRO-2 flattens the partition
+        # for the step in fp32 too (census: zero2-fp32 +7.5%, zero2-fp32-ga2 +1.3% with it, -6.6% and -12.0%
+        # without), and copies the largest gradient on its way into the partition (an unnamed buffer of that size)
+        fp32_partition = part(4) if mixed or z == 2 else 0
         transient = dict(
             grads=live_grads + fp32_partition,
             buffers=(int(4.5 * bucket) if plan.overlap_comm else 0) + (largest if z == 2 else 0),

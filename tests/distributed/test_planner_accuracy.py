@@ -33,6 +33,7 @@ PEAK_OVERESTIMATE = {
     "zero2-offload-fp32": 0.11,
     "zero2-offload-ga2": 0.08,
     "zero2-offload-fp32-ga2": 0.10,
+    "zero2-fp32": 0.10,
     "34M-zero3-offload-params-fp32": 0.58,
     "llama-zero3-offload-params-fp32": 0.08,
     "moe-zero2-ep2-fp32": 0.07,

@@ -779,10 +779,10 @@ def _model_states(*, model: ModelSpec, plan: Plan, phi: int) -> tuple[dict[str, 
             (_, _), (experts, g) = groups
             kept, whole = expert_grads_kept(model=model, reduce_bucket_size=plan.reduce_bucket_size)
             live_grads += b * experts * kept // (whole * g) - b * experts // g
-        # mixed precision: the fp32 gradient partition built for the step (4Phi/N); ZeRO-2 flattens the partition
-        # for the step in fp32 too (census: zero2-fp32 +7.5%, zero2-fp32-ga2 +1.3% with it, -6.6% and -12.0%
-        # without), and copies the largest gradient on its way into the partition (an unnamed buffer of that size)
-        fp32_partition = part(4) if mixed or z == 2 else 0
+        # mixed precision: the fp32 gradient partition built for the step (4Phi/N); ZeRO-2 also copies the largest
+        # gradient on its way into the partition (census: an unnamed buffer of that size). Open: dense fp32 ZeRO-2
+        # peaks above this (zero2-fp32 -6.6%, -12.0% at 2 micro-batches; the fp32 MoE row does not: +4.8%)
+        fp32_partition = part(4) if mixed else 0
         transient = dict(
             grads=live_grads + fp32_partition,
             buffers=(int(4.5 * bucket) if plan.overlap_comm else 0) + (largest if z == 2 else 0),

@@ -183,6 +183,10 @@ CONFIGS = {  # name: (model, options); every layout pinned (the planner would pi
     "zero2-offload-ga2": ("31M", ["--zero", "2", *BF16, *CPU_OFFLOAD, "--global-batch", "4"]),
     "zero1-offload-ga2": ("31M", ["--zero", "1", *BF16, *CPU_OFFLOAD, "--global-batch", "4"]),
     "zero2-offload-fp32-ga2": ("31M", ["--zero", "2", *FP32, *CPU_OFFLOAD, "--global-batch", "4"]),
+    # bf16 with gradient accumulation (2 micro-batches a step), the usual layout of a real run
+    "zero1-ga2": ("31M", ["--zero", "1", *BF16, "--global-batch", "4"]),
+    "zero2-ga2": ("31M", ["--zero", "2", *BF16, "--global-batch", "4"]),
+    "zero3-ga2": ("31M", ["--zero", "3", *BF16, "--global-batch", "4"]),
     "zero1-fp32": ("31M", ["--zero", "1", *FP32]),
     # fp32 with gradient accumulation (2 micro-batches a step)
     "zero1-fp32-ga2": ("31M", ["--zero", "1", *FP32, "--global-batch", "4"]),
@@ -195,9 +199,12 @@ CONFIGS = {  # name: (model, options); every layout pinned (the planner would pi
     "34M-zero3": ("34M", ["--zero", "3", *BF16]),
     "34M-zero2-offload": ("34M", ["--zero", "2", *BF16, *CPU_OFFLOAD]),
     "34M-zero3-offload-params-fp32": ("34M", ["--zero", "3", *FP32, *CPU_OFFLOAD, "--offload-params"]),
+    # fp32 ZeRO-2 at another largest tensor (the partition buffer's straddling ends) and blocks
+    "34M-zero2-fp32": ("34M", ["--zero", "2", *FP32]),
     "llama-zero2": ("39M", ["--zero", "2", *BF16]),
     "llama-zero3-offload": ("39M", ["--zero", "3", *BF16, *CPU_OFFLOAD]),
     "llama-zero3-offload-params-fp32": ("39M", ["--zero", "3", *FP32, *CPU_OFFLOAD, "--offload-params"]),
+    "llama-zero2-fp32-ga2": ("39M", ["--zero", "2", *FP32, "--global-batch", "4"]),
     "qwen2-zero2": ("qwen2-31M", ["--zero", "2", *BF16]),
     "qwen3-zero3": ("qwen3-45M", ["--zero", "3", *BF16]),
     "pp2-zero1": ("31M", ["--zero", "1", *BF16, "--pp", "2"]),

@@ -134,7 +134,7 @@ def test_minus_zero_is_zero_in_every_written_file(tmp_path, capsys, corpus):
     capsys.readouterr()
     assert code == 0
     for name in ("dspipe.json", "ds_config.json", "config.yaml"):
-        text = (out / name).read_text()
+        text = (out / name).read_text().replace(str(out), "").replace(str(corpus), "")  # paths may hold "-0"
         assert "-0" not in text.replace("e-0", ""), name
     import json
 

@@ -62,6 +62,21 @@ def test_a_bf16_pipeline_without_zero_is_deepspeeds_bf16_optimizer(immediate):
     assert not _estimate(zero=0, pp=2, precision="fp32")[0].bf16_optimizer  # fp32: the plain optimizer, whole
 
 
+@pytest.mark.parametrize("gpus,ends", [(1, 0), (2, 1), (8, 2)])
+def test_fp32_zero2_step_holds_the_partition_buffer_and_a_flat_copy(gpus, ends):
+    # census (zero2-fp32, docs/planner-accuracy.md): at the step the contiguous partition buffer (4Phi/N, a tensor
+    # straddling each end of the partition whole) and the dense group's flattened copy (4Phi/N) are both alive; with
+    # gradient accumulation the buffer holds through the next backward, which then peaks above the step
+    phi = model_preset("gpt2-124m").num_params
+    largest = 4 * model_preset("gpt2-124m").vocab * model_preset("gpt2-124m").hidden  # the tied embedding, fp32
+    plan, est = _estimate(gpus=gpus, gbs=4 * gpus, zero=2, precision="fp32")
+    m = est.memory
+    assert plan.grad_accum == 1 and (m.params, m.optimizer) == (4 * phi, 12 * phi // gpus)
+    assert m.grads + m.buffers - 1536 * 2**20 == 2 * (4 * phi // gpus) + ends * largest
+    _, accumulated = _estimate(gpus=gpus, gbs=8 * gpus, zero=2, precision="fp32")
+    assert accumulated.memory.total > m.total  # the buffer beside a whole backward
+
+
 def test_zero3_backward_peak_follows_the_modules_and_the_tied_head_gradient():
     # census (docs/planner-accuracy.md): the blocks' backward holds max_live_parameters gathered, overshot by one
     # module, the gradient being produced (the two largest modules adjacent in backward order: GPT's MLP c_proj and

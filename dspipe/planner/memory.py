@@ -793,7 +793,9 @@ def _model_states(*, model: ModelSpec, plan: Plan, phi: int) -> tuple[dict[str, 
     return steady, transient
 
 
-def _fp32_zero2_transient(*, plan: Plan, groups: list[tuple[int, int]], backward: dict[str, int], largest: int) -> dict[str, int]:
+def _fp32_zero2_transient(
+    *, plan: Plan, groups: list[tuple[int, int]], backward: dict[str, int], largest: int
+) -> dict[str, int]:
     """fp32 ZeRO-2 without offload, DeepSpeed 0.19.8 (stage_1_and_2.copy_grads_in_partition and step): the reduced
     gradients of the rank's partitions are copied into one contiguous buffer (grads_in_partition: every group's
     parameters in the partition, a tensor straddling a partition's end counted whole: up to `largest` per end),

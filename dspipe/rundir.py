@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
+import re
 from dataclasses import MISSING as NO_DEFAULT
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -592,4 +593,32 @@ def load_engine(run: Run) -> dict | None:
         return None
     if path.is_dir():
         raise SpecError(f"{path} is a directory, not the JSON file the runner writes; move it away")
-    return read_object(path, hint="a launch of the run writes it again")  # cut short or damaged: one line
+    engine = read_object(path, hint="a launch of the run writes it again")  # cut short or damaged: one line
+    _check_engine_settings(engine, where=str(path))
+    return engine
+
+
+# engine.json's settings that readers show or compute with (dspipe.runtime.engine.engine_settings writes them):
+# each, where present, an integer in its range or a name
+ENGINE_INTS = {"zero_stage": (0, 3), "dp": (1, 2**20), "pp": (1, 2**16), "tp": (1, 2**16), "sp": (1, 2**16)}
+ENGINE_INTS |= {"ep": (1, 2**16), "world_size": (1, 2**24), "micro_batch": (1, 2**24), "grad_accum": (1, 2**24)}
+ENGINE_INTS |= {"train_batch_size": (1, 2**40)}
+ENGINE_NAMES = ("backend", "wrapper_optimizer", "base_optimizer", "scheduler", "param_dtype", "grad_accum_dtype")
+
+
+def _check_engine_settings(engine: dict, *, where: str) -> None:
+    """One SpecError for a setting of ENGINE_INTS / ENGINE_NAMES that is not what the runner writes."""
+    for key, (low, high) in ENGINE_INTS.items():
+        value = engine.get(key)
+        if value is not None and (type(value) is not int or not low <= value <= high):
+            raise SpecError(
+                f"{where}: {key} {show(value)} is not an integer in {low}..{high} (the runner writes the live "
+                f"engine's value); a launch of the run writes it again"
+            )
+    for key in ENGINE_NAMES:
+        value = engine.get(key)
+        if value is not None and not (isinstance(value, str) and re.fullmatch(r"[A-Za-z0-9_.]{1,64}", value)):
+            raise SpecError(
+                f"{where}: {key} {show(value)} is not a name (letters, digits, '_', '.'; as the runner writes "
+                f"it); a launch of the run writes it again"
+            )

@@ -72,7 +72,8 @@ def _deepspeed_command(*, cluster: ClusterSpec, out: Path, hostfile: str | None)
     "--pad-vocab",
     is_flag=True,
     default=False,
-    help="model vocab = the data's tokenizer vocab rounded up to a multiple of 64",
+    help="model vocab = the data's tokenizer vocab rounded up to a multiple of 64 (a --vocab must equal it; a "
+    "custom shape needs none)",
 )
 @click.option("--wall-clock-breakdown", is_flag=True, default=False, help="DeepSpeed per-phase timers")
 @monitor_options

@@ -366,6 +366,8 @@ def _model_from_options(o: dict) -> ModelSpec:
     shape["tied_embeddings"] = False if o.get("untied") else None
     if o["model"]:
         return model_preset(o["model"], **shape)
+    if o.get("pad_vocab") and shape["vocab"] is None:  # a custom shape's vocab is then the data's
+        shape["vocab"] = _padded_vocab(o, fallback=None)
     required = ("layers", "hidden", "heads", "vocab")
     missing = [f"--{k}" for k in required if shape[k] is None]
     if missing:
@@ -378,19 +380,30 @@ def _model_from_options(o: dict) -> ModelSpec:
     return ModelSpec(name="custom", **{**derived, **given})
 
 
-def _with_padded_vocab(model: ModelSpec, data: str, *, tokenizer: str | None = None) -> ModelSpec:
+def _padded_vocab(o: dict, *, fallback: int | None) -> int:
+    """--pad-vocab's vocabulary: the largest tokenizer vocab of --data's sources (Megatron prefixes without one: the
+    largest id + 1 of them all; a source not prepared: `fallback`, the preset's) and of --tokenizer, rounded up
+    (dspipe.data.padded_vocab)."""
     from dspipe.data import padded_vocab, read_meta
     from dspipe.data.blend import parse as parse_data
     from dspipe.data.shards import is_prepared
 
-    # the sources of a blend share one tokenizer (Megatron prefixes without one: the largest id + 1 of them all)
-    sources = parse_data(data).sources
-    vocab = max((read_meta(s.path)["vocab_size"] if is_prepared(s.path) else model.vocab) for s in sources)
-    if tokenizer is not None:  # Megatron prefixes' --tokenizer: checked against them, its vocab held too
+    vocabs = []
+    for source in parse_data(o["data"]).sources:  # the sources of a blend share one tokenizer
+        if is_prepared(source.path):
+            vocabs.append(read_meta(source.path)["vocab_size"])
+        elif fallback is None:
+            raise SpecError(
+                f"--pad-vocab pads the data's tokenizer vocab, but {source.path} is not prepared (dspipe "
+                f"prepare-data): prepare it, or give --vocab without --pad-vocab"
+            )
+        else:
+            vocabs.append(fallback)
+    if o.get("tokenizer") is not None:  # Megatron prefixes' --tokenizer: checked against them, its vocab held too
         from dspipe.data.checks import check_tokenizer
 
-        vocab = max(vocab, check_tokenizer([s.path for s in sources], tokenizer))
-    return replace(model, vocab=padded_vocab(vocab))
+        vocabs.append(check_tokenizer([s.path for s in parse_data(o["data"]).sources], o["tokenizer"]))
+    return padded_vocab(max(vocabs))
 
 
 def _given_on_command_line(o: dict) -> set[str]:
@@ -535,8 +548,17 @@ def request_from_options(
         model = init_from_spec(o["init_from"], o)
     else:
         model = _model_from_options(o)
-    if o.get("pad_vocab"):
-        model = _with_padded_vocab(model, o["data"], tokenizer=o.get("tokenizer"))
+    if o.get("pad_vocab"):  # the data's vocab, padded: a --vocab must be that number
+        vocab = _padded_vocab(o, fallback=model.vocab)
+        if o.get("vocab") is not None and o["vocab"] != vocab:
+            raise SpecError(f"--vocab {o['vocab']} contradicts --pad-vocab, which makes it {vocab}; drop one of them")
+        model = replace(model, vocab=vocab)
+    blocks = request.recompute_blocks
+    if isinstance(blocks, int) and blocks > model.layers:
+        raise SpecError(
+            f"--recompute-blocks {blocks} is more than the model's {model.layers} layers (it is how many of each "
+            f"stage's blocks full recomputation re-runs; 0 or --checkpointing full alone: all of them)"
+        )
     steps, tokens = o["steps"], o.get("tokens")
     if tokens is not None and isinstance(o["global_batch"], int) and o["global_batch"] >= 1:
         derived = steps_for_tokens(tokens, global_batch=o["global_batch"], seq_len=model.seq_len)

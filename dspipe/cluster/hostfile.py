@@ -84,6 +84,7 @@ def _count(text: str, *, what: str, where: str, high: int) -> int:
 def parse_hostfile(text: str, *, source: str) -> Hostfile:
     """`host slots=N [max_slots=M]` per line; `#` starts a comment; blank lines are skipped."""
     hosts: dict[str, Host] = {}
+    seen: dict[str, str] = {}  # the host's name folded: as written
     for number, raw in enumerate(LINE_BREAK.split(text), start=1):
         line = raw.split("#", 1)[0].strip(" \t")
         if not line:
@@ -102,8 +103,17 @@ def parse_hostfile(text: str, *, source: str) -> Hostfile:
             values[m.group(1)] = _count(m.group(2), what=m.group(1), where=where, high=MAX_SLOTS)
         if "slots" not in values:
             raise SpecError(f"{where}: missing slots=N (the number of GPUs on {name})")
-        if name in hosts:
-            raise SpecError(f"{where}: duplicate host {name} (first on line {hosts[name].line})")
+        if "max_slots" in values and values["max_slots"] < values["slots"]:
+            raise SpecError(
+                f"{where}: max_slots={values['max_slots']} is less than slots={values['slots']} (max_slots is "
+                f"the most ranks {name} may take)"
+            )
+        same = seen.get(name.lower().rstrip("."))  # host names are case-blind, 'node1.' is 'node1'
+        if same is not None:
+            first = hosts[same]
+            also = "" if same == name else f" as {same}"
+            raise SpecError(f"{where}: duplicate host {name} (first on line {first.line}{also})")
+        seen[name.lower().rstrip(".")] = name
         hosts[name] = Host(name=name, slots=values["slots"], line=number)
         if len(hosts) > MAX_HOSTS:
             raise SpecError(f"hostfile {source} lists more than {MAX_HOSTS} hosts")

@@ -98,6 +98,11 @@ class NetworkSpec:
                     f"--env {key}={value!r}: quotes, '$', '\\' and newlines do not survive the "
                     f"launcher's export (DeepSpeed writes 'export {key}=VALUE' into a shell line)"
                 )
+            if value != value.strip():
+                raise SpecError(
+                    f"--env {key}={value!r}: DeepSpeed's launcher strips leading and trailing spaces from an "
+                    f"exported value; give {key}={value.strip()!r} or a value without them"
+                )
 
 
 def parse_env_assignments(items: tuple[str, ...] | list[str]) -> tuple[tuple[str, str], ...]:

@@ -72,7 +72,17 @@ def time_limit_seconds(time: str) -> int | None:
                 f"--time {time!r} ({form}): {unit} {value} must be below {limit}; Slurm's forms are MINUTES, "
                 f"MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS"
             )
-    return ((d * 24 + h) * 60 + mi) * 60 + se or None
+    seconds = ((d * 24 + h) * 60 + mi) * 60 + se
+    if seconds > SLURM_MAX_MINUTES * 60:
+        raise SpecError(
+            f"--time {time!r} is {seconds // 60:,} minutes, beyond the {SLURM_MAX_MINUTES:,} Slurm can hold (a "
+            f"32-bit count of minutes); give 0 for no limit"
+        )
+    return seconds or None
+
+
+SLURM_MAX_MINUTES = 2**32 - 2
+"""The longest time limit Slurm stores (minutes in a uint32; 2**32 - 1 is its INFINITE)."""
 
 
 def _plain(value: str, what: str) -> str:

@@ -118,7 +118,7 @@ def _csv_text(path: Path) -> str:
     if path.is_dir():
         raise SpecError(f"{path} is a directory, not a CSV file (the runner writes it as a file)")
     try:
-        return path.read_bytes().decode("utf-8")
+        return path.read_bytes().decode("utf-8-sig")  # a spreadsheet's byte-order mark is not the first column's name
     except UnicodeDecodeError as e:
         raise SpecError(f"{path} is not a readable CSV file: {' '.join(str(e).split())}") from None
     except OSError as e:
@@ -137,6 +137,9 @@ def read_csv(path: Path, *, columns: tuple[str, ...], required: tuple[str, ...])
     try:
         reader = csv.DictReader(io.StringIO(complete, newline=""))
         header = reader.fieldnames or []
+        twice = sorted({c for c in header if header.count(c) > 1})
+        if twice:
+            raise SpecError(f"{path}: column {', '.join(twice)} twice in the header (expected {','.join(columns)})")
         missing = [c for c in required if c not in header]
         if header and missing:
             raise SpecError(f"{path}: no column {', '.join(missing)} in the header (expected {','.join(columns)})")

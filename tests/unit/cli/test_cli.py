@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tests.helpers import dspipe
+from tests.helpers import dspipe, run_cli
 
 CPU2 = [
     "--model",
@@ -184,12 +184,50 @@ def test_vocab_mismatch_with_prepared_data(tmp_path, corpus):
 
 
 def test_pad_vocab_takes_the_data_vocab_to_a_multiple_of_64(tmp_path, corpus):
-    r = dspipe(
-        "gen-config", *CPU2, "--vocab", "50257", "--pad-vocab", "--data", corpus, "--out", "runs/p", cwd=tmp_path
-    )
+    r = dspipe("gen-config", *CPU2, "--pad-vocab", "--data", corpus, "--out", "runs/p", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert json.loads((tmp_path / "runs/p/dspipe.json").read_text())["model"]["vocab"] == 1024  # 1024 = 16 x 64
     assert "V1024" in r.stdout
+
+
+def test_pad_vocab_refuses_another_vocab_and_sets_a_custom_shapes(tmp_path, corpus, capsys):
+    shape = [
+        "--layers",
+        "2",
+        "--hidden",
+        "64",
+        "--heads",
+        "2",
+        "--gpu",
+        "cpu",
+        "--gpus-per-node",
+        "2",
+        "--eval-interval",
+        "0",
+    ]
+    for vocab, code in (("50257", 2), ("1024", 0)):  # 1024: the value --pad-vocab gives
+        capsys.readouterr()
+        args = ["--vocab", vocab, "--pad-vocab", "--data", corpus, "--print-config"]
+        assert run_cli("gen-config", *CPU2, *args) == code
+        if code:
+            err = capsys.readouterr().err
+            assert (
+                err.strip()
+                == "dspipe: error: --vocab 50257 contradicts --pad-vocab, which makes it 1024; drop one of them"
+            )
+    capsys.readouterr()  # no --vocab with a custom shape: the data's, padded
+    out = tmp_path / "runs/c"
+    assert run_cli("gen-config", *shape, "--pad-vocab", "--data", corpus, "--global-batch", "8", "--out", out) == 0
+    assert json.loads((out / "dspipe.json").read_text())["model"]["vocab"] == 1024
+    none = tmp_path / "none"
+    assert run_cli("gen-config", *shape, "--pad-vocab", "--data", none, "--global-batch", "8", "--out", out / "d") == 2
+    assert f"--pad-vocab pads the data's tokenizer vocab, but {none} is not prepared" in capsys.readouterr().err
+
+
+def test_recompute_blocks_beyond_the_layers_is_refused(capsys):
+    args = ["--checkpointing", "full", "--recompute-blocks", "3"]
+    assert run_cli("plan", *CPU2, *args) == 2
+    assert "--recompute-blocks 3 is more than the model's 2 layers" in capsys.readouterr().err
 
 
 def test_corpus_shorter_than_one_sequence_is_refused_at_gen_config(tmp_path, corpus):

@@ -204,6 +204,20 @@ def test_damaged_metrics_rows_are_refused(run, capsys, tail, words, command):
     assert not (run / "report").exists()
 
 
+@pytest.mark.parametrize("command", ["report", "calibrate"])
+def test_a_column_twice_in_the_header_is_refused(run, capsys, command):
+    (run / "metrics.csv").write_text("step,tokens,loss,loss\n1,2048,9.0,8.0\n")
+    args = ["report", "run"] if command == "report" else ["calibrate", "--from-run", "run"]
+    assert "run/metrics.csv: column loss twice in the header" in one_error(capsys, *args)
+
+
+def test_a_byte_order_mark_before_the_header_is_read_past(run, capsys):
+    (run / "metrics.csv").write_bytes(b"\xef\xbb\xbf" + METRICS.encode())  # a spreadsheet's save
+    capsys.readouterr()
+    assert run_cli("report", "run") == 0
+    assert "steps 1-8" in capsys.readouterr().out
+
+
 def test_a_torn_last_line_is_left_out_with_a_note(run, capsys):
     (run / "metrics.csv").write_text(METRICS + "9,18432,8.")  # the runner's line, cut short: no newline
     capsys.readouterr()
@@ -234,6 +248,12 @@ def test_a_metrics_directory_is_named_as_one(run, capsys, name):
         ('{\n "zero_stage": ', "run/engine.json is not valid JSON: it ends early at line 2 column 16"),
         ("", "run/engine.json is not valid JSON: it ends early at line 1 column 1"),
         ("[1]", "run/engine.json must hold a JSON object"),
+        ('{"zero_stage": 9}', "run/engine.json: zero_stage 9 is not an integer in 0..3"),
+        ('{"dp": "2"}', "run/engine.json: dp '2' is not an integer in 1..1048576"),
+        ('{"world_size": 0}', "run/engine.json: world_size 0 is not an integer in 1..16777216"),
+        ('{"pp": 1.5}', "run/engine.json: pp 1.5 is not an integer in 1..65536"),
+        ('{"backend": "gl oo"}', "run/engine.json: backend 'gl oo' is not a name"),
+        ('{"base_optimizer": ["x"]}', "run/engine.json: base_optimizer ['x'] is not a name"),
     ],
 )
 @pytest.mark.parametrize("command", ["report", "calibrate"])

@@ -23,6 +23,8 @@ def test_parses_hosts_comments_and_blank_lines():
 
 BAD = [
     ("a slots=4\nb slots=4\na slots=4\n", "hosts:3: 'a slots=4': duplicate host a (first on line 1)"),
+    ("node1 slots=4\nNODE1. slots=4\n", "hosts:2: 'NODE1. slots=4': duplicate host NODE1. (first on line 1 as node1)"),
+    ("a slots=4 max_slots=2\n", "hosts:1: 'a slots=4 max_slots=2': max_slots=2 is less than slots=4"),
     ("a slots=4\nb\n", "hosts:2: 'b': missing slots=N (the number of GPUs on b)"),
     ("a slots=four\n", "hosts:1: 'a slots=four': slots must be a positive integer, got 'four'"),
     ("a slots=0\n", "hosts:1: 'a slots=0': slots must be a positive integer, got '0'"),

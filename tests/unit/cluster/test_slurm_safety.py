@@ -237,7 +237,12 @@ HOSTILE_VALUES = [
     (["--ib-hca", "$(reboot)"], "is not a device list"),
     (["--env", "A=b\nreboot"], "control characters"),
     (["--env", "A=$(reboot)"], "quotes, '$', '\\' and newlines"),
+    (["--env", "A=b "], "DeepSpeed's launcher strips leading and trailing spaces from an exported value; give A='b'"),
     (["--time", "1:00:00\nreboot"], "is not a Slurm time limit"),
+    (
+        ["--time", "99999999999"],
+        "--time '99999999999' is 99,999,999,999 minutes, beyond the 4,294,967,294 Slurm can hold",
+    ),
     (["--resume", "x\nreboot"], "is not auto, a checkpoint tag"),
     (["--resume", "auto", "--restart"], "contradict each other"),
     (["--stop-before", "5"], "--stop-before 5 must be in 10..65535"),

@@ -17,6 +17,7 @@ from dspipe.jsonio import MISSING, dotted_get, leaves, read_object, show
 from dspipe.log import get_logger
 from dspipe.planner.plan import Plan, check_plan
 from dspipe.run_estimate import RunEstimate
+from dspipe.spec.checks import is_int, limit
 from dspipe.spec.cluster import ClusterSpec
 from dspipe.spec.core import from_dict
 from dspipe.spec.kinds import Checkpointing, Precision
@@ -598,19 +599,25 @@ def load_engine(run: Run) -> dict | None:
     return engine
 
 
-# engine.json's settings that readers show or compute with (dspipe.runtime.engine.engine_settings writes them):
-# each, where present, an integer in its range or a name
-ENGINE_INTS = {"zero_stage": (0, 3), "dp": (1, 2**20), "pp": (1, 2**16), "tp": (1, 2**16), "sp": (1, 2**16)}
-ENGINE_INTS |= {"ep": (1, 2**16), "world_size": (1, 2**24), "micro_batch": (1, 2**24), "grad_accum": (1, 2**24)}
-ENGINE_INTS |= {"train_batch_size": (1, 2**40)}
 ENGINE_NAMES = ("backend", "wrapper_optimizer", "base_optimizer", "scheduler", "param_dtype", "grad_accum_dtype")
+"""engine.json's settings that readers show by name (dspipe.runtime.engine.engine_settings writes them)."""
+
+
+def _engine_ranges() -> dict[str, tuple[int, int]]:
+    """engine.json's integer settings that readers show or compute with, and the range each may take: the specs'
+    own limits (a world of at most nodes x gpus_per_node ranks)."""
+    world = int(limit("nodes") * limit("gpus_per_node"))
+    batch = int(limit("global_batch"))
+    ranges = {k: (1, int(limit(k))) for k in ("pp", "tp", "sp", "ep", "micro_batch")}
+    ranges |= {"dp": (1, world), "world_size": (1, world), "grad_accum": (1, batch), "train_batch_size": (1, batch)}
+    return {"zero_stage": (0, 3), **ranges}
 
 
 def _check_engine_settings(engine: dict, *, where: str) -> None:
-    """One SpecError for a setting of ENGINE_INTS / ENGINE_NAMES that is not what the runner writes."""
-    for key, (low, high) in ENGINE_INTS.items():
+    """One SpecError for an integer setting out of _engine_ranges or an ENGINE_NAMES value that is not a name."""
+    for key, (low, high) in _engine_ranges().items():
         value = engine.get(key)
-        if value is not None and (type(value) is not int or not low <= value <= high):
+        if value is not None and not (is_int(value) and low <= value <= high):
             raise SpecError(
                 f"{where}: {key} {show(value)} is not an integer in {low}..{high} (the runner writes the live "
                 f"engine's value); a launch of the run writes it again"

@@ -388,8 +388,8 @@ def _padded_vocab(o: dict, *, fallback: int | None) -> int:
     from dspipe.data.blend import parse as parse_data
     from dspipe.data.shards import is_prepared
 
-    vocabs = []
-    for source in parse_data(o["data"]).sources:  # the sources of a blend share one tokenizer
+    vocabs, sources = [], parse_data(o["data"]).sources
+    for source in sources:  # the sources of a blend share one tokenizer
         if is_prepared(source.path):
             vocabs.append(read_meta(source.path)["vocab_size"])
         elif fallback is None:
@@ -402,7 +402,7 @@ def _padded_vocab(o: dict, *, fallback: int | None) -> int:
     if o.get("tokenizer") is not None:  # Megatron prefixes' --tokenizer: checked against them, its vocab held too
         from dspipe.data.checks import check_tokenizer
 
-        vocabs.append(check_tokenizer([s.path for s in parse_data(o["data"]).sources], o["tokenizer"]))
+        vocabs.append(check_tokenizer([s.path for s in sources], o["tokenizer"]))
     return padded_vocab(max(vocabs))
 
 

@@ -108,12 +108,12 @@ def parse_hostfile(text: str, *, source: str) -> Hostfile:
                 f"{where}: max_slots={values['max_slots']} is less than slots={values['slots']} (max_slots is "
                 f"the most ranks {name} may take)"
             )
-        same = seen.get(name.lower().rstrip("."))  # host names are case-blind, 'node1.' is 'node1'
-        if same is not None:
-            first = hosts[same]
+        folded = name.lower().rstrip(".")  # host names are case-blind, 'node1.' is 'node1'
+        if folded in seen:
+            same = seen[folded]
             also = "" if same == name else f" as {same}"
-            raise SpecError(f"{where}: duplicate host {name} (first on line {first.line}{also})")
-        seen[name.lower().rstrip(".")] = name
+            raise SpecError(f"{where}: duplicate host {name} (first on line {hosts[same].line}{also})")
+        seen[folded] = name
         hosts[name] = Host(name=name, slots=values["slots"], line=number)
         if len(hosts) > MAX_HOSTS:
             raise SpecError(f"hostfile {source} lists more than {MAX_HOSTS} hosts")

@@ -184,18 +184,35 @@ def read_metrics(run: Run) -> tuple[list[dict], list[dict]]:
     steps = read_csv(path, columns=STEP_COLUMNS, required=("step", "loss"))
     if not steps:
         raise SpecError(f"{path} has no rows: no step of {run.path} has finished yet")
-    for row in steps:  # a runner older than the tokens column: the global batch is fixed, so tokens = step x batch
-        if row["tokens"] is None:
-            row["tokens"] = row["step"] * run.plan.tokens_per_step
+    _check_against_run(steps, path=path, run=run)
     val_path = run.val_metrics_path
     exists = val_path.exists() or val_path.is_symlink()
     val = read_csv(val_path, columns=VAL_COLUMNS, required=("step", "val_loss")) if exists else []
+    _check_against_run(val, path=val_path, run=run)
     for row in val:
-        if row["tokens"] is None:
-            row["tokens"] = row["step"] * run.plan.tokens_per_step
         if row["val_ppl"] is None:
             row["val_ppl"] = perplexity(row["val_loss"])
     return steps, val
+
+
+def _check_against_run(rows: list[dict], *, path: Path, run: Run) -> None:
+    """Each row's step in 1..the run's steps and its tokens = step x the plan's tokens per step (the global batch
+    is fixed for a run; `dspipe extend` only raises the steps), as the runner writes them; a row without tokens (a
+    runner older than that column) gets that product. One SpecError naming the first row that disagrees."""
+    steps, per_step = run.train.steps, run.plan.tokens_per_step
+    for n, row in enumerate(rows, 1):
+        step = row["step"]
+        if not 1 <= step <= steps:
+            raise SpecError(
+                f"{path}: row {n}: step {step:,} is outside the run's 1..{steps:,} steps (dspipe.json train.steps)"
+            )
+        if row["tokens"] is None:
+            row["tokens"] = step * per_step
+        elif row["tokens"] != step * per_step:
+            raise SpecError(
+                f"{path}: row {n}: tokens {row['tokens']:,} at step {step:,}, the run's is step {step:,} x "
+                f"{per_step:,} tokens per step = {step * per_step:,}"
+            )
 
 
 def _values(rows: list[dict], column: str) -> list[float]:

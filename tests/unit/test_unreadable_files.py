@@ -55,7 +55,7 @@ def pristine(tmp_path_factory, corpus):
     shutil.copytree(corpus, root / "other")  # the first source of a blend with data
     run = root / "run"
     assert run_cli("gen-config", *CPU2, "--data", data, "--out", run) == 0
-    (run / "metrics.csv").write_text("step,tokens,loss\n1,2048,8.3\n2,4096,8.1\n")
+    (run / "metrics.csv").write_text("step,tokens,loss\n1,1024,8.3\n2,2048,8.1\n")
     (run / "val_metrics.csv").write_text("step,val_loss\n2,8.2\n")
     hand_checkpoint(run, step=6)
     return root

@@ -40,7 +40,7 @@ CPU_RUN = [
     "--checkpointing",
     "none",
 ]
-METRICS = "step,tokens,loss\n" + "".join(f"{s},{s * 2048},{9 - s / 10}\n" for s in range(1, 9))
+METRICS = "step,tokens,loss\n" + "".join(f"{s},{s * 1024},{9 - s / 10}\n" for s in range(1, 7))  # the run's 6 steps of 1,024 tokens
 
 
 @pytest.fixture(scope="module")
@@ -191,9 +191,9 @@ def test_empty_arguments_are_refused(run, capsys, args, words):
 @pytest.mark.parametrize(
     "tail,words",
     [
-        ("101,5\n", "run/metrics.csv:10: 2 field(s), the header has 3"),
-        ("1,2048,9.0\n", "run/metrics.csv:10: step 1 after step 8 (line 9)"),
-        ("8,2048,9.0\n", "run/metrics.csv:10: step 8 after step 8 (line 9)"),
+        ("101,5\n", "run/metrics.csv:8: 2 field(s), the header has 3"),
+        ("1,1024,9.0\n", "run/metrics.csv:8: step 1 after step 6 (line 7)"),
+        ("6,6144,9.0\n", "run/metrics.csv:8: step 6 after step 6 (line 7)"),
     ],
 )
 @pytest.mark.parametrize("command", ["report", "calibrate"])
@@ -204,9 +204,37 @@ def test_damaged_metrics_rows_are_refused(run, capsys, tail, words, command):
     assert not (run / "report").exists()
 
 
+@pytest.mark.parametrize(
+    "name,text,words",
+    [
+        ("metrics.csv", METRICS + "7,7168,8.0\n", "run/metrics.csv: row 7: step 7 is outside the run's 1..6 steps"),
+        ("metrics.csv", "step,tokens,loss\n0,0,9.0\n", "run/metrics.csv: row 1: step 0 is outside the run's 1..6"),
+        (
+            "metrics.csv",
+            "step,tokens,loss\n1,1024,9.0\n2,4096,8.9\n",
+            "run/metrics.csv: row 2: tokens 4,096 at step 2, the run's is step 2 x 1,024 tokens per step = 2,048",
+        ),
+        ("val_metrics.csv", "step,val_loss\n9,8.0\n", "run/val_metrics.csv: row 1: step 9 is outside the run's 1..6"),
+        (
+            "val_metrics.csv",
+            "step,tokens,val_loss\n3,3000,8.0\n",
+            "run/val_metrics.csv: row 1: tokens 3,000 at step 3, the run's is step 3 x 1,024 tokens per step = 3,072",
+        ),
+    ],
+)
+@pytest.mark.parametrize("command", ["report", "calibrate"])
+def test_rows_that_are_not_the_runs_are_refused(run, capsys, name, text, words, command):
+    """The global batch is fixed for a run and its steps only grow (dspipe extend): a step beyond them, or tokens
+    other than step x tokens per step, is not this run's row."""
+    (run / name).write_text(text)
+    args = ["report", "run"] if command == "report" else ["calibrate", "--from-run", "run"]
+    assert words in one_error(capsys, *args)
+    assert not (run / "report").exists()
+
+
 @pytest.mark.parametrize("command", ["report", "calibrate"])
 def test_a_column_twice_in_the_header_is_refused(run, capsys, command):
-    (run / "metrics.csv").write_text("step,tokens,loss,loss\n1,2048,9.0,8.0\n")
+    (run / "metrics.csv").write_text("step,tokens,loss,loss\n1,1024,9.0,8.0\n")
     args = ["report", "run"] if command == "report" else ["calibrate", "--from-run", "run"]
     assert "run/metrics.csv: column loss twice in the header" in one_error(capsys, *args)
 
@@ -215,15 +243,15 @@ def test_a_byte_order_mark_before_the_header_is_read_past(run, capsys):
     (run / "metrics.csv").write_bytes(b"\xef\xbb\xbf" + METRICS.encode())  # a spreadsheet's save
     capsys.readouterr()
     assert run_cli("report", "run") == 0
-    assert "steps 1-8" in capsys.readouterr().out
+    assert "steps 1-6" in capsys.readouterr().out
 
 
 def test_a_torn_last_line_is_left_out_with_a_note(run, capsys):
-    (run / "metrics.csv").write_text(METRICS + "9,18432,8.")  # the runner's line, cut short: no newline
+    (run / "metrics.csv").write_text(METRICS + "7,7168,8.")  # the runner's line, cut short: no newline
     capsys.readouterr()
     assert run_cli("report", "run") == 0
     out, err = capsys.readouterr()
-    assert "steps 1-8" in out and "run/metrics.csv:10: the last line has no newline" in err and "left out" in err
+    assert "steps 1-6" in out and "run/metrics.csv:8: the last line has no newline" in err and "left out" in err
 
 
 def test_a_val_metrics_row_out_of_order_is_refused(run, capsys):

@@ -40,7 +40,8 @@ CPU_RUN = [
     "--checkpointing",
     "none",
 ]
-METRICS = "step,tokens,loss\n" + "".join(f"{s},{s * 1024},{9 - s / 10}\n" for s in range(1, 7))  # the run's 6 steps of 1,024 tokens
+# the run's 6 steps of 1,024 tokens
+METRICS = "step,tokens,loss\n" + "".join(f"{s},{s * 1024},{9 - s / 10}\n" for s in range(1, 7))
 
 
 @pytest.fixture(scope="module")

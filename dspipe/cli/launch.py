@@ -148,11 +148,12 @@ def _network(o: dict) -> NetworkSpec:
 
 def _network_flags(o: dict) -> list[str]:
     """The network options as given, to pass on to `dspipe launch` (slurm-script)."""
+    typed = given(click.get_current_context(silent=True), o)
     flags = [
         *(["--ifname", o["ifname"]] if o["ifname"] else []),
         *(["--ib-hca", o["ib_hca"]] if o["ib_hca"] else []),
         *(["--no-ib"] if o["no_ib"] else []),
-        *([] if _env_sets(o["env"], "nccl_debug") else ["--nccl-debug", o["nccl_debug"]]),
+        *(["--nccl-debug", o["nccl_debug"]] if "nccl_debug" in typed else []),  # launch's default is the same
         *([] if _env_sets(o["env"], "timeout_min") else ["--timeout-min", str(o["timeout_min"])]),
     ]
     for item in o["env"]:
@@ -292,6 +293,7 @@ def launch(run_dir: Path, dry_run: bool, resume: str | None, restart: bool, test
         gpus_per_node=run.cluster.gpus_per_node,
         run_path=run.path,
         spec=spec,
+        tp=run.plan.tp,
     )
     if dry_run:
         click.echo(plan.shell_text(), nl=False)

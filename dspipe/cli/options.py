@@ -324,21 +324,30 @@ def cluster_from_options(o: dict) -> ClusterSpec:
 
 
 def _failure_rate(o: dict) -> dict:
-    """ClusterSpec's gpu_mtbf_hours from --gpu-mtbf-hours (a command without the option: the default)."""
-    return {} if o.get("gpu_mtbf_hours") is None else {"gpu_mtbf_hours": o["gpu_mtbf_hours"]}
+    """ClusterSpec's gpu_mtbf_hours from --gpu-mtbf-hours (a command without the option: the default); only
+    --save-interval auto reads it (the planner's interval and the runner's re-plans)."""
+    if o.get("gpu_mtbf_hours") is None:
+        return {}
+    if o.get("save_interval") != AUTO and "gpu_mtbf_hours" in _given_on_command_line(o):
+        raise SpecError(
+            f"--gpu-mtbf-hours {o['gpu_mtbf_hours']:g} has no effect without --save-interval auto (the failure "
+            f"rate it plans the interval against); give --save-interval auto or leave it out"
+        )
+    return {"gpu_mtbf_hours": o["gpu_mtbf_hours"]}
 
 
 def _calibration(o: dict) -> dict:
     """ClusterSpec's time-model inputs from --profile FILE (read and checked against --gpu) and the bandwidth
     overrides; a bad value is one line naming the flag."""
+    from dspipe.spec.cluster import MIN_GBPS
     from dspipe.spec.profile import read_profile
 
     for name in ("intra_node_gbps", "inter_node_gbps"):
         value = o.get(name)
-        if value is not None and not (math.isfinite(value) and 0 < value <= LIMITS[name]):
+        if value is not None and not (math.isfinite(value) and MIN_GBPS <= value <= LIMITS[name]):
             raise SpecError(
-                f"--{name.replace('_', '-')} must be a positive number of GB/s, got {value:g} "
-                f"(allowed: finite, (0, {LIMITS[name]:g}])"
+                f"--{name.replace('_', '-')} must be at least {MIN_GBPS:g} GB/s (1 MB/s), got {value:g} "
+                f"(allowed: finite, [{MIN_GBPS:g}, {LIMITS[name]:g}])"
             )
     if o.get("gpu") is not None:
         from dspipe.spec.hardware import gpu_type

@@ -103,6 +103,11 @@ def parse_hostfile(text: str, *, source: str) -> Hostfile:
             values[m.group(1)] = _count(m.group(2), what=m.group(1), where=where, high=MAX_SLOTS)
         if "slots" not in values:
             raise SpecError(f"{where}: missing slots=N (the number of GPUs on {name})")
+        if not fields[0].startswith("slots="):
+            raise SpecError(
+                f"{where}: slots=N must come right after the host, before {fields[0]!r} (DeepSpeed's launcher "
+                f"reads 'HOST slots=N' from the start of the line)"
+            )
         if "max_slots" in values and values["max_slots"] < values["slots"]:
             raise SpecError(
                 f"{where}: max_slots={values['max_slots']} is less than slots={values['slots']} (max_slots is "

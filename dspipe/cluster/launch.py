@@ -257,12 +257,21 @@ def build(
 
 
 def check_world(
-    launch: Launch, *, expected: int, nodes: int, gpus_per_node: int, run_path: Path, spec: LaunchSpec
+    launch: Launch, *, expected: int, nodes: int, gpus_per_node: int, run_path: Path, spec: LaunchSpec, tp: int = 1
 ) -> None:
-    """Refuse a launch whose world size differs from the one the config was generated for."""
+    """Refuse a launch whose world size differs from the one the config was generated for, or (tp > 1) whose nodes
+    would split a tensor-parallel group: ranks go to the nodes in order, tp consecutive ranks to a group, so every
+    node's slots must be a multiple of tp."""
     if nodes > 1 and not spec.hostfile:
         raise SpecError(f"{run_path} was generated for {nodes} nodes x {gpus_per_node}; pass --hostfile listing them")
     if launch.world_size == expected:
+        split = [f"{host} {len(slots)}" for host, slots in launch.resources.items() if len(slots) % tp]
+        if split:
+            raise SpecError(
+                f"{run_path} runs tp {tp}: each node's slots must be a multiple of {tp}, or a tensor-parallel "
+                f"group spans two nodes (slots {', '.join(split)} of {describe(launch.resources)}; the plan has "
+                f"{nodes} x {gpus_per_node}); select whole groups with --include/--exclude or regenerate"
+            )
         return
     source = (
         f"hostfile {spec.hostfile}"

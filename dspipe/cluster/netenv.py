@@ -152,9 +152,19 @@ def rank_environment(*, cluster: ClusterSpec, network: NetworkSpec) -> dict[str,
         if network.ib_hca:
             env["NCCL_IB_HCA"] = network.ib_hca
     else:
-        if network.ib_hca or not network.infiniband:
+        nccl = [
+            flag
+            for flag, set_ in (
+                ("--ib-hca", bool(network.ib_hca)),
+                ("--no-ib", not network.infiniband),
+                ("--nccl-debug", "nccl_debug" in network.given),
+            )
+            if set_
+        ]
+        if nccl:
             raise SpecError(
-                f"--ib-hca/--no-ib set NCCL variables, but this run's cluster ({cluster.gpu}) uses {backend}, not NCCL"
+                f"{'/'.join(nccl)} set{'s' if len(nccl) == 1 else ''} NCCL variables, but this run's cluster "
+                f"({cluster.gpu}) uses {backend}, not NCCL"
             )
         if network.socket_ifname:
             env["GLOO_SOCKET_IFNAME"] = network.socket_ifname

@@ -18,9 +18,10 @@ from dspipe.errors import SpecError
 from dspipe.planner.render import render_template
 from dspipe.rundir import Run
 
-TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d{2}))?(?::(\d{2}))?$")  # Slurm's [D-]HH[:MM[:SS]] / MM[:SS] forms
-SLURM_NAME = re.compile(r"^[A-Za-z0-9_.+-]+$")
-SLURM_NAMES = re.compile(r"^[A-Za-z0-9_.+-]+(,[A-Za-z0-9_.+-]+)*$")  # --partition takes a list
+# Slurm's [D-]HH[:MM[:SS]] / MM[:SS] forms, ASCII digits only; \Z: no newline after the value
+TIME = re.compile(r"^(?:([0-9]+)-)?([0-9]+)(?::([0-9]{2}))?(?::([0-9]{2}))?\Z")
+SLURM_NAME = re.compile(r"^[A-Za-z0-9_.+-]+\Z")
+SLURM_NAMES = re.compile(r"^[A-Za-z0-9_.+-]+(,[A-Za-z0-9_.+-]+)*\Z")  # --partition takes a list
 CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 SCRIPT_MARKER = "# dspipe-output: slurm-script (written by 'dspipe slurm-script'; --force replaces it, edits are lost)"
 MAX_STOP_BEFORE = 65535  # Slurm's --signal time limit, seconds
@@ -29,6 +30,11 @@ OWN_OPTIONS = (
     "--nodes",
     "-N",
     "--ntasks-per-node",
+    "--ntasks",  # the script runs one launcher task per node (srun --ntasks-per-node=1)
+    "--ntasks-per-core",
+    "--ntasks-per-socket",
+    "--ntasks-per-gpu",
+    "--array",  # one job of the run's nodes, requeued as itself: an array would start copies of the run
     "--gpus-per-node",
     "--signal",
     "--no-requeue",

@@ -532,7 +532,7 @@ def function_of(spec: ModelSpec) -> dict:
         out.update({k: getattr(spec, k) for k in wanted.get(spec.rope_scaling, ())})
     if spec.sliding_window is not None:
         out.update(sliding_window=spec.sliding_window, window_start_layer=spec.window_start_layer)
-    moe = ("experts", "experts_per_token", "router_norm_topk", *MOE_ONLY)  # MOE_ONLY's capacity_factor: skipped above
+    moe = ("experts", *MOE_ONLY)  # MOE_ONLY's capacity_factor: skipped above
     if not spec.experts:
         return {k: v for k, v in out.items() if k not in moe}
     out.update(expert_ffn=spec.expert_width, sparse_layers=spec.sparse_layers)

@@ -316,7 +316,23 @@ def import_preset(cfg: dict[str, Any], *, source: str, label: str = "") -> Prese
     _precision(imp)
     _lr_agreement(imp)
     _tensor_parallel_batch(imp)
+    _stage3_knobs(imp)
     return imp
+
+
+def _stage3_knobs(imp: PresetImport) -> None:
+    """A preset of stage 0-2 with stage3_* values (a rendered config writes them all): DeepSpeed reads them only
+    under stage 3, so they set no option (given as flags, they restrict the plan to ZeRO-3: plan.ZERO3_KNOBS)."""
+    zero = imp.options.get("zero")
+    if isinstance(zero, int) and zero != 3:
+        for name in (
+            "prefetch_bucket_size",
+            "param_persistence_threshold",
+            "max_live_parameters",
+            "max_reuse_distance",
+        ):
+            imp.options.pop(name, None)
+            imp.origins.pop(name, None)
 
 
 def _tensor_parallel_batch(imp: PresetImport) -> None:
@@ -846,6 +862,9 @@ def _why(path: str, rendered: dict[str, Any]) -> str:
         return " (give --precision)"
     if path == "zero_optimization.overlap_comm":
         return " (DeepSpeed's pipeline engine runs without overlap_comm)"
+    stage = rendered["zero_optimization"]["stage"]
+    if path.startswith("zero_optimization.stage3_") and stage != 3:
+        return f' (stage {stage}: DeepSpeed reads it under stage 3 only; set it to "auto" or remove it)'
     if path in ("pipeline.pipe_partitioned", "pipeline.grad_partitioned"):
         return (
             " (false exactly when Megatron sequence parallelism is on, --tp-sp at tp > 1: the stages then send each "

@@ -163,6 +163,10 @@ class Plan:
         return ParallelLayout(world=self.world_size, pp=self.pp, tp=self.tp, sp=self.sp)
 
 
+ZERO3_KNOBS = ("prefetch_bucket_size", "param_persistence_threshold", "max_live_parameters", "max_reuse_distance")
+"""StrategySpec fields that only ZeRO-3 reads: given explicitly, they restrict the search to ZeRO-3."""
+
+
 class RuleError(SpecError):
     """A strategy one of DeepSpeed's rules refuses: the one-line message, and the rule's number (rules are checked in
     order; a later number means the input got further)."""
@@ -203,6 +207,15 @@ def check_rules(*, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, str
         )
     if strategy.offload_params and zero != 3:
         raise RuleError(5, f"--offload-params needs ZeRO-3 (got ZeRO-{zero}): only stage 3 partitions parameters")
+    stage3 = [
+        f"--{name.replace('_', '-')} {getattr(strategy, name)}"
+        for name in ZERO3_KNOBS
+        if getattr(strategy, name) is not None
+    ]
+    if stage3 and zero != 3:
+        raise RuleError(
+            5, f"{', '.join(stage3)} needs ZeRO-3 (got ZeRO-{zero}): only stage 3 gathers and prefetches parameters"
+        )
     if strategy.offload_params and strategy.offload == Offload.NONE:
         raise RuleError(6, "--offload-params needs an offload device: --offload cpu or --offload nvme")
     if strategy.offload != Offload.NONE and zero == 0:
@@ -211,6 +224,8 @@ def check_rules(*, model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, str
         raise RuleError(8, f"--offload nvme needs ZeRO-3 (ZeRO-Infinity), got ZeRO-{zero}; use --offload cpu")
     if strategy.offload == Offload.NVME and not strategy.nvme_path:
         raise RuleError(9, "--offload nvme needs --nvme-path DIR on a local NVMe drive")
+    if strategy.nvme_path and strategy.offload != Offload.NVME:
+        raise RuleError(9, f"--nvme-path {strategy.nvme_path} needs --offload nvme (got --offload {strategy.offload})")
     if train.precision == Precision.FP16 and cluster.gpu == "cpu":
         raise RuleError(10, "fp16 is not supported by DeepSpeed's CPU accelerator; use --precision bf16 or fp32")
     if train.warmup_steps >= train.steps:

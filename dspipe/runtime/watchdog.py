@@ -29,6 +29,8 @@ from dspipe.errors import SpecError
 from dspipe.log import get_logger
 
 MAX_HANG_TIMEOUT_S = 7 * 86400
+MIN_HANG_TIMEOUT_S = 1
+"""The shortest --hang-timeout besides 0: a collective of a healthy step may take a good part of a second."""
 HANG_EXIT = 75
 """A rank's exit code after a detected hang (EX_TEMPFAIL: the job may succeed when restarted)."""
 EVENTS_FILE = "events.jsonl"
@@ -57,9 +59,12 @@ COLLECTIVES = (
 
 
 def check_hang_timeout(seconds: float) -> float:
-    """--hang-timeout: 0 (off) .. a week; anything else is one line."""
-    if not 0 <= seconds <= MAX_HANG_TIMEOUT_S:
-        raise SpecError(f"--hang-timeout {seconds:g} must be in 0..{MAX_HANG_TIMEOUT_S} seconds (0: off)")
+    """--hang-timeout: 0 (off), or 1 s .. a week (below a second, a step's own collectives would end the job);
+    anything else is one line."""
+    if not (seconds == 0 or MIN_HANG_TIMEOUT_S <= seconds <= MAX_HANG_TIMEOUT_S):
+        raise SpecError(
+            f"--hang-timeout {seconds:g} must be 0 (off) or in {MIN_HANG_TIMEOUT_S}..{MAX_HANG_TIMEOUT_S} seconds"
+        )
     return seconds
 
 

@@ -13,6 +13,10 @@ from dspipe.spec.hardware import GPU_CATALOG, GPU_MTBF_HOURS, GpuType, gpu_type
 from dspipe.spec.profile import Profile, apply_profile, check_profile_gpu, profile_from_dict
 from dspipe.spec.settings import FIELD_DEFAULT, setting
 
+MIN_GBPS = 1e-3
+"""The least --intra/--inter-node-gbps (1 MB/s): far below any interconnect, and every time the plan derives stays a
+finite number."""
+
 
 @dataclass(frozen=True)
 class ClusterSpec:
@@ -70,10 +74,9 @@ class ClusterSpec:
                     "cluster",
                     name,
                     getattr(self, name),
-                    low=0,
+                    low=MIN_GBPS,
                     high=limit(name),
-                    low_open=True,
-                    rule="must be a positive number of GB/s",
+                    rule=f"must be at least {MIN_GBPS:g} GB/s (1 MB/s)",
                 )
         if self.profile is not None:
             if not isinstance(self.profile, Profile):  # read back from dspipe.json

@@ -26,6 +26,8 @@ MOE_ONLY = (
     "moe_every",
     "moe_first_dense",
     "capacity_factor",
+    "router_norm_topk",
+    "aux_loss_coef",
 )
 """ModelSpec fields that do nothing without experts: a dense model must leave them at their defaults."""
 

@@ -26,6 +26,10 @@ BAD = [
     ("node1 slots=4\nNODE1. slots=4\n", "hosts:2: 'NODE1. slots=4': duplicate host NODE1. (first on line 1 as node1)"),
     ("a slots=4 max_slots=2\n", "hosts:1: 'a slots=4 max_slots=2': max_slots=2 is less than slots=4"),
     ("a slots=4\nb\n", "hosts:2: 'b': missing slots=N (the number of GPUs on b)"),
+    (  # DeepSpeed's launcher matches '^HOST\\s+slots=N': it would call the line a bad entry
+        "a max_slots=2 slots=2\n",
+        "hosts:1: 'a max_slots=2 slots=2': slots=N must come right after the host, before 'max_slots=2'",
+    ),
     ("a slots=four\n", "hosts:1: 'a slots=four': slots must be a positive integer, got 'four'"),
     ("a slots=0\n", "hosts:1: 'a slots=0': slots must be a positive integer, got '0'"),
     ("a slots=2.5\n", "slots must be a positive integer, got '2.5'"),

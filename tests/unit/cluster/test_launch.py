@@ -380,9 +380,11 @@ def test_an_env_contradicts_only_the_flags_that_set_it_on_the_runs_backend():
         SpecError, match="NCCL_SOCKET_IFNAME=ib0 and --ifname both set NCCL_SOCKET_IFNAME .backend nccl"
     ):
         rank_environment(cluster=gpu2, network=net("NCCL_SOCKET_IFNAME=ib0"))
-    # --nccl-debug sets nothing under gloo: an --env NCCL_DEBUG beside it is the only value passed on
-    env = rank_environment(cluster=cpu, network=net("NCCL_DEBUG=INFO", given=("nccl_debug",), nccl_debug="TRACE"))
-    assert env["NCCL_DEBUG"] == "INFO"
+    # --nccl-debug sets nothing under gloo: typed, it is refused (as --ib-hca and --no-ib are); an --env NCCL_DEBUG
+    # is passed on as given
+    with pytest.raises(SpecError, match=r"^--nccl-debug sets NCCL variables, but this run's cluster \(cpu\) uses gloo"):
+        rank_environment(cluster=cpu, network=net("NCCL_DEBUG=INFO", given=("nccl_debug",), nccl_debug="TRACE"))
+    assert rank_environment(cluster=cpu, network=net("NCCL_DEBUG=INFO", given=()))["NCCL_DEBUG"] == "INFO"
     # without the flag given, an --env replaces the flag's default on either backend
     assert (
         rank_environment(cluster=gpu2, network=net("NCCL_SOCKET_IFNAME=ib0", given=()))["NCCL_SOCKET_IFNAME"] == "ib0"
@@ -415,8 +417,8 @@ def test_slurm_script(runs):
         'scontrol show hostnames "$SLURM_JOB_NODELIST"',
         "sed 's/$/ slots=8/'",
         '--no-ssh --node-rank "$SLURM_NODEID"',
-        'runs/h100 "$HOSTFILE" "$MASTER_ADDR" --master-port 29600 --ifname ib0 --nccl-debug WARN '
-        "--timeout-min 30 --env FOO=1",
+        'runs/h100 "$HOSTFILE" "$MASTER_ADDR" --master-port 29600 --ifname ib0 --timeout-min 30 --env FOO=1',
+        # --nccl-debug left out is launch's default (WARN) again
     ]:
         assert expected in text
     assert subprocess.run(["bash", "-n", str(runs / "runs/h100/slurm.sbatch")]).returncode == 0
@@ -590,8 +592,12 @@ def test_bad_rendezvous_stores_are_one_line_errors(runs, args, message):
             "--rendezvous is for runs on several nodes (one node's agent meets no one: it runs --standalone)",
         ),
         (["runs/single", "--max-restarts", "0"], "--max-restarts must be in 1..1000, got 0"),
-        (["runs/single", "--max-restarts", "2", "--hang-timeout", "-1"], "--hang-timeout -1 must be in 0..604800"),
-        (["runs/single", "--hang-timeout", "1e9"], "--hang-timeout 1e+09 must be in 0..604800"),
+        (
+            ["runs/single", "--max-restarts", "2", "--hang-timeout", "-1"],
+            "--hang-timeout -1 must be 0 (off) or in 1..604800 seconds",
+        ),
+        (["runs/single", "--hang-timeout", "1e9"], "--hang-timeout 1e+09 must be 0 (off) or in 1..604800"),
+        (["runs/single", "--hang-timeout", "0.001"], "--hang-timeout 0.001 must be 0 (off) or in 1..604800"),
     ],
 )
 def test_bad_elastic_launches_are_one_line_errors(runs, args, message):

@@ -149,8 +149,6 @@ def test_usr1_stops_the_run_and_requeues_the_job(job):
         "29500",
         "--ifname",
         "eth0",
-        "--nccl-debug",
-        "WARN",
         "--timeout-min",
         "30",
         "--env",
@@ -239,6 +237,11 @@ HOSTILE_VALUES = [
     (["--env", "A=$(reboot)"], "quotes, '$', '\\' and newlines"),
     (["--env", "A=b "], "DeepSpeed's launcher strips leading and trailing spaces from an exported value; give A='b'"),
     (["--time", "1:00:00\nreboot"], "is not a Slurm time limit"),
+    (["--time", "60\n"], "--time '60\\n' is not a Slurm time limit"),  # a regex $ matched before the newline
+    (["--time", "\u0661\u0662"], "is not a Slurm time limit"),  # Arabic-Indic digits: Slurm reads ASCII ones
+    (["--partition", "gpu\n"], "is not a Slurm name"),
+    (["--sbatch=--ntasks=7"], "the script sets --ntasks itself"),
+    (["--sbatch=--array=1-3"], "the script sets --array itself"),
     (
         ["--time", "99999999999"],
         "--time '99999999999' is 99,999,999,999 minutes, beyond the 4,294,967,294 Slurm can hold",

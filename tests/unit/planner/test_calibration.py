@@ -172,16 +172,18 @@ def test_a_profile_holding_nan_is_refused_in_one_line(tmp_path, capsys):
         ("--inter-node-gbps", "-3"),
         ("--intra-node-gbps", "nan"),
         ("--inter-node-gbps", "inf"),
+        ("--intra-node-gbps", "1e-310"),  # a step time of inf s (a traceback once)
+        ("--inter-node-gbps", "0.0009"),
     ],
 )
-def test_bandwidth_overrides_must_be_positive(capsys, flag, value):
+def test_bandwidth_overrides_must_be_at_least_1_mb_per_s(capsys, flag, value):
     assert run_cli("plan", *DEMO, *CPU2, flag, value) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and f"{flag} must be a positive number of GB/s, got {value}" in err[0], err
+    assert len(err) == 1 and f"{flag} must be at least 0.001 GB/s (1 MB/s), got {value}" in err[0], err
 
 
 def test_spec_refuses_bad_overrides_and_foreign_profiles():
-    with pytest.raises(SpecError, match=r"cluster.intra_node_gbps must be a positive number of GB/s, got 0"):
+    with pytest.raises(SpecError, match=r"cluster.intra_node_gbps must be at least 0.001 GB/s \(1 MB/s\), got 0"):
         ClusterSpec(nodes=1, gpus_per_node=2, gpu="cpu", intra_node_gbps=0)
     with pytest.raises(SpecError, match="profile measured on 'cpu'"):
         ClusterSpec(nodes=1, gpus_per_node=8, gpu="a100-80g", profile=a_profile())

@@ -199,6 +199,8 @@ def test_a_new_setting_is_one_declaration():
             dict(router_groups=2, router_group_limit=1, router_bias_rate=0.001),
             r"model.router_groups 2, router_group_limit 1, router_bias_rate 0.001 has no effect without experts",
         ),
+        (dict(aux_loss_coef=5.0), r"model.aux_loss_coef 5.0 has no effect without experts"),
+        (dict(router_norm_topk=False), r"model.router_norm_topk False has no effect without experts"),
     ],
 )
 def test_a_setting_that_would_be_ignored_is_refused(settings, message):

@@ -36,6 +36,15 @@ ESTIMATE_LAYOUT = (
 """Figures of dspipe.json's estimate that repeat the plan (dspipe.planner.summary.estimate_summary)."""
 
 
+POSITIVE = (
+    "tokens_per_s",
+    "step_time_s",
+    "step_time_breakdown_s.compute",
+    "first_step.seconds",
+    "memory_per_gpu_bytes.total",
+)
+"""Figures of the estimate that are never 0 (a model computes, holds memory and takes time): 0 there is damage,
+which report would show as a prediction and calibrate --from-run fold as a ratio."""
 MAX_FIGURE = 1e21
 """The largest figure an estimate holds (bytes of a 405B model's checkpoint are ~1e13, tokens/s ~1e8): beyond it, a
 damaged file (1e30 tokens/s printed a 31-digit MFU)."""
@@ -189,6 +198,14 @@ class RunEstimate:
                 if (number and not 0 <= value < float("inf")) or (section == "step_time_breakdown_s" and not number):
                     raise SpecError(f"{source}: estimate.{section}.{key} must be a number >= 0, got {show(value)}")
         _check_blocks(estimate, source=source)
+        for path in POSITIVE:
+            value = estimate
+            for key in path.split("."):
+                value = value.get(key) if isinstance(value, dict) else None
+            if is_number(value) and value <= 0:
+                raise SpecError(
+                    f"{source}: estimate.{path} must be more than 0 (the planner never predicts 0), got {show(value)}"
+                )
         if AUTO_INTERVAL in estimate and estimate[AUTO_INTERVAL] is not True:
             raise SpecError(
                 f"{source}: estimate.{AUTO_INTERVAL} must be true when present, got {show(estimate[AUTO_INTERVAL])}"

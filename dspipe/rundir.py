@@ -599,6 +599,35 @@ def load_engine(run: Run) -> dict | None:
     return engine
 
 
+def engine_disagreement(run: Run, engine: dict | None) -> str | None:
+    """Why engine.json is not the record of a launch of this run's plan (None: it is): its ZeRO stage, pp, tp or sp
+    differ from dspipe.json's (a launch refuses to train on such drift, so the file is damaged, or from a launch
+    before the run was regenerated), or its world size is not dp x pp x tp x sp. dp and the world may differ from
+    the plan's: an elastic restart on fewer nodes runs at a smaller dp."""
+    if not engine:
+        return None
+    plan = run.plan
+    wanted = {"zero_stage": plan.zero_stage, "pp": plan.pp, "tp": plan.tp, "sp": plan.sp}
+    off = [f"{k} {engine[k]} (dspipe.json: {v})" for k, v in wanted.items() if k in engine and engine[k] != v]
+    axes = [engine.get(k, 1 if k in ("tp", "sp") else None) for k in ("world_size", "dp", "pp", "tp", "sp")]
+    if not off and all(is_int(a) for a in axes) and axes[0] != axes[1] * axes[2] * axes[3] * axes[4]:
+        off.append(f"world_size {axes[0]} is not dp {axes[1]} x pp {axes[2]} x tp {axes[3]} x sp {axes[4]}")
+    startup = engine.get("startup")
+    if not off and is_int(axes[0]) and isinstance(startup, dict):  # one figure per rank
+        from dspipe.runtime.engine_file import STARTUP_LISTS
+
+        lists = {k: startup[k] for k in STARTUP_LISTS if isinstance(startup.get(k), list)}
+        counts = {len(v) for v in lists.values()}
+        if len(counts) == 1 and counts != {axes[0]}:  # lists of unequal lengths: the start-up reader names them
+            k = next(iter(lists))
+            off.append(f"startup.{k} lists {len(lists[k])} ranks, world_size {axes[0]}")
+    if not off:
+        return None
+    return (
+        f"{run.engine_path} is not a launch of this run's plan: {', '.join(off)}; a launch of the run writes it again"
+    )
+
+
 ENGINE_NAMES = ("backend", "wrapper_optimizer", "base_optimizer", "scheduler", "param_dtype", "grad_accum_dtype")
 """engine.json's settings that readers show by name (dspipe.runtime.engine.engine_settings writes them)."""
 

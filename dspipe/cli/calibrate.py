@@ -172,7 +172,7 @@ def _measuring_flags(o: dict) -> list[str]:
 def _from_run(run_dir: str, *, out: Path | None, given: list[str]) -> None:
     """--from-run: the run folded into its profile (dspipe.tools.fold), the error left after the correction, the
     profile written to --out or printed."""
-    from dspipe.rundir import load_engine, load_run
+    from dspipe.rundir import engine_disagreement, load_engine, load_run
     from dspipe.spec.profile import profile_text
     from dspipe.tools.fold import fold, remaining
     from dspipe.tools.report import read_metrics
@@ -181,6 +181,9 @@ def _from_run(run_dir: str, *, out: Path | None, given: list[str]) -> None:
         raise SpecError(f"--from-run measures nothing: drop {' '.join(given)}")
     run = load_run(run_dir)
     engine = load_engine(run)
+    why = engine_disagreement(run, engine)
+    if why:
+        raise SpecError(why)
     steps, _ = read_metrics(run)
     folded = fold(run, engine=engine, steps=steps)
     say = get_logger(__name__).info

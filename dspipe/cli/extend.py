@@ -11,6 +11,7 @@ Imports no torch (deepspeed only to parse the new config, as gen-config does).""
 from __future__ import annotations
 
 import copy
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import click
 
 from dspipe.atomic import write_file
 from dspipe.cli.options import INT, PathText, parse_tokens
-from dspipe.errors import SpecError
+from dspipe.errors import SpecError, file_problem
 from dspipe.jsonio import MISSING, dotted_get, dumps, read_object
 from dspipe.planner.render import render_ds_config
 from dspipe.rundir import CONFIG_FILE, DS_CONFIG_FILE, SPEC_FILE, Run, load_run, newest_checkpoint_step
@@ -90,8 +91,12 @@ def _extended_config(path: Path, *, steps: int | None, tokens: str | None, warmu
     from dspipe.cli.config_file import dump
     from dspipe.cli.yaml_dialect import read_yaml
 
-    if not path.is_file():
+    if not os.path.lexists(path):
         return None
+    if not path.is_file():  # a directory, a link that loops or points nowhere: not the file gen-config wrote
+        raise SpecError(
+            f"{path} {file_problem(str(path))}: extend rewrites the config file gen-config wrote; nothing was changed"
+        )
     doc = read_yaml(str(path))
     train = doc.get("train")
     if not isinstance(train, dict):

@@ -42,9 +42,17 @@ from dspipe.errors import SpecError
 PIECE_TOKENS = 1 << 24  # tokens moved per pass: memory stays flat
 
 
-def _documents(toks: np.ndarray, offsets: np.ndarray):
-    """(tokens, lengths) of whole documents, about PIECE_TOKENS tokens at a time (a longer document alone)."""
+def _documents(toks: np.ndarray, offsets: np.ndarray, *, index: Path):
+    """(tokens, lengths) of whole documents, about PIECE_TOKENS tokens at a time (a longer document alone); document
+    offsets that decrease (a damaged `index`: open_split checks only the first and the last) are one SpecError."""
     offsets = np.asarray(offsets, dtype=np.int64)
+    down = np.flatnonzero(offsets[1:] < offsets[:-1])
+    if down.size:
+        d = int(down[0])
+        raise SpecError(
+            f"{index}: document {d + 1:,} starts at token {int(offsets[d + 1]):,}, before document {d:,} "
+            f"(at {int(offsets[d]):,}): the index is damaged; re-run 'dspipe prepare-data --force' to rebuild it"
+        )
     first = 0
     while first < offsets.size - 1:
         last = int(np.searchsorted(offsets, offsets[first] + PIECE_TOKENS, side="right")) - 1
@@ -105,7 +113,8 @@ def to_megatron(*, source: str | Path, out: str | Path, force: bool = False) -> 
                 if split in meta["splits"]:
                     shards = zip(meta["splits"][split]["shards"], open_split(source, split, meta), strict=True)
                     for shard, (toks, offsets) in shards:
-                        for piece, lengths in _documents(toks, offsets):
+                        index = Path(source) / f"{shard['name']}.idx"
+                        for piece, lengths in _documents(toks, offsets, index=index):
                             _check_ids(piece, vocab=vocab, path=Path(source) / f"{shard['name']}.bin", source=source)
                             writer.add(piece, lengths)
             writer.close()
@@ -211,7 +220,7 @@ def _split_from_megatron(
     writer = ShardWriter(directory=directory, split=split, dtype=dtype, shard_tokens=shard_tokens, ident=dataset_id(fp))
     try:
         for toks, offsets in megatron.open_split(prefix, split, meta):
-            for piece, lengths in _documents(toks, offsets):
+            for piece, lengths in _documents(toks, offsets, index=Path(f"{prefix}.idx")):
                 writer.add(piece, lengths)
         shards = writer.close()
     except BaseException:

@@ -269,6 +269,19 @@ def cache_dir() -> Path:
     return Path(root) / "dspipe" / "megatron"
 
 
+def _scanned(got: dict) -> bool:
+    """Whether a cache entry holds what scan writes: max_id an integer >= -1 (-1: no tokens), min_id an integer <= 0
+    (the scan starts from 0), eod None or an id between them."""
+
+    def whole(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    hi, lo, eod = got.get("max_id"), got.get("min_id"), got.get("eod")
+    if not (whole(hi) and whole(lo) and hi >= -1 and lo <= 0):
+        return False
+    return eod is None or (whole(eod) and lo <= eod <= hi)
+
+
 def scan(index: Index) -> dict:
     """{"max_id", "min_id", "eod"}: the largest and smallest token id and the token every document ends with (None
     where documents end differently, or there are none). Cached per file version (_identity); a pass over the
@@ -277,10 +290,10 @@ def scan(index: Index) -> dict:
     cache = cache_dir() / f"{key[:32]}.json"
     try:
         got = read_object(cache)
-        if got.get("identity") == key:
+        if got.get("identity") == key and _scanned(got):
             return {k: got[k] for k in ("max_id", "min_id", "eod")}
     except (SpecError, KeyError):
-        pass
+        pass  # a missing or damaged entry: scanned again, and written over
     toks = tokens(index)
     hi, lo = -1, 0
     for s in range(0, toks.size, CHUNK):

@@ -22,6 +22,7 @@ from urllib.parse import urlparse
 
 from dspipe.data.limits import too_small
 from dspipe.errors import SpecError, cannot_read, file_problem
+from dspipe.log import get_logger
 
 TEXT_DOCS = ("file", "blank-line")
 STDLIB = "python-stdlib"
@@ -117,16 +118,17 @@ def resolve_inputs(
         path = Path(spec)
         if any(c in spec for c in "*?["):
             matches = sorted(Path(m) for m in glob.glob(spec, recursive=True))
+            _refuse_unreadable(matches, skip_bad=skip_bad, within=f"matched by {spec!r}")
             matches = [m for m in matches if m.is_file()]
             if not matches:
                 raise SpecError(f"no files match {spec!r}")
             files += matches
         elif path.is_dir():
-            found = sorted(
-                p
-                for p in path.rglob("*")
-                if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
+            entries = sorted(
+                p for p in path.rglob("*") if not any(part.startswith(".") for part in p.relative_to(path).parts)
             )
+            _refuse_unreadable(entries, skip_bad=skip_bad, within=f"under {spec}")
+            found = [p for p in entries if p.is_file()]
             if not found:
                 raise SpecError(f"empty input: no files under {spec}")
             files += found
@@ -143,6 +145,25 @@ def resolve_inputs(
     _hub_options_need_a_hub(hub=hub, config=config, split=split)
     label = hub or (specs[0] if len(specs) == 1 else f"{specs[0]} + {len(specs) - 1} more")
     return Inputs(files=tuple(files), hub=hub, skip_bad=skip_bad, label=label, **common)
+
+
+def _refuse_unreadable(paths: list[Path], *, skip_bad: bool, within: str) -> None:
+    """An entry of a directory or glob that is neither a file nor a directory (a symbolic link that loops or points
+    nowhere, a FIFO, a socket) is one SpecError, as the same path given alone is; with --skip-bad it is left out
+    with a note."""
+    odd = [p for p in paths if not p.is_file() and not p.is_dir()]
+    if not odd:
+        return
+    if not skip_bad:
+        raise SpecError(
+            f"input {odd[0]} ({within}) {file_problem(str(odd[0]))}"
+            + (f", and {len(odd) - 1} more such entr{'y' if len(odd) == 2 else 'ies'}" if len(odd) > 1 else "")
+            + "; remove it or give --skip-bad"
+        )
+    get_logger(__name__).info(
+        f"note: --skip-bad: left out {len(odd)} entr{'y' if len(odd) == 1 else 'ies'} {within} that "
+        f"{'is' if len(odd) == 1 else 'are'} no file to read (first {odd[0]})"
+    )
 
 
 def _not_readable(spec: str) -> SpecError:

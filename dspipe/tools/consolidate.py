@@ -283,10 +283,17 @@ def _prefer_master(*, module: dict, master: dict, checkpoint: Path) -> dict:
             f"checkpoint {checkpoint} holds no model weights (no mp_rank_00_model_states.pt, layer_*, "
             f"or *_optim_states.pt files)"
         )
-    if not master and any(t.dtype != torch.float32 for t in module.values()):
+    for where in (module, master):
+        odd = next((n for n, t in where.items() if not t.is_floating_point()), None)
+        if odd is not None:
+            raise SpecError(
+                f"checkpoint {checkpoint}: tensor {odd} is {where[odd].dtype}, not a floating-point weight (the "
+                f"runner saves fp32, bf16 or fp16)"
+            )
+    other = sorted({str(t.dtype) for t in module.values() if t.dtype != torch.float32})
+    if not master and other:
         get_logger(__name__).info(
-            f"note: {checkpoint} has no fp32 master weights; using its "
-            f"{next(iter(module.values())).dtype} module weights"
+            f"note: {checkpoint} has no fp32 master weights; using its {', '.join(other)} module weights"
         )
     out = {}
     for name in sorted(set(module) | set(master)):

@@ -162,8 +162,53 @@ def _load_hf(path: Path) -> Model:
     except Exception as e:  # OSError, ValueError, KeyError, safetensors errors, ... on a damaged directory
         raise SpecError(f"cannot load the Hugging Face model in {path}: {' '.join(str(e).split())[:300]}") from None
     check_shapes(path, list(info.get("mismatched_keys") or ()))
+    check_names(path, missing=list(info.get("missing_keys") or ()), unexpected=list(info.get("unexpected_keys") or ()))
+    check_float_weights(path, parameters={name for name, _ in model.named_parameters()})
+    check_tokenizer_fits(tokenizer, vocab=model.get_input_embeddings().weight.shape[0], where=path)
     model.eval()
     return Model(logits=lambda ids: model(ids).logits, context=context, tokenizer=tokenizer)
+
+
+def check_names(path: Path, *, missing: list, unexpected: list) -> None:
+    """Refuse weights that do not name the tensors config.json's model has (transformers' missing_keys, which it
+    would draw at random, and unexpected_keys, which it would drop): one line with the first of each."""
+    if not missing and not unexpected:
+        return
+    parts = [
+        f"{len(names)} {what} (first {sorted(names)[0]})"
+        for names, what in ((missing, "missing, which would be drawn at random"), (unexpected, "not in the model"))
+        if names
+    ]
+    raise SpecError(
+        f"{path}: the weights do not match {HF_CONFIG}'s model: tensors {'; '.join(parts)}; restore {HF_CONFIG} or "
+        f"export the model again"
+    )
+
+
+def check_float_weights(path: Path, *, parameters: set[str]) -> None:
+    """Refuse a stored parameter that is not floating point (transformers would cast an int32 or complex tensor to
+    the model's dtype without a word); buffers (position ids, masks) may be any dtype. From the files' headers."""
+    from dspipe.model.hf_weights import CheckpointTensors
+
+    tensors = CheckpointTensors(path)
+    for name in tensors:
+        shape, dtype, float_bytes = tensors.header(name)
+        if not float_bytes and (name in parameters or any(p.endswith("." + name) for p in parameters)):
+            raise SpecError(
+                f"{tensors.source}: tensor {name} is stored as {dtype}, not a floating-point weight (F32, BF16, F16, "
+                f"F64)"
+            )
+
+
+def check_tokenizer_fits(tokenizer, *, vocab: int, where) -> None:
+    """Every id the tokenizer can produce must have a row in the model's embedding (an added token beyond it would
+    index past the table)."""
+    if len(tokenizer) > vocab:
+        extra = f"id {vocab:,} has" if len(tokenizer) == vocab + 1 else f"ids {vocab:,}..{len(tokenizer) - 1:,} have"
+        raise SpecError(
+            f"{where}: the tokenizer has {len(tokenizer):,} tokens, more than the model's vocab {vocab:,} ({extra} "
+            f"no embedding row)"
+        )
 
 
 def _transformers_config(path: Path) -> None:
@@ -334,6 +379,7 @@ def _load_checkpoint(path: Path) -> Model:
     meta = read_checkpoint_meta(checkpoint)
     tokenizer = load_tokenizer(tokenizer_dir(checkpoint))
     gpt = load_gpt(checkpoint, meta=meta)
+    check_tokenizer_fits(tokenizer, vocab=gpt.spec.vocab, where=f"tokenizer {tokenizer_dir(checkpoint)}")
     return Model(logits=gpt, context=gpt.spec.seq_len, tokenizer=tokenizer)
 
 

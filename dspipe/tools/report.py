@@ -26,7 +26,7 @@ from dspipe.jsonio import read_object
 from dspipe.log import get_logger
 from dspipe.planner.throughput import STEP_COLUMNS, VAL_COLUMNS, perplexity
 from dspipe.run_estimate import RunEstimate
-from dspipe.rundir import ENGINE_FILE, VAL_FILE, Run, load_engine, load_run
+from dspipe.rundir import ENGINE_FILE, VAL_FILE, Run, engine_disagreement, load_engine, load_run
 from dspipe.runtime.ckpt_meta import SaveRecord
 from dspipe.runtime.ckpt_tags import read_latest
 from dspipe.runtime.engine_file import StartupRecord
@@ -118,7 +118,8 @@ def _csv_text(path: Path) -> str:
     if path.is_dir():
         raise SpecError(f"{path} is a directory, not a CSV file (the runner writes it as a file)")
     try:
-        return path.read_bytes().decode("utf-8-sig")  # a spreadsheet's byte-order mark is not the first column's name
+        text = path.read_bytes().decode("utf-8-sig")  # a spreadsheet's byte-order mark is not the first column's name
+        return text.replace("\r\n", "\n").replace("\r", "\n")  # a spreadsheet's CR LF or CR line ends
     except UnicodeDecodeError as e:
         raise SpecError(f"{path} is not a readable CSV file: {' '.join(str(e).split())}") from None
     except OSError as e:
@@ -742,6 +743,10 @@ def write_report(run_path: str | Path, *, out: str | Path | None = None) -> tupl
     run = load_run(run_path)  # the one validated reader: dspipe.json (estimate included), ds_config.json
     estimate = run.estimate
     engine = load_engine(run)  # None while absent or being written
+    why = engine_disagreement(run, engine)
+    if why:  # its figures are not this plan's run: reported without them
+        get_logger(__name__).info(f"note: {why}; the report leaves it out")
+        engine = None
     steps, val = read_metrics(run)
     measured = replace(
         measure(steps, val),

@@ -716,3 +716,13 @@ def test_written_meta_and_specs_hold_no_non_finite_number(tmp_path):
             },
         )
     assert not (tmp_path / "meta.json").exists()
+
+
+@pytest.mark.parametrize("damage", [as_dir("run/config.yaml"), loop("run/config.yaml")], ids=["dir", "loop"])
+def test_extend_names_a_config_yaml_that_is_no_file(root, capsys, damage):
+    """A config.yaml that is a directory or a looping link was skipped without a word (the run's --config copy
+    then kept the old length); now nothing is changed and the file is named."""
+    damage(root)
+    before = snapshot(root)
+    check(root, capsys, ["extend", "@/run", "--steps", "30"], "run/config.yaml", "extend rewrites the config file")
+    assert snapshot(root) == before

@@ -247,6 +247,15 @@ def test_a_byte_order_mark_before_the_header_is_read_past(run, capsys):
     assert "steps 1-6" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("end", ["\r\n", "\r"])
+def test_crlf_or_cr_line_ends_read_as_lines(run, capsys, end):
+    """A spreadsheet's save: every row is read, not one torn line ('no rows yet' once)."""
+    (run / "metrics.csv").write_bytes(METRICS.replace("\n", end).encode())
+    capsys.readouterr()
+    assert run_cli("report", "run") == 0
+    assert "steps 1-6" in capsys.readouterr().out
+
+
 def test_a_torn_last_line_is_left_out_with_a_note(run, capsys):
     (run / "metrics.csv").write_text(METRICS + "7,7168,8.")  # the runner's line, cut short: no newline
     capsys.readouterr()
@@ -293,6 +302,30 @@ def test_a_damaged_engine_json_is_refused(run, capsys, text, words, command):
     assert not (run / "report").exists()
 
 
+@pytest.mark.parametrize(
+    "engine,words",
+    [
+        ({"zero_stage": 3, "world_size": 2, "dp": 2, "pp": 1}, "zero_stage 3 (dspipe.json: 0)"),
+        ({"zero_stage": 0, "world_size": 4, "dp": 4, "pp": 2}, "pp 2 (dspipe.json: 1)"),
+        ({"zero_stage": 0, "world_size": 4, "dp": 2, "pp": 1}, "world_size 4 is not dp 2 x pp 1 x tp 1 x sp 1"),
+        (
+            {"zero_stage": 0, "world_size": 2, "dp": 2, "pp": 1, "startup": {"peak_rss_mib": [400.0] * 8}},
+            "startup.peak_rss_mib lists 8 ranks, world_size 2",
+        ),
+    ],
+)
+def test_an_engine_json_of_another_layout_is_not_this_runs(run, capsys, engine, words):
+    """A launch refuses to train on drift from the plan, so an engine.json whose ZeRO stage or axes differ from
+    dspipe.json's (or do not multiply to its world) is damaged or from before the run was regenerated: calibrate
+    refuses to fold it, report leaves it out with a note."""
+    (run / "engine.json").write_text(json.dumps(engine))
+    line = one_error(capsys, "calibrate", "--from-run", "run")
+    assert "run/engine.json is not a launch of this run's plan: " + words in line
+    assert run_cli("report", "run") == 0
+    err = capsys.readouterr().err
+    assert words in err and "the report leaves it out" in err
+
+
 # ---- 9, 11. generate --------------------------------------------------------------------------------------------
 
 
@@ -323,6 +356,64 @@ def test_generate_names_the_shapes_config_json_does_not_match(trained, tmp_path,
     line = one_error(capsys, "generate", hf, "--prompt", "def", "--max-tokens", "2")
     assert f"{hf}/config.json does not match the weights: transformer.wte.weight is [1024, " in line
     assert "but [10, " in line and "ignore_mismatched_sizes" not in line
+
+
+def _edit_weights(hf, edit) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(hf / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, hf / "model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize(
+    "edit,words",
+    [
+        (  # transformers would draw the renamed tensors at random and drop the stored ones
+            lambda t: t.update({"xformer.ln_f.weight": t.pop("transformer.ln_f.weight")}),
+            "the weights do not match config.json's model: tensors 1 missing, which would be drawn at random (first "
+            "transformer.ln_f.weight); 1 not in the model (first xformer.ln_f.weight)",
+        ),
+        (  # transformers would cast it to fp32 without a word
+            lambda t: t.update({"transformer.ln_f.bias": t["transformer.ln_f.bias"].to(__import__("torch").int32)}),
+            "model.safetensors: tensor transformer.ln_f.bias is stored as I32, not a floating-point weight",
+        ),
+    ],
+)
+def test_generate_refuses_weights_that_are_not_config_jsons_model(trained, tmp_path, capsys, edit, words):
+    hf = tmp_path / "hf"
+    shutil.copytree(trained / "hf", hf)
+    _edit_weights(hf, edit)
+    assert words in one_error(capsys, "generate", hf, "--prompt", "def", "--max-tokens", "2")
+
+
+def test_generate_refuses_a_tokenizer_larger_than_the_model(trained, tmp_path, capsys):
+    """An added token beyond the embedding would index past it (an IndexError once), from an export and from a
+    run's checkpoint alike (export-hf refuses it too)."""
+    hf = tmp_path / "hf"
+    shutil.copytree(trained / "hf", hf)
+    tok = json.loads((hf / "tokenizer.json").read_text())
+    tok["added_tokens"].append(
+        {"id": 1024, "content": "<|zz|>", "single_word": False, "lstrip": False, "rstrip": False}
+        | {"normalized": False, "special": True}
+    )
+    (hf / "tokenizer.json").write_text(json.dumps(tok))
+    line = one_error(capsys, "generate", hf, "--prompt", "def <|zz|>", "--max-tokens", "2")
+    assert "the tokenizer has 1,025 tokens, more than the model's vocab 1,024 (id 1,024 has no embedding row)" in line
+
+
+def test_a_checkpoint_weight_that_is_not_floating_point_is_refused(run, tmp_path, capsys):
+    import torch
+
+    path = run / "checkpoints/global_step6/mp_rank_00_model_states.pt"
+    state = torch.load(path, weights_only=False)
+    name = next(iter(state["module"]))
+    state["module"][name] = state["module"][name].to(torch.complex64)  # its imaginary part would be dropped
+    torch.save(state, path)
+    for args in (["generate", "run", "--prompt", "def"], ["export-hf", "run", "--out", tmp_path / "out"]):
+        line = one_error(capsys, *args)
+        assert f"tensor {name} is torch.complex64, not a floating-point weight" in line
+    assert not (tmp_path / "out").exists()
 
 
 # ---- 10. checkpoints/latest -------------------------------------------------------------------------------------

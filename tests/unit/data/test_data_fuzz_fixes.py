@@ -216,6 +216,39 @@ def test_a_shard_that_is_a_directory_says_so(small, tmp_path, capsys):
     one_error(capsys, run_cli("convert-data", d, "--out", tmp_path / "m"), "train-00000.bin is a directory, not a file")
 
 
+def test_document_offsets_that_decrease_are_refused_not_converted(small, tmp_path, capsys):
+    """open_split checks the first and last offsets only; convert-data reads every document, and a decreasing offset
+    would be written as a negative length (a Megatron file dspipe itself then refuses)."""
+    d = copy(small, tmp_path)
+    idx = d / "train-00000.idx"
+    data = bytearray(idx.read_bytes())
+    n = json.loads((d / "meta.json").read_text())["splits"]["train"]["shards"][0]["num_documents"]
+    head = len(data) - 8 * (n + 1)
+    offsets = np.frombuffer(bytes(data[head:]), dtype="<u8").copy()
+    offsets[2] = offsets[4]  # document 2 now starts after document 3
+    idx.write_bytes(bytes(data[:head]) + offsets.tobytes())
+    err = one_error(capsys, run_cli("convert-data", d, "--out", tmp_path / "m"), "train-00000.idx: document 3 starts")
+    assert f"before document 2 (at {int(offsets[4]):,}): the index is damaged" in err
+    assert not (tmp_path / "m").exists()
+
+
+def test_a_broken_entry_inside_an_input_directory_or_glob_is_named(small, tmp_path, capsys):
+    """Given alone, a broken link or FIFO is refused; found inside a directory or by a glob it was left out without
+    a word. Now it is named (with the count), or left out with a note under --skip-bad."""
+    src = tmp_path / "in"
+    shutil.copytree(small / "txt", src)
+    os.symlink(tmp_path / "nowhere", src / "gone.txt")
+    os.mkfifo(src / "pipe.txt")
+    out = tmp_path / "out"
+    for spec, within in ((src, f"(under {src})"), (f"{src}/*.txt", f"(matched by '{src}/*.txt')")):
+        err = one_error(capsys, run_cli("prepare-data", spec, "--out", out), f"input {src}/gone.txt {within}")
+        assert "is a broken symlink" in err and "and 1 more such entry; remove it or give --skip-bad" in err
+        assert not out.exists()
+    assert run_cli("prepare-data", src, "--out", out, "--train-tokenizer", 300, "--workers", 1, "--skip-bad") == 0
+    err = capsys.readouterr().err
+    assert f"note: --skip-bad: left out 2 entries under {src} that are no file to read (first {src}/gone.txt)" in err
+
+
 # ---- 10. gen-config's data check sees broken files ---------------------------------------------------------------
 
 

@@ -334,6 +334,22 @@ def test_the_scan_is_cached_per_file_version(tmp_path, mdata, monkeypatch):
         megatron.read_index(tmp_path / "absent")
 
 
+@pytest.mark.parametrize(
+    "damage", [{"max_id": "x"}, {"max_id": None}, {"min_id": "0"}, {"max_id": -5}, {"max_id": 1.5}, {"eod": "a"}]
+)
+def test_a_damaged_scan_cache_entry_is_scanned_again(tmp_path, mdata, monkeypatch, damage):
+    """The cache is dspipe's own derived file: an entry that is not what the scan writes (a TypeError once) is a
+    miss, scanned again and written over."""
+    import json
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    first = read_meta(mdata)
+    (entry,) = (tmp_path / "cache" / "dspipe" / "megatron").glob("*.json")
+    entry.write_text(json.dumps({**json.loads(entry.read_text()), **damage}))
+    assert read_meta(mdata) == first
+    assert all(json.loads(entry.read_text())[k] == v for k, v in megatron.scan(megatron.read_index(mdata)).items())
+
+
 def test_a_config_files_data_section_takes_megatrons_blend(tmp_path, mdata):
     b = tmp_path / "b"
     for ext in (".bin", ".idx"):

@@ -106,6 +106,10 @@ def test_the_estimate_round_trips_and_types_what_readers_use():
         ({**ESTIMATE, "mfu": "high"}, "estimate.mfu must be a number >= 0 or null, got 'high'"),
         ({**ESTIMATE, "memory_per_gpu_bytes": []}, "estimate.memory_per_gpu_bytes must be an object"),
         ({**ESTIMATE, "save_interval_auto": "yes"}, "estimate.save_interval_auto must be true when present"),
+        # figures the planner never predicts as 0 (report showed a 0 prediction as "ok", calibrate folded it)
+        ({**ESTIMATE, "tokens_per_s": 0}, "estimate.tokens_per_s must be more than 0 (the planner never predicts 0)"),
+        ({**ESTIMATE, "step_time_breakdown_s": {"compute": 0.0}}, "estimate.step_time_breakdown_s.compute must be"),
+        ({**ESTIMATE, "first_step": {"seconds": 0}}, "estimate.first_step.seconds must be more than 0"),
     ],
 )
 def test_a_damaged_estimate_is_one_line_naming_file_and_key(estimate, words):

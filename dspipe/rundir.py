@@ -436,13 +436,29 @@ def check_ds_keys(ds: dict, *, model: ModelSpec, train: TrainSpec, plan: Plan, s
             f"{source}: missing {missing[0]}{more}: gen-config writes every key, and without it DeepSpeed would use "
             f"its own default; regenerate with 'dspipe gen-config --force'"
         )
-    for row in SCHEMA:  # the values the plan alone derives (a --preset's must equal them too)
+    for row in SCHEMA:  # the values the plan alone derives (a --preset's must equal them too), and the plan's options
         want, value = dotted_get(rendered, row.path), dotted_get(ds, row.path)
-        if row.take == PLANNED and want is not MISSING and value != want:
+        planned = row.take == PLANNED or row.take in PLANNED_OPTIONS
+        if planned and want is not MISSING and (value != want or type(value) is not type(want)):
             raise SpecError(
                 f"{source}: {row.path} is {show(value)}, but dspipe renders {show(want)} for this run (it follows "
                 f"from the plan in {SPEC_FILE}); regenerate with 'dspipe gen-config --force'"
             )
+
+
+PLANNED_OPTIONS = tuple(
+    ("opt", name)
+    for name in (
+        "reduce_bucket_size",
+        "prefetch_bucket_size",
+        "param_persistence_threshold",
+        "max_live_parameters",
+        "max_reuse_distance",
+        "partition_method",
+    )
+)
+"""ds_config.json rows an option sets that dspipe.json's plan holds (a flag's or a preset's value, else the plan's):
+the file must carry the plan's value."""
 
 
 def check_ds_config(ds: dict, *, plan: Plan, source: Path | str) -> None:

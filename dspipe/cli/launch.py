@@ -393,14 +393,15 @@ def doctor(gpu: str | None, size_mb: float, iters: int, skip_allreduce: bool, ti
     d.check_allreduce_options(size_mb=size_mb, iters=iters, timeout_s=timeout_s)  # skipped or not: never ignored
     spec = _launch_spec(o)
     network = _network(o)
+    gpu = gpu or d.detect_gpu()
+    if gpu is not None:  # a bad --gpu, --hostfile or --include is named before the report, not after it
+        gpu_type(gpu)
+        default_gpus = 2 if gpu == "cpu" else max(1, _cuda_count())
+        hostfile, resources, _ = resolve(spec, default_gpus=default_gpus)
     for line in (d.environment(), *d.devices(), *d.op_report()):
         click.echo(line)
-    gpu = gpu or d.detect_gpu()
-    if gpu is None:
+    if gpu is None:  # the report above shows the device the catalog lacks
         raise SpecError(f"GPU 0 is not in dspipe's catalog; pass --gpu ({names_text()})")
-    gpu_type(gpu)
-    default_gpus = 2 if gpu == "cpu" else max(1, _cuda_count())
-    hostfile, resources, _ = resolve(spec, default_gpus=default_gpus)
     via = "--no-ssh" if spec.no_ssh else spec.launcher if hostfile else "local"
     click.echo(f"ranks: {describe(resources)} via {via}")
     if hostfile and spec.launcher == "pdsh" and not spec.no_ssh:

@@ -113,9 +113,37 @@ def _load_yaml(text: str):
         found = _duplicate(node)
         if found:
             raise ValueError(found)
-        return loader.construct_document(node)
+        try:
+            return loader.construct_document(node)
+        except (ValueError, TypeError, OverflowError) as e:  # an explicit tag its value does not fit: !!float abc
+            raise ValueError(_unconstructed(loader, node, e)) from None
     finally:
         loader.dispose()
+
+
+def _unconstructed(loader, root, error: Exception) -> str:
+    """The message for a value the constructor could not build: the first scalar that fails on its own, with its tag,
+    text and place."""
+    stack = [root]
+    while stack:
+        node = stack.pop(0)
+        if isinstance(node, yaml.ScalarNode):
+            loader.constructed_objects, loader.recursive_objects, loader.state_generators = {}, {}, []
+            try:
+                loader.construct_object(node, deep=True)
+            except (ValueError, TypeError, OverflowError) as e:
+                tag = node.tag.replace("tag:yaml.org,2002:", "!!")
+                mark = node.start_mark
+                why = " ".join(str(e).split())
+                return (
+                    f"line {mark.line + 1}, column {mark.column + 1}: {tag} {node.value!r} is not a valid {tag[2:]} "
+                    f"({why})"
+                )
+        elif isinstance(node, yaml.MappingNode):
+            stack += [part for pair in node.value for part in pair]
+        elif isinstance(node, yaml.SequenceNode):
+            stack += list(node.value)
+    return " ".join(str(error).split())
 
 
 _YAML_1_1 = yaml.resolver.Resolver()
@@ -183,7 +211,7 @@ def read_yaml(path: str) -> dict:
         raise SpecError(f"{path}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start})") from None
     try:
         doc = _load_yaml(text)
-    except ValueError as e:  # a duplicate key
+    except ValueError as e:  # a duplicate key, a value its tag does not fit
         raise SpecError(f"{path}: {e}") from None
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark

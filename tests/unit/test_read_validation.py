@@ -239,6 +239,10 @@ RUN_CASES = [  # (id, file named in the message, damage, words the message holds
     ("ds-accum", DS, edit(DS, put("data_types.grad_accum_dtype", "bf16")), "grad_accum_dtype is 'bf16' but the plan"),
     ("ds-offload-null", DS, edit(DS, put("zero_optimization.offload_optimizer.device", None)), "device is None but"),
     ("ds-planned", DS, edit(DS, put("pipeline.seed_layers", True)), "seed_layers is True, but dspipe renders False"),
+    # an option's value the plan holds (a flag's or a preset's): the file must carry it, in its type
+    ("ds-bucket-huge", DS, edit(DS, put("zero_optimization.reduce_bucket_size", 10**30)), "reduce_bucket_size is 1"),
+    ("ds-bucket-float", DS, edit(DS, put("zero_optimization.reduce_bucket_size", 1048576.0)), "is 1048576.0, but"),
+    ("ds-live", DS, edit(DS, put("zero_optimization.stage3_max_live_parameters", 7)), "max_live_parameters is 7, but"),
     ("ds-scheduler-obj", DS, edit(DS, put("scheduler.type", {"a": 1})), "scheduler.type"),
     # the estimate's figures report and calibrate read
     ("spec-ckpt-bytes", SPEC, edit(SPEC, put("estimate.checkpoint.bytes", "x")), "checkpoint.bytes must be a number"),

@@ -405,6 +405,15 @@ BAD_FILES = {
         "train: {}\n---\nmodel: {}\n",
         "not valid YAML: expected a single document in the stream, but found another document (line 2, column 1)",
     ),
+    # a value its explicit tag does not fit: the place and the tag, not the bare conversion error
+    "float tag": (
+        "train:\n  lr: !!float abc\n",
+        "line 2, column 7: !!float 'abc' is not a valid float (could not convert string to float: 'abc')",
+    ),
+    "timestamp tag": (
+        "train:\n  steps: 5\n  lr: !!timestamp 2020-13-45\n",
+        "line 3, column 7: !!timestamp '2020-13-45' is not a valid timestamp (month must be in 1..12)",
+    ),
     "python tag": (
         "train: !!python/object:os.system {}\n",
         "not valid YAML: could not determine a constructor for "

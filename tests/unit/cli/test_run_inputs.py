@@ -92,6 +92,21 @@ def test_doctor_refuses_bad_values_even_when_skipping_the_all_reduce(capsys, arg
     assert words in one_error(capsys, "doctor", "--skip-allreduce", *args)
 
 
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        (["--gpu", "bogus"], "unknown GPU type 'bogus'"),
+        (["--gpu", "cpu", "--hostfile", "."], "hostfile . is a directory, not a file"),
+    ],
+)
+def test_doctor_names_a_bad_gpu_or_hostfile_before_its_report(run, capsys, args, words):
+    """The versions / devices / ops report took seconds (DeepSpeed's import) and then ended in the error."""
+    capsys.readouterr()
+    assert run_cli("doctor", "--skip-allreduce", *args) == 2
+    out, err = capsys.readouterr()
+    assert words in err and err.count("\n") == 1 and out == ""
+
+
 # ---- 2. --resume names a checkpoint that exists -----------------------------------------------------------------
 
 

@@ -657,7 +657,7 @@ def test_a_config_deepspeed_rejects_is_refused_before_any_rank_starts(runs, tmp_
     shutil.copytree(runs / "runs" / "single", tmp_path / "runs" / "single")
     ds_file = tmp_path / "runs" / "single" / "ds_config.json"
     ds = json.loads(ds_file.read_text())
-    ds["zero_optimization"]["reduce_bucket_size"] = 1e30
+    ds["zero_optimization"]["allgather_bucket_size"] = 1e30
     ds_file.write_text(json.dumps(ds))
     words = "runs/single/ds_config.json: DeepSpeed rejects it: 1 validation error for DeepSpeedZeroConfig"
     fails(tmp_path, "launch", "runs/single", "--dry-run", message=words)

@@ -23,7 +23,7 @@ from dspipe.spec.core import from_dict
 from dspipe.spec.kinds import Checkpointing, Precision
 from dspipe.spec.model import ModelSpec
 from dspipe.spec.profile import PROFILE_FILE, profile_to_dict
-from dspipe.spec.strategy import StrategySpec
+from dspipe.spec.strategy import ZERO3_KNOBS, StrategySpec
 from dspipe.spec.train import TrainSpec
 
 FORMAT_VERSION = 1
@@ -446,17 +446,7 @@ def check_ds_keys(ds: dict, *, model: ModelSpec, train: TrainSpec, plan: Plan, s
             )
 
 
-PLANNED_OPTIONS = tuple(
-    ("opt", name)
-    for name in (
-        "reduce_bucket_size",
-        "prefetch_bucket_size",
-        "param_persistence_threshold",
-        "max_live_parameters",
-        "max_reuse_distance",
-        "partition_method",
-    )
-)
+PLANNED_OPTIONS = tuple(("opt", name) for name in ("reduce_bucket_size", *ZERO3_KNOBS, "partition_method"))
 """ds_config.json rows an option sets that dspipe.json's plan holds (a flag's or a preset's value, else the plan's):
 the file must carry the plan's value."""
 

@@ -30,6 +30,7 @@ from dspipe.planner.ds_checks import Check, choice, integer, number
 from dspipe.planner.ds_schema import PLANNER_AUTO, option, section
 from dspipe.spec.kinds import Offload
 from dspipe.spec.settings import AUTO
+from dspipe.spec.strategy import ZERO3_KNOBS
 
 UNKNOWN_KEY = "is not a DeepSpeed setting"
 """The words of import_preset's note on a key DeepSpeed ignores (an unknown top-level key, or one of a dict section)."""
@@ -322,15 +323,10 @@ def import_preset(cfg: dict[str, Any], *, source: str, label: str = "") -> Prese
 
 def _stage3_knobs(imp: PresetImport) -> None:
     """A preset of stage 0-2 with stage3_* values (a rendered config writes them all): DeepSpeed reads them only
-    under stage 3, so they set no option (given as flags, they restrict the plan to ZeRO-3: plan.ZERO3_KNOBS)."""
+    under stage 3, so they set no option (given as flags, they restrict the plan to ZeRO-3)."""
     zero = imp.options.get("zero")
     if isinstance(zero, int) and zero != 3:
-        for name in (
-            "prefetch_bucket_size",
-            "param_persistence_threshold",
-            "max_live_parameters",
-            "max_reuse_distance",
-        ):
+        for name in ZERO3_KNOBS:
             imp.options.pop(name, None)
             imp.origins.pop(name, None)
 

@@ -13,7 +13,7 @@ from dspipe.spec.cluster import ClusterSpec
 from dspipe.spec.kinds import Checkpointing, Offload, Precision
 from dspipe.spec.layout import ParallelLayout
 from dspipe.spec.model import ModelSpec
-from dspipe.spec.strategy import StrategySpec
+from dspipe.spec.strategy import ZERO3_KNOBS, StrategySpec
 from dspipe.spec.train import TrainSpec
 
 MIN_BUCKET = 1 << 20  # elements; h^2 buckets for tiny models would mean thousands of tiny collectives
@@ -161,10 +161,6 @@ class Plan:
     def layout(self) -> ParallelLayout:
         """Who is who among the world's ranks; the one place the world is divided."""
         return ParallelLayout(world=self.world_size, pp=self.pp, tp=self.tp, sp=self.sp)
-
-
-ZERO3_KNOBS = ("prefetch_bucket_size", "param_persistence_threshold", "max_live_parameters", "max_reuse_distance")
-"""StrategySpec fields that only ZeRO-3 reads: given explicitly, they restrict the search to ZeRO-3."""
 
 
 class RuleError(SpecError):

@@ -13,6 +13,9 @@ from dspipe.spec.checks import absolute_dir, add_limits, flag, int_range, one_of
 from dspipe.spec.settings import setting
 from dspipe.spec.values import CHECKPOINTING, OFFLOADS, PARTITION_METHODS, ZERO_STAGES
 
+ZERO3_KNOBS = ("prefetch_bucket_size", "param_persistence_threshold", "max_live_parameters", "max_reuse_distance")
+"""StrategySpec fields that only ZeRO-3 reads: given, they restrict the plan to ZeRO-3 (dspipe.planner.plan)."""
+
 
 @dataclass(frozen=True)
 class StrategySpec:

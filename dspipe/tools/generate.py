@@ -192,7 +192,7 @@ def check_float_weights(path: Path, *, parameters: set[str]) -> None:
 
     tensors = CheckpointTensors(path)
     for name in tensors:
-        shape, dtype, float_bytes = tensors.header(name)
+        _, dtype, float_bytes = tensors.header(name)
         if not float_bytes and (name in parameters or any(p.endswith("." + name) for p in parameters)):
             raise SpecError(
                 f"{tensors.source}: tensor {name} is stored as {dtype}, not a floating-point weight (F32, BF16, F16, "

@@ -72,7 +72,9 @@ def checkpoint_size(*, model: ModelSpec, plan: Plan, ranks_per_node: int) -> Che
     )
     # DeepSpeed's native MoE layer at ep > 1: every expert-parallel rank writes its own experts' weight files
     # (layer_L_expert_E_*), not only the group's first rank
-    expert_writers = plan.ep - 1 if model.experts and native_layer(zero_stage=plan.zero_stage, tp=plan.tp) else 0
+    expert_writers = (
+        plan.ep - 1 if model.experts and native_layer(zero_stage=plan.zero_stage, tp=plan.tp, ep=plan.ep) else 0
+    )
     experts_by_stage = stage_experts(
         model=model, pp=plan.pp, partition_method=plan.partition_method, tp=plan.tp, ep=plan.ep
     )

@@ -139,12 +139,14 @@ def sp_choices(model: ModelSpec, cluster: ClusterSpec) -> list[int]:
 
 def ep_choices(model: ModelSpec, dp: int, tp: int = 1) -> list[int]:
     """Expert-parallel sizes the search tries for `dp` data-parallel ranks: the divisors of gcd(experts, dp) (ep
-    divides both: plan.check_rules); at tp > 1, 1 and tp (the experts spread over the tp group, when tp divides
-    them); 1 for a dense model."""
+    divides both: plan.check_rules); at tp > 1, 1 and tp x k (the experts spread over k whole tp groups, k
+    dividing dp and experts / tp); 1 for a dense model."""
     if not model.experts:
         return [1]
     if tp > 1:
-        return [1, tp] if model.experts % tp == 0 else [1]
+        if model.experts % tp:
+            return [1]
+        return [1] + [tp * k for k in divisors(math.gcd(model.experts // tp, dp), model.experts)]
     return divisors(math.gcd(model.experts, dp), model.experts)
 
 

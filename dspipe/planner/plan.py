@@ -127,9 +127,10 @@ class Plan:
     @property
     def expert_dp(self) -> int:
         """Expert-data-parallel ranks (DeepSpeed's expert data parallel group): dp / ep ranks hold the same experts,
-        and ZeRO partitions their gradients and optimizer states over them; dp with the experts spread over the tp
-        group (tp > 1: dspipe.runtime.experts.folded)."""
-        return self.dp if self.tp > 1 else self.dp // self.ep
+        and ZeRO partitions their gradients and optimizer states over them; at tp > 1 dp / (ep / tp): whole on
+        every tp rank (ep 1) or spread over the tp group (ep = tp: dspipe.runtime.experts.folded) dp, over k tp groups
+        (ep = tp x k: beyond_tp) dp / k."""
+        return self.dp // max(1, self.ep // self.tp)
 
     def recomputed(self, blocks: int) -> int:
         """How many of a stage's `blocks` blocks the backward recomputes: every one under full recomputation (the
@@ -326,7 +327,8 @@ def _check_experts(*, model: ModelSpec, train: TrainSpec, strategy: StrategySpec
     stage its own sparse blocks), ep dividing the experts and dp; under ZeRO-3 the model's own SparseMLP at any ep
     (at ep > 1 each rank its experts, partitioned over their expert-data-parallel group); with tp > 1 (Megatron
     sequence parallelism on: each tp rank routes its slice's tokens) the model's own, at ep 1 whole on every tp rank
-    or at ep = tp spread over the tp group (dspipe.runtime.experts.native_layer, folded); every layout's experts run
+    or at ep = tp spread over the tp group (dspipe.runtime.experts.native_layer, folded), at ep = tp x k (k > 1,
+    ZeRO 1-2) on DeepSpeed's layer over k whole tp groups (beyond_tp); every layout's experts run
     through dspipe.runtime.dispatch, so a capacity factor applies to any of them; bf16 or fp32, sp 1; ep 1 for a
     dense model."""
     e, ep, pp, tp, sp, zero = model.experts, strategy.ep, strategy.pp, strategy.tp, strategy.sp, strategy.zero
@@ -335,12 +337,25 @@ def _check_experts(*, model: ModelSpec, train: TrainSpec, strategy: StrategySpec
         if ep > 1:
             raise RuleError(3, f"ep {ep} needs a mixture-of-experts model: {model.name} is dense (experts 0)")
         return
-    if tp > 1 and ep not in (1, tp):
+    if tp > 1 and ep > 1 and ep % tp:
         raise RuleError(
             3,
-            f"tp {tp} and experts {e} at ep {ep}: with tensor parallelism the experts are spread over the tp group "
-            f"itself (each tp rank holds experts / {tp} and routes its slice of the sequence to their holders), so "
-            f"ep must be 1 or tp = {tp}; use --ep 1 or --ep {tp}",
+            f"tp {tp} and experts {e} at ep {ep}: with tensor parallelism the experts are spread over whole tp "
+            f"groups (each tp rank routes its slice of the sequence to their holders), so ep must be 1 or a "
+            f"multiple of tp = {tp}; ep % tp = {ep % tp}",
+        )
+    if tp > 1 and ep > tp and dp % (ep // tp):
+        raise RuleError(
+            3,
+            f"ep {ep} = tp {tp} x {ep // tp} does not divide into dp {dp} = world {world} / (pp {pp} x tp {tp} x "
+            f"sp {sp}): an expert-parallel group is {ep // tp} whole tp groups of neighbouring data-parallel ranks "
+            f"(dp % {ep // tp} = {dp % (ep // tp)})",
+        )
+    if tp > 1 and ep > tp and zero == 3:
+        raise RuleError(
+            3,
+            f"ep {ep} > tp {tp} under ZeRO-3 with experts {e}: under ZeRO-3 the experts are the model's own modules, "
+            f"spread over the tp group only (ep 1 or {tp}); use ZeRO-1 or 2 (DeepSpeed's MoE layer) or --ep {tp}",
         )
     if tp > 1 and not strategy.tp_sp:
         raise RuleError(

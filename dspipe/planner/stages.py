@@ -229,9 +229,9 @@ def param_groups(*, model: ModelSpec, plan: Plan, phi: int) -> list[tuple[int, i
     if not model.experts:
         return [(phi, n)]
     experts = _experts_held(model=model, plan=plan, phi=phi)
-    if plan.tp > 1:  # spread over the tp group (dspipe.runtime.experts.folded), reduced over dp as the tp shards are
-        return [(phi - experts, n), (experts, n)]
-    return [(phi - experts, n), (experts, max(1, n // plan.ep))]
+    # at tp > 1 whole or spread over the tp group (dspipe.runtime.experts.folded: reduced over dp as the tp shards
+    # are) or over k tp groups (beyond_tp: over dp / k)
+    return [(phi - experts, n), (experts, max(1, plan.expert_dp * plan.sp))]
 
 
 def _experts_held(*, model: ModelSpec, plan: Plan, phi: int) -> int:

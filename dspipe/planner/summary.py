@@ -175,13 +175,22 @@ def top_table(result: SearchResult, *, top: int) -> list[str]:
     return rows
 
 
+def _ep_span(*, tp: int, ep: int) -> str:
+    """Where the expert-parallel ranks lie: data-parallel ranks (tp 1), the tp group, or k whole tp groups."""
+    if tp == 1:
+        return "inside dp"
+    if ep > tp:
+        return f"over {ep // tp} tp groups"
+    return "over the tp group" if ep == tp else "whole on every tp rank"
+
+
 def _plan_lines(best: Candidate, s: dict[str, Any]) -> list[str]:
     """human_report's opening: the plan, its world and parameters, its global batch."""
     p = best.plan
     params = f"{p.num_params / 1e6:,.1f}M params"
     if p.experts:
         params = (
-            f"ep {p.ep} {'over the tp group' if p.tp > 1 else 'inside dp'} (experts {p.experts} / ep {p.ep} = "
+            f"ep {p.ep} {_ep_span(tp=p.tp, ep=p.ep)} (experts {p.experts} / ep {p.ep} = "
             f"{p.experts // p.ep} per rank and sparse "
             f"block, expert dp {p.expert_dp}), {p.num_params / 1e6:,.1f}M params, "
             f"{s['active_params'] / 1e6:,.1f}M active"

@@ -121,7 +121,7 @@ def _layer_maker(*, weights, tp=None, local: range | None = None):
     """make(cls, model, **kwargs) for layer_specs: the layer on the meta device, then in fp32 on the host and given
     its step-0 values (drawn, or read from `weights`). `tp`: swapped for this rank's tp shards first, their values
     drawn whole and cut (or read: only the shard's rows where it is a row range). `local`: the routed experts this
-    rank holds under expert parallelism (with tp, the experts spread over the tp group: ep = tp); the others stay
+    rank holds under expert parallelism (with tp, the experts spread over tp groups: ep = tp x k); the others stay
     meta (never drawn nor read), then a placeholder without parameters (PipelineModule moves every layer to the
     device: a meta tensor cannot move) until dspipe.runtime.moe keeps this rank's experts."""
 
@@ -137,7 +137,7 @@ def _layer_maker(*, weights, tp=None, local: range | None = None):
             from dspipe.runtime.parallelize import shard_tensor_parallel
             from dspipe.runtime.tensor_parallel import mark_shards
 
-            shard_tensor_parallel(layer, spec=model, tp=tp, ep=1 if local is None else tp.size)
+            shard_tensor_parallel(layer, spec=model, tp=tp, ep=1 if local is None else model.experts // len(local))
         away = _allocate_but(layer, local=local, device="cpu")
         if tp is not None:
             mark_shards(layer)
@@ -219,7 +219,7 @@ def _materialised(run: Run, *, weights, local: range | None = None, tp=None):
     if tp is not None:
         from dspipe.runtime.parallelize import shard_tensor_parallel
 
-        shard_tensor_parallel(model, spec=run.model, tp=tp, ep=1 if local is None else tp.size)
+        shard_tensor_parallel(model, spec=run.model, tp=tp, ep=1 if local is None else run.model.experts // len(local))
     device = get_accelerator().device_name(int(os.environ.get("LOCAL_RANK", "0")))
     model = model.to(dtype=training_dtype(run.plan.precision))
     _allocate_but(model, local=local, device=device)

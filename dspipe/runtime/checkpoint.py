@@ -34,6 +34,7 @@ from dspipe.runtime.ckpt_tags import (
     write_atomic,
 )
 from dspipe.runtime.ckptfiles import check_checkpoint
+from dspipe.runtime.experts import beyond_tp
 from dspipe.runtime.faults import NO_FAULTS, Faults
 from dspipe.runtime.moe_reshard import engine_ep
 from dspipe.runtime.reshard import load_resharded, pipeline_names
@@ -302,9 +303,11 @@ def load(engine, path: Path, loader) -> CheckpointMeta:
                 saved=layout_text(meta.dims),
                 now=layout_text({**dict(zip((Axis.DP, Axis.TP, Axis.PP), now, strict=True)), Axis.EP: ep}),
                 rename=rename,
-                experts=meta.spec.experts if meta.tp == 1 else 0,
+                experts=meta.spec.experts if meta.tp == 1 or beyond_tp(tp=meta.tp, ep=meta.ep or 1) else 0,
                 saved_ep=meta.ep,
                 saved_zero=meta.zero_stage,
+                saved_tp=meta.tp,
+                spec=meta.spec,
             )
         elif bf16_optimizer_without_zero(engine) and meta.layout != now:  # another dp (layout_change_refusal)
             load_path = bf16_reshard.load(engine, path, saved_dp=meta.dp)

@@ -13,8 +13,10 @@ whose rank m is stage m // tp, tp rank m % tp; z = dp x sp, the ranks ZeRO parti
                                                      and the untied head layers + 2)
     layer_LL-model_RR-model_states.pt                pp > 1, tp > 1: the same, tp rank RR's shards
     layer_L_expert_E_mp_rank_MM_model_states.pt      experts: routed expert E of sparse block L (from 0 among the
-                                                     sparse blocks of the model at pp 1, of stage MM under a
-                                                     pipeline), by the expert-parallel rank that holds it; a
+                                                     sparse blocks of the model at pp 1, of its stage under a
+                                                     pipeline), by the expert-parallel rank that holds it (MM:
+                                                     its model-parallel rank, the stage's x tp + its tp rank
+                                                     when ep = tp x k spans tp groups); a
                                                      pipeline's stages then keep their modules in their mp_rank
                                                      files (DeepSpeed's MoE save), not in layer files
     rng-rankR.pt                                     dspipe: every rank's RNG streams (r < world size)
@@ -28,7 +30,7 @@ from pathlib import Path
 from dspipe.errors import SpecError
 from dspipe.runtime import safeload
 from dspipe.runtime.ckpt_meta import CheckpointMeta
-from dspipe.runtime.experts import EXPERT_FILE, expert_files, model_name, native_layer
+from dspipe.runtime.experts import EXPERT_FILE, expert_files, folded, holder_tp_rank, model_name, native_layer
 
 MODEL_FILE = re.compile(r"^(?:zero_pp_rank_\d+_)?mp_rank_\d+_model_states\.pt$")
 OPTIM_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
@@ -46,24 +48,29 @@ def expected_files(meta: CheckpointMeta) -> list[str]:
     else:
         names = [f"mp_rank_{m:02d}_model_states.pt" for m in range(mp)]
     # ZeRO-3's and tp's experts: model tensors
-    experts = bool(meta.model.get("experts")) and native_layer(zero_stage=meta.zero_stage, tp=meta.tp)
+    ep = getattr(meta, "ep", 1) or 1
+    experts = bool(meta.model.get("experts")) and native_layer(zero_stage=meta.zero_stage, tp=meta.tp, ep=ep)
     if meta.pp > 1 and not experts:  # a pipeline of experts: DeepSpeed's MoE save writes each stage's module to
         names += layer_files(meta)  # its mp_rank file instead, and its experts' files (stage_expert_files)
     if experts and meta.pp == 1:
-        names += expert_files(meta.model)
+        names += expert_files(meta.model, ep=ep, tp=meta.tp)
     return names + [f"rng-rank{r}.pt" for r in range(meta.world_size)]
 
 
-def stage_expert_files(module: dict, *, stage: int, experts: int) -> list[str]:
+def stage_expert_files(module: dict, *, mp_rank: int, experts: int, ep: int = 1, tp: int = 1) -> list[str]:
     """The expert files a pipeline stage of a mixture of experts writes, from its model-states module (pipeline
     names): DeepSpeed numbers the stage's sparse blocks from 0 in layer order (their routers, under the gate's
-    name) and names the files with the stage's model-parallel rank."""
+    name) and names the files with the model-parallel rank of each expert's holder (at tp > 1, the stage's tp rank
+    mp_rank % tp writes the experts it holds: holder_tp_rank)."""
     from dspipe.runtime.experts import GATE
 
     routers = [str(k).split(".", 1)[0] for k in module if str(k).endswith("mlp." + GATE)]
     blocks = sorted({int(r) for r in routers if r.isdigit()})  # another name: refused as not the model's, later
     return [
-        f"layer_{j}_expert_{e}_mp_rank_{stage:02d}_model_states.pt" for j in range(len(blocks)) for e in range(experts)
+        f"layer_{j}_expert_{e}_mp_rank_{mp_rank:02d}_model_states.pt"
+        for j in range(len(blocks))
+        for e in range(experts)
+        if holder_tp_rank(e, experts=experts, ep=ep, tp=tp) == mp_rank % tp
     ]
 
 
@@ -93,7 +100,7 @@ def _held_name(name: str, *, meta: CheckpointMeta, tp_rank: int | None) -> str:
     """The model's name of tp rank `tp_rank`'s tensor: with the experts spread over the tp group (ep = tp), its
     local expert J is expert tp_rank x E/tp + J (dspipe.runtime.experts.folded); any other name as it is."""
     experts = meta.model.get("experts") or 0
-    if tp_rank is None or not experts or (getattr(meta, "ep", 1) or 1) == 1:
+    if tp_rank is None or not experts or not folded(tp=meta.tp, ep=getattr(meta, "ep", 1) or 1):
         return name
     from dspipe.runtime.moe_reshard import global_expert_name
 
@@ -141,7 +148,9 @@ def check_checkpoint(path: Path, *, meta: CheckpointMeta) -> None:
             sd = _model_states(file, meta=meta)
             if isinstance(sd.get("module"), dict):
                 if meta.pp > 1 and spec.experts and (m := MP_RANK.search(name)):
-                    stage_experts += stage_expert_files(sd["module"], stage=int(m.group(1)), experts=spec.experts)
+                    stage_experts += stage_expert_files(
+                        sd["module"], mp_rank=int(m.group(1)), experts=spec.experts, ep=meta.ep or 1, tp=meta.tp
+                    )
                 module = {_model_name(str(k), meta=meta): v for k, v in sd["module"].items()}  # a router: the gate's
                 tp_rank = _tp_rank_of(name, meta)
                 _check_tensors(

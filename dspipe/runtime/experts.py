@@ -5,7 +5,8 @@ layers).
 A sparse block's tensors as DeepSpeed names them (NativeMoE at h.N.mlp): the router at
 `h.N.mlp.moe.deepspeed_moe.gate.wg.weight` (in mp_rank_00_model_states.pt), expert e at
 `h.N.mlp.moe.deepspeed_moe.experts.deepspeed_experts.{local id}` in memory and with its global id e in its own file
-layer_L_expert_e_mp_rank_00_model_states.pt (L: the sparse block's index among the sparse blocks, from 0).
+layer_L_expert_e_mp_rank_MM_model_states.pt (L: the sparse block's index among the sparse blocks, from 0; MM: its
+holder's model-parallel rank, 00 at tp 1 and pp 1: holder_tp_rank).
 """
 
 from __future__ import annotations
@@ -37,17 +38,30 @@ def expert_parallel(run) -> int:
     return ep if isinstance(ep, int) and not isinstance(ep, bool) else 1
 
 
-def native_layer(*, zero_stage: int, tp: int = 1) -> bool:
-    """Whether a mixture of experts trains on DeepSpeed's native MoE layer (deepspeed.moe.layer.MoE: ZeRO 0-2,
-    tp 1; its expert groups, expert parallelism, expert files in the checkpoint) or as the model's own SparseMLP:
-    under ZeRO-3, which the native layer refuses, and with tp > 1. Under ZeRO-3 at ep > 1 each rank keeps its
+def native_layer(*, zero_stage: int, tp: int = 1, ep: int = 1) -> bool:
+    """Whether a mixture of experts trains on DeepSpeed's native MoE layer (deepspeed.moe.layer.MoE: ZeRO 0-2 at
+    tp 1, or at tp > 1 with the experts over more ranks than the tp group (`beyond_tp`); its expert groups, expert
+    parallelism, expert files in the checkpoint) or as the model's own SparseMLP: under ZeRO-3, which the native
+    layer refuses, and with tp > 1 at ep 1 or ep = tp. Under ZeRO-3 at ep > 1 each rank keeps its
     E / ep experts, which ZeRO-3 partitions over their expert-data-parallel group (dspipe.runtime.moe.spread_experts);
     at ep 1 ZeRO-3 partitions every expert over every data-parallel rank like the dense modules. With tp > 1 each
     tp rank routes its sequence slice's tokens (Megatron sequence parallelism; dspipe.runtime.parallelize): at ep 1
     to the experts it holds whole, at ep = tp to the E / tp experts each tp rank holds (`folded`).
     Either way the tokens reach the experts through dspipe.runtime.dispatch, each expert once per forward on its
     routed tokens (an empty batch when none, so every rank gathers and reduces every expert in the same order)."""
-    return zero_stage != 3 and tp == 1
+    return zero_stage != 3 and (tp == 1 or beyond_tp(tp=tp, ep=ep))
+
+
+def beyond_tp(*, tp: int, ep: int) -> bool:
+    """Whether the experts are spread over more ranks than the tensor-parallel group: tp > 1 and ep = tp x k, k > 1
+    (Megatron-Core's expert parallelism folded over tp x dp). Ranks are numbered tp-fastest
+    (dspipe.spec.layout), so ep consecutive ranks of a stage are k whole tp groups of k consecutive data-parallel
+    ranks: an expert-parallel group of DeepSpeed's plain layout (deepspeed.utils.groups, ranks [q ep, (q + 1) ep),
+    a rank's ep rank rank % ep), its expert-data-parallel group the dp / k ranks of one ep rank. Each tp rank routes
+    its slice of the sequence (Megatron sequence parallelism) to the holders over that group; DeepSpeed's native
+    layer holds the experts (dspipe.runtime.moe.NativeMoE, its router's gradient and load-balancing loss summed over
+    the tp group)."""
+    return tp > 1 and ep > tp
 
 
 def folded(*, tp: int, ep: int) -> bool:
@@ -56,7 +70,7 @@ def folded(*, tp: int, ep: int) -> bool:
     all-to-all over the tp group, and each expert's gradients are reduced over the data-parallel group as a tp shard's
     are: Megatron-Core's expert parallelism folded onto the attention's tp group) rather than over data-parallel
     ranks (tp 1)."""
-    return tp > 1 and ep > 1
+    return tp > 1 and ep == tp
 
 
 def capacity_slots(*, tokens: int, experts: int, k: int, factor: float | None) -> int | None:
@@ -71,8 +85,12 @@ def refusal(*, spec, plan, ep: int, contiguous_gradients: bool = True) -> str | 
     if not spec.experts:
         return f"ep {ep} > 1 needs a mixture-of-experts model (experts 0)" if ep > 1 else None
     why = []
-    if plan.tp > 1 and ep not in (1, plan.tp):
-        why.append(f"tp {plan.tp} at ep {ep} (at tp > 1 the experts are spread over the tp group: ep 1 or {plan.tp})")
+    if plan.tp > 1 and ep > 1 and ep % plan.tp:
+        why.append(
+            f"tp {plan.tp} at ep {ep}: ep % tp = {ep % plan.tp} (at tp > 1 the experts spread over whole tp groups)"
+        )
+    if beyond_tp(tp=plan.tp, ep=ep) and plan.zero_stage == 3:
+        why.append(f"ep {ep} > tp {plan.tp} under ZeRO-3 (ZeRO-3 at tp > 1 spreads the experts over the tp group only)")
     if plan.tp > 1 and not plan.tp_sp:
         why.append(f"tp {plan.tp} without sequence parallelism (each tp rank would run every token's experts)")
     if plan.sp > 1:
@@ -88,8 +106,13 @@ def refusal(*, spec, plan, ep: int, contiguous_gradients: bool = True) -> str | 
         why.append("fp16 (use bf16 or fp32)")
     if spec.experts % ep:
         why.append(f"experts {spec.experts} % ep {ep} = {spec.experts % ep}")
-    if plan.dp % ep and not folded(tp=plan.tp, ep=ep):
-        why.append(f"dp {plan.dp} % ep {ep} = {plan.dp % ep}")
+    groups = ep // plan.tp if plan.tp > 1 and ep % plan.tp == 0 else ep  # data-parallel ranks an expert group spans
+    if plan.dp % groups:
+        why.append(
+            f"dp {plan.dp} % (ep {ep} / tp {plan.tp}) = {plan.dp % groups}"
+            if groups != ep
+            else f"dp {plan.dp} % ep {ep} = {plan.dp % ep}"
+        )
     return "; ".join(why) or None
 
 
@@ -103,14 +126,22 @@ def model_name(name: str, *, local: int = 0, ep_rank: int = 0) -> str:
     return name
 
 
-def expert_files(model: dict) -> list[str]:
-    """The expert files a checkpoint of the model (its dspipe.json model) holds: one per sparse block and expert."""
+def holder_tp_rank(expert: int, *, experts: int, ep: int, tp: int) -> int:
+    """The tp rank of the ranks holding `expert` (0 at tp 1): its ep rank's (ep rank q holds experts [q E/ep,
+    (q + 1) E/ep); ranks are numbered tp-fastest and an expert-parallel group is ep consecutive ranks, so ep rank q
+    is tp rank q % tp). DeepSpeed names an expert's file by its holder's model-parallel rank."""
+    return expert // (experts // ep) % tp if tp > 1 and ep > 1 else 0
+
+
+def expert_files(model: dict, *, ep: int = 1, tp: int = 1) -> list[str]:
+    """The expert files a checkpoint of the model (its dspipe.json model) holds at pp 1: one per sparse block and
+    expert, named by its holder's tp rank (holder_tp_rank)."""
     from dspipe.spec.core import from_dict
     from dspipe.spec.model import ModelSpec
 
     spec = from_dict(ModelSpec, model)
     return [
-        f"layer_{layer}_expert_{e}_mp_rank_00_model_states.pt"
+        f"layer_{layer}_expert_{e}_mp_rank_{holder_tp_rank(e, experts=spec.experts, ep=ep, tp=tp):02d}_model_states.pt"
         for layer in range(len(spec.sparse_layers))
         for e in range(spec.experts)
     ]

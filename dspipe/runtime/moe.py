@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from dspipe.errors import SpecError
 from dspipe.model.gpt import GPT, Block, RouterState, balance_loss, route
+from dspipe.runtime import tensor_parallel as T
 from dspipe.runtime.dispatch import DispatchedSparseMLP, dispatch_counted, recomputing
 from dspipe.runtime.experts import expert_parallel, native_layer, refusal
 
@@ -70,6 +71,12 @@ class NativeMoE(RouterState):
                 for dst, src in zip(expert.parameters(), source.parameters(), strict=True):
                     dst.copy_(src)
         self.shared = getattr(sparse, "shared", None)
+        self.tp = getattr(sparse, "tp", None)
+        """The tensor-parallel group (dspipe.runtime.tensor_parallel.TensorGroup) whose ranks route slices of one
+        sequence (ep = tp x k: dspipe.runtime.experts.beyond_tp); None at tp 1."""
+        if self.tp is not None:  # each tp rank holds other experts: DeepSpeed counts them in the norm on every one
+            for param in self.moe.deepspeed_moe.experts.parameters():
+                param.tensor_model_parallel = True
         self.dropped = 0
         """Routes a capacity dropped in the training forwards since step_counts took them (a recomputation counts
         none)."""
@@ -82,9 +89,12 @@ class NativeMoE(RouterState):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        logits = F.linear(flat.float(), self.gate_weight.float())
+        weight = self.gate_weight
+        if self.tp is not None:  # the router sees this rank's slice: its gradient summed over the tp group
+            weight = T.copy_to_region(weight, self.tp)
+        logits = F.linear(flat.float(), weight.float())
         probs, weights, chosen = route(logits, bias=self.router_bias, **self.routing)
-        self.aux = balance_loss(probs, chosen)
+        self.aux = balance_loss(probs, chosen) if self.tp is None else T.sequence_balance(probs, chosen, tp=self.tp)
         self._count(chosen)
         layer = self.moe.deepspeed_moe
         out = dispatch_counted(
@@ -200,7 +210,7 @@ def install_for_run(module: nn.Module, *, run, rank: int) -> None:
         raise SpecError(f"cannot train {run.model.name} with experts {run.model.experts}, ep {ep}: {why}")
     if not run.model.experts:
         return
-    if native_layer(zero_stage=run.plan.zero_stage, tp=run.plan.tp):
+    if native_layer(zero_stage=run.plan.zero_stage, tp=run.plan.tp, ep=ep):
         install(module, spec=run.model, ep=ep, ep_rank=rank % ep)
         return
     blocks = sparse_blocks(module)  # the model's own SparseMLPs (ZeRO-3, or tp > 1 after parallelize)

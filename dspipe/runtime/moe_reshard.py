@@ -45,8 +45,8 @@ def global_expert_name(name: str, *, ep_rank: int, local: int) -> str:
 
 
 def _optim_files(src: Path) -> list[list[Path]]:
-    """The checkpoint's ZeRO-1/2 optimizer files: per pipeline stage (model-parallel rank: tp is 1 under MoE),
-    its dp ranks' in dp order."""
+    """The checkpoint's ZeRO-1/2 optimizer files: per model-parallel rank (a pipeline stage x tp + tp rank), its dp
+    ranks' in dp order."""
     found = {}
     for f in Path(src).iterdir():
         m = _OPTIM_FILE.match(f.name)
@@ -65,11 +65,17 @@ def _optim_files(src: Path) -> list[list[Path]]:
     return [[found[stage][d] for d in range(dp)] for stage in stages]
 
 
-def to_universal(src: Path, out: Path, *, experts: int, ep: int, ep_now: int) -> None:
+def to_universal(
+    src: Path, out: Path, *, experts: int, ep: int, ep_now: int, tp: int = 1, info: dict | None = None
+) -> None:
     """Write the universal checkpoint of the native-MoE ZeRO-1/2 checkpoint `src` (saved at `ep`) to `out`: see the
     module's docstring; `ep_now`, the ep of the run that will load it. Each pipeline stage's parameters from its own
     files (names are unique over the stages; a tied embedding is taken from the first stage that holds it). Reads
-    each rank's file memory-mapped and holds one parameter's states at a time."""
+    each rank's file memory-mapped and holds one parameter's states at a time. At tp > 1 (ep = tp x k: the
+    experts over k whole tp groups, dspipe.runtime.experts.beyond_tp) each expert is whole on its holder, written
+    as at tp 1; each other parameter is put together over dp on every tp rank, then its tp shards merged by
+    DeepSpeed's merge_tp_slices with `info` (reshard.universal_checkpoint_info's patterns for the dense parts, the
+    router and shared experts replicated), which a universal load cuts again for each tp rank."""
     import torch
 
     from dspipe.runtime.safeload import load
@@ -77,48 +83,114 @@ def to_universal(src: Path, out: Path, *, experts: int, ep: int, ep_now: int) ->
     src, out = Path(src), Path(out)
     zero = out / "zero"
     written: set[str] = set()
-    for stage, files in enumerate(_optim_files(src)):
-        dp = len(files)
-        if dp % ep:
-            raise SpecError(f"{src}: dp {dp} (its optimizer files) is not divisible by ep {ep}")
-        shapes = {}
-        for group in load(src / f"mp_rank_{stage:02d}_model_states.pt", mmap=True)["param_shapes"]:
-            shapes.update(group)
-        ranks = [load(f, mmap=True)["optimizer_state_dict"] for f in files]
-        where = _fragments(ranks, files=files, ep=ep, local=experts // ep)
-        for key, pieces in where.items():
-            if key not in written:
-                _write_parameter(zero / key, pieces=pieces, ranks=ranks, shape=shapes.get(pieces[0][2]), src=src)
-                written.add(key)
-        if stage == 0:
-            first = ranks[0]
-            saved = {k: v for k, v in first.items() if k not in _SHARDED}
-            saved["param_groups"] = [
-                {**group, "name": f"ep_size_{ep_now}"} if group.get("moe") else dict(group)
-                for group in first["base_optimizer_state"]["param_groups"]
-            ]
-            torch.save(saved, zero / "optimizer_state.pt")
+    by_mp = _optim_files(src)
+    if len(by_mp) % tp:
+        raise SpecError(f"{src}: {len(by_mp)} model-parallel ranks (its optimizer files) do not divide by tp {tp}")
+    spread = ep // tp if tp > 1 else ep  # data-parallel ranks an expert-parallel group spans
+    for stage in range(len(by_mp) // tp):
+        shards: dict[str, list] = {}  # tp > 1: a parameter's whole-over-dp states per tp rank
+        for r in range(tp):
+            mp, files = stage * tp + r, by_mp[stage * tp + r]
+            dp = len(files)
+            if dp % spread:
+                over = f"ep {ep}" if tp == 1 else f"ep {ep} / tp {tp} = {spread}"
+                raise SpecError(f"{src}: dp {dp} (its optimizer files) is not divisible by {over}")
+            shapes = {}
+            for group in load(src / f"mp_rank_{mp:02d}_model_states.pt", mmap=True)["param_shapes"]:
+                shapes.update(group)
+            ranks = [load(f, mmap=True)["optimizer_state_dict"] for f in files]
+            where = _fragments(ranks, files=files, spread=spread, tp=tp, tp_rank=r, local=experts // ep)
+            for key, (moe, pieces) in where.items():
+                if key in written:
+                    continue
+                shape = shapes.get(pieces[0][2])
+                if tp == 1 or moe:
+                    _write_parameter(zero / key, pieces=pieces, ranks=ranks, shape=shape, src=src)
+                    written.add(key)
+                else:
+                    _check_numel(key, pieces=pieces, shape=shape, src=src)
+                    shards.setdefault(key, []).append((shape, {st: _gathered(ranks, pieces, st) for st in STATES}))
+                    shards[key][-1][1]["step"] = _step(ranks, pieces)
+            if mp == 0:
+                first = ranks[0]
+                saved = {k: v for k, v in first.items() if k not in _SHARDED}
+                saved["param_groups"] = [
+                    {**group, "name": f"ep_size_{ep_now}"} if group.get("moe") else dict(group)
+                    for group in first["base_optimizer_state"]["param_groups"]
+                ]
+                zero.mkdir(parents=True, exist_ok=True)
+                torch.save(saved, zero / "optimizer_state.pt")
+        for key, per_rank in shards.items():
+            if len(per_rank) != tp:
+                raise SpecError(f"{src}: {key} is held by {len(per_rank)} of the {tp} tp ranks of stage {stage}")
+            _merge_tp(zero, key=key, per_rank=per_rank, info=info or {}, scratch=out / ".slices")
+            written.add(key)
+    shutil.rmtree(out / ".slices", ignore_errors=True)
     for f in src.glob("mp_rank_*_model_states.pt"):  # what the engine reads besides zero/: step, scheduler, ...
         shutil.copy2(f, out / f.name)
 
 
-def _fragments(ranks: list[dict], *, files: list[Path], ep: int, local: int) -> dict[str, list]:
-    """{global name: [(dp rank, group, the rank's name, fragment address)] in dp order} over one stage's ranks."""
+def _fragments(ranks: list[dict], *, files: list[Path], spread: int, tp: int, tp_rank: int, local: int) -> dict:
+    """{global name: (an expert's, [(dp rank, group, the rank's name, fragment address)] in dp order)} over one
+    model-parallel rank's dp ranks. Dp rank d's ep rank: d % ep at tp 1; at tp > 1 (ep = tp x spread)
+    (d % spread) x tp + tp_rank (ranks are numbered tp-fastest, an expert-parallel group is ep consecutive ranks)."""
     dp = len(ranks)
-    where: dict[str, list] = {}
+    where: dict[str, tuple] = {}
     for d, osd in enumerate(ranks):
         groups = osd["base_optimizer_state"]["param_groups"]
+        ep_rank = d % spread * tp + tp_rank if tp > 1 else d % spread
         for g, mapping in enumerate(osd["param_slice_mappings"]):
             moe = bool(groups[g].get("moe"))
-            if moe and osd["partition_count"][g] != dp // ep:
+            if moe and osd["partition_count"][g] != dp // spread:
+                over = f"ep {spread}" if tp == 1 else f"(ep / tp) {spread}"
                 raise SpecError(
                     f"{files[d]}: expert group {g} is partitioned over {osd['partition_count'][g]} ranks, "
-                    f"expected dp {dp} / ep {ep} = {dp // ep}"
+                    f"expected dp {dp} / {over} = {dp // spread}"
                 )
             for name, fragment in mapping.items():
-                key = global_expert_name(name, ep_rank=d % ep, local=local) if moe else name
-                where.setdefault(key, []).append((d, g, name, fragment))
+                key = global_expert_name(name, ep_rank=ep_rank, local=local) if moe else name
+                where.setdefault(key, (moe, []))[1].append((d, g, name, fragment))
     return where
+
+
+def _check_numel(key: str, *, pieces: list, shape, src: Path) -> None:
+    import torch
+
+    numel = sum(f.numel for *_, f in pieces)
+    if shape is None or numel != torch.Size(shape).numel():
+        raise SpecError(
+            f"{src}: the fragments of {key} hold {numel} values, its shape {tuple(shape or ())} has "
+            f"{torch.Size(shape or ()).numel()}"
+        )
+
+
+def _gathered(ranks: list[dict], pieces: list, state: str):
+    """One parameter's `state` put together from its fragments, flat."""
+    import torch
+
+    return torch.cat([_flat(ranks[d], g, state).narrow(0, f.start, f.numel) for d, g, _, f in pieces]).clone()
+
+
+def _step(ranks: list[dict], pieces: list):
+    d, g, *_ = pieces[0]
+    return ranks[d]["base_optimizer_state"]["state"][g].get("step")
+
+
+def _merge_tp(zero: Path, *, key: str, per_rank: list, info: dict, scratch: Path) -> None:
+    """One parameter's tp shards (per tp rank: its shape and whole-over-dp states) merged into zero/KEY by
+    DeepSpeed's merge_tp_slices (its slice layout: KEY/RANK/STATE.DP), with the layout's universal info."""
+    import torch
+    from deepspeed.checkpoint.ds_to_universal import merge_tp_slices
+
+    for r, (_, states) in enumerate(per_rank):
+        folder = scratch / key / str(r)
+        folder.mkdir(parents=True, exist_ok=True)
+        for state, value in states.items():
+            if value is not None:
+                torch.save(value, folder / f"{state}.00")
+    (zero / key).mkdir(parents=True, exist_ok=True)
+    merge_tp_slices(info, str(zero), str(scratch), len(per_rank), (key, [shape for shape, _ in per_rank]))
+    shutil.rmtree(scratch / key, ignore_errors=True)
 
 
 def _write_parameter(folder: Path, *, pieces: list, ranks: list[dict], shape, src: Path) -> None:
@@ -126,18 +198,11 @@ def _write_parameter(folder: Path, *, pieces: list, ranks: list[dict], shape, sr
     import torch
     from deepspeed.checkpoint.constants import PARAM
 
-    numel = sum(f.numel for *_, f in pieces)
-    if shape is None or numel != torch.Size(shape).numel():
-        raise SpecError(
-            f"{src}: the fragments of {folder.name} hold {numel} values, its shape {tuple(shape or ())} has "
-            f"{torch.Size(shape or ()).numel()}"
-        )
+    _check_numel(folder.name, pieces=pieces, shape=shape, src=src)
     folder.mkdir(parents=True, exist_ok=True)
     for state in STATES:
-        flat = [_flat(ranks[d], g, state).narrow(0, f.start, f.numel) for d, g, _, f in pieces]
-        torch.save({PARAM: torch.cat(flat).view(shape).clone()}, folder / f"{state}.pt")
-    d, g, *_ = pieces[0]
-    step = ranks[d]["base_optimizer_state"]["state"][g].get("step")
+        torch.save({PARAM: _gathered(ranks, pieces, state).view(shape)}, folder / f"{state}.pt")
+    step = _step(ranks, pieces)
     if step is not None:
         torch.save(step, folder / "step.pt")
 

@@ -18,6 +18,7 @@ import shutil
 from pathlib import Path
 
 from dspipe.errors import SpecError
+from dspipe.runtime.experts import beyond_tp
 from dspipe.runtime.writefail import WriteFailures
 from dspipe.spec.kinds import Offload
 
@@ -52,7 +53,8 @@ def layout_change_refusal(
     checkpoint saved without the module's universal_checkpoint_info; because dspipe has not verified it:
     sequence-parallel checkpoints, pipeline depths beyond 2 (a change between pp 2 and pp 3 or 4), a mixture of
     experts at tp > 1 at another tp, pp or ep (at another dp it resumes: measured, the next losses within 1.2e-7,
-    its experts whole on every tp rank or spread over the tp group).
+    its experts whole on every tp rank, spread over the tp group, or over k tp groups: ep = tp x k,
+    dspipe.runtime.experts.beyond_tp, DeepSpeed's native layer at tp > 1, converted by moe_reshard).
     `meta`: the checkpoint's dspipe.runtime.ckpt_meta.CheckpointMeta (not imported here: it imports this module)."""
     saved_ep = getattr(meta, "ep", 1) or 1
     ep = saved_ep if ep is None else ep
@@ -85,6 +87,13 @@ def layout_change_refusal(
         return (
             f"re-cutting a pipeline into another number of stages is verified by dspipe between pp 1 and pp 2 "
             f"only (pp {saved[2]} -> pp {pp})"
+        )
+    if model.get("experts") and beyond_tp(tp=saved[1], ep=saved[4]) and (*saved[1:3], saved[4]) != (tp, pp, ep):
+        return (
+            f"experts over {saved[4] // saved[1]} tp groups (ep {saved[4]} = tp {saved[1]} x {saved[4] // saved[1]}, "
+            f"DeepSpeed's native MoE layer at tp > 1) resume at another dp only (tp {saved[1]} -> {tp}, pp "
+            f"{saved[2]} -> {pp}, ep {saved[4]} -> {ep}): dspipe has not verified re-cutting their tensor-parallel, "
+            f"expert or pipeline layout; export-hf reads the checkpoint at any layout"
         )
     if model.get("experts") and max(saved[1], tp) > 1 and (*saved[1:3], saved[4]) != (tp, pp, ep):
         return (
@@ -126,7 +135,7 @@ def saved_universal_info(path: Path) -> bool:
 _ANY = r"(?:^|.*\.)"  # the plain GPT's h.N. / embed. / final., a PipelineModule's N. / tied_modules.embed.
 
 
-def universal_checkpoint_info(spec) -> dict:
+def universal_checkpoint_info(spec, *, native_experts: bool = False) -> dict:
     """What DeepSpeed's universal checkpoint conversion (deepspeed.checkpoint.ds_to_universal) needs to know about
     dspipe's tensor-parallel layout (dspipe.model.tp_split), for the model's module attribute
     `universal_checkpoint_info` (DeepSpeed saves it into every mp_rank_*_model_states.pt). Pure data, for the plain
@@ -139,11 +148,18 @@ def universal_checkpoint_info(spec) -> dict:
     vocabulary          wte, an untied head: rows concatenated, cut to original_vocab_size
     sub-parameters      c_attn [q; k; v] and a SwiGLU c_fc [gate; up]: each part merged and re-cut on its own
                         (shape ((q, k, v), -1), partition_dim 0), so that another tp gives whole heads again
-    pipeline replicated the tied embedding module, held by the first and the last stage: read from the first"""
-    if spec.experts:
+    pipeline replicated the tied embedding module, held by the first and the last stage: read from the first
+    `native_experts`: a mixture of experts on DeepSpeed's layer at tp > 1 (dspipe.runtime.experts.beyond_tp), for
+    dspipe.runtime.moe_reshard's merge of its dense parts: the routers and shared experts replicated (the routed
+    experts, whole on their holders, are not merged by tp)."""
+    if spec.experts and not native_experts:
         return {}
     qkv_bias, out_bias, mlp_bias = spec.biases
     replicated = [_ANY + r"ln_(?:1|2|f)\.(?:weight|bias)$"]
+    if native_experts:
+        replicated.append(_ANY + r"mlp\.moe\.deepspeed_moe\.gate\.wg\.weight$")
+        if spec.shared_experts:
+            replicated.append(_ANY + r"mlp\.shared\.c_(?:fc|proj)\.(?:weight|bias)$")
     if spec.positions == "learned":
         replicated.append(_ANY + r"wpe\.weight$")
     if out_bias or mlp_bias:
@@ -196,14 +212,25 @@ def to_universal(src: Path, out: Path) -> None:
 
 
 def load_resharded(
-    engine, path: Path, *, saved: str, now: str, rename=None, experts: int = 0, saved_ep: int = 1, saved_zero: int = 1
+    engine,
+    path: Path,
+    *,
+    saved: str,
+    now: str,
+    rename=None,
+    experts: int = 0,
+    saved_ep: int = 1,
+    saved_zero: int = 1,
+    saved_tp: int = 1,
+    spec=None,
 ):
     """Collective: rank 0 converts `path` to .universal-TAG/TAG next to it, every rank loads that with
     DeepSpeed's load_universal (its optimizer cuts the whole fp32 weights and Adam moments to this rank's tp shard
     and re-partitions them for this dp), then the copy is deleted. `saved`, `now`: the layouts, for messages;
     `rename`: a function of a parameter name, when this run names its parameters otherwise than the checkpoint
     (a pipeline <-> the plain model: pipeline_names); `experts`, `saved_ep`, `saved_zero`: a mixture of experts'
-    routed experts per block and the ep and ZeRO stage it was saved with (0 experts: a dense model). Its
+    routed experts per block and the ep, ZeRO stage and tp it was saved with (0 experts: a dense model; `spec`,
+    its model, at tp > 1). Its
     checkpoint is converted by dspipe (DeepSpeed's native layer: dspipe.runtime.moe_reshard; ZeRO-3 at ep > 1:
     dspipe.runtime.zero3_experts), every expert under its global name, and this rank's optimizer looks its own
     experts up by those names. Returns DeepSpeed's load path."""
@@ -216,10 +243,13 @@ def load_resharded(
 
     path = Path(path)
     convert, names = to_universal, contextlib.nullcontext()
-    native = bool(experts) and native_layer(zero_stage=saved_zero)
+    native = bool(experts) and native_layer(zero_stage=saved_zero, tp=saved_tp, ep=saved_ep)
     if native:
         ep_now = moe_reshard.engine_ep(engine)
-        convert = functools.partial(moe_reshard.to_universal, experts=experts, ep=saved_ep, ep_now=ep_now)
+        info = universal_checkpoint_info(spec, native_experts=True) if saved_tp > 1 else None
+        convert = functools.partial(
+            moe_reshard.to_universal, experts=experts, ep=saved_ep, ep_now=ep_now, tp=saved_tp, info=info
+        )
     elif experts and saved_ep > 1:
         convert = functools.partial(zero3_experts.to_universal, experts=experts, ep=saved_ep)
     if experts:

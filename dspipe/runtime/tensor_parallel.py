@@ -406,9 +406,11 @@ def sequence_parallel_experts(mlp: nn.Module, *, tp: TensorGroup, ep: int = 1) -
     same at ep 1, and at ep = tp (dspipe.runtime.experts.folded) this rank's E / tp of them marked as its tensor-
     parallel shards (whole tensors, different on every tp rank: DeepSpeed reduces their gradients over the
     data-parallel group and counts them in the gradient norm on every tp rank), the others left to be skipped by the
-    build and dropped by dspipe.runtime.moe.install_for_run (`mlp.held`: the rank's experts)."""
+    build and dropped by dspipe.runtime.moe.install_for_run (`mlp.held`: the rank's experts). At ep = tp x k, k > 1
+    (dspipe.runtime.experts.beyond_tp) the routed experts are left as they are: DeepSpeed's native layer takes this
+    rank's (dspipe.runtime.moe.NativeMoE), their gradients reduced over their expert-data-parallel group."""
     routed = list(mlp.experts) if ep == 1 else []
-    if ep > 1:
+    if ep == tp.size:
         per = len(mlp.experts) // ep
         mlp.held = range(tp.rank * per, (tp.rank + 1) * per)
         for e in mlp.held:
@@ -435,11 +437,18 @@ class SequenceParallelSparseMLP(DispatchedSparseMLP):
         return copy_to_region(self.router.weight, self.tp)
 
     def balance(self, probs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
-        routes = routes_per_expert(probs, chosen)
-        dist.all_reduce(routes, group=self.tp.group)
-        tokens = probs.shape[0] * self.tp.size
-        mean = _ReduceFromRegion.apply(probs.sum(dim=0), self.tp) / tokens
-        return probs.shape[-1] * (routes / tokens * mean).sum()
+        return sequence_balance(probs, chosen, tp=self.tp)
+
+
+def sequence_balance(probs: torch.Tensor, chosen: torch.Tensor, *, tp: TensorGroup) -> torch.Tensor:
+    """The load-balancing loss of the whole sequence from this tp rank's slice of it: the routes per expert and the
+    router's probabilities summed over the group (two all-reduces of E numbers), as dspipe.model.gpt.balance_loss
+    computes it at tp 1."""
+    routes = routes_per_expert(probs, chosen)
+    dist.all_reduce(routes, group=tp.group)
+    tokens = probs.shape[0] * tp.size
+    mean = _ReduceFromRegion.apply(probs.sum(dim=0), tp) / tokens
+    return probs.shape[-1] * (routes / tokens * mean).sum()
 
 
 def reduced_norm(norm: nn.Module, *, tp: TensorGroup) -> nn.Module:

@@ -312,12 +312,19 @@ def _consolidate_tensor_parallel(checkpoint: Path, *, meta: CheckpointMeta, spec
     layer_LL-model_RR; its master weights: the optimizer files of model-parallel rank stage x tp + RR of every
     stage), then the shards put back together by the layout (dspipe.model.tp_split.merge_shards); replicated
     tensors must agree across the tp ranks. Experts spread over the tp group (ep = tp) are each held by one tp rank,
-    under its local index: they come back under their global one."""
+    under its local index: they come back under their global one. Experts over k tp groups (ep = tp x k,
+    DeepSpeed's native layer: dspipe.runtime.experts.beyond_tp) are read as the tp 1 native layer's are
+    (_consolidate_experts): the module weights and each expert's file, named by its global id."""
     from dspipe.model.tp_split import merge_shards
+    from dspipe.runtime.experts import beyond_tp, folded
 
-    tp, pp = meta.tp, meta.pp
-    ranks = [_tp_rank_weights(checkpoint, rank=r, tp=tp, pp=pp, spec=spec) for r in range(tp)]
-    if spec.experts and (meta.ep or 1) > 1:  # spread over the tp group: rank r's experts.J is expert r x E/tp + J
+    tp, pp, ep = meta.tp, meta.pp, meta.ep or 1
+    native = bool(spec.experts) and beyond_tp(tp=tp, ep=ep)
+    read = _tp_rank_module if native else _tp_rank_weights
+    ranks = [read(checkpoint, rank=r, tp=tp, pp=pp, spec=spec) for r in range(tp)]
+    if native:  # each expert is one tp rank's, under its global id
+        experts = {k: state.pop(k) for state in ranks for k in [k for k in state if ".mlp.experts." in k]}
+    elif spec.experts and folded(tp=tp, ep=ep):  # spread over the tp group: rank r's experts.J is expert r x E/tp + J
         from dspipe.runtime.moe_reshard import global_expert_name
 
         per = spec.experts // tp
@@ -342,6 +349,23 @@ def _consolidate_tensor_parallel(checkpoint: Path, *, meta: CheckpointMeta, spec
     if spec.tied_embeddings:
         out.pop("lm_head.weight", None)
     return out
+
+
+def _tp_rank_module(checkpoint: Path, *, rank: int, tp: int, pp: int, spec: ModelSpec) -> dict:
+    """Tp rank `rank`'s module weights in fp32 under the model's names, DeepSpeed's native MoE layer at tp > 1: its
+    model-parallel ranks' module (stage x tp + rank under a pipeline, whose stages keep their modules there) and the
+    expert files they wrote (their global ids). A bf16 run's are bf16 (as _consolidate_experts says)."""
+    from dspipe.runtime.experts import EXPERT_FILE, model_name
+
+    module = {}
+    for stage in range(pp):
+        mp = stage * tp + rank
+        held = _load(checkpoint / f"mp_rank_{mp:02d}_model_states.pt").get("module") or {}
+        module.update({k if pp == 1 else _pipeline_name(k, layers=spec.layers): v for k, v in held.items()})
+        for p in sorted(checkpoint.iterdir()):
+            if (m := EXPERT_FILE.match(p.name)) and int(m.group(3)) == mp:
+                module.update({k if pp == 1 else _pipeline_name(k, layers=spec.layers): v for k, v in _load(p).items()})
+    return _prefer_master(module={model_name(k): v for k, v in module.items()}, master={}, checkpoint=checkpoint)
 
 
 def _tp_rank_weights(checkpoint: Path, *, rank: int, tp: int, pp: int, spec: ModelSpec) -> dict:

@@ -1,5 +1,5 @@
-"""Mixtures of experts on real CPU ranks (2 ranks but five launches of 4 and three of 1, fp32, dropout 0),
-twenty-three launches in all: a tiny random MixtralForCausalLM (4 experts, top 2) and Qwen3MoeForCausalLM (4 experts,
+"""Mixtures of experts on real CPU ranks (2 ranks but seven launches of 4, one of 8 and three of 1, fp32, dropout
+0), twenty-six launches in all: a tiny random MixtralForCausalLM (4 experts, top 2) and Qwen3MoeForCausalLM (4 experts,
 top 2, norm_topk_prob off) written by save_pretrained with the corpus's tokenizer, trained with `--init-from` on
 DeepSpeed's native MoE layer (ZeRO-3: the model's own); and a DeepSeek-V3-routed model from dspipe's own draws
 (sigmoid scores, routed scale 2.5, 2 expert groups of which a token uses 1, aux-loss-free bias balancing) at ep 2
@@ -23,6 +23,11 @@ and ep 1.
     ep 2                     spread over the tp group (2 per tp rank): killed and resumed bitwise; step 1
                              transformers'; loss, aux loss, grad norm within 1e-5 of ep 1's, the same loads; each
                              rank built the planner's count; exports
+    Mixtral tp 2 x dp 2 x    4 ranks, sequence parallel, ZeRO-2, the experts over both tp groups on DeepSpeed's
+    ep 4                     layer (1 per rank): killed and resumed bitwise; step 1 transformers'; loss, aux loss,
+                             grad norm within 1e-5 of ep 1's, the same loads; expert files by their holders' tp
+                             ranks; each rank built the planner's count; exports; its step-3 checkpoint resumed
+                             at dp 4 on 8 ranks: steps 4-6 within 1e-6
     Qwen3-MoE ep 2, ZeRO-2   lr 1e-12: step 1's LM loss is transformers', export-hf computes transformers' logits;
                              the same under ZeRO-3 (ep 1 and ep 2) and at tp 2 (the model's own experts, whole
                              on both tp ranks or spread over them)
@@ -258,6 +263,7 @@ def test_mixtral_expert_parallel_equals_ep1_resumes_exactly_and_exports(tmp_path
 
     _pipeline_of_experts(tmp_path, corpus, hf_dir, train=train, reference=rows1)
     _tensor_parallel_experts(tmp_path, corpus, hf_dir, train=train, reference=rows1, expected=expected)
+    _experts_over_tp_groups(tmp_path, corpus, hf_dir, train=train, reference=rows1, expected=expected)
     _zero3_experts(tmp_path, corpus, hf_dir, train=train, reference=rows1, expected=expected, hf=hf)
 
     # ep 2's step-3 checkpoint (ZeRO-2, dp 2: each rank its 2 experts whole) resumed on 4 ranks at dp 4 x ep 2, each
@@ -266,13 +272,15 @@ def test_mixtral_expert_parallel_equals_ep1_resumes_exactly_and_exports(tmp_path
     _resumed_elsewhere(dp4, corpus, hf_dir, zero=2, ep=2, gpus=4, train=train, source=ep2, reference=rows2[3:])
 
 
-def _resumed_elsewhere(run, corpus, hf_dir, *, zero: int, ep: int, gpus: int, train: list, source, reference) -> None:
-    """`source`'s step-3 checkpoint resumed in `run` on `gpus` ranks at ZeRO-`zero` and `ep` (pp 1), through a
+def _resumed_elsewhere(
+    run, corpus, hf_dir, *, zero: int, ep: int, gpus: int, train: list, source, reference, tp: int = 1
+) -> None:
+    """`source`'s step-3 checkpoint resumed in `run` on `gpus` ranks at ZeRO-`zero`, `ep` and `tp` (pp 1), through a
     universal checkpoint (DeepSpeed's layer: dspipe.runtime.moe_reshard's): steps 4-6 those of the run that went on
     (`reference`: loss, aux loss, grad norm within 1e-6); the conversion's copy is gone afterwards."""
     import shutil
 
-    configure(run, corpus, hf_dir, *train, "--zero", str(zero), "--ep", str(ep), gpus=gpus)
+    configure(run, corpus, hf_dir, *train, "--zero", str(zero), "--ep", str(ep), "--tp", str(tp), gpus=gpus)
     shutil.copytree(source / "checkpoints", run / "checkpoints", ignore=shutil.ignore_patterns("global_step6"))
     (run / "checkpoints" / "latest").write_text("global_step3")
     r = launch(run, "--resume", "auto", num_gpus=gpus)
@@ -369,6 +377,38 @@ def _tensor_parallel_experts(tmp_path, corpus, hf_dir, *, train: list, reference
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
     cls, logits, ours = exported_logits(run, tmp_path / "export-tp2", ids)
     assert cls == "MixtralForCausalLM" and (logits - ours).abs().max().item() < LOGITS_TOL
+
+
+def _experts_over_tp_groups(tmp_path, corpus, hf_dir, *, train: list, reference: list, expected: float) -> None:
+    """The same Mixtral at tp 2 x dp 2 on 4 ranks with its experts over both tp groups (ep 4 = tp 2 x 2:
+    dspipe.runtime.experts.beyond_tp; DeepSpeed's native layer, ZeRO-2, sequence parallel): each rank holds one
+    expert of every block and routes its half of the sequence to the holders over the 4 ranks. Killed after step 5
+    and resumed: steps 4-5 bitwise; step 1's LM loss is transformers'; every step's loss, aux loss and gradient norm
+    within 1e-5 of the ep 1 run at tp 1 (`reference`; measured: the gradient norms equal, the losses within 1.2e-7),
+    the same expert loads; each expert's file written once, by its holder's tp rank; each rank built its attention
+    shard and its own expert, the planner's count; the checkpoint exports dspipe's logits; its step-3 checkpoint
+    resumed at dp 4 on 8 ranks continues it (steps 4-6 within 1e-6)."""
+    run = tmp_path / "tp2-ep4"
+    configure(run, corpus, hf_dir, *train, "--zero", "2", "--tp", "2", "--ep", "4", gpus=4)
+    rows = killed_and_resumed(run, gpus=4)
+    diffs = relative_differences(rows, reference)
+    print(f"mixtral tp 2 x dp 2 x ep 4 vs tp 1 ep 1: step 1 {rows[0]['loss']} (HF {expected:.6f}); {diffs}")
+    assert abs(float(rows[0]["loss"]) - expected) < LOSS_TOL
+    assert max(diffs.values()) < LOSS_TOL, diffs
+    assert [row["expert_load"] for row in rows] == [row["expert_load"] for row in reference]
+    assert {row["dropped_routes"] for row in rows} == {"0"}
+    last = run / "checkpoints" / "global_step6"
+    assert sorted(p.name for p in last.glob("layer_*_expert_*")) == sorted(
+        f"layer_{layer}_expert_{e}_mp_rank_{e % 2:02d}_model_states.pt" for layer in range(2) for e in range(EXPERTS)
+    )
+    assert built_params(run) == planned_params(run, ep=4, tp=2), built_params(run)
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    cls, logits, ours = exported_logits(run, tmp_path / "export-tp2-ep4", ids)
+    assert cls == "MixtralForCausalLM" and (logits - ours).abs().max().item() < LOGITS_TOL
+    # its step-3 checkpoint resumed on 8 ranks at dp 4 (each expert's ZeRO-2 state now cut over 2 ranks, the
+    # attention's over 4): dspipe.runtime.moe_reshard merges the tp shards, DeepSpeed's universal load cuts them again
+    dp4 = tmp_path / "tp2-dp4-ep4"
+    _resumed_elsewhere(dp4, corpus, hf_dir, zero=2, ep=4, tp=2, gpus=8, train=train, source=run, reference=rows[3:])
 
 
 def test_qwen3_moe_expert_parallel_starts_from_transformers_and_exports_its_logits(tmp_path, corpus, monkeypatch):

@@ -303,6 +303,13 @@ def test_the_healthy_checkpoint_passes_every_check(trained):
         "rng-rank1.pt",
     ]
     assert expected_files(replace(meta, pp=2, dp=1))[:2] == ["mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"]
+    # experts over 2 tp groups (ep 4 = tp 2 x 2: DeepSpeed's layer): each expert's file by its holder's tp rank
+    moe = {**meta.model, "experts": 4, "expert_ffn": 32, "layers": 1}
+    over = replace(meta, model=moe, tp=2, dp=2, ep=4, world_size=4)
+    experts = [n for n in expected_files(over) if "_expert_" in n]
+    assert experts == [f"layer_0_expert_{e}_mp_rank_{e % 2:02d}_model_states.pt" for e in range(4)]
+    assert not [n for n in expected_files(replace(over, ep=2)) if "_expert_" in n]  # spread over the tp group
+    assert len([n for n in expected_files(replace(over, tp=1)) if "_expert_" in n]) == 4  # tp 1: all mp_rank_00
 
 
 # ---- generate: edge values handled exactly, bad text and a missing tokenizer refused -------------------------------
@@ -488,10 +495,10 @@ def test_a_pipeline_stages_expert_files_follow_its_routers():
 
     gate = "mlp.moe.deepspeed_moe.gate.wg.weight"
     module = {f"4.{gate}": 0, f"3.{gate}": 0, "3.ln_1.weight": 0, f"x.{gate}": 0, "5.ln_f.weight": 0}
-    assert stage_expert_files(module, stage=1, experts=2) == [
+    assert stage_expert_files(module, mp_rank=1, experts=2) == [
         "layer_0_expert_0_mp_rank_01_model_states.pt",
         "layer_0_expert_1_mp_rank_01_model_states.pt",
         "layer_1_expert_0_mp_rank_01_model_states.pt",
         "layer_1_expert_1_mp_rank_01_model_states.pt",
     ]
-    assert stage_expert_files({"0.wte.weight": 0}, stage=0, experts=4) == []
+    assert stage_expert_files({"0.wte.weight": 0}, mp_rank=0, experts=4) == []

@@ -61,6 +61,28 @@ def test_the_keys_are_deepspeeds():
     assert universal_checkpoint_info(model_preset("tiny", experts=4)) == {}
 
 
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_native_experts_at_tp_keep_routers_and_shared_experts_whole(pipeline):
+    """DeepSpeed's layer at tp > 1 (ep = tp x k: dspipe.runtime.moe_reshard merges the dense parts by tp with these
+    patterns): a router and a shared expert are replicated, a routed expert (whole on its holder, never merged by
+    tp) matches no pattern, the attention and a dense block's MLP are split as in a dense model."""
+    spec = model_preset("tiny-llama", experts=4, expert_ffn=32, shared_experts=1, moe_first_dense=1, layers=2)
+    info = universal_checkpoint_info(spec, native_experts=True)
+    gate = "h.1.mlp.moe.deepspeed_moe.gate.wg.weight"
+    expert = "h.1.mlp.moe.deepspeed_moe.experts.deepspeed_experts.3.c_fc.weight"
+    names = {
+        gate: {"tp_replicated_parameter_patterns"},
+        "h.1.mlp.shared.c_proj.weight": {"tp_replicated_parameter_patterns"},
+        expert: set(),
+        "h.0.mlp.c_proj.weight": {"parameter_with_row_parallelism_patterns"},
+        "h.0.mlp.c_fc.weight": {"sub"},
+        "h.1.attn.c_attn.weight": {"sub"},
+    }
+    for name, expected in names.items():
+        ds_name = re.sub(r"^h\.(\d+)\.", lambda m: f"{int(m[1]) + 1}.", name) if pipeline else name
+        assert set(categories(info, ds_name)) == expected, (ds_name, categories(info, ds_name))
+
+
 @pytest.mark.parametrize("key", list(SPECS))
 @pytest.mark.parametrize("pipeline", [False, True])
 def test_the_patterns_say_what_tp_split_says(key, pipeline):
@@ -243,6 +265,15 @@ def test_layout_change_refusals(tmp_path):
     spread = dict(model=moe["model"], tp=2, pp=1, dp=1, ep=2)
     assert refusal(meta=spread, tp=2, pp=1, dp=2, ep=2) is None
     assert "(tp 2 -> 2, pp 1 -> 1, ep 2 -> 1)" in refusal(meta=spread, tp=2, pp=1, dp=2, ep=1)
+    # over 2 tp groups (ep 4 = tp 2 x 2, DeepSpeed's layer at tp > 1): another dp only (dspipe.runtime.moe_reshard)
+    over = dict(model=moe["model"], tp=2, pp=1, dp=2, ep=4)
+    assert refusal(meta=over, tp=2, pp=1, dp=2, ep=4) is None and refusal(meta=over, tp=2, pp=1, dp=4, ep=4) is None
+    for now in (dict(dp=2, ep=2), dict(tp=1, dp=4), dict(dp=4, ep=8), dict(pp=2)):
+        said = refusal(meta=over, **{"tp": 2, "pp": 1, "dp": 2, "ep": 4, **now})
+        assert said.startswith(
+            "experts over 2 tp groups (ep 4 = tp 2 x 2, DeepSpeed's native MoE layer at tp > 1) resume at another dp "
+            "only (tp 2 -> "
+        ), (now, said)
     assert refusal(meta=moe, tp=1, pp=1, dp=2) is None  # ep None: the saved ep
     assert refusal(meta=moe, tp=1, pp=1, dp=2, ep=1) is None  # ep 2 -> 1: dspipe.runtime.moe_reshard
     assert refusal(meta=moe, tp=1, pp=1, dp=4, ep=2) is None  # dp 2 -> 4 at ep 2

@@ -391,6 +391,15 @@ def doctor(gpu: str | None, size_mb: float, iters: int, skip_allreduce: bool, ti
     from dspipe.cluster import doctor as d
 
     d.check_allreduce_options(size_mb=size_mb, iters=iters, timeout_s=timeout_s)  # skipped or not: never ignored
+    if skip_allreduce:  # a typed all-reduce setting with no all-reduce to apply it to
+        ctx = click.get_current_context()
+        typed = [
+            f"--{name.replace('_', '-')} {value:g}"
+            for name, value in (("size_mb", size_mb), ("iters", iters), ("timeout_s", timeout_s))
+            if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE
+        ]
+        if typed:
+            raise SpecError(f"{', '.join(typed)} would go unused: --skip-allreduce runs no all-reduce")
     spec = _launch_spec(o)
     network = _network(o)
     gpu = gpu or d.detect_gpu()

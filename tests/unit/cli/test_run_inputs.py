@@ -92,6 +92,13 @@ def test_doctor_refuses_bad_values_even_when_skipping_the_all_reduce(capsys, arg
     assert words in one_error(capsys, "doctor", "--skip-allreduce", *args)
 
 
+def test_doctor_refuses_all_reduce_settings_it_would_skip(capsys):
+    """--size-mb, --iters and --timeout-s set the all-reduce that --skip-allreduce does not run: typed, they are
+    refused in one line rather than ignored."""
+    said = one_error(capsys, "doctor", "--skip-allreduce", "--size-mb", "128", "--iters", "3")
+    assert said.endswith("--size-mb 128, --iters 3 would go unused: --skip-allreduce runs no all-reduce"), said
+
+
 @pytest.mark.parametrize(
     "args,words",
     [

@@ -344,19 +344,6 @@ def _check_experts(*, model: ModelSpec, train: TrainSpec, strategy: StrategySpec
             f"groups (each tp rank routes its slice of the sequence to their holders), so ep must be 1 or a "
             f"multiple of tp = {tp}; ep % tp = {ep % tp}",
         )
-    if tp > 1 and ep > tp and dp % (ep // tp):
-        raise RuleError(
-            3,
-            f"ep {ep} = tp {tp} x {ep // tp} does not divide into dp {dp} = world {world} / (pp {pp} x tp {tp} x "
-            f"sp {sp}): an expert-parallel group is {ep // tp} whole tp groups of neighbouring data-parallel ranks "
-            f"(dp % {ep // tp} = {dp % (ep // tp)})",
-        )
-    if tp > 1 and ep > tp and zero == 3:
-        raise RuleError(
-            3,
-            f"ep {ep} > tp {tp} under ZeRO-3 with experts {e}: under ZeRO-3 the experts are the model's own modules, "
-            f"spread over the tp group only (ep 1 or {tp}); use ZeRO-1 or 2 (DeepSpeed's MoE layer) or --ep {tp}",
-        )
     if tp > 1 and not strategy.tp_sp:
         raise RuleError(
             3,
@@ -381,6 +368,19 @@ def _check_experts(*, model: ModelSpec, train: TrainSpec, strategy: StrategySpec
             3,
             f"ep {ep} does not divide experts {e}: each expert-parallel rank holds experts / ep of "
             f"every MoE block ({e} / {ep} = {e / ep:g})",
+        )
+    if tp > 1 and ep > tp and dp % (ep // tp):
+        raise RuleError(
+            3,
+            f"ep {ep} = tp {tp} x {ep // tp} does not divide into dp {dp} = world {world} / (pp {pp} x tp {tp} x "
+            f"sp {sp}): an expert-parallel group is {ep // tp} whole tp groups of neighbouring data-parallel ranks "
+            f"(dp % {ep // tp} = {dp % (ep // tp)})",
+        )
+    if tp > 1 and ep > tp and zero == 3:
+        raise RuleError(
+            3,
+            f"ep {ep} > tp {tp} under ZeRO-3 with experts {e}: under ZeRO-3 the experts are the model's own modules, "
+            f"spread over the tp group only (ep 1 or {tp}); use ZeRO-1 or 2 (DeepSpeed's MoE layer) or --ep {tp}",
         )
     if dp % ep and tp == 1:
         raise RuleError(

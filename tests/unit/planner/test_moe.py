@@ -258,6 +258,11 @@ def test_all_to_alls_cost_nothing_at_ep_1_and_leave_nvlink_beyond_a_node():
             "tp 2 with experts 8 and --no-tp-sp: each tp rank would run every token through the replicated experts",
         ),
         (dict(zero=1, sp=2), "bf16", "sp 2 with experts 8: dspipe trains mixture-of-experts models with sp 1 only"),
+        (  # the layout's own refusal first, not that ep 4 / tp 2 does not divide dp 1
+            dict(zero=1, tp=2, ep=4, sp=2, gpus=4),
+            "bf16",
+            "sp 2 with experts 8: dspipe trains mixture-of-experts models with sp 1 only",
+        ),
         (dict(zero=1), "fp16", "fp16 with experts 8: dspipe trains mixture-of-experts models in bf16 or fp32 only"),
         (dict(zero=1, ep=3), "bf16", "ep 3 does not divide experts 8"),
         (dict(zero=1, ep=4), "bf16", "ep 4 does not divide dp 2 = world 2 / (pp 1 x tp 1 x sp 1)"),

@@ -374,9 +374,13 @@ def _tp_rank_weights(checkpoint: Path, *, rank: int, tp: int, pp: int, spec: Mod
 
     optim = _optim_files(checkpoint)
     mp_ranks = [stage * tp + rank for stage in range(pp)]  # DeepSpeed's model-parallel ranks (pp 1: rank)
+
+    def model_file(mp: int) -> Path:  # ZeRO-3 (pp 1): every partition's file holds the shapes, rank 0's is read
+        plain = checkpoint / f"mp_rank_{mp:02d}_model_states.pt"
+        return plain if plain.is_file() else checkpoint / f"zero_pp_rank_0_mp_rank_{mp:02d}_model_states.pt"
+
     if pp == 1:
-        model_file = checkpoint / f"mp_rank_{rank:02d}_model_states.pt"
-        module = dict(_load(model_file).get("module") or {})
+        module = dict(_load(model_file(rank)).get("module") or {})
     else:
         module = {}
         for p in sorted(checkpoint.iterdir()):
@@ -390,9 +394,8 @@ def _tp_rank_weights(checkpoint: Path, *, rank: int, tp: int, pp: int, spec: Mod
         for mp in mp_ranks:
             if mp not in optim:
                 continue
-            model_file = checkpoint / f"mp_rank_{mp:02d}_model_states.pt"
             if ZERO_STAGE in _load(optim[mp][0], mmap=True)[OPTIMIZER_STATE_DICT]:
-                part = _master_from_zero_files(model_file=model_file, optim_files=optim[mp], checkpoint=checkpoint)
+                part = _master_from_zero_files(model_file=model_file(mp), optim_files=optim[mp], checkpoint=checkpoint)
             else:
                 part = _master_from_bf16_optimizer(optim[mp])
             for name, t in part.items():  # a tied embedding is on the first and the last stage: equal copies

@@ -1,4 +1,5 @@
-"""Checkpoints of tensor-parallel runs (dspipe's Megatron-layout layers, tp 2, alone and with pp 2; ZeRO-1, fp32),
+"""Checkpoints of tensor-parallel runs (dspipe's Megatron-layout layers, tp 2, alone and with pp 2; ZeRO-1, and
+ZeRO-3 at tp 2 x dp 2; fp32),
 with real DeepSpeed launches on CPU ranks: their files (layer_LL-model_RR, one mp_rank file per stage x tp rank),
 export-hf and generate from them (GPT-2-style tied, Llama-style untied with grouped-query attention), the merged
 weights against a tp 1 run, an exact resume after a kill at the same layout, and resumes at another tp / pp / dp
@@ -78,6 +79,12 @@ def tiny_tp2pp2(work, corpus):
 
 
 @pytest.fixture(scope="module")
+def tiny_tp2_zero3(work, corpus):
+    """tp 2 x dp 2 under ZeRO-3: each tp rank's shards partitioned over its dp ranks (zero_pp_rank_D_mp_rank_RR)."""
+    return trained(work, corpus, "tiny-tp2-zero3", "--tp", "2", "--pp", "1", "--zero", "3", gpus=4)
+
+
+@pytest.fixture(scope="module")
 def llama_tp2pp2(work, corpus):
     return trained(work, corpus, "llama-tp2pp2", "--tp", "2", "--pp", "2", model="tiny-llama", gpus=4)
 
@@ -113,20 +120,23 @@ def test_tp2pp2_checkpoint_files(tiny_tp2pp2, llama_tp2pp2):
         check_checkpoint(tag(run), meta=meta)
 
 
-def test_merged_tp2pp2_weights_equal_the_tp1_run(tiny_tp1, tiny_tp2pp2):
+def test_merged_tp2pp2_weights_equal_the_tp1_run(tiny_tp1, tiny_tp2pp2, tiny_tp2_zero3):
     """Same seed, data and steps: the tp 2 x pp 2 shards merged (vocabulary rows, interleaved q/k/v, row-parallel
-    columns) are the tp 1 run's weights up to summation order (measured 1.5e-6)."""
+    columns) are the tp 1 run's weights up to summation order (measured 1.5e-6); so are tp 2 x dp 2 ZeRO-3's, each
+    tp rank's put together from its ZeRO-3 partitions first (its files read to no mp_rank_RR file once)."""
     from dspipe.tools.consolidate import consolidate
 
-    tp1, tp2pp2 = (consolidate(tag(r), meta=ckpt_meta.read_meta(tag(r))) for r in (tiny_tp1, tiny_tp2pp2))
-    assert max_diff(tp2pp2, tp1) < 1e-5
+    tp1, tp2pp2, zero3 = (
+        consolidate(tag(r), meta=ckpt_meta.read_meta(tag(r))) for r in (tiny_tp1, tiny_tp2pp2, tiny_tp2_zero3)
+    )
+    assert max_diff(tp2pp2, tp1) < 1e-5 and max_diff(zero3, tp1) < 1e-5
     assert tp1["embed.wte.weight"].shape == (4096, 64)
 
 
 # ---- export-hf and generate ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["tiny-tp2pp2", "tiny-tp2", "llama-tp2pp2", "llama-tp2"])
+@pytest.mark.parametrize("name", ["tiny-tp2pp2", "tiny-tp2", "tiny-tp2-zero3", "llama-tp2pp2", "llama-tp2"])
 def test_export_and_generate_from_tp_checkpoints(request, work, monkeypatch, name):
     """The export loads with transformers (offline) and computes the logits of dspipe's plain GPT holding the same
     merged weights (1e-5); greedy generation from the checkpoint and from the export prints the same text."""
@@ -137,6 +147,7 @@ def test_export_and_generate_from_tp_checkpoints(request, work, monkeypatch, nam
     fixture = {
         "tiny-tp2pp2": "tiny_tp2pp2",
         "tiny-tp2": "tiny_tp2",
+        "tiny-tp2-zero3": "tiny_tp2_zero3",
         "llama-tp2pp2": "llama_tp2pp2",
         "llama-tp2": "llama_tp2",
     }[name]

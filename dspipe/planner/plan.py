@@ -327,8 +327,9 @@ def _check_experts(*, model: ModelSpec, train: TrainSpec, strategy: StrategySpec
     stage its own sparse blocks), ep dividing the experts and dp; under ZeRO-3 the model's own SparseMLP at any ep
     (at ep > 1 each rank its experts, partitioned over their expert-data-parallel group); with tp > 1 (Megatron
     sequence parallelism on: each tp rank routes its slice's tokens) the model's own, at ep 1 whole on every tp rank
-    or at ep = tp spread over the tp group (dspipe.runtime.experts.native_layer, folded), at ep = tp x k (k > 1,
-    ZeRO 1-2) on DeepSpeed's layer over k whole tp groups (beyond_tp); every layout's experts run
+    or at ep = tp spread over the tp group (dspipe.runtime.experts.native_layer, folded), at ep = tp x k (k > 1)
+    over k whole tp groups (beyond_tp: DeepSpeed's layer under ZeRO 1-2, the model's own under ZeRO-3); every
+    layout's experts run
     through dspipe.runtime.dispatch, so a capacity factor applies to any of them; bf16 or fp32, sp 1; ep 1 for a
     dense model."""
     e, ep, pp, tp, sp, zero = model.experts, strategy.ep, strategy.pp, strategy.tp, strategy.sp, strategy.zero
@@ -375,12 +376,6 @@ def _check_experts(*, model: ModelSpec, train: TrainSpec, strategy: StrategySpec
             f"ep {ep} = tp {tp} x {ep // tp} does not divide into dp {dp} = world {world} / (pp {pp} x tp {tp} x "
             f"sp {sp}): an expert-parallel group is {ep // tp} whole tp groups of neighbouring data-parallel ranks "
             f"(dp % {ep // tp} = {dp % (ep // tp)})",
-        )
-    if tp > 1 and ep > tp and zero == 3:
-        raise RuleError(
-            3,
-            f"ep {ep} > tp {tp} under ZeRO-3 with experts {e}: under ZeRO-3 the experts are the model's own modules, "
-            f"spread over the tp group only (ep 1 or {tp}); use ZeRO-1 or 2 (DeepSpeed's MoE layer) or --ep {tp}",
         )
     if dp % ep and tp == 1:
         raise RuleError(

@@ -89,8 +89,6 @@ def refusal(*, spec, plan, ep: int, contiguous_gradients: bool = True) -> str | 
         why.append(
             f"tp {plan.tp} at ep {ep}: ep % tp = {ep % plan.tp} (at tp > 1 the experts spread over whole tp groups)"
         )
-    if beyond_tp(tp=plan.tp, ep=ep) and plan.zero_stage == 3:
-        why.append(f"ep {ep} > tp {plan.tp} under ZeRO-3 (ZeRO-3 at tp > 1 spreads the experts over the tp group only)")
     if plan.tp > 1 and not plan.tp_sp:
         why.append(f"tp {plan.tp} without sequence parallelism (each tp rank would run every token's experts)")
     if plan.sp > 1:

@@ -32,7 +32,7 @@ from dspipe.errors import SpecError
 from dspipe.model.gpt import GPT, Block, RouterState, balance_loss, route
 from dspipe.runtime import tensor_parallel as T
 from dspipe.runtime.dispatch import DispatchedSparseMLP, dispatch_counted, recomputing
-from dspipe.runtime.experts import expert_parallel, native_layer, refusal
+from dspipe.runtime.experts import expert_parallel, folded, native_layer, refusal
 
 
 class NativeMoE(RouterState):
@@ -214,13 +214,13 @@ def install_for_run(module: nn.Module, *, run, rank: int) -> None:
         install(module, spec=run.model, ep=ep, ep_rank=rank % ep)
         return
     blocks = sparse_blocks(module)  # the model's own SparseMLPs (ZeRO-3, or tp > 1 after parallelize)
-    if ep > 1 and run.plan.tp > 1:  # spread over the tp group: this tp rank's experts, its tp shards
+    if folded(tp=run.plan.tp, ep=ep):  # spread over the tp group: this tp rank's experts, its tp shards
         for block in blocks:
             block.mlp.experts = nn.ModuleList(block.mlp.experts[e] for e in block.mlp.held)
             DispatchedSparseMLP.adopt(
                 block.mlp, capacity_factor=run.model.capacity_factor, ep=block.mlp.tp.size, group=block.mlp.tp.group
             )
-    elif ep > 1:  # ZeRO-3: this rank's experts, partitioned over its expert-data-parallel group
+    elif ep > 1:  # ZeRO-3 (at tp > 1 over k tp groups): this rank's experts, over its expert-data-parallel group
         spread_experts(blocks, spec=run.model, ep=ep, ep_rank=rank % ep)
     else:
         for block in blocks:

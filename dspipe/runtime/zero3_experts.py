@@ -28,35 +28,43 @@ from dspipe.errors import SpecError
 from dspipe.runtime.moe_reshard import global_expert_name
 
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
-_OPTIM = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
+_OPTIM = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 
 
-def _ranks(src: Path) -> list[int]:
-    found = sorted(int(m[1]) for f in src.iterdir() if (m := _OPTIM.match(f.name)))
+def _ranks(src: Path, *, tp_rank: int = 0) -> list[int]:
+    found = sorted(int(m[1]) for f in src.iterdir() if (m := _OPTIM.match(f.name)) and int(m[2]) == tp_rank)
     if not found or found != list(range(len(found))):
         raise SpecError(f"{src}: ZeRO-3 optimizer files for ranks {found}, expected 0..{max(len(found), 1) - 1}")
     return found
 
 
-def whole_states(src: Path, *, experts: int, ep: int, states: tuple[str, ...] = STATES) -> tuple[dict, dict, dict]:
+def whole_states(
+    src: Path, *, experts: int, ep: int, states: tuple[str, ...] = STATES, tp: int = 1, tp_rank: int = 0
+) -> tuple[dict, dict, dict]:
     """({name: {state: whole tensor}}, {name: shape}, rank 0's optimizer file) of the checkpoint directory `src`,
-    names the model's. Files are read memory-mapped; each tensor is made whole once."""
+    names the model's. Files are read memory-mapped; each tensor is made whole once. At tp > 1 (ep = tp x k: the
+    experts over k whole tp groups, dspipe.runtime.experts.beyond_tp) tp rank `tp_rank`'s: its files
+    zero_pp_rank_D_mp_rank_RR, its shards of the dense tensors; dp rank d's experts are then those of ep rank
+    (d mod k) x tp + tp_rank (ranks are numbered tp-fastest)."""
     import torch
 
     from dspipe.runtime.safeload import load
 
     src = Path(src)
-    ranks = _ranks(src)
-    if len(ranks) % ep:
-        raise SpecError(f"{src}: dp {len(ranks)} (its optimizer files) is not divisible by ep {ep}")
+    ranks = _ranks(src, tp_rank=tp_rank)
+    spread = ep // tp if tp > 1 else ep  # data-parallel ranks an expert-parallel group spans
+    if len(ranks) % spread:
+        over = f"ep {ep}" if tp == 1 else f"ep {ep} / tp {tp} = {spread}"
+        raise SpecError(f"{src}: dp {len(ranks)} (its optimizer files) is not divisible by {over}")
     per = experts // ep
     pieces: dict[str, dict[int, tuple]] = {}
     counts: dict[str, int] = {}
     shapes: dict[str, tuple] = {}
     first_file = None
     for d in ranks:
-        model = load(src / f"zero_pp_rank_{d}_mp_rank_00_model_states.pt", mmap=True)
-        osd = load(src / f"zero_pp_rank_{d}_mp_rank_00_optim_states.pt", mmap=True)["optimizer_state_dict"]
+        model = load(src / f"zero_pp_rank_{d}_mp_rank_{tp_rank:02d}_model_states.pt", mmap=True)
+        osd = load(src / f"zero_pp_rank_{d}_mp_rank_{tp_rank:02d}_optim_states.pt", mmap=True)["optimizer_state_dict"]
+        ep_rank = d % spread * tp + tp_rank if tp > 1 else d % ep
         first_file = first_file or osd
         groups = osd.get("ds_zero_partition_groups")
         if not groups or len(groups) != len(model["param_shapes"]):
@@ -73,7 +81,7 @@ def whole_states(src: Path, *, experts: int, ep: int, states: tuple[str, ...] = 
             for name, shape in group_shapes.items():
                 numel = math.prod(shape)
                 part = math.ceil(numel / count)
-                key = global_expert_name(name, ep_rank=d % ep, local=per)
+                key = global_expert_name(name, ep_rank=ep_rank, local=per)
                 shapes[key], counts[key] = tuple(shape), count
                 pieces.setdefault(key, {})[place] = {s: flats[s].narrow(0, offset, part) for s in states}
                 offset += part
@@ -88,13 +96,14 @@ def whole_states(src: Path, *, experts: int, ep: int, states: tuple[str, ...] = 
     return out, shapes, first_file
 
 
-def master(src: Path, *, experts: int, ep: int) -> dict:
-    """{model name: fp32 weights} (with rank 0's persistent buffers: routers' selection biases)."""
+def master(src: Path, *, experts: int, ep: int, tp: int = 1, tp_rank: int = 0) -> dict:
+    """{model name: fp32 weights} (with rank 0's persistent buffers: routers' selection biases); at tp > 1 tp rank
+    `tp_rank`'s (whole_states)."""
     from dspipe.runtime.safeload import load
 
-    states, _, _ = whole_states(src, experts=experts, ep=ep, states=("fp32",))
+    states, _, _ = whole_states(src, experts=experts, ep=ep, states=("fp32",), tp=tp, tp_rank=tp_rank)
     out = {name: s["fp32"] for name, s in states.items()}
-    model = load(Path(src) / "zero_pp_rank_0_mp_rank_00_model_states.pt")
+    model = load(Path(src) / f"zero_pp_rank_0_mp_rank_{tp_rank:02d}_model_states.pt")
     for name in model.get("buffer_names") or []:
         if name in (model.get("module") or {}):
             out[name] = model["module"][name].float()

@@ -312,17 +312,20 @@ def _consolidate_tensor_parallel(checkpoint: Path, *, meta: CheckpointMeta, spec
     layer_LL-model_RR; its master weights: the optimizer files of model-parallel rank stage x tp + RR of every
     stage), then the shards put back together by the layout (dspipe.model.tp_split.merge_shards); replicated
     tensors must agree across the tp ranks. Experts spread over the tp group (ep = tp) are each held by one tp rank,
-    under its local index: they come back under their global one. Experts over k tp groups (ep = tp x k,
-    DeepSpeed's native layer: dspipe.runtime.experts.beyond_tp) are read as the tp 1 native layer's are
-    (_consolidate_experts): the module weights and each expert's file, named by its global id."""
+    under its local index: they come back under their global one. Experts over k tp groups (ep = tp x k:
+    dspipe.runtime.experts.beyond_tp) on DeepSpeed's native layer are read as the tp 1 native layer's are
+    (_consolidate_experts): the module weights and each expert's file, named by its global id; under ZeRO-3 each tp
+    rank's partitions as dspipe.runtime.zero3_experts reads them, the experts under their global ids."""
     from dspipe.model.tp_split import merge_shards
     from dspipe.runtime.experts import beyond_tp, folded
 
     tp, pp, ep = meta.tp, meta.pp, meta.ep or 1
-    native = bool(spec.experts) and beyond_tp(tp=tp, ep=ep)
-    read = _tp_rank_module if native else _tp_rank_weights
-    ranks = [read(checkpoint, rank=r, tp=tp, pp=pp, spec=spec) for r in range(tp)]
-    if native:  # each expert is one tp rank's, under its global id
+    over = bool(spec.experts) and beyond_tp(tp=tp, ep=ep)
+    read = _tp_rank_weights
+    if over:
+        read = _tp_rank_spread if meta.zero_stage == 3 else _tp_rank_module
+    ranks = [read(checkpoint, rank=r, tp=tp, pp=pp, spec=spec, ep=ep) for r in range(tp)]
+    if over:  # each expert is one tp rank's, under its global id
         experts = {k: state.pop(k) for state in ranks for k in [k for k in state if ".mlp.experts." in k]}
     elif spec.experts and folded(tp=tp, ep=ep):  # spread over the tp group: rank r's experts.J is expert r x E/tp + J
         from dspipe.runtime.moe_reshard import global_expert_name
@@ -351,7 +354,22 @@ def _consolidate_tensor_parallel(checkpoint: Path, *, meta: CheckpointMeta, spec
     return out
 
 
-def _tp_rank_module(checkpoint: Path, *, rank: int, tp: int, pp: int, spec: ModelSpec) -> dict:
+def _tp_rank_spread(checkpoint: Path, *, rank: int, tp: int, pp: int, spec: ModelSpec, ep: int) -> dict:
+    """Tp rank `rank`'s fp32 weights under ZeRO-3 with the experts over k tp groups (the model's own experts,
+    dspipe.runtime.moe.spread_experts): its ZeRO-3 partitions put together by dspipe.runtime.zero3_experts."""
+    from dspipe.runtime import zero3_experts
+
+    try:
+        master = zero3_experts.master(checkpoint, experts=spec.experts, ep=ep, tp=tp, tp_rank=rank)
+    except MERGE_ERRORS as e:
+        raise SpecError(
+            f"checkpoint {checkpoint}: cannot merge tp rank {rank}'s fp32 master weights: "
+            f"{' '.join(str(e).split())[:300]}"
+        ) from None
+    return _prefer_master(module={}, master=master, checkpoint=checkpoint)
+
+
+def _tp_rank_module(checkpoint: Path, *, rank: int, tp: int, pp: int, spec: ModelSpec, ep: int = 1) -> dict:
     """Tp rank `rank`'s module weights in fp32 under the model's names, DeepSpeed's native MoE layer at tp > 1: its
     model-parallel ranks' module (stage x tp + rank under a pipeline, whose stages keep their modules there) and the
     expert files they wrote (their global ids). A bf16 run's are bf16 (as _consolidate_experts says)."""
@@ -368,7 +386,7 @@ def _tp_rank_module(checkpoint: Path, *, rank: int, tp: int, pp: int, spec: Mode
     return _prefer_master(module={model_name(k): v for k, v in module.items()}, master={}, checkpoint=checkpoint)
 
 
-def _tp_rank_weights(checkpoint: Path, *, rank: int, tp: int, pp: int, spec: ModelSpec) -> dict:
+def _tp_rank_weights(checkpoint: Path, *, rank: int, tp: int, pp: int, spec: ModelSpec, ep: int = 1) -> dict:
     """Tp rank `rank`'s shards in fp32, GPT names: the master copy where the checkpoint has one, else the module's."""
     from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT, ZERO_STAGE
 

@@ -1,9 +1,9 @@
-"""Mixtures of experts on real CPU ranks (2 ranks but seven launches of 4, one of 8 and three of 1, fp32, dropout
-0), twenty-six launches in all: a tiny random MixtralForCausalLM (4 experts, top 2) and Qwen3MoeForCausalLM (4 experts,
-top 2, norm_topk_prob off) written by save_pretrained with the corpus's tokenizer, trained with `--init-from` on
-DeepSpeed's native MoE layer (ZeRO-3: the model's own); and a DeepSeek-V3-routed model from dspipe's own draws
-(sigmoid scores, routed scale 2.5, 2 expert groups of which a token uses 1, aux-loss-free bias balancing) at ep 2
-and ep 1.
+"""Mixtures of experts on real CPU ranks (2 ranks but eight launches of 4, one of 8 and three of 1, fp32, dropout 0),
+twenty-seven launches in all: a tiny random MixtralForCausalLM (4 experts, top 2) and Qwen3MoeForCausalLM (4
+experts, top 2, norm_topk_prob off) written by save_pretrained with the corpus's tokenizer, trained with
+`--init-from` on DeepSpeed's native MoE layer (ZeRO-3: the model's own); and a DeepSeek-V3-routed model from
+dspipe's own draws (sigmoid scores, routed scale 2.5, 2 expert groups of which a token uses 1, aux-loss-free bias
+balancing) at ep 2 and ep 1.
 
     Mixtral ep 2, ZeRO-2     killed after step 5 (checkpoint at 3), then resumed: step 1's LM loss is
                              transformers'; the resumed steps 4-5 are bitwise the ones before the kill; the
@@ -27,7 +27,8 @@ and ep 1.
     ep 4                     layer (1 per rank): killed and resumed bitwise; step 1 transformers'; loss, aux loss,
                              grad norm within 1e-5 of ep 1's, the same loads; expert files by their holders' tp
                              ranks; each rank built the planner's count; exports; its step-3 checkpoint resumed
-                             at dp 4 on 8 ranks: steps 4-6 within 1e-6
+                             at dp 4 on 8 ranks: steps 4-6 within 1e-6; the same under ZeRO-3 (the model's
+                             own experts), which exports too
     Qwen3-MoE ep 2, ZeRO-2   lr 1e-12: step 1's LM loss is transformers', export-hf computes transformers' logits;
                              the same under ZeRO-3 (ep 1 and ep 2) and at tp 2 (the model's own experts, whole
                              on both tp ranks or spread over them)
@@ -387,7 +388,8 @@ def _experts_over_tp_groups(tmp_path, corpus, hf_dir, *, train: list, reference:
     within 1e-5 of the ep 1 run at tp 1 (`reference`; measured: the gradient norms equal, the losses within 1.2e-7),
     the same expert loads; each expert's file written once, by its holder's tp rank; each rank built its attention
     shard and its own expert, the planner's count; the checkpoint exports dspipe's logits; its step-3 checkpoint
-    resumed at dp 4 on 8 ranks continues it (steps 4-6 within 1e-6)."""
+    resumed at dp 4 on 8 ranks continues it (steps 4-6 within 1e-6). Under ZeRO-3 (the model's own experts, each
+    rank's partitioned over its expert-data-parallel group) the same losses, loads and export."""
     run = tmp_path / "tp2-ep4"
     configure(run, corpus, hf_dir, *train, "--zero", "2", "--tp", "2", "--ep", "4", gpus=4)
     rows = killed_and_resumed(run, gpus=4)
@@ -409,6 +411,18 @@ def _experts_over_tp_groups(tmp_path, corpus, hf_dir, *, train: list, reference:
     # attention's over 4): dspipe.runtime.moe_reshard merges the tp shards, DeepSpeed's universal load cuts them again
     dp4 = tmp_path / "tp2-dp4-ep4"
     _resumed_elsewhere(dp4, corpus, hf_dir, zero=2, ep=4, tp=2, gpus=8, train=train, source=run, reference=rows[3:])
+    # under ZeRO-3 the model's own experts, each rank's partitioned over its expert-data-parallel group (1 rank)
+    zero3 = tmp_path / "tp2-ep4-zero3"
+    configure(zero3, corpus, hf_dir, *train, "--zero", "3", "--tp", "2", "--ep", "4", gpus=4)
+    ok(launch(zero3, num_gpus=4))
+    rows3 = csv_rows(zero3 / "metrics.csv")
+    diffs3 = relative_differences(rows3, reference)
+    print(f"mixtral ZeRO-3 tp 2 x dp 2 x ep 4 vs tp 1 ep 1: {diffs3}")
+    assert max(diffs3.values()) < LOSS_TOL, diffs3
+    assert [row["expert_load"] for row in rows3] == [row["expert_load"] for row in reference]
+    assert not list((zero3 / "checkpoints" / "global_step6").glob("layer_*_expert_*"))  # in the ZeRO-3 partitions
+    cls, logits, ours = exported_logits(zero3, tmp_path / "export-tp2-ep4-zero3", ids)
+    assert cls == "MixtralForCausalLM" and (logits - ours).abs().max().item() < LOGITS_TOL
 
 
 def test_qwen3_moe_expert_parallel_starts_from_transformers_and_exports_its_logits(tmp_path, corpus, monkeypatch):

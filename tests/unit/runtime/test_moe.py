@@ -211,7 +211,6 @@ def plan(**fields):
         (dict(sp=2, dp=2), 1, "sp 2 > 1"),
         (dict(tp=2, dp=2, tp_sp=True), 3, "tp 2 at ep 3: ep % tp = 1 (at tp > 1 the experts spread over whole tp"),
         (dict(tp=2, dp=1, tp_sp=True, zero_stage=2), 4, "dp 1 % (ep 4 / tp 2) = 1"),
-        (dict(tp=2, dp=2, tp_sp=True, zero_stage=3), 4, "ep 4 > tp 2 under ZeRO-3 (ZeRO-3 at tp > 1 spreads"),
         (dict(tp=2, dp=2, tp_sp=False), 1, "tp 2 without sequence parallelism (each tp rank would run every token"),
         (dict(precision="fp16"), 1, "fp16"),
         (dict(zero_stage=2), 3, "experts 4 % ep 3 = 1; dp 4 % ep 3 = 1"),
@@ -237,6 +236,7 @@ def test_refusal_dense_and_supported():
     assert refusal(spec=spec(), plan=plan(tp=2, tp_sp=True, dp=2), ep=1) is None  # and at tp > 1
     assert refusal(spec=spec(), plan=plan(tp=2, tp_sp=True, dp=1), ep=2) is None  # spread over the tp group
     assert refusal(spec=spec(), plan=plan(tp=2, tp_sp=True, dp=2), ep=4) is None  # over 2 tp groups (native layer)
+    assert refusal(spec=spec(), plan=plan(tp=2, tp_sp=True, dp=2, zero_stage=3), ep=4) is None  # the model's own
     dropping = spec(capacity_factor=1.25)  # every layout dispatches through dspipe.runtime.dispatch: a capacity too
     assert refusal(spec=dropping, plan=plan(tp=2, tp_sp=True, dp=2), ep=1) is None
     assert refusal(spec=dropping, plan=plan(zero_stage=3), ep=1) is None

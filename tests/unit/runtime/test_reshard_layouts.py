@@ -268,6 +268,8 @@ def test_layout_change_refusals(tmp_path):
     # over 2 tp groups (ep 4 = tp 2 x 2, DeepSpeed's layer at tp > 1): another dp only (dspipe.runtime.moe_reshard)
     over = dict(model=moe["model"], tp=2, pp=1, dp=2, ep=4)
     assert refusal(meta=over, tp=2, pp=1, dp=2, ep=4) is None and refusal(meta=over, tp=2, pp=1, dp=4, ep=4) is None
+    said = refusal(meta={**over, "zero_stage": 3}, zero_stage=3, tp=2, pp=1, dp=4, ep=4)
+    assert said.startswith("ZeRO-3 with the experts over 2 tp groups (ep 4 = tp 2 x 2) resumes at its saved"), said
     for now in (dict(dp=2, ep=2), dict(tp=1, dp=4), dict(dp=4, ep=8), dict(pp=2)):
         said = refusal(meta=over, **{"tp": 2, "pp": 1, "dp": 2, "ep": 4, **now})
         assert said.startswith(

@@ -88,29 +88,18 @@ def to_universal(
         raise SpecError(f"{src}: {len(by_mp)} model-parallel ranks (its optimizer files) do not divide by tp {tp}")
     spread = ep // tp if tp > 1 else ep  # data-parallel ranks an expert-parallel group spans
     for stage in range(len(by_mp) // tp):
-        shards: dict[str, list] = {}  # tp > 1: a parameter's whole-over-dp states per tp rank
+        held = []  # per tp rank: its dp ranks' optimizer states (memory-mapped), their fragments, its shapes
         for r in range(tp):
             mp, files = stage * tp + r, by_mp[stage * tp + r]
-            dp = len(files)
-            if dp % spread:
+            if len(files) % spread:
                 over = f"ep {ep}" if tp == 1 else f"ep {ep} / tp {tp} = {spread}"
-                raise SpecError(f"{src}: dp {dp} (its optimizer files) is not divisible by {over}")
+                raise SpecError(f"{src}: dp {len(files)} (its optimizer files) is not divisible by {over}")
             shapes = {}
             for group in load(src / f"mp_rank_{mp:02d}_model_states.pt", mmap=True)["param_shapes"]:
                 shapes.update(group)
             ranks = [load(f, mmap=True)["optimizer_state_dict"] for f in files]
             where = _fragments(ranks, files=files, spread=spread, tp=tp, tp_rank=r, local=experts // ep)
-            for key, (moe, pieces) in where.items():
-                if key in written:
-                    continue
-                shape = shapes.get(pieces[0][2])
-                if tp == 1 or moe:
-                    _write_parameter(zero / key, pieces=pieces, ranks=ranks, shape=shape, src=src)
-                    written.add(key)
-                else:
-                    _check_numel(key, pieces=pieces, shape=shape, src=src)
-                    shards.setdefault(key, []).append((shape, {st: _gathered(ranks, pieces, st) for st in STATES}))
-                    shards[key][-1][1]["step"] = _step(ranks, pieces)
+            held.append((ranks, where, shapes))
             if mp == 0:
                 first = ranks[0]
                 saved = {k: v for k, v in first.items() if k not in _SHARDED}
@@ -120,11 +109,24 @@ def to_universal(
                 ]
                 zero.mkdir(parents=True, exist_ok=True)
                 torch.save(saved, zero / "optimizer_state.pt")
-        for key, per_rank in shards.items():
-            if len(per_rank) != tp:
-                raise SpecError(f"{src}: {key} is held by {len(per_rank)} of the {tp} tp ranks of stage {stage}")
-            _merge_tp(zero, key=key, per_rank=per_rank, info=info or {}, scratch=out / ".slices")
-            written.add(key)
+        for r, (ranks, where, shapes) in enumerate(held):
+            for key, (moe, pieces) in where.items():
+                if key in written or not (tp == 1 or moe or r == 0):
+                    continue
+                if tp == 1 or moe:  # whole on its holder
+                    _write_parameter(zero / key, pieces=pieces, ranks=ranks, shape=shapes.get(pieces[0][2]), src=src)
+                else:  # a tp shard on every tp rank of the stage: merged one parameter at a time
+                    _merge_tp(
+                        zero,
+                        key=key,
+                        per_rank=_tp_shards(key, held=held, src=src, stage=stage),
+                        info=info or {},
+                        scratch=out / ".slices",
+                    )
+                written.add(key)
+        unmerged = sorted({key for _, where, _ in held for key in where} - written)
+        if unmerged:  # a tp shard of a tp rank > 0 that tp rank 0 does not hold
+            raise SpecError(f"{src}: {unmerged[0]} is held by some of the {tp} tp ranks of stage {stage}, not all")
     shutil.rmtree(out / ".slices", ignore_errors=True)
     for f in src.glob("mp_rank_*_model_states.pt"):  # what the engine reads besides zero/: step, scheduler, ...
         shutil.copy2(f, out / f.name)
@@ -151,6 +153,21 @@ def _fragments(ranks: list[dict], *, files: list[Path], spread: int, tp: int, tp
                 key = global_expert_name(name, ep_rank=ep_rank, local=local) if moe else name
                 where.setdefault(key, (moe, []))[1].append((d, g, name, fragment))
     return where
+
+
+def _tp_shards(key: str, *, held: list, src: Path, stage: int) -> list:
+    """One dense parameter's (shape, whole-over-dp states) on each tp rank of a stage (held: to_universal's)."""
+    out = []
+    for ranks, where, shapes in held:
+        if key not in where:
+            raise SpecError(f"{src}: {key} is held by some of the {len(held)} tp ranks of stage {stage}, not all")
+        _, pieces = where[key]
+        shape = shapes.get(pieces[0][2])
+        _check_numel(key, pieces=pieces, shape=shape, src=src)
+        states = {st: _gathered(ranks, pieces, st) for st in STATES}
+        states["step"] = _step(ranks, pieces)
+        out.append((shape, states))
+    return out
 
 
 def _check_numel(key: str, *, pieces: list, shape, src: Path) -> None:

@@ -54,7 +54,8 @@ def layout_change_refusal(
     sequence-parallel checkpoints, pipeline depths beyond 2 (a change between pp 2 and pp 3 or 4), a mixture of
     experts at tp > 1 at another tp, pp or ep (at another dp it resumes: measured, the next losses within 1.2e-7,
     its experts whole on every tp rank, spread over the tp group, or over k tp groups: ep = tp x k,
-    dspipe.runtime.experts.beyond_tp, DeepSpeed's native layer at tp > 1, converted by moe_reshard).
+    dspipe.runtime.experts.beyond_tp, DeepSpeed's native layer at tp > 1, converted by moe_reshard, which also
+    moves them to another k: measured bitwise, tp 2 x dp 4 at ep 8 <-> ep 4).
     `meta`: the checkpoint's dspipe.runtime.ckpt_meta.CheckpointMeta (not imported here: it imports this module)."""
     saved_ep = getattr(meta, "ep", 1) or 1
     ep = saved_ep if ep is None else ep
@@ -95,14 +96,20 @@ def layout_change_refusal(
             f"now dp {dp}, tp {tp}, ep {ep}): dspipe's ZeRO-3 expert conversion (zero3_experts) writes tp 1 "
             f"universal checkpoints; export-hf reads the checkpoint at any layout"
         )
-    if model.get("experts") and beyond_tp(tp=saved[1], ep=saved[4]) and (*saved[1:3], saved[4]) != (tp, pp, ep):
+    if (
+        model.get("experts")
+        and beyond_tp(tp=saved[1], ep=saved[4])
+        and (saved[1:3] != (tp, pp) or not beyond_tp(tp=tp, ep=ep))
+    ):
         return (
             f"experts over {saved[4] // saved[1]} tp groups (ep {saved[4]} = tp {saved[1]} x {saved[4] // saved[1]}, "
-            f"DeepSpeed's native MoE layer at tp > 1) resume at another dp only (tp {saved[1]} -> {tp}, pp "
-            f"{saved[2]} -> {pp}, ep {saved[4]} -> {ep}): dspipe has not verified re-cutting their tensor-parallel, "
-            f"expert or pipeline layout; export-hf reads the checkpoint at any layout"
+            f"DeepSpeed's native MoE layer at tp > 1) resume at another dp, or another ep over whole tp groups, at "
+            f"the same tp and pp only (tp {saved[1]} -> {tp}, pp {saved[2]} -> {pp}, ep {saved[4]} -> {ep}): "
+            f"dspipe has not verified re-cutting their tensor-parallel or pipeline layout, nor moving them to the "
+            f"model's own experts (ep 1 or tp); export-hf reads the checkpoint at any layout"
         )
-    if model.get("experts") and max(saved[1], tp) > 1 and (*saved[1:3], saved[4]) != (tp, pp, ep):
+    over_groups = beyond_tp(tp=saved[1], ep=saved[4]) and beyond_tp(tp=tp, ep=ep) and saved[1:3] == (tp, pp)
+    if model.get("experts") and max(saved[1], tp) > 1 and (*saved[1:3], saved[4]) != (tp, pp, ep) and not over_groups:
         return (
             f"a mixture of experts at tp > 1 resumes at another dp only (tp {saved[1]} -> {tp}, pp {saved[2]} -> "
             f"{pp}, ep {saved[4]} -> {ep}): its experts are the model's own modules there (whole on every tp rank, "

@@ -268,13 +268,14 @@ def test_layout_change_refusals(tmp_path):
     # over 2 tp groups (ep 4 = tp 2 x 2, DeepSpeed's layer at tp > 1): another dp only (dspipe.runtime.moe_reshard)
     over = dict(model=moe["model"], tp=2, pp=1, dp=2, ep=4)
     assert refusal(meta=over, tp=2, pp=1, dp=2, ep=4) is None and refusal(meta=over, tp=2, pp=1, dp=4, ep=4) is None
+    assert refusal(meta=over, tp=2, pp=1, dp=4, ep=8) is None  # another k (moe_reshard's global names)
     said = refusal(meta={**over, "zero_stage": 3}, zero_stage=3, tp=2, pp=1, dp=4, ep=4)
     assert said.startswith("ZeRO-3 with the experts over 2 tp groups (ep 4 = tp 2 x 2) resumes at its saved"), said
-    for now in (dict(dp=2, ep=2), dict(tp=1, dp=4), dict(dp=4, ep=8), dict(pp=2)):
+    for now in (dict(dp=2, ep=2), dict(tp=1, dp=4), dict(tp=4, ep=8), dict(pp=2)):
         said = refusal(meta=over, **{"tp": 2, "pp": 1, "dp": 2, "ep": 4, **now})
         assert said.startswith(
-            "experts over 2 tp groups (ep 4 = tp 2 x 2, DeepSpeed's native MoE layer at tp > 1) resume at another dp "
-            "only (tp 2 -> "
+            "experts over 2 tp groups (ep 4 = tp 2 x 2, DeepSpeed's native MoE layer at tp > 1) resume at another dp, "
+            "or another ep over whole tp groups, at the same tp and pp only (tp 2 -> "
         ), (now, said)
     assert refusal(meta=moe, tp=1, pp=1, dp=2) is None  # ep None: the saved ep
     assert refusal(meta=moe, tp=1, pp=1, dp=2, ep=1) is None  # ep 2 -> 1: dspipe.runtime.moe_reshard

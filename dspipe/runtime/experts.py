@@ -73,6 +73,21 @@ def folded(*, tp: int, ep: int) -> bool:
     return tp > 1 and ep == tp
 
 
+def ep_span(*, tp: int, ep: int) -> int:
+    """The data-parallel ranks an expert-parallel group spans: ep at tp 1, ep / tp at tp > 1 (1 when each tp rank
+    holds every expert, ep 1, or the tp group holds them, ep = tp)."""
+    return ep if tp == 1 else max(1, ep // tp)
+
+
+def ep_rank_of(*, dp_rank: int, tp_rank: int, tp: int, ep: int) -> int:
+    """The ep rank of the rank at (dp_rank, tp_rank) of a stage: its global rank % ep (DeepSpeed's plain layout of
+    ep consecutive ranks, ranks numbered tp-fastest: dspipe.spec.layout), i.e. dp_rank % ep at tp 1, tp_rank at
+    ep = tp, (dp_rank % (ep / tp)) x tp + tp_rank at ep = tp x k; 0 at ep 1."""
+    if ep <= 1:
+        return 0
+    return dp_rank % ep if tp == 1 else dp_rank % ep_span(tp=tp, ep=ep) * tp + tp_rank
+
+
 def capacity_slots(*, tokens: int, experts: int, k: int, factor: float | None) -> int | None:
     """Routes an expert keeps on a rank for `tokens` tokens: ceil(tokens / experts x factor x k) (DeepSpeed's
     capacity with min_capacity 0); None (dropless) without a factor."""
@@ -104,7 +119,7 @@ def refusal(*, spec, plan, ep: int, contiguous_gradients: bool = True) -> str | 
         why.append("fp16 (use bf16 or fp32)")
     if spec.experts % ep:
         why.append(f"experts {spec.experts} % ep {ep} = {spec.experts % ep}")
-    groups = ep // plan.tp if plan.tp > 1 and ep % plan.tp == 0 else ep  # data-parallel ranks an expert group spans
+    groups = ep_span(tp=plan.tp, ep=ep) if ep % plan.tp == 0 else ep  # data-parallel ranks an expert group spans
     if plan.dp % groups:
         why.append(
             f"dp {plan.dp} % (ep {ep} / tp {plan.tp}) = {plan.dp % groups}"

@@ -29,6 +29,7 @@ import shutil
 from pathlib import Path
 
 from dspipe.errors import SpecError
+from dspipe.runtime.experts import ep_rank_of, ep_span
 
 EXPERT_INDEX = re.compile(r"(\.deepspeed_experts\.|\.mlp\.experts\.)(\d+)(\.)")
 """A local expert index in a parameter name: DeepSpeed's MoE layer's, or the model's own experts' at ep > 1 under
@@ -86,7 +87,7 @@ def to_universal(
     by_mp = _optim_files(src)
     if len(by_mp) % tp:
         raise SpecError(f"{src}: {len(by_mp)} model-parallel ranks (its optimizer files) do not divide by tp {tp}")
-    spread = ep // tp if tp > 1 else ep  # data-parallel ranks an expert-parallel group spans
+    spread = ep_span(tp=tp, ep=ep)
     for stage in range(len(by_mp) // tp):
         held = []  # per tp rank: its dp ranks' optimizer states (memory-mapped), their fragments, its shapes
         for r in range(tp):
@@ -98,7 +99,7 @@ def to_universal(
             for group in load(src / f"mp_rank_{mp:02d}_model_states.pt", mmap=True)["param_shapes"]:
                 shapes.update(group)
             ranks = [load(f, mmap=True)["optimizer_state_dict"] for f in files]
-            where = _fragments(ranks, files=files, spread=spread, tp=tp, tp_rank=r, local=experts // ep)
+            where = _fragments(ranks, files=files, ep=ep, tp=tp, tp_rank=r, local=experts // ep)
             held.append((ranks, where, shapes))
             if mp == 0:
                 first = ranks[0]
@@ -132,15 +133,14 @@ def to_universal(
         shutil.copy2(f, out / f.name)
 
 
-def _fragments(ranks: list[dict], *, files: list[Path], spread: int, tp: int, tp_rank: int, local: int) -> dict:
+def _fragments(ranks: list[dict], *, files: list[Path], ep: int, tp: int, tp_rank: int, local: int) -> dict:
     """{global name: (an expert's, [(dp rank, group, the rank's name, fragment address)] in dp order)} over one
-    model-parallel rank's dp ranks. Dp rank d's ep rank: d % ep at tp 1; at tp > 1 (ep = tp x spread)
-    (d % spread) x tp + tp_rank (ranks are numbered tp-fastest, an expert-parallel group is ep consecutive ranks)."""
-    dp = len(ranks)
+    model-parallel rank's dp ranks (dp rank d's ep rank: dspipe.runtime.experts.ep_rank_of)."""
+    dp, spread = len(ranks), ep_span(tp=tp, ep=ep)
     where: dict[str, tuple] = {}
     for d, osd in enumerate(ranks):
         groups = osd["base_optimizer_state"]["param_groups"]
-        ep_rank = d % spread * tp + tp_rank if tp > 1 else d % spread
+        ep_rank = ep_rank_of(dp_rank=d, tp_rank=tp_rank, tp=tp, ep=ep)
         for g, mapping in enumerate(osd["param_slice_mappings"]):
             moe = bool(groups[g].get("moe"))
             if moe and osd["partition_count"][g] != dp // spread:

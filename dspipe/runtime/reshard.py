@@ -89,18 +89,15 @@ def layout_change_refusal(
             f"re-cutting a pipeline into another number of stages is verified by dspipe between pp 1 and pp 2 "
             f"only (pp {saved[2]} -> pp {pp})"
         )
-    if model.get("experts") and beyond_tp(tp=saved[1], ep=saved[4]) and meta.zero_stage == 3:
+    over_groups = bool(model.get("experts")) and beyond_tp(tp=saved[1], ep=saved[4])
+    if over_groups and meta.zero_stage == 3:
         return (
             f"ZeRO-3 with the experts over {saved[4] // saved[1]} tp groups (ep {saved[4]} = tp {saved[1]} x "
             f"{saved[4] // saved[1]}) resumes at its saved layout only (dp {saved[0]}, tp {saved[1]}, ep {saved[4]}; "
             f"now dp {dp}, tp {tp}, ep {ep}): dspipe's ZeRO-3 expert conversion (zero3_experts) writes tp 1 "
             f"universal checkpoints; export-hf reads the checkpoint at any layout"
         )
-    if (
-        model.get("experts")
-        and beyond_tp(tp=saved[1], ep=saved[4])
-        and (saved[1:3] != (tp, pp) or not beyond_tp(tp=tp, ep=ep))
-    ):
+    if over_groups and (saved[1:3] != (tp, pp) or not beyond_tp(tp=tp, ep=ep)):
         return (
             f"experts over {saved[4] // saved[1]} tp groups (ep {saved[4]} = tp {saved[1]} x {saved[4] // saved[1]}, "
             f"DeepSpeed's native MoE layer at tp > 1) resume at another dp, or another ep over whole tp groups, at "

@@ -25,6 +25,7 @@ import shutil
 from pathlib import Path
 
 from dspipe.errors import SpecError
+from dspipe.runtime.experts import ep_rank_of, ep_span
 from dspipe.runtime.moe_reshard import global_expert_name
 
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
@@ -52,7 +53,7 @@ def whole_states(
 
     src = Path(src)
     ranks = _ranks(src, tp_rank=tp_rank)
-    spread = ep // tp if tp > 1 else ep  # data-parallel ranks an expert-parallel group spans
+    spread = ep_span(tp=tp, ep=ep)  # data-parallel ranks an expert-parallel group spans
     if len(ranks) % spread:
         over = f"ep {ep}" if tp == 1 else f"ep {ep} / tp {tp} = {spread}"
         raise SpecError(f"{src}: dp {len(ranks)} (its optimizer files) is not divisible by {over}")
@@ -64,7 +65,7 @@ def whole_states(
     for d in ranks:
         model = load(src / f"zero_pp_rank_{d}_mp_rank_{tp_rank:02d}_model_states.pt", mmap=True)
         osd = load(src / f"zero_pp_rank_{d}_mp_rank_{tp_rank:02d}_optim_states.pt", mmap=True)["optimizer_state_dict"]
-        ep_rank = d % spread * tp + tp_rank if tp > 1 else d % ep
+        ep_rank = ep_rank_of(dp_rank=d, tp_rank=tp_rank, tp=tp, ep=ep)
         first_file = first_file or osd
         groups = osd.get("ds_zero_partition_groups")
         if not groups or len(groups) != len(model["param_shapes"]):

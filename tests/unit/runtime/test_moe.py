@@ -390,3 +390,31 @@ def test_the_layer_benchmark_runs_the_three_layers_on_the_same_weights():
     )
     assert m and float(m.group(1)) > 0 and float(m.group(2)) > 0, r.stdout
     assert float(m.group(3)) < 1e-5 and float(m.group(4)) == 0, r.stdout
+
+
+@pytest.mark.parametrize(
+    "world,pp,tp,ep",
+    [(4, 1, 1, 2), (8, 2, 1, 2), (4, 1, 2, 2), (8, 1, 2, 4), (16, 2, 2, 4), (16, 1, 2, 8), (16, 1, 4, 8), (8, 1, 2, 1)],
+)
+def test_ep_ranks_follow_the_rank_layout(world, pp, tp, ep):
+    """The ep rank the checkpoint readers give a file (its dp and tp rank) is the one the rank trained at: its global
+    rank % ep (build, DeepSpeed's plain expert groups), and the expert's file is named by that rank's tp rank."""
+    from dspipe.runtime.experts import ep_rank_of, ep_span, holder_tp_rank
+    from dspipe.spec.layout import ParallelLayout
+
+    layout, experts = ParallelLayout(world=world, pp=pp, tp=tp), 16
+    assert layout.dp % ep_span(tp=tp, ep=ep) == 0
+    for rank in range(world):
+        c = layout.coords(rank)
+        ep_rank = ep_rank_of(dp_rank=c["data"], tp_rank=c["tensor"], tp=tp, ep=ep)
+        assert ep_rank == rank % ep
+        for e in range(ep_rank * experts // ep, (ep_rank + 1) * experts // ep):
+            assert holder_tp_rank(e, experts=experts, ep=ep, tp=tp) == (c["tensor"] if ep > 1 else 0)
+    # the ranks of one ep rank and tp rank within a stage are an expert-data-parallel group: dp / ep_span of them
+    stage0 = [layout.coords(r) | {"rank": r} for r in range(world) if layout.stage(r) == 0]
+    for q in range(ep):
+        for t in range(tp):
+            holders = [c for c in stage0 if c["rank"] % ep == q and c["tensor"] == t]
+            assert len(holders) in (
+                (0,) if ep > 1 and tp > 1 and q % tp != t else (layout.dp // ep_span(tp=tp, ep=ep),)
+            )

@@ -415,7 +415,7 @@ def check_ds_keys(ds: dict, *, model: ModelSpec, train: TrainSpec, plan: Plan, s
     from types import SimpleNamespace
 
     from dspipe.planner.ds_preset import scheduler_block
-    from dspipe.planner.ds_schema import PLANNED, SCHEMA
+    from dspipe.planner.ds_schema import LATER_KEYS, PLANNED, SCHEMA
     from dspipe.planner.render import render_ds_config
 
     rendered = render_ds_config(plan=plan, model=model, train=train, monitor_dir="monitor")
@@ -430,6 +430,8 @@ def check_ds_keys(ds: dict, *, model: ModelSpec, train: TrainSpec, plan: Plan, s
     rendered["scheduler"]["params"] = params
     have = {k for k, _ in leaves({("bf16" if k == "bfloat16" else k): v for k, v in ds.items()})}  # its old name
     missing = sorted({k for k, _ in leaves(rendered)} - have)
+    if "aio" not in ds and LATER_KEYS <= set(missing):  # written before the section (DeepSpeed's defaults: dspipe's)
+        missing = [k for k in missing if k not in LATER_KEYS]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise SpecError(

@@ -54,6 +54,17 @@ def choice(*choices: object) -> Check:
     return check
 
 
+def off(why: str) -> Check:
+    """Only false is accepted (a DeepSpeed switch dspipe keeps off), with the reason."""
+
+    def check(v: object) -> object:
+        if v is not False:
+            raise ValueError(f"must be false ({why})")
+        return v
+
+    return check
+
+
 def str_or_null(v: object) -> str | None:
     if v is not None and (not isinstance(v, str) or not v or "\n" in v):
         raise ValueError("must be a one-line string or null")

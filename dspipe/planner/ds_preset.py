@@ -77,7 +77,6 @@ UNRENDERED_SECTIONS = (
     "comms_logger",
     "autotuning",
     "checkpoint",
-    "aio",
     "data_efficiency",
     "compile",
     "timers",
@@ -175,6 +174,7 @@ ZERO = section("zero_optimization")
 OFFLOAD_OPTIMIZER = section("zero_optimization.offload_optimizer")
 OFFLOAD_PARAM = section("zero_optimization.offload_param")
 PIPELINE = section("pipeline")
+AIO = section("aio")
 ACTIVATION_CHECKPOINTING = section("activation_checkpointing")
 TENSOR_PARALLEL = section("tensor_parallel")
 TENSOR_PARALLEL_TP = section("tensor_parallel.tp")
@@ -298,6 +298,7 @@ def import_preset(cfg: dict[str, Any], *, source: str, label: str = "") -> Prese
             "pipeline",
             "activation_checkpointing",
             "tensor_parallel",
+            "aio",
             *MONITORS,
         ):
             if not isinstance(value, dict):
@@ -425,10 +426,13 @@ def _unrendered_section(imp: PresetImport, path: str, value: object) -> None:
     ):
         imp.note(f"{path} is disabled; not rendered (off in DeepSpeed without it too)")
         return
+    switch = isinstance(value, dict) and "enabled" in value  # a section without its own switch is only removed
     raise imp.error(
         path,
         value if not isinstance(value, dict) else "{...}",
-        'is not supported by dspipe; remove it (or set "enabled": false)',
+        'is not supported by dspipe; remove it (or set "enabled": false)'
+        if switch
+        else "is not supported by dspipe; remove it",
     )
 
 
@@ -634,6 +638,18 @@ def _activation_checkpointing(imp: PresetImport, value: dict[str, Any], canon: d
     _section(imp, "activation_checkpointing", value, canon, ACTIVATION_CHECKPOINTING, strict=False)
 
 
+def _aio(imp: PresetImport, value: dict[str, Any], canon: dict[str, Any]) -> None:
+    """DeepSpeed reads its aio keys one by one (get_scalar_param) and ignores others, such as the thread_count of
+    older releases (now intra_op_parallelism): reported as ignored."""
+    for key in value:
+        if key == "thread_count":
+            imp.note(
+                "aio.thread_count is not read by DeepSpeed 0.19 (intra_op_parallelism replaced it); ignored, as "
+                "DeepSpeed ignores it"
+            )
+    _section(imp, "aio", {k: v for k, v in value.items() if k != "thread_count"}, canon, AIO, strict=False)
+
+
 def _tensor_parallel(imp: PresetImport, value: dict[str, Any], canon: dict[str, Any]) -> None:
     value = dict(value)
     if "tensor_parallel" in value:  # the pydantic field name of the "tp" alias
@@ -666,6 +682,7 @@ SECTIONS: dict[str, Reader] = {
     "pipeline": _pipeline,
     "activation_checkpointing": _activation_checkpointing,
     "tensor_parallel": _tensor_parallel,
+    "aio": _aio,
     **{name: _monitor(name) for name in MONITORS},
 }
 

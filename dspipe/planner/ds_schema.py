@@ -277,6 +277,20 @@ SCHEMA = (
     _k("zero_optimization.offload_param.buffer_count", "offload_param_buffer_count", 5, SETS, c.integer(0)),
     _k("zero_optimization.offload_param.buffer_size", "offload_param_buffer_size", 100000000, SETS, c.integer(0)),
     _k("zero_optimization.offload_param.max_in_cpu", "offload_param_max_in_cpu", 1000000000, SETS, c.integer(0)),
+    # DeepSpeed's async I/O for NVMe offload (runtime/swap_tensor/aio_config.py), written with its defaults; a
+    # preset's values are rendered as they are
+    _k("aio.block_size", "aio_block_size", 1048576, SETS, c.integer(1)),
+    _k("aio.queue_depth", "aio_queue_depth", 8, SETS, c.integer(1)),
+    _k("aio.intra_op_parallelism", "aio_intra_op_parallelism", 1, SETS, c.integer(1)),
+    _k("aio.single_submit", "aio_single_submit", False, SETS, c.boolean),
+    _k("aio.overlap_events", "aio_overlap_events", True, SETS, c.boolean),
+    _k(
+        "aio.use_gds",
+        "aio_use_gds",
+        False,
+        SETS,
+        c.off("GPUDirect Storage is not verified by dspipe, and DeepSpeed 0.19.8 asserts a CUDA accelerator for it"),
+    ),
     _k("pipeline.stages", "pp", _plan("pp"), option("pp"), c.integer(1), planner_auto=True),
     _k(
         "pipeline.partition",
@@ -365,6 +379,10 @@ SCHEMA = (
 )
 """Every key of the rendered ds_config.json, in its order."""
 
+LATER_KEYS = frozenset(key.path for key in SCHEMA if key.path.startswith("aio."))
+"""Keys gen-config renders since dspipe wrote the aio section (2026-12): a run directory written before lacks the
+section, which is then DeepSpeed's defaults, the values dspipe renders without a preset (rundir.check_ds_keys accepts
+the section missing whole, not in part)."""
 DEFAULTS = {key.name: key.default for key in SCHEMA if not isinstance(key.default, Derived)}
 """dspipe's own value of every DeepSpeed setting the plan does not derive; a --preset may set each of them."""
 NAMES = frozenset(key.name for key in SCHEMA)

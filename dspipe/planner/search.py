@@ -143,7 +143,11 @@ def nothing_fits_message(
             fixes.append(f"{label} ({r.best.family})")
             if bigger.nodes != cluster.nodes:
                 break
+    if not fixes:  # name what was tried
+        others = [label for label, bigger, _ in tries if bigger.nodes == cluster.nodes]
+        more = f"up to {cluster.nodes * 64} nodes x {cluster.gpus_per_node}"
+        fixes = [f"none of what dspipe tried ({', '.join([*others, more])})"]
     return (
         f"nothing fits {model.name} on {cluster.world_size} x {cluster.gpu}: closest is {c.describe()}, which "
-        f"{shortfall_text(c)}; would fit with: {', or '.join(fixes) or 'nothing tried (64x the nodes)'}"
+        f"{shortfall_text(c)}; would fit with: {', or '.join(fixes)}"
     )

@@ -235,6 +235,7 @@ RUN_CASES = [  # (id, file named in the message, damage, words the message holds
     ("ds-no-betas", DS, edit(DS, drop("optimizer.params.betas")), "missing optimizer.params.betas"),
     ("ds-no-bucket", DS, edit(DS, drop("zero_optimization.reduce_bucket_size")), "missing zero_optimization.reduce"),
     ("ds-no-warmup-type", DS, edit(DS, drop("scheduler.params.warmup_type")), "missing scheduler.params.warmup_type"),
+    ("ds-no-aio-key", DS, edit(DS, drop("aio.queue_depth")), "missing aio.queue_depth"),  # a run before aio: whole
     ("ds-sp", DS, edit(DS, put("sequence_parallel_size", 2)), "sequence_parallel_size is 2 but the plan"),
     ("ds-accum", DS, edit(DS, put("data_types.grad_accum_dtype", "bf16")), "grad_accum_dtype is 'bf16' but the plan"),
     ("ds-offload-null", DS, edit(DS, put("zero_optimization.offload_optimizer.device", None)), "device is None but"),
@@ -730,3 +731,12 @@ def test_extend_names_a_config_yaml_that_is_no_file(root, capsys, damage):
     before = snapshot(root)
     check(root, capsys, ["extend", "@/run", "--steps", "30"], "run/config.yaml", "extend rewrites the config file")
     assert snapshot(root) == before
+
+
+def test_a_run_written_before_the_aio_section_reads_back_with_deepspeeds_defaults(root):
+    """ds_config.json has carried aio since 2026-12: a run directory written before lacks the whole section, which
+    DeepSpeed reads as its defaults, the values dspipe renders without a preset; a part of it missing is refused."""
+    from dspipe.rundir import load_run
+
+    edit(DS, drop("aio"))(root)
+    assert load_run(root / "run").ds_config.get("aio") is None

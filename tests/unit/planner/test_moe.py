@@ -547,3 +547,12 @@ def test_experts_over_several_tp_groups():
         "over the tp group",
         "over 4 tp groups",
     ]
+
+
+def test_nothing_fits_anywhere_names_what_was_tried():
+    r = dspipe("plan", "--model", "mixtral-8x7b", "--gpu", "cpu", "--pp", "1", "--measure", "never")
+    assert r.returncode == 2 and len(error_lines(r)) == 1, r.stderr
+    line = error_lines(r)[0]
+    assert line.endswith(
+        "would fit with: none of what dspipe tried (--offload nvme --nvme-path DIR, up to 64 nodes x 8)"
+    )

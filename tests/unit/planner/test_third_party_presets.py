@@ -6,6 +6,7 @@ default cluster (1 node x 8 h100-80g: planning and DeepSpeed's config parse need
 
 import json
 import math
+import shutil
 
 import pytest
 
@@ -356,3 +357,34 @@ def test_import_is_torch_free_and_keeps_canonical_names():
     assert imp.canon["bf16"] == {"enabled": True} and imp.options["precision"] == "bf16"
     assert imp.canon["zero_optimization"]["stage3_max_live_parameters"] == 1000000000
     assert imp.options["max_live_parameters"] == 1000000000 and imp.options["zero"] == 3
+
+
+def test_aio_of_a_zero_infinity_config_is_rendered_and_what_deepspeed_ignores_is_said(tmp_path):
+    """DeepSpeedExamples' ZeRO-Infinity config with its misspelt key corrected: its aio section reaches ds_config.json
+    (DeepSpeed reads it at every NVMe swap), its thread_count, which DeepSpeed 0.19 no longer reads, is reported."""
+    cfg_in = json.loads((FIXTURES / "deepspeedexamples_zero_infinity.json").read_text())
+    zero = cfg_in["zero_optimization"]
+    zero["stage3_param_persistence_threshold"] = zero.pop("stage3_param_persitance_threshold")
+    r = gen(tmp_path, write(tmp_path, cfg_in))
+    assert r.returncode == 0, r.stderr
+    cfg = json.loads((tmp_path / "runs/p/ds_config.json").read_text())
+    assert cfg["aio"] == {
+        "block_size": 1048576,
+        "queue_depth": 16,
+        "intra_op_parallelism": 1,
+        "single_submit": False,
+        "overlap_events": True,
+        "use_gds": False,
+    }
+    assert cfg["zero_optimization"]["offload_optimizer"]["device"] == "nvme"
+    assert "preset: aio.thread_count is not read by DeepSpeed 0.19 (intra_op_parallelism replaced it)" in r.stdout
+    shutil.rmtree(tmp_path / "runs")
+    plain = json.loads((FIXTURES / "bigscience_megatron_ds_config_bf16.json").read_text())
+    r = gen(tmp_path, write(tmp_path, dict(plain, aio={"use_gds": True})))
+    assert_refused(r, tmp_path, "aio.use_gds true must be false (GPUDirect Storage is not verified by dspipe")
+    r = gen(tmp_path, write(tmp_path, dict(plain, aio={"queue_depth": 0})))
+    assert_refused(r, tmp_path, "aio.queue_depth 0 must be an integer >= 1")
+    # a section dspipe does not render, without a switch of its own: removing it is the one way
+    r = gen(tmp_path, write(tmp_path, dict(plain, checkpoint={"use_node_local_storage": True})))
+    assert_refused(r, tmp_path, 'checkpoint "{...}" is not supported by dspipe; remove it')
+    assert "enabled" not in r.stderr

@@ -853,6 +853,11 @@ def account_lines(imp: PresetImport, rendered: dict[str, Any], *, given: dict[st
         elif path in MONITOR_DIR_KEYS:
             if value != got:
                 lines.append(f"preset: {path} {_show(value)} -> {_show(got)} (the run directory's monitor/)")
+        elif path == "pipeline.activation_checkpoint_interval" and value == 1 and rendered["pipeline"]["stages"] == 1:
+            lines.append(  # the import asked for full recomputation, which the plan does without a pipeline engine
+                f"preset: {path} 1 -> {_show(got)} (pp 1: no pipeline engine reads it; dspipe recomputes the "
+                "blocks itself, --checkpointing full)"
+            )
         elif not _same(value, got):
             raise imp.error(path, value, f"cannot be honoured: this plan renders {_show(got)}" + _why(path, rendered))
     return lines

@@ -388,3 +388,21 @@ def test_aio_of_a_zero_infinity_config_is_rendered_and_what_deepspeed_ignores_is
     r = gen(tmp_path, write(tmp_path, dict(plain, checkpoint={"use_node_local_storage": True})))
     assert_refused(r, tmp_path, 'checkpoint "{...}" is not supported by dspipe; remove it')
     assert "enabled" not in r.stderr
+
+
+def test_a_pipeline_sections_recomputation_holds_at_pp_1(tmp_path):
+    """activation_checkpoint_interval 1 asks for full recomputation; at pp 1 no pipeline engine reads the key (0 is
+    rendered) and dspipe recomputes the blocks itself: a report line, not a refusal."""
+    plain = json.loads((FIXTURES / "bigscience_megatron_ds_config_bf16.json").read_text())
+    preset = write(tmp_path, dict(plain, pipeline={"activation_checkpoint_interval": 1}))
+    r = gen(tmp_path, preset, "--pp", "1")
+    assert r.returncode == 0, r.stderr
+    assert "preset: pipeline.activation_checkpoint_interval 1 -> 0 (pp 1: no pipeline engine reads it" in r.stdout
+    plan = json.loads((tmp_path / "runs/p/dspipe.json").read_text())["plan"]
+    assert plan["checkpointing"] == "full" and plan["pp"] == 1
+    r = gen(tmp_path, preset, "--pp", "1", "--checkpointing", "none", out="runs/q")
+    assert_refused_at(r, "--checkpointing none contradicts pipeline.activation_checkpoint_interval 1")
+
+
+def assert_refused_at(r, words):
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and words in r.stderr, r.stderr
